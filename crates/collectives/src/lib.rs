@@ -1,0 +1,2 @@
+//! tpar collectives layer (filled by later work).
+#![warn(missing_docs)]

@@ -1,0 +1,2 @@
+//! tpar dtensor layer (filled by later work).
+#![warn(missing_docs)]

@@ -1,0 +1,125 @@
+//! Element types the kernels work on, and the accumulator each one computes in.
+
+use std::fmt::Debug;
+use std::iter::Sum;
+use std::ops::{AddAssign, DivAssign, MulAssign, SubAssign};
+
+use half::{bf16, f16};
+
+/// The type a kernel accumulates in: `f32` for f32/bf16/f16 data, `f64` for f64 data.
+pub trait Acc:
+    num_traits::Float
+    + Send
+    + Sync
+    + Default
+    + Debug
+    + AddAssign
+    + SubAssign
+    + MulAssign
+    + DivAssign
+    + Sum
+    + 'static
+{
+    /// Converts from `f64` (rounding to the accumulator's precision).
+    fn of(v: f64) -> Self;
+    /// Widens to `f64`.
+    fn f64(self) -> f64;
+}
+
+impl Acc for f32 {
+    #[inline(always)]
+    fn of(v: f64) -> Self {
+        v as f32
+    }
+    #[inline(always)]
+    fn f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl Acc for f64 {
+    #[inline(always)]
+    fn of(v: f64) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn f64(self) -> f64 {
+        self
+    }
+}
+
+/// A floating-point element type stored in tensors (f32, f64, bf16, f16).
+///
+/// Half-precision types accumulate in `f32`; `f64` accumulates in `f64`.
+pub trait Float: Copy + Send + Sync + Default + PartialOrd + Debug + 'static {
+    /// The accumulator type used for reductions and intermediate math.
+    type Acc: Acc;
+    /// Short dtype name used in error messages (`"f32"`, `"bf16"`, ...).
+    const NAME: &'static str;
+    /// Widens to the accumulator type.
+    fn to_acc(self) -> Self::Acc;
+    /// Rounds an accumulator value to the storage type.
+    fn from_acc(v: Self::Acc) -> Self;
+    /// Widens to `f64`.
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self.to_acc().f64()
+    }
+    /// Rounds an `f64` to the storage type.
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        Self::from_acc(Self::Acc::of(v))
+    }
+}
+
+impl Float for f32 {
+    type Acc = f32;
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        v
+    }
+}
+
+impl Float for f64 {
+    type Acc = f64;
+    const NAME: &'static str = "f64";
+    #[inline(always)]
+    fn to_acc(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn from_acc(v: f64) -> Self {
+        v
+    }
+}
+
+impl Float for bf16 {
+    type Acc = f32;
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl Float for f16 {
+    type Acc = f32;
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn from_acc(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}

@@ -1,0 +1,390 @@
+//! Elementwise kernels: unary maps, scalar ops, and binary ops with broadcasting.
+
+use rayon::prelude::*;
+
+use crate::{Acc, Float, KernelError, Result};
+
+/// Below this many elements kernels run on the calling thread.
+pub const PAR_THRESHOLD: usize = 1 << 15;
+
+/// A binary elementwise operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// `max(a, b)`
+    Max,
+    /// `min(a, b)`
+    Min,
+    /// `a ^ b`
+    Pow,
+}
+
+impl BinaryOp {
+    /// Applies the op in the accumulator type.
+    #[inline(always)]
+    pub fn apply<A: Acc>(self, a: A, b: A) -> A {
+        match self {
+            BinaryOp::Add => a + b,
+            BinaryOp::Sub => a - b,
+            BinaryOp::Mul => a * b,
+            BinaryOp::Div => a / b,
+            BinaryOp::Max => a.max(b),
+            BinaryOp::Min => a.min(b),
+            BinaryOp::Pow => a.powf(b),
+        }
+    }
+}
+
+/// A unary elementwise operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `e^x`
+    Exp,
+    /// natural log
+    Log,
+    /// square root
+    Sqrt,
+    /// `1 / sqrt(x)`
+    Rsqrt,
+    /// `x * sigmoid(x)` (SiLU / swish)
+    Silu,
+    /// `1 / (1 + e^-x)`
+    Sigmoid,
+    /// `x * x`
+    Square,
+    /// `|x|`
+    Abs,
+    /// `max(x, 0)`
+    Relu,
+    /// hyperbolic tangent
+    Tanh,
+    /// `1 / x`
+    Recip,
+}
+
+#[inline(always)]
+fn sigmoid<A: Acc>(x: A) -> A {
+    A::one() / (A::one() + (-x).exp())
+}
+
+impl UnaryOp {
+    /// Applies the op in the accumulator type.
+    #[inline(always)]
+    pub fn apply<A: Acc>(self, x: A) -> A {
+        match self {
+            UnaryOp::Neg => -x,
+            UnaryOp::Exp => x.exp(),
+            UnaryOp::Log => x.ln(),
+            UnaryOp::Sqrt => x.sqrt(),
+            UnaryOp::Rsqrt => A::one() / x.sqrt(),
+            UnaryOp::Silu => x * sigmoid(x),
+            UnaryOp::Sigmoid => sigmoid(x),
+            UnaryOp::Square => x * x,
+            UnaryOp::Abs => x.abs(),
+            UnaryOp::Relu => x.max(A::zero()),
+            UnaryOp::Tanh => x.tanh(),
+            UnaryOp::Recip => A::one() / x,
+        }
+    }
+
+    /// `dy * f'(x)`, given the input `x` and output `y = f(x)`.
+    #[inline(always)]
+    pub fn derivative<A: Acc>(self, x: A, y: A, dy: A) -> A {
+        let two = A::one() + A::one();
+        match self {
+            UnaryOp::Neg => -dy,
+            UnaryOp::Exp => dy * y,
+            UnaryOp::Log => dy / x,
+            UnaryOp::Sqrt => dy / (two * y),
+            UnaryOp::Rsqrt => -dy * y * y * y / two,
+            UnaryOp::Silu => {
+                let s = sigmoid(x);
+                dy * s * (A::one() + x * (A::one() - s))
+            }
+            UnaryOp::Sigmoid => dy * y * (A::one() - y),
+            UnaryOp::Square => dy * two * x,
+            UnaryOp::Abs => dy * x.signum(),
+            UnaryOp::Relu => {
+                if x > A::zero() {
+                    dy
+                } else {
+                    A::zero()
+                }
+            }
+            UnaryOp::Tanh => dy * (A::one() - y * y),
+            UnaryOp::Recip => -dy * y * y,
+        }
+    }
+}
+
+fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(KernelError::BadArguments {
+            op,
+            what: format!("{what} has {got} elements, expected {want}"),
+        });
+    }
+    Ok(())
+}
+
+fn map_into<T: Float>(x: &[T], y: &mut [T], f: impl Fn(T) -> T + Sync) {
+    if y.len() >= PAR_THRESHOLD {
+        y.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(yc, xc)| {
+            yc.iter_mut().zip(xc).for_each(|(o, &v)| *o = f(v));
+        });
+    } else {
+        y.iter_mut().zip(x).for_each(|(o, &v)| *o = f(v));
+    }
+}
+
+/// `y = op(x)`.
+pub fn unary<T: Float>(op: UnaryOp, x: &[T], y: &mut [T]) -> Result<()> {
+    check_len("unary", "output", y.len(), x.len())?;
+    map_into(x, y, |v| T::from_acc(op.apply(v.to_acc())));
+    Ok(())
+}
+
+/// `dx = dy * op'(x)` given `y = op(x)`.
+pub fn unary_backward<T: Float>(
+    op: UnaryOp,
+    x: &[T],
+    y: &[T],
+    dy: &[T],
+    dx: &mut [T],
+) -> Result<()> {
+    let n = x.len();
+    check_len("unary_backward", "y", y.len(), n)?;
+    check_len("unary_backward", "dy", dy.len(), n)?;
+    check_len("unary_backward", "dx", dx.len(), n)?;
+    let body = |(i, o): (usize, &mut T)| {
+        *o = T::from_acc(op.derivative(x[i].to_acc(), y[i].to_acc(), dy[i].to_acc()));
+    };
+    if n >= PAR_THRESHOLD {
+        dx.par_iter_mut().enumerate().with_min_len(4096).for_each(body);
+    } else {
+        dx.iter_mut().enumerate().for_each(body);
+    }
+    Ok(())
+}
+
+/// `y = x op s` (or `s op x` when `scalar_first`).
+pub fn scalar<T: Float>(
+    op: BinaryOp,
+    x: &[T],
+    s: f64,
+    scalar_first: bool,
+    y: &mut [T],
+) -> Result<()> {
+    check_len("scalar", "output", y.len(), x.len())?;
+    let s = T::Acc::of(s);
+    if scalar_first {
+        map_into(x, y, |v| T::from_acc(op.apply(s, v.to_acc())));
+    } else {
+        map_into(x, y, |v| T::from_acc(op.apply(v.to_acc(), s)));
+    }
+    Ok(())
+}
+
+/// Contiguous row-major strides of a shape.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        strides[i] = acc;
+        acc *= shape[i];
+    }
+    strides
+}
+
+/// Offset of the first element of row `row` (all dims but the last) for the given strides.
+#[inline]
+fn row_offset(row: usize, shape: &[usize], strides: &[usize]) -> usize {
+    let mut rem = row;
+    let mut off = 0;
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        let i = rem % shape[d];
+        rem /= shape[d];
+        off += i * strides[d];
+    }
+    off
+}
+
+fn max_offset(shape: &[usize], strides: &[usize]) -> usize {
+    shape.iter().zip(strides).map(|(&n, &s)| n.saturating_sub(1) * s).sum()
+}
+
+/// `out = a op b` where `a` and `b` are read with the given strides per output dim
+/// (stride 0 broadcasts); `out` is contiguous with shape `out_shape`.
+pub fn binary<T: Float>(
+    op: BinaryOp,
+    a: &[T],
+    a_strides: &[usize],
+    b: &[T],
+    b_strides: &[usize],
+    out_shape: &[usize],
+    out: &mut [T],
+) -> Result<()> {
+    let n: usize = out_shape.iter().product();
+    check_len("binary", "output", out.len(), n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    if a_strides.len() != out_shape.len() || b_strides.len() != out_shape.len() {
+        return Err(KernelError::BadArguments {
+            op: "binary",
+            what: "stride rank mismatch".into(),
+        });
+    }
+    if max_offset(out_shape, a_strides) >= a.len() || max_offset(out_shape, b_strides) >= b.len() {
+        return Err(KernelError::BadArguments {
+            op: "binary",
+            what: "strides reach outside an operand".into(),
+        });
+    }
+    let contig = contiguous_strides(out_shape);
+    if a_strides == contig.as_slice() && b_strides == contig.as_slice() {
+        let body =
+            |(o, (&x, &y)): (&mut T, (&T, &T))| *o = T::from_acc(op.apply(x.to_acc(), y.to_acc()));
+        if n >= PAR_THRESHOLD {
+            out.par_iter_mut()
+                .zip(a.par_iter().zip(b.par_iter()))
+                .with_min_len(4096)
+                .for_each(body);
+        } else {
+            out.iter_mut().zip(a.iter().zip(b.iter())).for_each(body);
+        }
+        return Ok(());
+    }
+    let rank = out_shape.len();
+    let last = if rank == 0 { 1 } else { out_shape[rank - 1] };
+    let (sa, sb) = if rank == 0 { (0, 0) } else { (a_strides[rank - 1], b_strides[rank - 1]) };
+    let row = |(r, orow): (usize, &mut [T])| {
+        let oa = row_offset(r, out_shape, a_strides);
+        let ob = row_offset(r, out_shape, b_strides);
+        for (j, o) in orow.iter_mut().enumerate() {
+            *o = T::from_acc(op.apply(a[oa + j * sa].to_acc(), b[ob + j * sb].to_acc()));
+        }
+    };
+    if n >= PAR_THRESHOLD {
+        out.par_chunks_mut(last).enumerate().with_min_len((4096 / last).max(1)).for_each(row);
+    } else {
+        out.chunks_mut(last).enumerate().for_each(row);
+    }
+    Ok(())
+}
+
+/// `out[i] = src[offset(i)]` for a contiguous `out` of shape `out_shape`, reading `src` at
+/// `base + sum(idx[d] * src_strides[d])`. Serves permute, expand (stride 0) and narrow.
+pub fn strided_copy<T: Copy + Send + Sync>(
+    src: &[T],
+    base: usize,
+    src_strides: &[usize],
+    out_shape: &[usize],
+    out: &mut [T],
+) -> Result<()> {
+    let n: usize = out_shape.iter().product();
+    check_len("strided_copy", "output", out.len(), n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    if src_strides.len() != out_shape.len()
+        || base + max_offset(out_shape, src_strides) >= src.len()
+    {
+        return Err(KernelError::BadArguments {
+            op: "strided_copy",
+            what: format!(
+                "strides {src_strides:?} from offset {base} over shape {out_shape:?} reach outside {} elements",
+                src.len()
+            ),
+        });
+    }
+    let rank = out_shape.len();
+    let last = if rank == 0 { 1 } else { out_shape[rank - 1] };
+    let s = if rank == 0 { 0 } else { src_strides[rank - 1] };
+    let row = |(r, orow): (usize, &mut [T])| {
+        let o = base + row_offset(r, out_shape, src_strides);
+        if s == 1 {
+            orow.copy_from_slice(&src[o..o + last]);
+        } else {
+            for (j, v) in orow.iter_mut().enumerate() {
+                *v = src[o + j * s];
+            }
+        }
+    };
+    if n >= PAR_THRESHOLD {
+        out.par_chunks_mut(last).enumerate().with_min_len((4096 / last).max(1)).for_each(row);
+    } else {
+        out.chunks_mut(last).enumerate().for_each(row);
+    }
+    Ok(())
+}
+
+/// Converts between element types (through f64 for exactness across all pairs).
+pub fn cast<S: Float, D: Float>(src: &[S], dst: &mut [D]) -> Result<()> {
+    check_len("cast", "output", dst.len(), src.len())?;
+    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = D::from_f64(s.to_f64()));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_add_matches_loops() {
+        // a: [2,1,3] -> strides over out [2,4,3]: [3,0,1]; b: [4,1] -> [0,1,0]
+        let a: Vec<f32> = (0..6).map(|v| v as f32).collect();
+        let b: Vec<f32> = (0..4).map(|v| 10.0 * v as f32).collect();
+        let mut out = vec![0f32; 24];
+        binary(BinaryOp::Add, &a, &[3, 0, 1], &b, &[0, 1, 0], &[2, 4, 3], &mut out).unwrap();
+        for i in 0..2 {
+            for j in 0..4 {
+                for k in 0..3 {
+                    assert_eq!(out[(i * 4 + j) * 3 + k], a[i * 3 + k] + b[j]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn strided_copy_permutes() {
+        let x: Vec<i64> = (0..6).collect(); // [2,3]
+        let mut out = vec![0i64; 6]; // transpose -> [3,2]
+        strided_copy(&x, 0, &[1, 3], &[3, 2], &mut out).unwrap();
+        assert_eq!(out, vec![0, 3, 1, 4, 2, 5]);
+        assert!(strided_copy(&x, 1, &[1, 3], &[3, 2], &mut out).is_err());
+    }
+
+    #[test]
+    fn derivatives_match_finite_differences() {
+        let ops = [
+            UnaryOp::Neg,
+            UnaryOp::Exp,
+            UnaryOp::Log,
+            UnaryOp::Sqrt,
+            UnaryOp::Rsqrt,
+            UnaryOp::Silu,
+            UnaryOp::Sigmoid,
+            UnaryOp::Square,
+            UnaryOp::Tanh,
+            UnaryOp::Recip,
+        ];
+        for op in ops {
+            for &x in &[0.3f64, 1.7, 2.5] {
+                let h = 1e-6;
+                let fd = (op.apply(x + h) - op.apply(x - h)) / (2.0 * h);
+                let an = op.derivative(x, op.apply(x), 1.0);
+                assert!((fd - an).abs() < 1e-6 * (1.0 + fd.abs()), "{op:?} at {x}: {fd} vs {an}");
+            }
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! The kernels' error type.
+
+/// An error a kernel reports instead of panicking.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    /// An index (token id, class target) is outside the valid range.
+    #[error("{op}: index {index} at position {position} is out of range for size {size}")]
+    IndexOutOfRange {
+        /// The kernel that found it.
+        op: &'static str,
+        /// The offending index value.
+        index: i64,
+        /// Where in the index tensor it was found.
+        position: usize,
+        /// The valid range is `0..size`.
+        size: usize,
+    },
+    /// Buffer lengths disagree with the sizes the kernel was given.
+    #[error("{op}: {what}")]
+    BadArguments {
+        /// The kernel that found it.
+        op: &'static str,
+        /// What is wrong, with the numbers.
+        what: String,
+    },
+}

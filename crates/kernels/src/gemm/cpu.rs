@@ -1,0 +1,187 @@
+//! CPU matmul on the `gemm` crate.
+
+use std::any::TypeId;
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::GemmShape;
+use crate::util::bad;
+use crate::{Acc, Float, Result};
+
+/// Products with more multiply-adds than this use the gemm crate's own threads.
+const PAR_THRESHOLD: usize = 64 * 64 * 64;
+
+/// Views `&[T]` as `&[U]` when `T` and `U` are the same type.
+fn cast<T: 'static, U: 'static>(s: &[T]) -> Option<&[U]> {
+    if TypeId::of::<T>() == TypeId::of::<U>() {
+        // SAFETY: T and U are the same type, so the layout and validity are identical.
+        Some(unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<U>(), s.len()) })
+    } else {
+        None
+    }
+}
+
+/// Views `&mut [T]` as `&mut [U]` when `T` and `U` are the same type.
+fn cast_mut<T: 'static, U: 'static>(s: &mut [T]) -> Option<&mut [U]> {
+    if TypeId::of::<T>() == TypeId::of::<U>() {
+        // SAFETY: T and U are the same type, so the layout and validity are identical.
+        Some(unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<U>(), s.len()) })
+    } else {
+        None
+    }
+}
+
+/// Runs the product for element types the gemm crate supports (f32, f64).
+/// Returns `false` for any other type.
+fn native_any<E: Copy + Send + Sync + 'static>(
+    s: &GemmShape,
+    a: &[E],
+    b: &[E],
+    out: &mut [E],
+    accumulate: bool,
+    serial: bool,
+) -> bool {
+    if let (Some(a), Some(b), Some(o)) = (cast::<E, f32>(a), cast(b), cast_mut(&mut *out)) {
+        native(s, a, b, o, accumulate, serial, 0.0f32, 1.0f32);
+        true
+    } else if let (Some(a), Some(b), Some(o)) = (cast::<E, f64>(a), cast(b), cast_mut(out)) {
+        native(s, a, b, o, accumulate, serial, 0.0f64, 1.0f64);
+        true
+    } else {
+        false
+    }
+}
+
+/// Calls `gemm::gemm` per batch (on this thread only when `serial`). `E` must
+/// be `f32` or `f64`; extents were validated.
+fn native<E: Copy + Send + Sync + 'static>(
+    s: &GemmShape,
+    a: &[E],
+    b: &[E],
+    out: &mut [E],
+    accumulate: bool,
+    serial: bool,
+    zero: E,
+    one: E,
+) {
+    let (m, n, k) = (s.m, s.n, s.k);
+    let per_out = m * n;
+    if per_out == 0 || s.batch == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out.fill(zero);
+        }
+        return;
+    }
+    let (a_rs, a_cs) = if s.trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if s.trans_b { (1, k) } else { (n, 1) };
+    let big = !serial && m.saturating_mul(n).saturating_mul(k) > PAR_THRESHOLD;
+    let one_batch = |bi: usize, o: &mut [E], par: Parallelism| {
+        let a = &a[bi * s.a_batch_stride..];
+        let b = &b[bi * s.b_batch_stride..];
+        debug_assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
+        debug_assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
+        // SAFETY: `matmul` (or `small_matmul`'s assert) checked that A (resp. B) holds
+        // (batch-1)*stride + m*k (resp. k*n) elements, so every index (i*a_rs + p*a_cs) of batch `bi` is in
+        // bounds of `a`, likewise for `b`; `o` is exactly m*n with row stride n.
+        // E is f32 or f64 (see `native_any`), which gemm supports.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                o.as_mut_ptr(),
+                1,
+                n as isize,
+                accumulate,
+                a.as_ptr(),
+                a_cs as isize,
+                a_rs as isize,
+                b.as_ptr(),
+                b_cs as isize,
+                b_rs as isize,
+                one,
+                one,
+                false,
+                false,
+                false,
+                par,
+            )
+        }
+    };
+    if s.batch > 1 && !big && !serial {
+        out.par_chunks_mut(per_out)
+            .enumerate()
+            .for_each(|(bi, o)| one_batch(bi, o, Parallelism::None));
+    } else {
+        let par = if big { Parallelism::Rayon(0) } else { Parallelism::None };
+        for (bi, o) in out.chunks_mut(per_out).enumerate() {
+            one_batch(bi, o, par);
+        }
+    }
+}
+
+pub(super) fn matmul<T: Float>(
+    s: &GemmShape,
+    a: &[T],
+    b: &[T],
+    out: &mut [T],
+    accumulate: bool,
+) -> Result<()> {
+    if native_any(s, a, b, out, accumulate, false) {
+        return Ok(());
+    }
+    // Half precision: widen to the accumulator type (f32), multiply, round once.
+    let widen = |x: &[T]| -> Vec<T::Acc> { x.par_iter().map(|v| v.to_acc()).collect() };
+    let (a32, b32) = (widen(a), widen(b));
+    let mut o32 =
+        if accumulate { widen(out) } else { vec![<T::Acc as num_traits::Zero>::zero(); out.len()] };
+    if !native_any(s, &a32, &b32, &mut o32, accumulate, false) {
+        return Err(bad("matmul", format!("unsupported element type {}", T::NAME)));
+    }
+    out.par_iter_mut().zip(o32.par_iter()).for_each(|(o, &x)| *o = T::from_acc(x));
+    Ok(())
+}
+
+/// Single-threaded `out (+)= op(a) · op(b)` on accumulator buffers, for use
+/// inside other kernels' parallel tasks. `a` is `[m, k]` (`[k, m]` if
+/// `trans_a`), `b` is `[k, n]` (`[n, k]` if `trans_b`), `out` is `[m, n]`;
+/// wrong lengths are an internal bug and panic.
+pub(crate) fn small_matmul<A: Acc>(
+    (m, n, k): (usize, usize, usize),
+    a: &[A],
+    trans_a: bool,
+    b: &[A],
+    trans_b: bool,
+    out: &mut [A],
+    accumulate: bool,
+) {
+    // Soundness of the unsafe gemm call rests on these lengths: check them always.
+    assert!(a.len() >= m * k && b.len() >= k * n && out.len() == m * n, "small_matmul lengths");
+    let s = GemmShape {
+        trans_a,
+        trans_b,
+        a_batch_stride: 0,
+        b_batch_stride: 0,
+        ..GemmShape::new(1, m, n, k)
+    };
+    if native_any(&s, a, b, out, accumulate, true) {
+        return;
+    }
+    // Accumulator types other than f32/f64: plain loops.
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = A::zero();
+            for p in 0..k {
+                let x = a[if trans_a { p * m + i } else { i * k + p }];
+                let y = b[if trans_b { j * k + p } else { p * n + j }];
+                acc += x * y;
+            }
+            let o = &mut out[i * n + j];
+            *o = if accumulate { *o + acc } else { acc };
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Batched matrix multiply: `out[b] (+)= op(A[b]) · op(B[b])`.
+//!
+//! f32 and f64 call the `gemm` crate directly (transposes are expressed as
+//! strides, so they cost nothing); bf16 and f16 are widened to f32, multiplied
+//! with f32 accumulation, and rounded once.
+
+mod cpu;
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use crate::util::{bad, check_len, numel};
+use crate::{Float, Result};
+pub(crate) use cpu::small_matmul;
+
+/// The shape of a batched product `out[b] = op(A[b]) · op(B[b])`, `out[b]` `[m, n]`.
+///
+/// `A[b]` is `[m, k]` row-major, or stored as `[k, m]` when `trans_a`; `B[b]` is
+/// `[k, n]`, or stored as `[n, k]` when `trans_b`. Batch `b` of A starts at
+/// `b * a_batch_stride` (0 broadcasts one matrix over the batch); likewise B.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmShape {
+    /// Number of products.
+    pub batch: usize,
+    /// Rows of `op(A)` and of the output.
+    pub m: usize,
+    /// Columns of `op(B)` and of the output.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// A is stored as `[k, m]`.
+    pub trans_a: bool,
+    /// B is stored as `[n, k]`.
+    pub trans_b: bool,
+    /// Elements between consecutive batches of A (0 = broadcast).
+    pub a_batch_stride: usize,
+    /// Elements between consecutive batches of B (0 = broadcast).
+    pub b_batch_stride: usize,
+}
+
+impl GemmShape {
+    /// `batch` contiguous, un-transposed products `[m, k] · [k, n]`.
+    pub fn new(batch: usize, m: usize, n: usize, k: usize) -> Self {
+        GemmShape {
+            batch,
+            m,
+            n,
+            k,
+            trans_a: false,
+            trans_b: false,
+            a_batch_stride: m.saturating_mul(k),
+            b_batch_stride: k.saturating_mul(n),
+        }
+    }
+
+    /// Number of elements an operand buffer must at least hold.
+    fn extent(&self, op: &'static str, per: usize, stride: usize) -> Result<usize> {
+        if self.batch == 0 || per == 0 {
+            return Ok(0);
+        }
+        (self.batch - 1)
+            .checked_mul(stride)
+            .and_then(|x| x.checked_add(per))
+            .ok_or_else(|| bad(op, format!("{self:?}: operand extent overflows usize")))
+    }
+}
+
+/// `out = A·B` (or `out += A·B` when `accumulate`) for every batch; `out` is
+/// `[batch, m, n]`.
+///
+/// `a` and `b` must hold at least `(batch-1)*stride + m*k` (resp. `k*n`)
+/// elements; `out` exactly `batch*m*n`.
+pub fn matmul<T: Float>(
+    s: &GemmShape,
+    a: &[T],
+    b: &[T],
+    out: &mut [T],
+    accumulate: bool,
+) -> Result<()> {
+    const OP: &str = "matmul";
+    let a_need = s.extent(OP, numel(OP, &[s.m, s.k])?, s.a_batch_stride)?;
+    let b_need = s.extent(OP, numel(OP, &[s.k, s.n])?, s.b_batch_stride)?;
+    if a.len() < a_need || b.len() < b_need {
+        return Err(bad(
+            OP,
+            format!(
+                "{s:?}: A has {} elements (needs {a_need}), B has {} (needs {b_need})",
+                a.len(),
+                b.len()
+            ),
+        ));
+    }
+    check_len(OP, "out", out.len(), numel(OP, &[s.batch, s.m, s.n])?)?;
+    cpu::matmul(s, &a[..a_need], &b[..b_need], out, accumulate)
+}

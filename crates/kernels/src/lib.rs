@@ -1,0 +1,31 @@
+//! CPU (rayon) kernels for tpar's tensor core.
+//!
+//! Every kernel works on contiguous row-major slices and is generic over the
+//! [`Float`] element types (f32, f64, bf16, f16); half-precision inputs
+//! accumulate in f32. Each op lives in its own folder with its fast CPU
+//! kernel and a slow reference implementation the tests compare against.
+#![warn(missing_docs)]
+
+mod element;
+mod error;
+#[cfg(test)]
+mod testutil;
+mod util;
+
+pub mod elementwise;
+pub mod reduce;
+
+pub mod adamw;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod gemm;
+pub mod rmsnorm;
+pub mod rope;
+pub mod sdpa;
+pub mod softmax;
+
+pub use element::{Acc, Float};
+pub use error::KernelError;
+
+/// Result type of the kernels.
+pub type Result<T> = std::result::Result<T, KernelError>;

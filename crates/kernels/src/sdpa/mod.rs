@@ -1,0 +1,167 @@
+//! Scaled dot-product attention, flash-attention style.
+//!
+//! The forward pass walks the keys in tiles with an online softmax, so no
+//! `[q_len, kv_len]` score matrix is ever materialized; it saves the per-row
+//! log-sum-exp (`lse`) from which the backward pass recomputes the
+//! probabilities tile by tile. Work is split over (batch, q head, query
+//! block) for the forward pass and `dq`, and over (batch, kv head, key block)
+//! for `dk`/`dv`, so every output element has one writer and results are
+//! deterministic. Everything accumulates in [`Float::Acc`].
+//!
+//! Grouped-query attention: q head `h` reads kv head `h / (q_heads / kv_heads)`.
+//! Causal masking is top-left aligned like PyTorch's `is_causal` (query `i`
+//! sees keys `j <= i`). A query row whose keys are all masked gets an output
+//! of zeros, `lse = -inf`, and contributes no gradient (PyTorch's behaviour
+//! for padded positions), never NaN.
+
+mod cpu;
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use crate::util::{bad, check_len, numel};
+use crate::{Float, Result};
+
+/// Sizes of an attention call. q is `[batch, q_heads, q_len, head_dim]`, k
+/// `[batch, kv_heads, kv_len, head_dim]`, v `[batch, kv_heads, kv_len, v_dim]`,
+/// out `[batch, q_heads, q_len, v_dim]`, lse `[batch, q_heads, q_len]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SdpaShape {
+    /// Batch size.
+    pub batch: usize,
+    /// Query heads (a multiple of `kv_heads`).
+    pub q_heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Query sequence length.
+    pub q_len: usize,
+    /// Key/value sequence length.
+    pub kv_len: usize,
+    /// Query/key head dim.
+    pub head_dim: usize,
+    /// Value head dim.
+    pub v_dim: usize,
+    /// Multiplier of `q·k` (usually `1/sqrt(head_dim)`).
+    pub scale: f64,
+    /// Top-left aligned causal mask: query `i` sees keys `j <= i`.
+    pub causal: bool,
+}
+
+/// An additive attention mask, broadcast by strides: the element for
+/// `(b, h, i, j)` (h a q head) is `data[b*batch_stride + h*head_stride + i*row_stride + j]`.
+/// A stride of 0 broadcasts that dim; `-inf` masks a key out.
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaMask<'a, T> {
+    /// Mask values.
+    pub data: &'a [T],
+    /// Elements between batches (0 = broadcast).
+    pub batch_stride: usize,
+    /// Elements between q heads (0 = broadcast).
+    pub head_stride: usize,
+    /// Elements between query rows (0 = broadcast).
+    pub row_stride: usize,
+}
+
+/// Buffer lengths derived from a validated shape.
+struct Sizes {
+    q: usize,
+    k: usize,
+    v: usize,
+    out: usize,
+    lse: usize,
+}
+
+fn validate<T>(op: &'static str, s: &SdpaShape, mask: Option<&SdpaMask<T>>) -> Result<Sizes> {
+    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 {
+        return Err(bad(op, format!("{s:?}: q_heads must be a multiple of kv_heads > 0")));
+    }
+    let sizes = Sizes {
+        q: numel(op, &[s.batch, s.q_heads, s.q_len, s.head_dim])?,
+        k: numel(op, &[s.batch, s.kv_heads, s.kv_len, s.head_dim])?,
+        v: numel(op, &[s.batch, s.kv_heads, s.kv_len, s.v_dim])?,
+        out: numel(op, &[s.batch, s.q_heads, s.q_len, s.v_dim])?,
+        lse: numel(op, &[s.batch, s.q_heads, s.q_len])?,
+    };
+    if let Some(m) = mask {
+        if sizes.lse > 0 && s.kv_len > 0 {
+            let last = [
+                (s.batch - 1, m.batch_stride),
+                (s.q_heads - 1, m.head_stride),
+                (s.q_len - 1, m.row_stride),
+                (s.kv_len - 1, 1),
+            ]
+            .iter()
+            .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc));
+            match last {
+                Some(last) if last < m.data.len() => {}
+                _ => {
+                    return Err(bad(
+                        op,
+                        format!(
+                            "{s:?}: mask with strides (batch {}, head {}, row {}) reads past \
+                             its {} elements",
+                            m.batch_stride,
+                            m.head_stride,
+                            m.row_stride,
+                            m.data.len()
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+    Ok(sizes)
+}
+
+/// Attention forward: `out = softmax(scale * q kᵀ + mask) v` per (batch, q head),
+/// and `lse` = log-sum-exp of the scaled, masked scores of each query row.
+pub fn sdpa_forward<T: Float>(
+    s: &SdpaShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&SdpaMask<T>>,
+    out: &mut [T],
+    lse: &mut [T::Acc],
+) -> Result<()> {
+    const OP: &str = "sdpa_forward";
+    let z = validate(OP, s, mask)?;
+    check_len(OP, "q", q.len(), z.q)?;
+    check_len(OP, "k", k.len(), z.k)?;
+    check_len(OP, "v", v.len(), z.v)?;
+    check_len(OP, "out", out.len(), z.out)?;
+    check_len(OP, "lse", lse.len(), z.lse)?;
+    cpu::forward(s, q, k, v, mask, out, lse);
+    Ok(())
+}
+
+/// Attention backward from the forward's `out` and `lse`: writes `dq`, `dk`
+/// and `dv` (overwritten; `dk`/`dv` sum over the q heads of each group).
+/// No gradient is produced for the mask.
+pub fn sdpa_backward<T: Float>(
+    s: &SdpaShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&SdpaMask<T>>,
+    out: &[T],
+    lse: &[T::Acc],
+    dout: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) -> Result<()> {
+    const OP: &str = "sdpa_backward";
+    let z = validate(OP, s, mask)?;
+    check_len(OP, "q", q.len(), z.q)?;
+    check_len(OP, "k", k.len(), z.k)?;
+    check_len(OP, "v", v.len(), z.v)?;
+    check_len(OP, "out", out.len(), z.out)?;
+    check_len(OP, "lse", lse.len(), z.lse)?;
+    check_len(OP, "dout", dout.len(), z.out)?;
+    check_len(OP, "dq", dq.len(), z.q)?;
+    check_len(OP, "dk", dk.len(), z.k)?;
+    check_len(OP, "dv", dv.len(), z.v)?;
+    cpu::backward(s, q, k, v, mask, out, lse, dout, dq, dk, dv);
+    Ok(())
+}

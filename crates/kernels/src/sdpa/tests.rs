@@ -1,0 +1,221 @@
+use half::bf16;
+
+use super::*;
+use crate::testutil::*;
+use crate::Acc;
+
+struct Case {
+    s: SdpaShape,
+    /// (batch_stride, head_stride, row_stride, len) of a mask with some -inf entries.
+    mask: Option<(usize, usize, usize, usize)>,
+}
+
+fn cases() -> Vec<Case> {
+    let sh = |batch, q_heads, kv_heads, q_len, kv_len, head_dim, v_dim, causal| SdpaShape {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim,
+        scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+        causal,
+    };
+    vec![
+        Case { s: sh(1, 1, 1, 1, 1, 1, 1, false), mask: None },
+        Case { s: sh(2, 4, 2, 7, 33, 8, 5, false), mask: None },
+        Case { s: sh(1, 2, 1, 65, 65, 16, 16, true), mask: None },
+        Case { s: sh(1, 3, 3, 33, 130, 4, 6, true), mask: None },
+        Case { s: sh(2, 2, 1, 70, 7, 6, 3, true), mask: None },
+        // Key-padding mask [b, 1, 1, kv] broadcast over heads and rows.
+        Case { s: sh(2, 4, 1, 33, 65, 8, 8, false), mask: Some((65, 0, 0, 2 * 65)) },
+        // Full [b, h, q, kv] mask combined with causal.
+        Case { s: sh(1, 2, 2, 65, 40, 8, 4, true), mask: Some((0, 65 * 40, 40, 2 * 65 * 40)) },
+    ]
+}
+
+fn make_mask<T: Float>(rng: &mut Rng, len: usize, row: usize) -> Vec<T> {
+    let mut m: Vec<T> = rng.vec(len, 1.0);
+    for (idx, x) in m.iter_mut().enumerate() {
+        if rng.below(4) == 0 || (row > 0 && idx / row.max(1) % 5 == 3) {
+            *x = T::from_f64(f64::NEG_INFINITY);
+        }
+    }
+    m
+}
+
+fn run<T: Float>(c: &Case, seed: u64) {
+    let s = &c.s;
+    let mut rng = Rng::new(seed);
+    let nq = s.batch * s.q_heads * s.q_len;
+    let nk = s.batch * s.kv_heads * s.kv_len;
+    let q: Vec<T> = rng.vec(nq * s.head_dim, 1.5);
+    let k: Vec<T> = rng.vec(nk * s.head_dim, 1.5);
+    let v: Vec<T> = rng.vec(nk * s.v_dim, 1.0);
+    let dout: Vec<T> = rng.vec(nq * s.v_dim, 1.0);
+    let mdata: Vec<T> =
+        c.mask.map_or(Vec::new(), |(_, _, rs, len)| make_mask(&mut rng, len, rs.max(1)));
+    let mask = c.mask.map(|(bs, hs, rs, _)| SdpaMask {
+        data: &mdata[..],
+        batch_stride: bs,
+        head_stride: hs,
+        row_stride: rs,
+    });
+    let mf = f64s(&mdata);
+    let mask_f = c.mask.map(|(bs, hs, rs, _)| SdpaMask {
+        data: &mf[..],
+        batch_stride: bs,
+        head_stride: hs,
+        row_stride: rs,
+    });
+    let (qf, kf, vf, gf) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
+    let (out_ref, lse_ref) = reference::sdpa_forward(s, &qf, &kf, &vf, mask_f.as_ref());
+    let (dq_ref, dk_ref, dv_ref) = reference::sdpa_backward(s, &qf, &kf, &vf, mask_f.as_ref(), &gf);
+
+    let mut out = vec![T::default(); nq * s.v_dim];
+    let mut lse = vec![Acc::of(0.0); nq];
+    sdpa_forward(s, &q, &k, &v, mask.as_ref(), &mut out, &mut lse).unwrap();
+    let what = format!("{s:?} mask={:?}", c.mask);
+    assert_close_t(&format!("out {what}"), &out, &out_ref);
+    let lse_f: Vec<f64> = lse.iter().map(|x| x.f64()).collect();
+    assert_close(&format!("lse {what}"), &lse_f, &lse_ref, tol::<T>().min(1e-4));
+
+    let mut dq = vec![T::default(); q.len()];
+    let mut dk = vec![T::default(); k.len()];
+    let mut dv = vec![T::default(); v.len()];
+    sdpa_backward(s, &q, &k, &v, mask.as_ref(), &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+        .unwrap();
+    assert_close_t(&format!("dq {what}"), &dq, &dq_ref);
+    assert_close_t(&format!("dk {what}"), &dk, &dk_ref);
+    assert_close_t(&format!("dv {what}"), &dv, &dv_ref);
+    for x in out.iter().chain(&dq).chain(&dk).chain(&dv) {
+        assert!(!x.to_f64().is_nan(), "NaN in {what}");
+    }
+}
+
+#[test]
+fn matches_reference() {
+    for (i, c) in cases().iter().enumerate() {
+        run::<f32>(c, i as u64);
+        run::<f64>(c, 100 + i as u64);
+        run::<bf16>(c, 200 + i as u64);
+    }
+}
+
+#[test]
+fn fully_masked_rows_are_zero() {
+    let s = SdpaShape {
+        batch: 1,
+        q_heads: 1,
+        kv_heads: 1,
+        q_len: 3,
+        kv_len: 4,
+        head_dim: 2,
+        v_dim: 2,
+        scale: 1.0,
+        causal: false,
+    };
+    let ninf = f32::NEG_INFINITY;
+    let m = [0.0, 0.0, ninf, 0.0, ninf, ninf, ninf, ninf, 0.0, ninf, ninf, ninf];
+    let mask = SdpaMask { data: &m[..], batch_stride: 0, head_stride: 0, row_stride: 4 };
+    let q = [1.0f32; 6];
+    let k = [0.5f32; 8];
+    let v = [2.0f32; 8];
+    let mut out = [9.0f32; 6];
+    let mut lse = [0.0f32; 3];
+    sdpa_forward(&s, &q, &k, &v, Some(&mask), &mut out, &mut lse).unwrap();
+    assert_eq!(&out[2..4], &[0.0, 0.0]);
+    assert_eq!(lse[1], ninf);
+    assert!((out[0] - 2.0).abs() < 1e-6 && (lse[2] - 1.0).abs() < 1e-6);
+    let (mut dq, mut dk, mut dv) = ([0.0f32; 6], [0.0f32; 8], [0.0f32; 8]);
+    let dout = [1.0f32; 6];
+    sdpa_backward(&s, &q, &k, &v, Some(&mask), &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+        .unwrap();
+    assert_eq!(&dq[2..4], &[0.0, 0.0]);
+    assert!(dq.iter().chain(&dk).chain(&dv).all(|x| x.is_finite()));
+}
+
+#[test]
+fn finite_differences() {
+    let s = SdpaShape {
+        batch: 1,
+        q_heads: 2,
+        kv_heads: 1,
+        q_len: 5,
+        kv_len: 6,
+        head_dim: 3,
+        v_dim: 2,
+        scale: 0.7,
+        causal: true,
+    };
+    let mut rng = Rng::new(11);
+    let q: Vec<f64> = rng.vec(2 * 5 * 3, 1.0);
+    let k: Vec<f64> = rng.vec(6 * 3, 1.0);
+    let v: Vec<f64> = rng.vec(6 * 2, 1.0);
+    let dout: Vec<f64> = rng.vec(2 * 5 * 2, 1.0);
+    let mut m = [0.0; 6];
+    m[2] = f64::NEG_INFINITY;
+    m[4] = -0.5;
+    let mask = SdpaMask { data: &m[..], batch_stride: 0, head_stride: 0, row_stride: 0 };
+    let fwd = |q: &[f64], k: &[f64], v: &[f64]| {
+        let mut out = vec![0.0; 20];
+        let mut lse = vec![0.0; 10];
+        sdpa_forward(&s, q, k, v, Some(&mask), &mut out, &mut lse).unwrap();
+        (out, lse)
+    };
+    let (out, lse) = fwd(&q, &k, &v);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; 30], vec![0.0; 18], vec![0.0; 12]);
+    sdpa_backward(&s, &q, &k, &v, Some(&mask), &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+        .unwrap();
+    assert_fd("dq", |x| fwd(x, &k, &v).0, &q, &dout, &dq);
+    assert_fd("dk", |x| fwd(&q, x, &v).0, &k, &dout, &dk);
+    assert_fd("dv", |x| fwd(&q, &k, x).0, &v, &dout, &dv);
+}
+
+#[test]
+fn rejects_bad_arguments() {
+    let s = SdpaShape {
+        batch: 1,
+        q_heads: 3,
+        kv_heads: 2,
+        q_len: 2,
+        kv_len: 2,
+        head_dim: 2,
+        v_dim: 2,
+        scale: 1.0,
+        causal: false,
+    };
+    let (q, k, v) = ([0.0f32; 12], [0.0f32; 8], [0.0f32; 8]);
+    let (mut out, mut lse) = ([0.0f32; 12], [0.0f32; 6]);
+    assert!(sdpa_forward(&s, &q, &k, &v, None, &mut out, &mut lse).is_err());
+    let s = SdpaShape { q_heads: 2, ..s };
+    let (q, mut out, mut lse) = ([0.0f32; 8], [0.0f32; 8], [0.0f32; 4]);
+    assert!(sdpa_forward(&s, &q, &k, &v, None, &mut out, &mut lse).is_ok());
+    assert!(sdpa_forward(&s, &q[..7], &k, &v, None, &mut out, &mut lse).is_err());
+    let m = [0.0f32; 7];
+    let mask = SdpaMask { data: &m[..], batch_stride: 0, head_stride: 4, row_stride: 2 };
+    assert!(sdpa_forward(&s, &q, &k, &v, Some(&mask), &mut out, &mut lse).is_err());
+    let mask = SdpaMask { row_stride: usize::MAX, ..mask };
+    assert!(sdpa_forward(&s, &q, &k, &v, Some(&mask), &mut out, &mut lse).is_err());
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+    #[test]
+    fn random_shapes(
+        batch in 1usize..3, kv_heads in 1usize..3, group in 1usize..4,
+        q_len in 1usize..80, kv_len in 1usize..80, head_dim in 1usize..10, v_dim in 1usize..10,
+        causal: bool, masked: bool, seed: u64,
+    ) {
+        let s = SdpaShape {
+            batch, q_heads: kv_heads * group, kv_heads, q_len, kv_len, head_dim, v_dim,
+            scale: 0.5, causal,
+        };
+        // A per-batch key-padding mask broadcast over heads and rows.
+        let mask = masked.then_some((kv_len, 0, 0, batch * kv_len));
+        let c = Case { s, mask };
+        run::<f64>(&c, seed);
+        run::<f32>(&c, seed);
+    }
+}

@@ -1,0 +1,2 @@
+//! tpar mesh layer (filled by later work).
+#![warn(missing_docs)]

@@ -1,0 +1,2 @@
+//! tpar parallel-styles layer (filled by later work).
+#![warn(missing_docs)]

@@ -1,0 +1,2 @@
+//! tpar placements layer (filled by later work).
+#![warn(missing_docs)]

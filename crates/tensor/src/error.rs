@@ -1,0 +1,78 @@
+//! The tensor core's error type.
+
+use crate::{DType, Device, Shape};
+
+/// Everything a tensor op can fail with. Messages name the op and the numbers.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum TensorError {
+    /// Shapes that do not fit together.
+    #[error("{op}: shapes {lhs} and {rhs} do not match: {why}")]
+    ShapeMismatch {
+        /// The op.
+        op: &'static str,
+        /// First operand's shape.
+        lhs: Shape,
+        /// Second operand's shape.
+        rhs: Shape,
+        /// What exactly disagrees.
+        why: String,
+    },
+    /// An operand has the wrong dtype.
+    #[error("{op}: expected dtype {expected}, got {got}")]
+    DTypeMismatch {
+        /// The op.
+        op: &'static str,
+        /// What the op needs (e.g. `"f32"`, `"a float type"`).
+        expected: String,
+        /// What it got.
+        got: DType,
+    },
+    /// Operands live on different devices.
+    #[error("{op}: operands on different devices: {lhs} and {rhs}")]
+    DeviceMismatch {
+        /// The op.
+        op: &'static str,
+        /// First operand's device.
+        lhs: Device,
+        /// Second operand's device.
+        rhs: Device,
+    },
+    /// A dim index outside `-rank..rank`.
+    #[error("{op}: dim {dim} out of range for a tensor of rank {rank}")]
+    DimOutOfRange {
+        /// The op.
+        op: &'static str,
+        /// The dim asked for.
+        dim: isize,
+        /// The tensor's rank.
+        rank: usize,
+    },
+    /// Any other invalid argument, described.
+    #[error("{op}: {what}")]
+    InvalidArgument {
+        /// The op.
+        op: &'static str,
+        /// What is wrong, with the numbers.
+        what: String,
+    },
+    /// A feature or device that is not available on this build or machine.
+    #[error("{what} is unavailable: {why}")]
+    Unavailable {
+        /// The feature.
+        what: String,
+        /// Why it is not available.
+        why: String,
+    },
+    /// An op needs data but the tensor is on the meta device.
+    #[error("{op}: tensor on the meta device has no data (materialize it with to_empty first)")]
+    MetaTensor {
+        /// The op.
+        op: &'static str,
+    },
+    /// Autograd misuse (backward from a non-scalar without a gradient, ...).
+    #[error("autograd: {0}")]
+    Autograd(String),
+    /// A kernel rejected its arguments.
+    #[error(transparent)]
+    Kernel(#[from] tpar_kernels::KernelError),
+}

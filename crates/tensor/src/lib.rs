@@ -1,0 +1,38 @@
+//! tpar's tensor core: a contiguous n-d [`Tensor`] (f32, bf16, f16, f64, i64) on
+//! CPU, CUDA or the meta device, with reverse-mode autograd and the op set a
+//! Llama needs (matmul, RMSNorm, RoPE, attention, cross-entropy, ...).
+//!
+//! ```
+//! use tpar_tensor::{DType, Rng, Tensor};
+//! let mut rng = Rng::new(0);
+//! let x = Tensor::randn([4, 8], DType::F32, &mut rng)?;
+//! let w = Tensor::randn([3, 8], DType::F32, &mut rng)?.requires_grad_(true);
+//! let targets = Tensor::from_vec(vec![0i64, 2, 1, 2], [4])?;
+//! let loss = x.linear(&w, None)?.cross_entropy(&targets, -100)?;
+//! loss.backward()?;
+//! assert_eq!(w.grad().unwrap().dims(), &[3, 8]);
+//! # Ok::<(), tpar_tensor::TensorError>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod autograd;
+mod dtype;
+mod error;
+mod ops;
+mod rng;
+pub mod shape;
+mod storage;
+mod tensor;
+pub mod tol;
+
+pub use autograd::no_grad;
+pub use dtype::{DType, Device};
+pub use error::TensorError;
+pub use ops::RopeLayout;
+pub use rng::Rng;
+pub use shape::Shape;
+pub use storage::{CpuStorage, Element};
+pub use tensor::Tensor;
+
+/// Result type of tensor ops.
+pub type Result<T> = std::result::Result<T, TensorError>;

@@ -1,0 +1,298 @@
+//! Elementwise ops: broadcasting binary ops, scalar ops, unary maps, casts.
+
+use tpar_kernels::elementwise::{self as k, BinaryOp, UnaryOp};
+
+use super::{compute, require_float};
+use crate::autograd::record;
+use crate::shape::{broadcast_shapes, broadcast_strides};
+use crate::storage::Element;
+use crate::tensor::typed;
+use crate::{with_any_type, with_float_type, DType, Result, Shape, Tensor, TensorError};
+
+fn binary_name(op: BinaryOp) -> &'static str {
+    match op {
+        BinaryOp::Add => "add",
+        BinaryOp::Sub => "sub",
+        BinaryOp::Mul => "mul",
+        BinaryOp::Div => "div",
+        BinaryOp::Max => "maximum",
+        BinaryOp::Min => "minimum",
+        BinaryOp::Pow => "pow",
+    }
+}
+
+fn unary_name(op: UnaryOp) -> &'static str {
+    match op {
+        UnaryOp::Neg => "neg",
+        UnaryOp::Exp => "exp",
+        UnaryOp::Log => "log",
+        UnaryOp::Sqrt => "sqrt",
+        UnaryOp::Rsqrt => "rsqrt",
+        UnaryOp::Silu => "silu",
+        UnaryOp::Sigmoid => "sigmoid",
+        UnaryOp::Square => "square",
+        UnaryOp::Abs => "abs",
+        UnaryOp::Relu => "relu",
+        UnaryOp::Tanh => "tanh",
+        UnaryOp::Recip => "reciprocal",
+    }
+}
+
+impl Tensor {
+    fn binary_raw(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        let name = binary_name(op);
+        if self.dtype() != rhs.dtype() {
+            return Err(TensorError::DTypeMismatch {
+                op: name,
+                expected: self.dtype().name().into(),
+                got: rhs.dtype(),
+            });
+        }
+        require_float(name, self)?;
+        let out = broadcast_shapes(name, self.shape(), rhs.shape())?;
+        let sa = broadcast_strides(self.shape(), &out);
+        let sb = broadcast_strides(rhs.shape(), &out);
+        let dims = out.dims().to_vec();
+        compute(name, &[self, rhs], out, self.dtype(), |s| {
+            with_float_type!(s[0].dtype(), name, |T| {
+                let mut o = vec![T::default(); dims.iter().product()];
+                k::binary(
+                    op,
+                    typed::<T>(name, s[0])?,
+                    &sa,
+                    typed::<T>(name, s[1])?,
+                    &sb,
+                    &dims,
+                    &mut o,
+                )?;
+                Ok(T::wrap(o))
+            })
+        })
+    }
+
+    fn binary_op(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        let out = self.binary_raw(rhs, op)?;
+        let (a, b) = (self.clone(), rhs.clone());
+        let (sa, sb) = (self.shape().clone(), rhs.shape().clone());
+        let y = out.detach();
+        Ok(record(binary_name(op), &[self, rhs], out, move |g| {
+            let (ga, gb) = match op {
+                BinaryOp::Add => (Some(g.clone()), Some(g.clone())),
+                BinaryOp::Sub => (Some(g.clone()), Some(g.neg()?)),
+                BinaryOp::Mul => (Some(g.mul(&b)?), Some(g.mul(&a)?)),
+                BinaryOp::Div => (Some(g.div(&b)?), Some(g.mul(&y)?.div(&b)?.neg()?)),
+                BinaryOp::Pow => {
+                    // d/da a^b = b a^(b-1); d/db a^b = a^b ln a
+                    let ga = g.mul(&b)?.mul(&a.binary_raw(&b.add_scalar(-1.0)?, BinaryOp::Pow)?)?;
+                    let gb = g.mul(&y)?.mul(&a.log()?)?;
+                    (Some(ga), Some(gb))
+                }
+                BinaryOp::Max | BinaryOp::Min => {
+                    return Err(TensorError::Autograd(format!(
+                        "{} has no backward",
+                        binary_name(op)
+                    )))
+                }
+            };
+            Ok(vec![ga.map(|t| t.sum_to(&sa)).transpose()?, gb.map(|t| t.sum_to(&sb)).transpose()?])
+        }))
+    }
+
+    /// `self + rhs` with broadcasting.
+    pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Add)
+    }
+    /// `self - rhs` with broadcasting.
+    pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Sub)
+    }
+    /// `self * rhs` with broadcasting.
+    pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Mul)
+    }
+    /// `self / rhs` with broadcasting.
+    pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Div)
+    }
+    /// `self ^ rhs` with broadcasting.
+    pub fn pow(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Pow)
+    }
+    /// Elementwise maximum (not differentiable).
+    pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_raw(rhs, BinaryOp::Max)
+    }
+    /// Elementwise minimum (not differentiable).
+    pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_raw(rhs, BinaryOp::Min)
+    }
+
+    fn scalar_raw(&self, op: BinaryOp, s: f64, scalar_first: bool) -> Result<Tensor> {
+        let name = binary_name(op);
+        require_float(name, self)?;
+        let n = self.numel();
+        compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
+            with_float_type!(st[0].dtype(), name, |T| {
+                let mut o = vec![T::default(); n];
+                k::scalar(op, typed::<T>(name, st[0])?, s, scalar_first, &mut o)?;
+                Ok(T::wrap(o))
+            })
+        })
+    }
+
+    /// `self + s`.
+    pub fn add_scalar(&self, s: f64) -> Result<Tensor> {
+        let out = self.scalar_raw(BinaryOp::Add, s, false)?;
+        Ok(record("add_scalar", &[self], out, |g| Ok(vec![Some(g.clone())])))
+    }
+    /// `self * s`.
+    pub fn mul_scalar(&self, s: f64) -> Result<Tensor> {
+        let out = self.scalar_raw(BinaryOp::Mul, s, false)?;
+        Ok(record("mul_scalar", &[self], out, move |g| Ok(vec![Some(g.mul_scalar(s)?)])))
+    }
+    /// `self / s`.
+    pub fn div_scalar(&self, s: f64) -> Result<Tensor> {
+        self.mul_scalar(1.0 / s)
+    }
+    /// `s - self`.
+    pub fn rsub_scalar(&self, s: f64) -> Result<Tensor> {
+        let out = self.scalar_raw(BinaryOp::Sub, s, true)?;
+        Ok(record("rsub_scalar", &[self], out, |g| Ok(vec![Some(g.neg()?)])))
+    }
+    /// `self ^ p`.
+    pub fn pow_scalar(&self, p: f64) -> Result<Tensor> {
+        let out = self.scalar_raw(BinaryOp::Pow, p, false)?;
+        let x = self.clone();
+        Ok(record("pow_scalar", &[self], out, move |g| {
+            Ok(vec![Some(g.mul(&x.scalar_raw(BinaryOp::Pow, p - 1.0, false)?.mul_scalar(p)?)?)])
+        }))
+    }
+    /// Clamps from below (not differentiable at the clamp; gradient passes where unclamped).
+    pub fn clamp_min(&self, lo: f64) -> Result<Tensor> {
+        self.scalar_raw(BinaryOp::Max, lo, false)
+    }
+
+    fn unary_op(&self, op: UnaryOp) -> Result<Tensor> {
+        let name = unary_name(op);
+        require_float(name, self)?;
+        let n = self.numel();
+        let out = compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
+            with_float_type!(st[0].dtype(), name, |T| {
+                let mut o = vec![T::default(); n];
+                k::unary(op, typed::<T>(name, st[0])?, &mut o)?;
+                Ok(T::wrap(o))
+            })
+        })?;
+        let (x, y) = (self.clone(), out.detach());
+        Ok(record(name, &[self], out, move |g| {
+            let gx = compute(name, &[&x, &y, g], x.shape().clone(), x.dtype(), |st| {
+                with_float_type!(st[0].dtype(), name, |T| {
+                    let mut o = vec![T::default(); n];
+                    k::unary_backward(
+                        op,
+                        typed::<T>(name, st[0])?,
+                        typed::<T>(name, st[1])?,
+                        typed::<T>(name, st[2])?,
+                        &mut o,
+                    )?;
+                    Ok(T::wrap(o))
+                })
+            })?;
+            Ok(vec![Some(gx)])
+        }))
+    }
+
+    /// `-self`.
+    pub fn neg(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Neg)
+    }
+    /// `e^self`.
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Exp)
+    }
+    /// Natural log.
+    pub fn log(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Log)
+    }
+    /// Square root.
+    pub fn sqrt(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Sqrt)
+    }
+    /// `1 / sqrt(self)`.
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Rsqrt)
+    }
+    /// SiLU (`x * sigmoid(x)`).
+    pub fn silu(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Silu)
+    }
+    /// Logistic sigmoid.
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Sigmoid)
+    }
+    /// `self * self`.
+    pub fn square(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Square)
+    }
+    /// Absolute value.
+    pub fn abs(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Abs)
+    }
+    /// `max(self, 0)`.
+    pub fn relu(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Relu)
+    }
+    /// Hyperbolic tangent.
+    pub fn tanh(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Tanh)
+    }
+    /// `1 / self`.
+    pub fn recip(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Recip)
+    }
+
+    /// Converts to another dtype (differentiable between float dtypes).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let n = self.numel();
+        let out = compute("to_dtype", &[self], self.shape().clone(), dtype, |st| {
+            with_any_type!(st[0].dtype(), |S| {
+                let src = typed::<S>("to_dtype", st[0])?;
+                Ok(with_any_type!(dtype, |D| {
+                    D::wrap(src.iter().map(|&v| <D as Element>::from_f64(v.to_f64())).collect())
+                }))
+            })
+        })?;
+        debug_assert_eq!(out.numel(), n);
+        let src_dtype = self.dtype();
+        if !dtype.is_float() || !src_dtype.is_float() {
+            return Ok(out);
+        }
+        Ok(record("to_dtype", &[self], out, move |g| Ok(vec![Some(g.to_dtype(src_dtype)?)])))
+    }
+
+    /// Sums a broadcast gradient back down to `shape` (the adjoint of broadcasting).
+    pub fn sum_to(&self, shape: &Shape) -> Result<Tensor> {
+        if self.shape() == shape {
+            return Ok(self.clone());
+        }
+        let r = self.rank();
+        if shape.rank() > r {
+            return Err(TensorError::ShapeMismatch {
+                op: "sum_to",
+                lhs: self.shape().clone(),
+                rhs: shape.clone(),
+                why: "target has more dims".into(),
+            });
+        }
+        let off = r - shape.rank();
+        let dims: Vec<isize> = (0..r)
+            .filter(|&i| i < off || (shape.dims()[i - off] == 1 && self.dims()[i] != 1))
+            .map(|i| i as isize)
+            .collect();
+        let s = if dims.is_empty() { self.clone() } else { self.sum_dims(&dims, true)? };
+        s.reshape(shape.clone())
+    }
+}

@@ -1,0 +1,181 @@
+//! Matrix products: batched, with transposed operands read in place, and `linear`.
+
+use tpar_kernels::gemm::{matmul as gemm, GemmShape};
+
+use super::{common_dtype, compute, require_float};
+use crate::autograd::record;
+use crate::shape::broadcast_shapes;
+use crate::storage::Element;
+use crate::tensor::typed;
+use crate::{with_float_type, Result, Shape, Tensor, TensorError};
+
+/// `(rows, cols)` of an operand as used, after the optional transpose.
+fn mat_dims(t: &Tensor, trans: bool) -> (usize, usize) {
+    let r = t.rank();
+    let (a, b) = (t.dims()[r - 2], t.dims()[r - 1]);
+    if trans {
+        (b, a)
+    } else {
+        (a, b)
+    }
+}
+
+fn mm_raw(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    let op = "matmul";
+    require_float(op, a)?;
+    let dtype = common_dtype(op, &[a, b])?;
+    if a.rank() < 2 || b.rank() < 2 {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+            why: "both operands need at least 2 dims".into(),
+        });
+    }
+    let (m, k) = mat_dims(a, ta);
+    let (k2, n) = mat_dims(b, tb);
+    if k != k2 {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+            why: format!("inner dims differ: {k} vs {k2} (transposed: lhs {ta}, rhs {tb})"),
+        });
+    }
+    let ba = &a.dims()[..a.rank() - 2];
+    let bb = &b.dims()[..b.rank() - 2];
+    let (batch_dims, shape) = if bb.is_empty() && !ta {
+        // Fold a's batch into its rows: one big GEMM.
+        let rows: usize = ba.iter().product::<usize>() * m;
+        (
+            ba.to_vec(),
+            GemmShape {
+                batch: 1,
+                m: rows,
+                n,
+                k,
+                trans_a: false,
+                trans_b: tb,
+                a_batch_stride: 0,
+                b_batch_stride: 0,
+            },
+        )
+    } else if ba == bb || ba.is_empty() || bb.is_empty() {
+        let bd = if ba.is_empty() { bb.to_vec() } else { ba.to_vec() };
+        let batch = bd.iter().product();
+        let sa = if ba.is_empty() { 0 } else { m * k };
+        let sb = if bb.is_empty() { 0 } else { k * n };
+        (
+            bd,
+            GemmShape {
+                batch,
+                m,
+                n,
+                k,
+                trans_a: ta,
+                trans_b: tb,
+                a_batch_stride: sa,
+                b_batch_stride: sb,
+            },
+        )
+    } else {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: a.shape().clone(),
+            rhs: b.shape().clone(),
+            why: "batch dims must be equal here (matmul broadcasts them first)".into(),
+        });
+    };
+    let mut od = batch_dims;
+    od.extend_from_slice(&[m, n]);
+    let numel = Shape::from(od.clone()).numel();
+    compute(op, &[a, b], Shape::from(od), dtype, |st| {
+        with_float_type!(dtype, op, |T| {
+            let mut o = vec![T::default(); numel];
+            gemm(&shape, typed::<T>(op, st[0])?, typed::<T>(op, st[1])?, &mut o, false)?;
+            Ok(T::wrap(o))
+        })
+    })
+}
+
+impl Tensor {
+    /// Matrix product with numpy batch broadcasting: `[..., m, k] x [..., k, n]`.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.matmul_t(rhs, false, false)
+    }
+
+    /// `op(self) x op(rhs)` where `op` transposes the last two dims when its flag is set.
+    /// Transposed operands are read in place (no copy), as BLAS's `T` flags.
+    pub fn matmul_t(&self, rhs: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+        if self.rank() >= 2 && rhs.rank() >= 2 {
+            let ba = Shape::new(&self.dims()[..self.rank() - 2]);
+            let bb = Shape::new(&rhs.dims()[..rhs.rank() - 2]);
+            let fast = ba == bb || ba.rank() == 0 || bb.rank() == 0;
+            if !fast {
+                let batch = broadcast_shapes("matmul", &ba, &bb)?;
+                let full = |t: &Tensor| -> Result<Tensor> {
+                    let mut d = batch.dims().to_vec();
+                    d.extend_from_slice(&t.dims()[t.rank() - 2..]);
+                    t.expand(d)
+                };
+                return full(self)?.matmul_t(&full(rhs)?, ta, tb);
+            }
+        }
+        let out = mm_raw(self, rhs, ta, tb)?;
+        let (a, b) = (self.clone(), rhs.clone());
+        Ok(record("matmul", &[self, rhs], out, move |g| {
+            let ga = if a.requires_grad() {
+                let r = match (ta, tb) {
+                    (false, false) => g.matmul_t(&b, false, true)?,
+                    (false, true) => g.matmul_t(&b, false, false)?,
+                    (true, false) => b.matmul_t(g, false, true)?,
+                    (true, true) => b.matmul_t(g, true, true)?,
+                };
+                Some(r.sum_to(a.shape())?)
+            } else {
+                None
+            };
+            let gb = if b.requires_grad() {
+                let r = if b.rank() == 2 && a.rank() > 2 && !ta {
+                    let k = a.dims()[a.rank() - 1];
+                    let a2 = a.reshape([a.numel() / k.max(1), k])?;
+                    let n = g.dims()[g.rank() - 1];
+                    let g2 = g.reshape([g.numel() / n.max(1), n])?;
+                    if tb {
+                        g2.matmul_t(&a2, true, false)?
+                    } else {
+                        a2.matmul_t(&g2, true, false)?
+                    }
+                } else {
+                    match (ta, tb) {
+                        (false, false) => a.matmul_t(g, true, false)?,
+                        (false, true) => g.matmul_t(&a, true, false)?,
+                        (true, false) => a.matmul_t(g, false, false)?,
+                        (true, true) => g.matmul_t(&a, true, true)?,
+                    }
+                };
+                Some(r.sum_to(b.shape())?)
+            } else {
+                None
+            };
+            Ok(vec![ga, gb])
+        }))
+    }
+
+    /// `x W^T + b` for `W` of shape `[out, in]` (PyTorch's layout), over any leading dims.
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        if weight.rank() != 2 {
+            return Err(TensorError::ShapeMismatch {
+                op: "linear",
+                lhs: self.shape().clone(),
+                rhs: weight.shape().clone(),
+                why: "weight must be [out_features, in_features]".into(),
+            });
+        }
+        let y = self.matmul_t(weight, false, true)?; // [..., in] x [out, in]^T -> [..., out]
+        match bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+}

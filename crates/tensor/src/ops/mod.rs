@@ -1,0 +1,115 @@
+//! Tensor ops with their backward functions.
+
+use std::sync::RwLockReadGuard;
+
+use crate::storage::{CpuStorage, Storage};
+use crate::tensor::cuda_unavailable;
+use crate::{DType, Device, Result, Shape, Tensor, TensorError};
+
+mod elementwise;
+mod matmul;
+mod nn;
+mod reduce;
+mod shape;
+
+pub use nn::RopeLayout;
+
+/// Checks that all inputs share one device, returning it.
+pub(crate) fn common_device(op: &'static str, inputs: &[&Tensor]) -> Result<Device> {
+    let d = inputs.first().map(|t| t.device()).unwrap_or(Device::Cpu);
+    for t in inputs {
+        if t.device() != d {
+            return Err(TensorError::DeviceMismatch { op, lhs: d, rhs: t.device() });
+        }
+    }
+    Ok(d)
+}
+
+/// Checks that all inputs share one dtype, returning it.
+pub(crate) fn common_dtype(op: &'static str, inputs: &[&Tensor]) -> Result<DType> {
+    let d = inputs.first().map(|t| t.dtype()).unwrap_or(DType::F32);
+    for t in inputs {
+        if t.dtype() != d {
+            return Err(TensorError::DTypeMismatch {
+                op,
+                expected: d.name().into(),
+                got: t.dtype(),
+            });
+        }
+    }
+    Ok(d)
+}
+
+/// Runs a host computation over the inputs' storages producing a tensor of
+/// `out_shape`. On the meta device no data is touched: the output is meta too.
+pub(crate) fn compute(
+    op: &'static str,
+    inputs: &[&Tensor],
+    out_shape: Shape,
+    out_dtype: DType,
+    f: impl FnOnce(&[&CpuStorage]) -> Result<CpuStorage>,
+) -> Result<Tensor> {
+    match common_device(op, inputs)? {
+        Device::Meta => return Tensor::empty(out_shape, out_dtype, Device::Meta),
+        Device::Cuda(_) => return Err(cuda_unavailable()),
+        Device::Cpu => {}
+    }
+    let guards: Vec<RwLockReadGuard<'_, Storage>> =
+        inputs.iter().map(|t| t.0.storage.read().unwrap_or_else(|p| p.into_inner())).collect();
+    let mut storages = Vec::with_capacity(inputs.len());
+    for g in &guards {
+        match &**g {
+            Storage::Cpu(s) => storages.push(s),
+            Storage::Meta => return Err(TensorError::MetaTensor { op }),
+        }
+    }
+    let out = f(&storages)?;
+    drop(guards);
+    Tensor::from_storage(out, out_shape)
+}
+
+/// Like [`compute`] but the closure returns several storages (one per output shape).
+pub(crate) fn compute_multi(
+    op: &'static str,
+    inputs: &[&Tensor],
+    outs: &[(Shape, DType)],
+    f: impl FnOnce(&[&CpuStorage]) -> Result<Vec<CpuStorage>>,
+) -> Result<Vec<Tensor>> {
+    match common_device(op, inputs)? {
+        Device::Meta => {
+            return outs.iter().map(|(s, d)| Tensor::empty(s.clone(), *d, Device::Meta)).collect()
+        }
+        Device::Cuda(_) => return Err(cuda_unavailable()),
+        Device::Cpu => {}
+    }
+    let guards: Vec<RwLockReadGuard<'_, Storage>> =
+        inputs.iter().map(|t| t.0.storage.read().unwrap_or_else(|p| p.into_inner())).collect();
+    let mut storages = Vec::with_capacity(inputs.len());
+    for g in &guards {
+        match &**g {
+            Storage::Cpu(s) => storages.push(s),
+            Storage::Meta => return Err(TensorError::MetaTensor { op }),
+        }
+    }
+    let res = f(&storages)?;
+    drop(guards);
+    res.into_iter()
+        .zip(outs)
+        .map(|(s, (shape, _))| Tensor::from_storage(s, shape.clone()))
+        .collect()
+}
+
+pub(crate) fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Err(TensorError::DTypeMismatch {
+            op,
+            expected: "a float dtype".into(),
+            got: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn invalid(op: &'static str, what: impl Into<String>) -> TensorError {
+    TensorError::InvalidArgument { op, what: what.into() }
+}

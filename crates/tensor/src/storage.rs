@@ -1,0 +1,181 @@
+//! Host storage: one typed buffer per dtype.
+
+use half::{bf16, f16};
+
+use crate::DType;
+
+/// A host buffer of one of the supported element types.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// f64 elements.
+    F64(Vec<f64>),
+    /// bf16 elements.
+    BF16(Vec<bf16>),
+    /// f16 elements.
+    F16(Vec<f16>),
+    /// i64 elements.
+    I64(Vec<i64>),
+}
+
+impl CpuStorage {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::I64(_) => DType::I64,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::I64(v) => v.len(),
+        }
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A zero-filled buffer.
+    pub fn zeros(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::F64 => CpuStorage::F64(vec![0.0; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+            DType::I64 => CpuStorage::I64(vec![0; n]),
+        }
+    }
+}
+
+/// A Rust type that can be a tensor element.
+pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + 'static {
+    /// The tensor dtype of this element type.
+    const DTYPE: DType;
+    /// The typed slice, if the storage holds this type.
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    /// The typed mutable slice, if the storage holds this type.
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+    /// Wraps a vector into storage.
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    /// Converts to f64.
+    fn to_f64(self) -> f64;
+    /// Converts from f64 (rounding, or truncating for integers).
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $variant:ident, $to:expr, $from:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+            fn to_f64(self) -> f64 {
+                ($to)(self)
+            }
+            fn from_f64(v: f64) -> Self {
+                ($from)(v)
+            }
+        }
+    };
+}
+
+element!(f32, F32, |x: f32| x as f64, |v: f64| v as f32);
+element!(f64, F64, |x: f64| x, |v: f64| v);
+element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
+element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
+element!(i64, I64, |x: i64| x as f64, |v: f64| v as i64);
+
+/// Storage of a tensor on any device.
+#[derive(Debug)]
+pub enum Storage {
+    /// Host memory.
+    Cpu(CpuStorage),
+    /// No data (meta device).
+    Meta,
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of a float dtype; `I64` is an error for `$op`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_float_type {
+    ($dtype:expr, $op:expr, |$T:ident| $body:block) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::DType::I64 => Err($crate::TensorError::DTypeMismatch {
+                op: $op,
+                expected: "a float dtype".into(),
+                got: $crate::DType::I64,
+            }),
+        }
+    };
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of any dtype.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! with_any_type {
+    ($dtype:expr, |$T:ident| $body:block) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+        }
+    };
+}

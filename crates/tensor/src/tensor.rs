@@ -1,0 +1,426 @@
+//! The `Tensor` type: a shape, a dtype, a device, shared storage and an autograd node.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::autograd::Node;
+use crate::storage::{CpuStorage, Element, Storage};
+use crate::{DType, Device, Result, Shape, TensorError};
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct Inner {
+    pub(crate) id: u64,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) storage: Arc<RwLock<Storage>>,
+    pub(crate) node: Option<Arc<Node>>,
+    pub(crate) requires_grad: AtomicBool,
+    pub(crate) grad: Mutex<Option<Tensor>>,
+}
+
+/// An n-dimensional array with reverse-mode autograd.
+///
+/// Tensors are **contiguous row-major**: every op that changes the layout
+/// (transpose, permute, narrow, expand) writes a new contiguous buffer, while
+/// `reshape`, `detach` and `clone` share storage. Keeping one layout keeps every
+/// kernel a plain loop over slices (and every CUDA kernel simple); the copies
+/// it costs are small next to the matmuls of a transformer step.
+///
+/// A `Tensor` is a cheap handle (`Arc`): clones share data and graph.
+///
+/// ```
+/// use tpar_tensor::{Tensor, DType};
+/// let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?.requires_grad_(true);
+/// let loss = a.matmul(&a)?.sum_all()?;
+/// loss.backward()?;
+/// assert_eq!(a.grad().unwrap().to_vec::<f32>()?, vec![7.0, 11.0, 9.0, 13.0]);
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<Inner>);
+
+fn storage_err<T: Element>(op: &'static str, s: &CpuStorage) -> TensorError {
+    TensorError::DTypeMismatch { op, expected: T::DTYPE.name().into(), got: s.dtype() }
+}
+
+/// The typed slice of a storage, or a dtype error naming `op`.
+pub(crate) fn typed<'a, T: Element>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T]> {
+    T::slice(s).ok_or_else(|| storage_err::<T>(op, s))
+}
+
+impl Tensor {
+    pub(crate) fn make(shape: Shape, dtype: DType, device: Device, storage: Storage) -> Tensor {
+        Tensor(Arc::new(Inner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            shape,
+            dtype,
+            device,
+            storage: Arc::new(RwLock::new(storage)),
+            node: None,
+            requires_grad: AtomicBool::new(false),
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// A new tensor handle over the same storage with another shape (same numel) and node.
+    pub(crate) fn share(&self, shape: Shape, node: Option<Arc<Node>>) -> Tensor {
+        let rg = node.is_some();
+        Tensor(Arc::new(Inner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            shape,
+            dtype: self.0.dtype,
+            device: self.0.device,
+            storage: self.0.storage.clone(),
+            node,
+            requires_grad: AtomicBool::new(rg),
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// A CPU tensor from host storage; the storage length must match the shape.
+    pub fn from_storage(storage: CpuStorage, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if storage.len() != shape.numel() {
+            return Err(TensorError::InvalidArgument {
+                op: "from_storage",
+                what: format!("{} elements cannot have shape {shape}", storage.len()),
+            });
+        }
+        Ok(Tensor::make(shape, storage.dtype(), Device::Cpu, Storage::Cpu(storage)))
+    }
+
+    /// A CPU tensor from a vector of elements.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>) -> Result<Tensor> {
+        Tensor::from_storage(T::wrap(data), shape)
+    }
+
+    /// A CPU tensor converting `f64` values to `dtype`.
+    pub fn from_f64(data: &[f64], shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let s = crate::with_any_type!(dtype, |T| {
+            T::wrap(data.iter().map(|&v| <T as Element>::from_f64(v)).collect())
+        });
+        Tensor::from_storage(s, shape)
+    }
+
+    /// A 0-dim tensor.
+    pub fn scalar(v: f64, dtype: DType) -> Tensor {
+        Tensor::make(
+            Shape::new(&[]),
+            dtype,
+            Device::Cpu,
+            Storage::Cpu(crate::with_any_type!(dtype, |T| {
+                T::wrap(vec![<T as Element>::from_f64(v)])
+            })),
+        )
+    }
+
+    /// A tensor filled with `v` on `device` (meta tensors hold no data).
+    pub fn full(shape: impl Into<Shape>, v: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let n = shape.numel();
+        let storage = match device {
+            Device::Cpu => Storage::Cpu(crate::with_any_type!(dtype, |T| {
+                T::wrap(vec![<T as Element>::from_f64(v); n])
+            })),
+            Device::Meta => Storage::Meta,
+            Device::Cuda(_) => return Err(cuda_unavailable()),
+        };
+        Ok(Tensor::make(shape, dtype, device, storage))
+    }
+
+    /// Zeros.
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, dtype, device)
+    }
+
+    /// Ones.
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+
+    /// Zeros with this tensor's shape, dtype and device.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.shape().clone(), self.dtype(), self.device())
+    }
+
+    /// A tensor with no data yet: on `Device::Meta` it is shape and dtype only.
+    pub fn empty(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::zeros(shape, dtype, device)
+    }
+
+    /// `0, 1, ..., n-1`.
+    pub fn arange(n: usize, dtype: DType) -> Tensor {
+        let s = crate::with_any_type!(dtype, |T| {
+            T::wrap((0..n).map(|v| <T as Element>::from_f64(v as f64)).collect())
+        });
+        Tensor::make(Shape::new(&[n]), dtype, Device::Cpu, Storage::Cpu(s))
+    }
+
+    /// Standard normal samples from a seeded generator (deterministic per seed).
+    pub fn randn(shape: impl Into<Shape>, dtype: DType, rng: &mut crate::Rng) -> Result<Tensor> {
+        let shape = shape.into();
+        let v: Vec<f64> = (0..shape.numel()).map(|_| rng.normal()).collect();
+        Tensor::from_f64(&v, shape, dtype)
+    }
+
+    /// Uniform samples in `[lo, hi)` from a seeded generator.
+    pub fn rand_uniform(
+        shape: impl Into<Shape>,
+        lo: f64,
+        hi: f64,
+        dtype: DType,
+        rng: &mut crate::Rng,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        let v: Vec<f64> = (0..shape.numel()).map(|_| lo + (hi - lo) * rng.uniform()).collect();
+        Tensor::from_f64(&v, shape, dtype)
+    }
+
+    /// A unique id of this handle (a node in the autograd graph).
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.0.shape
+    }
+    /// The dims.
+    pub fn dims(&self) -> &[usize] {
+        self.0.shape.dims()
+    }
+    /// Number of dims.
+    pub fn rank(&self) -> usize {
+        self.0.shape.rank()
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.0.shape.numel()
+    }
+    /// Size of dim `d` (negative counts from the end).
+    pub fn size(&self, d: isize) -> Result<usize> {
+        Ok(self.dims()[crate::shape::normalize_dim("size", d, self.rank())?])
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    /// The device.
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    /// Bytes of data (numel * element size).
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype().size_in_bytes()
+    }
+    /// Whether two handles share the same storage.
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    /// Whether gradients flow to (or through) this tensor.
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// Marks a leaf tensor as a parameter whose `.grad()` backward fills. Returns `self`.
+    pub fn requires_grad_(self, on: bool) -> Tensor {
+        self.0.requires_grad.store(on, Ordering::Relaxed);
+        self
+    }
+
+    /// Whether the tensor was produced by a recorded op (not a leaf).
+    pub fn is_leaf(&self) -> bool {
+        self.0.node.is_none()
+    }
+
+    /// The recorded op's name, for non-leaf tensors.
+    pub fn grad_fn_name(&self) -> Option<&'static str> {
+        self.0.node.as_ref().map(|n| n.name)
+    }
+
+    /// The accumulated gradient of a leaf.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().map(|g| g.clone()).unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    /// Replaces the accumulated gradient (`None` clears it, as `zero_grad(set_to_none=True)`).
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        match self.0.grad.lock() {
+            Ok(mut slot) => *slot = g,
+            Err(p) => *p.into_inner() = g,
+        }
+    }
+
+    /// Clears the gradient.
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+
+    pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
+        let mut slot = self.0.grad.lock().unwrap_or_else(|p| p.into_inner());
+        let new = match slot.take() {
+            Some(old) => crate::autograd::no_grad(|| old.add(&g))?,
+            None => g,
+        };
+        *slot = Some(new);
+        Ok(())
+    }
+
+    /// A handle to the same data that is cut from the graph.
+    pub fn detach(&self) -> Tensor {
+        self.share(self.shape().clone(), None)
+    }
+
+    pub(crate) fn node(&self) -> Option<&Arc<Node>> {
+        self.0.node.as_ref()
+    }
+
+    /// Runs `f` on the typed host data. Errors on meta/CUDA tensors and on a dtype mismatch.
+    pub fn with_data<T: Element, R>(&self, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+        let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Storage::Cpu(s) => Ok(f(typed::<T>("with_data", s)?)),
+            Storage::Meta => Err(TensorError::MetaTensor { op: "with_data" }),
+        }
+    }
+
+    /// Runs `f` on the typed host data, mutably, in place. Not recorded by autograd: use it
+    /// for optimizer updates and loading weights.
+    pub fn with_data_mut<T: Element, R>(&self, f: impl FnOnce(&mut [T]) -> R) -> Result<R> {
+        let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
+        match &mut *g {
+            Storage::Cpu(s) => {
+                let got = s.dtype();
+                let sl = T::slice_mut(s).ok_or(TensorError::DTypeMismatch {
+                    op: "with_data_mut",
+                    expected: T::DTYPE.name().into(),
+                    got,
+                })?;
+                Ok(f(sl))
+            }
+            Storage::Meta => Err(TensorError::MetaTensor { op: "with_data_mut" }),
+        }
+    }
+
+    /// Runs `f` on the host storage of any dtype.
+    pub(crate) fn with_storage<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&CpuStorage) -> Result<R>,
+    ) -> Result<R> {
+        let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Storage::Cpu(s) => f(s),
+            Storage::Meta => Err(TensorError::MetaTensor { op }),
+        }
+    }
+
+    /// The elements as a vector of `T` (must be the tensor's dtype).
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.with_data::<T, _>(|s| s.to_vec())
+    }
+
+    /// The elements converted to f64, whatever the dtype.
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.with_storage("to_vec_f64", |s| {
+            Ok(crate::with_any_type!(s.dtype(), |T| {
+                typed::<T>("to_vec_f64", s)?.iter().map(|&v| v.to_f64()).collect()
+            }))
+        })
+    }
+
+    /// The single value of a one-element tensor, as f64.
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(TensorError::InvalidArgument {
+                op: "item",
+                what: format!(
+                    "tensor of shape {} has {} elements, not 1",
+                    self.shape(),
+                    self.numel()
+                ),
+            });
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+
+    /// Overwrites this tensor's data with `src`'s (same shape; converted to this dtype).
+    /// Not recorded by autograd.
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        if src.shape() != self.shape() {
+            return Err(TensorError::ShapeMismatch {
+                op: "copy_",
+                lhs: self.shape().clone(),
+                rhs: src.shape().clone(),
+                why: "copy needs equal shapes".into(),
+            });
+        }
+        let src =
+            if src.dtype() == self.dtype() { src.clone() } else { src.to_dtype(self.dtype())? };
+        if self.same_storage(&src) {
+            return Ok(());
+        }
+        let data = src.with_storage("copy_", |s| Ok(s.clone()))?;
+        let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
+        match &mut *g {
+            Storage::Cpu(s) => {
+                *s = data;
+                Ok(())
+            }
+            Storage::Meta => Err(TensorError::MetaTensor { op: "copy_" }),
+        }
+    }
+
+    /// `self += alpha * x` in place (not recorded by autograd): the SGD update.
+    pub fn add_scaled_(&self, x: &Tensor, alpha: f64) -> Result<()> {
+        let upd = crate::autograd::no_grad(|| x.mul_scalar(alpha)?.to_dtype(self.dtype()))?;
+        let new = crate::autograd::no_grad(|| self.detach().add(&upd))?;
+        self.copy_(&new)
+    }
+
+    /// Materializes a meta tensor on `device` (zero-filled), or copies a tensor there.
+    /// The result is a new leaf keeping `requires_grad`.
+    pub fn to_empty(&self, device: Device) -> Result<Tensor> {
+        let t = Tensor::zeros(self.shape().clone(), self.dtype(), device)?;
+        Ok(t.requires_grad_(self.requires_grad()))
+    }
+
+    /// Moves the tensor to `device` (differentiable for CPU; CUDA arrives with its backend).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        match device {
+            Device::Cuda(_) => Err(cuda_unavailable()),
+            Device::Meta => Tensor::empty(self.shape().clone(), self.dtype(), Device::Meta),
+            Device::Cpu => Err(TensorError::MetaTensor { op: "to_device" }),
+        }
+    }
+}
+
+pub(crate) fn cuda_unavailable() -> TensorError {
+    TensorError::Unavailable {
+        what: "CUDA tensors".into(),
+        why: "this build has no CUDA storage backend".into(),
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor[{}, {}, {}", self.shape(), self.dtype(), self.device())?;
+        if let Some(n) = self.grad_fn_name() {
+            write!(f, ", grad_fn={n}")?;
+        } else if self.requires_grad() {
+            write!(f, ", requires_grad")?;
+        }
+        if self.device() == Device::Cpu && self.numel() <= 16 {
+            if let Ok(v) = self.to_vec_f64() {
+                write!(f, ", {v:?}")?;
+            }
+        }
+        write!(f, "]")
+    }
+}
