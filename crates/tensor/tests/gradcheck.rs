@@ -1,5 +1,6 @@
 //! Finite-difference gradient checks in f64 for every op with a backward, on random
 //! shapes chosen by proptest.
+#![allow(clippy::cloned_ref_to_slice_refs)] // `&[x.clone()]` reads best in the many calls below
 
 use proptest::prelude::*;
 use tpar_tensor::autograd::grad;

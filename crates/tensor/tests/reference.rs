@@ -21,6 +21,8 @@ fn check(what: &str, dtype: DType, got: &Tensor, want: &[f64], scale: f64) {
         .unwrap();
 }
 
+type UnaryCase = (&'static str, fn(&Tensor) -> tpar_tensor::Result<Tensor>, fn(f64) -> f64);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
 #[test]
@@ -40,7 +42,7 @@ fn elementwise_and_broadcast() {
             }
         }
         check("mul_add", dtype, &a.mul(&b).unwrap().add(&a).unwrap(), &want, 2.0);
-        let unary: [(&str, fn(&Tensor) -> tpar_tensor::Result<Tensor>, fn(f64) -> f64); 5] = [
+        let unary: [UnaryCase; 5] = [
             ("exp", Tensor::exp, f64::exp),
             ("silu", Tensor::silu, |x| x / (1.0 + (-x).exp())),
             ("tanh", Tensor::tanh, f64::tanh),

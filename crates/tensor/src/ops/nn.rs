@@ -77,7 +77,7 @@ impl Tensor {
                 .transpose(d as isize, last);
         }
         let cols = self.dims()[d];
-        let rows = if cols == 0 { 0 } else { self.numel() / cols };
+        let rows = self.numel().checked_div(cols).unwrap_or(0);
         let n = self.numel();
         let out = compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
@@ -132,7 +132,7 @@ impl Tensor {
         if is_meta(op, &[self, weight])? {
             return meta(self.shape().clone(), dtype);
         }
-        let rows = if dim == 0 { 0 } else { self.numel() / dim };
+        let rows = self.numel().checked_div(dim).unwrap_or(0);
         let n = self.numel();
         with_float_type!(dtype, op, |T| {
             let mut y = vec![T::default(); n];
