@@ -1,6 +1,7 @@
 //! CPU matmul on the `gemm` crate.
 
 use std::any::TypeId;
+use std::mem::MaybeUninit;
 
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -38,14 +39,18 @@ fn native_any<E: Copy + Send + Sync + 'static>(
     s: &GemmShape,
     a: &[E],
     b: &[E],
-    out: &mut [E],
+    out: &mut [MaybeUninit<E>],
     accumulate: bool,
     serial: bool,
 ) -> bool {
-    if let (Some(a), Some(b), Some(o)) = (cast::<E, f32>(a), cast(b), cast_mut(&mut *out)) {
+    if let (Some(a), Some(b), Some(o)) =
+        (cast::<E, f32>(a), cast(b), cast_mut::<_, MaybeUninit<f32>>(&mut *out))
+    {
         native(s, a, b, o, accumulate, serial, 0.0f32, 1.0f32);
         true
-    } else if let (Some(a), Some(b), Some(o)) = (cast::<E, f64>(a), cast(b), cast_mut(out)) {
+    } else if let (Some(a), Some(b), Some(o)) =
+        (cast::<E, f64>(a), cast(b), cast_mut::<_, MaybeUninit<f64>>(out))
+    {
         native(s, a, b, o, accumulate, serial, 0.0f64, 1.0f64);
         true
     } else {
@@ -54,12 +59,13 @@ fn native_any<E: Copy + Send + Sync + 'static>(
 }
 
 /// Calls `gemm::gemm` per batch (on this thread only when `serial`). `E` must
-/// be `f32` or `f64`; extents were validated.
+/// be `f32` or `f64`; extents were validated. Unless `accumulate`, `out` may be
+/// uninitialized: every element is written and none is read.
 fn native<E: Copy + Send + Sync + 'static>(
     s: &GemmShape,
     a: &[E],
     b: &[E],
-    out: &mut [E],
+    out: &mut [MaybeUninit<E>],
     accumulate: bool,
     serial: bool,
     zero: E,
@@ -72,14 +78,14 @@ fn native<E: Copy + Send + Sync + 'static>(
     }
     if k == 0 {
         if !accumulate {
-            out.fill(zero);
+            out.fill(MaybeUninit::new(zero));
         }
         return;
     }
     let (a_rs, a_cs) = if s.trans_a { (1, m) } else { (k, 1) };
     let (b_rs, b_cs) = if s.trans_b { (1, k) } else { (n, 1) };
     let big = !serial && m.saturating_mul(n).saturating_mul(k) > PAR_THRESHOLD;
-    let one_batch = |bi: usize, o: &mut [E], par: Parallelism| {
+    let one_batch = |bi: usize, o: &mut [MaybeUninit<E>], par: Parallelism| {
         let a = &a[bi * s.a_batch_stride..];
         let b = &b[bi * s.b_batch_stride..];
         debug_assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
@@ -87,13 +93,15 @@ fn native<E: Copy + Send + Sync + 'static>(
         // SAFETY: `matmul` (or `small_matmul`'s assert) checked that A (resp. B) holds
         // (batch-1)*stride + m*k (resp. k*n) elements, so every index (i*a_rs + p*a_cs) of batch `bi` is in
         // bounds of `a`, likewise for `b`; `o` is exactly m*n with row stride n.
-        // E is f32 or f64 (see `native_any`), which gemm supports.
+        // E is f32 or f64 (see `native_any`), which gemm supports. With `accumulate`
+        // false gemm writes every element of `o` without reading it (read_dst = false),
+        // so `o` may be uninitialized; with it, the caller passed initialized data.
         unsafe {
             gemm::gemm(
                 m,
                 n,
                 k,
-                o.as_mut_ptr(),
+                o.as_mut_ptr().cast::<E>(),
                 1,
                 n as isize,
                 accumulate,
@@ -124,6 +132,23 @@ fn native<E: Copy + Send + Sync + 'static>(
     }
 }
 
+/// Views initialized elements as possibly-uninitialized ones (always sound).
+fn as_uninit<T>(s: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout, and every value of T is a valid MaybeUninit<T>;
+    // callers only ever write initialized values through the view.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<MaybeUninit<T>>(), s.len()) }
+}
+
+/// A new `len`-element vector filled by `fill`, which must initialize every element.
+fn filled_vec<E>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<E>])) -> Vec<E> {
+    let mut v: Vec<E> = Vec::with_capacity(len);
+    fill(&mut v.spare_capacity_mut()[..len]);
+    // SAFETY: the capacity is at least `len` and `fill` initialized elements 0..len
+    // (gemm writes all of them when not accumulating; see `native`).
+    unsafe { v.set_len(len) };
+    v
+}
+
 pub(super) fn matmul<T: Float>(
     s: &GemmShape,
     a: &[T],
@@ -131,19 +156,49 @@ pub(super) fn matmul<T: Float>(
     out: &mut [T],
     accumulate: bool,
 ) -> Result<()> {
-    if native_any(s, a, b, out, accumulate, false) {
+    if native_any(s, a, b, as_uninit(out), accumulate, false) {
         return Ok(());
     }
     // Half precision: widen to the accumulator type (f32), multiply, round once.
     let widen = |x: &[T]| -> Vec<T::Acc> { x.par_iter().map(|v| v.to_acc()).collect() };
     let (a32, b32) = (widen(a), widen(b));
-    let mut o32 =
-        if accumulate { widen(out) } else { vec![<T::Acc as num_traits::Zero>::zero(); out.len()] };
-    if !native_any(s, &a32, &b32, &mut o32, accumulate, false) {
+    let mut o32 = if accumulate { widen(out) } else { Vec::new() };
+    let ok = if accumulate {
+        native_any(s, &a32, &b32, as_uninit(&mut o32), true, false)
+    } else {
+        let mut ok = false;
+        o32 = filled_vec(out.len(), |o| {
+            ok = native_any(s, &a32, &b32, o, false, false);
+            if !ok {
+                o.fill(MaybeUninit::new(<T::Acc as num_traits::Zero>::zero()));
+            }
+        });
+        ok
+    };
+    if !ok {
         return Err(bad("matmul", format!("unsupported element type {}", T::NAME)));
     }
     out.par_iter_mut().zip(o32.par_iter()).for_each(|(o, &x)| *o = T::from_acc(x));
     Ok(())
+}
+
+/// `A·B` into a new vector, without zero-filling it first (the product writes
+/// every element). Sizes must have been validated by the caller.
+pub(super) fn matmul_new<T: Float>(s: &GemmShape, a: &[T], b: &[T]) -> Result<Vec<T>> {
+    let len = s.batch * s.m * s.n;
+    let mut done = false;
+    let v = filled_vec(len, |o| {
+        done = native_any(s, a, b, o, false, false);
+        if !done {
+            o.fill(MaybeUninit::new(T::default()));
+        }
+    });
+    if done {
+        return Ok(v);
+    }
+    let mut v = v;
+    matmul(s, a, b, &mut v, false)?;
+    Ok(v)
 }
 
 /// Single-threaded `out (+)= op(a) · op(b)` on accumulator buffers, for use
@@ -168,7 +223,7 @@ pub(crate) fn small_matmul<A: Acc>(
         b_batch_stride: 0,
         ..GemmShape::new(1, m, n, k)
     };
-    if native_any(&s, a, b, out, accumulate, true) {
+    if native_any(&s, a, b, as_uninit(out), accumulate, true) {
         return;
     }
     // Accumulator types other than f32/f64: plain loops.

@@ -65,6 +65,22 @@ impl GemmShape {
     }
 }
 
+/// Checks operand lengths against the shape; returns the extents of A and B.
+fn validate(s: &GemmShape, a_len: usize, b_len: usize) -> Result<(usize, usize)> {
+    const OP: &str = "matmul";
+    let a_need = s.extent(OP, numel(OP, &[s.m, s.k])?, s.a_batch_stride)?;
+    let b_need = s.extent(OP, numel(OP, &[s.k, s.n])?, s.b_batch_stride)?;
+    if a_len < a_need || b_len < b_need {
+        return Err(bad(
+            OP,
+            format!(
+                "{s:?}: A has {a_len} elements (needs {a_need}), B has {b_len} (needs {b_need})"
+            ),
+        ));
+    }
+    Ok((a_need, b_need))
+}
+
 /// `out = A·B` (or `out += A·B` when `accumulate`) for every batch; `out` is
 /// `[batch, m, n]`.
 ///
@@ -77,19 +93,15 @@ pub fn matmul<T: Float>(
     out: &mut [T],
     accumulate: bool,
 ) -> Result<()> {
-    const OP: &str = "matmul";
-    let a_need = s.extent(OP, numel(OP, &[s.m, s.k])?, s.a_batch_stride)?;
-    let b_need = s.extent(OP, numel(OP, &[s.k, s.n])?, s.b_batch_stride)?;
-    if a.len() < a_need || b.len() < b_need {
-        return Err(bad(
-            OP,
-            format!(
-                "{s:?}: A has {} elements (needs {a_need}), B has {} (needs {b_need})",
-                a.len(),
-                b.len()
-            ),
-        ));
-    }
-    check_len(OP, "out", out.len(), numel(OP, &[s.batch, s.m, s.n])?)?;
+    let (a_need, b_need) = validate(s, a.len(), b.len())?;
+    check_len("matmul", "out", out.len(), numel("matmul", &[s.batch, s.m, s.n])?)?;
     cpu::matmul(s, &a[..a_need], &b[..b_need], out, accumulate)
+}
+
+/// `A·B` into a newly allocated `[batch, m, n]` vector, skipping the zero-fill a
+/// caller-provided buffer would need (measurable on small and mid-size products).
+pub fn matmul_new<T: Float>(s: &GemmShape, a: &[T], b: &[T]) -> Result<Vec<T>> {
+    let (a_need, b_need) = validate(s, a.len(), b.len())?;
+    numel("matmul", &[s.batch, s.m, s.n])?;
+    cpu::matmul_new(s, &a[..a_need], &b[..b_need])
 }

@@ -1,6 +1,6 @@
 //! Matrix products: batched, with transposed operands read in place, and `linear`.
 
-use tpar_kernels::gemm::{matmul as gemm, GemmShape};
+use tpar_kernels::gemm::{matmul_new, GemmShape};
 
 use super::{common_dtype, compute, require_float};
 use crate::autograd::record;
@@ -88,12 +88,9 @@ fn mm_raw(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     };
     let mut od = batch_dims;
     od.extend_from_slice(&[m, n]);
-    let numel = Shape::from(od.clone()).numel();
     compute(op, &[a, b], Shape::from(od), dtype, |st| {
         with_float_type!(dtype, op, |T| {
-            let mut o = vec![T::default(); numel];
-            gemm(&shape, typed::<T>(op, st[0])?, typed::<T>(op, st[1])?, &mut o, false)?;
-            Ok(T::wrap(o))
+            Ok(T::wrap(matmul_new(&shape, typed::<T>(op, st[0])?, typed::<T>(op, st[1])?)?))
         })
     })
 }
