@@ -45,14 +45,28 @@ fn main() -> Result<(), TensorError> {
             + cfg.vocab * cfg.dim) as f64;
         let attn = 4.0 * (cfg.seq as f64) * (cfg.heads * hd) as f64 / 2.0; // causal QK^T and PV per token
         let flops = 3.0 * 2.0 * tokens * weights + 3.0 * tokens * attn;
+        // Baseline in the same run: one matmul of the block's MLP shape.
+        let mut rng = Rng::new(9);
+        let x = Tensor::randn([batch * cfg.seq, cfg.dim], dtype, &mut rng)?;
+        let w = Tensor::randn([cfg.hidden, cfg.dim], dtype, &mut rng)?;
+        let mut mm = Vec::new();
+        for _ in 0..20 {
+            let t = Instant::now();
+            x.linear(&w, None)?;
+            mm.push(t.elapsed().as_secs_f64());
+        }
+        mm.sort_by(f64::total_cmp);
+        let mm_gflops = 2.0 * tokens * (cfg.dim * cfg.hidden) as f64 / mm[mm.len() / 2] / 1e9;
+        let gflops = flops / step / 1e9;
         println!(
-            "llama block {}: batch {batch} seq {} dim {} -> median fwd+bwd {:.1} ms, {:.0} tokens/s, {:.1} GFLOP/s",
+            "llama block {}: batch {batch} seq {} dim {} -> median fwd+bwd {:.1} ms, {:.0} tokens/s, \
+             {gflops:.1} GFLOP/s = {:.2} x the same-run MLP matmul ({mm_gflops:.1} GFLOP/s)",
             dtype.name(),
             cfg.seq,
             cfg.dim,
             step * 1e3,
             tokens / step,
-            flops / step / 1e9
+            gflops / mm_gflops
         );
     }
     Ok(())
