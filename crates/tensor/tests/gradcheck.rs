@@ -235,3 +235,51 @@ fn gradients_accumulate_across_backward_calls() {
     assert!(!y.requires_grad());
     assert!(x.detach().square().unwrap().grad_fn_name().is_none());
 }
+
+#[test]
+fn grad_mode_is_per_thread() {
+    let x = Tensor::from_vec(vec![1.0f64, 2.0], [2]).unwrap().requires_grad_(true);
+    no_grad(|| {
+        assert!(!x.square().unwrap().requires_grad());
+        // Another thread (another rank) still records while this one is in no_grad.
+        let xs = x.clone();
+        let recorded =
+            std::thread::spawn(move || xs.square().unwrap().requires_grad()).join().unwrap();
+        assert!(recorded);
+    });
+    assert!(x.square().unwrap().requires_grad());
+}
+
+#[test]
+fn custom_function_backward_is_used() {
+    use tpar_tensor::autograd::{apply, Function};
+    /// y = x^3 with a hand-written backward.
+    struct Cube {
+        x: Option<Tensor>,
+    }
+    impl Function for Cube {
+        fn name(&self) -> &'static str {
+            "cube"
+        }
+        fn forward(&mut self, inputs: &[Tensor]) -> Result<Tensor> {
+            self.x = Some(inputs[0].clone());
+            inputs[0].pow_scalar(3.0)
+        }
+        fn backward(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+            let x = self.x.as_ref().expect("forward ran");
+            Ok(vec![Some(g.mul(&x.square()?.mul_scalar(3.0)?)?)])
+        }
+    }
+    let mut rng = Rng::new(5);
+    let x = randn(&[2, 3], &mut rng);
+    let y = apply(Cube { x: None }, &[&x]).unwrap();
+    assert_eq!(y.grad_fn_name(), Some("cube"));
+    gradcheck("custom", |t| apply(Cube { x: None }, &[&t[0]]), &[x.clone()], 5);
+    // backward_with: a given output gradient.
+    y.backward_with(&Tensor::full([2, 3], 2.0, DType::F64, tpar_tensor::Device::Cpu).unwrap())
+        .unwrap();
+    let want: Vec<f64> = x.to_vec_f64().unwrap().iter().map(|v| 6.0 * v * v).collect();
+    tpar_tensor::tol::Tol::for_dtype(DType::F64)
+        .check("backward_with", &x.grad().unwrap().to_vec_f64().unwrap(), &want)
+        .unwrap();
+}
