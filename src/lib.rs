@@ -14,10 +14,17 @@
 //! ```
 #![warn(missing_docs)]
 
+pub use tpar_collectives as collectives;
 pub use tpar_kernels as kernels;
+pub use tpar_mesh as mesh;
+pub use tpar_placements as placements;
 pub use tpar_tensor as tensor;
+pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
 
 /// The names a trainer uses most, in one import.
 pub mod prelude {
+    pub use tpar_collectives::{spawn, CollectiveError, ProcessGroup, RankCtx, ReduceOp};
+    pub use tpar_mesh::{DeviceMesh, DeviceType, MeshError};
+    pub use tpar_placements::Placement;
     pub use tpar_tensor::{no_grad, DType, Device, Rng, RopeLayout, Shape, Tensor, TensorError};
 }

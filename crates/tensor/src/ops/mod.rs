@@ -49,23 +49,8 @@ pub(crate) fn compute(
     out_dtype: DType,
     f: impl FnOnce(&[&CpuStorage]) -> Result<CpuStorage>,
 ) -> Result<Tensor> {
-    match common_device(op, inputs)? {
-        Device::Meta => return Tensor::empty(out_shape, out_dtype, Device::Meta),
-        Device::Cuda(_) => return Err(cuda_unavailable()),
-        Device::Cpu => {}
-    }
-    let guards: Vec<RwLockReadGuard<'_, Storage>> =
-        inputs.iter().map(|t| t.0.storage.read().unwrap_or_else(|p| p.into_inner())).collect();
-    let mut storages = Vec::with_capacity(inputs.len());
-    for g in &guards {
-        match &**g {
-            Storage::Cpu(s) => storages.push(s),
-            Storage::Meta => return Err(TensorError::MetaTensor { op }),
-        }
-    }
-    let out = f(&storages)?;
-    drop(guards);
-    Tensor::from_storage(out, out_shape)
+    let mut outs = compute_multi(op, inputs, &[(out_shape, out_dtype)], |s| Ok(vec![f(s)?]))?;
+    Ok(outs.swap_remove(0))
 }
 
 /// Like [`compute`] but the closure returns several storages (one per output shape).
@@ -93,6 +78,12 @@ pub(crate) fn compute_multi(
     }
     let res = f(&storages)?;
     drop(guards);
+    if res.len() != outs.len() {
+        return Err(invalid(
+            op,
+            format!("{} outputs computed for {} expected", res.len(), outs.len()),
+        ));
+    }
     res.into_iter()
         .zip(outs)
         .map(|(s, (shape, _))| Tensor::from_storage(s, shape.clone()))

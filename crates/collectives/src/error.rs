@@ -1,0 +1,118 @@
+//! The collectives layer's error type.
+
+use std::time::Duration;
+
+use tpar_tensor::TensorError;
+
+/// Everything a collective, a process group or the launcher can fail with.
+///
+/// Variants name the op, the group (as global ranks) and the rank(s) at fault, so a
+/// message read on any rank points at the culprit.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CollectiveError {
+    /// Some members never arrived (or never finished) within the group's timeout.
+    #[error(
+        "{op} on group {group:?}: timed out after {after:?} waiting for rank(s) {waiting_for:?}"
+    )]
+    Timeout {
+        /// The collective (`"all_reduce"`, `"recv"`, ...).
+        op: &'static str,
+        /// The group's members, as global ranks.
+        group: Vec<usize>,
+        /// Global ranks that had not arrived (or finished) when time ran out.
+        waiting_for: Vec<usize>,
+        /// The timeout that expired.
+        after: Duration,
+    },
+    /// A peer failed (its rank function returned an error or panicked, or it left
+    /// without joining a collective the others are waiting in).
+    #[error("{op} on group {group:?}: rank {rank} failed: {why}")]
+    PeerFailed {
+        /// The collective that was interrupted.
+        op: &'static str,
+        /// The group's members, as global ranks.
+        group: Vec<usize>,
+        /// The global rank that failed.
+        rank: usize,
+        /// What happened to it.
+        why: String,
+    },
+    /// Members called different collectives, or passed different dtypes or shapes.
+    #[error("{op} on group {group:?}: rank {rank} passed {got}, but the others passed {expected}")]
+    Mismatch {
+        /// The collective this rank called.
+        op: &'static str,
+        /// The group's members, as global ranks.
+        group: Vec<usize>,
+        /// The (first) global rank whose call disagrees with the majority.
+        rank: usize,
+        /// What most members passed (collective, dtype, shape).
+        expected: String,
+        /// What the offending rank passed.
+        got: String,
+    },
+    /// An argument no member could use (bad dim, bad rank list, ...).
+    #[error("{op}: {why}")]
+    InvalidArgument {
+        /// The op.
+        op: &'static str,
+        /// What is wrong, with the numbers.
+        why: String,
+    },
+    /// A backend or device that is not available in this build or on this machine.
+    #[error("{what} is unavailable: {why}")]
+    Unavailable {
+        /// The feature (`"NCCL backend"`, `"CUDA tensors"`, ...).
+        what: String,
+        /// Why it is not available.
+        why: String,
+    },
+    /// A rank function panicked (reported by [`spawn`](crate::spawn)).
+    #[error("rank {rank} panicked: {message}")]
+    Panicked {
+        /// The global rank.
+        rank: usize,
+        /// The panic payload, when it was a string.
+        message: String,
+    },
+    /// A tensor op failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+impl CollectiveError {
+    /// The global rank this error blames, when it names one (the peer that failed, the
+    /// first rank that did not arrive, the rank that passed a mismatching argument).
+    pub fn culprit(&self) -> Option<usize> {
+        match self {
+            CollectiveError::Timeout { waiting_for, .. } => waiting_for.first().copied(),
+            CollectiveError::PeerFailed { rank, .. }
+            | CollectiveError::Mismatch { rank, .. }
+            | CollectiveError::Panicked { rank, .. } => Some(*rank),
+            _ => None,
+        }
+    }
+}
+
+/// Lets code that must return [`TensorError`] (autograd backward closures, tensor-level
+/// helpers) use `?` on collectives. Tensor errors come back unchanged; argument errors
+/// become `InvalidArgument`; communication failures become `Unavailable` with the full
+/// message (the tensor error type has no communication variant).
+impl From<CollectiveError> for TensorError {
+    fn from(e: CollectiveError) -> Self {
+        match e {
+            CollectiveError::Tensor(t) => t,
+            CollectiveError::InvalidArgument { op, why } => {
+                TensorError::InvalidArgument { op, what: why }
+            }
+            m @ CollectiveError::Mismatch { .. } => {
+                TensorError::InvalidArgument { op: "collective", what: m.to_string() }
+            }
+            CollectiveError::Unavailable { what, why } => TensorError::Unavailable { what, why },
+            other => TensorError::Unavailable {
+                what: "collective communication".into(),
+                why: other.to_string(),
+            },
+        }
+    }
+}

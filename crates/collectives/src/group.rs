@@ -1,0 +1,526 @@
+//! `ProcessGroup`: the communicator handle every layer above talks through.
+
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tpar_tensor::{DType, Device, Tensor};
+
+use crate::local::{Call, LocalComm};
+use crate::spawn::panic_message;
+use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result};
+
+/// The transport behind a group: an enum over backends that live in their own modules, so
+/// no backend generic leaks into user signatures.
+///
+/// Seam for NCCL: a `Nccl(nccl::NcclComm)` variant will live in a `nccl` module compiled
+/// with the `cuda` feature (cudarc's `nccl`), built from a rendezvous instead of a
+/// [`World`](crate::World). Each `ProcessGroup` method dispatches with one `match` on this
+/// enum; argument checks, sequence numbering and [`CommDebug`] recording stay in
+/// `ProcessGroup` and are shared by both. A build or machine without NCCL reports
+/// [`CollectiveError::Unavailable`] when such a group is requested.
+#[derive(Clone)]
+pub(crate) enum Backend {
+    /// Ranks are threads of this process (see the `local` module).
+    Local(LocalComm),
+}
+
+/// A collective call numbered and checked on the calling thread, ready to run.
+struct Issued {
+    seq: u64,
+    call: Call,
+    tensor: Option<Tensor>,
+    problem: Option<CollectiveError>,
+}
+
+/// A group of ranks that run collectives together: PyTorch's `ProcessGroup`.
+///
+/// Cheap to clone (clones are the same group). Each rank holds its own handle; members
+/// are identified by *global* rank in [`ranks`](Self::ranks) (sorted), while the `src`
+/// and `dst` arguments of [`broadcast`](Self::broadcast), [`send`](Self::send) and
+/// [`recv`](Self::recv) are *group* ranks, `0..size()`.
+///
+/// Collectives are out of place: they read `&Tensor` and return a new tensor with its own
+/// storage (no autograd history; the DTensor layer records adjoints). They work on every
+/// dtype, on tensors that require grad, inside or outside `no_grad`, and on meta tensors
+/// (the result is a meta tensor of the right shape). Every member must call the same
+/// collectives on a group in the same order; a member that disagrees (another collective,
+/// dtype or shape) makes every member fail with [`CollectiveError::Mismatch`] naming it.
+///
+/// ```
+/// use tpar_collectives::{spawn, CollectiveError, ReduceOp};
+/// use tpar_tensor::Tensor;
+/// let sums = spawn(3, |ctx| -> Result<Vec<f32>, CollectiveError> {
+///     let pg = ctx.world_group();
+///     let t = Tensor::from_vec(vec![ctx.rank() as f32; 2], [2])?;
+///     Ok(pg.all_reduce(&t, ReduceOp::Sum)?.to_vec::<f32>()?)
+/// })?;
+/// assert_eq!(sums, vec![vec![3.0, 3.0]; 3]);
+/// # Ok::<(), CollectiveError>(())
+/// ```
+#[derive(Clone)]
+pub struct ProcessGroup {
+    ranks: Arc<[usize]>,
+    rank: usize,
+    global_rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    debug: CommDebug,
+    backend: Backend,
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("backend", &self.backend_name())
+            .field("ranks", &self.ranks)
+            .field("rank", &self.rank)
+            .field("global_rank", &self.global_rank)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    pub(crate) fn local(
+        comm: LocalComm,
+        ranks: Arc<[usize]>,
+        rank: usize,
+        global_rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        debug: CommDebug,
+    ) -> ProcessGroup {
+        ProcessGroup {
+            ranks,
+            rank,
+            global_rank,
+            world_size,
+            timeout,
+            debug,
+            backend: Backend::Local(comm),
+        }
+    }
+
+    /// The members' global ranks, sorted.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// This rank's index in the group (`0..size()`).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of members.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// This rank's global rank.
+    pub fn global_rank(&self) -> usize {
+        self.global_rank
+    }
+
+    /// Number of ranks in the whole world this group belongs to.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// How long a collective waits for its peers before failing with
+    /// [`CollectiveError::Timeout`].
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The same group with another timeout (only this handle is affected).
+    pub fn with_timeout(&self, timeout: Duration) -> ProcessGroup {
+        ProcessGroup { timeout, ..self.clone() }
+    }
+
+    /// The group rank of a global rank, if it is a member.
+    pub fn group_rank_of(&self, global: usize) -> Option<usize> {
+        self.ranks.binary_search(&global).ok()
+    }
+
+    /// The global rank of a group rank.
+    pub fn global_rank_of(&self, group_rank: usize) -> Option<usize> {
+        self.ranks.get(group_rank).copied()
+    }
+
+    /// This rank's communication recorder (shared by all its groups in the world).
+    pub fn comm_debug(&self) -> CommDebug {
+        self.debug.clone()
+    }
+
+    /// The backend's name: `"local"`.
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Local(_) => "local",
+        }
+    }
+
+    /// Another group of the same world, from global ranks (any order, no duplicates) that
+    /// include this rank. Every member must create it; all handles on the same rank list
+    /// share one communicator, whichever rank created them.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<ProcessGroup> {
+        match &self.backend {
+            Backend::Local(l) => {
+                crate::world::local_group(l.world(), self.global_rank, ranks, Some(self.timeout))
+            }
+        }
+    }
+
+    // ---- collectives ---------------------------------------------------------------
+
+    /// Reduces every member's tensor elementwise with `op`; every member gets the result.
+    ///
+    /// All members pass the same shape and dtype. bf16/f16 accumulate in f32; `Avg` needs a
+    /// float dtype.
+    pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let i = self.issue(Call::AllReduce { op }, Some(t), false);
+        expect_tensor("all_reduce", self.execute(i))
+    }
+
+    /// Concatenates every member's tensor along `dim`, in group-rank order.
+    ///
+    /// Members may hold different sizes along `dim` (including 0, as uneven `torch.chunk`
+    /// shards do); all other dims and the dtype must agree.
+    pub fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let i = self.issue(Call::AllGather { dim }, Some(t), false);
+        expect_tensor("all_gather", self.execute(i))
+    }
+
+    /// Reduces every member's tensor with `op`, then member `i` keeps chunk `i` of `dim`,
+    /// split by the `torch.chunk` rule of [`chunk_range`](crate::chunk_range) (chunks may
+    /// be empty). All members pass the same shape and dtype.
+    pub fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        let i = self.issue(Call::ReduceScatter { dim, op }, Some(t), false);
+        expect_tensor("reduce_scatter", self.execute(i))
+    }
+
+    /// Splits `t` along `split_dim` into `size()` chunks ([`chunk_range`](crate::chunk_range)
+    /// rule), sends chunk `j` to member `j`, and concatenates what it receives along
+    /// `concat_dim` in group-rank order.
+    ///
+    /// All dims but `concat_dim` must agree across members (members may differ along
+    /// `concat_dim`, e.g. uneven sequence shards).
+    pub fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
+        let call = Call::AllToAll { split_dim, concat_dim, sizes: None };
+        let i = self.issue(call, Some(t), false);
+        expect_tensor("all_to_all", self.execute(i))
+    }
+
+    /// [`all_to_all`](Self::all_to_all) with explicit split sizes: this member sends the
+    /// `split_sizes[j]` consecutive slices of `split_dim` starting at
+    /// `split_sizes[..j].sum()` to member `j` (`split_sizes` has `size()` entries summing
+    /// to the dim's size). When `split_dim != concat_dim`, all members must pass the same
+    /// sizes; when they are equal, each member may pass its own (`all_to_all_single` with
+    /// uneven splits).
+    pub fn all_to_all_sizes(
+        &self,
+        t: &Tensor,
+        split_sizes: &[usize],
+        split_dim: usize,
+        concat_dim: usize,
+    ) -> Result<Tensor> {
+        let call = Call::AllToAll { split_dim, concat_dim, sizes: Some(split_sizes.to_vec()) };
+        let i = self.issue(call, Some(t), false);
+        expect_tensor("all_to_all", self.execute(i))
+    }
+
+    /// Every member gets a copy of group rank `src`'s tensor.
+    ///
+    /// Only the source's tensor is read: other members may pass any tensor (a buffer of the
+    /// right shape, as in PyTorch, or an empty placeholder); its shape and dtype are
+    /// ignored, and the result has the source's.
+    pub fn broadcast(&self, t: &Tensor, src: usize) -> Result<Tensor> {
+        let i = self.issue(Call::Broadcast { src }, Some(t), false);
+        expect_tensor("broadcast", self.execute(i))
+    }
+
+    /// Waits until every member has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        let i = self.issue(Call::Barrier, None, false);
+        self.execute(i).map(|_| ())
+    }
+
+    /// Sends a copy of `t` to group rank `dst`. Returns at once (the copy is queued);
+    /// messages between one pair of ranks arrive in order.
+    pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        let op = "send";
+        if dst >= self.size() {
+            return Err(bad_rank(op, "dst", dst, self.size()));
+        }
+        check_device(op, t)?;
+        let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
+        self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
+        match &self.backend {
+            Backend::Local(l) => l.send(dst, copy),
+        }
+        Ok(())
+    }
+
+    /// Receives the next tensor group rank `src` sent to this rank, waiting up to the
+    /// group's timeout.
+    pub fn recv(&self, src: usize) -> Result<Tensor> {
+        let op = "recv";
+        if src >= self.size() {
+            return Err(bad_rank(op, "src", src, self.size()));
+        }
+        self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
+        match &self.backend {
+            Backend::Local(l) => l.recv(src, self.timeout),
+        }
+    }
+
+    /// [`all_reduce`](Self::all_reduce) running on a helper thread; see [`Work`].
+    pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work {
+        self.start(Call::AllReduce { op }, t)
+    }
+
+    /// [`all_gather`](Self::all_gather) running on a helper thread; see [`Work`].
+    pub fn all_gather_async(&self, t: &Tensor, dim: usize) -> Work {
+        self.start(Call::AllGather { dim }, t)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) running on a helper thread; see [`Work`].
+    pub fn reduce_scatter_async(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Work {
+        self.start(Call::ReduceScatter { dim, op }, t)
+    }
+
+    // ---- plumbing --------------------------------------------------------------------
+
+    fn record(
+        &self,
+        kind: CollectiveKind,
+        op: Option<ReduceOp>,
+        t: Option<&Tensor>,
+        is_async: bool,
+    ) -> CommRecord {
+        CommRecord {
+            kind,
+            op,
+            group: self.ranks.to_vec(),
+            bytes: t.map_or(0, |t| t.nbytes()),
+            dtype: t.map(|t| t.dtype()),
+            shape: t.map_or_else(Vec::new, |t| t.dims().to_vec()),
+            is_async,
+        }
+    }
+
+    /// Checks arguments, records the call and takes its sequence number, on the calling
+    /// thread (so async calls are numbered in program order).
+    fn issue(&self, call: Call, t: Option<&Tensor>, is_async: bool) -> Issued {
+        let problem = self.check(&call, t).err();
+        if problem.is_none() {
+            let read = match call {
+                Call::Broadcast { src } if src != self.rank => None,
+                _ => t,
+            };
+            self.debug.record(|| self.record(call.kind(), call.reduce_op(), read, is_async));
+        }
+        let seq = match &self.backend {
+            Backend::Local(l) => l.next_seq(),
+        };
+        Issued { seq, call, tensor: t.map(Tensor::detach), problem }
+    }
+
+    fn execute(&self, i: Issued) -> Result<Option<Tensor>> {
+        match &self.backend {
+            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
+        }
+    }
+
+    /// Argument checks every member can make alone.
+    fn check(&self, call: &Call, t: Option<&Tensor>) -> Result<()> {
+        let op = call.name();
+        let Some(t) = t else { return Ok(()) };
+        let dim_ok = |dim: usize, what: &str| {
+            if dim < t.rank() {
+                Ok(())
+            } else {
+                Err(CollectiveError::InvalidArgument {
+                    op,
+                    why: format!("{what} {dim} out of range for a tensor of shape {}", t.shape()),
+                })
+            }
+        };
+        let float_ok = |rop: ReduceOp| {
+            if rop == ReduceOp::Avg && t.dtype() == DType::I64 {
+                Err(CollectiveError::InvalidArgument {
+                    op,
+                    why: "avg needs a float dtype, got i64 (use sum and divide)".into(),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match call {
+            Call::Broadcast { src } => {
+                if *src >= self.size() {
+                    return Err(bad_rank(op, "src", *src, self.size()));
+                }
+                if *src != self.rank {
+                    return Ok(());
+                }
+            }
+            Call::AllReduce { op } => float_ok(*op)?,
+            Call::ReduceScatter { dim, op } => {
+                dim_ok(*dim, "dim")?;
+                float_ok(*op)?;
+            }
+            Call::AllGather { dim } => dim_ok(*dim, "dim")?,
+            Call::AllToAll { split_dim, concat_dim, sizes } => {
+                dim_ok(*split_dim, "split_dim")?;
+                dim_ok(*concat_dim, "concat_dim")?;
+                if let Some(s) = sizes {
+                    let size = t.dims()[*split_dim];
+                    if s.len() != self.size() || s.iter().sum::<usize>() != size {
+                        return Err(CollectiveError::InvalidArgument {
+                            op,
+                            why: format!(
+                                "split sizes {s:?} must have {} entries summing to {size} \
+                                 (dim {split_dim} of {})",
+                                self.size(),
+                                t.shape()
+                            ),
+                        });
+                    }
+                }
+            }
+            Call::Barrier => {}
+        }
+        check_device(op, t)
+    }
+
+    fn start(&self, call: Call, t: &Tensor) -> Work {
+        let op = call.name();
+        let issued = self.issue(call, Some(t), true);
+        let world = match &self.backend {
+            Backend::Local(l) => l.world().clone(),
+        };
+        let me = self.global_rank;
+        world.async_started(me);
+        // The issued call is taken by the helper thread, or back here if none starts.
+        let cell = Arc::new(Mutex::new(Some(issued)));
+        let job = {
+            let cell = cell.clone();
+            let pg = self.clone();
+            let world = world.clone();
+            move || {
+                let issued = cell.lock().unwrap_or_else(PoisonError::into_inner).take();
+                let r = match issued {
+                    Some(i) => {
+                        catch_unwind(AssertUnwindSafe(|| pg.execute(i))).unwrap_or_else(|p| {
+                            Err(CollectiveError::Panicked { rank: me, message: panic_message(&*p) })
+                        })
+                    }
+                    None => Err(CollectiveError::InvalidArgument {
+                        op,
+                        why: "internal error: async call ran twice".into(),
+                    }),
+                };
+                world.async_finished(me);
+                r
+            }
+        };
+        let spawned = std::thread::Builder::new().name(format!("tpar-work-{me}")).spawn(job);
+        match spawned {
+            Ok(h) => Work { op, state: WorkState::Running(h) },
+            Err(_) => {
+                // No thread could start: run the call here, synchronously.
+                let issued = cell.lock().unwrap_or_else(PoisonError::into_inner).take();
+                let r = match issued {
+                    Some(i) => self.execute(i),
+                    None => Err(CollectiveError::InvalidArgument {
+                        op,
+                        why: "internal error: async call lost".into(),
+                    }),
+                };
+                world.async_finished(me);
+                Work { op, state: WorkState::Done(r) }
+            }
+        }
+    }
+}
+
+fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveError {
+    CollectiveError::InvalidArgument {
+        op,
+        why: format!(
+            "{what} {r} is not a rank of a group of size {size} (group ranks are 0..{size})"
+        ),
+    }
+}
+
+fn check_device(op: &'static str, t: &Tensor) -> Result<()> {
+    match t.device() {
+        Device::Cpu | Device::Meta => Ok(()),
+        d @ Device::Cuda(_) => Err(CollectiveError::Unavailable {
+            what: format!("{op} on {d} tensors with the local backend"),
+            why: "this build has no CUDA storage; CUDA buffers arrive with the CUDA backend".into(),
+        }),
+    }
+}
+
+fn expect_tensor(op: &'static str, r: Result<Option<Tensor>>) -> Result<Tensor> {
+    r?.ok_or_else(|| CollectiveError::InvalidArgument {
+        op,
+        why: "internal error: the collective produced no tensor".into(),
+    })
+}
+
+enum WorkState {
+    Running(JoinHandle<Result<Option<Tensor>>>),
+    Done(Result<Option<Tensor>>),
+}
+
+/// A collective in flight, returned by the `*_async` methods of [`ProcessGroup`].
+///
+/// The call is checked, recorded and numbered when it is issued (so async and sync calls
+/// keep program order), then runs on a helper thread: the caller's computation overlaps
+/// the whole collective, including waiting for slow peers. [`wait`](Work::wait) joins it.
+/// Dropping a `Work` without waiting lets the collective finish in the background (peers
+/// are not left waiting), but its result is lost.
+pub struct Work {
+    op: &'static str,
+    state: WorkState,
+}
+
+impl Work {
+    /// Waits for the collective and returns its result.
+    pub fn wait(self) -> Result<Tensor> {
+        let r = match self.state {
+            WorkState::Done(r) => r,
+            WorkState::Running(h) => h.join().unwrap_or_else(|p| {
+                Err(CollectiveError::Panicked { rank: usize::MAX, message: panic_message(&*p) })
+            }),
+        };
+        expect_tensor(self.op, r)
+    }
+
+    /// Whether the collective has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        match &self.state {
+            WorkState::Done(_) => true,
+            WorkState::Running(h) => h.is_finished(),
+        }
+    }
+
+    /// The collective's name.
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+}
+
+impl fmt::Debug for Work {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Work")
+            .field("op", &self.op)
+            .field("completed", &self.is_completed())
+            .finish()
+    }
+}

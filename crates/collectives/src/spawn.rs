@@ -1,0 +1,193 @@
+//! `spawn`: run one thread per rank over a fresh [`World`], like `torch.multiprocessing.spawn`
+//! for the `local` backend.
+
+use std::any::Any;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+use crate::world::DEFAULT_TIMEOUT;
+use crate::{CollectiveError, RankCtx, World};
+
+/// Stack size of rank threads: deep autograd graphs recurse.
+pub const RANK_STACK_SIZE: usize = 64 << 20;
+
+/// How [`spawn_with`] runs its ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpawnConfig {
+    /// Number of ranks (threads).
+    pub world_size: usize,
+    /// How long collectives wait for peers (default 60 s).
+    pub timeout: Duration,
+    /// Stack size of each rank thread in bytes (default 64 MiB).
+    pub stack_size: usize,
+}
+
+impl SpawnConfig {
+    /// `world_size` ranks with the default timeout and stack size.
+    pub fn new(world_size: usize) -> SpawnConfig {
+        SpawnConfig { world_size, timeout: DEFAULT_TIMEOUT, stack_size: RANK_STACK_SIZE }
+    }
+
+    /// Sets the collective timeout.
+    pub fn timeout(self, timeout: Duration) -> SpawnConfig {
+        SpawnConfig { timeout, ..self }
+    }
+
+    /// Sets the rank threads' stack size (at least 64 KiB is used).
+    pub fn stack_size(self, bytes: usize) -> SpawnConfig {
+        SpawnConfig { stack_size: bytes, ..self }
+    }
+}
+
+/// Runs `f` on `world_size` rank threads (named `tpar-rank-{i}`) sharing a new [`World`]
+/// with the default timeout; returns every rank's result in rank order.
+///
+/// If any rank fails, the world is marked failed at once, so peers blocked in collectives
+/// return [`CollectiveError::PeerFailed`] instead of hanging, and `spawn` returns the
+/// *originating* error: the one of the first rank that failed (a rank that panics is
+/// reported as [`CollectiveError::Panicked`]), not the induced failures of its peers.
+/// Panics never escape `spawn`. A rank that returns while peers wait for it in a
+/// collective makes them fail promptly naming it; a rank stuck outside any collective
+/// cannot be interrupted, and `spawn` waits for it.
+///
+/// The error type `E` is the rank function's: anything that a [`CollectiveError`] converts
+/// into, such as `CollectiveError` itself (which converts from `TensorError`, so `?` works
+/// on both), a higher layer's error enum, or `Box<dyn Error + Send + Sync>`.
+///
+/// ```
+/// use tpar_collectives::{spawn, CollectiveError, ReduceOp};
+/// use tpar_tensor::Tensor;
+/// let out = spawn(4, |ctx| -> Result<Vec<f32>, CollectiveError> {
+///     let t = Tensor::from_vec(vec![ctx.rank() as f32], [1])?;
+///     Ok(ctx.world_group().all_gather(&t, 0)?.to_vec::<f32>()?)
+/// })?;
+/// assert_eq!(out[3], vec![0.0, 1.0, 2.0, 3.0]);
+/// # Ok::<(), CollectiveError>(())
+/// ```
+pub fn spawn<R, E, F>(world_size: usize, f: F) -> Result<Vec<R>, E>
+where
+    R: Send,
+    E: From<CollectiveError> + fmt::Display + Send,
+    F: Fn(RankCtx) -> Result<R, E> + Sync,
+{
+    spawn_with(SpawnConfig::new(world_size), f)
+}
+
+/// [`spawn`] with an explicit [`SpawnConfig`] (timeout, stack size).
+///
+/// ```
+/// use std::time::Duration;
+/// use tpar_collectives::{spawn_with, CollectiveError, SpawnConfig};
+/// let cfg = SpawnConfig::new(2).timeout(Duration::from_millis(200));
+/// // Rank 1 never joins the barrier: rank 0 fails naming it.
+/// let err = spawn_with(cfg, |ctx| -> Result<(), CollectiveError> {
+///     if ctx.rank() == 0 {
+///         ctx.world_group().barrier()?;
+///     } else {
+///         std::thread::sleep(Duration::from_millis(400));
+///     }
+///     Ok(())
+/// })
+/// .unwrap_err();
+/// assert_eq!(err.culprit(), Some(1));
+/// ```
+pub fn spawn_with<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
+where
+    R: Send,
+    E: From<CollectiveError> + fmt::Display + Send,
+    F: Fn(RankCtx) -> Result<R, E> + Sync,
+{
+    let world = World::with_timeout(config.world_size, config.timeout)?;
+    let n = world.size();
+    let stack = config.stack_size.max(64 << 10);
+    let f = &f;
+    let mut start_error: Option<CollectiveError> = None;
+    let results: Vec<Option<Result<R, E>>> = std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(n);
+        for rank in 0..n {
+            let ctx = match world.rank(rank) {
+                Ok(c) => c,
+                Err(e) => {
+                    world.fail(rank, e.to_string());
+                    start_error = Some(e);
+                    break;
+                }
+            };
+            let w = world.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("tpar-rank-{rank}"))
+                .stack_size(stack)
+                .spawn_scoped(s, move || run_rank(&w, rank, ctx, f));
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    let why = format!("could not start its thread: {e}");
+                    world.fail(rank, why.clone());
+                    start_error =
+                        Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
+                    break;
+                }
+            }
+        }
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                Some(h.join().unwrap_or_else(|p| {
+                    Err(E::from(CollectiveError::Panicked { rank, message: panic_message(&*p) }))
+                }))
+            })
+            .collect()
+    });
+    if let Some(e) = start_error {
+        return Err(E::from(e));
+    }
+    let first = world.failure().map(|(rank, _)| rank);
+    let mut values = Vec::with_capacity(n);
+    let mut errors = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Some(Ok(v)) => values.push(v),
+            Some(Err(e)) => errors.push((rank, e)),
+            None => {}
+        }
+    }
+    if errors.is_empty() {
+        return Ok(values);
+    }
+    let pick = errors.iter().position(|(r, _)| Some(*r) == first).unwrap_or(0);
+    Err(errors.swap_remove(pick).1)
+}
+
+fn run_rank<R, E, F>(world: &World, rank: usize, ctx: RankCtx, f: &F) -> Result<R, E>
+where
+    E: From<CollectiveError> + fmt::Display,
+    F: Fn(RankCtx) -> Result<R, E>,
+{
+    let r = match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => {
+            world.fail(rank, e.to_string());
+            Err(e)
+        }
+        Err(p) => {
+            let message = panic_message(&*p);
+            world.fail(rank, format!("panicked: {message}"));
+            Err(E::from(CollectiveError::Panicked { rank, message }))
+        }
+    };
+    world.mark_exited(rank);
+    r
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(p: &(dyn Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}
