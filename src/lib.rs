@@ -15,11 +15,11 @@
 #![warn(missing_docs)]
 
 pub use tpar_collectives as collectives;
+pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
 pub use tpar_kernels as kernels;
 pub use tpar_mesh as mesh;
 pub use tpar_placements as placements;
 pub use tpar_tensor as tensor;
-pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
 
 /// The names a trainer uses most, in one import.
 pub mod prelude {

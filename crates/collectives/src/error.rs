@@ -94,25 +94,27 @@ impl CollectiveError {
     }
 }
 
-/// Lets code that must return [`TensorError`] (autograd backward closures, tensor-level
-/// helpers) use `?` on collectives. Tensor errors come back unchanged; argument errors
-/// become `InvalidArgument`; communication failures become `Unavailable` with the full
-/// message (the tensor error type has no communication variant).
 impl From<CollectiveError> for TensorError {
+    /// Lets backward functions use `?` on collectives; the error travels through autograd
+    /// unchanged (a tensor error stays one) and can be recovered with
+    /// [`CollectiveError::from_tensor_error`].
     fn from(e: CollectiveError) -> Self {
         match e {
             CollectiveError::Tensor(t) => t,
-            CollectiveError::InvalidArgument { op, why } => {
-                TensorError::InvalidArgument { op, what: why }
-            }
-            m @ CollectiveError::Mismatch { .. } => {
-                TensorError::InvalidArgument { op: "collective", what: m.to_string() }
-            }
-            CollectiveError::Unavailable { what, why } => TensorError::Unavailable { what, why },
-            other => TensorError::Unavailable {
-                what: "collective communication".into(),
-                why: other.to_string(),
-            },
+            other => TensorError::External(std::sync::Arc::new(other)),
         }
+    }
+}
+
+impl CollectiveError {
+    /// Recovers a collective error carried through autograd as [`TensorError::External`];
+    /// any other tensor error becomes [`CollectiveError::Tensor`].
+    pub fn from_tensor_error(e: TensorError) -> CollectiveError {
+        if let TensorError::External(inner) = &e {
+            if let Some(c) = inner.downcast_ref::<CollectiveError>() {
+                return c.clone();
+            }
+        }
+        CollectiveError::Tensor(e)
     }
 }

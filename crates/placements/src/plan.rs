@@ -47,6 +47,13 @@ pub enum StepKind {
         /// The tensor dim being sliced.
         tensor_dim: usize,
     },
+    /// `Shard(tensor_dim)` → `Partial(sum)`: no communication. Each rank
+    /// zero-pads its shard back to the unsharded size along `tensor_dim`, so the
+    /// sum over the mesh dim is the tensor (the adjoint of a local slice).
+    ZeroPad {
+        /// The tensor dim being padded.
+        tensor_dim: usize,
+    },
     /// `Replicate` → `Partial(op)`: no communication. For `Sum`, the rank at
     /// coordinate 0 on the mesh dim keeps the value and the others hold
     /// zeros (exact in every dtype, unlike dividing by the mesh size); for
@@ -68,12 +75,16 @@ impl StepKind {
             StepKind::AllToAll { .. } => "all_to_all",
             StepKind::LocalSlice { .. } => "local_slice",
             StepKind::Partialize { .. } => "partialize",
+            StepKind::ZeroPad { .. } => "zero_pad",
         }
     }
 
-    /// Whether the step communicates (false for `LocalSlice` and `Partialize`).
+    /// Whether the step communicates (false for `LocalSlice`, `Partialize`, `ZeroPad`).
     pub fn is_collective(&self) -> bool {
-        !matches!(self, StepKind::LocalSlice { .. } | StepKind::Partialize { .. })
+        !matches!(
+            self,
+            StepKind::LocalSlice { .. } | StepKind::Partialize { .. } | StepKind::ZeroPad { .. }
+        )
     }
 
     /// The placement the step's mesh dim has afterwards.
@@ -85,6 +96,7 @@ impl StepKind {
             }
             StepKind::AllToAll { to_dim, .. } => Placement::Shard(to_dim as isize),
             StepKind::Partialize { op } => Placement::Partial(op),
+            StepKind::ZeroPad { .. } => Placement::Partial(ReduceOp::Sum),
         }
     }
 }
@@ -128,6 +140,9 @@ impl Step {
             }
             StepKind::Partialize { op } => {
                 format!("partialize({op}) on mesh dim {m}, no communication")
+            }
+            StepKind::ZeroPad { tensor_dim } => {
+                format!("zero_pad on mesh dim {m}, tensor dim {tensor_dim}, no communication")
             }
         }
     }
@@ -303,7 +318,9 @@ impl Costs<'_> {
             }
             StepKind::ReduceScatter { tensor_dim, .. } => elems - chunk0(tensor_dim),
             StepKind::AllToAll { to_dim, .. } => elems - chunk0(to_dim),
-            StepKind::LocalSlice { .. } | StepKind::Partialize { .. } => 0,
+            StepKind::LocalSlice { .. }
+            | StepKind::Partialize { .. }
+            | StepKind::ZeroPad { .. } => 0,
         };
         moved.saturating_mul(self.elem_bytes)
     }
@@ -455,6 +472,10 @@ pub fn plan(
             s
         };
         match (b.current[i], dst[i]) {
+            (Shard(d), Partial(ReduceOp::Sum)) => {
+                // Dims right of `i` sharding `d` were gathered above (they cannot keep).
+                b.push(i, StepKind::ZeroPad { tensor_dim: d as usize });
+            }
             (Shard(d), target) => {
                 if let Shard(e) = target {
                     let touches = |p: Placement| p == Shard(d) || p == Shard(e);

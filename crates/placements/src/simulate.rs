@@ -414,6 +414,26 @@ fn run_group(context: &str, kind: StepKind, members: Vec<Array>) -> Result<Vec<A
             .enumerate()
             .map(|(j, a)| a.chunk(tensor_dim, k, j))
             .collect::<Result<_>>()?,
+        StepKind::ZeroPad { tensor_dim } => {
+            let sizes: Vec<usize> = members.iter().map(|a| a.shape[tensor_dim]).collect();
+            let total: usize = sizes.iter().sum();
+            let mut start = 0;
+            let mut out = Vec::with_capacity(k);
+            for (a, &n) in members.iter().zip(&sizes) {
+                let mut parts = Vec::new();
+                for len in [start, total - start - n] {
+                    let mut shape = a.shape.clone();
+                    shape[tensor_dim] = len;
+                    parts.push(Array::zeros(&shape));
+                }
+                out.push(Array::concat(
+                    &[parts[0].clone(), a.clone(), parts[1].clone()],
+                    tensor_dim,
+                )?);
+                start += n;
+            }
+            out
+        }
         StepKind::Partialize { op } => members
             .into_iter()
             .enumerate()

@@ -153,6 +153,9 @@ fn check_structure(p: &Plan) -> Result<(), TestCaseError> {
         ) || matches!(
             (s.before[s.mesh_dim], s.kind),
             (Replicate, StepKind::LocalSlice { .. } | StepKind::Partialize { .. })
+        ) || matches!(
+            (s.before[s.mesh_dim], s.kind),
+            (Shard(d), StepKind::ZeroPad { tensor_dim }) if d as usize == tensor_dim
         );
         prop_assert!(ok, "step {} does not fit its placements", s);
         if !s.kind.is_collective() {

@@ -72,6 +72,10 @@ pub enum TensorError {
     /// Autograd misuse (backward from a non-scalar without a gradient, ...).
     #[error("autograd: {0}")]
     Autograd(String),
+    /// An error of a layer above (collectives, DTensor) raised inside a backward function,
+    /// carried through autograd unchanged.
+    #[error("{0}")]
+    External(std::sync::Arc<dyn std::error::Error + Send + Sync>),
     /// A kernel rejected its arguments.
     #[error(transparent)]
     Kernel(#[from] tpar_kernels::KernelError),

@@ -1,0 +1,366 @@
+//! The `DTensor` type: a local shard plus its spec, with differentiable conversions.
+
+use std::sync::Arc;
+
+use tpar_mesh::DeviceMesh;
+use tpar_placements::{fmt_placements, Placement, Plan, PlanKey, ReduceOp};
+use tpar_tensor::autograd::record;
+use tpar_tensor::{no_grad, DType, Tensor};
+
+use crate::mode::{self, ImplicitRedistribution};
+use crate::redistribute::{adjoint, cached_plan, execute, grad_placements};
+use crate::{DTensorError, DTensorSpec, Result};
+
+/// A tensor distributed over a [`DeviceMesh`]: this rank's local shard and the spec
+/// (mesh, one [`Placement`] per mesh dim, global shape).
+///
+/// Gradients follow the placements: the local gradient of a value sharded on a mesh
+/// dim is the matching shard of the full gradient; on a dim where the value is
+/// `Replicate`, each rank's local gradient is its *contribution* (`Partial(sum)`, the sum
+/// over the dim is the full gradient); on a `Partial(sum)` dim it is the full gradient
+/// (`Replicate`). Every redistribution's backward is the adjoint collective under this
+/// rule: all_gather's adjoint is reduce_scatter, all_reduce's is all_reduce, a local
+/// slice's is a zero-pad (no communication). [`DTensor::grad`] turns a parameter's local
+/// gradient into a `DTensor` with the parameter's own placements, and
+/// [`DTensor::backward`] seeds a replicated scalar loss so that contributions add up to 1.
+#[derive(Clone)]
+pub struct DTensor {
+    local: Tensor,
+    spec: Arc<DTensorSpec>,
+}
+
+impl std::fmt::Debug for DTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DTensor({}, local {:?})", self.spec, self.local)
+    }
+}
+
+fn spec_for(local: &Tensor, spec: DTensorSpec) -> Result<DTensor> {
+    let (want, _) = spec.local_shape_and_offset()?;
+    if local.dims() != want.as_slice() {
+        return Err(DTensorError::LocalShape {
+            op: "from_local",
+            rank: spec.mesh().global_rank(),
+            local: local.dims().to_vec(),
+            expected: want,
+            spec: spec.to_string(),
+        });
+    }
+    Ok(DTensor { local: local.clone(), spec: Arc::new(spec) })
+}
+
+impl DTensor {
+    /// Wraps this rank's shard as a `DTensor` (no copy; differentiable: the gradient
+    /// flows to `local`). With `shape`, the global shape is taken as given and `local`
+    /// is checked against it; without, it is computed with one small all-gather of the
+    /// local shapes over the mesh, so uneven shards never get an even-size guess.
+    pub fn from_local(
+        local: &Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+        shape: Option<&[usize]>,
+    ) -> Result<DTensor> {
+        let shape = match shape {
+            Some(s) => s.to_vec(),
+            None => infer_global_shape(local, mesh, placements)?,
+        };
+        spec_for(local, DTensorSpec::new(mesh, placements, &shape)?)
+    }
+
+    /// As [`DTensor::from_local`] without a shape, and also checks on every rank that all
+    /// ranks' shards fit one global layout (dtype too); the error names the first rank
+    /// that does not.
+    pub fn from_local_checked(
+        local: &Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+    ) -> Result<DTensor> {
+        let shapes = gather_local_shapes(local, mesh)?;
+        let spec = DTensorSpec::new(
+            mesh,
+            placements,
+            &global_from_shapes(&shapes, mesh, placements, local.rank())?,
+        )?;
+        for (flat, s) in shapes.iter().enumerate() {
+            let coord = tpar_mesh::unflatten(flat, mesh.shape());
+            let (want, _) = spec.local_at(&coord)?;
+            let dims: Vec<usize> = s[1..].iter().map(|&d| d as usize).collect();
+            if dims != want || s[0] as usize != dtype_code(local.dtype()) {
+                return Err(DTensorError::LocalShape {
+                    op: "from_local",
+                    rank: mesh.ranks()[flat],
+                    local: dims,
+                    expected: want,
+                    spec: spec.to_string(),
+                });
+            }
+        }
+        spec_for(local, spec)
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &DTensorSpec {
+        &self.spec
+    }
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        self.spec.mesh()
+    }
+    /// The placements (normalised).
+    pub fn placements(&self) -> &[Placement] {
+        self.spec.placements()
+    }
+    /// The global shape.
+    pub fn shape(&self) -> &[usize] {
+        self.spec.shape()
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.local.dtype()
+    }
+    /// This rank's shard (a handle to the same data; differentiable).
+    pub fn to_local(&self) -> Tensor {
+        self.local.clone()
+    }
+    /// This rank's shard, borrowed.
+    pub fn local(&self) -> &Tensor {
+        &self.local
+    }
+
+    /// Marks the local shard as a parameter (a leaf that accumulates gradients).
+    pub fn requires_grad_(self, on: bool) -> DTensor {
+        let local = self.local.requires_grad_(on);
+        DTensor { local, spec: self.spec }
+    }
+
+    /// Whether the local shard requires a gradient.
+    pub fn requires_grad(&self) -> bool {
+        self.local.requires_grad()
+    }
+
+    /// The plan redistributing to `placements`, without running it.
+    pub fn plan_to(&self, placements: &[Placement]) -> Result<Plan> {
+        let dst = self.spec.with_placements(placements)?;
+        cached_plan(PlanKey {
+            mesh_shape: self.mesh().shape().to_vec(),
+            global_shape: self.shape().to_vec(),
+            elem_bytes: self.dtype().size_in_bytes(),
+            src: self.placements().to_vec(),
+            dst: dst.placements().to_vec(),
+        })
+    }
+
+    /// The same global tensor laid out with `placements`: the planner's steps run with
+    /// the mesh's collectives (e.g. `Shard(0) -> Replicate` is one all_gather,
+    /// `Partial -> Shard(0)` one reduce_scatter, `Replicate -> Shard(0)` a local slice).
+    /// Differentiable: the backward runs the adjoint steps (see the type's docs).
+    pub fn redistribute(&self, placements: &[Placement]) -> Result<DTensor> {
+        let plan = self.plan_to(placements)?;
+        if plan.is_empty() {
+            return Ok(self.clone());
+        }
+        let out = execute(&plan, &self.local, self.mesh())?;
+        let spec = self.spec.with_placements(placements)?;
+        let (mesh, shape) = (self.mesh().clone(), self.shape().to_vec());
+        let (src, dst) = (self.placements().to_vec(), spec.placements().to_vec());
+        let out = record("redistribute", &[&self.local], out, move |g| {
+            Ok(vec![Some(adjoint(g, &mesh, &shape, &src, &dst)?)])
+        });
+        Ok(DTensor { local: out, spec: Arc::new(spec) })
+    }
+
+    /// Redistribution an op inserts on its own: recorded on this thread's trace, or an
+    /// error naming the op in strict mode (see [`crate::strict`]).
+    pub fn redistribute_implicit(
+        &self,
+        op: &'static str,
+        operand: &str,
+        placements: &[Placement],
+    ) -> Result<DTensor> {
+        let to = self.spec.with_placements(placements)?;
+        if to.placements() == self.placements() {
+            return Ok(self.clone());
+        }
+        let (from, to_s) = (fmt_placements(self.placements()), fmt_placements(to.placements()));
+        if mode::is_strict() {
+            return Err(DTensorError::ImplicitRedistribution {
+                op,
+                what: operand.to_string(),
+                from,
+                to: to_s,
+                spec: self.spec.to_string(),
+            });
+        }
+        mode::record(ImplicitRedistribution {
+            op,
+            operand: operand.to_string(),
+            from,
+            to: to_s,
+            shape: self.shape().to_vec(),
+        });
+        self.redistribute(placements)
+    }
+
+    /// The whole tensor on every rank (redistribute to all-`Replicate`, then the local).
+    pub fn full_tensor(&self) -> Result<Tensor> {
+        let rep = vec![Placement::Replicate; self.mesh().ndim()];
+        Ok(self.redistribute(&rep)?.to_local())
+    }
+
+    /// Backpropagates from a one-element DTensor loss. On mesh dims where the loss is
+    /// `Replicate`, only the rank at coordinate 0 seeds 1 (the others seed 0), so the
+    /// contributions add up to exactly one gradient; on `Partial(sum)` dims every rank
+    /// seeds 1 (and `1/k` on `Partial(avg)` dims).
+    pub fn backward(&self) -> Result<()> {
+        if self.local.numel() != 1 {
+            return Err(DTensorError::InvalidArgument {
+                op: "backward",
+                what: format!("needs a one-element loss, got {}", self.spec),
+            });
+        }
+        let mut seed = 1.0;
+        for ((p, &k), &c) in
+            self.placements().iter().zip(self.mesh().shape()).zip(self.mesh().coordinate())
+        {
+            match p {
+                Placement::Replicate if c != 0 => seed = 0.0,
+                Placement::Partial(ReduceOp::Avg) => seed /= k as f64,
+                Placement::Partial(ReduceOp::Max | ReduceOp::Min) => {
+                    return Err(DTensorError::NotDifferentiable {
+                        op: "backward",
+                        placement: p.to_string(),
+                    })
+                }
+                _ => {}
+            }
+        }
+        let g = Tensor::full(self.local.shape().clone(), seed, self.dtype(), self.local.device())?;
+        Ok(self.local.backward_with(&g)?)
+    }
+
+    /// The accumulated gradient of a parameter as a `DTensor` with the parameter's
+    /// placements (contributions on `Replicate` dims are all-reduced). Collective: every
+    /// rank of the mesh calls it. `None` when no gradient was accumulated on this rank.
+    pub fn grad(&self) -> Result<Option<DTensor>> {
+        let Some(g) = self.local.grad() else { return Ok(None) };
+        let key = PlanKey {
+            mesh_shape: self.mesh().shape().to_vec(),
+            global_shape: self.shape().to_vec(),
+            elem_bytes: g.dtype().size_in_bytes(),
+            src: grad_placements("grad", self.placements())?,
+            dst: self.placements().to_vec(),
+        };
+        let g = execute(&cached_plan(key)?, &g, self.mesh())?;
+        Ok(Some(DTensor { local: g, spec: self.spec.clone() }))
+    }
+}
+
+/// A full tensor (the same on every rank) laid out with `placements`: each rank keeps
+/// its shard (no communication). `Partial(sum)` keeps the value at coordinate 0 and
+/// zeros elsewhere. The result is a new leaf that requires a gradient when `t` does.
+pub fn distribute_tensor(
+    t: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+) -> Result<DTensor> {
+    let spec = DTensorSpec::new(mesh, placements, t.dims())?;
+    let replicated = vec![Placement::Replicate; mesh.ndim()];
+    let plan = cached_plan(PlanKey {
+        mesh_shape: mesh.shape().to_vec(),
+        global_shape: t.dims().to_vec(),
+        elem_bytes: t.dtype().size_in_bytes(),
+        src: replicated,
+        dst: spec.placements().to_vec(),
+    })?;
+    let local = execute(&plan, &t.detach(), mesh)?;
+    let local = if local.same_storage(t) { no_grad(|| local.deep_clone())? } else { local };
+    Ok(DTensor { local: local.requires_grad_(t.requires_grad()), spec: Arc::new(spec) })
+}
+
+/// As [`distribute_tensor`], with the full tensor taken from mesh rank `src` (an index
+/// into `mesh.ranks()`) by one broadcast; other ranks' `t` only gives shape and dtype.
+pub fn distribute_tensor_from(
+    t: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+    src: usize,
+) -> Result<DTensor> {
+    let names: Vec<&str> = mesh.names().iter().map(|s| s.as_str()).collect();
+    let all = mesh.flatten(&names, "all")?;
+    let full = all.group(0)?.broadcast(t, src)?;
+    let full = full.requires_grad_(t.requires_grad());
+    distribute_tensor(&full, mesh, placements)
+}
+
+fn dtype_code(d: DType) -> usize {
+    match d {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::BF16 => 2,
+        DType::F16 => 3,
+        DType::I64 => 4,
+    }
+}
+
+/// Every mesh rank's `[dtype, dims...]`, in row-major mesh order.
+fn gather_local_shapes(local: &Tensor, mesh: &DeviceMesh) -> Result<Vec<Vec<i64>>> {
+    let names: Vec<&str> = mesh.names().iter().map(|s| s.as_str()).collect();
+    let all = mesh.flatten(&names, "all")?;
+    let mut mine = vec![dtype_code(local.dtype()) as i64];
+    mine.extend(local.dims().iter().map(|&d| d as i64));
+    let n = mine.len();
+    let row = Tensor::from_vec(mine, [1, n])?;
+    let table = all.group(0)?.all_gather(&row, 0)?.to_vec::<i64>()?;
+    Ok(table.chunks(n).map(|c| c.to_vec()).collect())
+}
+
+fn global_from_shapes(
+    shapes: &[Vec<i64>],
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+    rank: usize,
+) -> Result<Vec<usize>> {
+    let op = "from_local";
+    let ps = tpar_placements::normalize_placements(placements, rank)?;
+    let me = mesh.coordinate();
+    let mut global = vec![0usize; rank];
+    for (flat, s) in shapes.iter().enumerate() {
+        if s.len() != rank + 1 {
+            return Err(DTensorError::InvalidArgument {
+                op,
+                what: format!(
+                    "rank {} holds a {}-d shard, this rank a {rank}-d one",
+                    mesh.ranks()[flat],
+                    s.len() - 1
+                ),
+            });
+        }
+        let coord = tpar_mesh::unflatten(flat, mesh.shape());
+        for d in 0..rank {
+            let sharding: Vec<usize> =
+                (0..ps.len()).filter(|&m| ps[m] == Placement::Shard(d as isize)).collect();
+            // Sum the shards of dim d over the coords that differ only on dims sharding d.
+            let same_elsewhere = (0..ps.len()).all(|m| sharding.contains(&m) || coord[m] == me[m]);
+            let counts = if sharding.is_empty() {
+                flat == tpar_mesh::flatten(me, mesh.shape())
+            } else {
+                same_elsewhere
+            };
+            if counts {
+                global[d] += s[d + 1] as usize;
+            }
+        }
+    }
+    Ok(global)
+}
+
+fn infer_global_shape(
+    local: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+) -> Result<Vec<usize>> {
+    if placements.iter().all(|p| !p.is_shard()) {
+        return Ok(local.dims().to_vec());
+    }
+    global_from_shapes(&gather_local_shapes(local, mesh)?, mesh, placements, local.rank())
+}

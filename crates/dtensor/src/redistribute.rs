@@ -1,0 +1,142 @@
+//! Executing the planner's steps with the mesh's collectives, and their adjoints.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use tpar_collectives::ReduceOp as CommOp;
+use tpar_mesh::DeviceMesh;
+use tpar_placements::{
+    chunk_range, local_shape_and_offset, Placement, Plan, PlanKey, ReduceOp, StepKind,
+};
+use tpar_tensor::{no_grad, Tensor};
+
+use crate::{DTensorError, Result};
+
+fn comm_op(op: ReduceOp) -> CommOp {
+    match op {
+        ReduceOp::Sum => CommOp::Sum,
+        ReduceOp::Avg => CommOp::Avg,
+        ReduceOp::Max => CommOp::Max,
+        ReduceOp::Min => CommOp::Min,
+    }
+}
+
+/// The plan for `key`, computed once per process and cached (plans are pure values).
+pub fn cached_plan(key: PlanKey) -> Result<Plan> {
+    static CACHE: OnceLock<Mutex<HashMap<PlanKey, Plan>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(p) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(p.clone());
+    }
+    let plan = key.plan()?;
+    cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, plan.clone());
+    Ok(plan)
+}
+
+/// Runs `plan` on this rank's local tensor: each step's collective over the ranks along
+/// its mesh dim. Not recorded by autograd.
+pub fn execute(plan: &Plan, local: &Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
+    no_grad(|| {
+        let mut t = local.clone();
+        for step in &plan.steps {
+            let g = mesh.group(step.mesh_dim)?;
+            t = match step.kind {
+                StepKind::AllGather { tensor_dim } => g.all_gather(&t, tensor_dim)?,
+                StepKind::AllReduce { op } => g.all_reduce(&t, comm_op(op))?,
+                StepKind::ReduceScatter { op, tensor_dim } => {
+                    g.reduce_scatter(&t, tensor_dim, comm_op(op))?
+                }
+                StepKind::AllToAll { from_dim, to_dim } => g.all_to_all(&t, to_dim, from_dim)?,
+                StepKind::LocalSlice { tensor_dim } => {
+                    let (start, len) = chunk_range(t.dims()[tensor_dim], g.size(), g.rank());
+                    t.narrow(tensor_dim as isize, start, len)?
+                }
+                StepKind::ZeroPad { tensor_dim } => {
+                    let (after, _) = local_shape_and_offset(
+                        &plan.global_shape,
+                        mesh.shape(),
+                        mesh.coordinate(),
+                        &step.after,
+                    )?;
+                    let full = after[tensor_dim];
+                    let (start, len) = chunk_range(full, g.size(), g.rank());
+                    zero_pad(&t, tensor_dim, start, full - start - len)?
+                }
+                StepKind::Partialize { op } => {
+                    if op == ReduceOp::Sum && g.rank() != 0 {
+                        t.zeros_like()?
+                    } else {
+                        t
+                    }
+                }
+            };
+        }
+        Ok(t)
+    })
+}
+
+/// `t` with `before` zeros in front of it and `after` zeros behind it along `dim`.
+fn zero_pad(t: &Tensor, dim: usize, before: usize, after: usize) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(3);
+    for (n, is_t) in [(before, false), (0, true), (after, false)] {
+        if is_t {
+            parts.push(t.clone());
+        } else if n > 0 {
+            let mut shape = t.dims().to_vec();
+            shape[dim] = n;
+            parts.push(Tensor::zeros(shape, t.dtype(), t.device())?);
+        }
+    }
+    Ok(Tensor::cat(&parts, dim as isize)?)
+}
+
+/// The placement a local gradient has for a value with placement `p`: the gradient of
+/// `Replicate` is `Partial(sum)` (each rank holds its contribution) and the gradient of a
+/// `Partial` is `Replicate`; shards stay shards.
+pub fn grad_placement(op: &'static str, p: Placement) -> Result<Placement> {
+    Ok(match p {
+        Placement::Shard(d) => Placement::Shard(d),
+        Placement::Replicate => Placement::Partial(ReduceOp::Sum),
+        Placement::Partial(ReduceOp::Sum | ReduceOp::Avg) => Placement::Replicate,
+        Placement::Partial(_) => {
+            return Err(DTensorError::NotDifferentiable { op, placement: p.to_string() })
+        }
+    })
+}
+
+/// Placements of the local gradient of a value with placements `ps`.
+pub fn grad_placements(op: &'static str, ps: &[Placement]) -> Result<Vec<Placement>> {
+    ps.iter().map(|&p| grad_placement(op, p)).collect()
+}
+
+/// Product of the mesh sizes of the dims where `ps` is `Partial(avg)`.
+fn avg_factor(ps: &[Placement], mesh: &DeviceMesh) -> f64 {
+    ps.iter()
+        .zip(mesh.shape())
+        .filter(|(p, _)| **p == Placement::Partial(ReduceOp::Avg))
+        .map(|(_, &k)| k as f64)
+        .product()
+}
+
+/// The adjoint of redistributing `src -> dst`: maps a local gradient laid out for `dst`
+/// to one laid out for `src`. A `Partial(avg)` value's local gradient is the gradient
+/// of its own term (`dL/dV / k`), so the adjoint rescales where src and dst differ in it.
+pub fn adjoint(
+    grad: &Tensor,
+    mesh: &DeviceMesh,
+    shape: &[usize],
+    src: &[Placement],
+    dst: &[Placement],
+) -> Result<Tensor> {
+    let op = "redistribute backward";
+    let key = PlanKey {
+        mesh_shape: mesh.shape().to_vec(),
+        global_shape: shape.to_vec(),
+        elem_bytes: grad.dtype().size_in_bytes(),
+        src: grad_placements(op, dst)?,
+        dst: grad_placements(op, src)?,
+    };
+    let out = execute(&cached_plan(key)?, grad, mesh)?;
+    let scale = avg_factor(dst, mesh) / avg_factor(src, mesh);
+    Ok(if scale == 1.0 { out } else { no_grad(|| out.mul_scalar(scale))? })
+}
