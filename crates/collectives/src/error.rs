@@ -75,6 +75,21 @@ pub enum CollectiveError {
         /// The panic payload, when it was a string.
         message: String,
     },
+    /// A communication backend call failed: an NCCL or CUDA driver error, or the
+    /// rendezvous store while setting a group up. Keeps the backend's code and text.
+    #[error("{backend} {op} on group {group:?}, rank {rank}: {message}")]
+    Backend {
+        /// The backend (`"nccl"`).
+        backend: &'static str,
+        /// The collective or setup step (`"all_reduce"`, `"init"`, `"new_group"`, ...).
+        op: &'static str,
+        /// The group's members, as global ranks.
+        group: Vec<usize>,
+        /// The global rank that saw the failure.
+        rank: usize,
+        /// The backend's error code and text (`"ncclUnhandledCudaError (code 1): ..."`).
+        message: String,
+    },
     /// A tensor op failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),

@@ -9,22 +9,25 @@ use std::time::Duration;
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::local::{Call, LocalComm};
+use crate::nccl::{NcclComm, Pending};
+use crate::rendezvous::EnvInit;
 use crate::spawn::panic_message;
 use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result};
 
 /// The transport behind a group: an enum over backends that live in their own modules, so
 /// no backend generic leaks into user signatures.
 ///
-/// Seam for NCCL: a `Nccl(nccl::NcclComm)` variant will live in a `nccl` module compiled
-/// with the `cuda` feature (cudarc's `nccl`), built from a rendezvous instead of a
-/// [`World`](crate::World). Each `ProcessGroup` method dispatches with one `match` on this
-/// enum; argument checks, sequence numbering and [`CommDebug`] recording stay in
-/// `ProcessGroup` and are shared by both. A build or machine without NCCL reports
-/// [`CollectiveError::Unavailable`] when such a group is requested.
+/// Each `ProcessGroup` method dispatches with one `match` on this enum; argument checks,
+/// sequence numbering and [`CommDebug`] recording stay in `ProcessGroup` and are shared
+/// by both. The `nccl` module always compiles (cudarc loads CUDA at run time); a machine
+/// without the CUDA driver or NCCL reports [`CollectiveError::Unavailable`] when such a
+/// group is requested.
 #[derive(Clone)]
 pub(crate) enum Backend {
     /// Ranks are threads of this process (see the `local` module).
     Local(LocalComm),
+    /// One process per GPU, over NCCL (see the `nccl` module), built from a rendezvous.
+    Nccl(NcclComm),
 }
 
 /// A collective call numbered and checked on the calling thread, ready to run.
@@ -104,6 +107,32 @@ impl ProcessGroup {
         }
     }
 
+    pub(crate) fn nccl(comm: NcclComm, timeout: Duration) -> ProcessGroup {
+        ProcessGroup {
+            ranks: comm.ranks(),
+            rank: comm.rank(),
+            global_rank: comm.global_rank(),
+            world_size: comm.world_size(),
+            timeout,
+            debug: comm.debug(),
+            backend: Backend::Nccl(comm),
+        }
+    }
+
+    /// The NCCL world group of this process, from the torchrun environment: PyTorch's
+    /// `init_process_group("nccl")`. Rank 0 hosts the rendezvous store at
+    /// `MASTER_ADDR:MASTER_PORT`; the world communicator lives on CUDA device
+    /// `LOCAL_RANK`; `timeout` bounds the setup and is the group's collective timeout.
+    ///
+    /// Fails with [`CollectiveError::Unavailable`] naming the missing library when the
+    /// CUDA driver or NCCL cannot be loaded (see [`nccl::probe`](crate::nccl::probe)), or
+    /// when there is no device `LOCAL_RANK`. Sub-groups come from
+    /// [`new_group`](Self::new_group), which every member calls. See the
+    /// [`nccl`](crate::nccl) module for the design and its limits.
+    pub fn nccl_world(env: &EnvInit, timeout: Duration) -> Result<ProcessGroup> {
+        crate::nccl::world(env, timeout)
+    }
+
     /// The members' global ranks, sorted.
     pub fn ranks(&self) -> &[usize] {
         &self.ranks
@@ -155,10 +184,11 @@ impl ProcessGroup {
         self.debug.clone()
     }
 
-    /// The backend's name: `"local"`.
+    /// The backend's name: `"local"` or `"nccl"`.
     pub fn backend_name(&self) -> &'static str {
         match self.backend {
             Backend::Local(_) => "local",
+            Backend::Nccl(_) => "nccl",
         }
     }
 
@@ -170,6 +200,7 @@ impl ProcessGroup {
             Backend::Local(l) => {
                 crate::world::local_group(l.world(), self.global_rank, ranks, Some(self.timeout))
             }
+            Backend::Nccl(c) => c.new_group(ranks, self.timeout),
         }
     }
 
@@ -254,11 +285,12 @@ impl ProcessGroup {
         if dst >= self.size() {
             return Err(bad_rank(op, "dst", dst, self.size()));
         }
-        check_device(op, t)?;
+        check_device(op, t, self.backend_name())?;
         let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
             Backend::Local(l) => l.send(dst, copy),
+            Backend::Nccl(c) => c.send(dst, copy, self.timeout)?,
         }
         Ok(())
     }
@@ -273,6 +305,7 @@ impl ProcessGroup {
         self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
         match &self.backend {
             Backend::Local(l) => l.recv(src, self.timeout),
+            Backend::Nccl(c) => c.recv(src, self.timeout),
         }
     }
 
@@ -324,6 +357,7 @@ impl ProcessGroup {
         }
         let seq = match &self.backend {
             Backend::Local(l) => l.next_seq(),
+            Backend::Nccl(c) => c.next_seq(),
         };
         Issued { seq, call, tensor: t.map(Tensor::detach), problem }
     }
@@ -331,6 +365,7 @@ impl ProcessGroup {
     fn execute(&self, i: Issued) -> Result<Option<Tensor>> {
         match &self.backend {
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
+            Backend::Nccl(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
         }
     }
 
@@ -393,7 +428,7 @@ impl ProcessGroup {
             }
             Call::Barrier => {}
         }
-        check_device(op, t)
+        check_device(op, t, self.backend_name())
     }
 
     fn start(&self, call: Call, t: &Tensor) -> Work {
@@ -401,6 +436,12 @@ impl ProcessGroup {
         let issued = self.issue(call, Some(t), true);
         let world = match &self.backend {
             Backend::Local(l) => l.world().clone(),
+            // The group's worker thread runs it: queue it and hand out the reply.
+            Backend::Nccl(c) => {
+                let p =
+                    c.start(issued.seq, issued.call, issued.tensor, issued.problem, self.timeout);
+                return Work { op, state: WorkState::Nccl(p) };
+            }
         };
         let me = self.global_rank;
         world.async_started(me);
@@ -456,11 +497,11 @@ fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveEr
     }
 }
 
-fn check_device(op: &'static str, t: &Tensor) -> Result<()> {
+fn check_device(op: &'static str, t: &Tensor, backend: &str) -> Result<()> {
     match t.device() {
         Device::Cpu | Device::Meta => Ok(()),
         d @ Device::Cuda(_) => Err(CollectiveError::Unavailable {
-            what: format!("{op} on {d} tensors with the local backend"),
+            what: format!("{op} on {d} tensors with the {backend} backend"),
             why: "this build has no CUDA storage; CUDA buffers arrive with the CUDA backend".into(),
         }),
     }
@@ -476,6 +517,8 @@ fn expect_tensor(op: &'static str, r: Result<Option<Tensor>>) -> Result<Tensor> 
 enum WorkState {
     Running(JoinHandle<Result<Option<Tensor>>>),
     Done(Result<Option<Tensor>>),
+    /// Queued on an NCCL group's worker thread.
+    Nccl(Pending),
 }
 
 /// A collective in flight, returned by the `*_async` methods of [`ProcessGroup`].
@@ -498,6 +541,7 @@ impl Work {
             WorkState::Running(h) => h.join().unwrap_or_else(|p| {
                 Err(CollectiveError::Panicked { rank: usize::MAX, message: panic_message(&*p) })
             }),
+            WorkState::Nccl(p) => p.wait(),
         };
         expect_tensor(self.op, r)
     }
@@ -507,6 +551,7 @@ impl Work {
         match &self.state {
             WorkState::Done(_) => true,
             WorkState::Running(h) => h.is_finished(),
+            WorkState::Nccl(p) => p.is_completed(),
         }
     }
 

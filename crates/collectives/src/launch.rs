@@ -14,6 +14,10 @@
 //! signal, then `SIGKILL` after the grace period) and reports which rank
 //! failed and how.
 //!
+//! When NCCL is installed only as `libnccl.so.2` (not found by cudarc's loader), the
+//! children's `LD_LIBRARY_PATH` starts with a private directory holding a `libnccl.so`
+//! link to it (see [`nccl_library_link`](crate::nccl::nccl_library_link)).
+//!
 //! On Unix each child runs in its own process group, so stopping a rank also
 //! stops whatever it started (`sh -c`, wrapper scripts); children read no
 //! standard input. [`forward_signals`] makes `SIGINT`, `SIGTERM` and `SIGHUP`
@@ -414,6 +418,17 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         None => free_port(&cfg.master_addr)?,
     };
     let world = cfg.world_size();
+    // NCCL installed only as libnccl.so.2, which cudarc does not look for: give the ranks a
+    // libnccl.so link on LD_LIBRARY_PATH (removed when the job is over).
+    let nccl_link = crate::nccl::nccl_library_link();
+    if let Some(l) = &nccl_link {
+        eprintln!(
+            "tpar-run: NCCL is installed as {} only; the ranks get {} (a libnccl.so link to \
+             it) on LD_LIBRARY_PATH",
+            l.target().display(),
+            l.dir().display()
+        );
+    }
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut readers = 0;
     let mut ranks: Vec<Rank> = Vec::with_capacity(cfg.nproc_per_node);
@@ -431,6 +446,9 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if let Some(l) = &nccl_link {
+            cmd.env("LD_LIBRARY_PATH", l.ld_library_path());
+        }
         sys::own_process_group(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,

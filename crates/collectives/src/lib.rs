@@ -3,8 +3,9 @@
 //! A [`ProcessGroup`] runs `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
 //! `broadcast`, `send`/`recv` and `barrier` among its members, out of place, on every
 //! dtype, with uneven (`torch.chunk`-style, possibly empty) shards as first-class inputs.
-//! The `local` backend runs ranks as threads of one process ([`World`], [`spawn`]); an
-//! NCCL backend slots in behind the same type later (see `group.rs`'s `Backend`).
+//! The `local` backend runs ranks as threads of one process ([`World`], [`spawn`]); the
+//! [`nccl`] backend runs one process per GPU over NCCL
+//! ([`ProcessGroup::nccl_world`], [`nccl::probe`]) behind the same type.
 //!
 //! Failures are typed and prompt: a member that calls another collective, or passes
 //! another dtype or shape, makes every member fail with [`CollectiveError::Mismatch`]
@@ -37,6 +38,7 @@ mod error;
 mod group;
 pub mod launch;
 mod local;
+pub mod nccl;
 mod op;
 pub mod rendezvous;
 mod spawn;

@@ -111,6 +111,14 @@ pub(crate) fn local_group(
     ranks: &[usize],
     timeout: Option<Duration>,
 ) -> Result<ProcessGroup> {
+    let sorted = sorted_members(shared.size, me, ranks)?;
+    let index = sorted.binary_search(&me).unwrap_or(0);
+    Ok(build_group(shared, me, sorted, index, timeout))
+}
+
+/// `ranks` sorted, after checking that they are distinct ranks of a world of `size` and
+/// include `me` (the rules of `new_group` on every backend).
+pub(crate) fn sorted_members(size: usize, me: usize, ranks: &[usize]) -> Result<Vec<usize>> {
     let op = "new_group";
     let mut sorted = ranks.to_vec();
     sorted.sort_unstable();
@@ -118,18 +126,17 @@ pub(crate) fn local_group(
     if sorted.windows(2).any(|w| w[0] == w[1]) {
         return Err(invalid(format!("ranks {ranks:?} contain duplicates")));
     }
-    if let Some(&bad) = sorted.iter().find(|&&r| r >= shared.size) {
+    if let Some(&bad) = sorted.iter().find(|&&r| r >= size) {
         return Err(invalid(format!(
-            "rank {bad} out of range for a world of {} ranks (in {ranks:?})",
-            shared.size
+            "rank {bad} out of range for a world of {size} ranks (in {ranks:?})"
         )));
     }
-    let Ok(index) = sorted.binary_search(&me) else {
+    if sorted.binary_search(&me).is_err() {
         return Err(invalid(format!(
             "rank {me} is not in {ranks:?}: a rank can only create groups it belongs to"
         )));
-    };
-    Ok(build_group(shared, me, sorted, index, timeout))
+    }
+    Ok(sorted)
 }
 
 /// A local group from a sorted, valid member list that holds `me` at `index`.

@@ -8,7 +8,7 @@ use tpar_tensor::autograd::record;
 use tpar_tensor::{no_grad, DType, Tensor};
 
 use crate::mode::{self, ImplicitRedistribution};
-use crate::redistribute::{adjoint, cached_plan, execute, grad_placements};
+use crate::redistribute::{adjoint, avg_factor, cached_plan, execute, grad_placements, slice_full};
 use crate::{DTensorError, DTensorSpec, Result};
 
 /// A tensor distributed over a [`DeviceMesh`]: this rank's local shard and the spec
@@ -239,7 +239,8 @@ impl DTensor {
     }
 
     /// The accumulated gradient of a parameter as a `DTensor` with the parameter's
-    /// placements (contributions on `Replicate` dims are all-reduced). Collective: every
+    /// placements (contributions on `Replicate` dims are all-reduced; on `Partial(avg)`
+    /// dims every rank's term is the full gradient, so the terms average to it). Collective: every
     /// rank of the mesh calls it. `None` when no gradient was accumulated on this rank.
     pub fn grad(&self) -> Result<Option<DTensor>> {
         let Some(g) = self.local.grad() else { return Ok(None) };
@@ -251,6 +252,10 @@ impl DTensor {
             dst: self.placements().to_vec(),
         };
         let g = execute(&cached_plan(key)?, &g, self.mesh())?;
+        // On a Partial(avg) dim the local gradient is that of the rank's own term
+        // (dL/dV / k); the gradient DTensor's terms must average to dL/dV.
+        let scale = avg_factor(self.placements(), self.mesh());
+        let g = if scale == 1.0 { g } else { no_grad(|| g.mul_scalar(scale))? };
         Ok(Some(DTensor { local: g, spec: self.spec.clone() }))
     }
 }
@@ -264,15 +269,7 @@ pub fn distribute_tensor(
     placements: &[Placement],
 ) -> Result<DTensor> {
     let spec = DTensorSpec::new(mesh, placements, t.dims())?;
-    let replicated = vec![Placement::Replicate; mesh.ndim()];
-    let plan = cached_plan(PlanKey {
-        mesh_shape: mesh.shape().to_vec(),
-        global_shape: t.dims().to_vec(),
-        elem_bytes: t.dtype().size_in_bytes(),
-        src: replicated,
-        dst: spec.placements().to_vec(),
-    })?;
-    let local = execute(&plan, &t.detach(), mesh)?;
+    let local = slice_full(&t.detach(), &spec)?;
     let local = if local.same_storage(t) { no_grad(|| local.deep_clone())? } else { local };
     Ok(DTensor { local: local.requires_grad_(t.requires_grad()), spec: Arc::new(spec) })
 }

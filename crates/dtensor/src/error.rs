@@ -71,6 +71,18 @@ pub enum DTensorError {
         /// The placement.
         placement: String,
     },
+    /// An op's operands do not fit together (shapes, dtypes, dims), or no sharding rule
+    /// applies to them; `operands` names each one's global shape and placements and the
+    /// mesh (`lhs shape [8, 16] as S(1) and rhs shape [16, 4] as S(0) on mesh (tp=2)`).
+    #[error("{op}: {operands}: {why}")]
+    Op {
+        /// The op.
+        op: &'static str,
+        /// The operands, described.
+        operands: String,
+        /// What is wrong.
+        why: String,
+    },
     /// Any other invalid argument, described.
     #[error("{op}: {what}")]
     InvalidArgument {

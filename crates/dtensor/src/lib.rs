@@ -23,6 +23,7 @@
 mod dtensor;
 mod error;
 pub mod mode;
+pub mod ops;
 pub mod redistribute;
 mod spec;
 

@@ -110,7 +110,7 @@ pub fn grad_placements(op: &'static str, ps: &[Placement]) -> Result<Vec<Placeme
 }
 
 /// Product of the mesh sizes of the dims where `ps` is `Partial(avg)`.
-fn avg_factor(ps: &[Placement], mesh: &DeviceMesh) -> f64 {
+pub(crate) fn avg_factor(ps: &[Placement], mesh: &DeviceMesh) -> f64 {
     ps.iter()
         .zip(mesh.shape())
         .filter(|(p, _)| **p == Placement::Partial(ReduceOp::Avg))
@@ -139,4 +139,30 @@ pub fn adjoint(
     let out = execute(&cached_plan(key)?, grad, mesh)?;
     let scale = avg_factor(dst, mesh) / avg_factor(src, mesh);
     Ok(if scale == 1.0 { out } else { no_grad(|| out.mul_scalar(scale))? })
+}
+
+/// This rank's shard of a full tensor laid out as `spec` (no communication): the
+/// narrowed block for `Shard` dims; on `Partial(sum)` dims the value at coordinate 0 and
+/// zeros elsewhere (every rank keeps it for avg/max/min).
+pub fn slice_full(full: &Tensor, spec: &crate::DTensorSpec) -> Result<Tensor> {
+    if full.dims() != spec.shape() {
+        return Err(DTensorError::InvalidArgument {
+            op: "distribute_tensor",
+            what: format!("tensor of shape {:?} given for {spec}", full.dims()),
+        });
+    }
+    no_grad(|| {
+        let (shape, offset) = spec.local_shape_and_offset()?;
+        let mut t = full.clone();
+        for d in 0..shape.len() {
+            t = t.narrow(d as isize, offset[d], shape[d])?;
+        }
+        let coord = spec.mesh().coordinate();
+        let zeroed = spec
+            .placements()
+            .iter()
+            .zip(coord)
+            .any(|(p, &c)| *p == Placement::Partial(ReduceOp::Sum) && c != 0);
+        Ok(if zeroed { t.zeros_like()? } else { t })
+    })
 }

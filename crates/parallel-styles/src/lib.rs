@@ -1,2 +1,23 @@
-//! tpar parallel-styles layer (filled by later work).
+//! Tensor and sequence parallelism the way PyTorch users write it: styles
+//! ([`ColwiseParallel`], [`RowwiseParallel`], [`SequenceParallel`],
+//! [`PrepareModuleInput`], [`PrepareModuleOutput`]) applied to modules by name with
+//! [`parallelize_module`], and [`loss_parallel`]'s cross-entropy on vocab-sharded logits.
 #![warn(missing_docs)]
+
+mod error;
+pub mod loss_parallel {
+    //! Cross-entropy on vocab-sharded logits (see [`cross_entropy`]).
+    pub use crate::loss::{backward, cross_entropy};
+}
+pub mod llama_plans;
+mod loss;
+mod plan;
+mod style;
+pub mod trace;
+
+pub use error::{PlanError, Result};
+pub use plan::{matches, parallelize_module, ParallelizePlan};
+pub use style::{
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+    PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+};

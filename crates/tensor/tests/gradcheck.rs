@@ -283,3 +283,21 @@ fn custom_function_backward_is_used() {
         .check("backward_with", &x.grad().unwrap().to_vec_f64().unwrap(), &want)
         .unwrap();
 }
+
+#[test]
+fn matmul_backward_with_empty_inner_or_output_dims() {
+    // Uneven sharding produces local shapes with k = 0 or n = 0.
+    for (k, n) in [(0usize, 3usize), (3, 0), (0, 0)] {
+        let x = Tensor::zeros([2, 4, k], DType::F64, tpar_tensor::Device::Cpu)
+            .unwrap()
+            .requires_grad_(true);
+        let w = Tensor::zeros([n, k], DType::F64, tpar_tensor::Device::Cpu)
+            .unwrap()
+            .requires_grad_(true);
+        let y = x.linear(&w, None).unwrap();
+        assert_eq!(y.dims(), &[2, 4, n]);
+        y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(x.grad().unwrap().dims(), &[2, 4, k]);
+        assert_eq!(w.grad().unwrap().dims(), &[n, k]);
+    }
+}

@@ -19,7 +19,7 @@
 //! Every wait is a `Condvar::wait_timeout` loop that also wakes when the world is marked
 //! failed or a member thread has exited, so peers of a dead rank return promptly.
 
-mod desc;
+pub(crate) mod desc;
 mod kernels;
 
 use std::collections::{HashMap, VecDeque};

@@ -134,10 +134,11 @@ impl Tensor {
             };
             let gb = if b.requires_grad() {
                 let r = if b.rank() == 2 && a.rank() > 2 && !ta {
-                    let k = a.dims()[a.rank() - 1];
-                    let a2 = a.reshape([a.numel() / k.max(1), k])?;
-                    let n = g.dims()[g.rank() - 1];
-                    let g2 = g.reshape([g.numel() / n.max(1), n])?;
+                    // Fold the batch dims into rows (counted from the dims, so empty
+                    // inner or output dims keep their row count).
+                    let rows: usize = a.dims()[..a.rank() - 1].iter().product();
+                    let a2 = a.reshape([rows, a.dims()[a.rank() - 1]])?;
+                    let g2 = g.reshape([rows, g.dims()[g.rank() - 1]])?;
                     if tb {
                         g2.matmul_t(&a2, true, false)?
                     } else {

@@ -1,0 +1,310 @@
+//! The NCCL backend. Here (no GPU, no CUDA libraries) these tests check that the backend
+//! reports why it is unavailable instead of panicking; on a machine with the CUDA driver
+//! and NCCL, `world_size_one_runs_every_collective` runs every collective on one GPU.
+//!
+//! When NCCL is installed only as `libnccl.so.2` (which cudarc's loader does not try), that
+//! test re-runs itself in a child process whose `LD_LIBRARY_PATH` holds a `libnccl.so`
+//! link, as `tpar-run` does for its ranks.
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use tpar_collectives::nccl::{self, LibStatus};
+use tpar_collectives::rendezvous::EnvInit;
+use tpar_collectives::{CollectiveError, CollectiveKind, ProcessGroup, ReduceOp};
+use tpar_tensor::{DType, Device, Rng, Tensor};
+
+/// Marks the child process of the `libnccl.so` re-run.
+const CHILD_ENV: &str = "TPAR_NCCL_TEST_CHILD";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap()
+}
+
+/// A world of one: RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, store on a free local port.
+fn env_of_one() -> EnvInit {
+    let port = free_port().to_string();
+    EnvInit::from_vars(|name| match name {
+        "RANK" | "LOCAL_RANK" => Some("0".into()),
+        "WORLD_SIZE" => Some("1".into()),
+        "MASTER_ADDR" => Some("127.0.0.1".into()),
+        "MASTER_PORT" => Some(port.clone()),
+        _ => None,
+    })
+    .unwrap()
+}
+
+#[test]
+fn probe_reports_each_library_without_panicking() {
+    let p = nccl::probe();
+    println!("{p}");
+    let text = p.to_string();
+    assert!(text.contains("CUDA driver: "), "{text}");
+    assert!(text.contains("NCCL: "), "{text}");
+    assert_eq!(nccl::probe(), p, "the probe is stable within a process");
+    for lib in [&p.driver, &p.nccl] {
+        if let LibStatus::Missing(why) = lib {
+            assert!(!why.is_empty());
+        }
+    }
+    match p.check() {
+        Ok(()) => {
+            assert!(p.is_usable() && p.why_unavailable().is_none());
+            assert!(p.devices.unwrap_or(0) > 0);
+            assert!(p.nccl_version.is_some());
+        }
+        Err(CollectiveError::Unavailable { what, why }) => {
+            assert_eq!(what, "NCCL backend");
+            assert!(!p.is_usable());
+            assert_eq!(Some(why.clone()), p.why_unavailable());
+            if !p.driver.is_present() {
+                assert!(why.contains("CUDA driver missing"), "{why}");
+            }
+            if !p.nccl.is_present() {
+                assert!(why.contains("NCCL missing"), "{why}");
+            }
+        }
+        Err(e) => panic!("unexpected error kind: {e}"),
+    }
+}
+
+#[test]
+fn nccl_world_is_unavailable_not_a_panic_without_cuda() {
+    let p = nccl::probe();
+    if p.is_usable() {
+        println!("skipped: CUDA and NCCL are present here");
+        return;
+    }
+    let env = env_of_one();
+    match ProcessGroup::nccl_world(&env, Duration::from_secs(5)) {
+        Err(CollectiveError::Unavailable { what, why }) => {
+            println!("nccl_world: {what} is unavailable: {why}");
+            assert_eq!(what, "NCCL backend");
+            let named = (!p.driver.is_present() && why.contains("CUDA driver"))
+                || (!p.nccl.is_present() && why.contains("NCCL missing"));
+            assert!(named, "the reason names the missing library: {why}");
+        }
+        Err(e) => panic!("expected Unavailable, got {e}"),
+        Ok(pg) => panic!("an NCCL group without CUDA: {pg:?}"),
+    }
+    // Nothing was bound: the store is only created once the libraries are there.
+    assert!(TcpListener::bind(("127.0.0.1", env.master_port)).is_ok());
+}
+
+#[test]
+fn the_libnccl_link_points_at_the_versioned_library() {
+    // A stand-in library file: the link is only a symlink in a private directory.
+    let dir = std::env::temp_dir().join(format!("tpar-nccl-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let lib = dir.join("libnccl.so.2");
+    std::fs::write(&lib, b"not a library").unwrap();
+    let link = nccl::NcclLibLink::create(&lib).unwrap();
+    let linked = link.dir().join("libnccl.so");
+    assert_eq!(std::fs::read_link(&linked).unwrap(), lib.canonicalize().unwrap());
+    let path = link.ld_library_path();
+    let first = std::env::split_paths(&path).next().unwrap();
+    assert_eq!(first, link.dir());
+    let made = link.dir().to_path_buf();
+    drop(link);
+    assert!(!made.exists(), "the link directory is removed on drop");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Marks the child of `a_libnccl_so_2_alone_becomes_loadable_through_the_link`.
+const LINK_CHILD_ENV: &str = "TPAR_NCCL_LINK_CHILD";
+
+#[test]
+fn a_libnccl_so_2_alone_becomes_loadable_through_the_link() {
+    if nccl::probe().nccl.is_present() {
+        println!("skipped: NCCL already loads here");
+        return;
+    }
+    // A stand-in NCCL that only knows its version, installed the way the runtime package
+    // installs NCCL: as libnccl.so.2, with no libnccl.so.
+    let dir = std::env::temp_dir().join(format!("tpar-nccl-stub-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("stub.c");
+    std::fs::write(
+        &src,
+        "int ncclGetVersion(int *v) { *v = 22703; return 0; }\n\
+         const char *ncclGetErrorString(int r) { (void)r; return \"stub\"; }\n",
+    )
+    .unwrap();
+    let lib = dir.join("libnccl.so.2");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        println!("skipped: no C compiler to build a stand-in libnccl.so.2");
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
+    let link = nccl::NcclLibLink::create(&lib).unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["linked_child_sees_nccl", "--exact", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", link.ld_library_path())
+        .env(LINK_CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    drop(link);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "child failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("NCCL: present (NCCL 2.27.3)"), "{stdout}");
+}
+
+/// Runs only as the child of the test above: cudarc finds "libnccl.so" through the link.
+#[test]
+fn linked_child_sees_nccl() {
+    if std::env::var_os(LINK_CHILD_ENV).is_none() {
+        return;
+    }
+    let p = nccl::probe();
+    println!("{p}");
+    assert!(p.nccl.is_present(), "{p}");
+    assert_eq!(p.nccl_version, Some((2, 27, 3)));
+}
+
+/// Re-runs this test in a child whose `LD_LIBRARY_PATH` makes `libnccl.so.2` loadable,
+/// when that is what is missing. Returns whether it did.
+fn rerun_with_nccl_link(test: &str) -> bool {
+    let p = nccl::probe();
+    if std::env::var_os(CHILD_ENV).is_some() || !p.driver.is_present() || p.nccl.is_present() {
+        return false;
+    }
+    let Some(link) = nccl::nccl_library_link() else { return false };
+    println!(
+        "re-running with {} -> {} on LD_LIBRARY_PATH",
+        link.dir().display(),
+        link.target().display()
+    );
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", link.ld_library_path())
+        .env(CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the re-run failed: {}", out.status);
+    true
+}
+
+fn rand_tensor(dims: &[usize], dtype: DType, rng: &mut Rng) -> Tensor {
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.below(9) as f64 - 4.0).collect();
+    Tensor::from_f64(&v, dims.to_vec(), dtype).unwrap()
+}
+
+fn same(what: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!(got.dims(), want.dims(), "{what}: dims");
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap(), "{what}: values");
+}
+
+#[test]
+fn world_size_one_runs_every_collective() {
+    let p = nccl::probe();
+    if !p.is_usable() {
+        if rerun_with_nccl_link("world_size_one_runs_every_collective") {
+            return;
+        }
+        println!("skipped: {}", p.why_unavailable().unwrap_or_default());
+        return;
+    }
+    println!("{p}");
+    let env = env_of_one();
+    let pg = ProcessGroup::nccl_world(&env, Duration::from_secs(60)).expect("NCCL world of one");
+    assert_eq!(pg.backend_name(), "nccl");
+    assert_eq!((pg.size(), pg.rank(), pg.global_rank(), pg.world_size()), (1, 0, 0, 1));
+    let debug = pg.comm_debug();
+    debug.enable();
+    let mut rng = Rng::new(5);
+    let dtypes = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64];
+    let ops = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product];
+    for dtype in dtypes {
+        let t = rand_tensor(&[5, 3, 2], dtype, &mut rng);
+        for op in ops {
+            if dtype == DType::I64 && op == ReduceOp::Avg {
+                assert!(pg.all_reduce(&t, op).is_err(), "avg of i64 is refused");
+                continue;
+            }
+            same(&format!("all_reduce {op} {dtype}"), &pg.all_reduce(&t, op).unwrap(), &t);
+            for dim in 0..3 {
+                let what = format!("reduce_scatter {op} dim {dim} {dtype}");
+                same(&what, &pg.reduce_scatter(&t, dim, op).unwrap(), &t);
+            }
+        }
+        for dim in 0..3 {
+            same(&format!("all_gather dim {dim} {dtype}"), &pg.all_gather(&t, dim).unwrap(), &t);
+        }
+        for (s, c) in [(0, 0), (0, 1), (2, 0), (1, 2)] {
+            same(&format!("all_to_all {s}->{c} {dtype}"), &pg.all_to_all(&t, s, c).unwrap(), &t);
+        }
+        same("all_to_all_sizes", &pg.all_to_all_sizes(&t, &[5], 0, 0).unwrap(), &t);
+        same(&format!("broadcast {dtype}"), &pg.broadcast(&t, 0).unwrap(), &t);
+        pg.send(&t, 0).unwrap();
+        same(&format!("send/recv {dtype}"), &pg.recv(0).unwrap(), &t);
+    }
+    pg.barrier().unwrap();
+
+    // Empty and meta tensors, a 0-d tensor, a large tensor.
+    let empty = Tensor::zeros([0, 4], DType::F32, Device::Cpu).unwrap();
+    same("all_gather of nothing", &pg.all_gather(&empty, 0).unwrap(), &empty);
+    let meta = Tensor::empty([6, 2], DType::BF16, Device::Meta).unwrap();
+    let m = pg.reduce_scatter(&meta, 0, ReduceOp::Sum).unwrap();
+    assert_eq!((m.dims(), m.device()), (&[6usize, 2][..], Device::Meta));
+    let scalar = Tensor::scalar(2.5, DType::F32);
+    same("0-d all_reduce", &pg.all_reduce(&scalar, ReduceOp::Sum).unwrap(), &scalar);
+    let big = rand_tensor(&[1 << 20], DType::F32, &mut rng);
+    same("4 MiB all_reduce", &pg.all_reduce(&big, ReduceOp::Sum).unwrap(), &big);
+
+    // Async calls, completed in order by the group's worker.
+    let t = rand_tensor(&[4, 4], DType::F32, &mut rng);
+    let works = [
+        pg.all_reduce_async(&t, ReduceOp::Max),
+        pg.all_gather_async(&t, 1),
+        pg.reduce_scatter_async(&t, 0, ReduceOp::Sum),
+    ];
+    for w in works {
+        let op = w.op();
+        same(&format!("{op} async"), &w.wait().unwrap(), &t);
+    }
+
+    // Bad arguments fail alone, and the group stays usable.
+    assert!(matches!(pg.all_gather(&t, 7), Err(CollectiveError::InvalidArgument { .. })));
+    assert!(matches!(pg.recv(0), Err(CollectiveError::InvalidArgument { .. })));
+    same("after errors", &pg.all_reduce(&t, ReduceOp::Sum).unwrap(), &t);
+
+    // new_group: in a world of one, [0] is the world's own list, so it shares the world's
+    // communicator (handles on one list always do); larger worlds get one per list.
+    let sub = pg.new_group(&[0]).unwrap();
+    assert_eq!((sub.backend_name(), sub.ranks()), ("nccl", &[0usize][..]));
+    same("sub-group all_reduce", &sub.all_reduce(&t, ReduceOp::Sum).unwrap(), &t);
+    same("interleaved", &pg.all_gather(&t, 0).unwrap(), &t);
+    let again = sub.new_group(&[0]).unwrap();
+    same("same list again", &again.broadcast(&t, 0).unwrap(), &t);
+    assert!(pg.new_group(&[0, 1]).is_err(), "rank 1 does not exist");
+
+    let kinds: Vec<CollectiveKind> = debug.records().iter().map(|r| r.kind).collect();
+    for k in CollectiveKind::ALL {
+        assert!(kinds.contains(&k), "{k} was recorded");
+    }
+    println!("{} calls ran on NCCL", kinds.len());
+}
+
+#[test]
+fn init_process_group_reads_the_environment() {
+    if std::env::var_os("RANK").is_some() {
+        println!("skipped: launched with a torchrun environment");
+        return;
+    }
+    match nccl::init_process_group(Duration::from_secs(1)) {
+        Err(CollectiveError::InvalidArgument { why, .. }) => assert!(why.contains("RANK"), "{why}"),
+        other => panic!("expected a missing-environment error, got {other:?}"),
+    }
+}

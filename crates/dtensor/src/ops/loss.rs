@@ -1,0 +1,202 @@
+//! Cross-entropy, vocab-parallel (PyTorch's `loss_parallel`) when the logits are
+//! sharded on the vocab dim: the logits are never gathered, forward or backward.
+
+use tpar_collectives::ReduceOp as CommOp;
+use tpar_kernels::cross_entropy as ce;
+use tpar_kernels::{Acc, Float};
+use tpar_mesh::DeviceMesh;
+use tpar_placements::Placement;
+use tpar_tensor::autograd::record;
+use tpar_tensor::{DType, Element, Tensor, TensorError};
+
+use super::{choose, finish, global_shape, meta, no_rule, prepare_all, Strategy};
+use crate::{DTensor, Result};
+
+use Placement::{Replicate, Shard};
+
+/// Where the (prepared) logits are sharded, and what the local kernels need.
+#[derive(Clone)]
+struct Layout {
+    mesh: DeviceMesh,
+    /// Mesh dims sharding the vocab (last) dim.
+    vocab_dims: Vec<usize>,
+    /// Mesh dims sharding a row dim.
+    row_dims: Vec<usize>,
+    vocab: usize,
+    vocab_start: i64,
+    ignore_index: i64,
+}
+
+fn kernel(e: tpar_kernels::KernelError) -> TensorError {
+    TensorError::from(e)
+}
+
+/// `v` all-reduced with `op` over each of `dims` in turn (f64 on the wire).
+fn all_reduce(mesh: &DeviceMesh, dims: &[usize], v: Vec<f64>, op: CommOp) -> Result<Vec<f64>> {
+    if dims.is_empty() {
+        return Ok(v);
+    }
+    let n = v.len();
+    let mut t = Tensor::from_vec(v, [n])?;
+    for &m in dims {
+        t = mesh.group(m)?.all_reduce(&t, op)?;
+    }
+    Ok(t.to_vec::<f64>()?)
+}
+
+fn widen<A: Acc>(v: &[A]) -> Vec<f64> {
+    v.iter().map(|x| x.f64()).collect()
+}
+
+fn narrow<A: Acc>(v: &[f64]) -> Vec<A> {
+    v.iter().map(|&x| A::of(x)).collect()
+}
+
+/// The local forward and the recorded backward for element type `T`.
+fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Result<Tensor> {
+    let rows = targets.numel();
+    let v_local = logits.dims().last().copied().unwrap_or(0);
+    let zero = T::Acc::of(0.0);
+    let (mut max, mut sumexp, mut tl) = (vec![zero; rows], vec![zero; rows], vec![zero; rows]);
+    logits.with_data::<T, _>(|ls| {
+        targets.with_data::<i64, _>(|ts| {
+            ce::ce_local_stats(
+                ls,
+                rows,
+                v_local,
+                ts,
+                lay.vocab_start,
+                lay.vocab,
+                lay.ignore_index,
+                &mut max,
+                &mut sumexp,
+                &mut tl,
+            )
+            .map_err(kernel)
+        })
+    })???;
+    if !lay.vocab_dims.is_empty() {
+        // loss_parallel: global max, sum-exp rescaled to it, target logit from its owner.
+        let gmax: Vec<T::Acc> =
+            narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&max), CommOp::Max)?);
+        ce::ce_rescale(&max, &mut sumexp, &gmax).map_err(kernel)?;
+        sumexp = narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&sumexp), CommOp::Sum)?);
+        tl = narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&tl), CommOp::Sum)?);
+        max = gmax;
+    }
+    let mut lse = vec![zero; rows];
+    ce::ce_lse(&max, &sumexp, &mut lse).map_err(kernel)?;
+    let (mut total, mut count) = (0.0f64, 0.0f64);
+    targets.with_data::<i64, _>(|ts| {
+        for ((&t, &l), &x) in ts.iter().zip(&lse).zip(&tl) {
+            if t != lay.ignore_index {
+                total += (l - x).f64();
+                count += 1.0;
+            }
+        }
+    })?;
+    if !lay.row_dims.is_empty() {
+        let s = all_reduce(&lay.mesh, &lay.row_dims, vec![total, count], CommOp::Sum)?;
+        (total, count) = (s[0], s[1]);
+    }
+    let loss = if count == 0.0 { 0.0 } else { total / count };
+    let out = Tensor::from_f64(&[loss], Vec::<usize>::new(), logits.dtype())?;
+    let (x, t) = (logits.detach(), targets.detach());
+    let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
+    grad_dims.sort_unstable();
+    Ok(record("cross_entropy", &[logits], out, move |g| {
+        // The loss is Replicate: its local gradient is a contribution. Sum it over the
+        // mesh dims where the logits are sharded (each rank's block needs the full
+        // gradient); on replicated mesh dims the contribution flows on as is.
+        let g = all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], CommOp::Sum)?[0];
+        let scale = if count == 0.0 { 0.0 } else { g / count };
+        let row_scale = [T::Acc::of(scale)];
+        let mut dl = vec![T::default(); x.numel()];
+        x.with_data::<T, _>(|ls| {
+            t.with_data::<i64, _>(|ts| {
+                ce::cross_entropy_backward(
+                    ls,
+                    rows,
+                    v_local,
+                    ts,
+                    lay.vocab_start,
+                    lay.ignore_index,
+                    &lse,
+                    &row_scale,
+                    &mut dl,
+                )
+                .map_err(kernel)
+            })
+        })???;
+        Ok(vec![Some(Tensor::from_vec(dl, x.shape().clone())?)])
+    }))
+}
+
+impl DTensor {
+    /// Cross-entropy of logits `[..., vocab]` against i64 `targets` `[...]`, averaged over
+    /// the targets that are not `ignore_index` (0 when all are). The loss is a 0-dim
+    /// `Replicate` `DTensor`.
+    ///
+    /// Rules per mesh dim (operands `logits`, `targets`):
+    /// * `S(-1)`, `R` — **loss_parallel**: each rank computes per-row statistics of its
+    ///   vocab slice; forward issues three all_reduces of `rows` values each (max with
+    ///   MAX; the sum of exponentials, rescaled to the global max, with SUM; the target
+    ///   logit, non-zero only on the rank owning the target column, with SUM). The logits
+    ///   are never gathered. Backward: one all_reduce of the scalar loss gradient, then
+    ///   `(softmax - onehot) * grad / count` on the local vocab slice only.
+    /// * `S(d)`, `S(d)` with `d` a row dim: forward one all_reduce of `[loss sum,
+    ///   count]`; backward one all_reduce of the scalar loss gradient.
+    /// * `R`, `R`: the plain op, no communication.
+    ///
+    /// Other layouts are redistributed to the cheapest of these (implicit; partial
+    /// logits are reduce-scattered onto the vocab dim). `Partial` targets are an error.
+    pub fn cross_entropy(&self, targets: &DTensor, ignore_index: i64) -> Result<DTensor> {
+        let op = "cross_entropy";
+        let operands = [("logits", self), ("targets", targets)];
+        let out_shape = global_shape(op, &operands, || {
+            Ok(meta(self)?.cross_entropy(&meta(targets)?, ignore_index)?)
+        })?;
+        if targets.placements().iter().any(|p| p.is_partial()) {
+            return Err(no_rule(op, &operands, "targets cannot be Partial"));
+        }
+        let last = self.shape().len() - 1;
+        let (targets_pl, _) = choose(op, &operands, |_| {
+            let mut c = vec![
+                Strategy::new(vec![Replicate, Replicate], Replicate),
+                Strategy::new(vec![Shard(last as isize), Replicate], Replicate),
+            ];
+            for d in 0..last {
+                c.push(Strategy::new(vec![Shard(d as isize); 2], Replicate));
+            }
+            c
+        })?;
+        let ins = prepare_all(op, &operands, &targets_pl)?;
+        let logits_pl = &targets_pl[0];
+        let dims_where = |f: &dyn Fn(usize) -> bool| -> Vec<usize> {
+            logits_pl
+                .iter()
+                .enumerate()
+                .filter_map(|(m, p)| p.shard_dim().filter(|&d| f(d as usize)).map(|_| m))
+                .collect()
+        };
+        let (_, offset) = ins[0].spec().local_shape_and_offset()?;
+        let lay = Layout {
+            mesh: self.mesh().clone(),
+            vocab_dims: dims_where(&|d| d == last),
+            row_dims: dims_where(&|d| d != last),
+            vocab: self.shape()[last],
+            vocab_start: offset[last] as i64,
+            ignore_index,
+        };
+        let (l, t) = (ins[0].local(), ins[1].local());
+        let loss = match self.dtype() {
+            DType::F32 => run::<f32>(l, t, lay)?,
+            DType::F64 => run::<f64>(l, t, lay)?,
+            DType::BF16 => run::<half::bf16>(l, t, lay)?,
+            DType::F16 => run::<half::f16>(l, t, lay)?,
+            DType::I64 => return Err(no_rule(op, &operands, "logits must be a float dtype")),
+        };
+        let rep = vec![Replicate; self.mesh().ndim()];
+        finish(loss, self.mesh(), &rep, &out_shape)
+    }
+}

@@ -1,0 +1,62 @@
+//! The module layer's error type.
+
+use tpar_dtensor::DTensorError;
+use tpar_tensor::TensorError;
+
+/// Errors of modules, their forward passes and the hooks parallel styles install.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NnError {
+    /// A local tensor op failed.
+    #[error(transparent)]
+    Tensor(TensorError),
+    /// A DTensor op or redistribution failed.
+    #[error(transparent)]
+    DTensor(DTensorError),
+    /// A module got an input of a kind it cannot use.
+    #[error("{module}: {what}")]
+    BadInput {
+        /// The module (its type name, or FQN when known).
+        module: String,
+        /// What is wrong.
+        what: String,
+    },
+    /// A configuration that cannot work (head counts, sizes).
+    #[error("{what}")]
+    Config {
+        /// What is wrong, with the numbers.
+        what: String,
+    },
+}
+
+impl From<TensorError> for NnError {
+    fn from(e: TensorError) -> Self {
+        match DTensorError::from(e) {
+            DTensorError::Tensor(t) => NnError::Tensor(t),
+            d => NnError::DTensor(d),
+        }
+    }
+}
+
+impl From<DTensorError> for NnError {
+    fn from(e: DTensorError) -> Self {
+        match e {
+            DTensorError::Tensor(t) => NnError::Tensor(t),
+            d => NnError::DTensor(d),
+        }
+    }
+}
+
+impl From<tpar_mesh::MeshError> for NnError {
+    fn from(e: tpar_mesh::MeshError) -> Self {
+        NnError::DTensor(e.into())
+    }
+}
+
+impl From<tpar_collectives::CollectiveError> for NnError {
+    fn from(e: tpar_collectives::CollectiveError) -> Self {
+        NnError::DTensor(e.into())
+    }
+}
+
+/// Result type of the module layer.
+pub type Result<T> = std::result::Result<T, NnError>;

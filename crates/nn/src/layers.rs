@@ -1,0 +1,296 @@
+//! Layers: Linear, Embedding, RMSNorm, and an ordered list of modules.
+
+use std::any::Any;
+
+use tpar_dtensor::DTensor;
+use tpar_tensor::{DType, Device, Tensor};
+
+use crate::module::{call, Init, ModuleCore, ParamSlot};
+use crate::{Args, Module, NnError, Param, Result, Value};
+
+macro_rules! module_boilerplate {
+    () => {
+        fn core(&self) -> &ModuleCore {
+            &self.core
+        }
+        fn core_mut(&mut self) -> &mut ModuleCore {
+            &mut self.core
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    };
+}
+pub(crate) use module_boilerplate;
+
+/// A parameter that is a DTensor replicated on every mesh dim can be used as a plain
+/// tensor (its local shard is the whole tensor).
+fn replicated_local(p: &Param) -> Option<Tensor> {
+    match p {
+        Param::Tensor(t) => Some(t.clone()),
+        Param::DTensor(d) => d.placements().iter().all(|p| p.is_replicate()).then(|| d.to_local()),
+    }
+}
+
+fn mixed(module: &str, x: &Value, p: &Param) -> NnError {
+    NnError::BadInput {
+        module: module.to_string(),
+        what: format!(
+            "input {x:?} and parameter {p:?} do not mix: a sharded parameter needs a DTensor input (install a parallel style), a plain parameter a plain tensor"
+        ),
+    }
+}
+
+/// `y = x W^T + b` with `W` of shape `[out_features, in_features]`, as `torch.nn.Linear`.
+pub struct Linear {
+    core: ModuleCore,
+    /// `[out_features, in_features]`.
+    pub weight: Param,
+    /// `[out_features]`, if any.
+    pub bias: Option<Param>,
+    in_features: usize,
+}
+
+impl Linear {
+    /// A linear layer on `device` (`Device::Meta` to initialise later with `reset_parameters`).
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Linear> {
+        Ok(Linear {
+            core: ModuleCore::default(),
+            weight: Param::new([out_features, in_features], dtype, device)?,
+            bias: if bias { Some(Param::new([out_features], dtype, device)?) } else { None },
+            in_features,
+        })
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features (global).
+    pub fn out_features(&self) -> usize {
+        self.weight.shape()[0]
+    }
+}
+
+impl Module for Linear {
+    fn type_name(&self) -> &'static str {
+        "Linear"
+    }
+
+    fn forward(&self, args: Args) -> Result<Value> {
+        let x = args.get(0);
+        match (&x, &self.weight) {
+            (Value::DTensor(xd), Param::DTensor(w)) => {
+                let b = match &self.bias {
+                    Some(Param::DTensor(b)) => Some(b.clone()),
+                    Some(p @ Param::Tensor(_)) => return Err(mixed("Linear", &x, p)),
+                    None => None,
+                };
+                Ok(Value::DTensor(xd.linear(w, b.as_ref())?))
+            }
+            (Value::Tensor(xt), w) => {
+                let w = replicated_local(w).ok_or_else(|| mixed("Linear", &x, w))?;
+                let b = match &self.bias {
+                    Some(p) => Some(replicated_local(p).ok_or_else(|| mixed("Linear", &x, p))?),
+                    None => None,
+                };
+                Ok(Value::Tensor(xt.linear(&w, b.as_ref())?))
+            }
+            _ => Err(mixed("Linear", &x, &self.weight)),
+        }
+    }
+
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        let mut v = vec![("weight", &self.weight)];
+        if let Some(b) = &self.bias {
+            v.push(("bias", b));
+        }
+        v
+    }
+
+    fn param_slots(&mut self) -> Vec<ParamSlot<'_>> {
+        let bound = 1.0 / (self.in_features.max(1) as f64).sqrt();
+        let mut v = vec![ParamSlot {
+            name: "weight",
+            param: &mut self.weight,
+            init: Init::Uniform { bound },
+        }];
+        if let Some(b) = &mut self.bias {
+            v.push(ParamSlot { name: "bias", param: b, init: Init::Uniform { bound } });
+        }
+        v
+    }
+
+    module_boilerplate!();
+}
+
+/// A lookup table `[num_embeddings, embedding_dim]`, as `torch.nn.Embedding`.
+pub struct Embedding {
+    core: ModuleCore,
+    /// `[num_embeddings, embedding_dim]`.
+    pub weight: Param,
+}
+
+impl Embedding {
+    /// An embedding table on `device`.
+    pub fn new(
+        num_embeddings: usize,
+        embedding_dim: usize,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Embedding> {
+        Ok(Embedding {
+            core: ModuleCore::default(),
+            weight: Param::new([num_embeddings, embedding_dim], dtype, device)?,
+        })
+    }
+}
+
+impl Module for Embedding {
+    fn type_name(&self) -> &'static str {
+        "Embedding"
+    }
+
+    fn forward(&self, args: Args) -> Result<Value> {
+        let ids = args.get(0);
+        match (&ids, &self.weight) {
+            (Value::DTensor(i), Param::DTensor(w)) => Ok(Value::DTensor(DTensor::embedding(i, w)?)),
+            (Value::Tensor(i), w) => {
+                let w = replicated_local(w).ok_or_else(|| mixed("Embedding", &ids, w))?;
+                Ok(Value::Tensor(Tensor::embedding(i, &w)?))
+            }
+            _ => Err(mixed("Embedding", &ids, &self.weight)),
+        }
+    }
+
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        vec![("weight", &self.weight)]
+    }
+
+    fn param_slots(&mut self) -> Vec<ParamSlot<'_>> {
+        vec![ParamSlot { name: "weight", param: &mut self.weight, init: Init::Normal { std: 1.0 } }]
+    }
+
+    module_boilerplate!();
+}
+
+/// Root-mean-square normalisation over the last dim with a learned scale, as
+/// `torch.nn.RMSNorm`.
+pub struct RmsNorm {
+    core: ModuleCore,
+    /// `[dim]`.
+    pub weight: Param,
+    /// Added to the mean square.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// An RMSNorm over `dim` features.
+    pub fn new(dim: usize, eps: f64, dtype: DType, device: Device) -> Result<RmsNorm> {
+        Ok(RmsNorm { core: ModuleCore::default(), weight: Param::new([dim], dtype, device)?, eps })
+    }
+}
+
+impl Module for RmsNorm {
+    fn type_name(&self) -> &'static str {
+        "RMSNorm"
+    }
+
+    fn forward(&self, args: Args) -> Result<Value> {
+        let x = args.get(0);
+        match (&x, &self.weight) {
+            (Value::DTensor(xd), Param::DTensor(w)) => {
+                Ok(Value::DTensor(xd.rms_norm(w, self.eps)?))
+            }
+            (Value::Tensor(xt), w) => {
+                let w = replicated_local(w).ok_or_else(|| mixed("RMSNorm", &x, w))?;
+                Ok(Value::Tensor(xt.rms_norm(&w, self.eps)?))
+            }
+            _ => Err(mixed("RMSNorm", &x, &self.weight)),
+        }
+    }
+
+    fn params(&self) -> Vec<(&'static str, &Param)> {
+        vec![("weight", &self.weight)]
+    }
+
+    fn param_slots(&mut self) -> Vec<ParamSlot<'_>> {
+        vec![ParamSlot { name: "weight", param: &mut self.weight, init: Init::Constant(1.0) }]
+    }
+
+    module_boilerplate!();
+}
+
+/// An ordered list of modules named `0`, `1`, ... (as `torch.nn.ModuleList`).
+pub struct ModuleList<M: Module> {
+    core: ModuleCore,
+    /// The modules.
+    pub items: Vec<M>,
+}
+
+impl<M: Module> ModuleList<M> {
+    /// A list of modules.
+    pub fn new(items: Vec<M>) -> Self {
+        ModuleList { core: ModuleCore::default(), items }
+    }
+}
+
+impl<M: Module> Module for ModuleList<M> {
+    fn type_name(&self) -> &'static str {
+        "ModuleList"
+    }
+
+    /// Runs the modules in sequence, each getting the previous output as its first input
+    /// and the other inputs unchanged.
+    fn forward(&self, mut args: Args) -> Result<Value> {
+        for m in &self.items {
+            let out = call(m, args.clone())?;
+            if args.pos.is_empty() {
+                args.pos.push(out);
+            } else {
+                args.pos[0] = out;
+            }
+        }
+        Ok(args.get(0))
+    }
+
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        self.items.iter().enumerate().map(|(i, m)| (i.to_string(), m as &dyn Module)).collect()
+    }
+
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        self.items
+            .iter_mut()
+            .enumerate()
+            .map(|(i, m)| (i.to_string(), m as &mut dyn Module))
+            .collect()
+    }
+
+    module_boilerplate!();
+}
+
+/// Adds two values (residual connections): plain + plain, or DTensor + DTensor.
+pub fn add_values(who: &str, a: &Value, b: &Value) -> Result<Value> {
+    match (a, b) {
+        (Value::Tensor(x), Value::Tensor(y)) => Ok(Value::Tensor(x.add(y)?)),
+        (Value::DTensor(x), Value::DTensor(y)) => Ok(Value::DTensor(x.add(y)?)),
+        (Value::DTensor(x), Value::Tensor(y)) | (Value::Tensor(y), Value::DTensor(x)) => {
+            // A plain tensor next to a DTensor is this rank's shard of the same layout.
+            Ok(Value::Tensor(x.to_local().add(y)?))
+        }
+        _ => Err(NnError::BadInput {
+            module: who.to_string(),
+            what: format!("cannot add {a:?} and {b:?}"),
+        }),
+    }
+}

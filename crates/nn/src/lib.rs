@@ -1,0 +1,23 @@
+//! tpar's module layer: the `Module` trait, layers (Linear, Embedding, RMSNorm) and the
+//! Llama model, with parameters that are plain tensors or DTensors.
+#![warn(missing_docs)]
+
+mod error;
+pub mod layers;
+pub mod llama;
+mod module;
+mod param;
+mod value;
+
+pub use error::{NnError, Result};
+pub use layers::{Embedding, Linear, ModuleList, RmsNorm};
+pub use llama::{
+    causal_padding_mask, LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaForPretraining,
+    LlamaMLP, LlamaModel, RopeTables, RotaryPositionEncoding,
+};
+pub use module::{
+    call, init_value, named_modules, named_parameters, parameters, reset_parameters, set_training,
+    visit_modules_mut, ForwardHook, Init, Module, ModuleCore, ParamSlot,
+};
+pub use param::Param;
+pub use value::{Args, Value};

@@ -1,0 +1,550 @@
+//! The Llama model: RoPE, grouped-query attention with a causal + padding mask,
+//! SwiGLU MLP, RMSNorm, with the module names of the reference implementation
+//! (`base_model.layers.3.self_attn.q_proj`, ...).
+
+use std::any::Any;
+use std::sync::Arc;
+
+use tpar_tensor::{DType, Device, RopeLayout, Tensor};
+
+use crate::layers::{add_values, module_boilerplate, Embedding, Linear, ModuleList, RmsNorm};
+use crate::module::{call, ModuleCore};
+use crate::{Args, Module, NnError, Result, Value};
+
+/// Sizes of a Llama model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence the RoPE tables cover.
+    pub max_position_embeddings: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than query heads).
+    pub num_key_value_heads: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Parameter dtype.
+    pub dtype: DType,
+}
+
+impl LlamaConfig {
+    /// Head dim (`hidden_size / num_attention_heads`).
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+
+    /// Checks the sizes fit together.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+            return Err(NnError::Config {
+                what: format!(
+                    "hidden_size {} is not a multiple of num_attention_heads {}",
+                    c.hidden_size, c.num_attention_heads
+                ),
+            });
+        }
+        if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+            return Err(NnError::Config {
+                what: format!(
+                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                    c.num_attention_heads, c.num_key_value_heads
+                ),
+            });
+        }
+        if c.head_dim() % 2 != 0 {
+            return Err(NnError::Config {
+                what: format!("head_dim {} must be even for RoPE", c.head_dim()),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The RoPE tables for a sequence: `cos` and `sin`, `[seq, head_dim]`.
+#[derive(Clone, Debug)]
+pub struct RopeTables {
+    /// Cosines.
+    pub cos: Tensor,
+    /// Sines.
+    pub sin: Tensor,
+}
+
+/// Rotary position encoding: produces the tables attention applies (HF layout: the
+/// frequencies repeated over both halves of the head dim).
+pub struct RotaryPositionEncoding {
+    core: ModuleCore,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RotaryPositionEncoding {
+    /// Tables for `max_positions` positions of a `head_dim`-wide head.
+    pub fn new(head_dim: usize, max_positions: usize, base: f64, dtype: DType) -> Result<Self> {
+        let half = head_dim / 2;
+        let mut c = Vec::with_capacity(max_positions * head_dim);
+        let mut s = Vec::with_capacity(max_positions * head_dim);
+        for p in 0..max_positions {
+            for j in 0..head_dim {
+                let inv = base.powf(-2.0 * (j % half.max(1)) as f64 / head_dim as f64);
+                c.push((p as f64 * inv).cos());
+                s.push((p as f64 * inv).sin());
+            }
+        }
+        Ok(RotaryPositionEncoding {
+            core: ModuleCore::default(),
+            cos: Tensor::from_f64(&c, [max_positions, head_dim], dtype)?,
+            sin: Tensor::from_f64(&s, [max_positions, head_dim], dtype)?,
+        })
+    }
+
+    /// The tables for the first `seq` positions.
+    pub fn tables(&self, seq: usize) -> Result<RopeTables> {
+        let max = self.cos.dims()[0];
+        if seq > max {
+            return Err(NnError::Config {
+                what: format!("sequence length {seq} exceeds max_position_embeddings {max}"),
+            });
+        }
+        Ok(RopeTables { cos: self.cos.narrow(0, 0, seq)?, sin: self.sin.narrow(0, 0, seq)? })
+    }
+}
+
+impl Module for RotaryPositionEncoding {
+    fn type_name(&self) -> &'static str {
+        "RotaryPositionEncoding"
+    }
+    /// Input: a sequence length as a one-element i64 tensor; output: opaque [`RopeTables`].
+    fn forward(&self, args: Args) -> Result<Value> {
+        let seq = args.get(0).into_tensor("RotaryPositionEncoding")?.item()? as usize;
+        Ok(Value::Opaque(Arc::new(self.tables(seq)?)))
+    }
+    module_boilerplate!();
+}
+
+/// An additive attention mask `[batch, 1, seq, seq]`: 0 where query `i` may attend key
+/// `j` (`j <= i` and key `j` is not padding), `-inf` elsewhere. `attention_mask` is
+/// `[batch, seq]` with 1 for tokens and 0 for padding.
+pub fn causal_padding_mask(
+    attention_mask: Option<&Tensor>,
+    batch: usize,
+    seq: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let pad = match attention_mask {
+        Some(m) => {
+            if m.dims() != [batch, seq] {
+                return Err(NnError::BadInput {
+                    module: "LlamaModel".into(),
+                    what: format!(
+                        "attention_mask of shape {:?}, expected [{batch}, {seq}]",
+                        m.dims()
+                    ),
+                });
+            }
+            m.to_vec_f64()?
+        }
+        None => vec![1.0; batch * seq],
+    };
+    let mut v = vec![0.0; batch * seq * seq];
+    for b in 0..batch {
+        for i in 0..seq {
+            for j in 0..seq {
+                if j > i || pad[b * seq + j] == 0.0 {
+                    v[(b * seq + i) * seq + j] = f64::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_f64(&v, [batch, 1, seq, seq], dtype)?)
+}
+
+/// Grouped-query self-attention with RoPE. The head counts are read from the
+/// projections' local widths, so a head-sharded plan needs no change here.
+pub struct LlamaAttention {
+    core: ModuleCore,
+    /// Query projection.
+    pub q_proj: Linear,
+    /// Key projection.
+    pub k_proj: Linear,
+    /// Value projection.
+    pub v_proj: Linear,
+    /// Output projection.
+    pub o_proj: Linear,
+    head_dim: usize,
+}
+
+impl LlamaAttention {
+    /// The attention block of `cfg`.
+    pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+        Ok(LlamaAttention {
+            core: ModuleCore::default(),
+            q_proj: Linear::new(h, cfg.num_attention_heads * hd, false, cfg.dtype, device)?,
+            k_proj: Linear::new(h, cfg.num_key_value_heads * hd, false, cfg.dtype, device)?,
+            v_proj: Linear::new(h, cfg.num_key_value_heads * hd, false, cfg.dtype, device)?,
+            o_proj: Linear::new(cfg.num_attention_heads * hd, h, false, cfg.dtype, device)?,
+            head_dim: hd,
+        })
+    }
+
+    /// Head dim.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+impl Module for LlamaAttention {
+    fn type_name(&self) -> &'static str {
+        "LlamaAttention"
+    }
+
+    /// Inputs: hidden states `[b, s, hidden]` (plain or DTensor), the RoPE tables
+    /// (opaque), and the additive mask `[b, 1, s, s]` (or none for plain causal).
+    fn forward(&self, args: Args) -> Result<Value> {
+        let who = "LlamaAttention";
+        let x = args.get(0);
+        let rope = args.get(1).opaque::<RopeTables>(who)?;
+        let mask = match args.get(2) {
+            Value::Tensor(m) => Some(m),
+            Value::None => None,
+            other => {
+                return Err(NnError::BadInput {
+                    module: who.into(),
+                    what: format!("mask must be a plain tensor, got {other:?}"),
+                })
+            }
+        };
+        let hd = self.head_dim;
+        // [b, s, heads_local * hd] -> [b, heads_local, s, hd]
+        let heads = |proj: &Linear| -> Result<Tensor> {
+            let t = call(proj, Args::new(vec![x.clone()]))?.into_local(who)?;
+            let (b, s, w) = (t.dims()[0], t.dims()[1], t.dims()[2]);
+            if w % hd != 0 {
+                return Err(NnError::Config {
+                    what: format!("{who}: projection width {w} is not a multiple of head_dim {hd}"),
+                });
+            }
+            Ok(t.reshape([b, s, w / hd, hd])?.transpose(1, 2)?)
+        };
+        let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
+        let (b, hq, s) = (q.dims()[0], q.dims()[1], q.dims()[2]);
+        if k.dims()[1] == 0 || hq % k.dims()[1] != 0 {
+            return Err(NnError::Config {
+                what: format!(
+                    "{who}: {hq} local query heads are not a multiple of {} local kv heads",
+                    k.dims()[1]
+                ),
+            });
+        }
+        if rope.cos.dims()[0] != s {
+            return Err(NnError::BadInput {
+                module: who.into(),
+                what: format!("RoPE tables for {} positions, sequence has {s}", rope.cos.dims()[0]),
+            });
+        }
+        let q = q.rope(&rope.cos, &rope.sin, RopeLayout::Bhsd)?;
+        let k = k.rope(&rope.cos, &rope.sin, RopeLayout::Bhsd)?;
+        let causal = mask.is_none();
+        let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
+        let a = a.transpose(1, 2)?.reshape([b, s, hq * hd])?;
+        call(&self.o_proj, Args::one(a))
+    }
+
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("q_proj".into(), &self.q_proj as &dyn Module),
+            ("k_proj".into(), &self.k_proj),
+            ("v_proj".into(), &self.v_proj),
+            ("o_proj".into(), &self.o_proj),
+        ]
+    }
+
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("q_proj".into(), &mut self.q_proj as &mut dyn Module),
+            ("k_proj".into(), &mut self.k_proj),
+            ("v_proj".into(), &mut self.v_proj),
+            ("o_proj".into(), &mut self.o_proj),
+        ]
+    }
+
+    module_boilerplate!();
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+pub struct LlamaMLP {
+    core: ModuleCore,
+    /// Gate projection.
+    pub gate_proj: Linear,
+    /// Up projection.
+    pub up_proj: Linear,
+    /// Down projection.
+    pub down_proj: Linear,
+}
+
+impl LlamaMLP {
+    /// The MLP of `cfg`.
+    pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(LlamaMLP {
+            core: ModuleCore::default(),
+            gate_proj: Linear::new(h, i, false, cfg.dtype, device)?,
+            up_proj: Linear::new(h, i, false, cfg.dtype, device)?,
+            down_proj: Linear::new(i, h, false, cfg.dtype, device)?,
+        })
+    }
+}
+
+impl Module for LlamaMLP {
+    fn type_name(&self) -> &'static str {
+        "LlamaMLP"
+    }
+
+    fn forward(&self, args: Args) -> Result<Value> {
+        let x = args.get(0);
+        let gate = call(&self.gate_proj, Args::new(vec![x.clone()]))?;
+        let up = call(&self.up_proj, Args::new(vec![x]))?;
+        let h = match (gate, up) {
+            (Value::DTensor(g), Value::DTensor(u)) => Value::DTensor(g.silu()?.mul(&u)?),
+            (g, u) => {
+                Value::Tensor(g.into_local("LlamaMLP")?.silu()?.mul(&u.into_local("LlamaMLP")?)?)
+            }
+        };
+        call(&self.down_proj, Args::new(vec![h]))
+    }
+
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("gate_proj".into(), &self.gate_proj as &dyn Module),
+            ("up_proj".into(), &self.up_proj),
+            ("down_proj".into(), &self.down_proj),
+        ]
+    }
+
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("gate_proj".into(), &mut self.gate_proj as &mut dyn Module),
+            ("up_proj".into(), &mut self.up_proj),
+            ("down_proj".into(), &mut self.down_proj),
+        ]
+    }
+
+    module_boilerplate!();
+}
+
+/// One decoder layer: pre-norm attention and pre-norm MLP, each with a residual.
+pub struct LlamaDecoderLayer {
+    core: ModuleCore,
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm,
+    /// Attention.
+    pub self_attn: LlamaAttention,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm,
+    /// MLP.
+    pub mlp: LlamaMLP,
+}
+
+impl LlamaDecoderLayer {
+    /// A layer of `cfg`.
+    pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Self> {
+        Ok(LlamaDecoderLayer {
+            core: ModuleCore::default(),
+            input_layernorm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)?,
+            self_attn: LlamaAttention::new(cfg, device)?,
+            post_attention_layernorm: RmsNorm::new(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                cfg.dtype,
+                device,
+            )?,
+            mlp: LlamaMLP::new(cfg, device)?,
+        })
+    }
+}
+
+impl Module for LlamaDecoderLayer {
+    fn type_name(&self) -> &'static str {
+        "LlamaDecoderLayer"
+    }
+
+    /// Inputs: hidden states, RoPE tables, mask (as [`LlamaAttention`]).
+    fn forward(&self, args: Args) -> Result<Value> {
+        let who = "LlamaDecoderLayer";
+        let x = args.get(0);
+        let h = call(&self.input_layernorm, Args::new(vec![x.clone()]))?;
+        let h = call(&self.self_attn, Args::new(vec![h, args.get(1), args.get(2)]))?;
+        let x = add_values(who, &x, &h)?;
+        let h = call(&self.post_attention_layernorm, Args::new(vec![x.clone()]))?;
+        let h = call(&self.mlp, Args::new(vec![h]))?;
+        add_values(who, &x, &h)
+    }
+
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("input_layernorm".into(), &self.input_layernorm as &dyn Module),
+            ("self_attn".into(), &self.self_attn),
+            ("post_attention_layernorm".into(), &self.post_attention_layernorm),
+            ("mlp".into(), &self.mlp),
+        ]
+    }
+
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("input_layernorm".into(), &mut self.input_layernorm as &mut dyn Module),
+            ("self_attn".into(), &mut self.self_attn),
+            ("post_attention_layernorm".into(), &mut self.post_attention_layernorm),
+            ("mlp".into(), &mut self.mlp),
+        ]
+    }
+
+    module_boilerplate!();
+}
+
+/// Embedding, decoder layers, final norm.
+pub struct LlamaModel {
+    core: ModuleCore,
+    /// Token embedding.
+    pub embed_tokens: Embedding,
+    /// The decoder layers (`layers.0`, `layers.1`, ...).
+    pub layers: ModuleList<LlamaDecoderLayer>,
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// RoPE tables.
+    pub rotary_emb: RotaryPositionEncoding,
+    dtype: DType,
+}
+
+impl LlamaModel {
+    /// The model of `cfg` on `device` (`Device::Meta` for deferred initialisation).
+    pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Self> {
+        cfg.validate()?;
+        Ok(LlamaModel {
+            core: ModuleCore::default(),
+            embed_tokens: Embedding::new(cfg.vocab_size, cfg.hidden_size, cfg.dtype, device)?,
+            layers: ModuleList::new(
+                (0..cfg.num_hidden_layers)
+                    .map(|_| LlamaDecoderLayer::new(cfg, device))
+                    .collect::<Result<_>>()?,
+            ),
+            norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)?,
+            rotary_emb: RotaryPositionEncoding::new(
+                cfg.head_dim(),
+                cfg.max_position_embeddings,
+                cfg.rope_theta,
+                cfg.dtype,
+            )?,
+            dtype: cfg.dtype,
+        })
+    }
+}
+
+impl Module for LlamaModel {
+    fn type_name(&self) -> &'static str {
+        "LlamaModel"
+    }
+
+    /// Inputs: token ids `[b, s]` (i64) and optionally `attention_mask` `[b, s]` (1 for
+    /// tokens, 0 for padding) as the second input. Output: hidden states.
+    fn forward(&self, args: Args) -> Result<Value> {
+        let ids = args.get(0).into_local("LlamaModel")?;
+        if ids.rank() != 2 {
+            return Err(NnError::BadInput {
+                module: "LlamaModel".into(),
+                what: format!("input_ids must be [batch, seq], got {:?}", ids.dims()),
+            });
+        }
+        let (b, s) = (ids.dims()[0], ids.dims()[1]);
+        let pad = match args.get(1) {
+            Value::Tensor(m) => Some(m),
+            _ => None,
+        };
+        let mask =
+            pad.as_ref().map(|m| causal_padding_mask(Some(m), b, s, self.dtype)).transpose()?;
+        let rope = Value::Opaque(Arc::new(self.rotary_emb.tables(s)?));
+        let x = call(&self.embed_tokens, Args::new(vec![args.get(0)]))?;
+        let mask = mask.map(Value::Tensor).unwrap_or(Value::None);
+        let x = call(&self.layers, Args::new(vec![x, rope, mask]))?;
+        call(&self.norm, Args::new(vec![x]))
+    }
+
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("embed_tokens".into(), &self.embed_tokens as &dyn Module),
+            ("layers".into(), &self.layers),
+            ("norm".into(), &self.norm),
+        ]
+    }
+
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("embed_tokens".into(), &mut self.embed_tokens as &mut dyn Module),
+            ("layers".into(), &mut self.layers),
+            ("norm".into(), &mut self.norm),
+        ]
+    }
+
+    module_boilerplate!();
+}
+
+/// The model plus the language-model head.
+pub struct LlamaForPretraining {
+    core: ModuleCore,
+    /// The transformer.
+    pub base_model: LlamaModel,
+    /// `[vocab, hidden]` projection to logits.
+    pub lm_head: Linear,
+    /// The configuration.
+    pub config: LlamaConfig,
+}
+
+impl LlamaForPretraining {
+    /// The model of `cfg` on `device`.
+    pub fn new(cfg: &LlamaConfig, device: Device) -> Result<Self> {
+        Ok(LlamaForPretraining {
+            core: ModuleCore::default(),
+            base_model: LlamaModel::new(cfg, device)?,
+            lm_head: Linear::new(cfg.hidden_size, cfg.vocab_size, false, cfg.dtype, device)?,
+            config: *cfg,
+        })
+    }
+}
+
+impl Module for LlamaForPretraining {
+    fn type_name(&self) -> &'static str {
+        "LlamaForPretraining"
+    }
+
+    /// Inputs as [`LlamaModel`]; output: logits `[b, s, vocab]` (a DTensor sharded on
+    /// the vocab when `lm_head` is `ColwiseParallel` with `use_local_output = false`).
+    fn forward(&self, args: Args) -> Result<Value> {
+        let h = call(&self.base_model, args)?;
+        call(&self.lm_head, Args::new(vec![h]))
+    }
+
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![
+            ("base_model".into(), &self.base_model as &dyn Module),
+            ("lm_head".into(), &self.lm_head),
+        ]
+    }
+
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("base_model".into(), &mut self.base_model as &mut dyn Module),
+            ("lm_head".into(), &mut self.lm_head),
+        ]
+    }
+
+    module_boilerplate!();
+}

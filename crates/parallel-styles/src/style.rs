@@ -1,0 +1,593 @@
+//! The parallel styles: how one module's parameters are sharded and how its inputs and
+//! outputs are laid out, as PyTorch's `torch.distributed.tensor.parallel` styles.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use tpar_dtensor::redistribute::{cached_plan, grad_placements};
+use tpar_dtensor::{distribute_tensor, DTensor, Placement};
+use tpar_mesh::DeviceMesh;
+use tpar_nn::{Args, ForwardHook, Module, NnError, Param, Value};
+use tpar_placements::{fmt_placements, PlanKey};
+
+use crate::trace::{self, HookEvent};
+use crate::{PlanError, Result};
+
+use Placement::{Replicate, Shard};
+
+/// A way to parallelize one module (see [`crate::parallelize_module`]).
+pub trait ParallelStyle: Send + Sync + fmt::Debug {
+    /// Short name with its layouts, for errors and `explain`.
+    fn name(&self) -> String;
+    /// Module types the style applies to (`["Linear", "Embedding"]`); empty means any.
+    fn supported(&self) -> &'static [&'static str];
+    /// Shards the module's parameters over `mesh` and installs its hooks.
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()>;
+}
+
+/// Who a hook works for, for messages and traces.
+#[derive(Clone)]
+struct Ctx {
+    fqn: String,
+    style: String,
+    mesh: DeviceMesh,
+}
+
+fn same(
+    mesh: &DeviceMesh,
+    shape: &[usize],
+    a: &[Placement],
+    b: Placement,
+) -> std::result::Result<bool, NnError> {
+    let spec = tpar_dtensor::DTensorSpec::new(mesh, &[b], shape)?;
+    Ok(a == spec.placements())
+}
+
+impl Ctx {
+    /// Turns an input into a DTensor laid out as `desired`: a plain tensor is taken as
+    /// this rank's shard laid out as `given`; a DTensor keeps its own placements. Values
+    /// that are not tensors, or inputs with no layout, pass through untouched.
+    fn convert(
+        &self,
+        what: &str,
+        v: Value,
+        given: Option<Placement>,
+        desired: Option<Placement>,
+    ) -> std::result::Result<Value, NnError> {
+        let d = match (v, given) {
+            (Value::Tensor(t), Some(g)) => DTensor::from_local(&t, &self.mesh, &[g], None)?,
+            (Value::DTensor(d), _) => d,
+            (other, _) => return Ok(other),
+        };
+        let Some(want) = desired else { return Ok(Value::DTensor(d)) };
+        if same(&self.mesh, d.shape(), d.placements(), want)? {
+            return Ok(Value::DTensor(d));
+        }
+        if trace::enabled() {
+            self.trace(what, &d, want)?;
+        }
+        Ok(Value::DTensor(d.redistribute(&[want])?))
+    }
+
+    fn trace(&self, what: &str, d: &DTensor, want: Placement) -> std::result::Result<(), NnError> {
+        let plan = d.plan_to(&[want])?;
+        let back = cached_plan(PlanKey {
+            mesh_shape: plan.mesh_shape.clone(),
+            global_shape: plan.global_shape.clone(),
+            elem_bytes: plan.elem_bytes,
+            src: grad_placements("trace", &plan.dst)?,
+            dst: grad_placements("trace", &plan.src)?,
+        })?;
+        trace::record(HookEvent {
+            fqn: self.fqn.clone(),
+            style: self.style.clone(),
+            what: what.to_string(),
+            from: fmt_placements(&plan.src),
+            to: fmt_placements(&plan.dst),
+            shape: d.shape().to_vec(),
+            forward: plan.steps.iter().map(|s| s.describe()).collect(),
+            forward_bytes: plan.total_bytes(),
+            backward_bytes: back.total_bytes(),
+        });
+        Ok(())
+    }
+
+    fn local(v: Value, use_local: bool) -> Value {
+        match v {
+            Value::DTensor(d) if use_local => Value::Tensor(d.to_local()),
+            other => other,
+        }
+    }
+}
+
+/// Converts a module's inputs (positional and named) before its forward.
+struct InputHook {
+    ctx: Ctx,
+    given: Vec<Option<Placement>>,
+    desired: Vec<Option<Placement>>,
+    named_given: BTreeMap<String, Placement>,
+    named_desired: BTreeMap<String, Placement>,
+    use_local_output: bool,
+}
+
+impl ForwardHook for InputHook {
+    fn pre(&self, mut args: Args) -> tpar_nn::Result<Args> {
+        for (i, v) in args.pos.iter_mut().enumerate() {
+            let given = self.given.get(i).copied().flatten();
+            let desired = self.desired.get(i).copied().flatten();
+            if given.is_none() && desired.is_none() {
+                continue;
+            }
+            let out = self.ctx.convert(
+                &format!("input {i}"),
+                std::mem::replace(v, Value::None),
+                given,
+                desired,
+            )?;
+            *v = Ctx::local(out, self.use_local_output);
+        }
+        for (name, v) in args.named.iter_mut() {
+            let given = self.named_given.get(name).copied();
+            let desired = self.named_desired.get(name).copied();
+            if given.is_none() && desired.is_none() {
+                continue;
+            }
+            let out = self.ctx.convert(
+                &format!("input {name}"),
+                std::mem::replace(v, Value::None),
+                given,
+                desired,
+            )?;
+            *v = Ctx::local(out, self.use_local_output);
+        }
+        Ok(args)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} inputs {:?} -> {:?}", self.ctx.style, self.given, self.desired)
+    }
+}
+
+/// Converts a module's output after its forward.
+struct OutputHook {
+    ctx: Ctx,
+    given: Option<Placement>,
+    desired: Option<Placement>,
+    use_local_output: bool,
+}
+
+impl ForwardHook for OutputHook {
+    fn post(&self, out: Value) -> tpar_nn::Result<Value> {
+        let out = self.ctx.convert("output", out, self.given, self.desired)?;
+        Ok(Ctx::local(out, self.use_local_output))
+    }
+
+    fn describe(&self) -> String {
+        format!("{} output {:?} -> {:?}", self.ctx.style, self.given, self.desired)
+    }
+}
+
+fn one_d(style: &str, mesh: &DeviceMesh) -> Result<()> {
+    if mesh.ndim() != 1 {
+        return Err(PlanError::BadStyle {
+            style: style.to_string(),
+            what: format!("needs a 1-d mesh (e.g. mesh[\"tp\"]), got {mesh}"),
+        });
+    }
+    Ok(())
+}
+
+/// Replaces a plain parameter by a DTensor with `placement` on the 1-d mesh.
+pub(crate) fn shard_param(p: &mut Param, mesh: &DeviceMesh, placement: Placement) -> Result<()> {
+    if let Param::Tensor(t) = p {
+        *p = Param::DTensor(distribute_tensor(t, mesh, &[placement])?);
+    }
+    Ok(())
+}
+
+fn wrong_type(style: &dyn ParallelStyle, fqn: &str, module: &dyn Module) -> PlanError {
+    PlanError::WrongModuleType {
+        style: style.name(),
+        fqn: fqn.to_string(),
+        module_type: module.type_name().to_string(),
+        supported: style.supported().join(", "),
+    }
+}
+
+fn ctx(style: &dyn ParallelStyle, fqn: &str, mesh: &DeviceMesh) -> Ctx {
+    Ctx { fqn: fqn.to_string(), style: style.name(), mesh: mesh.clone() }
+}
+
+/// Shards a Linear's output features (weight `Shard(0)`, bias `Shard(0)`) or an
+/// Embedding's embedding dim (weight `Shard(1)`).
+///
+/// Defaults as PyTorch: `input_layouts = Replicate`, `output_layouts = Shard(-1)`,
+/// `use_local_output = true`. Forward: the input is redistributed to `Replicate`
+/// (an all_gather when it arrives sharded), the local matmul gives `Shard(-1)`, which is
+/// redistributed to `output_layouts`. Backward: the adjoints (the input's gradient is a
+/// `Partial(sum)` contribution, reduced where the input was redistributed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ColwiseParallel {
+    /// How a plain input tensor is laid out.
+    pub input_layouts: Placement,
+    /// The output's layout.
+    pub output_layouts: Placement,
+    /// Hand the next module this rank's shard (true) or the DTensor.
+    pub use_local_output: bool,
+}
+
+impl Default for ColwiseParallel {
+    fn default() -> Self {
+        ColwiseParallel {
+            input_layouts: Replicate,
+            output_layouts: Shard(-1),
+            use_local_output: true,
+        }
+    }
+}
+
+impl ColwiseParallel {
+    /// PyTorch's defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets `input_layouts`.
+    pub fn input_layouts(mut self, p: Placement) -> Self {
+        self.input_layouts = p;
+        self
+    }
+    /// Sets `output_layouts`.
+    pub fn output_layouts(mut self, p: Placement) -> Self {
+        self.output_layouts = p;
+        self
+    }
+    /// Sets `use_local_output`.
+    pub fn use_local_output(mut self, on: bool) -> Self {
+        self.use_local_output = on;
+        self
+    }
+}
+
+impl ParallelStyle for ColwiseParallel {
+    fn name(&self) -> String {
+        format!(
+            "ColwiseParallel(input {}, output {}{})",
+            self.input_layouts,
+            self.output_layouts,
+            if self.use_local_output { "" } else { ", dtensor" }
+        )
+    }
+    fn supported(&self) -> &'static [&'static str] {
+        &["Linear", "Embedding"]
+    }
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
+        one_d(&self.name(), mesh)?;
+        let c = ctx(self, fqn, mesh);
+        if let Some(l) = module.as_any_mut().downcast_mut::<tpar_nn::Linear>() {
+            shard_param(&mut l.weight, mesh, Shard(0))?;
+            if let Some(b) = &mut l.bias {
+                shard_param(b, mesh, Shard(0))?;
+            }
+        } else if let Some(e) = module.as_any_mut().downcast_mut::<tpar_nn::Embedding>() {
+            shard_param(&mut e.weight, mesh, Shard(1))?;
+        } else {
+            return Err(wrong_type(self, fqn, module));
+        }
+        install(
+            module,
+            c,
+            vec![Some(self.input_layouts)],
+            vec![Some(Replicate)],
+            None,
+            Some(self.output_layouts),
+            self.use_local_output,
+        );
+        Ok(())
+    }
+}
+
+/// Shards a Linear's input features (weight `Shard(1)`, bias `Replicate`) or an
+/// Embedding's vocabulary (weight `Shard(0)`, a masked lookup).
+///
+/// Defaults as PyTorch: `input_layouts = Shard(-1)`, `output_layouts = Replicate`,
+/// `use_local_output = true`. Forward: the input is redistributed to `Shard(-1)` (to
+/// `Replicate` for an Embedding), the local product is a `Partial(sum)`, reduced to
+/// `output_layouts` (an all_reduce for `Replicate`, a reduce_scatter for `Shard(1)`).
+/// Backward: the adjoints (the output gradient gathered where the output was scattered).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowwiseParallel {
+    /// How a plain input tensor is laid out.
+    pub input_layouts: Placement,
+    /// The output's layout.
+    pub output_layouts: Placement,
+    /// Hand the next module this rank's shard (true) or the DTensor.
+    pub use_local_output: bool,
+}
+
+impl Default for RowwiseParallel {
+    fn default() -> Self {
+        RowwiseParallel {
+            input_layouts: Shard(-1),
+            output_layouts: Replicate,
+            use_local_output: true,
+        }
+    }
+}
+
+impl RowwiseParallel {
+    /// PyTorch's defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets `input_layouts`.
+    pub fn input_layouts(mut self, p: Placement) -> Self {
+        self.input_layouts = p;
+        self
+    }
+    /// Sets `output_layouts`.
+    pub fn output_layouts(mut self, p: Placement) -> Self {
+        self.output_layouts = p;
+        self
+    }
+    /// Sets `use_local_output`.
+    pub fn use_local_output(mut self, on: bool) -> Self {
+        self.use_local_output = on;
+        self
+    }
+}
+
+impl ParallelStyle for RowwiseParallel {
+    fn name(&self) -> String {
+        format!(
+            "RowwiseParallel(input {}, output {}{})",
+            self.input_layouts,
+            self.output_layouts,
+            if self.use_local_output { "" } else { ", dtensor" }
+        )
+    }
+    fn supported(&self) -> &'static [&'static str] {
+        &["Linear", "Embedding"]
+    }
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
+        one_d(&self.name(), mesh)?;
+        let c = ctx(self, fqn, mesh);
+        let desired = if let Some(l) = module.as_any_mut().downcast_mut::<tpar_nn::Linear>() {
+            shard_param(&mut l.weight, mesh, Shard(1))?;
+            if let Some(b) = &mut l.bias {
+                shard_param(b, mesh, Replicate)?;
+            }
+            Shard(-1)
+        } else if let Some(e) = module.as_any_mut().downcast_mut::<tpar_nn::Embedding>() {
+            shard_param(&mut e.weight, mesh, Shard(0))?;
+            Replicate
+        } else {
+            return Err(wrong_type(self, fqn, module));
+        };
+        install(
+            module,
+            c,
+            vec![Some(self.input_layouts)],
+            vec![Some(desired)],
+            None,
+            Some(self.output_layouts),
+            self.use_local_output,
+        );
+        Ok(())
+    }
+}
+
+/// Sequence parallelism for norms: the weight is replicated (its gradient reduced over
+/// the mesh), the input and output are sharded on the sequence dim.
+///
+/// Defaults as PyTorch: `sequence_dim = 1`, `use_local_output = false`. No communication
+/// in forward beyond laying out the input as `Shard(sequence_dim)`; backward all-reduces
+/// the weight's gradient contributions when the gradient is read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SequenceParallel {
+    /// The sequence dim of the input.
+    pub sequence_dim: isize,
+    /// Hand the next module this rank's shard (true) or the DTensor.
+    pub use_local_output: bool,
+}
+
+impl Default for SequenceParallel {
+    fn default() -> Self {
+        SequenceParallel { sequence_dim: 1, use_local_output: false }
+    }
+}
+
+impl SequenceParallel {
+    /// PyTorch's defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Sets `use_local_output`.
+    pub fn use_local_output(mut self, on: bool) -> Self {
+        self.use_local_output = on;
+        self
+    }
+}
+
+impl ParallelStyle for SequenceParallel {
+    fn name(&self) -> String {
+        format!("SequenceParallel(dim {})", self.sequence_dim)
+    }
+    fn supported(&self) -> &'static [&'static str] {
+        &["RMSNorm"]
+    }
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
+        one_d(&self.name(), mesh)?;
+        let c = ctx(self, fqn, mesh);
+        let Some(n) = module.as_any_mut().downcast_mut::<tpar_nn::RmsNorm>() else {
+            return Err(wrong_type(self, fqn, module));
+        };
+        shard_param(&mut n.weight, mesh, Replicate)?;
+        let s = Shard(self.sequence_dim);
+        install(module, c, vec![Some(s)], vec![Some(s)], None, Some(s), self.use_local_output);
+        Ok(())
+    }
+}
+
+/// Lays out a module's inputs: each positional (and named) input given as
+/// `input_layouts` is redistributed to `desired_input_layouts`; `None` entries (the RoPE
+/// tables, a mask) pass through. Default `use_local_output = false` (the module gets
+/// DTensors), as PyTorch.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct PrepareModuleInput {
+    /// Layouts of the positional inputs (`None`: not a tensor to convert).
+    pub input_layouts: Vec<Option<Placement>>,
+    /// Layouts they are redistributed to.
+    pub desired_input_layouts: Vec<Option<Placement>>,
+    /// Layouts of named inputs.
+    pub input_kwarg_layouts: BTreeMap<String, Placement>,
+    /// Layouts named inputs are redistributed to.
+    pub desired_input_kwarg_layouts: BTreeMap<String, Placement>,
+    /// Hand the module local shards instead of DTensors.
+    pub use_local_output: bool,
+}
+
+impl PrepareModuleInput {
+    /// Positional layouts `given -> desired`.
+    pub fn new(
+        input_layouts: Vec<Option<Placement>>,
+        desired_input_layouts: Vec<Option<Placement>>,
+    ) -> Self {
+        PrepareModuleInput { input_layouts, desired_input_layouts, ..Default::default() }
+    }
+    /// Adds a named input's layouts.
+    pub fn kwarg(mut self, name: &str, given: Placement, desired: Placement) -> Self {
+        self.input_kwarg_layouts.insert(name.to_string(), given);
+        self.desired_input_kwarg_layouts.insert(name.to_string(), desired);
+        self
+    }
+    /// Sets `use_local_output`.
+    pub fn use_local_output(mut self, on: bool) -> Self {
+        self.use_local_output = on;
+        self
+    }
+}
+
+impl ParallelStyle for PrepareModuleInput {
+    fn name(&self) -> String {
+        let f = |v: &[Option<Placement>]| {
+            v.iter()
+                .map(|p| p.map_or("-".to_string(), |p| p.to_string()))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        format!(
+            "PrepareModuleInput({} -> {})",
+            f(&self.input_layouts),
+            f(&self.desired_input_layouts)
+        )
+    }
+    fn supported(&self) -> &'static [&'static str] {
+        &[]
+    }
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
+        one_d(&self.name(), mesh)?;
+        if self.input_layouts.len() != self.desired_input_layouts.len() {
+            return Err(PlanError::BadStyle {
+                style: self.name(),
+                what: "input_layouts and desired_input_layouts differ in length".into(),
+            });
+        }
+        module.core_mut().add_hook(Arc::new(InputHook {
+            ctx: ctx(self, fqn, mesh),
+            given: self.input_layouts.clone(),
+            desired: self.desired_input_layouts.clone(),
+            named_given: self.input_kwarg_layouts.clone(),
+            named_desired: self.desired_input_kwarg_layouts.clone(),
+            use_local_output: self.use_local_output,
+        }));
+        Ok(())
+    }
+}
+
+/// Lays out a module's output: a plain output is taken as `output_layouts`, then
+/// redistributed to `desired_output_layouts`. Default `use_local_output = true`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrepareModuleOutput {
+    /// Layout of a plain output.
+    pub output_layouts: Placement,
+    /// Layout it is redistributed to.
+    pub desired_output_layouts: Placement,
+    /// Hand the caller this rank's shard.
+    pub use_local_output: bool,
+}
+
+impl PrepareModuleOutput {
+    /// `given -> desired`.
+    pub fn new(output_layouts: Placement, desired_output_layouts: Placement) -> Self {
+        PrepareModuleOutput { output_layouts, desired_output_layouts, use_local_output: true }
+    }
+}
+
+impl ParallelStyle for PrepareModuleOutput {
+    fn name(&self) -> String {
+        format!("PrepareModuleOutput({} -> {})", self.output_layouts, self.desired_output_layouts)
+    }
+    fn supported(&self) -> &'static [&'static str] {
+        &[]
+    }
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
+        one_d(&self.name(), mesh)?;
+        module.core_mut().add_hook(Arc::new(OutputHook {
+            ctx: ctx(self, fqn, mesh),
+            given: Some(self.output_layouts),
+            desired: Some(self.desired_output_layouts),
+            use_local_output: self.use_local_output,
+        }));
+        Ok(())
+    }
+}
+
+/// Both [`PrepareModuleInput`] and [`PrepareModuleOutput`] on one module.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrepareModuleInputOutput {
+    /// The input side.
+    pub input: PrepareModuleInput,
+    /// The output side.
+    pub output: PrepareModuleOutput,
+}
+
+impl ParallelStyle for PrepareModuleInputOutput {
+    fn name(&self) -> String {
+        format!("PrepareModuleInputOutput({}, {})", self.input.name(), self.output.name())
+    }
+    fn supported(&self) -> &'static [&'static str] {
+        &[]
+    }
+    fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
+        self.input.apply(fqn, module, mesh)?;
+        self.output.apply(fqn, module, mesh)
+    }
+}
+
+/// Installs the input hook (given -> desired, handing the module DTensors) and the
+/// output hook (-> output layout, local if asked).
+fn install(
+    module: &mut dyn Module,
+    c: Ctx,
+    given: Vec<Option<Placement>>,
+    desired: Vec<Option<Placement>>,
+    out_given: Option<Placement>,
+    out_desired: Option<Placement>,
+    use_local_output: bool,
+) {
+    module.core_mut().add_hook(Arc::new(InputHook {
+        ctx: c.clone(),
+        given,
+        desired,
+        named_given: BTreeMap::new(),
+        named_desired: BTreeMap::new(),
+        use_local_output: false,
+    }));
+    module.core_mut().add_hook(Arc::new(OutputHook {
+        ctx: c,
+        given: out_given,
+        desired: out_desired,
+        use_local_output,
+    }));
+}
