@@ -6,7 +6,7 @@ use tpar_dtensor::DTensor;
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::module::{call, Init, ModuleCore, ParamSlot};
-use crate::{Args, Module, NnError, Param, Result, Value};
+use crate::{Args, ComputeParam, Module, NnError, Param, Result, Value};
 
 macro_rules! module_boilerplate {
     () => {
@@ -26,16 +26,18 @@ macro_rules! module_boilerplate {
 }
 pub(crate) use module_boilerplate;
 
-/// A parameter that is a DTensor replicated on every mesh dim can be used as a plain
-/// tensor (its local shard is the whole tensor).
-fn replicated_local(p: &Param) -> Option<Tensor> {
+/// A parameter as a plain tensor: plain, or a DTensor replicated on every mesh dim
+/// (its local shard is the whole tensor).
+fn replicated_local(p: &ComputeParam) -> Option<Tensor> {
     match p {
-        Param::Tensor(t) => Some(t.clone()),
-        Param::DTensor(d) => d.placements().iter().all(|p| p.is_replicate()).then(|| d.to_local()),
+        ComputeParam::Plain(t) => Some(t.clone()),
+        ComputeParam::Dist(d) => {
+            d.placements().iter().all(|p| p.is_replicate()).then(|| d.to_local())
+        }
     }
 }
 
-fn mixed(module: &str, x: &Value, p: &Param) -> NnError {
+fn mixed(module: &str, x: &Value, p: &ComputeParam) -> NnError {
     NnError::BadInput {
         module: module.to_string(),
         what: format!(
@@ -89,24 +91,26 @@ impl Module for Linear {
 
     fn forward(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
-        match (&x, &self.weight) {
-            (Value::DTensor(xd), Param::DTensor(w)) => {
-                let b = match &self.bias {
-                    Some(Param::DTensor(b)) => Some(b.clone()),
-                    Some(p @ Param::Tensor(_)) => return Err(mixed("Linear", &x, p)),
+        let w = self.weight.compute()?;
+        let b = self.bias.as_ref().map(|b| b.compute()).transpose()?;
+        match (&x, &w) {
+            (Value::DTensor(xd), ComputeParam::Dist(wd)) => {
+                let b = match &b {
+                    Some(ComputeParam::Dist(b)) => Some(b.clone()),
+                    Some(p @ ComputeParam::Plain(_)) => return Err(mixed("Linear", &x, p)),
                     None => None,
                 };
-                Ok(Value::DTensor(xd.linear(w, b.as_ref())?))
+                Ok(Value::DTensor(xd.linear(wd, b.as_ref())?))
             }
             (Value::Tensor(xt), w) => {
                 let w = replicated_local(w).ok_or_else(|| mixed("Linear", &x, w))?;
-                let b = match &self.bias {
+                let b = match &b {
                     Some(p) => Some(replicated_local(p).ok_or_else(|| mixed("Linear", &x, p))?),
                     None => None,
                 };
                 Ok(Value::Tensor(xt.linear(&w, b.as_ref())?))
             }
-            _ => Err(mixed("Linear", &x, &self.weight)),
+            _ => Err(mixed("Linear", &x, &w)),
         }
     }
 
@@ -163,13 +167,16 @@ impl Module for Embedding {
 
     fn forward(&self, args: Args) -> Result<Value> {
         let ids = args.get(0);
-        match (&ids, &self.weight) {
-            (Value::DTensor(i), Param::DTensor(w)) => Ok(Value::DTensor(DTensor::embedding(i, w)?)),
+        let w = self.weight.compute()?;
+        match (&ids, &w) {
+            (Value::DTensor(i), ComputeParam::Dist(w)) => {
+                Ok(Value::DTensor(DTensor::embedding(i, w)?))
+            }
             (Value::Tensor(i), w) => {
                 let w = replicated_local(w).ok_or_else(|| mixed("Embedding", &ids, w))?;
                 Ok(Value::Tensor(Tensor::embedding(i, &w)?))
             }
-            _ => Err(mixed("Embedding", &ids, &self.weight)),
+            _ => Err(mixed("Embedding", &ids, &w)),
         }
     }
 
@@ -208,15 +215,16 @@ impl Module for RmsNorm {
 
     fn forward(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
-        match (&x, &self.weight) {
-            (Value::DTensor(xd), Param::DTensor(w)) => {
+        let w = self.weight.compute()?;
+        match (&x, &w) {
+            (Value::DTensor(xd), ComputeParam::Dist(w)) => {
                 Ok(Value::DTensor(xd.rms_norm(w, self.eps)?))
             }
             (Value::Tensor(xt), w) => {
                 let w = replicated_local(w).ok_or_else(|| mixed("RMSNorm", &x, w))?;
                 Ok(Value::Tensor(xt.rms_norm(&w, self.eps)?))
             }
-            _ => Err(mixed("RMSNorm", &x, &self.weight)),
+            _ => Err(mixed("RMSNorm", &x, &w)),
         }
     }
 

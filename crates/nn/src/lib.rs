@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod fsdp_param;
 pub mod layers;
 pub mod llama;
 mod module;
@@ -19,5 +20,5 @@ pub use module::{
     call, init_value, named_modules, named_parameters, parameters, reset_parameters, set_training,
     visit_modules_mut, ForwardHook, Init, Module, ModuleCore, ParamSlot,
 };
-pub use param::Param;
+pub use param::{ComputeParam, Param};
 pub use value::{Args, Value};

@@ -48,6 +48,10 @@ pub trait ForwardHook: Send + Sync {
     }
     /// A one-line description (`ColwiseParallel(input R -> R, output S(-1), local)`).
     fn describe(&self) -> String;
+    /// Starts work ahead of the next forward (FSDP: begin gathering parameters).
+    fn prefetch(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// State every module carries: its hooks and its train/eval flag.
@@ -228,6 +232,14 @@ pub fn reset_parameters(m: &mut dyn Module, device: Device, seed: u64) -> Result
             })?;
             *slot.param = match &*slot.param {
                 Param::Tensor(_) => Param::Tensor(full.to_device(device)?.requires_grad_(true)),
+                Param::Fsdp(f) => {
+                    let local = match f.tp() {
+                        Some(spec) => tpar_dtensor::redistribute::slice_full(&full, spec)?,
+                        None => full,
+                    };
+                    f.reinit(&local.to_device(device)?)?;
+                    Param::Fsdp(f.clone())
+                }
                 Param::DTensor(d) => {
                     let local = tpar_dtensor::redistribute::slice_full(&full, d.spec())?;
                     Param::DTensor(tpar_dtensor::DTensor::from_local(

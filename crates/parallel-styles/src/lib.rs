@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod fsdp;
 pub mod loss_parallel {
     //! Cross-entropy on vocab-sharded logits (see [`cross_entropy`]).
     pub use crate::loss::{backward, cross_entropy};
@@ -16,6 +17,7 @@ mod style;
 pub mod trace;
 
 pub use error::{PlanError, Result};
+pub use fsdp::{fully_shard, unshard, DataParallel, FsdpConfig, MixedPrecision};
 pub use plan::{matches, parallelize_module, ParallelizePlan};
 pub use style::{
     ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,

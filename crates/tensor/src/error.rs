@@ -69,6 +69,12 @@ pub enum TensorError {
         /// The op.
         op: &'static str,
     },
+    /// The tensor's storage was released (e.g. an FSDP parameter between uses).
+    #[error("{op}: the tensor's storage was released (an FSDP parameter outside its unit's forward/backward); unshard it first")]
+    Released {
+        /// The op.
+        op: &'static str,
+    },
     /// Autograd misuse (backward from a non-scalar without a gradient, ...).
     #[error("autograd: {0}")]
     Autograd(String),

@@ -117,6 +117,9 @@ pub enum Storage {
     Cpu(CpuStorage),
     /// No data (meta device).
     Meta,
+    /// Data released to save memory (FSDP between uses); refilled with
+    /// [`crate::Tensor::fill_storage_`].
+    Released,
 }
 
 /// Runs `$body` with `$T` bound to the Rust type of a float dtype; `I64` is an error for `$op`.

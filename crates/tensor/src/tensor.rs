@@ -284,6 +284,7 @@ impl Tensor {
         match &*g {
             Storage::Cpu(s) => Ok(f(typed::<T>("with_data", s)?)),
             Storage::Meta => Err(TensorError::MetaTensor { op: "with_data" }),
+            Storage::Released => Err(TensorError::Released { op: "with_data" }),
         }
     }
 
@@ -302,6 +303,7 @@ impl Tensor {
                 Ok(f(sl))
             }
             Storage::Meta => Err(TensorError::MetaTensor { op: "with_data_mut" }),
+            Storage::Released => Err(TensorError::Released { op: "with_data_mut" }),
         }
     }
 
@@ -315,6 +317,7 @@ impl Tensor {
         match &*g {
             Storage::Cpu(s) => f(s),
             Storage::Meta => Err(TensorError::MetaTensor { op }),
+            Storage::Released => Err(TensorError::Released { op }),
         }
     }
 
@@ -371,7 +374,69 @@ impl Tensor {
                 Ok(())
             }
             Storage::Meta => Err(TensorError::MetaTensor { op: "copy_" }),
+            Storage::Released => Err(TensorError::Released { op: "copy_" }),
         }
+    }
+
+    /// Frees the data, keeping shape, dtype, graph and every handle sharing the storage
+    /// (which then error with [`TensorError::Released`] until [`Tensor::fill_storage_`]).
+    /// Returns the bytes freed.
+    pub fn release_storage_(&self) -> usize {
+        let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
+        let freed = match &*g {
+            Storage::Cpu(s) => s.len() * s.dtype().size_in_bytes(),
+            _ => 0,
+        };
+        if matches!(&*g, Storage::Cpu(_)) {
+            *g = Storage::Released;
+        }
+        freed
+    }
+
+    /// A CPU tensor of `shape` whose storage starts released (filled later with
+    /// [`Tensor::fill_storage_`]): a placeholder that costs no memory.
+    pub fn new_released(shape: impl Into<Shape>, dtype: DType) -> Tensor {
+        Tensor::make(shape.into(), dtype, Device::Cpu, Storage::Released)
+    }
+
+    /// Whether the storage is currently released.
+    pub fn is_released(&self) -> bool {
+        matches!(&*self.0.storage.read().unwrap_or_else(|p| p.into_inner()), Storage::Released)
+    }
+
+    /// Refills this tensor's storage (released or not) with `src`'s data, in place, for
+    /// every handle sharing it. Same shape and dtype required; not recorded by autograd.
+    /// When `src` is the only handle to its data, the data moves without a copy.
+    pub fn fill_storage_(&self, src: Tensor) -> Result<()> {
+        if src.shape() != self.shape() || src.dtype() != self.dtype() {
+            return Err(TensorError::InvalidArgument {
+                op: "fill_storage_",
+                what: format!(
+                    "source {} {} does not fit {} {}",
+                    src.shape(),
+                    src.dtype(),
+                    self.shape(),
+                    self.dtype()
+                ),
+            });
+        }
+        let moved = Arc::try_unwrap(src.0).map_err(Tensor).and_then(|inner| {
+            Arc::try_unwrap(inner.storage)
+                .map(|lock| lock.into_inner().unwrap_or_else(|p| p.into_inner()))
+                .map_err(|storage| Tensor(Arc::new(Inner { storage, ..inner })))
+        });
+        let data = match moved {
+            Ok(Storage::Cpu(s)) => s,
+            Ok(_) => {
+                return Err(TensorError::InvalidArgument {
+                    op: "fill_storage_",
+                    what: "source has no data".into(),
+                })
+            }
+            Err(src) => src.with_storage("fill_storage_", |s| Ok(s.clone()))?,
+        };
+        *self.0.storage.write().unwrap_or_else(|p| p.into_inner()) = Storage::Cpu(data);
+        Ok(())
     }
 
     /// `self += alpha * x` in place (not recorded by autograd): the SGD update.

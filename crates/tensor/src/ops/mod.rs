@@ -74,6 +74,7 @@ pub(crate) fn compute_multi(
         match &**g {
             Storage::Cpu(s) => storages.push(s),
             Storage::Meta => return Err(TensorError::MetaTensor { op }),
+            Storage::Released => return Err(TensorError::Released { op }),
         }
     }
     let res = f(&storages)?;

@@ -1,0 +1,217 @@
+//! The state of one FSDP-managed parameter: its dp shard (the leaf the optimizer
+//! updates) and the unsharded tensor the forward computes with, whose storage exists
+//! only while its unit runs.
+
+use std::sync::{Arc, Mutex};
+
+use tpar_collectives::{ProcessGroup, ReduceOp, Work};
+use tpar_dtensor::{DTensor, DTensorSpec, Placement};
+use tpar_placements::chunk_range;
+use tpar_tensor::autograd::record;
+use tpar_tensor::{no_grad, DType, Device, Tensor};
+
+use crate::Result;
+
+struct Inner {
+    sharded: Tensor,
+    unsharded: Tensor,
+    pending: Option<Work>,
+}
+
+/// One parameter under FSDP.
+///
+/// `sharded` is this rank's `torch.chunk` of the (tensor-parallel-local) parameter
+/// along dim 0 over the dp group; it is a leaf and owns the gradient and the optimizer
+/// state. `unsharded` is a non-leaf produced from it by an all-gather node: its storage
+/// is filled by [`FsdpParam::unshard`] and released by [`FsdpParam::reshard`]; its
+/// backward reduce-scatters the gradient (averaged over dp, in `reduce_dtype`) into the
+/// shard and releases the storage again.
+pub struct FsdpParam {
+    inner: Mutex<Inner>,
+    dp: ProcessGroup,
+    tp: Option<DTensorSpec>,
+    local_shape: Vec<usize>,
+    param_dtype: DType,
+    reduce_dtype: DType,
+}
+
+impl std::fmt::Debug for FsdpParam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "FsdpParam(local {:?} over dp {:?}, tp {:?})",
+            self.local_shape,
+            self.dp.ranks(),
+            self.tp
+        )
+    }
+}
+
+impl FsdpParam {
+    /// Shards `local` (a plain parameter, or a DTensor parameter's local shard with its
+    /// `tp` spec) along dim 0 over `dp`. `param_dtype` is the dtype the forward computes
+    /// in (bf16 for mixed precision), `reduce_dtype` the dtype gradients are reduced in.
+    pub fn new(
+        local: &Tensor,
+        tp: Option<DTensorSpec>,
+        dp: ProcessGroup,
+        param_dtype: DType,
+        reduce_dtype: DType,
+    ) -> Result<Arc<FsdpParam>> {
+        if local.rank() == 0 {
+            return Err(crate::NnError::Config {
+                what: "FSDP cannot shard a 0-d parameter".into(),
+            });
+        }
+        let sharded = Self::shard_of(local, &dp)?;
+        let p = FsdpParam {
+            inner: Mutex::new(Inner {
+                unsharded: sharded.clone(),
+                sharded: sharded.clone(),
+                pending: None,
+            }),
+            dp,
+            tp,
+            local_shape: local.dims().to_vec(),
+            param_dtype,
+            reduce_dtype,
+        };
+        p.install(sharded)?;
+        Ok(Arc::new(p))
+    }
+
+    fn shard_of(local: &Tensor, dp: &ProcessGroup) -> Result<Tensor> {
+        let (start, len) = chunk_range(local.dims()[0], dp.size(), dp.rank());
+        Ok(no_grad(|| local.detach().narrow(0, start, len)?.deep_clone())?.requires_grad_(true))
+    }
+
+    /// Sets the shard and builds the unsharded tensor with its all-gather node.
+    fn install(&self, sharded: Tensor) -> Result<()> {
+        let placeholder = if sharded.device() == Device::Meta {
+            Tensor::empty(self.local_shape.clone(), self.param_dtype, Device::Meta)?
+        } else {
+            Tensor::new_released(self.local_shape.clone(), self.param_dtype)
+        };
+        let u = placeholder.clone();
+        let (dp, reduce, master) = (self.dp.clone(), self.reduce_dtype, sharded.dtype());
+        let unsharded = record("fsdp_all_gather", &[&sharded], placeholder, move |g| {
+            let g = g.to_dtype(reduce)?;
+            let shard = dp.reduce_scatter(&g, 0, ReduceOp::Avg)?;
+            u.release_storage_();
+            Ok(vec![Some(shard.to_dtype(master)?)])
+        });
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        *inner = Inner { sharded, unsharded, pending: None };
+        Ok(())
+    }
+
+    /// Replaces the shard with this rank's chunk of a new (tp-local) value, e.g. at
+    /// initialisation; the old gradient is dropped.
+    pub fn reinit(&self, local: &Tensor) -> Result<()> {
+        self.install(Self::shard_of(local, &self.dp)?)
+    }
+
+    /// The dp shard (the leaf the optimizer updates).
+    pub fn sharded(&self) -> Tensor {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).sharded.clone()
+    }
+
+    /// The unsharded tensor (its storage may be released).
+    pub fn unsharded(&self) -> Tensor {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).unsharded.clone()
+    }
+
+    /// The dp group.
+    pub fn dp(&self) -> &ProcessGroup {
+        &self.dp
+    }
+
+    /// The tensor-parallel layout of the unsharded tensor, if any.
+    pub fn tp(&self) -> Option<&DTensorSpec> {
+        self.tp.as_ref()
+    }
+
+    /// The (tp-local) unsharded shape.
+    pub fn local_shape(&self) -> &[usize] {
+        &self.local_shape
+    }
+
+    /// Starts gathering the unsharded tensor (returns at once; [`FsdpParam::unshard`]
+    /// waits for it).
+    pub fn unshard_async(&self) -> Result<()> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if !inner.unsharded.is_released() || inner.pending.is_some() {
+            return Ok(());
+        }
+        let src = no_grad(|| inner.sharded.detach().to_dtype(self.param_dtype))?;
+        inner.pending = Some(self.dp.all_gather_async(&src, 0));
+        Ok(())
+    }
+
+    /// Makes the unsharded tensor's data available (waiting for a started gather, or
+    /// gathering now). A no-op when it already is.
+    pub fn unshard(&self) -> Result<()> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if !inner.unsharded.is_released() {
+            inner.pending = None;
+            return Ok(());
+        }
+        let full = match inner.pending.take() {
+            Some(w) => w.wait()?,
+            None => no_grad(|| -> Result<Tensor> {
+                let src = inner.sharded.detach().to_dtype(self.param_dtype)?;
+                Ok(self.dp.all_gather(&src, 0)?)
+            })?,
+        };
+        inner.unsharded.fill_storage_(full)?;
+        Ok(())
+    }
+
+    /// Releases the unsharded tensor's data. Returns the bytes freed.
+    pub fn reshard(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).unsharded.release_storage_()
+    }
+
+    /// What the forward computes with: the unsharded tensor (as a DTensor with the
+    /// tensor-parallel layout, when there is one). Gathers first if needed.
+    pub fn compute(&self) -> Result<crate::param::ComputeParam> {
+        self.unshard()?;
+        let u = self.unsharded();
+        Ok(match &self.tp {
+            Some(spec) => crate::param::ComputeParam::Dist(DTensor::from_local(
+                &u,
+                spec.mesh(),
+                spec.placements(),
+                Some(spec.shape()),
+            )?),
+            None => crate::param::ComputeParam::Plain(u),
+        })
+    }
+
+    /// The shard's gradient with tensor-parallel contributions reduced (an all_reduce
+    /// over the tp mesh where the parameter is `Replicate` there).
+    pub fn grad_local(&self) -> Result<Option<Tensor>> {
+        let Some(g) = self.sharded().grad() else { return Ok(None) };
+        let Some(spec) = &self.tp else { return Ok(Some(g)) };
+        let mut g = g;
+        for (d, p) in spec.placements().iter().enumerate() {
+            if *p == Placement::Replicate && spec.mesh().shape()[d] > 1 {
+                g = spec.mesh().group(d)?.all_reduce(&g, ReduceOp::Sum)?;
+            }
+        }
+        Ok(Some(g))
+    }
+
+    /// Gathers a dp-sharded tensor (the shard or its gradient) back to the tp-local
+    /// shape, then to the full parameter if there is a tp layout.
+    pub fn gather_full(&self, shard: &Tensor) -> Result<Tensor> {
+        let local = no_grad(|| self.dp.all_gather(&shard.detach(), 0))?;
+        Ok(match &self.tp {
+            Some(spec) => {
+                DTensor::from_local(&local, spec.mesh(), spec.placements(), Some(spec.shape()))?
+                    .full_tensor()?
+            }
+            None => local,
+        })
+    }
+}

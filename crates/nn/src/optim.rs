@@ -1,0 +1,855 @@
+//! Optimizers, gradient clipping and learning-rate schedules, as `torch.optim` has them.
+//!
+//! * [`AdamW`] and [`Sgd`] step every parameter **locally**: each rank updates its own
+//!   [`Param::trainable`] leaf (a plain tensor, a DTensor's shard or an FSDP shard) with
+//!   [`Param::grad_local`]'s gradient, so a sharded parameter keeps sharded optimizer
+//!   state (one state element per local element, allocated on the first step).
+//! * [`clip_grad_norm`] computes the true global L2 norm over all shards and mesh dims
+//!   and scales the gradients as `torch.nn.utils.clip_grad_norm_`.
+//! * [`LinearLR`], [`CosineAnnealingLR`] and [`SequentialLR`] are pure functions of the
+//!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
+//!
+//! ```
+//! use tpar_nn::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, SequentialLR};
+//! use tpar_nn::Param;
+//! use tpar_tensor::{DType, Tensor};
+//! let w = Tensor::from_vec(vec![1.0f32, -2.0], [2])?.requires_grad_(true);
+//! let params = vec![Param::Tensor(w.clone())];
+//! let mut opt = AdamW::new(params.clone(), AdamWConfig { lr: 1e-2, ..Default::default() })?;
+//! let mut sched = LrScheduler::new(SequentialLR::warmup_cosine(2, 10, 0.1, 0.0)?, &mut opt);
+//! for _ in 0..3 {
+//!     w.square()?.sum_all()?.backward()?;
+//!     tpar_nn::optim::clip_grad_norm(&params, 1.0)?;
+//!     opt.step()?;
+//!     opt.zero_grad();
+//!     sched.step(&mut opt);
+//! }
+//! assert!(w.to_vec::<f32>()?[0] < 1.0);
+//! # Ok::<(), tpar_nn::NnError>(())
+//! ```
+
+use std::collections::HashMap;
+use std::f64::consts::PI;
+use std::fmt;
+
+use tpar_collectives::{ProcessGroup, ReduceOp};
+use tpar_kernels::adamw::{adamw_step, AdamWParams};
+use tpar_kernels::{Acc, Float};
+use tpar_tensor::{no_grad, with_float_type, DType, Element, Tensor};
+
+use crate::{NnError, Param, Result};
+
+// ---------------------------------------------------------------------------------------
+// The optimizer trait and shared state storage
+// ---------------------------------------------------------------------------------------
+
+/// What a training loop needs from an optimizer.
+pub trait Optimizer {
+    /// One update of every parameter that has a gradient (collective when parameters are
+    /// distributed and their gradients are not reduced yet: every rank calls it).
+    fn step(&mut self) -> Result<()>;
+    /// Drops every parameter's gradient (`zero_grad(set_to_none=True)`).
+    fn zero_grad(&self);
+    /// The current learning rate.
+    fn lr(&self) -> f64;
+    /// Sets the learning rate (what a scheduler calls).
+    fn set_lr(&mut self, lr: f64);
+    /// Bytes of optimizer state held on this rank.
+    fn state_bytes(&self) -> usize;
+}
+
+/// A state buffer in the precision the optimizer computes in: `f32` for f32/bf16/f16
+/// parameters, `f64` for f64 parameters.
+#[derive(Clone, Debug)]
+enum StateBuf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl StateBuf {
+    fn bytes(&self) -> usize {
+        match self {
+            StateBuf::F32(v) => v.len() * 4,
+            StateBuf::F64(v) => v.len() * 8,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            StateBuf::F32(v) => v.len(),
+            StateBuf::F64(v) => v.len(),
+        }
+    }
+
+    fn to_tensor(&self, dims: &[usize]) -> Result<Tensor> {
+        Ok(match self {
+            StateBuf::F32(v) => Tensor::from_vec(v.clone(), dims)?,
+            StateBuf::F64(v) => Tensor::from_vec(v.clone(), dims)?,
+        })
+    }
+
+    /// A buffer of the precision `param_dtype` keeps its state in, from `t`'s values.
+    fn from_tensor(t: &Tensor, param_dtype: DType) -> Result<StateBuf> {
+        let v = t.to_vec_f64()?;
+        Ok(match param_dtype {
+            DType::F64 => StateBuf::F64(v),
+            _ => StateBuf::F32(v.into_iter().map(|x| x as f32).collect()),
+        })
+    }
+}
+
+/// The element type of optimizer state (the kernels' accumulator types, f32 and f64).
+trait StateElem: Acc {
+    fn zeros(n: usize) -> StateBuf;
+    fn slot(buf: &mut StateBuf) -> Option<&mut Vec<Self>>;
+}
+
+impl StateElem for f32 {
+    fn zeros(n: usize) -> StateBuf {
+        StateBuf::F32(vec![0.0; n])
+    }
+    fn slot(buf: &mut StateBuf) -> Option<&mut Vec<f32>> {
+        match buf {
+            StateBuf::F32(v) => Some(v),
+            StateBuf::F64(_) => None,
+        }
+    }
+}
+
+impl StateElem for f64 {
+    fn zeros(n: usize) -> StateBuf {
+        StateBuf::F64(vec![0.0; n])
+    }
+    fn slot(buf: &mut StateBuf) -> Option<&mut Vec<f64>> {
+        match buf {
+            StateBuf::F64(v) => Some(v),
+            StateBuf::F32(_) => None,
+        }
+    }
+}
+
+fn config_err(what: impl Into<String>) -> NnError {
+    NnError::Config { what: what.into() }
+}
+
+fn bad_param(opt: &str, name: &str, what: impl fmt::Display) -> NnError {
+    NnError::BadInput { module: format!("{opt} (parameter {name})"), what: what.to_string() }
+}
+
+/// Names `"0"`, `"1"`, ... for unnamed parameters (as a torch optimizer's state dict).
+fn numbered(params: Vec<Param>) -> Vec<(String, Param)> {
+    params.into_iter().enumerate().map(|(i, p)| (i.to_string(), p)).collect()
+}
+
+/// The reduced gradient of a parameter, checked against its leaf and converted to the
+/// leaf's dtype; `None` when it has none. Collective the first time for distributed
+/// parameters (see [`Param::reduce_grads_in_place`]).
+fn grad_for_step(opt: &str, name: &str, p: &Param, leaf: &Tensor) -> Result<Option<Tensor>> {
+    let Some(g) = p.reduce_grads_in_place()? else { return Ok(None) };
+    if g.dims() != leaf.dims() {
+        return Err(bad_param(
+            opt,
+            name,
+            format!("gradient of shape {:?} for a parameter of shape {:?}", g.dims(), leaf.dims()),
+        ));
+    }
+    let g = if g.dtype() != leaf.dtype() { no_grad(|| g.to_dtype(leaf.dtype()))? } else { g };
+    // The update reads the gradient while it writes the parameter: never one storage.
+    let g = if g.same_storage(leaf) { no_grad(|| g.deep_clone())? } else { g };
+    Ok(Some(g))
+}
+
+fn state_slot<'a, S: StateElem>(
+    opt: &str,
+    name: &str,
+    buf: &'a mut StateBuf,
+    n: usize,
+) -> Result<&'a mut Vec<S>> {
+    let len = buf.len();
+    let v = S::slot(buf).ok_or_else(|| {
+        bad_param(opt, name, "the parameter's dtype changed since its state was created")
+    })?;
+    if len != n {
+        return Err(bad_param(
+            opt,
+            name,
+            format!("state of {len} elements for a local shard of {n} elements"),
+        ));
+    }
+    Ok(v)
+}
+
+// ---------------------------------------------------------------------------------------
+// AdamW
+// ---------------------------------------------------------------------------------------
+
+/// Hyper-parameters of [`AdamW`]; the defaults are `torch.optim.AdamW`'s.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Decay rates of the first and second moments (default (0.9, 0.999)).
+    pub betas: (f64, f64),
+    /// Term added to the denominator (default 1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay (default 1e-2).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 1e-2 }
+    }
+}
+
+impl AdamWConfig {
+    fn check(&self) -> Result<()> {
+        let (b1, b2) = self.betas;
+        if !(self.lr >= 0.0) {
+            return Err(config_err(format!("AdamW: invalid learning rate {}", self.lr)));
+        }
+        if !(self.eps >= 0.0) {
+            return Err(config_err(format!("AdamW: invalid eps {}", self.eps)));
+        }
+        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            return Err(config_err(format!("AdamW: betas ({b1}, {b2}) must lie in [0, 1)")));
+        }
+        if !(self.weight_decay >= 0.0) {
+            return Err(config_err(format!("AdamW: invalid weight_decay {}", self.weight_decay)));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug)]
+struct AdamWSlot {
+    step: u64,
+    exp_avg: StateBuf,
+    exp_avg_sq: StateBuf,
+}
+
+/// One parameter's AdamW state, laid out like its local shard ([`Param::trainable`]), in
+/// the state precision (f32, or f64 for f64 parameters).
+#[derive(Clone, Debug)]
+pub struct AdamWState {
+    /// Steps taken (the first step is 1).
+    pub step: u64,
+    /// First moment.
+    pub exp_avg: Tensor,
+    /// Second moment.
+    pub exp_avg_sq: Tensor,
+}
+
+/// `torch.optim.AdamW` (not amsgrad, not maximize) over one parameter group:
+///
+/// ```text
+/// step += 1
+/// p    *= 1 - lr * weight_decay
+/// m     = beta1 * m + (1 - beta1) * g
+/// v     = beta2 * v + (1 - beta2) * g^2
+/// p    -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+/// ```
+///
+/// Every rank steps its own local shard with its reduced local gradient, so state is
+/// sharded exactly like the parameter; parameters without a gradient are skipped (their
+/// step count does not advance). State is allocated lazily on a parameter's first step,
+/// in f32 for f32/bf16/f16 parameters and f64 for f64 ones. There is no separate master
+/// copy: the weights are updated in the parameter's own dtype (for f32 master weights
+/// with bf16 compute use FSDP's mixed precision, which keeps f32 shards).
+#[derive(Debug)]
+pub struct AdamW {
+    params: Vec<(String, Param)>,
+    config: AdamWConfig,
+    state: Vec<Option<AdamWSlot>>,
+}
+
+impl AdamW {
+    /// AdamW over `params` (named `"0"`, `"1"`, ... in errors and state).
+    pub fn new(params: Vec<Param>, config: AdamWConfig) -> Result<AdamW> {
+        AdamW::with_names(numbered(params), config)
+    }
+
+    /// AdamW over named parameters (e.g. from [`crate::named_parameters`]).
+    pub fn with_names(params: Vec<(String, Param)>, config: AdamWConfig) -> Result<AdamW> {
+        config.check()?;
+        let state = vec![None; params.len()];
+        Ok(AdamW { params, config, state })
+    }
+
+    /// The hyper-parameters (with the current learning rate).
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// The parameters, with their names.
+    pub fn params(&self) -> &[(String, Param)] {
+        &self.params
+    }
+
+    /// The state of parameter `index` (a copy), `None` before its first step.
+    pub fn state(&self, index: usize) -> Result<Option<AdamWState>> {
+        let (Some(Some(s)), Some((_, p))) = (self.state.get(index), self.params.get(index)) else {
+            return Ok(None);
+        };
+        let dims = p.trainable().dims().to_vec();
+        Ok(Some(AdamWState {
+            step: s.step,
+            exp_avg: s.exp_avg.to_tensor(&dims)?,
+            exp_avg_sq: s.exp_avg_sq.to_tensor(&dims)?,
+        }))
+    }
+
+    /// Replaces the state of parameter `index` (e.g. from a checkpoint); the tensors must
+    /// have the parameter's local shape.
+    pub fn set_state(&mut self, index: usize, state: AdamWState) -> Result<()> {
+        let Some((name, p)) = self.params.get(index) else {
+            return Err(config_err(format!(
+                "AdamW::set_state: index {index} out of range for {} parameters",
+                self.params.len()
+            )));
+        };
+        let leaf = p.trainable();
+        for (what, t) in [("exp_avg", &state.exp_avg), ("exp_avg_sq", &state.exp_avg_sq)] {
+            if t.dims() != leaf.dims() {
+                return Err(bad_param(
+                    "AdamW",
+                    name,
+                    format!("{what} of shape {:?} for a local shard {:?}", t.dims(), leaf.dims()),
+                ));
+            }
+        }
+        self.state[index] = Some(AdamWSlot {
+            step: state.step,
+            exp_avg: StateBuf::from_tensor(&state.exp_avg, leaf.dtype())?,
+            exp_avg_sq: StateBuf::from_tensor(&state.exp_avg_sq, leaf.dtype())?,
+        });
+        Ok(())
+    }
+
+    fn step_one<T: Float + Element>(
+        name: &str,
+        leaf: &Tensor,
+        g: &Tensor,
+        slot: &mut Option<AdamWSlot>,
+        config: &AdamWConfig,
+    ) -> Result<()>
+    where
+        T::Acc: StateElem,
+    {
+        let n = leaf.numel();
+        let s = slot.get_or_insert_with(|| AdamWSlot {
+            step: 0,
+            exp_avg: <T::Acc as StateElem>::zeros(n),
+            exp_avg_sq: <T::Acc as StateElem>::zeros(n),
+        });
+        let m = state_slot::<T::Acc>("AdamW", name, &mut s.exp_avg, n)?;
+        let v = state_slot::<T::Acc>("AdamW", name, &mut s.exp_avg_sq, n)?;
+        let h = AdamWParams {
+            lr: config.lr,
+            beta1: config.betas.0,
+            beta2: config.betas.1,
+            eps: config.eps,
+            weight_decay: config.weight_decay,
+            step: s.step + 1,
+        };
+        g.with_data::<T, _>(|g| leaf.with_data_mut::<T, _>(|p| adamw_step(p, g, m, v, &h)))???;
+        s.step += 1;
+        Ok(())
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        for ((name, p), slot) in self.params.iter().zip(&mut self.state) {
+            let leaf = p.trainable();
+            let Some(g) = grad_for_step("AdamW", name, p, &leaf)? else { continue };
+            with_float_type!(leaf.dtype(), "AdamW", |T| {
+                AdamW::step_one::<T>(name, &leaf, &g, slot, &self.config)
+            })?;
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&self) {
+        for (_, p) in &self.params {
+            p.zero_grad();
+        }
+    }
+
+    fn lr(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.state.iter().flatten().map(|s| s.exp_avg.bytes() + s.exp_avg_sq.bytes()).sum()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// SGD
+// ---------------------------------------------------------------------------------------
+
+/// Hyper-parameters of [`Sgd`]; the defaults are `torch.optim.SGD`'s (lr 1e-3).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0 keeps no state).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (coupled, as torch's SGD).
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs momentum > 0 and dampening 0).
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig { lr: 1e-3, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    }
+}
+
+impl SgdConfig {
+    fn check(&self) -> Result<()> {
+        if !(self.lr >= 0.0) {
+            return Err(config_err(format!("SGD: invalid learning rate {}", self.lr)));
+        }
+        if !(self.momentum >= 0.0) {
+            return Err(config_err(format!("SGD: invalid momentum {}", self.momentum)));
+        }
+        if !(self.weight_decay >= 0.0) {
+            return Err(config_err(format!("SGD: invalid weight_decay {}", self.weight_decay)));
+        }
+        if !self.dampening.is_finite() {
+            return Err(config_err(format!("SGD: invalid dampening {}", self.dampening)));
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(config_err("SGD: Nesterov momentum requires a momentum and zero dampening"));
+        }
+        Ok(())
+    }
+}
+
+/// `torch.optim.SGD` (not maximize) over one parameter group:
+///
+/// ```text
+/// g = grad + weight_decay * p
+/// b = g                                   (first step)
+/// b = momentum * b + (1 - dampening) * g  (later steps)
+/// g = nesterov ? g + momentum * b : b     (when momentum != 0)
+/// p -= lr * g
+/// ```
+///
+/// Local, like [`AdamW`]: the momentum buffer is sharded like the parameter, allocated
+/// on the first step (only when momentum is non-zero), in f32 for f32/bf16/f16 parameters
+/// and f64 for f64 ones; the update is computed in that precision.
+#[derive(Debug)]
+pub struct Sgd {
+    params: Vec<(String, Param)>,
+    config: SgdConfig,
+    momentum_buffer: Vec<Option<StateBuf>>,
+}
+
+impl Sgd {
+    /// SGD over `params`.
+    pub fn new(params: Vec<Param>, config: SgdConfig) -> Result<Sgd> {
+        Sgd::with_names(numbered(params), config)
+    }
+
+    /// SGD over named parameters.
+    pub fn with_names(params: Vec<(String, Param)>, config: SgdConfig) -> Result<Sgd> {
+        config.check()?;
+        let momentum_buffer = vec![None; params.len()];
+        Ok(Sgd { params, config, momentum_buffer })
+    }
+
+    /// The hyper-parameters (with the current learning rate).
+    pub fn config(&self) -> &SgdConfig {
+        &self.config
+    }
+
+    /// The parameters, with their names.
+    pub fn params(&self) -> &[(String, Param)] {
+        &self.params
+    }
+
+    /// The momentum buffer of parameter `index` (a copy laid out like its local shard),
+    /// `None` before its first step or without momentum.
+    pub fn momentum_buffer(&self, index: usize) -> Result<Option<Tensor>> {
+        let (Some(Some(b)), Some((_, p))) = (self.momentum_buffer.get(index), self.params.get(index))
+        else {
+            return Ok(None);
+        };
+        Ok(Some(b.to_tensor(p.trainable().dims())?))
+    }
+
+    fn step_one<T: Float + Element>(
+        name: &str,
+        leaf: &Tensor,
+        g: &Tensor,
+        buf: &mut Option<StateBuf>,
+        c: &SgdConfig,
+    ) -> Result<()>
+    where
+        T::Acc: StateElem,
+    {
+        let a = <T::Acc as Acc>::of;
+        let (lr, wd, mom, damp) = (a(c.lr), a(c.weight_decay), a(c.momentum), a(1.0 - c.dampening));
+        let n = leaf.numel();
+        let first = buf.is_none();
+        let b: Option<&mut Vec<T::Acc>> = if c.momentum != 0.0 {
+            let s = buf.get_or_insert_with(|| <T::Acc as StateElem>::zeros(n));
+            Some(state_slot::<T::Acc>("SGD", name, s, n)?)
+        } else {
+            None
+        };
+        let (use_wd, nesterov) = (c.weight_decay != 0.0, c.nesterov);
+        g.with_data::<T, _>(|g| {
+            leaf.with_data_mut::<T, _>(|p| {
+                let mut b = b;
+                for i in 0..p.len() {
+                    let x = p[i].to_acc();
+                    let mut d = g[i].to_acc();
+                    if use_wd {
+                        d += wd * x;
+                    }
+                    if let Some(b) = b.as_deref_mut() {
+                        b[i] = if first { d } else { mom * b[i] + damp * d };
+                        d = if nesterov { d + mom * b[i] } else { b[i] };
+                    }
+                    p[i] = T::from_acc(x - lr * d);
+                }
+            })
+        })??;
+        Ok(())
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        for ((name, p), buf) in self.params.iter().zip(&mut self.momentum_buffer) {
+            let leaf = p.trainable();
+            let Some(g) = grad_for_step("SGD", name, p, &leaf)? else { continue };
+            with_float_type!(leaf.dtype(), "SGD", |T| {
+                Sgd::step_one::<T>(name, &leaf, &g, buf, &self.config)
+            })?;
+        }
+        Ok(())
+    }
+
+    fn zero_grad(&self) {
+        for (_, p) in &self.params {
+            p.zero_grad();
+        }
+    }
+
+    fn lr(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.momentum_buffer.iter().flatten().map(StateBuf::bytes).sum()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gradient clipping
+// ---------------------------------------------------------------------------------------
+
+/// Sum of squares of a float tensor's elements, accumulated in f64.
+fn sum_sq(t: &Tensor) -> Result<f64> {
+    Ok(with_float_type!(t.dtype(), "clip_grad_norm", |T| {
+        t.with_data::<T, _>(|s| s.iter().map(|&x| Float::to_f64(x).powi(2)).sum::<f64>())
+    })?)
+}
+
+/// The global L2 norm of all parameters' gradients, as `torch.nn.utils.clip_grad_norm_`,
+/// scaling every gradient by `max_norm / (norm + 1e-6)` when that factor is below 1.
+/// Returns the norm before clipping (0 when no parameter has a gradient).
+///
+/// **Sharded parameters.** Each distinct element of each gradient counts once: on mesh
+/// dims where a parameter is sharded (including FSDP's dp dim) every rank's shard
+/// counts; on dims where it is `Replicate` (or `Partial`, whose gradient is replicated)
+/// only the rank at coordinate 0 counts. The local sums of squares are all-reduced once
+/// per process group that the parameters' layouts span (for parameters on one mesh:
+/// one scalar all_reduce per mesh dim of size > 1), with one slot per distinct layout
+/// so parameters on different meshes are reduced correctly. Collective: every rank of
+/// every mesh calls it, with the same parameter list.
+///
+/// **Gradients are reduced here, once.** Each parameter's gradient is first brought to
+/// its reduced form with [`Param::reduce_grads_in_place`], so that afterwards the leaves'
+/// `.grad()` hold the *reduced* (and clipped) gradients, marked so that
+/// [`Param::grad_local`], [`Param::grad`] and the optimizers use them as they are and
+/// do not reduce again. Call it after the last backward of a step (a backward on top of
+/// a reduced gradient would mix reduced and unreduced terms).
+///
+/// A non-finite norm is returned as it is: an infinite norm zeroes the gradients (as
+/// torch's), a NaN norm leaves them unscaled; a trainer should skip such a step.
+pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
+    if !(max_norm >= 0.0) {
+        return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
+    }
+    // Reduce every gradient once (collective), and sum this rank's counted squares per
+    // layout: layouts are keyed by the ranks of the groups they span, in first-seen order
+    // (the same on every rank, as the parameter list is).
+    let mut grads: Vec<(&Param, Tensor)> = Vec::with_capacity(params.len());
+    let mut layouts: Vec<Vec<ProcessGroup>> = Vec::new();
+    let mut layout_keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
+    let mut sums: Vec<f64> = Vec::new();
+    let mut local_only = 0.0;
+    for p in params {
+        let Some(g) = p.reduce_grads_in_place()? else { continue };
+        let layout = p.grad_layout()?;
+        let sq = if layout.counts { sum_sq(&g)? } else { 0.0 };
+        grads.push((p, g));
+        if layout.groups.is_empty() {
+            local_only += sq;
+            continue;
+        }
+        let key: Vec<Vec<usize>> = layout.groups.iter().map(|g| g.ranks().to_vec()).collect();
+        let slot = *layout_keys.entry(key).or_insert_with(|| {
+            layouts.push(layout.groups);
+            sums.push(0.0);
+            sums.len() - 1
+        });
+        sums[slot] += sq;
+    }
+    // One all_reduce per distinct group, carrying the slots of every layout spanning it.
+    let mut done: Vec<Vec<usize>> = Vec::new();
+    for li in 0..layouts.len() {
+        for group in layouts[li].clone() {
+            if done.iter().any(|r| r.as_slice() == group.ranks()) {
+                continue;
+            }
+            done.push(group.ranks().to_vec());
+            let slots: Vec<usize> = (0..layouts.len())
+                .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
+                .collect();
+            let vals: Vec<f64> = slots.iter().map(|&j| sums[j]).collect();
+            let n = vals.len();
+            let reduced = group.all_reduce(&Tensor::from_vec(vals, [n])?, ReduceOp::Sum)?;
+            for (&j, v) in slots.iter().zip(reduced.to_vec::<f64>()?) {
+                sums[j] = v;
+            }
+        }
+    }
+    let total = (local_only + sums.iter().sum::<f64>()).sqrt();
+    let coef = max_norm / (total + 1e-6);
+    if coef < 1.0 {
+        for (p, g) in grads {
+            let scaled = no_grad(|| g.mul_scalar(coef))?;
+            p.set_reduced_grad(Some(scaled));
+        }
+    }
+    Ok(total)
+}
+
+// ---------------------------------------------------------------------------------------
+// Learning-rate schedules
+// ---------------------------------------------------------------------------------------
+
+/// A learning-rate schedule: the learning rate at a step, as a pure function of the step
+/// and the optimizer's initial learning rate (PyTorch's closed forms).
+pub trait LrSchedule: fmt::Debug + Send + Sync {
+    /// The learning rate after `step` scheduler steps (step 0 is the value set at
+    /// construction), for an optimizer whose initial learning rate is `base_lr`.
+    fn lr_at(&self, step: usize, base_lr: f64) -> f64;
+}
+
+impl<S: LrSchedule + ?Sized> LrSchedule for Box<S> {
+    fn lr_at(&self, step: usize, base_lr: f64) -> f64 {
+        (**self).lr_at(step, base_lr)
+    }
+}
+
+/// `torch.optim.lr_scheduler.LinearLR`: the factor moves linearly from `start_factor` to
+/// `end_factor` over `total_iters` steps, then stays:
+/// `base_lr * (start + (end - start) * min(step, total_iters) / total_iters)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearLR {
+    /// Factor at step 0 (torch's default 1/3).
+    pub start_factor: f64,
+    /// Factor from `total_iters` on (default 1).
+    pub end_factor: f64,
+    /// Steps of the ramp (default 5; 0 means `end_factor` from the start).
+    pub total_iters: usize,
+}
+
+impl LinearLR {
+    /// A checked `LinearLR` (torch's bounds: `0 < start_factor <= 1`,
+    /// `0 <= end_factor <= 1`).
+    pub fn new(start_factor: f64, end_factor: f64, total_iters: usize) -> Result<LinearLR> {
+        if !(start_factor > 0.0 && start_factor <= 1.0) {
+            return Err(config_err(format!(
+                "LinearLR: start_factor {start_factor} must be in (0, 1]"
+            )));
+        }
+        if !(0.0..=1.0).contains(&end_factor) {
+            return Err(config_err(format!("LinearLR: end_factor {end_factor} must be in [0, 1]")));
+        }
+        Ok(LinearLR { start_factor, end_factor, total_iters })
+    }
+}
+
+impl LrSchedule for LinearLR {
+    fn lr_at(&self, step: usize, base_lr: f64) -> f64 {
+        if self.total_iters == 0 {
+            return base_lr * self.end_factor;
+        }
+        let t = step.min(self.total_iters) as f64 / self.total_iters as f64;
+        base_lr * (self.start_factor + (self.end_factor - self.start_factor) * t)
+    }
+}
+
+/// `torch.optim.lr_scheduler.CosineAnnealingLR`:
+/// `eta_min + (base_lr - eta_min) * (1 + cos(pi * step / t_max)) / 2` (periodic past
+/// `t_max`, as torch's; `t_max` 0 is taken as 1).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CosineAnnealingLR {
+    /// Steps of the half cosine.
+    pub t_max: usize,
+    /// The minimum learning rate.
+    pub eta_min: f64,
+}
+
+impl CosineAnnealingLR {
+    /// A checked `CosineAnnealingLR` (`t_max >= 1`, `eta_min >= 0`).
+    pub fn new(t_max: usize, eta_min: f64) -> Result<CosineAnnealingLR> {
+        if t_max == 0 {
+            return Err(config_err("CosineAnnealingLR: t_max must be at least 1"));
+        }
+        if !(eta_min >= 0.0) {
+            return Err(config_err(format!("CosineAnnealingLR: invalid eta_min {eta_min}")));
+        }
+        Ok(CosineAnnealingLR { t_max, eta_min })
+    }
+}
+
+impl LrSchedule for CosineAnnealingLR {
+    fn lr_at(&self, step: usize, base_lr: f64) -> f64 {
+        let t_max = self.t_max.max(1) as f64;
+        self.eta_min + (base_lr - self.eta_min) * (1.0 + (PI * step as f64 / t_max).cos()) / 2.0
+    }
+}
+
+/// `torch.optim.lr_scheduler.SequentialLR`: `schedulers[i]` runs from `milestones[i-1]`
+/// (0 for the first) with its own step count restarting at 0 there, as torch's
+/// `step(0)` at a milestone does.
+#[derive(Debug)]
+pub struct SequentialLR {
+    schedulers: Vec<Box<dyn LrSchedule>>,
+    milestones: Vec<usize>,
+}
+
+impl SequentialLR {
+    /// Chains `schedulers`; `milestones` must be one fewer and non-decreasing.
+    pub fn new(
+        schedulers: Vec<Box<dyn LrSchedule>>,
+        milestones: Vec<usize>,
+    ) -> Result<SequentialLR> {
+        if schedulers.is_empty() {
+            return Err(config_err("SequentialLR: needs at least one scheduler"));
+        }
+        if milestones.len() + 1 != schedulers.len() {
+            return Err(config_err(format!(
+                "SequentialLR: {} schedulers need {} milestones, got {}",
+                schedulers.len(),
+                schedulers.len() - 1,
+                milestones.len()
+            )));
+        }
+        if milestones.windows(2).any(|w| w[0] > w[1]) {
+            return Err(config_err(format!(
+                "SequentialLR: milestones {milestones:?} must be non-decreasing"
+            )));
+        }
+        Ok(SequentialLR { schedulers, milestones })
+    }
+
+    /// The usual LLM schedule: `LinearLR(start_factor, 1, warmup)` for `warmup` steps,
+    /// then `CosineAnnealingLR(total - warmup, eta_min)`.
+    pub fn warmup_cosine(
+        warmup: usize,
+        total: usize,
+        start_factor: f64,
+        eta_min: f64,
+    ) -> Result<SequentialLR> {
+        let cosine = CosineAnnealingLR::new(total.saturating_sub(warmup).max(1), eta_min)?;
+        SequentialLR::new(
+            vec![Box::new(LinearLR::new(start_factor, 1.0, warmup)?), Box::new(cosine)],
+            vec![warmup],
+        )
+    }
+
+    /// The milestones.
+    pub fn milestones(&self) -> &[usize] {
+        &self.milestones
+    }
+}
+
+impl LrSchedule for SequentialLR {
+    fn lr_at(&self, step: usize, base_lr: f64) -> f64 {
+        // bisect_right(milestones, step)
+        let idx = self.milestones.partition_point(|&m| m <= step);
+        let start = if idx == 0 { 0 } else { self.milestones[idx - 1] };
+        self.schedulers[idx].lr_at(step - start, base_lr)
+    }
+}
+
+/// Drives an [`LrSchedule`] against an optimizer, as a torch scheduler object: created
+/// after the optimizer (taking its learning rate as `base_lr` and setting step 0's
+/// value), then [`LrScheduler::step`] once per optimizer step.
+#[derive(Debug)]
+pub struct LrScheduler<S: LrSchedule> {
+    schedule: S,
+    base_lr: f64,
+    last_step: usize,
+    last_lr: f64,
+}
+
+impl<S: LrSchedule> LrScheduler<S> {
+    /// Starts `schedule` at step 0 with `opt`'s current learning rate as the base.
+    pub fn new<O: Optimizer + ?Sized>(schedule: S, opt: &mut O) -> LrScheduler<S> {
+        let base_lr = opt.lr();
+        let last_lr = schedule.lr_at(0, base_lr);
+        opt.set_lr(last_lr);
+        LrScheduler { schedule, base_lr, last_step: 0, last_lr }
+    }
+
+    /// Advances one step and sets the optimizer's learning rate; returns it.
+    pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> f64 {
+        self.last_step += 1;
+        self.last_lr = self.schedule.lr_at(self.last_step, self.base_lr);
+        opt.set_lr(self.last_lr);
+        self.last_lr
+    }
+
+    /// The learning rate the last step set (`get_last_lr()`).
+    pub fn last_lr(&self) -> f64 {
+        self.last_lr
+    }
+
+    /// Steps taken (`last_epoch`).
+    pub fn last_step(&self) -> usize {
+        self.last_step
+    }
+
+    /// The base learning rate (`initial_lr`).
+    pub fn base_lr(&self) -> f64 {
+        self.base_lr
+    }
+
+    /// The schedule.
+    pub fn schedule(&self) -> &S {
+        &self.schedule
+    }
+}
