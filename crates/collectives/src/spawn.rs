@@ -165,6 +165,7 @@ where
     E: From<CollectiveError> + fmt::Display,
     F: Fn(RankCtx) -> Result<R, E>,
 {
+    tpar_tensor::memory::set_rank(Some(rank));
     let r = match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {

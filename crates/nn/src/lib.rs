@@ -2,11 +2,13 @@
 //! Llama model, with parameters that are plain tensors or DTensors.
 #![warn(missing_docs)]
 
+pub mod data;
 mod error;
 pub mod fsdp_param;
 pub mod layers;
 pub mod llama;
 mod module;
+pub mod optim;
 mod param;
 mod value;
 

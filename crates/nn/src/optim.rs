@@ -35,7 +35,7 @@ use std::fmt;
 use tpar_collectives::{ProcessGroup, ReduceOp};
 use tpar_kernels::adamw::{adamw_step, AdamWParams};
 use tpar_kernels::{Acc, Float};
-use tpar_tensor::{no_grad, with_float_type, DType, Element, Tensor};
+use tpar_tensor::{no_grad, with_float_type, DType, Element, Tensor, TensorError};
 
 use crate::{NnError, Param, Result};
 
@@ -128,6 +128,11 @@ impl StateElem for f64 {
     }
 }
 
+/// `x >= 0` (false for NaN).
+fn non_negative(x: f64) -> bool {
+    x >= 0.0
+}
+
 fn config_err(what: impl Into<String>) -> NnError {
     NnError::Config { what: what.into() }
 }
@@ -205,16 +210,16 @@ impl Default for AdamWConfig {
 impl AdamWConfig {
     fn check(&self) -> Result<()> {
         let (b1, b2) = self.betas;
-        if !(self.lr >= 0.0) {
+        if !non_negative(self.lr) {
             return Err(config_err(format!("AdamW: invalid learning rate {}", self.lr)));
         }
-        if !(self.eps >= 0.0) {
+        if !non_negative(self.eps) {
             return Err(config_err(format!("AdamW: invalid eps {}", self.eps)));
         }
         if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
             return Err(config_err(format!("AdamW: betas ({b1}, {b2}) must lie in [0, 1)")));
         }
-        if !(self.weight_decay >= 0.0) {
+        if !non_negative(self.weight_decay) {
             return Err(config_err(format!("AdamW: invalid weight_decay {}", self.weight_decay)));
         }
         Ok(())
@@ -352,7 +357,8 @@ impl AdamW {
             weight_decay: config.weight_decay,
             step: s.step + 1,
         };
-        g.with_data::<T, _>(|g| leaf.with_data_mut::<T, _>(|p| adamw_step(p, g, m, v, &h)))???;
+        g.with_data::<T, _>(|g| leaf.with_data_mut::<T, _>(|p| adamw_step(p, g, m, v, &h)))??
+            .map_err(TensorError::from)?;
         s.step += 1;
         Ok(())
     }
@@ -364,8 +370,8 @@ impl Optimizer for AdamW {
             let leaf = p.trainable();
             let Some(g) = grad_for_step("AdamW", name, p, &leaf)? else { continue };
             with_float_type!(leaf.dtype(), "AdamW", |T| {
-                AdamW::step_one::<T>(name, &leaf, &g, slot, &self.config)
-            })?;
+                Ok(AdamW::step_one::<T>(name, &leaf, &g, slot, &self.config))
+            })??;
         }
         Ok(())
     }
@@ -416,20 +422,22 @@ impl Default for SgdConfig {
 
 impl SgdConfig {
     fn check(&self) -> Result<()> {
-        if !(self.lr >= 0.0) {
+        if !non_negative(self.lr) {
             return Err(config_err(format!("SGD: invalid learning rate {}", self.lr)));
         }
-        if !(self.momentum >= 0.0) {
+        if !non_negative(self.momentum) {
             return Err(config_err(format!("SGD: invalid momentum {}", self.momentum)));
         }
-        if !(self.weight_decay >= 0.0) {
+        if !non_negative(self.weight_decay) {
             return Err(config_err(format!("SGD: invalid weight_decay {}", self.weight_decay)));
         }
         if !self.dampening.is_finite() {
             return Err(config_err(format!("SGD: invalid dampening {}", self.dampening)));
         }
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return Err(config_err("SGD: Nesterov momentum requires a momentum and zero dampening"));
+            return Err(config_err(
+                "SGD: Nesterov momentum requires a momentum and zero dampening",
+            ));
         }
         Ok(())
     }
@@ -481,7 +489,8 @@ impl Sgd {
     /// The momentum buffer of parameter `index` (a copy laid out like its local shard),
     /// `None` before its first step or without momentum.
     pub fn momentum_buffer(&self, index: usize) -> Result<Option<Tensor>> {
-        let (Some(Some(b)), Some((_, p))) = (self.momentum_buffer.get(index), self.params.get(index))
+        let (Some(Some(b)), Some((_, p))) =
+            (self.momentum_buffer.get(index), self.params.get(index))
         else {
             return Ok(None);
         };
@@ -536,8 +545,8 @@ impl Optimizer for Sgd {
             let leaf = p.trainable();
             let Some(g) = grad_for_step("SGD", name, p, &leaf)? else { continue };
             with_float_type!(leaf.dtype(), "SGD", |T| {
-                Sgd::step_one::<T>(name, &leaf, &g, buf, &self.config)
-            })?;
+                Ok(Sgd::step_one::<T>(name, &leaf, &g, buf, &self.config))
+            })??;
         }
         Ok(())
     }
@@ -595,7 +604,7 @@ fn sum_sq(t: &Tensor) -> Result<f64> {
 /// A non-finite norm is returned as it is: an infinite norm zeroes the gradients (as
 /// torch's), a NaN norm leaves them unscaled; a trainer should skip such a step.
 pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
-    if !(max_norm >= 0.0) {
+    if !non_negative(max_norm) {
         return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
     }
     // Reduce every gradient once (collective), and sum this rank's counted squares per
@@ -727,7 +736,7 @@ impl CosineAnnealingLR {
         if t_max == 0 {
             return Err(config_err("CosineAnnealingLR: t_max must be at least 1"));
         }
-        if !(eta_min >= 0.0) {
+        if !non_negative(eta_min) {
             return Err(config_err(format!("CosineAnnealingLR: invalid eta_min {eta_min}")));
         }
         Ok(CosineAnnealingLR { t_max, eta_min })

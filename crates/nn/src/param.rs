@@ -86,6 +86,9 @@ impl Param {
     /// The gradient with the parameter's own layout: a plain tensor's `.grad()`, or
     /// [`DTensor::grad`] (collective: every rank of the mesh calls it).
     pub fn grad(&self) -> Result<Option<Param>> {
+        if let Some(g) = self.reduced_grad() {
+            return self.wrap_reduced_grad(g).map(Some);
+        }
         Ok(match self {
             Param::Tensor(t) => t.grad().map(Param::Tensor),
             Param::DTensor(d) => d.grad()?.map(Param::DTensor),
@@ -116,6 +119,9 @@ impl Param {
     /// The gradient of [`Param::trainable`], laid out like it, with the contributions of
     /// replicated mesh dims reduced (collective for DTensors: every rank calls it).
     pub fn grad_local(&self) -> Result<Option<Tensor>> {
+        if let Some(g) = self.reduced_grad() {
+            return Ok(Some(g));
+        }
         Ok(match self {
             Param::Tensor(t) => t.grad(),
             Param::DTensor(d) => d.grad()?.map(|g| g.to_local()),
@@ -126,5 +132,106 @@ impl Param {
     /// Clears the accumulated gradient.
     pub fn zero_grad(&self) {
         self.trainable().zero_grad();
+    }
+}
+
+// ---- Reduced gradients (optimizers and clip_grad_norm; see crate::optim) ----
+
+/// Leaves whose `.grad()` holds an already-reduced gradient: leaf id -> id of that
+/// gradient tensor. A backward that accumulates into the leaf makes a new gradient
+/// tensor (a new id), and `zero_grad` drops it, so a mark never outlives its gradient.
+/// One small entry per leaf ever marked.
+static REDUCED: std::sync::Mutex<Option<std::collections::HashMap<u64, u64>>> =
+    std::sync::Mutex::new(None);
+
+fn reduced_marks<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, u64>) -> R) -> R {
+    let mut g = REDUCED.lock().unwrap_or_else(|p| p.into_inner());
+    f(g.get_or_insert_with(Default::default))
+}
+
+/// Where the elements of a parameter's reduced local gradient live, for reductions
+/// over all of them (a global norm).
+#[derive(Clone, Debug)]
+pub(crate) struct GradLayout {
+    /// Whether this rank's elements count (false on a non-zero coordinate of a mesh dim
+    /// where the parameter is `Replicate` or `Partial`, whose copies repeat rank 0's).
+    pub(crate) counts: bool,
+    /// The groups (size > 1) whose members together hold every distinct element.
+    pub(crate) groups: Vec<tpar_collectives::ProcessGroup>,
+}
+
+impl Param {
+    /// Brings the gradient to its reduced form ([`Param::grad_local`]) once and stores
+    /// it back in the leaf ([`Param::trainable`]`.grad()`), marked, so that later calls of
+    /// this, [`Param::grad_local`] and [`Param::grad`] use it without communicating again
+    /// until a new backward accumulates into the leaf or the gradient is cleared.
+    /// Collective the first time (every rank calls it). Returns the reduced gradient.
+    /// Needs `trainable()` to return the same leaf handle on every call.
+    pub fn reduce_grads_in_place(&self) -> Result<Option<Tensor>> {
+        if let Some(g) = self.reduced_grad() {
+            return Ok(Some(g));
+        }
+        let Some(g) = self.grad_local()? else { return Ok(None) };
+        self.set_reduced_grad(Some(g.clone()));
+        Ok(Some(g))
+    }
+
+    /// Replaces the leaf's gradient with `g`, an already-reduced gradient laid out like
+    /// [`Param::trainable`] (e.g. a clipped one), marked as reduced; `None` clears it.
+    pub fn set_reduced_grad(&self, g: Option<Tensor>) {
+        let leaf = self.trainable();
+        reduced_marks(|m| match &g {
+            Some(g) => m.insert(leaf.id(), g.id()),
+            None => m.remove(&leaf.id()),
+        });
+        leaf.set_grad(g);
+    }
+
+    /// The leaf's gradient when it is marked as reduced.
+    fn reduced_grad(&self) -> Option<Tensor> {
+        let leaf = self.trainable();
+        let g = leaf.grad()?;
+        reduced_marks(|m| m.get(&leaf.id()) == Some(&g.id())).then_some(g)
+    }
+
+    /// A reduced local gradient in the parameter's own layout (as [`Param::grad`]).
+    fn wrap_reduced_grad(&self, g: Tensor) -> Result<Param> {
+        Ok(match self {
+            Param::Tensor(_) => Param::Tensor(g),
+            Param::DTensor(d) => {
+                Param::DTensor(DTensor::from_local(&g, d.mesh(), d.placements(), Some(d.shape()))?)
+            }
+            Param::Fsdp(f) => Param::Tensor(f.gather_full(&g)?),
+        })
+    }
+
+    /// The layout of the reduced local gradient, for global reductions.
+    pub(crate) fn grad_layout(&self) -> Result<GradLayout> {
+        use tpar_dtensor::Placement;
+        let mut layout = GradLayout { counts: true, groups: Vec::new() };
+        let mut add_spec = |mesh: &tpar_dtensor::DeviceMesh, placements: &[Placement]| {
+            for (d, p) in placements.iter().enumerate() {
+                if !matches!(p, Placement::Shard(_)) && mesh.coordinate()[d] != 0 {
+                    layout.counts = false;
+                }
+                if mesh.shape()[d] > 1 {
+                    layout.groups.push(mesh.group(d)?.clone());
+                }
+            }
+            Ok::<(), crate::NnError>(())
+        };
+        match self {
+            Param::Tensor(_) => {}
+            Param::DTensor(d) => add_spec(d.mesh(), d.placements())?,
+            Param::Fsdp(f) => {
+                if let Some(spec) = f.tp() {
+                    add_spec(spec.mesh(), spec.placements())?;
+                }
+                if f.dp().size() > 1 {
+                    layout.groups.push(f.dp().clone());
+                }
+            }
+        }
+        Ok(layout)
     }
 }

@@ -35,11 +35,18 @@ pub enum PlanError {
         /// What does not divide.
         what: String,
     },
-    /// Layouts of adjacent modules that cannot meet.
-    #[error("parallelize_module: {what}")]
+    /// Layouts of adjacent modules that cannot meet: `producer` hands on a plain (local)
+    /// tensor laid out as `produced`, and `consumer` takes it as `expected`.
+    #[error("parallelize_module: layouts do not meet: {producer} hands on a plain tensor laid out as {produced}, but {consumer} takes it as {expected} (make the layouts equal, or hand on a DTensor with use_local_output = false)")]
     LayoutMismatch {
-        /// Which modules and layouts.
-        what: String,
+        /// The FQN (and side) of the module producing the tensor.
+        producer: String,
+        /// Its layout.
+        produced: String,
+        /// The FQN (and side) of the module consuming it.
+        consumer: String,
+        /// The layout the consumer declares.
+        expected: String,
     },
     /// A style's configuration itself is wrong (mesh not 1-d, ...).
     #[error("{style}: {what}")]

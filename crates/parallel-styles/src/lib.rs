@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod explain;
 mod fsdp;
 pub mod loss_parallel {
     //! Cross-entropy on vocab-sharded logits (see [`cross_entropy`]).
@@ -17,9 +18,10 @@ mod style;
 pub mod trace;
 
 pub use error::{PlanError, Result};
+pub use explain::explain;
 pub use fsdp::{fully_shard, unshard, DataParallel, FsdpConfig, MixedPrecision};
-pub use plan::{matches, parallelize_module, ParallelizePlan};
+pub use plan::{check_plan, matches, parallelize_module, ParallelizePlan};
 pub use style::{
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
-    PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    ColwiseParallel, InputLayout, OutputLayout, ParallelStyle, PrepareModuleInput,
+    PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, StyleLayouts,
 };

@@ -1,10 +1,14 @@
 //! The two tensor-parallel plans for the Llama model, written as PyTorch users write
 //! them (a per-layer plan applied to every decoder layer, and a top-level plan).
 
-use tpar_dtensor::Placement::{Replicate, Shard};
+use tpar_dtensor::Placement::{self, Replicate, Shard};
+use tpar_mesh::DeviceMesh;
+use tpar_nn::LlamaForPretraining;
 
+use crate::plan::{apply_plan, check_plan};
 use crate::{
-    ColwiseParallel, ParallelizePlan, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    matches, ColwiseParallel, ParallelizePlan, PlanError, PrepareModuleInput, Result,
+    RowwiseParallel, SequenceParallel, StyleLayouts,
 };
 
 /// The top-level plan shared by both layer plans: vocab-parallel embedding producing
@@ -71,14 +75,330 @@ pub fn megatron_layer_plan() -> ParallelizePlan {
         .add("mlp.down_proj", RowwiseParallel::new().output_layouts(Shard(1)))
 }
 
-/// Applies a layer plan to every decoder layer and the top-level plan to the model.
+/// Applies a layer plan to every decoder layer and [`top_level_plan`] to the model (see
+/// [`parallelize_llama_with`]).
 pub fn parallelize_llama(
-    model: &mut tpar_nn::LlamaForPretraining,
-    tp_mesh: &tpar_mesh::DeviceMesh,
+    model: &mut LlamaForPretraining,
+    tp_mesh: &DeviceMesh,
     layer_plan: &ParallelizePlan,
-) -> crate::Result<()> {
-    for layer in &mut model.base_model.layers.items {
-        crate::parallelize_module(layer, tp_mesh, layer_plan)?;
+) -> Result<()> {
+    parallelize_llama_with(model, tp_mesh, layer_plan, &top_level_plan())
+}
+
+/// Applies `layer_plan` to every decoder layer (keys relative to the layer:
+/// `self_attn.q_proj`) and `top_plan` to the model (keys relative to it:
+/// `base_model.norm`), as torchtitan's `parallelize_llama` does.
+///
+/// Everything is checked first, before any parameter changes or any byte is sent:
+/// [`check_plan`] on every layer and on the model (unknown keys with the nearest names,
+/// styles that do not fit their module's type, heads that do not divide), then
+/// [`check_llama_plan`] (adjacent layouts that cannot meet). Hooks and traces name
+/// modules by their full FQN (`base_model.layers.3.self_attn.q_proj`).
+pub fn parallelize_llama_with(
+    model: &mut LlamaForPretraining,
+    tp_mesh: &DeviceMesh,
+    layer_plan: &ParallelizePlan,
+    top_plan: &ParallelizePlan,
+) -> Result<()> {
+    for layer in &model.base_model.layers.items {
+        check_plan(layer, tp_mesh, layer_plan)?;
     }
-    crate::parallelize_module(model, tp_mesh, &top_level_plan())
+    check_plan(model, tp_mesh, top_plan)?;
+    check_llama_plan(model, layer_plan, top_plan)?;
+    for (i, layer) in model.base_model.layers.items.iter_mut().enumerate() {
+        apply_plan(layer, &format!("base_model.layers.{i}"), tp_mesh, layer_plan)?;
+    }
+    apply_plan(model, "", tp_mesh, top_plan)
+}
+
+/// Checks statically that the layouts of adjacent modules meet under `layer_plan` (per
+/// decoder layer) and `top_plan` (whole model), walking the Llama's data flow: the ids
+/// into `embed_tokens`, its output into each layer (the input norm and the residual),
+/// the attention's output (`o_proj`) into the residual add, the post-attention norm,
+/// the MLP's output (`down_proj`) into the second residual add, the final norm, and
+/// `lm_head` into the loss. No communication, no parameter touched.
+///
+/// A DTensor handed from one module to the next always meets (it carries its
+/// placements and is redistributed as needed). A plain (local) tensor carries the
+/// layout its producer declared (the `output_layouts` of a style with
+/// `use_local_output`, `SequenceParallel`'s `Shard(sequence_dim)`, the layout a plain
+/// module's input had), and its consumer must take it as exactly that layout (a
+/// style's `input_layouts`, `PrepareModuleInput`'s given layouts, `SequenceParallel`'s
+/// `Shard(sequence_dim)`); both residual operands must agree; q/k/v must agree and keep
+/// whole sequences; a plain Linear or RMSNorm needs the whole feature dim; plain logits
+/// must be whole. A mismatch is [`PlanError::LayoutMismatch`] naming both modules and
+/// both layouts. Styles defined outside this crate declare no layouts
+/// ([`crate::ParallelStyle::layouts`]); what flows through them is not checked.
+pub fn check_llama_plan(
+    model: &LlamaForPretraining,
+    layer_plan: &ParallelizePlan,
+    top_plan: &ParallelizePlan,
+) -> Result<()> {
+    let w = Walker { layer_plan, top_plan };
+    let ids = Flow { dtensor: false, layout: Some(Replicate), rank: 2, from: "input_ids".into() };
+    let ids = w.enter("", ids)?;
+    let ids = w.enter("base_model", ids)?;
+    let x = w.leaf("base_model.embed_tokens", Leaf::Embedding, ids)?;
+    let mut x = w.enter("base_model.layers", x)?;
+    for i in 0..model.base_model.layers.items.len() {
+        x = w.layer(&format!("base_model.layers.{i}"), x)?;
+    }
+    let x = w.exit("base_model.layers", x)?;
+    let x = w.leaf("base_model.norm", Leaf::Norm, x)?;
+    let x = w.exit("base_model", x)?;
+    let logits = w.leaf("lm_head", Leaf::Linear, x)?;
+    let logits = w.exit("", logits)?;
+    w.meet(&logits, Replicate, "the loss (cross_entropy on plain logits)")
+}
+
+/// What one module hands the next, as far as the static check can tell.
+#[derive(Clone, Debug)]
+struct Flow {
+    /// A DTensor (meets any consumer) or a plain local tensor.
+    dtensor: bool,
+    /// Its layout, normalised for `rank` dims; `None` when the check cannot tell.
+    layout: Option<Placement>,
+    /// The tensor's number of dims (2 for ids, 3 for activations).
+    rank: usize,
+    /// The producer (FQN and side), for messages.
+    from: String,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Leaf {
+    Linear,
+    Embedding,
+    Norm,
+}
+
+fn norm(p: Placement, rank: usize) -> Placement {
+    match p {
+        Shard(d) if d < 0 => Shard(d + rank as isize),
+        p => p,
+    }
+}
+
+struct Walker<'a> {
+    layer_plan: &'a ParallelizePlan,
+    top_plan: &'a ParallelizePlan,
+}
+
+impl Walker<'_> {
+    /// The layouts of the styles on `fqn`, in the order their hooks run (layer plan,
+    /// then top plan); `None` when a style declares none.
+    fn styles(&self, fqn: &str) -> Option<Vec<StyleLayouts>> {
+        let mut out = Vec::new();
+        if let Some(rest) = fqn.strip_prefix("base_model.layers.") {
+            let rel = rest.split_once('.').map_or("", |(_, r)| r);
+            for (k, s) in self.layer_plan.entries() {
+                if matches(k, rel) {
+                    out.push(s.layouts()?);
+                }
+            }
+        }
+        for (k, s) in self.top_plan.entries() {
+            if matches(k, fqn) {
+                out.push(s.layouts()?);
+            }
+        }
+        Some(out)
+    }
+
+    fn unknown(fqn: &str, rank: usize) -> Flow {
+        Flow { dtensor: true, layout: None, rank, from: fqn.to_string() }
+    }
+
+    /// A plain `flow` must be laid out as `expected` for `consumer`.
+    fn meet(&self, flow: &Flow, expected: Placement, consumer: &str) -> Result<()> {
+        let expected = norm(expected, flow.rank);
+        match flow.layout {
+            Some(l) if !flow.dtensor && l != expected => Err(PlanError::LayoutMismatch {
+                producer: flow.from.clone(),
+                produced: l.to_string(),
+                consumer: consumer.to_string(),
+                expected: expected.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// `x` through the input hooks of the styles on `fqn` (input 0).
+    fn enter(&self, fqn: &str, x: Flow) -> Result<Flow> {
+        let Some(styles) = self.styles(fqn) else { return Ok(Self::unknown(fqn, x.rank)) };
+        let mut x = x;
+        for s in &styles {
+            let Some(inp) = s.inputs.first().copied().flatten() else { continue };
+            let layout = if x.dtensor {
+                inp.desired.or(x.layout)
+            } else if let Some(g) = inp.given {
+                self.meet(&x, g, &format!("{} (input)", shown(fqn)))?;
+                Some(inp.desired.unwrap_or(g))
+            } else {
+                continue;
+            };
+            x = Flow {
+                dtensor: !inp.use_local,
+                layout: layout.map(|p| norm(p, x.rank)),
+                rank: x.rank,
+                from: format!("{} (input hook)", shown(fqn)),
+            };
+        }
+        Ok(x)
+    }
+
+    /// The module's own output `raw` through the output hooks of the styles on `fqn`.
+    fn exit(&self, fqn: &str, raw: Flow) -> Result<Flow> {
+        let Some(styles) = self.styles(fqn) else { return Ok(Self::unknown(fqn, raw.rank)) };
+        let mut x = raw;
+        for s in &styles {
+            let Some(out) = s.output else { continue };
+            let layout = if x.dtensor {
+                out.desired.or(x.layout)
+            } else if let Some(g) = out.given {
+                self.meet(&x, g, &format!("{} (output hook)", shown(fqn)))?;
+                Some(out.desired.unwrap_or(g))
+            } else {
+                continue;
+            };
+            x = Flow {
+                dtensor: !out.use_local,
+                layout: layout.map(|p| norm(p, x.rank)),
+                rank: x.rank,
+                from: format!("{} (output)", shown(fqn)),
+            };
+        }
+        Ok(x)
+    }
+
+    /// A Linear, Embedding or RMSNorm: input hooks, the computation, output hooks.
+    fn leaf(&self, fqn: &str, kind: Leaf, x: Flow) -> Result<Flow> {
+        let Some(styles) = self.styles(fqn) else { return Ok(Self::unknown(fqn, 3)) };
+        let sharded = styles.iter().any(|s| s.shards_params);
+        let x = self.enter(fqn, x)?;
+        let raw = if x.dtensor {
+            // DTensor compute: the layout follows from the ops; the sharding styles'
+            // output hooks fix it below.
+            let layout = match x.layout {
+                _ if sharded || kind == Leaf::Embedding => None,
+                Some(Shard(2)) => None,
+                l => l,
+            };
+            Flow { dtensor: true, layout, rank: 3, from: format!("{fqn} (output)") }
+        } else {
+            // Plain compute with whole (replicated) parameters: per token, so the
+            // sequence layout carries over, but the feature dim must be whole.
+            if kind != Leaf::Embedding && x.layout == Some(Shard(2)) {
+                return Err(PlanError::LayoutMismatch {
+                    producer: x.from,
+                    produced: Shard(2).to_string(),
+                    consumer: format!("{fqn} (no sharding style: it needs whole features)"),
+                    expected: "R or S(1)".into(),
+                });
+            }
+            Flow { dtensor: false, layout: x.layout, rank: 3, from: format!("{fqn} (output)") }
+        };
+        self.exit(fqn, raw)
+    }
+
+    /// `x + h`: a plain operand must be laid out as the other.
+    fn residual(&self, fqn: &str, x: &Flow, h: Flow) -> Result<Flow> {
+        if x.dtensor && h.dtensor {
+            return Ok(Flow { from: format!("{fqn} (residual)"), ..x.clone() });
+        }
+        if let (Some(a), Some(b)) = (x.layout, h.layout) {
+            if a != b {
+                return Err(PlanError::LayoutMismatch {
+                    producer: h.from,
+                    produced: b.to_string(),
+                    consumer: format!("{fqn} (residual add with {}, laid out as {a})", x.from),
+                    expected: a.to_string(),
+                });
+            }
+        }
+        Ok(Flow {
+            dtensor: false,
+            layout: x.layout.or(h.layout),
+            rank: 3,
+            from: format!("{fqn} (residual)"),
+        })
+    }
+
+    /// Two operands of an elementwise op on local tensors must be laid out alike.
+    fn agree(&self, consumer: &str, a: &Flow, b: &Flow) -> Result<()> {
+        match (a.layout, b.layout) {
+            (Some(la), Some(lb)) if la != lb => Err(PlanError::LayoutMismatch {
+                producer: b.from.clone(),
+                produced: lb.to_string(),
+                consumer: format!("{consumer} (with {}, laid out as {la})", a.from),
+                expected: la.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn attention(&self, fqn: &str, x: Flow) -> Result<Flow> {
+        let x = self.enter(fqn, x)?;
+        let q = self.leaf(&format!("{fqn}.q_proj"), Leaf::Linear, x.clone())?;
+        let k = self.leaf(&format!("{fqn}.k_proj"), Leaf::Linear, x.clone())?;
+        let v = self.leaf(&format!("{fqn}.v_proj"), Leaf::Linear, x)?;
+        let sdpa = format!("{fqn} (scaled_dot_product_attention)");
+        self.agree(&sdpa, &q, &k)?;
+        self.agree(&sdpa, &q, &v)?;
+        if let Some(l) = q.layout.filter(|l| !matches!(l, Replicate | Shard(2))) {
+            return Err(PlanError::LayoutMismatch {
+                producer: q.from,
+                produced: l.to_string(),
+                consumer: sdpa,
+                expected: "R or S(2) (whole sequences; heads may be sharded)".into(),
+            });
+        }
+        // Attention runs on local tensors; its output keeps q's layout (heads).
+        let a = Flow {
+            dtensor: false,
+            layout: q.layout,
+            rank: 3,
+            from: format!("{fqn} (attention output)"),
+        };
+        let o = self.leaf(&format!("{fqn}.o_proj"), Leaf::Linear, a)?;
+        self.exit(fqn, o)
+    }
+
+    fn mlp(&self, fqn: &str, x: Flow) -> Result<Flow> {
+        let x = self.enter(fqn, x)?;
+        let g = self.leaf(&format!("{fqn}.gate_proj"), Leaf::Linear, x.clone())?;
+        let u = self.leaf(&format!("{fqn}.up_proj"), Leaf::Linear, x)?;
+        let h = if g.dtensor && u.dtensor {
+            Flow { from: format!("{fqn} (silu(gate) * up)"), ..g }
+        } else {
+            self.agree(&format!("{fqn} (silu(gate) * up)"), &g, &u)?;
+            Flow {
+                dtensor: false,
+                layout: g.layout.or(u.layout),
+                rank: 3,
+                from: format!("{fqn} (silu(gate) * up)"),
+            }
+        };
+        let d = self.leaf(&format!("{fqn}.down_proj"), Leaf::Linear, h)?;
+        self.exit(fqn, d)
+    }
+
+    fn layer(&self, fqn: &str, x: Flow) -> Result<Flow> {
+        let x = self.enter(fqn, x)?;
+        let h = self.leaf(&format!("{fqn}.input_layernorm"), Leaf::Norm, x.clone())?;
+        let h = self.attention(&format!("{fqn}.self_attn"), h)?;
+        let x = self.residual(fqn, &x, h)?;
+        let h = self.leaf(&format!("{fqn}.post_attention_layernorm"), Leaf::Norm, x.clone())?;
+        let h = self.mlp(&format!("{fqn}.mlp"), h)?;
+        let x = self.residual(fqn, &x, h)?;
+        self.exit(fqn, x)
+    }
+}
+
+/// The root module's name in messages.
+fn shown(fqn: &str) -> &str {
+    if fqn.is_empty() {
+        "the model"
+    } else {
+        fqn
+    }
 }

@@ -7,11 +7,13 @@ use tpar_dtensor::Placement;
 use tpar_mesh::DeviceMesh;
 use tpar_nn::{named_modules, visit_modules_mut, LlamaAttention, Module, Param};
 
-use crate::style::{shard_param, ColwiseParallel, ParallelStyle};
+use crate::style::{shard_param, ParallelStyle};
 use crate::{PlanError, Result};
 
 /// An ordered map from module FQNs (relative to the module it is applied to; `*`
-/// matches one path segment, e.g. `layers.*.mlp.gate_proj`) to styles.
+/// matches one path segment, e.g. `layers.*.mlp.gate_proj`) to styles. Every entry
+/// whose key matches a module applies to it, in plan order (a wildcard key and an exact
+/// key may both match); adding a key that is already in the plan replaces its style.
 #[derive(Clone, Default)]
 pub struct ParallelizePlan {
     entries: Vec<(String, Arc<dyn ParallelStyle>)>,
@@ -39,9 +41,14 @@ impl ParallelizePlan {
         Self::default()
     }
 
-    /// Adds `key: style` (later entries apply after earlier ones).
+    /// Adds `key: style` (later entries apply after earlier ones); a key already in the
+    /// plan keeps its place and gets the new style, as assigning to a dict key does.
     pub fn add(mut self, key: &str, style: impl ParallelStyle + 'static) -> Self {
-        self.entries.push((key.to_string(), Arc::new(style)));
+        let style: Arc<dyn ParallelStyle> = Arc::new(style);
+        match self.entries.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = style,
+            None => self.entries.push((key.to_string(), style)),
+        }
         self
     }
 
@@ -76,17 +83,27 @@ fn edit_distance(a: &str, b: &str) -> usize {
 
 /// Applies `plan` to `module` over the 1-d `mesh`.
 ///
-/// Everything is checked before any parameter is touched or any byte is sent: every
-/// key must match a module (an unknown key is an error listing the nearest names), each
-/// style must fit its module's type, and head-sharded attention must split whole heads.
-/// Then styles apply in plan order. Parameters the plan leaves plain become `Replicate`
-/// DTensors on `mesh`, so their gradients (contributions from every rank) are reduced
-/// like the others'.
+/// Everything is checked before any parameter is touched or any byte is sent (see
+/// [`check_plan`]): every key must match a module (an unknown key is an error listing
+/// the nearest names), each style must fit its module's type, and head-sharded
+/// attention must split whole heads. Then styles apply in plan order. Parameters the
+/// plan leaves plain become `Replicate` DTensors on `mesh`, so their gradients
+/// (contributions from every rank) are reduced like the others'.
 pub fn parallelize_module(
     module: &mut dyn Module,
     mesh: &DeviceMesh,
     plan: &ParallelizePlan,
 ) -> Result<()> {
+    check_plan(module, mesh, plan)?;
+    apply_plan(module, "", mesh, plan)
+}
+
+/// The static checks [`parallelize_module`] runs before it changes anything: a 1-d
+/// mesh, every key matching a module ([`PlanError::UnknownKeys`] with the nearest
+/// names), every style fitting its module's type ([`PlanError::WrongModuleType`]), and
+/// whole attention heads per rank where a plan shards q/k/v heads
+/// ([`PlanError::Indivisible`]). No communication.
+pub fn check_plan(module: &dyn Module, mesh: &DeviceMesh, plan: &ParallelizePlan) -> Result<()> {
     if mesh.ndim() != 1 {
         return Err(PlanError::BadStyle {
             style: "parallelize_module".into(),
@@ -100,8 +117,9 @@ pub fn parallelize_module(
     let mut suggestions = Vec::new();
     for (key, _) in plan.entries() {
         if !names.iter().any(|n| matches(key, n)) {
+            // Names the key starts (a truncated name) first, then by edit distance.
             let mut near: Vec<&String> = names.iter().filter(|n| !n.is_empty()).collect();
-            near.sort_by_key(|n| edit_distance(key, n));
+            near.sort_by_key(|n| (!n.starts_with(key.as_str()), edit_distance(key, n)));
             suggestions.push(near.first().map(|s| s.to_string()).unwrap_or_default());
             unknown.push(key.clone());
         }
@@ -133,7 +151,8 @@ pub fn parallelize_module(
             }
         }
     }
-    // Whole heads per rank for head-sharded attention.
+    // Whole heads per rank for head-sharded attention: a projection whose last style
+    // that lays out its output leaves it sharded on the feature (head) dim.
     let tp = mesh.size();
     for (name, m) in &modules {
         let Some(attn) = m.as_any().downcast_ref::<LlamaAttention>() else { continue };
@@ -141,11 +160,13 @@ pub fn parallelize_module(
             [("q_proj", &attn.q_proj), ("k_proj", &attn.k_proj), ("v_proj", &attn.v_proj)]
         {
             let fqn = if name.is_empty() { proj.to_string() } else { format!("{name}.{proj}") };
-            let head_sharded = plan.entries().iter().any(|(k, s)| {
-                matches(k, &fqn)
-                    && s.name()
-                        == ColwiseParallel::new().output_layouts(Placement::Shard(-1)).name()
-            });
+            let out = plan
+                .entries()
+                .iter()
+                .filter(|(k, _)| matches(k, &fqn))
+                .filter_map(|(_, s)| s.layouts()?.output?.desired)
+                .next_back();
+            let head_sharded = matches!(out, Some(Placement::Shard(-1) | Placement::Shard(2)));
             let heads = lin.out_features() / attn.head_dim().max(1);
             if head_sharded && heads % tp != 0 {
                 return Err(PlanError::Indivisible {
@@ -157,12 +178,27 @@ pub fn parallelize_module(
             }
         }
     }
-    drop(modules);
-    // Apply.
+    Ok(())
+}
+
+/// Applies `plan` (already checked) to `module`, whose FQN is `prefix` (hooks and
+/// traces name modules by `prefix` + their relative name); then replicates every
+/// parameter the plan left plain.
+pub(crate) fn apply_plan(
+    module: &mut dyn Module,
+    prefix: &str,
+    mesh: &DeviceMesh,
+    plan: &ParallelizePlan,
+) -> Result<()> {
     visit_modules_mut(module, "", &mut |fqn, m| {
         for (key, style) in plan.entries() {
             if matches(key, fqn) {
-                style.apply(fqn, m, mesh).map_err(|e| match e {
+                let full = match (prefix.is_empty(), fqn.is_empty()) {
+                    (true, _) => fqn.to_string(),
+                    (false, true) => prefix.to_string(),
+                    (false, false) => format!("{prefix}.{fqn}"),
+                };
+                style.apply(&full, m, mesh).map_err(|e| match e {
                     PlanError::Nn(n) => n,
                     other => tpar_nn::NnError::Config { what: other.to_string() },
                 })?;

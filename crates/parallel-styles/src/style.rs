@@ -24,6 +24,48 @@ pub trait ParallelStyle: Send + Sync + fmt::Debug {
     fn supported(&self) -> &'static [&'static str];
     /// Shards the module's parameters over `mesh` and installs its hooks.
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()>;
+    /// The layouts the style declares for its module's inputs and output, so a plan can
+    /// be checked statically before it runs (see
+    /// [`crate::llama_plans::check_llama_plan`]). `None` (the default, for styles
+    /// defined outside this crate) declares nothing: checks skip what flows through.
+    fn layouts(&self) -> Option<StyleLayouts> {
+        None
+    }
+}
+
+/// How a style converts one input of its module (see [`ParallelStyle::layouts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputLayout {
+    /// How a plain (local) tensor arriving here is taken; `None`: it passes untouched.
+    pub given: Option<Placement>,
+    /// The layout the module gets; `None`: as it arrives.
+    pub desired: Option<Placement>,
+    /// Whether the module gets this rank's shard (a plain tensor) instead of a DTensor.
+    pub use_local: bool,
+}
+
+/// How a style converts its module's output (see [`ParallelStyle::layouts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutputLayout {
+    /// How a plain output of the module is taken; `None`: a plain output passes
+    /// untouched (the sharding styles' modules compute DTensors).
+    pub given: Option<Placement>,
+    /// The layout the caller gets; `None`: as the module produced it.
+    pub desired: Option<Placement>,
+    /// Whether the caller gets this rank's shard (a plain tensor) instead of a DTensor.
+    pub use_local: bool,
+}
+
+/// The layouts a style declares (see [`ParallelStyle::layouts`]).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct StyleLayouts {
+    /// Per positional input (`None`: the input is not converted).
+    pub inputs: Vec<Option<InputLayout>>,
+    /// The output (`None`: not converted).
+    pub output: Option<OutputLayout>,
+    /// Whether the style shards the module's parameters (so the module computes on
+    /// DTensors), as opposed to only converting layouts.
+    pub shards_params: bool,
 }
 
 /// Who a hook works for, for messages and traces.
@@ -48,15 +90,24 @@ impl Ctx {
     /// Turns an input into a DTensor laid out as `desired`: a plain tensor is taken as
     /// this rank's shard laid out as `given`; a DTensor keeps its own placements. Values
     /// that are not tensors, or inputs with no layout, pass through untouched.
+    ///
+    /// A plain tensor sharded on a dim whose global size the module knows (`known`: a
+    /// Linear's `in_features` for its last dim) gets its global shape from it; other
+    /// sharded plain tensors exchange their local shapes (one small i64 all_gather), so
+    /// uneven shards are exact.
     fn convert(
         &self,
         what: &str,
         v: Value,
         given: Option<Placement>,
         desired: Option<Placement>,
+        known: Option<(isize, usize)>,
     ) -> std::result::Result<Value, NnError> {
         let d = match (v, given) {
-            (Value::Tensor(t), Some(g)) => DTensor::from_local(&t, &self.mesh, &[g], None)?,
+            (Value::Tensor(t), Some(g)) => {
+                let shape = known_global_shape(t.dims(), g, known);
+                DTensor::from_local(&t, &self.mesh, &[g], shape.as_deref())?
+            }
             (Value::DTensor(d), _) => d,
             (other, _) => return Ok(other),
         };
@@ -89,6 +140,8 @@ impl Ctx {
             forward: plan.steps.iter().map(|s| s.describe()).collect(),
             forward_bytes: plan.total_bytes(),
             backward_bytes: back.total_bytes(),
+            forward_steps: plan.steps.clone(),
+            backward_steps: back.steps.clone(),
         });
         Ok(())
     }
@@ -101,6 +154,25 @@ impl Ctx {
     }
 }
 
+/// The global shape of a plain tensor with local `dims` laid out as `given` on a 1-d
+/// mesh, when `given` shards the dim whose global size `known` gives; `None` otherwise.
+fn known_global_shape(
+    dims: &[usize],
+    given: Placement,
+    known: Option<(isize, usize)>,
+) -> Option<Vec<usize>> {
+    let ((kd, n), Placement::Shard(g)) = (known?, given) else { return None };
+    let r = dims.len() as isize;
+    let norm = |d: isize| if d < 0 { d + r } else { d };
+    let d = norm(g);
+    if d != norm(kd) || !(0..r).contains(&d) {
+        return None;
+    }
+    let mut shape = dims.to_vec();
+    shape[d as usize] = n;
+    Some(shape)
+}
+
 /// Converts a module's inputs (positional and named) before its forward.
 struct InputHook {
     ctx: Ctx,
@@ -109,6 +181,8 @@ struct InputHook {
     named_given: BTreeMap<String, Placement>,
     named_desired: BTreeMap<String, Placement>,
     use_local_output: bool,
+    /// A dim of positional input 0 whose global size the module knows.
+    known: Option<(isize, usize)>,
 }
 
 impl ForwardHook for InputHook {
@@ -119,11 +193,13 @@ impl ForwardHook for InputHook {
             if given.is_none() && desired.is_none() {
                 continue;
             }
+            let known = if i == 0 { self.known } else { None };
             let out = self.ctx.convert(
                 &format!("input {i}"),
                 std::mem::replace(v, Value::None),
                 given,
                 desired,
+                known,
             )?;
             *v = Ctx::local(out, self.use_local_output);
         }
@@ -138,15 +214,35 @@ impl ForwardHook for InputHook {
                 std::mem::replace(v, Value::None),
                 given,
                 desired,
+                None,
             )?;
             *v = Ctx::local(out, self.use_local_output);
         }
         Ok(args)
     }
 
+    /// `Style(...): inputs S(1),-,- -> R,-,-` (`-`: not converted), then named inputs.
     fn describe(&self) -> String {
-        format!("{} inputs {:?} -> {:?}", self.ctx.style, self.given, self.desired)
+        let mut s = format!(
+            "{}: inputs {} -> {}",
+            self.ctx.style,
+            fmt_opt(&self.given),
+            fmt_opt(&self.desired)
+        );
+        for (name, g) in &self.named_given {
+            let d = self.named_desired.get(name).map_or("-".to_string(), |d| d.to_string());
+            s.push_str(&format!(", {name} {g} -> {d}"));
+        }
+        if self.use_local_output {
+            s.push_str(" (local)");
+        }
+        s
     }
+}
+
+/// `S(1),-,-` for per-input layouts (`-`: not converted).
+fn fmt_opt(v: &[Option<Placement>]) -> String {
+    v.iter().map(|p| p.map_or("-".to_string(), |p| p.to_string())).collect::<Vec<_>>().join(",")
 }
 
 /// Converts a module's output after its forward.
@@ -159,12 +255,17 @@ struct OutputHook {
 
 impl ForwardHook for OutputHook {
     fn post(&self, out: Value) -> tpar_nn::Result<Value> {
-        let out = self.ctx.convert("output", out, self.given, self.desired)?;
+        let out = self.ctx.convert("output", out, self.given, self.desired, None)?;
         Ok(Ctx::local(out, self.use_local_output))
     }
 
+    /// `Style(...): output S(-1)` (computed) or `output R -> S(1)` (a plain output taken
+    /// as `R`), with ` (local)` when the caller gets this rank's shard.
     fn describe(&self) -> String {
-        format!("{} output {:?} -> {:?}", self.ctx.style, self.given, self.desired)
+        let given = self.given.map_or(String::new(), |g| format!("{g} -> "));
+        let desired = self.desired.map_or("-".to_string(), |d| d.to_string());
+        let local = if self.use_local_output { " (local)" } else { "" };
+        format!("{}: output {given}{desired}{local}", self.ctx.style)
     }
 }
 
@@ -206,7 +307,9 @@ fn ctx(style: &dyn ParallelStyle, fqn: &str, mesh: &DeviceMesh) -> Ctx {
 /// `use_local_output = true`. Forward: the input is redistributed to `Replicate`
 /// (an all_gather when it arrives sharded), the local matmul gives `Shard(-1)`, which is
 /// redistributed to `output_layouts`. Backward: the adjoints (the input's gradient is a
-/// `Partial(sum)` contribution, reduced where the input was redistributed).
+/// `Partial(sum)` contribution, reduced where the input was redistributed). A plain
+/// input sharded on its last dim takes its global width from the Linear's `in_features`
+/// (no shape exchange).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ColwiseParallel {
     /// How a plain input tensor is laid out.
@@ -261,24 +364,42 @@ impl ParallelStyle for ColwiseParallel {
     fn supported(&self) -> &'static [&'static str] {
         &["Linear", "Embedding"]
     }
+    fn layouts(&self) -> Option<StyleLayouts> {
+        Some(StyleLayouts {
+            inputs: vec![Some(InputLayout {
+                given: Some(self.input_layouts),
+                desired: Some(Replicate),
+                use_local: false,
+            })],
+            output: Some(OutputLayout {
+                given: None,
+                desired: Some(self.output_layouts),
+                use_local: self.use_local_output,
+            }),
+            shards_params: true,
+        })
+    }
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
         one_d(&self.name(), mesh)?;
         let c = ctx(self, fqn, mesh);
-        if let Some(l) = module.as_any_mut().downcast_mut::<tpar_nn::Linear>() {
+        let known = if let Some(l) = module.as_any_mut().downcast_mut::<tpar_nn::Linear>() {
             shard_param(&mut l.weight, mesh, Shard(0))?;
             if let Some(b) = &mut l.bias {
                 shard_param(b, mesh, Shard(0))?;
             }
+            Some((-1, l.in_features()))
         } else if let Some(e) = module.as_any_mut().downcast_mut::<tpar_nn::Embedding>() {
             shard_param(&mut e.weight, mesh, Shard(1))?;
+            None
         } else {
             return Err(wrong_type(self, fqn, module));
-        }
+        };
         install(
             module,
             c,
             vec![Some(self.input_layouts)],
             vec![Some(Replicate)],
+            known,
             None,
             Some(self.output_layouts),
             self.use_local_output,
@@ -295,6 +416,8 @@ impl ParallelStyle for ColwiseParallel {
 /// `Replicate` for an Embedding), the local product is a `Partial(sum)`, reduced to
 /// `output_layouts` (an all_reduce for `Replicate`, a reduce_scatter for `Shard(1)`).
 /// Backward: the adjoints (the output gradient gathered where the output was scattered).
+/// A Linear's plain `Shard(-1)` input takes its global width from `in_features`, so no
+/// shape exchange runs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RowwiseParallel {
     /// How a plain input tensor is laid out.
@@ -349,26 +472,44 @@ impl ParallelStyle for RowwiseParallel {
     fn supported(&self) -> &'static [&'static str] {
         &["Linear", "Embedding"]
     }
+    /// The module gets `Shard(-1)` (a Linear; an Embedding gets `Replicate` ids).
+    fn layouts(&self) -> Option<StyleLayouts> {
+        Some(StyleLayouts {
+            inputs: vec![Some(InputLayout {
+                given: Some(self.input_layouts),
+                desired: Some(Shard(-1)),
+                use_local: false,
+            })],
+            output: Some(OutputLayout {
+                given: None,
+                desired: Some(self.output_layouts),
+                use_local: self.use_local_output,
+            }),
+            shards_params: true,
+        })
+    }
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
         one_d(&self.name(), mesh)?;
         let c = ctx(self, fqn, mesh);
-        let desired = if let Some(l) = module.as_any_mut().downcast_mut::<tpar_nn::Linear>() {
-            shard_param(&mut l.weight, mesh, Shard(1))?;
-            if let Some(b) = &mut l.bias {
-                shard_param(b, mesh, Replicate)?;
-            }
-            Shard(-1)
-        } else if let Some(e) = module.as_any_mut().downcast_mut::<tpar_nn::Embedding>() {
-            shard_param(&mut e.weight, mesh, Shard(0))?;
-            Replicate
-        } else {
-            return Err(wrong_type(self, fqn, module));
-        };
+        let (desired, known) =
+            if let Some(l) = module.as_any_mut().downcast_mut::<tpar_nn::Linear>() {
+                shard_param(&mut l.weight, mesh, Shard(1))?;
+                if let Some(b) = &mut l.bias {
+                    shard_param(b, mesh, Replicate)?;
+                }
+                (Shard(-1), Some((-1, l.in_features())))
+            } else if let Some(e) = module.as_any_mut().downcast_mut::<tpar_nn::Embedding>() {
+                shard_param(&mut e.weight, mesh, Shard(0))?;
+                (Replicate, None)
+            } else {
+                return Err(wrong_type(self, fqn, module));
+            };
         install(
             module,
             c,
             vec![Some(self.input_layouts)],
             vec![Some(desired)],
+            known,
             None,
             Some(self.output_layouts),
             self.use_local_output,
@@ -381,8 +522,11 @@ impl ParallelStyle for RowwiseParallel {
 /// the mesh), the input and output are sharded on the sequence dim.
 ///
 /// Defaults as PyTorch: `sequence_dim = 1`, `use_local_output = false`. No communication
-/// in forward beyond laying out the input as `Shard(sequence_dim)`; backward all-reduces
-/// the weight's gradient contributions when the gradient is read.
+/// in forward beyond laying out the input as `Shard(sequence_dim)`: a DTensor input
+/// needs none; a plain (local) input's global sequence length is known to no rank
+/// alone, so the ranks exchange their local shapes (one all_gather of a few i64s) and
+/// uneven sequence shards stay exact. Backward sends nothing; the weight's gradient
+/// contributions are all-reduced when the gradient is read ([`tpar_nn::Param::grad`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SequenceParallel {
     /// The sequence dim of the input.
@@ -416,6 +560,18 @@ impl ParallelStyle for SequenceParallel {
     fn supported(&self) -> &'static [&'static str] {
         &["RMSNorm"]
     }
+    fn layouts(&self) -> Option<StyleLayouts> {
+        let s = Some(Shard(self.sequence_dim));
+        Some(StyleLayouts {
+            inputs: vec![Some(InputLayout { given: s, desired: s, use_local: false })],
+            output: Some(OutputLayout {
+                given: None,
+                desired: s,
+                use_local: self.use_local_output,
+            }),
+            shards_params: true,
+        })
+    }
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
         one_d(&self.name(), mesh)?;
         let c = ctx(self, fqn, mesh);
@@ -424,7 +580,16 @@ impl ParallelStyle for SequenceParallel {
         };
         shard_param(&mut n.weight, mesh, Replicate)?;
         let s = Shard(self.sequence_dim);
-        install(module, c, vec![Some(s)], vec![Some(s)], None, Some(s), self.use_local_output);
+        install(
+            module,
+            c,
+            vec![Some(s)],
+            vec![Some(s)],
+            None,
+            None,
+            Some(s),
+            self.use_local_output,
+        );
         Ok(())
     }
 }
@@ -470,20 +635,29 @@ impl PrepareModuleInput {
 
 impl ParallelStyle for PrepareModuleInput {
     fn name(&self) -> String {
-        let f = |v: &[Option<Placement>]| {
-            v.iter()
-                .map(|p| p.map_or("-".to_string(), |p| p.to_string()))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
         format!(
             "PrepareModuleInput({} -> {})",
-            f(&self.input_layouts),
-            f(&self.desired_input_layouts)
+            fmt_opt(&self.input_layouts),
+            fmt_opt(&self.desired_input_layouts)
         )
     }
     fn supported(&self) -> &'static [&'static str] {
         &[]
+    }
+    fn layouts(&self) -> Option<StyleLayouts> {
+        let n = self.input_layouts.len().max(self.desired_input_layouts.len());
+        let inputs = (0..n)
+            .map(|i| {
+                let given = self.input_layouts.get(i).copied().flatten();
+                let desired = self.desired_input_layouts.get(i).copied().flatten();
+                (given.is_some() || desired.is_some()).then_some(InputLayout {
+                    given,
+                    desired,
+                    use_local: self.use_local_output,
+                })
+            })
+            .collect();
+        Some(StyleLayouts { inputs, output: None, shards_params: false })
     }
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
         one_d(&self.name(), mesh)?;
@@ -500,6 +674,7 @@ impl ParallelStyle for PrepareModuleInput {
             named_given: self.input_kwarg_layouts.clone(),
             named_desired: self.desired_input_kwarg_layouts.clone(),
             use_local_output: self.use_local_output,
+            known: None,
         }));
         Ok(())
     }
@@ -522,6 +697,11 @@ impl PrepareModuleOutput {
     pub fn new(output_layouts: Placement, desired_output_layouts: Placement) -> Self {
         PrepareModuleOutput { output_layouts, desired_output_layouts, use_local_output: true }
     }
+    /// Sets `use_local_output`.
+    pub fn use_local_output(mut self, on: bool) -> Self {
+        self.use_local_output = on;
+        self
+    }
 }
 
 impl ParallelStyle for PrepareModuleOutput {
@@ -530,6 +710,17 @@ impl ParallelStyle for PrepareModuleOutput {
     }
     fn supported(&self) -> &'static [&'static str] {
         &[]
+    }
+    fn layouts(&self) -> Option<StyleLayouts> {
+        Some(StyleLayouts {
+            inputs: Vec::new(),
+            output: Some(OutputLayout {
+                given: Some(self.output_layouts),
+                desired: Some(self.desired_output_layouts),
+                use_local: self.use_local_output,
+            }),
+            shards_params: false,
+        })
     }
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
         one_d(&self.name(), mesh)?;
@@ -552,6 +743,13 @@ pub struct PrepareModuleInputOutput {
     pub output: PrepareModuleOutput,
 }
 
+impl PrepareModuleInputOutput {
+    /// Both sides.
+    pub fn new(input: PrepareModuleInput, output: PrepareModuleOutput) -> Self {
+        PrepareModuleInputOutput { input, output }
+    }
+}
+
 impl ParallelStyle for PrepareModuleInputOutput {
     fn name(&self) -> String {
         format!("PrepareModuleInputOutput({}, {})", self.input.name(), self.output.name())
@@ -559,19 +757,25 @@ impl ParallelStyle for PrepareModuleInputOutput {
     fn supported(&self) -> &'static [&'static str] {
         &[]
     }
+    fn layouts(&self) -> Option<StyleLayouts> {
+        let input = self.input.layouts()?;
+        Some(StyleLayouts { output: self.output.layouts()?.output, ..input })
+    }
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()> {
         self.input.apply(fqn, module, mesh)?;
         self.output.apply(fqn, module, mesh)
     }
 }
 
-/// Installs the input hook (given -> desired, handing the module DTensors) and the
-/// output hook (-> output layout, local if asked).
+/// Installs the input hook (given -> desired, handing the module DTensors; `known`: a
+/// dim of input 0 whose global size the module knows) and the output hook (-> output
+/// layout, local if asked).
 fn install(
     module: &mut dyn Module,
     c: Ctx,
     given: Vec<Option<Placement>>,
     desired: Vec<Option<Placement>>,
+    known: Option<(isize, usize)>,
     out_given: Option<Placement>,
     out_desired: Option<Placement>,
     use_local_output: bool,
@@ -583,6 +787,7 @@ fn install(
         named_given: BTreeMap::new(),
         named_desired: BTreeMap::new(),
         use_local_output: false,
+        known,
     }));
     module.core_mut().add_hook(Arc::new(OutputHook {
         ctx: c,

@@ -4,6 +4,8 @@
 use std::cell::RefCell;
 use std::fmt;
 
+use tpar_placements::Step;
+
 /// One redistribution performed by a style's hook.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HookEvent {
@@ -25,6 +27,10 @@ pub struct HookEvent {
     pub forward_bytes: u64,
     /// Bytes moved by the adjoint in backward.
     pub backward_bytes: u64,
+    /// The forward steps.
+    pub forward_steps: Vec<Step>,
+    /// The adjoint's steps, run in backward.
+    pub backward_steps: Vec<Step>,
 }
 
 impl fmt::Display for HookEvent {

@@ -18,6 +18,7 @@
 pub mod autograd;
 mod dtype;
 mod error;
+pub mod memory;
 mod ops;
 mod rng;
 pub mod shape;

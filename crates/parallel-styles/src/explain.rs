@@ -1,0 +1,177 @@
+//! `explain`: what a plan does to a model, in words: each parallelized module's style,
+//! its parameters' placements, and the collectives its hooks ran, with bytes.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use tpar_nn::Module;
+use tpar_placements::{fmt_bytes, fmt_placements, Step};
+
+use crate::trace::HookEvent;
+
+/// Per collective kind: calls and bytes, forward and backward.
+#[derive(Default)]
+struct Tally {
+    fwd_calls: usize,
+    fwd_bytes: u64,
+    bwd_calls: usize,
+    bwd_bytes: u64,
+}
+
+fn steps_line(out: &mut String, side: &str, steps: &[Step]) {
+    let comm: Vec<String> =
+        steps.iter().filter(|s| s.kind.is_collective()).map(|s| s.describe()).collect();
+    if comm.is_empty() {
+        let _ = writeln!(out, "           {side:<8} no communication");
+    }
+    for c in comm {
+        let _ = writeln!(out, "           {side:<8} {c}");
+    }
+}
+
+/// A report of what a parallelization does, for one rank.
+///
+/// For every module with style hooks (or sharded parameters), parents before children:
+/// its hooks (style and layouts), each parameter's global shape, placements and local
+/// shape, and the redistributions its hooks ran in `events` (from [`crate::trace::capture`]
+/// around one forward pass), each with the forward collectives and the adjoint
+/// collectives backward runs, with bytes. Then a table per collective kind (calls and
+/// bytes, forward and backward) and the totals in bytes. Bytes follow the planner's
+/// rule (received by the rank holding the largest shard). Collectives outside the
+/// style hooks (an op's own redistributions, `loss_parallel`'s all_reduces, reading
+/// replicated parameters' gradients) are not in `events` and not counted.
+///
+/// ```
+/// use tpar_nn::{Linear, Module};
+/// use tpar_tensor::{DType, Device};
+/// let lin = Linear::new(4, 4, false, DType::F32, Device::Meta)?;
+/// let text = tpar_parallel_styles::explain(&lin, &[]);
+/// assert!(text.contains("total: forward 0 B, backward 0 B"));
+/// # Ok::<(), tpar_nn::NnError>(())
+/// ```
+pub fn explain(model: &dyn Module, events: &[HookEvent]) -> String {
+    let mut out = String::new();
+    let mut modules = Vec::new();
+    preorder(model, String::new(), &mut modules);
+    let mut shown = vec![false; events.len()];
+    for (fqn, m) in &modules {
+        let hooks = m.core().hooks();
+        let params = m.params();
+        let sharded = params.iter().any(|(_, p)| match p.dtensor() {
+            Some(d) => d.placements().iter().any(|p| !p.is_replicate()),
+            None => !matches!(p, tpar_nn::Param::Tensor(_)),
+        });
+        if hooks.is_empty() && !sharded {
+            continue;
+        }
+        let name = if fqn.is_empty() { "(root)" } else { fqn.as_str() };
+        let _ = writeln!(out, "{name} ({})", m.type_name());
+        // One line per style: its hooks' descriptions (`Style(..): inputs ..`) merged.
+        let mut styles: Vec<(String, Vec<String>)> = Vec::new();
+        for h in hooks {
+            let d = h.describe();
+            let (style, what) = d.split_once(": ").unwrap_or((d.as_str(), ""));
+            match styles.last_mut() {
+                Some((s, w)) if s == style => w.push(what.to_string()),
+                _ => styles.push((style.to_string(), vec![what.to_string()])),
+            }
+        }
+        for (style, what) in styles {
+            let what: Vec<String> = what.into_iter().filter(|w| !w.is_empty()).collect();
+            let _ = writeln!(out, "  style    {style}: {}", what.join("; "));
+        }
+        for (pname, p) in &params {
+            match p.dtensor() {
+                Some(d) => {
+                    let _ = writeln!(
+                        out,
+                        "  {pname:<8} {:?} {} on {}, local {:?}",
+                        d.shape(),
+                        fmt_placements(d.placements()),
+                        d.mesh(),
+                        d.local().dims()
+                    );
+                }
+                None => {
+                    let kind = if matches!(p, tpar_nn::Param::Tensor(_)) {
+                        "plain (whole on every rank)"
+                    } else {
+                        "sharded by FSDP"
+                    };
+                    let _ = writeln!(out, "  {pname:<8} {:?} {kind}", p.shape());
+                }
+            }
+        }
+        for (i, e) in events.iter().enumerate().filter(|(_, e)| &e.fqn == fqn) {
+            shown[i] = true;
+            write_event(&mut out, e, false);
+        }
+    }
+    let others: Vec<&HookEvent> =
+        events.iter().zip(&shown).filter(|(_, s)| !**s).map(|(e, _)| e).collect();
+    if !others.is_empty() {
+        let _ = writeln!(out, "(modules not in this model)");
+        for e in others {
+            let _ = writeln!(out, "{}", e.fqn);
+            write_event(&mut out, e, true);
+        }
+    }
+    let mut tally: BTreeMap<&'static str, Tally> = BTreeMap::new();
+    for e in events {
+        for (steps, fwd) in [(&e.forward_steps, true), (&e.backward_steps, false)] {
+            for s in steps.iter().filter(|s| s.kind.is_collective()) {
+                let t = tally.entry(s.kind.name()).or_default();
+                if fwd {
+                    t.fwd_calls += 1;
+                    t.fwd_bytes += s.bytes;
+                } else {
+                    t.bwd_calls += 1;
+                    t.bwd_bytes += s.bytes;
+                }
+            }
+        }
+    }
+    let _ = writeln!(out, "collectives in style hooks, per rank (one forward + its backward):");
+    for (kind, t) in &tally {
+        let _ = writeln!(
+            out,
+            "  {kind:<15} forward {:>3} calls {:>10} B   backward {:>3} calls {:>10} B",
+            t.fwd_calls, t.fwd_bytes, t.bwd_calls, t.bwd_bytes
+        );
+    }
+    let fwd: u64 = events.iter().map(|e| e.forward_bytes).sum();
+    let bwd: u64 = events.iter().map(|e| e.backward_bytes).sum();
+    let _ = writeln!(
+        out,
+        "total: forward {fwd} B, backward {bwd} B, forward+backward {} B ({})",
+        fwd + bwd,
+        fmt_bytes(fwd + bwd)
+    );
+    out
+}
+
+/// Modules in depth-first pre-order (PyTorch's `named_modules` order).
+fn preorder<'a>(m: &'a dyn Module, fqn: String, out: &mut Vec<(String, &'a dyn Module)>) {
+    let children = m.children();
+    out.push((fqn.clone(), m));
+    for (name, child) in children {
+        let f = if fqn.is_empty() { name } else { format!("{fqn}.{name}") };
+        preorder(child, f, out);
+    }
+}
+
+fn write_event(out: &mut String, e: &HookEvent, with_style: bool) {
+    let style = if with_style { format!(" ({})", e.style) } else { String::new() };
+    let _ = writeln!(
+        out,
+        "  {:<8} {} -> {} {:?}{style}: forward {}, backward {}",
+        e.what,
+        e.from,
+        e.to,
+        e.shape,
+        fmt_bytes(e.forward_bytes),
+        fmt_bytes(e.backward_bytes)
+    );
+    steps_line(out, "forward", &e.forward_steps);
+    steps_line(out, "backward", &e.backward_steps);
+}

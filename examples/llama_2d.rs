@@ -1,0 +1,351 @@
+//! 2-D parallel Llama training: FSDP on the `dp` mesh dim, tensor + sequence
+//! parallelism on `tp`, on the embedded CPU backend (ranks as threads).
+//!
+//! Run: `cargo run --release --example llama_2d` (world 4 as dp=2 x tp=2, 200 steps).
+//! Flags: `--world N --dp N --tp N --steps N --batch N (per dp rank) --seq N
+//! --layers N --hidden N --heads N --kv-heads N --intermediate N --lr F --dtype f32|bf16
+//! --plan sp|megatron --no-fsdp --seed N --data FILE --tokenizer FILE.json
+//! --device cpu|cuda --backend local|nccl --log-every N`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tpar::collectives::{ReduceOp, SpawnConfig};
+use tpar::nn::data::{
+    default_documents, load_documents, load_tokenizer, DistributedSampler, PretrainingDataset,
+};
+use tpar::nn::optim::{clip_grad_norm, AdamW, AdamWConfig, LrScheduler, Optimizer, SequentialLR};
+use tpar::nn::{
+    call, named_parameters, parameters, reset_parameters, Args, LlamaConfig, LlamaForPretraining,
+    NnError, Value,
+};
+use tpar::parallel::llama_plans::{
+    megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
+};
+use tpar::parallel::{fully_shard, loss_parallel, unshard, FsdpConfig, MixedPrecision};
+use tpar::prelude::*;
+use tpar::tensor::memory;
+
+#[global_allocator]
+static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
+
+#[derive(Clone, Debug)]
+struct Opts {
+    world: usize,
+    dp: usize,
+    tp: usize,
+    steps: usize,
+    batch: usize,
+    seq: usize,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    intermediate: usize,
+    lr: f64,
+    dtype: DType,
+    plan: String,
+    fsdp: bool,
+    seed: u64,
+    data: Option<PathBuf>,
+    tokenizer: Option<PathBuf>,
+    device: String,
+    backend: String,
+    log_every: usize,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            world: 4,
+            dp: 2,
+            tp: 2,
+            steps: 200,
+            batch: 4,
+            seq: 64,
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 176,
+            lr: 1e-3,
+            dtype: DType::F32,
+            plan: "sp".into(),
+            fsdp: true,
+            seed: 42,
+            data: None,
+            tokenizer: None,
+            device: "cpu".into(),
+            backend: "local".into(),
+            log_every: 10,
+        }
+    }
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut o = Opts::default();
+    let mut world_given = false;
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        let num = |s: String, name: &str| {
+            s.parse::<usize>().map_err(|_| format!("{name}: not a number: {s}"))
+        };
+        match flag.as_str() {
+            "--world" => {
+                o.world = num(val("--world")?, "--world")?;
+                world_given = true;
+            }
+            "--dp" => o.dp = num(val("--dp")?, "--dp")?,
+            "--tp" => o.tp = num(val("--tp")?, "--tp")?,
+            "--steps" => o.steps = num(val("--steps")?, "--steps")?,
+            "--batch" => o.batch = num(val("--batch")?, "--batch")?,
+            "--seq" => o.seq = num(val("--seq")?, "--seq")?,
+            "--layers" => o.layers = num(val("--layers")?, "--layers")?,
+            "--hidden" => o.hidden = num(val("--hidden")?, "--hidden")?,
+            "--heads" => o.heads = num(val("--heads")?, "--heads")?,
+            "--kv-heads" => o.kv_heads = num(val("--kv-heads")?, "--kv-heads")?,
+            "--intermediate" => o.intermediate = num(val("--intermediate")?, "--intermediate")?,
+            "--log-every" => o.log_every = num(val("--log-every")?, "--log-every")?.max(1),
+            "--seed" => o.seed = num(val("--seed")?, "--seed")? as u64,
+            "--lr" => o.lr = val("--lr")?.parse().map_err(|_| "--lr: not a number".to_string())?,
+            "--dtype" => {
+                o.dtype = match val("--dtype")?.as_str() {
+                    "f32" => DType::F32,
+                    "bf16" => DType::BF16,
+                    other => return Err(format!("--dtype: f32 or bf16, not {other}")),
+                }
+            }
+            "--plan" => o.plan = val("--plan")?,
+            "--no-fsdp" => o.fsdp = false,
+            "--data" => o.data = Some(PathBuf::from(val("--data")?)),
+            "--tokenizer" => o.tokenizer = Some(PathBuf::from(val("--tokenizer")?)),
+            "--device" => o.device = val("--device")?,
+            "--backend" => o.backend = val("--backend")?,
+            "-h" | "--help" => {
+                println!(
+                    "{}",
+                    include_str!("llama_2d.rs")
+                        .lines()
+                        .take(9)
+                        .map(|l| l.trim_start_matches("//!"))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown flag {other} (see --help)")),
+        }
+    }
+    if !world_given {
+        o.world = o.dp * o.tp;
+    }
+    if o.dp * o.tp != o.world {
+        return Err(format!("dp {} x tp {} must equal world {}", o.dp, o.tp, o.world));
+    }
+    if o.plan != "sp" && o.plan != "megatron" {
+        return Err(format!("--plan: sp or megatron, not {}", o.plan));
+    }
+    if o.device != "cpu" || o.backend != "local" {
+        return Err(format!(
+            "--device {} --backend {}: this build trains on the CPU with the local backend; CUDA tensors arrive with the CUDA backend (the NCCL communicator is available to collectives already)",
+            o.device, o.backend
+        ));
+    }
+    Ok(o)
+}
+
+struct RankReport {
+    first_loss: f64,
+    final_loss: f64,
+    tokens: usize,
+    seconds: f64,
+    peak_bytes: i64,
+}
+
+fn err<E: std::fmt::Display>(e: E) -> NnError {
+    NnError::Config { what: e.to_string() }
+}
+
+fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
+    let rank = ctx.rank();
+    let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
+    let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
+    let cfg = LlamaConfig {
+        vocab_size: tokenizer.vocab_size(),
+        max_position_embeddings: o.seq,
+        hidden_size: o.hidden,
+        intermediate_size: o.intermediate,
+        num_hidden_layers: o.layers,
+        num_attention_heads: o.heads,
+        num_key_value_heads: o.kv_heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        dtype: DType::F32,
+    };
+    // Build on the meta device: no parameter memory until the shards are materialized.
+    let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+    if o.tp > 1 {
+        let plan =
+            if o.plan == "sp" { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
+        parallelize_llama(&mut model, &mesh["tp"], &plan).map_err(err)?;
+    }
+    if o.fsdp {
+        let fsdp = FsdpConfig {
+            reshard_after_forward: true,
+            mixed_precision: (o.dtype != DType::F32)
+                .then_some(MixedPrecision { param_dtype: o.dtype, reduce_dtype: DType::F32 }),
+        };
+        for layer in &mut model.base_model.layers.items {
+            fully_shard(layer, &mesh["dp"], &fsdp).map_err(err)?;
+        }
+        fully_shard(&mut model.base_model, &mesh["dp"], &fsdp).map_err(err)?;
+        fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(err)?;
+    }
+    reset_parameters(&mut model, Device::Cpu, o.seed)?;
+
+    let params = parameters(&model);
+    let mut opt = AdamW::with_names(
+        named_parameters(&model),
+        AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 },
+    )?;
+    let warmup = (o.steps / 10).max(1);
+    let mut sched =
+        LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
+
+    let docs: Vec<String> = match &o.data {
+        Some(p) => load_documents(p)?,
+        None => default_documents().into_iter().map(String::from).collect(),
+    };
+    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?;
+    let pad = dataset.pad_id() as i64;
+    let dp_rank = mesh["dp"].local_rank();
+    let mut sampler = DistributedSampler::new(o.dp, dp_rank)?
+        .with_shuffle(true)
+        .with_seed(o.seed)
+        .with_drop_last(true);
+    let per_epoch = dataset.len() / o.dp / o.batch.max(1);
+    if per_epoch == 0 {
+        return Err(NnError::Config {
+            what: format!(
+                "{} documents are too few for dp {} x batch {}",
+                dataset.len(),
+                o.dp,
+                o.batch
+            ),
+        });
+    }
+
+    memory::reset_peak(rank);
+    let dp_group = mesh.group_of("dp")?.clone();
+    let t0 = Instant::now();
+    let (mut first, mut last, mut tokens) = (f64::NAN, f64::NAN, 0usize);
+    let mut step = 0;
+    let mut epoch = 0;
+    'outer: loop {
+        sampler.set_epoch(epoch);
+        let idx = sampler.indices(dataset.len());
+        for chunk in idx.chunks(o.batch).take(per_epoch) {
+            if step == o.steps {
+                break 'outer;
+            }
+            let batch = dataset.batch(chunk)?;
+            let (b, s) = (batch.input_ids.dims()[0], batch.input_ids.dims()[1]);
+            unshard(&model).map_err(err)?;
+            let logits = call(
+                &model,
+                Args::new(vec![
+                    Value::Tensor(batch.input_ids.clone()),
+                    Value::Tensor(batch.attention_mask.clone()),
+                ]),
+            )?;
+            let logits = match logits {
+                Value::Tensor(t) => Value::Tensor(t.reshape([b * s, cfg.vocab_size])?),
+                Value::DTensor(d) => {
+                    Value::DTensor(d.view(&[(b * s) as isize, cfg.vocab_size as isize])?)
+                }
+                other => other,
+            };
+            let loss =
+                loss_parallel::cross_entropy(&logits, &batch.target_ids.reshape([b * s])?, pad)?;
+            loss_parallel::backward(&loss, &mesh["tp"])?;
+            clip_grad_norm(&params, 1.0)?;
+            opt.step()?;
+            let lr = sched.step(&mut opt);
+            opt.zero_grad();
+            // The loss averaged over dp ranks, for the log.
+            let local = match &loss {
+                Value::DTensor(d) => d.to_local(),
+                Value::Tensor(t) => t.clone(),
+                _ => Tensor::scalar(f64::NAN, DType::F32),
+            };
+            let l = dp_group.all_reduce(&local.detach(), ReduceOp::Avg)?.item()?;
+            first = if step == 0 { l } else { first };
+            last = l;
+            tokens += batch.num_tokens()? * o.dp;
+            step += 1;
+            if rank == 0 && (step % o.log_every == 0 || step == o.steps) {
+                let secs = t0.elapsed().as_secs_f64();
+                let done = step * 30 / o.steps;
+                println!(
+                    "epoch {epoch:>2} [{}{}] {step:>4}/{} loss {l:.4} lr {lr:.2e} {:.0} tok/s",
+                    "#".repeat(done),
+                    ".".repeat(30 - done),
+                    o.steps,
+                    tokens as f64 / secs
+                );
+            }
+        }
+        epoch += 1;
+    }
+    let _ = opt.state_bytes();
+    Ok(RankReport {
+        first_loss: first,
+        final_loss: last,
+        tokens,
+        seconds: t0.elapsed().as_secs_f64(),
+        peak_bytes: memory::peak(rank),
+    })
+}
+
+fn main() {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("llama_2d: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!(
+        "llama_2d: world {} = dp {} x tp {}, {} layers, hidden {}, heads {}/{}, seq {}, batch {} per dp rank, {} steps, {}, plan {}{}",
+        o.world, o.dp, o.tp, o.layers, o.hidden, o.heads, o.kv_heads, o.seq, o.batch, o.steps, o.dtype, o.plan,
+        if o.fsdp { ", FSDP" } else { "" }
+    );
+    let reports = match tpar::spawn_with(SpawnConfig::new(o.world), |ctx| train(ctx, &o)) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("llama_2d: {e}");
+            std::process::exit(1);
+        }
+    };
+    let r0 = &reports[0];
+    let peaks: Vec<String> =
+        reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
+    println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
+    println!(
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1}",
+        o.world,
+        o.dp,
+        o.tp,
+        o.steps,
+        r0.first_loss,
+        r0.final_loss,
+        r0.tokens as f64 / r0.seconds,
+        r0.seconds,
+        reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64
+    );
+    if !(r0.final_loss.is_finite() && r0.final_loss < r0.first_loss) {
+        eprintln!("llama_2d: loss did not fall ({} -> {})", r0.first_loss, r0.final_loss);
+        std::process::exit(1);
+    }
+}
