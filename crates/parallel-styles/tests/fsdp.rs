@@ -156,3 +156,95 @@ fn ddp_gradients_equal_the_unsharded_model() {
     check(2, 1, "ddp");
     check(2, 2, "ddp");
 }
+
+/// Three AdamW steps (with global grad-norm clipping) under each parallel layout leave
+/// every parameter equal to single-rank training on the full global batch.
+fn train3(dp: usize, tp: usize, mode: &str) -> Vec<BTreeMap<String, Vec<f64>>> {
+    use tpar_nn::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
+    let mode = mode.to_string();
+    let world = dp * tp;
+    let body = |mesh: Option<DeviceMesh>| -> Result<BTreeMap<String, Vec<f64>>, NnError> {
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        let mut ddp = None;
+        if let Some(mesh) = &mesh {
+            if tp > 1 {
+                parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())
+                    .map_err(|e| NnError::Config { what: e.to_string() })?;
+            }
+            if mode == "ddp" {
+                reset_parameters(&mut model, Device::Cpu, 3)?;
+                ddp = Some(
+                    DataParallel::new(&mut model, &mesh["dp"])
+                        .map_err(|e| NnError::Config { what: e.to_string() })?,
+                );
+            } else {
+                shard_model(&mut model, &mesh["dp"])?;
+                reset_parameters(&mut model, Device::Cpu, 3)?;
+            }
+        } else {
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+        }
+        let params = tpar_nn::parameters(&model);
+        let mut opt = AdamW::with_names(
+            named_parameters(&model),
+            AdamWConfig { lr: 1e-2, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 },
+        )?;
+        let (ids, tgt) = global_batch();
+        let (ids, tgt) = match &mesh {
+            Some(m) => {
+                let rows = 4 / dp;
+                let r = m["dp"].local_rank();
+                (ids.narrow(0, r * rows, rows)?, tgt.narrow(0, r * rows, rows)?)
+            }
+            None => (ids, tgt),
+        };
+        for _ in 0..3 {
+            let loss = loss_of(&model, &ids, &tgt)?;
+            match &mesh {
+                Some(m) => loss_parallel::backward(&loss, &m["tp"])?,
+                None => loss.into_tensor("ref")?.backward()?,
+            }
+            if let Some(d) = &ddp {
+                d.sync_gradients(&model).map_err(|e| NnError::Config { what: e.to_string() })?;
+            }
+            clip_grad_norm(&params, 0.5)?;
+            opt.step()?;
+            opt.zero_grad();
+        }
+        let mut out = BTreeMap::new();
+        for (n, p) in named_parameters(&model) {
+            out.insert(n, p.full()?.to_vec_f64()?);
+        }
+        Ok(out)
+    };
+    if world == 0 {
+        return vec![body(None).unwrap()];
+    }
+    spawn_with(
+        SpawnConfig::new(world).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
+            body(Some(mesh))
+        },
+    )
+    .unwrap_or_else(|e| panic!("{mode} dp={dp} tp={tp}: {e}"))
+}
+
+#[test]
+fn three_optimizer_steps_equal_single_rank_training() {
+    let want = train3(0, 0, "ref").remove(0);
+    let tol = Tol::for_dtype(DType::F32).scaled(20.0);
+    for (dp, tp, mode) in [(2, 1, "fsdp"), (4, 1, "fsdp"), (2, 2, "fsdp"), (2, 1, "ddp")] {
+        for (rank, params) in train3(dp, tp, mode).iter().enumerate() {
+            for (n, v) in params {
+                tol.check(
+                    &format!("{mode} dp={dp} tp={tp} rank {rank} {n} after 3 steps"),
+                    v,
+                    &want[n],
+                )
+                .unwrap();
+            }
+        }
+    }
+}
