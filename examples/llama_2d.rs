@@ -4,8 +4,10 @@
 //! Run: `cargo run --release --example llama_2d` (world 4 as dp=2 x tp=2, 200 steps).
 //! Flags: `--world N --dp N --tp N --steps N --batch N (per dp rank) --seq N
 //! --layers N --hidden N --heads N --kv-heads N --intermediate N --lr F --dtype f32|bf16
-//! --plan sp|megatron --no-fsdp --seed N --data FILE --tokenizer FILE.json
+//! --plan sp|megatron --no-fsdp (DDP) --zero1 --seed N --data FILE --tokenizer FILE.json
 //! --device cpu|cuda --backend local|nccl --log-every N`.
+//! With FSDP, `--dtype bf16` is mixed precision (bf16 compute, f32 master shards and
+//! gradient reductions); with `--no-fsdp` or `--zero1` it trains bf16 parameters.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -22,7 +24,10 @@ use tpar::nn::{
 use tpar::parallel::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
 };
-use tpar::parallel::{fully_shard, loss_parallel, unshard, FsdpConfig, MixedPrecision};
+use tpar::parallel::{
+    fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, MixedPrecision,
+    ZeroRedundancyOptimizer,
+};
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
@@ -45,7 +50,7 @@ struct Opts {
     lr: f64,
     dtype: DType,
     plan: String,
-    fsdp: bool,
+    dp_mode: DpMode,
     seed: u64,
     data: Option<PathBuf>,
     tokenizer: Option<PathBuf>,
@@ -71,7 +76,7 @@ impl Default for Opts {
             lr: 1e-3,
             dtype: DType::F32,
             plan: "sp".into(),
-            fsdp: true,
+            dp_mode: DpMode::Fsdp,
             seed: 42,
             data: None,
             tokenizer: None,
@@ -117,7 +122,8 @@ fn parse() -> Result<Opts, String> {
                 }
             }
             "--plan" => o.plan = val("--plan")?,
-            "--no-fsdp" => o.fsdp = false,
+            "--no-fsdp" => o.dp_mode = DpMode::Ddp,
+            "--zero1" => o.dp_mode = DpMode::Zero1,
             "--data" => o.data = Some(PathBuf::from(val("--data")?)),
             "--tokenizer" => o.tokenizer = Some(PathBuf::from(val("--tokenizer")?)),
             "--device" => o.device = val("--device")?,
@@ -127,7 +133,7 @@ fn parse() -> Result<Opts, String> {
                     "{}",
                     include_str!("llama_2d.rs")
                         .lines()
-                        .take(9)
+                        .take(11)
                         .map(|l| l.trim_start_matches("//!"))
                         .collect::<Vec<_>>()
                         .join("\n")
@@ -155,12 +161,47 @@ fn parse() -> Result<Opts, String> {
     Ok(o)
 }
 
+/// How the dp mesh dim is used.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DpMode {
+    /// `fully_shard` per layer, base model, root.
+    Fsdp,
+    /// Replicated parameters, gradients all-reduced (`DataParallel`).
+    Ddp,
+    /// Replicated parameters, optimizer state sharded (`ZeroRedundancyOptimizer`).
+    Zero1,
+}
+
+/// The optimizer of each dp mode: ZeRO-1 clips through its own method (its gradients
+/// live in the ranks' ranges after the reduce-scatter).
+enum Opt {
+    Plain(AdamW),
+    Zero(ZeroRedundancyOptimizer<AdamW>),
+}
+
+impl Opt {
+    fn clip(&mut self, params: &[tpar::nn::Param], max_norm: f64) -> Result<f64, NnError> {
+        match self {
+            Opt::Plain(_) => clip_grad_norm(params, max_norm),
+            Opt::Zero(z) => z.clip_grad_norm(max_norm),
+        }
+    }
+
+    fn get(&mut self) -> &mut dyn Optimizer {
+        match self {
+            Opt::Plain(a) => a,
+            Opt::Zero(z) => z,
+        }
+    }
+}
+
 struct RankReport {
     first_loss: f64,
     final_loss: f64,
     tokens: usize,
     seconds: f64,
     peak_bytes: i64,
+    state_bytes: usize,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> NnError {
@@ -181,7 +222,9 @@ fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
         num_key_value_heads: o.kv_heads,
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
-        dtype: DType::F32,
+        // FSDP keeps f32 master shards and computes in `--dtype` (mixed precision);
+        // replicated modes train parameters of `--dtype` itself.
+        dtype: if o.dp_mode == DpMode::Fsdp { DType::F32 } else { o.dtype },
     };
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
@@ -190,7 +233,7 @@ fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
             if o.plan == "sp" { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
         parallelize_llama(&mut model, &mesh["tp"], &plan).map_err(err)?;
     }
-    if o.fsdp {
+    if o.dp_mode == DpMode::Fsdp {
         let fsdp = FsdpConfig {
             reshard_after_forward: true,
             mixed_precision: (o.dtype != DType::F32)
@@ -203,15 +246,28 @@ fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
         fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(err)?;
     }
     reset_parameters(&mut model, Device::Cpu, o.seed)?;
+    // Replicated modes: every dp replica starts from dp rank 0's parameters.
+    let ddp = match o.dp_mode {
+        DpMode::Fsdp => None,
+        DpMode::Ddp | DpMode::Zero1 => {
+            Some(DataParallel::new(&mut model, &mesh["dp"]).map_err(err)?)
+        }
+    };
 
     let params = parameters(&model);
-    let mut opt = AdamW::with_names(
-        named_parameters(&model),
-        AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 },
-    )?;
+    let adamw = AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
+    let mut opt = match o.dp_mode {
+        DpMode::Zero1 => Opt::Zero(
+            ZeroRedundancyOptimizer::adamw(named_parameters(&model), &mesh["dp"], adamw)
+                .map_err(err)?,
+        ),
+        DpMode::Fsdp | DpMode::Ddp => {
+            Opt::Plain(AdamW::with_names(named_parameters(&model), adamw)?)
+        }
+    };
     let warmup = (o.steps / 10).max(1);
     let mut sched =
-        LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
+        LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, opt.get());
 
     let docs: Vec<String> = match &o.data {
         Some(p) => load_documents(p)?,
@@ -269,10 +325,13 @@ fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
             let loss =
                 loss_parallel::cross_entropy(&logits, &batch.target_ids.reshape([b * s])?, pad)?;
             loss_parallel::backward(&loss, &mesh["tp"])?;
-            clip_grad_norm(&params, 1.0)?;
-            opt.step()?;
-            let lr = sched.step(&mut opt);
-            opt.zero_grad();
+            if let (Some(ddp), DpMode::Ddp) = (&ddp, o.dp_mode) {
+                ddp.sync_gradients(&model).map_err(err)?;
+            }
+            opt.clip(&params, 1.0)?;
+            opt.get().step()?;
+            let lr = sched.step(opt.get());
+            opt.get().zero_grad();
             // The loss averaged over dp ranks, for the log.
             let local = match &loss {
                 Value::DTensor(d) => d.to_local(),
@@ -298,8 +357,9 @@ fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
         }
         epoch += 1;
     }
-    let _ = opt.state_bytes();
+    let state_bytes = opt.get().state_bytes();
     Ok(RankReport {
+        state_bytes,
         first_loss: first,
         final_loss: last,
         tokens,
@@ -319,7 +379,11 @@ fn main() {
     println!(
         "llama_2d: world {} = dp {} x tp {}, {} layers, hidden {}, heads {}/{}, seq {}, batch {} per dp rank, {} steps, {}, plan {}{}",
         o.world, o.dp, o.tp, o.layers, o.hidden, o.heads, o.kv_heads, o.seq, o.batch, o.steps, o.dtype, o.plan,
-        if o.fsdp { ", FSDP" } else { "" }
+        match o.dp_mode {
+            DpMode::Fsdp => ", FSDP",
+            DpMode::Ddp => ", DDP",
+            DpMode::Zero1 => ", ZeRO-1",
+        }
     );
     let reports = match tpar::spawn_with(SpawnConfig::new(o.world), |ctx| train(ctx, &o)) {
         Ok(r) => r,
@@ -332,6 +396,9 @@ fn main() {
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
+    let states: Vec<String> =
+        reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
+    println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
         "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1}",
         o.world,

@@ -22,5 +22,5 @@ pub use module::{
     call, init_value, named_modules, named_parameters, parameters, reset_parameters, set_training,
     visit_modules_mut, ForwardHook, Init, Module, ModuleCore, ParamSlot,
 };
-pub use param::{ComputeParam, Param};
+pub use param::{ComputeParam, GradLayout, Param};
 pub use value::{Args, Value};

@@ -252,8 +252,13 @@ impl Module for LlamaAttention {
                 what: format!("RoPE tables for {} positions, sequence has {s}", rope.cos.dims()[0]),
             });
         }
-        let q = q.rope(&rope.cos, &rope.sin, RopeLayout::Bhsd)?;
-        let k = k.rope(&rope.cos, &rope.sin, RopeLayout::Bhsd)?;
+        // The tables and the mask are built in the model's (master) dtype; under mixed
+        // precision the activations are narrower (bf16), so cast them as HF's Llama does.
+        let act = q.dtype();
+        let (cos, sin) = (rope.cos.to_dtype(act)?, rope.sin.to_dtype(act)?);
+        let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
+        let q = q.rope(&cos, &sin, RopeLayout::Bhsd)?;
+        let k = k.rope(&cos, &sin, RopeLayout::Bhsd)?;
         let causal = mask.is_none();
         let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
         let a = a.transpose(1, 2)?.reshape([b, s, hq * hd])?;

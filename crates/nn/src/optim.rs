@@ -581,6 +581,55 @@ fn sum_sq(t: &Tensor) -> Result<f64> {
     })?)
 }
 
+/// The global sum of per-rank partial values: `parts[i] = (groups, value)` is this rank's
+/// share of a quantity whose total is the sum of `value` over every member of every group
+/// in `groups` (orthogonal groups that together hold all its elements, as
+/// [`Param::grad_layout`] gives them; no groups means the value is already global).
+///
+/// Parts are keyed by their groups' ranks in first-seen order (so every rank must pass
+/// the same groups in the same order), and each distinct group is all-reduced once,
+/// carrying one slot per part spanning it: for parts on one mesh that is one scalar-vector
+/// all_reduce per mesh dim of size > 1. Collective over every group named.
+pub fn sum_over_groups(parts: &[(Vec<ProcessGroup>, f64)]) -> Result<f64> {
+    let mut layouts: Vec<&[ProcessGroup]> = Vec::new();
+    let mut layout_keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
+    let mut sums: Vec<f64> = Vec::new();
+    let mut local_only = 0.0;
+    for (groups, v) in parts {
+        if groups.is_empty() {
+            local_only += v;
+            continue;
+        }
+        let key: Vec<Vec<usize>> = groups.iter().map(|g| g.ranks().to_vec()).collect();
+        let slot = *layout_keys.entry(key).or_insert_with(|| {
+            layouts.push(groups);
+            sums.push(0.0);
+            sums.len() - 1
+        });
+        sums[slot] += v;
+    }
+    // One all_reduce per distinct group, carrying the slots of every layout spanning it.
+    let mut done: Vec<&[usize]> = Vec::new();
+    for layout in &layouts {
+        for group in layout.iter() {
+            if done.contains(&group.ranks()) {
+                continue;
+            }
+            done.push(group.ranks());
+            let slots: Vec<usize> = (0..layouts.len())
+                .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
+                .collect();
+            let vals: Vec<f64> = slots.iter().map(|&j| sums[j]).collect();
+            let n = vals.len();
+            let reduced = group.all_reduce(&Tensor::from_vec(vals, [n])?, ReduceOp::Sum)?;
+            for (&j, v) in slots.iter().zip(reduced.to_vec::<f64>()?) {
+                sums[j] = v;
+            }
+        }
+    }
+    Ok(local_only + sums.iter().sum::<f64>())
+}
+
 /// The global L2 norm of all parameters' gradients, as `torch.nn.utils.clip_grad_norm_`,
 /// scaling every gradient by `max_norm / (norm + 1e-6)` when that factor is below 1.
 /// Returns the norm before clipping (0 when no parameter has a gradient).
@@ -607,51 +656,17 @@ pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
     if !non_negative(max_norm) {
         return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
     }
-    // Reduce every gradient once (collective), and sum this rank's counted squares per
-    // layout: layouts are keyed by the ranks of the groups they span, in first-seen order
-    // (the same on every rank, as the parameter list is).
+    // Reduce every gradient once (collective), and sum this rank's counted squares.
     let mut grads: Vec<(&Param, Tensor)> = Vec::with_capacity(params.len());
-    let mut layouts: Vec<Vec<ProcessGroup>> = Vec::new();
-    let mut layout_keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
-    let mut sums: Vec<f64> = Vec::new();
-    let mut local_only = 0.0;
+    let mut parts: Vec<(Vec<ProcessGroup>, f64)> = Vec::with_capacity(params.len());
     for p in params {
         let Some(g) = p.reduce_grads_in_place()? else { continue };
         let layout = p.grad_layout()?;
         let sq = if layout.counts { sum_sq(&g)? } else { 0.0 };
         grads.push((p, g));
-        if layout.groups.is_empty() {
-            local_only += sq;
-            continue;
-        }
-        let key: Vec<Vec<usize>> = layout.groups.iter().map(|g| g.ranks().to_vec()).collect();
-        let slot = *layout_keys.entry(key).or_insert_with(|| {
-            layouts.push(layout.groups);
-            sums.push(0.0);
-            sums.len() - 1
-        });
-        sums[slot] += sq;
+        parts.push((layout.groups, sq));
     }
-    // One all_reduce per distinct group, carrying the slots of every layout spanning it.
-    let mut done: Vec<Vec<usize>> = Vec::new();
-    for li in 0..layouts.len() {
-        for group in layouts[li].clone() {
-            if done.iter().any(|r| r.as_slice() == group.ranks()) {
-                continue;
-            }
-            done.push(group.ranks().to_vec());
-            let slots: Vec<usize> = (0..layouts.len())
-                .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
-                .collect();
-            let vals: Vec<f64> = slots.iter().map(|&j| sums[j]).collect();
-            let n = vals.len();
-            let reduced = group.all_reduce(&Tensor::from_vec(vals, [n])?, ReduceOp::Sum)?;
-            for (&j, v) in slots.iter().zip(reduced.to_vec::<f64>()?) {
-                sums[j] = v;
-            }
-        }
-    }
-    let total = (local_only + sums.iter().sum::<f64>()).sqrt();
+    let total = sum_over_groups(&parts)?.sqrt();
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         for (p, g) in grads {

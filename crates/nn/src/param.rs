@@ -150,14 +150,14 @@ fn reduced_marks<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, u64>) -> 
 }
 
 /// Where the elements of a parameter's reduced local gradient live, for reductions
-/// over all of them (a global norm).
+/// over all of them (a global norm; see [`crate::optim::sum_over_groups`]).
 #[derive(Clone, Debug)]
-pub(crate) struct GradLayout {
+pub struct GradLayout {
     /// Whether this rank's elements count (false on a non-zero coordinate of a mesh dim
     /// where the parameter is `Replicate` or `Partial`, whose copies repeat rank 0's).
-    pub(crate) counts: bool,
+    pub counts: bool,
     /// The groups (size > 1) whose members together hold every distinct element.
-    pub(crate) groups: Vec<tpar_collectives::ProcessGroup>,
+    pub groups: Vec<tpar_collectives::ProcessGroup>,
 }
 
 impl Param {
@@ -205,8 +205,9 @@ impl Param {
         })
     }
 
-    /// The layout of the reduced local gradient, for global reductions.
-    pub(crate) fn grad_layout(&self) -> Result<GradLayout> {
+    /// The layout of the reduced local gradient ([`Param::grad_local`]), for global
+    /// reductions: which groups to sum over and whether this rank's copy counts.
+    pub fn grad_layout(&self) -> Result<GradLayout> {
         use tpar_dtensor::Placement;
         let mut layout = GradLayout { counts: true, groups: Vec::new() };
         let mut add_spec = |mesh: &tpar_dtensor::DeviceMesh, placements: &[Placement]| {

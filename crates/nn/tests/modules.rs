@@ -229,3 +229,35 @@ fn bad_inputs_to_the_llama_are_typed_errors() {
     // A plain parameter is a Param::Tensor until a style or FSDP distributes it.
     assert!(named_parameters(&model).iter().all(|(_, p)| matches!(p, Param::Tensor(_))));
 }
+
+/// Regression: under mixed precision the parameters (and so the activations) are bf16
+/// while the model's RoPE tables and padding mask are built in the f32 config dtype; the
+/// attention casts them to the activation dtype instead of failing with a dtype mismatch.
+#[test]
+fn bf16_parameters_with_f32_rope_tables_and_mask() {
+    let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
+    reset_parameters(&mut model, Device::Cpu, 0).unwrap();
+    let ids =
+        Tensor::from_vec((0..16).map(|i| (i * 5 % 48) as i64).collect::<Vec<_>>(), [2, 8]).unwrap();
+    let mask =
+        Tensor::from_vec(vec![1i64, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], [2, 8]).unwrap();
+    let args = || Args::new(vec![Value::Tensor(ids.clone()), Value::Tensor(mask.clone())]);
+    let want = run(&model, args()).unwrap().into_tensor("f32").unwrap();
+    tpar_nn::visit_modules_mut(&mut model, "", &mut |_, m| {
+        for slot in m.param_slots() {
+            let bf16 = slot.param.local().detach().to_dtype(DType::BF16)?.requires_grad_(true);
+            *slot.param = Param::Tensor(bf16);
+        }
+        Ok(())
+    })
+    .unwrap();
+    let got = run(&model, args()).unwrap().into_tensor("bf16").unwrap();
+    assert_eq!(got.dtype(), DType::BF16);
+    tpar_tensor::tol::Tol::for_dtype(DType::BF16)
+        .scaled(5.0)
+        .check_tensors("bf16 logits vs f32", &got, &want)
+        .unwrap();
+    got.sum_all().unwrap().backward().unwrap();
+    let (_, p) = &named_parameters(&model)[1];
+    assert_eq!(p.local().grad().expect("gradient").dtype(), DType::BF16);
+}

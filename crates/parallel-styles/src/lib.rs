@@ -1,7 +1,9 @@
 //! Tensor and sequence parallelism the way PyTorch users write it: styles
 //! ([`ColwiseParallel`], [`RowwiseParallel`], [`SequenceParallel`],
 //! [`PrepareModuleInput`], [`PrepareModuleOutput`]) applied to modules by name with
-//! [`parallelize_module`], and [`loss_parallel`]'s cross-entropy on vocab-sharded logits.
+//! [`parallelize_module`], and [`loss_parallel`]'s cross-entropy on vocab-sharded logits;
+//! data parallelism as FSDP ([`fully_shard`]), DDP ([`DataParallel`]) and ZeRO-1
+//! ([`ZeroRedundancyOptimizer`]).
 #![warn(missing_docs)]
 
 mod error;
@@ -16,6 +18,7 @@ mod loss;
 mod plan;
 mod style;
 pub mod trace;
+mod zero;
 
 pub use error::{PlanError, Result};
 pub use explain::explain;
@@ -25,3 +28,4 @@ pub use style::{
     ColwiseParallel, InputLayout, OutputLayout, ParallelStyle, PrepareModuleInput,
     PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, StyleLayouts,
 };
+pub use zero::ZeroRedundancyOptimizer;

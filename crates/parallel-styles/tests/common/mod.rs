@@ -1,0 +1,234 @@
+//! Helpers shared by the data-parallel tests (FSDP, DDP, ZeRO-1): a tiny Llama, a
+//! global batch, and a short training run under each layout that returns every
+//! parameter gathered to full, compared against single-rank training.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_mesh::{DeviceMesh, DeviceType};
+use tpar_nn::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
+use tpar_nn::{
+    call, named_parameters, reset_parameters, Args, LlamaConfig, LlamaForPretraining, NnError,
+    Value,
+};
+use tpar_parallel_styles::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_parallel_styles::{
+    fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, PlanError,
+    ZeroRedundancyOptimizer,
+};
+use tpar_tensor::{DType, Device, Tensor};
+
+pub fn config() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 40,
+        max_position_embeddings: 16,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        dtype: DType::F32,
+    }
+}
+
+/// Global batch: 4 sequences of 6 tokens (+1 for targets), no padding (equal token
+/// counts per dp rank, so the mean of per-rank means is the global mean).
+pub fn global_batch() -> (Tensor, Tensor) {
+    let v: Vec<i64> = (0..4 * 7).map(|i| ((i * 7 + i / 3) % 39 + 1) as i64).collect();
+    let all = Tensor::from_vec(v, [4, 7]).unwrap();
+    (all.narrow(1, 0, 6).unwrap(), all.narrow(1, 1, 6).unwrap())
+}
+
+/// The loss of `ids -> tgt`; with `mask`, an all-ones attention mask is passed too (the
+/// padding-mask path, with nothing masked, so the loss is unchanged).
+pub fn loss_of_masked(
+    model: &LlamaForPretraining,
+    ids: &Tensor,
+    tgt: &Tensor,
+    mask: bool,
+) -> tpar_nn::Result<Value> {
+    let b = ids.dims()[0];
+    let mut args = vec![Value::Tensor(ids.clone())];
+    if mask {
+        args.push(Value::Tensor(Tensor::from_vec(vec![1i64; b * 6], [b, 6])?));
+    }
+    let logits = call(model, Args::new(args))?;
+    let logits = match logits {
+        Value::Tensor(t) => Value::Tensor(t.reshape([b * 6, 40])?),
+        Value::DTensor(d) => Value::DTensor(d.view(&[(b * 6) as isize, 40])?),
+        other => other,
+    };
+    loss_parallel::cross_entropy(&logits, &tgt.reshape([b * 6])?, -100)
+}
+
+pub fn loss_of(model: &LlamaForPretraining, ids: &Tensor, tgt: &Tensor) -> tpar_nn::Result<Value> {
+    loss_of_masked(model, ids, tgt, false)
+}
+
+pub fn plan_err(e: PlanError) -> NnError {
+    NnError::Config { what: e.to_string() }
+}
+
+/// `fully_shard` per decoder layer, then the base model, then the root (as FSDP2).
+pub fn shard_model_with(
+    model: &mut LlamaForPretraining,
+    dp: &DeviceMesh,
+    cfg: &FsdpConfig,
+) -> Result<(), NnError> {
+    for layer in &mut model.base_model.layers.items {
+        fully_shard(layer, dp, cfg).map_err(plan_err)?;
+    }
+    fully_shard(&mut model.base_model, dp, cfg).map_err(plan_err)?;
+    fully_shard(model, dp, cfg).map_err(plan_err)
+}
+
+pub fn shard_model(model: &mut LlamaForPretraining, dp: &DeviceMesh) -> Result<(), NnError> {
+    shard_model_with(model, dp, &FsdpConfig::default())
+}
+
+/// How the dp dimension is handled in [`train`].
+#[derive(Clone, Copy, Debug)]
+pub enum Mode {
+    /// FSDP with this configuration.
+    Fsdp(FsdpConfig),
+    /// Replicated, gradients all-reduced.
+    Ddp,
+    /// Replicated, ZeRO-1 AdamW.
+    Zero1,
+}
+
+/// The outcome of one rank's [`train`].
+#[derive(Clone, Debug)]
+pub struct Trained {
+    /// Every parameter, gathered to full, after the last step.
+    pub params: BTreeMap<String, Vec<f64>>,
+    /// This rank's loss (mean over its rows) before each step.
+    pub losses: Vec<f64>,
+    /// This rank's optimizer state bytes after the last step.
+    pub state_bytes: usize,
+}
+
+pub const ADAMW: AdamWConfig =
+    AdamWConfig { lr: 1e-2, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
+
+/// `steps` AdamW steps (with global grad-norm clipping at 0.5) under `mode` on a (dp, tp)
+/// mesh, each dp rank on its rows of [`global_batch`]; `dp == 0` trains on one rank on
+/// the whole batch (the oracle). `after_backward` runs on every rank after each backward
+/// (for assertions on the model's state).
+pub fn train(
+    dp: usize,
+    tp: usize,
+    mode: Mode,
+    steps: usize,
+    mask: bool,
+    after_backward: fn(&LlamaForPretraining) -> Result<(), NnError>,
+) -> Vec<Trained> {
+    let body = |mesh: Option<DeviceMesh>| -> Result<Trained, NnError> {
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        let mut ddp = None;
+        if let Some(mesh) = &mesh {
+            if tp > 1 {
+                parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())
+                    .map_err(plan_err)?;
+            }
+            match mode {
+                Mode::Fsdp(cfg) => {
+                    shard_model_with(&mut model, &mesh["dp"], &cfg)?;
+                    reset_parameters(&mut model, Device::Cpu, 3)?;
+                }
+                Mode::Ddp | Mode::Zero1 => {
+                    reset_parameters(&mut model, Device::Cpu, 3)?;
+                    ddp = Some(DataParallel::new(&mut model, &mesh["dp"]).map_err(plan_err)?);
+                }
+            }
+        } else {
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+        }
+        let params = tpar_nn::parameters(&model);
+        let mut zero = None;
+        let mut adamw = None;
+        match (&mesh, mode) {
+            (Some(m), Mode::Zero1) => {
+                zero = Some(
+                    ZeroRedundancyOptimizer::adamw(named_parameters(&model), &m["dp"], ADAMW)
+                        .map_err(plan_err)?,
+                )
+            }
+            _ => adamw = Some(AdamW::with_names(named_parameters(&model), ADAMW)?),
+        }
+        let (ids, tgt) = global_batch();
+        let (ids, tgt) = match &mesh {
+            Some(m) => {
+                let rows = 4 / dp;
+                let r = m["dp"].local_rank();
+                (ids.narrow(0, r * rows, rows)?, tgt.narrow(0, r * rows, rows)?)
+            }
+            None => (ids, tgt),
+        };
+        let mut losses = Vec::new();
+        for _ in 0..steps {
+            if matches!(mode, Mode::Fsdp(_)) && mesh.is_some() {
+                unshard(&model).map_err(plan_err)?;
+            }
+            let loss = loss_of_masked(&model, &ids, &tgt, mask)?;
+            losses.push(match &loss {
+                Value::DTensor(d) => d.to_local().item()?,
+                other => other.clone().into_tensor("loss")?.item()?,
+            });
+            match &mesh {
+                Some(m) => loss_parallel::backward(&loss, &m["tp"])?,
+                None => loss.into_tensor("ref")?.backward()?,
+            }
+            after_backward(&model)?;
+            if let Some(opt) = &mut zero {
+                opt.clip_grad_norm(0.5)?;
+                opt.step()?;
+                opt.zero_grad();
+                continue;
+            }
+            if let (Some(d), Mode::Ddp) = (&ddp, mode) {
+                d.sync_gradients(&model).map_err(plan_err)?;
+            }
+            if let Some(opt) = &mut adamw {
+                clip_grad_norm(&params, 0.5)?;
+                opt.step()?;
+                opt.zero_grad();
+            }
+        }
+        let mut out = BTreeMap::new();
+        for (n, p) in named_parameters(&model) {
+            out.insert(n, p.full()?.to_vec_f64()?);
+        }
+        let state_bytes = match (&zero, &adamw) {
+            (Some(z), _) => z.state_bytes(),
+            (_, Some(a)) => a.state_bytes(),
+            _ => 0,
+        };
+        Ok(Trained { params: out, losses, state_bytes })
+    };
+    if dp == 0 {
+        return vec![body(None).unwrap()];
+    }
+    spawn_with(
+        SpawnConfig::new(dp * tp).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
+            body(Some(mesh))
+        },
+    )
+    .unwrap_or_else(|e| panic!("{mode:?} dp={dp} tp={tp}: {e}"))
+}
+
+/// Single-rank training on the full global batch.
+pub fn reference(steps: usize) -> Trained {
+    train(0, 0, Mode::Ddp, steps, false, |_| Ok(())).remove(0)
+}
+
+pub fn no_check(_: &LlamaForPretraining) -> Result<(), NnError> {
+    Ok(())
+}
