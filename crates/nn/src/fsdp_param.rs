@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use tpar_collectives::{ProcessGroup, ReduceOp, Work};
 use tpar_dtensor::{DTensor, DTensorSpec, Placement};
+use tpar_mesh::DeviceMesh;
 use tpar_placements::chunk_range;
 use tpar_tensor::autograd::record;
 use tpar_tensor::{no_grad, DType, Device, Tensor};
@@ -28,6 +29,7 @@ struct Inner {
 /// shard and releases the storage again.
 pub struct FsdpParam {
     inner: Mutex<Inner>,
+    dp_mesh: DeviceMesh,
     dp: ProcessGroup,
     tp: Option<DTensorSpec>,
     local_shape: Vec<usize>,
@@ -54,10 +56,11 @@ impl FsdpParam {
     pub fn new(
         local: &Tensor,
         tp: Option<DTensorSpec>,
-        dp: ProcessGroup,
+        dp_mesh: &DeviceMesh,
         param_dtype: DType,
         reduce_dtype: DType,
     ) -> Result<Arc<FsdpParam>> {
+        let dp = dp_mesh.group(0)?.clone();
         if local.rank() == 0 {
             return Err(crate::NnError::Config {
                 what: "FSDP cannot shard a 0-d parameter".into(),
@@ -70,6 +73,7 @@ impl FsdpParam {
                 sharded: sharded.clone(),
                 pending: None,
             }),
+            dp_mesh: dp_mesh.clone(),
             dp,
             tp,
             local_shape: local.dims().to_vec(),
@@ -119,6 +123,36 @@ impl FsdpParam {
     /// The unsharded tensor (its storage may be released).
     pub fn unsharded(&self) -> Tensor {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).unsharded.clone()
+    }
+
+    /// The parameter as a DTensor whose local shard is the dp shard (the leaf the
+    /// optimizer updates), for state dicts and checkpoints. Without tensor parallelism
+    /// it lives on the dp mesh as `[Shard(0)]`. With it, FSDP shards the TP-local shard,
+    /// so the TP split is the outer one: the DTensor lives on `mesh` (the 2-d mesh
+    /// holding both dims) sliced to `(tp, dp)` order, with placements
+    /// `[<tp placement>, Shard(0)]`, which nests exactly as the shards are held.
+    pub fn dtensor(&self, mesh: Option<&DeviceMesh>) -> Result<DTensor> {
+        let sharded = self.sharded();
+        match &self.tp {
+            None => Ok(DTensor::from_local(
+                &sharded,
+                &self.dp_mesh,
+                &[Placement::Shard(0)],
+                Some(&self.local_shape),
+            )?),
+            Some(spec) => {
+                let Some(mesh) = mesh else {
+                    return Err(crate::NnError::Config {
+                        what: "a tensor-parallel FSDP parameter needs the 2-d mesh to be presented as a DTensor".into(),
+                    });
+                };
+                let tp_name = spec.mesh().names()[0].clone();
+                let dp_name = self.dp_mesh.names()[0].clone();
+                let m = mesh.slice(&[tp_name.as_str(), dp_name.as_str()])?;
+                let placements = [spec.placements()[0], Placement::Shard(0)];
+                Ok(DTensor::from_local(&sharded, &m, &placements, Some(spec.shape()))?)
+            }
+        }
     }
 
     /// The dp group.

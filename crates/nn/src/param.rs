@@ -45,6 +45,18 @@ impl Param {
         }
     }
 
+    /// The parameter as a DTensor laid out as it is held on this rank: a DTensor
+    /// parameter itself; an FSDP parameter's dp shard with its layout (pass the 2-d mesh
+    /// when it is also tensor-parallel, see [`FsdpParam::dtensor`]); `None` for a plain
+    /// tensor.
+    pub fn as_dtensor(&self, mesh: Option<&tpar_mesh::DeviceMesh>) -> Result<Option<DTensor>> {
+        Ok(match self {
+            Param::Tensor(_) => None,
+            Param::DTensor(d) => Some(d.clone()),
+            Param::Fsdp(f) => Some(f.dtensor(mesh)?),
+        })
+    }
+
     /// What a layer computes with (an FSDP parameter is gathered first if needed).
     pub fn compute(&self) -> Result<ComputeParam> {
         Ok(match self {

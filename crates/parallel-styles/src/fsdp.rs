@@ -148,7 +148,6 @@ pub fn fully_shard(
             what: format!("needs a 1-d mesh (mesh[\"dp\"]), got {dp_mesh}"),
         });
     }
-    let dp = dp_mesh.group(0).map_err(NnError::from)?.clone();
     let mut params = Vec::new();
     visit_modules_mut(module, "", &mut |_, m| {
         for slot in m.param_slots() {
@@ -161,7 +160,7 @@ pub fn fully_shard(
                 Some(mp) => (mp.param_dtype, mp.reduce_dtype),
                 None => (local.dtype(), local.dtype()),
             };
-            let f = FsdpParam::new(&local, tp, dp.clone(), pd, rd)?;
+            let f = FsdpParam::new(&local, tp, dp_mesh, pd, rd)?;
             *slot.param = Param::Fsdp(f.clone());
             params.push(f);
         }

@@ -217,3 +217,43 @@ fn fsdp_mixed_precision_trains_close_to_f32() {
         }
     }
 }
+
+/// FSDP parameters present themselves as DTensors laid out as they are held: the dp
+/// shard of the TP shard, on the (tp, dp)-ordered 2-d mesh, whose full tensor is the
+/// parameter.
+#[test]
+fn fsdp_parameters_are_dtensors_on_the_2d_mesh() {
+    let out = spawn_with(
+        SpawnConfig::new(4).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "tp"])?;
+            let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+            parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())
+                .map_err(common::plan_err)?;
+            shard_model(&mut model, &mesh["dp"])?;
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+            let mut layouts = BTreeMap::new();
+            for (n, p) in named_parameters(&model) {
+                let d = p.as_dtensor(Some(&mesh))?.expect("FSDP parameters are DTensors");
+                assert!(
+                    d.to_local().same_storage(&p.trainable()),
+                    "{n}: the DTensor's local is the dp shard"
+                );
+                let full = d.full_tensor()?.to_vec_f64()?;
+                assert_eq!(full, p.full()?.to_vec_f64()?, "{n}");
+                layouts.insert(
+                    n,
+                    (d.mesh().names().to_vec(), tpar_placements::fmt_placements(d.placements())),
+                );
+            }
+            Ok(layouts)
+        },
+    )
+    .unwrap();
+    let l = &out[0];
+    let q = &l["base_model.layers.0.self_attn.q_proj.weight"];
+    assert_eq!((q.0.clone(), q.1.as_str()), (vec!["tp".to_string(), "dp".to_string()], "S(0)S(0)"));
+    assert_eq!(l["base_model.layers.0.self_attn.o_proj.weight"].1, "S(1)S(0)");
+    assert_eq!(l["base_model.layers.0.input_layernorm.weight"].1, "RS(0)");
+}
