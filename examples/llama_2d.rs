@@ -143,7 +143,11 @@ fn parse() -> Result<Opts, String> {
             other => return Err(format!("unknown flag {other} (see --help)")),
         }
     }
-    if !world_given {
+    if o.backend == "nccl" && !world_given {
+        // One process per rank: the world is the launcher's (torchrun or tpar-run).
+        o.world =
+            std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()).unwrap_or(o.dp * o.tp);
+    } else if !world_given {
         o.world = o.dp * o.tp;
     }
     if o.dp * o.tp != o.world {
@@ -152,11 +156,14 @@ fn parse() -> Result<Opts, String> {
     if o.plan != "sp" && o.plan != "megatron" {
         return Err(format!("--plan: sp or megatron, not {}", o.plan));
     }
-    if o.device != "cpu" || o.backend != "local" {
+    if o.device != "cpu" {
         return Err(format!(
-            "--device {} --backend {}: this build trains on the CPU with the local backend; CUDA tensors arrive with the CUDA backend (the NCCL communicator is available to collectives already)",
-            o.device, o.backend
+            "--device {}: this build computes on the CPU; CUDA tensors arrive with the CUDA backend (the NCCL communicator is available already: --backend nccl)",
+            o.device
         ));
+    }
+    if o.backend != "local" && o.backend != "nccl" {
+        return Err(format!("--backend: local or nccl, not {}", o.backend));
     }
     Ok(o)
 }
@@ -208,9 +215,11 @@ fn err<E: std::fmt::Display>(e: E) -> NnError {
     NnError::Config { what: e.to_string() }
 }
 
-fn train(ctx: RankCtx, o: &Opts) -> Result<RankReport, NnError> {
-    let rank = ctx.rank();
-    let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
+/// One rank's training over `world` (the local backend's world group, or the NCCL
+/// world of a process launched by torchrun / tpar-run).
+fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
+    let rank = world.rank();
+    let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
     let cfg = LlamaConfig {
         vocab_size: tokenizer.vocab_size(),
@@ -385,7 +394,24 @@ fn main() {
             DpMode::Zero1 => ", ZeRO-1",
         }
     );
-    let reports = match tpar::spawn_with(SpawnConfig::new(o.world), |ctx| train(ctx, &o)) {
+    let run = if o.backend == "nccl" {
+        // One process per rank, started by torchrun or `tpar-run --nproc-per-node N`.
+        memory::set_rank(Some(0));
+        tpar::collectives::nccl::init_process_group(std::time::Duration::from_secs(120))
+            .map_err(NnError::from)
+            .and_then(|world| {
+                let report = train(&world, &o)?;
+                let rank = world.rank();
+                world.barrier()?;
+                if rank != 0 {
+                    std::process::exit(0);
+                }
+                Ok(vec![report])
+            })
+    } else {
+        tpar::spawn_with(SpawnConfig::new(o.world), |ctx| train(&ctx.world_group(), &o))
+    };
+    let reports = match run {
         Ok(r) => r,
         Err(e) => {
             eprintln!("llama_2d: {e}");
