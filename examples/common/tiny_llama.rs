@@ -43,27 +43,15 @@ pub struct TinyLlama {
     sin: Tensor,
 }
 
-/// RoPE tables `[seq, head_dim]` (HF layout: the frequencies repeated over both halves).
+/// RoPE tables `[seq, head_dim]` (the Llama model's own, HF layout).
 pub fn rope_tables(
     seq: usize,
     head_dim: usize,
     theta: f64,
     dtype: DType,
-) -> Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
-    let mut c = Vec::with_capacity(seq * head_dim);
-    let mut s = Vec::with_capacity(seq * head_dim);
-    for p in 0..seq {
-        for j in 0..head_dim {
-            let inv = theta.powf(-2.0 * (j % half) as f64 / head_dim as f64);
-            c.push((p as f64 * inv).cos());
-            s.push((p as f64 * inv).sin());
-        }
-    }
-    Ok((
-        Tensor::from_f64(&c, [seq, head_dim], dtype)?,
-        Tensor::from_f64(&s, [seq, head_dim], dtype)?,
-    ))
+) -> std::result::Result<(Tensor, Tensor), tpar::nn::NnError> {
+    let t = tpar::nn::RotaryPositionEncoding::new(head_dim, seq, theta, dtype)?.tables(seq)?;
+    Ok((t.cos, t.sin))
 }
 
 impl TinyLlama {
@@ -88,7 +76,9 @@ impl TinyLlama {
         };
         let embed = Tensor::randn([cfg.vocab, cfg.dim], cfg.dtype, &mut Rng::new(seed ^ 0xE))?
             .requires_grad_(true);
-        let (cos, sin) = rope_tables(cfg.seq, hd, 10000.0, cfg.dtype)?;
+        let (cos, sin) = rope_tables(cfg.seq, hd, 10000.0, cfg.dtype).map_err(|e| {
+            tpar::tensor::TensorError::InvalidArgument { op: "rope_tables", what: e.to_string() }
+        })?;
         Ok(TinyLlama {
             cfg,
             embed,

@@ -225,46 +225,43 @@ impl Walker<'_> {
     /// `x` through the input hooks of the styles on `fqn` (input 0).
     fn enter(&self, fqn: &str, x: Flow) -> Result<Flow> {
         let Some(styles) = self.styles(fqn) else { return Ok(Self::unknown(fqn, x.rank)) };
-        let mut x = x;
-        for s in &styles {
-            let Some(inp) = s.inputs.first().copied().flatten() else { continue };
-            let layout = if x.dtensor {
-                inp.desired.or(x.layout)
-            } else if let Some(g) = inp.given {
-                self.meet(&x, g, &format!("{} (input)", shown(fqn)))?;
-                Some(inp.desired.unwrap_or(g))
-            } else {
-                continue;
-            };
-            x = Flow {
-                dtensor: !inp.use_local,
-                layout: layout.map(|p| norm(p, x.rank)),
-                rank: x.rank,
-                from: format!("{} (input hook)", shown(fqn)),
-            };
-        }
-        Ok(x)
+        let hooks = styles.iter().filter_map(|s| s.inputs.first().copied().flatten());
+        let hooks = hooks.map(|i| (i.given, i.desired, i.use_local));
+        self.through(fqn, x, hooks, "input", "input hook")
     }
 
     /// The module's own output `raw` through the output hooks of the styles on `fqn`.
     fn exit(&self, fqn: &str, raw: Flow) -> Result<Flow> {
         let Some(styles) = self.styles(fqn) else { return Ok(Self::unknown(fqn, raw.rank)) };
-        let mut x = raw;
-        for s in &styles {
-            let Some(out) = s.output else { continue };
+        let hooks =
+            styles.iter().filter_map(|s| s.output).map(|o| (o.given, o.desired, o.use_local));
+        self.through(fqn, raw, hooks, "output hook", "output")
+    }
+
+    /// `x` through hooks given as `(given, desired, use_local)`: a DTensor keeps its own
+    /// layout unless one is desired; a plain tensor must meet the hook's given layout.
+    fn through(
+        &self,
+        fqn: &str,
+        mut x: Flow,
+        hooks: impl Iterator<Item = (Option<Placement>, Option<Placement>, bool)>,
+        meets_as: &str,
+        from_as: &str,
+    ) -> Result<Flow> {
+        for (given, desired, use_local) in hooks {
             let layout = if x.dtensor {
-                out.desired.or(x.layout)
-            } else if let Some(g) = out.given {
-                self.meet(&x, g, &format!("{} (output hook)", shown(fqn)))?;
-                Some(out.desired.unwrap_or(g))
+                desired.or(x.layout)
+            } else if let Some(g) = given {
+                self.meet(&x, g, &format!("{} ({meets_as})", shown(fqn)))?;
+                Some(desired.unwrap_or(g))
             } else {
                 continue;
             };
             x = Flow {
-                dtensor: !out.use_local,
+                dtensor: !use_local,
                 layout: layout.map(|p| norm(p, x.rank)),
                 rank: x.rank,
-                from: format!("{} (output)", shown(fqn)),
+                from: format!("{} ({from_as})", shown(fqn)),
             };
         }
         Ok(x)

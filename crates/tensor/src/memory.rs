@@ -89,7 +89,10 @@ fn with_header(layout: Layout) -> Option<(Layout, usize)> {
 // exactly the pointer and layout it returned.
 unsafe impl GlobalAlloc for TrackingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        INSTALLED.store(true, Ordering::Relaxed);
+        // Read first: a store on every allocation would bounce the cache line between threads.
+        if !INSTALLED.load(Ordering::Relaxed) {
+            INSTALLED.store(true, Ordering::Relaxed);
+        }
         let Some((full, offset)) = with_header(layout) else { return std::ptr::null_mut() };
         // SAFETY: `full` has a non-zero size (offset >= 16).
         let base = unsafe { System.alloc(full) };

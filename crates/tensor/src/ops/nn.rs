@@ -326,43 +326,45 @@ impl Tensor {
             };
             let mut out = vec![T::default(); out_shape.numel()];
             let mut lse = vec![<T as Float>::Acc::default(); rows];
-            let (qv, kv, vv) = (q.to_vec::<T>()?, k.to_vec::<T>()?, v.to_vec::<T>()?);
-            sdpa::sdpa_forward(
-                &s,
-                &qv,
-                &kv,
-                &vv,
-                mask_ref(&mask_data).as_ref(),
-                &mut out,
-                &mut lse,
-            )?;
+            // Read q, k, v in place (no copies of the activations).
+            q.with_data::<T, _>(|qs| {
+                k.with_data::<T, _>(|ks| {
+                    v.with_data::<T, _>(|vs| {
+                        let m = mask_ref(&mask_data);
+                        sdpa::sdpa_forward(&s, qs, ks, vs, m.as_ref(), &mut out, &mut lse)
+                    })
+                })
+            })????;
             let out_t = Tensor::from_vec(out, out_shape.clone())?;
             let (qq, kk, vt, oo) = (q.detach(), k.detach(), v.detach(), out_t.detach());
-            drop((qv, kv, vv));
             Ok(record(op, &[q, k, v], out_t, move |g| {
                 let mut dq = vec![T::default(); qq.numel()];
                 let mut dk = vec![T::default(); kk.numel()];
                 let mut dv = vec![T::default(); vt.numel()];
-                let (qs, ks, vs, os, gs) = (
-                    qq.to_vec::<T>()?,
-                    kk.to_vec::<T>()?,
-                    vt.to_vec::<T>()?,
-                    oo.to_vec::<T>()?,
-                    g.to_vec::<T>()?,
-                );
-                sdpa::sdpa_backward(
-                    &s,
-                    &qs,
-                    &ks,
-                    &vs,
-                    mask_ref(&mask_data).as_ref(),
-                    &os,
-                    &lse,
-                    &gs,
-                    &mut dq,
-                    &mut dk,
-                    &mut dv,
-                )?;
+                qq.with_data::<T, _>(|qs| {
+                    kk.with_data::<T, _>(|ks| {
+                        vt.with_data::<T, _>(|vs| {
+                            oo.with_data::<T, _>(|os| {
+                                g.with_data::<T, _>(|gs| {
+                                    let m = mask_ref(&mask_data);
+                                    sdpa::sdpa_backward(
+                                        &s,
+                                        qs,
+                                        ks,
+                                        vs,
+                                        m.as_ref(),
+                                        os,
+                                        &lse,
+                                        gs,
+                                        &mut dq,
+                                        &mut dk,
+                                        &mut dv,
+                                    )
+                                })
+                            })
+                        })
+                    })
+                })??????;
                 Ok(vec![
                     Some(Tensor::from_vec(dq, qq.shape().clone())?),
                     Some(Tensor::from_vec(dk, kk.shape().clone())?),
@@ -421,7 +423,7 @@ impl Tensor {
             let (x, t) = (self.detach(), targets.detach());
             Ok(record(op, &[self], out, move |g| {
                 let scale = if count == 0 { 0.0 } else { g.item()? / count as f64 };
-                let row_scale = vec![<<T as Float>::Acc as Acc>::of(scale); rows];
+                let row_scale = [<<T as Float>::Acc as Acc>::of(scale)];
                 let mut dl = vec![T::default(); x.numel()];
                 x.with_data::<T, _>(|ls| {
                     t.with_data::<i64, _>(|ts| {
