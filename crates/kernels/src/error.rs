@@ -23,4 +23,12 @@ pub enum KernelError {
         /// What is wrong, with the numbers.
         what: String,
     },
+    /// A CUDA kernel could not be compiled or run (on a GPU or in the emulator).
+    #[error("{op}: {what}")]
+    Cuda {
+        /// The kernel or step that failed.
+        op: String,
+        /// What went wrong (compiler log, driver error, emulator report).
+        what: String,
+    },
 }

@@ -17,6 +17,7 @@ pub mod reduce;
 
 pub mod adamw;
 pub mod cross_entropy;
+pub mod cuda;
 pub mod embedding;
 pub mod gemm;
 pub mod rmsnorm;

@@ -18,6 +18,7 @@
 pub mod autograd;
 mod dtype;
 mod error;
+pub mod gpu;
 pub mod memory;
 mod ops;
 mod rng;

@@ -115,6 +115,8 @@ element!(i64, I64, |x: i64| x as f64, |v: f64| v as i64);
 pub enum Storage {
     /// Host memory.
     Cpu(CpuStorage),
+    /// Memory of a CUDA device (a GPU or the emulator).
+    Gpu(crate::gpu::GpuStorage),
     /// No data (meta device).
     Meta,
     /// Data released to save memory (FSDP between uses); refilled with

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::autograd::Node;
+use crate::gpu::GpuStorage;
 use crate::storage::{CpuStorage, Element, Storage};
 use crate::{DType, Device, Result, Shape, TensorError};
 
@@ -126,7 +127,12 @@ impl Tensor {
                 T::wrap(vec![<T as Element>::from_f64(v); n])
             })),
             Device::Meta => Storage::Meta,
-            Device::Cuda(_) => return Err(cuda_unavailable()),
+            Device::Cuda(i) => {
+                if v != 0.0 {
+                    return Tensor::full_on_device(i, shape, v, dtype);
+                }
+                Storage::Gpu(GpuStorage::zeros(&crate::gpu::device(i)?, dtype, n)?)
+            }
         };
         Ok(Tensor::make(shape, dtype, device, storage))
     }
@@ -283,6 +289,12 @@ impl Tensor {
         let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
         match &*g {
             Storage::Cpu(s) => Ok(f(typed::<T>("with_data", s)?)),
+            Storage::Gpu(d) => {
+                crate::gpu::count_round_trip();
+                let h = d.download()?;
+                drop(g);
+                Ok(f(typed::<T>("with_data", &h)?))
+            }
             Storage::Meta => Err(TensorError::MetaTensor { op: "with_data" }),
             Storage::Released => Err(TensorError::Released { op: "with_data" }),
         }
@@ -302,6 +314,19 @@ impl Tensor {
                 })?;
                 Ok(f(sl))
             }
+            Storage::Gpu(d) => {
+                crate::gpu::count_round_trip();
+                let mut h = d.download()?;
+                let got = h.dtype();
+                let sl = T::slice_mut(&mut h).ok_or(TensorError::DTypeMismatch {
+                    op: "with_data_mut",
+                    expected: T::DTYPE.name().into(),
+                    got,
+                })?;
+                let r = f(sl);
+                d.upload_into(&h)?;
+                Ok(r)
+            }
             Storage::Meta => Err(TensorError::MetaTensor { op: "with_data_mut" }),
             Storage::Released => Err(TensorError::Released { op: "with_data_mut" }),
         }
@@ -316,6 +341,12 @@ impl Tensor {
         let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
         match &*g {
             Storage::Cpu(s) => f(s),
+            Storage::Gpu(d) => {
+                crate::gpu::count_round_trip();
+                let h = d.download()?;
+                drop(g);
+                f(&h)
+            }
             Storage::Meta => Err(TensorError::MetaTensor { op }),
             Storage::Released => Err(TensorError::Released { op }),
         }
@@ -366,6 +397,19 @@ impl Tensor {
         if self.same_storage(&src) {
             return Ok(());
         }
+        if let Device::Cuda(_) = self.device() {
+            let src = src.to_device(self.device())?;
+            let data = src.with_gpu_storage("copy_", |s| s.duplicate())?;
+            let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
+            return match &mut *g {
+                Storage::Gpu(d) => {
+                    *d = data;
+                    Ok(())
+                }
+                Storage::Meta => Err(TensorError::MetaTensor { op: "copy_" }),
+                _ => Err(TensorError::Released { op: "copy_" }),
+            };
+        }
         let data = src.with_storage("copy_", |s| Ok(s.clone()))?;
         let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
         match &mut *g {
@@ -373,6 +417,11 @@ impl Tensor {
                 *s = data;
                 Ok(())
             }
+            Storage::Gpu(_) => Err(TensorError::DeviceMismatch {
+                op: "copy_",
+                lhs: self.device(),
+                rhs: Device::Cpu,
+            }),
             Storage::Meta => Err(TensorError::MetaTensor { op: "copy_" }),
             Storage::Released => Err(TensorError::Released { op: "copy_" }),
         }
@@ -385,9 +434,10 @@ impl Tensor {
         let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
         let freed = match &*g {
             Storage::Cpu(s) => s.len() * s.dtype().size_in_bytes(),
+            Storage::Gpu(d) => d.nbytes(),
             _ => 0,
         };
-        if matches!(&*g, Storage::Cpu(_)) {
+        if matches!(&*g, Storage::Cpu(_) | Storage::Gpu(_)) {
             *g = Storage::Released;
         }
         freed
@@ -425,8 +475,28 @@ impl Tensor {
                 .map(|lock| lock.into_inner().unwrap_or_else(|p| p.into_inner()))
                 .map_err(|storage| Tensor(Arc::new(Inner { storage, ..inner })))
         });
+        if let Device::Cuda(_) = self.device() {
+            let data = match moved {
+                Ok(Storage::Gpu(d)) => d,
+                Ok(_) => {
+                    return Err(TensorError::InvalidArgument {
+                        op: "fill_storage_",
+                        what: "source has no data on this device".into(),
+                    })
+                }
+                Err(src) => src
+                    .to_device(self.device())?
+                    .with_gpu_storage("fill_storage_", |s| s.duplicate())?,
+            };
+            *self.0.storage.write().unwrap_or_else(|p| p.into_inner()) = Storage::Gpu(data);
+            return Ok(());
+        }
         let data = match moved {
             Ok(Storage::Cpu(s)) => s,
+            Ok(Storage::Gpu(d)) => {
+                crate::gpu::count_round_trip();
+                d.download()?
+            }
             Ok(_) => {
                 return Err(TensorError::InvalidArgument {
                     op: "fill_storage_",
@@ -458,18 +528,53 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
-        match device {
-            Device::Cuda(_) => Err(cuda_unavailable()),
-            Device::Meta => Tensor::empty(self.shape().clone(), self.dtype(), Device::Meta),
-            Device::Cpu => Err(TensorError::MetaTensor { op: "to_device" }),
+        if device == Device::Meta {
+            return Tensor::empty(self.shape().clone(), self.dtype(), Device::Meta);
         }
+        if self.device() == Device::Meta {
+            return Err(TensorError::MetaTensor { op: "to_device" });
+        }
+        let storage = {
+            let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
+            match (&*g, device) {
+                (Storage::Cpu(s), Device::Cuda(i)) => {
+                    Storage::Gpu(GpuStorage::upload(&crate::gpu::device(i)?, s)?)
+                }
+                (Storage::Gpu(d), Device::Cpu) => Storage::Cpu(d.download()?),
+                (Storage::Gpu(d), Device::Cuda(i)) => {
+                    // between devices: through the host
+                    let h = d.download()?;
+                    Storage::Gpu(GpuStorage::upload(&crate::gpu::device(i)?, &h)?)
+                }
+                (Storage::Released, _) => return Err(TensorError::Released { op: "to_device" }),
+                _ => return Err(TensorError::MetaTensor { op: "to_device" }),
+            }
+        };
+        let out = Tensor::make(self.shape().clone(), self.dtype(), device, storage);
+        let from = self.device();
+        if !self.dtype().is_float() {
+            return Ok(out);
+        }
+        Ok(crate::autograd::record("to_device", &[self], out, move |g| {
+            Ok(vec![Some(g.to_device(from)?)])
+        }))
     }
-}
 
-pub(crate) fn cuda_unavailable() -> TensorError {
-    TensorError::Unavailable {
-        what: "CUDA tensors".into(),
-        why: "this build has no CUDA storage backend".into(),
+    /// Runs `f` on the CUDA storage of this tensor.
+    pub(crate) fn with_gpu_storage<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&GpuStorage) -> Result<R>,
+    ) -> Result<R> {
+        let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Storage::Gpu(d) => f(d),
+            Storage::Cpu(_) => {
+                Err(TensorError::DeviceMismatch { op, lhs: Device::Cuda(0), rhs: Device::Cpu })
+            }
+            Storage::Meta => Err(TensorError::MetaTensor { op }),
+            Storage::Released => Err(TensorError::Released { op }),
+        }
     }
 }
 

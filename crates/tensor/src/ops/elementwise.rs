@@ -2,7 +2,7 @@
 
 use tpar_kernels::elementwise::{self as k, BinaryOp, UnaryOp};
 
-use super::{compute, require_float};
+use super::{compute, cuda_ordinal, gpu_elem, require_float};
 use crate::autograd::record;
 use crate::shape::{broadcast_shapes, broadcast_strides};
 use crate::storage::Element;
@@ -52,6 +52,11 @@ impl Tensor {
         let out = broadcast_shapes(name, self.shape(), rhs.shape())?;
         let sa = broadcast_strides(self.shape(), &out);
         let sb = broadcast_strides(rhs.shape(), &out);
+        if cuda_ordinal(name, &[self, rhs])?.is_some() {
+            if let Some(t) = gpu_elem::binary(self, &sa, rhs, &sb, op, &out)? {
+                return Ok(t);
+            }
+        }
         let dims = out.dims().to_vec();
         compute(name, &[self, rhs], out, self.dtype(), |s| {
             with_float_type!(s[0].dtype(), name, |T| {
@@ -130,6 +135,11 @@ impl Tensor {
     fn scalar_raw(&self, op: BinaryOp, s: f64, scalar_first: bool) -> Result<Tensor> {
         let name = binary_name(op);
         require_float(name, self)?;
+        if cuda_ordinal(name, &[self])?.is_some() {
+            if let Some(t) = gpu_elem::scalar(self, op, s, scalar_first)? {
+                return Ok(t);
+            }
+        }
         let n = self.numel();
         compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
@@ -176,15 +186,27 @@ impl Tensor {
         let name = unary_name(op);
         require_float(name, self)?;
         let n = self.numel();
-        let out = compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
-            with_float_type!(st[0].dtype(), name, |T| {
-                let mut o = vec![T::default(); n];
-                k::unary(op, typed::<T>(name, st[0])?, &mut o)?;
-                Ok(T::wrap(o))
-            })
-        })?;
+        let on_device = match cuda_ordinal(name, &[self])? {
+            Some(_) => gpu_elem::unary(self, op)?,
+            None => None,
+        };
+        let out = match on_device {
+            Some(t) => t,
+            None => compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
+                with_float_type!(st[0].dtype(), name, |T| {
+                    let mut o = vec![T::default(); n];
+                    k::unary(op, typed::<T>(name, st[0])?, &mut o)?;
+                    Ok(T::wrap(o))
+                })
+            })?,
+        };
         let (x, y) = (self.clone(), out.detach());
         Ok(record(name, &[self], out, move |g| {
+            if cuda_ordinal(name, &[&x, &y, g])?.is_some() {
+                if let Some(gx) = gpu_elem::unary_backward(&x, &y, g, op)? {
+                    return Ok(vec![Some(gx)]);
+                }
+            }
             let gx = compute(name, &[&x, &y, g], x.shape().clone(), x.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
                     let mut o = vec![T::default(); n];
@@ -257,14 +279,21 @@ impl Tensor {
             return Ok(self.clone());
         }
         let n = self.numel();
-        let out = compute("to_dtype", &[self], self.shape().clone(), dtype, |st| {
-            with_any_type!(st[0].dtype(), |S| {
-                let src = typed::<S>("to_dtype", st[0])?;
-                Ok(with_any_type!(dtype, |D| {
-                    D::wrap(src.iter().map(|&v| <D as Element>::from_f64(v.to_f64())).collect())
-                }))
-            })
-        })?;
+        let on_device = match cuda_ordinal("to_dtype", &[self])? {
+            Some(_) => gpu_elem::cast(self, dtype)?,
+            None => None,
+        };
+        let out = match on_device {
+            Some(t) => t,
+            None => compute("to_dtype", &[self], self.shape().clone(), dtype, |st| {
+                with_any_type!(st[0].dtype(), |S| {
+                    let src = typed::<S>("to_dtype", st[0])?;
+                    Ok(with_any_type!(dtype, |D| {
+                        D::wrap(src.iter().map(|&v| <D as Element>::from_f64(v.to_f64())).collect())
+                    }))
+                })
+            })?,
+        };
         debug_assert_eq!(out.numel(), n);
         let src_dtype = self.dtype();
         if !dtype.is_float() || !src_dtype.is_float() {

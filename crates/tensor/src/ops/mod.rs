@@ -3,10 +3,11 @@
 use std::sync::RwLockReadGuard;
 
 use crate::storage::{CpuStorage, Storage};
-use crate::tensor::cuda_unavailable;
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
 mod elementwise;
+mod gpu;
+mod gpu_elem;
 mod matmul;
 mod nn;
 mod reduce;
@@ -64,7 +65,7 @@ pub(crate) fn compute_multi(
         Device::Meta => {
             return outs.iter().map(|(s, d)| Tensor::empty(s.clone(), *d, Device::Meta)).collect()
         }
-        Device::Cuda(_) => return Err(cuda_unavailable()),
+        Device::Cuda(i) => return compute_on_host(op, i, inputs, outs, f),
         Device::Cpu => {}
     }
     let guards: Vec<RwLockReadGuard<'_, Storage>> =
@@ -73,6 +74,13 @@ pub(crate) fn compute_multi(
     for g in &guards {
         match &**g {
             Storage::Cpu(s) => storages.push(s),
+            Storage::Gpu(_) => {
+                return Err(TensorError::DeviceMismatch {
+                    op,
+                    lhs: Device::Cpu,
+                    rhs: Device::Cuda(0),
+                })
+            }
             Storage::Meta => return Err(TensorError::MetaTensor { op }),
             Storage::Released => return Err(TensorError::Released { op }),
         }
@@ -89,6 +97,45 @@ pub(crate) fn compute_multi(
         .zip(outs)
         .map(|(s, (shape, _))| Tensor::from_storage(s, shape.clone()))
         .collect()
+}
+
+/// An op without a CUDA kernel on CUDA inputs: computes on host copies and
+/// uploads the outputs (counted in [`crate::gpu::host_round_trips`]).
+fn compute_on_host(
+    op: &'static str,
+    ordinal: usize,
+    inputs: &[&Tensor],
+    outs: &[(Shape, DType)],
+    f: impl FnOnce(&[&CpuStorage]) -> Result<Vec<CpuStorage>>,
+) -> Result<Vec<Tensor>> {
+    let host: Vec<Tensor> =
+        inputs.iter().map(|t| t.detach().to_device(Device::Cpu)).collect::<Result<_>>()?;
+    crate::gpu::count_round_trip();
+    let refs: Vec<&Tensor> = host.iter().collect();
+    let res = compute_multi(op, &refs, outs, f)?;
+    res.into_iter().map(|t| t.to_device(Device::Cuda(ordinal))).collect()
+}
+
+/// The CUDA ordinal the inputs live on, if they live on one (after checking
+/// they share a device).
+pub(crate) fn cuda_ordinal(op: &'static str, inputs: &[&Tensor]) -> Result<Option<usize>> {
+    match common_device(op, inputs)? {
+        Device::Cuda(i) => Ok(Some(i)),
+        _ => Ok(None),
+    }
+}
+
+/// Runs `f` (an op built from differentiable pieces) on host copies of CUDA
+/// inputs and moves its output back: autograd flows through the two moves.
+pub(crate) fn on_host(
+    ordinal: usize,
+    inputs: &[&Tensor],
+    f: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let host: Vec<Tensor> =
+        inputs.iter().map(|t| t.to_device(Device::Cpu)).collect::<Result<_>>()?;
+    crate::gpu::count_round_trip();
+    f(&host)?.to_device(Device::Cuda(ordinal))
 }
 
 pub(crate) fn require_float(op: &'static str, t: &Tensor) -> Result<()> {

@@ -9,11 +9,11 @@ use tpar_kernels::sdpa::{self, SdpaMask, SdpaShape};
 use tpar_kernels::softmax;
 use tpar_kernels::{Acc, Float};
 
-use super::{common_device, common_dtype, compute, invalid, require_float};
+use super::{common_device, common_dtype, compute, cuda_ordinal, invalid, on_host, require_float};
 use crate::autograd::record;
 use crate::shape::{broadcast_strides, normalize_dim};
 use crate::storage::Element;
-use crate::tensor::{cuda_unavailable, typed};
+use crate::tensor::typed;
 use crate::{with_float_type, DType, Device, Result, Shape, Tensor, TensorError};
 
 /// Where the sequence dim sits in a 4-d tensor given to [`Tensor::rope`].
@@ -25,13 +25,9 @@ pub enum RopeLayout {
     Bshd,
 }
 
-/// `Ok(true)` when the inputs are meta tensors (shape inference only); an error for CUDA.
+/// `Ok(true)` when the inputs are meta tensors (shape inference only).
 fn is_meta(op: &'static str, inputs: &[&Tensor]) -> Result<bool> {
-    match common_device(op, inputs)? {
-        Device::Meta => Ok(true),
-        Device::Cuda(_) => Err(cuda_unavailable()),
-        Device::Cpu => Ok(false),
-    }
+    Ok(common_device(op, inputs)? == Device::Meta)
 }
 
 fn meta(shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
@@ -78,6 +74,11 @@ impl Tensor {
         }
         let cols = self.dims()[d];
         let rows = self.numel().checked_div(cols).unwrap_or(0);
+        if cuda_ordinal(name, &[self])?.is_some() {
+            if let Some(t) = super::gpu_elem::softmax(self, rows, cols, log)? {
+                return Ok(t);
+            }
+        }
         let n = self.numel();
         let out = compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
@@ -131,6 +132,12 @@ impl Tensor {
         }
         if is_meta(op, &[self, weight])? {
             return meta(self.shape().clone(), dtype);
+        }
+        if let Some(i) = cuda_ordinal(op, &[self, weight])? {
+            if let Some(t) = super::gpu::rms_norm(self, weight, eps)? {
+                return Ok(t);
+            }
+            return on_host(i, &[self, weight], |h| h[0].rms_norm(&h[1], eps));
         }
         let rows = self.numel().checked_div(dim).unwrap_or(0);
         let n = self.numel();
@@ -241,6 +248,7 @@ impl Tensor {
         scale: Option<f64>,
     ) -> Result<Tensor> {
         let op = "scaled_dot_product_attention";
+        let mask_arg = mask;
         require_float(op, q)?;
         let dtype = common_dtype(op, &[q, k, v])?;
         if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
@@ -316,6 +324,13 @@ impl Tensor {
         }
         if is_meta(op, &inputs)? {
             return meta(out_shape, dtype);
+        }
+        if let Some(i) = cuda_ordinal(op, &inputs)? {
+            let mut ins = vec![q, k, v];
+            ins.extend(mask_arg);
+            return on_host(i, &ins, |h| {
+                Tensor::scaled_dot_product_attention(&h[0], &h[1], &h[2], h.get(3), causal, scale)
+            });
         }
         let rows = s.batch * s.q_heads * s.q_len;
         with_float_type!(dtype, op, |T| {
@@ -399,6 +414,9 @@ impl Tensor {
         if is_meta(op, &[self, targets])? {
             return meta(Shape::new(&[]), dtype);
         }
+        if let Some(i) = cuda_ordinal(op, &[self, targets])? {
+            return on_host(i, &[self, targets], |h| h[0].cross_entropy(&h[1], ignore_index));
+        }
         let vocab = self.dims()[self.rank() - 1];
         let rows = targets.numel();
         with_float_type!(dtype, op, |T| {
@@ -479,6 +497,11 @@ impl Tensor {
         let dtype = weight.dtype();
         if is_meta(op, &[ids, weight])? {
             return meta(od, dtype);
+        }
+        if let Some(i) = cuda_ordinal(op, &[ids, weight])? {
+            return on_host(i, &[ids, weight], |h| {
+                Tensor::embedding_masked(&h[0], &h[1], vocab_start, masked)
+            });
         }
         let n = ids.numel() * dim;
         with_float_type!(dtype, op, |T| {

@@ -2,7 +2,7 @@
 
 use tpar_kernels::reduce::{self as k, ReduceOp};
 
-use super::{compute, compute_multi, require_float};
+use super::{compute, compute_multi, cuda_ordinal, gpu_elem, require_float};
 use crate::autograd::record;
 use crate::shape::normalize_dim;
 use crate::storage::Element;
@@ -41,10 +41,23 @@ impl Tensor {
             .collect::<Result<Vec<_>>>()?;
         ds.sort_unstable();
         ds.dedup();
-        let mut t = self.clone();
-        for &d in ds.iter().rev() {
-            t = t.reduce_one(op, d, true)?;
-        }
+        let on_device = match cuda_ordinal("sum", &[self])? {
+            Some(_) if !ds.is_empty() => {
+                require_float("reduce", self)?;
+                gpu_elem::reduce_dims(self, op, &ds)?
+            }
+            _ => None,
+        };
+        let mut t = match on_device {
+            Some(t) => t,
+            None => {
+                let mut t = self.clone();
+                for &d in ds.iter().rev() {
+                    t = t.reduce_one(op, d, true)?;
+                }
+                t
+            }
+        };
         if !keepdim {
             let kept: Vec<usize> =
                 (0..self.rank()).filter(|i| !ds.contains(i)).map(|i| self.dims()[i]).collect();
@@ -109,30 +122,43 @@ impl Tensor {
             od.remove(d);
         }
         let oshape = Shape::from(od);
-        let outs = compute_multi(
-            name,
-            &[self],
-            &[(oshape.clone(), self.dtype()), (oshape.clone(), DType::I64)],
-            |st| {
-                with_float_type!(st[0].dtype(), name, |T| {
-                    let mut o = vec![T::default(); outer * inner];
-                    let mut idx = vec![0i64; outer * inner];
-                    k::max_with_index(
-                        typed::<T>(name, st[0])?,
-                        outer,
-                        len,
-                        inner,
-                        &mut o,
-                        &mut idx,
-                    )?;
-                    Ok(vec![T::wrap(o), <i64 as Element>::wrap(idx)])
-                })
-            },
-        )?;
+        let on_device = match cuda_ordinal(name, &[self])? {
+            Some(_) => gpu_elem::max_dim(self, outer, len, inner, &oshape)?,
+            None => None,
+        };
+        let outs = if let Some((v, i)) = on_device {
+            vec![v, i]
+        } else {
+            compute_multi(
+                name,
+                &[self],
+                &[(oshape.clone(), self.dtype()), (oshape.clone(), DType::I64)],
+                |st| {
+                    with_float_type!(st[0].dtype(), name, |T| {
+                        let mut o = vec![T::default(); outer * inner];
+                        let mut idx = vec![0i64; outer * inner];
+                        k::max_with_index(
+                            typed::<T>(name, st[0])?,
+                            outer,
+                            len,
+                            inner,
+                            &mut o,
+                            &mut idx,
+                        )?;
+                        Ok(vec![T::wrap(o), <i64 as Element>::wrap(idx)])
+                    })
+                },
+            )?
+        };
         let (vals, idx) = (outs[0].clone(), outs[1].clone());
         let in_shape = self.shape().clone();
         let idx2 = idx.clone();
         let vals = record(name, &[self], vals, move |g| {
+            if cuda_ordinal(name, &[g, &idx2])?.is_some() {
+                if let Some(gx) = gpu_elem::max_backward(g, &idx2, outer, len, inner, &in_shape)? {
+                    return Ok(vec![Some(gx)]);
+                }
+            }
             let gx = compute("max_backward", &[g, &idx2], in_shape.clone(), g.dtype(), |st| {
                 with_float_type!(st[0].dtype(), "max_backward", |T| {
                     let gs = typed::<T>("max_backward", st[0])?;

@@ -3,7 +3,7 @@
 
 use tpar_kernels::elementwise::strided_copy;
 
-use super::{common_dtype, compute, invalid};
+use super::{common_dtype, compute, cuda_ordinal, gpu_elem, invalid};
 use crate::autograd::record;
 use crate::shape::normalize_dim;
 use crate::storage::Element;
@@ -99,6 +99,11 @@ impl Tensor {
         strides: Vec<usize>,
         shape: Shape,
     ) -> Result<Tensor> {
+        if cuda_ordinal(op, &[self])?.is_some() {
+            if let Some(t) = gpu_elem::strided(self, base, &strides, &shape)? {
+                return Ok(t);
+            }
+        }
         let dims = shape.dims().to_vec();
         let n = shape.numel();
         compute(op, &[self], shape, self.dtype(), |st| {
@@ -272,22 +277,29 @@ impl Tensor {
         let mut od = first.dims().to_vec();
         od[d] = sizes.iter().sum();
         let (outer, total, inner) = Shape::from(od.clone()).split_at_dim(d);
-        let out = compute("cat", &refs, Shape::from(od), dtype, |st| {
-            with_any_type!(dtype, |T| {
-                let mut o = vec![T::default(); outer * total * inner];
-                let mut off = 0;
-                for (s, &len) in st.iter().zip(&sizes) {
-                    let src = typed::<T>("cat", s)?;
-                    let blk = len * inner;
-                    for r in 0..outer {
-                        let dst = r * total * inner + off * inner;
-                        o[dst..dst + blk].copy_from_slice(&src[r * blk..(r + 1) * blk]);
+        let on_device = match cuda_ordinal("cat", &refs)? {
+            Some(_) => gpu_elem::cat(tensors, &sizes, outer, inner, &Shape::from(od.clone()))?,
+            None => None,
+        };
+        let out = match on_device {
+            Some(t) => t,
+            None => compute("cat", &refs, Shape::from(od), dtype, |st| {
+                with_any_type!(dtype, |T| {
+                    let mut o = vec![T::default(); outer * total * inner];
+                    let mut off = 0;
+                    for (s, &len) in st.iter().zip(&sizes) {
+                        let src = typed::<T>("cat", s)?;
+                        let blk = len * inner;
+                        for r in 0..outer {
+                            let dst = r * total * inner + off * inner;
+                            o[dst..dst + blk].copy_from_slice(&src[r * blk..(r + 1) * blk]);
+                        }
+                        off += len;
                     }
-                    off += len;
-                }
-                Ok(T::wrap(o))
-            })
-        })?;
+                    Ok(T::wrap(o))
+                })
+            })?,
+        };
         Ok(record("cat", &refs, out, move |g| {
             Ok(g.split_sizes(&sizes, d as isize)?.into_iter().map(Some).collect())
         }))
@@ -305,7 +317,11 @@ impl Tensor {
     pub fn deep_clone(&self) -> Result<Tensor> {
         match self.device() {
             Device::Meta => Tensor::empty(self.shape().clone(), self.dtype(), Device::Meta),
-            _ => {
+            Device::Cuda(_) => {
+                let out = gpu_elem::deep_clone(self)?;
+                Ok(record("clone", &[self], out, |g| Ok(vec![Some(g.clone())])))
+            }
+            Device::Cpu => {
                 let out = compute("clone", &[self], self.shape().clone(), self.dtype(), |st| {
                     Ok(st[0].clone())
                 })?;
@@ -316,6 +332,14 @@ impl Tensor {
 
     /// Rows of `self` (any dtype) picked by an i64 index tensor along dim 0.
     pub fn index_select0(&self, index: &Tensor) -> Result<Tensor> {
+        if self.rank() == 0 {
+            return Err(invalid("index_select", "cannot select rows of a 0-dim tensor"));
+        }
+        if cuda_ordinal("index_select", &[self])?.is_some() {
+            if let Some(t) = gpu_elem::index_select0(self, index)? {
+                return Ok(t);
+            }
+        }
         let ids = index.to_vec::<i64>()?;
         let rows = self.dims().first().copied().unwrap_or(0);
         let inner: usize = self.dims().iter().skip(1).product();

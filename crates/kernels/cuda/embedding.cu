@@ -1,0 +1,271 @@
+// Embedding lookup and its gradient (see src/embedding/mod.rs), with the
+// vocab-sharded mode: a rank holds rows [vocab_start, vocab_start + vocab)
+// of the table; with `masked`, ids outside give zero rows / no gradient.
+//
+// A group of `group` threads (a power of two dividing the block) handles one
+// row at a time, copying or accumulating 16 bytes per thread when the rows
+// are 16-byte aligned.
+//
+// - tpar_embedding_fwd_*: out[p] = weight[ids[p] - vocab_start].
+// - Gradient, deterministic (tpar_embedding_bwd_csr_*): the positions of
+//   each table row come as a CSR (row_start [vocab + 1], positions sorted
+//   within each row, built on the host by a counting sort); one group per
+//   table row sums its positions' gradient rows in position order in f32 and
+//   writes the row once (zeros for unused rows). Same order as the CPU
+//   kernel. A row used by very many positions is summed by one group, so
+//   heavily skewed ids serialize on that row.
+// - Gradient, atomic (tpar_embedding_bwd_atomic_*): one group per position
+//   adds its gradient row into an f32 accumulator with atomicAdd (zeroed
+//   first by tpar_embedding_zero_f32, converted by tpar_embedding_cast_*).
+//   Needs no preprocessing, but the order of additions into a repeated row
+//   varies between runs on a GPU, so the result may differ in the last bits.
+//
+// Ids outside the slice without `masked` are errors: the kernels treat them
+// like masked ids and lower the caller's i32 error slot (if any) to the
+// first such position with atomicMin.
+
+struct EmbFwdArgs {
+    const void* weight;  // [vocab, dim]
+    const i64* ids;      // [n]
+    void* out;           // [n, dim]
+    i32* error;          // null, or atomicMin'd with positions of invalid ids
+    i64 vocab_start;
+    i32 vocab;
+    i32 dim;
+    i32 n;
+    i32 group;           // threads per row: a power of two dividing blockDim.x
+    i32 masked;
+    i32 pad;
+};
+
+struct EmbBwdAtomicArgs {
+    const i64* ids;      // [n]
+    const void* dout;    // [n, dim]
+    float* acc;          // [vocab, dim] f32, zeroed beforehand
+    i32* error;          // as EmbFwdArgs::error
+    i64 vocab_start;
+    i32 vocab;
+    i32 dim;
+    i32 n;
+    i32 group;
+    i32 masked;
+    i32 pad;
+};
+
+struct EmbBwdCsrArgs {
+    const i32* row_start;  // [vocab + 1]
+    const i32* positions;  // [row_start[vocab]], increasing within each row
+    const void* dout;      // [n, dim]
+    void* dweight;         // [vocab, dim], overwritten
+    i32 vocab;
+    i32 dim;
+    i32 group;
+    i32 pad;
+};
+
+struct EmbZeroArgs {
+    float* acc;
+    i64 n;
+};
+
+struct EmbCastArgs {
+    const float* acc;  // [n]
+    void* dweight;     // [n]
+    i64 n;
+};
+
+namespace embedding {
+
+struct alignas(16) Raw {
+    u32 w[4];
+};
+
+template <typename T>
+struct Pack;
+template <>
+struct Pack<float> {
+    static constexpr int N = 4;
+    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(r.w[i]);
+    }
+    static TPAR_DEVICE Raw pack(const float* e) {
+        Raw r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(e[i]);
+        return r;
+    }
+};
+template <typename H>
+struct PackHalf {
+    static constexpr int N = 8;
+    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            H lo, hi;
+            lo.bits = (u16)(r.w[i] & 0xffffu);
+            hi.bits = (u16)(r.w[i] >> 16);
+            e[2 * i] = to_f32(lo);
+            e[2 * i + 1] = to_f32(hi);
+        }
+    }
+    static TPAR_DEVICE Raw pack(const float* e) {
+        Raw r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.w[i] = pack2_f32<H>(e[2 * i], e[2 * i + 1]);
+        return r;
+    }
+};
+template <>
+struct Pack<bf16> : PackHalf<bf16> {};
+template <>
+struct Pack<f16> : PackHalf<f16> {};
+
+TPAR_DEVICE bool aligned16(const void* p) { return ((u64)p & 15u) == 0; }
+
+// The rows a group handles: group index in the grid and its stride.
+struct Rows {
+    int sub;      // thread index within the group
+    i64 first;
+    i64 stride;
+};
+
+TPAR_DEVICE Rows rows_of(int group) {
+    const int per_block = blockDim.x / group;
+    Rows r;
+    r.sub = threadIdx.x % group;
+    r.first = (i64)blockIdx.x * per_block + threadIdx.x / group;
+    r.stride = (i64)gridDim.x * per_block;
+    return r;
+}
+
+template <typename T>
+TPAR_DEVICE void forward(const EmbFwdArgs& a) {
+    constexpr int N = Pack<T>::N;
+    const T* weight = static_cast<const T*>(a.weight);
+    T* out = static_cast<T*>(a.out);
+    const bool vec = a.dim % N == 0 && aligned16(weight) && aligned16(out);
+    const Rows g = rows_of(a.group);
+    for (i64 p = g.first; p < a.n; p += g.stride) {
+        const i64 r = a.ids[p] - a.vocab_start;
+        const bool ok = r >= 0 && r < a.vocab;
+        if (!ok && !a.masked && a.error && g.sub == 0) atomicMin(a.error, (i32)p);
+        const T* w = weight + (ok ? r : 0) * a.dim;
+        T* o = out + p * a.dim;
+        if (vec) {
+            const Raw* wv = reinterpret_cast<const Raw*>(w);
+            Raw* ov = reinterpret_cast<Raw*>(o);
+            Raw zero;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) zero.w[i] = 0u;
+            for (int j = g.sub; j < a.dim / N; j += a.group) ov[j] = ok ? wv[j] : zero;
+        } else {
+            const T zero = from_f32<T>(0.0f);
+            for (int j = g.sub; j < a.dim; j += a.group) o[j] = ok ? w[j] : zero;
+        }
+    }
+}
+
+template <typename T>
+TPAR_DEVICE void backward_atomic(const EmbBwdAtomicArgs& a) {
+    constexpr int N = Pack<T>::N;
+    const T* dout = static_cast<const T*>(a.dout);
+    const bool vec = a.dim % N == 0 && aligned16(dout);
+    const Rows g = rows_of(a.group);
+    for (i64 p = g.first; p < a.n; p += g.stride) {
+        const i64 r = a.ids[p] - a.vocab_start;
+        if (r < 0 || r >= a.vocab) {
+            if (!a.masked && a.error && g.sub == 0) atomicMin(a.error, (i32)p);
+            continue;
+        }
+        float* acc = a.acc + r * a.dim;
+        const T* d = dout + p * a.dim;
+        if (vec) {
+            const Raw* dv = reinterpret_cast<const Raw*>(d);
+            for (int j = g.sub; j < a.dim / N; j += a.group) {
+                float e[N];
+                Pack<T>::unpack(dv[j], e);
+#pragma unroll
+                for (int k = 0; k < N; ++k) atomicAdd(acc + j * N + k, e[k]);
+            }
+        } else {
+            for (int j = g.sub; j < a.dim; j += a.group) atomicAdd(acc + j, to_f32(d[j]));
+        }
+    }
+}
+
+template <typename T>
+TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
+    constexpr int N = Pack<T>::N;
+    const T* dout = static_cast<const T*>(a.dout);
+    T* dweight = static_cast<T*>(a.dweight);
+    const bool vec = a.dim % N == 0 && aligned16(dout) && aligned16(dweight);
+    const Rows g = rows_of(a.group);
+    for (i64 v = g.first; v < a.vocab; v += g.stride) {
+        const i32 s = a.row_start[v], e = a.row_start[v + 1];
+        T* dw = dweight + v * a.dim;
+        if (vec) {
+            Raw* out = reinterpret_cast<Raw*>(dw);
+            for (int j = g.sub; j < a.dim / N; j += a.group) {
+                float acc[N];
+#pragma unroll
+                for (int k = 0; k < N; ++k) acc[k] = 0.0f;
+                for (i32 q = s; q < e; ++q) {
+                    const Raw* src = reinterpret_cast<const Raw*>(dout + (i64)a.positions[q] * a.dim);
+                    float x[N];
+                    Pack<T>::unpack(src[j], x);
+                    if (q == s) {
+#pragma unroll
+                        for (int k = 0; k < N; ++k) acc[k] = x[k];
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < N; ++k) acc[k] += x[k];
+                    }
+                }
+                out[j] = Pack<T>::pack(acc);
+            }
+        } else {
+            for (int j = g.sub; j < a.dim; j += a.group) {
+                float acc = 0.0f;
+                for (i32 q = s; q < e; ++q) {
+                    const float x = to_f32(dout[(i64)a.positions[q] * a.dim + j]);
+                    acc = q == s ? x : acc + x;
+                }
+                dw[j] = from_f32<T>(acc);
+            }
+        }
+    }
+}
+
+TPAR_DEVICE void zero(const EmbZeroArgs& a) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (i64)gridDim.x * blockDim.x) {
+        a.acc[i] = 0.0f;
+    }
+}
+
+template <typename T>
+TPAR_DEVICE void cast(const EmbCastArgs& a) {
+    T* out = static_cast<T*>(a.dweight);
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += (i64)gridDim.x * blockDim.x) {
+        out[i] = from_f32<T>(a.acc[i]);
+    }
+}
+
+}  // namespace embedding
+
+TPAR_KERNEL(tpar_embedding_fwd_f32, EmbFwdArgs, 256) { embedding::forward<float>(args); }
+TPAR_KERNEL(tpar_embedding_fwd_bf16, EmbFwdArgs, 256) { embedding::forward<bf16>(args); }
+TPAR_KERNEL(tpar_embedding_fwd_f16, EmbFwdArgs, 256) { embedding::forward<f16>(args); }
+
+TPAR_KERNEL(tpar_embedding_bwd_atomic_f32, EmbBwdAtomicArgs, 256) { embedding::backward_atomic<float>(args); }
+TPAR_KERNEL(tpar_embedding_bwd_atomic_bf16, EmbBwdAtomicArgs, 256) { embedding::backward_atomic<bf16>(args); }
+TPAR_KERNEL(tpar_embedding_bwd_atomic_f16, EmbBwdAtomicArgs, 256) { embedding::backward_atomic<f16>(args); }
+
+TPAR_KERNEL(tpar_embedding_bwd_csr_f32, EmbBwdCsrArgs, 256) { embedding::backward_csr<float>(args); }
+TPAR_KERNEL(tpar_embedding_bwd_csr_bf16, EmbBwdCsrArgs, 256) { embedding::backward_csr<bf16>(args); }
+TPAR_KERNEL(tpar_embedding_bwd_csr_f16, EmbBwdCsrArgs, 256) { embedding::backward_csr<f16>(args); }
+
+TPAR_KERNEL(tpar_embedding_zero_f32, EmbZeroArgs, 256) { embedding::zero(args); }
+TPAR_KERNEL(tpar_embedding_cast_f32, EmbCastArgs, 256) { embedding::cast<float>(args); }
+TPAR_KERNEL(tpar_embedding_cast_bf16, EmbCastArgs, 256) { embedding::cast<bf16>(args); }
+TPAR_KERNEL(tpar_embedding_cast_f16, EmbCastArgs, 256) { embedding::cast<f16>(args); }

@@ -1,0 +1,284 @@
+// CPU emulator of the CUDA execution model, for testing tpar's kernels on
+// machines without a GPU. Included before the prelude (tpar.cuh) when a
+// kernel source is compiled with the host C++ compiler and -DTPAR_EMU.
+//
+// Model: a launch runs its blocks one after another; the threads of a block
+// are fibers (emu.cpp) that run until they reach __syncthreads() or a warp
+// operation (shuffle, __syncwarp, mma, ldmatrix), which completes once every
+// live lane of the warp (or thread of the block) has arrived. `__shared__`
+// becomes `static`, which is shared by exactly the threads of the one block
+// running at a time.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+typedef uint8_t u8;
+typedef uint16_t u16;
+typedef uint32_t u32;
+typedef int32_t i32;
+typedef int64_t i64;
+typedef uint64_t u64;
+
+struct dim3 {
+    unsigned x, y, z;
+};
+typedef dim3 uint3;
+
+typedef void (*tpar_emu_combine_fn)(void* const* ins, void* const* outs, int kind);
+
+extern "C" {
+const dim3* tpar_emu_thread_idx();
+const dim3* tpar_emu_block_idx();
+const dim3* tpar_emu_block_dim();
+const dim3* tpar_emu_grid_dim();
+unsigned char* tpar_emu_dyn_smem_ptr();
+void tpar_emu_syncthreads();
+// Every live lane of the calling warp passes its own `in`/`out`; once all
+// have arrived, `combine` runs once with the 32 lanes' pointers (null for
+// lanes that have exited) and every lane continues.
+void tpar_emu_warp_collective(void* in, void* out, tpar_emu_combine_fn combine, int kind);
+// Records a kernel error (the launch fails with this message).
+void tpar_emu_fail(const char* what);
+}
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static
+#define __constant__ static
+
+#define threadIdx (*tpar_emu_thread_idx())
+#define blockIdx (*tpar_emu_block_idx())
+#define blockDim (*tpar_emu_block_dim())
+#define gridDim (*tpar_emu_grid_dim())
+#define warpSize 32
+#define tpar_dyn_smem (tpar_emu_dyn_smem_ptr())
+
+#define TPAR_DEVICE inline
+#define TPAR_KERNEL(name, ArgsT, max_threads)                                      \
+    static void name##_tpar_body(const ArgsT args);                                \
+    extern "C" void name(const void* p) {                                          \
+        ArgsT a;                                                                   \
+        std::memcpy(&a, p, sizeof(ArgsT));                                         \
+        name##_tpar_body(a);                                                       \
+    }                                                                              \
+    extern "C" size_t name##_tpar_args_size() { return sizeof(ArgsT); }            \
+    extern "C" unsigned name##_tpar_max_threads() { return (unsigned)(max_threads); } \
+    static void name##_tpar_body(const ArgsT args)
+
+inline void __syncthreads() { tpar_emu_syncthreads(); }
+
+// ---------------------------------------------------------------- bit casts and math
+
+inline float __int_as_float(int v) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    return f;
+}
+inline float __uint_as_float(unsigned v) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+template <typename T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// Fibers of one block never run concurrently, so atomics are plain updates.
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+    T old = *p;
+    *p = old + v;
+    return old;
+}
+template <typename T>
+inline T atomicMax(T* p, T v) {
+    T old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
+template <typename T>
+inline T atomicMin(T* p, T v) {
+    T old = *p;
+    *p = old < v ? old : v;
+    return old;
+}
+template <typename T>
+inline T atomicExch(T* p, T v) {
+    T old = *p;
+    *p = v;
+    return old;
+}
+template <typename T>
+inline T atomicCAS(T* p, T cmp, T v) {
+    T old = *p;
+    if (old == cmp) *p = v;
+    return old;
+}
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+
+// ---------------------------------------------------------------- f16 conversions
+
+inline float tpar_emu_f16_to_f32(u16 h) {
+    u32 sign = (u32)(h & 0x8000u) << 16;
+    u32 exp = (h >> 10) & 0x1fu;
+    u32 man = h & 0x3ffu;
+    u32 bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            float f = std::ldexp((float)man, -24);
+            return sign ? -f : f;
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+inline u16 tpar_emu_f32_to_f16(float f) {
+    u32 x = __float_as_uint(f);
+    u16 sign = (u16)((x >> 16) & 0x8000u);
+    u32 exp = (x >> 23) & 0xffu;
+    u32 man = x & 0x7fffffu;
+    if (exp == 0xff) return (u16)(sign | 0x7c00u | (man ? 0x200u : 0u));
+    int e = (int)exp - 127 + 15;
+    if (e >= 0x1f) return (u16)(sign | 0x7c00u);
+    if (e <= 0) {
+        if (e < -10) return sign;
+        man |= 0x800000u;
+        int shift = 14 - e;
+        u32 half = man >> shift;
+        u32 rem = man & ((1u << shift) - 1);
+        u32 mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1u))) half++;
+        return (u16)(sign | half);
+    }
+    u32 half = ((u32)e << 10) | (man >> 13);
+    u32 rem = man & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) half++;
+    return (u16)(sign | half);
+}
+
+// ---------------------------------------------------------------- warp operations
+
+enum { TPAR_SHFL_IDX = 0, TPAR_SHFL_XOR = 1, TPAR_SHFL_DOWN = 2, TPAR_SHFL_UP = 3 };
+
+template <typename T>
+struct tpar_emu_shfl_in {
+    T v;
+    int arg;
+    int width;
+};
+
+template <typename T>
+void tpar_emu_shfl_combine(void* const* ins, void* const* outs, int kind) {
+    for (int lane = 0; lane < 32; ++lane) {
+        if (!ins[lane]) continue;
+        const tpar_emu_shfl_in<T>* me = static_cast<const tpar_emu_shfl_in<T>*>(ins[lane]);
+        int w = me->width, base = lane - lane % w, src = lane;
+        switch (kind) {
+            case TPAR_SHFL_IDX: src = base + ((me->arg % w) + w) % w; break;
+            case TPAR_SHFL_XOR: src = lane ^ me->arg; break;
+            case TPAR_SHFL_DOWN: src = (lane % w) + me->arg < w ? lane + me->arg : lane; break;
+            case TPAR_SHFL_UP: src = (lane % w) - me->arg >= 0 ? lane - me->arg : lane; break;
+        }
+        if (src < 0 || src >= 32 || !ins[src]) {
+            tpar_emu_fail("a shuffle read a lane that has exited or does not exist");
+            *static_cast<T*>(outs[lane]) = me->v;
+            continue;
+        }
+        *static_cast<T*>(outs[lane]) = static_cast<const tpar_emu_shfl_in<T>*>(ins[src])->v;
+    }
+}
+
+template <typename T>
+inline T tpar_emu_shfl(T v, int arg, int width, int kind) {
+    tpar_emu_shfl_in<T> in{v, arg, width};
+    T out = v;
+    tpar_emu_warp_collective(&in, &out, &tpar_emu_shfl_combine<T>, kind);
+    return out;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src, int width = 32) {
+    return tpar_emu_shfl(v, src, width, TPAR_SHFL_IDX);
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+    return tpar_emu_shfl(v, mask, width, TPAR_SHFL_XOR);
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned d, int width = 32) {
+    return tpar_emu_shfl(v, (int)d, width, TPAR_SHFL_DOWN);
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned d, int width = 32) {
+    return tpar_emu_shfl(v, (int)d, width, TPAR_SHFL_UP);
+}
+
+inline void tpar_emu_nop_combine(void* const*, void* const*, int) {}
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    tpar_emu_warp_collective(nullptr, nullptr, &tpar_emu_nop_combine, 0);
+}
+
+// Vote functions: the predicate of every live lane.
+inline void tpar_emu_ballot_combine(void* const* ins, void* const* outs, int) {
+    unsigned bits = 0;
+    for (int l = 0; l < 32; ++l)
+        if (ins[l] && *static_cast<const int*>(ins[l])) bits |= 1u << l;
+    for (int l = 0; l < 32; ++l)
+        if (outs[l]) *static_cast<unsigned*>(outs[l]) = bits;
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+    int in = pred != 0;
+    unsigned out = 0;
+    tpar_emu_warp_collective(&in, &out, &tpar_emu_ballot_combine, 0);
+    return out;
+}
+inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __all_sync(unsigned m, int pred) { return __ballot_sync(m, !pred) == 0; }
+
+// Tensor-core and async-copy emulation (emu.cpp).
+extern "C" {
+void tpar_emu_mma_16816(float d[4], const u32 a[4], const u32 b[2], int f16);
+void tpar_emu_ldmatrix(u32* r, const void* row, int count, bool trans);
+void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred);
+}

@@ -1,0 +1,161 @@
+// Rotary position embedding, rotate-half form (as the CPU op in src/rope/):
+// with x = (x1, x2) the halves of each head, c = (c1, c2) and s = (s1, s2) the
+// halves of the row of cos / sin for the element's position,
+//   forward:   y1 = x1 c1 - x2 s1,  y2 = x2 c2 + x1 s2
+//   transpose: y1 = x1 c1 + x2 s2,  y2 = x2 c2 - x1 s1   (the backward pass)
+//
+// Layout: element (o, t, i, j) of x / y is at ((o*seq + t)*inner + i)*head_dim + j
+// ([b, h, s, d] is outer = b*h, inner = 1; [b, s, h, d] is outer = b, inner = h);
+// cos and sin are [seq, head_dim]. y may be x (in place): every thread reads
+// the pair (x1[j], x2[j]) it then writes.
+//
+// One item is 8 pairs (16-byte loads of x1, x2, c1, c2, s1, s2, stores of y1,
+// y2) when half = head_dim / 2 is a multiple of 8 and the pointers are
+// 16-byte aligned, else one pair. Grid-stride over items; index arithmetic in
+// 32 bits when the tensor allows.
+
+struct RopeArgs {
+    const void* x;
+    const void* cos;
+    const void* sin;
+    void* y;
+    i64 outer;
+    i64 seq;
+    i64 inner;
+    i64 head_dim;
+    i32 transpose;
+    i32 pad;
+};
+
+namespace rope {
+
+struct alignas(16) U4 {
+    u32 w[4];
+};
+
+TPAR_DEVICE bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
+
+template <typename H>
+TPAR_DEVICE H half_from_bits(u32 b) {
+    H h;
+    h.bits = (u16)b;
+    return h;
+}
+
+TPAR_DEVICE void ld8(const float* p, float v[8]) {
+    const U4 a = reinterpret_cast<const U4*>(p)[0];
+    const U4 b = reinterpret_cast<const U4*>(p)[1];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[k] = __uint_as_float(a.w[k]);
+        v[4 + k] = __uint_as_float(b.w[k]);
+    }
+}
+template <typename H>
+TPAR_DEVICE void ld8_half(const H* p, float v[8]) {
+    const U4 a = *reinterpret_cast<const U4*>(p);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = to_f32(half_from_bits<H>(a.w[k] & 0xffffu));
+        v[2 * k + 1] = to_f32(half_from_bits<H>(a.w[k] >> 16));
+    }
+}
+TPAR_DEVICE void ld8(const bf16* p, float v[8]) { ld8_half(p, v); }
+TPAR_DEVICE void ld8(const f16* p, float v[8]) { ld8_half(p, v); }
+
+TPAR_DEVICE void st8(float* p, const float v[8]) {
+    U4 a, b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        a.w[k] = __float_as_uint(v[k]);
+        b.w[k] = __float_as_uint(v[4 + k]);
+    }
+    reinterpret_cast<U4*>(p)[0] = a;
+    reinterpret_cast<U4*>(p)[1] = b;
+}
+template <typename H>
+TPAR_DEVICE void st8_half(H* p, const float v[8]) {
+    U4 a;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        a.w[k] = tpar_pack2(from_f32<H>(v[2 * k]).bits, from_f32<H>(v[2 * k + 1]).bits);
+    *reinterpret_cast<U4*>(p) = a;
+}
+TPAR_DEVICE void st8(bf16* p, const float v[8]) { st8_half(p, v); }
+TPAR_DEVICE void st8(f16* p, const float v[8]) { st8_half(p, v); }
+
+// Rotates one pair in place: (a, b) = (x1[j], x2[j]).
+TPAR_DEVICE void rotate(float& a, float& b, float c1, float c2, float s1, float s2, bool transpose) {
+    const float x1 = a, x2 = b;
+    if (transpose) {
+        a = x1 * c1 + x2 * s2;
+        b = x2 * c2 - x1 * s1;
+    } else {
+        a = x1 * c1 - x2 * s1;
+        b = x2 * c2 + x1 * s2;
+    }
+}
+
+// Items of `w` pairs each (w = 8 or 1): item q covers pairs jw..jw+w-1 of row
+// q / (half / w), where a row is one (o, t, i) head and t = row / inner % seq.
+template <typename T, int W, typename I>
+TPAR_DEVICE void run(const RopeArgs& a) {
+    const T* x = static_cast<const T*>(a.x);
+    const T* cs = static_cast<const T*>(a.cos);
+    const T* sn = static_cast<const T*>(a.sin);
+    T* y = static_cast<T*>(a.y);
+    const bool tr = a.transpose != 0;
+    const I hd = (I)a.head_dim, half = hd / 2, per_row = half / W;
+    const I inner = (I)a.inner, seq = (I)a.seq;
+    const I items = (I)(a.outer * a.seq * a.inner) * per_row;
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I q = (I)blockIdx.x * blockDim.x + threadIdx.x; q < items; q += stride) {
+        const I row = q / per_row;
+        const I j = (q - row * per_row) * W;
+        const I t = (row / inner) % seq;
+        const I xo = row * hd + j, to = t * hd + j;
+        if (W == 8) {
+            float x1[8], x2[8], c1[8], c2[8], s1[8], s2[8];
+            ld8(x + xo, x1);
+            ld8(x + xo + half, x2);
+            ld8(cs + to, c1);
+            ld8(cs + to + half, c2);
+            ld8(sn + to, s1);
+            ld8(sn + to + half, s2);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) rotate(x1[k], x2[k], c1[k], c2[k], s1[k], s2[k], tr);
+            st8(y + xo, x1);
+            st8(y + xo + half, x2);
+        } else {
+            float x1 = to_f32(x[xo]), x2 = to_f32(x[xo + half]);
+            rotate(x1, x2, to_f32(cs[to]), to_f32(cs[to + half]), to_f32(sn[to]),
+                   to_f32(sn[to + half]), tr);
+            y[xo] = from_f32<T>(x1);
+            y[xo + half] = from_f32<T>(x2);
+        }
+    }
+}
+
+template <typename T>
+TPAR_DEVICE void apply(const RopeArgs& a) {
+    const i64 half = a.head_dim / 2;
+    const bool vec = half % 8 == 0 && aligned16(a.x) && aligned16(a.y) && aligned16(a.cos) &&
+                     aligned16(a.sin);
+    // every index below (elements of x, of the tables, items) is < numel(x)
+    // or < numel(table); 32-bit arithmetic when both fit
+    const i64 n = a.outer * a.seq * a.inner * a.head_dim;
+    const bool small = n < 0x7fffffffLL && a.seq * a.head_dim < 0x7fffffffLL;
+    if (vec) {
+        if (small) run<T, 8, u32>(a);
+        else run<T, 8, u64>(a);
+    } else {
+        if (small) run<T, 1, u32>(a);
+        else run<T, 1, u64>(a);
+    }
+}
+
+}  // namespace rope
+
+TPAR_KERNEL(tpar_rope_f32, RopeArgs, 1024) { rope::apply<float>(args); }
+TPAR_KERNEL(tpar_rope_bf16, RopeArgs, 1024) { rope::apply<bf16>(args); }
+TPAR_KERNEL(tpar_rope_f16, RopeArgs, 1024) { rope::apply<f16>(args); }

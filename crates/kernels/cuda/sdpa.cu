@@ -1,0 +1,1040 @@
+// Scaled dot-product attention, flash-attention style (same meaning as the
+// CPU op in src/sdpa/).
+//
+// q [batch, q_heads, q_len, head_dim], k [batch, kv_heads, kv_len, head_dim],
+// v [batch, kv_heads, kv_len, v_dim], out [batch, q_heads, q_len, v_dim],
+// lse [batch, q_heads, q_len] (f32, natural log). q head h reads kv head
+// h / (q_heads / kv_heads). Causal masking is top-left aligned (query i sees
+// keys j <= i). The optional additive mask (same element type as q) holds the
+// element for (b, h, i, j) at b*mask_bs + h*mask_hs + i*mask_rs + j; -inf
+// masks a key out. A query row with every key masked gets zeros, lse = -inf
+// and no gradient.
+//
+// Forward: one block per (query block, q head, batch) walks the key tiles
+// with an online softmax (exp2 domain, f32), never storing the score matrix,
+// and saves lse.
+// Backward: `bwd_pre` computes delta = rowsum(dout * out) and zeroes the f32
+// dq accumulator; one block per (key block, kv head, batch) loops over the
+// q heads of its group and their query tiles, recomputes P from lse, keeps
+// dK and dV in registers (one writer per element) and adds dQ = dS K into
+// the f32 accumulator with atomics; `bwd_dq` scales and converts it.
+//
+// Two kernel families:
+// - `tc<HD>` (bf16/f16): tensor cores (mma.sync m16n8k16, ldmatrix from
+//   XOR-swizzled shared tiles, cp.async loads overlapped with compute), head
+//   dims padded to HD = 64 or 128; needs head_dim and v_dim multiples of 8
+//   and 16-byte aligned q/k/v/out/dout/dk/dv. The forward takes 64 query
+//   rows per block (`tc<HD>`) or 128 (`tc<HD>m2`, two 16-row tiles per warp).
+// - `simt<NC>` (any type, head dims up to 32*NC <= 256): f32 FMA on 4x4
+//   register tiles, the head dim streamed through shared memory in chunks of
+//   32 columns.
+
+struct SdpaFwdArgs {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* mask;  // null: no mask
+    void* out;
+    float* lse;
+    i64 mask_bs;
+    i64 mask_hs;
+    i64 mask_rs;
+    i32 batch;
+    i32 q_heads;
+    i32 kv_heads;
+    i32 q_len;
+    i32 kv_len;
+    i32 head_dim;
+    i32 v_dim;
+    i32 causal;
+    float scale;
+    i32 pad;
+};
+
+struct SdpaBwdArgs {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* mask;  // null: no mask
+    const void* out;
+    const void* dout;
+    const float* lse;
+    float* delta;   // [batch * q_heads * q_len] workspace
+    float* dq_acc;  // [batch * q_heads * q_len, head_dim] f32 workspace
+    void* dq;
+    void* dk;
+    void* dv;
+    i64 mask_bs;
+    i64 mask_hs;
+    i64 mask_rs;
+    i32 batch;
+    i32 q_heads;
+    i32 kv_heads;
+    i32 q_len;
+    i32 kv_len;
+    i32 head_dim;
+    i32 v_dim;
+    i32 causal;
+    float scale;
+    i32 pad;
+};
+
+namespace sdpa {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Query and key rows per tile.
+constexpr int kBlock = 64;
+
+// 16 bytes, for vectorized copies.
+struct alignas(16) Vec16 {
+    u32 x, y, z, w;
+};
+
+// ------------------------------------------------------------------ SIMT
+
+// Rows of the [*, 33] f32 chunk buffers (33: conflict-free column reads).
+constexpr int kLd = 33;
+
+// Copies columns c0..c0+31 of rows 0..ROWS-1 of a row-major matrix with `ld`
+// elements per row into s[ROWS][33] as f32; zero outside `nrows` x `ncols`.
+template <typename T, int ROWS, int NT>
+TPAR_DEVICE void simt_chunk(float* s, const T* g, int ld, int nrows, int c0, int ncols) {
+    static_assert(ROWS * 32 % NT == 0, "whole passes of the block");
+#pragma unroll
+    for (int it = 0; it < ROWS * 32 / NT; ++it) {
+        const int e = threadIdx.x + it * NT;
+        const int r = e >> 5, c = e & 31;
+        float x = 0.0f;
+        if (r < nrows && c0 + c < ncols) x = to_f32(g[(i64)r * ld + c0 + c]);
+        s[r * kLd + c] = x;
+    }
+}
+
+// Max over the 16 lanes of a half warp.
+TPAR_DEVICE float half_warp_max(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(TPAR_FULL_MASK, v, o));
+    return v;
+}
+
+TPAR_DEVICE float half_warp_sum(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(TPAR_FULL_MASK, v, o);
+    return v;
+}
+
+// Forward, 256 threads as a 16 x 16 grid (ty, tx): thread (ty, tx) owns
+// query rows ty + 16i and key columns tx + 16j of the 64 x 64 score tile, and
+// output columns c*32 + tx + 16e. NC = 32-column chunks of v_dim.
+template <typename T, int NC>
+TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
+    constexpr int NT = 256;
+    float* sA = reinterpret_cast<float*>(tpar_dyn_smem);  // [64][33] q / v chunk
+    float* sB = sA + kBlock * kLd;                         // [64][33] k chunk
+    float* sP = sB + kBlock * kLd;                         // [64][65] probabilities
+    constexpr int kLdP = kBlock + 1;
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlock;  // heavy causal blocks first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (a.q_heads / a.kv_heads);
+    const i64 bh = (i64)b * a.q_heads + h;
+    const i64 bkv = (i64)b * a.kv_heads + kvh;
+    const T* Q = static_cast<const T*>(a.q) + (bh * a.q_len + q0) * a.head_dim;
+    const T* K = static_cast<const T*>(a.k) + bkv * a.kv_len * a.head_dim;
+    const T* V = static_cast<const T*>(a.v) + bkv * a.kv_len * a.v_dim;
+    const T* M = a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
+    const int nq = min(kBlock, a.q_len - q0);
+    const int kv_end = a.causal ? min(a.kv_len, q0 + kBlock) : a.kv_len;
+    const float sl2 = a.scale * kLog2e;
+    const float ninf = -tpar_inf();
+
+    float o[4][2 * NC], m[4], l[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        m[i] = ninf;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 2 * NC; ++c) o[i][c] = 0.0f;
+    }
+
+    for (int j0 = 0; j0 < kv_end; j0 += kBlock) {
+        const int nk = min(kBlock, a.kv_len - j0);
+        float s[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) s[i][j] = 0.0f;
+        for (int c0 = 0; c0 < a.head_dim; c0 += 32) {
+            __syncthreads();
+            simt_chunk<T, kBlock, NT>(sA, Q, a.head_dim, nq, c0, a.head_dim);
+            simt_chunk<T, kBlock, NT>(sB, K + (i64)j0 * a.head_dim, a.head_dim, nk, c0, a.head_dim);
+            __syncthreads();
+#pragma unroll 8
+            for (int d = 0; d < 32; ++d) {
+                float qa[4], kb[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    qa[i] = sA[(ty + 16 * i) * kLd + d];
+                    kb[i] = sB[(tx + 16 * i) * kLd + d];
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) s[i][j] += qa[i] * kb[j];
+            }
+        }
+        // Scores in the exp2 domain, masked; online softmax per row.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = q0 + ty + 16 * i;
+            float mx = ninf;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int c = j0 + tx + 16 * j;
+                float x = s[i][j] * sl2;
+                if (c >= a.kv_len || (a.causal && c > r)) {
+                    x = ninf;
+                } else if (M != nullptr && r < a.q_len) {
+                    x += to_f32(M[(i64)r * a.mask_rs + c]) * kLog2e;
+                }
+                s[i][j] = x;
+                mx = fmaxf(mx, x);
+            }
+            mx = half_warp_max(mx);
+            const float mnew = fmaxf(m[i], mx);
+            const float base = mnew == ninf ? 0.0f : mnew;
+            const float alpha = exp2f(m[i] - base);
+            m[i] = mnew;
+            l[i] *= alpha;
+#pragma unroll
+            for (int c = 0; c < 2 * NC; ++c) o[i][c] *= alpha;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float p = exp2f(s[i][j] - base);
+                l[i] += p;
+                s[i][j] = p;
+            }
+        }
+        __syncthreads();  // earlier readers of sP and sA are done
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sP[(ty + 16 * i) * kLdP + tx + 16 * j] = s[i][j];
+        // o += P v, one 32-column chunk of v at a time.
+#pragma unroll
+        for (int vc = 0; vc < NC; ++vc) {
+            if (vc * 32 < a.v_dim) {
+                __syncthreads();
+                simt_chunk<T, kBlock, NT>(sA, V + (i64)j0 * a.v_dim, a.v_dim, nk, vc * 32, a.v_dim);
+                __syncthreads();
+#pragma unroll 4
+                for (int j = 0; j < kBlock; ++j) {
+                    const float v0 = sA[j * kLd + tx], v1 = sA[j * kLd + tx + 16];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float p = sP[(ty + 16 * i) * kLdP + j];
+                        o[i][2 * vc] += p * v0;
+                        o[i][2 * vc + 1] += p * v1;
+                    }
+                }
+            }
+        }
+    }
+
+    T* out = static_cast<T*>(a.out) + bh * a.q_len * a.v_dim;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float lt = half_warp_sum(l[i]);
+        const int r = q0 + ty + 16 * i;
+        if (r < a.q_len) {
+            const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+#pragma unroll
+            for (int vc = 0; vc < NC; ++vc)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = vc * 32 + tx + 16 * e;
+                    if (c < a.v_dim)
+                        out[(i64)r * a.v_dim + c] = from_f32<T>(o[i][2 * vc + e] * inv);
+                }
+            if (tx == 0) a.lse[bh * a.q_len + r] = lt > 0.0f ? m[i] * kLn2 + logf(lt) : ninf;
+        }
+    }
+}
+
+// Backward dK/dV (and dQ by atomics), 256 threads as 16 x 16 (ty, tx):
+// thread (ty, tx) owns keys ty + 16i of the block's 64 and queries tx + 16j
+// of each 32-query tile, and dK/dV columns c*32 + tx + 16e.
+template <typename T, int NC>
+TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
+    constexpr int NT = 256, BQ = 32;
+    float* sA = reinterpret_cast<float*>(tpar_dyn_smem);  // [64][33] k / v chunk
+    float* sB = sA + kBlock * kLd;                         // [32][33] q / dout chunk
+    float* sPT = sB + kBlock * kLd;                        // [64 keys][33] P^T
+    float* sDS = sPT + kBlock * kLd;                       // [64 keys][33] dS^T
+    float* sL = sDS + kBlock * kLd;                        // [32] lse (exp2 domain)
+    float* sD = sL + BQ;                                   // [32] delta
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    const int k0 = blockIdx.x * kBlock, kvh = blockIdx.y, b = blockIdx.z;
+    const int group = a.q_heads / a.kv_heads;
+    const i64 bkv = (i64)b * a.kv_heads + kvh;
+    const T* K = static_cast<const T*>(a.k) + (bkv * a.kv_len + k0) * a.head_dim;
+    const T* V = static_cast<const T*>(a.v) + (bkv * a.kv_len + k0) * a.v_dim;
+    const int nk = min(kBlock, a.kv_len - k0);
+    const float sl2 = a.scale * kLog2e;
+    const float inf = tpar_inf();
+
+    float dk[4][2 * NC], dv[4][2 * NC];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int c = 0; c < 2 * NC; ++c) {
+            dk[i][c] = 0.0f;
+            dv[i][c] = 0.0f;
+        }
+
+    for (int gi = 0; gi < group; ++gi) {
+        const int h = kvh * group + gi;
+        const i64 bh = (i64)b * a.q_heads + h;
+        const T* Qh = static_cast<const T*>(a.q) + bh * a.q_len * a.head_dim;
+        const T* Gh = static_cast<const T*>(a.dout) + bh * a.q_len * a.v_dim;
+        const float* Lh = a.lse + bh * a.q_len;
+        const float* Dh = a.delta + bh * a.q_len;
+        float* dQh = a.dq_acc + bh * a.q_len * a.head_dim;
+        const T* M =
+            a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
+        for (int i0 = a.causal ? k0 : 0; i0 < a.q_len; i0 += BQ) {
+            const int nq = min(BQ, a.q_len - i0);
+            const T* Q = Qh + (i64)i0 * a.head_dim;
+            const T* G = Gh + (i64)i0 * a.v_dim;
+            __syncthreads();  // the previous tile's readers are done
+            if (threadIdx.x < BQ) {
+                const int r = threadIdx.x;
+                const float lv = r < nq ? Lh[i0 + r] : -inf;
+                // A fully masked row (lse = -inf) gets P = 0 from exp2(x - inf).
+                sL[r] = lv == -inf ? inf : lv * kLog2e;
+                sD[r] = r < nq ? Dh[i0 + r] : 0.0f;
+            }
+            float st[4][2], dp[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    st[i][j] = 0.0f;
+                    dp[i][j] = 0.0f;
+                }
+            // S^T = K Q^T
+            for (int c0 = 0; c0 < a.head_dim; c0 += 32) {
+                __syncthreads();
+                simt_chunk<T, kBlock, NT>(sA, K, a.head_dim, nk, c0, a.head_dim);
+                simt_chunk<T, BQ, NT>(sB, Q, a.head_dim, nq, c0, a.head_dim);
+                __syncthreads();
+#pragma unroll 8
+                for (int d = 0; d < 32; ++d) {
+                    const float q0v = sB[tx * kLd + d], q1v = sB[(tx + 16) * kLd + d];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float kv = sA[(ty + 16 * i) * kLd + d];
+                        st[i][0] += kv * q0v;
+                        st[i][1] += kv * q1v;
+                    }
+                }
+            }
+            // dP^T = V dout^T
+            for (int c0 = 0; c0 < a.v_dim; c0 += 32) {
+                __syncthreads();
+                simt_chunk<T, kBlock, NT>(sA, V, a.v_dim, nk, c0, a.v_dim);
+                simt_chunk<T, BQ, NT>(sB, G, a.v_dim, nq, c0, a.v_dim);
+                __syncthreads();
+#pragma unroll 8
+                for (int d = 0; d < 32; ++d) {
+                    const float g0 = sB[tx * kLd + d], g1 = sB[(tx + 16) * kLd + d];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float vv = sA[(ty + 16 * i) * kLd + d];
+                        dp[i][0] += vv * g0;
+                        dp[i][1] += vv * g1;
+                    }
+                }
+            }
+            __syncthreads();  // sL / sD visible
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int kl = ty + 16 * i, j = k0 + kl;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int qi = tx + 16 * e, r = i0 + qi;
+                    float p = 0.0f;
+                    if (j < a.kv_len && qi < nq && !(a.causal && j > r)) {
+                        float x = st[i][e] * sl2;
+                        if (M != nullptr) x += to_f32(M[(i64)r * a.mask_rs + j]) * kLog2e;
+                        p = exp2f(x - sL[qi]);
+                    }
+                    sPT[kl * kLd + qi] = p;
+                    sDS[kl * kLd + qi] = p * (dp[i][e] - sD[qi]);
+                }
+            }
+            // dV += P^T dout
+#pragma unroll
+            for (int vc = 0; vc < NC; ++vc) {
+                if (vc * 32 < a.v_dim) {
+                    __syncthreads();
+                    simt_chunk<T, BQ, NT>(sB, G, a.v_dim, nq, vc * 32, a.v_dim);
+                    __syncthreads();
+#pragma unroll 4
+                    for (int qi = 0; qi < BQ; ++qi) {
+                        const float g0 = sB[qi * kLd + tx], g1 = sB[qi * kLd + tx + 16];
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float p = sPT[(ty + 16 * i) * kLd + qi];
+                            dv[i][2 * vc] += p * g0;
+                            dv[i][2 * vc + 1] += p * g1;
+                        }
+                    }
+                }
+            }
+            // dK += dS^T q (the scale is applied at the end)
+#pragma unroll
+            for (int dc = 0; dc < NC; ++dc) {
+                if (dc * 32 < a.head_dim) {
+                    __syncthreads();
+                    simt_chunk<T, BQ, NT>(sB, Q, a.head_dim, nq, dc * 32, a.head_dim);
+                    __syncthreads();
+#pragma unroll 4
+                    for (int qi = 0; qi < BQ; ++qi) {
+                        const float q0v = sB[qi * kLd + tx], q1v = sB[qi * kLd + tx + 16];
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const float ds = sDS[(ty + 16 * i) * kLd + qi];
+                            dk[i][2 * dc] += ds * q0v;
+                            dk[i][2 * dc + 1] += ds * q1v;
+                        }
+                    }
+                }
+            }
+            // dQ += dS K: thread owns queries ty + 16i (i < 2), columns tx + 16e.
+            for (int c0 = 0; c0 < a.head_dim; c0 += 32) {
+                __syncthreads();
+                simt_chunk<T, kBlock, NT>(sA, K, a.head_dim, nk, c0, a.head_dim);
+                __syncthreads();
+                float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll 4
+                for (int kl = 0; kl < kBlock; ++kl) {
+                    const float k0v = sA[kl * kLd + tx], k1v = sA[kl * kLd + tx + 16];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float ds = sDS[kl * kLd + ty + 16 * i];
+                        acc[i][0] += ds * k0v;
+                        acc[i][1] += ds * k1v;
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int qi = ty + 16 * i;
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = c0 + tx + 16 * e;
+                        if (qi < nq && c < a.head_dim)
+                            atomicAdd(&dQh[(i64)(i0 + qi) * a.head_dim + c], acc[i][e]);
+                    }
+                }
+            }
+        }
+    }
+
+    T* dK = static_cast<T*>(a.dk) + (bkv * a.kv_len + k0) * a.head_dim;
+    T* dV = static_cast<T*>(a.dv) + (bkv * a.kv_len + k0) * a.v_dim;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int kl = ty + 16 * i;
+        if (kl < nk) {
+#pragma unroll
+            for (int cc = 0; cc < NC; ++cc)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = cc * 32 + tx + 16 * e;
+                    if (c < a.head_dim)
+                        dK[(i64)kl * a.head_dim + c] = from_f32<T>(dk[i][2 * cc + e] * a.scale);
+                    if (c < a.v_dim) dV[(i64)kl * a.v_dim + c] = from_f32<T>(dv[i][2 * cc + e]);
+                }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ tensor cores
+
+// Element offset of 16-byte chunk `c` of row `r` in a [rows][HD] tile of
+// 16-bit elements whose chunks are XOR-swizzled by the row (HD >= 64), so
+// that ldmatrix reads of eight rows at one chunk column hit distinct banks.
+template <int HD>
+TPAR_DEVICE int swz(int r, int c) {
+    return r * HD + ((c ^ (r & 7)) << 3);
+}
+
+// Asynchronous copy of rows 0..ROWS-1 of a row-major matrix (`ld` elements
+// per row) into a swizzled [ROWS][HD] tile; zero outside `nrows` x `ncols`
+// (`ncols` a multiple of 8, rows 16-byte aligned).
+template <typename T, int ROWS, int HD, int NT>
+TPAR_DEVICE void tc_load(T* s, const T* g, int ld, int nrows, int ncols) {
+    constexpr int CH = HD / 8;
+    static_assert(HD >= 64 && ROWS * CH % NT == 0, "swizzle width; whole passes of the block");
+#pragma unroll
+    for (int it = 0; it < ROWS * CH / NT; ++it) {
+        const int e = threadIdx.x + it * NT;
+        const int r = e / CH, c = e % CH;
+        const bool ok = r < nrows && c * 8 < ncols;
+        cp_async_16(s + swz<HD>(r, c), ok ? g + (i64)r * ld + c * 8 : g, ok);
+    }
+}
+
+// Stores rows 0..nrows-1, columns 0..ncols-1 of a swizzled [ROWS][HD] tile
+// to a row-major matrix with `ld` elements per row, 16 bytes at a time.
+template <typename T, int ROWS, int HD, int NT>
+TPAR_DEVICE void tc_store(T* g, const T* s, int ld, int nrows, int ncols) {
+    constexpr int CH = HD / 8;
+    static_assert(HD >= 64 && ROWS * CH % NT == 0, "swizzle width; whole passes of the block");
+#pragma unroll
+    for (int it = 0; it < ROWS * CH / NT; ++it) {
+        const int e = threadIdx.x + it * NT;
+        const int r = e / CH, c = e % CH;
+        if (r < nrows && c * 8 < ncols)
+            *reinterpret_cast<Vec16*>(g + (i64)r * ld + c * 8) =
+                *reinterpret_cast<const Vec16*>(s + swz<HD>(r, c));
+    }
+}
+
+// Writes an mma accumulator tile (16 rows from `row`, HD columns) as T into a
+// swizzled [*][HD] tile, multiplied by mul[0] (rows g) / mul[1] (rows g+8).
+template <typename T, int HD>
+TPAR_DEVICE void tc_stage(T* s, float (*acc)[4], int row, const float mul[2]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+        *reinterpret_cast<u32*>(s + swz<HD>(row + g, nt) + 2 * t) =
+            pack2_f32<T>(acc[nt][0] * mul[0], acc[nt][1] * mul[0]);
+        *reinterpret_cast<u32*>(s + swz<HD>(row + g + 8, nt) + 2 * t) =
+            pack2_f32<T>(acc[nt][2] * mul[1], acc[nt][3] * mul[1]);
+    }
+}
+
+// Lane address for ldmatrix_x4 of the A operand (16 rows from `row`, 16
+// columns from chunk 2*kk) of a swizzled row-major tile.
+template <int HD>
+TPAR_DEVICE int lda_off(int row, int kk) {
+    const int lane = threadIdx.x & 31;
+    return swz<HD>(row + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * kk + (lane >> 4));
+}
+
+// Lane address for ldmatrix_x4 of two B operands (n-tiles of 8 rows from
+// `row` and row + 8; 16 columns from chunk 2*kk) of a swizzled tile stored
+// [n][k]; registers {0,1} and {2,3} are the two fragments.
+template <int HD>
+TPAR_DEVICE int ldb_off(int row, int kk) {
+    const int lane = threadIdx.x & 31;
+    return swz<HD>(row + (lane & 7) + (lane >> 4) * 8, 2 * kk + ((lane >> 3) & 1));
+}
+
+// Lane address for ldmatrix_x4_trans of two B operands of a swizzled tile
+// stored [k][n]: k rows from `row` (16), n columns from chunk 2*np (two
+// n-tiles of 8).
+template <int HD>
+TPAR_DEVICE int ldbt_off(int row, int np) {
+    const int lane = threadIdx.x & 31;
+    return swz<HD>(row + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * np + (lane >> 4));
+}
+
+// Forward with tensor cores: 4 warps, each owning MT m-tiles (16*MT query
+// rows) of the block's BQ = 64*MT, so every k / v fragment read from shared
+// memory feeds MT mma. The q fragments stay in registers when they fit
+// (MT*HD <= 128; the q tile's space then takes the v tiles), else they are
+// read from the q tile at each step. The v tile loads while the scores are
+// computed, the next k tile while P v is.
+template <typename T, int HD, int MT>
+TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
+    constexpr int NT = 128, BQ = 64 * MT, KT = HD / 16;
+    constexpr bool QREG = MT * HD <= 128;
+    T* sQ = reinterpret_cast<T*>(tpar_dyn_smem);  // [BQ][HD]
+    T* sK = sQ + BQ * HD;                          // [64][HD]
+    T* sV = QREG ? sQ : sK + kBlock * HD;          // [64][HD]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // heavy causal blocks first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (a.q_heads / a.kv_heads);
+    const i64 bh = (i64)b * a.q_heads + h;
+    const i64 bkv = (i64)b * a.kv_heads + kvh;
+    const T* Q = static_cast<const T*>(a.q) + (bh * a.q_len + q0) * a.head_dim;
+    const T* K = static_cast<const T*>(a.k) + bkv * a.kv_len * a.head_dim;
+    const T* V = static_cast<const T*>(a.v) + bkv * a.kv_len * a.v_dim;
+    const T* M = a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
+    const int nq = min(BQ, a.q_len - q0);
+    const int kv_end = a.causal ? min(a.kv_len, q0 + BQ) : a.kv_len;
+    const float sl2 = a.scale * kLog2e;
+    const float ninf = -tpar_inf();
+    const int wrow = warp * 16 * MT;  // the warp's first row in the block
+    // This lane's rows of m-tile mt: q0 + wrow + 16*mt + g (+ 8).
+    const int row_lo = q0 + wrow + g;
+
+    tc_load<T, BQ, HD, NT>(sQ, Q, a.head_dim, nq, a.head_dim);
+    if (kv_end > 0)
+        tc_load<T, kBlock, HD, NT>(sK, K, a.head_dim, min(kBlock, a.kv_len), a.head_dim);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qf[QREG ? MT * KT : 1][4];
+    if (QREG) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < KT; ++kk)
+                ldmatrix_x4(qf[QREG ? mt * KT + kk : 0], sQ + lda_off<HD>(wrow + 16 * mt, kk));
+        __syncthreads();  // the q tile's space takes the v tiles
+    }
+
+    float o[MT][HD / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.0f;
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = ninf;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
+
+    for (int j0 = 0; j0 < kv_end; j0 += kBlock) {
+        tc_load<T, kBlock, HD, NT>(sV, V + (i64)j0 * a.v_dim, a.v_dim, min(kBlock, a.kv_len - j0),
+                                   a.v_dim);
+        cp_async_commit();
+
+        // S = q k^T: MT x 8 accumulator tiles of 16 x 8.
+        float s[MT][8][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk) {
+            u32 qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (QREG) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) qa[mt][i] = qf[QREG ? mt * KT + kk : 0][i];
+                } else {
+                    ldmatrix_x4(qa[mt], sQ + lda_off<HD>(wrow + 16 * mt, kk));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 r[4];
+                ldmatrix_x4(r, sK + ldb_off<HD>(np * 16, kk));
+                const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(s[mt][2 * np], qa[mt], b0);
+                    mma_16816<T>(s[mt][2 * np + 1], qa[mt], b1);
+                }
+            }
+        }
+
+        // Masks: only tiles that reach past kv_len or the causal diagonal, or
+        // with an additive mask, look at each element.
+        const bool check =
+            j0 + kBlock > a.kv_len || (a.causal && j0 + kBlock - 1 > q0) || M != nullptr;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx[2] = {ninf, ninf};
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][nt][e] * sl2;
+                    if (check) {
+                        const int r = row_lo + 16 * mt + (e >> 1) * 8;
+                        const int c = j0 + nt * 8 + 2 * t + (e & 1);
+                        if (c >= a.kv_len || (a.causal && c > r)) {
+                            x = ninf;
+                        } else if (M != nullptr && r < a.q_len) {
+                            x += to_f32(M[(i64)r * a.mask_rs + c]) * kLog2e;
+                        }
+                    }
+                    s[mt][nt][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            // Online softmax; `base` keeps exp2 finite for rows masked so far.
+            float base[2];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 1));
+                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 2));
+                const float mnew = fmaxf(m[mt][hr], mx[hr]);
+                base[hr] = mnew == ninf ? 0.0f : mnew;
+                const float alpha = exp2f(m[mt][hr] - base[hr]);
+                m[mt][hr] = mnew;
+                l[mt][hr] *= alpha;
+#pragma unroll
+                for (int nt = 0; nt < HD / 8; ++nt) {
+                    o[mt][nt][2 * hr] *= alpha;
+                    o[mt][nt][2 * hr + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2f(s[mt][nt][e] - base[e >> 1]);
+                    l[mt][e >> 1] += p;
+                    s[mt][nt][e] = p;
+                }
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // v tile in; every warp is done with the k tile
+        if (j0 + kBlock < kv_end)
+            tc_load<T, kBlock, HD, NT>(sK, K + (i64)(j0 + kBlock) * a.head_dim, a.head_dim,
+                                       min(kBlock, a.kv_len - j0 - kBlock), a.head_dim);
+        cp_async_commit();
+
+        // o += P v: P from the score registers as A fragments.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            u32 pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack2_f32<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack2_f32<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack2_f32<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack2_f32<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+                u32 r[4];
+                ldmatrix_x4_trans(r, sV + ldbt_off<HD>(kk * 16, np));
+                const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(o[mt][2 * np], pa[mt], b0);
+                    mma_16816<T>(o[mt][2 * np + 1], pa[mt], b1);
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // next k tile in; every warp is done with the v tile
+    }
+
+    __syncthreads();  // (no key tile: the q tile may still be read)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float inv[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float lt = l[mt][hr];
+            lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 1);
+            lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 2);
+            inv[hr] = lt > 0.0f ? 1.0f / lt : 0.0f;
+            const int r = row_lo + 16 * mt + hr * 8;
+            if (t == 0 && r < a.q_len)
+                a.lse[bh * a.q_len + r] = lt > 0.0f ? m[mt][hr] * kLn2 + logf(lt) : ninf;
+        }
+        tc_stage<T, HD>(sQ, o[mt], wrow + 16 * mt, inv);
+    }
+    __syncthreads();
+    tc_store<T, BQ, HD, NT>(static_cast<T*>(a.out) + (bh * a.q_len + q0) * a.v_dim, sQ, a.v_dim,
+                            nq, a.v_dim);
+}
+
+// Backward dK/dV (and dQ by atomics) with tensor cores: 4 warps, each
+// owning 16 keys of the block's 64, over the 64-query tiles of every q head
+// of the group. Shared memory: k and v tiles, two buffers of q and dout tiles
+// (the next tile loads while this one is computed), dS^T [64 keys][64
+// queries], lse and delta.
+template <typename T, int HD>
+TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
+    constexpr int NT = 128;
+    constexpr int TILE = kBlock * HD;
+    T* sK = reinterpret_cast<T*>(tpar_dyn_smem);
+    T* sV = sK + TILE;
+    T* sQb = sV + TILE;       // [2][64][HD]
+    T* sGb = sQb + 2 * TILE;  // [2][64][HD]
+    T* sS = sGb + 2 * TILE;
+    float* sL = reinterpret_cast<float*>(sS + kBlock * kBlock);
+    float* sD = sL + kBlock;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int k0 = blockIdx.x * kBlock, kvh = blockIdx.y, b = blockIdx.z;
+    const int group = a.q_heads / a.kv_heads;
+    const i64 bkv = (i64)b * a.kv_heads + kvh;
+    const int nk = min(kBlock, a.kv_len - k0);
+    const float sl2 = a.scale * kLog2e;
+    const float inf = tpar_inf();
+    const int kl0 = warp * 16 + g;  // this lane's keys: kl0, kl0 + 8 (local)
+    // Query tiles: `per_head` per q head of the group, from `i_start`
+    // (causal: queries before the block's first key see none of its keys).
+    const int i_start = a.causal ? k0 : 0;
+    const int per_head = a.q_len > i_start ? (a.q_len - i_start + kBlock - 1) / kBlock : 0;
+    const int ntiles = group * per_head;
+    const T* Qb = static_cast<const T*>(a.q) + (i64)b * a.q_heads * a.q_len * a.head_dim;
+    const T* Gb = static_cast<const T*>(a.dout) + (i64)b * a.q_heads * a.q_len * a.v_dim;
+
+    const i64 krow = bkv * a.kv_len + k0;
+    tc_load<T, kBlock, HD, NT>(sK, static_cast<const T*>(a.k) + krow * a.head_dim, a.head_dim, nk,
+                               a.head_dim);
+    tc_load<T, kBlock, HD, NT>(sV, static_cast<const T*>(a.v) + krow * a.v_dim, a.v_dim, nk,
+                               a.v_dim);
+    if (ntiles > 0) {
+        const i64 row = (i64)(kvh * group) * a.q_len + i_start;
+        const int nq = min(kBlock, a.q_len - i_start);
+        tc_load<T, kBlock, HD, NT>(sQb, Qb + row * a.head_dim, a.head_dim, nq, a.head_dim);
+        tc_load<T, kBlock, HD, NT>(sGb, Gb + row * a.v_dim, a.v_dim, nq, a.v_dim);
+    }
+    cp_async_commit();
+
+    float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dk[nt][e] = 0.0f;
+            dv[nt][e] = 0.0f;
+        }
+
+    for (int it = 0; it < ntiles; ++it) {
+        const int h = kvh * group + it / per_head;
+        const int i0 = i_start + (it % per_head) * kBlock;
+        const int nq = min(kBlock, a.q_len - i0);
+        const i64 bh = (i64)b * a.q_heads + h;
+        const T* sQ = sQb + (it & 1) * TILE;
+        const T* sG = sGb + (it & 1) * TILE;
+        float* dQ = a.dq_acc + (bh * a.q_len + i0) * a.head_dim;
+        const T* M =
+            a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
+        // Every warp passed the previous tile's dS^T barrier: lse and delta
+        // are free to overwrite.
+        if (threadIdx.x < kBlock) {
+            const int r = threadIdx.x;
+            const float lv = r < nq ? a.lse[bh * a.q_len + i0 + r] : -inf;
+            // A fully masked row (lse = -inf) gets P = 0 from exp2(x - inf).
+            sL[r] = lv == -inf ? inf : lv * kLog2e;
+            sD[r] = r < nq ? a.delta[bh * a.q_len + i0 + r] : 0.0f;
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // this tile's q and dout are in; the previous tile is done
+        if (it + 1 < ntiles) {
+            const int h2 = kvh * group + (it + 1) / per_head;
+            const int i2 = i_start + ((it + 1) % per_head) * kBlock;
+            const i64 row = (i64)h2 * a.q_len + i2;
+            const int nq2 = min(kBlock, a.q_len - i2);
+            T* dstQ = sQb + ((it + 1) & 1) * TILE;
+            T* dstG = sGb + ((it + 1) & 1) * TILE;
+            tc_load<T, kBlock, HD, NT>(dstQ, Qb + row * a.head_dim, a.head_dim, nq2, a.head_dim);
+            tc_load<T, kBlock, HD, NT>(dstG, Gb + row * a.v_dim, a.v_dim, nq2, a.v_dim);
+        }
+        cp_async_commit();
+
+        // S^T = K Q^T and dP^T = V dout^T (16 keys x 64 queries per warp).
+        float st[8][4], dp[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                st[nt][e] = 0.0f;
+                dp[nt][e] = 0.0f;
+            }
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 ka[4], va[4];
+            ldmatrix_x4(ka, sK + lda_off<HD>(warp * 16, kk));
+            ldmatrix_x4(va, sV + lda_off<HD>(warp * 16, kk));
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 r[4];
+                ldmatrix_x4(r, sQ + ldb_off<HD>(np * 16, kk));
+                const u32 q0f[2] = {r[0], r[1]}, q1f[2] = {r[2], r[3]};
+                mma_16816<T>(st[2 * np], ka, q0f);
+                mma_16816<T>(st[2 * np + 1], ka, q1f);
+                ldmatrix_x4(r, sG + ldb_off<HD>(np * 16, kk));
+                const u32 g0f[2] = {r[0], r[1]}, g1f[2] = {r[2], r[3]};
+                mma_16816<T>(dp[2 * np], va, g0f);
+                mma_16816<T>(dp[2 * np + 1], va, g1f);
+            }
+        }
+
+        // P^T = exp2(S^T * scale * log2e (+ mask) - lse), dS^T = P^T (dP^T - delta).
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + kl0 + (e >> 1) * 8;
+                const int qi = nt * 8 + 2 * t + (e & 1), r = i0 + qi;
+                float p = 0.0f;
+                if (j < a.kv_len && qi < nq && !(a.causal && j > r)) {
+                    float x = st[nt][e] * sl2;
+                    if (M != nullptr) x += to_f32(M[(i64)r * a.mask_rs + j]) * kLog2e;
+                    p = exp2f(x - sL[qi]);
+                }
+                st[nt][e] = p;
+                dp[nt][e] = p * (dp[nt][e] - sD[qi]);
+            }
+
+        // dV += P^T dout, dK += dS^T q (P^T, dS^T as A fragments).
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq) {
+            const u32 pa[4] = {pack2_f32<T>(st[2 * kq][0], st[2 * kq][1]),
+                               pack2_f32<T>(st[2 * kq][2], st[2 * kq][3]),
+                               pack2_f32<T>(st[2 * kq + 1][0], st[2 * kq + 1][1]),
+                               pack2_f32<T>(st[2 * kq + 1][2], st[2 * kq + 1][3])};
+            const u32 sa[4] = {pack2_f32<T>(dp[2 * kq][0], dp[2 * kq][1]),
+                               pack2_f32<T>(dp[2 * kq][2], dp[2 * kq][3]),
+                               pack2_f32<T>(dp[2 * kq + 1][0], dp[2 * kq + 1][1]),
+                               pack2_f32<T>(dp[2 * kq + 1][2], dp[2 * kq + 1][3])};
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+                u32 r[4];
+                ldmatrix_x4_trans(r, sG + ldbt_off<HD>(kq * 16, np));
+                const u32 g0f[2] = {r[0], r[1]}, g1f[2] = {r[2], r[3]};
+                mma_16816<T>(dv[2 * np], pa, g0f);
+                mma_16816<T>(dv[2 * np + 1], pa, g1f);
+                ldmatrix_x4_trans(r, sQ + ldbt_off<HD>(kq * 16, np));
+                const u32 q0f[2] = {r[0], r[1]}, q1f[2] = {r[2], r[3]};
+                mma_16816<T>(dk[2 * np], sa, q0f);
+                mma_16816<T>(dk[2 * np + 1], sa, q1f);
+            }
+        }
+
+        // dS^T to shared memory for dQ = dS K.
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            *reinterpret_cast<u32*>(sS + swz<kBlock>(kl0, nt) + 2 * t) =
+                pack2_f32<T>(dp[nt][0], dp[nt][1]);
+            *reinterpret_cast<u32*>(sS + swz<kBlock>(kl0 + 8, nt) + 2 * t) =
+                pack2_f32<T>(dp[nt][2], dp[nt][3]);
+        }
+        __syncthreads();  // dS^T complete; every warp is done with this q / dout buffer
+
+        // dQ (queries warp*16.., all columns) = dS K, 32 columns at a time,
+        // added to the f32 accumulator.
+        u32 af[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            ldmatrix_x4_trans(af[kk], sS + swz<kBlock>(kk * 16 + (lane >> 4) * 8 + (lane & 7),
+                                                       warp * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+        for (int nc = 0; nc < HD / 32; ++nc) {
+            if (nc * 32 < a.head_dim) {
+                float dq[4][4];
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                    for (int np2 = 0; np2 < 2; ++np2) {
+                        u32 r[4];
+                        ldmatrix_x4_trans(r, sK + ldbt_off<HD>(kk * 16, nc * 2 + np2));
+                        const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                        mma_16816<T>(dq[2 * np2], af[kk], b0);
+                        mma_16816<T>(dq[2 * np2 + 1], af[kk], b1);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int qi = warp * 16 + g + (e >> 1) * 8;
+                        const int c = nc * 32 + n * 8 + 2 * t + (e & 1);
+                        if (qi < nq && c < a.head_dim)
+                            atomicAdd(&dQ[(i64)qi * a.head_dim + c], dq[n][e]);
+                    }
+            }
+        }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the last tile (or, with none, the copies are in)
+    const float mk[2] = {a.scale, a.scale}, mv[2] = {1.0f, 1.0f};
+    tc_stage<T, HD>(sQb, dk, warp * 16, mk);
+    tc_stage<T, HD>(sGb, dv, warp * 16, mv);
+    __syncthreads();
+    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dk) + krow * a.head_dim, sQb, a.head_dim, nk,
+                                a.head_dim);
+    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dv) + krow * a.v_dim, sGb, a.v_dim, nk, a.v_dim);
+}
+
+// ------------------------------------------------------------------ backward helpers
+
+// delta[r] = sum_c dout[r, c] * out[r, c], and zero dq_acc[r, :]: one warp
+// per row, grid-strided.
+template <typename T>
+TPAR_DEVICE void bwd_pre(const SdpaBwdArgs& a) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const i64 rows = (i64)a.batch * a.q_heads * a.q_len;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows;
+         r += (i64)gridDim.x * warps) {
+        const T* o = static_cast<const T*>(a.out) + r * a.v_dim;
+        const T* gr = static_cast<const T*>(a.dout) + r * a.v_dim;
+        float s = 0.0f;
+        for (int c = lane; c < a.v_dim; c += 32) s += to_f32(o[c]) * to_f32(gr[c]);
+        s = warp_sum(s);
+        if (lane == 0) a.delta[r] = s;
+        float* dq = a.dq_acc + r * a.head_dim;
+        for (int c = lane; c < a.head_dim; c += 32) dq[c] = 0.0f;
+    }
+}
+
+// dq = scale * dq_acc, rounded to T; grid-strided.
+template <typename T>
+TPAR_DEVICE void bwd_dq(const SdpaBwdArgs& a) {
+    const i64 n = (i64)a.batch * a.q_heads * a.q_len * a.head_dim;
+    T* dq = static_cast<T*>(a.dq);
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+        dq[i] = from_f32<T>(a.dq_acc[i] * a.scale);
+}
+
+}  // namespace sdpa
+
+// SIMT kernels: NC = 32-column chunks of the larger head dim (1, 2, 4, 8).
+#define TPAR_SDPA_SIMT(NC, DT, T)                                                              \
+    TPAR_KERNEL(tpar_sdpa_fwd_simt##NC##_##DT, SdpaFwdArgs, 256) {                             \
+        sdpa::fwd_simt<T, NC>(args);                                                           \
+    }                                                                                          \
+    TPAR_KERNEL(tpar_sdpa_bwd_simt##NC##_##DT, SdpaBwdArgs, 256) { sdpa::bwd_simt<T, NC>(args); }
+
+#define TPAR_SDPA_SIMT_ALL(DT, T) \
+    TPAR_SDPA_SIMT(1, DT, T)      \
+    TPAR_SDPA_SIMT(2, DT, T)      \
+    TPAR_SDPA_SIMT(4, DT, T)      \
+    TPAR_SDPA_SIMT(8, DT, T)
+
+TPAR_SDPA_SIMT_ALL(f32, float)
+TPAR_SDPA_SIMT_ALL(bf16, bf16)
+TPAR_SDPA_SIMT_ALL(f16, f16)
+
+// Tensor-core kernels: HD = padded head dim (64, 128); forward with 64
+// (`tc<HD>`) or 128 (`tc<HD>m2`) query rows per block.
+#define TPAR_SDPA_TC(HD, DT, T)                                                                  \
+    TPAR_KERNEL(tpar_sdpa_fwd_tc##HD##_##DT, SdpaFwdArgs, 128) { sdpa::fwd_tc<T, HD, 1>(args); } \
+    TPAR_KERNEL(tpar_sdpa_fwd_tc##HD##m2_##DT, SdpaFwdArgs, 128) {                               \
+        sdpa::fwd_tc<T, HD, 2>(args);                                                            \
+    }                                                                                            \
+    TPAR_KERNEL(tpar_sdpa_bwd_tc##HD##_##DT, SdpaBwdArgs, 128) { sdpa::bwd_tc<T, HD>(args); }
+
+TPAR_SDPA_TC(64, bf16, bf16)
+TPAR_SDPA_TC(128, bf16, bf16)
+TPAR_SDPA_TC(64, f16, f16)
+TPAR_SDPA_TC(128, f16, f16)
+
+TPAR_KERNEL(tpar_sdpa_bwd_pre_f32, SdpaBwdArgs, 256) { sdpa::bwd_pre<float>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_bf16, SdpaBwdArgs, 256) { sdpa::bwd_pre<bf16>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_f16, SdpaBwdArgs, 256) { sdpa::bwd_pre<f16>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_dq_f32, SdpaBwdArgs, 256) { sdpa::bwd_dq<float>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_dq_bf16, SdpaBwdArgs, 256) { sdpa::bwd_dq<bf16>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_dq_f16, SdpaBwdArgs, 256) { sdpa::bwd_dq<f16>(args); }

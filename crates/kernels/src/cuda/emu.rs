@@ -1,0 +1,467 @@
+//! The CPU emulator: runs the CUDA kernel sources on the host.
+//!
+//! [`Emulator::get`] builds the fiber scheduler `cuda/emu/emu.cpp` with the
+//! host C++ compiler (`$CXX`, else `c++`) into a runtime library; the first
+//! launch of a kernel builds its source against `cuda/emu/emu.h` into a
+//! library linked to that runtime. Libraries are cached under the system
+//! temporary directory by a hash of their text.
+//! Device addresses are host addresses: pass `slice.as_ptr() as DevPtr`.
+//!
+//! Each launch checks what a GPU launch would reject (block size above the
+//! kernel's launch bounds, an argument struct of the wrong size, more than
+//! 227 KiB of dynamic shared memory) and what a kernel gets wrong that the
+//! emulator can see (deadlocked barriers, misaligned `cp.async`/`ldmatrix`,
+//! shuffles from exited lanes). Threads of a block run in a shuffled order
+//! between synchronization points (seeded, [`Emulator::set_seed`]).
+//!
+//! ```no_run
+//! use tpar_kernels::cuda::emu::Emulator;
+//! let emu = Emulator::get()?;
+//! println!("{} kernel sources", tpar_kernels::cuda::sources().len());
+//! # let _ = emu;
+//! # Ok::<(), tpar_kernels::KernelError>(())
+//! ```
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use std::sync::Arc;
+
+use super::{cuda_error, sources, DevPtr, GpuDevice, LaunchConfig, Launcher};
+use crate::Result;
+
+const EMU_H: &str = include_str!("../../cuda/emu/emu.h");
+const EMU_CPP: &str = include_str!("../../cuda/emu/emu.cpp");
+const CXX_FLAGS: &[&str] = &["-std=c++17", "-O2", "-fPIC", "-DTPAR_EMU", "-w"];
+
+type KernelFn = unsafe extern "C" fn(*const c_void);
+type LaunchFn = unsafe extern "C" fn(
+    KernelFn,
+    *const c_void,
+    *const u32,
+    *const u32,
+    usize,
+    u64,
+    *mut c_char,
+    usize,
+) -> i32;
+
+#[derive(Clone, Copy)]
+struct KernelInfo {
+    entry: KernelFn,
+    args_size: usize,
+    max_threads: u32,
+}
+
+/// The emulator runtime and the kernel libraries built so far; a
+/// [`Launcher`] for every embedded kernel.
+pub struct Emulator {
+    launch: LaunchFn,
+    cxx: String,
+    rt_path: PathBuf,
+    rt_hash: u64,
+    libs: Mutex<
+        HashMap<
+            &'static str,
+            std::result::Result<&'static libloading::Library, crate::KernelError>,
+        >,
+    >,
+    kernels: Mutex<HashMap<String, KernelInfo>>,
+    extra: Mutex<Vec<&'static libloading::Library>>,
+    seed: AtomicU64,
+    _rt: libloading::Library,
+}
+
+static EMULATOR: OnceLock<std::result::Result<Emulator, crate::KernelError>> = OnceLock::new();
+
+fn cache_root() -> PathBuf {
+    std::env::temp_dir().join("tpar-emu")
+}
+
+impl Emulator {
+    /// The process-wide emulator; its runtime is compiled (or found in the
+    /// cache) on first use, each kernel source on the first launch of one of
+    /// its kernels.
+    ///
+    /// Fails with [`crate::KernelError::Cuda`] carrying the compiler's output
+    /// when no C++ compiler is found or the runtime does not build.
+    pub fn get() -> Result<&'static Emulator> {
+        EMULATOR.get_or_init(Emulator::build).as_ref().map_err(Clone::clone)
+    }
+
+    /// Sets the seed of the thread order used by later launches.
+    pub fn set_seed(&self, seed: u64) {
+        self.seed.store(seed, Ordering::Relaxed);
+    }
+
+    /// The emulator runtime library in use.
+    pub fn runtime_path(&self) -> &Path {
+        &self.rt_path
+    }
+
+    fn build() -> Result<Emulator> {
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+        let mut hash = Fnv::new();
+        for part in [EMU_H, EMU_CPP, &cxx] {
+            hash.add(part.as_bytes());
+        }
+        for f in CXX_FLAGS {
+            hash.add(f.as_bytes());
+        }
+        let dir = cache_root().join(format!("runtime-{:016x}", hash.0));
+        let rt_path = dir.join("libtpar_emu_rt.so");
+        if !rt_path.exists() {
+            build_library(
+                &cxx,
+                &dir,
+                "libtpar_emu_rt.so",
+                &[("emu.h", EMU_H.to_string()), ("emu.cpp", EMU_CPP.to_string())],
+                None,
+            )?;
+        }
+        // SAFETY: the runtime is ours, built from the embedded emu.cpp; its
+        // initializers only set up C++ statics.
+        let rt = unsafe { libloading::Library::new(&rt_path) }
+            .map_err(|e| cuda_error("emulator", format!("loading {}: {e}", rt_path.display())))?;
+        // SAFETY: `tpar_emu_launch` is defined in emu.cpp with this signature.
+        let launch: LaunchFn = unsafe {
+            *rt.get::<LaunchFn>(b"tpar_emu_launch\0")
+                .map_err(|e| cuda_error("emulator", format!("tpar_emu_launch: {e}")))?
+        };
+        Ok(Emulator {
+            launch,
+            cxx,
+            rt_path,
+            rt_hash: hash.0,
+            libs: Mutex::new(HashMap::new()),
+            kernels: Mutex::new(HashMap::new()),
+            extra: Mutex::new(Vec::new()),
+            seed: AtomicU64::new(0x7470_6172),
+            _rt: rt,
+        })
+    }
+
+    /// The library of one kernel source, compiled on first use.
+    fn library(&self, src: &super::KernelSource) -> Result<&'static libloading::Library> {
+        let mut libs = self.libs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = libs.get(src.name) {
+            return r.clone();
+        }
+        let result = self.build_source(src.name, &src.full_text());
+        libs.insert(src.name, result.clone());
+        result
+    }
+
+    /// Compiles a kernel source of the caller's (CUDA C++ written to the
+    /// conventions of `crates/kernels/cuda/README.md`; the prelude is added)
+    /// and makes its kernels launchable by name on this emulator. Its kernel
+    /// names must not repeat the embedded ones'.
+    ///
+    /// Useful to test kernels of one's own on a machine without a GPU.
+    pub fn add_source(&self, name: &str, text: &str) -> Result<()> {
+        let full = format!("{}\n#line 1 \"{name}.cu\"\n{text}", super::PRELUDE);
+        let lib = self.build_source(name, &full)?;
+        self.extra.lock().unwrap_or_else(|p| p.into_inner()).push(lib);
+        Ok(())
+    }
+
+    fn build_source(&self, name: &str, text: &str) -> Result<&'static libloading::Library> {
+        let src_name = name;
+        let mut hash = Fnv::new();
+        hash.add(&self.rt_hash.to_le_bytes());
+        hash.add(text.as_bytes());
+        let dir = cache_root().join(format!("{src_name}-{:016x}", hash.0));
+        let file = format!("libtpar_emu_{src_name}.so");
+        let path = dir.join(&file);
+        if !path.exists() {
+            let unit = format!("#include \"emu.h\"\n{text}");
+            build_library(
+                &self.cxx,
+                &dir,
+                &file,
+                &[("emu.h", EMU_H.to_string()), (&format!("{src_name}.cpp"), unit)],
+                Some(&self.rt_path),
+            )?;
+        }
+        // SAFETY: built from CUDA C++ source against the emulator; loading runs
+        // only C++ static initialization. Kept loaded for the process.
+        let lib = unsafe { libloading::Library::new(&path) }
+            .map_err(|e| cuda_error(src_name, format!("loading {}: {e}", path.display())))?;
+        Ok(&*Box::leak(Box::new(lib)))
+    }
+
+    fn kernel(&self, name: &str) -> Result<KernelInfo> {
+        if let Some(k) = self.kernels.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
+            return Ok(*k);
+        }
+        let sym = |suffix: &str| format!("{name}{suffix}\0").into_bytes();
+        let lookup = |lib: &'static libloading::Library| -> Option<KernelInfo> {
+            // SAFETY: TPAR_KERNEL (emu.h) defines these three symbols with exactly
+            // these signatures for every kernel.
+            unsafe {
+                let entry = lib.get::<KernelFn>(&*sym("")).ok()?;
+                let size =
+                    lib.get::<unsafe extern "C" fn() -> usize>(&*sym("_tpar_args_size")).ok()?;
+                let max =
+                    lib.get::<unsafe extern "C" fn() -> u32>(&*sym("_tpar_max_threads")).ok()?;
+                Some(KernelInfo { entry: *entry, args_size: size(), max_threads: max() })
+            }
+        };
+        let extra: Vec<_> = self.extra.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(info) = extra.into_iter().find_map(lookup) {
+            self.kernels.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), info);
+            return Ok(info);
+        }
+        let declared = format!("TPAR_KERNEL({name},");
+        let mut candidates: Vec<_> =
+            sources().iter().filter(|s| s.text.contains(&declared)).collect();
+        if candidates.is_empty() {
+            // declared through a macro: look in every source
+            candidates = sources().iter().collect();
+        }
+        let mut first_err = None;
+        for src in candidates {
+            let lib = match self.library(src) {
+                Ok(l) => l,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+            };
+            let Some(info) = lookup(lib) else { continue };
+            self.kernels.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string(), info);
+            return Ok(info);
+        }
+        Err(first_err.unwrap_or_else(|| cuda_error(name, "no such kernel in the embedded sources")))
+    }
+}
+
+impl Launcher for Emulator {
+    fn describe(&self) -> String {
+        "CPU emulator".to_string()
+    }
+
+    unsafe fn launch_raw(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        args: *const c_void,
+        size: usize,
+    ) -> Result<()> {
+        let info = self.kernel(kernel)?;
+        if size != info.args_size {
+            return Err(cuda_error(
+                kernel,
+                format!(
+                    "argument struct of {size} bytes; the kernel declares {} bytes",
+                    info.args_size
+                ),
+            ));
+        }
+        let threads: u32 = cfg.block.iter().product();
+        if threads > info.max_threads {
+            return Err(cuda_error(
+                kernel,
+                format!(
+                    "{threads} threads per block exceed its launch bounds ({})",
+                    info.max_threads
+                ),
+            ));
+        }
+        let mut err = vec![0u8; 1024];
+        // SAFETY: `info.entry` reads a struct of `size` bytes from `args`, as
+        // checked above; the caller vouches for the addresses in it.
+        let rc = unsafe {
+            (self.launch)(
+                info.entry,
+                args,
+                cfg.grid.as_ptr(),
+                cfg.block.as_ptr(),
+                cfg.shared_bytes as usize,
+                self.seed.load(Ordering::Relaxed),
+                err.as_mut_ptr() as *mut c_char,
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+            return Err(cuda_error(
+                kernel,
+                format!("emulated launch failed: {}", String::from_utf8_lossy(&err[..end])),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Compiles `units` (file name, text) into the shared library `dir/file`,
+/// linked against the runtime `rt` when given. Builds in a private temporary
+/// folder renamed into place, so concurrent builds never see half a library.
+fn build_library(
+    cxx: &str,
+    dir: &Path,
+    file: &str,
+    units: &[(&str, String)],
+    rt: Option<&Path>,
+) -> Result<()> {
+    let err = |what: String| cuda_error("emulator build", what);
+    let tmp = cache_root().join(format!("build-{}-{}", std::process::id(), unique()));
+    std::fs::create_dir_all(&tmp).map_err(|e| err(format!("{}: {e}", tmp.display())))?;
+    let mut cpps = Vec::new();
+    for (name, text) in units {
+        let p = tmp.join(name);
+        std::fs::write(&p, text).map_err(|e| err(format!("{}: {e}", p.display())))?;
+        if name.ends_with(".cpp") {
+            cpps.push(p);
+        }
+    }
+    let lib = tmp.join(file);
+    let mut cmd = Command::new(cxx);
+    cmd.args(CXX_FLAGS).arg("-shared").args(&cpps).arg("-o").arg(&lib);
+    if let Some(rt) = rt {
+        cmd.arg(rt);
+        if let Some(d) = rt.parent() {
+            cmd.arg(format!("-Wl,-rpath,{}", d.display()));
+        }
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| err(format!("running {cxx}: {e} (set CXX to a C++17 compiler)")))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(err(format!(
+            "{file} does not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    match std::fs::rename(&tmp, dir) {
+        Ok(()) => Ok(()),
+        // another process finished first: use its library
+        Err(_) if dir.join(file).exists() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(())
+        }
+        Err(e) => Err(err(format!("{} -> {}: {e}", tmp.display(), dir.display()))),
+    }
+}
+
+fn unique() -> u64 {
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// 64-bit FNV-1a, a stable hash for the cache key.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn add(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // separate fields
+        self.0 ^= 0xff;
+        self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+}
+
+/// The emulator as a [`GpuDevice`]: "device" memory is host memory (256-byte
+/// aligned), copies are `memcpy`, kernels run on the calling thread.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use tpar_kernels::cuda::{emu::EmulatedGpu, DeviceBuffer, GpuDevice};
+/// let dev: Arc<dyn GpuDevice> = EmulatedGpu::open(0)?;
+/// let buf = DeviceBuffer::from_host(&dev, &[1, 2, 3, 4])?;
+/// assert_eq!(buf.to_host()?, vec![1, 2, 3, 4]);
+/// # Ok::<(), tpar_kernels::KernelError>(())
+/// ```
+pub struct EmulatedGpu {
+    emu: &'static Emulator,
+    ordinal: usize,
+}
+
+impl EmulatedGpu {
+    /// An emulated device `cuda:ordinal` (builds the emulator on first use).
+    pub fn open(ordinal: usize) -> Result<Arc<dyn GpuDevice>> {
+        Ok(Arc::new(EmulatedGpu { emu: Emulator::get()?, ordinal }))
+    }
+}
+
+const EMU_ALIGN: usize = 256;
+
+impl Launcher for EmulatedGpu {
+    fn describe(&self) -> String {
+        format!("cuda:{} (CPU emulator)", self.ordinal)
+    }
+
+    unsafe fn launch_raw(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        args: *const c_void,
+        size: usize,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.emu.launch_raw(kernel, cfg, args, size) }
+    }
+}
+
+impl GpuDevice for EmulatedGpu {
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN)
+            .map_err(|e| cuda_error("alloc", e.to_string()))?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return Err(cuda_error("alloc", format!("out of memory allocating {bytes} bytes")));
+        }
+        Ok(p as DevPtr)
+    }
+
+    unsafe fn free(&self, ptr: DevPtr, bytes: usize) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN) {
+            // SAFETY: allocated by `alloc` above with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+        }
+    }
+
+    unsafe fn htod(&self, src: &[u8], dst: DevPtr) -> Result<()> {
+        // SAFETY: the caller guarantees the destination range.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: the caller guarantees the source range.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller guarantees both ranges.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller guarantees the range.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,189 @@
+//! CUDA kernels of our own, and the two ways to run them.
+//!
+//! The kernel sources (`crates/kernels/cuda/*.cu`, CUDA C++ behind the common
+//! prelude `tpar.cuh`) are embedded in the crate. They run either
+//!
+//! - on a GPU: compiled at run time by NVRTC for the device's own architecture
+//!   (e.g. `sm_90` on Hopper) and launched through cudarc ([`device`]), or
+//! - on the CPU: compiled by the host C++ compiler against a small emulator
+//!   of the CUDA execution model ([`emu`]: blocks, warps, shared memory,
+//!   barriers, shuffles, `mma.sync`, `ldmatrix`), so every kernel is tested
+//!   against the CPU reference on machines without a GPU.
+//!
+//! Every kernel takes one `#[repr(C)]` argument struct ([`KernelArgs`]); the
+//! op wrappers in [`ops`] fill it and pick the grid, for any [`Launcher`].
+
+use std::ffi::c_void;
+
+use crate::{KernelError, Result};
+
+pub mod cublaslt;
+pub mod device;
+pub mod emu;
+mod memory;
+pub mod ops;
+
+pub use memory::{DeviceBuffer, GpuDevice};
+
+/// One embedded kernel source file (`crates/kernels/cuda/<name>.cu`).
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// The file stem (`"rmsnorm"`, `"gemm"`, ...).
+    pub name: &'static str,
+    /// The CUDA C++ text, without the prelude.
+    pub text: &'static str,
+}
+
+/// The common prelude every kernel source is compiled after.
+pub const PRELUDE: &str = include_str!("../../cuda/tpar.cuh");
+
+/// Every embedded kernel source, sorted by name.
+pub fn sources() -> &'static [KernelSource] {
+    include!(concat!(env!("OUT_DIR"), "/cuda_sources.rs"))
+}
+
+impl KernelSource {
+    /// The text as compiled: prelude, then the kernels.
+    pub fn full_text(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", self.name, self.text)
+    }
+}
+
+/// A device address (a `CUdeviceptr` on a GPU, a host address in the emulator).
+pub type DevPtr = u64;
+
+/// Element types the CUDA kernels are instantiated for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CudaDType {
+    /// 32-bit float.
+    F32,
+    /// bfloat16 (f32 accumulation).
+    BF16,
+    /// IEEE half (f32 accumulation).
+    F16,
+}
+
+impl CudaDType {
+    /// The suffix of kernel names instantiated for this type.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            CudaDType::F32 => "f32",
+            CudaDType::BF16 => "bf16",
+            CudaDType::F16 => "f16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            CudaDType::F32 => 4,
+            CudaDType::BF16 | CudaDType::F16 => 2,
+        }
+    }
+}
+
+/// Grid and block shape of a launch, and its dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A 1-D grid of `blocks` blocks of `threads` threads.
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        LaunchConfig { grid: [blocks, 1, 1], block: [threads, 1, 1], shared_bytes: 0 }
+    }
+
+    /// A grid of `grid` blocks of `threads` threads (1-D blocks).
+    pub fn grid(grid: [u32; 3], threads: u32) -> Self {
+        LaunchConfig { grid, block: [threads, 1, 1], shared_bytes: 0 }
+    }
+
+    /// The same launch with `bytes` of dynamic shared memory.
+    pub fn with_shared(mut self, bytes: u32) -> Self {
+        self.shared_bytes = bytes;
+        self
+    }
+
+    /// Enough blocks of `threads` threads to give one thread to each of `n` items
+    /// (at least one block), capped at `max_blocks` (kernels grid-stride past it).
+    pub fn for_items(n: usize, threads: u32, max_blocks: u32) -> Self {
+        let blocks = n.div_ceil(threads as usize).clamp(1, max_blocks as usize) as u32;
+        LaunchConfig::linear(blocks, threads)
+    }
+}
+
+/// The argument struct of a kernel.
+///
+/// # Safety
+/// The type must be `#[repr(C)]`, plain data (integers, floats, [`DevPtr`]s),
+/// and laid out exactly like the struct the kernel source declares.
+pub unsafe trait KernelArgs: Copy + Send + Sync + 'static {}
+
+/// Something that runs kernels by name: a GPU ([`device::CudaDevice`]) or the
+/// CPU emulator ([`emu::Emulator`]).
+pub trait Launcher: Send + Sync {
+    /// A short name for messages (`"cuda:0 (sm_90)"`, `"emulator"`).
+    fn describe(&self) -> String;
+
+    /// Launches `kernel` with the argument struct at `args` (`size` bytes).
+    ///
+    /// # Safety
+    /// `args` must point to `size` bytes laid out as the kernel's argument
+    /// struct, and every address in it must be valid for the kernel's accesses.
+    unsafe fn launch_raw(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        args: *const c_void,
+        size: usize,
+    ) -> Result<()>;
+}
+
+/// Launches `kernel` on `launcher` with the typed argument struct `args`.
+///
+/// # Safety
+/// Every address in `args` must be valid for the accesses the kernel makes.
+pub unsafe fn launch<A: KernelArgs>(
+    launcher: &dyn Launcher,
+    kernel: &str,
+    cfg: LaunchConfig,
+    args: &A,
+) -> Result<()> {
+    for (what, v) in [("grid", cfg.grid), ("block", cfg.block)] {
+        if v.contains(&0) {
+            return Err(cuda_error(kernel, format!("{what} {v:?} has a zero extent")));
+        }
+    }
+    let threads: u64 = cfg.block.iter().map(|&b| b as u64).product();
+    if threads > 1024 {
+        return Err(cuda_error(kernel, format!("{threads} threads per block (at most 1024)")));
+    }
+    // SAFETY: `args` is a live `A`, which the trait contract makes the kernel's
+    // argument struct; the caller vouches for the addresses in it.
+    unsafe {
+        launcher.launch_raw(
+            kernel,
+            &cfg,
+            args as *const A as *const c_void,
+            std::mem::size_of::<A>(),
+        )
+    }
+}
+
+/// Opens `cuda:ordinal` on a GPU as a [`GpuDevice`] (the driver and NVRTC are
+/// probed first: without them this is an error, never a panic).
+pub fn open_gpu(ordinal: usize) -> Result<std::sync::Arc<dyn GpuDevice>> {
+    let dev: std::sync::Arc<dyn GpuDevice> = device::CudaDevice::new(ordinal)?;
+    Ok(dev)
+}
+
+/// A CUDA-side error (compilation, launch, missing library) as a kernel error.
+pub(crate) fn cuda_error(op: &str, what: impl Into<String>) -> KernelError {
+    KernelError::Cuda { op: op.to_string(), what: what.into() }
+}

@@ -1,0 +1,189 @@
+//! `cuda/adamw.cu` on the CPU emulator against `tpar_kernels::adamw`, over
+//! several steps.
+
+use half::{bf16, f16};
+use tpar_kernels::adamw::{adamw_step, AdamWParams};
+use tpar_kernels::cuda::emu::Emulator;
+use tpar_kernels::cuda::ops::adamw as k;
+use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::{Float, KernelError};
+
+fn emu() -> &'static Emulator {
+    Emulator::get().expect("emulator")
+}
+
+fn ptr<T>(v: &[T]) -> DevPtr {
+    v.as_ptr() as DevPtr
+}
+
+/// The address of a buffer the kernel writes.
+fn mptr<T>(v: &mut [T]) -> DevPtr {
+    v.as_mut_ptr() as DevPtr
+}
+
+fn dtype<T: Float>() -> CudaDType {
+    match T::NAME {
+        "f32" => CudaDType::F32,
+        "bf16" => CudaDType::BF16,
+        "f16" => CudaDType::F16,
+        other => panic!("no CUDA dtype for {other}"),
+    }
+}
+
+/// Relative tolerance (to the largest magnitude compared) per dtype.
+fn tol<T: Float>() -> f64 {
+    match T::NAME {
+        "f32" => 1e-5,
+        "f16" => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+/// SplitMix64 test data.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+    fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
+        (0..n).map(|_| T::from_f64(self.uniform() * scale)).collect()
+    }
+}
+
+/// `|got - want| <= tol * max|want|` elementwise.
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}[{i}]: got {g}, want {w} (tol {tol} x {scale})"
+        );
+    }
+}
+
+fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+fn hyper(step: u64) -> AdamWParams {
+    AdamWParams { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step }
+}
+
+/// Five GPU steps vs five CPU steps with the same gradients. `offset`
+/// elements in front of every buffer make them unaligned (element path).
+fn check_steps<T: Float<Acc = f32>>(seed: u64, n: usize, offset: usize) {
+    let mut rng = Rng(seed);
+    let p0: Vec<T> = rng.vec(offset + n, 1.0);
+    let (mut cp, mut cm, mut cv) = (p0[offset..].to_vec(), vec![0f32; n], vec![0f32; n]);
+    let prefix = f64s(&p0[..offset]);
+    let (mut gp, mut gm, mut gv) = (p0, vec![0f32; offset + n], vec![0f32; offset + n]);
+    let what = format!("adamw {} n {n} offset {offset}", T::NAME);
+    for step in 1..=5 {
+        let g: Vec<T> = rng.vec(offset + n, 0.5);
+        adamw_step(&mut cp, &g[offset..], &mut cm, &mut cv, &hyper(step)).unwrap();
+        unsafe {
+            k::adamw_step(
+                emu(),
+                dtype::<T>(),
+                dtype::<T>(),
+                mptr(&mut gp[offset..]),
+                ptr(&g[offset..]),
+                mptr(&mut gm[offset..]),
+                mptr(&mut gv[offset..]),
+                n,
+                &hyper(step),
+            )
+            .unwrap();
+        }
+        let w = format!("{what} step {step}");
+        assert_close(&format!("{w} param"), &f64s(&gp[offset..]), &f64s(&cp), tol::<T>());
+        assert_close(&format!("{w} exp_avg"), &f64s(&gm[offset..]), &f64s(&cm), 1e-5);
+        assert_close(&format!("{w} exp_avg_sq"), &f64s(&gv[offset..]), &f64s(&cv), 1e-5);
+    }
+    assert_eq!(f64s(&gp[..offset]), prefix, "{what}: elements before the buffer");
+}
+
+#[test]
+fn steps_match_cpu_f32() {
+    check_steps::<f32>(1, 1003, 0);
+    check_steps::<f32>(2, 37, 1);
+}
+
+#[test]
+fn steps_match_cpu_bf16() {
+    check_steps::<bf16>(3, 1003, 0);
+    check_steps::<bf16>(4, 29, 3);
+}
+
+#[test]
+fn steps_match_cpu_f16() {
+    check_steps::<f16>(5, 517, 0);
+}
+
+/// Half parameters with f32 gradients: the CPU equivalent is an f32 step on
+/// the widened parameters, rounded back after each step.
+fn check_f32_grads<T: Float<Acc = f32>>(seed: u64, n: usize) {
+    let mut rng = Rng(seed);
+    let mut gp: Vec<T> = rng.vec(n, 1.0);
+    let mut cp = gp.clone();
+    let (mut cm, mut cv, mut gm, mut gv) =
+        (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    for step in 1..=4 {
+        let g: Vec<f32> = rng.vec(n, 0.5);
+        let mut wide: Vec<f32> = cp.iter().map(|v| v.to_acc()).collect();
+        adamw_step(&mut wide, &g, &mut cm, &mut cv, &hyper(step)).unwrap();
+        cp = wide.iter().map(|&v| T::from_acc(v)).collect();
+        unsafe {
+            k::adamw_step(
+                emu(),
+                dtype::<T>(),
+                CudaDType::F32,
+                mptr(&mut gp),
+                ptr(&g),
+                mptr(&mut gm),
+                mptr(&mut gv),
+                n,
+                &hyper(step),
+            )
+            .unwrap();
+        }
+        let w = format!("adamw {} with f32 grads, step {step}", T::NAME);
+        assert_close(&format!("{w} param"), &f64s(&gp), &f64s(&cp), tol::<T>());
+        assert_close(&format!("{w} exp_avg"), &f64s(&gm), &f64s(&cm), 1e-5);
+        assert_close(&format!("{w} exp_avg_sq"), &f64s(&gv), &f64s(&cv), 1e-5);
+    }
+}
+
+#[test]
+fn half_params_with_f32_grads() {
+    check_f32_grads::<bf16>(6, 301);
+    check_f32_grads::<f16>(7, 64);
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let mut p = vec![bf16::ZERO; 8];
+    let g = vec![f16::ZERO; 8];
+    let (mut m, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+    let (pp, mp, vp) = (mptr(&mut p), mptr(&mut m), mptr(&mut v));
+    let r = unsafe {
+        k::adamw_step(emu(), CudaDType::BF16, CudaDType::F16, pp, ptr(&g), mp, vp, 8, &hyper(1))
+    };
+    assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    let r = unsafe {
+        k::adamw_step(emu(), CudaDType::BF16, CudaDType::BF16, pp, pp, mp, vp, 8, &hyper(0))
+    };
+    assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    let r = unsafe {
+        k::adamw_step(emu(), CudaDType::BF16, CudaDType::BF16, pp, pp, 0, vp, 8, &hyper(1))
+    };
+    assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+}

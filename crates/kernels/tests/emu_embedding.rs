@@ -1,0 +1,329 @@
+//! `cuda/embedding.cu` on the CPU emulator against the CPU kernels of
+//! `tpar_kernels::embedding`.
+
+use half::{bf16, f16};
+use tpar_kernels::cuda::emu::Emulator;
+use tpar_kernels::cuda::ops::embedding::{self as k, EmbeddingCsr, NO_ERROR};
+use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::embedding as cpu;
+use tpar_kernels::{Float, KernelError};
+
+fn emu() -> &'static Emulator {
+    Emulator::get().expect("emulator")
+}
+
+fn ptr<T>(v: &[T]) -> DevPtr {
+    v.as_ptr() as DevPtr
+}
+
+/// The address of a buffer the kernel writes.
+fn mptr<T>(v: &mut [T]) -> DevPtr {
+    v.as_mut_ptr() as DevPtr
+}
+
+fn dtype<T: Float>() -> CudaDType {
+    match T::NAME {
+        "f32" => CudaDType::F32,
+        "bf16" => CudaDType::BF16,
+        "f16" => CudaDType::F16,
+        other => panic!("no CUDA dtype for {other}"),
+    }
+}
+
+/// Relative tolerance (to the largest magnitude compared) per dtype.
+fn tol<T: Float>() -> f64 {
+    match T::NAME {
+        "f32" => 1e-5,
+        "f16" => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+/// SplitMix64 test data.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+    fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
+        (0..n).map(|_| T::from_f64(self.uniform() * scale)).collect()
+    }
+    /// `n` ids uniform in `[lo, hi)`.
+    fn ids(&mut self, n: usize, lo: i64, hi: i64) -> Vec<i64> {
+        (0..n).map(|_| lo + (self.next() % (hi - lo) as u64) as i64).collect()
+    }
+}
+
+/// `|got - want| <= tol * max|want|` elementwise.
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{what}[{i}]: got {g}, want {w} (tol {tol} x {scale})"
+        );
+    }
+}
+
+fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+const START: i64 = 300;
+const VOCAB: usize = 40;
+
+/// GPU forward vs CPU forward on a slice `[START, START + VOCAB)`.
+fn check_forward<T: Float>(seed: u64, n: usize, dim: usize, masked: bool) {
+    let mut rng = Rng(seed);
+    let weight: Vec<T> = rng.vec(VOCAB * dim, 1.0);
+    let ids = if masked {
+        rng.ids(n, START - 30, START + VOCAB as i64 + 30)
+    } else {
+        rng.ids(n, START, START + VOCAB as i64)
+    };
+    let mut want = vec![T::default(); n * dim];
+    cpu::embedding_forward(&weight, VOCAB, dim, &ids, START, masked, &mut want).unwrap();
+    let mut got = vec![T::from_f64(9.0); n * dim];
+    let mut err = [NO_ERROR];
+    unsafe {
+        k::embedding_forward(
+            emu(),
+            dtype::<T>(),
+            ptr(&weight),
+            VOCAB,
+            dim,
+            ptr(&ids),
+            n,
+            START,
+            masked,
+            mptr(&mut got),
+            mptr(&mut err),
+        )
+        .unwrap();
+    }
+    let what = format!("forward {} n {n} dim {dim} masked {masked}", T::NAME);
+    assert_eq!(err[0], NO_ERROR, "{what}: error slot");
+    assert_eq!(f64s(&got), f64s(&want), "{what}");
+}
+
+#[test]
+fn forward_matches_cpu() {
+    for masked in [true, false] {
+        check_forward::<f32>(1, 37, 24, masked); // 16-byte rows
+        check_forward::<f32>(2, 37, 21, masked); // element rows
+        check_forward::<bf16>(3, 37, 24, masked); // 3 vectors per row
+        check_forward::<bf16>(4, 29, 20, masked); // not a multiple of 8
+        check_forward::<f16>(5, 11, 520, masked); // wide rows: groups of 128
+    }
+}
+
+#[test]
+fn invalid_ids_set_the_error_slot_and_give_zero_rows() {
+    let dim = 8;
+    let weight: Vec<f32> = Rng(6).vec(VOCAB * dim, 1.0);
+    let ids: Vec<i64> = vec![START, START + 3, START + VOCAB as i64, START + 1, START - 1, 5];
+    let mut out = vec![1f32; ids.len() * dim];
+    let want_err = cpu::embedding_forward(&weight, VOCAB, dim, &ids, START, false, &mut out);
+    let Err(KernelError::IndexOutOfRange { position, .. }) = want_err else {
+        panic!("CPU forward: {want_err:?}")
+    };
+    let mut err = [NO_ERROR];
+    unsafe {
+        k::embedding_forward(
+            emu(),
+            CudaDType::F32,
+            ptr(&weight),
+            VOCAB,
+            dim,
+            ptr(&ids),
+            ids.len(),
+            START,
+            false,
+            mptr(&mut out),
+            mptr(&mut err),
+        )
+        .unwrap();
+    }
+    assert_eq!(err[0] as usize, position, "first invalid position");
+    for p in [2, 4, 5] {
+        assert!(out[p * dim..(p + 1) * dim].iter().all(|&v| v == 0.0), "row {p} is zeros");
+    }
+    assert_eq!(out[dim..2 * dim], weight[3 * dim..4 * dim]);
+    // The atomic backward flags the same position; masked ids are not errors.
+    let dout: Vec<f32> = Rng(7).vec(ids.len() * dim, 1.0);
+    let mut dw = vec![0f32; VOCAB * dim];
+    for (masked, want) in [(false, position as i32), (true, NO_ERROR)] {
+        err[0] = NO_ERROR;
+        let p = mptr(&mut dw);
+        unsafe {
+            k::embedding_backward_atomic(
+                emu(),
+                CudaDType::F32,
+                ptr(&ids),
+                ids.len(),
+                START,
+                masked,
+                ptr(&dout),
+                VOCAB,
+                dim,
+                p,
+                p,
+                mptr(&mut err),
+            )
+            .unwrap();
+        }
+        assert_eq!(err[0], want, "atomic backward, masked {masked}");
+    }
+    // The host CSR reports the CPU kernel's error.
+    let csr_err = EmbeddingCsr::build(&ids, START, VOCAB, false).unwrap_err();
+    let KernelError::IndexOutOfRange { index, position: at, size, .. } = csr_err else {
+        panic!("CSR: {csr_err:?}")
+    };
+    assert_eq!((index, at, size), (ids[position], position, VOCAB));
+}
+
+/// The deterministic CSR gradient equals the CPU gradient exactly; the atomic
+/// one is close.
+fn check_backward<T: Float>(seed: u64, n: usize, dim: usize, masked: bool, offset: usize) {
+    let mut rng = Rng(seed);
+    // Few distinct ids: many repeats.
+    let ids =
+        if masked { rng.ids(n, START - 5, START + 12) } else { rng.ids(n, START, START + 12) };
+    // `offset` elements in front make dout rows start unaligned.
+    let dbuf: Vec<T> = rng.vec(offset + n * dim, 1.0);
+    let dout = &dbuf[offset..];
+    let mut want = vec![T::default(); VOCAB * dim];
+    cpu::embedding_backward(&ids, START, masked, dout, VOCAB, dim, &mut want).unwrap();
+    let what = format!("backward {} n {n} dim {dim} masked {masked} offset {offset}", T::NAME);
+
+    let csr = EmbeddingCsr::build(&ids, START, VOCAB, masked).unwrap();
+    let mut got = vec![T::from_f64(5.0); VOCAB * dim];
+    unsafe {
+        k::embedding_backward_csr(
+            emu(),
+            dtype::<T>(),
+            ptr(&csr.row_start),
+            ptr(&csr.positions),
+            csr.positions.len(),
+            ptr(dout),
+            n,
+            VOCAB,
+            dim,
+            mptr(&mut got),
+        )
+        .unwrap();
+    }
+    assert_eq!(f64s(&got), f64s(&want), "{what}: csr");
+
+    let mut got = vec![T::from_f64(5.0); VOCAB * dim];
+    let mut acc = vec![3f32; VOCAB * dim];
+    let mut err = [NO_ERROR];
+    unsafe {
+        k::embedding_backward_atomic(
+            emu(),
+            dtype::<T>(),
+            ptr(&ids),
+            n,
+            START,
+            masked,
+            ptr(dout),
+            VOCAB,
+            dim,
+            mptr(&mut got),
+            mptr(&mut acc),
+            mptr(&mut err),
+        )
+        .unwrap();
+    }
+    assert_eq!(err[0], NO_ERROR, "{what}: error slot");
+    assert_close(&format!("{what}: atomic"), &f64s(&got), &f64s(&want), tol::<T>());
+}
+
+#[test]
+fn backward_matches_cpu() {
+    for masked in [false, true] {
+        check_backward::<f32>(11, 53, 24, masked, 0);
+        check_backward::<f32>(12, 53, 24, masked, 1);
+        check_backward::<bf16>(13, 41, 16, masked, 0);
+        check_backward::<bf16>(14, 41, 13, masked, 0);
+        check_backward::<f16>(15, 30, 40, masked, 3);
+    }
+}
+
+#[test]
+fn csr_groups_positions_in_order() {
+    let ids = [7i64, 3, 7, 9, 3, 7, 100];
+    let csr = EmbeddingCsr::build(&ids, 2, 8, true).unwrap();
+    // Local rows: 7 -> 5, 3 -> 1, 9 -> 7; 100 is outside.
+    assert_eq!(csr.row_start, vec![0, 0, 2, 2, 2, 2, 5, 5, 6]);
+    assert_eq!(csr.positions, vec![1, 4, 0, 2, 5, 3]);
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let mut dw = vec![bf16::ZERO; 16];
+    let dout = vec![bf16::ZERO; 16];
+    let ids = vec![0i64; 2];
+    let p = mptr(&mut dw);
+    // acc == dweight is only allowed for f32.
+    let r = unsafe {
+        k::embedding_backward_atomic(
+            emu(),
+            CudaDType::BF16,
+            ptr(&ids),
+            2,
+            0,
+            true,
+            ptr(&dout),
+            2,
+            8,
+            p,
+            p,
+            0,
+        )
+    };
+    assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // More positions than ids.
+    let rs = vec![0i32; 3];
+    let r = unsafe {
+        k::embedding_backward_csr(
+            emu(),
+            CudaDType::BF16,
+            ptr(&rs),
+            ptr(&rs),
+            3,
+            ptr(&dout),
+            2,
+            2,
+            8,
+            p,
+        )
+    };
+    assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // A null table.
+    let mut out = vec![bf16::ZERO; 16];
+    let r = unsafe {
+        k::embedding_forward(
+            emu(),
+            CudaDType::BF16,
+            0,
+            2,
+            8,
+            ptr(&ids),
+            2,
+            0,
+            false,
+            mptr(&mut out),
+            0,
+        )
+    };
+    assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+}

@@ -1,0 +1,239 @@
+//! The RoPE CUDA kernel (`cuda/rope.cu`) on the CPU emulator, against the
+//! CPU op: forward and backward in both layouts, in place, for q and k
+//! together, the backward undoing the forward for true rotations, and the
+//! element-wise path (odd half head dims, shifted addresses).
+
+use half::{bf16, f16};
+use tpar_kernels::cuda::emu::Emulator;
+use tpar_kernels::cuda::ops::rope::{self as gpu, RopeShape};
+use tpar_kernels::cuda::{CudaDType, DevPtr, Launcher};
+use tpar_kernels::{rope, Float};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
+        (0..n)
+            .map(|_| {
+                let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
+                T::from_f64((2.0 * u - 1.0) * scale)
+            })
+            .collect()
+    }
+}
+
+/// A host buffer standing in for device memory: its first element sits
+/// `shift` elements past a 16-byte boundary.
+struct Buf<T> {
+    v: Vec<T>,
+    off: usize,
+    n: usize,
+}
+
+impl<T: Copy + Default> Buf<T> {
+    fn new(data: &[T], shift: usize) -> Self {
+        let es = std::mem::size_of::<T>();
+        let mut v = vec![T::default(); data.len() + 16 + shift];
+        let off = (16 - v.as_ptr() as usize % 16) % 16 / es + shift;
+        v[off..off + data.len()].copy_from_slice(data);
+        Buf { v, off, n: data.len() }
+    }
+    fn zeros(n: usize, shift: usize) -> Self {
+        Buf::new(&vec![T::default(); n], shift)
+    }
+    fn ptr(&mut self) -> DevPtr {
+        self.v[self.off..].as_mut_ptr() as DevPtr
+    }
+    fn get(&self) -> Vec<T> {
+        self.v[self.off..self.off + self.n].to_vec()
+    }
+}
+
+fn emu() -> &'static Emulator {
+    Emulator::get().expect("the CPU emulator builds")
+}
+
+fn dtype_of<T: Float>() -> CudaDType {
+    match T::NAME {
+        "f32" => CudaDType::F32,
+        "bf16" => CudaDType::BF16,
+        _ => CudaDType::F16,
+    }
+}
+
+fn tol<T: Float>() -> f64 {
+    match T::NAME {
+        "f32" => 1e-5,
+        "bf16" => 1e-2,
+        _ => 2e-3,
+    }
+}
+
+/// `|got - want| <= tol * max|want|` elementwise.
+fn assert_close<T: Float>(what: &str, got: &[T], want: &[T], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().map(|v| v.to_f64().abs()).fold(1e-20, f64::max);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.to_f64(), w.to_f64());
+        assert!((g - w).abs() <= tol * scale, "{what} ({})[{i}]: got {g}, want {w}", T::NAME);
+    }
+}
+
+fn numel(s: &RopeShape) -> usize {
+    s.outer * s.seq * s.inner * s.head_dim
+}
+
+/// Llama tables: angle `t * theta^(-2i/d)` on both halves.
+fn tables<T: Float>(seq: usize, hd: usize) -> (Vec<T>, Vec<T>) {
+    let half = hd / 2;
+    let mut c = Vec::with_capacity(seq * hd);
+    let mut s = Vec::with_capacity(seq * hd);
+    for t in 0..seq {
+        for j in 0..hd {
+            let f = 10000f64.powf(-2.0 * (j % half) as f64 / hd as f64);
+            c.push(T::from_f64((t as f64 * f).cos()));
+            s.push(T::from_f64((t as f64 * f).sin()));
+        }
+    }
+    (c, s)
+}
+
+const SHAPES: [(usize, usize, usize, usize); 6] = [
+    (1, 1, 1, 2),  // one pair
+    (2, 7, 1, 8),  // half 4: element path
+    (1, 5, 3, 32), // [b, s, h, d] with half 16: vector path
+    (3, 5, 2, 26), // half 13
+    (6, 9, 1, 16), // [b*h, s, d], half 8
+    (2, 3, 4, 64),
+];
+
+fn check<T: Float>(seed: u64) {
+    let l: &dyn Launcher = emu();
+    let dt = dtype_of::<T>();
+    let mut rng = Rng(seed);
+    for (outer, seq, inner, head_dim) in SHAPES {
+        let s = RopeShape { outer, seq, inner, head_dim };
+        let n = numel(&s);
+        let x: Vec<T> = rng.vec(n, 1.0);
+        // independent halves: the backward must be the exact transpose anyway
+        let cos: Vec<T> = rng.vec(seq * head_dim, 1.0);
+        let sin: Vec<T> = rng.vec(seq * head_dim, 1.0);
+        let mut y_want = vec![T::default(); n];
+        rope::rope_forward(&s, &x, &cos, &sin, &mut y_want).unwrap();
+        let mut dx_want = vec![T::default(); n];
+        rope::rope_backward(&s, &x, &cos, &sin, &mut dx_want).unwrap();
+        for shift in [0, 1] {
+            let what = format!("rope {s:?} shift {shift}");
+            let mut bx = Buf::new(&x, shift);
+            let mut bc = Buf::new(&cos, shift);
+            let mut bs = Buf::new(&sin, 0);
+            let mut by = Buf::<T>::zeros(n, shift);
+            let (px, pc, ps, py) = (bx.ptr(), bc.ptr(), bs.ptr(), by.ptr());
+            unsafe { gpu::rope_forward(l, dt, &s, px, pc, ps, py) }.unwrap();
+            assert_close(&format!("{what} forward"), &by.get(), &y_want, tol::<T>());
+            unsafe { gpu::rope_backward(l, dt, &s, px, pc, ps, py) }.unwrap();
+            assert_close(&format!("{what} backward"), &by.get(), &dx_want, tol::<T>());
+            // in place
+            unsafe { gpu::rope_forward(l, dt, &s, px, pc, ps, px) }.unwrap();
+            assert_close(&format!("{what} in place"), &bx.get(), &y_want, tol::<T>());
+        }
+    }
+}
+
+#[test]
+fn matches_cpu_f32() {
+    check::<f32>(1);
+}
+
+#[test]
+fn matches_cpu_bf16() {
+    check::<bf16>(2);
+}
+
+#[test]
+fn matches_cpu_f16() {
+    check::<f16>(3);
+}
+
+/// With real rotation tables the map is orthogonal: backward undoes forward.
+fn round_trip<T: Float>(seed: u64, tol: f64) {
+    let l: &dyn Launcher = emu();
+    let dt = dtype_of::<T>();
+    let s = RopeShape { outer: 2, seq: 11, inner: 3, head_dim: 32 };
+    let x: Vec<T> = Rng(seed).vec(numel(&s), 2.0);
+    let (cos, sin) = tables::<T>(s.seq, s.head_dim);
+    let mut bx = Buf::new(&x, 0);
+    let mut bc = Buf::new(&cos, 0);
+    let mut bs = Buf::new(&sin, 0);
+    let (px, pc, ps) = (bx.ptr(), bc.ptr(), bs.ptr());
+    unsafe { gpu::rope_forward(l, dt, &s, px, pc, ps, px) }.unwrap();
+    let rotated = bx.get();
+    assert!(rotated.iter().zip(&x).any(|(a, b)| a != b), "forward changed nothing");
+    unsafe { gpu::rope_backward(l, dt, &s, px, pc, ps, px) }.unwrap();
+    assert_close("rope round trip", &bx.get(), &x, tol);
+}
+
+#[test]
+fn backward_undoes_forward() {
+    round_trip::<f32>(4, 1e-5);
+    round_trip::<bf16>(5, 2e-2);
+}
+
+#[test]
+fn rotates_q_and_k_in_place() {
+    let l: &dyn Launcher = emu();
+    let dt = CudaDType::BF16;
+    let (b, seq, hq, hkv, d) = (2, 6, 4, 2, 16);
+    let qs = RopeShape { outer: b, seq, inner: hq, head_dim: d };
+    let ks = RopeShape { outer: b, seq, inner: hkv, head_dim: d };
+    let mut rng = Rng(6);
+    let q: Vec<bf16> = rng.vec(numel(&qs), 1.0);
+    let k: Vec<bf16> = rng.vec(numel(&ks), 1.0);
+    let (cos, sin) = tables::<bf16>(seq, d);
+    let mut bq = Buf::new(&q, 0);
+    let mut bk = Buf::new(&k, 0);
+    let mut bc = Buf::new(&cos, 0);
+    let mut bs = Buf::new(&sin, 0);
+    let (pq, pk, pc, ps) = (bq.ptr(), bk.ptr(), bc.ptr(), bs.ptr());
+    for backward in [false, true] {
+        let (mut qw, mut kw) = (vec![bf16::ZERO; q.len()], vec![bf16::ZERO; k.len()]);
+        let (q0, k0) = (bq.get(), bk.get());
+        if backward {
+            rope::rope_backward(&qs, &q0, &cos, &sin, &mut qw).unwrap();
+            rope::rope_backward(&ks, &k0, &cos, &sin, &mut kw).unwrap();
+        } else {
+            rope::rope_forward(&qs, &q0, &cos, &sin, &mut qw).unwrap();
+            rope::rope_forward(&ks, &k0, &cos, &sin, &mut kw).unwrap();
+        }
+        unsafe { gpu::rope_qk_inplace(l, dt, &qs, pq, &ks, pk, pc, ps, backward) }.unwrap();
+        assert_close(&format!("q backward={backward}"), &bq.get(), &qw, 1e-2);
+        assert_close(&format!("k backward={backward}"), &bk.get(), &kw, 1e-2);
+    }
+}
+
+#[test]
+fn rejects_bad_arguments() {
+    let l: &dyn Launcher = emu();
+    let mut buf = Buf::new(&[0.0f32; 64], 0);
+    let p = buf.ptr();
+    let f = CudaDType::F32;
+    let odd = RopeShape { outer: 1, seq: 2, inner: 1, head_dim: 3 };
+    let ok = RopeShape { outer: 1, seq: 2, inner: 1, head_dim: 4 };
+    let long = RopeShape { seq: 3, ..ok };
+    let huge = RopeShape { outer: usize::MAX, ..ok };
+    unsafe {
+        assert!(gpu::rope_forward(l, f, &odd, p, p, p, p).is_err(), "odd head_dim");
+        assert!(gpu::rope_forward(l, f, &huge, p, p, p, p).is_err(), "overflow");
+        assert!(gpu::rope_backward(l, f, &ok, p, 0, p, p).is_err(), "null table");
+        assert!(gpu::rope_backward(l, f, &ok, p, p + 2, p, p).is_err(), "misaligned table");
+        assert!(gpu::rope_qk_inplace(l, f, &ok, p, &long, p, p, p, false).is_err(), "seq differs");
+        assert!(gpu::rope_forward(l, f, &ok, p, p, p, p).is_ok());
+    }
+}

@@ -1,0 +1,377 @@
+//! SDPA CUDA kernels (flash attention forward and backward), run in the CPU
+//! emulator, against the f64 reference of the CPU op.
+
+use half::{bf16, f16};
+use tpar_kernels::cuda::emu::Emulator;
+use tpar_kernels::cuda::ops::sdpa::{
+    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
+    SdpaFwdBuffers, SdpaPath,
+};
+use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
+use tpar_kernels::{Float, KernelError};
+
+fn ptr<T>(v: &[T]) -> DevPtr {
+    v.as_ptr() as DevPtr
+}
+
+fn out<T>(v: &mut [T]) -> DevPtr {
+    v.as_mut_ptr() as DevPtr
+}
+
+/// Deterministic values uniform in [-scale, scale).
+fn data(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn cvt<T: Float>(v: &[f64]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f64(x)).collect()
+}
+
+fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// Largest `|got - want|` relative to the largest `|want|`; both must be finite.
+fn max_rel(what: &str, got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite value");
+    let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs() / scale))
+}
+
+/// `lse` matches where finite (absolute-plus-relative), and `-inf` exactly.
+fn check_lse(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lse length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = g as f64;
+        let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= tol * (1.0 + w.abs()) };
+        assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
+    }
+}
+
+/// Mask layouts.
+#[derive(Clone, Copy, Debug)]
+enum MaskKind {
+    None,
+    /// `[batch, 1, 1, kv_len]`: a trailing run of padded keys per batch.
+    KeyPadding,
+    /// `[batch, q_heads, q_len, kv_len]`: random values, some `-inf`, and one
+    /// fully masked query row per head.
+    Full,
+}
+
+struct Case {
+    s: SdpaShape,
+    mask: MaskKind,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_len: usize,
+    kv_len: usize,
+    head_dim: usize,
+    v_dim: usize,
+    causal: bool,
+) -> SdpaShape {
+    SdpaShape {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim,
+        scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+        causal,
+    }
+}
+
+/// Mask values and strides `(batch, head, row)`.
+fn make_mask(s: &SdpaShape, kind: MaskKind) -> Option<(Vec<f64>, [usize; 3])> {
+    let ninf = f64::NEG_INFINITY;
+    match kind {
+        MaskKind::None => None,
+        MaskKind::KeyPadding => {
+            let mut m = vec![0.0; s.batch * s.kv_len];
+            for b in 0..s.batch {
+                // batch b keeps kv_len - 3b - 2 keys
+                let keep = s.kv_len.saturating_sub(3 * b + 2).max(1);
+                m[b * s.kv_len + keep..(b + 1) * s.kv_len].fill(ninf);
+            }
+            Some((m, [s.kv_len, 0, 0]))
+        }
+        MaskKind::Full => {
+            let row = s.kv_len;
+            let head = s.q_len * row;
+            let n = s.batch * s.q_heads * head;
+            let mut m = data(n, 99, 1.0);
+            for (i, x) in m.iter_mut().enumerate() {
+                if i % 7 == 3 {
+                    *x = ninf;
+                }
+            }
+            for bh in 0..s.batch * s.q_heads {
+                let r = (bh * 5 + 2) % s.q_len;
+                m[bh * head + r * row..bh * head + (r + 1) * row].fill(ninf);
+            }
+            Some((m, [s.q_heads * head, head, row]))
+        }
+    }
+}
+
+/// Tolerances (relative to the largest magnitude): (out, lse, gradients).
+fn tols(dtype: CudaDType) -> (f64, f64, f64) {
+    match dtype {
+        CudaDType::F32 => (1e-5, 1e-5, 1e-5),
+        CudaDType::BF16 => (1e-2, 1e-3, 1e-2),
+        CudaDType::F16 => (2e-3, 1e-3, 2e-3),
+    }
+}
+
+/// Runs forward and backward of `c` on the emulator and checks them against
+/// the f64 reference on the same (rounded) inputs.
+fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
+    let emu = Emulator::get().expect("emulator");
+    let s = &c.s;
+    let nq = s.batch * s.q_heads * s.q_len;
+    let nk = s.batch * s.kv_heads * s.kv_len;
+    let q: Vec<T> = cvt(&data(nq * s.head_dim, 1, 1.5));
+    let k: Vec<T> = cvt(&data(nk * s.head_dim, 2, 1.5));
+    let v: Vec<T> = cvt(&data(nk * s.v_dim, 3, 1.0));
+    let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
+    let mask = make_mask(s, c.mask);
+    let mask_t: Vec<T> = mask.as_ref().map_or(Vec::new(), |(m, _)| cvt(m));
+    let mask_f = f64s(&mask_t);
+    let ref_mask = mask.as_ref().map(|(_, [bs, hs, rs])| SdpaMask {
+        data: &mask_f[..],
+        batch_stride: *bs,
+        head_stride: *hs,
+        row_stride: *rs,
+    });
+    let dev_mask = mask.as_ref().map(|(_, [bs, hs, rs])| SdpaDevMask {
+        data: ptr(&mask_t),
+        len: mask_t.len(),
+        batch_stride: *bs,
+        head_stride: *hs,
+        row_stride: *rs,
+    });
+    let (qf, kf, vf, gf) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
+    let (out_ref, lse_ref) = reference::sdpa_forward(s, &qf, &kf, &vf, ref_mask.as_ref());
+    let (dq_ref, dk_ref, dv_ref) =
+        reference::sdpa_backward(s, &qf, &kf, &vf, ref_mask.as_ref(), &gf);
+
+    let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
+    let mut lse = vec![7.0f32; nq];
+    let mut dq = vec![T::from_f64(7.0); q.len()];
+    let mut dk = vec![T::from_f64(7.0); k.len()];
+    let mut dv = vec![T::from_f64(7.0); v.len()];
+    let ws_bytes = sdpa_backward_workspace_bytes(s).unwrap();
+    let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
+    // 16-byte aligned start inside the f32 buffer
+    let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    unsafe {
+        let fb = SdpaFwdBuffers {
+            q: ptr(&q),
+            k: ptr(&k),
+            v: ptr(&v),
+            mask: dev_mask,
+            out: out(&mut o),
+            lse: out(&mut lse),
+        };
+        sdpa_forward(emu, dtype, s, &fb, path).unwrap();
+        let bb = SdpaBwdBuffers {
+            q: ptr(&q),
+            k: ptr(&k),
+            v: ptr(&v),
+            mask: dev_mask,
+            out: ptr(&o),
+            lse: ptr(&lse),
+            dout: ptr(&dout),
+            dq: out(&mut dq),
+            dk: out(&mut dk),
+            dv: out(&mut dv),
+            workspace: out(&mut ws[ws_off..]),
+            workspace_bytes: ws_bytes,
+        };
+        sdpa_backward(emu, dtype, s, &bb, path).unwrap();
+    }
+    let (t_out, t_lse, t_grad) = tols(dtype);
+    let what = format!("{dtype:?} {path:?} {s:?} mask {:?}", c.mask);
+    let e = max_rel(&format!("out {what}"), &f64s(&o), &out_ref);
+    eprintln!("out {what}: {e:.2e}");
+    assert!(e <= t_out, "out {what}: rel err {e:e} > {t_out:e}");
+    check_lse(&what, &lse, &lse_ref, t_lse);
+    for (name, got, want) in [("dq", &dq, &dq_ref), ("dk", &dk, &dk_ref), ("dv", &dv, &dv_ref)] {
+        let e = max_rel(&format!("{name} {what}"), &f64s(got), want);
+        eprintln!("{name}: {e:.2e}");
+        assert!(e <= t_grad, "{name} {what}: rel err {e:e} > {t_grad:e}");
+    }
+}
+
+/// Causal + GQA + full additive mask, 37 queries x 45 keys (not tile multiples).
+fn case_gqa_causal_full(head_dim: usize) -> Case {
+    Case { s: shape(2, 4, 2, 37, 45, head_dim, head_dim, true), mask: MaskKind::Full }
+}
+
+/// Non-causal, key-padding mask, more queries than one tile.
+fn case_padding(head_dim: usize) -> Case {
+    Case { s: shape(2, 2, 1, 70, 45, head_dim, head_dim, false), mask: MaskKind::KeyPadding }
+}
+
+/// Causal, no mask, more queries than keys, MHA.
+fn case_causal_plain(head_dim: usize) -> Case {
+    Case { s: shape(1, 2, 2, 45, 37, head_dim, head_dim, true), mask: MaskKind::None }
+}
+
+#[test]
+fn f32_simt() {
+    run::<f32>(CudaDType::F32, &case_gqa_causal_full(64), SdpaPath::Auto);
+    run::<f32>(CudaDType::F32, &case_padding(64), SdpaPath::Auto);
+    run::<f32>(CudaDType::F32, &case_causal_plain(64), SdpaPath::Simt);
+}
+
+#[test]
+fn bf16_tensor_core_d64() {
+    run::<bf16>(CudaDType::BF16, &case_gqa_causal_full(64), SdpaPath::TensorCore);
+    run::<bf16>(CudaDType::BF16, &case_padding(64), SdpaPath::TensorCore);
+    run::<bf16>(CudaDType::BF16, &case_causal_plain(64), SdpaPath::Auto);
+}
+
+#[test]
+fn bf16_tensor_core_d128() {
+    let c = Case { s: shape(1, 2, 1, 80, 70, 128, 128, true), mask: MaskKind::Full };
+    run::<bf16>(CudaDType::BF16, &c, SdpaPath::TensorCore);
+}
+
+#[test]
+fn tensor_core_wide_forward() {
+    // 128 query rows per forward block: two blocks, several key tiles.
+    let c = Case { s: shape(1, 2, 1, 150, 140, 64, 64, true), mask: MaskKind::Full };
+    run::<bf16>(CudaDType::BF16, &c, SdpaPath::TensorCoreWide);
+    // head dim 128: q fragments read from shared memory at each step.
+    let c = Case { s: shape(1, 2, 2, 130, 75, 128, 96, false), mask: MaskKind::KeyPadding };
+    run::<f16>(CudaDType::F16, &c, SdpaPath::TensorCoreWide);
+}
+
+#[test]
+fn bf16_simt() {
+    run::<bf16>(CudaDType::BF16, &case_gqa_causal_full(64), SdpaPath::Simt);
+    run::<bf16>(CudaDType::BF16, &case_padding(64), SdpaPath::Simt);
+}
+
+#[test]
+fn f16_tensor_core_and_simt() {
+    run::<f16>(CudaDType::F16, &case_gqa_causal_full(64), SdpaPath::TensorCore);
+    run::<f16>(CudaDType::F16, &case_causal_plain(64), SdpaPath::Simt);
+}
+
+#[test]
+fn f32_simt_d128() {
+    let c = Case { s: shape(1, 2, 1, 40, 50, 128, 128, false), mask: MaskKind::Full };
+    run::<f32>(CudaDType::F32, &c, SdpaPath::Auto);
+}
+
+#[test]
+fn uneven_head_dims() {
+    // head_dim 40 / v_dim 24: tensor cores with the head dims padded to 64.
+    let c = Case { s: shape(1, 2, 1, 30, 41, 40, 24, false), mask: MaskKind::KeyPadding };
+    run::<bf16>(CudaDType::BF16, &c, SdpaPath::TensorCore);
+    // head_dim 20 / v_dim 36: not multiples of 8, SIMT fallback.
+    let c = Case { s: shape(1, 2, 2, 30, 41, 20, 36, false), mask: MaskKind::Full };
+    run::<bf16>(CudaDType::BF16, &c, SdpaPath::Auto);
+    // head dims above 128: SIMT with 8 chunks.
+    let c = Case { s: shape(1, 1, 1, 20, 24, 200, 136, true), mask: MaskKind::None };
+    run::<f32>(CudaDType::F32, &c, SdpaPath::Auto);
+}
+
+#[test]
+fn empty_sequences() {
+    // No keys: zeros, lse = -inf, zero dq.
+    for path in [SdpaPath::Simt, SdpaPath::TensorCore] {
+        run::<bf16>(
+            CudaDType::BF16,
+            &Case { s: shape(1, 2, 1, 5, 0, 64, 64, false), mask: MaskKind::None },
+            path,
+        );
+        // No queries: zero dk, dv.
+        run::<bf16>(
+            CudaDType::BF16,
+            &Case { s: shape(1, 2, 1, 0, 9, 64, 64, true), mask: MaskKind::None },
+            path,
+        );
+    }
+}
+
+fn expect_bad(r: tpar_kernels::Result<()>, what: &str) {
+    match r {
+        Err(KernelError::BadArguments { .. }) => {}
+        other => panic!("{what}: expected BadArguments, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_arguments() {
+    let emu = Emulator::get().expect("emulator");
+    let s = shape(1, 2, 1, 8, 8, 16, 16, false);
+    let buf = vec![0f32; 2 * 8 * 16];
+    let p = ptr(&buf);
+    let mut lse = vec![0f32; 16];
+    let fwd = |s: &SdpaShape, mask: Option<SdpaDevMask>, lse: DevPtr, dtype, path| {
+        let b = SdpaFwdBuffers { q: p, k: p, v: p, mask, out: p, lse };
+        unsafe { sdpa_forward(emu, dtype, s, &b, path) }
+    };
+    let lp = out(&mut lse);
+    // q heads not a multiple of kv heads
+    expect_bad(
+        fwd(&shape(1, 3, 2, 8, 8, 16, 16, false), None, lp, CudaDType::F32, SdpaPath::Auto),
+        "gqa",
+    );
+    // head dim above the limit
+    expect_bad(
+        fwd(&shape(1, 1, 1, 1, 1, 300, 16, false), None, lp, CudaDType::F32, SdpaPath::Auto),
+        "dim",
+    );
+    // tensor cores asked for f32
+    expect_bad(fwd(&s, None, lp, CudaDType::F32, SdpaPath::TensorCore), "tc f32");
+    // tensor cores asked for a head dim that is not a multiple of 8
+    expect_bad(
+        fwd(&shape(1, 2, 1, 8, 8, 12, 16, false), None, lp, CudaDType::BF16, SdpaPath::TensorCore),
+        "tc dim",
+    );
+    // a mask too short for its strides
+    let m = SdpaDevMask { data: p, len: 63, batch_stride: 0, head_stride: 0, row_stride: 8 };
+    expect_bad(fwd(&s, Some(m), lp, CudaDType::F32, SdpaPath::Auto), "mask");
+    // null and misaligned buffers
+    expect_bad(fwd(&s, None, 0, CudaDType::F32, SdpaPath::Auto), "null lse");
+    expect_bad(fwd(&s, None, lp + 2, CudaDType::F32, SdpaPath::Auto), "misaligned lse");
+    // a workspace too small
+    let need = sdpa_backward_workspace_bytes(&s).unwrap();
+    let ws = vec![0f32; need / 4 + 4];
+    let b = SdpaBwdBuffers {
+        q: p,
+        k: p,
+        v: p,
+        mask: None,
+        out: p,
+        lse: lp,
+        dout: p,
+        dq: p,
+        dk: p,
+        dv: p,
+        workspace: ptr(&ws).next_multiple_of(16),
+        workspace_bytes: need - 4,
+    };
+    expect_bad(unsafe { sdpa_backward(emu, CudaDType::F32, &s, &b, SdpaPath::Auto) }, "workspace");
+}

@@ -1,0 +1,174 @@
+//! CUDA storage: tensors on `Device::Cuda(n)`.
+//!
+//! A CUDA device is a [`GpuDevice`]: a GPU driven through cudarc, or the CPU
+//! emulator of the CUDA execution model (the same kernel sources, run on the
+//! host; what the tests use on machines without a GPU). Which one serves
+//! `cuda:N` is decided on first use: a device registered with
+//! [`register_device`], else the emulator when `TPAR_CUDA=emulator`, else
+//! the GPU.
+//!
+//! Ops with a CUDA kernel run on the device. The others (and host reads such
+//! as [`crate::Tensor::to_vec`]) copy through the host; each such copy
+//! counts in [`host_round_trips`], so a test can check that a training step
+//! stays on the device.
+//!
+//! ```
+//! use tpar_tensor::{gpu, DType, Device, Tensor};
+//! gpu::register_device(7, tpar_kernels::cuda::emu::EmulatedGpu::open(7)?);
+//! let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3])?.to_device(Device::Cuda(7))?;
+//! assert_eq!(x.device(), Device::Cuda(7));
+//! assert_eq!(x.to_vec::<f32>()?, vec![1.0, 2.0, 3.0]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use tpar_kernels::cuda::{DeviceBuffer, GpuDevice};
+
+use crate::storage::CpuStorage;
+use crate::{DType, Result, TensorError};
+
+fn registry() -> &'static Mutex<HashMap<usize, Arc<dyn GpuDevice>>> {
+    static R: OnceLock<Mutex<HashMap<usize, Arc<dyn GpuDevice>>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+thread_local! {
+    static ROUND_TRIPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Makes `dev` serve `cuda:ordinal` from now on (replacing any earlier one).
+pub fn register_device(ordinal: usize, dev: Arc<dyn GpuDevice>) {
+    registry().lock().unwrap_or_else(|p| p.into_inner()).insert(ordinal, dev);
+}
+
+/// The device serving `cuda:ordinal`, opened on first use.
+pub fn device(ordinal: usize) -> Result<Arc<dyn GpuDevice>> {
+    let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = reg.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let emulate = std::env::var("TPAR_CUDA").is_ok_and(|v| v == "emulator");
+    let dev = if emulate {
+        tpar_kernels::cuda::emu::EmulatedGpu::open(ordinal)
+    } else {
+        tpar_kernels::cuda::open_gpu(ordinal)
+    }
+    .map_err(|e| TensorError::Unavailable {
+        what: format!("cuda:{ordinal}"),
+        why: e.to_string(),
+    })?;
+    reg.insert(ordinal, dev.clone());
+    Ok(dev)
+}
+
+/// How many times data has crossed between a CUDA device and the host on
+/// this thread, for an op without a device kernel or a host read of device
+/// data (explicit moves with `to_device` do not count).
+pub fn host_round_trips() -> u64 {
+    ROUND_TRIPS.with(|c| c.get())
+}
+
+pub(crate) fn count_round_trip() {
+    ROUND_TRIPS.with(|c| c.set(c.get() + 1));
+}
+
+/// A tensor's data on a CUDA device.
+#[derive(Debug)]
+pub struct GpuStorage {
+    pub(crate) buf: DeviceBuffer,
+    pub(crate) dtype: DType,
+    pub(crate) len: usize,
+}
+
+fn kerr(e: tpar_kernels::KernelError) -> TensorError {
+    TensorError::Kernel(e)
+}
+
+impl GpuStorage {
+    /// Uninitialized storage for `len` elements of `dtype`.
+    pub(crate) fn alloc(dev: &Arc<dyn GpuDevice>, dtype: DType, len: usize) -> Result<Self> {
+        let buf = DeviceBuffer::alloc(dev, len * dtype.size_in_bytes()).map_err(kerr)?;
+        Ok(GpuStorage { buf, dtype, len })
+    }
+
+    /// Zero-filled storage.
+    pub(crate) fn zeros(dev: &Arc<dyn GpuDevice>, dtype: DType, len: usize) -> Result<Self> {
+        let buf = DeviceBuffer::zeros(dev, len * dtype.size_in_bytes()).map_err(kerr)?;
+        Ok(GpuStorage { buf, dtype, len })
+    }
+
+    /// A device copy of host storage.
+    pub(crate) fn upload(dev: &Arc<dyn GpuDevice>, s: &CpuStorage) -> Result<Self> {
+        let buf = DeviceBuffer::from_host(dev, host_bytes(s)).map_err(kerr)?;
+        Ok(GpuStorage { buf, dtype: s.dtype(), len: s.len() })
+    }
+
+    /// A host copy.
+    pub(crate) fn download(&self) -> Result<CpuStorage> {
+        let mut s = CpuStorage::zeros(self.dtype, self.len);
+        // SAFETY: `s` holds exactly `len` elements of `dtype`, the buffer's size.
+        unsafe { self.buf.device().dtoh(self.buf.ptr(), host_bytes_mut(&mut s)).map_err(kerr)? };
+        Ok(s)
+    }
+
+    /// Overwrites the device data with host storage of the same dtype and length.
+    pub(crate) fn upload_into(&self, s: &CpuStorage) -> Result<()> {
+        self.buf.upload(host_bytes(s)).map_err(kerr)
+    }
+
+    /// A device copy of this storage.
+    pub(crate) fn duplicate(&self) -> Result<Self> {
+        Ok(GpuStorage {
+            buf: self.buf.duplicate().map_err(kerr)?,
+            dtype: self.dtype,
+            len: self.len,
+        })
+    }
+
+    /// The device address of the first element.
+    pub fn ptr(&self) -> tpar_kernels::cuda::DevPtr {
+        self.buf.ptr()
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn GpuDevice> {
+        self.buf.device()
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+fn host_bytes(s: &CpuStorage) -> &[u8] {
+    fn b<T>(v: &[T]) -> &[u8] {
+        // SAFETY: plain-old-data elements viewed as their bytes.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+    }
+    match s {
+        CpuStorage::F32(v) => b(v),
+        CpuStorage::F64(v) => b(v),
+        CpuStorage::BF16(v) => b(v),
+        CpuStorage::F16(v) => b(v),
+        CpuStorage::I64(v) => b(v),
+    }
+}
+
+fn host_bytes_mut(s: &mut CpuStorage) -> &mut [u8] {
+    fn b<T>(v: &mut [T]) -> &mut [u8] {
+        // SAFETY: plain-old-data elements (every bit pattern valid) as bytes.
+        unsafe {
+            std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v))
+        }
+    }
+    match s {
+        CpuStorage::F32(v) => b(v),
+        CpuStorage::F64(v) => b(v),
+        CpuStorage::BF16(v) => b(v),
+        CpuStorage::F16(v) => b(v),
+        CpuStorage::I64(v) => b(v),
+    }
+}
