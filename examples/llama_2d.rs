@@ -156,16 +156,31 @@ fn parse() -> Result<Opts, String> {
     if o.plan != "sp" && o.plan != "megatron" {
         return Err(format!("--plan: sp or megatron, not {}", o.plan));
     }
-    if o.device != "cpu" {
-        return Err(format!(
-            "--device {}: this build computes on the CPU; CUDA tensors arrive with the CUDA backend (the NCCL communicator is available already: --backend nccl)",
-            o.device
-        ));
+    if o.device != "cpu" && o.device != "cuda" && parse_cuda_ordinal(&o.device).is_none() {
+        return Err(format!("--device: cpu, cuda or cuda:N, not {}", o.device));
     }
     if o.backend != "local" && o.backend != "nccl" {
         return Err(format!("--backend: local or nccl, not {}", o.backend));
     }
     Ok(o)
+}
+
+fn parse_cuda_ordinal(s: &str) -> Option<usize> {
+    s.strip_prefix("cuda:")?.parse().ok()
+}
+
+/// The device this rank computes on: the host, or a CUDA device: `cuda:N` as
+/// given, else (`cuda`) the process's LOCAL_RANK under a launcher, else 0 (the
+/// local backend's ranks then share one device). `TPAR_CUDA=emulator` serves
+/// CUDA devices with the CPU emulator of the CUDA execution model.
+fn compute_device(o: &Opts) -> Device {
+    if o.device == "cpu" {
+        return Device::Cpu;
+    }
+    let ordinal = parse_cuda_ordinal(&o.device).unwrap_or_else(|| {
+        std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+    });
+    Device::Cuda(ordinal)
 }
 
 /// How the dp mesh dim is used.
@@ -209,6 +224,8 @@ struct RankReport {
     seconds: f64,
     peak_bytes: i64,
     state_bytes: usize,
+    /// Device-host round trips per training step on this rank (CUDA devices).
+    round_trips_per_step: f64,
 }
 
 fn err<E: std::fmt::Display>(e: E) -> NnError {
@@ -254,7 +271,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
         fully_shard(&mut model.base_model, &mesh["dp"], &fsdp).map_err(err)?;
         fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(err)?;
     }
-    reset_parameters(&mut model, Device::Cpu, o.seed)?;
+    let device = compute_device(o);
+    reset_parameters(&mut model, device, o.seed)?;
     // Replicated modes: every dp replica starts from dp rank 0's parameters.
     let ddp = match o.dp_mode {
         DpMode::Fsdp => None,
@@ -302,6 +320,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
     }
 
     memory::reset_peak(rank);
+    let trips0 = tpar::tensor::gpu::host_round_trips();
     let dp_group = mesh.group_of("dp")?.clone();
     let t0 = Instant::now();
     let (mut first, mut last, mut tokens) = (f64::NAN, f64::NAN, 0usize);
@@ -314,7 +333,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
             if step == o.steps {
                 break 'outer;
             }
-            let batch = dataset.batch(chunk)?;
+            let batch = dataset.batch(chunk)?.to_device(device)?;
             let (b, s) = (batch.input_ids.dims()[0], batch.input_ids.dims()[1]);
             unshard(&model).map_err(err)?;
             let logits = call(
@@ -374,6 +393,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
         tokens,
         seconds: t0.elapsed().as_secs_f64(),
         peak_bytes: memory::peak(rank),
+        round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
+            / step.max(1) as f64,
     })
 }
 
@@ -437,6 +458,10 @@ fn main() {
         r0.seconds,
         reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64
     );
+    if o.device != "cpu" {
+        // Ops without a device kernel and host-staged collectives, rank 0, per step.
+        println!("device: {} host round trips per step on rank 0", r0.round_trips_per_step);
+    }
     if !(r0.final_loss.is_finite() && r0.final_loss < r0.first_loss) {
         eprintln!("llama_2d: loss did not fall ({} -> {})", r0.first_loss, r0.final_loss);
         std::process::exit(1);

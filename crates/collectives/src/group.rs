@@ -36,6 +36,8 @@ struct Issued {
     call: Call,
     tensor: Option<Tensor>,
     problem: Option<CollectiveError>,
+    /// Where the caller's tensor lives: results go back there.
+    device: Device,
 }
 
 /// A group of ranks that run collectives together: PyTorch's `ProcessGroup`.
@@ -285,7 +287,6 @@ impl ProcessGroup {
         if dst >= self.size() {
             return Err(bad_rank(op, "dst", dst, self.size()));
         }
-        check_device(op, t, self.backend_name())?;
         let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
@@ -359,14 +360,21 @@ impl ProcessGroup {
             Backend::Local(l) => l.next_seq(),
             Backend::Nccl(c) => c.next_seq(),
         };
-        Issued { seq, call, tensor: t.map(Tensor::detach), problem }
+        let device = t.map(Tensor::device).unwrap_or(Device::Cpu);
+        let (tensor, problem) = match t.map(|t| stage_to_host(call.name(), t)).transpose() {
+            Ok(tensor) => (tensor, problem),
+            Err(e) => (None, problem.or(Some(e))),
+        };
+        Issued { seq, call, tensor, problem, device }
     }
 
     fn execute(&self, i: Issued) -> Result<Option<Tensor>> {
-        match &self.backend {
+        let device = i.device;
+        let r = match &self.backend {
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
             Backend::Nccl(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
-        }
+        };
+        back_to(device, r)
     }
 
     /// Argument checks every member can make alone.
@@ -428,7 +436,7 @@ impl ProcessGroup {
             }
             Call::Barrier => {}
         }
-        check_device(op, t, self.backend_name())
+        Ok(())
     }
 
     fn start(&self, call: Call, t: &Tensor) -> Work {
@@ -438,9 +446,10 @@ impl ProcessGroup {
             Backend::Local(l) => l.world().clone(),
             // The group's worker thread runs it: queue it and hand out the reply.
             Backend::Nccl(c) => {
+                let device = issued.device;
                 let p =
                     c.start(issued.seq, issued.call, issued.tensor, issued.problem, self.timeout);
-                return Work { op, state: WorkState::Nccl(p) };
+                return Work { op, state: WorkState::Nccl(p, device) };
             }
         };
         let me = self.global_rank;
@@ -497,13 +506,30 @@ fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveEr
     }
 }
 
-fn check_device(op: &'static str, t: &Tensor, backend: &str) -> Result<()> {
-    match t.device() {
-        Device::Cpu | Device::Meta => Ok(()),
-        d @ Device::Cuda(_) => Err(CollectiveError::Unavailable {
-            what: format!("{op} on {d} tensors with the {backend} backend"),
-            why: "this build has no CUDA storage; CUDA buffers arrive with the CUDA backend".into(),
-        }),
+/// The detached host copy a collective computes with: CUDA tensors are
+/// staged through the host (counted in `tpar_tensor::gpu::host_round_trips`).
+fn stage_to_host(op: &'static str, t: &Tensor) -> Result<Tensor> {
+    let t = t.detach();
+    if let Device::Cuda(_) = t.device() {
+        tpar_tensor::gpu::count_host_round_trip();
+        return t.to_device(Device::Cpu).map_err(|e| CollectiveError::InvalidArgument {
+            op,
+            why: format!("staging a {} tensor through the host: {e}", t.device()),
+        });
+    }
+    Ok(t)
+}
+
+/// Moves a collective's result to the device the caller's tensor lives on.
+fn back_to(device: Device, r: Result<Option<Tensor>>) -> Result<Option<Tensor>> {
+    match (device, r) {
+        (Device::Cuda(_), Ok(Some(t))) => {
+            t.to_device(device).map(Some).map_err(|e| CollectiveError::InvalidArgument {
+                op: "collective",
+                why: format!("moving the result to {device}: {e}"),
+            })
+        }
+        (_, r) => r,
     }
 }
 
@@ -518,7 +544,7 @@ enum WorkState {
     Running(JoinHandle<Result<Option<Tensor>>>),
     Done(Result<Option<Tensor>>),
     /// Queued on an NCCL group's worker thread.
-    Nccl(Pending),
+    Nccl(Pending, Device),
 }
 
 /// A collective in flight, returned by the `*_async` methods of [`ProcessGroup`].
@@ -541,7 +567,7 @@ impl Work {
             WorkState::Running(h) => h.join().unwrap_or_else(|p| {
                 Err(CollectiveError::Panicked { rank: usize::MAX, message: panic_message(&*p) })
             }),
-            WorkState::Nccl(p) => p.wait(),
+            WorkState::Nccl(p, device) => back_to(device, p.wait()),
         };
         expect_tensor(self.op, r)
     }
@@ -551,7 +577,7 @@ impl Work {
         match &self.state {
             WorkState::Done(_) => true,
             WorkState::Running(h) => h.is_finished(),
-            WorkState::Nccl(p) => p.is_completed(),
+            WorkState::Nccl(p, _) => p.is_completed(),
         }
     }
 

@@ -109,9 +109,9 @@ TPAR_DEVICE void backward(const RmsnormBwdArgs& a) {
 TPAR_KERNEL(tpar_rmsnorm_fwd_f32, RmsnormFwdArgs, 1024) { rmsnorm::forward<float>(args); }
 TPAR_KERNEL(tpar_rmsnorm_fwd_bf16, RmsnormFwdArgs, 1024) { rmsnorm::forward<bf16>(args); }
 TPAR_KERNEL(tpar_rmsnorm_fwd_f16, RmsnormFwdArgs, 1024) { rmsnorm::forward<f16>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_f32, RmsnormBwdArgs, 1024) { rmsnorm::backward<float>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_bf16, RmsnormBwdArgs, 1024) { rmsnorm::backward<bf16>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_f16, RmsnormBwdArgs, 1024) { rmsnorm::backward<f16>(args); }
+TPAR_KERNEL(tpar_rmsnorm_bwd_f32, RmsnormBwdArgs, 512) { rmsnorm::backward<float>(args); }
+TPAR_KERNEL(tpar_rmsnorm_bwd_bf16, RmsnormBwdArgs, 512) { rmsnorm::backward<bf16>(args); }
+TPAR_KERNEL(tpar_rmsnorm_bwd_f16, RmsnormBwdArgs, 512) { rmsnorm::backward<f16>(args); }
 
 // dw[c] = sum over blocks b of partial[b, c], in block order.
 TPAR_KERNEL(tpar_rmsnorm_dw_reduce, RmsnormDwArgs, 256) {

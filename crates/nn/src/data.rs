@@ -348,6 +348,15 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// The batch on `device` (ids and mask moved; a no-op on the host).
+    pub fn to_device(self, device: tpar_tensor::Device) -> Result<Batch> {
+        Ok(Batch {
+            input_ids: self.input_ids.to_device(device)?,
+            target_ids: self.target_ids.to_device(device)?,
+            attention_mask: self.attention_mask.to_device(device)?,
+        })
+    }
+
     /// Tokens in the batch that are not padding (what tokens/s counts).
     pub fn num_tokens(&self) -> Result<usize> {
         Ok(self.attention_mask.to_vec::<i64>()?.iter().filter(|&&m| m != 0).count())

@@ -94,7 +94,7 @@ impl FsdpParam {
         let placeholder = if sharded.device() == Device::Meta {
             Tensor::empty(self.local_shape.clone(), self.param_dtype, Device::Meta)?
         } else {
-            Tensor::new_released(self.local_shape.clone(), self.param_dtype)
+            Tensor::new_released_on(self.local_shape.clone(), self.param_dtype, sharded.device())
         };
         let u = placeholder.clone();
         let (dp, reduce, master) = (self.dp.clone(), self.reduce_dtype, sharded.dtype());

@@ -85,6 +85,7 @@ pub struct RotaryPositionEncoding {
     core: ModuleCore,
     cos: Tensor,
     sin: Tensor,
+    on_device: std::sync::Mutex<Vec<(Device, Tensor, Tensor)>>,
 }
 
 impl RotaryPositionEncoding {
@@ -104,17 +105,43 @@ impl RotaryPositionEncoding {
             core: ModuleCore::default(),
             cos: Tensor::from_f64(&c, [max_positions, head_dim], dtype)?,
             sin: Tensor::from_f64(&s, [max_positions, head_dim], dtype)?,
+            on_device: std::sync::Mutex::new(Vec::new()),
         })
     }
 
-    /// The tables for the first `seq` positions.
-    pub fn tables(&self, seq: usize) -> Result<RopeTables> {
+    /// The tables for the first `seq` positions on `device` (device copies of
+    /// the whole tables are made once and kept).
+    pub fn tables_on(&self, seq: usize, device: Device) -> Result<RopeTables> {
+        if device == Device::Cpu || device == Device::Meta {
+            return self.tables(seq);
+        }
+        let mut cache = self.on_device.lock().unwrap_or_else(|p| p.into_inner());
+        let (cos, sin) = match cache.iter().find(|(d, _, _)| *d == device) {
+            Some((_, c, s)) => (c.clone(), s.clone()),
+            None => {
+                let (c, s) = (self.cos.to_device(device)?, self.sin.to_device(device)?);
+                cache.push((device, c.clone(), s.clone()));
+                (c, s)
+            }
+        };
+        drop(cache);
+        self.check_len(seq)?;
+        Ok(RopeTables { cos: cos.narrow(0, 0, seq)?, sin: sin.narrow(0, 0, seq)? })
+    }
+
+    fn check_len(&self, seq: usize) -> Result<()> {
         let max = self.cos.dims()[0];
         if seq > max {
             return Err(NnError::Config {
                 what: format!("sequence length {seq} exceeds max_position_embeddings {max}"),
             });
         }
+        Ok(())
+    }
+
+    /// The tables for the first `seq` positions.
+    pub fn tables(&self, seq: usize) -> Result<RopeTables> {
+        self.check_len(seq)?;
         Ok(RopeTables { cos: self.cos.narrow(0, 0, seq)?, sin: self.sin.narrow(0, 0, seq)? })
     }
 }
@@ -474,9 +501,14 @@ impl Module for LlamaModel {
             Value::Tensor(m) => Some(m),
             _ => None,
         };
-        let mask =
-            pad.as_ref().map(|m| causal_padding_mask(Some(m), b, s, self.dtype)).transpose()?;
-        let rope = Value::Opaque(Arc::new(self.rotary_emb.tables(s)?));
+        let device = ids.device();
+        let mask = pad
+            .as_ref()
+            .map(|m| -> Result<Tensor> {
+                Ok(causal_padding_mask(Some(m), b, s, self.dtype)?.to_device(device)?)
+            })
+            .transpose()?;
+        let rope = Value::Opaque(Arc::new(self.rotary_emb.tables_on(s, device)?));
         let x = call(&self.embed_tokens, Args::new(vec![args.get(0)]))?;
         let mask = mask.map(Value::Tensor).unwrap_or(Value::None);
         let x = call(&self.layers, Args::new(vec![x, rope, mask]))?;

@@ -6,6 +6,10 @@
 //!   state (one state element per local element, allocated on the first step).
 //! * [`clip_grad_norm`] computes the true global L2 norm over all shards and mesh dims
 //!   and scales the gradients as `torch.nn.utils.clip_grad_norm_`.
+//! * Parameters on a CUDA device (f32, bf16, f16) are updated there, in place, by the
+//!   fused kernels ([`Tensor::adamw_step_`], [`Tensor::sgd_step_`]) with their state on
+//!   the same device; gradient norms are computed there too
+//!   ([`Tensor::sum_squares_each`]). The host path is unchanged.
 //! * [`LinearLR`], [`CosineAnnealingLR`] and [`SequentialLR`] are pure functions of the
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
@@ -35,7 +39,7 @@ use std::fmt;
 use tpar_collectives::{ProcessGroup, ReduceOp};
 use tpar_kernels::adamw::{adamw_step, AdamWParams};
 use tpar_kernels::{Acc, Float};
-use tpar_tensor::{no_grad, with_float_type, DType, Element, Tensor, TensorError};
+use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, TensorError};
 
 use crate::{NnError, Param, Result};
 
@@ -59,11 +63,20 @@ pub trait Optimizer {
 }
 
 /// A state buffer in the precision the optimizer computes in: `f32` for f32/bf16/f16
-/// parameters, `f64` for f64 parameters.
+/// parameters, `f64` for f64 parameters; on the parameter's CUDA device for parameters
+/// there (see [`on_device`]).
 #[derive(Clone, Debug)]
 enum StateBuf {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    /// An f32 tensor shaped like the parameter, on its CUDA device.
+    Device(Tensor),
+}
+
+/// Whether `leaf` is updated on its device: a CUDA tensor of a dtype the fused kernels take.
+fn on_device(leaf: &Tensor) -> bool {
+    matches!(leaf.device(), Device::Cuda(_))
+        && matches!(leaf.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
 
 impl StateBuf {
@@ -71,6 +84,7 @@ impl StateBuf {
         match self {
             StateBuf::F32(v) => v.len() * 4,
             StateBuf::F64(v) => v.len() * 8,
+            StateBuf::Device(t) => t.numel() * 4,
         }
     }
 
@@ -78,23 +92,47 @@ impl StateBuf {
         match self {
             StateBuf::F32(v) => v.len(),
             StateBuf::F64(v) => v.len(),
+            StateBuf::Device(t) => t.numel(),
         }
     }
 
+    /// A copy with shape `dims` (on the device for device state).
     fn to_tensor(&self, dims: &[usize]) -> Result<Tensor> {
         Ok(match self {
             StateBuf::F32(v) => Tensor::from_vec(v.clone(), dims)?,
             StateBuf::F64(v) => Tensor::from_vec(v.clone(), dims)?,
+            StateBuf::Device(t) => {
+                let c = Tensor::zeros(dims, DType::F32, t.device())?;
+                c.copy_(&t.reshape(dims)?)?;
+                c
+            }
         })
     }
 
-    /// A buffer of the precision `param_dtype` keeps its state in, from `t`'s values.
-    fn from_tensor(t: &Tensor, param_dtype: DType) -> Result<StateBuf> {
+    /// A buffer of the precision (and on the device) `leaf` keeps its state in, from
+    /// `t`'s values.
+    fn from_tensor(t: &Tensor, leaf: &Tensor) -> Result<StateBuf> {
+        if on_device(leaf) {
+            let src = if t.dtype() == DType::F32 {
+                t.reshape(leaf.dims())?
+            } else {
+                let v: Vec<f32> = t.to_vec_f64()?.into_iter().map(|x| x as f32).collect();
+                Tensor::from_vec(v, leaf.dims())?
+            };
+            let s = Tensor::zeros(leaf.dims(), DType::F32, leaf.device())?;
+            s.copy_(&src)?;
+            return Ok(StateBuf::Device(s));
+        }
         let v = t.to_vec_f64()?;
-        Ok(match param_dtype {
+        Ok(match leaf.dtype() {
             DType::F64 => StateBuf::F64(v),
             _ => StateBuf::F32(v.into_iter().map(|x| x as f32).collect()),
         })
+    }
+
+    /// Zeroed f32 state for `leaf` on its device.
+    fn device_zeros(leaf: &Tensor) -> Result<StateBuf> {
+        Ok(StateBuf::Device(Tensor::zeros(leaf.dims(), DType::F32, leaf.device())?))
     }
 }
 
@@ -111,7 +149,7 @@ impl StateElem for f32 {
     fn slot(buf: &mut StateBuf) -> Option<&mut Vec<f32>> {
         match buf {
             StateBuf::F32(v) => Some(v),
-            StateBuf::F64(_) => None,
+            StateBuf::F64(_) | StateBuf::Device(_) => None,
         }
     }
 }
@@ -123,7 +161,7 @@ impl StateElem for f64 {
     fn slot(buf: &mut StateBuf) -> Option<&mut Vec<f64>> {
         match buf {
             StateBuf::F64(v) => Some(v),
-            StateBuf::F32(_) => None,
+            StateBuf::F32(_) | StateBuf::Device(_) => None,
         }
     }
 }
@@ -147,9 +185,16 @@ fn numbered(params: Vec<Param>) -> Vec<(String, Param)> {
 }
 
 /// The reduced gradient of a parameter, checked against its leaf and converted to the
-/// leaf's dtype; `None` when it has none. Collective the first time for distributed
-/// parameters (see [`Param::reduce_grads_in_place`]).
-fn grad_for_step(opt: &str, name: &str, p: &Param, leaf: &Tensor) -> Result<Option<Tensor>> {
+/// leaf's dtype (f32 gradients stay f32 when `f32_ok`: the device kernels take them);
+/// `None` when it has none. Collective the first time for distributed parameters (see
+/// [`Param::reduce_grads_in_place`]).
+fn grad_for_step(
+    opt: &str,
+    name: &str,
+    p: &Param,
+    leaf: &Tensor,
+    f32_ok: bool,
+) -> Result<Option<Tensor>> {
     let Some(g) = p.reduce_grads_in_place()? else { return Ok(None) };
     if g.dims() != leaf.dims() {
         return Err(bad_param(
@@ -158,7 +203,8 @@ fn grad_for_step(opt: &str, name: &str, p: &Param, leaf: &Tensor) -> Result<Opti
             format!("gradient of shape {:?} for a parameter of shape {:?}", g.dims(), leaf.dims()),
         ));
     }
-    let g = if g.dtype() != leaf.dtype() { no_grad(|| g.to_dtype(leaf.dtype()))? } else { g };
+    let keep = g.dtype() == leaf.dtype() || (f32_ok && g.dtype() == DType::F32);
+    let g = if keep { g } else { no_grad(|| g.to_dtype(leaf.dtype()))? };
     // The update reads the gradient while it writes the parameter: never one storage.
     let g = if g.same_storage(leaf) { no_grad(|| g.deep_clone())? } else { g };
     Ok(Some(g))
@@ -170,6 +216,10 @@ fn state_slot<'a, S: StateElem>(
     buf: &'a mut StateBuf,
     n: usize,
 ) -> Result<&'a mut Vec<S>> {
+    if let StateBuf::Device(t) = buf {
+        // The parameter left its device: bring the state to the host once.
+        *buf = StateBuf::F32(t.to_vec::<f32>()?);
+    }
     let len = buf.len();
     let v = S::slot(buf).ok_or_else(|| {
         bad_param(opt, name, "the parameter's dtype changed since its state was created")
@@ -182,6 +232,38 @@ fn state_slot<'a, S: StateElem>(
         ));
     }
     Ok(v)
+}
+
+/// The gradient on the parameter's device (where the device update reads it).
+fn grad_on(leaf: &Tensor, g: &Tensor) -> Result<Tensor> {
+    Ok(if g.device() == leaf.device() { g.clone() } else { g.to_device(leaf.device())? })
+}
+
+/// The device state tensor of a parameter updated on its device ([`on_device`]):
+/// host f32 state (e.g. from before the parameter moved) is uploaded once.
+fn device_slot(opt: &str, name: &str, buf: &mut StateBuf, leaf: &Tensor) -> Result<Tensor> {
+    let n = leaf.numel();
+    if buf.len() != n {
+        return Err(bad_param(
+            opt,
+            name,
+            format!("state of {} elements for a local shard of {n} elements", buf.len()),
+        ));
+    }
+    let t = match &*buf {
+        StateBuf::Device(t) if t.device() == leaf.device() => return Ok(t.clone()),
+        StateBuf::Device(t) => t.to_device(leaf.device())?,
+        StateBuf::F32(v) => Tensor::from_vec(v.clone(), leaf.dims())?.to_device(leaf.device())?,
+        StateBuf::F64(_) => {
+            return Err(bad_param(
+                opt,
+                name,
+                "the parameter's dtype changed since its state was created",
+            ))
+        }
+    };
+    *buf = StateBuf::Device(t.clone());
+    Ok(t)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -325,8 +407,8 @@ impl AdamW {
         }
         self.state[index] = Some(AdamWSlot {
             step: state.step,
-            exp_avg: StateBuf::from_tensor(&state.exp_avg, leaf.dtype())?,
-            exp_avg_sq: StateBuf::from_tensor(&state.exp_avg_sq, leaf.dtype())?,
+            exp_avg: StateBuf::from_tensor(&state.exp_avg, &leaf)?,
+            exp_avg_sq: StateBuf::from_tensor(&state.exp_avg_sq, &leaf)?,
         });
         Ok(())
     }
@@ -362,13 +444,51 @@ impl AdamW {
         s.step += 1;
         Ok(())
     }
+
+    /// One step of a parameter on its CUDA device ([`on_device`]), in place, with the
+    /// fused kernel; the state lives on the device.
+    fn step_device(
+        name: &str,
+        leaf: &Tensor,
+        g: &Tensor,
+        slot: &mut Option<AdamWSlot>,
+        config: &AdamWConfig,
+    ) -> Result<()> {
+        let s = match slot {
+            Some(s) => s,
+            None => slot.insert(AdamWSlot {
+                step: 0,
+                exp_avg: StateBuf::device_zeros(leaf)?,
+                exp_avg_sq: StateBuf::device_zeros(leaf)?,
+            }),
+        };
+        let g = &grad_on(leaf, g)?;
+        let m = device_slot("AdamW", name, &mut s.exp_avg, leaf)?;
+        let v = device_slot("AdamW", name, &mut s.exp_avg_sq, leaf)?;
+        let h = AdamWParams {
+            lr: config.lr,
+            beta1: config.betas.0,
+            beta2: config.betas.1,
+            eps: config.eps,
+            weight_decay: config.weight_decay,
+            step: s.step + 1,
+        };
+        leaf.adamw_step_(g, &m, &v, &h)?;
+        s.step += 1;
+        Ok(())
+    }
 }
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         for ((name, p), slot) in self.params.iter().zip(&mut self.state) {
             let leaf = p.trainable();
-            let Some(g) = grad_for_step("AdamW", name, p, &leaf)? else { continue };
+            let device = on_device(&leaf);
+            let Some(g) = grad_for_step("AdamW", name, p, &leaf, device)? else { continue };
+            if device {
+                AdamW::step_device(name, &leaf, &g, slot, &self.config)?;
+                continue;
+            }
             with_float_type!(leaf.dtype(), "AdamW", |T| {
                 Ok(AdamW::step_one::<T>(name, &leaf, &g, slot, &self.config))
             })??;
@@ -537,13 +657,51 @@ impl Sgd {
         })??;
         Ok(())
     }
+
+    /// One step of a parameter on its CUDA device ([`on_device`]), in place; the momentum
+    /// buffer lives on the device.
+    fn step_device(
+        name: &str,
+        leaf: &Tensor,
+        g: &Tensor,
+        buf: &mut Option<StateBuf>,
+        c: &SgdConfig,
+    ) -> Result<()> {
+        let g = &grad_on(leaf, g)?;
+        let first = buf.is_none();
+        let b = if c.momentum != 0.0 {
+            let s = match buf {
+                Some(s) => s,
+                None => buf.insert(StateBuf::device_zeros(leaf)?),
+            };
+            Some(device_slot("SGD", name, s, leaf)?)
+        } else {
+            None
+        };
+        leaf.sgd_step_(
+            g,
+            b.as_ref(),
+            first,
+            c.lr,
+            c.weight_decay,
+            c.momentum,
+            c.dampening,
+            c.nesterov,
+        )?;
+        Ok(())
+    }
 }
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         for ((name, p), buf) in self.params.iter().zip(&mut self.momentum_buffer) {
             let leaf = p.trainable();
-            let Some(g) = grad_for_step("SGD", name, p, &leaf)? else { continue };
+            let device = on_device(&leaf);
+            let Some(g) = grad_for_step("SGD", name, p, &leaf, device)? else { continue };
+            if device {
+                Sgd::step_device(name, &leaf, &g, buf, &self.config)?;
+                continue;
+            }
             with_float_type!(leaf.dtype(), "SGD", |T| {
                 Ok(Sgd::step_one::<T>(name, &leaf, &g, buf, &self.config))
             })??;
@@ -659,12 +817,38 @@ pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
     // Reduce every gradient once (collective), and sum this rank's counted squares.
     let mut grads: Vec<(&Param, Tensor)> = Vec::with_capacity(params.len());
     let mut parts: Vec<(Vec<ProcessGroup>, f64)> = Vec::with_capacity(params.len());
+    // Counted gradients on CUDA devices, by device: (device, [(part index, gradient)]).
+    let mut on_devices: Vec<(Device, Vec<(usize, Tensor)>)> = Vec::new();
     for p in params {
         let Some(g) = p.reduce_grads_in_place()? else { continue };
         let layout = p.grad_layout()?;
-        let sq = if layout.counts { sum_sq(&g)? } else { 0.0 };
+        let sq = if layout.counts && on_device(&g) {
+            let d = g.device();
+            let i = match on_devices.iter().position(|(e, _)| *e == d) {
+                Some(i) => i,
+                None => {
+                    on_devices.push((d, Vec::new()));
+                    on_devices.len() - 1
+                }
+            };
+            on_devices[i].1.push((parts.len(), g.clone()));
+            0.0
+        } else if layout.counts {
+            sum_sq(&g)?
+        } else {
+            0.0
+        };
         grads.push((p, g));
         parts.push((layout.groups, sq));
+    }
+    // One device reduction per device and one read of its per-gradient sums (the norm
+    // is returned to the host).
+    for (_, gs) in &on_devices {
+        let ts: Vec<&Tensor> = gs.iter().map(|(_, g)| g).collect();
+        let sums = Tensor::sum_squares_each(&ts)?.to_vec::<f32>()?;
+        for ((i, _), s) in gs.iter().zip(sums) {
+            parts[*i].1 = f64::from(s);
+        }
     }
     let total = sum_over_groups(&parts)?.sqrt();
     let coef = max_norm / (total + 1e-6);

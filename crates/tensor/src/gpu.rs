@@ -24,6 +24,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+pub use tpar_kernels::cuda::emu::EmulatedGpu;
 pub use tpar_kernels::cuda::{DeviceBuffer, GpuDevice};
 
 use crate::storage::CpuStorage;
@@ -72,6 +73,12 @@ pub fn host_round_trips() -> u64 {
 
 pub(crate) fn count_round_trip() {
     ROUND_TRIPS.with(|c| c.set(c.get() + 1));
+}
+
+/// Counts a host round trip made outside the tensor core (a collective backend
+/// staging CUDA tensors through host memory).
+pub fn count_host_round_trip() {
+    count_round_trip();
 }
 
 /// A tensor's data on a CUDA device.

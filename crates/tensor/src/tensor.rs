@@ -449,6 +449,11 @@ impl Tensor {
         Tensor::make(shape.into(), dtype, Device::Cpu, Storage::Released)
     }
 
+    /// [`Tensor::new_released`] for a tensor that lives on `device` once filled.
+    pub fn new_released_on(shape: impl Into<Shape>, dtype: DType, device: Device) -> Tensor {
+        Tensor::make(shape.into(), dtype, device, Storage::Released)
+    }
+
     /// Whether the storage is currently released.
     pub fn is_released(&self) -> bool {
         matches!(&*self.0.storage.read().unwrap_or_else(|p| p.into_inner()), Storage::Released)

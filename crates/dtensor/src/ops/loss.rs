@@ -100,7 +100,9 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
         (total, count) = (s[0], s[1]);
     }
     let loss = if count == 0.0 { 0.0 } else { total / count };
-    let out = Tensor::from_f64(&[loss], Vec::<usize>::new(), logits.dtype())?;
+    // Computed through host copies on a CUDA device (counted host round trips).
+    let device = logits.device();
+    let out = Tensor::from_f64(&[loss], Vec::<usize>::new(), logits.dtype())?.to_device(device)?;
     let (x, t) = (logits.detach(), targets.detach());
     let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
     grad_dims.sort_unstable();
@@ -128,7 +130,7 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
                 .map_err(kernel)
             })
         })???;
-        Ok(vec![Some(Tensor::from_vec(dl, x.shape().clone())?)])
+        Ok(vec![Some(Tensor::from_vec(dl, x.shape().clone())?.to_device(device)?)])
     }))
 }
 

@@ -202,7 +202,8 @@ impl DTensor {
                     block[i * keys + j] = f64::NEG_INFINITY;
                 }
             }
-            let block = Tensor::from_f64(&block, [rows, keys], q.dtype())?;
+            let block = Tensor::from_f64(&block, [rows, keys], q.dtype())?
+                .to_device(q.to_local().device())?;
             local_mask = Some(match local_mask {
                 Some(m) => m.add(&block)?,
                 None => block,

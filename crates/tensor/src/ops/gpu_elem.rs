@@ -28,7 +28,7 @@ use crate::storage::{Element, Storage};
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
 /// The largest identity table (elements) the max backward builds on the device.
-const MAX_EYE_ELEMS: usize = 1 << 24;
+const MAX_EYE_ELEMS: usize = 2048 * 2049;
 
 /// Number of dims the kernels see after merging `shape` read through each
 /// stride set: size-1 dims dropped, neighbours joined where every set walks
@@ -52,9 +52,12 @@ fn merged_rank(shape: &[usize], strides: &[&[usize]]) -> usize {
     rank.max(1)
 }
 
-/// Whether a strided problem over `shape` fits the kernels' merged-rank limit.
+/// Whether a strided problem over `shape` fits the kernels' merged-rank limit
+/// (stride sets of another length are left to the kernel wrappers to reject).
 fn rank_ok(shape: &[usize], strides: &[&[usize]]) -> bool {
-    shape.contains(&0) || merged_rank(shape, strides) <= k_lay::MAX_RANK
+    shape.contains(&0)
+        || strides.iter().any(|s| s.len() != shape.len())
+        || merged_rank(shape, strides) <= k_lay::MAX_RANK
 }
 
 fn fits_i32(vals: &[usize]) -> bool {
@@ -378,7 +381,9 @@ pub(crate) fn max_dim(
 /// The gradient of [`max_dim`]: `g` (`[outer, inner]`) placed at the max
 /// index of each reduced line of an `in_shape` (`[outer, len, inner]`) zero
 /// tensor. Built from a one-hot lookup: rows of an identity table picked by
-/// the indices, times `g`. `None` when that table would be too large.
+/// the indices, times `g`. `None` when that table would be too large (more
+/// than 2048 reduced elements). Unlike the host scatter, a non-finite entry
+/// of `g` also turns the other positions of its line into NaN (`0 * inf`).
 pub(crate) fn max_backward(
     g: &Tensor,
     idx: &Tensor,

@@ -104,6 +104,10 @@ impl Tensor {
     /// `op(self) x op(rhs)` where `op` transposes the last two dims when its flag is set.
     /// Transposed operands are read in place (no copy), as BLAS's `T` flags.
     pub fn matmul_t(&self, rhs: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+        // CUDA tensors with GEMM kernels (broadcasting included) run on the device.
+        if let Some(t) = super::gpu_nn::matmul(self, rhs, ta, tb)? {
+            return Ok(t);
+        }
         if self.rank() >= 2 && rhs.rank() >= 2 {
             let ba = Shape::new(&self.dims()[..self.rank() - 2]);
             let bb = Shape::new(&rhs.dims()[..rhs.rank() - 2]);

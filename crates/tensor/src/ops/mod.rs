@@ -8,6 +8,7 @@ use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 mod elementwise;
 mod gpu;
 mod gpu_elem;
+mod gpu_nn;
 mod matmul;
 mod nn;
 mod reduce;

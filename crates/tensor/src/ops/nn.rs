@@ -199,6 +199,12 @@ impl Tensor {
         if s.head_dim % 2 != 0 {
             return Err(invalid(op, format!("head_dim {} must be even", s.head_dim)));
         }
+        if cuda_ordinal(op, &[self, cos, sin])?.is_some() {
+            if let Some(t) = super::gpu_nn::rope(self, cos, sin, s)? {
+                return Ok(t);
+            }
+            // f64: `compute` below runs it through the host.
+        }
         let n = self.numel();
         let out = compute(op, &[self, cos, sin], self.shape().clone(), dtype, |st| {
             with_float_type!(dtype, op, |T| {
@@ -303,35 +309,48 @@ impl Tensor {
                 let mut md = vec![1; 4 - m.rank()];
                 md.extend_from_slice(m.dims());
                 let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
-                let m4 = m.detach().reshape(md.clone())?;
+                let m4 = m.detach().reshape(md)?;
                 let b = crate::shape::broadcast_shapes(op, m4.shape(), &full)?;
                 if b != full {
                     return Err(shape_err(op, m, q, format!("mask does not broadcast to {full}")));
                 }
-                let m4 = if md[3] != s.kv_len {
-                    let mut e = md.clone();
-                    e[3] = s.kv_len;
-                    crate::autograd::no_grad(|| m4.expand(e))?
-                } else {
-                    m4
-                };
-                Some((m4.clone(), broadcast_strides(m4.shape(), &full)))
+                Some(m4)
             }
         };
         let mut inputs = vec![q, k, v];
-        if let Some((m, _)) = &mask {
+        if let Some(m) = &mask {
             inputs.push(m);
         }
         if is_meta(op, &inputs)? {
             return meta(out_shape, dtype);
         }
         if let Some(i) = cuda_ordinal(op, &inputs)? {
+            if let Some(t) = super::gpu_nn::sdpa(q, k, v, mask.as_ref(), &s)? {
+                return Ok(t);
+            }
             let mut ins = vec![q, k, v];
             ins.extend(mask_arg);
             return on_host(i, &ins, |h| {
                 Tensor::scaled_dot_product_attention(&h[0], &h[1], &h[2], h.get(3), causal, scale)
             });
         }
+        // The host kernel reads the mask by strides; a mask broadcast over the keys
+        // is expanded to the key length first.
+        let mask = match mask {
+            None => None,
+            Some(m4) => {
+                let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+                let m4 = if m4.dims()[3] != s.kv_len {
+                    let mut e = m4.dims().to_vec();
+                    e[3] = s.kv_len;
+                    crate::autograd::no_grad(|| m4.expand(e))?
+                } else {
+                    m4
+                };
+                let st = broadcast_strides(m4.shape(), &full);
+                Some((m4, st))
+            }
+        };
         let rows = s.batch * s.q_heads * s.q_len;
         with_float_type!(dtype, op, |T| {
             // The mask is small next to q/k/v; one host copy keeps the borrows simple.
@@ -415,6 +434,9 @@ impl Tensor {
             return meta(Shape::new(&[]), dtype);
         }
         if let Some(i) = cuda_ordinal(op, &[self, targets])? {
+            if let Some(t) = super::gpu_nn::cross_entropy(self, targets, ignore_index)? {
+                return Ok(t);
+            }
             return on_host(i, &[self, targets], |h| h[0].cross_entropy(&h[1], ignore_index));
         }
         let vocab = self.dims()[self.rank() - 1];
@@ -499,6 +521,11 @@ impl Tensor {
             return meta(od, dtype);
         }
         if let Some(i) = cuda_ordinal(op, &[ids, weight])? {
+            let out =
+                super::gpu_nn::embedding(ids, weight, vocab_start, masked, od.clone().into())?;
+            if let Some(t) = out {
+                return Ok(t);
+            }
             return on_host(i, &[ids, weight], |h| {
                 Tensor::embedding_masked(&h[0], &h[1], vocab_start, masked)
             });

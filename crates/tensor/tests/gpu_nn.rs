@@ -1,0 +1,300 @@
+//! The fused NN ops and matrix products on the emulated CUDA device: each
+//! against the same computation on the CPU, forward and gradients, with no
+//! host round trip between the inputs' upload and the gradients' return.
+
+use tpar_kernels::cuda::emu::EmulatedGpu;
+use tpar_tensor::{gpu, DType, Device, Result, Rng, RopeLayout, Tensor};
+
+const DEV: Device = Device::Cuda(0);
+
+fn setup() {
+    gpu::register_device(0, EmulatedGpu::open(0).expect("emulator"));
+}
+
+/// Relative tolerance of a dtype (against the largest magnitude compared).
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 2e-5,
+        DType::F16 => 4e-3,
+        _ => 2.5e-2,
+    }
+}
+
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let (a, b) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    let scale = b.iter().fold(1e-6f64, |m, v| m.max(v.abs()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * scale || (x.is_nan() && y.is_nan()),
+            "{what}: element {i}: device {x} vs host {y} (scale {scale})"
+        );
+    }
+}
+
+/// Runs `f` on the CPU leaves and on device copies of them, seeds both
+/// backward passes with the same output gradient, and compares outputs and
+/// the leaves' gradients. The device run (upload, forward, backward) must not
+/// add a host round trip.
+fn compare(what: &str, leaves: &[Tensor], tol: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let y = f(leaves).unwrap();
+    let mut rng = Rng::new(99);
+    let gy = Tensor::randn(y.shape().clone(), y.dtype(), &mut rng).unwrap();
+    let trains = leaves.iter().any(|t| t.requires_grad());
+    if trains {
+        y.backward_with(&gy).unwrap();
+    }
+    let want: Vec<Option<Tensor>> = leaves.iter().map(|t| t.grad()).collect();
+    leaves.iter().for_each(|t| t.zero_grad());
+
+    let gyd = gy.to_device(DEV).unwrap();
+    let before = gpu::host_round_trips();
+    let dev: Vec<Tensor> = leaves.iter().map(|t| t.to_device(DEV).unwrap()).collect();
+    let yd = f(&dev).unwrap();
+    assert_eq!(yd.device(), DEV, "{what}: output device");
+    if trains {
+        yd.backward_with(&gyd).unwrap();
+    }
+    assert_eq!(gpu::host_round_trips(), before, "{what}: must stay on the device");
+    assert_close(&format!("{what} output"), &yd, &y, tol);
+    for (i, (leaf, w)) in leaves.iter().zip(want).enumerate() {
+        match (leaf.grad(), w) {
+            (Some(g), Some(w)) => assert_close(&format!("{what} grad {i}"), &g, &w, tol),
+            (None, None) => {}
+            (g, w) => panic!("{what} grad {i}: device {:?} vs host {:?}", g.is_some(), w.is_some()),
+        }
+        leaf.zero_grad();
+    }
+}
+
+fn randn(dims: &[usize], dtype: DType, rng: &mut Rng, grad: bool) -> Tensor {
+    Tensor::randn(dims, dtype, rng).unwrap().requires_grad_(grad)
+}
+
+#[test]
+fn rope_runs_on_the_device() {
+    setup();
+    let mut rng = Rng::new(1);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (layout, dims) in [(RopeLayout::Bhsd, [2, 3, 5, 8]), (RopeLayout::Bshd, [2, 5, 3, 8])] {
+            let x = randn(&dims, dtype, &mut rng, true);
+            let cos = randn(&[5, 8], dtype, &mut rng, false);
+            let sin = randn(&[5, 8], dtype, &mut rng, false);
+            compare(&format!("rope {dtype:?} {layout:?}"), &[x, cos, sin], tol(dtype), |t| {
+                t[0].rope(&t[1], &t[2], layout)
+            });
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_runs_on_the_device() {
+    setup();
+    let mut rng = Rng::new(2);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // a short vocab (one warp per row) and a long one (one block per row)
+        for vocab in [11usize, 600] {
+            let logits = randn(&[2, 3, vocab], dtype, &mut rng, true);
+            let t: Vec<i64> = vec![0, -100, (vocab - 1) as i64, 4, -100, 7];
+            let targets = Tensor::from_vec(t, [2, 3]).unwrap();
+            compare(
+                &format!("cross_entropy {dtype:?} vocab {vocab}"),
+                &[logits, targets],
+                tol(dtype),
+                |t| t[0].cross_entropy(&t[1], -100),
+            );
+        }
+    }
+    // every target ignored: loss 0 and a zero gradient
+    let logits = randn(&[3, 5], DType::F32, &mut rng, true);
+    let targets = Tensor::from_vec(vec![-1i64; 3], [3]).unwrap();
+    compare("cross_entropy all ignored", &[logits.clone(), targets.clone()], 0.0, |t| {
+        t[0].cross_entropy(&t[1], -1)
+    });
+    let ld = logits.to_device(DEV).unwrap();
+    let loss = ld.cross_entropy(&targets.to_device(DEV).unwrap(), -1).unwrap();
+    assert_eq!(loss.item().unwrap(), 0.0);
+}
+
+#[test]
+fn cross_entropy_reports_bad_targets_as_the_cpu_does() {
+    setup();
+    let mut rng = Rng::new(3);
+    let logits = randn(&[4, 6], DType::BF16, &mut rng, false);
+    let targets = Tensor::from_vec(vec![1i64, 2, 6, -5], [4]).unwrap();
+    let want = logits.cross_entropy(&targets, -100).unwrap_err().to_string();
+    let got = logits
+        .to_device(DEV)
+        .unwrap()
+        .cross_entropy(&targets.to_device(DEV).unwrap(), -100)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(got, want);
+    assert!(got.contains("index 6 at position 2"), "{got}");
+}
+
+#[test]
+fn embedding_runs_on_the_device() {
+    setup();
+    let mut rng = Rng::new(4);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let w = randn(&[10, 12], dtype, &mut rng, true);
+        // repeated ids exercise the scatter-add
+        let ids = Tensor::from_vec(vec![3i64, 0, 9, 3, 3, 7, 0, 1], [2, 4]).unwrap();
+        compare(&format!("embedding {dtype:?}"), &[ids, w], tol(dtype), |t| {
+            Tensor::embedding(&t[0], &t[1])
+        });
+        // a vocab shard of rows 4..8: other ids give zero rows and no gradient
+        let shard = randn(&[4, 12], dtype, &mut rng, true);
+        let ids = Tensor::from_vec(vec![3i64, 4, 9, 5, 5, 7, 0, 8, 4], [9]).unwrap();
+        compare(&format!("embedding masked {dtype:?}"), &[ids, shard], tol(dtype), |t| {
+            Tensor::embedding_masked(&t[0], &t[1], 4, true)
+        });
+    }
+}
+
+#[test]
+fn embedding_reports_bad_ids_as_the_cpu_does() {
+    setup();
+    let mut rng = Rng::new(5);
+    let w = randn(&[5, 4], DType::F32, &mut rng, false);
+    let ids = Tensor::from_vec(vec![1i64, 4, 5, 2, -1], [5]).unwrap();
+    let want = Tensor::embedding(&ids, &w).unwrap_err().to_string();
+    let got = Tensor::embedding(&ids.to_device(DEV).unwrap(), &w.to_device(DEV).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(got, want);
+    assert!(got.contains("index 5 at position 2"), "{got}");
+}
+
+#[test]
+fn attention_runs_on_the_device() {
+    setup();
+    let mut rng = Rng::new(6);
+    // f32 runs the SIMT kernels, bf16 with head dim 16 the tensor-core ones
+    for (dtype, d) in [(DType::F32, 8), (DType::BF16, 16), (DType::F16, 12)] {
+        let (b, hq, hkv, sq, sk) = (1, 4, 2, 5, 7);
+        let q = randn(&[b, hq, sq, d], dtype, &mut rng, true);
+        let k = randn(&[b, hkv, sk, d], dtype, &mut rng, true);
+        let v = randn(&[b, hkv, sk, d], dtype, &mut rng, true);
+        let neg = f64::NEG_INFINITY;
+        let pad = Tensor::from_f64(&[0.0, 0.0, 0.0, 0.0, 0.0, neg, neg], [sk], dtype).unwrap();
+        let rows = Tensor::from_f64(&[0.0, -1.0, 0.5, 0.0, neg], [sq, 1], dtype).unwrap();
+        let full = Tensor::randn([b, hq, sq, sk], dtype, &mut rng).unwrap();
+        let masks: [(&str, Option<Tensor>); 4] = [
+            ("none", None),
+            ("key padding", Some(pad)),
+            ("per row", Some(rows)),
+            ("full", Some(full)),
+        ];
+        for (name, mask) in masks {
+            for causal in [false, true] {
+                let mut leaves = vec![q.clone(), k.clone(), v.clone()];
+                leaves.extend(mask.clone());
+                compare(
+                    &format!("sdpa {dtype:?} mask {name} causal {causal}"),
+                    &leaves,
+                    tol(dtype),
+                    |t| {
+                        Tensor::scaled_dot_product_attention(
+                            &t[0],
+                            &t[1],
+                            &t[2],
+                            t.get(3),
+                            causal,
+                            None,
+                        )
+                    },
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_runs_on_the_device() {
+    setup();
+    let mut rng = Rng::new(7);
+    // (name, a as stored, b as stored, ta, tb)
+    type Case = (&'static str, &'static [usize], &'static [usize], bool, bool);
+    let cases: [Case; 11] = [
+        ("plain", &[3, 4], &[4, 5], false, false),
+        ("nt", &[3, 4], &[5, 4], false, true),
+        ("tn", &[4, 3], &[4, 5], true, false),
+        ("tt", &[4, 3], &[5, 4], true, true),
+        ("batched", &[2, 3, 4], &[2, 4, 5], false, false),
+        ("batched tt", &[2, 4, 3], &[2, 5, 4], true, true),
+        ("folded rows", &[2, 3, 4], &[4, 5], false, false),
+        ("folded rows nt", &[2, 2, 3, 4], &[5, 4], false, true),
+        ("shared lhs", &[3, 4], &[2, 4, 5], false, false),
+        ("transposed lhs, shared rhs", &[2, 4, 3], &[4, 5], true, false),
+        ("broadcast both", &[2, 1, 3, 4], &[1, 3, 5, 4], false, true),
+    ];
+    for dtype in [DType::F32, DType::BF16] {
+        for (name, ad, bd, ta, tb) in cases {
+            let a = randn(ad, dtype, &mut rng, true);
+            let b = randn(bd, dtype, &mut rng, true);
+            compare(&format!("matmul {name} {dtype:?}"), &[a, b], tol(dtype), |t| {
+                t[0].matmul_t(&t[1], ta, tb)
+            });
+        }
+        // linear: [batch, seq, in] x [out, in]^T, one leaf without a gradient
+        let x = randn(&[2, 3, 8], dtype, &mut rng, false);
+        let w = randn(&[6, 8], dtype, &mut rng, true);
+        compare(&format!("linear {dtype:?}"), &[x, w], tol(dtype), |t| t[0].linear(&t[1], None));
+    }
+}
+
+#[test]
+fn matmul_edge_sizes_on_the_device() {
+    setup();
+    let mut rng = Rng::new(8);
+    // an empty contraction gives zeros; empty outputs give empty gradients
+    for (ad, bd) in
+        [(&[3usize, 0][..], &[0usize, 4][..]), (&[0, 5], &[5, 2]), (&[2, 0, 3], &[3, 4])]
+    {
+        let a = randn(ad, DType::F32, &mut rng, true);
+        let b = randn(bd, DType::F32, &mut rng, true);
+        compare(&format!("matmul {ad:?} x {bd:?}"), &[a, b], 0.0, |t| t[0].matmul(&t[1]));
+    }
+    // shapes that do not fit are the CPU op's errors
+    let a = Tensor::zeros([2, 3], DType::F32, DEV).unwrap();
+    let b = Tensor::zeros([4, 5], DType::F32, DEV).unwrap();
+    let want = Tensor::zeros([2, 3], DType::F32, Device::Cpu)
+        .unwrap()
+        .matmul(&Tensor::zeros([4, 5], DType::F32, Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert_eq!(a.matmul(&b).unwrap_err().to_string(), want);
+    let c = Tensor::zeros([3, 4, 5], DType::F32, DEV).unwrap();
+    assert!(Tensor::zeros([2, 2, 3], DType::F32, DEV).unwrap().matmul(&c).is_err());
+}
+
+#[test]
+fn f64_falls_back_through_the_host() {
+    setup();
+    let mut rng = Rng::new(9);
+    let a = randn(&[3, 4], DType::F64, &mut rng, false);
+    let b = randn(&[4, 2], DType::F64, &mut rng, false);
+    let targets = Tensor::from_vec(vec![1i64, 0, -100], [3]).unwrap();
+    let cos = randn(&[3, 4], DType::F64, &mut rng, false);
+    let sin = randn(&[3, 4], DType::F64, &mut rng, false);
+    let x = a.reshape([1, 1, 3, 4]).unwrap();
+    let host = [
+        a.matmul(&b).unwrap(),
+        a.cross_entropy(&targets, -100).unwrap(),
+        x.rope(&cos, &sin, RopeLayout::Bhsd).unwrap(),
+    ];
+    let d = |t: &Tensor| t.to_device(DEV).unwrap();
+    let before = gpu::host_round_trips();
+    let dev = [
+        d(&a).matmul(&d(&b)).unwrap(),
+        d(&a).cross_entropy(&d(&targets), -100).unwrap(),
+        d(&x).rope(&d(&cos), &d(&sin), RopeLayout::Bhsd).unwrap(),
+    ];
+    assert_eq!(gpu::host_round_trips(), before + 3, "one host round trip per f64 op");
+    for (g, w) in dev.iter().zip(&host) {
+        assert_eq!(g.device(), DEV);
+        assert_close("f64", g, w, 1e-12);
+    }
+}
