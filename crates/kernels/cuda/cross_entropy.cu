@@ -405,17 +405,17 @@ TPAR_DEVICE void backward_kernel(const CeBwdArgs& a) {
 
 }  // namespace cross_entropy
 
-TPAR_KERNEL(tpar_ce_stats_f32, CeStatsArgs, 1024) { cross_entropy::stats_kernel<float>(args); }
-TPAR_KERNEL(tpar_ce_stats_bf16, CeStatsArgs, 1024) { cross_entropy::stats_kernel<bf16>(args); }
-TPAR_KERNEL(tpar_ce_stats_f16, CeStatsArgs, 1024) { cross_entropy::stats_kernel<f16>(args); }
+TPAR_KERNEL(tpar_ce_stats_f32, CeStatsArgs, 256) { cross_entropy::stats_kernel<float>(args); }
+TPAR_KERNEL(tpar_ce_stats_bf16, CeStatsArgs, 256) { cross_entropy::stats_kernel<bf16>(args); }
+TPAR_KERNEL(tpar_ce_stats_f16, CeStatsArgs, 256) { cross_entropy::stats_kernel<f16>(args); }
 
-TPAR_KERNEL(tpar_ce_fwd_f32, CeFwdArgs, 1024) { cross_entropy::forward_kernel<float>(args); }
-TPAR_KERNEL(tpar_ce_fwd_bf16, CeFwdArgs, 1024) { cross_entropy::forward_kernel<bf16>(args); }
-TPAR_KERNEL(tpar_ce_fwd_f16, CeFwdArgs, 1024) { cross_entropy::forward_kernel<f16>(args); }
+TPAR_KERNEL(tpar_ce_fwd_f32, CeFwdArgs, 256) { cross_entropy::forward_kernel<float>(args); }
+TPAR_KERNEL(tpar_ce_fwd_bf16, CeFwdArgs, 256) { cross_entropy::forward_kernel<bf16>(args); }
+TPAR_KERNEL(tpar_ce_fwd_f16, CeFwdArgs, 256) { cross_entropy::forward_kernel<f16>(args); }
 
-TPAR_KERNEL(tpar_ce_bwd_f32, CeBwdArgs, 1024) { cross_entropy::backward_kernel<float>(args); }
-TPAR_KERNEL(tpar_ce_bwd_bf16, CeBwdArgs, 1024) { cross_entropy::backward_kernel<bf16>(args); }
-TPAR_KERNEL(tpar_ce_bwd_f16, CeBwdArgs, 1024) { cross_entropy::backward_kernel<f16>(args); }
+TPAR_KERNEL(tpar_ce_bwd_f32, CeBwdArgs, 256) { cross_entropy::backward_kernel<float>(args); }
+TPAR_KERNEL(tpar_ce_bwd_bf16, CeBwdArgs, 256) { cross_entropy::backward_kernel<bf16>(args); }
+TPAR_KERNEL(tpar_ce_bwd_f16, CeBwdArgs, 256) { cross_entropy::backward_kernel<f16>(args); }
 
 TPAR_KERNEL(tpar_ce_merge_f32, CeMergeArgs, 256) { cross_entropy::merge(args); }
 TPAR_KERNEL(tpar_ce_rescale_f32, CeRescaleArgs, 256) { cross_entropy::rescale_all(args); }

@@ -948,13 +948,13 @@ TPAR_KERNEL(tpar_fill_f32, EwFillArgs, 1024) { elementwise::fill<float>(args); }
 TPAR_KERNEL(tpar_fill_bf16, EwFillArgs, 1024) { elementwise::fill<bf16>(args); }
 TPAR_KERNEL(tpar_fill_f16, EwFillArgs, 1024) { elementwise::fill<f16>(args); }
 
-TPAR_KERNEL(tpar_softmax_fwd_warp_f32, EwSoftmaxFwdArgs, 1024) { elementwise::softmax_fwd_warp<float>(args); }
-TPAR_KERNEL(tpar_softmax_fwd_warp_bf16, EwSoftmaxFwdArgs, 1024) { elementwise::softmax_fwd_warp<bf16>(args); }
-TPAR_KERNEL(tpar_softmax_fwd_warp_f16, EwSoftmaxFwdArgs, 1024) { elementwise::softmax_fwd_warp<f16>(args); }
+TPAR_KERNEL(tpar_softmax_fwd_warp_f32, EwSoftmaxFwdArgs, 256) { elementwise::softmax_fwd_warp<float>(args); }
+TPAR_KERNEL(tpar_softmax_fwd_warp_bf16, EwSoftmaxFwdArgs, 256) { elementwise::softmax_fwd_warp<bf16>(args); }
+TPAR_KERNEL(tpar_softmax_fwd_warp_f16, EwSoftmaxFwdArgs, 256) { elementwise::softmax_fwd_warp<f16>(args); }
 
-TPAR_KERNEL(tpar_softmax_bwd_warp_f32, EwSoftmaxBwdArgs, 1024) { elementwise::softmax_bwd_warp<float>(args); }
-TPAR_KERNEL(tpar_softmax_bwd_warp_bf16, EwSoftmaxBwdArgs, 1024) { elementwise::softmax_bwd_warp<bf16>(args); }
-TPAR_KERNEL(tpar_softmax_bwd_warp_f16, EwSoftmaxBwdArgs, 1024) { elementwise::softmax_bwd_warp<f16>(args); }
+TPAR_KERNEL(tpar_softmax_bwd_warp_f32, EwSoftmaxBwdArgs, 256) { elementwise::softmax_bwd_warp<float>(args); }
+TPAR_KERNEL(tpar_softmax_bwd_warp_bf16, EwSoftmaxBwdArgs, 256) { elementwise::softmax_bwd_warp<bf16>(args); }
+TPAR_KERNEL(tpar_softmax_bwd_warp_f16, EwSoftmaxBwdArgs, 256) { elementwise::softmax_bwd_warp<f16>(args); }
 
 TPAR_KERNEL(tpar_softmax_fwd_block_f32, EwSoftmaxFwdArgs, 1024) { elementwise::softmax_fwd_block<float>(args); }
 TPAR_KERNEL(tpar_softmax_fwd_block_bf16, EwSoftmaxFwdArgs, 1024) { elementwise::softmax_fwd_block<bf16>(args); }

@@ -255,8 +255,9 @@ fn row_launch(rows: usize, cols: usize, dtype: CudaDType) -> (i32, LaunchConfig)
         let per_block = (BLOCK / 32) as usize;
         (1, LaunchConfig::linear(rows.div_ceil(per_block).max(1) as u32, BLOCK))
     } else {
-        // About four vectors per thread, 64..=1024 threads.
-        let threads = vectors.div_ceil(4).next_multiple_of(32).clamp(64, 1024) as u32;
+        // About four vectors per thread, 64..=256 threads (the kernels keep
+        // their row state in registers: launch bounds of 256).
+        let threads = vectors.div_ceil(4).next_multiple_of(32).clamp(64, 256) as u32;
         (0, LaunchConfig::linear(rows.max(1) as u32, threads))
     }
 }

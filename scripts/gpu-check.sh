@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# Checks and benchmarks tpar's CUDA kernels on a GPU machine, next to PyTorch,
+# in one command. The GPU machine needs no Rust: build the binaries where
+# cargo is, carry them in a folder, and run this from the repository root:
+#
+#     # where cargo is (binaries land in $CARGO_TARGET_DIR, default target/):
+#     cargo build --release --example gpu_check --example llama_2d
+#     mkdir -p gpu-bin
+#     cp "${CARGO_TARGET_DIR:-target}"/release/examples/{gpu_check,llama_2d} gpu-bin/
+#
+#     # on the GPU machine, from the repository root (gpu-bin/ carried along):
+#     scripts/gpu-check.sh
+#
+# Steps (a failing step is reported; the next still runs):
+#   1. gpu_check --bench: every kernel family against the CPU kernels (one
+#      PASS/FAIL line per output), then GEMM / attention TFLOP/s (ours and
+#      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s;
+#   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
+#      training step in eager PyTorch (tokens/s);
+#   3. llama_2d --device cuda with the same model and batch as step 2 (it may
+#      not run on CUDA yet: its outcome is reported, never fatal);
+#   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
+#      ours/cuBLASLt (python3 merges the JSON files).
+#
+# Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
+# torch_ref.{log,json}, llama_2d.log, summary.{txt,json} (seven files).
+# Exit status: gpu_check's (0 every check passed, 1 a check failed, 2 no GPU
+# or no binary). Expect several minutes on an H200 (NVRTC compiles the kernels
+# on first use; step 3 is capped at LLAMA_TIMEOUT): where one command may run
+# at most 10 minutes, use QUICK=1 (fewer shapes) or SKIP_LLAMA=1 and run
+# step 3 alone in a second command with SKIP_CHECK=1 SKIP_TORCH=1.
+#
+# Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
+# (default python3), QUICK=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1, LLAMA_TIMEOUT
+# (seconds; default 180), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS,
+# LLAMA_ARGS.
+
+set -u
+set -o pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root" || exit 2
+out="${OUT:-$root/gpu-results}"
+bin="${GPU_BIN:-$root/gpu-bin}"
+py="${PYTHON:-python3}"
+mkdir -p "$out" || exit 2
+
+quick=()
+if [ "${QUICK:-0}" = 1 ]; then quick=(--quick); fi
+# The training-step model of steps 2 and 3: examples/llama_2d.rs's defaults
+# (2 layers, hidden 64, heads 4/2, intermediate 176, seq 64, batch 4) scaled
+# up for a GPU; byte-level vocab (259) on both sides.
+model=(--layers 8 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 2816 --seq 1024 --batch 8)
+
+# ---------------------------------------------------------------- libraries
+# cudarc loads the driver, NVRTC (the kernels compile at run time) and
+# cuBLASLt by file name, so their folders must be on LD_LIBRARY_PATH before
+# the binaries start.
+
+add_lib_dir() {
+    case ":${LD_LIBRARY_PATH:-}:" in
+        *":$1:"*) ;;
+        *) export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+    esac
+}
+
+# Prints the first folder holding the library file $1.
+find_lib() {
+    local d f s
+    local IFS_SAVE="$IFS"
+    IFS=:
+    for d in ${LD_LIBRARY_PATH:-}; do
+        if [ -n "$d" ] && [ -e "$d/$1" ]; then
+            IFS="$IFS_SAVE"
+            echo "$d"
+            return 0
+        fi
+    done
+    IFS="$IFS_SAVE"
+    for d in /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+        /usr/local/cuda-13*/targets/x86_64-linux/lib /usr/local/cuda*/lib64 /usr/local/nvidia/lib64 \
+        /usr/lib/x86_64-linux-gnu; do
+        if [ -e "$d/$1" ]; then
+            echo "$d"
+            return 0
+        fi
+    done
+    f="$(ldconfig -p 2>/dev/null | awk -v n="$1" '$1 == n { print $NF; exit }')"
+    if [ -n "$f" ]; then
+        dirname "$f"
+        return 0
+    fi
+    # NVIDIA's wheels in the Python environment (PyTorch's CUDA libraries).
+    for s in $("$py" -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+        f="$(find "$s/nvidia" -name "$1" -print -quit 2>/dev/null)"
+        if [ -n "$f" ]; then
+            dirname "$f"
+            return 0
+        fi
+    done
+    return 1
+}
+
+echo "== environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+for lib in libcuda.so.1 libnvrtc.so.13 libcublasLt.so.13; do
+    if dir="$(find_lib "$lib")"; then
+        add_lib_dir "$dir"
+        echo "  $lib: $dir"
+    else
+        echo "  $lib: not found (gpu_check will say what is missing)"
+    fi
+done
+
+# ---------------------------------------------------------------- 1. gpu_check
+
+check_rc=2
+if [ "${SKIP_CHECK:-0}" = 1 ]; then
+    check_rc=skipped
+elif [ -x "$bin/gpu_check" ]; then
+    echo
+    echo "== 1. gpu_check (correctness, then benchmarks)"
+    # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
+    "$bin/gpu_check" --bench ${quick[@]+"${quick[@]}"} --json "$out/gpu_check.json" \
+        ${GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
+    check_rc=$?
+    echo "(gpu_check: exit $check_rc after $SECONDS s in all)"
+else
+    echo "missing $bin/gpu_check: build it as the top of $0 says" | tee "$out/gpu_check.log"
+fi
+
+# ---------------------------------------------------------------- 2. PyTorch
+
+torch_rc=skipped
+if [ "${SKIP_TORCH:-0}" != 1 ]; then
+    echo
+    echo "== 2. PyTorch reference (benches/torch_ref.py)"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 "$py" "$root/benches/torch_ref.py" ${quick[@]+"${quick[@]}"} "${model[@]}" \
+        --json "$out/torch_ref.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
+    torch_rc=$?
+    echo "(torch_ref: exit $torch_rc, $SECONDS s in all)"
+fi
+
+# ---------------------------------------------------------------- 3. llama_2d
+
+llama_rc=skipped
+if [ "${SKIP_LLAMA:-0}" != 1 ]; then
+    echo
+    echo "== 3. llama_2d --device cuda (outcome reported, never fatal)"
+    if [ -x "$bin/llama_2d" ]; then
+        # shellcheck disable=SC2086
+        timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
+            --dtype bf16 --steps 10 --log-every 2 --device cuda ${LLAMA_ARGS:-} 2>&1 |
+            tee "$out/llama_2d.log"
+        llama_rc=$?
+        echo "(llama_2d: exit $llama_rc, $SECONDS s in all; 124 = stopped by LLAMA_TIMEOUT)"
+    else
+        echo "missing $bin/llama_2d: build it as the top of $0 says" | tee "$out/llama_2d.log"
+        llama_rc=missing
+    fi
+fi
+
+# ---------------------------------------------------------------- 4. summary
+
+echo
+echo "== 4. summary"
+"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" <<'PY' || echo "the summary failed (see above)"
+import json
+import os
+import re
+import sys
+
+out, check_rc, torch_rc, llama_rc = sys.argv[1:5]
+
+
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+g = load("gpu_check.json") or {}
+t = load("torch_ref.json") or {}
+ours = dict(g.get("bench", {}).get("ours", {}))
+cublaslt = g.get("bench", {}).get("cublaslt", {})
+torch = t.get("bench", {}).get("torch", {})
+units = {**t.get("units", {}), **g.get("units", {})}
+
+# llama_2d: its summary line carries tokens_per_s when it trained.
+llama = {"exit": llama_rc}
+try:
+    with open(os.path.join(out, "llama_2d.log")) as f:
+        log = f.read()
+except OSError:
+    log = ""
+m = re.search(r"tokens_per_s=([0-9.eE+-]+)", log)
+if m:
+    ours["train.llama.tokens_per_s"] = float(m.group(1))
+    units["train.llama.tokens_per_s"] = "tokens/s"
+    llama["tokens_per_s"] = float(m.group(1))
+    llama["outcome"] = "trained"
+else:
+    tail = [l for l in log.strip().splitlines() if l.strip()][-3:]
+    llama["outcome"] = "did not train: " + (" | ".join(tail) if tail else "no output")
+
+keys = list(ours) + [k for k in torch if k not in ours]
+
+
+def fmt(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+lines = []
+checks = g.get("checks", [])
+failed = [c for c in checks if not c.get("pass")]
+lines.append(f"device: {g.get('device', '?')} / {t.get('device', '?')} (torch {t.get('torch_version', '?')})")
+lines.append(
+    f"gpu_check: exit {check_rc}, {len(checks)} checks, {len(failed)} failed"
+    + "".join(f"\n  FAIL {c['name']} {c['dtype']} {c['shape']} err {c['err']} {c['note']}" for c in failed)
+)
+lines.append(f"torch_ref: exit {torch_rc}")
+lines.append(f"llama_2d --device cuda: exit {llama_rc}, {llama['outcome']}")
+lines.append("")
+head = f"{'benchmark':<34} {'unit':<9} {'ours':>9} {'torch':>9} {'cuBLASLt':>9} {'ours/torch':>11} {'ours/cuBLASLt':>14}"
+lines.append(head)
+lines.append("-" * len(head))
+rows = []
+for k in keys:
+    o, p, c = ours.get(k), torch.get(k), cublaslt.get(k)
+    rows.append({"key": k, "unit": units.get(k, ""), "ours": o, "torch": p, "cublaslt": c,
+                 "ours_over_torch": o / p if o is not None and p else None,
+                 "ours_over_cublaslt": o / c if o is not None and c else None})
+    lines.append(f"{k:<34} {units.get(k, ''):<9} {fmt(o):>9} {fmt(p):>9} {fmt(c):>9} "
+                 f"{ratio(o, p):>11} {ratio(o, c):>14}")
+text = "\n".join(lines)
+print(text)
+with open(os.path.join(out, "summary.txt"), "w") as f:
+    f.write(text + "\n")
+with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump({"gpu_check_exit": check_rc, "torch_ref_exit": torch_rc, "llama_2d": llama,
+               "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
+               "rows": rows}, f, indent=2)
+PY
+
+echo
+echo "results in $out"
+case "$check_rc" in
+    skipped) exit 0 ;;
+    *) exit "$check_rc" ;;
+esac
