@@ -30,69 +30,7 @@ struct AdamwArgs {
 
 namespace adamw {
 
-constexpr int kVec = 8;  // elements per thread per step
-
-struct alignas(16) Raw {
-    u32 w[4];
-};
-
-template <typename T>
-struct Pack;
-template <>
-struct Pack<float> {
-    static constexpr int N = 4;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(r.w[i]);
-    }
-    static TPAR_DEVICE Raw pack(const float* e) {
-        Raw r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(e[i]);
-        return r;
-    }
-};
-template <typename H>
-struct PackHalf {
-    static constexpr int N = 8;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            H lo, hi;
-            lo.bits = (u16)(r.w[i] & 0xffffu);
-            hi.bits = (u16)(r.w[i] >> 16);
-            e[2 * i] = to_f32(lo);
-            e[2 * i + 1] = to_f32(hi);
-        }
-    }
-    static TPAR_DEVICE Raw pack(const float* e) {
-        Raw r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r.w[i] = pack2_f32<H>(e[2 * i], e[2 * i + 1]);
-        return r;
-    }
-};
-template <>
-struct Pack<bf16> : PackHalf<bf16> {};
-template <>
-struct Pack<f16> : PackHalf<f16> {};
-
-// kVec elements at p (16-byte aligned) as f32.
-template <typename T>
-TPAR_DEVICE void load(const T* p, float* e) {
-    constexpr int N = Pack<T>::N;
-    const Raw* r = reinterpret_cast<const Raw*>(p);
-#pragma unroll
-    for (int k = 0; k < kVec / N; ++k) Pack<T>::unpack(r[k], e + k * N);
-}
-
-template <typename T>
-TPAR_DEVICE void store(T* p, const float* e) {
-    constexpr int N = Pack<T>::N;
-    Raw* r = reinterpret_cast<Raw*>(p);
-#pragma unroll
-    for (int k = 0; k < kVec / N; ++k) r[k] = Pack<T>::pack(e + k * N);
-}
+constexpr int kVec = 8;  // elements per thread per step (load8 / store8)
 
 struct Coef {
     float decay, w1, beta2, w2, step_size, bc2_sqrt, eps;
@@ -108,8 +46,6 @@ TPAR_DEVICE float update(float p, float g, float& m, float& v, const Coef& c) {
     return x;
 }
 
-TPAR_DEVICE bool aligned16(const void* p) { return ((u64)p & 15u) == 0; }
-
 template <typename T, typename G>
 TPAR_DEVICE void step(const AdamwArgs& a) {
     T* param = static_cast<T*>(a.param);
@@ -122,15 +58,15 @@ TPAR_DEVICE void step(const AdamwArgs& a) {
     const i64 body = vec ? a.n / kVec * kVec : 0;
     for (i64 i = tid * kVec; i < body; i += nthreads * kVec) {
         float p[kVec], g[kVec], m[kVec], v[kVec];
-        load(param + i, p);
-        load(grad + i, g);
-        load(a.exp_avg + i, m);
-        load(a.exp_avg_sq + i, v);
+        load8(param + i, p);
+        load8(grad + i, g);
+        load8(a.exp_avg + i, m);
+        load8(a.exp_avg_sq + i, v);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) p[k] = update(p[k], g[k], m[k], v[k], c);
-        store(param + i, p);
-        store(a.exp_avg + i, m);
-        store(a.exp_avg_sq + i, v);
+        store8(param + i, p);
+        store8(a.exp_avg + i, m);
+        store8(a.exp_avg_sq + i, v);
     }
     for (i64 i = body + tid; i < a.n; i += nthreads) {
         float m = a.exp_avg[i], v = a.exp_avg_sq[i];

@@ -98,107 +98,32 @@ struct CeLossArgs {
 
 namespace cross_entropy {
 
-// ---------------------------------------------------------------- 16-byte vectors
-
-struct alignas(16) Raw {
-    u32 w[4];
-};
-
-template <typename T>
-struct Pack;
-template <>
-struct Pack<float> {
-    static constexpr int N = 4;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(r.w[i]);
-    }
-    static TPAR_DEVICE Raw pack(const float* e) {
-        Raw r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(e[i]);
-        return r;
-    }
-};
-template <typename H>
-struct PackHalf {
-    static constexpr int N = 8;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            H lo, hi;
-            lo.bits = (u16)(r.w[i] & 0xffffu);
-            hi.bits = (u16)(r.w[i] >> 16);
-            e[2 * i] = to_f32(lo);
-            e[2 * i + 1] = to_f32(hi);
-        }
-    }
-    static TPAR_DEVICE Raw pack(const float* e) {
-        Raw r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r.w[i] = pack2_f32<H>(e[2 * i], e[2 * i + 1]);
-        return r;
-    }
-};
-template <>
-struct Pack<bf16> : PackHalf<bf16> {};
-template <>
-struct Pack<f16> : PackHalf<f16> {};
-
-TPAR_DEVICE i64 head_len(const void* p, i64 n, int elem) {
-    const i64 h = (i64)(((16u - (u32)((u64)p & 15u)) & 15u) / (u32)elem);
-    return h < n ? h : n;
-}
-
-// Calls f(index, values, count) over p[0..n), thread t of nt: unaligned head
-// and tail one element at a time, the aligned body 16 bytes at a time.
-template <typename T, typename F>
-TPAR_DEVICE void for_each_chunk(const T* p, i64 n, int t, int nt, F&& f) {
-    constexpr int N = Pack<T>::N;
-    const i64 head = head_len(p, n, sizeof(T));
-    for (i64 i = t; i < head; i += nt) {
-        float e = to_f32(p[i]);
-        f(i, &e, 1);
-    }
-    const i64 nv = (n - head) / N;
-    const Raw* v = reinterpret_cast<const Raw*>(p + head);
-    for (i64 k = t; k < nv; k += nt) {
-        float e[N];
-        Pack<T>::unpack(v[k], e);
-        f(head + k * N, e, N);
-    }
-    for (i64 i = head + nv * N + t; i < n; i += nt) {
-        float e = to_f32(p[i]);
-        f(i, &e, 1);
-    }
-}
-
 // out[i] = f(i, in[i]) over [0, n) (in[i] read as 0 when !load); 16-byte
 // vectors when `in` and `out` share their alignment. Each element is read
 // and written by the same thread, so `out` may be `in`.
 template <typename T, typename F>
 TPAR_DEVICE void map_chunk(const T* in, T* out, i64 n, int t, int nt, bool load, F&& f) {
-    constexpr int N = Pack<T>::N;
+    constexpr int N = Pack16<T>::N;
     const bool same = ((((u64)in) ^ ((u64)out)) & 15u) == 0;
-    const i64 head = same ? head_len(out, n, sizeof(T)) : n;
+    const i64 head = same ? head16(out, n, sizeof(T)) : n;
     for (i64 i = t; i < head; i += nt) {
         float e = load ? to_f32(in[i]) : 0.0f;
         f(i, &e, 1);
         out[i] = from_f32<T>(e);
     }
     const i64 nv = (n - head) / N;
-    const Raw* vi = reinterpret_cast<const Raw*>(in + head);
-    Raw* vo = reinterpret_cast<Raw*>(out + head);
+    const Raw16* vi = reinterpret_cast<const Raw16*>(in + head);
+    Raw16* vo = reinterpret_cast<Raw16*>(out + head);
     for (i64 k = t; k < nv; k += nt) {
         float e[N];
         if (load) {
-            Pack<T>::unpack(vi[k], e);
+            Pack16<T>::unpack(vi[k], e);
         } else {
 #pragma unroll
             for (int j = 0; j < N; ++j) e[j] = 0.0f;
         }
         f(head + k * N, e, N);
-        vo[k] = Pack<T>::pack(e);
+        vo[k] = Pack16<T>::pack(e);
     }
     for (i64 i = head + nv * N + t; i < n; i += nt) {
         float e = load ? to_f32(in[i]) : 0.0f;

@@ -138,74 +138,23 @@ struct EwSoftmaxBwdArgs {
     i32 pad;
 };
 
-namespace elementwise {
-
-struct alignas(16) U4 {
-    u32 w[4];
+// i64 sources (casts to floating types) read through the prelude's load8:
+// two values per 16-byte vector, converted to f32.
+template <>
+struct Pack16<i64> {
+    static constexpr int N = 2;
+    static TPAR_DEVICE void unpack(const Raw16& r, float* e) {
+        e[0] = (float)(i64)((u64)r.w[0] | ((u64)r.w[1] << 32));
+        e[1] = (float)(i64)((u64)r.w[2] | ((u64)r.w[3] << 32));
+    }
 };
 
-TPAR_DEVICE bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
+namespace elementwise {
 
-template <typename H>
-TPAR_DEVICE H half_from_bits(u32 b) {
-    H h;
-    h.bits = (u16)b;
-    return h;
-}
-
-// ---------------------------------------------------------------- 8-wide access
+// ---------------------------------------------------------------- access
 //
-// ld8 / st8 move 8 consecutive elements at a 16-byte aligned address,
-// widened to / rounded from f32.
-
-TPAR_DEVICE void ld8(const float* p, float v[8]) {
-    const U4 a = reinterpret_cast<const U4*>(p)[0];
-    const U4 b = reinterpret_cast<const U4*>(p)[1];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[k] = __uint_as_float(a.w[k]);
-        v[4 + k] = __uint_as_float(b.w[k]);
-    }
-}
-template <typename H>
-TPAR_DEVICE void ld8_half(const H* p, float v[8]) {
-    const U4 a = *reinterpret_cast<const U4*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = to_f32(half_from_bits<H>(a.w[k] & 0xffffu));
-        v[2 * k + 1] = to_f32(half_from_bits<H>(a.w[k] >> 16));
-    }
-}
-TPAR_DEVICE void ld8(const bf16* p, float v[8]) { ld8_half(p, v); }
-TPAR_DEVICE void ld8(const f16* p, float v[8]) { ld8_half(p, v); }
-TPAR_DEVICE void ld8(const i64* p, float v[8]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const U4 a = reinterpret_cast<const U4*>(p)[k];
-        v[2 * k] = (float)(i64)((u64)a.w[0] | ((u64)a.w[1] << 32));
-        v[2 * k + 1] = (float)(i64)((u64)a.w[2] | ((u64)a.w[3] << 32));
-    }
-}
-
-TPAR_DEVICE void st8(float* p, const float v[8]) {
-    U4 a, b;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        a.w[k] = __float_as_uint(v[k]);
-        b.w[k] = __float_as_uint(v[4 + k]);
-    }
-    reinterpret_cast<U4*>(p)[0] = a;
-    reinterpret_cast<U4*>(p)[1] = b;
-}
-template <typename H>
-TPAR_DEVICE void st8_half(H* p, const float v[8]) {
-    U4 a;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) a.w[k] = tpar_pack2(from_f32<H>(v[2 * k]).bits, from_f32<H>(v[2 * k + 1]).bits);
-    *reinterpret_cast<U4*>(p) = a;
-}
-TPAR_DEVICE void st8(bf16* p, const float v[8]) { st8_half(p, v); }
-TPAR_DEVICE void st8(f16* p, const float v[8]) { st8_half(p, v); }
+// load8 / store8 (prelude) move 8 consecutive elements at a 16-byte aligned
+// address; ld1 / st1 one element, widened to / rounded from f32.
 
 TPAR_DEVICE float ld1(const float* p) { return *p; }
 TPAR_DEVICE float ld1(const bf16* p) { return to_f32(*p); }
@@ -364,10 +313,10 @@ TPAR_DEVICE void unary_run(const T* x, T* y, i64 n) {
         n, vec,
         [&](i64 i) {
             float v[8];
-            ld8(x + i, v);
+            load8(x + i, v);
 #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = unary_f<OP>(v[k]);
-            st8(y + i, v);
+            store8(y + i, v);
         },
         [&](i64 i) { st1(y + i, unary_f<OP>(ld1(x + i))); });
 }
@@ -388,12 +337,12 @@ TPAR_DEVICE void unary_bwd_run(const T* x, const T* y, const T* dy, T* dx, i64 n
         n, vec,
         [&](i64 i) {
             float xv[8], yv[8], gv[8];
-            ld8(x + i, xv);
-            ld8(y + i, yv);
-            ld8(dy + i, gv);
+            load8(x + i, xv);
+            load8(y + i, yv);
+            load8(dy + i, gv);
 #pragma unroll
             for (int k = 0; k < 8; ++k) gv[k] = unary_grad<OP>(xv[k], yv[k], gv[k]);
-            st8(dx + i, gv);
+            store8(dx + i, gv);
         },
         [&](i64 i) { st1(dx + i, unary_grad<OP>(ld1(x + i), ld1(y + i), ld1(dy + i))); });
 }
@@ -418,10 +367,10 @@ TPAR_DEVICE void scalar_run(const T* x, T* y, i64 n, float s, bool first) {
         n, vec,
         [&](i64 i) {
             float v[8];
-            ld8(x + i, v);
+            load8(x + i, v);
 #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = first ? binary_f<OP>(s, v[k]) : binary_f<OP>(v[k], s);
-            st8(y + i, v);
+            store8(y + i, v);
         },
         [&](i64 i) {
             const float v = ld1(x + i);
@@ -448,11 +397,11 @@ TPAR_DEVICE void binary_run(const T* pa, const T* pb, T* out, i64 n) {
         n, vec,
         [&](i64 i) {
             float va[8], vb[8];
-            ld8(pa + i, va);
-            ld8(pb + i, vb);
+            load8(pa + i, va);
+            load8(pb + i, vb);
 #pragma unroll
             for (int k = 0; k < 8; ++k) va[k] = binary_f<OP>(va[k], vb[k]);
-            st8(out + i, va);
+            store8(out + i, va);
         },
         [&](i64 i) { st1(out + i, binary_f<OP>(ld1(pa + i), ld1(pb + i))); });
 }
@@ -499,18 +448,18 @@ TPAR_DEVICE void binary_bcast_run(const EwBinaryBcastArgs& a) {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) va[k] = s;
             } else {
-                ld8(pa + oa, va);
+                load8(pa + oa, va);
             }
             if (b_bcast) {
                 const float s = ld1(pb + ob);
 #pragma unroll
                 for (int k = 0; k < 8; ++k) vb[k] = s;
             } else {
-                ld8(pb + ob, vb);
+                load8(pb + ob, vb);
             }
 #pragma unroll
             for (int k = 0; k < 8; ++k) va[k] = binary_f<OP>(va[k], vb[k]);
-            st8(out + i, va);
+            store8(out + i, va);
         },
         [&](i64 i) {
             I oa, ob;
@@ -554,11 +503,11 @@ TPAR_DEVICE void swiglu_fwd(const EwSwigluFwdArgs& p) {
         [&](i64 i) {
             const i64 o = in_offset(i, p.cols, p.ld);
             float va[8], vb[8];
-            ld8(a + o, va);
-            ld8(b + o, vb);
+            load8(a + o, va);
+            load8(b + o, vb);
 #pragma unroll
             for (int k = 0; k < 8; ++k) va[k] = va[k] * sigmoid(va[k]) * vb[k];
-            st8(y + i, va);
+            store8(y + i, va);
         },
         [&](i64 i) {
             const i64 o = in_offset(i, p.cols, p.ld);
@@ -588,13 +537,13 @@ TPAR_DEVICE void swiglu_bwd(const EwSwigluBwdArgs& p) {
         [&](i64 i) {
             const i64 o = in_offset(i, p.cols, p.ld);
             float va[8], vb[8], vg[8], oa[8], ob[8];
-            ld8(a + o, va);
-            ld8(b + o, vb);
-            ld8(dy + i, vg);
+            load8(a + o, va);
+            load8(b + o, vb);
+            load8(dy + i, vg);
 #pragma unroll
             for (int k = 0; k < 8; ++k) swiglu_grad(va[k], vb[k], vg[k], oa[k], ob[k]);
-            st8(da + o, oa);
-            st8(db + o, ob);
+            store8(da + o, oa);
+            store8(db + o, ob);
         },
         [&](i64 i) {
             const i64 o = in_offset(i, p.cols, p.ld);
@@ -614,7 +563,7 @@ TPAR_DEVICE void fill(const EwFillArgs& a) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = a.value;
     grid_loop(
-        a.n, aligned16(y), [&](i64 i) { st8(y + i, v); }, [&](i64 i) { st1(y + i, a.value); });
+        a.n, aligned16(y), [&](i64 i) { store8(y + i, v); }, [&](i64 i) { st1(y + i, a.value); });
 }
 
 template <typename S, typename D>
@@ -625,8 +574,8 @@ TPAR_DEVICE void cast(const EwCastArgs& a) {
         a.n, aligned16(src) && aligned16(dst),
         [&](i64 i) {
             float v[8];
-            ld8(src + i, v);
-            st8(dst + i, v);
+            load8(src + i, v);
+            store8(dst + i, v);
         },
         [&](i64 i) { st1(dst + i, ld1(src + i)); });
 }
@@ -640,11 +589,11 @@ TPAR_DEVICE void accumulate(const EwAccumulateArgs& a) {
         a.n, aligned16(src) && aligned16(dst),
         [&](i64 i) {
             float vs[8], vd[8];
-            ld8(src + i, vs);
-            ld8(dst + i, vd);
+            load8(src + i, vs);
+            load8(dst + i, vd);
 #pragma unroll
             for (int k = 0; k < 8; ++k) vd[k] += alpha * vs[k];
-            st8(dst + i, vd);
+            store8(dst + i, vd);
         },
         [&](i64 i) { st1(dst + i, ld1(dst + i) + alpha * ld1(src + i)); });
 }
@@ -668,7 +617,7 @@ TPAR_DEVICE void warp_load(const T* row, i64 cols, bool vec, int lane, float v[V
         if (vec) {
             const i64 e = warp_slot(true, k, 0, lane);
             if (e < cols) {
-                ld8(row + e, v[k]);
+                load8(row + e, v[k]);
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) v[k][j] = fill;
@@ -689,7 +638,7 @@ TPAR_DEVICE void warp_store(T* row, i64 cols, bool vec, int lane, const float v[
     for (int k = 0; k < V; ++k) {
         if (vec) {
             const i64 e = warp_slot(true, k, 0, lane);
-            if (e < cols) st8(row + e, v[k]);
+            if (e < cols) store8(row + e, v[k]);
         } else {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -812,7 +761,7 @@ TPAR_DEVICE void block_row_each(const T* row, i64 cols, bool vec, F f) {
     if (vec) {
         for (i64 c = threadIdx.x; c * 8 < cols; c += blockDim.x) {
             float v[8];
-            ld8(row + c * 8, v);
+            load8(row + c * 8, v);
 #pragma unroll
             for (int j = 0; j < 8; ++j) f(c * 8 + j, v[j]);
         }
@@ -854,10 +803,10 @@ TPAR_DEVICE void softmax_fwd_block(const EwSoftmaxFwdArgs& a) {
         if (vec) {
             for (i64 c = threadIdx.x; c * 8 < a.cols; c += blockDim.x) {
                 float v[8];
-                ld8(xr + c * 8, v);
+                load8(xr + c * 8, v);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) v[j] = out(v[j]);
-                st8(yr + c * 8, v);
+                store8(yr + c * 8, v);
             }
         } else {
             for (i64 e = threadIdx.x; e < a.cols; e += blockDim.x) st1(yr + e, out(ld1(xr + e)));
@@ -880,8 +829,8 @@ TPAR_DEVICE void softmax_bwd_block(const EwSoftmaxBwdArgs& a) {
         if (vec) {
             for (i64 c = threadIdx.x; c * 8 < a.cols; c += blockDim.x) {
                 float vg[8], vy[8];
-                ld8(gr + c * 8, vg);
-                if (!a.log) ld8(yr + c * 8, vy);
+                load8(gr + c * 8, vg);
+                if (!a.log) load8(yr + c * 8, vy);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) s += a.log ? vg[j] : vg[j] * vy[j];
             }
@@ -895,12 +844,12 @@ TPAR_DEVICE void softmax_bwd_block(const EwSoftmaxBwdArgs& a) {
         if (vec) {
             for (i64 c = threadIdx.x; c * 8 < a.cols; c += blockDim.x) {
                 float vg[8], vy[8];
-                ld8(gr + c * 8, vg);
-                ld8(yr + c * 8, vy);
+                load8(gr + c * 8, vg);
+                load8(yr + c * 8, vy);
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
                     vg[j] = a.log ? vg[j] - expf(vy[j]) * s : vy[j] * (vg[j] - s);
-                st8(xr + c * 8, vg);
+                store8(xr + c * 8, vg);
             }
         } else {
             for (i64 e = threadIdx.x; e < a.cols; e += blockDim.x) {

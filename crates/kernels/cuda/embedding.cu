@@ -76,53 +76,6 @@ struct EmbCastArgs {
 
 namespace embedding {
 
-struct alignas(16) Raw {
-    u32 w[4];
-};
-
-template <typename T>
-struct Pack;
-template <>
-struct Pack<float> {
-    static constexpr int N = 4;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(r.w[i]);
-    }
-    static TPAR_DEVICE Raw pack(const float* e) {
-        Raw r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(e[i]);
-        return r;
-    }
-};
-template <typename H>
-struct PackHalf {
-    static constexpr int N = 8;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            H lo, hi;
-            lo.bits = (u16)(r.w[i] & 0xffffu);
-            hi.bits = (u16)(r.w[i] >> 16);
-            e[2 * i] = to_f32(lo);
-            e[2 * i + 1] = to_f32(hi);
-        }
-    }
-    static TPAR_DEVICE Raw pack(const float* e) {
-        Raw r;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r.w[i] = pack2_f32<H>(e[2 * i], e[2 * i + 1]);
-        return r;
-    }
-};
-template <>
-struct Pack<bf16> : PackHalf<bf16> {};
-template <>
-struct Pack<f16> : PackHalf<f16> {};
-
-TPAR_DEVICE bool aligned16(const void* p) { return ((u64)p & 15u) == 0; }
-
 // The rows a group handles: group index in the grid and its stride.
 struct Rows {
     int sub;      // thread index within the group
@@ -141,7 +94,7 @@ TPAR_DEVICE Rows rows_of(int group) {
 
 template <typename T>
 TPAR_DEVICE void forward(const EmbFwdArgs& a) {
-    constexpr int N = Pack<T>::N;
+    constexpr int N = Pack16<T>::N;
     const T* weight = static_cast<const T*>(a.weight);
     T* out = static_cast<T*>(a.out);
     const bool vec = a.dim % N == 0 && aligned16(weight) && aligned16(out);
@@ -153,9 +106,9 @@ TPAR_DEVICE void forward(const EmbFwdArgs& a) {
         const T* w = weight + (ok ? r : 0) * a.dim;
         T* o = out + p * a.dim;
         if (vec) {
-            const Raw* wv = reinterpret_cast<const Raw*>(w);
-            Raw* ov = reinterpret_cast<Raw*>(o);
-            Raw zero;
+            const Raw16* wv = reinterpret_cast<const Raw16*>(w);
+            Raw16* ov = reinterpret_cast<Raw16*>(o);
+            Raw16 zero;
 #pragma unroll
             for (int i = 0; i < 4; ++i) zero.w[i] = 0u;
             for (int j = g.sub; j < a.dim / N; j += a.group) ov[j] = ok ? wv[j] : zero;
@@ -168,7 +121,7 @@ TPAR_DEVICE void forward(const EmbFwdArgs& a) {
 
 template <typename T>
 TPAR_DEVICE void backward_atomic(const EmbBwdAtomicArgs& a) {
-    constexpr int N = Pack<T>::N;
+    constexpr int N = Pack16<T>::N;
     const T* dout = static_cast<const T*>(a.dout);
     const bool vec = a.dim % N == 0 && aligned16(dout);
     const Rows g = rows_of(a.group);
@@ -181,10 +134,10 @@ TPAR_DEVICE void backward_atomic(const EmbBwdAtomicArgs& a) {
         float* acc = a.acc + r * a.dim;
         const T* d = dout + p * a.dim;
         if (vec) {
-            const Raw* dv = reinterpret_cast<const Raw*>(d);
+            const Raw16* dv = reinterpret_cast<const Raw16*>(d);
             for (int j = g.sub; j < a.dim / N; j += a.group) {
                 float e[N];
-                Pack<T>::unpack(dv[j], e);
+                Pack16<T>::unpack(dv[j], e);
 #pragma unroll
                 for (int k = 0; k < N; ++k) atomicAdd(acc + j * N + k, e[k]);
             }
@@ -196,7 +149,7 @@ TPAR_DEVICE void backward_atomic(const EmbBwdAtomicArgs& a) {
 
 template <typename T>
 TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
-    constexpr int N = Pack<T>::N;
+    constexpr int N = Pack16<T>::N;
     const T* dout = static_cast<const T*>(a.dout);
     T* dweight = static_cast<T*>(a.dweight);
     const bool vec = a.dim % N == 0 && aligned16(dout) && aligned16(dweight);
@@ -205,15 +158,15 @@ TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
         const i32 s = a.row_start[v], e = a.row_start[v + 1];
         T* dw = dweight + v * a.dim;
         if (vec) {
-            Raw* out = reinterpret_cast<Raw*>(dw);
+            Raw16* out = reinterpret_cast<Raw16*>(dw);
             for (int j = g.sub; j < a.dim / N; j += a.group) {
                 float acc[N];
 #pragma unroll
                 for (int k = 0; k < N; ++k) acc[k] = 0.0f;
                 for (i32 q = s; q < e; ++q) {
-                    const Raw* src = reinterpret_cast<const Raw*>(dout + (i64)a.positions[q] * a.dim);
+                    const Raw16* src = reinterpret_cast<const Raw16*>(dout + (i64)a.positions[q] * a.dim);
                     float x[N];
-                    Pack<T>::unpack(src[j], x);
+                    Pack16<T>::unpack(src[j], x);
                     if (q == s) {
 #pragma unroll
                         for (int k = 0; k < N; ++k) acc[k] = x[k];
@@ -222,7 +175,7 @@ TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
                         for (int k = 0; k < N; ++k) acc[k] += x[k];
                     }
                 }
-                out[j] = Pack<T>::pack(acc);
+                out[j] = Pack16<T>::pack(acc);
             }
         } else {
             for (int j = g.sub; j < a.dim; j += a.group) {

@@ -51,9 +51,6 @@ struct LayoutStridedArgs {
 
 namespace layout {
 
-struct alignas(16) U4 {
-    u32 w[4];
-};
 struct alignas(8) U2 {
     u32 w[2];
 };
@@ -149,7 +146,7 @@ TPAR_DEVICE void strided_run(const LayoutStridedArgs& a) {
         const I items = n / per;  // the last dim is a multiple of `per`
         for (I v = tid; v < items; v += stride) {
             const I o = src_offset<I>(a, v * per);
-            reinterpret_cast<U4*>(dst)[v] = *reinterpret_cast<const U4*>(src + o);
+            reinterpret_cast<Raw16*>(dst)[v] = *reinterpret_cast<const Raw16*>(src + o);
         }
         return;
     }
@@ -169,7 +166,7 @@ TPAR_KERNEL(tpar_copy2d_w1, LayoutCopy2dArgs, 1024) { layout::copy2d<u8>(args); 
 TPAR_KERNEL(tpar_copy2d_w2, LayoutCopy2dArgs, 1024) { layout::copy2d<u16>(args); }
 TPAR_KERNEL(tpar_copy2d_w4, LayoutCopy2dArgs, 1024) { layout::copy2d<u32>(args); }
 TPAR_KERNEL(tpar_copy2d_w8, LayoutCopy2dArgs, 1024) { layout::copy2d<layout::U2>(args); }
-TPAR_KERNEL(tpar_copy2d_w16, LayoutCopy2dArgs, 1024) { layout::copy2d<layout::U4>(args); }
+TPAR_KERNEL(tpar_copy2d_w16, LayoutCopy2dArgs, 1024) { layout::copy2d<Raw16>(args); }
 
 TPAR_KERNEL(tpar_transpose_w2, LayoutTransposeArgs, 256) { layout::transpose<u16>(args); }
 TPAR_KERNEL(tpar_transpose_w4, LayoutTransposeArgs, 256) { layout::transpose<u32>(args); }

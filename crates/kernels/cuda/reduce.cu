@@ -74,66 +74,6 @@ struct Op<MIN> {
     static TPAR_DEVICE float combine(float a, float b) { return (b < a || is_nan(b)) ? b : a; }
 };
 
-// ---------------------------------------------------------------- 16-byte vectors
-
-struct alignas(16) Raw {
-    u32 w[4];
-};
-
-template <typename T>
-struct Pack;
-template <>
-struct Pack<float> {
-    static constexpr int N = 4;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(r.w[i]);
-    }
-};
-template <typename H>
-struct PackHalf {
-    static constexpr int N = 8;
-    static TPAR_DEVICE void unpack(const Raw& r, float* e) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            H lo, hi;
-            lo.bits = (u16)(r.w[i] & 0xffffu);
-            hi.bits = (u16)(r.w[i] >> 16);
-            e[2 * i] = to_f32(lo);
-            e[2 * i + 1] = to_f32(hi);
-        }
-    }
-};
-template <>
-struct Pack<bf16> : PackHalf<bf16> {};
-template <>
-struct Pack<f16> : PackHalf<f16> {};
-
-// Calls f(index, values, count) over p[0..n): thread t of nt takes the
-// unaligned head and tail one element at a time and the 16-byte aligned body
-// a vector at a time. Indices passed to f increase within a thread.
-template <typename T, typename F>
-TPAR_DEVICE void for_each_chunk(const T* p, i64 n, int t, int nt, F&& f) {
-    constexpr int N = Pack<T>::N;
-    i64 head = (i64)(((16u - (u32)((u64)p & 15u)) & 15u) / sizeof(T));
-    if (head > n) head = n;
-    for (i64 i = t; i < head; i += nt) {
-        float e = to_f32(p[i]);
-        f(i, &e, 1);
-    }
-    const i64 nv = (n - head) / N;
-    const Raw* v = reinterpret_cast<const Raw*>(p + head);
-    for (i64 k = t; k < nv; k += nt) {
-        float e[N];
-        Pack<T>::unpack(v[k], e);
-        f(head + k * N, e, N);
-    }
-    for (i64 i = head + nv * N + t; i < n; i += nt) {
-        float e = to_f32(p[i]);
-        f(i, &e, 1);
-    }
-}
-
 // ---------------------------------------------------------------- block combines
 
 template <int OP>

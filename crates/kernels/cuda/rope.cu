@@ -29,61 +29,6 @@ struct RopeArgs {
 
 namespace rope {
 
-struct alignas(16) U4 {
-    u32 w[4];
-};
-
-TPAR_DEVICE bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
-
-template <typename H>
-TPAR_DEVICE H half_from_bits(u32 b) {
-    H h;
-    h.bits = (u16)b;
-    return h;
-}
-
-TPAR_DEVICE void ld8(const float* p, float v[8]) {
-    const U4 a = reinterpret_cast<const U4*>(p)[0];
-    const U4 b = reinterpret_cast<const U4*>(p)[1];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[k] = __uint_as_float(a.w[k]);
-        v[4 + k] = __uint_as_float(b.w[k]);
-    }
-}
-template <typename H>
-TPAR_DEVICE void ld8_half(const H* p, float v[8]) {
-    const U4 a = *reinterpret_cast<const U4*>(p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = to_f32(half_from_bits<H>(a.w[k] & 0xffffu));
-        v[2 * k + 1] = to_f32(half_from_bits<H>(a.w[k] >> 16));
-    }
-}
-TPAR_DEVICE void ld8(const bf16* p, float v[8]) { ld8_half(p, v); }
-TPAR_DEVICE void ld8(const f16* p, float v[8]) { ld8_half(p, v); }
-
-TPAR_DEVICE void st8(float* p, const float v[8]) {
-    U4 a, b;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        a.w[k] = __float_as_uint(v[k]);
-        b.w[k] = __float_as_uint(v[4 + k]);
-    }
-    reinterpret_cast<U4*>(p)[0] = a;
-    reinterpret_cast<U4*>(p)[1] = b;
-}
-template <typename H>
-TPAR_DEVICE void st8_half(H* p, const float v[8]) {
-    U4 a;
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        a.w[k] = tpar_pack2(from_f32<H>(v[2 * k]).bits, from_f32<H>(v[2 * k + 1]).bits);
-    *reinterpret_cast<U4*>(p) = a;
-}
-TPAR_DEVICE void st8(bf16* p, const float v[8]) { st8_half(p, v); }
-TPAR_DEVICE void st8(f16* p, const float v[8]) { st8_half(p, v); }
-
 // Rotates one pair in place: (a, b) = (x1[j], x2[j]).
 TPAR_DEVICE void rotate(float& a, float& b, float c1, float c2, float s1, float s2, bool transpose) {
     const float x1 = a, x2 = b;
@@ -116,16 +61,16 @@ TPAR_DEVICE void run(const RopeArgs& a) {
         const I xo = row * hd + j, to = t * hd + j;
         if (W == 8) {
             float x1[8], x2[8], c1[8], c2[8], s1[8], s2[8];
-            ld8(x + xo, x1);
-            ld8(x + xo + half, x2);
-            ld8(cs + to, c1);
-            ld8(cs + to + half, c2);
-            ld8(sn + to, s1);
-            ld8(sn + to + half, s2);
+            load8(x + xo, x1);
+            load8(x + xo + half, x2);
+            load8(cs + to, c1);
+            load8(cs + to + half, c2);
+            load8(sn + to, s1);
+            load8(sn + to + half, s2);
 #pragma unroll
             for (int k = 0; k < 8; ++k) rotate(x1[k], x2[k], c1[k], c2[k], s1[k], s2[k], tr);
-            st8(y + xo, x1);
-            st8(y + xo + half, x2);
+            store8(y + xo, x1);
+            store8(y + xo + half, x2);
         } else {
             float x1 = to_f32(x[xo]), x2 = to_f32(x[xo + half]);
             rotate(x1, x2, to_f32(cs[to]), to_f32(cs[to + half]), to_f32(sn[to]),

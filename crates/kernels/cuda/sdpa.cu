@@ -87,11 +87,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Query and key rows per tile.
 constexpr int kBlock = 64;
 
-// 16 bytes, for vectorized copies.
-struct alignas(16) Vec16 {
-    u32 x, y, z, w;
-};
-
 // ------------------------------------------------------------------ SIMT
 
 // Rows of the [*, 33] f32 chunk buffers (33: conflict-free column reads).
@@ -499,8 +494,8 @@ TPAR_DEVICE void tc_store(T* g, const T* s, int ld, int nrows, int ncols) {
         const int e = threadIdx.x + it * NT;
         const int r = e / CH, c = e % CH;
         if (r < nrows && c * 8 < ncols)
-            *reinterpret_cast<Vec16*>(g + (i64)r * ld + c * 8) =
-                *reinterpret_cast<const Vec16*>(s + swz<HD>(r, c));
+            *reinterpret_cast<Raw16*>(g + (i64)r * ld + c * 8) =
+                *reinterpret_cast<const Raw16*>(s + swz<HD>(r, c));
     }
 }
 

@@ -97,6 +97,106 @@ TPAR_DEVICE u32 pack2_f32(float lo, float hi) {
     return tpar_pack2(from_f32<T>(lo).bits, from_f32<T>(hi).bits);
 }
 
+// ---------------------------------------------------------------- 16-byte vectors
+//
+// Raw16 is one 16-byte access. Pack16<T> converts one to and from N = 4 f32
+// or 8 bf16/f16 values widened to f32 (element i of a 32-bit word pair in
+// the low half first); load8 / store8 move 8 consecutive elements at a
+// 16-byte aligned address.
+
+struct alignas(16) Raw16 {
+    u32 w[4];
+};
+
+TPAR_DEVICE bool aligned16(const void* p) { return ((u64)p & 15u) == 0; }
+
+// Elements of `elem` bytes from p up to the next 16-byte boundary, at most n.
+TPAR_DEVICE i64 head16(const void* p, i64 n, int elem) {
+    const i64 h = (i64)(((16u - (u32)((u64)p & 15u)) & 15u) / (u32)elem);
+    return h < n ? h : n;
+}
+
+template <typename T>
+struct Pack16;
+template <>
+struct Pack16<float> {
+    static constexpr int N = 4;
+    static TPAR_DEVICE void unpack(const Raw16& r, float* e) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) e[i] = __uint_as_float(r.w[i]);
+    }
+    static TPAR_DEVICE Raw16 pack(const float* e) {
+        Raw16 r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.w[i] = __float_as_uint(e[i]);
+        return r;
+    }
+};
+template <typename H>
+struct Pack16Half {
+    static constexpr int N = 8;
+    static TPAR_DEVICE void unpack(const Raw16& r, float* e) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            H lo, hi;
+            lo.bits = (u16)(r.w[i] & 0xffffu);
+            hi.bits = (u16)(r.w[i] >> 16);
+            e[2 * i] = to_f32(lo);
+            e[2 * i + 1] = to_f32(hi);
+        }
+    }
+    static TPAR_DEVICE Raw16 pack(const float* e) {
+        Raw16 r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.w[i] = pack2_f32<H>(e[2 * i], e[2 * i + 1]);
+        return r;
+    }
+};
+template <>
+struct Pack16<bf16> : Pack16Half<bf16> {};
+template <>
+struct Pack16<f16> : Pack16Half<f16> {};
+
+// 8 elements at p (16-byte aligned) as f32, and back (rounded).
+template <typename T>
+TPAR_DEVICE void load8(const T* p, float e[8]) {
+    constexpr int N = Pack16<T>::N;
+    const Raw16* r = reinterpret_cast<const Raw16*>(p);
+#pragma unroll
+    for (int k = 0; k < 8 / N; ++k) Pack16<T>::unpack(r[k], e + k * N);
+}
+template <typename T>
+TPAR_DEVICE void store8(T* p, const float e[8]) {
+    constexpr int N = Pack16<T>::N;
+    Raw16* r = reinterpret_cast<Raw16*>(p);
+#pragma unroll
+    for (int k = 0; k < 8 / N; ++k) r[k] = Pack16<T>::pack(e + k * N);
+}
+
+// Calls f(index, values, count) over p[0..n), thread t of nt: the unaligned
+// head and tail one element at a time, the 16-byte aligned body a vector at a
+// time. Indices passed to f increase within a thread.
+template <typename T, typename F>
+TPAR_DEVICE void for_each_chunk(const T* p, i64 n, int t, int nt, F&& f) {
+    constexpr int N = Pack16<T>::N;
+    const i64 head = head16(p, n, sizeof(T));
+    for (i64 i = t; i < head; i += nt) {
+        float e = to_f32(p[i]);
+        f(i, &e, 1);
+    }
+    const i64 nv = (n - head) / N;
+    const Raw16* v = reinterpret_cast<const Raw16*>(p + head);
+    for (i64 k = t; k < nv; k += nt) {
+        float e[N];
+        Pack16<T>::unpack(v[k], e);
+        f(head + k * N, e, N);
+    }
+    for (i64 i = head + nv * N + t; i < n; i += nt) {
+        float e = to_f32(p[i]);
+        f(i, &e, 1);
+    }
+}
+
 // ---------------------------------------------------------------- reductions
 
 TPAR_DEVICE float warp_sum(float v) {

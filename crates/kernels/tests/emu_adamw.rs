@@ -1,77 +1,14 @@
 //! `cuda/adamw.cu` on the CPU emulator against `tpar_kernels::adamw`, over
 //! several steps.
 
+mod common;
+
+use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
 use tpar_kernels::adamw::{adamw_step, AdamWParams};
-use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::ops::adamw as k;
-use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::{Float, KernelError};
-
-fn emu() -> &'static Emulator {
-    Emulator::get().expect("emulator")
-}
-
-fn ptr<T>(v: &[T]) -> DevPtr {
-    v.as_ptr() as DevPtr
-}
-
-/// The address of a buffer the kernel writes.
-fn mptr<T>(v: &mut [T]) -> DevPtr {
-    v.as_mut_ptr() as DevPtr
-}
-
-fn dtype<T: Float>() -> CudaDType {
-    match T::NAME {
-        "f32" => CudaDType::F32,
-        "bf16" => CudaDType::BF16,
-        "f16" => CudaDType::F16,
-        other => panic!("no CUDA dtype for {other}"),
-    }
-}
-
-/// Relative tolerance (to the largest magnitude compared) per dtype.
-fn tol<T: Float>() -> f64 {
-    match T::NAME {
-        "f32" => 1e-5,
-        "f16" => 2e-3,
-        _ => 1e-2,
-    }
-}
-
-/// SplitMix64 test data.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-    fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
-        (0..n).map(|_| T::from_f64(self.uniform() * scale)).collect()
-    }
-}
-
-/// `|got - want| <= tol * max|want|` elementwise.
-fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * scale,
-            "{what}[{i}]: got {g}, want {w} (tol {tol} x {scale})"
-        );
-    }
-}
-
-fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
-}
 
 fn hyper(step: u64) -> AdamWParams {
     AdamWParams { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step }

@@ -1,62 +1,19 @@
 //! `cuda/cross_entropy.cu` on the CPU emulator against the CPU kernels of
 //! `tpar_kernels::cross_entropy`, unsharded and vocab-parallel.
 
+mod common;
+
+use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
 use tpar_kernels::cross_entropy as cpu;
-use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::ops::cross_entropy::{self as k, NO_ERROR};
-use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::{Float, KernelError};
 
 const IGNORE: i64 = -100;
 
-fn emu() -> &'static Emulator {
-    Emulator::get().expect("emulator")
-}
-
-fn ptr<T>(v: &[T]) -> DevPtr {
-    v.as_ptr() as DevPtr
-}
-
-/// The address of a buffer the kernel writes.
-fn mptr<T>(v: &mut [T]) -> DevPtr {
-    v.as_mut_ptr() as DevPtr
-}
-
-fn dtype<T: Float>() -> CudaDType {
-    match T::NAME {
-        "f32" => CudaDType::F32,
-        "bf16" => CudaDType::BF16,
-        "f16" => CudaDType::F16,
-        other => panic!("no CUDA dtype for {other}"),
-    }
-}
-
-/// Relative tolerance (to the largest magnitude compared) per dtype.
-fn tol<T: Float>() -> f64 {
-    match T::NAME {
-        "f32" => 1e-5,
-        "f16" => 2e-3,
-        _ => 1e-2,
-    }
-}
-
-/// SplitMix64 test data.
-struct Rng(u64);
+// Test data of this file, on the shared generator.
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-    fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
-        (0..n).map(|_| T::from_f64(self.uniform() * scale)).collect()
-    }
     /// Targets in `[0, vocab)`, with `ignored` rows set to IGNORE.
     fn targets(&mut self, rows: usize, vocab: usize, ignored: &[usize]) -> Vec<i64> {
         (0..rows)
@@ -65,30 +22,6 @@ impl Rng {
             )
             .collect()
     }
-}
-
-/// `|got - want| <= tol * max|want|` elementwise; NaN and infinities must match.
-fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().filter(|v| v.is_finite()).fold(1e-30f64, |m, v| m.max(v.abs()));
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = if w.is_nan() {
-            g.is_nan()
-        } else if w.is_infinite() {
-            g == w
-        } else {
-            (g - w).abs() <= tol * scale
-        };
-        assert!(ok, "{what}[{i}]: got {g}, want {w} (tol {tol} x {scale})");
-    }
-}
-
-fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
-}
-
-fn f32s(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
 }
 
 /// Columns `[start, end)` of a row-major `[rows, cols]` matrix.
@@ -133,8 +66,8 @@ fn check_forward<T: Float<Acc = f32>>(seed: u64, rows: usize, vocab: usize, igno
     let what = format!("forward {} [{rows}, {vocab}]", T::NAME);
     assert_eq!(err[0], NO_ERROR, "{what}: error slot");
     assert_eq!(count[0] as usize, want_count, "{what}: count");
-    assert_close(&format!("{what} loss"), &f32s(&loss), &f32s(&want_loss), tol::<T>());
-    assert_close(&format!("{what} lse"), &f32s(&lse), &f32s(&want_lse), tol::<T>());
+    assert_close(&format!("{what} loss"), &f64s(&loss), &f64s(&want_loss), tol::<T>());
+    assert_close(&format!("{what} lse"), &f64s(&lse), &f64s(&want_lse), tol::<T>());
     for &r in ignored {
         assert_eq!(loss[r], 0.0, "{what}: ignored row {r}");
     }
@@ -262,9 +195,9 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
         }
         let what = format!("stats {name} shard [{s}, {e})");
         assert_eq!(err[0], NO_ERROR, "{what}: error slot");
-        assert_close(&format!("{what} max"), &f32s(&m), &f32s(&wm), 0.0);
-        assert_close(&format!("{what} sumexp"), &f32s(&se), &f32s(&ws), tol::<T>());
-        assert_close(&format!("{what} target_logit"), &f32s(&tl), &f32s(&wt), 0.0);
+        assert_close(&format!("{what} max"), &f64s(&m), &f64s(&wm), 0.0);
+        assert_close(&format!("{what} sumexp"), &f64s(&se), &f64s(&ws), tol::<T>());
+        assert_close(&format!("{what} target_logit"), &f64s(&tl), &f64s(&wt), 0.0);
         stats.push((m, se, tl));
     }
 
@@ -278,7 +211,7 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
         unsafe { k::ce_rescale(emu(), ptr(m), mptr(&mut se2), ptr(&gmax), rows).unwrap() };
         let mut want = se.clone();
         cpu::ce_rescale(m, &mut want, &gmax).unwrap();
-        assert_close(&format!("rescale {name}"), &f32s(&se2), &f32s(&want), 1e-5);
+        assert_close(&format!("rescale {name}"), &f64s(&se2), &f64s(&want), 1e-5);
         for r in 0..rows {
             sum[r] += se2[r];
             tl[r] += t[r];
@@ -312,11 +245,11 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
     )
     .unwrap();
     assert_eq!(count[0] as usize, want_count, "vocab-parallel {name}: count");
-    assert_close(&format!("vocab-parallel {name} lse"), &f32s(&lse), &f32s(&want_lse), tol::<T>());
+    assert_close(&format!("vocab-parallel {name} lse"), &f64s(&lse), &f64s(&want_lse), tol::<T>());
     assert_close(
         &format!("vocab-parallel {name} loss"),
-        &f32s(&loss),
-        &f32s(&want_loss),
+        &f64s(&loss),
+        &f64s(&want_loss),
         tol::<T>(),
     );
 
@@ -327,13 +260,13 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
         unsafe { k::ce_merge(emu(), mptr(&mut mm), mptr(&mut ms), ptr(m), ptr(se), rows).unwrap() };
         cpu::ce_merge(&mut cm, &mut cs, m, se).unwrap();
     }
-    assert_close(&format!("merge {name} max"), &f32s(&mm), &f32s(&cm), 0.0);
-    assert_close(&format!("merge {name} sumexp"), &f32s(&ms), &f32s(&cs), 1e-5);
+    assert_close(&format!("merge {name} max"), &f64s(&mm), &f64s(&cm), 0.0);
+    assert_close(&format!("merge {name} sumexp"), &f64s(&ms), &f64s(&cs), 1e-5);
     let mut lse2 = vec![0f32; rows];
     unsafe { k::ce_lse(emu(), ptr(&mm), ptr(&ms), mptr(&mut lse2), rows).unwrap() };
     let mut want_lse2 = vec![0f32; rows];
     cpu::ce_lse(&cm, &cs, &mut want_lse2).unwrap();
-    assert_close(&format!("merge {name} lse"), &f32s(&lse2), &f32s(&want_lse2), 1e-5);
+    assert_close(&format!("merge {name} lse"), &f64s(&lse2), &f64s(&want_lse2), 1e-5);
 
     // Backward on each shard with the global lse; the shards together are the
     // unsharded gradient.

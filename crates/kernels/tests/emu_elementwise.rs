@@ -5,104 +5,16 @@
 //! Sizes are odd so the element-wise tails run, and every op also runs on
 //! addresses shifted by one element so the non-vector paths run.
 
+mod common;
+
+use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::ops::elementwise as ew;
-use tpar_kernels::cuda::{CudaDType, DevPtr, Launcher};
+use tpar_kernels::cuda::{CudaDType, Launcher};
 use tpar_kernels::elementwise::{self as cpu, BinaryOp, UnaryOp};
 use tpar_kernels::{softmax, Float};
 
 // ---------------------------------------------------------------- helpers
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [lo, hi).
-    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
-    }
-    fn vec<T: Float>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
-        (0..n).map(|_| T::from_f64(self.uniform(lo, hi))).collect()
-    }
-}
-
-/// A host buffer standing in for device memory: its first element sits
-/// `shift` elements past a 16-byte boundary.
-struct Buf<T> {
-    v: Vec<T>,
-    off: usize,
-    n: usize,
-}
-
-impl<T: Copy + Default> Buf<T> {
-    fn new(data: &[T], shift: usize) -> Self {
-        let es = std::mem::size_of::<T>();
-        let mut v = vec![T::default(); data.len() + 16 + shift];
-        let addr = v.as_ptr() as usize;
-        let off = (16 - addr % 16) % 16 / es + shift;
-        v[off..off + data.len()].copy_from_slice(data);
-        Buf { v, off, n: data.len() }
-    }
-    fn zeros(n: usize, shift: usize) -> Self {
-        Buf::new(&vec![T::default(); n], shift)
-    }
-    fn ptr(&mut self) -> DevPtr {
-        self.v[self.off..].as_mut_ptr() as DevPtr
-    }
-    fn get(&self) -> Vec<T> {
-        self.v[self.off..self.off + self.n].to_vec()
-    }
-}
-
-fn emu() -> &'static Emulator {
-    Emulator::get().expect("the CPU emulator builds")
-}
-
-fn dtype_of<T: Float>() -> CudaDType {
-    match T::NAME {
-        "f32" => CudaDType::F32,
-        "bf16" => CudaDType::BF16,
-        "f16" => CudaDType::F16,
-        other => panic!("no CUDA dtype for {other}"),
-    }
-}
-
-fn tol<T: Float>() -> f64 {
-    match T::NAME {
-        "f32" => 1e-5,
-        "bf16" => 1e-2,
-        _ => 2e-3,
-    }
-}
-
-/// `|got - want| <= tol * max|want|` elementwise; infinities and NaNs must match.
-fn assert_close<T: Float>(what: &str, got: &[T], want: &[T], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want
-        .iter()
-        .map(|v| v.to_f64().abs())
-        .filter(|v| v.is_finite())
-        .fold(0.0f64, f64::max)
-        .max(1e-20);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let (g, w) = (g.to_f64(), w.to_f64());
-        let ok = if w.is_nan() || g.is_nan() {
-            w.is_nan() && g.is_nan()
-        } else if w.is_infinite() || g.is_infinite() {
-            g == w
-        } else {
-            (g - w).abs() <= tol * scale
-        };
-        assert!(ok, "{what} ({})[{i}]: got {g}, want {w} (tol {tol} x {scale})", T::NAME);
-    }
-}
 
 const UNARY_OPS: [UnaryOp; 12] = [
     UnaryOp::Neg,
@@ -132,8 +44,8 @@ const BINARY_OPS: [BinaryOp; 7] = [
 /// Inputs in the op's domain.
 fn unary_input<T: Float>(rng: &mut Rng, op: UnaryOp, n: usize) -> Vec<T> {
     match op {
-        UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Recip => rng.vec(n, 0.25, 3.0),
-        _ => rng.vec(n, -4.0, 4.0),
+        UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Recip => rng.vec_in(n, 0.25, 3.0),
+        _ => rng.vec_in(n, -4.0, 4.0),
     }
 }
 
@@ -147,20 +59,20 @@ fn check_unary<T: Float>(seed: u64) {
         let x: Vec<T> = unary_input(&mut rng, op, n);
         let mut want = vec![T::default(); n];
         cpu::unary(op, &x, &mut want).unwrap();
-        let dy: Vec<T> = rng.vec(n, -1.0, 1.0);
+        let dy: Vec<T> = rng.vec_in(n, -1.0, 1.0);
         let mut dwant = vec![T::default(); n];
         cpu::unary_backward(op, &x, &want, &dy, &mut dwant).unwrap();
         for shift in [0, 1] {
             let mut bx = Buf::new(&x, shift);
             let mut by = Buf::<T>::zeros(n, shift);
-            unsafe { ew::unary(l, dtype_of::<T>(), op, bx.ptr(), by.ptr(), n) }.unwrap();
+            unsafe { ew::unary(l, dtype::<T>(), op, bx.ptr(), by.ptr(), n) }.unwrap();
             assert_close(&format!("{op:?} shift {shift}"), &by.get(), &want, tol::<T>());
 
             let mut by = Buf::new(&want, shift);
             let mut bg = Buf::new(&dy, shift);
             let mut bdx = Buf::<T>::zeros(n, shift);
             let (px, py, pg, pdx) = (bx.ptr(), by.ptr(), bg.ptr(), bdx.ptr());
-            unsafe { ew::unary_backward(l, dtype_of::<T>(), op, px, py, pg, pdx, n) }.unwrap();
+            unsafe { ew::unary_backward(l, dtype::<T>(), op, px, py, pg, pdx, n) }.unwrap();
             assert_close(&format!("{op:?} backward shift {shift}"), &bdx.get(), &dwant, tol::<T>());
         }
     }
@@ -176,7 +88,7 @@ fn unary_ops_match_cpu() {
 #[test]
 fn unary_in_place() {
     let l: &dyn Launcher = emu();
-    let x: Vec<bf16> = Rng(4).vec(77, -3.0, 3.0);
+    let x: Vec<bf16> = Rng(4).vec_in(77, -3.0, 3.0);
     let mut want = vec![bf16::ZERO; 77];
     cpu::unary(UnaryOp::Silu, &x, &mut want).unwrap();
     let mut b = Buf::new(&x, 0);
@@ -204,14 +116,14 @@ fn check_scalar<T: Float>(seed: u64) {
         (BinaryOp::Pow, 0.5, false, 0.0, 3.0),
     ];
     for (op, s, first, lo, hi) in cases {
-        let x: Vec<T> = rng.vec(n, lo, hi);
+        let x: Vec<T> = rng.vec_in(n, lo, hi);
         let mut want = vec![T::default(); n];
         cpu::scalar(op, &x, s, first, &mut want).unwrap();
         for shift in [0, 1] {
             let mut bx = Buf::new(&x, shift);
             let mut by = Buf::<T>::zeros(n, shift);
             let (px, py) = (bx.ptr(), by.ptr());
-            unsafe { ew::scalar(l, dtype_of::<T>(), op, px, s, first, py, n) }.unwrap();
+            unsafe { ew::scalar(l, dtype::<T>(), op, px, s, first, py, n) }.unwrap();
             let what = format!("{op:?} scalar {s} first={first} shift {shift}");
             assert_close(&what, &by.get(), &want, tol::<T>());
         }
@@ -243,7 +155,7 @@ fn run_binary<T: Float>(
     let mut bb = Buf::new(b, 0);
     let mut bo = Buf::<T>::zeros(n, 0);
     let (pa, pb, po) = (ba.ptr(), bb.ptr(), bo.ptr());
-    unsafe { ew::binary(l, dtype_of::<T>(), op, pa, sa, pb, sb, shape, po) }.unwrap();
+    unsafe { ew::binary(l, dtype::<T>(), op, pa, sa, pb, sb, shape, po) }.unwrap();
     assert_close(&format!("{what} {op:?} shift {shift}"), &bo.get(), &want, tol::<T>());
 }
 
@@ -253,37 +165,37 @@ fn check_binary<T: Float>(seed: u64) {
         let lo = if op == BinaryOp::Pow { 0.3 } else { -3.0 };
         // same shape (flat kernel)
         let n = 1001;
-        let a: Vec<T> = rng.vec(n, lo, 3.0);
-        let b: Vec<T> = rng.vec(n, 0.5, 2.0);
+        let a: Vec<T> = rng.vec_in(n, lo, 3.0);
+        let b: Vec<T> = rng.vec_in(n, 0.5, 2.0);
         for shift in [0, 1] {
             run_binary(op, &a, &[1], &b, &[1], &[n], shift, "same shape");
         }
         // a row vector over the rows of a matrix, vector-path size and odd size
         for (rows, cols) in [(9, 48), (7, 37)] {
-            let a: Vec<T> = rng.vec(rows * cols, lo, 3.0);
-            let b: Vec<T> = rng.vec(cols, 0.5, 2.0);
+            let a: Vec<T> = rng.vec_in(rows * cols, lo, 3.0);
+            let b: Vec<T> = rng.vec_in(cols, 0.5, 2.0);
             for shift in [0, 1] {
                 run_binary(op, &a, &[cols, 1], &b, &[0, 1], &[rows, cols], shift, "row bcast");
                 // and the vector on the left
                 run_binary(op, &b, &[0, 1], &a, &[cols, 1], &[rows, cols], 0, "row bcast (left)");
             }
             // a column (per-row scalar) over the columns
-            let c: Vec<T> = rng.vec(rows, 0.5, 2.0);
+            let c: Vec<T> = rng.vec_in(rows, 0.5, 2.0);
             run_binary(op, &a, &[cols, 1], &c, &[1, 0], &[rows, cols], 0, "column bcast");
         }
     }
     // a general broadcast: [2, 1, 3] with [4, 1] -> [2, 4, 3]
-    let a: Vec<T> = rng.vec(6, -1.0, 1.0);
-    let b: Vec<T> = rng.vec(4, -1.0, 1.0);
+    let a: Vec<T> = rng.vec_in(6, -1.0, 1.0);
+    let b: Vec<T> = rng.vec_in(4, -1.0, 1.0);
     run_binary(BinaryOp::Add, &a, &[3, 0, 1], &b, &[0, 1, 0], &[2, 4, 3], 0, "3-d bcast");
     // a transposed operand: out[i][j] = a[j][i] * b[i][j]
-    let a: Vec<T> = rng.vec(5 * 11, -1.0, 1.0);
-    let b: Vec<T> = rng.vec(11 * 5, -1.0, 1.0);
+    let a: Vec<T> = rng.vec_in(5 * 11, -1.0, 1.0);
+    let b: Vec<T> = rng.vec_in(11 * 5, -1.0, 1.0);
     run_binary(BinaryOp::Mul, &a, &[1, 11], &b, &[5, 1], &[11, 5], 0, "transposed operand");
     // 4-d attention-mask style broadcast [b, 1, s, s] over heads
     let (bs, h, s) = (2, 3, 16);
-    let x: Vec<T> = rng.vec(bs * h * s * s, -1.0, 1.0);
-    let m: Vec<T> = rng.vec(bs * s * s, -1.0, 1.0);
+    let x: Vec<T> = rng.vec_in(bs * h * s * s, -1.0, 1.0);
+    let m: Vec<T> = rng.vec_in(bs * s * s, -1.0, 1.0);
     let sx = [h * s * s, s * s, s, 1];
     let sm = [s * s, 0, s, 1];
     run_binary(BinaryOp::Add, &x, &sx, &m, &sm, &[bs, h, s, s], 0, "mask bcast");
@@ -298,8 +210,8 @@ fn binary_ops_match_cpu() {
 #[test]
 fn binary_f16_broadcast() {
     let mut rng = Rng(9);
-    let a: Vec<f16> = rng.vec(6 * 40, -2.0, 2.0);
-    let b: Vec<f16> = rng.vec(40, -2.0, 2.0);
+    let a: Vec<f16> = rng.vec_in(6 * 40, -2.0, 2.0);
+    let b: Vec<f16> = rng.vec_in(40, -2.0, 2.0);
     run_binary(BinaryOp::Mul, &a, &[40, 1], &b, &[0, 1], &[6, 40], 0, "f16 row bcast");
     run_binary(BinaryOp::Sub, &a, &[1], &a, &[1], &[240], 1, "f16 same shape");
 }
@@ -312,18 +224,18 @@ fn silu(x: f64) -> f64 {
 
 fn check_swiglu<T: Float>(seed: u64) {
     let l: &dyn Launcher = emu();
-    let dt = dtype_of::<T>();
+    let dt = dtype::<T>();
     let mut rng = Rng(seed);
     // (rows, cols, ld): separate contiguous tensors (odd and vector sizes),
     // and the two halves of one fused projection
     for (rows, cols, ld) in [(5, 37, 37), (4, 48, 48), (3, 40, 80), (3, 19, 38)] {
-        let ab: Vec<T> = rng.vec(rows * ld + cols, -4.0, 4.0);
+        let ab: Vec<T> = rng.vec_in(rows * ld + cols, -4.0, 4.0);
         let (a, b) = if ld == cols {
-            (ab[..rows * cols].to_vec(), rng.vec::<T>(rows * cols, -2.0, 2.0))
+            (ab[..rows * cols].to_vec(), rng.vec_in::<T>(rows * cols, -2.0, 2.0))
         } else {
             (ab.clone(), ab[cols..].to_vec())
         };
-        let dy: Vec<T> = rng.vec(rows * cols, -1.0, 1.0);
+        let dy: Vec<T> = rng.vec_in(rows * cols, -1.0, 1.0);
         let at = |v: &[T], r: usize, c: usize| v[r * ld + c].to_f64();
         let mut y_want = vec![T::default(); rows * cols];
         let mut da_want = vec![T::default(); a.len()];
@@ -390,7 +302,7 @@ fn fill_writes_every_element() {
 fn check_cast<S: Float, D: Float>(rng: &mut Rng) {
     let l: &dyn Launcher = emu();
     let n = 533;
-    let mut x: Vec<S> = rng.vec(n, -300.0, 300.0);
+    let mut x: Vec<S> = rng.vec_in(n, -300.0, 300.0);
     x[0] = S::from_f64(f64::INFINITY);
     x[1] = S::from_f64(f64::NEG_INFINITY);
     x[2] = S::from_f64(1e-3);
@@ -400,7 +312,7 @@ fn check_cast<S: Float, D: Float>(rng: &mut Rng) {
         let mut bx = Buf::new(&x, shift);
         let mut by = Buf::<D>::zeros(n, 0);
         let (px, py) = (bx.ptr(), by.ptr());
-        unsafe { ew::cast(l, dtype_of::<S>(), px, dtype_of::<D>(), py, n) }.unwrap();
+        unsafe { ew::cast(l, dtype::<S>(), px, dtype::<D>(), py, n) }.unwrap();
         let got = by.get();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.to_f64(), w.to_f64(), "cast {} -> {} [{i}]", S::NAME, D::NAME);
@@ -440,8 +352,8 @@ fn cast_from_i64() {
 fn check_accumulate<S: Float, D: Float>(rng: &mut Rng, alpha: f32) {
     let l: &dyn Launcher = emu();
     let n = 389;
-    let src: Vec<S> = rng.vec(n, -2.0, 2.0);
-    let dst: Vec<D> = rng.vec(n, -2.0, 2.0);
+    let src: Vec<S> = rng.vec_in(n, -2.0, 2.0);
+    let dst: Vec<D> = rng.vec_in(n, -2.0, 2.0);
     let want: Vec<D> = src
         .iter()
         .zip(&dst)
@@ -451,7 +363,7 @@ fn check_accumulate<S: Float, D: Float>(rng: &mut Rng, alpha: f32) {
         let mut bs = Buf::new(&src, shift);
         let mut bd = Buf::new(&dst, shift);
         let (ps, pd) = (bs.ptr(), bd.ptr());
-        unsafe { ew::accumulate(l, dtype_of::<S>(), ps, dtype_of::<D>(), pd, n, alpha) }.unwrap();
+        unsafe { ew::accumulate(l, dtype::<S>(), ps, dtype::<D>(), pd, n, alpha) }.unwrap();
         let what = format!("accumulate {} into {} shift {shift}", S::NAME, D::NAME);
         assert_close(&what, &bd.get(), &want, tol::<D>());
     }
@@ -471,18 +383,18 @@ fn accumulate_matches_reference() {
 
 fn check_softmax<T: Float>(seed: u64) {
     let l: &dyn Launcher = emu();
-    let dt = dtype_of::<T>();
+    let dt = dtype::<T>();
     let mut rng = Rng(seed);
     // warp kernels (<= 1024 columns) and block kernels, vector and odd sizes
     for (rows, cols) in [(7, 33), (5, 256), (3, 1000), (2, 1500), (3, 2048), (1, 1)] {
         for log in [false, true] {
-            let mut x: Vec<T> = rng.vec(rows * cols, -8.0, 8.0);
+            let mut x: Vec<T> = rng.vec_in(rows * cols, -8.0, 8.0);
             if rows > 2 {
                 // a fully masked row and a partly masked one
                 x[..cols].fill(T::from_f64(f64::NEG_INFINITY));
                 x[cols] = T::from_f64(f64::NEG_INFINITY);
             }
-            let dy: Vec<T> = rng.vec(rows * cols, -1.0, 1.0);
+            let dy: Vec<T> = rng.vec_in(rows * cols, -1.0, 1.0);
             let n = rows * cols;
             let mut y = vec![T::default(); n];
             let mut dx = vec![T::default(); n];
@@ -524,7 +436,7 @@ fn softmax_matches_cpu() {
 fn softmax_f16_in_place() {
     let l: &dyn Launcher = emu();
     let (rows, cols) = (4, 72);
-    let x: Vec<f16> = Rng(17).vec(rows * cols, -5.0, 5.0);
+    let x: Vec<f16> = Rng(17).vec_in(rows * cols, -5.0, 5.0);
     let mut want = vec![f16::ZERO; rows * cols];
     softmax::softmax_forward(&x, rows, cols, &mut want).unwrap();
     let mut b = Buf::new(&x, 0);

@@ -3,7 +3,9 @@
 //! loops and the CPU [`strided_copy`], for 2-, 4- and 8-byte elements, on
 //! aligned and shifted addresses. Copies must be exact.
 
-use tpar_kernels::cuda::emu::Emulator;
+mod common;
+
+use common::{emu, Buf};
 use tpar_kernels::cuda::ops::layout as lay;
 use tpar_kernels::cuda::{DevPtr, Launcher};
 use tpar_kernels::elementwise::strided_copy;
@@ -30,37 +32,6 @@ impl Elem for u64 {
 
 fn data<T: Elem>(n: usize) -> Vec<T> {
     (0..n).map(T::of).collect()
-}
-
-/// A host buffer standing in for device memory: its first element sits
-/// `shift` elements past a 16-byte boundary.
-struct Buf<T> {
-    v: Vec<T>,
-    off: usize,
-    n: usize,
-}
-
-impl<T: Copy + Default> Buf<T> {
-    fn new(data: &[T], shift: usize) -> Self {
-        let es = std::mem::size_of::<T>();
-        let mut v = vec![T::default(); data.len() + 16 + shift];
-        let off = (16 - v.as_ptr() as usize % 16) % 16 / es + shift;
-        v[off..off + data.len()].copy_from_slice(data);
-        Buf { v, off, n: data.len() }
-    }
-    fn zeros(n: usize, shift: usize) -> Self {
-        Buf::new(&vec![T::default(); n], shift)
-    }
-    fn ptr(&mut self) -> DevPtr {
-        self.v[self.off..].as_mut_ptr() as DevPtr
-    }
-    fn get(&self) -> Vec<T> {
-        self.v[self.off..self.off + self.n].to_vec()
-    }
-}
-
-fn emu() -> &'static Emulator {
-    Emulator::get().expect("the CPU emulator builds")
 }
 
 fn es<T>() -> usize {

@@ -1,32 +1,19 @@
 //! RMSNorm CUDA kernels, run in the CPU emulator, against the CPU kernels.
 
+mod common;
+
+use common::{emu, mptr, ptr};
 use half::{bf16, f16};
-use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::ops::rmsnorm::{
     backward_workspace_bytes, rmsnorm_backward, rmsnorm_forward,
 };
-use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::rmsnorm::{rmsnorm_backward as cpu_bwd, rmsnorm_forward as cpu_fwd};
 use tpar_kernels::{Acc, Float};
 
-fn ptr<T>(v: &[T]) -> DevPtr {
-    v.as_ptr() as DevPtr
-}
-
-fn out<T>(v: &mut [T]) -> DevPtr {
-    v.as_mut_ptr() as DevPtr
-}
-
+/// Test data in [-1, 1) as f32.
 fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-        })
-        .collect()
+    common::data(n, seed, 1.0).into_iter().map(|v| v as f32).collect()
 }
 
 fn max_rel(got: &[f32], want: &[f32]) -> f32 {
@@ -35,7 +22,7 @@ fn max_rel(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
-    let emu = Emulator::get().expect("emulator");
+    let emu = emu();
     let cvt = |v: Vec<f32>| -> Vec<T> { v.into_iter().map(|x| T::from_f64(x as f64)).collect() };
     let x = cvt(data(rows * dim, 1));
     let w = cvt(data(dim, 2).iter().map(|v| 1.0 + 0.5 * v).collect());
@@ -60,8 +47,8 @@ fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
             dtype,
             ptr(&x),
             ptr(&w),
-            out(&mut y),
-            out(&mut rstd),
+            mptr(&mut y),
+            mptr(&mut rstd),
             rows,
             dim,
             eps as f32,
@@ -74,9 +61,9 @@ fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
             ptr(&w),
             ptr(&rstd),
             ptr(&dy),
-            out(&mut dx),
-            out(&mut dw),
-            out(&mut ws),
+            mptr(&mut dx),
+            mptr(&mut dw),
+            mptr(&mut ws),
             rows,
             dim,
         )
@@ -102,7 +89,7 @@ fn rmsnorm_matches_cpu() {
 
 #[test]
 fn rmsnorm_rejects_bad_sizes() {
-    let emu = Emulator::get().expect("emulator");
+    let emu = emu();
     let r = unsafe { rmsnorm_forward(emu, CudaDType::F32, 0, 0, 0, 0, 4, 0, 1e-5) };
     assert!(r.is_err());
     let r = unsafe { rmsnorm_forward(emu, CudaDType::F32, 0, 0, 0, 0, 4, 1 << 20, 1e-5) };
@@ -111,7 +98,7 @@ fn rmsnorm_rejects_bad_sizes() {
 
 #[test]
 fn emulator_reports_launch_errors() {
-    let emu = Emulator::get().expect("emulator");
+    let emu = emu();
     let args =
         tpar_kernels::cuda::ops::rmsnorm::RmsnormDwArgs { partial: 0, dw: 0, nblk: 0, dim: 0 };
     // above the kernel's launch bounds

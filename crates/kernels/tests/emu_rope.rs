@@ -3,88 +3,13 @@
 //! together, the backward undoing the forward for true rotations, and the
 //! element-wise path (odd half head dims, shifted addresses).
 
+mod common;
+
+use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::ops::rope::{self as gpu, RopeShape};
-use tpar_kernels::cuda::{CudaDType, DevPtr, Launcher};
+use tpar_kernels::cuda::{CudaDType, Launcher};
 use tpar_kernels::{rope, Float};
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
-        (0..n)
-            .map(|_| {
-                let u = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-                T::from_f64((2.0 * u - 1.0) * scale)
-            })
-            .collect()
-    }
-}
-
-/// A host buffer standing in for device memory: its first element sits
-/// `shift` elements past a 16-byte boundary.
-struct Buf<T> {
-    v: Vec<T>,
-    off: usize,
-    n: usize,
-}
-
-impl<T: Copy + Default> Buf<T> {
-    fn new(data: &[T], shift: usize) -> Self {
-        let es = std::mem::size_of::<T>();
-        let mut v = vec![T::default(); data.len() + 16 + shift];
-        let off = (16 - v.as_ptr() as usize % 16) % 16 / es + shift;
-        v[off..off + data.len()].copy_from_slice(data);
-        Buf { v, off, n: data.len() }
-    }
-    fn zeros(n: usize, shift: usize) -> Self {
-        Buf::new(&vec![T::default(); n], shift)
-    }
-    fn ptr(&mut self) -> DevPtr {
-        self.v[self.off..].as_mut_ptr() as DevPtr
-    }
-    fn get(&self) -> Vec<T> {
-        self.v[self.off..self.off + self.n].to_vec()
-    }
-}
-
-fn emu() -> &'static Emulator {
-    Emulator::get().expect("the CPU emulator builds")
-}
-
-fn dtype_of<T: Float>() -> CudaDType {
-    match T::NAME {
-        "f32" => CudaDType::F32,
-        "bf16" => CudaDType::BF16,
-        _ => CudaDType::F16,
-    }
-}
-
-fn tol<T: Float>() -> f64 {
-    match T::NAME {
-        "f32" => 1e-5,
-        "bf16" => 1e-2,
-        _ => 2e-3,
-    }
-}
-
-/// `|got - want| <= tol * max|want|` elementwise.
-fn assert_close<T: Float>(what: &str, got: &[T], want: &[T], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().map(|v| v.to_f64().abs()).fold(1e-20, f64::max);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let (g, w) = (g.to_f64(), w.to_f64());
-        assert!((g - w).abs() <= tol * scale, "{what} ({})[{i}]: got {g}, want {w}", T::NAME);
-    }
-}
 
 fn numel(s: &RopeShape) -> usize {
     s.outer * s.seq * s.inner * s.head_dim
@@ -116,7 +41,7 @@ const SHAPES: [(usize, usize, usize, usize); 6] = [
 
 fn check<T: Float>(seed: u64) {
     let l: &dyn Launcher = emu();
-    let dt = dtype_of::<T>();
+    let dt = dtype::<T>();
     let mut rng = Rng(seed);
     for (outer, seq, inner, head_dim) in SHAPES {
         let s = RopeShape { outer, seq, inner, head_dim };
@@ -165,7 +90,7 @@ fn matches_cpu_f16() {
 /// With real rotation tables the map is orthogonal: backward undoes forward.
 fn round_trip<T: Float>(seed: u64, tol: f64) {
     let l: &dyn Launcher = emu();
-    let dt = dtype_of::<T>();
+    let dt = dtype::<T>();
     let s = RopeShape { outer: 2, seq: 11, inner: 3, head_dim: 32 };
     let x: Vec<T> = Rng(seed).vec(numel(&s), 2.0);
     let (cos, sin) = tables::<T>(s.seq, s.head_dim);

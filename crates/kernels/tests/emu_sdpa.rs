@@ -1,8 +1,10 @@
 //! SDPA CUDA kernels (flash attention forward and backward), run in the CPU
 //! emulator, against the f64 reference of the CPU op.
 
+mod common;
+
+use common::{cvt, data, emu, f64s, mptr, ptr};
 use half::{bf16, f16};
-use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::ops::sdpa::{
     sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
     SdpaFwdBuffers, SdpaPath,
@@ -10,35 +12,6 @@ use tpar_kernels::cuda::ops::sdpa::{
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
 use tpar_kernels::{Float, KernelError};
-
-fn ptr<T>(v: &[T]) -> DevPtr {
-    v.as_ptr() as DevPtr
-}
-
-fn out<T>(v: &mut [T]) -> DevPtr {
-    v.as_mut_ptr() as DevPtr
-}
-
-/// Deterministic values uniform in [-scale, scale).
-fn data(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn cvt<T: Float>(v: &[f64]) -> Vec<T> {
-    v.iter().map(|&x| T::from_f64(x)).collect()
-}
-
-fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
-}
 
 /// Largest `|got - want|` relative to the largest `|want|`; both must be finite.
 fn max_rel(what: &str, got: &[f64], want: &[f64]) -> f64 {
@@ -143,7 +116,7 @@ fn tols(dtype: CudaDType) -> (f64, f64, f64) {
 /// Runs forward and backward of `c` on the emulator and checks them against
 /// the f64 reference on the same (rounded) inputs.
 fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
-    let emu = Emulator::get().expect("emulator");
+    let emu = emu();
     let s = &c.s;
     let nq = s.batch * s.q_heads * s.q_len;
     let nk = s.batch * s.kv_heads * s.kv_len;
@@ -187,8 +160,8 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
             k: ptr(&k),
             v: ptr(&v),
             mask: dev_mask,
-            out: out(&mut o),
-            lse: out(&mut lse),
+            out: mptr(&mut o),
+            lse: mptr(&mut lse),
         };
         sdpa_forward(emu, dtype, s, &fb, path).unwrap();
         let bb = SdpaBwdBuffers {
@@ -199,10 +172,10 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
             out: ptr(&o),
             lse: ptr(&lse),
             dout: ptr(&dout),
-            dq: out(&mut dq),
-            dk: out(&mut dk),
-            dv: out(&mut dv),
-            workspace: out(&mut ws[ws_off..]),
+            dq: mptr(&mut dq),
+            dk: mptr(&mut dk),
+            dv: mptr(&mut dv),
+            workspace: mptr(&mut ws[ws_off..]),
             workspace_bytes: ws_bytes,
         };
         sdpa_backward(emu, dtype, s, &bb, path).unwrap();
@@ -323,7 +296,7 @@ fn expect_bad(r: tpar_kernels::Result<()>, what: &str) {
 
 #[test]
 fn bad_arguments() {
-    let emu = Emulator::get().expect("emulator");
+    let emu = emu();
     let s = shape(1, 2, 1, 8, 8, 16, 16, false);
     let buf = vec![0f32; 2 * 8 * 16];
     let p = ptr(&buf);
@@ -332,7 +305,7 @@ fn bad_arguments() {
         let b = SdpaFwdBuffers { q: p, k: p, v: p, mask, out: p, lse };
         unsafe { sdpa_forward(emu, dtype, s, &b, path) }
     };
-    let lp = out(&mut lse);
+    let lp = mptr(&mut lse);
     // q heads not a multiple of kv heads
     expect_bad(
         fwd(&shape(1, 3, 2, 8, 8, 16, 16, false), None, lp, CudaDType::F32, SdpaPath::Auto),

@@ -8,9 +8,10 @@
 //! are f32 (e.g. gradients reduced in f32 for bf16 parameters); the moment
 //! buffers `exp_avg` and `exp_avg_sq` are f32.
 
+use super::{bad, check_ptr};
 use crate::adamw::AdamWParams;
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::{KernelError, Result};
+use crate::Result;
 
 /// Arguments of `tpar_adamw_*` and `tpar_adamw_f32grad_*`.
 #[repr(C)]
@@ -53,21 +54,6 @@ const BLOCK: u32 = 256;
 const VEC: usize = 8;
 /// Most blocks: enough to fill an H200 several times; the kernel grid-strides.
 const MAX_BLOCKS: u32 = 4096;
-
-fn bad(op: &'static str, what: impl Into<String>) -> KernelError {
-    KernelError::BadArguments { op, what: what.into() }
-}
-
-/// Checks that a buffer of `n` elements of `elem` bytes at `ptr` is present and aligned.
-fn check_ptr(op: &'static str, what: &str, ptr: DevPtr, n: usize, elem: usize) -> Result<()> {
-    if n > 0 && ptr == 0 {
-        return Err(bad(op, format!("{what} is null but holds {n} elements")));
-    }
-    if ptr % elem as u64 != 0 {
-        return Err(bad(op, format!("{what} address {ptr:#x} is not {elem}-byte aligned")));
-    }
-    Ok(())
-}
 
 /// The kernel arguments for one step, with the coefficients folded as the
 /// CPU kernel folds them (in f64, then rounded to f32).

@@ -21,8 +21,9 @@
 //! (the CPU kernels' `IndexOutOfRange`); outputs of that launch are then
 //! meaningless for such rows.
 
+use super::{bad, check_ptr, to_i32};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::{KernelError, Result};
+use crate::Result;
 
 /// The value of an error slot when no invalid index was found. Slots are
 /// lowered with `atomicMin` to the first offending position.
@@ -215,26 +216,6 @@ const WARP_ROW_VECTORS: usize = 64;
 const BLOCK: u32 = 256;
 /// Most blocks of the small per-row kernels (they grid-stride).
 const MAX_SMALL_BLOCKS: usize = 1024;
-
-fn bad(op: &'static str, what: impl Into<String>) -> KernelError {
-    KernelError::BadArguments { op, what: what.into() }
-}
-
-fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v)
-        .map_err(|_| bad(op, format!("{what} = {v} exceeds the i32 range of the kernels")))
-}
-
-/// Checks that a buffer of `n` elements of `elem` bytes at `ptr` is present and aligned.
-fn check_ptr(op: &'static str, what: &str, ptr: DevPtr, n: usize, elem: usize) -> Result<()> {
-    if n > 0 && ptr == 0 {
-        return Err(bad(op, format!("{what} is null but holds {n} elements")));
-    }
-    if ptr % elem as u64 != 0 {
-        return Err(bad(op, format!("{what} address {ptr:#x} is not {elem}-byte aligned")));
-    }
-    Ok(())
-}
 
 /// An optional i32 slot (0 = none) must be 4-byte aligned.
 fn check_slot(op: &'static str, what: &str, ptr: DevPtr) -> Result<()> {

@@ -9,9 +9,8 @@
 //! and fall back to element-wise access otherwise, so any element-aligned
 //! address works.
 
-use super::layout::{
-    bad, check_aligned, check_ptrs, collapse, grid_for, max_offset, numel, MAX_RANK,
-};
+use super::layout::{collapse, grid_for, max_offset, MAX_RANK};
+use super::{bad, check_aligned, check_ptrs, numel};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
 pub use crate::elementwise::{BinaryOp, UnaryOp};
 use crate::Result;

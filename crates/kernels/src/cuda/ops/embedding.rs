@@ -16,6 +16,7 @@
 //! the launch) to the first offending position, and are otherwise treated as
 //! masked (zero rows, no gradient).
 
+use super::{bad, check_ptr, to_i32};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
 use crate::{KernelError, Result};
 
@@ -196,26 +197,6 @@ impl EmbeddingCsr {
 const BLOCK: u32 = 256;
 /// Most blocks launched; kernels stride over the remaining rows.
 const MAX_BLOCKS: usize = 1 << 20;
-
-fn bad(op: &'static str, what: impl Into<String>) -> KernelError {
-    KernelError::BadArguments { op, what: what.into() }
-}
-
-fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v)
-        .map_err(|_| bad(op, format!("{what} = {v} exceeds the i32 range of the kernels")))
-}
-
-/// Checks that a buffer of `n` elements of `elem` bytes at `ptr` is present and aligned.
-fn check_ptr(op: &'static str, what: &str, ptr: DevPtr, n: usize, elem: usize) -> Result<()> {
-    if n > 0 && ptr == 0 {
-        return Err(bad(op, format!("{what} is null but holds {n} elements")));
-    }
-    if ptr % elem as u64 != 0 {
-        return Err(bad(op, format!("{what} address {ptr:#x} is not {elem}-byte aligned")));
-    }
-    Ok(())
-}
 
 /// `rows * dim`, both within i32.
 fn check_matrix(op: &'static str, what: &str, rows: usize, dim: usize) -> Result<usize> {

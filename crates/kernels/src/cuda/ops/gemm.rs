@@ -21,8 +21,8 @@
 //! [`GemmArgs::trans`].
 
 use super::super::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
+use super::bad;
 use crate::gemm::GemmShape;
-use crate::util::bad;
 use crate::Result;
 
 const OP: &str = "cuda gemm";

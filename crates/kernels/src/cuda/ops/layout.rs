@@ -8,8 +8,9 @@
 //! dimensions and sends each case to the fastest kernel (a pitched 2-D copy,
 //! a tiled transpose, or the general strided gather).
 
+use super::{bad, check_aligned, check_ptrs, numel, to_i64};
 use crate::cuda::{launch, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::{KernelError, Result};
+use crate::Result;
 
 /// Most dims a strided copy or broadcast binary op takes after merging.
 pub const MAX_RANK: usize = 6;
@@ -88,32 +89,6 @@ pub struct StridedCopyArgs {
 // SAFETY: repr(C) plain data matching `LayoutStridedArgs` in layout.cu.
 unsafe impl KernelArgs for StridedCopyArgs {}
 
-/// A `BadArguments` error of `op`.
-pub(crate) fn bad(op: &'static str, what: impl Into<String>) -> KernelError {
-    KernelError::BadArguments { op, what: what.into() }
-}
-
-/// `v` as an `i64`, or an error naming it.
-pub(crate) fn to_i64(op: &'static str, what: &str, v: usize) -> Result<i64> {
-    i64::try_from(v).map_err(|_| bad(op, format!("{what} = {v} does not fit in i64")))
-}
-
-/// The product of `dims`, or an error if it overflows `i64`.
-pub(crate) fn numel(op: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .filter(|&n| n <= i64::MAX as usize)
-        .ok_or_else(|| bad(op, format!("size {dims:?} overflows i64")))
-}
-
-/// Errors when one of the named device pointers is null.
-pub(crate) fn check_ptrs(op: &'static str, ptrs: &[(&str, DevPtr)]) -> Result<()> {
-    match ptrs.iter().find(|(_, p)| *p == 0) {
-        Some((name, _)) => Err(bad(op, format!("{name} is a null device pointer"))),
-        None => Ok(()),
-    }
-}
-
 /// Grid of `threads`-thread blocks for `items` grid-stride work items.
 pub(crate) fn grid_for(items: usize, threads: u32) -> LaunchConfig {
     LaunchConfig::for_items(items, threads, MAX_BLOCKS)
@@ -180,21 +155,6 @@ fn width_suffix(op: &'static str, elem_bytes: usize) -> Result<&'static str> {
         4 => Ok("w4"),
         8 => Ok("w8"),
         _ => Err(bad(op, format!("element width {elem_bytes} bytes (2, 4 or 8 supported)"))),
-    }
-}
-
-/// Errors when one of the named device pointers is not a multiple of `elem_bytes`.
-pub(crate) fn check_aligned(
-    op: &'static str,
-    elem_bytes: usize,
-    ptrs: &[(&str, DevPtr)],
-) -> Result<()> {
-    match ptrs.iter().find(|(_, p)| p % elem_bytes as u64 != 0) {
-        Some((name, p)) => Err(bad(
-            op,
-            format!("{name} = {p:#x} is not aligned to its {elem_bytes}-byte elements"),
-        )),
-        None => Ok(()),
     }
 }
 

@@ -9,9 +9,10 @@
 //! into chunks whose f32 partials go to a caller-provided workspace
 //! ([`reduce_workspace_len`]), then one more kernel folds them.
 
+use super::{bad, check_ptr, to_i32};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
 use crate::reduce::ReduceOp;
-use crate::{KernelError, Result};
+use crate::Result;
 
 /// Arguments of `tpar_reduce_{last,mid,final}_*`.
 #[repr(C)]
@@ -84,26 +85,6 @@ fn op_code(op: ReduceOp) -> i32 {
         ReduceOp::Max => 1,
         ReduceOp::Min => 2,
     }
-}
-
-fn bad(op: &'static str, what: impl Into<String>) -> KernelError {
-    KernelError::BadArguments { op, what: what.into() }
-}
-
-fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v)
-        .map_err(|_| bad(op, format!("{what} = {v} exceeds the i32 range of the kernels")))
-}
-
-/// Checks that a buffer of `n` elements at `ptr` is present and element-aligned.
-fn check_ptr(op: &'static str, what: &str, ptr: DevPtr, n: usize, elem: usize) -> Result<()> {
-    if n > 0 && ptr == 0 {
-        return Err(bad(op, format!("{what} is null but holds {n} elements")));
-    }
-    if ptr % elem as u64 != 0 {
-        return Err(bad(op, format!("{what} address {ptr:#x} is not {elem}-byte aligned")));
-    }
-    Ok(())
 }
 
 /// The number of elements of `[outer, len, inner]`, checked against the i32

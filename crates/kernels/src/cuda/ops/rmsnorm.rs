@@ -1,7 +1,8 @@
 //! RMSNorm forward and backward (`cuda/rmsnorm.cu`).
 
+use super::bad;
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::{KernelError, Result};
+use crate::Result;
 
 /// Arguments of `tpar_rmsnorm_fwd_*`.
 #[repr(C)]
@@ -79,17 +80,12 @@ fn threads_for(dim: usize) -> u32 {
 
 fn check(op: &'static str, rows: usize, dim: usize) -> Result<(i32, i32)> {
     if dim == 0 || dim > MAX_DIM {
-        return Err(KernelError::BadArguments {
-            op,
-            what: format!("row length {dim} outside 1..={MAX_DIM}"),
-        });
+        return Err(bad(op, format!("row length {dim} outside 1..={MAX_DIM}")));
     }
-    let r = i32::try_from(rows).map_err(|_| KernelError::BadArguments {
-        op,
-        what: format!("{rows} rows exceed the i32 range"),
-    })?;
+    let r =
+        i32::try_from(rows).map_err(|_| bad(op, format!("{rows} rows exceed the i32 range")))?;
     if rows.checked_mul(dim).is_none_or(|n| n > i64::MAX as usize) {
-        return Err(KernelError::BadArguments { op, what: "size overflows".into() });
+        return Err(bad(op, "size overflows"));
     }
     Ok((r, dim as i32))
 }

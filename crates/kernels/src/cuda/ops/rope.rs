@@ -6,7 +6,8 @@
 //! rotated tensor is at `((o*seq + t)*inner + i)*head_dim + j`, and `cos` /
 //! `sin` are `[seq, head_dim]` tables of the same dtype.
 
-use super::layout::{bad, check_aligned, check_ptrs, grid_for, numel};
+use super::layout::grid_for;
+use super::{bad, check_aligned, check_ptrs, numel};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, Launcher};
 pub use crate::rope::RopeShape;
 use crate::Result;

@@ -23,9 +23,9 @@
 //! dims up to [`MAX_HEAD_DIM`]. [`SdpaPath::Auto`] takes the tensor cores when
 //! they apply.
 
+use super::{bad, numel};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
 use crate::sdpa::SdpaShape;
-use crate::util::bad;
 use crate::Result;
 
 /// Largest `head_dim` / `v_dim` the kernels take.
@@ -254,13 +254,6 @@ fn to_i32(op: &'static str, what: &str, v: usize, max: usize) -> Result<i32> {
     Ok(v as i32)
 }
 
-fn numel(op: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .filter(|&n| n <= i64::MAX as usize)
-        .ok_or_else(|| bad(op, format!("size {dims:?} overflows")))
-}
-
 fn validate(
     op: &'static str,
     dtype: CudaDType,
@@ -328,18 +321,13 @@ fn validate(
     Ok(Dims { mask, ..d })
 }
 
-/// A buffer of `elems` elements must be non-null and aligned to its element.
+/// A buffer of `elems` elements must be non-null and aligned to its element;
+/// an empty one may sit anywhere.
 fn check_ptr(op: &'static str, name: &str, p: DevPtr, elems: usize, align: usize) -> Result<()> {
     if elems == 0 {
         return Ok(());
     }
-    if p == 0 {
-        return Err(bad(op, format!("{name} is null but holds {elems} elements")));
-    }
-    if p % align as u64 != 0 {
-        return Err(bad(op, format!("{name} at {p:#x} is not {align}-byte aligned")));
-    }
-    Ok(())
+    super::check_ptr(op, name, p, elems, align)
 }
 
 /// The tensor-core head dim (64 or 128) for these sizes and buffers
@@ -477,10 +465,9 @@ pub unsafe fn sdpa_forward(
     const OP: &str = "cuda sdpa_forward";
     let d = validate(OP, dtype, s, b.mask.as_ref())?;
     let es = dtype.size();
-    check_ptr(OP, "q", b.q, d.q, es)?;
-    check_ptr(OP, "k", b.k, d.k, es)?;
-    check_ptr(OP, "v", b.v, d.v, es)?;
-    check_ptr(OP, "out", b.out, d.out, es)?;
+    for (name, p, n) in [("q", b.q, d.q), ("k", b.k, d.k), ("v", b.v, d.v), ("out", b.out, d.out)] {
+        check_ptr(OP, name, p, n, es)?;
+    }
     check_ptr(OP, "lse", b.lse, d.rows, 4)?;
     if d.rows == 0 {
         return Ok(());

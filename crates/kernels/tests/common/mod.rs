@@ -1,0 +1,147 @@
+//! Helpers shared by the emulator tests (`emu_*.rs`): host buffers standing
+//! in for device memory, deterministic test data and tolerance checks. Each
+//! test binary uses a subset of them.
+#![allow(dead_code)]
+
+use tpar_kernels::cuda::emu::Emulator;
+use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::Float;
+
+/// The CPU emulator, built once per test binary.
+pub fn emu() -> &'static Emulator {
+    Emulator::get().expect("the CPU emulator builds")
+}
+
+/// The address of a buffer the kernel reads.
+pub fn ptr<T>(v: &[T]) -> DevPtr {
+    v.as_ptr() as DevPtr
+}
+
+/// The address of a buffer the kernel writes.
+pub fn mptr<T>(v: &mut [T]) -> DevPtr {
+    v.as_mut_ptr() as DevPtr
+}
+
+/// The CUDA dtype of a float element type.
+pub fn dtype<T: Float>() -> CudaDType {
+    match T::NAME {
+        "f32" => CudaDType::F32,
+        "bf16" => CudaDType::BF16,
+        "f16" => CudaDType::F16,
+        other => panic!("no CUDA dtype for {other}"),
+    }
+}
+
+/// Relative tolerance (to the largest magnitude compared) per dtype.
+pub fn tol<T: Float>() -> f64 {
+    match T::NAME {
+        "f32" => 1e-5,
+        "f16" => 2e-3,
+        _ => 1e-2,
+    }
+}
+
+/// SplitMix64 test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f64 {
+        self.unit() * 2.0 - 1.0
+    }
+    /// `n` values uniform in [-scale, scale).
+    pub fn vec<T: Float>(&mut self, n: usize, scale: f64) -> Vec<T> {
+        (0..n).map(|_| T::from_f64(self.uniform() * scale)).collect()
+    }
+    /// Uniform in [lo, hi).
+    pub fn uniform_in(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+    /// `n` values uniform in [lo, hi).
+    pub fn vec_in<T: Float>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
+        (0..n).map(|_| T::from_f64(self.uniform_in(lo, hi))).collect()
+    }
+}
+
+/// `n` deterministic xorshift values uniform in [-scale, scale).
+pub fn data(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// `v` rounded to `T`.
+pub fn cvt<T: Float>(v: &[f64]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f64(x)).collect()
+}
+
+/// `v` widened to f64.
+pub fn f64s<T: Float>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// `|got - want| <= tol * max|want|` elementwise (the maximum over the finite
+/// `want`); NaN and infinities must match.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().filter(|v| v.is_finite()).fold(1e-30f64, |m, v| m.max(v.abs()));
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= tol * scale
+        };
+        assert!(ok, "{what}[{i}]: got {g}, want {w} (tol {tol} x {scale})");
+    }
+}
+
+/// [`assert_close`] on elements of `T`, naming the dtype.
+pub fn assert_close_t<T: Float>(what: &str, got: &[T], want: &[T], tol: f64) {
+    assert_close(&format!("{what} ({})", T::NAME), &f64s(got), &f64s(want), tol);
+}
+
+/// A host buffer standing in for device memory: its first element sits
+/// `shift` elements past a 16-byte boundary.
+pub struct Buf<T> {
+    v: Vec<T>,
+    off: usize,
+    n: usize,
+}
+
+impl<T: Copy + Default> Buf<T> {
+    pub fn new(data: &[T], shift: usize) -> Self {
+        let es = std::mem::size_of::<T>();
+        let mut v = vec![T::default(); data.len() + 16 + shift];
+        let off = (16 - v.as_ptr() as usize % 16) % 16 / es + shift;
+        v[off..off + data.len()].copy_from_slice(data);
+        Buf { v, off, n: data.len() }
+    }
+    pub fn zeros(n: usize, shift: usize) -> Self {
+        Buf::new(&vec![T::default(); n], shift)
+    }
+    pub fn ptr(&mut self) -> DevPtr {
+        self.v[self.off..].as_mut_ptr() as DevPtr
+    }
+    pub fn get(&self) -> Vec<T> {
+        self.v[self.off..self.off + self.n].to_vec()
+    }
+}
