@@ -71,14 +71,11 @@ pub fn host_round_trips() -> u64 {
     ROUND_TRIPS.with(|c| c.get())
 }
 
-pub(crate) fn count_round_trip() {
-    ROUND_TRIPS.with(|c| c.set(c.get() + 1));
-}
-
-/// Counts a host round trip made outside the tensor core (a collective backend
-/// staging CUDA tensors through host memory).
+/// Counts a host round trip: an op computing on host copies of CUDA data, a
+/// host read of device data, or a collective backend staging CUDA tensors
+/// through host memory.
 pub fn count_host_round_trip() {
-    count_round_trip();
+    ROUND_TRIPS.with(|c| c.set(c.get() + 1));
 }
 
 /// A tensor's data on a CUDA device.

@@ -290,7 +290,7 @@ impl Tensor {
         match &*g {
             Storage::Cpu(s) => Ok(f(typed::<T>("with_data", s)?)),
             Storage::Gpu(d) => {
-                crate::gpu::count_round_trip();
+                crate::gpu::count_host_round_trip();
                 let h = d.download()?;
                 drop(g);
                 Ok(f(typed::<T>("with_data", &h)?))
@@ -315,7 +315,7 @@ impl Tensor {
                 Ok(f(sl))
             }
             Storage::Gpu(d) => {
-                crate::gpu::count_round_trip();
+                crate::gpu::count_host_round_trip();
                 let mut h = d.download()?;
                 let got = h.dtype();
                 let sl = T::slice_mut(&mut h).ok_or(TensorError::DTypeMismatch {
@@ -342,7 +342,7 @@ impl Tensor {
         match &*g {
             Storage::Cpu(s) => f(s),
             Storage::Gpu(d) => {
-                crate::gpu::count_round_trip();
+                crate::gpu::count_host_round_trip();
                 let h = d.download()?;
                 drop(g);
                 f(&h)
@@ -397,33 +397,39 @@ impl Tensor {
         if self.same_storage(&src) {
             return Ok(());
         }
-        if let Device::Cuda(_) = self.device() {
-            let src = src.to_device(self.device())?;
-            let data = src.with_gpu_storage("copy_", |s| s.duplicate())?;
-            let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
-            return match &mut *g {
-                Storage::Gpu(d) => {
-                    *d = data;
-                    Ok(())
-                }
-                Storage::Meta => Err(TensorError::MetaTensor { op: "copy_" }),
-                _ => Err(TensorError::Released { op: "copy_" }),
-            };
-        }
-        let data = src.with_storage("copy_", |s| Ok(s.clone()))?;
+        let data = src.implicit_move(self.device())?.storage_copy("copy_")?;
         let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
-        match &mut *g {
-            Storage::Cpu(s) => {
-                *s = data;
+        match &*g {
+            Storage::Cpu(_) | Storage::Gpu(_) => {
+                *g = data;
                 Ok(())
             }
-            Storage::Gpu(_) => Err(TensorError::DeviceMismatch {
-                op: "copy_",
-                lhs: self.device(),
-                rhs: Device::Cpu,
-            }),
             Storage::Meta => Err(TensorError::MetaTensor { op: "copy_" }),
             Storage::Released => Err(TensorError::Released { op: "copy_" }),
+        }
+    }
+
+    /// This tensor on `device` for an op that moves data without being asked
+    /// to (`copy_`, `fill_storage_`): a device-to-host move counts in
+    /// [`crate::gpu::host_round_trips`].
+    fn implicit_move(&self, device: Device) -> Result<Tensor> {
+        if self.device() == device {
+            return Ok(self.clone());
+        }
+        if matches!(self.device(), Device::Cuda(_)) && device == Device::Cpu {
+            crate::gpu::count_host_round_trip();
+        }
+        self.detach().to_device(device)
+    }
+
+    /// An owned copy of the data (host or device).
+    fn storage_copy(&self, op: &'static str) -> Result<Storage> {
+        let g = self.0.storage.read().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Storage::Cpu(s) => Ok(Storage::Cpu(s.clone())),
+            Storage::Gpu(d) => Ok(Storage::Gpu(d.duplicate()?)),
+            Storage::Meta => Err(TensorError::MetaTensor { op }),
+            Storage::Released => Err(TensorError::Released { op }),
         }
     }
 
@@ -475,42 +481,23 @@ impl Tensor {
                 ),
             });
         }
+        let src = src.implicit_move(self.device())?;
         let moved = Arc::try_unwrap(src.0).map_err(Tensor).and_then(|inner| {
             Arc::try_unwrap(inner.storage)
                 .map(|lock| lock.into_inner().unwrap_or_else(|p| p.into_inner()))
                 .map_err(|storage| Tensor(Arc::new(Inner { storage, ..inner })))
         });
-        if let Device::Cuda(_) = self.device() {
-            let data = match moved {
-                Ok(Storage::Gpu(d)) => d,
-                Ok(_) => {
-                    return Err(TensorError::InvalidArgument {
-                        op: "fill_storage_",
-                        what: "source has no data on this device".into(),
-                    })
-                }
-                Err(src) => src
-                    .to_device(self.device())?
-                    .with_gpu_storage("fill_storage_", |s| s.duplicate())?,
-            };
-            *self.0.storage.write().unwrap_or_else(|p| p.into_inner()) = Storage::Gpu(data);
-            return Ok(());
-        }
         let data = match moved {
-            Ok(Storage::Cpu(s)) => s,
-            Ok(Storage::Gpu(d)) => {
-                crate::gpu::count_round_trip();
-                d.download()?
-            }
+            Ok(s @ (Storage::Cpu(_) | Storage::Gpu(_))) => s,
             Ok(_) => {
                 return Err(TensorError::InvalidArgument {
                     op: "fill_storage_",
                     what: "source has no data".into(),
                 })
             }
-            Err(src) => src.with_storage("fill_storage_", |s| Ok(s.clone()))?,
+            Err(src) => src.storage_copy("fill_storage_")?,
         };
-        *self.0.storage.write().unwrap_or_else(|p| p.into_inner()) = Storage::Cpu(data);
+        *self.0.storage.write().unwrap_or_else(|p| p.into_inner()) = data;
         Ok(())
     }
 

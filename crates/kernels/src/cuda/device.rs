@@ -1006,15 +1006,16 @@ impl Launcher for CudaDevice {
         args: *const c_void,
         size: usize,
     ) -> Result<()> {
-        let op = format!("{} {kernel}", self.op());
+        // the name for messages, built only when something fails
+        let op = || format!("{} {kernel}", self.op());
         let f = self.function(kernel)?;
         if f.extra_params {
-            return Err(cuda_error(&op, "the kernel takes more than one parameter".to_string()));
+            return Err(cuda_error(&op(), "the kernel takes more than one parameter".to_string()));
         }
         if let Some(p) = f.param_size {
             if p != size {
                 return Err(cuda_error(
-                    &op,
+                    &op(),
                     format!(
                         "the argument struct is {size} bytes but the kernel's parameter is {p} \
                          bytes (the Rust mirror and the CUDA struct disagree)"
@@ -1023,12 +1024,12 @@ impl Launcher for CudaDevice {
             }
         }
         if size > 0 && args.is_null() {
-            return Err(cuda_error(&op, "null argument pointer".to_string()));
+            return Err(cuda_error(&op(), "null argument pointer".to_string()));
         }
         let smem = cfg.shared_bytes;
         if smem as u64 + f.static_smem as u64 > self.max_smem_optin as u64 {
             return Err(cuda_error(
-                &op,
+                &op(),
                 format!(
                     "{smem} bytes of dynamic plus {} of static shared memory exceed the \
                      {}-byte limit per block",
@@ -1036,9 +1037,9 @@ impl Launcher for CudaDevice {
                 ),
             ));
         }
-        self.ctx.bind_to_thread().map_err(|e| driver_error(&op, "binding the context", e))?;
+        self.ctx.bind_to_thread().map_err(|e| driver_error(&op(), "binding the context", e))?;
         if smem > DEFAULT_DYN_SMEM_LIMIT {
-            f.allow_dyn_smem(&op, smem)?;
+            f.allow_dyn_smem(&op(), smem)?;
         }
         // cuLaunchKernel reads each parameter's size in bytes from the pointer
         // given for it: the one parameter is the argument struct at `args`.
@@ -1060,7 +1061,7 @@ impl Launcher for CudaDevice {
                 params,
             )
         }
-        .map_err(|e| driver_error(&op, &format!("cuLaunchKernel (grid {g:?}, block {b:?})"), e))
+        .map_err(|e| driver_error(&op(), &format!("cuLaunchKernel (grid {g:?}, block {b:?})"), e))
     }
 }
 

@@ -30,16 +30,7 @@ use tpar_kernels::KernelError;
 use super::gpu::{alloc, cuda_dtype, dev_ptr};
 use super::{common_device, invalid};
 use crate::autograd::record;
-use crate::gpu::GpuStorage;
-use crate::storage::Storage;
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
-
-/// A zero-filled CUDA tensor.
-fn zeros(dev: &Arc<dyn GpuDevice>, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
-    let shape = shape.into();
-    let s = GpuStorage::zeros(dev, dtype, shape.numel())?;
-    Ok(Tensor::make(shape, dtype, Device::Cuda(dev.ordinal()), Storage::Gpu(s)))
-}
 
 /// The byte address of element `index` of a buffer of `elem`-byte elements.
 fn at(ptr: DevPtr, index: usize, elem: usize) -> DevPtr {
@@ -172,7 +163,7 @@ pub(crate) fn cross_entropy(
         .into());
     }
     let ones = alloc(&dev, [rows], DType::F32)?;
-    let zero = zeros(&dev, [rows], DType::F32)?;
+    let zero = Tensor::zeros([rows], DType::F32, Device::Cuda(dev.ordinal()))?;
     let (_, onep) = dev_ptr(&ones, OP)?;
     let (_, zp) = dev_ptr(&zero, OP)?;
     let counted = at(pp, rows, 4);
@@ -511,39 +502,6 @@ fn operand(
     Ok(Operand { data: e, stride: mat, reduce: true })
 }
 
-/// Sums `full` (`[batch dims..., r, c]`) over the batch dims that `target`
-/// (the operand's shape, same last two dims) broadcasts, giving `target`.
-fn reduce_to(dev: &Arc<dyn GpuDevice>, full: Tensor, target: &Shape) -> Result<Tensor> {
-    const OP: &str = "matmul";
-    let cd = kernel_dtype(OP, &full)?;
-    let rank = full.rank();
-    let mut want = vec![1; rank.saturating_sub(target.rank())];
-    want.extend_from_slice(target.dims());
-    let mut cur = full;
-    for i in 0..rank.saturating_sub(2) {
-        if want[i] != 1 || cur.dims()[i] == 1 {
-            continue;
-        }
-        let d = cur.dims().to_vec();
-        let (outer, len, inner) =
-            (d[..i].iter().product(), d[i], d[i + 1..].iter().product::<usize>());
-        let mut nd = d.clone();
-        nd[i] = 1;
-        let out = alloc(dev, nd, cur.dtype())?;
-        let ws_len = k_reduce::reduce_workspace_len(outer, len, inner);
-        let ws = alloc(dev, [ws_len], DType::F32)?;
-        let (_, cp) = dev_ptr(&cur, OP)?;
-        let (_, op) = dev_ptr(&out, OP)?;
-        let (_, wp) = dev_ptr(&ws, OP)?;
-        // SAFETY: cur is `[outer, len, inner]`, out `[outer, inner]`, ws `ws_len` f32.
-        unsafe {
-            k_reduce::reduce(&**dev, ReduceOp::Sum, cd, cp, op, outer, len, inner, wp, ws_len)?
-        };
-        cur = out;
-    }
-    cur.reshape_raw(target.clone())
-}
-
 /// `op(a) x op(b)` on the device with numpy batch broadcasting, as
 /// [`Tensor::matmul_t`]; `None` when the inputs are not CUDA tensors of one
 /// kernel dtype or do not fit together (the caller reports why).
@@ -654,7 +612,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
             let da = alloc(&dev, dims, a_in.dtype())?;
             // SAFETY: G is `[batch, me, n]`, the operands as in the forward.
             unsafe { gemm(&dev, cd, s, x, y, dev_ptr(&da, OP)?.1)? };
-            Some(if a_red { reduce_to(&dev, da, a_in.shape())? } else { da })
+            Some(if a_red { da.sum_to(a_in.shape())? } else { da })
         } else {
             None
         };
@@ -690,7 +648,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
             let db = alloc(&dev, dims, b_in.dtype())?;
             // SAFETY: as above.
             unsafe { gemm(&dev, cd, s, x, y, dev_ptr(&db, OP)?.1)? };
-            Some(if b_red { reduce_to(&dev, db, b_in.shape())? } else { db })
+            Some(if b_red { db.sum_to(b_in.shape())? } else { db })
         } else {
             None
         };

@@ -111,7 +111,7 @@ fn compute_on_host(
 ) -> Result<Vec<Tensor>> {
     let host: Vec<Tensor> =
         inputs.iter().map(|t| t.detach().to_device(Device::Cpu)).collect::<Result<_>>()?;
-    crate::gpu::count_round_trip();
+    crate::gpu::count_host_round_trip();
     let refs: Vec<&Tensor> = host.iter().collect();
     let res = compute_multi(op, &refs, outs, f)?;
     res.into_iter().map(|t| t.to_device(Device::Cuda(ordinal))).collect()
@@ -135,7 +135,7 @@ pub(crate) fn on_host(
 ) -> Result<Tensor> {
     let host: Vec<Tensor> =
         inputs.iter().map(|t| t.to_device(Device::Cpu)).collect::<Result<_>>()?;
-    crate::gpu::count_round_trip();
+    crate::gpu::count_host_round_trip();
     f(&host)?.to_device(Device::Cuda(ordinal))
 }
 
