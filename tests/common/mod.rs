@@ -1,0 +1,4 @@
+//! Helpers shared by the root integration tests.
+#![allow(dead_code)]
+
+pub mod golden;
