@@ -57,7 +57,7 @@ use tpar::kernels::cuda::ops::{
 use tpar::kernels::cuda::{CudaDType, DevPtr, DeviceBuffer, GpuDevice, Launcher};
 use tpar::kernels::elementwise::{BinaryOp, UnaryOp};
 use tpar::kernels::gemm::GemmShape;
-use tpar::kernels::reduce::ReduceOp;
+use tpar::kernels::reduce::Reduction;
 use tpar::kernels::rope::RopeShape;
 use tpar::kernels::sdpa::SdpaShape;
 
@@ -1376,9 +1376,9 @@ fn reduce_case(c: &mut Ctx, dt: CudaDType, outer: usize, len: usize, inner: usiz
         let ws_len = reduce::reduce_workspace_len(outer, len, inner);
         let ws = d.junk(ws_len.max(1) * 4)?;
         for (op, name) in [
-            (ReduceOp::Sum, "reduce.sum"),
-            (ReduceOp::Max, "reduce.max"),
-            (ReduceOp::Min, "reduce.min"),
+            (Reduction::Sum, "reduce.sum"),
+            (Reduction::Max, "reduce.max"),
+            (Reduction::Min, "reduce.min"),
         ] {
             let mut want = vec![0.0; outer * inner];
             tpar::kernels::reduce::reduce::<f64>(op, &x, outer, len, inner, &mut want)?;
@@ -1423,7 +1423,7 @@ fn sum_squares_case(c: &mut Ctx, dt: CudaDType, rows: usize, len: usize) {
         let mut sq = vec![0.0; x.len()];
         tpar::kernels::elementwise::unary::<f64>(UnaryOp::Square, &x, &mut sq)?;
         let mut want = vec![0.0; rows];
-        tpar::kernels::reduce::reduce::<f64>(ReduceOp::Sum, &sq, rows, len, 1, &mut want)?;
+        tpar::kernels::reduce::reduce::<f64>(Reduction::Sum, &sq, rows, len, 1, &mut want)?;
         let ws_len = reduce::reduce_workspace_len(rows, len, 1);
         let (bx, bout, ws) = (d.up(dt, &x)?, d.junk(rows * 4)?, d.junk(ws_len.max(1) * 4)?);
         // SAFETY: x, out and the workspace were allocated above with these sizes.

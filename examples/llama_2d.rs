@@ -12,22 +12,6 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tpar::collectives::{ReduceOp, SpawnConfig};
-use tpar::nn::data::{
-    default_documents, load_documents, load_tokenizer, DistributedSampler, PretrainingDataset,
-};
-use tpar::nn::optim::{clip_grad_norm, AdamW, AdamWConfig, LrScheduler, Optimizer, SequentialLR};
-use tpar::nn::{
-    call, named_parameters, parameters, reset_parameters, Args, LlamaConfig, LlamaForPretraining,
-    NnError, Value,
-};
-use tpar::parallel::llama_plans::{
-    megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
-};
-use tpar::parallel::{
-    fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, MixedPrecision,
-    ZeroRedundancyOptimizer,
-};
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
@@ -202,10 +186,10 @@ enum Opt {
 }
 
 impl Opt {
-    fn clip(&mut self, params: &[tpar::nn::Param], max_norm: f64) -> Result<f64, NnError> {
+    fn clip(&mut self, params: &[Param], max_norm: f64) -> tpar::Result<f64> {
         match self {
-            Opt::Plain(_) => clip_grad_norm(params, max_norm),
-            Opt::Zero(z) => z.clip_grad_norm(max_norm),
+            Opt::Plain(_) => Ok(clip_grad_norm(params, max_norm)?),
+            Opt::Zero(z) => Ok(z.clip_grad_norm(max_norm)?),
         }
     }
 
@@ -228,13 +212,9 @@ struct RankReport {
     round_trips_per_step: f64,
 }
 
-fn err<E: std::fmt::Display>(e: E) -> NnError {
-    NnError::Config { what: e.to_string() }
-}
-
 /// One rank's training over `world` (the local backend's world group, or the NCCL
 /// world of a process launched by torchrun / tpar-run).
-fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
+fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
     let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
@@ -257,7 +237,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
     if o.tp > 1 {
         let plan =
             if o.plan == "sp" { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
-        parallelize_llama(&mut model, &mesh["tp"], &plan).map_err(err)?;
+        parallelize_llama(&mut model, &mesh["tp"], &plan)?;
     }
     if o.dp_mode == DpMode::Fsdp {
         let fsdp = FsdpConfig {
@@ -266,28 +246,25 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
                 .then_some(MixedPrecision { param_dtype: o.dtype, reduce_dtype: DType::F32 }),
         };
         for layer in &mut model.base_model.layers.items {
-            fully_shard(layer, &mesh["dp"], &fsdp).map_err(err)?;
+            fully_shard(layer, &mesh["dp"], &fsdp)?;
         }
-        fully_shard(&mut model.base_model, &mesh["dp"], &fsdp).map_err(err)?;
-        fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(err)?;
+        fully_shard(&mut model.base_model, &mesh["dp"], &fsdp)?;
+        fully_shard(&mut model, &mesh["dp"], &fsdp)?;
     }
     let device = compute_device(o);
     reset_parameters(&mut model, device, o.seed)?;
     // Replicated modes: every dp replica starts from dp rank 0's parameters.
     let ddp = match o.dp_mode {
         DpMode::Fsdp => None,
-        DpMode::Ddp | DpMode::Zero1 => {
-            Some(DataParallel::new(&mut model, &mesh["dp"]).map_err(err)?)
-        }
+        DpMode::Ddp | DpMode::Zero1 => Some(DataParallel::new(&mut model, &mesh["dp"])?),
     };
 
     let params = parameters(&model);
     let adamw = AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
     let mut opt = match o.dp_mode {
-        DpMode::Zero1 => Opt::Zero(
-            ZeroRedundancyOptimizer::adamw(named_parameters(&model), &mesh["dp"], adamw)
-                .map_err(err)?,
-        ),
+        DpMode::Zero1 => {
+            Opt::Zero(ZeroRedundancyOptimizer::adamw(named_parameters(&model), &mesh["dp"], adamw)?)
+        }
         DpMode::Fsdp | DpMode::Ddp => {
             Opt::Plain(AdamW::with_names(named_parameters(&model), adamw)?)
         }
@@ -309,14 +286,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
         .with_drop_last(true);
     let per_epoch = dataset.len() / o.dp / o.batch.max(1);
     if per_epoch == 0 {
-        return Err(NnError::Config {
+        return Err(tpar::Error::from(NnError::Config {
             what: format!(
                 "{} documents are too few for dp {} x batch {}",
                 dataset.len(),
                 o.dp,
                 o.batch
             ),
-        });
+        }));
     }
 
     memory::reset_peak(rank);
@@ -335,7 +312,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
             }
             let batch = dataset.batch(chunk)?.to_device(device)?;
             let (b, s) = (batch.input_ids.dims()[0], batch.input_ids.dims()[1]);
-            unshard(&model).map_err(err)?;
+            unshard(&model)?;
             let logits = call(
                 &model,
                 Args::new(vec![
@@ -354,7 +331,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> Result<RankReport, NnError> {
                 loss_parallel::cross_entropy(&logits, &batch.target_ids.reshape([b * s])?, pad)?;
             loss_parallel::backward(&loss, &mesh["tp"])?;
             if let (Some(ddp), DpMode::Ddp) = (&ddp, o.dp_mode) {
-                ddp.sync_gradients(&model).map_err(err)?;
+                ddp.sync_gradients(&model)?;
             }
             opt.clip(&params, 1.0)?;
             opt.get().step()?;
@@ -419,7 +396,7 @@ fn main() {
         // One process per rank, started by torchrun or `tpar-run --nproc-per-node N`.
         memory::set_rank(Some(0));
         tpar::collectives::nccl::init_process_group(std::time::Duration::from_secs(120))
-            .map_err(NnError::from)
+            .map_err(tpar::Error::from)
             .and_then(|world| {
                 let report = train(&world, &o)?;
                 let rank = world.rank();

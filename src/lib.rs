@@ -10,7 +10,7 @@
 //! let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3])?.requires_grad_(true);
 //! x.square()?.sum_all()?.backward()?;
 //! assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
-//! # Ok::<(), tpar::tensor::TensorError>(())
+//! # Ok::<(), tpar::Error>(())
 //! ```
 #![warn(missing_docs)]
 
@@ -24,17 +24,41 @@ pub use tpar_parallel_styles as parallel;
 pub use tpar_placements as placements;
 pub use tpar_tensor as tensor;
 
-/// The names a trainer uses most, in one import.
+mod error;
+pub use error::{Error, Result};
+
+/// The names a trainer uses, in one import: everything `examples/llama_2d.rs` needs
+/// (mesh, tensors, DTensor and placements, the Llama and its plans, parallel styles,
+/// FSDP / DDP / ZeRO-1, loss_parallel, optimizers and schedules, the data pipeline) and
+/// the facade's [`Error`] / [`Result`].
 pub mod prelude {
-    pub use tpar_collectives::{spawn, CollectiveError, ProcessGroup, RankCtx, ReduceOp};
+    pub use crate::{Error, Result};
+    pub use tpar_collectives::{
+        spawn, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
+    };
     pub use tpar_dtensor::{distribute_tensor, DTensor, DTensorError};
     pub use tpar_mesh::{DeviceMesh, DeviceType, MeshError};
-    pub use tpar_nn::{call, Args, Module, NnError, Param, Value};
-    pub use tpar_parallel_styles::{
-        explain, loss_parallel, parallelize_module, ColwiseParallel, ParallelizePlan, PlanError,
-        PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
-        SequenceParallel,
+    pub use tpar_nn::data::{
+        default_documents, load_documents, load_tokenizer, DistributedSampler, PretrainingDataset,
+        Tokenizer,
     };
-    pub use tpar_placements::Placement;
+    pub use tpar_nn::optim::{
+        clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler, Optimizer,
+        SequentialLR, Sgd, SgdConfig,
+    };
+    pub use tpar_nn::{
+        call, named_parameters, parameters, reset_parameters, Args, LlamaConfig,
+        LlamaForPretraining, Module, NnError, Param, Value,
+    };
+    pub use tpar_parallel_styles::llama_plans::{
+        megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
+    };
+    pub use tpar_parallel_styles::{
+        explain, fully_shard, loss_parallel, parallelize_module, unshard, ColwiseParallel,
+        DataParallel, FsdpConfig, MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput,
+        PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+        ZeroRedundancyOptimizer,
+    };
+    pub use tpar_placements::{Placement, PlacementError};
     pub use tpar_tensor::{no_grad, DType, Device, Rng, RopeLayout, Shape, Tensor, TensorError};
 }

@@ -106,12 +106,16 @@ fn run(
     tp: Option<&DeviceMesh>,
 ) -> Result<Outcome, NnError> {
     let (r0, nr) = (rows.start, rows.len());
-    let input = ids(golden::get(file, &format!("{prefix}input_ids"))).narrow(0, r0, nr)?;
-    let labels = ids(golden::get(file, &format!("{prefix}labels"))).narrow(0, r0, nr)?;
+    // The additive mask is the padded batch's mask in the `[b, 1, s, s]` form.
+    let data = if prefix == "additive." { "" } else { prefix };
+    let input = ids(golden::get(file, &format!("{data}input_ids"))).narrow(0, r0, nr)?;
+    let labels = ids(golden::get(file, &format!("{data}labels"))).narrow(0, r0, nr)?;
     let (s, v) = (input.dims()[1], config().vocab_size);
     let mut args = vec![Value::Tensor(input)];
     if prefix.is_empty() {
         args.push(Value::Tensor(ids(golden::get(file, "attention_mask")).narrow(0, r0, nr)?));
+    } else if prefix == "additive." {
+        args.push(Value::Tensor(additive_mask(file).narrow(0, r0, nr)?));
     }
     let logits = call(model, Args::new(args))?;
     let (logits, flat) = match logits {
@@ -139,8 +143,27 @@ fn run(
     Ok(Outcome { logits: logits.to_vec_f64()?, loss: loss_value, grads })
 }
 
+/// The golden batch's causal + key-padding mask as an additive `[b, 1, s, s]` float
+/// mask: 0 where query `i` may read key `j` (`j <= i`, key `j` a token), -inf elsewhere.
+fn additive_mask(file: &Files) -> Tensor {
+    let pad = golden::get(file, "attention_mask");
+    let (b, s) = (pad.shape[0], pad.shape[1]);
+    let mut m = vec![f64::NEG_INFINITY; b * s * s];
+    for r in 0..b {
+        for i in 0..s {
+            for j in 0..=i {
+                if pad.values[r * s + j] != 0.0 {
+                    m[(r * s + i) * s + j] = 0.0;
+                }
+            }
+        }
+    }
+    Tensor::from_f64(&m, [b, 1, s, s], DType::F64).unwrap()
+}
+
 /// Compares one rank's outcome with the golden values for `rows`.
 fn check(what: &str, out: &Outcome, file: &Files, prefix: &str, rows: std::ops::Range<usize>) {
+    let prefix = if prefix == "additive." { "" } else { prefix };
     let logits = golden::get(file, &format!("{prefix}logits"));
     let per_row = logits.values.len() / logits.shape[0];
     let want = &logits.values[rows.start * per_row..rows.end * per_row];
@@ -161,7 +184,7 @@ fn check(what: &str, out: &Outcome, file: &Files, prefix: &str, rows: std::ops::
 #[test]
 fn single_rank_llama_equals_pytorch() {
     let file = golden::load("llama.safetensors");
-    for prefix in ["", "causal."] {
+    for prefix in ["", "causal.", "additive."] {
         let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
         load_golden_params(&mut model, &file).unwrap();
         let out = run(&model, &file, prefix, 0..4, None).unwrap();
@@ -177,7 +200,7 @@ fn plan_err(e: impl std::fmt::Display) -> NnError {
 /// of the four rows.
 fn two_by_two(plan: fn() -> ParallelizePlan, name: &str) {
     let file = golden::load("llama.safetensors");
-    for prefix in ["", "causal."] {
+    for prefix in ["", "causal.", "additive."] {
         let outs = spawn_with(SpawnConfig::new(4).timeout(Duration::from_secs(120)), |ctx| {
             let mesh =
                 DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "tp"])?;
@@ -200,7 +223,8 @@ fn two_by_two(plan: fn() -> ParallelizePlan, name: &str) {
         }
         // The whole batch's loss is the mean of the two halves' losses.
         let mean = outs.iter().map(|(_, o)| o.loss).sum::<f64>() / outs.len() as f64;
-        let want = golden::get(&file, &format!("{prefix}loss")).values[0];
+        let data = if prefix == "additive." { "" } else { prefix };
+        let want = golden::get(&file, &format!("{data}loss")).values[0];
         assert_close(&format!("2x2 {name} {prefix}mean loss"), &[mean], &[want], TOL, TOL);
     }
 }
@@ -261,4 +285,19 @@ fn attention_mask_forms_equal_pytorch() {
             assert_close(&format!("{form}: {name}"), &g, want(name), TOL, TOL);
         }
     }
+}
+
+/// A mask that is neither `[b, s]` nor `[b, 1, s, s]` float is a typed error naming the
+/// expected shape.
+#[test]
+fn a_misshaped_additive_mask_is_a_typed_error() {
+    let file = golden::load("llama.safetensors");
+    let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
+    load_golden_params(&mut model, &file).unwrap();
+    let input = ids(golden::get(&file, "input_ids"));
+    let bad = Tensor::zeros([4, 1, 8, 7], DType::F64, Device::Cpu).unwrap();
+    let err = call(&model, Args::new(vec![Value::Tensor(input), Value::Tensor(bad)]))
+        .err()
+        .expect("a [4, 1, 8, 7] mask must be refused");
+    assert!(err.to_string().contains("[4, 1, 8, 8]"), "{err}");
 }

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use tpar_collectives::ReduceOp as CommOp;
 use tpar_mesh::DeviceMesh;
 use tpar_placements::{
     chunk_range, local_shape_and_offset, Placement, Plan, PlanKey, ReduceOp, StepKind,
@@ -11,15 +10,6 @@ use tpar_placements::{
 use tpar_tensor::{no_grad, Tensor};
 
 use crate::{DTensorError, Result};
-
-fn comm_op(op: ReduceOp) -> CommOp {
-    match op {
-        ReduceOp::Sum => CommOp::Sum,
-        ReduceOp::Avg => CommOp::Avg,
-        ReduceOp::Max => CommOp::Max,
-        ReduceOp::Min => CommOp::Min,
-    }
-}
 
 /// The plan for `key`, computed once per process and cached (plans are pure values).
 pub fn cached_plan(key: PlanKey) -> Result<Plan> {
@@ -42,9 +32,9 @@ pub fn execute(plan: &Plan, local: &Tensor, mesh: &DeviceMesh) -> Result<Tensor>
             let g = mesh.group(step.mesh_dim)?;
             t = match step.kind {
                 StepKind::AllGather { tensor_dim } => g.all_gather(&t, tensor_dim)?,
-                StepKind::AllReduce { op } => g.all_reduce(&t, comm_op(op))?,
+                StepKind::AllReduce { op } => g.all_reduce(&t, op)?,
                 StepKind::ReduceScatter { op, tensor_dim } => {
-                    g.reduce_scatter(&t, tensor_dim, comm_op(op))?
+                    g.reduce_scatter(&t, tensor_dim, op)?
                 }
                 StepKind::AllToAll { from_dim, to_dim } => g.all_to_all(&t, to_dim, from_dim)?,
                 StepKind::LocalSlice { tensor_dim } => {

@@ -7,9 +7,10 @@ use num_traits::{Float as _, Zero as _};
 
 use crate::{Float, KernelError, Result};
 
-/// A reduction.
+/// A reduction over one dimension of one tensor (`sum`, `amax`, `amin`). Reductions
+/// across ranks are the collectives' business and use `ReduceOp` (`tpar-placements`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
+pub enum Reduction {
     /// Sum (accumulated in the accumulator type).
     Sum,
     /// Maximum.
@@ -40,7 +41,7 @@ fn check(
 /// Reduces `x` viewed as `[outer, len, inner]` over the middle dim into `out` `[outer, inner]`.
 /// Max/Min over an empty dim give -inf/+inf; a sum gives 0.
 pub fn reduce<T: Float>(
-    op: ReduceOp,
+    op: Reduction,
     x: &[T],
     outer: usize,
     len: usize,
@@ -49,20 +50,20 @@ pub fn reduce<T: Float>(
 ) -> Result<()> {
     check("reduce", x.len(), out.len(), outer, len, inner)?;
     let init = match op {
-        ReduceOp::Sum => T::Acc::zero(),
-        ReduceOp::Max => T::Acc::neg_infinity(),
-        ReduceOp::Min => T::Acc::infinity(),
+        Reduction::Sum => T::Acc::zero(),
+        Reduction::Max => T::Acc::neg_infinity(),
+        Reduction::Min => T::Acc::infinity(),
     };
     let combine = |a: T::Acc, b: T::Acc| match op {
-        ReduceOp::Sum => a + b,
-        ReduceOp::Max => {
+        Reduction::Sum => a + b,
+        Reduction::Max => {
             if b > a || b.is_nan() {
                 b
             } else {
                 a
             }
         }
-        ReduceOp::Min => {
+        Reduction::Min => {
             if b < a || b.is_nan() {
                 b
             } else {
@@ -145,10 +146,10 @@ mod tests {
     fn reduce_middle_dim() {
         let x: Vec<f64> = (0..24).map(|v| v as f64).collect(); // [2,3,4]
         let mut out = vec![0.0; 8];
-        reduce(ReduceOp::Sum, &x, 2, 3, 4, &mut out).unwrap();
+        reduce(Reduction::Sum, &x, 2, 3, 4, &mut out).unwrap();
         assert_eq!(out[0], 0.0 + 4.0 + 8.0);
         assert_eq!(out[5], 13.0 + 17.0 + 21.0);
-        reduce(ReduceOp::Max, &x, 2, 3, 4, &mut out).unwrap();
+        reduce(Reduction::Max, &x, 2, 3, 4, &mut out).unwrap();
         assert_eq!(out[0], 8.0);
         let mut idx = vec![0; 8];
         max_with_index(&x, 2, 3, 4, &mut out, &mut idx).unwrap();

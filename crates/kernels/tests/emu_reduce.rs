@@ -6,12 +6,12 @@ use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
 use tpar_kernels::cuda::ops::reduce as k;
 use tpar_kernels::cuda::CudaDType;
-use tpar_kernels::reduce::{self as cpu, ReduceOp};
+use tpar_kernels::reduce::{self as cpu, Reduction};
 use tpar_kernels::{Float, KernelError};
 
 /// GPU `reduce` (with `chunks`, or the default plan when `None`) vs the CPU kernel.
 fn check_reduce<T: Float>(
-    op: ReduceOp,
+    op: Reduction,
     x: &[T],
     outer: usize,
     len: usize,
@@ -66,7 +66,7 @@ fn last_and_mid<T: Float>(seed: u64) {
     let buf: Vec<T> = rng.vec(1 + 7 * 1000, 3.0);
     let x = &buf[1..];
     let mid: Vec<T> = rng.vec(3 * 37 * 45, 3.0);
-    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+    for op in [Reduction::Sum, Reduction::Max, Reduction::Min] {
         check_reduce(op, x, 7, 1000, 1, Some(1));
         check_reduce(op, x, 7, 1000, 1, Some(5));
         check_reduce(op, &mid, 3, 37, 45, Some(1));
@@ -95,16 +95,16 @@ fn sum_of_all_elements_uses_two_passes() {
     assert!(k::reduce_workspace_len(1, n, 1) > 0, "a long sum should be split");
     let mut rng = Rng(4);
     let x: Vec<f32> = rng.vec(n, 1.0);
-    check_reduce(ReduceOp::Sum, &x, 1, n, 1, None);
+    check_reduce(Reduction::Sum, &x, 1, n, 1, None);
     let xb: Vec<bf16> = rng.vec(n, 1.0);
-    check_reduce(ReduceOp::Sum, &xb, 1, n, 1, None);
-    check_reduce(ReduceOp::Max, &xb, 1, n, 1, None);
+    check_reduce(Reduction::Sum, &xb, 1, n, 1, None);
+    check_reduce(Reduction::Max, &xb, 1, n, 1, None);
     // Without workspace: one pass, same result within rounding.
     let mut want = [0f32];
-    cpu::reduce(ReduceOp::Sum, &x, 1, n, 1, &mut want).unwrap();
+    cpu::reduce(Reduction::Sum, &x, 1, n, 1, &mut want).unwrap();
     let mut got = [0f32];
     unsafe {
-        k::reduce(emu(), ReduceOp::Sum, CudaDType::F32, ptr(&x), mptr(&mut got), 1, n, 1, 0, 0)
+        k::reduce(emu(), Reduction::Sum, CudaDType::F32, ptr(&x), mptr(&mut got), 1, n, 1, 0, 0)
             .unwrap()
     };
     assert_close("sum without workspace", &[got[0] as f64], &[want[0] as f64], 1e-5);
@@ -114,12 +114,12 @@ fn sum_of_all_elements_uses_two_passes() {
 fn max_and_min_propagate_nan_and_empty_dims_give_identities() {
     let mut x: Vec<f32> = Rng(5).vec(2 * 300, 1.0);
     x[417] = f32::NAN;
-    for op in [ReduceOp::Max, ReduceOp::Min, ReduceOp::Sum] {
+    for op in [Reduction::Max, Reduction::Min, Reduction::Sum] {
         check_reduce(op, &x, 2, 300, 1, Some(1));
         check_reduce(op, &x, 2, 300, 1, Some(3));
         check_reduce(op, &x, 2, 10, 30, Some(2));
     }
-    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+    for op in [Reduction::Sum, Reduction::Max, Reduction::Min] {
         check_reduce::<f32>(op, &[], 3, 0, 1, None);
         check_reduce::<f32>(op, &[], 3, 0, 5, None);
     }
@@ -225,7 +225,7 @@ fn bad_arguments_are_errors() {
     let r = unsafe {
         k::reduce_chunked(
             emu(),
-            ReduceOp::Sum,
+            Reduction::Sum,
             CudaDType::F32,
             ptr(&x),
             mptr(&mut out),
@@ -239,13 +239,13 @@ fn bad_arguments_are_errors() {
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     let r = unsafe {
-        k::reduce(emu(), ReduceOp::Sum, CudaDType::F32, 0, mptr(&mut out), 4, 16, 1, 0, 0)
+        k::reduce(emu(), Reduction::Sum, CudaDType::F32, 0, mptr(&mut out), 4, 16, 1, 0, 0)
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     let r = unsafe {
         k::reduce(
             emu(),
-            ReduceOp::Sum,
+            Reduction::Sum,
             CudaDType::F32,
             ptr(&x),
             mptr(&mut out),
@@ -264,7 +264,7 @@ fn bad_arguments_are_errors() {
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     let unaligned = ptr(&x) + 2;
     let r = unsafe {
-        k::reduce(emu(), ReduceOp::Sum, CudaDType::F32, unaligned, mptr(&mut out), 4, 15, 1, 0, 0)
+        k::reduce(emu(), Reduction::Sum, CudaDType::F32, unaligned, mptr(&mut out), 4, 15, 1, 0, 0)
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
 }

@@ -36,6 +36,27 @@ pub struct LlamaConfig {
     pub dtype: DType,
 }
 
+impl Default for LlamaConfig {
+    /// Hugging Face's `LlamaConfig()` defaults (the Llama-2-7B shape): vocab 32000, 2048
+    /// positions, hidden 4096, MLP 11008, 32 layers, 32 heads, 32 key/value heads, RMSNorm
+    /// eps 1e-6, RoPE theta 10000; f32 parameters. Override fields with
+    /// `LlamaConfig { hidden_size: 256, ..Default::default() }`.
+    fn default() -> Self {
+        LlamaConfig {
+            vocab_size: 32000,
+            max_position_embeddings: 2048,
+            hidden_size: 4096,
+            intermediate_size: 11008,
+            num_hidden_layers: 32,
+            num_attention_heads: 32,
+            num_key_value_heads: 32,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            dtype: DType::F32,
+        }
+    }
+}
+
 impl LlamaConfig {
     /// Head dim (`hidden_size / num_attention_heads`).
     pub fn head_dim(&self) -> usize {
@@ -193,6 +214,22 @@ pub fn causal_padding_mask(
         }
     }
     Ok(Tensor::from_f64(&v, [batch, 1, seq, seq], dtype)?)
+}
+
+/// An additive mask must be `[b, 1, s, s]` with a float dtype.
+fn check_additive_mask(m: &Tensor, batch: usize, seq: usize) -> Result<()> {
+    if m.dims() != [batch, 1, seq, seq] || !m.dtype().is_float() {
+        return Err(NnError::BadInput {
+            module: "LlamaModel".into(),
+            what: format!(
+                "an additive attention mask must be a float [{batch}, 1, {seq}, {seq}] tensor, \
+                 got {} {:?}",
+                m.dtype(),
+                m.dims()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Grouped-query self-attention with RoPE. The head counts are read from the
@@ -486,8 +523,16 @@ impl Module for LlamaModel {
         "LlamaModel"
     }
 
-    /// Inputs: token ids `[b, s]` (i64) and optionally `attention_mask` `[b, s]` (1 for
-    /// tokens, 0 for padding) as the second input. Output: hidden states.
+    /// Inputs: token ids `[b, s]` (i64) and optionally a mask as the second input, in
+    /// either of Hugging Face's forms:
+    /// - none: plain causal attention, with no mask tensor built;
+    /// - `attention_mask` `[b, s]` (1 for tokens, 0 for padding): causal attention that
+    ///   also skips padded keys ([`causal_padding_mask`] builds the `[b, 1, s, s]` mask);
+    /// - an additive float mask `[b, 1, s, s]` (0 where query `i` may attend key `j`,
+    ///   `-inf` or a large negative value elsewhere), used as given: it must carry the
+    ///   causal structure itself when it should be causal.
+    ///
+    /// Output: hidden states.
     fn forward(&self, args: Args) -> Result<Value> {
         let ids = args.get(0).into_local("LlamaModel")?;
         if ids.rank() != 2 {
@@ -505,6 +550,10 @@ impl Module for LlamaModel {
         let mask = pad
             .as_ref()
             .map(|m| -> Result<Tensor> {
+                if m.rank() == 4 {
+                    check_additive_mask(m, b, s)?;
+                    return Ok(m.to_dtype(self.dtype)?.to_device(device)?);
+                }
                 Ok(causal_padding_mask(Some(m), b, s, self.dtype)?.to_device(device)?)
             })
             .transpose()?;

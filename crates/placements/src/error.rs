@@ -48,6 +48,14 @@ pub enum PlacementError {
         /// The mesh shape.
         mesh: Vec<usize>,
     },
+    /// A `Partial` placement with an operator placements do not support (`product`).
+    #[error("{context}: Partial({op}) is not a supported placement (Partial takes sum, avg, max or min)")]
+    UnsupportedPartial {
+        /// The operation that failed.
+        context: String,
+        /// The operator.
+        op: crate::ReduceOp,
+    },
     /// A placement string could not be parsed.
     #[error("cannot parse placement {input:?}: {reason}")]
     Parse {
@@ -91,6 +99,7 @@ impl PlacementError {
             PlacementError::MeshRankMismatch { context, .. }
             | PlacementError::EmptyMeshDim { context, .. }
             | PlacementError::CoordOutOfRange { context, .. }
+            | PlacementError::UnsupportedPartial { context, .. }
             | PlacementError::Simulation { context, .. } => *context = new_context.to_string(),
             PlacementError::Parse { .. } => {}
         }

@@ -5,30 +5,49 @@ use std::str::FromStr;
 
 use crate::error::{PlacementError, Result};
 
-/// How the terms of a [`Placement::Partial`] tensor combine into its value.
+/// How terms combine into one value: the operator of a collective (`all_reduce`,
+/// `reduce_scatter`, as `torch.distributed.ReduceOp`) and of a [`Placement::Partial`]
+/// tensor (whose value is the reduction of the ranks' terms). The one reduction
+/// vocabulary of the workspace; the collectives, DTensor and facade crates re-export it.
+///
+/// Collectives take every operator. A `Partial` placement takes the four of
+/// [`ReduceOp::PARTIAL`], as PyTorch's `Partial` does; `Partial(product)` is refused
+/// by [`Placement::normalize`] with [`PlacementError::UnsupportedPartial`].
+///
+/// Floating-point collective reductions of bf16/f16 accumulate in f32 (f64 in f64) and
+/// round once at the end; terms combine in group-rank order, so every member gets
+/// bit-identical results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ReduceOp {
-    /// The value is the elementwise sum of the terms.
+    /// The elementwise sum of the terms.
     Sum,
-    /// The value is the elementwise mean of the terms.
+    /// The elementwise mean of the terms (float dtypes only in collectives).
     Avg,
-    /// The value is the elementwise maximum of the terms.
+    /// The elementwise maximum of the terms (NaN propagates).
     Max,
-    /// The value is the elementwise minimum of the terms.
+    /// The elementwise minimum of the terms (NaN propagates).
     Min,
+    /// The elementwise product of the terms (collectives only).
+    Product,
 }
 
 impl ReduceOp {
-    /// All four operators, in declaration order.
-    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+    /// The four operators a `Partial` placement supports, in declaration order.
+    pub const PARTIAL: [ReduceOp; 4] =
+        [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
-    /// Short lowercase name: `sum`, `avg`, `max`, `min`.
+    /// Every operator, in declaration order (what collectives accept).
+    pub const ALL: [ReduceOp; 5] =
+        [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product];
+
+    /// Short lowercase name: `sum`, `avg`, `max`, `min`, `product`.
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
             ReduceOp::Avg => "avg",
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
+            ReduceOp::Product => "product",
         }
     }
 
@@ -53,16 +72,17 @@ impl fmt::Display for ReduceOp {
 impl FromStr for ReduceOp {
     type Err = PlacementError;
 
-    /// Parses `sum`, `avg`, `max` or `min` (case-insensitive).
+    /// Parses `sum`, `avg` (or `mean`), `max`, `min` or `product` (or `prod`), case-insensitive.
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "sum" => Ok(ReduceOp::Sum),
             "avg" | "mean" => Ok(ReduceOp::Avg),
             "max" => Ok(ReduceOp::Max),
             "min" => Ok(ReduceOp::Min),
+            "product" | "prod" => Ok(ReduceOp::Product),
             _ => Err(PlacementError::Parse {
                 input: s.to_string(),
-                reason: "expected one of sum, avg, max, min".to_string(),
+                reason: "expected one of sum, avg, max, min, product".to_string(),
             }),
         }
     }
@@ -133,7 +153,8 @@ impl Placement {
     /// `Replicate` and `Partial` are returned unchanged.
     ///
     /// # Errors
-    /// [`PlacementError::DimOutOfRange`] when the dim is outside `-rank..rank`.
+    /// [`PlacementError::DimOutOfRange`] when the dim is outside `-rank..rank`;
+    /// [`PlacementError::UnsupportedPartial`] for `Partial(product)`.
     ///
     /// ```
     /// use tpar_placements::Placement;
@@ -156,6 +177,9 @@ impl Placement {
                         shape: None,
                     })
                 }
+            }
+            Placement::Partial(op) if !ReduceOp::PARTIAL.contains(&op) => {
+                Err(PlacementError::UnsupportedPartial { context: format!("placement {self}"), op })
             }
             other => Ok(other),
         }
@@ -326,6 +350,12 @@ mod tests {
     #[test]
     fn commuting_ops() {
         assert!(ReduceOp::Sum.commutes_with(ReduceOp::Avg));
+        let err = Placement::Partial(ReduceOp::Product).normalize(2).unwrap_err();
+        assert!(matches!(err, PlacementError::UnsupportedPartial { op: ReduceOp::Product, .. }));
+        assert_eq!("product".parse::<ReduceOp>().unwrap(), ReduceOp::Product);
+        for op in ReduceOp::PARTIAL {
+            assert_eq!(Placement::Partial(op).normalize(2).unwrap(), Placement::Partial(op));
+        }
         assert!(ReduceOp::Max.commutes_with(ReduceOp::Max));
         assert!(!ReduceOp::Max.commutes_with(ReduceOp::Min));
         assert!(!ReduceOp::Sum.commutes_with(ReduceOp::Max));

@@ -23,8 +23,8 @@ pub fn chunk_range(n: usize, k: usize, i: usize) -> (usize, usize) {
         return (n, 0);
     }
     let chunk = n.div_ceil(k);
-    let start = n.min(i * chunk);
-    let end = n.min((i + 1) * chunk);
+    let start = n.min(i.saturating_mul(chunk));
+    let end = n.min(start.saturating_add(chunk));
     (start, end - start)
 }
 
@@ -157,6 +157,27 @@ pub fn largest_local_shape(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunk_range_matches_torch_chunk() {
+        for n in 0usize..40 {
+            for k in 1..10 {
+                let mut next = 0;
+                let chunk = n.div_ceil(k);
+                for i in 0..k {
+                    let (s, l) = chunk_range(n, k, i);
+                    assert_eq!(s, next.min(n), "n={n} k={k} i={i}");
+                    assert!(l <= chunk);
+                    next = s + l;
+                    if l > 0 && s + l < n {
+                        assert_eq!(l, chunk);
+                    }
+                }
+                assert_eq!(next, n);
+            }
+        }
+        assert_eq!(chunk_range(usize::MAX, 2, 1).1, usize::MAX / 2);
+    }
     use Placement::*;
 
     #[test]

@@ -1,11 +1,10 @@
 //! Cross-entropy, vocab-parallel (PyTorch's `loss_parallel`) when the logits are
 //! sharded on the vocab dim: the logits are never gathered, forward or backward.
 
-use tpar_collectives::ReduceOp as CommOp;
 use tpar_kernels::cross_entropy as ce;
 use tpar_kernels::{Acc, Float};
 use tpar_mesh::DeviceMesh;
-use tpar_placements::Placement;
+use tpar_placements::{Placement, ReduceOp};
 use tpar_tensor::autograd::record;
 use tpar_tensor::{DType, Element, Tensor, TensorError};
 
@@ -32,7 +31,7 @@ fn kernel(e: tpar_kernels::KernelError) -> TensorError {
 }
 
 /// `v` all-reduced with `op` over each of `dims` in turn (f64 on the wire).
-fn all_reduce(mesh: &DeviceMesh, dims: &[usize], v: Vec<f64>, op: CommOp) -> Result<Vec<f64>> {
+fn all_reduce(mesh: &DeviceMesh, dims: &[usize], v: Vec<f64>, op: ReduceOp) -> Result<Vec<f64>> {
     if dims.is_empty() {
         return Ok(v);
     }
@@ -78,10 +77,10 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
     if !lay.vocab_dims.is_empty() {
         // loss_parallel: global max, sum-exp rescaled to it, target logit from its owner.
         let gmax: Vec<T::Acc> =
-            narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&max), CommOp::Max)?);
+            narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&max), ReduceOp::Max)?);
         ce::ce_rescale(&max, &mut sumexp, &gmax).map_err(kernel)?;
-        sumexp = narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&sumexp), CommOp::Sum)?);
-        tl = narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&tl), CommOp::Sum)?);
+        sumexp = narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&sumexp), ReduceOp::Sum)?);
+        tl = narrow(&all_reduce(&lay.mesh, &lay.vocab_dims, widen(&tl), ReduceOp::Sum)?);
         max = gmax;
     }
     let mut lse = vec![zero; rows];
@@ -96,7 +95,7 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
         }
     })?;
     if !lay.row_dims.is_empty() {
-        let s = all_reduce(&lay.mesh, &lay.row_dims, vec![total, count], CommOp::Sum)?;
+        let s = all_reduce(&lay.mesh, &lay.row_dims, vec![total, count], ReduceOp::Sum)?;
         (total, count) = (s[0], s[1]);
     }
     let loss = if count == 0.0 { 0.0 } else { total / count };
@@ -110,7 +109,7 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
         // The loss is Replicate: its local gradient is a contribution. Sum it over the
         // mesh dims where the logits are sharded (each rank's block needs the full
         // gradient); on replicated mesh dims the contribution flows on as is.
-        let g = all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], CommOp::Sum)?[0];
+        let g = all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], ReduceOp::Sum)?[0];
         let scale = if count == 0.0 { 0.0 } else { g / count };
         let row_scale = [T::Acc::of(scale)];
         let mut dl = vec![T::default(); x.numel()];

@@ -19,7 +19,7 @@ use tpar_kernels::cuda::ops::{
 };
 use tpar_kernels::cuda::{CudaDType, DevPtr, DeviceBuffer, GpuDevice};
 use tpar_kernels::elementwise::{BinaryOp, UnaryOp};
-use tpar_kernels::reduce::ReduceOp;
+use tpar_kernels::reduce::Reduction;
 
 use super::gpu::{alloc, cuda_dtype, dev_ptr};
 use super::invalid;
@@ -304,7 +304,7 @@ pub(crate) fn index_select0(x: &Tensor, index: &Tensor) -> Result<Option<Tensor>
 /// new tensor of `out` (no autograd).
 fn reduce_raw(
     x: &Tensor,
-    op: ReduceOp,
+    op: Reduction,
     outer: usize,
     len: usize,
     inner: usize,
@@ -329,7 +329,7 @@ fn reduce_raw(
 
 /// Reduces `x` over the sorted, distinct dims `ds`, keeping them as size 1
 /// (no autograd). Runs of neighbouring dims reduce in one launch.
-pub(crate) fn reduce_dims(x: &Tensor, op: ReduceOp, ds: &[usize]) -> Result<Option<Tensor>> {
+pub(crate) fn reduce_dims(x: &Tensor, op: Reduction, ds: &[usize]) -> Result<Option<Tensor>> {
     if cuda_dtype(x.dtype()).is_none() {
         return Ok(None);
     }

@@ -22,7 +22,7 @@ use tpar_kernels::cuda::ops::{
 use tpar_kernels::cuda::{CudaDType, DevPtr, DeviceBuffer, GpuDevice};
 use tpar_kernels::elementwise::BinaryOp;
 use tpar_kernels::gemm::GemmShape;
-use tpar_kernels::reduce::ReduceOp;
+use tpar_kernels::reduce::Reduction;
 use tpar_kernels::rope::RopeShape;
 use tpar_kernels::sdpa::SdpaShape;
 use tpar_kernels::KernelError;
@@ -184,7 +184,7 @@ pub(crate) fn cross_entropy(
     unsafe {
         k_ew::fill(&*dev, CudaDType::F32, onep, rows, 1.0)?;
         k_ce::ce_loss(&*dev, onep, zp, tp, ignore_index, rows, counted, 0)?;
-        k_reduce::reduce(&*dev, ReduceOp::Sum, CudaDType::F32, pp, sp, 2, rows, 1, wsp, ws_len)?;
+        k_reduce::reduce(&*dev, Reduction::Sum, CudaDType::F32, pp, sp, 2, rows, 1, wsp, ws_len)?;
         // max(count, 1): with no counted row the total is 0 and so is the loss.
         k_ew::scalar(&*dev, CudaDType::F32, BinaryOp::Max, count, 1.0, false, count, 1)?;
         k_ew::binary(&*dev, CudaDType::F32, BinaryOp::Div, sp, &[1], count, &[1], &[1], l32p)?;

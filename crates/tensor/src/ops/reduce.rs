@@ -1,6 +1,6 @@
 //! Reductions: sum, mean, max over dims.
 
-use tpar_kernels::reduce::{self as k, ReduceOp};
+use tpar_kernels::reduce::{self as k, Reduction};
 
 use super::{compute, compute_multi, cuda_ordinal, gpu_elem, require_float};
 use crate::autograd::record;
@@ -10,7 +10,7 @@ use crate::tensor::typed;
 use crate::{with_float_type, DType, Result, Shape, Tensor};
 
 impl Tensor {
-    fn reduce_one(&self, op: ReduceOp, d: usize, keepdim: bool) -> Result<Tensor> {
+    fn reduce_one(&self, op: Reduction, d: usize, keepdim: bool) -> Result<Tensor> {
         let name = "reduce";
         require_float(name, self)?;
         let (outer, len, inner) = self.shape().split_at_dim(d);
@@ -31,7 +31,7 @@ impl Tensor {
 
     fn reduce_dims_raw(
         &self,
-        op: ReduceOp,
+        op: Reduction,
         dims: &[isize],
         keepdim: bool,
     ) -> Result<(Tensor, Vec<usize>)> {
@@ -69,7 +69,7 @@ impl Tensor {
     /// Sum over `dims` (negative dims count from the end).
     pub fn sum_dims(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let (out, ds) =
-            crate::autograd::no_grad(|| self.reduce_dims_raw(ReduceOp::Sum, dims, keepdim))?;
+            crate::autograd::no_grad(|| self.reduce_dims_raw(Reduction::Sum, dims, keepdim))?;
         let in_shape = self.shape().clone();
         Ok(record("sum", &[self], out, move |g| {
             let mut kd = in_shape.dims().to_vec();

@@ -11,7 +11,7 @@
 
 use super::{bad, check_ptr, to_i32};
 use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::reduce::ReduceOp;
+use crate::reduce::Reduction;
 use crate::Result;
 
 /// Arguments of `tpar_reduce_{last,mid,final}_*`.
@@ -79,11 +79,11 @@ const MAX_BLOCKS: usize = 1 << 16;
 
 const OP_SUMSQ: i32 = 3;
 
-fn op_code(op: ReduceOp) -> i32 {
+fn op_code(op: Reduction) -> i32 {
     match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Max => 1,
-        ReduceOp::Min => 2,
+        Reduction::Sum => 0,
+        Reduction::Max => 1,
+        Reduction::Min => 2,
     }
 }
 
@@ -221,7 +221,7 @@ unsafe fn run(
 /// `out` and `workspace` must not overlap `x` or each other.
 pub unsafe fn reduce(
     launcher: &dyn Launcher,
-    op: ReduceOp,
+    op: Reduction,
     dtype: CudaDType,
     x: DevPtr,
     out: DevPtr,
@@ -260,7 +260,7 @@ pub unsafe fn reduce(
 /// As [`reduce`].
 pub unsafe fn reduce_chunked(
     launcher: &dyn Launcher,
-    op: ReduceOp,
+    op: Reduction,
     dtype: CudaDType,
     x: DevPtr,
     out: DevPtr,
