@@ -289,9 +289,12 @@ pub fn parse_placements(s: &str) -> Result<Vec<Placement>> {
                         .map_err(|_| err(format!("bad shard dim {arg:?}")))?;
                     Placement::Shard(d)
                 } else {
-                    Placement::Partial(
-                        arg.parse().map_err(|_| err(format!("bad reduce op {arg:?}")))?,
-                    )
+                    let op: ReduceOp =
+                        arg.parse().map_err(|_| err(format!("bad reduce op {arg:?}")))?;
+                    if !ReduceOp::PARTIAL.contains(&op) {
+                        return Err(err(format!("Partial takes sum, avg, max or min, not {op}")));
+                    }
+                    Placement::Partial(op)
                 });
                 rest = &body[close + 1..];
             }
