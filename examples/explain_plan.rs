@@ -3,10 +3,11 @@
 //! forward + backward runs in the style hooks, with bytes; then both totals (the
 //! Megatron plan moves fewer bytes). Run: `cargo run --release --example explain_plan`.
 
-use tpar::nn::{reset_parameters, LlamaConfig, LlamaForPretraining};
-use tpar::parallel::llama_plans::{
+use tpar::models::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
 };
+use tpar::models::{LlamaConfig, LlamaForPretraining};
+use tpar::nn::reset_parameters;
 use tpar::parallel::trace;
 use tpar::prelude::*;
 

@@ -47,7 +47,10 @@ pub enum Error {
     /// From a DTensor op or redistribution.
     #[error(transparent)]
     DTensor(#[from] tpar_dtensor::DTensorError),
-    /// From a module, the model, an optimizer or the data pipeline.
+    /// From the data pipeline (files, tokenizers, sampler, batches).
+    #[error(transparent)]
+    Data(#[from] tpar_data::DataError),
+    /// From a module, a model or an optimizer.
     #[error(transparent)]
     Nn(#[from] tpar_nn::NnError),
     /// From a parallel plan, FSDP, DDP or ZeRO.

@@ -16,10 +16,13 @@
 
 pub use tpar_collectives as collectives;
 pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
+pub use tpar_data as data;
 pub use tpar_dtensor as dtensor;
 pub use tpar_kernels as kernels;
 pub use tpar_mesh as mesh;
+pub use tpar_models as models;
 pub use tpar_nn as nn;
+pub use tpar_optim as optim;
 pub use tpar_parallel_styles as parallel;
 pub use tpar_placements as placements;
 pub use tpar_tensor as tensor;
@@ -36,28 +39,27 @@ pub mod prelude {
     pub use tpar_collectives::{
         spawn, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
     };
+    pub use tpar_data::{
+        default_documents, load_documents, load_tokenizer, DataError, DistributedSampler,
+        PretrainingDataset, Tokenizer,
+    };
     pub use tpar_dtensor::{distribute_tensor, DTensor, DTensorError};
     pub use tpar_mesh::{DeviceMesh, DeviceType, MeshError};
-    pub use tpar_nn::data::{
-        default_documents, load_documents, load_tokenizer, DistributedSampler, PretrainingDataset,
-        Tokenizer,
-    };
-    pub use tpar_nn::optim::{
-        clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler, Optimizer,
-        SequentialLR, Sgd, SgdConfig,
-    };
-    pub use tpar_nn::{
-        call, named_parameters, parameters, reset_parameters, Args, LlamaConfig,
-        LlamaForPretraining, Module, NnError, Param, Value,
-    };
-    pub use tpar_parallel_styles::llama_plans::{
+    pub use tpar_models::llama_plans::{
         megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
+    };
+    pub use tpar_models::{LlamaConfig, LlamaForPretraining};
+    pub use tpar_nn::{
+        call, named_parameters, parameters, reset_parameters, Args, Module, NnError, Param, Value,
+    };
+    pub use tpar_optim::{
+        clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler, Optimizer,
+        SequentialLR, Sgd, SgdConfig, ZeroRedundancyOptimizer,
     };
     pub use tpar_parallel_styles::{
         explain, fully_shard, loss_parallel, parallelize_module, unshard, ColwiseParallel,
         DataParallel, FsdpConfig, MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput,
         PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-        ZeroRedundancyOptimizer,
     };
     pub use tpar_placements::{Placement, PlacementError};
     pub use tpar_tensor::{no_grad, DType, Device, Rng, RopeLayout, Shape, Tensor, TensorError};

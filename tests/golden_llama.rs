@@ -12,13 +12,11 @@ use std::time::Duration;
 use common::golden::{self, assert_close, Golden};
 use tpar_collectives::{spawn_with, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::{
-    call, named_parameters, visit_modules_mut, Args, LlamaConfig, LlamaForPretraining, Module,
-    NnError, Param, RotaryPositionEncoding, Value,
-};
-use tpar_parallel_styles::llama_plans::{
+use tpar_models::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
 };
+use tpar_models::{LlamaConfig, LlamaForPretraining, RotaryPositionEncoding};
+use tpar_nn::{call, named_parameters, visit_modules_mut, Args, Module, NnError, Param, Value};
 use tpar_parallel_styles::{fully_shard, loss_parallel, unshard, FsdpConfig, ParallelizePlan};
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -297,7 +295,6 @@ fn a_misshaped_additive_mask_is_a_typed_error() {
     let input = ids(golden::get(&file, "input_ids"));
     let bad = Tensor::zeros([4, 1, 8, 7], DType::F64, Device::Cpu).unwrap();
     let err = call(&model, Args::new(vec![Value::Tensor(input), Value::Tensor(bad)]))
-        .err()
-        .expect("a [4, 1, 8, 7] mask must be refused");
+        .expect_err("a [4, 1, 8, 7] mask must be refused");
     assert!(err.to_string().contains("[4, 1, 8, 8]"), "{err}");
 }

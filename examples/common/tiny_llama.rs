@@ -50,7 +50,7 @@ pub fn rope_tables(
     theta: f64,
     dtype: DType,
 ) -> std::result::Result<(Tensor, Tensor), tpar::nn::NnError> {
-    let t = tpar::nn::RotaryPositionEncoding::new(head_dim, seq, theta, dtype)?.tables(seq)?;
+    let t = tpar::models::RotaryPositionEncoding::new(head_dim, seq, theta, dtype)?.tables(seq)?;
     Ok((t.cos, t.sin))
 }
 

@@ -1,30 +1,31 @@
 //! Layers: Linear, Embedding, RMSNorm, and an ordered list of modules.
 
-use std::any::Any;
-
 use tpar_dtensor::DTensor;
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::module::{call, Init, ModuleCore, ParamSlot};
 use crate::{Args, ComputeParam, Module, NnError, Param, Result, Value};
 
+/// The four accessors every [`Module`] implementation writes the same way, for a struct
+/// with a `core: ModuleCore` field: `core`, `core_mut`, `as_any`, `as_any_mut`. Use it
+/// inside `impl Module for YourType { .. }`.
+#[macro_export]
 macro_rules! module_boilerplate {
     () => {
-        fn core(&self) -> &ModuleCore {
+        fn core(&self) -> &$crate::ModuleCore {
             &self.core
         }
-        fn core_mut(&mut self) -> &mut ModuleCore {
+        fn core_mut(&mut self) -> &mut $crate::ModuleCore {
             &mut self.core
         }
-        fn as_any(&self) -> &dyn Any {
+        fn as_any(&self) -> &dyn ::std::any::Any {
             self
         }
-        fn as_any_mut(&mut self) -> &mut dyn Any {
+        fn as_any_mut(&mut self) -> &mut dyn ::std::any::Any {
             self
         }
     };
 }
-pub(crate) use module_boilerplate;
 
 /// A parameter as a plain tensor: plain, or a DTensor replicated on every mesh dim
 /// (its local shard is the whole tensor).

@@ -83,6 +83,16 @@ impl ModuleCore {
     }
 }
 
+/// How an attention module lays out its heads (see [`Module::attention_heads`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttentionHeads {
+    /// The width of one head.
+    pub head_dim: usize,
+    /// Each head-producing child by name, with its full output width (a multiple of
+    /// `head_dim`).
+    pub projections: Vec<(&'static str, usize)>,
+}
+
 /// A layer or model: forward, named children, named parameters.
 ///
 /// Implement `forward` and the accessors; call modules through [`call`] so their hooks
@@ -112,6 +122,13 @@ pub trait Module: Send + Sync + Any {
     /// Direct parameters, mutably, with their initialisation.
     fn param_slots(&mut self) -> Vec<ParamSlot<'_>> {
         Vec::new()
+    }
+    /// For an attention module: its head width and the children whose output features
+    /// are whole heads (`q_proj`, `k_proj`, `v_proj` with their `out_features`), so a
+    /// plan that shards heads over tensor-parallel ranks is checked to give each rank
+    /// whole heads ([`AttentionHeads`]). `None` (the default) for every other module.
+    fn attention_heads(&self) -> Option<AttentionHeads> {
+        None
     }
     /// `self` as `Any` (to downcast to a concrete layer).
     fn as_any(&self) -> &dyn Any;

@@ -7,11 +7,12 @@ use std::time::Duration;
 use tpar_collectives::{spawn_with, SpawnConfig};
 use tpar_dtensor::distribute_tensor;
 use tpar_mesh::{DeviceMesh, DeviceType};
+use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_models::{LlamaConfig, LlamaForPretraining};
 use tpar_nn::{
     call, named_modules, named_parameters, reset_parameters, set_training, Args, Embedding, Linear,
-    LlamaConfig, LlamaForPretraining, NnError, Param, RmsNorm, Value,
+    NnError, Param, RmsNorm, Value,
 };
-use tpar_parallel_styles::llama_plans::{megatron_layer_plan, parallelize_llama};
 use tpar_tensor::{DType, Device, Tensor};
 
 fn config() -> LlamaConfig {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tpar_dtensor::Placement;
 use tpar_mesh::DeviceMesh;
-use tpar_nn::{named_modules, visit_modules_mut, LlamaAttention, Module, Param};
+use tpar_nn::{named_modules, visit_modules_mut, Module, Param};
 
 use crate::style::{shard_param, ParallelStyle};
 use crate::{PlanError, Result};
@@ -155,10 +155,8 @@ pub fn check_plan(module: &dyn Module, mesh: &DeviceMesh, plan: &ParallelizePlan
     // that lays out its output leaves it sharded on the feature (head) dim.
     let tp = mesh.size();
     for (name, m) in &modules {
-        let Some(attn) = m.as_any().downcast_ref::<LlamaAttention>() else { continue };
-        for (proj, lin) in
-            [("q_proj", &attn.q_proj), ("k_proj", &attn.k_proj), ("v_proj", &attn.v_proj)]
-        {
+        let Some(attn) = m.attention_heads() else { continue };
+        for (proj, out_features) in attn.projections {
             let fqn = if name.is_empty() { proj.to_string() } else { format!("{name}.{proj}") };
             let out = plan
                 .entries()
@@ -167,7 +165,7 @@ pub fn check_plan(module: &dyn Module, mesh: &DeviceMesh, plan: &ParallelizePlan
                 .filter_map(|(_, s)| s.layouts()?.output?.desired)
                 .next_back();
             let head_sharded = matches!(out, Some(Placement::Shard(-1) | Placement::Shard(2)));
-            let heads = lin.out_features() / attn.head_dim().max(1);
+            let heads = out_features / attn.head_dim.max(1);
             if head_sharded && heads % tp != 0 {
                 return Err(PlanError::Indivisible {
                     fqn,
@@ -183,8 +181,10 @@ pub fn check_plan(module: &dyn Module, mesh: &DeviceMesh, plan: &ParallelizePlan
 
 /// Applies `plan` (already checked) to `module`, whose FQN is `prefix` (hooks and
 /// traces name modules by `prefix` + their relative name); then replicates every
-/// parameter the plan left plain.
-pub(crate) fn apply_plan(
+/// parameter the plan left plain. Run [`check_plan`] first: this is the second half
+/// of [`parallelize_module`], for a plan applied to one submodule of a larger model
+/// (each decoder layer of a Llama, say) so that its FQNs stay the model's.
+pub fn apply_plan(
     module: &mut dyn Module,
     prefix: &str,
     mesh: &DeviceMesh,

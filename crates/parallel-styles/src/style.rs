@@ -26,7 +26,7 @@ pub trait ParallelStyle: Send + Sync + fmt::Debug {
     fn apply(&self, fqn: &str, module: &mut dyn Module, mesh: &DeviceMesh) -> Result<()>;
     /// The layouts the style declares for its module's inputs and output, so a plan can
     /// be checked statically before it runs (see
-    /// [`crate::llama_plans::check_llama_plan`]). `None` (the default, for styles
+    /// `tpar_models::llama_plans::check_llama_plan`). `None` (the default, for styles
     /// defined outside this crate) declares nothing: checks skip what flows through.
     fn layouts(&self) -> Option<StyleLayouts> {
         None

@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use tpar_collectives::{spawn_with, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::{
-    call, named_parameters, reset_parameters, Args, LlamaForPretraining, NnError, Param, Value,
-};
-use tpar_parallel_styles::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_models::LlamaForPretraining;
+use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Param, Value};
 use tpar_parallel_styles::{loss_parallel, unshard, DataParallel, FsdpConfig, MixedPrecision};
 use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 

@@ -11,11 +11,11 @@ use std::sync::Arc;
 
 use tpar_collectives::spawn;
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::optim::{AdamW, AdamWConfig, Optimizer};
+use tpar_models::{LlamaConfig, LlamaForPretraining};
 use tpar_nn::{
-    call, named_parameters, reset_parameters, Args, ForwardHook, LlamaConfig, LlamaForPretraining,
-    Module, NnError, Param, Value,
+    call, named_parameters, reset_parameters, Args, ForwardHook, Module, NnError, Param, Value,
 };
+use tpar_optim::{AdamW, AdamWConfig, Optimizer};
 use tpar_parallel_styles::{fully_shard, loss_parallel, FsdpConfig};
 use tpar_tensor::autograd::record;
 use tpar_tensor::{memory, DType, Device, Tensor};

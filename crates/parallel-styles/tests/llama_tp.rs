@@ -7,12 +7,11 @@ use std::time::Duration;
 
 use tpar_collectives::{spawn_with, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::{
-    call, named_parameters, reset_parameters, Args, LlamaConfig, LlamaForPretraining, Value,
-};
-use tpar_parallel_styles::llama_plans::{
+use tpar_models::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
 };
+use tpar_models::{LlamaConfig, LlamaForPretraining};
+use tpar_nn::{call, named_parameters, reset_parameters, Args, Value};
 use tpar_parallel_styles::{loss_parallel, trace, ParallelizePlan};
 use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 

@@ -8,14 +8,12 @@ use std::time::Duration;
 use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, SpawnConfig};
 use tpar_dtensor::{distribute_tensor, Placement};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::{
-    call, named_parameters, reset_parameters, Args, LlamaConfig, LlamaDecoderLayer,
-    LlamaForPretraining, NnError, Param, RotaryPositionEncoding, Value,
-};
-use tpar_parallel_styles::llama_plans::{
+use tpar_models::llama_plans::{
     check_llama_plan, megatron_layer_plan, parallelize_llama, parallelize_llama_with,
     sequence_parallel_layer_plan, top_level_plan,
 };
+use tpar_models::{LlamaConfig, LlamaDecoderLayer, LlamaForPretraining, RotaryPositionEncoding};
+use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Param, Value};
 use tpar_parallel_styles::{
     explain, loss_parallel, trace, ColwiseParallel, ParallelizePlan, PlanError, PrepareModuleInput,
     RowwiseParallel, SequenceParallel,

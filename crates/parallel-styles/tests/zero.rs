@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use tpar_collectives::{spawn, spawn_with, CollectiveKind, ReduceOp, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::optim::{AdamWConfig, Optimizer, Sgd, SgdConfig};
-use tpar_nn::{named_parameters, reset_parameters, LlamaForPretraining, NnError, Param};
-use tpar_parallel_styles::{PlanError, ZeroRedundancyOptimizer};
+use tpar_models::LlamaForPretraining;
+use tpar_nn::{named_parameters, reset_parameters, NnError, Param};
+use tpar_optim::ZeroRedundancyOptimizer;
+use tpar_optim::{AdamWConfig, Optimizer, Sgd, SgdConfig};
+use tpar_parallel_styles::PlanError;
 use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 
 mod common;
@@ -36,7 +38,7 @@ fn zero1_three_steps_equal_single_rank_training() {
 /// layouts add an all_reduce over tp and count replicated parameters once).
 #[test]
 fn zero1_reduced_gradients_and_norm_equal_the_unsharded_model() {
-    use tpar_nn::optim::clip_grad_norm;
+    use tpar_optim::clip_grad_norm;
     let (ids, tgt) = common::global_batch();
     let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
     reset_parameters(&mut model, Device::Cpu, 3).unwrap();
@@ -54,7 +56,7 @@ fn zero1_reduced_gradients_and_norm_equal_the_unsharded_model() {
                 DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
             let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
             if tp > 1 {
-                use tpar_parallel_styles::llama_plans::{megatron_layer_plan, parallelize_llama};
+                use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
                 parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())
                     .map_err(plan_err)?;
             }

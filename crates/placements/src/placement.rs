@@ -33,8 +33,7 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// The four operators a `Partial` placement supports, in declaration order.
-    pub const PARTIAL: [ReduceOp; 4] =
-        [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+    pub const PARTIAL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
     /// Every operator, in declaration order (what collectives accept).
     pub const ALL: [ReduceOp; 5] =

@@ -8,15 +8,13 @@ use std::time::Duration;
 
 use tpar_collectives::{spawn_with, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_nn::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
-use tpar_nn::{
-    call, named_parameters, reset_parameters, Args, LlamaConfig, LlamaForPretraining, NnError,
-    Value,
-};
-use tpar_parallel_styles::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_models::{LlamaConfig, LlamaForPretraining};
+use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Value};
+use tpar_optim::ZeroRedundancyOptimizer;
+use tpar_optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
 use tpar_parallel_styles::{
     fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, PlanError,
-    ZeroRedundancyOptimizer,
 };
 use tpar_tensor::{DType, Device, Tensor};
 

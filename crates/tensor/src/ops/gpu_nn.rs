@@ -695,7 +695,7 @@ fn require_f32(op: &'static str, t: &Tensor) -> Result<()> {
 
 impl Tensor {
     /// One fused AdamW step on this CUDA parameter, in place, for optimizers
-    /// (`tpar_nn::optim::AdamW` calls it for parameters on a CUDA device).
+    /// (`tpar_optim::AdamW` calls it for parameters on a CUDA device).
     ///
     /// The parameter is f32, bf16 or f16; `grad` has its dtype or is f32;
     /// `exp_avg` and `exp_avg_sq` are f32 moment buffers, updated in place.
@@ -728,7 +728,7 @@ impl Tensor {
     }
 
     /// One SGD step on this CUDA parameter, in place, for optimizers
-    /// (`tpar_nn::optim::Sgd` calls it for parameters on a CUDA device), as
+    /// (`tpar_optim::Sgd` calls it for parameters on a CUDA device), as
     /// `torch.optim.SGD`:
     ///
     /// ```text

@@ -2,8 +2,8 @@
 //! device: the same steps as on the CPU, updated in place on the device.
 
 use tpar_kernels::cuda::emu::EmulatedGpu;
-use tpar_nn::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tpar_nn::Param;
+use tpar_optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tpar_tensor::{gpu, DType, Device, Rng, Tensor};
 
 const DEV: Device = Device::Cuda(0);

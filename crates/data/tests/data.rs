@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use tpar_nn::data::{
+use tpar_data::{
     collate, default_corpus, default_documents, load_documents, split_documents, ByteTokenizer,
     DistributedSampler, HfTokenizer, PretrainingDataset, Tokenizer,
 };

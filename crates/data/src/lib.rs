@@ -4,7 +4,7 @@
 //! in the crate ([`default_corpus`]) so a trainer runs with no download.
 //!
 //! ```
-//! use tpar_nn::data::{default_documents, ByteTokenizer, DistributedSampler, PretrainingDataset};
+//! use tpar_data::{default_documents, ByteTokenizer, DistributedSampler, PretrainingDataset};
 //! let docs = default_documents();
 //! let ds = PretrainingDataset::new(&docs, &ByteTokenizer, 32)?;
 //! // dp rank 1 of 2: every tp rank of that dp group builds the same sampler.
@@ -13,8 +13,10 @@
 //! let indices = sampler.indices(ds.len());
 //! let batch = ds.batch(&indices[..4])?;
 //! assert_eq!(batch.input_ids.dims(), &[4, 32]);
-//! # Ok::<(), tpar_nn::NnError>(())
+//! # Ok::<(), tpar_data::DataError>(())
 //! ```
+
+#![warn(missing_docs)]
 
 mod hf;
 
@@ -22,12 +24,28 @@ use std::path::Path;
 
 use tpar_tensor::Tensor;
 
-use crate::{NnError, Result};
-
 pub use hf::HfTokenizer;
 
-fn config_err(what: impl Into<String>) -> NnError {
-    NnError::Config { what: what.into() }
+/// Errors of the data pipeline: bad files, bad settings, and tensor errors while
+/// building batches.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DataError {
+    /// A file, a tokenizer or a setting that cannot work, with the numbers or the path.
+    #[error("{what}")]
+    Config {
+        /// What is wrong.
+        what: String,
+    },
+    /// A tensor op failed while building a batch.
+    #[error(transparent)]
+    Tensor(#[from] tpar_tensor::TensorError),
+}
+
+/// `Result` with [`DataError`].
+pub type Result<T, E = DataError> = std::result::Result<T, E>;
+
+fn config_err(what: impl Into<String>) -> DataError {
+    DataError::Config { what: what.into() }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -343,7 +361,7 @@ pub struct Batch {
     pub input_ids: Tensor,
     /// Target token ids (`[PAD]` where ignored).
     pub target_ids: Tensor,
-    /// 1 for tokens, 0 for padding (for [`crate::causal_padding_mask`]).
+    /// 1 for tokens, 0 for padding (the form `tpar_models::causal_padding_mask` takes).
     pub attention_mask: Tensor,
 }
 

@@ -1,7 +1,7 @@
 //! ZeRO-1: optimizer-state sharding over data parallelism, the lighter alternative to
 //! FSDP.
 //!
-//! Every dp rank holds every parameter (as with [`DataParallel`](crate::DataParallel)),
+//! Every dp rank holds every parameter (as with [`DataParallel`](tpar_parallel_styles::DataParallel)),
 //! but the optimizer state only for its share of them. The parameters of one dtype are
 //! laid end to end, flattened, in parameter order (a *bucket*, as DeepSpeed's stage 1
 //! does); dp rank `r` owns the `torch.chunk` range `r` of each bucket
@@ -33,7 +33,7 @@
 //!
 //! **Clipping.** After `reduce_gradients` the full gradients are gone and each rank
 //! holds only its range's averaged gradient, so the free function
-//! [`tpar_nn::optim::clip_grad_norm`] over the model's parameters does not apply (it
+//! [`crate::clip_grad_norm`] over the model's parameters does not apply (it
 //! would see no gradients, or, called before the reduction, each rank's unaveraged
 //! ones). Call [`ZeroRedundancyOptimizer::clip_grad_norm`] between the backward and
 //! `step`: it reduce-scatters, computes the global L2 norm from the ranges (one
@@ -45,17 +45,17 @@
 //! every dp rank passes the same parameter list. FSDP parameters are refused (FSDP
 //! shards the optimizer state already).
 //!
-//! [`DataParallel::new`]: crate::DataParallel::new
+//! [`DataParallel::new`]: tpar_parallel_styles::DataParallel::new
 
 use std::collections::BTreeMap;
 
+use crate::{sum_over_groups, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tpar_collectives::{chunk_range, ProcessGroup, ReduceOp};
 use tpar_mesh::DeviceMesh;
-use tpar_nn::optim::{sum_over_groups, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tpar_nn::{NnError, Param};
 use tpar_tensor::{no_grad, DType, Device, Tensor};
 
-use crate::{PlanError, Result};
+use tpar_parallel_styles::{PlanError, Result};
 
 /// This rank's part of one parameter: elements `start..start + leaf.numel()` of the
 /// flattened parameter, as a leaf the inner optimizer steps.
@@ -99,9 +99,8 @@ struct Bucket {
 /// ```
 /// use tpar_collectives::spawn;
 /// use tpar_mesh::{DeviceMesh, DeviceType};
-/// use tpar_nn::optim::{AdamWConfig, Optimizer};
+/// use tpar_optim::{AdamWConfig, Optimizer, ZeroRedundancyOptimizer};
 /// use tpar_nn::{NnError, Param};
-/// use tpar_parallel_styles::ZeroRedundancyOptimizer;
 /// use tpar_tensor::Tensor;
 /// spawn(2, |ctx| -> Result<(), NnError> {
 ///     let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;

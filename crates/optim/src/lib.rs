@@ -14,7 +14,7 @@
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
 //! ```
-//! use tpar_nn::optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, SequentialLR};
+//! use tpar_optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, SequentialLR};
 //! use tpar_nn::Param;
 //! use tpar_tensor::{DType, Tensor};
 //! let w = Tensor::from_vec(vec![1.0f32, -2.0], [2])?.requires_grad_(true);
@@ -23,7 +23,7 @@
 //! let mut sched = LrScheduler::new(SequentialLR::warmup_cosine(2, 10, 0.1, 0.0)?, &mut opt);
 //! for _ in 0..3 {
 //!     w.square()?.sum_all()?.backward()?;
-//!     tpar_nn::optim::clip_grad_norm(&params, 1.0)?;
+//!     tpar_optim::clip_grad_norm(&params, 1.0)?;
 //!     opt.step()?;
 //!     opt.zero_grad();
 //!     sched.step(&mut opt);
@@ -31,6 +31,8 @@
 //! assert!(w.to_vec::<f32>()?[0] < 1.0);
 //! # Ok::<(), tpar_nn::NnError>(())
 //! ```
+
+#![warn(missing_docs)]
 
 use std::collections::HashMap;
 use std::f64::consts::PI;
@@ -41,7 +43,10 @@ use tpar_kernels::adamw::{adamw_step, AdamWParams};
 use tpar_kernels::{Acc, Float};
 use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, TensorError};
 
-use crate::{NnError, Param, Result};
+use tpar_nn::{NnError, Param, Result};
+
+mod zero;
+pub use zero::ZeroRedundancyOptimizer;
 
 // ---------------------------------------------------------------------------------------
 // The optimizer trait and shared state storage
@@ -356,7 +361,7 @@ impl AdamW {
         AdamW::with_names(numbered(params), config)
     }
 
-    /// AdamW over named parameters (e.g. from [`crate::named_parameters`]).
+    /// AdamW over named parameters (e.g. from [`tpar_nn::named_parameters`]).
     pub fn with_names(params: Vec<(String, Param)>, config: AdamWConfig) -> Result<AdamW> {
         config.check()?;
         let state = vec![None; params.len()];

@@ -6,11 +6,11 @@ use std::f64::consts::PI;
 use tpar_collectives::{spawn, CollectiveKind};
 use tpar_dtensor::{distribute_tensor, DTensor, DeviceMesh, Placement, ReduceOp};
 use tpar_mesh::DeviceType;
-use tpar_nn::optim::{
+use tpar_nn::{NnError, Param};
+use tpar_optim::{
     clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrSchedule, LrScheduler,
     Optimizer, SequentialLR, Sgd, SgdConfig,
 };
-use tpar_nn::{NnError, Param};
 use tpar_tensor::{DType, Tensor};
 
 use Placement::{Replicate, Shard};

@@ -3,13 +3,12 @@
 
 use tpar_dtensor::Placement::{self, Replicate, Shard};
 use tpar_mesh::DeviceMesh;
-use tpar_nn::LlamaForPretraining;
-
-use crate::plan::{apply_plan, check_plan};
-use crate::{
-    matches, ColwiseParallel, ParallelizePlan, PlanError, PrepareModuleInput, Result,
-    RowwiseParallel, SequenceParallel, StyleLayouts,
+use tpar_parallel_styles::{
+    apply_plan, check_plan, matches, ColwiseParallel, ParallelizePlan, PlanError,
+    PrepareModuleInput, Result, RowwiseParallel, SequenceParallel, StyleLayouts,
 };
+
+use crate::LlamaForPretraining;
 
 /// The top-level plan shared by both layer plans: vocab-parallel embedding producing
 /// sequence-sharded activations, sequence-parallel final norm, and a colwise lm_head

@@ -2,14 +2,15 @@
 //! SwiGLU MLP, RMSNorm, with the module names of the reference implementation
 //! (`base_model.layers.3.self_attn.q_proj`, ...).
 
-use std::any::Any;
 use std::sync::Arc;
 
 use tpar_tensor::{DType, Device, RopeLayout, Tensor};
 
-use crate::layers::{add_values, module_boilerplate, Embedding, Linear, ModuleList, RmsNorm};
-use crate::module::{call, ModuleCore};
-use crate::{Args, Module, NnError, Result, Value};
+use tpar_nn::layers::add_values;
+use tpar_nn::{
+    call, module_boilerplate, Args, AttentionHeads, Embedding, Linear, Module, ModuleCore,
+    ModuleList, NnError, Result, RmsNorm, Value,
+};
 
 /// Sizes of a Llama model.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -327,6 +328,17 @@ impl Module for LlamaAttention {
         let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
         let a = a.transpose(1, 2)?.reshape([b, s, hq * hd])?;
         call(&self.o_proj, Args::one(a))
+    }
+
+    fn attention_heads(&self) -> Option<AttentionHeads> {
+        Some(AttentionHeads {
+            head_dim: self.head_dim,
+            projections: vec![
+                ("q_proj", self.q_proj.out_features()),
+                ("k_proj", self.k_proj.out_features()),
+                ("v_proj", self.v_proj.out_features()),
+            ],
+        })
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {

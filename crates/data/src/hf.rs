@@ -31,7 +31,7 @@ use crate::Result;
 
 type Map = serde_json::Map<String, Value>;
 
-fn err(what: impl Into<String>) -> crate::NnError {
+fn err(what: impl Into<String>) -> crate::DataError {
     config_err(format!("tokenizer.json: {}", what.into()))
 }
 
