@@ -299,6 +299,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     memory::reset_peak(rank);
     let trips0 = tpar::tensor::gpu::host_round_trips();
     let dp_group = mesh.group_of("dp")?.clone();
+    // `with loss_parallel():` for the whole loop: `loss.backward()` is right for the
+    // plan's vocab-sharded loss and for a plain one alike.
+    let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
     let t0 = Instant::now();
     let (mut first, mut last, mut tokens) = (f64::NAN, f64::NAN, 0usize);
     let mut step = 0;
@@ -311,25 +314,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 break 'outer;
             }
             let batch = dataset.batch(chunk)?.to_device(device)?;
-            let (b, s) = (batch.input_ids.dims()[0], batch.input_ids.dims()[1]);
             unshard(&model)?;
-            let logits = call(
-                &model,
-                Args::new(vec![
-                    Value::Tensor(batch.input_ids.clone()),
-                    Value::Tensor(batch.attention_mask.clone()),
-                ]),
-            )?;
-            let logits = match logits {
-                Value::Tensor(t) => Value::Tensor(t.reshape([b * s, cfg.vocab_size])?),
-                Value::DTensor(d) => {
-                    Value::DTensor(d.view(&[(b * s) as isize, cfg.vocab_size as isize])?)
-                }
-                other => other,
-            };
-            let loss =
-                loss_parallel::cross_entropy(&logits, &batch.target_ids.reshape([b * s])?, pad)?;
-            loss_parallel::backward(&loss, &mesh["tp"])?;
+            // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
+            let logits = model
+                .logits(&batch.input_ids, Some(&batch.attention_mask))?
+                .reshape(&[-1, cfg.vocab_size as isize])?;
+            let loss = logits
+                .cross_entropy(&batch.target_ids.reshape([batch.target_ids.numel()])?, pad)?;
+            loss.backward()?;
             if let (Some(ddp), DpMode::Ddp) = (&ddp, o.dp_mode) {
                 ddp.sync_gradients(&model)?;
             }
@@ -338,12 +330,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             let lr = sched.step(opt.get());
             opt.get().zero_grad();
             // The loss averaged over dp ranks, for the log.
-            let local = match &loss {
-                Value::DTensor(d) => d.to_local(),
-                Value::Tensor(t) => t.clone(),
-                _ => Tensor::scalar(f64::NAN, DType::F32),
-            };
-            let l = dp_group.all_reduce(&local.detach(), ReduceOp::Avg)?.item()?;
+            let local = Tensor::scalar(loss.item()?, DType::F64);
+            let l = dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?;
             first = if step == 0 { l } else { first };
             last = l;
             tokens += batch.num_tokens()? * o.dp;

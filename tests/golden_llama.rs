@@ -95,13 +95,17 @@ struct Outcome {
 }
 
 /// Forward, loss and backward of `model` on `rows` of the golden batch (`prefix` is ""
-/// for the padded batch with its mask, "causal." for the unmasked one).
+/// for the padded batch with its mask, "causal." for the unmasked one, "additive." for
+/// the padded batch with the additive form of its mask). `typed` calls the model as a
+/// trainer would (`logits`, `Value::reshape`, `Value::cross_entropy`, `loss.backward()`
+/// inside `loss_parallel::enable`), else through `call` and `loss_parallel`'s functions.
 fn run(
     model: &LlamaForPretraining,
     file: &Files,
     prefix: &str,
     rows: std::ops::Range<usize>,
     tp: Option<&DeviceMesh>,
+    typed: bool,
 ) -> Result<Outcome, NnError> {
     let (r0, nr) = (rows.start, rows.len());
     // The additive mask is the padded batch's mask in the `[b, 1, s, s]` form.
@@ -109,30 +113,42 @@ fn run(
     let input = ids(golden::get(file, &format!("{data}input_ids"))).narrow(0, r0, nr)?;
     let labels = ids(golden::get(file, &format!("{data}labels"))).narrow(0, r0, nr)?;
     let (s, v) = (input.dims()[1], config().vocab_size);
-    let mut args = vec![Value::Tensor(input)];
-    if prefix.is_empty() {
-        args.push(Value::Tensor(ids(golden::get(file, "attention_mask")).narrow(0, r0, nr)?));
-    } else if prefix == "additive." {
-        args.push(Value::Tensor(additive_mask(file).narrow(0, r0, nr)?));
-    }
-    let logits = call(model, Args::new(args))?;
-    let (logits, flat) = match logits {
-        Value::DTensor(d) => {
-            (d.full_tensor()?, Value::DTensor(d.view(&[(nr * s) as isize, v as isize])?))
+    let mask = match prefix {
+        "" => Some(ids(golden::get(file, "attention_mask")).narrow(0, r0, nr)?),
+        "additive." => Some(additive_mask(file).narrow(0, r0, nr)?),
+        _ => None,
+    };
+    let labels = labels.reshape([nr * s])?;
+    let (logits, loss) = if typed {
+        // What a trainer writes: one handle for plain and sharded logits, and
+        // `loss.backward()` inside loss_parallel's scope.
+        let out = model.logits(&input, mask.as_ref())?;
+        let loss = out.reshape(&[-1, v as isize])?.cross_entropy(&labels, -100)?;
+        let _scope = tp.map(loss_parallel::enable);
+        loss.backward()?;
+        (out, loss)
+    } else {
+        let mut args = vec![Value::Tensor(input)];
+        args.extend(mask.map(Value::Tensor));
+        let out = call(model, Args::new(args))?;
+        let flat = match &out {
+            Value::DTensor(d) => Value::DTensor(d.view(&[(nr * s) as isize, v as isize])?),
+            Value::Tensor(t) => Value::Tensor(t.reshape([nr * s, v])?),
+            other => panic!("logits: {other:?}"),
+        };
+        let loss = loss_parallel::cross_entropy(&flat, &labels, -100)?;
+        match tp {
+            Some(tp) => loss_parallel::backward(&loss, tp)?,
+            None => loss.clone().into_tensor("loss")?.backward()?,
         }
-        Value::Tensor(t) => (t.detach(), Value::Tensor(t.reshape([nr * s, v])?)),
+        (out, loss)
+    };
+    let loss_value = loss.item()?;
+    let logits = match logits {
+        Value::DTensor(d) => d.full_tensor()?,
+        Value::Tensor(t) => t.detach(),
         other => panic!("logits: {other:?}"),
     };
-    let loss = loss_parallel::cross_entropy(&flat, &labels.reshape([nr * s])?, -100)?;
-    let loss_value = match &loss {
-        Value::DTensor(d) => d.to_local().item()?,
-        Value::Tensor(t) => t.item()?,
-        other => panic!("loss: {other:?}"),
-    };
-    match tp {
-        Some(tp) => loss_parallel::backward(&loss, tp)?,
-        None => loss.into_tensor("loss")?.backward()?,
-    }
     let mut grads = BTreeMap::new();
     for (n, p) in named_parameters(model) {
         let g = p.grad()?.unwrap_or_else(|| panic!("{n} has no gradient"));
@@ -185,8 +201,12 @@ fn single_rank_llama_equals_pytorch() {
     for prefix in ["", "causal.", "additive."] {
         let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
         load_golden_params(&mut model, &file).unwrap();
-        let out = run(&model, &file, prefix, 0..4, None).unwrap();
+        let out = run(&model, &file, prefix, 0..4, None, false).unwrap();
         check(&format!("single rank {prefix}"), &out, &file, prefix, 0..4);
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
+        load_golden_params(&mut model, &file).unwrap();
+        let out = run(&model, &file, prefix, 0..4, None, true).unwrap();
+        check(&format!("single rank typed {prefix}"), &out, &file, prefix, 0..4);
     }
 }
 
@@ -196,7 +216,7 @@ fn plan_err(e: impl std::fmt::Display) -> NnError {
 
 /// dp = 2 (FSDP per layer, then the model) x tp = 2 under `plan`; each dp rank runs two
 /// of the four rows.
-fn two_by_two(plan: fn() -> ParallelizePlan, name: &str) {
+fn two_by_two(plan: fn() -> ParallelizePlan, name: &str, typed: bool) {
     let file = golden::load("llama.safetensors");
     for prefix in ["", "causal.", "additive."] {
         let outs = spawn_with(SpawnConfig::new(4).timeout(Duration::from_secs(120)), |ctx| {
@@ -212,7 +232,10 @@ fn two_by_two(plan: fn() -> ParallelizePlan, name: &str) {
             load_golden_params(&mut model, &file)?;
             unshard(&model).map_err(plan_err)?;
             let r = mesh["dp"].local_rank();
-            Ok::<_, NnError>((r, run(&model, &file, prefix, 2 * r..2 * r + 2, Some(&mesh["tp"]))?))
+            Ok::<_, NnError>((
+                r,
+                run(&model, &file, prefix, 2 * r..2 * r + 2, Some(&mesh["tp"]), typed)?,
+            ))
         })
         .unwrap_or_else(|e| panic!("2x2 {name} {prefix}: {e}"));
         for (rank, (r, out)) in outs.iter().enumerate() {
@@ -229,12 +252,13 @@ fn two_by_two(plan: fn() -> ParallelizePlan, name: &str) {
 
 #[test]
 fn fsdp_x_megatron_llama_equals_pytorch() {
-    two_by_two(megatron_layer_plan, "megatron");
+    two_by_two(megatron_layer_plan, "megatron", false);
+    two_by_two(megatron_layer_plan, "megatron typed", true);
 }
 
 #[test]
 fn fsdp_x_sequence_parallel_llama_equals_pytorch() {
-    two_by_two(sequence_parallel_layer_plan, "sequence-parallel");
+    two_by_two(sequence_parallel_layer_plan, "sequence-parallel", true);
 }
 
 #[test]

@@ -618,6 +618,23 @@ impl LlamaForPretraining {
     }
 }
 
+impl LlamaForPretraining {
+    /// `model(input_ids, attention_mask)`: the logits `[b, s, vocab]` for token ids
+    /// `[b, s]` (i64), through the module's hooks (so parallel styles apply). `mask` is
+    /// `None` for plain causal attention, a `[b, s]` padding mask (1 for tokens) or an
+    /// additive `[b, 1, s, s]` float mask ([`LlamaModel`]'s forward). The logits are a
+    /// plain tensor, or a vocab-sharded DTensor under a plan whose lm_head keeps them
+    /// distributed; [`Value::reshape`], [`Value::cross_entropy`] and [`Value::backward`]
+    /// treat both alike.
+    pub fn logits(&self, input_ids: &Tensor, mask: Option<&Tensor>) -> Result<Value> {
+        let mut args = vec![Value::Tensor(input_ids.clone())];
+        if let Some(m) = mask {
+            args.push(Value::Tensor(m.clone()));
+        }
+        call(self, Args::new(args))
+    }
+}
+
 impl Module for LlamaForPretraining {
     fn type_name(&self) -> &'static str {
         "LlamaForPretraining"

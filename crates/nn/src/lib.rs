@@ -18,4 +18,4 @@ pub use module::{
     visit_modules_mut, AttentionHeads, ForwardHook, Init, Module, ModuleCore, ParamSlot,
 };
 pub use param::{ComputeParam, GradLayout, Param};
-pub use value::{Args, Value};
+pub use value::{replicated_loss_scope, Args, ReplicatedLossScope, Value};

@@ -2,11 +2,13 @@
 //! (RoPE tables, masks) that parallel styles pass through untouched.
 
 use std::any::Any;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
-use tpar_dtensor::DTensor;
+use tpar_dtensor::{DTensor, Placement};
+use tpar_mesh::DeviceMesh;
 use tpar_tensor::Tensor;
 
 use crate::{NnError, Result};
@@ -72,6 +74,68 @@ impl Value {
         }
     }
 
+    /// The same values in a new shape, for a plain tensor or a DTensor alike (one `-1`
+    /// dim is inferred): `logits.reshape(&[-1, vocab])`. A DTensor keeps its sharding
+    /// where the new shape allows it ([`DTensor::view`]).
+    pub fn reshape(&self, dims: &[isize]) -> Result<Value> {
+        match self {
+            Value::Tensor(t) => {
+                let shape = infer_shape("reshape", t.numel(), dims)?;
+                Ok(Value::Tensor(t.reshape(shape)?))
+            }
+            Value::DTensor(d) => Ok(Value::DTensor(d.view(dims)?)),
+            other => Err(not_a_tensor("reshape", other)),
+        }
+    }
+
+    /// Mean cross-entropy of these logits (`[rows, vocab]`) against i64 `targets`
+    /// (`[rows]`), skipping `ignore_index`: `F.cross_entropy`. Vocab-sharded DTensor
+    /// logits use the loss_parallel algorithm (per-rank max, sum-exp and target logit,
+    /// each reduced with one all_reduce of a `[rows]` vector, never the logits) and give a
+    /// `Replicate` DTensor loss; plain logits give a plain loss.
+    pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Value> {
+        match self {
+            Value::Tensor(l) => Ok(Value::Tensor(l.cross_entropy(targets, ignore_index)?)),
+            Value::DTensor(l) => {
+                let rep = vec![Placement::Replicate; l.mesh().ndim()];
+                let t = DTensor::from_local(targets, l.mesh(), &rep, Some(targets.dims()))?;
+                Ok(Value::DTensor(l.cross_entropy(&t, ignore_index)?))
+            }
+            other => Err(not_a_tensor("cross_entropy", other)),
+        }
+    }
+
+    /// Backpropagates this scalar loss, plain or distributed: `loss.backward()`.
+    ///
+    /// A DTensor loss seeds its own placements ([`DTensor::backward`]). A plain loss is
+    /// plain autograd, except inside a [`replicated_loss_scope`] (what
+    /// `loss_parallel::enable` opens): there the loss is taken as the same value on every
+    /// rank of the scope's mesh (`Replicate`), so the ranks' gradient contributions add
+    /// up to one gradient however many ranks computed it.
+    pub fn backward(&self) -> Result<()> {
+        match self {
+            Value::DTensor(d) => Ok(d.backward()?),
+            Value::Tensor(t) => match REPLICATED_LOSS_MESH.with(|m| m.borrow().last().cloned()) {
+                Some(mesh) => {
+                    let rep = vec![Placement::Replicate; mesh.ndim()];
+                    Ok(DTensor::from_local(t, &mesh, &rep, Some(t.dims()))?.backward()?)
+                }
+                None => Ok(t.backward()?),
+            },
+            other => Err(not_a_tensor("backward", other)),
+        }
+    }
+
+    /// The value of a one-element tensor, plain or distributed (a DTensor is reduced to
+    /// its full value first, which communicates only for `Partial` placements).
+    pub fn item(&self) -> Result<f64> {
+        match self {
+            Value::Tensor(t) => Ok(t.item()?),
+            Value::DTensor(d) => Ok(d.full_tensor()?.item()?),
+            other => Err(not_a_tensor("item", other)),
+        }
+    }
+
     /// Downcasts an opaque value.
     pub fn opaque<T: Any + Send + Sync>(&self, who: &str) -> Result<Arc<T>> {
         match self {
@@ -84,6 +148,56 @@ impl Value {
                 what: format!("expected an opaque value, got {other:?}"),
             }),
         }
+    }
+}
+
+fn not_a_tensor(op: &str, v: &Value) -> NnError {
+    NnError::BadInput { module: op.to_string(), what: format!("expected a tensor, got {v:?}") }
+}
+
+/// `dims` with one `-1` resolved against `numel` elements.
+fn infer_shape(op: &str, numel: usize, dims: &[isize]) -> Result<Vec<usize>> {
+    let bad = |what: String| NnError::BadInput { module: op.to_string(), what };
+    let known: usize = dims.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+    let free = dims.iter().filter(|&&d| d < 0).count();
+    if free > 1 || dims.iter().any(|&d| d < -1) {
+        return Err(bad(format!("shape {dims:?}: at most one -1 and no other negative size")));
+    }
+    let fill = if free == 1 {
+        if known == 0 || numel % known != 0 {
+            return Err(bad(format!("shape {dims:?} does not fit {numel} elements")));
+        }
+        numel / known
+    } else {
+        0
+    };
+    Ok(dims.iter().map(|&d| if d < 0 { fill } else { d as usize }).collect())
+}
+
+thread_local! {
+    /// The meshes of the open [`replicated_loss_scope`]s on this thread, innermost last.
+    static REPLICATED_LOSS_MESH: RefCell<Vec<DeviceMesh>> = const { RefCell::new(Vec::new()) };
+}
+
+/// While the returned guard lives, [`Value::backward`] on this thread takes a plain loss
+/// as replicated over `mesh` (seeded once per mesh, not once per rank). Scopes nest; the
+/// innermost wins. Ranks as threads each open their own.
+pub fn replicated_loss_scope(mesh: &DeviceMesh) -> ReplicatedLossScope {
+    REPLICATED_LOSS_MESH.with(|m| m.borrow_mut().push(mesh.clone()));
+    ReplicatedLossScope { _not_send: std::marker::PhantomData }
+}
+
+/// Closes a [`replicated_loss_scope`] when dropped.
+#[must_use = "the scope ends when this guard is dropped"]
+pub struct ReplicatedLossScope {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for ReplicatedLossScope {
+    fn drop(&mut self) {
+        REPLICATED_LOSS_MESH.with(|m| {
+            m.borrow_mut().pop();
+        });
     }
 }
 

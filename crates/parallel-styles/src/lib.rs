@@ -12,7 +12,7 @@ mod explain;
 mod fsdp;
 pub mod loss_parallel {
     //! Cross-entropy on vocab-sharded logits (see [`cross_entropy`]).
-    pub use crate::loss::{backward, cross_entropy};
+    pub use crate::loss::{backward, cross_entropy, enable};
 }
 mod loss;
 mod plan;
