@@ -27,15 +27,8 @@ macro_rules! module_boilerplate {
     };
 }
 
-/// A parameter as a plain tensor: plain, or a DTensor replicated on every mesh dim
-/// (its local shard is the whole tensor).
 fn replicated_local(p: &ComputeParam) -> Option<Tensor> {
-    match p {
-        ComputeParam::Plain(t) => Some(t.clone()),
-        ComputeParam::Dist(d) => {
-            d.placements().iter().all(|p| p.is_replicate()).then(|| d.to_local())
-        }
-    }
+    p.replicated_local()
 }
 
 fn mixed(module: &str, x: &Value, p: &ComputeParam) -> NnError {

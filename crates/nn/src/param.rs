@@ -17,6 +17,21 @@ pub enum ComputeParam {
     Dist(DTensor),
 }
 
+impl ComputeParam {
+    /// The parameter as a plain tensor, for a layer computing on a plain input: the
+    /// plain tensor itself, or a DTensor replicated on every mesh dim (its local tensor
+    /// is the whole value; gradients flow into it as the rank's contribution). `None`
+    /// for a sharded or partial DTensor, which needs a DTensor input.
+    pub fn replicated_local(&self) -> Option<Tensor> {
+        match self {
+            ComputeParam::Plain(t) => Some(t.clone()),
+            ComputeParam::Dist(d) => {
+                d.placements().iter().all(|p| p.is_replicate()).then(|| d.to_local())
+            }
+        }
+    }
+}
+
 /// A module parameter.
 #[derive(Clone, Debug)]
 pub enum Param {
