@@ -85,9 +85,17 @@ impl SplitMix64 {
 /// In a 2-D (dp, tp) run every rank of one tp group must see the same batch, so use
 /// `num_replicas = mesh["dp"].size()` and `rank = mesh["dp"].local_rank()`.
 ///
-/// The shuffle is a Fisher–Yates permutation driven by SplitMix64 seeded with
-/// `seed + epoch`: deterministic per (seed, epoch) and the same on every rank, but not
-/// the permutation torch's generator would give.
+/// **Equal to torch's, and where it differs.** Without shuffling, every rank's indices
+/// equal torch's exactly. With shuffling, the order differs from torch's: the
+/// permutation is a Fisher–Yates shuffle driven by SplitMix64 seeded with
+/// `seed + epoch`, not `torch.randperm` under torch's generator. What stays equal is
+/// the structure: each rank's number of indices ([`DistributedSampler::num_samples`]),
+/// one permutation per (seed, epoch) shared by every rank (which depends on
+/// `seed + epoch` only, as torch's does), rank `r` taking its positions
+/// `r, r + num_replicas, ...`, and the padding (the permutation's first entries,
+/// wrapping around) or, with `drop_last`, the cut (the permutation's tail). A run
+/// resumed from a torch run's epoch therefore sees the same number of batches but
+/// different samples in them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DistributedSampler {
     num_replicas: usize,

@@ -1,6 +1,8 @@
-//! DTensor: distribute -> redistribute -> full_tensor round trips on random layouts,
-//! gradients through redistribute equal the unsharded ones, exact collective counts,
-//! and typed errors for bad input.
+//! DTensor: distribute -> redistribute -> full_tensor round trips on random layouts
+//! (`Partial` of every reduce op, with terms that differ per rank, reduced by a
+//! collective with that op), gradients through redistribute equal the unsharded ones
+//! (typed errors where a max/min partial has none), exact collective counts, and typed
+//! errors for bad input.
 
 use std::time::Duration;
 
@@ -28,11 +30,101 @@ fn run<R: Send>(
 }
 
 fn placement(code: u8, rank: usize) -> Placement {
-    match code % 4 {
-        0 | 1 if rank > 0 => Shard((code as usize / 4 % rank) as isize),
-        2 => Partial(ReduceOp::Sum),
+    match code % 8 {
+        0..=2 if rank > 0 => Shard((code as usize / 8 % rank) as isize),
+        3 => Partial(ReduceOp::Sum),
+        4 => Partial(ReduceOp::Avg),
+        5 => Partial(ReduceOp::Max),
+        6 => Partial(ReduceOp::Min),
         _ => Replicate,
     }
+}
+
+/// `codes` as placements for a tensor of `rank` dims; a `Partial` whose op does not
+/// commute with an earlier one in the list becomes `Replicate` (such lists have no
+/// order-independent value).
+fn placement_list(codes: &[u8], ndim: usize, rank: usize) -> Vec<Placement> {
+    let mut out: Vec<Placement> = Vec::with_capacity(ndim);
+    for &code in &codes[..ndim] {
+        let p = match placement(code, rank) {
+            Partial(op) if out.iter().any(|q| matches!(q, Partial(o) if !o.commutes_with(op))) => {
+                Replicate
+            }
+            p => p,
+        };
+        out.push(p);
+    }
+    out
+}
+
+/// Whether the backward of a redistribution between these placements is defined: only
+/// `Partial(sum)` and `Partial(avg)` are differentiable.
+fn differentiable(ps: &[Placement]) -> bool {
+    !ps.iter().any(|p| matches!(p, Partial(ReduceOp::Max | ReduceOp::Min)))
+}
+
+/// Per-rank offsets that make the `Partial` terms of `placements` differ from rank to
+/// rank while their reduction stays the value: for each mesh dim `i` with a `Partial`,
+/// one global tensor per coordinate along `i`. `sum`/`avg`: random tensors summing to
+/// zero elementwise. `max`/`min`: `-|n|` / `+|n|`, exactly zero at one randomly chosen
+/// coordinate per element (the term that wins the reduction is the value itself).
+fn partial_offsets(
+    mesh_shape: &[usize],
+    shape: &[usize],
+    placements: &[Placement],
+    rng: &mut Rng,
+) -> Vec<Option<Vec<Tensor>>> {
+    let numel: usize = shape.iter().product();
+    placements
+        .iter()
+        .zip(mesh_shape)
+        .map(|(p, &k)| {
+            let Partial(op) = p else { return None };
+            let mut terms: Vec<Vec<f64>> =
+                (0..k).map(|_| (0..numel).map(|_| rng.normal()).collect()).collect();
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => {
+                    for e in 0..numel {
+                        let rest: f64 = terms[..k - 1].iter().map(|t| t[e]).sum();
+                        terms[k - 1][e] = -rest;
+                    }
+                }
+                ReduceOp::Product => unreachable!("Partial(product) is not a placement"),
+                ReduceOp::Max | ReduceOp::Min => {
+                    let sign = if *op == ReduceOp::Max { -1.0 } else { 1.0 };
+                    for e in 0..numel {
+                        let winner = rng.below(k as u64) as usize;
+                        for (c, t) in terms.iter_mut().enumerate() {
+                            t[e] = if c == winner { 0.0 } else { sign * (t[e].abs() + 0.25) };
+                        }
+                    }
+                }
+            }
+            let tensors =
+                terms.into_iter().map(|t| Tensor::from_vec(t, shape.to_vec()).unwrap()).collect();
+            Some(tensors)
+        })
+        .collect()
+}
+
+/// This rank's term of `x` laid out as `placements`, made distinct per rank on
+/// `Partial` dims by `offsets` (see [`partial_offsets`]); a new leaf.
+fn distinct_terms(
+    x: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+    offsets: &[Option<Vec<Tensor>>],
+) -> Result<DTensor, DTensorError> {
+    let sliced: Vec<Placement> =
+        placements.iter().map(|p| if p.is_partial() { Replicate } else { *p }).collect();
+    let mut term = distribute_tensor(x, mesh, placements)?.to_local();
+    for (i, off) in offsets.iter().enumerate() {
+        if let Some(off) = off {
+            let piece = distribute_tensor(&off[mesh.coordinate()[i]], mesh, &sliced)?.to_local();
+            term = term.add(&piece)?;
+        }
+    }
+    DTensor::from_local(&term.requires_grad_(true), mesh, placements, Some(x.dims()))
 }
 
 fn meshes() -> impl Strategy<Value = Vec<usize>> {
@@ -44,10 +136,15 @@ fn shapes() -> impl Strategy<Value = Vec<usize>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, failure_persistence: None, ..ProptestConfig::default() })]
 
-    /// distribute(src) -> redistribute(dst) -> full_tensor is the original, and the
-    /// gradient of sum(full * w) reaching the sharded leaf is w, laid out as src.
+    /// from_local(distinct terms as src) -> redistribute(dst) -> full_tensor is the
+    /// original for every placement (`Partial` of each reduce op included, with terms
+    /// that differ per rank, so the op's reduction decides the value); every `Partial`
+    /// of src that dst changes is reduced by a collective with its own op. Where src and
+    /// dst have only sum/avg partials, the gradient of sum(full * w) reaching the leaf is
+    /// w, laid out as src; with a max/min partial the backward is a typed
+    /// `NotDifferentiable` error.
     #[test]
     fn redistribute_round_trips_with_gradients(
         mesh_shape in meshes(),
@@ -56,28 +153,135 @@ proptest! {
         dst_codes in prop::collection::vec(any::<u8>(), 2),
         seed in any::<u64>(),
     ) {
-        let r = shape.len();
-        let src: Vec<Placement> = (0..mesh_shape.len()).map(|i| placement(src_codes[i], r)).collect();
-        let dst: Vec<Placement> = (0..mesh_shape.len()).map(|i| placement(dst_codes[i], r)).collect();
+        let (n, r) = (mesh_shape.len(), shape.len());
+        let src = placement_list(&src_codes, n, r);
+        let dst = placement_list(&dst_codes, n, r);
         let mut rng = Rng::new(seed);
         let x = Tensor::randn(shape.clone(), DType::F64, &mut rng).unwrap();
         let w = Tensor::randn(shape.clone(), DType::F64, &mut rng).unwrap();
+        let offsets = partial_offsets(&mesh_shape, &shape, &src, &mut rng);
+        let smooth = differentiable(&src) && differentiable(&dst);
         let outs = run(&mesh_shape, |mesh, _| {
-            let d = distribute_tensor(&x.clone().requires_grad_(true), mesh, &src)?;
+            let d = distinct_terms(&x, mesh, &src, &offsets)?;
+            let dbg = mesh.group(0)?.comm_debug();
+            dbg.enable();
             let moved = d.redistribute(&dst)?;
+            dbg.disable();
+            let forward_ops: Vec<_> = dbg.take().iter().filter_map(|rec| rec.op).collect();
             let full = moved.full_tensor()?;
             let loss = full.mul(&w)?.sum_all()?;
             let rep = vec![Replicate; mesh.ndim()];
-            DTensor::from_local(&loss, mesh, &rep, Some(&[]))?.backward()?;
-            let g = d.grad()?.expect("a gradient");
-            assert_eq!(g.placements(), d.placements());
-            Ok((full.to_vec_f64()?, g.full_tensor()?.to_vec_f64()?, moved.to_local().dims().to_vec(), moved.spec().local_shape_and_offset()?.0))
+            let backward = DTensor::from_local(&loss, mesh, &rep, Some(&[]))?.backward();
+            let grad = match backward {
+                Ok(()) => {
+                    let g = d.grad()?.expect("a gradient");
+                    assert_eq!(g.placements(), d.placements());
+                    Ok(g.full_tensor()?.to_vec_f64()?)
+                }
+                Err(e) => Err(e),
+            };
+            Ok((full.to_vec_f64()?, grad, forward_ops, moved.to_local().dims().to_vec(), moved.spec().local_shape_and_offset()?.0))
         });
         let tol = Tol::for_dtype(DType::F64);
-        for (full, grad, local, want_local) in outs {
-            tol.check("round trip", &full, &x.to_vec_f64().unwrap()).unwrap();
-            tol.check("gradient", &grad, &w.to_vec_f64().unwrap()).unwrap();
+        let what = format!("{src:?} -> {dst:?} on mesh {mesh_shape:?}, shape {shape:?}");
+        for (full, grad, forward_ops, local, want_local) in outs {
+            tol.check(&format!("{what}: round trip"), &full, &x.to_vec_f64().unwrap()).unwrap();
+            for (i, (s, t)) in src.iter().zip(&dst).enumerate() {
+                if let (Partial(op), true) = (s, s != t && mesh_shape[i] > 1) {
+                    prop_assert!(
+                        forward_ops.contains(op),
+                        "{}: no {} collective in the forward ({:?})", what, op, forward_ops
+                    );
+                }
+            }
+            match grad {
+                Ok(grad) => {
+                    prop_assert!(smooth, "{}: backward through a max/min partial succeeded", what);
+                    tol.check(&format!("{what}: gradient"), &grad, &w.to_vec_f64().unwrap()).unwrap();
+                }
+                Err(DTensorError::NotDifferentiable { placement, .. }) => {
+                    prop_assert!(!smooth, "{}: {} reported not differentiable", what, placement);
+                    prop_assert!(placement == "P(max)" || placement == "P(min)", "{}: {}", what, placement);
+                }
+                Err(e) => prop_assert!(false, "{}: backward failed: {}", what, e),
+            }
             prop_assert_eq!(local, want_local);
+        }
+    }
+}
+
+/// Each reduce op over distinct per-rank terms on 3 ranks: `P(op) -> R` is one
+/// all_reduce and `P(op) -> S(0)` one reduce_scatter, each with the op itself, and the
+/// value is the op's reduction of the terms. The backward of `P(sum|avg) -> R` hands
+/// each term its gradient (`w`, or `w / 3` for avg); for `P(max|min)` it is a typed
+/// `NotDifferentiable` error.
+#[test]
+fn every_partial_op_reduces_distinct_terms_through_its_own_collective() {
+    let terms: [[f64; 6]; 3] = [
+        [1.0, -2.0, 0.5, 4.0, -3.0, 0.0],
+        [3.0, -1.0, -0.5, 2.0, 1.0, -1.0],
+        [-2.0, 5.0, 0.25, 1.0, 2.0, 7.0],
+    ];
+    let w = [0.5, -1.0, 2.0, 1.5, -0.25, 3.0];
+    for op in ReduceOp::PARTIAL {
+        let want: Vec<f64> = (0..6)
+            .map(|e| {
+                let col = terms.iter().map(|t| t[e]);
+                match op {
+                    ReduceOp::Sum => col.sum(),
+                    ReduceOp::Avg => col.sum::<f64>() / 3.0,
+                    ReduceOp::Max => col.fold(f64::NEG_INFINITY, f64::max),
+                    ReduceOp::Min => col.fold(f64::INFINITY, f64::min),
+                    ReduceOp::Product => unreachable!("Partial(product) is not a placement"),
+                }
+            })
+            .collect();
+        let out = run(&[3], |mesh, rank| {
+            let dbg = mesh.group(0)?.comm_debug();
+            let term = Tensor::from_vec(terms[rank].to_vec(), [6])?.requires_grad_(true);
+            let d = DTensor::from_local(&term, mesh, &[Partial(op)], Some(&[6]))?;
+            dbg.enable();
+            let rep = d.redistribute(&[Replicate])?;
+            let shard = d.redistribute(&[Shard(0)])?;
+            dbg.disable();
+            let recs = dbg.take();
+            let kinds: Vec<_> = recs.iter().map(|r| (r.kind, r.op, r.dtype, r.bytes)).collect();
+            let loss = rep.to_local().mul(&Tensor::from_vec(w.to_vec(), [6])?)?.sum_all()?;
+            let backward = DTensor::from_local(&loss, mesh, &[Replicate], Some(&[]))?.backward();
+            let grad = match backward {
+                Ok(()) => Ok(term.grad().expect("a gradient").to_vec_f64()?),
+                Err(e) => Err(e),
+            };
+            Ok((rep.to_local().to_vec_f64()?, shard.to_local().to_vec_f64()?, kinds, grad))
+        });
+        let cop = Some(op);
+        for (rank, (rep, shard, kinds, grad)) in out.into_iter().enumerate() {
+            let what = format!("P({op}) rank {rank}");
+            assert_eq!(
+                kinds,
+                vec![
+                    (CollectiveKind::AllReduce, cop, Some(DType::F64), 48),
+                    (CollectiveKind::ReduceScatter, cop, Some(DType::F64), 48),
+                ],
+                "{what}"
+            );
+            let tol = Tol::for_dtype(DType::F64);
+            tol.check(&format!("{what} -> R"), &rep, &want).unwrap();
+            tol.check(&format!("{what} -> S(0)"), &shard, &want[2 * rank..2 * rank + 2]).unwrap();
+            match (op, grad) {
+                (ReduceOp::Sum, Ok(g)) => tol.check(&what, &g, &w).unwrap(),
+                (ReduceOp::Avg, Ok(g)) => {
+                    let third: Vec<f64> = w.iter().map(|v| v / 3.0).collect();
+                    tol.check(&what, &g, &third).unwrap()
+                }
+                (
+                    ReduceOp::Max | ReduceOp::Min,
+                    Err(DTensorError::NotDifferentiable { placement, .. }),
+                ) => {
+                    assert_eq!(placement, format!("P({op})"), "{what}")
+                }
+                (_, other) => panic!("{what}: backward gave {other:?}"),
+            }
         }
     }
 }

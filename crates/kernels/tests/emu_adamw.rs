@@ -14,6 +14,33 @@ fn hyper(step: u64) -> AdamWParams {
     AdamWParams { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step }
 }
 
+/// Significant bits of a parameter dtype (f32 24, bf16 8, f16 11).
+fn bits<T: Float>() -> i32 {
+    match T::NAME {
+        "bf16" => 8,
+        "f16" => 11,
+        _ => 24,
+    }
+}
+
+/// Parameters after a step, GPU against CPU. Both compute in f32 and round once to `T`,
+/// so half dtypes agree to one ulp of each element; for the parameters here (|p| < 1.1)
+/// that is below one step's update (`lr` = 1e-2 per element on the first step), so a
+/// skipped or repeated step fails, which a tolerance of 1e-2 times the largest element
+/// would let pass. f32: [`tol`] as before.
+fn assert_step_close<T: Float>(what: &str, got: &[f64], want: &[f64]) {
+    if T::NAME == "f32" {
+        return assert_close(what, got, want, tol::<T>());
+    }
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let top = g.abs().max(w.abs()).max(f64::MIN_POSITIVE);
+        let ulp = 2f64.powi(top.log2().floor() as i32 + 1 - bits::<T>());
+        assert!(ulp < hyper(1).lr, "{what}[{i}]: an ulp at {top} hides a step");
+        assert!((g - w).abs() <= ulp, "{what}[{i}]: got {g}, want {w} (one ulp {ulp})");
+    }
+}
+
 /// Five GPU steps vs five CPU steps with the same gradients. `offset`
 /// elements in front of every buffer make them unaligned (element path).
 fn check_steps<T: Float<Acc = f32>>(seed: u64, n: usize, offset: usize) {
@@ -41,7 +68,7 @@ fn check_steps<T: Float<Acc = f32>>(seed: u64, n: usize, offset: usize) {
             .unwrap();
         }
         let w = format!("{what} step {step}");
-        assert_close(&format!("{w} param"), &f64s(&gp[offset..]), &f64s(&cp), tol::<T>());
+        assert_step_close::<T>(&format!("{w} param"), &f64s(&gp[offset..]), &f64s(&cp));
         assert_close(&format!("{w} exp_avg"), &f64s(&gm[offset..]), &f64s(&cm), 1e-5);
         assert_close(&format!("{w} exp_avg_sq"), &f64s(&gv[offset..]), &f64s(&cv), 1e-5);
     }
@@ -93,7 +120,7 @@ fn check_f32_grads<T: Float<Acc = f32>>(seed: u64, n: usize) {
             .unwrap();
         }
         let w = format!("adamw {} with f32 grads, step {step}", T::NAME);
-        assert_close(&format!("{w} param"), &f64s(&gp), &f64s(&cp), tol::<T>());
+        assert_step_close::<T>(&format!("{w} param"), &f64s(&gp), &f64s(&cp));
         assert_close(&format!("{w} exp_avg"), &f64s(&gm), &f64s(&cm), 1e-5);
         assert_close(&format!("{w} exp_avg_sq"), &f64s(&gv), &f64s(&cv), 1e-5);
     }

@@ -4,7 +4,7 @@
 use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_nn::Param;
 use tpar_optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use tpar_tensor::{gpu, DType, Device, Rng, Tensor};
+use tpar_tensor::{gpu, tol::Tol, DType, Device, Rng, Tensor};
 
 const DEV: Device = Device::Cuda(0);
 
@@ -17,6 +17,29 @@ fn tol(dtype: DType) -> f64 {
         DType::F32 => 1e-5,
         DType::F16 => 2e-3,
         _ => 1e-2,
+    }
+}
+
+/// One ulp at `x`'s magnitude in a half dtype (bf16 keeps 8 significant bits, f16 11).
+fn half_ulp(dtype: DType, x: f64) -> f64 {
+    let bits = if dtype == DType::BF16 { 8 } else { 11 };
+    2f64.powi(x.abs().max(f64::MIN_POSITIVE).log2().floor() as i32 + 1 - bits)
+}
+
+/// Parameters after an optimizer step, device against host. Half dtypes: within one ulp
+/// of the element itself (both sides compute in f32 and round once), which for the
+/// parameters here (|w| < 2) is below one AdamW step (`lr` = 1e-2 per element on the
+/// first step), so a skipped or repeated step fails; a tolerance relative to the largest
+/// element (as [`tol`]) would not see it. f32: [`tol`].
+fn assert_step_close(what: &str, dtype: DType, got: &Tensor, want: &Tensor) {
+    if dtype == DType::F32 {
+        return assert_close(what, got, want, tol(dtype));
+    }
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let (a, b) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let ulp = half_ulp(dtype, x.abs().max(y.abs()));
+        assert!((x - y).abs() <= ulp, "{what}: element {i}: device {x} vs host {y}");
     }
 }
 
@@ -33,17 +56,23 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
 fn params(dtype: DType, rng: &mut Rng) -> (Vec<Tensor>, Vec<Tensor>) {
     let host: Vec<Tensor> = [&[3usize, 5][..], &[7], &[2, 2, 4]]
         .iter()
-        .map(|d| Tensor::randn(*d, dtype, rng).unwrap().requires_grad_(true))
+        .map(|d| {
+            Tensor::randn(*d, dtype, rng).unwrap().mul_scalar(0.5).unwrap().requires_grad_(true)
+        })
         .collect();
     let dev =
         host.iter().map(|t| t.detach().to_device(DEV).unwrap().requires_grad_(true)).collect();
     (host, dev)
 }
 
-/// Gives both sets of leaves the same random gradients (`grad_dtype`, or the leaf's).
+/// Gives both sets of leaves the same random gradients (`grad_dtype`, or the leaf's). The
+/// values are representable in the leaf's dtype, so a host step that first casts an f32
+/// gradient to a half leaf's dtype sees the same values as the device step reading it in
+/// f32, and the two can be compared to one ulp.
 fn set_grads(host: &[Tensor], dev: &[Tensor], grad_dtype: Option<DType>, rng: &mut Rng) {
     for (h, d) in host.iter().zip(dev) {
-        let g = Tensor::randn(h.shape().clone(), grad_dtype.unwrap_or(h.dtype()), rng).unwrap();
+        let g = Tensor::randn(h.shape().clone(), h.dtype(), rng).unwrap();
+        let g = g.to_dtype(grad_dtype.unwrap_or(h.dtype())).unwrap();
         d.set_grad(Some(g.to_device(DEV).unwrap()));
         h.set_grad(Some(g));
     }
@@ -76,7 +105,14 @@ fn adamw_steps_on_the_device_as_on_the_host() {
             for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
                 assert_eq!(d.device(), DEV);
                 let what = format!("{dtype:?} grads {grad_dtype:?} step {step} param {i}");
-                assert_close(&what, d, h, tol(dtype));
+                assert_step_close(&what, dtype, d, h);
+                let top = h.to_vec_f64().unwrap().iter().fold(0f64, |m, v| m.max(v.abs()));
+                if dtype != DType::F32 {
+                    assert!(
+                        half_ulp(dtype, top) < config.lr,
+                        "{what}: an ulp at {top} hides a step"
+                    );
+                }
             }
             opt_h.zero_grad();
             opt_d.zero_grad();
@@ -85,8 +121,11 @@ fn adamw_steps_on_the_device_as_on_the_host() {
         let (sh, sd) = (opt_h.state(0).unwrap().unwrap(), opt_d.state(0).unwrap().unwrap());
         assert_eq!(sd.step, 3);
         assert_eq!(sd.exp_avg.device(), DEV);
-        assert_close("exp_avg", &sd.exp_avg, &sh.exp_avg, 1e-2);
-        assert_close("exp_avg_sq", &sd.exp_avg_sq, &sh.exp_avg_sq, 1e-2);
+        // Moments are f32 for every parameter dtype: the f32 tolerance, not one for all.
+        let mtol = Tol::for_dtype(sh.exp_avg.dtype());
+        mtol.check_tensors(&format!("{dtype:?} exp_avg"), &sd.exp_avg, &sh.exp_avg).unwrap();
+        mtol.check_tensors(&format!("{dtype:?} exp_avg_sq"), &sd.exp_avg_sq, &sh.exp_avg_sq)
+            .unwrap();
     }
 }
 
@@ -134,7 +173,7 @@ fn sgd_steps_on_the_device_as_on_the_host() {
                 opt_d.step().unwrap();
                 assert_eq!(gpu::host_round_trips(), before, "SGD step must stay on the device");
                 for (h, d) in host.iter().zip(&dev) {
-                    assert_close(&format!("{dtype:?} {config:?} step {step}"), d, h, tol(dtype));
+                    assert_step_close(&format!("{dtype:?} {config:?} step {step}"), dtype, d, h);
                 }
                 opt_h.zero_grad();
                 opt_d.zero_grad();

@@ -1,11 +1,12 @@
 //! FSDP alone (dp = 2, 4) and TP x FSDP (2x2), and DDP: gradients of every parameter
 //! (gathered to full) equal the unsharded model's on the full global batch; gathered
-//! parameters are released after each unit's forward.
+//! parameters are released after each unit's forward; AdamW and plain SGD training equal
+//! single-rank training; collectives run in the configured (mixed-precision) dtypes.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, ReduceOp, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
 use tpar_models::LlamaForPretraining;
@@ -15,7 +16,8 @@ use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 
 mod common;
 use common::{
-    config, global_batch, loss_of, no_check, reference, shard_model, shard_model_with, train, Mode,
+    check_params, config, global_batch, loss_of, no_check, rank_grad, reference, reference_with,
+    shard_model, shard_model_with, train, train_with, Mode, Optim,
 };
 
 fn reference_grads() -> BTreeMap<String, Vec<f64>> {
@@ -116,6 +118,70 @@ fn ddp_gradients_equal_the_unsharded_model() {
     check(2, 2, "ddp");
 }
 
+/// DDP reduces each dtype's gradients in that dtype: with f32 and bf16 parameters,
+/// `sync_gradients` issues one all_reduce (avg) per dtype whose bytes are that dtype's
+/// gradient elements times its size, and leaves every gradient in its parameter's dtype
+/// equal to the mean over dp (exactly: the terms are small multiples of 1/4).
+#[test]
+fn ddp_all_reduces_each_dtype_in_that_dtype() {
+    use tpar_nn::{Linear, ModuleList};
+    let out = spawn_with(
+        SpawnConfig::new(2).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+            let mut model = ModuleList::new(vec![
+                Linear::new(5, 3, true, DType::F32, Device::Cpu)?,
+                Linear::new(4, 7, false, DType::BF16, Device::Cpu)?,
+                Linear::new(3, 2, true, DType::F32, Device::Cpu)?,
+            ]);
+            reset_parameters(&mut model, Device::Cpu, 5)?;
+            let ddp = DataParallel::new(&mut model, &mesh).map_err(common::plan_err)?;
+            let params = tpar_nn::parameters(&model);
+            for (i, p) in params.iter().enumerate() {
+                let t = p.trainable();
+                let g = rank_grad(i, ctx.rank(), t.numel());
+                t.set_grad(Some(Tensor::from_f64(&g, t.dims(), t.dtype())?));
+            }
+            let dbg = mesh.group(0)?.comm_debug();
+            dbg.enable();
+            ddp.sync_gradients(&model).map_err(common::plan_err)?;
+            dbg.disable();
+            let grads: Vec<(DType, DType, Vec<f64>)> = params
+                .iter()
+                .map(|p| {
+                    let (t, g) = (p.trainable(), p.trainable().grad().expect("a gradient"));
+                    Ok((t.dtype(), g.dtype(), g.to_vec_f64()?))
+                })
+                .collect::<Result<_, NnError>>()?;
+            Ok((dbg.take(), grads))
+        },
+    )
+    .unwrap();
+    // Elements per dtype: f32 5*3 + 3 + 3*2 + 2, bf16 4*7.
+    let mut want = vec![(DType::BF16, 28 * 2), (DType::F32, 26 * 4)];
+    want.sort_by_key(|(d, _)| d.name());
+    for (rank, (recs, grads)) in out.into_iter().enumerate() {
+        let mut got: Vec<(DType, usize)> = recs
+            .iter()
+            .map(|r| {
+                assert_eq!(
+                    (r.kind, r.op),
+                    (CollectiveKind::AllReduce, Some(ReduceOp::Avg)),
+                    "rank {rank}: {r}"
+                );
+                (r.dtype.expect("a dtype"), r.bytes)
+            })
+            .collect();
+        got.sort_by_key(|(d, _)| d.name());
+        assert_eq!(got, want, "rank {rank}: all_reduce dtypes and bytes");
+        for (i, (pd, gd, g)) in grads.into_iter().enumerate() {
+            assert_eq!(gd, pd, "rank {rank} parameter {i}: gradient dtype");
+            let mean: Vec<f64> = rank_grad(i, 0, g.len()).iter().map(|v| v * 1.5).collect();
+            assert_eq!(g, mean, "rank {rank} parameter {i} ({pd}): the mean over dp");
+        }
+    }
+}
+
 /// Three AdamW steps (with global grad-norm clipping) under each parallel layout leave
 /// every parameter equal to single-rank training on the full global batch.
 #[test]
@@ -133,6 +199,28 @@ fn three_optimizer_steps_equal_single_rank_training() {
                 )
                 .unwrap();
             }
+        }
+    }
+}
+
+/// Three plain SGD steps (no clipping) under each data-parallel layout equal single-rank
+/// SGD on the full global batch, update for update. SGD moves each parameter by `lr`
+/// times its gradient, so a gradient mis-scaled over dp (a sum instead of the mean)
+/// shows here, where AdamW's normalisation and clipping would divide it out.
+#[test]
+fn three_sgd_steps_equal_single_rank_sgd() {
+    let init = reference_with(Optim::Sgd, 0).params;
+    let want = reference_with(Optim::Sgd, 3).params;
+    let tol = Tol::for_dtype(DType::F32).scaled(20.0);
+    let fsdp = Mode::Fsdp(FsdpConfig::default());
+    for (dp, tp, mode) in
+        [(2, 1, fsdp), (4, 1, fsdp), (2, 2, fsdp), (2, 1, Mode::Ddp), (2, 2, Mode::Ddp)]
+    {
+        for (rank, t) in train_with(dp, tp, mode, Optim::Sgd, 3, false, no_check).iter().enumerate()
+        {
+            let what = format!("{mode:?} dp={dp} tp={tp} rank {rank} after 3 SGD steps");
+            let worst = check_params(&what, &t.params, &want, &init, tol, 1e-3);
+            println!("{what}: worst relative update error {worst:.2e}");
         }
     }
 }
@@ -185,6 +273,95 @@ fn fsdp_mixed_precision_computes_in_bf16_with_f32_master_shards() {
     .unwrap();
 }
 
+/// One rank's collectives of one FSDP forward and backward; each parameter's (tp-local)
+/// unsharded shape and dp shard shape; each master shard's gradient dtype.
+type Recorded = (Vec<CommRecord>, Vec<(Vec<usize>, Vec<usize>)>, Vec<DType>);
+
+/// [`Recorded`] on each rank for `cfg` at dp = 2.
+fn record_fsdp_step(cfg: FsdpConfig) -> Vec<Recorded> {
+    spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| -> Result<_, NnError> {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        shard_model_with(&mut model, &mesh, &cfg)?;
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        let (ids, tgt) = global_batch();
+        let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
+        let dbg = mesh.group(0)?.comm_debug();
+        dbg.enable();
+        unshard(&model).map_err(common::plan_err)?;
+        loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
+        dbg.disable();
+        let mut shapes = Vec::new();
+        let mut grad_dtypes = Vec::new();
+        for (name, p) in named_parameters(&model) {
+            let Param::Fsdp(f) = p else {
+                return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
+            };
+            shapes.push((f.local_shape().to_vec(), f.sharded().dims().to_vec()));
+            grad_dtypes.push(f.sharded().grad().expect("a reduced gradient").dtype());
+        }
+        Ok((dbg.take(), shapes, grad_dtypes))
+    })
+    .unwrap()
+}
+
+/// FSDP communicates in the configured dtypes: every all_gather of one forward and
+/// backward carries a parameter's dp shard in `param_dtype` (its bytes are the shard's
+/// elements times that dtype's size), and every parameter's gradient is reduce-scattered
+/// (averaged) exactly once, its whole unsharded shape in `reduce_dtype`; nothing else is
+/// communicated. The master shards and their gradients stay f32. Each setting differs
+/// from the others in one dtype: without mixed precision (f32, f32), bf16 with f32
+/// reductions, bf16 reduced in bf16, and f32 compute with bf16 reductions, so reducing in
+/// the parameter, compute or master dtype, or in a fixed one, fails one of them.
+#[test]
+fn fsdp_collectives_run_in_param_and_reduce_dtypes() {
+    let mp = |param_dtype, reduce_dtype| Some(MixedPrecision { param_dtype, reduce_dtype });
+    for mixed_precision in [
+        None,
+        mp(DType::BF16, DType::F32),
+        mp(DType::BF16, DType::BF16),
+        mp(DType::F32, DType::BF16),
+    ] {
+        let cfg = FsdpConfig { reshard_after_forward: true, mixed_precision };
+        let (pd, rd) =
+            mixed_precision.map_or((DType::F32, DType::F32), |m| (m.param_dtype, m.reduce_dtype));
+        for (rank, (recs, shapes, grad_dtypes)) in record_fsdp_step(cfg).into_iter().enumerate() {
+            let what = format!("param {pd}, reduce {rd}, rank {rank}");
+            let all: Vec<String> = recs.iter().map(|r| r.to_string()).collect();
+            let numel = |s: &[usize]| s.iter().product::<usize>();
+            let mut gathered = Vec::new();
+            let mut reduced = Vec::new();
+            for r in &recs {
+                match r.kind {
+                    CollectiveKind::AllGather => {
+                        assert_eq!(r.dtype, Some(pd), "{what}: {r}");
+                        assert_eq!(r.bytes, numel(&r.shape) * pd.size_in_bytes(), "{what}: {r}");
+                        gathered.push(r.shape.clone());
+                    }
+                    CollectiveKind::ReduceScatter => {
+                        assert_eq!((r.dtype, r.op), (Some(rd), Some(ReduceOp::Avg)), "{what}: {r}");
+                        assert_eq!(r.bytes, numel(&r.shape) * rd.size_in_bytes(), "{what}: {r}");
+                        reduced.push(r.shape.clone());
+                    }
+                    _ => panic!("{what}: unexpected {r} in {all:#?}"),
+                }
+            }
+            // Each parameter's gradient once; each parameter's shard gathered at least
+            // once (forward; again for backward after resharding).
+            let mut want_reduced: Vec<Vec<usize>> = shapes.iter().map(|(l, _)| l.clone()).collect();
+            want_reduced.sort();
+            reduced.sort();
+            assert_eq!(reduced, want_reduced, "{what}: reduce_scatter shapes in {all:#?}");
+            for (_, shard) in &shapes {
+                let i = gathered.iter().position(|g| g == shard);
+                let i = i.unwrap_or_else(|| panic!("{what}: shard {shard:?} never gathered"));
+                gathered.swap_remove(i);
+            }
+            assert!(grad_dtypes.iter().all(|d| *d == DType::F32), "{what}: {grad_dtypes:?}");
+        }
+    }
+}
+
 /// Three AdamW steps under bf16 mixed precision at dp = 2 (with a padding mask input)
 /// stay close to f32 single-rank training, and the loss falls.
 ///
@@ -214,6 +391,23 @@ fn fsdp_mixed_precision_trains_close_to_f32() {
             let rel = (err / norm).sqrt();
             assert!(rel <= UPDATE_REL_L2, "{what}: update off by {rel:.3} (relative L2)");
         }
+    }
+}
+
+/// Three plain SGD steps under bf16 mixed precision at dp = 2 track f32 single-rank SGD:
+/// each parameter's update over the run is within 5% (relative L2) of the f32 update.
+/// SGD's update is proportional to the dp-averaged gradient, so one reduced with the
+/// wrong scale (summed, or averaged twice) is 50-100% off; AdamW would hide it.
+#[test]
+fn fsdp_mixed_precision_sgd_tracks_f32_sgd() {
+    let init = reference_with(Optim::Sgd, 0).params;
+    let want = reference_with(Optim::Sgd, 3).params;
+    let got =
+        train_with(2, 1, Mode::Fsdp(BF16_MP), Optim::Sgd, 3, true, assert_bf16_compute_f32_master);
+    for (rank, t) in got.iter().enumerate() {
+        let what = format!("bf16 MP dp=2 rank {rank} after 3 SGD steps");
+        let worst = check_params(&what, &t.params, &want, &init, Tol::for_dtype(DType::BF16), 0.05);
+        println!("{what}: worst relative update error {worst:.3}");
     }
 }
 

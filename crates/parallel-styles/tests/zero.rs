@@ -1,7 +1,8 @@
-//! ZeRO-1 (`ZeroRedundancyOptimizer`): three AdamW steps with clipping equal single-rank
-//! training at dp = 2, 4 and TP x ZeRO 2x2; each rank holds about 1/dp of DDP's optimizer
-//! state; one step issues one reduce_scatter and one all_gather per dtype; uneven and
-//! empty ranges (SGD with momentum over tiny parameters); bad setups are typed errors.
+//! ZeRO-1 (`ZeroRedundancyOptimizer`): three AdamW steps with clipping, and three plain
+//! SGD steps, equal single-rank training at dp = 2, 4 and TP x ZeRO 2x2; each rank holds
+//! about 1/dp of DDP's optimizer state; one step issues one reduce_scatter and one
+//! all_gather per dtype, in that dtype; uneven and empty ranges (SGD with momentum over
+//! tiny parameters); bad setups are typed errors.
 
 use std::time::Duration;
 
@@ -15,7 +16,10 @@ use tpar_parallel_styles::PlanError;
 use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 
 mod common;
-use common::{config, no_check, plan_err, reference, shard_model, train, Mode, ADAMW};
+use common::{
+    check_params, config, no_check, plan_err, rank_grad, reference, reference_with, shard_model,
+    train, train_with, Mode, Optim, ADAMW,
+};
 
 #[test]
 fn zero1_three_steps_equal_single_rank_training() {
@@ -28,6 +32,111 @@ fn zero1_three_steps_equal_single_rank_training() {
                 let what = format!("ZeRO-1 dp={dp} tp={tp} rank {rank} {n} after 3 steps");
                 tol.check(&what, v, &want.params[n]).unwrap();
             }
+        }
+    }
+}
+
+/// Three plain SGD steps (no clipping) under ZeRO-1 equal single-rank SGD, update for
+/// update, at dp = 2, 4 and TP x ZeRO 2x2. SGD moves each parameter by `lr` times the
+/// reduce-scattered gradient, so one summed over dp instead of averaged shows here;
+/// AdamW's normalisation (and clipping) in the test above would divide it out.
+#[test]
+fn zero1_three_sgd_steps_equal_single_rank_sgd() {
+    let init = reference_with(Optim::Sgd, 0).params;
+    let want = reference_with(Optim::Sgd, 3).params;
+    let tol = Tol::for_dtype(DType::F32).scaled(20.0);
+    for (dp, tp) in [(2, 1), (4, 1), (2, 2)] {
+        let got = train_with(dp, tp, Mode::Zero1, Optim::Sgd, 3, false, no_check);
+        for (rank, t) in got.iter().enumerate() {
+            let what = format!("ZeRO-1 SGD dp={dp} tp={tp} rank {rank} after 3 steps");
+            check_params(&what, &t.params, &want, &init, tol, 1e-3);
+        }
+    }
+}
+
+/// ZeRO-1 reduces and gathers each dtype's bucket in that dtype: with f32 and bf16
+/// parameters, one step issues the f32 gradient-mask all_reduce (max), then per bucket one
+/// reduce_scatter (avg) of all its elements and one all_gather of this rank's range, each
+/// in the bucket's dtype with bytes to match; every parameter, in its own dtype, ends at
+/// `init - lr * mean gradient` (exact: the values are multiples of 1/8).
+#[test]
+fn zero1_reduces_and_gathers_each_dtype_bucket_in_its_dtype() {
+    let specs: [(&[usize], DType); 4] =
+        [(&[5, 3], DType::F32), (&[7], DType::BF16), (&[4], DType::F32), (&[2, 3], DType::BF16)];
+    let init = |i: usize, numel: usize| -> Vec<f64> {
+        (0..numel).map(|e| ((e * 5 + 2 * i) % 9) as f64 * 0.5 - 2.0).collect()
+    };
+    let cfg = SgdConfig { lr: 1.0, ..Default::default() };
+    let out = spawn(2, |ctx| -> Result<_, NnError> {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+        let ws: Vec<Tensor> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (dims, dt))| {
+                let n = dims.iter().product();
+                Ok(Tensor::from_f64(&init(i, n), *dims, *dt)?.requires_grad_(true))
+            })
+            .collect::<Result<_, NnError>>()?;
+        let named = ws.iter().enumerate().map(|(i, w)| (format!("w{i}"), Param::Tensor(w.clone())));
+        let mut opt =
+            ZeroRedundancyOptimizer::sgd(named.collect(), &mesh, cfg).map_err(plan_err)?;
+        for (i, w) in ws.iter().enumerate() {
+            let g = rank_grad(i, ctx.rank(), w.numel());
+            w.set_grad(Some(Tensor::from_f64(&g, w.dims(), w.dtype())?));
+        }
+        let dbg = mesh.group(0)?.comm_debug();
+        dbg.enable();
+        opt.step()?;
+        dbg.disable();
+        let vals: Vec<(DType, Vec<f64>)> =
+            ws.iter().map(|w| Ok((w.dtype(), w.to_vec_f64()?))).collect::<Result<_, NnError>>()?;
+        Ok((dbg.take(), vals))
+    })
+    .unwrap();
+    for (rank, (recs, vals)) in out.into_iter().enumerate() {
+        let all: Vec<String> = recs.iter().map(|r| r.to_string()).collect();
+        assert_eq!(recs.len(), 5, "rank {rank}: {all:#?}");
+        let mask = &recs[0];
+        assert_eq!(
+            (mask.kind, mask.op, mask.dtype, mask.bytes),
+            (CollectiveKind::AllReduce, Some(ReduceOp::Max), Some(DType::F32), 4 * 4),
+            "rank {rank}: {mask}"
+        );
+        for dt in [DType::F32, DType::BF16] {
+            let numel: usize = specs
+                .iter()
+                .filter(|(_, d)| *d == dt)
+                .map(|(dims, _)| dims.iter().product::<usize>())
+                .sum();
+            let of = |kind| -> Vec<_> {
+                recs.iter().filter(|r| r.kind == kind && r.dtype == Some(dt)).collect()
+            };
+            let rs = of(CollectiveKind::ReduceScatter);
+            assert_eq!(rs.len(), 1, "rank {rank}: one {dt} reduce_scatter in {all:#?}");
+            assert_eq!(
+                (rs[0].op, rs[0].bytes),
+                (Some(ReduceOp::Avg), numel * dt.size_in_bytes()),
+                "rank {rank}: {}",
+                rs[0]
+            );
+            let ag = of(CollectiveKind::AllGather);
+            assert_eq!(ag.len(), 1, "rank {rank}: one {dt} all_gather in {all:#?}");
+            let len = tpar_collectives::chunk_range(numel, 2, rank).1;
+            assert_eq!(
+                (ag[0].shape.clone(), ag[0].bytes),
+                (vec![len], len * dt.size_in_bytes()),
+                "rank {rank}: {}",
+                ag[0]
+            );
+        }
+        for (i, (dt, v)) in vals.into_iter().enumerate() {
+            assert_eq!(dt, specs[i].1, "rank {rank} w{i}: dtype");
+            let want: Vec<f64> = init(i, v.len())
+                .iter()
+                .zip(rank_grad(i, 0, v.len()))
+                .map(|(w, g)| w - 1.5 * g)
+                .collect();
+            assert_eq!(v, want, "rank {rank} w{i} ({dt}): one SGD step on the mean gradient");
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Helpers shared by the data-parallel tests (FSDP, DDP, ZeRO-1): a tiny Llama, a
-//! global batch, and a short training run under each layout that returns every
-//! parameter gathered to full, compared against single-rank training.
+//! global batch, and a short training run (AdamW with clipping, or plain SGD) under each
+//! layout that returns every parameter gathered to full, compared against single-rank
+//! training.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -12,7 +13,7 @@ use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
 use tpar_models::{LlamaConfig, LlamaForPretraining};
 use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Value};
 use tpar_optim::ZeroRedundancyOptimizer;
-use tpar_optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer};
+use tpar_optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tpar_parallel_styles::{
     fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, PlanError,
 };
@@ -113,6 +114,28 @@ pub struct Trained {
 pub const ADAMW: AdamWConfig =
     AdamWConfig { lr: 1e-2, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
 
+/// Plain SGD (no momentum, no weight decay): the update is `lr` times the gradient, so a
+/// gradient off by a uniform factor (a sum over dp instead of the mean) moves every
+/// parameter by that factor too, which AdamW's normalisation and clipping would hide.
+pub const SGD: SgdConfig =
+    SgdConfig { lr: 2.0, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false };
+
+/// The optimizer of a [`train_with`] run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Optim {
+    /// [`ADAMW`], after clipping the global gradient norm at 0.5.
+    AdamW,
+    /// [`SGD`], without clipping.
+    Sgd,
+}
+
+/// One rank's optimizer in [`train_with`].
+enum Stepper {
+    Plain(Box<dyn Optimizer>),
+    ZeroAdamW(ZeroRedundancyOptimizer<AdamW>),
+    ZeroSgd(ZeroRedundancyOptimizer<Sgd>),
+}
+
 /// `steps` AdamW steps (with global grad-norm clipping at 0.5) under `mode` on a (dp, tp)
 /// mesh, each dp rank on its rows of [`global_batch`]; `dp == 0` trains on one rank on
 /// the whole batch (the oracle). `after_backward` runs on every rank after each backward
@@ -121,6 +144,19 @@ pub fn train(
     dp: usize,
     tp: usize,
     mode: Mode,
+    steps: usize,
+    mask: bool,
+    after_backward: fn(&LlamaForPretraining) -> Result<(), NnError>,
+) -> Vec<Trained> {
+    train_with(dp, tp, mode, Optim::AdamW, steps, mask, after_backward)
+}
+
+/// As [`train`], with the optimizer `optim` (ZeRO-1 wraps it).
+pub fn train_with(
+    dp: usize,
+    tp: usize,
+    mode: Mode,
+    optim: Optim,
     steps: usize,
     mask: bool,
     after_backward: fn(&LlamaForPretraining) -> Result<(), NnError>,
@@ -147,17 +183,17 @@ pub fn train(
             reset_parameters(&mut model, Device::Cpu, 3)?;
         }
         let params = tpar_nn::parameters(&model);
-        let mut zero = None;
-        let mut adamw = None;
-        match (&mesh, mode) {
-            (Some(m), Mode::Zero1) => {
-                zero = Some(
-                    ZeroRedundancyOptimizer::adamw(named_parameters(&model), &m["dp"], ADAMW)
-                        .map_err(plan_err)?,
-                )
-            }
-            _ => adamw = Some(AdamW::with_names(named_parameters(&model), ADAMW)?),
-        }
+        let named = named_parameters(&model);
+        let mut opt = match (&mesh, mode, optim) {
+            (Some(m), Mode::Zero1, Optim::AdamW) => Stepper::ZeroAdamW(
+                ZeroRedundancyOptimizer::adamw(named, &m["dp"], ADAMW).map_err(plan_err)?,
+            ),
+            (Some(m), Mode::Zero1, Optim::Sgd) => Stepper::ZeroSgd(
+                ZeroRedundancyOptimizer::sgd(named, &m["dp"], SGD).map_err(plan_err)?,
+            ),
+            (_, _, Optim::AdamW) => Stepper::Plain(Box::new(AdamW::with_names(named, ADAMW)?)),
+            (_, _, Optim::Sgd) => Stepper::Plain(Box::new(Sgd::with_names(named, SGD)?)),
+        };
         let (ids, tgt) = global_batch();
         let (ids, tgt) = match &mesh {
             Some(m) => {
@@ -182,29 +218,36 @@ pub fn train(
                 None => loss.into_tensor("ref")?.backward()?,
             }
             after_backward(&model)?;
-            if let Some(opt) = &mut zero {
-                opt.clip_grad_norm(0.5)?;
-                opt.step()?;
-                opt.zero_grad();
-                continue;
-            }
             if let (Some(d), Mode::Ddp) = (&ddp, mode) {
                 d.sync_gradients(&model).map_err(plan_err)?;
             }
-            if let Some(opt) = &mut adamw {
-                clip_grad_norm(&params, 0.5)?;
-                opt.step()?;
-                opt.zero_grad();
+            match &mut opt {
+                Stepper::ZeroAdamW(z) => {
+                    z.clip_grad_norm(0.5)?;
+                    z.step()?;
+                    z.zero_grad();
+                }
+                Stepper::ZeroSgd(z) => {
+                    z.step()?;
+                    z.zero_grad();
+                }
+                Stepper::Plain(o) => {
+                    if optim == Optim::AdamW {
+                        clip_grad_norm(&params, 0.5)?;
+                    }
+                    o.step()?;
+                    o.zero_grad();
+                }
             }
         }
         let mut out = BTreeMap::new();
         for (n, p) in named_parameters(&model) {
             out.insert(n, p.full()?.to_vec_f64()?);
         }
-        let state_bytes = match (&zero, &adamw) {
-            (Some(z), _) => z.state_bytes(),
-            (_, Some(a)) => a.state_bytes(),
-            _ => 0,
+        let state_bytes = match &opt {
+            Stepper::ZeroAdamW(z) => z.state_bytes(),
+            Stepper::ZeroSgd(z) => z.state_bytes(),
+            Stepper::Plain(o) => o.state_bytes(),
         };
         Ok(Trained { params: out, losses, state_bytes })
     };
@@ -224,9 +267,60 @@ pub fn train(
 
 /// Single-rank training on the full global batch.
 pub fn reference(steps: usize) -> Trained {
-    train(0, 0, Mode::Ddp, steps, false, |_| Ok(())).remove(0)
+    reference_with(Optim::AdamW, steps)
+}
+
+/// Single-rank training on the full global batch with `optim`.
+pub fn reference_with(optim: Optim, steps: usize) -> Trained {
+    train_with(0, 0, Mode::Ddp, optim, steps, false, |_| Ok(())).remove(0)
 }
 
 pub fn no_check(_: &LlamaForPretraining) -> Result<(), NnError> {
     Ok(())
+}
+
+/// Compares every parameter of `got` with `want` (`tol`, elementwise) and checks that the
+/// update each parameter made over the run (final minus `init`) matches the reference
+/// update to within `max_update_err` in relative L2, so a tolerance wider than an update
+/// cannot hide a missing or mis-scaled one. Returns the largest relative update error.
+pub fn check_params(
+    what: &str,
+    got: &BTreeMap<String, Vec<f64>>,
+    want: &BTreeMap<String, Vec<f64>>,
+    init: &BTreeMap<String, Vec<f64>>,
+    tol: tpar_tensor::tol::Tol,
+    max_update_err: f64,
+) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: parameter count");
+    let mut worst: f64 = 0.0;
+    let (mut moved, mut total) = (0usize, 0usize);
+    for (n, v) in got {
+        let (w, i) = (&want[n], &init[n]);
+        tol.check(&format!("{what} {n}"), v, w).unwrap();
+        let (mut err, mut norm) = (0.0, 0.0);
+        for ((g, w), i) in v.iter().zip(w).zip(i) {
+            err += (g - w) * (g - w);
+            norm += (w - i) * (w - i);
+        }
+        total += 1;
+        if norm == 0.0 {
+            assert!(err == 0.0, "{what} {n}: moved where the reference did not");
+            continue;
+        }
+        moved += 1;
+        let rel = (err / norm).sqrt();
+        assert!(rel <= max_update_err, "{what} {n}: update off by {rel:.4} (relative L2)");
+        worst = worst.max(rel);
+    }
+    assert!(moved * 2 > total, "{what}: only {moved} of {total} parameters moved");
+    worst
+}
+
+/// An exactly representable gradient for parameter `i` on dp rank `rank`: a fixed pattern
+/// times `rank + 1`, so the mean over 2 ranks is the pattern times 1.5, exact in bf16.
+pub fn rank_grad(i: usize, rank: usize, numel: usize) -> Vec<f64> {
+    (0..numel)
+        .map(|e| ((e * 3 + i) % 7) as f64 * 0.25 - 0.75)
+        .map(|v| v * (rank + 1) as f64)
+        .collect()
 }
