@@ -315,3 +315,180 @@ fn documents_load_from_text_and_jsonl_files() {
     assert!(load_documents(&dir.join("missing.txt")).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+// ---------------------------------------------------------------------------------------
+// Special tokens
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn byte_tokenizer_spells_special_names_as_plain_bytes() {
+    // The byte tokenizer has no added tokens: "[BOT]" in a document is five bytes, never
+    // the special id, and decodes back to itself; only the dataset inserts specials.
+    let t = ByteTokenizer;
+    let specials = [t.bot_id(), t.eot_id(), t.pad_id()];
+    assert!(specials.iter().all(|&s| s >= 256 && (s as usize) < t.vocab_size()));
+    assert!(specials[0] != specials[1] && specials[1] != specials[2] && specials[0] != specials[2]);
+    for s in ["[BOT]", "[EOT]", "[PAD]", "a[PAD]b[BOT][EOT]"] {
+        let ids = t.encode(s);
+        assert_eq!(ids, s.bytes().map(u32::from).collect::<Vec<_>>(), "{s}");
+        assert!(ids.iter().all(|i| !specials.contains(i)), "{s}: {ids:?}");
+        assert_eq!(t.decode(&ids), s);
+    }
+}
+
+/// WordLevel with the specials at scattered ids, `<s>`/`</s>` as well (which lose to
+/// `[BOT]`/`[EOT]`), and one added token that is not special.
+const SCATTERED_SPECIALS: &str = r#"{
+  "added_tokens": [
+    {"id": 0, "content": "<s>", "special": true},
+    {"id": 1, "content": "</s>", "special": true},
+    {"id": 3, "content": "[EOT]", "special": true},
+    {"id": 5, "content": "[BOT]", "special": true},
+    {"id": 7, "content": "[PAD]", "special": true},
+    {"id": 8, "content": "<sep>", "special": false},
+    {"id": 9, "content": "[UNK]", "special": true}
+  ],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "Whitespace"},
+  "model": {"type": "WordLevel", "unk_token": "[UNK]", "vocab": {"<s>": 0, "</s>": 1,
+            "the": 2, "[EOT]": 3, "cat": 4, "[BOT]": 5, "sat": 6, "[PAD]": 7, "<sep>": 8,
+            "[UNK]": 9}},
+  "decoder": null
+}"#;
+
+/// Llama-3 names for BOT and EOT next to `<s>`/`</s>`, and no padding token.
+const LLAMA3_NAMES: &str = r#"{
+  "added_tokens": [
+    {"id": 1, "content": "<s>", "special": true},
+    {"id": 2, "content": "</s>", "special": true},
+    {"id": 10, "content": "<|begin_of_text|>", "special": true},
+    {"id": 11, "content": "<|end_of_text|>", "special": true}
+  ],
+  "pre_tokenizer": {"type": "Whitespace"},
+  "model": {"type": "WordLevel", "unk_token": "<unk>",
+            "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "hi": 3}}
+}"#;
+
+#[test]
+fn hf_specials_are_found_by_name_in_the_documented_order() {
+    let t = HfTokenizer::from_json_str(SCATTERED_SPECIALS).unwrap();
+    let ids = |name: &str| t.token_to_id(name).unwrap();
+    assert_eq!(t.bot_id(), ids("[BOT]"), "[BOT] comes before <s>");
+    assert_eq!(t.eot_id(), ids("[EOT]"), "[EOT] comes before </s>");
+    assert_eq!(t.pad_id(), ids("[PAD]"));
+    assert_eq!((t.bot_id(), t.eot_id(), t.pad_id()), (5, 3, 7));
+    assert_eq!(t.vocab_size(), 10);
+
+    let t = HfTokenizer::from_json_str(LLAMA3_NAMES).unwrap();
+    assert_eq!(t.bot_id(), 10, "<|begin_of_text|> comes before <s>");
+    assert_eq!(t.eot_id(), 11, "<|end_of_text|> comes before </s>");
+    // No padding token in the file: a new id past the vocabulary, named [PAD].
+    assert_eq!((t.pad_id(), t.vocab_size()), (12, 13));
+    assert_eq!(t.id_to_token(t.pad_id()), Some("[PAD]"));
+}
+
+#[test]
+fn hf_added_tokens_match_inside_text_and_decode_drops_only_specials() {
+    // As HF `tokenizers`: added tokens are cut out of the raw text first, even with no
+    // space around them; decoding skips special tokens, not other added ones.
+    let t = HfTokenizer::from_json_str(SCATTERED_SPECIALS).unwrap();
+    let (bot, eot, pad) = (t.bot_id(), t.eot_id(), t.pad_id());
+    let (the, cat, sat, sep) = (2, 4, 6, 8);
+    assert_eq!(t.encode("[BOT]"), vec![bot]);
+    assert_eq!(t.encode("the[PAD]cat <sep> sat[EOT]"), vec![the, pad, cat, sep, sat, eot]);
+    assert_eq!(t.encode("<s>the</s>"), vec![0, the, 1]);
+    assert_eq!(t.decode(&[bot, the, cat, sep, sat, eot, pad, pad]), "the cat <sep> sat");
+    assert_eq!(t.decode(&[0, the, 1, 9]), "the", "<s>, </s> and [UNK] are special too");
+
+    // Byte-level BPE: the file's <|endoftext|> (BOT and EOT both) is matched mid-word;
+    // the [PAD] the tokenizer had to add is not in the file, so text never yields it.
+    let t = HfTokenizer::from_json_str(BYTE_BPE).unwrap();
+    let (eot, pad) = (t.eot_id(), t.pad_id());
+    let hello = t.encode("hello");
+    let mut want = hello.clone();
+    want.push(eot);
+    want.extend(&hello);
+    assert_eq!(t.encode("hello<|endoftext|>hello"), want);
+    assert!(!t.encode("[PAD] hello [PAD]").contains(&pad));
+    let mut ids = vec![t.bot_id()];
+    ids.extend(t.encode("hello world"));
+    ids.extend([eot, pad, pad]);
+    assert_eq!(t.decode(&ids), "hello world");
+}
+
+/// Checks one sample of a document of `n` tokens: `[BOT]` first, then the tokens,
+/// `[EOT]` right after them (unless clipped), `[PAD]` after that; targets are the
+/// inputs shifted by one, `[PAD]` (the loss's ignore_index) where nothing follows.
+fn check_sample(t: &dyn Tokenizer, ds: &PretrainingDataset, index: usize, doc: &str) {
+    let s = ds.get(index).unwrap();
+    let seq = ds.seq_length();
+    let (bot, eot, pad) = (t.bot_id() as i64, t.eot_id() as i64, t.pad_id() as i64);
+    let toks: Vec<i64> = t.encode(doc).iter().map(|&i| i as i64).collect();
+    assert_eq!(ds.pad_id() as i64, pad);
+    assert_eq!(s.input_ids[0], bot, "{doc:?}: BOT first");
+    // The stream [BOT] tokens [EOT] [PAD]..., one longer than the sample.
+    let stream = |p: usize| match p {
+        0 => bot,
+        p if p <= toks.len() => toks[p - 1],
+        p if p == toks.len() + 1 => eot,
+        _ => pad,
+    };
+    for p in 0..seq {
+        assert_eq!(s.input_ids[p], stream(p), "{doc:?}: input {p}");
+        assert_eq!(s.target_ids[p], stream(p + 1), "{doc:?}: target {p}");
+        assert_eq!(s.attention_mask[p], i64::from(p <= toks.len() + 1), "{doc:?}: mask {p}");
+    }
+    // Decoding a sample drops its specials: only the document's tokens remain.
+    let ids: Vec<u32> = s.input_ids.iter().map(|&i| i as u32).collect();
+    let in_window = toks.len().min(seq - 1);
+    assert_eq!(t.decode(&ids), t.decode(&ids[1..1 + in_window]), "{doc:?}: decode");
+}
+
+#[test]
+fn dataset_places_hf_specials_and_ignores_padded_targets_in_the_loss() {
+    let scattered = HfTokenizer::from_json_str(SCATTERED_SPECIALS).unwrap();
+    let byte_bpe = HfTokenizer::from_json_str(BYTE_BPE).unwrap();
+    let cases: [(&dyn Tokenizer, [&str; 3]); 3] = [
+        (&scattered, ["the cat sat", "sat", "the cat sat the cat sat the cat"]),
+        (&byte_bpe, ["hello world", "he", "hello hello hello"]),
+        (&ByteTokenizer, ["hi", "", "a long document"]),
+    ];
+    for (t, docs) in cases {
+        let seq = 7;
+        let ds = PretrainingDataset::new(&docs, t, seq).unwrap();
+        for (i, doc) in docs.iter().enumerate() {
+            check_sample(t, &ds, i, doc);
+        }
+        // Padded targets hold the ignore index the trainer passes (pad_id): the mean
+        // loss runs over the other positions only and they get no gradient.
+        let batch = ds.batch(&[0, 1, 2]).unwrap();
+        let targets = batch.target_ids.to_vec::<i64>().unwrap();
+        let vocab = t.vocab_size();
+        let mut rng = tpar_tensor::Rng::new(5);
+        let logits = tpar_tensor::Tensor::randn([3, seq, vocab], tpar_tensor::DType::F64, &mut rng)
+            .unwrap()
+            .requires_grad_(true);
+        let ignore = ds.pad_id() as i64;
+        let loss = logits.cross_entropy(&batch.target_ids, ignore).unwrap();
+        let x = logits.to_vec_f64().unwrap();
+        let kept: Vec<usize> = (0..3 * seq).filter(|&r| targets[r] != ignore).collect();
+        assert!(kept.len() < 3 * seq, "some targets are padding");
+        let want = kept
+            .iter()
+            .map(|&r| {
+                let row = &x[r * vocab..(r + 1) * vocab];
+                let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln() - row[targets[r] as usize]
+            })
+            .sum::<f64>()
+            / kept.len() as f64;
+        let got = loss.item().unwrap();
+        assert!((got - want).abs() <= 1e-12 * (1.0 + want.abs()), "loss {got} vs {want}");
+        loss.backward().unwrap();
+        let g = logits.grad().unwrap().to_vec_f64().unwrap();
+        for r in 0..3 * seq {
+            let zero = g[r * vocab..(r + 1) * vocab].iter().all(|&v| v == 0.0);
+            assert_eq!(zero, targets[r] == ignore, "row {r}: gradient only where not padding");
+        }
+    }
+}
