@@ -4,7 +4,8 @@
 //! frequencies repeated over both halves of the head dim) and `Tensor::rope` applying
 //! them (rotate-half: pairs `(j, j + d/2)`), against values computed here.
 
-use tpar_nn::{causal_padding_mask, NnError, RotaryPositionEncoding};
+use tpar_models::{causal_padding_mask, RotaryPositionEncoding};
+use tpar_nn::NnError;
 use tpar_tensor::{DType, Device, Rng, RopeLayout, Tensor};
 
 // ---------------------------------------------------------------------------------------
