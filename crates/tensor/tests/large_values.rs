@@ -11,7 +11,7 @@
 //! the rounding the dtype must make: a log-sum-exp of size `M` rounds at `eps * M`, and
 //! what is computed from it inherits that relative error.
 
-use tpar_tensor::{DType, Tensor};
+use tpar_tensor::{DType, Rng, Tensor};
 
 const IGNORE: i64 = -100;
 /// Multiple of the rounding error a result may carry.
@@ -20,30 +20,20 @@ const K: f64 = 4.0;
 const TINY: f64 = 1e-30;
 const DTYPES: [DType; 2] = [DType::F32, DType::F64];
 
-/// SplitMix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
+/// Test data on a grid of quarters, which f32 holds exactly.
+trait Quarters {
     /// A multiple of 1/4 in `[-r, r]` (`4 r` an integer).
-    fn quarter(&mut self, r: f64) -> f64 {
-        let n = (4.0 * r) as u64;
-        (self.next() % (2 * n + 1)) as f64 / 4.0 - r
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
+    fn quarter(&mut self, r: f64) -> f64;
+    /// `n` of them.
     fn quarters(&mut self, n: usize, r: f64) -> Vec<f64> {
         (0..n).map(|_| self.quarter(r)).collect()
+    }
+}
+
+impl Quarters for Rng {
+    fn quarter(&mut self, r: f64) -> f64 {
+        let n = (4.0 * r) as u64;
+        self.below(2 * n + 1) as f64 / 4.0 - r
     }
 }
 
@@ -148,7 +138,7 @@ fn softmax_rows(x: &[f64], cols: usize) -> Vec<f64> {
 #[test]
 fn cross_entropy_on_logits_of_thousands() {
     for dtype in DTYPES {
-        let mut rng = Rng(1);
+        let mut rng = Rng::new(1);
         for (b, s, vocab) in [(2, 6, 600), (3, 2, 7)] {
             let rows = b * s;
             let xf = logit_rows(&mut rng, rows, vocab);
@@ -156,7 +146,7 @@ fn cross_entropy_on_logits_of_thousands() {
                 .map(|r| match r % 5 {
                     3 => (vocab - 1 - vocab / 7) as i64,
                     _ if r % 6 == 5 => IGNORE,
-                    _ => rng.below(vocab) as i64,
+                    _ => rng.below(vocab as u64) as i64,
                 })
                 .collect();
             let what = format!("{dtype:?} [{b}, {s}, {vocab}]");
@@ -202,7 +192,7 @@ fn cross_entropy_on_logits_of_thousands() {
 #[test]
 fn softmax_and_log_softmax_on_logits_of_thousands() {
     for dtype in DTYPES {
-        let mut rng = Rng(2);
+        let mut rng = Rng::new(2);
         for (rows, cols) in [(10, 600), (5, 6)] {
             let xf = logit_rows(&mut rng, rows, cols);
             let rf = rng.quarters(rows * cols, 1.0);
@@ -298,7 +288,7 @@ struct Attn {
 /// 3, and peaks `f_j = s_j * (4 + tile)` at offsets 5 and 6 of each tile (the running
 /// max rises, drops far, rises again). Every fifth row gets one key 40 above the rest.
 fn attn_data(a: &Attn, seed: u64) -> [Vec<f64>; 4] {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let bigs = [3000.0, 4000.0, 1500.0, 5000.0];
     let mut k = Vec::with_capacity(a.b * a.hkv * a.sk * HD);
     for g in 0..a.b * a.hkv {
@@ -479,7 +469,7 @@ fn attention_on_scores_of_thousands_with_every_mask_form() {
     ];
     for (n, a) in cases.iter().enumerate() {
         let x = attn_data(a, 10 + n as u64);
-        for mask in &masks(a, &mut Rng(20 + n as u64)) {
+        for mask in &masks(a, &mut Rng::new(20 + n as u64)) {
             let want = attn_reference(a, &x, mask.as_ref());
             let m1 = 1.0 + want.max_score;
             assert!(want.max_score >= 1000.0, "scores reach only {}", want.max_score);
