@@ -1,16 +1,17 @@
 //! 2-D parallel Llama training: FSDP on the `dp` mesh dim, tensor + sequence
 //! parallelism on `tp`, on the embedded CPU backend (ranks as threads).
 //!
-//! Run: `cargo run --release --example llama_2d` (world 4 as dp=2 x tp=2, 200 steps).
-//! Flags: `--world N --dp N --tp N --steps N --batch N (per dp rank) --seq N
-//! --layers N --hidden N --heads N --kv-heads N --intermediate N --lr F --dtype f32|bf16
-//! --plan sp|megatron --no-fsdp (DDP) --zero1 --seed N --data FILE --tokenizer FILE.json
-//! --device cpu|cuda --backend local|nccl --log-every N`.
+//! Run: `cargo run --release --example llama_2d` (world 4 as dp=2 x tp=2, 200 steps);
+//! `-- --help` lists the flags. On a terminal, rank 0 shows a progress bar (loss, lr,
+//! tokens/s, ETA); otherwise it prints a line every `--log-every` steps.
 //! With FSDP, `--dtype bf16` is mixed precision (bf16 compute, f32 master shards and
 //! gradient reductions); with `--no-fsdp` or `--zero1` it trains bf16 parameters.
 
 use std::path::PathBuf;
 use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
 
 use tpar::prelude::*;
 use tpar::tensor::memory;
@@ -43,110 +44,151 @@ struct Opts {
     log_every: usize,
 }
 
-impl Default for Opts {
-    fn default() -> Self {
-        Opts {
-            world: 4,
-            dp: 2,
-            tp: 2,
-            steps: 200,
-            batch: 4,
-            seq: 64,
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            intermediate: 176,
-            lr: 1e-3,
-            dtype: DType::F32,
-            plan: "sp".into(),
-            dp_mode: DpMode::Fsdp,
-            seed: 42,
-            data: None,
-            tokenizer: None,
-            device: "cpu".into(),
-            backend: "local".into(),
-            log_every: 10,
-        }
-    }
+/// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
+/// tp, on the embedded CPU backend (ranks as threads) or one process per rank over NCCL.
+#[derive(Parser, Debug)]
+#[command(name = "llama_2d", version)]
+struct Cli {
+    /// World size (default dp x tp; with --backend nccl, the launcher's WORLD_SIZE).
+    #[arg(long)]
+    world: Option<usize>,
+    /// Data-parallel degree (the dp mesh dim).
+    #[arg(long, default_value_t = 2)]
+    dp: usize,
+    /// Tensor-parallel degree (the tp mesh dim).
+    #[arg(long, default_value_t = 2)]
+    tp: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    /// Sequences per dp rank per step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    /// MLP width.
+    #[arg(long, default_value_t = 176)]
+    intermediate: usize,
+    /// Peak learning rate (warmup, then cosine to a tenth).
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Parameter dtype; with FSDP, bf16 is mixed precision (bf16 compute, f32 master
+    /// shards and gradient reductions).
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    dtype: DtypeArg,
+    /// Tensor-parallel layer plan.
+    #[arg(long, value_enum, default_value_t = PlanArg::Sp)]
+    plan: PlanArg,
+    /// Replicate parameters and all-reduce gradients (DDP) instead of FSDP.
+    #[arg(long, conflicts_with = "zero1")]
+    no_fsdp: bool,
+    /// Replicate parameters and shard the optimizer state (ZeRO-1) instead of FSDP.
+    #[arg(long)]
+    zero1: bool,
+    /// Seed of the data order.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Training text (documents separated by blank lines, or JSON lines with "text").
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json (default: bytes).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// local (ranks as threads) or nccl (one process per rank, from torchrun or tpar-run).
+    #[arg(long, value_enum, default_value_t = BackendArg::Local)]
+    backend: BackendArg,
+    /// Log every N steps.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: u64,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DtypeArg {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PlanArg {
+    Sp,
+    Megatron,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum BackendArg {
+    Local,
+    Nccl,
 }
 
 fn parse() -> Result<Opts, String> {
-    let mut o = Opts::default();
-    let mut world_given = false;
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut val = |name: &str| it.next().ok_or(format!("{name} needs a value"));
-        let num = |s: String, name: &str| {
-            s.parse::<usize>().map_err(|_| format!("{name}: not a number: {s}"))
-        };
-        match flag.as_str() {
-            "--world" => {
-                o.world = num(val("--world")?, "--world")?;
-                world_given = true;
-            }
-            "--dp" => o.dp = num(val("--dp")?, "--dp")?,
-            "--tp" => o.tp = num(val("--tp")?, "--tp")?,
-            "--steps" => o.steps = num(val("--steps")?, "--steps")?,
-            "--batch" => o.batch = num(val("--batch")?, "--batch")?,
-            "--seq" => o.seq = num(val("--seq")?, "--seq")?,
-            "--layers" => o.layers = num(val("--layers")?, "--layers")?,
-            "--hidden" => o.hidden = num(val("--hidden")?, "--hidden")?,
-            "--heads" => o.heads = num(val("--heads")?, "--heads")?,
-            "--kv-heads" => o.kv_heads = num(val("--kv-heads")?, "--kv-heads")?,
-            "--intermediate" => o.intermediate = num(val("--intermediate")?, "--intermediate")?,
-            "--log-every" => o.log_every = num(val("--log-every")?, "--log-every")?.max(1),
-            "--seed" => o.seed = num(val("--seed")?, "--seed")? as u64,
-            "--lr" => o.lr = val("--lr")?.parse().map_err(|_| "--lr: not a number".to_string())?,
-            "--dtype" => {
-                o.dtype = match val("--dtype")?.as_str() {
-                    "f32" => DType::F32,
-                    "bf16" => DType::BF16,
-                    other => return Err(format!("--dtype: f32 or bf16, not {other}")),
-                }
-            }
-            "--plan" => o.plan = val("--plan")?,
-            "--no-fsdp" => o.dp_mode = DpMode::Ddp,
-            "--zero1" => o.dp_mode = DpMode::Zero1,
-            "--data" => o.data = Some(PathBuf::from(val("--data")?)),
-            "--tokenizer" => o.tokenizer = Some(PathBuf::from(val("--tokenizer")?)),
-            "--device" => o.device = val("--device")?,
-            "--backend" => o.backend = val("--backend")?,
-            "-h" | "--help" => {
-                println!(
-                    "{}",
-                    include_str!("llama_2d.rs")
-                        .lines()
-                        .take(11)
-                        .map(|l| l.trim_start_matches("//!"))
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown flag {other} (see --help)")),
-        }
-    }
-    if o.backend == "nccl" && !world_given {
+    let c = Cli::parse();
+    let backend = match c.backend {
+        BackendArg::Local => "local",
+        BackendArg::Nccl => "nccl",
+    };
+    let world = match (c.world, c.backend) {
+        (Some(w), _) => w,
         // One process per rank: the world is the launcher's (torchrun or tpar-run).
-        o.world =
-            std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()).unwrap_or(o.dp * o.tp);
-    } else if !world_given {
-        o.world = o.dp * o.tp;
+        (None, BackendArg::Nccl) => {
+            std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()).unwrap_or(c.dp * c.tp)
+        }
+        (None, BackendArg::Local) => c.dp * c.tp,
+    };
+    if c.dp * c.tp != world {
+        return Err(format!("dp {} x tp {} must equal world {world}", c.dp, c.tp));
     }
-    if o.dp * o.tp != o.world {
-        return Err(format!("dp {} x tp {} must equal world {}", o.dp, o.tp, o.world));
+    if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {
+        return Err(format!("--device: cpu, cuda or cuda:N, not {}", c.device));
     }
-    if o.plan != "sp" && o.plan != "megatron" {
-        return Err(format!("--plan: sp or megatron, not {}", o.plan));
-    }
-    if o.device != "cpu" && o.device != "cuda" && parse_cuda_ordinal(&o.device).is_none() {
-        return Err(format!("--device: cpu, cuda or cuda:N, not {}", o.device));
-    }
-    if o.backend != "local" && o.backend != "nccl" {
-        return Err(format!("--backend: local or nccl, not {}", o.backend));
-    }
-    Ok(o)
+    Ok(Opts {
+        world,
+        dp: c.dp,
+        tp: c.tp,
+        steps: c.steps,
+        batch: c.batch,
+        seq: c.seq,
+        layers: c.layers,
+        hidden: c.hidden,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        intermediate: c.intermediate,
+        lr: c.lr,
+        dtype: match c.dtype {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::Bf16 => DType::BF16,
+        },
+        plan: match c.plan {
+            PlanArg::Sp => "sp".into(),
+            PlanArg::Megatron => "megatron".into(),
+        },
+        dp_mode: match (c.no_fsdp, c.zero1) {
+            (true, _) => DpMode::Ddp,
+            (_, true) => DpMode::Zero1,
+            _ => DpMode::Fsdp,
+        },
+        seed: c.seed,
+        data: c.data,
+        tokenizer: c.tokenizer,
+        device: c.device,
+        backend: backend.into(),
+        log_every: c.log_every as usize,
+    })
 }
 
 fn parse_cuda_ordinal(s: &str) -> Option<usize> {
@@ -302,6 +344,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // `with loss_parallel():` for the whole loop: `loss.backward()` is right for the
     // plan's vocab-sharded loss and for a plain one alike.
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
+    let progress = (rank == 0).then(|| {
+        let bar = ProgressBar::new(o.steps as u64);
+        let style = "{bar:30} {pos:>4}/{len} {msg} ETA {eta}";
+        bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
+        bar
+    });
     let t0 = Instant::now();
     let (mut first, mut last, mut tokens) = (f64::NAN, f64::NAN, 0usize);
     let mut step = 0;
@@ -336,19 +384,24 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             last = l;
             tokens += batch.num_tokens()? * o.dp;
             step += 1;
-            if rank == 0 && (step % o.log_every == 0 || step == o.steps) {
+            if let Some(bar) = &progress {
                 let secs = t0.elapsed().as_secs_f64();
-                let done = step * 30 / o.steps;
-                println!(
-                    "epoch {epoch:>2} [{}{}] {step:>4}/{} loss {l:.4} lr {lr:.2e} {:.0} tok/s",
-                    "#".repeat(done),
-                    ".".repeat(30 - done),
-                    o.steps,
-                    tokens as f64 / secs
-                );
+                let msg = format!("loss {l:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
+                if bar.is_hidden() {
+                    // Not a terminal: plain lines a log or a script can read.
+                    if step % o.log_every == 0 || step == o.steps {
+                        println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
+                    }
+                } else {
+                    bar.set_message(format!("epoch {epoch} {msg}"));
+                    bar.set_position(step as u64);
+                }
             }
         }
         epoch += 1;
+    }
+    if let Some(bar) = progress {
+        bar.finish();
     }
     let state_bytes = opt.get().state_bytes();
     Ok(RankReport {
