@@ -18,7 +18,7 @@ same byte and FLOP accounting and the same JSON keys, so that
   8192x128256, all bf16; a 1 GiB device-to-device copy counts 2 GiB).
 - ``train.llama.tokens_per_s``: one training step (forward, backward, gradient
   clipping, AdamW) of a small Llama in eager PyTorch with the architecture of
-  tpar's ``LlamaForPretraining`` (crates/nn/src/llama.rs) and the defaults of
+  tpar's ``LlamaForPretraining`` (crates/models/src/llama.rs) and the defaults of
   ``examples/llama_2d.rs`` scaled up for a GPU: RMSNorm (eps 1e-5), RoPE
   rotate-half (theta 10000, HF table layout), causal GQA attention, SwiGLU MLP,
   untied embedding and LM head, no biases, byte-level vocab of 259, AdamW

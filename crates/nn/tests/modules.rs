@@ -262,3 +262,23 @@ fn bf16_parameters_with_f32_rope_tables_and_mask() {
     let (_, p) = &named_parameters(&model)[1];
     assert_eq!(p.local().grad().expect("gradient").dtype(), DType::BF16);
 }
+
+/// `Value::reshape` infers one `-1` dim and refuses shapes that cannot hold the values,
+/// with a typed error naming the shape; `item` reads a one-element value.
+#[test]
+fn value_reshape_infers_one_dim_and_rejects_bad_shapes() {
+    let v = tpar_nn::Value::Tensor(
+        tpar_tensor::Tensor::from_vec((0..12).map(|x| x as f32).collect::<Vec<_>>(), [3, 4])
+            .unwrap(),
+    );
+    let r = v.reshape(&[-1, 6]).unwrap().into_tensor("test").unwrap();
+    assert_eq!(r.dims(), &[2, 6]);
+    for bad in [&[-1, -1][..], &[5, -1], &[-2, 6], &[0, -1]] {
+        let e = v.reshape(bad).expect_err("must be refused");
+        assert!(matches!(e, tpar_nn::NnError::BadInput { .. }), "{bad:?}: {e}");
+        assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
+    }
+    let one = tpar_nn::Value::Tensor(tpar_tensor::Tensor::from_vec(vec![2.5f64], [1]).unwrap());
+    assert_eq!(one.item().unwrap(), 2.5);
+    assert!(tpar_nn::Value::None.item().is_err());
+}
