@@ -4,7 +4,6 @@
 //! Run: `cargo run --release --example porting` (4 ranks as threads, dp 2 x tp 2, a
 //! small Llama, 8 steps on the shipped corpus). Its last line is a `summary:`.
 
-use tpar::data::ByteTokenizer;
 use tpar::prelude::*;
 
 const STEPS: usize = 8;

@@ -40,8 +40,8 @@ pub mod prelude {
         spawn, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
     };
     pub use tpar_data::{
-        default_documents, load_documents, load_tokenizer, DataError, DistributedSampler,
-        PretrainingDataset, Tokenizer,
+        default_documents, load_documents, load_tokenizer, ByteTokenizer, DataError,
+        DistributedSampler, HfTokenizer, PretrainingDataset, Tokenizer,
     };
     pub use tpar_dtensor::{distribute_tensor, DTensor, DTensorError};
     pub use tpar_mesh::{DeviceMesh, DeviceType, MeshError};
