@@ -281,7 +281,7 @@ pub fn load_tokenizer(path: Option<&Path>) -> Result<Box<dyn Tokenizer>> {
 
 static CORPUS: &str = include_str!("../data/corpus.txt");
 
-/// The small English corpus shipped with the crate (`crates/nn/data/corpus.txt`, about
+/// The small English corpus shipped with the crate (`crates/data/data/corpus.txt`, about
 /// 300 KB of generated public-domain text): documents separated by blank lines.
 pub fn default_corpus() -> &'static str {
     CORPUS

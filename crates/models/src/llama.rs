@@ -616,9 +616,7 @@ impl LlamaForPretraining {
             config: *cfg,
         })
     }
-}
 
-impl LlamaForPretraining {
     /// `model(input_ids, attention_mask)`: the logits `[b, s, vocab]` for token ids
     /// `[b, s]` (i64), through the module's hooks (so parallel styles apply). `mask` is
     /// `None` for plain causal attention, a `[b, s]` padding mask (1 for tokens) or an

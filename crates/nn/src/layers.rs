@@ -27,10 +27,6 @@ macro_rules! module_boilerplate {
     };
 }
 
-fn replicated_local(p: &ComputeParam) -> Option<Tensor> {
-    p.replicated_local()
-}
-
 fn mixed(module: &str, x: &Value, p: &ComputeParam) -> NnError {
     NnError::BadInput {
         module: module.to_string(),
@@ -97,9 +93,9 @@ impl Module for Linear {
                 Ok(Value::DTensor(xd.linear(wd, b.as_ref())?))
             }
             (Value::Tensor(xt), w) => {
-                let w = replicated_local(w).ok_or_else(|| mixed("Linear", &x, w))?;
+                let w = w.replicated_local().ok_or_else(|| mixed("Linear", &x, w))?;
                 let b = match &b {
-                    Some(p) => Some(replicated_local(p).ok_or_else(|| mixed("Linear", &x, p))?),
+                    Some(p) => Some(p.replicated_local().ok_or_else(|| mixed("Linear", &x, p))?),
                     None => None,
                 };
                 Ok(Value::Tensor(xt.linear(&w, b.as_ref())?))
@@ -167,7 +163,7 @@ impl Module for Embedding {
                 Ok(Value::DTensor(DTensor::embedding(i, w)?))
             }
             (Value::Tensor(i), w) => {
-                let w = replicated_local(w).ok_or_else(|| mixed("Embedding", &ids, w))?;
+                let w = w.replicated_local().ok_or_else(|| mixed("Embedding", &ids, w))?;
                 Ok(Value::Tensor(Tensor::embedding(i, &w)?))
             }
             _ => Err(mixed("Embedding", &ids, &w)),
@@ -215,7 +211,7 @@ impl Module for RmsNorm {
                 Ok(Value::DTensor(xd.rms_norm(w, self.eps)?))
             }
             (Value::Tensor(xt), w) => {
-                let w = replicated_local(w).ok_or_else(|| mixed("RMSNorm", &x, w))?;
+                let w = w.replicated_local().ok_or_else(|| mixed("RMSNorm", &x, w))?;
                 Ok(Value::Tensor(xt.rms_norm(&w, self.eps)?))
             }
             _ => Err(mixed("RMSNorm", &x, &w)),

@@ -75,14 +75,11 @@ impl Value {
     }
 
     /// The same values in a new shape, for a plain tensor or a DTensor alike (one `-1`
-    /// dim is inferred): `logits.reshape(&[-1, vocab])`. A DTensor keeps its sharding
-    /// where the new shape allows it ([`DTensor::view`]).
+    /// dim is inferred): `logits.reshape(&[-1, vocab])`, as [`Tensor::view`] and
+    /// [`DTensor::view`] (which keeps the sharding where the new shape allows it).
     pub fn reshape(&self, dims: &[isize]) -> Result<Value> {
         match self {
-            Value::Tensor(t) => {
-                let shape = infer_shape("reshape", t.numel(), dims)?;
-                Ok(Value::Tensor(t.reshape(shape)?))
-            }
+            Value::Tensor(t) => Ok(Value::Tensor(t.view(dims)?)),
             Value::DTensor(d) => Ok(Value::DTensor(d.view(dims)?)),
             other => Err(not_a_tensor("reshape", other)),
         }
@@ -126,8 +123,8 @@ impl Value {
         }
     }
 
-    /// The value of a one-element tensor, plain or distributed (a DTensor is reduced to
-    /// its full value first, which communicates only for `Partial` placements).
+    /// The value of a one-element tensor, plain or distributed (a DTensor is made full
+    /// first, which communicates unless it is replicated on every mesh dim).
     pub fn item(&self) -> Result<f64> {
         match self {
             Value::Tensor(t) => Ok(t.item()?),
@@ -153,25 +150,6 @@ impl Value {
 
 fn not_a_tensor(op: &str, v: &Value) -> NnError {
     NnError::BadInput { module: op.to_string(), what: format!("expected a tensor, got {v:?}") }
-}
-
-/// `dims` with one `-1` resolved against `numel` elements.
-fn infer_shape(op: &str, numel: usize, dims: &[isize]) -> Result<Vec<usize>> {
-    let bad = |what: String| NnError::BadInput { module: op.to_string(), what };
-    let known: usize = dims.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
-    let free = dims.iter().filter(|&&d| d < 0).count();
-    if free > 1 || dims.iter().any(|&d| d < -1) {
-        return Err(bad(format!("shape {dims:?}: at most one -1 and no other negative size")));
-    }
-    let fill = if free == 1 {
-        if known == 0 || numel % known != 0 {
-            return Err(bad(format!("shape {dims:?} does not fit {numel} elements")));
-        }
-        numel / known
-    } else {
-        0
-    };
-    Ok(dims.iter().map(|&d| if d < 0 { fill } else { d as usize }).collect())
 }
 
 thread_local! {
