@@ -50,6 +50,12 @@ pub enum Error {
     /// From the data pipeline (files, tokenizers, sampler, batches).
     #[error(transparent)]
     Data(#[from] tpar_data::DataError),
+    /// A checkpoint could not be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] tpar_checkpoint::CheckpointError),
+    /// A state dict does not fit what loads it.
+    #[error(transparent)]
+    State(#[from] tpar_tensor::state::StateDictError),
     /// From a module, a model or an optimizer.
     #[error(transparent)]
     Nn(#[from] tpar_nn::NnError),

@@ -14,6 +14,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub use tpar_checkpoint as checkpoint;
 pub use tpar_collectives as collectives;
 pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
 pub use tpar_data as data;
@@ -36,6 +37,10 @@ pub use error::{Error, Result};
 /// the facade's [`Error`] / [`Result`].
 pub mod prelude {
     pub use crate::{Error, Result};
+    pub use tpar_checkpoint::{
+        CheckpointConfig, CheckpointError, CheckpointManager, ModuleState, StateDict,
+        StateDictOptions, StateValue, Stateful,
+    };
     pub use tpar_collectives::{
         spawn, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
     };

@@ -22,6 +22,7 @@ mod hf;
 
 use std::path::Path;
 
+use tpar_tensor::state::{expect_empty, take_int, StateDict, StateDictError, StateValue};
 use tpar_tensor::Tensor;
 
 pub use hf::HfTokenizer;
@@ -220,6 +221,35 @@ pub trait Tokenizer: Send + Sync {
     fn eot_id(&self) -> u32;
     /// Id of the padding special, `[PAD]` (also the loss's ignore_index).
     fn pad_id(&self) -> u32;
+}
+
+/// The sampler's place in the run: `epoch` and `seed` (restored on load) and, for the
+/// record, `num_replicas`, `shuffle` and `drop_last` (a run may resume with another
+/// data-parallel degree, so the sampler keeps its own replicas and rank).
+impl tpar_tensor::state::Stateful for DistributedSampler {
+    fn state_dict(&self) -> std::result::Result<StateDict, StateDictError> {
+        Ok(StateDict::from([
+            ("epoch".to_string(), StateValue::Int(self.epoch as i64)),
+            ("seed".to_string(), StateValue::Int(self.seed as i64)),
+            ("num_replicas".to_string(), StateValue::Int(self.num_replicas as i64)),
+            ("shuffle".to_string(), StateValue::Int(self.shuffle as i64)),
+            ("drop_last".to_string(), StateValue::Int(self.drop_last as i64)),
+        ]))
+    }
+
+    fn load_state_dict(&mut self, mut state: StateDict) -> std::result::Result<(), StateDictError> {
+        let epoch = take_int(&mut state, "epoch")?;
+        self.epoch = u64::try_from(epoch).map_err(|_| StateDictError::Invalid {
+            key: "epoch".into(),
+            what: format!("{epoch} is negative"),
+        })?;
+        // The seed's bits, as saved.
+        self.seed = take_int(&mut state, "seed")? as u64;
+        for k in ["num_replicas", "shuffle", "drop_last"] {
+            take_int(&mut state, k)?;
+        }
+        expect_empty(state)
+    }
 }
 
 /// A byte-level tokenizer: ids 0..=255 are the bytes of the UTF-8 text, then the

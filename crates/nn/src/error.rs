@@ -20,6 +20,9 @@ pub enum NnError {
         /// What is wrong.
         what: String,
     },
+    /// A state dict that does not fit the module (missing, unexpected or mis-shaped keys).
+    #[error(transparent)]
+    State(#[from] tpar_tensor::state::StateDictError),
     /// A configuration that cannot work (head counts, sizes).
     #[error("{what}")]
     Config {

@@ -115,6 +115,18 @@ impl FsdpParam {
         self.install(Self::shard_of(local, &self.dp)?)
     }
 
+    /// Copies `shard` (this rank's dp shard of a saved value) into the shard in place,
+    /// keeping the leaf and its optimizer state's identity, and releases any gathered
+    /// copy so the next use gathers the new values.
+    pub fn load_shard(&self, shard: &Tensor) -> Result<()> {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        no_grad(|| inner.sharded.copy_(shard))?;
+        if !inner.unsharded.is_released() && inner.unsharded.device() != Device::Meta {
+            inner.unsharded.release_storage_();
+        }
+        Ok(())
+    }
+
     /// The dp shard (the leaf the optimizer updates).
     pub fn sharded(&self) -> Tensor {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).sharded.clone()

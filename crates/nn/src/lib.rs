@@ -9,6 +9,7 @@ pub mod fsdp_param;
 pub mod layers;
 mod module;
 mod param;
+pub mod state;
 mod value;
 
 pub use error::{NnError, Result};
@@ -18,4 +19,7 @@ pub use module::{
     visit_modules_mut, AttentionHeads, ForwardHook, Init, Module, ModuleCore, ParamSlot,
 };
 pub use param::{ComputeParam, GradLayout, Param};
+pub use state::{
+    load_state_dict, state_dict, ModuleState, StateDict, StateDictError, StateValue, Stateful,
+};
 pub use value::{replicated_loss_scope, Args, ReplicatedLossScope, Value};

@@ -148,7 +148,7 @@ pub fn call(m: &dyn Module, mut args: Args) -> Result<Value> {
     Ok(out)
 }
 
-fn join(prefix: &str, name: &str) -> String {
+pub(crate) fn join(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
         name.to_string()
     } else {

@@ -45,6 +45,7 @@ use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, Tens
 
 use tpar_nn::{NnError, Param, Result};
 
+mod state;
 mod zero;
 pub use zero::ZeroRedundancyOptimizer;
 
@@ -391,6 +392,18 @@ impl AdamW {
         }))
     }
 
+    /// Replaces the hyper-parameters (e.g. from a checkpoint).
+    pub fn set_config(&mut self, config: AdamWConfig) {
+        self.config = config;
+    }
+
+    /// Drops the state of parameter `index`, as before its first step.
+    pub fn clear_state(&mut self, index: usize) {
+        if let Some(s) = self.state.get_mut(index) {
+            *s = None;
+        }
+    }
+
     /// Replaces the state of parameter `index` (e.g. from a checkpoint); the tensors must
     /// have the parameter's local shape.
     pub fn set_state(&mut self, index: usize, state: AdamWState) -> Result<()> {
@@ -620,6 +633,39 @@ impl Sgd {
             return Ok(None);
         };
         Ok(Some(b.to_tensor(p.trainable().dims())?))
+    }
+
+    /// Replaces the hyper-parameters (e.g. from a checkpoint).
+    pub fn set_config(&mut self, config: SgdConfig) {
+        self.config = config;
+    }
+
+    /// Replaces the momentum buffer of parameter `index` (`None`: no buffer, as before
+    /// the first step); a buffer must have the parameter's local shape.
+    pub fn set_momentum_buffer(&mut self, index: usize, buffer: Option<Tensor>) -> Result<()> {
+        let Some((name, p)) = self.params.get(index) else {
+            return Err(config_err(format!(
+                "SGD::set_momentum_buffer: index {index} out of range for {} parameters",
+                self.params.len()
+            )));
+        };
+        let leaf = p.trainable();
+        self.momentum_buffer[index] = match buffer {
+            None => None,
+            Some(b) if b.dims() != leaf.dims() => {
+                return Err(bad_param(
+                    "SGD",
+                    name,
+                    format!(
+                        "momentum_buffer of shape {:?} for a local shard {:?}",
+                        b.dims(),
+                        leaf.dims()
+                    ),
+                ))
+            }
+            Some(b) => Some(StateBuf::from_tensor(&b, &leaf)?),
+        };
+        Ok(())
     }
 
     fn step_one<T: Float + Element>(
@@ -1044,6 +1090,12 @@ impl<S: LrSchedule> LrScheduler<S> {
         self.last_lr = self.schedule.lr_at(self.last_step, self.base_lr);
         opt.set_lr(self.last_lr);
         self.last_lr
+    }
+
+    /// Restores the position of the schedule (e.g. from a checkpoint); the optimizer's
+    /// learning rate is restored with the optimizer's own state.
+    pub fn restore(&mut self, last_step: usize, base_lr: f64, last_lr: f64) {
+        (self.last_step, self.base_lr, self.last_lr) = (last_step, base_lr, last_lr);
     }
 
     /// The learning rate the last step set (`get_last_lr()`).

@@ -22,7 +22,9 @@ pub mod gpu;
 pub mod memory;
 mod ops;
 mod rng;
+
 pub mod shape;
+pub mod state;
 mod storage;
 mod tensor;
 pub mod tol;
