@@ -436,7 +436,7 @@ fn main() {
     let run = if o.backend == "nccl" {
         // One process per rank, started by torchrun or `tpar-run --nproc-per-node N`.
         memory::set_rank(Some(0));
-        tpar::collectives::nccl::init_process_group(std::time::Duration::from_secs(120))
+        tpar::launch::init_process_group(std::time::Duration::from_secs(120))
             .map_err(tpar::Error::from)
             .and_then(|world| {
                 let report = train(&world, &o)?;

@@ -32,12 +32,12 @@ pub enum Error {
     /// From a collective (a peer that failed or timed out, mismatched calls).
     #[error(transparent)]
     Collective(#[from] tpar_collectives::CollectiveError),
-    /// From the rendezvous store.
+    /// From the rendezvous store or the launch environment.
     #[error(transparent)]
-    Rendezvous(#[from] tpar_collectives::rendezvous::RendezvousError),
-    /// From the launcher environment.
+    Rendezvous(#[from] tpar_launch::RendezvousError),
+    /// From the launcher (its command line, starting and stopping ranks).
     #[error(transparent)]
-    Launch(#[from] tpar_collectives::launch::LaunchError),
+    Launch(#[from] tpar_launch::LaunchError),
     /// From a device mesh.
     #[error(transparent)]
     Mesh(#[from] tpar_mesh::MeshError),

@@ -20,6 +20,7 @@ pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
 pub use tpar_data as data;
 pub use tpar_dtensor as dtensor;
 pub use tpar_kernels as kernels;
+pub use tpar_launch as launch;
 pub use tpar_mesh as mesh;
 pub use tpar_models as models;
 pub use tpar_nn as nn;

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use tpar_collectives::rendezvous::EnvInit;
+use tpar::launch::EnvInit;
 
 const LAUNCHER: &str = env!("CARGO_BIN_EXE_tpar-run");
 /// Set for the processes the rendezvous tests launch: they run `rendezvous_child`.

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tpar_tensor::TensorError;
 
-/// Everything a collective, a process group or the launcher can fail with.
+/// Everything a collective, a process group or [`spawn`](crate::spawn) can fail with.
 ///
 /// Variants name the op, the group (as global ranks) and the rank(s) at fault, so a
 /// message read on any rank points at the culprit.
@@ -76,7 +76,7 @@ pub enum CollectiveError {
         message: String,
     },
     /// A communication backend call failed: an NCCL or CUDA driver error, or the
-    /// rendezvous store while setting a group up. Keeps the backend's code and text.
+    /// job's [`Store`](crate::Store) while setting a group up. Keeps the backend's code and text.
     #[error("{backend} {op} on group {group:?}, rank {rank}: {message}")]
     Backend {
         /// The backend (`"nccl"`).

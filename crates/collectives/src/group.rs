@@ -10,9 +10,8 @@ use tpar_tensor::{DType, Device, Tensor};
 
 use crate::local::{Call, LocalComm};
 use crate::nccl::{NcclComm, Pending};
-use crate::rendezvous::EnvInit;
 use crate::spawn::panic_message;
-use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result};
+use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result, Store};
 
 /// The transport behind a group: an enum over backends that live in their own modules, so
 /// no backend generic leaks into user signatures.
@@ -26,7 +25,7 @@ use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Re
 pub(crate) enum Backend {
     /// Ranks are threads of this process (see the `local` module).
     Local(LocalComm),
-    /// One process per GPU, over NCCL (see the `nccl` module), built from a rendezvous.
+    /// One process per GPU, over NCCL (see the `nccl` module), built through a [`Store`].
     Nccl(NcclComm),
 }
 
@@ -121,18 +120,28 @@ impl ProcessGroup {
         }
     }
 
-    /// The NCCL world group of this process, from the torchrun environment: PyTorch's
-    /// `init_process_group("nccl")`. Rank 0 hosts the rendezvous store at
-    /// `MASTER_ADDR:MASTER_PORT`; the world communicator lives on CUDA device
-    /// `LOCAL_RANK`; `timeout` bounds the setup and is the group's collective timeout.
+    /// The NCCL world group of this process: PyTorch's
+    /// `init_process_group("nccl", store=store, rank=rank, world_size=world_size)`.
+    /// The processes of the job agree on the communicator through `store`, which every
+    /// one of them shares; the world communicator lives on CUDA device `device` (the
+    /// process's `LOCAL_RANK` under a launcher); `timeout` bounds the setup and is the
+    /// group's collective timeout. `tpar_launch::init_process_group` does this from the
+    /// launch environment, with the TCP store rank 0 hosts.
     ///
-    /// Fails with [`CollectiveError::Unavailable`] naming the missing library when the
-    /// CUDA driver or NCCL cannot be loaded (see [`nccl::probe`](crate::nccl::probe)), or
-    /// when there is no device `LOCAL_RANK`. Sub-groups come from
-    /// [`new_group`](Self::new_group), which every member calls. See the
-    /// [`nccl`](crate::nccl) module for the design and its limits.
-    pub fn nccl_world(env: &EnvInit, timeout: Duration) -> Result<ProcessGroup> {
-        crate::nccl::world(env, timeout)
+    /// Fails with [`CollectiveError::InvalidArgument`] when `rank` is not below
+    /// `world_size`, and with [`CollectiveError::Unavailable`] naming the missing library
+    /// when the CUDA driver or NCCL cannot be loaded (see
+    /// [`nccl::probe`](crate::nccl::probe)), or when there is no device `device`.
+    /// Sub-groups come from [`new_group`](Self::new_group), which every member calls. See
+    /// the [`nccl`](crate::nccl) module for the design and its limits.
+    pub fn nccl_world(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        device: usize,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        crate::nccl::world(store, rank, world_size, device, timeout)
     }
 
     /// The members' global ranks, sorted.

@@ -5,7 +5,9 @@
 //! dtype, with uneven (`torch.chunk`-style, possibly empty) shards as first-class inputs.
 //! The `local` backend runs ranks as threads of one process ([`World`], [`spawn`]); the
 //! [`nccl`] backend runs one process per GPU over NCCL
-//! ([`ProcessGroup::nccl_world`], [`nccl::probe`]) behind the same type.
+//! ([`ProcessGroup::nccl_world`], [`nccl::probe`]) behind the same type. The processes of
+//! an NCCL job agree on their communicators through a [`Store`]; the TCP store that
+//! implements it, the launch environment and the `tpar-run` launcher are in `tpar-launch`.
 //!
 //! Failures are typed and prompt: a member that calls another collective, or passes
 //! another dtype or shape, makes every member fail with [`CollectiveError::Mismatch`]
@@ -36,12 +38,11 @@
 mod debug;
 mod error;
 mod group;
-pub mod launch;
 mod local;
 pub mod nccl;
 mod op;
-pub mod rendezvous;
 mod spawn;
+mod store;
 mod world;
 
 pub use debug::{CommDebug, CommRecord};
@@ -49,6 +50,7 @@ pub use error::CollectiveError;
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
 pub use spawn::{spawn, spawn_with, SpawnConfig, RANK_STACK_SIZE};
+pub use store::{BoxedStoreError, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};
 
 /// Result type of the collectives layer.

@@ -1,37 +1,94 @@
 //! The NCCL backend. Here (no GPU, no CUDA libraries) these tests check that the backend
 //! reports why it is unavailable instead of panicking; on a machine with the CUDA driver
 //! and NCCL, `world_size_one_runs_every_collective` runs every collective on one GPU.
+//! The world's store is an in-memory one ([`MemStore`]): the TCP store and the launch
+//! environment are `tpar-launch`'s, tested there.
 //!
 //! When NCCL is installed only as `libnccl.so.2` (which cudarc's loader does not try), that
 //! test re-runs itself in a child process whose `LD_LIBRARY_PATH` holds a `libnccl.so`
 //! link, as `tpar-run` does for its ranks.
 
-use std::net::TcpListener;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use tpar_collectives::nccl::{self, LibStatus};
-use tpar_collectives::rendezvous::EnvInit;
-use tpar_collectives::{CollectiveError, CollectiveKind, ProcessGroup, ReduceOp};
+use tpar_collectives::{
+    CollectiveError, CollectiveKind, ProcessGroup, ReduceOp, Store, StoreError,
+};
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
 /// Marks the child process of the `libnccl.so` re-run.
 const CHILD_ENV: &str = "TPAR_NCCL_TEST_CHILD";
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap()
+/// A [`Store`] in this process's memory: enough for a world of one.
+#[derive(Debug, Default)]
+struct MemStore {
+    data: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
 }
 
-/// A world of one: RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, store on a free local port.
-fn env_of_one() -> EnvInit {
-    let port = free_port().to_string();
-    EnvInit::from_vars(|name| match name {
-        "RANK" | "LOCAL_RANK" => Some("0".into()),
-        "WORLD_SIZE" => Some("1".into()),
-        "MASTER_ADDR" => Some("127.0.0.1".into()),
-        "MASTER_PORT" => Some(port.clone()),
-        _ => None,
-    })
-    .unwrap()
+#[derive(Debug, thiserror::Error)]
+#[error("in-memory store: key(s) {0:?} not set in time")]
+struct MemTimeout(Vec<String>);
+
+impl MemStore {
+    /// Waits until every key is set; the missing ones on timeout.
+    fn wait_for(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let deadline = Instant::now() + timeout;
+        let mut data = self.data.lock().unwrap();
+        loop {
+            let missing: Vec<String> =
+                keys.iter().filter(|k| !data.contains_key(**k)).map(|k| k.to_string()).collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(StoreError::Timeout(Box::new(MemTimeout(missing))));
+            }
+            data = self.changed.wait_timeout(data, left).unwrap().0;
+        }
+    }
+}
+
+impl Store for MemStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.data.lock().unwrap().insert(key.to_string(), value.to_vec());
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+        self.wait_for(&[key], timeout)?;
+        Ok(self.data.lock().unwrap()[key].clone())
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        self.wait_for(keys, timeout)
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        let data = self.data.lock().unwrap();
+        Ok(keys.iter().all(|k| data.contains_key(*k)))
+    }
+}
+
+/// A world of one: rank 0 of 1 on device 0.
+fn world_of_one(timeout: Duration) -> tpar_collectives::Result<ProcessGroup> {
+    ProcessGroup::nccl_world(Arc::new(MemStore::default()), 0, 1, 0, timeout)
+}
+
+#[test]
+fn the_in_memory_store_times_out_with_the_missing_keys() {
+    let s = MemStore::default();
+    s.set("here", b"1").unwrap();
+    assert!(s.check(&["here"]).unwrap() && !s.check(&["here", "absent"]).unwrap());
+    assert_eq!(s.get_timeout("here", Duration::ZERO).unwrap(), b"1");
+    match s.wait(&["here", "absent"], Duration::from_millis(10)) {
+        Err(StoreError::Timeout(e)) => assert!(e.to_string().contains("absent"), "{e}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
@@ -75,8 +132,7 @@ fn nccl_world_is_unavailable_not_a_panic_without_cuda() {
         println!("skipped: CUDA and NCCL are present here");
         return;
     }
-    let env = env_of_one();
-    match ProcessGroup::nccl_world(&env, Duration::from_secs(5)) {
+    match world_of_one(Duration::from_secs(5)) {
         Err(CollectiveError::Unavailable { what, why }) => {
             println!("nccl_world: {what} is unavailable: {why}");
             assert_eq!(what, "NCCL backend");
@@ -87,8 +143,19 @@ fn nccl_world_is_unavailable_not_a_panic_without_cuda() {
         Err(e) => panic!("expected Unavailable, got {e}"),
         Ok(pg) => panic!("an NCCL group without CUDA: {pg:?}"),
     }
-    // Nothing was bound: the store is only created once the libraries are there.
-    assert!(TcpListener::bind(("127.0.0.1", env.master_port)).is_ok());
+}
+
+#[test]
+fn nccl_world_checks_its_rank() {
+    let store = Arc::new(MemStore::default());
+    for (rank, world) in [(1, 1), (0, 0), (5, 2)] {
+        match ProcessGroup::nccl_world(store.clone(), rank, world, 0, Duration::from_secs(1)) {
+            Err(CollectiveError::InvalidArgument { why, .. }) => {
+                assert!(why.contains(&format!("rank {rank}")), "{why}")
+            }
+            other => panic!("rank {rank} of {world}: {other:?}"),
+        }
+    }
 }
 
 #[test]
@@ -217,8 +284,7 @@ fn world_size_one_runs_every_collective() {
         return;
     }
     println!("{p}");
-    let env = env_of_one();
-    let pg = ProcessGroup::nccl_world(&env, Duration::from_secs(60)).expect("NCCL world of one");
+    let pg = world_of_one(Duration::from_secs(60)).expect("NCCL world of one");
     assert_eq!(pg.backend_name(), "nccl");
     assert_eq!((pg.size(), pg.rank(), pg.global_rank(), pg.world_size()), (1, 0, 0, 1));
     let debug = pg.comm_debug();
@@ -295,16 +361,4 @@ fn world_size_one_runs_every_collective() {
         assert!(kinds.contains(&k), "{k} was recorded");
     }
     println!("{} calls ran on NCCL", kinds.len());
-}
-
-#[test]
-fn init_process_group_reads_the_environment() {
-    if std::env::var_os("RANK").is_some() {
-        println!("skipped: launched with a torchrun environment");
-        return;
-    }
-    match nccl::init_process_group(Duration::from_secs(1)) {
-        Err(CollectiveError::InvalidArgument { why, .. }) => assert!(why.contains("RANK"), "{why}"),
-        other => panic!("expected a missing-environment error, got {other:?}"),
-    }
 }

@@ -1,18 +1,26 @@
 //! The `nccl` backend: process groups over NCCL (through `cudarc::nccl`), one process per
 //! GPU, started by torchrun, `srun` or `tpar-run`.
 //!
+//! [`ProcessGroup::nccl_world`] builds the world group from a [`Store`] shared by the
+//! job's processes, this process's rank, the world size and its CUDA device. From the
+//! launch environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
+//! `tpar_launch::init_process_group` connects to the TCP store rank 0 hosts and calls it:
+//!
 //! ```no_run
+//! use std::sync::Arc;
 //! use std::time::Duration;
-//! use tpar_collectives::rendezvous::EnvInit;
-//! use tpar_collectives::{ProcessGroup, ReduceOp};
+//! use tpar_collectives::{ProcessGroup, ReduceOp, Store};
 //! use tpar_tensor::Tensor;
 //!
-//! let env = EnvInit::from_env()?; // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
-//! let world = ProcessGroup::nccl_world(&env, Duration::from_secs(300))?;
-//! let t = Tensor::from_vec(vec![env.rank as f32; 4], [4])?;
+//! # fn job_store() -> Arc<dyn Store> { unimplemented!() }
+//! let store: Arc<dyn Store> = job_store(); // e.g. tpar_launch::EnvInit::store
+//! let (rank, world_size, local_rank) = (0, 2, 0);
+//! let timeout = Duration::from_secs(300);
+//! let world = ProcessGroup::nccl_world(store, rank, world_size, local_rank, timeout)?;
+//! let t = Tensor::from_vec(vec![rank as f32; 4], [4])?;
 //! let sum = world.all_reduce(&t, ReduceOp::Sum)?;
 //! let tp = world.new_group(&[0, 1])?; // every member calls it
-//! world.barrier()?; // before rank 0, which hosts the store, exits
+//! world.barrier()?; // before the process hosting the store exits
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -50,7 +58,7 @@
 //!   within the dtype's tolerance, not bit for bit.
 //! - **Sub-groups** get their own communicator from their own unique id: the group's rank
 //!   0 calls `ncclGetUniqueId` and publishes it under `tpar/nccl_id/<ranks>/<n>` in the
-//!   rendezvous store; the others read it (no `ncclCommSplit`, which cudarc only binds for
+//!   [`Store`]; the others read it (no `ncclCommSplit`, which cudarc only binds for
 //!   some CUDA versions). Handles on the same rank list share one communicator.
 //!
 //! # Failures and their limits
@@ -71,8 +79,8 @@
 //!   exchanges (even ranks send first) or use `all_to_all`. A failed send fails the group.
 //! - Creating groups while async collectives are in flight can deadlock inside NCCL's
 //!   setup (a CUDA allocation waits for the in-flight kernel): create groups first.
-//! - Rank 0's process hosts the store; it must outlive the others' use of it (call
-//!   `barrier()` before exiting).
+//! - With the TCP store, rank 0's process hosts it; it must outlive the others' use of it
+//!   (call `barrier()` before exiting).
 
 mod device;
 mod exec;
@@ -96,27 +104,15 @@ pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCC
 pub use worker::STUCK_GRACE;
 
 use crate::local::desc::Call;
-use crate::rendezvous::{EnvInit, RendezvousError, TcpStore};
-use crate::{CollectiveError, CommDebug, ProcessGroup, Result};
+use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store, StoreError};
 use probe::guarded;
 use worker::{Job, Reply, Setup, Shared};
-
-/// Creates the NCCL world group from the torchrun environment of this process
-/// ([`EnvInit::from_env`]): PyTorch's `init_process_group("nccl")`. Same as
-/// [`ProcessGroup::nccl_world`](crate::ProcessGroup::nccl_world).
-pub fn init_process_group(timeout: Duration) -> Result<ProcessGroup> {
-    let env = EnvInit::from_env().map_err(|e| CollectiveError::InvalidArgument {
-        op: "init_process_group",
-        why: e.to_string(),
-    })?;
-    world(&env, timeout)
-}
 
 /// One process's NCCL world: its rank, device, store and groups.
 pub(crate) struct NcclWorld {
     rank: usize,
     size: usize,
-    store: Arc<TcpStore>,
+    store: Arc<dyn Store>,
     ctx: Arc<CudaContext>,
     debug: CommDebug,
     /// Live communicators by member list, and how many were created per list.
@@ -129,44 +125,51 @@ pub(crate) struct NcclWorld {
 /// Live communicators by sorted member list, and how many were created for each list.
 type GroupCache = HashMap<Vec<usize>, (Weak<Handle>, u64)>;
 
-/// Builds the world group: probes, connects to the store, creates the world communicator
-/// on device `LOCAL_RANK`.
-pub(crate) fn world(env: &EnvInit, timeout: Duration) -> Result<ProcessGroup> {
+/// Builds the world group: checks the arguments, probes the libraries, creates the
+/// world communicator on CUDA device `device` through `store`.
+pub(crate) fn world(
+    store: Arc<dyn Store>,
+    rank: usize,
+    world_size: usize,
+    device: usize,
+    timeout: Duration,
+) -> Result<ProcessGroup> {
+    if world_size == 0 || rank >= world_size {
+        return Err(CollectiveError::InvalidArgument {
+            op: "nccl_world",
+            why: format!("rank {rank} is not below world size {world_size}"),
+        });
+    }
     let p = probe();
     p.check()?;
     let unavailable =
         |why: String| CollectiveError::Unavailable { what: "NCCL backend".into(), why };
     let devices = p.devices.unwrap_or(0);
-    if env.local_rank >= devices {
+    if device >= devices {
         return Err(unavailable(format!(
-            "LOCAL_RANK={} but this process sees {devices} CUDA device(s) (check \
-             CUDA_VISIBLE_DEVICES and --nproc-per-node)",
-            env.local_rank
+            "CUDA device {device} (LOCAL_RANK) was asked for but this process sees {devices} \
+             CUDA device(s) (check CUDA_VISIBLE_DEVICES and --nproc-per-node)"
         )));
     }
-    let all: Vec<usize> = (0..env.world_size).collect();
+    let all: Vec<usize> = (0..world_size).collect();
     let backend = |op: &'static str, message: String| CollectiveError::Backend {
         backend: "nccl",
         op,
         group: all.clone(),
-        rank: env.rank,
+        rank,
         message,
     };
-    let ctx = match guarded(|| CudaContext::new(env.local_rank)) {
+    let ctx = match guarded(|| CudaContext::new(device)) {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
-            return Err(backend(
-                "init",
-                format!("CUDA device {}: {}", env.local_rank, driver_error_text(&e)),
-            ))
+            return Err(backend("init", format!("CUDA device {device}: {}", driver_error_text(&e))))
         }
         Err(p) => return Err(unavailable(format!("creating the CUDA context panicked: {p}"))),
     };
-    let store = env.store(timeout).map_err(|e| backend("init", format!("rendezvous: {e}")))?;
     let w = Arc::new(NcclWorld {
-        rank: env.rank,
-        size: env.world_size,
-        store: Arc::new(store),
+        rank,
+        size: world_size,
+        store,
         ctx,
         debug: CommDebug::new(),
         groups: Mutex::new(HashMap::new()),
@@ -222,7 +225,7 @@ impl NcclWorld {
             message,
         };
         let key = format!("{}/{gen}", list_key(&ranks));
-        let store_err = |e: RendezvousError| backend(format!("rendezvous: {e}"));
+        let store_err = |e: StoreError| backend(format!("rendezvous: {e}"));
         let timed_out = |waiting_for: Vec<usize>| CollectiveError::Timeout {
             op,
             group: ranks.clone(),
@@ -248,7 +251,7 @@ impl NcclWorld {
         } else {
             let bytes = match w.store.get_timeout(&id_key, timeout) {
                 Ok(b) => b,
-                Err(RendezvousError::Timeout { .. }) => return Err(timed_out(vec![ranks[0]])),
+                Err(StoreError::Timeout(_)) => return Err(timed_out(vec![ranks[0]])),
                 Err(e) => return Err(store_err(e)),
             };
             let raw: [u8; 128] = bytes.as_slice().try_into().map_err(|_| {
@@ -257,13 +260,14 @@ impl NcclWorld {
             Id::uninit(raw.map(|b| b as std::ffi::c_char))
         };
         let keys: Vec<String> = ranks.iter().map(|&r| arrived(r)).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         match w.store.wait(&keys, timeout) {
             Ok(()) => {}
-            Err(RendezvousError::Timeout { .. }) => {
+            Err(StoreError::Timeout(_)) => {
                 let missing = ranks
                     .iter()
                     .copied()
-                    .filter(|&r| !w.store.check(&[arrived(r)]).unwrap_or(false))
+                    .filter(|&r| !w.store.check(&[&arrived(r)]).unwrap_or(false))
                     .collect();
                 return Err(timed_out(missing));
             }

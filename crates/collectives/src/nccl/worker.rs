@@ -14,8 +14,7 @@ use super::device::{driver_error_text, nccl_error_text, NcclDevice};
 use super::exec::{self, Deadline};
 use super::probe::guarded;
 use crate::local::desc::Call;
-use crate::rendezvous::TcpStore;
-use crate::{CollectiveError, Result};
+use crate::{CollectiveError, Result, Store};
 
 /// What a caller waits for: the collective's output (`None` for a barrier).
 pub(crate) type Reply = Result<Option<Tensor>>;
@@ -121,7 +120,7 @@ pub(crate) struct Setup {
     pub me: usize,
     pub shared: Arc<Shared>,
     /// For the diagnosis of timeouts: the store and this group's key.
-    pub store: Arc<TcpStore>,
+    pub store: Arc<dyn Store>,
     pub key: String,
 }
 

@@ -1,0 +1,52 @@
+//! [`Store`]: the key-value store the processes of a job share to agree on what they
+//! must know before the first collective (PyTorch's `c10d::Store`).
+//!
+//! The NCCL backend needs four operations of it: `set` (rank 0 publishes a group's
+//! unique id; every member says it arrived), `get_timeout` (the others read the id),
+//! `wait` (all wait for all) and `check` (which members are missing after a timeout).
+//! This crate only defines the trait; `tpar-launch` implements it with its TCP store
+//! (`tpar_launch::TcpStore`, hosted by rank 0 at `MASTER_ADDR:MASTER_PORT`), and a
+//! user can bring another (a file system, a job scheduler's key-value service).
+
+use std::fmt;
+use std::time::Duration;
+
+/// A boxed error of a store implementation, kept whole so callers can downcast it.
+pub type BoxedStoreError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a [`Store`] operation failed: the keys did not appear in time, or the store
+/// itself failed (connection lost, protocol error). Both carry the implementation's own
+/// error, whose text names the store's address and the keys.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The keys were not set within the timeout.
+    #[error(transparent)]
+    Timeout(BoxedStoreError),
+    /// Any other failure.
+    #[error(transparent)]
+    Failed(BoxedStoreError),
+}
+
+/// A key-value store shared by every process of a job. Values are bytes; keys are
+/// strings. Every operation is bounded: a method that waits takes its timeout, the
+/// others are bounded by the store's own.
+///
+/// The NCCL world (`ProcessGroup::nccl_world`) holds one for its lifetime: keys under
+/// `tpar/` are its own. A store whose server lives in one process must outlive every
+/// other process's use of it (call a barrier before that process exits).
+pub trait Store: Send + Sync + fmt::Debug {
+    /// Stores `value` under `key`, replacing any previous value and waking every
+    /// [`get_timeout`](Self::get_timeout) and [`wait`](Self::wait) on it.
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
+
+    /// The value of `key`, waiting up to `timeout` for it to be set;
+    /// [`StoreError::Timeout`] if it is not.
+    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError>;
+
+    /// Waits up to `timeout` until every key in `keys` is set;
+    /// [`StoreError::Timeout`] if one is not.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError>;
+
+    /// Whether every key in `keys` is set, without waiting.
+    fn check(&self, keys: &[&str]) -> Result<bool, StoreError>;
+}

@@ -1,0 +1,43 @@
+//! tpar's launch layer: how the processes of a multi-process job find each other.
+//!
+//! - [`TcpStore`]: the rendezvous store, a small TCP key-value store in the manner of
+//!   PyTorch's `TCPStore`, hosted by rank 0. It implements the
+//!   [`Store`](tpar_collectives::Store) trait through which the NCCL backend of
+//!   `tpar-collectives` agrees on its communicators.
+//! - [`EnvInit`]: the launch environment torchrun, `srun` wrappers and `tpar-run` give
+//!   each process (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//!   `MASTER_ADDR`, `MASTER_PORT`), and [`init_process_group`], PyTorch's
+//!   `init_process_group("nccl")` from it.
+//! - The `tpar-run` launcher: [`run`] starts one process per rank with that environment
+//!   ([`LaunchConfig`]), prefixes their output, stops them all when one fails and
+//!   forwards the launcher's termination signals to them ([`forward_signals`]);
+//!   [`cli`] is its command line.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tpar_collectives::ReduceOp;
+//! use tpar_tensor::Tensor;
+//!
+//! // Started by `tpar-run --nproc-per-node 2 -- prog` (or torchrun) on a GPU machine.
+//! let world = tpar_launch::init_process_group(Duration::from_secs(300))?;
+//! let t = Tensor::from_vec(vec![1.0f32; 4], [4])?;
+//! let sum = world.all_reduce(&t, ReduceOp::Sum)?;
+//! world.barrier()?; // rank 0 hosts the store: nobody leaves before everyone is done
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod cli;
+mod env;
+mod launcher;
+mod rendezvous;
+mod signals;
+mod sys;
+
+pub use cli::{parse_args, UsageError};
+pub use env::{init_process_group, EnvInit};
+pub use launcher::{
+    run, ChildExit, LaunchConfig, LaunchError, LaunchOutcome, DEFAULT_MULTI_NODE_PORT,
+};
+pub use rendezvous::{RendezvousError, TcpStore};
+pub use signals::forward_signals;
