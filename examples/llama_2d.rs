@@ -15,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use tpar::prelude::*;
 use tpar::tensor::memory;
+use tpar::tensor::state::{expect_empty, take_float, take_int};
 
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
@@ -42,6 +43,12 @@ struct Opts {
     device: String,
     backend: String,
     log_every: usize,
+    checkpoint_dir: Option<PathBuf>,
+    save_every: usize,
+    async_save: bool,
+    keep: Option<usize>,
+    stop_after: Option<usize>,
+    export: Option<PathBuf>,
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
@@ -116,6 +123,26 @@ struct Cli {
     /// Log every N steps.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
+    /// Checkpoint directory: the run resumes from the newest checkpoint there (model,
+    /// optimizer, schedule, sampler, step) and saves one every --save-every steps.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Save a checkpoint every N steps (and after the last one).
+    #[arg(long, default_value_t = 100, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    save_every: u64,
+    /// Write checkpoints in the background while training goes on.
+    #[arg(long, requires = "checkpoint_dir")]
+    async_save: bool,
+    /// Keep only the newest K checkpoints.
+    #[arg(long, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    keep: Option<u64>,
+    /// End the run after step N, as an interruption would (the schedule still spans
+    /// --steps); a later run with the same --checkpoint-dir resumes.
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Write the trained model as one safetensors file (FQN keys) at the end.
+    #[arg(long)]
+    export: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -188,6 +215,12 @@ fn parse() -> Result<Opts, String> {
         device: c.device,
         backend: backend.into(),
         log_every: c.log_every as usize,
+        checkpoint_dir: c.checkpoint_dir,
+        save_every: c.save_every as usize,
+        async_save: c.async_save,
+        keep: c.keep.map(|k| k as usize),
+        stop_after: c.stop_after,
+        export: c.export,
     })
 }
 
@@ -241,6 +274,54 @@ impl Opt {
             Opt::Zero(z) => z,
         }
     }
+
+    fn stateful(&mut self) -> &mut dyn Stateful {
+        match self {
+            Opt::Plain(a) => a,
+            Opt::Zero(z) => z,
+        }
+    }
+}
+
+/// The loop's own place in the run, checkpointed with the model: the step reached (the
+/// data position follows from it) and the run's first loss (for the summary).
+struct Progress {
+    step: usize,
+    first_loss: f64,
+}
+
+impl Stateful for Progress {
+    fn state_dict(&self) -> Result<StateDict, StateDictError> {
+        Ok(StateDict::from([
+            ("step".to_string(), StateValue::Int(self.step as i64)),
+            ("first_loss".to_string(), StateValue::Float(self.first_loss)),
+        ]))
+    }
+
+    fn load_state_dict(&mut self, mut state: StateDict) -> Result<(), StateDictError> {
+        self.step = take_int(&mut state, "step")?.max(0) as usize;
+        self.first_loss = take_float(&mut state, "first_loss")?;
+        expect_empty(state)
+    }
+}
+
+/// Every checkpointed part of the run, by name, for a checkpoint to save or load.
+fn with_items<R>(
+    model: &mut LlamaForPretraining,
+    opt: &mut Opt,
+    sched: &mut LrScheduler<SequentialLR>,
+    sampler: &mut DistributedSampler,
+    progress: &mut Progress,
+    f: impl FnOnce(&mut [(&str, &mut dyn Stateful)]) -> tpar::Result<R>,
+) -> tpar::Result<R> {
+    let mut model = ModuleState::new(model);
+    f(&mut [
+        ("model", &mut model),
+        ("optim", opt.stateful()),
+        ("lr_scheduler", sched),
+        ("sampler", sampler),
+        ("trainer", progress),
+    ])
 }
 
 struct RankReport {
@@ -252,6 +333,10 @@ struct RankReport {
     state_bytes: usize,
     /// Device-host round trips per training step on this rank (CUDA devices).
     round_trips_per_step: f64,
+    /// The step this run started from (0, or the checkpoint it resumed).
+    start_step: usize,
+    /// Steps this run took.
+    steps_run: usize,
 }
 
 /// One rank's training over `world` (the local backend's world group, or the NCCL
@@ -338,27 +423,50 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }));
     }
 
+    let mut progress = Progress { step: 0, first_loss: f64::NAN };
+    let mut ckpt = match &o.checkpoint_dir {
+        Some(dir) => {
+            let config = CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
+            let mut c = CheckpointManager::new(dir, world, config)?;
+            let resumed = with_items(&mut model, &mut opt, &mut sched, &mut sampler, &mut progress, |items| {
+                Ok(c.load_latest(items)?)
+            })?;
+            if let (Some(step), 0) = (resumed, rank) {
+                println!("resumed from {} at step {step}", c.step_dir(step).display());
+            }
+            Some(c)
+        }
+        None => None,
+    };
+    let start_step = progress.step;
+    let stop = o.stop_after.unwrap_or(o.steps).min(o.steps);
+
     memory::reset_peak(rank);
     let trips0 = tpar::tensor::gpu::host_round_trips();
     let dp_group = mesh.group_of("dp")?.clone();
     // `with loss_parallel():` for the whole loop: `loss.backward()` is right for the
     // plan's vocab-sharded loss and for a plain one alike.
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
-    let progress = (rank == 0).then(|| {
+    let progress_bar = (rank == 0).then(|| {
         let bar = ProgressBar::new(o.steps as u64);
         let style = "{bar:30} {pos:>4}/{len} {msg} ETA {eta}";
         bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
         bar
     });
     let t0 = Instant::now();
-    let (mut first, mut last, mut tokens) = (f64::NAN, f64::NAN, 0usize);
-    let mut step = 0;
-    let mut epoch = 0;
-    'outer: loop {
-        sampler.set_epoch(epoch);
+    let (mut last, mut tokens) = (f64::NAN, 0usize);
+    let mut step = progress.step;
+    // Every epoch takes `per_epoch` batches, so the step gives the data position.
+    let mut epoch = step / per_epoch;
+    if let Some(bar) = &progress_bar {
+        bar.set_position(step as u64);
+    }
+    'outer: while step < stop {
+        sampler.set_epoch(epoch as u64);
         let idx = sampler.indices(dataset.len());
-        for chunk in idx.chunks(o.batch).take(per_epoch) {
-            if step == o.steps {
+        let skip = if epoch == step / per_epoch { step % per_epoch } else { 0 };
+        for chunk in idx.chunks(o.batch).take(per_epoch).skip(skip) {
+            if step == stop {
                 break 'outer;
             }
             let batch = dataset.batch(chunk)?.to_device(device)?;
@@ -380,11 +488,22 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // The loss averaged over dp ranks, for the log.
             let local = Tensor::scalar(loss.item()?, DType::F64);
             let l = dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?;
-            first = if step == 0 { l } else { first };
+            if step == 0 {
+                progress.first_loss = l;
+            }
             last = l;
             tokens += batch.num_tokens()? * o.dp;
             step += 1;
-            if let Some(bar) = &progress {
+            progress.step = step;
+            if let Some(c) = &mut ckpt {
+                c.poll()?;
+                if step % o.save_every == 0 || step == o.steps {
+                    with_items(&mut model, &mut opt, &mut sched, &mut sampler, &mut progress, |items| {
+                        Ok(c.save(step as u64, items)?)
+                    })?;
+                }
+            }
+            if let Some(bar) = &progress_bar {
                 let secs = t0.elapsed().as_secs_f64();
                 let msg = format!("loss {l:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
                 if bar.is_hidden() {
@@ -400,19 +519,30 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         epoch += 1;
     }
-    if let Some(bar) = progress {
+    if let Some(bar) = progress_bar {
         bar.finish();
+    }
+    if let Some(c) = &mut ckpt {
+        c.wait()?;
+    }
+    if let Some(path) = &o.export {
+        tpar::checkpoint::export_safetensors(&tpar::nn::state_dict(&model)?, path, world)?;
+        if rank == 0 {
+            println!("exported the model to {}", path.display());
+        }
     }
     let state_bytes = opt.get().state_bytes();
     Ok(RankReport {
         state_bytes,
-        first_loss: first,
+        first_loss: progress.first_loss,
         final_loss: last,
+        start_step,
+        steps_run: step - start_step,
         tokens,
         seconds: t0.elapsed().as_secs_f64(),
         peak_bytes: memory::peak(rank),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
-            / step.max(1) as f64,
+            / (step - start_step).max(1) as f64,
     })
 }
 
@@ -465,7 +595,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x}",
         o.world,
         o.dp,
         o.tp,
@@ -474,13 +604,18 @@ fn main() {
         r0.final_loss,
         r0.tokens as f64 / r0.seconds,
         r0.seconds,
-        reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64
+        reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
+        r0.start_step,
+        r0.start_step + r0.steps_run,
+        r0.final_loss.to_bits(),
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.
         println!("device: {} host round trips per step on rank 0", r0.round_trips_per_step);
     }
-    if !(r0.final_loss.is_finite() && r0.final_loss < r0.first_loss) {
+    // A run that stopped early (or found its work done) need not show the fall.
+    let finished = r0.start_step + r0.steps_run == o.steps && r0.steps_run > 0;
+    if finished && !(r0.final_loss.is_finite() && r0.final_loss < r0.first_loss) {
         eprintln!("llama_2d: loss did not fall ({} -> {})", r0.first_loss, r0.final_loss);
         std::process::exit(1);
     }

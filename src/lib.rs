@@ -40,7 +40,7 @@ pub mod prelude {
     pub use crate::{Error, Result};
     pub use tpar_checkpoint::{
         CheckpointConfig, CheckpointError, CheckpointManager, ModuleState, StateDict,
-        StateDictOptions, StateValue, Stateful,
+        StateDictError, StateDictOptions, StateValue, Stateful,
     };
     pub use tpar_collectives::{
         spawn, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
