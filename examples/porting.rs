@@ -4,6 +4,7 @@
 //! Run: `cargo run --release --example porting` (4 ranks as threads, dp 2 x tp 2, a
 //! small Llama, 8 steps on the shipped corpus). Its last line is a `summary:`.
 
+use tpar::checkpoint as dcp;
 use tpar::prelude::*;
 
 const STEPS: usize = 8;
@@ -123,6 +124,41 @@ fn train(ctx: RankCtx) -> tpar::Result<(f64, f64)> {
         if ctx.rank() == 0 {
             println!("step {step} loss {l:.4} lr {:.2e}", scheduler.last_lr());
         }
+    }
+
+    // dcp.save({"model": model, "optim": optimizer, ...}, checkpoint_id=f"{dir}/step-{n}")
+    // (torchtitan's CheckpointManager: every N steps, keep the last K, resume the latest)
+    let world = ctx.world_group();
+    let dir = std::env::temp_dir().join(format!("tpar-porting-{}", std::process::id()));
+    let config = CheckpointConfig { keep: Some(1), ..Default::default() };
+    let mut checkpoints = CheckpointManager::new(&dir, &world, config)?;
+    let mut model_state = ModuleState::new(&mut model);
+    let mut items: [(&str, &mut dyn Stateful); 4] = [
+        ("model", &mut model_state),
+        ("optim", &mut optimizer),
+        ("lr_scheduler", &mut scheduler),
+        ("sampler", &mut sampler),
+    ];
+    checkpoints.save(STEPS as u64, &mut items)?;
+    // dcp.load(state_dict, checkpoint_id=...); model.load_state_dict(...); ... (resume)
+    let resumed = checkpoints.load_latest(&mut items)?;
+    assert_eq!(resumed, Some(STEPS as u64));
+
+    // get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+    //     cpu_offload=True)); save_file(model_sd, "model.safetensors") on rank 0
+    let opts = StateDictOptions { full_state_dict: true, cpu_offload: true, ..Default::default() };
+    let (full, _) = dcp::get_state_dict(&model, None, &world, &opts)?;
+    if ctx.rank() == 0 {
+        assert_eq!(full.len(), named_parameters(&model).len());
+    }
+    dcp::export_safetensors(
+        &tpar::nn::state_dict(&model)?,
+        &dir.join("model.safetensors"),
+        &world,
+    )?;
+    world.barrier()?;
+    if ctx.rank() == 0 {
+        std::fs::remove_dir_all(&dir).ok();
     }
     Ok((first, last))
 }
