@@ -426,11 +426,17 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut progress = Progress { step: 0, first_loss: f64::NAN };
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
-            let config = CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
+            let config =
+                CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
             let mut c = CheckpointManager::new(dir, world, config)?;
-            let resumed = with_items(&mut model, &mut opt, &mut sched, &mut sampler, &mut progress, |items| {
-                Ok(c.load_latest(items)?)
-            })?;
+            let resumed = with_items(
+                &mut model,
+                &mut opt,
+                &mut sched,
+                &mut sampler,
+                &mut progress,
+                |items| Ok(c.load_latest(items)?),
+            )?;
             if let (Some(step), 0) = (resumed, rank) {
                 println!("resumed from {} at step {step}", c.step_dir(step).display());
             }
@@ -498,9 +504,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if let Some(c) = &mut ckpt {
                 c.poll()?;
                 if step % o.save_every == 0 || step == o.steps {
-                    with_items(&mut model, &mut opt, &mut sched, &mut sampler, &mut progress, |items| {
-                        Ok(c.save(step as u64, items)?)
-                    })?;
+                    with_items(
+                        &mut model,
+                        &mut opt,
+                        &mut sched,
+                        &mut sampler,
+                        &mut progress,
+                        |items| Ok(c.save(step as u64, items)?),
+                    )?;
                 }
             }
             if let Some(bar) = &progress_bar {
