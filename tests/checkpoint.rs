@@ -453,3 +453,91 @@ fn safetensors_written_by_python_loads_into_a_sharded_llama() {
     }
     let _ = std::fs::remove_file(exported);
 }
+
+#[test]
+fn set_state_dict_broadcasts_rank0s_full_state() {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/llama_import.safetensors");
+    let l = layout(2, 2, Mode::Zero1, false);
+    let out = spawn_layout(l, |w| {
+        let mut r = build(w, l, 5)?;
+        r.step(0)?;
+        // The optimizer's whole state, on rank 0 only.
+        let rank0_full =
+            StateDictOptions { full_state_dict: true, cpu_offload: true, ..Default::default() };
+        let (_, optim_full) = get_state_dict(&r.model, Some(r.opt.stateful()), w, &rank0_full)?;
+        assert_eq!(optim_full.is_empty(), w.rank() != 0);
+        let before = r.full(w)?;
+        // Only rank 0 reads the file; every rank ends up with its own chunks of it, and
+        // the optimizer state goes back in through the same broadcast.
+        let model_sd = if w.rank() == 0 { import_safetensors(&path)? } else { StateDict::new() };
+        let opts = StateDictOptions { broadcast_from_rank0: true, ..Default::default() };
+        let Run { model, opt, .. } = &mut r;
+        tpar::checkpoint::set_state_dict(
+            model,
+            Some(opt.stateful()),
+            model_sd,
+            optim_full,
+            w,
+            &opts,
+        )?;
+        Ok((before, r.full(w)?))
+    });
+    let file = import_safetensors(&path).unwrap();
+    let (before, after) = &out[0];
+    for (k, bits) in after {
+        if let Some(name) = k.strip_prefix("model.") {
+            let StateValue::Tensor(t) = &file[name] else { panic!("{name}") };
+            let want: Vec<u64> = t.to_vec_f64().unwrap().iter().map(|x| x.to_bits()).collect();
+            assert!(*bits == want, "{k}: not the file's values");
+        } else {
+            let (_, b) = before.iter().find(|(kb, _)| kb == k).expect("same keys");
+            assert!(bits == b, "{k}: optimizer state changed by the round trip");
+        }
+    }
+}
+
+#[test]
+fn module_state_dict_strictness_and_truncated_files() {
+    let l = layout(1, 1, Mode::Fsdp, true);
+    let dir = tmp("truncated");
+    spawn_layout(l, |w| {
+        let mut r = build(w, l, 1)?;
+        let mut sd = tpar::nn::state_dict(&r.model)?;
+        let removed = sd.remove("lm_head.weight").is_some();
+        assert!(removed);
+        sd.insert("extra".into(), StateValue::Int(0));
+        match tpar::nn::load_state_dict(&mut r.model, sd.clone(), true) {
+            Err(NnError::State(StateDictError::Missing { keys })) => {
+                assert_eq!(keys, ["lm_head.weight"])
+            }
+            other => panic!("strict: {other:?}"),
+        }
+        // Not strict: the present keys load, the rest are ignored.
+        tpar::nn::load_state_dict(&mut r.model, sd, false)?;
+        // A value of the wrong shape names its key.
+        let mut bad = tpar::nn::state_dict(&r.model)?;
+        bad.insert(
+            "base_model.norm.weight".into(),
+            StateValue::Tensor(Tensor::zeros([3], DType::F32, Device::Cpu)?),
+        );
+        let e = tpar::nn::load_state_dict(&mut r.model, bad, true).expect_err("shape");
+        assert!(e.to_string().contains("base_model.norm.weight"), "{e}");
+        save(&r.state()?, &dir, w, &SaveOptions::default())?;
+        Ok(())
+    });
+    let file = dir.join("shard-00000.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len - 100).unwrap();
+    let errors = spawn_layout(l, |w| {
+        let mut r = build(w, l, 1)?;
+        let mut sd = r.state()?;
+        Ok(load(&mut sd, &dir, w, &LoadOptions::default()).expect_err("truncated").to_string())
+    });
+    assert!(
+        errors[0].contains("shard-00000.safetensors") && errors[0].contains("key"),
+        "{}",
+        errors[0]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
