@@ -1,5 +1,7 @@
 //! The data pipeline of a pretraining run: a [`DistributedSampler`], tokenizers (a
-//! byte-level [`ByteTokenizer`] and HuggingFace `tokenizer.json` files, [`HfTokenizer`]),
+//! byte-level [`ByteTokenizer`], and [`HfTokenizer`] for HuggingFace `tokenizer.json`
+//! files, run by Hugging Face's `tokenizers` crate under the default-on `hf-tokenizers`
+//! feature),
 //! the [`PretrainingDataset`] with its [`collate`] function, and a small corpus shipped
 //! in the crate ([`default_corpus`]) so a trainer runs with no download.
 //!
@@ -18,6 +20,10 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "hf-tokenizers")]
+mod hf;
+#[cfg(not(feature = "hf-tokenizers"))]
+#[path = "hf_unavailable.rs"]
 mod hf;
 
 use std::path::Path;
@@ -26,6 +32,10 @@ use tpar_tensor::state::{expect_empty, take_int, StateDict, StateDictError, Stat
 use tpar_tensor::Tensor;
 
 pub use hf::HfTokenizer;
+/// The Hugging Face `tokenizers` crate [`HfTokenizer`] wraps, re-exported so
+/// [`HfTokenizer::inner`] and [`HfTokenizer::from_hf`] meet the same version.
+#[cfg(feature = "hf-tokenizers")]
+pub use tokenizers;
 
 /// Errors of the data pipeline: bad files, bad settings, and tensor errors while
 /// building batches.
@@ -36,6 +46,25 @@ pub enum DataError {
     Config {
         /// What is wrong.
         what: String,
+    },
+    /// The Hugging Face `tokenizers` crate could not read a `tokenizer.json`, or failed
+    /// on a text.
+    #[error("tokenizer {origin}: {op}: {why}")]
+    Tokenizer {
+        /// What failed: `read`, `load`, `encode` or `decode`.
+        op: &'static str,
+        /// The file's path, or where the tokenizer came from when there is no file.
+        origin: String,
+        /// The reason, as the file system or `tokenizers` gave it.
+        why: String,
+    },
+    /// A part of the pipeline this build left out (a cargo feature that is off).
+    #[error("{what} is unavailable: {why}")]
+    Unavailable {
+        /// What was asked for.
+        what: &'static str,
+        /// Why it is missing and how to get it.
+        why: &'static str,
     },
     /// A tensor op failed while building a batch.
     #[error(transparent)]
@@ -208,11 +237,15 @@ impl DistributedSampler {
 
 /// What the data pipeline needs from a tokenizer: text to ids and back, and the ids of
 /// the three specials a pretraining sequence uses.
+///
+/// `encode` and `decode` return errors rather than guess: [`HfTokenizer`]'s pass on
+/// what the `tokenizers` crate reports ([`DataError::Tokenizer`]); [`ByteTokenizer`]'s
+/// never fail.
 pub trait Tokenizer: Send + Sync {
     /// Token ids of `text` (no specials added).
-    fn encode(&self, text: &str) -> Vec<u32>;
+    fn encode(&self, text: &str) -> Result<Vec<u32>>;
     /// The text of `ids`, skipping special tokens and unknown ids.
-    fn decode(&self, ids: &[u32]) -> String;
+    fn decode(&self, ids: &[u32]) -> Result<String>;
     /// Number of ids (one more than the largest id).
     fn vocab_size(&self) -> usize;
     /// Id of the beginning-of-text special, `[BOT]`.
@@ -270,13 +303,13 @@ impl ByteTokenizer {
 }
 
 impl Tokenizer for ByteTokenizer {
-    fn encode(&self, text: &str) -> Vec<u32> {
-        text.bytes().map(u32::from).collect()
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(text.bytes().map(u32::from).collect())
     }
 
-    fn decode(&self, ids: &[u32]) -> String {
+    fn decode(&self, ids: &[u32]) -> Result<String> {
         let bytes: Vec<u8> = ids.iter().filter_map(|&i| u8::try_from(i).ok()).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
     fn vocab_size(&self) -> usize {
@@ -446,12 +479,12 @@ impl PretrainingDataset {
             .map(|t| {
                 let mut ids = Vec::with_capacity(seq_length + 1);
                 ids.push(bot);
-                ids.extend(tokenizer.encode(t.as_ref()));
+                ids.extend(tokenizer.encode(t.as_ref())?);
                 ids.push(eot);
                 ids.truncate(seq_length + 1);
-                ids
+                Ok(ids)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(PretrainingDataset { sequences, seq_length, pad_id: tokenizer.pad_id() })
     }
 
