@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use tpar_tensor::{DType, Device, RopeLayout, Tensor};
 
-use tpar_nn::layers::add_values;
 use tpar_nn::{
     call, module_boilerplate, Args, AttentionHeads, Embedding, Linear, Module, ModuleCore,
     ModuleList, NnError, Result, RmsNorm, Value,
@@ -234,7 +233,8 @@ fn check_additive_mask(m: &Tensor, batch: usize, seq: usize) -> Result<()> {
 }
 
 /// Grouped-query self-attention with RoPE. The head counts are read from the
-/// projections' local widths, so a head-sharded plan needs no change here.
+/// projections' outputs (this rank's heads when a plan hands on local shards), so a
+/// head-sharded plan needs no change here.
 pub struct LlamaAttention {
     core: ModuleCore,
     /// Query projection.
@@ -279,36 +279,26 @@ impl Module for LlamaAttention {
         let who = "LlamaAttention";
         let x = args.get(0);
         let rope = args.get(1).opaque::<RopeTables>(who)?;
-        let mask = match args.get(2) {
-            Value::Tensor(m) => Some(m),
-            Value::None => None,
-            other => {
-                return Err(NnError::BadInput {
-                    module: who.into(),
-                    what: format!("mask must be a plain tensor, got {other:?}"),
-                })
-            }
-        };
+        let mask = args.get(2).into_optional_tensor(who)?;
         let hd = self.head_dim;
-        // [b, s, heads_local * hd] -> [b, heads_local, s, hd]
-        let heads = |proj: &Linear| -> Result<Tensor> {
-            let t = call(proj, Args::new(vec![x.clone()]))?.into_local(who)?;
-            let (b, s, w) = (t.dims()[0], t.dims()[1], t.dims()[2]);
+        // [b, s, heads * hd] -> [b, heads, s, hd]
+        let heads = |proj: &Linear| -> Result<Value> {
+            let t = call(proj, Args::one(x.clone()))?;
+            let d = t.shape()?;
+            let (b, s, w) = (d[0], d[1], d[2]);
             if w % hd != 0 {
                 return Err(NnError::Config {
                     what: format!("{who}: projection width {w} is not a multiple of head_dim {hd}"),
                 });
             }
-            Ok(t.reshape([b, s, w / hd, hd])?.transpose(1, 2)?)
+            t.reshape(&[b as isize, s as isize, (w / hd) as isize, hd as isize])?.transpose(1, 2)
         };
         let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
-        let (b, hq, s) = (q.dims()[0], q.dims()[1], q.dims()[2]);
-        if k.dims()[1] == 0 || hq % k.dims()[1] != 0 {
+        let (qd, hkv) = (q.shape()?, k.shape()?[1]);
+        let (b, hq, s) = (qd[0], qd[1], qd[2]);
+        if hkv == 0 || hq % hkv != 0 {
             return Err(NnError::Config {
-                what: format!(
-                    "{who}: {hq} local query heads are not a multiple of {} local kv heads",
-                    k.dims()[1]
-                ),
+                what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
             });
         }
         if rope.cos.dims()[0] != s {
@@ -319,14 +309,14 @@ impl Module for LlamaAttention {
         }
         // The tables and the mask are built in the model's (master) dtype; under mixed
         // precision the activations are narrower (bf16), so cast them as HF's Llama does.
-        let act = q.dtype();
+        let act = q.dtype()?;
         let (cos, sin) = (rope.cos.to_dtype(act)?, rope.sin.to_dtype(act)?);
         let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
         let q = q.rope(&cos, &sin, RopeLayout::Bhsd)?;
         let k = k.rope(&cos, &sin, RopeLayout::Bhsd)?;
         let causal = mask.is_none();
-        let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
-        let a = a.transpose(1, 2)?.reshape([b, s, hq * hd])?;
+        let a = Value::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
+        let a = a.transpose(1, 2)?.reshape(&[b as isize, s as isize, (hq * hd) as isize])?; // [b, s, hq * hd]
         call(&self.o_proj, Args::one(a))
     }
 
@@ -393,15 +383,9 @@ impl Module for LlamaMLP {
 
     fn forward(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
-        let gate = call(&self.gate_proj, Args::new(vec![x.clone()]))?;
-        let up = call(&self.up_proj, Args::new(vec![x]))?;
-        let h = match (gate, up) {
-            (Value::DTensor(g), Value::DTensor(u)) => Value::DTensor(g.silu()?.mul(&u)?),
-            (g, u) => {
-                Value::Tensor(g.into_local("LlamaMLP")?.silu()?.mul(&u.into_local("LlamaMLP")?)?)
-            }
-        };
-        call(&self.down_proj, Args::new(vec![h]))
+        let gate = call(&self.gate_proj, Args::one(x.clone()))?;
+        let up = call(&self.up_proj, Args::one(x))?;
+        call(&self.down_proj, Args::one(gate.silu()?.mul(&up)?))
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {
@@ -461,14 +445,13 @@ impl Module for LlamaDecoderLayer {
 
     /// Inputs: hidden states, RoPE tables, mask (as [`LlamaAttention`]).
     fn forward(&self, args: Args) -> Result<Value> {
-        let who = "LlamaDecoderLayer";
         let x = args.get(0);
-        let h = call(&self.input_layernorm, Args::new(vec![x.clone()]))?;
+        let h = call(&self.input_layernorm, Args::one(x.clone()))?;
         let h = call(&self.self_attn, Args::new(vec![h, args.get(1), args.get(2)]))?;
-        let x = add_values(who, &x, &h)?;
-        let h = call(&self.post_attention_layernorm, Args::new(vec![x.clone()]))?;
-        let h = call(&self.mlp, Args::new(vec![h]))?;
-        add_values(who, &x, &h)
+        let x = x.add(&h)?;
+        let h = call(&self.post_attention_layernorm, Args::one(x.clone()))?;
+        let h = call(&self.mlp, Args::one(h))?;
+        x.add(&h)
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {
@@ -554,10 +537,7 @@ impl Module for LlamaModel {
             });
         }
         let (b, s) = (ids.dims()[0], ids.dims()[1]);
-        let pad = match args.get(1) {
-            Value::Tensor(m) => Some(m),
-            _ => None,
-        };
+        let pad = args.get(1).into_optional_tensor("LlamaModel")?;
         let device = ids.device();
         let mask = pad
             .as_ref()

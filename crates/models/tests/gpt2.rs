@@ -26,16 +26,10 @@ const LAYERS: usize = 2;
 const POSITIONS: usize = 8;
 const DTYPE: DType = DType::F64;
 
-fn plain(who: &str, v: Value) -> Result<Tensor, NnError> {
-    v.into_tensor(who)
-}
-
-/// A parameter as the plain tensor a layer on plain inputs computes with.
-fn local(p: &Param, who: &str) -> Result<Tensor, NnError> {
-    p.compute()?.replicated_local().ok_or_else(|| NnError::BadInput {
-        module: who.into(),
-        what: "a sharded parameter on a plain input".into(),
-    })
+/// The first three dims of a value's shape, as `reshape` takes them.
+fn dims3(v: &Value) -> Result<(isize, isize, isize), NnError> {
+    let d = v.shape()?;
+    Ok((d[0] as isize, d[1] as isize, d[2] as isize))
 }
 
 /// `torch.nn.LayerNorm(d)` with weight and bias.
@@ -60,13 +54,13 @@ impl Module for LayerNorm {
         "LayerNorm"
     }
     fn forward(&self, args: Args) -> tpar_nn::Result<Value> {
-        let x = plain("LayerNorm", args.get(0))?;
+        let x = args.get(0);
         let mu = x.mean(-1, true)?;
         let xc = x.sub(&mu)?;
         let var = xc.square()?.mean(-1, true)?;
         let y = xc.mul(&var.add_scalar(1e-5)?.rsqrt()?)?;
-        let y = y.mul(&local(&self.weight, "LayerNorm")?)?.add(&local(&self.bias, "LayerNorm")?)?;
-        Ok(Value::Tensor(y))
+        let y = y.mul(&self.weight.compute()?.operand_for(&x, "LayerNorm")?)?;
+        y.add(&self.bias.compute()?.operand_for(&x, "LayerNorm")?)
     }
     fn params(&self) -> Vec<(&'static str, &Param)> {
         vec![("weight", &self.weight), ("bias", &self.bias)]
@@ -82,7 +76,8 @@ impl Module for LayerNorm {
 }
 
 /// Causal self-attention with separate q/k/v projections (with bias); the head count
-/// is read from the projections' local widths, so head-sharding needs no change here.
+/// is read from the projections' outputs (this rank's heads when a plan hands on local
+/// shards), so head-sharding needs no change here.
 struct Attention {
     core: ModuleCore,
     c_q: Linear,
@@ -97,16 +92,16 @@ impl Module for Attention {
     }
     fn forward(&self, args: Args) -> tpar_nn::Result<Value> {
         let x = args.get(0);
-        let hd = D / HEADS;
-        let heads = |l: &Linear| -> tpar_nn::Result<Tensor> {
-            let t = plain("Attention", call(l, Args::new(vec![x.clone()]))?)?;
-            let (b, s, w) = (t.dims()[0], t.dims()[1], t.dims()[2]);
-            Ok(t.reshape([b, s, w / hd, hd])?.transpose(1, 2)?) // [b, h, s, hd]
+        let hd = (D / HEADS) as isize;
+        let heads = |l: &Linear| -> tpar_nn::Result<Value> {
+            let t = call(l, Args::one(x.clone()))?;
+            let (b, s, w) = dims3(&t)?;
+            t.reshape(&[b, s, w / hd, hd])?.transpose(1, 2) // [b, h, s, hd]
         };
         let (q, k, v) = (heads(&self.c_q)?, heads(&self.c_k)?, heads(&self.c_v)?);
-        let (b, h, s) = (q.dims()[0], q.dims()[1], q.dims()[2]);
-        let a = Tensor::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
-        let a = a.transpose(1, 2)?.reshape([b, s, h * hd])?; // [b, s, h * hd]
+        let (b, h, s) = dims3(&q)?;
+        let a = Value::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
+        let a = a.transpose(1, 2)?.reshape(&[b, s, h * hd])?; // [b, s, h * hd]
         call(&self.c_proj, Args::one(a))
     }
     fn attention_heads(&self) -> Option<AttentionHeads> {
@@ -135,9 +130,9 @@ impl Module for Attention {
 }
 
 /// `gelu(x, approximate="tanh")`.
-fn gelu(x: &Tensor) -> tpar_nn::Result<Tensor> {
+fn gelu(x: &Value) -> tpar_nn::Result<Value> {
     let inner = x.add(&x.pow_scalar(3.0)?.mul_scalar(0.044715)?)?.mul_scalar((2.0 / PI).sqrt())?;
-    Ok(x.mul(&inner.tanh()?.add_scalar(1.0)?)?.mul_scalar(0.5)?)
+    x.mul(&inner.tanh()?.add_scalar(1.0)?)?.mul_scalar(0.5)
 }
 
 /// Pre-norm block: `x + attn(ln_1(x))`, then `x + c_proj(gelu(c_fc(ln_2(x))))`.
@@ -175,13 +170,13 @@ impl Module for Block {
         "Block"
     }
     fn forward(&self, args: Args) -> tpar_nn::Result<Value> {
-        let x = plain("Block", args.get(0))?;
+        let x = args.get(0);
         let h = call(&self.ln_1, Args::one(x.clone()))?;
-        let x = x.add(&plain("Block", call(&self.attn, Args::new(vec![h]))?)?)?;
+        let x = x.add(&call(&self.attn, Args::one(h))?)?;
         let h = call(&self.ln_2, Args::one(x.clone()))?;
-        let h = plain("Block", call(&self.c_fc, Args::new(vec![h]))?)?;
+        let h = call(&self.c_fc, Args::one(h))?;
         let h = call(&self.c_proj, Args::one(gelu(&h)?))?;
-        Ok(Value::Tensor(x.add(&plain("Block", h)?)?))
+        x.add(&h)
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
         vec![
@@ -233,15 +228,16 @@ impl Module for Gpt2 {
     }
     /// Input: token ids `[b, s]`; output: logits `[b, s, vocab]`.
     fn forward(&self, args: Args) -> tpar_nn::Result<Value> {
-        let ids = plain("Gpt2", args.get(0))?;
-        let (b, s) = (ids.dims()[0], ids.dims()[1]);
+        let ids = args.get(0);
+        let d = ids.shape()?;
+        let (b, s) = (d[0], d[1]);
         let pos: Vec<i64> = (0..b * s).map(|i| (i % s) as i64).collect();
         let pos = Tensor::from_vec(pos, [b, s])?;
-        let tok = plain("Gpt2", call(&self.wte, Args::one(ids))?)?;
-        let x = tok.add(&plain("Gpt2", call(&self.wpe, Args::one(pos))?)?)?;
+        let tok = call(&self.wte, Args::one(ids))?;
+        let x = tok.add(&call(&self.wpe, Args::one(pos))?)?;
         let x = call(&self.h, Args::one(x))?;
-        let x = call(&self.ln_f, Args::new(vec![x]))?;
-        call(&self.lm_head, Args::new(vec![x]))
+        let x = call(&self.ln_f, Args::one(x))?;
+        call(&self.lm_head, Args::one(x))
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
         vec![

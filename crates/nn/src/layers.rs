@@ -1,10 +1,9 @@
 //! Layers: Linear, Embedding, RMSNorm, and an ordered list of modules.
 
-use tpar_dtensor::DTensor;
-use tpar_tensor::{DType, Device, Tensor};
+use tpar_tensor::{DType, Device};
 
 use crate::module::{call, Init, ModuleCore, ParamSlot};
-use crate::{Args, ComputeParam, Module, NnError, Param, Result, Value};
+use crate::{Args, Module, Param, Result, Value};
 
 /// The four accessors every [`Module`] implementation writes the same way, for a struct
 /// with a `core: ModuleCore` field: `core`, `core_mut`, `as_any`, `as_any_mut`. Use it
@@ -25,15 +24,6 @@ macro_rules! module_boilerplate {
             self
         }
     };
-}
-
-fn mixed(module: &str, x: &Value, p: &ComputeParam) -> NnError {
-    NnError::BadInput {
-        module: module.to_string(),
-        what: format!(
-            "input {x:?} and parameter {p:?} do not mix: a sharded parameter needs a DTensor input (install a parallel style), a plain parameter a plain tensor"
-        ),
-    }
 }
 
 /// `y = x W^T + b` with `W` of shape `[out_features, in_features]`, as `torch.nn.Linear`.
@@ -80,28 +70,9 @@ impl Module for Linear {
     }
 
     fn forward(&self, args: Args) -> Result<Value> {
-        let x = args.get(0);
         let w = self.weight.compute()?;
-        let b = self.bias.as_ref().map(|b| b.compute()).transpose()?;
-        match (&x, &w) {
-            (Value::DTensor(xd), ComputeParam::Dist(wd)) => {
-                let b = match &b {
-                    Some(ComputeParam::Dist(b)) => Some(b.clone()),
-                    Some(p @ ComputeParam::Plain(_)) => return Err(mixed("Linear", &x, p)),
-                    None => None,
-                };
-                Ok(Value::DTensor(xd.linear(wd, b.as_ref())?))
-            }
-            (Value::Tensor(xt), w) => {
-                let w = w.replicated_local().ok_or_else(|| mixed("Linear", &x, w))?;
-                let b = match &b {
-                    Some(p) => Some(p.replicated_local().ok_or_else(|| mixed("Linear", &x, p))?),
-                    None => None,
-                };
-                Ok(Value::Tensor(xt.linear(&w, b.as_ref())?))
-            }
-            _ => Err(mixed("Linear", &x, &w)),
-        }
+        let b = self.bias.as_ref().map(Param::compute).transpose()?;
+        args.get(0).linear(&w, b.as_ref())
     }
 
     fn params(&self) -> Vec<(&'static str, &Param)> {
@@ -156,18 +127,7 @@ impl Module for Embedding {
     }
 
     fn forward(&self, args: Args) -> Result<Value> {
-        let ids = args.get(0);
-        let w = self.weight.compute()?;
-        match (&ids, &w) {
-            (Value::DTensor(i), ComputeParam::Dist(w)) => {
-                Ok(Value::DTensor(DTensor::embedding(i, w)?))
-            }
-            (Value::Tensor(i), w) => {
-                let w = w.replicated_local().ok_or_else(|| mixed("Embedding", &ids, w))?;
-                Ok(Value::Tensor(Tensor::embedding(i, &w)?))
-            }
-            _ => Err(mixed("Embedding", &ids, &w)),
-        }
+        args.get(0).embedding(&self.weight.compute()?)
     }
 
     fn params(&self) -> Vec<(&'static str, &Param)> {
@@ -204,18 +164,7 @@ impl Module for RmsNorm {
     }
 
     fn forward(&self, args: Args) -> Result<Value> {
-        let x = args.get(0);
-        let w = self.weight.compute()?;
-        match (&x, &w) {
-            (Value::DTensor(xd), ComputeParam::Dist(w)) => {
-                Ok(Value::DTensor(xd.rms_norm(w, self.eps)?))
-            }
-            (Value::Tensor(xt), w) => {
-                let w = w.replicated_local().ok_or_else(|| mixed("RMSNorm", &x, w))?;
-                Ok(Value::Tensor(xt.rms_norm(&w, self.eps)?))
-            }
-            _ => Err(mixed("RMSNorm", &x, &w)),
-        }
+        args.get(0).rms_norm(&self.weight.compute()?, self.eps)
     }
 
     fn params(&self) -> Vec<(&'static str, &Param)> {
@@ -275,20 +224,4 @@ impl<M: Module> Module for ModuleList<M> {
     }
 
     module_boilerplate!();
-}
-
-/// Adds two values (residual connections): plain + plain, or DTensor + DTensor.
-pub fn add_values(who: &str, a: &Value, b: &Value) -> Result<Value> {
-    match (a, b) {
-        (Value::Tensor(x), Value::Tensor(y)) => Ok(Value::Tensor(x.add(y)?)),
-        (Value::DTensor(x), Value::DTensor(y)) => Ok(Value::DTensor(x.add(y)?)),
-        (Value::DTensor(x), Value::Tensor(y)) | (Value::Tensor(y), Value::DTensor(x)) => {
-            // A plain tensor next to a DTensor is this rank's shard of the same layout.
-            Ok(Value::Tensor(x.to_local().add(y)?))
-        }
-        _ => Err(NnError::BadInput {
-            module: who.to_string(),
-            what: format!("cannot add {a:?} and {b:?}"),
-        }),
-    }
 }

@@ -1,5 +1,6 @@
 //! tpar's module layer: the `Module` trait, layers (Linear, Embedding, RMSNorm, lists of
-//! modules), parameters that are plain tensors, DTensors or FSDP shards, and the
+//! modules), parameters that are plain tensors, DTensors or FSDP shards, the op set on
+//! [`Value`] that layers compute with whichever of the two they get, and the
 //! `module_boilerplate!` macro for writing a module of your own. Models built from
 //! these (the Llama) are in `tpar-models`.
 #![warn(missing_docs)]
@@ -8,6 +9,7 @@ mod error;
 pub mod fsdp_param;
 pub mod layers;
 mod module;
+mod ops;
 mod param;
 pub mod state;
 mod value;

@@ -11,6 +11,7 @@ use tpar_dtensor::{DTensor, Placement};
 use tpar_mesh::DeviceMesh;
 use tpar_tensor::Tensor;
 
+use crate::ops::not_a_tensor;
 use crate::{NnError, Result};
 
 /// One input or output of a module.
@@ -62,6 +63,15 @@ impl Value {
         }
     }
 
+    /// The plain tensor of an optional input: `None` for [`Value::None`]; a DTensor or an
+    /// opaque value is an error naming `who`.
+    pub fn into_optional_tensor(self, who: &str) -> Result<Option<Tensor>> {
+        match self {
+            Value::None => Ok(None),
+            other => other.into_tensor(who).map(Some),
+        }
+    }
+
     /// The plain tensor, or a DTensor's local shard.
     pub fn into_local(self, who: &str) -> Result<Tensor> {
         match self {
@@ -71,17 +81,6 @@ impl Value {
                 module: who.to_string(),
                 what: format!("expected a tensor, got {other:?}"),
             }),
-        }
-    }
-
-    /// The same values in a new shape, for a plain tensor or a DTensor alike (one `-1`
-    /// dim is inferred): `logits.reshape(&[-1, vocab])`, as [`Tensor::view`] and
-    /// [`DTensor::view`] (which keeps the sharding where the new shape allows it).
-    pub fn reshape(&self, dims: &[isize]) -> Result<Value> {
-        match self {
-            Value::Tensor(t) => Ok(Value::Tensor(t.view(dims)?)),
-            Value::DTensor(d) => Ok(Value::DTensor(d.view(dims)?)),
-            other => Err(not_a_tensor("reshape", other)),
         }
     }
 
@@ -146,10 +145,6 @@ impl Value {
             }),
         }
     }
-}
-
-fn not_a_tensor(op: &str, v: &Value) -> NnError {
-    NnError::BadInput { module: op.to_string(), what: format!("expected a tensor, got {v:?}") }
 }
 
 thread_local! {
