@@ -29,6 +29,9 @@ mod hf;
 use std::path::Path;
 
 use tpar_tensor::state::{expect_empty, take_int, StateDict, StateDictError, StateValue};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use tpar_tensor::Tensor;
 
 pub use hf::HfTokenizer;
@@ -82,31 +85,6 @@ fn config_err(what: impl Into<String>) -> DataError {
 // Distributed sampler
 // ---------------------------------------------------------------------------------------
 
-/// SplitMix64: a small, fast, well-mixed generator for permutations (not torch's).
-#[derive(Clone, Debug)]
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`), by rejection so there is no modulo bias.
-    fn below(&mut self, n: u64) -> u64 {
-        let zone = u64::MAX - (u64::MAX % n);
-        loop {
-            let x = self.next_u64();
-            if x < zone {
-                return x % n;
-            }
-        }
-    }
-}
-
 /// `torch.utils.data.DistributedSampler`: splits a dataset's indices among
 /// `num_replicas` data-parallel ranks, each taking `rank, rank + num_replicas, ...` of a
 /// (possibly shuffled) list padded to a multiple of `num_replicas` by wrapping around
@@ -117,7 +95,7 @@ impl SplitMix64 {
 ///
 /// **Equal to torch's, and where it differs.** Without shuffling, every rank's indices
 /// equal torch's exactly. With shuffling, the order differs from torch's: the
-/// permutation is a Fisher–Yates shuffle driven by SplitMix64 seeded with
+/// permutation is `rand`'s Fisher–Yates shuffle driven by ChaCha8 seeded with
 /// `seed + epoch`, not `torch.randperm` under torch's generator. What stays equal is
 /// the structure: each rank's number of indices ([`DistributedSampler::num_samples`]),
 /// one permutation per (seed, epoch) shared by every rank (which depends on
@@ -213,11 +191,10 @@ impl DistributedSampler {
     pub fn indices(&self, len: usize) -> Vec<usize> {
         let mut all: Vec<usize> = (0..len).collect();
         if self.shuffle {
-            let mut rng = SplitMix64(self.seed.wrapping_add(self.epoch));
-            for i in (1..len).rev() {
-                let j = rng.below(i as u64 + 1) as usize;
-                all.swap(i, j);
-            }
+            // ChaCha8 (a stream fixed across platforms and `rand` releases), seeded
+            // alike on every rank, so the ranks agree on the permutation.
+            let mut rng = ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(self.epoch));
+            all.shuffle(&mut rng);
         }
         let total = self.total_size(len);
         if total > len {
