@@ -19,13 +19,17 @@ pub mod autograd;
 mod dtype;
 mod error;
 pub mod gpu;
-pub mod memory;
 mod ops;
 mod rng;
 pub mod shape;
 mod storage;
 mod tensor;
 pub mod tol;
+
+/// Per-rank memory accounting at the allocator (the `tpar-memory` crate):
+/// install [`memory::TrackingAllocator`] as the global allocator to measure
+/// peak memory per rank.
+pub use tpar_memory as memory;
 
 pub use autograd::no_grad;
 pub use dtype::{DType, Device};
