@@ -1,4 +1,4 @@
-//! Checks every CUDA kernel family of `tpar::kernels::cuda::ops` against the
+//! Checks every CUDA kernel family of `tpar::kernels::cuda::raw` against the
 //! CPU kernels, then (with `--bench`, on a GPU) measures their throughput.
 //!
 //! ```text
@@ -42,15 +42,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytemuck::Pod;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use tpar::kernels::cuda::cublaslt::CublasLt;
 use tpar::kernels::cuda::device::CudaDevice;
 use tpar::kernels::cuda::emu::{EmulatedGpu, Emulator};
-use tpar::kernels::cuda::ops::gemm::{GemmProblem, GemmTile};
-use tpar::kernels::cuda::ops::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
-use tpar::kernels::cuda::ops::{
+use tpar::kernels::cuda::raw::gemm::{GemmProblem, GemmTile};
+use tpar::kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
+use tpar::kernels::cuda::raw::{
     adamw, cross_entropy as ce, elementwise as ew, embedding, gemm, layout, reduce, rmsnorm, rope,
     sdpa,
 };
@@ -96,43 +97,14 @@ fn round_to(dt: CudaDType, x: f64) -> f64 {
 
 // ------------------------------------------------------------------ raw data
 
-/// Plain values copied to and from the device as raw bytes.
-///
-/// # Safety
-/// Every bit pattern must be a valid value, and the type must have no padding.
-unsafe trait Pod: Copy + Default + Send + Sync {}
-// SAFETY: integers and floats: any bits are a value, no padding.
-unsafe impl Pod for u8 {}
-// SAFETY: as above.
-unsafe impl Pod for u16 {}
-// SAFETY: as above.
-unsafe impl Pod for u32 {}
-// SAFETY: as above.
-unsafe impl Pod for u64 {}
-// SAFETY: as above.
-unsafe impl Pod for i32 {}
-// SAFETY: as above.
-unsafe impl Pod for i64 {}
-// SAFETY: as above.
-unsafe impl Pod for f32 {}
-
 fn as_bytes<T: Pod>(v: &[T]) -> &[u8] {
-    // SAFETY: `Pod` values have no padding, so every byte is initialized.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    bytemuck::cast_slice(v)
 }
 
 fn from_bytes<T: Pod>(b: &[u8]) -> Vec<T> {
-    let n = b.len() / std::mem::size_of::<T>();
-    let mut v = vec![T::default(); n];
-    // SAFETY: `v` holds `n * size_of::<T>()` bytes, `b` at least that many,
-    // and any bits are a valid `T`.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            b.as_ptr(),
-            v.as_mut_ptr().cast::<u8>(),
-            n * std::mem::size_of::<T>(),
-        )
-    };
+    let mut v = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
+    let n = std::mem::size_of_val(v.as_slice());
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&b[..n]);
     v
 }
 
@@ -2098,13 +2070,14 @@ fn run_benches(d: &Dev, lt: Option<&CublasLt>, quick: bool, rng: &mut Rng) -> Ve
                 workspace_bytes: ws_bytes,
             };
             let l = d.l();
-            // SAFETY (both closures): q, k, v and dout lie inside the source
-            // buffer; the outputs and the workspace were allocated for `sh`.
             let t_fwd = time_per_call(d, || {
+                // SAFETY: q, k, v and dout lie inside the source buffer; the
+                // outputs and the workspace were allocated for `sh`.
                 unsafe { sdpa::sdpa_forward(l, BF16, &sh, &fb, SdpaPath::Auto)? };
                 Ok(())
             })?;
             let t_all = time_per_call(d, || {
+                // SAFETY: as above.
                 unsafe {
                     sdpa::sdpa_forward(l, BF16, &sh, &fb, SdpaPath::Auto)?;
                     sdpa::sdpa_backward(l, BF16, &sh, &bb, SdpaPath::Auto)?;
@@ -2180,14 +2153,15 @@ fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench> {
         let (y, rstd) = (d.alloc(rows * dim * 2)?, d.alloc(rows * 4)?);
         let (dx, dw) = (d.alloc(rows * dim * 2)?, d.alloc(dim * 4)?);
         let ws = d.alloc(rmsnorm::backward_workspace_bytes(rows, dim))?;
-        // SAFETY (both): x, w and dy lie inside the source; the rest was allocated here.
         let tf = time_per_call(d, || {
+            // SAFETY: x and w lie inside the source; y and rstd were allocated here.
             unsafe {
                 rmsnorm::rmsnorm_forward(l, BF16, s, s, y.ptr(), rstd.ptr(), rows, dim, 1e-5)?
             };
             Ok(())
         })?;
         let tb = time_per_call(d, || {
+            // SAFETY: x, w and dy lie inside the source; the rest was allocated here.
             unsafe {
                 rmsnorm::rmsnorm_backward(
                     l,
@@ -2248,8 +2222,8 @@ fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench> {
         let bt = d.up_raw(&targets)?;
         let (loss, lse, count) = (d.alloc(rows * 4)?, d.alloc(rows * 4)?, d.zeros(4)?);
         let (scale, dl) = (d.up(F32, &[1.0 / rows as f64])?, d.alloc(nl * 2)?);
-        // SAFETY (both): every buffer was allocated above with the size the op needs.
         let tf = time_per_call(d, || {
+            // SAFETY: every buffer was allocated above with the size the op needs.
             unsafe {
                 ce::cross_entropy_forward(
                     l,
@@ -2268,6 +2242,7 @@ fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench> {
             Ok(())
         })?;
         let tb = time_per_call(d, || {
+            // SAFETY: as above.
             unsafe {
                 ce::cross_entropy_backward(
                     l,

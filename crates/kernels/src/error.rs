@@ -23,6 +23,32 @@ pub enum KernelError {
         /// What is wrong, with the numbers.
         what: String,
     },
+    /// A device buffer (or a view of one) holds fewer bytes than an operation
+    /// reads or writes.
+    #[error("{op}: {what} holds {got} bytes, {need} needed")]
+    BufferTooSmall {
+        /// The operation that checked it.
+        op: &'static str,
+        /// Which buffer.
+        what: &'static str,
+        /// Bytes the operation touches.
+        need: usize,
+        /// Bytes the buffer holds.
+        got: usize,
+    },
+    /// A device buffer belongs to another device (another memory, or another
+    /// stream of the same GPU) than the one asked to use it.
+    #[error("{op}: {what} lives on {got}, the operation runs on {want}")]
+    WrongDevice {
+        /// The operation that checked it.
+        op: &'static str,
+        /// Which buffer.
+        what: &'static str,
+        /// The device the operation runs on.
+        want: String,
+        /// The device the buffer belongs to.
+        got: String,
+    },
     /// A CUDA kernel could not be compiled or run (on a GPU or in the emulator).
     #[error("{op}: {what}")]
     Cuda {

@@ -6,7 +6,7 @@ mod common;
 use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
 use tpar_kernels::adamw::{adamw_step, AdamWParams};
-use tpar_kernels::cuda::ops::adamw as k;
+use tpar_kernels::cuda::raw::adamw as k;
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::{Float, KernelError};
 
@@ -53,6 +53,8 @@ fn check_steps<T: Float<Acc = f32>>(seed: u64, n: usize, offset: usize) {
     for step in 1..=5 {
         let g: Vec<T> = rng.vec(offset + n, 0.5);
         adamw_step(&mut cp, &g[offset..], &mut cm, &mut cv, &hyper(step)).unwrap();
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::adamw_step(
                 emu(),
@@ -105,6 +107,8 @@ fn check_f32_grads<T: Float<Acc = f32>>(seed: u64, n: usize) {
         let mut wide: Vec<f32> = cp.iter().map(|v| v.to_acc()).collect();
         adamw_step(&mut wide, &g, &mut cm, &mut cv, &hyper(step)).unwrap();
         cp = wide.iter().map(|&v| T::from_acc(v)).collect();
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::adamw_step(
                 emu(),
@@ -138,14 +142,20 @@ fn bad_arguments_are_errors() {
     let g = vec![f16::ZERO; 8];
     let (mut m, mut v) = (vec![0f32; 8], vec![0f32; 8]);
     let (pp, mp, vp) = (mptr(&mut p), mptr(&mut m), mptr(&mut v));
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::adamw_step(emu(), CudaDType::BF16, CudaDType::F16, pp, ptr(&g), mp, vp, 8, &hyper(1))
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::adamw_step(emu(), CudaDType::BF16, CudaDType::BF16, pp, pp, mp, vp, 8, &hyper(0))
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::adamw_step(emu(), CudaDType::BF16, CudaDType::BF16, pp, pp, 0, vp, 8, &hyper(1))
     };

@@ -6,7 +6,7 @@ mod common;
 use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
 use tpar_kernels::cross_entropy as cpu;
-use tpar_kernels::cuda::ops::cross_entropy::{self as k, NO_ERROR};
+use tpar_kernels::cuda::raw::cross_entropy::{self as k, NO_ERROR};
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::{Float, KernelError};
 
@@ -47,6 +47,8 @@ fn check_forward<T: Float<Acc = f32>>(seed: u64, rows: usize, vocab: usize, igno
     .unwrap();
     let (mut loss, mut lse, mut count, mut err) =
         (vec![9f32; rows], vec![9f32; rows], [0i32], [NO_ERROR]);
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::cross_entropy_forward(
             emu(),
@@ -100,6 +102,8 @@ fn check_backward<T: Float<Acc = f32>>(seed: u64, rows: usize, vocab: usize, per
     cpu::cross_entropy_backward(&logits, rows, vocab, &targets, 0, IGNORE, &lse, &scale, &mut want)
         .unwrap();
     let mut got = vec![T::from_f64(7.0); rows * vocab];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::cross_entropy_backward(
             emu(),
@@ -122,6 +126,8 @@ fn check_backward<T: Float<Acc = f32>>(seed: u64, rows: usize, vocab: usize, per
     // In place: dlogits overwrites the logits.
     let mut inplace = logits.clone();
     let p = mptr(&mut inplace);
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::cross_entropy_backward(
             emu(),
@@ -175,6 +181,8 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
         .unwrap();
         let (mut m, mut se, mut tl, mut err) =
             (vec![0f32; rows], vec![0f32; rows], vec![5f32; rows], [NO_ERROR]);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::ce_local_stats(
                 emu(),
@@ -208,6 +216,8 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
     let mut tl = vec![0f32; rows];
     for (m, se, t) in &stats {
         let mut se2 = se.clone();
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { k::ce_rescale(emu(), ptr(m), mptr(&mut se2), ptr(&gmax), rows).unwrap() };
         let mut want = se.clone();
         cpu::ce_rescale(m, &mut want, &gmax).unwrap();
@@ -218,8 +228,12 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
         }
     }
     let mut lse = vec![0f32; rows];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { k::ce_lse(emu(), ptr(&gmax), ptr(&sum), mptr(&mut lse), rows).unwrap() };
     let (mut loss, mut count) = (vec![3f32; rows], [0i32]);
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::ce_loss(
             emu(),
@@ -257,12 +271,16 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
     let (mut mm, mut ms) = (stats[0].0.clone(), stats[0].1.clone());
     let (mut cm, mut cs) = (mm.clone(), ms.clone());
     for (m, se, _) in &stats[1..] {
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { k::ce_merge(emu(), mptr(&mut mm), mptr(&mut ms), ptr(m), ptr(se), rows).unwrap() };
         cpu::ce_merge(&mut cm, &mut cs, m, se).unwrap();
     }
     assert_close(&format!("merge {name} max"), &f64s(&mm), &f64s(&cm), 0.0);
     assert_close(&format!("merge {name} sumexp"), &f64s(&ms), &f64s(&cs), 1e-5);
     let mut lse2 = vec![0f32; rows];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { k::ce_lse(emu(), ptr(&mm), ptr(&ms), mptr(&mut lse2), rows).unwrap() };
     let mut want_lse2 = vec![0f32; rows];
     cpu::ce_lse(&cm, &cs, &mut want_lse2).unwrap();
@@ -286,6 +304,8 @@ fn vocab_parallel<T: Float<Acc = f32>>(seed: u64) {
         .unwrap();
         assert_eq!(f64s(&want), f64s(&columns(&full, vocab, s, e)), "CPU shard [{s}, {e})");
         let mut got = vec![T::default(); rows * v];
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::cross_entropy_backward(
                 emu(),
@@ -324,6 +344,8 @@ fn invalid_targets_set_the_error_slot() {
     let logits: Vec<f32> = Rng(31).vec(rows * vocab, 1.0);
     let targets = vec![3, IGNORE, 50, 7, -5, 1000];
     let (mut loss, mut lse, mut err) = (vec![0f32; rows], vec![0f32; rows], [NO_ERROR]);
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::cross_entropy_forward(
             emu(),
@@ -347,6 +369,8 @@ fn invalid_targets_set_the_error_slot() {
     let good = vec![3, IGNORE, 49, 7, 25, 0];
     for (t, want) in [(&targets, 2), (&good, NO_ERROR)] {
         err[0] = NO_ERROR;
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::ce_local_stats(
                 emu(),
@@ -368,6 +392,8 @@ fn invalid_targets_set_the_error_slot() {
         assert_eq!(err[0], want, "stats error slot for {t:?}");
     }
     // Without a slot the launch still runs.
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::cross_entropy_forward(
             emu(),
@@ -393,6 +419,8 @@ fn bad_arguments_are_errors() {
     let mut out = vec![0f32; 4];
     let o = mptr(&mut out);
     // Shard outside the vocab.
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::ce_local_stats(
             emu(),
@@ -411,6 +439,8 @@ fn bad_arguments_are_errors() {
         )
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::ce_local_stats(
             emu(),
@@ -431,6 +461,8 @@ fn bad_arguments_are_errors() {
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     // row_scale of the wrong length.
     let mut d = vec![0f32; 40];
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::cross_entropy_backward(
             emu(),
@@ -449,6 +481,8 @@ fn bad_arguments_are_errors() {
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     // Too many rows for the kernels' i32 indices.
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::cross_entropy_forward(
             emu(),
@@ -466,6 +500,8 @@ fn bad_arguments_are_errors() {
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     // A null buffer.
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::cross_entropy_forward(
             emu(),

@@ -9,7 +9,7 @@ mod common;
 
 use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::ops::elementwise as ew;
+use tpar_kernels::cuda::raw::elementwise as ew;
 use tpar_kernels::cuda::{CudaDType, Launcher};
 use tpar_kernels::elementwise::{self as cpu, BinaryOp, UnaryOp};
 use tpar_kernels::{softmax, Float};
@@ -65,6 +65,8 @@ fn check_unary<T: Float>(seed: u64) {
         for shift in [0, 1] {
             let mut bx = Buf::new(&x, shift);
             let mut by = Buf::<T>::zeros(n, shift);
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { ew::unary(l, dtype::<T>(), op, bx.ptr(), by.ptr(), n) }.unwrap();
             assert_close(&format!("{op:?} shift {shift}"), &by.get(), &want, tol::<T>());
 
@@ -72,6 +74,8 @@ fn check_unary<T: Float>(seed: u64) {
             let mut bg = Buf::new(&dy, shift);
             let mut bdx = Buf::<T>::zeros(n, shift);
             let (px, py, pg, pdx) = (bx.ptr(), by.ptr(), bg.ptr(), bdx.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { ew::unary_backward(l, dtype::<T>(), op, px, py, pg, pdx, n) }.unwrap();
             assert_close(&format!("{op:?} backward shift {shift}"), &bdx.get(), &dwant, tol::<T>());
         }
@@ -93,6 +97,8 @@ fn unary_in_place() {
     cpu::unary(UnaryOp::Silu, &x, &mut want).unwrap();
     let mut b = Buf::new(&x, 0);
     let p = b.ptr();
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { ew::unary(l, CudaDType::BF16, UnaryOp::Silu, p, p, 77) }.unwrap();
     assert_close("silu in place", &b.get(), &want, 1e-2);
 }
@@ -123,6 +129,8 @@ fn check_scalar<T: Float>(seed: u64) {
             let mut bx = Buf::new(&x, shift);
             let mut by = Buf::<T>::zeros(n, shift);
             let (px, py) = (bx.ptr(), by.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { ew::scalar(l, dtype::<T>(), op, px, s, first, py, n) }.unwrap();
             let what = format!("{op:?} scalar {s} first={first} shift {shift}");
             assert_close(&what, &by.get(), &want, tol::<T>());
@@ -155,6 +163,8 @@ fn run_binary<T: Float>(
     let mut bb = Buf::new(b, 0);
     let mut bo = Buf::<T>::zeros(n, 0);
     let (pa, pb, po) = (ba.ptr(), bb.ptr(), bo.ptr());
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { ew::binary(l, dtype::<T>(), op, pa, sa, pb, sb, shape, po) }.unwrap();
     assert_close(&format!("{what} {op:?} shift {shift}"), &bo.get(), &want, tol::<T>());
 }
@@ -254,6 +264,8 @@ fn check_swiglu<T: Float>(seed: u64) {
             let mut bb = Buf::new(&b, shift);
             let mut by = Buf::<T>::zeros(rows * cols, shift);
             let (pa, pb, py) = (ba.ptr(), bb.ptr(), by.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { ew::swiglu_forward(l, dt, pa, pb, ld, py, rows, cols) }.unwrap();
             let what = format!("swiglu {rows}x{cols} ld {ld} shift {shift}");
             assert_close(&format!("{what} y"), &by.get(), &y_want, tol::<T>());
@@ -262,6 +274,8 @@ fn check_swiglu<T: Float>(seed: u64) {
             let mut bda = Buf::<T>::zeros(a.len(), shift);
             let mut bdb = Buf::<T>::zeros(b.len(), shift);
             let (pg, pda, pdb) = (bg.ptr(), bda.ptr(), bdb.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { ew::swiglu_backward(l, dt, pa, pb, ld, pg, pda, pdb, rows, cols) }.unwrap();
             // only the elements inside the [rows, cols] window are written
             let window = |v: Vec<T>| -> Vec<T> {
@@ -289,11 +303,15 @@ fn fill_writes_every_element() {
     let l: &dyn Launcher = emu();
     for shift in [0, 1] {
         let mut b = Buf::new(&[bf16::ONE; 301], shift);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { ew::fill(l, CudaDType::BF16, b.ptr(), 300, -2.5) }.unwrap();
         let got = b.get();
         assert!(got[..300].iter().all(|&v| v == bf16::from_f32(-2.5)), "fill shift {shift}");
         assert_eq!(got[300], bf16::ONE, "fill wrote past its end");
         let mut f = Buf::new(&[1.0f32; 45], shift);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { ew::fill(l, CudaDType::F32, f.ptr(), 45, 0.1) }.unwrap();
         assert!(f.get().iter().all(|&v| v == 0.1f32));
     }
@@ -312,6 +330,8 @@ fn check_cast<S: Float, D: Float>(rng: &mut Rng) {
         let mut bx = Buf::new(&x, shift);
         let mut by = Buf::<D>::zeros(n, 0);
         let (px, py) = (bx.ptr(), by.ptr());
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { ew::cast(l, dtype::<S>(), px, dtype::<D>(), py, n) }.unwrap();
         let got = by.get();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -340,7 +360,11 @@ fn cast_from_i64() {
         let mut bx = Buf::new(&x, shift);
         let mut bf = Buf::<f32>::zeros(203, 0);
         let mut bb = Buf::<bf16>::zeros(203, 0);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { ew::cast_i64(l, bx.ptr(), CudaDType::F32, bf.ptr(), 203) }.unwrap();
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { ew::cast_i64(l, bx.ptr(), CudaDType::BF16, bb.ptr(), 203) }.unwrap();
         for i in 0..203 {
             assert_eq!(bf.get()[i], x[i] as f32, "i64 -> f32 [{i}]");
@@ -363,6 +387,8 @@ fn check_accumulate<S: Float, D: Float>(rng: &mut Rng, alpha: f32) {
         let mut bs = Buf::new(&src, shift);
         let mut bd = Buf::new(&dst, shift);
         let (ps, pd) = (bs.ptr(), bd.ptr());
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { ew::accumulate(l, dtype::<S>(), ps, dtype::<D>(), pd, n, alpha) }.unwrap();
         let what = format!("accumulate {} into {} shift {shift}", S::NAME, D::NAME);
         assert_close(&what, &bd.get(), &want, tol::<D>());
@@ -410,6 +436,9 @@ fn check_softmax<T: Float>(seed: u64) {
                 let mut bx = Buf::new(&x, shift);
                 let mut by = Buf::<T>::zeros(n, shift);
                 let (px, py) = (bx.ptr(), by.ptr());
+                // SAFETY: host buffers stand in for device memory (the emulator runs the kernel
+                // on this thread before returning), each holding every element the call's sizes
+                // reach.
                 unsafe { ew::softmax_forward(l, dt, px, py, rows, cols, log) }.unwrap();
                 assert_close(&format!("{what} y"), &by.get(), &y, tol::<T>());
 
@@ -417,6 +446,9 @@ fn check_softmax<T: Float>(seed: u64) {
                 let mut bg = Buf::new(&dy, shift);
                 let mut bdx = Buf::<T>::zeros(n, shift);
                 let (pyr, pg, pdx) = (byr.ptr(), bg.ptr(), bdx.ptr());
+                // SAFETY: host buffers stand in for device memory (the emulator runs the kernel
+                // on this thread before returning), each holding every element the call's sizes
+                // reach.
                 unsafe { ew::softmax_backward(l, dt, pyr, pg, pdx, rows, cols, log) }.unwrap();
                 let got = bdx.get();
                 assert!(got.iter().all(|v| !v.to_f64().is_nan()), "{what}: NaN in dx");
@@ -441,6 +473,8 @@ fn softmax_f16_in_place() {
     softmax::softmax_forward(&x, rows, cols, &mut want).unwrap();
     let mut b = Buf::new(&x, 0);
     let p = b.ptr();
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { ew::softmax_forward(l, CudaDType::F16, p, p, rows, cols, false) }.unwrap();
     assert_close("f16 softmax in place", &b.get(), &want, 2e-3);
 }
@@ -453,6 +487,8 @@ fn rejects_bad_arguments() {
     let mut buf = Buf::new(&[0.0f32; 64], 0);
     let p = buf.ptr();
     let f = CudaDType::F32;
+    // SAFETY: every call but the empty one is rejected by the argument checks before
+    // anything is launched (asserted per call); the empty one touches no memory.
     unsafe {
         assert!(ew::unary(l, f, UnaryOp::Exp, 0, p, 4).is_err(), "null input");
         assert!(ew::unary(l, f, UnaryOp::Exp, p + 2, p, 4).is_err(), "misaligned element");

@@ -5,7 +5,7 @@ mod common;
 
 use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::ops::embedding::{self as k, EmbeddingCsr, NO_ERROR};
+use tpar_kernels::cuda::raw::embedding::{self as k, EmbeddingCsr, NO_ERROR};
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::embedding as cpu;
 use tpar_kernels::{Float, KernelError};
@@ -34,6 +34,8 @@ fn check_forward<T: Float>(seed: u64, n: usize, dim: usize, masked: bool) {
     cpu::embedding_forward(&weight, VOCAB, dim, &ids, START, masked, &mut want).unwrap();
     let mut got = vec![T::from_f64(9.0); n * dim];
     let mut err = [NO_ERROR];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::embedding_forward(
             emu(),
@@ -77,6 +79,8 @@ fn invalid_ids_set_the_error_slot_and_give_zero_rows() {
         panic!("CPU forward: {want_err:?}")
     };
     let mut err = [NO_ERROR];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::embedding_forward(
             emu(),
@@ -104,6 +108,8 @@ fn invalid_ids_set_the_error_slot_and_give_zero_rows() {
     for (masked, want) in [(false, position as i32), (true, NO_ERROR)] {
         err[0] = NO_ERROR;
         let p = mptr(&mut dw);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::embedding_backward_atomic(
                 emu(),
@@ -147,6 +153,8 @@ fn check_backward<T: Float>(seed: u64, n: usize, dim: usize, masked: bool, offse
 
     let csr = EmbeddingCsr::build(&ids, START, VOCAB, masked).unwrap();
     let mut got = vec![T::from_f64(5.0); VOCAB * dim];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::embedding_backward_csr(
             emu(),
@@ -167,6 +175,8 @@ fn check_backward<T: Float>(seed: u64, n: usize, dim: usize, masked: bool, offse
     let mut got = vec![T::from_f64(5.0); VOCAB * dim];
     let mut acc = vec![3f32; VOCAB * dim];
     let mut err = [NO_ERROR];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::embedding_backward_atomic(
             emu(),
@@ -215,6 +225,8 @@ fn bad_arguments_are_errors() {
     let ids = vec![0i64; 2];
     let p = mptr(&mut dw);
     // acc == dweight is only allowed for f32.
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::embedding_backward_atomic(
             emu(),
@@ -234,6 +246,8 @@ fn bad_arguments_are_errors() {
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     // More positions than ids.
     let rs = vec![0i32; 3];
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::embedding_backward_csr(
             emu(),
@@ -251,6 +265,8 @@ fn bad_arguments_are_errors() {
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     // A null table.
     let mut out = vec![bf16::ZERO; 16];
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::embedding_forward(
             emu(),

@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use tpar_kernels::cuda::emu::Emulator;
-use tpar_kernels::cuda::ops::gemm::{gemm, gemm_with_tile, GemmProblem, GemmTile, MAX_BATCH};
+use tpar_kernels::cuda::raw::gemm::{gemm, gemm_with_tile, GemmProblem, GemmTile, MAX_BATCH};
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::gemm::{reference, GemmShape};
 use tpar_kernels::KernelError;

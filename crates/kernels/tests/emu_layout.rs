@@ -6,7 +6,7 @@
 mod common;
 
 use common::{emu, Buf};
-use tpar_kernels::cuda::ops::layout as lay;
+use tpar_kernels::cuda::raw::layout as lay;
 use tpar_kernels::cuda::{DevPtr, Launcher};
 use tpar_kernels::elementwise::strided_copy;
 
@@ -47,6 +47,8 @@ fn check_copies<T: Elem>() {
         let x: Vec<T> = data(1003);
         let mut bx = Buf::new(&x, shift);
         let mut by = Buf::<T>::zeros(1003, shift);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { lay::copy(l, es::<T>(), bx.ptr(), by.ptr(), 1003) }.unwrap();
         assert_eq!(by.get(), x, "copy w{} shift {shift}", es::<T>());
 
@@ -62,6 +64,8 @@ fn check_copies<T: Elem>() {
             let mut bx = Buf::new(&x, shift);
             let mut by = Buf::<T>::zeros(want.len(), 0);
             let (px, py) = (bx.ptr(), by.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { lay::narrow(l, es::<T>(), px, outer, size, inner, start, len, py) }.unwrap();
             let what = format!("narrow w{} {outer}x{size}x{inner} {start}+{len}", es::<T>());
             assert_eq!(by.get(), want, "{what} shift {shift}");
@@ -83,6 +87,8 @@ fn check_copies<T: Elem>() {
         let args: Vec<(DevPtr, usize)> =
             bufs.iter_mut().zip(&lens).map(|(b, &n)| (b.ptr(), n)).collect();
         let mut by = Buf::<T>::zeros(outer * total * inner, 0);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { lay::cat(l, es::<T>(), &args, outer, inner, by.ptr()) }.unwrap();
         assert_eq!(by.get(), want, "cat w{} shift {shift}", es::<T>());
     }
@@ -113,6 +119,8 @@ fn check_transpose<T: Elem>() {
             let mut bx = Buf::new(&x, shift);
             let mut by = Buf::<T>::zeros(x.len(), shift);
             let (px, py) = (bx.ptr(), by.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { lay::transpose(l, es::<T>(), px, batch, rows, cols, py) }.unwrap();
             let what = format!("transpose w{} {batch}x{rows}x{cols} shift {shift}", es::<T>());
             assert_eq!(by.get(), want, "{what}");
@@ -145,6 +153,8 @@ fn check_strided<T: Elem + Send + Sync>(
     let mut bx = Buf::new(x, shift);
     let mut by = Buf::<T>::zeros(n, shift);
     let (px, py) = (bx.ptr(), by.ptr());
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { lay::strided_copy(l, es::<T>(), px, base, strides, shape, py) }.unwrap();
     assert_eq!(by.get(), want, "{what} w{} shift {shift}", es::<T>());
 }
@@ -174,6 +184,8 @@ fn check_permute<T: Elem>(shape: &[usize], perm: &[usize], shift: usize) {
     let mut bx = Buf::new(&x, shift);
     let mut by = Buf::<T>::zeros(n, shift);
     let (px, py) = (bx.ptr(), by.ptr());
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { lay::permute(l, es::<T>(), px, shape, perm, py) }.unwrap();
     assert_eq!(by.get(), want, "permute {shape:?} by {perm:?} w{} shift {shift}", es::<T>());
 }
@@ -217,9 +229,13 @@ fn expand_broadcasts_like_numpy() {
     let mut bx = Buf::new(&x, 0);
     let mut by = Buf::<u32>::zeros(3 * 2 * 4, 0);
     let (px, py) = (bx.ptr(), by.ptr());
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { lay::expand(l, 4, px, &[1, 4], &[3, 2, 4], py) }.unwrap();
     let want: Vec<u32> = (0..24).map(|i| x[i % 4]).collect();
     assert_eq!(by.get(), want);
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // here).
     assert!(unsafe { lay::expand(l, 4, px, &[3], &[3, 2], py) }.is_err(), "3 vs 2");
 }
 
@@ -228,6 +244,8 @@ fn rejects_bad_arguments() {
     let l: &dyn Launcher = emu();
     let mut buf = Buf::new(&[0u32; 64], 0);
     let p = buf.ptr();
+    // SAFETY: every call but the empty one is rejected by the argument checks before
+    // anything is launched (asserted per call); the empty one touches no memory.
     unsafe {
         assert!(lay::copy(l, 3, p, p, 4).is_err(), "width 3");
         assert!(lay::copy(l, 4, p, 0, 4).is_err(), "null destination");

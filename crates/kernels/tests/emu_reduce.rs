@@ -4,7 +4,7 @@ mod common;
 
 use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::ops::reduce as k;
+use tpar_kernels::cuda::raw::reduce as k;
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::reduce::{self as cpu, Reduction};
 use tpar_kernels::{Float, KernelError};
@@ -26,6 +26,8 @@ fn check_reduce<T: Float>(
         None => k::reduce_workspace_len(outer, len, inner),
     };
     let mut ws = vec![0f32; ws_len];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         match chunks {
             Some(c) => k::reduce_chunked(
@@ -103,6 +105,8 @@ fn sum_of_all_elements_uses_two_passes() {
     let mut want = [0f32];
     cpu::reduce(Reduction::Sum, &x, 1, n, 1, &mut want).unwrap();
     let mut got = [0f32];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::reduce(emu(), Reduction::Sum, CudaDType::F32, ptr(&x), mptr(&mut got), 1, n, 1, 0, 0)
             .unwrap()
@@ -134,6 +138,8 @@ fn sum_squares_matches_f64() {
             x.chunks(len).map(|r| r.iter().map(|v| v.to_f64().powi(2)).sum()).collect();
         let mut got = vec![0f32; rows];
         let mut ws = vec![0f32; rows * chunks];
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe {
             k::sum_squares_chunked(
                 emu(),
@@ -160,6 +166,8 @@ fn sum_squares_matches_f64() {
     let want: f64 = x.iter().map(|v| v.to_f64().powi(2)).sum();
     let mut got = [0f32];
     let mut ws = vec![0f32; k::reduce_workspace_len(1, x.len(), 1)];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::sum_squares(
             emu(),
@@ -180,6 +188,8 @@ fn check_argmax<T: Float>(x: &[T], outer: usize, len: usize, inner: usize) {
     let (mut want, mut want_i) = (vec![T::default(); outer * inner], vec![0i64; outer * inner]);
     cpu::max_with_index(x, outer, len, inner, &mut want, &mut want_i).unwrap();
     let (mut got, mut got_i) = (vec![T::default(); outer * inner], vec![-1i64; outer * inner]);
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         k::max_with_index(
             emu(),
@@ -222,6 +232,8 @@ fn max_with_index_first_max_and_first_nan() {
 fn bad_arguments_are_errors() {
     let x = vec![0f32; 64];
     let mut out = vec![0f32; 4];
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::reduce_chunked(
             emu(),
@@ -238,10 +250,14 @@ fn bad_arguments_are_errors() {
         )
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::reduce(emu(), Reduction::Sum, CudaDType::F32, 0, mptr(&mut out), 4, 16, 1, 0, 0)
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::reduce(
             emu(),
@@ -258,11 +274,15 @@ fn bad_arguments_are_errors() {
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     let mut idx = vec![0i64; 4];
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::max_with_index(emu(), CudaDType::F32, ptr(&x), mptr(&mut out), mptr(&mut idx), 4, 0, 1)
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     let unaligned = ptr(&x) + 2;
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe {
         k::reduce(emu(), Reduction::Sum, CudaDType::F32, unaligned, mptr(&mut out), 4, 15, 1, 0, 0)
     };

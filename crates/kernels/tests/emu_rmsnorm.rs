@@ -4,7 +4,7 @@ mod common;
 
 use common::{emu, mptr, ptr};
 use half::{bf16, f16};
-use tpar_kernels::cuda::ops::rmsnorm::{
+use tpar_kernels::cuda::raw::rmsnorm::{
     backward_workspace_bytes, rmsnorm_backward, rmsnorm_forward,
 };
 use tpar_kernels::cuda::CudaDType;
@@ -41,6 +41,8 @@ fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
     let mut dx = vec![T::default(); rows * dim];
     let mut dw = vec![0f32; dim];
     let mut ws = vec![0f32; backward_workspace_bytes(rows, dim) / 4];
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         rmsnorm_forward(
             emu,
@@ -90,8 +92,12 @@ fn rmsnorm_matches_cpu() {
 #[test]
 fn rmsnorm_rejects_bad_sizes() {
     let emu = emu();
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe { rmsnorm_forward(emu, CudaDType::F32, 0, 0, 0, 0, 4, 0, 1e-5) };
     assert!(r.is_err());
+    // SAFETY: the argument checks reject this call before anything is launched (asserted
+    // below).
     let r = unsafe { rmsnorm_forward(emu, CudaDType::F32, 0, 0, 0, 0, 4, 1 << 20, 1e-5) };
     assert!(r.is_err());
 }
@@ -100,12 +106,15 @@ fn rmsnorm_rejects_bad_sizes() {
 fn emulator_reports_launch_errors() {
     let emu = emu();
     let args =
-        tpar_kernels::cuda::ops::rmsnorm::RmsnormDwArgs { partial: 0, dw: 0, nblk: 0, dim: 0 };
+        tpar_kernels::cuda::raw::rmsnorm::RmsnormDwArgs { partial: 0, dw: 0, nblk: 0, dim: 0 };
     // above the kernel's launch bounds
     let cfg = tpar_kernels::cuda::LaunchConfig::linear(1, 512);
+    // SAFETY: the emulator refuses the launch (block size above the kernel's
+    // launch bounds) before running anything (asserted below).
     let e = unsafe { tpar_kernels::cuda::launch(emu, "tpar_rmsnorm_dw_reduce", cfg, &args) };
     assert!(format!("{}", e.unwrap_err()).contains("launch bounds"));
     // unknown kernel
+    // SAFETY: there is no such kernel, so nothing runs (asserted below).
     let e = unsafe { tpar_kernels::cuda::launch(emu, "tpar_no_such_kernel", cfg, &args) };
     assert!(e.is_err());
 }

@@ -7,7 +7,7 @@ mod common;
 
 use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::ops::rope::{self as gpu, RopeShape};
+use tpar_kernels::cuda::raw::rope::{self as gpu, RopeShape};
 use tpar_kernels::cuda::{CudaDType, Launcher};
 use tpar_kernels::{rope, Float};
 
@@ -61,11 +61,17 @@ fn check<T: Float>(seed: u64) {
             let mut bs = Buf::new(&sin, 0);
             let mut by = Buf::<T>::zeros(n, shift);
             let (px, pc, ps, py) = (bx.ptr(), bc.ptr(), bs.ptr(), by.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { gpu::rope_forward(l, dt, &s, px, pc, ps, py) }.unwrap();
             assert_close(&format!("{what} forward"), &by.get(), &y_want, tol::<T>());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { gpu::rope_backward(l, dt, &s, px, pc, ps, py) }.unwrap();
             assert_close(&format!("{what} backward"), &by.get(), &dx_want, tol::<T>());
             // in place
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
             unsafe { gpu::rope_forward(l, dt, &s, px, pc, ps, px) }.unwrap();
             assert_close(&format!("{what} in place"), &bx.get(), &y_want, tol::<T>());
         }
@@ -98,9 +104,13 @@ fn round_trip<T: Float>(seed: u64, tol: f64) {
     let mut bc = Buf::new(&cos, 0);
     let mut bs = Buf::new(&sin, 0);
     let (px, pc, ps) = (bx.ptr(), bc.ptr(), bs.ptr());
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { gpu::rope_forward(l, dt, &s, px, pc, ps, px) }.unwrap();
     let rotated = bx.get();
     assert!(rotated.iter().zip(&x).any(|(a, b)| a != b), "forward changed nothing");
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe { gpu::rope_backward(l, dt, &s, px, pc, ps, px) }.unwrap();
     assert_close("rope round trip", &bx.get(), &x, tol);
 }
@@ -137,6 +147,8 @@ fn rotates_q_and_k_in_place() {
             rope::rope_forward(&qs, &q0, &cos, &sin, &mut qw).unwrap();
             rope::rope_forward(&ks, &k0, &cos, &sin, &mut kw).unwrap();
         }
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { gpu::rope_qk_inplace(l, dt, &qs, pq, &ks, pk, pc, ps, backward) }.unwrap();
         assert_close(&format!("q backward={backward}"), &bq.get(), &qw, 1e-2);
         assert_close(&format!("k backward={backward}"), &bk.get(), &kw, 1e-2);
@@ -153,6 +165,9 @@ fn rejects_bad_arguments() {
     let ok = RopeShape { outer: 1, seq: 2, inner: 1, head_dim: 4 };
     let long = RopeShape { seq: 3, ..ok };
     let huge = RopeShape { outer: usize::MAX, ..ok };
+    // SAFETY: every call but the last is rejected by the argument checks before anything
+    // is launched (asserted per call); the last rotates 8 elements in place inside `buf`
+    // (64 f32), with its 8-element tables there too.
     unsafe {
         assert!(gpu::rope_forward(l, f, &odd, p, p, p, p).is_err(), "odd head_dim");
         assert!(gpu::rope_forward(l, f, &huge, p, p, p, p).is_err(), "overflow");

@@ -5,7 +5,7 @@ mod common;
 
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use half::{bf16, f16};
-use tpar_kernels::cuda::ops::sdpa::{
+use tpar_kernels::cuda::raw::sdpa::{
     sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
     SdpaFwdBuffers, SdpaPath,
 };
@@ -154,6 +154,8 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
     let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
     // 16-byte aligned start inside the f32 buffer
     let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     unsafe {
         let fb = SdpaFwdBuffers {
             q: ptr(&q),
@@ -303,6 +305,8 @@ fn bad_arguments() {
     let mut lse = vec![0f32; 16];
     let fwd = |s: &SdpaShape, mask: Option<SdpaDevMask>, lse: DevPtr, dtype, path| {
         let b = SdpaFwdBuffers { q: p, k: p, v: p, mask, out: p, lse };
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+        // thread before returning), each holding every element the call's sizes reach.
         unsafe { sdpa_forward(emu, dtype, s, &b, path) }
     };
     let lp = mptr(&mut lse);
@@ -346,5 +350,7 @@ fn bad_arguments() {
         workspace: ptr(&ws).next_multiple_of(16),
         workspace_bytes: need - 4,
     };
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
     expect_bad(unsafe { sdpa_backward(emu, CudaDType::F32, &s, &b, SdpaPath::Auto) }, "workspace");
 }

@@ -2,7 +2,7 @@
 //! their documented definitions, and the kernel bugs it must report.
 
 use tpar_kernels::cuda::emu::Emulator;
-use tpar_kernels::cuda::{launch, DevPtr, KernelArgs, LaunchConfig};
+use tpar_kernels::cuda::{launch, DevPtr, LaunchConfig};
 
 const SRC: &str = r#"
 struct SelfArgs {
@@ -89,7 +89,7 @@ TPAR_KERNEL(selftest_race, SelfArgs, 256) {
 "#;
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct SelfArgs {
     a: DevPtr,
     b: DevPtr,
@@ -97,8 +97,6 @@ struct SelfArgs {
     n: i32,
     pad: i32,
 }
-// SAFETY: mirrors `SelfArgs` above.
-unsafe impl KernelArgs for SelfArgs {}
 
 fn emu() -> &'static Emulator {
     let e = Emulator::get().expect("emulator");
@@ -115,6 +113,9 @@ fn run(name: &str, threads: u32, a: &[u16], out: &mut [f32], n: i32) -> tpar_ker
         n,
         pad: 0,
     };
+    // SAFETY: each test passes the host buffers its kernel touches: `a` with
+    // every u16 it reads (A, then B 256 elements in; the misaligned
+    // `cp.async` reads 516 bytes), `out` with every f32 (or u32) it writes.
     unsafe { launch(emu(), name, LaunchConfig::linear(1, threads), &args) }
 }
 

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub use tpar_kernels::cuda::emu::EmulatedGpu;
 pub use tpar_kernels::cuda::{DeviceBuffer, GpuDevice};
+use tpar_kernels::cuda::{DeviceSlice, DeviceSliceMut};
 
 use crate::storage::CpuStorage;
 use crate::{DType, Result, TensorError};
@@ -112,13 +113,12 @@ impl GpuStorage {
     /// A host copy.
     pub(crate) fn download(&self) -> Result<CpuStorage> {
         let mut s = CpuStorage::zeros(self.dtype, self.len);
-        // SAFETY: `s` holds exactly `len` elements of `dtype`, the buffer's size.
-        unsafe { self.buf.device().dtoh(self.buf.ptr(), host_bytes_mut(&mut s)).map_err(kerr)? };
+        self.buf.as_slice().copy_to_host(host_bytes_mut(&mut s)).map_err(kerr)?;
         Ok(s)
     }
 
     /// Overwrites the device data with host storage of the same dtype and length.
-    pub(crate) fn upload_into(&self, s: &CpuStorage) -> Result<()> {
+    pub(crate) fn upload_into(&mut self, s: &CpuStorage) -> Result<()> {
         self.buf.upload(host_bytes(s)).map_err(kerr)
     }
 
@@ -136,6 +136,16 @@ impl GpuStorage {
         self.buf.ptr()
     }
 
+    /// The data, for a kernel to read.
+    pub(crate) fn view(&self) -> DeviceSlice<'_> {
+        self.buf.as_slice()
+    }
+
+    /// The data, for a kernel to write.
+    pub(crate) fn view_mut(&mut self) -> DeviceSliceMut<'_> {
+        self.buf.as_slice_mut()
+    }
+
     /// The device.
     pub fn device(&self) -> &Arc<dyn GpuDevice> {
         self.buf.device()
@@ -147,32 +157,24 @@ impl GpuStorage {
     }
 }
 
+/// The elements of host storage as bytes.
 fn host_bytes(s: &CpuStorage) -> &[u8] {
-    fn b<T>(v: &[T]) -> &[u8] {
-        // SAFETY: plain-old-data elements viewed as their bytes.
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
-    }
     match s {
-        CpuStorage::F32(v) => b(v),
-        CpuStorage::F64(v) => b(v),
-        CpuStorage::BF16(v) => b(v),
-        CpuStorage::F16(v) => b(v),
-        CpuStorage::I64(v) => b(v),
+        CpuStorage::F32(v) => bytemuck::cast_slice(v),
+        CpuStorage::F64(v) => bytemuck::cast_slice(v),
+        CpuStorage::BF16(v) => bytemuck::cast_slice(v),
+        CpuStorage::F16(v) => bytemuck::cast_slice(v),
+        CpuStorage::I64(v) => bytemuck::cast_slice(v),
     }
 }
 
+/// The elements of host storage as bytes to overwrite.
 fn host_bytes_mut(s: &mut CpuStorage) -> &mut [u8] {
-    fn b<T>(v: &mut [T]) -> &mut [u8] {
-        // SAFETY: plain-old-data elements (every bit pattern valid) as bytes.
-        unsafe {
-            std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v))
-        }
-    }
     match s {
-        CpuStorage::F32(v) => b(v),
-        CpuStorage::F64(v) => b(v),
-        CpuStorage::BF16(v) => b(v),
-        CpuStorage::F16(v) => b(v),
-        CpuStorage::I64(v) => b(v),
+        CpuStorage::F32(v) => bytemuck::cast_slice_mut(v),
+        CpuStorage::F64(v) => bytemuck::cast_slice_mut(v),
+        CpuStorage::BF16(v) => bytemuck::cast_slice_mut(v),
+        CpuStorage::F16(v) => bytemuck::cast_slice_mut(v),
+        CpuStorage::I64(v) => bytemuck::cast_slice_mut(v),
     }
 }

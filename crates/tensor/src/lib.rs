@@ -19,7 +19,6 @@ pub mod autograd;
 mod dtype;
 mod error;
 pub mod gpu;
-pub mod memory;
 mod ops;
 mod rng;
 
@@ -28,6 +27,11 @@ pub mod state;
 mod storage;
 mod tensor;
 pub mod tol;
+
+/// Per-rank memory accounting at the allocator (the `tpar-memory` crate):
+/// install [`memory::TrackingAllocator`] as the global allocator to measure
+/// peak memory per rank.
+pub use tpar_memory as memory;
 
 pub use autograd::no_grad;
 pub use dtype::{DType, Device};

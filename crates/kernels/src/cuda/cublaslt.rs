@@ -1,6 +1,6 @@
 //! A cuBLASLt matmul baseline for the GEMM kernels of `gemm.cu`.
 //!
-//! It takes the same [`GemmProblem`] as [`crate::cuda::ops::gemm`] (row-major
+//! It takes the same [`GemmProblem`] as [`crate::cuda::raw::gemm`] (row-major
 //! operands, `trans_a` / `trans_b`, leading dimensions, batch strides with 0
 //! broadcasting, `alpha` / `beta`), so benchmarks can compare both on one
 //! problem and a measured table can fall back to it. Inputs bf16, f16 or f32;
@@ -28,7 +28,7 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 
 use super::device::CudaDevice;
-use super::ops::gemm::GemmProblem;
+use super::raw::gemm::GemmProblem;
 use super::{cuda_error, CudaDType, DevPtr, GpuDevice};
 use crate::{KernelError, Result};
 
@@ -251,7 +251,7 @@ impl CublasLt {
     }
 
     /// `C[b] = alpha * op(A[b]) op(B[b]) + beta * C[b]` for every batch, with the
-    /// layouts of `p` (row-major, as [`crate::cuda::ops::gemm`]); queued on the
+    /// layouts of `p` (row-major, as [`crate::cuda::raw::gemm`]); queued on the
     /// device's stream.
     ///
     /// # Safety

@@ -35,13 +35,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use bytemuck::Pod;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
 use cudarc::driver::{
     result as dresult, sys as dsys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError,
 };
 use cudarc::nvrtc::{result as nresult, sys as nsys, Ptx};
 
-use super::{cuda_error, DevPtr, DeviceBuffer, GpuDevice, KernelSource, LaunchConfig, Launcher};
+use super::{
+    cuda_error, DevPtr, DeviceBuffer, GpuDevice, KernelSource, LaunchConfig, Launcher, MemorySpace,
+};
 use crate::{KernelError, Result};
 
 /// Dynamic shared memory a kernel may use without opting in (48 KiB).
@@ -580,44 +583,6 @@ impl LoadedFunction {
 
 // ------------------------------------------------------------------ memory
 
-/// Element types that can be copied to and from device memory as raw bytes.
-///
-/// # Safety
-/// Every bit pattern of `size_of::<Self>()` bytes must be a valid value, and
-/// the type must hold no pointers or padding.
-pub unsafe trait Plain: Copy + Send + Sync + 'static {}
-
-// SAFETY: plain integers and floats: any bits are a value, no padding.
-unsafe impl Plain for u8 {}
-// SAFETY: as above.
-unsafe impl Plain for i8 {}
-// SAFETY: as above.
-unsafe impl Plain for u16 {}
-// SAFETY: as above.
-unsafe impl Plain for i16 {}
-// SAFETY: as above.
-unsafe impl Plain for u32 {}
-// SAFETY: as above.
-unsafe impl Plain for i32 {}
-// SAFETY: as above.
-unsafe impl Plain for u64 {}
-// SAFETY: as above.
-unsafe impl Plain for i64 {}
-// SAFETY: as above.
-unsafe impl Plain for f32 {}
-// SAFETY: as above.
-unsafe impl Plain for f64 {}
-// SAFETY: a 16-bit storage type; any bits are a value.
-unsafe impl Plain for half::bf16 {}
-// SAFETY: a 16-bit storage type; any bits are a value.
-unsafe impl Plain for half::f16 {}
-
-/// The bytes of a slice of plain values.
-fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
-    // SAFETY: `Plain` types have no padding, so every byte is initialised.
-    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
-}
-
 // ------------------------------------------------------------------ the device
 
 /// One CUDA GPU as a kernel [`Launcher`]: its (process-shared) context, a
@@ -768,13 +733,13 @@ impl CudaDevice {
     }
 
     /// A new device buffer holding a copy of `data`.
-    pub fn upload<T: Plain>(self: &Arc<Self>, data: &[T]) -> Result<DeviceBuffer> {
+    pub fn upload<T: Pod>(self: &Arc<Self>, data: &[T]) -> Result<DeviceBuffer> {
         let dev: Arc<dyn GpuDevice> = self.clone();
-        DeviceBuffer::from_host(&dev, as_bytes(data))
+        DeviceBuffer::from_host(&dev, data)
     }
 
     /// Copies a whole buffer back as `T`s (returns once the data is here).
-    pub fn download<T: Plain>(&self, src: &DeviceBuffer) -> Result<Vec<T>> {
+    pub fn download<T: Pod>(&self, src: &DeviceBuffer) -> Result<Vec<T>> {
         let size = std::mem::size_of::<T>();
         if size == 0 || src.len() % size != 0 {
             return Err(cuda_error(
@@ -785,15 +750,8 @@ impl CudaDevice {
                 ),
             ));
         }
-        let n = src.len() / size;
-        let mut out: Vec<T> = Vec::with_capacity(n);
-        // SAFETY: the capacity holds `n * size` = `src.len()` bytes; they are
-        // written by the copy before `set_len`, and any bits are a valid `T`.
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), src.len());
-            src.device().dtoh(src.ptr(), dst)?;
-            out.set_len(n);
-        }
+        let mut out = vec![T::zeroed(); src.len() / size];
+        src.as_slice().copy_to_host(&mut out)?;
         Ok(out)
     }
 
@@ -901,9 +859,17 @@ impl CudaDevice {
     }
 }
 
-impl GpuDevice for CudaDevice {
+// SAFETY: allocations come from the driver (stream-ordered where supported)
+// in this device's context; every launch, copy and free of this handle goes on
+// its one stream, in issue order, and `dtoh` synchronizes before returning;
+// the memory space names that stream, so only this handle shares it.
+unsafe impl GpuDevice for CudaDevice {
     fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    fn memory_space(&self) -> MemorySpace {
+        MemorySpace::Cuda { ordinal: self.ordinal, stream: self.stream.cu_stream() as usize as u64 }
     }
 
     /// Stream-ordered (`cuMemAllocAsync`) where the device supports memory
@@ -923,6 +889,8 @@ impl GpuDevice for CudaDevice {
         r.map_err(|e| driver_error(&op, &format!("allocating {bytes} bytes"), e))
     }
 
+    /// # Safety
+    /// As [`GpuDevice::free`].
     unsafe fn free(&self, ptr: DevPtr, _bytes: usize) {
         if self.ctx.bind_to_thread().is_err() {
             return;
@@ -941,6 +909,8 @@ impl GpuDevice for CudaDevice {
         }
     }
 
+    /// # Safety
+    /// As [`GpuDevice::htod`].
     unsafe fn htod(&self, src: &[u8], dst: DevPtr) -> Result<()> {
         if src.is_empty() {
             return Ok(());
@@ -954,6 +924,8 @@ impl GpuDevice for CudaDevice {
             .map_err(|e| driver_error(&op, "cuMemcpyHtoDAsync", e))
     }
 
+    /// # Safety
+    /// As [`GpuDevice::dtoh`].
     unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         if dst.is_empty() {
             return Ok(());
@@ -967,6 +939,8 @@ impl GpuDevice for CudaDevice {
         GpuDevice::synchronize(self)
     }
 
+    /// # Safety
+    /// As [`GpuDevice::dtod`].
     unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
@@ -978,6 +952,8 @@ impl GpuDevice for CudaDevice {
             .map_err(|e| driver_error(&op, "cuMemcpyDtoDAsync", e))
     }
 
+    /// # Safety
+    /// As [`GpuDevice::zero`].
     unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
@@ -999,13 +975,10 @@ impl Launcher for CudaDevice {
         format!("cuda:{} ({}, {})", self.ordinal, self.arch, self.name)
     }
 
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: *const c_void,
-        size: usize,
-    ) -> Result<()> {
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        let size = args.len();
         // the name for messages, built only when something fails
         let op = || format!("{} {kernel}", self.op());
         let f = self.function(kernel)?;
@@ -1022,9 +995,6 @@ impl Launcher for CudaDevice {
                     ),
                 ));
             }
-        }
-        if size > 0 && args.is_null() {
-            return Err(cuda_error(&op(), "null argument pointer".to_string()));
         }
         let smem = cfg.shared_bytes;
         if smem as u64 + f.static_smem as u64 > self.max_smem_optin as u64 {
@@ -1043,7 +1013,7 @@ impl Launcher for CudaDevice {
         }
         // cuLaunchKernel reads each parameter's size in bytes from the pointer
         // given for it: the one parameter is the argument struct at `args`.
-        let mut params: [*mut c_void; 1] = [args as *mut c_void];
+        let mut params: [*mut c_void; 1] = [args.as_ptr() as *mut c_void];
         let params: &mut [*mut c_void] = if size == 0 { &mut [] } else { &mut params };
         let g = cfg.grid;
         let b = cfg.block;
@@ -1229,7 +1199,7 @@ mod tests {
         let cfg = LaunchConfig::linear(1, 32);
         let x = 0u8;
         // SAFETY: the kernel does not exist, so nothing is launched.
-        let r = unsafe { dev.launch_raw("tpar_no_such_kernel", &cfg, (&x as *const u8).cast(), 1) };
+        let r = unsafe { dev.launch_raw("tpar_no_such_kernel", &cfg, &[x]) };
         assert!(matches!(r, Err(KernelError::Cuda { .. })));
         let Some(name) = crate::cuda::sources().iter().flat_map(|s| kernel_names(s.text)).next()
         else {
@@ -1239,14 +1209,14 @@ mod tests {
         if let Some(p) = info.param_bytes {
             assert!(p > 1, "{name} takes a {p}-byte argument struct");
             // SAFETY: the size check rejects the launch before anything runs.
-            let r = unsafe { dev.launch_raw(name, &cfg, (&x as *const u8).cast(), 1) };
+            let r = unsafe { dev.launch_raw(name, &cfg, &[x]) };
             let msg = format!("{r:?}");
             assert!(msg.contains("argument struct is 1 bytes"), "{msg}");
             // Too much shared memory is refused before the launch, too.
             let big = LaunchConfig::linear(1, 32).with_shared(dev.max_shared_per_block() + 1);
             let args = vec![0u8; p];
             // SAFETY: refused before anything runs (the limit check).
-            let r = unsafe { dev.launch_raw(name, &big, args.as_ptr().cast(), p) };
+            let r = unsafe { dev.launch_raw(name, &big, &args) };
             assert!(format!("{r:?}").contains("shared memory"), "{r:?}");
         } else {
             say("the driver cannot report parameter sizes (cuFuncGetParamInfo needs CUDA 12.4+)");

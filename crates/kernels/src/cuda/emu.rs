@@ -5,7 +5,9 @@
 //! launch of a kernel builds its source against `cuda/emu/emu.h` into a
 //! library linked to that runtime. Libraries are cached under the system
 //! temporary directory by a hash of their text.
-//! Device addresses are host addresses: pass `slice.as_ptr() as DevPtr`.
+//! Device addresses are host addresses: the [`super::raw`] launchers take
+//! `slice.as_ptr() as DevPtr` on the [`Emulator`] itself; [`EmulatedGpu`] owns
+//! such memory as [`super::DeviceBuffer`]s for the safe [`super::ops`].
 //!
 //! Each launch checks what a GPU launch would reject (block size above the
 //! kernel's launch bounds, an argument struct of the wrong size, more than
@@ -31,7 +33,7 @@ use std::sync::{Mutex, OnceLock};
 
 use std::sync::Arc;
 
-use super::{cuda_error, sources, DevPtr, GpuDevice, LaunchConfig, Launcher};
+use super::{cuda_error, sources, DevPtr, GpuDevice, LaunchConfig, Launcher, MemorySpace};
 use crate::Result;
 
 const EMU_H: &str = include_str!("../../cuda/emu/emu.h");
@@ -245,14 +247,11 @@ impl Launcher for Emulator {
         "CPU emulator".to_string()
     }
 
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: *const c_void,
-        size: usize,
-    ) -> Result<()> {
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
         let info = self.kernel(kernel)?;
+        let size = args.len();
         if size != info.args_size {
             return Err(cuda_error(
                 kernel,
@@ -274,11 +273,12 @@ impl Launcher for Emulator {
         }
         let mut err = vec![0u8; 1024];
         // SAFETY: `info.entry` reads a struct of `size` bytes from `args`, as
-        // checked above; the caller vouches for the addresses in it.
+        // checked above; the caller vouches for the addresses in it. The grid
+        // and block are three u32 each; the error buffer has `err.len()` bytes.
         let rc = unsafe {
             (self.launch)(
                 info.entry,
-                args,
+                args.as_ptr().cast::<c_void>(),
                 cfg.grid.as_ptr(),
                 cfg.block.as_ptr(),
                 cfg.shared_bytes as usize,
@@ -379,7 +379,7 @@ impl Fnv {
 /// use std::sync::Arc;
 /// use tpar_kernels::cuda::{emu::EmulatedGpu, DeviceBuffer, GpuDevice};
 /// let dev: Arc<dyn GpuDevice> = EmulatedGpu::open(0)?;
-/// let buf = DeviceBuffer::from_host(&dev, &[1, 2, 3, 4])?;
+/// let buf = DeviceBuffer::from_host(&dev, &[1u8, 2, 3, 4])?;
 /// assert_eq!(buf.to_host()?, vec![1, 2, 3, 4]);
 /// # Ok::<(), tpar_kernels::KernelError>(())
 /// ```
@@ -402,21 +402,25 @@ impl Launcher for EmulatedGpu {
         format!("cuda:{} (CPU emulator)", self.ordinal)
     }
 
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: *const c_void,
-        size: usize,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.emu.launch_raw(kernel, cfg, args, size) }
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        // SAFETY: the caller's guarantee (the trait's contract) is the emulator's.
+        unsafe { self.emu.launch_raw(kernel, cfg, args) }
     }
 }
 
-impl GpuDevice for EmulatedGpu {
+// SAFETY: allocations are fresh host blocks of at least the requested size
+// (`std::alloc`, 256-byte aligned) freed with the same layout; launches and
+// copies run to completion on the calling thread before returning, so every
+// use is ordered, and all emulated devices address the same host memory.
+unsafe impl GpuDevice for EmulatedGpu {
     fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    fn memory_space(&self) -> MemorySpace {
+        MemorySpace::Host
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
@@ -430,6 +434,8 @@ impl GpuDevice for EmulatedGpu {
         Ok(p as DevPtr)
     }
 
+    /// # Safety
+    /// As [`GpuDevice::free`].
     unsafe fn free(&self, ptr: DevPtr, bytes: usize) {
         if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN) {
             // SAFETY: allocated by `alloc` above with this layout.
@@ -437,24 +443,32 @@ impl GpuDevice for EmulatedGpu {
         }
     }
 
+    /// # Safety
+    /// As [`GpuDevice::htod`].
     unsafe fn htod(&self, src: &[u8], dst: DevPtr) -> Result<()> {
         // SAFETY: the caller guarantees the destination range.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
         Ok(())
     }
 
+    /// # Safety
+    /// As [`GpuDevice::dtoh`].
     unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         // SAFETY: the caller guarantees the source range.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
+    /// # Safety
+    /// As [`GpuDevice::dtod`].
     unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()> {
         // SAFETY: the caller guarantees both ranges.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
 
+    /// # Safety
+    /// As [`GpuDevice::zero`].
     unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
         // SAFETY: the caller guarantees the range.
         unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };

@@ -10,10 +10,18 @@
 //!   barriers, shuffles, `mma.sync`, `ldmatrix`), so every kernel is tested
 //!   against the CPU reference on machines without a GPU.
 //!
-//! Every kernel takes one `#[repr(C)]` argument struct ([`KernelArgs`]); the
-//! op wrappers in [`ops`] fill it and pick the grid, for any [`Launcher`].
-
-use std::ffi::c_void;
+//! Every kernel takes one `#[repr(C)]` argument struct, plain data
+//! ([`bytemuck::Pod`]) passed to [`launch`] as its bytes. Two layers fill it
+//! and pick the grid:
+//!
+//! - [`ops`], the safe front door: functions over [`DeviceSlice`] /
+//!   [`DeviceSliceMut`] views of [`DeviceBuffer`]s that check every buffer's
+//!   device, size and alignment against what the kernel will touch, and
+//!   return a [`KernelError`] instead of launching out of bounds;
+//! - [`raw`], the same launchers over bare device addresses ([`DevPtr`]),
+//!   `unsafe` because the caller vouches for the memory: for memory tpar does
+//!   not own (host buffers standing in for device memory in the emulator
+//!   tests, benchmarks).
 
 use crate::{KernelError, Result};
 
@@ -22,8 +30,9 @@ pub mod device;
 pub mod emu;
 mod memory;
 pub mod ops;
+pub mod raw;
 
-pub use memory::{DeviceBuffer, GpuDevice};
+pub use memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice, MemorySpace};
 
 /// One embedded kernel source file (`crates/kernels/cuda/<name>.cu`).
 #[derive(Clone, Copy, Debug)]
@@ -118,38 +127,28 @@ impl LaunchConfig {
     }
 }
 
-/// The argument struct of a kernel.
-///
-/// # Safety
-/// The type must be `#[repr(C)]`, plain data (integers, floats, [`DevPtr`]s),
-/// and laid out exactly like the struct the kernel source declares.
-pub unsafe trait KernelArgs: Copy + Send + Sync + 'static {}
-
 /// Something that runs kernels by name: a GPU ([`device::CudaDevice`]) or the
 /// CPU emulator ([`emu::Emulator`]).
 pub trait Launcher: Send + Sync {
     /// A short name for messages (`"cuda:0 (sm_90)"`, `"emulator"`).
     fn describe(&self) -> String;
 
-    /// Launches `kernel` with the argument struct at `args` (`size` bytes).
+    /// Launches `kernel` with the bytes of its argument struct.
     ///
     /// # Safety
-    /// `args` must point to `size` bytes laid out as the kernel's argument
-    /// struct, and every address in it must be valid for the kernel's accesses.
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: *const c_void,
-        size: usize,
-    ) -> Result<()>;
+    /// `args` must be laid out (and aligned) as the kernel's argument struct,
+    /// and every address in it must be valid for the kernel's accesses.
+    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()>;
 }
 
-/// Launches `kernel` on `launcher` with the typed argument struct `args`.
+/// Launches `kernel` on `launcher` with the argument struct `args`
+/// (a `#[repr(C)]` mirror of the kernel's, plain data without padding).
 ///
 /// # Safety
-/// Every address in `args` must be valid for the accesses the kernel makes.
-pub unsafe fn launch<A: KernelArgs>(
+/// `A` must be laid out field for field as the struct the kernel source
+/// declares (its size is checked at launch, not its fields), and every
+/// address in `args` must be valid for the accesses the kernel makes.
+pub unsafe fn launch<A: bytemuck::Pod>(
     launcher: &dyn Launcher,
     kernel: &str,
     cfg: LaunchConfig,
@@ -164,16 +163,10 @@ pub unsafe fn launch<A: KernelArgs>(
     if threads > 1024 {
         return Err(cuda_error(kernel, format!("{threads} threads per block (at most 1024)")));
     }
-    // SAFETY: `args` is a live `A`, which the trait contract makes the kernel's
-    // argument struct; the caller vouches for the addresses in it.
-    unsafe {
-        launcher.launch_raw(
-            kernel,
-            &cfg,
-            args as *const A as *const c_void,
-            std::mem::size_of::<A>(),
-        )
-    }
+    // SAFETY: the bytes are those of `args`, aligned as `A` (`Pod`: every byte
+    // initialized); the caller vouches that `A` mirrors the kernel's argument
+    // struct and for the addresses in it.
+    unsafe { launcher.launch_raw(kernel, &cfg, bytemuck::bytes_of(args)) }
 }
 
 /// Opens `cuda:ordinal` on a GPU as a [`GpuDevice`] (the driver and NVRTC are

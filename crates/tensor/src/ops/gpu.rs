@@ -1,18 +1,26 @@
-//! Ops on CUDA tensors that run device kernels (`tpar_kernels::cuda`).
+//! Ops on CUDA tensors that run device kernels (`tpar_kernels::cuda::ops`),
+//! and the access helpers the device ops share.
 //!
 //! Each op here takes inputs already on `cuda:N`, allocates its outputs
 //! there, launches, and records a backward that launches too. Dtypes without
 //! CUDA kernels (f64) return `None` so the caller falls back to the host.
+//!
+//! A launch reads its inputs through their storages' read locks
+//! ([`with_gpu`]) and writes outputs it owns ([`Out`]) until they become
+//! tensors; in-place updates take their tensors' write locks
+//! ([`with_gpu_mut`]). The kernel wrappers borrow the device buffers from
+//! there, so a buffer cannot be freed or written by another thread while a
+//! launch uses it.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard};
 
 use tpar_kernels::cuda::ops::rmsnorm as k_rmsnorm;
-use tpar_kernels::cuda::{CudaDType, DevPtr, GpuDevice};
+use tpar_kernels::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 
 use crate::autograd::record;
 use crate::gpu::GpuStorage;
 use crate::storage::Storage;
-use crate::{DType, Device, Result, Shape, Tensor};
+use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
 /// The kernel element type of a tensor dtype, if CUDA kernels exist for it.
 pub(crate) fn cuda_dtype(d: DType) -> Option<CudaDType> {
@@ -24,20 +32,124 @@ pub(crate) fn cuda_dtype(d: DType) -> Option<CudaDType> {
     }
 }
 
-/// The device and data address of a CUDA tensor.
-pub(crate) fn dev_ptr(t: &Tensor, op: &'static str) -> Result<(Arc<dyn GpuDevice>, DevPtr)> {
-    t.with_gpu_storage(op, |s| Ok((s.device().clone(), s.ptr())))
+/// The device of a CUDA tensor.
+pub(crate) fn device_of(t: &Tensor, op: &'static str) -> Result<Arc<dyn GpuDevice>> {
+    t.with_gpu_storage(op, |s| Ok(s.device().clone()))
 }
 
-/// A new CUDA tensor with uninitialized data.
-pub(crate) fn alloc(
-    dev: &Arc<dyn GpuDevice>,
-    shape: impl Into<Shape>,
-    dtype: DType,
-) -> Result<Tensor> {
-    let shape = shape.into();
-    let s = GpuStorage::alloc(dev, dtype, shape.numel())?;
-    Ok(Tensor::make(shape, dtype, Device::Cuda(dev.ordinal()), Storage::Gpu(s)))
+/// The error for a tensor whose storage is not on a CUDA device.
+fn not_gpu(op: &'static str, s: &Storage) -> TensorError {
+    match s {
+        Storage::Meta => TensorError::MetaTensor { op },
+        Storage::Released => TensorError::Released { op },
+        _ => TensorError::DeviceMismatch { op, lhs: Device::Cuda(0), rhs: Device::Cpu },
+    }
+}
+
+/// Runs `f` on the device storages of the CUDA tensors `ts` (in order), each
+/// read-locked for the call.
+pub(crate) fn with_gpu<R>(
+    op: &'static str,
+    ts: &[&Tensor],
+    f: impl FnOnce(&[&GpuStorage]) -> Result<R>,
+) -> Result<R> {
+    let guards: Vec<RwLockReadGuard<'_, Storage>> =
+        ts.iter().map(|t| t.0.storage.read().unwrap_or_else(|p| p.into_inner())).collect();
+    let mut storages = Vec::with_capacity(ts.len());
+    for g in &guards {
+        match &**g {
+            Storage::Gpu(s) => storages.push(s),
+            other => return Err(not_gpu(op, other)),
+        }
+    }
+    f(&storages)
+}
+
+/// Runs `f` on the device storages of the CUDA tensors `writes`, write-locked
+/// (updated in place), and `reads`, read-locked. No two of them may share a
+/// storage (an error, before any lock is taken).
+pub(crate) fn with_gpu_mut<R>(
+    op: &'static str,
+    writes: &[&Tensor],
+    reads: &[&Tensor],
+    f: impl FnOnce(&mut [&mut GpuStorage], &[&GpuStorage]) -> Result<R>,
+) -> Result<R> {
+    for (i, w) in writes.iter().enumerate() {
+        let shared = writes[i + 1..].iter().chain(reads).any(|t| t.same_storage(w));
+        if shared {
+            return Err(super::invalid(
+                op,
+                "a tensor updated in place must not share its storage with another argument",
+            ));
+        }
+    }
+    let mut wguards: Vec<RwLockWriteGuard<'_, Storage>> =
+        writes.iter().map(|t| t.0.storage.write().unwrap_or_else(|p| p.into_inner())).collect();
+    let rguards: Vec<RwLockReadGuard<'_, Storage>> =
+        reads.iter().map(|t| t.0.storage.read().unwrap_or_else(|p| p.into_inner())).collect();
+    let mut ws = Vec::with_capacity(writes.len());
+    for g in wguards.iter_mut() {
+        match &mut **g {
+            Storage::Gpu(s) => ws.push(s),
+            other => return Err(not_gpu(op, other)),
+        }
+    }
+    let mut rs = Vec::with_capacity(reads.len());
+    for g in &rguards {
+        match &**g {
+            Storage::Gpu(s) => rs.push(s),
+            other => return Err(not_gpu(op, other)),
+        }
+    }
+    f(&mut ws, &rs)
+}
+
+/// A new CUDA tensor's data while kernels write it: device storage for
+/// `shape`'s elements, owned here (so writable without a lock) until
+/// [`Out::into_tensor`].
+pub(crate) struct Out {
+    shape: Shape,
+    data: GpuStorage,
+}
+
+impl Out {
+    /// Uninitialized storage for `shape` of `dtype` on `dev`.
+    pub(crate) fn new(
+        dev: &Arc<dyn GpuDevice>,
+        shape: impl Into<Shape>,
+        dtype: DType,
+    ) -> Result<Out> {
+        let shape = shape.into();
+        let data = GpuStorage::alloc(dev, dtype, shape.numel())?;
+        Ok(Out { shape, data })
+    }
+
+    /// Zero-filled storage.
+    pub(crate) fn zeros(
+        dev: &Arc<dyn GpuDevice>,
+        shape: impl Into<Shape>,
+        dtype: DType,
+    ) -> Result<Out> {
+        let shape = shape.into();
+        let data = GpuStorage::zeros(dev, dtype, shape.numel())?;
+        Ok(Out { shape, data })
+    }
+
+    /// The data, for a kernel to read.
+    pub(crate) fn view(&self) -> DeviceSlice<'_> {
+        self.data.view()
+    }
+
+    /// The data, for a kernel to write.
+    pub(crate) fn view_mut(&mut self) -> DeviceSliceMut<'_> {
+        self.data.view_mut()
+    }
+
+    /// The finished tensor (no autograd).
+    pub(crate) fn into_tensor(self) -> Tensor {
+        let (dtype, device) = (self.data.dtype, Device::Cuda(self.data.device().ordinal()));
+        Tensor::make(self.shape, dtype, device, Storage::Gpu(self.data))
+    }
 }
 
 /// RMSNorm on the device; `None` when the dtype has no kernel.
@@ -46,30 +158,46 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
     let dim = x.dims().last().copied().unwrap_or(1);
     let rows = x.numel().checked_div(dim).unwrap_or(0);
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (_, wp) = dev_ptr(w, OP)?;
-    let y = alloc(&dev, x.shape().clone(), x.dtype())?;
-    let rstd = alloc(&dev, [rows], DType::F32)?;
-    let (_, yp) = dev_ptr(&y, OP)?;
-    let (_, rp) = dev_ptr(&rstd, OP)?;
-    // SAFETY: every pointer is a live allocation of the size the kernel expects.
-    unsafe { k_rmsnorm::rmsnorm_forward(&*dev, cd, xp, wp, yp, rp, rows, dim, eps as f32)? };
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    let mut rstd = Out::new(&dev, [rows], DType::F32)?;
+    with_gpu(OP, &[x, w], |s| {
+        let (y, r) = (y.view_mut(), rstd.view_mut());
+        Ok(k_rmsnorm::rmsnorm_forward(
+            &*dev,
+            cd,
+            s[0].view(),
+            s[1].view(),
+            y,
+            r,
+            rows,
+            dim,
+            eps as f32,
+        )?)
+    })?;
+    let rstd = rstd.into_tensor();
     let (xs, ws) = (x.detach(), w.detach());
-    Ok(Some(record(OP, &[x, w], y, move |g| {
-        let (dev, gp) = dev_ptr(g, OP)?;
-        let (_, xp) = dev_ptr(&xs, OP)?;
-        let (_, wp) = dev_ptr(&ws, OP)?;
-        let (_, rp) = dev_ptr(&rstd, OP)?;
-        let dx = alloc(&dev, xs.shape().clone(), xs.dtype())?;
-        let dw = alloc(&dev, [dim], DType::F32)?;
-        let work = alloc(&dev, [k_rmsnorm::backward_workspace_bytes(rows, dim) / 4], DType::F32)?;
-        let (_, dxp) = dev_ptr(&dx, OP)?;
-        let (_, dwp) = dev_ptr(&dw, OP)?;
-        let (_, wkp) = dev_ptr(&work, OP)?;
-        // SAFETY: as in the forward; `work` has the size the kernel asks for.
-        unsafe {
-            k_rmsnorm::rmsnorm_backward(&*dev, cd, xp, wp, rp, gp, dxp, dwp, wkp, rows, dim)?
-        };
-        Ok(vec![Some(dx), Some(dw.to_dtype(ws.dtype())?)])
+    Ok(Some(record(OP, &[x, w], y.into_tensor(), move |g| {
+        let dev = device_of(g, OP)?;
+        let mut dx = Out::new(&dev, xs.shape().clone(), xs.dtype())?;
+        let mut dw = Out::new(&dev, [dim], DType::F32)?;
+        let mut work =
+            Out::new(&dev, [k_rmsnorm::backward_workspace_bytes(rows, dim) / 4], DType::F32)?;
+        with_gpu(OP, &[&xs, &ws, &rstd, g], |s| {
+            Ok(k_rmsnorm::rmsnorm_backward(
+                &*dev,
+                cd,
+                s[0].view(),
+                s[1].view(),
+                s[2].view(),
+                s[3].view(),
+                dx.view_mut(),
+                dw.view_mut(),
+                work.view_mut(),
+                rows,
+                dim,
+            )?)
+        })?;
+        Ok(vec![Some(dx.into_tensor()), Some(dw.into_tensor().to_dtype(ws.dtype())?)])
     })))
 }

@@ -12,16 +12,14 @@
 //! Layout copies move bits, so they run for every dtype (2, 4 and 8-byte
 //! elements, i64 and f64 included).
 
-use std::sync::Arc;
-
 use tpar_kernels::cuda::ops::{
     elementwise as k_ew, embedding as k_emb, layout as k_lay, reduce as k_red,
 };
-use tpar_kernels::cuda::{CudaDType, DevPtr, DeviceBuffer, GpuDevice};
+use tpar_kernels::cuda::{CudaDType, DeviceBuffer};
 use tpar_kernels::elementwise::{BinaryOp, UnaryOp};
 use tpar_kernels::reduce::Reduction;
 
-use super::gpu::{alloc, cuda_dtype, dev_ptr};
+use super::gpu::{cuda_dtype, device_of, with_gpu, Out};
 use super::invalid;
 use crate::autograd::record;
 use crate::storage::{Element, Storage};
@@ -77,13 +75,6 @@ fn expect_dtype(op: &'static str, want: DType, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// A new CUDA tensor of `shape` and `dtype` on `dev` (data uninitialized), and its address.
-fn alloc_on(dev: &Arc<dyn GpuDevice>, shape: &Shape, dtype: DType) -> Result<(Tensor, DevPtr)> {
-    let t = alloc(dev, shape.clone(), dtype)?;
-    let (_, p) = dev_ptr(&t, "alloc")?;
-    Ok((t, p))
-}
-
 /// `a op b` with `a` and `b` read at broadcast strides `sa` / `sb` into a new
 /// contiguous tensor of `out` (no autograd).
 pub(crate) fn binary(
@@ -99,13 +90,13 @@ pub(crate) fn binary(
     if b.dtype() != a.dtype() || !rank_ok(out.dims(), &[sa, sb]) {
         return Ok(None);
     }
-    let (dev, ap) = dev_ptr(a, OP)?;
-    let (_, bp) = dev_ptr(b, OP)?;
-    let (y, yp) = alloc_on(&dev, out, a.dtype())?;
-    // SAFETY: `a` and `b` hold their shapes' elements, which the broadcast
-    // strides stay inside; `y` is a fresh allocation of `out`'s elements.
-    unsafe { k_ew::binary(&*dev, cd, op, ap, sa, bp, sb, out.dims(), yp)? };
-    Ok(Some(y))
+    let dev = device_of(a, OP)?;
+    let mut y = Out::new(&dev, out.clone(), a.dtype())?;
+    with_gpu(OP, &[a, b], |s| {
+        let (a, b) = (s[0].view(), s[1].view());
+        Ok(k_ew::binary(&*dev, cd, op, a, sa, b, sb, out.dims(), y.view_mut())?)
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// `x op s` (`s op x` when `scalar_first`) into a new tensor (no autograd).
@@ -117,22 +108,23 @@ pub(crate) fn scalar(
 ) -> Result<Option<Tensor>> {
     const OP: &str = "scalar";
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (y, yp) = alloc_on(&dev, x.shape(), x.dtype())?;
-    // SAFETY: both buffers hold `x.numel()` elements of the dtype.
-    unsafe { k_ew::scalar(&*dev, cd, op, xp, s, scalar_first, yp, x.numel())? };
-    Ok(Some(y))
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(OP, &[x], |xs| {
+        let (xv, yv) = (xs[0].view(), y.view_mut());
+        Ok(k_ew::scalar(&*dev, cd, op, xv, s, scalar_first, yv, x.numel())?)
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// `op(x)` into a new tensor (no autograd).
 pub(crate) fn unary(x: &Tensor, op: UnaryOp) -> Result<Option<Tensor>> {
     const OP: &str = "unary";
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (y, yp) = alloc_on(&dev, x.shape(), x.dtype())?;
-    // SAFETY: both buffers hold `x.numel()` elements of the dtype.
-    unsafe { k_ew::unary(&*dev, cd, op, xp, yp, x.numel())? };
-    Ok(Some(y))
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(OP, &[x], |s| Ok(k_ew::unary(&*dev, cd, op, s[0].view(), y.view_mut(), x.numel())?))?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// The input gradient `g * op'(x)` of `y = op(x)`.
@@ -147,13 +139,13 @@ pub(crate) fn unary_backward(
     if y.dtype() != x.dtype() || g.dtype() != x.dtype() || g.shape() != x.shape() {
         return Ok(None);
     }
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (_, yp) = dev_ptr(y, OP)?;
-    let (_, gp) = dev_ptr(g, OP)?;
-    let (dx, dxp) = alloc_on(&dev, x.shape(), x.dtype())?;
-    // SAFETY: all four buffers hold `x.numel()` elements of the dtype.
-    unsafe { k_ew::unary_backward(&*dev, cd, op, xp, yp, gp, dxp, x.numel())? };
-    Ok(Some(dx))
+    let dev = device_of(x, OP)?;
+    let mut dx = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(OP, &[x, y, g], |s| {
+        let (xv, yv, gv) = (s[0].view(), s[1].view(), s[2].view());
+        Ok(k_ew::unary_backward(&*dev, cd, op, xv, yv, gv, dx.view_mut(), x.numel())?)
+    })?;
+    Ok(Some(dx.into_tensor()))
 }
 
 /// `x` converted to `to` (float to float, or i64 to float; no autograd).
@@ -165,17 +157,18 @@ pub(crate) fn cast(x: &Tensor, to: DType) -> Result<Option<Tensor>> {
         (_, Some(cf)) => Some(cf),
         _ => return Ok(None),
     };
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (y, yp) = alloc_on(&dev, x.shape(), to)?;
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, x.shape().clone(), to)?;
     let n = x.numel();
-    // SAFETY: `x` holds `n` elements of its dtype, `y` `n` of `to`.
-    unsafe {
+    with_gpu(OP, &[x], |s| {
+        let (xv, yv) = (s[0].view(), y.view_mut());
         match from {
-            Some(cfrom) => k_ew::cast(&*dev, cfrom, xp, cto, yp, n)?,
-            None => k_ew::cast_i64(&*dev, xp, cto, yp, n)?,
+            Some(cfrom) => k_ew::cast(&*dev, cfrom, xv, cto, yv, n)?,
+            None => k_ew::cast_i64(&*dev, xv, cto, yv, n)?,
         }
-    };
-    Ok(Some(y))
+        Ok(())
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// `dst[i] = x[base + sum(idx[d] * strides[d])]` into a new contiguous tensor
@@ -190,13 +183,14 @@ pub(crate) fn strided(
     if !rank_ok(shape.dims(), &[strides]) {
         return Ok(None);
     }
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (y, yp) = alloc_on(&dev, shape, x.dtype())?;
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, shape.clone(), x.dtype())?;
     let es = x.dtype().size_in_bytes();
-    // SAFETY: the caller's strides and base address elements of `x` only (as
-    // for the host copy); `y` holds `shape`'s elements.
-    unsafe { k_lay::strided_copy(&*dev, es, xp, base, strides, shape.dims(), yp)? };
-    Ok(Some(y))
+    with_gpu(OP, &[x], |s| {
+        let (xv, yv) = (s[0].view(), y.view_mut());
+        Ok(k_lay::strided_copy(&*dev, es, xv, base, strides, shape.dims(), yv)?)
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// Concatenation of same-dtype pieces along a dim, the output viewed as
@@ -210,18 +204,15 @@ pub(crate) fn cat(
 ) -> Result<Option<Tensor>> {
     const OP: &str = "cat";
     let Some(first) = pieces.first() else { return Ok(None) };
-    let mut ptrs = Vec::with_capacity(pieces.len());
-    let mut dev = None;
-    for (t, &len) in pieces.iter().zip(sizes) {
-        let (d, p) = dev_ptr(t, OP)?;
-        dev.get_or_insert(d);
-        ptrs.push((p, len));
-    }
-    let Some(dev) = dev else { return Ok(None) };
-    let (y, yp) = alloc_on(&dev, out, first.dtype())?;
-    // SAFETY: each piece holds `outer * len * inner` elements, `y` the sum.
-    unsafe { k_lay::cat(&*dev, first.dtype().size_in_bytes(), &ptrs, outer, inner, yp)? };
-    Ok(Some(y))
+    let dev = device_of(first, OP)?;
+    let mut y = Out::new(&dev, out.clone(), first.dtype())?;
+    let ts: Vec<&Tensor> = pieces.iter().collect();
+    with_gpu(OP, &ts, |s| {
+        let views: Vec<_> = s.iter().map(|p| p.view()).zip(sizes.iter().copied()).collect();
+        let es = first.dtype().size_in_bytes();
+        Ok(k_lay::cat(&*dev, es, &views, outer, inner, y.view_mut())?)
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// A device copy of `x`'s data in new storage (no autograd).
@@ -268,36 +259,33 @@ pub(crate) fn index_select0(x: &Tensor, index: &Tensor) -> Result<Option<Tensor>
         d if d == x.device() => (index.clone(), true),
         _ => return Ok(None),
     };
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (_, ip) = dev_ptr(&ids, OP)?;
+    let dev = device_of(x, OP)?;
     let mut od = vec![n];
     od.extend_from_slice(&x.dims()[1..]);
-    let (y, yp) = alloc_on(&dev, &Shape::from(od), x.dtype())?;
-    let slot = if on_device {
-        Some(DeviceBuffer::from_host(&dev, &k_emb::NO_ERROR.to_ne_bytes())?)
-    } else {
-        None
-    };
-    let sp = slot.as_ref().map_or(0, |s| s.ptr());
-    // SAFETY: `x` holds `rows * dim` kernel elements, `ids` `n` i64 values,
-    // `y` `n * dim` kernel elements; `sp` is a live 4-byte slot or 0.
-    unsafe { k_emb::embedding_forward(&*dev, cd, xp, rows, dim, ip, n, 0, false, yp, sp)? };
+    let mut y = Out::new(&dev, od, x.dtype())?;
+    let mut slot =
+        if on_device { Some(DeviceBuffer::from_host(&dev, &[k_emb::NO_ERROR])?) } else { None };
+    with_gpu(OP, &[x, &ids], |s| {
+        let (xv, iv, err) = (s[0].view(), s[1].view(), slot.as_mut().map(|b| b.as_slice_mut()));
+        Ok(k_emb::embedding_forward(&*dev, cd, xv, rows, dim, iv, n, 0, false, y.view_mut(), err)?)
+    })?;
     if let Some(slot) = slot {
-        let b = slot.to_host()?;
-        let first = b.get(..4).and_then(|w| <[u8; 4]>::try_from(w).ok()).map(i32::from_ne_bytes);
-        match first {
-            Some(k_emb::NO_ERROR) => {}
-            Some(p) if p >= 0 && (p as usize) < n => {
+        let mut first = [0i32];
+        slot.as_slice().copy_to_host(&mut first)?;
+        match first[0] {
+            k_emb::NO_ERROR => {}
+            p if p >= 0 && (p as usize) < n => {
                 let p = p as usize;
-                let mut bad = [0u8; 8];
-                // SAFETY: `p < n`, so this is one i64 of `ids`.
-                unsafe { dev.dtoh(ip + (p * 8) as u64, &mut bad)? };
-                return Err(bad_index(p, i64::from_ne_bytes(bad)));
+                let mut bad = [0i64];
+                with_gpu(OP, &[&ids], |s| {
+                    Ok(s[0].view().slice(p * 8..p * 8 + 8)?.copy_to_host(&mut bad)?)
+                })?;
+                return Err(bad_index(p, bad[0]));
             }
             _ => return Err(invalid(OP, format!("an index out of range for {rows} rows"))),
         }
     }
-    Ok(Some(y))
+    Ok(Some(y.into_tensor()))
 }
 
 /// Reduces `x` (viewed as `[outer, len, inner]`) over its middle dim into a
@@ -315,16 +303,15 @@ fn reduce_raw(
     if !fits_i32(&[outer, len, inner]) {
         return Ok(None);
     }
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (y, yp) = alloc_on(&dev, out, x.dtype())?;
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, out.clone(), x.dtype())?;
     let wl = k_red::reduce_workspace_len(outer, len, inner);
-    let work =
-        if wl > 0 { Some(alloc_on(&dev, &Shape::from(vec![wl]), DType::F32)?) } else { None };
-    let wp = work.as_ref().map_or(0, |w| w.1);
-    // SAFETY: `x` holds `outer * len * inner` elements, `y` `outer * inner`,
-    // the workspace `wl` f32 values; none overlap.
-    unsafe { k_red::reduce(&*dev, op, cd, xp, yp, outer, len, inner, wp, wl)? };
-    Ok(Some(y))
+    let mut work = if wl > 0 { Some(Out::new(&dev, [wl], DType::F32)?) } else { None };
+    with_gpu(OP, &[x], |s| {
+        let (xv, yv, wv) = (s[0].view(), y.view_mut(), work.as_mut().map(Out::view_mut));
+        Ok(k_red::reduce(&*dev, op, cd, xv, yv, outer, len, inner, wv)?)
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 /// Reduces `x` over the sorted, distinct dims `ds`, keeping them as size 1
@@ -370,12 +357,14 @@ pub(crate) fn max_dim(
     if len == 0 || !fits_i32(&[outer, len, inner]) {
         return Ok(None);
     }
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (v, vp) = alloc_on(&dev, out, x.dtype())?;
-    let (ix, ixp) = alloc_on(&dev, out, DType::I64)?;
-    // SAFETY: `x` holds `outer * len * inner` elements, `v` and `ix` `outer * inner`.
-    unsafe { k_red::max_with_index(&*dev, cd, xp, vp, ixp, outer, len, inner)? };
-    Ok(Some((v, ix)))
+    let dev = device_of(x, OP)?;
+    let mut v = Out::new(&dev, out.clone(), x.dtype())?;
+    let mut ix = Out::new(&dev, out.clone(), DType::I64)?;
+    with_gpu(OP, &[x], |s| {
+        let (xv, vv, iv) = (s[0].view(), v.view_mut(), ix.view_mut());
+        Ok(k_red::max_with_index(&*dev, cd, xv, vv, iv, outer, len, inner)?)
+    })?;
+    Ok(Some((v.into_tensor(), ix.into_tensor())))
 }
 
 /// The gradient of [`max_dim`]: `g` (`[outer, inner]`) placed at the max
@@ -406,27 +395,25 @@ pub(crate) fn max_backward(
         return Ok(None);
     }
     let dtype = g.dtype();
-    let (dev, gp) = dev_ptr(g, OP)?;
-    let (_, ip) = dev_ptr(idx, OP)?;
+    let dev = device_of(g, OP)?;
     let es = dtype.size_in_bytes();
     // The pattern [1, 0, ..., 0] of len + 1 elements repeated len times: its
     // first len * len elements are the len x len identity.
-    let pat = Tensor::zeros([len + 1], dtype, g.device())?;
-    let (_, pp) = dev_ptr(&pat, OP)?;
-    let (_eye, ep) = alloc_on(&dev, &Shape::from(vec![eye_len]), dtype)?;
-    let (_onehot, op) = alloc_on(&dev, &Shape::from(vec![n, len]), dtype)?;
-    let (gx, gxp) = alloc_on(&dev, in_shape, dtype)?;
-    // SAFETY: `pat` holds len + 1 elements, `eye` len * (len + 1), `onehot`
-    // n * len (rows picked by the in-range indices `idx` holds), `g` n and
-    // `gx` outer * len * inner; the strides stay inside their buffers.
-    unsafe {
-        k_ew::fill(&*dev, cd, pp, 1, 1.0)?;
-        k_lay::strided_copy(&*dev, es, pp, 0, &[0, 1], &[len, len + 1], ep)?;
-        k_emb::embedding_forward(&*dev, cd, ep, len, len, ip, n, 0, false, op, 0)?;
+    let mut pat = Out::zeros(&dev, [len + 1], dtype)?;
+    let mut eye = Out::new(&dev, [eye_len], dtype)?;
+    let mut onehot = Out::new(&dev, [n, len], dtype)?;
+    let mut gx = Out::new(&dev, in_shape.clone(), dtype)?;
+    k_ew::fill(&*dev, cd, pat.view_mut(), 1, 1.0)?;
+    k_lay::strided_copy(&*dev, es, pat.view(), 0, &[0, 1], &[len, len + 1], eye.view_mut())?;
+    with_gpu(OP, &[g, idx], |s| {
+        let (gv, iv) = (s[0].view(), s[1].view());
+        let (ev, ov) = (eye.view(), onehot.view_mut());
+        k_emb::embedding_forward(&*dev, cd, ev, len, len, iv, n, 0, false, ov, None)?;
         let (so, sg) = ([inner * len, 1, len], [inner, 0, 1]);
-        k_ew::binary(&*dev, cd, BinaryOp::Mul, op, &so, gp, &sg, &[outer, len, inner], gxp)?;
-    }
-    Ok(Some(gx))
+        let (ov, shape) = (onehot.view(), [outer, len, inner]);
+        Ok(k_ew::binary(&*dev, cd, BinaryOp::Mul, ov, &so, gv, &sg, &shape, gx.view_mut())?)
+    })?;
+    Ok(Some(gx.into_tensor()))
 }
 
 /// Softmax (or log-softmax) over rows of `cols`, recording a backward that
@@ -434,20 +421,22 @@ pub(crate) fn max_backward(
 pub(crate) fn softmax(x: &Tensor, rows: usize, cols: usize, log: bool) -> Result<Option<Tensor>> {
     let name = if log { "log_softmax" } else { "softmax" };
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
-    let (dev, xp) = dev_ptr(x, name)?;
-    let (y, yp) = alloc_on(&dev, x.shape(), x.dtype())?;
-    // SAFETY: `x` and `y` hold `rows * cols` elements of the dtype.
-    unsafe { k_ew::softmax_forward(&*dev, cd, xp, yp, rows, cols, log)? };
+    let dev = device_of(x, name)?;
+    let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(name, &[x], |s| {
+        Ok(k_ew::softmax_forward(&*dev, cd, s[0].view(), y.view_mut(), rows, cols, log)?)
+    })?;
+    let y = y.into_tensor();
     let ys = y.detach();
     Ok(Some(record(name, &[x], y, move |g| {
         expect_dtype(name, ys.dtype(), g)?;
-        let (dev, gp) = dev_ptr(g, name)?;
-        let (_, yp) = dev_ptr(&ys, name)?;
-        let (dx, dxp) = alloc_on(&dev, ys.shape(), ys.dtype())?;
-        // SAFETY: `ys`, `g` (same shape, checked by autograd) and `dx` hold
-        // `rows * cols` elements of the dtype.
-        unsafe { k_ew::softmax_backward(&*dev, cd, yp, gp, dxp, rows, cols, log)? };
-        Ok(vec![Some(dx)])
+        let dev = device_of(g, name)?;
+        let mut dx = Out::new(&dev, ys.shape().clone(), ys.dtype())?;
+        with_gpu(name, &[&ys, g], |s| {
+            let (yv, gv) = (s[0].view(), s[1].view());
+            Ok(k_ew::softmax_backward(&*dev, cd, yv, gv, dx.view_mut(), rows, cols, log)?)
+        })?;
+        Ok(vec![Some(dx.into_tensor())])
     })))
 }
 
@@ -463,27 +452,27 @@ impl Tensor {
     ) -> Result<Tensor> {
         const OP: &str = "full";
         let dev = crate::gpu::device(ordinal)?;
-        let (t, p) = alloc_on(&dev, &shape, dtype)?;
         let n = shape.numel();
+        let mut t = Out::new(&dev, shape, dtype)?;
         if n == 0 {
-            return Ok(t);
+            return Ok(t.into_tensor());
         }
         match cuda_dtype(dtype) {
             Some(cd) => {
                 // Rounded to the dtype on the host, so the kernel's f32 value is exact.
                 let exact =
                     crate::with_any_type!(dtype, |T| { <T as Element>::from_f64(v).to_f64() });
-                // SAFETY: `t` holds `n` elements of the dtype.
-                unsafe { k_ew::fill(&*dev, cd, p, n, exact)? };
+                k_ew::fill(&*dev, cd, t.view_mut(), n, exact)?;
             }
             None => {
                 let one = Tensor::scalar(v, dtype).to_device(Device::Cuda(ordinal))?;
-                let (_, op) = dev_ptr(&one, OP)?;
-                // SAFETY: stride 0 reads the single element of `one`; `t` holds `n`.
-                unsafe { k_lay::strided_copy(&*dev, dtype.size_in_bytes(), op, 0, &[0], &[n], p)? };
+                let es = dtype.size_in_bytes();
+                with_gpu(OP, &[&one], |s| {
+                    Ok(k_lay::strided_copy(&*dev, es, s[0].view(), 0, &[0], &[n], t.view_mut())?)
+                })?;
             }
         }
-        Ok(t)
+        Ok(t.into_tensor())
     }
 }
 

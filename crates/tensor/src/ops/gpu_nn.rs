@@ -19,7 +19,7 @@ use tpar_kernels::cuda::ops::{
     adamw as k_adamw, cross_entropy as k_ce, elementwise as k_ew, embedding as k_emb,
     gemm as k_gemm, layout as k_layout, reduce as k_reduce, rope as k_rope, sdpa as k_sdpa,
 };
-use tpar_kernels::cuda::{CudaDType, DevPtr, DeviceBuffer, GpuDevice};
+use tpar_kernels::cuda::{CudaDType, DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice};
 use tpar_kernels::elementwise::BinaryOp;
 use tpar_kernels::gemm::GemmShape;
 use tpar_kernels::reduce::Reduction;
@@ -27,14 +27,15 @@ use tpar_kernels::rope::RopeShape;
 use tpar_kernels::sdpa::SdpaShape;
 use tpar_kernels::KernelError;
 
-use super::gpu::{alloc, cuda_dtype, dev_ptr};
+use super::gpu::{cuda_dtype, device_of, with_gpu, with_gpu_mut, Out};
 use super::{common_device, invalid};
 use crate::autograd::record;
+use crate::gpu::GpuStorage;
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
-/// The byte address of element `index` of a buffer of `elem`-byte elements.
-fn at(ptr: DevPtr, index: usize, elem: usize) -> DevPtr {
-    ptr + (index * elem) as u64
+/// The byte range of elements `start..start + len` of `elem`-byte elements.
+fn elems(start: usize, len: usize, elem: usize) -> std::ops::Range<usize> {
+    start * elem..(start + len) * elem
 }
 
 /// The kernel dtype of a CUDA tensor, or a dtype error naming `op`.
@@ -54,28 +55,26 @@ impl Status {
     fn new(dev: &Arc<dyn GpuDevice>) -> Result<Status> {
         // Both kernel families use `i32::MAX` for "no error".
         debug_assert_eq!(k_ce::NO_ERROR, k_emb::NO_ERROR);
-        Ok(Status(DeviceBuffer::from_host(dev, &k_ce::NO_ERROR.to_ne_bytes())?))
+        Ok(Status(DeviceBuffer::from_host(dev, &[k_ce::NO_ERROR])?))
     }
 
-    fn ptr(&self) -> DevPtr {
-        self.0.ptr()
+    fn slot(&mut self) -> DeviceSliceMut<'_> {
+        self.0.as_slice_mut()
     }
 
     /// Waits for the launches before it and returns the first bad position
     /// with the offending i64 value read from `indices` (`n` of them).
-    fn check(&self, indices: DevPtr, n: usize) -> Result<Option<(usize, i64)>> {
-        let bytes = self.0.to_host()?;
-        let mut b4 = [0u8; 4];
-        b4.copy_from_slice(&bytes[..4]);
-        let v = i32::from_ne_bytes(b4);
+    fn check(&self, indices: DeviceSlice<'_>, n: usize) -> Result<Option<(usize, i64)>> {
+        let mut first = [0i32];
+        self.0.as_slice().copy_to_host(&mut first)?;
+        let v = first[0];
         if v == k_ce::NO_ERROR || v < 0 || v as usize >= n {
             return Ok(None);
         }
         let position = v as usize;
-        let mut b8 = [0u8; 8];
-        // SAFETY: `indices` holds `n` i64 values and `position < n`.
-        unsafe { self.0.device().dtoh(at(indices, position, 8), &mut b8)? };
-        Ok(Some((position, i64::from_ne_bytes(b8))))
+        let mut value = [0i64];
+        indices.slice(elems(position, 1, 8))?.copy_to_host(&mut value)?;
+        Ok(Some((position, value[0])))
     }
 }
 
@@ -87,24 +86,21 @@ impl Status {
 pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, s: RopeShape) -> Result<Option<Tensor>> {
     const OP: &str = "rope";
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
-    let (dev, xp) = dev_ptr(x, OP)?;
-    let (_, cp) = dev_ptr(cos, OP)?;
-    let (_, sp) = dev_ptr(sin, OP)?;
-    let y = alloc(&dev, x.shape().clone(), x.dtype())?;
-    let (_, yp) = dev_ptr(&y, OP)?;
-    // SAFETY: x and y hold the rotated tensor's elements, cos / sin `[seq, head_dim]`
-    // (checked by the caller), all of one dtype.
-    unsafe { k_rope::rope_forward(&*dev, cd, &s, xp, cp, sp, yp)? };
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(OP, &[x, cos, sin], |v| {
+        let (xv, cv, sv) = (v[0].view(), v[1].view(), v[2].view());
+        Ok(k_rope::rope_forward(&*dev, cd, &s, xv, cv, sv, y.view_mut())?)
+    })?;
     let (c, sn) = (cos.detach(), sin.detach());
-    Ok(Some(record(OP, &[x], y, move |g| {
-        let (dev, gp) = dev_ptr(g, OP)?;
-        let (_, cp) = dev_ptr(&c, OP)?;
-        let (_, sp) = dev_ptr(&sn, OP)?;
-        let dx = alloc(&dev, g.shape().clone(), g.dtype())?;
-        let (_, dxp) = dev_ptr(&dx, OP)?;
-        // SAFETY: as in the forward; the gradient has the input's shape.
-        unsafe { k_rope::rope_backward(&*dev, cd, &s, gp, cp, sp, dxp)? };
-        Ok(vec![Some(dx)])
+    Ok(Some(record(OP, &[x], y.into_tensor(), move |g| {
+        let dev = device_of(g, OP)?;
+        let mut dx = Out::new(&dev, g.shape().clone(), g.dtype())?;
+        with_gpu(OP, &[g, &c, &sn], |v| {
+            let (gv, cv, sv) = (v[0].view(), v[1].view(), v[2].view());
+            Ok(k_rope::rope_backward(&*dev, cd, &s, gv, cv, sv, dx.view_mut())?)
+        })?;
+        Ok(vec![Some(dx.into_tensor())])
     })))
 }
 
@@ -129,31 +125,32 @@ pub(crate) fn cross_entropy(
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
     let vocab = x.dims().last().copied().unwrap_or(1);
     let rows = targets.numel();
-    let (dev, lp) = dev_ptr(x, OP)?;
-    let (_, tp) = dev_ptr(targets, OP)?;
+    let f32d = CudaDType::F32;
+    let dev = device_of(x, OP)?;
     // [2, rows]: per-row losses, then 1 for each counted row.
-    let parts = alloc(&dev, [2, rows], DType::F32)?;
-    let lse = alloc(&dev, [rows], DType::F32)?;
-    let (_, pp) = dev_ptr(&parts, OP)?;
-    let (_, lsep) = dev_ptr(&lse, OP)?;
-    let status = Status::new(&dev)?;
-    // SAFETY: logits `[rows, vocab]`, i64 targets `[rows]`, f32 outputs of `rows`.
-    unsafe {
+    let mut parts = Out::new(&dev, [2, rows], DType::F32)?;
+    let mut lse = Out::new(&dev, [rows], DType::F32)?;
+    let mut status = Status::new(&dev)?;
+    let bad = with_gpu(OP, &[x, targets], |v| {
+        let (lv, tv) = (v[0].view(), v[1].view());
+        let (loss_rows, _) = parts.view_mut().split_at(rows * 4)?;
+        let (lsev, err) = (lse.view_mut(), Some(status.slot()));
         k_ce::cross_entropy_forward(
             &*dev,
             cd,
-            lp,
+            lv,
             rows,
             vocab,
-            tp,
+            tv,
             ignore_index,
-            pp,
-            lsep,
-            0,
-            status.ptr(),
-        )?
-    };
-    if let Some((position, index)) = status.check(tp, rows)? {
+            loss_rows,
+            lsev,
+            None,
+            err,
+        )?;
+        status.check(tv, rows)
+    })?;
+    if let Some((position, index)) = bad {
         return Err(KernelError::IndexOutOfRange {
             op: "ce_local_stats",
             index,
@@ -162,80 +159,73 @@ pub(crate) fn cross_entropy(
         }
         .into());
     }
-    let ones = alloc(&dev, [rows], DType::F32)?;
-    let zero = Tensor::zeros([rows], DType::F32, Device::Cuda(dev.ordinal()))?;
-    let (_, onep) = dev_ptr(&ones, OP)?;
-    let (_, zp) = dev_ptr(&zero, OP)?;
-    let counted = at(pp, rows, 4);
-    let sums = alloc(&dev, [2], DType::F32)?;
-    let (_, sp) = dev_ptr(&sums, OP)?;
-    let count = at(sp, 1, 4);
+    let mut ones = Out::new(&dev, [rows], DType::F32)?;
+    let zero = Out::zeros(&dev, [rows], DType::F32)?;
+    let mut sums = Out::new(&dev, [2], DType::F32)?;
     let ws_len = k_reduce::reduce_workspace_len(2, rows, 1);
-    let ws = alloc(&dev, [ws_len], DType::F32)?;
-    let (_, wsp) = dev_ptr(&ws, OP)?;
-    let loss = alloc(&dev, Shape::new(&[]), x.dtype())?;
-    let (_, lossp) = dev_ptr(&loss, OP)?;
-    let loss32 = if cd == CudaDType::F32 { None } else { Some(alloc(&dev, [1], DType::F32)?) };
-    let l32p = match &loss32 {
-        Some(t) => dev_ptr(t, OP)?.1,
-        None => lossp,
-    };
-    // SAFETY: every buffer was allocated above with the size used here.
-    unsafe {
-        k_ew::fill(&*dev, CudaDType::F32, onep, rows, 1.0)?;
-        k_ce::ce_loss(&*dev, onep, zp, tp, ignore_index, rows, counted, 0)?;
-        k_reduce::reduce(&*dev, Reduction::Sum, CudaDType::F32, pp, sp, 2, rows, 1, wsp, ws_len)?;
-        // max(count, 1): with no counted row the total is 0 and so is the loss.
-        k_ew::scalar(&*dev, CudaDType::F32, BinaryOp::Max, count, 1.0, false, count, 1)?;
-        k_ew::binary(&*dev, CudaDType::F32, BinaryOp::Div, sp, &[1], count, &[1], &[1], l32p)?;
-        if l32p != lossp {
-            k_ew::cast(&*dev, CudaDType::F32, l32p, cd, lossp, 1)?;
+    let mut ws = Out::new(&dev, [ws_len], DType::F32)?;
+    let mut loss = Out::new(&dev, Shape::new(&[]), x.dtype())?;
+    let mut loss32 = if cd == f32d { None } else { Some(Out::new(&dev, [1], DType::F32)?) };
+    k_ew::fill(&*dev, f32d, ones.view_mut(), rows, 1.0)?;
+    with_gpu(OP, &[targets], |v| {
+        let (_, counted) = parts.view_mut().split_at(rows * 4)?;
+        let (ov, zv) = (ones.view(), zero.view());
+        Ok(k_ce::ce_loss(&*dev, ov, zv, v[0].view(), ignore_index, rows, counted, None)?)
+    })?;
+    let (pv, sv) = (parts.view(), sums.view_mut());
+    k_reduce::reduce(&*dev, Reduction::Sum, f32d, pv, sv, 2, rows, 1, Some(ws.view_mut()))?;
+    // max(count, 1): with no counted row the total is 0 and so is the loss.
+    let count = sums.view_mut().slice_mut(elems(1, 1, 4))?;
+    k_ew::scalar_in_place(&*dev, f32d, BinaryOp::Max, count, 1.0, false, 1)?;
+    let (total, count) = (sums.view().slice(elems(0, 1, 4))?, sums.view().slice(elems(1, 1, 4))?);
+    let div = BinaryOp::Div;
+    match &mut loss32 {
+        Some(l32) => {
+            k_ew::binary(&*dev, f32d, div, total, &[1], count, &[1], &[1], l32.view_mut())?;
+            k_ew::cast(&*dev, f32d, l32.view(), cd, loss.view_mut(), 1)?;
         }
+        None => k_ew::binary(&*dev, f32d, div, total, &[1], count, &[1], &[1], loss.view_mut())?,
     }
     let (xs, ts) = (x.detach(), targets.detach());
-    Ok(Some(record(OP, &[x], loss, move |g| {
-        let (dev, gp) = dev_ptr(g, OP)?;
-        let (_, lp) = dev_ptr(&xs, OP)?;
-        let (_, tp) = dev_ptr(&ts, OP)?;
-        let (_, lsep) = dev_ptr(&lse, OP)?;
-        let (_, sp) = dev_ptr(&sums, OP)?;
+    let (lse, sums) = (lse.into_tensor(), sums.into_tensor());
+    Ok(Some(record(OP, &[x], loss.into_tensor(), move |g| {
+        let dev = device_of(g, OP)?;
         let gcd = kernel_dtype(OP, g)?;
-        let scale = alloc(&dev, [2], DType::F32)?;
-        let (_, scp) = dev_ptr(&scale, OP)?;
-        let dl = alloc(&dev, xs.shape().clone(), xs.dtype())?;
-        let (_, dlp) = dev_ptr(&dl, OP)?;
-        // SAFETY: g is one element; `scale` holds two f32 (g, then g / count);
-        // the logits, targets and lse are the forward's.
-        unsafe {
-            k_ew::cast(&*dev, gcd, gp, CudaDType::F32, scp, 1)?;
-            let s1 = at(scp, 1, 4);
+        let mut scale = Out::new(&dev, [2], DType::F32)?;
+        let mut dl = Out::new(&dev, xs.shape().clone(), xs.dtype())?;
+        // `scale` holds two f32: g, then g / count.
+        with_gpu(OP, &[g, &xs, &ts, &lse, &sums], |v| {
+            let (gv, lv, tv, lsev) = (v[0].view(), v[1].view(), v[2].view(), v[3].view());
+            let count = v[4].view().slice(elems(1, 1, 4))?;
+            let (mut s0, mut s1) = scale.view_mut().split_at(4)?;
+            k_ew::cast(&*dev, gcd, gv, f32d, s0.reborrow(), 1)?;
             k_ew::binary(
                 &*dev,
-                CudaDType::F32,
+                f32d,
                 BinaryOp::Div,
-                scp,
+                s0.as_slice(),
                 &[1],
-                at(sp, 1, 4),
+                count,
                 &[1],
                 &[1],
-                s1,
+                s1.reborrow(),
             )?;
-            k_ce::cross_entropy_backward(
+            Ok(k_ce::cross_entropy_backward(
                 &*dev,
                 cd,
-                lp,
+                lv,
                 rows,
                 vocab,
-                tp,
+                tv,
                 0,
                 ignore_index,
-                lsep,
-                s1,
+                lsev,
+                s1.as_slice(),
                 1,
-                dlp,
-            )?;
-        }
-        Ok(vec![Some(dl)])
+                dl.view_mut(),
+            )?)
+        })?;
+        Ok(vec![Some(dl.into_tensor())])
     })))
 }
 
@@ -259,60 +249,56 @@ pub(crate) fn embedding(
     let Some(cd) = cuda_dtype(weight.dtype()) else { return Ok(None) };
     let (vocab, dim) = (weight.dims()[0], weight.dims()[1]);
     let n = ids.numel();
-    let (dev, wp) = dev_ptr(weight, OP)?;
-    let (_, ip) = dev_ptr(ids, OP)?;
-    let out = alloc(&dev, out_shape, weight.dtype())?;
-    let (_, op) = dev_ptr(&out, OP)?;
-    let status = if masked { None } else { Some(Status::new(&dev)?) };
-    let err = status.as_ref().map_or(0, Status::ptr);
-    // SAFETY: weight `[vocab, dim]`, i64 ids `[n]`, out `[n, dim]`.
-    unsafe {
-        k_emb::embedding_forward(&*dev, cd, wp, vocab, dim, ip, n, vocab_start, masked, op, err)?
-    };
-    if let Some(s) = &status {
-        if let Some((position, index)) = s.check(ip, n)? {
-            return Err(KernelError::IndexOutOfRange {
-                op: "embedding_forward",
-                index,
-                position,
-                size: vocab,
-            }
-            .into());
+    let dev = device_of(weight, OP)?;
+    let mut out = Out::new(&dev, out_shape, weight.dtype())?;
+    let mut status = if masked { None } else { Some(Status::new(&dev)?) };
+    let bad = with_gpu(OP, &[weight, ids], |v| {
+        let (wv, iv) = (v[0].view(), v[1].view());
+        let err = status.as_mut().map(Status::slot);
+        let ov = out.view_mut();
+        k_emb::embedding_forward(&*dev, cd, wv, vocab, dim, iv, n, vocab_start, masked, ov, err)?;
+        status.as_ref().map_or(Ok(None), |s| s.check(iv, n))
+    })?;
+    if let Some((position, index)) = bad {
+        return Err(KernelError::IndexOutOfRange {
+            op: "embedding_forward",
+            index,
+            position,
+            size: vocab,
         }
+        .into());
     }
     let ids_c = ids.detach();
     let wdt = weight.dtype();
-    Ok(Some(record(OP, &[weight], out, move |g| {
-        let (dev, gp) = dev_ptr(g, OP)?;
-        let (_, ip) = dev_ptr(&ids_c, OP)?;
-        let dw = alloc(&dev, [vocab, dim], wdt)?;
-        let (_, dwp) = dev_ptr(&dw, OP)?;
-        let acc =
-            if cd == CudaDType::F32 { None } else { Some(alloc(&dev, [vocab, dim], DType::F32)?) };
-        let accp = match &acc {
-            Some(t) => dev_ptr(t, OP)?.1,
-            None => dwp,
+    Ok(Some(record(OP, &[weight], out.into_tensor(), move |g| {
+        let dev = device_of(g, OP)?;
+        let mut dw = Out::new(&dev, [vocab, dim], wdt)?;
+        let mut acc = if cd == CudaDType::F32 {
+            None
+        } else {
+            Some(Out::new(&dev, [vocab, dim], DType::F32)?)
         };
-        // SAFETY: ids `[n]`, gradient `[n, dim]`, dw and the f32 accumulator
-        // `[vocab, dim]` (the same buffer only for f32). Bad ids were reported by
-        // the forward; here they are skipped.
-        unsafe {
-            k_emb::embedding_backward_atomic(
+        // Bad ids were reported by the forward; here they are skipped. f32
+        // gradients accumulate in `dw` itself.
+        with_gpu(OP, &[&ids_c, g], |v| {
+            let (iv, gv) = (v[0].view(), v[1].view());
+            let (dwv, accv) = (dw.view_mut(), acc.as_mut().map(Out::view_mut));
+            Ok(k_emb::embedding_backward_atomic(
                 &*dev,
                 cd,
-                ip,
+                iv,
                 n,
                 vocab_start,
                 masked,
-                gp,
+                gv,
                 vocab,
                 dim,
-                dwp,
-                accp,
-                0,
-            )?
-        };
-        Ok(vec![Some(dw)])
+                dwv,
+                accv,
+                None,
+            )?)
+        })?;
+        Ok(vec![Some(dw.into_tensor())])
     })))
 }
 
@@ -343,9 +329,7 @@ pub(crate) fn sdpa(
         return Ok(None);
     }
     let s = *s;
-    let (dev, qp) = dev_ptr(q, OP)?;
-    let (_, kp) = dev_ptr(k, OP)?;
-    let (_, vp) = dev_ptr(v, OP)?;
+    let dev = device_of(q, OP)?;
     let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
     // The kernels read the mask with unit stride along the keys: a mask broadcast
     // over them is materialized to its full key length first.
@@ -355,69 +339,78 @@ pub(crate) fn sdpa(
             if md[3] == s.kv_len {
                 Some(m.detach())
             } else {
-                let e = alloc(&dev, [md[0], md[1], md[2], s.kv_len], m.dtype())?;
-                let (_, mp) = dev_ptr(m, OP)?;
-                let (_, ep) = dev_ptr(&e, OP)?;
-                let out = e.dims().to_vec();
-                // SAFETY: m holds its shape's elements, e the expanded shape's.
-                unsafe { k_layout::expand(&*dev, cd.size(), mp, md, &out, ep)? };
-                Some(e)
+                let out = [md[0], md[1], md[2], s.kv_len];
+                let mut e = Out::new(&dev, out, m.dtype())?;
+                with_gpu(OP, &[m], |v| {
+                    Ok(k_layout::expand(&*dev, cd.size(), v[0].view(), md, &out, e.view_mut())?)
+                })?;
+                Some(e.into_tensor())
             }
         }
         _ => None,
     };
-    let dev_mask = move |m: &Option<Tensor>| -> Result<Option<k_sdpa::SdpaDevMask>> {
-        let Some(m) = m else { return Ok(None) };
-        let st = crate::shape::broadcast_strides(m.shape(), &full);
-        Ok(Some(k_sdpa::SdpaDevMask {
-            data: dev_ptr(m, OP)?.1,
-            len: m.numel(),
-            batch_stride: st[0],
-            head_stride: st[1],
-            row_stride: st[2],
-        }))
-    };
+    let strides = mask.as_ref().map(|m| crate::shape::broadcast_strides(m.shape(), &full));
     let rows = s.batch * s.q_heads * s.q_len;
-    let out = alloc(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
-    let lse = alloc(&dev, [rows], DType::F32)?;
-    let buffers = k_sdpa::SdpaFwdBuffers {
-        q: qp,
-        k: kp,
-        v: vp,
-        mask: dev_mask(&mask)?,
-        out: dev_ptr(&out, OP)?.1,
-        lse: dev_ptr(&lse, OP)?.1,
-    };
-    // SAFETY: q, k, v, out have the shapes `s` gives them (checked by the caller),
-    // lse `rows` f32, the mask its own elements.
-    unsafe { k_sdpa::sdpa_forward(&*dev, cd, &s, &buffers, k_sdpa::SdpaPath::Auto)? };
+    let mut out = Out::new(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
+    let mut lse = Out::new(&dev, [rows], DType::F32)?;
+    let mut ins = vec![q, k, v];
+    ins.extend(mask.as_ref());
+    with_gpu(OP, &ins, |b| {
+        let views = k_sdpa::SdpaFwdViews {
+            q: b[0].view(),
+            k: b[1].view(),
+            v: b[2].view(),
+            mask: mask_view(b.get(3).copied(), strides.as_deref()),
+            out: out.view_mut(),
+            lse: lse.view_mut(),
+        };
+        Ok(k_sdpa::sdpa_forward(&*dev, cd, &s, views, k_sdpa::SdpaPath::Auto)?)
+    })?;
+    let out = out.into_tensor();
+    let lse = lse.into_tensor();
     let (qq, kk, vv, oo) = (q.detach(), k.detach(), v.detach(), out.detach());
     Ok(Some(record(OP, &[q, k, v], out, move |g| {
-        let (dev, gp) = dev_ptr(g, OP)?;
-        let dq = alloc(&dev, qq.shape().clone(), qq.dtype())?;
-        let dk = alloc(&dev, kk.shape().clone(), kk.dtype())?;
-        let dv = alloc(&dev, vv.shape().clone(), vv.dtype())?;
+        let dev = device_of(g, OP)?;
+        let mut dq = Out::new(&dev, qq.shape().clone(), qq.dtype())?;
+        let mut dk = Out::new(&dev, kk.shape().clone(), kk.dtype())?;
+        let mut dv = Out::new(&dev, vv.shape().clone(), vv.dtype())?;
         let ws_bytes = k_sdpa::sdpa_backward_workspace_bytes(&s)?;
-        let ws = alloc(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
-        let b = k_sdpa::SdpaBwdBuffers {
-            q: dev_ptr(&qq, OP)?.1,
-            k: dev_ptr(&kk, OP)?.1,
-            v: dev_ptr(&vv, OP)?.1,
-            mask: dev_mask(&mask)?,
-            out: dev_ptr(&oo, OP)?.1,
-            lse: dev_ptr(&lse, OP)?.1,
-            dout: gp,
-            dq: dev_ptr(&dq, OP)?.1,
-            dk: dev_ptr(&dk, OP)?.1,
-            dv: dev_ptr(&dv, OP)?.1,
-            workspace: dev_ptr(&ws, OP)?.1,
-            workspace_bytes: ws.numel() * 4,
-        };
-        // SAFETY: as in the forward; the gradients have the inputs' shapes and the
-        // workspace the size the kernels ask for.
-        unsafe { k_sdpa::sdpa_backward(&*dev, cd, &s, &b, k_sdpa::SdpaPath::Auto)? };
-        Ok(vec![Some(dq), Some(dk), Some(dv)])
+        let mut ws = Out::new(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
+        let mut ins = vec![&qq, &kk, &vv, &oo, &lse, g];
+        ins.extend(mask.as_ref());
+        with_gpu(OP, &ins, |b| {
+            let views = k_sdpa::SdpaBwdViews {
+                q: b[0].view(),
+                k: b[1].view(),
+                v: b[2].view(),
+                mask: mask_view(b.get(6).copied(), strides.as_deref()),
+                out: b[3].view(),
+                lse: b[4].view(),
+                dout: b[5].view(),
+                dq: dq.view_mut(),
+                dk: dk.view_mut(),
+                dv: dv.view_mut(),
+                workspace: ws.view_mut(),
+            };
+            Ok(k_sdpa::sdpa_backward(&*dev, cd, &s, views, k_sdpa::SdpaPath::Auto)?)
+        })?;
+        Ok(vec![Some(dq.into_tensor()), Some(dk.into_tensor()), Some(dv.into_tensor())])
     })))
+}
+
+/// The attention mask's view: its data read at its broadcast strides over
+/// `[batch, q_heads, q_len, kv_len]`.
+fn mask_view<'a>(
+    m: Option<&'a GpuStorage>,
+    strides: Option<&[usize]>,
+) -> Option<k_sdpa::SdpaMaskView<'a>> {
+    let (m, st) = (m?, strides?);
+    Some(k_sdpa::SdpaMaskView {
+        data: m.view(),
+        batch_stride: st[0],
+        head_stride: st[1],
+        row_stride: st[2],
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -427,16 +420,13 @@ pub(crate) fn sdpa(
 /// `C[i] = op(A[i]) op(B[i])` for every batch of `s` into the contiguous
 /// `[batch, m, n]` buffer `c`. Empty products write nothing, an empty
 /// contraction writes zeros, and batches beyond one grid run in pieces.
-///
-/// # Safety
-/// `a`, `b` and `c` must be live device buffers covering what `s` reaches.
-unsafe fn gemm(
+fn gemm(
     dev: &Arc<dyn GpuDevice>,
     cd: CudaDType,
     s: GemmShape,
-    a: DevPtr,
-    b: DevPtr,
-    c: DevPtr,
+    a: DeviceSlice<'_>,
+    b: DeviceSlice<'_>,
+    mut c: DeviceSliceMut<'_>,
 ) -> Result<()> {
     let es = cd.size();
     let per_c = s.m * s.n;
@@ -444,24 +434,19 @@ unsafe fn gemm(
         return Ok(());
     }
     if s.k == 0 {
-        // SAFETY: c holds `batch * m * n` elements.
-        unsafe { dev.zero(c, s.batch * per_c * es)? };
+        c.slice_mut(0..s.batch * per_c * es)?.zero()?;
         return Ok(());
     }
     let mut done = 0;
     while done < s.batch {
         let len = (s.batch - done).min(k_gemm::MAX_BATCH);
         let p = k_gemm::GemmProblem::new(GemmShape { batch: len, ..s }, cd, cd);
-        // SAFETY: forwarded contract; the piece starts `done` batches in.
-        unsafe {
-            k_gemm::gemm(
-                &**dev,
-                &p,
-                at(a, done * s.a_batch_stride, es),
-                at(b, done * s.b_batch_stride, es),
-                at(c, done * per_c, es),
-            )?
-        };
+        // The piece starts `done` batches in.
+        let a = a.slice(done * s.a_batch_stride * es..a.len())?;
+        let b = b.slice(done * s.b_batch_stride * es..b.len())?;
+        let cl = c.len();
+        let c = c.reborrow().slice_mut(done * per_c * es..cl)?;
+        k_gemm::gemm(&**dev, &p, a, b, c)?;
         done += len;
     }
     Ok(())
@@ -494,12 +479,12 @@ fn operand(
     }
     let mut full = batch_dims.to_vec();
     full.extend_from_slice(&x.dims()[r - 2..]);
-    let e = alloc(dev, full.clone(), x.dtype())?;
-    let (_, xp) = dev_ptr(x, OP)?;
-    let (_, ep) = dev_ptr(&e, OP)?;
-    // SAFETY: x holds its elements, e those of the broadcast shape.
-    unsafe { k_layout::expand(&**dev, x.dtype().size_in_bytes(), xp, x.dims(), &full, ep)? };
-    Ok(Operand { data: e, stride: mat, reduce: true })
+    let mut e = Out::new(dev, full.clone(), x.dtype())?;
+    let es = x.dtype().size_in_bytes();
+    with_gpu(OP, &[x], |v| {
+        Ok(k_layout::expand(&**dev, es, v[0].view(), x.dims(), &full, e.view_mut())?)
+    })?;
+    Ok(Operand { data: e.into_tensor(), stride: mat, reduce: true })
 }
 
 /// `op(a) x op(b)` on the device with numpy batch broadcasting, as
@@ -536,7 +521,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
     let Ok(bd) = crate::shape::broadcast_shapes(OP, &ba, &bb) else { return Ok(None) };
     let bd = bd.dims().to_vec();
     let nb: usize = bd.iter().product();
-    let (dev, _) = dev_ptr(a, OP)?;
+    let dev = device_of(a, OP)?;
     let oa = operand(&dev, a, &bd, nb)?;
     let ob = operand(&dev, b, &bd, nb)?;
     // A batch-free right operand under an untransposed left one: fold the batch into rows.
@@ -545,7 +530,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
     let (sa, sb) = if fold { (0, 0) } else { (oa.stride, ob.stride) };
     let mut od = bd.clone();
     od.extend_from_slice(&[m, n]);
-    let out = alloc(&dev, od, a.dtype())?;
+    let mut out = Out::new(&dev, od, a.dtype())?;
     let shape = GemmShape {
         batch,
         m: me,
@@ -556,24 +541,14 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
         a_batch_stride: sa,
         b_batch_stride: sb,
     };
-    // SAFETY: the operands cover their strides over `batch`, out is `[batch, me, n]`.
-    unsafe {
-        gemm(
-            &dev,
-            cd,
-            shape,
-            dev_ptr(&oa.data, OP)?.1,
-            dev_ptr(&ob.data, OP)?.1,
-            dev_ptr(&out, OP)?.1,
-        )?
-    };
+    with_gpu(OP, &[&oa.data, &ob.data], |v| {
+        gemm(&dev, cd, shape, v[0].view(), v[1].view(), out.view_mut())
+    })?;
     let (a_in, b_in) = (a.clone(), b.clone());
     let (a_red, b_red) = (oa.reduce && !fold, ob.reduce && !fold);
     let (ad, bdat) = (oa.data, ob.data);
-    Ok(Some(record(OP, &[a, b], out, move |g| {
-        let (dev, gp) = dev_ptr(g, OP)?;
-        let ap = dev_ptr(&ad, OP)?.1;
-        let bp = dev_ptr(&bdat, OP)?.1;
+    Ok(Some(record(OP, &[a, b], out.into_tensor(), move |g| {
+        let dev = device_of(g, OP)?;
         let sg = me * n;
         let full_dims = |t: &Tensor| {
             let mut d = bd.clone();
@@ -593,7 +568,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
                     a_batch_stride: sg,
                     b_batch_stride: sb,
                 };
-                (s, gp, bp)
+                (s, g, &bdat)
             } else {
                 // A is stored [k, m]: dA = op(B) G^T
                 let s = GemmShape {
@@ -606,12 +581,12 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
                     a_batch_stride: sb,
                     b_batch_stride: sg,
                 };
-                (s, bp, gp)
+                (s, &bdat, g)
             };
             let dims = if a_red { full_dims(&a_in) } else { a_in.dims().to_vec() };
-            let da = alloc(&dev, dims, a_in.dtype())?;
-            // SAFETY: G is `[batch, me, n]`, the operands as in the forward.
-            unsafe { gemm(&dev, cd, s, x, y, dev_ptr(&da, OP)?.1)? };
+            let mut da = Out::new(&dev, dims, a_in.dtype())?;
+            with_gpu(OP, &[x, y], |v| gemm(&dev, cd, s, v[0].view(), v[1].view(), da.view_mut()))?;
+            let da = da.into_tensor();
             Some(if a_red { da.sum_to(a_in.shape())? } else { da })
         } else {
             None
@@ -629,7 +604,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
                     a_batch_stride: sa,
                     b_batch_stride: sg,
                 };
-                (s, ap, gp)
+                (s, &ad, g)
             } else {
                 // B is stored [n, k]: dB = G^T op(A)
                 let s = GemmShape {
@@ -642,12 +617,12 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
                     a_batch_stride: sg,
                     b_batch_stride: sa,
                 };
-                (s, gp, ap)
+                (s, g, &ad)
             };
             let dims = if b_red { full_dims(&b_in) } else { b_in.dims().to_vec() };
-            let db = alloc(&dev, dims, b_in.dtype())?;
-            // SAFETY: as above.
-            unsafe { gemm(&dev, cd, s, x, y, dev_ptr(&db, OP)?.1)? };
+            let mut db = Out::new(&dev, dims, b_in.dtype())?;
+            with_gpu(OP, &[x, y], |v| gemm(&dev, cd, s, v[0].view(), v[1].view(), db.view_mut()))?;
+            let db = db.into_tensor();
             Some(if b_red { db.sum_to(b_in.shape())? } else { db })
         } else {
             None
@@ -679,7 +654,7 @@ fn same_layout(op: &'static str, t0: &Tensor, ts: &[&Tensor]) -> Result<Arc<dyn 
             return Err(invalid(op, "the update's inputs must not share the parameter's storage"));
         }
     }
-    Ok(dev_ptr(t0, op)?.0)
+    device_of(t0, op)
 }
 
 fn require_f32(op: &'static str, t: &Tensor) -> Result<()> {
@@ -719,12 +694,12 @@ impl Tensor {
         let gd = kernel_dtype(OP, grad)?;
         require_f32(OP, exp_avg)?;
         require_f32(OP, exp_avg_sq)?;
-        let (pp, gp) = (dev_ptr(self, OP)?.1, dev_ptr(grad, OP)?.1);
-        let (mp, vp) = (dev_ptr(exp_avg, OP)?.1, dev_ptr(exp_avg_sq, OP)?.1);
-        // SAFETY: four live buffers of `numel` elements (checked above), the updated
-        // ones in storages of their own.
-        unsafe { k_adamw::adamw_step(&*dev, cd, gd, pp, gp, mp, vp, self.numel(), h)? };
-        Ok(())
+        let n = self.numel();
+        with_gpu_mut(OP, &[self, exp_avg, exp_avg_sq], &[grad], |w, r| {
+            let [p, m, v] = w else { return Err(invalid(OP, "three updated buffers expected")) };
+            let (pv, mv, vv) = (p.view_mut(), m.view_mut(), v.view_mut());
+            Ok(k_adamw::adamw_step(&*dev, cd, gd, pv, r[0].view(), mv, vv, n, h)?)
+        })
     }
 
     /// One SGD step on this CUDA parameter, in place, for optimizers
@@ -763,34 +738,53 @@ impl Tensor {
         }
         let n = self.numel();
         let f32d = CudaDType::F32;
-        let pp = dev_ptr(self, OP)?.1;
-        let gp = dev_ptr(grad, OP)?.1;
-        let d = alloc(&dev, [n], DType::F32)?;
-        let dp = dev_ptr(&d, OP)?.1;
-        // SAFETY: every buffer holds `n` elements of its dtype (checked above).
-        unsafe {
-            k_ew::cast(&*dev, gd, gp, f32d, dp, n)?;
+        let mut d = Out::new(&dev, [n], DType::F32)?;
+        let mut writes = vec![self];
+        writes.extend(momentum_buffer);
+        with_gpu_mut(OP, &writes, &[grad], |w, r| {
+            let (p, mut b) = match w {
+                [p] => (p, None),
+                [p, b] => (p, Some(b)),
+                _ => return Err(invalid(OP, "one or two updated buffers expected")),
+            };
+            k_ew::cast(&*dev, gd, r[0].view(), f32d, d.view_mut(), n)?;
             if weight_decay != 0.0 {
-                k_ew::accumulate(&*dev, cd, pp, f32d, dp, n, weight_decay as f32)?;
+                k_ew::accumulate(&*dev, cd, p.view(), f32d, d.view_mut(), n, weight_decay as f32)?;
             }
-            let mut upd = dp;
-            if let Some(b) = momentum_buffer {
-                let bp = dev_ptr(b, OP)?.1;
+            if let Some(b) = &mut b {
                 if first_step {
-                    k_ew::cast(&*dev, f32d, dp, f32d, bp, n)?;
+                    k_ew::cast(&*dev, f32d, d.view(), f32d, b.view_mut(), n)?;
                 } else {
-                    k_ew::scalar(&*dev, f32d, BinaryOp::Mul, bp, momentum, false, bp, n)?;
-                    k_ew::accumulate(&*dev, f32d, dp, f32d, bp, n, (1.0 - dampening) as f32)?;
+                    k_ew::scalar_in_place(
+                        &*dev,
+                        f32d,
+                        BinaryOp::Mul,
+                        b.view_mut(),
+                        momentum,
+                        false,
+                        n,
+                    )?;
+                    let keep = (1.0 - dampening) as f32;
+                    k_ew::accumulate(&*dev, f32d, d.view(), f32d, b.view_mut(), n, keep)?;
                 }
                 if nesterov {
-                    k_ew::accumulate(&*dev, f32d, bp, f32d, dp, n, momentum as f32)?;
-                } else {
-                    upd = bp;
+                    k_ew::accumulate(
+                        &*dev,
+                        f32d,
+                        b.view(),
+                        f32d,
+                        d.view_mut(),
+                        n,
+                        momentum as f32,
+                    )?;
                 }
             }
-            k_ew::accumulate(&*dev, f32d, upd, cd, pp, n, -(lr as f32))?;
-        }
-        Ok(())
+            let upd = match &b {
+                Some(b) if !nesterov => b.view(),
+                _ => d.view(),
+            };
+            Ok(k_ew::accumulate(&*dev, f32d, upd, cd, p.view_mut(), n, -(lr as f32))?)
+        })
     }
 
     /// Squared L2 norms of CUDA tensors, for gradient clipping: an f32 tensor
@@ -805,24 +799,22 @@ impl Tensor {
         let Device::Cuda(_) = common_device(OP, tensors)? else {
             return Err(invalid(OP, format!("for CUDA tensors only; got {}", first.device())));
         };
-        let (dev, _) = dev_ptr(first, OP)?;
-        let out = alloc(&dev, [tensors.len()], DType::F32)?;
-        let op = dev_ptr(&out, OP)?.1;
+        let dev = device_of(first, OP)?;
+        let mut out = Out::new(&dev, [tensors.len()], DType::F32)?;
         let ws_len = tensors
             .iter()
             .map(|t| k_reduce::reduce_workspace_len(1, t.numel(), 1))
             .max()
             .unwrap_or(0);
-        let ws = alloc(&dev, [ws_len], DType::F32)?;
-        let wp = dev_ptr(&ws, OP)?.1;
+        let mut ws = Out::new(&dev, [ws_len], DType::F32)?;
         for (i, t) in tensors.iter().enumerate() {
             let cd = kernel_dtype(OP, t)?;
-            let tp = dev_ptr(t, OP)?.1;
-            // SAFETY: t holds `numel` elements, out `len` f32, ws `ws_len` f32.
-            unsafe {
-                k_reduce::sum_squares(&*dev, cd, tp, 1, t.numel(), at(op, i, 4), wp, ws_len)?
-            };
+            with_gpu(OP, &[t], |v| {
+                let o = out.view_mut().slice_mut(elems(i, 1, 4))?;
+                let w = Some(ws.view_mut());
+                Ok(k_reduce::sum_squares(&*dev, cd, v[0].view(), 1, t.numel(), o, w)?)
+            })?;
         }
-        Ok(out)
+        Ok(out.into_tensor())
     }
 }

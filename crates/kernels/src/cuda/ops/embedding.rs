@@ -1,394 +1,152 @@
-//! Embedding lookup and its gradient (`cuda/embedding.cu`), as the CPU
-//! kernels of [`crate::embedding`], with the vocab-sharded (`masked`) mode.
-//!
-//! Two gradients:
-//! - [`embedding_backward_csr`]: deterministic and equal to the CPU kernel
-//!   (same summation order). It needs the positions of each table row, which
-//!   [`EmbeddingCsr::build`] computes on the host from the ids (a counting
-//!   sort, `O(ids + vocab)`; token ids usually come from the host anyway) and
-//!   which the caller uploads.
-//! - [`embedding_backward_atomic`]: from the ids alone, with f32 `atomicAdd`s
-//!   into an f32 accumulator; on a GPU the order of additions into a repeated
-//!   row varies between runs, so results can differ in the last bits.
-//!
-//! A GPU kernel cannot return an error: ids outside the slice without
-//! `masked` lower an optional i32 *error slot* (set it to [`NO_ERROR`] before
-//! the launch) to the first offending position, and are otherwise treated as
-//! masked (zero rows, no gradient).
+//! Embedding lookup and its gradients (`cuda/embedding.cu`) over device
+//! buffers; [`crate::cuda::raw::embedding`] documents the kernels, the
+//! vocab-sharded (`masked`) mode and the error slot.
 
-use super::{bad, check_ptr, to_i32};
-use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::{KernelError, Result};
-
-/// The value of an error slot when no invalid id was found. Slots are
-/// lowered with `atomicMin` to the first offending position.
-pub const NO_ERROR: i32 = i32::MAX;
-
-/// Arguments of `tpar_embedding_fwd_*`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct EmbFwdArgs {
-    /// Table slice `[vocab, dim]`.
-    pub weight: DevPtr,
-    /// i64 ids `[n]` (global).
-    pub ids: DevPtr,
-    /// Output `[n, dim]`.
-    pub out: DevPtr,
-    /// i32 error slot, or 0 for none.
-    pub error: DevPtr,
-    /// Global id of the slice's first row.
-    pub vocab_start: i64,
-    /// Rows of the slice.
-    pub vocab: i32,
-    /// Row length.
-    pub dim: i32,
-    /// Ids.
-    pub n: i32,
-    /// Threads per row (a power of two up to 256).
-    pub group: i32,
-    /// 1: ids outside the slice are expected (zero rows); 0: they are errors.
-    pub masked: i32,
-    /// Padding.
-    pub pad: i32,
-}
-
-// SAFETY: repr(C) plain data laid out as `EmbFwdArgs` in embedding.cu.
-unsafe impl KernelArgs for EmbFwdArgs {}
-
-/// Arguments of `tpar_embedding_bwd_atomic_*`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct EmbBwdAtomicArgs {
-    /// i64 ids `[n]`.
-    pub ids: DevPtr,
-    /// Output gradient `[n, dim]`.
-    pub dout: DevPtr,
-    /// f32 accumulator `[vocab, dim]` (added to).
-    pub acc: DevPtr,
-    /// i32 error slot, or 0 for none.
-    pub error: DevPtr,
-    /// Global id of the slice's first row.
-    pub vocab_start: i64,
-    /// Rows of the slice.
-    pub vocab: i32,
-    /// Row length.
-    pub dim: i32,
-    /// Ids.
-    pub n: i32,
-    /// Threads per position (a power of two up to 256).
-    pub group: i32,
-    /// 1: ids outside the slice are skipped; 0: they are errors.
-    pub masked: i32,
-    /// Padding.
-    pub pad: i32,
-}
-
-// SAFETY: repr(C) plain data laid out as `EmbBwdAtomicArgs` in embedding.cu.
-unsafe impl KernelArgs for EmbBwdAtomicArgs {}
-
-/// Arguments of `tpar_embedding_bwd_csr_*`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct EmbBwdCsrArgs {
-    /// i32 `[vocab + 1]`: row `v`'s positions are `positions[row_start[v]..row_start[v + 1]]`.
-    pub row_start: DevPtr,
-    /// i32 positions, increasing within each row.
-    pub positions: DevPtr,
-    /// Output gradient `[n, dim]`.
-    pub dout: DevPtr,
-    /// Table gradient `[vocab, dim]` (overwritten).
-    pub dweight: DevPtr,
-    /// Rows of the slice.
-    pub vocab: i32,
-    /// Row length.
-    pub dim: i32,
-    /// Threads per table row (a power of two up to 256).
-    pub group: i32,
-    /// Padding.
-    pub pad: i32,
-}
-
-// SAFETY: repr(C) plain data laid out as `EmbBwdCsrArgs` in embedding.cu.
-unsafe impl KernelArgs for EmbBwdCsrArgs {}
-
-/// Arguments of `tpar_embedding_zero_f32`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct EmbZeroArgs {
-    /// f32 buffer to zero.
-    pub acc: DevPtr,
-    /// Elements.
-    pub n: i64,
-}
-
-// SAFETY: repr(C) plain data laid out as `EmbZeroArgs` in embedding.cu.
-unsafe impl KernelArgs for EmbZeroArgs {}
-
-/// Arguments of `tpar_embedding_cast_*`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct EmbCastArgs {
-    /// f32 source.
-    pub acc: DevPtr,
-    /// Destination in the kernel's dtype.
-    pub dweight: DevPtr,
-    /// Elements.
-    pub n: i64,
-}
-
-// SAFETY: repr(C) plain data laid out as `EmbCastArgs` in embedding.cu.
-unsafe impl KernelArgs for EmbCastArgs {}
-
-/// Positions of each row of a table slice in an id list, sorted, in CSR form
-/// (the input of [`embedding_backward_csr`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EmbeddingCsr {
-    /// `vocab + 1` offsets: row `v`'s positions are
-    /// `positions[row_start[v]..row_start[v + 1]]`.
-    pub row_start: Vec<i32>,
-    /// Positions (indices into the ids) of ids inside the slice, grouped by
-    /// row and increasing within each row.
-    pub positions: Vec<i32>,
-}
-
-impl EmbeddingCsr {
-    /// Groups the positions of `ids` by local row `id - vocab_start` of a
-    /// slice of `vocab` rows (a stable counting sort). Ids outside the slice
-    /// are skipped when `masked`, else the first is an `IndexOutOfRange`
-    /// error, as in [`crate::embedding::embedding_backward`].
-    pub fn build(ids: &[i64], vocab_start: i64, vocab: usize, masked: bool) -> Result<Self> {
-        const OP: &str = "embedding_csr";
-        to_i32(OP, "ids", ids.len())?;
-        to_i32(OP, "vocab", vocab)?;
-        let local =
-            |id: i64| id.checked_sub(vocab_start).filter(|&r| r >= 0 && (r as u64) < vocab as u64);
-        let mut row_start = vec![0i32; vocab + 1];
-        for (position, &id) in ids.iter().enumerate() {
-            match local(id) {
-                Some(r) => row_start[r as usize + 1] += 1,
-                None if masked => {}
-                None => {
-                    return Err(KernelError::IndexOutOfRange {
-                        op: OP,
-                        index: id,
-                        position,
-                        size: vocab,
-                    })
-                }
-            }
-        }
-        for v in 0..vocab {
-            row_start[v + 1] += row_start[v];
-        }
-        let mut fill = row_start.clone();
-        let mut positions = vec![0i32; row_start[vocab] as usize];
-        for (n, &id) in ids.iter().enumerate() {
-            if let Some(r) = local(id) {
-                let slot = &mut fill[r as usize];
-                positions[*slot as usize] = n as i32;
-                *slot += 1;
-            }
-        }
-        Ok(EmbeddingCsr { row_start, positions })
-    }
-}
-
-/// Threads per block of every embedding kernel.
-const BLOCK: u32 = 256;
-/// Most blocks launched; kernels stride over the remaining rows.
-const MAX_BLOCKS: usize = 1 << 20;
-
-/// `rows * dim`, both within i32.
-fn check_matrix(op: &'static str, what: &str, rows: usize, dim: usize) -> Result<usize> {
-    to_i32(op, what, rows)?;
-    to_i32(op, "dim", dim)?;
-    Ok(rows * dim)
-}
-
-/// `(group, launch)` for `rows` rows of `dim` elements of `dtype`: about one
-/// 16-byte vector per thread of a group, groups packed into 256-thread blocks.
-fn group_launch(rows: usize, dim: usize, dtype: CudaDType) -> (i32, LaunchConfig) {
-    let units = dim.div_ceil(16 / dtype.size()).max(1);
-    let group = units.next_power_of_two().clamp(4, BLOCK as usize);
-    let per_block = BLOCK as usize / group;
-    let blocks = rows.div_ceil(per_block).clamp(1, MAX_BLOCKS) as u32;
-    (group as i32, LaunchConfig::linear(blocks, BLOCK))
-}
+use super::{count, Check};
+use crate::cuda::raw::embedding as raw;
+pub use crate::cuda::raw::embedding::{EmbeddingCsr, NO_ERROR};
+use crate::cuda::{CudaDType, DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice};
+use crate::util::bad;
+use crate::Result;
 
 /// `out[p] = weight[ids[p] - vocab_start]` for a table slice `weight`
-/// `[vocab, dim]` (`dtype`), `out` `[n, dim]`, as
-/// [`crate::embedding::embedding_forward`]. Ids outside
-/// `[vocab_start, vocab_start + vocab)` give zero rows; unless `masked` they
-/// also lower the optional i32 `error` slot (0 for none) to their position.
-///
-/// # Safety
-/// `weight`, `ids` (i64 `[n]`) and `out` must be device buffers of the stated
-/// sizes, `out` not overlapping the others.
-pub unsafe fn embedding_forward(
-    launcher: &dyn Launcher,
+/// `[vocab, dim]` (`dtype`), i64 `ids` `[n]` and `out` `[n, dim]`. Ids
+/// outside the slice give zero rows; unless `masked` they also lower the
+/// i32 `error` slot, when given, to their position.
+pub fn embedding_forward(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
-    weight: DevPtr,
+    weight: DeviceSlice<'_>,
     vocab: usize,
     dim: usize,
-    ids: DevPtr,
+    ids: DeviceSlice<'_>,
     n: usize,
     vocab_start: i64,
     masked: bool,
-    out: DevPtr,
-    error: DevPtr,
+    out: DeviceSliceMut<'_>,
+    error: Option<DeviceSliceMut<'_>>,
 ) -> Result<()> {
     const OP: &str = "cuda_embedding_forward";
-    let wn = check_matrix(OP, "vocab", vocab, dim)?;
-    let on = check_matrix(OP, "ids", n, dim)?;
-    check_ptr(OP, "weight", weight, wn, dtype.size())?;
-    check_ptr(OP, "ids", ids, n, 8)?;
-    check_ptr(OP, "out", out, on, dtype.size())?;
-    check_ptr(OP, "error", error, 0, 4)?;
-    if n == 0 || dim == 0 {
-        return Ok(());
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let wp = c.read("weight", &weight, count(OP, &[vocab, dim])?, es)?;
+    let ip = c.read("ids", &ids, n, 8)?;
+    let op_ = c.write("out", &out, count(OP, &[n, dim])?, es)?;
+    let ep = c.slot("error", error.as_ref())?;
+    // SAFETY: every view is a live buffer in `dev`'s memory holding what the
+    // kernel touches (checked above); the kernel reads only table rows inside
+    // the slice (others give zeros), and the written views are exclusive.
+    unsafe {
+        raw::embedding_forward(dev, dtype, wp, vocab, dim, ip, n, vocab_start, masked, op_, ep)
     }
-    let (group, cfg) = group_launch(n, dim, dtype);
-    let args = EmbFwdArgs {
-        weight,
-        ids,
-        out,
-        error,
-        vocab_start,
-        vocab: vocab as i32,
-        dim: dim as i32,
-        n: n as i32,
-        group,
-        masked: i32::from(masked),
-        pad: 0,
-    };
-    // SAFETY: the caller vouches for the addresses; sizes are checked above.
-    unsafe { launch(launcher, &format!("tpar_embedding_fwd_{}", dtype.suffix()), cfg, &args) }
 }
 
-/// Deterministic embedding gradient: `dweight[v] = sum of dout[p]` over the
-/// positions `p` of table row `v`, in increasing `p`, accumulated in f32 and
-/// rounded once (zeros for unused rows; overwritten) — the CPU kernel's
-/// [`crate::embedding::embedding_backward`] result. `row_start`
-/// (i32 `[vocab + 1]`) and `positions` (i32 `[n_positions]`) are an
-/// [`EmbeddingCsr`] built from the ids and uploaded; `dout` is `[n, dim]`.
-///
-/// One group of threads per table row, so a row used by very many positions
-/// (e.g. a padding id) is summed serially by one group.
-///
-/// # Safety
-/// The buffers must have the stated sizes; the CSR must be consistent (as
-/// built by [`EmbeddingCsr::build`] for these `vocab` and `n`): offsets
-/// non-decreasing up to `n_positions`, positions below `n`.
-pub unsafe fn embedding_backward_csr(
-    launcher: &dyn Launcher,
+/// Deterministic embedding gradient from the host-built CSR of the ids
+/// (uploaded for the call): `dweight` (`[vocab, dim]`, overwritten) from
+/// `dout` (`[n, dim]`), as the CPU kernel sums it.
+pub fn embedding_backward_csr(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
-    row_start: DevPtr,
-    positions: DevPtr,
-    n_positions: usize,
-    dout: DevPtr,
+    csr: &EmbeddingCsr,
+    dout: DeviceSlice<'_>,
     n: usize,
     vocab: usize,
     dim: usize,
-    dweight: DevPtr,
+    dweight: DeviceSliceMut<'_>,
 ) -> Result<()> {
     const OP: &str = "cuda_embedding_backward_csr";
-    let dn = check_matrix(OP, "ids", n, dim)?;
-    let wn = check_matrix(OP, "vocab", vocab, dim)?;
-    if n_positions > n {
-        return Err(bad(OP, format!("{n_positions} positions for {n} ids")));
+    let (rs, pos) = (&csr.row_start, &csr.positions);
+    let consistent = rs.len() == vocab + 1
+        && rs.first() == Some(&0)
+        && rs.windows(2).all(|w| w[0] <= w[1])
+        && rs.last().is_some_and(|&e| e as usize == pos.len())
+        && pos.iter().all(|&p| p >= 0 && (p as usize) < n);
+    if !consistent {
+        return Err(bad(
+            OP,
+            format!(
+                "the CSR ({} offsets, {} positions) is not one built for {vocab} rows and {n} ids",
+                rs.len(),
+                pos.len()
+            ),
+        ));
     }
-    check_ptr(OP, "row_start", row_start, vocab + 1, 4)?;
-    check_ptr(OP, "positions", positions, n_positions, 4)?;
-    check_ptr(OP, "dout", dout, dn, dtype.size())?;
-    check_ptr(OP, "dweight", dweight, wn, dtype.size())?;
-    if vocab == 0 || dim == 0 {
-        return Ok(());
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let gp = c.read("dout", &dout, count(OP, &[n, dim])?, es)?;
+    let wp = c.write("dweight", &dweight, count(OP, &[vocab, dim])?, es)?;
+    // On `dweight`'s device, which shares `dev`'s memory (checked above).
+    let row_start = DeviceBuffer::from_host(dweight.device(), rs)?;
+    let positions = DeviceBuffer::from_host(dweight.device(), pos)?;
+    // SAFETY: the CSR was checked to be consistent (offsets from 0, not
+    // decreasing, ending at the number of positions, each position below `n`)
+    // and uploaded whole; `dout` and `dweight` hold what the kernel touches
+    // (checked above); `dweight` is exclusive. The uploaded buffers are freed
+    // after the launch in stream order.
+    unsafe {
+        raw::embedding_backward_csr(
+            dev,
+            dtype,
+            row_start.ptr(),
+            positions.ptr(),
+            pos.len(),
+            gp,
+            n,
+            vocab,
+            dim,
+            wp,
+        )
     }
-    let (group, cfg) = group_launch(vocab, dim, dtype);
-    let args = EmbBwdCsrArgs {
-        row_start,
-        positions,
-        dout,
-        dweight,
-        vocab: vocab as i32,
-        dim: dim as i32,
-        group,
-        pad: 0,
-    };
-    // SAFETY: the caller vouches for the addresses and the CSR; sizes are checked above.
-    unsafe { launch(launcher, &format!("tpar_embedding_bwd_csr_{}", dtype.suffix()), cfg, &args) }
 }
 
-/// Embedding gradient from the ids alone: zeroes the f32 accumulator `acc`
-/// `[vocab, dim]`, adds every `dout[p]` (`[n, dim]`, `dtype`) into row
-/// `ids[p] - vocab_start` with f32 `atomicAdd`, then writes `dweight`
-/// (`dtype`, overwritten). For f32, `acc` may be `dweight` itself (no copy).
-/// Ids outside the slice are skipped; unless `masked` they lower the optional
-/// i32 `error` slot (0 for none).
-///
-/// The order of additions into a repeated row is not fixed on a GPU, so the
-/// result may vary in the last bits between runs; [`embedding_backward_csr`]
-/// is the deterministic alternative.
-///
-/// # Safety
-/// The buffers must have the stated sizes; `acc` must not overlap `dout` or
-/// `ids`, and overlaps `dweight` only by being it (f32).
-pub unsafe fn embedding_backward_atomic(
-    launcher: &dyn Launcher,
+/// Embedding gradient from the ids alone, with f32 atomic adds: `dweight`
+/// (`[vocab, dim]`, `dtype`, overwritten) from `dout` (`[n, dim]`) and the
+/// i64 `ids`, accumulated in the f32 `acc` (`[vocab, dim]`; `None` for f32
+/// gradients accumulates in `dweight` itself). Ids outside the slice are
+/// skipped; unless `masked` they lower the i32 `error` slot, when given.
+pub fn embedding_backward_atomic(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
-    ids: DevPtr,
+    ids: DeviceSlice<'_>,
     n: usize,
     vocab_start: i64,
     masked: bool,
-    dout: DevPtr,
+    dout: DeviceSlice<'_>,
     vocab: usize,
     dim: usize,
-    dweight: DevPtr,
-    acc: DevPtr,
-    error: DevPtr,
+    dweight: DeviceSliceMut<'_>,
+    acc: Option<DeviceSliceMut<'_>>,
+    error: Option<DeviceSliceMut<'_>>,
 ) -> Result<()> {
     const OP: &str = "cuda_embedding_backward_atomic";
-    let dn = check_matrix(OP, "ids", n, dim)?;
-    let wn = check_matrix(OP, "vocab", vocab, dim)?;
-    check_ptr(OP, "ids", ids, n, 8)?;
-    check_ptr(OP, "dout", dout, dn, dtype.size())?;
-    check_ptr(OP, "dweight", dweight, wn, dtype.size())?;
-    check_ptr(OP, "acc", acc, wn, 4)?;
-    check_ptr(OP, "error", error, 0, 4)?;
-    if acc == dweight && dtype != CudaDType::F32 && wn > 0 {
-        return Err(bad(OP, "acc may be dweight only for f32 gradients"));
-    }
-    if wn == 0 {
-        return Ok(());
-    }
-    let items = LaunchConfig::for_items(wn, BLOCK, 4096);
-    let zero = EmbZeroArgs { acc, n: wn as i64 };
-    // SAFETY: `acc` holds `wn` f32 values (checked above, vouched for by the caller).
-    unsafe { launch(launcher, "tpar_embedding_zero_f32", items, &zero)? };
-    if n > 0 {
-        let (group, cfg) = group_launch(n, dim, dtype);
-        let args = EmbBwdAtomicArgs {
-            ids,
-            dout,
-            acc,
-            error,
+    let c = Check::new(OP, dev);
+    let (es, wn) = (dtype.size(), count(OP, &[vocab, dim])?);
+    let ip = c.read("ids", &ids, n, 8)?;
+    let gp = c.read("dout", &dout, count(OP, &[n, dim])?, es)?;
+    let wp = c.write("dweight", &dweight, wn, es)?;
+    let ap = match &acc {
+        Some(a) => c.write("acc", a, wn, 4)?,
+        None if dtype == CudaDType::F32 => wp,
+        None => return Err(bad(OP, "only f32 gradients accumulate in dweight itself")),
+    };
+    let ep = c.slot("error", error.as_ref())?;
+    // SAFETY: every view is a live buffer in `dev`'s memory holding what the
+    // kernel touches (checked above); ids outside the slice are skipped; the
+    // written views are exclusive, and `acc` is `dweight` only for f32.
+    unsafe {
+        raw::embedding_backward_atomic(
+            dev,
+            dtype,
+            ip,
+            n,
             vocab_start,
-            vocab: vocab as i32,
-            dim: dim as i32,
-            n: n as i32,
-            group,
-            masked: i32::from(masked),
-            pad: 0,
-        };
-        let name = format!("tpar_embedding_bwd_atomic_{}", dtype.suffix());
-        // SAFETY: the caller vouches for the addresses; sizes are checked above.
-        unsafe { launch(launcher, &name, cfg, &args)? };
+            masked,
+            gp,
+            vocab,
+            dim,
+            wp,
+            ap,
+            ep,
+        )
     }
-    if acc == dweight {
-        return Ok(());
-    }
-    let args = EmbCastArgs { acc, dweight, n: wn as i64 };
-    let cfg = LaunchConfig::for_items(wn, BLOCK, 4096);
-    // SAFETY: `acc` and `dweight` hold `wn` elements each (checked above).
-    unsafe { launch(launcher, &format!("tpar_embedding_cast_{}", dtype.suffix()), cfg, &args) }
 }

@@ -1,155 +1,81 @@
-//! Launch wrappers for `cuda/rope.cu`: rotary position embedding in the
-//! rotate-half form, forward and backward (its exact transpose), out of
-//! place or in place, as the CPU op [`crate::rope`].
-//!
-//! The layout is the CPU op's [`RopeShape`]: element `(o, t, i, j)` of the
-//! rotated tensor is at `((o*seq + t)*inner + i)*head_dim + j`, and `cos` /
-//! `sin` are `[seq, head_dim]` tables of the same dtype.
+//! Rotary position embedding (`cuda/rope.cu`) over device buffers;
+//! [`crate::cuda::raw::rope`] documents the kernels and the layout.
 
-use super::layout::grid_for;
-use super::{bad, check_aligned, check_ptrs, numel};
-use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, Launcher};
-pub use crate::rope::RopeShape;
+use super::{count, Check};
+use crate::cuda::raw::rope as raw;
+pub use crate::cuda::raw::rope::RopeShape;
+use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
-/// Threads per block.
-const THREADS: u32 = 256;
-
-/// Arguments of `tpar_rope_<dtype>`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RopeArgs {
-    /// Input (`x` forward, `dy` backward).
-    pub x: DevPtr,
-    /// `[seq, head_dim]` cosines.
-    pub cos: DevPtr,
-    /// `[seq, head_dim]` sines.
-    pub sin: DevPtr,
-    /// Output (may be `x`).
-    pub y: DevPtr,
-    /// Product of the dims before the sequence dim.
-    pub outer: i64,
-    /// Sequence length.
-    pub seq: i64,
-    /// Product of the dims between the sequence dim and the head dim.
-    pub inner: i64,
-    /// Head dim (even).
-    pub head_dim: i64,
-    /// 1: apply the transpose (the backward pass).
-    pub transpose: i32,
-    /// Padding (0).
-    pub pad: i32,
-}
-// SAFETY: repr(C) plain data matching `RopeArgs` in rope.cu.
-unsafe impl KernelArgs for RopeArgs {}
-
-unsafe fn apply(
-    op: &'static str,
-    l: &dyn Launcher,
-    dtype: CudaDType,
-    s: &RopeShape,
-    x: DevPtr,
-    cos: DevPtr,
-    sin: DevPtr,
-    y: DevPtr,
-    transpose: bool,
-) -> Result<()> {
-    if s.head_dim % 2 != 0 {
-        return Err(bad(op, format!("{s:?}: head_dim must be even")));
-    }
-    let es = dtype.size();
-    let n = numel(op, &[s.outer, s.seq, s.inner, s.head_dim, es])? / es;
-    numel(op, &[s.seq, s.head_dim, es])?;
-    if n == 0 {
-        return Ok(());
-    }
-    let ptrs = [("x", x), ("cos", cos), ("sin", sin), ("y", y)];
-    check_ptrs(op, &ptrs)?;
-    check_aligned(op, es, &ptrs)?;
-    let half = s.head_dim / 2;
-    let vec = half % 8 == 0 && [x, cos, sin, y].iter().all(|p| p % 16 == 0);
-    let pairs = n / 2;
-    let items = if vec { pairs / 8 } else { pairs };
-    let args = RopeArgs {
-        x,
-        cos,
-        sin,
-        y,
-        outer: s.outer as i64,
-        seq: s.seq as i64,
-        inner: s.inner as i64,
-        head_dim: s.head_dim as i64,
-        transpose: transpose as i32,
-        pad: 0,
-    };
-    let name = format!("tpar_rope_{}", dtype.suffix());
-    // SAFETY: the caller guarantees the addresses; sizes are checked above.
-    unsafe { launch(l, &name, grid_for(items, THREADS), &args) }
+/// Elements of the rotated tensor and of each table.
+fn sizes(op: &'static str, s: &RopeShape) -> Result<(usize, usize)> {
+    Ok((count(op, &[s.outer, s.seq, s.inner, s.head_dim])?, count(op, &[s.seq, s.head_dim])?))
 }
 
-/// `y = x * cos + rotate_half(x) * sin` (`y` may be `x`: in place).
-///
-/// # Safety
-/// `x` and `y` must be device addresses valid for the tensor of shape `s`,
-/// `cos` and `sin` for `seq * head_dim` elements, all of `dtype`; `x` and `y`
-/// are either equal or disjoint.
-pub unsafe fn rope_forward(
-    l: &dyn Launcher,
+/// `y = x * cos + rotate_half(x) * sin` for `x` and `y` of shape `s` and the
+/// `[seq, head_dim]` tables `cos` and `sin`, all of `dtype`.
+pub fn rope_forward(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
     s: &RopeShape,
-    x: DevPtr,
-    cos: DevPtr,
-    sin: DevPtr,
-    y: DevPtr,
+    x: DeviceSlice<'_>,
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
+    y: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    // SAFETY: forwarded to the caller.
-    unsafe { apply("rope_forward", l, dtype, s, x, cos, sin, y, false) }
+    const OP: &str = "rope_forward";
+    let c = Check::new(OP, dev);
+    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
+    let (xp, yp) = (c.read("x", &x, n, es)?, c.write("y", &y, n, es)?);
+    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
+    // SAFETY: every address starts a view of a live buffer in `dev`'s memory
+    // holding what the kernel touches for `s` (checked above); `y` is an
+    // exclusive borrow, disjoint from the inputs.
+    unsafe { raw::rope_forward(dev, dtype, s, xp, cp, sp, yp) }
 }
 
 /// Gradient of [`rope_forward`]: `dx` is the transpose of the forward map
-/// applied to `dy` (`dx` may be `dy`: in place).
-///
-/// # Safety
-/// As [`rope_forward`], with `dy` for `x` and `dx` for `y`.
-pub unsafe fn rope_backward(
-    l: &dyn Launcher,
+/// applied to `dy`.
+pub fn rope_backward(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
     s: &RopeShape,
-    dy: DevPtr,
-    cos: DevPtr,
-    sin: DevPtr,
-    dx: DevPtr,
+    dy: DeviceSlice<'_>,
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
+    dx: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    // SAFETY: forwarded to the caller.
-    unsafe { apply("rope_backward", l, dtype, s, dy, cos, sin, dx, true) }
+    const OP: &str = "rope_backward";
+    let c = Check::new(OP, dev);
+    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
+    let (gp, dxp) = (c.read("dy", &dy, n, es)?, c.write("dx", &dx, n, es)?);
+    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
+    // SAFETY: as in `rope_forward`.
+    unsafe { raw::rope_backward(dev, dtype, s, gp, cp, sp, dxp) }
 }
 
 /// Rotates queries and keys in place with the same tables (forward, or the
-/// backward pass on their gradients when `backward`). The two shapes may
-/// differ in `outer` / `inner` (grouped-query attention) but must agree on
-/// `seq` and `head_dim`.
-///
-/// # Safety
-/// `q` and `k` must be valid for their shapes, `cos` and `sin` for
-/// `seq * head_dim` elements, all of `dtype`.
-pub unsafe fn rope_qk_inplace(
-    l: &dyn Launcher,
+/// backward pass on their gradients when `backward`); the shapes may differ
+/// in `outer` / `inner` (grouped-query attention) but not in `seq` and
+/// `head_dim`.
+pub fn rope_qk_in_place(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
     q_shape: &RopeShape,
-    q: DevPtr,
+    q: DeviceSliceMut<'_>,
     k_shape: &RopeShape,
-    k: DevPtr,
-    cos: DevPtr,
-    sin: DevPtr,
+    k: DeviceSliceMut<'_>,
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
     backward: bool,
 ) -> Result<()> {
-    let op = if backward { "rope_backward" } else { "rope_forward" };
-    if q_shape.seq != k_shape.seq || q_shape.head_dim != k_shape.head_dim {
-        return Err(bad(op, format!("q {q_shape:?} and k {k_shape:?} differ in seq or head_dim")));
-    }
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        apply(op, l, dtype, q_shape, q, cos, sin, q, backward)?;
-        apply(op, l, dtype, k_shape, k, cos, sin, k, backward)
-    }
+    const OP: &str = "rope_qk_in_place";
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let ((nq, tq), (nk, tk)) = (sizes(OP, q_shape)?, sizes(OP, k_shape)?);
+    let (qp, kp) = (c.write("q", &q, nq, es)?, c.write("k", &k, nk, es)?);
+    let (cp, sp) = (c.read("cos", &cos, tq.max(tk), es)?, c.read("sin", &sin, tq.max(tk), es)?);
+    // SAFETY: as in `rope_forward`; `q` and `k` are exclusive borrows, each
+    // rotated in place (the kernel reads and writes the same elements).
+    unsafe { raw::rope_qk_inplace(dev, dtype, q_shape, qp, k_shape, kp, cp, sp, backward) }
 }

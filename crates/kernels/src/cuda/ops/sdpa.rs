@@ -1,597 +1,162 @@
-//! Scaled dot-product attention, flash-attention style (`cuda/sdpa.cu`).
-//!
-//! Same meaning as the CPU op [`crate::sdpa`]: q `[batch, q_heads, q_len,
-//! head_dim]`, k `[batch, kv_heads, kv_len, head_dim]`, v `[batch, kv_heads,
-//! kv_len, v_dim]`, out `[batch, q_heads, q_len, v_dim]`, and the saved
-//! log-sum-exp `lse` `[batch, q_heads, q_len]` in f32 (natural log) for every
-//! dtype. Grouped-query attention (q head `h` reads kv head
-//! `h / (q_heads / kv_heads)`), top-left aligned causal masking, an optional
-//! additive mask of the attention dtype broadcast by strides ([`SdpaDevMask`],
-//! e.g. a key-padding mask with head and row strides 0); fully masked rows
-//! give zeros, `lse = -inf` and no gradient.
-//!
-//! The forward pass walks key tiles with an online softmax and never stores
-//! the score matrix. The backward pass recomputes the probabilities from
-//! `lse`: a small kernel computes `delta = rowsum(dout * out)`, one block per
-//! (key block, kv head, batch) accumulates `dk`/`dv` over the q heads of its
-//! group (one writer per element) and adds `dq` into an f32 workspace with
-//! atomics, and a last kernel scales and converts `dq`.
-//!
-//! Two kernel families ([`SdpaPath`]): tensor-core kernels for bf16/f16
-//! (`mma.sync` + `ldmatrix`, head dims up to 128 that are multiples of 8,
-//! 16-byte aligned tensors), and SIMT kernels for every dtype and any head
-//! dims up to [`MAX_HEAD_DIM`]. [`SdpaPath::Auto`] takes the tensor cores when
-//! they apply.
+//! Flash attention (`cuda/sdpa.cu`) over device buffers;
+//! [`crate::cuda::raw::sdpa`] documents the layouts, masking and kernel
+//! families.
 
-use super::{bad, numel};
-use crate::cuda::{launch, CudaDType, DevPtr, KernelArgs, LaunchConfig, Launcher};
-use crate::sdpa::SdpaShape;
+use super::{count, Check};
+use crate::cuda::raw::sdpa as raw;
+pub use crate::cuda::raw::sdpa::{
+    sdpa_backward_workspace_bytes, SdpaPath, MAX_HEAD_DIM, MAX_TENSOR_CORE_HEAD_DIM,
+};
+use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
+pub use crate::sdpa::SdpaShape;
 use crate::Result;
 
-/// Largest `head_dim` / `v_dim` the kernels take.
-pub const MAX_HEAD_DIM: usize = 256;
-/// Largest head dim the tensor-core kernels take (larger ones run on SIMT).
-pub const MAX_TENSOR_CORE_HEAD_DIM: usize = 128;
-
-/// Query / key rows per tile of every kernel.
-const BLOCK: usize = 64;
-/// Largest grid extent in y and z (heads and batch).
-const MAX_GRID_YZ: usize = 65_535;
-/// Largest sequence length (tile arithmetic in `i32`).
-const MAX_LEN: usize = i32::MAX as usize - 2 * BLOCK;
-
-/// Arguments of `tpar_sdpa_fwd_*`.
-#[repr(C)]
+/// An additive attention mask in device memory (elements of the attention
+/// dtype): the element for `(b, h, i, j)` is at
+/// `b*batch_stride + h*head_stride + i*row_stride + j`; a stride of 0
+/// broadcasts. Every read is checked to fall inside `data`.
 #[derive(Clone, Copy, Debug)]
-pub struct SdpaFwdArgs {
-    /// Queries `[batch, q_heads, q_len, head_dim]`.
-    pub q: DevPtr,
-    /// Keys `[batch, kv_heads, kv_len, head_dim]`.
-    pub k: DevPtr,
-    /// Values `[batch, kv_heads, kv_len, v_dim]`.
-    pub v: DevPtr,
-    /// Additive mask (attention dtype), or 0 for none.
-    pub mask: DevPtr,
-    /// Output `[batch, q_heads, q_len, v_dim]` (written).
-    pub out: DevPtr,
-    /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
-    pub lse: DevPtr,
-    /// Mask elements between batches (0 broadcasts).
-    pub mask_bs: i64,
-    /// Mask elements between q heads (0 broadcasts).
-    pub mask_hs: i64,
-    /// Mask elements between query rows (0 broadcasts).
-    pub mask_rs: i64,
-    /// Batch size.
-    pub batch: i32,
-    /// Query heads.
-    pub q_heads: i32,
-    /// Key/value heads (divides `q_heads`).
-    pub kv_heads: i32,
-    /// Query sequence length.
-    pub q_len: i32,
-    /// Key/value sequence length.
-    pub kv_len: i32,
-    /// Query/key head dim.
-    pub head_dim: i32,
-    /// Value head dim.
-    pub v_dim: i32,
-    /// 1 for top-left aligned causal masking.
-    pub causal: i32,
-    /// Multiplier of `q·k`.
-    pub scale: f32,
-    /// Padding (keeps the struct free of implicit padding).
-    pub pad: i32,
-}
-
-/// Arguments of `tpar_sdpa_bwd_*` (every backward kernel takes the same struct).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct SdpaBwdArgs {
-    /// Queries `[batch, q_heads, q_len, head_dim]`.
-    pub q: DevPtr,
-    /// Keys `[batch, kv_heads, kv_len, head_dim]`.
-    pub k: DevPtr,
-    /// Values `[batch, kv_heads, kv_len, v_dim]`.
-    pub v: DevPtr,
-    /// Additive mask (attention dtype), or 0 for none.
-    pub mask: DevPtr,
-    /// Forward output `[batch, q_heads, q_len, v_dim]`.
-    pub out: DevPtr,
-    /// Gradient of the output, like `out`.
-    pub dout: DevPtr,
-    /// Forward log-sum-exp, f32 `[batch, q_heads, q_len]`.
-    pub lse: DevPtr,
-    /// f32 workspace `[batch * q_heads * q_len]`: `rowsum(dout * out)`.
-    pub delta: DevPtr,
-    /// f32 workspace `[batch * q_heads * q_len, head_dim]`: unscaled `dq`.
-    pub dq_acc: DevPtr,
-    /// Gradient of q (written).
-    pub dq: DevPtr,
-    /// Gradient of k (written).
-    pub dk: DevPtr,
-    /// Gradient of v (written).
-    pub dv: DevPtr,
-    /// Mask elements between batches (0 broadcasts).
-    pub mask_bs: i64,
-    /// Mask elements between q heads (0 broadcasts).
-    pub mask_hs: i64,
-    /// Mask elements between query rows (0 broadcasts).
-    pub mask_rs: i64,
-    /// Batch size.
-    pub batch: i32,
-    /// Query heads.
-    pub q_heads: i32,
-    /// Key/value heads (divides `q_heads`).
-    pub kv_heads: i32,
-    /// Query sequence length.
-    pub q_len: i32,
-    /// Key/value sequence length.
-    pub kv_len: i32,
-    /// Query/key head dim.
-    pub head_dim: i32,
-    /// Value head dim.
-    pub v_dim: i32,
-    /// 1 for top-left aligned causal masking.
-    pub causal: i32,
-    /// Multiplier of `q·k`.
-    pub scale: f32,
-    /// Padding (keeps the struct free of implicit padding).
-    pub pad: i32,
-}
-
-// SAFETY: #[repr(C)] mirrors of the structs in cuda/sdpa.cu, no padding.
-unsafe impl KernelArgs for SdpaFwdArgs {}
-unsafe impl KernelArgs for SdpaBwdArgs {}
-
-/// An additive attention mask in device memory, elements of the attention
-/// dtype: the element for `(b, h, i, j)` (h a q head) is at
-/// `data + (b*batch_stride + h*head_stride + i*row_stride + j)` elements, as
-/// in [`crate::sdpa::SdpaMask`]. A stride of 0 broadcasts; `-inf` masks a key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SdpaDevMask {
-    /// Device address of the first element.
-    pub data: DevPtr,
-    /// Elements the buffer holds (every read is checked to fall inside).
-    pub len: usize,
-    /// Elements between batches (0 = broadcast).
+pub struct SdpaMaskView<'a> {
+    /// The mask's elements.
+    pub data: DeviceSlice<'a>,
+    /// Elements between batches.
     pub batch_stride: usize,
-    /// Elements between q heads (0 = broadcast).
+    /// Elements between q heads.
     pub head_stride: usize,
-    /// Elements between query rows (0 = broadcast).
+    /// Elements between query rows.
     pub row_stride: usize,
 }
 
-/// Device buffers of [`sdpa_forward`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SdpaFwdBuffers {
+/// The buffers of [`sdpa_forward`].
+#[derive(Debug)]
+pub struct SdpaFwdViews<'a> {
     /// Queries `[batch, q_heads, q_len, head_dim]`.
-    pub q: DevPtr,
+    pub q: DeviceSlice<'a>,
     /// Keys `[batch, kv_heads, kv_len, head_dim]`.
-    pub k: DevPtr,
+    pub k: DeviceSlice<'a>,
     /// Values `[batch, kv_heads, kv_len, v_dim]`.
-    pub v: DevPtr,
+    pub v: DeviceSlice<'a>,
     /// Optional additive mask.
-    pub mask: Option<SdpaDevMask>,
+    pub mask: Option<SdpaMaskView<'a>>,
     /// Output `[batch, q_heads, q_len, v_dim]` (written).
-    pub out: DevPtr,
+    pub out: DeviceSliceMut<'a>,
     /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
-    pub lse: DevPtr,
+    pub lse: DeviceSliceMut<'a>,
 }
 
-/// Device buffers of [`sdpa_backward`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SdpaBwdBuffers {
+/// The buffers of [`sdpa_backward`].
+#[derive(Debug)]
+pub struct SdpaBwdViews<'a> {
     /// Queries, as in the forward pass.
-    pub q: DevPtr,
+    pub q: DeviceSlice<'a>,
     /// Keys, as in the forward pass.
-    pub k: DevPtr,
+    pub k: DeviceSlice<'a>,
     /// Values, as in the forward pass.
-    pub v: DevPtr,
+    pub v: DeviceSlice<'a>,
     /// The forward pass's mask.
-    pub mask: Option<SdpaDevMask>,
+    pub mask: Option<SdpaMaskView<'a>>,
     /// Forward output.
-    pub out: DevPtr,
+    pub out: DeviceSlice<'a>,
     /// Forward log-sum-exp (f32).
-    pub lse: DevPtr,
+    pub lse: DeviceSlice<'a>,
     /// Gradient of the output.
-    pub dout: DevPtr,
-    /// Gradient of q (written, shaped like q).
-    pub dq: DevPtr,
-    /// Gradient of k (written, shaped like k; sums the q heads of each group).
-    pub dk: DevPtr,
-    /// Gradient of v (written, shaped like v; sums the q heads of each group).
-    pub dv: DevPtr,
-    /// Scratch memory, 16-byte aligned, of at least
-    /// [`sdpa_backward_workspace_bytes`] bytes.
-    pub workspace: DevPtr,
-    /// Bytes available at `workspace`.
-    pub workspace_bytes: usize,
+    pub dout: DeviceSlice<'a>,
+    /// Gradient of q (written).
+    pub dq: DeviceSliceMut<'a>,
+    /// Gradient of k (written; sums the q heads of each group).
+    pub dk: DeviceSliceMut<'a>,
+    /// Gradient of v (written; sums the q heads of each group).
+    pub dv: DeviceSliceMut<'a>,
+    /// Scratch memory of at least [`sdpa_backward_workspace_bytes`] bytes,
+    /// 16-byte aligned.
+    pub workspace: DeviceSliceMut<'a>,
 }
 
-/// Which kernel family runs an attention call.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SdpaPath {
-    /// Tensor cores when the dtype, head dims and alignment allow, else SIMT.
-    #[default]
-    Auto,
-    /// The SIMT kernels (every dtype, head dims up to [`MAX_HEAD_DIM`]).
-    Simt,
-    /// The tensor-core kernels; an error when they do not apply. The forward
-    /// pass takes 64 query rows per block.
-    TensorCore,
-    /// As [`SdpaPath::TensorCore`], with 128 query rows per forward block:
-    /// each warp owns two 16-row tiles, so every k/v fragment read from shared
-    /// memory feeds two mma. `Auto` picks it when there are enough blocks to
-    /// fill the GPU.
-    TensorCoreWide,
+/// Element counts of q, k, v and out, and the query rows.
+fn sizes(op: &'static str, s: &SdpaShape) -> Result<[usize; 5]> {
+    Ok([
+        count(op, &[s.batch, s.q_heads, s.q_len, s.head_dim])?,
+        count(op, &[s.batch, s.kv_heads, s.kv_len, s.head_dim])?,
+        count(op, &[s.batch, s.kv_heads, s.kv_len, s.v_dim])?,
+        count(op, &[s.batch, s.q_heads, s.q_len, s.v_dim])?,
+        count(op, &[s.batch, s.q_heads, s.q_len])?,
+    ])
 }
 
-/// Validated sizes of one call, in the kernels' integer types.
-struct Dims {
-    batch: i32,
-    q_heads: i32,
-    kv_heads: i32,
-    q_len: i32,
-    kv_len: i32,
-    head_dim: i32,
-    v_dim: i32,
-    /// `batch * q_heads * q_len`.
-    rows: usize,
-    /// Elements of q, k, v and out.
-    q: usize,
-    k: usize,
-    v: usize,
-    out: usize,
-    /// Mask pointer and strides (0s without a mask).
-    mask: (DevPtr, i64, i64, i64),
-}
-
-fn to_i32(op: &'static str, what: &str, v: usize, max: usize) -> Result<i32> {
-    if v > max {
-        return Err(bad(op, format!("{what} = {v} exceeds the supported {max}")));
-    }
-    Ok(v as i32)
-}
-
-fn validate(
-    op: &'static str,
+/// The raw mask of a view: its address, and its length in elements (the
+/// launch checks every read against it).
+fn mask(
+    c: &Check<'_>,
     dtype: CudaDType,
-    s: &SdpaShape,
-    mask: Option<&SdpaDevMask>,
-) -> Result<Dims> {
-    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 {
-        return Err(bad(op, format!("{s:?}: q_heads must be a multiple of kv_heads > 0")));
-    }
-    if s.head_dim > MAX_HEAD_DIM || s.v_dim > MAX_HEAD_DIM {
-        return Err(bad(
-            op,
-            format!(
-                "head_dim {} / v_dim {}: head dims above {MAX_HEAD_DIM} are not supported",
-                s.head_dim, s.v_dim
-            ),
-        ));
-    }
-    let d = Dims {
-        batch: to_i32(op, "batch", s.batch, MAX_GRID_YZ)?,
-        q_heads: to_i32(op, "q_heads", s.q_heads, MAX_GRID_YZ)?,
-        kv_heads: to_i32(op, "kv_heads", s.kv_heads, MAX_GRID_YZ)?,
-        q_len: to_i32(op, "q_len", s.q_len, MAX_LEN)?,
-        kv_len: to_i32(op, "kv_len", s.kv_len, MAX_LEN)?,
-        head_dim: s.head_dim as i32,
-        v_dim: s.v_dim as i32,
-        rows: numel(op, &[s.batch, s.q_heads, s.q_len])?,
-        q: numel(op, &[s.batch, s.q_heads, s.q_len, s.head_dim])?,
-        k: numel(op, &[s.batch, s.kv_heads, s.kv_len, s.head_dim])?,
-        v: numel(op, &[s.batch, s.kv_heads, s.kv_len, s.v_dim])?,
-        out: numel(op, &[s.batch, s.q_heads, s.q_len, s.v_dim])?,
-        mask: (0, 0, 0, 0),
-    };
-    let Some(m) = mask else { return Ok(d) };
-    let reads = d.rows > 0 && s.kv_len > 0;
-    if reads {
-        let last = [
-            (s.batch - 1, m.batch_stride),
-            (s.q_heads - 1, m.head_stride),
-            (s.q_len - 1, m.row_stride),
-            (s.kv_len - 1, 1),
-        ]
-        .iter()
-        .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc));
-        if !matches!(last, Some(last) if last < m.len) {
-            return Err(bad(
-                op,
-                format!(
-                    "{s:?}: mask with strides (batch {}, head {}, row {}) reads past its {} elements",
-                    m.batch_stride, m.head_stride, m.row_stride, m.len
-                ),
-            ));
-        }
-        check_ptr(op, "mask", m.data, m.len, dtype.size())?;
-    }
-    // A stride the kernels use (its dim has more than one index) is at most
-    // the last offset read, so it fits in i64; the others are never used.
-    let st = |n: usize, v: usize| if reads && n > 1 { v as i64 } else { 0 };
-    let mask = (
-        m.data,
-        st(s.batch, m.batch_stride),
-        st(s.q_heads, m.head_stride),
-        st(s.q_len, m.row_stride),
-    );
-    Ok(Dims { mask, ..d })
-}
-
-/// A buffer of `elems` elements must be non-null and aligned to its element;
-/// an empty one may sit anywhere.
-fn check_ptr(op: &'static str, name: &str, p: DevPtr, elems: usize, align: usize) -> Result<()> {
-    if elems == 0 {
-        return Ok(());
-    }
-    super::check_ptr(op, name, p, elems, align)
-}
-
-/// The tensor-core head dim (64 or 128) for these sizes and buffers
-/// (`(address, elements)`; empty ones may sit anywhere), if the tensor-core
-/// kernels apply.
-fn tensor_core_dim(dtype: CudaDType, s: &SdpaShape, ptrs: &[(DevPtr, usize)]) -> Option<usize> {
-    let dim = s.head_dim.max(s.v_dim);
-    let ok = dtype != CudaDType::F32
-        && s.head_dim % 8 == 0
-        && s.v_dim % 8 == 0
-        && dim <= MAX_TENSOR_CORE_HEAD_DIM
-        && ptrs.iter().all(|&(p, n)| n == 0 || p % 16 == 0);
-    ok.then_some(if dim <= 64 { 64 } else { 128 })
-}
-
-/// A kernel variant chosen for a call.
-struct Plan {
-    /// Kernel name.
-    name: String,
-    /// Threads per block.
-    threads: u32,
-    /// Dynamic shared memory per block.
-    smem: u32,
-    /// Query rows (forward) or keys (backward) per block.
-    rows: usize,
-}
-
-/// Forward blocks below which the 128-row tensor-core forward would leave a
-/// large GPU partly idle (about two blocks per SM of an H100/H200).
-const WIDE_MIN_BLOCKS: usize = 256;
-
-/// Picks the kernel of `pass` (`"fwd"` or `"bwd"`).
-fn plan(
-    op: &'static str,
-    pass: &str,
-    dtype: CudaDType,
-    s: &SdpaShape,
-    path: SdpaPath,
-    ptrs: &[(DevPtr, usize)],
-) -> Result<Plan> {
-    let tc = match path {
-        SdpaPath::Simt => None,
-        SdpaPath::Auto => tensor_core_dim(dtype, s, ptrs),
-        SdpaPath::TensorCore | SdpaPath::TensorCoreWide => {
-            Some(tensor_core_dim(dtype, s, ptrs).ok_or_else(|| {
-                bad(
-                    op,
-                    format!(
-                        "{s:?} ({dtype:?}): the tensor-core kernels need bf16/f16, head dims \
-                         that are multiples of 8 up to {MAX_TENSOR_CORE_HEAD_DIM}, and 16-byte \
-                         aligned tensors"
-                    ),
-                )
-            })?)
-        }
-    };
-    let sfx = dtype.suffix();
-    Ok(match (tc, pass) {
-        (Some(hd), "fwd") => {
-            let wide = match path {
-                SdpaPath::TensorCoreWide => true,
-                SdpaPath::TensorCore => false,
-                _ => {
-                    s.q_len > BLOCK
-                        && s.batch * s.q_heads * s.q_len.div_ceil(2 * BLOCK) >= WIDE_MIN_BLOCKS
-                }
-            };
-            // The q tile, the k tile, and a v tile unless v reuses the q
-            // tile's space (q fragments in registers: 64 rows, or 128 of
-            // head dim 64).
-            let rows = if wide { 2 * BLOCK } else { BLOCK };
-            let v_tile = if rows * hd <= BLOCK * 128 { 0 } else { BLOCK };
-            Plan {
-                name: format!("tpar_sdpa_fwd_tc{hd}{}_{sfx}", if wide { "m2" } else { "" }),
-                threads: 128,
-                smem: ((rows + BLOCK + v_tile) * hd * 2) as u32,
-                rows,
-            }
-        }
-        (Some(hd), _) => Plan {
-            name: format!("tpar_sdpa_bwd_tc{hd}_{sfx}"),
-            threads: 128,
-            // k, v, two q and dout tiles, dS^T, lse and delta.
-            smem: ((6 * BLOCK * hd + BLOCK * BLOCK) * 2 + 2 * BLOCK * 4) as u32,
-            rows: BLOCK,
-        },
-        (None, _) => {
-            // 32-column chunks of the larger head dim, rounded up to 1, 2, 4 or 8.
-            let nc = s.head_dim.max(s.v_dim).div_ceil(32).max(1).next_power_of_two();
-            let floats = if pass == "fwd" {
-                2 * BLOCK * 33 + BLOCK * (BLOCK + 1)
-            } else {
-                4 * BLOCK * 33 + 2 * 32
-            };
-            Plan {
-                name: format!("tpar_sdpa_{pass}_simt{nc}_{sfx}"),
-                threads: 256,
-                smem: (floats * 4) as u32,
-                rows: BLOCK,
-            }
-        }
-    })
-}
-
-/// Rows of `delta` rounded so that the `dq` accumulator starts 256-byte aligned.
-fn delta_bytes(rows: usize) -> Option<usize> {
-    rows.checked_mul(4)?.checked_next_multiple_of(256)
-}
-
-/// Bytes of workspace [`sdpa_backward`] needs for shape `s`: f32 `delta` per
-/// query row and an f32 `dq` accumulator.
-pub fn sdpa_backward_workspace_bytes(s: &SdpaShape) -> Result<usize> {
-    const OP: &str = "cuda sdpa_backward";
-    let rows = numel(OP, &[s.batch, s.q_heads, s.q_len])?;
-    let acc = numel(OP, &[rows, s.head_dim, 4])?;
-    delta_bytes(rows)
-        .and_then(|d| d.checked_add(acc))
-        .ok_or_else(|| bad(OP, format!("{s:?}: workspace size overflows")))
+    m: Option<&SdpaMaskView<'_>>,
+) -> Result<Option<raw::SdpaDevMask>> {
+    let Some(m) = m else { return Ok(None) };
+    let len = m.data.len() / dtype.size();
+    Ok(Some(raw::SdpaDevMask {
+        data: c.read("mask", &m.data, len, dtype.size())?,
+        len,
+        batch_stride: m.batch_stride,
+        head_stride: m.head_stride,
+        row_stride: m.row_stride,
+    }))
 }
 
 /// Attention forward: `out = softmax(scale * q kᵀ + mask) v` per (batch, q
-/// head), and `lse` = log-sum-exp of each query row's scaled, masked scores.
-///
-/// # Safety
-/// Every buffer must be valid on the launcher's device for the sizes `s`
-/// gives it (elements of `dtype`; `lse` f32), and the mask for `mask.len`
-/// elements.
-pub unsafe fn sdpa_forward(
-    l: &dyn Launcher,
+/// head), and `lse`, the log-sum-exp of each query row's scaled, masked
+/// scores.
+pub fn sdpa_forward(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
     s: &SdpaShape,
-    b: &SdpaFwdBuffers,
+    b: SdpaFwdViews<'_>,
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_forward";
-    let d = validate(OP, dtype, s, b.mask.as_ref())?;
-    let es = dtype.size();
-    for (name, p, n) in [("q", b.q, d.q), ("k", b.k, d.k), ("v", b.v, d.v), ("out", b.out, d.out)] {
-        check_ptr(OP, name, p, n, es)?;
-    }
-    check_ptr(OP, "lse", b.lse, d.rows, 4)?;
-    if d.rows == 0 {
-        return Ok(());
-    }
-    let p = plan(OP, "fwd", dtype, s, path, &[(b.q, d.q), (b.k, d.k), (b.v, d.v), (b.out, d.out)])?;
-    let args = SdpaFwdArgs {
-        q: b.q,
-        k: b.k,
-        v: b.v,
-        mask: d.mask.0,
-        out: b.out,
-        lse: b.lse,
-        mask_bs: d.mask.1,
-        mask_hs: d.mask.2,
-        mask_rs: d.mask.3,
-        batch: d.batch,
-        q_heads: d.q_heads,
-        kv_heads: d.kv_heads,
-        q_len: d.q_len,
-        kv_len: d.kv_len,
-        head_dim: d.head_dim,
-        v_dim: d.v_dim,
-        causal: s.causal as i32,
-        scale: s.scale as f32,
-        pad: 0,
+    let c = Check::new(OP, dev);
+    let ([nq, nk, nv, no, rows], es) = (sizes(OP, s)?, dtype.size());
+    let buffers = raw::SdpaFwdBuffers {
+        q: c.read("q", &b.q, nq, es)?,
+        k: c.read("k", &b.k, nk, es)?,
+        v: c.read("v", &b.v, nv, es)?,
+        mask: mask(&c, dtype, b.mask.as_ref())?,
+        out: c.write("out", &b.out, no, es)?,
+        lse: c.write("lse", &b.lse, rows, 4)?,
     };
-    let grid = [s.q_len.div_ceil(p.rows) as u32, d.q_heads as u32, d.batch as u32];
-    let cfg = LaunchConfig::grid(grid, p.threads).with_shared(p.smem);
-    // SAFETY: sizes and pointers checked above; the caller vouches for validity.
-    unsafe { launch(l, &p.name, cfg, &args) }
+    // SAFETY: every buffer is a live view in `dev`'s memory holding the
+    // elements `s` gives it (checked above), and the mask's length bounds
+    // every mask read (checked by the launch); the written views are
+    // exclusive borrows.
+    unsafe { raw::sdpa_forward(dev, dtype, s, &buffers, path) }
 }
 
 /// Attention backward from the forward's `out` and `lse`: writes `dq`, `dk`
-/// and `dv` (overwritten; `dk`/`dv` sum over the q heads of each group). No
-/// gradient is produced for the mask.
-///
-/// # Safety
-/// Every buffer must be valid on the launcher's device for the sizes `s`
-/// gives it (elements of `dtype`; `lse` f32), the mask for `mask.len`
-/// elements and the workspace for `workspace_bytes` bytes.
-pub unsafe fn sdpa_backward(
-    l: &dyn Launcher,
+/// and `dv` (overwritten). No gradient is produced for the mask.
+pub fn sdpa_backward(
+    dev: &dyn GpuDevice,
     dtype: CudaDType,
     s: &SdpaShape,
-    b: &SdpaBwdBuffers,
+    b: SdpaBwdViews<'_>,
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
-    let d = validate(OP, dtype, s, b.mask.as_ref())?;
-    let es = dtype.size();
-    for (name, p, n) in [
-        ("q", b.q, d.q),
-        ("k", b.k, d.k),
-        ("v", b.v, d.v),
-        ("out", b.out, d.out),
-        ("dout", b.dout, d.out),
-        ("dq", b.dq, d.q),
-        ("dk", b.dk, d.k),
-        ("dv", b.dv, d.v),
-    ] {
-        check_ptr(OP, name, p, n, es)?;
-    }
-    check_ptr(OP, "lse", b.lse, d.rows, 4)?;
-    let need = sdpa_backward_workspace_bytes(s)?;
-    if b.workspace_bytes < need {
-        return Err(bad(
-            OP,
-            format!("workspace of {} bytes; {s:?} needs {need}", b.workspace_bytes),
-        ));
-    }
-    check_ptr(OP, "workspace", b.workspace, need, 16)?;
-    let delta_off = delta_bytes(d.rows).unwrap_or(0) as u64;
-    let args = SdpaBwdArgs {
-        q: b.q,
-        k: b.k,
-        v: b.v,
-        mask: d.mask.0,
-        out: b.out,
-        dout: b.dout,
-        lse: b.lse,
-        delta: b.workspace,
-        dq_acc: b.workspace + delta_off,
-        dq: b.dq,
-        dk: b.dk,
-        dv: b.dv,
-        mask_bs: d.mask.1,
-        mask_hs: d.mask.2,
-        mask_rs: d.mask.3,
-        batch: d.batch,
-        q_heads: d.q_heads,
-        kv_heads: d.kv_heads,
-        q_len: d.q_len,
-        kv_len: d.kv_len,
-        head_dim: d.head_dim,
-        v_dim: d.v_dim,
-        causal: s.causal as i32,
-        scale: s.scale as f32,
-        pad: 0,
+    let c = Check::new(OP, dev);
+    let ([nq, nk, nv, no, rows], es) = (sizes(OP, s)?, dtype.size());
+    let ws = sdpa_backward_workspace_bytes(s)?;
+    let buffers = raw::SdpaBwdBuffers {
+        q: c.read("q", &b.q, nq, es)?,
+        k: c.read("k", &b.k, nk, es)?,
+        v: c.read("v", &b.v, nv, es)?,
+        mask: mask(&c, dtype, b.mask.as_ref())?,
+        out: c.read("out", &b.out, no, es)?,
+        lse: c.read("lse", &b.lse, rows, 4)?,
+        dout: c.read("dout", &b.dout, no, es)?,
+        dq: c.write("dq", &b.dq, nq, es)?,
+        dk: c.write("dk", &b.dk, nk, es)?,
+        dv: c.write("dv", &b.dv, nv, es)?,
+        workspace: c.write_bytes("workspace", &b.workspace, ws, 16)?,
+        workspace_bytes: b.workspace.len(),
     };
-    let sfx = dtype.suffix();
-    let p = plan(
-        OP,
-        "bwd",
-        dtype,
-        s,
-        path,
-        &[(b.q, d.q), (b.k, d.k), (b.v, d.v), (b.dout, d.out), (b.dk, d.k), (b.dv, d.v)],
-    )?;
-    // SAFETY (all launches): sizes and pointers checked above; the caller
-    // vouches for validity.
-    if d.rows > 0 {
-        // One warp per row.
-        let blocks = d.rows.div_ceil(8).min(4096) as u32;
-        let cfg = LaunchConfig::linear(blocks, 256);
-        unsafe { launch(l, &format!("tpar_sdpa_bwd_pre_{sfx}"), cfg, &args)? };
-    }
-    if d.k.max(d.v) > 0 {
-        let grid = [s.kv_len.div_ceil(p.rows) as u32, d.kv_heads as u32, d.batch as u32];
-        let cfg = LaunchConfig::grid(grid, p.threads).with_shared(p.smem);
-        unsafe { launch(l, &p.name, cfg, &args)? };
-    }
-    if d.q > 0 {
-        let cfg = LaunchConfig::for_items(d.q, 256, 4096);
-        unsafe { launch(l, &format!("tpar_sdpa_bwd_dq_{sfx}"), cfg, &args)? };
-    }
-    Ok(())
+    // SAFETY: as in `sdpa_forward`; the workspace holds what the backward
+    // pass needs for `s` (checked above) and is exclusive.
+    unsafe { raw::sdpa_backward(dev, dtype, s, &buffers, path) }
 }

@@ -7,10 +7,14 @@
 //! freed on another thread is still credited back to its owner. Allocations of threads
 //! with no rank (rayon workers' scratch) are counted under [`UNATTRIBUTED`].
 //!
+//! The tensor crate re-exports this crate as `tpar_tensor::memory` (and the facade as
+//! `tpar::tensor::memory`).
+//!
 //! ```no_run
 //! #[global_allocator]
-//! static ALLOC: tpar_tensor::memory::TrackingAllocator = tpar_tensor::memory::TrackingAllocator;
+//! static ALLOC: tpar_memory::TrackingAllocator = tpar_memory::TrackingAllocator;
 //! ```
+#![warn(missing_docs)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -88,6 +92,8 @@ fn with_header(layout: Layout) -> Option<(Layout, usize)> {
 // read back on dealloc/realloc with the same layout arithmetic, so System gets back
 // exactly the pointer and layout it returned.
 unsafe impl GlobalAlloc for TrackingAllocator {
+    /// # Safety
+    /// As [`GlobalAlloc::alloc`]: `layout` has a non-zero size.
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // Read first: a store on every allocation would bounce the cache line between threads.
         if !INSTALLED.load(Ordering::Relaxed) {
@@ -111,6 +117,8 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         }
     }
 
+    /// # Safety
+    /// As [`GlobalAlloc::dealloc`]: `ptr` came from this allocator with `layout`.
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         let Some((full, offset)) = with_header(layout) else { return };
         // SAFETY: `ptr` came from `alloc` with this layout, so the header is 8 bytes

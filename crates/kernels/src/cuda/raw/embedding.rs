@@ -1,0 +1,381 @@
+//! Embedding lookup and its gradient (`cuda/embedding.cu`), as the CPU
+//! kernels of [`crate::embedding`], with the vocab-sharded (`masked`) mode.
+//!
+//! Two gradients:
+//! - [`embedding_backward_csr`]: deterministic and equal to the CPU kernel
+//!   (same summation order). It needs the positions of each table row, which
+//!   [`EmbeddingCsr::build`] computes on the host from the ids (a counting
+//!   sort, `O(ids + vocab)`; token ids usually come from the host anyway) and
+//!   which the caller uploads.
+//! - [`embedding_backward_atomic`]: from the ids alone, with f32 `atomicAdd`s
+//!   into an f32 accumulator; on a GPU the order of additions into a repeated
+//!   row varies between runs, so results can differ in the last bits.
+//!
+//! A GPU kernel cannot return an error: ids outside the slice without
+//! `masked` lower an optional i32 *error slot* (set it to [`NO_ERROR`] before
+//! the launch) to the first offending position, and are otherwise treated as
+//! masked (zero rows, no gradient).
+
+use bytemuck::{Pod, Zeroable};
+
+use super::{bad, check_ptr, to_i32};
+use crate::cuda::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
+use crate::{KernelError, Result};
+
+/// The value of an error slot when no invalid id was found. Slots are
+/// lowered with `atomicMin` to the first offending position.
+pub const NO_ERROR: i32 = i32::MAX;
+
+/// Arguments of `tpar_embedding_fwd_*`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbFwdArgs {
+    /// Table slice `[vocab, dim]`.
+    pub weight: DevPtr,
+    /// i64 ids `[n]` (global).
+    pub ids: DevPtr,
+    /// Output `[n, dim]`.
+    pub out: DevPtr,
+    /// i32 error slot, or 0 for none.
+    pub error: DevPtr,
+    /// Global id of the slice's first row.
+    pub vocab_start: i64,
+    /// Rows of the slice.
+    pub vocab: i32,
+    /// Row length.
+    pub dim: i32,
+    /// Ids.
+    pub n: i32,
+    /// Threads per row (a power of two up to 256).
+    pub group: i32,
+    /// 1: ids outside the slice are expected (zero rows); 0: they are errors.
+    pub masked: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// Arguments of `tpar_embedding_bwd_atomic_*`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbBwdAtomicArgs {
+    /// i64 ids `[n]`.
+    pub ids: DevPtr,
+    /// Output gradient `[n, dim]`.
+    pub dout: DevPtr,
+    /// f32 accumulator `[vocab, dim]` (added to).
+    pub acc: DevPtr,
+    /// i32 error slot, or 0 for none.
+    pub error: DevPtr,
+    /// Global id of the slice's first row.
+    pub vocab_start: i64,
+    /// Rows of the slice.
+    pub vocab: i32,
+    /// Row length.
+    pub dim: i32,
+    /// Ids.
+    pub n: i32,
+    /// Threads per position (a power of two up to 256).
+    pub group: i32,
+    /// 1: ids outside the slice are skipped; 0: they are errors.
+    pub masked: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// Arguments of `tpar_embedding_bwd_csr_*`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbBwdCsrArgs {
+    /// i32 `[vocab + 1]`: row `v`'s positions are `positions[row_start[v]..row_start[v + 1]]`.
+    pub row_start: DevPtr,
+    /// i32 positions, increasing within each row.
+    pub positions: DevPtr,
+    /// Output gradient `[n, dim]`.
+    pub dout: DevPtr,
+    /// Table gradient `[vocab, dim]` (overwritten).
+    pub dweight: DevPtr,
+    /// Rows of the slice.
+    pub vocab: i32,
+    /// Row length.
+    pub dim: i32,
+    /// Threads per table row (a power of two up to 256).
+    pub group: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// Arguments of `tpar_embedding_zero_f32`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbZeroArgs {
+    /// f32 buffer to zero.
+    pub acc: DevPtr,
+    /// Elements.
+    pub n: i64,
+}
+
+/// Arguments of `tpar_embedding_cast_*`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbCastArgs {
+    /// f32 source.
+    pub acc: DevPtr,
+    /// Destination in the kernel's dtype.
+    pub dweight: DevPtr,
+    /// Elements.
+    pub n: i64,
+}
+
+/// Positions of each row of a table slice in an id list, sorted, in CSR form
+/// (the input of [`embedding_backward_csr`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmbeddingCsr {
+    /// `vocab + 1` offsets: row `v`'s positions are
+    /// `positions[row_start[v]..row_start[v + 1]]`.
+    pub row_start: Vec<i32>,
+    /// Positions (indices into the ids) of ids inside the slice, grouped by
+    /// row and increasing within each row.
+    pub positions: Vec<i32>,
+}
+
+impl EmbeddingCsr {
+    /// Groups the positions of `ids` by local row `id - vocab_start` of a
+    /// slice of `vocab` rows (a stable counting sort). Ids outside the slice
+    /// are skipped when `masked`, else the first is an `IndexOutOfRange`
+    /// error, as in [`crate::embedding::embedding_backward`].
+    pub fn build(ids: &[i64], vocab_start: i64, vocab: usize, masked: bool) -> Result<Self> {
+        const OP: &str = "embedding_csr";
+        to_i32(OP, "ids", ids.len())?;
+        to_i32(OP, "vocab", vocab)?;
+        let local =
+            |id: i64| id.checked_sub(vocab_start).filter(|&r| r >= 0 && (r as u64) < vocab as u64);
+        let mut row_start = vec![0i32; vocab + 1];
+        for (position, &id) in ids.iter().enumerate() {
+            match local(id) {
+                Some(r) => row_start[r as usize + 1] += 1,
+                None if masked => {}
+                None => {
+                    return Err(KernelError::IndexOutOfRange {
+                        op: OP,
+                        index: id,
+                        position,
+                        size: vocab,
+                    })
+                }
+            }
+        }
+        for v in 0..vocab {
+            row_start[v + 1] += row_start[v];
+        }
+        let mut fill = row_start.clone();
+        let mut positions = vec![0i32; row_start[vocab] as usize];
+        for (n, &id) in ids.iter().enumerate() {
+            if let Some(r) = local(id) {
+                let slot = &mut fill[r as usize];
+                positions[*slot as usize] = n as i32;
+                *slot += 1;
+            }
+        }
+        Ok(EmbeddingCsr { row_start, positions })
+    }
+}
+
+/// Threads per block of every embedding kernel.
+const BLOCK: u32 = 256;
+/// Most blocks launched; kernels stride over the remaining rows.
+const MAX_BLOCKS: usize = 1 << 20;
+
+/// `rows * dim`, both within i32.
+fn check_matrix(op: &'static str, what: &str, rows: usize, dim: usize) -> Result<usize> {
+    to_i32(op, what, rows)?;
+    to_i32(op, "dim", dim)?;
+    Ok(rows * dim)
+}
+
+/// `(group, launch)` for `rows` rows of `dim` elements of `dtype`: about one
+/// 16-byte vector per thread of a group, groups packed into 256-thread blocks.
+fn group_launch(rows: usize, dim: usize, dtype: CudaDType) -> (i32, LaunchConfig) {
+    let units = dim.div_ceil(16 / dtype.size()).max(1);
+    let group = units.next_power_of_two().clamp(4, BLOCK as usize);
+    let per_block = BLOCK as usize / group;
+    let blocks = rows.div_ceil(per_block).clamp(1, MAX_BLOCKS) as u32;
+    (group as i32, LaunchConfig::linear(blocks, BLOCK))
+}
+
+/// `out[p] = weight[ids[p] - vocab_start]` for a table slice `weight`
+/// `[vocab, dim]` (`dtype`), `out` `[n, dim]`, as
+/// [`crate::embedding::embedding_forward`]. Ids outside
+/// `[vocab_start, vocab_start + vocab)` give zero rows; unless `masked` they
+/// also lower the optional i32 `error` slot (0 for none) to their position.
+///
+/// # Safety
+/// `weight`, `ids` (i64 `[n]`) and `out` must be device buffers of the stated
+/// sizes, `out` not overlapping the others.
+pub unsafe fn embedding_forward(
+    launcher: &dyn Launcher,
+    dtype: CudaDType,
+    weight: DevPtr,
+    vocab: usize,
+    dim: usize,
+    ids: DevPtr,
+    n: usize,
+    vocab_start: i64,
+    masked: bool,
+    out: DevPtr,
+    error: DevPtr,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_forward";
+    let wn = check_matrix(OP, "vocab", vocab, dim)?;
+    let on = check_matrix(OP, "ids", n, dim)?;
+    check_ptr(OP, "weight", weight, wn, dtype.size())?;
+    check_ptr(OP, "ids", ids, n, 8)?;
+    check_ptr(OP, "out", out, on, dtype.size())?;
+    check_ptr(OP, "error", error, 0, 4)?;
+    if n == 0 || dim == 0 {
+        return Ok(());
+    }
+    let (group, cfg) = group_launch(n, dim, dtype);
+    let args = EmbFwdArgs {
+        weight,
+        ids,
+        out,
+        error,
+        vocab_start,
+        vocab: vocab as i32,
+        dim: dim as i32,
+        n: n as i32,
+        group,
+        masked: i32::from(masked),
+        pad: 0,
+    };
+    // SAFETY: the caller vouches for the addresses; sizes are checked above.
+    unsafe { launch(launcher, &format!("tpar_embedding_fwd_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// Deterministic embedding gradient: `dweight[v] = sum of dout[p]` over the
+/// positions `p` of table row `v`, in increasing `p`, accumulated in f32 and
+/// rounded once (zeros for unused rows; overwritten) — the CPU kernel's
+/// [`crate::embedding::embedding_backward`] result. `row_start`
+/// (i32 `[vocab + 1]`) and `positions` (i32 `[n_positions]`) are an
+/// [`EmbeddingCsr`] built from the ids and uploaded; `dout` is `[n, dim]`.
+///
+/// One group of threads per table row, so a row used by very many positions
+/// (e.g. a padding id) is summed serially by one group.
+///
+/// # Safety
+/// The buffers must have the stated sizes; the CSR must be consistent (as
+/// built by [`EmbeddingCsr::build`] for these `vocab` and `n`): offsets
+/// non-decreasing up to `n_positions`, positions below `n`.
+pub unsafe fn embedding_backward_csr(
+    launcher: &dyn Launcher,
+    dtype: CudaDType,
+    row_start: DevPtr,
+    positions: DevPtr,
+    n_positions: usize,
+    dout: DevPtr,
+    n: usize,
+    vocab: usize,
+    dim: usize,
+    dweight: DevPtr,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_backward_csr";
+    let dn = check_matrix(OP, "ids", n, dim)?;
+    let wn = check_matrix(OP, "vocab", vocab, dim)?;
+    if n_positions > n {
+        return Err(bad(OP, format!("{n_positions} positions for {n} ids")));
+    }
+    check_ptr(OP, "row_start", row_start, vocab + 1, 4)?;
+    check_ptr(OP, "positions", positions, n_positions, 4)?;
+    check_ptr(OP, "dout", dout, dn, dtype.size())?;
+    check_ptr(OP, "dweight", dweight, wn, dtype.size())?;
+    if vocab == 0 || dim == 0 {
+        return Ok(());
+    }
+    let (group, cfg) = group_launch(vocab, dim, dtype);
+    let args = EmbBwdCsrArgs {
+        row_start,
+        positions,
+        dout,
+        dweight,
+        vocab: vocab as i32,
+        dim: dim as i32,
+        group,
+        pad: 0,
+    };
+    // SAFETY: the caller vouches for the addresses and the CSR; sizes are checked above.
+    unsafe { launch(launcher, &format!("tpar_embedding_bwd_csr_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// Embedding gradient from the ids alone: zeroes the f32 accumulator `acc`
+/// `[vocab, dim]`, adds every `dout[p]` (`[n, dim]`, `dtype`) into row
+/// `ids[p] - vocab_start` with f32 `atomicAdd`, then writes `dweight`
+/// (`dtype`, overwritten). For f32, `acc` may be `dweight` itself (no copy).
+/// Ids outside the slice are skipped; unless `masked` they lower the optional
+/// i32 `error` slot (0 for none).
+///
+/// The order of additions into a repeated row is not fixed on a GPU, so the
+/// result may vary in the last bits between runs; [`embedding_backward_csr`]
+/// is the deterministic alternative.
+///
+/// # Safety
+/// The buffers must have the stated sizes; `acc` must not overlap `dout` or
+/// `ids`, and overlaps `dweight` only by being it (f32).
+pub unsafe fn embedding_backward_atomic(
+    launcher: &dyn Launcher,
+    dtype: CudaDType,
+    ids: DevPtr,
+    n: usize,
+    vocab_start: i64,
+    masked: bool,
+    dout: DevPtr,
+    vocab: usize,
+    dim: usize,
+    dweight: DevPtr,
+    acc: DevPtr,
+    error: DevPtr,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_backward_atomic";
+    let dn = check_matrix(OP, "ids", n, dim)?;
+    let wn = check_matrix(OP, "vocab", vocab, dim)?;
+    check_ptr(OP, "ids", ids, n, 8)?;
+    check_ptr(OP, "dout", dout, dn, dtype.size())?;
+    check_ptr(OP, "dweight", dweight, wn, dtype.size())?;
+    check_ptr(OP, "acc", acc, wn, 4)?;
+    check_ptr(OP, "error", error, 0, 4)?;
+    if acc == dweight && dtype != CudaDType::F32 && wn > 0 {
+        return Err(bad(OP, "acc may be dweight only for f32 gradients"));
+    }
+    if wn == 0 {
+        return Ok(());
+    }
+    let items = LaunchConfig::for_items(wn, BLOCK, 4096);
+    let zero = EmbZeroArgs { acc, n: wn as i64 };
+    // SAFETY: `acc` holds `wn` f32 values (checked above, vouched for by the caller).
+    unsafe { launch(launcher, "tpar_embedding_zero_f32", items, &zero)? };
+    if n > 0 {
+        let (group, cfg) = group_launch(n, dim, dtype);
+        let args = EmbBwdAtomicArgs {
+            ids,
+            dout,
+            acc,
+            error,
+            vocab_start,
+            vocab: vocab as i32,
+            dim: dim as i32,
+            n: n as i32,
+            group,
+            masked: i32::from(masked),
+            pad: 0,
+        };
+        let name = format!("tpar_embedding_bwd_atomic_{}", dtype.suffix());
+        // SAFETY: the caller vouches for the addresses; sizes are checked above.
+        unsafe { launch(launcher, &name, cfg, &args)? };
+    }
+    if acc == dweight {
+        return Ok(());
+    }
+    let args = EmbCastArgs { acc, dweight, n: wn as i64 };
+    let cfg = LaunchConfig::for_items(wn, BLOCK, 4096);
+    // SAFETY: `acc` and `dweight` hold `wn` elements each (checked above).
+    unsafe { launch(launcher, &format!("tpar_embedding_cast_{}", dtype.suffix()), cfg, &args) }
+}

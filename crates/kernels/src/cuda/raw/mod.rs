@@ -1,0 +1,90 @@
+//! Launchers over bare device addresses: one module per kernel source, each
+//! with the `#[repr(C)]` argument structs its kernels take ([`bytemuck::Pod`]
+//! mirrors of the CUDA structs) and functions that check sizes, pick the grid
+//! and launch on any [`super::Launcher`].
+//!
+//! They are `unsafe`: the caller vouches that every address is valid for what
+//! the kernel touches. The emulator tests use them on host buffers standing in
+//! for device memory; code that owns its memory as [`super::DeviceBuffer`]s
+//! calls the checked wrappers of [`super::ops`] instead.
+
+pub mod adamw;
+pub mod cross_entropy;
+pub mod elementwise;
+pub mod embedding;
+pub mod gemm;
+pub mod layout;
+pub mod reduce;
+pub mod rmsnorm;
+pub mod rope;
+pub mod sdpa;
+
+// ---------------------------------------------------------------- argument checks
+//
+// Shared by the wrappers: every failure is a `KernelError::BadArguments`
+// naming the operation and the offending argument.
+
+use crate::cuda::DevPtr;
+use crate::Result;
+
+pub(crate) use crate::util::bad;
+
+/// `v` as an `i32` for a kernel argument, or an error naming it.
+pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| bad(op, format!("{what} = {v} exceeds the i32 range of the kernels")))
+}
+
+/// `v` as an `i64`, or an error naming it.
+pub(crate) fn to_i64(op: &'static str, what: &str, v: usize) -> Result<i64> {
+    i64::try_from(v).map_err(|_| bad(op, format!("{what} = {v} does not fit in i64")))
+}
+
+/// The product of `dims`, or an error if it overflows `i64`.
+pub(crate) fn numel(op: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= i64::MAX as usize)
+        .ok_or_else(|| bad(op, format!("size {dims:?} overflows i64")))
+}
+
+/// Checks that a buffer of `n` elements of `elem` bytes at `ptr` is present
+/// (non-null unless empty) and aligned to `elem`.
+pub(crate) fn check_ptr(
+    op: &'static str,
+    what: &str,
+    ptr: DevPtr,
+    n: usize,
+    elem: usize,
+) -> Result<()> {
+    if n > 0 && ptr == 0 {
+        return Err(bad(op, format!("{what} is null but holds {n} elements")));
+    }
+    if ptr % elem as u64 != 0 {
+        return Err(bad(op, format!("{what} address {ptr:#x} is not {elem}-byte aligned")));
+    }
+    Ok(())
+}
+
+/// Errors when one of the named device pointers is null.
+pub(crate) fn check_ptrs(op: &'static str, ptrs: &[(&str, DevPtr)]) -> Result<()> {
+    match ptrs.iter().find(|(_, p)| *p == 0) {
+        Some((name, _)) => Err(bad(op, format!("{name} is a null device pointer"))),
+        None => Ok(()),
+    }
+}
+
+/// Errors when one of the named device pointers is not a multiple of `elem_bytes`.
+pub(crate) fn check_aligned(
+    op: &'static str,
+    elem_bytes: usize,
+    ptrs: &[(&str, DevPtr)],
+) -> Result<()> {
+    match ptrs.iter().find(|(_, p)| p % elem_bytes as u64 != 0) {
+        Some((name, p)) => Err(bad(
+            op,
+            format!("{name} = {p:#x} is not aligned to its {elem_bytes}-byte elements"),
+        )),
+        None => Ok(()),
+    }
+}
