@@ -28,10 +28,10 @@ mod hf;
 
 use std::path::Path;
 
-use tpar_tensor::state::{expect_empty, take_int, StateDict, StateDictError, StateValue};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use tpar_tensor::state::{expect_empty, take_int, StateDict, StateDictError, StateValue};
 use tpar_tensor::Tensor;
 
 pub use hf::HfTokenizer;
