@@ -360,7 +360,7 @@ fn failed_save_keeps_previous_checkpoint_and_names_the_rank() {
             &dir,
             w,
             CheckpointConfig {
-                save_options: SaveOptions { inject_write_failure: Some(2) },
+                save_options: SaveOptions { inject_write_failure: Some(2), ..Default::default() },
                 ..Default::default()
             },
         )?;

@@ -18,12 +18,38 @@ use crate::format::{
 use crate::{CheckpointError, Result};
 
 /// Options of [`save`] and [`async_save`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SaveOptions {
+    /// The nice value the writer thread of an [`async_save`] takes (Linux; 0 keeps the
+    /// caller's), so writing a checkpoint in the background yields the cores to
+    /// training. Default 10; [`save`], which waits for the writer, ignores it.
+    pub writer_nice: i32,
     /// Makes this global rank's writer fail, to test that a failed save leaves the
     /// previous checkpoint loadable and names the rank everywhere.
     #[doc(hidden)]
     pub inject_write_failure: Option<usize>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions { writer_nice: 10, inject_write_failure: None }
+    }
+}
+
+/// Lowers the calling thread's scheduling priority by `nice` (Linux, where the nice
+/// value is a per-thread attribute; raising niceness needs no privilege). Best effort:
+/// a refusal leaves the priority as it was.
+fn lower_priority(nice: i32) {
+    #[cfg(target_os = "linux")]
+    if nice > 0 {
+        // SAFETY: setpriority only reads its three integer arguments; `who = 0` names the
+        // calling thread, whose own priority is all it changes.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, 0, nice);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = nice;
 }
 
 /// Options of [`load`].
@@ -219,7 +245,9 @@ fn intersect(
 /// tensor; [`CheckpointError::RankFailed`] on every rank, naming the ranks whose writes
 /// failed, when any did (nothing is committed then); collective errors when a peer dies.
 pub fn save(state: &StateDict, dir: &Path, group: &ProcessGroup, opts: &SaveOptions) -> Result<()> {
-    async_save(state, dir, group, opts)?.wait()
+    // The caller waits for the writer: it keeps the caller's priority.
+    let opts = SaveOptions { writer_nice: 0, ..opts.clone() };
+    async_save(state, dir, group, &opts)?.wait()
 }
 
 /// A save whose files are being written by a background thread; see [`async_save`].
@@ -303,10 +331,14 @@ pub fn async_save(
     }
     let tmp = tmp_dir(dir);
     let fail = opts.inject_write_failure == Some(group.global_rank());
+    let nice = opts.writer_nice;
     let file = shard_file(group.global_rank());
     let writer = std::thread::Builder::new()
         .name(format!("checkpoint-writer-{rank}"))
-        .spawn(move || write_shards(&tmp, &file, pending, fail))
+        .spawn(move || {
+            lower_priority(nice);
+            write_shards(&tmp, &file, pending, fail)
+        })
         .map_err(|e| CheckpointError::Io {
             path: dir.display().to_string(),
             what: format!("starting the writer: {e}"),

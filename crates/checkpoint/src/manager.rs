@@ -37,6 +37,8 @@ pub struct CheckpointManager {
     group: ProcessGroup,
     config: CheckpointConfig,
     pending: Option<(u64, AsyncSave)>,
+    /// Rank 0's background deletion of checkpoints beyond `keep`.
+    deleter: Option<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -62,7 +64,7 @@ impl CheckpointManager {
     ) -> Result<Self> {
         let dir = dir.into();
         fs::create_dir_all(&dir).map_err(|e| CheckpointError::io(&dir, e))?;
-        Ok(CheckpointManager { dir, group: group.clone(), config, pending: None })
+        Ok(CheckpointManager { dir, group: group.clone(), config, pending: None, deleter: None })
     }
 
     /// The directory of the checkpoint of `step`.
@@ -110,7 +112,12 @@ impl CheckpointManager {
             state.extend(with_prefix(name, item.state_dict()?));
         }
         let dir = self.step_dir(step);
-        let handle = async_save(&state, &dir, &self.group, &self.config.save_options)?;
+        let mut opts = self.config.save_options.clone();
+        if !self.config.async_save {
+            // The training thread waits for this writer: no lower priority.
+            opts.writer_nice = 0;
+        }
+        let handle = async_save(&state, &dir, &self.group, &opts)?;
         drop(state);
         self.pending = Some((step, handle));
         if !self.config.async_save {
@@ -151,15 +158,37 @@ impl CheckpointManager {
         Ok(())
     }
 
-    /// Rank 0: deletes the oldest committed checkpoints beyond `keep`.
-    fn prune(&self) -> Result<()> {
+    /// Rank 0: retires the oldest committed checkpoints beyond `keep`. Each is renamed
+    /// to a hidden name at once (so it is no longer a checkpoint) and deleted by a
+    /// background thread, so the training thread does not wait for the file system.
+    fn prune(&mut self) -> Result<()> {
         let Some(keep) = self.config.keep else { return Ok(()) };
         let steps = self.steps()?;
+        let mut retired = Vec::new();
         for step in &steps[..steps.len().saturating_sub(keep.max(1))] {
             let d = self.step_dir(*step);
-            fs::remove_dir_all(&d).map_err(|e| CheckpointError::io(&d, e))?;
+            let hidden = self.dir.join(format!(".step-{step:08}.deleting"));
+            fs::rename(&d, &hidden).map_err(|e| CheckpointError::io(&d, e))?;
+            retired.push(hidden);
         }
+        if retired.is_empty() {
+            return Ok(());
+        }
+        self.join_deleter();
+        self.deleter = Some(std::thread::spawn(move || {
+            for d in retired {
+                // A directory left behind (a failed delete) is hidden and never loaded;
+                // the next prune of the same step name does not touch it.
+                let _ = fs::remove_dir_all(&d);
+            }
+        }));
         Ok(())
+    }
+
+    fn join_deleter(&mut self) {
+        if let Some(d) = self.deleter.take() {
+            let _ = d.join();
+        }
     }
 
     /// Loads the checkpoint of `step` into `items` (resharding to their current layout)
@@ -208,5 +237,6 @@ impl Drop for CheckpointManager {
         // rank); its writer is joined by the handle and the previous checkpoint stays
         // the latest.
         self.pending.take();
+        self.join_deleter();
     }
 }
