@@ -12,8 +12,8 @@ use tpar_tensor::{DType, Tensor};
 
 use crate::exchange::{agree, all_gather_bytes};
 use crate::format::{
-    crc32, data_offsets, dtype_name, dtype_of, read_at, st_dtype, tensor_bytes, tensor_from_bytes,
-    ChunkMeta, Metadata, RawView, Scalar, TensorMeta, FORMAT, METADATA, VERSION,
+    crc32, data_offsets, dtype_of, read_at, st_dtype, tensor_bytes, tensor_from_bytes, ChunkMeta,
+    Metadata, RawView, Scalar, TensorMeta, FORMAT, METADATA, VERSION,
 };
 use crate::{CheckpointError, Result};
 
@@ -127,9 +127,14 @@ pub(crate) fn value_of(s: Scalar) -> StateValue {
     }
 }
 
-fn tmp_dir(dir: &Path) -> PathBuf {
+/// The hidden sibling `.NAME.suffix` of the checkpoint directory `dir`.
+fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    dir.with_file_name(format!(".{name}.tmp"))
+    dir.with_file_name(format!(".{name}.{suffix}"))
+}
+
+fn tmp_dir(dir: &Path) -> PathBuf {
+    sibling(dir, "tmp")
 }
 
 fn shard_file(rank: usize) -> String {
@@ -257,7 +262,6 @@ pub struct AsyncSave {
     values: BTreeMap<String, Scalar>,
     tensors: BTreeMap<String, (String, Vec<usize>)>,
     writer: Option<JoinHandle<std::result::Result<Written, String>>>,
-    done: bool,
 }
 
 impl std::fmt::Debug for AsyncSave {
@@ -289,7 +293,7 @@ pub fn async_save(
             .iter()
             .map(|(k, s)| PlanTensor {
                 key: (*k).clone(),
-                dtype: dtype_name(s.dtype()).into(),
+                dtype: s.dtype().name().into(),
                 shape: s.shape().to_vec(),
                 chunks: s.chunks().iter().map(|c| (c.offsets.clone(), c.sizes())).collect(),
             })
@@ -349,7 +353,6 @@ pub fn async_save(
         values: global.values,
         tensors: global.tensors,
         writer: Some(writer),
-        done: false,
     })
 }
 
@@ -419,14 +422,6 @@ impl AsyncSave {
     /// [`CheckpointError::RankFailed`] on every rank, naming the ranks whose writes
     /// failed (the temporary directory is removed and nothing is committed).
     pub fn wait(mut self) -> Result<()> {
-        self.finish()
-    }
-
-    fn finish(&mut self) -> Result<()> {
-        if self.done {
-            return Ok(());
-        }
-        self.done = true;
         let written = match self.writer.take().map(|w| w.join()) {
             Some(Ok(r)) => r,
             Some(Err(_)) => Err("the checkpoint writer thread panicked".to_string()),
@@ -520,10 +515,7 @@ impl AsyncSave {
         fs::File::open(&path)
             .and_then(|f| f.sync_all())
             .map_err(|e| CheckpointError::io(&path, e))?;
-        let old = self.dir.with_file_name(format!(
-            ".{}.old",
-            self.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-        ));
+        let old = sibling(&self.dir, "old");
         if self.dir.exists() {
             let _ = fs::remove_dir_all(&old);
             fs::rename(&self.dir, &old).map_err(|e| CheckpointError::io(&self.dir, e))?;

@@ -90,11 +90,6 @@ impl Scalar {
     }
 }
 
-/// The dtype's name in metadata.
-pub(crate) fn dtype_name(d: DType) -> &'static str {
-    d.name()
-}
-
 /// The dtype named `s` in metadata.
 pub(crate) fn dtype_of(s: &str) -> Option<DType> {
     Some(match s {

@@ -9,13 +9,13 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tpar_collectives::ProcessGroup;
 use tpar_nn::Module;
-use tpar_tensor::state::{Chunk, ShardedTensor, StateDict, StateValue, Stateful};
+use tpar_tensor::state::{Chunk, StateDict, StateValue, Stateful};
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::dcp::{copy_box, scalar_of, value_of};
 use crate::exchange::all_gather_bytes;
 use crate::format::{
-    dtype_name, dtype_of, from_st_dtype, st_dtype, tensor_bytes, tensor_from_bytes, RawView, Scalar,
+    dtype_of, from_st_dtype, st_dtype, tensor_bytes, tensor_from_bytes, RawView, Scalar,
 };
 use crate::{CheckpointError, Result};
 
@@ -85,11 +85,9 @@ pub fn full_state_dict(
         .iter()
         .map(|(k, v)| {
             let m = match v {
-                StateValue::Tensor(t) => {
-                    KeyMeta::Whole(dtype_name(t.dtype()).into(), t.dims().to_vec())
-                }
+                StateValue::Tensor(t) => KeyMeta::Whole(t.dtype().name().into(), t.dims().to_vec()),
                 StateValue::Sharded(s) => {
-                    KeyMeta::Sharded(dtype_name(s.dtype()).into(), s.shape().to_vec())
+                    KeyMeta::Sharded(s.dtype().name().into(), s.shape().to_vec())
                 }
                 other => KeyMeta::Scalar(scalar_of(other).expect("a scalar")),
             };
@@ -141,98 +139,86 @@ pub fn full_state_dict(
             }
             continue;
         }
-        let chunks: Vec<Chunk> = match state.get(&key) {
-            Some(StateValue::Sharded(s)) => s.chunks().to_vec(),
-            _ => Vec::new(),
+        let chunks: &[Chunk] = match state.get(&key) {
+            Some(StateValue::Sharded(s)) => s.chunks(),
+            _ => &[],
         };
-        let v = {
-            {
-                let s = ShardedTensor::new(
-                    shape.clone(),
-                    dtype,
-                    chunks.iter().map(|c| (c.offsets.clone(), c.tensor.clone())).collect(),
-                )
-                .map_err(|e| e.for_key(&key))?;
-                let descs: Vec<ChunkDesc> = s
-                    .chunks()
-                    .iter()
-                    .map(|c| ChunkDesc { offsets: c.offsets.clone(), sizes: c.sizes() })
-                    .collect();
-                let mut msg = serde_json::to_vec(&descs).map_err(|e| CheckpointError::Format {
-                    path: key.clone(),
-                    what: e.to_string(),
-                })?;
-                let header = (msg.len() as u64).to_le_bytes();
-                msg.splice(0..0, header);
-                for c in s.chunks() {
-                    msg.extend(tensor_bytes(&c.tensor)?);
-                }
-                let all = all_gather_bytes(group, &msg)?;
-                if !keep {
-                    continue;
-                }
-                let es = s.dtype().size_in_bytes();
-                let numel: usize = s.shape().iter().product();
-                let mut buf = vec![0u8; numel * es];
-                let mut covered = vec![false; numel];
-                for m in &all {
-                    let n = u64::from_le_bytes(m[..8].try_into().expect("8 bytes")) as usize;
-                    let descs: Vec<ChunkDesc> =
-                        serde_json::from_slice(&m[8..8 + n]).map_err(|e| {
-                            CheckpointError::Format { path: key.clone(), what: e.to_string() }
-                        })?;
-                    let mut pos = 8 + n;
-                    for d in descs {
-                        let len = d.sizes.iter().product::<usize>() * es;
-                        let fits = d.offsets.len() == s.shape().len()
-                            && d.sizes.len() == s.shape().len()
-                            && d.offsets
-                                .iter()
-                                .zip(&d.sizes)
-                                .zip(s.shape())
-                                .all(|((o, z), n)| o + z <= *n)
-                            && pos + len <= m.len();
-                        if !fits {
-                            return Err(CheckpointError::Inconsistent {
-                                what: format!(
-                                    "{key}: a chunk of size {:?} at {:?} ({len} bytes at {pos} of {}) in shape {:?}",
-                                    d.sizes, d.offsets, m.len(), s.shape()
-                                ),
-                            });
-                        }
-                        if d.sizes.is_empty() {
-                            buf.copy_from_slice(&m[pos..pos + es]);
-                            covered.iter_mut().for_each(|c| *c = true);
-                        } else if len > 0 {
-                            let origin = vec![0; d.sizes.len()];
-                            let src = &m[pos..pos + len];
-                            copy_box(
-                                src,
-                                &d.offsets,
-                                &d.sizes,
-                                &mut buf,
-                                &origin,
-                                s.shape(),
-                                &d.offsets,
-                                &d.sizes,
-                                es,
-                            );
-                            mark(&mut covered, s.shape(), &d.offsets, &d.sizes);
-                        }
-                        pos += len;
-                    }
-                }
-                if let Some(i) = covered.iter().position(|c| !c) {
-                    return Err(CheckpointError::Inconsistent {
-                        what: format!("{key}: no rank holds element {i} of shape {:?}", s.shape()),
-                    });
-                }
-                StateValue::Tensor(tensor_from_bytes(&buf, s.dtype(), s.shape())?)
-            }
-        };
-        out.insert(key, v);
+        if let Some(t) = gather_chunks(&key, &shape, dtype, chunks, group, keep)? {
+            out.insert(key, StateValue::Tensor(t));
+        }
     }
     Ok(out)
+}
+
+/// The whole tensor of `shape` from every member's `chunks` of it (one all_gather of
+/// descriptors and bytes; `None` where `keep` is false). Every member runs the same
+/// checks on the same gathered bytes, so they fail or succeed together.
+fn gather_chunks(
+    key: &str,
+    shape: &[usize],
+    dtype: DType,
+    chunks: &[Chunk],
+    group: &ProcessGroup,
+    keep: bool,
+) -> Result<Option<Tensor>> {
+    let format_err = |e: serde_json::Error| CheckpointError::Format {
+        path: key.to_string(),
+        what: e.to_string(),
+    };
+    let descs: Vec<ChunkDesc> =
+        chunks.iter().map(|c| ChunkDesc { offsets: c.offsets.clone(), sizes: c.sizes() }).collect();
+    let mut msg = serde_json::to_vec(&descs).map_err(format_err)?;
+    let header = (msg.len() as u64).to_le_bytes();
+    msg.splice(0..0, header);
+    for c in chunks {
+        msg.extend(tensor_bytes(&c.tensor)?);
+    }
+    let all = all_gather_bytes(group, &msg)?;
+    if !keep {
+        return Ok(None);
+    }
+    let es = dtype.size_in_bytes();
+    let numel: usize = shape.iter().product();
+    let mut buf = vec![0u8; numel * es];
+    let mut covered = vec![false; numel];
+    for m in &all {
+        let n = u64::from_le_bytes(m[..8].try_into().expect("8 bytes")) as usize;
+        let descs: Vec<ChunkDesc> = serde_json::from_slice(&m[8..8 + n]).map_err(format_err)?;
+        let mut pos = 8 + n;
+        for d in descs {
+            let len = d.sizes.iter().product::<usize>() * es;
+            let fits = d.offsets.len() == shape.len()
+                && d.sizes.len() == shape.len()
+                && d.offsets.iter().zip(&d.sizes).zip(shape).all(|((o, z), n)| o + z <= *n)
+                && pos + len <= m.len();
+            if !fits {
+                return Err(CheckpointError::Inconsistent {
+                    what: format!(
+                        "{key}: a chunk of size {:?} at {:?} ({len} bytes at {pos} of {}) in shape {shape:?}",
+                        d.sizes, d.offsets, m.len()
+                    ),
+                });
+            }
+            if d.sizes.is_empty() {
+                buf.copy_from_slice(&m[pos..pos + es]);
+                covered.iter_mut().for_each(|c| *c = true);
+            } else if len > 0 {
+                let origin = vec![0; d.sizes.len()];
+                let src = &m[pos..pos + len];
+                copy_box(
+                    src, &d.offsets, &d.sizes, &mut buf, &origin, shape, &d.offsets, &d.sizes, es,
+                );
+                mark(&mut covered, shape, &d.offsets, &d.sizes);
+            }
+            pos += len;
+        }
+    }
+    if let Some(i) = covered.iter().position(|c| !c) {
+        return Err(CheckpointError::Inconsistent {
+            what: format!("{key}: no rank holds element {i} of shape {shape:?}"),
+        });
+    }
+    Ok(Some(tensor_from_bytes(&buf, dtype, shape)?))
 }
 
 /// Marks the elements of a box as covered.
@@ -316,62 +302,53 @@ pub fn get_state_dict(
 }
 
 /// Rank 0's `state` on every rank: the keys and scalars, then each tensor broadcast.
+/// Rank 0's refusal (a sharded entry) reaches every rank as the same error.
 fn broadcast_state(state: StateDict, group: &ProcessGroup) -> Result<StateDict> {
     #[derive(Serialize, Deserialize)]
     enum Entry {
         Tensor(String, Vec<usize>),
-        Int(i64),
-        Float(u64),
-        Text(String),
+        Scalar(Scalar),
     }
-    let entries: Vec<(String, Entry)> = if group.rank() == 0 {
-        state
-            .iter()
-            .map(|(k, v)| {
-                let e = match v {
-                    StateValue::Tensor(t) => {
-                        Entry::Tensor(dtype_name(t.dtype()).into(), t.dims().to_vec())
-                    }
-                    StateValue::Sharded(_) => {
-                        return Err(CheckpointError::Inconsistent {
-                            what: format!(
-                                "{k}: broadcast_from_rank0 needs whole tensors (full_state_dict)"
-                            ),
-                        })
-                    }
-                    StateValue::Int(i) => Entry::Int(*i),
-                    StateValue::Float(f) => Entry::Float(f.to_bits()),
-                    StateValue::Text(s) => Entry::Text(s.clone()),
-                };
-                Ok((k.clone(), e))
-            })
-            .collect::<Result<_>>()?
-    } else {
-        Vec::new()
+    let format_err = |e: serde_json::Error| CheckpointError::Format {
+        path: "state".into(),
+        what: e.to_string(),
     };
     let mine = if group.rank() == 0 {
-        serde_json::to_vec(&entries)
-            .map_err(|e| CheckpointError::Format { path: "state".into(), what: e.to_string() })?
+        let entries: std::result::Result<Vec<(String, Entry)>, String> = state
+            .iter()
+            .map(|(k, v)| match v {
+                StateValue::Tensor(t) => {
+                    Ok((k.clone(), Entry::Tensor(t.dtype().name().into(), t.dims().to_vec())))
+                }
+                StateValue::Sharded(_) => {
+                    Err(format!("{k}: broadcast_from_rank0 needs whole tensors (full_state_dict)"))
+                }
+                other => Ok((k.clone(), Entry::Scalar(scalar_of(other).expect("a scalar")))),
+            })
+            .collect();
+        serde_json::to_vec(&entries).map_err(format_err)?
     } else {
         Vec::new()
     };
     let all = all_gather_bytes(group, &mine)?;
-    let entries: Vec<(String, Entry)> = serde_json::from_slice(&all[0])
-        .map_err(|e| CheckpointError::Format { path: "state".into(), what: e.to_string() })?;
+    let entries: std::result::Result<Vec<(String, Entry)>, String> =
+        serde_json::from_slice(&all[0]).map_err(format_err)?;
+    let entries = entries.map_err(|what| CheckpointError::Inconsistent { what })?;
     let mut out = StateDict::new();
     for (k, e) in entries {
         let v = match e {
             Entry::Tensor(dtype, shape) => {
-                let dtype = dtype_of(&dtype).unwrap_or(DType::F32);
+                let dtype = dtype_of(&dtype).ok_or_else(|| CheckpointError::Format {
+                    path: "state".into(),
+                    what: format!("{k}: unknown dtype {dtype:?}"),
+                })?;
                 let t = match state.get(&k) {
                     Some(StateValue::Tensor(t)) if group.rank() == 0 => t.to_device(Device::Cpu)?,
                     _ => Tensor::zeros(shape, dtype, Device::Cpu)?,
                 };
                 StateValue::Tensor(if group.size() > 1 { group.broadcast(&t, 0)? } else { t })
             }
-            Entry::Int(i) => StateValue::Int(i),
-            Entry::Float(b) => StateValue::Float(f64::from_bits(b)),
-            Entry::Text(s) => StateValue::Text(s),
+            Entry::Scalar(s) => value_of(s),
         };
         out.insert(k, v);
     }

@@ -55,6 +55,11 @@ fn take_param_tensor(state: &mut StateDict, name: &str, field: &str, p: &Param) 
     Ok(t)
 }
 
+/// A loaded hyper-parameter the optimizer refuses.
+fn invalid_groups(e: tpar_nn::NnError) -> StateDictError {
+    StateDictError::Invalid { key: "param_groups".into(), what: e.to_string() }
+}
+
 fn non_negative_int(state: &mut StateDict, key: &str) -> SResult<u64> {
     let v = take_int(state, key)?;
     u64::try_from(v).map_err(|_| StateDictError::Invalid {
@@ -99,10 +104,7 @@ impl Stateful for AdamW {
             eps: take_float(&mut state, "param_groups.eps")?,
             weight_decay: take_float(&mut state, "param_groups.weight_decay")?,
         };
-        config.check().map_err(|e| StateDictError::Invalid {
-            key: "param_groups".into(),
-            what: e.to_string(),
-        })?;
+        config.check().map_err(invalid_groups)?;
         let mut loaded = Vec::with_capacity(self.params().len());
         for (name, p) in self.params() {
             let step = non_negative_int(&mut state, &format!("state.{name}.step"))?;
@@ -151,10 +153,7 @@ impl Stateful for Sgd {
             weight_decay: take_float(&mut state, "param_groups.weight_decay")?,
             nesterov: take_int(&mut state, "param_groups.nesterov")? != 0,
         };
-        config.check().map_err(|e| StateDictError::Invalid {
-            key: "param_groups".into(),
-            what: e.to_string(),
-        })?;
+        config.check().map_err(invalid_groups)?;
         let mut loaded = Vec::with_capacity(self.params().len());
         for (name, p) in self.params() {
             let has = take_int(&mut state, &format!("state.{name}.has_momentum_buffer"))? != 0;

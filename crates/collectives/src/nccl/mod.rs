@@ -12,16 +12,17 @@
 //! use tpar_collectives::{ProcessGroup, ReduceOp, Store};
 //! use tpar_tensor::Tensor;
 //!
-//! # fn job_store() -> Arc<dyn Store> { unimplemented!() }
-//! let store: Arc<dyn Store> = job_store(); // e.g. tpar_launch::EnvInit::store
-//! let (rank, world_size, local_rank) = (0, 2, 0);
-//! let timeout = Duration::from_secs(300);
-//! let world = ProcessGroup::nccl_world(store, rank, world_size, local_rank, timeout)?;
-//! let t = Tensor::from_vec(vec![rank as f32; 4], [4])?;
-//! let sum = world.all_reduce(&t, ReduceOp::Sum)?;
-//! let tp = world.new_group(&[0, 1])?; // every member calls it
-//! world.barrier()?; // before the process hosting the store exits
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! // `store`: the job's store (e.g. from `tpar_launch::EnvInit`), shared by every process.
+//! fn run(store: Arc<dyn Store>, rank: usize, world_size: usize, local_rank: usize)
+//!     -> Result<(), Box<dyn std::error::Error>> {
+//!     let timeout = Duration::from_secs(300);
+//!     let world = ProcessGroup::nccl_world(store, rank, world_size, local_rank, timeout)?;
+//!     let t = Tensor::from_vec(vec![rank as f32; 4], [4])?;
+//!     let sum = world.all_reduce(&t, ReduceOp::Sum)?;
+//!     let tp = world.new_group(&[0, 1])?; // every member calls it
+//!     world.barrier()?; // before the process hosting the store exits
+//!     Ok(())
+//! }
 //! ```
 //!
 //! # Availability
