@@ -1,0 +1,10 @@
+//! Pipeline parallelism: a model cut into stages across the ranks of a `pp` mesh axis,
+//! a batch cut into micro-batches, and schedules (GPipe, 1F1B, interleaved 1F1B,
+//! zero-bubble) that say which rank runs which micro-batch's forward and backward when,
+//! as `torch.distributed.pipelining` does.
+#![warn(missing_docs)]
+
+mod error;
+pub mod schedule;
+
+pub use error::{PipelineError, Result};
