@@ -50,6 +50,9 @@ pub enum Error {
     /// From the data pipeline (files, tokenizers, sampler, batches).
     #[error(transparent)]
     Data(#[from] tpar_data::DataError),
+    /// From a pipeline: its stages, schedule, split or a step (a failed stage is named).
+    #[error(transparent)]
+    Pipeline(#[from] tpar_pipeline::PipelineError),
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] tpar_checkpoint::CheckpointError),

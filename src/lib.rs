@@ -26,6 +26,7 @@ pub use tpar_models as models;
 pub use tpar_nn as nn;
 pub use tpar_optim as optim;
 pub use tpar_parallel_styles as parallel;
+pub use tpar_pipeline as pipeline;
 pub use tpar_placements as placements;
 pub use tpar_tensor as tensor;
 
@@ -52,20 +53,24 @@ pub mod prelude {
     pub use tpar_dtensor::{distribute_tensor, DTensor, DTensorError};
     pub use tpar_mesh::{DeviceMesh, DeviceType, MeshError};
     pub use tpar_models::llama_plans::{
-        megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
+        megatron_layer_plan, parallelize_llama, parallelize_llama_stage,
+        sequence_parallel_layer_plan, top_level_plan,
     };
-    pub use tpar_models::{LlamaConfig, LlamaForPretraining};
+    pub use tpar_models::{LlamaConfig, LlamaForPretraining, LlamaStage};
     pub use tpar_nn::{
         call, named_parameters, parameters, reset_parameters, Args, Module, NnError, Param, Value,
     };
     pub use tpar_optim::{
-        clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler, Optimizer,
+        clip_grad_norm, clip_grad_norm_pp, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler, Optimizer,
         SequentialLR, Sgd, SgdConfig, ZeroRedundancyOptimizer,
     };
     pub use tpar_parallel_styles::{
         explain, fully_shard, loss_parallel, parallelize_module, unshard, ColwiseParallel,
         DataParallel, FsdpConfig, MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput,
         PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    };
+    pub use tpar_pipeline::{
+        PipelineError, PipelineSchedule, PipelineStage, Schedule, ScheduleKind,
     };
     pub use tpar_placements::{Placement, PlacementError};
     pub use tpar_tensor::{no_grad, DType, Device, Rng, RopeLayout, Shape, Tensor, TensorError};

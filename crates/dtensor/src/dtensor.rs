@@ -212,6 +212,17 @@ impl DTensor {
     /// contributions add up to exactly one gradient; on `Partial(sum)` dims every rank
     /// seeds 1 (and `1/k` on `Partial(avg)` dims).
     pub fn backward(&self) -> Result<()> {
+        let seed = self.backward_seed()?;
+        Ok(self.local.backward_with(&seed)?)
+    }
+
+    /// The gradient [`backward`](Self::backward) seeds this rank's local tensor with: ones
+    /// on the rank that counts a `Replicate` loss (coordinate 0 of each replicated mesh
+    /// dim) and zeros elsewhere, divided by the dim's size on `Partial(avg)` dims. A
+    /// pipeline schedule uses it to run the backward itself (split, or scaled per
+    /// micro-batch). A loss with more than one element, or `Partial(max | min)`, is an
+    /// error.
+    pub fn backward_seed(&self) -> Result<Tensor> {
         if self.local.numel() != 1 {
             return Err(DTensorError::InvalidArgument {
                 op: "backward",
@@ -234,8 +245,7 @@ impl DTensor {
                 _ => {}
             }
         }
-        let g = Tensor::full(self.local.shape().clone(), seed, self.dtype(), self.local.device())?;
-        Ok(self.local.backward_with(&g)?)
+        Ok(Tensor::full(self.local.shape().clone(), seed, self.dtype(), self.local.device())?)
     }
 
     /// The accumulated gradient of a parameter as a `DTensor` with the parameter's

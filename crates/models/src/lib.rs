@@ -25,9 +25,11 @@
 #![warn(missing_docs)]
 
 pub mod llama;
+mod llama_pipeline;
 pub mod llama_plans;
 
 pub use llama::{
     causal_padding_mask, LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaForPretraining,
     LlamaMLP, LlamaModel, RopeTables, RotaryPositionEncoding,
 };
+pub use llama_pipeline::{LlamaStage, LlamaStageModel};

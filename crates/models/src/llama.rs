@@ -232,6 +232,27 @@ fn check_additive_mask(m: &Tensor, batch: usize, seq: usize) -> Result<()> {
     Ok(())
 }
 
+/// The additive mask attention gets from a model input: `None` (plain causal: no mask
+/// tensor), a `[b, s]` padding mask (made causal + padding by [`causal_padding_mask`]),
+/// or an additive `[b, 1, s, s]` float mask used as given; in `dtype` on `device`.
+pub(crate) fn attention_mask(
+    given: Option<&Tensor>,
+    b: usize,
+    s: usize,
+    dtype: DType,
+    device: Device,
+) -> Result<Option<Tensor>> {
+    given
+        .map(|m| -> Result<Tensor> {
+            if m.rank() == 4 {
+                check_additive_mask(m, b, s)?;
+                return Ok(m.to_dtype(dtype)?.to_device(device)?);
+            }
+            Ok(causal_padding_mask(Some(m), b, s, dtype)?.to_device(device)?)
+        })
+        .transpose()
+}
+
 /// Grouped-query self-attention with RoPE. The head counts are read from the
 /// projections' outputs (this rank's heads when a plan hands on local shards), so a
 /// head-sharded plan needs no change here.
@@ -301,16 +322,23 @@ impl Module for LlamaAttention {
                 what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
             });
         }
-        if rope.cos.dims()[0] != s {
+        // Tables for more positions (a pipeline stage passes the whole tables) are cut to
+        // the sequence.
+        if rope.cos.dims()[0] < s {
             return Err(NnError::BadInput {
                 module: who.into(),
                 what: format!("RoPE tables for {} positions, sequence has {s}", rope.cos.dims()[0]),
             });
         }
+        let (cos, sin) = if rope.cos.dims()[0] == s {
+            (rope.cos.clone(), rope.sin.clone())
+        } else {
+            (rope.cos.narrow(0, 0, s)?, rope.sin.narrow(0, 0, s)?)
+        };
         // The tables and the mask are built in the model's (master) dtype; under mixed
         // precision the activations are narrower (bf16), so cast them as HF's Llama does.
         let act = q.dtype()?;
-        let (cos, sin) = (rope.cos.to_dtype(act)?, rope.sin.to_dtype(act)?);
+        let (cos, sin) = (cos.to_dtype(act)?, sin.to_dtype(act)?);
         let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
         let q = q.rope(&cos, &sin, RopeLayout::Bhsd)?;
         let k = k.rope(&cos, &sin, RopeLayout::Bhsd)?;
@@ -539,16 +567,7 @@ impl Module for LlamaModel {
         let (b, s) = (ids.dims()[0], ids.dims()[1]);
         let pad = args.get(1).into_optional_tensor("LlamaModel")?;
         let device = ids.device();
-        let mask = pad
-            .as_ref()
-            .map(|m| -> Result<Tensor> {
-                if m.rank() == 4 {
-                    check_additive_mask(m, b, s)?;
-                    return Ok(m.to_dtype(self.dtype)?.to_device(device)?);
-                }
-                Ok(causal_padding_mask(Some(m), b, s, self.dtype)?.to_device(device)?)
-            })
-            .transpose()?;
+        let mask = attention_mask(pad.as_ref(), b, s, self.dtype, device)?;
         let rope = Value::Opaque(Arc::new(self.rotary_emb.tables_on(s, device)?));
         let x = call(&self.embed_tokens, Args::new(vec![args.get(0)]))?;
         let mask = mask.map(Value::Tensor).unwrap_or(Value::None);

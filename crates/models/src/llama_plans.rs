@@ -8,7 +8,7 @@ use tpar_parallel_styles::{
     PrepareModuleInput, Result, RowwiseParallel, SequenceParallel, StyleLayouts,
 };
 
-use crate::LlamaForPretraining;
+use crate::{LlamaForPretraining, LlamaStage};
 
 /// The top-level plan shared by both layer plans: vocab-parallel embedding producing
 /// sequence-sharded activations, sequence-parallel final norm, and a colwise lm_head
@@ -108,6 +108,35 @@ pub fn parallelize_llama_with(
         apply_plan(layer, &format!("base_model.layers.{i}"), tp_mesh, layer_plan)?;
     }
     apply_plan(model, "", tp_mesh, top_plan)
+}
+
+/// [`parallelize_llama_with`] for one pipeline stage: `layer_plan` on each of the
+/// stage's decoder layers, and the entries of `top_plan` whose module the stage holds
+/// (the embedding on the first stage, the norm and head on the last). Everything is
+/// checked as for the whole model first: keys against the whole model (a key no stage
+/// has is an error with the nearest names, a key another stage has is skipped here), and
+/// the layouts where the stage's modules meet, on a meta-device copy of the whole model.
+pub fn parallelize_llama_stage(
+    stage: &mut LlamaStage,
+    tp_mesh: &DeviceMesh,
+    layer_plan: &ParallelizePlan,
+    top_plan: &ParallelizePlan,
+) -> Result<()> {
+    let whole = LlamaForPretraining::new(&stage.config, tpar_tensor::Device::Meta)?;
+    if let Some(layer) = whole.base_model.layers.items.first() {
+        check_plan(layer, tp_mesh, layer_plan)?;
+    }
+    check_plan(&whole, tp_mesh, top_plan)?;
+    check_llama_plan(&whole, layer_plan, top_plan)?;
+    let present: Vec<String> =
+        tpar_nn::named_modules(&*stage).into_iter().map(|(n, _)| n).collect();
+    let top = top_plan.filtered(|k| present.iter().any(|fqn| matches(k, fqn)));
+    check_plan(&*stage, tp_mesh, &top)?;
+    let first = stage.base_model.layers.first_index();
+    for (i, layer) in stage.base_model.layers.items.iter_mut().enumerate() {
+        apply_plan(layer, &format!("base_model.layers.{}", first + i), tp_mesh, layer_plan)?;
+    }
+    apply_plan(stage, "", tp_mesh, &top)
 }
 
 /// Checks statically that the layouts of adjacent modules meet under `layer_plan` (per

@@ -183,12 +183,25 @@ pub struct ModuleList<M: Module> {
     core: ModuleCore,
     /// The modules.
     pub items: Vec<M>,
+    first: usize,
 }
 
 impl<M: Module> ModuleList<M> {
-    /// A list of modules.
+    /// A list of modules, named `0`, `1`, ...
     pub fn new(items: Vec<M>) -> Self {
-        ModuleList { core: ModuleCore::default(), items }
+        Self::starting_at(0, items)
+    }
+
+    /// A list of modules named `first`, `first + 1`, ...: a slice of a longer list that
+    /// keeps the longer list's names (a pipeline stage's share of the decoder layers is
+    /// `layers.4` to `layers.7`, so plans and checkpoints keyed by FQN still match).
+    pub fn starting_at(first: usize, items: Vec<M>) -> Self {
+        ModuleList { core: ModuleCore::default(), items, first }
+    }
+
+    /// The name (index) of the first module.
+    pub fn first_index(&self) -> usize {
+        self.first
     }
 }
 
@@ -212,14 +225,20 @@ impl<M: Module> Module for ModuleList<M> {
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {
-        self.items.iter().enumerate().map(|(i, m)| (i.to_string(), m as &dyn Module)).collect()
+        let first = self.first;
+        self.items
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ((first + i).to_string(), m as &dyn Module))
+            .collect()
     }
 
     fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let first = self.first;
         self.items
             .iter_mut()
             .enumerate()
-            .map(|(i, m)| (i.to_string(), m as &mut dyn Module))
+            .map(|(i, m)| ((first + i).to_string(), m as &mut dyn Module))
             .collect()
     }
 

@@ -109,14 +109,34 @@ impl Value {
     /// rank of the scope's mesh (`Replicate`), so the ranks' gradient contributions add
     /// up to one gradient however many ranks computed it.
     pub fn backward(&self) -> Result<()> {
+        let (root, seed) = self.backward_seed()?;
+        Ok(root.backward_with(&seed)?)
+    }
+
+    /// The local tensor [`backward`](Self::backward) starts from and the gradient it seeds
+    /// it with (ones for a plain loss; a DTensor's [`DTensor::backward_seed`]; inside a
+    /// [`replicated_loss_scope`], a plain loss's seed as a `Replicate` DTensor over the
+    /// scope's mesh). A pipeline schedule runs the backward from these itself.
+    pub fn backward_seed(&self) -> Result<(Tensor, Tensor)> {
+        let one = |t: &Tensor| -> Result<Tensor> {
+            if t.numel() != 1 {
+                return Err(tpar_tensor::TensorError::Autograd(format!(
+                    "backward() needs a one-element output, got shape {}; use backward_with",
+                    t.shape()
+                ))
+                .into());
+            }
+            Ok(Tensor::full(t.shape().clone(), 1.0, t.dtype(), t.device())?)
+        };
         match self {
-            Value::DTensor(d) => Ok(d.backward()?),
+            Value::DTensor(d) => Ok((d.local().clone(), d.backward_seed()?)),
             Value::Tensor(t) => match REPLICATED_LOSS_MESH.with(|m| m.borrow().last().cloned()) {
                 Some(mesh) => {
                     let rep = vec![Placement::Replicate; mesh.ndim()];
-                    Ok(DTensor::from_local(t, &mesh, &rep, Some(t.dims()))?.backward()?)
+                    let d = DTensor::from_local(t, &mesh, &rep, Some(t.dims()))?;
+                    Ok((t.clone(), d.backward_seed()?))
                 }
-                None => Ok(t.backward()?),
+                None => Ok((t.clone(), one(t)?)),
             },
             other => Err(not_a_tensor("backward", other)),
         }

@@ -862,6 +862,17 @@ pub fn sum_over_groups(parts: &[(Vec<ProcessGroup>, f64)]) -> Result<f64> {
 /// A non-finite norm is returned as it is: an infinite norm zeroes the gradients (as
 /// torch's), a NaN norm leaves them unscaled; a trainer should skip such a step.
 pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
+    clip_grad_norm_over(params, max_norm, None)
+}
+
+/// [`clip_grad_norm`] for a pipeline stage: `params` are this rank's stages' parameters
+/// and the norm is over every stage's, the sums of squares being added up over the `pp`
+/// group as well (one more scalar all_reduce). Every rank of the pp group calls it.
+pub fn clip_grad_norm_pp(params: &[Param], max_norm: f64, pp: &ProcessGroup) -> Result<f64> {
+    clip_grad_norm_over(params, max_norm, Some(pp))
+}
+
+fn clip_grad_norm_over(params: &[Param], max_norm: f64, pp: Option<&ProcessGroup>) -> Result<f64> {
     if !non_negative(max_norm) {
         return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
     }
@@ -901,7 +912,12 @@ pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
             parts[*i].1 = f64::from(s);
         }
     }
-    let total = sum_over_groups(&parts)?.sqrt();
+    let mut total_sq = sum_over_groups(&parts)?;
+    if let Some(pp) = pp {
+        let t = Tensor::scalar(total_sq, DType::F64);
+        total_sq = pp.all_reduce(&t, ReduceOp::Sum)?.item()?;
+    }
+    let total = total_sq.sqrt();
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         for (p, g) in grads {

@@ -56,6 +56,14 @@ impl ParallelizePlan {
     pub fn entries(&self) -> &[(String, Arc<dyn ParallelStyle>)] {
         &self.entries
     }
+
+    /// The plan with only the entries whose key `keep` accepts, in the same order (e.g.
+    /// the part of a whole model's plan that concerns one pipeline stage).
+    pub fn filtered(&self, keep: impl Fn(&str) -> bool) -> ParallelizePlan {
+        ParallelizePlan {
+            entries: self.entries.iter().filter(|(k, _)| keep(k)).cloned().collect(),
+        }
+    }
 }
 
 /// Whether `fqn` matches `pattern` (`*` matches one segment).

@@ -6,5 +6,11 @@
 
 mod error;
 pub mod schedule;
+mod runner;
+mod split;
+mod stage;
 
 pub use error::{PipelineError, Result};
+pub use runner::{LossFn, PipelineSchedule};
+pub use split::split_blocks;
+pub use stage::PipelineStage;
