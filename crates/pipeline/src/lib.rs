@@ -8,3 +8,7 @@ mod error;
 pub mod schedule;
 
 pub use error::{PipelineError, Result};
+pub use schedule::{
+    classic_bubble, Action, Costs, Message, MessageKind, Phase, Schedule, ScheduleKind, Span,
+    Timeline,
+};
