@@ -8,18 +8,21 @@
 //!
 //! * [`ScheduleKind`] names the generated schedules: GPipe, 1F1B, interleaved 1F1B
 //!   (several virtual stages per rank) and zero-bubble ZB-H1 (split backward).
-//!   [`Schedule::from_actions`] takes any other action lists and checks them.
+//!   [`Schedule::from_actions`] takes any other action lists and checks them; lists
+//!   that cannot run (every unfinished rank waits on another) are a
+//!   [`PipelineError::Deadlock`] naming each stuck rank and what it waits for.
 //! * Stage `s` lives on rank `s % pp` ([`Schedule::rank_of_stage`]), so rank `r` holds
 //!   stages `r, r + pp, r + 2 pp, …` ([`Schedule::stages_of_rank`]).
 //! * [`Schedule::messages`] lists, in order, what one rank sends another: sends are
 //!   eager (a message leaves when the action that produced it ends), receives block at
 //!   the start of the action that consumes them, and the messages between two ranks are
 //!   FIFO without tags, so this list is how an executor tells them apart.
-//!   [`Schedule::send`] and [`Schedule::recv`] give the message of a single action.
+//!   [`Schedule::send`] and [`Schedule::recv`] give the message an action sends or
+//!   waits for, [`Schedule::producer`] and [`Schedule::consumer`] the actions at either
+//!   end of a message.
 //! * [`Schedule::simulate`] runs the lists against per-action [`Costs`] and gives a
 //!   [`Timeline`]: its makespan, bubble fraction and a text chart
-//!   ([`Timeline::render`]). A set of lists that cannot run (every unfinished rank
-//!   waits on another) is a [`PipelineError::Deadlock`].
+//!   ([`Timeline::render`]).
 //!
 //! # Dependencies
 //!
@@ -49,7 +52,6 @@
 //! # Ok::<(), tpar_pipeline::PipelineError>(())
 //! ```
 
-use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 
@@ -71,7 +73,8 @@ pub enum ScheduleKind {
     /// micro-batches' activations.
     OneFOneB,
     /// Interleaved 1F1B (Narayanan et al., Megatron-LM): each rank holds several
-    /// virtual stages, which shrinks the bubble by that factor.
+    /// virtual stages (stage `s` on rank `s % pp`), which shrinks the bubble by that
+    /// factor once there are at least `pp` micro-batches. Any micro-batch count works.
     Interleaved1F1B,
     /// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): the backward split into
     /// an input-gradient part, on the critical path, and a weight-gradient part that
@@ -228,18 +231,6 @@ pub struct Message {
     pub microbatch: usize,
 }
 
-impl Message {
-    /// The action on the receiving rank that consumes the message: `F` of
-    /// `(stage, microbatch)` for an activation; for a gradient the phase given, `B` or
-    /// `I`, whichever the receiving stage runs.
-    pub fn consumer(&self, backward: Phase) -> Action {
-        match self.kind {
-            MessageKind::Activation => Action::new(self.stage, self.microbatch, Phase::F),
-            MessageKind::Gradient => Action::new(self.stage, self.microbatch, backward),
-        }
-    }
-}
-
 impl fmt::Display for Message {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match self.kind {
@@ -294,8 +285,9 @@ impl Default for Costs {
     }
 }
 
-/// The bubble fraction of GPipe and 1F1B when a forward costs 1 and a backward 2 (any
-/// fixed ratio): `(pp - 1) / (n_microbatches + pp - 1)`.
+/// The bubble fraction of GPipe and 1F1B with the same costs on every stage, whatever
+/// the ratio of forward to backward: `(pp - 1) / (n_microbatches + pp - 1)` (0 when
+/// `pp` is 0).
 pub fn classic_bubble(pp: usize, n_microbatches: usize) -> f64 {
     let idle = pp.saturating_sub(1) as f64;
     let total = (n_microbatches + pp.saturating_sub(1)) as f64;
@@ -317,6 +309,9 @@ pub struct Schedule {
     stages_per_rank: usize,
     n_microbatches: usize,
     actions: Vec<Vec<Action>>,
+    /// By `stage * n_microbatches + microbatch`: whether that backward is split into
+    /// `I` and `W` (filled in by `checked`).
+    split: Vec<bool>,
 }
 
 impl Schedule {
@@ -363,11 +358,11 @@ impl Schedule {
             stages_per_rank,
             n_microbatches,
             actions,
+            split: Vec::new(),
         };
         // A generated schedule failing its check is a bug here; report it rather than
         // let an executor hang on it.
-        schedule.validate()?;
-        Ok(schedule)
+        schedule.checked()
     }
 
     /// A schedule from given action lists, one per rank, checked like the generated
@@ -380,16 +375,16 @@ impl Schedule {
         actions: Vec<Vec<Action>>,
     ) -> Result<Schedule> {
         check_sizes(kind_name, pp, stages_per_rank, n_microbatches)?;
-        let schedule = Schedule {
+        Schedule {
             kind: None,
             name: kind_name.to_string(),
             pp,
             stages_per_rank,
             n_microbatches,
             actions,
-        };
-        schedule.validate()?;
-        Ok(schedule)
+            split: Vec::new(),
+        }
+        .checked()
     }
 
     /// The generated kind, `None` for a schedule from [`Schedule::from_actions`].
@@ -422,9 +417,23 @@ impl Schedule {
         self.n_microbatches
     }
 
-    /// Whether any action is an [`Phase::I`] / [`Phase::W`] split backward.
+    /// Whether any backward is split into [`Phase::I`] and [`Phase::W`].
     pub fn splits_backward(&self) -> bool {
-        self.actions.iter().flatten().any(|a| a.phase == Phase::I)
+        self.split.iter().any(|&s| s)
+    }
+
+    /// The phase that computes the input gradient of `(stage, microbatch)`:
+    /// [`Phase::I`] where that backward is split, [`Phase::B`] otherwise.
+    ///
+    /// # Panics
+    /// If the stage or micro-batch is out of range.
+    pub fn backward_phase(&self, stage: usize, microbatch: usize) -> Phase {
+        assert!(stage < self.num_stages() && microbatch < self.n_microbatches);
+        if self.split[stage * self.n_microbatches + microbatch] {
+            Phase::I
+        } else {
+            Phase::B
+        }
     }
 
     /// The rank holding `stage`: `stage % pp`.
@@ -478,6 +487,37 @@ impl Schedule {
         (from != self.rank_of_stage(stage)).then_some((from, Message { kind, stage, microbatch }))
     }
 
+    /// The action that sends `message`: `F` of the stage before for an activation, the
+    /// `B` or `I` of the stage after for a gradient.
+    ///
+    /// # Panics
+    /// If no action sends it (a first stage's activation, a last stage's gradient, or
+    /// out of range).
+    pub fn producer(&self, message: Message) -> Action {
+        let Message { kind, stage, microbatch } = message;
+        match kind {
+            MessageKind::Activation => Action::new(stage - 1, microbatch, Phase::F),
+            MessageKind::Gradient => {
+                Action::new(stage + 1, microbatch, self.backward_phase(stage + 1, microbatch))
+            }
+        }
+    }
+
+    /// The action that waits for `message`: `F` of its stage for an activation, its
+    /// `B` or `I` for a gradient.
+    ///
+    /// # Panics
+    /// If the stage or micro-batch is out of range.
+    pub fn consumer(&self, message: Message) -> Action {
+        let Message { kind, stage, microbatch } = message;
+        match kind {
+            MessageKind::Activation => Action::new(stage, microbatch, Phase::F),
+            MessageKind::Gradient => {
+                Action::new(stage, microbatch, self.backward_phase(stage, microbatch))
+            }
+        }
+    }
+
     /// The messages `from` sends `to`, in the order `from` sends them (the order of its
     /// list); empty when `from == to`.
     pub fn messages(&self, from: usize, to: usize) -> Vec<Message> {
@@ -514,9 +554,22 @@ impl Schedule {
     /// when its rank is free and its dependencies have ended.
     ///
     /// # Errors
+    /// [`PipelineError::Schedule`] for a negative or non-finite cost. (A deadlock,
     /// [`PipelineError::Deadlock`] naming each unfinished rank and the action it waits
-    /// at, when no rank can go on (only for lists not checked by construction).
+    /// at, does not depend on the costs and is refused when the schedule is made.)
     pub fn simulate(&self, costs: &Costs) -> Result<Timeline> {
+        for (what, value) in [
+            ("forward", costs.forward),
+            ("backward_input", costs.backward_input),
+            ("backward_weight", costs.backward_weight),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(PipelineError::Schedule {
+                    schedule: self.name.clone(),
+                    what: format!("costs must be finite and non-negative, got {what} {value}"),
+                });
+            }
+        }
         Simulation::new(self).run(costs)
     }
 
@@ -530,7 +583,7 @@ impl Schedule {
 
     /// Checks the lists: shape, every action on its stage's rank, one forward and one
     /// backward per `(stage, micro-batch)`, and no deadlock.
-    fn validate(&self) -> Result<()> {
+    fn checked(mut self) -> Result<Self> {
         let err = |what: String| PipelineError::Schedule { schedule: self.name.clone(), what };
         if self.actions.len() != self.pp {
             return Err(err(format!(
@@ -600,7 +653,9 @@ impl Schedule {
                 }
             }
         }
-        self.simulate(&Costs::unit()).map(|_| ())
+        self.split = counts.iter().map(|c| c[Phase::I as usize] == 1).collect();
+        self.simulate(&Costs::unit())?;
+        Ok(self)
     }
 }
 
@@ -642,26 +697,16 @@ struct Simulation<'a> {
     grad_end: Vec<Option<f64>>,
     /// End of `I` alone (what `W` waits for).
     input_end: Vec<Option<f64>>,
-    /// The `(stage, micro-batch)` pairs whose backward is split.
-    split: HashSet<(usize, usize)>,
 }
 
 impl<'a> Simulation<'a> {
     fn new(schedule: &'a Schedule) -> Self {
         let len = schedule.num_stages() * schedule.n_microbatches;
-        let split = schedule
-            .actions
-            .iter()
-            .flatten()
-            .filter(|a| a.phase == Phase::I)
-            .map(|a| (a.stage, a.microbatch))
-            .collect();
         Simulation {
             schedule,
             forward_end: vec![None; len],
             grad_end: vec![None; len],
             input_end: vec![None; len],
-            split,
         }
     }
 
@@ -683,7 +728,7 @@ impl<'a> Simulation<'a> {
             Phase::B | Phase::I => {
                 deps[0] = Some((Action::new(s, m, Phase::F), self.forward_end[self.index(s, m)]));
                 if s < last {
-                    let phase = if self.split.contains(&(s + 1, m)) { Phase::I } else { Phase::B };
+                    let phase = self.schedule.backward_phase(s + 1, m);
                     deps[1] =
                         Some((Action::new(s + 1, m, phase), self.grad_end[self.index(s + 1, m)]));
                 }

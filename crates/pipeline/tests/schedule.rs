@@ -254,9 +254,8 @@ fn messages_match_what_ranks_produce_and_consume() {
                 assert_eq!(s.recv(a), consumed_input(&s, rank, a));
                 if let Some((to, m)) = s.send(a) {
                     assert_ne!(to, rank);
-                    let consumer =
-                        m.consumer(if s.splits_backward() { Phase::I } else { Phase::B });
-                    assert_eq!(s.recv(consumer), Some((rank, m)), "{}: {a}", describe(&s));
+                    assert_eq!(s.producer(m), a);
+                    assert_eq!(s.recv(s.consumer(m)), Some((rank, m)), "{}: {a}", describe(&s));
                 }
             }
         }
@@ -515,6 +514,30 @@ fn timeline_measures() {
     let row = chart.lines().next().unwrap();
     assert_eq!(row.split_whitespace().count(), 3 + 120, "{chart}");
     assert!(chart.ends_with("makespan 0.7500, bubble 66.7%\n"), "{chart}");
+}
+
+#[test]
+fn costs_must_be_finite_and_non_negative() {
+    let s = build(ScheduleKind::OneFOneB, 2, 2);
+    for costs in [Costs::new(-1.0, 1.0, 1.0), Costs::new(1.0, f64::NAN, 1.0)] {
+        let err = s.simulate(&costs).unwrap_err();
+        assert!(matches!(err, PipelineError::Schedule { .. }), "{err}");
+        assert!(err.to_string().contains("finite and non-negative"), "{err}");
+    }
+    assert_eq!(Costs::default(), Costs::unit());
+    assert_eq!(Costs::unit().of(Phase::B), 2.0);
+}
+
+#[test]
+fn large_schedules_build_quickly() {
+    let start = std::time::Instant::now();
+    for kind in ScheduleKind::ALL {
+        let s = Schedule::new(kind, 32, 256).unwrap();
+        assert!(s.bubble() < 0.2, "{kind}");
+    }
+    let s = Schedule::build(ScheduleKind::Interleaved1F1B, 32, 4, 256).unwrap();
+    assert!((s.bubble() - 31.0 / (4.0 * 256.0 + 31.0)).abs() < EPS);
+    assert!(start.elapsed().as_secs_f64() < 5.0, "{:?}", start.elapsed());
 }
 
 #[test]
