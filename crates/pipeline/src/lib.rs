@@ -14,3 +14,7 @@ pub use error::{PipelineError, Result};
 pub use runner::{LossFn, PipelineSchedule};
 pub use split::split_blocks;
 pub use stage::PipelineStage;
+pub use schedule::{
+    classic_bubble, Action, Costs, Message, MessageKind, Phase, Schedule, ScheduleKind, Span,
+    Timeline,
+};
