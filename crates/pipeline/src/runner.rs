@@ -8,6 +8,7 @@ use std::time::Instant;
 use tpar_collectives::ProcessGroup;
 use tpar_nn::{call, Args, Param, Value};
 use tpar_tensor::autograd::{backward_input, WeightGrad};
+use tpar_tensor::state::{StateDict, StateDictError};
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::{
@@ -188,12 +189,15 @@ impl PipelineSchedule {
         let actions = self.schedule.actions(self.group.rank()).to_vec();
         let mut spans = Vec::with_capacity(actions.len());
         for a in actions {
-            let start = base + t0.elapsed().as_secs_f64();
+            let before = Instant::now();
             run.action(self, &batch, a).map_err(|e| match e {
                 PipelineError::Stage { .. } | PipelineError::Collective(_) => e,
                 other => PipelineError::Stage { stage: a.stage, what: format!("{a}: {other}") },
             })?;
-            spans.push(Span { action: a, start, end: base + t0.elapsed().as_secs_f64() });
+            // An action's span starts once its inputs are in (waiting is bubble).
+            let start = run.ready.take().unwrap_or(before);
+            let at = |t: Instant| base + t.duration_since(t0).as_secs_f64();
+            spans.push(Span { action: a, start: at(start), end: at(Instant::now()) });
         }
         self.timeline = spans;
         let mut losses = run.losses;
@@ -364,6 +368,8 @@ struct Run {
     expected: HashMap<usize, VecDeque<crate::Message>>,
     losses: Vec<(usize, f64)>,
     scale: f64,
+    /// When the running action had its inputs and began computing.
+    ready: Option<Instant>,
 }
 
 impl Run {
@@ -379,6 +385,7 @@ impl Run {
             arrived: HashMap::new(),
             expected,
             losses: Vec::new(),
+            ready: None,
             scale: 1.0 / p.schedule.n_microbatches() as f64,
         }
     }
@@ -464,6 +471,7 @@ impl Run {
             Phase::F => self.forward(p, batch, s, m),
             Phase::B | Phase::I => self.backward(p, s, m, a.phase == Phase::I),
             Phase::W => {
+                self.ready = Some(Instant::now());
                 let saved = self.saved.remove(&(s, m)).ok_or_else(|| missing(s, m, "W"))?;
                 if let Some(w) = saved.weight {
                     w.run()?;
@@ -481,6 +489,7 @@ impl Run {
             let t = self.fetch(p, MessageKind::Activation, s, m)?;
             Some(tpar_tensor::no_grad(|| t.detach()).requires_grad_(true))
         };
+        self.ready = Some(Instant::now());
         let x = match &input {
             Some(t) => t.clone(),
             None => batch.input[m].clone(),
@@ -519,6 +528,7 @@ impl Run {
         } else {
             Some(self.fetch(p, MessageKind::Gradient, s, m)?)
         };
+        self.ready = Some(Instant::now());
         let mut saved = self.saved.remove(&(s, m)).ok_or_else(|| missing(s, m, "backward"))?;
         let grad = match (grad, saved.seed.take()) {
             (Some(g), _) | (None, Some(g)) => g,
@@ -557,5 +567,31 @@ fn missing(s: usize, m: usize, what: &str) -> PipelineError {
     PipelineError::Stage {
         stage: s,
         what: format!("internal error: no saved state for micro-batch {m} at {what}"),
+    }
+}
+
+/// The model state of this rank's stages, as one checkpoint item (the stages' FQNs are
+/// the whole model's, so they never collide): saving it from every rank writes the whole
+/// model, and loading gives each stage exactly its own keys, strictly (a missing key, or
+/// one no stage of this rank has, is an error naming it).
+impl tpar_tensor::state::Stateful for PipelineSchedule {
+    fn state_dict(&self) -> std::result::Result<StateDict, StateDictError> {
+        let mut out = StateDict::new();
+        for s in &self.stages {
+            out.extend(tpar_nn::state_dict(s.module()).map_err(tpar_nn::state::into_state_err)?);
+        }
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, mut state: StateDict) -> std::result::Result<(), StateDictError> {
+        for s in &mut self.stages {
+            let names: Vec<String> =
+                tpar_nn::named_parameters(s.module()).into_iter().map(|(n, _)| n).collect();
+            let mine: StateDict =
+                names.iter().filter_map(|n| state.remove_entry(n)).collect();
+            tpar_nn::load_state_dict(s.module_mut(), mine, true)
+                .map_err(tpar_nn::state::into_state_err)?;
+        }
+        tpar_tensor::state::expect_empty(state)
     }
 }

@@ -1,0 +1,450 @@
+//! Pipeline-parallel Llama training: the model cut into stages over the `pp` mesh dim,
+//! each batch into micro-batches run by a schedule (GPipe, 1F1B, interleaved 1F1B or
+//! zero-bubble), composed with FSDP (or DDP) on `dp` and tensor + sequence parallelism
+//! on `tp`, on the embedded CPU backend (ranks as threads).
+//!
+//! Run: `cargo run --release --example llama_pp` (3 stages, 4 micro-batches, 1F1B);
+//! `-- --schedule zb --pp 2 --dp 2 --tp 2` for a 3-D mesh of 8 ranks; `-- --help` lists
+//! the flags. The rank of the last stage (dp 0, tp 0) reports progress; `--timeline`
+//! prints the last step's measured timeline next to the schedule's own simulation.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use tpar::pipeline::{Costs, Timeline};
+use tpar::prelude::*;
+use tpar::tensor::memory;
+use tpar::tensor::state::{expect_empty, take_float, take_int};
+
+#[global_allocator]
+static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
+
+/// Pipeline-parallel Llama training (pp x dp x tp ranks as threads).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "llama_pp", version)]
+struct Opts {
+    /// Pipeline schedule.
+    #[arg(long, value_enum, default_value_t = SchedArg::OneFOneB)]
+    schedule: SchedArg,
+    /// Pipeline-parallel degree (ranks on the pp mesh dim).
+    #[arg(long, default_value_t = 3)]
+    pp: usize,
+    /// Data-parallel degree (FSDP, or DDP with --no-fsdp).
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    /// Tensor-parallel degree (the sequence-parallel plan).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Stages per pp rank for the interleaved schedule.
+    #[arg(long, default_value_t = 2)]
+    stages_per_rank: usize,
+    /// Micro-batches per step.
+    #[arg(long, default_value_t = 4)]
+    microbatches: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Sequences per dp rank per step (a multiple of --microbatches).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 6)]
+    layers: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Key/value heads.
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    /// MLP width.
+    #[arg(long, default_value_t = 176)]
+    intermediate: usize,
+    /// Peak learning rate (linear warmup, then cosine to a tenth).
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Replicate parameters over dp and all-reduce gradients (DDP) instead of FSDP.
+    #[arg(long)]
+    no_fsdp: bool,
+    /// Seed of the parameters and the data order.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Training text (documents separated by blank lines, or JSON lines with "text").
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json (default: bytes).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Log every N steps.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: u64,
+    /// Print the last step's measured timeline and the schedule's simulated one.
+    #[arg(long)]
+    timeline: bool,
+    /// Checkpoint directory: the run resumes from the newest checkpoint there (every
+    /// stage's model, the optimizer, schedule, sampler and step) and saves one every
+    /// --save-every steps.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Save a checkpoint every N steps (and after the last one).
+    #[arg(long, default_value_t = 50, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    save_every: u64,
+    /// Write checkpoints in the background while training goes on.
+    #[arg(long, requires = "checkpoint_dir")]
+    async_save: bool,
+    /// Keep only the newest K checkpoints.
+    #[arg(long, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
+    keep: Option<u64>,
+    /// End the run after step N, as an interruption would (the LR schedule still spans
+    /// --steps); a later run with the same --checkpoint-dir resumes.
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Write the trained model as one safetensors file (FQN keys) at the end.
+    #[arg(long)]
+    export: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum SchedArg {
+    Gpipe,
+    #[value(name = "1f1b")]
+    OneFOneB,
+    Interleaved,
+    Zb,
+}
+
+impl SchedArg {
+    fn kind(self) -> ScheduleKind {
+        match self {
+            SchedArg::Gpipe => ScheduleKind::GPipe,
+            SchedArg::OneFOneB => ScheduleKind::OneFOneB,
+            SchedArg::Interleaved => ScheduleKind::Interleaved1F1B,
+            SchedArg::Zb => ScheduleKind::ZeroBubble,
+        }
+    }
+}
+
+/// The loop's own place in the run, checkpointed with the model.
+struct Progress {
+    step: usize,
+    first_loss: f64,
+}
+
+impl Stateful for Progress {
+    fn state_dict(&self) -> Result<StateDict, StateDictError> {
+        Ok(StateDict::from([
+            ("step".to_string(), StateValue::Int(self.step as i64)),
+            ("first_loss".to_string(), StateValue::Float(self.first_loss)),
+        ]))
+    }
+
+    fn load_state_dict(&mut self, mut state: StateDict) -> Result<(), StateDictError> {
+        self.step = take_int(&mut state, "step")?.max(0) as usize;
+        self.first_loss = take_float(&mut state, "first_loss")?;
+        expect_empty(state)
+    }
+}
+
+/// What one rank reports at the end.
+struct RankReport {
+    /// Whether this rank printed the losses (last stage, dp 0, tp 0).
+    reporter: bool,
+    first_loss: f64,
+    final_loss: f64,
+    tokens: usize,
+    seconds: f64,
+    peak_bytes: i64,
+    start_step: usize,
+    steps_run: usize,
+    /// Measured bubble fraction of the last step (over every pp rank).
+    bubble: f64,
+    /// The schedule's simulated bubble (equal F, I, W costs).
+    bubble_theory: f64,
+}
+
+fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
+    let rank = world.rank();
+    let mesh =
+        DeviceMesh::new(world, DeviceType::Cpu, &[o.pp, o.dp, o.tp], &["pp", "dp", "tp"])?;
+    let (pp_rank, dp_rank) = (mesh["pp"].local_rank(), mesh["dp"].local_rank());
+    let kind = o.schedule.kind();
+    let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
+    let num_stages = o.pp * per_rank;
+    let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
+    let cfg = LlamaConfig {
+        vocab_size: tokenizer.vocab_size(),
+        max_position_embeddings: o.seq,
+        hidden_size: o.hidden,
+        intermediate_size: o.intermediate,
+        num_hidden_layers: o.layers,
+        num_attention_heads: o.heads,
+        num_key_value_heads: o.kv_heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        dtype: DType::F32,
+    };
+
+    // This rank's stages (round-robin: r, r + pp, ...), each built on the meta device
+    // with only its own layers, then parallelized and materialized.
+    let mut stages = Vec::new();
+    let mut ddps = Vec::new();
+    for j in 0..per_rank {
+        let index = pp_rank + j * o.pp;
+        let mut stage = LlamaStage::for_stage(&cfg, index, num_stages, None, Device::Meta)?;
+        if o.tp > 1 {
+            let plan = sequence_parallel_layer_plan();
+            parallelize_llama_stage(&mut stage, &mesh["tp"], &plan, &top_level_plan())?;
+        }
+        if !o.no_fsdp && o.dp > 1 {
+            for layer in &mut stage.base_model.layers.items {
+                fully_shard(layer, &mesh["dp"], &FsdpConfig::default())?;
+            }
+            fully_shard(&mut stage, &mesh["dp"], &FsdpConfig::default())?;
+        }
+        reset_parameters(&mut stage, Device::Cpu, o.seed)?;
+        if o.no_fsdp && o.dp > 1 {
+            ddps.push(DataParallel::new(&mut stage, &mesh["dp"])?);
+        }
+        stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
+    }
+    let dataset = {
+        let docs: Vec<String> = match &o.data {
+            Some(p) => load_documents(p)?,
+            None => default_documents().into_iter().map(String::from).collect(),
+        };
+        PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?
+    };
+    let ignore = dataset.pad_id() as i64;
+    let vocab = cfg.vocab_size as isize;
+    let loss_fn = move |logits: &Value, t: &Tensor| -> tpar::nn::Result<Value> {
+        logits.reshape(&[-1, vocab])?.cross_entropy(&t.reshape([t.numel()])?, ignore)
+    };
+    let mut pipe = PipelineSchedule::new(kind, stages, o.microbatches, loss_fn)?;
+    if rank == 0 {
+        println!("schedule {} ({} stages on {} pp ranks):\n{}", kind, num_stages, o.pp, pipe.schedule());
+    }
+
+    let named: Vec<(String, Param)> =
+        pipe.stages().iter().flat_map(|s| named_parameters(s.module())).collect();
+    let params: Vec<Param> = named.iter().map(|(_, p)| p.clone()).collect();
+    let adamw = AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
+    let mut opt = AdamW::with_names(named, adamw)?;
+    let warmup = (o.steps / 10).max(1);
+    let mut sched =
+        LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
+
+    let mut sampler = DistributedSampler::new(o.dp, dp_rank)?
+        .with_shuffle(true)
+        .with_seed(o.seed)
+        .with_drop_last(true);
+    let per_epoch = dataset.len() / o.dp / o.batch.max(1);
+    if per_epoch == 0 {
+        return Err(tpar::Error::from(NnError::Config {
+            what: format!(
+                "{} documents are too few for dp {} x batch {}",
+                dataset.len(),
+                o.dp,
+                o.batch
+            ),
+        }));
+    }
+
+    let mut progress = Progress { step: 0, first_loss: f64::NAN };
+    let mut ckpt = match &o.checkpoint_dir {
+        Some(dir) => {
+            let config =
+                CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
+            let mut c = CheckpointManager::new(dir, world, config)?;
+            let resumed = c.load_latest(&mut [
+                ("model", &mut pipe as &mut dyn Stateful),
+                ("optim", &mut opt),
+                ("lr_scheduler", &mut sched),
+                ("sampler", &mut sampler),
+                ("trainer", &mut progress),
+            ])?;
+            if let (Some(step), 0) = (resumed, rank) {
+                println!("resumed from {} at step {step}", c.step_dir(step).display());
+            }
+            Some(c)
+        }
+        None => None,
+    };
+    let start_step = progress.step;
+    let stop = o.stop_after.unwrap_or(o.steps).min(o.steps);
+
+    // The rank that reports: the last stage's, at dp 0 and tp 0.
+    let last_rank = pipe.schedule().rank_of_stage(num_stages - 1);
+    let has_last = pp_rank == last_rank;
+    let reporter = has_last && dp_rank == 0 && mesh["tp"].local_rank() == 0;
+    let dp_group = mesh.group_of("dp")?.clone();
+    let pp_group = mesh.group_of("pp")?.clone();
+    let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
+    let bar = reporter.then(|| {
+        let bar = ProgressBar::new(o.steps as u64);
+        let style = "{bar:30} {pos:>4}/{len} {msg} ETA {eta}";
+        bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
+        bar.set_position(start_step as u64);
+        bar
+    });
+    memory::reset_peak(rank);
+    let t0 = Instant::now();
+    let (mut last, mut tokens) = (f64::NAN, 0usize);
+    let mut step = progress.step;
+    let mut epoch = step / per_epoch;
+    let mut timeline = Timeline::default();
+    'outer: while step < stop {
+        sampler.set_epoch(epoch as u64);
+        let idx = sampler.indices(dataset.len());
+        let skip = if epoch == step / per_epoch { step % per_epoch } else { 0 };
+        for chunk in idx.chunks(o.batch).take(per_epoch).skip(skip) {
+            if step == stop {
+                break 'outer;
+            }
+            let batch = dataset.batch(chunk)?;
+            let losses = pipe.step_with(
+                Some(&batch.input_ids),
+                &[batch.attention_mask.clone()],
+                Some(&batch.target_ids),
+            )?;
+            for (ddp, s) in ddps.iter().zip(pipe.stages()) {
+                ddp.sync_gradients(s.module())?;
+            }
+            clip_grad_norm_pp(&params, 1.0, &pp_group)?;
+            opt.step()?;
+            let lr = sched.step(&mut opt);
+            opt.zero_grad();
+            tokens += batch.num_tokens()? * o.dp;
+            step += 1;
+            progress.step = step;
+            if has_last {
+                // The step's loss: the mean of the micro-batch losses, averaged over dp.
+                let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+                let l = dp_group.all_reduce(&Tensor::scalar(mean, DType::F64), ReduceOp::Avg)?;
+                last = l.item()?;
+            }
+            if step == 1 {
+                // Every rank keeps the first loss (it is checkpointed from any of them).
+                let first = Tensor::scalar(if has_last { last } else { 0.0 }, DType::F64);
+                progress.first_loss = pp_group.broadcast(&first, last_rank)?.item()?;
+            }
+            if let Some(c) = &mut ckpt {
+                c.poll()?;
+                if step % o.save_every as usize == 0 || step == o.steps {
+                    c.save(
+                        step as u64,
+                        &mut [
+                            ("model", &mut pipe as &mut dyn Stateful),
+                            ("optim", &mut opt),
+                            ("lr_scheduler", &mut sched),
+                            ("sampler", &mut sampler),
+                            ("trainer", &mut progress),
+                        ],
+                    )?;
+                }
+            }
+            if let Some(bar) = &bar {
+                let secs = t0.elapsed().as_secs_f64();
+                let msg = format!("loss {last:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
+                if bar.is_hidden() {
+                    if step % o.log_every as usize == 0 || step == o.steps {
+                        println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
+                    }
+                } else {
+                    bar.set_message(format!("epoch {epoch} {msg}"));
+                    bar.set_position(step as u64);
+                }
+            }
+        }
+        epoch += 1;
+    }
+    if let Some(bar) = bar {
+        bar.finish();
+    }
+    if step > start_step {
+        timeline = pipe.gather_timeline()?;
+    }
+    if let Some(c) = &mut ckpt {
+        c.wait()?;
+    }
+    if let Some(path) = &o.export {
+        tpar::checkpoint::export_safetensors(&pipe.state_dict()?, path, world)?;
+        if rank == 0 {
+            println!("exported the model to {}", path.display());
+        }
+    }
+    if o.timeline && rank == 0 && step > start_step {
+        println!("measured timeline of the last step (rank 0's dp/tp replica):\n{}", timeline.render());
+        let sim = pipe.schedule().simulate(&Costs::unit())?;
+        println!("simulated timeline (F = I = W = 1):\n{}", sim.render());
+    }
+    Ok(RankReport {
+        reporter,
+        first_loss: progress.first_loss,
+        final_loss: last,
+        tokens,
+        seconds: t0.elapsed().as_secs_f64(),
+        peak_bytes: memory::peak(rank),
+        start_step,
+        steps_run: step - start_step,
+        bubble: timeline.bubble_fraction(),
+        bubble_theory: pipe.schedule().bubble(),
+    })
+}
+
+fn main() {
+    let o = Opts::parse();
+    let world = o.pp * o.dp * o.tp;
+    println!(
+        "llama_pp: world {world} = pp {} x dp {} x tp {}, schedule {}, {} micro-batches, {} layers, hidden {}, seq {}, batch {} per dp rank, {} steps{}",
+        o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.hidden, o.seq, o.batch, o.steps,
+        if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
+    );
+    let reports = match tpar::spawn_with(SpawnConfig::new(world), |ctx| train(&ctx.world_group(), &o)) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("llama_pp: {e}");
+            std::process::exit(1);
+        }
+    };
+    let Some(r) = reports.iter().find(|r| r.reporter) else {
+        eprintln!("llama_pp: no rank held the last stage");
+        std::process::exit(1);
+    };
+    let peaks: Vec<String> =
+        reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
+    println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
+    println!(
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x}",
+        o.pp,
+        o.dp,
+        o.tp,
+        o.schedule.kind().name(),
+        o.microbatches,
+        o.steps,
+        r.first_loss,
+        r.final_loss,
+        r.tokens as f64 / r.seconds,
+        r.seconds,
+        reports.iter().map(|r| r.peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
+        r.bubble,
+        r.bubble_theory,
+        r.start_step,
+        r.start_step + r.steps_run,
+        r.final_loss.to_bits(),
+    );
+    let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
+    if finished && r.steps_run >= 20 && !(r.final_loss.is_finite() && r.final_loss < r.first_loss) {
+        eprintln!("llama_pp: loss did not fall ({} -> {})", r.first_loss, r.final_loss);
+        std::process::exit(1);
+    } else if finished && !(r.final_loss < r.first_loss) {
+        eprintln!("llama_pp: warning: loss did not fall over a run too short to judge ({} steps)", r.steps_run);
+    }
+}
