@@ -19,11 +19,14 @@ pub struct CommRecord {
     pub op: Option<ReduceOp>,
     /// The group's members, as global ranks.
     pub group: Vec<usize>,
-    /// Bytes of this rank's input (0 for `barrier`, `recv`, and non-source `broadcast`).
+    /// Bytes of this rank's input (0 for `barrier`, `recv`, `recv_shaped` and non-source
+    /// `broadcast`).
     pub bytes: usize,
-    /// The input's dtype (`None` for `barrier`, `recv` and non-source `broadcast`).
+    /// The input's dtype (`None` for `barrier`, `recv`, `recv_shaped` and non-source
+    /// `broadcast`).
     pub dtype: Option<DType>,
-    /// The input's shape (empty for `barrier`, `recv` and non-source `broadcast`).
+    /// The input's shape (empty for `barrier`, `recv`, `recv_shaped` and non-source
+    /// `broadcast`).
     pub shape: Vec<usize>,
     /// Whether it was issued through an `*_async` call.
     pub is_async: bool,

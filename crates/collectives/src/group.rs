@@ -10,6 +10,7 @@ use tpar_tensor::{DType, Device, Tensor};
 
 use crate::local::{Call, LocalComm};
 use crate::nccl::{NcclComm, Pending};
+use crate::p2p::{to_requested, Expect};
 use crate::spawn::panic_message;
 use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result, Store};
 
@@ -291,6 +292,11 @@ impl ProcessGroup {
 
     /// Sends a copy of `t` to group rank `dst`. Returns at once (the copy is queued);
     /// messages between one pair of ranks arrive in order.
+    ///
+    /// The message describes itself (dtype, dims, device travel with it: on NCCL as a
+    /// header transfer before the data), so the receiver needs to know nothing. It must
+    /// be received with [`recv`](Self::recv), never [`recv_shaped`](Self::recv_shaped),
+    /// which pairs with [`send_shaped`](Self::send_shaped).
     pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
         let op = "send";
         if dst >= self.size() {
@@ -299,7 +305,7 @@ impl ProcessGroup {
         let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
-            Backend::Local(l) => l.send(dst, copy),
+            Backend::Local(l) => l.send(dst, copy, false),
             Backend::Nccl(c) => c.send(dst, copy, self.timeout)?,
         }
         Ok(())
@@ -307,6 +313,11 @@ impl ProcessGroup {
 
     /// Receives the next tensor group rank `src` sent to this rank, waiting up to the
     /// group's timeout.
+    ///
+    /// Pairs with [`send`](Self::send) only; a transfer from
+    /// [`send_shaped`](Self::send_shaped) is received with
+    /// [`recv_shaped`](Self::recv_shaped) (the local backend fails a `recv` that meets one
+    /// with [`CollectiveError::Mismatch`]).
     pub fn recv(&self, src: usize) -> Result<Tensor> {
         let op = "recv";
         if src >= self.size() {
@@ -317,6 +328,125 @@ impl ProcessGroup {
             Backend::Local(l) => l.recv(src, self.timeout),
             Backend::Nccl(c) => c.recv(src, self.timeout),
         }
+    }
+
+    /// Sends `t`'s data alone to group rank `dst`, whose receiver already knows its dims
+    /// and dtype: the transfer PyTorch's `send(tensor, dst)` makes for a `recv` into a
+    /// tensor of known shape, as a pipeline stage does every step once the activation
+    /// shape is agreed. Returns at once (a copy is queued); transfers between one pair of
+    /// ranks arrive in order, shaped or not.
+    ///
+    /// # Pairing
+    ///
+    /// A `send_shaped` must be received by [`recv_shaped`](Self::recv_shaped) with the same
+    /// dims and dtype (a meta `t` by a `recv_shaped` asking for [`Device::Meta`], and only
+    /// by one), never by [`recv`](Self::recv); a [`send`](Self::send) pairs with `recv`.
+    /// The local backend, where the tensor itself travels, checks every pair and fails the
+    /// receiver with [`CollectiveError::Mismatch`]. The NCCL backend sends the payload
+    /// alone (no header transfer; empty and meta tensors move nothing), so a disagreement
+    /// goes undetected there: a receiver expecting more bytes waits until the timeout
+    /// (which fails the group), one expecting fewer bytes or another dtype gets wrong
+    /// values, and later transfers of the pair are out of step. Test pipelines on the
+    /// local backend.
+    ///
+    /// Recorded in [`CommDebug`] as [`CollectiveKind::Send`] with `t`'s bytes, dtype and
+    /// shape, as [`send`](Self::send) is.
+    ///
+    /// ```
+    /// use tpar_collectives::{spawn, CollectiveError};
+    /// use tpar_tensor::{DType, Device, Tensor};
+    /// // Two pipeline stages agree on the activation shape once; then only data moves.
+    /// let dims = [2, 3];
+    /// let seen = spawn(2, |ctx| -> Result<Vec<f32>, CollectiveError> {
+    ///     let pg = ctx.world_group();
+    ///     let mut seen = Vec::new();
+    ///     for step in 0..3 {
+    ///         if pg.rank() == 0 {
+    ///             let act = Tensor::full(dims, step as f64, DType::F32, Device::Cpu)?;
+    ///             pg.send_shaped(&act, 1)?;
+    ///         } else {
+    ///             let act = pg.recv_shaped(0, &dims, DType::F32, Device::Cpu)?;
+    ///             assert_eq!(act.dims(), &dims);
+    ///             seen.push(act.to_vec::<f32>()?[5]);
+    ///         }
+    ///     }
+    ///     Ok(seen)
+    /// })?;
+    /// assert_eq!(seen[1], vec![0.0, 1.0, 2.0]);
+    /// # Ok::<(), CollectiveError>(())
+    /// ```
+    pub fn send_shaped(&self, t: &Tensor, dst: usize) -> Result<()> {
+        let op = "send_shaped";
+        if dst >= self.size() {
+            return Err(bad_rank(op, "dst", dst, self.size()));
+        }
+        let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
+        self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
+        match &self.backend {
+            Backend::Local(l) => l.send(dst, copy, true),
+            Backend::Nccl(c) => c.send_shaped(dst, copy, self.timeout)?,
+        }
+        Ok(())
+    }
+
+    /// Receives the next [`send_shaped`](Self::send_shaped) transfer from group rank `src`
+    /// into a new tensor of `dims` and `dtype` on `device`, waiting up to the group's
+    /// timeout: PyTorch's `recv(tensor, src)` into a tensor of known shape, returned
+    /// rather than filled in. The tensor does not require grad.
+    ///
+    /// Pairs with `send_shaped` only, with the same dims and dtype (see the pairing rules
+    /// of [`send_shaped`](Self::send_shaped)); [`send`](Self::send) pairs with
+    /// [`recv`](Self::recv). On the local backend a disagreement (another shape, dtype,
+    /// meta-ness, or a `send`) consumes the transfer and fails with
+    /// [`CollectiveError::Mismatch`] naming the sender as the culprit, the receiver, and
+    /// both descriptions; a sender that fails or returns without sending makes it fail
+    /// with [`CollectiveError::PeerFailed`], and one that is only late, with
+    /// [`CollectiveError::Timeout`].
+    ///
+    /// `device`: [`Device::Meta`] gives a meta tensor (the sender sends a meta tensor, and
+    /// no data moves); a CUDA device gets the data moved there (`to_device`) when it
+    /// arrives elsewhere, as it does on the NCCL backend's host path. Recorded in
+    /// [`CommDebug`] as [`CollectiveKind::Recv`], as [`recv`](Self::recv) is (no input:
+    /// 0 bytes).
+    ///
+    /// ```
+    /// use tpar_collectives::{spawn, CollectiveError};
+    /// use tpar_tensor::{DType, Device, Tensor};
+    /// let r = spawn(2, |ctx| -> Result<(), CollectiveError> {
+    ///     let pg = ctx.world_group();
+    ///     if pg.rank() == 0 {
+    ///         pg.send_shaped(&Tensor::from_vec(vec![1i64, 2, 3, 4], [2, 2])?, 1)?;
+    ///         pg.send_shaped(&Tensor::zeros([4], DType::F32, Device::Cpu)?, 1)?;
+    ///     } else {
+    ///         let t = pg.recv_shaped(0, &[2, 2], DType::I64, Device::Cpu)?;
+    ///         assert_eq!(t.to_vec::<i64>()?, vec![1, 2, 3, 4]);
+    ///         // The second transfer has 4 elements, not [2, 2]: a typed error.
+    ///         pg.recv_shaped(0, &[2, 2], DType::F32, Device::Cpu)?;
+    ///     }
+    ///     Ok(())
+    /// });
+    /// let e = r.unwrap_err();
+    /// assert!(matches!(e, CollectiveError::Mismatch { rank: 0, .. }), "{e}");
+    /// assert!(e.to_string().contains("f32 [2, 2]") && e.to_string().contains("rank 1"));
+    /// ```
+    pub fn recv_shaped(
+        &self,
+        src: usize,
+        dims: &[usize],
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        let op = "recv_shaped";
+        if src >= self.size() {
+            return Err(bad_rank(op, "src", src, self.size()));
+        }
+        let expect = Expect::new(op, dims, dtype, device)?;
+        self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
+        let t = match &self.backend {
+            Backend::Local(l) => l.recv_shaped(src, &expect, self.timeout)?,
+            Backend::Nccl(c) => c.recv_shaped(src, expect, self.timeout)?,
+        };
+        to_requested(op, t, device)
     }
 
     /// [`all_reduce`](Self::all_reduce) running on a helper thread; see [`Work`].

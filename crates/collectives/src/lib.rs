@@ -1,7 +1,8 @@
 //! tpar's collectives layer: the communicator every layer above talks through.
 //!
 //! A [`ProcessGroup`] runs `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
-//! `broadcast`, `send`/`recv` and `barrier` among its members, out of place, on every
+//! `broadcast`, `send`/`recv` (and `send_shaped`/`recv_shaped`, which move data alone
+//! between ranks that agreed on its shape) and `barrier` among its members, out of place, on every
 //! dtype, with uneven (`torch.chunk`-style, possibly empty) shards as first-class inputs.
 //! The `local` backend runs ranks as threads of one process ([`World`], [`spawn`]); the
 //! [`nccl`] backend runs one process per GPU over NCCL
@@ -41,6 +42,7 @@ mod group;
 mod local;
 pub mod nccl;
 mod op;
+mod p2p;
 mod spawn;
 mod store;
 mod world;

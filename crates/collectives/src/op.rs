@@ -20,9 +20,11 @@ pub enum CollectiveKind {
     Broadcast,
     /// [`ProcessGroup::barrier`](crate::ProcessGroup::barrier).
     Barrier,
-    /// [`ProcessGroup::send`](crate::ProcessGroup::send).
+    /// [`ProcessGroup::send`](crate::ProcessGroup::send) and
+    /// [`ProcessGroup::send_shaped`](crate::ProcessGroup::send_shaped).
     Send,
-    /// [`ProcessGroup::recv`](crate::ProcessGroup::recv).
+    /// [`ProcessGroup::recv`](crate::ProcessGroup::recv) and
+    /// [`ProcessGroup::recv_shaped`](crate::ProcessGroup::recv_shaped).
     Recv,
 }
 

@@ -1,13 +1,22 @@
 //! Collectives on CUDA tensors (the emulated device, ranks as threads sharing
 //! it): results equal the host collectives' and come back on the device.
 
+use std::sync::Once;
+
 use tpar_collectives::{spawn, ReduceOp};
 use tpar_tensor::gpu::{self, EmulatedGpu};
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
+/// Makes `cuda:0` the emulated device, once for all the tests of this binary (which run
+/// in parallel and must not swap the device under each other's tensors).
+fn emulated_cuda0() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| gpu::register_device(0, EmulatedGpu::open(0).expect("emulator")));
+}
+
 #[test]
 fn collectives_take_and_return_cuda_tensors() {
-    gpu::register_device(0, EmulatedGpu::open(0).expect("emulator"));
+    emulated_cuda0();
     spawn(3, |ctx| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let pg = ctx.world_group();
         let r = pg.rank();
@@ -30,6 +39,33 @@ fn collectives_take_and_return_cuda_tensors() {
         assert_eq!(scattered.to_vec::<f32>()?, want_scatter.to_vec::<f32>()?);
         // the local backend stages device tensors through host memory, and says so
         assert_eq!(staged, 3);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn recv_shaped_delivers_on_the_requested_device() {
+    emulated_cuda0();
+    spawn(2, |ctx| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let pg = ctx.world_group();
+        let host = Tensor::from_vec(vec![1.5f32, -2.0, 3.25, 0.0, 7.0, 8.5], [2, 3])?;
+        if pg.rank() == 0 {
+            // A host tensor for a receiver that wants it on the device, and back.
+            pg.send_shaped(&host, 1)?;
+            pg.send_shaped(&host.to_device(Device::Cuda(0))?, 1)?;
+            pg.send_shaped(&host.to_device(Device::Cuda(0))?, 1)?;
+        } else {
+            let on_dev = pg.recv_shaped(0, &[2, 3], DType::F32, Device::Cuda(0))?;
+            assert_eq!(on_dev.device(), Device::Cuda(0));
+            assert_eq!(on_dev.to_vec::<f32>()?, host.to_vec::<f32>()?);
+            let on_host = pg.recv_shaped(0, &[2, 3], DType::F32, Device::Cpu)?;
+            assert_eq!(on_host.device(), Device::Cpu);
+            assert_eq!(on_host.to_vec::<f32>()?, host.to_vec::<f32>()?);
+            let stays = pg.recv_shaped(0, &[2, 3], DType::F32, Device::Cuda(0))?;
+            assert_eq!(stays.device(), Device::Cuda(0));
+            assert_eq!(stays.to_vec::<f32>()?, host.to_vec::<f32>()?);
+        }
         Ok(())
     })
     .unwrap();

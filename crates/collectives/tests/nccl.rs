@@ -315,6 +315,9 @@ fn world_size_one_runs_every_collective() {
         same(&format!("broadcast {dtype}"), &pg.broadcast(&t, 0).unwrap(), &t);
         pg.send(&t, 0).unwrap();
         same(&format!("send/recv {dtype}"), &pg.recv(0).unwrap(), &t);
+        pg.send_shaped(&t, 0).unwrap();
+        let back = pg.recv_shaped(0, t.dims(), dtype, Device::Cpu).unwrap();
+        same(&format!("send_shaped/recv_shaped {dtype}"), &back, &t);
     }
     pg.barrier().unwrap();
 
@@ -344,6 +347,9 @@ fn world_size_one_runs_every_collective() {
     // Bad arguments fail alone, and the group stays usable.
     assert!(matches!(pg.all_gather(&t, 7), Err(CollectiveError::InvalidArgument { .. })));
     assert!(matches!(pg.recv(0), Err(CollectiveError::InvalidArgument { .. })));
+    pg.send_shaped(&t, 0).unwrap();
+    let e = pg.recv_shaped(0, &[16], DType::F32, Device::Cpu).unwrap_err();
+    assert!(matches!(e, CollectiveError::Mismatch { op: "recv_shaped", .. }), "{e}");
     same("after errors", &pg.all_reduce(&t, ReduceOp::Sum).unwrap(), &t);
 
     // new_group: in a world of one, [0] is the world's own list, so it shares the world's

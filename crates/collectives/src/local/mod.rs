@@ -33,6 +33,7 @@ pub(crate) use desc::Call;
 use desc::{Desc, Place};
 use kernels::{reduce_runs, with_slices, Narrow, Reducible};
 
+use crate::p2p::{check_arrival, Expect, Mail};
 use crate::{chunk_range, CollectiveError, CommDebug, ReduceOp, Result};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -145,7 +146,7 @@ pub(crate) struct Exchange {
 struct ExState {
     slots: HashMap<u64, Slot>,
     /// Point-to-point queues keyed by (source, destination) member index.
-    mail: HashMap<(usize, usize), VecDeque<Tensor>>,
+    mail: HashMap<(usize, usize), VecDeque<Mail>>,
 }
 
 struct Post {
@@ -579,21 +580,40 @@ impl LocalComm {
         Ok(Some(Tensor::from_storage(out, dims)?))
     }
 
-    /// Queues a copy of `t` for member `dst` (FIFO per pair). Never blocks.
-    pub fn send(&self, dst: usize, t: Tensor) {
+    /// Queues a copy of `t` for member `dst` (FIFO per pair), sent by `send_shaped` when
+    /// `shaped`, else by `send`. Never blocks.
+    pub fn send(&self, dst: usize, t: Tensor, shaped: bool) {
         let mut st = self.ex.lock();
-        st.mail.entry((self.me, dst)).or_default().push_back(t);
+        st.mail.entry((self.me, dst)).or_default().push_back(Mail { tensor: t, shaped });
         self.ex.cv.notify_all();
     }
 
-    /// Takes the oldest tensor member `src` sent to this member, waiting up to `timeout`.
+    /// Takes the oldest tensor member `src` sent by `send`, waiting up to `timeout`.
     pub fn recv(&self, src: usize, timeout: Duration) -> Result<Tensor> {
         let op = "recv";
+        let mail = self.take(op, src, timeout)?;
+        check_arrival(op, &self.ex.members, src, self.me, &mail, None)?;
+        Ok(mail.tensor)
+    }
+
+    /// Takes the oldest tensor member `src` sent by `send_shaped`, waiting up to
+    /// `timeout`; it must be what `expect` describes (else a `Mismatch`, and the message
+    /// is consumed all the same).
+    pub fn recv_shaped(&self, src: usize, expect: &Expect, timeout: Duration) -> Result<Tensor> {
+        let op = "recv_shaped";
+        let mail = self.take(op, src, timeout)?;
+        check_arrival(op, &self.ex.members, src, self.me, &mail, Some(expect))?;
+        Ok(mail.tensor)
+    }
+
+    /// Takes the oldest message member `src` sent to this member, waiting up to `timeout`;
+    /// fails early when the world fails or `src` is gone.
+    fn take(&self, op: &'static str, src: usize, timeout: Duration) -> Result<Mail> {
         let deadline = Instant::now().checked_add(timeout);
         let mut st = self.ex.lock();
         loop {
-            if let Some(t) = st.mail.get_mut(&(src, self.me)).and_then(|q| q.pop_front()) {
-                return Ok(t);
+            if let Some(m) = st.mail.get_mut(&(src, self.me)).and_then(|q| q.pop_front()) {
+                return Ok(m);
             }
             let g = self.global(src);
             if self.world.is_failed() {

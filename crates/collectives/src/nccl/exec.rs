@@ -13,6 +13,7 @@ use tpar_tensor::{Device, Element, Tensor};
 use super::plan::{gather_copies, plan, Layout, Prim};
 use super::wire::{decode, encode, Header, HEADER_LEN, MAX_DIMS};
 use crate::local::desc::{validate, Call, Desc, Place};
+use crate::p2p::{check_arrival, Expect, Mail};
 use crate::{CollectiveError, Result};
 
 /// When a call must be over.
@@ -274,6 +275,116 @@ pub(crate) fn recv<X: Transport>(x: &mut X, src: usize, deadline: Deadline) -> R
     }))
 }
 
+/// Sends `t`'s data alone to group rank `dst`, which receives it with [`recv_shaped`]
+/// (nothing moves for empty and meta tensors).
+pub(crate) fn send_shaped<X: Transport>(
+    x: &mut X,
+    t: &Tensor,
+    dst: usize,
+    deadline: Deadline,
+) -> Result<()> {
+    let op = "send_shaped";
+    if t.device() == Device::Meta || t.numel() == 0 {
+        return Ok(());
+    }
+    let prim = Prim::Send { peer: dst };
+    tpar_tensor::with_any_type!(t.dtype(), |T| {
+        t.with_data::<T, _>(|s| x.run::<T>(op, &prim, s, 0, deadline))??;
+    });
+    Ok(())
+}
+
+/// Receives the next [`send_shaped`] payload from group rank `src` into a tensor of the
+/// expected shape and dtype (nothing moves for empty tensors and meta expectations).
+///
+/// NCCL itself does not compare counts; a transport that hands back what was actually
+/// sent (the in-process one of the tests) lets a count mismatch fail here with
+/// [`CollectiveError::Mismatch`].
+pub(crate) fn recv_shaped<X: Transport>(
+    x: &mut X,
+    src: usize,
+    expect: &Expect,
+    deadline: Deadline,
+) -> Result<Tensor> {
+    let op = "recv_shaped";
+    let dims = expect.dims.clone();
+    if expect.meta {
+        return Ok(Tensor::empty(dims, expect.dtype, Device::Meta)?);
+    }
+    let numel = expect.numel();
+    if numel == 0 {
+        return Ok(Tensor::zeros(dims, expect.dtype, Device::Cpu)?);
+    }
+    let prim = Prim::Recv { peer: src };
+    Ok(tpar_tensor::with_any_type!(expect.dtype, |T| {
+        let data = x.run::<T>(op, &prim, &[], numel, deadline)?;
+        if data.len() != numel {
+            return Err(count_mismatch(x, src, expect, data.len()));
+        }
+        Tensor::from_vec(data, dims)?
+    }))
+}
+
+/// A `recv_shaped` that got `got` elements from `src` where it expected another count.
+fn count_mismatch<X: Transport>(x: &X, src: usize, expect: &Expect, got: usize) -> CollectiveError {
+    let group = x.group();
+    let global = |m: usize| group.get(m).copied().unwrap_or(m);
+    let me = global(x.rank());
+    CollectiveError::Mismatch {
+        op: "recv_shaped",
+        group: group.to_vec(),
+        rank: global(src),
+        expected: format!(
+            "{} elements: {} (what recv_shaped on rank {me} expects)",
+            expect.numel(),
+            expect.describe()
+        ),
+        got: format!("{got} elements through send_shaped to rank {me}"),
+    }
+}
+
+/// Delivers a message this member sent to itself, to its `recv` (`expect` is `None`) or
+/// `recv_shaped`: checks that the pair matches (as the local backend does, the tensor
+/// being at hand), then moves the data through the device with [`loopback`] (header and
+/// payload) or [`loopback_data`] (payload alone).
+pub(crate) fn to_self<X: Transport>(
+    x: &mut X,
+    mail: &Mail,
+    expect: Option<&Expect>,
+    deadline: Deadline,
+) -> Result<Tensor> {
+    let op = if expect.is_some() { "recv_shaped" } else { "recv" };
+    let me = x.rank();
+    check_arrival(op, x.group(), me, me, mail, expect)?;
+    match expect {
+        None => loopback(x, &mail.tensor, deadline),
+        Some(_) => loopback_data(x, op, &mail.tensor, deadline),
+    }
+}
+
+/// The device round trip of a tensor's data alone, from this member to itself.
+fn loopback_data<X: Transport>(
+    x: &mut X,
+    op: &'static str,
+    t: &Tensor,
+    deadline: Deadline,
+) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    if t.device() == Device::Meta {
+        return Ok(Tensor::empty(dims, t.dtype(), Device::Meta)?);
+    }
+    let numel = t.numel();
+    if numel == 0 {
+        return Ok(Tensor::zeros(dims, t.dtype(), Device::Cpu)?);
+    }
+    let me = x.rank();
+    let prim = Prim::Exchange { sends: vec![(me, 0, numel)], recvs: vec![(me, numel)] };
+    Ok(tpar_tensor::with_any_type!(t.dtype(), |T| {
+        let data = t.with_data::<T, _>(|s| x.run::<T>(op, &prim, s, numel, deadline))??;
+        Tensor::from_vec(data, dims)?
+    }))
+}
+
 /// Delivers a tensor this member sent to itself: header and payload make the device
 /// round trip of a self `Exchange` (the path of `all_to_all`'s own piece), no NCCL
 /// send/receive pair being possible on one worker that runs jobs in order.
@@ -443,7 +554,11 @@ mod tests {
                 }
             };
             drop(st);
-            assert_eq!(out.len(), recv_len, "{prim:?}");
+            // A receive hands back what was sent, whatever the count asked for (as a
+            // transport that can tell would), so that callers' count checks are tested.
+            if !matches!(prim, Prim::Recv { .. }) {
+                assert_eq!(out.len(), recv_len, "{prim:?}");
+            }
             Ok(back(out))
         }
     }
@@ -754,6 +869,163 @@ mod tests {
         );
         assert_eq!((r[1].dims(), r[1].dtype()), (&[0usize, 4][..], DType::I64));
         assert_eq!((r[2].dims(), r[2].device()), (&[7usize][..], Device::Meta));
+    }
+
+    fn expect(dims: &[usize], dtype: DType, device: Device) -> Expect {
+        Expect::new("recv_shaped", dims, dtype, device).unwrap()
+    }
+
+    /// What `send_shaped` puts on the wire from member 0 to member 1, received raw: the
+    /// payloads alone, one transfer each (nothing for empty and meta tensors), and the
+    /// same data `recv_shaped` builds the expected tensors from.
+    #[test]
+    fn send_shaped_puts_the_payload_alone_on_the_wire() {
+        let cases: Vec<(Vec<usize>, DType)> = vec![
+            (vec![2, 3], DType::F32),
+            (vec![0, 4], DType::F64),
+            (vec![5], DType::BF16),
+            (vec![7], DType::F16),
+            (vec![3, 1, 2], DType::I64),
+            (vec![], DType::F64),
+        ];
+        let input = |k: usize, dims: &[usize], dtype: DType| small_ints(dims, dtype, 50 + k as u64);
+        let c = cases.clone();
+        let got = on_bus(2, move |me, x| {
+            if me == 0 {
+                for (k, (dims, dtype)) in c.iter().enumerate() {
+                    send_shaped(x, &input(k, dims, *dtype), 1, dl()).unwrap();
+                    let meta = Tensor::empty(dims.clone(), *dtype, Device::Meta).unwrap();
+                    send_shaped(x, &meta, 1, dl()).unwrap();
+                }
+                // The same again, for `recv_shaped`.
+                for (k, (dims, dtype)) in c.iter().enumerate() {
+                    send_shaped(x, &input(k, dims, *dtype), 1, dl()).unwrap();
+                }
+                return (Vec::new(), Vec::new());
+            }
+            let raw: Vec<Vec<f64>> = c
+                .iter()
+                .filter(|(dims, _)| dims.iter().product::<usize>() > 0)
+                .map(|_| x.run::<f64>("test", &Prim::Recv { peer: 0 }, &[], 0, dl()).unwrap())
+                .collect();
+            let built: Vec<Tensor> = c
+                .iter()
+                .map(|(dims, dtype)| {
+                    recv_shaped(x, 0, &expect(dims, *dtype, Device::Cpu), dl()).unwrap()
+                })
+                .collect();
+            (raw, built)
+        });
+        let (raw, built) = &got[1];
+        let full: Vec<usize> = (0..cases.len()).filter(|&k| !cases[k].0.contains(&0)).collect();
+        assert_eq!(raw.len(), full.len(), "one transfer per non-empty payload, no headers");
+        for (r, &k) in raw.iter().zip(&full) {
+            let (dims, dtype) = &cases[k];
+            assert_eq!(r, &input(k, dims, *dtype).to_vec_f64().unwrap(), "case {k}");
+        }
+        for (k, ((dims, dtype), t)) in cases.iter().zip(built).enumerate() {
+            assert_eq!((t.dims(), t.dtype(), t.device()), (dims.as_slice(), *dtype, Device::Cpu));
+            assert_eq!(t.to_vec_f64().unwrap(), input(k, dims, *dtype).to_vec_f64().unwrap());
+        }
+    }
+
+    #[test]
+    fn shaped_and_self_describing_transfers_interleave_in_order() {
+        let got = on_bus(3, |me, x| {
+            let a = small_ints(&[2, 2], DType::BF16, 1);
+            let b = small_ints(&[3], DType::I64, 2);
+            match me {
+                2 => {
+                    send(x, &a, 0, dl()).unwrap();
+                    send_shaped(x, &b, 0, dl()).unwrap();
+                    send(x, &b, 0, dl()).unwrap();
+                    send_shaped(x, &a, 0, dl()).unwrap();
+                    let meta = Tensor::empty([2, 2], DType::BF16, Device::Meta).unwrap();
+                    send_shaped(x, &meta, 0, dl()).unwrap();
+                    None
+                }
+                0 => {
+                    let r1 = recv(x, 2, dl()).unwrap();
+                    let r2 = recv_shaped(x, 2, &expect(&[3], DType::I64, Device::Cpu), dl());
+                    let r3 = recv(x, 2, dl()).unwrap();
+                    let meta = expect(&[2, 2], DType::BF16, Device::Meta);
+                    let r4 = recv_shaped(x, 2, &expect(&[2, 2], DType::BF16, Device::Cpu), dl());
+                    let m = recv_shaped(x, 2, &meta, dl()).unwrap();
+                    assert_eq!((m.dims(), m.device()), (&[2usize, 2][..], Device::Meta));
+                    let vals = |t: &Tensor| (t.dtype(), t.to_vec_f64().unwrap());
+                    Some([vals(&r1), vals(&r2.unwrap()), vals(&r3), vals(&r4.unwrap())])
+                }
+                _ => None,
+            }
+        });
+        let a = small_ints(&[2, 2], DType::BF16, 1);
+        let b = small_ints(&[3], DType::I64, 2);
+        let vals = |t: &Tensor| (t.dtype(), t.to_vec_f64().unwrap());
+        assert_eq!(got[0], Some([vals(&a), vals(&b), vals(&b), vals(&a)]));
+    }
+
+    #[test]
+    fn a_count_mismatch_fails_recv_shaped_where_the_transport_tells() {
+        let got = on_bus(2, |me, x| {
+            if me == 1 {
+                send_shaped(x, &small_ints(&[3, 2], DType::F32, 4), 0, dl()).unwrap();
+                send_shaped(x, &small_ints(&[2], DType::F32, 5), 0, dl()).unwrap();
+                return None;
+            }
+            let too_many = recv_shaped(x, 1, &expect(&[7], DType::F32, Device::Cpu), dl());
+            let too_few = recv_shaped(x, 1, &expect(&[1], DType::F32, Device::Cpu), dl());
+            Some((too_many.unwrap_err(), too_few.unwrap_err()))
+        });
+        let (too_many, too_few) = got[0].clone().unwrap();
+        for (e, want) in [(too_many, "7 elements: f32 [7]"), (too_few, "1 elements: f32 [1]")] {
+            let msg = e.to_string();
+            // Group ranks 0 and 1 are global ranks 0 and 10 on the bus.
+            assert!(
+                matches!(e, CollectiveError::Mismatch { op: "recv_shaped", rank: 10, .. }),
+                "{msg}"
+            );
+            assert!(msg.contains(want) && msg.contains("rank 0"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn to_self_checks_the_pair_then_round_trips_the_data() {
+        let got = on_bus(1, |_, x| {
+            let t = small_ints(&[3, 2], DType::F16, 9);
+            let shaped = Mail { tensor: t.clone(), shaped: true };
+            let plain = Mail { tensor: t.clone(), shaped: false };
+            let want = expect(&[3, 2], DType::F16, Device::Cpu);
+            let ok = to_self(x, &shaped, Some(&want), dl()).unwrap();
+            let ok_plain = to_self(x, &plain, None, dl()).unwrap();
+            let wrong = [
+                to_self(x, &shaped, Some(&expect(&[6], DType::F16, Device::Cpu)), dl()),
+                to_self(x, &shaped, Some(&expect(&[3, 2], DType::F32, Device::Cpu)), dl()),
+                to_self(x, &shaped, None, dl()),
+                to_self(x, &plain, Some(&want), dl()),
+            ];
+            let meta = Mail {
+                tensor: Tensor::empty([4], DType::I64, Device::Meta).unwrap(),
+                shaped: true,
+            };
+            let m = to_self(x, &meta, Some(&expect(&[4], DType::I64, Device::Meta)), dl()).unwrap();
+            assert_eq!((m.dims(), m.device()), (&[4usize][..], Device::Meta));
+            let empty = Mail {
+                tensor: Tensor::zeros([0, 3], DType::F64, Device::Cpu).unwrap(),
+                shaped: true,
+            };
+            let e =
+                to_self(x, &empty, Some(&expect(&[0, 3], DType::F64, Device::Cpu)), dl()).unwrap();
+            assert_eq!(e.dims(), &[0, 3]);
+            (t, ok, ok_plain, wrong.map(|r| r.unwrap_err()))
+        });
+        let (t, ok, ok_plain, wrong) = &got[0];
+        for out in [ok, ok_plain] {
+            assert_eq!((out.dims(), out.dtype()), (t.dims(), t.dtype()));
+            assert_eq!(out.to_vec_f64().unwrap(), t.to_vec_f64().unwrap());
+        }
+        for e in wrong {
+            assert!(matches!(e, CollectiveError::Mismatch { rank: 0, .. }), "{e}");
+        }
     }
 
     #[test]

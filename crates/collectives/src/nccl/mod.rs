@@ -48,6 +48,10 @@
 //!   hanging NCCL, an invalid argument on one member fails all of them, and uneven shard
 //!   sizes, a broadcast's source shape and a `recv`'s payload shape are known to all. A
 //!   barrier is exactly this exchange: no member completes it before all have joined.
+//!   `send_shaped`/`recv_shaped` are the exception: their shape is agreed beforehand, so
+//!   the payload travels alone (one `ncclSend`/`ncclRecv` of the expected count) and a
+//!   disagreement is not detected (see
+//!   [`ProcessGroup::send_shaped`](crate::ProcessGroup::send_shaped)).
 //! - **Interim host path.** Tensors have no CUDA storage yet: each call copies host to
 //!   device, runs NCCL on the group's stream and copies back (see `device.rs`); the device
 //!   boundary `NcclDevice::run_on_device` is where CUDA tensors will enter without copies.
@@ -78,6 +82,10 @@
 //!   PyTorch, the transfer completes only when the peer receives: two ranks that both
 //!   send to each other before receiving deadlock, and fail with `Timeout`. Order such
 //!   exchanges (even ranks send first) or use `all_to_all`. A failed send fails the group.
+//!   The same holds for `send_shaped`. NCCL does not compare the counts of a send and its
+//!   receive: a `recv_shaped` expecting more bytes than its `send_shaped` sent times out
+//!   (failing the group), one expecting fewer gets wrong data. A member sending to itself
+//!   is the exception: the tensor is at hand, and a mismatch fails as on the local backend.
 //! - Creating groups while async collectives are in flight can deadlock inside NCCL's
 //!   setup (a CUDA allocation waits for the in-flight kernel): create groups first.
 //! - With the TCP store, rank 0's process hosts it; it must outlive the others' use of it
@@ -105,6 +113,7 @@ pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCC
 pub use worker::STUCK_GRACE;
 
 use crate::local::desc::Call;
+use crate::p2p::Expect;
 use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store, StoreError};
 use probe::guarded;
 use worker::{Job, Reply, Setup, Shared};
@@ -364,11 +373,7 @@ impl NcclComm {
     }
 
     fn submit(&self, job: Job) -> Result<()> {
-        let op = match &job {
-            Job::Collective { call, .. } => call.name(),
-            Job::Send { .. } => "send",
-            Job::Recv { .. } => "recv",
-        };
+        let op = job.op();
         if let Some(e) = self.h.shared.failure() {
             return Err(e);
         }
@@ -413,19 +418,33 @@ impl NcclComm {
                 why: format!("the NCCL backend carries tensors of at most {} dims", wire::MAX_DIMS),
             });
         }
-        self.submit(Job::Send { tensor: t, dst, timeout })
+        self.submit(Job::Send { tensor: t, dst, shaped: false, timeout })
+    }
+
+    /// Queues a send of `t`'s data alone (no header; `t` is already a private copy) to
+    /// group rank `dst`; returns at once. An error is an earlier failure of the group.
+    pub fn send_shaped(&self, dst: usize, t: Tensor, timeout: Duration) -> Result<()> {
+        self.submit(Job::Send { tensor: t, dst, shaped: true, timeout })
     }
 
     /// Receives the next tensor group rank `src` sent.
     pub fn recv(&self, src: usize, timeout: Duration) -> Result<Tensor> {
+        self.receive(src, None, timeout)
+    }
+
+    /// Receives the next payload group rank `src` sent with `send_shaped`, as a host (or,
+    /// for a meta expectation, meta) tensor of the expected shape and dtype.
+    pub fn recv_shaped(&self, src: usize, expect: Expect, timeout: Duration) -> Result<Tensor> {
+        self.receive(src, Some(expect), timeout)
+    }
+
+    fn receive(&self, src: usize, expect: Option<Expect>, timeout: Duration) -> Result<Tensor> {
         let (reply, rx) = mpsc::channel();
-        let p = match self.submit(Job::Recv { src, timeout, reply }) {
-            Ok(()) => {
-                Pending { rx, shared: self.h.shared.clone(), op: "recv", done: Mutex::new(None) }
-            }
-            Err(e) => return Err(e),
-        };
-        p.wait()?.ok_or_else(|| self.op_failed("recv", "internal error: no tensor received"))
+        let job = Job::Recv { src, expect, timeout, reply };
+        let op = job.op();
+        self.submit(job)?;
+        let p = Pending { rx, shared: self.h.shared.clone(), op, done: Mutex::new(None) };
+        p.wait()?.ok_or_else(|| self.op_failed(op, "internal error: no tensor received"))
     }
 
     /// The group of `ranks` (global, any order, including this rank), created with every

@@ -14,6 +14,7 @@ use super::device::{driver_error_text, nccl_error_text, NcclDevice};
 use super::exec::{self, Deadline};
 use super::probe::guarded;
 use crate::local::desc::Call;
+use crate::p2p::{Expect, Mail};
 use crate::{CollectiveError, Result, Store};
 
 /// What a caller waits for: the collective's output (`None` for a barrier).
@@ -30,18 +31,22 @@ pub(crate) enum Job {
         timeout: Duration,
         reply: Sender<Reply>,
     },
-    /// A send (nobody waits for it; a failure fails the group).
-    Send { tensor: Tensor, dst: usize, timeout: Duration },
-    /// A receive.
-    Recv { src: usize, timeout: Duration, reply: Sender<Reply> },
+    /// A send (nobody waits for it; a failure fails the group): header and payload, or
+    /// the payload alone when `shaped` (`send_shaped`).
+    Send { tensor: Tensor, dst: usize, shaped: bool, timeout: Duration },
+    /// A receive: of a header and its payload, or (`recv_shaped`, `expect` given) of the
+    /// payload alone, of the expected shape.
+    Recv { src: usize, expect: Option<Expect>, timeout: Duration, reply: Sender<Reply> },
 }
 
 impl Job {
-    fn op(&self) -> &'static str {
+    pub fn op(&self) -> &'static str {
         match self {
             Job::Collective { call, .. } => call.name(),
-            Job::Send { .. } => "send",
-            Job::Recv { .. } => "recv",
+            Job::Send { shaped: false, .. } => "send",
+            Job::Send { shaped: true, .. } => "send_shaped",
+            Job::Recv { expect: None, .. } => "recv",
+            Job::Recv { expect: Some(_), .. } => "recv_shaped",
         }
     }
 
@@ -172,7 +177,7 @@ pub(crate) fn main(setup: Setup, jobs: Receiver<Job>, ready: Sender<Result<()>>)
         return;
     }
     // Tensors this member sent to itself, waiting for its receive.
-    let mut self_mail: VecDeque<Tensor> = VecDeque::new();
+    let mut self_mail: VecDeque<Mail> = VecDeque::new();
     while let Ok(job) = jobs.recv() {
         let op = job.op();
         let timeout = job.timeout();
@@ -189,16 +194,18 @@ pub(crate) fn main(setup: Setup, jobs: Receiver<Job>, ready: Sender<Result<()>>)
                 };
                 (Some(seq), Some(reply), r)
             }
-            Job::Send { tensor, dst, .. } if dst == setup.me => {
-                self_mail.push_back(tensor);
+            Job::Send { tensor, dst, shaped, .. } if dst == setup.me => {
+                self_mail.push_back(Mail { tensor, shaped });
                 (None, None, Ok(None))
             }
-            Job::Recv { src, reply, .. } if src == setup.me => {
+            Job::Recv { src, expect, reply, .. } if src == setup.me => {
                 let r = match (shared.failure(), self_mail.pop_front()) {
                     (Some(e), _) => Err(e),
-                    (None, Some(t)) => guarded(|| exec::loopback(&mut dev, &t, deadline))
-                        .unwrap_or_else(|p| Err(backend(op, format!("panicked: {p}"))))
-                        .map(Some),
+                    (None, Some(m)) => {
+                        guarded(|| exec::to_self(&mut dev, &m, expect.as_ref(), deadline))
+                            .unwrap_or_else(|p| Err(backend(op, format!("panicked: {p}"))))
+                            .map(Some)
+                    }
                     (None, None) => Err(CollectiveError::InvalidArgument {
                         op,
                         why: format!(
@@ -210,21 +217,30 @@ pub(crate) fn main(setup: Setup, jobs: Receiver<Job>, ready: Sender<Result<()>>)
                 };
                 (None, Some(reply), r)
             }
-            Job::Send { tensor, dst, .. } => {
+            Job::Send { tensor, dst, shaped, .. } => {
                 let r = match shared.failure() {
                     Some(e) => Err(e),
-                    None => guarded(|| exec::send(&mut dev, &tensor, dst, deadline))
-                        .unwrap_or_else(|p| Err(backend(op, format!("panicked: {p}"))))
-                        .map(|()| None),
+                    None => guarded(|| {
+                        if shaped {
+                            exec::send_shaped(&mut dev, &tensor, dst, deadline)
+                        } else {
+                            exec::send(&mut dev, &tensor, dst, deadline)
+                        }
+                    })
+                    .unwrap_or_else(|p| Err(backend(op, format!("panicked: {p}"))))
+                    .map(|()| None),
                 };
                 (None, None, r)
             }
-            Job::Recv { src, reply, .. } => {
+            Job::Recv { src, expect, reply, .. } => {
                 let r = match shared.failure() {
                     Some(e) => Err(e),
-                    None => guarded(|| exec::recv(&mut dev, src, deadline))
-                        .unwrap_or_else(|p| Err(backend(op, format!("panicked: {p}"))))
-                        .map(Some),
+                    None => guarded(|| match &expect {
+                        None => exec::recv(&mut dev, src, deadline),
+                        Some(e) => exec::recv_shaped(&mut dev, src, e, deadline),
+                    })
+                    .unwrap_or_else(|p| Err(backend(op, format!("panicked: {p}"))))
+                    .map(Some),
                 };
                 (None, Some(reply), r)
             }
