@@ -5,8 +5,14 @@
 //! in reverse topological order, summing gradients per tensor, and adds the
 //! result into each leaf's `.grad()`. Whether ops record is a per-thread flag,
 //! so ranks running as threads never see each other's `no_grad` scopes.
+//!
+//! While the engine calls a node's backward closure it sets that call's input
+//! mask, read with [`needs_input_grad`], so a closure computes only the input
+//! gradients asked for. [`backward_input`] uses it to split a backward in two
+//! (for zero-bubble pipeline schedules): the gradients of chosen inputs at once,
+//! and a [`WeightGrad`] that fills the parameters' `.grad()` later.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
@@ -14,6 +20,8 @@ use crate::{Result, Tensor, TensorError};
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+    /// The input mask of the backward closure the engine is calling on this thread.
+    static INPUT_MASK: RefCell<Option<Vec<bool>>> = const { RefCell::new(None) };
 }
 
 /// The signature of a backward function: output gradient in, one optional
@@ -57,12 +65,54 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Whether the backward closure running now should compute the gradient of its
+/// input `i` (PyTorch's `ctx.needs_input_grad[i]`).
+///
+/// The engine sets a mask on the current thread for each call of a node's
+/// backward closure and restores the previous one afterwards (so an engine run
+/// nested in a closure, e.g. a closure that calls [`grad`], leaves the outer
+/// mask intact). A plain backward asks for every input that requires a gradient;
+/// [`backward_input`] and [`WeightGrad::run`] ask for disjoint subsets. Outside
+/// such a call (no mask set), and for an `i` past the node's inputs, it is `true`.
+///
+/// A closure whose input halves cost separate work computes input `i`'s half
+/// only when `inputs[i].requires_grad() && needs_input_grad(i)`, returning
+/// `None` otherwise. Honoring the mask is optional: a closure that ignores it
+/// stays correct. The mask is per thread: read it on the thread the closure was
+/// called on, before handing work to other threads.
+pub fn needs_input_grad(i: usize) -> bool {
+    INPUT_MASK.with(|m| m.borrow().as_ref().is_none_or(|m| m.get(i).copied().unwrap_or(true)))
+}
+
+/// Sets this thread's input mask until dropped, then restores the previous one.
+struct MaskGuard {
+    prev: Option<Vec<bool>>,
+}
+
+impl MaskGuard {
+    fn new(mask: Option<Vec<bool>>) -> Self {
+        MaskGuard { prev: INPUT_MASK.with(|m| m.replace(mask)) }
+    }
+}
+
+impl Drop for MaskGuard {
+    fn drop(&mut self) {
+        let prev = self.prev.take();
+        // At thread teardown the slot may be gone already; nothing is left to restore then.
+        let _ = INPUT_MASK.try_with(|m| *m.borrow_mut() = prev);
+    }
+}
+
 /// Attaches a backward function to `output`, computed from `inputs`.
 ///
 /// Returns `output` unchanged when grad mode is off or no input requires a
 /// gradient. The closure gets the gradient of `output` and must return one
 /// entry per input (shapes equal to the inputs'). This is the low-level hook
 /// ops, collectives and fused kernels use; see [`Function`] for the trait form.
+///
+/// The closure may read [`needs_input_grad`] to skip the gradients not asked
+/// for. It must be repeatable: [`backward_input`] may call it twice for one
+/// backward, with disjoint masks (the input path first, the weights later).
 pub fn record(
     name: &'static str,
     inputs: &[&Tensor],
@@ -102,6 +152,9 @@ pub trait Function: Send + Sync + 'static {
     /// Computes the output; runs with grad mode off. May save what backward needs in `self`.
     fn forward(&mut self, inputs: &[Tensor]) -> Result<Tensor>;
     /// Given the output's gradient, one optional gradient per input.
+    ///
+    /// [`needs_input_grad`] tells which inputs are asked for in this call; this
+    /// may be called more than once per backward (see [`record`]).
     fn backward(&self, grad_output: &Tensor) -> Result<Vec<Option<Tensor>>>;
 }
 
@@ -159,14 +212,8 @@ fn accumulate(map: &mut HashMap<u64, Tensor>, id: u64, g: Tensor) -> Result<()> 
     Ok(())
 }
 
-/// Propagates `grads` (one per root) back through the graph. Returns the
-/// gradients of the leaves and of the `keep` tensors.
-fn run(
-    roots: &[Tensor],
-    grads: Vec<Tensor>,
-    keep: &HashSet<u64>,
-) -> Result<(Vec<Tensor>, HashMap<u64, Tensor>)> {
-    let _g = GradModeGuard::new(false);
+/// The root gradients, checked against the roots' shapes and summed per tensor.
+fn seed(roots: &[Tensor], grads: Vec<Tensor>) -> Result<HashMap<u64, Tensor>> {
     let mut map = HashMap::new();
     for (r, g) in roots.iter().zip(grads) {
         if g.shape() != r.shape() {
@@ -178,39 +225,132 @@ fn run(
         }
         accumulate(&mut map, r.id(), g)?;
     }
-    let (order, leaves) = topo(roots);
+    Ok(map)
+}
+
+/// Calls `node`'s backward closure on `g` with the input mask `mask`; checks
+/// that it returned one entry per input.
+fn call_backward(node: &Node, g: &Tensor, mask: Vec<bool>) -> Result<Vec<Option<Tensor>>> {
+    let gs = {
+        let _m = MaskGuard::new(Some(mask));
+        (node.backward)(g)?
+    };
+    if gs.len() != node.inputs.len() {
+        return Err(TensorError::Autograd(format!(
+            "backward of {} returned {} gradients for {} inputs",
+            node.name,
+            gs.len(),
+            node.inputs.len()
+        )));
+    }
+    Ok(gs)
+}
+
+/// Checks the shape of a gradient `node` produced for `inp` and converts it to `inp`'s dtype.
+fn checked(node: &Node, inp: &Tensor, gi: Tensor) -> Result<Tensor> {
+    if gi.shape() != inp.shape() {
+        return Err(TensorError::Autograd(format!(
+            "backward of {} produced a gradient of shape {} for an input of shape {}",
+            node.name,
+            gi.shape(),
+            inp.shape()
+        )));
+    }
+    if gi.dtype() != inp.dtype() {
+        gi.to_dtype(inp.dtype())
+    } else {
+        Ok(gi)
+    }
+}
+
+/// The first pass of a split backward: the tensors from which an input is
+/// reachable, and where the work left for the weight pass goes.
+struct Split<'a> {
+    on_path: &'a HashSet<u64>,
+    weight: &'a mut WeightGrad,
+}
+
+/// The engine loop: runs the nodes of `order` (reverse topological), each on
+/// the summed gradient of its output in `map`, and sums the input gradients
+/// into `map`. Gradients of `keep` tensors stay in `map`.
+///
+/// Without `split`, every node's closure is called with the mask "input
+/// requires grad". With it, the closure is called with the mask "input is on
+/// the path" (and not called when no input is); the gradients of the other
+/// inputs that require one are handed to the weight pass, as seeds when the
+/// closure returned them anyway, else as a pending call of the node.
+fn propagate(
+    order: &[Tensor],
+    map: &mut HashMap<u64, Tensor>,
+    keep: &HashSet<u64>,
+    mut split: Option<Split<'_>>,
+) -> Result<()> {
     for t in order {
         let Some(node) = t.node() else { continue };
         let g =
             if keep.contains(&t.id()) { map.get(&t.id()).cloned() } else { map.remove(&t.id()) };
         let Some(g) = g else { continue };
-        let gs = (node.backward)(&g)?;
-        if gs.len() != node.inputs.len() {
-            return Err(TensorError::Autograd(format!(
-                "backward of {} returned {} gradients for {} inputs",
-                node.name,
-                gs.len(),
-                node.inputs.len()
-            )));
-        }
-        for (inp, gi) in node.inputs.iter().zip(gs) {
-            let Some(gi) = gi else { continue };
+        let mask: Vec<bool> = node
+            .inputs
+            .iter()
+            .map(|i| {
+                i.requires_grad() && split.as_ref().is_none_or(|s| s.on_path.contains(&i.id()))
+            })
+            .collect();
+        let gs = if split.is_none() || mask.contains(&true) {
+            call_backward(node, &g, mask.clone())?
+        } else {
+            vec![None; node.inputs.len()]
+        };
+        let mut later = Vec::new();
+        for (i, (inp, gi)) in node.inputs.iter().zip(gs).enumerate() {
             if !inp.requires_grad() {
                 continue;
             }
-            if gi.shape() != inp.shape() {
-                return Err(TensorError::Autograd(format!(
-                    "backward of {} produced a gradient of shape {} for an input of shape {}",
-                    node.name,
-                    gi.shape(),
-                    inp.shape()
-                )));
+            if mask[i] {
+                if let Some(gi) = gi {
+                    accumulate(map, inp.id(), checked(node, inp, gi)?)?;
+                }
+            } else if let Some(s) = &mut split {
+                let slot = s.weight.seeds.len();
+                let gi = gi.map(|gi| checked(node, inp, gi)).transpose()?;
+                if gi.is_none() {
+                    later.push((i, slot));
+                }
+                s.weight.seeds.push((inp.clone(), gi));
             }
-            let gi = if gi.dtype() != inp.dtype() { gi.to_dtype(inp.dtype())? } else { gi };
-            accumulate(&mut map, inp.id(), gi)?;
+        }
+        if let (false, Some(s)) = (later.is_empty(), &mut split) {
+            s.weight.pending.push(Pending { node: node.clone(), grad: g, slots: later });
         }
     }
+    Ok(())
+}
+
+/// Propagates `grads` (one per root) back through the graph. Returns the
+/// gradients of the leaves and of the `keep` tensors.
+fn run(
+    roots: &[Tensor],
+    grads: Vec<Tensor>,
+    keep: &HashSet<u64>,
+) -> Result<(Vec<Tensor>, HashMap<u64, Tensor>)> {
+    let _g = GradModeGuard::new(false);
+    let _m = MaskGuard::new(None);
+    let mut map = seed(roots, grads)?;
+    let (order, leaves) = topo(roots);
+    propagate(&order, &mut map, keep, None)?;
     Ok((leaves, map))
+}
+
+/// Propagates `grads` (one per root) and adds the result into every leaf's `.grad()`.
+fn run_into_leaves(roots: &[Tensor], grads: Vec<Tensor>) -> Result<()> {
+    let (leaves, mut map) = run(roots, grads, &HashSet::new())?;
+    for leaf in leaves {
+        if let Some(g) = map.remove(&leaf.id()) {
+            leaf.accumulate_grad(g)?;
+        }
+    }
+    Ok(())
 }
 
 impl Tensor {
@@ -233,14 +373,7 @@ impl Tensor {
                 "the tensor does not require grad and has no grad_fn".into(),
             ));
         }
-        let (leaves, mut map) =
-            run(std::slice::from_ref(self), vec![grad.detach()], &HashSet::new())?;
-        for leaf in leaves {
-            if let Some(g) = map.remove(&leaf.id()) {
-                leaf.accumulate_grad(g)?;
-            }
-        }
-        Ok(())
+        run_into_leaves(std::slice::from_ref(self), vec![grad.detach()])
     }
 }
 
@@ -262,4 +395,281 @@ pub fn grad(
     let keep: HashSet<u64> = inputs.iter().map(|t| t.id()).collect();
     let (_, map) = run(outputs, grad_outputs.iter().map(|g| g.detach()).collect(), &keep)?;
     Ok(inputs.iter().map(|t| map.get(&t.id()).cloned()).collect())
+}
+
+/// The input gradients of a split backward now, and the parameter gradients
+/// later (the I and W halves of a zero-bubble pipeline schedule).
+///
+/// Computes the gradients of `roots` (weighted by `grad_roots`, one per root,
+/// of the root's shape) with respect to `inputs`, returned rather than
+/// accumulated (as [`grad`]); an input the roots do not depend on, or that does
+/// not require a gradient, gets `None`. Every root must require a gradient.
+///
+/// Only the nodes on the path run now: those reachable from the roots from
+/// which one of `inputs` can be reached. Each is called once, with
+/// [`needs_input_grad`] true for its inputs on the path (or in `inputs`) that
+/// require a gradient. The rest of the backward goes into the returned
+/// [`WeightGrad`]:
+///
+/// - a gradient a node on the path returned for an input off the path (its
+///   closure ignored the mask) is kept as it is, so such a closure runs once;
+/// - for an input off the path that got `None` (the closure honored the mask),
+///   the node and its output gradient are kept, and [`WeightGrad::run`] calls
+///   the closure again with the mask set to those inputs only. A closure may
+///   thus be called twice for one backward, with disjoint masks: it must be
+///   repeatable (no state consumed by the first call);
+/// - roots off the path (those from which no input can be reached) keep their
+///   gradients as they are.
+///
+/// [`WeightGrad::run`] then sums these gradients per tensor and propagates them
+/// through the rest of the graph as [`Tensor::backward_with`] does, adding into
+/// each leaf's `.grad()`. Together the two passes compute what a full backward
+/// computes, each tensor's gradient summed over all its uses before it
+/// propagates; `inputs`' `.grad()` is not touched. When no input is reachable
+/// (e.g. `inputs` is empty), this pass does nothing and the [`WeightGrad`] does
+/// the whole backward. Both passes run with grad recording off.
+///
+/// ```
+/// use tpar_tensor::{autograd::backward_input, Tensor};
+/// // A pipeline stage: y = silu(x W1^T) W2^T, with x received from the previous stage.
+/// let x = Tensor::from_vec(vec![1.0f64, -2.0, 0.5, 3.0], [2, 2])?.requires_grad_(true);
+/// let w1 = Tensor::from_vec(vec![0.5f64, -1.0, 2.0, 0.25], [2, 2])?.requires_grad_(true);
+/// let w2 = Tensor::from_vec(vec![1.0f64, 1.5, -0.5, 2.0], [2, 2])?.requires_grad_(true);
+/// let y = x.linear(&w1, None)?.silu()?.linear(&w2, None)?;
+/// let dy = Tensor::full([2, 2], 1.0, y.dtype(), y.device())?;
+/// // I: the input gradient, sent to the previous stage at once.
+/// let (dx, weights) = backward_input(&[y], &[dy], &[x.clone()])?;
+/// assert_eq!(dx[0].as_ref().unwrap().dims(), &[2, 2]);
+/// assert!(w1.grad().is_none() && w2.grad().is_none());
+/// // W: later, when the schedule has a bubble.
+/// weights.run()?;
+/// assert!(w1.grad().is_some() && w2.grad().is_some() && x.grad().is_none());
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+pub fn backward_input(
+    roots: &[Tensor],
+    grad_roots: &[Tensor],
+    inputs: &[Tensor],
+) -> Result<(Vec<Option<Tensor>>, WeightGrad)> {
+    if roots.len() != grad_roots.len() {
+        return Err(TensorError::Autograd(format!(
+            "{} roots but {} root gradients",
+            roots.len(),
+            grad_roots.len()
+        )));
+    }
+    if let Some(i) = roots.iter().position(|r| !r.requires_grad()) {
+        return Err(TensorError::Autograd(format!(
+            "root {i} does not require grad and has no grad_fn"
+        )));
+    }
+    let _g = GradModeGuard::new(false);
+    let _m = MaskGuard::new(None);
+    let mut map = seed(roots, grad_roots.iter().map(|g| g.detach()).collect())?;
+    let (order, _) = topo(roots);
+    let targets: HashSet<u64> =
+        inputs.iter().filter(|t| t.requires_grad()).map(|t| t.id()).collect();
+    // Reverse topological order lists consumers first: walk it backwards so a
+    // node's inputs are settled before the node.
+    let mut on_path = targets.clone();
+    for t in order.iter().rev() {
+        let Some(node) = t.node() else { continue };
+        if node.inputs.iter().any(|i| i.requires_grad() && on_path.contains(&i.id())) {
+            on_path.insert(t.id());
+        }
+    }
+    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new() };
+    for r in roots {
+        if !on_path.contains(&r.id()) {
+            if let Some(g) = map.remove(&r.id()) {
+                weight.seeds.push((r.clone(), Some(g)));
+            }
+        }
+    }
+    let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
+    let split = Split { on_path: &on_path, weight: &mut weight };
+    propagate(&order, &mut map, &targets, Some(split))?;
+    Ok((inputs.iter().map(|t| map.get(&t.id()).cloned()).collect(), weight))
+}
+
+/// A node call left for the weight pass: the node, its output's gradient, and
+/// which of its inputs it still owes, each with the seed slot it fills.
+struct Pending {
+    node: Arc<Node>,
+    grad: Tensor,
+    /// `(input index, index in WeightGrad::seeds)`.
+    slots: Vec<(usize, usize)>,
+}
+
+/// The deferred half of a [`backward_input`]: the parameter gradients.
+///
+/// Holds the gradients already computed for tensors off the input path and the
+/// node calls still owed for them (each with its output gradient, so the
+/// memory of those gradients and of the nodes' saved tensors stays alive until
+/// [`WeightGrad::run`]). It is `Send`: the weight pass may run on another
+/// thread. Dropping it without running skips the parameter gradients.
+#[must_use = "the parameter gradients are only computed by WeightGrad::run"]
+pub struct WeightGrad {
+    /// Gradients of tensors off the input path, in the order the first pass
+    /// produced them; `None` until the pending call that owes it runs.
+    seeds: Vec<(Tensor, Option<Tensor>)>,
+    pending: Vec<Pending>,
+}
+
+impl WeightGrad {
+    /// Whether there is nothing left to do (no gradient flows to a tensor off the input path).
+    pub fn is_empty(&self) -> bool {
+        self.seeds.is_empty()
+    }
+
+    /// Runs the weight pass: calls each pending node's backward closure with the
+    /// mask set to the inputs it owes, sums all gradients per tensor, then
+    /// propagates them at once through the rest of the graph as
+    /// [`Tensor::backward_with`] does, adding into each leaf's `.grad()` (on top
+    /// of what is there, so micro-batches accumulate). Runs with grad recording off.
+    pub fn run(self) -> Result<()> {
+        let _g = GradModeGuard::new(false);
+        let _m = MaskGuard::new(None);
+        let WeightGrad { mut seeds, pending } = self;
+        for p in pending {
+            let mut mask = vec![false; p.node.inputs.len()];
+            for &(i, _) in &p.slots {
+                mask[i] = true;
+            }
+            let mut gs = call_backward(&p.node, &p.grad, mask)?;
+            drop(p.grad);
+            for (i, slot) in p.slots {
+                if let Some(gi) = gs[i].take() {
+                    seeds[slot].1 = Some(checked(&p.node, &p.node.inputs[i], gi)?);
+                }
+            }
+        }
+        // Sum per tensor, in the order the gradients were produced.
+        let mut roots: Vec<Tensor> = Vec::new();
+        let mut grads: Vec<Tensor> = Vec::new();
+        let mut index: HashMap<u64, usize> = HashMap::new();
+        for (t, g) in seeds {
+            let Some(g) = g else { continue };
+            match index.get(&t.id()) {
+                Some(&k) => grads[k] = grads[k].add(&g)?,
+                None => {
+                    index.insert(t.id(), roots.len());
+                    roots.push(t);
+                    grads.push(g);
+                }
+            }
+        }
+        if roots.is_empty() {
+            return Ok(());
+        }
+        run_into_leaves(&roots, grads)
+    }
+}
+
+impl std::fmt::Debug for WeightGrad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pending: Vec<&str> = self.pending.iter().map(|p| p.node.name).collect();
+        f.debug_struct("WeightGrad")
+            .field("seeds", &self.seeds.len())
+            .field("pending", &pending)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Rng};
+
+    fn randn(dims: &[usize], rng: &mut Rng) -> Tensor {
+        Tensor::randn(dims.to_vec(), DType::F64, rng).unwrap().requires_grad_(true)
+    }
+
+    /// Which gradients `t`'s backward closure returns when called with `mask`.
+    fn returned(t: &Tensor, mask: &[bool]) -> Vec<bool> {
+        let node = t.node().expect("a recorded tensor");
+        let g = Tensor::ones(t.dims().to_vec(), t.dtype(), t.device()).unwrap();
+        let _g = GradModeGuard::new(false);
+        call_backward(node, &g, mask.to_vec()).unwrap().iter().map(Option::is_some).collect()
+    }
+
+    #[test]
+    fn heavy_closures_honor_the_mask() {
+        let mut rng = Rng::new(1);
+        let x = randn(&[3, 4], &mut rng);
+        let x3 = randn(&[2, 3, 4], &mut rng);
+        let w = randn(&[2, 4], &mut rng);
+        let b = randn(&[2], &mut rng);
+        let mm = [
+            x.matmul_t(&w, false, true).unwrap(),
+            x3.matmul_t(&w, false, true).unwrap(),
+            x3.matmul(&w.reshape([4, 2]).unwrap()).unwrap(),
+            x.matmul_t(&x, true, false).unwrap(),
+        ];
+        let lin = x.linear(&w, None).unwrap();
+        let elementwise = [
+            lin.add(&b).unwrap(),
+            lin.sub(&b).unwrap(),
+            lin.mul(&b).unwrap(),
+            lin.div(&b).unwrap(),
+            lin.pow(&b).unwrap(),
+        ];
+        for t in mm.iter().chain(&elementwise) {
+            let name = t.grad_fn_name();
+            for mask in [[true, false], [false, true], [true, true]] {
+                assert_eq!(returned(t, &mask), mask, "{name:?} with {mask:?}");
+            }
+        }
+        let cat = Tensor::cat(&[x.clone(), w.clone(), x.clone()], 0).unwrap();
+        assert_eq!(returned(&cat, &[false, true, false]), [false, true, false]);
+        assert_eq!(returned(&cat, &[true, false, true]), [true, false, true]);
+        let ids = Tensor::from_vec(vec![1i64, 0], [2]).unwrap();
+        let e = Tensor::embedding(&ids, &w).unwrap();
+        assert_eq!(returned(&e, &[false]), [false]);
+        assert_eq!(returned(&e, &[true]), [true]);
+        // Called outside the engine (no mask), a closure computes every half.
+        let g = Tensor::ones([3, 2], DType::F64, crate::Device::Cpu).unwrap();
+        let gs = (mm[0].node().unwrap().backward)(&g).unwrap();
+        assert!(gs.iter().all(Option::is_some));
+    }
+
+    #[test]
+    fn mask_guards_nest_and_restore() {
+        assert!(needs_input_grad(0));
+        {
+            let _a = MaskGuard::new(Some(vec![true, false]));
+            assert!(needs_input_grad(0) && !needs_input_grad(1) && needs_input_grad(2));
+            {
+                let _b = MaskGuard::new(None);
+                assert!(needs_input_grad(1));
+            }
+            {
+                let _b = MaskGuard::new(Some(vec![false]));
+                assert!(!needs_input_grad(0));
+            }
+            assert!(needs_input_grad(0) && !needs_input_grad(1));
+        }
+        assert!(needs_input_grad(1));
+        let r = std::panic::catch_unwind(|| {
+            let _a = MaskGuard::new(Some(vec![false]));
+            panic!("inside a closure");
+        });
+        assert!(r.is_err() && needs_input_grad(0));
+    }
+
+    #[test]
+    fn linear_defers_its_weight_and_bias_halves() {
+        let mut rng = Rng::new(2);
+        let (x, w, b) = (randn(&[3, 4], &mut rng), randn(&[2, 4], &mut rng), randn(&[2], &mut rng));
+        let y = x.linear(&w, Some(&b)).unwrap().silu().unwrap();
+        let g = Tensor::ones([3, 2], DType::F64, crate::Device::Cpu).unwrap();
+        let (gx, weights) = backward_input(&[y], &[g], std::slice::from_ref(&x)).unwrap();
+        assert!(gx[0].is_some());
+        let names: Vec<&str> = weights.pending.iter().map(|p| p.node.name).collect();
+        assert_eq!(names, ["add", "matmul"]);
+        assert!(weights.seeds.iter().all(|(_, g)| g.is_none()));
+        assert_eq!(weights.seeds.len(), 2);
+        weights.run().unwrap();
+        assert!(w.grad().is_some() && b.grad().is_some() && x.grad().is_none());
+    }
 }

@@ -105,3 +105,36 @@ fn mixing_devices_is_an_error() {
     let b = Tensor::zeros([2], DType::F32, Device::Cpu).unwrap();
     assert!(a.add(&b).is_err());
 }
+
+#[test]
+fn split_backward_on_the_device() {
+    use tpar_tensor::autograd::backward_input;
+    setup();
+    let mut rng = Rng::new(6);
+    let x = Tensor::randn([2, 3, 4], DType::F32, &mut rng).unwrap();
+    let w = Tensor::randn([5, 4], DType::F32, &mut rng).unwrap().requires_grad_(true);
+    let v = Tensor::randn([5, 2], DType::F32, &mut rng).unwrap().requires_grad_(true);
+    let gy = Tensor::randn([2, 3, 2], DType::F32, &mut rng).unwrap();
+    let fwd = |x: &Tensor, w: &Tensor, v: &Tensor| {
+        x.linear(w, None).unwrap().tanh().unwrap().matmul(v).unwrap()
+    };
+    let xc = x.clone().requires_grad_(true);
+    fwd(&xc, &w, &v).backward_with(&gy).unwrap();
+    let (gx, gw, gv) = (xc.grad().unwrap(), w.grad().unwrap(), v.grad().unwrap());
+    // The same on the device, split in two passes.
+    let xd = x.to_device(DEV).unwrap().requires_grad_(true);
+    let (wd, vd) = (w.detach().to_device(DEV).unwrap(), v.detach().to_device(DEV).unwrap());
+    let (wd, vd) = (wd.requires_grad_(true), vd.requires_grad_(true));
+    let y = fwd(&xd, &wd, &vd);
+    let (dx, weights) = backward_input(&[y], &[gy.to_device(DEV).unwrap()], &[xd]).unwrap();
+    assert!(wd.grad().is_none() && vd.grad().is_none());
+    // The device matmul left its weight halves for the weight pass.
+    let pending = format!("{weights:?}");
+    assert_eq!(pending.matches("\"matmul\"").count(), 2, "{pending}");
+    let dx = dx[0].clone().unwrap();
+    assert_eq!(dx.device(), DEV);
+    assert!(close(&dx.to_vec_f64().unwrap(), &gx.to_vec_f64().unwrap(), 1e-5));
+    weights.run().unwrap();
+    assert!(close(&wd.grad().unwrap().to_vec_f64().unwrap(), &gw.to_vec_f64().unwrap(), 1e-5));
+    assert!(close(&vd.grad().unwrap().to_vec_f64().unwrap(), &gv.to_vec_f64().unwrap(), 1e-5));
+}

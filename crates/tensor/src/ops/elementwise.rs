@@ -3,7 +3,7 @@
 use tpar_kernels::elementwise::{self as k, BinaryOp, UnaryOp};
 
 use super::{compute, cuda_ordinal, gpu_elem, require_float};
-use crate::autograd::record;
+use crate::autograd::{needs_input_grad, record};
 use crate::shape::{broadcast_shapes, broadcast_strides};
 use crate::storage::Element;
 use crate::tensor::typed;
@@ -81,17 +81,27 @@ impl Tensor {
         let (sa, sb) = (self.shape().clone(), rhs.shape().clone());
         let y = out.detach();
         Ok(record(binary_name(op), &[self, rhs], out, move |g| {
+            // Each side costs its own pass (and a reduction when broadcast):
+            // compute only those asked for.
+            let need_a = a.requires_grad() && needs_input_grad(0);
+            let need_b = b.requires_grad() && needs_input_grad(1);
+            let when = |need: bool, f: &dyn Fn() -> Result<Tensor>| need.then(f).transpose();
             let (ga, gb) = match op {
-                BinaryOp::Add => (Some(g.clone()), Some(g.clone())),
-                BinaryOp::Sub => (Some(g.clone()), Some(g.neg()?)),
-                BinaryOp::Mul => (Some(g.mul(&b)?), Some(g.mul(&a)?)),
-                BinaryOp::Div => (Some(g.div(&b)?), Some(g.mul(&y)?.div(&b)?.neg()?)),
-                BinaryOp::Pow => {
-                    // d/da a^b = b a^(b-1); d/db a^b = a^b ln a
-                    let ga = g.mul(&b)?.mul(&a.binary_raw(&b.add_scalar(-1.0)?, BinaryOp::Pow)?)?;
-                    let gb = g.mul(&y)?.mul(&a.log()?)?;
-                    (Some(ga), Some(gb))
+                BinaryOp::Add => {
+                    (when(need_a, &|| Ok(g.clone()))?, when(need_b, &|| Ok(g.clone()))?)
                 }
+                BinaryOp::Sub => (when(need_a, &|| Ok(g.clone()))?, when(need_b, &|| g.neg())?),
+                BinaryOp::Mul => (when(need_a, &|| g.mul(&b))?, when(need_b, &|| g.mul(&a))?),
+                BinaryOp::Div => {
+                    (when(need_a, &|| g.div(&b))?, when(need_b, &|| g.mul(&y)?.div(&b)?.neg())?)
+                }
+                BinaryOp::Pow => (
+                    // d/da a^b = b a^(b-1); d/db a^b = a^b ln a
+                    when(need_a, &|| {
+                        g.mul(&b)?.mul(&a.binary_raw(&b.add_scalar(-1.0)?, BinaryOp::Pow)?)
+                    })?,
+                    when(need_b, &|| g.mul(&y)?.mul(&a.log()?))?,
+                ),
                 BinaryOp::Max | BinaryOp::Min => {
                     return Err(TensorError::Autograd(format!(
                         "{} has no backward",

@@ -29,7 +29,7 @@ use tpar_kernels::KernelError;
 
 use super::gpu::{cuda_dtype, device_of, with_gpu, with_gpu_mut, Out};
 use super::{common_device, invalid};
-use crate::autograd::record;
+use crate::autograd::{needs_input_grad, record};
 use crate::gpu::GpuStorage;
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
@@ -271,6 +271,9 @@ pub(crate) fn embedding(
     let ids_c = ids.detach();
     let wdt = weight.dtype();
     Ok(Some(record(OP, &[weight], out.into_tensor(), move |g| {
+        if !needs_input_grad(0) {
+            return Ok(vec![None]);
+        }
         let dev = device_of(g, OP)?;
         let mut dw = Out::new(&dev, [vocab, dim], wdt)?;
         let mut acc = if cd == CudaDType::F32 {
@@ -555,7 +558,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
             d.extend_from_slice(&t.dims()[t.rank() - 2..]);
             d
         };
-        let ga = if a_in.requires_grad() {
+        let ga = if a_in.requires_grad() && needs_input_grad(0) {
             let (s, x, y) = if !ta {
                 // dA = G op(B)^T
                 let s = GemmShape {
@@ -591,7 +594,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
         } else {
             None
         };
-        let gb = if b_in.requires_grad() {
+        let gb = if b_in.requires_grad() && needs_input_grad(1) {
             let (s, x, y) = if !tb {
                 // dB = op(A)^T G
                 let s = GemmShape {

@@ -3,7 +3,7 @@
 use tpar_kernels::gemm::{matmul_new, GemmShape};
 
 use super::{common_dtype, compute, require_float};
-use crate::autograd::record;
+use crate::autograd::{needs_input_grad, record};
 use crate::shape::broadcast_shapes;
 use crate::storage::Element;
 use crate::tensor::typed;
@@ -125,7 +125,8 @@ impl Tensor {
         let out = mm_raw(self, rhs, ta, tb)?;
         let (a, b) = (self.clone(), rhs.clone());
         Ok(record("matmul", &[self, rhs], out, move |g| {
-            let ga = if a.requires_grad() {
+            // Each half is a GEMM of its own: compute only those asked for.
+            let ga = if a.requires_grad() && needs_input_grad(0) {
                 let r = match (ta, tb) {
                     (false, false) => g.matmul_t(&b, false, true)?,
                     (false, true) => g.matmul_t(&b, false, false)?,
@@ -136,7 +137,7 @@ impl Tensor {
             } else {
                 None
             };
-            let gb = if b.requires_grad() {
+            let gb = if b.requires_grad() && needs_input_grad(1) {
                 let r = if b.rank() == 2 && a.rank() > 2 && !ta {
                     // Fold the batch dims into rows (counted from the dims, so empty
                     // inner or output dims keep their row count).

@@ -10,7 +10,7 @@ use tpar_kernels::softmax;
 use tpar_kernels::{Acc, Float};
 
 use super::{common_device, common_dtype, compute, cuda_ordinal, invalid, on_host, require_float};
-use crate::autograd::record;
+use crate::autograd::{needs_input_grad, record};
 use crate::shape::{broadcast_strides, normalize_dim};
 use crate::storage::Element;
 use crate::tensor::typed;
@@ -541,6 +541,9 @@ impl Tensor {
             let out_t = Tensor::from_vec(out, od)?;
             let ids_c = ids.detach();
             Ok(record(op, &[weight], out_t, move |g| {
+                if !needs_input_grad(0) {
+                    return Ok(vec![None]);
+                }
                 let mut dw = vec![T::default(); vocab * dim];
                 ids_c.with_data::<i64, _>(|is| {
                     g.with_data::<T, _>(|gs| {

@@ -4,7 +4,7 @@
 use tpar_kernels::elementwise::strided_copy;
 
 use super::{common_dtype, compute, cuda_ordinal, gpu_elem, invalid};
-use crate::autograd::record;
+use crate::autograd::{needs_input_grad, record};
 use crate::shape::normalize_dim;
 use crate::storage::Element;
 use crate::tensor::typed;
@@ -301,7 +301,18 @@ impl Tensor {
             })?,
         };
         Ok(record("cat", &refs, out, move |g| {
-            Ok(g.split_sizes(&sizes, d as isize)?.into_iter().map(Some).collect())
+            // Each piece is a copy: cut only those asked for.
+            let mut start = 0;
+            let mut gs = Vec::with_capacity(sizes.len());
+            for (i, &n) in sizes.iter().enumerate() {
+                gs.push(if needs_input_grad(i) {
+                    Some(g.narrow(d as isize, start, n)?)
+                } else {
+                    None
+                });
+                start += n;
+            }
+            Ok(gs)
         }))
     }
 
