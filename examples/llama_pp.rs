@@ -172,8 +172,7 @@ struct RankReport {
 
 fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
-    let mesh =
-        DeviceMesh::new(world, DeviceType::Cpu, &[o.pp, o.dp, o.tp], &["pp", "dp", "tp"])?;
+    let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.pp, o.dp, o.tp], &["pp", "dp", "tp"])?;
     let (pp_rank, dp_rank) = (mesh["pp"].local_rank(), mesh["dp"].local_rank());
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
@@ -229,7 +228,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     };
     let mut pipe = PipelineSchedule::new(kind, stages, o.microbatches, loss_fn)?;
     if rank == 0 {
-        println!("schedule {} ({} stages on {} pp ranks):\n{}", kind, num_stages, o.pp, pipe.schedule());
+        println!(
+            "schedule {} ({} stages on {} pp ranks):\n{}",
+            kind,
+            num_stages,
+            o.pp,
+            pipe.schedule()
+        );
     }
 
     let named: Vec<(String, Param)> =
@@ -260,8 +265,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut progress = Progress { step: 0, first_loss: f64::NAN };
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
-            let config =
-                CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
+            let config = CheckpointConfig {
+                keep: o.keep.map(|k| k as usize),
+                async_save: o.async_save,
+                ..Default::default()
+            };
             let mut c = CheckpointManager::new(dir, world, config)?;
             let resumed = c.load_latest(&mut [
                 ("model", &mut pipe as &mut dyn Stateful),
@@ -311,7 +319,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             let batch = dataset.batch(chunk)?;
             let losses = pipe.step_with(
                 Some(&batch.input_ids),
-                &[batch.attention_mask.clone()],
+                std::slice::from_ref(&batch.attention_mask),
                 Some(&batch.target_ids),
             )?;
             for (ddp, s) in ddps.iter().zip(pipe.stages()) {
@@ -381,7 +389,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
     }
     if o.timeline && rank == 0 && step > start_step {
-        println!("measured timeline of the last step (rank 0's dp/tp replica):\n{}", timeline.render());
+        println!(
+            "measured timeline of the last step (rank 0's dp/tp replica):\n{}",
+            timeline.render()
+        );
         let sim = pipe.schedule().simulate(&Costs::unit())?;
         println!("simulated timeline (F = I = W = 1):\n{}", sim.render());
     }
@@ -407,13 +418,14 @@ fn main() {
         o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.hidden, o.seq, o.batch, o.steps,
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
-    let reports = match tpar::spawn_with(SpawnConfig::new(world), |ctx| train(&ctx.world_group(), &o)) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("llama_pp: {e}");
-            std::process::exit(1);
-        }
-    };
+    let reports =
+        match tpar::spawn_with(SpawnConfig::new(world), |ctx| train(&ctx.world_group(), &o)) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("llama_pp: {e}");
+                std::process::exit(1);
+            }
+        };
     let Some(r) = reports.iter().find(|r| r.reporter) else {
         eprintln!("llama_pp: no rank held the last stage");
         std::process::exit(1);
@@ -441,10 +453,15 @@ fn main() {
         r.final_loss.to_bits(),
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
-    if finished && r.steps_run >= 20 && !(r.final_loss.is_finite() && r.final_loss < r.first_loss) {
-        eprintln!("llama_pp: loss did not fall ({} -> {})", r.first_loss, r.final_loss);
-        std::process::exit(1);
-    } else if finished && !(r.final_loss < r.first_loss) {
-        eprintln!("llama_pp: warning: loss did not fall over a run too short to judge ({} steps)", r.steps_run);
+    let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;
+    if finished && !fell {
+        if r.steps_run >= 20 {
+            eprintln!("llama_pp: loss did not fall ({} -> {})", r.first_loss, r.final_loss);
+            std::process::exit(1);
+        }
+        eprintln!(
+            "llama_pp: warning: the loss did not fall, over a run too short to judge ({} steps)",
+            r.steps_run
+        );
     }
 }

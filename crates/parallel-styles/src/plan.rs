@@ -60,9 +60,7 @@ impl ParallelizePlan {
     /// The plan with only the entries whose key `keep` accepts, in the same order (e.g.
     /// the part of a whole model's plan that concerns one pipeline stage).
     pub fn filtered(&self, keep: impl Fn(&str) -> bool) -> ParallelizePlan {
-        ParallelizePlan {
-            entries: self.entries.iter().filter(|(k, _)| keep(k)).cloned().collect(),
-        }
+        ParallelizePlan { entries: self.entries.iter().filter(|(k, _)| keep(k)).cloned().collect() }
     }
 }
 

@@ -5,16 +5,16 @@
 #![warn(missing_docs)]
 
 mod error;
-pub mod schedule;
 mod runner;
+pub mod schedule;
 mod split;
 mod stage;
 
 pub use error::{PipelineError, Result};
 pub use runner::{LossFn, PipelineSchedule};
-pub use split::split_blocks;
-pub use stage::PipelineStage;
 pub use schedule::{
     classic_bubble, Action, Costs, Message, MessageKind, Phase, Schedule, ScheduleKind, Span,
     Timeline,
 };
+pub use split::split_blocks;
+pub use stage::PipelineStage;

@@ -415,14 +415,15 @@ impl Run {
             if let Some(t) = self.arrived.remove(&key) {
                 return Ok(t);
             }
-            let next = self.expected.get_mut(&src).and_then(|q| q.pop_front()).ok_or_else(|| {
-                PipelineError::Stage {
-                    stage,
-                    what: format!(
-                        "internal error: pp rank {src} sends no {kind:?} for micro-batch {mb}"
-                    ),
-                }
-            })?;
+            let next =
+                self.expected.get_mut(&src).and_then(|q| q.pop_front()).ok_or_else(|| {
+                    PipelineError::Stage {
+                        stage,
+                        what: format!(
+                            "internal error: pp rank {src} sends no {kind:?} for micro-batch {mb}"
+                        ),
+                    }
+                })?;
             let device = p.stage(next.stage).device();
             let t = match next.kind {
                 MessageKind::Activation => p.recv_activation(next.stage, src, device)?,
@@ -481,7 +482,13 @@ impl Run {
         }
     }
 
-    fn forward(&mut self, p: &mut PipelineSchedule, batch: &Batch, s: usize, m: usize) -> Result<()> {
+    fn forward(
+        &mut self,
+        p: &mut PipelineSchedule,
+        batch: &Batch,
+        s: usize,
+        m: usize,
+    ) -> Result<()> {
         let (first, last) = (s == 0, s + 1 == p.schedule.num_stages());
         let input = if first {
             None
@@ -521,13 +528,15 @@ impl Run {
         self.deliver(p, MessageKind::Activation, s + 1, m, send)
     }
 
-    fn backward(&mut self, p: &mut PipelineSchedule, s: usize, m: usize, split: bool) -> Result<()> {
+    fn backward(
+        &mut self,
+        p: &mut PipelineSchedule,
+        s: usize,
+        m: usize,
+        split: bool,
+    ) -> Result<()> {
         let last = s + 1 == p.schedule.num_stages();
-        let grad = if last {
-            None
-        } else {
-            Some(self.fetch(p, MessageKind::Gradient, s, m)?)
-        };
+        let grad = if last { None } else { Some(self.fetch(p, MessageKind::Gradient, s, m)?) };
         self.ready = Some(Instant::now());
         let mut saved = self.saved.remove(&(s, m)).ok_or_else(|| missing(s, m, "backward"))?;
         let grad = match (grad, saved.seed.take()) {
@@ -587,8 +596,7 @@ impl tpar_tensor::state::Stateful for PipelineSchedule {
         for s in &mut self.stages {
             let names: Vec<String> =
                 tpar_nn::named_parameters(s.module()).into_iter().map(|(n, _)| n).collect();
-            let mine: StateDict =
-                names.iter().filter_map(|n| state.remove_entry(n)).collect();
+            let mine: StateDict = names.iter().filter_map(|n| state.remove_entry(n)).collect();
             tpar_nn::load_state_dict(s.module_mut(), mine, true)
                 .map_err(tpar_nn::state::into_state_err)?;
         }
