@@ -462,3 +462,41 @@ fn three_d_pp_dp_tp_step_equals_the_single_rank_step() {
         }
     }
 }
+
+#[test]
+fn shapes_are_agreed_on_the_first_step_only() {
+    let cfg = config(2, DType::F32);
+    let (ids, tgt) = batch(4, 4, cfg.vocab_size);
+    let sends = tpar::spawn(2, |ctx| -> tpar::Result<Vec<Vec<Vec<usize>>>> {
+        let world = ctx.world_group();
+        let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[2], &["pp"])?;
+        let mut s = PipelineSchedule::new(
+            ScheduleKind::OneFOneB,
+            stages(&cfg, &mesh, 1)?,
+            4,
+            loss_fn(cfg.vocab_size),
+        )?;
+        let debug = world.comm_debug();
+        debug.enable();
+        let mut per_step = Vec::new();
+        for _ in 0..2 {
+            s.step(Some(&ids), Some(&tgt))?;
+            let recs = debug.take();
+            per_step.push(
+                recs.iter()
+                    .filter(|r| r.kind == tpar::collectives::CollectiveKind::Send)
+                    .map(|r| r.shape.clone())
+                    .collect(),
+            );
+        }
+        Ok(per_step)
+    })
+    .unwrap();
+    // Stage 0 sends its 4 activations each step, and their shape only before the first.
+    let act = vec![1, 4, 16];
+    assert_eq!(sends[0][0], vec![vec![5], act.clone(), act.clone(), act.clone(), act.clone()]);
+    assert_eq!(sends[0][1], vec![act.clone(); 4]);
+    // Stage 1 sends 4 gradients each step, never a shape.
+    assert_eq!(sends[1][0], vec![act.clone(); 4]);
+    assert_eq!(sends[1][1], vec![act; 4]);
+}
