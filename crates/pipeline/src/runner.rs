@@ -265,10 +265,10 @@ impl PipelineSchedule {
         let m = self.schedule.n_microbatches();
         let cut = |t: &Tensor, what: &str| -> Result<Vec<Tensor>> {
             let rows = t.dims().first().copied().unwrap_or(0);
-            if t.rank() == 0 || rows % m != 0 {
+            if t.rank() == 0 || rows == 0 || rows % m != 0 {
                 return Err(PipelineError::Microbatch {
                     what: format!(
-                        "the {what} of shape {:?} does not split into {m} equal micro-batches along dim 0 (its size must be a multiple of {m})",
+                        "the {what} of shape {:?} does not split into {m} equal micro-batches along dim 0 (its size must be a positive multiple of {m})",
                         t.dims()
                     ),
                 });
