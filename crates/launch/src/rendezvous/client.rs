@@ -417,3 +417,34 @@ fn connect_once(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
     }
     Err(last)
 }
+
+/// Connects to `addr`, retrying refused or failed connections (the server may start
+/// later) with a growing pause until `timeout` passes.
+pub(super) fn connect_retrying(addr: &str, timeout: Duration) -> Result<TcpStream> {
+    let deadline = Instant::now().checked_add(timeout);
+    let left = || match deadline {
+        None => Some(Duration::from_secs(3600)),
+        Some(d) => d.checked_duration_since(Instant::now()).filter(|l| !l.is_zero()),
+    };
+    let mut attempts = 0u32;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        attempts += 1;
+        let err = match connect_once(addr, left().unwrap_or(Duration::from_millis(1))) {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        match left() {
+            Some(l) => thread::sleep(backoff.min(l)),
+            None => {
+                return Err(RendezvousError::Connect {
+                    addr: addr.to_string(),
+                    timeout,
+                    attempts,
+                    source: err,
+                })
+            }
+        }
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}

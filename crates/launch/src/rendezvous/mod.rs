@@ -39,9 +39,11 @@ use tpar_collectives::{Store, StoreError};
 
 mod client;
 mod server;
+mod torch;
 mod wire;
 
 pub use client::TcpStore;
+pub use torch::TorchStoreClient;
 
 /// Errors of the rendezvous store and of reading the launch environment.
 #[derive(Debug, thiserror::Error)]
@@ -160,12 +162,29 @@ pub enum RendezvousError {
     },
     /// A launch environment variable is not set.
     #[error(
-        "environment variable {var} is not set (launch with torchrun, srun or tpar-run, \
-         or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)"
+        "environment variable {var} is not set (launch with torchrun, tpar-run, srun \
+         (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI's mpirun \
+         (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK), or set \
+         RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)"
     )]
     MissingEnv {
         /// The variable's name.
         var: &'static str,
+    },
+    /// The process was started as one rank of a multi-process job (`RANK`/`WORLD_SIZE`,
+    /// or Slurm's or Open MPI's equivalents, name more than one process), but it was
+    /// asked for a backend that runs every rank as a thread of this one process: each
+    /// process would run the whole job. See [`check_not_launched`](crate::check_not_launched).
+    #[error(
+        "this process was started as one of {world_size} processes ({vars}), but its \
+         backend runs every rank as a thread of one process, so each process would run the \
+         whole job: pass the process backend (e.g. --backend nccl) or unset those variables"
+    )]
+    LaunchedAsProcesses {
+        /// The variables that say so, as `NAME=value` pairs.
+        vars: String,
+        /// The world size they give (`?` in the message when only `RANK` is set).
+        world_size: String,
     },
     /// A launch environment variable holds an unusable value.
     #[error("environment variable {var}={value:?} is invalid: {why}")]
