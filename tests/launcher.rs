@@ -248,6 +248,78 @@ fn two_nodes_of_two_rendezvous_through_the_store() {
     check_rendezvous(&n1.join().unwrap(), 2..4, 4);
 }
 
+/// Runs `torchrun rdzv_args --nproc-per-node 2 --no-python <this test> rendezvous_child`
+/// and checks both ranks met through tpar's store (joined via torchrun's agent store).
+fn torchrun_rendezvous(mode: &str, rdzv_args: &[String]) {
+    let t0 = Instant::now();
+    let mut cmd = Command::new("torchrun");
+    cmd.args(rdzv_args)
+        .args(["--nproc-per-node", "2", "--no-python"])
+        .args(&child_args()[1..])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::null());
+    let out = cmd.output().expect("run torchrun");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "torchrun {mode}: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+    let sum = 100 + 200;
+    for r in 0..2 {
+        let want = format!("RDV rank={r} world=2 sum={sum} id_ok=true");
+        assert!(
+            stdout.lines().any(|l| l.ends_with(&want)),
+            "torchrun {mode}: no {want:?} in\n{stdout}\n{stderr}"
+        );
+    }
+    assert!(stdout.contains("RDV agent_store=true"), "torchrun {mode}: {stdout}");
+    println!("torchrun {mode}: both ranks met through the store in {:?}", t0.elapsed());
+}
+
+/// Whether `torchrun` is on PATH; prints why a test is skipped when it is not.
+fn have_torchrun() -> bool {
+    let ok = Command::new("torchrun")
+        .arg("--help")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        println!("skipped: torchrun is not on PATH (pip install torch to run this test)");
+    }
+    ok
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+#[test]
+fn torchrun_standalone_rendezvous() {
+    if have_torchrun() {
+        torchrun_rendezvous("--standalone", &["--standalone".into()]);
+    }
+}
+
+#[test]
+fn torchrun_static_master_port_rendezvous() {
+    if have_torchrun() {
+        let args = ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", &free_port()];
+        torchrun_rendezvous("--master-port", &args.map(String::from));
+    }
+}
+
+#[test]
+fn torchrun_c10d_rendezvous() {
+    if have_torchrun() {
+        let endpoint = format!("localhost:{}", free_port());
+        let args = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint];
+        torchrun_rendezvous("--rdzv-backend c10d", &args.map(String::from));
+    }
+}
+
 /// Not a test of its own: what each launched process runs (a no-op otherwise).
 #[test]
 fn rendezvous_child() {
@@ -272,6 +344,7 @@ fn rendezvous_child() {
     store.add("arrived", 1).unwrap();
     store.barrier("done").unwrap();
     assert_eq!(store.get("arrived").unwrap(), env.world_size.to_string().into_bytes());
+    println!("RDV agent_store={}", env.agent_store);
     println!("RDV rank={} world={} sum={sum} id_ok={}", env.rank, env.world_size, got == id);
     // Rank 0 hosts the store: nobody may leave before everyone has read.
     store.barrier("exit").unwrap();
