@@ -589,7 +589,11 @@ fn main() {
                 Ok(vec![report])
             })
     } else {
-        tpar::spawn_with(SpawnConfig::new(o.world), |ctx| train(&ctx.world_group(), &o))
+        // Started by a launcher as one of several processes, each would train the whole
+        // job on its own threads: refuse instead.
+        tpar::launch::check_not_launched().map_err(tpar::Error::from).and_then(|()| {
+            tpar::spawn_with(SpawnConfig::new(o.world), |ctx| train(&ctx.world_group(), &o))
+        })
     };
     let reports = match run {
         Ok(r) => r,

@@ -418,6 +418,14 @@ fn main() {
         o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.hidden, o.seq, o.batch, o.steps,
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
+    // Its ranks are threads of this process: started by a launcher as one of several
+    // processes, each would train the whole job. Refuse instead.
+    if let Err(e) = tpar::launch::check_not_launched() {
+        eprintln!(
+            "llama_pp: {e} (llama_pp has only the local backend: run it once, without a launcher)"
+        );
+        std::process::exit(2);
+    }
     let reports =
         match tpar::spawn_with(SpawnConfig::new(world), |ctx| train(&ctx.world_group(), &o)) {
             Ok(r) => r,

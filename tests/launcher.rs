@@ -24,8 +24,15 @@ struct Out {
 
 /// Runs `tpar-run args...`, failing the test if it runs past `limit`.
 fn launch(args: &[&str], limit: Duration) -> Out {
+    launch_with(args, limit, |_| {})
+}
+
+/// [`launch`], with the launcher's environment adjusted by `env`.
+fn launch_with(args: &[&str], limit: Duration, env: impl FnOnce(&mut Command)) -> Out {
     let t0 = Instant::now();
-    let mut child = Command::new(LAUNCHER)
+    let mut cmd = Command::new(LAUNCHER);
+    env(&mut cmd);
+    let mut child = cmd
         .args(args)
         .env(CHILD_ENV, "1")
         .stdin(Stdio::null())
@@ -119,14 +126,216 @@ fn a_failing_rank_stops_the_others_and_is_named() {
 
 #[test]
 fn a_killed_rank_is_reported_with_its_signal() {
-    let script = r#"if [ "$RANK" = 2 ]; then kill -9 $$; fi; exec sleep 30"#;
+    // Rank 2 prints the time (ns since the epoch) and kills itself with SIGKILL.
+    let script = r#"if [ "$RANK" = 2 ]; then sleep 0.3; echo "dying $(date +%s%N)"; kill -9 $$; fi; exec sleep 30"#;
     let o = launch(
         &["--nproc-per-node", "3", "--grace-period", "0.2", "--", "sh", "-c", script],
         Duration::from_secs(20),
     );
+    let exited = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
     assert_eq!(o.status.code(), Some(128 + 9), "{}", o.stderr);
-    assert!(o.stderr.contains("rank 2 (local rank 2) was killed by signal 9"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("rank 2 (local rank 2) was killed by signal 9 (SIGKILL)"),
+        "{}",
+        o.stderr
+    );
     assert!(o.elapsed < Duration::from_secs(5), "took {:?}", o.elapsed);
+    let died = o
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 2] dying ")?.trim().parse::<u128>().ok());
+    if let Some(died) = died {
+        let ms = (exited.as_nanos().saturating_sub(died)) as f64 / 1e6;
+        println!(
+            "rank 2 died by SIGKILL; the launcher stopped the others and exited {ms:.0} ms later"
+        );
+        assert!(ms < 3000.0, "{ms} ms from death to exit");
+    }
+}
+
+#[test]
+fn every_rank_gets_torchruns_variables() {
+    let script = r#"echo "$GROUP_WORLD_SIZE $ROLE_NAME $ROLE_RANK $ROLE_WORLD_SIZE $OMP_NUM_THREADS $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_RUN_ID x${TORCHELASTIC_USE_AGENT_STORE}x""#;
+    let args = ["--nproc-per-node", "2", "--run-id", "job7", "--", "sh", "-c", script];
+    let o = launch_with(&args, Duration::from_secs(20), |c| {
+        c.env_remove("OMP_NUM_THREADS").env("TORCHELASTIC_USE_AGENT_STORE", "True");
+    });
+    assert!(o.status.success(), "{}", o.stderr);
+    for r in 0..2 {
+        let want = format!("[rank {r}] 1 default {r} 2 1 0 0 job7 xx");
+        assert!(o.stdout.lines().any(|l| l == want), "no {want:?} in\n{}", o.stdout);
+    }
+    assert!(o.stderr.contains("setting OMP_NUM_THREADS=1"), "{}", o.stderr);
+    // The user's OMP_NUM_THREADS is kept, without a notice.
+    let o = launch_with(&args, Duration::from_secs(20), |c| {
+        c.env("OMP_NUM_THREADS", "3");
+    });
+    assert!(o.stdout.contains("[rank 1] 1 default 1 2 3 0 0 job7 xx"), "{}", o.stdout);
+    assert!(!o.stderr.contains("OMP_NUM_THREADS"), "{}", o.stderr);
+}
+
+#[test]
+fn output_streams_as_it_comes() {
+    // A partial line, a pause, the rest: the first part must arrive before the rest.
+    let script = r#"printf 'part1 10%%\r'; sleep 2; printf 'part2\n'; printf 'x%.0s' $(seq 3) >&2"#;
+    let mut child = Command::new(LAUNCHER)
+        .args(["--nproc-per-node", "1", "--", "sh", "-c", script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let mut stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            let _ = tx.send((buf[..n].to_vec(), t0.elapsed()));
+        }
+    });
+    let mut seen = Vec::new();
+    let mut first_part_at = None;
+    while let Ok((bytes, at)) = rx.recv_timeout(Duration::from_secs(10)) {
+        seen.extend_from_slice(&bytes);
+        if first_part_at.is_none() && seen.starts_with(b"[rank 0] part1 10%\r") {
+            first_part_at = Some(at);
+        }
+    }
+    let status = child.wait().unwrap();
+    let ended = t0.elapsed();
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&seen), "[rank 0] part1 10%\rpart2\n");
+    assert_eq!(stderr, "[rank 0] xxx\n");
+    let first = first_part_at.expect("the partial line arrived");
+    println!("partial line forwarded after {first:?}; the launcher ended after {ended:?}");
+    assert!(ended - first > Duration::from_secs(1), "{first:?} vs {ended:?}");
+}
+
+#[test]
+fn a_long_line_passes_through_in_chunks() {
+    let n = 8_000_000;
+    let script = format!("head -c {n} /dev/zero | tr '\\0' y; echo; echo after");
+    let o = launch(&["--nproc-per-node", "1", "--", "sh", "-c", &script], Duration::from_secs(30));
+    assert!(o.status.success(), "{}", o.stderr);
+    let mut lines = o.stdout.lines();
+    let long = lines.next().unwrap();
+    assert_eq!(long.len(), "[rank 0] ".len() + n);
+    assert!(long.starts_with("[rank 0] yyy") && !long[1..].contains('['));
+    assert_eq!(lines.next(), Some("[rank 0] after"));
+}
+
+#[test]
+fn nodes_that_disagree_fail_at_join() {
+    let port = free_port();
+    let node = |rank: &'static str, nproc: &'static str| {
+        let args: Vec<String> = [
+            "--nproc-per-node",
+            nproc,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--",
+            "sleep",
+            "30",
+        ]
+        .map(String::from)
+        .to_vec();
+        thread::spawn(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            launch(&args, Duration::from_secs(20))
+        })
+    };
+    let n1 = node("1", "1");
+    thread::sleep(Duration::from_millis(200));
+    let n0 = node("0", "2");
+    for (who, o) in [("node 0", n0.join().unwrap()), ("node 1", n1.join().unwrap())] {
+        assert_eq!(o.status.code(), Some(1), "{who}: {}", o.stderr);
+        assert!(o.stderr.contains("--nproc-per-node 2 --nnodes 2"), "{who}: {}", o.stderr);
+        assert!(o.stderr.contains("--nproc-per-node 1 --nnodes 2"), "{who}: {}", o.stderr);
+        assert!(o.stderr.contains("every node must give the same"), "{who}: {}", o.stderr);
+        assert!(o.stdout.is_empty(), "{who} started ranks: {}", o.stdout);
+        println!("{who} failed after {:?}: {}", o.elapsed, o.stderr.trim());
+        assert!(o.elapsed < Duration::from_secs(5), "{who} took {:?}", o.elapsed);
+    }
+}
+
+#[test]
+fn max_restarts_restarts_the_group() {
+    let script = r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then exit 5; fi; echo "ok $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS""#;
+    let o = launch(
+        &["--nproc-per-node", "2", "--max-restarts", "1", "--", "sh", "-c", script],
+        Duration::from_secs(20),
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    assert!(
+        o.stderr.contains(
+            "rank 1 (local rank 1) exited with code 5; restarting the group (restart 1 of 1)"
+        ),
+        "{}",
+        o.stderr
+    );
+    assert!(
+        o.stdout.contains("[rank 0] ok 1 1") && o.stdout.contains("[rank 1] ok 1 1"),
+        "{}",
+        o.stdout
+    );
+    // Out of restarts: the last failure is the launcher's.
+    let o = launch(
+        &[
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo run $TORCHELASTIC_RESTART_COUNT; exit 4",
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(o.status.code(), Some(4), "{}", o.stderr);
+    assert_eq!(o.stdout.matches("[rank 0] run").count(), 3, "{}", o.stdout);
+    assert!(o.stdout.contains("[rank 0] run 2"), "{}", o.stdout);
+}
+
+/// Where cargo puts this package's examples (next to the directory of this test).
+fn example(name: &str) -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join(name);
+    path.exists().then_some(path)
+}
+
+#[test]
+fn llama_2d_refuses_a_launch_on_the_local_backend() {
+    let Some(llama) = example("llama_2d") else {
+        println!("skipped: llama_2d is not built (cargo build --release --example llama_2d)");
+        return;
+    };
+    let out = Command::new(llama)
+        .args(["--steps", "1"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("RANK=0, WORLD_SIZE=2") && stderr.contains("process backend"),
+        "{stderr}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("summary:"));
 }
 
 #[test]
@@ -248,6 +457,10 @@ fn two_nodes_of_two_rendezvous_through_the_store() {
     check_rendezvous(&n1.join().unwrap(), 2..4, 4);
 }
 
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
 /// Runs `torchrun rdzv_args --nproc-per-node 2 --no-python <this test> rendezvous_child`
 /// and checks both ranks met through tpar's store (joined via torchrun's agent store).
 fn torchrun_rendezvous(mode: &str, rdzv_args: &[String]) {
@@ -290,10 +503,6 @@ fn have_torchrun() -> bool {
         println!("skipped: torchrun is not on PATH (pip install torch to run this test)");
     }
     ok
-}
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }
 
 #[test]

@@ -11,6 +11,9 @@
 //!                        (default 127.0.0.1; required when M > 1)
 //!   --master-port P      its port (default: a free port when M = 1, else 29500)
 //!   --grace-period S     seconds between the termination signal and SIGKILL (default 5)
+//!   --max-restarts N     restart the whole group up to N times after a failure (default 0)
+//!   --run-id ID          the job's id, TORCHELASTIC_RUN_ID (default none)
+//!   --join-timeout S     seconds the node launchers wait for each other (default 300)
 //! ```
 //!
 //! Options come first, then `--` or the first argument that is not an option, then the
@@ -138,6 +141,10 @@ fn nodes(v: &str) -> Result<usize, BadValue> {
     count(v)
 }
 
+fn restarts(v: &str) -> Result<u32, BadValue> {
+    v.parse().map_err(|_| BadValue::Count)
+}
+
 fn port(v: &str) -> Result<u16, BadValue> {
     v.parse::<u16>().ok().filter(|p| *p != 0).ok_or(BadValue::Port)
 }
@@ -155,9 +162,12 @@ fn seconds(v: &str) -> Result<Duration, BadValue> {
     override_usage = SYNOPSIS,
     help_template = "usage: {usage}\n\n{about}\n\noptions:\n{options}{after-help}\n",
     about = "Starts one process per rank with torchrun's environment variables
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT) and prefixes each line they print with `[rank i] `.
-If a rank fails, the others are stopped and tpar-run exits non-zero.",
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
+ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, and
+OMP_NUM_THREADS=1 when N > 1 and it is unset) and prefixes each line they print
+with `[rank i] `. If a rank fails, the others are stopped and tpar-run exits
+non-zero (or restarts the group, --max-restarts).",
     after_help = "Options also accept `--name=value` and torchrun's underscore spellings
 (--nproc_per_node). Multi-node: run tpar-run on every node with the same
 --nnodes, --master-addr and --master-port and a distinct --node-rank.",
@@ -195,6 +205,19 @@ struct Cli {
     #[arg(verbatim_doc_comment, long, alias = "grace_period", value_name = "S", default_value = "5",
           value_parser = seconds, allow_hyphen_values = true)]
     grace_period: Duration,
+    /// Restart the whole group up to N times after a
+    /// rank fails
+    #[arg(verbatim_doc_comment, long, alias = "max_restarts", value_name = "N", default_value = "0",
+          value_parser = restarts, allow_hyphen_values = true)]
+    max_restarts: u32,
+    /// The job's id (TORCHELASTIC_RUN_ID) [default: none]
+    #[arg(long, aliases = ["run_id", "rdzv-id", "rdzv_id"], value_name = "ID",
+          allow_hyphen_values = true)]
+    run_id: Option<String>,
+    /// Seconds the node launchers wait for each other
+    #[arg(long, alias = "join_timeout", value_name = "S", default_value = "300",
+          value_parser = seconds, allow_hyphen_values = true)]
+    join_timeout: Duration,
     /// The program each rank runs, then its arguments
     #[arg(value_name = "PROGRAM", trailing_var_arg = true, value_parser = clap::value_parser!(OsString))]
     command: Vec<OsString>,
@@ -221,6 +244,11 @@ impl Cli {
         }
         cfg.master_port = self.master_port;
         cfg.grace_period = self.grace_period;
+        cfg.max_restarts = self.max_restarts;
+        if let Some(id) = self.run_id {
+            cfg.run_id = id;
+        }
+        cfg.join_timeout = self.join_timeout;
         cfg.args = command.collect();
         cfg.validate()?;
         Ok(cfg)
@@ -483,6 +511,9 @@ mod tests {
             "--master-addr",
             "--master-port",
             "--grace-period",
+            "--max-restarts",
+            "--run-id",
+            "--join-timeout",
             "--help",
         ] {
             assert!(h.contains(flag), "{flag} in\n{h}");

@@ -5,14 +5,18 @@
 //! tpar-run --nproc-per-node 4 -- target/release/examples/llama_2d --steps 10
 //! ```
 //!
-//! Each child gets `RANK = node_rank * nproc_per_node + local_rank`,
-//! `WORLD_SIZE = nnodes * nproc_per_node`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//! `GROUP_RANK` (the node rank), `MASTER_ADDR` and `MASTER_PORT`, which
-//! [`EnvInit::from_env`](crate::EnvInit::from_env) reads. Every
-//! line a child prints is prefixed with `[rank i] `. When a rank exits with a
-//! non-zero code or is killed, the launcher stops the others (a termination
-//! signal, then `SIGKILL` after the grace period) and reports which rank
-//! failed and how.
+//! Each child gets what torchrun gives a worker: `RANK = node_rank * nproc_per_node +
+//! local_rank`, `WORLD_SIZE = nnodes * nproc_per_node`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `GROUP_RANK` (the node rank), `GROUP_WORLD_SIZE` (the nodes), `ROLE_RANK`,
+//! `ROLE_WORLD_SIZE`, `ROLE_NAME` (`default`), `MASTER_ADDR`, `MASTER_PORT`,
+//! `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_MAX_RESTARTS`, `TORCHELASTIC_RUN_ID`, and
+//! `OMP_NUM_THREADS=1` when a node runs several ranks and the variable is unset (with a
+//! notice). [`EnvInit::from_env`](crate::EnvInit::from_env) reads them. The children's
+//! output is forwarded as it comes, in chunks, each line prefixed with `[rank i] `. When
+//! a rank exits with a non-zero code or is killed, the launcher stops the others (a
+//! termination signal, then `SIGKILL` after the grace period) and reports which rank
+//! failed and how; with `--max-restarts N` it then starts the whole group again, up to N
+//! times.
 //!
 //! When NCCL is installed only as `libnccl.so.2` (not found by cudarc's loader), the
 //! children's `LD_LIBRARY_PATH` starts with a private directory holding a `libnccl.so`
@@ -29,14 +33,16 @@
 
 use std::ffi::OsString;
 use std::fmt;
-use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
+use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::cli::{UsageError, SYNOPSIS};
+use crate::rendezvous::{RendezvousError, TcpStore};
 use crate::{signals, sys};
 
 /// Port used for multi-node jobs when `--master-port` is not given (torchrun's).
@@ -65,6 +71,38 @@ pub enum LaunchError {
         addr: String,
         /// The operating system's error.
         source: io::Error,
+    },
+    /// A multi-node job's launchers could not meet at `--master-addr:--master-port`.
+    #[error("node {node_rank}: joining the other nodes' launchers: {source}")]
+    Join {
+        /// This node's rank.
+        node_rank: usize,
+        /// The store's error.
+        source: RendezvousError,
+    },
+    /// Two nodes of a multi-node job were started with different `--nproc-per-node` or
+    /// `--nnodes` (or the same `--node-rank`): found at join, before any rank starts.
+    #[error(
+        "node {node_rank} runs with {this}, but node {other_node} runs with {other}: every \
+         node must give the same --nproc-per-node and --nnodes"
+    )]
+    NodeMismatch {
+        /// This node's rank.
+        node_rank: usize,
+        /// This node's settings.
+        this: String,
+        /// The node that disagrees.
+        other_node: usize,
+        /// Its settings.
+        other: String,
+    },
+    /// Two launchers were started with the same `--node-rank`.
+    #[error("--node-rank {node_rank} was given to {count} launchers; each node needs its own")]
+    NodeRankTaken {
+        /// The node rank.
+        node_rank: usize,
+        /// How many launchers claimed it.
+        count: i64,
     },
     /// A child process could not be started.
     #[error("cannot start rank {rank} ({program:?}): {source}")]
@@ -106,6 +144,13 @@ pub struct LaunchConfig {
     pub args: Vec<OsString>,
     /// Time between the termination signal and `SIGKILL` when stopping ranks.
     pub grace_period: Duration,
+    /// How many times to restart the whole group after a rank fails (torchrun's
+    /// `--max-restarts`); each restart increments `TORCHELASTIC_RESTART_COUNT`.
+    pub max_restarts: u32,
+    /// The job's id, `TORCHELASTIC_RUN_ID` (torchrun's `--rdzv-id`, default `none`).
+    pub run_id: String,
+    /// How long the node launchers of a multi-node job wait for each other at join.
+    pub join_timeout: Duration,
 }
 
 impl LaunchConfig {
@@ -120,6 +165,9 @@ impl LaunchConfig {
             program: program.into(),
             args: Vec::new(),
             grace_period: Duration::from_secs(5),
+            max_restarts: 0,
+            run_id: "none".into(),
+            join_timeout: Duration::from_secs(300),
         }
     }
 
@@ -268,16 +316,17 @@ struct Rank {
 /// Starts the ranks of this node, forwards their output with `[rank i] `
 /// prefixes, and waits for them. The first rank to fail (non-zero code or
 /// killed) makes the launcher stop the others; its rank and exit are in the
-/// returned [`LaunchOutcome`]. Status lines go to standard error, prefixed
-/// `tpar-run: `.
+/// returned [`LaunchOutcome`]. With [`max_restarts`](LaunchConfig::max_restarts) above
+/// 0 the whole group is then started again, up to that many times. Status lines go to
+/// standard error, prefixed `tpar-run: `.
+///
+/// With several nodes, the launchers meet first at `master_addr:master_port`: node 0's
+/// launcher hosts a store there, every launcher publishes its `--nproc-per-node` and
+/// `--nnodes` and checks them against node 0's (node 0 checks everyone's), so a
+/// mismatch is [`LaunchError::NodeMismatch`] on both sides before any rank starts.
+/// Node 0 then picks a free port for rank 0's store and hands it to the others.
 pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     cfg.validate()?;
-    let port = match cfg.master_port {
-        Some(p) => p,
-        None if cfg.nnodes > 1 => DEFAULT_MULTI_NODE_PORT,
-        None => free_port(&cfg.master_addr)?,
-    };
-    let world = cfg.world_size();
     // NCCL installed only as libnccl.so.2, which cudarc does not look for: give the ranks a
     // libnccl.so link on LD_LIBRARY_PATH (removed when the job is over).
     let nccl_link = tpar_collectives::nccl::nccl_library_link();
@@ -289,6 +338,127 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             l.dir().display()
         );
     }
+    let agents = if cfg.nnodes > 1 { Some(join_nodes(cfg)?) } else { None };
+    // torchrun's rule: one OpenMP thread per rank unless the user says otherwise.
+    let omp_threads = if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+        eprintln!(
+            "tpar-run: setting OMP_NUM_THREADS=1 for each of the {} ranks on this node, so \
+             they do not oversubscribe the CPU; set OMP_NUM_THREADS to tune it",
+            cfg.nproc_per_node
+        );
+        true
+    } else {
+        false
+    };
+    let mut restart = 0u32;
+    loop {
+        let port = match &agents {
+            Some(store) => attempt_port(cfg, store, restart)?,
+            None => match cfg.master_port {
+                Some(p) => p,
+                None => free_port(&cfg.master_addr)?,
+            },
+        };
+        let env = ChildEnv {
+            port,
+            restart,
+            omp_threads,
+            ld_library_path: nccl_link.as_ref().map(|l| l.ld_library_path()),
+        };
+        let outcome = run_once(cfg, &env)?;
+        match outcome {
+            LaunchOutcome::RankFailed { .. } if restart < cfg.max_restarts => {
+                restart += 1;
+                eprintln!(
+                    "tpar-run: {outcome}; restarting the group (restart {restart} of {})",
+                    cfg.max_restarts
+                );
+            }
+            outcome => return Ok(outcome),
+        }
+    }
+}
+
+/// What differs between the children of one attempt and the next.
+struct ChildEnv {
+    port: u16,
+    restart: u32,
+    omp_threads: bool,
+    ld_library_path: Option<OsString>,
+}
+
+/// Key under which node `n`'s launcher publishes its settings in the launchers' store.
+fn node_key(n: usize) -> String {
+    format!("tpar-run/node/{n}")
+}
+
+/// The launchers of a multi-node job meet: node 0 hosts a store at
+/// `master_addr:master_port`, each launcher checks its settings against node 0's.
+fn join_nodes(cfg: &LaunchConfig) -> Result<TcpStore, LaunchError> {
+    let node_rank = cfg.node_rank;
+    let join = |source| LaunchError::Join { node_rank, source };
+    let port = cfg.master_port.unwrap_or(DEFAULT_MULTI_NODE_PORT);
+    let store = if node_rank == 0 {
+        TcpStore::server(&bind_addr(&cfg.master_addr, port), cfg.nnodes, cfg.join_timeout)
+    } else {
+        TcpStore::client(&host_port(&cfg.master_addr, port), cfg.join_timeout)
+    }
+    .map_err(join)?;
+    let count = store.add(&format!("{}/claims", node_key(node_rank)), 1).map_err(join)?;
+    if count > 1 {
+        return Err(LaunchError::NodeRankTaken { node_rank, count });
+    }
+    let this = format!("--nproc-per-node {} --nnodes {}", cfg.nproc_per_node, cfg.nnodes);
+    let check = |other_node: usize| -> Result<(), LaunchError> {
+        let other = store.get(&node_key(other_node)).map_err(join)?;
+        let other = String::from_utf8_lossy(&other).into_owned();
+        if other != this {
+            return Err(LaunchError::NodeMismatch {
+                node_rank,
+                this: this.clone(),
+                other_node,
+                other,
+            });
+        }
+        Ok(())
+    };
+    if node_rank == 0 {
+        store.set(&node_key(0), this.as_bytes()).map_err(join)?;
+        for other in 1..cfg.nnodes {
+            check(other)?;
+        }
+    } else {
+        // Read node 0's settings before publishing ours: node 0 stops its store as soon as
+        // it sees a mismatch, and by then this node has what it needs to report it too.
+        let verdict = check(0);
+        store.set(&node_key(node_rank), this.as_bytes()).map_err(join)?;
+        verdict?;
+    }
+    Ok(store)
+}
+
+/// Rank 0's store port for restart `restart` of a multi-node job: node 0 picks a free
+/// one and publishes it, the other nodes read it.
+fn attempt_port(cfg: &LaunchConfig, store: &TcpStore, restart: u32) -> Result<u16, LaunchError> {
+    let join = |source| LaunchError::Join { node_rank: cfg.node_rank, source };
+    let key = format!("tpar-run/restart/{restart}/master_port");
+    if cfg.node_rank == 0 {
+        let port = free_port_any(&cfg.master_addr)?;
+        store.set(&key, port.to_string().as_bytes()).map_err(join)?;
+        return Ok(port);
+    }
+    let v = store.get(&key).map_err(join)?;
+    String::from_utf8_lossy(&v).parse().map_err(|_| {
+        join(RendezvousError::Protocol {
+            addr: store.addr().to_string(),
+            what: format!("{key} holds {:?}, not a port", String::from_utf8_lossy(&v)),
+        })
+    })
+}
+
+/// One attempt: starts the ranks, forwards their output, waits for them.
+fn run_once(cfg: &LaunchConfig, env: &ChildEnv) -> Result<LaunchOutcome, LaunchError> {
+    let world = cfg.world_size();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut readers = 0;
     let mut ranks: Vec<Rank> = Vec::with_capacity(cfg.nproc_per_node);
@@ -301,13 +471,25 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             .env("LOCAL_RANK", local_rank.to_string())
             .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
             .env("GROUP_RANK", cfg.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", cfg.nnodes.to_string())
+            .env("ROLE_NAME", "default")
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", &cfg.master_addr)
-            .env("MASTER_PORT", port.to_string())
+            .env("MASTER_PORT", env.port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", env.restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
+            .env("TORCHELASTIC_RUN_ID", &cfg.run_id)
+            // Rank 0 hosts the job's store itself (no agent store here).
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if let Some(l) = &nccl_link {
-            cmd.env("LD_LIBRARY_PATH", l.ld_library_path());
+        if env.omp_threads {
+            cmd.env("OMP_NUM_THREADS", "1");
+        }
+        if let Some(p) = &env.ld_library_path {
+            cmd.env("LD_LIBRARY_PATH", p);
         }
         sys::own_process_group(&mut cmd);
         let mut child = match cmd.spawn() {
@@ -319,10 +501,10 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         };
         let prefix = format!("[rank {rank}] ");
         if let Some(out) = child.stdout.take() {
-            readers += spawn_forwarder(out, prefix.clone(), false, done_tx.clone());
+            readers += spawn_forwarder(out, rank, prefix.clone(), Stream::Stdout, done_tx.clone());
         }
         if let Some(err) = child.stderr.take() {
-            readers += spawn_forwarder(err, prefix, true, done_tx.clone());
+            readers += spawn_forwarder(err, rank, prefix, Stream::Stderr, done_tx.clone());
         }
         ranks.push(Rank { rank, child, exit: None, signal_group: true });
     }
@@ -416,43 +598,117 @@ fn stop(ranks: &mut [Rank], signal: i32, grace: Duration) {
     }
 }
 
-/// Copies `src` line by line to our stdout or stderr, each line prefixed.
+/// Which of the launcher's outputs a child's stream goes to.
+#[derive(Clone, Copy)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Per output: the rank whose line is still open (its last chunk did not end in `\n`).
+static OPEN_LINE: [Mutex<Option<usize>>; 2] = [Mutex::new(None), Mutex::new(None)];
+
+/// Bytes read from a child at a time: a long line costs this much, not its length.
+const CHUNK: usize = 64 << 10;
+
+/// Copies `src` to our stdout or stderr as it arrives, in chunks (no waiting for whole
+/// lines, so `\r` progress bars show and a huge line costs one chunk of memory), writing
+/// `prefix` at the start of each line. When another rank's output interrupts an open
+/// line, that line is ended first so that every line carries one prefix.
 /// Returns the number of threads started (0 or 1).
 fn spawn_forwarder(
-    src: impl Read + Send + 'static,
+    mut src: impl Read + Send + 'static,
+    rank: usize,
     prefix: String,
-    to_stderr: bool,
+    stream: Stream,
     done: mpsc::Sender<()>,
 ) -> usize {
     let body = move || {
-        let mut reader = BufReader::new(src);
-        let mut line = Vec::new();
+        let mut buf = vec![0u8; CHUNK];
         loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line) {
+            match src.read(&mut buf) {
                 Ok(0) => break,
-                Ok(_) => {
-                    if !line.ends_with(b"\n") {
-                        line.push(b'\n');
-                    }
-                    let mut buf = Vec::with_capacity(prefix.len() + line.len());
-                    buf.extend_from_slice(prefix.as_bytes());
-                    buf.extend_from_slice(&line);
-                    // Keep draining even if our own output is closed, so the rank never blocks.
-                    let _ = if to_stderr {
-                        io::stderr().lock().write_all(&buf)
-                    } else {
-                        let mut out = io::stdout().lock();
-                        out.write_all(&buf).and_then(|_| out.flush())
-                    };
-                }
+                Ok(n) => write_chunk(&buf[..n], rank, prefix.as_bytes(), stream),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => break,
             }
         }
+        // End the rank's last line if it left one open.
+        let mut open = OPEN_LINE[stream as usize].lock().unwrap_or_else(|p| p.into_inner());
+        if *open == Some(rank) {
+            emit(stream, b"\n");
+            *open = None;
+        }
         let _ = done.send(());
     };
     thread::Builder::new().name("tpar-run-output".into()).spawn(body).map_or(0, |_| 1)
+}
+
+/// Writes one chunk of `rank`'s output, prefixing the lines it starts.
+fn write_chunk(chunk: &[u8], rank: usize, prefix: &[u8], stream: Stream) {
+    let mut open = OPEN_LINE[stream as usize].lock().unwrap_or_else(|p| p.into_inner());
+    let mut out = Vec::with_capacity(chunk.len() + 2 * prefix.len() + 1);
+    let mut at_line_start = match *open {
+        Some(r) if r == rank => false,
+        Some(_) => {
+            out.push(b'\n');
+            true
+        }
+        None => true,
+    };
+    for piece in chunk.split_inclusive(|b| *b == b'\n') {
+        if at_line_start {
+            out.extend_from_slice(prefix);
+        }
+        out.extend_from_slice(piece);
+        at_line_start = piece.ends_with(b"\n");
+    }
+    *open = if at_line_start { None } else { Some(rank) };
+    emit(stream, &out);
+}
+
+/// Writes to our stdout or stderr and flushes. Errors are ignored: the forwarders keep
+/// draining the ranks' pipes even when our own output is closed, so no rank blocks.
+fn emit(stream: Stream, bytes: &[u8]) {
+    let _ = match stream {
+        Stream::Stdout => {
+            let mut out = io::stdout().lock();
+            out.write_all(bytes).and_then(|_| out.flush())
+        }
+        Stream::Stderr => {
+            let mut err = io::stderr().lock();
+            err.write_all(bytes).and_then(|_| err.flush())
+        }
+    };
+}
+
+/// `host:port`, bracketing IPv6 literals.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Where node 0's launcher listens: `addr` itself when it resolves to loopback only,
+/// every interface otherwise (other nodes must reach it).
+fn bind_addr(addr: &str, port: u16) -> String {
+    let resolved: Vec<SocketAddr> =
+        (addr, port).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
+    match resolved.first() {
+        Some(a) if resolved.iter().all(|a| a.ip().is_loopback()) => a.to_string(),
+        Some(a) if a.is_ipv6() => format!("[::]:{port}"),
+        _ => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port).to_string(),
+    }
+}
+
+/// A port free on the interface rank 0's store will bind (see [`bind_addr`]).
+fn free_port_any(addr: &str) -> Result<u16, LaunchError> {
+    let bind = bind_addr(addr, 0);
+    let err = |source| LaunchError::NoFreePort { addr: bind.clone(), source };
+    let l = TcpListener::bind(&bind).map_err(err)?;
+    Ok(l.local_addr().map_err(err)?.port())
 }
 
 /// A port that is free on `addr` right now (the usual race applies: another
