@@ -14,7 +14,17 @@ use std::time::Duration;
 
 use tpar::launch::EnvInit;
 
-fn main() -> Result<(), tpar::launch::RendezvousError> {
+fn main() -> std::process::ExitCode {
+    match check() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rendezvous_check: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn check() -> Result<(), tpar::launch::RendezvousError> {
     let env = EnvInit::from_env()?;
     let store = env.store(Duration::from_secs(60))?;
     store.set(&format!("rendezvous_check/{}", env.rank), env.rank.to_string().as_bytes())?;

@@ -270,6 +270,80 @@ fn nodes_that_disagree_fail_at_join() {
     }
 }
 
+/// Runs two one-rank node launchers of `script` on loopback, node 1 first.
+fn two_nodes_of_one(script: &'static str, extra: &'static [&'static str]) -> (Out, Out) {
+    let port = free_port();
+    let node = |rank: &'static str| {
+        let mut args: Vec<String> = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--grace-period",
+            "0.5",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args.extend(["--", "sh", "-c", script].map(String::from));
+        thread::spawn(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            launch(&args, Duration::from_secs(30))
+        })
+    };
+    let n1 = node("1");
+    thread::sleep(Duration::from_millis(200));
+    let n0 = node("0");
+    (n0.join().unwrap(), n1.join().unwrap())
+}
+
+#[test]
+fn a_rank_killed_on_another_node_stops_this_node() {
+    let script = r#"if [ "$RANK" = 1 ]; then sleep 0.5; kill -9 $$; fi; exec sleep 30"#;
+    let (n0, n1) = two_nodes_of_one(script, &[]);
+    assert_eq!(n1.status.code(), Some(137), "{}", n1.stderr);
+    assert!(
+        n1.stderr.contains("rank 1 (local rank 0) was killed by signal 9 (SIGKILL)"),
+        "{}",
+        n1.stderr
+    );
+    assert_eq!(n0.status.code(), Some(1), "{}", n0.stderr);
+    let want = "node 1 failed: rank 1 (local rank 0) was killed by signal 9 (SIGKILL)";
+    assert!(n0.stderr.contains(want), "{}", n0.stderr);
+    println!(
+        "node 0 stopped its rank and exited after {:?} (node 1 after {:?})",
+        n0.elapsed, n1.elapsed
+    );
+    assert!(n0.elapsed < Duration::from_secs(8), "{:?}", n0.elapsed);
+}
+
+#[test]
+fn max_restarts_restarts_every_node() {
+    let script = r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then exit 6; fi; if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ]; then exec sleep 30; fi; echo "ok $RANK $TORCHELASTIC_RESTART_COUNT $MASTER_PORT""#;
+    let (n0, n1) = two_nodes_of_one(script, &["--max-restarts", "1"]);
+    assert!(n0.status.success() && n1.status.success(), "{}\n{}", n0.stderr, n1.stderr);
+    assert!(
+        n0.stderr.contains("node 1 failed: rank 1 (local rank 0) exited with code 6; restarting"),
+        "{}",
+        n0.stderr
+    );
+    let port0 = n0
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 0] ok 0 1 "))
+        .unwrap_or_else(|| panic!("{}", n0.stdout));
+    let port1 = n1
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 1] ok 1 1 "))
+        .unwrap_or_else(|| panic!("{}", n1.stdout));
+    assert_eq!(port0, port1);
+}
+
 #[test]
 fn max_restarts_restarts_the_group() {
     let script = r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then exit 5; fi; echo "ok $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS""#;

@@ -255,6 +255,14 @@ pub enum LaunchOutcome {
         /// How it ended.
         exit: ChildExit,
     },
+    /// A rank on another node failed (its launcher said so through the launchers'
+    /// store); this node's ranks were stopped.
+    NodeFailed {
+        /// The node whose rank failed.
+        node_rank: usize,
+        /// What its launcher reported (`rank 5 (local rank 1) exited with code 3`).
+        message: String,
+    },
     /// The launcher received this signal and stopped every rank.
     Interrupted {
         /// The signal number.
@@ -281,6 +289,7 @@ impl LaunchOutcome {
             }
             LaunchOutcome::RankFailed { exit: ChildExit::Signal(s), .. }
             | LaunchOutcome::Interrupted { signal: s } => 128 + s.clamp(1, 127),
+            LaunchOutcome::NodeFailed { .. } => 1,
         }
     }
 }
@@ -291,6 +300,9 @@ impl fmt::Display for LaunchOutcome {
             LaunchOutcome::Success => write!(f, "all ranks exited with code 0"),
             LaunchOutcome::RankFailed { rank, local_rank, exit } => {
                 write!(f, "rank {rank} (local rank {local_rank}) {exit}")
+            }
+            LaunchOutcome::NodeFailed { node_rank, message } => {
+                write!(f, "node {node_rank} failed: {message}")
             }
             LaunchOutcome::Interrupted { signal } => match sys::signal_name(*signal) {
                 Some(n) => write!(f, "interrupted by signal {signal} ({n})"),
@@ -365,9 +377,17 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             omp_threads,
             ld_library_path: nccl_link.as_ref().map(|l| l.ld_library_path()),
         };
-        let outcome = run_once(cfg, &env)?;
+        let peers = agents.as_ref().map(|store| Peers::new(store, cfg, restart));
+        let outcome = run_once(cfg, &env, peers.as_ref())?;
+        let failed =
+            matches!(outcome, LaunchOutcome::RankFailed { .. } | LaunchOutcome::NodeFailed { .. });
+        if let (Some(p), true) = (&peers, failed) {
+            p.acknowledge(restart < cfg.max_restarts);
+        }
         match outcome {
-            LaunchOutcome::RankFailed { .. } if restart < cfg.max_restarts => {
+            LaunchOutcome::RankFailed { .. } | LaunchOutcome::NodeFailed { .. }
+                if restart < cfg.max_restarts =>
+            {
                 restart += 1;
                 eprintln!(
                     "tpar-run: {outcome}; restarting the group (restart {restart} of {})",
@@ -456,8 +476,76 @@ fn attempt_port(cfg: &LaunchConfig, store: &TcpStore, restart: u32) -> Result<u1
     })
 }
 
+/// How often a node's launcher looks for another node's failure.
+const PEER_POLL: Duration = Duration::from_millis(200);
+/// How long node 0's launcher (which hosts the launchers' store) waits, before it exits
+/// after a failure, for the other nodes to have seen it.
+const PEER_DRAIN: Duration = Duration::from_secs(3);
+
+/// The other nodes' launchers, during one attempt of a multi-node job: a rank's failure
+/// on one node is posted in the launchers' store, and every node stops its ranks when it
+/// sees it (instead of waiting for their collectives to time out).
+struct Peers<'a> {
+    store: &'a TcpStore,
+    node_rank: usize,
+    nnodes: usize,
+    key: String,
+}
+
+impl<'a> Peers<'a> {
+    fn new(store: &'a TcpStore, cfg: &LaunchConfig, restart: u32) -> Self {
+        Self {
+            store,
+            node_rank: cfg.node_rank,
+            nnodes: cfg.nnodes,
+            key: format!("tpar-run/restart/{restart}/failed"),
+        }
+    }
+
+    /// Another node's failure, if one was posted. Store errors count as none: node 0's
+    /// launcher exits (and its store with it) once its own ranks are done.
+    fn failure(&self) -> Option<(usize, String)> {
+        if !self.store.check(&[&self.key]).ok()? {
+            return None;
+        }
+        let v = self.store.get(&self.key).ok()?;
+        let v = String::from_utf8_lossy(&v);
+        let (node, message) = v.split_once(' ')?;
+        let node = node.parse().ok()?;
+        (node != self.node_rank).then(|| (node, message.to_string()))
+    }
+
+    /// Posts this node's failure.
+    fn report(&self, message: &str) {
+        let _ = self.store.set(&self.key, format!("{} {message}", self.node_rank).as_bytes());
+    }
+
+    /// Counts this node as having seen the failure; node 0, when the job ends here
+    /// (`restarting` false), waits a little for every node to have seen it before its
+    /// store goes away.
+    fn acknowledge(&self, restarting: bool) {
+        let seen = format!("{}/seen", self.key);
+        let _ = self.store.add(&seen, 1);
+        if self.node_rank != 0 || restarting {
+            return;
+        }
+        let deadline = Instant::now() + PEER_DRAIN;
+        while Instant::now() < deadline {
+            match self.store.add(&seen, 0) {
+                Ok(n) if n >= self.nnodes as i64 => return,
+                Ok(_) => thread::sleep(POLL),
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 /// One attempt: starts the ranks, forwards their output, waits for them.
-fn run_once(cfg: &LaunchConfig, env: &ChildEnv) -> Result<LaunchOutcome, LaunchError> {
+fn run_once(
+    cfg: &LaunchConfig,
+    env: &ChildEnv,
+    peers: Option<&Peers<'_>>,
+) -> Result<LaunchOutcome, LaunchError> {
     let world = cfg.world_size();
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let mut readers = 0;
@@ -510,7 +598,7 @@ fn run_once(cfg: &LaunchConfig, env: &ChildEnv) -> Result<LaunchOutcome, LaunchE
     }
     drop(done_tx);
 
-    let outcome = monitor(&mut ranks, cfg);
+    let outcome = monitor(&mut ranks, cfg, peers);
     // Let the forwarders print what the ranks wrote last, without waiting on
     // a stray process that still holds a pipe.
     let deadline = Instant::now() + OUTPUT_DRAIN;
@@ -524,8 +612,24 @@ fn run_once(cfg: &LaunchConfig, env: &ChildEnv) -> Result<LaunchOutcome, LaunchE
 }
 
 /// Polls the ranks until all succeed, one fails, or a signal arrives.
-fn monitor(ranks: &mut [Rank], cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+fn monitor(
+    ranks: &mut [Rank],
+    cfg: &LaunchConfig,
+    peers: Option<&Peers<'_>>,
+) -> Result<LaunchOutcome, LaunchError> {
+    let mut polled = Instant::now();
     loop {
+        if let Some(p) = peers.filter(|_| polled.elapsed() >= PEER_POLL) {
+            polled = Instant::now();
+            if let Some((node_rank, message)) = p.failure() {
+                eprintln!(
+                    "tpar-run: node {node_rank} failed ({message}); stopping {} rank(s)",
+                    ranks.iter().filter(|r| r.exit.is_none()).count()
+                );
+                stop(ranks, sys::SIGTERM, cfg.grace_period);
+                return Ok(LaunchOutcome::NodeFailed { node_rank, message });
+            }
+        }
         if let Some(signal) = signals::received() {
             eprintln!(
                 "tpar-run: received signal {signal}; stopping {} rank(s)",
@@ -556,9 +660,13 @@ fn monitor(ranks: &mut [Rank], cfg: &LaunchConfig) -> Result<LaunchOutcome, Laun
         if let Some((rank, exit)) = failed {
             let running = ranks.iter().filter(|r| r.exit.is_none()).count();
             eprintln!("tpar-run: rank {rank} {exit}; stopping the other {running} rank(s)");
-            stop(ranks, sys::SIGTERM, cfg.grace_period);
             let local_rank = rank - cfg.node_rank * cfg.nproc_per_node;
-            return Ok(LaunchOutcome::RankFailed { rank, local_rank, exit });
+            let outcome = LaunchOutcome::RankFailed { rank, local_rank, exit };
+            if let Some(p) = peers {
+                p.report(&outcome.to_string());
+            }
+            stop(ranks, sys::SIGTERM, cfg.grace_period);
+            return Ok(outcome);
         }
         if ranks.iter().all(|r| r.exit.is_some()) {
             return Ok(LaunchOutcome::Success);
