@@ -535,9 +535,17 @@ fn free_port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }
 
+/// Set for `rendezvous_child`: rank 1 fails after meeting the others on the first
+/// attempt (`TORCHELASTIC_RESTART_COUNT=0`).
+const FAIL_FIRST_ATTEMPT_ENV: &str = "TPAR_LAUNCHER_TEST_FAIL_FIRST_ATTEMPT";
+
 /// Runs `torchrun rdzv_args --nproc-per-node 2 --no-python <this test> rendezvous_child`
 /// and checks both ranks met through tpar's store (joined via torchrun's agent store).
 fn torchrun_rendezvous(mode: &str, rdzv_args: &[String]) {
+    torchrun_rendezvous_with(mode, rdzv_args, false)
+}
+
+fn torchrun_rendezvous_with(mode: &str, rdzv_args: &[String], fail_first: bool) {
     let t0 = Instant::now();
     let mut cmd = Command::new("torchrun");
     cmd.args(rdzv_args)
@@ -545,6 +553,9 @@ fn torchrun_rendezvous(mode: &str, rdzv_args: &[String]) {
         .args(&child_args()[1..])
         .env(CHILD_ENV, "1")
         .stdin(Stdio::null());
+    if fail_first {
+        cmd.env(FAIL_FIRST_ATTEMPT_ENV, "1");
+    }
     let out = cmd.output().expect("run torchrun");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -562,6 +573,11 @@ fn torchrun_rendezvous(mode: &str, rdzv_args: &[String]) {
         );
     }
     assert!(stdout.contains("RDV agent_store=true"), "torchrun {mode}: {stdout}");
+    if fail_first {
+        // Two attempts of two ranks each.
+        let met = stdout.matches("RDV agent_store=true").count();
+        assert_eq!(met, 4, "torchrun {mode}: {stdout}\n{stderr}");
+    }
     println!("torchrun {mode}: both ranks met through the store in {:?}", t0.elapsed());
 }
 
@@ -591,6 +607,16 @@ fn torchrun_static_master_port_rendezvous() {
     if have_torchrun() {
         let args = ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", &free_port()];
         torchrun_rendezvous("--master-port", &args.map(String::from));
+    }
+}
+
+#[test]
+fn torchrun_restart_meets_again_under_fresh_keys() {
+    if have_torchrun() {
+        // Rank 1 fails after the first rendezvous; the restarted pair must not read the
+        // first attempt's store address from the agent's store.
+        let args = ["--standalone", "--max-restarts", "1"];
+        torchrun_rendezvous_with("--max-restarts 1", &args.map(String::from), true);
     }
 }
 
@@ -631,4 +657,8 @@ fn rendezvous_child() {
     println!("RDV rank={} world={} sum={sum} id_ok={}", env.rank, env.world_size, got == id);
     // Rank 0 hosts the store: nobody may leave before everyone has read.
     store.barrier("exit").unwrap();
+    if std::env::var_os(FAIL_FIRST_ATTEMPT_ENV).is_some() && env.rank == 1 && env.restart_count == 0
+    {
+        std::process::exit(3);
+    }
 }
