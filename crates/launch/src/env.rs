@@ -1,5 +1,5 @@
 //! The launch environment: who this process is and where the rendezvous store lives,
-//! from the variables torchrun, `srun` wrappers and `tpar-run` set; and the NCCL world
+//! from the variables torchrun, `tpar-run`, `srun` and `mpirun` set; and the NCCL world
 //! built from it (PyTorch's `init_process_group("nccl")`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};

@@ -4,14 +4,20 @@
 //!   PyTorch's `TCPStore`, hosted by rank 0. It implements the
 //!   [`Store`](tpar_collectives::Store) trait through which the NCCL backend of
 //!   `tpar-collectives` agrees on its communicators.
-//! - [`EnvInit`]: the launch environment torchrun, `srun` wrappers and `tpar-run` give
-//!   each process (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//!   `MASTER_ADDR`, `MASTER_PORT`), and [`init_process_group`], PyTorch's
-//!   `init_process_group("nccl")` from it.
-//! - The `tpar-run` launcher: [`run`] starts one process per rank with that environment
-//!   ([`LaunchConfig`]), prefixes their output, stops them all when one fails and
-//!   forwards the launcher's termination signals to them ([`forward_signals`]);
-//!   [`cli`] is its command line.
+//! - [`EnvInit`]: the launch environment torchrun and `tpar-run` (`RANK`, `WORLD_SIZE`,
+//!   `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), `srun`
+//!   (`SLURM_PROCID`, ...) or Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK`, ...) give each
+//!   process, and [`init_process_group`], PyTorch's `init_process_group("nccl")` from it.
+//!   Under torchrun, whose agent already serves a PyTorch `TCPStore` on `MASTER_PORT`,
+//!   [`EnvInit::store`] joins that store as a client ([`TorchStoreClient`]) to find rank
+//!   0's own store.
+//! - [`check_not_launched`]: for programs whose backend runs ranks as threads, an error
+//!   when a launcher started them as one of several processes.
+//! - The `tpar-run` launcher: [`run`] starts one process per rank with torchrun's
+//!   environment ([`LaunchConfig`]), streams their output with rank prefixes, stops them
+//!   all when one fails (on every node), restarts the group up to
+//!   [`max_restarts`](LaunchConfig::max_restarts) times, and forwards the launcher's
+//!   termination signals to them ([`forward_signals`]); [`cli`] is its command line.
 //!
 //! ```no_run
 //! use std::time::Duration;

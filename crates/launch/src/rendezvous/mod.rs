@@ -24,6 +24,10 @@
 //! # Ok::<(), tpar_launch::RendezvousError>(())
 //! ```
 //!
+//! Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) `MASTER_PORT` is the agent's
+//! PyTorch `TCPStore`: [`TorchStoreClient`] speaks its protocol, and rank 0 posts its own
+//! store's address there (see [`EnvInit::store`](crate::EnvInit::store)).
+//!
 //! Every operation is bounded by a timeout and every failure (refused
 //! connection, timeout, server gone, malformed message) is a
 //! [`RendezvousError`] naming the address and the keys involved.
