@@ -231,6 +231,49 @@ fn a_long_line_passes_through_in_chunks() {
 }
 
 #[test]
+fn a_200_mb_line_costs_the_launcher_a_chunk_not_the_line() {
+    if !std::path::Path::new("/proc/self/status").exists() {
+        println!("skipped: no /proc/<pid>/status to read the launcher's peak memory from");
+        return;
+    }
+    let n: usize = 200 << 20;
+    // The line, then a pause during which the launcher's peak memory is read.
+    let script = format!("head -c {n} /dev/zero | tr '\\0' y; echo; sleep 2");
+    let mut child = Command::new(LAUNCHER)
+        .args(["--nproc-per-node", "1", "--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0usize;
+    let want = "[rank 0] ".len() + n + 1;
+    while total < want {
+        match stdout.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(k) => total += k,
+        }
+    }
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let peak_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+        .unwrap();
+    let _ = std::io::copy(&mut stdout, &mut std::io::sink());
+    assert!(child.wait().unwrap().success());
+    assert_eq!(total, want);
+    println!(
+        "a {} MiB line went through; the launcher's peak resident memory: {} MiB",
+        n >> 20,
+        peak_kib >> 10
+    );
+    assert!(peak_kib < 64 << 10, "the launcher peaked at {peak_kib} KiB");
+}
+
+#[test]
 fn nodes_that_disagree_fail_at_join() {
     let port = free_port();
     let node = |rank: &'static str, nproc: &'static str| {
