@@ -41,12 +41,15 @@ mod signals;
 mod sys;
 
 pub use cli::{parse_args, UsageError};
-pub use env::{
-    check_not_launched, check_not_launched_in, first_slurm_host, init_process_group, EnvInit,
-    EnvSource, MPI_DEFAULT_PORT, SLURM_DEFAULT_PORT_BASE,
-};
+pub use env::{init_process_group, EnvInit};
 pub use launcher::{
     run, ChildExit, LaunchConfig, LaunchError, LaunchOutcome, DEFAULT_MULTI_NODE_PORT,
 };
 pub use rendezvous::{RendezvousError, TcpStore, TorchStoreClient};
 pub use signals::forward_signals;
+
+// The environments of srun and mpirun, and the check for in-process backends.
+pub use env::{
+    check_not_launched, check_not_launched_in, first_slurm_host, EnvSource, MPI_DEFAULT_PORT,
+    SLURM_DEFAULT_PORT_BASE,
+};
