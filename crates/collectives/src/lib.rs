@@ -43,8 +43,10 @@ mod local;
 pub mod nccl;
 mod op;
 mod p2p;
+mod remote;
 mod spawn;
 mod store;
+pub mod tcp;
 mod world;
 
 pub use debug::{CommDebug, CommRecord};
