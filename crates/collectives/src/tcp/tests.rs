@@ -499,3 +499,51 @@ fn a_peer_that_never_starts_is_a_setup_timeout_naming_it() {
     let e = ProcessGroup::tcp_world(Arc::new(MemStore::default()), 3, 3, T).unwrap_err();
     assert!(matches!(e, CollectiveError::InvalidArgument { .. }), "{e}");
 }
+
+#[test]
+fn a_connection_from_another_job_or_rank_is_refused() {
+    use std::io::{Read, Write};
+    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let n = 3;
+    let ranks: Vec<_> = (0..n)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                if rank == 1 {
+                    // Late, so that rank 2 is still accepting when the strangers come.
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                let world = ProcessGroup::tcp_world(store, rank, n, T).unwrap();
+                let t = Tensor::from_vec(vec![rank as i64], [1]).unwrap();
+                world.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec::<i64>().unwrap()
+            })
+        })
+        .collect();
+    let addr = String::from_utf8(store.get_timeout("tpar/tcp/addr/2", T).unwrap()).unwrap();
+    let token = store.get_timeout("tpar/tcp/token", T).unwrap();
+    let hello = |token: &[u8], from: u64| {
+        let mut b = b"tparTCP\x01".to_vec();
+        b.extend(0x0102_0304u32.to_ne_bytes());
+        b.extend(token);
+        b.extend(3u64.to_le_bytes());
+        b.extend(from.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        b
+    };
+    let wrong_token: Vec<u8> = token.iter().map(|b| b ^ 0xff).collect();
+    let strangers = [
+        hello(&wrong_token, 1), // another job
+        hello(&token, 2),       // not a lower rank
+        vec![7u8; 44],          // not a hello at all
+    ];
+    for (i, h) in strangers.iter().enumerate() {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(h).unwrap();
+        let mut answer = [9u8; 9];
+        s.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], 0, "stranger {i} is refused");
+    }
+    for r in ranks {
+        assert_eq!(r.join().unwrap(), vec![3]);
+    }
+}
