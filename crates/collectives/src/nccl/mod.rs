@@ -43,7 +43,7 @@
 //!   [`ProcessGroup`] handle holds the sender, stays `Clone + Send +
 //!   Sync`, and `*_async` calls are a job whose reply the [`Work`](crate::Work) waits for.
 //! - **Headers first.** Every collective starts with a fixed-size `all_gather` of what each
-//!   member called (see `wire.rs`), so members that disagree (another collective, dtype,
+//!   member called (see `remote/wire.rs`, shared with the `tcp` backend), so members that disagree (another collective, dtype,
 //!   shape, or a skipped call) all fail with [`CollectiveError::Mismatch`] instead of
 //!   hanging NCCL, an invalid argument on one member fails all of them, and uneven shard
 //!   sizes, a broadcast's source shape and a `recv`'s payload shape are known to all. A
@@ -57,7 +57,7 @@
 //!   boundary `NcclDevice::run_on_device` is where CUDA tensors will enter without copies.
 //! - **Uneven shards** are padded to the largest shard for `all_gather`/`reduce_scatter`
 //!   and trimmed after; `all_to_all` is grouped `ncclSend`/`ncclRecv` of exact pieces
-//!   (see `plan.rs`). All dtypes go natively: f32, f64, bf16, f16 (cudarc's `f16`
+//!   (see `remote/plan.rs`). All dtypes go natively: f32, f64, bf16, f16 (cudarc's `f16`
 //!   feature) and i64; `Avg` is `ncclAvg`. NCCL reduces bf16/f16 in their own precision
 //!   along its ring or tree, where the local backend accumulates in f32: results agree
 //!   within the dtype's tolerance, not bit for bit.
