@@ -43,8 +43,8 @@
 //!   [`ProcessGroup`] handle holds the sender, stays `Clone + Send +
 //!   Sync`, and `*_async` calls are a job whose reply the [`Work`](crate::Work) waits for.
 //! - **Headers first.** Every collective starts with a fixed-size `all_gather` of what each
-//!   member called (see `remote/wire.rs`, shared with the `tcp` backend), so members that disagree (another collective, dtype,
-//!   shape, or a skipped call) all fail with [`CollectiveError::Mismatch`] instead of
+//!   member called (see `remote/wire.rs`, shared with the `tcp` backend), so members that
+//!   disagree (another collective, dtype, shape, or a skipped call) all fail with [`CollectiveError::Mismatch`] instead of
 //!   hanging NCCL, an invalid argument on one member fails all of them, and uneven shard
 //!   sizes, a broadcast's source shape and a `recv`'s payload shape are known to all. A
 //!   barrier is exactly this exchange: no member completes it before all have joined.
