@@ -408,6 +408,25 @@ mod tests {
     }
 
     #[test]
+    fn backend_names_parse() {
+        assert_eq!("tcp".parse::<BackendName>().unwrap(), BackendName::Tcp);
+        assert_eq!(" NCCL ".parse::<BackendName>().unwrap(), BackendName::Nccl);
+        assert_eq!(BackendName::Tcp.to_string(), "tcp");
+        let e = "gloo".parse::<BackendName>().unwrap_err();
+        assert!(
+            matches!(&e, CollectiveError::InvalidArgument { why, .. }
+            if why.contains("\"gloo\"") && why.contains("\"tcp\"")),
+            "{e}"
+        );
+        let e = init_process_group_with("mpi", T).unwrap_err();
+        assert!(e.to_string().contains("unknown backend"), "{e}");
+        if std::env::var_os("RANK").is_none() {
+            let e = init_process_group_with("tcp", T).unwrap_err();
+            assert!(e.to_string().contains("RANK"), "{e}");
+        }
+    }
+
+    #[test]
     fn env_init_store_rank0_hosts() {
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
