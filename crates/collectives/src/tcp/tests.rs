@@ -590,3 +590,42 @@ fn tcp_bandwidth() {
         }
     }
 }
+
+#[test]
+fn all_to_all_with_split_sizes_and_a_late_sender() {
+    // all_to_all_single with uneven splits: member r sends sizes[r][j] rows to member j.
+    let sizes = [[1usize, 0, 2], [2, 2, 0], [0, 1, 1]];
+    let rows_of = move |r: usize| sizes[r].iter().sum::<usize>();
+    let inp = move |r: usize| small_ints(&[rows_of(r), 2], DType::I64, 40 + r as u64);
+    let outs = run_world(3, Duration::from_millis(500), move |pg| {
+        let r = pg.rank();
+        let out = pg.all_to_all_sizes(&inp(r), &sizes[r], 0, 0).unwrap();
+        pg.barrier().unwrap();
+        // A receive whose sender is late: a timeout naming the sender.
+        let late = if r == 0 {
+            Some(pg.recv(2).unwrap_err())
+        } else {
+            if r == 2 {
+                std::thread::sleep(Duration::from_millis(700));
+            }
+            None
+        };
+        (seen(&out), late)
+    });
+    for (i, (got, late)) in outs.iter().enumerate() {
+        let pieces: Vec<Tensor> = (0..3)
+            .map(|j| {
+                let start: usize = sizes[j][..i].iter().sum();
+                narrow(&inp(j), 0, (start, sizes[j][i]))
+            })
+            .collect();
+        assert_eq!(got, &seen(&cat(&pieces, 0)), "member {i}");
+        if let Some(e) = late {
+            assert!(
+                matches!(e, CollectiveError::Timeout { op: "recv", waiting_for, .. }
+                    if waiting_for == &vec![2]),
+                "{e}"
+            );
+        }
+    }
+}
