@@ -183,6 +183,11 @@ where
 }
 
 /// The text of a panic payload.
+/// Runs `f`, turning a panic into `Err(message)`.
+pub(crate) fn guarded<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| panic_message(&*p))
+}
+
 pub(crate) fn panic_message(p: &(dyn Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()

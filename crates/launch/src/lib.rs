@@ -6,8 +6,10 @@
 //!   `tpar-collectives` agrees on its communicators.
 //! - [`EnvInit`]: the launch environment torchrun, `srun` wrappers and `tpar-run` give
 //!   each process (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//!   `MASTER_ADDR`, `MASTER_PORT`), and [`init_process_group`], PyTorch's
-//!   `init_process_group("nccl")` from it.
+//!   `MASTER_ADDR`, `MASTER_PORT`), and [`init_process_group`] /
+//!   [`init_process_group_with`], PyTorch's `init_process_group("nccl")` (or `"gloo"`)
+//!   from it, on the `nccl` backend or the `tcp` backend of processes over TCP with
+//!   host tensors ([`BACKEND_ENV`] picks it for `init_process_group`).
 //! - The `tpar-run` launcher: [`run`] starts one process per rank with that environment
 //!   ([`LaunchConfig`]), prefixes their output, stops them all when one fails and
 //!   forwards the launcher's termination signals to them ([`forward_signals`]);
@@ -35,7 +37,7 @@ mod signals;
 mod sys;
 
 pub use cli::{parse_args, UsageError};
-pub use env::{init_process_group, EnvInit};
+pub use env::{init_process_group, init_process_group_with, BackendName, EnvInit, BACKEND_ENV};
 pub use launcher::{
     run, ChildExit, LaunchConfig, LaunchError, LaunchOutcome, DEFAULT_MULTI_NODE_PORT,
 };

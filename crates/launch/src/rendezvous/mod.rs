@@ -196,7 +196,7 @@ impl From<RendezvousError> for StoreError {
     }
 }
 
-/// The NCCL backend's view of the store.
+/// The multi-process backends' view of the store (`nccl`, `tcp`).
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         Ok(TcpStore::set(self, key, value)?)
@@ -212,6 +212,10 @@ impl Store for TcpStore {
 
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
         Ok(TcpStore::check(self, keys)?)
+    }
+
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.connection_local_addr().map(|a| a.ip())
     }
 }
 
