@@ -52,11 +52,12 @@ struct Opts {
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
-/// tp, on the embedded CPU backend (ranks as threads) or one process per rank over NCCL.
+/// tp, on the embedded CPU backend (ranks as threads), or one process per rank over NCCL
+/// (GPUs) or TCP (CPU processes).
 #[derive(Parser, Debug)]
 #[command(name = "llama_2d", version)]
 struct Cli {
-    /// World size (default dp x tp; with --backend nccl, the launcher's WORLD_SIZE).
+    /// World size (default dp x tp; with --backend nccl or tcp, the launcher's WORLD_SIZE).
     #[arg(long)]
     world: Option<usize>,
     /// Data-parallel degree (the dp mesh dim).
@@ -117,7 +118,8 @@ struct Cli {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// local (ranks as threads) or nccl (one process per rank, from torchrun or tpar-run).
+    /// local (ranks as threads), or one process per rank from torchrun or tpar-run: nccl
+    /// (GPUs) or tcp (CPU processes).
     #[arg(long, value_enum, default_value_t = BackendArg::Local)]
     backend: BackendArg,
     /// Log every N steps.
@@ -161,6 +163,7 @@ enum PlanArg {
 enum BackendArg {
     Local,
     Nccl,
+    Tcp,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -168,11 +171,12 @@ fn parse() -> Result<Opts, String> {
     let backend = match c.backend {
         BackendArg::Local => "local",
         BackendArg::Nccl => "nccl",
+        BackendArg::Tcp => "tcp",
     };
     let world = match (c.world, c.backend) {
         (Some(w), _) => w,
         // One process per rank: the world is the launcher's (torchrun or tpar-run).
-        (None, BackendArg::Nccl) => {
+        (None, BackendArg::Nccl | BackendArg::Tcp) => {
             std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()).unwrap_or(c.dp * c.tp)
         }
         (None, BackendArg::Local) => c.dp * c.tp,
@@ -339,7 +343,7 @@ struct RankReport {
     steps_run: usize,
 }
 
-/// One rank's training over `world` (the local backend's world group, or the NCCL
+/// One rank's training over `world` (the local backend's world group, or the NCCL or TCP
 /// world of a process launched by torchrun / tpar-run).
 fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
@@ -574,10 +578,10 @@ fn main() {
             DpMode::Zero1 => ", ZeRO-1",
         }
     );
-    let run = if o.backend == "nccl" {
+    let run = if o.backend != "local" {
         // One process per rank, started by torchrun or `tpar-run --nproc-per-node N`.
         memory::set_rank(Some(0));
-        tpar::launch::init_process_group(std::time::Duration::from_secs(120))
+        tpar::launch::init_process_group_with(&o.backend, std::time::Duration::from_secs(120))
             .map_err(tpar::Error::from)
             .and_then(|world| {
                 let report = train(&world, &o)?;
