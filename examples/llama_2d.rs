@@ -367,6 +367,10 @@ struct RankReport {
 fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
     let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
+    // The attention mask of a step, [batch, 1, seq, seq] (built in f64), is its largest
+    // tensor: a sequence length no machine holds fails here, before anything is built.
+    let mask = tpar::tensor::Shape::new(&[o.batch, 1, o.seq, o.seq]);
+    tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
     let cfg = LlamaConfig {
         vocab_size: tokenizer.vocab_size(),

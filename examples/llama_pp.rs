@@ -208,6 +208,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
     let num_stages = o.pp * per_rank;
+    // The attention mask of a step, [batch, 1, seq, seq] (built in f64), is its largest
+    // tensor: a sequence length no machine holds fails here, before anything is built.
+    let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, o.seq, o.seq]);
+    tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
     let cfg = LlamaConfig {
         vocab_size: tokenizer.vocab_size(),

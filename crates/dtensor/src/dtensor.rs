@@ -406,7 +406,14 @@ fn consensus(
         }
         candidates.sort_unstable();
         candidates.dedup();
-        let mut best: Option<(usize, usize)> = None;
+        // Ties (no majority) go to the size closest to what rank 0 sees: its own size, or
+        // the sum of its shard group's sizes.
+        let reference: usize = (0..shapes.len())
+            .filter(|&f| (0..ps.len()).all(|m| sharding.contains(&m) || coords[f][m] == coords[0][m]))
+            .map(|f| sizes[f])
+            .sum();
+        let reference = if sharding.is_empty() { sizes[0] } else { reference };
+        let mut best: Option<(usize, usize, usize)> = None;
         for &n in &candidates {
             let mut g = global.clone();
             g[d] = n;
@@ -416,11 +423,12 @@ fn consensus(
                     wrong += 1;
                 }
             }
-            if best.is_none_or(|(w, _)| wrong < w) {
-                best = Some((wrong, n));
+            let key = (wrong, n.abs_diff(reference), n);
+            if best.is_none_or(|b| key < b) {
+                best = Some(key);
             }
         }
-        global[d] = best.map_or(global[d], |(_, n)| n);
+        global[d] = best.map_or(global[d], |(_, _, n)| n);
     }
     let mut odd = Vec::new();
     for (flat, s) in shapes.iter().enumerate() {

@@ -258,6 +258,9 @@ pub fn causal_padding_mask(
     seq: usize,
     dtype: DType,
 ) -> Result<Tensor> {
+    // `[b, 1, s, s]` grows with the square of the sequence: check it can exist first.
+    let shape = tpar_tensor::Shape::new(&[batch, 1, seq, seq]);
+    tpar_tensor::check_alloc("causal_padding_mask", &shape, dtype)?;
     let pad = match attention_mask {
         Some(m) => {
             if m.dims() != [batch, seq] {
@@ -273,9 +276,6 @@ pub fn causal_padding_mask(
         }
         None => vec![1.0; batch * seq],
     };
-    // `[b, 1, s, s]` grows with the square of the sequence: allocate fallibly.
-    let shape = tpar_tensor::Shape::new(&[batch, 1, seq, seq]);
-    tpar_tensor::check_alloc("causal_padding_mask", &shape, dtype)?;
     let mut v = tpar_tensor::try_vec("causal_padding_mask", &shape, DType::F64, 0.0)?;
     for b in 0..batch {
         for i in 0..seq {
