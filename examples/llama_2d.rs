@@ -514,7 +514,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if o.nonfinite == NonFinite::Fail && !local.is_finite() {
                 // Fail fast, here: peers waiting in the next collective fail naming this rank.
                 return Err(NnError::NonFinite {
-                    what: format!("llama_2d: step {} on rank {rank}: the loss", step + 1),
+                    what: format!("step {} on rank {rank}: the loss", step + 1),
                     value: local,
                 }
                 .into());
@@ -530,7 +530,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             } else if o.nonfinite == NonFinite::Fail {
                 return Err(NnError::NonFinite {
                     what: format!(
-                        "llama_2d: step {} on rank {rank}: the gradient norm (loss {local})",
+                        "step {} on rank {rank}: the gradient norm (loss {local})",
                         step + 1
                     ),
                     value: norm,

@@ -363,7 +363,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                     // this rank.
                     return Err(NnError::NonFinite {
                         what: format!(
-                            "llama_pp: step {} on rank {rank}: the loss of micro-batch {i}",
+                            "step {} on rank {rank}: the loss of micro-batch {i}",
                             step + 1
                         ),
                         value: losses[i],
@@ -380,12 +380,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 opt.step()?;
             } else if o.nonfinite == NonFinite::Fail {
                 return Err(NnError::NonFinite {
-                    what: format!("llama_pp: step {} on rank {rank}: the gradient norm", step + 1),
+                    what: format!("step {} on rank {rank}: the gradient norm", step + 1),
                     value: norm,
                 }
                 .into());
             } else if reporter {
-                println!("step {}: non-finite gradient norm {norm}: optimizer step skipped", step + 1);
+                println!(
+                    "step {}: non-finite gradient norm {norm}: optimizer step skipped",
+                    step + 1
+                );
             }
             let lr = sched.step(&mut opt);
             opt.zero_grad();

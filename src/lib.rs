@@ -44,7 +44,8 @@ pub mod prelude {
         StateDictError, StateDictOptions, StateValue, Stateful,
     };
     pub use tpar_collectives::{
-        spawn, spawn_owned, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
+        spawn, spawn_owned, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp,
+        SpawnConfig,
     };
     pub use tpar_data::{
         default_documents, load_documents, load_tokenizer, ByteTokenizer, DataError,

@@ -244,7 +244,10 @@ fn non_finite_norms_are_errors_when_asked() {
     let args = ["--steps", "6", "--lr", "1e30", "--layers", "1", "--seq", "16", "--batch", "2"];
     if let Some((code, out, err)) = run_example("llama_2d", &args) {
         assert_eq!(code, 1, "{out}\n{err}");
-        assert!(err.contains("non-finite") && err.contains("step") && err.contains("rank"), "{err}");
+        assert!(
+            err.contains("non-finite") && err.contains("step") && err.contains("rank"),
+            "{err}"
+        );
         let skip = [&args[..], &["--nonfinite", "skip"]].concat();
         let (code, out, err) = run_example("llama_2d", &skip).unwrap();
         assert!(out.contains("optimizer step skipped"), "{out}\n{err}");

@@ -225,7 +225,8 @@ where
             Err(e) => {
                 let why = format!("could not start its thread: {e}");
                 world.fail(rank, why.clone());
-                start_error = Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
+                start_error =
+                    Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
                 break;
             }
         }
@@ -254,8 +255,7 @@ where
             // Every sender is gone: run_rank never unwinds, so every rank has reported.
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                let running: Vec<usize> =
-                    (0..started).filter(|&r| results[r].is_none()).collect();
+                let running: Vec<usize> = (0..started).filter(|&r| results[r].is_none()).collect();
                 let (rank, why) = world.failure().unwrap_or_else(|| {
                     let rank = results.iter().position(|r| matches!(r, Some(Err(_)))).unwrap_or(0);
                     (rank, "failed".to_string())

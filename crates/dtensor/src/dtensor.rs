@@ -351,9 +351,10 @@ fn consensus(
     let dims_of = |s: &Vec<i64>| -> Vec<usize> { s[1..].iter().map(|&d| d as usize).collect() };
     // The majority dtype (ties: the one of the lowest rank).
     let count = |code: i64| shapes.iter().filter(|s| s[0] == code).count();
-    let dtype = shapes.iter().map(|s| s[0]).max_by_key(|&c| (count(c), std::cmp::Reverse(
-        shapes.iter().position(|s| s[0] == c),
-    )));
+    let dtype = shapes
+        .iter()
+        .map(|s| s[0])
+        .max_by_key(|&c| (count(c), std::cmp::Reverse(shapes.iter().position(|s| s[0] == c))));
     let dtype = dtype.unwrap_or(dtype_code(local.dtype()) as i64);
     let coords: Vec<Vec<usize>> =
         (0..shapes.len()).map(|flat| tpar_mesh::unflatten(flat, mesh_shape)).collect();
@@ -409,7 +410,9 @@ fn consensus(
         // Ties (no majority) go to the size closest to what rank 0 sees: its own size, or
         // the sum of its shard group's sizes.
         let reference: usize = (0..shapes.len())
-            .filter(|&f| (0..ps.len()).all(|m| sharding.contains(&m) || coords[f][m] == coords[0][m]))
+            .filter(|&f| {
+                (0..ps.len()).all(|m| sharding.contains(&m) || coords[f][m] == coords[0][m])
+            })
             .map(|f| sizes[f])
             .sum();
         let reference = if sharding.is_empty() { sizes[0] } else { reference };
@@ -441,7 +444,10 @@ fn consensus(
     let s = &shapes[*flat];
     let mut what = Vec::new();
     if dims_of(s) != *want {
-        what.push(format!("its local shard has shape {:?}, but {want:?} is needed there", dims_of(s)));
+        what.push(format!(
+            "its local shard has shape {:?}, but {want:?} is needed there",
+            dims_of(s)
+        ));
     }
     if s[0] != dtype {
         what.push(format!("its dtype is {}, the others' {}", dtype_name(s[0]), dtype_name(dtype)));

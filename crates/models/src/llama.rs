@@ -78,7 +78,9 @@ impl LlamaConfig {
             ("max_position_embeddings", c.max_position_embeddings),
         ] {
             if v == 0 {
-                return Err(NnError::Config { what: format!("{field} is 0; it must be at least 1") });
+                return Err(NnError::Config {
+                    what: format!("{field} is 0; it must be at least 1"),
+                });
             }
         }
         for (field, v) in [("rms_norm_eps", c.rms_norm_eps), ("rope_theta", c.rope_theta)] {

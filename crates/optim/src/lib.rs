@@ -882,7 +882,11 @@ pub fn clip_grad_norm_checked(params: &[Param], max_norm: f64) -> Result<f64> {
 }
 
 /// [`clip_grad_norm_pp`] with `error_if_nonfinite=True` (see [`clip_grad_norm_checked`]).
-pub fn clip_grad_norm_pp_checked(params: &[Param], max_norm: f64, pp: &ProcessGroup) -> Result<f64> {
+pub fn clip_grad_norm_pp_checked(
+    params: &[Param],
+    max_norm: f64,
+    pp: &ProcessGroup,
+) -> Result<f64> {
     nonfinite_is_error(clip_grad_norm_inner(params, max_norm, Some(pp), true)?)
 }
 

@@ -30,10 +30,7 @@ pub fn human_bytes(bytes: u128) -> String {
 /// The bytes a `dtype` tensor of `shape` needs, checked: an [`TensorError::OutOfMemory`]
 /// when the element count or the byte count overflows `usize`.
 pub fn storage_bytes(op: &'static str, shape: &Shape, dtype: DType) -> Result<usize> {
-    let bytes = shape
-        .dims()
-        .iter()
-        .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d));
+    let bytes = shape.dims().iter().try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d));
     bytes.ok_or_else(|| {
         let wide = shape
             .dims()
@@ -56,12 +53,12 @@ pub fn try_vec<T: Clone>(op: &'static str, shape: &Shape, dtype: DType, v: T) ->
     let bytes = storage_bytes(op, shape, dtype)?;
     let n = bytes.checked_div(dtype.size_in_bytes()).unwrap_or(0);
     let mut out = Vec::new();
-    out.try_reserve_exact(n).map_err(|e| TensorError::OutOfMemory {
+    out.try_reserve_exact(n).map_err(|_| TensorError::OutOfMemory {
         op,
         shape: shape.clone(),
         dtype,
         bytes: bytes as u128,
-        why: format!("the allocator refused: {e}"),
+        why: "the allocator refused it".into(),
     })?;
     out.resize(n, v);
     Ok(out)
@@ -74,12 +71,12 @@ pub fn check_alloc(op: &'static str, shape: &Shape, dtype: DType) -> Result<usiz
     let bytes = storage_bytes(op, shape, dtype)?;
     if bytes >= PROBE_BYTES {
         let mut probe: Vec<u8> = Vec::new();
-        probe.try_reserve_exact(bytes).map_err(|e| TensorError::OutOfMemory {
+        probe.try_reserve_exact(bytes).map_err(|_| TensorError::OutOfMemory {
             op,
             shape: shape.clone(),
             dtype,
             bytes: bytes as u128,
-            why: format!("the allocator refused: {e}"),
+            why: "the allocator refused it".into(),
         })?;
     }
     Ok(bytes)

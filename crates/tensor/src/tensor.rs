@@ -140,7 +140,8 @@ impl Tensor {
                 Storage::Meta
             }
             Device::Cuda(i) => {
-                let n = crate::storage::storage_bytes("full", &shape, dtype)? / dtype.size_in_bytes();
+                let n =
+                    crate::storage::storage_bytes("full", &shape, dtype)? / dtype.size_in_bytes();
                 if v != 0.0 {
                     return Tensor::full_on_device(i, shape, v, dtype);
                 }
