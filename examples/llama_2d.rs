@@ -178,13 +178,15 @@ fn parse() -> Result<Opts, String> {
         BackendArg::Local => "local",
         BackendArg::Nccl => "nccl",
     };
+    let dp_tp =
+        c.dp.checked_mul(c.tp).ok_or_else(|| format!("--dp {} x --tp {} overflows", c.dp, c.tp))?;
     let world = match (c.world, c.backend) {
         (Some(w), _) => w,
         // One process per rank: the world is the launcher's (torchrun or tpar-run).
         (None, BackendArg::Nccl) => {
-            std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()).unwrap_or(c.dp * c.tp)
+            std::env::var("WORLD_SIZE").ok().and_then(|w| w.parse().ok()).unwrap_or(dp_tp)
         }
-        (None, BackendArg::Local) => c.dp * c.tp,
+        (None, BackendArg::Local) => dp_tp,
     };
     flags::positive(&[
         ("--dp", c.dp),
@@ -199,7 +201,7 @@ fn parse() -> Result<Opts, String> {
     ])?;
     flags::llama_shape(c.hidden, c.heads, c.kv_heads)?;
     flags::learning_rate(c.lr)?;
-    if c.dp * c.tp != world {
+    if dp_tp != world {
         return Err(format!("dp {} x tp {} must equal world {world}", c.dp, c.tp));
     }
     if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {

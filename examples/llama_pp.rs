@@ -138,6 +138,12 @@ impl Opts {
             ("--intermediate", self.intermediate),
         ])?;
         flags::llama_shape(self.hidden, self.heads, self.kv_heads)?;
+        if self.pp.checked_mul(self.dp).and_then(|w| w.checked_mul(self.tp)).is_none() {
+            return Err(format!(
+                "--pp {} x --dp {} x --tp {} overflows",
+                self.pp, self.dp, self.tp
+            ));
+        }
         flags::learning_rate(self.lr)?;
         Ok(())
     }

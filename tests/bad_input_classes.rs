@@ -47,7 +47,8 @@ fn zero_sizes_and_bad_flags_are_refused_by_name() {
     assert!(small_llama().validate().is_ok());
     // A model of 0 layers (embedding, norm, head) is legal.
     assert!(LlamaConfig { num_hidden_layers: 0, ..small_llama() }.validate().is_ok());
-    let zeroed: [(&str, fn(&mut LlamaConfig)); 6] = [
+    type Zero = fn(&mut LlamaConfig);
+    let zeroed: [(&str, Zero); 6] = [
         ("vocab_size", |c| c.vocab_size = 0),
         ("hidden_size", |c| c.hidden_size = 0),
         ("intermediate_size", |c| c.intermediate_size = 0),
@@ -60,7 +61,8 @@ fn zero_sizes_and_bad_flags_are_refused_by_name() {
         zero(&mut c);
         let m = c.validate().expect_err(field).to_string();
         assert!(m.contains(field) && m.contains("is 0"), "{field}: {m}");
-        let m = LlamaForPretraining::new(&c, Device::Meta).err().expect(field).to_string();
+        let Err(e) = LlamaForPretraining::new(&c, Device::Meta) else { panic!("{field}") };
+        let m = e.to_string();
         assert!(m.contains(field), "{field}: {m}");
     }
     let m = LlamaConfig { rms_norm_eps: f64::NAN, ..small_llama() }.validate().unwrap_err();
@@ -69,7 +71,8 @@ fn zero_sizes_and_bad_flags_are_refused_by_name() {
     let p = Param::new([2], DType::F32, Device::Cpu).unwrap();
     for lr in [f64::INFINITY, f64::NEG_INFINITY, f64::NAN, -1e-3] {
         let cfg = AdamWConfig { lr, ..Default::default() };
-        let m = AdamW::new(vec![p.clone()], cfg).err().expect("bad lr").to_string();
+        let Err(e) = AdamW::new(vec![p.clone()], cfg) else { panic!("lr {lr} accepted") };
+        let m = e.to_string();
         assert!(m.contains("learning rate") && m.contains(&lr.to_string()), "{lr}: {m}");
     }
 
