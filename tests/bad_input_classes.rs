@@ -232,7 +232,7 @@ fn non_finite_norms_are_errors_when_asked() {
     let p = Param::Tensor(w.clone());
     let loss = w.mul_scalar(f64::NAN).unwrap().sum_all().unwrap();
     loss.backward().unwrap();
-    let e = tpar::optim::clip_grad_norm_checked(std::slice::from_ref(&p), 1.0).unwrap_err();
+    let e = clip_grad_norm_checked(std::slice::from_ref(&p), 1.0).unwrap_err();
     let m = e.to_string();
     assert!(m.contains("clip_grad_norm") && m.contains("norm") && m.contains("NaN"), "{m}");
     // Without the check the norm is returned as it is.
@@ -241,7 +241,7 @@ fn non_finite_norms_are_errors_when_asked() {
     let v = Tensor::from_vec(vec![3.0f32, 4.0], [2]).unwrap().requires_grad_(true);
     let q = Param::Tensor(v.clone());
     v.square().unwrap().sum_all().unwrap().mul_scalar(0.5).unwrap().backward().unwrap();
-    let n = tpar::optim::clip_grad_norm_checked(std::slice::from_ref(&q), 1.0).unwrap();
+    let n = clip_grad_norm_checked(std::slice::from_ref(&q), 1.0).unwrap();
     assert!((n - 5.0).abs() < 1e-5, "{n}");
     // The trainers: an infinite learning rate is refused; a huge one blows the loss up.
     let args = ["--steps", "6", "--lr", "1e30", "--layers", "1", "--seq", "16", "--batch", "2"];
