@@ -19,6 +19,10 @@ use tpar::prelude::*;
 use tpar::tensor::memory;
 use tpar::tensor::state::{expect_empty, take_float, take_int};
 
+#[path = "common/flags.rs"]
+mod flags;
+use flags::NonFinite;
+
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
 
@@ -110,6 +114,39 @@ struct Opts {
     /// Write the trained model as one safetensors file (FQN keys) at the end.
     #[arg(long)]
     export: Option<PathBuf>,
+    /// On a non-finite loss or gradient norm: fail (stop with an error naming the step
+    /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
+    #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
+    nonfinite: NonFinite,
+}
+
+impl Opts {
+    /// Flags that cannot work, as one message (before any rank starts).
+    fn check(&self) -> Result<(), String> {
+        flags::positive(&[
+            ("--pp", self.pp),
+            ("--dp", self.dp),
+            ("--tp", self.tp),
+            ("--stages-per-rank", self.stages_per_rank),
+            ("--microbatches", self.microbatches),
+            ("--steps", self.steps),
+            ("--batch", self.batch),
+            ("--seq", self.seq),
+            ("--hidden", self.hidden),
+            ("--heads", self.heads),
+            ("--kv-heads", self.kv_heads),
+            ("--intermediate", self.intermediate),
+        ])?;
+        flags::llama_shape(self.hidden, self.heads, self.kv_heads)?;
+        if self.pp.checked_mul(self.dp).and_then(|w| w.checked_mul(self.tp)).is_none() {
+            return Err(format!(
+                "--pp {} x --dp {} x --tp {} overflows",
+                self.pp, self.dp, self.tp
+            ));
+        }
+        flags::learning_rate(self.lr)?;
+        Ok(())
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -177,6 +214,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
     let num_stages = o.pp * per_rank;
+    // The attention mask of a step, [batch, 1, seq, seq] (built in f64), is its largest
+    // tensor: a sequence length no machine holds fails here, before anything is built.
+    let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, o.seq, o.seq]);
+    tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
     let cfg = LlamaConfig {
         vocab_size: tokenizer.vocab_size(),
@@ -322,11 +363,39 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 std::slice::from_ref(&batch.attention_mask),
                 Some(&batch.target_ids),
             )?;
+            if o.nonfinite == NonFinite::Fail {
+                if let Some(i) = losses.iter().position(|l| !l.is_finite()) {
+                    // Fail fast, here: peers waiting in the next collective fail naming
+                    // this rank.
+                    return Err(NnError::NonFinite {
+                        what: format!(
+                            "step {} on rank {rank}: the loss of micro-batch {i}",
+                            step + 1
+                        ),
+                        value: losses[i],
+                    }
+                    .into());
+                }
+            }
             for (ddp, s) in ddps.iter().zip(pipe.stages()) {
                 ddp.sync_gradients(s.module())?;
             }
-            clip_grad_norm_pp(&params, 1.0, &pp_group)?;
-            opt.step()?;
+            // The norm is over every stage (all-reduced): every rank takes the same branch.
+            let norm = clip_grad_norm_pp(&params, 1.0, &pp_group)?;
+            if norm.is_finite() {
+                opt.step()?;
+            } else if o.nonfinite == NonFinite::Fail {
+                return Err(NnError::NonFinite {
+                    what: format!("step {} on rank {rank}: the gradient norm", step + 1),
+                    value: norm,
+                }
+                .into());
+            } else if reporter {
+                println!(
+                    "step {}: non-finite gradient norm {norm}: optimizer step skipped",
+                    step + 1
+                );
+            }
             let lr = sched.step(&mut opt);
             opt.zero_grad();
             tokens += batch.num_tokens()? * o.dp;
@@ -412,6 +481,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
 
 fn main() {
     let o = Opts::parse();
+    if let Err(e) = o.check() {
+        eprintln!("llama_pp: {e}");
+        std::process::exit(2);
+    }
     let world = o.pp * o.dp * o.tp;
     println!(
         "llama_pp: world {world} = pp {} x dp {} x tp {}, schedule {}, {} micro-batches, {} layers, hidden {}, seq {}, batch {} per dp rank, {} steps{}",
@@ -419,7 +492,11 @@ fn main() {
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
     let reports =
-        match tpar::spawn_with(SpawnConfig::new(world), |ctx| train(&ctx.world_group(), &o)) {
+        // Owned: a rank stuck outside any collective cannot keep the process from exiting.
+        match tpar::spawn_owned(SpawnConfig::new(world), {
+            let o = o.clone();
+            move |ctx| train(&ctx.world_group(), &o)
+        }) {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("llama_pp: {e}");

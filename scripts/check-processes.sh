@@ -5,10 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build -q --release --example llama_2d --bin tpar-run
+bin=${CARGO_TARGET_DIR:-target}/release
 args=(--steps 4 --log-every 1)
 losses() { grep -oE 'step +[0-9]+/[0-9]+ loss [0-9.]+|final_loss_bits=[0-9a-f]+'; }
-threads=$(target/release/examples/llama_2d "${args[@]}" | losses)
-procs=$(target/release/tpar-run --nproc-per-node 4 -- target/release/examples/llama_2d \
+threads=$("$bin"/examples/llama_2d "${args[@]}" | losses)
+procs=$("$bin"/tpar-run --nproc-per-node 4 -- "$bin"/examples/llama_2d \
     --backend tcp "${args[@]}" | grep '^\[rank 0\]' | losses)
 if [ "$threads" != "$procs" ]; then
     printf 'threads:\n%s\nprocesses:\n%s\n' "$threads" "$procs" >&2
