@@ -90,6 +90,10 @@ struct Opts {
     /// Log every N steps.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
+    /// local (ranks as threads) or tcp (one CPU process per rank, from tpar-run or
+    /// torchrun).
+    #[arg(long, value_enum, default_value_t = BackendArg::Local)]
+    backend: BackendArg,
     /// Print the last step's measured timeline and the schedule's simulated one.
     #[arg(long)]
     timeline: bool,
@@ -147,6 +151,12 @@ impl Opts {
         flags::learning_rate(self.lr)?;
         Ok(())
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum BackendArg {
+    Local,
+    Tcp,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -491,18 +501,46 @@ fn main() {
         o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.hidden, o.seq, o.batch, o.steps,
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
-    let reports =
+    let run = if o.backend == BackendArg::Tcp {
+        // One CPU process per rank, started by tpar-run or torchrun; the process holding
+        // the reporting rank prints the summary.
+        memory::set_rank(Some(0));
+        tpar::launch::init_process_group_with("tcp", std::time::Duration::from_secs(120))
+            .map_err(tpar::Error::from)
+            .and_then(|group| {
+                if group.size() != world {
+                    return Err(tpar::Error::from(NnError::Config {
+                        what: format!(
+                            "pp {} x dp {} x tp {} is {world} ranks, but the launcher started {}",
+                            o.pp,
+                            o.dp,
+                            o.tp,
+                            group.size()
+                        ),
+                    }));
+                }
+                let report = train(&group, &o)?;
+                group.barrier()?;
+                if !report.reporter {
+                    std::process::exit(0);
+                }
+                Ok(vec![report])
+            })
+    } else {
         // Owned: a rank stuck outside any collective cannot keep the process from exiting.
-        match tpar::spawn_owned(SpawnConfig::new(world), {
+        tpar::spawn_owned(SpawnConfig::new(world), {
             let o = o.clone();
             move |ctx| train(&ctx.world_group(), &o)
-        }) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("llama_pp: {e}");
-                std::process::exit(1);
-            }
-        };
+        })
+        .map_err(tpar::Error::from)
+    };
+    let reports = match run {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("llama_pp: {e}");
+            std::process::exit(1);
+        }
+    };
     let Some(r) = reports.iter().find(|r| r.reporter) else {
         eprintln!("llama_pp: no rank held the last stage");
         std::process::exit(1);
