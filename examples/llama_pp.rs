@@ -532,7 +532,6 @@ fn main() {
             let o = o.clone();
             move |ctx| train(&ctx.world_group(), &o)
         })
-        .map_err(tpar::Error::from)
     };
     let reports = match run {
         Ok(r) => r,
