@@ -11,14 +11,14 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use tpar::prelude::*;
 use tpar::tensor::memory;
-use tpar::tensor::state::{expect_empty, take_float, take_int};
 
 #[path = "common/flags.rs"]
 mod flags;
+#[path = "common/run.rs"]
+mod run;
 use flags::NonFinite;
 
 #[global_allocator]
@@ -312,35 +312,13 @@ impl Opt {
     }
 }
 
-/// The loop's own place in the run, checkpointed with the model: the step reached (the
-/// data position follows from it) and the run's first loss (for the summary).
-struct Progress {
-    step: usize,
-    first_loss: f64,
-}
-
-impl Stateful for Progress {
-    fn state_dict(&self) -> Result<StateDict, StateDictError> {
-        Ok(StateDict::from([
-            ("step".to_string(), StateValue::Int(self.step as i64)),
-            ("first_loss".to_string(), StateValue::Float(self.first_loss)),
-        ]))
-    }
-
-    fn load_state_dict(&mut self, mut state: StateDict) -> Result<(), StateDictError> {
-        self.step = take_int(&mut state, "step")?.max(0) as usize;
-        self.first_loss = take_float(&mut state, "first_loss")?;
-        expect_empty(state)
-    }
-}
-
 /// Every checkpointed part of the run, by name, for a checkpoint to save or load.
 fn with_items<R>(
     model: &mut LlamaForPretraining,
     opt: &mut Opt,
     sched: &mut LrScheduler<SequentialLR>,
     sampler: &mut DistributedSampler,
-    progress: &mut Progress,
+    progress: &mut run::Progress,
     f: impl FnOnce(&mut [(&str, &mut dyn Stateful)]) -> tpar::Result<R>,
 ) -> tpar::Result<R> {
     let mut model = ModuleState::new(model);
@@ -440,23 +418,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?;
     let pad = dataset.pad_id() as i64;
     let dp_rank = mesh["dp"].local_rank();
-    let mut sampler = DistributedSampler::new(o.dp, dp_rank)?
-        .with_shuffle(true)
-        .with_seed(o.seed)
-        .with_drop_last(true);
-    let per_epoch = dataset.len() / o.dp / o.batch.max(1);
-    if per_epoch == 0 {
-        return Err(tpar::Error::from(NnError::Config {
-            what: format!(
-                "{} documents are too few for dp {} x batch {}",
-                dataset.len(),
-                o.dp,
-                o.batch
-            ),
-        }));
-    }
+    let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
 
-    let mut progress = Progress { step: 0, first_loss: f64::NAN };
+    let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
             let config =
@@ -486,12 +450,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // `with loss_parallel():` for the whole loop: `loss.backward()` is right for the
     // plan's vocab-sharded loss and for a plain one alike.
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
-    let progress_bar = (rank == 0).then(|| {
-        let bar = ProgressBar::new(o.steps as u64);
-        let style = "{bar:30} {pos:>4}/{len} {msg} ETA {eta}";
-        bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
-        bar
-    });
+    let progress_bar = (rank == 0).then(|| run::progress_bar(o.steps, 0));
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;

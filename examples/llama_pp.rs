@@ -12,15 +12,15 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
 use tpar::tensor::memory;
-use tpar::tensor::state::{expect_empty, take_float, take_int};
 
 #[path = "common/flags.rs"]
 mod flags;
+#[path = "common/run.rs"]
+mod run;
 use flags::NonFinite;
 
 #[global_allocator]
@@ -179,27 +179,6 @@ impl SchedArg {
     }
 }
 
-/// The loop's own place in the run, checkpointed with the model.
-struct Progress {
-    step: usize,
-    first_loss: f64,
-}
-
-impl Stateful for Progress {
-    fn state_dict(&self) -> Result<StateDict, StateDictError> {
-        Ok(StateDict::from([
-            ("step".to_string(), StateValue::Int(self.step as i64)),
-            ("first_loss".to_string(), StateValue::Float(self.first_loss)),
-        ]))
-    }
-
-    fn load_state_dict(&mut self, mut state: StateDict) -> Result<(), StateDictError> {
-        self.step = take_int(&mut state, "step")?.max(0) as usize;
-        self.first_loss = take_float(&mut state, "first_loss")?;
-        expect_empty(state)
-    }
-}
-
 /// What one rank reports at the end.
 struct RankReport {
     /// Whether this rank printed the losses (last stage, dp 0, tp 0).
@@ -297,23 +276,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut sched =
         LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
 
-    let mut sampler = DistributedSampler::new(o.dp, dp_rank)?
-        .with_shuffle(true)
-        .with_seed(o.seed)
-        .with_drop_last(true);
-    let per_epoch = dataset.len() / o.dp / o.batch.max(1);
-    if per_epoch == 0 {
-        return Err(tpar::Error::from(NnError::Config {
-            what: format!(
-                "{} documents are too few for dp {} x batch {}",
-                dataset.len(),
-                o.dp,
-                o.batch
-            ),
-        }));
-    }
+    let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
 
-    let mut progress = Progress { step: 0, first_loss: f64::NAN };
+    let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
             let config = CheckpointConfig {
@@ -346,13 +311,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let dp_group = mesh.group_of("dp")?.clone();
     let pp_group = mesh.group_of("pp")?.clone();
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
-    let bar = reporter.then(|| {
-        let bar = ProgressBar::new(o.steps as u64);
-        let style = "{bar:30} {pos:>4}/{len} {msg} ETA {eta}";
-        bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
-        bar.set_position(start_step as u64);
-        bar
-    });
+    let bar = reporter.then(|| run::progress_bar(o.steps, start_step));
     memory::reset_peak(rank);
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
