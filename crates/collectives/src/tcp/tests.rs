@@ -238,16 +238,20 @@ fn every_collective_and_dtype_matches_the_serial_reference() {
 
 #[test]
 fn results_equal_the_local_backend_bit_for_bit() {
-    // bf16/f16 averages round: both backends accumulate in f32 in rank order.
+    // bf16/f16 averages round: both backends accumulate in f32 in rank order. The large
+    // size spans several reduction blocks and reuses received buffers on its second call.
     let n = 3;
     let calls = |pg: &ProcessGroup, r: usize| -> Vec<Seen> {
         let mut out = Vec::new();
-        for dtype in [DType::BF16, DType::F16, DType::F32] {
-            let mut rng = Rng::new(77 + r as u64);
-            let v: Vec<f64> = (0..37).map(|_| rng.below(1000) as f64 / 7.0).collect();
-            let t = Tensor::from_f64(&v, [37], dtype).unwrap();
-            out.push(seen(&pg.all_reduce(&t, ReduceOp::Avg).unwrap()));
-            out.push(seen(&pg.reduce_scatter(&t, 0, ReduceOp::Sum).unwrap()));
+        for len in [37usize, 100_003] {
+            for dtype in [DType::BF16, DType::F16, DType::F32] {
+                let mut rng = Rng::new(77 + r as u64);
+                let v: Vec<f64> = (0..len).map(|_| rng.below(1000) as f64 / 7.0).collect();
+                let t = Tensor::from_f64(&v, [len], dtype).unwrap();
+                out.push(seen(&pg.all_reduce(&t, ReduceOp::Avg).unwrap()));
+                out.push(seen(&pg.all_reduce(&t, ReduceOp::Sum).unwrap()));
+                out.push(seen(&pg.reduce_scatter(&t, 0, ReduceOp::Sum).unwrap()));
+            }
         }
         out
     };
