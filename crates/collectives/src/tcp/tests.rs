@@ -337,6 +337,31 @@ fn async_handles_run_in_call_order() {
 }
 
 #[test]
+fn large_sends_both_ways_at_once_do_not_wait_on_each_other() {
+    // Each rank sends 64 MiB to the other before either receives: readers and writers
+    // are separate threads, so neither send waits for the other's receive. Then the
+    // same through all_reduce, twice (the second reuses the received buffers).
+    let elems = 16 << 20;
+    let outs = run_world(2, T, move |pg| {
+        let r = pg.rank();
+        let t = Tensor::from_vec(vec![r as f32 + 1.0; elems], [elems]).unwrap();
+        pg.send(&t, 1 - r).unwrap();
+        let got = pg.recv(1 - r).unwrap().to_vec::<f32>().unwrap();
+        let first = got.iter().all(|&x| x == (2 - r) as f32);
+        let sums: Vec<bool> = (0..2)
+            .map(|_| {
+                let s = pg.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap();
+                s.len() == elems && s.iter().all(|&x| x == 3.0)
+            })
+            .collect();
+        (got.len() == elems && first, sums)
+    });
+    for out in outs {
+        assert_eq!(out, (true, vec![true, true]));
+    }
+}
+
+#[test]
 fn send_and_recv_keep_order_shape_and_dtype() {
     let n = 3;
     let outs = run_world(n, T, move |pg| {
@@ -552,8 +577,10 @@ fn a_connection_from_another_job_or_rank_is_refused() {
     }
 }
 
-/// Rough all_reduce / all_gather timings over loopback (`cargo test -p tpar-collectives
-/// --release --lib tcp_bandwidth -- --ignored --nocapture`).
+/// Rough all_reduce / all_gather timings over loopback, ranks as threads of one process
+/// (`cargo test -p tpar-collectives --release --lib tcp_bandwidth -- --ignored
+/// --nocapture`). The measurement across real processes, next to the local backend, is
+/// `cargo bench -p tpar-launch --bench tcp_bandwidth` (docs/PERF.md).
 #[test]
 #[ignore = "a measurement, not a check"]
 fn tcp_bandwidth() {
