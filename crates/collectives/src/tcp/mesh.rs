@@ -19,7 +19,10 @@
 //! and the payload bytes. The reader thread of a socket appends each payload to the queue
 //! of `(peer, group id, channel)`, so groups sharing a socket (the world and its
 //! sub-groups) and a group's collectives and point-to-point messages never take each
-//! other's data; TCP keeps each queue in the order it was sent. A socket that ends or
+//! other's data; TCP keeps each queue in the order it was sent. Large payloads are read
+//! into buffers the consumers hand back once they have used them ([`Mesh::recycle`]), so
+//! repeated collectives of the same size read into memory that is already mapped instead
+//! of faulting in a fresh allocation per frame. A socket that ends or
 //! fails marks its peer gone: every wait on that peer then fails with
 //! [`CollectiveError::PeerFailed`] naming its global rank, at once.
 
@@ -39,6 +42,8 @@ use crate::{CollectiveError, Result, Store, StoreError};
 const FRAME_MAGIC: u32 = 0x7470_4631;
 /// Bytes of a frame header.
 const FRAME_HEADER: usize = 24;
+/// Payloads up to this size are written together with their header.
+const SMALL_FRAME: usize = 4 << 10;
 /// Opens a hello (`"tparTCP"` and version 1).
 const HELLO_MAGIC: [u8; 8] = *b"tparTCP\x01";
 /// Written in native byte order: a peer that reads another value has another byte order.
@@ -74,16 +79,71 @@ struct InboxState {
     gone: HashMap<usize, String>,
 }
 
+/// Payloads below this size are plain allocations (the allocator serves them from its
+/// heap, already mapped); larger ones go through the [`Pool`].
+const POOLED_MIN: usize = 64 << 10;
+/// The most bytes the pool keeps between frames.
+const POOL_MAX_BYTES: usize = 512 << 20;
+
+/// Receive buffers handed back by the consumers of frames, for the reader threads to
+/// reuse: a fresh large allocation is a new mapping that faults in page by page as it is
+/// written, several times slower than a copy into mapped memory. Holds at most
+/// `max_bufs` buffers and [`POOL_MAX_BYTES`] bytes, dropping the oldest first.
+#[derive(Default)]
+struct Pool {
+    bufs: VecDeque<Vec<u8>>,
+    bytes: usize,
+    max_bufs: usize,
+}
+
+impl Pool {
+    /// A buffer of exactly `len` initialized bytes (contents unspecified), reusing the
+    /// smallest kept buffer that holds `len`; `None` when none does.
+    fn get(&mut self, len: usize) -> Option<Vec<u8>> {
+        let (i, _) = self
+            .bufs
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())?;
+        let mut b = self.bufs.remove(i)?;
+        self.bytes -= b.capacity();
+        // Equal sizes (the steady state of repeated collectives) reuse the bytes as they
+        // are; otherwise only the part past the buffer's length is zeroed.
+        b.resize(len, 0);
+        Some(b)
+    }
+
+    fn put(&mut self, b: Vec<u8>) {
+        if b.capacity() < POOLED_MIN || b.capacity() > POOL_MAX_BYTES || self.max_bufs == 0 {
+            return;
+        }
+        self.bytes += b.capacity();
+        self.bufs.push_back(b);
+        while self.bufs.len() > self.max_bufs || self.bytes > POOL_MAX_BYTES {
+            match self.bufs.pop_front() {
+                Some(old) => self.bytes -= old.capacity(),
+                None => break,
+            }
+        }
+    }
+}
+
 /// What the reader threads have received, and which peers are gone.
 #[derive(Default)]
 struct Inbox {
     state: Mutex<InboxState>,
     cv: Condvar,
+    pool: Mutex<Pool>,
 }
 
 impl Inbox {
     fn lock(&self) -> MutexGuard<'_, InboxState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn mark_gone(&self, peer: usize, why: String) {
@@ -290,6 +350,8 @@ impl Mesh {
         }
 
         let inbox = Arc::new(Inbox::default());
+        // Enough for one large frame from every peer in each of two steps in flight.
+        inbox.pool().max_bufs = 2 * size.saturating_sub(1);
         let write_timeout = timeout.max(Duration::from_millis(100));
         let mut writers = Vec::with_capacity(size);
         for (peer, s) in streams.into_iter().enumerate() {
@@ -354,7 +416,16 @@ impl Mesh {
         h[16..20].copy_from_slice(&(chan as u32).to_le_bytes());
         h[20..24].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
         let mut s = w.lock().unwrap_or_else(PoisonError::into_inner);
-        let wrote = s.write_all(&h).and_then(|()| s.write_all(payload));
+        // A small frame leaves in one write (one segment with TCP_NODELAY); a large one
+        // as the header and then the caller's bytes, uncopied.
+        let wrote = if payload.len() <= SMALL_FRAME {
+            let mut frame = [0u8; FRAME_HEADER + SMALL_FRAME];
+            frame[..FRAME_HEADER].copy_from_slice(&h);
+            frame[FRAME_HEADER..FRAME_HEADER + payload.len()].copy_from_slice(payload);
+            s.write_all(&frame[..FRAME_HEADER + payload.len()])
+        } else {
+            s.write_all(&h).and_then(|()| s.write_all(payload))
+        };
         match wrote {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -380,6 +451,15 @@ impl Mesh {
                     Err(failed(why))
                 }
             }
+        }
+    }
+
+    /// Hands back payloads returned by [`take`](Self::take) once they are used, for the
+    /// reader threads to receive into again.
+    pub fn recycle(&self, payloads: impl IntoIterator<Item = Vec<u8>>) {
+        let mut pool = self.inbox.pool();
+        for p in payloads {
+            pool.put(p);
         }
     }
 
@@ -476,19 +556,29 @@ fn read_loop(mut s: TcpStream, peer: usize, inbox: &Inbox) {
         let Ok(len) = usize::try_from(len) else {
             break format!("it sent a frame of {len} bytes");
         };
-        let mut payload = Vec::new();
-        if let Err(e) = payload.try_reserve_exact(len) {
-            break format!("a frame of {len} bytes does not fit in memory: {e}");
-        }
-        match (&mut s).take(len as u64).read_to_end(&mut payload) {
-            Ok(n) if n == len => {}
-            Ok(n) => {
+        let pooled = if len >= POOLED_MIN { inbox.pool().get(len) } else { None };
+        let read = match pooled {
+            Some(mut payload) => s.read_exact(&mut payload).map(|()| (payload, len)),
+            None => {
+                let mut payload = Vec::new();
+                if let Err(e) = payload.try_reserve_exact(len) {
+                    break format!("a frame of {len} bytes does not fit in memory: {e}");
+                }
+                (&mut s).take(len as u64).read_to_end(&mut payload).map(|n| (payload, n))
+            }
+        };
+        let payload = match read {
+            Ok((payload, n)) if n == len => payload,
+            Ok((_, n)) => {
                 break format!(
                     "its connection closed in the middle of a frame ({n} of {len} bytes)"
                 )
             }
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                break format!("its connection closed in the middle of a frame of {len} bytes")
+            }
             Err(e) => break format!("its connection failed: {e}"),
-        }
+        };
         inbox.lock().queues.entry((peer, gid, chan as u8)).or_default().push_back(payload);
         inbox.cv.notify_all();
     };

@@ -43,6 +43,12 @@
 //!   reuse the world's sockets under their own id (a hash of the member list and how many
 //!   groups of that list this process made before), so creating one needs no
 //!   communication; every member must still create it, in the same order.
+//! - **Few copies.** Sends write the caller's bytes as they are; a reader thread receives
+//!   a large frame into a buffer kept from an earlier one (at most two per peer, 512 MiB
+//!   in all), which the collective reads in place (reduction terms, pieces of the output)
+//!   and hands back. `all_reduce` reduces this member's range straight into its output
+//!   and sends it from there. Readers and the writer are different threads, so two
+//!   members sending each other large frames at once overlap instead of waiting.
 //! - **The executor of the `nccl` backend.** Each group has a worker thread that owns its
 //!   transport and runs its jobs in order; every collective starts with the same header
 //!   exchange, so members that disagree all fail with [`CollectiveError::Mismatch`]

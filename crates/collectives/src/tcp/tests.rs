@@ -238,16 +238,20 @@ fn every_collective_and_dtype_matches_the_serial_reference() {
 
 #[test]
 fn results_equal_the_local_backend_bit_for_bit() {
-    // bf16/f16 averages round: both backends accumulate in f32 in rank order.
+    // bf16/f16 averages round: both backends accumulate in f32 in rank order. The large
+    // size spans several reduction blocks and reuses received buffers on its second call.
     let n = 3;
     let calls = |pg: &ProcessGroup, r: usize| -> Vec<Seen> {
         let mut out = Vec::new();
-        for dtype in [DType::BF16, DType::F16, DType::F32] {
-            let mut rng = Rng::new(77 + r as u64);
-            let v: Vec<f64> = (0..37).map(|_| rng.below(1000) as f64 / 7.0).collect();
-            let t = Tensor::from_f64(&v, [37], dtype).unwrap();
-            out.push(seen(&pg.all_reduce(&t, ReduceOp::Avg).unwrap()));
-            out.push(seen(&pg.reduce_scatter(&t, 0, ReduceOp::Sum).unwrap()));
+        for len in [37usize, 100_003] {
+            for dtype in [DType::BF16, DType::F16, DType::F32] {
+                let mut rng = Rng::new(77 + r as u64);
+                let v: Vec<f64> = (0..len).map(|_| rng.below(1000) as f64 / 7.0).collect();
+                let t = Tensor::from_f64(&v, [len], dtype).unwrap();
+                out.push(seen(&pg.all_reduce(&t, ReduceOp::Avg).unwrap()));
+                out.push(seen(&pg.all_reduce(&t, ReduceOp::Sum).unwrap()));
+                out.push(seen(&pg.reduce_scatter(&t, 0, ReduceOp::Sum).unwrap()));
+            }
         }
         out
     };
@@ -329,6 +333,31 @@ fn async_handles_run_in_call_order() {
         assert_eq!(o.3, Some(3.0));
         assert_eq!(o.4, 1.0);
         assert_eq!((o.5, o.6), (2, 3));
+    }
+}
+
+#[test]
+fn large_sends_both_ways_at_once_do_not_wait_on_each_other() {
+    // Each rank sends 64 MiB to the other before either receives: readers and writers
+    // are separate threads, so neither send waits for the other's receive. Then the
+    // same through all_reduce, twice (the second reuses the received buffers).
+    let elems = 16 << 20;
+    let outs = run_world(2, T, move |pg| {
+        let r = pg.rank();
+        let t = Tensor::from_vec(vec![r as f32 + 1.0; elems], [elems]).unwrap();
+        pg.send(&t, 1 - r).unwrap();
+        let got = pg.recv(1 - r).unwrap().to_vec::<f32>().unwrap();
+        let first = got.iter().all(|&x| x == (2 - r) as f32);
+        let sums: Vec<bool> = (0..2)
+            .map(|_| {
+                let s = pg.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap();
+                s.len() == elems && s.iter().all(|&x| x == 3.0)
+            })
+            .collect();
+        (got.len() == elems && first, sums)
+    });
+    for out in outs {
+        assert_eq!(out, (true, vec![true, true]));
     }
 }
 
@@ -548,8 +577,10 @@ fn a_connection_from_another_job_or_rank_is_refused() {
     }
 }
 
-/// Rough all_reduce / all_gather timings over loopback (`cargo test -p tpar-collectives
-/// --release --lib tcp_bandwidth -- --ignored --nocapture`).
+/// Rough all_reduce / all_gather timings over loopback, ranks as threads of one process
+/// (`cargo test -p tpar-collectives --release --lib tcp_bandwidth -- --ignored
+/// --nocapture`). The measurement across real processes, next to the local backend, is
+/// `cargo bench -p tpar-launch --bench tcp_bandwidth` (docs/PERF.md).
 #[test]
 #[ignore = "a measurement, not a check"]
 fn tcp_bandwidth() {

@@ -18,7 +18,12 @@
 //!   local copy.
 //! - `Send`/`Recv`: one frame on the group's point-to-point channel; a receive hands
 //!   back what was sent, so a count mismatch is caught by the caller.
+//!
+//! Received frames are used in place where the algorithm only reads them (reduction
+//! terms, pieces copied into the output), viewed as elements without a copy, and handed
+//! back to the mesh for reuse afterwards.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::mesh::{Channel, Mesh};
@@ -50,7 +55,30 @@ impl TcpTransport {
     }
 
     /// The next frame from each member of `from` (group ranks, distinct, not this one),
-    /// as elements; each must hold `len(j)` of them.
+    /// as bytes; each must hold `len(j)` elements of `T` (`None`: any whole number). Hand
+    /// the frames back with `self.mesh.recycle` once used.
+    fn take_raw<T: Wire>(
+        &self,
+        op: &'static str,
+        from: &[usize],
+        chan: Channel,
+        len: impl Fn(usize) -> Option<usize>,
+        deadline: Deadline,
+    ) -> Result<Vec<Vec<u8>>> {
+        let peers: Vec<usize> = from.iter().map(|&m| self.group[m]).collect();
+        let frames = self.mesh.take(op, &self.group, &peers, self.gid, chan, deadline)?;
+        let bad = frames
+            .iter()
+            .zip(from)
+            .find_map(|(b, &m)| self.check::<T>(op, m, b.len(), len(m)).err());
+        if let Some(e) = bad {
+            self.mesh.recycle(frames);
+            return Err(e);
+        }
+        Ok(frames)
+    }
+
+    /// [`take_raw`](Self::take_raw), as owned elements.
     fn take<T: Wire>(
         &self,
         op: &'static str,
@@ -59,28 +87,25 @@ impl TcpTransport {
         len: impl Fn(usize) -> Option<usize>,
         deadline: Deadline,
     ) -> Result<Vec<Vec<T>>> {
-        let peers: Vec<usize> = from.iter().map(|&m| self.group[m]).collect();
-        let frames = self.mesh.take(op, &self.group, &peers, self.gid, chan, deadline)?;
-        frames
-            .into_iter()
-            .zip(from)
-            .map(|(bytes, &m)| self.elements::<T>(op, m, bytes, len(m)))
-            .collect()
+        let frames = self.take_raw::<T>(op, from, chan, len, deadline)?;
+        let out = frames.iter().map(|b| bytemuck::pod_collect_to_vec(b)).collect();
+        self.mesh.recycle(frames);
+        Ok(out)
     }
 
-    /// Decodes a frame from member `m`; `want` is the element count it must hold (`None`:
+    /// Checks that a frame of `bytes` bytes from member `m` holds `want` elements (`None`:
     /// any whole number of elements).
-    fn elements<T: Wire>(
+    fn check<T: Wire>(
         &self,
         op: &'static str,
         m: usize,
-        bytes: Vec<u8>,
+        bytes: usize,
         want: Option<usize>,
-    ) -> Result<Vec<T>> {
+    ) -> Result<()> {
         let size = std::mem::size_of::<T>();
-        let whole = bytes.len() % size == 0;
-        if whole && want.is_none_or(|w| w * size == bytes.len()) {
-            return Ok(bytemuck::pod_collect_to_vec(&bytes));
+        let whole = bytes % size == 0;
+        if whole && want.is_none_or(|w| w * size == bytes) {
+            return Ok(());
         }
         let me = self.group[self.me];
         let expected = match want {
@@ -92,7 +117,7 @@ impl TcpTransport {
             group: self.group.to_vec(),
             rank: self.group[m],
             expected: format!("{expected}, what rank {me} expects"),
-            got: format!("{} bytes sent to rank {me}", bytes.len()),
+            got: format!("{bytes} bytes sent to rank {me}"),
         })
     }
 
@@ -124,10 +149,56 @@ impl TcpTransport {
             self.post(op, j, Channel::Collective, &send[start..start + len])?;
         }
         let (start, len) = range(self.me);
-        let got = self.take::<T>(op, &others, Channel::Collective, |_| Some(len), deadline)?;
-        let mut terms: Vec<&[T]> = got.iter().map(Vec::as_slice).collect();
-        terms.insert(self.me, &send[start..start + len]);
-        Ok(Self::reduce(&terms, rop))
+        let got = self.take_raw::<T>(op, &others, Channel::Collective, |_| Some(len), deadline)?;
+        let reduced = {
+            let views: Vec<Cow<'_, [T]>> = got.iter().map(|b| view(b)).collect();
+            let mut terms: Vec<&[T]> = views.iter().map(|v| &**v).collect();
+            terms.insert(self.me, &send[start..start + len]);
+            Self::reduce(&terms, rop)
+        };
+        self.mesh.recycle(got);
+        Ok(reduced)
+    }
+
+    /// Reduce-scatter then all-gather, in place in the output: this member reduces its
+    /// range straight into the output, sends it from there, and copies the others' ranges
+    /// in as they come.
+    fn all_reduce<T: Wire>(
+        &self,
+        op: &'static str,
+        rop: ReduceOp,
+        send: &[T],
+        deadline: Deadline,
+    ) -> Result<Vec<T>> {
+        let (n, len) = (self.group.len(), send.len());
+        let range = |j: usize| chunk_range(len, n, j);
+        let others = self.others();
+        for &j in &others {
+            let (start, l) = range(j);
+            self.post(op, j, Channel::Collective, &send[start..start + l])?;
+        }
+        // Zeroed by the allocator (fresh pages), so nothing is written twice.
+        let mut out: Vec<T> = bytemuck::zeroed_vec(len);
+        let (start, l) = range(self.me);
+        let got = self.take_raw::<T>(op, &others, Channel::Collective, |_| Some(l), deadline)?;
+        {
+            let views: Vec<Cow<'_, [T]>> = got.iter().map(|b| view(b)).collect();
+            let mut terms: Vec<&[T]> = views.iter().map(|v| &**v).collect();
+            terms.insert(self.me, &send[start..start + l]);
+            reduce_into(&terms, rop, &mut out[start..start + l]);
+        }
+        self.mesh.recycle(got);
+        for &j in &others {
+            self.post(op, j, Channel::Collective, &out[start..start + l])?;
+        }
+        let got =
+            self.take_raw::<T>(op, &others, Channel::Collective, |j| Some(range(j).1), deadline)?;
+        for (&j, b) in others.iter().zip(&got) {
+            let (s, l) = range(j);
+            out[s..s + l].copy_from_slice(&view::<T>(b));
+        }
+        self.mesh.recycle(got);
+        Ok(out)
     }
 
     /// Sends `mine` to every other member and lays every member's block out in member
@@ -143,17 +214,19 @@ impl TcpTransport {
         for &j in &others {
             self.post(op, j, Channel::Collective, mine)?;
         }
-        let got = self.take::<T>(op, &others, Channel::Collective, |j| Some(len(j)), deadline)?;
+        let got =
+            self.take_raw::<T>(op, &others, Channel::Collective, |j| Some(len(j)), deadline)?;
         let total: usize = (0..self.group.len()).map(&len).sum();
         let mut out = Vec::with_capacity(total);
-        let mut got = got.into_iter();
+        let mut pieces = got.iter();
         for j in 0..self.group.len() {
             if j == self.me {
                 out.extend_from_slice(mine);
-            } else if let Some(b) = got.next() {
-                out.extend(b);
+            } else if let Some(b) = pieces.next() {
+                out.extend_from_slice(&view::<T>(b));
             }
         }
+        self.mesh.recycle(got);
         Ok(out)
     }
 }
@@ -181,12 +254,7 @@ impl Transport for TcpTransport {
     ) -> Result<Vec<T>> {
         let n = self.group.len();
         match prim {
-            Prim::AllReduce(rop) => {
-                let len = send.len();
-                let range = |j: usize| chunk_range(len, n, j);
-                let mine = self.reduce_scatter(op, *rop, send, range, deadline)?;
-                self.all_gather(op, &mine, |j| range(j).1, deadline)
-            }
+            Prim::AllReduce(rop) => self.all_reduce(op, *rop, send, deadline),
             Prim::ReduceScatter(rop) => {
                 let b = recv_len;
                 if send.len() != n * b {
@@ -233,8 +301,8 @@ impl Transport for TcpTransport {
                 let from: Vec<usize> =
                     recvs.iter().map(|r| r.0).filter(|&p| p != self.me).collect();
                 let want = |p: usize| recvs.iter().find(|r| r.0 == p).map(|r| r.1);
-                let mut got =
-                    self.take::<T>(op, &from, Channel::Collective, want, deadline)?.into_iter();
+                let got = self.take_raw::<T>(op, &from, Channel::Collective, want, deadline)?;
+                let mut pieces = got.iter();
                 let mut out = Vec::with_capacity(recv_len);
                 for &(peer, len) in recvs {
                     if peer == self.me {
@@ -242,10 +310,11 @@ impl Transport for TcpTransport {
                             internal(op, "this member's own piece is missing or of another size")
                         })?;
                         out.extend_from_slice(piece);
-                    } else if let Some(piece) = got.next() {
-                        out.extend(piece);
+                    } else if let Some(piece) = pieces.next() {
+                        out.extend_from_slice(&view::<T>(piece));
                     }
                 }
+                self.mesh.recycle(got);
                 Ok(out)
             }
             Prim::Send { peer } => {
@@ -257,6 +326,32 @@ impl Transport for TcpTransport {
                 Ok(got.into_iter().next().unwrap_or_default())
             }
         }
+    }
+}
+
+/// Reduces `terms` (one run per member, in member order, each as long as `out`) into
+/// `out`, a cache-sized block at a time through the local backend's kernel (so the
+/// results are the same bits).
+fn reduce_into<T: Wire>(terms: &[&[T]], op: ReduceOp, out: &mut [T]) {
+    const BLOCK: usize = 16 << 10;
+    let (mut acc, mut tmp) = (Vec::new(), Vec::with_capacity(BLOCK.min(out.len())));
+    let mut block: Vec<&[T]> = Vec::with_capacity(terms.len());
+    for (b, dst) in out.chunks_mut(BLOCK).enumerate() {
+        let at = b * BLOCK;
+        block.clear();
+        block.extend(terms.iter().map(|t| &t[at..at + dst.len()]));
+        tmp.clear();
+        reduce_runs(&block, op, &mut acc, &mut tmp);
+        dst.copy_from_slice(&tmp);
+    }
+}
+
+/// The elements of a received frame: the bytes themselves when they are aligned for `T`
+/// (large allocations always are), else a copy.
+fn view<T: Wire>(bytes: &[u8]) -> Cow<'_, [T]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
     }
 }
 
