@@ -12,12 +12,16 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
 use tpar::tensor::memory;
-use tpar::tensor::state::{expect_empty, take_float, take_int};
+
+#[path = "common/flags.rs"]
+mod flags;
+#[path = "common/run.rs"]
+mod run;
+use flags::NonFinite;
 
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
@@ -86,6 +90,10 @@ struct Opts {
     /// Log every N steps.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
+    /// local (ranks as threads) or tcp (one CPU process per rank, from tpar-run or
+    /// torchrun).
+    #[arg(long, value_enum, default_value_t = BackendArg::Local)]
+    backend: BackendArg,
     /// Print the last step's measured timeline and the schedule's simulated one.
     #[arg(long)]
     timeline: bool,
@@ -110,6 +118,45 @@ struct Opts {
     /// Write the trained model as one safetensors file (FQN keys) at the end.
     #[arg(long)]
     export: Option<PathBuf>,
+    /// On a non-finite loss or gradient norm: fail (stop with an error naming the step
+    /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
+    #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
+    nonfinite: NonFinite,
+}
+
+impl Opts {
+    /// Flags that cannot work, as one message (before any rank starts).
+    fn check(&self) -> Result<(), String> {
+        flags::positive(&[
+            ("--pp", self.pp),
+            ("--dp", self.dp),
+            ("--tp", self.tp),
+            ("--stages-per-rank", self.stages_per_rank),
+            ("--microbatches", self.microbatches),
+            ("--steps", self.steps),
+            ("--batch", self.batch),
+            ("--seq", self.seq),
+            ("--hidden", self.hidden),
+            ("--heads", self.heads),
+            ("--kv-heads", self.kv_heads),
+            ("--intermediate", self.intermediate),
+        ])?;
+        flags::llama_shape(self.hidden, self.heads, self.kv_heads)?;
+        if self.pp.checked_mul(self.dp).and_then(|w| w.checked_mul(self.tp)).is_none() {
+            return Err(format!(
+                "--pp {} x --dp {} x --tp {} overflows",
+                self.pp, self.dp, self.tp
+            ));
+        }
+        flags::learning_rate(self.lr)?;
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum BackendArg {
+    Local,
+    Tcp,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -129,27 +176,6 @@ impl SchedArg {
             SchedArg::Interleaved => ScheduleKind::Interleaved1F1B,
             SchedArg::Zb => ScheduleKind::ZeroBubble,
         }
-    }
-}
-
-/// The loop's own place in the run, checkpointed with the model.
-struct Progress {
-    step: usize,
-    first_loss: f64,
-}
-
-impl Stateful for Progress {
-    fn state_dict(&self) -> Result<StateDict, StateDictError> {
-        Ok(StateDict::from([
-            ("step".to_string(), StateValue::Int(self.step as i64)),
-            ("first_loss".to_string(), StateValue::Float(self.first_loss)),
-        ]))
-    }
-
-    fn load_state_dict(&mut self, mut state: StateDict) -> Result<(), StateDictError> {
-        self.step = take_int(&mut state, "step")?.max(0) as usize;
-        self.first_loss = take_float(&mut state, "first_loss")?;
-        expect_empty(state)
     }
 }
 
@@ -177,6 +203,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
     let num_stages = o.pp * per_rank;
+    // The attention mask of a step, [batch, 1, seq, seq] (built in f64), is its largest
+    // tensor: a sequence length no machine holds fails here, before anything is built.
+    let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, o.seq, o.seq]);
+    tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
     let cfg = LlamaConfig {
         vocab_size: tokenizer.vocab_size(),
@@ -246,23 +276,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut sched =
         LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
 
-    let mut sampler = DistributedSampler::new(o.dp, dp_rank)?
-        .with_shuffle(true)
-        .with_seed(o.seed)
-        .with_drop_last(true);
-    let per_epoch = dataset.len() / o.dp / o.batch.max(1);
-    if per_epoch == 0 {
-        return Err(tpar::Error::from(NnError::Config {
-            what: format!(
-                "{} documents are too few for dp {} x batch {}",
-                dataset.len(),
-                o.dp,
-                o.batch
-            ),
-        }));
-    }
+    let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
 
-    let mut progress = Progress { step: 0, first_loss: f64::NAN };
+    let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
             let config = CheckpointConfig {
@@ -295,13 +311,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let dp_group = mesh.group_of("dp")?.clone();
     let pp_group = mesh.group_of("pp")?.clone();
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
-    let bar = reporter.then(|| {
-        let bar = ProgressBar::new(o.steps as u64);
-        let style = "{bar:30} {pos:>4}/{len} {msg} ETA {eta}";
-        bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
-        bar.set_position(start_step as u64);
-        bar
-    });
+    let bar = reporter.then(|| run::progress_bar(o.steps, start_step));
     memory::reset_peak(rank);
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
@@ -322,11 +332,39 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 std::slice::from_ref(&batch.attention_mask),
                 Some(&batch.target_ids),
             )?;
+            if o.nonfinite == NonFinite::Fail {
+                if let Some(i) = losses.iter().position(|l| !l.is_finite()) {
+                    // Fail fast, here: peers waiting in the next collective fail naming
+                    // this rank.
+                    return Err(NnError::NonFinite {
+                        what: format!(
+                            "step {} on rank {rank}: the loss of micro-batch {i}",
+                            step + 1
+                        ),
+                        value: losses[i],
+                    }
+                    .into());
+                }
+            }
             for (ddp, s) in ddps.iter().zip(pipe.stages()) {
                 ddp.sync_gradients(s.module())?;
             }
-            clip_grad_norm_pp(&params, 1.0, &pp_group)?;
-            opt.step()?;
+            // The norm is over every stage (all-reduced): every rank takes the same branch.
+            let norm = clip_grad_norm_pp(&params, 1.0, &pp_group)?;
+            if norm.is_finite() {
+                opt.step()?;
+            } else if o.nonfinite == NonFinite::Fail {
+                return Err(NnError::NonFinite {
+                    what: format!("step {} on rank {rank}: the gradient norm", step + 1),
+                    value: norm,
+                }
+                .into());
+            } else if reporter {
+                println!(
+                    "step {}: non-finite gradient norm {norm}: optimizer step skipped",
+                    step + 1
+                );
+            }
             let lr = sched.step(&mut opt);
             opt.zero_grad();
             tokens += batch.num_tokens()? * o.dp;
@@ -412,28 +450,59 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
 
 fn main() {
     let o = Opts::parse();
+    if let Err(e) = o.check() {
+        eprintln!("llama_pp: {e}");
+        std::process::exit(2);
+    }
     let world = o.pp * o.dp * o.tp;
     println!(
         "llama_pp: world {world} = pp {} x dp {} x tp {}, schedule {}, {} micro-batches, {} layers, hidden {}, seq {}, batch {} per dp rank, {} steps{}",
         o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.hidden, o.seq, o.batch, o.steps,
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
-    // Its ranks are threads of this process: started by a launcher as one of several
-    // processes, each would train the whole job. Refuse instead.
-    if let Err(e) = tpar::launch::check_not_launched() {
-        eprintln!(
-            "llama_pp: {e} (llama_pp has only the local backend: run it once, without a launcher)"
-        );
-        std::process::exit(2);
-    }
-    let reports =
-        match tpar::spawn_with(SpawnConfig::new(world), |ctx| train(&ctx.world_group(), &o)) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("llama_pp: {e}");
-                std::process::exit(1);
-            }
-        };
+    let run = if o.backend == BackendArg::Tcp {
+        // One CPU process per rank, started by tpar-run or torchrun; the process holding
+        // the reporting rank prints the summary.
+        memory::set_rank(Some(0));
+        tpar::launch::init_process_group_with("tcp", std::time::Duration::from_secs(120))
+            .map_err(tpar::Error::from)
+            .and_then(|group| {
+                if group.size() != world {
+                    return Err(tpar::Error::from(NnError::Config {
+                        what: format!(
+                            "pp {} x dp {} x tp {} is {world} ranks, but the launcher started {}",
+                            o.pp,
+                            o.dp,
+                            o.tp,
+                            group.size()
+                        ),
+                    }));
+                }
+                let report = train(&group, &o)?;
+                group.barrier()?;
+                if !report.reporter {
+                    std::process::exit(0);
+                }
+                Ok(vec![report])
+            })
+    } else {
+        // Started by a launcher as one of several processes, each would train the whole
+        // job on its own threads: refuse instead.
+        // Owned: a rank stuck outside any collective cannot keep the process from exiting.
+        let shared = o.clone();
+        tpar::launch::check_not_launched().map_err(tpar::Error::from).and_then(|()| {
+            tpar::spawn_owned(SpawnConfig::new(world), move |ctx| {
+                train(&ctx.world_group(), &shared)
+            })
+        })
+    };
+    let reports = match run {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("llama_pp: {e}");
+            std::process::exit(1);
+        }
+    };
     let Some(r) = reports.iter().find(|r| r.reporter) else {
         eprintln!("llama_pp: no rank held the last stage");
         std::process::exit(1);

@@ -16,7 +16,7 @@
 
 pub use tpar_checkpoint as checkpoint;
 pub use tpar_collectives as collectives;
-pub use tpar_collectives::{spawn, spawn_with, SpawnConfig};
+pub use tpar_collectives::{spawn, spawn_owned, spawn_with, SpawnConfig};
 pub use tpar_data as data;
 pub use tpar_dtensor as dtensor;
 pub use tpar_kernels as kernels;
@@ -44,7 +44,8 @@ pub mod prelude {
         StateDictError, StateDictOptions, StateValue, Stateful,
     };
     pub use tpar_collectives::{
-        spawn, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp, SpawnConfig,
+        spawn, spawn_owned, spawn_with, CollectiveError, ProcessGroup, RankCtx, ReduceOp,
+        SpawnConfig,
     };
     pub use tpar_data::{
         default_documents, load_documents, load_tokenizer, ByteTokenizer, DataError,
@@ -61,8 +62,9 @@ pub mod prelude {
         call, named_parameters, parameters, reset_parameters, Args, Module, NnError, Param, Value,
     };
     pub use tpar_optim::{
-        clip_grad_norm, clip_grad_norm_pp, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR,
-        LrScheduler, Optimizer, SequentialLR, Sgd, SgdConfig, ZeroRedundancyOptimizer,
+        clip_grad_norm, clip_grad_norm_checked, clip_grad_norm_pp, clip_grad_norm_pp_checked,
+        AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler, Optimizer, SequentialLR, Sgd,
+        SgdConfig, ZeroRedundancyOptimizer,
     };
     pub use tpar_parallel_styles::{
         explain, fully_shard, loss_parallel, parallelize_module, unshard, ColwiseParallel,

@@ -329,9 +329,13 @@ fn one_f_one_b_holds_fewer_activations_than_gpipe_measured() {
         "stage 0 of 4, {m} micro-batches of {:.2} MiB activations: held at the peak gpipe {gpipe:.2}, 1f1b {ofob:.2}, zb {zb:.2}",
         per_mb as f64 / (1 << 20) as f64
     );
+    // The slack of one micro-batch covers what the timing of the rank threads moves: the
+    // backward's transient workspace at the peak, and activations sent but not yet taken
+    // by stage 1 (a copy each, counted on the sender until the receiver drops it).
     assert!(gpipe >= m as f64 - 0.5, "gpipe holds {gpipe} micro-batches, not all {m}");
-    assert!(ofob <= 4.5, "1f1b holds {ofob} micro-batches, more than the 4 stages");
-    assert!(zb <= 4.5, "zb holds {zb} micro-batches, more than the 4 stages");
+    assert!(ofob <= 5.0, "1f1b holds {ofob} micro-batches, more than the 4 stages");
+    assert!(zb <= 5.0, "zb holds {zb} micro-batches, more than the 4 stages");
+    assert!(gpipe - ofob >= 3.0, "gpipe {gpipe} vs 1f1b {ofob}");
 }
 
 #[test]

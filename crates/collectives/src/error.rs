@@ -75,6 +75,23 @@ pub enum CollectiveError {
         /// The panic payload, when it was a string.
         message: String,
     },
+    /// A rank failed while others were still running outside any collective, and they had
+    /// not finished `waited` after the failure (reported by
+    /// [`spawn_owned`](crate::spawn_owned), which leaves their threads running, detached).
+    #[error(
+        "rank {rank} failed: {why}; rank(s) {running:?} still running {waited:?} after it \
+         (stuck outside any collective; their threads were left running)"
+    )]
+    Stuck {
+        /// The global rank that failed first.
+        rank: usize,
+        /// Its error.
+        why: String,
+        /// The global ranks that had not finished.
+        running: Vec<usize>,
+        /// How long `spawn_owned` waited for them after the first failure.
+        waited: Duration,
+    },
     /// A communication backend call failed: an NCCL or CUDA driver error, or the
     /// job's [`Store`](crate::Store) while setting a group up. Keeps the backend's code and text.
     #[error("{backend} {op} on group {group:?}, rank {rank}: {message}")]
@@ -103,7 +120,8 @@ impl CollectiveError {
             CollectiveError::Timeout { waiting_for, .. } => waiting_for.first().copied(),
             CollectiveError::PeerFailed { rank, .. }
             | CollectiveError::Mismatch { rank, .. }
-            | CollectiveError::Panicked { rank, .. } => Some(*rank),
+            | CollectiveError::Panicked { rank, .. }
+            | CollectiveError::Stuck { rank, .. } => Some(*rank),
             _ => None,
         }
     }

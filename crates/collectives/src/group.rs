@@ -9,8 +9,8 @@ use std::time::Duration;
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::local::{Call, LocalComm};
-use crate::nccl::{NcclComm, Pending};
 use crate::p2p::{to_requested, Expect};
+use crate::remote::{Pending, RemoteComm};
 use crate::spawn::panic_message;
 use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result, Store};
 
@@ -19,15 +19,19 @@ use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Re
 ///
 /// Each `ProcessGroup` method dispatches with one `match` on this enum; argument checks,
 /// sequence numbering and [`CommDebug`] recording stay in `ProcessGroup` and are shared
-/// by both. The `nccl` module always compiles (cudarc loads CUDA at run time); a machine
+/// by all. The `nccl` module always compiles (cudarc loads CUDA at run time); a machine
 /// without the CUDA driver or NCCL reports [`CollectiveError::Unavailable`] when such a
-/// group is requested.
+/// group is requested. `Nccl` and `Tcp` share their handle type (the `remote` module's
+/// job queue to the group's worker) and differ in the transport that worker owns.
 #[derive(Clone)]
 pub(crate) enum Backend {
     /// Ranks are threads of this process (see the `local` module).
     Local(LocalComm),
     /// One process per GPU, over NCCL (see the `nccl` module), built through a [`Store`].
-    Nccl(NcclComm),
+    Nccl(RemoteComm),
+    /// Ranks are processes on one host or several, over TCP sockets (see the `tcp`
+    /// module), built through a [`Store`].
+    Tcp(RemoteComm),
 }
 
 /// A collective call numbered and checked on the calling thread, ready to run.
@@ -109,7 +113,19 @@ impl ProcessGroup {
         }
     }
 
-    pub(crate) fn nccl(comm: NcclComm, timeout: Duration) -> ProcessGroup {
+    pub(crate) fn nccl(comm: RemoteComm, timeout: Duration) -> ProcessGroup {
+        let mut pg = ProcessGroup::remote(&comm, timeout);
+        pg.backend = Backend::Nccl(comm);
+        pg
+    }
+
+    pub(crate) fn tcp(comm: RemoteComm, timeout: Duration) -> ProcessGroup {
+        let mut pg = ProcessGroup::remote(&comm, timeout);
+        pg.backend = Backend::Tcp(comm);
+        pg
+    }
+
+    fn remote(comm: &RemoteComm, timeout: Duration) -> ProcessGroup {
         ProcessGroup {
             ranks: comm.ranks(),
             rank: comm.rank(),
@@ -117,7 +133,7 @@ impl ProcessGroup {
             world_size: comm.world_size(),
             timeout,
             debug: comm.debug(),
-            backend: Backend::Nccl(comm),
+            backend: Backend::Nccl(comm.clone()),
         }
     }
 
@@ -143,6 +159,79 @@ impl ProcessGroup {
         timeout: Duration,
     ) -> Result<ProcessGroup> {
         crate::nccl::world(store, rank, world_size, device, timeout)
+    }
+
+    /// The TCP world group of this process: PyTorch's
+    /// `init_process_group("gloo", store=store, rank=rank, world_size=world_size)`. Ranks
+    /// are processes, on one host or several, connected pairwise over TCP; tensors live on
+    /// the host and reductions run on the CPU. The processes find each other through
+    /// `store`, which every one of them shares (and this world keeps for its lifetime);
+    /// `timeout` bounds the setup and is the group's collective timeout.
+    /// `tpar_launch::init_process_group_with("tcp", ..)` does this from the launch
+    /// environment, with the TCP store rank 0 hosts.
+    ///
+    /// Fails with [`CollectiveError::InvalidArgument`] when `rank` is not below
+    /// `world_size`, with [`CollectiveError::Timeout`] naming the ranks that did not show
+    /// up within `timeout`, and with [`CollectiveError::Backend`] when a socket or the
+    /// store fails. Sub-groups come from [`new_group`](Self::new_group), which every member
+    /// calls. See the [`tcp`](crate::tcp) module for the design and the failure semantics.
+    ///
+    /// ```
+    /// # use std::collections::HashMap;
+    /// # use std::sync::{Arc, Condvar, Mutex};
+    /// # use std::time::{Duration, Instant};
+    /// # use tpar_collectives::{ProcessGroup, ReduceOp, Store, StoreError};
+    /// # use tpar_tensor::Tensor;
+    /// # #[derive(Debug, Default)]
+    /// # struct MemStore(Mutex<HashMap<String, Vec<u8>>>, Condvar);
+    /// # impl Store for MemStore {
+    /// #     fn set(&self, k: &str, v: &[u8]) -> Result<(), StoreError> {
+    /// #         self.0.lock().unwrap().insert(k.into(), v.to_vec());
+    /// #         self.1.notify_all();
+    /// #         Ok(())
+    /// #     }
+    /// #     fn get_timeout(&self, k: &str, t: Duration) -> Result<Vec<u8>, StoreError> {
+    /// #         let end = Instant::now() + t;
+    /// #         let mut m = self.0.lock().unwrap();
+    /// #         loop {
+    /// #             if let Some(v) = m.get(k) { return Ok(v.clone()); }
+    /// #             let left = end.saturating_duration_since(Instant::now());
+    /// #             if left.is_zero() { return Err(StoreError::Timeout(k.into())); }
+    /// #             m = self.1.wait_timeout(m, left).unwrap().0;
+    /// #         }
+    /// #     }
+    /// #     fn wait(&self, ks: &[&str], t: Duration) -> Result<(), StoreError> {
+    /// #         ks.iter().try_for_each(|k| self.get_timeout(k, t).map(drop))
+    /// #     }
+    /// #     fn check(&self, ks: &[&str]) -> Result<bool, StoreError> {
+    /// #         Ok(ks.iter().all(|k| self.0.lock().unwrap().contains_key(*k)))
+    /// #     }
+    /// # }
+    /// // Two processes (threads here, with real sockets) sharing one store.
+    /// let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    /// let ranks: Vec<_> = (0..2)
+    ///     .map(|rank| {
+    ///         let store = store.clone();
+    ///         std::thread::spawn(move || -> tpar_collectives::Result<Vec<f32>> {
+    ///             let world = ProcessGroup::tcp_world(store, rank, 2, Duration::from_secs(10))?;
+    ///             assert_eq!(world.backend_name(), "tcp");
+    ///             let t = Tensor::from_vec(vec![rank as f32 + 1.0; 3], [3])?;
+    ///             Ok(world.all_reduce(&t, ReduceOp::Sum)?.to_vec::<f32>()?)
+    ///         })
+    ///     })
+    ///     .collect();
+    /// for r in ranks {
+    ///     assert_eq!(r.join().unwrap()?, vec![3.0; 3]);
+    /// }
+    /// # Ok::<(), tpar_collectives::CollectiveError>(())
+    /// ```
+    pub fn tcp_world(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        crate::tcp::world(store, rank, world_size, timeout)
     }
 
     /// The members' global ranks, sorted.
@@ -196,11 +285,12 @@ impl ProcessGroup {
         self.debug.clone()
     }
 
-    /// The backend's name: `"local"` or `"nccl"`.
+    /// The backend's name: `"local"`, `"nccl"` or `"tcp"`.
     pub fn backend_name(&self) -> &'static str {
         match self.backend {
             Backend::Local(_) => "local",
             Backend::Nccl(_) => "nccl",
+            Backend::Tcp(_) => "tcp",
         }
     }
 
@@ -212,7 +302,7 @@ impl ProcessGroup {
             Backend::Local(l) => {
                 crate::world::local_group(l.world(), self.global_rank, ranks, Some(self.timeout))
             }
-            Backend::Nccl(c) => c.new_group(ranks, self.timeout),
+            Backend::Nccl(c) | Backend::Tcp(c) => c.new_group(ranks, self.timeout),
         }
     }
 
@@ -302,11 +392,12 @@ impl ProcessGroup {
         if dst >= self.size() {
             return Err(bad_rank(op, "dst", dst, self.size()));
         }
+        self.host_only(op, t.device())?;
         let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
             Backend::Local(l) => l.send(dst, copy, false),
-            Backend::Nccl(c) => c.send(dst, copy, self.timeout)?,
+            Backend::Nccl(c) | Backend::Tcp(c) => c.send(dst, copy, self.timeout)?,
         }
         Ok(())
     }
@@ -326,7 +417,7 @@ impl ProcessGroup {
         self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
         match &self.backend {
             Backend::Local(l) => l.recv(src, self.timeout),
-            Backend::Nccl(c) => c.recv(src, self.timeout),
+            Backend::Nccl(c) | Backend::Tcp(c) => c.recv(src, self.timeout),
         }
     }
 
@@ -380,11 +471,12 @@ impl ProcessGroup {
         if dst >= self.size() {
             return Err(bad_rank(op, "dst", dst, self.size()));
         }
+        self.host_only(op, t.device())?;
         let copy = tpar_tensor::no_grad(|| t.detach().deep_clone())?;
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
             Backend::Local(l) => l.send(dst, copy, true),
-            Backend::Nccl(c) => c.send_shaped(dst, copy, self.timeout)?,
+            Backend::Nccl(c) | Backend::Tcp(c) => c.send_shaped(dst, copy, self.timeout)?,
         }
         Ok(())
     }
@@ -440,11 +532,12 @@ impl ProcessGroup {
         if src >= self.size() {
             return Err(bad_rank(op, "src", src, self.size()));
         }
+        self.host_only(op, device)?;
         let expect = Expect::new(op, dims, dtype, device)?;
         self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
         let t = match &self.backend {
             Backend::Local(l) => l.recv_shaped(src, &expect, self.timeout)?,
-            Backend::Nccl(c) => c.recv_shaped(src, expect, self.timeout)?,
+            Backend::Nccl(c) | Backend::Tcp(c) => c.recv_shaped(src, expect, self.timeout)?,
         };
         to_requested(op, t, device)
     }
@@ -484,10 +577,28 @@ impl ProcessGroup {
         }
     }
 
+    /// The tcp backend moves host memory only: a CUDA tensor is an `InvalidArgument`.
+    fn host_only(&self, op: &'static str, device: Device) -> Result<()> {
+        match (&self.backend, device) {
+            (Backend::Tcp(_), Device::Cuda(_)) => Err(CollectiveError::InvalidArgument {
+                op,
+                why: format!(
+                    "the tcp backend carries host tensors, got one on {device} (move it to the \
+                     CPU first, or use the nccl backend)"
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks arguments, records the call and takes its sequence number, on the calling
     /// thread (so async calls are numbered in program order).
     fn issue(&self, call: Call, t: Option<&Tensor>, is_async: bool) -> Issued {
-        let problem = self.check(&call, t).err();
+        let problem = match t {
+            Some(t) => self.host_only(call.name(), t.device()).err(),
+            None => None,
+        };
+        let problem = problem.or_else(|| self.check(&call, t).err());
         if problem.is_none() {
             let read = match call {
                 Call::Broadcast { src } if src != self.rank => None,
@@ -497,7 +608,7 @@ impl ProcessGroup {
         }
         let seq = match &self.backend {
             Backend::Local(l) => l.next_seq(),
-            Backend::Nccl(c) => c.next_seq(),
+            Backend::Nccl(c) | Backend::Tcp(c) => c.next_seq(),
         };
         let device = t.map(Tensor::device).unwrap_or(Device::Cpu);
         let (tensor, problem) = match t.map(|t| stage_to_host(call.name(), t)).transpose() {
@@ -511,7 +622,9 @@ impl ProcessGroup {
         let device = i.device;
         let r = match &self.backend {
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
-            Backend::Nccl(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
+            Backend::Nccl(c) | Backend::Tcp(c) => {
+                c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
+            }
         };
         back_to(device, r)
     }
@@ -584,11 +697,11 @@ impl ProcessGroup {
         let world = match &self.backend {
             Backend::Local(l) => l.world().clone(),
             // The group's worker thread runs it: queue it and hand out the reply.
-            Backend::Nccl(c) => {
+            Backend::Nccl(c) | Backend::Tcp(c) => {
                 let device = issued.device;
                 let p =
                     c.start(issued.seq, issued.call, issued.tensor, issued.problem, self.timeout);
-                return Work { op, state: WorkState::Nccl(p, device) };
+                return Work { op, state: WorkState::Queued(p, device) };
             }
         };
         let me = self.global_rank;
@@ -682,8 +795,8 @@ fn expect_tensor(op: &'static str, r: Result<Option<Tensor>>) -> Result<Tensor> 
 enum WorkState {
     Running(JoinHandle<Result<Option<Tensor>>>),
     Done(Result<Option<Tensor>>),
-    /// Queued on an NCCL group's worker thread.
-    Nccl(Pending, Device),
+    /// Queued on a multi-process group's worker thread.
+    Queued(Pending, Device),
 }
 
 /// A collective in flight, returned by the `*_async` methods of [`ProcessGroup`].
@@ -706,7 +819,7 @@ impl Work {
             WorkState::Running(h) => h.join().unwrap_or_else(|p| {
                 Err(CollectiveError::Panicked { rank: usize::MAX, message: panic_message(&*p) })
             }),
-            WorkState::Nccl(p, device) => back_to(device, p.wait()),
+            WorkState::Queued(p, device) => back_to(device, p.wait()),
         };
         expect_tensor(self.op, r)
     }
@@ -716,7 +829,7 @@ impl Work {
         match &self.state {
             WorkState::Done(_) => true,
             WorkState::Running(h) => h.is_finished(),
-            WorkState::Nccl(p, _) => p.is_completed(),
+            WorkState::Queued(p, _) => p.is_completed(),
         }
     }
 

@@ -6,9 +6,11 @@
 //! dtype, with uneven (`torch.chunk`-style, possibly empty) shards as first-class inputs.
 //! The `local` backend runs ranks as threads of one process ([`World`], [`spawn`]); the
 //! [`nccl`] backend runs one process per GPU over NCCL
-//! ([`ProcessGroup::nccl_world`], [`nccl::probe`]) behind the same type. The processes of
-//! an NCCL job agree on their communicators through a [`Store`]; the TCP store that
-//! implements it, the launch environment and the `tpar-run` launcher are in `tpar-launch`.
+//! ([`ProcessGroup::nccl_world`], [`nccl::probe`]); the [`tcp`] backend runs ranks as
+//! processes, on one host or several, over TCP with host tensors
+//! ([`ProcessGroup::tcp_world`]); all behind the same type. The processes of a job find
+//! each other through a [`Store`]; the TCP store that implements it, the launch
+//! environment and the `tpar-run` launcher are in `tpar-launch`.
 //!
 //! Failures are typed and prompt: a member that calls another collective, or passes
 //! another dtype or shape, makes every member fail with [`CollectiveError::Mismatch`]
@@ -43,15 +45,17 @@ mod local;
 pub mod nccl;
 mod op;
 mod p2p;
+mod remote;
 mod spawn;
 mod store;
+pub mod tcp;
 mod world;
 
 pub use debug::{CommDebug, CommRecord};
 pub use error::CollectiveError;
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
-pub use spawn::{spawn, spawn_with, SpawnConfig, RANK_STACK_SIZE};
+pub use spawn::{spawn, spawn_owned, spawn_with, SpawnConfig, RANK_STACK_SIZE};
 pub use store::{BoxedStoreError, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};
 

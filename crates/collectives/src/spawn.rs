@@ -4,7 +4,8 @@
 use std::any::Any;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Duration;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use crate::world::DEFAULT_TIMEOUT;
 use crate::{CollectiveError, RankCtx, World};
@@ -48,8 +49,10 @@ impl SpawnConfig {
 /// *originating* error: the one of the first rank that failed (a rank that panics is
 /// reported as [`CollectiveError::Panicked`]), not the induced failures of its peers.
 /// Panics never escape `spawn`. A rank that returns while peers wait for it in a
-/// collective makes them fail promptly naming it; a rank stuck outside any collective
-/// cannot be interrupted, and `spawn` waits for it.
+/// collective makes them fail promptly naming it. A rank stuck outside any collective (a
+/// loop or a sleep in user code) cannot be interrupted, and since `f` may borrow from the
+/// caller's stack, `spawn` must wait for it; use [`spawn_owned`] (an owned `'static`
+/// closure) to return at most one timeout after the first failure instead.
 ///
 /// The error type `E` is the rank function's: anything that a [`CollectiveError`] converts
 /// into, such as `CollectiveError` itself (which converts from `TensorError`, so `?` works
@@ -160,6 +163,138 @@ where
     Err(errors.swap_remove(pick).1)
 }
 
+/// [`spawn_with`] for an owned (`'static`) rank function: after the first rank fails, it
+/// waits at most `config.timeout` for the others, then returns instead of hanging on a rank
+/// stuck outside any collective (a loop, a sleep, a blocking read in user code).
+///
+/// Returns what [`spawn_with`] returns when every rank finishes (all results, or the
+/// originating error). When ranks are still running `config.timeout` after the first
+/// failure, returns [`CollectiveError::Stuck`] naming the failed rank, its error and the
+/// ranks still running; their threads are left running, detached (they own everything they
+/// use, so this is sound), and the process can exit non-zero. A trainer's `main` should use
+/// this rather than [`spawn_with`].
+///
+/// ```
+/// use std::time::{Duration, Instant};
+/// use tpar_collectives::{spawn_owned, CollectiveError, SpawnConfig};
+/// let t0 = Instant::now();
+/// let err = spawn_owned(SpawnConfig::new(2).timeout(Duration::from_millis(200)), |ctx| {
+///     if ctx.rank() == 0 {
+///         return Err(CollectiveError::InvalidArgument { op: "train", why: "bad batch".into() });
+///     }
+///     std::thread::sleep(Duration::from_secs(5)); // stuck in user code
+///     Ok(())
+/// })
+/// .unwrap_err();
+/// assert!(t0.elapsed() < Duration::from_secs(4));
+/// assert!(matches!(err, CollectiveError::Stuck { rank: 0, ref running, .. } if running == &[1]));
+/// ```
+pub fn spawn_owned<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
+where
+    R: Send + 'static,
+    E: From<CollectiveError> + fmt::Display + Send + 'static,
+    F: Fn(RankCtx) -> Result<R, E> + Send + Sync + 'static,
+{
+    let world = World::with_timeout(config.world_size, config.timeout)?;
+    let n = world.size();
+    let stack = config.stack_size.max(64 << 10);
+    let f = Arc::new(f);
+    let (tx, rx) = mpsc::channel::<(usize, Result<R, E>)>();
+    let mut handles = Vec::with_capacity(n);
+    let mut start_error: Option<CollectiveError> = None;
+    for rank in 0..n {
+        let ctx = match world.rank(rank) {
+            Ok(c) => c,
+            Err(e) => {
+                world.fail(rank, e.to_string());
+                start_error = Some(e);
+                break;
+            }
+        };
+        let (w, f, tx) = (world.clone(), Arc::clone(&f), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("tpar-rank-{rank}"))
+            .stack_size(stack)
+            .spawn(move || {
+                let r = run_rank(&w, rank, ctx, &*f);
+                // The receiver is gone when `spawn_owned` already returned: nothing to do.
+                let _ = tx.send((rank, r));
+            });
+        match spawned {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                let why = format!("could not start its thread: {e}");
+                world.fail(rank, why.clone());
+                start_error =
+                    Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let started = handles.len();
+    let mut results: Vec<Option<Result<R, E>>> = (0..n).map(|_| None).collect();
+    let mut pending = started;
+    let mut failed_at: Option<Instant> = start_error.as_ref().map(|_| Instant::now());
+    while pending > 0 {
+        let msg = match failed_at {
+            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            Some(t) => match (t + config.timeout).checked_duration_since(Instant::now()) {
+                Some(left) => rx.recv_timeout(left),
+                None => Err(mpsc::RecvTimeoutError::Timeout),
+            },
+        };
+        match msg {
+            Ok((rank, r)) => {
+                if r.is_err() && failed_at.is_none() {
+                    failed_at = Some(Instant::now());
+                }
+                results[rank] = Some(r);
+                pending -= 1;
+            }
+            // Every sender is gone: run_rank never unwinds, so every rank has reported.
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let running: Vec<usize> = (0..started).filter(|&r| results[r].is_none()).collect();
+                let (rank, why) = world.failure().unwrap_or_else(|| {
+                    let rank = results.iter().position(|r| matches!(r, Some(Err(_)))).unwrap_or(0);
+                    (rank, "failed".to_string())
+                });
+                // Detach the stuck threads: dropping a JoinHandle does not wait.
+                drop(handles);
+                return Err(E::from(CollectiveError::Stuck {
+                    rank,
+                    why,
+                    running,
+                    waited: config.timeout,
+                }));
+            }
+        }
+    }
+    for h in handles {
+        // Every thread has sent its result; joining only reaps it.
+        let _ = h.join();
+    }
+    if let Some(e) = start_error {
+        return Err(E::from(e));
+    }
+    let first = world.failure().map(|(rank, _)| rank);
+    let mut values = Vec::with_capacity(n);
+    let mut errors = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Some(Ok(v)) => values.push(v),
+            Some(Err(e)) => errors.push((rank, e)),
+            None => {}
+        }
+    }
+    if errors.is_empty() {
+        return Ok(values);
+    }
+    let pick = errors.iter().position(|(r, _)| Some(*r) == first).unwrap_or(0);
+    Err(errors.swap_remove(pick).1)
+}
+
 fn run_rank<R, E, F>(world: &World, rank: usize, ctx: RankCtx, f: &F) -> Result<R, E>
 where
     E: From<CollectiveError> + fmt::Display,
@@ -183,6 +318,11 @@ where
 }
 
 /// The text of a panic payload.
+/// Runs `f`, turning a panic into `Err(message)`.
+pub(crate) fn guarded<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| panic_message(&*p))
+}
+
 pub(crate) fn panic_message(p: &(dyn Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()

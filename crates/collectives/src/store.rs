@@ -4,11 +4,13 @@
 //! The NCCL backend needs four operations of it: `set` (rank 0 publishes a group's
 //! unique id; every member says it arrived), `get_timeout` (the others read the id),
 //! `wait` (all wait for all) and `check` (which members are missing after a timeout).
-//! This crate only defines the trait; `tpar-launch` implements it with its TCP store
+//! The `tcp` backend uses `set` and `get_timeout` to publish and read each process's
+//! listening address. This crate only defines the trait; `tpar-launch` implements it with its TCP store
 //! (`tpar_launch::TcpStore`, hosted by rank 0 at `MASTER_ADDR:MASTER_PORT`), and a
 //! user can bring another (a file system, a job scheduler's key-value service).
 
 use std::fmt;
+use std::net::IpAddr;
 use std::time::Duration;
 
 /// A boxed error of a store implementation, kept whole so callers can downcast it.
@@ -49,4 +51,12 @@ pub trait Store: Send + Sync + fmt::Debug {
 
     /// Whether every key in `keys` is set, without waiting.
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError>;
+
+    /// The IP address of this process's end of its connection to the store, when it has
+    /// one: the interface through which the other processes of the job can usually reach
+    /// this one. The `tcp` backend advertises it to its peers (unless
+    /// [`TCP_HOST_ENV`](crate::tcp::TCP_HOST_ENV) says otherwise). `None` by default.
+    fn local_ip(&self) -> Option<IpAddr> {
+        None
+    }
 }

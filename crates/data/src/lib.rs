@@ -454,11 +454,12 @@ impl PretrainingDataset {
         let sequences = texts
             .iter()
             .map(|t| {
-                let mut ids = Vec::with_capacity(seq_length + 1);
+                // No capacity up front: `seq_length` may be far longer than any document.
+                let mut ids = Vec::new();
                 ids.push(bot);
                 ids.extend(tokenizer.encode(t.as_ref())?);
                 ids.push(eot);
-                ids.truncate(seq_length + 1);
+                ids.truncate(seq_length.saturating_add(1));
                 Ok(ids)
             })
             .collect::<Result<_>>()?;
@@ -497,20 +498,44 @@ impl PretrainingDataset {
         Some(Sample { input_ids, target_ids, attention_mask })
     }
 
-    /// The collated batch of samples `indices`.
+    /// The collated batch of samples `indices` (as [`collate`] of [`PretrainingDataset::get`]),
+    /// built in place: the `[batch, seq]` tensors are allocated fallibly, so a sequence
+    /// length the machine cannot hold is a [`DataError::Tensor`] naming the bytes.
     pub fn batch(&self, indices: &[usize]) -> Result<Batch> {
-        let samples = indices
-            .iter()
-            .map(|&i| {
-                self.get(i).ok_or_else(|| {
-                    config_err(format!(
-                        "PretrainingDataset: index {i} out of range for {} samples",
-                        self.len()
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        collate(&samples)
+        if indices.is_empty() {
+            return Err(config_err("collate: empty batch"));
+        }
+        let seq = self.seq_length;
+        let shape = tpar_tensor::Shape::new(&[indices.len(), seq]);
+        let dtype = tpar_tensor::DType::I64;
+        let pad = i64::from(self.pad_id);
+        let mut input_ids = tpar_tensor::try_vec("batch input_ids", &shape, dtype, pad)?;
+        let mut target_ids = tpar_tensor::try_vec("batch target_ids", &shape, dtype, pad)?;
+        let mut attention_mask = tpar_tensor::try_vec("batch attention_mask", &shape, dtype, 0)?;
+        for (row, &i) in indices.iter().enumerate() {
+            let ids = self.sequences.get(i).ok_or_else(|| {
+                config_err(format!(
+                    "PretrainingDataset: index {i} out of range for {} samples",
+                    self.len()
+                ))
+            })?;
+            let at = row * seq;
+            for (j, &id) in ids.iter().enumerate() {
+                let id = i64::from(id);
+                if j < seq {
+                    input_ids[at + j] = id;
+                    attention_mask[at + j] = i64::from(id != pad);
+                }
+                if j > 0 {
+                    target_ids[at + j - 1] = id;
+                }
+            }
+        }
+        Ok(Batch {
+            input_ids: Tensor::from_vec(input_ids, shape.clone())?,
+            target_ids: Tensor::from_vec(target_ids, shape.clone())?,
+            attention_mask: Tensor::from_vec(attention_mask, shape)?,
+        })
     }
 }
 

@@ -186,6 +186,21 @@ fn collate_stacks_samples_into_i64_batches() {
     odd.target_ids.pop();
     assert!(collate(&[ds.get(1).unwrap(), odd]).is_err());
     assert!(ds.batch(&[7]).is_err());
+    assert!(ds.batch(&[]).is_err());
+    // `batch` builds in place what collating the samples gives.
+    let c = collate(&[ds.get(1).unwrap(), ds.get(2).unwrap(), ds.get(0).unwrap()]).unwrap();
+    let b = ds.batch(&[1, 2, 0]).unwrap();
+    for (x, y) in [
+        (&b.input_ids, &c.input_ids),
+        (&b.target_ids, &c.target_ids),
+        (&b.attention_mask, &c.attention_mask),
+    ] {
+        assert_eq!(x.to_vec::<i64>().unwrap(), y.to_vec::<i64>().unwrap());
+    }
+    // A sequence length no machine holds: a typed error naming the bytes, not an abort.
+    let long = PretrainingDataset::new(&["one"], &ByteTokenizer, 1 << 50).unwrap();
+    let m = long.batch(&[0, 0]).unwrap_err().to_string();
+    assert!(m.contains("cannot allocate") && m.contains("bytes"), "{m}");
 }
 
 #[test]

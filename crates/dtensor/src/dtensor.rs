@@ -51,9 +51,20 @@ fn spec_for(local: &Tensor, spec: DTensorSpec) -> Result<DTensor> {
 
 impl DTensor {
     /// Wraps this rank's shard as a `DTensor` (no copy; differentiable: the gradient
-    /// flows to `local`). With `shape`, the global shape is taken as given and `local`
-    /// is checked against it; without, it is computed with one small all-gather of the
-    /// local shapes over the mesh, so uneven shards never get an even-size guess.
+    /// flows to `local`).
+    ///
+    /// What is checked:
+    /// - With `shape`, the global shape is taken as given (every rank must pass the same
+    ///   one; this is not checked) and `local` is checked against it. No communication.
+    /// - Without `shape`, when some placement is `Shard`, the global shape is computed with
+    ///   one small all-gather of every rank's local shape and dtype (so uneven shards never
+    ///   get an even-size guess), and that table is checked as in
+    ///   [`DTensor::from_local_checked`] at no extra cost: a rank whose shard or dtype
+    ///   differs from the majority is named in a [`DTensorError::Inconsistent`].
+    /// - Without `shape` and without `Shard` (all `Replicate`/`Partial`), the local shape
+    ///   *is* the global shape and nothing is exchanged: like PyTorch's
+    ///   `from_local(run_check=False)`, the caller is trusted to pass the same shape and
+    ///   dtype on every rank. Use [`DTensor::from_local_checked`] to verify it.
     pub fn from_local(
         local: &Tensor,
         mesh: &DeviceMesh,
@@ -62,40 +73,24 @@ impl DTensor {
     ) -> Result<DTensor> {
         let shape = match shape {
             Some(s) => s.to_vec(),
-            None => infer_global_shape(local, mesh, placements)?,
+            None if placements.iter().all(|p| !p.is_shard()) => local.dims().to_vec(),
+            None => consensus(&gather_local_shapes(local, mesh)?, mesh, placements, local)?,
         };
         spec_for(local, DTensorSpec::new(mesh, placements, &shape)?)
     }
 
-    /// As [`DTensor::from_local`] without a shape, and also checks on every rank that all
-    /// ranks' shards fit one global layout (dtype too); the error names the first rank
-    /// that does not.
+    /// As [`DTensor::from_local`] without a shape, and always checks (one small all-gather
+    /// of every rank's local shape and dtype, whatever the placements) that all ranks'
+    /// shards fit one global layout with one dtype. The layout is the one most ranks agree
+    /// on, so every rank reports the same error, naming the rank that differs from the
+    /// majority and what differs (shape and/or dtype).
     pub fn from_local_checked(
         local: &Tensor,
         mesh: &DeviceMesh,
         placements: &[Placement],
     ) -> Result<DTensor> {
-        let shapes = gather_local_shapes(local, mesh)?;
-        let spec = DTensorSpec::new(
-            mesh,
-            placements,
-            &global_from_shapes(&shapes, mesh, placements, local.rank())?,
-        )?;
-        for (flat, s) in shapes.iter().enumerate() {
-            let coord = tpar_mesh::unflatten(flat, mesh.shape());
-            let (want, _) = spec.local_at(&coord)?;
-            let dims: Vec<usize> = s[1..].iter().map(|&d| d as usize).collect();
-            if dims != want || s[0] as usize != dtype_code(local.dtype()) {
-                return Err(DTensorError::LocalShape {
-                    op: "from_local",
-                    rank: mesh.ranks()[flat],
-                    local: dims,
-                    expected: want,
-                    spec: spec.to_string(),
-                });
-            }
-        }
-        spec_for(local, spec)
+        let shape = consensus(&gather_local_shapes(local, mesh)?, mesh, placements, local)?;
+        spec_for(local, DTensorSpec::new(mesh, placements, &shape)?)
     }
 
     /// The spec.
@@ -321,53 +316,152 @@ fn gather_local_shapes(local: &Tensor, mesh: &DeviceMesh) -> Result<Vec<Vec<i64>
     Ok(table.chunks(n).map(|c| c.to_vec()).collect())
 }
 
-fn global_from_shapes(
+fn dtype_name(code: i64) -> String {
+    [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64]
+        .into_iter()
+        .find(|d| dtype_code(*d) as i64 == code)
+        .map_or_else(|| format!("dtype #{code}"), |d| d.name().to_string())
+}
+
+/// The global shape most ranks' `[dtype, dims...]` rows agree on under `placements`;
+/// an error naming the lowest rank that differs from it (or from the majority dtype).
+/// Every rank computes the same answer from the same table.
+fn consensus(
     shapes: &[Vec<i64>],
     mesh: &DeviceMesh,
     placements: &[Placement],
-    rank: usize,
+    local: &Tensor,
 ) -> Result<Vec<usize>> {
     let op = "from_local";
-    let ps = tpar_placements::normalize_placements(placements, rank)?;
-    let me = mesh.coordinate();
-    let mut global = vec![0usize; rank];
+    let ndim = local.rank();
+    let ps = tpar_placements::normalize_placements(placements, ndim)?;
+    let mesh_shape = mesh.shape();
     for (flat, s) in shapes.iter().enumerate() {
-        if s.len() != rank + 1 {
+        if s.len() != ndim + 1 {
             return Err(DTensorError::InvalidArgument {
                 op,
                 what: format!(
-                    "rank {} holds a {}-d shard, this rank a {rank}-d one",
+                    "rank {} holds a {}-d shard, this rank a {ndim}-d one",
                     mesh.ranks()[flat],
-                    s.len() - 1
+                    s.len().saturating_sub(1)
                 ),
             });
         }
-        let coord = tpar_mesh::unflatten(flat, mesh.shape());
-        for d in 0..rank {
-            let sharding: Vec<usize> =
-                (0..ps.len()).filter(|&m| ps[m] == Placement::Shard(d as isize)).collect();
-            // Sum the shards of dim d over the coords that differ only on dims sharding d.
-            let same_elsewhere = (0..ps.len()).all(|m| sharding.contains(&m) || coord[m] == me[m]);
-            let counts = if sharding.is_empty() {
-                flat == tpar_mesh::flatten(me, mesh.shape())
-            } else {
-                same_elsewhere
-            };
-            if counts {
-                global[d] += s[d + 1] as usize;
+    }
+    let dims_of = |s: &Vec<i64>| -> Vec<usize> { s[1..].iter().map(|&d| d as usize).collect() };
+    // The majority dtype (ties: the one of the lowest rank).
+    let count = |code: i64| shapes.iter().filter(|s| s[0] == code).count();
+    let dtype = shapes
+        .iter()
+        .map(|s| s[0])
+        .max_by_key(|&c| (count(c), std::cmp::Reverse(shapes.iter().position(|s| s[0] == c))));
+    let dtype = dtype.unwrap_or(dtype_code(local.dtype()) as i64);
+    let coords: Vec<Vec<usize>> =
+        (0..shapes.len()).map(|flat| tpar_mesh::unflatten(flat, mesh_shape)).collect();
+    let local_at = |global: &[usize], flat: usize| -> Result<Vec<usize>> {
+        Ok(tpar_placements::local_shape_and_offset(global, mesh_shape, &coords[flat], &ps)?.0)
+    };
+    // Each dim independently: the global size with which the fewest ranks disagree.
+    let mut global: Vec<usize> = dims_of(&shapes[0]);
+    for d in 0..ndim {
+        let sharding: Vec<usize> =
+            (0..ps.len()).filter(|&m| ps[m] == Placement::Shard(d as isize)).collect();
+        let sizes: Vec<usize> = shapes.iter().map(|s| s[d + 1] as usize).collect();
+        let mut candidates: Vec<usize> = sizes.clone();
+        if !sharding.is_empty() {
+            let k: usize = sharding.iter().map(|&m| mesh_shape[m]).product();
+            let mut distinct = sizes.clone();
+            distinct.push(0);
+            distinct.sort_unstable();
+            distinct.dedup();
+            // The sum over each rank's shard group, from every rank's point of view ...
+            let mut totals: Vec<usize> = coords
+                .iter()
+                .map(|me| {
+                    (0..shapes.len())
+                        .filter(|&f| {
+                            (0..ps.len()).all(|m| sharding.contains(&m) || coords[f][m] == me[m])
+                        })
+                        .map(|f| sizes[f])
+                        .sum()
+                })
+                .collect();
+            totals.sort_unstable();
+            totals.dedup();
+            // ... and with one shard assumed wrong, the right one being any size seen.
+            for &total in &totals {
+                for &s in &distinct {
+                    for &x in &distinct {
+                        if let Some(t) = total.checked_sub(s) {
+                            candidates.push(t + x);
+                        }
+                    }
+                }
+            }
+            // Every size whose largest (first) shard is one seen.
+            if k.saturating_mul(distinct.len()) <= 1 << 16 {
+                for &c in &distinct {
+                    candidates.extend(c.saturating_sub(1) * k + 1..=c * k);
+                }
             }
         }
+        candidates.sort_unstable();
+        candidates.dedup();
+        // Ties (no majority) go to the size closest to what rank 0 sees: its own size, or
+        // the sum of its shard group's sizes.
+        let reference: usize = (0..shapes.len())
+            .filter(|&f| {
+                (0..ps.len()).all(|m| sharding.contains(&m) || coords[f][m] == coords[0][m])
+            })
+            .map(|f| sizes[f])
+            .sum();
+        let reference = if sharding.is_empty() { sizes[0] } else { reference };
+        let mut best: Option<(usize, usize, usize)> = None;
+        for &n in &candidates {
+            let mut g = global.clone();
+            g[d] = n;
+            let mut wrong = 0;
+            for (flat, &size) in sizes.iter().enumerate() {
+                if local_at(&g, flat)?[d] != size {
+                    wrong += 1;
+                }
+            }
+            let key = (wrong, n.abs_diff(reference), n);
+            if best.is_none_or(|b| key < b) {
+                best = Some(key);
+            }
+        }
+        global[d] = best.map_or(global[d], |(_, _, n)| n);
     }
-    Ok(global)
-}
-
-fn infer_global_shape(
-    local: &Tensor,
-    mesh: &DeviceMesh,
-    placements: &[Placement],
-) -> Result<Vec<usize>> {
-    if placements.iter().all(|p| !p.is_shard()) {
-        return Ok(local.dims().to_vec());
+    let mut odd = Vec::new();
+    for (flat, s) in shapes.iter().enumerate() {
+        let want = local_at(&global, flat)?;
+        if dims_of(s) != want || s[0] != dtype {
+            odd.push((flat, want));
+        }
     }
-    global_from_shapes(&gather_local_shapes(local, mesh)?, mesh, placements, local.rank())
+    let Some((flat, want)) = odd.first() else { return Ok(global) };
+    let s = &shapes[*flat];
+    let mut what = Vec::new();
+    if dims_of(s) != *want {
+        what.push(format!(
+            "its local shard has shape {:?}, but {want:?} is needed there",
+            dims_of(s)
+        ));
+    }
+    if s[0] != dtype {
+        what.push(format!("its dtype is {}, the others' {}", dtype_name(s[0]), dtype_name(dtype)));
+    }
+    let mut what = format!(
+        "{} (the majority of ranks hold a {} tensor of global shape {global:?} placed {} on mesh {:?})",
+        what.join(", and "),
+        dtype_name(dtype),
+        fmt_placements(&ps),
+        mesh_shape
+    );
+    if odd.len() > 1 {
+        let others: Vec<usize> = odd[1..].iter().map(|(f, _)| mesh.ranks()[*f]).collect();
+        what.push_str(&format!("; rank(s) {others:?} differ too"));
+    }
+    Err(DTensorError::Inconsistent { op, rank: mesh.ranks()[*flat], what })
 }

@@ -49,6 +49,18 @@ pub enum DTensorError {
         /// The spec, described.
         spec: String,
     },
+    /// Ranks passed shards that do not fit one global layout: names the rank that
+    /// differs from the majority of ranks and what differs (shape, dtype, or both).
+    #[error("{op}: rank {rank} differs from the other ranks: {what}")]
+    Inconsistent {
+        /// The op.
+        op: &'static str,
+        /// The (global) rank whose shard differs from the majority (the lowest such rank).
+        rank: usize,
+        /// What differs, with the numbers: its shape and dtype, what the majority's layout
+        /// needs there, and any other rank that differs too.
+        what: String,
+    },
     /// In strict mode, an op needed a redistribution the user did not ask for.
     #[error("{op}: {what} would need an implicit redistribution {from} -> {to} of {spec}; strict mode forbids it (redistribute explicitly first)")]
     ImplicitRedistribution {

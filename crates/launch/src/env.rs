@@ -1,6 +1,7 @@
 //! The launch environment: who this process is and where the rendezvous store lives,
-//! from the variables torchrun, `tpar-run`, `srun` and `mpirun` set; and the NCCL world
-//! built from it (PyTorch's `init_process_group("nccl")`).
+//! from the variables torchrun, `tpar-run`, `srun` and `mpirun` set; and the world built
+//! from it (PyTorch's `init_process_group("nccl")` or `init_process_group("gloo")`),
+//! on the `nccl` or the `tcp` backend.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -373,12 +374,99 @@ impl EnvInit {
             timeout,
         )
     }
+
+    /// The TCP world group of this process: connects to the job's store
+    /// ([`store`](Self::store)) and calls
+    /// [`ProcessGroup::tcp_world`](tpar_collectives::ProcessGroup::tcp_world) with `RANK`
+    /// and `WORLD_SIZE` (`LOCAL_RANK` is not used: tensors live on the host). `timeout`
+    /// bounds the setup and is the group's collective timeout.
+    ///
+    /// Each process advertises the local address of its connection to the store (the
+    /// interface that reaches `MASTER_ADDR`) to its peers, unless
+    /// [`TCP_HOST_ENV`](tpar_collectives::tcp::TCP_HOST_ENV) names another host. A store
+    /// that cannot be reached is a [`CollectiveError::Backend`] error of op `"init"`
+    /// whose message holds the [`RendezvousError`]. Rank 0 hosts the store: call
+    /// `barrier()` on the world before it exits.
+    pub fn tcp_world(
+        &self,
+        timeout: Duration,
+    ) -> std::result::Result<ProcessGroup, CollectiveError> {
+        let store = self.store(timeout).map_err(|e| CollectiveError::Backend {
+            backend: "tcp",
+            op: "init",
+            group: (0..self.world_size).collect(),
+            rank: self.rank,
+            message: format!("rendezvous: {e}"),
+        })?;
+        ProcessGroup::tcp_world(Arc::new(store), self.rank, self.world_size, timeout)
+    }
+
+    /// The world group of this process on `backend`: [`nccl_world`](Self::nccl_world) or
+    /// [`tcp_world`](Self::tcp_world).
+    pub fn world(
+        &self,
+        backend: BackendName,
+        timeout: Duration,
+    ) -> std::result::Result<ProcessGroup, CollectiveError> {
+        match backend {
+            BackendName::Nccl => self.nccl_world(timeout),
+            BackendName::Tcp => self.tcp_world(timeout),
+        }
+    }
 }
 
-/// Creates the NCCL world group from the launch environment of this process
-/// ([`EnvInit::from_env`], then [`EnvInit::nccl_world`]): PyTorch's
+/// Environment variable that picks the backend of [`init_process_group`]: `nccl` (the
+/// default) or `tcp`.
+pub const BACKEND_ENV: &str = "TPAR_BACKEND";
+
+/// A multi-process backend [`init_process_group_with`] can build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendName {
+    /// One process per GPU, over NCCL.
+    Nccl,
+    /// Processes on one host or several, over TCP, with host tensors (gloo's role).
+    Tcp,
+}
+
+impl BackendName {
+    /// `"nccl"` or `"tcp"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendName::Nccl => "nccl",
+            BackendName::Tcp => "tcp",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for BackendName {
+    type Err = CollectiveError;
+
+    /// `"nccl"` or `"tcp"` (case and surrounding space ignored); anything else is
+    /// [`CollectiveError::InvalidArgument`] listing both.
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "nccl" => Ok(BackendName::Nccl),
+            "tcp" => Ok(BackendName::Tcp),
+            other => Err(CollectiveError::InvalidArgument {
+                op: "init_process_group",
+                why: format!("unknown backend {other:?}: expected \"nccl\" or \"tcp\""),
+            }),
+        }
+    }
+}
+
+/// Creates the world group from the launch environment of this process
+/// ([`EnvInit::from_env`], then [`EnvInit::world`]) on the backend [`BACKEND_ENV`]
+/// (`TPAR_BACKEND`) names, `nccl` when it is unset: PyTorch's
 /// `init_process_group("nccl")`. A missing or invalid variable is
-/// [`CollectiveError::InvalidArgument`] naming it.
+/// [`CollectiveError::InvalidArgument`] naming it. To choose the backend in code, use
+/// [`init_process_group_with`].
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -392,11 +480,46 @@ impl EnvInit {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn init_process_group(timeout: Duration) -> std::result::Result<ProcessGroup, CollectiveError> {
+    let backend = match std::env::var(BACKEND_ENV) {
+        Ok(v) if !v.trim().is_empty() => v.parse().map_err(|e| match e {
+            CollectiveError::InvalidArgument { op, why } => {
+                CollectiveError::InvalidArgument { op, why: format!("{BACKEND_ENV}: {why}") }
+            }
+            other => other,
+        })?,
+        _ => BackendName::Nccl,
+    };
+    init_process_group_with(backend.as_str(), timeout)
+}
+
+/// Creates the world group on `backend` (`"nccl"` or `"tcp"`, see [`BackendName`]) from
+/// the launch environment of this process ([`EnvInit::from_env`], then
+/// [`EnvInit::world`]): PyTorch's `init_process_group(backend)`, with `"tcp"` in the
+/// role of `"gloo"`. An unknown backend name, or a missing or invalid variable, is
+/// [`CollectiveError::InvalidArgument`] naming it.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tpar_collectives::ReduceOp;
+/// use tpar_tensor::Tensor;
+///
+/// // Started by `tpar-run --nproc-per-node 4 -- prog` (or torchrun), with or without GPUs.
+/// let world = tpar_launch::init_process_group_with("tcp", Duration::from_secs(60))?;
+/// let t = Tensor::from_vec(vec![world.rank() as f32; 4], [4])?;
+/// let sum = world.all_reduce(&t, ReduceOp::Sum)?;
+/// world.barrier()?; // before rank 0, which hosts the store, exits
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn init_process_group_with(
+    backend: &str,
+    timeout: Duration,
+) -> std::result::Result<ProcessGroup, CollectiveError> {
+    let backend: BackendName = backend.parse()?;
     let env = EnvInit::from_env().map_err(|e| CollectiveError::InvalidArgument {
         op: "init_process_group",
         why: e.to_string(),
     })?;
-    env.nccl_world(timeout)
+    env.world(backend, timeout)
 }
 
 /// Refuses to run a job whose ranks are threads of this process when this process was
@@ -738,6 +861,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(m.contains("OMPI_COMM_WORLD_SIZE=2"), "{m}");
+    }
+
+    #[test]
+    fn backend_names_parse() {
+        assert_eq!("tcp".parse::<BackendName>().unwrap(), BackendName::Tcp);
+        assert_eq!(" NCCL ".parse::<BackendName>().unwrap(), BackendName::Nccl);
+        assert_eq!(BackendName::Tcp.to_string(), "tcp");
+        let e = "gloo".parse::<BackendName>().unwrap_err();
+        assert!(
+            matches!(&e, CollectiveError::InvalidArgument { why, .. }
+            if why.contains("\"gloo\"") && why.contains("\"tcp\"")),
+            "{e}"
+        );
+        let e = init_process_group_with("mpi", T).unwrap_err();
+        assert!(e.to_string().contains("unknown backend"), "{e}");
+        if std::env::var_os("RANK").is_none() {
+            let e = init_process_group_with("tcp", T).unwrap_err();
+            assert!(e.to_string().contains("RANK"), "{e}");
+        }
     }
 
     #[test]

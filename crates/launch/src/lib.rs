@@ -7,10 +7,12 @@
 //! - [`EnvInit`]: the launch environment torchrun and `tpar-run` (`RANK`, `WORLD_SIZE`,
 //!   `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), `srun`
 //!   (`SLURM_PROCID`, ...) or Open MPI's `mpirun` (`OMPI_COMM_WORLD_RANK`, ...) give each
-//!   process, and [`init_process_group`], PyTorch's `init_process_group("nccl")` from it.
-//!   Under torchrun, whose agent already serves a PyTorch `TCPStore` on `MASTER_PORT`,
-//!   [`EnvInit::store`] joins that store as a client ([`TorchStoreClient`]) to find rank
-//!   0's own store.
+//!   process, and [`init_process_group`] / [`init_process_group_with`], PyTorch's
+//!   `init_process_group("nccl")` (or `"gloo"`) from it, on the `nccl` backend or the
+//!   `tcp` backend of processes over TCP with host tensors ([`BACKEND_ENV`] picks it for
+//!   `init_process_group`). Under torchrun, whose agent already serves a PyTorch
+//!   `TCPStore` on `MASTER_PORT`, [`EnvInit::store`] joins that store as a client
+//!   ([`TorchStoreClient`]) to find rank 0's own store.
 //! - [`check_not_launched`]: for programs whose backend runs ranks as threads, an error
 //!   when a launcher started them as one of several processes.
 //! - The `tpar-run` launcher: [`run`] starts one process per rank with torchrun's
@@ -41,7 +43,7 @@ mod signals;
 mod sys;
 
 pub use cli::{parse_args, UsageError};
-pub use env::{init_process_group, EnvInit};
+pub use env::{init_process_group, init_process_group_with, BackendName, EnvInit, BACKEND_ENV};
 pub use launcher::{
     run, ChildExit, LaunchConfig, LaunchError, LaunchOutcome, DEFAULT_MULTI_NODE_PORT,
 };

@@ -63,9 +63,33 @@ impl LlamaConfig {
         self.hidden_size / self.num_attention_heads.max(1)
     }
 
-    /// Checks the sizes fit together.
+    /// Checks the sizes fit together: every size but `num_hidden_layers` is at least 1 (a
+    /// model of 0 layers, embedding + norm + head, is legal), heads divide the width, the
+    /// head dim is even (RoPE), and `rms_norm_eps` and `rope_theta` are finite and positive.
+    /// Errors name the field.
     pub fn validate(&self) -> Result<()> {
         let c = self;
+        for (field, v) in [
+            ("vocab_size", c.vocab_size),
+            ("hidden_size", c.hidden_size),
+            ("intermediate_size", c.intermediate_size),
+            ("num_attention_heads", c.num_attention_heads),
+            ("num_key_value_heads", c.num_key_value_heads),
+            ("max_position_embeddings", c.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(NnError::Config {
+                    what: format!("{field} is 0; it must be at least 1"),
+                });
+            }
+        }
+        for (field, v) in [("rms_norm_eps", c.rms_norm_eps), ("rope_theta", c.rope_theta)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(NnError::Config {
+                    what: format!("{field} is {v}; it must be finite and positive"),
+                });
+            }
+        }
         if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
             return Err(NnError::Config {
                 what: format!(
@@ -82,7 +106,7 @@ impl LlamaConfig {
                 ),
             });
         }
-        if c.head_dim() % 2 != 0 {
+        if c.head_dim() % 2 != 0 || c.head_dim() == 0 {
             return Err(NnError::Config {
                 what: format!("head_dim {} must be even for RoPE", c.head_dim()),
             });
@@ -102,56 +126,101 @@ pub struct RopeTables {
 
 /// Rotary position encoding: produces the tables attention applies (HF layout: the
 /// frequencies repeated over both halves of the head dim).
+///
+/// The tables are built lazily, on the first [`tables`](Self::tables) or
+/// [`tables_on`](Self::tables_on) call, and only for the positions asked for so far
+/// (grown on demand up to `max_positions`): a model built on `Device::Meta`, or with a
+/// large `max_position_embeddings`, allocates nothing until it runs.
 pub struct RotaryPositionEncoding {
     core: ModuleCore,
-    cos: Tensor,
-    sin: Tensor,
-    on_device: std::sync::Mutex<Vec<(Device, Tensor, Tensor)>>,
+    head_dim: usize,
+    max_positions: usize,
+    base: f64,
+    dtype: DType,
+    cache: std::sync::Mutex<RopeCache>,
+}
+
+/// Host tables for the leading positions built so far, and device copies of them.
+#[derive(Default)]
+struct RopeCache {
+    host: Option<(Tensor, Tensor)>,
+    on_device: Vec<(Device, Tensor, Tensor)>,
 }
 
 impl RotaryPositionEncoding {
-    /// Tables for `max_positions` positions of a `head_dim`-wide head.
+    /// Tables for `max_positions` positions of a `head_dim`-wide head. Nothing is
+    /// allocated yet; the size of the full tables is checked (an error if it overflows).
     pub fn new(head_dim: usize, max_positions: usize, base: f64, dtype: DType) -> Result<Self> {
-        let half = head_dim / 2;
-        let mut c = Vec::with_capacity(max_positions * head_dim);
-        let mut s = Vec::with_capacity(max_positions * head_dim);
-        for p in 0..max_positions {
-            for j in 0..head_dim {
-                let inv = base.powf(-2.0 * (j % half.max(1)) as f64 / head_dim as f64);
-                c.push((p as f64 * inv).cos());
-                s.push((p as f64 * inv).sin());
-            }
-        }
+        tpar_tensor::storage_bytes(
+            "rope tables",
+            &tpar_tensor::Shape::new(&[2, max_positions, head_dim]),
+            DType::F64,
+        )?;
         Ok(RotaryPositionEncoding {
             core: ModuleCore::default(),
-            cos: Tensor::from_f64(&c, [max_positions, head_dim], dtype)?,
-            sin: Tensor::from_f64(&s, [max_positions, head_dim], dtype)?,
-            on_device: std::sync::Mutex::new(Vec::new()),
+            head_dim,
+            max_positions,
+            base,
+            dtype,
+            cache: std::sync::Mutex::new(RopeCache::default()),
         })
     }
 
-    /// The tables for the first `seq` positions on `device` (device copies of
-    /// the whole tables are made once and kept).
+    /// `cos` and `sin` for the first `rows` positions, allocated fallibly.
+    fn build(&self, rows: usize) -> Result<(Tensor, Tensor)> {
+        let (head_dim, base) = (self.head_dim, self.base);
+        let half = head_dim / 2;
+        let shape = tpar_tensor::Shape::new(&[rows, head_dim]);
+        let mut c = tpar_tensor::try_vec("rope tables", &shape, DType::F64, 0.0)?;
+        let mut s = tpar_tensor::try_vec("rope tables", &shape, DType::F64, 0.0)?;
+        for p in 0..rows {
+            for j in 0..head_dim {
+                let inv = base.powf(-2.0 * (j % half.max(1)) as f64 / head_dim as f64);
+                c[p * head_dim + j] = (p as f64 * inv).cos();
+                s[p * head_dim + j] = (p as f64 * inv).sin();
+            }
+        }
+        Ok((
+            Tensor::from_f64(&c, shape.clone(), self.dtype)?,
+            Tensor::from_f64(&s, shape, self.dtype)?,
+        ))
+    }
+
+    /// The host tables, covering at least `seq` positions (grown if needed).
+    fn host(&self, cache: &mut RopeCache, seq: usize) -> Result<(Tensor, Tensor)> {
+        let have = cache.host.as_ref().map_or(0, |(c, _)| c.dims()[0]);
+        if cache.host.is_none() || have < seq {
+            let rows = seq.max(have.saturating_mul(2)).min(self.max_positions);
+            cache.host = Some(self.build(rows)?);
+            cache.on_device.clear();
+        }
+        let (c, s) = cache.host.as_ref().expect("host tables were just built");
+        Ok((c.clone(), s.clone()))
+    }
+
+    /// The tables for the first `seq` positions on `device` (device copies of the
+    /// tables are made once and kept).
     pub fn tables_on(&self, seq: usize, device: Device) -> Result<RopeTables> {
         if device == Device::Cpu || device == Device::Meta {
             return self.tables(seq);
         }
-        let mut cache = self.on_device.lock().unwrap_or_else(|p| p.into_inner());
-        let (cos, sin) = match cache.iter().find(|(d, _, _)| *d == device) {
+        self.check_len(seq)?;
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let (hc, hs) = self.host(&mut cache, seq)?;
+        let (cos, sin) = match cache.on_device.iter().find(|(d, _, _)| *d == device) {
             Some((_, c, s)) => (c.clone(), s.clone()),
             None => {
-                let (c, s) = (self.cos.to_device(device)?, self.sin.to_device(device)?);
-                cache.push((device, c.clone(), s.clone()));
+                let (c, s) = (hc.to_device(device)?, hs.to_device(device)?);
+                cache.on_device.push((device, c.clone(), s.clone()));
                 (c, s)
             }
         };
         drop(cache);
-        self.check_len(seq)?;
         Ok(RopeTables { cos: cos.narrow(0, 0, seq)?, sin: sin.narrow(0, 0, seq)? })
     }
 
     fn check_len(&self, seq: usize) -> Result<()> {
-        let max = self.cos.dims()[0];
+        let max = self.max_positions;
         if seq > max {
             return Err(NnError::Config {
                 what: format!("sequence length {seq} exceeds max_position_embeddings {max}"),
@@ -163,7 +232,10 @@ impl RotaryPositionEncoding {
     /// The tables for the first `seq` positions.
     pub fn tables(&self, seq: usize) -> Result<RopeTables> {
         self.check_len(seq)?;
-        Ok(RopeTables { cos: self.cos.narrow(0, 0, seq)?, sin: self.sin.narrow(0, 0, seq)? })
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let (c, s) = self.host(&mut cache, seq)?;
+        drop(cache);
+        Ok(RopeTables { cos: c.narrow(0, 0, seq)?, sin: s.narrow(0, 0, seq)? })
     }
 }
 
@@ -188,6 +260,9 @@ pub fn causal_padding_mask(
     seq: usize,
     dtype: DType,
 ) -> Result<Tensor> {
+    // `[b, 1, s, s]` grows with the square of the sequence: check it can exist first.
+    let shape = tpar_tensor::Shape::new(&[batch, 1, seq, seq]);
+    tpar_tensor::check_alloc("causal_padding_mask", &shape, dtype)?;
     let pad = match attention_mask {
         Some(m) => {
             if m.dims() != [batch, seq] {
@@ -203,7 +278,7 @@ pub fn causal_padding_mask(
         }
         None => vec![1.0; batch * seq],
     };
-    let mut v = vec![0.0; batch * seq * seq];
+    let mut v = tpar_tensor::try_vec("causal_padding_mask", &shape, DType::F64, 0.0)?;
     for b in 0..batch {
         for i in 0..seq {
             for j in 0..seq {
@@ -213,7 +288,7 @@ pub fn causal_padding_mask(
             }
         }
     }
-    Ok(Tensor::from_f64(&v, [batch, 1, seq, seq], dtype)?)
+    Ok(Tensor::from_f64(&v, shape, dtype)?)
 }
 
 /// An additive mask must be `[b, 1, s, s]` with a float dtype.

@@ -23,6 +23,14 @@ pub enum NnError {
     /// A state dict that does not fit the module (missing, unexpected or mis-shaped keys).
     #[error(transparent)]
     State(#[from] tpar_tensor::state::StateDictError),
+    /// A value that must be finite is not (a gradient norm with `error_if_nonfinite`).
+    #[error("{what} is {value} (non-finite)")]
+    NonFinite {
+        /// The op and the value it checked (`"clip_grad_norm: the total gradient norm"`).
+        what: String,
+        /// The value (NaN or ±inf).
+        value: f64,
+    },
     /// A configuration that cannot work (head counts, sizes).
     #[error("{what}")]
     Config {

@@ -173,8 +173,10 @@ impl StateElem for f64 {
 }
 
 /// `x >= 0` (false for NaN).
+/// Finite and at least 0 (rejects NaN and infinities: an infinite learning rate is no
+/// more usable than a NaN one).
 fn non_negative(x: f64) -> bool {
-    x >= 0.0
+    x.is_finite() && x >= 0.0
 }
 
 fn config_err(what: impl Into<String>) -> NnError {
@@ -872,8 +874,46 @@ pub fn clip_grad_norm_pp(params: &[Param], max_norm: f64, pp: &ProcessGroup) -> 
     clip_grad_norm_over(params, max_norm, Some(pp))
 }
 
+/// [`clip_grad_norm`] with PyTorch's `error_if_nonfinite=True`: when the total norm is NaN
+/// or infinite, returns [`NnError::NonFinite`] naming the norm, and leaves the (reduced)
+/// gradients unscaled, instead of returning the norm.
+pub fn clip_grad_norm_checked(params: &[Param], max_norm: f64) -> Result<f64> {
+    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, None, true)?)
+}
+
+/// [`clip_grad_norm_pp`] with `error_if_nonfinite=True` (see [`clip_grad_norm_checked`]).
+pub fn clip_grad_norm_pp_checked(
+    params: &[Param],
+    max_norm: f64,
+    pp: &ProcessGroup,
+) -> Result<f64> {
+    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, Some(pp), true)?)
+}
+
+fn nonfinite_is_error(norm: f64) -> Result<f64> {
+    if norm.is_finite() {
+        return Ok(norm);
+    }
+    Err(NnError::NonFinite {
+        what: "clip_grad_norm: the total norm of the gradients (some gradient holds NaN or inf; \
+               the gradients were left unscaled)"
+            .into(),
+        value: norm,
+    })
+}
+
 fn clip_grad_norm_over(params: &[Param], max_norm: f64, pp: Option<&ProcessGroup>) -> Result<f64> {
-    if !non_negative(max_norm) {
+    clip_grad_norm_inner(params, max_norm, pp, false)
+}
+
+fn clip_grad_norm_inner(
+    params: &[Param],
+    max_norm: f64,
+    pp: Option<&ProcessGroup>,
+    error_if_nonfinite: bool,
+) -> Result<f64> {
+    // An infinite max_norm is legal (the norm without clipping), as in torch.
+    if max_norm.is_nan() || max_norm < 0.0 {
         return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
     }
     // Reduce every gradient once (collective), and sum this rank's counted squares.
@@ -918,6 +958,9 @@ fn clip_grad_norm_over(params: &[Param], max_norm: f64, pp: Option<&ProcessGroup
         total_sq = pp.all_reduce(&t, ReduceOp::Sum)?.item()?;
     }
     let total = total_sq.sqrt();
+    if error_if_nonfinite && !total.is_finite() {
+        return Ok(total);
+    }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         for (p, g) in grads {

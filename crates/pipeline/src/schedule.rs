@@ -78,7 +78,11 @@ pub enum ScheduleKind {
     Interleaved1F1B,
     /// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): the backward split into
     /// an input-gradient part, on the critical path, and a weight-gradient part that
-    /// fills the idle time, at 1F1B's peak memory.
+    /// fills the idle time. Every rank keeps at most `pp` micro-batches in flight (what
+    /// 1F1B keeps on rank 0), so rank 0's memory is 1F1B's; later ranks, which 1F1B
+    /// lets hold fewer, hold up to `pp` too (a deferred weight gradient keeps its
+    /// micro-batch's graph), so the last stage (logits) can peak higher than 1F1B's
+    /// rank 0 (docs/PERF.md measures it).
     ZeroBubble,
 }
 

@@ -75,6 +75,24 @@ pub enum TensorError {
         /// The op.
         op: &'static str,
     },
+    /// A tensor's storage cannot be allocated: its byte count overflows, or the allocator
+    /// refused it. Returned instead of aborting the process.
+    #[error(
+        "{op}: cannot allocate a {dtype} tensor of shape {shape}: {} ({why})",
+        crate::storage::human_bytes(*bytes)
+    )]
+    OutOfMemory {
+        /// The op or the tensor being allocated (`"zeros"`, `"randn"`, `"rope tables"`, ...).
+        op: &'static str,
+        /// The shape asked for.
+        shape: Shape,
+        /// The element type.
+        dtype: DType,
+        /// The bytes asked for (saturating at `u128::MAX` when the product overflows).
+        bytes: u128,
+        /// Why it failed (`"more bytes than the address space holds"`, `"the allocator refused"`).
+        why: String,
+    },
     /// Autograd misuse (backward from a non-scalar without a gradient, ...).
     #[error("autograd: {0}")]
     Autograd(String),

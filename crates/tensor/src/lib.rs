@@ -39,7 +39,9 @@ pub use error::TensorError;
 pub use ops::RopeLayout;
 pub use rng::Rng;
 pub use shape::Shape;
-pub use storage::{CpuStorage, Element};
+pub use storage::{
+    check_alloc, human_bytes, storage_bytes, try_vec, CpuStorage, Element, PROBE_BYTES,
+};
 pub use tensor::Tensor;
 
 /// Result type of tensor ops.

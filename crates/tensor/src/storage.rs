@@ -2,7 +2,85 @@
 
 use half::{bf16, f16};
 
-use crate::DType;
+use crate::{DType, Result, Shape, TensorError};
+
+/// Allocations at least this large are first tried with a fallible reservation, so a size
+/// the machine cannot hold is a typed error instead of an abort.
+pub const PROBE_BYTES: usize = 64 << 20;
+
+/// `bytes` for people: `"4.0 GiB (4294967296 bytes)"`.
+pub fn human_bytes(bytes: u128) -> String {
+    if bytes == u128::MAX {
+        return "more than 2^128 bytes".into();
+    }
+    let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{v:.1} {} ({bytes} bytes)", units[u])
+    }
+}
+
+/// The bytes a `dtype` tensor of `shape` needs, checked: an [`TensorError::OutOfMemory`]
+/// when the element count or the byte count overflows `usize`.
+pub fn storage_bytes(op: &'static str, shape: &Shape, dtype: DType) -> Result<usize> {
+    let bytes = shape.dims().iter().try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d));
+    bytes.ok_or_else(|| {
+        let wide = shape
+            .dims()
+            .iter()
+            .try_fold(dtype.size_in_bytes() as u128, |acc, &d| acc.checked_mul(d as u128));
+        TensorError::OutOfMemory {
+            op,
+            shape: shape.clone(),
+            dtype,
+            bytes: wide.unwrap_or(u128::MAX),
+            why: "more bytes than the address space holds".into(),
+        }
+    })
+}
+
+/// A vector of `n` copies of `v` for a `dtype` tensor of `shape`, allocated fallibly: an
+/// [`TensorError::OutOfMemory`] naming `op`, the shape and the bytes when the size
+/// overflows or the allocator refuses, never an abort.
+pub fn try_vec<T: Clone>(op: &'static str, shape: &Shape, dtype: DType, v: T) -> Result<Vec<T>> {
+    let bytes = storage_bytes(op, shape, dtype)?;
+    let n = bytes.checked_div(dtype.size_in_bytes()).unwrap_or(0);
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| TensorError::OutOfMemory {
+        op,
+        shape: shape.clone(),
+        dtype,
+        bytes: bytes as u128,
+        why: "the allocator refused it".into(),
+    })?;
+    out.resize(n, v);
+    Ok(out)
+}
+
+/// Checks that a `dtype` tensor of `shape` can be allocated before a computation builds
+/// it with an infallible allocation: its size must not overflow, and sizes of at least
+/// [`PROBE_BYTES`] are reserved (and released) once to ask the allocator.
+pub fn check_alloc(op: &'static str, shape: &Shape, dtype: DType) -> Result<usize> {
+    let bytes = storage_bytes(op, shape, dtype)?;
+    if bytes >= PROBE_BYTES {
+        let mut probe: Vec<u8> = Vec::new();
+        probe.try_reserve_exact(bytes).map_err(|_| TensorError::OutOfMemory {
+            op,
+            shape: shape.clone(),
+            dtype,
+            bytes: bytes as u128,
+            why: "the allocator refused it".into(),
+        })?;
+    }
+    Ok(bytes)
+}
 
 /// A host buffer of one of the supported element types.
 #[derive(Clone, Debug)]
@@ -47,7 +125,15 @@ impl CpuStorage {
         self.len() == 0
     }
 
-    /// A zero-filled buffer.
+    /// A `dtype` buffer for `shape` filled with `v` (converted), allocated fallibly: an
+    /// [`TensorError::OutOfMemory`] naming `op` instead of an abort.
+    pub fn try_full(op: &'static str, shape: &Shape, dtype: DType, v: f64) -> Result<Self> {
+        Ok(crate::with_any_type!(dtype, |T| {
+            T::wrap(try_vec(op, shape, dtype, <T as Element>::from_f64(v))?)
+        }))
+    }
+
+    /// A zero-filled buffer (aborts if the allocation fails; see [`CpuStorage::try_full`]).
     pub fn zeros(dtype: DType, n: usize) -> Self {
         match dtype {
             DType::F32 => CpuStorage::F32(vec![0.0; n]),

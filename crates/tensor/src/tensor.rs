@@ -100,8 +100,19 @@ impl Tensor {
 
     /// A CPU tensor converting `f64` values to `dtype`.
     pub fn from_f64(data: &[f64], shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            return Err(TensorError::InvalidArgument {
+                op: "from_f64",
+                what: format!("{} elements cannot have shape {shape}", data.len()),
+            });
+        }
         let s = crate::with_any_type!(dtype, |T| {
-            T::wrap(data.iter().map(|&v| <T as Element>::from_f64(v)).collect())
+            let mut v = crate::storage::try_vec("from_f64", &shape, dtype, T::default())?;
+            for (o, &x) in v.iter_mut().zip(data) {
+                *o = <T as Element>::from_f64(x);
+            }
+            T::wrap(v)
         });
         Tensor::from_storage(s, shape)
     }
@@ -121,13 +132,16 @@ impl Tensor {
     /// A tensor filled with `v` on `device` (meta tensors hold no data).
     pub fn full(shape: impl Into<Shape>, v: f64, dtype: DType, device: Device) -> Result<Tensor> {
         let shape = shape.into();
-        let n = shape.numel();
         let storage = match device {
-            Device::Cpu => Storage::Cpu(crate::with_any_type!(dtype, |T| {
-                T::wrap(vec![<T as Element>::from_f64(v); n])
-            })),
-            Device::Meta => Storage::Meta,
+            Device::Cpu => Storage::Cpu(CpuStorage::try_full("full", &shape, dtype, v)?),
+            Device::Meta => {
+                // Shape-only, but its size must still be one a device could hold.
+                crate::storage::storage_bytes("full", &shape, dtype)?;
+                Storage::Meta
+            }
             Device::Cuda(i) => {
+                let n =
+                    crate::storage::storage_bytes("full", &shape, dtype)? / dtype.size_in_bytes();
                 if v != 0.0 {
                     return Tensor::full_on_device(i, shape, v, dtype);
                 }
@@ -168,7 +182,9 @@ impl Tensor {
     /// Standard normal samples from a seeded generator (deterministic per seed).
     pub fn randn(shape: impl Into<Shape>, dtype: DType, rng: &mut crate::Rng) -> Result<Tensor> {
         let shape = shape.into();
-        let v: Vec<f64> = (0..shape.numel()).map(|_| rng.normal()).collect();
+        crate::storage::check_alloc("randn", &shape, dtype)?;
+        let mut v = crate::storage::try_vec("randn", &shape, DType::F64, 0.0)?;
+        v.iter_mut().for_each(|x| *x = rng.normal());
         Tensor::from_f64(&v, shape, dtype)
     }
 
@@ -181,7 +197,9 @@ impl Tensor {
         rng: &mut crate::Rng,
     ) -> Result<Tensor> {
         let shape = shape.into();
-        let v: Vec<f64> = (0..shape.numel()).map(|_| lo + (hi - lo) * rng.uniform()).collect();
+        crate::storage::check_alloc("rand_uniform", &shape, dtype)?;
+        let mut v = crate::storage::try_vec("rand_uniform", &shape, DType::F64, 0.0)?;
+        v.iter_mut().for_each(|x| *x = lo + (hi - lo) * rng.uniform());
         Tensor::from_f64(&v, shape, dtype)
     }
 

@@ -20,7 +20,7 @@
 //! failed or a member thread has exited, so peers of a dead rank return promptly.
 
 pub(crate) mod desc;
-mod kernels;
+pub(crate) mod kernels;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -20,8 +20,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::Comm;
 
-use super::exec::{Deadline, Transport, Wire};
-use super::plan::Prim;
+use crate::remote::exec::{Deadline, Transport, Wire};
+use crate::remote::plan::Prim;
 use crate::{CollectiveError, ReduceOp, Result};
 
 /// NCCL's name, code and text for an error.
@@ -308,6 +308,10 @@ impl Transport for NcclDevice {
             None => Ok(Vec::new()),
             Some(r) => self.stream.clone_dtoh(&r).map_err(self.driver_err(op)),
         }
+    }
+
+    fn abort(&mut self) {
+        NcclDevice::abort(self);
     }
 }
 

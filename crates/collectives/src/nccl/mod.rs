@@ -43,8 +43,8 @@
 //!   [`ProcessGroup`] handle holds the sender, stays `Clone + Send +
 //!   Sync`, and `*_async` calls are a job whose reply the [`Work`](crate::Work) waits for.
 //! - **Headers first.** Every collective starts with a fixed-size `all_gather` of what each
-//!   member called (see `wire.rs`), so members that disagree (another collective, dtype,
-//!   shape, or a skipped call) all fail with [`CollectiveError::Mismatch`] instead of
+//!   member called (see `remote/wire.rs`, shared with the `tcp` backend), so members that
+//!   disagree (another collective, dtype, shape, or a skipped call) all fail with [`CollectiveError::Mismatch`] instead of
 //!   hanging NCCL, an invalid argument on one member fails all of them, and uneven shard
 //!   sizes, a broadcast's source shape and a `recv`'s payload shape are known to all. A
 //!   barrier is exactly this exchange: no member completes it before all have joined.
@@ -57,7 +57,7 @@
 //!   boundary `NcclDevice::run_on_device` is where CUDA tensors will enter without copies.
 //! - **Uneven shards** are padded to the largest shard for `all_gather`/`reduce_scatter`
 //!   and trimmed after; `all_to_all` is grouped `ncclSend`/`ncclRecv` of exact pieces
-//!   (see `plan.rs`). All dtypes go natively: f32, f64, bf16, f16 (cudarc's `f16`
+//!   (see `remote/plan.rs`). All dtypes go natively: f32, f64, bf16, f16 (cudarc's `f16`
 //!   feature) and i64; `Avg` is `ncclAvg`. NCCL reduces bf16/f16 in their own precision
 //!   along its ring or tree, where the local backend accumulates in f32: results agree
 //!   within the dtype's tolerance, not bit for bit.
@@ -92,31 +92,26 @@
 //!   (call `barrier()` before exiting).
 
 mod device;
-mod exec;
-mod plan;
 mod probe;
-mod wire;
 mod worker;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 use cudarc::nccl::Id;
-use tpar_tensor::Tensor;
 
 pub(crate) use device::{driver_error_text, nccl_error_text};
 pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCCL_LIBRARY_ENV};
-pub use worker::STUCK_GRACE;
 
-use crate::local::desc::Call;
-use crate::p2p::Expect;
+pub use crate::remote::worker::STUCK_GRACE;
+use crate::remote::worker::{Job, Shared};
+use crate::remote::{RemoteComm, RemoteWorld, WeakComm};
 use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store, StoreError};
 use probe::guarded;
-use worker::{Job, Reply, Setup, Shared};
+use worker::Setup;
 
 /// One process's NCCL world: its rank, device, store and groups.
 pub(crate) struct NcclWorld {
@@ -133,7 +128,7 @@ pub(crate) struct NcclWorld {
 }
 
 /// Live communicators by sorted member list, and how many were created for each list.
-type GroupCache = HashMap<Vec<usize>, (Weak<Handle>, u64)>;
+pub(crate) type GroupCache = HashMap<Vec<usize>, (WeakComm, u64)>;
 
 /// Builds the world group: checks the arguments, probes the libraries, creates the
 /// world communicator on CUDA device `device` through `store`.
@@ -185,12 +180,12 @@ pub(crate) fn world(
         groups: Mutex::new(HashMap::new()),
         creating: Mutex::new(()),
     });
-    let comm = NcclWorld::group(&w, all, timeout)?;
+    let comm = w.clone().group(all, timeout)?;
     Ok(ProcessGroup::nccl(comm, timeout))
 }
 
 /// A short, store-friendly name for a member list.
-fn list_key(ranks: &[usize]) -> String {
+pub(crate) fn list_key(ranks: &[usize]) -> String {
     let text: Vec<String> = ranks.iter().map(usize::to_string).collect();
     let text = text.join(",");
     if text.len() <= 96 {
@@ -207,10 +202,27 @@ fn list_key(ranks: &[usize]) -> String {
     format!("{}..{}#{}-{h:016x}", ranks[0], ranks[ranks.len() - 1], ranks.len())
 }
 
-impl NcclWorld {
+impl RemoteWorld for NcclWorld {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn debug(&self) -> CommDebug {
+        self.debug.clone()
+    }
+
+    fn process_group(&self, comm: RemoteComm, timeout: Duration) -> ProcessGroup {
+        ProcessGroup::nccl(comm, timeout)
+    }
+
     /// The communicator of a sorted member list holding this rank: the live one, or a new
     /// one set up with every member (which must all call this).
-    fn group(w: &Arc<NcclWorld>, ranks: Vec<usize>, timeout: Duration) -> Result<NcclComm> {
+    fn group(self: Arc<Self>, ranks: Vec<usize>, timeout: Duration) -> Result<RemoteComm> {
+        let w = &self;
         let op = "new_group";
         let me = ranks.binary_search(&w.rank).map_err(|_| CollectiveError::InvalidArgument {
             op,
@@ -219,9 +231,9 @@ impl NcclWorld {
         let _creating = w.creating.lock().unwrap_or_else(PoisonError::into_inner);
         let gen = {
             let mut groups = w.groups.lock().unwrap_or_else(PoisonError::into_inner);
-            let entry = groups.entry(ranks.clone()).or_insert((Weak::new(), 0));
-            if let Some(h) = entry.0.upgrade() {
-                return Ok(NcclComm { h });
+            let entry = groups.entry(ranks.clone()).or_insert((WeakComm::default(), 0));
+            if let Some(c) = entry.0.upgrade() {
+                return Ok(c);
             }
             entry.1 += 1;
             entry.1 - 1
@@ -285,7 +297,7 @@ impl NcclWorld {
         }
 
         // The worker creates the stream and the communicator, then serves jobs.
-        let shared = Arc::new(Shared::new(group.clone(), w.rank));
+        let shared = Arc::new(Shared::new(group.clone(), w.rank, "nccl"));
         let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
         let setup = Setup {
@@ -308,203 +320,12 @@ impl NcclWorld {
                 return Err(backend("the group's worker thread exited during setup".into()))
             }
         }
-        let h = Arc::new(Handle { tx, shared, world: w.clone(), me, seq: AtomicU64::new(0) });
+        let world: Arc<dyn RemoteWorld> = self.clone();
+        let comm = RemoteComm::new(tx, shared, world, me);
         let mut groups = w.groups.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(entry) = groups.get_mut(&ranks) {
-            entry.0 = Arc::downgrade(&h);
+            entry.0 = comm.downgrade();
         }
-        Ok(NcclComm { h })
-    }
-}
-
-struct Handle {
-    tx: mpsc::Sender<Job>,
-    shared: Arc<Shared>,
-    world: Arc<NcclWorld>,
-    me: usize,
-    seq: AtomicU64,
-}
-
-/// The NCCL backend's handle on one group (cheap to clone; clones share the communicator).
-#[derive(Clone)]
-pub(crate) struct NcclComm {
-    h: Arc<Handle>,
-}
-
-impl NcclComm {
-    /// The members' global ranks.
-    pub fn ranks(&self) -> Arc<[usize]> {
-        self.h.shared.group.clone()
-    }
-
-    /// This member's group rank.
-    pub fn rank(&self) -> usize {
-        self.h.me
-    }
-
-    /// This process's global rank.
-    pub fn global_rank(&self) -> usize {
-        self.h.world.rank
-    }
-
-    /// The world size.
-    pub fn world_size(&self) -> usize {
-        self.h.world.size
-    }
-
-    /// This process's recorder.
-    pub fn debug(&self) -> CommDebug {
-        self.h.world.debug.clone()
-    }
-
-    /// The next sequence number of this process's calls on the group.
-    pub fn next_seq(&self) -> u64 {
-        self.h.seq.fetch_add(1, Ordering::SeqCst)
-    }
-
-    fn op_failed(&self, op: &'static str, why: &str) -> CollectiveError {
-        CollectiveError::Backend {
-            backend: "nccl",
-            op,
-            group: self.h.shared.group.to_vec(),
-            rank: self.h.world.rank,
-            message: why.into(),
-        }
-    }
-
-    fn submit(&self, job: Job) -> Result<()> {
-        let op = job.op();
-        if let Some(e) = self.h.shared.failure() {
-            return Err(e);
-        }
-        self.h.tx.send(job).map_err(|_| self.op_failed(op, "the group's worker thread has exited"))
-    }
-
-    /// Queues collective `seq` and returns what will carry its result.
-    pub fn start(
-        &self,
-        seq: u64,
-        call: Call,
-        tensor: Option<Tensor>,
-        problem: Option<CollectiveError>,
-        timeout: Duration,
-    ) -> Pending {
-        let op = call.name();
-        let (reply, rx) = mpsc::channel();
-        let problem = problem.map(Box::new);
-        let job = Job::Collective { seq, call, tensor, problem, timeout, reply };
-        let early = self.submit(job).err().map(Err);
-        Pending { rx, shared: self.h.shared.clone(), op, done: Mutex::new(early) }
-    }
-
-    /// Runs collective `seq` and waits for it.
-    pub fn run(
-        &self,
-        seq: u64,
-        call: Call,
-        tensor: Option<Tensor>,
-        problem: Option<CollectiveError>,
-        timeout: Duration,
-    ) -> Reply {
-        self.start(seq, call, tensor, problem, timeout).wait()
-    }
-
-    /// Queues a send of `t` (already a private copy) to group rank `dst`; returns at once.
-    /// An error is an earlier failure of the group.
-    pub fn send(&self, dst: usize, t: Tensor, timeout: Duration) -> Result<()> {
-        if t.rank() > wire::MAX_DIMS {
-            return Err(CollectiveError::InvalidArgument {
-                op: "send",
-                why: format!("the NCCL backend carries tensors of at most {} dims", wire::MAX_DIMS),
-            });
-        }
-        self.submit(Job::Send { tensor: t, dst, shaped: false, timeout })
-    }
-
-    /// Queues a send of `t`'s data alone (no header; `t` is already a private copy) to
-    /// group rank `dst`; returns at once. An error is an earlier failure of the group.
-    pub fn send_shaped(&self, dst: usize, t: Tensor, timeout: Duration) -> Result<()> {
-        self.submit(Job::Send { tensor: t, dst, shaped: true, timeout })
-    }
-
-    /// Receives the next tensor group rank `src` sent.
-    pub fn recv(&self, src: usize, timeout: Duration) -> Result<Tensor> {
-        self.receive(src, None, timeout)
-    }
-
-    /// Receives the next payload group rank `src` sent with `send_shaped`, as a host (or,
-    /// for a meta expectation, meta) tensor of the expected shape and dtype.
-    pub fn recv_shaped(&self, src: usize, expect: Expect, timeout: Duration) -> Result<Tensor> {
-        self.receive(src, Some(expect), timeout)
-    }
-
-    fn receive(&self, src: usize, expect: Option<Expect>, timeout: Duration) -> Result<Tensor> {
-        let (reply, rx) = mpsc::channel();
-        let job = Job::Recv { src, expect, timeout, reply };
-        let op = job.op();
-        self.submit(job)?;
-        let p = Pending { rx, shared: self.h.shared.clone(), op, done: Mutex::new(None) };
-        p.wait()?.ok_or_else(|| self.op_failed(op, "internal error: no tensor received"))
-    }
-
-    /// The group of `ranks` (global, any order, including this rank), created with every
-    /// member; it inherits `timeout`.
-    pub fn new_group(&self, ranks: &[usize], timeout: Duration) -> Result<ProcessGroup> {
-        let sorted = crate::world::sorted_members(self.h.world.size, self.h.world.rank, ranks)?;
-        let comm = NcclWorld::group(&self.h.world, sorted, timeout)?;
-        Ok(ProcessGroup::nccl(comm, timeout))
-    }
-}
-
-/// A collective queued on a group's worker: what [`Work`](crate::Work) waits on.
-pub(crate) struct Pending {
-    rx: Receiver<Reply>,
-    shared: Arc<Shared>,
-    op: &'static str,
-    done: Mutex<Option<Reply>>,
-}
-
-impl Pending {
-    /// Waits for the reply. Gives up (with `Timeout`) only when the worker has been stuck
-    /// in one job longer than that job's timeout plus [`STUCK_GRACE`].
-    pub fn wait(self) -> Reply {
-        if let Some(r) = self.done.into_inner().unwrap_or_else(PoisonError::into_inner) {
-            return r;
-        }
-        loop {
-            match self.rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(r) => return r,
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(self.shared.failure().unwrap_or_else(|| CollectiveError::Backend {
-                        backend: "nccl",
-                        op: self.op,
-                        group: self.shared.group.to_vec(),
-                        rank: self.shared.rank,
-                        message: "the group's worker thread exited".into(),
-                    }))
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if let Some(e) = self.shared.stuck() {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Whether the reply has arrived.
-    pub fn is_completed(&self) -> bool {
-        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
-        if done.is_some() {
-            return true;
-        }
-        match self.rx.try_recv() {
-            Ok(r) => {
-                *done = Some(r);
-                true
-            }
-            Err(TryRecvError::Empty) => false,
-            Err(TryRecvError::Disconnected) => true,
-        }
+        Ok(comm)
     }
 }

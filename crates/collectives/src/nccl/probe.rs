@@ -16,12 +16,11 @@
 
 use std::ffi::OsString;
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::spawn::panic_message;
+pub(crate) use crate::spawn::guarded;
 
 /// Environment variable naming the NCCL library file to link when cudarc cannot find
 /// NCCL by its own names, e.g. a wheel's
@@ -131,11 +130,6 @@ fn probe_now() -> NcclProbe {
     let (driver, devices) = probe_driver();
     let (nccl, nccl_version, nccl_file) = probe_nccl();
     NcclProbe { driver, nccl, devices, nccl_version, nccl_file }
-}
-
-/// Runs `f`, turning a panic into `Err(message)`.
-pub(crate) fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
-    catch_unwind(AssertUnwindSafe(f)).map_err(|p| panic_message(&*p))
 }
 
 fn probe_driver() -> (LibStatus, Option<usize>) {

@@ -27,6 +27,7 @@ pub struct TcpStore {
     world_size: u64,
     barrier_rounds: Mutex<HashMap<String, u64>>,
     local_addr: Option<SocketAddr>,
+    conn_local_addr: Option<SocketAddr>,
     // Declared last: dropped after the connection above.
     server: Option<Server>,
 }
@@ -105,6 +106,7 @@ impl TcpStore {
             backoff = (backoff * 2).min(Duration::from_millis(500));
         };
         let _ = stream.set_nodelay(true);
+        let conn_local_addr = stream.local_addr().ok();
         let mut store = Self {
             addr: addr.to_string(),
             conn: Mutex::new(Some(stream)),
@@ -112,6 +114,7 @@ impl TcpStore {
             world_size: 0,
             barrier_rounds: Mutex::new(HashMap::new()),
             local_addr: None,
+            conn_local_addr,
             server: None,
         };
         let handshake = Enc::default().u8(OP_HELLO).bytes(MAGIC).u32(VERSION);
@@ -131,6 +134,12 @@ impl TcpStore {
     /// after binding port 0); `None` for a client.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.local_addr
+    }
+
+    /// This process's end of its connection to the store: the local interface that
+    /// reaches the store's host (loopback on the hosting rank).
+    pub fn connection_local_addr(&self) -> Option<SocketAddr> {
+        self.conn_local_addr
     }
 
     /// The address this store was connected to.

@@ -182,7 +182,7 @@ pub enum RendezvousError {
     #[error(
         "this process was started as one of {world_size} processes ({vars}), but its \
          backend runs every rank as a thread of one process, so each process would run the \
-         whole job: pass the process backend (e.g. --backend nccl) or unset those variables"
+         whole job: pass a process backend (e.g. --backend tcp or nccl) or unset those variables"
     )]
     LaunchedAsProcesses {
         /// The variables that say so, as `NAME=value` pairs.
@@ -219,7 +219,7 @@ impl From<RendezvousError> for StoreError {
     }
 }
 
-/// The NCCL backend's view of the store.
+/// The multi-process backends' view of the store (`nccl`, `tcp`).
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         Ok(TcpStore::set(self, key, value)?)
@@ -235,6 +235,10 @@ impl Store for TcpStore {
 
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
         Ok(TcpStore::check(self, keys)?)
+    }
+
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.connection_local_addr().map(|a| a.ip())
     }
 }
 

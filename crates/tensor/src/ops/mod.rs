@@ -62,6 +62,11 @@ pub(crate) fn compute_multi(
     outs: &[(Shape, DType)],
     f: impl FnOnce(&[&CpuStorage]) -> Result<Vec<CpuStorage>>,
 ) -> Result<Vec<Tensor>> {
+    for (shape, dtype) in outs {
+        // A size no device could hold is an error, never an abort (meta included: a model
+        // built on meta is materialized later).
+        crate::storage::storage_bytes(op, shape, *dtype)?;
+    }
     match common_device(op, inputs)? {
         Device::Meta => {
             return outs.iter().map(|(s, d)| Tensor::empty(s.clone(), *d, Device::Meta)).collect()
@@ -85,6 +90,10 @@ pub(crate) fn compute_multi(
             Storage::Meta => return Err(TensorError::MetaTensor { op }),
             Storage::Released => return Err(TensorError::Released { op }),
         }
+    }
+    for (shape, dtype) in outs {
+        // The kernels allocate their outputs infallibly: ask the allocator first.
+        crate::storage::check_alloc(op, shape, *dtype)?;
     }
     let res = f(&storages)?;
     drop(guards);

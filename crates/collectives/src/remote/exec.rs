@@ -1,10 +1,11 @@
-//! The NCCL backend's collectives over an abstract [`Transport`] of flat host buffers:
-//! header exchange and agreement checks, then the planned primitive, packing and unpacking.
+//! The multi-process backends' collectives over an abstract [`Transport`] of flat host
+//! buffers: header exchange and agreement checks, then the planned primitive, packing and
+//! unpacking.
 //!
-//! The real transport (`device.rs`) copies each buffer to the group's GPU, runs the NCCL
-//! primitive on the group's stream and copies the result back; the unit tests below run
-//! the same code over an in-process transport, so everything but the NCCL calls
-//! themselves is tested on machines without a GPU.
+//! The NCCL transport (`nccl/device.rs`) copies each buffer to the group's GPU, runs the
+//! NCCL primitive on the group's stream and copies the result back; the TCP transport
+//! (`tcp/transport.rs`) moves the buffers between processes over sockets and reduces on
+//! the CPU. The unit tests below run the same code over an in-process transport.
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,7 @@ use tpar_tensor::{Device, Element, Tensor};
 use super::plan::{gather_copies, plan, Layout, Prim};
 use super::wire::{decode, encode, Header, HEADER_LEN, MAX_DIMS};
 use crate::local::desc::{validate, Call, Desc, Place};
+use crate::local::kernels::Reducible;
 use crate::p2p::{check_arrival, Expect, Mail};
 use crate::{CollectiveError, Result};
 
@@ -37,21 +39,29 @@ impl Deadline {
     }
 }
 
-/// Element types NCCL and the device copies handle: the tensor dtypes.
+/// Element types every transport handles (NCCL and its device copies; the CPU reduction
+/// kernels): the tensor dtypes.
 pub(crate) trait Wire:
-    Element + cudarc::nccl::NcclType + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits
+    Element
+    + Reducible
+    + bytemuck::Pod
+    + cudarc::nccl::NcclType
+    + cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
 {
 }
 
 impl<T> Wire for T where
     T: Element
+        + Reducible
+        + bytemuck::Pod
         + cudarc::nccl::NcclType
         + cudarc::driver::DeviceRepr
         + cudarc::driver::ValidAsZeroBits
 {
 }
 
-/// Runs NCCL primitives among the members of one group.
+/// Runs the primitives of [`Prim`] among the members of one group.
 pub(crate) trait Transport {
     /// Number of members.
     fn size(&self) -> usize;
@@ -60,8 +70,10 @@ pub(crate) trait Transport {
     /// The members' global ranks.
     fn group(&self) -> &[usize];
     /// Runs `prim`, reading `send` and returning the `recv_len` elements received. Fails
-    /// with `Timeout` (naming the peer for `Send`/`Recv`, nobody for collectives) when the
-    /// deadline passes, or `Backend` when NCCL or CUDA fails.
+    /// with `Timeout` (naming the awaited peers where the transport can tell, nobody
+    /// otherwise) when the deadline passes, `PeerFailed` when a peer is known to be gone,
+    /// or `Backend` when the transport itself fails. A `Recv` returns what was sent, which
+    /// may be another count than `recv_len` where the transport can tell.
     fn run<T: Wire>(
         &mut self,
         op: &'static str,
@@ -70,6 +82,9 @@ pub(crate) trait Transport {
         recv_len: usize,
         deadline: Deadline,
     ) -> Result<Vec<T>>;
+    /// Gives up the transport after a fatal error (NCCL: `ncclCommAbort`); later calls
+    /// fail. Does nothing by default.
+    fn abort(&mut self) {}
 }
 
 fn internal(op: &'static str, what: impl std::fmt::Display) -> CollectiveError {
@@ -101,7 +116,7 @@ pub(crate) fn collective<X: Transport>(
         (desc.dims.len() > MAX_DIMS).then(|| CollectiveError::InvalidArgument {
             op,
             why: format!(
-                "the NCCL backend carries tensors of at most {MAX_DIMS} dims, got shape {:?}",
+                "process groups across processes carry tensors of at most {MAX_DIMS} dims, got shape {:?}",
                 desc.dims
             ),
         })
@@ -237,7 +252,9 @@ pub(crate) fn send<X: Transport>(
     if desc.dims.len() > MAX_DIMS {
         return Err(CollectiveError::InvalidArgument {
             op,
-            why: format!("the NCCL backend carries tensors of at most {MAX_DIMS} dims"),
+            why: format!(
+                "process groups across processes carry tensors of at most {MAX_DIMS} dims"
+            ),
         });
     }
     let header = encode(0, &desc, true, false);
