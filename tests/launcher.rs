@@ -434,6 +434,40 @@ fn example(name: &str) -> Option<std::path::PathBuf> {
 }
 
 #[test]
+fn torchrun_and_tpar_run_train_llama_2d_alike_on_the_tcp_backend() {
+    if !have_torchrun() {
+        return;
+    }
+    let Some(llama) = example("llama_2d") else {
+        println!("skipped: llama_2d is not built (cargo build --release --example llama_2d)");
+        return;
+    };
+    let llama = llama.to_string_lossy().into_owned();
+    let train = ["--backend", "tcp", "--steps", "2", "--dp", "2", "--tp", "1"];
+    let summary =
+        |out: &str| out.lines().find_map(|l| l.split("summary: ").nth(1).map(String::from));
+    let mut torchrun = Command::new("torchrun");
+    torchrun.args(["--standalone", "--nproc-per-node", "2", "--no-python", &llama]).args(train);
+    let t = torchrun.stdin(Stdio::null()).output().unwrap();
+    let t_out = String::from_utf8_lossy(&t.stdout);
+    assert!(t.status.success(), "{t_out}\n{}", String::from_utf8_lossy(&t.stderr));
+    let mut args = vec!["--nproc-per-node", "2", "--", &llama];
+    args.extend(train);
+    let o = launch(&args, Duration::from_secs(120));
+    assert!(o.status.success(), "{}", o.stderr);
+    let (a, b) = (summary(&t_out), summary(&o.stdout));
+    assert!(a.is_some(), "no summary from torchrun's run:\n{t_out}");
+    // The same run, bit for bit, whichever launcher started it (timings aside).
+    let strip = |s: String| {
+        s.split(' ')
+            .filter(|f| !f.starts_with("tokens_per_s") && !f.starts_with("seconds"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(a.map(strip), b.map(strip));
+}
+
+#[test]
 fn llama_2d_refuses_a_launch_on_the_local_backend() {
     let Some(llama) = example("llama_2d") else {
         println!("skipped: llama_2d is not built (cargo build --release --example llama_2d)");
