@@ -428,6 +428,19 @@ mod tests {
     }
 
     #[test]
+    fn parses_restarts_run_id_and_join_timeout() {
+        let c =
+            parse(&["--max-restarts", "2", "--rdzv-id", "job", "--join-timeout=1.5", "p"]).unwrap();
+        assert_eq!((c.max_restarts, c.run_id.as_str()), (2, "job"));
+        assert_eq!(c.join_timeout, Duration::from_millis(1500));
+        let c = parse(&["p"]).unwrap();
+        assert_eq!((c.max_restarts, c.run_id.as_str()), (0, "none"));
+        assert_eq!(c.join_timeout, Duration::from_secs(300));
+        let m = usage_msg(&["--max-restarts", "-1", "p"]);
+        assert!(m.contains("--max-restarts") && m.contains("\"-1\""), "{m}");
+    }
+
+    #[test]
     fn help_is_its_own_variant() {
         assert!(matches!(parse(&["--help"]), Err(LaunchError::Help)));
         assert!(matches!(parse(&["--nnodes", "1", "-h", "x"]), Err(LaunchError::Help)));
