@@ -312,6 +312,25 @@ impl fmt::Display for LaunchOutcome {
     }
 }
 
+/// Prints one of the launcher's status lines on standard error (`tpar-run: ...`), first
+/// ending a rank's line left open there, so the two do not share a line.
+macro_rules! notice {
+    ($($arg:tt)*) => {
+        notice_line(&format!($($arg)*))
+    };
+}
+
+fn notice_line(line: &str) {
+    let mut open = OPEN_LINE[Stream::Stderr as usize].lock().unwrap_or_else(|p| p.into_inner());
+    let mut out = Vec::with_capacity(line.len() + 2);
+    if open.take().is_some() {
+        out.push(b'\n');
+    }
+    out.extend_from_slice(line.as_bytes());
+    out.push(b'\n');
+    emit(Stream::Stderr, &out);
+}
+
 const POLL: Duration = Duration::from_millis(20);
 /// How long to keep forwarding output after the ranks have exited.
 const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
@@ -343,7 +362,7 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     // libnccl.so link on LD_LIBRARY_PATH (removed when the job is over).
     let nccl_link = tpar_collectives::nccl::nccl_library_link();
     if let Some(l) = &nccl_link {
-        eprintln!(
+        notice!(
             "tpar-run: NCCL is installed as {} only; the ranks get {} (a libnccl.so link to \
              it) on LD_LIBRARY_PATH",
             l.target().display(),
@@ -353,7 +372,7 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let agents = if cfg.nnodes > 1 { Some(join_nodes(cfg)?) } else { None };
     // torchrun's rule: one OpenMP thread per rank unless the user says otherwise.
     let omp_threads = if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
-        eprintln!(
+        notice!(
             "tpar-run: setting OMP_NUM_THREADS=1 for each of the {} ranks on this node, so \
              they do not oversubscribe the CPU; set OMP_NUM_THREADS to tune it",
             cfg.nproc_per_node
@@ -389,7 +408,7 @@ pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 if restart < cfg.max_restarts =>
             {
                 restart += 1;
-                eprintln!(
+                notice!(
                     "tpar-run: {outcome}; restarting the group (restart {restart} of {})",
                     cfg.max_restarts
                 );
@@ -622,7 +641,7 @@ fn monitor(
         if let Some(p) = peers.filter(|_| polled.elapsed() >= PEER_POLL) {
             polled = Instant::now();
             if let Some((node_rank, message)) = p.failure() {
-                eprintln!(
+                notice!(
                     "tpar-run: node {node_rank} failed ({message}); stopping {} rank(s)",
                     ranks.iter().filter(|r| r.exit.is_none()).count()
                 );
@@ -631,7 +650,7 @@ fn monitor(
             }
         }
         if let Some(signal) = signals::received() {
-            eprintln!(
+            notice!(
                 "tpar-run: received signal {signal}; stopping {} rank(s)",
                 ranks.iter().filter(|r| r.exit.is_none()).count()
             );
@@ -659,7 +678,7 @@ fn monitor(
         }
         if let Some((rank, exit)) = failed {
             let running = ranks.iter().filter(|r| r.exit.is_none()).count();
-            eprintln!("tpar-run: rank {rank} {exit}; stopping the other {running} rank(s)");
+            notice!("tpar-run: rank {rank} {exit}; stopping the other {running} rank(s)");
             let local_rank = rank - cfg.node_rank * cfg.nproc_per_node;
             let outcome = LaunchOutcome::RankFailed { rank, local_rank, exit };
             if let Some(p) = peers {
