@@ -1,6 +1,5 @@
 //! Pipeline parallelism: every schedule's loss and gradients equal the unpipelined
-//! model's; 1F1B holds fewer activations than GPipe (measured); the zero-bubble schedule
-//! idles less than 1F1B (measured); a 3-D mesh (pp x dp x tp) steps like one rank; a
+//! model's; the zero-bubble schedule idles less than 1F1B (measured); a 3-D mesh (pp x dp x tp) steps like one rank; a
 //! stage that fails makes every rank fail, naming it.
 
 use std::collections::BTreeMap;
@@ -12,36 +11,11 @@ use tpar::prelude::*;
 use tpar::tensor::autograd::{apply, needs_input_grad, Function};
 use tpar::tensor::memory;
 
+mod common;
+use common::llama_pipeline::{batch, config, loss_fn, stages};
+
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
-
-fn config(layers: usize, dtype: DType) -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 40,
-        max_position_embeddings: 8,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: layers,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype,
-    }
-}
-
-/// Token ids `[rows, seq]` and next-token targets, from a fixed pattern.
-fn batch(rows: usize, seq: usize, vocab: usize) -> (Tensor, Tensor) {
-    let ids: Vec<i64> = (0..rows * seq).map(|i| ((i * 7 + i / seq * 3) % vocab) as i64).collect();
-    let tgt: Vec<i64> = (0..rows * seq).map(|i| ((i * 5 + 1) % vocab) as i64).collect();
-    (Tensor::from_vec(ids, [rows, seq]).unwrap(), Tensor::from_vec(tgt, [rows, seq]).unwrap())
-}
-
-fn loss_fn(vocab: usize) -> impl Fn(&Value, &Tensor) -> tpar::nn::Result<Value> + Send + Sync {
-    move |logits, t| {
-        logits.reshape(&[-1, vocab as isize])?.cross_entropy(&t.reshape([t.numel()])?, -100)
-    }
-}
 
 /// Loss and every parameter gradient (by FQN) of the whole model on the whole batch.
 fn reference(cfg: &LlamaConfig, ids: &Tensor, tgt: &Tensor) -> (f64, BTreeMap<String, Vec<f64>>) {
@@ -55,22 +29,6 @@ fn reference(cfg: &LlamaConfig, ids: &Tensor, tgt: &Tensor) -> (f64, BTreeMap<St
         .map(|(n, p)| (n, p.trainable().grad().unwrap().to_vec_f64().unwrap()))
         .collect();
     (loss.item().unwrap(), grads)
-}
-
-/// This rank's stages of a `pp`-rank pipeline of `v` stages per rank, built on meta and
-/// materialized.
-fn stages(cfg: &LlamaConfig, mesh: &DeviceMesh, v: usize) -> tpar::Result<Vec<PipelineStage>> {
-    let pp = mesh.shape()[0];
-    let n = pp * v;
-    let r = mesh.local_rank();
-    (0..v)
-        .map(|j| {
-            let s = r + j * pp;
-            let mut m = LlamaStage::for_stage(cfg, s, n, None, Device::Meta)?;
-            reset_parameters(&mut m, Device::Cpu, 7)?;
-            Ok(PipelineStage::new(m, s, n, mesh, Device::Cpu)?)
-        })
-        .collect()
 }
 
 type Grads = BTreeMap<String, Vec<f64>>;
@@ -277,68 +235,6 @@ fn zero_bubble_idles_less_than_1f1b_measured() {
     assert!(zb < ofob, "zero-bubble {zb} is not below 1F1B {ofob}");
     // The measured shape follows the schedule's own simulation.
     assert!((ofob - ofob_theory).abs() < 0.1, "1F1B measured {ofob} vs simulated {ofob_theory}");
-}
-
-/// Peak bytes above the start of a step on pp rank 0, for `kind` (4 stages of one layer).
-fn step_peak(kind: ScheduleKind, m: usize) -> (i64, i64) {
-    let cfg = LlamaConfig {
-        hidden_size: 64,
-        intermediate_size: 128,
-        max_position_embeddings: 64,
-        ..config(4, DType::F32)
-    };
-    let (ids, tgt) = batch(m * 2, 64, cfg.vocab_size);
-    let out = tpar::spawn(4, |ctx| -> tpar::Result<(i64, i64)> {
-        let rank = ctx.rank();
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[4], &["pp"])?;
-        let st = stages(&cfg, &mesh, 1)?;
-        // One micro-batch's activations on stage 0: what its forward keeps for backward.
-        let per_mb = if rank == 0 {
-            let mb = ids.narrow(0, 0, 2)?;
-            // A first forward fills what the module caches (the RoPE tables it builds
-            // on first use); the second one's growth is the activations alone.
-            drop(call(st[0].module(), Args::new(vec![Value::Tensor(mb.clone())]))?);
-            let before = memory::current(rank);
-            let out = call(st[0].module(), Args::new(vec![Value::Tensor(mb)]))?;
-            let kept = memory::current(rank) - before;
-            drop(out);
-            kept
-        } else {
-            0
-        };
-        let mut s = PipelineSchedule::new(kind, st, m, loss_fn(cfg.vocab_size))?;
-        let before = memory::current(rank);
-        memory::reset_peak(rank);
-        s.step(Some(&ids), Some(&tgt))?;
-        Ok((memory::peak(rank) - before, per_mb))
-    })
-    .unwrap();
-    out[0]
-}
-
-#[test]
-fn one_f_one_b_holds_fewer_activations_than_gpipe_measured() {
-    assert!(memory::is_tracking());
-    let m = 8;
-    // One micro-batch: its activations plus the backward's transient workspace.
-    let (single, per_mb) = step_peak(ScheduleKind::GPipe, 1);
-    let workspace = single - per_mb;
-    // Micro-batches of activations a step holds at its peak on stage 0.
-    let held = |peak: i64| (peak - workspace) as f64 / per_mb as f64;
-    let gpipe = held(step_peak(ScheduleKind::GPipe, m).0);
-    let ofob = held(step_peak(ScheduleKind::OneFOneB, m).0);
-    let zb = held(step_peak(ScheduleKind::ZeroBubble, m).0);
-    println!(
-        "stage 0 of 4, {m} micro-batches of {:.2} MiB activations: held at the peak gpipe {gpipe:.2}, 1f1b {ofob:.2}, zb {zb:.2}",
-        per_mb as f64 / (1 << 20) as f64
-    );
-    // The slack of one micro-batch covers what the timing of the rank threads moves: the
-    // backward's transient workspace at the peak, and activations sent but not yet taken
-    // by stage 1 (a copy each, counted on the sender until the receiver drops it).
-    assert!(gpipe >= m as f64 - 0.5, "gpipe holds {gpipe} micro-batches, not all {m}");
-    assert!(ofob <= 5.0, "1f1b holds {ofob} micro-batches, more than the 4 stages");
-    assert!(zb <= 5.0, "zb holds {zb} micro-batches, more than the 4 stages");
-    assert!(gpipe - ofob >= 3.0, "gpipe {gpipe} vs 1f1b {ofob}");
 }
 
 #[test]

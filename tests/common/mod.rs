@@ -2,3 +2,4 @@
 #![allow(dead_code)]
 
 pub mod golden;
+pub mod llama_pipeline;

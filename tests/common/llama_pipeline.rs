@@ -1,0 +1,47 @@
+//! A small Llama cut into pipeline stages, its data and loss, for the pipeline tests.
+
+use tpar::prelude::*;
+
+pub fn config(layers: usize, dtype: DType) -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 40,
+        max_position_embeddings: 8,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: layers,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        dtype,
+    }
+}
+
+/// Token ids `[rows, seq]` and next-token targets, from a fixed pattern.
+pub fn batch(rows: usize, seq: usize, vocab: usize) -> (Tensor, Tensor) {
+    let ids: Vec<i64> = (0..rows * seq).map(|i| ((i * 7 + i / seq * 3) % vocab) as i64).collect();
+    let tgt: Vec<i64> = (0..rows * seq).map(|i| ((i * 5 + 1) % vocab) as i64).collect();
+    (Tensor::from_vec(ids, [rows, seq]).unwrap(), Tensor::from_vec(tgt, [rows, seq]).unwrap())
+}
+
+pub fn loss_fn(vocab: usize) -> impl Fn(&Value, &Tensor) -> tpar::nn::Result<Value> + Send + Sync {
+    move |logits, t| {
+        logits.reshape(&[-1, vocab as isize])?.cross_entropy(&t.reshape([t.numel()])?, -100)
+    }
+}
+
+/// This rank's stages of a `pp`-rank pipeline of `v` stages per rank, built on meta and
+/// materialized.
+pub fn stages(cfg: &LlamaConfig, mesh: &DeviceMesh, v: usize) -> tpar::Result<Vec<PipelineStage>> {
+    let pp = mesh.shape()[0];
+    let n = pp * v;
+    let r = mesh.local_rank();
+    (0..v)
+        .map(|j| {
+            let s = r + j * pp;
+            let mut m = LlamaStage::for_stage(cfg, s, n, None, Device::Meta)?;
+            reset_parameters(&mut m, Device::Cpu, 7)?;
+            Ok(PipelineStage::new(m, s, n, mesh, Device::Cpu)?)
+        })
+        .collect()
+}
