@@ -577,51 +577,6 @@ fn a_connection_from_another_job_or_rank_is_refused() {
     }
 }
 
-/// Rough all_reduce / all_gather timings over loopback, ranks as threads of one process
-/// (`cargo test -p tpar-collectives --release --lib tcp_bandwidth -- --ignored
-/// --nocapture`). The measurement across real processes, next to the local backend, is
-/// `cargo bench -p tpar-launch --bench tcp_bandwidth` (docs/PERF.md).
-#[test]
-#[ignore = "a measurement, not a check"]
-fn tcp_bandwidth() {
-    for n in [2usize, 4] {
-        for mib in [1usize, 16, 64] {
-            let times = run_world(n, Duration::from_secs(120), move |pg| {
-                let elems = mib << 18;
-                let t = Tensor::ones([elems], DType::F32, Device::Cpu).unwrap();
-                let shard = Tensor::ones([elems / n], DType::F32, Device::Cpu).unwrap();
-                pg.all_reduce(&t, ReduceOp::Sum).unwrap();
-                let reps = 5;
-                pg.barrier().unwrap();
-                let t0 = Instant::now();
-                for _ in 0..reps {
-                    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
-                }
-                pg.barrier().unwrap();
-                let ar = t0.elapsed() / reps;
-                let t0 = Instant::now();
-                for _ in 0..reps {
-                    pg.all_gather(&shard, 0).unwrap();
-                }
-                pg.barrier().unwrap();
-                (ar, t0.elapsed() / reps)
-            });
-            let (ar, ag) = times
-                .iter()
-                .fold((Duration::ZERO, Duration::ZERO), |a, t| (a.0.max(t.0), a.1.max(t.1)));
-            let bytes = (mib << 20) as f64;
-            let bus = |t: Duration, f: f64| bytes / t.as_secs_f64() / 1e9 * f;
-            let nf = n as f64;
-            println!(
-                "world {n}, {mib:>2} MiB f32: all_reduce {ar:>10.2?} (busbw {:.2} GB/s), \
-                 all_gather {ag:>10.2?} (busbw {:.2} GB/s)",
-                bus(ar, 2.0 * (nf - 1.0) / nf),
-                bus(ag, (nf - 1.0) / nf)
-            );
-        }
-    }
-}
-
 #[test]
 fn all_to_all_with_split_sizes_and_a_late_sender() {
     // all_to_all_single with uneven splits: member r sends sizes[r][j] rows to member j.
