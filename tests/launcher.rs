@@ -467,6 +467,65 @@ fn torchrun_and_tpar_run_train_llama_2d_alike_on_the_tcp_backend() {
     assert_eq!(a.map(strip), b.map(strip));
 }
 
+/// Rank 1's wrapper on the first attempt: a watcher waits for the checkpoint of step 4
+/// to be committed, then kills the rank with SIGKILL (a real crash mid-run, between
+/// saves) while the rank's process runs the training (`exec`: the same pid). On a
+/// restart, or on any other rank, the training runs alone. `$0` is the example, `$@`
+/// its flags, `$CK` the checkpoint directory.
+const CRASH_RANK_1: &str = r#"if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then
+  me=$$
+  (while kill -0 "$me" 2>/dev/null && [ ! -f "$CK/step-00000004/metadata.json" ]; do sleep 0.01; done
+   kill -9 "$me" && echo "killed rank 1 after the step-4 checkpoint") &
+fi
+exec "$0" "$@""#;
+
+#[test]
+fn a_rank_killed_mid_training_restarts_and_resumes_to_the_uninterrupted_parameters() {
+    let Some(llama) = example("llama_2d") else {
+        println!("skipped: llama_2d is not built (cargo build --release --example llama_2d)");
+        return;
+    };
+    let llama = llama.to_string_lossy().into_owned();
+    let dir = std::env::temp_dir().join(format!("tpar-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // One run as 4 tcp processes (dp 2 x tp 2, FSDP), saving every 2 steps, exporting
+    // its final parameters; `sh -c SCRIPT llama_2d FLAGS...` runs it through `script`.
+    let run = |name: &str, script: &str, restarts: &str| {
+        let ck = dir.join(name);
+        let export = dir.join(format!("{name}.safetensors"));
+        let (ck_s, export_s) = (ck.to_string_lossy(), export.to_string_lossy());
+        let mut args = vec!["--nproc-per-node", "4", "--max-restarts", restarts, "--"];
+        args.extend(["sh", "-c", script, &llama]);
+        args.extend(["--backend", "tcp", "--steps", "16", "--log-every", "1", "--layers", "1"]);
+        args.extend(["--save-every", "2", "--checkpoint-dir", &ck_s, "--export", &export_s]);
+        let o = launch_with(&args, Duration::from_secs(300), |c| {
+            c.env("CK", &ck);
+        });
+        assert!(o.status.success(), "{name}: {}\n{}", o.stdout, o.stderr);
+        let summary = o.stdout.lines().find_map(|l| l.split("summary: ").nth(1).map(String::from));
+        let bits = summary
+            .and_then(|s| {
+                s.split(' ').find_map(|f| f.strip_prefix("final_loss_bits=").map(String::from))
+            })
+            .unwrap_or_else(|| panic!("{name}: no summary:\n{}", o.stdout));
+        (o, bits, std::fs::read(&export).expect("the exported model"))
+    };
+    let (_, straight_bits, straight) = run("straight", r#"exec "$0" "$@""#, "0");
+    let (o, bits, resumed) = run("crashed", CRASH_RANK_1, "1");
+    let _ = std::fs::remove_dir_all(&dir);
+    // Rank 1 was killed between saves, the launcher restarted the group, and the ranks
+    // resumed from the last committed checkpoint (step 4 or a later one).
+    assert!(o.stdout.contains("killed rank 1"), "the crash did not happen:\n{}", o.stdout);
+    assert!(
+        o.stderr.contains("rank 1 (local rank 1) was killed by signal 9 (SIGKILL); restarting the group (restart 1 of 1)"),
+        "{}",
+        o.stderr
+    );
+    assert!(o.stdout.contains("resumed from"), "{}", o.stdout);
+    assert_eq!(bits, straight_bits, "final loss bits after the crash and resume");
+    assert!(resumed == straight, "the final parameters differ from the uninterrupted run's");
+}
+
 #[test]
 fn llama_2d_refuses_a_launch_on_the_local_backend() {
     let Some(llama) = example("llama_2d") else {

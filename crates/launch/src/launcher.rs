@@ -664,7 +664,13 @@ fn monitor(
                     let exit = ChildExit::from_status(status);
                     r.exit = Some(exit);
                     r.signal_group = !exit.success();
-                    if !exit.success() && failed.is_none() {
+                    // Ranks usually fail because one of them did: of those found
+                    // failed in one poll, name one killed by a signal first.
+                    let first = match failed {
+                        None => true,
+                        Some((_, seen)) => !killed(seen) && killed(exit),
+                    };
+                    if !exit.success() && first {
                         failed = Some((r.rank, exit));
                     }
                 }
@@ -691,6 +697,15 @@ fn monitor(
             return Ok(LaunchOutcome::Success);
         }
         thread::sleep(POLL);
+    }
+}
+
+/// Whether a rank's exit looks like a kill rather than an error it reported: a signal,
+/// or a shell's 128 + signal exit code.
+fn killed(exit: ChildExit) -> bool {
+    match exit {
+        ChildExit::Signal(_) => true,
+        ChildExit::Code(c) => c > 128,
     }
 }
 
