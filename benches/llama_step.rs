@@ -18,7 +18,8 @@
 //! PATH` (the JSON `torch_llama_step.py --json PATH` writes), also the ratio to
 //! PyTorch's step. `--pools shared|per-rank|both` (default `shared`): the rank threads
 //! share the global rayon pool, or each rank runs in a pool of its own of
-//! `cores / ranks` threads (`both` measures the two in one run).
+//! `cores / ranks` threads (`both` measures the two in one run, alternating per
+//! configuration, each ratio against the single rank of the same pools).
 //!
 //! Run: `cargo bench --bench llama_step`, or for the PyTorch comparison:
 //! `python3 benches/torch_llama_step.py --json /tmp/torch.json` then
@@ -122,83 +123,67 @@ fn run(
     per_rank_pool: bool,
 ) -> Result<Vec<f64>> {
     let world = dp * tp;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let config = SpawnConfig::new(world).timeout(Duration::from_secs(600));
+    let threads = if per_rank_pool { RankThreads::per_rank(world) } else { RankThreads::Shared };
+    let config = SpawnConfig::new(world).timeout(Duration::from_secs(600)).threads(threads);
     let (warmup, steps) = (o.warmup, o.steps);
     let times = spawn_with(config, |ctx| -> Result<Vec<f64>> {
-        let body = || -> Result<Vec<f64>> {
-            let mesh =
-                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
-            let cfg = LlamaConfig {
-                vocab_size: VOCAB,
-                max_position_embeddings: SEQ,
-                hidden_size: HIDDEN,
-                intermediate_size: 768,
-                num_hidden_layers: LAYERS,
-                num_attention_heads: 8,
-                num_key_value_heads: 4,
-                rms_norm_eps: 1e-5,
-                rope_theta: 10000.0,
-                dtype: DType::F32,
-            };
-            let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
-            if let Some(plan) = plan {
-                let plan = if plan == "sp" {
-                    sequence_parallel_layer_plan()
-                } else {
-                    megatron_layer_plan()
-                };
-                parallelize_llama(&mut model, &mesh["tp"], &plan)?;
-            }
-            if fsdp {
-                let c = FsdpConfig::default();
-                for layer in &mut model.base_model.layers.items {
-                    fully_shard(layer, &mesh["dp"], &c)?;
-                }
-                fully_shard(&mut model.base_model, &mesh["dp"], &c)?;
-                fully_shard(&mut model, &mesh["dp"], &c)?;
-            }
-            reset_parameters(&mut model, Device::Cpu, 0)?;
-            let params = parameters(&model);
-            let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
-            let mut opt = AdamW::with_names(named_parameters(&model), adamw)?;
-            let per = BATCH / dp;
-            let dp_rank = mesh["dp"].local_rank();
-            let all = tokens(BATCH * (SEQ + 1));
-            let mine = &all[dp_rank * per * (SEQ + 1)..(dp_rank + 1) * per * (SEQ + 1)];
-            let rows: Vec<&[i64]> = mine.chunks(SEQ + 1).collect();
-            let ids: Vec<i64> = rows.iter().flat_map(|r| r[..SEQ].iter().copied()).collect();
-            let labels: Vec<i64> = rows.iter().flat_map(|r| r[1..].iter().copied()).collect();
-            let ids = Tensor::from_vec(ids, [per, SEQ])?;
-            let labels = Tensor::from_vec(labels, [per * SEQ])?;
-            let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
-            let mut times = Vec::new();
-            for i in 0..warmup + steps {
-                ctx.world_group().barrier()?;
-                let t0 = Instant::now();
-                unshard(&model)?;
-                let logits = model.logits(&ids, None)?.reshape(&[-1, VOCAB as isize])?;
-                let loss = logits.cross_entropy(&labels, -100)?;
-                loss.backward()?;
-                clip_grad_norm(&params, 1.0)?;
-                opt.step()?;
-                opt.zero_grad();
-                if i >= warmup {
-                    times.push(t0.elapsed().as_secs_f64());
-                }
-            }
-            Ok(times)
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
+        let cfg = LlamaConfig {
+            vocab_size: VOCAB,
+            max_position_embeddings: SEQ,
+            hidden_size: HIDDEN,
+            intermediate_size: 768,
+            num_hidden_layers: LAYERS,
+            num_attention_heads: 8,
+            num_key_value_heads: 4,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            dtype: DType::F32,
         };
-        if per_rank_pool {
-            let threads = (cores / world).max(1);
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .map_err(|e| bad(format!("rank pool: {e}")))?;
-            pool.install(body)
-        } else {
-            body()
+        let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+        if let Some(plan) = plan {
+            let plan =
+                if plan == "sp" { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
+            parallelize_llama(&mut model, &mesh["tp"], &plan)?;
         }
+        if fsdp {
+            let c = FsdpConfig::default();
+            for layer in &mut model.base_model.layers.items {
+                fully_shard(layer, &mesh["dp"], &c)?;
+            }
+            fully_shard(&mut model.base_model, &mesh["dp"], &c)?;
+            fully_shard(&mut model, &mesh["dp"], &c)?;
+        }
+        reset_parameters(&mut model, Device::Cpu, 0)?;
+        let params = parameters(&model);
+        let adamw = AdamWConfig { lr: 1e-3, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
+        let mut opt = AdamW::with_names(named_parameters(&model), adamw)?;
+        let per = BATCH / dp;
+        let dp_rank = mesh["dp"].local_rank();
+        let all = tokens(BATCH * (SEQ + 1));
+        let mine = &all[dp_rank * per * (SEQ + 1)..(dp_rank + 1) * per * (SEQ + 1)];
+        let rows: Vec<&[i64]> = mine.chunks(SEQ + 1).collect();
+        let ids: Vec<i64> = rows.iter().flat_map(|r| r[..SEQ].iter().copied()).collect();
+        let labels: Vec<i64> = rows.iter().flat_map(|r| r[1..].iter().copied()).collect();
+        let ids = Tensor::from_vec(ids, [per, SEQ])?;
+        let labels = Tensor::from_vec(labels, [per * SEQ])?;
+        let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
+        let mut times = Vec::new();
+        for i in 0..warmup + steps {
+            ctx.world_group().barrier()?;
+            let t0 = Instant::now();
+            unshard(&model)?;
+            let logits = model.logits(&ids, None)?.reshape(&[-1, VOCAB as isize])?;
+            let loss = logits.cross_entropy(&labels, -100)?;
+            loss.backward()?;
+            clip_grad_norm(&params, 1.0)?;
+            opt.step()?;
+            opt.zero_grad();
+            if i >= warmup {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(times)
     })?;
     Ok(times.into_iter().next().unwrap_or_default())
 }
@@ -219,25 +204,26 @@ fn main() -> Result<()> {
         "{:<20} {:>8} {:>10} {:>10} {:>9} {:>10}",
         "configuration", "pools", "s/step", "tokens/s", "/ single", "/ PyTorch"
     );
-    for &per_rank in &o.pools {
-        let pools = if per_rank { "per-rank" } else { "shared" };
-        let mut single = None;
-        for name in &o.configs {
-            let &(_, dp, tp, plan, fsdp) =
-                CONFIGS.iter().find(|c| c.0 == name.as_str()).unwrap_or(&CONFIGS[0]);
+    let mut single: [Option<f64>; 2] = [None, None];
+    for name in &o.configs {
+        let Some(&(_, dp, tp, plan, fsdp)) = CONFIGS.iter().find(|c| c.0 == name.as_str()) else {
+            continue;
+        };
+        for &per_rank in &o.pools {
+            let pools = if per_rank { "per-rank" } else { "shared" };
             let s = median(run((dp, tp, plan, fsdp), &o, per_rank)?);
             if name == "single" {
-                single = Some(s);
+                single[usize::from(per_rank)] = Some(s);
             }
-            let vs_single = single.map_or(f64::NAN, |b| s / b);
+            let vs_single = single[usize::from(per_rank)].map_or(f64::NAN, |b| s / b);
             let vs_torch = o.torch.get(name).map_or(f64::NAN, |t| s / t);
             let tokens_per_s = (BATCH * SEQ) as f64 / s;
             println!(
                 "{name:<20} {pools:>8} {s:>10.4} {tokens_per_s:>10.0} {vs_single:>9.2} {vs_torch:>10.2}"
             );
             println!(
-                "summary: config={name} pools={pools} dp={dp} tp={tp} s_per_step={s:.5} tokens_per_s={tokens_per_s:.0} \
-                 vs_single={vs_single:.3} vs_torch={vs_torch:.3}"
+                "summary: config={name} pools={pools} dp={dp} tp={tp} s_per_step={s:.5} \
+                 tokens_per_s={tokens_per_s:.0} vs_single={vs_single:.3} vs_torch={vs_torch:.3}"
             );
         }
     }

@@ -55,7 +55,7 @@ pub use debug::{CommDebug, CommRecord};
 pub use error::CollectiveError;
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
-pub use spawn::{spawn, spawn_owned, spawn_with, SpawnConfig, RANK_STACK_SIZE};
+pub use spawn::{spawn, spawn_owned, spawn_with, RankThreads, SpawnConfig, RANK_STACK_SIZE};
 pub use store::{BoxedStoreError, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};
 

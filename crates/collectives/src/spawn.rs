@@ -13,6 +13,26 @@ use crate::{CollectiveError, RankCtx, World};
 /// Stack size of rank threads: deep autograd graphs recurse.
 pub const RANK_STACK_SIZE: usize = 64 << 20;
 
+/// Which threads run a rank's parallel kernels (its rayon work).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RankThreads {
+    /// Every rank submits to the process's one global rayon pool (one worker per core):
+    /// the ranks' work queues up on the same workers.
+    Shared,
+    /// Each rank runs in a rayon pool of its own of this many threads (at least 1), as
+    /// processes with `OMP_NUM_THREADS = cores / ranks` would.
+    PerRank(usize),
+}
+
+impl RankThreads {
+    /// A pool of its own per rank of `max(1, cores / world_size)` threads: this machine's
+    /// cores split evenly between `world_size` ranks.
+    pub fn per_rank(world_size: usize) -> RankThreads {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        RankThreads::PerRank((cores / world_size.max(1)).max(1))
+    }
+}
+
 /// How [`spawn_with`] runs its ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpawnConfig {
@@ -22,12 +42,24 @@ pub struct SpawnConfig {
     pub timeout: Duration,
     /// Stack size of each rank thread in bytes (default 64 MiB).
     pub stack_size: usize,
+    /// Which threads run each rank's parallel kernels (default [`RankThreads::Shared`]).
+    pub threads: RankThreads,
 }
 
 impl SpawnConfig {
-    /// `world_size` ranks with the default timeout and stack size.
+    /// `world_size` ranks with the default timeout, stack size and threads.
     pub fn new(world_size: usize) -> SpawnConfig {
-        SpawnConfig { world_size, timeout: DEFAULT_TIMEOUT, stack_size: RANK_STACK_SIZE }
+        SpawnConfig {
+            world_size,
+            timeout: DEFAULT_TIMEOUT,
+            stack_size: RANK_STACK_SIZE,
+            threads: RankThreads::Shared,
+        }
+    }
+
+    /// Sets which threads run each rank's parallel kernels.
+    pub fn threads(self, threads: RankThreads) -> SpawnConfig {
+        SpawnConfig { threads, ..self }
     }
 
     /// Sets the collective timeout.
@@ -104,6 +136,7 @@ where
     let world = World::with_timeout(config.world_size, config.timeout)?;
     let n = world.size();
     let stack = config.stack_size.max(64 << 10);
+    let threads = config.threads;
     let f = &f;
     let mut start_error: Option<CollectiveError> = None;
     let results: Vec<Option<Result<R, E>>> = std::thread::scope(|s| {
@@ -121,7 +154,7 @@ where
             let spawned = std::thread::Builder::new()
                 .name(format!("tpar-rank-{rank}"))
                 .stack_size(stack)
-                .spawn_scoped(s, move || run_rank(&w, rank, ctx, f));
+                .spawn_scoped(s, move || run_rank(&w, rank, ctx, f, threads, stack));
             match spawned {
                 Ok(h) => handles.push(h),
                 Err(e) => {
@@ -198,6 +231,7 @@ where
     let world = World::with_timeout(config.world_size, config.timeout)?;
     let n = world.size();
     let stack = config.stack_size.max(64 << 10);
+    let threads = config.threads;
     let f = Arc::new(f);
     let (tx, rx) = mpsc::channel::<(usize, Result<R, E>)>();
     let mut handles = Vec::with_capacity(n);
@@ -216,7 +250,7 @@ where
             .name(format!("tpar-rank-{rank}"))
             .stack_size(stack)
             .spawn(move || {
-                let r = run_rank(&w, rank, ctx, &*f);
+                let r = run_rank(&w, rank, ctx, &*f, threads, stack);
                 // The receiver is gone when `spawn_owned` already returned: nothing to do.
                 let _ = tx.send((rank, r));
             });
@@ -295,13 +329,21 @@ where
     Err(errors.swap_remove(pick).1)
 }
 
-fn run_rank<R, E, F>(world: &World, rank: usize, ctx: RankCtx, f: &F) -> Result<R, E>
+fn run_rank<R, E, F>(
+    world: &World,
+    rank: usize,
+    ctx: RankCtx,
+    f: &F,
+    threads: RankThreads,
+    stack: usize,
+) -> Result<R, E>
 where
-    E: From<CollectiveError> + fmt::Display,
-    F: Fn(RankCtx) -> Result<R, E>,
+    R: Send,
+    E: From<CollectiveError> + fmt::Display + Send,
+    F: Fn(RankCtx) -> Result<R, E> + Sync,
 {
     tpar_tensor::memory::set_rank(Some(rank));
-    let r = match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
+    let r = match catch_unwind(AssertUnwindSafe(|| in_rank_pool(rank, threads, stack, || f(ctx)))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
             world.fail(rank, e.to_string());
@@ -315,6 +357,30 @@ where
     };
     world.mark_exited(rank);
     r
+}
+
+/// Runs `f` on the rank's threads: here (the shared pool), or on a pool of the rank's own
+/// whose workers count their allocations as the rank's. A pool that cannot be built
+/// (no threads left) falls back to the shared pool.
+fn in_rank_pool<T: Send>(
+    rank: usize,
+    threads: RankThreads,
+    stack: usize,
+    f: impl FnOnce() -> T + Send,
+) -> T {
+    let RankThreads::PerRank(n) = threads else {
+        return f();
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(n.max(1))
+        .stack_size(stack)
+        .thread_name(move |i| format!("tpar-rank-{rank}-{i}"))
+        .start_handler(move |_| tpar_tensor::memory::set_rank(Some(rank)))
+        .build();
+    match pool {
+        Ok(pool) => pool.install(f),
+        Err(_) => f(),
+    }
 }
 
 /// The text of a panic payload.
