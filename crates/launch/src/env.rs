@@ -515,11 +515,34 @@ pub fn init_process_group_with(
     timeout: Duration,
 ) -> std::result::Result<ProcessGroup, CollectiveError> {
     let backend: BackendName = backend.parse()?;
+    threads_from_env();
     let env = EnvInit::from_env().map_err(|e| CollectiveError::InvalidArgument {
         op: "init_process_group",
         why: e.to_string(),
     })?;
     env.world(backend, timeout)
+}
+
+/// Sizes this process's pool of kernel threads (rayon's global pool) from
+/// `OMP_NUM_THREADS`, the variable torchrun and `tpar-run` set for each rank (1 when a
+/// node runs several ranks, so that they do not oversubscribe its cores), as PyTorch's
+/// intra-op threads follow it. Does nothing when `RAYON_NUM_THREADS` is set (rayon reads
+/// it), when the variable is not a positive number, or when the pool already runs;
+/// returns the thread count it set. [`init_process_group_with`] calls it.
+///
+/// ```
+/// // Without OMP_NUM_THREADS the pool keeps one thread per core.
+/// if std::env::var_os("OMP_NUM_THREADS").is_none() {
+///     assert_eq!(tpar_launch::threads_from_env(), None);
+/// }
+/// ```
+pub fn threads_from_env() -> Option<usize> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return None;
+    }
+    let n =
+        std::env::var("OMP_NUM_THREADS").ok()?.trim().parse::<usize>().ok().filter(|&n| n > 0)?;
+    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().ok().map(|()| n)
 }
 
 /// Refuses to run a job whose ranks are threads of this process when this process was

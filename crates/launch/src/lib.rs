@@ -43,7 +43,10 @@ mod signals;
 mod sys;
 
 pub use cli::{parse_args, UsageError};
-pub use env::{init_process_group, init_process_group_with, BackendName, EnvInit, BACKEND_ENV};
+pub use env::{
+    init_process_group, init_process_group_with, threads_from_env, BackendName, EnvInit,
+    BACKEND_ENV,
+};
 pub use launcher::{
     run, ChildExit, LaunchConfig, LaunchError, LaunchOutcome, DEFAULT_MULTI_NODE_PORT,
 };
