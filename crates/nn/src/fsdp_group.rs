@@ -66,7 +66,7 @@ struct Layout {
 
 /// A collective's result: in flight, or already here (with when it finished).
 enum Outcome {
-    InFlight(Work),
+    InFlight(Box<Work>),
     Done(Tensor, Instant),
 }
 
@@ -324,7 +324,7 @@ impl FsdpParamGroup {
             } else {
                 let flat = self.copy_in_shards(&layout)?;
                 Some(match is_async {
-                    true => Outcome::InFlight(self.dp.all_gather_async(&flat, 0)),
+                    true => Outcome::InFlight(Box::new(self.dp.all_gather_async(&flat, 0))),
                     false => Outcome::Done(self.dp.all_gather(&flat, 0)?, Instant::now()),
                 })
             };
@@ -474,7 +474,7 @@ impl FsdpParamGroup {
                 Ok(Tensor::cat(&parts, 1)?.reshape([k * layout.numel])?)
             })?;
             let work = self.dp.reduce_scatter_async(&flat, 0, ReduceOp::Avg);
-            flights.push(Flight { layout, work: Some(Outcome::InFlight(work)) });
+            flights.push(Flight { layout, work: Some(Outcome::InFlight(Box::new(work))) });
         }
         drop(grads);
         if let Some(since) = st.backward_since.take() {
