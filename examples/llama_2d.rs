@@ -6,6 +6,9 @@
 //! tokens/s, ETA); otherwise it prints a line every `--log-every` steps.
 //! With FSDP, `--dtype bf16` is mixed precision (bf16 compute, f32 master shards and
 //! gradient reductions); with `--no-fsdp` or `--zero1` it trains bf16 parameters.
+//! With FSDP, `--timeline` prints each rank's record of the last step: every unit's
+//! forward and backward compute and its all-gathers and reduce-scatters, to see what
+//! overlapped.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -54,6 +57,7 @@ struct Opts {
     stop_after: Option<usize>,
     export: Option<PathBuf>,
     nonfinite: NonFinite,
+    timeline: bool,
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
@@ -154,6 +158,11 @@ struct Cli {
     /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
     #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
     nonfinite: NonFinite,
+    /// With FSDP: print each rank's timeline of the last step (each unit's forward and
+    /// backward compute, all-gathers and reduce-scatters, and how long the compute
+    /// waited for them).
+    #[arg(long, conflicts_with_all = ["no_fsdp", "zero1"])]
+    timeline: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -250,6 +259,7 @@ fn parse() -> Result<Opts, String> {
         stop_after: c.stop_after,
         export: c.export,
         nonfinite: c.nonfinite,
+        timeline: c.timeline,
     })
 }
 
@@ -344,6 +354,8 @@ struct RankReport {
     start_step: usize,
     /// Steps this run took.
     steps_run: usize,
+    /// The FSDP timeline of the last step, rendered (`--timeline`).
+    timeline: Option<String>,
 }
 
 /// One rank's training over `world` (the local backend's world group, or the NCCL or TCP
@@ -451,6 +463,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // plan's vocab-sharded loss and for a plain one alike.
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
     let progress_bar = (rank == 0).then(|| run::progress_bar(o.steps, 0));
+    // Each step starts a fresh record, so the last step's is what is left at the end.
+    let timeline = (o.timeline && o.dp_mode == DpMode::Fsdp).then(FsdpTimeline::new);
+    set_fsdp_timeline(&model, timeline.as_ref());
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
@@ -468,6 +483,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 break 'outer;
             }
             let batch = dataset.batch(chunk)?.to_device(device)?;
+            if let Some(t) = &timeline {
+                t.clear();
+            }
             unshard(&model)?;
             // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
             let logits = model
@@ -572,6 +590,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         peak_bytes: memory::peak(rank),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
+        timeline: timeline.map(|t| t.render(72)),
     })
 }
 
@@ -625,6 +644,11 @@ fn main() {
         }
     };
     let r0 = &reports[0];
+    for (rank, r) in reports.iter().enumerate() {
+        if let Some(t) = &r.timeline {
+            println!("FSDP timeline of the last step, rank {rank}:\n{t}");
+        }
+    }
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
