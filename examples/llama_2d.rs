@@ -8,7 +8,7 @@
 //! gradient reductions); with `--no-fsdp` or `--zero1` it trains bf16 parameters.
 //! With FSDP, `--timeline` prints each rank's record of the last step: every unit's
 //! forward and backward compute and its all-gathers and reduce-scatters, to see what
-//! overlapped.
+//! overlapped, and the collectives the rank issued in that step per phase and group.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -160,7 +160,8 @@ struct Cli {
     nonfinite: NonFinite,
     /// With FSDP: print each rank's timeline of the last step (each unit's forward and
     /// backward compute, all-gathers and reduce-scatters, and how long the compute
-    /// waited for them).
+    /// waited for them) and the collectives it issued in that step (calls and bytes per
+    /// phase and group).
     #[arg(long, conflicts_with_all = ["no_fsdp", "zero1"])]
     timeline: bool,
 }
@@ -354,7 +355,7 @@ struct RankReport {
     start_step: usize,
     /// Steps this run took.
     steps_run: usize,
-    /// The FSDP timeline of the last step, rendered (`--timeline`).
+    /// The FSDP timeline of the last step and its collectives, rendered (`--timeline`).
     timeline: Option<String>,
 }
 
@@ -466,6 +467,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // Each step starts a fresh record, so the last step's is what is left at the end.
     let timeline = (o.timeline && o.dp_mode == DpMode::Fsdp).then(FsdpTimeline::new);
     set_fsdp_timeline(&model, timeline.as_ref());
+    // The collectives of a step, per phase (with --timeline).
+    let comm = world.comm_debug();
+    let mut phases: Vec<(&str, Vec<tpar::collectives::CommRecord>)> = Vec::new();
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
@@ -485,6 +489,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             let batch = dataset.batch(chunk)?.to_device(device)?;
             if let Some(t) = &timeline {
                 t.clear();
+                comm.clear();
+                comm.enable();
+                phases.clear();
             }
             unshard(&model)?;
             // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
@@ -502,7 +509,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 }
                 .into());
             }
+            if timeline.is_some() {
+                phases.push(("forward", comm.take()));
+            }
             loss.backward()?;
+            if timeline.is_some() {
+                phases.push(("backward", comm.take()));
+            }
             if let (Some(ddp), DpMode::Ddp) = (&ddp, o.dp_mode) {
                 ddp.sync_gradients(&model)?;
             }
@@ -530,6 +543,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // The loss averaged over dp ranks, for the log.
             let local = Tensor::scalar(local, DType::F64);
             let l = dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?;
+            if timeline.is_some() {
+                phases.push(("optimizer", comm.take()));
+                comm.disable();
+            }
             if step == 0 {
                 progress.first_loss = l;
             }
@@ -590,7 +607,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         peak_bytes: memory::peak(rank),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
-        timeline: timeline.map(|t| t.render(72)),
+        timeline: timeline.map(|t| {
+            let p: Vec<(&str, &[tpar::collectives::CommRecord])> =
+                phases.iter().map(|(n, r)| (*n, r.as_slice())).collect();
+            format!("{}collectives of the last step:\n{}", t.render(72), explain_collectives(&p))
+        }),
     })
 }
 
