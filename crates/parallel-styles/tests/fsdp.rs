@@ -646,3 +646,70 @@ fn fsdp_parameters_are_dtensors_on_the_2d_mesh() {
     assert_eq!(l["base_model.layers.0.self_attn.o_proj.weight"].1, "S(1)S(0)");
     assert_eq!(l["base_model.layers.0.input_layernorm.weight"].1, "RS(0)");
 }
+
+/// The FSDP timeline of a second step (the first recorded the units' order): every unit
+/// computes forward and backward once and reduce-scatters once; the root gathers once
+/// (it keeps its parameters for the backward), the others twice. The gathers and
+/// reduce-scatters overlap compute by construction: each unit's forward gather starts
+/// before the unit that ran before it has finished its forward, the layer 0 gather for
+/// the backward starts before layer 1's backward ends, and layer 1's reduce-scatter
+/// starts before layer 0's backward ends.
+#[test]
+fn fsdp_timeline_shows_prefetched_gathers_and_overlapped_reductions() {
+    use tpar_parallel_styles::{set_fsdp_timeline, FsdpTimeline, TimelineEvent, TimelineKind};
+    let out = spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        shard_model(&mut model, &mesh)?;
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        let timeline = FsdpTimeline::new();
+        set_fsdp_timeline(&model, Some(&timeline));
+        let (ids, tgt) = global_batch();
+        let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
+        for _ in 0..2 {
+            timeline.clear();
+            unshard(&model).map_err(common::plan_err)?;
+            loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
+        }
+        Ok::<_, NnError>((timeline.events(), timeline.render(60)))
+    })
+    .unwrap();
+    for (rank, (events, text)) in out.into_iter().enumerate() {
+        let what = format!("rank {rank}:\n{text}");
+        let of = |unit: &str, kind| -> Vec<&TimelineEvent> {
+            let mut v: Vec<_> =
+                events.iter().filter(|e| e.unit == unit && e.kind == kind).collect();
+            v.sort_by_key(|e| e.start);
+            v
+        };
+        let units = ["(root)", "base_model", "base_model.layers.0", "base_model.layers.1"];
+        for u in units {
+            assert_eq!(of(u, TimelineKind::Forward).len(), 1, "{u} forward, {what}");
+            assert_eq!(of(u, TimelineKind::Backward).len(), 1, "{u} backward, {what}");
+            assert_eq!(of(u, TimelineKind::ReduceScatter).len(), 1, "{u} reduce_scatter, {what}");
+            let gathers = if u == "(root)" { 1 } else { 2 };
+            assert_eq!(of(u, TimelineKind::AllGather).len(), gathers, "{u} all_gather, {what}");
+        }
+        for w in units.windows(2) {
+            let (prev, next) =
+                (of(w[0], TimelineKind::Forward)[0], of(w[1], TimelineKind::AllGather)[0]);
+            assert!(
+                next.start < prev.end,
+                "{} gather not prefetched during {}, {what}",
+                w[1],
+                w[0]
+            );
+        }
+        let (l0, l1) = ("base_model.layers.0", "base_model.layers.1");
+        let l0_backward_gather = of(l0, TimelineKind::AllGather)[1];
+        assert!(
+            l0_backward_gather.start < of(l1, TimelineKind::Backward)[0].end,
+            "layer 0's backward gather not prefetched, {what}"
+        );
+        assert!(
+            of(l1, TimelineKind::ReduceScatter)[0].start < of(l0, TimelineKind::Backward)[0].end,
+            "layer 1's reduce_scatter did not overlap layer 0's backward, {what}"
+        );
+        assert!(text.contains("base_model.layers.1 reduce_scatter"), "{what}");
+    }
+}
