@@ -6,6 +6,9 @@
 //! tokens/s, ETA); otherwise it prints a line every `--log-every` steps.
 //! With FSDP, `--dtype bf16` is mixed precision (bf16 compute, f32 master shards and
 //! gradient reductions); with `--no-fsdp` or `--zero1` it trains bf16 parameters.
+//! With FSDP, `--timeline` prints each rank's record of the last step: every unit's
+//! forward and backward compute and its all-gathers and reduce-scatters, to see what
+//! overlapped, and the collectives the rank issued in that step per phase and group.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -54,6 +57,7 @@ struct Opts {
     stop_after: Option<usize>,
     export: Option<PathBuf>,
     nonfinite: NonFinite,
+    timeline: bool,
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
@@ -154,6 +158,12 @@ struct Cli {
     /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
     #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
     nonfinite: NonFinite,
+    /// With FSDP: print each rank's timeline of the last step (each unit's forward and
+    /// backward compute, all-gathers and reduce-scatters, and how long the compute
+    /// waited for them) and the collectives it issued in that step (calls and bytes per
+    /// phase and group).
+    #[arg(long, conflicts_with_all = ["no_fsdp", "zero1"])]
+    timeline: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -250,6 +260,7 @@ fn parse() -> Result<Opts, String> {
         stop_after: c.stop_after,
         export: c.export,
         nonfinite: c.nonfinite,
+        timeline: c.timeline,
     })
 }
 
@@ -344,6 +355,8 @@ struct RankReport {
     start_step: usize,
     /// Steps this run took.
     steps_run: usize,
+    /// The FSDP timeline of the last step and its collectives, rendered (`--timeline`).
+    timeline: Option<String>,
 }
 
 /// One rank's training over `world` (the local backend's world group, or the NCCL or TCP
@@ -451,6 +464,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // plan's vocab-sharded loss and for a plain one alike.
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
     let progress_bar = (rank == 0).then(|| run::progress_bar(o.steps, 0));
+    // Each step starts a fresh record, so the last step's is what is left at the end.
+    let timeline = (o.timeline && o.dp_mode == DpMode::Fsdp).then(FsdpTimeline::new);
+    set_fsdp_timeline(&model, timeline.as_ref());
+    // The collectives of a step, per phase (with --timeline).
+    let comm = world.comm_debug();
+    let mut phases: Vec<(&str, Vec<tpar::collectives::CommRecord>)> = Vec::new();
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
@@ -468,6 +487,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 break 'outer;
             }
             let batch = dataset.batch(chunk)?.to_device(device)?;
+            if let Some(t) = &timeline {
+                t.clear();
+                comm.clear();
+                comm.enable();
+                phases.clear();
+            }
             unshard(&model)?;
             // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
             let logits = model
@@ -484,7 +509,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 }
                 .into());
             }
+            if timeline.is_some() {
+                phases.push(("forward", comm.take()));
+            }
             loss.backward()?;
+            if timeline.is_some() {
+                phases.push(("backward", comm.take()));
+            }
             if let (Some(ddp), DpMode::Ddp) = (&ddp, o.dp_mode) {
                 ddp.sync_gradients(&model)?;
             }
@@ -512,6 +543,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // The loss averaged over dp ranks, for the log.
             let local = Tensor::scalar(local, DType::F64);
             let l = dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?;
+            if timeline.is_some() {
+                phases.push(("optimizer", comm.take()));
+                comm.disable();
+            }
             if step == 0 {
                 progress.first_loss = l;
             }
@@ -572,6 +607,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         peak_bytes: memory::peak(rank),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
+        timeline: timeline.map(|t| {
+            let p: Vec<(&str, &[tpar::collectives::CommRecord])> =
+                phases.iter().map(|(n, r)| (*n, r.as_slice())).collect();
+            format!("{}collectives of the last step:\n{}", t.render(72), explain_collectives(&p))
+        }),
     })
 }
 
@@ -625,6 +665,11 @@ fn main() {
         }
     };
     let r0 = &reports[0];
+    for (rank, r) in reports.iter().enumerate() {
+        if let Some(t) = &r.timeline {
+            println!("FSDP timeline of the last step, rank {rank}:\n{t}");
+        }
+    }
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));

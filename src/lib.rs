@@ -67,9 +67,10 @@ pub mod prelude {
         SgdConfig, ZeroRedundancyOptimizer,
     };
     pub use tpar_parallel_styles::{
-        explain, fully_shard, loss_parallel, parallelize_module, unshard, ColwiseParallel,
-        DataParallel, FsdpConfig, MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput,
-        PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+        explain, explain_collectives, fully_shard, loss_parallel, parallelize_module,
+        set_fsdp_timeline, unshard, ColwiseParallel, DataParallel, FsdpConfig, FsdpTimeline,
+        MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput, PrepareModuleInputOutput,
+        PrepareModuleOutput, RowwiseParallel, SequenceParallel,
     };
     pub use tpar_pipeline::{
         PipelineError, PipelineSchedule, PipelineStage, Schedule, ScheduleKind,

@@ -355,6 +355,7 @@ fn three_d_pp_dp_tp_step_equals_the_single_rank_step() {
     for (kind, sp, fsdp) in [
         (ScheduleKind::OneFOneB, true, true),
         (ScheduleKind::ZeroBubble, false, false),
+        (ScheduleKind::ZeroBubble, true, true),
         (ScheduleKind::GPipe, false, true),
     ] {
         let got = step_3d(kind, sp, fsdp, &cfg, &ids, &tgt);

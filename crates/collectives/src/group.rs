@@ -4,7 +4,7 @@ use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -726,7 +726,7 @@ impl ProcessGroup {
                     }),
                 };
                 world.async_finished(me);
-                r
+                (r, Instant::now())
             }
         };
         let spawned = std::thread::Builder::new().name(format!("tpar-work-{me}")).spawn(job);
@@ -743,7 +743,7 @@ impl ProcessGroup {
                     }),
                 };
                 world.async_finished(me);
-                Work { op, state: WorkState::Done(r) }
+                Work { op, state: WorkState::Done(r, Instant::now()) }
             }
         }
     }
@@ -793,8 +793,9 @@ fn expect_tensor(op: &'static str, r: Result<Option<Tensor>>) -> Result<Tensor> 
 }
 
 enum WorkState {
-    Running(JoinHandle<Result<Option<Tensor>>>),
-    Done(Result<Option<Tensor>>),
+    /// On a helper thread, which hands back the result and when it finished.
+    Running(JoinHandle<(Result<Option<Tensor>>, Instant)>),
+    Done(Result<Option<Tensor>>, Instant),
     /// Queued on a multi-process group's worker thread.
     Queued(Pending, Device),
 }
@@ -814,20 +815,32 @@ pub struct Work {
 impl Work {
     /// Waits for the collective and returns its result.
     pub fn wait(self) -> Result<Tensor> {
-        let r = match self.state {
-            WorkState::Done(r) => r,
+        self.wait_timed().map(|(t, _)| t)
+    }
+
+    /// [`wait`](Self::wait), also returning when the collective finished: on the local
+    /// backend, when its helper thread did (which may be well before this call, when the
+    /// collective overlapped other work); on the multi-process backends, when this rank
+    /// received the result (at the latest, now).
+    pub fn wait_timed(self) -> Result<(Tensor, Instant)> {
+        let (r, at) = match self.state {
+            WorkState::Done(r, at) => (r, at),
             WorkState::Running(h) => h.join().unwrap_or_else(|p| {
-                Err(CollectiveError::Panicked { rank: usize::MAX, message: panic_message(&*p) })
+                let message = panic_message(&*p);
+                (Err(CollectiveError::Panicked { rank: usize::MAX, message }), Instant::now())
             }),
-            WorkState::Queued(p, device) => back_to(device, p.wait()),
+            WorkState::Queued(p, device) => {
+                let r = back_to(device, p.wait());
+                (r, Instant::now())
+            }
         };
-        expect_tensor(self.op, r)
+        Ok((expect_tensor(self.op, r)?, at))
     }
 
     /// Whether the collective has finished (successfully or not).
     pub fn is_completed(&self) -> bool {
         match &self.state {
-            WorkState::Done(_) => true,
+            WorkState::Done(..) => true,
             WorkState::Running(h) => h.is_finished(),
             WorkState::Queued(p, _) => p.is_completed(),
         }

@@ -1,17 +1,23 @@
 //! The state of one FSDP-managed parameter: its dp shard (the leaf the optimizer
 //! updates) and the unsharded tensor the forward computes with, whose storage exists
-//! only while its unit runs.
+//! only while its unit runs. A unit's parameters communicate together through their
+//! [`FsdpParamGroup`](crate::fsdp_group::FsdpParamGroup).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use tpar_collectives::{ProcessGroup, ReduceOp, Work};
 use tpar_dtensor::{DTensor, DTensorSpec, Placement};
 use tpar_mesh::DeviceMesh;
 use tpar_placements::chunk_range;
-use tpar_tensor::autograd::record;
-use tpar_tensor::{no_grad, DType, Device, Tensor};
+use tpar_tensor::autograd::{needs_input_grad, record, GradModeGuard};
+use tpar_tensor::{no_grad, DType, Device, Tensor, TensorError};
 
-use crate::Result;
+use crate::fsdp_group::FsdpParamGroup;
+use crate::{NnError, Result};
+
+/// The group a parameter belongs to and its index there (shared with the backward
+/// closure of the parameter's all-gather node).
+type GroupLink = Arc<Mutex<Option<(Weak<FsdpParamGroup>, usize)>>>;
 
 struct Inner {
     sharded: Tensor,
@@ -24,9 +30,13 @@ struct Inner {
 /// `sharded` is this rank's `torch.chunk` of the (tensor-parallel-local) parameter
 /// along dim 0 over the dp group; it is a leaf and owns the gradient and the optimizer
 /// state. `unsharded` is a non-leaf produced from it by an all-gather node: its storage
-/// is filled by [`FsdpParam::unshard`] and released by [`FsdpParam::reshard`]; its
-/// backward reduce-scatters the gradient (averaged over dp, in `reduce_dtype`) into the
-/// shard and releases the storage again.
+/// is filled by [`FsdpParam::unshard`] and released by [`FsdpParam::reshard`].
+///
+/// In a unit ([`FsdpParamGroup`]), gathering and reducing are the group's: the whole
+/// unit is gathered with one all-gather, and the all-gather node's backward hands the
+/// gradient to the group, which reduce-scatters the unit's gradients together once all
+/// have arrived. Alone, the parameter gathers itself and its node reduce-scatters its own
+/// gradient (averaged over dp, in `reduce_dtype`) into the shard.
 pub struct FsdpParam {
     inner: Mutex<Inner>,
     dp_mesh: DeviceMesh,
@@ -35,6 +45,7 @@ pub struct FsdpParam {
     local_shape: Vec<usize>,
     param_dtype: DType,
     reduce_dtype: DType,
+    group: GroupLink,
 }
 
 impl std::fmt::Debug for FsdpParam {
@@ -79,6 +90,7 @@ impl FsdpParam {
             local_shape: local.dims().to_vec(),
             param_dtype,
             reduce_dtype,
+            group: Arc::new(Mutex::new(None)),
         };
         p.install(sharded)?;
         Ok(Arc::new(p))
@@ -98,7 +110,19 @@ impl FsdpParam {
         };
         let u = placeholder.clone();
         let (dp, reduce, master) = (self.dp.clone(), self.reduce_dtype, sharded.dtype());
+        let link = self.group.clone();
+        // The node is part of the parameter whatever the caller's grad mode.
+        let _grad = GradModeGuard::new(true);
         let unsharded = record("fsdp_all_gather", &[&sharded], placeholder, move |g| {
+            if !needs_input_grad(0) {
+                return Ok(vec![None]);
+            }
+            if let Some((group, i)) = linked(&link) {
+                // The unit reduce-scatters its gradients together (and fills the shard's
+                // gradient) once all have arrived.
+                group.deposit_grad(i, g).map_err(into_tensor_error)?;
+                return Ok(vec![None]);
+            }
             let g = g.to_dtype(reduce)?;
             let shard = dp.reduce_scatter(&g, 0, ReduceOp::Avg)?;
             u.release_storage_();
@@ -110,21 +134,66 @@ impl FsdpParam {
     }
 
     /// Replaces the shard with this rank's chunk of a new (tp-local) value, e.g. at
-    /// initialisation; the old gradient is dropped.
+    /// initialisation; the old gradient is dropped (and a gather of the old values that
+    /// is in flight, discarded).
     pub fn reinit(&self, local: &Tensor) -> Result<()> {
-        self.install(Self::shard_of(local, &self.dp)?)
+        self.install(Self::shard_of(local, &self.dp)?)?;
+        if let Some((group, _)) = self.group() {
+            group.discard_prefetch()?;
+        }
+        Ok(())
     }
 
     /// Copies `shard` (this rank's dp shard of a saved value) into the shard in place,
     /// keeping the leaf and its optimizer state's identity, and releases any gathered
-    /// copy so the next use gathers the new values.
+    /// copy (or discards a gather in flight) so the next use gathers the new values.
     pub fn load_shard(&self, shard: &Tensor) -> Result<()> {
-        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        no_grad(|| inner.sharded.copy_(shard))?;
-        if !inner.unsharded.is_released() && inner.unsharded.device() != Device::Meta {
-            inner.unsharded.release_storage_();
+        {
+            let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            no_grad(|| inner.sharded.copy_(shard))?;
+            if !inner.unsharded.is_released() && inner.unsharded.device() != Device::Meta {
+                inner.unsharded.release_storage_();
+            }
+        }
+        if let Some((group, _)) = self.group() {
+            group.discard_prefetch()?;
         }
         Ok(())
+    }
+
+    /// The unit this parameter belongs to, and its index there.
+    pub fn group(&self) -> Option<(Arc<FsdpParamGroup>, usize)> {
+        linked(&self.group)
+    }
+
+    /// Makes this parameter member `index` of `group` (once; see
+    /// [`FsdpParamGroup::new`]).
+    pub(crate) fn link(&self, group: &Arc<FsdpParamGroup>, index: usize) -> Result<()> {
+        let mut slot = self.group.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.as_ref().is_some_and(|(g, _)| g.strong_count() > 0) {
+            return Err(NnError::Config {
+                what: format!("{self:?} already belongs to an FSDP unit"),
+            });
+        }
+        *slot = Some((Arc::downgrade(group), index));
+        Ok(())
+    }
+
+    /// The dtype the unsharded parameter is gathered and computed in.
+    pub fn param_dtype(&self) -> DType {
+        self.param_dtype
+    }
+
+    /// The dtype the gradient is reduce-scattered in.
+    pub fn reduce_dtype(&self) -> DType {
+        self.reduce_dtype
+    }
+
+    /// Whether the unsharded tensor gets a gradient in backward (its shard requires one
+    /// and holds data).
+    pub fn expects_grad(&self) -> bool {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.unsharded.requires_grad() && inner.sharded.device() != Device::Meta
     }
 
     /// The dp shard (the leaf the optimizer updates).
@@ -183,8 +252,11 @@ impl FsdpParam {
     }
 
     /// Starts gathering the unsharded tensor (returns at once; [`FsdpParam::unshard`]
-    /// waits for it).
+    /// waits for it). In a unit, the whole unit is gathered.
     pub fn unshard_async(&self) -> Result<()> {
+        if let Some((group, _)) = self.group() {
+            return group.unshard_async();
+        }
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if !inner.unsharded.is_released() || inner.pending.is_some() {
             return Ok(());
@@ -195,8 +267,14 @@ impl FsdpParam {
     }
 
     /// Makes the unsharded tensor's data available (waiting for a started gather, or
-    /// gathering now). A no-op when it already is.
+    /// gathering now). A no-op when it already is. In a unit, the whole unit is gathered.
     pub fn unshard(&self) -> Result<()> {
+        if let Some((group, _)) = self.group() {
+            if self.unsharded().is_released() {
+                return group.unshard();
+            }
+            return Ok(());
+        }
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if !inner.unsharded.is_released() {
             inner.pending = None;
@@ -259,5 +337,18 @@ impl FsdpParam {
             }
             None => local,
         })
+    }
+}
+
+fn linked(link: &GroupLink) -> Option<(Arc<FsdpParamGroup>, usize)> {
+    let slot = link.lock().unwrap_or_else(|p| p.into_inner());
+    slot.as_ref().and_then(|(g, i)| g.upgrade().map(|g| (g, *i)))
+}
+
+/// A module-layer error as the tensor error a backward closure returns.
+pub(crate) fn into_tensor_error(e: NnError) -> TensorError {
+    match e {
+        NnError::Tensor(t) => t,
+        other => TensorError::External(Arc::new(other)),
     }
 }

@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod fsdp_group;
 pub mod fsdp_param;
 pub mod layers;
 mod module;

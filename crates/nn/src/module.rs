@@ -52,6 +52,11 @@ pub trait ForwardHook: Send + Sync {
     fn prefetch(&self) -> Result<()> {
         Ok(())
     }
+    /// The hook as `Any`, so the layer that installed it can find its own hooks on a
+    /// model (`None`, the default, for hooks that need not be found).
+    fn as_any(&self) -> Option<&dyn Any> {
+        None
+    }
 }
 
 /// State every module carries: its hooks and its train/eval flag.

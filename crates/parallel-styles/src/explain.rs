@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use tpar_collectives::{CollectiveKind, CommRecord};
 use tpar_nn::Module;
 use tpar_placements::{fmt_bytes, fmt_placements, Step};
 
@@ -174,4 +175,83 @@ fn write_event(out: &mut String, e: &HookEvent, with_style: bool) {
     );
     steps_line(out, "forward", &e.forward_steps);
     steps_line(out, "backward", &e.backward_steps);
+}
+
+/// Calls and input bytes of one collective kind on one group, in one phase.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CommTally {
+    /// Calls.
+    pub calls: usize,
+    /// This rank's input bytes over those calls.
+    pub bytes: usize,
+}
+
+/// Calls and bytes per (collective kind, group) in `records`: what one rank issued,
+/// e.g. the records a [`CommDebug`](tpar_collectives::CommDebug) took during one phase
+/// of a step.
+pub fn tally_collectives(
+    records: &[CommRecord],
+) -> BTreeMap<(CollectiveKind, Vec<usize>), CommTally> {
+    let mut out: BTreeMap<(CollectiveKind, Vec<usize>), CommTally> = BTreeMap::new();
+    for r in records {
+        let t = out.entry((r.kind, r.group.clone())).or_default();
+        t.calls += 1;
+        t.bytes += r.bytes;
+    }
+    out
+}
+
+/// A table of the collectives one rank issued per phase of a step (`("forward",
+/// records)`, `("backward", records)`, ...), from a
+/// [`CommDebug`](tpar_collectives::CommDebug): per phase, collective and group (its
+/// global ranks, so a 2-D mesh's dp and tp groups show apart), the calls and this rank's
+/// input bytes, then the totals per phase and for the step. Unlike [`explain`], it
+/// counts everything the rank communicated: FSDP's gathers and reductions, the
+/// styles' redistributions, `loss_parallel`'s reductions.
+///
+/// ```
+/// use tpar_collectives::{spawn, CollectiveError};
+/// use tpar_tensor::Tensor;
+/// let tables = spawn(2, |ctx| -> Result<String, CollectiveError> {
+///     let pg = ctx.world_group();
+///     let dbg = pg.comm_debug();
+///     dbg.enable();
+///     pg.all_gather(&Tensor::from_vec(vec![1.0f32; 4], [4])?, 0)?;
+///     let forward = dbg.take();
+///     Ok(tpar_parallel_styles::explain_collectives(&[("forward", &forward)]))
+/// })?;
+/// assert!(tables[0].contains("all_gather"), "{}", tables[0]);
+/// assert!(tables[0].contains("total: 1 calls, 16 B"), "{}", tables[0]);
+/// # Ok::<(), CollectiveError>(())
+/// ```
+pub fn explain_collectives(phases: &[(&str, &[CommRecord])]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "  {:<10} {:<15} {:<16} {:>6} {:>12}",
+        "phase", "collective", "group", "calls", "bytes"
+    );
+    let (mut calls, mut bytes) = (0usize, 0usize);
+    for (phase, records) in phases {
+        let tally = tally_collectives(records);
+        let (mut pc, mut pb) = (0usize, 0usize);
+        for ((kind, group), t) in &tally {
+            let _ = writeln!(
+                out,
+                "  {:<10} {:<15} {:<16} {:>6} {:>12}",
+                phase,
+                kind.name(),
+                format!("{group:?}"),
+                t.calls,
+                fmt_bytes(t.bytes as u64)
+            );
+            pc += t.calls;
+            pb += t.bytes;
+        }
+        let _ = writeln!(out, "  {phase:<10} total: {pc} calls, {}", fmt_bytes(pb as u64));
+        calls += pc;
+        bytes += pb;
+    }
+    let _ = writeln!(out, "total: {calls} calls, {}", fmt_bytes(bytes as u64));
+    out
 }

@@ -78,10 +78,13 @@ mod style;
 pub mod trace;
 
 pub use error::{PlanError, Result};
-pub use explain::explain;
-pub use fsdp::{fully_shard, unshard, DataParallel, FsdpConfig, MixedPrecision};
+pub use explain::{explain, explain_collectives, tally_collectives, CommTally};
+pub use fsdp::{
+    fsdp_units, fully_shard, set_fsdp_timeline, unshard, DataParallel, FsdpConfig, MixedPrecision,
+};
 pub use plan::{apply_plan, check_plan, matches, parallelize_module, ParallelizePlan};
 pub use style::{
     ColwiseParallel, InputLayout, OutputLayout, ParallelStyle, PrepareModuleInput,
     PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, StyleLayouts,
 };
+pub use tpar_nn::fsdp_group::{FsdpParamGroup, FsdpTimeline, TimelineEvent, TimelineKind};

@@ -8,10 +8,15 @@ use std::time::Duration;
 
 use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, ReduceOp, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
+use tpar_models::llama_plans::{
+    megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
+};
 use tpar_models::LlamaForPretraining;
 use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Param, Value};
-use tpar_parallel_styles::{loss_parallel, unshard, DataParallel, FsdpConfig, MixedPrecision};
+use tpar_parallel_styles::{
+    explain_collectives, fsdp_units, fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig,
+    MixedPrecision,
+};
 use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 
 mod common;
@@ -273,9 +278,10 @@ fn fsdp_mixed_precision_computes_in_bf16_with_f32_master_shards() {
     .unwrap();
 }
 
-/// One rank's collectives of one FSDP forward and backward; each parameter's (tp-local)
-/// unsharded shape and dp shard shape; each master shard's gradient dtype.
-type Recorded = (Vec<CommRecord>, Vec<(Vec<usize>, Vec<usize>)>, Vec<DType>);
+/// One rank's collectives of one FSDP forward and backward; each unit's name and the
+/// elements of its flat all-gather input (its parameters' dp shards, each padded to
+/// `ceil(rows / dp)` rows); each master shard's gradient dtype.
+type Recorded = (Vec<CommRecord>, Vec<(String, usize)>, Vec<DType>);
 
 /// [`Recorded`] on each rank for `cfg` at dp = 2.
 fn record_fsdp_step(cfg: FsdpConfig) -> Vec<Recorded> {
@@ -291,24 +297,38 @@ fn record_fsdp_step(cfg: FsdpConfig) -> Vec<Recorded> {
         unshard(&model).map_err(common::plan_err)?;
         loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
         dbg.disable();
-        let mut shapes = Vec::new();
         let mut grad_dtypes = Vec::new();
         for (name, p) in named_parameters(&model) {
             let Param::Fsdp(f) = p else {
                 return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
             };
-            shapes.push((f.local_shape().to_vec(), f.sharded().dims().to_vec()));
             grad_dtypes.push(f.sharded().grad().expect("a reduced gradient").dtype());
         }
-        Ok((dbg.take(), shapes, grad_dtypes))
+        let units = fsdp_units(&model)
+            .into_iter()
+            .map(|(fqn, g)| {
+                let padded: usize = g
+                    .params()
+                    .iter()
+                    .map(|p| {
+                        let s = p.local_shape();
+                        s[0].div_ceil(2) * s[1..].iter().product::<usize>()
+                    })
+                    .sum();
+                (fqn, padded)
+            })
+            .collect();
+        Ok((dbg.take(), units, grad_dtypes))
     })
     .unwrap()
 }
 
-/// FSDP communicates in the configured dtypes: every all_gather of one forward and
-/// backward carries a parameter's dp shard in `param_dtype` (its bytes are the shard's
-/// elements times that dtype's size), and every parameter's gradient is reduce-scattered
-/// (averaged) exactly once, its whole unsharded shape in `reduce_dtype`; nothing else is
+/// FSDP communicates per unit, in the configured dtypes: each unit's dp shards are
+/// gathered with one all_gather of one flat `param_dtype` buffer (its bytes are its
+/// elements times that dtype's size), once for the forward and once more for the
+/// backward of every unit but the root (which keeps its parameters for the backward);
+/// each unit's gradients are reduce-scattered (averaged) exactly once, as one flat
+/// `reduce_dtype` buffer of dp times the unit's shard elements; nothing else is
 /// communicated. The master shards and their gradients stay f32. Each setting differs
 /// from the others in one dtype: without mixed precision (f32, f32), bf16 with f32
 /// reductions, bf16 reduced in bf16, and f32 compute with bf16 reductions, so reducing in
@@ -325,7 +345,7 @@ fn fsdp_collectives_run_in_param_and_reduce_dtypes() {
         let cfg = FsdpConfig { reshard_after_forward: true, mixed_precision };
         let (pd, rd) =
             mixed_precision.map_or((DType::F32, DType::F32), |m| (m.param_dtype, m.reduce_dtype));
-        for (rank, (recs, shapes, grad_dtypes)) in record_fsdp_step(cfg).into_iter().enumerate() {
+        for (rank, (recs, units, grad_dtypes)) in record_fsdp_step(cfg).into_iter().enumerate() {
             let what = format!("param {pd}, reduce {rd}, rank {rank}");
             let all: Vec<String> = recs.iter().map(|r| r.to_string()).collect();
             let numel = |s: &[usize]| s.iter().product::<usize>();
@@ -346,22 +366,198 @@ fn fsdp_collectives_run_in_param_and_reduce_dtypes() {
                     _ => panic!("{what}: unexpected {r} in {all:#?}"),
                 }
             }
-            // Each parameter's gradient once; each parameter's shard gathered at least
-            // once (forward; again for backward after resharding).
-            let mut want_reduced: Vec<Vec<usize>> = shapes.iter().map(|(l, _)| l.clone()).collect();
-            want_reduced.sort();
-            reduced.sort();
-            assert_eq!(reduced, want_reduced, "{what}: reduce_scatter shapes in {all:#?}");
-            for (_, shard) in &shapes {
-                let i = gathered.iter().position(|g| g == shard);
-                let i = i.unwrap_or_else(|| panic!("{what}: shard {shard:?} never gathered"));
-                gathered.swap_remove(i);
+            assert_eq!(units.len(), 4, "{what}: units {units:?}");
+            let mut want_reduced: Vec<Vec<usize>> =
+                units.iter().map(|(_, n)| vec![2 * n]).collect();
+            let mut want_gathered: Vec<Vec<usize>> = units.iter().map(|(_, n)| vec![*n]).collect();
+            want_gathered
+                .extend(units.iter().filter(|(f, _)| !f.is_empty()).map(|(_, n)| vec![*n]));
+            for v in [&mut want_reduced, &mut reduced, &mut want_gathered, &mut gathered] {
+                v.sort();
             }
+            assert_eq!(reduced, want_reduced, "{what}: reduce_scatter shapes in {all:#?}");
+            assert_eq!(gathered, want_gathered, "{what}: all_gather shapes in {all:#?}");
             assert!(grad_dtypes.iter().all(|d| *d == DType::F32), "{what}: {grad_dtypes:?}");
         }
     }
 }
 
+/// The FSDP collectives of one step on a 2 x 2 (dp x tp) Llama (2 layers, 4 heads, 2
+/// kv heads) with the sequence-parallel plan and `loss_parallel`, `fully_shard` per
+/// decoder layer and on the root, as on rank 0 of PyTorch 2.15: at most 3 all_gathers
+/// on the dp group in forward (one per unit), 2 in backward (the layers; the root keeps
+/// its parameters) and 3 reduce_scatters (one per unit). The gradients still equal the
+/// unsharded model's.
+#[test]
+fn fsdp_issues_one_gather_and_one_reduce_per_unit_on_a_2x2_llama() {
+    let out = spawn_with(
+        SpawnConfig::new(4).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "tp"])?;
+            let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+            parallelize_llama(&mut model, &mesh["tp"], &sequence_parallel_layer_plan())
+                .map_err(common::plan_err)?;
+            let fsdp = FsdpConfig::default();
+            for layer in &mut model.base_model.layers.items {
+                fully_shard(layer, &mesh["dp"], &fsdp).map_err(common::plan_err)?;
+            }
+            fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(common::plan_err)?;
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+            let (ids, tgt) = global_batch();
+            let r = mesh["dp"].local_rank();
+            let (ids, tgt) = (ids.narrow(0, 2 * r, 2)?, tgt.narrow(0, 2 * r, 2)?);
+            let dbg = ctx.world_group().comm_debug();
+            dbg.enable();
+            unshard(&model).map_err(common::plan_err)?;
+            let loss = loss_of(&model, &ids, &tgt)?;
+            let forward = dbg.take();
+            loss_parallel::backward(&loss, &mesh["tp"])?;
+            let backward = dbg.take();
+            dbg.disable();
+            let table = explain_collectives(&[("forward", &forward), ("backward", &backward)]);
+            let dp_ranks = mesh["dp"].group(0)?.ranks().to_vec();
+            let mut grads = BTreeMap::new();
+            for (n, p) in named_parameters(&model) {
+                let g = p.grad()?.expect("gradient");
+                grads.insert(n, g.full()?.to_vec_f64()?);
+            }
+            Ok((forward, backward, dp_ranks, table, grads))
+        },
+    )
+    .unwrap();
+    let (forward, backward, dp, table, _) = &out[0];
+    println!("rank 0, one step:\n{table}");
+    let on_dp = |recs: &[CommRecord], kind| {
+        recs.iter().filter(|r| r.kind == kind && &r.group == dp).count()
+    };
+    let (ag_fwd, ag_bwd) =
+        (on_dp(forward, CollectiveKind::AllGather), on_dp(backward, CollectiveKind::AllGather));
+    let rs = on_dp(forward, CollectiveKind::ReduceScatter)
+        + on_dp(backward, CollectiveKind::ReduceScatter);
+    println!(
+        "FSDP on dp {dp:?}: all_gather {ag_fwd} forward, {ag_bwd} backward; reduce_scatter {rs}"
+    );
+    assert!((1..=3).contains(&ag_fwd), "{ag_fwd} all_gathers on dp in forward\n{table}");
+    assert!((1..=2).contains(&ag_bwd), "{ag_bwd} all_gathers on dp in backward\n{table}");
+    assert!((1..=3).contains(&rs), "{rs} reduce_scatters on dp\n{table}");
+    assert!(table.contains("reduce_scatter") && table.contains("forward"), "{table}");
+    let want = reference_grads();
+    let tol = Tol::for_dtype(DType::F32).scaled(10.0);
+    for (rank, (.., grads)) in out.iter().enumerate() {
+        assert_eq!(grads.len(), want.len());
+        for (n, g) in grads {
+            tol.check(&format!("sp 2x2 per-unit FSDP rank {rank} {n}"), g, &want[n]).unwrap();
+        }
+    }
+}
+
+/// One unit of parameters with awkward dim-0 sizes (dp * 3 + {0, 1, 2} rows, a 1-row
+/// one, so some ranks hold padding only) and two dtypes, gathered and reduced directly:
+/// one all_gather and one reduce_scatter per dtype; the gathered parameters equal the
+/// full values; the shards' gradients are the dp-mean of each rank's gradient, sharded
+/// (added to what was there); a parameter the loss does not use gets no gradient.
+#[test]
+fn a_unit_with_uneven_and_mixed_dtype_parameters_gathers_and_reduces_per_dtype() {
+    use tpar_nn::fsdp_group::FsdpParamGroup;
+    use tpar_nn::fsdp_param::FsdpParam;
+    for dp in [2, 3, 4] {
+        let shapes: Vec<(Vec<usize>, DType)> = vec![
+            (vec![dp * 3, 2], DType::F32),
+            (vec![dp * 3 + 1], DType::F32),
+            (vec![dp * 3 + 2, 3], DType::BF16),
+            (vec![1, 4], DType::F32),
+            (vec![dp + 1, 2], DType::F32), // unused by the loss
+        ];
+        let full = |i: usize| -> Vec<f64> {
+            let n: usize = shapes[i].0.iter().product();
+            (0..n).map(|e| ((e * 5 + i * 3) % 11) as f64 * 0.25 - 1.0).collect()
+        };
+        let out = spawn_with(
+            SpawnConfig::new(dp).timeout(Duration::from_secs(60)),
+            |ctx| -> Result<_, NnError> {
+                let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp], &["dp"])?;
+                let pg = mesh.group(0)?.clone();
+                let params = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (s, d))| {
+                        let t = Tensor::from_f64(&full(i), s.clone(), *d)?;
+                        FsdpParam::new(&t, None, &mesh, *d, *d)
+                    })
+                    .collect::<Result<Vec<_>, NnError>>()?;
+                let group = FsdpParamGroup::new("unit", &pg, params.clone())?;
+                // A gradient already on a shard is added to.
+                let leaf = params[0].sharded();
+                leaf.set_grad(Some(Tensor::ones(leaf.shape().clone(), DType::F32, Device::Cpu)?));
+                let dbg = pg.comm_debug();
+                dbg.enable();
+                group.unshard()?;
+                let gathered: Vec<Vec<f64>> =
+                    params.iter().map(|p| p.unsharded().to_vec_f64()).collect::<Result<_, _>>()?;
+                // loss = sum_i (rank + 1) * i * sum(u_i), parameter 4 left out.
+                let mut loss = Tensor::scalar(0.0, DType::F32);
+                for (i, p) in params.iter().enumerate().take(4) {
+                    let s = p.unsharded().to_dtype(DType::F32)?.sum_all()?;
+                    loss = loss.add(&s.mul_scalar(((ctx.rank() + 1) * (i + 1)) as f64)?)?;
+                }
+                loss.backward()?;
+                dbg.disable();
+                let released = params.iter().all(|p| p.unsharded().is_released());
+                let grads: Vec<Option<Vec<f64>>> = params
+                    .iter()
+                    .map(|p| p.gather_full(&p.sharded().grad()?).ok()?.to_vec_f64().ok())
+                    .collect();
+                let _ = group;
+                Ok((dbg.take(), gathered, grads, released))
+            },
+        )
+        .unwrap_or_else(|e| panic!("dp {dp}: {e}"));
+        // The mean over ranks of (rank + 1) is (dp + 1) / 2.
+        let mean = (dp + 1) as f64 / 2.0;
+        for (rank, (recs, gathered, grads, released)) in out.into_iter().enumerate() {
+            let what = format!("dp {dp} rank {rank}");
+            let kinds: Vec<(CollectiveKind, Option<DType>)> =
+                recs.iter().map(|r| (r.kind, r.dtype)).collect();
+            assert_eq!(
+                kinds,
+                [
+                    (CollectiveKind::AllGather, Some(DType::F32)),
+                    (CollectiveKind::AllGather, Some(DType::BF16)),
+                    (CollectiveKind::ReduceScatter, Some(DType::F32)),
+                    (CollectiveKind::ReduceScatter, Some(DType::BF16)),
+                ],
+                "{what}: {recs:#?}"
+            );
+            // Padded shards: f32 3 rows of 2, 4 rows of 1, 1 row of 4, and 2 rows of 2
+            // (gathered, not reduced); bf16 4 rows of 3.
+            assert_eq!(recs[0].shape, [6 + 4 + 4 + 4], "{what}");
+            assert_eq!(recs[1].shape, [12], "{what}");
+            assert_eq!(recs[2].shape, [dp * (6 + 4 + 4)], "{what}");
+            assert_eq!(recs[3].shape, [dp * 12], "{what}");
+            assert!(released, "{what}: the unit stayed gathered after backward");
+            for (i, g) in gathered.iter().enumerate() {
+                assert_eq!(g, &full(i), "{what}: parameter {i} gathered");
+            }
+            for (i, g) in grads.iter().enumerate() {
+                let n: usize = shapes[i].0.iter().product();
+                let base = if i == 0 { 1.0 } else { 0.0 };
+                match (i, g) {
+                    (4, None) => {}
+                    (4, Some(_)) => panic!("{what}: the unused parameter got a gradient"),
+                    (_, None) => panic!("{what}: parameter {i} got no gradient"),
+                    (_, Some(g)) => {
+                        assert_eq!(
+                            g,
+                            &vec![base + mean * (i + 1) as f64; n],
+                            "{what}: parameter {i}"
+                        )
+                    }
+                }
+            }
+        }
+    }
+}
 /// Three AdamW steps under bf16 mixed precision at dp = 2 (with a padding mask input)
 /// stay close to f32 single-rank training, and the loss falls.
 ///
@@ -449,4 +645,71 @@ fn fsdp_parameters_are_dtensors_on_the_2d_mesh() {
     assert_eq!((q.0.clone(), q.1.as_str()), (vec!["tp".to_string(), "dp".to_string()], "S(0)S(0)"));
     assert_eq!(l["base_model.layers.0.self_attn.o_proj.weight"].1, "S(1)S(0)");
     assert_eq!(l["base_model.layers.0.input_layernorm.weight"].1, "RS(0)");
+}
+
+/// The FSDP timeline of a second step (the first recorded the units' order): every unit
+/// computes forward and backward once and reduce-scatters once; the root gathers once
+/// (it keeps its parameters for the backward), the others twice. The gathers and
+/// reduce-scatters overlap compute by construction: each unit's forward gather starts
+/// before the unit that ran before it has finished its forward, the layer 0 gather for
+/// the backward starts before layer 1's backward ends, and layer 1's reduce-scatter
+/// starts before layer 0's backward ends.
+#[test]
+fn fsdp_timeline_shows_prefetched_gathers_and_overlapped_reductions() {
+    use tpar_parallel_styles::{set_fsdp_timeline, FsdpTimeline, TimelineEvent, TimelineKind};
+    let out = spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        shard_model(&mut model, &mesh)?;
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        let timeline = FsdpTimeline::new();
+        set_fsdp_timeline(&model, Some(&timeline));
+        let (ids, tgt) = global_batch();
+        let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
+        for _ in 0..2 {
+            timeline.clear();
+            unshard(&model).map_err(common::plan_err)?;
+            loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
+        }
+        Ok::<_, NnError>((timeline.events(), timeline.render(60)))
+    })
+    .unwrap();
+    for (rank, (events, text)) in out.into_iter().enumerate() {
+        let what = format!("rank {rank}:\n{text}");
+        let of = |unit: &str, kind| -> Vec<&TimelineEvent> {
+            let mut v: Vec<_> =
+                events.iter().filter(|e| e.unit == unit && e.kind == kind).collect();
+            v.sort_by_key(|e| e.start);
+            v
+        };
+        let units = ["(root)", "base_model", "base_model.layers.0", "base_model.layers.1"];
+        for u in units {
+            assert_eq!(of(u, TimelineKind::Forward).len(), 1, "{u} forward, {what}");
+            assert_eq!(of(u, TimelineKind::Backward).len(), 1, "{u} backward, {what}");
+            assert_eq!(of(u, TimelineKind::ReduceScatter).len(), 1, "{u} reduce_scatter, {what}");
+            let gathers = if u == "(root)" { 1 } else { 2 };
+            assert_eq!(of(u, TimelineKind::AllGather).len(), gathers, "{u} all_gather, {what}");
+        }
+        for w in units.windows(2) {
+            let (prev, next) =
+                (of(w[0], TimelineKind::Forward)[0], of(w[1], TimelineKind::AllGather)[0]);
+            assert!(
+                next.start < prev.end,
+                "{} gather not prefetched during {}, {what}",
+                w[1],
+                w[0]
+            );
+        }
+        let (l0, l1) = ("base_model.layers.0", "base_model.layers.1");
+        let l0_backward_gather = of(l0, TimelineKind::AllGather)[1];
+        assert!(
+            l0_backward_gather.start < of(l1, TimelineKind::Backward)[0].end,
+            "layer 0's backward gather not prefetched, {what}"
+        );
+        assert!(
+            of(l1, TimelineKind::ReduceScatter)[0].start < of(l0, TimelineKind::Backward)[0].end,
+            "layer 1's reduce_scatter did not overlap layer 0's backward, {what}"
+        );
+        assert!(text.contains("base_model.layers.1 reduce_scatter"), "{what}");
+    }
 }

@@ -11,6 +11,10 @@
 //! gradients asked for. [`backward_input`] uses it to split a backward in two
 //! (for zero-bubble pipeline schedules): the gradients of chosen inputs at once,
 //! and a [`WeightGrad`] that fills the parameters' `.grad()` later.
+//!
+//! A backward closure may [`queue_callback`] work for the end of the backward pass it
+//! runs in (PyTorch's `queue_callback`): FSDP waits there for the gradient reductions it
+//! started asynchronously.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
@@ -22,6 +26,113 @@ thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
     /// The input mask of the backward closure the engine is calling on this thread.
     static INPUT_MASK: RefCell<Option<Vec<bool>>> = const { RefCell::new(None) };
+    /// The callbacks queued for the end of the backward pass running on this thread
+    /// (`None` outside a backward pass).
+    static CALLBACKS: RefCell<Option<Vec<Queued>>> = const { RefCell::new(None) };
+}
+
+/// Work for the end of a backward pass (see [`queue_callback`]).
+pub type Callback = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// A queued callback and the key it was queued under, if any.
+struct Queued {
+    key: Option<u64>,
+    f: Callback,
+}
+
+/// Queues `f` to run once the backward pass running on this thread has finished
+/// propagating (after the leaves' `.grad()` are filled), as PyTorch's
+/// `Variable._execution_engine.queue_callback`. Callbacks run in the order they were
+/// queued, with grad recording off; one may queue more, which run after it. An error
+/// from a callback is the backward's error.
+///
+/// Call it from a backward closure: outside a backward pass it fails with
+/// [`TensorError::Autograd`]. A backward split with [`backward_input`] finishes when its
+/// [`WeightGrad::run`] does, so callbacks queued during the input pass run at the end of
+/// the weight pass (and not at all if the [`WeightGrad`] is dropped).
+///
+/// ```
+/// use std::sync::{Arc, atomic::{AtomicBool, Ordering}};
+/// use tpar_tensor::{autograd::{queue_callback, record}, Tensor};
+/// let x = Tensor::from_vec(vec![1.0f64, 2.0], [2])?.requires_grad_(true);
+/// let done = Arc::new(AtomicBool::new(false));
+/// let flag = done.clone();
+/// let y = record("watched", &[&x], x.detach(), move |g| {
+///     let flag = flag.clone();
+///     queue_callback(move || { flag.store(true, Ordering::SeqCst); Ok(()) })?;
+///     Ok(vec![Some(g.clone())])
+/// });
+/// y.sum_all()?.backward()?;
+/// assert!(done.load(Ordering::SeqCst) && x.grad().is_some());
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+pub fn queue_callback(f: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
+    push_callback(None, Box::new(f)).map(|_| ())
+}
+
+/// [`queue_callback`] under `key`: does nothing and returns `Ok(false)` when a callback
+/// with the same key is already queued for this backward pass, so a closure that runs
+/// many times per backward (once per module, say) queues its work once.
+pub fn queue_callback_once(
+    key: u64,
+    f: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<bool> {
+    push_callback(Some(key), Box::new(f))
+}
+
+fn push_callback(key: Option<u64>, f: Callback) -> Result<bool> {
+    CALLBACKS.with(|c| match c.borrow_mut().as_mut() {
+        None => Err(TensorError::Autograd(
+            "queue_callback: no backward pass is running on this thread".into(),
+        )),
+        Some(q) => {
+            if key.is_some() && q.iter().any(|e| e.key == key) {
+                return Ok(false);
+            }
+            q.push(Queued { key, f });
+            Ok(true)
+        }
+    })
+}
+
+/// The callback queue of one backward pass: installed on this thread while the pass
+/// runs, the previous one (an enclosing pass's) restored when dropped.
+struct CallbackScope {
+    prev: Option<Option<Vec<Queued>>>,
+}
+
+impl CallbackScope {
+    /// Opens a pass's queue, holding `carried` (callbacks queued by an earlier part of
+    /// the same backward).
+    fn open(carried: Vec<Queued>) -> Self {
+        CallbackScope { prev: Some(CALLBACKS.with(|c| c.replace(Some(carried)))) }
+    }
+
+    /// Takes the callbacks queued so far.
+    fn take(&self) -> Vec<Queued> {
+        CALLBACKS.with(|c| c.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default())
+    }
+
+    /// Runs the queued callbacks in order (and those they queue) until none is left.
+    fn run(&self) -> Result<()> {
+        loop {
+            let next = CALLBACKS.with(|c| {
+                let mut c = c.borrow_mut();
+                let q = c.as_mut()?;
+                (!q.is_empty()).then(|| q.remove(0))
+            });
+            let Some(cb) = next else { return Ok(()) };
+            (cb.f)()?;
+        }
+    }
+}
+
+impl Drop for CallbackScope {
+    fn drop(&mut self) {
+        let prev = self.prev.take().flatten();
+        // At thread teardown the slot may be gone already; nothing is left to restore then.
+        let _ = CALLBACKS.try_with(|c| *c.borrow_mut() = prev);
+    }
 }
 
 /// The signature of a backward function: output gradient in, one optional
@@ -353,6 +464,16 @@ fn run_into_leaves(roots: &[Tensor], grads: Vec<Tensor>) -> Result<()> {
     Ok(())
 }
 
+/// Runs one backward pass `f` with its own callback queue (holding `carried`), then the
+/// callbacks queued during it, with grad recording off.
+fn with_callbacks<R>(carried: Vec<Queued>, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let scope = CallbackScope::open(carried);
+    let out = f()?;
+    let _g = GradModeGuard::new(false);
+    scope.run()?;
+    Ok(out)
+}
+
 impl Tensor {
     /// Backpropagates from this scalar, adding into every leaf's `.grad()`.
     pub fn backward(&self) -> Result<()> {
@@ -373,7 +494,9 @@ impl Tensor {
                 "the tensor does not require grad and has no grad_fn".into(),
             ));
         }
-        run_into_leaves(std::slice::from_ref(self), vec![grad.detach()])
+        with_callbacks(Vec::new(), || {
+            run_into_leaves(std::slice::from_ref(self), vec![grad.detach()])
+        })
     }
 }
 
@@ -393,7 +516,8 @@ pub fn grad(
         )));
     }
     let keep: HashSet<u64> = inputs.iter().map(|t| t.id()).collect();
-    let (_, map) = run(outputs, grad_outputs.iter().map(|g| g.detach()).collect(), &keep)?;
+    let grads = grad_outputs.iter().map(|g| g.detach()).collect();
+    let (_, map) = with_callbacks(Vec::new(), || run(outputs, grads, &keep))?;
     Ok(inputs.iter().map(|t| map.get(&t.id()).cloned()).collect())
 }
 
@@ -465,6 +589,7 @@ pub fn backward_input(
     }
     let _g = GradModeGuard::new(false);
     let _m = MaskGuard::new(None);
+    let scope = CallbackScope::open(Vec::new());
     let mut map = seed(roots, grad_roots.iter().map(|g| g.detach()).collect())?;
     let (order, _) = topo(roots);
     let targets: HashSet<u64> =
@@ -478,7 +603,7 @@ pub fn backward_input(
             on_path.insert(t.id());
         }
     }
-    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new() };
+    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new(), callbacks: Vec::new() };
     for r in roots {
         if !on_path.contains(&r.id()) {
             if let Some(g) = map.remove(&r.id()) {
@@ -489,6 +614,8 @@ pub fn backward_input(
     let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
     let split = Split { on_path: &on_path, weight: &mut weight };
     propagate(&order, &mut map, &targets, Some(split))?;
+    // The backward ends with the weight pass: its callbacks wait for it.
+    weight.callbacks = scope.take();
     Ok((inputs.iter().map(|t| map.get(&t.id()).cloned()).collect(), weight))
 }
 
@@ -514,12 +641,15 @@ pub struct WeightGrad {
     /// produced them; `None` until the pending call that owes it runs.
     seeds: Vec<(Tensor, Option<Tensor>)>,
     pending: Vec<Pending>,
+    /// Callbacks the input pass queued: they run at the end of this pass.
+    callbacks: Vec<Queued>,
 }
 
 impl WeightGrad {
-    /// Whether there is nothing left to do (no gradient flows to a tensor off the input path).
+    /// Whether there is nothing left to do (no gradient flows to a tensor off the input
+    /// path, and the input pass queued no callback).
     pub fn is_empty(&self) -> bool {
-        self.seeds.is_empty()
+        self.seeds.is_empty() && self.callbacks.is_empty()
     }
 
     /// Runs the weight pass: calls each pending node's backward closure with the
@@ -527,10 +657,15 @@ impl WeightGrad {
     /// propagates them at once through the rest of the graph as
     /// [`Tensor::backward_with`] does, adding into each leaf's `.grad()` (on top
     /// of what is there, so micro-batches accumulate). Runs with grad recording off.
+    /// Then the callbacks queued during either pass run ([`queue_callback`]).
     pub fn run(self) -> Result<()> {
+        let WeightGrad { seeds, pending, callbacks } = self;
+        with_callbacks(callbacks, || Self::propagate(seeds, pending))
+    }
+
+    fn propagate(mut seeds: Vec<(Tensor, Option<Tensor>)>, pending: Vec<Pending>) -> Result<()> {
         let _g = GradModeGuard::new(false);
         let _m = MaskGuard::new(None);
-        let WeightGrad { mut seeds, pending } = self;
         for p in pending {
             let mut mask = vec![false; p.node.inputs.len()];
             for &(i, _) in &p.slots {
@@ -572,6 +707,7 @@ impl std::fmt::Debug for WeightGrad {
         f.debug_struct("WeightGrad")
             .field("seeds", &self.seeds.len())
             .field("pending", &pending)
+            .field("callbacks", &self.callbacks.len())
             .finish()
     }
 }
@@ -655,6 +791,69 @@ mod tests {
             panic!("inside a closure");
         });
         assert!(r.is_err() && needs_input_grad(0));
+    }
+
+    /// An identity on `x` whose backward queues a callback (once per key, if given)
+    /// that appends `tag` to `log`, after checking that `leaf` already has its gradient.
+    fn queuing(
+        x: &Tensor,
+        leaf: &Tensor,
+        tag: &'static str,
+        key: Option<u64>,
+        log: &Arc<std::sync::Mutex<Vec<String>>>,
+    ) -> Tensor {
+        let (leaf, log) = (leaf.clone(), log.clone());
+        record("queuing", &[x], x.detach(), move |g| {
+            let (leaf, log) = (leaf.clone(), log.clone());
+            let cb = move || {
+                let seen = if leaf.grad().is_some() { "after" } else { "before" };
+                log.lock().unwrap().push(format!("{tag} {seen}"));
+                Ok(())
+            };
+            match key {
+                Some(k) => {
+                    queue_callback_once(k, cb)?;
+                }
+                None => queue_callback(cb)?,
+            }
+            Ok(vec![Some(g.clone())])
+        })
+    }
+
+    #[test]
+    fn callbacks_run_after_the_leaves_in_order_and_once_per_key() {
+        let mut rng = Rng::new(3);
+        let x = randn(&[3], &mut rng);
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let a = queuing(&x, &x, "a", None, &log);
+        let b = queuing(&a, &x, "b", Some(7), &log);
+        let c = queuing(&b, &x, "c", Some(7), &log);
+        c.sum_all().unwrap().backward().unwrap();
+        // c's closure runs first (reverse order) and queues under key 7; b's is skipped.
+        assert_eq!(*log.lock().unwrap(), ["c after", "a after"]);
+        // Outside a backward pass there is nowhere to queue.
+        assert!(queue_callback(|| Ok(())).is_err());
+        // A failing callback fails the backward.
+        let y = record("failing", &[&x], x.detach(), |g| {
+            queue_callback(|| Err(TensorError::Autograd("callback failed".into())))?;
+            Ok(vec![Some(g.clone())])
+        });
+        let e = y.sum_all().unwrap().backward().unwrap_err();
+        assert!(e.to_string().contains("callback failed"), "{e}");
+    }
+
+    #[test]
+    fn callbacks_of_a_split_backward_run_after_the_weight_pass() {
+        let mut rng = Rng::new(4);
+        let (x, w) = (randn(&[2, 3], &mut rng), randn(&[4, 3], &mut rng));
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let y = queuing(&x.linear(&w, None).unwrap(), &w, "y", None, &log);
+        let g = Tensor::ones([2, 4], DType::F64, crate::Device::Cpu).unwrap();
+        let (_, weights) = backward_input(&[y], &[g], std::slice::from_ref(&x)).unwrap();
+        assert!(log.lock().unwrap().is_empty(), "ran before the weight pass");
+        assert!(!weights.is_empty());
+        weights.run().unwrap();
+        assert_eq!(*log.lock().unwrap(), ["y after"]);
     }
 
     #[test]
