@@ -24,6 +24,13 @@ pub trait Acc:
     fn of(v: f64) -> Self;
     /// Widens to `f64`.
     fn f64(self) -> f64;
+    /// `x[i] = e^(x[i] - shift)`; returns the sum of the new values. Vectorized for
+    /// f32 ([`crate::vmath`]); libm for f64.
+    fn exp_sub_sum(x: &mut [Self], shift: Self) -> Self;
+    /// `x[i] = 1 / (1 + e^-x[i])`.
+    fn sigmoid_slice(x: &mut [Self]);
+    /// `x[i] = x[i] / (1 + e^-x[i])` (SiLU).
+    fn silu_slice(x: &mut [Self]);
 }
 
 impl Acc for f32 {
@@ -35,6 +42,15 @@ impl Acc for f32 {
     fn f64(self) -> f64 {
         self as f64
     }
+    fn exp_sub_sum(x: &mut [Self], shift: Self) -> Self {
+        crate::vmath::exp_sub_sum(x, shift)
+    }
+    fn sigmoid_slice(x: &mut [Self]) {
+        crate::vmath::sigmoid(x)
+    }
+    fn silu_slice(x: &mut [Self]) {
+        crate::vmath::silu(x)
+    }
 }
 
 impl Acc for f64 {
@@ -45,6 +61,20 @@ impl Acc for f64 {
     #[inline(always)]
     fn f64(self) -> f64 {
         self
+    }
+    fn exp_sub_sum(x: &mut [Self], shift: Self) -> Self {
+        let mut sum = 0.0;
+        for v in x.iter_mut() {
+            *v = (*v - shift).exp();
+            sum += *v;
+        }
+        sum
+    }
+    fn sigmoid_slice(x: &mut [Self]) {
+        x.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+    }
+    fn silu_slice(x: &mut [Self]) {
+        x.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp());
     }
 }
 

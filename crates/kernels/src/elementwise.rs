@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+use num_traits::{One, Zero};
+
 use crate::{Acc, Float, KernelError, Result};
 
 /// Below this many elements kernels run on the calling thread.
@@ -146,10 +148,47 @@ fn map_into<T: Float>(x: &[T], y: &mut [T], f: impl Fn(T) -> T + Sync) {
     }
 }
 
+/// Elements per block of the vectorized (exp-based) unary paths.
+const VBLOCK: usize = 1024;
+
+/// Runs `f(x_block, out_block, scratch)` over aligned blocks of `x` and `out`, in
+/// parallel when large; `scratch` is a per-task buffer.
+fn blocks_into<X: Sync, Y: Send, A: Send>(
+    x: &[X],
+    out: &mut [Y],
+    f: impl Fn(&[X], &mut [Y], &mut Vec<A>) + Sync + Send,
+) {
+    if out.len() >= PAR_THRESHOLD {
+        out.par_chunks_mut(VBLOCK)
+            .zip(x.par_chunks(VBLOCK))
+            .for_each_init(Vec::new, |buf, (o, x)| f(x, o, buf));
+    } else {
+        let mut buf = Vec::new();
+        out.chunks_mut(VBLOCK).zip(x.chunks(VBLOCK)).for_each(|(o, x)| f(x, o, &mut buf));
+    }
+}
+
 /// `y = op(x)`.
 pub fn unary<T: Float>(op: UnaryOp, x: &[T], y: &mut [T]) -> Result<()> {
     check_len("unary", "output", y.len(), x.len())?;
-    map_into(x, y, |v| T::from_acc(op.apply(v.to_acc())));
+    // Exp-based ops run block by block on the vectorized math of the accumulator.
+    let vector: Option<fn(&mut [T::Acc])> = match op {
+        UnaryOp::Exp => Some(|b| {
+            Acc::exp_sub_sum(b, T::Acc::zero());
+        }),
+        UnaryOp::Sigmoid => Some(Acc::sigmoid_slice),
+        UnaryOp::Silu => Some(Acc::silu_slice),
+        _ => None,
+    };
+    match vector {
+        Some(f) => blocks_into(x, y, |x, y, buf: &mut Vec<T::Acc>| {
+            buf.clear();
+            buf.extend(x.iter().map(|v| v.to_acc()));
+            f(buf);
+            y.iter_mut().zip(buf.iter()).for_each(|(o, &v)| *o = T::from_acc(v));
+        }),
+        None => map_into(x, y, |v| T::from_acc(op.apply(v.to_acc()))),
+    }
     Ok(())
 }
 
@@ -165,6 +204,27 @@ pub fn unary_backward<T: Float>(
     check_len("unary_backward", "y", y.len(), n)?;
     check_len("unary_backward", "dy", dy.len(), n)?;
     check_len("unary_backward", "dx", dx.len(), n)?;
+    if op == UnaryOp::Silu {
+        // dx = dy * s * (1 + x * (1 - s)) with s = sigmoid(x) from the vectorized math.
+        let one = T::Acc::one();
+        let block = |buf: &mut Vec<T::Acc>, (i, dxb): (usize, &mut [T])| {
+            let o = i * VBLOCK;
+            let (xb, gb) = (&x[o..o + dxb.len()], &dy[o..o + dxb.len()]);
+            buf.clear();
+            buf.extend(xb.iter().map(|v| v.to_acc()));
+            Acc::sigmoid_slice(buf);
+            for ((d, &s), (xv, g)) in dxb.iter_mut().zip(buf.iter()).zip(xb.iter().zip(gb)) {
+                *d = T::from_acc(g.to_acc() * s * (one + xv.to_acc() * (one - s)));
+            }
+        };
+        if n >= PAR_THRESHOLD {
+            dx.par_chunks_mut(VBLOCK).enumerate().for_each_init(Vec::new, block);
+        } else {
+            let mut buf = Vec::new();
+            dx.chunks_mut(VBLOCK).enumerate().for_each(|c| block(&mut buf, c));
+        }
+        return Ok(());
+    }
     let body = |(i, o): (usize, &mut T)| {
         *o = T::from_acc(op.derivative(x[i].to_acc(), y[i].to_acc(), dy[i].to_acc()));
     };

@@ -24,6 +24,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod sdpa;
 pub mod softmax;
+pub mod vmath;
 
 pub use element::{Acc, Float};
 pub use error::KernelError;

@@ -29,7 +29,7 @@ mod llama_pipeline;
 pub mod llama_plans;
 
 pub use llama::{
-    causal_padding_mask, LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaForPretraining,
-    LlamaMLP, LlamaModel, RopeTables, RotaryPositionEncoding,
+    causal_padding_mask, key_padding_mask, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
+    LlamaForPretraining, LlamaMLP, LlamaModel, RopeTables, RotaryPositionEncoding,
 };
 pub use llama_pipeline::{LlamaStage, LlamaStageModel};

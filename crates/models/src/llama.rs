@@ -251,19 +251,10 @@ impl Module for RotaryPositionEncoding {
     module_boilerplate!();
 }
 
-/// An additive attention mask `[batch, 1, seq, seq]`: 0 where query `i` may attend key
-/// `j` (`j <= i` and key `j` is not padding), `-inf` elsewhere. `attention_mask` is
-/// `[batch, seq]` with 1 for tokens and 0 for padding.
-pub fn causal_padding_mask(
-    attention_mask: Option<&Tensor>,
-    batch: usize,
-    seq: usize,
-    dtype: DType,
-) -> Result<Tensor> {
-    // `[b, 1, s, s]` grows with the square of the sequence: check it can exist first.
-    let shape = tpar_tensor::Shape::new(&[batch, 1, seq, seq]);
-    tpar_tensor::check_alloc("causal_padding_mask", &shape, dtype)?;
-    let pad = match attention_mask {
+/// The `[batch, seq]` padding mask checked and read as one flag per key (1 for a
+/// token); `None` gives all tokens.
+fn padding_flags(attention_mask: Option<&Tensor>, batch: usize, seq: usize) -> Result<Vec<bool>> {
+    match attention_mask {
         Some(m) => {
             if m.dims() != [batch, seq] {
                 return Err(NnError::BadInput {
@@ -274,21 +265,61 @@ pub fn causal_padding_mask(
                     ),
                 });
             }
-            m.to_vec_f64()?
+            Ok(m.to_vec_f64()?.into_iter().map(|x| x != 0.0).collect())
         }
-        None => vec![1.0; batch * seq],
-    };
-    let mut v = tpar_tensor::try_vec("causal_padding_mask", &shape, DType::F64, 0.0)?;
+        None => Ok(vec![true; batch * seq]),
+    }
+}
+
+/// An f32 host mask in `dtype` (0 and `-inf` are exact in every float dtype).
+fn mask_tensor(v: Vec<f32>, shape: tpar_tensor::Shape, dtype: DType) -> Result<Tensor> {
+    let t = Tensor::from_vec(v, shape)?;
+    Ok(if dtype == DType::F32 { t } else { t.to_dtype(dtype)? })
+}
+
+/// An additive attention mask `[batch, 1, seq, seq]`: 0 where query `i` may attend key
+/// `j` (`j <= i` and key `j` is not padding), `-inf` elsewhere. `attention_mask` is
+/// `[batch, seq]` with 1 for tokens and 0 for padding.
+///
+/// This is the explicit form of what the model computes from a padding mask; the model
+/// itself never builds it: it passes [`key_padding_mask`] and causal attention.
+pub fn causal_padding_mask(
+    attention_mask: Option<&Tensor>,
+    batch: usize,
+    seq: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    // `[b, 1, s, s]` grows with the square of the sequence: check it can exist first.
+    let shape = tpar_tensor::Shape::new(&[batch, 1, seq, seq]);
+    tpar_tensor::check_alloc("causal_padding_mask", &shape, dtype)?;
+    let tok = padding_flags(attention_mask, batch, seq)?;
+    let mut v = tpar_tensor::try_vec("causal_padding_mask", &shape, DType::F32, 0.0f32)?;
     for b in 0..batch {
         for i in 0..seq {
-            for j in 0..seq {
-                if j > i || pad[b * seq + j] == 0.0 {
-                    v[(b * seq + i) * seq + j] = f64::NEG_INFINITY;
+            let row = &mut v[(b * seq + i) * seq..][..seq];
+            for (j, x) in row.iter_mut().enumerate() {
+                if j > i || !tok[b * seq + j] {
+                    *x = f32::NEG_INFINITY;
                 }
             }
         }
     }
-    Ok(Tensor::from_f64(&v, shape, dtype)?)
+    mask_tensor(v, shape, dtype)
+}
+
+/// The key-padding mask attention takes from a `[batch, seq]` padding mask (1 for
+/// tokens, 0 for padding): an additive `[batch, 1, 1, seq]` mask, 0 for a token and
+/// `-inf` for a padded key, broadcast over heads and query rows (memory linear in the
+/// sequence). With causal attention it masks exactly as [`causal_padding_mask`].
+pub fn key_padding_mask(
+    attention_mask: &Tensor,
+    batch: usize,
+    seq: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let tok = padding_flags(Some(attention_mask), batch, seq)?;
+    let v = tok.iter().map(|&t| if t { 0.0 } else { f32::NEG_INFINITY }).collect();
+    mask_tensor(v, tpar_tensor::Shape::new(&[batch, 1, 1, seq]), dtype)
 }
 
 /// An additive mask must be `[b, 1, s, s]` with a float dtype.
@@ -308,8 +339,9 @@ fn check_additive_mask(m: &Tensor, batch: usize, seq: usize) -> Result<()> {
 }
 
 /// The additive mask attention gets from a model input: `None` (plain causal: no mask
-/// tensor), a `[b, s]` padding mask (made causal + padding by [`causal_padding_mask`]),
-/// or an additive `[b, 1, s, s]` float mask used as given; in `dtype` on `device`.
+/// tensor), a `[b, s]` padding mask (a `[b, 1, 1, s]` [`key_padding_mask`], which
+/// attention combines with causal masking), or an additive `[b, 1, s, s]` float mask
+/// used as given; in `dtype` on `device`.
 pub(crate) fn attention_mask(
     given: Option<&Tensor>,
     b: usize,
@@ -323,7 +355,7 @@ pub(crate) fn attention_mask(
                 check_additive_mask(m, b, s)?;
                 return Ok(m.to_dtype(dtype)?.to_device(device)?);
             }
-            Ok(causal_padding_mask(Some(m), b, s, dtype)?.to_device(device)?)
+            Ok(key_padding_mask(m, b, s, dtype)?.to_device(device)?)
         })
         .transpose()
 }
@@ -370,7 +402,9 @@ impl Module for LlamaAttention {
     }
 
     /// Inputs: hidden states `[b, s, hidden]` (plain or DTensor), the RoPE tables
-    /// (opaque), and the additive mask `[b, 1, s, s]` (or none for plain causal).
+    /// (opaque), and the additive mask: none for plain causal attention, a key-padding
+    /// mask `[b, 1, 1, s]` for causal attention that also skips padded keys, or a
+    /// `[b, 1, s, s]` mask used as given (not made causal).
     fn forward(&self, args: Args) -> Result<Value> {
         let who = "LlamaAttention";
         let x = args.get(0);
@@ -417,7 +451,8 @@ impl Module for LlamaAttention {
         let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
         let q = q.rope(&cos, &sin, RopeLayout::Bhsd)?;
         let k = k.rope(&cos, &sin, RopeLayout::Bhsd)?;
-        let causal = mask.is_none();
+        // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
+        let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
         let a = Value::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
         let a = a.transpose(1, 2)?.reshape(&[b as isize, s as isize, (hq * hd) as isize])?; // [b, s, hq * hd]
         call(&self.o_proj, Args::one(a))
@@ -625,7 +660,8 @@ impl Module for LlamaModel {
     /// either of Hugging Face's forms:
     /// - none: plain causal attention, with no mask tensor built;
     /// - `attention_mask` `[b, s]` (1 for tokens, 0 for padding): causal attention that
-    ///   also skips padded keys ([`causal_padding_mask`] builds the `[b, 1, s, s]` mask);
+    ///   also skips padded keys, through a `[b, 1, 1, s]` [`key_padding_mask`] (no
+    ///   `[b, 1, s, s]` mask is built);
     /// - an additive float mask `[b, 1, s, s]` (0 where query `i` may attend key `j`,
     ///   `-inf` or a large negative value elsewhere), used as given: it must carry the
     ///   causal structure itself when it should be causal.

@@ -226,3 +226,53 @@ fn rope_rotates_pairs_j_and_j_plus_half_by_the_position_angle() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// key_padding_mask
+// ---------------------------------------------------------------------------------------
+
+/// The `[b, 1, 1, s]` key mask with causal attention (what the model runs) attends
+/// exactly as the explicit `[b, 1, s, s]` causal + padding mask without the flag, forward
+/// and backward, under right, left and middle padding and a fully padded sequence.
+#[test]
+fn key_padding_mask_with_causal_attention_equals_the_full_mask() {
+    let (batch, heads, seq, hd) = (4, 2, 9, 4);
+    let pad: Vec<i64> = [
+        [1, 1, 1, 1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 1, 1, 1, 1, 1],
+        [1, 0, 1, 1, 0, 1, 1, 0, 1],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    .concat();
+    let am = Tensor::from_vec(pad, [batch, seq]).unwrap();
+    let keys = tpar_models::key_padding_mask(&am, batch, seq, DType::F32).unwrap();
+    assert_eq!(keys.dims(), &[batch, 1, 1, seq]);
+    let full = causal_padding_mask(Some(&am), batch, seq, DType::F32).unwrap();
+    let mut rng = Rng::new(3);
+    let mk = |rng: &mut Rng| {
+        Tensor::randn([batch, heads, seq, hd], DType::F32, rng).unwrap().requires_grad_(true)
+    };
+    let (q, k, v) = (mk(&mut rng), mk(&mut rng), mk(&mut rng));
+    let run = |mask: &Tensor, causal: bool| {
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), causal, None).unwrap();
+        let (gq, gk, gv) = {
+            y.mul(&y).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = |t: &Tensor| t.grad().unwrap().to_vec_f64().unwrap();
+            let r = (g(&q), g(&k), g(&v));
+            for t in [&q, &k, &v] {
+                t.zero_grad();
+            }
+            r
+        };
+        (y.to_vec_f64().unwrap(), gq, gk, gv)
+    };
+    let a = run(&keys, true);
+    let b = run(&full, false);
+    for (what, x, y) in
+        [("out", &a.0, &b.0), ("dq", &a.1, &b.1), ("dk", &a.2, &b.2), ("dv", &a.3, &b.3)]
+    {
+        for (i, (x, y)) in x.iter().zip(y).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}[{i}]: {x} vs {y}");
+        }
+    }
+}

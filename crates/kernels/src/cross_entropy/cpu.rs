@@ -3,8 +3,7 @@
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
 
-use crate::util::sum_map;
-use crate::Float;
+use crate::{Acc, Float};
 
 /// Columns per online-softmax block.
 const BLOCK: usize = 256;
@@ -39,7 +38,7 @@ pub(super) fn local_stats<T: Float>(
         .zip(max.par_iter_mut())
         .zip(sumexp.par_iter_mut())
         .zip(target_logit.par_iter_mut())
-        .for_each(|((((row, &t), mx), se), tl)| {
+        .for_each_init(Vec::new, |buf, ((((row, &t), mx), se), tl)| {
             // Online over blocks: rescale the running sum when the max grows.
             let (mut m, mut s) = (ninf, zero);
             for blk in row.chunks(BLOCK) {
@@ -51,7 +50,9 @@ pub(super) fn local_stats<T: Float>(
                     s *= (m - bm).exp();
                     m = bm;
                 }
-                s += sum_map(blk, |v| (v.to_acc() - m).exp());
+                buf.clear();
+                buf.extend(blk.iter().map(|v| v.to_acc()));
+                s += Acc::exp_sub_sum(buf, m);
             }
             *mx = m;
             *se = s;
@@ -76,8 +77,9 @@ pub(super) fn backward<T: Float>(
         return;
     }
     let (zero, ninf) = (T::Acc::zero(), T::Acc::neg_infinity());
-    dlogits.par_chunks_mut(v_local).zip(logits.par_chunks(v_local)).enumerate().for_each(
-        |(r, (dl, row))| {
+    dlogits.par_chunks_mut(v_local).zip(logits.par_chunks(v_local)).enumerate().for_each_init(
+        Vec::new,
+        |buf, (r, (dl, row))| {
             let t = targets[r];
             if t == ignore_index {
                 dl.fill(T::from_acc(zero));
@@ -88,8 +90,13 @@ pub(super) fn backward<T: Float>(
             if l == ninf {
                 dl.fill(T::from_acc(zero));
             } else {
-                for (d, x) in dl.iter_mut().zip(row) {
-                    *d = T::from_acc((x.to_acc() - l).exp() * scale);
+                for (dl, row) in dl.chunks_mut(BLOCK).zip(row.chunks(BLOCK)) {
+                    buf.clear();
+                    buf.extend(row.iter().map(|v| v.to_acc()));
+                    Acc::exp_sub_sum(buf, l);
+                    for (d, &p) in dl.iter_mut().zip(buf.iter()) {
+                        *d = T::from_acc(p * scale);
+                    }
                 }
             }
             if let Some(c) = local_col(t, vocab_start, v_local) {

@@ -7,7 +7,6 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::GemmShape;
-use crate::util::bad;
 use crate::{Acc, Float, Result};
 
 /// Products with more multiply-adds than this use the gemm crate's own threads.
@@ -159,26 +158,59 @@ pub(super) fn matmul<T: Float>(
     if native_any(s, a, b, as_uninit(out), accumulate, false) {
         return Ok(());
     }
-    // Half precision: widen to the accumulator type (f32), multiply, round once.
-    let widen = |x: &[T]| -> Vec<T::Acc> { x.par_iter().map(|v| v.to_acc()).collect() };
-    let (a32, b32) = (widen(a), widen(b));
-    let mut o32 = if accumulate { widen(out) } else { Vec::new() };
-    let ok = if accumulate {
-        native_any(s, &a32, &b32, as_uninit(&mut o32), true, false)
-    } else {
-        let mut ok = false;
-        o32 = filled_vec(out.len(), |o| {
-            ok = native_any(s, &a32, &b32, o, false, false);
-            if !ok {
-                o.fill(MaybeUninit::new(<T::Acc as num_traits::Zero>::zero()));
-            }
-        });
-        ok
-    };
-    if !ok {
-        return Err(bad("matmul", format!("unsupported element type {}", T::NAME)));
+    half_matmul(s, a, b, out, accumulate)
+}
+
+/// Output rows per task of the half-precision product.
+const HALF_ROWS: usize = 64;
+
+/// Half precision: B is widened to f32 once (every row block reuses it); A, the
+/// output and, with `accumulate`, the old output are widened and rounded one block
+/// of [`HALF_ROWS`] rows at a time, in cache, by the task that multiplies that block
+/// (f32 accumulation, one rounding). No full-size f32 copy of A or the output exists.
+fn half_matmul<T: Float>(
+    s: &GemmShape,
+    a: &[T],
+    b: &[T],
+    out: &mut [T],
+    accumulate: bool,
+) -> Result<()> {
+    let (m, n, k) = (s.m, s.n, s.k);
+    if m == 0 || n == 0 || s.batch == 0 {
+        return Ok(());
     }
-    out.par_iter_mut().zip(o32.par_iter()).for_each(|(o, &x)| *o = T::from_acc(x));
+    let b32: Vec<T::Acc> = b.par_iter().map(|v| v.to_acc()).collect();
+    let zero = <T::Acc as num_traits::Zero>::zero();
+    let tasks = out.par_chunks_mut(m * n).enumerate().flat_map(|(bi, o)| {
+        o.par_chunks_mut(HALF_ROWS * n).enumerate().map(move |(rb, oc)| (bi, rb * HALF_ROWS, oc))
+    });
+    tasks.for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(a32, o32): &mut (Vec<T::Acc>, Vec<T::Acc>), (bi, i0, oc)| {
+            let rows = oc.len() / n;
+            let ab = &a[bi * s.a_batch_stride..];
+            a32.clear();
+            if s.trans_a {
+                // Stored [k, m]: the block is columns i0..i0+rows, kept as [k, rows].
+                for p in 0..k {
+                    a32.extend(ab[p * m + i0..p * m + i0 + rows].iter().map(|v| v.to_acc()));
+                }
+            } else {
+                a32.extend(ab[i0 * k..(i0 + rows) * k].iter().map(|v| v.to_acc()));
+            }
+            o32.clear();
+            if accumulate {
+                o32.extend(oc.iter().map(|v| v.to_acc()));
+            } else {
+                o32.resize(rows * n, zero);
+            }
+            let bb = &b32[bi * s.b_batch_stride..];
+            small_matmul((rows, n, k), a32, s.trans_a, bb, s.trans_b, o32, accumulate);
+            for (o, &x) in oc.iter_mut().zip(o32.iter()) {
+                *o = T::from_acc(x);
+            }
+        },
+    );
     Ok(())
 }
 

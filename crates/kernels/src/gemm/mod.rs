@@ -1,8 +1,10 @@
 //! Batched matrix multiply: `out[b] (+)= op(A[b]) · op(B[b])`.
 //!
 //! f32 and f64 call the `gemm` crate directly (transposes are expressed as
-//! strides, so they cost nothing); bf16 and f16 are widened to f32, multiplied
-//! with f32 accumulation, and rounded once.
+//! strides, so they cost nothing); bf16 and f16 run on the same f32 product
+//! block by block: B is widened once, each task widens its 64 output rows' part
+//! of A, multiplies with f32 accumulation and rounds its rows once, so no
+//! full-size f32 copy of A or of the output is made.
 
 mod cpu;
 pub mod reference;

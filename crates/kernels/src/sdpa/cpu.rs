@@ -1,19 +1,21 @@
 //! Rayon flash-attention kernels: key tiles with an online softmax forward,
-//! probability recomputation from `lse` backward. Tile products
-//! (`Q Kᵀ`, `P V`, ...) run on single-threaded gemm calls in the accumulator
-//! type; parallelism comes from the task split.
+//! one pass over (key tile, query tile) pairs backward that recomputes the
+//! probabilities from `lse` once and feeds `dq`, `dk` and `dv` from them. Tile
+//! products (`Q Kᵀ`, `P V`, ...) run on single-threaded gemm calls in the
+//! accumulator type; parallelism comes from the task split.
 
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
 
-use super::{SdpaMask, SdpaShape};
+use super::{SdpaMask, SdpaShape, SdpaTiles};
 use crate::gemm::small_matmul;
 use crate::{Acc, Float};
 
-/// Query rows per task / tile.
-const BQ: usize = 64;
-/// Key rows per tile (and per task in the dk/dv pass).
-const BK: usize = 64;
+/// Backward tasks wanted at least: when `batch * kv_heads` is smaller, each
+/// head's keys are split into several tasks, each with its own `dq` partial
+/// sum (the split depends on the shape only, so results do not depend on the
+/// thread count).
+const MIN_BACKWARD_TASKS: usize = 8;
 
 /// One task: `(group, first row, rows, rows of a, rows of b)`.
 type Block<'a, X, Y> = (usize, usize, usize, &'a mut [X], &'a mut [Y]);
@@ -51,6 +53,19 @@ fn load<T: Float>(dst: &mut Vec<T::Acc>, src: &[T], mul: T::Acc) {
     dst.extend(src.iter().map(|x| x.to_acc() * mul));
 }
 
+/// What the mask does to one key tile of one head.
+#[derive(Clone, Copy, PartialEq)]
+enum TileMask {
+    /// Nothing: no mask, or every value of a key mask is 0 here.
+    Open,
+    /// Every key is masked out (`-inf` in a key mask): the tile is skipped.
+    Closed,
+    /// A key mask (the same for every query row) starting at this offset.
+    Keys(usize),
+    /// A mask that varies with the query row.
+    Rows,
+}
+
 /// Shared index arithmetic for one call.
 struct Ctx<'a, T> {
     s: &'a SdpaShape,
@@ -64,39 +79,66 @@ impl<T: Float> Ctx<'_, T> {
         (bh / s.q_heads) * s.kv_heads + (bh % s.q_heads) / (s.q_heads / s.kv_heads)
     }
 
+    /// Offset of mask element `(b, h, i, j)` of flattened head `bh`.
+    fn mask_offset(&self, m: &SdpaMask<T>, bh: usize, i: usize, j: usize) -> usize {
+        let (b, h) = (bh / self.s.q_heads, bh % self.s.q_heads);
+        b * m.batch_stride + h * m.head_stride + i * m.row_stride + j
+    }
+
+    /// Classifies keys `j0..j0 + nk` of head `bh`. A mask that does not vary with
+    /// the query row (a `[b, 1, 1, kv]` key-padding mask) is read once per tile, so
+    /// fully padded tiles cost nothing and fully open ones no additions.
+    fn tile_mask(&self, bh: usize, j0: usize, nk: usize) -> TileMask {
+        let Some(m) = self.mask else { return TileMask::Open };
+        if m.row_stride != 0 {
+            return TileMask::Rows;
+        }
+        let off = self.mask_offset(m, bh, 0, j0);
+        let keys = &m.data[off..off + nk];
+        let zero = T::Acc::zero();
+        if keys.iter().all(|v| v.to_acc() == zero) {
+            TileMask::Open
+        } else if keys.iter().all(|v| v.to_acc() == T::Acc::neg_infinity()) {
+            TileMask::Closed
+        } else {
+            TileMask::Keys(off)
+        }
+    }
+
     /// Turns raw `q·k` scores of query `i` (of flattened head `bh`) against keys
     /// `j0..j0 + row.len()` into masked scores: adds the mask and sets keys the
     /// query may not see (causal) to `-inf`. Returns the row max.
-    fn mask_scores(&self, bh: usize, i: usize, j0: usize, row: &mut [T::Acc]) -> T::Acc {
+    fn mask_scores(
+        &self,
+        bh: usize,
+        i: usize,
+        j0: usize,
+        tm: TileMask,
+        row: &mut [T::Acc],
+    ) -> T::Acc {
         let ninf = T::Acc::neg_infinity();
         let vis = if self.s.causal { (i + 1).saturating_sub(j0).min(row.len()) } else { row.len() };
         row[vis..].fill(ninf);
-        if let Some(m) = self.mask {
-            let (b, h) = (bh / self.s.q_heads, bh % self.s.q_heads);
-            let off = b * m.batch_stride + h * m.head_stride + i * m.row_stride + j0;
-            for (x, v) in row[..vis].iter_mut().zip(&m.data[off..off + vis]) {
+        let add = match (tm, self.mask) {
+            (TileMask::Keys(off), Some(m)) => Some(&m.data[off..off + vis]),
+            (TileMask::Rows, Some(m)) => {
+                let off = self.mask_offset(m, bh, i, j0);
+                Some(&m.data[off..off + vis])
+            }
+            _ => None,
+        };
+        if let Some(add) = add {
+            for (x, v) in row[..vis].iter_mut().zip(add) {
                 *x += v.to_acc();
             }
         }
         row[..vis].iter().fold(ninf, |a, &x| a.max(x))
     }
-
-    /// Probabilities `exp(s - lse)` of one query row against a key tile, in
-    /// place over the raw scores (all zero for a fully masked row).
-    fn probs(&self, bh: usize, i: usize, j0: usize, lse: T::Acc, row: &mut [T::Acc]) {
-        if lse == T::Acc::neg_infinity() {
-            row.fill(T::Acc::zero());
-            return;
-        }
-        self.mask_scores(bh, i, j0, row);
-        for x in row.iter_mut() {
-            *x = (*x - lse).exp();
-        }
-    }
 }
 
 pub(super) fn forward<T: Float>(
     s: &SdpaShape,
+    tiles: SdpaTiles,
     q: &[T],
     k: &[T],
     v: &[T],
@@ -106,7 +148,8 @@ pub(super) fn forward<T: Float>(
 ) {
     let cx = Ctx { s, mask };
     let (d, dv) = (s.head_dim, s.v_dim);
-    let tasks = blocks(out, dv, lse, 1, s.batch * s.q_heads, s.q_len, BQ);
+    let (bq, bk) = (tiles.q.max(1), tiles.k.max(1));
+    let tasks = blocks(out, dv, lse, 1, s.batch * s.q_heads, s.q_len, bq);
     tasks.into_par_iter().for_each(|(bh, i0, nq, out, lse)| {
         let (zero, ninf) = (T::Acc::zero(), T::Acc::neg_infinity());
         let kv = cx.kv_of(bh);
@@ -116,10 +159,14 @@ pub(super) fn forward<T: Float>(
         let mut acc = vec![zero; nq * dv];
         let mut m = vec![ninf; nq];
         let mut l = vec![zero; nq];
-        let mut sc = vec![zero; nq * BK];
+        let mut sc = vec![zero; nq * bk];
         let kv_end = if s.causal { s.kv_len.min(i0 + nq) } else { s.kv_len };
-        for j0 in (0..kv_end).step_by(BK) {
-            let nk = BK.min(kv_end - j0);
+        for j0 in (0..kv_end).step_by(bk) {
+            let nk = bk.min(kv_end - j0);
+            let tm = cx.tile_mask(bh, j0, nk);
+            if tm == TileMask::Closed {
+                continue;
+            }
             let k0 = kv * s.kv_len + j0;
             load(&mut ka, &k[k0 * d..(k0 + nk) * d], One::one());
             load(&mut va, &v[k0 * dv..(k0 + nk) * dv], One::one());
@@ -127,7 +174,7 @@ pub(super) fn forward<T: Float>(
             small_matmul((nq, nk, d), &qa, false, &ka, true, sc, false);
             for qi in 0..nq {
                 let row = &mut sc[qi * nk..(qi + 1) * nk];
-                let tmax = cx.mask_scores(bh, i0 + qi, j0, row);
+                let tmax = cx.mask_scores(bh, i0 + qi, j0, tm, row);
                 if tmax == ninf {
                     row.fill(zero); // every key of this tile is masked
                     continue;
@@ -138,10 +185,7 @@ pub(super) fn forward<T: Float>(
                     l[qi] *= alpha;
                     acc[qi * dv..(qi + 1) * dv].iter_mut().for_each(|a| *a *= alpha);
                 }
-                for x in row.iter_mut() {
-                    *x = (*x - mnew).exp();
-                    l[qi] += *x;
-                }
+                l[qi] += Acc::exp_sub_sum(row, mnew);
                 m[qi] = mnew;
             }
             small_matmul((nq, dv, nk), sc, false, &va, false, &mut acc, true);
@@ -163,8 +207,21 @@ pub(super) fn forward<T: Float>(
     });
 }
 
+/// One backward task: the keys `j_start..j_start + nkeys` of kv head `g`
+/// (flattened with the batch), with their `dk`/`dv` rows, and the `dq` rows of
+/// the group's q heads when this task is the only one of its head.
+struct BackTask<'a, T> {
+    g: usize,
+    j_start: usize,
+    nkeys: usize,
+    dk: &'a mut [T],
+    dv: &'a mut [T],
+    dq: Option<&'a mut [T]>,
+}
+
 pub(super) fn backward<T: Float>(
     s: &SdpaShape,
+    tiles: SdpaTiles,
     q: &[T],
     k: &[T],
     v: &[T],
@@ -178,8 +235,17 @@ pub(super) fn backward<T: Float>(
 ) {
     let cx = Ctx { s, mask };
     let (d, dv) = (s.head_dim, s.v_dim);
+    let (bq, bk) = (tiles.q.max(1), tiles.k.max(1));
     let zero = T::Acc::zero();
     let scale: T::Acc = Acc::of(s.scale);
+    let group = s.q_heads / s.kv_heads;
+    let groups = s.batch * s.kv_heads;
+    if groups == 0 || s.q_len == 0 || s.kv_len == 0 {
+        dq.fill(T::from_acc(zero));
+        dk.fill(T::from_acc(zero));
+        dv_out.fill(T::from_acc(zero));
+        return;
+    }
     // D_i = rowsum(dout * out).
     let dsum: Vec<T::Acc> = if dv == 0 {
         vec![zero; lse.len()]
@@ -189,93 +255,140 @@ pub(super) fn backward<T: Float>(
             .map(|(g, o)| g.iter().zip(o).fold(zero, |a, (g, o)| a + g.to_acc() * o.to_acc()))
             .collect()
     };
-    // Probabilities P [nq, nk] of a (query tile, key tile) pair from the widened
-    // (scaled q, dout, k, v) tiles, then
-    // dS = P * (dO Vᵀ - D) in `ds`.
-    let tile = |bh: usize,
-                (i0, nq): (usize, usize),
-                (j0, nk): (usize, usize),
-                [qa, oa, ka, va]: [&[T::Acc]; 4],
-                p: &mut [T::Acc],
-                ds: &mut [T::Acc]| {
-        small_matmul((nq, nk, d), qa, false, ka, true, p, false);
-        for qi in 0..nq {
-            cx.probs(bh, i0 + qi, j0, lse[bh * s.q_len + i0 + qi], &mut p[qi * nk..(qi + 1) * nk]);
+    // Split each head's keys into `chunks` runs of whole key tiles.
+    let key_tiles = s.kv_len.div_ceil(bk);
+    let want = MIN_BACKWARD_TASKS.div_ceil(groups).clamp(1, key_tiles);
+    let run = key_tiles.div_ceil(want) * bk;
+    let chunks = s.kv_len.div_ceil(run);
+    let dq_per_group = group * s.q_len * d;
+    let mut tasks: Vec<BackTask<T>> = blocks(dk, d, dv_out, dv, groups, s.kv_len, run)
+        .into_iter()
+        .map(|(g, j_start, nkeys, dk, dv)| BackTask { g, j_start, nkeys, dk, dv, dq: None })
+        .collect();
+    if chunks == 1 {
+        for (t, dq) in tasks.iter_mut().zip(dq.chunks_mut(dq_per_group.max(1))) {
+            t.dq = Some(dq);
         }
-        small_matmul((nq, nk, dv), oa, false, va, true, ds, false);
-        for qi in 0..nq {
-            let di = dsum[bh * s.q_len + i0 + qi];
-            let (pr, dr) = (&p[qi * nk..(qi + 1) * nk], &mut ds[qi * nk..(qi + 1) * nk]);
-            for (x, &pv) in dr.iter_mut().zip(pr) {
-                *x = pv * (*x - di);
+    }
+    let partials: Vec<Option<(usize, Vec<T::Acc>)>> = tasks
+        .into_par_iter()
+        .map(|t| {
+            // Causal: queries before the first key of the task see none of its keys,
+            // so its dq rows start there.
+            let q_first = if s.causal { t.j_start.min(s.q_len) } else { 0 };
+            let rows = s.q_len - q_first;
+            // The group's scaled queries and output gradients, widened once.
+            let (mut qa, mut oa) = (Vec::new(), Vec::new());
+            let (mut dqa, mut ka, mut va) = (vec![zero; group * rows * d], Vec::new(), Vec::new());
+            qa.reserve(group * rows * d);
+            oa.reserve(group * rows * dv);
+            for t_h in 0..group {
+                let r0 = (t.g * group + t_h) * s.q_len + q_first;
+                qa.extend(q[r0 * d..(r0 + rows) * d].iter().map(|x| x.to_acc() * scale));
+                oa.extend(dout[r0 * dv..(r0 + rows) * dv].iter().map(|x| x.to_acc()));
             }
-        }
-    };
-
-    // dq over (batch, q head, query block): dQ = scale * dS K.
-    if !dq.is_empty() {
-        let mut none: [(); 0] = [];
-        let tasks = blocks(dq, d, &mut none[..], 0, s.batch * s.q_heads, s.q_len, BQ);
-        tasks.into_par_iter().for_each(|(bh, i0, nq, dq, _)| {
-            let kv = cx.kv_of(bh);
-            let r0 = bh * s.q_len + i0;
-            let (mut qa, mut oa, mut ka, mut va) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            load(&mut qa, &q[r0 * d..(r0 + nq) * d], scale);
-            load(&mut oa, &dout[r0 * dv..(r0 + nq) * dv], One::one());
-            let mut dqa = vec![zero; nq * d];
-            let (mut p, mut ds) = (vec![zero; nq * BK], vec![zero; nq * BK]);
-            let kv_end = if s.causal { s.kv_len.min(i0 + nq) } else { s.kv_len };
-            for j0 in (0..kv_end).step_by(BK) {
-                let nk = BK.min(kv_end - j0);
-                let k0 = kv * s.kv_len + j0;
+            let (mut p, mut ds) = (vec![zero; bq * bk], vec![zero; bq * bk]);
+            let (mut dka, mut dva) = (vec![zero; bk * d], vec![zero; bk * dv]);
+            for j0 in (t.j_start..t.j_start + t.nkeys).step_by(bk) {
+                let nk = bk.min(t.j_start + t.nkeys - j0);
+                let k0 = t.g * s.kv_len + j0;
                 load(&mut ka, &k[k0 * d..(k0 + nk) * d], One::one());
                 load(&mut va, &v[k0 * dv..(k0 + nk) * dv], One::one());
-                let (p, ds) = (&mut p[..nq * nk], &mut ds[..nq * nk]);
-                tile(bh, (i0, nq), (j0, nk), [&qa, &oa, &ka, &va], p, ds);
-                small_matmul((nq, d, nk), ds, false, &ka, false, &mut dqa, true);
+                let (dka, dva) = (&mut dka[..nk * d], &mut dva[..nk * dv]);
+                dka.fill(zero);
+                dva.fill(zero);
+                for t_h in 0..group {
+                    let bh = t.g * group + t_h;
+                    let tm = cx.tile_mask(bh, j0, nk);
+                    if tm == TileMask::Closed {
+                        continue;
+                    }
+                    // Causal: only queries i >= j0 see a key of this tile.
+                    let i_start = if s.causal { j0 } else { 0 };
+                    for i0 in (i_start..s.q_len).step_by(bq) {
+                        let nq = bq.min(s.q_len - i0);
+                        let r = t_h * rows + (i0 - q_first);
+                        let (qt, ot) = (&qa[r * d..(r + nq) * d], &oa[r * dv..(r + nq) * dv]);
+                        let (p, ds) = (&mut p[..nq * nk], &mut ds[..nq * nk]);
+                        let row0 = bh * s.q_len + i0;
+                        // P = exp(mask(Qs Kᵀ) - lse), one exp per score.
+                        small_matmul((nq, nk, d), qt, false, &ka, true, p, false);
+                        let mut any = false;
+                        for qi in 0..nq {
+                            let pr = &mut p[qi * nk..(qi + 1) * nk];
+                            let l = lse[row0 + qi];
+                            if l == T::Acc::neg_infinity() {
+                                pr.fill(zero);
+                                continue;
+                            }
+                            cx.mask_scores(bh, i0 + qi, j0, tm, pr);
+                            Acc::exp_sub_sum(pr, l);
+                            any = true;
+                        }
+                        if !any {
+                            continue;
+                        }
+                        // dS = P * (dO Vᵀ - D).
+                        small_matmul((nq, nk, dv), ot, false, &va, true, ds, false);
+                        for qi in 0..nq {
+                            let di = dsum[row0 + qi];
+                            let (pr, dr) =
+                                (&p[qi * nk..(qi + 1) * nk], &mut ds[qi * nk..(qi + 1) * nk]);
+                            for (x, &pv) in dr.iter_mut().zip(pr) {
+                                *x = pv * (*x - di);
+                            }
+                        }
+                        // dV += Pᵀ dO; dK += dSᵀ (scale Q); dQ += dS K (scaled at the end).
+                        small_matmul((nk, dv, nq), p, true, ot, false, dva, true);
+                        small_matmul((nk, d, nq), ds, true, qt, false, dka, true);
+                        let dqt = &mut dqa[r * d..(r + nq) * d];
+                        small_matmul((nq, d, nk), ds, false, &ka, false, dqt, true);
+                    }
+                }
+                let o = (j0 - t.j_start) * d;
+                for (o, &a) in t.dk[o..o + nk * d].iter_mut().zip(dka.iter()) {
+                    *o = T::from_acc(a);
+                }
+                let o = (j0 - t.j_start) * dv;
+                for (o, &a) in t.dv[o..o + nk * dv].iter_mut().zip(dva.iter()) {
+                    *o = T::from_acc(a);
+                }
             }
-            for (o, &a) in dq.iter_mut().zip(&dqa) {
-                *o = T::from_acc(a * scale);
+            match t.dq {
+                Some(dq) => {
+                    // The only task of its head: write dq directly.
+                    for t_h in 0..group {
+                        let dst = &mut dq[(t_h * s.q_len + q_first) * d..(t_h + 1) * s.q_len * d];
+                        let src = &dqa[t_h * rows * d..(t_h + 1) * rows * d];
+                        for (o, &a) in dst.iter_mut().zip(src) {
+                            *o = T::from_acc(a * scale);
+                        }
+                        dq[t_h * s.q_len * d..(t_h * s.q_len + q_first) * d]
+                            .fill(T::from_acc(zero));
+                    }
+                    None
+                }
+                None => Some((q_first, dqa)),
             }
-        });
-    }
-
-    // dk, dv over (batch, kv head, key block), summing the group's q heads:
-    // dV = Pᵀ dO, dK = scale * dSᵀ Q.
-    if dk.is_empty() && dv_out.is_empty() {
+        })
+        .collect();
+    if chunks == 1 {
         return;
     }
-    let group = s.q_heads / s.kv_heads;
-    let tasks = blocks(dk, d, dv_out, dv, s.batch * s.kv_heads, s.kv_len, BK);
-    tasks.into_par_iter().for_each(|(g, j0, nk, dk, dvb)| {
-        let (b, kvh) = (g / s.kv_heads, g % s.kv_heads);
-        let k0 = g * s.kv_len + j0;
-        let (mut qa, mut oa, mut ka, mut va) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        load(&mut ka, &k[k0 * d..(k0 + nk) * d], One::one());
-        load(&mut va, &v[k0 * dv..(k0 + nk) * dv], One::one());
-        let mut dka = vec![zero; nk * d];
-        let mut dva = vec![zero; nk * dv];
-        let (mut p, mut ds) = (vec![zero; BQ * nk], vec![zero; BQ * nk]);
-        for bh in b * s.q_heads + kvh * group..b * s.q_heads + (kvh + 1) * group {
-            // Causal: only queries i >= j0 see a key of this block.
-            let i_start = if s.causal { j0 } else { 0 };
-            for i0 in (i_start..s.q_len).step_by(BQ) {
-                let nq = BQ.min(s.q_len - i0);
-                let r0 = bh * s.q_len + i0;
-                load(&mut qa, &q[r0 * d..(r0 + nq) * d], scale);
-                load(&mut oa, &dout[r0 * dv..(r0 + nq) * dv], One::one());
-                let (p, ds) = (&mut p[..nq * nk], &mut ds[..nq * nk]);
-                tile(bh, (i0, nq), (j0, nk), [&qa, &oa, &ka, &va], p, ds);
-                small_matmul((nk, dv, nq), p, true, &oa, false, &mut dva, true);
-                // qa holds scale * q, so this is scale * dSᵀ Q.
-                small_matmul((nk, d, nq), ds, true, &qa, false, &mut dka, true);
+    // Sum each head's partials in key order (fixed by the shape: deterministic).
+    dq.par_chunks_mut(dq_per_group).enumerate().for_each(|(g, dq)| {
+        let mut acc = vec![zero; dq_per_group];
+        for (q_first, part) in partials[g * chunks..(g + 1) * chunks].iter().flatten() {
+            let rows = s.q_len - q_first;
+            for t_h in 0..group {
+                let dst = &mut acc[(t_h * s.q_len + q_first) * d..(t_h + 1) * s.q_len * d];
+                for (a, &p) in dst.iter_mut().zip(&part[t_h * rows * d..(t_h + 1) * rows * d]) {
+                    *a += p;
+                }
             }
         }
-        for (o, &a) in dk.iter_mut().zip(&dka) {
-            *o = T::from_acc(a);
-        }
-        for (o, &a) in dvb.iter_mut().zip(&dva) {
-            *o = T::from_acc(a);
+        for (o, &a) in dq.iter_mut().zip(&acc) {
+            *o = T::from_acc(a * scale);
         }
     });
 }

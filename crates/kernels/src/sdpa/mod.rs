@@ -3,10 +3,19 @@
 //! The forward pass walks the keys in tiles with an online softmax, so no
 //! `[q_len, kv_len]` score matrix is ever materialized; it saves the per-row
 //! log-sum-exp (`lse`) from which the backward pass recomputes the
-//! probabilities tile by tile. Work is split over (batch, q head, query
-//! block) for the forward pass and `dq`, and over (batch, kv head, key block)
-//! for `dk`/`dv`, so every output element has one writer and results are
-//! deterministic. Everything accumulates in [`Float::Acc`].
+//! probabilities tile by tile, once: a single pass over (key tile, query tile)
+//! pairs computes `P` and `dS` and feeds `dv += Pᵀ dO`, `dk += dSᵀ Q` and
+//! `dq += dS K` from them (five tile products and one `exp` per score).
+//! The forward pass is split over (batch, q head, query block); the backward
+//! pass over (batch, kv head), whose task owns its keys' `dk`/`dv` and its q
+//! heads' `dq`; when there are fewer than 8 such heads their keys are split in
+//! runs with a `dq` partial sum each, added in key order. The split depends on
+//! the shape only, so results are deterministic whatever the thread count.
+//! Everything accumulates in [`Float::Acc`].
+//!
+//! A mask that is the same for every query row (a key-padding mask
+//! `[b, 1, 1, kv]`, row stride 0) is read once per key tile: tiles whose keys
+//! are all masked are skipped, tiles with none masked skip the additions.
 //!
 //! Grouped-query attention: q head `h` reads kv head `h / (q_heads / kv_heads)`.
 //! Causal masking is top-left aligned like PyTorch's `is_causal` (query `i`
@@ -60,6 +69,31 @@ pub struct SdpaMask<'a, T> {
     pub head_stride: usize,
     /// Elements between query rows (0 = broadcast).
     pub row_stride: usize,
+}
+
+/// Tile sizes (query rows, key rows) of the CPU kernels. The defaults
+/// ([`SdpaTiles::forward`], [`SdpaTiles::backward`]) were measured with
+/// `cargo bench -p tpar-kernels --bench sdpa -- tiles` (docs/PERF.md); other
+/// sizes give the same results up to rounding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SdpaTiles {
+    /// Query rows per tile (and per forward task).
+    pub q: usize,
+    /// Key rows per tile.
+    pub k: usize,
+}
+
+impl SdpaTiles {
+    /// The forward pass's tiles for `s`: 128 keys; 64 query rows below 1024 queries
+    /// (a causal diagonal tile wastes less), 128 from there on.
+    pub fn forward(s: &SdpaShape) -> SdpaTiles {
+        SdpaTiles { q: if s.q_len < 1024 { 64 } else { 128 }, k: 128 }
+    }
+
+    /// The backward pass's tiles for `s`: 128 query rows, 64 keys.
+    pub fn backward(_s: &SdpaShape) -> SdpaTiles {
+        SdpaTiles { q: 128, k: 64 }
+    }
 }
 
 /// Buffer lengths derived from a validated shape.
@@ -124,6 +158,20 @@ pub fn sdpa_forward<T: Float>(
     out: &mut [T],
     lse: &mut [T::Acc],
 ) -> Result<()> {
+    sdpa_forward_tiled(s, SdpaTiles::forward(s), q, k, v, mask, out, lse)
+}
+
+/// [`sdpa_forward`] with explicit tile sizes (for tuning; sizes of 0 count as 1).
+pub fn sdpa_forward_tiled<T: Float>(
+    s: &SdpaShape,
+    tiles: SdpaTiles,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&SdpaMask<T>>,
+    out: &mut [T],
+    lse: &mut [T::Acc],
+) -> Result<()> {
     const OP: &str = "sdpa_forward";
     let z = validate(OP, s, mask)?;
     check_len(OP, "q", q.len(), z.q)?;
@@ -131,7 +179,7 @@ pub fn sdpa_forward<T: Float>(
     check_len(OP, "v", v.len(), z.v)?;
     check_len(OP, "out", out.len(), z.out)?;
     check_len(OP, "lse", lse.len(), z.lse)?;
-    cpu::forward(s, q, k, v, mask, out, lse);
+    cpu::forward(s, tiles, q, k, v, mask, out, lse);
     Ok(())
 }
 
@@ -140,6 +188,24 @@ pub fn sdpa_forward<T: Float>(
 /// No gradient is produced for the mask.
 pub fn sdpa_backward<T: Float>(
     s: &SdpaShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&SdpaMask<T>>,
+    out: &[T],
+    lse: &[T::Acc],
+    dout: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) -> Result<()> {
+    sdpa_backward_tiled(s, SdpaTiles::backward(s), q, k, v, mask, out, lse, dout, dq, dk, dv)
+}
+
+/// [`sdpa_backward`] with explicit tile sizes (for tuning; sizes of 0 count as 1).
+pub fn sdpa_backward_tiled<T: Float>(
+    s: &SdpaShape,
+    tiles: SdpaTiles,
     q: &[T],
     k: &[T],
     v: &[T],
@@ -162,6 +228,6 @@ pub fn sdpa_backward<T: Float>(
     check_len(OP, "dq", dq.len(), z.q)?;
     check_len(OP, "dk", dk.len(), z.k)?;
     check_len(OP, "dv", dv.len(), z.v)?;
-    cpu::backward(s, q, k, v, mask, out, lse, dout, dq, dk, dv);
+    cpu::backward(s, tiles, q, k, v, mask, out, lse, dout, dq, dk, dv);
     Ok(())
 }

@@ -46,23 +46,29 @@ fn make_mask<T: Float>(rng: &mut Rng, len: usize, row: usize) -> Vec<T> {
 }
 
 fn run<T: Float>(c: &Case, seed: u64) {
+    for tiles in [SdpaTiles::forward(&c.s), SdpaTiles { q: 8, k: 16 }, SdpaTiles { q: 5, k: 3 }] {
+        let mut rng = Rng::new(seed);
+        let mdata: Vec<T> =
+            c.mask.map_or(Vec::new(), |(_, _, rs, len)| make_mask(&mut rng, len, rs.max(1)));
+        run_with(c, &mdata, tiles, &mut rng);
+    }
+}
+
+fn run_with<T: Float>(c: &Case, mdata: &[T], tiles: SdpaTiles, rng: &mut Rng) {
     let s = &c.s;
-    let mut rng = Rng::new(seed);
     let nq = s.batch * s.q_heads * s.q_len;
     let nk = s.batch * s.kv_heads * s.kv_len;
     let q: Vec<T> = rng.vec(nq * s.head_dim, 1.5);
     let k: Vec<T> = rng.vec(nk * s.head_dim, 1.5);
     let v: Vec<T> = rng.vec(nk * s.v_dim, 1.0);
     let dout: Vec<T> = rng.vec(nq * s.v_dim, 1.0);
-    let mdata: Vec<T> =
-        c.mask.map_or(Vec::new(), |(_, _, rs, len)| make_mask(&mut rng, len, rs.max(1)));
     let mask = c.mask.map(|(bs, hs, rs, _)| SdpaMask {
-        data: &mdata[..],
+        data: mdata,
         batch_stride: bs,
         head_stride: hs,
         row_stride: rs,
     });
-    let mf = f64s(&mdata);
+    let mf = f64s(mdata);
     let mask_f = c.mask.map(|(bs, hs, rs, _)| SdpaMask {
         data: &mf[..],
         batch_stride: bs,
@@ -75,8 +81,8 @@ fn run<T: Float>(c: &Case, seed: u64) {
 
     let mut out = vec![T::default(); nq * s.v_dim];
     let mut lse = vec![Acc::of(0.0); nq];
-    sdpa_forward(s, &q, &k, &v, mask.as_ref(), &mut out, &mut lse).unwrap();
-    let what = format!("{s:?} mask={:?}", c.mask);
+    sdpa_forward_tiled(s, tiles, &q, &k, &v, mask.as_ref(), &mut out, &mut lse).unwrap();
+    let what = format!("{s:?} mask={:?} {tiles:?}", c.mask);
     assert_close_t(&format!("out {what}"), &out, &out_ref);
     let lse_f: Vec<f64> = lse.iter().map(|x| x.f64()).collect();
     assert_close(&format!("lse {what}"), &lse_f, &lse_ref, tol::<T>().min(1e-4));
@@ -84,7 +90,8 @@ fn run<T: Float>(c: &Case, seed: u64) {
     let mut dq = vec![T::default(); q.len()];
     let mut dk = vec![T::default(); k.len()];
     let mut dv = vec![T::default(); v.len()];
-    sdpa_backward(s, &q, &k, &v, mask.as_ref(), &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+    let m = mask.as_ref();
+    sdpa_backward_tiled(s, tiles, &q, &k, &v, m, &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
         .unwrap();
     assert_close_t(&format!("dq {what}"), &dq, &dq_ref);
     assert_close_t(&format!("dk {what}"), &dk, &dk_ref);
@@ -100,6 +107,41 @@ fn matches_reference() {
         run::<f32>(c, i as u64);
         run::<f64>(c, 100 + i as u64);
         run::<bf16>(c, 200 + i as u64);
+    }
+}
+
+/// A `[b, 1, 1, kv]` key-padding mask (0 for tokens, `-inf` for padding) whose
+/// padded and open runs cover whole tiles, partial tiles and whole batches.
+#[test]
+fn key_padding_masks_match_reference() {
+    let kv = 70;
+    // Tokens per batch: right padding, left padding, no padding, all padding.
+    let rows: [Box<dyn Fn(usize) -> bool>; 4] =
+        [Box::new(|j| j < 37), Box::new(|j| j >= 20), Box::new(|_| true), Box::new(|_| false)];
+    let mdata: Vec<f64> = rows
+        .iter()
+        .flat_map(|tok| (0..kv).map(move |j| if tok(j) { 0.0 } else { f64::NEG_INFINITY }))
+        .collect();
+    for causal in [false, true] {
+        let s = SdpaShape {
+            batch: 4,
+            q_heads: 4,
+            kv_heads: 2,
+            q_len: kv,
+            kv_len: kv,
+            head_dim: 8,
+            v_dim: 8,
+            scale: 0.35,
+            causal,
+        };
+        let c = Case { s, mask: Some((kv, 0, 0, 4 * kv)) };
+        for tiles in
+            [SdpaTiles::backward(&s), SdpaTiles { q: 16, k: 16 }, SdpaTiles { q: 7, k: 10 }]
+        {
+            let m32: Vec<f32> = mdata.iter().map(|&x| x as f32).collect();
+            run_with::<f32>(&c, &m32, tiles, &mut Rng::new(5));
+            run_with::<f64>(&c, &mdata, tiles, &mut Rng::new(6));
+        }
     }
 }
 

@@ -4,13 +4,14 @@ use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
 use crate::util::sum_map;
-use crate::Float;
+use crate::{Acc, Float};
 
 pub(super) fn forward<T: Float>(x: &[T], cols: usize, y: &mut [T], log: bool) {
     if cols == 0 {
         return;
     }
-    y.par_chunks_mut(cols).zip(x.par_chunks(cols)).for_each_init(Vec::new, |buf, (y, x)| {
+    let init = || (Vec::new(), Vec::new());
+    y.par_chunks_mut(cols).zip(x.par_chunks(cols)).for_each_init(init, |(buf, tmp), (y, x)| {
         let ninf = T::Acc::neg_infinity();
         let m = x.iter().fold(ninf, |m, v| m.max(v.to_acc()));
         if m == ninf {
@@ -19,17 +20,18 @@ pub(super) fn forward<T: Float>(x: &[T], cols: usize, y: &mut [T], log: bool) {
             return;
         }
         buf.clear();
-        buf.extend(x.iter().map(|v| v.to_acc() - m));
-        let sum = sum_map(buf, |d| d.exp());
+        buf.extend(x.iter().map(|v| v.to_acc()));
         if log {
-            let ls = sum.ln();
-            for (y, &d) in y.iter_mut().zip(buf.iter()) {
-                *y = T::from_acc(d - ls);
+            tmp.clear();
+            tmp.extend_from_slice(buf);
+            let ls = Acc::exp_sub_sum(tmp, m).ln();
+            for (y, &v) in y.iter_mut().zip(buf.iter()) {
+                *y = T::from_acc((v - m) - ls);
             }
         } else {
-            let inv = sum.recip();
-            for (y, &d) in y.iter_mut().zip(buf.iter()) {
-                *y = T::from_acc(d.exp() * inv);
+            let inv = Acc::exp_sub_sum(buf, m).recip();
+            for (y, &e) in y.iter_mut().zip(buf.iter()) {
+                *y = T::from_acc(e * inv);
             }
         }
     });
@@ -39,12 +41,16 @@ pub(super) fn backward<T: Float>(y: &[T], dy: &[T], cols: usize, dx: &mut [T], l
     if cols == 0 {
         return;
     }
-    dx.par_chunks_mut(cols).zip(y.par_chunks(cols)).zip(dy.par_chunks(cols)).for_each(
-        |((dx, y), dy)| {
+    dx.par_chunks_mut(cols).zip(y.par_chunks(cols)).zip(dy.par_chunks(cols)).for_each_init(
+        Vec::new,
+        |buf, ((dx, y), dy)| {
             if log {
                 let s = sum_map(dy, |g| g.to_acc());
-                for ((dx, y), g) in dx.iter_mut().zip(y).zip(dy) {
-                    *dx = T::from_acc(g.to_acc() - y.to_acc().exp() * s);
+                buf.clear();
+                buf.extend(y.iter().map(|v| v.to_acc()));
+                Acc::exp_sub_sum(buf, T::Acc::zero());
+                for ((dx, &p), g) in dx.iter_mut().zip(buf.iter()).zip(dy) {
+                    *dx = T::from_acc(g.to_acc() - p * s);
                 }
             } else {
                 let s =

@@ -1,0 +1,123 @@
+//! CPU attention kernel timings: the tile sizes of the forward and backward passes
+//! (`tiles`, the measurement behind `SdpaTiles::forward` / `backward`) and the
+//! vectorized `exp` against libm (`exp`).
+//! Run: `cargo bench -p tpar-kernels --bench sdpa [-- tiles|exp]`.
+
+use std::time::Instant;
+
+use tpar_kernels::sdpa::{sdpa_backward_tiled, sdpa_forward_tiled, SdpaMask, SdpaShape, SdpaTiles};
+use tpar_kernels::vmath;
+
+/// Median seconds of `reps` calls of `f` after one warm-up call.
+fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Forward and backward times of one shape for every tile size of a grid.
+fn tiles(name: &str, s: SdpaShape, padded_tail: usize, reps: usize) {
+    let nq = s.batch * s.q_heads * s.q_len;
+    let nk = s.batch * s.kv_heads * s.kv_len;
+    let q = values(nq * s.head_dim, 1);
+    let k = values(nk * s.head_dim, 2);
+    let v = values(nk * s.v_dim, 3);
+    let dout = values(nq * s.v_dim, 4);
+    let m: Vec<f32> = (0..s.batch * s.kv_len)
+        .map(|i| if i % s.kv_len >= s.kv_len - padded_tail { f32::NEG_INFINITY } else { 0.0 })
+        .collect();
+    let mask = SdpaMask { data: &m[..], batch_stride: s.kv_len, head_stride: 0, row_stride: 0 };
+    let mask = (padded_tail > 0).then_some(mask);
+    let (mut out, mut lse) = (vec![0.0f32; nq * s.v_dim], vec![0.0f32; nq]);
+    let (mut dq, mut dk, mut dv) =
+        (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0; v.len()]);
+    println!("{name}: {s:?}, last {padded_tail} keys padded");
+    println!("| q tile | k tile | forward ms | backward ms |");
+    println!("|---:|---:|---:|---:|");
+    for tq in [32, 64, 128] {
+        for tk in [32, 64, 128, 256] {
+            let t = SdpaTiles { q: tq, k: tk };
+            let m = mask.as_ref();
+            let f = median_secs(reps, || {
+                sdpa_forward_tiled(&s, t, &q, &k, &v, m, &mut out, &mut lse).unwrap();
+            });
+            let b = median_secs(reps, || {
+                sdpa_backward_tiled(
+                    &s, t, &q, &k, &v, m, &out, &lse, &dout, &mut dq, &mut dk, &mut dv,
+                )
+                .unwrap();
+            });
+            println!("| {tq} | {tk} | {:.2} | {:.2} |", f * 1e3, b * 1e3);
+        }
+    }
+}
+
+/// Throughput of the vectorized exp (in place, and the softmax step) against libm.
+fn exp() {
+    let x: Vec<f32> = values(1 << 16, 5).iter().map(|v| v * 20.0).collect();
+    let mut y = x.clone();
+    let reps = 200;
+    let libm = median_secs(reps, || {
+        y.copy_from_slice(&x);
+        y.iter_mut().for_each(|v| *v = v.exp());
+        std::hint::black_box(&y);
+    });
+    let vec = median_secs(reps, || {
+        y.copy_from_slice(&x);
+        vmath::exp(&mut y);
+        std::hint::black_box(&y);
+    });
+    let n = x.len() as f64;
+    println!(
+        "exp on {:?}: libm {:.2} ns/element, vmath {:.2} ns/element ({:.1}x)",
+        vmath::isa(),
+        libm / n * 1e9,
+        vec / n * 1e9,
+        libm / vec
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let want = |m: &str| args.is_empty() || args.iter().any(|a| a == m);
+    if want("exp") {
+        exp();
+    }
+    if want("tiles") {
+        let sh = |batch, q_heads, kv_heads, len, head_dim| SdpaShape {
+            batch,
+            q_heads,
+            kv_heads,
+            q_len: len,
+            kv_len: len,
+            head_dim,
+            v_dim: head_dim,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            causal: true,
+        };
+        // The Llama step's attention (hidden 256, 8 / 4 heads, seq 256, batch 8).
+        tiles("llama step", sh(8, 8, 4, 256, 32), 0, 9);
+        // A long padded sequence (4 heads of 64, a quarter of the keys padding).
+        tiles("long padded", sh(1, 4, 4, 4096, 64), 1024, 3);
+    }
+}
