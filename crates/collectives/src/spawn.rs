@@ -26,7 +26,8 @@ pub enum RankThreads {
 
 impl RankThreads {
     /// A pool of its own per rank of `max(1, cores / world_size)` threads: this machine's
-    /// cores split evenly between `world_size` ranks.
+    /// cores split evenly between `world_size` ranks (the default; measured against
+    /// [`RankThreads::Shared`] with `benches/llama_step.rs`, docs/PERF.md).
     pub fn per_rank(world_size: usize) -> RankThreads {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         RankThreads::PerRank((cores / world_size.max(1)).max(1))
@@ -42,7 +43,7 @@ pub struct SpawnConfig {
     pub timeout: Duration,
     /// Stack size of each rank thread in bytes (default 64 MiB).
     pub stack_size: usize,
-    /// Which threads run each rank's parallel kernels (default [`RankThreads::Shared`]).
+    /// Which threads run each rank's parallel kernels (default [`RankThreads::per_rank`]).
     pub threads: RankThreads,
 }
 
@@ -53,7 +54,7 @@ impl SpawnConfig {
             world_size,
             timeout: DEFAULT_TIMEOUT,
             stack_size: RANK_STACK_SIZE,
-            threads: RankThreads::Shared,
+            threads: RankThreads::per_rank(world_size),
         }
     }
 
