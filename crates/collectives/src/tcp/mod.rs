@@ -81,6 +81,7 @@
 //!   store holds one TCP world (its keys are fixed).
 
 mod mesh;
+mod shm;
 mod transport;
 
 #[cfg(test)]
@@ -95,12 +96,24 @@ use crate::remote::worker::{serve, Job, Shared};
 use crate::remote::{RemoteComm, RemoteWorld, WeakComm};
 use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store};
 use mesh::Mesh;
+use shm::ShmConfig;
 use transport::TcpTransport;
 
 /// Environment variable naming the host (name or IP address) this process advertises to
 /// its peers for their connections. Unset, the `tcp` backend advertises the local
 /// address of its connection to the store ([`Store::local_ip`]), else loopback.
 pub const TCP_HOST_ENV: &str = "TPAR_TCP_HOST";
+
+/// Environment variable that turns off shared memory between the processes of one host:
+/// `0`, `off`, `false` or `no` keep every pair of processes on its socket. Unset (or any
+/// other value), processes that find they share a host move large payloads through
+/// shared memory.
+pub const TCP_SHM_ENV: &str = "TPAR_TCP_SHM";
+
+/// Environment variable setting the smallest payload, in bytes, that travels through
+/// shared memory between processes of one host (default 65536); smaller ones take the
+/// socket.
+pub const TCP_SHM_MIN_ENV: &str = "TPAR_TCP_SHM_MIN_BYTES";
 
 /// One process's TCP world: its rank, its connections, its groups.
 pub(crate) struct TcpWorld {
@@ -123,13 +136,24 @@ pub(crate) fn world(
     world_size: usize,
     timeout: Duration,
 ) -> Result<ProcessGroup> {
+    world_with(store, rank, world_size, timeout, ShmConfig::from_env())
+}
+
+/// [`world`], with shared memory as `shm` says.
+pub(crate) fn world_with(
+    store: Arc<dyn Store>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    shm: ShmConfig,
+) -> Result<ProcessGroup> {
     if world_size == 0 || rank >= world_size {
         return Err(CollectiveError::InvalidArgument {
             op: "tcp_world",
             why: format!("rank {rank} is not below world size {world_size}"),
         });
     }
-    let mesh = Mesh::connect(&*store, rank, world_size, timeout)?;
+    let mesh = Mesh::connect(&*store, rank, world_size, timeout, shm)?;
     let w = Arc::new(TcpWorld {
         rank,
         size: world_size,

@@ -551,7 +551,7 @@ fn a_connection_from_another_job_or_rank_is_refused() {
     let addr = String::from_utf8(store.get_timeout("tpar/tcp/addr/2", T).unwrap()).unwrap();
     let token = store.get_timeout("tpar/tcp/token", T).unwrap();
     let hello = |token: &[u8], from: u64| {
-        let mut b = b"tparTCP\x01".to_vec();
+        let mut b = b"tparTCP\x02".to_vec();
         b.extend(0x0102_0304u32.to_ne_bytes());
         b.extend(token);
         b.extend(3u64.to_le_bytes());
