@@ -450,7 +450,8 @@ impl Handshake<'_> {
             let Some(s) = s else { continue };
             let mut msg = [0u8; OFFER_LEN];
             self.read(s, peer, &mut msg)?;
-            let u32_at = |i: usize| u32::from_le_bytes([msg[i], msg[i + 1], msg[i + 2], msg[i + 3]]);
+            let u32_at =
+                |i: usize| u32::from_le_bytes([msg[i], msg[i + 1], msg[i + 2], msg[i + 3]]);
             let u64_at = |i: usize| u64::from_le_bytes(msg[i..i + 8].try_into().unwrap_or([0; 8]));
             if u32_at(0) != OFFER_MAGIC {
                 return Err(self.fail(peer, format!("malformed offer {:02x?}", &msg[..8])));
@@ -460,15 +461,12 @@ impl Handshake<'_> {
                 .get(OFFER_NAME_AT..OFFER_NAME_AT.saturating_add(name_len))
                 .and_then(|b| std::str::from_utf8(b).ok());
             let offered = u32_at(4) == 1 && cfg.enabled;
-            let ring = name
-                .filter(|_| offered)
-                .and_then(shm::file_path)
-                .and_then(|path| {
-                    let ring = Ring::open(&path, u64_at(8)).ok()?;
-                    // Both sides hold the ring now: its name can go.
-                    drop(Unlink(path));
-                    Some(ring)
-                });
+            let ring = name.filter(|_| offered).and_then(shm::file_path).and_then(|path| {
+                let ring = Ring::open(&path, u64_at(8)).ok()?;
+                // Both sides hold the ring now: its name can go.
+                drop(Unlink(path));
+                Some(ring)
+            });
             let mut answer = [0u8; REPLY_LEN];
             answer[..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
             answer[4..].copy_from_slice(&u32::from(ring.is_some()).to_le_bytes());
@@ -635,10 +633,9 @@ impl Mesh {
     /// The peers this process sends large payloads to through a ring.
     #[cfg(test)]
     pub fn shm_peers(&self) -> Vec<usize> {
-        let lock = |w: &Mutex<Writer>| w.lock().unwrap_or_else(PoisonError::into_inner).shm.is_some();
-        (0..self.writers.len())
-            .filter(|&p| self.writers[p].as_ref().is_some_and(lock))
-            .collect()
+        let lock =
+            |w: &Mutex<Writer>| w.lock().unwrap_or_else(PoisonError::into_inner).shm.is_some();
+        (0..self.writers.len()).filter(|&p| self.writers[p].as_ref().is_some_and(lock)).collect()
     }
 
     /// Frames sent through rings so far.
@@ -715,10 +712,9 @@ impl Mesh {
             {
                 (false, format!("sending to it failed: {e}"))
             }
-            SendFail::Io(_) | SendFail::Stalled => (
-                true,
-                format!("it took no data for {:?} (connection closed)", self.write_timeout),
-            ),
+            SendFail::Io(_) | SendFail::Stalled => {
+                (true, format!("it took no data for {:?} (connection closed)", self.write_timeout))
+            }
         };
         self.inbox.mark_gone(peer, why.clone());
         if timed_out {
@@ -958,7 +954,9 @@ fn read_payload(
     let mut payload = empty_buffer(len, inbox)?;
     match s.take(len as u64).read_to_end(&mut payload) {
         Ok(n) if n == len => Ok(payload),
-        Ok(n) => Err(format!("its connection closed in the middle of a frame ({n} of {len} bytes)")),
+        Ok(n) => {
+            Err(format!("its connection closed in the middle of a frame ({n} of {len} bytes)"))
+        }
         Err(e) => Err(mid_frame(&e, payload.len(), len)),
     }
 }

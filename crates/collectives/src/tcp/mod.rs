@@ -85,6 +85,8 @@ mod shm;
 mod transport;
 
 #[cfg(test)]
+mod shm_tests;
+#[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;

@@ -100,17 +100,10 @@ impl ShmConfig {
             let v = v.trim().to_ascii_lowercase();
             c.enabled = !matches!(v.as_str(), "0" | "off" | "false" | "no");
         }
-        if let Some(m) = std::env::var(TCP_SHM_MIN_ENV).ok().and_then(|v| v.trim().parse().ok())
-        {
+        if let Some(m) = std::env::var(TCP_SHM_MIN_ENV).ok().and_then(|v| v.trim().parse().ok()) {
             c.min_bytes = m;
         }
         c
-    }
-
-    /// Shared memory off.
-    #[cfg(test)]
-    pub fn off() -> ShmConfig {
-        ShmConfig { enabled: false, ..ShmConfig::default() }
     }
 }
 
@@ -176,7 +169,9 @@ impl Ring {
             .and_then(|d| d.checked_add(HEADER))
             .ok_or_else(|| bad("ring too large"))?;
         let file = create_file(path)?;
-        let ring = match sys::reserve(&file, len).and_then(|()| Ring::map(&file, len, slots, slot_bytes)) {
+        let ring = match sys::reserve(&file, len)
+            .and_then(|()| Ring::map(&file, len, slots, slot_bytes))
+        {
             Ok(r) => r,
             Err(e) => {
                 let _ = std::fs::remove_file(path);
