@@ -51,9 +51,11 @@ const AT_MAGIC: usize = 0;
 const AT_NONCE: usize = 8;
 const AT_SLOTS: usize = 16;
 const AT_SLOT_BYTES: usize = 24;
-/// The counters, each on its own cache line.
+/// The counters, each on its own cache line, and the flag of a sender asleep on a full
+/// ring.
 const AT_PRODUCED: usize = 64;
 const AT_CONSUMED: usize = 128;
+const AT_WAITING: usize = 192;
 /// The largest slot and slot count a receiver accepts from a header.
 const MAX_SLOT_BYTES: usize = 64 << 20;
 const MAX_SLOTS: u32 = 1024;
@@ -264,16 +266,25 @@ impl Ring {
         self.counter(AT_PRODUCED).store(produced, Ordering::Release);
     }
 
-    /// Receiver: frees every chunk before `consumed` and wakes a waiting sender.
+    /// Receiver: frees every chunk before `consumed` and wakes the sender if it sleeps.
     pub fn set_consumed(&self, consumed: u32) {
-        self.counter(AT_CONSUMED).store(consumed, Ordering::Release);
-        self.wake();
+        // Sequentially consistent with the sender's flag and check in `wait_consumed`:
+        // either the sender sees the new count, or this sees the flag and wakes it.
+        self.counter(AT_CONSUMED).store(consumed, Ordering::SeqCst);
+        if self.counter(AT_WAITING).load(Ordering::SeqCst) != 0 {
+            self.wake();
+        }
     }
 
-    /// Sleeps until `consumed` differs from `seen`, a wake-up, or `timeout`; may return
-    /// early.
+    /// Sender: sleeps until `consumed` differs from `seen`, a wake-up, or `timeout`; may
+    /// return early.
     pub fn wait_consumed(&self, seen: u32, timeout: Duration) {
-        sys::futex_wait(self.counter(AT_CONSUMED), seen, timeout);
+        let (waiting, consumed) = (self.counter(AT_WAITING), self.counter(AT_CONSUMED));
+        waiting.store(1, Ordering::SeqCst);
+        if consumed.load(Ordering::SeqCst) == seen {
+            sys::futex_wait(consumed, seen, timeout);
+        }
+        waiting.store(0, Ordering::SeqCst);
     }
 
     /// Wakes a sender sleeping in [`wait_consumed`](Self::wait_consumed).
