@@ -351,8 +351,11 @@ fn main() -> Res<()> {
     println!(
         "tpar tcp backend bus bandwidth (f32, out of place, loopback; {threads} hardware \
          threads; a world of n is n processes; tcp: TPAR_TCP_SHM=0, tcp+shm: shared memory \
-         from {} bytes; best of {repeat} run(s) per tcp row)",
-        shm_min.map_or_else(|| "the default threshold of 65536".to_string(), |b| b.to_string())
+         from {}; best of {repeat} run(s) per tcp row)",
+        shm_min.map_or_else(
+            || "the backend's default threshold".to_string(),
+            |b| format!("{b} bytes")
+        )
     );
     println!();
     println!("single-thread memcpy, reused dst (GB/s)");

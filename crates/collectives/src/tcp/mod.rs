@@ -113,7 +113,7 @@ pub const TCP_HOST_ENV: &str = "TPAR_TCP_HOST";
 pub const TCP_SHM_ENV: &str = "TPAR_TCP_SHM";
 
 /// Environment variable setting the smallest payload, in bytes, that travels through
-/// shared memory between processes of one host (default 65536); smaller ones take the
+/// shared memory between processes of one host (default 16384); smaller ones take the
 /// socket.
 pub const TCP_SHM_MIN_ENV: &str = "TPAR_TCP_SHM_MIN_BYTES";
 
