@@ -173,6 +173,7 @@ impl Ring {
         let file = create_file(path)?;
         let ring = match sys::reserve(&file, len)
             .and_then(|()| Ring::map(&file, len, slots, slot_bytes))
+            .map(|r| r.noted(path))
         {
             Ok(r) => r,
             Err(e) => {
@@ -214,12 +215,23 @@ impl Ring {
         if HEADER + slots as usize * slot_bytes != len {
             return Err(bad(format!("{slots} slots of {slot_bytes} bytes do not fill {len}")));
         }
-        Ring::map(&file, len, slots, slot_bytes)
+        Ring::map(&file, len, slots, slot_bytes).map(|r| r.noted(path))
     }
 
     fn map(file: &File, len: usize, slots: u32, slot_bytes: usize) -> io::Result<Ring> {
         let base = sys::map(file, len)?;
         Ok(Ring { base, len, slots, slot_bytes })
+    }
+
+    /// Records the ring among [`MAPPED`] (tests count them); does nothing otherwise.
+    fn noted(self, _path: &Path) -> Ring {
+        #[cfg(test)]
+        {
+            let name = _path.file_name().map(|n| n.to_string_lossy().into_owned());
+            let mut m = MAPPED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            m.push((self.base.as_ptr() as usize, name.unwrap_or_default()));
+        }
+        self
     }
 
     /// Slots in the ring.
@@ -325,9 +337,19 @@ impl Ring {
 
 impl Drop for Ring {
     fn drop(&mut self) {
+        #[cfg(test)]
+        {
+            let mut m = MAPPED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            m.retain(|(base, _)| *base != self.base.as_ptr() as usize);
+        }
         sys::unmap(self.base, self.len);
     }
 }
+
+/// The rings this process has mapped: base address and file name.
+#[cfg(test)]
+pub(crate) static MAPPED: std::sync::Mutex<Vec<(usize, String)>> =
+    std::sync::Mutex::new(Vec::new());
 
 fn create_file(path: &Path) -> io::Result<File> {
     let mut o = OpenOptions::new();

@@ -1,8 +1,8 @@
 //! Shared memory between the processes of one host, with processes simulated by threads
 //! (every rank builds its own world, so every ring is created, offered, opened and
 //! unlinked as between processes). Results are checked against serial references; ring
-//! mappings are counted in `/proc/self/maps` to show the rings were set up (or not), and
-//! `/dev/shm` is checked for leftover files.
+//! mappings are counted to show the rings were set up (or not), and `/dev/shm` is
+//! checked for leftover files.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -38,8 +38,7 @@ fn token(store: &dyn Store) -> u64 {
 /// Mappings of the job's ring files held by this process.
 fn ring_maps(token: u64) -> usize {
     let tag = format!("-{token:016x}-");
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    maps.lines().filter(|l| l.contains(&tag)).count()
+    shm::MAPPED.lock().unwrap().iter().filter(|(_, name)| name.contains(&tag)).count()
 }
 
 /// The job's ring files still named in `/dev/shm`.
