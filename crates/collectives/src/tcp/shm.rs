@@ -415,7 +415,8 @@ mod sys {
     pub fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
         let ts = libc::timespec {
             tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
-            tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+            // Below 10^9: fits a c_long of any width.
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
         };
         // SAFETY: `word` is a live, aligned 32-bit atomic in a shared mapping (hence a
         // shared, not private, futex); `ts` outlives the call. Every outcome (woken,

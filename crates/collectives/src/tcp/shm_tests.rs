@@ -385,16 +385,21 @@ fn a_sender_on_a_full_ring_sees_its_peer_go_at_once() {
         let e = mesh.post("test", &[0, 1], 1, 7, Channel::Collective, &[1u8; 100_000]).unwrap_err();
         (e, start.elapsed())
     });
-    // The ring fills (three slots), then rank 1 goes.
-    std::thread::sleep(Duration::from_millis(300));
+    // The ring fills (three slots), the sender sleeps on it, then rank 1 goes.
+    let start = Instant::now();
+    while ring.produced() < 3 && start.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(ring.produced(), 3, "three chunks wait in the ring");
+    std::thread::sleep(Duration::from_millis(100));
     let gone = Instant::now();
     drop(sock);
-    let (e, took) = sender.join().unwrap();
-    println!("the sender saw its peer go {:?} after it went: {e}", gone.elapsed());
+    let (e, _) = sender.join().unwrap();
+    let after = gone.elapsed();
+    println!("the sender saw its peer go {after:?} after it went: {e}");
     assert!(matches!(e, CollectiveError::PeerFailed { rank: 1, .. }), "{e}");
-    assert!(took < Duration::from_secs(2), "{took:?}");
-    assert!(gone.elapsed() < Duration::from_millis(500), "{:?}", gone.elapsed());
+    // At once: the write timeout (30 s) plays no part.
+    assert!(after < Duration::from_secs(2), "{after:?}");
 }
 
 #[test]
