@@ -49,6 +49,19 @@
 //!   and hands back. `all_reduce` reduces this member's range straight into its output
 //!   and sends it from there. Readers and the writer are different threads, so two
 //!   members sending each other large frames at once overlap instead of waiting.
+//! - **Shared memory on one host** (see `shm.rs`). Each process publishes its host id
+//!   (the kernel's boot id) at connect time; two processes with the same one set up a
+//!   ring of shared memory per direction (2 MiB: 8 slots of 256 KiB, in a `/dev/shm`
+//!   file created by the sender, mapped by both and unlinked as soon as both have it,
+//!   so nothing is left behind however the processes end). Payloads of 16 KiB and more
+//!   then stream through the ring a slot at a time instead of through the socket, whose
+//!   frames carry only the header and a notice per chunk; the receiving reader thread
+//!   copies each chunk out as its notice arrives and frees the slot, so the ring never
+//!   holds up a sender for a receiver that has not called yet. Nobody spins: the reader
+//!   blocks on the socket, a sender on a full ring sleeps on a futex. Without
+//!   `/dev/shm` (or room in it), on other hosts, or with [`TCP_SHM_ENV`]`=0`, a pair
+//!   keeps to its socket; [`TCP_SHM_MIN_ENV`] moves the threshold (measured in
+//!   docs/PERF.md).
 //! - **The executor of the `nccl` backend.** Each group has a worker thread that owns its
 //!   transport and runs its jobs in order; every collective starts with the same header
 //!   exchange, so members that disagree all fail with [`CollectiveError::Mismatch`]
@@ -65,9 +78,13 @@
 //! - A process that dies, or drops its world, closes its sockets: every pending and later
 //!   call waiting on it fails at once with [`CollectiveError::PeerFailed`] naming its
 //!   global rank (collectives exchange headers with every member first, so every
-//!   collective involving it notices).
+//!   collective involving it notices). Shared memory changes nothing here: a receiver
+//!   waits on the socket for each chunk's notice, and a sender asleep on a full ring is
+//!   woken when the peer's socket closes.
 //! - A member that is only late makes the others fail with [`CollectiveError::Timeout`]
-//!   after the group's timeout, naming the members whose data had not arrived.
+//!   after the group's timeout, naming the members whose data had not arrived. A peer
+//!   that takes no data for that long (its socket full, or no slot of its ring freed)
+//!   fails the sender the same way, naming it.
 //! - After either, the group's members are out of step: every later call on that group
 //!   fails with the same error (other groups are unaffected unless they wait on the same
 //!   peer).
