@@ -7,7 +7,9 @@
 //! 1 MiB by factors of 4, `-- --repeat R` to run each `tcp` world R times, alternating
 //! with and without shared memory, and keep each row's fastest run, `-- --shm-min-bytes
 //! B` to send payloads of B bytes and more through shared memory instead of the default
-//! threshold, `-- --worlds 2,4` to pick world sizes). For each world size the bench
+//! threshold, `-- --worlds 2,4` to pick world sizes, `-- --ops all_reduce,all_gather,sendrecv`
+//! to pick ops: `sendrecv` is a round trip of one frame each way between ranks 2i and
+//! 2i+1, the cost of a frame without a collective around it). For each world size the bench
 //! re-executes itself once per rank (child mode selected by `TPAR_TCP_BENCH_CHILD`) with
 //! the environment `tpar-run` gives its children (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`), plus `TPAR_TCP_SHM=0` for the rows marked `tcp` (every
@@ -38,6 +40,8 @@ const MIB: usize = 1 << 20;
 const CHILD_ENV: &str = "TPAR_TCP_BENCH_CHILD";
 /// The sizes to measure, in bytes, comma-separated (set by the parent for its children).
 const SIZES_ENV: &str = "TPAR_TCP_BENCH_SIZES";
+/// The ops to measure, comma-separated (set by the parent for its children).
+const OPS_ENV: &str = "TPAR_TCP_BENCH_OPS";
 /// The collective timeout of the children.
 const TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -66,26 +70,52 @@ fn memcpy_bandwidth(bytes: usize) -> f64 {
 enum Op {
     AllReduce,
     AllGather,
+    /// A round trip between ranks `2i` and `2i + 1`: the even one sends `size` bytes and
+    /// receives as many back (the cost of moving one frame each way; world sizes even).
+    SendRecv,
 }
 
-const OPS: [Op; 2] = [Op::AllReduce, Op::AllGather];
+const OPS: [Op; 3] = [Op::AllReduce, Op::AllGather, Op::SendRecv];
 
 impl Op {
     fn name(self) -> &'static str {
         match self {
             Op::AllReduce => "all_reduce",
             Op::AllGather => "all_gather",
+            Op::SendRecv => "sendrecv",
         }
     }
 
-    /// nccl-tests' factor from algbw to busbw at world size `n`.
+    /// nccl-tests' factor from algbw to busbw at world size `n` (a round trip's algbw
+    /// counts both directions).
     fn bus_factor(self, n: usize) -> f64 {
         let n = n as f64;
         match self {
             Op::AllReduce => 2.0 * (n - 1.0) / n,
             Op::AllGather => (n - 1.0) / n,
+            Op::SendRecv => 1.0,
         }
     }
+
+    /// Bytes moved per call, for algbw.
+    fn bytes(self, size: usize) -> usize {
+        match self {
+            Op::SendRecv => 2 * size,
+            _ => size,
+        }
+    }
+}
+
+/// The ops named in a comma-separated list.
+fn parse_ops(list: &str) -> Res<Vec<Op>> {
+    list.split(',')
+        .map(|name| {
+            let name = name.trim();
+            OPS.iter().copied().find(|o| o.name() == name).ok_or_else(|| {
+                format!("unknown op {name:?} (all_reduce, all_gather, sendrecv)").into()
+            })
+        })
+        .collect()
 }
 
 /// Average time per call, measured on every rank between barriers; the slowest rank counts.
@@ -115,12 +145,27 @@ fn time_op(
     let elems = match op {
         Op::AllReduce => size / 4,
         Op::AllGather => size / 4 / n,
+        Op::SendRecv => size / 4,
     };
     let x = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; elems], [elems])?;
     let run = |x: &Tensor| -> Result<Tensor, CollectiveError> {
         match op {
             Op::AllReduce => pg.all_reduce(x, ReduceOp::Sum),
             Op::AllGather => pg.all_gather(x, 0),
+            Op::SendRecv => {
+                let (r, peer) = (pg.rank(), pg.rank() ^ 1);
+                if peer >= pg.size() {
+                    return Ok(x.clone());
+                }
+                if r % 2 == 0 {
+                    pg.send(x, peer)?;
+                    pg.recv(peer)
+                } else {
+                    let got = pg.recv(peer)?;
+                    pg.send(&got, peer)?;
+                    Ok(got)
+                }
+            }
         }
     };
     // Roughly 512 MiB of payload per measurement, at least 3 calls, at most 300.
@@ -187,11 +232,11 @@ struct Row {
 
 impl Row {
     fn busbw(&self) -> f64 {
-        gbps(self.size, self.time) * self.op.bus_factor(self.world)
+        gbps(self.op.bytes(self.size), self.time) * self.op.bus_factor(self.world)
     }
 
     fn print(&self) {
-        let algbw = gbps(self.size, self.time);
+        let algbw = gbps(self.op.bytes(self.size), self.time);
         let busbw = self.busbw();
         let ratio = self.tcp.map_or(String::from("-"), |t| format!("{:.2}", busbw / t));
         println!(
@@ -229,9 +274,10 @@ fn child() -> Res<()> {
         .split(',')
         .map(|s| s.trim().parse::<usize>())
         .collect::<Result<_, _>>()?;
+    let ops = parse_ops(&std::env::var(OPS_ENV)?)?;
     let pg = tpar_launch::init_process_group_with("tcp", TIMEOUT)?;
     let mut rows = Vec::new();
-    for op in OPS {
+    for op in ops {
         for &size in &sizes {
             rows.push((op, size, time_op(&pg, op, size, true)?));
         }
@@ -254,6 +300,7 @@ fn free_port() -> std::io::Result<u16> {
 /// times by op and size.
 fn run_tcp_world(
     world: usize,
+    ops: &[Op],
     sizes: &[usize],
     shm: bool,
     shm_min: Option<usize>,
@@ -266,6 +313,7 @@ fn run_tcp_world(
         let mut c = Command::new(&exe);
         c.env(CHILD_ENV, "1")
             .env(SIZES_ENV, list.join(","))
+            .env(OPS_ENV, ops.iter().map(|o| o.name()).collect::<Vec<_>>().join(","))
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
@@ -331,6 +379,8 @@ fn main() -> Res<()> {
     let max_mib = flag::<usize>(&args, "--max-mib")?.unwrap_or(if quick { 64 } else { 256 });
     let repeat = flag::<usize>(&args, "--repeat")?.unwrap_or(1).max(1);
     let shm_min = flag::<usize>(&args, "--shm-min-bytes")?;
+    let ops =
+        parse_ops(&flag::<String>(&args, "--ops")?.unwrap_or("all_reduce,all_gather".into()))?;
     let worlds: Vec<usize> = match flag::<String>(&args, "--worlds")? {
         Some(w) => w.split(',').map(|x| x.trim().parse::<usize>()).collect::<Result<_, _>>()?,
         None => vec![2, 4],
@@ -367,8 +417,9 @@ fn main() -> Res<()> {
     header();
     for world in worlds {
         // The local backend first (ranks as threads), then the same world as processes.
-        let mut local = vec![(0.0, 0.0); sizes.len()];
-        for op in OPS {
+        // busbw of the local backend by op and size.
+        let mut local: Vec<(Op, usize, f64)> = Vec::new();
+        for &op in &ops {
             let rows = spawn(world, |ctx| -> Result<Vec<(Duration, f64)>, CollectiveError> {
                 let pg = ctx.world_group();
                 sizes.iter().map(|&s| time_op(&pg, op, s, false)).collect()
@@ -386,10 +437,7 @@ fn main() -> Res<()> {
                     tcp: None,
                 };
                 let busbw = row.busbw();
-                match op {
-                    Op::AllReduce => local[i].0 = busbw,
-                    Op::AllGather => local[i].1 = busbw,
-                }
+                local.push((op, size, busbw));
                 Row { local: busbw, ..row }.print();
             }
         }
@@ -397,7 +445,7 @@ fn main() -> Res<()> {
         let mut best: [Vec<Timed>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..repeat {
             for (k, shm) in [false, true].into_iter().enumerate() {
-                let times = run_tcp_world(world, &sizes, shm, shm_min)?;
+                let times = run_tcp_world(world, &ops, &sizes, shm, shm_min)?;
                 if best[k].is_empty() {
                     best[k] = times;
                 } else {
@@ -413,7 +461,10 @@ fn main() -> Res<()> {
         for (k, backend) in ["tcp", "tcp+shm"].into_iter().enumerate() {
             for &Timed { op, size, time, cpu } in &best[k] {
                 let i = sizes.iter().position(|&s| s == size).unwrap_or(0);
-                let l = if op == Op::AllReduce { local[i].0 } else { local[i].1 };
+                let l = local
+                    .iter()
+                    .find(|(o, s, _)| *o == op && *s == size)
+                    .map_or(f64::NAN, |&(_, _, b)| b);
                 let tcp = (k == 1)
                     .then(|| tcp_busbw.iter().find(|(o, s, _)| *o == op && *s == size))
                     .flatten()
