@@ -9,7 +9,9 @@
 //! over their socket. The receiver opens it, checks the header (magic, nonce, geometry),
 //! maps it and unlinks the name; the sender unlinks it too once the receiver has
 //! answered, whatever the answer. From then on only the two mappings hold the memory,
-//! which the kernel frees when both processes have exited, however they exit.
+//! which the kernel frees when both processes have exited, however they exit. (A process
+//! killed in the instant between creating its file and sending the offer leaves the file
+//! behind: nobody else knows its name yet.)
 //!
 //! The file is a 4 KiB header, 2 KiB of padding (see `SLOTS_AT`), then `slots` slots of
 //! `slot_bytes` bytes. The header holds two counts of chunks, each on its own
