@@ -53,7 +53,7 @@
 //!   (the kernel's boot id) at connect time; two processes with the same one set up a
 //!   ring of shared memory per direction (2 MiB: 8 slots of 256 KiB, in a `/dev/shm`
 //!   file created by the sender, mapped by both and unlinked as soon as both have it,
-//!   so nothing is left behind however the processes end). Payloads of 16 KiB and more
+//!   so nothing is left behind however the processes end). Payloads of 64 KiB and more
 //!   then stream through the ring a slot at a time instead of through the socket, whose
 //!   frames carry only the header and a notice per chunk; the receiving reader thread
 //!   copies each chunk out as its notice arrives and frees the slot, so the ring never
@@ -130,7 +130,7 @@ pub const TCP_HOST_ENV: &str = "TPAR_TCP_HOST";
 pub const TCP_SHM_ENV: &str = "TPAR_TCP_SHM";
 
 /// Environment variable setting the smallest payload, in bytes, that travels through
-/// shared memory between processes of one host (default 16384); smaller ones take the
+/// shared memory between processes of one host (default 65536); smaller ones take the
 /// socket.
 pub const TCP_SHM_MIN_ENV: &str = "TPAR_TCP_SHM_MIN_BYTES";
 

@@ -71,7 +71,7 @@ const MAX_SLOTS: u32 = 1024;
 
 /// Payloads of at least this many bytes go through a pair's ring, smaller ones through
 /// its socket (measured: see docs/PERF.md).
-pub(crate) const DEFAULT_MIN_BYTES: usize = 16 << 10;
+pub(crate) const DEFAULT_MIN_BYTES: usize = 64 << 10;
 /// Slots per ring.
 pub(crate) const DEFAULT_SLOTS: u32 = 8;
 /// Bytes per slot: a payload is streamed through the ring in chunks of this size.
