@@ -3,11 +3,18 @@
 //! environment, and every child builds its world with
 //! `init_process_group_with("tcp", ..)` through the TCP store rank 0 hosts.
 //!
-//! - `collectives`: world 2 and 3 run all_reduce, all_gather (uneven shards),
-//!   reduce_scatter and broadcast on several dtypes and compare with a serial reference.
-//! - `kill`: world 3 runs all_reduce in a loop; the test kills rank 1 with SIGKILL, and
-//!   both survivors must report an error naming rank 1 well within the timeout. The
-//!   detection time (from the kill to each survivor's report) is printed.
+//! - `collectives`: worlds of 2, 3 and 4 (and 4 again with `TPAR_TCP_SHM=0`) run
+//!   all_reduce, all_gather (uneven shards), reduce_scatter and broadcast on several
+//!   dtypes, then the same and send/recv on 12 MiB payloads (above the shared-memory
+//!   threshold and larger than a ring, so they stream through it in chunks), and compare
+//!   with serial references. Each child counts the shared-memory rings it has mapped: one
+//!   to and one from every peer, or none with shared memory off.
+//! - `kill`: world 3 runs all_reduce in a loop (of 4 KiB, through the sockets, or of
+//!   16 MiB, through the rings); the test kills rank 1 with SIGKILL, and both survivors
+//!   must report an error naming rank 1 well within the timeout. The detection time (from
+//!   the kill to each survivor's report) is printed.
+//!
+//! After every run no ring file of the children is left in `/dev/shm`.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -15,6 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use tpar_collectives::tcp::{TCP_SHM_ENV, TCP_SHM_MIN_ENV};
 use tpar_collectives::{chunk_range, CollectiveError, ProcessGroup, ReduceOp};
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -26,8 +34,8 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap()
 }
 
-/// Starts `n` children in `mode`, with their output piped.
-fn start(n: usize, mode: &str) -> Vec<Child> {
+/// Starts `n` children in `mode`, with shared memory on or off and their output piped.
+fn start(n: usize, mode: &str, shm: bool) -> Vec<Child> {
     let exe = std::env::current_exe().unwrap();
     let port = free_port().to_string();
     (0..n)
@@ -42,6 +50,8 @@ fn start(n: usize, mode: &str) -> Vec<Child> {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env_remove("TPAR_BACKEND")
+                .env(TCP_SHM_ENV, if shm { "1" } else { "0" })
+                .env_remove(TCP_SHM_MIN_ENV)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -87,6 +97,42 @@ fn wait_all(children: &mut [Child], limit: Duration) -> Vec<Option<i32>> {
         .collect()
 }
 
+/// Whether processes of this machine can share memory.
+fn shm_here() -> bool {
+    cfg!(target_os = "linux") && std::path::Path::new("/dev/shm").is_dir()
+}
+
+/// The shared-memory rings this process has mapped. `/proc/self/maps` is not read in one
+/// piece, so a mapping made or removed meanwhile (by the allocator, on another thread) can
+/// hide a line: the count is read until it repeats.
+fn rings_mapped() -> usize {
+    let count = || {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        maps.lines().filter(|l| l.contains("/dev/shm/tpar-tcp-")).count()
+    };
+    let mut last = count();
+    for _ in 0..20 {
+        let now = count();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
+/// Ring files of these processes still named in `/dev/shm`.
+fn files_left(pids: &[u32]) -> Vec<String> {
+    let prefixes: Vec<String> = pids.iter().map(|p| format!("tpar-tcp-{p}-")).collect();
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| prefixes.iter().any(|p| n.starts_with(p)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn input(dims: &[usize], dtype: DType, rank: usize, case: usize) -> Tensor {
     let n: usize = dims.iter().product();
     let v: Vec<f64> = (0..n).map(|i| ((i * 7 + rank * 13 + case * 5) % 11) as f64 - 5.0).collect();
@@ -95,6 +141,9 @@ fn input(dims: &[usize], dtype: DType, rank: usize, case: usize) -> Tensor {
 
 fn collectives_child(world: &ProcessGroup) {
     let (r, n) = (world.rank(), world.size());
+    // Counted before any large buffer comes and goes.
+    world.barrier().unwrap();
+    let rings = rings_mapped();
     let rows = 3 * n + 1;
     for dtype in [DType::F32, DType::F64, DType::BF16, DType::I64] {
         let full = input(&[rows, 3], dtype, r, 1);
@@ -121,15 +170,44 @@ fn collectives_child(world: &ProcessGroup) {
         .all_reduce(&Tensor::full([4], r as f64, DType::F32, Device::Cpu).unwrap(), ReduceOp::Avg)
         .unwrap();
     assert_eq!(avg.to_vec::<f32>().unwrap(), vec![(n - 1) as f32 / 2.0; 4]);
+    large_collectives(world);
     world.barrier().unwrap();
+    println!("rank {r}: {rings} rings mapped");
     println!("rank {r}: collectives match the serial reference");
 }
 
-fn kill_child(world: &ProcessGroup) {
+/// 12 MiB of f32 per rank (frames of 3-6 MiB, larger than a 2 MiB ring): all_reduce,
+/// reduce_scatter, all_gather, broadcast and send/recv against closed forms.
+fn large_collectives(world: &ProcessGroup) {
+    let (r, n) = (world.rank(), world.size());
+    let elems = 3 << 20;
+    let value = |rank: usize, i: usize| ((i * 7 + rank * 13) % 11) as f32 - 5.0;
+    let mine = Tensor::from_vec((0..elems).map(|i| value(r, i)).collect(), [elems]).unwrap();
+    let sum = |i: usize| (0..n).map(|j| value(j, i)).sum::<f32>();
+    let got = world.all_reduce(&mine, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap();
+    assert!(got.len() == elems && got.iter().enumerate().all(|(i, &v)| v == sum(i)), "all_reduce");
+    let max = |i: usize| (0..n).map(|j| value(j, i)).fold(f32::MIN, f32::max);
+    let got = world.all_reduce(&mine, ReduceOp::Max).unwrap().to_vec::<f32>().unwrap();
+    assert!(got.iter().enumerate().all(|(i, &v)| v == max(i)), "all_reduce max");
+    let (start, len) = chunk_range(elems, n, r);
+    let got = world.reduce_scatter(&mine, 0, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap();
+    assert!(got.len() == len && got.iter().enumerate().all(|(i, &v)| v == sum(start + i)));
+    let got = world.all_gather(&mine, 0).unwrap().to_vec::<f32>().unwrap();
+    assert!(got.len() == n * elems);
+    assert!(got.iter().enumerate().all(|(k, &v)| v == value(k / elems, k % elems)), "all_gather");
+    let got = world.broadcast(&mine, n - 1).unwrap().to_vec::<f32>().unwrap();
+    assert!(got.iter().enumerate().all(|(i, &v)| v == value(n - 1, i)), "broadcast");
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    world.send(&mine, next).unwrap();
+    let got = world.recv(prev).unwrap().to_vec::<f32>().unwrap();
+    assert!(got.iter().enumerate().all(|(i, &v)| v == value(prev, i)), "send/recv");
+}
+
+fn kill_child(world: &ProcessGroup, elems: usize) {
     let r = world.rank();
     world.barrier().unwrap();
-    println!("READY {r}");
-    let t = Tensor::ones([1024], DType::F32, Device::Cpu).unwrap();
+    println!("READY {r} rings={}", rings_mapped());
+    let t = Tensor::ones([elems], DType::F32, Device::Cpu).unwrap();
     let start = Instant::now();
     loop {
         match world.all_reduce(&t, ReduceOp::Sum) {
@@ -161,23 +239,29 @@ fn child() {
     assert_eq!(world.backend_name(), "tcp");
     match mode.as_str() {
         "collectives" => collectives_child(&world),
-        "kill" => kill_child(&world),
+        "kill" => kill_child(&world, 1024),
+        "kill_large" => kill_child(&world, 4 << 20),
         other => panic!("unknown child mode {other}"),
     }
 }
 
-fn run_collectives(n: usize) {
-    let mut children = start(n, "collectives");
+fn run_collectives(n: usize, shm: bool) {
+    let mut children = start(n, "collectives", shm);
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let rx = lines(&mut children);
-    let codes = wait_all(&mut children, Duration::from_secs(30));
+    let codes = wait_all(&mut children, Duration::from_secs(60));
     let out: Vec<String> = rx.try_iter().map(|(r, l, _)| format!("[{r}] {l}")).collect();
     println!("{}", out.join("\n"));
     assert!(codes.iter().all(|c| *c == Some(0)), "world {n}: exit codes {codes:?}");
+    let rings = if shm && shm_here() { 2 * (n - 1) } else { 0 };
     for r in 0..n {
+        let has = |s: &str| out.iter().any(|l| l.starts_with(&format!("[{r}]")) && l.contains(s));
         let ok = format!("rank {r}: collectives match the serial reference");
-        let done = out.iter().any(|l| l.starts_with(&format!("[{r}]")) && l.contains(&ok));
-        assert!(done, "world {n}: rank {r} did not finish");
+        assert!(has(&ok), "world {n}: rank {r} did not finish");
+        let mapped = format!("rank {r}: {rings} rings mapped");
+        assert!(has(&mapped), "world {n} (shm {shm}): rank {r} should have {rings} rings");
     }
+    assert_eq!(files_left(&pids), Vec::<String>::new(), "ring files left in /dev/shm");
 }
 
 #[test]
@@ -185,8 +269,10 @@ fn tcp_world_of_processes_matches_the_serial_reference() {
     if std::env::var_os(CHILD_ENV).is_some() {
         return;
     }
-    run_collectives(2);
-    run_collectives(3);
+    run_collectives(2, true);
+    run_collectives(3, true);
+    run_collectives(4, true);
+    run_collectives(4, false);
 }
 
 #[test]
@@ -194,9 +280,24 @@ fn a_killed_process_is_named_by_every_survivor() {
     if std::env::var_os(CHILD_ENV).is_some() {
         return;
     }
+    kill_one("kill");
+}
+
+#[test]
+fn a_process_killed_mid_ring_transfer_is_named_by_every_survivor() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return;
+    }
+    kill_one("kill_large");
+}
+
+/// Runs a world of 3 children in `mode`, kills rank 1 once all are looping, and checks
+/// that both survivors name it, soon.
+fn kill_one(mode: &str) {
     let n = 3;
     let victim = 1;
-    let mut children = start(n, "kill");
+    let mut children = start(n, mode, true);
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
     let rx = lines(&mut children);
     let mut log = Vec::new();
     let mut ready = 0;
@@ -243,4 +344,9 @@ fn a_killed_process_is_named_by_every_survivor() {
             assert_eq!(*c, Some(0), "survivor {r} exit code");
         }
     }
+    if shm_here() {
+        let rings = format!("rings={}", 2 * (n - 1));
+        assert!(log.iter().filter(|l| l.contains("READY") && l.contains(&rings)).count() == n);
+    }
+    assert_eq!(files_left(&pids), Vec::<String>::new(), "ring files left in /dev/shm");
 }

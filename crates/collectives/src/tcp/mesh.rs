@@ -25,27 +25,64 @@
 //! of faulting in a fresh allocation per frame. A socket that ends or
 //! fails marks its peer gone: every wait on that peer then fails with
 //! [`CollectiveError::PeerFailed`] naming its global rank, at once.
+//!
+//! # Shared memory
+//!
+//! Each process also publishes its host id (`tpar/tcp/host/<rank>`, see `shm.rs`). Once
+//! every socket is up, each process offers a shared-memory ring to every peer with its
+//! host id and accepts the rings offered to it (offers, then answers, then their
+//! answers, each phase on every socket before the next, so no order of peers can
+//! deadlock). A payload of at least `ShmConfig::min_bytes` to a peer that accepted this
+//! process's ring then travels through the ring, a slot-sized chunk at a time: the frame
+//! header (with another magic) and an 8-byte notice per chunk still go through the
+//! socket, in the frame's place in the stream, so the receiving reader thread blocks on
+//! the socket as for any frame, copies each chunk out of the ring as its notice arrives,
+//! frees its slot, and files the whole payload as if it had come through the socket. A
+//! sender whose ring is full sleeps until a slot is freed; one that frees nothing for the
+//! write timeout is treated like a socket that takes no data.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::ToSocketAddrs;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::shm::{self, Ring, ShmConfig, Unlink};
 use super::TCP_HOST_ENV;
 use crate::remote::exec::Deadline;
 use crate::{CollectiveError, Result, Store, StoreError};
 
 /// Opens every frame's header (`"tpF1"`).
 const FRAME_MAGIC: u32 = 0x7470_4631;
+/// Opens the header of a frame whose payload comes through the pair's ring (`"tpS1"`).
+const SHM_FRAME_MAGIC: u32 = 0x7470_5331;
+/// Opens each chunk's notice (`"tpN1"`), followed by the chunk's length (u32).
+const NOTE_MAGIC: u32 = 0x7470_4e31;
+/// Bytes of a chunk's notice.
+const NOTE_LEN: usize = 8;
+/// Opens a ring offer (`"tpO1"`): flags (1: offered), nonce, name length, name.
+const OFFER_MAGIC: u32 = 0x7470_4f31;
+/// Bytes of a ring offer.
+const OFFER_LEN: usize = 128;
+/// Where a ring offer's name starts.
+const OFFER_NAME_AT: usize = 24;
+/// Opens the answer to a ring offer (`"tpR1"`): 1 accepted, 0 refused.
+const REPLY_MAGIC: u32 = 0x7470_5231;
+/// Bytes of the answer to a ring offer.
+const REPLY_LEN: usize = 8;
+/// The longest a sender sleeps on a full ring before it looks again whether the peer is
+/// gone (its reader thread also wakes it then; this bounds a wake-up that came just
+/// before the sleep).
+const RING_NAP: Duration = Duration::from_millis(50);
 /// Bytes of a frame header.
 const FRAME_HEADER: usize = 24;
 /// Payloads up to this size are written together with their header.
 const SMALL_FRAME: usize = 4 << 10;
-/// Opens a hello (`"tparTCP"` and version 1).
-const HELLO_MAGIC: [u8; 8] = *b"tparTCP\x01";
+/// Opens a hello (`"tparTCP"` and version 2: the shared-memory handshake follows).
+const HELLO_MAGIC: [u8; 8] = *b"tparTCP\x02";
 /// Written in native byte order: a peer that reads another value has another byte order.
 const BYTE_ORDER: u32 = 0x0102_0304;
 /// Bytes of a hello: magic, byte order, token, world size, from, to.
@@ -56,6 +93,11 @@ const ANSWER_LEN: usize = 1 + 8;
 /// The store key of `rank`'s listening address.
 fn addr_key(rank: usize) -> String {
     format!("tpar/tcp/addr/{rank}")
+}
+
+/// The store key of `rank`'s host id (empty: no shared memory).
+fn host_key(rank: usize) -> String {
+    format!("tpar/tcp/host/{rank}")
 }
 
 const TOKEN_KEY: &str = "tpar/tcp/token";
@@ -97,20 +139,34 @@ struct Pool {
 }
 
 impl Pool {
-    /// A buffer of exactly `len` initialized bytes (contents unspecified), reusing the
-    /// smallest kept buffer that holds `len`; `None` when none does.
-    fn get(&mut self, len: usize) -> Option<Vec<u8>> {
+    /// Removes and returns the smallest kept buffer with room for `len` bytes.
+    fn take_fit(&mut self, len: usize) -> Option<Vec<u8>> {
         let (i, _) = self
             .bufs
             .iter()
             .enumerate()
             .filter(|(_, b)| b.capacity() >= len)
             .min_by_key(|(_, b)| b.capacity())?;
-        let mut b = self.bufs.remove(i)?;
+        let b = self.bufs.remove(i)?;
         self.bytes -= b.capacity();
+        Some(b)
+    }
+
+    /// A buffer of exactly `len` initialized bytes (contents unspecified), reusing the
+    /// smallest kept buffer that holds `len`; `None` when none does.
+    fn get(&mut self, len: usize) -> Option<Vec<u8>> {
+        let mut b = self.take_fit(len)?;
         // Equal sizes (the steady state of repeated collectives) reuse the bytes as they
         // are; otherwise only the part past the buffer's length is zeroed.
         b.resize(len, 0);
+        Some(b)
+    }
+
+    /// An empty buffer with room for `len` bytes, reusing the smallest kept buffer that
+    /// has it; `None` when none does.
+    fn get_empty(&mut self, len: usize) -> Option<Vec<u8>> {
+        let mut b = self.take_fit(len)?;
+        b.clear();
         Some(b)
     }
 
@@ -152,14 +208,48 @@ impl Inbox {
     }
 }
 
+/// The sending side of a pair's ring.
+struct Outgoing {
+    ring: Arc<Ring>,
+    /// Chunks sent so far (wrapping).
+    sent: u32,
+}
+
+/// The receiving side of a pair's ring, owned by the pair's reader thread.
+struct Incoming {
+    ring: Arc<Ring>,
+    /// Chunks received so far (wrapping).
+    got: u32,
+}
+
+/// What a sender holds for one peer: the socket and, when the peer accepted it, the ring.
+struct Writer {
+    s: TcpStream,
+    shm: Option<Outgoing>,
+}
+
 /// This process's connections to every other process of the world.
 pub(crate) struct Mesh {
     rank: usize,
     /// How long a write may wait for a peer to take the bytes.
     write_timeout: Duration,
     /// The writing side of each peer's socket (`None` for this process).
-    writers: Vec<Option<Mutex<TcpStream>>>,
+    writers: Vec<Option<Mutex<Writer>>>,
     inbox: Arc<Inbox>,
+    /// Payloads of at least this many bytes (and not empty) go through a peer's ring.
+    shm_min: usize,
+    /// Frames sent through rings so far.
+    shm_frames: AtomicU64,
+}
+
+/// How a frame failed to leave.
+enum SendFail {
+    /// The socket failed (or timed out).
+    Io(io::Error),
+    /// The peer is gone, for this reason.
+    Gone(String),
+    /// The peer freed no slot of its ring for the write timeout.
+    Stalled,
 }
 
 /// An error of the world's setup, before any group exists.
@@ -260,10 +350,156 @@ impl Hello {
     }
 }
 
+/// The rings of one process, by peer: to it (accepted by the peer) and from it.
+struct Rings {
+    outgoing: Vec<Option<Arc<Ring>>>,
+    incoming: Vec<Option<Arc<Ring>>>,
+}
+
+/// What the shared-memory handshake of [`Mesh::connect`] needs to know.
+struct Handshake<'a> {
+    store: &'a dyn Store,
+    rank: usize,
+    size: usize,
+    token: u64,
+    timeout: Duration,
+    deadline: Instant,
+    /// This process's host id; empty when shared memory is off here.
+    host_id: &'a str,
+}
+
+/// A ring this process created and offered to a peer.
+struct Offer {
+    ring: Ring,
+    /// Removes the file's name when dropped, whatever the peer answers.
+    _name: Unlink,
+}
+
+impl Handshake<'_> {
+    fn fail(&self, peer: usize, why: impl std::fmt::Display) -> CollectiveError {
+        setup_err(self.rank, self.size, format!("shared-memory handshake with rank {peer}: {why}"))
+    }
+
+    /// Reads exactly `buf.len()` bytes from `peer` before the deadline.
+    fn read(&self, s: &mut TcpStream, peer: usize, buf: &mut [u8]) -> Result<()> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let _ = s.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+        s.read_exact(buf).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                setup_timeout(self.size, vec![peer], self.timeout)
+            }
+            _ => self.fail(peer, e),
+        })
+    }
+
+    fn write(&self, s: &mut TcpStream, peer: usize, buf: &[u8]) -> Result<()> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let _ = s.set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        s.write_all(buf).map_err(|e| self.fail(peer, e))
+    }
+
+    /// Whether `peer` published this process's host id (both have shared memory on).
+    fn same_host(&self, peer: usize) -> Result<bool> {
+        if self.host_id.is_empty() {
+            return Ok(false);
+        }
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        match self.store.get_timeout(&host_key(peer), left) {
+            Ok(v) => Ok(v == self.host_id.as_bytes()),
+            Err(StoreError::Timeout(_)) => Err(setup_timeout(self.size, vec![peer], self.timeout)),
+            Err(e) => Err(self.fail(peer, format!("store: reading its host id: {e}"))),
+        }
+    }
+
+    /// Creates the ring to `peer`, or `None` when this host cannot (no `/dev/shm`, or too
+    /// little room in it): the pair then keeps to its socket.
+    fn create(&self, peer: usize, cfg: &ShmConfig) -> Option<(Offer, u64, String)> {
+        let name = shm::file_name(std::process::id(), self.token, self.rank, peer);
+        let path = shm::file_path(&name)?;
+        let nonce = new_token() ^ (peer as u64).rotate_left(32);
+        let ring = Ring::create(&path, nonce, cfg.slots, cfg.slot_bytes).ok()?;
+        Some((Offer { ring, _name: Unlink(path) }, nonce, name))
+    }
+
+    /// Sets up the rings of every pair of processes on this host: offers one to every
+    /// peer on this host, opens and answers the ones offered, reads the answers. Every
+    /// pair exchanges an offer and an answer whatever its hosts, so that both sides stay
+    /// in step; a ring that cannot be made or opened leaves its pair on its socket.
+    fn rings(&self, streams: &mut [Option<TcpStream>], cfg: ShmConfig) -> Result<Rings> {
+        let n = streams.len();
+        let mut offers: Vec<Option<Offer>> = (0..n).map(|_| None).collect();
+        let mut incoming: Vec<Option<Arc<Ring>>> = vec![None; n];
+        // 1. Offers.
+        for (peer, s) in streams.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            let mut msg = [0u8; OFFER_LEN];
+            msg[..4].copy_from_slice(&OFFER_MAGIC.to_le_bytes());
+            if cfg.enabled && self.same_host(peer)? {
+                if let Some((offer, nonce, name)) = self.create(peer, &cfg) {
+                    msg[4..8].copy_from_slice(&1u32.to_le_bytes());
+                    msg[8..16].copy_from_slice(&nonce.to_le_bytes());
+                    msg[16..24].copy_from_slice(&(name.len() as u64).to_le_bytes());
+                    msg[OFFER_NAME_AT..OFFER_NAME_AT + name.len()].copy_from_slice(name.as_bytes());
+                    offers[peer] = Some(offer);
+                }
+            }
+            self.write(s, peer, &msg)?;
+        }
+        // 2. The peers' offers, answered.
+        for (peer, s) in streams.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            let mut msg = [0u8; OFFER_LEN];
+            self.read(s, peer, &mut msg)?;
+            let u32_at =
+                |i: usize| u32::from_le_bytes([msg[i], msg[i + 1], msg[i + 2], msg[i + 3]]);
+            let u64_at = |i: usize| u64::from_le_bytes(msg[i..i + 8].try_into().unwrap_or([0; 8]));
+            if u32_at(0) != OFFER_MAGIC {
+                return Err(self.fail(peer, format!("malformed offer {:02x?}", &msg[..8])));
+            }
+            let name_len = usize::try_from(u64_at(16)).unwrap_or(usize::MAX);
+            let name = msg
+                .get(OFFER_NAME_AT..OFFER_NAME_AT.saturating_add(name_len))
+                .and_then(|b| std::str::from_utf8(b).ok());
+            let offered = u32_at(4) == 1 && cfg.enabled;
+            let ring = name.filter(|_| offered).and_then(shm::file_path).and_then(|path| {
+                let ring = Ring::open(&path, u64_at(8)).ok()?;
+                // Both sides hold the ring now: its name can go.
+                drop(Unlink(path));
+                Some(ring)
+            });
+            let mut answer = [0u8; REPLY_LEN];
+            answer[..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
+            answer[4..].copy_from_slice(&u32::from(ring.is_some()).to_le_bytes());
+            incoming[peer] = ring.map(Arc::new);
+            self.write(s, peer, &answer)?;
+        }
+        // 3. The answers to this process's offers.
+        let mut outgoing: Vec<Option<Arc<Ring>>> = vec![None; n];
+        for (peer, s) in streams.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            let mut answer = [0u8; REPLY_LEN];
+            self.read(s, peer, &mut answer)?;
+            let magic = u32::from_le_bytes([answer[0], answer[1], answer[2], answer[3]]);
+            if magic != REPLY_MAGIC {
+                return Err(self.fail(peer, format!("malformed answer {answer:02x?}")));
+            }
+            let accepted = answer[4..] == 1u32.to_le_bytes();
+            outgoing[peer] = offers[peer].take().filter(|_| accepted).map(|o| Arc::new(o.ring));
+        }
+        Ok(Rings { outgoing, incoming })
+    }
+}
+
 impl Mesh {
     /// Connects this process (`rank` of `size`) with every other through `store`, within
-    /// `timeout`.
-    pub fn connect(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<Mesh> {
+    /// `timeout`, with shared-memory rings to the peers on this host as `shm` allows.
+    pub fn connect(
+        store: &dyn Store,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        shm: ShmConfig,
+    ) -> Result<Mesh> {
         let fail = |m: String| setup_err(rank, size, m);
         let store_err = |what: &str, e: StoreError| fail(format!("store: {what}: {e}"));
         let deadline = Instant::now() + timeout;
@@ -291,6 +527,11 @@ impl Mesh {
                 Err(e) => return Err(store_err("reading the job token", e)),
             }
         };
+        // The host id goes first: a peer that reads this rank's address finds it set.
+        let host_id = if shm.enabled { shm::host_id() } else { String::new() };
+        store
+            .set(&host_key(rank), host_id.as_bytes())
+            .map_err(|e| store_err("publishing this rank's host id", e))?;
         store
             .set(&addr_key(rank), host_port(&host, port).as_bytes())
             .map_err(|e| store_err("publishing this rank's address", e))?;
@@ -349,6 +590,9 @@ impl Mesh {
             Err(AcceptError::Failed(why)) => return Err(fail(why)),
         }
 
+        let ctx = Handshake { store, rank, size, token, timeout, deadline, host_id: &host_id };
+        let mut rings = ctx.rings(&mut streams, shm)?;
+
         let inbox = Arc::new(Inbox::default());
         // Enough for one large frame from every peer in each of two steps in flight.
         inbox.pool().max_bufs = 2 * size.saturating_sub(1);
@@ -364,15 +608,40 @@ impl Mesh {
             let _ = s.set_write_timeout(Some(write_timeout));
             let reader = s.try_clone().map_err(|e| fail(format!("socket of rank {peer}: {e}")))?;
             let ib = inbox.clone();
+            let out = rings.outgoing[peer].take();
+            let incoming = rings.incoming[peer].take().map(|ring| Incoming { ring, got: 0 });
+            let wake = out.clone();
             thread::Builder::new()
                 .name(format!("tpar-tcp-read-{rank}-{peer}"))
-                .spawn(move || read_loop(reader, peer, &ib))
+                .spawn(move || read_loop(reader, peer, &ib, incoming, wake))
                 .map_err(|e| {
                     fail(format!("cannot start the reading thread of rank {peer}: {e}"))
                 })?;
-            writers.push(Some(Mutex::new(s)));
+            let shm = out.map(|ring| Outgoing { ring, sent: 0 });
+            writers.push(Some(Mutex::new(Writer { s, shm })));
         }
-        Ok(Mesh { rank, write_timeout, writers, inbox })
+        Ok(Mesh {
+            rank,
+            write_timeout,
+            writers,
+            inbox,
+            shm_min: shm.min_bytes,
+            shm_frames: AtomicU64::new(0),
+        })
+    }
+
+    /// The peers this process sends large payloads to through a ring.
+    #[cfg(test)]
+    pub fn shm_peers(&self) -> Vec<usize> {
+        let lock =
+            |w: &Mutex<Writer>| w.lock().unwrap_or_else(PoisonError::into_inner).shm.is_some();
+        (0..self.writers.len()).filter(|&p| self.writers[p].as_ref().is_some_and(lock)).collect()
+    }
+
+    /// Frames sent through rings so far.
+    #[cfg(test)]
+    pub fn shm_frames(&self) -> u64 {
+        self.shm_frames.load(Ordering::Relaxed)
     }
 
     /// Why `peer` is gone, if it is.
@@ -415,42 +684,107 @@ impl Mesh {
         h[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
         h[16..20].copy_from_slice(&(chan as u32).to_le_bytes());
         h[20..24].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
-        let mut s = w.lock().unwrap_or_else(PoisonError::into_inner);
-        // A small frame leaves in one write (one segment with TCP_NODELAY); a large one
-        // as the header and then the caller's bytes, uncopied.
-        let wrote = if payload.len() <= SMALL_FRAME {
-            let mut frame = [0u8; FRAME_HEADER + SMALL_FRAME];
-            frame[..FRAME_HEADER].copy_from_slice(&h);
-            frame[FRAME_HEADER..FRAME_HEADER + payload.len()].copy_from_slice(payload);
-            s.write_all(&frame[..FRAME_HEADER + payload.len()])
-        } else {
-            s.write_all(&h).and_then(|()| s.write_all(payload))
-        };
-        match wrote {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // A partial frame leaves the stream unusable: close it for both sides.
-                let _ = s.shutdown(Shutdown::Both);
-                drop(s);
-                let timed_out =
-                    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut);
-                let why = if timed_out {
-                    format!("it took no data for {:?} (connection closed)", self.write_timeout)
-                } else {
-                    format!("sending to it failed: {e}")
-                };
-                self.inbox.mark_gone(peer, why.clone());
-                if timed_out {
-                    Err(CollectiveError::Timeout {
-                        op,
-                        group: group.to_vec(),
-                        waiting_for: vec![peer],
-                        after: self.write_timeout,
-                    })
-                } else {
-                    Err(failed(why))
-                }
+        let mut w = w.lock().unwrap_or_else(PoisonError::into_inner);
+        let Writer { s, shm } = &mut *w;
+        let wrote = match shm {
+            Some(out) if !payload.is_empty() && payload.len() >= self.shm_min => {
+                h[20..24].copy_from_slice(&SHM_FRAME_MAGIC.to_le_bytes());
+                self.send_shm(s, out, peer, &h, payload)
             }
+            // A small frame leaves in one write (one segment with TCP_NODELAY); a large
+            // one as the header and then the caller's bytes, uncopied.
+            _ if payload.len() <= SMALL_FRAME => {
+                let mut frame = [0u8; FRAME_HEADER + SMALL_FRAME];
+                frame[..FRAME_HEADER].copy_from_slice(&h);
+                frame[FRAME_HEADER..FRAME_HEADER + payload.len()].copy_from_slice(payload);
+                s.write_all(&frame[..FRAME_HEADER + payload.len()]).map_err(SendFail::Io)
+            }
+            _ => s.write_all(&h).and_then(|()| s.write_all(payload)).map_err(SendFail::Io),
+        };
+        let Err(fail) = wrote else { return Ok(()) };
+        // A partial frame leaves the stream unusable: close it for both sides.
+        let _ = s.shutdown(Shutdown::Both);
+        drop(w);
+        let (timed_out, why) = match fail {
+            SendFail::Gone(why) => (false, why),
+            SendFail::Io(e)
+                if !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+            {
+                (false, format!("sending to it failed: {e}"))
+            }
+            SendFail::Io(_) | SendFail::Stalled => {
+                (true, format!("it took no data for {:?} (connection closed)", self.write_timeout))
+            }
+        };
+        self.inbox.mark_gone(peer, why.clone());
+        if timed_out {
+            Err(CollectiveError::Timeout {
+                op,
+                group: group.to_vec(),
+                waiting_for: vec![peer],
+                after: self.write_timeout,
+            })
+        } else {
+            Err(failed(why))
+        }
+    }
+
+    /// Streams `payload` to `peer` through its ring, a slot at a time: waits for a free
+    /// slot, fills it, and sends its notice (the first after the frame header `h`).
+    fn send_shm(
+        &self,
+        s: &mut TcpStream,
+        out: &mut Outgoing,
+        peer: usize,
+        h: &[u8; FRAME_HEADER],
+        payload: &[u8],
+    ) -> std::result::Result<(), SendFail> {
+        let ring = out.ring.clone();
+        for (i, chunk) in payload.chunks(ring.slot_bytes()).enumerate() {
+            self.wait_for_slot(&ring, out.sent, peer)?;
+            ring.fill(out.sent, chunk);
+            out.sent = out.sent.wrapping_add(1);
+            ring.set_produced(out.sent);
+            let mut msg = [0u8; FRAME_HEADER + NOTE_LEN];
+            msg[..FRAME_HEADER].copy_from_slice(h);
+            msg[FRAME_HEADER..FRAME_HEADER + 4].copy_from_slice(&NOTE_MAGIC.to_le_bytes());
+            // Chunks are at most a slot, and slots at most `MAX_SLOT_BYTES`.
+            let n = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+            msg[FRAME_HEADER + 4..].copy_from_slice(&n.to_le_bytes());
+            let from = if i == 0 { 0 } else { FRAME_HEADER };
+            s.write_all(&msg[from..]).map_err(SendFail::Io)?;
+        }
+        self.shm_frames.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Waits until chunk `sent` has a free slot in `ring` (fewer than `slots` chunks are
+    /// unconsumed). Fails when `peer` is gone, or when it frees nothing for the write
+    /// timeout.
+    fn wait_for_slot(
+        &self,
+        ring: &Ring,
+        sent: u32,
+        peer: usize,
+    ) -> std::result::Result<(), SendFail> {
+        let mut seen = ring.consumed();
+        let mut since = Instant::now();
+        loop {
+            let consumed = ring.consumed();
+            if sent.wrapping_sub(consumed) < ring.slots() {
+                return Ok(());
+            }
+            if consumed != seen {
+                (seen, since) = (consumed, Instant::now());
+            }
+            if let Some(why) = self.gone(peer) {
+                return Err(SendFail::Gone(why));
+            }
+            let left = self.write_timeout.saturating_sub(since.elapsed());
+            if left.is_zero() {
+                return Err(SendFail::Stalled);
+            }
+            ring.wait_consumed(consumed, left.min(RING_NAP));
         }
     }
 
@@ -529,14 +863,22 @@ impl Drop for Mesh {
     /// stays open until the peer ends its side too.
     fn drop(&mut self) {
         for w in self.writers.iter().flatten() {
-            let s = w.lock().unwrap_or_else(PoisonError::into_inner);
-            let _ = s.shutdown(Shutdown::Write);
+            let w = w.lock().unwrap_or_else(PoisonError::into_inner);
+            let _ = w.s.shutdown(Shutdown::Write);
         }
     }
 }
 
-/// Reads frames from `peer` until its stream ends or fails, then marks it gone.
-fn read_loop(mut s: TcpStream, peer: usize, inbox: &Inbox) {
+/// Reads frames from `peer` until its stream ends or fails, then marks it gone (and wakes
+/// a sender waiting for a slot of the ring to it, `outgoing`). Frames of the peer's ring
+/// are copied out of `incoming`.
+fn read_loop(
+    mut s: TcpStream,
+    peer: usize,
+    inbox: &Inbox,
+    mut incoming: Option<Incoming>,
+    outgoing: Option<Arc<Ring>>,
+) {
     let why = loop {
         let mut h = [0u8; FRAME_HEADER];
         match s.read_exact(&mut h) {
@@ -549,40 +891,109 @@ fn read_loop(mut s: TcpStream, peer: usize, inbox: &Inbox) {
         let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap_or([0; 8]));
         let magic = u32::from_le_bytes(h[20..24].try_into().unwrap_or([0; 4]));
         let chan = u32::from_le_bytes(h[16..20].try_into().unwrap_or([0; 4]));
-        if magic != FRAME_MAGIC || chan > 1 {
+        if !matches!(magic, FRAME_MAGIC | SHM_FRAME_MAGIC) || chan > 1 {
             break format!("it sent a malformed frame header {h:02x?}");
         }
         let (gid, len) = (u64_at(0), u64_at(8));
         let Ok(len) = usize::try_from(len) else {
             break format!("it sent a frame of {len} bytes");
         };
-        let pooled = if len >= POOLED_MIN { inbox.pool().get(len) } else { None };
-        let read = match pooled {
-            Some(mut payload) => s.read_exact(&mut payload).map(|()| (payload, len)),
-            None => {
-                let mut payload = Vec::new();
-                if let Err(e) = payload.try_reserve_exact(len) {
-                    break format!("a frame of {len} bytes does not fit in memory: {e}");
-                }
-                (&mut s).take(len as u64).read_to_end(&mut payload).map(|n| (payload, n))
+        let payload = if magic == SHM_FRAME_MAGIC {
+            let Some(inc) = incoming.as_mut() else {
+                break "it sent a frame through a shared-memory ring it never set up".to_string();
+            };
+            match inc.receive(&mut s, len, inbox) {
+                Ok(payload) => payload,
+                Err(why) => break why,
             }
-        };
-        let payload = match read {
-            Ok((payload, n)) if n == len => payload,
-            Ok((_, n)) => {
-                break format!(
-                    "its connection closed in the middle of a frame ({n} of {len} bytes)"
-                )
+        } else {
+            match read_payload(&mut s, len, inbox) {
+                Ok(payload) => payload,
+                Err(why) => break why,
             }
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                break format!("its connection closed in the middle of a frame of {len} bytes")
-            }
-            Err(e) => break format!("its connection failed: {e}"),
         };
         inbox.lock().queues.entry((peer, gid, chan as u8)).or_default().push_back(payload);
         inbox.cv.notify_all();
     };
     inbox.mark_gone(peer, why);
+    if let Some(ring) = outgoing {
+        ring.wake();
+    }
+}
+
+/// Why a stream failed after `got` of a frame's `len` bytes.
+fn mid_frame(e: &io::Error, got: usize, len: usize) -> String {
+    if e.kind() == io::ErrorKind::UnexpectedEof {
+        format!("its connection closed in the middle of a frame ({got} of {len} bytes)")
+    } else {
+        format!("its connection failed: {e}")
+    }
+}
+
+/// An empty buffer with room for `len` bytes: a pooled one when `len` is large enough.
+fn empty_buffer(len: usize, inbox: &Inbox) -> std::result::Result<Vec<u8>, String> {
+    if let Some(b) = if len >= POOLED_MIN { inbox.pool().get_empty(len) } else { None } {
+        return Ok(b);
+    }
+    let mut payload = Vec::new();
+    payload
+        .try_reserve_exact(len)
+        .map_err(|e| format!("a frame of {len} bytes does not fit in memory: {e}"))?;
+    Ok(payload)
+}
+
+/// Reads a payload of `len` bytes that follows its header on the socket.
+fn read_payload(
+    s: &mut TcpStream,
+    len: usize,
+    inbox: &Inbox,
+) -> std::result::Result<Vec<u8>, String> {
+    if let Some(mut payload) = if len >= POOLED_MIN { inbox.pool().get(len) } else { None } {
+        return s.read_exact(&mut payload).map(|()| payload).map_err(|e| mid_frame(&e, 0, len));
+    }
+    let mut payload = empty_buffer(len, inbox)?;
+    match s.take(len as u64).read_to_end(&mut payload) {
+        Ok(n) if n == len => Ok(payload),
+        Ok(n) => {
+            Err(format!("its connection closed in the middle of a frame ({n} of {len} bytes)"))
+        }
+        Err(e) => Err(mid_frame(&e, payload.len(), len)),
+    }
+}
+
+impl Incoming {
+    /// Receives a payload of `len` bytes through the ring: for each chunk, reads its
+    /// notice from the socket, copies the chunk out of its slot and frees the slot.
+    fn receive(
+        &mut self,
+        s: &mut TcpStream,
+        len: usize,
+        inbox: &Inbox,
+    ) -> std::result::Result<Vec<u8>, String> {
+        let mut payload = empty_buffer(len, inbox)?;
+        while payload.len() < len {
+            let want = (len - payload.len()).min(self.ring.slot_bytes());
+            let mut note = [0u8; NOTE_LEN];
+            s.read_exact(&mut note).map_err(|e| mid_frame(&e, payload.len(), len))?;
+            let magic = u32::from_le_bytes([note[0], note[1], note[2], note[3]]);
+            let n = u32::from_le_bytes([note[4], note[5], note[6], note[7]]);
+            if magic != NOTE_MAGIC || usize::try_from(n).ok() != Some(want) {
+                return Err(format!(
+                    "it sent a malformed shared-memory notice {note:02x?} (expected one of {want} bytes)"
+                ));
+            }
+            let ahead = self.ring.produced().wrapping_sub(self.got);
+            if ahead == 0 || ahead > self.ring.slots() {
+                return Err(format!(
+                    "it announced a shared-memory chunk it had not written ({ahead} ahead)"
+                ));
+            }
+            self.ring.drain(self.got, want, &mut payload);
+            self.got = self.got.wrapping_add(1);
+            self.ring.set_consumed(self.got);
+        }
+        Ok(payload)
+    }
 }
 
 enum ConnectError {

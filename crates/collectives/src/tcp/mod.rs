@@ -49,6 +49,19 @@
 //!   and hands back. `all_reduce` reduces this member's range straight into its output
 //!   and sends it from there. Readers and the writer are different threads, so two
 //!   members sending each other large frames at once overlap instead of waiting.
+//! - **Shared memory on one host** (see `shm.rs`). Each process publishes its host id
+//!   (the kernel's boot id) at connect time; two processes with the same one set up a
+//!   ring of shared memory per direction (2 MiB: 8 slots of 256 KiB, in a `/dev/shm`
+//!   file created by the sender, mapped by both and unlinked as soon as both have it,
+//!   so nothing is left behind however the processes end). Payloads of 64 KiB and more
+//!   then stream through the ring a slot at a time instead of through the socket, whose
+//!   frames carry only the header and a notice per chunk; the receiving reader thread
+//!   copies each chunk out as its notice arrives and frees the slot, so the ring never
+//!   holds up a sender for a receiver that has not called yet. Nobody spins: the reader
+//!   blocks on the socket, a sender on a full ring sleeps on a futex. Without
+//!   `/dev/shm` (or room in it), on other hosts, or with [`TCP_SHM_ENV`]`=0`, a pair
+//!   keeps to its socket; [`TCP_SHM_MIN_ENV`] moves the threshold (measured in
+//!   docs/PERF.md).
 //! - **The executor of the `nccl` backend.** Each group has a worker thread that owns its
 //!   transport and runs its jobs in order; every collective starts with the same header
 //!   exchange, so members that disagree all fail with [`CollectiveError::Mismatch`]
@@ -65,9 +78,13 @@
 //! - A process that dies, or drops its world, closes its sockets: every pending and later
 //!   call waiting on it fails at once with [`CollectiveError::PeerFailed`] naming its
 //!   global rank (collectives exchange headers with every member first, so every
-//!   collective involving it notices).
+//!   collective involving it notices). Shared memory changes nothing here: a receiver
+//!   waits on the socket for each chunk's notice, and a sender asleep on a full ring is
+//!   woken when the peer's socket closes.
 //! - A member that is only late makes the others fail with [`CollectiveError::Timeout`]
-//!   after the group's timeout, naming the members whose data had not arrived.
+//!   after the group's timeout, naming the members whose data had not arrived. A peer
+//!   that takes no data for that long (its socket full, or no slot of its ring freed)
+//!   fails the sender the same way, naming it.
 //! - After either, the group's members are out of step: every later call on that group
 //!   fails with the same error (other groups are unaffected unless they wait on the same
 //!   peer).
@@ -81,8 +98,11 @@
 //!   store holds one TCP world (its keys are fixed).
 
 mod mesh;
+mod shm;
 mod transport;
 
+#[cfg(test)]
+mod shm_tests;
 #[cfg(test)]
 mod tests;
 
@@ -95,12 +115,24 @@ use crate::remote::worker::{serve, Job, Shared};
 use crate::remote::{RemoteComm, RemoteWorld, WeakComm};
 use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store};
 use mesh::Mesh;
+use shm::ShmConfig;
 use transport::TcpTransport;
 
 /// Environment variable naming the host (name or IP address) this process advertises to
 /// its peers for their connections. Unset, the `tcp` backend advertises the local
 /// address of its connection to the store ([`Store::local_ip`]), else loopback.
 pub const TCP_HOST_ENV: &str = "TPAR_TCP_HOST";
+
+/// Environment variable that turns off shared memory between the processes of one host:
+/// `0`, `off`, `false` or `no` keep every pair of processes on its socket. Unset (or any
+/// other value), processes that find they share a host move large payloads through
+/// shared memory.
+pub const TCP_SHM_ENV: &str = "TPAR_TCP_SHM";
+
+/// Environment variable setting the smallest payload, in bytes, that travels through
+/// shared memory between processes of one host (default 65536); smaller ones take the
+/// socket.
+pub const TCP_SHM_MIN_ENV: &str = "TPAR_TCP_SHM_MIN_BYTES";
 
 /// One process's TCP world: its rank, its connections, its groups.
 pub(crate) struct TcpWorld {
@@ -123,13 +155,24 @@ pub(crate) fn world(
     world_size: usize,
     timeout: Duration,
 ) -> Result<ProcessGroup> {
+    world_with(store, rank, world_size, timeout, ShmConfig::from_env())
+}
+
+/// [`world`], with shared memory as `shm` says.
+pub(crate) fn world_with(
+    store: Arc<dyn Store>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    shm: ShmConfig,
+) -> Result<ProcessGroup> {
     if world_size == 0 || rank >= world_size {
         return Err(CollectiveError::InvalidArgument {
             op: "tcp_world",
             why: format!("rank {rank} is not below world size {world_size}"),
         });
     }
-    let mesh = Mesh::connect(&*store, rank, world_size, timeout)?;
+    let mesh = Mesh::connect(&*store, rank, world_size, timeout, shm)?;
     let w = Arc::new(TcpWorld {
         rank,
         size: world_size,

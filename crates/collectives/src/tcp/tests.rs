@@ -15,7 +15,7 @@ use crate::{
 
 /// An in-memory [`Store`] shared by the simulated processes.
 #[derive(Debug, Default)]
-struct MemStore {
+pub(super) struct MemStore {
     map: Mutex<HashMap<String, Vec<u8>>>,
     cv: Condvar,
 }
@@ -74,11 +74,11 @@ fn run_world<R: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-const T: Duration = Duration::from_secs(20);
+pub(super) const T: Duration = Duration::from_secs(20);
 
 const DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64];
 
-fn small_ints(dims: &[usize], dtype: DType, seed: u64) -> Tensor {
+pub(super) fn small_ints(dims: &[usize], dtype: DType, seed: u64) -> Tensor {
     let mut rng = Rng::new(seed);
     let n: usize = dims.iter().product();
     let v: Vec<f64> = (0..n).map(|_| rng.below(9) as f64 - 4.0).collect();
@@ -86,13 +86,13 @@ fn small_ints(dims: &[usize], dtype: DType, seed: u64) -> Tensor {
 }
 
 /// Dims, dtype and values of a result.
-type Seen = (Vec<usize>, DType, Vec<f64>);
+pub(super) type Seen = (Vec<usize>, DType, Vec<f64>);
 
-fn seen(t: &Tensor) -> Seen {
+pub(super) fn seen(t: &Tensor) -> Seen {
     (t.dims().to_vec(), t.dtype(), t.to_vec_f64().unwrap())
 }
 
-fn reduce_ref(inputs: &[Tensor], op: ReduceOp) -> Tensor {
+pub(super) fn reduce_ref(inputs: &[Tensor], op: ReduceOp) -> Tensor {
     let vals: Vec<Vec<f64>> = inputs.iter().map(|t| t.to_vec_f64().unwrap()).collect();
     let n = vals.len() as f64;
     let out: Vec<f64> = (0..vals[0].len())
@@ -110,15 +110,15 @@ fn reduce_ref(inputs: &[Tensor], op: ReduceOp) -> Tensor {
     Tensor::from_f64(&out, inputs[0].dims().to_vec(), inputs[0].dtype()).unwrap()
 }
 
-fn narrow(t: &Tensor, dim: usize, (start, len): (usize, usize)) -> Tensor {
+pub(super) fn narrow(t: &Tensor, dim: usize, (start, len): (usize, usize)) -> Tensor {
     t.narrow(dim as isize, start, len).unwrap().contiguous().unwrap()
 }
 
-fn cat(ts: &[Tensor], dim: usize) -> Tensor {
+pub(super) fn cat(ts: &[Tensor], dim: usize) -> Tensor {
     Tensor::cat(ts, dim as isize).unwrap()
 }
 
-fn assert_close(got: &Seen, want: &Tensor, exact: bool, what: &str) {
+pub(super) fn assert_close(got: &Seen, want: &Tensor, exact: bool, what: &str) {
     let w = seen(want);
     assert_eq!((&got.0, got.1), (&w.0, w.1), "{what}: dims and dtype");
     let tol = match (exact, got.1) {
@@ -133,7 +133,7 @@ fn assert_close(got: &Seen, want: &Tensor, exact: bool, what: &str) {
 }
 
 /// The input of rank `r` of `n` for dtype index `k` and case `c`.
-fn input(dims: &[usize], dtype: DType, r: usize, c: u64) -> Tensor {
+pub(super) fn input(dims: &[usize], dtype: DType, r: usize, c: u64) -> Tensor {
     small_ints(dims, dtype, 1000 * c + 10 * r as u64 + dtype as u64)
 }
 
@@ -551,7 +551,7 @@ fn a_connection_from_another_job_or_rank_is_refused() {
     let addr = String::from_utf8(store.get_timeout("tpar/tcp/addr/2", T).unwrap()).unwrap();
     let token = store.get_timeout("tpar/tcp/token", T).unwrap();
     let hello = |token: &[u8], from: u64| {
-        let mut b = b"tparTCP\x01".to_vec();
+        let mut b = b"tparTCP\x02".to_vec();
         b.extend(0x0102_0304u32.to_ne_bytes());
         b.extend(token);
         b.extend(3u64.to_le_bytes());
