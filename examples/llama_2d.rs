@@ -364,8 +364,10 @@ struct RankReport {
 fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
     let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
-    // The attention mask of a step, [batch, 1, seq, seq] (built in f64), is its largest
-    // tensor: a sequence length no machine holds fails here, before anything is built.
+    // A sequence length whose full [batch, 1, seq, seq] attention mask (the explicit
+    // form, in f64) no machine holds fails here, before anything is built. The model
+    // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
+    // than what a step needs.
     let mask = tpar::tensor::Shape::new(&[o.batch, 1, o.seq, o.seq]);
     tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;

@@ -203,8 +203,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
     let num_stages = o.pp * per_rank;
-    // The attention mask of a step, [batch, 1, seq, seq] (built in f64), is its largest
-    // tensor: a sequence length no machine holds fails here, before anything is built.
+    // A sequence length whose full [batch, 1, seq, seq] attention mask (the explicit
+    // form, in f64) no machine holds fails here, before anything is built. The model
+    // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
+    // than what a step needs.
     let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, o.seq, o.seq]);
     tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
