@@ -102,18 +102,10 @@ fn bad(message: String) -> Error {
     Error::from(TensorError::InvalidArgument { op: "llama_step", what: message })
 }
 
-/// Deterministic token ids in `[0, VOCAB)` (splitmix64).
+/// Deterministic token ids in `[0, VOCAB)`, the same on every rank.
 fn tokens(n: usize) -> Vec<i64> {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) % VOCAB as u64) as i64
-        })
-        .collect()
+    let mut rng = Rng::new(1);
+    (0..n).map(|_| rng.below(VOCAB as u64) as i64).collect()
 }
 
 /// Rank 0's step times of one configuration.
