@@ -75,7 +75,15 @@ pub fn host_round_trips() -> u64 {
 /// Counts a host round trip: an op computing on host copies of CUDA data, a
 /// host read of device data, or a collective backend staging CUDA tensors
 /// through host memory.
+///
+/// With `TPAR_TRACE_ROUND_TRIPS=1` in the environment each one also prints
+/// `host round trip:` and a backtrace to stderr, to find what makes a step
+/// leave the device (build with debug info for file and line numbers).
 pub fn count_host_round_trip() {
+    static TRACE: OnceLock<bool> = OnceLock::new();
+    if *TRACE.get_or_init(|| std::env::var_os("TPAR_TRACE_ROUND_TRIPS").is_some_and(|v| v == "1")) {
+        eprintln!("host round trip: {}", std::backtrace::Backtrace::force_capture());
+    }
     ROUND_TRIPS.with(|c| c.set(c.get() + 1));
 }
 
