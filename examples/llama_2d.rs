@@ -156,6 +156,11 @@ struct Cli {
     export: Option<PathBuf>,
     /// On a non-finite loss or gradient norm: fail (stop with an error naming the step
     /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
+    /// On the host both are checked every step. On a CUDA device the loss and the norm
+    /// stay there except on logging steps (step 1, every --log-every steps, the last
+    /// step): fail checks them on those steps and before each checkpoint save, so a
+    /// non-finite step between two checks is reported at the next one; skip reads the
+    /// norm back every step (one host round trip per step) to decide.
     #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
     nonfinite: NonFinite,
     /// With FSDP: print each rank's timeline of the last step (each unit's forward and
@@ -301,10 +306,13 @@ enum Opt {
 }
 
 impl Opt {
-    fn clip(&mut self, params: &[Param], max_norm: f64) -> tpar::Result<f64> {
+    /// Clips the gradients and returns their total norm as a 0-dim tensor: on the
+    /// gradients' device (nothing read back) for the plain optimizer, on the host for
+    /// ZeRO-1.
+    fn clip(&mut self, params: &[Param], max_norm: f64) -> tpar::Result<Tensor> {
         match self {
-            Opt::Plain(_) => Ok(clip_grad_norm(params, max_norm)?),
-            Opt::Zero(z) => Ok(z.clip_grad_norm(max_norm)?),
+            Opt::Plain(_) => Ok(clip_grad_norm_(params, max_norm)?),
+            Opt::Zero(z) => Ok(Tensor::scalar(z.clip_grad_norm(max_norm)?, DType::F64)),
         }
     }
 
@@ -351,6 +359,10 @@ struct RankReport {
     state_bytes: usize,
     /// Device-host round trips per training step on this rank (CUDA devices).
     round_trips_per_step: f64,
+    /// Round trips of each step this run took on this rank (its forward, backward,
+    /// optimizer step and log read; checkpoint saves left out), with whether the step
+    /// logged (read the loss and the gradient norm back).
+    step_round_trips: Vec<(bool, u64)>,
     /// The step this run started from (0, or the checkpoint it resumed).
     start_step: usize,
     /// Steps this run took.
@@ -475,6 +487,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
+    let mut step_round_trips: Vec<(bool, u64)> = Vec::new();
+    let on_host = device == Device::Cpu;
     // Every epoch takes `per_epoch` batches, so the step gives the data position.
     let mut epoch = step / per_epoch;
     if let Some(bar) = &progress_bar {
@@ -488,7 +502,20 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if step == stop {
                 break 'outer;
             }
-            let batch = dataset.batch(chunk)?.to_device(device)?;
+            let step_trips0 = tpar::tensor::gpu::host_round_trips();
+            // Logging steps read the loss and the gradient norm back (one host round trip
+            // on a device): step 1, every --log-every steps and the last step; on the host
+            // every step reads them (it costs nothing there). All ranks agree on which.
+            let logging = step == 0 || (step + 1) % o.log_every == 0 || step + 1 == stop;
+            let saving = ckpt.is_some() && ((step + 1) % o.save_every == 0 || step + 1 == o.steps);
+            let read = on_host
+                || logging
+                || o.nonfinite == NonFinite::Skip
+                || (saving && o.nonfinite == NonFinite::Fail);
+            let batch = dataset.batch(chunk)?;
+            // Counted on the host, before the batch moves (a device count would read it back).
+            let batch_tokens = batch.num_tokens()?;
+            let batch = batch.to_device(device)?;
             if let Some(t) = &timeline {
                 t.clear();
                 comm.clear();
@@ -502,14 +529,23 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 .reshape(&[-1, cfg.vocab_size as isize])?;
             let loss = logits
                 .cross_entropy(&batch.target_ids.reshape([batch.target_ids.numel()])?, pad)?;
-            let local = loss.item()?;
-            if o.nonfinite == NonFinite::Fail && !local.is_finite() {
-                // Fail fast, here: peers waiting in the next collective fail naming this rank.
-                return Err(NnError::NonFinite {
-                    what: format!("step {} on rank {rank}: the loss", step + 1),
-                    value: local,
+            // The loss is Replicate: the local tensor is its value.
+            let loss_t = loss.clone().into_local("loss")?;
+            // On the host: read now, and fail before the backward.
+            let mut local = if on_host { loss_t.item()? } else { f64::NAN };
+            let fail_on_loss = |local: f64| -> tpar::Result<()> {
+                if o.nonfinite == NonFinite::Fail && !local.is_finite() {
+                    // Peers waiting in the next collective fail naming this rank.
+                    return Err(NnError::NonFinite {
+                        what: format!("step {} on rank {rank}: the loss", step + 1),
+                        value: local,
+                    }
+                    .into());
                 }
-                .into());
+                Ok(())
+            };
+            if on_host {
+                fail_on_loss(local)?;
             }
             if timeline.is_some() {
                 phases.push(("forward", comm.take()));
@@ -522,8 +558,19 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 ddp.sync_gradients(&model)?;
             }
             // The norm is global (all-reduced): every rank takes the same branch.
-            let norm = opt.clip(&params, 1.0)?;
-            if norm.is_finite() {
+            let norm_t = opt.clip(&params, 1.0)?;
+            let norm = if !read {
+                // Not read back: the step goes on (see --nonfinite).
+                f64::NAN
+            } else if on_host {
+                norm_t.item()?
+            } else {
+                let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
+                local = l;
+                fail_on_loss(local)?;
+                n
+            };
+            if !read || norm.is_finite() {
                 opt.get().step()?;
             } else if o.nonfinite == NonFinite::Fail {
                 return Err(NnError::NonFinite {
@@ -542,9 +589,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             }
             let lr = sched.step(opt.get());
             opt.get().zero_grad();
-            // The loss averaged over dp ranks, for the log.
-            let local = Tensor::scalar(local, DType::F64);
-            let l = dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?;
+            // The loss averaged over dp ranks, for the log (a host scalar: no round trip).
+            let l = if read {
+                let local = Tensor::scalar(local, DType::F64);
+                dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?
+            } else {
+                f64::NAN
+            };
             if timeline.is_some() {
                 phases.push(("optimizer", comm.take()));
                 comm.disable();
@@ -552,10 +603,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if step == 0 {
                 progress.first_loss = l;
             }
-            last = l;
-            tokens += batch.num_tokens()? * o.dp;
+            if read {
+                last = l;
+            }
+            tokens += batch_tokens * o.dp;
             step += 1;
             progress.step = step;
+            step_round_trips.push((logging, tpar::tensor::gpu::host_round_trips() - step_trips0));
             if let Some(c) = &mut ckpt {
                 c.poll()?;
                 if step % o.save_every == 0 || step == o.steps {
@@ -578,7 +632,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                         println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
                     }
                 } else {
-                    bar.set_message(format!("epoch {epoch} {msg}"));
+                    if read {
+                        bar.set_message(format!("epoch {epoch} {msg}"));
+                    }
                     bar.set_position(step as u64);
                 }
             }
@@ -609,12 +665,25 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         peak_bytes: memory::peak(rank),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
+        step_round_trips,
         timeline: timeline.map(|t| {
             let p: Vec<(&str, &[tpar::collectives::CommRecord])> =
                 phases.iter().map(|(n, r)| (*n, r.as_slice())).collect();
             format!("{}collectives of the last step:\n{}", t.render(72), explain_collectives(&p))
         }),
     })
+}
+
+/// A logging step's loss and gradient norm, read back together: one host round trip when
+/// both are on one device (as f32, exact for an f32 or bf16 loss); each read on its own
+/// otherwise (ZeRO-1's norm is already on the host).
+fn read_loss_and_norm(loss: &Tensor, norm: &Tensor) -> tpar::Result<(f64, f64)> {
+    if loss.device() != norm.device() {
+        return Ok((loss.item()?, norm.item()?));
+    }
+    let both = [loss.reshape([1])?.to_dtype(DType::F32)?, norm.reshape([1])?.to_dtype(DType::F32)?];
+    let v = Tensor::cat(&both, 0)?.to_vec::<f32>()?;
+    Ok((f64::from(v[0]), f64::from(v[1])))
 }
 
 fn main() {
@@ -695,7 +764,22 @@ fn main() {
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.
-        println!("device: {} host round trips per step on rank 0", r0.round_trips_per_step);
+        // And per step (checkpoint saves left out), logging steps and the others apart.
+        let list = |logging: bool| -> String {
+            let v: Vec<String> = r0
+                .step_round_trips
+                .iter()
+                .filter(|(l, _)| *l == logging)
+                .map(|(_, n)| n.to_string())
+                .collect();
+            v.join(",")
+        };
+        println!(
+            "device: {} host round trips per step on rank 0 round_trips_logging={} round_trips_quiet={}",
+            r0.round_trips_per_step,
+            list(true),
+            list(false)
+        );
     }
     // A run that stopped early (or found its work done) need not show the fall.
     let finished = r0.start_step + r0.steps_run == o.steps && r0.steps_run > 0;

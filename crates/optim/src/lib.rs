@@ -863,8 +863,27 @@ pub fn sum_over_groups(parts: &[(Vec<ProcessGroup>, f64)]) -> Result<f64> {
 ///
 /// A non-finite norm is returned as it is: an infinite norm zeroes the gradients (as
 /// torch's), a NaN norm leaves them unscaled; a trainer should skip such a step.
+///
+/// **Devices.** This returns the norm as an `f64`, so on a CUDA device it reads the norm
+/// back (one host round trip). [`clip_grad_norm_`] does the same work and returns the
+/// norm as a 0-dim tensor on the gradients' device, as PyTorch's `clip_grad_norm_`, so a
+/// trainer reads it only when it logs it.
 pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
-    clip_grad_norm_over(params, max_norm, None)
+    Ok(clip_grad_norm_(params, max_norm)?.item()?)
+}
+
+/// [`clip_grad_norm`] returning the total norm as a 0-dim tensor, as PyTorch's
+/// `torch.nn.utils.clip_grad_norm_`: an f64 host tensor when the gradients are on the
+/// host; with gradients on a CUDA device an f32 tensor on that device, computed there
+/// (per-gradient sums of squares, the all_reduces over the layouts' groups, the square
+/// root) with every gradient scaled by the device-side coefficient
+/// `min(1, max_norm / (norm + 1e-6))`: nothing is read back, so a step that does not
+/// log its norm stays on the device. Same semantics, collectives and non-finite
+/// behaviour as [`clip_grad_norm`] (the coefficient is 1 for a NaN norm and 0 for an
+/// infinite one). Gradients split over the host and a device (or several devices) read
+/// the coefficient back once.
+pub fn clip_grad_norm_(params: &[Param], max_norm: f64) -> Result<Tensor> {
+    clip_grad_norm_inner(params, max_norm, None, false)
 }
 
 /// [`clip_grad_norm`] for a pipeline stage: `params` are this rank's stages' parameters
@@ -878,7 +897,7 @@ pub fn clip_grad_norm_pp(params: &[Param], max_norm: f64, pp: &ProcessGroup) -> 
 /// or infinite, returns [`NnError::NonFinite`] naming the norm, and leaves the (reduced)
 /// gradients unscaled, instead of returning the norm.
 pub fn clip_grad_norm_checked(params: &[Param], max_norm: f64) -> Result<f64> {
-    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, None, true)?)
+    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, None, true)?.item()?)
 }
 
 /// [`clip_grad_norm_pp`] with `error_if_nonfinite=True` (see [`clip_grad_norm_checked`]).
@@ -887,7 +906,7 @@ pub fn clip_grad_norm_pp_checked(
     max_norm: f64,
     pp: &ProcessGroup,
 ) -> Result<f64> {
-    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, Some(pp), true)?)
+    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, Some(pp), true)?.item()?)
 }
 
 fn nonfinite_is_error(norm: f64) -> Result<f64> {
@@ -903,15 +922,18 @@ fn nonfinite_is_error(norm: f64) -> Result<f64> {
 }
 
 fn clip_grad_norm_over(params: &[Param], max_norm: f64, pp: Option<&ProcessGroup>) -> Result<f64> {
-    clip_grad_norm_inner(params, max_norm, pp, false)
+    Ok(clip_grad_norm_inner(params, max_norm, pp, false)?.item()?)
 }
 
+/// The total norm, as a 0-dim tensor: f64 on the host, or f32 on the device of the
+/// gradients when some are on a CUDA device (see [`clip_grad_norm_`]). With
+/// `error_if_nonfinite` a non-finite norm is returned before any gradient is scaled.
 fn clip_grad_norm_inner(
     params: &[Param],
     max_norm: f64,
     pp: Option<&ProcessGroup>,
     error_if_nonfinite: bool,
-) -> Result<f64> {
+) -> Result<Tensor> {
     // An infinite max_norm is legal (the norm without clipping), as in torch.
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
@@ -919,21 +941,13 @@ fn clip_grad_norm_inner(
     // Reduce every gradient once (collective), and sum this rank's counted squares.
     let mut grads: Vec<(&Param, Tensor)> = Vec::with_capacity(params.len());
     let mut parts: Vec<(Vec<ProcessGroup>, f64)> = Vec::with_capacity(params.len());
-    // Counted gradients on CUDA devices, by device: (device, [(part index, gradient)]).
-    let mut on_devices: Vec<(Device, Vec<(usize, Tensor)>)> = Vec::new();
+    // Counted gradients on CUDA devices: (part index, gradient).
+    let mut on_devices: Vec<(usize, Tensor)> = Vec::new();
     for p in params {
         let Some(g) = p.reduce_grads_in_place()? else { continue };
         let layout = p.grad_layout()?;
         let sq = if layout.counts && on_device(&g) {
-            let d = g.device();
-            let i = match on_devices.iter().position(|(e, _)| *e == d) {
-                Some(i) => i,
-                None => {
-                    on_devices.push((d, Vec::new()));
-                    on_devices.len() - 1
-                }
-            };
-            on_devices[i].1.push((parts.len(), g.clone()));
+            on_devices.push((parts.len(), g.clone()));
             0.0
         } else if layout.counts {
             sum_sq(&g)?
@@ -943,14 +957,8 @@ fn clip_grad_norm_inner(
         grads.push((p, g));
         parts.push((layout.groups, sq));
     }
-    // One device reduction per device and one read of its per-gradient sums (the norm
-    // is returned to the host).
-    for (_, gs) in &on_devices {
-        let ts: Vec<&Tensor> = gs.iter().map(|(_, g)| g).collect();
-        let sums = Tensor::sum_squares_each(&ts)?.to_vec::<f32>()?;
-        for ((i, _), s) in gs.iter().zip(sums) {
-            parts[*i].1 = f64::from(s);
-        }
+    if !on_devices.is_empty() {
+        return clip_on_device(grads, &parts, &on_devices, max_norm, pp, error_if_nonfinite);
     }
     let mut total_sq = sum_over_groups(&parts)?;
     if let Some(pp) = pp {
@@ -959,7 +967,7 @@ fn clip_grad_norm_inner(
     }
     let total = total_sq.sqrt();
     if error_if_nonfinite && !total.is_finite() {
-        return Ok(total);
+        return Ok(Tensor::scalar(total, DType::F64));
     }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
@@ -967,6 +975,114 @@ fn clip_grad_norm_inner(
             let scaled = no_grad(|| g.mul_scalar(coef))?;
             p.set_reduced_grad(Some(scaled));
         }
+    }
+    Ok(Tensor::scalar(total, DType::F64))
+}
+
+/// The device half of [`clip_grad_norm_inner`]: `parts` as there (host sums filled in,
+/// device ones 0), `on_device` the counted gradients on a CUDA device with their part
+/// index. The per-gradient sums of squares ([`Tensor::sum_squares_each`]) are folded
+/// into one f32 slot per distinct layout on the device (a 0/1 matrix product, host parts
+/// added), each distinct group all-reduces the slots spanning it as
+/// [`sum_over_groups`] does, and the norm and the clipping coefficient stay on the
+/// device.
+fn clip_on_device(
+    grads: Vec<(&Param, Tensor)>,
+    parts: &[(Vec<ProcessGroup>, f64)],
+    on_device: &[(usize, Tensor)],
+    max_norm: f64,
+    pp: Option<&ProcessGroup>,
+    error_if_nonfinite: bool,
+) -> Result<Tensor> {
+    let device = on_device[0].1.device();
+    // Gradients on another device than the first: their sums move to it.
+    let mut sums: Vec<Tensor> = Vec::new();
+    let mut order: Vec<usize> = Vec::new();
+    let mut devices: Vec<Device> = Vec::new();
+    for (_, g) in on_device {
+        if !devices.contains(&g.device()) {
+            devices.push(g.device());
+        }
+    }
+    for d in devices {
+        let (idx, ts): (Vec<usize>, Vec<&Tensor>) =
+            on_device.iter().filter(|(_, g)| g.device() == d).map(|(i, g)| (*i, g)).unzip();
+        sums.push(Tensor::sum_squares_each(&ts)?.to_device(device)?);
+        order.extend(idx);
+    }
+    let sq = if sums.len() == 1 { sums.remove(0) } else { Tensor::cat(&sums, 0)? };
+    // Slots: one per distinct layout (by its groups' ranks, first-seen order), then one
+    // for the parts that are already global.
+    let mut layouts: Vec<&[ProcessGroup]> = Vec::new();
+    let mut layout_keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
+    let slot_of: Vec<Option<usize>> = parts
+        .iter()
+        .map(|(groups, _)| {
+            if groups.is_empty() {
+                return None;
+            }
+            let key: Vec<Vec<usize>> = groups.iter().map(|g| g.ranks().to_vec()).collect();
+            Some(*layout_keys.entry(key).or_insert_with(|| {
+                layouts.push(groups);
+                layouts.len() - 1
+            }))
+        })
+        .collect();
+    let n_slots = layouts.len() + 1;
+    let slot = |i: usize| slot_of[i].unwrap_or(layouts.len());
+    let mut fold = vec![0f32; n_slots * order.len()];
+    for (k, &i) in order.iter().enumerate() {
+        fold[slot(i) * order.len() + k] = 1.0;
+    }
+    let mut host = vec![0f32; n_slots];
+    for (i, (_, v)) in parts.iter().enumerate() {
+        host[slot(i)] += *v as f32;
+    }
+    let fold = Tensor::from_vec(fold, [n_slots, order.len()])?.to_device(device)?;
+    let host = Tensor::from_vec(host, [n_slots])?.to_device(device)?;
+    // [n_slots, k] @ [k, 1] -> [n_slots]
+    let slots = fold.matmul(&sq.reshape([order.len(), 1])?)?.reshape([n_slots])?.add(&host)?;
+    let mut slots: Vec<Tensor> =
+        (0..n_slots).map(|j| slots.narrow(0, j, 1)).collect::<std::result::Result<_, _>>()?;
+    // One all_reduce per distinct group, carrying the slots of every layout spanning it.
+    let mut done: Vec<&[usize]> = Vec::new();
+    for layout in &layouts {
+        for group in layout.iter() {
+            if done.contains(&group.ranks()) {
+                continue;
+            }
+            done.push(group.ranks());
+            let spanning: Vec<usize> = (0..layouts.len())
+                .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
+                .collect();
+            let vals: Vec<Tensor> = spanning.iter().map(|&j| slots[j].clone()).collect();
+            let reduced = group.all_reduce(&Tensor::cat(&vals, 0)?, ReduceOp::Sum)?;
+            for (k, &j) in spanning.iter().enumerate() {
+                slots[j] = reduced.narrow(0, k, 1)?;
+            }
+        }
+    }
+    let mut total_sq = Tensor::cat(&slots, 0)?.sum_all()?;
+    if let Some(pp) = pp {
+        total_sq = pp.all_reduce(&total_sq, ReduceOp::Sum)?;
+    }
+    let total = total_sq.sqrt()?;
+    if error_if_nonfinite && !total.item()?.is_finite() {
+        return Ok(total);
+    }
+    // min(1, max_norm / (norm + 1e-6)), on the device: 1 for a NaN norm (fmin), 0 for an
+    // infinite one.
+    let one = Tensor::ones([], DType::F32, device)?;
+    let coef = no_grad(|| total.add_scalar(1e-6)?.recip()?.mul_scalar(max_norm)?.minimum(&one))?;
+    let host_coef =
+        if grads.iter().any(|(_, g)| g.device() != device) { Some(coef.item()?) } else { None };
+    for (p, g) in grads {
+        let scaled = match host_coef {
+            Some(c) if c < 1.0 => no_grad(|| g.mul_scalar(c))?,
+            Some(_) => continue,
+            None => no_grad(|| g.mul(&coef.to_dtype(g.dtype())?))?,
+        };
+        p.set_reduced_grad(Some(scaled));
     }
     Ok(total)
 }
