@@ -256,19 +256,22 @@ impl Module for RotaryPositionEncoding {
 fn padding_flags(attention_mask: Option<&Tensor>, batch: usize, seq: usize) -> Result<Vec<bool>> {
     match attention_mask {
         Some(m) => {
-            if m.dims() != [batch, seq] {
-                return Err(NnError::BadInput {
-                    module: "LlamaModel".into(),
-                    what: format!(
-                        "attention_mask of shape {:?}, expected [{batch}, {seq}]",
-                        m.dims()
-                    ),
-                });
-            }
+            check_padding_shape(m, batch, seq)?;
             Ok(m.to_vec_f64()?.into_iter().map(|x| x != 0.0).collect())
         }
         None => Ok(vec![true; batch * seq]),
     }
+}
+
+/// A padding mask must be `[batch, seq]`.
+fn check_padding_shape(m: &Tensor, batch: usize, seq: usize) -> Result<()> {
+    if m.dims() != [batch, seq] {
+        return Err(NnError::BadInput {
+            module: "LlamaModel".into(),
+            what: format!("attention_mask of shape {:?}, expected [{batch}, {seq}]", m.dims()),
+        });
+    }
+    Ok(())
 }
 
 /// An f32 host mask in `dtype` (0 and `-inf` are exact in every float dtype).
@@ -311,12 +314,24 @@ pub fn causal_padding_mask(
 /// tokens, 0 for padding): an additive `[batch, 1, 1, seq]` mask, 0 for a token and
 /// `-inf` for a padded key, broadcast over heads and query rows (memory linear in the
 /// sequence). With causal attention it masks exactly as [`causal_padding_mask`].
+///
+/// An integer (i64) mask on a CUDA device is turned into the additive mask there, with
+/// device elementwise kernels and nothing read back: a nonzero integer `m` has
+/// `|m| >= 1`, so `ln(min(|m|, 1))` is exactly 0 for a token and `-inf` for padding (the
+/// result is on the mask's device). Other masks are read on the host.
 pub fn key_padding_mask(
     attention_mask: &Tensor,
     batch: usize,
     seq: usize,
     dtype: DType,
 ) -> Result<Tensor> {
+    if attention_mask.dtype() == DType::I64 && matches!(attention_mask.device(), Device::Cuda(_)) {
+        check_padding_shape(attention_mask, batch, seq)?;
+        let m = attention_mask.to_dtype(DType::F32)?.abs()?;
+        let one = Tensor::ones([], DType::F32, attention_mask.device())?;
+        let additive = m.minimum(&one)?.log()?.reshape([batch, 1, 1, seq])?;
+        return Ok(additive.to_dtype(dtype)?);
+    }
     let tok = padding_flags(Some(attention_mask), batch, seq)?;
     let v = tok.iter().map(|&t| if t { 0.0 } else { f32::NEG_INFINITY }).collect();
     mask_tensor(v, tpar_tensor::Shape::new(&[batch, 1, 1, seq]), dtype)

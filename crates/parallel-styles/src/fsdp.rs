@@ -411,8 +411,13 @@ impl DataParallel {
         Ok(DataParallel { dp })
     }
 
-    /// Averages every parameter's accumulated gradient over dp (in place).
+    /// Averages every parameter's accumulated gradient over dp (in place). With one dp
+    /// rank the average is the gradient itself: nothing is issued (no collective, so no
+    /// staging of device gradients either).
     pub fn sync_gradients(&self, module: &dyn Module) -> Result<()> {
+        if self.dp.size() == 1 {
+            return Ok(());
+        }
         let mut by_dtype: std::collections::BTreeMap<&'static str, Vec<(Tensor, Tensor)>> =
             Default::default();
         for p in tpar_nn::parameters(module) {
