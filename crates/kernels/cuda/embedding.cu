@@ -68,6 +68,13 @@ struct EmbZeroArgs {
     i64 n;
 };
 
+struct EmbCheckArgs {
+    const i64* ids;  // [n]
+    i32* error;      // atomicMin'd with positions of ids outside [0, size)
+    i64 size;
+    i64 n;
+};
+
 struct EmbCastArgs {
     const float* acc;  // [n]
     void* dweight;     // [n]
@@ -196,6 +203,15 @@ TPAR_DEVICE void zero(const EmbZeroArgs& a) {
     }
 }
 
+// Ids outside [0, size) lower the error slot to the first such position (the
+// global range check of the vocab-sharded lookup, whose kernels mask such ids).
+TPAR_DEVICE void check_ids(const EmbCheckArgs& a) {
+    for (i64 p = (i64)blockIdx.x * blockDim.x + threadIdx.x; p < a.n; p += (i64)gridDim.x * blockDim.x) {
+        const i64 id = a.ids[p];
+        if (id < 0 || id >= a.size) atomicMin(a.error, (i32)p);
+    }
+}
+
 template <typename T>
 TPAR_DEVICE void cast(const EmbCastArgs& a) {
     T* out = static_cast<T*>(a.dweight);
@@ -219,6 +235,7 @@ TPAR_KERNEL(tpar_embedding_bwd_csr_bf16, EmbBwdCsrArgs, 256) { embedding::backwa
 TPAR_KERNEL(tpar_embedding_bwd_csr_f16, EmbBwdCsrArgs, 256) { embedding::backward_csr<f16>(args); }
 
 TPAR_KERNEL(tpar_embedding_zero_f32, EmbZeroArgs, 256) { embedding::zero(args); }
+TPAR_KERNEL(tpar_embedding_check_ids, EmbCheckArgs, 256) { embedding::check_ids(args); }
 TPAR_KERNEL(tpar_embedding_cast_f32, EmbCastArgs, 256) { embedding::cast<float>(args); }
 TPAR_KERNEL(tpar_embedding_cast_bf16, EmbCastArgs, 256) { embedding::cast<bf16>(args); }
 TPAR_KERNEL(tpar_embedding_cast_f16, EmbCastArgs, 256) { embedding::cast<f16>(args); }

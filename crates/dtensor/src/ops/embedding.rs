@@ -61,9 +61,8 @@ impl DTensor {
             if ids.dtype() != DType::I64 {
                 return Err(no_rule(op, &operands, "ids must be i64"));
             }
-            let bad = local_ids.with_data::<i64, _>(|is| {
-                is.iter().copied().enumerate().find(|&(_, i)| i < 0 || i as u64 >= vocab as u64)
-            })?;
+            // On a CUDA device the ids are checked there (no host round trip).
+            let bad = local_ids.first_index_out_of_range(vocab)?;
             if let Some((pos, id)) = bad {
                 return Err(no_rule(
                     op,

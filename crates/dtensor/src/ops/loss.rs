@@ -51,6 +51,54 @@ fn narrow<A: Acc>(v: &[f64]) -> Vec<A> {
     v.iter().map(|&x| A::of(x)).collect()
 }
 
+/// `t` (a tensor on any device) all-reduced with `op` over each of `dims` in turn.
+fn all_reduce_tensor(mesh: &DeviceMesh, dims: &[usize], t: Tensor, op: ReduceOp) -> Result<Tensor> {
+    let mut t = t;
+    for &m in dims {
+        t = mesh.group(m)?.all_reduce(&t, op)?;
+    }
+    Ok(t)
+}
+
+/// The local forward and the recorded backward on a CUDA device (f32, bf16 or f16
+/// logits): the steps of [`run`] with device kernels and f32 statistics, the all_reduces
+/// on device tensors; nothing is read back (a bad target is found through a 4-byte
+/// status read, as the plain device op does).
+fn run_device(logits: &Tensor, targets: &Tensor, lay: Layout) -> Result<Tensor> {
+    let (max, sumexp, tl) =
+        logits.ce_shard_stats(targets, lay.vocab_start, lay.vocab, lay.ignore_index)?;
+    let (max, sumexp, tl) = if lay.vocab_dims.is_empty() {
+        (max, sumexp, tl)
+    } else {
+        // loss_parallel: global max, sum-exp rescaled to it, target logit from its owner.
+        let gmax = all_reduce_tensor(&lay.mesh, &lay.vocab_dims, max.clone(), ReduceOp::Max)?;
+        let sumexp = Tensor::ce_rescale(&max, &sumexp, &gmax)?;
+        let sumexp = all_reduce_tensor(&lay.mesh, &lay.vocab_dims, sumexp, ReduceOp::Sum)?;
+        let tl = all_reduce_tensor(&lay.mesh, &lay.vocab_dims, tl, ReduceOp::Sum)?;
+        (gmax, sumexp, tl)
+    };
+    let lse = Tensor::ce_lse(&max, &sumexp)?;
+    // [loss total, counted rows]
+    let sums = Tensor::ce_loss_sums(&lse, &tl, targets, lay.ignore_index)?;
+    let sums = all_reduce_tensor(&lay.mesh, &lay.row_dims, sums, ReduceOp::Sum)?;
+    // total / max(count, 1): with no counted row the total is 0 and so is the loss.
+    let count = sums.narrow(0, 1, 1)?.clamp_min(1.0)?;
+    let loss = sums.narrow(0, 0, 1)?.div(&count)?.reshape(Vec::<usize>::new())?;
+    let out = loss.to_dtype(logits.dtype())?;
+    let (x, t) = (logits.detach(), targets.detach());
+    let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
+    grad_dims.sort_unstable();
+    Ok(record("cross_entropy", &[logits], out, move |g| {
+        // As in `run`: the loss gradient summed over the sharded mesh dims, then
+        // `(softmax - onehot) * g / count` on the local vocab slice.
+        let g = g.to_dtype(DType::F32)?.reshape([1])?;
+        let g = all_reduce_tensor(&lay.mesh, &grad_dims, g, ReduceOp::Sum)?;
+        let scale = g.div(&count)?;
+        let dl = x.ce_shard_backward(&t, lay.vocab_start, lay.ignore_index, &lse, &scale)?;
+        Ok(vec![Some(dl)])
+    }))
+}
+
 /// The local forward and the recorded backward for element type `T`.
 fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Result<Tensor> {
     let rows = targets.numel();
@@ -190,7 +238,10 @@ impl DTensor {
             ignore_index,
         };
         let (l, t) = (ins[0].local(), ins[1].local());
+        let on_device = matches!(l.device(), tpar_tensor::Device::Cuda(_))
+            && matches!(l.dtype(), DType::F32 | DType::BF16 | DType::F16);
         let loss = match self.dtype() {
+            _ if on_device => run_device(l, t, lay)?,
             DType::F32 => run::<f32>(l, t, lay)?,
             DType::F64 => run::<f64>(l, t, lay)?,
             DType::BF16 => run::<half::bf16>(l, t, lay)?,

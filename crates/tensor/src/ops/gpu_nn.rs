@@ -229,6 +229,28 @@ pub(crate) fn cross_entropy(
     })))
 }
 
+/// The kernel dtype of CUDA logits, or an error naming `op` (host or f64 logits).
+fn ce_device_dtype(op: &'static str, t: &Tensor) -> Result<CudaDType> {
+    let Device::Cuda(_) = t.device() else {
+        return Err(invalid(op, format!("for CUDA tensors only; got {}", t.device())));
+    };
+    kernel_dtype(op, t)
+}
+
+/// The common length of f32 CUDA vectors, or an error naming `op`.
+fn ce_rows(op: &'static str, ts: &[&Tensor]) -> Result<usize> {
+    let n = ts.first().map_or(0, |t| t.numel());
+    for t in ts {
+        let Device::Cuda(_) = t.device() else {
+            return Err(invalid(op, format!("for CUDA tensors only; got {}", t.device())));
+        };
+        if t.dtype() != DType::F32 || t.numel() != n {
+            return Err(invalid(op, format!("needs f32 vectors of {n} values, got {t:?}")));
+        }
+    }
+    Ok(n)
+}
+
 // ---------------------------------------------------------------------------------------
 // Embedding
 // ---------------------------------------------------------------------------------------
@@ -787,6 +809,223 @@ impl Tensor {
                 _ => d.view(),
             };
             Ok(k_ew::accumulate(&*dev, f32d, upd, cd, p.view_mut(), n, -(lr as f32))?)
+        })
+    }
+
+    /// The per-row statistics of a vocab shard of CUDA logits `[.., v_local]` (f32, bf16
+    /// or f16) holding global columns `[vocab_start, vocab_start + v_local)` of a vocab
+    /// of `vocab_size`, against i64 `targets` (one per row): f32 `[rows]` tensors
+    /// `(max, sumexp, target_logit)` on the device, as the CPU kernel
+    /// `tpar_kernels::cross_entropy::ce_local_stats` defines them (step 1 of
+    /// vocab-parallel cross-entropy). A target that is neither `ignore_index` nor in
+    /// `[0, vocab_size)` is an `IndexOutOfRange` error (a 4-byte status read, no tensor
+    /// data). For CUDA tensors only.
+    pub fn ce_shard_stats(
+        &self,
+        targets: &Tensor,
+        vocab_start: i64,
+        vocab_size: usize,
+        ignore_index: i64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        const OP: &str = "ce_shard_stats";
+        let cd = ce_device_dtype(OP, self)?;
+        let v_local = self.dims().last().copied().unwrap_or(1);
+        let rows = targets.numel();
+        if targets.dtype() != DType::I64 || rows * v_local != self.numel() {
+            return Err(invalid(
+                OP,
+                format!(
+                    "logits {:?} need one i64 target per row, got {} {:?}",
+                    self.dims(),
+                    targets.dtype(),
+                    targets.dims()
+                ),
+            ));
+        }
+        let dev = device_of(self, OP)?;
+        let mut max = Out::new(&dev, [rows], DType::F32)?;
+        let mut sumexp = Out::new(&dev, [rows], DType::F32)?;
+        let mut tl = Out::new(&dev, [rows], DType::F32)?;
+        let mut status = Status::new(&dev)?;
+        let bad = with_gpu(OP, &[self, targets], |v| {
+            let (lv, tv) = (v[0].view(), v[1].view());
+            k_ce::ce_local_stats(
+                &*dev,
+                cd,
+                lv,
+                rows,
+                v_local,
+                tv,
+                vocab_start,
+                vocab_size,
+                ignore_index,
+                max.view_mut(),
+                sumexp.view_mut(),
+                tl.view_mut(),
+                Some(status.slot()),
+            )?;
+            status.check(tv, rows)
+        })?;
+        if let Some((position, index)) = bad {
+            return Err(KernelError::IndexOutOfRange {
+                op: "ce_local_stats",
+                index,
+                position,
+                size: vocab_size,
+            }
+            .into());
+        }
+        Ok((max.into_tensor(), sumexp.into_tensor(), tl.into_tensor()))
+    }
+
+    /// `sumexp` (f32 `[n]`, relative to `local_max`) rescaled to be relative to
+    /// `global_max`, on the device: the shards' values can then be summed. For CUDA
+    /// tensors only.
+    pub fn ce_rescale(local_max: &Tensor, sumexp: &Tensor, global_max: &Tensor) -> Result<Tensor> {
+        const OP: &str = "ce_rescale";
+        let n = ce_rows(OP, &[local_max, sumexp, global_max])?;
+        let dev = device_of(sumexp, OP)?;
+        let mut out = Out::new(&dev, [n], DType::F32)?;
+        with_gpu(OP, &[local_max, sumexp, global_max], |v| {
+            let (lm, sv, gm) = (v[0].view(), v[1].view(), v[2].view());
+            let mut o = out.view_mut();
+            k_layout::copy(&*dev, 4, sv, o.reborrow(), n)?;
+            Ok(k_ce::ce_rescale(&*dev, lm, o, gm, n)?)
+        })?;
+        Ok(out.into_tensor())
+    }
+
+    /// f32 `lse = max + ln(sumexp)` (`[n]`) on the device. For CUDA tensors only.
+    pub fn ce_lse(max: &Tensor, sumexp: &Tensor) -> Result<Tensor> {
+        const OP: &str = "ce_lse";
+        let n = ce_rows(OP, &[max, sumexp])?;
+        let dev = device_of(max, OP)?;
+        let mut out = Out::new(&dev, [n], DType::F32)?;
+        with_gpu(OP, &[max, sumexp], |v| {
+            Ok(k_ce::ce_lse(&*dev, v[0].view(), v[1].view(), out.view_mut(), n)?)
+        })?;
+        Ok(out.into_tensor())
+    }
+
+    /// The two sums a mean cross-entropy needs, as an f32 `[2]` tensor on the device:
+    /// the total of `lse - target_logit` over the rows whose i64 target is not
+    /// `ignore_index`, and the number of those rows. For CUDA tensors only.
+    pub fn ce_loss_sums(
+        lse: &Tensor,
+        target_logit: &Tensor,
+        targets: &Tensor,
+        ignore_index: i64,
+    ) -> Result<Tensor> {
+        const OP: &str = "ce_loss_sums";
+        let rows = ce_rows(OP, &[lse, target_logit])?;
+        if targets.dtype() != DType::I64 || targets.numel() != rows {
+            return Err(invalid(OP, format!("needs {rows} i64 targets, got {targets:?}")));
+        }
+        let f32d = CudaDType::F32;
+        let dev = device_of(lse, OP)?;
+        // [2, rows]: per-row losses, then 1 for each counted row (`lse = 1`,
+        // `target_logit = 0`), summed in one reduction.
+        let mut parts = Out::new(&dev, [2, rows], DType::F32)?;
+        let mut ones = Out::new(&dev, [rows], DType::F32)?;
+        let zero = Out::zeros(&dev, [rows], DType::F32)?;
+        k_ew::fill(&*dev, f32d, ones.view_mut(), rows, 1.0)?;
+        with_gpu(OP, &[lse, target_logit, targets], |v| {
+            let (lv, tlv, tv) = (v[0].view(), v[1].view(), v[2].view());
+            let (losses, counted) = parts.view_mut().split_at(rows * 4)?;
+            k_ce::ce_loss(&*dev, lv, tlv, tv, ignore_index, rows, losses, None)?;
+            let (ov, zv) = (ones.view(), zero.view());
+            Ok(k_ce::ce_loss(&*dev, ov, zv, tv, ignore_index, rows, counted, None)?)
+        })?;
+        let mut sums = Out::new(&dev, [2], DType::F32)?;
+        let ws_len = k_reduce::reduce_workspace_len(2, rows, 1);
+        let mut ws = Out::new(&dev, [ws_len], DType::F32)?;
+        let (pv, sv) = (parts.view(), sums.view_mut());
+        k_reduce::reduce(&*dev, Reduction::Sum, f32d, pv, sv, 2, rows, 1, Some(ws.view_mut()))?;
+        Ok(sums.into_tensor())
+    }
+
+    /// The cross-entropy gradient on a vocab shard of CUDA logits (`self`, `[..,
+    /// v_local]`, starting at global column `vocab_start`): `(softmax - onehot(target)) *
+    /// scale`, from the global f32 `lse` (`[rows]`) and a one-element f32 `scale`, in
+    /// the logits' dtype; zero rows where the target is `ignore_index`. For CUDA tensors
+    /// only.
+    pub fn ce_shard_backward(
+        &self,
+        targets: &Tensor,
+        vocab_start: i64,
+        ignore_index: i64,
+        lse: &Tensor,
+        scale: &Tensor,
+    ) -> Result<Tensor> {
+        const OP: &str = "ce_shard_backward";
+        let cd = ce_device_dtype(OP, self)?;
+        let v_local = self.dims().last().copied().unwrap_or(1);
+        let rows = ce_rows(OP, &[lse])?;
+        ce_rows(OP, &[scale]).and_then(|n| {
+            if n == 1 {
+                Ok(())
+            } else {
+                Err(invalid(OP, format!("scale must hold one value, got {n}")))
+            }
+        })?;
+        if targets.dtype() != DType::I64
+            || targets.numel() != rows
+            || rows * v_local != self.numel()
+        {
+            return Err(invalid(
+                OP,
+                format!("logits {:?} need {rows} i64 targets, got {targets:?}", self.dims()),
+            ));
+        }
+        let dev = device_of(self, OP)?;
+        let mut dl = Out::new(&dev, self.shape().clone(), self.dtype())?;
+        with_gpu(OP, &[self, targets, lse, scale], |v| {
+            let (lv, tv, lsev, sv) = (v[0].view(), v[1].view(), v[2].view(), v[3].view());
+            Ok(k_ce::cross_entropy_backward(
+                &*dev,
+                cd,
+                lv,
+                rows,
+                v_local,
+                tv,
+                vocab_start,
+                ignore_index,
+                lsev,
+                sv,
+                1,
+                dl.view_mut(),
+            )?)
+        })?;
+        Ok(dl.into_tensor())
+    }
+
+    /// The first of these i64 indices (any shape, in element order) outside
+    /// `[0, size)`, as `(position, index)`, or `None` when all are in range: the global
+    /// range check of a vocab-sharded embedding lookup, whose kernels mask the ids
+    /// outside their slice. On a CUDA device a kernel checks them and only a 4-byte
+    /// status (and the offending index, when there is one) is read back: no tensor data
+    /// crosses to the host.
+    pub fn first_index_out_of_range(&self, size: usize) -> Result<Option<(usize, i64)>> {
+        const OP: &str = "first_index_out_of_range";
+        if self.dtype() != DType::I64 {
+            return Err(TensorError::DTypeMismatch {
+                op: OP,
+                expected: "i64".into(),
+                got: self.dtype(),
+            });
+        }
+        let n = self.numel();
+        let Device::Cuda(_) = self.device() else {
+            return self.with_data::<i64, _>(|is| {
+                is.iter().copied().enumerate().find(|&(_, i)| i < 0 || i as u64 >= size as u64)
+            });
+        };
+        let dev = device_of(self, OP)?;
+        let mut status = Status::new(&dev)?;
+        with_gpu(OP, &[self], |v| {
+            let iv = v[0].view();
+            k_emb::embedding_check_ids(&*dev, iv, n, size, status.slot())?;
+            status.check(iv, n)
         })
     }
 

@@ -150,3 +150,22 @@ pub fn embedding_backward_atomic(
         )
     }
 }
+
+/// Lowers the i32 `error` slot to the first position of the `n` i64 `ids`
+/// that falls outside `[0, size)` (set the slot to [`NO_ERROR`] first): the
+/// global range check of a vocab-sharded (`masked`) lookup.
+pub fn embedding_check_ids(
+    dev: &dyn GpuDevice,
+    ids: DeviceSlice<'_>,
+    n: usize,
+    size: usize,
+    error: DeviceSliceMut<'_>,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_check_ids";
+    let c = Check::new(OP, dev);
+    let ip = c.read("ids", &ids, n, 8)?;
+    let ep = c.write("error", &error, 1, 4)?;
+    // SAFETY: both views are live buffers in `dev`'s memory of the checked sizes;
+    // the kernel only reads the ids and lowers the slot.
+    unsafe { raw::embedding_check_ids(dev, ip, n, size, ep) }
+}

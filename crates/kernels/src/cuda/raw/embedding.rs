@@ -114,6 +114,20 @@ pub struct EmbZeroArgs {
     pub n: i64,
 }
 
+/// Arguments of `tpar_embedding_check_ids`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbCheckArgs {
+    /// i64 ids `[n]`.
+    pub ids: DevPtr,
+    /// i32 error slot.
+    pub error: DevPtr,
+    /// Ids must be in `[0, size)`.
+    pub size: i64,
+    /// Ids.
+    pub n: i64,
+}
+
 /// Arguments of `tpar_embedding_cast_*`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
@@ -378,4 +392,33 @@ pub unsafe fn embedding_backward_atomic(
     let cfg = LaunchConfig::for_items(wn, BLOCK, 4096);
     // SAFETY: `acc` and `dweight` hold `wn` elements each (checked above).
     unsafe { launch(launcher, &format!("tpar_embedding_cast_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// Checks `n` i64 `ids` against `[0, size)`: an id outside lowers the i32
+/// `error` slot to its position (set the slot to [`NO_ERROR`] first). The
+/// global range check of a vocab-sharded lookup, whose kernels mask ids
+/// outside their slice instead of reporting them.
+///
+/// # Safety
+/// `ids` must hold `n` i64 values and `error` one i32, in the launcher's memory.
+pub unsafe fn embedding_check_ids(
+    launcher: &dyn Launcher,
+    ids: DevPtr,
+    n: usize,
+    size: usize,
+    error: DevPtr,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_check_ids";
+    check_ptr(OP, "ids", ids, n, 8)?;
+    check_ptr(OP, "error", error, 1, 4)?;
+    if error == 0 {
+        return Err(bad(OP, "needs an error slot"));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let args = EmbCheckArgs { ids, error, size: size.min(i64::MAX as usize) as i64, n: n as i64 };
+    let cfg = LaunchConfig::for_items(n, BLOCK, 4096);
+    // SAFETY: the caller vouches for the addresses; sizes are checked above.
+    unsafe { launch(launcher, "tpar_embedding_check_ids", cfg, &args) }
 }
