@@ -45,3 +45,55 @@ fn two_d_training_on_the_emulated_gpu_matches_the_cpu() {
         assert_eq!(gpu, cpu, "plan {plan}: per-step losses on cuda:0 vs cpu ({line})");
     }
 }
+
+/// Rank 0's host round trips of each step of a 4-step emulated CUDA run that logs
+/// steps 1 and 4 (`--log-every 10`): `(logging steps, quiet steps)`, from the
+/// `round_trips_logging=` / `round_trips_quiet=` lists of the `device:` line.
+fn step_round_trips(args: &[&str]) -> (Vec<u64>, Vec<u64>) {
+    let exe = example().expect("llama_2d example (built by `cargo test`)");
+    let out = Command::new(exe)
+        .env("TPAR_CUDA", "emulator")
+        .args(["--steps", "4", "--layers", "2", "--hidden", "32", "--heads", "4"])
+        .args(["--kv-heads", "2", "--intermediate", "64", "--seq", "16", "--batch", "2"])
+        .args(["--log-every", "10", "--device", "cuda"])
+        .args(args)
+        .output()
+        .expect("run llama_2d");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("device:"))
+        .unwrap_or_else(|| panic!("{args:?}: no device line:\n{stdout}\n{stderr}"));
+    let list = |key: &str| -> Vec<u64> {
+        let v = line.split(key).nth(1).and_then(|r| r.split(' ').next());
+        let v = v.unwrap_or_else(|| panic!("{args:?}: no {key} in {line}"));
+        v.split(',').filter(|s| !s.is_empty()).map(|s| s.parse().expect(line)).collect()
+    };
+    (list("round_trips_logging="), list("round_trips_quiet="))
+}
+
+/// On the device a training step stays there: no host round trip on a step that does
+/// not log, exactly one (the loss and the gradient norm, read together) on a step that
+/// does, with and without FSDP at world 1 and with FSDP x TP at 2x2 for both plans.
+#[test]
+fn a_device_step_reads_the_host_only_to_log() {
+    let configs: [&[&str]; 4] = [
+        &["--world", "1", "--dp", "1", "--tp", "1", "--no-fsdp"],
+        &["--world", "1", "--dp", "1", "--tp", "1"],
+        &["--world", "4", "--dp", "2", "--tp", "2", "--plan", "sp"],
+        &["--world", "4", "--dp", "2", "--tp", "2", "--plan", "megatron"],
+    ];
+    let mut failures = Vec::new();
+    for args in configs {
+        let (logging, quiet) = step_round_trips(args);
+        if logging != [1, 1] || quiet != [0, 0] {
+            failures.push(format!(
+                "{}: round trips on logging steps {logging:?} (want [1, 1]), on the others \
+                 {quiet:?} (want [0, 0])",
+                args.join(" ")
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
