@@ -133,6 +133,76 @@ fn cross_entropy_reports_bad_targets_as_the_cpu_does() {
     assert!(got.contains("index 6 at position 2"), "{got}");
 }
 
+/// The vocab-parallel pieces (`ce_shard_stats`, `ce_rescale`, `ce_lse`,
+/// `ce_loss_sums`, `ce_shard_backward`) composed over two vocab shards, with the
+/// all_reduces written as device ops, give the unsharded loss and gradient of the CPU,
+/// with no host round trip.
+#[test]
+fn vocab_parallel_cross_entropy_pieces_run_on_the_device() {
+    setup();
+    let mut rng = Rng::new(6);
+    let (rows, vocab, half) = (6usize, 14usize, 7usize);
+    let logits = randn(&[rows, vocab], DType::F32, &mut rng, true);
+    let targets = Tensor::from_vec(vec![0i64, -100, 13, 6, 7, -100], [rows]).unwrap();
+    let loss = logits.cross_entropy(&targets, -100).unwrap();
+    loss.backward().unwrap();
+    let want_grad = logits.grad().unwrap();
+
+    let before = gpu::host_round_trips();
+    let ld = logits.detach().to_device(DEV).unwrap();
+    let td = targets.to_device(DEV).unwrap();
+    let shards = [ld.narrow(1, 0, half).unwrap(), ld.narrow(1, half, half).unwrap()];
+    let stats: Vec<_> = shards
+        .iter()
+        .enumerate()
+        .map(|(k, s)| s.ce_shard_stats(&td, (k * half) as i64, vocab, -100).unwrap())
+        .collect();
+    let gmax = stats[0].0.maximum(&stats[1].0).unwrap();
+    let rescaled: Vec<Tensor> =
+        stats.iter().map(|(m, s, _)| Tensor::ce_rescale(m, s, &gmax).unwrap()).collect();
+    let sumexp = rescaled[0].add(&rescaled[1]).unwrap();
+    let tl = stats[0].2.add(&stats[1].2).unwrap();
+    let lse = Tensor::ce_lse(&gmax, &sumexp).unwrap();
+    let sums = Tensor::ce_loss_sums(&lse, &tl, &td, -100).unwrap();
+    let count = sums.narrow(0, 1, 1).unwrap();
+    let got_loss = sums.narrow(0, 0, 1).unwrap().div(&count).unwrap();
+    let scale = count.recip().unwrap();
+    let grads: Vec<Tensor> = shards
+        .iter()
+        .enumerate()
+        .map(|(k, s)| s.ce_shard_backward(&td, (k * half) as i64, -100, &lse, &scale).unwrap())
+        .collect();
+    let got_grad = Tensor::cat(&grads, 1).unwrap();
+    assert_eq!(gpu::host_round_trips(), before, "must stay on the device");
+    assert_close("sharded loss", &got_loss.reshape(Vec::<usize>::new()).unwrap(), &loss, 2e-6);
+    assert_close("sharded gradient", &got_grad, &want_grad, 2e-6);
+
+    // A bad target is an error naming it, as the plain op's.
+    let bad = Tensor::from_vec(vec![1i64, 2, 14, 0, 0, 0], [rows]).unwrap();
+    let err = shards[0].ce_shard_stats(&bad.to_device(DEV).unwrap(), 0, vocab, -100).unwrap_err();
+    assert!(err.to_string().contains("index 14 at position 2"), "{err}");
+}
+
+/// The global range check of a vocab-sharded lookup runs on the device (a status read,
+/// no round trip) and finds the first bad id as the host scan does.
+#[test]
+fn index_range_check_runs_on_the_device() {
+    setup();
+    for (ids, want) in [
+        (vec![3i64, 0, 9, 3], None),
+        (vec![3i64, 10, 9, -1], Some((1usize, 10i64))),
+        (vec![3i64, 2, -4], Some((2, -4))),
+    ] {
+        let n = ids.len();
+        let host = Tensor::from_vec(ids, [n]).unwrap();
+        assert_eq!(host.first_index_out_of_range(10).unwrap(), want);
+        let dev = host.to_device(DEV).unwrap();
+        let before = gpu::host_round_trips();
+        assert_eq!(dev.first_index_out_of_range(10).unwrap(), want);
+        assert_eq!(gpu::host_round_trips(), before, "must stay on the device");
+    }
+}
+
 #[test]
 fn embedding_runs_on_the_device() {
     setup();
