@@ -56,7 +56,7 @@ pub use error::CollectiveError;
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
 pub use spawn::{spawn, spawn_owned, spawn_with, RankThreads, SpawnConfig, RANK_STACK_SIZE};
-pub use store::{BoxedStoreError, Store, StoreError};
+pub use store::{BoxedStoreError, HashStore, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};
 
 /// Result type of the collectives layer.
