@@ -402,17 +402,16 @@ pub fn reduce(
             }
         }
     }
-    let mut storages = Vec::with_capacity(guards.len());
-    for (g, t) in guards.iter().zip(srcs.iter()) {
-        match &**g {
-            Storage::Gpu(s) => storages.push(s),
+    let mut storages = Vec::with_capacity(srcs.len());
+    for (&w, t) in which.iter().zip(srcs.iter()) {
+        match guards.get(w).map(|g| &**g) {
+            Some(Storage::Gpu(s)) => storages.push(s),
             _ => return Err(not_cuda(OP, t)),
         }
     }
     let mut tmps: Vec<Option<DeviceBuffer>> = (0..srcs.len()).map(|_| None).collect();
     let mut views = Vec::with_capacity(srcs.len());
-    for (&w, tmp) in which.iter().zip(tmps.iter_mut()) {
-        let s = storages[w];
+    for (s, tmp) in storages.iter().zip(tmps.iter_mut()) {
         let v = s.view().slice(block.bytes(OP, es, s.len)?).map_err(kerr)?;
         views.push(reachable(&dev, v, tmp)?);
     }
