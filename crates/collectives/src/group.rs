@@ -586,7 +586,12 @@ impl ProcessGroup {
             Backend::Nccl(c) | Backend::Tcp(c) => c.next_seq(),
         };
         let device = t.map(Tensor::device).unwrap_or(Device::Cpu);
-        let (tensor, problem) = match t.map(|t| stage_to_host(call.name(), t)).transpose() {
+        // The local backend reads CUDA tensors where they are (device to device); the
+        // multi-process backends compute on host copies.
+        let local = matches!(self.backend, Backend::Local(_));
+        let prepare =
+            |t: &Tensor| if local { Ok(t.detach()) } else { stage_to_host(call.name(), t) };
+        let (tensor, problem) = match t.map(prepare).transpose() {
             Ok(tensor) => (tensor, problem),
             Err(e) => (None, problem.or(Some(e))),
         };
@@ -733,8 +738,10 @@ fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveEr
     }
 }
 
-/// The detached host copy a collective computes with: CUDA tensors are
-/// staged through the host (counted in `tpar_tensor::gpu::host_round_trips`).
+/// The detached host copy a multi-process (`nccl`, `tcp`) collective computes with:
+/// CUDA tensors are staged through the host (counted in
+/// `tpar_tensor::gpu::host_round_trips`). The local backend does not stage: it runs
+/// collectives on CUDA tensors device to device (see the `local` module).
 fn stage_to_host(op: &'static str, t: &Tensor) -> Result<Tensor> {
     let t = t.detach();
     if let Device::Cuda(_) = t.device() {

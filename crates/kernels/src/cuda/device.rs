@@ -999,6 +999,67 @@ unsafe impl GpuDevice for CudaDevice {
             .map_err(|e| driver_error(&op, "cuMemcpyDtoDAsync", e))
     }
 
+    /// A device copy within this handle's stream, or a peer copy
+    /// (`cuMemcpyPeerAsync` on this handle's stream) from another GPU, after
+    /// the source's stream has drained; the peer copy is waited for, so the
+    /// source may be freed on its own stream as soon as this returns.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::copy_from_device`].
+    unsafe fn copy_from_device(
+        &self,
+        src_dev: &dyn GpuDevice,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+    ) -> Result<()> {
+        let space = src_dev.memory_space();
+        if space == GpuDevice::memory_space(self) {
+            // SAFETY: the caller guarantees both ranges; same stream.
+            return unsafe { self.dtod(src, dst, bytes) };
+        }
+        let MemorySpace::Cuda { ordinal, .. } = space else {
+            return Err(KernelError::WrongDevice {
+                op: "copy_from_device",
+                what: "source",
+                want: self.describe(),
+                got: src_dev.describe(),
+            });
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        // The source was written on its own stream: let that work finish.
+        src_dev.synchronize()?;
+        let op = self.op();
+        if ordinal == self.ordinal {
+            // Another handle's stream on this device: same context.
+            // SAFETY: the caller guarantees both ranges.
+            unsafe { self.dtod(src, dst, bytes) }?;
+            return GpuDevice::synchronize(self);
+        }
+        let src_ctx = contexts().get_or_try(ordinal, || {
+            guarded(&op, || CudaContext::new(ordinal))?
+                .map_err(|e| driver_error(&op, "creating the source context", e))
+        })?;
+        self.ctx.bind_to_thread().map_err(|e| driver_error(&op, "binding the context", e))?;
+        // SAFETY: the caller guarantees both ranges, in the two contexts'
+        // memory; the copy is ordered on this handle's stream and waited for
+        // below, so neither range is used by it after this returns.
+        unsafe {
+            dresult::memcpy_peer_async(
+                self.ctx.cu_ctx(),
+                dst,
+                src_ctx.cu_ctx(),
+                src,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| driver_error(&op, "cuMemcpyPeerAsync", e))?;
+        GpuDevice::synchronize(self)
+    }
+
     /// # Safety
     /// As [`GpuDevice::zero`].
     unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
