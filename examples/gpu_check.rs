@@ -2472,6 +2472,14 @@ fn main() {
         if o.quick { "quick" } else { "full" },
         if o.sabotage { ", SABOTAGED references (every check must fail)" } else { "" }
     );
+    if o.gpu {
+        if let (Ok(d), Ok(n)) = (
+            tpar::kernels::cuda::device::driver_version(),
+            tpar::kernels::cuda::device::nvrtc_version(),
+        ) {
+            println!("CUDA driver {}.{}, NVRTC {}.{}", d.0, d.1, n.0, n.1);
+        }
+    }
     let lt = dev.cuda().and_then(|cuda| match CublasLt::new(cuda) {
         Ok(lt) => Some(lt),
         Err(e) => {

@@ -472,6 +472,52 @@ fn torchrun_and_tpar_run_train_llama_2d_alike_on_the_tcp_backend() {
     assert_eq!(a.map(strip), b.map(strip));
 }
 
+/// NCCL's bring-up across 4 real processes started by tpar-run, without a GPU:
+/// `rendezvous_check --nccl-mesh 2x2` runs the NCCL backend's rendezvous, unique-id
+/// exchange over the launcher's TCP store and one communicator per mesh axis with
+/// `nccl::StandIn`. Each process reports the world, its dp and its tp communicator, and
+/// every member of a group holds the same unique id.
+#[test]
+fn nccl_bringup_of_a_2x2_mesh_across_processes() {
+    let Some(check) = example("rendezvous_check") else {
+        println!("skipped: rendezvous_check is not built (cargo build --release --examples)");
+        return;
+    };
+    let check = check.to_string_lossy().into_owned();
+    let o = launch(
+        &["--nproc-per-node", "4", "--", &check, "--nccl-mesh", "2x2"],
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success(), "{}\n{}", o.stdout, o.stderr);
+    // group -> (member -> id), from lines "[rank R] rank R communicator ranks=.. member=.. id=.."
+    let mut groups: std::collections::BTreeMap<String, Vec<(usize, usize, String)>> =
+        Default::default();
+    for line in o.stdout.lines().filter(|l| l.contains(" communicator ranks=")) {
+        let field = |k: &str| line.split(k).nth(1).and_then(|v| v.split(' ').next()).unwrap();
+        let rank: usize =
+            line.split("] rank ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let member: usize = field("member=").parse().unwrap();
+        groups.entry(field("ranks=").to_string()).or_default().push((
+            rank,
+            member,
+            field("id=").to_string(),
+        ));
+    }
+    let want = ["0,1", "0,1,2,3", "0,2", "1,3", "2,3"];
+    assert_eq!(groups.keys().map(String::as_str).collect::<Vec<_>>(), want, "{}", o.stdout);
+    for (ranks, members) in &groups {
+        let list: Vec<usize> = ranks.split(',').map(|r| r.parse().unwrap()).collect();
+        assert_eq!(members.len(), list.len(), "{ranks}: {members:?}");
+        for (rank, member, id) in members {
+            assert_eq!(list[*member], *rank, "{ranks}: {members:?}");
+            assert_eq!(id, &members[0].2, "members of {ranks} disagree on the unique id");
+        }
+    }
+    let ids: std::collections::HashSet<_> = groups.values().map(|m| m[0].2.clone()).collect();
+    assert_eq!(ids.len(), want.len(), "two groups share a unique id: {groups:?}");
+    assert_eq!(o.stdout.matches("first collective: NCCL all_reduce").count(), 4, "{}", o.stdout);
+}
+
 /// Rank 1's wrapper on the first attempt: a watcher waits for the checkpoint of step 4
 /// to be committed, then kills the rank with SIGKILL (a real crash mid-run, between
 /// saves) while the rank's process runs the training (`exec`: the same pid). On a

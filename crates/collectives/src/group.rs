@@ -177,38 +177,13 @@ impl ProcessGroup {
     /// calls. See the [`tcp`](crate::tcp) module for the design and the failure semantics.
     ///
     /// ```
-    /// # use std::collections::HashMap;
-    /// # use std::sync::{Arc, Condvar, Mutex};
-    /// # use std::time::{Duration, Instant};
-    /// # use tpar_collectives::{ProcessGroup, ReduceOp, Store, StoreError};
-    /// # use tpar_tensor::Tensor;
-    /// # #[derive(Debug, Default)]
-    /// # struct MemStore(Mutex<HashMap<String, Vec<u8>>>, Condvar);
-    /// # impl Store for MemStore {
-    /// #     fn set(&self, k: &str, v: &[u8]) -> Result<(), StoreError> {
-    /// #         self.0.lock().unwrap().insert(k.into(), v.to_vec());
-    /// #         self.1.notify_all();
-    /// #         Ok(())
-    /// #     }
-    /// #     fn get_timeout(&self, k: &str, t: Duration) -> Result<Vec<u8>, StoreError> {
-    /// #         let end = Instant::now() + t;
-    /// #         let mut m = self.0.lock().unwrap();
-    /// #         loop {
-    /// #             if let Some(v) = m.get(k) { return Ok(v.clone()); }
-    /// #             let left = end.saturating_duration_since(Instant::now());
-    /// #             if left.is_zero() { return Err(StoreError::Timeout(k.into())); }
-    /// #             m = self.1.wait_timeout(m, left).unwrap().0;
-    /// #         }
-    /// #     }
-    /// #     fn wait(&self, ks: &[&str], t: Duration) -> Result<(), StoreError> {
-    /// #         ks.iter().try_for_each(|k| self.get_timeout(k, t).map(drop))
-    /// #     }
-    /// #     fn check(&self, ks: &[&str]) -> Result<bool, StoreError> {
-    /// #         Ok(ks.iter().all(|k| self.0.lock().unwrap().contains_key(*k)))
-    /// #     }
-    /// # }
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tpar_collectives::{HashStore, ProcessGroup, ReduceOp, Store};
+    /// use tpar_tensor::Tensor;
+    ///
     /// // Two processes (threads here, with real sockets) sharing one store.
-    /// let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    /// let store: Arc<dyn Store> = Arc::new(HashStore::new());
     /// let ranks: Vec<_> = (0..2)
     ///     .map(|rank| {
     ///         let store = store.clone();
@@ -611,7 +586,12 @@ impl ProcessGroup {
             Backend::Nccl(c) | Backend::Tcp(c) => c.next_seq(),
         };
         let device = t.map(Tensor::device).unwrap_or(Device::Cpu);
-        let (tensor, problem) = match t.map(|t| stage_to_host(call.name(), t)).transpose() {
+        // The local backend reads CUDA tensors where they are (device to device); the
+        // multi-process backends compute on host copies.
+        let local = matches!(self.backend, Backend::Local(_));
+        let prepare =
+            |t: &Tensor| if local { Ok(t.detach()) } else { stage_to_host(call.name(), t) };
+        let (tensor, problem) = match t.map(prepare).transpose() {
             Ok(tensor) => (tensor, problem),
             Err(e) => (None, problem.or(Some(e))),
         };
@@ -758,8 +738,10 @@ fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveEr
     }
 }
 
-/// The detached host copy a collective computes with: CUDA tensors are
-/// staged through the host (counted in `tpar_tensor::gpu::host_round_trips`).
+/// The detached host copy a multi-process (`nccl`, `tcp`) collective computes with:
+/// CUDA tensors are staged through the host (counted in
+/// `tpar_tensor::gpu::host_round_trips`). The local backend does not stage: it runs
+/// collectives on CUDA tensors device to device (see the `local` module).
 fn stage_to_host(op: &'static str, t: &Tensor) -> Result<Tensor> {
     let t = t.detach();
     if let Device::Cuda(_) = t.device() {

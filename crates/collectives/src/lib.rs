@@ -12,6 +12,13 @@
 //! each other through a [`Store`]; the TCP store that implements it, the launch
 //! environment and the `tpar-run` launcher are in `tpar-launch`.
 //!
+//! CUDA tensors go in and come back on the caller's device. The `local` backend runs
+//! their collectives device to device (device and peer copies, and a reduction kernel
+//! whose results are bit-equal to the host collectives'), with no host copy; a
+//! collective mixing host and CUDA members works, each member getting its result on its
+//! own device. The `nccl` backend stages CUDA tensors through host memory for now, and
+//! the `tcp` backend takes host tensors only.
+//!
 //! Failures are typed and prompt: a member that calls another collective, or passes
 //! another dtype or shape, makes every member fail with [`CollectiveError::Mismatch`]
 //! naming it; a rank that fails or leaves makes its waiting peers fail with
@@ -56,7 +63,7 @@ pub use error::CollectiveError;
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
 pub use spawn::{spawn, spawn_owned, spawn_with, RankThreads, SpawnConfig, RANK_STACK_SIZE};
-pub use store::{BoxedStoreError, Store, StoreError};
+pub use store::{BoxedStoreError, HashStore, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};
 
 /// Result type of the collectives layer.

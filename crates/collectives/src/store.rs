@@ -5,8 +5,9 @@
 //! unique id; every member says it arrived), `get_timeout` (the others read the id),
 //! `wait` (all wait for all) and `check` (which members are missing after a timeout).
 //! The `tcp` backend uses `set` and `get_timeout` to publish and read each process's
-//! listening address. This crate only defines the trait; `tpar-launch` implements it with its TCP store
-//! (`tpar_launch::TcpStore`, hosted by rank 0 at `MASTER_ADDR:MASTER_PORT`), and a
+//! listening address. This crate defines the trait and [`HashStore`], an in-memory store
+//! for ranks that are threads of one process; `tpar-launch` implements it with its TCP
+//! store (`tpar_launch::TcpStore`, hosted by rank 0 at `MASTER_ADDR:MASTER_PORT`), and a
 //! user can bring another (a file system, a job scheduler's key-value service).
 
 use std::fmt;
@@ -58,5 +59,86 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// [`TCP_HOST_ENV`](crate::tcp::TCP_HOST_ENV) says otherwise). `None` by default.
     fn local_ip(&self) -> Option<IpAddr> {
         None
+    }
+}
+
+/// A [`Store`] in this process's memory, shared by reference: PyTorch's
+/// `torch.distributed.HashStore`. For ranks that are threads of one process (tests,
+/// [`nccl::StandIn`](crate::nccl::StandIn) checks); processes need a store they can all
+/// reach, such as `tpar_launch::TcpStore`.
+///
+/// ```
+/// use std::time::Duration;
+/// use tpar_collectives::{HashStore, Store, StoreError};
+/// let store = HashStore::new();
+/// store.set("k", b"v")?;
+/// assert_eq!(store.get_timeout("k", Duration::from_secs(1))?, b"v");
+/// assert!(matches!(
+///     store.get_timeout("missing", Duration::from_millis(10)),
+///     Err(StoreError::Timeout(_))
+/// ));
+/// # Ok::<(), StoreError>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct HashStore {
+    map: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+    changed: std::sync::Condvar,
+}
+
+/// The keys a [`HashStore`] wait ended without.
+#[derive(Debug, thiserror::Error)]
+#[error("in-memory store: key(s) {0:?} not set within the timeout")]
+struct MissingKeys(Vec<String>);
+
+impl HashStore {
+    /// An empty store.
+    pub fn new() -> HashStore {
+        HashStore::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Vec<u8>>> {
+        self.map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Store for HashStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.lock().insert(key.to_string(), value.to_vec());
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+        self.wait(&[key], timeout)?;
+        self.lock()
+            .get(key)
+            .cloned()
+            .ok_or_else(|| StoreError::Timeout(Box::new(MissingKeys(vec![key.to_string()]))))
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut map = self.lock();
+        loop {
+            let missing: Vec<String> =
+                keys.iter().filter(|k| !map.contains_key(**k)).map(|k| k.to_string()).collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(StoreError::Timeout(Box::new(MissingKeys(missing))));
+            }
+            map = self
+                .changed
+                .wait_timeout(map, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        let map = self.lock();
+        Ok(keys.iter().all(|k| map.contains_key(*k)))
     }
 }

@@ -1,87 +1,33 @@
 //! The NCCL backend. Here (no GPU, no CUDA libraries) these tests check that the backend
 //! reports why it is unavailable instead of panicking; on a machine with the CUDA driver
 //! and NCCL, `world_size_one_runs_every_collective` runs every collective on one GPU.
-//! The world's store is an in-memory one ([`MemStore`]): the TCP store and the launch
+//! The world's store is an in-memory one ([`HashStore`](tpar_collectives::HashStore)): the TCP store and the launch
 //! environment are `tpar-launch`'s, tested there.
 //!
 //! When NCCL is installed only as `libnccl.so.2` (which cudarc's loader does not try), that
 //! test re-runs itself in a child process whose `LD_LIBRARY_PATH` holds a `libnccl.so`
 //! link, as `tpar-run` does for its ranks.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use tpar_collectives::nccl::{self, LibStatus};
 use tpar_collectives::{
-    CollectiveError, CollectiveKind, ProcessGroup, ReduceOp, Store, StoreError,
+    CollectiveError, CollectiveKind, HashStore, ProcessGroup, ReduceOp, Store, StoreError,
 };
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
 /// Marks the child process of the `libnccl.so` re-run.
 const CHILD_ENV: &str = "TPAR_NCCL_TEST_CHILD";
 
-/// A [`Store`] in this process's memory: enough for a world of one.
-#[derive(Debug, Default)]
-struct MemStore {
-    data: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Condvar,
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("in-memory store: key(s) {0:?} not set in time")]
-struct MemTimeout(Vec<String>);
-
-impl MemStore {
-    /// Waits until every key is set; the missing ones on timeout.
-    fn wait_for(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        let deadline = Instant::now() + timeout;
-        let mut data = self.data.lock().unwrap();
-        loop {
-            let missing: Vec<String> =
-                keys.iter().filter(|k| !data.contains_key(**k)).map(|k| k.to_string()).collect();
-            if missing.is_empty() {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(StoreError::Timeout(Box::new(MemTimeout(missing))));
-            }
-            data = self.changed.wait_timeout(data, left).unwrap().0;
-        }
-    }
-}
-
-impl Store for MemStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.data.lock().unwrap().insert(key.to_string(), value.to_vec());
-        self.changed.notify_all();
-        Ok(())
-    }
-
-    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
-        self.wait_for(&[key], timeout)?;
-        Ok(self.data.lock().unwrap()[key].clone())
-    }
-
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        self.wait_for(keys, timeout)
-    }
-
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
-        let data = self.data.lock().unwrap();
-        Ok(keys.iter().all(|k| data.contains_key(*k)))
-    }
-}
-
 /// A world of one: rank 0 of 1 on device 0.
 fn world_of_one(timeout: Duration) -> tpar_collectives::Result<ProcessGroup> {
-    ProcessGroup::nccl_world(Arc::new(MemStore::default()), 0, 1, 0, timeout)
+    ProcessGroup::nccl_world(Arc::new(HashStore::new()), 0, 1, 0, timeout)
 }
 
 #[test]
 fn the_in_memory_store_times_out_with_the_missing_keys() {
-    let s = MemStore::default();
+    let s = HashStore::new();
     s.set("here", b"1").unwrap();
     assert!(s.check(&["here"]).unwrap() && !s.check(&["here", "absent"]).unwrap());
     assert_eq!(s.get_timeout("here", Duration::ZERO).unwrap(), b"1");
@@ -147,7 +93,7 @@ fn nccl_world_is_unavailable_not_a_panic_without_cuda() {
 
 #[test]
 fn nccl_world_checks_its_rank() {
-    let store = Arc::new(MemStore::default());
+    let store = Arc::new(HashStore::new());
     for (rank, world) in [(1, 1), (0, 0), (5, 2)] {
         match ProcessGroup::nccl_world(store.clone(), rank, world, 0, Duration::from_secs(1)) {
             Err(CollectiveError::InvalidArgument { why, .. }) => {
@@ -367,4 +313,75 @@ fn world_size_one_runs_every_collective() {
         assert!(kinds.contains(&k), "{k} was recorded");
     }
     println!("{} calls ran on NCCL", kinds.len());
+}
+
+/// NCCL's bring-up on 4 ranks (threads sharing a [`HashStore`]) with the stand-in: the
+/// world and a 2 x 2 mesh's groups (dp: {0,2} {1,3}; tp: {0,1} {2,3}), as `DeviceMesh`
+/// creates them. Every member of a group gets the same unique id, other groups other ids;
+/// a live group is reused; the first collective is where the stand-in stops.
+#[test]
+fn the_standin_brings_up_the_world_and_each_mesh_axis() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let t = Duration::from_secs(20);
+    let runs: Vec<_> = (0..4)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let (world, standin) = nccl::StandIn::world(store, rank, 4, t).unwrap();
+                let dp = world.new_group(&[rank % 2, rank % 2 + 2]).unwrap();
+                let tp = world.new_group(&[rank / 2 * 2, rank / 2 * 2 + 1]).unwrap();
+                let again = world.new_group(&[rank % 2 + 2, rank % 2]).unwrap();
+                assert_eq!((dp.rank(), tp.rank(), again.rank()), (rank / 2, rank % 2, rank / 2));
+                let x = Tensor::from_vec(vec![1.0f32; 4], [4]).unwrap();
+                let e = tp.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+                assert!(
+                    matches!(&e, CollectiveError::Unavailable { why, .. } if why.contains("stand-in")),
+                    "{e}"
+                );
+                world.barrier().unwrap_err();
+                standin.communicators()
+            })
+        })
+        .collect();
+    let comms: Vec<_> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+    let mut by_group: std::collections::BTreeMap<Vec<usize>, Vec<[u8; 128]>> = Default::default();
+    for (rank, cs) in comms.iter().enumerate() {
+        // The world, then dp, then tp; the repeated dp group made none.
+        let lists: Vec<_> = cs.iter().map(|c| c.ranks.clone()).collect();
+        let (dp, tp) = (vec![rank % 2, rank % 2 + 2], vec![rank / 2 * 2, rank / 2 * 2 + 1]);
+        assert_eq!(lists, vec![vec![0, 1, 2, 3], dp.clone(), tp.clone()], "rank {rank}");
+        for c in cs {
+            assert_eq!(c.ranks[c.member], rank, "{c:?}");
+            assert!(c.key.ends_with("/0"), "the first communicator of its list: {}", c.key);
+            by_group.entry(c.ranks.clone()).or_default().push(c.unique_id);
+        }
+    }
+    assert_eq!(by_group.len(), 5, "{:?}", by_group.keys());
+    for (ranks, ids) in &by_group {
+        assert_eq!(ids.len(), ranks.len(), "{ranks:?}");
+        assert!(ids.iter().all(|id| id == &ids[0]), "members of {ranks:?} disagree on the id");
+    }
+    let firsts: std::collections::HashSet<_> = by_group.values().map(|ids| ids[0]).collect();
+    assert_eq!(firsts.len(), 5, "two groups share a unique id");
+}
+
+/// A member that never arrives: the others fail within the timeout, naming it.
+#[test]
+fn the_standin_names_the_member_that_never_arrived() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let t = Duration::from_millis(400);
+    let runs: Vec<_> = (0..2)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || nccl::StandIn::world(store, rank, 3, t).map(drop))
+        })
+        .collect();
+    for h in runs {
+        match h.join().unwrap() {
+            Err(CollectiveError::Timeout { waiting_for, .. }) => assert_eq!(waiting_for, [2]),
+            other => panic!("{other:?}"),
+        }
+    }
+    let e = nccl::StandIn::world(Arc::new(HashStore::new()), 3, 3, t).map(drop).unwrap_err();
+    assert!(matches!(e, CollectiveError::InvalidArgument { .. }), "{e}");
 }

@@ -181,6 +181,26 @@ unsafe impl GpuDevice for Elsewhere {
         unsafe { self.0.dtod(src, dst, bytes) }
     }
     /// # Safety
+    /// As [`GpuDevice::copy_from_device`].
+    unsafe fn copy_from_device(
+        &self,
+        src_dev: &dyn GpuDevice,
+        src: u64,
+        dst: u64,
+        bytes: usize,
+    ) -> tpar_kernels::Result<()> {
+        if src_dev.memory_space() != self.memory_space() {
+            return Err(KernelError::WrongDevice {
+                op: "copy_from_device",
+                what: "source",
+                want: self.describe(),
+                got: src_dev.describe(),
+            });
+        }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.0.dtod(src, dst, bytes) }
+    }
+    /// # Safety
     /// As [`GpuDevice::zero`].
     unsafe fn zero(&self, dst: u64, bytes: usize) -> tpar_kernels::Result<()> {
         // SAFETY: the caller's guarantee.
@@ -205,4 +225,12 @@ fn buffers_of_another_memory_space_are_refused() {
     let z = DeviceBuffer::from_host(&second, &[0.0f32; 4]).unwrap();
     ew::unary(&*dev, CudaDType::F32, UnaryOp::Exp, z.as_slice(), y.as_slice_mut(), 4).unwrap();
     assert_eq!(download(&y), [1.0; 4]);
+    // Copies between devices: within one memory space they go device to device,
+    // across spaces without a device path they are refused.
+    let w = DeviceBuffer::from_host(&second, &[2.0f32, 3.0, 4.0, 5.0]).unwrap();
+    y.as_slice_mut().copy_from_device(w.as_slice()).unwrap();
+    assert_eq!(download(&y), [2.0, 3.0, 4.0, 5.0]);
+    let r = y.as_slice_mut().copy_from_device(x.as_slice());
+    assert!(matches!(r, Err(KernelError::WrongDevice { what: "source", .. })), "{r:?}");
+    assert!(y.as_slice_mut().copy_from_device(w.slice(0..8).unwrap()).is_err());
 }

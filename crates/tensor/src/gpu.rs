@@ -28,8 +28,8 @@ pub use tpar_kernels::cuda::emu::EmulatedGpu;
 pub use tpar_kernels::cuda::{DeviceBuffer, GpuDevice};
 use tpar_kernels::cuda::{DeviceSlice, DeviceSliceMut};
 
-use crate::storage::CpuStorage;
-use crate::{DType, Result, TensorError};
+use crate::storage::{CpuStorage, Storage};
+use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
 fn registry() -> &'static Mutex<HashMap<usize, Arc<dyn GpuDevice>>> {
     static R: OnceLock<Mutex<HashMap<usize, Arc<dyn GpuDevice>>>> = OnceLock::new();
@@ -139,6 +139,13 @@ impl GpuStorage {
         })
     }
 
+    /// A copy of this storage on `dev` (another device), device to device.
+    pub(crate) fn copy_to(&self, dev: &Arc<dyn GpuDevice>) -> Result<Self> {
+        let mut out = GpuStorage::alloc(dev, self.dtype, self.len)?;
+        out.view_mut().copy_from_device(self.view()).map_err(kerr)?;
+        Ok(out)
+    }
+
     /// The device address of the first element.
     pub fn ptr(&self) -> tpar_kernels::cuda::DevPtr {
         self.buf.ptr()
@@ -185,4 +192,246 @@ fn host_bytes_mut(s: &mut CpuStorage) -> &mut [u8] {
         CpuStorage::F16(v) => bytemuck::cast_slice_mut(v),
         CpuStorage::I64(v) => bytemuck::cast_slice_mut(v),
     }
+}
+
+// ------------------------------------------------------------------ collectives
+
+pub use tpar_kernels::cuda::ops::collective::FoldOp;
+use tpar_kernels::cuda::ops::collective::{self as coll_kernels, FoldDType};
+
+/// A `[rows, cols]` block of a tensor's flat row-major elements, rows `ld`
+/// elements apart, starting at element `offset`: what a collective reads of
+/// one rank's buffer (a chunk along a dim is `rows = outer`, `cols = len *
+/// inner`, `ld = size * inner`, `offset = start * inner`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// First element.
+    pub offset: usize,
+    /// Number of rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+    /// Elements between row starts.
+    pub ld: usize,
+}
+
+impl Block {
+    /// `len` contiguous elements from `offset`.
+    pub fn flat(offset: usize, len: usize) -> Block {
+        Block { offset, rows: 1, cols: len, ld: len }
+    }
+
+    /// Elements from `offset` to one past the last one the block covers.
+    fn reach(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            0
+        } else {
+            (self.rows - 1).saturating_mul(self.ld).saturating_add(self.cols)
+        }
+    }
+
+    /// The pitch the copy kernels take (a single row has none).
+    fn pitch(&self) -> usize {
+        if self.rows > 1 {
+            self.ld
+        } else {
+            self.cols
+        }
+    }
+
+    /// The block's bytes range in a buffer of `len` elements of `es` bytes.
+    fn bytes(&self, op: &'static str, es: usize, len: usize) -> Result<std::ops::Range<usize>> {
+        if self.reach() == 0 {
+            return Ok(0..0); // an empty block touches nothing, wherever it starts
+        }
+        let end = self.offset.saturating_add(self.reach());
+        if end > len || (self.rows > 1 && self.ld < self.cols) {
+            return Err(TensorError::InvalidArgument {
+                op,
+                what: format!("{self:?} does not fit a buffer of {len} elements"),
+            });
+        }
+        Ok(self.offset * es..end * es)
+    }
+}
+
+/// One piece of a tensor [`assemble`]d from others: `from` (a block of
+/// `src`) lands at element `to_offset` of the output, rows `to_ld` apart.
+#[derive(Clone, Copy, Debug)]
+pub struct Piece<'a> {
+    /// The CUDA tensor read (on any CUDA device).
+    pub src: &'a Tensor,
+    /// The block of `src` copied.
+    pub from: Block,
+    /// Where its first element lands in the output.
+    pub to_offset: usize,
+    /// Elements between the output rows it fills.
+    pub to_ld: usize,
+}
+
+fn fold_dtype(dtype: DType) -> FoldDType {
+    match dtype {
+        DType::F32 => FoldDType::F32,
+        DType::F64 => FoldDType::F64,
+        DType::BF16 => FoldDType::BF16,
+        DType::F16 => FoldDType::F16,
+        DType::I64 => FoldDType::I64,
+    }
+}
+
+/// `view` as a buffer in `dev`'s memory: itself when `dev` can use it, else
+/// a copy in `tmp` made device to device (a peer copy between GPUs).
+fn reachable<'a>(
+    dev: &Arc<dyn GpuDevice>,
+    view: DeviceSlice<'a>,
+    tmp: &'a mut Option<DeviceBuffer>,
+) -> Result<DeviceSlice<'a>> {
+    if view.device().memory_space() == dev.memory_space() {
+        return Ok(view);
+    }
+    let mut b = DeviceBuffer::alloc(dev, view.len()).map_err(kerr)?;
+    b.as_slice_mut().copy_from_device(view).map_err(kerr)?;
+    Ok(tmp.insert(b).as_slice())
+}
+
+fn not_cuda(op: &'static str, t: &Tensor) -> TensorError {
+    TensorError::DeviceMismatch { op, lhs: Device::Cuda(0), rhs: t.device() }
+}
+
+/// A new tensor of `dims` and `dtype` on `cuda:ordinal` built from blocks of
+/// CUDA tensors, device to device: each [`Piece`] is one pitched copy (a peer
+/// copy first when its source is on another GPU). The pieces must cover the
+/// output (elements no piece writes are unspecified). What `all_gather`,
+/// `all_to_all` and `broadcast` of CUDA tensors are made of; nothing goes
+/// through the host.
+pub fn assemble(
+    ordinal: usize,
+    dims: &[usize],
+    dtype: DType,
+    pieces: &[Piece<'_>],
+) -> Result<Tensor> {
+    const OP: &str = "assemble";
+    let dev = device(ordinal)?;
+    let shape = Shape::new(dims);
+    let len = shape.numel();
+    let es = dtype.size_in_bytes();
+    let mut out = GpuStorage::alloc(&dev, dtype, len)?;
+    for p in pieces {
+        if p.src.dtype() != dtype {
+            return Err(TensorError::DTypeMismatch {
+                op: OP,
+                expected: dtype.name().into(),
+                got: p.src.dtype(),
+            });
+        }
+        let to = Block { offset: p.to_offset, ld: p.to_ld, ..p.from };
+        let dst_range = to.bytes(OP, es, len)?;
+        p.src
+            .with_gpu_storage(OP, |s| {
+                let src_range = p.from.bytes(OP, es, s.len)?;
+                let mut tmp = None;
+                let src = s.view().slice(src_range).map_err(kerr)?;
+                let src = reachable(&dev, src, &mut tmp)?;
+                let dst = out.view_mut().slice_mut(dst_range).map_err(kerr)?;
+                let (rows, cols) = (p.from.rows, p.from.cols);
+                tpar_kernels::cuda::ops::layout::copy2d(
+                    &*dev,
+                    es,
+                    rows,
+                    cols,
+                    src,
+                    p.from.pitch(),
+                    dst,
+                    to.pitch(),
+                )
+                .map_err(kerr)
+            })
+            .map_err(|e| match e {
+                TensorError::DeviceMismatch { .. } => not_cuda(OP, p.src),
+                e => e,
+            })?;
+    }
+    Ok(Tensor::make(shape, dtype, Device::Cuda(ordinal), Storage::Gpu(out)))
+}
+
+/// Reduces the same `block` of every source (CUDA tensors of one dtype, on
+/// any CUDA devices) elementwise with `op`, in source order, into a new
+/// contiguous tensor of `dims` (`block.rows * block.cols` elements) on
+/// `cuda:ordinal`, with a device kernel. The fold is the host collectives'
+/// (bf16/f16 accumulate in f32 and round once), so the result is bit-equal
+/// to theirs; sources on another GPU are first copied peer to peer. What
+/// `all_reduce` and `reduce_scatter` of CUDA tensors compute with.
+pub fn reduce(
+    ordinal: usize,
+    dims: &[usize],
+    srcs: &[&Tensor],
+    block: Block,
+    op: FoldOp,
+) -> Result<Tensor> {
+    const OP: &str = "reduce";
+    let dev = device(ordinal)?;
+    let shape = Shape::new(dims);
+    let Some(first) = srcs.first() else {
+        return Err(TensorError::InvalidArgument { op: OP, what: "no sources".into() });
+    };
+    let dtype = first.dtype();
+    if shape.numel() != block.rows * block.cols {
+        return Err(TensorError::InvalidArgument {
+            op: OP,
+            what: format!("{block:?} does not fill shape {shape}"),
+        });
+    }
+    let es = dtype.size_in_bytes();
+    let mut out = GpuStorage::alloc(&dev, dtype, shape.numel())?;
+    // Read locks on every distinct storage (handles sharing one lock it once).
+    let mut guards = Vec::with_capacity(srcs.len());
+    let mut which = Vec::with_capacity(srcs.len());
+    for (i, t) in srcs.iter().enumerate() {
+        if t.dtype() != dtype {
+            return Err(TensorError::DTypeMismatch {
+                op: OP,
+                expected: dtype.name().into(),
+                got: t.dtype(),
+            });
+        }
+        match (0..i).find(|&j| srcs[j].same_storage(t)) {
+            Some(j) => which.push(which[j]),
+            None => {
+                which.push(guards.len());
+                guards.push(t.0.storage.read().unwrap_or_else(|p| p.into_inner()));
+            }
+        }
+    }
+    let mut storages = Vec::with_capacity(srcs.len());
+    for (&w, t) in which.iter().zip(srcs.iter()) {
+        match guards.get(w).map(|g| &**g) {
+            Some(Storage::Gpu(s)) => storages.push(s),
+            _ => return Err(not_cuda(OP, t)),
+        }
+    }
+    let mut tmps: Vec<Option<DeviceBuffer>> = (0..srcs.len()).map(|_| None).collect();
+    let mut views = Vec::with_capacity(srcs.len());
+    for (s, tmp) in storages.iter().zip(tmps.iter_mut()) {
+        let v = s.view().slice(block.bytes(OP, es, s.len)?).map_err(kerr)?;
+        views.push(reachable(&dev, v, tmp)?);
+    }
+    coll_kernels::reduce(
+        &*dev,
+        fold_dtype(dtype),
+        op,
+        &views,
+        block.rows,
+        block.cols,
+        block.pitch(),
+        out.view_mut(),
+    )
+    .map_err(kerr)?;
+    drop(views);
+    drop(guards);
+    Ok(Tensor::make(shape, dtype, Device::Cuda(ordinal), Storage::Gpu(out)))
+}
+
+/// Waits for the work queued on `cuda:ordinal` (a no-op on the emulator).
+pub fn synchronize(ordinal: usize) -> Result<()> {
+    device(ordinal)?.synchronize().map_err(kerr)
 }

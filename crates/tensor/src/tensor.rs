@@ -552,9 +552,13 @@ impl Tensor {
                 }
                 (Storage::Gpu(d), Device::Cpu) => Storage::Cpu(d.download()?),
                 (Storage::Gpu(d), Device::Cuda(i)) => {
-                    // between devices: through the host
-                    let h = d.download()?;
-                    Storage::Gpu(GpuStorage::upload(&crate::gpu::device(i)?, &h)?)
+                    // between devices: device to device (a peer copy between GPUs),
+                    // through the host only where no device path joins them
+                    let dev = crate::gpu::device(i)?;
+                    match d.copy_to(&dev) {
+                        Ok(s) => Storage::Gpu(s),
+                        Err(_) => Storage::Gpu(GpuStorage::upload(&dev, &d.download()?)?),
+                    }
                 }
                 (Storage::Released, _) => return Err(TensorError::Released { op: "to_device" }),
                 _ => return Err(TensorError::MetaTensor { op: "to_device" }),

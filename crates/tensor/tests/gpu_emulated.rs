@@ -138,3 +138,54 @@ fn split_backward_on_the_device() {
     assert!(close(&wd.grad().unwrap().to_vec_f64().unwrap(), &gw.to_vec_f64().unwrap(), 1e-5));
     assert!(close(&vd.grad().unwrap().to_vec_f64().unwrap(), &gv.to_vec_f64().unwrap(), 1e-5));
 }
+
+#[test]
+fn collective_building_blocks_run_device_to_device() {
+    use gpu::{Block, FoldOp, Piece};
+    // Devices of this test alone (others re-register cuda:0).
+    gpu::register_device(5, EmulatedGpu::open(5).expect("emulator"));
+    gpu::register_device(6, EmulatedGpu::open(6).expect("emulator"));
+    let vals = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+    let a = Tensor::from_vec(vals.to_vec(), [2, 3]).unwrap().to_device(Device::Cuda(5)).unwrap();
+    let before = gpu::host_round_trips();
+    // cuda:5 -> cuda:6 without the host.
+    let b = a.mul_scalar(1.0).unwrap().to_device(Device::Cuda(6)).unwrap();
+    // Column 1..3 of both, in a [2, 4] output on cuda:6, a's then b's columns.
+    let piece = |src, to_offset| Piece {
+        src,
+        from: Block { offset: 1, rows: 2, cols: 2, ld: 3 },
+        to_offset,
+        to_ld: 4,
+    };
+    let cat = gpu::assemble(6, &[2, 4], DType::F32, &[piece(&a, 0), piece(&b, 2)]).unwrap();
+    // bf16 terms: one f32 accumulation rounded once, as the host collectives do.
+    let h = Tensor::from_vec(vec![1.0f32, 1.0 / 256.0, 1.0 / 256.0], [3])
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let terms: Vec<Tensor> = (0..3).map(|_| h.to_device(Device::Cuda(5)).unwrap()).collect();
+    let refs: Vec<&Tensor> = terms.iter().collect();
+    let sum = gpu::reduce(6, &[3], &refs, Block::flat(0, 3), FoldOp::Sum).unwrap();
+    let max = gpu::reduce(
+        5,
+        &[1, 2],
+        &[&a, &b],
+        Block { offset: 1, rows: 1, cols: 2, ld: 3 },
+        FoldOp::Max,
+    )
+    .unwrap();
+    assert_eq!(gpu::host_round_trips(), before);
+    assert_eq!(
+        (b.device(), cat.device(), sum.device()),
+        (Device::Cuda(6), Device::Cuda(6), Device::Cuda(6))
+    );
+    assert_eq!(cat.to_vec::<f32>().unwrap(), vec![2.0, 3.0, 2.0, 3.0, 5.0, 6.0, 5.0, 6.0]);
+    assert_eq!(sum.to_vec_f64().unwrap(), vec![3.0, 3.0 / 256.0, 3.0 / 256.0]);
+    assert_eq!(max.to_vec::<f32>().unwrap(), vec![2.0, 3.0]);
+    // Host sources and blocks that do not fit are typed errors.
+    let host = Tensor::from_vec(vals.to_vec(), [6]).unwrap();
+    assert!(gpu::reduce(5, &[6], &[&host], Block::flat(0, 6), FoldOp::Sum).is_err());
+    assert!(gpu::reduce(5, &[7], &[&a], Block::flat(0, 7), FoldOp::Sum).is_err());
+    let far = Piece { src: &a, from: Block::flat(4, 4), to_offset: 0, to_ld: 4 };
+    assert!(gpu::assemble(5, &[4], DType::F32, &[far]).is_err());
+}

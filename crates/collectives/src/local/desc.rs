@@ -120,7 +120,13 @@ impl Desc {
             // Only the source's tensor matters.
             return true;
         }
-        if self.place != o.place || self.dtype != o.dtype || self.dims.len() != o.dims.len() {
+        // Host and CUDA members mix (each gets its result on its own device); meta
+        // tensors only meet meta tensors.
+        let meta = |p: Place| p == Place::Meta;
+        if meta(self.place) != meta(o.place)
+            || self.dtype != o.dtype
+            || self.dims.len() != o.dims.len()
+        {
             return false;
         }
         let all_but = |skip: usize| {

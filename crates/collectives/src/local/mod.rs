@@ -12,7 +12,9 @@
 //!    only the pieces it needs (a large `all_reduce` on 3+ members is a reduce-scatter
 //!    into per-member staged chunks followed by a gather of those chunks; otherwise each
 //!    member reduces the whole tensor; terms are always combined in member order, so
-//!    every member gets bit-identical results);
+//!    every member gets bit-identical results). A member whose tensor is a CUDA tensor
+//!    does the same on its device, device to device (the `device` module): no host copy,
+//!    results on its device, bit-equal to the host path's;
 //! 3. members whose input others still read wait until everyone is done, so a caller may
 //!    overwrite its input as soon as the call returns; the last member frees the slot.
 //!
@@ -20,6 +22,7 @@
 //! failed or a member thread has exited, so peers of a dead rank return promptly.
 
 pub(crate) mod desc;
+mod device;
 pub(crate) mod kernels;
 
 use std::collections::{HashMap, VecDeque};
@@ -394,6 +397,21 @@ impl LocalComm {
         let me = self.me;
         let clock = Clock::start(timeout);
         let desc = Desc::new(call.clone(), tensor.as_ref());
+        // A CUDA member builds its output on its device, device to device; its own
+        // input must be complete on the device before peers read it.
+        let on_device = match tensor.as_ref().map(Tensor::device) {
+            Some(Device::Cuda(o)) => Some(o),
+            _ => None,
+        };
+        let problem = match on_device {
+            Some(o) => problem.or_else(|| {
+                tpar_tensor::gpu::synchronize(o).err().map(|e| CollectiveError::InvalidArgument {
+                    op,
+                    why: format!("cuda:{o} failed before the collective: {e}"),
+                })
+            }),
+            None => problem,
+        };
 
         // Phase 1: post.
         let mut st = self.ex.lock();
@@ -442,10 +460,26 @@ impl LocalComm {
         };
         let result = match &call {
             Call::Barrier => Ok(None),
-            Call::AllReduce { op: rop } if !meta && staged_all_reduce(n, &descs[me].dims) => {
+            // Staged chunks live on the host: only when every member is a host member
+            // (all decide alike, as every member must stage).
+            Call::AllReduce { op: rop }
+                if !meta
+                    && descs.iter().all(|d| d.place == Place::Cpu)
+                    && staged_all_reduce(n, &descs[me].dims) =>
+            {
                 return self.all_reduce(seq, &tensors, &descs, *rop, clock);
             }
             _ if meta || tensors.len() != n => self.output_meta(&call, &descs),
+            _ if on_device.is_some() => {
+                let o = on_device.unwrap_or_default();
+                device::compute(&call, &tensors, &descs, me, o).and_then(|out| {
+                    // Reads of the peers' buffers are over before they may reuse them.
+                    tpar_tensor::gpu::synchronize(o).map_err(|e| {
+                        CollectiveError::InvalidArgument { op, why: format!("cuda:{o}: {e}") }
+                    })?;
+                    Ok(out)
+                })
+            }
             Call::AllReduce { op: rop } => {
                 // Direct: reduce the whole tensor from every input (one chunk of one).
                 reduce_scatter(&tensors, &descs[me].dims, 0, *rop, 0, 1).map(Some)

@@ -66,6 +66,12 @@
 //!   [`Store`]; the others read it (no `ncclCommSplit`, which cudarc only binds for
 //!   some CUDA versions). Handles on the same rank list share one communicator.
 //!
+//! - **Bring-up without a GPU.** [`StandIn::world`] runs all of the above up to the first
+//!   call into CUDA or NCCL (arguments, rendezvous, unique-id exchange, one communicator
+//!   per member list, so one per `DeviceMesh` axis) and records the communicators it would
+//!   have created; `rendezvous_check --nccl-mesh 2x2` runs it across a launcher's
+//!   processes.
+//!
 //! # Failures and their limits
 //!
 //! - A member that never arrives: the worker polls the stream's completion against the
@@ -93,6 +99,7 @@
 
 mod device;
 mod probe;
+mod standin;
 mod worker;
 
 use std::collections::HashMap;
@@ -105,6 +112,7 @@ use cudarc::nccl::Id;
 
 pub(crate) use device::{driver_error_text, nccl_error_text};
 pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCCL_LIBRARY_ENV};
+pub use standin::{StandIn, StandInComm};
 
 pub use crate::remote::worker::STUCK_GRACE;
 use crate::remote::worker::{Job, Shared};
@@ -113,12 +121,74 @@ use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store, StoreError}
 use probe::guarded;
 use worker::Setup;
 
+/// What a group's worker needs once the members have met: the unique id, this process's
+/// place in the group, and (for the diagnosis of timeouts) the store and the group's key.
+pub(crate) struct GroupSetup {
+    pub id: [u8; 128],
+    pub me: usize,
+    pub shared: Arc<Shared>,
+    pub store: Arc<dyn Store>,
+    pub key: String,
+}
+
+/// The calls into CUDA and NCCL that bring communicators up. Everything around them (the
+/// argument checks, the rendezvous and unique-id exchange through the store, one
+/// communicator per member list and generation) is the same for NCCL and the
+/// [`StandIn`], which replaces only these.
+pub(crate) trait Bringup: Send + Sync {
+    /// `ncclGetUniqueId`: a new communicator's 128-byte id.
+    fn unique_id(&self) -> std::result::Result<[u8; 128], String>;
+
+    /// Runs a group's worker on a thread of its own: it creates the communicator from
+    /// `setup`, says how that went on `ready`, then serves `jobs` until every handle is gone.
+    fn start(
+        &self,
+        setup: GroupSetup,
+        jobs: mpsc::Receiver<Job>,
+        ready: mpsc::Sender<Result<()>>,
+    ) -> std::io::Result<()>;
+}
+
+/// The real bring-up: NCCL communicators on this process's CUDA context.
+struct CudaNccl {
+    ctx: Arc<CudaContext>,
+}
+
+impl Bringup for CudaNccl {
+    fn unique_id(&self) -> std::result::Result<[u8; 128], String> {
+        match guarded(Id::new) {
+            Ok(Ok(id)) => Ok(id.internal().map(|c| c as u8)),
+            Ok(Err(e)) => Err(format!("ncclGetUniqueId: {}", nccl_error_text(&e))),
+            Err(p) => Err(format!("ncclGetUniqueId panicked: {p}")),
+        }
+    }
+
+    fn start(
+        &self,
+        g: GroupSetup,
+        jobs: mpsc::Receiver<Job>,
+        ready: mpsc::Sender<Result<()>>,
+    ) -> std::io::Result<()> {
+        let name = format!("tpar-nccl-{}-{}", g.shared.rank, g.key);
+        let setup = Setup {
+            ctx: self.ctx.clone(),
+            id: Id::uninit(g.id.map(|b| b as std::ffi::c_char)),
+            me: g.me,
+            shared: g.shared,
+            store: g.store,
+            key: g.key,
+        };
+        std::thread::Builder::new().name(name).spawn(move || worker::main(setup, jobs, ready))?;
+        Ok(())
+    }
+}
+
 /// One process's NCCL world: its rank, device, store and groups.
 pub(crate) struct NcclWorld {
     rank: usize,
     size: usize,
     store: Arc<dyn Store>,
-    ctx: Arc<CudaContext>,
+    bringup: Arc<dyn Bringup>,
     debug: CommDebug,
     /// Live communicators by member list, and how many were created per list.
     groups: Mutex<GroupCache>,
@@ -139,12 +209,7 @@ pub(crate) fn world(
     device: usize,
     timeout: Duration,
 ) -> Result<ProcessGroup> {
-    if world_size == 0 || rank >= world_size {
-        return Err(CollectiveError::InvalidArgument {
-            op: "nccl_world",
-            why: format!("rank {rank} is not below world size {world_size}"),
-        });
-    }
+    check_rank(rank, world_size)?;
     let p = probe();
     p.check()?;
     let unavailable =
@@ -171,17 +236,39 @@ pub(crate) fn world(
         }
         Err(p) => return Err(unavailable(format!("creating the CUDA context panicked: {p}"))),
     };
+    start_world(store, rank, world_size, Arc::new(CudaNccl { ctx }), timeout)
+}
+
+/// The world group, brought up by `bringup` (arguments already checked).
+fn start_world(
+    store: Arc<dyn Store>,
+    rank: usize,
+    world_size: usize,
+    bringup: Arc<dyn Bringup>,
+    timeout: Duration,
+) -> Result<ProcessGroup> {
     let w = Arc::new(NcclWorld {
         rank,
         size: world_size,
         store,
-        ctx,
+        bringup,
         debug: CommDebug::new(),
         groups: Mutex::new(HashMap::new()),
         creating: Mutex::new(()),
     });
-    let comm = w.clone().group(all, timeout)?;
+    let comm = w.clone().group((0..world_size).collect(), timeout)?;
     Ok(ProcessGroup::nccl(comm, timeout))
+}
+
+/// `rank` below `world_size`, or the error [`ProcessGroup::nccl_world`] gives.
+fn check_rank(rank: usize, world_size: usize) -> Result<()> {
+    if world_size == 0 || rank >= world_size {
+        return Err(CollectiveError::InvalidArgument {
+            op: "nccl_world",
+            why: format!("rank {rank} is not below world size {world_size}"),
+        });
+    }
+    Ok(())
 }
 
 /// A short, store-friendly name for a member list.
@@ -260,15 +347,8 @@ impl RemoteWorld for NcclWorld {
         w.store.set(&arrived(w.rank), b"1").map_err(store_err)?;
         let id_key = format!("tpar/nccl_id/{key}");
         let id = if me == 0 {
-            let id = match guarded(Id::new) {
-                Ok(Ok(id)) => id,
-                Ok(Err(e)) => {
-                    return Err(backend(format!("ncclGetUniqueId: {}", nccl_error_text(&e))))
-                }
-                Err(p) => return Err(backend(format!("ncclGetUniqueId panicked: {p}"))),
-            };
-            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
-            w.store.set(&id_key, &bytes).map_err(store_err)?;
+            let id = w.bringup.unique_id().map_err(backend)?;
+            w.store.set(&id_key, &id).map_err(store_err)?;
             id
         } else {
             let bytes = match w.store.get_timeout(&id_key, timeout) {
@@ -276,10 +356,9 @@ impl RemoteWorld for NcclWorld {
                 Err(StoreError::Timeout(_)) => return Err(timed_out(vec![ranks[0]])),
                 Err(e) => return Err(store_err(e)),
             };
-            let raw: [u8; 128] = bytes.as_slice().try_into().map_err(|_| {
+            bytes.as_slice().try_into().map_err(|_| {
                 backend(format!("the unique id under {id_key} has {} bytes, not 128", bytes.len()))
-            })?;
-            Id::uninit(raw.map(|b| b as std::ffi::c_char))
+            })?
         };
         let keys: Vec<String> = ranks.iter().map(|&r| arrived(r)).collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -300,17 +379,10 @@ impl RemoteWorld for NcclWorld {
         let shared = Arc::new(Shared::new(group.clone(), w.rank, "nccl"));
         let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
-        let setup = Setup {
-            ctx: w.ctx.clone(),
-            id,
-            me,
-            shared: shared.clone(),
-            store: w.store.clone(),
-            key: key.clone(),
-        };
-        std::thread::Builder::new()
-            .name(format!("tpar-nccl-{}-{key}", w.rank))
-            .spawn(move || worker::main(setup, rx, ready_tx))
+        let setup =
+            GroupSetup { id, me, shared: shared.clone(), store: w.store.clone(), key: key.clone() };
+        w.bringup
+            .start(setup, rx, ready_tx)
             .map_err(|e| backend(format!("cannot start the group's worker thread: {e}")))?;
         match ready_rx.recv_timeout(timeout.saturating_add(STUCK_GRACE)) {
             Ok(Ok(())) => {}

@@ -13,8 +13,8 @@ use tpar_tensor::{DType, Device, Tensor};
 
 use super::mesh::{Channel, Mesh};
 use super::shm::{self, Ring, ShmConfig};
-use super::tests::{assert_close, cat, input, narrow, reduce_ref, seen, MemStore, T};
-use crate::{chunk_range, CollectiveError, ProcessGroup, ReduceOp, Store};
+use super::tests::{assert_close, cat, input, narrow, reduce_ref, seen, T};
+use crate::{chunk_range, CollectiveError, HashStore, ProcessGroup, ReduceOp, Store};
 
 /// Rings of three 8 KiB slots, used from 4 KiB: payloads of tens of KiB wrap around them
 /// several times.
@@ -81,7 +81,7 @@ fn run_world_shm<R: Send + 'static>(
     cfg: ShmConfig,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> (Vec<R>, Setup) {
-    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let f = Arc::new(f);
     let setup = Arc::new(Mutex::new(None));
     let handles: Vec<_> = (0..n)
@@ -292,7 +292,7 @@ fn rings_carry_frames_of_every_size_in_order() {
     // threshold, and far above the ring; point-to-point frames interleaved. Both ranks
     // send everything before they take anything: readers drain the rings as they go.
     let sizes = [0usize, 1, 4095, 4096, 8191, 8192, 8193, 3 * 8192, 3 * 8192 + 1, 100_003, 1 << 20];
-    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let handles: Vec<_> = (0..2)
         .map(|rank| {
             let store = store.clone();
@@ -333,7 +333,7 @@ fn rings_carry_frames_of_every_size_in_order() {
 /// rank 0 offers, and then neither reads its socket nor frees a slot. Returns its socket
 /// and the ring, with rank 0's mesh.
 fn stuck_peer(timeout: Duration) -> (TcpStream, Ring, Mesh) {
-    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     store.set("tpar/tcp/host/1", shm::host_id().as_bytes()).unwrap();
     store.set("tpar/tcp/addr/1", listener.local_addr().unwrap().to_string().as_bytes()).unwrap();

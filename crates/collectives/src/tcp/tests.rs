@@ -3,54 +3,14 @@
 //! everything but process death runs over real sockets. Results are checked against
 //! serial references computed here from every rank's input.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
 use crate::{
-    chunk_range, CollectiveError, CollectiveKind, ProcessGroup, ReduceOp, Store, StoreError,
+    chunk_range, CollectiveError, CollectiveKind, HashStore, ProcessGroup, ReduceOp, Store,
 };
-
-/// An in-memory [`Store`] shared by the simulated processes.
-#[derive(Debug, Default)]
-pub(super) struct MemStore {
-    map: Mutex<HashMap<String, Vec<u8>>>,
-    cv: Condvar,
-}
-
-impl Store for MemStore {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.map.lock().unwrap().insert(key.into(), value.to_vec());
-        self.cv.notify_all();
-        Ok(())
-    }
-
-    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
-        let end = Instant::now() + timeout;
-        let mut m = self.map.lock().unwrap();
-        loop {
-            if let Some(v) = m.get(key) {
-                return Ok(v.clone());
-            }
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(StoreError::Timeout(format!("key {key} not set").into()));
-            }
-            m = self.cv.wait_timeout(m, left).unwrap().0;
-        }
-    }
-
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        keys.iter().try_for_each(|k| self.get_timeout(k, timeout).map(drop))
-    }
-
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
-        let m = self.map.lock().unwrap();
-        Ok(keys.iter().all(|k| m.contains_key(*k)))
-    }
-}
 
 /// Runs `f(world)` on `n` threads, each with its own TCP world of `n` ranks.
 fn run_world<R: Send + 'static>(
@@ -58,7 +18,7 @@ fn run_world<R: Send + 'static>(
     timeout: Duration,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let f = Arc::new(f);
     let handles: Vec<_> = (0..n)
         .map(|rank| {
@@ -512,7 +472,7 @@ fn a_slow_member_is_a_timeout_naming_it() {
 
 #[test]
 fn a_peer_that_never_starts_is_a_setup_timeout_naming_it() {
-    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let s = store.clone();
     let h = std::thread::spawn(move || {
         ProcessGroup::tcp_world(s, 0, 3, Duration::from_millis(300)).unwrap_err()
@@ -525,14 +485,14 @@ fn a_peer_that_never_starts_is_a_setup_timeout_naming_it() {
             "{e}"
         );
     }
-    let e = ProcessGroup::tcp_world(Arc::new(MemStore::default()), 3, 3, T).unwrap_err();
+    let e = ProcessGroup::tcp_world(Arc::new(HashStore::new()), 3, 3, T).unwrap_err();
     assert!(matches!(e, CollectiveError::InvalidArgument { .. }), "{e}");
 }
 
 #[test]
 fn a_connection_from_another_job_or_rank_is_refused() {
     use std::io::{Read, Write};
-    let store: Arc<dyn Store> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
     let n = 3;
     let ranks: Vec<_> = (0..n)
         .map(|rank| {

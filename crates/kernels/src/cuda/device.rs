@@ -149,6 +149,53 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
         .map_err(|why| cuda_error("nvrtc", why))
 }
 
+/// The CUDA driver's version `(major, minor)` (`cuDriverGetVersion`: the
+/// newest CUDA the installed driver supports), or why it cannot be read.
+pub fn driver_version() -> Result<(i32, i32)> {
+    device_count()?;
+    let v = guarded("cuda", || {
+        let mut v = 0;
+        // SAFETY: the driver library is loaded (`device_count` probed it); writes one
+        // int through a pointer to a live local.
+        let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        (r == CUresult::CUDA_SUCCESS).then_some(v)
+    })?;
+    let v = v.ok_or_else(|| cuda_error("cuda driver", "cuDriverGetVersion failed".to_string()))?;
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+/// Whether the kernels NVRTC `nvrtc` compiles can load on a driver of CUDA
+/// `driver` (both `(major, minor)`), with the reason and the fix when not.
+///
+/// tpar's cudarc bindings are CUDA 13.0's, loaded at run time, so one build
+/// finds the libraries of a CUDA 13 or a CUDA 12 install (`libnvrtc.so.13`,
+/// then `.12`) and runs on the drivers of both. What must hold is the CUDA
+/// rule for device code: the driver is at least as new, in major version, as
+/// the compiler (within one major version, minor-version compatibility loads
+/// the device binaries NVRTC produces for the GPU's own architecture).
+///
+/// ```
+/// use tpar_kernels::cuda::device::check_toolchain;
+/// assert!(check_toolchain((13, 0), (13, 0)).is_ok());
+/// assert!(check_toolchain((12, 8), (13, 0)).is_ok()); // an older NVRTC on a newer driver
+/// assert!(check_toolchain((12, 9), (12, 4)).is_ok()); // minor-version compatibility
+/// assert!(check_toolchain((13, 0), (12, 8)).is_err()); // NVRTC 13 on a CUDA 12 driver
+/// ```
+pub fn check_toolchain(nvrtc: (i32, i32), driver: (i32, i32)) -> Result<()> {
+    if nvrtc.0 <= driver.0 {
+        return Ok(());
+    }
+    Err(cuda_error(
+        "nvrtc",
+        format!(
+            "NVRTC {}.{} compiles device code that the CUDA {}.{} driver cannot load; put an \
+             NVRTC of CUDA {} first on LD_LIBRARY_PATH (e.g. the `nvidia-cuda-nvrtc-cu{}` \
+             wheel's lib directory) or update the driver to CUDA {} or newer",
+            nvrtc.0, nvrtc.1, driver.0, driver.1, driver.0, driver.0, nvrtc.0
+        ),
+    ))
+}
+
 // ------------------------------------------------------------------ compile options
 
 /// How kernel sources are compiled, beyond the fixed `-std=c++17` and the
@@ -641,7 +688,7 @@ impl CudaDevice {
                 format!("no such device: the driver reports {count} CUDA device(s)"),
             ));
         }
-        nvrtc_version()?;
+        check_toolchain(nvrtc_version()?, driver_version()?)?;
         let ctx = contexts().get_or_try(ordinal, || {
             guarded(&op, || CudaContext::new(ordinal))?
                 .map_err(|e| driver_error(&op, "creating the context", e))
@@ -950,6 +997,67 @@ unsafe impl GpuDevice for CudaDevice {
         // SAFETY: the caller guarantees both ranges.
         unsafe { dresult::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(|e| driver_error(&op, "cuMemcpyDtoDAsync", e))
+    }
+
+    /// A device copy within this handle's stream, or a peer copy
+    /// (`cuMemcpyPeerAsync` on this handle's stream) from another GPU, after
+    /// the source's stream has drained; the peer copy is waited for, so the
+    /// source may be freed on its own stream as soon as this returns.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::copy_from_device`].
+    unsafe fn copy_from_device(
+        &self,
+        src_dev: &dyn GpuDevice,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+    ) -> Result<()> {
+        let space = src_dev.memory_space();
+        if space == GpuDevice::memory_space(self) {
+            // SAFETY: the caller guarantees both ranges; same stream.
+            return unsafe { self.dtod(src, dst, bytes) };
+        }
+        let MemorySpace::Cuda { ordinal, .. } = space else {
+            return Err(KernelError::WrongDevice {
+                op: "copy_from_device",
+                what: "source",
+                want: self.describe(),
+                got: src_dev.describe(),
+            });
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        // The source was written on its own stream: let that work finish.
+        src_dev.synchronize()?;
+        let op = self.op();
+        if ordinal == self.ordinal {
+            // Another handle's stream on this device: same context.
+            // SAFETY: the caller guarantees both ranges.
+            unsafe { self.dtod(src, dst, bytes) }?;
+            return GpuDevice::synchronize(self);
+        }
+        let src_ctx = contexts().get_or_try(ordinal, || {
+            guarded(&op, || CudaContext::new(ordinal))?
+                .map_err(|e| driver_error(&op, "creating the source context", e))
+        })?;
+        self.ctx.bind_to_thread().map_err(|e| driver_error(&op, "binding the context", e))?;
+        // SAFETY: the caller guarantees both ranges, in the two contexts'
+        // memory; the copy is ordered on this handle's stream and waited for
+        // below, so neither range is used by it after this returns.
+        unsafe {
+            dresult::memcpy_peer_async(
+                self.ctx.cu_ctx(),
+                dst,
+                src_ctx.cu_ctx(),
+                src,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| driver_error(&op, "cuMemcpyPeerAsync", e))?;
+        GpuDevice::synchronize(self)
     }
 
     /// # Safety

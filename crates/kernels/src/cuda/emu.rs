@@ -468,6 +468,29 @@ unsafe impl GpuDevice for EmulatedGpu {
     }
 
     /// # Safety
+    /// As [`GpuDevice::copy_from_device`].
+    unsafe fn copy_from_device(
+        &self,
+        src_dev: &dyn GpuDevice,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+    ) -> Result<()> {
+        if src_dev.memory_space() != MemorySpace::Host {
+            return Err(crate::KernelError::WrongDevice {
+                op: "copy_from_device",
+                what: "source",
+                want: self.describe(),
+                got: src_dev.describe(),
+            });
+        }
+        // SAFETY: every emulated device addresses host memory; the caller
+        // guarantees both ranges and that they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    /// # Safety
     /// As [`GpuDevice::zero`].
     unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
         // SAFETY: the caller guarantees the range.

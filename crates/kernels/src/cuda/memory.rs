@@ -86,6 +86,25 @@ pub unsafe trait GpuDevice: Launcher {
     /// Both ranges are device memory of this device.
     unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()>;
 
+    /// Copies `bytes` from memory of `src_dev` (this device or another one)
+    /// into this device's memory, without going through the host: a device
+    /// copy when both share a [`MemorySpace`] (ordered as [`GpuDevice::dtod`]),
+    /// else a peer copy between two GPUs, which waits for the work queued on
+    /// `src_dev` first and returns once the copy is complete. Fails with
+    /// [`KernelError::WrongDevice`] when no device path joins the two (an
+    /// emulated device and a GPU).
+    ///
+    /// # Safety
+    /// `src..src + bytes` is device memory of `src_dev` and
+    /// `dst..dst + bytes` device memory of this device; they do not overlap.
+    unsafe fn copy_from_device(
+        &self,
+        src_dev: &dyn GpuDevice,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+    ) -> Result<()>;
+
     /// Sets device bytes to zero.
     ///
     /// # Safety
@@ -401,6 +420,21 @@ impl<'a> DeviceSliceMut<'a> {
         // device (same memory space); they do not overlap, as the destination
         // is borrowed exclusively while the source is borrowed.
         unsafe { self.buf.dev.dtod(src.ptr(), self.ptr(), self.len) }
+    }
+
+    /// Overwrites the view with a copy of `src` (of the same size), which may
+    /// live on another device: a device copy within one memory space, a peer
+    /// copy between GPUs (see [`GpuDevice::copy_from_device`]); never through
+    /// the host.
+    pub fn copy_from_device(&mut self, src: DeviceSlice<'_>) -> Result<()> {
+        const OP: &str = "copy_from_device";
+        if src.len() != self.len {
+            return Err(bad(OP, format!("{} bytes into {} bytes", src.len(), self.len)));
+        }
+        // SAFETY: both ranges lie inside live allocations of their devices;
+        // they do not overlap, as the destination is borrowed exclusively
+        // while the source is borrowed.
+        unsafe { self.buf.dev.copy_from_device(&*src.buf.dev, src.ptr(), self.ptr(), self.len) }
     }
 
     /// Sets the view's bytes to zero.

@@ -135,13 +135,41 @@ fn key_padding_masks_match_reference() {
             causal,
         };
         let c = Case { s, mask: Some((kv, 0, 0, 4 * kv)) };
+        // {5, 4}: 18 key tiles of 4 and 14 query tiles of 5, the last ones partial.
+        let small = SdpaTiles { q: 5, k: 4 };
         for tiles in
-            [SdpaTiles::backward(&s), SdpaTiles { q: 16, k: 16 }, SdpaTiles { q: 7, k: 10 }]
+            [SdpaTiles::backward(&s), SdpaTiles { q: 16, k: 16 }, SdpaTiles { q: 7, k: 10 }, small]
         {
             let m32: Vec<f32> = mdata.iter().map(|&x| x as f32).collect();
             run_with::<f32>(&c, &m32, tiles, &mut Rng::new(5));
             run_with::<f64>(&c, &mdata, tiles, &mut Rng::new(6));
         }
+    }
+}
+
+/// One head of 300 keys (fewer heads than backward tasks, so the keys split into runs
+/// with a `dq` partial each) with tiles of 3 keys: each run holds many key tiles, the
+/// last run fewer, and the padding starts inside a tile.
+#[test]
+fn key_runs_with_dq_partials_match_reference() {
+    let kv = 300;
+    let mdata: Vec<f64> = (0..kv).map(|j| if j < 251 { 0.0 } else { f64::NEG_INFINITY }).collect();
+    for causal in [false, true] {
+        let s = SdpaShape {
+            batch: 1,
+            q_heads: 2,
+            kv_heads: 1,
+            q_len: 20,
+            kv_len: kv,
+            head_dim: 4,
+            v_dim: 3,
+            scale: 0.5,
+            causal,
+        };
+        let c = Case { s, mask: Some((kv, 0, 0, kv)) };
+        run_with::<f64>(&c, &mdata, SdpaTiles { q: 6, k: 3 }, &mut Rng::new(7));
+        let m32: Vec<f32> = mdata.iter().map(|&x| x as f32).collect();
+        run_with::<f32>(&c, &m32, SdpaTiles { q: 6, k: 3 }, &mut Rng::new(8));
     }
 }
 

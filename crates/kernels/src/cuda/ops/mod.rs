@@ -33,6 +33,7 @@
 //! ```
 
 pub mod adamw;
+pub mod collective;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;

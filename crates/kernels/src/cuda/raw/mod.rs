@@ -9,6 +9,7 @@
 //! calls the checked wrappers of [`super::ops`] instead.
 
 pub mod adamw;
+pub mod collective;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
