@@ -147,7 +147,8 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
         (total, count) = (s[0], s[1]);
     }
     let loss = if count == 0.0 { 0.0 } else { total / count };
-    // Computed through host copies on a CUDA device (counted host round trips).
+    // Host kernels: on a CUDA device only for dtypes without device kernels (f64),
+    // through host copies (counted host round trips).
     let device = logits.device();
     let out = Tensor::from_f64(&[loss], Vec::<usize>::new(), logits.dtype())?.to_device(device)?;
     let (x, t) = (logits.detach(), targets.detach());
@@ -199,6 +200,10 @@ impl DTensor {
     ///
     /// Other layouts are redistributed to the cheapest of these (implicit; partial
     /// logits are reduce-scattered onto the vocab dim). `Partial` targets are an error.
+    ///
+    /// On a CUDA device (f32, bf16 or f16 logits) forward and backward run with the
+    /// device kernels and f32 statistics, and the all_reduces carry device tensors:
+    /// nothing is read back to the host.
     pub fn cross_entropy(&self, targets: &DTensor, ignore_index: i64) -> Result<DTensor> {
         let op = "cross_entropy";
         let operands = [("logits", self), ("targets", targets)];
