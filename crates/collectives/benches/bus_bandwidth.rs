@@ -51,28 +51,28 @@ fn memcpy_bandwidth(bytes: usize) -> (f64, f64) {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Op {
-    AllReduce,
-    AllGather,
-    AllReduceInto,
-    AllGatherInto,
+    Reduce,
+    Gather,
+    ReduceInto,
+    GatherInto,
 }
 
 /// Average time per call, measured on every rank between barriers; the slowest rank counts.
 fn time_op(pg: &ProcessGroup, op: Op, size: usize) -> Result<Duration, CollectiveError> {
     let n = pg.size();
     let elems = match op {
-        Op::AllReduce | Op::AllReduceInto => size / 4,
-        Op::AllGather | Op::AllGatherInto => size / 4 / n,
+        Op::Reduce | Op::ReduceInto => size / 4,
+        Op::Gather | Op::GatherInto => size / 4 / n,
     };
     let x = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; elems], [elems])?;
-    let out_elems = if matches!(op, Op::AllGather | Op::AllGatherInto) { elems * n } else { elems };
+    let out_elems = if matches!(op, Op::Gather | Op::GatherInto) { elems * n } else { elems };
     let out = Tensor::zeros([out_elems], DType::F32, Device::Cpu)?;
     let run = |x: &Tensor| -> Result<Option<Tensor>, CollectiveError> {
         match op {
-            Op::AllReduce => pg.all_reduce(x, ReduceOp::Sum).map(Some),
-            Op::AllGather => pg.all_gather(x, 0).map(Some),
-            Op::AllReduceInto => pg.all_reduce_into(x, ReduceOp::Sum, &out).map(|()| None),
-            Op::AllGatherInto => pg.all_gather_into(x, 0, &out).map(|()| None),
+            Op::Reduce => pg.all_reduce(x, ReduceOp::Sum).map(Some),
+            Op::Gather => pg.all_gather(x, 0).map(Some),
+            Op::ReduceInto => pg.all_reduce_into(x, ReduceOp::Sum, &out).map(|()| None),
+            Op::GatherInto => pg.all_gather_into(x, 0, &out).map(|()| None),
         }
     };
     // Roughly 1 GiB of payload per measurement, at least 3 calls.
@@ -111,7 +111,7 @@ fn main() -> Result<(), CollectiveError> {
         "world", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "busbw/cpy"
     );
     for world in [2usize, 4] {
-        for op in [Op::AllReduce, Op::AllReduceInto, Op::AllGather, Op::AllGatherInto] {
+        for op in [Op::Reduce, Op::ReduceInto, Op::Gather, Op::GatherInto] {
             let rows = spawn(world, |ctx| -> Result<Vec<(usize, Duration)>, CollectiveError> {
                 let pg = ctx.world_group();
                 sizes.iter().map(|&s| Ok((s, time_op(&pg, op, s)?))).collect()
@@ -120,10 +120,10 @@ fn main() -> Result<(), CollectiveError> {
                 let n = world as f64;
                 let algbw = gbps(size, t);
                 let (name, factor) = match op {
-                    Op::AllReduce => ("all_reduce", 2.0 * (n - 1.0) / n),
-                    Op::AllReduceInto => ("all_reduce_into", 2.0 * (n - 1.0) / n),
-                    Op::AllGather => ("all_gather", (n - 1.0) / n),
-                    Op::AllGatherInto => ("all_gather_into", (n - 1.0) / n),
+                    Op::Reduce => ("all_reduce", 2.0 * (n - 1.0) / n),
+                    Op::ReduceInto => ("all_reduce_into", 2.0 * (n - 1.0) / n),
+                    Op::Gather => ("all_gather", (n - 1.0) / n),
+                    Op::GatherInto => ("all_gather_into", (n - 1.0) / n),
                 };
                 let busbw = algbw * factor;
                 println!(
