@@ -109,6 +109,9 @@ impl Value {
     /// rank of the scope's mesh (`Replicate`), so the ranks' gradient contributions add
     /// up to one gradient however many ranks computed it.
     pub fn backward(&self) -> Result<()> {
+        if let Value::DTensor(d) = self {
+            return Ok(d.backward()?);
+        }
         let (root, seed) = self.backward_seed()?;
         Ok(root.backward_with(&seed)?)
     }
