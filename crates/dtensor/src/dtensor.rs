@@ -171,28 +171,28 @@ impl DTensor {
         // A `Replicate` input computed from values replicated over the group: its
         // gradient is made whole here, so the collectives upstream that made those
         // values replicated take their gradients back without a reduction.
-        let whole_input = tag.filter(|t| {
-            all_rep(&src) && self.local.replicated_group() == Some(t.group)
-        });
-        let out = record_replication_aware("redistribute", &[&self.local], out, out_group, move |g| {
-            let op = "redistribute backward";
-            let rep = vec![Placement::Replicate; src.len()];
-            let incoming = incoming_grad_replicated();
-            let full = incoming.filter(|t| Some(t.group) == out_group);
-            let g = match (incoming, full) {
-                (Some(t), None) => t.demote(g.clone())?,
-                _ => g.clone(),
-            };
-            let from = if full.is_some() { rep.clone() } else { grad_placements(op, &dst)? };
-            let to = match whole_input {
-                Some(t) => {
-                    set_input_grad_replicated(0, t);
-                    rep.clone()
-                }
-                None => grad_placements(op, &src)?,
-            };
-            Ok(vec![Some(adjoint_between(&g, &mesh, &shape, &from, &to, &src, &dst)?)])
-        });
+        let whole_input =
+            tag.filter(|t| all_rep(&src) && self.local.replicated_group() == Some(t.group));
+        let out =
+            record_replication_aware("redistribute", &[&self.local], out, out_group, move |g| {
+                let op = "redistribute backward";
+                let rep = vec![Placement::Replicate; src.len()];
+                let incoming = incoming_grad_replicated();
+                let full = incoming.filter(|t| Some(t.group) == out_group);
+                let g = match (incoming, full) {
+                    (Some(t), None) => t.demote(g.clone())?,
+                    _ => g.clone(),
+                };
+                let from = if full.is_some() { rep.clone() } else { grad_placements(op, &dst)? };
+                let to = match whole_input {
+                    Some(t) => {
+                        set_input_grad_replicated(0, t);
+                        rep.clone()
+                    }
+                    None => grad_placements(op, &src)?,
+                };
+                Ok(vec![Some(adjoint_between(&g, &mesh, &shape, &from, &to, &src, &dst)?)])
+            });
         Ok(DTensor { local: out, spec: Arc::new(spec) })
     }
 

@@ -84,9 +84,7 @@ pub fn propagate(out: &Tensor, operands: &[&Tensor]) {
     let mut known = operands.iter().map(|t| (get(t.id()), t.dims()));
     let Some((Some(first), _)) = known.next() else { return };
     let dims = out.dims();
-    if operands[0].dims() == dims
-        && known.all(|(k, d)| k.as_ref() == Some(&first) && d == dims)
-    {
+    if operands[0].dims() == dims && known.all(|(k, d)| k.as_ref() == Some(&first) && d == dims) {
         insert(out.id(), first);
     }
 }

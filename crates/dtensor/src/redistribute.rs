@@ -120,7 +120,15 @@ pub fn adjoint(
     dst: &[Placement],
 ) -> Result<Tensor> {
     let op = "redistribute backward";
-    adjoint_between(grad, mesh, shape, &grad_placements(op, dst)?, &grad_placements(op, src)?, src, dst)
+    adjoint_between(
+        grad,
+        mesh,
+        shape,
+        &grad_placements(op, dst)?,
+        &grad_placements(op, src)?,
+        src,
+        dst,
+    )
 }
 
 /// The adjoint of redistributing `src -> dst` with the local gradients' layouts given:

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, SpawnConfig};
-use tpar_dtensor::Placement::{Replicate, Shard};
+use tpar_dtensor::Placement::Replicate;
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{
     megatron_layer_plan, parallelize_llama_with, sequence_parallel_layer_plan, top_level_plan,
@@ -57,6 +57,8 @@ fn plain_megatron_plans() -> (ParallelizePlan, ParallelizePlan) {
 struct Step {
     forward: Vec<CommRecord>,
     backward: Vec<CommRecord>,
+    /// Reading every parameter's gradient (the reductions an optimizer triggers).
+    grads: Vec<CommRecord>,
     tp: Vec<usize>,
     dp: Vec<usize>,
     table: String,
@@ -94,16 +96,24 @@ fn step(dp: usize, tp: usize, layer: &ParallelizePlan, top: &ParallelizePlan) ->
             let forward = dbg.take();
             loss_parallel::backward(&loss, &mesh["tp"])?;
             let backward = dbg.take();
+            for (_, p) in named_parameters(&model) {
+                p.grad_local()?;
+            }
+            let grads = dbg.take();
             dbg.disable();
-            let table = explain_collectives(&[("forward", &forward), ("backward", &backward)]);
-            let mut grads = BTreeMap::new();
+            let table = explain_collectives(&[
+                ("forward", &forward),
+                ("backward", &backward),
+                ("grads", &grads),
+            ]);
+            let mut full_grads = BTreeMap::new();
             for (n, p) in named_parameters(&model) {
                 let g = p.grad()?.expect("gradient");
-                grads.insert(n, g.full()?.to_vec_f64()?);
+                full_grads.insert(n, g.full()?.to_vec_f64()?);
             }
             let tp_ranks = mesh["tp"].group(0)?.ranks().to_vec();
             let dp_ranks = mesh["dp"].group(0)?.ranks().to_vec();
-            Ok((Step { forward, backward, tp: tp_ranks, dp: dp_ranks, table }, grads))
+            Ok((Step { forward, backward, grads, tp: tp_ranks, dp: dp_ranks, table }, full_grads))
         },
     )
     .unwrap_or_else(|e| panic!("dp={dp} tp={tp}: {e}"));
@@ -134,23 +144,113 @@ fn at_most(what: &str, got: Counts, torch: Counts, table: &str) {
     assert!(ok, "{what}: tpar (all_gather, reduce_scatter, all_reduce) {got:?} > PyTorch {torch:?}\n{table}");
 }
 
-#[test]
-fn print_counts() {
-    let sp = (sequence_parallel_layer_plan(), top_level_plan());
-    let meg = (megatron_layer_plan(), top_level_plan());
-    let plain = plain_megatron_plans();
-    for (name, (l, t)) in [("sp", &sp), ("megatron-sp", &meg), ("megatron", &plain)] {
-        for (dp, tp) in [(1, 2), (2, 2)] {
-            let s = step(dp, tp, l, t);
-            println!("== {name} dp={dp} tp={tp}\n{}", s.table);
-            println!(
-                "tp fwd {:?} bwd {:?}; dp fwd {:?} bwd {:?}",
-                counts(&s.forward, &s.tp),
-                counts(&s.backward, &s.tp),
-                counts(&s.forward, &s.dp),
-                counts(&s.backward, &s.dp)
-            );
-        }
+// PyTorch 2.15's `CommDebugMode` counts, rank 0, (all_gather, reduce_scatter,
+// all_reduce), from `python3 benches/torch_tp_counts.py` (2 ranks, gloo, CPU; the same
+// model and plans):
+//   sequence_parallel forward+loss 11 5 3
+//   sequence_parallel backward 7 5 0
+//   megatron_sequence_parallel forward+loss 5 5 3
+//   megatron_sequence_parallel backward 5 5 0
+//   megatron forward+loss 0 0 8
+//   megatron backward 0 0 11
+
+/// The sequence-parallel plan, forward + loss: per layer one all_gather into the
+/// attention, three for q/k/v (gathered back to `Replicate`), one into the MLP, two
+/// reduce_scatters (o_proj, down_proj); one reduce_scatter out of the embedding, one
+/// all_gather into the head, three all_reduces in `loss_parallel`.
+const TORCH_SP_FORWARD: Counts = (11, 5, 3);
+/// The sequence-parallel plan, backward: the adjoints of the input all_gathers of the
+/// attention and MLP and of the head (reduce_scatters), of the reduce_scatters (all_gathers),
+/// plus one all_gather per o_proj (its `Replicate -> Shard(-1)` input slice takes a
+/// `Shard` gradient back to a `Replicate` one); q/k/v's gathers take their `Replicate`
+/// gradients back as local slices.
+const TORCH_SP_BACKWARD: Counts = (7, 5, 0);
+/// `megatron_layer_plan` (heads sharded, sequence-parallel norms), forward + loss.
+const TORCH_MEGATRON_SP_FORWARD: Counts = (5, 5, 3);
+/// `megatron_layer_plan`, backward.
+const TORCH_MEGATRON_SP_BACKWARD: Counts = (5, 5, 0);
+/// Megatron without sequence parallelism, forward + loss: one all_reduce per row-wise
+/// linear (o_proj, down_proj per layer, the embedding), three in `loss_parallel`.
+const TORCH_MEGATRON_FORWARD: Counts = (0, 0, 8);
+/// Megatron without sequence parallelism, backward: one all_reduce per column-wise
+/// input (q, k, v, gate, up per layer, the head): PyTorch takes a plain input's gradient
+/// as `Replicate`, so each column-wise module all-reduces its `Partial` input gradient.
+/// tpar keeps gradients of replicated values as contributions until something needs them
+/// whole, and pays one all_reduce per row-wise output instead (o_proj, down_proj, the
+/// embedding: 5).
+const TORCH_MEGATRON_BACKWARD: Counts = (0, 0, 11);
+/// What FSDP2 adds at dp 2 x tp 2 (`fully_shard` per layer and on the root), rank 0, on
+/// the dp group: an all_gather per unit in forward, per layer in backward (the root keeps
+/// its parameters), a reduce_scatter per unit, in backward.
+const TORCH_FSDP_DP_FORWARD: Counts = (3, 0, 0);
+/// See [`TORCH_FSDP_DP_FORWARD`].
+const TORCH_FSDP_DP_BACKWARD: Counts = (2, 3, 0);
+/// FSDP2 also all-reduces, on the tp group in backward, the `Partial` gradients of the
+/// five sequence-parallel norm weights. tpar issues those reductions when the gradients
+/// are read (`Param::grad`, the optimizers, `clip_grad_norm`), not in backward: the test
+/// counts them in a third phase and holds backward + that phase to PyTorch's backward.
+const TORCH_FSDP_SP_NORM_ALL_REDUCES: usize = 5;
+
+fn check(
+    what: &str,
+    dp: usize,
+    layer: &ParallelizePlan,
+    top: &ParallelizePlan,
+    torch: [Counts; 2],
+) {
+    let s = step(dp, 2, layer, top);
+    println!("{what} dp={dp} tp=2, rank 0:\n{}", s.table);
+    let (fwd, bwd, grads) =
+        (counts(&s.forward, &s.tp), counts(&s.backward, &s.tp), counts(&s.grads, &s.tp));
+    at_most(&format!("{what} dp={dp} tp forward+loss"), fwd, torch[0], &s.table);
+    if dp == 1 {
+        at_most(&format!("{what} dp={dp} tp backward"), bwd, torch[1], &s.table);
+        return;
     }
-    let _ = (at_most, Shard(0));
+    let sp_norms = if what.contains("sequence") { TORCH_FSDP_SP_NORM_ALL_REDUCES } else { 0 };
+    let torch_bwd = (torch[1].0, torch[1].1, torch[1].2 + sp_norms);
+    at_most(&format!("{what} dp={dp} tp backward"), bwd, torch_bwd, &s.table);
+    let with_grads = (bwd.0 + grads.0, bwd.1 + grads.1, bwd.2 + grads.2);
+    at_most(
+        &format!("{what} dp={dp} tp backward + reading the gradients"),
+        with_grads,
+        torch_bwd,
+        &s.table,
+    );
+    at_most(
+        &format!("{what} dp={dp} dp forward"),
+        counts(&s.forward, &s.dp),
+        TORCH_FSDP_DP_FORWARD,
+        &s.table,
+    );
+    at_most(
+        &format!("{what} dp={dp} dp backward"),
+        counts(&s.backward, &s.dp),
+        TORCH_FSDP_DP_BACKWARD,
+        &s.table,
+    );
+}
+
+#[test]
+fn sequence_parallel_plan_issues_no_more_collectives_than_pytorch() {
+    let (layer, top) = (sequence_parallel_layer_plan(), top_level_plan());
+    let torch = [TORCH_SP_FORWARD, TORCH_SP_BACKWARD];
+    check("sequence-parallel", 1, &layer, &top, torch);
+    check("sequence-parallel", 2, &layer, &top, torch);
+}
+
+#[test]
+fn megatron_sequence_parallel_plan_issues_no_more_collectives_than_pytorch() {
+    let (layer, top) = (megatron_layer_plan(), top_level_plan());
+    let torch = [TORCH_MEGATRON_SP_FORWARD, TORCH_MEGATRON_SP_BACKWARD];
+    check("megatron sequence-parallel", 1, &layer, &top, torch);
+    check("megatron sequence-parallel", 2, &layer, &top, torch);
+}
+
+#[test]
+fn megatron_plan_issues_no_more_collectives_than_pytorch() {
+    let (layer, top) = plain_megatron_plans();
+    let torch = [TORCH_MEGATRON_FORWARD, TORCH_MEGATRON_BACKWARD];
+    check("megatron", 1, &layer, &top, torch);
+    check("megatron", 2, &layer, &top, torch);
 }
