@@ -27,6 +27,14 @@ use crate::{DTensorError, DTensorSpec, Result};
 /// slice's is a zero-pad (no communication). [`DTensor::grad`] turns a parameter's local
 /// gradient into a `DTensor` with the parameter's own placements, and
 /// [`DTensor::backward`] seeds a replicated scalar loss so that contributions add up to 1.
+///
+/// A gradient may also be held in full by every rank of a 1-d mesh's group, as PyTorch's
+/// `Replicate` gradients are, where the values it flows through are computed identically
+/// on every rank (see `tpar_tensor::autograd::ReplicatedGrad`): a redistribution to
+/// `Replicate` then takes it back without a reduction (`S(d) -> R`: a local slice;
+/// `P -> R`: as is), and an `R -> S(d)` slice of such a value all-gathers its gradient
+/// so that it does. Where it meets anything else it becomes a contribution again (no
+/// communication), so the gradients are those of the rule above.
 #[derive(Clone)]
 pub struct DTensor {
     local: Tensor,
@@ -238,12 +246,21 @@ impl DTensor {
     /// `Replicate`, only the rank at coordinate 0 seeds 1 (the others seed 0), so the
     /// contributions add up to exactly one gradient; on `Partial(sum)` dims every rank
     /// seeds 1 (and `1/k` on `Partial(avg)` dims).
-    ///
-    /// On a 1-d mesh a `Replicate` loss is seeded with 1 on every rank instead, tagged
-    /// as held in full (see the type's docs): where the graph is replication-aware (the
-    /// loss parallel cross-entropy, a redistribution to `Replicate`) the seed costs no
-    /// reduction; anywhere else the engine turns it into the seed above.
     pub fn backward(&self) -> Result<()> {
+        let seed = self.backward_seed()?;
+        Ok(self.local.backward_with(&seed)?)
+    }
+
+    /// As [`backward`](Self::backward), but a `Replicate` loss on a 1-d mesh is seeded
+    /// with 1 on every rank, tagged as a gradient held in full (see the type's docs and
+    /// `tpar_tensor::autograd::ReplicatedGrad`): where the graph is replication-aware
+    /// (the loss-parallel cross-entropy, a redistribution to `Replicate`, plain ops on
+    /// values replicated over the mesh) the seed needs no reduction (the loss-parallel
+    /// cross-entropy then skips the all_reduce of its scalar gradient); anywhere else the
+    /// engine turns it into [`backward`](Self::backward)'s seed, so the gradients are the
+    /// same. Other losses and meshes are seeded as by [`backward`](Self::backward).
+    /// `loss_parallel::backward` and `Value::backward` use it.
+    pub fn backward_full_seed(&self) -> Result<()> {
         let seed = self.backward_seed()?;
         match replicated_tag(self.mesh()) {
             Some(tag) if self.placements() == [Placement::Replicate] => {

@@ -108,7 +108,7 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
     let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
     grad_dims.sort_unstable();
     // The loss is Replicate over the mesh: on a 1-d mesh its gradient may come back held
-    // in full (`DTensor::backward`'s seed).
+    // in full (`DTensor::backward_full_seed`'s seed).
     let tag = crate::redistribute::replicated_tag(&lay.mesh);
     let group = tag.map(|t| t.group);
     Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
@@ -166,7 +166,8 @@ impl DTensor {
     ///   MAX; the sum of exponentials, rescaled to the global max, with SUM; the target
     ///   logit, non-zero only on the rank owning the target column, with SUM). The logits
     ///   are never gathered. Backward: one all_reduce of the scalar loss gradient (none
-    ///   when it is held in full, as [`DTensor::backward`] seeds a loss on a 1-d mesh),
+    ///   when it is held in full, as [`DTensor::backward_full_seed`] seeds a loss on a
+    ///   1-d mesh),
     ///   then `(softmax - onehot) * grad / count` on the local vocab slice only.
     /// * `S(d)`, `S(d)` with `d` a row dim: forward one all_reduce of `[loss sum,
     ///   count]`; backward one all_reduce of the scalar loss gradient (none when it is
