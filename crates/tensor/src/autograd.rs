@@ -480,7 +480,15 @@ fn seed(roots: &[Tensor], grads: Vec<Tensor>) -> Result<HashMap<u64, Tensor>> {
 /// Calls `node`'s backward closure on `g` with the input mask `mask`; checks
 /// that it returned one entry per input.
 fn call_backward(node: &Node, g: &Tensor, mask: Vec<bool>) -> Result<Vec<Option<Tensor>>> {
-    Ok(call_backward_tagged(node, g, mask, None)?.0)
+    // Untagged in; a replication-aware closure may still tag what it returns: demote it.
+    let (gs, tags) = call_backward_tagged(node, g, mask, None)?;
+    gs.into_iter()
+        .zip(tags)
+        .map(|(gi, t)| match (gi, t) {
+            (Some(gi), Some(t)) => t.demote(gi).map(Some),
+            (gi, _) => Ok(gi),
+        })
+        .collect()
 }
 
 /// [`call_backward`] with the gradient's tag: a replication-aware node's closure sees it
