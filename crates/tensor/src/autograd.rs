@@ -491,6 +491,9 @@ fn call_backward(node: &Node, g: &Tensor, mask: Vec<bool>) -> Result<Vec<Option<
         .collect()
 }
 
+/// The input gradients a closure returned, each with its tag.
+type TaggedGrads = (Vec<Option<Tensor>>, Vec<Option<ReplicatedGrad>>);
+
 /// [`call_backward`] with the gradient's tag: a replication-aware node's closure sees it
 /// and tags its input gradients itself; any other node (called only with a tag when it
 /// is replicated over the tag's group) passes the tag on to every input gradient.
@@ -499,7 +502,7 @@ fn call_backward_tagged(
     g: &Tensor,
     mask: Vec<bool>,
     tag: Option<ReplicatedGrad>,
-) -> Result<(Vec<Option<Tensor>>, Vec<Option<ReplicatedGrad>>)> {
+) -> Result<TaggedGrads> {
     let n = node.inputs.len();
     let (gs, tags) = {
         let _m = MaskGuard::new(Some(mask));
