@@ -9,15 +9,16 @@
 //! - busbw = algbw * 2(n-1)/n for all_reduce, algbw * (n-1)/n for all_gather;
 //!
 //! next to the single-thread memcpy bandwidth of this machine at the same size, measured in
-//! the same run (busbw/cpy is against memcpy into a reused buffer). Collectives are out of
-//! place, so each call also allocates its output: past glibc's largest mmap threshold
-//! (32 MiB) every output is a fresh mapping that faults in page by page, which the
-//! "fresh dst" memcpy column shows on its own.
+//! the same run (busbw/cpy is against memcpy into a reused buffer). Plain collectives are
+//! out of place, so each call also allocates its output: past glibc's largest mmap
+//! threshold (32 MiB) every output is a fresh mapping that faults in page by page, which
+//! the "fresh dst" memcpy column shows on its own. The `_into` rows write into one output
+//! buffer the caller keeps (`all_reduce_into`, `all_gather_into`).
 
 use std::time::{Duration, Instant};
 
 use tpar_collectives::{spawn, CollectiveError, ProcessGroup, ReduceOp};
-use tpar_tensor::Tensor;
+use tpar_tensor::{DType, Device, Tensor};
 
 const MIB: usize = 1 << 20;
 
@@ -50,22 +51,28 @@ fn memcpy_bandwidth(bytes: usize) -> (f64, f64) {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Op {
-    AllReduce,
-    AllGather,
+    Reduce,
+    Gather,
+    ReduceInto,
+    GatherInto,
 }
 
 /// Average time per call, measured on every rank between barriers; the slowest rank counts.
 fn time_op(pg: &ProcessGroup, op: Op, size: usize) -> Result<Duration, CollectiveError> {
     let n = pg.size();
     let elems = match op {
-        Op::AllReduce => size / 4,
-        Op::AllGather => size / 4 / n,
+        Op::Reduce | Op::ReduceInto => size / 4,
+        Op::Gather | Op::GatherInto => size / 4 / n,
     };
     let x = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; elems], [elems])?;
-    let run = |x: &Tensor| -> Result<Tensor, CollectiveError> {
+    let out_elems = if matches!(op, Op::Gather | Op::GatherInto) { elems * n } else { elems };
+    let out = Tensor::zeros([out_elems], DType::F32, Device::Cpu)?;
+    let run = |x: &Tensor| -> Result<Option<Tensor>, CollectiveError> {
         match op {
-            Op::AllReduce => pg.all_reduce(x, ReduceOp::Sum),
-            Op::AllGather => pg.all_gather(x, 0),
+            Op::Reduce => pg.all_reduce(x, ReduceOp::Sum).map(Some),
+            Op::Gather => pg.all_gather(x, 0).map(Some),
+            Op::ReduceInto => pg.all_reduce_into(x, ReduceOp::Sum, &out).map(|()| None),
+            Op::GatherInto => pg.all_gather_into(x, 0, &out).map(|()| None),
         }
     };
     // Roughly 1 GiB of payload per measurement, at least 3 calls.
@@ -100,11 +107,11 @@ fn main() -> Result<(), CollectiveError> {
     }
     println!();
     println!(
-        "{:>5}  {:<10} {:>9} {:>11} {:>12} {:>12} {:>10}",
+        "{:>5}  {:<15} {:>9} {:>11} {:>12} {:>12} {:>10}",
         "world", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "busbw/cpy"
     );
     for world in [2usize, 4] {
-        for op in [Op::AllReduce, Op::AllGather] {
+        for op in [Op::Reduce, Op::ReduceInto, Op::Gather, Op::GatherInto] {
             let rows = spawn(world, |ctx| -> Result<Vec<(usize, Duration)>, CollectiveError> {
                 let pg = ctx.world_group();
                 sizes.iter().map(|&s| Ok((s, time_op(&pg, op, s)?))).collect()
@@ -113,12 +120,14 @@ fn main() -> Result<(), CollectiveError> {
                 let n = world as f64;
                 let algbw = gbps(size, t);
                 let (name, factor) = match op {
-                    Op::AllReduce => ("all_reduce", 2.0 * (n - 1.0) / n),
-                    Op::AllGather => ("all_gather", (n - 1.0) / n),
+                    Op::Reduce => ("all_reduce", 2.0 * (n - 1.0) / n),
+                    Op::ReduceInto => ("all_reduce_into", 2.0 * (n - 1.0) / n),
+                    Op::Gather => ("all_gather", (n - 1.0) / n),
+                    Op::GatherInto => ("all_gather_into", (n - 1.0) / n),
                 };
                 let busbw = algbw * factor;
                 println!(
-                    "{world:>5}  {name:<10} {:>5} MiB {:>11.1} {algbw:>12.2} {busbw:>12.2} {:>10.2}",
+                    "{world:>5}  {name:<15} {:>5} MiB {:>11.1} {algbw:>12.2} {busbw:>12.2} {:>10.2}",
                     size / MIB,
                     t.as_secs_f64() * 1e6,
                     busbw / cpy

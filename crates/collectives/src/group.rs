@@ -309,6 +309,63 @@ impl ProcessGroup {
         expect_tensor("reduce_scatter", self.execute(i))
     }
 
+    /// [`all_reduce`](Self::all_reduce) into the caller's tensor `out` (same shape, dtype
+    /// and device as `t`, its own storage): PyTorch's `all_reduce` with an output buffer
+    /// kept across calls. On the local backend a host `out`'s memory is written in place,
+    /// so a large collective does not fault in a fresh allocation each call; other
+    /// backends compute as usual and move the result into `out`.
+    ///
+    /// A wrong `out` fails every member's call, as a wrong argument does, and is left as
+    /// it was. After another error, an `out` whose memory the local backend was writing
+    /// holds zeros.
+    ///
+    /// ```
+    /// use tpar_collectives::{spawn, ReduceOp};
+    /// use tpar_tensor::{DType, Device, Tensor};
+    /// spawn(2, |ctx| -> Result<(), tpar_collectives::CollectiveError> {
+    ///     let pg = ctx.world_group();
+    ///     let out = Tensor::zeros([3], DType::F32, Device::Cpu)?; // reused by every call
+    ///     for step in 0..3 {
+    ///         let t = Tensor::from_vec(vec![(pg.rank() + step) as f32; 3], [3])?;
+    ///         pg.all_reduce_into(&t, ReduceOp::Sum, &out)?;
+    ///         assert_eq!(out.to_vec::<f32>()?, vec![(1 + 2 * step) as f32; 3]);
+    ///     }
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), tpar_collectives::CollectiveError>(())
+    /// ```
+    pub fn all_reduce_into(&self, t: &Tensor, op: ReduceOp, out: &Tensor) -> Result<()> {
+        let i = self.issue(Call::AllReduce { op }, Some(t), false);
+        self.execute_into(i, t, out, Some(t.dims().to_vec()))
+    }
+
+    /// [`all_gather`](Self::all_gather) into the caller's tensor `out` (the gathered
+    /// shape, `t`'s dtype and device): PyTorch's `all_gather_into_tensor`, along any dim.
+    /// Memory and errors as [`all_reduce_into`](Self::all_reduce_into).
+    pub fn all_gather_into(&self, t: &Tensor, dim: usize, out: &Tensor) -> Result<()> {
+        let i = self.issue(Call::AllGather { dim }, Some(t), false);
+        // Members may hold uneven sizes along `dim`: the shape is checked on the result.
+        self.execute_into(i, t, out, None)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) into the caller's tensor `out` (this
+    /// member's chunk shape, `t`'s dtype and device): PyTorch's `reduce_scatter_tensor`,
+    /// along any dim. Memory and errors as [`all_reduce_into`](Self::all_reduce_into).
+    pub fn reduce_scatter_into(
+        &self,
+        t: &Tensor,
+        dim: usize,
+        op: ReduceOp,
+        out: &Tensor,
+    ) -> Result<()> {
+        let i = self.issue(Call::ReduceScatter { dim, op }, Some(t), false);
+        let mut dims = t.dims().to_vec();
+        if let Some(d) = dims.get_mut(dim) {
+            *d = crate::chunk_range(*d, self.size(), self.rank()).1;
+        }
+        self.execute_into(i, t, out, Some(dims))
+    }
+
     /// Splits `t` along `split_dim` into `size()` chunks ([`chunk_range`](crate::chunk_range)
     /// rule), sends chunk `j` to member `j`, and concatenates what it receives along
     /// `concat_dim` in group-rank order.
@@ -601,12 +658,75 @@ impl ProcessGroup {
     fn execute(&self, i: Issued) -> Result<Option<Tensor>> {
         let device = i.device;
         let r = match &self.backend {
-            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
+            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, None),
             Backend::Nccl(c) | Backend::Tcp(c) => {
                 c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
             }
         };
         back_to(device, r)
+    }
+
+    /// Runs an issued collective whose result goes into `out`: checks `out` against `t` and
+    /// the expected dims (as a member's argument problem, so every member fails alike),
+    /// lends a host `out`'s memory to the local backend, and refills `out` with the result
+    /// (zeros after an error).
+    fn execute_into(
+        &self,
+        mut i: Issued,
+        t: &Tensor,
+        out: &Tensor,
+        dims: Option<Vec<usize>>,
+    ) -> Result<()> {
+        let op = i.call.name();
+        let bad = |why: String| CollectiveError::InvalidArgument { op, why };
+        if i.problem.is_none() {
+            i.problem = if out.same_storage(t) {
+                Some(bad("`out` shares its storage with the input".into()))
+            } else if out.dtype() != t.dtype() || out.device() != t.device() {
+                Some(bad(format!(
+                    "`out` is {} on {}, the input {} on {}",
+                    out.dtype(),
+                    out.device(),
+                    t.dtype(),
+                    t.device()
+                )))
+            } else {
+                match &dims {
+                    Some(d) if out.dims() != d.as_slice() => {
+                        Some(bad(format!("`out` has shape {:?}, the result {d:?}", out.dims())))
+                    }
+                    _ => None,
+                }
+            };
+        }
+        let reuse = match (&self.backend, i.problem.is_none(), out.device()) {
+            (Backend::Local(_), true, Device::Cpu) => out.take_storage_().ok(),
+            _ => None,
+        };
+        let device = i.device;
+        let r = match &self.backend {
+            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, reuse),
+            Backend::Nccl(c) | Backend::Tcp(c) => {
+                c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
+            }
+        };
+        let r = expect_tensor(op, back_to(device, r)).and_then(|result| {
+            if result.dims() != out.dims() {
+                return Err(bad(format!(
+                    "`out` has shape {:?}, the result {:?}",
+                    out.dims(),
+                    result.dims()
+                )));
+            }
+            out.fill_storage_(result).map_err(|e| bad(format!("filling `out`: {e}")))
+        });
+        if r.is_err() && out.is_released() {
+            // Its memory was lent to the failed collective: give it zeros.
+            if let Ok(z) = Tensor::zeros(out.dims().to_vec(), out.dtype(), out.device()) {
+                let _ = out.fill_storage_(z);
+            }
+        }
+        r
     }
 
     /// Argument checks every member can make alone.

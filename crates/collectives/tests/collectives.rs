@@ -31,6 +31,9 @@ fn run_all_reduce(pg: &ProcessGroup, case: u64, rng: &mut Rng) {
             let got = pg.all_reduce(&inputs[pg.rank()], op).unwrap();
             let what = format!("all_reduce({op}) {dtype} {dims:?} world {n}");
             check(&what, &got, &reduce_ref(&inputs, op), &dims, dtype);
+            let out = Tensor::zeros(dims.clone(), dtype, Device::Cpu).unwrap();
+            pg.all_reduce_into(&inputs[pg.rank()], op, &out).unwrap();
+            check_exact(&format!("{what} into"), &out, &got);
         }
     }
 }
@@ -51,6 +54,9 @@ fn run_reduce_scatter(pg: &ProcessGroup, case: u64, rng: &mut Rng) {
             let want = chunk_of(&full, dim, n, pg.rank());
             let what = format!("reduce_scatter(dim {dim}, {op}) {dtype} {dims:?} world {n}");
             check(&what, &got, &want.to_vec_f64().unwrap(), want.dims(), dtype);
+            let out = Tensor::zeros(got.dims().to_vec(), dtype, Device::Cpu).unwrap();
+            pg.reduce_scatter_into(&inputs[pg.rank()], dim, op, &out).unwrap();
+            check_exact(&format!("{what} into"), &out, &got);
         }
     }
 }
@@ -76,6 +82,9 @@ fn run_all_gather(pg: &ProcessGroup, case: u64, rng: &mut Rng) {
         let got = pg.all_gather(&inputs[pg.rank()], dim).unwrap();
         let want = Tensor::cat(&inputs, dim as isize).unwrap();
         check_exact(&format!("all_gather(dim {dim}) {dtype} sizes {sizes:?}"), &got, &want);
+        let out = Tensor::zeros(want.dims().to_vec(), dtype, Device::Cpu).unwrap();
+        pg.all_gather_into(&inputs[pg.rank()], dim, &out).unwrap();
+        check_exact(&format!("all_gather_into(dim {dim}) {dtype} sizes {sizes:?}"), &out, &want);
     }
 }
 
@@ -159,12 +168,12 @@ fn all_collectives(world: usize, cases: u64) {
             run_broadcast(&pg, case, &mut rng);
             pg.barrier()?;
         }
-        // Per case: 24 all_reduce, 14 reduce_scatter, 5 all_gather, 6 all_to_all,
-        // 5 broadcast, 1 barrier.
+        // Per case: 48 all_reduce, 28 reduce_scatter, 10 all_gather (half of them
+        // `*_into`), 6 all_to_all, 5 broadcast, 1 barrier.
         let per_case = [
-            (CollectiveKind::AllReduce, 24),
-            (CollectiveKind::ReduceScatter, 14),
-            (CollectiveKind::AllGather, 5),
+            (CollectiveKind::AllReduce, 48),
+            (CollectiveKind::ReduceScatter, 28),
+            (CollectiveKind::AllGather, 10),
             (CollectiveKind::AllToAll, 6),
             (CollectiveKind::Broadcast, 5),
             (CollectiveKind::Barrier, 1),
@@ -360,4 +369,82 @@ proptest! {
             Ok(())
         }).unwrap();
     }
+}
+
+/// `*_into` writes into the caller's buffer: the same memory call after call (the
+/// staged all_reduce of 3+ members and the direct one of 2 alike), bit-equal to the
+/// out-of-place collectives.
+#[test]
+fn into_collectives_reuse_the_callers_buffer() {
+    for world in [2, 3] {
+        spawn(world, |ctx| -> Result<(), CollectiveError> {
+            let pg = ctx.world_group();
+            let n = pg.size();
+            let (rows, cols) = (64, 1024); // 2^16 elements: the staged size from 3 members
+            let out = Tensor::zeros([rows, cols], DType::F32, Device::Cpu)?;
+            let gathered = Tensor::zeros([rows * n, cols], DType::F32, Device::Cpu)?;
+            let chunk =
+                Tensor::zeros([chunk_range(rows, n, pg.rank()).1, cols], DType::F32, Device::Cpu)?;
+            let addr = |t: &Tensor| t.with_data::<f32, _>(|s| s.as_ptr() as usize).unwrap();
+            let (a_out, a_gathered, a_chunk) = (addr(&out), addr(&gathered), addr(&chunk));
+            for step in 0..3 {
+                let mut rng = Rng::new(step * 10 + pg.rank() as u64);
+                let x = rand_tensor(&[rows, cols], DType::F32, &mut rng);
+                pg.all_reduce_into(&x, ReduceOp::Sum, &out)?;
+                check_exact("all_reduce_into", &out, &pg.all_reduce(&x, ReduceOp::Sum)?);
+                pg.all_gather_into(&x, 0, &gathered)?;
+                check_exact("all_gather_into", &gathered, &pg.all_gather(&x, 0)?);
+                pg.reduce_scatter_into(&x, 0, ReduceOp::Max, &chunk)?;
+                check_exact(
+                    "reduce_scatter_into",
+                    &chunk,
+                    &pg.reduce_scatter(&x, 0, ReduceOp::Max)?,
+                );
+                assert_eq!(
+                    (addr(&out), addr(&gathered), addr(&chunk)),
+                    (a_out, a_gathered, a_chunk)
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+/// A wrong `out` (shape, dtype, or the input itself) fails every member's call without a
+/// hang, and leaves `out` zeroed; the group works on afterwards.
+#[test]
+fn into_collectives_reject_a_wrong_out_on_every_member() {
+    spawn(3, |ctx| -> Result<(), CollectiveError> {
+        let pg = ctx.world_group();
+        let x = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; 6], [2, 3])?;
+        let good = Tensor::from_vec(vec![7.0f32; 6], [2, 3])?;
+        // Rank 1 alone passes a bad buffer; everyone's call fails.
+        let bad = match pg.rank() {
+            1 => Tensor::from_vec(vec![7.0f32; 3], [3])?,
+            _ => good.clone(),
+        };
+        let e = pg.all_reduce_into(&x, ReduceOp::Sum, &bad).unwrap_err();
+        assert!(
+            matches!(e, CollectiveError::InvalidArgument { .. } | CollectiveError::Mismatch { .. }),
+            "{e}"
+        );
+        // The bad buffer is left as it was; the good ones were lent to the failed call.
+        let left = if pg.rank() == 1 { 7.0 } else { 0.0 };
+        assert_eq!(bad.to_vec::<f32>()?, vec![left; bad.numel()]);
+        let same = x.clone();
+        assert!(pg.all_reduce_into(&x, ReduceOp::Sum, &same).is_err());
+        assert_eq!(x.to_vec::<f32>()?, vec![pg.rank() as f32 + 1.0; 6], "the input is untouched");
+        let f64_out = Tensor::zeros([2, 3], DType::F64, Device::Cpu)?;
+        assert!(pg.all_reduce_into(&x, ReduceOp::Sum, &f64_out).is_err());
+        // An all_gather's shape is known only from every member's size: checked on the result.
+        let short = Tensor::zeros([5, 3], DType::F32, Device::Cpu)?;
+        let e = pg.all_gather_into(&x, 0, &short).unwrap_err();
+        assert!(e.to_string().contains("[6, 3]"), "{e}");
+        // Still in step.
+        pg.all_reduce_into(&x, ReduceOp::Sum, &good)?;
+        assert_eq!(good.to_vec::<f32>()?, vec![6.0; 6]);
+        Ok(())
+    })
+    .unwrap();
 }

@@ -4,11 +4,15 @@ use std::sync::Arc;
 
 use tpar_mesh::DeviceMesh;
 use tpar_placements::{fmt_placements, Placement, Plan, PlanKey, ReduceOp};
-use tpar_tensor::autograd::record;
+use tpar_tensor::autograd::{
+    incoming_grad_replicated, record_replication_aware, set_input_grad_replicated,
+};
 use tpar_tensor::{no_grad, DType, Tensor};
 
 use crate::mode::{self, ImplicitRedistribution};
-use crate::redistribute::{adjoint, avg_factor, cached_plan, execute, grad_placements, slice_full};
+use crate::redistribute::{
+    adjoint_between, avg_factor, cached_plan, execute, grad_placements, replicated_tag, slice_full,
+};
 use crate::{DTensorError, DTensorSpec, Result};
 
 /// A tensor distributed over a [`DeviceMesh`]: this rank's local shard and the spec
@@ -23,6 +27,14 @@ use crate::{DTensorError, DTensorSpec, Result};
 /// slice's is a zero-pad (no communication). [`DTensor::grad`] turns a parameter's local
 /// gradient into a `DTensor` with the parameter's own placements, and
 /// [`DTensor::backward`] seeds a replicated scalar loss so that contributions add up to 1.
+///
+/// A gradient may also be held in full by every rank of a 1-d mesh's group, as PyTorch's
+/// `Replicate` gradients are, where the values it flows through are computed identically
+/// on every rank (see `tpar_tensor::autograd::ReplicatedGrad`): a redistribution to
+/// `Replicate` then takes it back without a reduction (`S(d) -> R`: a local slice;
+/// `P -> R`: as is), and an `R -> S(d)` slice of such a value all-gathers its gradient
+/// so that it does. Where it meets anything else it becomes a contribution again (no
+/// communication), so the gradients are those of the rule above.
 #[derive(Clone)]
 pub struct DTensor {
     local: Tensor,
@@ -158,9 +170,37 @@ impl DTensor {
         let spec = self.spec.with_placements(placements)?;
         let (mesh, shape) = (self.mesh().clone(), self.shape().to_vec());
         let (src, dst) = (self.placements().to_vec(), spec.placements().to_vec());
-        let out = record("redistribute", &[&self.local], out, move |g| {
-            Ok(vec![Some(adjoint(g, &mesh, &shape, &src, &dst)?)])
-        });
+        // Replicated gradients (see the type's docs): on a 1-d mesh, a `Replicate` output
+        // is replicated over the mesh's group in forward, and its gradient may come back
+        // held in full.
+        let tag = replicated_tag(&mesh);
+        let all_rep = |ps: &[Placement]| ps.iter().all(|p| *p == Placement::Replicate);
+        let out_group = tag.filter(|_| all_rep(&dst)).map(|t| t.group);
+        // A `Replicate` input computed from values replicated over the group: its
+        // gradient is made whole here, so the collectives upstream that made those
+        // values replicated take their gradients back without a reduction.
+        let whole_input =
+            tag.filter(|t| all_rep(&src) && self.local.replicated_group() == Some(t.group));
+        let out =
+            record_replication_aware("redistribute", &[&self.local], out, out_group, move |g| {
+                let op = "redistribute backward";
+                let rep = vec![Placement::Replicate; src.len()];
+                let incoming = incoming_grad_replicated();
+                let full = incoming.filter(|t| Some(t.group) == out_group);
+                let g = match (incoming, full) {
+                    (Some(t), None) => t.demote(g.clone())?,
+                    _ => g.clone(),
+                };
+                let from = if full.is_some() { rep.clone() } else { grad_placements(op, &dst)? };
+                let to = match whole_input {
+                    Some(t) => {
+                        set_input_grad_replicated(0, t);
+                        rep.clone()
+                    }
+                    None => grad_placements(op, &src)?,
+                };
+                Ok(vec![Some(adjoint_between(&g, &mesh, &shape, &from, &to, &src, &dst)?)])
+            });
         Ok(DTensor { local: out, spec: Arc::new(spec) })
     }
 
@@ -209,6 +249,26 @@ impl DTensor {
     pub fn backward(&self) -> Result<()> {
         let seed = self.backward_seed()?;
         Ok(self.local.backward_with(&seed)?)
+    }
+
+    /// As [`backward`](Self::backward), but a `Replicate` loss on a 1-d mesh is seeded
+    /// with 1 on every rank, tagged as a gradient held in full (see the type's docs and
+    /// `tpar_tensor::autograd::ReplicatedGrad`): where the graph is replication-aware
+    /// (the loss-parallel cross-entropy, a redistribution to `Replicate`, plain ops on
+    /// values replicated over the mesh) the seed needs no reduction (the loss-parallel
+    /// cross-entropy then skips the all_reduce of its scalar gradient); anywhere else the
+    /// engine turns it into [`backward`](Self::backward)'s seed, so the gradients are the
+    /// same. Other losses and meshes are seeded as by [`backward`](Self::backward).
+    /// `loss_parallel::backward` and `Value::backward` use it.
+    pub fn backward_full_seed(&self) -> Result<()> {
+        let seed = self.backward_seed()?;
+        match replicated_tag(self.mesh()) {
+            Some(tag) if self.placements() == [Placement::Replicate] => {
+                let ones = Tensor::full(seed.shape().clone(), 1.0, seed.dtype(), seed.device())?;
+                Ok(self.local.backward_with_replicated(&ones, tag)?)
+            }
+            _ => Ok(self.local.backward_with(&seed)?),
+        }
     }
 
     /// The gradient [`backward`](Self::backward) seeds this rank's local tensor with: ones

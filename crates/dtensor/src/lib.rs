@@ -22,6 +22,7 @@
 
 mod dtensor;
 mod error;
+pub mod local_layout;
 pub mod mode;
 pub mod ops;
 pub mod redistribute;

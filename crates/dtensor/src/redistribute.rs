@@ -7,6 +7,7 @@ use tpar_mesh::DeviceMesh;
 use tpar_placements::{
     chunk_range, local_shape_and_offset, Placement, Plan, PlanKey, ReduceOp, StepKind,
 };
+use tpar_tensor::autograd::ReplicatedGrad;
 use tpar_tensor::{no_grad, Tensor};
 
 use crate::{DTensorError, Result};
@@ -119,16 +120,54 @@ pub fn adjoint(
     dst: &[Placement],
 ) -> Result<Tensor> {
     let op = "redistribute backward";
+    adjoint_between(
+        grad,
+        mesh,
+        shape,
+        &grad_placements(op, dst)?,
+        &grad_placements(op, src)?,
+        src,
+        dst,
+    )
+}
+
+/// The adjoint of redistributing `src -> dst` with the local gradients' layouts given:
+/// `from`, how the gradient for `dst` is laid out, and `to`, how the gradient for `src`
+/// must be (for [`adjoint`], [`grad_placements`] of `dst` and `src`; a gradient held in
+/// full on a `Replicate` dim is laid out `Replicate` instead of `Partial(sum)`).
+pub(crate) fn adjoint_between(
+    grad: &Tensor,
+    mesh: &DeviceMesh,
+    shape: &[usize],
+    from: &[Placement],
+    to: &[Placement],
+    src: &[Placement],
+    dst: &[Placement],
+) -> Result<Tensor> {
     let key = PlanKey {
         mesh_shape: mesh.shape().to_vec(),
         global_shape: shape.to_vec(),
         elem_bytes: grad.dtype().size_in_bytes(),
-        src: grad_placements(op, dst)?,
-        dst: grad_placements(op, src)?,
+        src: from.to_vec(),
+        dst: to.to_vec(),
     };
     let out = execute(&cached_plan(key)?, grad, mesh)?;
     let scale = avg_factor(dst, mesh) / avg_factor(src, mesh);
     Ok(if scale == 1.0 { out } else { no_grad(|| out.mul_scalar(scale))? })
+}
+
+/// The key of a 1-d mesh's group for the autograd engine's replicated gradients (a hash
+/// of its members' global ranks) and whether this rank is its root (coordinate 0), as a
+/// [`ReplicatedGrad`] tag; `None` for meshes of other ranks.
+pub(crate) fn replicated_tag(mesh: &DeviceMesh) -> Option<ReplicatedGrad> {
+    use std::hash::{Hash, Hasher};
+    if mesh.ndim() != 1 {
+        return None;
+    }
+    let g = mesh.group(0).ok()?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ("tpar mesh group", g.ranks()).hash(&mut h);
+    Some(ReplicatedGrad { group: h.finish(), root: mesh.coordinate()[0] == 0 })
 }
 
 /// This rank's shard of a full tensor laid out as `spec` (no communication): the

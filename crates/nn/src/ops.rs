@@ -130,7 +130,16 @@ macro_rules! binary_ops {
         $(
             $(#[$doc])*
             pub fn $name(&self, rhs: &Value) -> Result<Value> {
-                both!(Operands::of(stringify!($name), &[self, rhs])?, |x| x[0].$name(&x[1]))
+                let out = both!(
+                    Operands::of(stringify!($name), &[self, rhs])?,
+                    |x| x[0].$name(&x[1])
+                )?;
+                // Plain shards of one known layout (a residual of sequence shards) give a
+                // shard of that layout: a style taking it back needs no shape exchange.
+                if let (Value::Tensor(o), Value::Tensor(a), Value::Tensor(b)) = (&out, self, rhs) {
+                    tpar_dtensor::local_layout::propagate(o, &[a, b]);
+                }
+                Ok(out)
             }
         )*
     };

@@ -103,12 +103,16 @@ impl Value {
 
     /// Backpropagates this scalar loss, plain or distributed: `loss.backward()`.
     ///
-    /// A DTensor loss seeds its own placements ([`DTensor::backward`]). A plain loss is
+    /// A DTensor loss seeds its own placements ([`DTensor::backward_full_seed`]: the
+    /// gradients of [`DTensor::backward`], with a replicated loss's seed held in full). A plain loss is
     /// plain autograd, except inside a [`replicated_loss_scope`] (what
     /// `loss_parallel::enable` opens): there the loss is taken as the same value on every
     /// rank of the scope's mesh (`Replicate`), so the ranks' gradient contributions add
     /// up to one gradient however many ranks computed it.
     pub fn backward(&self) -> Result<()> {
+        if let Value::DTensor(d) = self {
+            return Ok(d.backward_full_seed()?);
+        }
         let (root, seed) = self.backward_seed()?;
         Ok(root.backward_with(&seed)?)
     }

@@ -42,6 +42,14 @@ fn steps_line(out: &mut String, side: &str, steps: &[Step]) {
 /// style hooks (an op's own redistributions, `loss_parallel`'s all_reduces, reading
 /// replicated parameters' gradients) are not in `events` and not counted.
 ///
+/// The backward shown is each redistribution's adjoint in the contribution convention
+/// (a `Replicate` value's gradient as `Partial(sum)`). Where the engine carries a
+/// gradient held in full instead (see `tpar_tensor::autograd::ReplicatedGrad`), the
+/// backward that runs differs: an `R -> S(d)` slice of a replicated value all-gathers
+/// its gradient rather than zero-padding it, and an `S(d) -> R` all_gather takes a full
+/// gradient back as a local slice rather than a reduce_scatter (the sequence-parallel
+/// Llama plan's o_proj and q/k/v). [`explain_collectives`] counts what ran.
+///
 /// ```
 /// use tpar_nn::{Linear, Module};
 /// use tpar_tensor::{DType, Device};

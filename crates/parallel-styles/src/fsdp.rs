@@ -158,10 +158,13 @@ impl FsdpHook {
     /// An identity on `t` whose backward gathers the unit's parameters first.
     fn pre_backward(&self, t: &Tensor) -> Tensor {
         let unit = self.unit.clone();
-        record("fsdp_pre_backward", &[t], t.detach(), move |g| {
+        let out = record("fsdp_pre_backward", &[t], t.detach(), move |g| {
             unit.pre_backward().map_err(to_tensor_error)?;
             Ok(vec![Some(g.clone())])
-        })
+        });
+        // The same values: a plain shard of a known layout stays known.
+        tpar_dtensor::local_layout::propagate(&out, &[t]);
+        out
     }
 }
 

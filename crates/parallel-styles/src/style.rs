@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use tpar_dtensor::redistribute::{cached_plan, grad_placements};
-use tpar_dtensor::{distribute_tensor, DTensor, Placement};
+use tpar_dtensor::{distribute_tensor, local_layout, DTensor, Placement};
 use tpar_mesh::DeviceMesh;
 use tpar_nn::{Args, ForwardHook, Module, NnError, Param, Value};
 use tpar_placements::{fmt_placements, PlanKey};
@@ -92,9 +92,11 @@ impl Ctx {
     /// that are not tensors, or inputs with no layout, pass through untouched.
     ///
     /// A plain tensor sharded on a dim whose global size the module knows (`known`: a
-    /// Linear's `in_features` for its last dim) gets its global shape from it; other
-    /// sharded plain tensors exchange their local shapes (one small i64 all_gather), so
-    /// uneven shards are exact.
+    /// Linear's `in_features` for its last dim) gets its global shape from it; so does
+    /// one a style handed on as a DTensor's local shard, or an elementwise result of such
+    /// shards of one layout (a residual sum; see [`local_layout`]). Other sharded plain
+    /// tensors exchange their local shapes (one small i64 all_gather), so uneven shards
+    /// are exact.
     fn convert(
         &self,
         what: &str,
@@ -105,7 +107,8 @@ impl Ctx {
     ) -> std::result::Result<Value, NnError> {
         let d = match (v, given) {
             (Value::Tensor(t), Some(g)) => {
-                let shape = known_global_shape(t.dims(), g, known);
+                let shape = known_global_shape(t.dims(), g, known)
+                    .or_else(|| local_layout::known_shape(&t, &self.mesh, &[g]));
                 DTensor::from_local(&t, &self.mesh, &[g], shape.as_deref())?
             }
             (Value::DTensor(d), _) => d,
@@ -146,9 +149,11 @@ impl Ctx {
         Ok(())
     }
 
+    /// The caller's form of a converted value: with `use_local`, a DTensor's local shard,
+    /// remembered with its layout (see [`local_layout`]).
     fn local(v: Value, use_local: bool) -> Value {
         match v {
-            Value::DTensor(d) if use_local => Value::Tensor(d.to_local()),
+            Value::DTensor(d) if use_local => Value::Tensor(local_layout::remember(&d)),
             other => other,
         }
     }

@@ -29,6 +29,69 @@ thread_local! {
     /// The callbacks queued for the end of the backward pass running on this thread
     /// (`None` outside a backward pass).
     static CALLBACKS: RefCell<Option<Vec<Queued>>> = const { RefCell::new(None) };
+    /// The tag of the gradient a replication-aware closure is called with.
+    static INCOMING: Cell<Option<ReplicatedGrad>> = const { Cell::new(None) };
+    /// The tags a replication-aware closure gives its input gradients.
+    static OUTGOING: RefCell<Vec<Option<ReplicatedGrad>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A gradient held in full, identically, by every rank of one group (PyTorch's
+/// `Replicate` gradient), as opposed to the default convention for a value replicated
+/// over a group: each rank's local gradient is its *contribution* and the gradient is
+/// their sum (`Partial(sum)`).
+///
+/// The tensor layer knows nothing of ranks: `group` is an opaque key of the group
+/// (the layer above hashes its members) and `root` tells whether this rank is the one
+/// that keeps the value when the gradient is turned back into a contribution
+/// ([`demote`](ReplicatedGrad::demote): the value on the root, zeros elsewhere, which
+/// sums to the same gradient and costs no communication).
+///
+/// Tags flow through the engine only where replication is known: a gradient is seeded
+/// with one ([`Tensor::backward_with_replicated`]), a replication-aware node gives one
+/// ([`record_replication_aware`], [`set_input_grad_replicated`]), and it passes through
+/// a plain node only when every recorded input of that node is itself replicated over
+/// the same group in forward ([`Tensor::replicated_group`]): a deterministic function of
+/// values identical on every rank, fed an identical gradient, gives identical input
+/// gradients. Anywhere else (a node with another input, a sum with an untagged
+/// gradient, a leaf's `.grad()`, a gradient handed back by [`grad`] or
+/// [`backward_input`]) the tag is dropped by demoting the gradient, so untagged
+/// gradients always follow the contribution convention and no closure that does not
+/// ask sees a tagged one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicatedGrad {
+    /// The group's key.
+    pub group: u64,
+    /// Whether this rank keeps the value when the tag is dropped.
+    pub root: bool,
+}
+
+impl ReplicatedGrad {
+    /// The same gradient in the contribution convention: `g` on the root, zeros elsewhere.
+    pub fn demote(&self, g: Tensor) -> Result<Tensor> {
+        if self.root {
+            Ok(g)
+        } else {
+            g.zeros_like()
+        }
+    }
+}
+
+/// In the backward closure of a [`record_replication_aware`] node: the tag of the
+/// gradient it was called with (`None`: the contribution convention).
+pub fn incoming_grad_replicated() -> Option<ReplicatedGrad> {
+    INCOMING.with(|c| c.get())
+}
+
+/// In the backward closure of a [`record_replication_aware`] node: marks the gradient it
+/// returns for input `i` as held in full by every rank of `tag.group`.
+pub fn set_input_grad_replicated(i: usize, tag: ReplicatedGrad) {
+    OUTGOING.with(|o| {
+        let mut o = o.borrow_mut();
+        if o.len() <= i {
+            o.resize(i + 1, None);
+        }
+        o[i] = Some(tag);
+    });
 }
 
 /// Work for the end of a backward pass (see [`queue_callback`]).
@@ -144,6 +207,10 @@ pub struct Node {
     pub(crate) name: &'static str,
     pub(crate) inputs: Vec<Tensor>,
     pub(crate) backward: Box<BackwardFn>,
+    /// The group the output is replicated over in forward (see [`ReplicatedGrad`]).
+    pub(crate) replicated: Option<u64>,
+    /// Whether the closure reads and gives gradient tags itself.
+    pub(crate) aware: bool,
 }
 
 /// Whether ops on this thread record the graph.
@@ -233,10 +300,40 @@ pub fn record(
     if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
         return output;
     }
+    let mut groups = inputs.iter().map(|t| t.replicated_group());
+    let first = groups.next().flatten();
+    let replicated = first.filter(|g| groups.all(|o| o == Some(*g)));
     let node = Node {
         name,
         inputs: inputs.iter().map(|t| (*t).clone()).collect(),
         backward: Box::new(backward),
+        replicated,
+        aware: false,
+    };
+    output.share(output.shape().clone(), Some(Arc::new(node)))
+}
+
+/// [`record`] for a node that knows how its values are laid out over ranks (a
+/// redistribution, a distributed loss): its output is replicated over `replicated` in
+/// forward (when `Some`; the tensor layer takes the caller's word), and its closure is
+/// called with tagged gradients as they are ([`incoming_grad_replicated`]) and may tag
+/// the gradients it returns ([`set_input_grad_replicated`]). See [`ReplicatedGrad`].
+pub fn record_replication_aware(
+    name: &'static str,
+    inputs: &[&Tensor],
+    output: Tensor,
+    replicated: Option<u64>,
+    backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+) -> Tensor {
+    if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+        return output;
+    }
+    let node = Node {
+        name,
+        inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+        backward: Box::new(backward),
+        replicated,
+        aware: true,
     };
     output.share(output.shape().clone(), Some(Arc::new(node)))
 }
@@ -314,12 +411,53 @@ fn topo(roots: &[Tensor]) -> (Vec<Tensor>, Vec<Tensor>) {
     (order, leaves)
 }
 
+/// Tags of the gradients in an engine map that are held in full ([`ReplicatedGrad`]).
+type Tags = HashMap<u64, ReplicatedGrad>;
+
 fn accumulate(map: &mut HashMap<u64, Tensor>, id: u64, g: Tensor) -> Result<()> {
-    let v = match map.remove(&id) {
-        Some(old) => old.add(&g)?,
-        None => g,
+    accumulate_tagged(map, &mut Tags::new(), id, g, None)
+}
+
+/// Adds `g` (tagged `tag`) into `id`'s gradient. Two gradients with the same tag sum to a
+/// gradient with that tag; otherwise the tagged ones are demoted first.
+fn accumulate_tagged(
+    map: &mut HashMap<u64, Tensor>,
+    tags: &mut Tags,
+    id: u64,
+    g: Tensor,
+    tag: Option<ReplicatedGrad>,
+) -> Result<()> {
+    let (v, t) = match map.remove(&id) {
+        None => (g, tag),
+        Some(old) => match (tags.remove(&id), tag) {
+            (Some(a), Some(b)) if a == b => (old.add(&g)?, Some(a)),
+            (a, b) => {
+                let old = match a {
+                    Some(a) => a.demote(old)?,
+                    None => old,
+                };
+                let g = match b {
+                    Some(b) => b.demote(g)?,
+                    None => g,
+                };
+                (old.add(&g)?, None)
+            }
+        },
     };
     map.insert(id, v);
+    if let Some(t) = t {
+        tags.insert(id, t);
+    }
+    Ok(())
+}
+
+/// Demotes every tagged gradient of `map` (see [`ReplicatedGrad`]).
+fn demote_all(map: &mut HashMap<u64, Tensor>, tags: Tags) -> Result<()> {
+    for (id, tag) in tags {
+        if let Some(g) = map.remove(&id) {
+            map.insert(id, tag.demote(g)?);
+        }
+    }
     Ok(())
 }
 
@@ -342,9 +480,43 @@ fn seed(roots: &[Tensor], grads: Vec<Tensor>) -> Result<HashMap<u64, Tensor>> {
 /// Calls `node`'s backward closure on `g` with the input mask `mask`; checks
 /// that it returned one entry per input.
 fn call_backward(node: &Node, g: &Tensor, mask: Vec<bool>) -> Result<Vec<Option<Tensor>>> {
-    let gs = {
+    // Untagged in; a replication-aware closure may still tag what it returns: demote it.
+    let (gs, tags) = call_backward_tagged(node, g, mask, None)?;
+    gs.into_iter()
+        .zip(tags)
+        .map(|(gi, t)| match (gi, t) {
+            (Some(gi), Some(t)) => t.demote(gi).map(Some),
+            (gi, _) => Ok(gi),
+        })
+        .collect()
+}
+
+/// The input gradients a closure returned, each with its tag.
+type TaggedGrads = (Vec<Option<Tensor>>, Vec<Option<ReplicatedGrad>>);
+
+/// [`call_backward`] with the gradient's tag: a replication-aware node's closure sees it
+/// and tags its input gradients itself; any other node (called only with a tag when it
+/// is replicated over the tag's group) passes the tag on to every input gradient.
+fn call_backward_tagged(
+    node: &Node,
+    g: &Tensor,
+    mask: Vec<bool>,
+    tag: Option<ReplicatedGrad>,
+) -> Result<TaggedGrads> {
+    let n = node.inputs.len();
+    let (gs, tags) = {
         let _m = MaskGuard::new(Some(mask));
-        (node.backward)(g)?
+        if node.aware {
+            let prev_in = INCOMING.with(|c| c.replace(tag));
+            let prev_out = OUTGOING.with(|o| o.replace(vec![None; n]));
+            let gs = (node.backward)(g);
+            INCOMING.with(|c| c.set(prev_in));
+            let mut tags = OUTGOING.with(|o| o.replace(prev_out));
+            tags.resize(n, None);
+            (gs?, tags)
+        } else {
+            ((node.backward)(g)?, vec![tag; n])
+        }
     };
     if gs.len() != node.inputs.len() {
         return Err(TensorError::Autograd(format!(
@@ -354,7 +526,7 @@ fn call_backward(node: &Node, g: &Tensor, mask: Vec<bool>) -> Result<Vec<Option<
             node.inputs.len()
         )));
     }
-    Ok(gs)
+    Ok((gs, tags))
 }
 
 /// Checks the shape of a gradient `node` produced for `inp` and converts it to `inp`'s dtype.
@@ -393,14 +565,23 @@ struct Split<'a> {
 fn propagate(
     order: &[Tensor],
     map: &mut HashMap<u64, Tensor>,
+    tags: &mut Tags,
     keep: &HashSet<u64>,
     mut split: Option<Split<'_>>,
 ) -> Result<()> {
     for t in order {
         let Some(node) = t.node() else { continue };
-        let g =
-            if keep.contains(&t.id()) { map.get(&t.id()).cloned() } else { map.remove(&t.id()) };
+        let kept = keep.contains(&t.id());
+        let g = if kept { map.get(&t.id()).cloned() } else { map.remove(&t.id()) };
         let Some(g) = g else { continue };
+        let mut tag = if kept { tags.get(&t.id()).copied() } else { tags.remove(&t.id()) };
+        let g = match tag {
+            Some(tg) if !(node.aware || node.replicated == Some(tg.group)) => {
+                tag = None;
+                tg.demote(g)?
+            }
+            _ => g,
+        };
         let mask: Vec<bool> = node
             .inputs
             .iter()
@@ -408,23 +589,27 @@ fn propagate(
                 i.requires_grad() && split.as_ref().is_none_or(|s| s.on_path.contains(&i.id()))
             })
             .collect();
-        let gs = if split.is_none() || mask.contains(&true) {
-            call_backward(node, &g, mask.clone())?
+        let (gs, gtags) = if split.is_none() || mask.contains(&true) {
+            call_backward_tagged(node, &g, mask.clone(), tag)?
         } else {
-            vec![None; node.inputs.len()]
+            (vec![None; node.inputs.len()], vec![None; node.inputs.len()])
         };
         let mut later = Vec::new();
-        for (i, (inp, gi)) in node.inputs.iter().zip(gs).enumerate() {
+        for (i, ((inp, gi), gt)) in node.inputs.iter().zip(gs).zip(gtags).enumerate() {
             if !inp.requires_grad() {
                 continue;
             }
             if mask[i] {
                 if let Some(gi) = gi {
-                    accumulate(map, inp.id(), checked(node, inp, gi)?)?;
+                    accumulate_tagged(map, tags, inp.id(), checked(node, inp, gi)?, gt)?;
                 }
             } else if let Some(s) = &mut split {
                 let slot = s.weight.seeds.len();
                 let gi = gi.map(|gi| checked(node, inp, gi)).transpose()?;
+                let gi = match (gi, gt) {
+                    (Some(gi), Some(gt)) => Some(gt.demote(gi)?),
+                    (gi, _) => gi,
+                };
                 if gi.is_none() {
                     later.push((i, slot));
                 }
@@ -432,7 +617,12 @@ fn propagate(
             }
         }
         if let (false, Some(s)) = (later.is_empty(), &mut split) {
-            s.weight.pending.push(Pending { node: node.clone(), grad: g, slots: later });
+            // The weight pass calls the closure again, untagged.
+            let grad = match tag {
+                Some(tg) => tg.demote(g)?,
+                None => g,
+            };
+            s.weight.pending.push(Pending { node: node.clone(), grad, slots: later });
         }
     }
     Ok(())
@@ -445,17 +635,34 @@ fn run(
     grads: Vec<Tensor>,
     keep: &HashSet<u64>,
 ) -> Result<(Vec<Tensor>, HashMap<u64, Tensor>)> {
+    run_tagged(roots, grads, Tags::new(), keep)
+}
+
+/// [`run`] with some roots' gradients tagged (`tags`, by root id). The gradients
+/// returned are all in the contribution convention.
+fn run_tagged(
+    roots: &[Tensor],
+    grads: Vec<Tensor>,
+    mut tags: Tags,
+    keep: &HashSet<u64>,
+) -> Result<(Vec<Tensor>, HashMap<u64, Tensor>)> {
     let _g = GradModeGuard::new(false);
     let _m = MaskGuard::new(None);
     let mut map = seed(roots, grads)?;
     let (order, leaves) = topo(roots);
-    propagate(&order, &mut map, keep, None)?;
+    propagate(&order, &mut map, &mut tags, keep, None)?;
+    demote_all(&mut map, tags)?;
     Ok((leaves, map))
 }
 
 /// Propagates `grads` (one per root) and adds the result into every leaf's `.grad()`.
 fn run_into_leaves(roots: &[Tensor], grads: Vec<Tensor>) -> Result<()> {
-    let (leaves, mut map) = run(roots, grads, &HashSet::new())?;
+    run_into_leaves_tagged(roots, grads, Tags::new())
+}
+
+/// [`run_into_leaves`] with some roots' gradients tagged.
+fn run_into_leaves_tagged(roots: &[Tensor], grads: Vec<Tensor>, tags: Tags) -> Result<()> {
+    let (leaves, mut map) = run_tagged(roots, grads, tags, &HashSet::new())?;
     for leaf in leaves {
         if let Some(g) = map.remove(&leaf.id()) {
             leaf.accumulate_grad(g)?;
@@ -497,6 +704,29 @@ impl Tensor {
         with_callbacks(Vec::new(), || {
             run_into_leaves(std::slice::from_ref(self), vec![grad.detach()])
         })
+    }
+
+    /// As [`backward_with`](Self::backward_with), with `grad` held in full by every rank
+    /// of `tag.group` (see [`ReplicatedGrad`]): where the graph is replication-aware the
+    /// gradient stays whole and costs no reduction; anywhere else it is demoted, which
+    /// gives exactly what `backward_with(tag.demote(grad))` gives.
+    pub fn backward_with_replicated(&self, grad: &Tensor, tag: ReplicatedGrad) -> Result<()> {
+        if !self.requires_grad() {
+            return Err(TensorError::Autograd(
+                "the tensor does not require grad and has no grad_fn".into(),
+            ));
+        }
+        let tags = Tags::from([(self.id(), tag)]);
+        with_callbacks(Vec::new(), || {
+            run_into_leaves_tagged(std::slice::from_ref(self), vec![grad.detach()], tags)
+        })
+    }
+
+    /// The group this tensor is replicated over in forward, when known: the output of a
+    /// replication-aware node that says so ([`record_replication_aware`]), or of a node
+    /// all of whose recorded inputs are replicated over that group. `None` for leaves.
+    pub fn replicated_group(&self) -> Option<u64> {
+        self.node().and_then(|n| n.replicated)
     }
 }
 
@@ -613,7 +843,9 @@ pub fn backward_input(
     }
     let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
     let split = Split { on_path: &on_path, weight: &mut weight };
-    propagate(&order, &mut map, &targets, Some(split))?;
+    let mut tags = Tags::new();
+    propagate(&order, &mut map, &mut tags, &targets, Some(split))?;
+    demote_all(&mut map, tags)?;
     // The backward ends with the weight pass: its callbacks wait for it.
     weight.callbacks = scope.take();
     Ok((inputs.iter().map(|t| map.get(&t.id()).cloned()).collect(), weight))

@@ -155,6 +155,8 @@ pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + 'static {
     fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Wraps a vector into storage.
     fn wrap(v: Vec<Self>) -> CpuStorage;
+    /// The elements, when `s` holds this type (else `s` back).
+    fn unwrap(s: CpuStorage) -> std::result::Result<Vec<Self>, CpuStorage>;
     /// Converts to f64.
     fn to_f64(self) -> f64;
     /// Converts from f64 (rounding, or truncating for integers).
@@ -179,6 +181,12 @@ macro_rules! element {
             }
             fn wrap(v: Vec<Self>) -> CpuStorage {
                 CpuStorage::$variant(v)
+            }
+            fn unwrap(s: CpuStorage) -> std::result::Result<Vec<Self>, CpuStorage> {
+                match s {
+                    CpuStorage::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
             }
             fn to_f64(self) -> f64 {
                 ($to)(self)

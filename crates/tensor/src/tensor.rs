@@ -467,6 +467,29 @@ impl Tensor {
         freed
     }
 
+    /// Takes the host data out of this tensor without a copy, leaving its storage released
+    /// (as [`Tensor::release_storage_`]) until [`Tensor::fill_storage_`] refills it: how a
+    /// collective writing into a caller's buffer reuses that buffer's memory. Errors on
+    /// CUDA, meta and already released tensors, leaving them as they were.
+    pub fn take_storage_(&self) -> Result<CpuStorage> {
+        let mut g = self.0.storage.write().unwrap_or_else(|p| p.into_inner());
+        match std::mem::replace(&mut *g, Storage::Released) {
+            Storage::Cpu(s) => Ok(s),
+            other => {
+                let e = match &other {
+                    Storage::Gpu(_) => TensorError::InvalidArgument {
+                        op: "take_storage_",
+                        what: format!("a tensor on {} (host tensors only)", self.device()),
+                    },
+                    Storage::Meta => TensorError::MetaTensor { op: "take_storage_" },
+                    _ => TensorError::Released { op: "take_storage_" },
+                };
+                *g = other;
+                Err(e)
+            }
+        }
+    }
+
     /// A CPU tensor of `shape` whose storage starts released (filled later with
     /// [`Tensor::fill_storage_`]): a placeholder that costs no memory.
     pub fn new_released(shape: impl Into<Shape>, dtype: DType) -> Tensor {
@@ -499,7 +522,9 @@ impl Tensor {
                 ),
             });
         }
-        let src = src.implicit_move(self.device())?;
+        // (Moved only when it must change device: a clone would keep a second handle.)
+        let src =
+            if src.device() == self.device() { src } else { src.implicit_move(self.device())? };
         let moved = Arc::try_unwrap(src.0).map_err(Tensor).and_then(|inner| {
             Arc::try_unwrap(inner.storage)
                 .map(|lock| lock.into_inner().unwrap_or_else(|p| p.into_inner()))

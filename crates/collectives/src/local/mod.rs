@@ -228,7 +228,15 @@ pub(crate) struct LocalComm {
     ex: Arc<Exchange>,
     /// This member's index in the group.
     me: usize,
+    /// The chunk this member staged in its last `all_reduce` of [`SPARE_MIN_BYTES`] or
+    /// more: reused by the next one once no peer holds it, so the staging memory is not
+    /// faulted in every call.
+    spare: Arc<Mutex<Option<Arc<CpuStorage>>>>,
 }
+
+/// From this size on a fresh buffer is a new mapping (past glibc's largest mmap
+/// threshold) whose pages fault in one by one: worth keeping a staged chunk for reuse.
+const SPARE_MIN_BYTES: usize = 32 << 20;
 
 fn internal(op: &'static str, what: &str) -> CollectiveError {
     CollectiveError::InvalidArgument { op, why: format!("internal error: {what}") }
@@ -236,7 +244,7 @@ fn internal(op: &'static str, what: &str) -> CollectiveError {
 
 impl LocalComm {
     pub fn new(world: Arc<WorldShared>, ex: Arc<Exchange>, me: usize) -> LocalComm {
-        LocalComm { world, ex, me }
+        LocalComm { world, ex, me, spare: Arc::default() }
     }
 
     pub fn world(&self) -> &Arc<WorldShared> {
@@ -391,6 +399,7 @@ impl LocalComm {
         tensor: Option<Tensor>,
         problem: Option<CollectiveError>,
         timeout: Duration,
+        reuse: Option<CpuStorage>,
     ) -> Result<Option<Tensor>> {
         let op = call.name();
         let n = self.ex.members.len();
@@ -467,7 +476,7 @@ impl LocalComm {
                     && descs.iter().all(|d| d.place == Place::Cpu)
                     && staged_all_reduce(n, &descs[me].dims) =>
             {
-                return self.all_reduce(seq, &tensors, &descs, *rop, clock);
+                return self.all_reduce(seq, &tensors, &descs, *rop, clock, reuse);
             }
             _ if meta || tensors.len() != n => self.output_meta(&call, &descs),
             _ if on_device.is_some() => {
@@ -482,11 +491,11 @@ impl LocalComm {
             }
             Call::AllReduce { op: rop } => {
                 // Direct: reduce the whole tensor from every input (one chunk of one).
-                reduce_scatter(&tensors, &descs[me].dims, 0, *rop, 0, 1).map(Some)
+                reduce_scatter(&tensors, &descs[me].dims, 0, *rop, 0, 1, reuse).map(Some)
             }
-            Call::AllGather { dim } => all_gather(&tensors, &descs, *dim).map(Some),
+            Call::AllGather { dim } => all_gather(&tensors, &descs, *dim, reuse).map(Some),
             Call::ReduceScatter { dim, op: rop } => {
-                reduce_scatter(&tensors, &descs[me].dims, *dim, *rop, me, n).map(Some)
+                reduce_scatter(&tensors, &descs[me].dims, *dim, *rop, me, n, reuse).map(Some)
             }
             Call::AllToAll { split_dim, concat_dim, .. } => {
                 all_to_all(&tensors, &descs, *split_dim, *concat_dim, me, n).map(Some)
@@ -575,6 +584,7 @@ impl LocalComm {
         descs: &[Desc],
         rop: ReduceOp,
         clock: Clock,
+        reuse: Option<CpuStorage>,
     ) -> Result<Option<Tensor>> {
         let op = "all_reduce";
         let n = tensors.len();
@@ -582,13 +592,17 @@ impl LocalComm {
         let numel: usize = dims.iter().product();
         let (start, len) = chunk_range(numel, n, self.me);
         let dtype = descs[self.me].dtype;
-        let staged = match reduce_flat_chunk(tensors, start, len, rop) {
+        let spare = lock(&self.spare).take().and_then(|s| Arc::try_unwrap(s).ok());
+        let staged = match reduce_flat_chunk(tensors, start, len, rop, spare) {
             Ok(s) => Arc::new(s),
             Err(e) => {
                 self.abandon(seq, op, &e);
                 return Err(e);
             }
         };
+        if len * dtype.size_in_bytes() >= SPARE_MIN_BYTES {
+            *lock(&self.spare) = Some(staged.clone());
+        }
         let mut st = self.ex.lock();
         if let Some(slot) = st.slots.get_mut(&seq) {
             if let Some(s) = slot.staged.get_mut(self.me) {
@@ -610,7 +624,7 @@ impl LocalComm {
         if chunks.len() != n {
             return Err(internal(op, "missing staged chunk"));
         }
-        let out = concat_storages(&chunks, numel, dtype)?;
+        let out = concat_storages(&chunks, numel, dtype, reuse)?;
         Ok(Some(Tensor::from_storage(out, dims)?))
     }
 
@@ -702,9 +716,12 @@ fn reduce_flat_chunk(
     start: usize,
     len: usize,
     rop: ReduceOp,
+    reuse: Option<CpuStorage>,
 ) -> Result<CpuStorage> {
     let dtype = tensors.first().map_or(DType::F32, |t| t.dtype());
-    tpar_tensor::with_any_type!(dtype, |T| { reduce_flat_typed::<T>(tensors, start, len, rop) })
+    tpar_tensor::with_any_type!(dtype, |T| {
+        reduce_flat_typed::<T>(tensors, start, len, rop, output_vec(reuse, len))
+    })
 }
 
 fn reduce_flat_typed<T: Reducible>(
@@ -712,21 +729,39 @@ fn reduce_flat_typed<T: Reducible>(
     start: usize,
     len: usize,
     rop: ReduceOp,
+    mut out: Vec<T>,
 ) -> Result<CpuStorage> {
     let out = with_slices::<T, _>(tensors, |srcs| {
         let runs: Option<Vec<&[T]>> = srcs.iter().map(|s| s.get(start..start + len)).collect();
         let runs = runs?;
-        let mut out = Vec::with_capacity(len);
         reduce_runs(&runs, rop, &mut Vec::new(), &mut out);
         Some(out)
     })?;
     out.map(T::wrap).ok_or_else(|| storage_mismatch("all_reduce"))
 }
 
+/// An empty output buffer for `numel` elements: `reuse`'s memory when it holds `T`
+/// (a caller's buffer of a `*_into` call, whose pages are already mapped), else new.
+fn output_vec<T: Element>(reuse: Option<CpuStorage>, numel: usize) -> Vec<T> {
+    match reuse.map(T::unwrap) {
+        Some(Ok(mut v)) => {
+            v.clear();
+            v.reserve(numel);
+            v
+        }
+        _ => Vec::with_capacity(numel),
+    }
+}
+
 /// Concatenates staged chunks (all of `dtype`) into one storage of `numel` elements.
-fn concat_storages(chunks: &[Arc<CpuStorage>], numel: usize, dtype: DType) -> Result<CpuStorage> {
+fn concat_storages(
+    chunks: &[Arc<CpuStorage>],
+    numel: usize,
+    dtype: DType,
+    reuse: Option<CpuStorage>,
+) -> Result<CpuStorage> {
     tpar_tensor::with_any_type!(dtype, |T| {
-        let mut out: Vec<T> = Vec::with_capacity(numel);
+        let mut out: Vec<T> = output_vec(reuse, numel);
         for c in chunks {
             let s = <T as Element>::slice(c).ok_or_else(|| storage_mismatch("all_reduce"))?;
             out.extend_from_slice(s);
@@ -744,7 +779,12 @@ fn copy_whole(t: &Tensor) -> Result<Tensor> {
 }
 
 /// `all_gather` along `dim`: every member's tensor, concatenated in member order.
-fn all_gather(tensors: &[Tensor], descs: &[Desc], dim: usize) -> Result<Tensor> {
+fn all_gather(
+    tensors: &[Tensor],
+    descs: &[Desc],
+    dim: usize,
+    reuse: Option<CpuStorage>,
+) -> Result<Tensor> {
     let d0 = &descs[0].dims;
     let outer: usize = d0[..dim].iter().product();
     let inner: usize = d0[dim + 1..].iter().product();
@@ -756,7 +796,7 @@ fn all_gather(tensors: &[Tensor], descs: &[Desc], dim: usize) -> Result<Tensor> 
     let dtype = descs[0].dtype;
     let s = tpar_tensor::with_any_type!(dtype, |T| {
         let out = with_slices::<T, _>(tensors, |srcs| {
-            let mut out: Vec<T> = Vec::with_capacity(numel);
+            let mut out: Vec<T> = output_vec(reuse, numel);
             let mut ok = true;
             for a in 0..outer {
                 for (v, s) in views.iter().zip(srcs) {
@@ -779,6 +819,7 @@ fn reduce_scatter(
     rop: ReduceOp,
     me: usize,
     n: usize,
+    reuse: Option<CpuStorage>,
 ) -> Result<Tensor> {
     let dtype = tensors.first().map_or(DType::F32, |t| t.dtype());
     let (start, len) = match dims.get(dim) {
@@ -797,7 +838,7 @@ fn reduce_scatter(
     let numel: usize = out_dims.iter().product();
     let s = tpar_tensor::with_any_type!(dtype, |T| {
         let out = with_slices::<T, _>(tensors, |srcs| {
-            let mut out: Vec<T> = Vec::with_capacity(numel);
+            let mut out: Vec<T> = output_vec(reuse, numel);
             let mut acc = Vec::new();
             let mut iters: Vec<_> = srcs.iter().map(|s| view.runs(s)).collect();
             let mut runs: Vec<&[T]> = Vec::with_capacity(srcs.len());

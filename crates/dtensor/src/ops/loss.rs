@@ -5,7 +5,9 @@ use tpar_kernels::cross_entropy as ce;
 use tpar_kernels::{Acc, Float};
 use tpar_mesh::DeviceMesh;
 use tpar_placements::{Placement, ReduceOp};
-use tpar_tensor::autograd::record;
+use tpar_tensor::autograd::{
+    incoming_grad_replicated, record_replication_aware, set_input_grad_replicated,
+};
 use tpar_tensor::{DType, Element, Tensor, TensorError};
 
 use super::{choose, finish, global_shape, meta, no_rule, prepare_all, Strategy};
@@ -154,11 +156,31 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
     let (x, t) = (logits.detach(), targets.detach());
     let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
     grad_dims.sort_unstable();
-    Ok(record("cross_entropy", &[logits], out, move |g| {
-        // The loss is Replicate: its local gradient is a contribution. Sum it over the
-        // mesh dims where the logits are sharded (each rank's block needs the full
-        // gradient); on replicated mesh dims the contribution flows on as is.
-        let g = all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], ReduceOp::Sum)?[0];
+    // The loss is Replicate over the mesh: on a 1-d mesh its gradient may come back held
+    // in full (`DTensor::backward_full_seed`'s seed).
+    let tag = crate::redistribute::replicated_tag(&lay.mesh);
+    let group = tag.map(|t| t.group);
+    Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
+        let incoming = incoming_grad_replicated();
+        let full = incoming.filter(|t| Some(t.group) == group);
+        let g = match (incoming, full) {
+            (Some(t), None) => t.demote(g.clone())?,
+            _ => g.clone(),
+        };
+        // A gradient held in full is the gradient. Otherwise the local gradient is a
+        // contribution: sum it over the mesh dims where the logits are sharded (each
+        // rank's block needs the full gradient); on replicated mesh dims the contribution
+        // flows on as is.
+        let g = match full {
+            Some(t) => {
+                if grad_dims.is_empty() {
+                    // Replicated logits: their gradient is held in full too.
+                    set_input_grad_replicated(0, t);
+                }
+                g.item()?
+            }
+            None => all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], ReduceOp::Sum)?[0],
+        };
         let scale = if count == 0.0 { 0.0 } else { g / count };
         let row_scale = [T::Acc::of(scale)];
         let mut dl = vec![T::default(); x.numel()];
@@ -192,10 +214,13 @@ impl DTensor {
     ///   vocab slice; forward issues three all_reduces of `rows` values each (max with
     ///   MAX; the sum of exponentials, rescaled to the global max, with SUM; the target
     ///   logit, non-zero only on the rank owning the target column, with SUM). The logits
-    ///   are never gathered. Backward: one all_reduce of the scalar loss gradient, then
-    ///   `(softmax - onehot) * grad / count` on the local vocab slice only.
+    ///   are never gathered. Backward: one all_reduce of the scalar loss gradient (none
+    ///   when it is held in full, as [`DTensor::backward_full_seed`] seeds a loss on a
+    ///   1-d mesh),
+    ///   then `(softmax - onehot) * grad / count` on the local vocab slice only.
     /// * `S(d)`, `S(d)` with `d` a row dim: forward one all_reduce of `[loss sum,
-    ///   count]`; backward one all_reduce of the scalar loss gradient.
+    ///   count]`; backward one all_reduce of the scalar loss gradient (none when it is
+    ///   held in full).
     /// * `R`, `R`: the plain op, no communication.
     ///
     /// Other layouts are redistributed to the cheapest of these (implicit; partial

@@ -1,0 +1,90 @@
+//! What is known of plain tensors that are DTensor shards, so a style that takes a plain
+//! tensor back as a DTensor needs no communication to learn its global shape.
+//!
+//! A style with `use_local_output` hands the next module a DTensor's local shard; a later
+//! style that takes that plain tensor back ([`DTensor::from_local`] without a shape, as
+//! PyTorch's `from_local(run_check=False)`) would otherwise exchange every rank's local
+//! shape to learn the global one (uneven shards are exact in tpar, never guessed).
+//! Instead the handing-on side [`remember`]s the DTensor's layout under the local
+//! tensor's identity (tensor ids are never reused), elementwise ops on plain shards of one
+//! layout [`propagate`] it (a residual `x + h`), and the taking side asks
+//! [`known_shape`].
+//!
+//! The record is per thread (per rank) and bounded; whether a tensor is known depends
+//! only on the program's path and on global layouts, never on a rank's data, so every
+//! rank of a group makes the same choice and none waits on a shape exchange the others
+//! skip.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use tpar_mesh::DeviceMesh;
+use tpar_placements::{normalize_placements, Placement};
+use tpar_tensor::Tensor;
+
+use crate::DTensor;
+
+#[derive(Clone, PartialEq, Eq)]
+struct Known {
+    ranks: Vec<usize>,
+    mesh_shape: Vec<usize>,
+    placements: Vec<Placement>,
+    shape: Vec<usize>,
+}
+
+/// Entries kept per thread; the record is cleared when it reaches this many (at the same
+/// point on every rank, since ranks record the same sequence).
+const LIMIT: usize = 4096;
+
+thread_local! {
+    static KNOWN: RefCell<HashMap<u64, Known>> = RefCell::new(HashMap::new());
+}
+
+fn insert(id: u64, k: Known) {
+    KNOWN.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() >= LIMIT {
+            m.clear();
+        }
+        m.insert(id, k);
+    });
+}
+
+fn get(id: u64) -> Option<Known> {
+    KNOWN.with(|m| m.borrow().get(&id).cloned())
+}
+
+/// `d`'s local shard, remembered as the shard of `d`'s layout (mesh, placements, global
+/// shape).
+pub fn remember(d: &DTensor) -> Tensor {
+    insert(
+        d.local().id(),
+        Known {
+            ranks: d.mesh().ranks().to_vec(),
+            mesh_shape: d.mesh().shape().to_vec(),
+            placements: d.placements().to_vec(),
+            shape: d.shape().to_vec(),
+        },
+    );
+    d.to_local()
+}
+
+/// The global shape of `t` taken as this rank's shard laid out as `placements` on
+/// `mesh`, when `t` was [`remember`]ed (or [`propagate`]d) with that layout.
+pub fn known_shape(t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> Option<Vec<usize>> {
+    let k = get(t.id())?;
+    let ps = normalize_placements(placements, t.rank()).ok()?;
+    let same = k.ranks == mesh.ranks() && k.mesh_shape == mesh.shape() && k.placements == ps;
+    same.then_some(k.shape)
+}
+
+/// Records `out`, the result of an elementwise op on `operands`, with their layout when
+/// all of them are known with one layout and have `out`'s local shape.
+pub fn propagate(out: &Tensor, operands: &[&Tensor]) {
+    let mut known = operands.iter().map(|t| (get(t.id()), t.dims()));
+    let Some((Some(first), _)) = known.next() else { return };
+    let dims = out.dims();
+    if operands[0].dims() == dims && known.all(|(k, d)| k.as_ref() == Some(&first) && d == dims) {
+        insert(out.id(), first);
+    }
+}
