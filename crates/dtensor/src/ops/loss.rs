@@ -90,11 +90,29 @@ fn run_device(logits: &Tensor, targets: &Tensor, lay: Layout) -> Result<Tensor> 
     let (x, t) = (logits.detach(), targets.detach());
     let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
     grad_dims.sort_unstable();
-    Ok(record("cross_entropy", &[logits], out, move |g| {
-        // As in `run`: the loss gradient summed over the sharded mesh dims, then
-        // `(softmax - onehot) * g / count` on the local vocab slice.
+    // As in `run`: on a 1-d mesh the loss gradient may come back held in full.
+    let tag = crate::redistribute::replicated_tag(&lay.mesh);
+    let group = tag.map(|t| t.group);
+    Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
+        let incoming = incoming_grad_replicated();
+        let full = incoming.filter(|t| Some(t.group) == group);
+        let g = match (incoming, full) {
+            (Some(t), None) => t.demote(g.clone())?,
+            _ => g.clone(),
+        };
+        // As in `run`: a gradient held in full is the gradient; otherwise the loss
+        // gradient is summed over the sharded mesh dims. Then `(softmax - onehot) * g /
+        // count` on the local vocab slice.
         let g = g.to_dtype(DType::F32)?.reshape([1])?;
-        let g = all_reduce_tensor(&lay.mesh, &grad_dims, g, ReduceOp::Sum)?;
+        let g = match full {
+            Some(t) => {
+                if grad_dims.is_empty() {
+                    set_input_grad_replicated(0, t);
+                }
+                g
+            }
+            None => all_reduce_tensor(&lay.mesh, &grad_dims, g, ReduceOp::Sum)?,
+        };
         let scale = g.div(&count)?;
         let dl = x.ce_shard_backward(&t, lay.vocab_start, lay.ignore_index, &lse, &scale)?;
         Ok(vec![Some(dl)])
