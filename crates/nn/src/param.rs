@@ -177,7 +177,7 @@ fn reduced_marks<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, u64>) -> 
 }
 
 /// Where the elements of a parameter's reduced local gradient live, for reductions
-/// over all of them (a global norm; see [`crate::optim::sum_over_groups`]).
+/// over all of them (a global norm; see `tpar_optim::sum_over_groups`).
 #[derive(Clone, Debug)]
 pub struct GradLayout {
     /// Whether this rank's elements count (false on a non-zero coordinate of a mesh dim
