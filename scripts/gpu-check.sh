@@ -18,7 +18,8 @@
 #   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
 #      training step in eager PyTorch (tokens/s);
 #   3. llama_2d --device cuda with the same model and batch as step 2 (it may
-#      not run on CUDA yet: its outcome is reported, never fatal);
+#      not run on CUDA yet: its outcome is reported, never fatal), and its host
+#      round trips per step (logging steps and the others);
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files).
 #
@@ -205,6 +206,12 @@ if m:
 else:
     tail = [l for l in log.strip().splitlines() if l.strip()][-3:]
     llama["outcome"] = "did not train: " + (" | ".join(tail) if tail else "no output")
+# Host round trips per step on the device (rank 0): logging steps read the loss once,
+# the others nothing; the emulator's counts are pinned by tests/cuda_emulated_training.rs.
+for kind in ("logging", "quiet"):
+    m = re.search(rf"round_trips_{kind}=([0-9,]*)", log)
+    if m:
+        llama[f"round_trips_{kind}"] = [int(x) for x in m.group(1).split(",") if x]
 
 keys = list(ours) + [k for k in torch if k not in ours]
 
@@ -227,6 +234,11 @@ lines.append(
 )
 lines.append(f"torch_ref: exit {torch_rc}")
 lines.append(f"llama_2d --device cuda: exit {llama_rc}, {llama['outcome']}")
+if "round_trips_quiet" in llama or "round_trips_logging" in llama:
+    lines.append(
+        "llama_2d host round trips per step (rank 0): logging steps "
+        f"{llama.get('round_trips_logging', [])}, other steps {llama.get('round_trips_quiet', [])}"
+    )
 lines.append("")
 head = f"{'benchmark':<34} {'unit':<9} {'ours':>9} {'torch':>9} {'cuBLASLt':>9} {'ours/torch':>11} {'ours/cuBLASLt':>14}"
 lines.append(head)
