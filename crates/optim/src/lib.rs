@@ -802,43 +802,62 @@ fn sum_sq(t: &Tensor) -> Result<f64> {
 /// carrying one slot per part spanning it: for parts on one mesh that is one scalar-vector
 /// all_reduce per mesh dim of size > 1. Collective over every group named.
 pub fn sum_over_groups(parts: &[(Vec<ProcessGroup>, f64)]) -> Result<f64> {
-    let mut layouts: Vec<&[ProcessGroup]> = Vec::new();
-    let mut layout_keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
-    let mut sums: Vec<f64> = Vec::new();
+    let (layouts, slot_of) = layout_slots(parts.iter().map(|(g, _)| g.as_slice()));
+    let mut sums = vec![0.0; layouts.len()];
     let mut local_only = 0.0;
-    for (groups, v) in parts {
-        if groups.is_empty() {
-            local_only += v;
-            continue;
+    for ((_, v), slot) in parts.iter().zip(&slot_of) {
+        match slot {
+            Some(j) => sums[*j] += v,
+            None => local_only += v,
         }
-        let key: Vec<Vec<usize>> = groups.iter().map(|g| g.ranks().to_vec()).collect();
-        let slot = *layout_keys.entry(key).or_insert_with(|| {
-            layouts.push(groups);
-            sums.push(0.0);
-            sums.len() - 1
-        });
-        sums[slot] += v;
     }
-    // One all_reduce per distinct group, carrying the slots of every layout spanning it.
-    let mut done: Vec<&[usize]> = Vec::new();
-    for layout in &layouts {
-        for group in layout.iter() {
-            if done.contains(&group.ranks()) {
-                continue;
-            }
-            done.push(group.ranks());
-            let slots: Vec<usize> = (0..layouts.len())
-                .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
-                .collect();
-            let vals: Vec<f64> = slots.iter().map(|&j| sums[j]).collect();
-            let n = vals.len();
-            let reduced = group.all_reduce(&Tensor::from_vec(vals, [n])?, ReduceOp::Sum)?;
-            for (&j, v) in slots.iter().zip(reduced.to_vec::<f64>()?) {
-                sums[j] = v;
-            }
+    for (group, slots) in group_spans(&layouts) {
+        let vals: Vec<f64> = slots.iter().map(|&j| sums[j]).collect();
+        let n = vals.len();
+        let reduced = group.all_reduce(&Tensor::from_vec(vals, [n])?, ReduceOp::Sum)?;
+        for (&j, v) in slots.iter().zip(reduced.to_vec::<f64>()?) {
+            sums[j] = v;
         }
     }
     Ok(local_only + sums.iter().sum::<f64>())
+}
+
+/// The distinct layouts among `parts` (by their groups' ranks, in first-seen order) and
+/// each part's slot among them (`None` for a part with no groups: already global).
+fn layout_slots<'a>(
+    parts: impl Iterator<Item = &'a [ProcessGroup]>,
+) -> (Vec<&'a [ProcessGroup]>, Vec<Option<usize>>) {
+    let mut layouts: Vec<&[ProcessGroup]> = Vec::new();
+    let mut keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
+    let slot_of = parts
+        .map(|groups| {
+            if groups.is_empty() {
+                return None;
+            }
+            let key: Vec<Vec<usize>> = groups.iter().map(|g| g.ranks().to_vec()).collect();
+            Some(*keys.entry(key).or_insert_with(|| {
+                layouts.push(groups);
+                layouts.len() - 1
+            }))
+        })
+        .collect();
+    (layouts, slot_of)
+}
+
+/// Each distinct group of `layouts` (first-seen order) with the layouts spanning it: one
+/// all_reduce per group carries the slots of all of them.
+fn group_spans<'a>(layouts: &[&'a [ProcessGroup]]) -> Vec<(&'a ProcessGroup, Vec<usize>)> {
+    let mut out: Vec<(&ProcessGroup, Vec<usize>)> = Vec::new();
+    for group in layouts.iter().flat_map(|l| l.iter()) {
+        if out.iter().any(|(g, _)| g.ranks() == group.ranks()) {
+            continue;
+        }
+        let spanning = (0..layouts.len())
+            .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
+            .collect();
+        out.push((group, spanning));
+    }
+    out
 }
 
 /// The global L2 norm of all parameters' gradients, as `torch.nn.utils.clip_grad_norm_`,
@@ -1013,21 +1032,7 @@ fn clip_on_device(
     let sq = if sums.len() == 1 { sums.remove(0) } else { Tensor::cat(&sums, 0)? };
     // Slots: one per distinct layout (by its groups' ranks, first-seen order), then one
     // for the parts that are already global.
-    let mut layouts: Vec<&[ProcessGroup]> = Vec::new();
-    let mut layout_keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
-    let slot_of: Vec<Option<usize>> = parts
-        .iter()
-        .map(|(groups, _)| {
-            if groups.is_empty() {
-                return None;
-            }
-            let key: Vec<Vec<usize>> = groups.iter().map(|g| g.ranks().to_vec()).collect();
-            Some(*layout_keys.entry(key).or_insert_with(|| {
-                layouts.push(groups);
-                layouts.len() - 1
-            }))
-        })
-        .collect();
+    let (layouts, slot_of) = layout_slots(parts.iter().map(|(g, _)| g.as_slice()));
     let n_slots = layouts.len() + 1;
     let slot = |i: usize| slot_of[i].unwrap_or(layouts.len());
     let mut fold = vec![0f32; n_slots * order.len()];
@@ -1045,21 +1050,11 @@ fn clip_on_device(
     let mut slots: Vec<Tensor> =
         (0..n_slots).map(|j| slots.narrow(0, j, 1)).collect::<std::result::Result<_, _>>()?;
     // One all_reduce per distinct group, carrying the slots of every layout spanning it.
-    let mut done: Vec<&[usize]> = Vec::new();
-    for layout in &layouts {
-        for group in layout.iter() {
-            if done.contains(&group.ranks()) {
-                continue;
-            }
-            done.push(group.ranks());
-            let spanning: Vec<usize> = (0..layouts.len())
-                .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
-                .collect();
-            let vals: Vec<Tensor> = spanning.iter().map(|&j| slots[j].clone()).collect();
-            let reduced = group.all_reduce(&Tensor::cat(&vals, 0)?, ReduceOp::Sum)?;
-            for (k, &j) in spanning.iter().enumerate() {
-                slots[j] = reduced.narrow(0, k, 1)?;
-            }
+    for (group, spanning) in group_spans(&layouts) {
+        let vals: Vec<Tensor> = spanning.iter().map(|&j| slots[j].clone()).collect();
+        let reduced = group.all_reduce(&Tensor::cat(&vals, 0)?, ReduceOp::Sum)?;
+        for (k, &j) in spanning.iter().enumerate() {
+            slots[j] = reduced.narrow(0, k, 1)?;
         }
     }
     let mut total_sq = Tensor::cat(&slots, 0)?.sum_all()?;

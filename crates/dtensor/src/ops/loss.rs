@@ -94,29 +94,38 @@ fn run_device(logits: &Tensor, targets: &Tensor, lay: Layout) -> Result<Tensor> 
     let tag = crate::redistribute::replicated_tag(&lay.mesh);
     let group = tag.map(|t| t.group);
     Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
-        let incoming = incoming_grad_replicated();
-        let full = incoming.filter(|t| Some(t.group) == group);
-        let g = match (incoming, full) {
-            (Some(t), None) => t.demote(g.clone())?,
-            _ => g.clone(),
-        };
         // As in `run`: a gradient held in full is the gradient; otherwise the loss
         // gradient is summed over the sharded mesh dims. Then `(softmax - onehot) * g /
         // count` on the local vocab slice.
+        let (g, full) = loss_grad_in(g, group, grad_dims.is_empty())?;
         let g = g.to_dtype(DType::F32)?.reshape([1])?;
-        let g = match full {
-            Some(t) => {
-                if grad_dims.is_empty() {
-                    set_input_grad_replicated(0, t);
-                }
-                g
-            }
-            None => all_reduce_tensor(&lay.mesh, &grad_dims, g, ReduceOp::Sum)?,
-        };
+        let g = if full { g } else { all_reduce_tensor(&lay.mesh, &grad_dims, g, ReduceOp::Sum)? };
         let scale = g.div(&count)?;
         let dl = x.ce_shard_backward(&t, lay.vocab_start, lay.ignore_index, &lse, &scale)?;
         Ok(vec![Some(dl)])
     }))
+}
+
+/// The loss gradient a cross-entropy backward starts from, and whether it is held in full
+/// over the loss's own replication `group` (then it is the gradient, not a contribution
+/// to sum). A gradient held in full over another group is demoted to the plain
+/// convention. When the logits are replicated too (`replicated_logits`), their gradient
+/// is marked held in full as well.
+fn loss_grad_in(
+    g: &Tensor,
+    group: Option<u64>,
+    replicated_logits: bool,
+) -> std::result::Result<(Tensor, bool), TensorError> {
+    let incoming = incoming_grad_replicated();
+    let full = incoming.filter(|t| Some(t.group) == group);
+    let g = match (incoming, full) {
+        (Some(t), None) => t.demote(g.clone())?,
+        _ => g.clone(),
+    };
+    if let (Some(t), true) = (full, replicated_logits) {
+        set_input_grad_replicated(0, t);
+    }
+    Ok((g, full.is_some()))
 }
 
 /// The local forward and the recorded backward for element type `T`.
@@ -179,25 +188,15 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
     let tag = crate::redistribute::replicated_tag(&lay.mesh);
     let group = tag.map(|t| t.group);
     Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
-        let incoming = incoming_grad_replicated();
-        let full = incoming.filter(|t| Some(t.group) == group);
-        let g = match (incoming, full) {
-            (Some(t), None) => t.demote(g.clone())?,
-            _ => g.clone(),
-        };
         // A gradient held in full is the gradient. Otherwise the local gradient is a
         // contribution: sum it over the mesh dims where the logits are sharded (each
         // rank's block needs the full gradient); on replicated mesh dims the contribution
         // flows on as is.
-        let g = match full {
-            Some(t) => {
-                if grad_dims.is_empty() {
-                    // Replicated logits: their gradient is held in full too.
-                    set_input_grad_replicated(0, t);
-                }
-                g.item()?
-            }
-            None => all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], ReduceOp::Sum)?[0],
+        let (g, full) = loss_grad_in(g, group, grad_dims.is_empty())?;
+        let g = if full {
+            g.item()?
+        } else {
+            all_reduce(&lay.mesh, &grad_dims, vec![g.item()?], ReduceOp::Sum)?[0]
         };
         let scale = if count == 0.0 { 0.0 } else { g / count };
         let row_scale = [T::Acc::of(scale)];
