@@ -11,18 +11,40 @@ fn example() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
-fn summary(device: &str, plan: &str) -> (String, String) {
+/// `llama_2d` on a tiny model (2 layers, hidden 32, seq 16, batch 2) with `args`, the
+/// emulator serving `cuda`: its stdout and stderr.
+fn run_tiny(args: &[&str]) -> (String, String) {
     let exe = example().expect("llama_2d example (built by `cargo test`)");
     let out = Command::new(exe)
         .env("TPAR_CUDA", "emulator")
-        .args(["--world", "4", "--dp", "2", "--tp", "2", "--steps", "3", "--layers", "2"])
-        .args(["--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
-        .args(["--seq", "16", "--batch", "2", "--log-every", "1", "--lr", "3e-3"])
-        .args(["--device", device, "--plan", plan])
+        .args(["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"])
+        .args(["--intermediate", "64", "--seq", "16", "--batch", "2"])
+        .args(args)
         .output()
         .expect("run llama_2d");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn summary(device: &str, plan: &str) -> (String, String) {
+    let (stdout, stderr) = run_tiny(&[
+        "--world",
+        "4",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--steps",
+        "3",
+        "--log-every",
+        "1",
+        "--lr",
+        "3e-3",
+        "--device",
+        device,
+        "--plan",
+        plan,
+    ]);
     let line = stdout
         .lines()
         .find(|l| l.starts_with("summary:"))
@@ -50,17 +72,9 @@ fn two_d_training_on_the_emulated_gpu_matches_the_cpu() {
 /// steps 1 and 4 (`--log-every 10`): `(logging steps, quiet steps)`, from the
 /// `round_trips_logging=` / `round_trips_quiet=` lists of the `device:` line.
 fn step_round_trips(args: &[&str]) -> (Vec<u64>, Vec<u64>) {
-    let exe = example().expect("llama_2d example (built by `cargo test`)");
-    let out = Command::new(exe)
-        .env("TPAR_CUDA", "emulator")
-        .args(["--steps", "4", "--layers", "2", "--hidden", "32", "--heads", "4"])
-        .args(["--kv-heads", "2", "--intermediate", "64", "--seq", "16", "--batch", "2"])
-        .args(["--log-every", "10", "--device", "cuda"])
-        .args(args)
-        .output()
-        .expect("run llama_2d");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let mut all = vec!["--steps", "4", "--log-every", "10", "--device", "cuda"];
+    all.extend_from_slice(args);
+    let (stdout, stderr) = run_tiny(&all);
     let line = stdout
         .lines()
         .find(|l| l.starts_with("device:"))

@@ -1,11 +1,12 @@
 //! The real transport: one NCCL communicator and one CUDA stream, owned by the group's
 //! worker thread (`nccl::Comm` is not `Send`).
 //!
-//! Interim data path: tensors have no CUDA storage yet, so [`Transport::run`] copies each
-//! host buffer to the device, runs the primitive with [`NcclDevice::run_on_device`] and
-//! copies the result back. When CUDA tensors land, their device buffers go straight to
-//! `run_on_device` (and the plan's packing copies become device-to-device `cuMemcpy2D`s),
-//! skipping both host copies.
+//! Interim data path: the worker takes host buffers (`ProcessGroup` stages CUDA tensors
+//! through the host for this backend), so [`Transport::run`] copies each host buffer to
+//! the device, runs the primitive with [`NcclDevice::run_on_device`] and copies the result
+//! back. Passing CUDA tensors' device buffers straight to `run_on_device` (and making the
+//! plan's packing copies device-to-device `cuMemcpy2D`s) would skip both host copies;
+//! that is not done yet.
 //!
 //! Waiting: after enqueueing, the worker records an event and polls it (spinning briefly,
 //! then sleeping with backoff) until it completes or the call's deadline passes. NCCL gives

@@ -52,9 +52,10 @@
 //!   the payload travels alone (one `ncclSend`/`ncclRecv` of the expected count) and a
 //!   disagreement is not detected (see
 //!   [`ProcessGroup::send_shaped`](crate::ProcessGroup::send_shaped)).
-//! - **Interim host path.** Tensors have no CUDA storage yet: each call copies host to
-//!   device, runs NCCL on the group's stream and copies back (see `device.rs`); the device
-//!   boundary `NcclDevice::run_on_device` is where CUDA tensors will enter without copies.
+//! - **Interim host path.** CUDA tensors are staged through the host for this backend, and
+//!   each call copies host to device, runs NCCL on the group's stream and copies back (see
+//!   `device.rs`); the device boundary `NcclDevice::run_on_device` is where CUDA tensors
+//!   would enter without copies, which is not done yet.
 //! - **Uneven shards** are padded to the largest shard for `all_gather`/`reduce_scatter`
 //!   and trimmed after; `all_to_all` is grouped `ncclSend`/`ncclRecv` of exact pieces
 //!   (see `remote/plan.rs`). All dtypes go natively: f32, f64, bf16, f16 (cudarc's `f16`

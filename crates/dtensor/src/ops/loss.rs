@@ -62,6 +62,22 @@ fn all_reduce_tensor(mesh: &DeviceMesh, dims: &[usize], t: Tensor, op: ReduceOp)
     Ok(t)
 }
 
+impl Layout {
+    /// The mesh dims sharding the logits (vocab and rows), sorted: a loss gradient that is
+    /// a contribution is summed over them.
+    fn grad_dims(&self) -> Vec<usize> {
+        let mut dims = [self.vocab_dims.clone(), self.row_dims.clone()].concat();
+        dims.sort_unstable();
+        dims
+    }
+
+    /// The group the loss is Replicate over, on a 1-d mesh: its gradient may come back
+    /// held in full there (`DTensor::backward_full_seed`'s seed).
+    fn loss_group(&self) -> Option<u64> {
+        crate::redistribute::replicated_tag(&self.mesh).map(|t| t.group)
+    }
+}
+
 /// The local forward and the recorded backward on a CUDA device (f32, bf16 or f16
 /// logits): the steps of [`run`] with device kernels and f32 statistics, the all_reduces
 /// on device tensors; nothing is read back (a bad target is found through a 4-byte
@@ -88,11 +104,7 @@ fn run_device(logits: &Tensor, targets: &Tensor, lay: Layout) -> Result<Tensor> 
     let loss = sums.narrow(0, 0, 1)?.div(&count)?.reshape(Vec::<usize>::new())?;
     let out = loss.to_dtype(logits.dtype())?;
     let (x, t) = (logits.detach(), targets.detach());
-    let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
-    grad_dims.sort_unstable();
-    // As in `run`: on a 1-d mesh the loss gradient may come back held in full.
-    let tag = crate::redistribute::replicated_tag(&lay.mesh);
-    let group = tag.map(|t| t.group);
+    let (grad_dims, group) = (lay.grad_dims(), lay.loss_group());
     Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
         // As in `run`: a gradient held in full is the gradient; otherwise the loss
         // gradient is summed over the sharded mesh dims. Then `(softmax - onehot) * g /
@@ -181,12 +193,7 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
     let device = logits.device();
     let out = Tensor::from_f64(&[loss], Vec::<usize>::new(), logits.dtype())?.to_device(device)?;
     let (x, t) = (logits.detach(), targets.detach());
-    let mut grad_dims = [lay.vocab_dims.clone(), lay.row_dims.clone()].concat();
-    grad_dims.sort_unstable();
-    // The loss is Replicate over the mesh: on a 1-d mesh its gradient may come back held
-    // in full (`DTensor::backward_full_seed`'s seed).
-    let tag = crate::redistribute::replicated_tag(&lay.mesh);
-    let group = tag.map(|t| t.group);
+    let (grad_dims, group) = (lay.grad_dims(), lay.loss_group());
     Ok(record_replication_aware("cross_entropy", &[logits], out, group, move |g| {
         // A gradient held in full is the gradient. Otherwise the local gradient is a
         // contribution: sum it over the mesh dims where the logits are sharded (each

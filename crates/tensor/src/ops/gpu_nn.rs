@@ -78,6 +78,17 @@ impl Status {
     }
 }
 
+/// The error for the first bad index a kernel's [`Status`] found (`(position, value)`),
+/// against `size` valid values.
+fn out_of_range(op: &'static str, bad: Option<(usize, i64)>, size: usize) -> Result<()> {
+    match bad {
+        Some((position, index)) => {
+            Err(KernelError::IndexOutOfRange { op, index, position, size }.into())
+        }
+        None => Ok(()),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // RoPE
 // ---------------------------------------------------------------------------------------
@@ -150,15 +161,7 @@ pub(crate) fn cross_entropy(
         )?;
         status.check(tv, rows)
     })?;
-    if let Some((position, index)) = bad {
-        return Err(KernelError::IndexOutOfRange {
-            op: "ce_local_stats",
-            index,
-            position,
-            size: vocab,
-        }
-        .into());
-    }
+    out_of_range("ce_local_stats", bad, vocab)?;
     let mut ones = Out::new(&dev, [rows], DType::F32)?;
     let zero = Out::zeros(&dev, [rows], DType::F32)?;
     let mut sums = Out::new(&dev, [2], DType::F32)?;
@@ -281,15 +284,7 @@ pub(crate) fn embedding(
         k_emb::embedding_forward(&*dev, cd, wv, vocab, dim, iv, n, vocab_start, masked, ov, err)?;
         status.as_ref().map_or(Ok(None), |s| s.check(iv, n))
     })?;
-    if let Some((position, index)) = bad {
-        return Err(KernelError::IndexOutOfRange {
-            op: "embedding_forward",
-            index,
-            position,
-            size: vocab,
-        }
-        .into());
-    }
+    out_of_range("embedding_forward", bad, vocab)?;
     let ids_c = ids.detach();
     let wdt = weight.dtype();
     Ok(Some(record(OP, &[weight], out.into_tensor(), move |g| {
@@ -866,15 +861,7 @@ impl Tensor {
             )?;
             status.check(tv, rows)
         })?;
-        if let Some((position, index)) = bad {
-            return Err(KernelError::IndexOutOfRange {
-                op: "ce_local_stats",
-                index,
-                position,
-                size: vocab_size,
-            }
-            .into());
-        }
+        out_of_range("ce_local_stats", bad, vocab_size)?;
         Ok((max.into_tensor(), sumexp.into_tensor(), tl.into_tensor()))
     }
 
