@@ -20,11 +20,16 @@
 #   3. llama_2d --device cuda with the same model and batch as step 2 (it may
 #      not run on CUDA yet: its outcome is reported, never fatal), and its host
 #      round trips per step (logging steps and the others);
+#   3b. the small default model on the device and on the host in the
+#      configurations whose emulated round trips the tests pin (world 1 with
+#      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
+#      NCCL under torchrun): the logged losses compared, the round trips read;
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files).
 #
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
-# torch_ref.{log,json}, llama_2d.log, summary.{txt,json} (seven files).
+# torch_ref.{log,json}, llama_2d.log, parity.log, summary.{txt,json} (eight
+# files).
 # Exit status: gpu_check's (0 every check passed, 1 a check failed, 2 no GPU
 # or no binary). Expect several minutes on an H200 (NVRTC compiles the kernels
 # on first use; step 3 is capped at LLAMA_TIMEOUT): where one command may run
@@ -32,8 +37,9 @@
 # step 3 alone in a second command with SKIP_CHECK=1 SKIP_TORCH=1.
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
-# (default python3), QUICK=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1, LLAMA_TIMEOUT
-# (seconds; default 180), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS,
+# (default python3), QUICK=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
+# SKIP_PARITY=1, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
 set -u
@@ -104,7 +110,7 @@ find_lib() {
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
-for lib in libcuda.so.1 libnvrtc.so.13 libcublasLt.so.13; do
+for lib in libcuda.so.1 libnvrtc.so.13 libcublasLt.so.13 libnccl.so.2; do
     if dir="$(find_lib "$lib")"; then
         add_lib_dir "$dir"
         echo "  $lib: $dir"
@@ -162,17 +168,58 @@ if [ "${SKIP_LLAMA:-0}" != 1 ]; then
     fi
 fi
 
+# ---------------------------------------------------------------- 3b. parity
+
+# The small default model on the device and on the host, in the configurations
+# whose emulated host round trips tests/cuda_emulated_training.rs pins: world 1
+# with and without FSDP, 2x2 (FSDP x TP, the local backend's four ranks on one
+# GPU) with both plans, and world 1 over NCCL under torchrun when it is there.
+# Each run's output goes to parity.log after a `=== <name> <device>` line;
+# the summary compares the logged losses and reads the round trips.
+parity_rc=skipped
+if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
+    echo
+    echo "== 3b. llama_2d parity: cuda against cpu, small model (logs in parity.log)"
+    : >"$out/parity.log"
+    parity_rc=0
+    small=(--steps 6 --log-every 3)
+    run_parity() {
+        local name="$1" dev="$2"
+        shift 2
+        echo "=== $name $dev" >>"$out/parity.log"
+        timeout "${PARITY_TIMEOUT:-120}" "$@" "${small[@]}" --device "$dev" >>"$out/parity.log" 2>&1
+        local rc=$?
+        echo "=== exit $rc" >>"$out/parity.log"
+        echo "  $name on $dev: exit $rc"
+        [ "$rc" = 0 ] || parity_rc=1
+    }
+    for cfg in "w1-nofsdp:--world 1 --dp 1 --tp 1 --no-fsdp" "w1-fsdp:--world 1 --dp 1 --tp 1" \
+        "2x2-sp:--world 4 --dp 2 --tp 2 --plan sp" "2x2-megatron:--world 4 --dp 2 --tp 2 --plan megatron" \
+        "w1-fsdp-bf16:--world 1 --dp 1 --tp 1 --dtype bf16"; do
+        name="${cfg%%:*}"
+        # shellcheck disable=SC2206  # the configuration's flags, split on spaces
+        flags=(${cfg#*:})
+        run_parity "$name" cpu "$bin/llama_2d" "${flags[@]}"
+        run_parity "$name" cuda "$bin/llama_2d" "${flags[@]}"
+    done
+    if command -v torchrun >/dev/null 2>&1; then
+        run_parity nccl-w1 cuda torchrun --standalone --nproc-per-node 1 --no-python \
+            "$bin/llama_2d" --backend nccl --dp 1 --tp 1
+    fi
+    echo "(parity: $SECONDS s in all)"
+fi
+
 # ---------------------------------------------------------------- 4. summary
 
 echo
 echo "== 4. summary"
-"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" <<'PY' || echo "the summary failed (see above)"
+"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" <<'PY' || echo "the summary failed (see above)"
 import json
 import os
 import re
 import sys
 
-out, check_rc, torch_rc, llama_rc = sys.argv[1:5]
+out, check_rc, torch_rc, llama_rc, parity_rc = sys.argv[1:6]
 
 
 def load(name):
@@ -239,6 +286,39 @@ if "round_trips_quiet" in llama or "round_trips_logging" in llama:
         "llama_2d host round trips per step (rank 0): logging steps "
         f"{llama.get('round_trips_logging', [])}, other steps {llama.get('round_trips_quiet', [])}"
     )
+
+# Parity: per configuration, the device run's logged losses against the host's.
+parity = {}
+try:
+    with open(os.path.join(out, "parity.log")) as f:
+        plog = f.read()
+except OSError:
+    plog = ""
+runs, cur = {}, None
+for line in plog.splitlines():
+    m = re.match(r"=== (\S+) (cpu|cuda)$", line)
+    if m:
+        cur = (m.group(1), m.group(2))
+        runs[cur] = []
+    elif cur is not None:
+        runs[cur].append(line)
+lines.append(f"parity (exit {parity_rc}): cuda against cpu, logged losses")
+for (name, dev), body in runs.items():
+    if dev != "cuda":
+        continue
+    text = "\n".join(body)
+    ref = "\n".join(runs.get((name.replace("nccl-w1", "w1-fsdp"), "cpu"), []))
+    # first_loss (step 1 logs only in the summary line), then the loss lines.
+    losses = lambda t: [float(x) for x in re.findall(r"(?:first_loss=| loss )([0-9.]+)", t)]
+    ls, lr = losses(text), losses(ref)
+    diff = max((abs(a - b) for a, b in zip(ls, lr)), default=None)
+    rt = {k: re.search(rf"round_trips_{k}=([0-9,]*)", text) for k in ("logging", "quiet")}
+    rt = {k: v.group(1) for k, v in rt.items() if v}
+    ok = bool(ls) and len(ls) == len(lr) and diff is not None and diff <= 2e-3
+    parity[name] = {"cuda_losses": ls, "cpu_losses": lr, "max_abs_diff": diff, "round_trips": rt, "match": ok}
+    tail = " | ".join([l for l in body if l.strip()][-2:]) if not ls else ""
+    lines.append(f"  {name:<14} {'MATCH' if ok else 'DIFFER'} cuda {ls} cpu {lr} max|d| {diff} "
+                 f"round trips logging {rt.get('logging', '?')} quiet {rt.get('quiet', '?')} {tail}")
 lines.append("")
 head = f"{'benchmark':<34} {'unit':<9} {'ours':>9} {'torch':>9} {'cuBLASLt':>9} {'ours/torch':>11} {'ours/cuBLASLt':>14}"
 lines.append(head)
@@ -257,7 +337,7 @@ with open(os.path.join(out, "summary.txt"), "w") as f:
     f.write(text + "\n")
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"gpu_check_exit": check_rc, "torch_ref_exit": torch_rc, "llama_2d": llama,
-               "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
+               "parity": parity, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
                "rows": rows}, f, indent=2)
 PY
 

@@ -131,6 +131,15 @@ fn compiled() -> &'static [Compiled] {
     })
 }
 
+/// The kernel names of a PTX module's `.entry` directives.
+fn ptx_entries(ptx: &str) -> impl Iterator<Item = &str> {
+    ptx.lines().filter_map(|l| {
+        let rest = l.trim_start().strip_prefix(".visible ").unwrap_or(l.trim_start());
+        let rest = rest.strip_prefix(".entry ")?;
+        Some(rest.split(|c: char| c == '(' || c.is_whitespace()).next().unwrap_or(rest))
+    })
+}
+
 #[test]
 fn every_source_compiles_to_ptx_for_sm_90() {
     if !nvrtc_or_skip("every_source_compiles_to_ptx_for_sm_90") {
@@ -159,6 +168,16 @@ fn every_source_compiles_to_ptx_for_sm_90() {
                 if !missing.is_empty() {
                     failures.push(format!(
                         "{}.cu: no `.entry` in the PTX for {missing:?} (not extern \"C\"?)",
+                        src.name
+                    ));
+                }
+                // The other way round: a kernel the index does not list (one whose
+                // name a macro pastes together, say) compiles but cannot be launched.
+                let unindexed: Vec<&str> = ptx_entries(ptx).filter(|e| !names.contains(e)).collect();
+                if !unindexed.is_empty() {
+                    failures.push(format!(
+                        "{}.cu: kernels {unindexed:?} are in the PTX but not found by \
+                         `kernel_names` (write `TPAR_KERNEL(<literal name>, ...)`)",
                         src.name
                     ));
                 }
