@@ -780,6 +780,10 @@ fn main() {
             list(true),
             list(false)
         );
+        // With TPAR_CUDA_PROFILE=1: where the device time went, per kernel (stderr).
+        if let Some(table) = tpar::kernels::cuda::profile::report() {
+            eprint!("{table}");
+        }
     }
     // A run that stopped early (or found its work done) need not show the fall.
     let finished = r0.start_step + r0.steps_run == o.steps && r0.steps_run > 0;

@@ -19,7 +19,8 @@
 #      training step in eager PyTorch (tokens/s);
 #   3. llama_2d --device cuda with the same model and batch as step 2 (it may
 #      not run on CUDA yet: its outcome is reported, never fatal), and its host
-#      round trips per step (logging steps and the others);
+#      round trips per step (logging steps and the others), then the GPU time
+#      per kernel of 3 more steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
 #   3b. the small default model on the device and on the host in the
 #      configurations whose emulated round trips the tests pin (world 1 with
 #      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
@@ -162,6 +163,15 @@ if [ "${SKIP_LLAMA:-0}" != 1 ]; then
             tee "$out/llama_2d.log"
         llama_rc=$?
         echo "(llama_2d: exit $llama_rc, $SECONDS s in all; 124 = stopped by LLAMA_TIMEOUT)"
+        if [ "$llama_rc" = 0 ] && [ "${SKIP_PROFILE:-0}" != 1 ]; then
+            # Where the device time goes: GPU time per kernel over 3 steps
+            # (TPAR_CUDA_PROFILE=1 times each launch with CUDA events).
+            echo "=== profile (TPAR_CUDA_PROFILE=1, 3 steps)" | tee -a "$out/llama_2d.log"
+            # shellcheck disable=SC2086
+            TPAR_CUDA_PROFILE=1 timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 \
+                --tp 1 "${model[@]}" --dtype bf16 --steps 3 --log-every 1 --device cuda \
+                ${LLAMA_ARGS:-} 2>&1 | tee -a "$out/llama_2d.log" | grep -A40 '^GPU time by kernel'
+        fi
     else
         echo "missing $bin/llama_2d: build it as the top of $0 says" | tee "$out/llama_2d.log"
         llama_rc=missing

@@ -173,7 +173,8 @@ fn every_source_compiles_to_ptx_for_sm_90() {
                 }
                 // The other way round: a kernel the index does not list (one whose
                 // name a macro pastes together, say) compiles but cannot be launched.
-                let unindexed: Vec<&str> = ptx_entries(ptx).filter(|e| !names.contains(e)).collect();
+                let unindexed: Vec<&str> =
+                    ptx_entries(ptx).filter(|e| !names.contains(e)).collect();
                 if !unindexed.is_empty() {
                     failures.push(format!(
                         "{}.cu: kernels {unindexed:?} are in the PTX but not found by \

@@ -715,6 +715,7 @@ impl CudaDevice {
             None => format!("sm_{}{}", cc.0, cc.1),
         };
         let stream = ctx.new_stream().map_err(|e| driver_error(&op, "creating a stream", e))?;
+        keep_pool_memory(&ctx);
         Ok(Arc::new(CudaDevice {
             ordinal,
             ctx,
@@ -906,6 +907,32 @@ impl CudaDevice {
     }
 }
 
+/// Makes the device's default memory pool (the one `cuMemAllocAsync` draws
+/// from) keep freed memory for reuse instead of returning it to the driver at
+/// every synchronisation: the default release threshold of 0 would make each
+/// step's allocations real driver allocations again after a logged step's
+/// read-back. As a caching allocator does, the pool then holds the step's peak.
+/// A failure leaves the default, which is slower but correct.
+fn keep_pool_memory(ctx: &Arc<CudaContext>) {
+    if !ctx.has_async_alloc() || ctx.bind_to_thread().is_err() {
+        return;
+    }
+    let mut pool: cudarc::driver::sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: plain driver calls on this context's device with valid out- and
+    // in-pointers (the threshold attribute is a cuuint64_t).
+    unsafe {
+        use cudarc::driver::sys as ds;
+        if ds::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == CUresult::CUDA_SUCCESS {
+            let _ = ds::cuMemPoolSetAttribute(
+                pool,
+                ds::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast::<c_void>(),
+            );
+        }
+    }
+}
+
 // SAFETY: allocations come from the driver (stream-ordered where supported)
 // in this device's context; every launch, copy and free of this handle goes on
 // its one stream, in issue order, and `dtoh` synchronizes before returning;
@@ -994,9 +1021,12 @@ unsafe impl GpuDevice for CudaDevice {
         }
         let op = self.op();
         self.ctx.bind_to_thread().map_err(|e| driver_error(&op, "binding the context", e))?;
-        // SAFETY: the caller guarantees both ranges.
-        unsafe { dresult::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_error(&op, "cuMemcpyDtoDAsync", e))
+        let name = || "(cuMemcpyDtoDAsync)".to_string();
+        super::profile::timed(&self.ctx, &self.stream, name, || {
+            // SAFETY: the caller guarantees both ranges.
+            unsafe { dresult::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+        })
+        .map_err(|e| driver_error(&op, "cuMemcpyDtoDAsync", e))
     }
 
     /// A device copy within this handle's stream, or a peer copy
@@ -1068,9 +1098,12 @@ unsafe impl GpuDevice for CudaDevice {
         }
         let op = self.op();
         self.ctx.bind_to_thread().map_err(|e| driver_error(&op, "binding the context", e))?;
-        // SAFETY: the caller guarantees the range.
-        unsafe { dresult::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_error(&op, "cuMemsetD8Async", e))
+        let name = || "(cuMemsetD8Async)".to_string();
+        super::profile::timed(&self.ctx, &self.stream, name, || {
+            // SAFETY: the caller guarantees the range.
+            unsafe { dresult::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) }
+        })
+        .map_err(|e| driver_error(&op, "cuMemsetD8Async", e))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -1125,20 +1158,27 @@ impl Launcher for CudaDevice {
         let params: &mut [*mut c_void] = if size == 0 { &mut [] } else { &mut params };
         let g = cfg.grid;
         let b = cfg.block;
-        // SAFETY: the function is loaded in this (current) context, the stream
-        // belongs to it, and the caller guarantees `args` points to `size` bytes
-        // laid out as the kernel's parameter (whose size was checked above when
-        // the driver could tell) with valid addresses in it.
-        unsafe {
-            dresult::launch_kernel(
-                f.func.cu_function(),
-                (g[0], g[1], g[2]),
-                (b[0], b[1], b[2]),
-                smem,
-                self.stream.cu_stream(),
-                params,
-            )
-        }
+        super::profile::timed(
+            &self.ctx,
+            &self.stream,
+            || kernel.to_string(),
+            || {
+                // SAFETY: the function is loaded in this (current) context, the
+                // stream belongs to it, and the caller guarantees `args` points to
+                // `size` bytes laid out as the kernel's parameter (whose size was
+                // checked above when the driver could tell) with valid addresses in it.
+                unsafe {
+                    dresult::launch_kernel(
+                        f.func.cu_function(),
+                        (g[0], g[1], g[2]),
+                        (b[0], b[1], b[2]),
+                        smem,
+                        self.stream.cu_stream(),
+                        params,
+                    )
+                }
+            },
+        )
         .map_err(|e| driver_error(&op(), &format!("cuLaunchKernel (grid {g:?}, block {b:?})"), e))
     }
 }

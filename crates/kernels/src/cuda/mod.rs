@@ -30,6 +30,7 @@ pub mod device;
 pub mod emu;
 mod memory;
 pub mod ops;
+pub mod profile;
 pub mod raw;
 
 pub use memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice, MemorySpace};

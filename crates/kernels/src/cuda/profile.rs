@@ -1,0 +1,122 @@
+//! GPU time per kernel, for finding where a step's device time goes.
+//!
+//! With `TPAR_CUDA_PROFILE=1` in the environment, every kernel launch and
+//! device copy of a [`super::device::CudaDevice`] is bracketed by two CUDA
+//! events on its stream. The events are read back in batches (which waits for
+//! the work between them, so a profiled run is slower, but each figure is the
+//! time the GPU spent in that kernel, not launch latency). [`report`] sums
+//! them by kernel name:
+//!
+//! ```text
+//! GPU time by kernel (TPAR_CUDA_PROFILE): 1234 launches, 56.7 ms in all
+//!   kernel                                 calls   total ms  mean us  share
+//!   tpar_gemm_tc128_bf16                      96       30.1    313.5  53.1%
+//! ```
+//!
+//! Without the variable nothing is recorded and nothing costs.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+/// Pairs read back at once; bounds the events alive.
+const BATCH: usize = 2048;
+
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(String, CudaEvent, CudaEvent)>,
+    totals: HashMap<String, (u64, f64)>,
+}
+
+impl Profile {
+    /// Reads the pending pairs' times into the totals (waiting for their work).
+    fn drain(&mut self) {
+        for (name, start, end) in self.pending.drain(..) {
+            let ms = start.elapsed_ms(&end).map_or(0.0, f64::from);
+            let t = self.totals.entry(name).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += ms;
+        }
+    }
+}
+
+fn profile() -> Option<&'static Mutex<Profile>> {
+    static P: OnceLock<Option<Mutex<Profile>>> = OnceLock::new();
+    P.get_or_init(|| {
+        std::env::var_os("TPAR_CUDA_PROFILE")
+            .is_some_and(|v| v == "1")
+            .then(|| Mutex::new(Profile::default()))
+    })
+    .as_ref()
+}
+
+/// Whether `TPAR_CUDA_PROFILE=1` turned profiling on.
+pub fn enabled() -> bool {
+    profile().is_some()
+}
+
+/// Runs `f` (which queues work on `stream`) between two events named `name`
+/// when profiling; just runs it otherwise. Profiling never fails the work: an
+/// event that cannot be made or recorded leaves that launch unmeasured.
+pub(crate) fn timed<T>(
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+    name: impl FnOnce() -> String,
+    f: impl FnOnce() -> T,
+) -> T {
+    let Some(p) = profile() else {
+        return f();
+    };
+    let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok();
+    let start = event().filter(|e| e.record(stream).is_ok());
+    let out = f();
+    if let (Some(start), Some(end)) = (start, event()) {
+        if end.record(stream).is_ok() {
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            p.pending.push((name(), start, end));
+            if p.pending.len() >= BATCH {
+                p.drain();
+            }
+        }
+    }
+    out
+}
+
+/// The GPU time per kernel name since the start (or the last [`reset`]),
+/// largest first, as a table; `None` without `TPAR_CUDA_PROFILE=1`. Waits for
+/// the profiled work still queued.
+pub fn report() -> Option<String> {
+    let mut p = profile()?.lock().unwrap_or_else(|e| e.into_inner());
+    p.drain();
+    let mut rows: Vec<(&String, &(u64, f64))> = p.totals.iter().collect();
+    rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1).then(a.0.cmp(b.0)));
+    let calls: u64 = rows.iter().map(|r| r.1 .0).sum();
+    let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+    let mut s = format!(
+        "GPU time by kernel (TPAR_CUDA_PROFILE): {calls} launches, {total:.1} ms in all\n  \
+         {:<44} {:>7} {:>10} {:>9} {:>6}\n",
+        "kernel", "calls", "total ms", "mean us", "share"
+    );
+    for (name, &(n, ms)) in rows {
+        let _ = writeln!(
+            s,
+            "  {name:<44} {n:>7} {ms:>10.2} {:>9.1} {:>5.1}%",
+            ms * 1e3 / n.max(1) as f64,
+            if total > 0.0 { 100.0 * ms / total } else { 0.0 }
+        );
+    }
+    Some(s)
+}
+
+/// Forgets the times gathered so far (to profile the steady state after a
+/// warm-up, say). Waits for the profiled work still queued.
+pub fn reset() {
+    if let Some(p) = profile() {
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        p.drain();
+        p.totals.clear();
+    }
+}
