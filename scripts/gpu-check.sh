@@ -212,6 +212,18 @@ if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
         run_parity "$name" cpu "$bin/llama_2d" "${flags[@]}"
         run_parity "$name" cuda "$bin/llama_2d" "${flags[@]}"
     done
+    # The nccl backend's device path at world size 1 (tpar-collectives' test binary, if
+    # carried: `cargo test --release -p tpar-collectives --test nccl --no-run`, copied
+    # to $bin/nccl_test).
+    if [ -x "$bin/nccl_test" ]; then
+        echo "=== nccl-tests" >>"$out/parity.log"
+        timeout "${PARITY_TIMEOUT:-120}" "$bin/nccl_test" --test-threads 1 --nocapture \
+            >>"$out/parity.log" 2>&1
+        rc=$?
+        echo "=== exit $rc" >>"$out/parity.log"
+        echo "  nccl tests (tpar-collectives --test nccl): exit $rc"
+        [ "$rc" = 0 ] || parity_rc=1
+    fi
     if command -v torchrun >/dev/null 2>&1; then
         run_parity nccl-w1 cuda torchrun --standalone --nproc-per-node 1 --no-python \
             "$bin/llama_2d" --backend nccl --dp 1 --tp 1

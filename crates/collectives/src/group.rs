@@ -42,6 +42,8 @@ struct Issued {
     problem: Option<CollectiveError>,
     /// Where the caller's tensor lives: results go back there.
     device: Device,
+    /// The nccl backend runs it on the CUDA tensor's own memory (`tensor` is not staged).
+    on_device: bool,
 }
 
 /// A group of ranks that run collectives together: PyTorch's `ProcessGroup`.
@@ -643,19 +645,39 @@ impl ProcessGroup {
             Backend::Nccl(c) | Backend::Tcp(c) => c.next_seq(),
         };
         let device = t.map(Tensor::device).unwrap_or(Device::Cpu);
-        // The local backend reads CUDA tensors where they are (device to device); the
+        // The local backend reads CUDA tensors where they are (device to device), and so
+        // does the nccl backend for the calls of its device path; otherwise the
         // multi-process backends compute on host copies.
-        let local = matches!(self.backend, Backend::Local(_));
+        let on_device = matches!(self.backend, Backend::Nccl(_))
+            && problem.is_none()
+            && t.is_some_and(|t| crate::nccl::ondevice::eligible(&call, t, self.size()));
+        let local = matches!(self.backend, Backend::Local(_)) || on_device;
         let prepare =
             |t: &Tensor| if local { Ok(t.detach()) } else { stage_to_host(call.name(), t) };
         let (tensor, problem) = match t.map(prepare).transpose() {
             Ok(tensor) => (tensor, problem),
             Err(e) => (None, problem.or(Some(e))),
         };
-        Issued { seq, call, tensor, problem, device }
+        Issued { seq, call, tensor, problem, device, on_device }
+    }
+
+    /// Starts an issued device-path call (see [`Issued::on_device`]) on the nccl backend.
+    fn start_on_device(&self, i: &Issued) -> Result<crate::nccl::ondevice::InFlight> {
+        match (&self.backend, &i.tensor) {
+            (Backend::Nccl(c), Some(t)) => {
+                crate::nccl::ondevice::start(c, i.seq, &i.call, t, self.timeout)
+            }
+            _ => Err(CollectiveError::InvalidArgument {
+                op: i.call.name(),
+                why: "internal error: a device-path call off the nccl backend".into(),
+            }),
+        }
     }
 
     fn execute(&self, i: Issued) -> Result<Option<Tensor>> {
+        if i.on_device {
+            return self.start_on_device(&i).and_then(|f| f.finish()).map(Some);
+        }
         let device = i.device;
         let r = match &self.backend {
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, None),
@@ -705,6 +727,9 @@ impl ProcessGroup {
         };
         let device = i.device;
         let r = match &self.backend {
+            _ if i.on_device && i.problem.is_none() => {
+                self.start_on_device(&i).and_then(|f| f.finish()).map(Some)
+            }
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, reuse),
             Backend::Nccl(c) | Backend::Tcp(c) => {
                 c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
@@ -797,6 +822,14 @@ impl ProcessGroup {
         let world = match &self.backend {
             Backend::Local(l) => l.world().clone(),
             // The group's worker thread runs it: queue it and hand out the reply.
+            // The device path: enqueued now; the caller's stream waits at `Work::wait`.
+            Backend::Nccl(_) if issued.on_device => {
+                let state = match self.start_on_device(&issued) {
+                    Ok(f) => WorkState::OnDevice(f),
+                    Err(e) => WorkState::Done(Err(e), Instant::now()),
+                };
+                return Work { op, state };
+            }
             Backend::Nccl(c) | Backend::Tcp(c) => {
                 let device = issued.device;
                 let p =
@@ -900,6 +933,8 @@ enum WorkState {
     Done(Result<Option<Tensor>>, Instant),
     /// Queued on a multi-process group's worker thread.
     Queued(Pending, Device),
+    /// Enqueued on the device by the nccl backend (see `nccl::ondevice`).
+    OnDevice(crate::nccl::ondevice::InFlight),
 }
 
 /// A collective in flight, returned by the `*_async` methods of [`ProcessGroup`].
@@ -935,6 +970,7 @@ impl Work {
                 let r = back_to(device, p.wait());
                 (r, Instant::now())
             }
+            WorkState::OnDevice(f) => (f.finish().map(Some), Instant::now()),
         };
         Ok((expect_tensor(self.op, r)?, at))
     }
@@ -945,6 +981,7 @@ impl Work {
             WorkState::Done(..) => true,
             WorkState::Running(h) => h.is_finished(),
             WorkState::Queued(p, _) => p.is_completed(),
+            WorkState::OnDevice(f) => f.is_completed(),
         }
     }
 

@@ -1,6 +1,8 @@
 //! The NCCL backend. Here (no GPU, no CUDA libraries) these tests check that the backend
 //! reports why it is unavailable instead of panicking; on a machine with the CUDA driver
-//! and NCCL, `world_size_one_runs_every_collective` runs every collective on one GPU.
+//! and NCCL, `world_size_one_runs_every_collective` runs every collective on one GPU, and
+//! `world_size_one_keeps_cuda_tensors_on_the_device` checks the device path of CUDA
+//! tensors.
 //! The world's store is an in-memory one ([`HashStore`](tpar_collectives::HashStore)): the TCP store and the launch
 //! environment are `tpar-launch`'s, tested there.
 //!
@@ -313,6 +315,73 @@ fn world_size_one_runs_every_collective() {
         assert!(kinds.contains(&k), "{k} was recorded");
     }
     println!("{} calls ran on NCCL", kinds.len());
+}
+
+/// On a GPU: collectives of CUDA tensors run on the device (NCCL on the tensors' own
+/// memory, ordered by events): the results equal the inputs at world size 1, they stay
+/// on the device, and no call reads the host (`gpu::host_round_trips`), async calls
+/// included; the host-path calls on CUDA tensors (broadcast, all_to_all) still work.
+#[test]
+fn world_size_one_keeps_cuda_tensors_on_the_device() {
+    let p = nccl::probe();
+    if !p.is_usable() {
+        if rerun_with_nccl_link("world_size_one_keeps_cuda_tensors_on_the_device") {
+            return;
+        }
+        println!("skipped: {}", p.why_unavailable().unwrap_or_default());
+        return;
+    }
+    let pg = world_of_one(Duration::from_secs(60)).expect("NCCL world of one");
+    let cuda = Device::Cuda(0);
+    let mut rng = Rng::new(9);
+    let dtypes = [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64];
+    let mut calls = 0;
+    for dtype in dtypes {
+        let host = rand_tensor(&[4, 6, 2], dtype, &mut rng);
+        let t = host.to_device(cuda).unwrap();
+        let before = tpar_tensor::gpu::host_round_trips();
+        let mut results = Vec::new();
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            results.push((format!("all_reduce {op}"), pg.all_reduce(&t, op).unwrap()));
+            for dim in 0..3 {
+                let r = pg.reduce_scatter(&t, dim, op).unwrap();
+                results.push((format!("reduce_scatter {op} dim {dim}"), r));
+            }
+        }
+        for dim in 0..3 {
+            results.push((format!("all_gather dim {dim}"), pg.all_gather(&t, dim).unwrap()));
+        }
+        let w = pg.all_gather_async(&t, 1);
+        results.push(("all_gather async".into(), w.wait().unwrap()));
+        let out = Tensor::zeros(t.dims().to_vec(), dtype, cuda).unwrap();
+        pg.all_reduce_into(&t, ReduceOp::Sum, &out).unwrap();
+        results.push(("all_reduce_into".into(), out));
+        assert_eq!(
+            tpar_tensor::gpu::host_round_trips() - before,
+            0,
+            "{dtype}: a device-path collective read the host"
+        );
+        for (what, r) in &results {
+            assert_eq!(r.device(), cuda, "{what} {dtype}: result off the device");
+            same(&format!("{what} {dtype}"), &r.to_device(Device::Cpu).unwrap(), &host);
+        }
+        calls += results.len();
+        // Host-path calls on CUDA tensors: staged, and still right.
+        same("broadcast", &pg.broadcast(&t, 0).unwrap().to_device(Device::Cpu).unwrap(), &host);
+        let a2a = pg.all_to_all(&t, 0, 1).unwrap().to_device(Device::Cpu).unwrap();
+        same("all_to_all", &a2a, &host);
+    }
+    // A large one, and an async one dropped unwaited (its buffers outlive it on the device).
+    let big = rand_tensor(&[1 << 22], DType::F32, &mut rng);
+    let big_d = big.to_device(cuda).unwrap();
+    drop(pg.all_reduce_async(&big_d, ReduceOp::Sum));
+    same(
+        "16 MiB",
+        &pg.all_reduce(&big_d, ReduceOp::Sum).unwrap().to_device(Device::Cpu).unwrap(),
+        &big,
+    );
+    pg.barrier().unwrap();
+    println!("{calls} collectives of CUDA tensors ran on the device");
 }
 
 /// NCCL's bring-up on 4 ranks (threads sharing a [`HashStore`]) with the stand-in: the

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use tpar_kernels::cuda::emu::EmulatedGpu;
-pub use tpar_kernels::cuda::{DeviceBuffer, GpuDevice};
+pub use tpar_kernels::cuda::{DeviceBuffer, GpuDevice, MemorySpace};
 use tpar_kernels::cuda::{DeviceSlice, DeviceSliceMut};
 
 use crate::storage::{CpuStorage, Storage};
@@ -429,6 +429,37 @@ pub fn reduce(
     drop(views);
     drop(guards);
     Ok(Tensor::make(shape, dtype, Device::Cuda(ordinal), Storage::Gpu(out)))
+}
+
+/// Where a CUDA tensor's data lives, for a library that reads or writes it on
+/// its own stream (NCCL): see [`raw_device_memory`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawDeviceMemory {
+    /// The device address of the first element.
+    pub ptr: tpar_kernels::cuda::DevPtr,
+    /// Bytes of the tensor's data.
+    pub bytes: usize,
+    /// The memory and the stream that orders every use of it by tpar
+    /// ([`MemorySpace::Cuda`]'s `stream` is the raw `CUstream`;
+    /// [`MemorySpace::Host`] on the emulator).
+    pub space: MemorySpace,
+}
+
+/// The device address, size and ordering stream of CUDA tensor `t`'s data.
+///
+/// The address stays valid while `t` (or a handle sharing its storage) lives
+/// and its storage is not replaced; its memory is freed in the order of
+/// [`RawDeviceMemory::space`]'s stream. Work on another stream must therefore
+/// start after an event recorded on that stream (the tensor's pending writes)
+/// and be waited for on that stream before the tensor may be dropped.
+pub fn raw_device_memory(t: &Tensor) -> Result<RawDeviceMemory> {
+    t.with_gpu_storage("raw_device_memory", |s| {
+        Ok(RawDeviceMemory {
+            ptr: s.ptr(),
+            bytes: s.len * s.dtype.size_in_bytes(),
+            space: s.device().memory_space(),
+        })
+    })
 }
 
 /// Waits for the work queued on `cuda:ordinal` (a no-op on the emulator).

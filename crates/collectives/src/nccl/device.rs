@@ -1,12 +1,11 @@
 //! The real transport: one NCCL communicator and one CUDA stream, owned by the group's
 //! worker thread (`nccl::Comm` is not `Send`).
 //!
-//! Interim data path: the worker takes host buffers (`ProcessGroup` stages CUDA tensors
-//! through the host for this backend), so [`Transport::run`] copies each host buffer to
-//! the device, runs the primitive with [`NcclDevice::run_on_device`] and copies the result
-//! back. Passing CUDA tensors' device buffers straight to `run_on_device` (and making the
-//! plan's packing copies device-to-device `cuMemcpy2D`s) would skip both host copies;
-//! that is not done yet.
+//! Two data paths. The host path (host tensors, and CUDA tensors staged through the host
+//! for the calls the device path does not take): [`Transport::run`] copies each host
+//! buffer to the device, runs the primitive with [`NcclDevice::run_on_device`] and copies
+//! the result back. The device path (`Transport::run_device`, see `ondevice.rs`): NCCL
+//! works on the CUDA tensors' own memory, and the worker only enqueues.
 //!
 //! Waiting: after enqueueing, the worker records an event and polls it (spinning briefly,
 //! then sleeping with backoff) until it completes or the call's deadline passes. NCCL gives
@@ -21,6 +20,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::Comm;
 
+use tpar_tensor::DType;
+
+use super::ondevice::{Borrowed, DeviceEvent, DeviceJob};
 use crate::remote::exec::{Deadline, Transport, Wire};
 use crate::remote::plan::Prim;
 use crate::{CollectiveError, ReduceOp, Result};
@@ -69,18 +71,57 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
     }
 }
 
+/// A device collective in flight: its completion event, sequence number, deadline, name.
+type InFlight = (Arc<DeviceEvent>, u64, Deadline, &'static str);
+
 /// One group's communicator and stream.
 pub(crate) struct NcclDevice {
     comm: Option<Comm>,
     stream: Arc<CudaStream>,
     group: Arc<[usize]>,
     me: usize,
+    /// Device collectives enqueued and not yet seen complete.
+    in_flight: Vec<InFlight>,
 }
 
 impl NcclDevice {
     /// Wraps a communicator created on `stream` for member `me` of `group`.
     pub fn new(comm: Comm, stream: Arc<CudaStream>, group: Arc<[usize]>, me: usize) -> NcclDevice {
-        NcclDevice { comm: Some(comm), stream, group, me }
+        NcclDevice { comm: Some(comm), stream, group, me, in_flight: Vec::new() }
+    }
+
+    /// Enqueues `job`'s NCCL call on device memory, typed as `T`.
+    fn enqueue<T: cudarc::nccl::NcclType>(&self, comm: &Comm, job: &DeviceJob) -> Result<()> {
+        let n = self.group.len();
+        let buf = |ptr: u64, len: usize| Borrowed::<T> {
+            ptr,
+            len,
+            stream: self.stream.clone(),
+            _t: std::marker::PhantomData,
+        };
+        let nerr = self.nccl_err(job.op);
+        match job.prim {
+            Prim::AllReduce(rop) => comm.all_reduce(
+                &buf(job.send, job.count),
+                &mut buf(job.recv, job.count),
+                &nccl_op(rop),
+            ),
+            Prim::AllGather => {
+                comm.all_gather(&buf(job.send, job.count), &mut buf(job.recv, n * job.count))
+            }
+            Prim::ReduceScatter(rop) => comm.reduce_scatter(
+                &buf(job.send, n * job.count),
+                &mut buf(job.recv, job.count),
+                &nccl_op(rop),
+            ),
+            _ => {
+                return Err(
+                    self.backend_err(job.op, "internal error: not a device-path primitive".into())
+                )
+            }
+        }
+        .map(|_| ())
+        .map_err(nerr)
     }
 
     fn global(&self) -> usize {
@@ -313,6 +354,69 @@ impl Transport for NcclDevice {
 
     fn abort(&mut self) {
         NcclDevice::abort(self);
+    }
+
+    /// After the inputs' event, enqueues the NCCL call on the group's stream and records
+    /// its completion event; nothing waits on the host.
+    fn run_device(
+        &mut self,
+        seq: u64,
+        op: &'static str,
+        job: DeviceJob,
+        deadline: Deadline,
+    ) -> Result<Arc<DeviceEvent>> {
+        let comm = self.comm.as_ref().ok_or_else(|| {
+            self.backend_err(op, "the communicator was aborted after an earlier failure".into())
+        })?;
+        let derr = self.driver_err(op);
+        self.stream.context().bind_to_thread().map_err(&derr)?;
+        job.ready.wait_on(self.stream.cu_stream()).map_err(&derr)?;
+        match job.dtype {
+            DType::F32 => self.enqueue::<f32>(comm, &job)?,
+            DType::F64 => self.enqueue::<f64>(comm, &job)?,
+            DType::BF16 => self.enqueue::<half::bf16>(comm, &job)?,
+            DType::F16 => self.enqueue::<half::f16>(comm, &job)?,
+            DType::I64 => self.enqueue::<i64>(comm, &job)?,
+        }
+        let done = Arc::new(DeviceEvent::new().map_err(&derr)?);
+        done.record(self.stream.cu_stream()).map_err(&derr)?;
+        drop(derr);
+        self.in_flight.push((done.clone(), seq, deadline, op));
+        Ok(done)
+    }
+
+    fn device_in_flight(&self) -> bool {
+        !self.in_flight.is_empty()
+    }
+
+    fn poll_device(&mut self) -> Option<(CollectiveError, u64, Duration)> {
+        let mut i = 0;
+        while i < self.in_flight.len() {
+            let (ev, seq, deadline, op) = &self.in_flight[i];
+            match ev.is_complete() {
+                Ok(true) => {
+                    self.in_flight.swap_remove(i);
+                }
+                Ok(false) if deadline.passed() => {
+                    let e = CollectiveError::Timeout {
+                        op,
+                        group: self.group.to_vec(),
+                        waiting_for: Vec::new(),
+                        after: deadline.timeout,
+                    };
+                    let found = (e, *seq, deadline.timeout);
+                    self.in_flight.clear();
+                    return Some(found);
+                }
+                Ok(false) => i += 1,
+                Err(e) => {
+                    let found = (self.driver_err(op)(e), *seq, deadline.timeout);
+                    self.in_flight.clear();
+                    return Some(found);
+                }
+            }
+        }
+        None
     }
 }
 

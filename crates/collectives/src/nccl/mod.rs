@@ -52,10 +52,13 @@
 //!   the payload travels alone (one `ncclSend`/`ncclRecv` of the expected count) and a
 //!   disagreement is not detected (see
 //!   [`ProcessGroup::send_shaped`](crate::ProcessGroup::send_shaped)).
-//! - **Interim host path.** CUDA tensors are staged through the host for this backend, and
-//!   each call copies host to device, runs NCCL on the group's stream and copies back (see
-//!   `device.rs`); the device boundary `NcclDevice::run_on_device` is where CUDA tensors
-//!   would enter without copies, which is not done yet.
+//! - **CUDA tensors stay on the device** for `all_reduce`, `all_gather` and
+//!   `reduce_scatter` (an even split): NCCL reads and writes their memory on the group's
+//!   stream, ordered against tpar's stream by CUDA events, with no header exchange and no
+//!   host synchronisation (see `ondevice.rs`; `TPAR_NCCL_CHECK=1` takes the checked host
+//!   path instead). The other calls on CUDA tensors (`broadcast`, `all_to_all`, sends) and
+//!   host tensors go through the host: each call copies host to device, runs NCCL on the
+//!   group's stream and copies back (see `device.rs`).
 //! - **Uneven shards** are padded to the largest shard for `all_gather`/`reduce_scatter`
 //!   and trimmed after; `all_to_all` is grouped `ncclSend`/`ncclRecv` of exact pieces
 //!   (see `remote/plan.rs`). All dtypes go natively: f32, f64, bf16, f16 (cudarc's `f16`
@@ -99,6 +102,7 @@
 //!   (call `barrier()` before exiting).
 
 mod device;
+pub(crate) mod ondevice;
 mod probe;
 mod standin;
 mod worker;
@@ -112,6 +116,7 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::Id;
 
 pub(crate) use device::{driver_error_text, nccl_error_text};
+pub(crate) use ondevice::{await_enqueued, DeviceEvent, DeviceJob};
 pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCCL_LIBRARY_ENV};
 pub use standin::{StandIn, StandInComm};
 

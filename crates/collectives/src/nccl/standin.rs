@@ -130,6 +130,9 @@ impl Bringup for StandIn {
                         Job::Collective { reply, .. } | Job::Recv { reply, .. } => {
                             let _ = reply.send(Err(unavailable(op)));
                         }
+                        Job::Device { reply, .. } => {
+                            let _ = reply.send(Err(unavailable(op)));
+                        }
                         Job::Send { .. } => g.shared.fail(unavailable(op)),
                     }
                 }

@@ -143,6 +143,29 @@ impl RemoteComm {
         self.start(seq, call, tensor, problem, timeout).wait()
     }
 
+    /// Queues device collective `seq` (see `nccl::ondevice`) and returns its completion
+    /// event once the worker has enqueued it (without waiting for the collective).
+    pub fn run_device(
+        &self,
+        seq: u64,
+        job: crate::nccl::DeviceJob,
+        timeout: Duration,
+    ) -> Result<Arc<crate::nccl::DeviceEvent>> {
+        let op = job.op;
+        let (reply, rx) = mpsc::channel();
+        self.submit(Job::Device { seq, op, job, timeout, reply })?;
+        let shared = &self.h.shared;
+        crate::nccl::await_enqueued(
+            rx,
+            || shared.stuck(),
+            || {
+                shared
+                    .failure()
+                    .unwrap_or_else(|| self.op_failed(op, "the group's worker thread exited"))
+            },
+        )
+    }
+
     /// Queues a send of `t` (already a private copy) to group rank `dst`; returns at once.
     /// An error is an earlier failure of the group.
     pub fn send(&self, dst: usize, t: Tensor, timeout: Duration) -> Result<()> {

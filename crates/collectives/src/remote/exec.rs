@@ -85,6 +85,28 @@ pub(crate) trait Transport {
     /// Gives up the transport after a fatal error (NCCL: `ncclCommAbort`); later calls
     /// fail. Does nothing by default.
     fn abort(&mut self) {}
+    /// Enqueues a collective on CUDA tensors' device memory (NCCL's device path, see
+    /// `nccl::ondevice`) and returns its completion event without waiting for it. A
+    /// transport without a device path fails.
+    fn run_device(
+        &mut self,
+        seq: u64,
+        op: &'static str,
+        job: crate::nccl::DeviceJob,
+        deadline: Deadline,
+    ) -> Result<std::sync::Arc<crate::nccl::DeviceEvent>> {
+        let _ = (seq, job, deadline);
+        Err(internal(op, "this backend has no device path"))
+    }
+    /// Whether device collectives are still in flight (the worker then polls).
+    fn device_in_flight(&self) -> bool {
+        false
+    }
+    /// Forgets the finished device collectives; the first one found past its deadline
+    /// (or failed) comes back as the group's error with its sequence number and timeout.
+    fn poll_device(&mut self) -> Option<(CollectiveError, u64, Duration)> {
+        None
+    }
 }
 
 fn internal(op: &'static str, what: impl std::fmt::Display) -> CollectiveError {

@@ -123,7 +123,7 @@ fn prod(d: &[usize]) -> usize {
 }
 
 /// `(outer, inner)` element counts around `dim`.
-fn around(dims: &[usize], dim: usize) -> (usize, usize) {
+pub(crate) fn around(dims: &[usize], dim: usize) -> (usize, usize) {
     (prod(&dims[..dim]), prod(&dims[dim + 1..]))
 }
 

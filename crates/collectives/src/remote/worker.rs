@@ -3,7 +3,7 @@
 //! order.
 
 use std::collections::VecDeque;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,15 @@ pub(crate) enum Job {
     /// A receive: of a header and its payload, or (`recv_shaped`, `expect` given) of the
     /// payload alone, of the expected shape.
     Recv { src: usize, expect: Option<Expect>, timeout: Duration, reply: Sender<Reply> },
+    /// A numbered collective on CUDA tensors' device memory: enqueued, not waited for;
+    /// the reply is its completion event (see `nccl::ondevice`).
+    Device {
+        seq: u64,
+        op: &'static str,
+        job: crate::nccl::DeviceJob,
+        timeout: Duration,
+        reply: Sender<Result<Arc<crate::nccl::DeviceEvent>>>,
+    },
 }
 
 impl Job {
@@ -45,6 +54,7 @@ impl Job {
             Job::Send { shaped: true, .. } => "send_shaped",
             Job::Recv { expect: None, .. } => "recv",
             Job::Recv { expect: Some(_), .. } => "recv_shaped",
+            Job::Device { op, .. } => op,
         }
     }
 
@@ -52,7 +62,8 @@ impl Job {
         match self {
             Job::Collective { timeout, .. }
             | Job::Send { timeout, .. }
-            | Job::Recv { timeout, .. } => *timeout,
+            | Job::Recv { timeout, .. }
+            | Job::Device { timeout, .. } => *timeout,
         }
     }
 }
@@ -157,7 +168,33 @@ pub(crate) fn serve<X: Transport>(
     let panicked = |op: &'static str, p: String| shared.backend_err(op, format!("panicked: {p}"));
     // Tensors this member sent to itself, waiting for its receive.
     let mut self_mail: VecDeque<Mail> = VecDeque::new();
-    while let Ok(job) = jobs.recv() {
+    // A fatal error (recorded as the group's failure, the transport aborted).
+    let fatal = |x: &mut X, e: CollectiveError, seq: Option<u64>, timeout: Duration| {
+        let e = diagnose(e, seq, timeout);
+        shared.fail(e.clone());
+        x.abort();
+        e
+    };
+    loop {
+        // With device collectives in flight, wake up now and then to check them.
+        let job = if x.device_in_flight() {
+            match jobs.recv_timeout(DEVICE_POLL) {
+                Ok(j) => Some(j),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match jobs.recv() {
+                Ok(j) => Some(j),
+                Err(_) => break,
+            }
+        };
+        if let Some((e, seq, timeout)) = x.poll_device() {
+            if shared.failure().is_none() {
+                fatal(x, e, Some(seq), timeout);
+            }
+        }
+        let Some(job) = job else { continue };
         let op = job.op();
         let timeout = job.timeout();
         shared.set_busy(Some(Busy { op, since: Instant::now(), timeout }));
@@ -209,6 +246,22 @@ pub(crate) fn serve<X: Transport>(
                 };
                 (None, None, r)
             }
+            Job::Device { seq, op, job, reply, .. } => {
+                let r = match shared.failure() {
+                    Some(e) => Err(e),
+                    None => guarded(|| x.run_device(seq, op, job, deadline))
+                        .unwrap_or_else(|p| Err(panicked(op, p))),
+                };
+                shared.set_busy(None);
+                let r = match r {
+                    Err(e) if is_fatal(&e) && shared.failure().is_none() => {
+                        Err(fatal(x, e, Some(seq), timeout))
+                    }
+                    r => r,
+                };
+                let _ = reply.send(r);
+                continue;
+            }
             Job::Recv { src, expect, reply, .. } => {
                 let r = match shared.failure() {
                     Some(e) => Err(e),
@@ -224,16 +277,23 @@ pub(crate) fn serve<X: Transport>(
         };
         shared.set_busy(None);
         let result = match result {
-            Err(e) if is_fatal(&e) && shared.failure().is_none() => {
-                let e = diagnose(e, seq, timeout);
-                shared.fail(e.clone());
-                x.abort();
-                Err(e)
-            }
+            Err(e) if is_fatal(&e) && shared.failure().is_none() => Err(fatal(x, e, seq, timeout)),
             r => r,
         };
         if let Some(reply) = reply {
             let _ = reply.send(result);
         }
     }
+    // Every handle is gone: let the device collectives still in flight finish (or time
+    // out) before the transport is dropped, which would abort them under the peers.
+    while x.device_in_flight() && shared.failure().is_none() {
+        if let Some((e, seq, timeout)) = x.poll_device() {
+            fatal(x, e, Some(seq), timeout);
+            break;
+        }
+        std::thread::sleep(DEVICE_POLL);
+    }
 }
+
+/// How often a worker with device collectives in flight checks them.
+const DEVICE_POLL: Duration = Duration::from_micros(200);
