@@ -462,6 +462,19 @@ pub fn raw_device_memory(t: &Tensor) -> Result<RawDeviceMemory> {
     })
 }
 
+/// Whether every CUDA device this process has opened orders its work on one
+/// stream (one GPU, or the emulator): then all CUDA tensors' work runs in issue
+/// order, and threads sharing them need no synchronisation between each
+/// other's launches.
+pub fn single_stream() -> bool {
+    let reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+    let mut spaces = reg.values().map(|d| d.memory_space());
+    match spaces.next() {
+        None => true,
+        Some(first) => spaces.all(|s| s == first),
+    }
+}
+
 /// Waits for the work queued on `cuda:ordinal` (a no-op on the emulator).
 pub fn synchronize(ordinal: usize) -> Result<()> {
     device(ordinal)?.synchronize().map_err(kerr)

@@ -407,19 +407,23 @@ impl LocalComm {
         let clock = Clock::start(timeout);
         let desc = Desc::new(call.clone(), tensor.as_ref());
         // A CUDA member builds its output on its device, device to device; its own
-        // input must be complete on the device before peers read it.
+        // input must be complete on the device before peers read it. With one stream
+        // for every CUDA tensor of the process (one GPU), stream order sees to that,
+        // and to the peers' reads being over before they reuse their buffers: no
+        // synchronisation then, before or after.
         let on_device = match tensor.as_ref().map(Tensor::device) {
             Some(Device::Cuda(o)) => Some(o),
             _ => None,
         };
+        let sync = on_device.is_some() && !tpar_tensor::gpu::single_stream();
         let problem = match on_device {
-            Some(o) => problem.or_else(|| {
+            Some(o) if sync => problem.or_else(|| {
                 tpar_tensor::gpu::synchronize(o).err().map(|e| CollectiveError::InvalidArgument {
                     op,
                     why: format!("cuda:{o} failed before the collective: {e}"),
                 })
             }),
-            None => problem,
+            _ => problem,
         };
 
         // Phase 1: post.
@@ -483,9 +487,11 @@ impl LocalComm {
                 let o = on_device.unwrap_or_default();
                 device::compute(&call, &tensors, &descs, me, o).and_then(|out| {
                     // Reads of the peers' buffers are over before they may reuse them.
-                    tpar_tensor::gpu::synchronize(o).map_err(|e| {
-                        CollectiveError::InvalidArgument { op, why: format!("cuda:{o}: {e}") }
-                    })?;
+                    if sync {
+                        tpar_tensor::gpu::synchronize(o).map_err(|e| {
+                            CollectiveError::InvalidArgument { op, why: format!("cuda:{o}: {e}") }
+                        })?;
+                    }
                     Ok(out)
                 })
             }
