@@ -894,7 +894,8 @@ fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveEr
 /// The detached host copy a multi-process (`nccl`, `tcp`) collective computes with:
 /// CUDA tensors are staged through the host (counted in
 /// `tpar_tensor::gpu::host_round_trips`). The local backend does not stage: it runs
-/// collectives on CUDA tensors device to device (see the `local` module).
+/// collectives on CUDA tensors device to device (see the `local` module); nor does the
+/// nccl backend's device path (see `nccl::ondevice`).
 fn stage_to_host(op: &'static str, t: &Tensor) -> Result<Tensor> {
     let t = t.detach();
     if let Device::Cuda(_) = t.device() {

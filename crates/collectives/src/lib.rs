@@ -16,8 +16,10 @@
 //! their collectives device to device (device and peer copies, and a reduction kernel
 //! whose results are bit-equal to the host collectives'), with no host copy; a
 //! collective mixing host and CUDA members works, each member getting its result on its
-//! own device. The `nccl` backend stages CUDA tensors through host memory for now, and
-//! the `tcp` backend takes host tensors only.
+//! own device. The `nccl` backend runs `all_reduce`, `all_gather` and `reduce_scatter`
+//! of CUDA tensors on their own memory, ordered by CUDA events (no host
+//! synchronisation), and stages its other calls on CUDA tensors through host memory; the
+//! `tcp` backend takes host tensors only.
 //!
 //! Failures are typed and prompt: a member that calls another collective, or passes
 //! another dtype or shape, makes every member fail with [`CollectiveError::Mismatch`]

@@ -646,12 +646,6 @@ pub struct CudaDevice {
     max_smem_optin: u32,
     sm_count: u32,
     functions: Mutex<HashMap<String, Arc<LoadedFunction>>>,
-    /// This handle, for the cuBLASLt handle made from it on first use.
-    me: std::sync::Weak<CudaDevice>,
-    /// cuBLASLt for [`GpuDevice::vendor_gemm`], made on first use (`None`: not
-    /// loadable, or `TPAR_GEMM=ours`). It holds this device, which therefore
-    /// lives as long as the process once a GEMM has run.
-    vendor: OnceLock<Option<Arc<super::cublaslt::CublasLt>>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -722,7 +716,7 @@ impl CudaDevice {
         };
         let stream = ctx.new_stream().map_err(|e| driver_error(&op, "creating a stream", e))?;
         keep_pool_memory(&ctx);
-        Ok(Arc::new_cyclic(|me| CudaDevice {
+        Ok(Arc::new(CudaDevice {
             ordinal,
             ctx,
             stream,
@@ -733,8 +727,6 @@ impl CudaDevice {
             max_smem_optin,
             sm_count,
             functions: Mutex::new(HashMap::new()),
-            me: me.clone(),
-            vendor: OnceLock::new(),
         }))
     }
 
@@ -1116,36 +1108,6 @@ unsafe impl GpuDevice for CudaDevice {
 
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| driver_error(&self.op(), "cuStreamSynchronize", e))
-    }
-
-    /// cuBLASLt, on this handle's stream, for every problem it takes (f32
-    /// accumulation, no TF32), unless `TPAR_GEMM=ours` or cuBLASLt cannot be
-    /// loaded; a problem it has no algorithm for falls back to tpar's kernel.
-    ///
-    /// # Safety
-    /// As [`GpuDevice::vendor_gemm`].
-    unsafe fn vendor_gemm(
-        &self,
-        p: &super::raw::gemm::GemmProblem,
-        a: DevPtr,
-        b: DevPtr,
-        c: DevPtr,
-    ) -> Result<bool> {
-        let lt = self.vendor.get_or_init(|| {
-            let ours = std::env::var_os("TPAR_GEMM").is_some_and(|v| v == "ours");
-            let me = self.me.upgrade()?;
-            if ours {
-                return None;
-            }
-            super::cublaslt::CublasLt::new(&me).ok().map(Arc::new)
-        });
-        let Some(lt) = lt else { return Ok(false) };
-        let name = || "(cublasLtMatmul)".to_string();
-        let r = super::profile::timed(&self.ctx, &self.stream, name, || {
-            // SAFETY: forwarded from the caller; cuBLASLt queues on this handle's stream.
-            unsafe { lt.matmul(p, a, b, c) }
-        });
-        Ok(r.is_ok())
     }
 }
 

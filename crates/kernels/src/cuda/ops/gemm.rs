@@ -8,11 +8,9 @@ pub use crate::cuda::raw::gemm::{GemmLaunch, GemmProblem, GemmTile, MAX_BATCH, M
 use crate::cuda::{DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
-/// Runs `p`: with the device's vendor library where it has one that takes the
-/// problem (cuBLASLt on a GPU, unless `TPAR_GEMM=ours`), else tpar's kernel with
-/// the tile of [`GemmProblem::default_tile`]. A and B are read from `a` and `b`
-/// (`p.dtype_in`), C written (and read when `beta != 0`) in `c`
-/// (`p.dtype_out`), each view starting at its operand's batch 0.
+/// Runs `p` with the tile of [`GemmProblem::default_tile`]: A and B read
+/// from `a` and `b` (`p.dtype_in`), C written (and read when `beta != 0`)
+/// in `c` (`p.dtype_out`), each view starting at its operand's batch 0.
 pub fn gemm(
     dev: &dyn GpuDevice,
     p: &GemmProblem,
@@ -20,16 +18,10 @@ pub fn gemm(
     b: DeviceSlice<'_>,
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
-    // SAFETY: `operands` checked the buffers (see `gemm_with_tile`).
-    if unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
-        return Ok(());
-    }
-    // SAFETY: as above.
-    unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), ap, bp, cp) }
+    gemm_with_tile(dev, p, p.default_tile(), a, b, c)
 }
 
-/// Runs `p` with tpar's kernel and an explicit tile (for benchmarks and tuning).
+/// Runs `p` with an explicit tile (for benchmarks and tuning).
 pub fn gemm_with_tile(
     dev: &dyn GpuDevice,
     p: &GemmProblem,
@@ -38,25 +30,14 @@ pub fn gemm_with_tile(
     b: DeviceSlice<'_>,
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
-    // SAFETY: `a`, `b` and `c` are live buffers in `dev`'s memory covering
-    // every element the problem's sizes, leading dimensions and batch strides
-    // reach (checked by `operands`); `c` is an exclusive borrow, so C overlaps
-    // neither A nor B.
-    unsafe { raw::gemm_with_tile(dev, p, tile, ap, bp, cp) }
-}
-
-/// The operands' addresses, after checking that each view is `dev`'s memory
-/// and covers what `p` reaches.
-fn operands(
-    dev: &dyn GpuDevice,
-    p: &GemmProblem,
-    a: &DeviceSlice<'_>,
-    b: &DeviceSlice<'_>,
-    c: &DeviceSliceMut<'_>,
-) -> Result<[crate::cuda::DevPtr; 3]> {
     let ch = Check::new("cuda gemm", dev);
     let [na, nb, nc] = p.extents()?;
     let (ins, outs) = (p.dtype_in.size(), p.dtype_out.size());
-    Ok([ch.read("A", a, na, ins)?, ch.read("B", b, nb, ins)?, ch.write("C", c, nc, outs)?])
+    let (ap, bp) = (ch.read("A", &a, na, ins)?, ch.read("B", &b, nb, ins)?);
+    let cp = ch.write("C", &c, nc, outs)?;
+    // SAFETY: `a`, `b` and `c` are live buffers in `dev`'s memory covering
+    // every element the problem's sizes, leading dimensions and batch strides
+    // reach (checked above); `c` is an exclusive borrow, so C overlaps
+    // neither A nor B.
+    unsafe { raw::gemm_with_tile(dev, p, tile, ap, bp, cp) }
 }

@@ -11,7 +11,7 @@
 //! place take it once, as a [`DeviceSliceMut`] (`*_in_place`, `accumulate`,
 //! the optimizer step).
 //!
-//! Sizes are element counts and dtypes are [`CudaDType`]s, as in
+//! Sizes are element counts and dtypes are [`CudaDType`](crate::cuda::CudaDType)s, as in
 //! [`super::raw`]; views are bytes, so one buffer can hold values of any type
 //! and be split into pieces ([`DeviceSliceMut::split_at`]).
 //!
