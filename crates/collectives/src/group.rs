@@ -727,8 +727,15 @@ impl ProcessGroup {
         };
         let device = i.device;
         let r = match &self.backend {
-            _ if i.on_device && i.problem.is_none() => {
-                self.start_on_device(&i).and_then(|f| f.finish()).map(Some)
+            // The device path exchanges no headers, so a problem with `out` alone cannot
+            // be told to the peers: this member takes part (they would wait for it), then
+            // reports the problem.
+            _ if i.on_device => {
+                let r = self.start_on_device(&i).and_then(|f| f.finish()).map(Some);
+                match i.problem {
+                    Some(e) => Err(e),
+                    None => r,
+                }
             }
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, reuse),
             Backend::Nccl(c) | Backend::Tcp(c) => {

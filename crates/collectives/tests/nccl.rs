@@ -356,6 +356,10 @@ fn world_size_one_keeps_cuda_tensors_on_the_device() {
         let out = Tensor::zeros(t.dims().to_vec(), dtype, cuda).unwrap();
         pg.all_reduce_into(&t, ReduceOp::Sum, &out).unwrap();
         results.push(("all_reduce_into".into(), out));
+        // A wrong `out` fails this member alone (after taking part), and the group goes on.
+        let wrong = Tensor::zeros([3], dtype, cuda).unwrap();
+        let e = pg.all_reduce_into(&t, ReduceOp::Sum, &wrong).unwrap_err();
+        assert!(matches!(e, CollectiveError::InvalidArgument { .. }), "{e}");
         assert_eq!(
             tpar_tensor::gpu::host_round_trips() - before,
             0,
