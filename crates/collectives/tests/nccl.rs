@@ -209,6 +209,19 @@ fn rerun_with_nccl_link(test: &str) -> bool {
     true
 }
 
+/// Whether NCCL is usable in this process. If not, `test` re-runs in a child with the
+/// `libnccl.so` link where that helps (the child runs it), or it prints why it skips.
+fn nccl_or_skip(test: &str) -> bool {
+    let p = nccl::probe();
+    if p.is_usable() {
+        return true;
+    }
+    if !rerun_with_nccl_link(test) {
+        println!("skipped: {}", p.why_unavailable().unwrap_or_default());
+    }
+    false
+}
+
 fn rand_tensor(dims: &[usize], dtype: DType, rng: &mut Rng) -> Tensor {
     let n: usize = dims.iter().product();
     let v: Vec<f64> = (0..n).map(|_| rng.below(9) as f64 - 4.0).collect();
@@ -223,15 +236,10 @@ fn same(what: &str, got: &Tensor, want: &Tensor) {
 
 #[test]
 fn world_size_one_runs_every_collective() {
-    let p = nccl::probe();
-    if !p.is_usable() {
-        if rerun_with_nccl_link("world_size_one_runs_every_collective") {
-            return;
-        }
-        println!("skipped: {}", p.why_unavailable().unwrap_or_default());
+    if !nccl_or_skip("world_size_one_runs_every_collective") {
         return;
     }
-    println!("{p}");
+    println!("{}", nccl::probe());
     let pg = world_of_one(Duration::from_secs(60)).expect("NCCL world of one");
     assert_eq!(pg.backend_name(), "nccl");
     assert_eq!((pg.size(), pg.rank(), pg.global_rank(), pg.world_size()), (1, 0, 0, 1));
@@ -323,12 +331,7 @@ fn world_size_one_runs_every_collective() {
 /// included; the host-path calls on CUDA tensors (broadcast, all_to_all) still work.
 #[test]
 fn world_size_one_keeps_cuda_tensors_on_the_device() {
-    let p = nccl::probe();
-    if !p.is_usable() {
-        if rerun_with_nccl_link("world_size_one_keeps_cuda_tensors_on_the_device") {
-            return;
-        }
-        println!("skipped: {}", p.why_unavailable().unwrap_or_default());
+    if !nccl_or_skip("world_size_one_keeps_cuda_tensors_on_the_device") {
         return;
     }
     let pg = world_of_one(Duration::from_secs(60)).expect("NCCL world of one");
