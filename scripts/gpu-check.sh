@@ -17,10 +17,10 @@
 #      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s;
 #   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
 #      training step in eager PyTorch (tokens/s);
-#   3. llama_2d --device cuda with the same model and batch as step 2 (it may
-#      not run on CUDA yet: its outcome is reported, never fatal), and its host
-#      round trips per step (logging steps and the others), then the GPU time
-#      per kernel of 3 more steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
+#   3. llama_2d --device cuda with the same model and batch as step 2 (its
+#      outcome is reported, never fatal), its host round trips per step
+#      (logging steps and the others), then the GPU time per kernel of 3 more
+#      steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
 #   3b. the small default model on the device and on the host in the
 #      configurations whose emulated round trips the tests pin (world 1 with
 #      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over

@@ -318,8 +318,9 @@ impl ProcessGroup {
     /// backends compute as usual and move the result into `out`.
     ///
     /// A wrong `out` fails every member's call, as a wrong argument does, and is left as
-    /// it was. After another error, an `out` whose memory the local backend was writing
-    /// holds zeros.
+    /// it was (on the nccl backend's device path, which compares nothing across members,
+    /// only this member's call fails, after taking part). After another error, an `out`
+    /// whose memory the local backend was writing holds zeros.
     ///
     /// ```
     /// use tpar_collectives::{spawn, ReduceOp};
@@ -651,9 +652,9 @@ impl ProcessGroup {
         let on_device = matches!(self.backend, Backend::Nccl(_))
             && problem.is_none()
             && t.is_some_and(|t| crate::nccl::ondevice::eligible(&call, t, self.size()));
-        let local = matches!(self.backend, Backend::Local(_)) || on_device;
+        let in_place = matches!(self.backend, Backend::Local(_)) || on_device;
         let prepare =
-            |t: &Tensor| if local { Ok(t.detach()) } else { stage_to_host(call.name(), t) };
+            |t: &Tensor| if in_place { Ok(t.detach()) } else { stage_to_host(call.name(), t) };
         let (tensor, problem) = match t.map(prepare).transpose() {
             Ok(tensor) => (tensor, problem),
             Err(e) => (None, problem.or(Some(e))),
@@ -828,7 +829,6 @@ impl ProcessGroup {
         let issued = self.issue(call, Some(t), true);
         let world = match &self.backend {
             Backend::Local(l) => l.world().clone(),
-            // The group's worker thread runs it: queue it and hand out the reply.
             // The device path: enqueued now; the caller's stream waits at `Work::wait`.
             Backend::Nccl(_) if issued.on_device => {
                 let state = match self.start_on_device(&issued) {
@@ -837,6 +837,7 @@ impl ProcessGroup {
                 };
                 return Work { op, state };
             }
+            // The group's worker thread runs it: queue it and hand out the reply.
             Backend::Nccl(c) | Backend::Tcp(c) => {
                 let device = issued.device;
                 let p =

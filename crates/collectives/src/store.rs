@@ -117,7 +117,8 @@ impl Store for HashStore {
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        let deadline = std::time::Instant::now() + timeout;
+        // `None`: a timeout too long to reach (waits as long as it takes).
+        let deadline = std::time::Instant::now().checked_add(timeout);
         let mut map = self.lock();
         loop {
             let missing: Vec<String> =
@@ -125,7 +126,8 @@ impl Store for HashStore {
             if missing.is_empty() {
                 return Ok(());
             }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline
+                .map_or(timeout, |d| d.saturating_duration_since(std::time::Instant::now()));
             if left.is_zero() {
                 return Err(StoreError::Timeout(Box::new(MissingKeys(missing))));
             }

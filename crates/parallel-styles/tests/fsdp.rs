@@ -21,20 +21,9 @@ use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 
 mod common;
 use common::{
-    check_params, config, global_batch, loss_of, no_check, rank_grad, reference, reference_with,
-    shard_model, shard_model_with, train, train_with, Mode, Optim,
+    check_params, config, global_batch, loss_of, no_check, rank_grad, reference, reference_grads,
+    reference_with, shard_model, shard_model_with, train, train_with, Mode, Optim,
 };
-
-fn reference_grads() -> BTreeMap<String, Vec<f64>> {
-    let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
-    reset_parameters(&mut model, Device::Cpu, 3).unwrap();
-    let (ids, tgt) = global_batch();
-    loss_of(&model, &ids, &tgt).unwrap().into_tensor("ref").unwrap().backward().unwrap();
-    named_parameters(&model)
-        .into_iter()
-        .map(|(n, p)| (n, p.local().grad().unwrap().to_vec_f64().unwrap()))
-        .collect()
-}
 
 /// Runs one forward+backward on a (dp, tp) mesh; returns every rank's full gradients.
 fn run(dp: usize, tp: usize, mode: &str) -> Vec<BTreeMap<String, Vec<f64>>> {

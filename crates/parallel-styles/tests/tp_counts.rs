@@ -23,7 +23,7 @@ use tpar_parallel_styles::{
 use tpar_tensor::{tol::Tol, DType, Device};
 
 mod common;
-use common::{config, global_batch, loss_of, plan_err};
+use common::{config, global_batch, loss_of, plan_err, reference_grads};
 
 use CollectiveKind::{AllGather, AllReduce, ReduceScatter};
 
@@ -125,17 +125,6 @@ fn step(dp: usize, tp: usize, layer: &ParallelizePlan, top: &ParallelizePlan) ->
         }
     }
     out.into_iter().next().unwrap().0
-}
-
-fn reference_grads() -> BTreeMap<String, Vec<f64>> {
-    let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
-    reset_parameters(&mut model, Device::Cpu, 3).unwrap();
-    let (ids, tgt) = global_batch();
-    loss_of(&model, &ids, &tgt).unwrap().into_tensor("ref").unwrap().backward().unwrap();
-    named_parameters(&model)
-        .into_iter()
-        .map(|(n, p)| (n, p.local().grad().unwrap().to_vec_f64().unwrap()))
-        .collect()
 }
 
 fn at_most(what: &str, got: Counts, torch: Counts, table: &str) {

@@ -16,6 +16,7 @@ use tpar_tensor::{Device, Tensor};
 
 use super::desc::{Call, Desc};
 use super::{a2a_pieces, internal};
+use crate::remote::plan::around;
 use crate::{chunk_range, CollectiveError, ReduceOp, Result};
 
 fn fold(op: ReduceOp) -> FoldOp {
@@ -30,13 +31,6 @@ fn fold(op: ReduceOp) -> FoldOp {
 
 fn device_err(op: &'static str, e: tpar_tensor::TensorError) -> CollectiveError {
     CollectiveError::InvalidArgument { op, why: format!("on the device: {e}") }
-}
-
-/// `dims` viewed around `dim` as `[outer, dims[dim], inner]`: `(outer, inner)`.
-fn around(dims: &[usize], dim: usize) -> (usize, usize) {
-    let outer = dims.get(..dim).map_or(1, |d| d.iter().product());
-    let inner = dims.get(dim + 1..).map_or(1, |d| d.iter().product());
-    (outer, inner)
 }
 
 /// Member `me`'s output of `call` on `cuda:ordinal`, from every member's

@@ -361,10 +361,10 @@ impl Transport for NcclDevice {
     fn run_device(
         &mut self,
         seq: u64,
-        op: &'static str,
         job: DeviceJob,
         deadline: Deadline,
     ) -> Result<Arc<DeviceEvent>> {
+        let op = job.op;
         let comm = self.comm.as_ref().ok_or_else(|| {
             self.backend_err(op, "the communicator was aborted after an earlier failure".into())
         })?;

@@ -116,7 +116,7 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::Id;
 
 pub(crate) use device::{driver_error_text, nccl_error_text};
-pub(crate) use ondevice::{await_enqueued, DeviceEvent, DeviceJob};
+pub(crate) use ondevice::{DeviceEvent, DeviceJob};
 pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCCL_LIBRARY_ENV};
 pub use standin::{StandIn, StandInComm};
 

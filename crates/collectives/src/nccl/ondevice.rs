@@ -27,7 +27,6 @@
 //! host-path call costs a host round trip (`tpar_tensor::gpu::host_round_trips`); the
 //! device path costs none.
 
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -366,24 +365,4 @@ pub(crate) fn start(
         group,
         rank,
     })
-}
-
-/// Waits (on the host, briefly: the worker replies once the call is enqueued) for a
-/// device job's completion event.
-pub(crate) fn await_enqueued(
-    rx: mpsc::Receiver<Result<Arc<DeviceEvent>>>,
-    stuck: impl Fn() -> Option<CollectiveError>,
-    gone: impl Fn() -> CollectiveError,
-) -> Result<Arc<DeviceEvent>> {
-    loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(r) => return r,
-            Err(RecvTimeoutError::Disconnected) => return Err(gone()),
-            Err(RecvTimeoutError::Timeout) => {
-                if let Some(e) = stuck() {
-                    return Err(e);
-                }
-            }
-        }
-    }
 }

@@ -153,17 +153,8 @@ impl RemoteComm {
     ) -> Result<Arc<crate::nccl::DeviceEvent>> {
         let op = job.op;
         let (reply, rx) = mpsc::channel();
-        self.submit(Job::Device { seq, op, job, timeout, reply })?;
-        let shared = &self.h.shared;
-        crate::nccl::await_enqueued(
-            rx,
-            || shared.stuck(),
-            || {
-                shared
-                    .failure()
-                    .unwrap_or_else(|| self.op_failed(op, "the group's worker thread exited"))
-            },
-        )
+        self.submit(Job::Device { seq, job, timeout, reply })?;
+        Pending { rx, shared: self.h.shared.clone(), op, done: Mutex::new(None) }.wait()
     }
 
     /// Queues a send of `t` (already a private copy) to group rank `dst`; returns at once.
@@ -217,19 +208,20 @@ impl RemoteComm {
     }
 }
 
-/// A collective queued on a group's worker: what [`Work`](crate::Work) waits on.
-pub(crate) struct Pending {
-    rx: Receiver<Reply>,
+/// A job queued on a group's worker: what [`Work`](crate::Work) waits on (a
+/// collective's output), or a device collective's completion event.
+pub(crate) struct Pending<T = Option<Tensor>> {
+    rx: Receiver<Result<T>>,
     shared: Arc<Shared>,
     op: &'static str,
-    done: Mutex<Option<Reply>>,
+    done: Mutex<Option<Result<T>>>,
 }
 
-impl Pending {
+impl<T> Pending<T> {
     /// Waits for the reply. Gives up (with `Timeout`) only when the worker has been stuck
     /// in one job longer than that job's timeout plus
     /// [`STUCK_GRACE`](super::worker::STUCK_GRACE).
-    pub fn wait(self) -> Reply {
+    pub fn wait(self) -> Result<T> {
         if let Some(r) = self.done.into_inner().unwrap_or_else(PoisonError::into_inner) {
             return r;
         }

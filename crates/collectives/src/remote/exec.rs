@@ -91,12 +91,11 @@ pub(crate) trait Transport {
     fn run_device(
         &mut self,
         seq: u64,
-        op: &'static str,
         job: crate::nccl::DeviceJob,
         deadline: Deadline,
     ) -> Result<std::sync::Arc<crate::nccl::DeviceEvent>> {
-        let _ = (seq, job, deadline);
-        Err(internal(op, "this backend has no device path"))
+        let _ = (seq, deadline);
+        Err(internal(job.op, "this backend has no device path"))
     }
     /// Whether device collectives are still in flight (the worker then polls).
     fn device_in_flight(&self) -> bool {

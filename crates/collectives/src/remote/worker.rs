@@ -39,7 +39,6 @@ pub(crate) enum Job {
     /// the reply is its completion event (see `nccl::ondevice`).
     Device {
         seq: u64,
-        op: &'static str,
         job: crate::nccl::DeviceJob,
         timeout: Duration,
         reply: Sender<Result<Arc<crate::nccl::DeviceEvent>>>,
@@ -54,7 +53,7 @@ impl Job {
             Job::Send { shaped: true, .. } => "send_shaped",
             Job::Recv { expect: None, .. } => "recv",
             Job::Recv { expect: Some(_), .. } => "recv_shaped",
-            Job::Device { op, .. } => op,
+            Job::Device { job, .. } => job.op,
         }
     }
 
@@ -246,10 +245,10 @@ pub(crate) fn serve<X: Transport>(
                 };
                 (None, None, r)
             }
-            Job::Device { seq, op, job, reply, .. } => {
+            Job::Device { seq, job, reply, .. } => {
                 let r = match shared.failure() {
                     Some(e) => Err(e),
-                    None => guarded(|| x.run_device(seq, op, job, deadline))
+                    None => guarded(|| x.run_device(seq, job, deadline))
                         .unwrap_or_else(|p| Err(panicked(op, p))),
                 };
                 shared.set_busy(None);

@@ -253,7 +253,11 @@ fn a_slow_member_is_a_timeout_naming_it_with_rings() {
 
 #[test]
 fn a_member_that_drops_its_world_between_ring_transfers_is_named() {
-    let (outs, setup) = run_world_shm(3, Duration::from_secs(30), SMALL_RING, |pg| {
+    // The two survivors keep their worlds until both have seen the failure: one that
+    // returned first would close its own connections, and a slower peer could then
+    // rightly name it instead of rank 2.
+    let failed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (outs, setup) = run_world_shm(3, Duration::from_secs(30), SMALL_RING, move |pg| {
         let r = pg.rank();
         let t = Tensor::ones([200_000], DType::F32, Device::Cpu).unwrap();
         for _ in 0..3 {
@@ -272,7 +276,13 @@ fn a_member_that_drops_its_world_between_ring_transfers_is_named() {
                 Err(e) => break e,
             }
         };
-        Some((e, start.elapsed()))
+        let took = start.elapsed();
+        failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let until = Instant::now() + Duration::from_secs(5);
+        while failed.load(std::sync::atomic::Ordering::SeqCst) < 2 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Some((e, took))
     });
     setup.check(3, SMALL_RING);
     for (e, took) in outs.into_iter().flatten() {

@@ -68,6 +68,19 @@ pub fn loss_of(model: &LlamaForPretraining, ids: &Tensor, tgt: &Tensor) -> tpar_
     loss_of_masked(model, ids, tgt, false)
 }
 
+/// Every parameter's gradient of the unsharded model (seed 3) on the global batch, by
+/// name.
+pub fn reference_grads() -> BTreeMap<String, Vec<f64>> {
+    let mut model = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
+    reset_parameters(&mut model, Device::Cpu, 3).unwrap();
+    let (ids, tgt) = global_batch();
+    loss_of(&model, &ids, &tgt).unwrap().into_tensor("ref").unwrap().backward().unwrap();
+    named_parameters(&model)
+        .into_iter()
+        .map(|(n, p)| (n, p.local().grad().unwrap().to_vec_f64().unwrap()))
+        .collect()
+}
+
 pub fn plan_err(e: PlanError) -> NnError {
     NnError::Config { what: e.to_string() }
 }
