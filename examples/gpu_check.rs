@@ -1412,31 +1412,6 @@ fn sum_squares_case(c: &mut Ctx, dt: CudaDType, rows: usize, len: usize) {
 
 // ------------------------------------------------------------------ elementwise
 
-const UNARY_OPS: [UnaryOp; 12] = [
-    UnaryOp::Neg,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Silu,
-    UnaryOp::Sigmoid,
-    UnaryOp::Square,
-    UnaryOp::Abs,
-    UnaryOp::Relu,
-    UnaryOp::Tanh,
-    UnaryOp::Recip,
-];
-
-const BINARY_OPS: [BinaryOp; 7] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Max,
-    BinaryOp::Min,
-    BinaryOp::Pow,
-];
-
 /// A broadcast pattern of a binary op: label, strides of a, strides of b, output shape.
 type Broadcast = (&'static str, Vec<usize>, Vec<usize>, Vec<usize>);
 
@@ -1496,7 +1471,7 @@ fn unary_case(c: &mut Ctx, dt: CudaDType, n: usize) {
         use tpar::kernels::elementwise as cpu;
         let d = c.d;
         let mut parts = Vec::new();
-        for op in UNARY_OPS {
+        for op in UnaryOp::ALL {
             let x = unary_input(c, dt, op, n);
             let dy = c.rng.vals(dt, n, -1.0, 1.0);
             let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
@@ -1525,7 +1500,7 @@ fn scalar_case(c: &mut Ctx, dt: CudaDType, n: usize) {
         let x = c.rng.vals(dt, n, 0.25, 3.0);
         let bx = d.up(dt, &x)?;
         let mut parts = Vec::new();
-        for (i, op) in BINARY_OPS.into_iter().enumerate() {
+        for (i, op) in BinaryOp::ALL.into_iter().enumerate() {
             let first = i % 2 == 1;
             let mut y = vec![0.0; n];
             tpar::kernels::elementwise::scalar::<f64>(op, &x, 1.5, first, &mut y)?;
@@ -1562,7 +1537,7 @@ fn binary_case(
         let (ba, bb) = (d.up(dt, &a)?, d.up(dt, &b)?);
         let n: usize = shape.iter().product();
         let mut parts = Vec::new();
-        for op in BINARY_OPS {
+        for op in BinaryOp::ALL {
             let mut want = vec![0.0; n];
             tpar::kernels::elementwise::binary::<f64>(op, &a, sa, &b, sb, shape, &mut want)?;
             let bo = d.junk(n * dt.size())?;

@@ -4,24 +4,10 @@
 //! output measured in the same run (`copy`: the bytes one output costs at least).
 //! Run: `cargo bench -p tpar-kernels --bench elementwise`.
 
-use std::time::Instant;
+mod common;
 
+use common::median_secs;
 use tpar_kernels::elementwise::{binary, scalar, unary, BinaryOp, UnaryOp};
-
-/// Median seconds of `reps` calls of `f` after two warm-up calls.
-fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
 
 fn main() {
     let (rows, cols) = (2048usize, 768usize);
@@ -32,13 +18,13 @@ fn main() {
     let mut out = vec![0f32; n];
     let shape = [rows, cols];
     let reps = 41;
-    let copy = median_secs(reps, || out.copy_from_slice(&a));
+    let copy = median_secs(2, reps, || out.copy_from_slice(&a));
     println!("rayon threads: {}", rayon::current_num_threads());
     println!("| kernel | ms | / copy |");
     println!("|---|---:|---:|");
     println!("| copy (memcpy) | {:.3} | 1.00 |", copy * 1e3);
     let mut row = |name: &str, f: &mut dyn FnMut(&mut [f32])| {
-        let t = median_secs(reps, || f(&mut out));
+        let t = median_secs(2, reps, || f(&mut out));
         println!("| {name} | {:.3} | {:.2} |", t * 1e3, t / copy);
     };
     for (name, op) in [("add", BinaryOp::Add), ("mul", BinaryOp::Mul)] {

@@ -3,24 +3,11 @@
 //! vectorized `exp` against libm (`exp`).
 //! Run: `cargo bench -p tpar-kernels --bench sdpa [-- tiles|exp]`.
 
-use std::time::Instant;
+mod common;
 
+use common::median_secs;
 use tpar_kernels::sdpa::{sdpa_backward_tiled, sdpa_forward_tiled, SdpaMask, SdpaShape, SdpaTiles};
 use tpar_kernels::vmath;
-
-/// Median seconds of `reps` calls of `f` after one warm-up call.
-fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -58,10 +45,10 @@ fn tiles(name: &str, s: SdpaShape, padded_tail: usize, reps: usize) {
         for tk in [32, 64, 128, 256] {
             let t = SdpaTiles { q: tq, k: tk };
             let m = mask.as_ref();
-            let f = median_secs(reps, || {
+            let f = median_secs(1, reps, || {
                 sdpa_forward_tiled(&s, t, &q, &k, &v, m, &mut out, &mut lse).unwrap();
             });
-            let b = median_secs(reps, || {
+            let b = median_secs(1, reps, || {
                 sdpa_backward_tiled(
                     &s, t, &q, &k, &v, m, &out, &lse, &dout, &mut dq, &mut dk, &mut dv,
                 )
@@ -77,12 +64,12 @@ fn exp() {
     let x: Vec<f32> = values(1 << 16, 5).iter().map(|v| v * 20.0).collect();
     let mut y = x.clone();
     let reps = 200;
-    let libm = median_secs(reps, || {
+    let libm = median_secs(1, reps, || {
         y.copy_from_slice(&x);
         y.iter_mut().for_each(|v| *v = v.exp());
         std::hint::black_box(&y);
     });
-    let vec = median_secs(reps, || {
+    let vec = median_secs(1, reps, || {
         y.copy_from_slice(&x);
         vmath::exp(&mut y);
         std::hint::black_box(&y);

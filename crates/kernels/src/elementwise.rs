@@ -29,6 +29,17 @@ pub enum BinaryOp {
 }
 
 impl BinaryOp {
+    /// Every binary op, in declaration order.
+    pub const ALL: [BinaryOp; 7] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Max,
+        BinaryOp::Min,
+        BinaryOp::Pow,
+    ];
+
     /// Applies the op in the accumulator type.
     #[inline(always)]
     pub fn apply<A: Acc>(self, a: A, b: A) -> A {
@@ -109,6 +120,22 @@ fn sigmoid<A: Acc>(x: A) -> A {
 }
 
 impl UnaryOp {
+    /// Every unary op, in declaration order.
+    pub const ALL: [UnaryOp; 12] = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Silu,
+        UnaryOp::Sigmoid,
+        UnaryOp::Square,
+        UnaryOp::Abs,
+        UnaryOp::Relu,
+        UnaryOp::Tanh,
+        UnaryOp::Recip,
+    ];
+
     /// Applies the op in the accumulator type.
     #[inline(always)]
     pub fn apply<A: Acc>(self, x: A) -> A {
@@ -503,15 +530,6 @@ mod tests {
     #[test]
     fn binary_paths_give_apply_bits() {
         fn check<T: Float>(of: impl Fn(f64) -> T) {
-            let ops = [
-                BinaryOp::Add,
-                BinaryOp::Sub,
-                BinaryOp::Mul,
-                BinaryOp::Div,
-                BinaryOp::Max,
-                BinaryOp::Min,
-                BinaryOp::Pow,
-            ];
             let val = |i: usize| of(0.25 + ((i * 7919) % 1013) as f64 / 257.0);
             for rows in [3usize, 40_000 / 17] {
                 let shape = [rows, 17];
@@ -527,7 +545,7 @@ mod tests {
                     ([1, rows], [17, 1]),
                     ([0, 0], [17, 1]),
                 ];
-                for op in ops {
+                for op in BinaryOp::ALL {
                     for (sa, sb) in layouts {
                         let mut out = vec![T::default(); n];
                         binary(op, &a, &sa, &b, &sb, &shape, &mut out).unwrap();

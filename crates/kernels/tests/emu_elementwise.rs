@@ -16,31 +16,6 @@ use tpar_kernels::{softmax, Float};
 
 // ---------------------------------------------------------------- helpers
 
-const UNARY_OPS: [UnaryOp; 12] = [
-    UnaryOp::Neg,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Silu,
-    UnaryOp::Sigmoid,
-    UnaryOp::Square,
-    UnaryOp::Abs,
-    UnaryOp::Relu,
-    UnaryOp::Tanh,
-    UnaryOp::Recip,
-];
-
-const BINARY_OPS: [BinaryOp; 7] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Max,
-    BinaryOp::Min,
-    BinaryOp::Pow,
-];
-
 /// Inputs in the op's domain.
 fn unary_input<T: Float>(rng: &mut Rng, op: UnaryOp, n: usize) -> Vec<T> {
     match op {
@@ -55,7 +30,7 @@ fn check_unary<T: Float>(seed: u64) {
     let l: &dyn Launcher = emu();
     let mut rng = Rng(seed);
     let n = 1003;
-    for op in UNARY_OPS {
+    for op in UnaryOp::ALL {
         let x: Vec<T> = unary_input(&mut rng, op, n);
         let mut want = vec![T::default(); n];
         cpu::unary(op, &x, &mut want).unwrap();
@@ -171,7 +146,7 @@ fn run_binary<T: Float>(
 
 fn check_binary<T: Float>(seed: u64) {
     let mut rng = Rng(seed);
-    for op in BINARY_OPS {
+    for op in BinaryOp::ALL {
         let lo = if op == BinaryOp::Pow { 0.3 } else { -3.0 };
         // same shape (flat kernel)
         let n = 1001;
