@@ -594,19 +594,7 @@ mod tests {
 
     #[test]
     fn derivatives_match_finite_differences() {
-        let ops = [
-            UnaryOp::Neg,
-            UnaryOp::Exp,
-            UnaryOp::Log,
-            UnaryOp::Sqrt,
-            UnaryOp::Rsqrt,
-            UnaryOp::Silu,
-            UnaryOp::Sigmoid,
-            UnaryOp::Square,
-            UnaryOp::Tanh,
-            UnaryOp::Recip,
-        ];
-        for op in ops {
+        for op in UnaryOp::ALL {
             for &x in &[0.3f64, 1.7, 2.5] {
                 let h = 1e-6;
                 let fd = (op.apply(x + h) - op.apply(x - h)) / (2.0 * h);
