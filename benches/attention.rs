@@ -38,13 +38,15 @@ fn reset_rss_peak() {
 }
 
 fn main() -> tpar::Result<()> {
-    // Fix glibc's mmap threshold so freed large buffers leave the resident set (the RSS
-    // column then measures each step alone, as the PyTorch script does): re-run self.
+    // Fix glibc's mmap threshold and turn tpar's host cache off, so freed large buffers
+    // leave the resident set (the RSS column then measures each step alone, as the
+    // PyTorch script does): re-run self.
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
         let status = std::env::current_exe().and_then(|exe| {
             std::process::Command::new(exe)
                 .args(std::env::args_os().skip(1))
                 .env("MALLOC_MMAP_THRESHOLD_", "131072")
+                .env("TPAR_HOST_CACHE_MIB", "0")
                 .status()
         });
         std::process::exit(status.map_or(1, |s| s.code().unwrap_or(1)));

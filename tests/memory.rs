@@ -35,3 +35,49 @@ fn allocations_are_credited_per_rank() {
     std::thread::spawn(move || drop(v)).join().unwrap();
     assert!((memory::current(7) - before).abs() < 4096);
 }
+
+/// A large tensor dropped by a rank leaves its figure as a free would, its buffer is
+/// kept (same address for the next tensor of that size and dtype) and the rank that
+/// takes it is credited again; a limit of 0 keeps nothing.
+#[test]
+fn kept_host_buffers_count_for_no_rank() {
+    use tpar::tensor::{DType, Device, Tensor};
+    let n = 3 << 20; // 12 MiB of f32, a size no other test here uses
+    let out = tpar::spawn(1, |ctx| -> Result<_, tpar::collectives::CollectiveError> {
+        let r = ctx.rank();
+        let base = memory::current(r);
+        let a = Tensor::ones([n], DType::F32, Device::Cpu)?.mul_scalar(2.0)?;
+        let held = memory::current(r) - base;
+        let addr = a.with_data::<f32, _>(|s| s.as_ptr() as usize)?;
+        drop(a);
+        let dropped = memory::current(r) - base;
+        let kept = memory::cache::cached_bytes();
+        memory::reset_peak(r);
+        let peak0 = memory::peak(r) - base;
+        let b = Tensor::ones([n], DType::F32, Device::Cpu)?.mul_scalar(3.0)?;
+        let again = memory::current(r) - base;
+        let same = b.with_data::<f32, _>(|s| s.as_ptr() as usize)? == addr;
+        let values_ok = b.to_vec::<f32>()?.iter().all(|&v| v == 3.0);
+        let peak = memory::peak(r) - base - peak0;
+        drop(b);
+        Ok((held, dropped, kept, again, same, values_ok, peak))
+    })
+    .unwrap();
+    let (held, dropped, kept, again, same, values_ok, peak) = out[0];
+    let bytes = (n * 4) as i64;
+    assert!(held >= bytes, "a live tensor counts: {held}");
+    assert!(dropped.abs() < 64 << 10, "a kept buffer counts for no rank: {dropped}");
+    assert!(kept >= n * 4, "the buffer was kept: {kept} bytes kept");
+    assert!(same, "the next tensor of that size reuses the kept buffer");
+    assert!(values_ok, "a reused buffer holds the new values only");
+    assert!(again >= bytes && again < bytes + (64 << 10), "taken again, it counts: {again}");
+    // The product's input (`ones`) and output: two buffers at most, never more.
+    assert!(peak <= 2 * bytes + (64 << 10), "peak {peak}");
+
+    let limit = memory::cache::limit();
+    memory::cache::set_limit(0);
+    assert_eq!(memory::cache::cached_bytes(), 0, "a limit of 0 frees what was kept");
+    drop(Tensor::ones([n], DType::F32, Device::Cpu).unwrap().mul_scalar(2.0).unwrap());
+    assert_eq!(memory::cache::cached_bytes(), 0, "and keeps nothing");
+    memory::cache::set_limit(limit);
+}

@@ -16,6 +16,8 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod cache;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -25,7 +27,9 @@ pub const MAX_RANKS: usize = 64;
 /// The slot of allocations made by threads with no rank.
 pub const UNATTRIBUTED: usize = MAX_RANKS;
 
-const SLOTS: usize = MAX_RANKS + 1;
+/// The slot of buffers kept by [`cache`]: counted for no rank.
+const CACHED: usize = MAX_RANKS + 1;
+const SLOTS: usize = MAX_RANKS + 2;
 const HEADER: usize = 16;
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -64,6 +68,35 @@ pub fn peak(rank: usize) -> i64 {
 pub fn reset_peak(rank: usize) {
     let r = rank.min(UNATTRIBUTED);
     PEAK[r].store(CURRENT[r].load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// Moves the `bytes` of the block at `ptr` from its owner's slot to the cache's.
+/// A no-op unless [`TrackingAllocator`] is the global allocator.
+fn cache_block(ptr: *mut u8, bytes: usize) {
+    if is_tracking() {
+        // SAFETY: with the tracking allocator installed every heap block came from it,
+        // so the owner slot is the 8-byte word right before `ptr` (see `alloc`).
+        unsafe {
+            let header = ptr.sub(8) as *mut usize;
+            credit(header.read().min(CACHED), -(bytes as i64));
+            header.write(CACHED);
+            credit(CACHED, bytes as i64);
+        }
+    }
+}
+
+/// Moves the `bytes` of a kept block at `ptr` to the calling thread's slot.
+fn uncache(ptr: *mut u8, bytes: usize) {
+    if is_tracking() {
+        let s = slot();
+        // SAFETY: as in `cache_block`.
+        unsafe {
+            let header = ptr.sub(8) as *mut usize;
+            credit(header.read().min(CACHED), -(bytes as i64));
+            header.write(s);
+            credit(s, bytes as i64);
+        }
+    }
 }
 
 /// A global allocator that counts live bytes per rank (see the module docs).
@@ -125,7 +158,7 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         // before it and the System block starts `offset` bytes before it.
         unsafe {
             let s = (ptr.sub(8) as *const usize).read();
-            credit(s.min(UNATTRIBUTED), -(layout.size() as i64));
+            credit(s.min(CACHED), -(layout.size() as i64));
             System.dealloc(ptr.sub(offset), full);
         }
     }

@@ -204,6 +204,30 @@ element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
 element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
 element!(i64, I64, |x: i64| x as f64, |v: f64| v as i64);
 
+/// A `Vec` of `n` default (zero) elements, in a buffer kept by the host cache when one
+/// of this type and size is there (`tpar_memory::cache`): its pages are already mapped.
+pub(crate) fn zeros_vec<T: Element>(n: usize) -> Vec<T> {
+    match tpar_memory::cache::take::<T>(n) {
+        Some(mut v) => {
+            v.resize(n, T::default());
+            v
+        }
+        None => vec![T::default(); n],
+    }
+}
+
+/// Hands a host storage's buffer to the host cache (which keeps it when large).
+pub(crate) fn recycle(s: CpuStorage) {
+    use tpar_memory::cache::give;
+    match s {
+        CpuStorage::F32(v) => give(v),
+        CpuStorage::F64(v) => give(v),
+        CpuStorage::BF16(v) => give(v),
+        CpuStorage::F16(v) => give(v),
+        CpuStorage::I64(v) => give(v),
+    }
+}
+
 /// Storage of a tensor on any device.
 #[derive(Debug)]
 pub enum Storage {

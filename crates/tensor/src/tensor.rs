@@ -22,6 +22,19 @@ pub(crate) struct Inner {
     pub(crate) grad: Mutex<Option<Tensor>>,
 }
 
+impl Drop for Inner {
+    /// The last handle on a host storage hands its buffer to the host cache.
+    fn drop(&mut self) {
+        let Some(lock) = Arc::get_mut(&mut self.storage) else { return };
+        let st = lock.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if matches!(st, Storage::Cpu(_)) {
+            if let Storage::Cpu(cs) = std::mem::replace(st, Storage::Released) {
+                crate::storage::recycle(cs);
+            }
+        }
+    }
+}
+
 /// An n-dimensional array with reverse-mode autograd.
 ///
 /// Tensors are **contiguous row-major**: every op that changes the layout
@@ -462,7 +475,9 @@ impl Tensor {
             _ => 0,
         };
         if matches!(&*g, Storage::Cpu(_) | Storage::Gpu(_)) {
-            *g = Storage::Released;
+            if let Storage::Cpu(cs) = std::mem::replace(&mut *g, Storage::Released) {
+                crate::storage::recycle(cs);
+            }
         }
         freed
     }
@@ -525,20 +540,23 @@ impl Tensor {
         // (Moved only when it must change device: a clone would keep a second handle.)
         let src =
             if src.device() == self.device() { src } else { src.implicit_move(self.device())? };
-        let moved = Arc::try_unwrap(src.0).map_err(Tensor).and_then(|inner| {
-            Arc::try_unwrap(inner.storage)
-                .map(|lock| lock.into_inner().unwrap_or_else(|p| p.into_inner()))
-                .map_err(|storage| Tensor(Arc::new(Inner { storage, ..inner })))
-        });
+        let mut src = src;
+        // The only handle on the only storage handle: take the storage itself.
+        let moved = Arc::get_mut(&mut src.0)
+            .and_then(|inner| Arc::get_mut(&mut inner.storage))
+            .map(|lock| {
+                let st = lock.get_mut().unwrap_or_else(|p| p.into_inner());
+                std::mem::replace(st, Storage::Released)
+            });
         let data = match moved {
-            Ok(s @ (Storage::Cpu(_) | Storage::Gpu(_))) => s,
-            Ok(_) => {
+            Some(s @ (Storage::Cpu(_) | Storage::Gpu(_))) => s,
+            Some(_) => {
                 return Err(TensorError::InvalidArgument {
                     op: "fill_storage_",
                     what: "source has no data".into(),
                 })
             }
-            Err(src) => src.storage_copy("fill_storage_")?,
+            None => src.storage_copy("fill_storage_")?,
         };
         *self.0.storage.write().unwrap_or_else(|p| p.into_inner()) = data;
         Ok(())

@@ -747,7 +747,8 @@ fn reduce_flat_typed<T: Reducible>(
 }
 
 /// An empty output buffer for `numel` elements: `reuse`'s memory when it holds `T`
-/// (a caller's buffer of a `*_into` call, whose pages are already mapped), else new.
+/// (a caller's buffer of a `*_into` call, whose pages are already mapped), else a
+/// buffer kept by the host cache (`tpar_tensor::memory::cache`), else new.
 fn output_vec<T: Element>(reuse: Option<CpuStorage>, numel: usize) -> Vec<T> {
     match reuse.map(T::unwrap) {
         Some(Ok(mut v)) => {
@@ -755,7 +756,7 @@ fn output_vec<T: Element>(reuse: Option<CpuStorage>, numel: usize) -> Vec<T> {
             v.reserve(numel);
             v
         }
-        _ => Vec::with_capacity(numel),
+        _ => tpar_tensor::memory::cache::take(numel).unwrap_or_else(|| Vec::with_capacity(numel)),
     }
 }
 

@@ -138,9 +138,10 @@ fn as_uninit<T>(s: &mut [T]) -> &mut [MaybeUninit<T>] {
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<MaybeUninit<T>>(), s.len()) }
 }
 
-/// A new `len`-element vector filled by `fill`, which must initialize every element.
-fn filled_vec<E>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<E>])) -> Vec<E> {
-    let mut v: Vec<E> = Vec::with_capacity(len);
+/// A new `len`-element vector filled by `fill`, which must initialize every element
+/// (in a buffer kept by the host cache, `tpar_memory::cache`, when one fits).
+fn filled_vec<E: Copy + 'static>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<E>])) -> Vec<E> {
+    let mut v: Vec<E> = tpar_memory::cache::take(len).unwrap_or_else(|| Vec::with_capacity(len));
     fill(&mut v.spare_capacity_mut()[..len]);
     // SAFETY: the capacity is at least `len` and `fill` initialized elements 0..len
     // (gemm writes all of them when not accumulating; see `native`).

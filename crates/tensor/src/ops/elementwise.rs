@@ -60,7 +60,7 @@ impl Tensor {
         let dims = out.dims().to_vec();
         compute(name, &[self, rhs], out, self.dtype(), |s| {
             with_float_type!(s[0].dtype(), name, |T| {
-                let mut o = vec![T::default(); dims.iter().product()];
+                let mut o = crate::storage::zeros_vec::<T>(dims.iter().product());
                 k::binary(
                     op,
                     typed::<T>(name, s[0])?,
@@ -153,7 +153,7 @@ impl Tensor {
         let n = self.numel();
         compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
-                let mut o = vec![T::default(); n];
+                let mut o = crate::storage::zeros_vec::<T>(n);
                 k::scalar(op, typed::<T>(name, st[0])?, s, scalar_first, &mut o)?;
                 Ok(T::wrap(o))
             })
@@ -204,7 +204,7 @@ impl Tensor {
             Some(t) => t,
             None => compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
-                    let mut o = vec![T::default(); n];
+                    let mut o = crate::storage::zeros_vec::<T>(n);
                     k::unary(op, typed::<T>(name, st[0])?, &mut o)?;
                     Ok(T::wrap(o))
                 })
@@ -219,7 +219,7 @@ impl Tensor {
             }
             let gx = compute(name, &[&x, &y, g], x.shape().clone(), x.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
-                    let mut o = vec![T::default(); n];
+                    let mut o = crate::storage::zeros_vec::<T>(n);
                     k::unary_backward(
                         op,
                         typed::<T>(name, st[0])?,

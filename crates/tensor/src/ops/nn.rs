@@ -82,7 +82,7 @@ impl Tensor {
         let n = self.numel();
         let out = compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
-                let mut y = vec![T::default(); n];
+                let mut y = crate::storage::zeros_vec::<T>(n);
                 let x = typed::<T>(name, st[0])?;
                 if log {
                     softmax::log_softmax_forward(x, rows, cols, &mut y)?;
@@ -96,7 +96,7 @@ impl Tensor {
         Ok(record(name, &[self], out, move |g| {
             let dx = compute(name, &[&y, g], y.shape().clone(), y.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
-                    let mut dx = vec![T::default(); n];
+                    let mut dx = crate::storage::zeros_vec::<T>(n);
                     let (ys, gs) = (typed::<T>(name, st[0])?, typed::<T>(name, st[1])?);
                     if log {
                         softmax::log_softmax_backward(ys, gs, rows, cols, &mut dx)?;
@@ -142,7 +142,7 @@ impl Tensor {
         let rows = self.numel().checked_div(dim).unwrap_or(0);
         let n = self.numel();
         with_float_type!(dtype, op, |T| {
-            let mut y = vec![T::default(); n];
+            let mut y = crate::storage::zeros_vec::<T>(n);
             let mut rstd = vec![<T as Float>::Acc::default(); rows];
             self.with_data::<T, _>(|xs| {
                 weight.with_data::<T, _>(|ws| {
@@ -152,7 +152,7 @@ impl Tensor {
             let out = Tensor::from_vec(y, self.shape().clone())?;
             let (x, w) = (self.clone(), weight.clone());
             Ok(record(op, &[self, weight], out, move |g| {
-                let mut dx = vec![T::default(); n];
+                let mut dx = crate::storage::zeros_vec::<T>(n);
                 let mut dw = vec![<T as Float>::Acc::default(); dim];
                 x.with_data::<T, _>(|xs| {
                     w.with_data::<T, _>(|ws| {
@@ -208,7 +208,7 @@ impl Tensor {
         let n = self.numel();
         let out = compute(op, &[self, cos, sin], self.shape().clone(), dtype, |st| {
             with_float_type!(dtype, op, |T| {
-                let mut y = vec![T::default(); n];
+                let mut y = crate::storage::zeros_vec::<T>(n);
                 rope::rope_forward(
                     &s,
                     typed::<T>(op, st[0])?,
@@ -223,7 +223,7 @@ impl Tensor {
         Ok(record(op, &[self], out, move |g| {
             let dx = compute(op, &[g, &c, &sn], g.shape().clone(), dtype, |st| {
                 with_float_type!(dtype, op, |T| {
-                    let mut dx = vec![T::default(); n];
+                    let mut dx = crate::storage::zeros_vec::<T>(n);
                     rope::rope_backward(
                         &s,
                         typed::<T>(op, st[0])?,
@@ -358,7 +358,7 @@ impl Tensor {
                 Some((m, st)) => Some((m.to_vec::<T>()?, st.clone())),
                 None => None,
             };
-            let mut out = vec![T::default(); out_shape.numel()];
+            let mut out = crate::storage::zeros_vec::<T>(out_shape.numel());
             let mut lse = vec![<T as Float>::Acc::default(); rows];
             // Read q, k, v in place (no copies of the activations).
             q.with_data::<T, _>(|qs| {
@@ -372,9 +372,9 @@ impl Tensor {
             let out_t = Tensor::from_vec(out, out_shape.clone())?;
             let (qq, kk, vt, oo) = (q.detach(), k.detach(), v.detach(), out_t.detach());
             Ok(record(op, &[q, k, v], out_t, move |g| {
-                let mut dq = vec![T::default(); qq.numel()];
-                let mut dk = vec![T::default(); kk.numel()];
-                let mut dv = vec![T::default(); vt.numel()];
+                let mut dq = crate::storage::zeros_vec::<T>(qq.numel());
+                let mut dk = crate::storage::zeros_vec::<T>(kk.numel());
+                let mut dv = crate::storage::zeros_vec::<T>(vt.numel());
                 qq.with_data::<T, _>(|qs| {
                     kk.with_data::<T, _>(|ks| {
                         vt.with_data::<T, _>(|vs| {
@@ -464,7 +464,7 @@ impl Tensor {
             Ok(record(op, &[self], out, move |g| {
                 let scale = if count == 0 { 0.0 } else { g.item()? / count as f64 };
                 let row_scale = [<<T as Float>::Acc as Acc>::of(scale)];
-                let mut dl = vec![T::default(); x.numel()];
+                let mut dl = crate::storage::zeros_vec::<T>(x.numel());
                 x.with_data::<T, _>(|ls| {
                     t.with_data::<i64, _>(|ts| {
                         ce::cross_entropy_backward(
@@ -532,7 +532,7 @@ impl Tensor {
         }
         let n = ids.numel() * dim;
         with_float_type!(dtype, op, |T| {
-            let mut out = vec![T::default(); n];
+            let mut out = crate::storage::zeros_vec::<T>(n);
             ids.with_data::<i64, _>(|is| {
                 weight.with_data::<T, _>(|ws| {
                     emb::embedding_forward(ws, vocab, dim, is, vocab_start, masked, &mut out)
@@ -544,7 +544,7 @@ impl Tensor {
                 if !needs_input_grad(0) {
                     return Ok(vec![None]);
                 }
-                let mut dw = vec![T::default(); vocab * dim];
+                let mut dw = crate::storage::zeros_vec::<T>(vocab * dim);
                 ids_c.with_data::<i64, _>(|is| {
                     g.with_data::<T, _>(|gs| {
                         emb::embedding_backward(is, vocab_start, masked, gs, vocab, dim, &mut dw)

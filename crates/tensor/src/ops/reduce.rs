@@ -22,7 +22,7 @@ impl Tensor {
         }
         compute(name, &[self], Shape::from(dims), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
-                let mut o = vec![T::default(); outer * inner];
+                let mut o = crate::storage::zeros_vec::<T>(outer * inner);
                 k::reduce(op, typed::<T>(name, st[0])?, outer, len, inner, &mut o)?;
                 Ok(T::wrap(o))
             })
@@ -135,7 +135,7 @@ impl Tensor {
                 &[(oshape.clone(), self.dtype()), (oshape.clone(), DType::I64)],
                 |st| {
                     with_float_type!(st[0].dtype(), name, |T| {
-                        let mut o = vec![T::default(); outer * inner];
+                        let mut o = crate::storage::zeros_vec::<T>(outer * inner);
                         let mut idx = vec![0i64; outer * inner];
                         k::max_with_index(
                             typed::<T>(name, st[0])?,
@@ -163,7 +163,7 @@ impl Tensor {
                 with_float_type!(st[0].dtype(), "max_backward", |T| {
                     let gs = typed::<T>("max_backward", st[0])?;
                     let is = typed::<i64>("max_backward", st[1])?;
-                    let mut o = vec![T::default(); outer * len * inner];
+                    let mut o = crate::storage::zeros_vec::<T>(outer * len * inner);
                     for oi in 0..outer {
                         for i in 0..inner {
                             let l = is[oi * inner + i] as usize;

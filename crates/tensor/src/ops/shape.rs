@@ -108,7 +108,7 @@ impl Tensor {
         let n = shape.numel();
         compute(op, &[self], shape, self.dtype(), |st| {
             with_any_type!(st[0].dtype(), |T| {
-                let mut o = vec![T::default(); n];
+                let mut o = crate::storage::zeros_vec::<T>(n);
                 strided_copy(typed::<T>(op, st[0])?, base, &strides, &dims, &mut o)?;
                 Ok(T::wrap(o))
             })
@@ -285,7 +285,7 @@ impl Tensor {
             Some(t) => t,
             None => compute("cat", &refs, Shape::from(od), dtype, |st| {
                 with_any_type!(dtype, |T| {
-                    let mut o = vec![T::default(); outer * total * inner];
+                    let mut o = crate::storage::zeros_vec::<T>(outer * total * inner);
                     let mut off = 0;
                     for (s, &len) in st.iter().zip(&sizes) {
                         let src = typed::<T>("cat", s)?;
