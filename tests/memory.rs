@@ -42,7 +42,7 @@ fn allocations_are_credited_per_rank() {
 #[test]
 fn kept_host_buffers_count_for_no_rank() {
     use tpar::tensor::{DType, Device, Tensor};
-    let n = 3 << 20; // 12 MiB of f32, a size no other test here uses
+    let n = 9 << 20; // 36 MiB of f32 (the cache keeps 32 MiB and more)
     let out = tpar::spawn(1, |ctx| -> Result<_, tpar::collectives::CollectiveError> {
         let r = ctx.rank();
         let base = memory::current(r);

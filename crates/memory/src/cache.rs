@@ -2,10 +2,10 @@
 //! dropped goes here instead of back to the allocator, and the next buffer of the same
 //! element type and capacity is taken from here.
 //!
-//! A training step allocates the same large buffers every step (activations, logits,
-//! gradients). glibc returns blocks this large to the kernel, so every step would fault
-//! their pages in again and the kernel would zero them: on a 2-core machine about
-//! 25 000 page faults per step of a small Llama. Kept here, the pages stay mapped.
+//! A training step allocates the same large buffers every step (logits and their
+//! gradient, large activations, collective outputs). glibc returns blocks this large to
+//! the kernel, so every step would fault their pages in again and the kernel would zero
+//! them. Kept here, the pages stay mapped.
 //!
 //! What is kept is bounded: at most [`limit`] bytes (default 512 MiB; the environment
 //! variable `TPAR_HOST_CACHE_MIB` sets it when the cache is first used, 0 turns the cache
@@ -18,11 +18,12 @@
 //!
 //! ```
 //! use tpar_memory::cache;
-//! let v: Vec<f32> = vec![1.0; 1 << 20]; // 4 MiB
+//! let n = cache::MIN_BYTES / 4;
+//! let v: Vec<f32> = vec![1.0; n];
 //! let ptr = v.as_ptr();
 //! cache::give(v);
-//! let again: Vec<f32> = cache::take(1 << 20).expect("kept");
-//! assert_eq!((again.as_ptr(), again.len(), again.capacity()), (ptr, 0, 1 << 20));
+//! let again: Vec<f32> = cache::take(n).expect("kept");
+//! assert_eq!((again.as_ptr(), again.len(), again.capacity()), (ptr, 0, n));
 //! ```
 
 use std::any::TypeId;
@@ -30,8 +31,12 @@ use std::collections::{HashMap, VecDeque};
 use std::mem::{size_of, ManuallyDrop};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
-/// Buffers smaller than this are left to the allocator (which keeps them itself).
-pub const MIN_BYTES: usize = 1 << 20;
+/// Buffers smaller than this are left to the allocator. glibc hands blocks of 32 MiB
+/// and more back to the kernel on every free (its largest mmap threshold), while it
+/// reuses smaller ones itself, and better than an exact-size cache could: keeping those
+/// here took memory it would have reused for other sizes (measured: more page faults,
+/// not fewer, in the multi-rank Llama steps of `benches/llama_step.rs`).
+pub const MIN_BYTES: usize = 32 << 20;
 
 const DEFAULT_LIMIT: usize = 512 << 20;
 
@@ -165,8 +170,8 @@ mod tests {
     /// One test, so the process-wide cache sees one sequence of calls.
     #[test]
     fn keeps_large_buffers_by_type_and_capacity_under_a_limit() {
-        let mib = 1 << 20;
-        // Too small: not kept.
+        let mib = MIN_BYTES;
+        // Too small: not kept (`mib` is the smallest size kept).
         give(vec![0u8; mib - 1]);
         assert!(take::<u8>(mib - 1).is_none());
         // Kept, found by element type and capacity only.
