@@ -7,6 +7,9 @@
 //! freed on another thread is still credited back to its owner. Allocations of threads
 //! with no rank (rayon workers' scratch) are counted under [`UNATTRIBUTED`].
 //!
+//! [`cache`] keeps large host buffers of dropped tensors for reuse; what it keeps counts
+//! for no rank.
+//!
 //! The tensor crate re-exports this crate as `tpar_tensor::memory` (and the facade as
 //! `tpar::tensor::memory`).
 //!
