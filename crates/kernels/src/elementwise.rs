@@ -55,32 +55,19 @@ impl BinaryOp {
     }
 }
 
-/// Runs `$body` with `$f` bound to a closure computing `$op` on two `$acc` values, one
-/// arm per op, so each loop is compiled for one op (no per-element `match`, and plain
-/// loops vectorize). The arithmetic is [`BinaryOp::apply`]'s.
+/// Runs `$body` with `$f` bound to a closure computing `$op` on two `$acc` values
+/// ([`BinaryOp::apply`] of a constant op), one arm per op, so each loop is compiled for
+/// one op: no per-element `match`, and plain loops vectorize.
 macro_rules! with_binary_fn {
     ($op:expr, $acc:ty, |$f:ident| $body:expr) => {
+        with_binary_fn!(@arms $op, $acc, $f, $body, Add, Sub, Mul, Div, Max, Min, Pow)
+    };
+    (@arms $op:expr, $acc:ty, $f:ident, $body:expr, $($v:ident),*) => {
         match $op {
-            BinaryOp::Add => {
-                let $f = |a: $acc, b: $acc| a + b;
+            $(BinaryOp::$v => {
+                let $f = |a: $acc, b: $acc| BinaryOp::$v.apply(a, b);
                 $body
-            }
-            BinaryOp::Sub => {
-                let $f = |a: $acc, b: $acc| a - b;
-                $body
-            }
-            BinaryOp::Mul => {
-                let $f = |a: $acc, b: $acc| a * b;
-                $body
-            }
-            BinaryOp::Div => {
-                let $f = |a: $acc, b: $acc| a / b;
-                $body
-            }
-            other => {
-                let $f = move |a: $acc, b: $acc| other.apply(a, b);
-                $body
-            }
+            })*
         }
     };
 }

@@ -73,33 +73,30 @@ pub fn reset_peak(rank: usize) {
     PEAK[r].store(CURRENT[r].load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
-/// Moves the `bytes` of the block at `ptr` from its owner's slot to the cache's.
-/// A no-op unless [`TrackingAllocator`] is the global allocator.
-fn cache_block(ptr: *mut u8, bytes: usize) {
+/// Moves the `bytes` of the live heap block at `ptr` from its owner's slot to slot `to`,
+/// which its free will then credit. A no-op unless [`TrackingAllocator`] is the global
+/// allocator.
+fn move_block(ptr: *mut u8, bytes: usize, to: usize) {
     if is_tracking() {
         // SAFETY: with the tracking allocator installed every heap block came from it,
         // so the owner slot is the 8-byte word right before `ptr` (see `alloc`).
         unsafe {
             let header = ptr.sub(8) as *mut usize;
             credit(header.read().min(CACHED), -(bytes as i64));
-            header.write(CACHED);
-            credit(CACHED, bytes as i64);
+            header.write(to);
+            credit(to, bytes as i64);
         }
     }
 }
 
-/// Moves the `bytes` of a kept block at `ptr` to the calling thread's slot.
+/// Moves a block given to [`cache`] to the cache's slot (counted for no rank).
+fn cache_block(ptr: *mut u8, bytes: usize) {
+    move_block(ptr, bytes, CACHED);
+}
+
+/// Moves a block taken from [`cache`] to the calling thread's slot.
 fn uncache(ptr: *mut u8, bytes: usize) {
-    if is_tracking() {
-        let s = slot();
-        // SAFETY: as in `cache_block`.
-        unsafe {
-            let header = ptr.sub(8) as *mut usize;
-            credit(header.read().min(CACHED), -(bytes as i64));
-            header.write(s);
-            credit(s, bytes as i64);
-        }
-    }
+    move_block(ptr, bytes, slot());
 }
 
 /// A global allocator that counts live bytes per rank (see the module docs).

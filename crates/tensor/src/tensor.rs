@@ -27,10 +27,8 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let Some(lock) = Arc::get_mut(&mut self.storage) else { return };
         let st = lock.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if matches!(st, Storage::Cpu(_)) {
-            if let Storage::Cpu(cs) = std::mem::replace(st, Storage::Released) {
-                crate::storage::recycle(cs);
-            }
+        if let Storage::Cpu(cs) = std::mem::replace(st, Storage::Released) {
+            crate::storage::recycle(cs);
         }
     }
 }
@@ -538,9 +536,8 @@ impl Tensor {
             });
         }
         // (Moved only when it must change device: a clone would keep a second handle.)
-        let src =
+        let mut src =
             if src.device() == self.device() { src } else { src.implicit_move(self.device())? };
-        let mut src = src;
         // The only handle on the only storage handle: take the storage itself.
         let moved = Arc::get_mut(&mut src.0)
             .and_then(|inner| Arc::get_mut(&mut inner.storage))
