@@ -43,8 +43,11 @@ fn allocations_are_credited_per_rank() {
 fn kept_host_buffers_count_for_no_rank() {
     use tpar::tensor::{DType, Device, Tensor};
     let n = 9 << 20; // 36 MiB of f32 (the cache keeps 32 MiB and more)
-    let out = tpar::spawn(1, |ctx| -> Result<_, tpar::collectives::CollectiveError> {
-        let r = ctx.rank();
+                     // A thread with a rank slot of its own: the test beside this one runs ranks 0 and 1
+                     // (and 7) at the same time, and their allocations would move a shared slot's figure.
+    let r = 11;
+    let out = std::thread::spawn(move || -> Result<_, tpar::tensor::TensorError> {
+        memory::set_rank(Some(r));
         let base = memory::current(r);
         let a = Tensor::ones([n], DType::F32, Device::Cpu)?.mul_scalar(2.0)?;
         let held = memory::current(r) - base;
@@ -62,8 +65,9 @@ fn kept_host_buffers_count_for_no_rank() {
         drop(b);
         Ok((held, dropped, kept, again, same, values_ok, peak))
     })
+    .join()
     .unwrap();
-    let (held, dropped, kept, again, same, values_ok, peak) = out[0];
+    let (held, dropped, kept, again, same, values_ok, peak) = out.unwrap();
     let bytes = (n * 4) as i64;
     assert!(held >= bytes, "a live tensor counts: {held}");
     assert!(dropped.abs() < 64 << 10, "a kept buffer counts for no rank: {dropped}");
