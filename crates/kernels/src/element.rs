@@ -153,3 +153,27 @@ impl Float for f16 {
         f16::from_f32(v)
     }
 }
+
+/// An output element a kernel writes and never reads: `T` itself, or
+/// `MaybeUninit<T>` for a new buffer the kernel initializes, which then needs no
+/// zero-filling pass first. Kernels that take `&mut [impl Out<T>]` write every
+/// element when they return `Ok` (each says so), so a caller may treat a
+/// `MaybeUninit` buffer they filled as initialized.
+pub trait Out<T>: Send {
+    /// Stores `v`.
+    fn put(&mut self, v: T);
+}
+
+impl<T: Send> Out<T> for T {
+    #[inline(always)]
+    fn put(&mut self, v: T) {
+        *self = v;
+    }
+}
+
+impl<T: Send> Out<T> for std::mem::MaybeUninit<T> {
+    #[inline(always)]
+    fn put(&mut self, v: T) {
+        self.write(v);
+    }
+}

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use num_traits::{One, Zero};
 
-use crate::{Acc, Float, KernelError, Result};
+use crate::{Acc, Float, KernelError, Out, Result};
 
 /// Below this many elements kernels run on the calling thread.
 pub const PAR_THRESHOLD: usize = 1 << 15;
@@ -182,13 +182,13 @@ fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()
     Ok(())
 }
 
-fn map_into<T: Float>(x: &[T], y: &mut [T], f: impl Fn(T) -> T + Sync) {
+fn map_into<T: Float, O: Out<T>>(x: &[T], y: &mut [O], f: impl Fn(T) -> T + Sync) {
     if y.len() >= PAR_THRESHOLD {
         y.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(yc, xc)| {
-            yc.iter_mut().zip(xc).for_each(|(o, &v)| *o = f(v));
+            yc.iter_mut().zip(xc).for_each(|(o, &v)| o.put(f(v)));
         });
     } else {
-        y.iter_mut().zip(x).for_each(|(o, &v)| *o = f(v));
+        y.iter_mut().zip(x).for_each(|(o, &v)| o.put(f(v)));
     }
 }
 
@@ -212,8 +212,8 @@ fn blocks_into<X: Sync, Y: Send, A: Send>(
     }
 }
 
-/// `y = op(x)`.
-pub fn unary<T: Float>(op: UnaryOp, x: &[T], y: &mut [T]) -> Result<()> {
+/// `y = op(x)`; writes every element of `y`.
+pub fn unary<T: Float, O: Out<T>>(op: UnaryOp, x: &[T], y: &mut [O]) -> Result<()> {
     check_len("unary", "output", y.len(), x.len())?;
     // Exp-based ops run block by block on the vectorized math of the accumulator.
     let vector: Option<fn(&mut [T::Acc])> = match op {
@@ -229,20 +229,20 @@ pub fn unary<T: Float>(op: UnaryOp, x: &[T], y: &mut [T]) -> Result<()> {
             buf.clear();
             buf.extend(x.iter().map(|v| v.to_acc()));
             f(buf);
-            y.iter_mut().zip(buf.iter()).for_each(|(o, &v)| *o = T::from_acc(v));
+            y.iter_mut().zip(buf.iter()).for_each(|(o, &v)| o.put(T::from_acc(v)));
         }),
         None => map_into(x, y, |v| T::from_acc(op.apply(v.to_acc()))),
     }
     Ok(())
 }
 
-/// `dx = dy * op'(x)` given `y = op(x)`.
-pub fn unary_backward<T: Float>(
+/// `dx = dy * op'(x)` given `y = op(x)`; writes every element of `dx`.
+pub fn unary_backward<T: Float, O: Out<T>>(
     op: UnaryOp,
     x: &[T],
     y: &[T],
     dy: &[T],
-    dx: &mut [T],
+    dx: &mut [O],
 ) -> Result<()> {
     let n = x.len();
     check_len("unary_backward", "y", y.len(), n)?;
@@ -251,14 +251,14 @@ pub fn unary_backward<T: Float>(
     if op == UnaryOp::Silu {
         // dx = dy * s * (1 + x * (1 - s)) with s = sigmoid(x) from the vectorized math.
         let one = T::Acc::one();
-        let block = |buf: &mut Vec<T::Acc>, (i, dxb): (usize, &mut [T])| {
+        let block = |buf: &mut Vec<T::Acc>, (i, dxb): (usize, &mut [O])| {
             let o = i * VBLOCK;
             let (xb, gb) = (&x[o..o + dxb.len()], &dy[o..o + dxb.len()]);
             buf.clear();
             buf.extend(xb.iter().map(|v| v.to_acc()));
             Acc::sigmoid_slice(buf);
             for ((d, &s), (xv, g)) in dxb.iter_mut().zip(buf.iter()).zip(xb.iter().zip(gb)) {
-                *d = T::from_acc(g.to_acc() * s * (one + xv.to_acc() * (one - s)));
+                d.put(T::from_acc(g.to_acc() * s * (one + xv.to_acc() * (one - s))));
             }
         };
         if n >= PAR_THRESHOLD {
@@ -269,8 +269,8 @@ pub fn unary_backward<T: Float>(
         }
         return Ok(());
     }
-    let body = |(i, o): (usize, &mut T)| {
-        *o = T::from_acc(op.derivative(x[i].to_acc(), y[i].to_acc(), dy[i].to_acc()));
+    let body = |(i, o): (usize, &mut O)| {
+        o.put(T::from_acc(op.derivative(x[i].to_acc(), y[i].to_acc(), dy[i].to_acc())));
     };
     if n >= PAR_THRESHOLD {
         dx.par_iter_mut().enumerate().with_min_len(4096).for_each(body);
@@ -280,13 +280,13 @@ pub fn unary_backward<T: Float>(
     Ok(())
 }
 
-/// `y = x op s` (or `s op x` when `scalar_first`).
-pub fn scalar<T: Float>(
+/// `y = x op s` (or `s op x` when `scalar_first`); writes every element of `y`.
+pub fn scalar<T: Float, O: Out<T>>(
     op: BinaryOp,
     x: &[T],
     s: f64,
     scalar_first: bool,
-    y: &mut [T],
+    y: &mut [O],
 ) -> Result<()> {
     check_len("scalar", "output", y.len(), x.len())?;
     let s = T::Acc::of(s);
@@ -327,15 +327,16 @@ fn max_offset(shape: &[usize], strides: &[usize]) -> usize {
 }
 
 /// `out = a op b` where `a` and `b` are read with the given strides per output dim
-/// (stride 0 broadcasts); `out` is contiguous with shape `out_shape`.
-pub fn binary<T: Float>(
+/// (stride 0 broadcasts); `out` is contiguous with shape `out_shape`. Writes every
+/// element of `out`.
+pub fn binary<T: Float, O: Out<T>>(
     op: BinaryOp,
     a: &[T],
     a_strides: &[usize],
     b: &[T],
     b_strides: &[usize],
     out_shape: &[usize],
-    out: &mut [T],
+    out: &mut [O],
 ) -> Result<()> {
     let n: usize = out_shape.iter().product();
     check_len("binary", "output", out.len(), n)?;
@@ -363,7 +364,7 @@ pub fn binary<T: Float>(
     let last = if rank == 0 { 1 } else { out_shape[rank - 1] };
     let (sa, sb) = if rank == 0 { (0, 0) } else { (a_strides[rank - 1], b_strides[rank - 1]) };
     with_binary_fn!(op, T::Acc, |f| {
-        let row = |(r, orow): (usize, &mut [T])| {
+        let row = |(r, orow): (usize, &mut [O])| {
             let oa = row_offset(r, out_shape, a_strides);
             let ob = row_offset(r, out_shape, b_strides);
             binary_row(orow, (a, oa, sa), (b, ob, sb), f);
@@ -381,15 +382,15 @@ pub fn binary<T: Float>(
 const ZIP_CHUNK: usize = 16 * 1024;
 
 /// `out[i] = f(a[i], b[i])` over contiguous operands, in parallel when large.
-fn zip_map<T: Float>(
+fn zip_map<T: Float, O: Out<T>>(
     a: &[T],
     b: &[T],
-    out: &mut [T],
+    out: &mut [O],
     f: impl Fn(T::Acc, T::Acc) -> T::Acc + Sync + Copy,
 ) {
-    let run = |(o, (x, y)): (&mut [T], (&[T], &[T]))| {
+    let run = |(o, (x, y)): (&mut [O], (&[T], &[T]))| {
         for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-            *o = T::from_acc(f(x.to_acc(), y.to_acc()));
+            o.put(T::from_acc(f(x.to_acc(), y.to_acc())));
         }
     };
     if out.len() >= PAR_THRESHOLD {
@@ -405,8 +406,8 @@ fn zip_map<T: Float>(
 /// with the common layouts (both contiguous, one broadcast along the row) as plain
 /// slice loops.
 #[inline(always)]
-fn binary_row<T: Float>(
-    orow: &mut [T],
+fn binary_row<T: Float, O: Out<T>>(
+    orow: &mut [O],
     (a, oa, sa): (&[T], usize, usize),
     (b, ob, sb): (&[T], usize, usize),
     f: impl Fn(T::Acc, T::Acc) -> T::Acc,
@@ -415,24 +416,24 @@ fn binary_row<T: Float>(
     match (sa, sb) {
         (1, 1) => {
             for ((o, &x), &y) in orow.iter_mut().zip(&a[oa..oa + n]).zip(&b[ob..ob + n]) {
-                *o = T::from_acc(f(x.to_acc(), y.to_acc()));
+                o.put(T::from_acc(f(x.to_acc(), y.to_acc())));
             }
         }
         (1, 0) => {
             let y = b[ob].to_acc();
             for (o, &x) in orow.iter_mut().zip(&a[oa..oa + n]) {
-                *o = T::from_acc(f(x.to_acc(), y));
+                o.put(T::from_acc(f(x.to_acc(), y)));
             }
         }
         (0, 1) => {
             let x = a[oa].to_acc();
             for (o, &y) in orow.iter_mut().zip(&b[ob..ob + n]) {
-                *o = T::from_acc(f(x, y.to_acc()));
+                o.put(T::from_acc(f(x, y.to_acc())));
             }
         }
         _ => {
             for (j, o) in orow.iter_mut().enumerate() {
-                *o = T::from_acc(f(a[oa + j * sa].to_acc(), b[ob + j * sb].to_acc()));
+                o.put(T::from_acc(f(a[oa + j * sa].to_acc(), b[ob + j * sb].to_acc())));
             }
         }
     }
@@ -440,12 +441,13 @@ fn binary_row<T: Float>(
 
 /// `out[i] = src[offset(i)]` for a contiguous `out` of shape `out_shape`, reading `src` at
 /// `base + sum(idx[d] * src_strides[d])`. Serves permute, expand (stride 0) and narrow.
-pub fn strided_copy<T: Copy + Send + Sync>(
+/// Writes every element of `out`.
+pub fn strided_copy<T: Copy + Send + Sync, O: Out<T>>(
     src: &[T],
     base: usize,
     src_strides: &[usize],
     out_shape: &[usize],
-    out: &mut [T],
+    out: &mut [O],
 ) -> Result<()> {
     let n: usize = out_shape.iter().product();
     check_len("strided_copy", "output", out.len(), n)?;
@@ -466,13 +468,13 @@ pub fn strided_copy<T: Copy + Send + Sync>(
     let rank = out_shape.len();
     let last = if rank == 0 { 1 } else { out_shape[rank - 1] };
     let s = if rank == 0 { 0 } else { src_strides[rank - 1] };
-    let row = |(r, orow): (usize, &mut [T])| {
+    let row = |(r, orow): (usize, &mut [O])| {
         let o = base + row_offset(r, out_shape, src_strides);
         if s == 1 {
-            orow.copy_from_slice(&src[o..o + last]);
+            orow.iter_mut().zip(&src[o..o + last]).for_each(|(v, &x)| v.put(x));
         } else {
             for (j, v) in orow.iter_mut().enumerate() {
-                *v = src[o + j * s];
+                v.put(src[o + j * s]);
             }
         }
     };

@@ -9,6 +9,8 @@
 mod element;
 mod error;
 #[cfg(test)]
+mod out_tests;
+#[cfg(test)]
 mod testutil;
 mod util;
 
@@ -26,7 +28,7 @@ pub mod sdpa;
 pub mod softmax;
 pub mod vmath;
 
-pub use element::{Acc, Float};
+pub use element::{Acc, Float, Out};
 pub use error::KernelError;
 
 /// Result type of the kernels.

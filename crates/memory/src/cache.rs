@@ -141,6 +141,25 @@ pub fn take<T: Copy + 'static>(len: usize) -> Option<Vec<T>> {
     Some(unsafe { Vec::from_raw_parts(b.ptr.cast::<T>(), 0, len) })
 }
 
+/// A new `Vec<T>` of `len` elements that `fill` writes, in a kept buffer when one fits
+/// ([`take`]). No pass zeroes the buffer first. When `fill` fails, its error is returned
+/// and the buffer freed.
+///
+/// # Safety
+/// When `fill` returns `Ok`, it must have written every element of the slice it was
+/// given: the vector's elements are those values.
+pub unsafe fn filled<T: Copy + 'static, E>(
+    len: usize,
+    fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> Result<(), E>,
+) -> Result<Vec<T>, E> {
+    let mut v: Vec<T> = take(len).unwrap_or_else(|| Vec::with_capacity(len));
+    fill(&mut v.spare_capacity_mut()[..len])?;
+    // SAFETY: the capacity is at least `len`, and the caller's `fill` wrote elements
+    // 0..len (this function's contract).
+    unsafe { v.set_len(len) };
+    Ok(v)
+}
+
 /// Bytes kept now.
 pub fn cached_bytes() -> usize {
     cache().bytes

@@ -3,7 +3,7 @@
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
 
-use crate::{Acc, Float};
+use crate::{Acc, Float, Out};
 
 /// Columns per online-softmax block.
 const BLOCK: usize = 256;
@@ -63,7 +63,7 @@ pub(super) fn local_stats<T: Float>(
         });
 }
 
-pub(super) fn backward<T: Float>(
+pub(super) fn backward<T: Float, O: Out<T>>(
     logits: &[T],
     v_local: usize,
     targets: &[i64],
@@ -71,7 +71,7 @@ pub(super) fn backward<T: Float>(
     ignore_index: i64,
     lse: &[T::Acc],
     row_scale: &[T::Acc],
-    dlogits: &mut [T],
+    dlogits: &mut [O],
 ) {
     if v_local == 0 {
         return;
@@ -82,26 +82,26 @@ pub(super) fn backward<T: Float>(
         |buf, (r, (dl, row))| {
             let t = targets[r];
             if t == ignore_index {
-                dl.fill(T::from_acc(zero));
+                dl.iter_mut().for_each(|d| d.put(T::from_acc(zero)));
                 return;
             }
             let scale = row_scale[if row_scale.len() == 1 { 0 } else { r }];
             let l = lse[r];
             if l == ninf {
-                dl.fill(T::from_acc(zero));
+                dl.iter_mut().for_each(|d| d.put(T::from_acc(zero)));
             } else {
                 for (dl, row) in dl.chunks_mut(BLOCK).zip(row.chunks(BLOCK)) {
                     buf.clear();
                     buf.extend(row.iter().map(|v| v.to_acc()));
                     Acc::exp_sub_sum(buf, l);
                     for (d, &p) in dl.iter_mut().zip(buf.iter()) {
-                        *d = T::from_acc(p * scale);
+                        d.put(T::from_acc(p * scale));
                     }
                 }
             }
             if let Some(c) = local_col(t, vocab_start, v_local) {
                 let p = if l == ninf { zero } else { (row[c].to_acc() - l).exp() };
-                dl[c] = T::from_acc((p - T::Acc::one()) * scale);
+                dl[c].put(T::from_acc((p - T::Acc::one()) * scale));
             }
         },
     );

@@ -21,7 +21,7 @@ mod tests;
 use num_traits::Zero;
 
 use crate::util::{bad, check_len, numel};
-use crate::{Acc, Float, KernelError, Result};
+use crate::{Acc, Float, KernelError, Out, Result};
 
 /// Checks targets: each is `ignore_index` or in `[0, vocab_size)`.
 fn check_targets(op: &'static str, targets: &[i64], vocab_size: usize, ignore: i64) -> Result<()> {
@@ -180,8 +180,9 @@ pub fn cross_entropy_forward<T: Float>(
 /// `row_scale` has length `rows` (per-row scales, e.g. `reduction="none"`) or 1
 /// (one scale for every row, e.g. `grad_loss / count`). Rows whose target is
 /// `ignore_index` get zeros; a target outside this shard contributes only the
-/// softmax term. Targets are range-checked by the forward pass.
-pub fn cross_entropy_backward<T: Float>(
+/// softmax term. Targets are range-checked by the forward pass. Writes every element
+/// of `dlogits`.
+pub fn cross_entropy_backward<T: Float, O: Out<T>>(
     logits: &[T],
     rows: usize,
     v_local: usize,
@@ -190,7 +191,7 @@ pub fn cross_entropy_backward<T: Float>(
     ignore_index: i64,
     lse: &[T::Acc],
     row_scale: &[T::Acc],
-    dlogits: &mut [T],
+    dlogits: &mut [O],
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     let n = numel(OP, &[rows, v_local])?;

@@ -1,6 +1,7 @@
 //! CPU matmul on the `gemm` crate.
 
 use std::any::TypeId;
+use std::convert::Infallible;
 use std::mem::MaybeUninit;
 
 use gemm::Parallelism;
@@ -138,17 +139,6 @@ fn as_uninit<T>(s: &mut [T]) -> &mut [MaybeUninit<T>] {
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<MaybeUninit<T>>(), s.len()) }
 }
 
-/// A new `len`-element vector filled by `fill`, which must initialize every element
-/// (in a buffer kept by the host cache, `tpar_memory::cache`, when one fits).
-fn filled_vec<E: Copy + 'static>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<E>])) -> Vec<E> {
-    let mut v: Vec<E> = tpar_memory::cache::take(len).unwrap_or_else(|| Vec::with_capacity(len));
-    fill(&mut v.spare_capacity_mut()[..len]);
-    // SAFETY: the capacity is at least `len` and `fill` initialized elements 0..len
-    // (gemm writes all of them when not accumulating; see `native`).
-    unsafe { v.set_len(len) };
-    v
-}
-
 pub(super) fn matmul<T: Float>(
     s: &GemmShape,
     a: &[T],
@@ -220,12 +210,17 @@ fn half_matmul<T: Float>(
 pub(super) fn matmul_new<T: Float>(s: &GemmShape, a: &[T], b: &[T]) -> Result<Vec<T>> {
     let len = s.batch * s.m * s.n;
     let mut done = false;
-    let v = filled_vec(len, |o| {
+    let fill = |o: &mut [MaybeUninit<T>]| {
         done = native_any(s, a, b, o, false, false);
         if !done {
             o.fill(MaybeUninit::new(T::default()));
         }
-    });
+        Ok::<_, Infallible>(())
+    };
+    // SAFETY: `fill` writes every element: gemm does when not accumulating (see
+    // `native`), otherwise the zero fill does. The new vector comes from the host cache
+    // (`tpar_memory::cache`) when one fits.
+    let v = unsafe { tpar_memory::cache::filled(len, fill) }.unwrap_or_else(|n| match n {});
     if done {
         return Ok(v);
     }

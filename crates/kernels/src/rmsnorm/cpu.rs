@@ -4,14 +4,14 @@ use num_traits::{Float as _, Zero};
 use rayon::prelude::*;
 
 use crate::util::{dot, sum_map};
-use crate::{Acc, Float};
+use crate::{Acc, Float, Out};
 
-pub(super) fn forward<T: Float>(
+pub(super) fn forward<T: Float, O: Out<T>>(
     x: &[T],
     weight: &[T],
     dim: usize,
     eps: f64,
-    y: &mut [T],
+    y: &mut [O],
     rstd: &mut [T::Acc],
 ) {
     if dim == 0 {
@@ -30,20 +30,20 @@ pub(super) fn forward<T: Float>(
             let rs = (ss * inv_dim + eps).sqrt().recip();
             *r = rs;
             for ((y, x), &w) in y.iter_mut().zip(x).zip(&w) {
-                *y = T::from_acc(x.to_acc() * rs * w);
+                y.put(T::from_acc(x.to_acc() * rs * w));
             }
         },
     );
 }
 
-pub(super) fn backward<T: Float>(
+pub(super) fn backward<T: Float, O: Out<T>>(
     x: &[T],
     weight: &[T],
     rstd: &[T::Acc],
     dy: &[T],
     rows: usize,
     dim: usize,
-    dx: &mut [T],
+    dx: &mut [O],
     dweight: &mut [T::Acc],
 ) {
     let zero = T::Acc::zero();
@@ -74,7 +74,7 @@ pub(super) fn backward<T: Float>(
                 // d/dx_j of x_j*r*w_j summed against dy: r*g_j*w_j - r^3 x_j <g*w, x>/dim
                 let c = r * r * r * dot(&gw, &xa) * inv_dim;
                 for j in 0..dim {
-                    dx[j] = T::from_acc(r * gw[j] - c * xa[j]);
+                    dx[j].put(T::from_acc(r * gw[j] - c * xa[j]));
                     dw[j] += dy[j].to_acc() * xa[j] * r;
                 }
             }

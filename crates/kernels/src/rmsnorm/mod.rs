@@ -9,19 +9,20 @@ pub mod reference;
 mod tests;
 
 use crate::util::{check_len, numel};
-use crate::{Float, Result};
+use crate::{Float, Out, Result};
 
 /// Forward RMSNorm of `rows` rows of length `dim`.
 ///
 /// `x`, `y`: `[rows, dim]`; `weight`: `[dim]`; `rstd` (output): `[rows]`.
-/// A row of length 0 has mean square 0, so `rstd = 1/sqrt(eps)`.
-pub fn rmsnorm_forward<T: Float>(
+/// A row of length 0 has mean square 0, so `rstd = 1/sqrt(eps)`. Writes every
+/// element of `y` and `rstd`.
+pub fn rmsnorm_forward<T: Float, O: Out<T>>(
     x: &[T],
     weight: &[T],
     rows: usize,
     dim: usize,
     eps: f64,
-    y: &mut [T],
+    y: &mut [O],
     rstd: &mut [T::Acc],
 ) -> Result<()> {
     const OP: &str = "rmsnorm_forward";
@@ -35,19 +36,19 @@ pub fn rmsnorm_forward<T: Float>(
 }
 
 /// Backward RMSNorm: writes `dx` (`[rows, dim]`) and overwrites `dweight`
-/// (`[dim]`) with `sum over rows of dy * x * rstd`.
+/// (`[dim]`) with `sum over rows of dy * x * rstd`. Writes every element of `dx`.
 ///
 /// `rstd` is the `[rows]` buffer saved by [`rmsnorm_forward`]. The weight
 /// gradient is reduced over fixed row blocks in a fixed order, so the result
 /// does not depend on the number of threads.
-pub fn rmsnorm_backward<T: Float>(
+pub fn rmsnorm_backward<T: Float, O: Out<T>>(
     x: &[T],
     weight: &[T],
     rstd: &[T::Acc],
     dy: &[T],
     rows: usize,
     dim: usize,
-    dx: &mut [T],
+    dx: &mut [O],
     dweight: &mut [T::Acc],
 ) -> Result<()> {
     const OP: &str = "rmsnorm_backward";

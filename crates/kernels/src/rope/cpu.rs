@@ -3,18 +3,18 @@
 use rayon::prelude::*;
 
 use super::RopeShape;
-use crate::Float;
+use crate::{Float, Out};
 
 /// Forward (`transpose = false`) or its transpose (`true`), with
 /// `x = (x1, x2)`, `c = (c1, c2)`, `s = (s1, s2)`:
 /// forward `y1 = x1 c1 - x2 s1`, `y2 = x2 c2 + x1 s2`;
 /// transpose `y1 = x1 c1 + x2 s2`, `y2 = x2 c2 - x1 s1`.
-pub(super) fn apply<T: Float>(
+pub(super) fn apply<T: Float, O: Out<T>>(
     s: &RopeShape,
     x: &[T],
     cos: &[T],
     sin: &[T],
-    y: &mut [T],
+    y: &mut [O],
     transpose: bool,
 ) {
     let (hd, seq) = (s.head_dim, s.seq);
@@ -35,11 +35,11 @@ pub(super) fn apply<T: Float>(
             for j in 0..half {
                 let (a, b) = (x1[j].to_acc(), x2[j].to_acc());
                 if transpose {
-                    y1[j] = T::from_acc(a * c1[j] + b * s2[j]);
-                    y2[j] = T::from_acc(b * c2[j] - a * s1[j]);
+                    y1[j].put(T::from_acc(a * c1[j] + b * s2[j]));
+                    y2[j].put(T::from_acc(b * c2[j] - a * s1[j]));
                 } else {
-                    y1[j] = T::from_acc(a * c1[j] - b * s1[j]);
-                    y2[j] = T::from_acc(b * c2[j] + a * s2[j]);
+                    y1[j].put(T::from_acc(a * c1[j] - b * s1[j]));
+                    y2[j].put(T::from_acc(b * c2[j] + a * s2[j]));
                 }
             }
         }

@@ -12,7 +12,7 @@ pub mod reference;
 mod tests;
 
 use crate::util::{bad, check_len, numel};
-use crate::{Float, Result};
+use crate::{Float, Out, Result};
 
 /// Layout of the rotated tensor: element `(o, t, i, j)` is at
 /// `((o*seq + t)*inner + i)*head_dim + j`.
@@ -43,12 +43,13 @@ fn validate(op: &'static str, s: &RopeShape, lens: [(&str, usize); 4]) -> Result
 }
 
 /// `y = x * cos + rotate_half(x) * sin` (see the module docs for the layout).
-pub fn rope_forward<T: Float>(
+/// Writes every element of `y`.
+pub fn rope_forward<T: Float, O: Out<T>>(
     s: &RopeShape,
     x: &[T],
     cos: &[T],
     sin: &[T],
-    y: &mut [T],
+    y: &mut [O],
 ) -> Result<()> {
     validate(
         "rope_forward",
@@ -60,13 +61,13 @@ pub fn rope_forward<T: Float>(
 }
 
 /// Gradient of [`rope_forward`] with respect to `x`: the transpose of the
-/// forward map applied to `dy`.
-pub fn rope_backward<T: Float>(
+/// forward map applied to `dy`. Writes every element of `dx`.
+pub fn rope_backward<T: Float, O: Out<T>>(
     s: &RopeShape,
     dy: &[T],
     cos: &[T],
     sin: &[T],
-    dx: &mut [T],
+    dx: &mut [O],
 ) -> Result<()> {
     validate(
         "rope_backward",

@@ -1,6 +1,7 @@
 //! Elementwise ops: broadcasting binary ops, scalar ops, unary maps, casts.
 
 use tpar_kernels::elementwise::{self as k, BinaryOp, UnaryOp};
+use tpar_memory::cache::filled;
 
 use super::{compute, cuda_ordinal, gpu_elem, require_float};
 use crate::autograd::{needs_input_grad, record};
@@ -60,16 +61,11 @@ impl Tensor {
         let dims = out.dims().to_vec();
         compute(name, &[self, rhs], out, self.dtype(), |s| {
             with_float_type!(s[0].dtype(), name, |T| {
-                let mut o = crate::storage::zeros_vec::<T>(dims.iter().product());
-                k::binary(
-                    op,
-                    typed::<T>(name, s[0])?,
-                    &sa,
-                    typed::<T>(name, s[1])?,
-                    &sb,
-                    &dims,
-                    &mut o,
-                )?;
+                let (a, b) = (typed::<T>(name, s[0])?, typed::<T>(name, s[1])?);
+                // SAFETY: `binary` writes every element of its output when it returns Ok.
+                let o = unsafe {
+                    filled(dims.iter().product(), |o| k::binary(op, a, &sa, b, &sb, &dims, o))
+                }?;
                 Ok(T::wrap(o))
             })
         })
@@ -153,8 +149,9 @@ impl Tensor {
         let n = self.numel();
         compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
-                let mut o = crate::storage::zeros_vec::<T>(n);
-                k::scalar(op, typed::<T>(name, st[0])?, s, scalar_first, &mut o)?;
+                let x = typed::<T>(name, st[0])?;
+                // SAFETY: `scalar` writes every element of its output when it returns Ok.
+                let o = unsafe { filled(n, |o| k::scalar(op, x, s, scalar_first, o)) }?;
                 Ok(T::wrap(o))
             })
         })
@@ -204,8 +201,9 @@ impl Tensor {
             Some(t) => t,
             None => compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
-                    let mut o = crate::storage::zeros_vec::<T>(n);
-                    k::unary(op, typed::<T>(name, st[0])?, &mut o)?;
+                    let x = typed::<T>(name, st[0])?;
+                    // SAFETY: `unary` writes every element of its output when it returns Ok.
+                    let o = unsafe { filled(n, |o| k::unary(op, x, o)) }?;
                     Ok(T::wrap(o))
                 })
             })?,
@@ -219,14 +217,14 @@ impl Tensor {
             }
             let gx = compute(name, &[&x, &y, g], x.shape().clone(), x.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
-                    let mut o = crate::storage::zeros_vec::<T>(n);
-                    k::unary_backward(
-                        op,
+                    let (x, y, g) = (
                         typed::<T>(name, st[0])?,
                         typed::<T>(name, st[1])?,
                         typed::<T>(name, st[2])?,
-                        &mut o,
-                    )?;
+                    );
+                    // SAFETY: `unary_backward` writes every element of its output when it
+                    // returns Ok.
+                    let o = unsafe { filled(n, |o| k::unary_backward(op, x, y, g, o)) }?;
                     Ok(T::wrap(o))
                 })
             })?;

@@ -8,6 +8,7 @@ use tpar_kernels::rope::{self, RopeShape};
 use tpar_kernels::sdpa::{self, SdpaMask, SdpaShape};
 use tpar_kernels::softmax;
 use tpar_kernels::{Acc, Float};
+use tpar_memory::cache::filled;
 
 use super::{common_device, common_dtype, compute, cuda_ordinal, invalid, on_host, require_float};
 use crate::autograd::{needs_input_grad, record};
@@ -142,24 +143,30 @@ impl Tensor {
         let rows = self.numel().checked_div(dim).unwrap_or(0);
         let n = self.numel();
         with_float_type!(dtype, op, |T| {
-            let mut y = crate::storage::zeros_vec::<T>(n);
             let mut rstd = vec![<T as Float>::Acc::default(); rows];
-            self.with_data::<T, _>(|xs| {
+            let y = self.with_data::<T, _>(|xs| {
                 weight.with_data::<T, _>(|ws| {
-                    rmsnorm::rmsnorm_forward(xs, ws, rows, dim, eps, &mut y, &mut rstd)
+                    let forward = |y: &mut [_]| {
+                        rmsnorm::rmsnorm_forward(xs, ws, rows, dim, eps, y, &mut rstd)
+                    };
+                    // SAFETY: `rmsnorm_forward` writes every element of `y` when it
+                    // returns Ok.
+                    unsafe { filled(n, forward) }
                 })
             })???;
             let out = Tensor::from_vec(y, self.shape().clone())?;
             let (x, w) = (self.clone(), weight.clone());
             Ok(record(op, &[self, weight], out, move |g| {
-                let mut dx = crate::storage::zeros_vec::<T>(n);
                 let mut dw = vec![<T as Float>::Acc::default(); dim];
-                x.with_data::<T, _>(|xs| {
+                let dx = x.with_data::<T, _>(|xs| {
                     w.with_data::<T, _>(|ws| {
                         g.with_data::<T, _>(|gs| {
-                            rmsnorm::rmsnorm_backward(
-                                xs, ws, &rstd, gs, rows, dim, &mut dx, &mut dw,
-                            )
+                            let backward = |dx: &mut [_]| {
+                                rmsnorm::rmsnorm_backward(xs, ws, &rstd, gs, rows, dim, dx, &mut dw)
+                            };
+                            // SAFETY: `rmsnorm_backward` writes every element of `dx`
+                            // when it returns Ok.
+                            unsafe { filled(n, backward) }
                         })
                     })
                 })????;
@@ -208,14 +215,10 @@ impl Tensor {
         let n = self.numel();
         let out = compute(op, &[self, cos, sin], self.shape().clone(), dtype, |st| {
             with_float_type!(dtype, op, |T| {
-                let mut y = crate::storage::zeros_vec::<T>(n);
-                rope::rope_forward(
-                    &s,
-                    typed::<T>(op, st[0])?,
-                    typed::<T>(op, st[1])?,
-                    typed::<T>(op, st[2])?,
-                    &mut y,
-                )?;
+                let (x, c, sn) =
+                    (typed::<T>(op, st[0])?, typed::<T>(op, st[1])?, typed::<T>(op, st[2])?);
+                // SAFETY: `rope_forward` writes every element of `y` when it returns Ok.
+                let y = unsafe { filled(n, |y| rope::rope_forward(&s, x, c, sn, y)) }?;
                 Ok(T::wrap(y))
             })
         })?;
@@ -223,14 +226,11 @@ impl Tensor {
         Ok(record(op, &[self], out, move |g| {
             let dx = compute(op, &[g, &c, &sn], g.shape().clone(), dtype, |st| {
                 with_float_type!(dtype, op, |T| {
-                    let mut dx = crate::storage::zeros_vec::<T>(n);
-                    rope::rope_backward(
-                        &s,
-                        typed::<T>(op, st[0])?,
-                        typed::<T>(op, st[1])?,
-                        typed::<T>(op, st[2])?,
-                        &mut dx,
-                    )?;
+                    let (dy, c, sn) =
+                        (typed::<T>(op, st[0])?, typed::<T>(op, st[1])?, typed::<T>(op, st[2])?);
+                    // SAFETY: `rope_backward` writes every element of `dx` when it returns
+                    // Ok.
+                    let dx = unsafe { filled(n, |dx| rope::rope_backward(&s, dy, c, sn, dx)) }?;
                     Ok(T::wrap(dx))
                 })
             })?;
@@ -464,20 +464,24 @@ impl Tensor {
             Ok(record(op, &[self], out, move |g| {
                 let scale = if count == 0 { 0.0 } else { g.item()? / count as f64 };
                 let row_scale = [<<T as Float>::Acc as Acc>::of(scale)];
-                let mut dl = crate::storage::zeros_vec::<T>(x.numel());
-                x.with_data::<T, _>(|ls| {
+                let dl = x.with_data::<T, _>(|ls| {
                     t.with_data::<i64, _>(|ts| {
-                        ce::cross_entropy_backward(
-                            ls,
-                            rows,
-                            vocab,
-                            ts,
-                            0,
-                            ignore_index,
-                            &lse,
-                            &row_scale,
-                            &mut dl,
-                        )
+                        let backward = |dl: &mut [_]| {
+                            ce::cross_entropy_backward(
+                                ls,
+                                rows,
+                                vocab,
+                                ts,
+                                0,
+                                ignore_index,
+                                &lse,
+                                &row_scale,
+                                dl,
+                            )
+                        };
+                        // SAFETY: `cross_entropy_backward` writes every element of
+                        // `dlogits` when it returns Ok.
+                        unsafe { filled(x.numel(), backward) }
                     })
                 })???;
                 Ok(vec![Some(Tensor::from_vec(dl, x.shape().clone())?)])

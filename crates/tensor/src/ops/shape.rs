@@ -2,6 +2,7 @@
 //! other layout change (transpose, permute, expand, narrow, cat) writes a new buffer.
 
 use tpar_kernels::elementwise::strided_copy;
+use tpar_memory::cache::filled;
 
 use super::{common_dtype, compute, cuda_ordinal, gpu_elem, invalid};
 use crate::autograd::{needs_input_grad, record};
@@ -108,8 +109,10 @@ impl Tensor {
         let n = shape.numel();
         compute(op, &[self], shape, self.dtype(), |st| {
             with_any_type!(st[0].dtype(), |T| {
-                let mut o = crate::storage::zeros_vec::<T>(n);
-                strided_copy(typed::<T>(op, st[0])?, base, &strides, &dims, &mut o)?;
+                let src = typed::<T>(op, st[0])?;
+                // SAFETY: `strided_copy` writes every element of its output when it
+                // returns Ok.
+                let o = unsafe { filled(n, |o| strided_copy(src, base, &strides, &dims, o)) }?;
                 Ok(T::wrap(o))
             })
         })
