@@ -177,3 +177,17 @@ impl<T: Send> Out<T> for std::mem::MaybeUninit<T> {
         self.write(v);
     }
 }
+
+/// A new vector of `len` elements written by `kernel` (in a buffer kept by the host
+/// cache, `tpar_memory::cache`, when one fits), with no zero fill first. The `*_new`
+/// kernels are this around a kernel that writes every element of its `Out` output.
+///
+/// # Safety
+/// When `kernel` returns `Ok`, it must have written every element of its slice.
+pub(crate) unsafe fn new_output<T: Copy + 'static>(
+    len: usize,
+    kernel: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> crate::Result<()>,
+) -> crate::Result<Vec<T>> {
+    // SAFETY: the caller's `kernel` writes elements 0..len when it returns Ok.
+    unsafe { tpar_memory::cache::filled(len, kernel) }
+}

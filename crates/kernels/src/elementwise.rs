@@ -4,6 +4,7 @@ use rayon::prelude::*;
 
 use num_traits::{One, Zero};
 
+use crate::element::new_output;
 use crate::{Acc, Float, KernelError, Out, Result};
 
 /// Below this many elements kernels run on the calling thread.
@@ -236,6 +237,12 @@ pub fn unary<T: Float, O: Out<T>>(op: UnaryOp, x: &[T], y: &mut [O]) -> Result<(
     Ok(())
 }
 
+/// [`unary`] into a new vector.
+pub fn unary_new<T: Float>(op: UnaryOp, x: &[T]) -> Result<Vec<T>> {
+    // SAFETY: `unary` writes every element of its output when it returns Ok.
+    unsafe { new_output(x.len(), |y| unary(op, x, y)) }
+}
+
 /// `dx = dy * op'(x)` given `y = op(x)`; writes every element of `dx`.
 pub fn unary_backward<T: Float, O: Out<T>>(
     op: UnaryOp,
@@ -280,6 +287,12 @@ pub fn unary_backward<T: Float, O: Out<T>>(
     Ok(())
 }
 
+/// [`unary_backward`] into a new vector.
+pub fn unary_backward_new<T: Float>(op: UnaryOp, x: &[T], y: &[T], dy: &[T]) -> Result<Vec<T>> {
+    // SAFETY: `unary_backward` writes every element of its output when it returns Ok.
+    unsafe { new_output(x.len(), |dx| unary_backward(op, x, y, dy, dx)) }
+}
+
 /// `y = x op s` (or `s op x` when `scalar_first`); writes every element of `y`.
 pub fn scalar<T: Float, O: Out<T>>(
     op: BinaryOp,
@@ -296,6 +309,12 @@ pub fn scalar<T: Float, O: Out<T>>(
         map_into(x, y, |v| T::from_acc(f(v.to_acc(), s)));
     });
     Ok(())
+}
+
+/// [`scalar`] into a new vector.
+pub fn scalar_new<T: Float>(op: BinaryOp, x: &[T], s: f64, scalar_first: bool) -> Result<Vec<T>> {
+    // SAFETY: `scalar` writes every element of its output when it returns Ok.
+    unsafe { new_output(x.len(), |y| scalar(op, x, s, scalar_first, y)) }
 }
 
 /// Contiguous row-major strides of a shape.
@@ -376,6 +395,20 @@ pub fn binary<T: Float, O: Out<T>>(
         }
     });
     Ok(())
+}
+
+/// [`binary`] into a new vector.
+pub fn binary_new<T: Float>(
+    op: BinaryOp,
+    a: &[T],
+    a_strides: &[usize],
+    b: &[T],
+    b_strides: &[usize],
+    out_shape: &[usize],
+) -> Result<Vec<T>> {
+    let n = out_shape.iter().product();
+    // SAFETY: `binary` writes every element of its output when it returns Ok.
+    unsafe { new_output(n, |o| binary(op, a, a_strides, b, b_strides, out_shape, o)) }
 }
 
 /// Elements per task of the contiguous binary path.
@@ -484,6 +517,18 @@ pub fn strided_copy<T: Copy + Send + Sync, O: Out<T>>(
         out.chunks_mut(last).enumerate().for_each(row);
     }
     Ok(())
+}
+
+/// [`strided_copy`] into a new vector.
+pub fn strided_copy_new<T: Copy + Send + Sync + 'static>(
+    src: &[T],
+    base: usize,
+    src_strides: &[usize],
+    out_shape: &[usize],
+) -> Result<Vec<T>> {
+    let n = out_shape.iter().product();
+    // SAFETY: `strided_copy` writes every element of its output when it returns Ok.
+    unsafe { new_output(n, |o| strided_copy(src, base, src_strides, out_shape, o)) }
 }
 
 /// Converts between element types (through f64 for exactness across all pairs).

@@ -20,6 +20,7 @@ mod tests;
 
 use num_traits::Zero;
 
+use crate::element::new_output;
 use crate::util::{bad, check_len, numel};
 use crate::{Acc, Float, KernelError, Out, Result};
 
@@ -207,4 +208,33 @@ pub fn cross_entropy_backward<T: Float, O: Out<T>>(
     check_len(OP, "dlogits", dlogits.len(), n)?;
     cpu::backward(logits, v_local, targets, vocab_start, ignore_index, lse, row_scale, dlogits);
     Ok(())
+}
+
+/// [`cross_entropy_backward`] into a new vector.
+pub fn cross_entropy_backward_new<T: Float>(
+    logits: &[T],
+    rows: usize,
+    v_local: usize,
+    targets: &[i64],
+    vocab_start: i64,
+    ignore_index: i64,
+    lse: &[T::Acc],
+    row_scale: &[T::Acc],
+) -> Result<Vec<T>> {
+    let backward = |dl: &mut [_]| {
+        cross_entropy_backward(
+            logits,
+            rows,
+            v_local,
+            targets,
+            vocab_start,
+            ignore_index,
+            lse,
+            row_scale,
+            dl,
+        )
+    };
+    // SAFETY: `cross_entropy_backward` writes every element of `dlogits` when it
+    // returns Ok.
+    unsafe { new_output(logits.len(), backward) }
 }

@@ -8,6 +8,7 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
+use crate::element::new_output;
 use crate::util::{check_len, numel};
 use crate::{Float, Out, Result};
 
@@ -33,6 +34,19 @@ pub fn rmsnorm_forward<T: Float, O: Out<T>>(
     check_len(OP, "rstd", rstd.len(), rows)?;
     cpu::forward(x, weight, dim, eps, y, rstd);
     Ok(())
+}
+
+/// [`rmsnorm_forward`] with `y` in a new vector.
+pub fn rmsnorm_forward_new<T: Float>(
+    x: &[T],
+    weight: &[T],
+    rows: usize,
+    dim: usize,
+    eps: f64,
+    rstd: &mut [T::Acc],
+) -> Result<Vec<T>> {
+    // SAFETY: `rmsnorm_forward` writes every element of `y` when it returns Ok.
+    unsafe { new_output(x.len(), |y| rmsnorm_forward(x, weight, rows, dim, eps, y, rstd)) }
 }
 
 /// Backward RMSNorm: writes `dx` (`[rows, dim]`) and overwrites `dweight`
@@ -61,4 +75,20 @@ pub fn rmsnorm_backward<T: Float, O: Out<T>>(
     check_len(OP, "dweight", dweight.len(), dim)?;
     cpu::backward(x, weight, rstd, dy, rows, dim, dx, dweight);
     Ok(())
+}
+
+/// [`rmsnorm_backward`] with `dx` in a new vector.
+pub fn rmsnorm_backward_new<T: Float>(
+    x: &[T],
+    weight: &[T],
+    rstd: &[T::Acc],
+    dy: &[T],
+    rows: usize,
+    dim: usize,
+    dweight: &mut [T::Acc],
+) -> Result<Vec<T>> {
+    // SAFETY: `rmsnorm_backward` writes every element of `dx` when it returns Ok.
+    unsafe {
+        new_output(x.len(), |dx| rmsnorm_backward(x, weight, rstd, dy, rows, dim, dx, dweight))
+    }
 }

@@ -11,6 +11,7 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
+use crate::element::new_output;
 use crate::util::{bad, check_len, numel};
 use crate::{Float, Out, Result};
 
@@ -60,6 +61,12 @@ pub fn rope_forward<T: Float, O: Out<T>>(
     Ok(())
 }
 
+/// [`rope_forward`] into a new vector.
+pub fn rope_forward_new<T: Float>(s: &RopeShape, x: &[T], cos: &[T], sin: &[T]) -> Result<Vec<T>> {
+    // SAFETY: `rope_forward` writes every element of `y` when it returns Ok.
+    unsafe { new_output(x.len(), |y| rope_forward(s, x, cos, sin, y)) }
+}
+
 /// Gradient of [`rope_forward`] with respect to `x`: the transpose of the
 /// forward map applied to `dy`. Writes every element of `dx`.
 pub fn rope_backward<T: Float, O: Out<T>>(
@@ -76,4 +83,15 @@ pub fn rope_backward<T: Float, O: Out<T>>(
     )?;
     cpu::apply(s, dy, cos, sin, dx, true);
     Ok(())
+}
+
+/// [`rope_backward`] into a new vector.
+pub fn rope_backward_new<T: Float>(
+    s: &RopeShape,
+    dy: &[T],
+    cos: &[T],
+    sin: &[T],
+) -> Result<Vec<T>> {
+    // SAFETY: `rope_backward` writes every element of `dx` when it returns Ok.
+    unsafe { new_output(dy.len(), |dx| rope_backward(s, dy, cos, sin, dx)) }
 }

@@ -1,7 +1,6 @@
 //! Elementwise ops: broadcasting binary ops, scalar ops, unary maps, casts.
 
 use tpar_kernels::elementwise::{self as k, BinaryOp, UnaryOp};
-use tpar_memory::cache::filled;
 
 use super::{compute, cuda_ordinal, gpu_elem, require_float};
 use crate::autograd::{needs_input_grad, record};
@@ -62,11 +61,7 @@ impl Tensor {
         compute(name, &[self, rhs], out, self.dtype(), |s| {
             with_float_type!(s[0].dtype(), name, |T| {
                 let (a, b) = (typed::<T>(name, s[0])?, typed::<T>(name, s[1])?);
-                // SAFETY: `binary` writes every element of its output when it returns Ok.
-                let o = unsafe {
-                    filled(dims.iter().product(), |o| k::binary(op, a, &sa, b, &sb, &dims, o))
-                }?;
-                Ok(T::wrap(o))
+                Ok(T::wrap(k::binary_new(op, a, &sa, b, &sb, &dims)?))
             })
         })
     }
@@ -146,13 +141,10 @@ impl Tensor {
                 return Ok(t);
             }
         }
-        let n = self.numel();
         compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
             with_float_type!(st[0].dtype(), name, |T| {
                 let x = typed::<T>(name, st[0])?;
-                // SAFETY: `scalar` writes every element of its output when it returns Ok.
-                let o = unsafe { filled(n, |o| k::scalar(op, x, s, scalar_first, o)) }?;
-                Ok(T::wrap(o))
+                Ok(T::wrap(k::scalar_new(op, x, s, scalar_first)?))
             })
         })
     }
@@ -192,7 +184,6 @@ impl Tensor {
     fn unary_op(&self, op: UnaryOp) -> Result<Tensor> {
         let name = unary_name(op);
         require_float(name, self)?;
-        let n = self.numel();
         let on_device = match cuda_ordinal(name, &[self])? {
             Some(_) => gpu_elem::unary(self, op)?,
             None => None,
@@ -201,10 +192,7 @@ impl Tensor {
             Some(t) => t,
             None => compute(name, &[self], self.shape().clone(), self.dtype(), |st| {
                 with_float_type!(st[0].dtype(), name, |T| {
-                    let x = typed::<T>(name, st[0])?;
-                    // SAFETY: `unary` writes every element of its output when it returns Ok.
-                    let o = unsafe { filled(n, |o| k::unary(op, x, o)) }?;
-                    Ok(T::wrap(o))
+                    Ok(T::wrap(k::unary_new(op, typed::<T>(name, st[0])?)?))
                 })
             })?,
         };
@@ -222,10 +210,7 @@ impl Tensor {
                         typed::<T>(name, st[1])?,
                         typed::<T>(name, st[2])?,
                     );
-                    // SAFETY: `unary_backward` writes every element of its output when it
-                    // returns Ok.
-                    let o = unsafe { filled(n, |o| k::unary_backward(op, x, y, g, o)) }?;
-                    Ok(T::wrap(o))
+                    Ok(T::wrap(k::unary_backward_new(op, x, y, g)?))
                 })
             })?;
             Ok(vec![Some(gx)])

@@ -8,7 +8,6 @@ use tpar_kernels::rope::{self, RopeShape};
 use tpar_kernels::sdpa::{self, SdpaMask, SdpaShape};
 use tpar_kernels::softmax;
 use tpar_kernels::{Acc, Float};
-use tpar_memory::cache::filled;
 
 use super::{common_device, common_dtype, compute, cuda_ordinal, invalid, on_host, require_float};
 use crate::autograd::{needs_input_grad, record};
@@ -141,17 +140,11 @@ impl Tensor {
             return on_host(i, &[self, weight], |h| h[0].rms_norm(&h[1], eps));
         }
         let rows = self.numel().checked_div(dim).unwrap_or(0);
-        let n = self.numel();
         with_float_type!(dtype, op, |T| {
             let mut rstd = vec![<T as Float>::Acc::default(); rows];
             let y = self.with_data::<T, _>(|xs| {
                 weight.with_data::<T, _>(|ws| {
-                    let forward = |y: &mut [_]| {
-                        rmsnorm::rmsnorm_forward(xs, ws, rows, dim, eps, y, &mut rstd)
-                    };
-                    // SAFETY: `rmsnorm_forward` writes every element of `y` when it
-                    // returns Ok.
-                    unsafe { filled(n, forward) }
+                    rmsnorm::rmsnorm_forward_new(xs, ws, rows, dim, eps, &mut rstd)
                 })
             })???;
             let out = Tensor::from_vec(y, self.shape().clone())?;
@@ -161,12 +154,7 @@ impl Tensor {
                 let dx = x.with_data::<T, _>(|xs| {
                     w.with_data::<T, _>(|ws| {
                         g.with_data::<T, _>(|gs| {
-                            let backward = |dx: &mut [_]| {
-                                rmsnorm::rmsnorm_backward(xs, ws, &rstd, gs, rows, dim, dx, &mut dw)
-                            };
-                            // SAFETY: `rmsnorm_backward` writes every element of `dx`
-                            // when it returns Ok.
-                            unsafe { filled(n, backward) }
+                            rmsnorm::rmsnorm_backward_new(xs, ws, &rstd, gs, rows, dim, &mut dw)
                         })
                     })
                 })????;
@@ -212,14 +200,11 @@ impl Tensor {
             }
             // f64: `compute` below runs it through the host.
         }
-        let n = self.numel();
         let out = compute(op, &[self, cos, sin], self.shape().clone(), dtype, |st| {
             with_float_type!(dtype, op, |T| {
                 let (x, c, sn) =
                     (typed::<T>(op, st[0])?, typed::<T>(op, st[1])?, typed::<T>(op, st[2])?);
-                // SAFETY: `rope_forward` writes every element of `y` when it returns Ok.
-                let y = unsafe { filled(n, |y| rope::rope_forward(&s, x, c, sn, y)) }?;
-                Ok(T::wrap(y))
+                Ok(T::wrap(rope::rope_forward_new(&s, x, c, sn)?))
             })
         })?;
         let (c, sn) = (cos.detach(), sin.detach());
@@ -228,10 +213,7 @@ impl Tensor {
                 with_float_type!(dtype, op, |T| {
                     let (dy, c, sn) =
                         (typed::<T>(op, st[0])?, typed::<T>(op, st[1])?, typed::<T>(op, st[2])?);
-                    // SAFETY: `rope_backward` writes every element of `dx` when it returns
-                    // Ok.
-                    let dx = unsafe { filled(n, |dx| rope::rope_backward(&s, dy, c, sn, dx)) }?;
-                    Ok(T::wrap(dx))
+                    Ok(T::wrap(rope::rope_backward_new(&s, dy, c, sn)?))
                 })
             })?;
             Ok(vec![Some(dx)])
@@ -466,22 +448,16 @@ impl Tensor {
                 let row_scale = [<<T as Float>::Acc as Acc>::of(scale)];
                 let dl = x.with_data::<T, _>(|ls| {
                     t.with_data::<i64, _>(|ts| {
-                        let backward = |dl: &mut [_]| {
-                            ce::cross_entropy_backward(
-                                ls,
-                                rows,
-                                vocab,
-                                ts,
-                                0,
-                                ignore_index,
-                                &lse,
-                                &row_scale,
-                                dl,
-                            )
-                        };
-                        // SAFETY: `cross_entropy_backward` writes every element of
-                        // `dlogits` when it returns Ok.
-                        unsafe { filled(x.numel(), backward) }
+                        ce::cross_entropy_backward_new(
+                            ls,
+                            rows,
+                            vocab,
+                            ts,
+                            0,
+                            ignore_index,
+                            &lse,
+                            &row_scale,
+                        )
                     })
                 })???;
                 Ok(vec![Some(Tensor::from_vec(dl, x.shape().clone())?)])

@@ -1,8 +1,7 @@
 //! Layout ops. Tensors are contiguous, so reshape shares storage and every
 //! other layout change (transpose, permute, expand, narrow, cat) writes a new buffer.
 
-use tpar_kernels::elementwise::strided_copy;
-use tpar_memory::cache::filled;
+use tpar_kernels::elementwise::strided_copy_new;
 
 use super::{common_dtype, compute, cuda_ordinal, gpu_elem, invalid};
 use crate::autograd::{needs_input_grad, record};
@@ -106,14 +105,9 @@ impl Tensor {
             }
         }
         let dims = shape.dims().to_vec();
-        let n = shape.numel();
         compute(op, &[self], shape, self.dtype(), |st| {
             with_any_type!(st[0].dtype(), |T| {
-                let src = typed::<T>(op, st[0])?;
-                // SAFETY: `strided_copy` writes every element of its output when it
-                // returns Ok.
-                let o = unsafe { filled(n, |o| strided_copy(src, base, &strides, &dims, o)) }?;
-                Ok(T::wrap(o))
+                Ok(T::wrap(strided_copy_new(typed::<T>(op, st[0])?, base, &strides, &dims)?))
             })
         })
     }
