@@ -762,9 +762,11 @@ fn rmsnorm_case(c: &mut Ctx, dt: CudaDType, rows: usize, dim: usize) {
         let w: Vec<f64> = c.rng.vals(F32, dim, 0.5, 1.5).iter().map(|&v| round_to(dt, v)).collect();
         let dy = c.rng.vals(dt, rows * dim, -1.0, 1.0);
         let (mut y, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows]);
-        tpar::kernels::rmsnorm::rmsnorm_forward::<f64>(&x, &w, rows, dim, eps, &mut y, &mut rstd)?;
+        tpar::kernels::rmsnorm::rmsnorm_forward::<f64, _>(
+            &x, &w, rows, dim, eps, &mut y, &mut rstd,
+        )?;
         let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; dim]);
-        tpar::kernels::rmsnorm::rmsnorm_backward::<f64>(
+        tpar::kernels::rmsnorm::rmsnorm_backward::<f64, _>(
             &x, &w, &rstd, &dy, rows, dim, &mut dx, &mut dw,
         )?;
         let es = dt.size();
@@ -856,8 +858,8 @@ fn rope_case(c: &mut Ctx, dt: CudaDType, s: RopeShape) {
         let dy = c.rng.vals(dt, n, -1.0, 1.0);
         let (cos, sin) = rope_tables(dt, s.seq, s.head_dim);
         let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
-        tpar::kernels::rope::rope_forward::<f64>(&s, &x, &cos, &sin, &mut y)?;
-        tpar::kernels::rope::rope_backward::<f64>(&s, &dy, &cos, &sin, &mut dx)?;
+        tpar::kernels::rope::rope_forward::<f64, _>(&s, &x, &cos, &sin, &mut y)?;
+        tpar::kernels::rope::rope_backward::<f64, _>(&s, &dy, &cos, &sin, &mut dx)?;
         let (bx, bdy, bc, bs) = (d.up(dt, &x)?, d.up(dt, &dy)?, d.up(dt, &cos)?, d.up(dt, &sin)?);
         let (by, bdx) = (d.junk(n * dt.size())?, d.junk(n * dt.size())?);
         // SAFETY: every buffer was allocated above with the size `s` gives it.
@@ -881,8 +883,8 @@ fn rope_qk_case(c: &mut Ctx, dt: CudaDType, qs: RopeShape, ks: RopeShape) {
         let (q, k) = (c.rng.vals(dt, nq, -2.0, 2.0), c.rng.vals(dt, nk, -2.0, 2.0));
         let (cos, sin) = rope_tables(dt, qs.seq, qs.head_dim);
         let (mut qr, mut kr) = (vec![0.0; nq], vec![0.0; nk]);
-        tpar::kernels::rope::rope_forward::<f64>(&qs, &q, &cos, &sin, &mut qr)?;
-        tpar::kernels::rope::rope_forward::<f64>(&ks, &k, &cos, &sin, &mut kr)?;
+        tpar::kernels::rope::rope_forward::<f64, _>(&qs, &q, &cos, &sin, &mut qr)?;
+        tpar::kernels::rope::rope_forward::<f64, _>(&ks, &k, &cos, &sin, &mut kr)?;
         let (bq, bk, bc, bs) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &cos)?, d.up(dt, &sin)?);
         // SAFETY: every buffer was allocated above with the size its shape gives it.
         unsafe {
@@ -942,7 +944,7 @@ fn ce_case(c: &mut Ctx, dt: CudaDType, rows: usize, vocab: usize) {
         )?;
         let scale = 1.0 / count.max(1) as f64;
         let mut dlogits = vec![0.0; logits.len()];
-        tpar::kernels::cross_entropy::cross_entropy_backward::<f64>(
+        tpar::kernels::cross_entropy::cross_entropy_backward::<f64, _>(
             &logits,
             rows,
             vocab,
@@ -1035,7 +1037,7 @@ fn ce_case(c: &mut Ctx, dt: CudaDType, rows: usize, vocab: usize) {
             // Per-row scales, backward of the shard with the global lse.
             let row_scale = c.rng.vals(F32, rows, 0.5, 1.5);
             let mut dpart = vec![0.0; part.len()];
-            tpar::kernels::cross_entropy::cross_entropy_backward::<f64>(
+            tpar::kernels::cross_entropy::cross_entropy_backward::<f64, _>(
                 &part,
                 rows,
                 width,
@@ -1396,7 +1398,7 @@ fn sum_squares_case(c: &mut Ctx, dt: CudaDType, rows: usize, len: usize) {
         let d = c.d;
         let x = c.rng.vals(dt, rows * len, -1.0, 1.0);
         let mut sq = vec![0.0; x.len()];
-        tpar::kernels::elementwise::unary::<f64>(UnaryOp::Square, &x, &mut sq)?;
+        tpar::kernels::elementwise::unary::<f64, _>(UnaryOp::Square, &x, &mut sq)?;
         let mut want = vec![0.0; rows];
         tpar::kernels::reduce::reduce::<f64>(Reduction::Sum, &sq, rows, len, 1, &mut want)?;
         let ws_len = reduce::reduce_workspace_len(rows, len, 1);
@@ -1475,8 +1477,8 @@ fn unary_case(c: &mut Ctx, dt: CudaDType, n: usize) {
             let x = unary_input(c, dt, op, n);
             let dy = c.rng.vals(dt, n, -1.0, 1.0);
             let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
-            cpu::unary::<f64>(op, &x, &mut y)?;
-            cpu::unary_backward::<f64>(op, &x, &y, &dy, &mut dx)?;
+            cpu::unary::<f64, _>(op, &x, &mut y)?;
+            cpu::unary_backward::<f64, _>(op, &x, &y, &dy, &mut dx)?;
             let (bx, bdy, by) = (d.up(dt, &x)?, d.up(dt, &dy)?, d.junk(n * dt.size())?);
             let bdx = d.junk(n * dt.size())?;
             // SAFETY: four buffers of `n` elements allocated above.
@@ -1503,7 +1505,7 @@ fn scalar_case(c: &mut Ctx, dt: CudaDType, n: usize) {
         for (i, op) in BinaryOp::ALL.into_iter().enumerate() {
             let first = i % 2 == 1;
             let mut y = vec![0.0; n];
-            tpar::kernels::elementwise::scalar::<f64>(op, &x, 1.5, first, &mut y)?;
+            tpar::kernels::elementwise::scalar::<f64, _>(op, &x, 1.5, first, &mut y)?;
             let by = d.junk(n * dt.size())?;
             // SAFETY: two buffers of `n` elements allocated above.
             unsafe { ew::scalar(d.l(), dt, op, bx.ptr(), 1.5, first, by.ptr(), n)? };
@@ -1539,7 +1541,7 @@ fn binary_case(
         let mut parts = Vec::new();
         for op in BinaryOp::ALL {
             let mut want = vec![0.0; n];
-            tpar::kernels::elementwise::binary::<f64>(op, &a, sa, &b, sb, shape, &mut want)?;
+            tpar::kernels::elementwise::binary::<f64, _>(op, &a, sa, &b, sb, shape, &mut want)?;
             let bo = d.junk(n * dt.size())?;
             // SAFETY: the operands cover every element their strides reach, out `n`.
             unsafe { ew::binary(d.l(), dt, op, ba.ptr(), sa, bb.ptr(), sb, shape, bo.ptr())? };
@@ -1566,11 +1568,11 @@ fn swiglu_case(c: &mut Ctx, dt: CudaDType, rows: usize, cols: usize, fused: bool
         let (mut s, mut y, mut db, mut dyb, mut da) =
             (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let st = [1usize];
-        cpu::unary::<f64>(UnaryOp::Silu, &gate, &mut s)?;
-        cpu::binary::<f64>(BinaryOp::Mul, &s, &st, &up, &st, &[n], &mut y)?;
-        cpu::binary::<f64>(BinaryOp::Mul, &dy, &st, &s, &st, &[n], &mut db)?;
-        cpu::binary::<f64>(BinaryOp::Mul, &dy, &st, &up, &st, &[n], &mut dyb)?;
-        cpu::unary_backward::<f64>(UnaryOp::Silu, &gate, &s, &dyb, &mut da)?;
+        cpu::unary::<f64, _>(UnaryOp::Silu, &gate, &mut s)?;
+        cpu::binary::<f64, _>(BinaryOp::Mul, &s, &st, &up, &st, &[n], &mut y)?;
+        cpu::binary::<f64, _>(BinaryOp::Mul, &dy, &st, &s, &st, &[n], &mut db)?;
+        cpu::binary::<f64, _>(BinaryOp::Mul, &dy, &st, &up, &st, &[n], &mut dyb)?;
+        cpu::unary_backward::<f64, _>(UnaryOp::Silu, &gate, &s, &dyb, &mut da)?;
         // device layout: [rows, 2 * cols] (gate | up) when fused, else two tensors
         let (ld, ga, ub, gbuf, ubuf) = if fused {
             let mut both = Vec::with_capacity(2 * n);
@@ -1673,8 +1675,8 @@ fn accumulate_case(c: &mut Ctx, src: CudaDType, dst: CudaDType, n: usize) {
         let s = c.rng.vals(src, n, -1.0, 1.0);
         let t = c.rng.vals(dst, n, -1.0, 1.0);
         let (mut half_s, mut want) = (vec![0.0; n], vec![0.0; n]);
-        tpar::kernels::elementwise::scalar::<f64>(BinaryOp::Mul, &s, 0.5, false, &mut half_s)?;
-        tpar::kernels::elementwise::binary::<f64>(
+        tpar::kernels::elementwise::scalar::<f64, _>(BinaryOp::Mul, &s, 0.5, false, &mut half_s)?;
+        tpar::kernels::elementwise::binary::<f64, _>(
             BinaryOp::Add,
             &t,
             &[1],
@@ -1777,7 +1779,7 @@ fn check_layout(c: &mut Ctx) {
 /// The CPU reference of every gather: `out[i] = src[base + sum(idx * strides)]`.
 fn cpu_gather(src: &[u64], base: usize, strides: &[usize], shape: &[usize]) -> Res<Vec<u64>> {
     let mut out = vec![0u64; shape.iter().product()];
-    tpar::kernels::elementwise::strided_copy::<u64>(src, base, strides, shape, &mut out)?;
+    tpar::kernels::elementwise::strided_copy::<u64, _>(src, base, strides, shape, &mut out)?;
     Ok(out)
 }
 
