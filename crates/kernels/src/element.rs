@@ -156,9 +156,10 @@ impl Float for f16 {
 
 /// An output element a kernel writes and never reads: `T` itself, or
 /// `MaybeUninit<T>` for a new buffer the kernel initializes, which then needs no
-/// zero-filling pass first. Kernels that take `&mut [impl Out<T>]` write every
-/// element when they return `Ok` (each says so), so a caller may treat a
-/// `MaybeUninit` buffer they filled as initialized.
+/// zero-filling pass first. Kernels whose output is `&mut [O]` with `O: Out<T>` write
+/// every element when they return `Ok` (each says so), so a caller may treat a
+/// `MaybeUninit` buffer they filled as initialized; their `*_new` forms do this with
+/// `tpar_memory::cache::filled`.
 pub trait Out<T>: Send {
     /// Stores `v`.
     fn put(&mut self, v: T);
@@ -176,18 +177,4 @@ impl<T: Send> Out<T> for std::mem::MaybeUninit<T> {
     fn put(&mut self, v: T) {
         self.write(v);
     }
-}
-
-/// A new vector of `len` elements written by `kernel` (in a buffer kept by the host
-/// cache, `tpar_memory::cache`, when one fits), with no zero fill first. The `*_new`
-/// kernels are this around a kernel that writes every element of its `Out` output.
-///
-/// # Safety
-/// When `kernel` returns `Ok`, it must have written every element of its slice.
-pub(crate) unsafe fn new_output<T: Copy + 'static>(
-    len: usize,
-    kernel: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> crate::Result<()>,
-) -> crate::Result<Vec<T>> {
-    // SAFETY: the caller's `kernel` writes elements 0..len when it returns Ok.
-    unsafe { tpar_memory::cache::filled(len, kernel) }
 }

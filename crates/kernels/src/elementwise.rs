@@ -4,7 +4,8 @@ use rayon::prelude::*;
 
 use num_traits::{One, Zero};
 
-use crate::element::new_output;
+use tpar_memory::cache::filled;
+
 use crate::{Acc, Float, KernelError, Out, Result};
 
 /// Below this many elements kernels run on the calling thread.
@@ -240,7 +241,7 @@ pub fn unary<T: Float, O: Out<T>>(op: UnaryOp, x: &[T], y: &mut [O]) -> Result<(
 /// [`unary`] into a new vector.
 pub fn unary_new<T: Float>(op: UnaryOp, x: &[T]) -> Result<Vec<T>> {
     // SAFETY: `unary` writes every element of its output when it returns Ok.
-    unsafe { new_output(x.len(), |y| unary(op, x, y)) }
+    unsafe { filled(x.len(), |y| unary(op, x, y)) }
 }
 
 /// `dx = dy * op'(x)` given `y = op(x)`; writes every element of `dx`.
@@ -290,7 +291,7 @@ pub fn unary_backward<T: Float, O: Out<T>>(
 /// [`unary_backward`] into a new vector.
 pub fn unary_backward_new<T: Float>(op: UnaryOp, x: &[T], y: &[T], dy: &[T]) -> Result<Vec<T>> {
     // SAFETY: `unary_backward` writes every element of its output when it returns Ok.
-    unsafe { new_output(x.len(), |dx| unary_backward(op, x, y, dy, dx)) }
+    unsafe { filled(x.len(), |dx| unary_backward(op, x, y, dy, dx)) }
 }
 
 /// `y = x op s` (or `s op x` when `scalar_first`); writes every element of `y`.
@@ -314,7 +315,7 @@ pub fn scalar<T: Float, O: Out<T>>(
 /// [`scalar`] into a new vector.
 pub fn scalar_new<T: Float>(op: BinaryOp, x: &[T], s: f64, scalar_first: bool) -> Result<Vec<T>> {
     // SAFETY: `scalar` writes every element of its output when it returns Ok.
-    unsafe { new_output(x.len(), |y| scalar(op, x, s, scalar_first, y)) }
+    unsafe { filled(x.len(), |y| scalar(op, x, s, scalar_first, y)) }
 }
 
 /// Contiguous row-major strides of a shape.
@@ -408,7 +409,7 @@ pub fn binary_new<T: Float>(
 ) -> Result<Vec<T>> {
     let n = out_shape.iter().product();
     // SAFETY: `binary` writes every element of its output when it returns Ok.
-    unsafe { new_output(n, |o| binary(op, a, a_strides, b, b_strides, out_shape, o)) }
+    unsafe { filled(n, |o| binary(op, a, a_strides, b, b_strides, out_shape, o)) }
 }
 
 /// Elements per task of the contiguous binary path.
@@ -528,7 +529,7 @@ pub fn strided_copy_new<T: Copy + Send + Sync + 'static>(
 ) -> Result<Vec<T>> {
     let n = out_shape.iter().product();
     // SAFETY: `strided_copy` writes every element of its output when it returns Ok.
-    unsafe { new_output(n, |o| strided_copy(src, base, src_strides, out_shape, o)) }
+    unsafe { filled(n, |o| strided_copy(src, base, src_strides, out_shape, o)) }
 }
 
 /// Converts between element types (through f64 for exactness across all pairs).

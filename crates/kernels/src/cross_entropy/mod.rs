@@ -20,7 +20,8 @@ mod tests;
 
 use num_traits::Zero;
 
-use crate::element::new_output;
+use tpar_memory::cache::filled;
+
 use crate::util::{bad, check_len, numel};
 use crate::{Acc, Float, KernelError, Out, Result};
 
@@ -236,5 +237,5 @@ pub fn cross_entropy_backward_new<T: Float>(
     };
     // SAFETY: `cross_entropy_backward` writes every element of `dlogits` when it
     // returns Ok.
-    unsafe { new_output(logits.len(), backward) }
+    unsafe { filled(logits.len(), backward) }
 }

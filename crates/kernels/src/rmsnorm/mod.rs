@@ -8,7 +8,8 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use crate::element::new_output;
+use tpar_memory::cache::filled;
+
 use crate::util::{check_len, numel};
 use crate::{Float, Out, Result};
 
@@ -46,7 +47,7 @@ pub fn rmsnorm_forward_new<T: Float>(
     rstd: &mut [T::Acc],
 ) -> Result<Vec<T>> {
     // SAFETY: `rmsnorm_forward` writes every element of `y` when it returns Ok.
-    unsafe { new_output(x.len(), |y| rmsnorm_forward(x, weight, rows, dim, eps, y, rstd)) }
+    unsafe { filled(x.len(), |y| rmsnorm_forward(x, weight, rows, dim, eps, y, rstd)) }
 }
 
 /// Backward RMSNorm: writes `dx` (`[rows, dim]`) and overwrites `dweight`
@@ -88,7 +89,5 @@ pub fn rmsnorm_backward_new<T: Float>(
     dweight: &mut [T::Acc],
 ) -> Result<Vec<T>> {
     // SAFETY: `rmsnorm_backward` writes every element of `dx` when it returns Ok.
-    unsafe {
-        new_output(x.len(), |dx| rmsnorm_backward(x, weight, rstd, dy, rows, dim, dx, dweight))
-    }
+    unsafe { filled(x.len(), |dx| rmsnorm_backward(x, weight, rstd, dy, rows, dim, dx, dweight)) }
 }

@@ -11,7 +11,8 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use crate::element::new_output;
+use tpar_memory::cache::filled;
+
 use crate::util::{bad, check_len, numel};
 use crate::{Float, Out, Result};
 
@@ -64,7 +65,7 @@ pub fn rope_forward<T: Float, O: Out<T>>(
 /// [`rope_forward`] into a new vector.
 pub fn rope_forward_new<T: Float>(s: &RopeShape, x: &[T], cos: &[T], sin: &[T]) -> Result<Vec<T>> {
     // SAFETY: `rope_forward` writes every element of `y` when it returns Ok.
-    unsafe { new_output(x.len(), |y| rope_forward(s, x, cos, sin, y)) }
+    unsafe { filled(x.len(), |y| rope_forward(s, x, cos, sin, y)) }
 }
 
 /// Gradient of [`rope_forward`] with respect to `x`: the transpose of the
@@ -93,5 +94,5 @@ pub fn rope_backward_new<T: Float>(
     sin: &[T],
 ) -> Result<Vec<T>> {
     // SAFETY: `rope_backward` writes every element of `dx` when it returns Ok.
-    unsafe { new_output(dy.len(), |dx| rope_backward(s, dy, cos, sin, dx)) }
+    unsafe { filled(dy.len(), |dx| rope_backward(s, dy, cos, sin, dx)) }
 }
