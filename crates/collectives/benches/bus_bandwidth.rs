@@ -13,7 +13,8 @@
 //! out of place, so each call also allocates its output: past glibc's largest mmap
 //! threshold (32 MiB) every output is a fresh mapping that faults in page by page, which
 //! the "fresh dst" memcpy column shows on its own. The `_into` rows write into one output
-//! buffer the caller keeps (`all_reduce_into`, `all_gather_into`).
+//! buffer the caller keeps (`all_reduce_into`, `all_gather_into`); the `all_reduce_` row
+//! reduces in place, into the input itself.
 
 use std::time::{Duration, Instant};
 
@@ -54,6 +55,7 @@ enum Op {
     Reduce,
     Gather,
     ReduceInto,
+    ReduceInPlace,
     GatherInto,
 }
 
@@ -61,7 +63,7 @@ enum Op {
 fn time_op(pg: &ProcessGroup, op: Op, size: usize) -> Result<Duration, CollectiveError> {
     let n = pg.size();
     let elems = match op {
-        Op::Reduce | Op::ReduceInto => size / 4,
+        Op::Reduce | Op::ReduceInto | Op::ReduceInPlace => size / 4,
         Op::Gather | Op::GatherInto => size / 4 / n,
     };
     let x = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; elems], [elems])?;
@@ -72,6 +74,8 @@ fn time_op(pg: &ProcessGroup, op: Op, size: usize) -> Result<Duration, Collectiv
             Op::Reduce => pg.all_reduce(x, ReduceOp::Sum).map(Some),
             Op::Gather => pg.all_gather(x, 0).map(Some),
             Op::ReduceInto => pg.all_reduce_into(x, ReduceOp::Sum, &out).map(|()| None),
+            // The sum grows by the world size each call: finite in f32 for these counts.
+            Op::ReduceInPlace => pg.all_reduce_(x, ReduceOp::Sum).map(|()| None),
             Op::GatherInto => pg.all_gather_into(x, 0, &out).map(|()| None),
         }
     };
@@ -111,7 +115,7 @@ fn main() -> Result<(), CollectiveError> {
         "world", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "busbw/cpy"
     );
     for world in [2usize, 4] {
-        for op in [Op::Reduce, Op::ReduceInto, Op::Gather, Op::GatherInto] {
+        for op in [Op::Reduce, Op::ReduceInto, Op::ReduceInPlace, Op::Gather, Op::GatherInto] {
             let rows = spawn(world, |ctx| -> Result<Vec<(usize, Duration)>, CollectiveError> {
                 let pg = ctx.world_group();
                 sizes.iter().map(|&s| Ok((s, time_op(&pg, op, s)?))).collect()
@@ -122,6 +126,7 @@ fn main() -> Result<(), CollectiveError> {
                 let (name, factor) = match op {
                     Op::Reduce => ("all_reduce", 2.0 * (n - 1.0) / n),
                     Op::ReduceInto => ("all_reduce_into", 2.0 * (n - 1.0) / n),
+                    Op::ReduceInPlace => ("all_reduce_", 2.0 * (n - 1.0) / n),
                     Op::Gather => ("all_gather", (n - 1.0) / n),
                     Op::GatherInto => ("all_gather_into", (n - 1.0) / n),
                 };

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tpar_tensor::{DType, Device, Tensor};
 
-use crate::local::{Call, LocalComm};
+use crate::local::{Call, Dest, LocalComm};
 use crate::p2p::{to_requested, Expect};
 use crate::remote::{Pending, RemoteComm};
 use crate::spawn::panic_message;
@@ -340,6 +340,51 @@ impl ProcessGroup {
     pub fn all_reduce_into(&self, t: &Tensor, op: ReduceOp, out: &Tensor) -> Result<()> {
         let i = self.issue(Call::AllReduce { op }, Some(t), false);
         self.execute_into(i, t, out, Some(t.dims().to_vec()))
+    }
+
+    /// [`all_reduce`](Self::all_reduce) in place: `t` holds the result on every member, as
+    /// PyTorch's `dist.all_reduce(t)`. Not recorded by autograd (as
+    /// [`Tensor::fill_storage_`]); every handle sharing `t`'s storage sees the result.
+    ///
+    /// On the local backend, when every member calls `all_reduce_` on host tensors of
+    /// 16 Ki elements or more, each member reduces one chunk of all members' tensors and
+    /// writes it back into each of them: every byte is read and written once, half the
+    /// memory traffic of [`all_reduce_into`](Self::all_reduce_into). Otherwise (smaller
+    /// tensors, other backends, a member calling `all_reduce` meanwhile) the result is
+    /// computed as by [`all_reduce`](Self::all_reduce) and moved into `t`.
+    ///
+    /// A wrong argument fails every member's call and leaves `t` as it was. If the call
+    /// fails once members have begun writing each other's memory (a peer fails or times
+    /// out), `t` holds zeros.
+    ///
+    /// ```
+    /// use tpar_collectives::{spawn, ReduceOp};
+    /// use tpar_tensor::Tensor;
+    /// spawn(2, |ctx| -> Result<(), tpar_collectives::CollectiveError> {
+    ///     let pg = ctx.world_group();
+    ///     let t = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; 1 << 16], [1 << 16])?;
+    ///     pg.all_reduce_(&t, ReduceOp::Sum)?;
+    ///     assert_eq!(t.to_vec::<f32>()?, vec![3.0; 1 << 16]);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), tpar_collectives::CollectiveError>(())
+    /// ```
+    pub fn all_reduce_(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
+        let i = self.issue(Call::AllReduce { op }, Some(t), false);
+        let r = match &self.backend {
+            Backend::Local(l) if !i.on_device => back_to(
+                i.device,
+                l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, Dest::InPlace),
+            ),
+            _ => self.execute(i),
+        };
+        match r? {
+            None => Ok(()),
+            Some(result) => t.fill_storage_(result).map_err(|e| CollectiveError::InvalidArgument {
+                op: "all_reduce",
+                why: format!("filling the tensor with the result: {e}"),
+            }),
+        }
     }
 
     /// [`all_gather`](Self::all_gather) into the caller's tensor `out` (the gathered
@@ -681,7 +726,7 @@ impl ProcessGroup {
         }
         let device = i.device;
         let r = match &self.backend {
-            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, None),
+            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, Dest::New),
             Backend::Nccl(c) | Backend::Tcp(c) => {
                 c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
             }
@@ -726,6 +771,7 @@ impl ProcessGroup {
             (Backend::Local(_), true, Device::Cpu) => out.take_storage_().ok(),
             _ => None,
         };
+        let dest = reuse.map_or(Dest::New, Dest::Into);
         let device = i.device;
         let r = match &self.backend {
             // The device path exchanges no headers, so a problem with `out` alone cannot
@@ -738,7 +784,7 @@ impl ProcessGroup {
                     None => r,
                 }
             }
-            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, reuse),
+            Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, dest),
             Backend::Nccl(c) | Backend::Tcp(c) => {
                 c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
             }

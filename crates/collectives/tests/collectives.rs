@@ -448,3 +448,102 @@ fn into_collectives_reject_a_wrong_out_on_every_member() {
     })
     .unwrap();
 }
+
+/// `all_reduce_` leaves in the tensor exactly what `all_reduce` returns, for every dtype
+/// and op, below and above the in-place size and with uneven chunks; above it the result
+/// is written into the tensor's own memory, which every handle on it sees.
+#[test]
+fn all_reduce_in_place_equals_all_reduce() {
+    for world in [2, 3, 4] {
+        spawn(world, |ctx| -> Result<(), CollectiveError> {
+            let pg = ctx.world_group();
+            let (n, r) = (pg.size(), pg.rank());
+            // 1 << 14 elements is the in-place size; 4 * 12503 splits unevenly on 3 and 4.
+            for (case, dims) in [vec![7, 3], vec![128, 128], vec![4, 12503]].iter().enumerate() {
+                for dtype in DTYPES {
+                    for op in OPS {
+                        if op == ReduceOp::Avg && dtype == DType::I64 {
+                            continue;
+                        }
+                        let case = case as u64 * 10 + 500;
+                        let want = pg.all_reduce(&input(case, r, dims, dtype), op)?;
+                        let t = input(case, r, dims, dtype);
+                        let flat = t.reshape([t.numel()])?; // shares the storage
+                        let addr = |t: &Tensor| {
+                            tpar_tensor::with_any_type!(dtype, |T| {
+                                t.with_data::<T, _>(|s| s.as_ptr() as usize).unwrap()
+                            })
+                        };
+                        let before = addr(&t);
+                        pg.all_reduce_(&t, op)?;
+                        let what = format!("all_reduce_({op}) {dtype} {dims:?} world {n}");
+                        check_exact(&what, &t, &want);
+                        check_exact(&what, &flat.reshape(dims.clone())?, &want);
+                        if t.numel() >= 1 << 14 {
+                            assert_eq!(addr(&t), before, "{what}: not in place");
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+/// Members may mix `all_reduce_` with `all_reduce`, or pass tensors that share storage:
+/// the in-place members still end with the result.
+#[test]
+fn all_reduce_in_place_mixes_with_all_reduce_and_shared_storage() {
+    let shared = Tensor::from_vec(vec![1.5f32; 1 << 15], [1 << 15]).unwrap();
+    spawn(3, |ctx| -> Result<(), CollectiveError> {
+        let pg = ctx.world_group();
+        let r = pg.rank();
+        let x = || Tensor::from_vec(vec![r as f32 + 1.0; 1 << 15], [1 << 15]);
+        let t = x()?;
+        if r == 1 {
+            assert_eq!(pg.all_reduce(&t, ReduceOp::Sum)?.to_vec::<f32>()?, vec![6.0; 1 << 15]);
+            assert_eq!(t.to_vec::<f32>()?, vec![2.0; 1 << 15], "all_reduce left its input");
+        } else {
+            pg.all_reduce_(&t, ReduceOp::Sum)?;
+            assert_eq!(t.to_vec::<f32>()?, vec![6.0; 1 << 15]);
+        }
+        // Ranks 0 and 2 pass the same tensor, rank 1 its own.
+        let t = if r == 1 { x()? } else { shared.clone() };
+        pg.all_reduce_(&t, ReduceOp::Sum)?;
+        assert_eq!(t.to_vec::<f32>()?, vec![5.0; 1 << 15]);
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// A wrong shape, or a tensor without data, on one member fails every member's
+/// `all_reduce_` without a hang, leaves the other members' tensors as they were, and
+/// the group goes on.
+#[test]
+fn all_reduce_in_place_rejects_bad_input_on_every_member() {
+    spawn(3, |ctx| -> Result<(), CollectiveError> {
+        let pg = ctx.world_group();
+        let r = pg.rank();
+        let x = |len: usize| Tensor::from_vec(vec![r as f32 + 1.0; len], [len]);
+        let t = if r == 1 { x(1 << 14)? } else { x(1 << 15)? };
+        let e = pg.all_reduce_(&t, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(e, CollectiveError::Mismatch { rank: 1, .. }), "{e}");
+        assert_eq!(t.to_vec::<f32>()?, vec![r as f32 + 1.0; t.numel()]);
+        let t = x(1 << 15)?;
+        if r == 1 {
+            t.release_storage_();
+        }
+        let e = pg.all_reduce_(&t, ReduceOp::Sum).unwrap_err();
+        let named = if r == 1 { "released" } else { "rank 1" };
+        assert!(e.to_string().contains(named), "{e}");
+        if r != 1 {
+            assert_eq!(t.to_vec::<f32>()?, vec![r as f32 + 1.0; 1 << 15], "values kept");
+        }
+        let t = x(1 << 15)?;
+        pg.all_reduce_(&t, ReduceOp::Max)?;
+        assert_eq!(t.to_vec::<f32>()?, vec![3.0; 1 << 15]);
+        Ok(())
+    })
+    .unwrap();
+}

@@ -435,11 +435,12 @@ impl DataParallel {
                 .map(|(_, g)| g.detach().reshape([g.numel()]))
                 .collect::<tpar_tensor::Result<_>>()
                 .map_err(NnError::from)?;
+            // A new buffer: averaged in place, with no second one for the result.
             let bucket = Tensor::cat(&flat, 0).map_err(NnError::from)?;
-            let avg = self.dp.all_reduce(&bucket, ReduceOp::Avg).map_err(NnError::from)?;
+            self.dp.all_reduce_(&bucket, ReduceOp::Avg).map_err(NnError::from)?;
             let sizes: Vec<usize> = items.iter().map(|(_, g)| g.numel()).collect();
             for ((t, g), piece) in
-                items.iter().zip(avg.split_sizes(&sizes, 0).map_err(NnError::from)?)
+                items.iter().zip(bucket.split_sizes(&sizes, 0).map_err(NnError::from)?)
             {
                 t.set_grad(Some(piece.reshape(g.shape().clone()).map_err(NnError::from)?));
             }

@@ -111,7 +111,7 @@ impl Reducible for i64 {
 }
 
 /// Elements per accumulation block: small enough to stay in L1 next to the inputs.
-const BLOCK: usize = 2048;
+pub(crate) const BLOCK: usize = 2048;
 
 /// Reduces equal-length `runs` (one per member, in member order) elementwise and
 /// appends the result to `out`. `acc` is scratch space.

@@ -23,6 +23,7 @@
 
 pub(crate) mod desc;
 mod device;
+mod inplace;
 pub(crate) mod kernels;
 
 use std::collections::{HashMap, VecDeque};
@@ -156,6 +157,8 @@ struct Post {
     desc: Desc,
     tensor: Option<Tensor>,
     problem: Option<CollectiveError>,
+    /// The member wants the result in its input tensor (`all_reduce_`).
+    in_place: bool,
 }
 
 struct Slot {
@@ -164,6 +167,8 @@ struct Slot {
     verdict: Option<Result<()>>,
     staged: Vec<Option<Arc<CpuStorage>>>,
     n_staged: usize,
+    lent: Vec<Option<Arc<inplace::Lent>>>,
+    n_lent: usize,
     done: Vec<bool>,
     n_done: usize,
     abort: Option<CollectiveError>,
@@ -177,6 +182,8 @@ impl Slot {
             verdict: None,
             staged: vec![None; n],
             n_staged: 0,
+            lent: (0..n).map(|_| None).collect(),
+            n_lent: 0,
             done: vec![false; n],
             n_done: 0,
             abort: None,
@@ -203,6 +210,7 @@ impl Clock {
 enum Phase {
     Posted,
     Staged,
+    Lent,
     Done,
 }
 
@@ -219,6 +227,18 @@ impl Exchange {
     fn lock(&self) -> MutexGuard<'_, ExState> {
         lock(&self.state)
     }
+}
+
+/// Where a member wants the result of its collective.
+pub(crate) enum Dest {
+    /// A new tensor.
+    New,
+    /// The memory of the caller's `out` (an `*_into` call), refilled with the result.
+    Into(CpuStorage),
+    /// The input tensor itself (`all_reduce_`). Large host all_reduces whose members all
+    /// ask for this run in place and return `None`; otherwise the result is returned, for
+    /// the caller to move into the tensor.
+    InPlace,
 }
 
 /// The local backend's handle on one group, for one member.
@@ -286,6 +306,7 @@ impl LocalComm {
             let ready = match phase {
                 Phase::Posted => slot.verdict.is_some(),
                 Phase::Staged => slot.n_staged == slot.staged.len(),
+                Phase::Lent => slot.n_lent == slot.lent.len(),
                 Phase::Done => slot.n_done == slot.done.len(),
             };
             if ready {
@@ -302,6 +323,7 @@ impl LocalComm {
                 Phase::Staged => {
                     (0..slot.staged.len()).filter(|&i| slot.staged[i].is_none()).collect()
                 }
+                Phase::Lent => (0..slot.lent.len()).filter(|&i| slot.lent[i].is_none()).collect(),
                 Phase::Done => (0..slot.done.len()).filter(|&i| !slot.done[i]).collect(),
             };
             let missing: Vec<usize> = missing.into_iter().map(|m| self.global(m)).collect();
@@ -399,10 +421,15 @@ impl LocalComm {
         tensor: Option<Tensor>,
         problem: Option<CollectiveError>,
         timeout: Duration,
-        reuse: Option<CpuStorage>,
+        dest: Dest,
     ) -> Result<Option<Tensor>> {
         let op = call.name();
         let n = self.ex.members.len();
+        let (reuse, in_place) = match dest {
+            Dest::New => (None, false),
+            Dest::Into(s) => (Some(s), false),
+            Dest::InPlace => (None, true),
+        };
         let me = self.me;
         let clock = Clock::start(timeout);
         let desc = Desc::new(call.clone(), tensor.as_ref());
@@ -437,7 +464,7 @@ impl LocalComm {
             return Err(internal(op, "member posted twice to one collective"));
         }
         let own_problem = problem.clone();
-        slot.posts[me] = Some(Post { desc, tensor, problem });
+        slot.posts[me] = Some(Post { desc, tensor, problem, in_place });
         slot.n_posted += 1;
         if slot.n_posted == n {
             slot.verdict = Some(self.verdict(&slot.posts));
@@ -458,6 +485,7 @@ impl LocalComm {
         }
         let mut tensors = Vec::with_capacity(n);
         let mut descs = Vec::with_capacity(n);
+        let all_in_place = slot.posts.iter().flatten().all(|p| p.in_place);
         for p in slot.posts.iter().flatten() {
             if let Some(t) = &p.tensor {
                 tensors.push(t.clone());
@@ -473,6 +501,11 @@ impl LocalComm {
         };
         let result = match &call {
             Call::Barrier => Ok(None),
+            Call::AllReduce { op: rop }
+                if !meta && tensors.len() == n && Self::runs_in_place(&tensors, all_in_place) =>
+            {
+                return self.all_reduce_in_place(seq, &tensors, *rop, clock);
+            }
             // Staged chunks live on the host: only when every member is a host member
             // (all decide alike, as every member must stage).
             Call::AllReduce { op: rop }
