@@ -189,6 +189,10 @@ fn large_collectives(world: &ProcessGroup) {
     let max = |i: usize| (0..n).map(|j| value(j, i)).fold(f32::MIN, f32::max);
     let got = world.all_reduce(&mine, ReduceOp::Max).unwrap().to_vec::<f32>().unwrap();
     assert!(got.iter().enumerate().all(|(i, &v)| v == max(i)), "all_reduce max");
+    let inplace = Tensor::from_vec((0..elems).map(|i| value(r, i)).collect(), [elems]).unwrap();
+    world.all_reduce_(&inplace, ReduceOp::Sum).unwrap();
+    let got = inplace.to_vec::<f32>().unwrap();
+    assert!(got.iter().enumerate().all(|(i, &v)| v == sum(i)), "all_reduce_");
     let (start, len) = chunk_range(elems, n, r);
     let got = world.reduce_scatter(&mine, 0, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap();
     assert!(got.len() == len && got.iter().enumerate().all(|(i, &v)| v == sum(start + i)));
