@@ -691,7 +691,7 @@ fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
         let dout = c.rng.vals(dt, nq * s.v_dim, -1.0, 1.0);
         let mut out = vec![0.0; nq * s.v_dim];
         let mut lse = vec![0.0; nq];
-        tpar::kernels::sdpa::sdpa_forward::<f64>(&s, &q, &k, &v, None, &mut out, &mut lse)?;
+        tpar::kernels::sdpa::sdpa_forward::<f64, _>(&s, &q, &k, &v, None, &mut out, &mut lse)?;
         let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
         tpar::kernels::sdpa::sdpa_backward::<f64>(
             &s, &q, &k, &v, None, &out, &lse, &dout, &mut dq, &mut dk, &mut dv,
@@ -1208,7 +1208,7 @@ fn embedding_case(
         }
         let dout = c.rng.vals(dt, n * dim, -1.0, 1.0);
         let mut out = vec![0.0; n * dim];
-        cpu::embedding_forward::<f64>(&w, vocab, dim, &ids, start, masked, &mut out)?;
+        cpu::embedding_forward::<f64, _>(&w, vocab, dim, &ids, start, masked, &mut out)?;
         let mut dw = vec![0.0; vocab * dim];
         cpu::embedding_backward::<f64>(&ids, start, masked, &dout, vocab, dim, &mut dw)?;
         let csr = embedding::EmbeddingCsr::build(&ids, start, vocab, masked)?;

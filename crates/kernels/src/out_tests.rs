@@ -1,4 +1,4 @@
-//! Kernels that take `&mut [impl Out<T>]` write every output element on every path: run
+//! Kernels whose output is `&mut [O]` with `O: Out<T>` write every output element on every path: run
 //! on `MaybeUninit` outputs prefilled with a sentinel, they give bit for bit what they
 //! give on a zero-filled `&mut [T]`, for two different sentinels.
 
@@ -8,8 +8,10 @@ use half::bf16;
 
 use crate::cross_entropy::cross_entropy_backward;
 use crate::elementwise::{self as ew, BinaryOp, UnaryOp, PAR_THRESHOLD};
+use crate::embedding::embedding_forward;
 use crate::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use crate::rope::{rope_backward, rope_forward, RopeShape};
+use crate::sdpa::{sdpa_forward_tiled, SdpaMask, SdpaShape, SdpaTiles};
 use crate::testutil::Rng;
 use crate::{Acc, Float};
 
@@ -114,6 +116,38 @@ fn all_kernels<T: Float>(seed: u64) {
     let scale = [<T::Acc as Acc>::of(0.5)];
     check_writes!("cross_entropy_backward", T, rows * vocab, |o| {
         cross_entropy_backward(&logits, rows, vocab, &targets, 0, -100, &lse, &scale, o)
+    });
+
+    // Embedding: rows in this vocab shard and masked ones outside it.
+    let (vocab, dim) = (10, 6);
+    let w: Vec<T> = rng.vec(vocab * dim, 1.0);
+    let ids = [3i64, 25, 12, 19, 40, 14];
+    check_writes!("embedding_forward", T, ids.len() * dim, |o| {
+        embedding_forward(&w, vocab, dim, &ids, 10, true, o)
+    });
+
+    // Attention, causal with a key mask that hides every key of the first tile from
+    // query 0 (a fully masked row) and several tiles per row.
+    let s = SdpaShape {
+        batch: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        q_len: 9,
+        kv_len: 9,
+        head_dim: 8,
+        v_dim: 8,
+        scale: 0.35,
+        causal: true,
+    };
+    let (q, k, v): (Vec<T>, Vec<T>, Vec<T>) =
+        (rng.vec(2 * 4 * 9 * 8, 1.0), rng.vec(2 * 2 * 9 * 8, 1.0), rng.vec(2 * 2 * 9 * 8, 1.0));
+    let keys: Vec<T> =
+        (0..9).map(|j| T::from_f64(if j < 2 { f64::NEG_INFINITY } else { 0.0 })).collect();
+    let mask = SdpaMask { data: &keys, batch_stride: 0, head_stride: 0, row_stride: 0 };
+    let tiles = SdpaTiles { q: 4, k: 2 };
+    check_writes!("sdpa_forward", T, 2 * 4 * 9 * 8, |o| {
+        let mut lse = vec![<T::Acc as Acc>::of(0.0); 2 * 4 * 9];
+        sdpa_forward_tiled(&s, tiles, &q, &k, &v, Some(&mask), o, &mut lse)
     });
 }
 

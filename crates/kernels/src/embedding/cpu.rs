@@ -3,7 +3,7 @@
 use num_traits::Zero;
 use rayon::prelude::*;
 
-use crate::Float;
+use crate::{Float, Out};
 
 /// The local row of `id`, if it falls in `[vocab_start, vocab_start + vocab)`.
 #[inline]
@@ -12,13 +12,13 @@ pub(super) fn local_row(id: i64, vocab_start: i64, vocab: usize) -> Option<usize
     (r >= 0 && (r as u64) < vocab as u64).then_some(r as usize)
 }
 
-pub(super) fn forward<T: Float>(
+pub(super) fn forward<T: Float, O: Out<T>>(
     weight: &[T],
     vocab: usize,
     dim: usize,
     ids: &[i64],
     vocab_start: i64,
-    out: &mut [T],
+    out: &mut [O],
 ) {
     if dim == 0 {
         return;
@@ -26,8 +26,10 @@ pub(super) fn forward<T: Float>(
     let zero = T::from_acc(T::Acc::zero());
     out.par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(o, &id)| {
         match local_row(id, vocab_start, vocab) {
-            Some(r) => o.copy_from_slice(&weight[r * dim..(r + 1) * dim]),
-            None => o.fill(zero),
+            Some(r) => {
+                o.iter_mut().zip(&weight[r * dim..(r + 1) * dim]).for_each(|(o, &w)| o.put(w))
+            }
+            None => o.iter_mut().for_each(|o| o.put(zero)),
         }
     });
 }

@@ -8,8 +8,10 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
+use tpar_memory::cache::filled;
+
 use crate::util::{check_len, numel};
-use crate::{Float, KernelError, Result};
+use crate::{Float, KernelError, Out, Result};
 
 /// Checks every id (before anything is written) unless `masked`.
 fn check_ids(
@@ -35,15 +37,15 @@ fn check_ids(
 ///
 /// An id outside `[vocab_start, vocab_start + vocab)` gives a zero row when
 /// `masked` (vocab-sharded embedding), else an `IndexOutOfRange` error (all
-/// ids are checked before anything is written).
-pub fn embedding_forward<T: Float>(
+/// ids are checked before anything is written). Writes every element of `out`.
+pub fn embedding_forward<T: Float, O: Out<T>>(
     weight: &[T],
     vocab: usize,
     dim: usize,
     ids: &[i64],
     vocab_start: i64,
     masked: bool,
-    out: &mut [T],
+    out: &mut [O],
 ) -> Result<()> {
     const OP: &str = "embedding_forward";
     check_len(OP, "weight", weight.len(), numel(OP, &[vocab, dim])?)?;
@@ -51,6 +53,20 @@ pub fn embedding_forward<T: Float>(
     check_ids(OP, ids, vocab_start, vocab, masked)?;
     cpu::forward(weight, vocab, dim, ids, vocab_start, out);
     Ok(())
+}
+
+/// [`embedding_forward`] with `out` in a new vector.
+pub fn embedding_forward_new<T: Float>(
+    weight: &[T],
+    vocab: usize,
+    dim: usize,
+    ids: &[i64],
+    vocab_start: i64,
+    masked: bool,
+) -> Result<Vec<T>> {
+    let n = numel("embedding_forward", &[ids.len(), dim])?;
+    // SAFETY: `embedding_forward` writes every element of `out` when it returns Ok.
+    unsafe { filled(n, |o| embedding_forward(weight, vocab, dim, ids, vocab_start, masked, o)) }
 }
 
 /// `dweight[v] = sum of dout[n] over n with ids[n] - vocab_start == v`

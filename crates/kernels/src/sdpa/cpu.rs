@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::{SdpaMask, SdpaShape, SdpaTiles};
 use crate::gemm::small_matmul;
-use crate::{Acc, Float};
+use crate::{Acc, Float, Out};
 
 /// Backward tasks wanted at least: when `batch * kv_heads` is smaller, each
 /// head's keys are split into several tasks, each with its own `dq` partial
@@ -136,14 +136,14 @@ impl<T: Float> Ctx<'_, T> {
     }
 }
 
-pub(super) fn forward<T: Float>(
+pub(super) fn forward<T: Float, O: Out<T>>(
     s: &SdpaShape,
     tiles: SdpaTiles,
     q: &[T],
     k: &[T],
     v: &[T],
     mask: Option<&SdpaMask<T>>,
-    out: &mut [T],
+    out: &mut [O],
     lse: &mut [T::Acc],
 ) {
     let cx = Ctx { s, mask };
@@ -194,12 +194,12 @@ pub(super) fn forward<T: Float>(
             let orow = &mut out[qi * dv..(qi + 1) * dv];
             if l[qi] == zero {
                 // Fully masked row: zeros and lse = -inf, like PyTorch.
-                orow.fill(T::from_acc(zero));
+                orow.iter_mut().for_each(|o| o.put(T::from_acc(zero)));
                 lse[qi] = ninf;
             } else {
                 let inv = l[qi].recip();
                 for (o, &a) in orow.iter_mut().zip(&acc[qi * dv..(qi + 1) * dv]) {
-                    *o = T::from_acc(a * inv);
+                    o.put(T::from_acc(a * inv));
                 }
                 lse[qi] = m[qi] + l[qi].ln();
             }

@@ -28,8 +28,10 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
+use tpar_memory::cache::filled;
+
 use crate::util::{bad, check_len, numel};
-use crate::{Float, Result};
+use crate::{Float, Out, Result};
 
 /// Sizes of an attention call. q is `[batch, q_heads, q_len, head_dim]`, k
 /// `[batch, kv_heads, kv_len, head_dim]`, v `[batch, kv_heads, kv_len, v_dim]`,
@@ -149,27 +151,42 @@ fn validate<T>(op: &'static str, s: &SdpaShape, mask: Option<&SdpaMask<T>>) -> R
 
 /// Attention forward: `out = softmax(scale * q kᵀ + mask) v` per (batch, q head),
 /// and `lse` = log-sum-exp of the scaled, masked scores of each query row.
-pub fn sdpa_forward<T: Float>(
+/// Writes every element of `out` (a fully masked row gets zeros).
+pub fn sdpa_forward<T: Float, O: Out<T>>(
     s: &SdpaShape,
     q: &[T],
     k: &[T],
     v: &[T],
     mask: Option<&SdpaMask<T>>,
-    out: &mut [T],
+    out: &mut [O],
     lse: &mut [T::Acc],
 ) -> Result<()> {
     sdpa_forward_tiled(s, SdpaTiles::forward(s), q, k, v, mask, out, lse)
 }
 
+/// [`sdpa_forward`] with `out` in a new vector.
+pub fn sdpa_forward_new<T: Float>(
+    s: &SdpaShape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    mask: Option<&SdpaMask<T>>,
+    lse: &mut [T::Acc],
+) -> Result<Vec<T>> {
+    let n = numel("sdpa_forward", &[s.batch, s.q_heads, s.q_len, s.v_dim])?;
+    // SAFETY: `sdpa_forward` writes every element of `out` when it returns Ok.
+    unsafe { filled(n, |out| sdpa_forward(s, q, k, v, mask, out, lse)) }
+}
+
 /// [`sdpa_forward`] with explicit tile sizes (for tuning; sizes of 0 count as 1).
-pub fn sdpa_forward_tiled<T: Float>(
+pub fn sdpa_forward_tiled<T: Float, O: Out<T>>(
     s: &SdpaShape,
     tiles: SdpaTiles,
     q: &[T],
     k: &[T],
     v: &[T],
     mask: Option<&SdpaMask<T>>,
-    out: &mut [T],
+    out: &mut [O],
     lse: &mut [T::Acc],
 ) -> Result<()> {
     const OP: &str = "sdpa_forward";

@@ -340,14 +340,13 @@ impl Tensor {
                 Some((m, st)) => Some((m.to_vec::<T>()?, st.clone())),
                 None => None,
             };
-            let mut out = crate::storage::zeros_vec::<T>(out_shape.numel());
             let mut lse = vec![<T as Float>::Acc::default(); rows];
             // Read q, k, v in place (no copies of the activations).
-            q.with_data::<T, _>(|qs| {
+            let out = q.with_data::<T, _>(|qs| {
                 k.with_data::<T, _>(|ks| {
                     v.with_data::<T, _>(|vs| {
                         let m = mask_ref(&mask_data);
-                        sdpa::sdpa_forward(&s, qs, ks, vs, m.as_ref(), &mut out, &mut lse)
+                        sdpa::sdpa_forward_new(&s, qs, ks, vs, m.as_ref(), &mut lse)
                     })
                 })
             })????;
@@ -510,12 +509,10 @@ impl Tensor {
                 Tensor::embedding_masked(&h[0], &h[1], vocab_start, masked)
             });
         }
-        let n = ids.numel() * dim;
         with_float_type!(dtype, op, |T| {
-            let mut out = crate::storage::zeros_vec::<T>(n);
-            ids.with_data::<i64, _>(|is| {
+            let out = ids.with_data::<i64, _>(|is| {
                 weight.with_data::<T, _>(|ws| {
-                    emb::embedding_forward(ws, vocab, dim, is, vocab_start, masked, &mut out)
+                    emb::embedding_forward_new(ws, vocab, dim, is, vocab_start, masked)
                 })
             })???;
             let out_t = Tensor::from_vec(out, od)?;
