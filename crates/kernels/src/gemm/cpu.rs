@@ -10,8 +10,15 @@ use rayon::prelude::*;
 use super::GemmShape;
 use crate::{Acc, Float, Result};
 
-/// Products with more multiply-adds than this use the gemm crate's own threads.
+/// Products with more multiply-adds than this run on every thread of the pool.
 const PAR_THRESHOLD: usize = 64 * 64 * 64;
+
+/// Fewest rows per thread for splitting a product by rows.
+const SPLIT_MIN_ROWS: usize = 32;
+
+/// Row chunks are a multiple of this (the largest microkernel height, 2 x 16 f32
+/// lanes with AVX-512), so no thread runs a partial tile but the last.
+const ROW_ALIGN: usize = 32;
 
 /// Views `&[T]` as `&[U]` when `T` and `U` are the same type.
 fn cast<T: 'static, U: 'static>(s: &[T]) -> Option<&[U]> {
@@ -85,20 +92,24 @@ fn native<E: Copy + Send + Sync + 'static>(
     let (a_rs, a_cs) = if s.trans_a { (1, m) } else { (k, 1) };
     let (b_rs, b_cs) = if s.trans_b { (1, k) } else { (n, 1) };
     let big = !serial && m.saturating_mul(n).saturating_mul(k) > PAR_THRESHOLD;
-    let one_batch = |bi: usize, o: &mut [MaybeUninit<E>], par: Parallelism| {
-        let a = &a[bi * s.a_batch_stride..];
+    // Rows `row0..row0 + o.len() / n` of batch `bi` into `o`.
+    let rows_of = |bi: usize, row0: usize, o: &mut [MaybeUninit<E>], par: Parallelism| {
+        let rows = o.len() / n;
+        let a = &a[bi * s.a_batch_stride + row0 * a_rs..];
         let b = &b[bi * s.b_batch_stride..];
-        debug_assert!(a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
+        debug_assert!(rows > 0 && rows * n == o.len() && row0 + rows <= m);
+        debug_assert!(a.len() > (rows - 1) * a_rs + (k - 1) * a_cs);
         debug_assert!(b.len() > (k - 1) * b_rs + (n - 1) * b_cs);
         // SAFETY: `matmul` (or `small_matmul`'s assert) checked that A (resp. B) holds
-        // (batch-1)*stride + m*k (resp. k*n) elements, so every index (i*a_rs + p*a_cs) of batch `bi` is in
-        // bounds of `a`, likewise for `b`; `o` is exactly m*n with row stride n.
+        // (batch-1)*stride + m*k (resp. k*n) elements; `a` starts at row `row0` of batch
+        // `bi` and `row0 + rows <= m`, so every index (i*a_rs + p*a_cs, i < rows) is in
+        // bounds of `a`, likewise for `b`; `o` is exactly rows*n with row stride n.
         // E is f32 or f64 (see `native_any`), which gemm supports. With `accumulate`
         // false gemm writes every element of `o` without reading it (read_dst = false),
         // so `o` may be uninitialized; with it, the caller passed initialized data.
         unsafe {
             gemm::gemm(
-                m,
+                rows,
                 n,
                 k,
                 o.as_mut_ptr().cast::<E>(),
@@ -120,14 +131,30 @@ fn native<E: Copy + Send + Sync + 'static>(
             )
         }
     };
+    // A large product is split by rows into one task per pool thread, each a serial
+    // gemm call: no synchronisation inside the product (the gemm crate's own threads
+    // meet once per depth block). Over the Llama step's products this takes 6-8 % less
+    // time (`cargo bench --bench gemm -- --llama-step`, docs/PERF.md), and the result
+    // does not depend on the thread count. Products with too few rows use the gemm
+    // crate's split.
+    let threads = if big { rayon::current_num_threads() } else { 1 };
+    let one_batch = |bi: usize, o: &mut [MaybeUninit<E>]| {
+        if threads > 1 && m >= threads * SPLIT_MIN_ROWS {
+            let chunk = m.div_ceil(threads).next_multiple_of(ROW_ALIGN) * n;
+            o.par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(i, oc)| rows_of(bi, i * (chunk / n), oc, Parallelism::None));
+        } else {
+            rows_of(bi, 0, o, if big { Parallelism::Rayon(0) } else { Parallelism::None });
+        }
+    };
     if s.batch > 1 && !big && !serial {
         out.par_chunks_mut(per_out)
             .enumerate()
-            .for_each(|(bi, o)| one_batch(bi, o, Parallelism::None));
+            .for_each(|(bi, o)| rows_of(bi, 0, o, Parallelism::None));
     } else {
-        let par = if big { Parallelism::Rayon(0) } else { Parallelism::None };
         for (bi, o) in out.chunks_mut(per_out).enumerate() {
-            one_batch(bi, o, par);
+            one_batch(bi, o);
         }
     }
 }

@@ -66,6 +66,45 @@ fn large_parallel_and_k_zero() {
     assert!(out.iter().all(|&x| x == 0.0));
 }
 
+/// Large products split by rows across the pool's threads (chunks of a multiple of 32
+/// rows, the last one short, with every layout, batches and accumulation) give the
+/// reference's values, and the same bits on 1, 2 and 3 threads.
+#[test]
+fn row_split_products_match_reference_and_thread_counts() {
+    let pool = |n: usize| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+    let mut rng = Rng::new(21);
+    for (case, (m, n, k)) in
+        [(64, 70, 90), (97, 33, 130), (257, 65, 64), (200, 6, 300)].into_iter().enumerate()
+    {
+        for batch in [1, 2] {
+            let (trans_a, trans_b, accumulate) = (case & 1 == 1, case & 2 == 2, batch == 2);
+            let s = GemmShape { trans_a, trans_b, ..GemmShape::new(batch, m, n, k) };
+            let a: Vec<f32> = rng.vec(batch * m * k, 1.0);
+            let b: Vec<f32> = rng.vec(batch * k * n, 1.0);
+            let init: Vec<f32> = rng.vec(batch * m * n, 1.0);
+            let want = reference::matmul(
+                &s,
+                &f64s(&a),
+                &f64s(&b),
+                accumulate.then(|| f64s(&init)).as_deref(),
+            );
+            let outs: Vec<Vec<f32>> = [1, 2, 3]
+                .iter()
+                .map(|&t| {
+                    let mut out = init.clone();
+                    pool(t).install(|| matmul(&s, &a, &b, &mut out, accumulate)).unwrap();
+                    out
+                })
+                .collect();
+            let what = format!("{s:?} acc={accumulate}");
+            assert_close(&what, &f64s(&outs[1]), &want, 1e-5 * (1.0 + k as f64));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&outs[0]), bits(&outs[1]), "{what}: 1 and 2 threads differ");
+            assert_eq!(bits(&outs[0]), bits(&outs[2]), "{what}: 1 and 3 threads differ");
+        }
+    }
+}
+
 #[test]
 fn rejects_bad_lengths() {
     let s = GemmShape::new(2, 3, 4, 5);
