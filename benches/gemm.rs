@@ -57,8 +57,8 @@ fn gemm_direct(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
     }
 }
 
-/// `C = A B` with the gemm crate's own thread split, A `[m, k]` (stored `[k, m]` when
-/// `ta`), B `[k, n]` (stored `[n, k]` when `tb`), all row-major.
+/// `C = A B` with the gemm crate's own thread split: A `[m, k]` (stored `[k, m]` with
+/// `trans_a`), B `[k, n]` (stored `[n, k]` with `trans_b`), all row-major.
 fn gemm_crate_split(s: &GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
     let (m, n, k) = (s.m, s.n, s.k);
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);

@@ -348,8 +348,10 @@ impl ProcessGroup {
     ///
     /// On the local backend, when every member calls `all_reduce_` on host tensors of
     /// 16 Ki elements or more, each member reduces one chunk of all members' tensors and
-    /// writes it back into each of them: every byte is read and written once, half the
-    /// memory traffic of [`all_reduce_into`](Self::all_reduce_into). Otherwise (smaller
+    /// writes it back into each of them: every byte is read once and written once, two
+    /// passes over the tensor per member where [`all_reduce_into`](Self::all_reduce_into)
+    /// makes three or more (each member reads the inputs and writes an output of its
+    /// own). Otherwise (smaller
     /// tensors, other backends, a member calling `all_reduce` meanwhile) the result is
     /// computed as by [`all_reduce`](Self::all_reduce) and moved into `t`.
     ///

@@ -5,8 +5,9 @@
 //! into an [`Arc<Lent>`] published in the slot); once every member has lent, member `k`
 //! reads chunk `k` of every buffer block by block, reduces it (terms in member order, as
 //! the out-of-place path does) and stores the result into chunk `k` of every buffer. Every
-//! byte is read once and written once: half the memory traffic of an out-of-place
-//! `all_reduce`, whose members each read every input and write an output of their own.
+//! byte is read once and written once, two passes over the tensor per member; an
+//! out-of-place `all_reduce` makes three or more, as its members each read the inputs and
+//! write an output of their own.
 //!
 //! Chunks are disjoint, so no two members touch the same element. A lent buffer is kept
 //! alive by the `Arc`s every member holds while it writes, so a member that gives up
