@@ -144,12 +144,12 @@ fn a_rank_that_leaves_without_joining_is_named_at_once() {
 #[test]
 fn an_in_place_all_reduce_without_a_peer_fails_naming_it_and_keeps_values() {
     for absent in [true, false] {
-        let timeout = Duration::from_millis(400);
+        let timeout = Duration::from_millis(1000);
         let t0 = Instant::now();
         let r = spawn_with(SpawnConfig::new(3).timeout(timeout), |ctx| {
             if ctx.rank() == 2 {
                 if absent {
-                    std::thread::sleep(Duration::from_millis(1200));
+                    std::thread::sleep(Duration::from_millis(2500));
                 }
                 return Ok(());
             }
@@ -160,7 +160,7 @@ fn an_in_place_all_reduce_without_a_peer_fails_naming_it_and_keeps_values() {
             Err(e)
         });
         assert!(r.is_err_and(|e| e.culprit() == Some(2)));
-        assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
+        assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
     }
 }
 
