@@ -29,34 +29,6 @@ fn best_secs(budget: f64, mut f: impl FnMut()) -> f64 {
     best
 }
 
-fn gemm_direct(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    let ns = n as isize;
-    // SAFETY: a, b, c are n*n row-major buffers; strides (row n, col 1) stay inside them.
-    unsafe {
-        gemm::gemm(
-            n,
-            n,
-            n,
-            c.as_mut_ptr(),
-            1,
-            ns,
-            false,
-            a.as_ptr(),
-            1,
-            ns,
-            b.as_ptr(),
-            1,
-            ns,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::Rayon(0),
-        )
-    }
-}
-
 /// `C = A B` with the gemm crate's own thread split: A `[m, k]` (stored `[k, m]` with
 /// `trans_a`), B `[k, n]` (stored `[n, k]` with `trans_b`), all row-major.
 fn gemm_crate_split(s: &GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
@@ -180,7 +152,8 @@ fn main() -> Result<(), TensorError> {
             let af = a.to_dtype(DType::F32)?.to_vec::<f32>()?;
             let bf = b.to_dtype(DType::F32)?.to_vec::<f32>()?;
             let mut c = vec![0f32; n * n];
-            let t_gemm = best_secs(1.0, || gemm_direct(n, &af, &bf, &mut c));
+            let t_gemm =
+                best_secs(1.0, || gemm_crate_split(&GemmShape::new(1, n, n, n), &af, &bf, &mut c));
             println!(
                 "{n:>6} {:>6} {:>14.1} {:>14.1} {:>8.3}",
                 dtype.name(),
