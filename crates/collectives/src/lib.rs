@@ -2,8 +2,10 @@
 //!
 //! A [`ProcessGroup`] runs `all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
 //! `broadcast`, `send`/`recv` (and `send_shaped`/`recv_shaped`, which move data alone
-//! between ranks that agreed on its shape) and `barrier` among its members, out of place, on every
-//! dtype, with uneven (`torch.chunk`-style, possibly empty) shards as first-class inputs.
+//! between ranks that agreed on its shape) and `barrier` among its members, out of place
+//! (besides `all_reduce_`, in place as PyTorch's `dist.all_reduce`, and the `*_into` forms,
+//! which write a buffer the caller keeps), on every dtype, with uneven
+//! (`torch.chunk`-style, possibly empty) shards as first-class inputs.
 //! The `local` backend runs ranks as threads of one process ([`World`], [`spawn`]); the
 //! [`nccl`] backend runs one process per GPU over NCCL
 //! ([`ProcessGroup::nccl_world`], [`nccl::probe`]); the [`tcp`] backend runs ranks as
