@@ -93,20 +93,20 @@ unsafe fn reduce_chunk<T: Reducible>(bufs: &[NonNull<T>], start: usize, len: usi
     }
 }
 
-impl LocalComm {
-    /// Whether every member asked for an in-place `all_reduce` that this path can run:
-    /// host tensors of at least [`IN_PLACE_MIN`] elements, two or more members, no two of
-    /// which share storage (those are reduced out of place and filled, which gives them
-    /// the same values). All members decide alike, from the same posts.
-    pub(super) fn runs_in_place(tensors: &[Tensor], all_in_place: bool) -> bool {
-        let n = tensors.len();
-        all_in_place
-            && n > 1
-            && tensors.first().is_some_and(|t| t.numel() >= IN_PLACE_MIN)
-            && tensors.iter().all(|t| t.device() == tpar_tensor::Device::Cpu)
-            && (0..n).all(|i| (i + 1..n).all(|j| !tensors[i].same_storage(&tensors[j])))
-    }
+/// Whether every member asked for an in-place `all_reduce` that this path can run:
+/// host tensors of at least [`IN_PLACE_MIN`] elements, two or more members, no two of
+/// which share storage (those are reduced out of place and filled, which gives them
+/// the same values). All members decide alike, from the same posts.
+pub(super) fn runs_in_place(tensors: &[Tensor], all_in_place: bool) -> bool {
+    let n = tensors.len();
+    all_in_place
+        && n > 1
+        && tensors.first().is_some_and(|t| t.numel() >= IN_PLACE_MIN)
+        && tensors.iter().all(|t| t.device() == tpar_tensor::Device::Cpu)
+        && (0..n).all(|i| (i + 1..n).all(|j| !tensors[i].same_storage(&tensors[j])))
+}
 
+impl LocalComm {
     /// The in-place `all_reduce` of slot `seq` (see the module docs); `tensors` are the
     /// members' posted handles, in member order. On success this member's tensor holds
     /// the result. If the call fails before anyone wrote, the tensor keeps its values;

@@ -14,7 +14,9 @@
 //!    member reduces the whole tensor; terms are always combined in member order, so
 //!    every member gets bit-identical results). A member whose tensor is a CUDA tensor
 //!    does the same on its device, device to device (the `device` module): no host copy,
-//!    results on its device, bit-equal to the host path's;
+//!    results on its device, bit-equal to the host path's. A large host `all_reduce_`
+//!    that every member calls in place instead reduces each member's chunk of all
+//!    members' tensors and writes it back into each (the `inplace` module);
 //! 3. members whose input others still read wait until everyone is done, so a caller may
 //!    overwrite its input as soon as the call returns; the last member frees the slot.
 //!
@@ -413,7 +415,8 @@ impl LocalComm {
     }
 
     /// Runs collective number `seq` of this member. `problem` is an argument error found
-    /// locally: it is posted so that peers fail at once instead of waiting.
+    /// locally: it is posted so that peers fail at once instead of waiting. `dest` says
+    /// where this member wants the result ([`Dest`]).
     pub fn run(
         &self,
         seq: u64,
@@ -502,7 +505,9 @@ impl LocalComm {
         let result = match &call {
             Call::Barrier => Ok(None),
             Call::AllReduce { op: rop }
-                if !meta && tensors.len() == n && Self::runs_in_place(&tensors, all_in_place) =>
+                if !meta
+                    && tensors.len() == n
+                    && inplace::runs_in_place(&tensors, all_in_place) =>
             {
                 return self.all_reduce_in_place(seq, &tensors, *rop, clock);
             }
