@@ -1,12 +1,14 @@
 //! Vectorized f32 math for the kernels' hot loops: `exp` (softmax, attention,
 //! cross-entropy) and the sigmoid family (SiLU).
 //!
-//! The instruction set is picked once at run time: AVX2 with FMA on x86 CPUs
-//! that have it (8 lanes, two registers per block), otherwise portable code
-//! (which the compiler still vectorizes with the baseline SSE2 of x86-64, or
-//! the target's own SIMD elsewhere, without fused multiply-adds). Both paths
-//! run the same polynomial, within 2 ulp of the correctly rounded `e^x` over
-//! the whole f32 range, denormal results included; f64 math stays on libm.
+//! The instruction set is picked once at run time: AVX-512 on x86 CPUs that have
+//! it (16 lanes, one register per block), else AVX2 with FMA (8 lanes, two
+//! registers per block), otherwise portable code (which the compiler still
+//! vectorizes with the baseline SSE2 of x86-64, or the target's own SIMD
+//! elsewhere, without fused multiply-adds). Every path runs the same polynomial,
+//! within 2 ulp of the correctly rounded `e^x` over the whole f32 range, denormal
+//! results included; the two fused paths give the same bits, sums included (both
+//! add over the same 16 lanes). f64 math stays on libm.
 
 mod lanes;
 #[cfg(test)]
@@ -17,6 +19,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 /// The instruction set the vector functions run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// x86 AVX-512 (foundation), with AVX2 and fused multiply-add.
+    Avx512,
     /// x86 AVX2 with fused multiply-add.
     Avx2Fma,
     /// Portable code: whatever the compile target vectorizes to, no FMA.
@@ -29,11 +33,17 @@ static ISA: AtomicU8 = AtomicU8::new(0);
 /// The instruction set this CPU runs the vector functions on.
 pub fn isa() -> Isa {
     match ISA.load(Ordering::Relaxed) {
-        1 => Isa::Avx2Fma,
-        2 => Isa::Portable,
+        1 => Isa::Avx512,
+        2 => Isa::Avx2Fma,
+        3 => Isa::Portable,
         _ => {
             let isa = detect();
-            ISA.store(if isa == Isa::Avx2Fma { 1 } else { 2 }, Ordering::Relaxed);
+            let code = match isa {
+                Isa::Avx512 => 1,
+                Isa::Avx2Fma => 2,
+                Isa::Portable => 3,
+            };
+            ISA.store(code, Ordering::Relaxed);
             isa
         }
     }
@@ -41,7 +51,10 @@ pub fn isa() -> Isa {
 
 #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
 fn detect() -> Isa {
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+    if avx2 && is_x86_feature_detected!("avx512f") {
+        Isa::Avx512
+    } else if avx2 {
         Isa::Avx2Fma
     } else {
         Isa::Portable
@@ -87,14 +100,53 @@ mod avx2 {
     }
 }
 
-/// Runs `$avx2` when `$isa` is AVX2 + FMA (and this is an x86 build), else `$portable`.
+/// The AVX-512 instances of the lane bodies (the same code, one 16-lane register per block).
+#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+mod avx512 {
+    use super::lanes;
+
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn exp(x: &mut [f32]) {
+        lanes::map::<true>(x, lanes::exp1::<true>);
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn exp_sub_sum(x: &mut [f32], shift: f32) -> f32 {
+        lanes::exp_sub_sum::<true>(x, shift)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn sigmoid(x: &mut [f32]) {
+        lanes::map::<true>(x, lanes::sigmoid1::<true>);
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn silu(x: &mut [f32]) {
+        lanes::map::<true>(x, |v| v / (1.0 + lanes::exp1::<true>(-v)));
+    }
+}
+
+/// Runs `$f` from module `avx512` or `avx2` by `$isa` (on an x86 build), else
+/// `$portable`.
 macro_rules! dispatch {
-    ($isa:expr, $avx2:expr, $portable:expr) => {
+    ($isa:expr, $f:ident($($arg:expr),*), $portable:expr) => {
         match $isa {
             #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+            // SAFETY: `Isa::Avx512` is only used where the CPU has AVX-512F, AVX2 and
+            // FMA (`detect`, or a test that took it from `isas`).
+            Isa::Avx512 => unsafe { avx512::$f($($arg),*) },
+            #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
             // SAFETY: `Isa::Avx2Fma` is only used where the CPU has AVX2 and FMA
-            // (`detect`, or a test that checked `isa()` first).
-            Isa::Avx2Fma => unsafe { $avx2 },
+            // (as above).
+            Isa::Avx2Fma => unsafe { avx2::$f($($arg),*) },
             _ => $portable,
         }
     };
@@ -122,17 +174,17 @@ pub fn silu(x: &mut [f32]) {
 }
 
 pub(crate) fn exp_on(isa: Isa, x: &mut [f32]) {
-    dispatch!(isa, avx2::exp(x), lanes::map::<false>(x, lanes::exp1::<false>))
+    dispatch!(isa, exp(x), lanes::map::<false>(x, lanes::exp1::<false>))
 }
 
 pub(crate) fn exp_sub_sum_on(isa: Isa, x: &mut [f32], shift: f32) -> f32 {
-    dispatch!(isa, avx2::exp_sub_sum(x, shift), lanes::exp_sub_sum::<false>(x, shift))
+    dispatch!(isa, exp_sub_sum(x, shift), lanes::exp_sub_sum::<false>(x, shift))
 }
 
 pub(crate) fn sigmoid_on(isa: Isa, x: &mut [f32]) {
-    dispatch!(isa, avx2::sigmoid(x), lanes::map::<false>(x, lanes::sigmoid1::<false>))
+    dispatch!(isa, sigmoid(x), lanes::map::<false>(x, lanes::sigmoid1::<false>))
 }
 
 pub(crate) fn silu_on(isa: Isa, x: &mut [f32]) {
-    dispatch!(isa, avx2::silu(x), lanes::map::<false>(x, |v| v / (1.0 + lanes::exp1::<false>(-v))))
+    dispatch!(isa, silu(x), lanes::map::<false>(x, |v| v / (1.0 + lanes::exp1::<false>(-v))))
 }

@@ -1,12 +1,13 @@
 use super::*;
 
-/// The instruction sets this CPU can run: always the portable code, plus AVX2.
+/// The instruction sets this CPU can run: always the portable code, plus AVX2 and
+/// AVX-512 where the CPU has them.
 fn isas() -> Vec<Isa> {
-    let mut v = vec![Isa::Portable];
-    if isa() == Isa::Avx2Fma {
-        v.push(Isa::Avx2Fma);
+    match isa() {
+        Isa::Avx512 => vec![Isa::Portable, Isa::Avx2Fma, Isa::Avx512],
+        Isa::Avx2Fma => vec![Isa::Portable, Isa::Avx2Fma],
+        Isa::Portable => vec![Isa::Portable],
     }
-    v
 }
 
 /// Position of `x` on the ordered line of f32 values (so ulp distance is a difference).
@@ -140,5 +141,29 @@ fn sigmoid_and_silu_match_f64() {
         let mut e = [f32::INFINITY];
         silu_on(isa, &mut e);
         assert_eq!(e[0], f32::INFINITY);
+    }
+}
+
+#[test]
+fn fused_paths_give_the_same_bits() {
+    let fused: Vec<Isa> = isas().into_iter().filter(|&i| i != Isa::Portable).collect();
+    let xs: Vec<f32> = sweep().into_iter().filter(|v| !v.is_nan()).collect();
+    let run = |isa: Isa| {
+        let (mut e, mut s, mut u, mut d) = (xs.clone(), xs.clone(), xs.clone(), xs.clone());
+        exp_on(isa, &mut e);
+        sigmoid_on(isa, &mut s);
+        silu_on(isa, &mut u);
+        let sums: Vec<u32> = [0usize, 5, 16, 31, 1000]
+            .iter()
+            .map(|&n| exp_sub_sum_on(isa, &mut d[..n], 1.5).to_bits())
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        (bits(&e), bits(&s), bits(&u), bits(&d), sums)
+    };
+    if let Some((&first, rest)) = fused.split_first() {
+        let want = run(first);
+        for &isa in rest {
+            assert!(run(isa) == want, "{isa:?} differs from {first:?}");
+        }
     }
 }
