@@ -3,9 +3,10 @@
 //! element type and capacity is taken from here.
 //!
 //! A training step allocates the same large buffers every step (logits and their
-//! gradient, large activations, collective outputs). glibc returns blocks this large to
-//! the kernel, so every step would fault their pages in again and the kernel would zero
-//! them. Kept here, the pages stay mapped.
+//! gradient, activations, collective outputs). glibc returns blocks of 32 MiB and more
+//! to the kernel on every free, and smaller ones whenever the top of its heap grows
+//! past its trim threshold, so every step would fault their pages in again and the
+//! kernel would zero them. Kept here, the pages stay mapped.
 //!
 //! What is kept is bounded: at most [`limit`] bytes (default 512 MiB; the environment
 //! variable `TPAR_HOST_CACHE_MIB` sets it when the cache is first used, 0 turns the cache
@@ -31,13 +32,13 @@ use std::collections::{HashMap, VecDeque};
 use std::mem::{size_of, ManuallyDrop};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
-/// Buffers smaller than this are left to the allocator. glibc hands blocks of 32 MiB
-/// and more back to the kernel on every free (its largest mmap threshold), while it
-/// reuses smaller ones itself, and better than an exact-size cache could: keeping those
-/// here took memory it would have reused for other sizes (measured: no fewer page
-/// faults, and up to 1.4x more, in the multi-rank Llama steps of
-/// `benches/llama_step.rs`).
-pub const MIN_BYTES: usize = 32 << 20;
+/// Buffers smaller than this are left to the allocator, which reuses them well. From
+/// 1 MiB the single-rank Llama step of `benches/llama_step.rs` faults in a quarter of
+/// the pages it faults in when only blocks of 32 MiB and more (glibc's largest mmap
+/// threshold) are kept, and runs 4-5 % faster; the multi-rank steps fault in about as
+/// many pages either way, at the same speed (docs/PERF.md, "Plain collectives and the
+/// host cache").
+pub const MIN_BYTES: usize = 1 << 20;
 
 const DEFAULT_LIMIT: usize = 512 << 20;
 
