@@ -207,10 +207,9 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
         };
         let scale = if count == 0.0 { 0.0 } else { g / count };
         let row_scale = [T::Acc::of(scale)];
-        let mut dl = vec![T::default(); x.numel()];
-        x.with_data::<T, _>(|ls| {
+        let dl = x.with_data::<T, _>(|ls| {
             t.with_data::<i64, _>(|ts| {
-                ce::cross_entropy_backward(
+                ce::cross_entropy_backward_new(
                     ls,
                     rows,
                     v_local,
@@ -219,7 +218,6 @@ fn run<T: Float + Element>(logits: &Tensor, targets: &Tensor, lay: Layout) -> Re
                     lay.ignore_index,
                     &lse,
                     &row_scale,
-                    &mut dl,
                 )
                 .map_err(kernel)
             })
