@@ -1,6 +1,6 @@
 //! CPU attention kernel timings: the tile sizes of the forward and backward passes
 //! (`tiles`, the measurement behind `SdpaTiles::forward` / `backward`) and the
-//! vectorized `exp` against libm (`exp`).
+//! vectorized `exp` against libm on every instruction set this CPU runs (`exp`).
 //! Run: `cargo bench -p tpar-kernels --bench sdpa [-- tiles|exp]`.
 
 mod common;
@@ -69,19 +69,20 @@ fn exp() {
         y.iter_mut().for_each(|v| *v = v.exp());
         std::hint::black_box(&y);
     });
-    let vec = median_secs(1, reps, || {
-        y.copy_from_slice(&x);
-        vmath::exp(&mut y);
-        std::hint::black_box(&y);
-    });
     let n = x.len() as f64;
-    println!(
-        "exp on {:?}: libm {:.2} ns/element, vmath {:.2} ns/element ({:.1}x)",
-        vmath::isa(),
-        libm / n * 1e9,
-        vec / n * 1e9,
-        libm / vec
-    );
+    for isa in vmath::isas() {
+        let vec = median_secs(1, reps, || {
+            y.copy_from_slice(&x);
+            vmath::exp_with(isa, &mut y);
+            std::hint::black_box(&y);
+        });
+        println!(
+            "exp on {isa:?}: libm {:.2} ns/element, vmath {:.2} ns/element ({:.1}x)",
+            libm / n * 1e9,
+            vec / n * 1e9,
+            libm / vec
+        );
+    }
 }
 
 fn main() {

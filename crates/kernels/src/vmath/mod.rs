@@ -49,6 +49,23 @@ pub fn isa() -> Isa {
     }
 }
 
+/// Every instruction set this CPU can run the vector functions on, the portable code
+/// first and [`isa`] last.
+pub fn isas() -> Vec<Isa> {
+    match isa() {
+        Isa::Avx512 => vec![Isa::Portable, Isa::Avx2Fma, Isa::Avx512],
+        Isa::Avx2Fma => vec![Isa::Portable, Isa::Avx2Fma],
+        Isa::Portable => vec![Isa::Portable],
+    }
+}
+
+/// [`exp`] on the instruction set `isa`, or on the portable code where this CPU
+/// cannot run `isa` (see [`isas`]); for comparing the paths.
+pub fn exp_with(isa: Isa, x: &mut [f32]) {
+    let isa = if isas().contains(&isa) { isa } else { Isa::Portable };
+    exp_on(isa, x)
+}
+
 #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
 fn detect() -> Isa {
     let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");

@@ -1,15 +1,5 @@
 use super::*;
 
-/// The instruction sets this CPU can run: always the portable code, plus AVX2 and
-/// AVX-512 where the CPU has them.
-fn isas() -> Vec<Isa> {
-    match isa() {
-        Isa::Avx512 => vec![Isa::Portable, Isa::Avx2Fma, Isa::Avx512],
-        Isa::Avx2Fma => vec![Isa::Portable, Isa::Avx2Fma],
-        Isa::Portable => vec![Isa::Portable],
-    }
-}
-
 /// Position of `x` on the ordered line of f32 values (so ulp distance is a difference).
 fn ordinal(x: f32) -> i64 {
     let b = x.to_bits() as i32;
