@@ -83,73 +83,58 @@ fn detect() -> Isa {
     Isa::Portable
 }
 
-/// The AVX2 + FMA instances of the lane bodies.
-#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
-mod avx2 {
-    use super::lanes;
+/// A module `$name` of the lane bodies compiled with the target features `$features`
+/// (the CPU must have them: `$needs` in each function's safety note).
+macro_rules! lane_fns {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $needs:literal) => {
+        $(#[$doc])*
+        #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+        mod $name {
+            use super::lanes;
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp(x: &mut [f32]) {
-        lanes::map::<true>(x, lanes::exp1::<true>);
-    }
+            /// # Safety
+            #[doc = $needs]
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn exp(x: &mut [f32]) {
+                lanes::map::<true>(x, lanes::exp1::<true>);
+            }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_sub_sum(x: &mut [f32], shift: f32) -> f32 {
-        lanes::exp_sub_sum::<true>(x, shift)
-    }
+            /// # Safety
+            #[doc = $needs]
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn exp_sub_sum(x: &mut [f32], shift: f32) -> f32 {
+                lanes::exp_sub_sum::<true>(x, shift)
+            }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn sigmoid(x: &mut [f32]) {
-        lanes::map::<true>(x, lanes::sigmoid1::<true>);
-    }
+            /// # Safety
+            #[doc = $needs]
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn sigmoid(x: &mut [f32]) {
+                lanes::map::<true>(x, lanes::sigmoid1::<true>);
+            }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn silu(x: &mut [f32]) {
-        lanes::map::<true>(x, |v| v / (1.0 + lanes::exp1::<true>(-v)));
-    }
+            /// # Safety
+            #[doc = $needs]
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn silu(x: &mut [f32]) {
+                lanes::map::<true>(x, |v| v / (1.0 + lanes::exp1::<true>(-v)));
+            }
+        }
+    };
 }
 
-/// The AVX-512 instances of the lane bodies (the same code, one 16-lane register per block).
-#[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
-mod avx512 {
-    use super::lanes;
-
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn exp(x: &mut [f32]) {
-        lanes::map::<true>(x, lanes::exp1::<true>);
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn exp_sub_sum(x: &mut [f32], shift: f32) -> f32 {
-        lanes::exp_sub_sum::<true>(x, shift)
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn sigmoid(x: &mut [f32]) {
-        lanes::map::<true>(x, lanes::sigmoid1::<true>);
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn silu(x: &mut [f32]) {
-        lanes::map::<true>(x, |v| v / (1.0 + lanes::exp1::<true>(-v)));
-    }
-}
+lane_fns!(
+    /// The AVX2 + FMA instances of the lane bodies (two 8-lane registers per block).
+    avx2,
+    "avx2,fma",
+    "The CPU must support AVX2 and FMA."
+);
+lane_fns!(
+    /// The AVX-512 instances of the lane bodies (one 16-lane register per block).
+    avx512,
+    "avx512f,avx2,fma",
+    "The CPU must support AVX-512F, AVX2 and FMA."
+);
 
 /// Runs `$f` from module `avx512` or `avx2` by `$isa` (on an x86 build), else
 /// `$portable`.
