@@ -216,6 +216,12 @@ pub(crate) fn zeros_vec<T: Element>(n: usize) -> Vec<T> {
     }
 }
 
+/// An empty `Vec` with room for `n` elements, from the host cache when it keeps a
+/// buffer of this type and size; for outputs written in order.
+pub(crate) fn empty_vec<T: Element>(n: usize) -> Vec<T> {
+    tpar_memory::cache::take::<T>(n).unwrap_or_else(|| Vec::with_capacity(n))
+}
+
 /// Hands a host storage's buffer to the host cache (which keeps it when large).
 pub(crate) fn recycle(s: CpuStorage) {
     use tpar_memory::cache::give;

@@ -282,16 +282,15 @@ impl Tensor {
             Some(t) => t,
             None => compute("cat", &refs, Shape::from(od), dtype, |st| {
                 with_any_type!(dtype, |T| {
-                    let mut o = crate::storage::zeros_vec::<T>(outer * total * inner);
-                    let mut off = 0;
-                    for (s, &len) in st.iter().zip(&sizes) {
-                        let src = typed::<T>("cat", s)?;
-                        let blk = len * inner;
-                        for r in 0..outer {
-                            let dst = r * total * inner + off * inner;
-                            o[dst..dst + blk].copy_from_slice(&src[r * blk..(r + 1) * blk]);
+                    // Written in order, each element once: no zero fill first.
+                    let srcs =
+                        st.iter().map(|s| typed::<T>("cat", s)).collect::<Result<Vec<_>>>()?;
+                    let mut o = crate::storage::empty_vec::<T>(outer * total * inner);
+                    for r in 0..outer {
+                        for (src, &len) in srcs.iter().zip(&sizes) {
+                            let blk = len * inner;
+                            o.extend_from_slice(&src[r * blk..(r + 1) * blk]);
                         }
-                        off += len;
                     }
                     Ok(T::wrap(o))
                 })
