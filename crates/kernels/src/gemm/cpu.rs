@@ -16,8 +16,10 @@ const PAR_THRESHOLD: usize = 64 * 64 * 64;
 /// Fewest rows per thread for splitting a product by rows.
 const SPLIT_MIN_ROWS: usize = 32;
 
-/// Row chunks are a multiple of this (the largest microkernel height, 2 x 16 f32
-/// lanes with AVX-512), so no thread runs a partial tile but the last.
+/// Row chunks are rounded up to a multiple of this. The gemm crate computes a
+/// row-major product transposed, so these rows are its micro-kernel's columns (6 per
+/// f32 AVX-512 tile, the tile's 16-lane height running along the output's columns):
+/// a chunk may end in a partial tile.
 const ROW_ALIGN: usize = 32;
 
 /// Views `&[T]` as `&[U]` when `T` and `U` are the same type.
