@@ -317,6 +317,12 @@ impl ProcessGroup {
     /// so a large collective does not fault in a fresh allocation each call; other
     /// backends compute as usual and move the result into `out`.
     ///
+    /// On the local backend, when every member calls `all_reduce_into` on host tensors of
+    /// 16 Ki elements or more, members lend each other their `out`s: each member reduces
+    /// one chunk of all members' inputs and writes it into every member's `out`, so each
+    /// input byte is read once and each output byte written once (from 16 MiB with
+    /// streaming stores, which do not read the output's cache lines first).
+    ///
     /// A wrong `out` fails every member's call, as a wrong argument does, and is left as
     /// it was (on the nccl backend's device path, which compares nothing across members,
     /// only this member's call fails, after taking part). After another error, an `out`
@@ -348,10 +354,8 @@ impl ProcessGroup {
     ///
     /// On the local backend, when every member calls `all_reduce_` on host tensors of
     /// 16 Ki elements or more, each member reduces one chunk of all members' tensors and
-    /// writes it back into each of them: every byte is read once and written once, two
-    /// passes over the tensor per member where [`all_reduce_into`](Self::all_reduce_into)
-    /// makes three or more (each member reads the inputs and writes an output of its
-    /// own). Otherwise (smaller
+    /// writes it back into each of them: every byte is read once and written once, and
+    /// each write lands on a cache line its read just brought in. Otherwise (smaller
     /// tensors, other backends, a member calling `all_reduce` meanwhile) the result is
     /// computed as by [`all_reduce`](Self::all_reduce) and moved into `t`.
     ///

@@ -371,16 +371,16 @@ proptest! {
     }
 }
 
-/// `*_into` writes into the caller's buffer: the same memory call after call (the
-/// staged all_reduce of 3+ members and the direct one of 2 alike), bit-equal to the
+/// `*_into` writes into the caller's buffer: the same memory call after call (the direct
+/// all_reduce of small tensors and the lent one of large tensors alike), bit-equal to the
 /// out-of-place collectives.
 #[test]
 fn into_collectives_reuse_the_callers_buffer() {
-    for world in [2, 3] {
+    for (world, rows) in [(2, 4), (3, 4), (2, 64), (3, 64)] {
         spawn(world, |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let n = pg.size();
-            let (rows, cols) = (64, 1024); // 2^16 elements: the staged size from 3 members
+            let cols = 1024; // 4 Ki elements run direct, 64 Ki lent
             let out = Tensor::zeros([rows, cols], DType::F32, Device::Cpu)?;
             let gathered = Tensor::zeros([rows * n, cols], DType::F32, Device::Cpu)?;
             let chunk =
@@ -489,6 +489,84 @@ fn all_reduce_in_place_equals_all_reduce() {
         })
         .unwrap();
     }
+}
+
+/// `all_reduce_into` leaves in `out` exactly what `all_reduce` returns, for every dtype
+/// and op, below and above the size from which members write into each other's `out`
+/// (with uneven chunks), and at sizes whose outputs are written with streaming stores
+/// (odd element counts, so chunks start off any alignment); `out` keeps its memory.
+#[test]
+fn all_reduce_into_equals_all_reduce() {
+    for world in [2, 3, 4] {
+        spawn(world, |ctx| -> Result<(), CollectiveError> {
+            let pg = ctx.world_group();
+            let (n, r) = (pg.size(), pg.rank());
+            let mut cases: Vec<(Vec<usize>, DType, ReduceOp)> = Vec::new();
+            for dims in [vec![7, 3], vec![128, 128], vec![4, 12503]] {
+                for dtype in DTYPES {
+                    for op in OPS {
+                        if !(op == ReduceOp::Avg && dtype == DType::I64) {
+                            cases.push((dims.clone(), dtype, op));
+                        }
+                    }
+                }
+            }
+            // 16 MiB and a little more: streamed.
+            cases.push((vec![(4 << 20) + 7], DType::F32, ReduceOp::Sum));
+            cases.push((vec![(8 << 20) + 3], DType::BF16, ReduceOp::Max));
+            for (case, (dims, dtype, op)) in cases.into_iter().enumerate() {
+                let case = case as u64 + 700;
+                let x = input(case, r, &dims, dtype);
+                let want = pg.all_reduce(&x, op)?;
+                let out = Tensor::zeros(dims.clone(), dtype, Device::Cpu)?;
+                let addr = |t: &Tensor| {
+                    tpar_tensor::with_any_type!(dtype, |T| {
+                        t.with_data::<T, _>(|s| s.as_ptr() as usize).unwrap()
+                    })
+                };
+                let before = addr(&out);
+                pg.all_reduce_into(&x, op, &out)?;
+                let what = format!("all_reduce_into({op}) {dtype} {dims:?} world {n}");
+                check_exact(&what, &out, &want);
+                check_exact(&format!("{what}: input"), &x, &input(case, r, &dims, dtype));
+                assert_eq!(addr(&out), before, "{what}: not into `out`");
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+/// Members may mix `all_reduce_into` with `all_reduce` and `all_reduce_`, or pass inputs
+/// that share storage: every member still ends with the result.
+#[test]
+fn all_reduce_into_mixes_with_other_calls_and_shared_inputs() {
+    let shared = Tensor::from_vec(vec![1.5f32; 1 << 15], [1 << 15]).unwrap();
+    spawn(3, |ctx| -> Result<(), CollectiveError> {
+        let pg = ctx.world_group();
+        let r = pg.rank();
+        let x = || Tensor::from_vec(vec![r as f32 + 1.0; 1 << 15], [1 << 15]);
+        let out = Tensor::zeros([1 << 15], DType::F32, Device::Cpu)?;
+        let t = x()?;
+        match r {
+            0 => assert_eq!(pg.all_reduce(&t, ReduceOp::Sum)?.to_vec::<f32>()?, vec![6.0; 1 << 15]),
+            1 => {
+                pg.all_reduce_(&t, ReduceOp::Sum)?;
+                assert_eq!(t.to_vec::<f32>()?, vec![6.0; 1 << 15]);
+            }
+            _ => {
+                pg.all_reduce_into(&t, ReduceOp::Sum, &out)?;
+                assert_eq!(out.to_vec::<f32>()?, vec![6.0; 1 << 15]);
+            }
+        }
+        // Ranks 0 and 2 pass the same input, rank 1 its own.
+        let t = if r == 1 { x()? } else { shared.clone() };
+        pg.all_reduce_into(&t, ReduceOp::Sum, &out)?;
+        assert_eq!(out.to_vec::<f32>()?, vec![5.0; 1 << 15]);
+        assert_eq!(t.to_vec::<f32>()?[0], if r == 1 { 2.0 } else { 1.5 }, "input kept");
+        Ok(())
+    })
+    .unwrap();
 }
 
 /// Members may mix `all_reduce_` with `all_reduce`, or pass tensors that share storage:

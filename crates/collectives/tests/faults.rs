@@ -164,6 +164,33 @@ fn an_in_place_all_reduce_without_a_peer_fails_naming_it_and_keeps_values() {
     }
 }
 
+/// An `all_reduce_into` whose peer never joins (absent until the timeout, or gone) fails
+/// naming it; the waiting members' inputs keep their values and their `out`s hold zeros.
+#[test]
+fn an_all_reduce_into_without_a_peer_fails_naming_it() {
+    for absent in [true, false] {
+        let timeout = Duration::from_millis(1000);
+        let t0 = Instant::now();
+        let r = spawn_with(SpawnConfig::new(3).timeout(timeout), |ctx| {
+            if ctx.rank() == 2 {
+                if absent {
+                    std::thread::sleep(Duration::from_millis(2500));
+                }
+                return Ok(());
+            }
+            let t = Tensor::full([1 << 15], ctx.rank() as f64, DType::F32, Device::Cpu)?;
+            let out = Tensor::full([1 << 15], 9.0, DType::F32, Device::Cpu)?;
+            let e = ctx.world_group().all_reduce_into(&t, ReduceOp::Sum, &out).unwrap_err();
+            assert_eq!(e.culprit(), Some(2), "{e}");
+            assert_eq!(t.to_vec::<f32>()?, vec![ctx.rank() as f32; 1 << 15]);
+            assert_eq!(out.to_vec::<f32>()?, vec![0.0; 1 << 15]);
+            Err(e)
+        });
+        assert!(r.is_err_and(|e| e.culprit() == Some(2)));
+        assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
+    }
+}
+
 /// Every rank calls `f` on its world group; all must fail with a Mismatch naming `culprit`.
 fn expect_mismatch(
     world: usize,

@@ -1,26 +1,35 @@
-//! `all_reduce_` on the local backend: every member reduces one flat chunk of all members'
-//! buffers and writes the result back into each of them.
+//! Large host `all_reduce`s whose members lend their memory to each other: every member
+//! reduces one flat chunk of all members' inputs and writes the result into that chunk
+//! of every member's destination.
 //!
-//! Each member lends its tensor's memory to the call (the storage moves out of the tensor
-//! into an [`Arc<Lent>`] published in the slot); once every member has lent, member `k`
-//! reads chunk `k` of every buffer block by block, reduces it (terms in member order, as
-//! the out-of-place path does) and stores the result into chunk `k` of every buffer. Every
-//! byte is read once and written once, two passes over the tensor per member; an
-//! out-of-place `all_reduce` makes three or more, as its members each read the inputs and
-//! write an output of their own.
+//! Two calls run this way, once every member of the collective makes the same one:
+//! - `all_reduce_` (in place): each member lends its tensor's memory, which is both the
+//!   input and the destination. Member `k` reads chunk `k` of every buffer block by
+//!   block, reduces it (terms in member order, as the out-of-place path does) and stores
+//!   the result back into chunk `k` of every buffer: each store lands on a cache line the
+//!   read just brought in.
+//! - `all_reduce_into` (a separate output): each member lends its `out` memory; member
+//!   `k` reads chunk `k` of every input and stores the reduced block into chunk `k` of
+//!   every `out`. Large outputs are written with streaming stores, which do not read the
+//!   destination's cache lines first.
 //!
-//! Chunks are disjoint, so no two members touch the same element. A lent buffer is kept
-//! alive by the `Arc`s every member holds while it writes, so a member that gives up
-//! early (timeout, failed peer) never frees memory a slow peer still writes: it takes its
-//! buffer back only when it is the sole owner again, and otherwise gives its tensor new
-//! zeroed memory.
+//! Either way every input byte is read once and every destination byte written once,
+//! the least traffic a reduction can make; the staged or direct out-of-place paths read
+//! or write each byte two or more times.
+//!
+//! The lending: a member's storage moves out of its tensor into an [`Arc<Lent>`]
+//! published in the slot. Chunks are disjoint, so no two members touch the same
+//! element. A lent buffer is kept alive by the `Arc`s every member holds while it
+//! writes, so a member that gives up early (timeout, failed peer) never frees memory a
+//! slow peer still writes: it takes its buffer back only when it is the sole owner
+//! again, and otherwise gives its tensor new zeroed memory.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use tpar_tensor::{CpuStorage, DType, Element, Tensor};
 
-use super::kernels::{reduce_runs, Reducible, BLOCK};
+use super::kernels::{reduce_runs, with_slices, Reducible, BLOCK};
 use super::{internal, Clock, LocalComm, Phase};
 use crate::{chunk_range, CollectiveError, ReduceOp, Result};
 
@@ -93,6 +102,100 @@ unsafe fn reduce_chunk<T: Reducible>(bufs: &[NonNull<T>], start: usize, len: usi
     }
 }
 
+/// Reduces elements `start..start + len` of every input with `op` (terms in input order)
+/// and writes the result into that range of every output, with streaming stores when
+/// `stream`.
+///
+/// # Safety
+/// Every output pointer is valid for writes of `start + len` elements of `T`, no other
+/// thread reads or writes elements `start..start + len` of any output during the call,
+/// and no output overlaps an input.
+unsafe fn reduce_chunk_into<T: Reducible>(
+    inputs: &[&[T]],
+    outs: &[NonNull<T>],
+    start: usize,
+    len: usize,
+    op: ReduceOp,
+    stream: bool,
+) -> bool {
+    let mut acc = Vec::new();
+    let mut sum: Vec<T> = Vec::with_capacity(BLOCK.min(len));
+    let mut runs: Vec<&[T]> = Vec::with_capacity(inputs.len());
+    let mut at = start;
+    while at < start + len {
+        let take = BLOCK.min(start + len - at);
+        sum.clear();
+        runs.clear();
+        for i in inputs {
+            match i.get(at..at + take) {
+                Some(r) => runs.push(r),
+                None => return false,
+            }
+        }
+        reduce_runs(&runs, op, &mut acc, &mut sum);
+        for p in outs {
+            // SAFETY: in range, and this member's chunk of the output is written by
+            // nobody else (the caller's contract).
+            unsafe { store(p.as_ptr().add(at), &sum, stream) };
+        }
+        at += take;
+    }
+    if stream {
+        store_fence();
+    }
+    true
+}
+
+/// Copies `src` to `dst`; with `stream`, through streaming (non-temporal) stores where
+/// the CPU has them, which write whole cache lines without reading them first. Callers
+/// that stream call [`store_fence`] before others may read the data.
+///
+/// # Safety
+/// `dst` is valid for writes of `src.len()` elements and does not overlap `src`.
+unsafe fn store<T: Copy>(dst: *mut T, src: &[T], stream: bool) {
+    let bytes = std::mem::size_of_val(src);
+    let (d, s) = (dst.cast::<u8>(), src.as_ptr().cast::<u8>());
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // Plain copies up to the first 16-byte boundary of `dst` and after the last.
+        let head = d.align_offset(16).min(bytes);
+        let body = (bytes - head) / 16 * 16;
+        // SAFETY: every range lies within the `bytes` both pointers are valid for;
+        // `d + head` is 16-byte aligned, as `_mm_stream_si128` needs; SSE2 is part of
+        // every x86_64 CPU.
+        unsafe {
+            std::ptr::copy_nonoverlapping(s, d, head);
+            let mut o = head;
+            while o < head + body {
+                let v = _mm_loadu_si128(s.add(o).cast::<__m128i>());
+                _mm_stream_si128(d.add(o).cast::<__m128i>(), v);
+                o += 16;
+            }
+            std::ptr::copy_nonoverlapping(s.add(o), d.add(o), bytes - o);
+        }
+        return;
+    }
+    let _ = stream;
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(s, d, bytes) };
+}
+
+/// Orders this thread's streaming stores before its later stores (and so before the
+/// release of the lock that tells peers the chunk is written).
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` has no preconditions; SSE is part of every x86_64 CPU.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// From this many bytes per output, `all_reduce_into` writes with streaming stores: the
+/// result no longer fits in the caches next to the inputs, so a store that first reads
+/// its cache line in only adds traffic.
+const STREAM_MIN_BYTES: usize = 16 << 20;
+
 /// Whether every member asked for an in-place `all_reduce` that this path can run:
 /// host tensors of at least [`IN_PLACE_MIN`] elements, two or more members, no two of
 /// which share storage (those are reduced out of place and filled, which gives them
@@ -100,13 +203,83 @@ unsafe fn reduce_chunk<T: Reducible>(bufs: &[NonNull<T>], start: usize, len: usi
 pub(super) fn runs_in_place(tensors: &[Tensor], all_in_place: bool) -> bool {
     let n = tensors.len();
     all_in_place
-        && n > 1
-        && tensors.first().is_some_and(|t| t.numel() >= IN_PLACE_MIN)
-        && tensors.iter().all(|t| t.device() == tpar_tensor::Device::Cpu)
+        && runs_into(tensors, true)
         && (0..n).all(|i| (i + 1..n).all(|j| !tensors[i].same_storage(&tensors[j])))
 }
 
+/// Whether every member lent an `out` to an `all_reduce_into` that this path can run:
+/// host inputs of at least [`IN_PLACE_MIN`] elements and two or more members (inputs
+/// are only read, so they may share storage). All members decide alike.
+pub(super) fn runs_into(tensors: &[Tensor], all_into: bool) -> bool {
+    all_into
+        && tensors.len() > 1
+        && tensors.first().is_some_and(|t| t.numel() >= IN_PLACE_MIN)
+        && tensors.iter().all(|t| t.device() == tpar_tensor::Device::Cpu)
+}
+
 impl LocalComm {
+    /// Publishes this member's lent buffer in slot `seq` and waits for every member's.
+    /// On success returns all of them, in member order (this member's among them). On
+    /// failure nobody has written:
+    /// the buffer is withdrawn from the slot, this member has left it, and the caller
+    /// gets its buffer back.
+    fn lend(
+        &self,
+        seq: u64,
+        op: &'static str,
+        lent: Arc<Lent>,
+        clock: Clock,
+    ) -> std::result::Result<Vec<Arc<Lent>>, (CollectiveError, Arc<Lent>)> {
+        let me = self.me;
+        let n = self.ex.members.len();
+        let mut st = self.ex.lock();
+        if let Some(slot) = st.slots.get_mut(&seq) {
+            if let Some(l) = slot.lent.get_mut(me) {
+                *l = Some(lent.clone());
+                slot.n_lent += 1;
+            }
+            self.ex.cv.notify_all();
+        }
+        let (mut st, r) = self.wait(st, seq, op, clock, Phase::Lent);
+        let bufs: Vec<Arc<Lent>> = match (&r, st.slots.get(&seq)) {
+            (Ok(()), Some(slot)) => slot.lent.iter().flatten().cloned().collect(),
+            _ => Vec::new(),
+        };
+        if r.is_ok() && bufs.len() == n {
+            return Ok(bufs);
+        }
+        drop(bufs);
+        if let Some(slot) = st.slots.get_mut(&seq) {
+            if slot.lent.get_mut(me).and_then(Option::take).is_some() {
+                slot.n_lent -= 1;
+            }
+        }
+        let _ = self.leave(st, seq, op, clock, false);
+        Err((r.err().unwrap_or_else(|| internal(op, "missing lent buffer")), lent))
+    }
+
+    /// Waits until every member has written its chunk (nobody writes this member's
+    /// buffer any more); on failure withdraws this member's buffer from the slot.
+    fn finish_lent(
+        &self,
+        seq: u64,
+        op: &'static str,
+        clock: Clock,
+        consistent: bool,
+    ) -> Result<()> {
+        let r = self.leave(self.ex.lock(), seq, op, clock, true);
+        let r = match (r, consistent) {
+            (Ok(()), false) => Err(internal(op, "lent buffers disagree with the descriptors")),
+            (r, _) => r,
+        };
+        if r.is_err() {
+            if let Some(slot) = self.ex.lock().slots.get_mut(&seq) {
+                slot.lent.get_mut(self.me).and_then(Option::take);
+            }
+        }
+        r
+    }
+
     /// The in-place `all_reduce` of slot `seq` (see the module docs); `tensors` are the
     /// members' posted handles, in member order. On success this member's tensor holds
     /// the result. If the call fails before anyone wrote, the tensor keeps its values;
@@ -132,31 +305,13 @@ impl LocalComm {
                 return Err(e);
             }
         };
-        let mut st = self.ex.lock();
-        if let Some(slot) = st.slots.get_mut(&seq) {
-            if let Some(l) = slot.lent.get_mut(me) {
-                *l = Some(lent.clone());
-                slot.n_lent += 1;
-            }
-            self.ex.cv.notify_all();
-        }
-        let (mut st, r) = self.wait(st, seq, op, clock, Phase::Lent);
-        let bufs: Vec<Arc<Lent>> = match (&r, st.slots.get(&seq)) {
-            (Ok(()), Some(slot)) => slot.lent.iter().flatten().cloned().collect(),
-            _ => Vec::new(),
+        let bufs = match self.lend(seq, op, lent, clock) {
+            Ok(b) => b,
+            Err((e, lent)) => return Err(give_back(mine, lent, false).err().unwrap_or(e)),
         };
-        if r.is_err() || bufs.len() != n {
-            // Nobody has written: take the buffer back untouched.
-            if let Some(slot) = st.slots.get_mut(&seq) {
-                if slot.lent.get_mut(me).and_then(Option::take).is_some() {
-                    slot.n_lent -= 1;
-                }
-            }
-            let _ = self.leave(st, seq, op, clock, false);
-            let e = r.err().unwrap_or_else(|| internal(op, "missing lent buffer"));
-            return Err(give_back(mine, lent, false).err().unwrap_or(e));
-        }
-        drop(st);
+        let Some(lent) = bufs.get(me).cloned() else {
+            return Err(internal(op, "missing lent buffer"));
+        };
 
         let (start, len) = chunk_range(lent.numel, n, me);
         let consistent = bufs.iter().all(|b| b.numel == lent.numel && b.dtype == lent.dtype);
@@ -172,18 +327,65 @@ impl LocalComm {
         }
         drop(bufs);
         // Every member's chunk must be written before any owner takes its buffer back.
-        let r = self.leave(self.ex.lock(), seq, op, clock, true);
-        let r = match (r, consistent) {
-            (Ok(()), false) => Err(internal(op, "lent buffers disagree with the descriptors")),
-            (r, _) => r,
-        };
-        if let Err(e) = r {
-            if let Some(slot) = self.ex.lock().slots.get_mut(&seq) {
-                slot.lent.get_mut(me).and_then(Option::take);
-            }
+        if let Err(e) = self.finish_lent(seq, op, clock, consistent) {
             return Err(give_back(mine, lent, true).err().unwrap_or(e));
         }
         give_back(mine, lent, false).map(|()| None)
+    }
+
+    /// The `all_reduce_into` of slot `seq` whose members all lent their `out` memory
+    /// (see the module docs): `tensors` are the members' inputs, in member order, and
+    /// `out` this member's output storage. Returns the output, refilled with the sum.
+    /// After an error nothing is returned: the caller gives its `out` fresh memory.
+    pub(super) fn all_reduce_lent_into(
+        &self,
+        seq: u64,
+        tensors: &[Tensor],
+        rop: ReduceOp,
+        clock: Clock,
+        out: CpuStorage,
+    ) -> Result<Option<Tensor>> {
+        let op = "all_reduce";
+        let me = self.me;
+        let n = tensors.len();
+        let Some(mine) = tensors.get(me) else {
+            return Err(internal(op, "member without a posted tensor"));
+        };
+        let dims = mine.dims().to_vec();
+        let bufs = self.lend(seq, op, Arc::new(Lent::new(out)), clock).map_err(|(e, _)| e)?;
+        let Some(lent) = bufs.get(me).cloned() else {
+            return Err(internal(op, "missing lent buffer"));
+        };
+
+        let numel = mine.numel();
+        let (start, len) = chunk_range(numel, n, me);
+        let consistent = bufs.iter().all(|b| b.numel == numel && b.dtype == lent.dtype)
+            && tensors.iter().all(|t| t.numel() == numel && t.dtype() == lent.dtype);
+        let mut written = Ok(true);
+        if consistent && len > 0 {
+            let stream = numel * lent.dtype.size_in_bytes() >= STREAM_MIN_BYTES;
+            written = tpar_tensor::with_any_type!(lent.dtype, |T| {
+                let outs: Vec<NonNull<T>> = bufs.iter().map(|b| b.ptr.cast::<T>()).collect();
+                with_slices::<T, _>(tensors, |inputs| {
+                    // SAFETY: every output holds `numel` elements of `T` (checked above)
+                    // and stays alive while `bufs` holds it; `start..start + len` is this
+                    // member's chunk, which no other member writes, and the owners do
+                    // not touch their lent storage until they are its sole owner again.
+                    // Outputs are storage taken out of the members' `out` tensors, which
+                    // share no storage with the inputs (checked when posting): an input
+                    // sharing it would have been left without memory and failed above.
+                    unsafe { reduce_chunk_into::<T>(inputs, &outs, start, len, rop, stream) }
+                })
+            });
+        }
+        drop(bufs);
+        let consistent = consistent && matches!(written, Ok(true));
+        self.finish_lent(seq, op, clock, consistent)?;
+        written.map_err(|e| CollectiveError::InvalidArgument { op, why: e.to_string() })?;
+        let Ok(l) = Arc::try_unwrap(lent) else {
+            return Err(internal(op, "a peer still holds the output after the call"));
+        };
+        Ok(Some(Tensor::from_storage(l.storage, dims)?))
     }
 }
 
@@ -202,4 +404,28 @@ fn give_back(t: &Tensor, lent: Arc<Lent>, zero: bool) -> Result<()> {
         op,
         why: format!("refilling the tensor after the in-place all_reduce: {e}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streaming and plain stores copy the same bytes, at every alignment of the
+    /// destination and every length around the 16-byte blocks, touching nothing else.
+    #[test]
+    fn streaming_store_copies_exactly() {
+        let src: Vec<u8> = (0..200u8).collect();
+        for stream in [false, true] {
+            for off in 0..20 {
+                for len in [0, 1, 15, 16, 17, 31, 33, 64, 100, 150] {
+                    let mut dst = vec![0xAAu8; 200];
+                    // SAFETY: `off + len <= 170 < 200`; `src` and `dst` are distinct.
+                    unsafe { store(dst.as_mut_ptr().add(off), &src[..len], stream) };
+                    store_fence();
+                    assert_eq!(&dst[off..off + len], &src[..len], "off {off} len {len}");
+                    assert!(dst[..off].iter().chain(&dst[off + len..]).all(|&b| b == 0xAA));
+                }
+            }
+        }
+    }
 }

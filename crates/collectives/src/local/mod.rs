@@ -161,6 +161,8 @@ struct Post {
     problem: Option<CollectiveError>,
     /// The member wants the result in its input tensor (`all_reduce_`).
     in_place: bool,
+    /// The member gave the memory of its own `out` for the result (an `*_into` call).
+    into: bool,
 }
 
 struct Slot {
@@ -428,11 +430,12 @@ impl LocalComm {
     ) -> Result<Option<Tensor>> {
         let op = call.name();
         let n = self.ex.members.len();
-        let (reuse, in_place) = match dest {
+        let (mut reuse, in_place) = match dest {
             Dest::New => (None, false),
             Dest::Into(s) => (Some(s), false),
             Dest::InPlace => (None, true),
         };
+        let into = reuse.is_some();
         let me = self.me;
         let clock = Clock::start(timeout);
         let desc = Desc::new(call.clone(), tensor.as_ref());
@@ -467,7 +470,7 @@ impl LocalComm {
             return Err(internal(op, "member posted twice to one collective"));
         }
         let own_problem = problem.clone();
-        slot.posts[me] = Some(Post { desc, tensor, problem, in_place });
+        slot.posts[me] = Some(Post { desc, tensor, problem, in_place, into });
         slot.n_posted += 1;
         if slot.n_posted == n {
             slot.verdict = Some(self.verdict(&slot.posts));
@@ -489,6 +492,7 @@ impl LocalComm {
         let mut tensors = Vec::with_capacity(n);
         let mut descs = Vec::with_capacity(n);
         let all_in_place = slot.posts.iter().flatten().all(|p| p.in_place);
+        let all_into = slot.posts.iter().flatten().all(|p| p.into);
         for p in slot.posts.iter().flatten() {
             if let Some(t) = &p.tensor {
                 tensors.push(t.clone());
@@ -510,6 +514,14 @@ impl LocalComm {
                     && inplace::runs_in_place(&tensors, all_in_place) =>
             {
                 return self.all_reduce_in_place(seq, &tensors, *rop, clock);
+            }
+            Call::AllReduce { op: rop }
+                if !meta && tensors.len() == n && inplace::runs_into(&tensors, all_into) =>
+            {
+                if let Some(out) = reuse.take() {
+                    return self.all_reduce_lent_into(seq, &tensors, *rop, clock, out);
+                }
+                Err(internal(op, "an `all_reduce_into` member without its output"))
             }
             // Staged chunks live on the host: only when every member is a host member
             // (all decide alike, as every member must stage).
