@@ -506,8 +506,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // Logging steps read the loss and the gradient norm back (one host round trip
             // on a device): step 1, every --log-every steps and the last step; on the host
             // every step reads them (it costs nothing there). All ranks agree on which.
-            let logging = step == 0 || (step + 1) % o.log_every == 0 || step + 1 == stop;
-            let saving = ckpt.is_some() && ((step + 1) % o.save_every == 0 || step + 1 == o.steps);
+            let logging = step == 0 || (step + 1).is_multiple_of(o.log_every) || step + 1 == stop;
+            let saving =
+                ckpt.is_some() && ((step + 1).is_multiple_of(o.save_every) || step + 1 == o.steps);
             let read = on_host
                 || logging
                 || o.nonfinite == NonFinite::Skip
@@ -612,7 +613,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             step_round_trips.push((logging, tpar::tensor::gpu::host_round_trips() - step_trips0));
             if let Some(c) = &mut ckpt {
                 c.poll()?;
-                if step % o.save_every == 0 || step == o.steps {
+                if step.is_multiple_of(o.save_every) || step == o.steps {
                     with_items(
                         &mut model,
                         &mut opt,
@@ -628,7 +629,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 let msg = format!("loss {l:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
                 if bar.is_hidden() {
                     // Not a terminal: plain lines a log or a script can read.
-                    if step % o.log_every == 0 || step == o.steps {
+                    if step.is_multiple_of(o.log_every) || step == o.steps {
                         println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
                     }
                 } else {

@@ -385,7 +385,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             }
             if let Some(c) = &mut ckpt {
                 c.poll()?;
-                if step % o.save_every as usize == 0 || step == o.steps {
+                if step.is_multiple_of(o.save_every as usize) || step == o.steps {
                     c.save(
                         step as u64,
                         &mut [
@@ -402,7 +402,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 let secs = t0.elapsed().as_secs_f64();
                 let msg = format!("loss {last:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
                 if bar.is_hidden() {
-                    if step % o.log_every as usize == 0 || step == o.steps {
+                    if step.is_multiple_of(o.log_every as usize) || step == o.steps {
                         println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
                     }
                 } else {

@@ -35,13 +35,13 @@ pub fn learning_rate(lr: f64) -> Result<(), String> {
 /// The model flags checked as [`tpar::models::LlamaConfig::validate`] checks a config
 /// (heads dividing the width, an even head dim), with the flag names in the message.
 pub fn llama_shape(hidden: usize, heads: usize, kv_heads: usize) -> Result<(), String> {
-    if hidden % heads != 0 {
+    if !hidden.is_multiple_of(heads) {
         return Err(format!("--hidden {hidden} is not a multiple of --heads {heads}"));
     }
-    if heads % kv_heads != 0 {
+    if !heads.is_multiple_of(kv_heads) {
         return Err(format!("--heads {heads} is not a multiple of --kv-heads {kv_heads}"));
     }
-    if (hidden / heads) % 2 != 0 {
+    if !(hidden / heads).is_multiple_of(2) {
         return Err(format!(
             "--hidden {hidden} / --heads {heads} = head dim {}, which must be even (RoPE)",
             hidden / heads

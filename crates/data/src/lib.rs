@@ -175,7 +175,7 @@ impl DistributedSampler {
 
     /// Indices this rank gets per epoch from a dataset of `len` items.
     pub fn num_samples(&self, len: usize) -> usize {
-        if self.drop_last && len % self.num_replicas != 0 {
+        if self.drop_last && !len.is_multiple_of(self.num_replicas) {
             len / self.num_replicas
         } else {
             len.div_ceil(self.num_replicas)

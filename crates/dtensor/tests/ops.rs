@@ -184,7 +184,7 @@ fn check(
 
 /// `out` with some leading dims dropped and some dims set to 1 (a broadcastable operand).
 fn broadcast_operand(out: &[usize], code: u8) -> Vec<usize> {
-    let drop = if out.len() > 1 && code % 3 == 0 { 1 } else { 0 };
+    let drop = if out.len() > 1 && code.is_multiple_of(3) { 1 } else { 0 };
     out[drop..]
         .iter()
         .enumerate()

@@ -208,7 +208,7 @@ fn header() {
 
 /// A size for people: `256 KiB`, `16 MiB`.
 fn show_size(bytes: usize) -> String {
-    if bytes >= MIB && bytes % MIB == 0 {
+    if bytes >= MIB && bytes.is_multiple_of(MIB) {
         format!("{} MiB", bytes / MIB)
     } else {
         format!("{} KiB", bytes / 1024)

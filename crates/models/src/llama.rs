@@ -90,7 +90,7 @@ impl LlamaConfig {
                 });
             }
         }
-        if c.num_attention_heads == 0 || c.hidden_size % c.num_attention_heads != 0 {
+        if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return Err(NnError::Config {
                 what: format!(
                     "hidden_size {} is not a multiple of num_attention_heads {}",
@@ -98,7 +98,9 @@ impl LlamaConfig {
                 ),
             });
         }
-        if c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0 {
+        if c.num_key_value_heads == 0
+            || !c.num_attention_heads.is_multiple_of(c.num_key_value_heads)
+        {
             return Err(NnError::Config {
                 what: format!(
                     "num_attention_heads {} is not a multiple of num_key_value_heads {}",
@@ -106,7 +108,7 @@ impl LlamaConfig {
                 ),
             });
         }
-        if c.head_dim() % 2 != 0 || c.head_dim() == 0 {
+        if !c.head_dim().is_multiple_of(2) || c.head_dim() == 0 {
             return Err(NnError::Config {
                 what: format!("head_dim {} must be even for RoPE", c.head_dim()),
             });

@@ -63,7 +63,7 @@ impl PipelineStage {
         }
         let group = pp_mesh.group(0)?.clone();
         let pp = group.size();
-        if num_stages == 0 || num_stages % pp != 0 {
+        if num_stages == 0 || !num_stages.is_multiple_of(pp) {
             return Err(bad(format!(
                 "{num_stages} stages cannot be placed round-robin on {pp} pp ranks (a multiple of {pp} is needed)"
             )));

@@ -229,7 +229,7 @@ pub fn groups(mesh_shape: &[usize], mesh_dim: usize) -> Vec<Vec<usize>> {
     let stride: usize = numel(&mesh_shape[mesh_dim + 1..]);
     let world = numel(mesh_shape);
     (0..world)
-        .filter(|r| (r / stride) % k == 0)
+        .filter(|r| (r / stride).is_multiple_of(k))
         .map(|r| (0..k).map(|j| r + j * stride).collect())
         .collect()
 }

@@ -61,7 +61,7 @@ pub(crate) fn eligible(call: &Call, t: &Tensor, n: usize) -> bool {
         && match call {
             Call::AllReduce { .. } => true,
             Call::AllGather { dim } => *dim < t.rank(),
-            Call::ReduceScatter { dim, .. } => *dim < t.rank() && t.dims()[*dim] % n == 0,
+            Call::ReduceScatter { dim, .. } => *dim < t.rank() && t.dims()[*dim].is_multiple_of(n),
             _ => false,
         }
 }

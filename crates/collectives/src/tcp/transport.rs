@@ -103,7 +103,7 @@ impl TcpTransport {
         want: Option<usize>,
     ) -> Result<()> {
         let size = std::mem::size_of::<T>();
-        let whole = bytes % size == 0;
+        let whole = bytes.is_multiple_of(size);
         if whole && want.is_none_or(|w| w * size == bytes) {
             return Ok(());
         }

@@ -789,7 +789,7 @@ impl CudaDevice {
     /// Copies a whole buffer back as `T`s (returns once the data is here).
     pub fn download<T: Pod>(&self, src: &DeviceBuffer) -> Result<Vec<T>> {
         let size = std::mem::size_of::<T>();
-        if size == 0 || src.len() % size != 0 {
+        if size == 0 || !src.len().is_multiple_of(size) {
             return Err(cuda_error(
                 &self.op(),
                 format!(

@@ -33,7 +33,7 @@ pub struct RopeShape {
 }
 
 fn validate(op: &'static str, s: &RopeShape, lens: [(&str, usize); 4]) -> Result<()> {
-    if s.head_dim % 2 != 0 {
+    if !s.head_dim.is_multiple_of(2) {
         return Err(bad(op, format!("{s:?}: head_dim must be even")));
     }
     let n = numel(op, &[s.outer, s.seq, s.inner, s.head_dim])?;

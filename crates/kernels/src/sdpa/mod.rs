@@ -108,7 +108,7 @@ struct Sizes {
 }
 
 fn validate<T>(op: &'static str, s: &SdpaShape, mask: Option<&SdpaMask<T>>) -> Result<Sizes> {
-    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 {
+    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
         return Err(bad(op, format!("{s:?}: q_heads must be a multiple of kv_heads > 0")));
     }
     let sizes = Sizes {

@@ -42,7 +42,7 @@ impl Tensor {
             return Err(invalid("view", format!("at most one -1 allowed in {dims:?}")));
         }
         let shape: Vec<usize> = if infer == 1 {
-            if known == 0 || self.numel() % known != 0 {
+            if known == 0 || !self.numel().is_multiple_of(known) {
                 return Err(invalid("view", format!("cannot view {} as {dims:?}", self.shape())));
             }
             dims.iter().map(|&d| if d < 0 { self.numel() / known } else { d as usize }).collect()
@@ -230,7 +230,7 @@ impl Tensor {
         }
         let n = self.dims()[d];
         let mut sizes = vec![size; n / size];
-        if n % size != 0 {
+        if !n.is_multiple_of(size) {
             sizes.push(n % size);
         }
         self.split_sizes(&sizes, dim)

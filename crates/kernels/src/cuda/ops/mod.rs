@@ -82,7 +82,7 @@ impl<'d> Check<'d> {
         if len < need {
             return Err(KernelError::BufferTooSmall { op: self.op, what, need, got: len });
         }
-        if need > 0 && ptr % align.max(1) as DevPtr != 0 {
+        if need > 0 && !ptr.is_multiple_of(align.max(1) as DevPtr) {
             return Err(bad(
                 self.op,
                 format!("{what} address {ptr:#x} is not {align}-byte aligned"),

@@ -438,10 +438,11 @@ pub unsafe fn binary(
     let last = rank - 1;
     let operand_ok = |s: &[usize], p: DevPtr| match s[last] {
         0 => true,
-        1 => s[..last].iter().all(|v| v % ITEM == 0) && p % 16 == 0,
+        1 => s[..last].iter().all(|v| v % ITEM == 0) && p.is_multiple_of(16),
         _ => false,
     };
-    let vec = shape[last] % ITEM == 0 && operand_ok(sa, a) && operand_ok(sb, b) && out % 16 == 0;
+    let vec =
+        shape[last] % ITEM == 0 && operand_ok(sa, a) && operand_ok(sb, b) && out.is_multiple_of(16);
     let lim = i32::MAX as usize;
     let mut args = BinaryBcastArgs {
         a,

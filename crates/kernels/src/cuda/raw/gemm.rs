@@ -316,12 +316,13 @@ impl GemmProblem {
     /// multiples of 8 elements. The sizes themselves are free.
     pub fn is_vectorizable(&self, a: DevPtr, b: DevPtr) -> bool {
         let s = &self.shape;
-        let strides_ok = s.batch == 1 || (s.a_batch_stride % 8 == 0 && s.b_batch_stride % 8 == 0);
+        let strides_ok = s.batch == 1
+            || (s.a_batch_stride.is_multiple_of(8) && s.b_batch_stride.is_multiple_of(8));
         self.dtype_in.size() == 2
-            && a % 16 == 0
-            && b % 16 == 0
-            && self.lda % 8 == 0
-            && self.ldb % 8 == 0
+            && a.is_multiple_of(16)
+            && b.is_multiple_of(16)
+            && self.lda.is_multiple_of(8)
+            && self.ldb.is_multiple_of(8)
             && strides_ok
     }
 

@@ -195,7 +195,7 @@ pub unsafe fn copy2d(
     let db = byte_len(OP, "dst_ld", dst_ld, elem_bytes)?;
     numel(OP, &[rows, db.max(sb)])?;
     let all = src | dst | cb as u64 | sb as u64 | db as u64;
-    let unit = [16u64, 8, 4, 2, 1].into_iter().find(|u| all % u == 0).unwrap_or(1);
+    let unit = [16u64, 8, 4, 2, 1].into_iter().find(|u| all.is_multiple_of(*u)).unwrap_or(1);
     let u = unit as usize;
     let args = Copy2dArgs {
         src,
@@ -442,9 +442,9 @@ pub unsafe fn strided_copy(
     let vec = st[rank - 1] == 1
         && shape[rank - 1] % per == 0
         && st[..rank - 1].iter().all(|s| s % per == 0)
-        && base % per == 0
-        && src % 16 == 0
-        && dst % 16 == 0;
+        && base.is_multiple_of(per)
+        && src.is_multiple_of(16)
+        && dst.is_multiple_of(16);
     let mut args = StridedCopyArgs {
         src,
         dst,

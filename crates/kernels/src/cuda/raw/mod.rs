@@ -61,7 +61,7 @@ pub(crate) fn check_ptr(
     if n > 0 && ptr == 0 {
         return Err(bad(op, format!("{what} is null but holds {n} elements")));
     }
-    if ptr % elem as u64 != 0 {
+    if !ptr.is_multiple_of(elem as u64) {
         return Err(bad(op, format!("{what} address {ptr:#x} is not {elem}-byte aligned")));
     }
     Ok(())

@@ -58,7 +58,7 @@ unsafe fn apply(
     y: DevPtr,
     transpose: bool,
 ) -> Result<()> {
-    if s.head_dim % 2 != 0 {
+    if !s.head_dim.is_multiple_of(2) {
         return Err(bad(op, format!("{s:?}: head_dim must be even")));
     }
     let es = dtype.size();
@@ -71,7 +71,7 @@ unsafe fn apply(
     check_ptrs(op, &ptrs)?;
     check_aligned(op, es, &ptrs)?;
     let half = s.head_dim / 2;
-    let vec = half % 8 == 0 && [x, cos, sin, y].iter().all(|p| p % 16 == 0);
+    let vec = half.is_multiple_of(8) && [x, cos, sin, y].iter().all(|p| p % 16 == 0);
     let pairs = n / 2;
     let items = if vec { pairs / 8 } else { pairs };
     let args = RopeArgs {

@@ -258,7 +258,7 @@ fn validate(
     s: &SdpaShape,
     mask: Option<&SdpaDevMask>,
 ) -> Result<Dims> {
-    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 {
+    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
         return Err(bad(op, format!("{s:?}: q_heads must be a multiple of kv_heads > 0")));
     }
     if s.head_dim > MAX_HEAD_DIM || s.v_dim > MAX_HEAD_DIM {
@@ -334,8 +334,8 @@ fn check_ptr(op: &'static str, name: &str, p: DevPtr, elems: usize, align: usize
 fn tensor_core_dim(dtype: CudaDType, s: &SdpaShape, ptrs: &[(DevPtr, usize)]) -> Option<usize> {
     let dim = s.head_dim.max(s.v_dim);
     let ok = dtype != CudaDType::F32
-        && s.head_dim % 8 == 0
-        && s.v_dim % 8 == 0
+        && s.head_dim.is_multiple_of(8)
+        && s.v_dim.is_multiple_of(8)
         && dim <= MAX_TENSOR_CORE_HEAD_DIM
         && ptrs.iter().all(|&(p, n)| n == 0 || p % 16 == 0);
     ok.then_some(if dim <= 64 { 64 } else { 128 })
