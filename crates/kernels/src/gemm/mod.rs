@@ -7,6 +7,7 @@
 //! full-size f32 copy of A or of the output is made.
 
 mod cpu;
+mod narrow;
 pub mod reference;
 #[cfg(test)]
 mod tests;
