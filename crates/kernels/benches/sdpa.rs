@@ -1,11 +1,13 @@
 //! CPU attention kernel timings: the tile sizes of the forward and backward passes
-//! (`tiles`, the measurement behind `SdpaTiles::forward` / `backward`) and the
-//! vectorized `exp` against libm on every instruction set this CPU runs (`exp`).
-//! Run: `cargo bench -p tpar-kernels --bench sdpa [-- tiles|exp]`.
+//! (`tiles`, the measurement behind `SdpaTiles::forward` / `backward`), the Llama
+//! step's attention at the chosen tiles, many calls, fastest and median (`step`: for
+//! comparing builds on a noisy machine), and the vectorized `exp` against libm on every
+//! instruction set this CPU runs (`exp`).
+//! Run: `cargo bench -p tpar-kernels --bench sdpa [-- tiles|step|exp]`.
 
 mod common;
 
-use common::median_secs;
+use common::{median_secs, times};
 use tpar_kernels::sdpa::{sdpa_backward_tiled, sdpa_forward_tiled, SdpaMask, SdpaShape, SdpaTiles};
 use tpar_kernels::vmath;
 
@@ -59,6 +61,33 @@ fn tiles(name: &str, s: SdpaShape, padded_tail: usize, reps: usize) {
     }
 }
 
+/// Forward and backward of one shape at the chosen tiles: fastest and median of `reps`.
+fn step(name: &str, s: SdpaShape, reps: usize) {
+    let nq = s.batch * s.q_heads * s.q_len;
+    let nk = s.batch * s.kv_heads * s.kv_len;
+    let (q, k, v) =
+        (values(nq * s.head_dim, 1), values(nk * s.head_dim, 2), values(nk * s.v_dim, 3));
+    let dout = values(nq * s.v_dim, 4);
+    let (mut out, mut lse) = (vec![0.0f32; nq * s.v_dim], vec![0.0f32; nq]);
+    let (mut dq, mut dk, mut dv) =
+        (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0; v.len()]);
+    let (tf, tb) = (SdpaTiles::forward(&s), SdpaTiles::backward(&s));
+    let f = times(2, reps, || {
+        sdpa_forward_tiled(&s, tf, &q, &k, &v, None, &mut out, &mut lse).unwrap();
+    });
+    let b = times(2, reps, || {
+        sdpa_backward_tiled(&s, tb, &q, &k, &v, None, &out, &lse, &dout, &mut dq, &mut dk, &mut dv)
+            .unwrap();
+    });
+    println!(
+        "{name}: forward {:.2} ms fastest, {:.2} median; backward {:.2} fastest, {:.2} median",
+        f[0] * 1e3,
+        f[f.len() / 2] * 1e3,
+        b[0] * 1e3,
+        b[b.len() / 2] * 1e3
+    );
+}
+
 /// Throughput of the vectorized exp (in place, and the softmax step) against libm.
 fn exp() {
     let x: Vec<f32> = values(1 << 16, 5).iter().map(|v| v * 20.0).collect();
@@ -91,21 +120,25 @@ fn main() {
     if want("exp") {
         exp();
     }
+    let sh = |batch, q_heads, kv_heads, len, head_dim| SdpaShape {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len: len,
+        kv_len: len,
+        head_dim,
+        v_dim: head_dim,
+        scale: 1.0 / (head_dim as f64).sqrt(),
+        causal: true,
+    };
     if want("tiles") {
-        let sh = |batch, q_heads, kv_heads, len, head_dim| SdpaShape {
-            batch,
-            q_heads,
-            kv_heads,
-            q_len: len,
-            kv_len: len,
-            head_dim,
-            v_dim: head_dim,
-            scale: 1.0 / (head_dim as f64).sqrt(),
-            causal: true,
-        };
         // The Llama step's attention (hidden 256, 8 / 4 heads, seq 256, batch 8).
         tiles("llama step", sh(8, 8, 4, 256, 32), 0, 9);
         // A long padded sequence (4 heads of 64, a quarter of the keys padding).
         tiles("long padded", sh(1, 4, 4, 4096, 64), 1024, 3);
+    }
+    if want("step") {
+        step("llama step (head dim 32)", sh(8, 8, 4, 256, 32), 60);
+        step("head dim 64", sh(8, 4, 2, 256, 64), 60);
     }
 }

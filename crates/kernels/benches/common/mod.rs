@@ -3,11 +3,19 @@
 use std::time::Instant;
 
 /// Median seconds of `reps` calls of `f` after `warmup` uncounted calls.
-pub fn median_secs(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+pub fn median_secs(warmup: usize, reps: usize, f: impl FnMut()) -> f64 {
+    let t = times(warmup, reps, f);
+    t[t.len() / 2]
+}
+
+/// Seconds of each of `reps` calls of `f` (at least one) after `warmup` uncounted
+/// calls, fastest first.
+#[allow(dead_code)] // not every bench that includes this module calls it
+pub fn times(warmup: usize, reps: usize, mut f: impl FnMut()) -> Vec<f64> {
     for _ in 0..warmup {
         f();
     }
-    let mut t: Vec<f64> = (0..reps)
+    let mut t: Vec<f64> = (0..reps.max(1))
         .map(|_| {
             let s = Instant::now();
             f();
@@ -15,5 +23,5 @@ pub fn median_secs(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
         })
         .collect();
     t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+    t
 }

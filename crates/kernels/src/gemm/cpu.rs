@@ -273,7 +273,7 @@ pub(crate) fn small_matmul<A: Acc>(
 ) {
     // Soundness of the unsafe gemm call rests on these lengths: check them always.
     assert!(a.len() >= m * k && b.len() >= k * n && out.len() == m * n, "small_matmul lengths");
-    if super::narrow::supports(n, trans_b) {
+    if super::narrow::supports(n, k, trans_b) {
         if let (Some(a), Some(b), Some(o)) = (cast::<A, f32>(a), cast(b), cast_mut::<A, f32>(out)) {
             super::narrow::matmul((m, n, k), a, trans_a, b, o, accumulate);
             return;

@@ -8,12 +8,17 @@
 //! 16-lane vectors per row, 24 accumulators), each row of `B` is loaded once per block,
 //! and each element of `A` is broadcast from memory straight into the multiply-adds; `A`
 //! may be given transposed at no cost. Products whose `B` is given transposed (`Q Kᵀ`)
-//! stay on the gemm crate, which measured faster for them.
+//! stay on the gemm crate: a transposing copy per call here measured slower.
+
+/// The longest contraction [`matmul`] takes: `B` (at most 128 KiB) then stays in the
+/// L2 cache while every row block streams through it. Attention's tiles contract over
+/// at most 256 keys or queries.
+const MAX_K: usize = 512;
 
 /// Whether [`matmul`] runs this product: f32 on a CPU with AVX-512, `n` of 32 or 64,
-/// `B` not transposed.
-pub(super) fn supports(n: usize, trans_b: bool) -> bool {
-    (n == 32 || n == 64) && !trans_b && avx512()
+/// `k` up to [`MAX_K`], `B` not transposed.
+pub(super) fn supports(n: usize, k: usize, trans_b: bool) -> bool {
+    (n == 32 || n == 64) && k <= MAX_K && !trans_b && avx512()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -39,7 +44,7 @@ pub(super) fn matmul(
     out: &mut [f32],
     accumulate: bool,
 ) {
-    assert!(supports(n, false) && a.len() >= m * k && b.len() >= k * n && out.len() == m * n);
+    assert!(supports(n, k, false) && a.len() >= m * k && b.len() >= k * n && out.len() == m * n);
     // A element (i, p) sits at `i * rs + p * cs`.
     let (rs, cs) = if trans_a { (1, m) } else { (k, 1) };
     #[cfg(target_arch = "x86_64")]
@@ -163,7 +168,7 @@ mod tests {
     /// f32 rounding.
     #[test]
     fn narrow_products_match_a_plain_loop() {
-        if !supports(32, false) {
+        if !supports(32, 1, false) {
             return; // no AVX-512: the gemm crate runs these products (tested there).
         }
         let val = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 1999) as f32 / 999.5 - 1.0;

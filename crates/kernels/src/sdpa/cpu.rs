@@ -2,7 +2,8 @@
 //! one pass over (key tile, query tile) pairs backward that recomputes the
 //! probabilities from `lse` once and feeds `dq`, `dk` and `dv` from them. Tile
 //! products (`Q Kᵀ`, `P V`, ...) run on single-threaded gemm calls in the
-//! accumulator type; parallelism comes from the task split.
+//! accumulator type (those with head-dim outputs of 32 or 64 on an AVX-512 register
+//! tile of our own, `gemm/narrow.rs`); parallelism comes from the task split.
 
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
