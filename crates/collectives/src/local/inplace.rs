@@ -291,12 +291,8 @@ impl LocalComm {
         rop: ReduceOp,
         clock: Clock,
     ) -> Result<Option<Tensor>> {
-        let op = "all_reduce";
-        let me = self.me;
-        let n = tensors.len();
-        let Some(mine) = tensors.get(me) else {
-            return Err(internal(op, "member without a posted tensor"));
-        };
+        let (op, me, n) = ("all_reduce", self.me, tensors.len());
+        let mine = own(tensors, me)?;
         let lent = match mine.take_storage_() {
             Ok(s) => Arc::new(Lent::new(s)),
             Err(e) => {
@@ -345,12 +341,8 @@ impl LocalComm {
         clock: Clock,
         out: CpuStorage,
     ) -> Result<Option<Tensor>> {
-        let op = "all_reduce";
-        let me = self.me;
-        let n = tensors.len();
-        let Some(mine) = tensors.get(me) else {
-            return Err(internal(op, "member without a posted tensor"));
-        };
+        let (op, me, n) = ("all_reduce", self.me, tensors.len());
+        let mine = own(tensors, me)?;
         let dims = mine.dims().to_vec();
         let bufs = self.lend(seq, op, Arc::new(Lent::new(out)), clock).map_err(|(e, _)| e)?;
         let Some(lent) = bufs.get(me).cloned() else {
@@ -387,6 +379,11 @@ impl LocalComm {
         };
         Ok(Some(Tensor::from_storage(l.storage, dims)?))
     }
+}
+
+/// Member `me`'s posted tensor.
+fn own(tensors: &[Tensor], me: usize) -> Result<&Tensor> {
+    tensors.get(me).ok_or_else(|| internal("all_reduce", "member without a posted tensor"))
 }
 
 /// Puts a lent buffer back into its tensor: the memory itself once this is its only

@@ -47,22 +47,38 @@ pub(super) fn matmul(
     assert!(supports(n, k, false) && a.len() >= m * k && b.len() >= k * n && out.len() == m * n);
     // A element (i, p) sits at `i * rs + p * cs`.
     let (rs, cs) = if trans_a { (1, m) } else { (k, 1) };
+    let ops = Operands { m, k, a, rs, cs, b, accumulate };
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `supports` checked AVX-512F; the lengths are asserted above, and every
     // index the kernels form stays below them.
     unsafe {
         match n {
-            32 => avx512::rows::<2>(m, k, a, rs, cs, b, out, accumulate),
-            _ => avx512::rows::<4>(m, k, a, rs, cs, b, out, accumulate),
+            32 => avx512::rows::<2>(&ops, out),
+            _ => avx512::rows::<4>(&ops, out),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (m, k, a, rs, cs, b, out, accumulate);
+    let _ = (ops, out);
+}
+
+/// The inputs of one product: `m x k` times `k x n`, `A` element `(i, p)` at
+/// `a[i * rs + p * cs]`, `B` row-major; the output is added to when `accumulate`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Operands<'a> {
+    m: usize,
+    k: usize,
+    a: &'a [f32],
+    rs: usize,
+    cs: usize,
+    b: &'a [f32],
+    accumulate: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
+
+    use super::Operands;
 
     /// Output rows per register block: `NV` vectors of 16 lanes per row, 24 accumulators.
     const fn block_rows(nv: usize) -> usize {
@@ -72,30 +88,20 @@ mod avx512 {
     /// Every row block of the product; `NV * 16` is `n`.
     ///
     /// # Safety
-    /// AVX-512F is available; `a` holds every `i * rs + p * cs` for `i < m`, `p < k`;
-    /// `b` holds `k * NV * 16` and `out` `m * NV * 16` elements.
+    /// AVX-512F is available; `ops.a` holds every `i * rs + p * cs` for `i < m`,
+    /// `p < k`; `ops.b` holds `k * NV * 16` and `out` `m * NV * 16` elements.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn rows<const NV: usize>(
-        m: usize,
-        k: usize,
-        a: &[f32],
-        rs: usize,
-        cs: usize,
-        b: &[f32],
-        out: &mut [f32],
-        accumulate: bool,
-    ) {
+    pub(super) unsafe fn rows<const NV: usize>(ops: &Operands, out: &mut [f32]) {
         let mr = block_rows(NV);
         let mut i = 0;
-        while i < m {
-            let r = mr.min(m - i);
+        while i < ops.m {
+            let r = mr.min(ops.m - i);
             // SAFETY: rows `i..i + r` are in range; the caller's contract otherwise.
             unsafe {
                 macro_rules! go {
                     ($($n:literal)*) => {
                         match r {
-                            $($n => block::<NV, $n>(i, k, a, rs, cs, b, out, accumulate),)*
+                            $($n => block::<NV, $n>(ops, i, out),)*
                             _ => unreachable!(),
                         }
                     };
@@ -116,19 +122,10 @@ mod avx512 {
     /// As [`rows`], with `i0 + R <= m`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn block<const NV: usize, const R: usize>(
-        i0: usize,
-        k: usize,
-        a: &[f32],
-        rs: usize,
-        cs: usize,
-        b: &[f32],
-        out: &mut [f32],
-        accumulate: bool,
-    ) {
+    unsafe fn block<const NV: usize, const R: usize>(ops: &Operands, i0: usize, out: &mut [f32]) {
+        let Operands { k, rs, cs, accumulate, .. } = *ops;
         let n = NV * 16;
-        let (a, b, o) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+        let (a, b, o) = (ops.a.as_ptr(), ops.b.as_ptr(), out.as_mut_ptr());
         let mut acc = [[_mm512_setzero_ps(); NV]; R];
         // SAFETY: every offset is below the lengths the caller vouched for.
         unsafe {
