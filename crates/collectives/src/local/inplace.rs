@@ -220,9 +220,8 @@ pub(super) fn runs_into(tensors: &[Tensor], all_into: bool) -> bool {
 impl LocalComm {
     /// Publishes this member's lent buffer in slot `seq` and waits for every member's.
     /// On success returns all of them, in member order (this member's among them). On
-    /// failure nobody has written:
-    /// the buffer is withdrawn from the slot, this member has left it, and the caller
-    /// gets its buffer back.
+    /// failure nobody has written: the buffer is withdrawn from the slot, this member has
+    /// left it, and the caller gets its buffer back.
     fn lend(
         &self,
         seq: u64,
