@@ -29,7 +29,9 @@ use std::sync::Arc;
 
 use tpar_tensor::{CpuStorage, DType, Element, Tensor};
 
-use super::kernels::{reduce_runs, with_slices, Reducible, BLOCK};
+use super::kernels::{
+    reduce_runs, store, store_fence, with_slices, Reducible, BLOCK, STREAM_MIN_BYTES,
+};
 use super::{internal, Clock, LocalComm, Phase};
 use crate::{chunk_range, CollectiveError, ReduceOp, Result};
 
@@ -145,56 +147,6 @@ unsafe fn reduce_chunk_into<T: Reducible>(
     }
     true
 }
-
-/// Copies `src` to `dst`; with `stream`, through streaming (non-temporal) stores where
-/// the CPU has them, which write whole cache lines without reading them first. Callers
-/// that stream call [`store_fence`] before others may read the data.
-///
-/// # Safety
-/// `dst` is valid for writes of `src.len()` elements and does not overlap `src`.
-unsafe fn store<T: Copy>(dst: *mut T, src: &[T], stream: bool) {
-    let bytes = std::mem::size_of_val(src);
-    let (d, s) = (dst.cast::<u8>(), src.as_ptr().cast::<u8>());
-    #[cfg(target_arch = "x86_64")]
-    if stream {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        // Plain copies up to the first 16-byte boundary of `dst` and after the last.
-        let head = d.align_offset(16).min(bytes);
-        let body = (bytes - head) / 16 * 16;
-        // SAFETY: every range lies within the `bytes` both pointers are valid for;
-        // `d + head` is 16-byte aligned, as `_mm_stream_si128` needs; SSE2 is part of
-        // every x86_64 CPU.
-        unsafe {
-            std::ptr::copy_nonoverlapping(s, d, head);
-            let mut o = head;
-            while o < head + body {
-                let v = _mm_loadu_si128(s.add(o).cast::<__m128i>());
-                _mm_stream_si128(d.add(o).cast::<__m128i>(), v);
-                o += 16;
-            }
-            std::ptr::copy_nonoverlapping(s.add(o), d.add(o), bytes - o);
-        }
-        return;
-    }
-    let _ = stream;
-    // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(s, d, bytes) };
-}
-
-/// Orders this thread's streaming stores before its later stores (and so before the
-/// release of the lock that tells peers the chunk is written).
-fn store_fence() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `sfence` has no preconditions; SSE is part of every x86_64 CPU.
-    unsafe {
-        std::arch::x86_64::_mm_sfence()
-    };
-}
-
-/// From this many bytes per output, `all_reduce_into` writes with streaming stores: the
-/// result no longer fits in the caches next to the inputs, so a store that first reads
-/// its cache line in only adds traffic.
-const STREAM_MIN_BYTES: usize = 16 << 20;
 
 /// Whether every member asked for an in-place `all_reduce` that this path can run:
 /// host tensors of at least [`IN_PLACE_MIN`] elements, two or more members, no two of
@@ -400,28 +352,4 @@ fn give_back(t: &Tensor, lent: Arc<Lent>, zero: bool) -> Result<()> {
         op,
         why: format!("refilling the tensor after the in-place all_reduce: {e}"),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Streaming and plain stores copy the same bytes, at every alignment of the
-    /// destination and every length around the 16-byte blocks, touching nothing else.
-    #[test]
-    fn streaming_store_copies_exactly() {
-        let src: Vec<u8> = (0..200u8).collect();
-        for stream in [false, true] {
-            for off in 0..20 {
-                for len in [0, 1, 15, 16, 17, 31, 33, 64, 100, 150] {
-                    let mut dst = vec![0xAAu8; 200];
-                    // SAFETY: `off + len <= 170 < 200`; `src` and `dst` are distinct.
-                    unsafe { store(dst.as_mut_ptr().add(off), &src[..len], stream) };
-                    store_fence();
-                    assert_eq!(&dst[off..off + len], &src[..len], "off {off} len {len}");
-                    assert!(dst[..off].iter().chain(&dst[off + len..]).all(|&b| b == 0xAA));
-                }
-            }
-        }
-    }
 }

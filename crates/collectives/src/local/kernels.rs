@@ -169,6 +169,75 @@ fn fold<T: Reducible>(
     }
 }
 
+/// From this many bytes of output, the local backend writes large outputs (an
+/// `all_reduce_into`'s lent ones, an `all_gather`'s) with streaming stores: the result
+/// no longer fits in the caches next to the inputs, so a store that first reads its
+/// cache line in only adds traffic.
+pub(crate) const STREAM_MIN_BYTES: usize = 16 << 20;
+
+/// Copies `src` to `dst`; with `stream`, through streaming (non-temporal) stores where
+/// the CPU has them, which write whole cache lines without reading them first. Callers
+/// that stream call [`store_fence`] before others may read the data.
+///
+/// # Safety
+/// `dst` is valid for writes of `src.len()` elements and does not overlap `src`.
+pub(crate) unsafe fn store<T: Copy>(dst: *mut T, src: &[T], stream: bool) {
+    let bytes = std::mem::size_of_val(src);
+    let (d, s) = (dst.cast::<u8>(), src.as_ptr().cast::<u8>());
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // Plain copies up to the first 16-byte boundary of `dst` and after the last.
+        let head = d.align_offset(16).min(bytes);
+        let body = (bytes - head) / 16 * 16;
+        // SAFETY: every range lies within the `bytes` both pointers are valid for;
+        // `d + head` is 16-byte aligned, as `_mm_stream_si128` needs; SSE2 is part of
+        // every x86_64 CPU.
+        unsafe {
+            std::ptr::copy_nonoverlapping(s, d, head);
+            let mut o = head;
+            while o < head + body {
+                let v = _mm_loadu_si128(s.add(o).cast::<__m128i>());
+                _mm_stream_si128(d.add(o).cast::<__m128i>(), v);
+                o += 16;
+            }
+            std::ptr::copy_nonoverlapping(s.add(o), d.add(o), bytes - o);
+        }
+        return;
+    }
+    let _ = stream;
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(s, d, bytes) };
+}
+
+/// Orders this thread's streaming stores before its later stores (and so before the
+/// release of the lock that tells peers the chunk is written).
+pub(crate) fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` has no preconditions; SSE is part of every x86_64 CPU.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// Appends `src` to `out`, through streaming stores when `stream` (the caller then calls
+/// [`store_fence`] before the data is read by other threads).
+pub(crate) fn push<T: Copy>(out: &mut Vec<T>, src: &[T], stream: bool) {
+    if !stream {
+        out.extend_from_slice(src);
+        return;
+    }
+    out.reserve(src.len());
+    let len = out.len();
+    // SAFETY: `reserve` made room for `src.len()` elements past `len`, which `store`
+    // initializes before `set_len` exposes them; `src` does not overlap `out`'s spare
+    // capacity (it is borrowed while `out` is borrowed mutably).
+    unsafe {
+        store(out.as_mut_ptr().add(len), src, true);
+        out.set_len(len + src.len());
+    }
+}
+
 /// A tensor's data viewed as `[outer, n, inner]`, narrowed to `start..start + len` on the
 /// middle axis: the region a rank sends or receives along one tensor dim.
 #[derive(Clone, Copy, Debug)]
@@ -196,9 +265,17 @@ impl Narrow {
         Narrow::of(dims, dim, 0, n)
     }
 
-    /// Appends elements `from..to` of the view (in its row-major order) to `out`.
-    /// Returns `false` (appending nothing more) if the view does not fit in `src`.
-    pub fn append<T: Copy>(&self, src: &[T], from: usize, to: usize, out: &mut Vec<T>) -> bool {
+    /// Appends elements `from..to` of the view (in its row-major order) to `out`, through
+    /// streaming stores when `stream` ([`push`]). Returns `false` (appending nothing
+    /// more) if the view does not fit in `src`.
+    pub fn append<T: Copy>(
+        &self,
+        src: &[T],
+        from: usize,
+        to: usize,
+        out: &mut Vec<T>,
+        stream: bool,
+    ) -> bool {
         let row = self.len * self.inner;
         if row == 0 {
             return from >= to;
@@ -209,7 +286,7 @@ impl Narrow {
             let take = (row - off).min(to - p);
             let s = a * self.n * self.inner + self.start * self.inner + off;
             match src.get(s..s + take) {
-                Some(piece) => out.extend_from_slice(piece),
+                Some(piece) => push(out, piece, stream),
                 None => return false,
             }
             p += take;
@@ -265,17 +342,21 @@ mod tests {
         let src: Vec<usize> = (0..30).collect();
         let v = Narrow::of(&[2, 5, 3], 1, 1, 3);
         let mut out = Vec::new();
-        assert!(v.append(&src, 0, 18, &mut out));
+        assert!(v.append(&src, 0, 18, &mut out, false));
         let want: Vec<usize> = (0..2)
             .flat_map(|a| (1..4).flat_map(move |b| (0..3).map(move |c| a * 15 + b * 3 + c)))
             .collect();
         assert_eq!(out, want);
         let mut part = Vec::new();
-        assert!(v.append(&src, 4, 13, &mut part));
+        assert!(v.append(&src, 4, 13, &mut part, false));
         assert_eq!(part, want[4..13]);
         let runs: Vec<&[usize]> = v.runs(&src).map(|r| r.unwrap()).collect();
         assert_eq!(runs, vec![&src[3..12], &src[18..27]]);
-        assert!(!Narrow::of(&[2, 5, 3], 1, 4, 3).append(&src, 0, 18, &mut Vec::new()));
+        assert!(!Narrow::of(&[2, 5, 3], 1, 4, 3).append(&src, 0, 18, &mut Vec::new(), false));
+        let mut streamed = Vec::new();
+        assert!(v.append(&src, 0, 18, &mut streamed, true));
+        store_fence();
+        assert_eq!(streamed, want);
     }
 
     #[test]
@@ -291,5 +372,24 @@ mod tests {
         assert_eq!(&out[3..5], &[4.0, 5.0]);
         assert!(out[5].is_nan() && out[8].is_nan());
         assert_eq!(&out[6..8], &[1.0, -2.0]);
+    }
+
+    /// Streaming and plain stores copy the same bytes, at every alignment of the
+    /// destination and every length around the 16-byte blocks, touching nothing else.
+    #[test]
+    fn streaming_store_copies_exactly() {
+        let src: Vec<u8> = (0..200u8).collect();
+        for stream in [false, true] {
+            for off in 0..20 {
+                for len in [0, 1, 15, 16, 17, 31, 33, 64, 100, 150] {
+                    let mut dst = vec![0xAAu8; 200];
+                    // SAFETY: `off + len <= 170 < 200`; `src` and `dst` are distinct.
+                    unsafe { store(dst.as_mut_ptr().add(off), &src[..len], stream) };
+                    store_fence();
+                    assert_eq!(&dst[off..off + len], &src[..len], "off {off} len {len}");
+                    assert!(dst[..off].iter().chain(&dst[off + len..]).all(|&b| b == 0xAA));
+                }
+            }
+        }
     }
 }

@@ -37,7 +37,7 @@ use tpar_tensor::{CpuStorage, DType, Device, Element, Tensor};
 
 pub(crate) use desc::Call;
 use desc::{Desc, Place};
-use kernels::{reduce_runs, with_slices, Narrow, Reducible};
+use kernels::{reduce_runs, store_fence, with_slices, Narrow, Reducible, STREAM_MIN_BYTES};
 
 use crate::p2p::{check_arrival, Expect, Mail};
 use crate::{chunk_range, CollectiveError, CommDebug, ReduceOp, Result};
@@ -852,14 +852,18 @@ fn all_gather(
     let numel = outer * total_dim * inner;
     let dtype = descs[0].dtype;
     let s = tpar_tensor::with_any_type!(dtype, |T| {
+        let stream = numel * std::mem::size_of::<T>() >= STREAM_MIN_BYTES;
         let out = with_slices::<T, _>(tensors, |srcs| {
             let mut out: Vec<T> = output_vec(reuse, numel);
             let mut ok = true;
             for a in 0..outer {
                 for (v, s) in views.iter().zip(srcs) {
                     let row = v.n * inner;
-                    ok &= v.append(s, a * row, (a + 1) * row, &mut out);
+                    ok &= v.append(s, a * row, (a + 1) * row, &mut out, stream);
                 }
+            }
+            if stream {
+                store_fence();
             }
             ok.then_some(out)
         })?;
@@ -972,7 +976,7 @@ fn all_to_all(
             for a in 0..outer {
                 for ((pd, v), s) in pieces.iter().zip(srcs) {
                     let row = pd[concat_dim] * inner;
-                    ok &= v.append(s, a * row, (a + 1) * row, &mut out);
+                    ok &= v.append(s, a * row, (a + 1) * row, &mut out, false);
                 }
             }
             (ok && out.len() == numel).then_some(out)
