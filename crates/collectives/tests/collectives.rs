@@ -537,6 +537,42 @@ fn all_reduce_into_equals_all_reduce() {
     }
 }
 
+/// Outputs of 16 MiB and more are written with streaming stores: `all_gather` and
+/// `all_gather_into` still equal the concatenation, gathering along the leading dim (one
+/// run per member) and an inner one (many short runs, each starting off any alignment),
+/// with uneven shards.
+#[test]
+fn large_all_gathers_equal_the_concatenation() {
+    for world in [2, 3] {
+        spawn(world, |ctx| -> Result<(), CollectiveError> {
+            let pg = ctx.world_group();
+            let (n, r) = (pg.size(), pg.rank());
+            // f32: (4 Mi + 13) rows of 1 (dim 0); bf16: [1031, 2 Ki + 7] along dim 1.
+            let cases: [(DType, Vec<usize>, usize); 2] = [
+                (DType::F32, vec![(4 << 20) + 13, 1], 0),
+                (DType::BF16, vec![1031, (8 << 10) + 7], 1),
+            ];
+            for (case, (dtype, global, dim)) in cases.into_iter().enumerate() {
+                let inputs: Vec<Tensor> = (0..n)
+                    .map(|k| {
+                        let mut d = global.clone();
+                        d[dim] = chunk_range(global[dim], n, k).1;
+                        input(case as u64 + 900, k, &d, dtype)
+                    })
+                    .collect();
+                let want = Tensor::cat(&inputs, dim as isize)?;
+                let what = format!("all_gather(dim {dim}) {dtype} {global:?} world {n}");
+                check_exact(&what, &pg.all_gather(&inputs[r], dim)?, &want);
+                let out = Tensor::zeros(want.dims().to_vec(), dtype, Device::Cpu)?;
+                pg.all_gather_into(&inputs[r], dim, &out)?;
+                check_exact(&format!("{what} into"), &out, &want);
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
 /// Members may mix `all_reduce_into` with `all_reduce` and `all_reduce_`, or pass inputs
 /// that share storage: every member still ends with the result.
 #[test]
