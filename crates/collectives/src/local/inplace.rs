@@ -124,15 +124,19 @@ unsafe fn reduce_chunk_into<T: Reducible>(
     let mut sum: Vec<T> = Vec::with_capacity(BLOCK.min(len));
     let mut runs: Vec<&[T]> = Vec::with_capacity(inputs.len());
     let mut at = start;
-    while at < start + len {
+    let mut fits = true;
+    while fits && at < start + len {
         let take = BLOCK.min(start + len - at);
         sum.clear();
         runs.clear();
         for i in inputs {
             match i.get(at..at + take) {
                 Some(r) => runs.push(r),
-                None => return false,
+                None => fits = false,
             }
+        }
+        if !fits {
+            break;
         }
         reduce_runs(&runs, op, &mut acc, &mut sum);
         for p in outs {
@@ -145,7 +149,7 @@ unsafe fn reduce_chunk_into<T: Reducible>(
     if stream {
         store_fence();
     }
-    true
+    fits
 }
 
 /// Whether every member asked for an in-place `all_reduce` that this path can run:
