@@ -24,22 +24,45 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The inputs (deterministic values) and outputs of one shape's forward and backward.
+struct Buffers {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+impl Buffers {
+    fn new(s: &SdpaShape) -> Buffers {
+        let nq = s.batch * s.q_heads * s.q_len;
+        let nk = s.batch * s.kv_heads * s.kv_len;
+        Buffers {
+            q: values(nq * s.head_dim, 1),
+            k: values(nk * s.head_dim, 2),
+            v: values(nk * s.v_dim, 3),
+            dout: values(nq * s.v_dim, 4),
+            out: vec![0.0; nq * s.v_dim],
+            lse: vec![0.0; nq],
+            dq: vec![0.0; nq * s.head_dim],
+            dk: vec![0.0; nk * s.head_dim],
+            dv: vec![0.0; nk * s.v_dim],
+        }
+    }
+}
+
 /// Forward and backward times of one shape for every tile size of a grid.
 fn tiles(name: &str, s: SdpaShape, padded_tail: usize, reps: usize) {
-    let nq = s.batch * s.q_heads * s.q_len;
-    let nk = s.batch * s.kv_heads * s.kv_len;
-    let q = values(nq * s.head_dim, 1);
-    let k = values(nk * s.head_dim, 2);
-    let v = values(nk * s.v_dim, 3);
-    let dout = values(nq * s.v_dim, 4);
+    let Buffers { q, k, v, dout, mut out, mut lse, mut dq, mut dk, mut dv } = Buffers::new(&s);
     let m: Vec<f32> = (0..s.batch * s.kv_len)
         .map(|i| if i % s.kv_len >= s.kv_len - padded_tail { f32::NEG_INFINITY } else { 0.0 })
         .collect();
     let mask = SdpaMask { data: &m[..], batch_stride: s.kv_len, head_stride: 0, row_stride: 0 };
     let mask = (padded_tail > 0).then_some(mask);
-    let (mut out, mut lse) = (vec![0.0f32; nq * s.v_dim], vec![0.0f32; nq]);
-    let (mut dq, mut dk, mut dv) =
-        (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0; v.len()]);
     println!("{name}: {s:?}, last {padded_tail} keys padded");
     println!("| q tile | k tile | forward ms | backward ms |");
     println!("|---:|---:|---:|---:|");
@@ -63,14 +86,7 @@ fn tiles(name: &str, s: SdpaShape, padded_tail: usize, reps: usize) {
 
 /// Forward and backward of one shape at the chosen tiles: fastest and median of `reps`.
 fn step(name: &str, s: SdpaShape, reps: usize) {
-    let nq = s.batch * s.q_heads * s.q_len;
-    let nk = s.batch * s.kv_heads * s.kv_len;
-    let (q, k, v) =
-        (values(nq * s.head_dim, 1), values(nk * s.head_dim, 2), values(nk * s.v_dim, 3));
-    let dout = values(nq * s.v_dim, 4);
-    let (mut out, mut lse) = (vec![0.0f32; nq * s.v_dim], vec![0.0f32; nq]);
-    let (mut dq, mut dk, mut dv) =
-        (vec![0.0f32; q.len()], vec![0.0f32; k.len()], vec![0.0; v.len()]);
+    let Buffers { q, k, v, dout, mut out, mut lse, mut dq, mut dk, mut dv } = Buffers::new(&s);
     let (tf, tb) = (SdpaTiles::forward(&s), SdpaTiles::backward(&s));
     let f = times(2, reps, || {
         sdpa_forward_tiled(&s, tf, &q, &k, &v, None, &mut out, &mut lse).unwrap();

@@ -72,14 +72,23 @@ impl Lent {
     }
 }
 
-/// Reduces elements `start..start + len` of every buffer with `op` (terms in buffer order)
-/// and writes the result back into that range of each.
+/// Reduces elements `start..start + len` of every input with `op` (terms in input order)
+/// and writes the result into that range of every output, with streaming stores when
+/// `stream`. The outputs may be the inputs themselves (in place): each block is read
+/// in full before it is written.
 ///
 /// # Safety
-/// Every pointer is valid for reads and writes of `start + len` elements of `T`, and no
-/// other thread reads or writes elements `start..start + len` of any of them during the
-/// call.
-unsafe fn reduce_chunk<T: Reducible>(bufs: &[NonNull<T>], start: usize, len: usize, op: ReduceOp) {
+/// Every input pointer is valid for reads and every output pointer for writes of
+/// `start + len` elements of `T`; no other thread writes elements `start..start + len`
+/// of any of them, or reads those of an output, during the call.
+unsafe fn reduce_chunk<T: Reducible>(
+    inputs: &[NonNull<T>],
+    outs: &[NonNull<T>],
+    start: usize,
+    len: usize,
+    op: ReduceOp,
+    stream: bool,
+) {
     let mut acc = Vec::new();
     let mut sum: Vec<T> = Vec::with_capacity(BLOCK.min(len));
     let mut at = start;
@@ -88,60 +97,15 @@ unsafe fn reduce_chunk<T: Reducible>(bufs: &[NonNull<T>], start: usize, len: usi
         sum.clear();
         {
             // SAFETY: in range and not written by anyone while these borrows live.
-            let runs: Vec<&[T]> = bufs
+            let runs: Vec<&[T]> = inputs
                 .iter()
                 .map(|p| unsafe { std::slice::from_raw_parts(p.as_ptr().add(at), take) })
                 .collect();
             reduce_runs(&runs, op, &mut acc, &mut sum);
         }
-        for p in bufs {
-            // SAFETY: in range; the shared borrows above have ended and the buffers are
-            // distinct allocations, so this is the only reference to these elements.
-            unsafe { std::slice::from_raw_parts_mut(p.as_ptr().add(at), take) }
-                .copy_from_slice(&sum);
-        }
-        at += take;
-    }
-}
-
-/// Reduces elements `start..start + len` of every input with `op` (terms in input order)
-/// and writes the result into that range of every output, with streaming stores when
-/// `stream`.
-///
-/// # Safety
-/// Every output pointer is valid for writes of `start + len` elements of `T`, no other
-/// thread reads or writes elements `start..start + len` of any output during the call,
-/// and no output overlaps an input.
-unsafe fn reduce_chunk_into<T: Reducible>(
-    inputs: &[&[T]],
-    outs: &[NonNull<T>],
-    start: usize,
-    len: usize,
-    op: ReduceOp,
-    stream: bool,
-) -> bool {
-    let mut acc = Vec::new();
-    let mut sum: Vec<T> = Vec::with_capacity(BLOCK.min(len));
-    let mut runs: Vec<&[T]> = Vec::with_capacity(inputs.len());
-    let mut at = start;
-    let mut fits = true;
-    while fits && at < start + len {
-        let take = BLOCK.min(start + len - at);
-        sum.clear();
-        runs.clear();
-        for i in inputs {
-            match i.get(at..at + take) {
-                Some(r) => runs.push(r),
-                None => fits = false,
-            }
-        }
-        if !fits {
-            break;
-        }
-        reduce_runs(&runs, op, &mut acc, &mut sum);
         for p in outs {
-            // SAFETY: in range, and this member's chunk of the output is written by
-            // nobody else (the caller's contract).
+            // SAFETY: in range; the shared borrows above have ended, `sum` is a buffer
+            // of its own, and no one else touches these elements of an output.
             unsafe { store(p.as_ptr().add(at), &sum, stream) };
         }
         at += take;
@@ -149,7 +113,6 @@ unsafe fn reduce_chunk_into<T: Reducible>(
     if stream {
         store_fence();
     }
-    fits
 }
 
 /// Whether every member asked for an in-place `all_reduce` that this path can run:
@@ -273,7 +236,7 @@ impl LocalComm {
                 // stays alive while `bufs` holds it; `start..start + len` is this member's
                 // chunk, which no other member reads or writes, and the owners do not
                 // touch their lent storage until they are its sole owner again.
-                unsafe { reduce_chunk::<T>(&ptrs, start, len, rop) };
+                unsafe { reduce_chunk::<T>(&ptrs, &ptrs, start, len, rop, false) };
             });
         }
         drop(bufs);
@@ -314,14 +277,22 @@ impl LocalComm {
             written = tpar_tensor::with_any_type!(lent.dtype, |T| {
                 let outs: Vec<NonNull<T>> = bufs.iter().map(|b| b.ptr.cast::<T>()).collect();
                 with_slices::<T, _>(tensors, |inputs| {
-                    // SAFETY: every output holds `numel` elements of `T` (checked above)
-                    // and stays alive while `bufs` holds it; `start..start + len` is this
-                    // member's chunk, which no other member writes, and the owners do
-                    // not touch their lent storage until they are its sole owner again.
-                    // Outputs are storage taken out of the members' `out` tensors, which
-                    // share no storage with the inputs (checked when posting): an input
-                    // sharing it would have been left without memory and failed above.
-                    unsafe { reduce_chunk_into::<T>(inputs, &outs, start, len, rop, stream) }
+                    if inputs.iter().any(|i| i.len() < start + len) {
+                        return false;
+                    }
+                    let ins: Vec<NonNull<T>> =
+                        inputs.iter().map(|i| NonNull::from(*i).cast()).collect();
+                    // SAFETY: every input holds `start + len` elements (checked just
+                    // above) and is read-locked; every output holds `numel` elements of
+                    // `T` (checked above) and stays alive while `bufs` holds it;
+                    // `start..start + len` is this member's chunk, which no other member
+                    // writes, and the owners do not touch their lent storage until they
+                    // are its sole owner again. Outputs are storage taken out of the
+                    // members' `out` tensors, which share no storage with the inputs
+                    // (checked when posting): an input sharing it would have been left
+                    // without memory and failed above.
+                    unsafe { reduce_chunk::<T>(&ins, &outs, start, len, rop, stream) };
+                    true
                 })
             });
         }

@@ -16,7 +16,8 @@
 //!    does the same on its device, device to device (the `device` module): no host copy,
 //!    results on its device, bit-equal to the host path's. A large host `all_reduce_`
 //!    that every member calls in place instead reduces each member's chunk of all
-//!    members' tensors and writes it back into each (the `inplace` module);
+//!    members' tensors and writes it back into each, and a large host `all_reduce_into`
+//!    that every member calls writes it into each member's `out` (the `inplace` module);
 //! 3. members whose input others still read wait until everyone is done, so a caller may
 //!    overwrite its input as soon as the call returns; the last member frees the slot.
 //!
@@ -159,10 +160,18 @@ struct Post {
     desc: Desc,
     tensor: Option<Tensor>,
     problem: Option<CollectiveError>,
-    /// The member wants the result in its input tensor (`all_reduce_`).
-    in_place: bool,
-    /// The member gave the memory of its own `out` for the result (an `*_into` call).
-    into: bool,
+    /// Where the member wants its result.
+    wants: Wants,
+}
+
+/// A posted [`Dest`], without the memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wants {
+    New,
+    /// The member gave the memory of its own `out` (an `*_into` call).
+    Into,
+    /// The result in its input tensor (`all_reduce_`).
+    InPlace,
 }
 
 struct Slot {
@@ -430,12 +439,11 @@ impl LocalComm {
     ) -> Result<Option<Tensor>> {
         let op = call.name();
         let n = self.ex.members.len();
-        let (mut reuse, in_place) = match dest {
-            Dest::New => (None, false),
-            Dest::Into(s) => (Some(s), false),
-            Dest::InPlace => (None, true),
+        let (mut reuse, wants) = match dest {
+            Dest::New => (None, Wants::New),
+            Dest::Into(s) => (Some(s), Wants::Into),
+            Dest::InPlace => (None, Wants::InPlace),
         };
-        let into = reuse.is_some();
         let me = self.me;
         let clock = Clock::start(timeout);
         let desc = Desc::new(call.clone(), tensor.as_ref());
@@ -470,7 +478,7 @@ impl LocalComm {
             return Err(internal(op, "member posted twice to one collective"));
         }
         let own_problem = problem.clone();
-        slot.posts[me] = Some(Post { desc, tensor, problem, in_place, into });
+        slot.posts[me] = Some(Post { desc, tensor, problem, wants });
         slot.n_posted += 1;
         if slot.n_posted == n {
             slot.verdict = Some(self.verdict(&slot.posts));
@@ -491,8 +499,8 @@ impl LocalComm {
         }
         let mut tensors = Vec::with_capacity(n);
         let mut descs = Vec::with_capacity(n);
-        let all_in_place = slot.posts.iter().flatten().all(|p| p.in_place);
-        let all_into = slot.posts.iter().flatten().all(|p| p.into);
+        let all_want = |w: Wants| slot.posts.iter().flatten().all(|p| p.wants == w);
+        let (all_in_place, all_into) = (all_want(Wants::InPlace), all_want(Wants::Into));
         for p in slot.posts.iter().flatten() {
             if let Some(t) = &p.tensor {
                 tensors.push(t.clone());
@@ -506,6 +514,13 @@ impl LocalComm {
             Call::Broadcast { src } => descs.get(src).is_some_and(|d| d.place == Place::Meta),
             _ => descs.iter().any(|d| d.place == Place::Meta),
         };
+        let lend_outs = matches!(call, Call::AllReduce { .. })
+            && !meta
+            && tensors.len() == n
+            && inplace::runs_into(&tensors, all_into);
+        if let (Call::AllReduce { op: rop }, Some(out)) = (&call, reuse.take_if(|_| lend_outs)) {
+            return self.all_reduce_lent_into(seq, &tensors, *rop, clock, out);
+        }
         let result = match &call {
             Call::Barrier => Ok(None),
             Call::AllReduce { op: rop }
@@ -514,14 +529,6 @@ impl LocalComm {
                     && inplace::runs_in_place(&tensors, all_in_place) =>
             {
                 return self.all_reduce_in_place(seq, &tensors, *rop, clock);
-            }
-            Call::AllReduce { op: rop }
-                if !meta && tensors.len() == n && inplace::runs_into(&tensors, all_into) =>
-            {
-                if let Some(out) = reuse.take() {
-                    return self.all_reduce_lent_into(seq, &tensors, *rop, clock, out);
-                }
-                Err(internal(op, "an `all_reduce_into` member without its output"))
             }
             // Staged chunks live on the host: only when every member is a host member
             // (all decide alike, as every member must stage).

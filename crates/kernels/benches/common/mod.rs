@@ -10,7 +10,6 @@ pub fn median_secs(warmup: usize, reps: usize, f: impl FnMut()) -> f64 {
 
 /// Seconds of each of `reps` calls of `f` (at least one) after `warmup` uncounted
 /// calls, fastest first.
-#[allow(dead_code)] // not every bench that includes this module calls it
 pub fn times(warmup: usize, reps: usize, mut f: impl FnMut()) -> Vec<f64> {
     for _ in 0..warmup {
         f();
