@@ -53,6 +53,7 @@ struct Opts {
     steps: usize,
     torch: BTreeMap<String, f64>,
     pools: Vec<bool>,
+    rounds: usize,
 }
 
 fn opts() -> Result<Opts> {
@@ -95,6 +96,7 @@ fn opts() -> Result<Opts> {
         steps: num("--steps", if quick { 3 } else { 10 })?.max(1),
         torch,
         pools,
+        rounds: num("--rounds", 1)?.max(1),
     })
 }
 
@@ -185,39 +187,73 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
+/// One row's measurements: per round, the median step time and its ratio to the single
+/// rank of the same round and pools.
+#[derive(Default)]
+struct Row {
+    secs: Vec<f64>,
+    vs_single: Vec<f64>,
+}
+
 fn main() -> Result<()> {
     let o = opts()?;
     println!(
         "Llama step (hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, vocab {VOCAB}, global batch {BATCH}, f32): \
-         {} warm-up + {} timed steps, median of rank 0",
-        o.warmup, o.steps
+         {} warm-up + {} timed steps, median of rank 0, {} round(s)",
+        o.warmup, o.steps, o.rounds
     );
+    let mut rows: BTreeMap<(usize, bool), Row> = BTreeMap::new();
+    for round in 0..o.rounds {
+        let mut single: [Option<f64>; 2] = [None, None];
+        for (i, name) in o.configs.iter().enumerate() {
+            let Some(&(_, dp, tp, plan, fsdp)) = CONFIGS.iter().find(|c| c.0 == name.as_str())
+            else {
+                continue;
+            };
+            for &per_rank in &o.pools {
+                let s = median(run((dp, tp, plan, fsdp), &o, per_rank)?);
+                if name == "single" {
+                    single[usize::from(per_rank)] = Some(s);
+                }
+                let vs_single = single[usize::from(per_rank)].map_or(f64::NAN, |b| s / b);
+                if o.rounds > 1 {
+                    let pools = if per_rank { "per-rank" } else { "shared" };
+                    println!(
+                        "round {}: {name} {pools} {s:.4} s/step, {vs_single:.2} of single",
+                        round + 1
+                    );
+                }
+                let row = rows.entry((i, per_rank)).or_default();
+                row.secs.push(s);
+                row.vs_single.push(vs_single);
+            }
+        }
+    }
     println!(
-        "{:<20} {:>8} {:>10} {:>10} {:>9} {:>10}",
-        "configuration", "pools", "s/step", "tokens/s", "/ single", "/ PyTorch"
+        "{:<20} {:>8} {:>10} {:>10} {:>9} {:>11} {:>10}",
+        "configuration", "pools", "s/step", "tokens/s", "/ single", "range", "/ PyTorch"
     );
-    let mut single: [Option<f64>; 2] = [None, None];
-    for name in &o.configs {
-        let Some(&(_, dp, tp, plan, fsdp)) = CONFIGS.iter().find(|c| c.0 == name.as_str()) else {
+    for ((i, per_rank), row) in rows {
+        let name = &o.configs[i];
+        let Some(&(_, dp, tp, ..)) = CONFIGS.iter().find(|c| c.0 == name.as_str()) else {
             continue;
         };
-        for &per_rank in &o.pools {
-            let pools = if per_rank { "per-rank" } else { "shared" };
-            let s = median(run((dp, tp, plan, fsdp), &o, per_rank)?);
-            if name == "single" {
-                single[usize::from(per_rank)] = Some(s);
-            }
-            let vs_single = single[usize::from(per_rank)].map_or(f64::NAN, |b| s / b);
-            let vs_torch = o.torch.get(name).map_or(f64::NAN, |t| s / t);
-            let tokens_per_s = (BATCH * SEQ) as f64 / s;
-            println!(
-                "{name:<20} {pools:>8} {s:>10.4} {tokens_per_s:>10.0} {vs_single:>9.2} {vs_torch:>10.2}"
-            );
-            println!(
-                "summary: config={name} pools={pools} dp={dp} tp={tp} s_per_step={s:.5} \
-                 tokens_per_s={tokens_per_s:.0} vs_single={vs_single:.3} vs_torch={vs_torch:.3}"
-            );
-        }
+        let pools = if per_rank { "per-rank" } else { "shared" };
+        let lo = row.vs_single.iter().copied().fold(f64::NAN, f64::min);
+        let hi = row.vs_single.iter().copied().fold(f64::NAN, f64::max);
+        let (s, vs_single) = (median(row.secs), median(row.vs_single));
+        let vs_torch = o.torch.get(name).map_or(f64::NAN, |t| s / t);
+        let tokens_per_s = (BATCH * SEQ) as f64 / s;
+        let range = format!("{lo:.2}-{hi:.2}");
+        println!(
+            "{name:<20} {pools:>8} {s:>10.4} {tokens_per_s:>10.0} {vs_single:>9.2} {range:>11} {vs_torch:>10.2}"
+        );
+        println!(
+            "summary: config={name} pools={pools} dp={dp} tp={tp} s_per_step={s:.5} \
+             tokens_per_s={tokens_per_s:.0} vs_single={vs_single:.3} vs_torch={vs_torch:.3} \
+             rounds={} vs_single_min={lo:.3} vs_single_max={hi:.3}",
+            o.rounds
+        );
     }
     Ok(())
 }

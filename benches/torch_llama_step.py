@@ -20,7 +20,9 @@ Configurations (``--configs``, comma-separated; default all):
 
 Multi-rank configurations run one process per rank over gloo with 1 thread each. Each
 runs ``--warmup`` steps (default 3), then ``--steps`` timed steps (default 10), each
-after a barrier; rank 0's median step time is reported. ``--json PATH`` writes
+after a barrier; rank 0's median step time is reported. ``--rounds N`` (default 1) runs
+the whole list N times in turn and reports each configuration's median over the rounds.
+``--json PATH`` writes
 ``{config: seconds_per_step}`` for the bench to read (``--torch PATH``). Needs only torch.
 """
 
@@ -242,25 +244,31 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=1)
     a = ap.parse_args()
-    results = {}
+    runs = {}
     ctx = mp.get_context("spawn")
-    for config in a.configs.split(","):
-        dp, tp, _, _ = CONFIGS[config]
-        out = ctx.SimpleQueue()
-        port = free_port()
-        procs = [
-            ctx.Process(target=worker, args=(r, dp * tp, port, config, a.warmup, a.steps, out))
-            for r in range(dp * tp)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise SystemExit(f"{config}: a rank exited with {p.exitcode}")
-        results[config] = out.get()
-        print(f"torch {config:<20} {results[config]:.4f} s/step", flush=True)
+    configs = a.configs.split(",")
+    for rnd in range(max(1, a.rounds)):
+        for config in configs:
+            dp, tp, _, _ = CONFIGS[config]
+            out = ctx.SimpleQueue()
+            port = free_port()
+            procs = [
+                ctx.Process(target=worker, args=(r, dp * tp, port, config, a.warmup, a.steps, out))
+                for r in range(dp * tp)
+            ]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+                if p.exitcode != 0:
+                    raise SystemExit(f"{config}: a rank exited with {p.exitcode}")
+            runs.setdefault(config, []).append(out.get())
+            print(f"torch round {rnd + 1} {config:<20} {runs[config][-1]:.4f} s/step", flush=True)
+    results = {c: statistics.median_high(v) for c, v in runs.items()}
+    for config, secs in results.items():
+        print(f"torch {config:<20} {secs:.4f} s/step", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
