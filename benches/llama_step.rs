@@ -20,6 +20,11 @@
 //! share the global rayon pool, or each rank runs in a pool of its own of
 //! `cores / ranks` threads (`both` measures the two in one run, alternating per
 //! configuration, each ratio against the single rank of the same pools).
+//! `--rounds N` (default 1) runs the whole list N times in turn, so that a slow minute
+//! of a noisy machine falls on every configuration alike: each round's ratio is taken
+//! against the single rank of the same round, and a row reports the medians over the
+//! rounds of its step time and of that ratio, the ratio's range, and its fastest step
+//! of all rounds against the single rank's fastest.
 //!
 //! Run: `cargo bench --bench llama_step`, or for the PyTorch comparison:
 //! `python3 benches/torch_llama_step.py --json /tmp/torch.json` then
@@ -188,11 +193,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// One row's measurements: per round, the median step time and its ratio to the single
-/// rank of the same round and pools.
-#[derive(Default)]
+/// rank of the same round and pools; and its fastest step over all rounds.
 struct Row {
     secs: Vec<f64>,
     vs_single: Vec<f64>,
+    fastest: f64,
 }
 
 fn main() -> Result<()> {
@@ -211,7 +216,9 @@ fn main() -> Result<()> {
                 continue;
             };
             for &per_rank in &o.pools {
-                let s = median(run((dp, tp, plan, fsdp), &o, per_rank)?);
+                let times = run((dp, tp, plan, fsdp), &o, per_rank)?;
+                let fastest = times.iter().copied().fold(f64::NAN, f64::min);
+                let s = median(times);
                 if name == "single" {
                     single[usize::from(per_rank)] = Some(s);
                 }
@@ -223,15 +230,35 @@ fn main() -> Result<()> {
                         round + 1
                     );
                 }
-                let row = rows.entry((i, per_rank)).or_default();
+                let row = rows.entry((i, per_rank)).or_insert(Row {
+                    secs: Vec::new(),
+                    vs_single: Vec::new(),
+                    fastest: f64::NAN,
+                });
                 row.secs.push(s);
                 row.vs_single.push(vs_single);
+                row.fastest = row.fastest.min(fastest);
             }
         }
     }
+    // The fastest single-rank step of each pools setting, over all rounds.
+    let mut single_fastest = [f64::NAN; 2];
+    for ((i, per_rank), row) in &rows {
+        if o.configs[*i] == "single" {
+            single_fastest[usize::from(*per_rank)] = row.fastest;
+        }
+    }
     println!(
-        "{:<20} {:>8} {:>10} {:>10} {:>9} {:>11} {:>10}",
-        "configuration", "pools", "s/step", "tokens/s", "/ single", "range", "/ PyTorch"
+        "{:<20} {:>8} {:>10} {:>10} {:>9} {:>11} {:>10} {:>9} {:>10}",
+        "configuration",
+        "pools",
+        "s/step",
+        "tokens/s",
+        "/ single",
+        "range",
+        "/ PyTorch",
+        "fastest",
+        "/ single"
     );
     for ((i, per_rank), row) in rows {
         let name = &o.configs[i];
@@ -245,13 +272,17 @@ fn main() -> Result<()> {
         let vs_torch = o.torch.get(name).map_or(f64::NAN, |t| s / t);
         let tokens_per_s = (BATCH * SEQ) as f64 / s;
         let range = format!("{lo:.2}-{hi:.2}");
+        let fastest = row.fastest;
+        let fastest_vs_single = fastest / single_fastest[usize::from(per_rank)];
         println!(
-            "{name:<20} {pools:>8} {s:>10.4} {tokens_per_s:>10.0} {vs_single:>9.2} {range:>11} {vs_torch:>10.2}"
+            "{name:<20} {pools:>8} {s:>10.4} {tokens_per_s:>10.0} {vs_single:>9.2} {range:>11} \
+             {vs_torch:>10.2} {fastest:>9.4} {fastest_vs_single:>10.2}"
         );
         println!(
             "summary: config={name} pools={pools} dp={dp} tp={tp} s_per_step={s:.5} \
              tokens_per_s={tokens_per_s:.0} vs_single={vs_single:.3} vs_torch={vs_torch:.3} \
-             rounds={} vs_single_min={lo:.3} vs_single_max={hi:.3}",
+             rounds={} vs_single_min={lo:.3} vs_single_max={hi:.3} fastest_s={fastest:.5} \
+             fastest_vs_single={fastest_vs_single:.3}",
             o.rounds
         );
     }
