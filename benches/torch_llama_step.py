@@ -22,8 +22,8 @@ Multi-rank configurations run one process per rank over gloo with 1 thread each.
 runs ``--warmup`` steps (default 3), then ``--steps`` timed steps (default 10), each
 after a barrier; rank 0's median step time is reported. ``--rounds N`` (default 1) runs
 the whole list N times in turn and reports each configuration's median over the rounds.
-``--json PATH`` writes
-``{config: seconds_per_step}`` for the bench to read (``--torch PATH``). Needs only torch.
+``--json PATH`` writes ``{config: seconds_per_step}`` for the bench to read (``--torch
+PATH``). Needs only torch.
 """
 
 import argparse
@@ -265,7 +265,8 @@ def main():
                 if p.exitcode != 0:
                     raise SystemExit(f"{config}: a rank exited with {p.exitcode}")
             runs.setdefault(config, []).append(out.get())
-            print(f"torch round {rnd + 1} {config:<20} {runs[config][-1]:.4f} s/step", flush=True)
+            if a.rounds > 1:
+                print(f"torch round {rnd + 1} {config:<20} {runs[config][-1]:.4f} s/step", flush=True)
     results = {c: statistics.median_high(v) for c, v in runs.items()}
     for config, secs in results.items():
         print(f"torch {config:<20} {secs:.4f} s/step", flush=True)
