@@ -1,13 +1,15 @@
 //! CPU elementwise kernel timings on the Llama step's activation size (`[2048, 768]`
 //! f32, 6 MiB per operand): binary ops on contiguous operands, with a broadcast row
-//! (`x * w` for `w: [768]`), with a scalar, and SiLU, each against a `memcpy` of the same
-//! output measured in the same run (`copy`: the bytes one output costs at least).
+//! (`x * w` for `w: [768]`), with a scalar, SiLU, and the strided copies of attention's
+//! head permutes (`[8, 256, 24, 32]` to `[8, 24, 256, 32]` and back) and of a local slice
+//! (half of every row), each against a `memcpy` of the same output measured in the same
+//! run (`copy`: the bytes one output costs at least).
 //! Run: `cargo bench -p tpar-kernels --bench elementwise`.
 
 mod common;
 
 use common::median_secs;
-use tpar_kernels::elementwise::{binary, scalar, unary, BinaryOp, UnaryOp};
+use tpar_kernels::elementwise::{binary, scalar, strided_copy, unary, BinaryOp, UnaryOp};
 
 fn main() {
     let (rows, cols) = (2048usize, 768usize);
@@ -37,4 +39,17 @@ fn main() {
     });
     row("mul, scalar", &mut |o| scalar(BinaryOp::Mul, &a, 0.5, false, o).unwrap());
     row("silu", &mut |o| unary(UnaryOp::Silu, &a, o).unwrap());
+    // [b, s, h, d] = [8, 256, 24, 32]: 2048 x 768 elements.
+    let (b, sq, h, d) = (8usize, 256usize, 24usize, 32usize);
+    row("permute [b, s, h, d] -> [b, h, s, d]", &mut |o| {
+        strided_copy(&a, 0, &[sq * h * d, d, h * d, 1], &[b, h, sq, d], o).unwrap()
+    });
+    row("permute [b, h, s, d] -> [b, s, h, d]", &mut |o| {
+        strided_copy(&a, 0, &[h * sq * d, d, sq * d, 1], &[b, sq, h, d], o).unwrap()
+    });
+    let half = &mut out[..n / 2];
+    let t = median_secs(2, reps, || {
+        strided_copy(&a, cols / 2, &[cols, 1], &[rows, cols / 2], half).unwrap()
+    });
+    println!("| narrow, second half of each row | {:.3} | {:.2} |", t * 1e3, 2.0 * t / copy);
 }

@@ -384,16 +384,15 @@ pub fn binary<T: Float, O: Out<T>>(
     let last = if rank == 0 { 1 } else { out_shape[rank - 1] };
     let (sa, sb) = if rank == 0 { (0, 0) } else { (a_strides[rank - 1], b_strides[rank - 1]) };
     with_binary_fn!(op, T::Acc, |f| {
-        let row = |(r, orow): (usize, &mut [O])| {
-            let oa = row_offset(r, out_shape, a_strides);
-            let ob = row_offset(r, out_shape, b_strides);
-            binary_row(orow, (a, oa, sa), (b, ob, sb), f);
-        };
-        if n >= PAR_THRESHOLD {
-            out.par_chunks_mut(last).enumerate().with_min_len((4096 / last).max(1)).for_each(row);
-        } else {
-            out.chunks_mut(last).enumerate().for_each(row);
-        }
+        row_blocks(out, last, |first, block| {
+            let mut ra = RowWalk::new(first, out_shape, a_strides);
+            let mut rb = RowWalk::new(first, out_shape, b_strides);
+            for orow in block.chunks_mut(last) {
+                binary_row(orow, (a, ra.offset, sa), (b, rb.offset, sb), f);
+                ra.step();
+                rb.step();
+            }
+        });
     });
     Ok(())
 }
@@ -502,22 +501,73 @@ pub fn strided_copy<T: Copy + Send + Sync, O: Out<T>>(
     let rank = out_shape.len();
     let last = if rank == 0 { 1 } else { out_shape[rank - 1] };
     let s = if rank == 0 { 0 } else { src_strides[rank - 1] };
-    let row = |(r, orow): (usize, &mut [O])| {
-        let o = base + row_offset(r, out_shape, src_strides);
-        if s == 1 {
-            orow.iter_mut().zip(&src[o..o + last]).for_each(|(v, &x)| v.put(x));
-        } else {
-            for (j, v) in orow.iter_mut().enumerate() {
-                v.put(src[o + j * s]);
+    row_blocks(out, last, |first, block| {
+        let mut rows = RowWalk::new(first, out_shape, src_strides);
+        for orow in block.chunks_mut(last) {
+            let o = base + rows.offset;
+            if s == 1 {
+                orow.iter_mut().zip(&src[o..o + last]).for_each(|(v, &x)| v.put(x));
+            } else {
+                for (j, v) in orow.iter_mut().enumerate() {
+                    v.put(src[o + j * s]);
+                }
             }
+            rows.step();
         }
-    };
-    if n >= PAR_THRESHOLD {
-        out.par_chunks_mut(last).enumerate().with_min_len((4096 / last).max(1)).for_each(row);
-    } else {
-        out.chunks_mut(last).enumerate().for_each(row);
-    }
+    });
     Ok(())
+}
+
+/// Runs `f(first row, block)` over `out` cut in blocks of whole rows of `last` elements,
+/// at least 4096 elements each, in parallel from [`PAR_THRESHOLD`] elements: a block
+/// finds its first row's offsets once and steps from row to row with a [`RowWalk`]
+/// (no division per row).
+fn row_blocks<O: Send>(out: &mut [O], last: usize, f: impl Fn(usize, &mut [O]) + Sync) {
+    let rows = (4096 / last.max(1)).max(1);
+    let block = |(b, block): (usize, &mut [O])| f(b * rows, block);
+    if out.len() >= PAR_THRESHOLD {
+        out.par_chunks_mut(rows * last.max(1)).enumerate().for_each(block);
+    } else {
+        out.chunks_mut(rows * last.max(1)).enumerate().for_each(block);
+    }
+}
+
+/// The source offset of consecutive rows (all dims but the last) of a strided view:
+/// an odometer over the row's index that adds and takes back strides as it turns.
+struct RowWalk<'a> {
+    shape: &'a [usize],
+    strides: &'a [usize],
+    index: Vec<usize>,
+    offset: usize,
+}
+
+impl<'a> RowWalk<'a> {
+    /// Starts at row `row` (rows counted in row-major order).
+    fn new(row: usize, shape: &'a [usize], strides: &'a [usize]) -> Self {
+        let outer = shape.len().saturating_sub(1);
+        let mut index = vec![0; outer];
+        let mut rem = row;
+        for d in (0..outer).rev() {
+            index[d] = rem % shape[d];
+            rem /= shape[d];
+        }
+        let offset = row_offset(row, shape, strides);
+        RowWalk { shape, strides, index, offset }
+    }
+
+    /// Moves to the next row (past the last one the offset is not used).
+    #[inline]
+    fn step(&mut self) {
+        for d in (0..self.index.len()).rev() {
+            self.index[d] += 1;
+            self.offset += self.strides[d];
+            if self.index[d] < self.shape[d] {
+                return;
+            }
+            self.offset -= self.shape[d] * self.strides[d];
+            self.index[d] = 0;
+        }
+    }
 }
 
 /// [`strided_copy`] into a new vector.
@@ -556,6 +606,56 @@ mod tests {
                     assert_eq!(out[(i * 4 + j) * 3 + k], a[i * 3 + k] + b[j]);
                 }
             }
+        }
+    }
+
+    /// The source offset of element `i` of a row-major `shape` read with `strides`.
+    fn naive_offset(mut i: usize, shape: &[usize], strides: &[usize]) -> usize {
+        let mut off = 0;
+        for d in (0..shape.len()).rev() {
+            off += (i % shape[d]) * strides[d];
+            i /= shape[d];
+        }
+        off
+    }
+
+    /// Strided copies and strided binary ops of ranks 0-5 (permutes, broadcasts, local
+    /// slices from an offset, a non-unit last stride), serial and parallel sizes, with
+    /// rows that do not divide the blocks, read each element from where a loop over the
+    /// whole index says.
+    #[test]
+    fn strided_views_match_an_index_loop() {
+        // (shape, strides of the view, base offset)
+        let views: Vec<(Vec<usize>, Vec<usize>, usize)> = vec![
+            (vec![], vec![], 3),
+            (vec![7], vec![2], 1),
+            (vec![5, 3], vec![1, 5], 0),
+            (vec![4, 6, 32], vec![6 * 32, 32 * 4, 1], 0),
+            (vec![8, 24, 40, 32], vec![40 * 24 * 32, 32, 24 * 32, 1], 0),
+            (vec![8, 40, 24, 32], vec![24 * 40 * 32, 32, 40 * 32, 1], 0),
+            (vec![3, 5, 7, 2, 3], vec![0, 7 * 6, 6, 3, 1], 2),
+            (vec![2, 3, 4, 5, 6], vec![3 * 4 * 5 * 6, 4 * 5 * 6, 5 * 6, 0, 1], 0),
+            (vec![300, 77], vec![154, 1], 77),
+            (vec![9, 4, 131], vec![4 * 262, 262, 2], 1),
+            (vec![7, 13, 24, 37], vec![24 * 13 * 37, 37, 13 * 37, 1], 0),
+        ];
+        for (shape, strides, base) in views {
+            let n: usize = shape.iter().product();
+            let len = base + max_offset(&shape, &strides) + 1;
+            let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
+            let mut out = vec![f32::NAN; n];
+            strided_copy(&src, base, &strides, &shape, &mut out).unwrap();
+            let want: Vec<f32> =
+                (0..n).map(|i| src[base + naive_offset(i, &shape, &strides)]).collect();
+            assert_eq!(out, want, "strided_copy of {shape:?} by {strides:?} from {base}");
+            // The same view as the left operand of a binary op, a contiguous right one.
+            let contig = contiguous_strides(&shape);
+            let b: Vec<f32> = (0..n).map(|i| 0.5 * i as f32).collect();
+            let a = &src[base..];
+            binary(BinaryOp::Sub, a, &strides, &b, &contig, &shape, &mut out).unwrap();
+            let want: Vec<f32> =
+                (0..n).map(|i| a[naive_offset(i, &shape, &strides)] - b[i]).collect();
+            assert_eq!(out, want, "binary of {shape:?} by {strides:?}");
         }
     }
 
