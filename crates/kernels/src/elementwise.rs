@@ -329,19 +329,6 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     strides
 }
 
-/// Offset of the first element of row `row` (all dims but the last) for the given strides.
-#[inline]
-fn row_offset(row: usize, shape: &[usize], strides: &[usize]) -> usize {
-    let mut rem = row;
-    let mut off = 0;
-    for d in (0..shape.len().saturating_sub(1)).rev() {
-        let i = rem % shape[d];
-        rem /= shape[d];
-        off += i * strides[d];
-    }
-    off
-}
-
 fn max_offset(shape: &[usize], strides: &[usize]) -> usize {
     shape.iter().zip(strides).map(|(&n, &s)| n.saturating_sub(1) * s).sum()
 }
@@ -551,7 +538,7 @@ impl<'a> RowWalk<'a> {
             index[d] = rem % shape[d];
             rem /= shape[d];
         }
-        let offset = row_offset(row, shape, strides);
+        let offset = index.iter().zip(strides).map(|(i, s)| i * s).sum();
         RowWalk { shape, strides, index, offset }
     }
 
