@@ -4,7 +4,13 @@
 //! ```text
 //! gpu_check [--device gpu|emulator] [--ordinal N] [--quick] [--bench] [--no-checks]
 //!           [--json PATH] [--only FAMILY,...] [--seed N] [--sabotage]
+//! gpu_check --precompile ARCH
 //! ```
+//!
+//! `--precompile sm_90` needs no GPU: NVRTC compiles every kernel source for
+//! that architecture into the kernel cache (`TPAR_KERNEL_CACHE`, default
+//! `~/.cache/tpar/kernels`), so GPU processes with the same NVRTC version
+//! load them instead of compiling on first use; it prints the cache files.
 //!
 //! Part 1, correctness (unless `--no-checks`): fresh random inputs, rounded
 //! to the dtype under test, go through the CUDA kernel and through the CPU
@@ -2375,6 +2381,7 @@ struct Opts {
     only: Vec<String>,
     seed: u64,
     sabotage: bool,
+    precompile: Option<String>,
 }
 
 fn parse() -> Result<Opts, String> {
@@ -2388,6 +2395,7 @@ fn parse() -> Result<Opts, String> {
         only: Vec::new(),
         seed: 0x7470_6172,
         sabotage: false,
+        precompile: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -2410,6 +2418,7 @@ fn parse() -> Result<Opts, String> {
             "--only" => o.only = val("--only")?.split(',').map(|s| s.trim().to_string()).collect(),
             "--seed" => o.seed = val("--seed")?.parse().map_err(|_| "--seed: not a number")?,
             "--sabotage" => o.sabotage = true,
+            "--precompile" => o.precompile = Some(val("--precompile")?),
             "-h" | "--help" => {
                 let doc: Vec<&str> = include_str!("gpu_check.rs")
                     .lines()
@@ -2437,6 +2446,27 @@ fn main() {
             std::process::exit(2);
         }
     };
+    if let Some(arch) = &o.precompile {
+        let t0 = Instant::now();
+        let options = tpar::kernels::cuda::device::CompileOptions::default();
+        match tpar::kernels::cuda::device::precompile(arch, &options) {
+            Ok(files) => {
+                for f in &files {
+                    println!("{}", f.display());
+                }
+                println!(
+                    "{} kernel sources compiled for {arch} ({:.1} s)",
+                    files.len(),
+                    t0.elapsed().as_secs_f64()
+                );
+                std::process::exit(0);
+            }
+            Err(e) => {
+                eprintln!("gpu_check: --precompile {arch}: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
     let dev = match Dev::open(&o) {
         Ok(d) => d,
         Err(e) => {

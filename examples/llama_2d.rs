@@ -369,6 +369,22 @@ struct RankReport {
     steps_run: usize,
     /// The FSDP timeline of the last step and its collectives, rendered (`--timeline`).
     timeline: Option<String>,
+    /// Seconds from the start to the end of each step that read its loss back
+    /// (so the device had finished it), with the steps done by then.
+    read_times: Vec<(usize, f64)>,
+}
+
+impl RankReport {
+    /// Seconds per step after the warm-up: from the first step at or after the
+    /// third that read its loss back to the last step (NaN with no two such steps).
+    /// Device work is asynchronous, so only read steps give finished times.
+    fn steady_step_s(&self) -> f64 {
+        let first = self.read_times.iter().find(|(s, _)| *s >= 3);
+        match (first, self.read_times.last()) {
+            (Some(&(s0, t0)), Some(&(s1, t1))) if s1 > s0 => (t1 - t0) / (s1 - s0) as f64,
+            _ => f64::NAN,
+        }
+    }
 }
 
 /// One rank's training over `world` (the local backend's world group, or the NCCL or TCP
@@ -488,6 +504,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
     let mut step_round_trips: Vec<(bool, u64)> = Vec::new();
+    let mut read_times: Vec<(usize, f64)> = Vec::new();
     let on_host = device == Device::Cpu;
     // Every epoch takes `per_epoch` batches, so the step gives the data position.
     let mut epoch = step / per_epoch;
@@ -610,6 +627,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             tokens += batch_tokens * o.dp;
             step += 1;
             progress.step = step;
+            if read {
+                read_times.push((step - start_step, t0.elapsed().as_secs_f64()));
+            }
             step_round_trips.push((logging, tpar::tensor::gpu::host_round_trips() - step_trips0));
             if let Some(c) = &mut ckpt {
                 c.poll()?;
@@ -672,6 +692,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 phases.iter().map(|(n, r)| (*n, r.as_slice())).collect();
             format!("{}collectives of the last step:\n{}", t.render(72), explain_collectives(&p))
         }),
+        read_times,
     })
 }
 
@@ -749,7 +770,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4}",
         o.world,
         o.dp,
         o.tp,
@@ -762,6 +783,7 @@ fn main() {
         r0.start_step,
         r0.start_step + r0.steps_run,
         r0.final_loss.to_bits(),
+        r0.steady_step_s(),
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

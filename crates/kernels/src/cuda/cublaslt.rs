@@ -166,10 +166,14 @@ pub struct CublasLt {
     workspace: DevPtr,
     workspace_bytes: usize,
     plans: Mutex<HashMap<PlanKey, Arc<Plan>>>,
+    /// Held while a matmul is queued: concurrent `cublasLtMatmul` calls on one
+    /// handle and one plan's descriptors computed wrong results on an H100
+    /// (four rank threads sharing the device), so calls queue one at a time.
+    queue: Mutex<()>,
 }
 
-// SAFETY: the handle is used under the plan lock or for matmuls queued on the
-// one stream of `dev`, which cuBLASLt allows from any thread.
+// SAFETY: the handle is used under the plan lock or, for matmuls, under the
+// queue lock, on the one stream of `dev`.
 unsafe impl Send for CublasLt {}
 // SAFETY: as above.
 unsafe impl Sync for CublasLt {}
@@ -232,6 +236,7 @@ impl CublasLt {
             workspace,
             workspace_bytes,
             plans: Mutex::new(HashMap::new()),
+            queue: Mutex::new(()),
         })
     }
 
@@ -282,6 +287,7 @@ impl CublasLt {
             .map_err(|e| super::device::driver_error(OP, "binding the context", e))?;
         let (alpha, beta) = (p.alpha, p.beta);
         let stream = self.dev.stream().cu_stream() as sys::cudaStream_t;
+        let _queued = lock(&self.queue);
         // SAFETY: the plan's descriptors describe exactly these operands (the
         // caller guarantees the memory); cuBLASLt's first operand is our B and
         // its second our A (see the module docs); C is both input and output

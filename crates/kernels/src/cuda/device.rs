@@ -415,13 +415,60 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// The cache file of one compilation, if the cache is enabled.
 fn disk_cache_file(name: &str, arch: &str, args: &[String], text: &str) -> Option<PathBuf> {
-    let dir = disk_cache_dir()?;
-    let (major, minor) = nvrtc_version().ok()?;
+    disk_cache_file_in(disk_cache_dir()?, name, arch, args, text).ok()
+}
+
+/// The file in cache directory `dir` of one compilation (its name hashes the
+/// NVRTC version, so NVRTC must be loadable).
+fn disk_cache_file_in(
+    dir: &Path,
+    name: &str,
+    arch: &str,
+    args: &[String],
+    text: &str,
+) -> Result<PathBuf> {
+    let (major, minor) = nvrtc_version()?;
     let key = format!("nvrtc {major}.{minor}\n{}\n{text}", args.join("\n"));
     let mut sip = std::collections::hash_map::DefaultHasher::new();
     key.hash(&mut sip);
     let h = (sip.finish(), fnv1a(key.as_bytes()));
-    Some(dir.join(format!("{name}-{arch}-{:016x}{:016x}.cubin", h.0, h.1)))
+    Ok(dir.join(format!("{name}-{arch}-{:016x}{:016x}.cubin", h.0, h.1)))
+}
+
+/// Compiles every kernel source for `arch` (`"sm_90"`) with `options` into the
+/// on-disk cache ([`KERNEL_CACHE_ENV`]) and returns the cache files, without a
+/// GPU: NVRTC alone builds the device binaries. A GPU process whose NVRTC has
+/// the same version then loads them instead of compiling on first use (a
+/// login node can fill a cache that the GPU nodes share). Sources already in
+/// the cache are not compiled again. Fails when the cache is off or NVRTC is
+/// missing.
+pub fn precompile(arch: &str, options: &CompileOptions) -> Result<Vec<PathBuf>> {
+    let dir = disk_cache_dir().ok_or_else(|| {
+        cuda_error("precompile", format!("the kernel cache is off ({KERNEL_CACHE_ENV})"))
+    })?;
+    super::sources().iter().map(|s| precompile_into(dir, s, arch, options)).collect()
+}
+
+/// [`precompile`] of one source into the cache directory `dir`.
+fn precompile_into(
+    dir: &Path,
+    source: &KernelSource,
+    arch: &str,
+    options: &CompileOptions,
+) -> Result<PathBuf> {
+    let args = options.nvrtc_args(arch)?;
+    let text = source.full_text();
+    let file = disk_cache_file_in(dir, source.name, arch, &args, &text)?;
+    if disk_cache_load(&file).is_none() {
+        let cubin = nvrtc_compile(source.name, &text, &args, true)?.cubin.ok_or_else(|| {
+            cuda_error("precompile", format!("{arch} is not a real architecture (sm_*)"))
+        })?;
+        disk_cache_store(&file, &cubin);
+        if disk_cache_load(&file).is_none() {
+            return Err(cuda_error("precompile", format!("could not write {}", file.display())));
+        }
+    }
+    Ok(file)
 }
 
 /// A cached device binary (an ELF file), if present and plausible.
@@ -646,6 +693,12 @@ pub struct CudaDevice {
     max_smem_optin: u32,
     sm_count: u32,
     functions: Mutex<HashMap<String, Arc<LoadedFunction>>>,
+    /// This handle, for the cuBLASLt handle made from it on first use.
+    me: std::sync::Weak<CudaDevice>,
+    /// cuBLASLt for [`GpuDevice::vendor_gemm`], made on first use (`None`: not
+    /// loadable). It holds this device, which therefore lives as long as the
+    /// process once a vendor GEMM has run.
+    vendor: OnceLock<Option<Arc<super::cublaslt::CublasLt>>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -716,7 +769,7 @@ impl CudaDevice {
         };
         let stream = ctx.new_stream().map_err(|e| driver_error(&op, "creating a stream", e))?;
         keep_pool_memory(&ctx);
-        Ok(Arc::new(CudaDevice {
+        Ok(Arc::new_cyclic(|me| CudaDevice {
             ordinal,
             ctx,
             stream,
@@ -727,6 +780,8 @@ impl CudaDevice {
             max_smem_optin,
             sm_count,
             functions: Mutex::new(HashMap::new()),
+            me: me.clone(),
+            vendor: OnceLock::new(),
         }))
     }
 
@@ -1109,6 +1164,31 @@ unsafe impl GpuDevice for CudaDevice {
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| driver_error(&self.op(), "cuStreamSynchronize", e))
     }
+
+    /// cuBLASLt, on this handle's stream, for every problem it takes (f32
+    /// accumulation, no TF32); `Ok(false)` when cuBLASLt cannot be loaded or
+    /// has no algorithm for the problem.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::vendor_gemm`].
+    unsafe fn vendor_gemm(
+        &self,
+        p: &super::raw::gemm::GemmProblem,
+        a: DevPtr,
+        b: DevPtr,
+        c: DevPtr,
+    ) -> Result<bool> {
+        let lt = self
+            .vendor
+            .get_or_init(|| super::cublaslt::CublasLt::new(&self.me.upgrade()?).ok().map(Arc::new));
+        let Some(lt) = lt else { return Ok(false) };
+        let name = || "(cublasLtMatmul)".to_string();
+        let r = super::profile::timed(&self.ctx, &self.stream, name, || {
+            // SAFETY: forwarded from the caller; cuBLASLt queues on this handle's stream.
+            unsafe { lt.matmul(p, a, b, c) }
+        });
+        Ok(r.is_ok())
+    }
 }
 
 impl Launcher for CudaDevice {
@@ -1205,6 +1285,37 @@ mod tests {
             }
         }
         assert!(source_of("tpar_no_such_kernel").is_none());
+    }
+
+    #[test]
+    fn precompiled_binaries_land_where_a_device_looks() {
+        let nvrtc = nvrtc_version();
+        if nvrtc.is_err() && std::env::var("TPAR_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+            panic!("TPAR_REQUIRE_NVRTC=1 but NVRTC is unavailable: {nvrtc:?}");
+        }
+        let dir = std::env::temp_dir().join(format!("tpar-precompile-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let source = source_of("tpar_adamw_f32").expect("adamw.cu is indexed");
+        let options = CompileOptions::default();
+        let got = precompile_into(&dir, source, "sm_90", &options);
+        if nvrtc.is_err() {
+            // Without NVRTC the file name (it hashes NVRTC's version) is unknown.
+            assert!(got.is_err());
+            return;
+        }
+        let file = got.unwrap();
+        // The name a device of sm_90 with these options computes when it loads the source.
+        let args = options.nvrtc_args("sm_90").unwrap();
+        let want = disk_cache_file_in(&dir, source.name, "sm_90", &args, &source.full_text());
+        assert_eq!(file, want.unwrap());
+        assert!(disk_cache_load(&file).is_some(), "not an ELF device binary");
+        // A second run finds it and leaves it as it is.
+        let before = std::fs::metadata(&file).unwrap().modified().unwrap();
+        assert_eq!(precompile_into(&dir, source, "sm_90", &options).unwrap(), file);
+        assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), before);
+        // A virtual architecture has no device binary to cache.
+        assert!(precompile_into(&dir, source, "compute_90", &options).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

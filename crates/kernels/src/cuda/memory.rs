@@ -113,6 +113,24 @@ pub unsafe trait GpuDevice: Launcher {
 
     /// Waits for all work queued on the device.
     fn synchronize(&self) -> Result<()>;
+
+    /// Runs GEMM `p` with the device's vendor library (cuBLASLt on a GPU) when it has
+    /// one that takes the problem, queued like a launch; `Ok(false)` when it does not,
+    /// and the caller launches tpar's own kernel. None by default (the emulator).
+    ///
+    /// # Safety
+    /// As [`crate::cuda::raw::gemm::gemm`]: `a`, `b` and `c` are this device's memory
+    /// covering what `p` describes, and C overlaps neither A nor B.
+    unsafe fn vendor_gemm(
+        &self,
+        p: &crate::cuda::raw::gemm::GemmProblem,
+        a: DevPtr,
+        b: DevPtr,
+        c: DevPtr,
+    ) -> Result<bool> {
+        let _ = (p, a, b, c);
+        Ok(false)
+    }
 }
 
 /// An owned allocation on a [`GpuDevice`], freed on drop.

@@ -1,16 +1,68 @@
 //! The batched GEMM (`cuda/gemm.cu`) over device buffers:
 //! `C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b]`;
 //! [`crate::cuda::raw::gemm`] documents the kernels, layouts and tiles.
+//!
+//! [`gemm`] runs on tpar's kernel or on the device's vendor library
+//! (cuBLASLt), as [`GEMM_BACKEND_ENV`] says; see [`GemmBackend`].
+
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
+
+use half::{bf16, f16};
 
 use super::Check;
 use crate::cuda::raw::gemm as raw;
 pub use crate::cuda::raw::gemm::{GemmLaunch, GemmProblem, GemmTile, MAX_BATCH, MAX_DIM};
-use crate::cuda::{DeviceSlice, DeviceSliceMut, GpuDevice};
+use crate::cuda::{CudaDType, DevPtr, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
-/// Runs `p` with the tile of [`GemmProblem::default_tile`]: A and B read
-/// from `a` and `b` (`p.dtype_in`), C written (and read when `beta != 0`)
-/// in `c` (`p.dtype_out`), each view starting at its operand's batch 0.
+/// Environment variable choosing [`gemm`]'s backend: `ours`, `cublaslt` or
+/// `check` (see [`GemmBackend`]); read once per process.
+pub const GEMM_BACKEND_ENV: &str = "TPAR_GEMM";
+
+/// Which GEMM [`gemm`] runs on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmBackend {
+    /// tpar's kernel (`cuda/gemm.cu`), with [`GemmProblem::default_tile`].
+    Ours,
+    /// The device's vendor library (cuBLASLt) for every problem it takes,
+    /// tpar's kernel for the others (and on the emulator, which has none).
+    Vendor,
+    /// tpar's kernel, then the vendor library on a copy of C, compared on the
+    /// host after a device synchronisation: each problem that differs by more
+    /// than the output dtype's tolerance is printed to stderr once (a
+    /// diagnosis mode, slow).
+    Check,
+}
+
+impl GemmBackend {
+    /// Parses `ours`, `cublaslt` (or `vendor`) and `check`.
+    pub fn parse(s: &str) -> Option<GemmBackend> {
+        match s {
+            "ours" => Some(GemmBackend::Ours),
+            "cublaslt" | "vendor" => Some(GemmBackend::Vendor),
+            "check" => Some(GemmBackend::Check),
+            _ => None,
+        }
+    }
+}
+
+/// The backend [`GEMM_BACKEND_ENV`] names; unset (or not one of the names),
+/// [`GemmBackend::Vendor`]: cuBLASLt where it loads (its f32 accumulation
+/// gives the same sums up to rounding order), tpar's kernel elsewhere.
+pub fn gemm_backend() -> GemmBackend {
+    static B: OnceLock<GemmBackend> = OnceLock::new();
+    *B.get_or_init(|| {
+        std::env::var(GEMM_BACKEND_ENV)
+            .ok()
+            .and_then(|v| GemmBackend::parse(v.trim()))
+            .unwrap_or(GemmBackend::Vendor)
+    })
+}
+
+/// Runs `p` on the backend of [`gemm_backend`]: A and B read from `a` and
+/// `b` (`p.dtype_in`), C written (and read when `beta != 0`) in `c`
+/// (`p.dtype_out`), each view starting at its operand's batch 0.
 pub fn gemm(
     dev: &dyn GpuDevice,
     p: &GemmProblem,
@@ -18,10 +70,23 @@ pub fn gemm(
     b: DeviceSlice<'_>,
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    gemm_with_tile(dev, p, p.default_tile(), a, b, c)
+    let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
+    match gemm_backend() {
+        GemmBackend::Ours => {}
+        // SAFETY: `operands` checked the buffers (see `gemm_with_tile`).
+        GemmBackend::Vendor => {
+            if unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
+                return Ok(());
+            }
+        }
+        // SAFETY: as above.
+        GemmBackend::Check => return unsafe { gemm_checked(dev, p, ap, bp, cp) },
+    }
+    // SAFETY: as above.
+    unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), ap, bp, cp) }
 }
 
-/// Runs `p` with an explicit tile (for benchmarks and tuning).
+/// Runs `p` with tpar's kernel and an explicit tile (for benchmarks and tuning).
 pub fn gemm_with_tile(
     dev: &dyn GpuDevice,
     p: &GemmProblem,
@@ -30,14 +95,157 @@ pub fn gemm_with_tile(
     b: DeviceSlice<'_>,
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
+    let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
+    // SAFETY: `a`, `b` and `c` are live buffers in `dev`'s memory covering
+    // every element the problem's sizes, leading dimensions and batch strides
+    // reach (checked by `operands`); `c` is an exclusive borrow, so C overlaps
+    // neither A nor B.
+    unsafe { raw::gemm_with_tile(dev, p, tile, ap, bp, cp) }
+}
+
+/// The operands' addresses, after checking that each view is `dev`'s memory
+/// and covers what `p` reaches.
+fn operands(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    a: &DeviceSlice<'_>,
+    b: &DeviceSlice<'_>,
+    c: &DeviceSliceMut<'_>,
+) -> Result<[DevPtr; 3]> {
     let ch = Check::new("cuda gemm", dev);
     let [na, nb, nc] = p.extents()?;
     let (ins, outs) = (p.dtype_in.size(), p.dtype_out.size());
-    let (ap, bp) = (ch.read("A", &a, na, ins)?, ch.read("B", &b, nb, ins)?);
-    let cp = ch.write("C", &c, nc, outs)?;
-    // SAFETY: `a`, `b` and `c` are live buffers in `dev`'s memory covering
-    // every element the problem's sizes, leading dimensions and batch strides
-    // reach (checked above); `c` is an exclusive borrow, so C overlaps
-    // neither A nor B.
-    unsafe { raw::gemm_with_tile(dev, p, tile, ap, bp, cp) }
+    Ok([ch.read("A", a, na, ins)?, ch.read("B", b, nb, ins)?, ch.write("C", c, nc, outs)?])
+}
+
+/// An allocation of `bytes` whose address is congruent to `like` modulo 256
+/// (so a vendor library sees the same alignment), freed on drop.
+struct Shadow<'d> {
+    dev: &'d dyn GpuDevice,
+    base: DevPtr,
+    len: usize,
+    ptr: DevPtr,
+}
+
+impl<'d> Shadow<'d> {
+    fn new(dev: &'d dyn GpuDevice, bytes: usize, like: DevPtr) -> Result<Shadow<'d>> {
+        let len = bytes + 256;
+        let base = dev.alloc(len)?;
+        let ptr = base + (like.wrapping_sub(base) & 255);
+        Ok(Shadow { dev, base, len, ptr })
+    }
+}
+
+impl Drop for Shadow<'_> {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this length, used by nothing after.
+        unsafe { self.dev.free(self.base, self.len) };
+    }
+}
+
+/// Output elements as f64, from little-endian bytes of `dt`.
+fn widen(dt: CudaDType, bytes: &[u8]) -> Vec<f64> {
+    match dt {
+        CudaDType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect(),
+        CudaDType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+        CudaDType::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+    }
+}
+
+/// [`GemmBackend::Check`]: tpar's kernel writes C; the vendor library runs on
+/// a copy of C's prior contents; both are compared on the host.
+///
+/// # Safety
+/// As [`raw::gemm_with_tile`].
+unsafe fn gemm_checked(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<()> {
+    let [_, _, nc] = p.extents()?;
+    let bytes = nc * p.dtype_out.size();
+    let shadow = Shadow::new(dev, bytes, c)?;
+    // SAFETY: the caller guarantees `c` spans `bytes`; the shadow is as long.
+    unsafe { dev.dtod(c, shadow.ptr, bytes)? };
+    // SAFETY: forwarded from the caller.
+    unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), a, b, c)? };
+    // SAFETY: the shadow has C's extent and overlaps neither A nor B.
+    if !unsafe { dev.vendor_gemm(p, a, b, shadow.ptr)? } {
+        return Ok(());
+    }
+    dev.synchronize()?;
+    let (mut ours, mut vendor) = (vec![0u8; bytes], vec![0u8; bytes]);
+    // SAFETY: both ranges span `bytes` of this device's memory.
+    unsafe {
+        dev.dtoh(c, &mut ours)?;
+        dev.dtoh(shadow.ptr, &mut vendor)?;
+    }
+    let (x, y) = (widen(p.dtype_out, &ours), widen(p.dtype_out, &vendor));
+    let scale = x.iter().fold(0f64, |m, v| m.max(v.abs())).max(f64::MIN_POSITIVE);
+    // A NaN on one side only is an infinite difference.
+    let diff = x.iter().zip(&y).fold(0f64, |m, (u, v)| {
+        m.max(match (u.is_nan(), v.is_nan()) {
+            (false, false) => (u - v).abs(),
+            (true, true) => 0.0,
+            _ => f64::INFINITY,
+        })
+    });
+    let err = diff / scale;
+    let tol = match p.dtype_out {
+        CudaDType::F32 => 1e-4,
+        CudaDType::BF16 => 2e-2,
+        CudaDType::F16 => 4e-3,
+    };
+    let verdict = if err <= tol { "same" } else { "DIFFERS" };
+    let line = format!(
+        "tpar gemm check: {verdict} rel err {err:.2e} {p:?} A%256={} B%256={} C%256={}",
+        a & 255,
+        b & 255,
+        c & 255
+    );
+    static SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    let key = format!("{verdict} {p:?} {} {} {}", a & 15, b & 15, c & 15);
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.get_or_insert_with(HashSet::new).insert(key) {
+        eprintln!("{line}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names_parse() {
+        assert_eq!(GemmBackend::parse("ours"), Some(GemmBackend::Ours));
+        assert_eq!(GemmBackend::parse("cublaslt"), Some(GemmBackend::Vendor));
+        assert_eq!(GemmBackend::parse("vendor"), Some(GemmBackend::Vendor));
+        assert_eq!(GemmBackend::parse("check"), Some(GemmBackend::Check));
+        assert_eq!(GemmBackend::parse("cuBLAS"), None);
+    }
+
+    #[test]
+    fn widening_reads_each_output_dtype() {
+        let f: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(widen(CudaDType::F32, &f), [1.5, -2.0]);
+        let b: Vec<u8> = [bf16::from_f32(3.0), bf16::from_f32(-0.5)]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(widen(CudaDType::BF16, &b), [3.0, -0.5]);
+        let h: Vec<u8> = [f16::from_f32(0.25)].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(widen(CudaDType::F16, &h), [0.25]);
+    }
 }
