@@ -26,7 +26,9 @@
 //! 256 sampled outputs against an f64 dot product, attention at 1k tokens with
 //! 32/8 heads of 128); with `--quick`, and always in the CPU emulator, tiny.
 //! Families (for `--only`): gemm, sdpa, rmsnorm, rope, cross_entropy,
-//! embedding, adamw, reduce, elementwise, layout.
+//! embedding, adamw, reduce, elementwise, layout. With `--bench`, `--only`
+//! also picks the benchmarks: GEMM for `gemm`, attention for `sdpa`, the
+//! memory-bound ones for any other family.
 //!
 //! Part 2, `--bench` (GPU only): bf16 GEMM TFLOP/s, ours and cuBLASLt, NN and
 //! NT, for 4096^3, 8192^3 and the Llama-8B projections at 8192 tokens;
@@ -1960,7 +1962,17 @@ fn push(out: &mut Vec<Bench>, b: Bench) {
     out.push(b);
 }
 
-fn run_benches(d: &Dev, lt: Option<&CublasLt>, quick: bool, rng: &mut Rng) -> Vec<Bench> {
+/// The benchmarks: GEMM (`gemm` in `only`), attention (`sdpa`) and the
+/// memory-bound kernels (any other family); all of them when `only` is empty.
+fn run_benches(
+    d: &Dev,
+    lt: Option<&CublasLt>,
+    quick: bool,
+    rng: &mut Rng,
+    only: &[String],
+) -> Vec<Bench> {
+    let want = |f: &str| only.is_empty() || only.iter().any(|o| o == f);
+    let memory = only.is_empty() || only.iter().any(|o| o != "gemm" && o != "sdpa");
     let mut out = Vec::new();
     // One random bf16 source that every read-only operand points into.
     let src_elems = 8192 * 14336;
@@ -1974,7 +1986,9 @@ fn run_benches(d: &Dev, lt: Option<&CublasLt>, quick: bool, rng: &mut Rng) -> Ve
     let s = src.ptr();
 
     // GEMM.
-    let shapes: Vec<(&str, usize, usize, usize)> = if quick {
+    let shapes: Vec<(&str, usize, usize, usize)> = if !want("gemm") {
+        Vec::new()
+    } else if quick {
         vec![("square", 4096, 4096, 4096)]
     } else {
         vec![
@@ -2025,7 +2039,11 @@ fn run_benches(d: &Dev, lt: Option<&CublasLt>, quick: bool, rng: &mut Rng) -> Ve
     }
 
     // Attention: causal GQA, 32 q / 8 kv heads of 128, batch x seq = 16k tokens.
-    let seqs: &[usize] = if quick { &[1024, 2048] } else { &[1024, 2048, 4096, 8192] };
+    let seqs: &[usize] = match (want("sdpa"), quick) {
+        (false, _) => &[],
+        (true, true) => &[1024, 2048],
+        (true, false) => &[1024, 2048, 4096, 8192],
+    };
     for &seq in seqs {
         let batch = 16384 / seq;
         let sh = sdpa_shape(batch, 32, 8, seq, seq, 128, true);
@@ -2091,7 +2109,8 @@ fn run_benches(d: &Dev, lt: Option<&CublasLt>, quick: bool, rng: &mut Rng) -> Ve
     }
 
     // Memory-bound kernels, against a device-to-device copy.
-    for b in bandwidth_benches(d, s, rng) {
+    let bandwidth = if memory { bandwidth_benches(d, s, rng) } else { Vec::new() };
+    for b in bandwidth {
         push(&mut out, b);
     }
     out
@@ -2536,7 +2555,7 @@ fn main() {
     if o.bench {
         if dev.cuda().is_some() {
             println!("\n== benchmarks");
-            benches = run_benches(&dev, lt.as_ref(), o.quick, &mut c.rng);
+            benches = run_benches(&dev, lt.as_ref(), o.quick, &mut c.rng, &o.only);
             print_bench_table(&benches);
         } else {
             eprintln!("gpu_check: --bench needs a GPU (the emulator models no timing); skipped");

@@ -1,10 +1,17 @@
 // RMSNorm over the last dim: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
 //
-// Forward: one block per row; rstd (f32) saved per row.
-// Backward: a grid of `nblk` blocks strides over the rows; each thread keeps
-// the weight-gradient partials of its columns in registers and writes them
-// once per block to a [nblk, dim] f32 workspace; a second kernel sums the
-// workspace over blocks in a fixed order (deterministic dweight).
+// A block holds `ry = blockDim.x / tpr` row slots of `tpr` threads (a multiple
+// of 32, at most 512); thread `tx` of a slot takes the chunks tx, tx + tpr, ...
+// of its row, at most 32 elements. A chunk is one 16-byte vector (4 f32 or
+// 8 bf16/f16) when `vec` is set (every row and pointer 16-byte aligned, as the
+// host checks), else one element.
+//
+// Forward: each row slot normalises one row; rstd (f32) saved per row.
+// Backward: the blocks stride over the rows `ry` at a time; each thread keeps
+// the weight-gradient partials of its columns in registers, the row slots of
+// a block add theirs into the block's row of a [nblk, dim] f32 workspace in
+// slot order, and a second kernel sums the workspace over blocks in block
+// order (deterministic dweight).
 
 struct RmsnormFwdArgs {
     const void* x;
@@ -14,6 +21,8 @@ struct RmsnormFwdArgs {
     i32 rows;
     i32 dim;
     float eps;
+    i32 tpr;  // threads per row slot
+    i32 vec;  // 1: 16-byte chunks
     i32 pad;
 };
 
@@ -26,6 +35,8 @@ struct RmsnormBwdArgs {
     float* partial;  // [gridDim.x, dim]
     i32 rows;
     i32 dim;
+    i32 tpr;
+    i32 vec;
 };
 
 struct RmsnormDwArgs {
@@ -37,87 +48,185 @@ struct RmsnormDwArgs {
 
 namespace rmsnorm {
 
-// Columns per thread kept in registers by the backward pass.
-constexpr int kMaxPerThread = 32;
+// Elements per thread and row.
+constexpr int kPerThread = 32;
 
-template <typename T>
-TPAR_DEVICE void forward(const RmsnormFwdArgs& a) {
-    __shared__ float scratch[33];
-    const int row = blockIdx.x;
-    if (row >= a.rows) return;
-    const T* x = static_cast<const T*>(a.x) + (i64)row * a.dim;
-    const T* w = static_cast<const T*>(a.w);
-    T* y = static_cast<T*>(a.y) + (i64)row * a.dim;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < a.dim; c += blockDim.x) {
-        float v = to_f32(x[c]);
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    const float rs = rsqrtf(ss / (float)(a.dim > 0 ? a.dim : 1) + a.eps);
-    if (threadIdx.x == 0) a.rstd[row] = a.dim > 0 ? rs : rsqrtf(a.eps);
-    for (int c = threadIdx.x; c < a.dim; c += blockDim.x) {
-        y[c] = from_f32<T>(to_f32(x[c]) * rs * to_f32(w[c]));
+// V consecutive elements at p as f32 (V = 1, or one 16-byte vector).
+template <typename T, int V>
+TPAR_DEVICE void load(const T* p, float* e) {
+    if constexpr (V == 1) {
+        e[0] = to_f32(*p);
+    } else {
+        Pack16<T>::unpack(*reinterpret_cast<const Raw16*>(p), e);
     }
 }
 
-template <typename T>
-TPAR_DEVICE void backward(const RmsnormBwdArgs& a) {
-    __shared__ float scratch[33];
+template <typename T, int V>
+TPAR_DEVICE void store(T* p, const float* e) {
+    if constexpr (V == 1) {
+        *p = from_f32<T>(e[0]);
+    } else {
+        *reinterpret_cast<Raw16*>(p) = Pack16<T>::pack(e);
+    }
+}
+
+// The sum of `v` over the `tpr` threads of each row slot; every thread gets
+// its slot's total. Starts and ends with a barrier (call it uniformly).
+TPAR_DEVICE float slot_sum(float v, int tpr, float* scratch) {
+    const int warp = threadIdx.x / TPAR_WARP, wpr = tpr / TPAR_WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (threadIdx.x % TPAR_WARP == 0) scratch[warp] = v;
+    __syncthreads();
+    const int first = (threadIdx.x / tpr) * wpr;
+    float t = 0.0f;
+    for (int i = 0; i < wpr; ++i) t += scratch[first + i];
+    __syncthreads();
+    return t;
+}
+
+template <typename T, int V>
+TPAR_DEVICE void forward(const RmsnormFwdArgs& a) {
+    constexpr int S = kPerThread / V;
+    __shared__ float scratch[32];
+    const int tpr = a.tpr, ry = blockDim.x / tpr;
+    const int ty = threadIdx.x / tpr, tx = threadIdx.x % tpr;
+    const int chunks = a.dim / V;
+    const i64 row = (i64)blockIdx.x * ry + ty;
+    const bool live = row < a.rows;
+    const T* x = static_cast<const T*>(a.x) + (live ? row : 0) * a.dim;
     const T* w = static_cast<const T*>(a.w);
-    float dw[kMaxPerThread];
+    T* y = static_cast<T*>(a.y) + (live ? row : 0) * a.dim;
+    float xv[S * V];
+    float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kMaxPerThread; ++i) dw[i] = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        const int j = tx + s * tpr;
+        if (live && j < chunks) {
+            load<T, V>(x + (i64)j * V, xv + s * V);
+#pragma unroll
+            for (int e = 0; e < V; ++e) ss += xv[s * V + e] * xv[s * V + e];
+        }
+    }
+    ss = slot_sum(ss, tpr, scratch);
+    if (!live) return;
+    const float rs = rsqrtf(ss / (float)a.dim + a.eps);
+    if (tx == 0) a.rstd[row] = rs;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+        const int j = tx + s * tpr;
+        if (j < chunks) {
+            float wv[V], out[V];
+            load<T, V>(w + (i64)j * V, wv);
+#pragma unroll
+            for (int e = 0; e < V; ++e) out[e] = xv[s * V + e] * rs * wv[e];
+            store<T, V>(y + (i64)j * V, out);
+        }
+    }
+}
+
+template <typename T, int V>
+TPAR_DEVICE void backward(const RmsnormBwdArgs& a) {
+    constexpr int S = kPerThread / V;
+    __shared__ float scratch[32];
+    const int tpr = a.tpr, ry = blockDim.x / tpr;
+    const int ty = threadIdx.x / tpr, tx = threadIdx.x % tpr;
+    const int chunks = a.dim / V;
+    const T* w = static_cast<const T*>(a.w);
     const float inv_dim = 1.0f / (float)a.dim;
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-        const T* x = static_cast<const T*>(a.x) + (i64)row * a.dim;
-        const T* dy = static_cast<const T*>(a.dy) + (i64)row * a.dim;
-        T* dx = static_cast<T*>(a.dx) + (i64)row * a.dim;
-        const float rs = a.rstd[row];
+    float dw[S * V];
+#pragma unroll
+    for (int i = 0; i < S * V; ++i) dw[i] = 0.0f;
+    // Every thread runs the same iterations (slot_sum has barriers).
+    for (i64 base = (i64)blockIdx.x * ry; base < a.rows; base += (i64)gridDim.x * ry) {
+        const i64 row = base + ty;
+        const bool live = row < a.rows;
+        const T* x = static_cast<const T*>(a.x) + (live ? row : 0) * a.dim;
+        const T* dy = static_cast<const T*>(a.dy) + (live ? row : 0) * a.dim;
+        T* dx = static_cast<T*>(a.dx) + (live ? row : 0) * a.dim;
         // dot = sum_j dy_j * w_j * x_j
         float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kMaxPerThread; ++i) {
-            const int c = threadIdx.x + i * blockDim.x;
-            if (c < a.dim) {
-                const float g = to_f32(dy[c]);
-                const float xv = to_f32(x[c]);
-                dot += g * to_f32(w[c]) * xv;
-                dw[i] += g * xv * rs;
+        for (int s = 0; s < S; ++s) {
+            const int j = tx + s * tpr;
+            if (live && j < chunks) {
+                float g[V], xv[V], wv[V];
+                load<T, V>(dy + (i64)j * V, g);
+                load<T, V>(x + (i64)j * V, xv);
+                load<T, V>(w + (i64)j * V, wv);
+#pragma unroll
+                for (int e = 0; e < V; ++e) dot += g[e] * wv[e] * xv[e];
             }
         }
-        dot = block_sum(dot, scratch);
+        dot = slot_sum(dot, tpr, scratch);
+        if (!live) continue;
+        const float rs = a.rstd[row];
         const float k = dot * rs * rs * rs * inv_dim;
 #pragma unroll
-        for (int i = 0; i < kMaxPerThread; ++i) {
-            const int c = threadIdx.x + i * blockDim.x;
-            if (c < a.dim) {
-                dx[c] = from_f32<T>(rs * to_f32(dy[c]) * to_f32(w[c]) - k * to_f32(x[c]));
+        for (int s = 0; s < S; ++s) {
+            const int j = tx + s * tpr;
+            if (j < chunks) {
+                float g[V], xv[V], wv[V], out[V];
+                load<T, V>(dy + (i64)j * V, g);
+                load<T, V>(x + (i64)j * V, xv);
+                load<T, V>(w + (i64)j * V, wv);
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    out[e] = rs * g[e] * wv[e] - k * xv[e];
+                    dw[s * V + e] += g[e] * xv[e] * rs;
+                }
+                store<T, V>(dx + (i64)j * V, out);
             }
         }
     }
+    // The row slots add their partials into the block's workspace row in slot
+    // order; the barrier makes each slot's writes visible to the next.
     float* part = a.partial + (i64)blockIdx.x * a.dim;
+    for (int y = 0; y < ry; ++y) {
+        if (ty == y) {
 #pragma unroll
-    for (int i = 0; i < kMaxPerThread; ++i) {
-        const int c = threadIdx.x + i * blockDim.x;
-        if (c < a.dim) part[c] = dw[i];
+            for (int s = 0; s < S; ++s) {
+                const int j = tx + s * tpr;
+                if (j < chunks) {
+#pragma unroll
+                    for (int e = 0; e < V; ++e) {
+                        const i64 c = (i64)j * V + e;
+                        part[c] = (y == 0 ? 0.0f : part[c]) + dw[s * V + e];
+                    }
+                }
+            }
+        }
+        __syncthreads();
     }
 }
 
 }  // namespace rmsnorm
 
-TPAR_KERNEL(tpar_rmsnorm_fwd_f32, RmsnormFwdArgs, 1024) { rmsnorm::forward<float>(args); }
-TPAR_KERNEL(tpar_rmsnorm_fwd_bf16, RmsnormFwdArgs, 1024) { rmsnorm::forward<bf16>(args); }
-TPAR_KERNEL(tpar_rmsnorm_fwd_f16, RmsnormFwdArgs, 1024) { rmsnorm::forward<f16>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_f32, RmsnormBwdArgs, 512) { rmsnorm::backward<float>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_bf16, RmsnormBwdArgs, 512) { rmsnorm::backward<bf16>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_f16, RmsnormBwdArgs, 512) { rmsnorm::backward<f16>(args); }
+TPAR_KERNEL(tpar_rmsnorm_fwd_f32, RmsnormFwdArgs, 512) {
+    if (args.vec) rmsnorm::forward<float, 4>(args); else rmsnorm::forward<float, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_fwd_bf16, RmsnormFwdArgs, 512) {
+    if (args.vec) rmsnorm::forward<bf16, 8>(args); else rmsnorm::forward<bf16, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_fwd_f16, RmsnormFwdArgs, 512) {
+    if (args.vec) rmsnorm::forward<f16, 8>(args); else rmsnorm::forward<f16, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_bwd_f32, RmsnormBwdArgs, 512) {
+    if (args.vec) rmsnorm::backward<float, 4>(args); else rmsnorm::backward<float, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_bwd_bf16, RmsnormBwdArgs, 512) {
+    if (args.vec) rmsnorm::backward<bf16, 8>(args); else rmsnorm::backward<bf16, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_bwd_f16, RmsnormBwdArgs, 512) {
+    if (args.vec) rmsnorm::backward<f16, 8>(args); else rmsnorm::backward<f16, 1>(args);
+}
 
 // dw[c] = sum over blocks b of partial[b, c], in block order.
 TPAR_KERNEL(tpar_rmsnorm_dw_reduce, RmsnormDwArgs, 256) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= args.dim) return;
     float s = 0.0f;
+#pragma unroll 8
     for (int b = 0; b < args.nblk; ++b) s += args.partial[(i64)b * args.dim + c];
     args.dw[c] = s;
 }

@@ -22,9 +22,19 @@ fn max_rel(got: &[f32], want: &[f32]) -> f32 {
 }
 
 fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
+    check_at::<T>(dtype, rows, dim, tol, false)
+}
+
+/// `misalign`: x starts one element past a 16-byte boundary (the kernels then
+/// read it an element at a time).
+fn check_at<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32, misalign: bool) {
     let emu = emu();
     let cvt = |v: Vec<f32>| -> Vec<T> { v.into_iter().map(|x| T::from_f64(x as f64)).collect() };
     let x = cvt(data(rows * dim, 1));
+    let x_buf: Vec<T> =
+        std::iter::repeat_n(T::default(), usize::from(misalign)).chain(x.iter().copied()).collect();
+    let x_at = &x_buf[usize::from(misalign)..];
+    assert!(!misalign || ptr(x_at) % 16 != 0, "the misaligned case needs a misaligned x");
     let w = cvt(data(dim, 2).iter().map(|v| 1.0 + 0.5 * v).collect());
     let dy = cvt(data(rows * dim, 3));
     let eps = 1e-5;
@@ -47,7 +57,7 @@ fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
         rmsnorm_forward(
             emu,
             dtype,
-            ptr(&x),
+            ptr(x_at),
             ptr(&w),
             mptr(&mut y),
             mptr(&mut rstd),
@@ -59,7 +69,7 @@ fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
         rmsnorm_backward(
             emu,
             dtype,
-            ptr(&x),
+            ptr(x_at),
             ptr(&w),
             ptr(&rstd),
             ptr(&dy),
@@ -82,10 +92,19 @@ fn check<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32) {
 
 #[test]
 fn rmsnorm_matches_cpu() {
-    for (rows, dim) in [(1, 1), (3, 37), (5, 128), (300, 64), (2, 1000), (2, 5000)] {
+    // Rows of 16-byte vectors and of single elements; more rows than the
+    // backward's blocks take in one pass (5000 x 8); the longest rows.
+    for (rows, dim) in
+        [(1, 1), (3, 37), (5, 128), (300, 64), (2, 1000), (2, 5000), (33, 1024), (5000, 8)]
+    {
         check::<f32>(CudaDType::F32, rows, dim, 1e-5);
         check::<bf16>(CudaDType::BF16, rows, dim, 1e-2);
     }
+    check::<f32>(CudaDType::F32, 2, 16384, 1e-5);
+    check::<bf16>(CudaDType::BF16, 2, 16384, 1e-2);
+    check::<bf16>(CudaDType::BF16, 2, 16383, 1e-2);
+    check_at::<f32>(CudaDType::F32, 5, 128, 1e-5, true);
+    check_at::<bf16>(CudaDType::BF16, 33, 1024, 1e-2, true);
     check::<f16>(CudaDType::F16, 7, 300, 2e-3);
 }
 
