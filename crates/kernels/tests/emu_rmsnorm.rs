@@ -34,7 +34,7 @@ fn check_at<T: Float>(dtype: CudaDType, rows: usize, dim: usize, tol: f32, misal
     let x_buf: Vec<T> =
         std::iter::repeat_n(T::default(), usize::from(misalign)).chain(x.iter().copied()).collect();
     let x_at = &x_buf[usize::from(misalign)..];
-    assert!(!misalign || ptr(x_at) % 16 != 0, "the misaligned case needs a misaligned x");
+    assert!(!misalign || !ptr(x_at).is_multiple_of(16), "the misaligned case needs a misaligned x");
     let w = cvt(data(dim, 2).iter().map(|v| 1.0 + 0.5 * v).collect());
     let dy = cvt(data(rows * dim, 3));
     let eps = 1e-5;
