@@ -270,15 +270,21 @@ m = re.search(r"tokens_per_s=([0-9.eE+-]+)", log)
 if m:
     # llama_2d's tokens_per_s counts the tokens that are not padding (the embedded
     # corpus pads short documents); torch_ref's counts every token of its random
-    # batches. Compared here: every token (batch x seq per step) over llama_2d's
-    # training seconds (its first step included).
+    # batches, after three warm-up steps. Compared here: every token (batch x seq
+    # per step) over llama_2d's steady_step_s (the seconds per step after its
+    # warm-up: cuBLASLt's algorithm search and first loads fall in the first
+    # steps), or over its whole training time when the run was too short for that.
     steps = re.search(r" steps=([0-9]+)", log)
     secs = re.search(r" seconds=([0-9.eE+-]+)", log)
+    steady = re.search(r" steady_step_s=([0-9.eE+-]+)", log)
     shape = re.search(r"seq ([0-9]+), batch ([0-9]+) per dp rank", log)
     if steps and secs and shape and float(secs.group(1)) > 0:
-        every = int(shape.group(1)) * int(shape.group(2)) * int(steps.group(1)) / float(secs.group(1))
-        ours["train.llama.tokens_per_s"] = every
-        llama["step_ms"] = 1e3 * float(secs.group(1)) / int(steps.group(1))
+        step_s = float(secs.group(1)) / int(steps.group(1))
+        if steady and float(steady.group(1)) > 0:
+            step_s = float(steady.group(1))
+            llama["first_steps_included"] = False
+        ours["train.llama.tokens_per_s"] = int(shape.group(1)) * int(shape.group(2)) / step_s
+        llama["step_ms"] = 1e3 * step_s
     units["train.llama.tokens_per_s"] = "tokens/s"
     llama["tokens_per_s_not_padding"] = float(m.group(1))
     llama["outcome"] = "trained"

@@ -1,9 +1,10 @@
-//! A cuBLASLt matmul baseline for the GEMM kernels of `gemm.cu`.
+//! cuBLASLt matmuls: the GEMM of [`crate::cuda::ops::gemm::gemm`] on a GPU
+//! (see [`crate::cuda::ops::gemm::GemmBackend`]) and the baseline the
+//! benchmarks compare the kernels of `gemm.cu` with.
 //!
 //! It takes the same [`GemmProblem`] as [`crate::cuda::raw::gemm`] (row-major
 //! operands, `trans_a` / `trans_b`, leading dimensions, batch strides with 0
-//! broadcasting, `alpha` / `beta`), so benchmarks can compare both on one
-//! problem and a measured table can fall back to it. Inputs bf16, f16 or f32;
+//! broadcasting, `alpha` / `beta`), so both run any problem and compare on it. Inputs bf16, f16 or f32;
 //! f32 accumulation (`CUBLAS_COMPUTE_32F`: exact f32 for f32 inputs, no TF32);
 //! output the input type or f32.
 //!
@@ -16,7 +17,9 @@
 //! cuBLASLt chooses an algorithm by a heuristic search that it would redo on
 //! every call; [`CublasLt`] does it once per problem (shape, layout, types and
 //! operand alignment) and caches the descriptors and the chosen algorithm.
-//! Only usable on a GPU; constructing one elsewhere is an error, not a panic.
+//! Matmuls are queued one at a time: rank threads queueing them at once on one
+//! handle got wrong results on an H100. Only usable on a GPU; constructing
+//! one elsewhere is an error, not a panic.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
