@@ -8,6 +8,8 @@
 //   divides every address, length and pitch; w16 moves 16-byte vectors).
 //   Serves plain copies, narrow (a slice along a dim) and cat (a copy into an
 //   offset along a dim).
+// - tpar_copy2d_batch_w*: up to 32 such blocks in one launch, block i on the
+//   grid row blockIdx.y = i (a concatenation's or a split's pieces).
 // - tpar_transpose_w*: y[b, c, r] = x[b, r, c], tiled 32x32 through shared
 //   memory padded to 33 columns so the column reads are conflict-free.
 // - tpar_strided_copy_w*: out (contiguous, up to 6 dims) [i] = src[base +
@@ -23,6 +25,13 @@ struct LayoutCopy2dArgs {
     i64 cols;
     i64 src_ld;
     i64 dst_ld;
+};
+
+#define TPAR_COPY_BATCH 32
+
+struct LayoutCopy2dBatchArgs {
+    LayoutCopy2dArgs blocks[TPAR_COPY_BATCH];
+    i64 n;
 };
 
 struct LayoutTransposeArgs {  // x: [batch, rows, cols] -> y: [batch, cols, rows]
@@ -81,6 +90,11 @@ TPAR_DEVICE void copy2d(const LayoutCopy2dArgs& a) {
     const i64 last = (a.rows - 1) * (a.src_ld > a.dst_ld ? a.src_ld : a.dst_ld) + a.cols;
     if (last < 0x7fffffffLL) copy2d_run<U, u32>(a);
     else copy2d_run<U, u64>(a);
+}
+
+template <typename U>
+TPAR_DEVICE void copy2d_batch(const LayoutCopy2dBatchArgs& a) {
+    if ((i64)blockIdx.y < a.n) copy2d<U>(a.blocks[blockIdx.y]);
 }
 
 // ---------------------------------------------------------------- transpose
@@ -167,6 +181,15 @@ TPAR_KERNEL(tpar_copy2d_w2, LayoutCopy2dArgs, 1024) { layout::copy2d<u16>(args);
 TPAR_KERNEL(tpar_copy2d_w4, LayoutCopy2dArgs, 1024) { layout::copy2d<u32>(args); }
 TPAR_KERNEL(tpar_copy2d_w8, LayoutCopy2dArgs, 1024) { layout::copy2d<layout::U2>(args); }
 TPAR_KERNEL(tpar_copy2d_w16, LayoutCopy2dArgs, 1024) { layout::copy2d<Raw16>(args); }
+TPAR_KERNEL(tpar_copy2d_batch_w1, LayoutCopy2dBatchArgs, 1024) { layout::copy2d_batch<u8>(args); }
+TPAR_KERNEL(tpar_copy2d_batch_w2, LayoutCopy2dBatchArgs, 1024) { layout::copy2d_batch<u16>(args); }
+TPAR_KERNEL(tpar_copy2d_batch_w4, LayoutCopy2dBatchArgs, 1024) { layout::copy2d_batch<u32>(args); }
+TPAR_KERNEL(tpar_copy2d_batch_w8, LayoutCopy2dBatchArgs, 1024) {
+    layout::copy2d_batch<layout::U2>(args);
+}
+TPAR_KERNEL(tpar_copy2d_batch_w16, LayoutCopy2dBatchArgs, 1024) {
+    layout::copy2d_batch<Raw16>(args);
+}
 
 TPAR_KERNEL(tpar_transpose_w2, LayoutTransposeArgs, 256) { layout::transpose<u16>(args); }
 TPAR_KERNEL(tpar_transpose_w4, LayoutTransposeArgs, 256) { layout::transpose<u32>(args); }

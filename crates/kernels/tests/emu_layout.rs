@@ -71,26 +71,33 @@ fn check_copies<T: Elem>() {
             assert_eq!(by.get(), want, "{what} shift {shift}");
         }
 
-        // cat of three pieces along the middle dim
+        // cat along the middle dim: three pieces (one launch), and 70 pieces with empty
+        // ones among them (three launches of at most 32 blocks)
         let (outer, inner) = (3, 5);
-        let lens = [2, 7, 4];
-        let total: usize = lens.iter().sum();
-        let pieces: Vec<Vec<T>> =
-            lens.iter().enumerate().map(|(k, &n)| data::<T>(outer * n * inner + 100 * k)).collect();
-        let mut want = Vec::new();
-        for o in 0..outer {
-            for (p, &n) in pieces.iter().zip(&lens) {
-                want.extend_from_slice(&p[o * n * inner..(o + 1) * n * inner]);
+        let many: Vec<usize> = (0..70).map(|k| (k * 7) % 5).collect();
+        for lens in [&[2, 7, 4][..], &many] {
+            let total: usize = lens.iter().sum();
+            let pieces: Vec<Vec<T>> = lens
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| data::<T>(outer * n * inner + 100 * k))
+                .collect();
+            let mut want = Vec::new();
+            for o in 0..outer {
+                for (p, &n) in pieces.iter().zip(lens) {
+                    want.extend_from_slice(&p[o * n * inner..(o + 1) * n * inner]);
+                }
             }
+            let mut bufs: Vec<Buf<T>> = pieces.iter().map(|p| Buf::new(p, shift)).collect();
+            let args: Vec<(DevPtr, usize)> =
+                bufs.iter_mut().zip(lens).map(|(b, &n)| (b.ptr(), n)).collect();
+            let mut by = Buf::<T>::zeros(outer * total * inner, 0);
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+            // this thread before returning), each holding every element the call's sizes reach.
+            unsafe { lay::cat(l, es::<T>(), &args, outer, inner, by.ptr()) }.unwrap();
+            let n = lens.len();
+            assert_eq!(by.get(), want, "cat of {n} w{} shift {shift}", es::<T>());
         }
-        let mut bufs: Vec<Buf<T>> = pieces.iter().map(|p| Buf::new(p, shift)).collect();
-        let args: Vec<(DevPtr, usize)> =
-            bufs.iter_mut().zip(&lens).map(|(b, &n)| (b.ptr(), n)).collect();
-        let mut by = Buf::<T>::zeros(outer * total * inner, 0);
-        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
-        // thread before returning), each holding every element the call's sizes reach.
-        unsafe { lay::cat(l, es::<T>(), &args, outer, inner, by.ptr()) }.unwrap();
-        assert_eq!(by.get(), want, "cat w{} shift {shift}", es::<T>());
     }
 }
 

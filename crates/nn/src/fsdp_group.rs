@@ -41,13 +41,12 @@ use crate::{NnError, Result};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// One parameter's place in a flat buffer.
+/// One parameter's place in a flat buffer (its padded shard follows the previous
+/// segment's in the per-rank buffer).
 #[derive(Clone, Copy, Debug)]
 struct Segment {
     /// The parameter's index in the group.
     index: usize,
-    /// Offset of its padded shard in the per-rank flat buffer.
-    offset: usize,
     /// Rows of the unsharded parameter (`n`).
     rows: usize,
     /// Rows of a padded shard (`c = ceil(n / k)`).
@@ -239,7 +238,7 @@ impl FsdpParamGroup {
                 }
             };
             let l = &mut out[pos];
-            l.segments.push(Segment { index: i, offset: l.numel, rows, chunk, row_numel });
+            l.segments.push(Segment { index: i, rows, chunk, row_numel });
             l.numel += chunk * row_numel;
         }
         out
@@ -285,8 +284,11 @@ impl FsdpParamGroup {
     fn copy_out_params(&self, layout: &Layout, full: Tensor) -> Result<()> {
         let k = self.dp.size();
         no_grad(|| {
-            let full = full.reshape([k, layout.numel])?;
-            for s in &layout.segments {
+            // The segments tile `[0, S)` in order: one split (one launch on a GPU)
+            // cuts every parameter's `[k, c*R]` columns out.
+            let sizes: Vec<usize> = layout.segments.iter().map(|s| s.chunk * s.row_numel).collect();
+            let pieces = full.reshape([k, layout.numel])?.split_sizes(&sizes, 1)?;
+            for (s, piece) in layout.segments.iter().zip(pieces) {
                 let p = &self.params[s.index];
                 let u = p.unsharded();
                 if !u.is_released() {
@@ -294,11 +296,10 @@ impl FsdpParamGroup {
                 }
                 let mut dims = p.local_shape().to_vec();
                 dims[0] = k * s.chunk;
-                let piece = full
-                    .narrow(1, s.offset, s.chunk * s.row_numel)?
-                    .reshape(dims)?
-                    .narrow(0, 0, s.rows)?;
-                u.fill_storage_(piece)?;
+                // `{ piece }` drops the piece's handle with the statement, so the
+                // storage moves into the parameter instead of being copied again.
+                let cut = { piece }.reshape(dims)?.narrow(0, 0, s.rows)?;
+                u.fill_storage_(cut)?;
             }
             Ok(())
         })
@@ -495,11 +496,15 @@ impl FsdpParamGroup {
             let (out, at) = w.wait()?;
             done = done.max(at);
             no_grad(|| -> Result<()> {
-                for s in &f.layout.segments {
+                // One split (one launch on a GPU) into the members' padded shards.
+                let sizes: Vec<usize> =
+                    f.layout.segments.iter().map(|s| s.chunk * s.row_numel).collect();
+                let pieces = out.split_sizes(&sizes, 0)?;
+                for (s, piece) in f.layout.segments.iter().zip(pieces) {
                     let leaf = self.params[s.index].sharded();
                     let (_, len) = chunk_range(s.rows, k, r);
-                    let piece = out
-                        .narrow(0, s.offset, len * s.row_numel)?
+                    let piece = piece
+                        .narrow(0, 0, len * s.row_numel)?
                         .reshape(leaf.shape().clone())?
                         .to_dtype(leaf.dtype())?;
                     let g = match leaf.grad() {

@@ -211,6 +211,27 @@ fn layout_ops_forward_and_backward() {
             true,
         );
         check(
+            &format!("split_sizes with an empty piece {dtype}"),
+            &x1(&x),
+            &|t| {
+                let p = t[0].split_sizes(&[1, 0, 2, 1], 1)?;
+                Tensor::cat(&[p[3].clone(), p[2].clone(), p[1].clone(), p[0].clone()], 1)
+            },
+            true,
+        );
+        // 40 pieces: two launches of the batched copy.
+        let long = randn(&[3, 40, 2], dtype, &mut rng);
+        check(
+            &format!("split into 40 {dtype}"),
+            &x1(&long),
+            &|t| {
+                let mut p = t[0].split(1, 1)?;
+                p.reverse();
+                Tensor::cat(&p, 1)
+            },
+            true,
+        );
+        check(
             &format!("chunk {dtype}"),
             &x1(&x),
             &|t| {

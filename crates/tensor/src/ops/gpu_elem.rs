@@ -215,6 +215,38 @@ pub(crate) fn cat(
     Ok(Some(y.into_tensor()))
 }
 
+/// The pieces of a CUDA tensor split along a dim, the input viewed as
+/// `[outer, sum(sizes), inner]`, each a new contiguous tensor, all copied in
+/// one launch (per 32 pieces); `None` when `x` is not a CUDA tensor. No
+/// autograd.
+pub(crate) fn split(
+    x: &Tensor,
+    sizes: &[usize],
+    outer: usize,
+    inner: usize,
+    dim: usize,
+) -> Result<Option<Vec<Tensor>>> {
+    const OP: &str = "split";
+    if !matches!(x.device(), Device::Cuda(_)) {
+        return Ok(None);
+    }
+    let dev = device_of(x, OP)?;
+    let mut outs = sizes
+        .iter()
+        .map(|&n| {
+            let mut dims = x.dims().to_vec();
+            dims[dim] = n;
+            Out::new(&dev, Shape::from(dims), x.dtype())
+        })
+        .collect::<Result<Vec<Out>>>()?;
+    with_gpu(OP, &[x], |s| {
+        let mut views: Vec<_> = outs.iter_mut().map(Out::view_mut).collect();
+        let es = x.dtype().size_in_bytes();
+        Ok(k_lay::split(&*dev, es, s[0].view(), outer, sizes, inner, &mut views)?)
+    })?;
+    Ok(Some(outs.into_iter().map(Out::into_tensor).collect()))
+}
+
 /// A device copy of `x`'s data in new storage (no autograd).
 pub(crate) fn deep_clone(x: &Tensor) -> Result<Tensor> {
     let data = x.with_gpu_storage("clone", |s| s.duplicate())?;

@@ -183,23 +183,7 @@ impl Tensor {
         let mut od = self.dims().to_vec();
         od[d] = len;
         let out = self.strided_raw("narrow", start * st[d], st, Shape::from(od))?;
-        let in_shape = self.shape().clone();
-        Ok(record("narrow", &[self], out, move |g| {
-            // Adjoint: zero-pad back to the input shape.
-            let zeros = |n: usize| -> Result<Option<Tensor>> {
-                if n == 0 {
-                    return Ok(None);
-                }
-                let mut s = in_shape.dims().to_vec();
-                s[d] = n;
-                Ok(Some(Tensor::zeros(s, g.dtype(), g.device())?))
-            };
-            let parts: Vec<Tensor> = [zeros(start)?, Some(g.clone()), zeros(size - start - len)?]
-                .into_iter()
-                .flatten()
-                .collect();
-            Ok(vec![Some(Tensor::cat(&parts, d as isize)?)])
-        }))
+        Ok(record("narrow", &[self], out, zero_pad_adjoint(self.shape(), d, start, len)))
     }
 
     /// Splits into pieces of the given sizes along `dim` (they must sum to the dim's size).
@@ -210,6 +194,22 @@ impl Tensor {
                 "split",
                 format!("sizes {sizes:?} do not sum to dim {d} of {}", self.shape()),
             ));
+        }
+        let (outer, _, inner) = self.shape().split_at_dim(d);
+        if sizes.len() > 1 {
+            // On a GPU every piece is copied in one launch.
+            if let Some(pieces) = gpu_elem::split(self, sizes, outer, inner, d)? {
+                let mut start = 0;
+                return Ok(pieces
+                    .into_iter()
+                    .zip(sizes)
+                    .map(|(p, &n)| {
+                        let adjoint = zero_pad_adjoint(self.shape(), d, start, n);
+                        start += n;
+                        record("split", &[self], p, adjoint)
+                    })
+                    .collect());
+            }
         }
         let mut start = 0;
         sizes
@@ -370,5 +370,32 @@ impl Tensor {
                 Ok(<T as Element>::wrap(o))
             })
         })
+    }
+}
+
+/// The adjoint of taking `len` entries from `start` along dim `d` of a tensor of
+/// `input` shape: the gradient zero-padded back to `input`.
+fn zero_pad_adjoint(
+    input: &Shape,
+    d: usize,
+    start: usize,
+    len: usize,
+) -> impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static {
+    let input = input.clone();
+    let size = input.dims()[d];
+    move |g| {
+        let zeros = |n: usize| -> Result<Option<Tensor>> {
+            if n == 0 {
+                return Ok(None);
+            }
+            let mut s = input.dims().to_vec();
+            s[d] = n;
+            Ok(Some(Tensor::zeros(s, g.dtype(), g.device())?))
+        };
+        let parts: Vec<Tensor> = [zeros(start)?, Some(g.clone()), zeros(size - start - len)?]
+            .into_iter()
+            .flatten()
+            .collect();
+        Ok(vec![Some(Tensor::cat(&parts, d as isize)?)])
     }
 }

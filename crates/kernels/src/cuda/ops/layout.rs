@@ -89,6 +89,49 @@ pub fn cat(
     unsafe { raw::cat(dev, elem_bytes, &ptrs, outer, inner, dp) }
 }
 
+/// Splits a dim: with `src` viewed as `[outer, sum(sizes), inner]`, output `i`
+/// is the contiguous `[outer, sizes[i], inner]` slice, written to `dsts[i]`;
+/// every output in one launch per [`raw::COPY_BATCH`] (a concatenation's
+/// inverse, as `torch.split_with_sizes_copy`).
+pub fn split(
+    dev: &dyn GpuDevice,
+    elem_bytes: usize,
+    src: DeviceSlice<'_>,
+    outer: usize,
+    sizes: &[usize],
+    inner: usize,
+    dsts: &mut [DeviceSliceMut<'_>],
+) -> Result<()> {
+    const OP: &str = "split";
+    if sizes.len() != dsts.len() {
+        return Err(bad(OP, format!("{} sizes for {} outputs", sizes.len(), dsts.len())));
+    }
+    let total = sizes
+        .iter()
+        .try_fold(0usize, |acc, &n| acc.checked_add(n))
+        .ok_or_else(|| bad(OP, "the sizes overflow"))?;
+    let c = Check::new(OP, dev);
+    let sp = c.read("src", &src, count(OP, &[outer, total, inner])?, elem_bytes)?;
+    let mut blocks = Vec::with_capacity(sizes.len());
+    let mut offset = 0usize;
+    for (&n, dst) in sizes.iter().zip(dsts.iter()) {
+        let dp = c.write("output", dst, count(OP, &[outer, n, inner])?, elem_bytes)?;
+        blocks.push(raw::Block2d {
+            src: sp.wrapping_add((offset * inner * elem_bytes) as u64),
+            src_ld: total * inner,
+            dst: dp,
+            dst_ld: n * inner,
+            rows: outer,
+            cols: n * inner,
+        });
+        offset += n;
+    }
+    // SAFETY: each block reads rows inside `src` and writes its own output, each
+    // checked above to hold what it reaches; the outputs are exclusive borrows
+    // of `dsts`, so none overlaps `src` or another.
+    unsafe { raw::copy2d_batch(dev, elem_bytes, &blocks) }
+}
+
 /// Transposes the last two dims: `x` `[batch, rows, cols]` to `y`
 /// `[batch, cols, rows]`.
 pub fn transpose(

@@ -10,7 +10,7 @@
 
 use bytemuck::{Pod, Zeroable};
 
-use super::{bad, check_aligned, check_ptrs, numel, to_i64};
+use super::{bad, check_aligned, check_ptrs, numel};
 use crate::cuda::{launch, DevPtr, LaunchConfig, Launcher};
 use crate::Result;
 
@@ -161,6 +161,85 @@ fn byte_len(op: &'static str, what: &str, elems: usize, elem_bytes: usize) -> Re
         .ok_or_else(|| bad(op, format!("{what} = {elems} elements overflows")))
 }
 
+/// Most blocks one `tpar_copy2d_batch_w*` launch copies.
+pub const COPY_BATCH: usize = 32;
+
+/// Arguments of `tpar_copy2d_batch_w{1,2,4,8,16}`: the first `n` blocks, each
+/// as [`Copy2dArgs`], one grid row (`blockIdx.y`) per block.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct Copy2dBatchArgs {
+    /// The blocks (units of the kernel's width).
+    pub blocks: [Copy2dArgs; COPY_BATCH],
+    /// How many of `blocks` are used.
+    pub n: i64,
+}
+
+/// One block of a 2-D copy, in elements: `dst[r*dst_ld + c] = src[r*src_ld + c]`
+/// for `r < rows`, `c < cols`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block2d {
+    /// Source address.
+    pub src: DevPtr,
+    /// Source row pitch.
+    pub src_ld: usize,
+    /// Destination address.
+    pub dst: DevPtr,
+    /// Destination row pitch.
+    pub dst_ld: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Elements per row.
+    pub cols: usize,
+}
+
+/// A checked non-empty block in bytes: `[src, dst, rows, cols, src_ld, dst_ld]`.
+type ByteBlock = [u64; 6];
+
+/// Checks `b` (addresses, alignment, pitches, sizes) and returns it in bytes,
+/// `None` when it copies nothing.
+fn byte_block(op: &'static str, elem_bytes: usize, b: &Block2d) -> Result<Option<ByteBlock>> {
+    if b.rows == 0 || b.cols == 0 {
+        return Ok(None);
+    }
+    check_ptrs(op, &[("src", b.src), ("dst", b.dst)])?;
+    check_aligned(op, elem_bytes, &[("src", b.src), ("dst", b.dst)])?;
+    // A single row has no pitch: use the row length so it does not limit the unit.
+    let (src_ld, dst_ld) = if b.rows == 1 { (b.cols, b.cols) } else { (b.src_ld, b.dst_ld) };
+    if dst_ld < b.cols {
+        return Err(bad(
+            op,
+            format!("destination pitch {dst_ld} is below the row length {}", b.cols),
+        ));
+    }
+    let cb = byte_len(op, "cols", b.cols, elem_bytes)?;
+    let sb = byte_len(op, "src_ld", src_ld, elem_bytes)?;
+    let db = byte_len(op, "dst_ld", dst_ld, elem_bytes)?;
+    numel(op, &[b.rows, db.max(sb)])?;
+    Ok(Some([b.src, b.dst, b.rows as u64, cb as u64, sb as u64, db as u64]))
+}
+
+/// The widest unit (16, 8, 4, 2 or 1 bytes) dividing every address, row
+/// length and pitch of `blocks`.
+fn unit_of(blocks: &[ByteBlock]) -> u64 {
+    let all = blocks.iter().fold(0u64, |a, b| a | b[0] | b[1] | b[3] | b[4] | b[5]);
+    [16u64, 8, 4, 2, 1].into_iter().find(|u| all.is_multiple_of(*u)).unwrap_or(1)
+}
+
+/// A byte block as the kernel's arguments in units of `u` bytes.
+fn in_units(b: &ByteBlock, u: u64) -> Copy2dArgs {
+    let [src, dst, rows, cb, sb, db] = *b;
+    let units = |v: u64| (v / u) as i64;
+    Copy2dArgs {
+        src,
+        dst,
+        rows: rows as i64,
+        cols: units(cb),
+        src_ld: units(sb),
+        dst_ld: units(db),
+    }
+}
+
 /// `dst[r*dst_ld + c] = src[r*src_ld + c]` for `r < rows`, `c < cols`
 /// (elements of `elem_bytes` bytes). Moves the widest unit (up to 16 bytes)
 /// that divides both addresses, the row length and both pitches.
@@ -178,36 +257,48 @@ pub unsafe fn copy2d(
     dst: DevPtr,
     dst_ld: usize,
 ) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe { copy2d_batch(l, elem_bytes, &[Block2d { src, src_ld, dst, dst_ld, rows, cols }]) }
+}
+
+/// Every block of `blocks` (see [`Block2d`]), [`COPY_BATCH`] blocks per
+/// launch (a lone block launches `tpar_copy2d_w*`): what the per-parameter
+/// copies of a concatenation or a split cost in one launch instead of many.
+/// Each launch moves the widest unit dividing all its blocks' addresses,
+/// row lengths and pitches.
+///
+/// # Safety
+/// Each block's `src` and `dst` must be device addresses valid for the rows
+/// read and written; no destination may overlap a source. Where destinations
+/// overlap each other, which block's value lands is unspecified.
+pub unsafe fn copy2d_batch(l: &dyn Launcher, elem_bytes: usize, blocks: &[Block2d]) -> Result<()> {
     const OP: &str = "copy2d";
     width_suffix(OP, elem_bytes)?;
-    if rows == 0 || cols == 0 {
-        return Ok(());
+    let mut checked = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        if let Some(c) = byte_block(OP, elem_bytes, b)? {
+            checked.push(c);
+        }
     }
-    check_ptrs(OP, &[("src", src), ("dst", dst)])?;
-    check_aligned(OP, elem_bytes, &[("src", src), ("dst", dst)])?;
-    // A single row has no pitch: use the row length so it does not limit the unit.
-    let (src_ld, dst_ld) = if rows == 1 { (cols, cols) } else { (src_ld, dst_ld) };
-    if dst_ld < cols {
-        return Err(bad(OP, format!("destination pitch {dst_ld} is below the row length {cols}")));
+    for group in checked.chunks(COPY_BATCH) {
+        let u = unit_of(group);
+        let items = group.iter().map(|b| (b[2] * b[3] / u) as usize).max().unwrap_or(0);
+        let mut cfg = grid_for(items, THREADS);
+        if let [one] = group {
+            // SAFETY: the caller guarantees the addresses; sizes are checked above.
+            unsafe { launch(l, &format!("tpar_copy2d_w{u}"), cfg, &in_units(one, u))? };
+            continue;
+        }
+        let mut args = Copy2dBatchArgs { blocks: [Copy2dArgs::zeroed(); COPY_BATCH], n: 0 };
+        for (slot, b) in args.blocks.iter_mut().zip(group) {
+            *slot = in_units(b, u);
+        }
+        args.n = group.len() as i64;
+        cfg.grid[1] = group.len() as u32;
+        // SAFETY: as above, for every block.
+        unsafe { launch(l, &format!("tpar_copy2d_batch_w{u}"), cfg, &args)? };
     }
-    let cb = byte_len(OP, "cols", cols, elem_bytes)?;
-    let sb = byte_len(OP, "src_ld", src_ld, elem_bytes)?;
-    let db = byte_len(OP, "dst_ld", dst_ld, elem_bytes)?;
-    numel(OP, &[rows, db.max(sb)])?;
-    let all = src | dst | cb as u64 | sb as u64 | db as u64;
-    let unit = [16u64, 8, 4, 2, 1].into_iter().find(|u| all.is_multiple_of(*u)).unwrap_or(1);
-    let u = unit as usize;
-    let args = Copy2dArgs {
-        src,
-        dst,
-        rows: to_i64(OP, "rows", rows)?,
-        cols: (cb / u) as i64,
-        src_ld: (sb / u) as i64,
-        dst_ld: (db / u) as i64,
-    };
-    let cfg = grid_for(rows.saturating_mul(cb / u), THREADS);
-    // SAFETY: the caller guarantees the addresses; sizes are checked above.
-    unsafe { launch(l, &format!("tpar_copy2d_w{unit}"), cfg, &args) }
+    Ok(())
 }
 
 /// Copies `n` contiguous elements of `elem_bytes` bytes.
@@ -326,17 +417,30 @@ pub unsafe fn cat(
     inner: usize,
     dst: DevPtr,
 ) -> Result<()> {
+    const OP: &str = "cat";
     let total = pieces
         .iter()
         .try_fold(0usize, |acc, &(_, len)| acc.checked_add(len))
-        .ok_or_else(|| bad("cat", "the piece lengths overflow"))?;
+        .ok_or_else(|| bad(OP, "the piece lengths overflow"))?;
+    numel(OP, &[outer, total, inner, elem_bytes])?;
+    let mut blocks = Vec::with_capacity(pieces.len());
     let mut offset = 0;
     for &(src, len) in pieces {
-        // SAFETY: forwarded to the caller.
-        unsafe { cat_into(l, elem_bytes, src, outer, len, inner, dst, total, offset)? };
+        if outer > 0 && len > 0 && inner > 0 {
+            check_ptrs(OP, &[("dst", dst)])?;
+            blocks.push(Block2d {
+                src,
+                src_ld: len * inner,
+                dst: dst.wrapping_add((offset * inner * elem_bytes) as u64),
+                dst_ld: total * inner,
+                rows: outer,
+                cols: len * inner,
+            });
+        }
         offset += len;
     }
-    Ok(())
+    // SAFETY: each block writes rows inside the destination the caller vouches for.
+    unsafe { copy2d_batch(l, elem_bytes, &blocks) }
 }
 
 /// Transposes the last two dims: `x` `[batch, rows, cols]` to `y`
