@@ -280,6 +280,7 @@ if m:
     shape = re.search(r"seq ([0-9]+), batch ([0-9]+) per dp rank", log)
     if steps and secs and shape and float(secs.group(1)) > 0:
         step_s = float(secs.group(1)) / int(steps.group(1))
+        llama["first_steps_included"] = True
         if steady and float(steady.group(1)) > 0:
             step_s = float(steady.group(1))
             llama["first_steps_included"] = False

@@ -4,8 +4,8 @@
 //!
 //! It takes the same [`GemmProblem`] as [`crate::cuda::raw::gemm`] (row-major
 //! operands, `trans_a` / `trans_b`, leading dimensions, batch strides with 0
-//! broadcasting, `alpha` / `beta`), so both run any problem and compare on it. Inputs bf16, f16 or f32;
-//! f32 accumulation (`CUBLAS_COMPUTE_32F`: exact f32 for f32 inputs, no TF32);
+//! broadcasting, `alpha` / `beta`), so both run any problem and compare on
+//! it. Inputs bf16, f16 or f32; f32 accumulation (`CUBLAS_COMPUTE_32F`: exact f32 for f32 inputs, no TF32);
 //! output the input type or f32.
 //!
 //! cuBLAS is column-major: a row-major `[r, c]` matrix with row stride `ld` is
@@ -168,7 +168,8 @@ pub struct CublasLt {
     handle: sys::cublasLtHandle_t,
     workspace: DevPtr,
     workspace_bytes: usize,
-    plans: Mutex<HashMap<PlanKey, Arc<Plan>>>,
+    /// Each problem's plan, or why it has none (the heuristic is not asked twice).
+    plans: Mutex<HashMap<PlanKey, Result<Arc<Plan>>>>,
     /// Held while a matmul is queued: concurrent `cublasLtMatmul` calls on one
     /// handle and one plan's descriptors computed wrong results on an H100
     /// (four rank threads sharing the device), so calls queue one at a time.
@@ -255,7 +256,7 @@ impl CublasLt {
 
     /// How many problems have a cached algorithm choice.
     pub fn cached_plans(&self) -> usize {
-        lock(&self.plans).len()
+        lock(&self.plans).values().filter(|p| p.is_ok()).count()
     }
 
     /// `C[b] = alpha * op(A[b]) op(B[b]) + beta * C[b]` for every batch, with the
@@ -319,15 +320,11 @@ impl CublasLt {
         .map_err(|e| lt_error("cublasLtMatmul", e))
     }
 
-    /// The cached plan of `key`, building it (and running the heuristic) on first use.
+    /// The cached plan of `key`, building it (and running the heuristic) on first
+    /// use; a problem without one fails the same way again without a new search.
     fn plan(&self, key: &PlanKey) -> Result<Arc<Plan>> {
         let mut plans = lock(&self.plans);
-        if let Some(p) = plans.get(key) {
-            return Ok(p.clone());
-        }
-        let plan = Arc::new(self.build_plan(key)?);
-        plans.insert(key.clone(), plan.clone());
-        Ok(plan)
+        plans.entry(key.clone()).or_insert_with(|| self.build_plan(key).map(Arc::new)).clone()
     }
 
     fn build_plan(&self, key: &PlanKey) -> Result<Plan> {
