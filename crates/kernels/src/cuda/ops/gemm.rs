@@ -47,16 +47,22 @@ impl GemmBackend {
     }
 }
 
-/// The backend [`GEMM_BACKEND_ENV`] names; unset (or not one of the names),
-/// [`GemmBackend::Vendor`]: cuBLASLt where it loads (its f32 accumulation
-/// gives the same sums up to rounding order), tpar's kernel elsewhere.
+/// The backend [`GEMM_BACKEND_ENV`] names; unset, [`GemmBackend::Vendor`]:
+/// cuBLASLt where it loads (its f32 accumulation gives the same sums up to
+/// rounding order), tpar's kernel elsewhere. A value that names no backend
+/// is reported once on stderr and the default is used.
 pub fn gemm_backend() -> GemmBackend {
     static B: OnceLock<GemmBackend> = OnceLock::new();
     *B.get_or_init(|| {
-        std::env::var(GEMM_BACKEND_ENV)
-            .ok()
-            .and_then(|v| GemmBackend::parse(v.trim()))
-            .unwrap_or(GemmBackend::Vendor)
+        let Some(v) = std::env::var_os(GEMM_BACKEND_ENV) else { return GemmBackend::Vendor };
+        let v = v.to_string_lossy();
+        GemmBackend::parse(v.trim()).unwrap_or_else(|| {
+            eprintln!(
+                "tpar: {GEMM_BACKEND_ENV}={v:?} names no GEMM backend (ours, cublaslt or \
+                 check); using cublaslt where it loads"
+            );
+            GemmBackend::Vendor
+        })
     })
 }
 
