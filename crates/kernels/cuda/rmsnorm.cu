@@ -23,7 +23,6 @@ struct RmsnormFwdArgs {
     float eps;
     i32 tpr;  // threads per row slot
     i32 vec;  // 1: 16-byte chunks
-    i32 pad;
 };
 
 struct RmsnormBwdArgs {

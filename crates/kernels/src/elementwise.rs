@@ -510,12 +510,14 @@ pub fn strided_copy<T: Copy + Send + Sync, O: Out<T>>(
 /// finds its first row's offsets once and steps from row to row with a [`RowWalk`]
 /// (no division per row).
 fn row_blocks<O: Send>(out: &mut [O], last: usize, f: impl Fn(usize, &mut [O]) + Sync) {
-    let rows = (4096 / last.max(1)).max(1);
+    // An empty last dim leaves `out` empty; the width only has to be non-zero.
+    let width = last.max(1);
+    let rows = (4096 / width).max(1);
     let block = |(b, block): (usize, &mut [O])| f(b * rows, block);
     if out.len() >= PAR_THRESHOLD {
-        out.par_chunks_mut(rows * last.max(1)).enumerate().for_each(block);
+        out.par_chunks_mut(rows * width).enumerate().for_each(block);
     } else {
-        out.chunks_mut(rows * last.max(1)).enumerate().for_each(block);
+        out.chunks_mut(rows * width).enumerate().for_each(block);
     }
 }
 
