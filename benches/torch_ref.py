@@ -22,8 +22,15 @@ same byte and FLOP accounting and the same JSON keys, so that
   ``examples/llama_2d.rs`` scaled up for a GPU: RMSNorm (eps 1e-5), RoPE
   rotate-half (theta 10000, HF table layout), causal GQA attention, SwiGLU MLP,
   untied embedding and LM head, no biases, byte-level vocab of 259, AdamW
-  (betas 0.9/0.99, eps 1e-8, weight decay 0.1), clip at 1.0; bf16 autocast
-  over f32 parameters (``--dtype bf16``, as llama_2d's FSDP mixed precision).
+  (betas 0.9/0.99, eps 1e-8, weight decay 0.1), clip at 1.0. With
+  ``--dtype bf16``, ``--train-mode`` picks how bf16 is used, so that each of
+  llama_2d's modes has its like: ``autocast`` (the default) computes in bf16
+  over f32 parameters; ``fsdp`` wraps every decoder layer and the root in
+  FSDP2's ``fully_shard`` on a world-1 process group with bf16 parameters and
+  f32 gradient reduction (llama_2d's FSDP mixed precision, gathers and copies
+  included); ``bf16`` trains bf16 parameters without autocast (llama_2d's
+  ``--no-fsdp``). ``--train-mode all`` measures the three in turn and reports
+  each as ``train.llama.<mode>.tokens_per_s`` as well.
 
 Every time is the median of 3 trials of enough back-to-back calls for about
 0.2 s, after a warm-up, bracketed by ``torch.cuda.synchronize()`` (as in
@@ -363,7 +370,26 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def bench_train(r, cfg):
+def shard_world1(model):
+    """FSDP2 over a world-1 process group: every decoder layer and the root,
+    bf16 parameters, f32 gradient reduction (llama_2d's FSDP configuration)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if DEV == "cuda" else "gloo", rank=0, world_size=1)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+def bench_train(r, cfg, mode="autocast"):
+    """One training step of ``cfg`` in ``mode`` (see the module docs), timed."""
     hd = cfg.hidden // cfg.heads
     if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads or hd % 2:
         raise SystemExit("--hidden / --heads / --kv-heads: inconsistent head sizes")
@@ -379,10 +405,15 @@ def bench_train(r, cfg):
     torch.manual_seed(cfg.seed)
     model = Llama(cfg, attn).to(DEV)
     params = sum(p.numel() for p in model.parameters())
+    half = cfg.dtype == "bf16"
+    if half and mode == "bf16":
+        model = model.to(torch.bfloat16)
+    elif half and mode == "fsdp":
+        shard_world1(model)
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1
     )
-    amp = cfg.dtype == "bf16"
+    amp = half and mode == "autocast"
     losses = []
 
     def step():
@@ -409,9 +440,12 @@ def bench_train(r, cfg):
     note = (
         f"{cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads}, "
         f"intermediate {cfg.intermediate}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}, "
-        f"{cfg.dtype}{' autocast' if amp else ''}, {params / 1e6:.1f}M params, eager, {how}"
+        f"{cfg.dtype}{f' {mode}' if half else ''}, {params / 1e6:.1f}M params, eager, {how}"
     )
-    r.add("train.llama.tokens_per_s", tokens, "tokens/s", note)
+    if "train.llama.tokens_per_s" not in r.values:  # the first mode's
+        r.add("train.llama.tokens_per_s", tokens, "tokens/s", note)
+    if half:
+        r.add(f"train.llama.{mode}.tokens_per_s", tokens, "tokens/s", note)
     return {
         "config": {k: getattr(cfg, k) for k in (
             "layers", "hidden", "heads", "kv_heads", "intermediate", "seq", "batch",
@@ -419,6 +453,7 @@ def bench_train(r, cfg):
         "params": params,
         "step_ms": secs * 1e3,
         "tokens_per_s": tokens,
+        "mode": mode if half else "f32",
         "loss_first": float(losses[0]),
         "loss_last": float(losses[-1]),
     }
@@ -445,6 +480,8 @@ def main():
     p.add_argument("--vocab", type=int, default=259, help="259: llama_2d's byte tokenizer")
     p.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     p.add_argument("--steps", type=int, default=10, help="timed training steps")
+    p.add_argument("--train-mode", choices=["autocast", "fsdp", "bf16", "all"], default="autocast",
+                   help="how --dtype bf16 trains (module docs); all: the three in turn")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: only to smoke-test this script without a GPU")
@@ -473,11 +510,18 @@ def main():
         bench_bandwidth(r)
     if not a.skip_train:
         print("== training step", flush=True)
-        try:
-            out["train"] = bench_train(r, a)
-        except Exception as e:
-            print(f"torch_ref: training step: {type(e).__name__}: {e}", file=sys.stderr)
-            out["train"] = {"error": f"{type(e).__name__}: {e}"}
+        modes = ["autocast", "fsdp", "bf16"] if a.train_mode == "all" else [a.train_mode]
+        for mode in modes:
+            try:
+                res = bench_train(r, a, mode)
+            except Exception as e:
+                print(f"torch_ref: training step ({mode}): {type(e).__name__}: {e}", file=sys.stderr)
+                res = {"error": f"{type(e).__name__}: {e}", "mode": mode}
+            # "train" stays the first mode's (the default's) for older readers.
+            out.setdefault("train", res)
+            out.setdefault("train_modes", {})[mode] = res
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
     out["bench"] = {"torch": r.values}
     out["units"] = r.units
     out["notes"] = r.notes

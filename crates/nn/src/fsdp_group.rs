@@ -23,6 +23,13 @@
 //! left out (its shard's gradient is untouched); the unit then reduces the others at
 //! the end of the backward.
 //!
+//! **One dp rank.** Over a dp group of one, a gather is the shards themselves and an
+//! average over one member is the gradient itself, so the unit issues no collective and
+//! builds no flat buffer: each unsharded parameter is its shard cast to the compute
+//! dtype (a copy when the dtype is the same), and each gradient, cast to the reduce
+//! dtype and then to the shard's, is added into the shard's `.grad()`. The values are
+//! those of the flat path, bit for bit; only the copies are gone.
+//!
 //! Parameters are bucketed by dtype (one collective per dtype present, usually one).
 //! Every rank of the dp group must run the same units in the same order, as for any
 //! collective.
@@ -93,6 +100,8 @@ struct Gather {
 /// The unit's reduce-scatter in flight.
 struct Reduce {
     flights: Vec<Flight>,
+    /// Over a dp group of one: each member's gradient in the reduce dtype.
+    ready: Vec<(usize, Tensor)>,
     issued: Instant,
 }
 
@@ -309,7 +318,7 @@ impl FsdpParamGroup {
     /// for it). A no-op when the unit is gathered or a gather is in flight.
     pub fn unshard_async(&self) -> Result<()> {
         let mut st = self.state();
-        if st.gather.is_some() || !self.needs_gather() {
+        if st.gather.is_some() || self.single() || !self.needs_gather() {
             return Ok(());
         }
         st.gather = Some(self.issue_gather(true)?);
@@ -340,6 +349,7 @@ impl FsdpParamGroup {
         let mut st = self.state();
         let gather = match st.gather.take() {
             Some(g) => g,
+            None if self.single() && self.needs_gather() => return self.fill_from_shards(),
             None if self.needs_gather() => self.issue_gather(false)?,
             None => return Ok(()),
         };
@@ -371,6 +381,36 @@ impl FsdpParamGroup {
         let blocked = done.saturating_duration_since(waited);
         self.record(TimelineKind::AllGather, gather.issued, done.max(gather.issued), blocked);
         Ok(())
+    }
+
+    /// Whether the dp group has one member (see the module docs: no collectives then).
+    fn single(&self) -> bool {
+        self.dp.size() == 1
+    }
+
+    /// Over a dp group of one: fills each released unsharded parameter with its shard
+    /// cast to the compute dtype, which is what the gather would give.
+    fn fill_from_shards(&self) -> Result<()> {
+        no_grad(|| {
+            for i in self.materialized() {
+                let p = &self.params[i];
+                let u = p.unsharded();
+                if !u.is_released() {
+                    continue;
+                }
+                let shard = p.sharded().detach();
+                let cast = match shard.dtype() == p.param_dtype() {
+                    // A copy of its own: the optimizer updates the shard in place.
+                    true => shard.deep_clone()?,
+                    false => shard.to_dtype(p.param_dtype())?,
+                };
+                // `{ cast }` drops the cast's handle with the statement, so the storage
+                // moves into the parameter instead of being copied again.
+                let cast = { cast }.reshape(p.local_shape().to_vec())?;
+                u.fill_storage_(cast)?;
+            }
+            Ok(())
+        })
     }
 
     /// Waits for a gather in flight and drops its result (the shards changed since it
@@ -452,6 +492,15 @@ impl FsdpParamGroup {
         let members: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
         let k = self.dp.size();
         let mut flights = Vec::new();
+        let mut ready = Vec::new();
+        if self.single() {
+            for &i in &members {
+                if let Some(g) = &grads[i] {
+                    ready.push((i, no_grad(|| g.to_dtype(self.params[i].reduce_dtype()))?));
+                }
+            }
+        }
+        let members = if self.single() { Vec::new() } else { members };
         for layout in self.layouts(&members, |p| p.reduce_dtype()) {
             if layout.numel == 0 {
                 flights.push(Flight { layout, work: None });
@@ -481,7 +530,7 @@ impl FsdpParamGroup {
         if let Some(since) = st.backward_since.take() {
             self.record(TimelineKind::Backward, since, issued, Duration::ZERO);
         }
-        st.reduce = Some(Reduce { flights, issued });
+        st.reduce = Some(Reduce { flights, ready, issued });
         self.reshard();
         Ok(())
     }
@@ -491,6 +540,18 @@ impl FsdpParamGroup {
         let (k, r) = (self.dp.size(), self.dp.rank());
         let waited = Instant::now();
         let mut done = waited;
+        no_grad(|| -> Result<()> {
+            for (i, g) in reduce.ready {
+                let leaf = self.params[i].sharded();
+                let g = g.reshape(leaf.shape().clone())?.to_dtype(leaf.dtype())?;
+                let g = match leaf.grad() {
+                    Some(old) => old.add(&g)?,
+                    None => g,
+                };
+                leaf.set_grad(Some(g));
+            }
+            Ok(())
+        })?;
         for f in reduce.flights {
             let Some(w) = f.work else { continue };
             let (out, at) = w.wait()?;

@@ -558,15 +558,20 @@ fn a_unit_with_uneven_and_mixed_dtype_parameters_gathers_and_reduces_per_dtype()
 /// at most ~8%; an update missing one of the three steps would be ~33% off).
 #[test]
 fn fsdp_mixed_precision_trains_close_to_f32() {
+    mixed_precision_close_to_f32(2);
+}
+
+/// [`fsdp_mixed_precision_trains_close_to_f32`] at `dp`.
+fn mixed_precision_close_to_f32(dp: usize) {
     const UPDATE_REL_L2: f64 = 0.12;
     let init = reference(0).params;
     let want = reference(3).params;
-    let got = train(2, 1, Mode::Fsdp(BF16_MP), 3, true, assert_bf16_compute_f32_master);
+    let got = train(dp, 1, Mode::Fsdp(BF16_MP), 3, true, assert_bf16_compute_f32_master);
     let tol = Tol::for_dtype(DType::BF16).scaled(3.0);
     for (rank, t) in got.iter().enumerate() {
         assert!(t.losses[2] < t.losses[0], "rank {rank}: loss did not fall: {:?}", t.losses);
         for (n, v) in &t.params {
-            let what = format!("bf16 MP dp=2 rank {rank} {n} after 3 steps");
+            let what = format!("bf16 MP dp={dp} rank {rank} {n} after 3 steps");
             tol.check(&what, v, &want[n]).unwrap();
             let (mut err, mut norm) = (0.0, 0.0);
             for ((g, w), i) in v.iter().zip(&want[n]).zip(&init[n]) {
@@ -576,6 +581,54 @@ fn fsdp_mixed_precision_trains_close_to_f32() {
             let rel = (err / norm).sqrt();
             assert!(rel <= UPDATE_REL_L2, "{what}: update off by {rel:.3} (relative L2)");
         }
+    }
+}
+
+/// Over a dp group of one, FSDP issues no collective on it (each unsharded parameter is
+/// its shard, cast; each gradient goes straight to its shard) and still trains as the
+/// unsharded model: the gradients at dp 1 x tp 1 and dp 1 x tp 2, three AdamW steps at
+/// both, and bf16 mixed precision (bf16 compute over f32 master shards, close to f32
+/// training as at dp 2). The layers' parameters are released after their forward, as
+/// at any dp.
+#[test]
+fn fsdp_over_one_dp_rank_trains_as_the_unsharded_model_without_collectives() {
+    check(1, 1, "fsdp");
+    check(1, 2, "fsdp");
+    let want = reference(3).params;
+    let tol = Tol::for_dtype(DType::F32).scaled(20.0);
+    for tp in [1, 2] {
+        let fsdp = Mode::Fsdp(FsdpConfig::default());
+        for (rank, t) in train(1, tp, fsdp, 3, false, no_check).iter().enumerate() {
+            for (n, v) in &t.params {
+                let what = format!("FSDP dp=1 tp={tp} rank {rank} {n} after 3 steps");
+                tol.check(&what, v, &want[n]).unwrap();
+            }
+        }
+    }
+    mixed_precision_close_to_f32(1);
+    for cfg in [FsdpConfig::default(), BF16_MP] {
+        let recs = spawn_with(SpawnConfig::new(1), |ctx| -> Result<_, NnError> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[1], &["dp"])?;
+            let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+            shard_model_with(&mut model, &mesh, &cfg)?;
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+            let (ids, tgt) = global_batch();
+            let dbg = mesh.group(0)?.comm_debug();
+            dbg.enable();
+            unshard(&model).map_err(common::plan_err)?;
+            loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
+            dbg.disable();
+            for (name, p) in named_parameters(&model) {
+                let Param::Fsdp(f) = p else {
+                    return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
+                };
+                let g = f.sharded().grad().expect("a gradient on the shard");
+                assert_eq!(g.dtype(), DType::F32, "{name}: the master gradient's dtype");
+            }
+            Ok(dbg.take())
+        })
+        .unwrap();
+        assert!(recs[0].is_empty(), "{cfg:?}: collectives at dp 1: {:?}", recs[0]);
     }
 }
 
