@@ -60,8 +60,8 @@ use tpar::kernels::cuda::emu::{EmulatedGpu, Emulator};
 use tpar::kernels::cuda::raw::gemm::{GemmProblem, GemmTile};
 use tpar::kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
 use tpar::kernels::cuda::raw::{
-    adamw, cross_entropy as ce, elementwise as ew, embedding, gemm, layout, reduce, rmsnorm, rope,
-    sdpa,
+    adamw, cross_entropy as ce, elementwise as ew, embedding, gemm, layout, multi, reduce, rmsnorm,
+    rope, sdpa,
 };
 use tpar::kernels::cuda::{CudaDType, DevPtr, DeviceBuffer, GpuDevice, Launcher};
 use tpar::kernels::elementwise::{BinaryOp, UnaryOp};
@@ -1345,6 +1345,44 @@ fn check_reduce(c: &mut Ctx) {
     for dt in DTYPES {
         sum_squares_case(c, dt, rows, len);
     }
+    // More tensors than one launch takes, sizes around the 16384-element chunk.
+    let mut lens = vec![0, 1, 7, 16383, 16384, 16385, 3000, if c.quick { 40000 } else { 1 << 22 }];
+    lens.extend((0..30).map(|i| 100 + 37 * i));
+    for dt in DTYPES {
+        multi_case(c, dt, &lens);
+    }
+}
+
+/// `multi::sum_squares_each` and `multi::scale_each` over tensors of `lens`.
+fn multi_case(c: &mut Ctx, dt: CudaDType, lens: &[usize]) {
+    let shape = format!("{} tensors", lens.len());
+    c.guard("multi", dn(dt), &shape, |c| {
+        let d = c.d;
+        let xs: Vec<Vec<f64>> = lens.iter().map(|&n| c.rng.vals(dt, n, -1.0, 1.0)).collect();
+        let bxs = xs.iter().map(|x| d.up(dt, x)).collect::<Res<Vec<_>>>()?;
+        let ptrs: Vec<(DevPtr, usize)> = bxs.iter().zip(lens).map(|(b, &n)| (b.ptr(), n)).collect();
+        let want: Vec<f64> = xs.iter().map(|x| x.iter().map(|v| v * v).sum()).collect();
+        let ws_len = multi::sum_squares_each_workspace_len(lens);
+        let (bout, ws) = (d.junk(lens.len() * 4)?, d.junk(ws_len.max(1) * 4)?);
+        // SAFETY: every tensor, out and the workspace were allocated above with these sizes.
+        unsafe { multi::sum_squares_each(d.l(), dt, &ptrs, bout.ptr(), ws.ptr(), ws_len)? };
+        let got = d.down(F32, &bout)?;
+        c.r.close("multi.sum_squares_each", dn(dt), &shape, &got, &want, bound(F32));
+        let coef = 0.3712f32;
+        let bc = d.up_raw(&[coef])?;
+        let bys = lens.iter().map(|&n| d.junk(n.max(1) * dt.size())).collect::<Res<Vec<_>>>()?;
+        let pairs: Vec<(DevPtr, DevPtr, usize)> =
+            bxs.iter().zip(&bys).zip(lens).map(|((x, y), &n)| (x.ptr(), y.ptr(), n)).collect();
+        // SAFETY: as above; each output holds its tensor's elements.
+        unsafe { multi::scale_each(d.l(), dt, &pairs, bc.ptr())? };
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for ((x, y), &n) in xs.iter().zip(&bys).zip(lens) {
+            got.extend(d.down(dt, y)?.into_iter().take(n));
+            want.extend(x.iter().map(|v| v * coef as f64));
+        }
+        c.r.close("multi.scale_each", dn(dt), &shape, &got, &want, bound(dt));
+        Ok(())
+    });
 }
 
 fn reduce_case(c: &mut Ctx, dt: CudaDType, outer: usize, len: usize, inner: usize) {

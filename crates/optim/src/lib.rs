@@ -1071,6 +1071,16 @@ fn clip_on_device(
     let coef = no_grad(|| total.add_scalar(1e-6)?.recip()?.mul_scalar(max_norm)?.minimum(&one))?;
     let host_coef =
         if grads.iter().any(|(_, g)| g.device() != device) { Some(coef.item()?) } else { None };
+    let kernel_dtype = |g: &Tensor| matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if host_coef.is_none() && grads.iter().all(|(_, g)| kernel_dtype(g)) {
+        // Every gradient scaled by the device coefficient in one launch per 32.
+        let refs: Vec<&Tensor> = grads.iter().map(|(_, g)| g).collect();
+        let scaled = Tensor::scale_each(&refs, &coef)?;
+        for ((p, _), g) in grads.into_iter().zip(scaled) {
+            p.set_reduced_grad(Some(g));
+        }
+        return Ok(total);
+    }
     for (p, g) in grads {
         let scaled = match host_coef {
             Some(c) if c < 1.0 => no_grad(|| g.mul_scalar(c))?,

@@ -211,3 +211,29 @@ fn clip_grad_norm_on_the_device_as_on_the_host() {
         }
     }
 }
+
+/// More gradients than one multi-tensor launch takes (32), f32 and bf16 interleaved (so
+/// the device folds and scales them in several runs), sizes from 1 to past one
+/// 16384-element chunk: the norm and every clipped gradient as on the host.
+#[test]
+fn clip_grad_norm_over_many_mixed_gradients_on_the_device_as_on_the_host() {
+    setup();
+    let mut rng = Rng::new(15);
+    let (mut host, mut dev) = (Vec::new(), Vec::new());
+    for i in 0..40usize {
+        let dtype = if i % 3 == 2 { DType::BF16 } else { DType::F32 };
+        let n = if i == 5 { 16385 } else { 1 + 97 * i };
+        let h = Tensor::randn([n], dtype, &mut rng).unwrap().requires_grad_(true);
+        dev.push(h.detach().to_device(DEV).unwrap().requires_grad_(true));
+        host.push(h);
+    }
+    set_grads(&host, &dev, None, &mut rng);
+    let want = clip_grad_norm(&wrap(&host), 0.5).unwrap();
+    let got = clip_grad_norm(&wrap(&dev), 0.5).unwrap();
+    assert!((got - want).abs() <= 1e-5 * want, "norm {got} vs {want}");
+    for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+        let (gh, gd) = (h.grad().unwrap(), d.grad().unwrap());
+        assert_eq!(gd.device(), DEV);
+        assert_close(&format!("gradient {i} ({:?})", h.dtype()), &gd, &gh, tol(h.dtype()));
+    }
+}

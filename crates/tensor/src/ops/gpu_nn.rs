@@ -17,7 +17,8 @@ use std::sync::Arc;
 use tpar_kernels::adamw::AdamWParams;
 use tpar_kernels::cuda::ops::{
     adamw as k_adamw, cross_entropy as k_ce, elementwise as k_ew, embedding as k_emb,
-    gemm as k_gemm, layout as k_layout, reduce as k_reduce, rope as k_rope, sdpa as k_sdpa,
+    gemm as k_gemm, layout as k_layout, multi as k_multi, reduce as k_reduce, rope as k_rope,
+    sdpa as k_sdpa,
 };
 use tpar_kernels::cuda::{CudaDType, DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice};
 use tpar_kernels::elementwise::BinaryOp;
@@ -36,6 +37,30 @@ use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 /// The byte range of elements `start..start + len` of `elem`-byte elements.
 fn elems(start: usize, len: usize, elem: usize) -> std::ops::Range<usize> {
     start * elem..(start + len) * elem
+}
+
+/// The device of `tensors` (at least one, all on one CUDA device).
+fn multi_device(op: &'static str, tensors: &[&Tensor]) -> Result<Arc<dyn GpuDevice>> {
+    let Some(first) = tensors.first() else {
+        return Err(invalid(op, "no tensors given (their device is unknown)"));
+    };
+    let Device::Cuda(_) = common_device(op, tensors)? else {
+        return Err(invalid(op, format!("for CUDA tensors only; got {}", first.device())));
+    };
+    device_of(first, op)
+}
+
+/// `tensors` cut into maximal runs of one kernel dtype: `(start, end, dtype)`.
+fn dtype_runs(op: &'static str, tensors: &[&Tensor]) -> Result<Vec<(usize, usize, CudaDType)>> {
+    let mut runs: Vec<(usize, usize, CudaDType)> = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let cd = kernel_dtype(op, t)?;
+        match runs.last_mut() {
+            Some(r) if r.2 == cd => r.1 = i + 1,
+            _ => runs.push((i, i + 1, cd)),
+        }
+    }
+    Ok(runs)
 }
 
 /// The kernel dtype of a CUDA tensor, or a dtype error naming `op`.
@@ -1019,31 +1044,77 @@ impl Tensor {
     /// Squared L2 norms of CUDA tensors, for gradient clipping: an f32 tensor
     /// `[tensors.len()]` on their device whose entry `i` is the sum of squares
     /// of `tensors[i]`'s elements, accumulated in f32 on the device. The
-    /// tensors are f32, bf16 or f16 and share one CUDA device.
+    /// tensors are f32, bf16 or f16 and share one CUDA device. One launch pair
+    /// covers up to 32 tensors of one dtype (PyTorch's `_foreach_norm`), and
+    /// each entry depends only on its own tensor (deterministic).
     pub fn sum_squares_each(tensors: &[&Tensor]) -> Result<Tensor> {
         const OP: &str = "sum_squares_each";
-        let Some(first) = tensors.first() else {
-            return Err(invalid(OP, "no tensors given (their device is unknown)"));
-        };
-        let Device::Cuda(_) = common_device(OP, tensors)? else {
-            return Err(invalid(OP, format!("for CUDA tensors only; got {}", first.device())));
-        };
-        let dev = device_of(first, OP)?;
+        let dev = multi_device(OP, tensors)?;
         let mut out = Out::new(&dev, [tensors.len()], DType::F32)?;
-        let ws_len = tensors
+        let runs = dtype_runs(OP, tensors)?;
+        let ws_len = runs
             .iter()
-            .map(|t| k_reduce::reduce_workspace_len(1, t.numel(), 1))
+            .map(|(s, e, _)| {
+                let lens: Vec<usize> = tensors[*s..*e].iter().map(|t| t.numel()).collect();
+                k_multi::sum_squares_each_workspace_len(&lens)
+            })
             .max()
             .unwrap_or(0);
-        let mut ws = Out::new(&dev, [ws_len], DType::F32)?;
-        for (i, t) in tensors.iter().enumerate() {
-            let cd = kernel_dtype(OP, t)?;
-            with_gpu(OP, &[t], |v| {
-                let o = out.view_mut().slice_mut(elems(i, 1, 4))?;
-                let w = Some(ws.view_mut());
-                Ok(k_reduce::sum_squares(&*dev, cd, v[0].view(), 1, t.numel(), o, w)?)
+        let mut ws = Out::new(&dev, [ws_len.max(1)], DType::F32)?;
+        for (s, e, cd) in runs {
+            with_gpu(OP, &tensors[s..e], |v| {
+                let xs: Vec<(DeviceSlice<'_>, usize)> =
+                    v.iter().zip(&tensors[s..e]).map(|(g, t)| (g.view(), t.numel())).collect();
+                let o = out.view_mut().slice_mut(elems(s, e - s, 4))?;
+                Ok(k_multi::sum_squares_each(&*dev, cd, &xs, o, ws.view_mut())?)
             })?;
         }
         Ok(out.into_tensor())
+    }
+
+    /// Each CUDA tensor times the f32 scalar `coef` (one element, on their
+    /// device), out of place: new tensors of the same shapes and dtypes, with
+    /// `coef` rounded to each tensor's dtype and the product rounded once (as
+    /// `t.mul(&coef.to_dtype(t.dtype()))`). One launch covers up to 32 tensors
+    /// of one dtype (PyTorch's `_foreach_mul`), for scaling every gradient by
+    /// a clipping coefficient that stays on the device. Not recorded by
+    /// autograd.
+    pub fn scale_each(tensors: &[&Tensor], coef: &Tensor) -> Result<Vec<Tensor>> {
+        const OP: &str = "scale_each";
+        if tensors.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dev = multi_device(OP, tensors)?;
+        if coef.numel() != 1 || coef.dtype() != DType::F32 || coef.device() != tensors[0].device() {
+            return Err(invalid(
+                OP,
+                format!(
+                    "coef must be one f32 on {}; got {} {} on {}",
+                    tensors[0].device(),
+                    coef.shape(),
+                    coef.dtype(),
+                    coef.device()
+                ),
+            ));
+        }
+        let mut outs = tensors
+            .iter()
+            .map(|t| Out::new(&dev, t.shape().clone(), t.dtype()))
+            .collect::<Result<Vec<_>>>()?;
+        for (s, e, cd) in dtype_runs(OP, tensors)? {
+            let mut reads: Vec<&Tensor> = tensors[s..e].to_vec();
+            reads.push(coef);
+            with_gpu(OP, &reads, |v| {
+                let xs: Vec<(DeviceSlice<'_>, usize)> = v[..e - s]
+                    .iter()
+                    .zip(&tensors[s..e])
+                    .map(|(g, t)| (g.view(), t.numel()))
+                    .collect();
+                let mut ys: Vec<DeviceSliceMut<'_>> =
+                    outs[s..e].iter_mut().map(|o| o.view_mut()).collect();
+                Ok(k_multi::scale_each(&*dev, cd, &xs, &mut ys, v[e - s].view())?)
+            })?;
+        }
+        Ok(outs.into_iter().map(Out::into_tensor).collect())
     }
 }

@@ -39,6 +39,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod layout;
+pub mod multi;
 pub mod reduce;
 pub mod rmsnorm;
 pub mod rope;

@@ -15,6 +15,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod layout;
+pub mod multi;
 pub mod reduce;
 pub mod rmsnorm;
 pub mod rope;

@@ -1,0 +1,61 @@
+//! Multi-tensor kernels (`cuda/multi.cu`) over device buffers: one launch per
+//! [`MULTI_MAX`](crate::cuda::raw::multi::MULTI_MAX) tensors of one dtype for
+//! the sums of squares of each, or each times one device scalar;
+//! [`crate::cuda::raw::multi`] documents the kernels.
+
+use super::Check;
+use crate::cuda::raw::multi as raw;
+pub use crate::cuda::raw::multi::sum_squares_each_workspace_len;
+use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
+use crate::util::bad;
+use crate::Result;
+
+/// `out[t] = sum of xs[t][i]^2` (f32 `out` of `xs.len()`) for `xs` (a view and
+/// its elements of `dtype`), with an f32 `workspace` of
+/// [`sum_squares_each_workspace_len`] elements.
+pub fn sum_squares_each(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    xs: &[(DeviceSlice<'_>, usize)],
+    out: DeviceSliceMut<'_>,
+    workspace: DeviceSliceMut<'_>,
+) -> Result<()> {
+    const OP: &str = "cuda_sum_squares_each";
+    let c = Check::new(OP, dev);
+    let ptrs = xs
+        .iter()
+        .map(|(v, n)| Ok((c.read("x", v, *n, dtype.size())?, *n)))
+        .collect::<Result<Vec<_>>>()?;
+    let op_ = c.write("out", &out, xs.len(), 4)?;
+    let lens: Vec<usize> = xs.iter().map(|(_, n)| *n).collect();
+    let wl = sum_squares_each_workspace_len(&lens);
+    let wp = c.write("workspace", &workspace, wl, 4)?;
+    // SAFETY: every view holds the elements it is read or written as (checked
+    // above) in `dev`'s memory; the written views are exclusive borrows.
+    unsafe { raw::sum_squares_each(dev, dtype, &ptrs, op_, wp, wl) }
+}
+
+/// `ys[t] = xs[t] * c` (`dtype`, `xs[t].1` elements each) with `c` the f32 in
+/// `coef` rounded to `dtype`.
+pub fn scale_each(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    xs: &[(DeviceSlice<'_>, usize)],
+    ys: &mut [DeviceSliceMut<'_>],
+    coef: DeviceSlice<'_>,
+) -> Result<()> {
+    const OP: &str = "cuda_scale_each";
+    if xs.len() != ys.len() {
+        return Err(bad(OP, format!("{} inputs but {} outputs", xs.len(), ys.len())));
+    }
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let ptrs = xs
+        .iter()
+        .zip(ys.iter())
+        .map(|((x, n), y)| Ok((c.read("x", x, *n, es)?, c.write("y", y, *n, es)?, *n)))
+        .collect::<Result<Vec<_>>>()?;
+    let cp = c.read("coef", &coef, 1, 4)?;
+    // SAFETY: as in `sum_squares_each`.
+    unsafe { raw::scale_each(dev, dtype, &ptrs, cp) }
+}
