@@ -10,7 +10,9 @@ same byte and FLOP accounting and the same JSON keys, so that
   weight), NN by a ``[K, N]`` matrix.
 - ``sdpa.{fwd,fwdbwd}.sS``: ``F.scaled_dot_product_attention`` on the flash
   backend, causal, 32 q / 8 kv heads of 128 (``enable_gqa=True``, or the kv
-  heads repeated beforehand when this torch cannot), batch = 16384 / S.
+  heads repeated beforehand when this torch cannot), batch = 16384 / S; and
+  ``sdpa.{fwd,fwdbwd}.d64.s1024``: the training step's shape (16 q / 8 kv heads
+  of 64, batch 8, seq 1024).
   FLOPs: 4*B*H*S^2*D/2 forward, 3.5 times that forward+backward.
 - ``rmsnorm.{fwd,bwd,fwdbwd}``, ``rope.fwd``, ``cross_entropy.{fwd,bwd,fwdbwd}``,
   ``copy.dtod``: achieved GB/s counting the bytes the op must read and write
@@ -172,15 +174,18 @@ def gqa_attention_fn(hq, hkv):
 
 
 def bench_sdpa(r, quick):
-    hq, hkv, d = 32, 8, 128
-    attn, how = gqa_attention_fn(hq, hkv)
     seqs = [1024, 2048] if quick else [1024, 2048, 4096, 8192]
-    for s in seqs:
-        b = 16384 // s
+    # (label, batch, q heads, kv heads, seq, head dim): 16k tokens at heads of 128, then
+    # the training step's shape (gpu_check's `sdpa.*.d64.s1024`).
+    cases = [(f"s{s}", 16384 // s, 32, 8, s, 128) for s in seqs]
+    cases.append(("d64.s1024", 8, 16, 8, 1024, 64))
+    how = None
+    for label, b, hq, hkv, s, d in cases:
+        attn, how = gqa_attention_fn(hq, hkv)
         note = f"b{b} h{hq}/{hkv} d{d} causal, flash, {how}"
         fwd_flops = 4.0 * b * hq * s * s * d * 0.5
 
-        def run(s=s, b=b):
+        def run(s=s, b=b, hq=hq, hkv=hkv, d=d, attn=attn, fwd_flops=fwd_flops):
             opts = dict(device=DEV, dtype=torch.bfloat16)
             q = torch.randn(b, hq, s, d, **opts, requires_grad=True)
             k = torch.randn(b, hkv, s, d, **opts, requires_grad=True)
@@ -197,7 +202,7 @@ def bench_sdpa(r, quick):
                 t_all = time_per_call(step)
             return [fwd_flops / t_fwd / 1e12, 3.5 * fwd_flops / t_all / 1e12]
 
-        r.guard([f"sdpa.fwd.s{s}", f"sdpa.fwdbwd.s{s}"], "TFLOP/s", note, run)
+        r.guard([f"sdpa.fwd.{label}", f"sdpa.fwdbwd.{label}"], "TFLOP/s", note, run)
     return how
 
 

@@ -2076,23 +2076,42 @@ fn run_benches(
         }
     }
 
-    // Attention: causal GQA, 32 q / 8 kv heads of 128, batch x seq = 16k tokens.
+    // Attention: causal GQA, 32 q / 8 kv heads of 128, batch x seq = 16k tokens; then
+    // the shape of `scripts/gpu-check.sh`'s training step (16 q / 8 kv heads of 64,
+    // batch 8 x seq 1024) with each tensor-core forward (64 or 128 query rows a block).
+    let mut cases: Vec<(String, usize, usize, usize, usize, usize, SdpaPath)> = Vec::new();
     let seqs: &[usize] = match (want("sdpa"), quick) {
         (false, _) => &[],
         (true, true) => &[1024, 2048],
         (true, false) => &[1024, 2048, 4096, 8192],
     };
     for &seq in seqs {
-        let batch = 16384 / seq;
-        let sh = sdpa_shape(batch, 32, 8, seq, seq, 128, true);
+        cases.push((format!("s{seq}"), 16384 / seq, 32, 8, seq, 128, SdpaPath::Auto));
+    }
+    for &seq in seqs.iter().take(2) {
+        for (sfx, path) in [(".m64", SdpaPath::TensorCore), (".m128", SdpaPath::TensorCoreWide)] {
+            cases.push((format!("s{seq}{sfx}"), 16384 / seq, 32, 8, seq, 128, path));
+        }
+    }
+    if want("sdpa") {
+        for (sfx, path) in [
+            ("", SdpaPath::Auto),
+            (".m64", SdpaPath::TensorCore),
+            (".m128", SdpaPath::TensorCoreWide),
+        ] {
+            cases.push((format!("d64.s1024{sfx}"), 8, 16, 8, 1024, 64, path));
+        }
+    }
+    for (label, batch, hq, hkv, seq, hd, path) in cases {
+        let sh = sdpa_shape(batch, hq, hkv, seq, seq, hd, true);
         // 4 * b * h * s^2 * d for q k^T and p v, half of it under the causal mask;
         // the backward pass counts 2.5 times the forward.
-        let fwd_flops = 4.0 * (batch * 32 * seq * seq * 128) as f64 * 0.5;
-        let note = format!("b{batch} h32/8 d128 causal");
+        let fwd_flops = 4.0 * (batch * hq * seq * seq * hd) as f64 * 0.5;
+        let note = format!("b{batch} h{hq}/{hkv} d{hd} causal, {path:?}");
         let res = (|| -> Res<(f64, f64)> {
-            let nq = batch * 32 * seq * 128;
-            let nk = batch * 8 * seq * 128;
-            let (o, lse) = (d.alloc(nq * 2)?, d.alloc(batch * 32 * seq * 4)?);
+            let nq = batch * hq * seq * hd;
+            let nk = batch * hkv * seq * hd;
+            let (o, lse) = (d.alloc(nq * 2)?, d.alloc(batch * hq * seq * 4)?);
             let (dq, dk, dv) = (d.alloc(nq * 2)?, d.alloc(nk * 2)?, d.alloc(nk * 2)?);
             let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&sh)?;
             let ws = d.alloc(ws_bytes)?;
@@ -2115,13 +2134,13 @@ fn run_benches(
             let t_fwd = time_per_call(d, || {
                 // SAFETY: q, k, v and dout lie inside the source buffer; the
                 // outputs and the workspace were allocated for `sh`.
-                unsafe { sdpa::sdpa_forward(l, BF16, &sh, &fb, SdpaPath::Auto)? };
+                unsafe { sdpa::sdpa_forward(l, BF16, &sh, &fb, path)? };
                 Ok(())
             })?;
             let t_all = time_per_call(d, || {
                 // SAFETY: as above.
                 unsafe {
-                    sdpa::sdpa_forward(l, BF16, &sh, &fb, SdpaPath::Auto)?;
+                    sdpa::sdpa_forward(l, BF16, &sh, &fb, path)?;
                     sdpa::sdpa_backward(l, BF16, &sh, &bb, SdpaPath::Auto)?;
                 }
                 Ok(())
@@ -2131,7 +2150,7 @@ fn run_benches(
         let (fwd, all) = match res {
             Ok((f, a)) => (Some(rate(fwd_flops, f, 1e12)), Some(rate(3.5 * fwd_flops, a, 1e12))),
             Err(e) => {
-                eprintln!("gpu_check: sdpa s{seq}: {e}");
+                eprintln!("gpu_check: sdpa {label}: {e}");
                 (None, None)
             }
         };
@@ -2142,8 +2161,8 @@ fn run_benches(
             cublaslt: None,
             note: note.clone(),
         };
-        push(&mut out, mk(format!("sdpa.fwd.s{seq}"), fwd));
-        push(&mut out, mk(format!("sdpa.fwdbwd.s{seq}"), all));
+        push(&mut out, mk(format!("sdpa.fwd.{label}"), fwd));
+        push(&mut out, mk(format!("sdpa.fwdbwd.{label}"), all));
     }
 
     // Memory-bound kernels, against a device-to-device copy.
