@@ -33,7 +33,10 @@
 //! Part 2, `--bench` (GPU only): bf16 GEMM TFLOP/s, ours and cuBLASLt, NN and
 //! NT, for 4096^3, 8192^3 and the Llama-8B projections at 8192 tokens;
 //! causal GQA attention (32 q / 8 kv heads of 128, batch x seq = 16k tokens)
-//! forward and forward+backward TFLOP/s at seq 1k..8k; RMSNorm, RoPE and
+//! forward and forward+backward TFLOP/s at seq 1k..8k, at the first two with
+//! each tensor-core forward tiling forced (`.m64`, `.m128`), and at the
+//! training step's shape of `scripts/gpu-check.sh` (`d64.s1024`: 16 q / 8 kv
+//! heads of 64, batch 8, seq 1024; also with each tiling); RMSNorm, RoPE and
 //! cross-entropy GB/s next to a measured device-to-device copy (1 GiB). Each
 //! time is the median of 3 trials of enough back-to-back calls for ~0.2 s,
 //! after a warm-up, bracketed by device synchronizations. `--json` writes the

@@ -8,8 +8,9 @@
 //!   and scales the gradients as `torch.nn.utils.clip_grad_norm_`.
 //! * Parameters on a CUDA device (f32, bf16, f16) are updated there, in place, by the
 //!   fused kernels ([`Tensor::adamw_step_`], [`Tensor::sgd_step_`]) with their state on
-//!   the same device; gradient norms are computed there too
-//!   ([`Tensor::sum_squares_each`]). The host path is unchanged.
+//!   the same device; gradient norms and the clipping are computed there too, one
+//!   launch per 32 gradients of a dtype ([`Tensor::sum_squares_each`],
+//!   [`Tensor::scale_each`]). The host path is unchanged.
 //! * [`LinearLR`], [`CosineAnnealingLR`] and [`SequentialLR`] are pure functions of the
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
