@@ -515,7 +515,9 @@ def main():
         bench_bandwidth(r)
     if not a.skip_train:
         print("== training step", flush=True)
-        modes = ["autocast", "fsdp", "bf16"] if a.train_mode == "all" else [a.train_mode]
+        modes = [a.train_mode]
+        if a.train_mode == "all":  # the modes differ in bf16 only
+            modes = ["autocast", "fsdp", "bf16"] if a.dtype == "bf16" else ["autocast"]
         for mode in modes:
             try:
                 res = bench_train(r, a, mode)

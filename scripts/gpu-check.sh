@@ -16,7 +16,8 @@
 #      PASS/FAIL line per output), then GEMM / attention TFLOP/s (ours and
 #      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s;
 #   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
-#      training step in eager PyTorch (tokens/s);
+#      training step in eager PyTorch (tokens/s) in each bf16 mode (autocast,
+#      FSDP2 at world 1, bf16 parameters);
 #   3. llama_2d --device cuda with the same model and batch as step 2 (its
 #      outcome is reported, never fatal), its host round trips per step
 #      (logging steps and the others), then the GPU time per kernel of 3 more
@@ -144,8 +145,10 @@ if [ "${SKIP_TORCH:-0}" != 1 ]; then
     echo
     echo "== 2. PyTorch reference (benches/torch_ref.py)"
     # shellcheck disable=SC2086
+    # Every bf16 mode (autocast, FSDP2 at world 1, bf16 parameters): the ratio row
+    # compares llama_2d (FSDP mixed precision) with the first, autocast.
     PYTHONUNBUFFERED=1 "$py" "$root/benches/torch_ref.py" ${quick[@]+"${quick[@]}"} "${model[@]}" \
-        --json "$out/torch_ref.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
+        --train-mode all --json "$out/torch_ref.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
     torch_rc=$?
     echo "(torch_ref: exit $torch_rc, $SECONDS s in all)"
 fi
