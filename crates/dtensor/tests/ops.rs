@@ -255,6 +255,25 @@ proptest! {
     }
 
     #[test]
+    fn silu_mul_matches(
+        mesh_shape in meshes(),
+        shape in prop::collection::vec(0usize..6, 0..=3),
+        codes in codes(),
+        codes_up in codes(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Rng::new(seed);
+        let (g, u) = (randn(&shape, &mut rng), randn(&shape, &mut rng));
+        let n = mesh_shape.len();
+        let inputs = [
+            input(g, placements(&codes, n, shape.len())),
+            input(u, placements(&codes_up, n, shape.len())),
+        ];
+        check("silu_mul", &mesh_shape, &inputs, seed,
+            |x| x[0].silu_mul(&x[1]), |x| x[0].silu_mul(&x[1]))?;
+    }
+
+    #[test]
     fn reductions_match(
         mesh_shape in meshes(),
         shape in prop::collection::vec(0usize..6, 1..=3),

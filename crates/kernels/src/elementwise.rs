@@ -294,6 +294,85 @@ pub fn unary_backward_new<T: Float>(op: UnaryOp, x: &[T], y: &[T], dy: &[T]) -> 
     unsafe { filled(x.len(), |dx| unary_backward(op, x, y, dy, dx)) }
 }
 
+/// The SwiGLU product `y = silu(a) * b` in one pass (`silu(a)` kept in the accumulator,
+/// not rounded to `T` before the product; for f32 the same bits as [`unary`] SiLU then a
+/// multiply). Writes every element of `y`.
+pub fn silu_mul<T: Float, O: Out<T>>(a: &[T], b: &[T], y: &mut [O]) -> Result<()> {
+    check_len("silu_mul", "b", b.len(), a.len())?;
+    check_len("silu_mul", "output", y.len(), a.len())?;
+    let block = |buf: &mut Vec<T::Acc>, (i, yb): (usize, &mut [O])| {
+        let o = i * VBLOCK;
+        let (ab, bb) = (&a[o..o + yb.len()], &b[o..o + yb.len()]);
+        buf.clear();
+        buf.extend(ab.iter().map(|v| v.to_acc()));
+        Acc::silu_slice(buf);
+        for ((out, &sv), bv) in yb.iter_mut().zip(buf.iter()).zip(bb) {
+            out.put(T::from_acc(sv * bv.to_acc()));
+        }
+    };
+    if y.len() >= PAR_THRESHOLD {
+        y.par_chunks_mut(VBLOCK).enumerate().for_each_init(Vec::new, block);
+    } else {
+        let mut buf = Vec::new();
+        y.chunks_mut(VBLOCK).enumerate().for_each(|c| block(&mut buf, c));
+    }
+    Ok(())
+}
+
+/// [`silu_mul`] into a new vector.
+pub fn silu_mul_new<T: Float>(a: &[T], b: &[T]) -> Result<Vec<T>> {
+    // SAFETY: `silu_mul` writes every element of its output when it returns Ok.
+    unsafe { filled(a.len(), |y| silu_mul(a, b, y)) }
+}
+
+/// The gradients of [`silu_mul`]: `db = dy * silu(a)` and
+/// `da = dy * b * s * (1 + a * (1 - s))` with `s = sigmoid(a)`, evaluated in that order
+/// (for f32 the bits of a multiply's gradients followed by [`unary_backward`] SiLU).
+/// Writes every element of `da` and `db`.
+pub fn silu_mul_backward<T: Float, O: Out<T>>(
+    a: &[T],
+    b: &[T],
+    dy: &[T],
+    da: &mut [O],
+    db: &mut [O],
+) -> Result<()> {
+    let n = a.len();
+    for (what, len) in [("b", b.len()), ("dy", dy.len()), ("da", da.len()), ("db", db.len())] {
+        check_len("silu_mul_backward", what, len, n)?;
+    }
+    let one = T::Acc::one();
+    let block = |bufs: &mut (Vec<T::Acc>, Vec<T::Acc>),
+                 (i, (dab, dbb)): (usize, (&mut [O], &mut [O]))| {
+        let o = i * VBLOCK;
+        let m = dab.len();
+        let (ab, bb, gb) = (&a[o..o + m], &b[o..o + m], &dy[o..o + m]);
+        let (sil, sig) = bufs;
+        sil.clear();
+        sil.extend(ab.iter().map(|v| v.to_acc()));
+        sig.clear();
+        sig.extend_from_slice(sil);
+        Acc::silu_slice(sil);
+        Acc::sigmoid_slice(sig);
+        for k in 0..m {
+            let (av, bv, g) = (ab[k].to_acc(), bb[k].to_acc(), gb[k].to_acc());
+            let s = sig[k];
+            dbb[k].put(T::from_acc(g * sil[k]));
+            dab[k].put(T::from_acc(g * bv * s * (one + av * (one - s))));
+        }
+    };
+    if n >= PAR_THRESHOLD {
+        da.par_chunks_mut(VBLOCK)
+            .zip(db.par_chunks_mut(VBLOCK))
+            .enumerate()
+            .for_each_init(|| (Vec::new(), Vec::new()), block);
+    } else {
+        let mut bufs = (Vec::new(), Vec::new());
+        let chunks = da.chunks_mut(VBLOCK).zip(db.chunks_mut(VBLOCK));
+        chunks.enumerate().for_each(|c| block(&mut bufs, c));
+    }
+    Ok(())
+}
+
 /// `y = x op s` (or `s op x` when `scalar_first`); writes every element of `y`.
 pub fn scalar<T: Float, O: Out<T>>(
     op: BinaryOp,

@@ -540,7 +540,7 @@ impl Module for LlamaMLP {
         let x = args.get(0);
         let gate = call(&self.gate_proj, Args::one(x.clone()))?;
         let up = call(&self.up_proj, Args::one(x))?;
-        call(&self.down_proj, Args::one(gate.silu()?.mul(&up)?))
+        call(&self.down_proj, Args::one(gate.silu_mul(&up)?))
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {

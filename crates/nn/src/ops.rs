@@ -175,6 +175,8 @@ impl Value {
         sub;
         /// `self * rhs` with broadcasting.
         mul;
+        /// `silu(self) * rhs` as one op (a gated MLP's SwiGLU product; equal shapes).
+        silu_mul;
     }
 
     unary_ops! {

@@ -166,6 +166,21 @@ fn unary_ops_forward_and_backward() {
     }
 }
 
+/// The fused SwiGLU product on the device, forward and both gradients, as on the host,
+/// at a vectorizable and a ragged last dim.
+#[test]
+fn silu_mul_forward_and_backward() {
+    setup();
+    let mut rng = Rng::new(31);
+    for dtype in FLOATS {
+        for shape in [[4usize, 3, 16], [2, 5, 13]] {
+            let (g, u) = (randn(&shape, dtype, &mut rng), randn(&shape, dtype, &mut rng));
+            let what = format!("silu_mul {dtype} {shape:?}");
+            check(&what, &[g, u], &|t| t[0].silu_mul(&t[1]), true);
+        }
+    }
+}
+
 #[test]
 fn casts_between_float_dtypes_and_from_ids() {
     setup();

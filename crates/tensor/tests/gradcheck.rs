@@ -85,6 +85,8 @@ proptest! {
         gradcheck("neg", |t| t[0].neg(), &[x.clone()], seed);
         gradcheck("exp", |t| t[0].exp(), &[x.clone()], seed);
         gradcheck("silu", |t| t[0].silu(), &[x.clone()], seed);
+        let u = randn(&[a, b], &mut rng);
+        gradcheck("silu_mul", |t| t[0].silu_mul(&t[1]), &[x.clone(), u], seed);
         gradcheck("sigmoid", |t| t[0].sigmoid(), &[x.clone()], seed);
         gradcheck("tanh", |t| t[0].tanh(), &[x.clone()], seed);
         gradcheck("square", |t| t[0].square(), &[x.clone()], seed);
@@ -300,4 +302,33 @@ fn matmul_backward_with_empty_inner_or_output_dims() {
         assert_eq!(x.grad().unwrap().dims(), &[2, 4, k]);
         assert_eq!(w.grad().unwrap().dims(), &[n, k]);
     }
+}
+
+/// In f32 the fused SwiGLU product and its gradients have the bits of SiLU followed by a
+/// multiply (the model's MLP switched to it without moving f32 numbers); mismatched
+/// operands are typed errors.
+#[test]
+fn silu_mul_has_the_f32_bits_of_silu_then_mul() {
+    let mut rng = Rng::new(5);
+    // Large enough for the parallel path of the CPU kernels.
+    for shape in [vec![3usize, 7], vec![64, 1100]] {
+        let f32s = |rng: &mut Rng| randn(&shape, rng).to_dtype(DType::F32).unwrap().detach();
+        let g = f32s(&mut rng).requires_grad_(true);
+        let u = f32s(&mut rng).requires_grad_(true);
+        let dy = f32s(&mut rng);
+        let fused = g.silu_mul(&u).unwrap();
+        fused.mul(&dy).unwrap().sum_all().unwrap().backward().unwrap();
+        let (fg, fu) =
+            (g.grad().unwrap().to_vec_f64().unwrap(), u.grad().unwrap().to_vec_f64().unwrap());
+        g.zero_grad();
+        u.zero_grad();
+        let plain = g.silu().unwrap().mul(&u).unwrap();
+        plain.mul(&dy).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(fused.to_vec_f64().unwrap(), plain.to_vec_f64().unwrap(), "{shape:?}: forward");
+        assert_eq!(fg, g.grad().unwrap().to_vec_f64().unwrap(), "{shape:?}: gate gradient");
+        assert_eq!(fu, u.grad().unwrap().to_vec_f64().unwrap(), "{shape:?}: up gradient");
+    }
+    let g = randn(&[2, 3], &mut rng);
+    assert!(g.silu_mul(&randn(&[3], &mut rng)).is_err(), "broadcasting is refused");
+    assert!(g.silu_mul(&g.to_dtype(DType::BF16).unwrap()).is_err(), "dtypes differ");
 }

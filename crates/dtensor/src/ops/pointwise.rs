@@ -172,6 +172,10 @@ impl DTensor {
         div => Linearity::First;
         /// `self ^ rhs` with broadcasting. Not linear: partial operands are reduced first.
         pow => Linearity::None;
+        /// `silu(self) * rhs` as one op (`Tensor::silu_mul`; equal global shapes, no
+        /// broadcasting). Shards and `Replicate` pass as in [`DTensor::add`]; a partial
+        /// operand is reduced first.
+        silu_mul => Linearity::None;
     }
 
     unary_ops! {

@@ -2,7 +2,7 @@
 
 use tpar_kernels::elementwise::{self as k, BinaryOp, UnaryOp};
 
-use super::{compute, cuda_ordinal, gpu_elem, require_float};
+use super::{compute, compute_multi, cuda_ordinal, gpu_elem, require_float};
 use crate::autograd::{needs_input_grad, record};
 use crate::shape::{broadcast_shapes, broadcast_strides};
 use crate::storage::Element;
@@ -241,6 +241,65 @@ impl Tensor {
     pub fn silu(&self) -> Result<Tensor> {
         self.unary_op(UnaryOp::Silu)
     }
+    /// The SwiGLU product `silu(self) * up` as one op (PyTorch's
+    /// `F.silu(gate) * up`), for a gated MLP: one pass forward and one backward instead
+    /// of three and four, with no `silu(self)` kept for the backward. `up` has this
+    /// tensor's shape and dtype (no broadcasting). `silu(self)` is not rounded to the
+    /// dtype before the product (for f32 the bits equal `self.silu()?.mul(up)`).
+    pub fn silu_mul(&self, up: &Tensor) -> Result<Tensor> {
+        const OP: &str = "silu_mul";
+        require_float(OP, self)?;
+        if up.shape() != self.shape() {
+            return Err(TensorError::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().clone(),
+                rhs: up.shape().clone(),
+                why: "the gate and up operands must have one shape".into(),
+            });
+        }
+        if up.dtype() != self.dtype() {
+            return Err(TensorError::DTypeMismatch {
+                op: OP,
+                expected: self.dtype().to_string(),
+                got: up.dtype(),
+            });
+        }
+        let on_device = match cuda_ordinal(OP, &[self, up])? {
+            Some(_) => gpu_elem::silu_mul(self, up)?,
+            None => None,
+        };
+        let out = match on_device {
+            Some(t) => t,
+            None => compute(OP, &[self, up], self.shape().clone(), self.dtype(), |st| {
+                with_float_type!(st[0].dtype(), OP, |T| {
+                    Ok(T::wrap(k::silu_mul_new(typed::<T>(OP, st[0])?, typed::<T>(OP, st[1])?)?))
+                })
+            })?,
+        };
+        let (a, b) = (self.clone(), up.clone());
+        Ok(record(OP, &[self, up], out, move |g| {
+            if cuda_ordinal(OP, &[&a, &b, g])?.is_some() {
+                if let Some((ga, gb)) = gpu_elem::silu_mul_backward(&a, &b, g)? {
+                    return Ok(vec![Some(ga), Some(gb)]);
+                }
+            }
+            let outs = [(a.shape().clone(), a.dtype()), (a.shape().clone(), a.dtype())];
+            let mut grads = compute_multi(OP, &[&a, &b, g], &outs, |st| {
+                with_float_type!(st[0].dtype(), OP, |T| {
+                    let (x, u, dy) =
+                        (typed::<T>(OP, st[0])?, typed::<T>(OP, st[1])?, typed::<T>(OP, st[2])?);
+                    let (mut da, mut db) =
+                        (vec![T::default(); x.len()], vec![T::default(); x.len()]);
+                    k::silu_mul_backward(x, u, dy, &mut da, &mut db)?;
+                    Ok(vec![T::wrap(da), T::wrap(db)])
+                })
+            })?;
+            let gb = grads.pop();
+            let ga = grads.pop();
+            Ok(vec![ga, gb])
+        }))
+    }
+
     /// Logistic sigmoid.
     pub fn sigmoid(&self) -> Result<Tensor> {
         self.unary_op(UnaryOp::Sigmoid)

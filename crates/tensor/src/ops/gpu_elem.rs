@@ -148,6 +148,49 @@ pub(crate) fn unary_backward(
     Ok(Some(dx.into_tensor()))
 }
 
+/// `t` as `[rows, last dim]` (a scalar as `[1, 1]`, an empty tensor as `[0, 1]`).
+fn rows_cols(t: &Tensor) -> (usize, usize) {
+    let cols = t.dims().last().copied().unwrap_or(1).max(1);
+    (t.numel() / cols, cols)
+}
+
+/// `silu(a) * b` (same shapes and dtype) on the device.
+pub(crate) fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    const OP: &str = "silu_mul";
+    let Some(cd) = cuda_dtype(a.dtype()) else { return Ok(None) };
+    let dev = device_of(a, OP)?;
+    let (rows, cols) = rows_cols(a);
+    let mut y = Out::new(&dev, a.shape().clone(), a.dtype())?;
+    with_gpu(OP, &[a, b], |s| {
+        let (av, bv) = (s[0].view(), s[1].view());
+        Ok(k_ew::swiglu_forward(&*dev, cd, av, bv, cols, y.view_mut(), rows, cols)?)
+    })?;
+    Ok(Some(y.into_tensor()))
+}
+
+/// The gradients `(da, db)` of `silu(a) * b` for the output gradient `g`.
+pub(crate) fn silu_mul_backward(
+    a: &Tensor,
+    b: &Tensor,
+    g: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    const OP: &str = "silu_mul_backward";
+    let Some(cd) = cuda_dtype(a.dtype()) else { return Ok(None) };
+    if b.dtype() != a.dtype() || g.dtype() != a.dtype() || g.shape() != a.shape() {
+        return Ok(None);
+    }
+    let dev = device_of(a, OP)?;
+    let (rows, cols) = rows_cols(a);
+    let mut da = Out::new(&dev, a.shape().clone(), a.dtype())?;
+    let mut db = Out::new(&dev, a.shape().clone(), a.dtype())?;
+    with_gpu(OP, &[a, b, g], |s| {
+        let (av, bv, gv) = (s[0].view(), s[1].view(), s[2].view());
+        let (dav, dbv) = (da.view_mut(), db.view_mut());
+        Ok(k_ew::swiglu_backward(&*dev, cd, av, bv, cols, gv, dav, dbv, rows, cols)?)
+    })?;
+    Ok(Some((da.into_tensor(), db.into_tensor())))
+}
+
 /// `x` converted to `to` (float to float, or i64 to float; no autograd).
 pub(crate) fn cast(x: &Tensor, to: DType) -> Result<Option<Tensor>> {
     const OP: &str = "to_dtype";
