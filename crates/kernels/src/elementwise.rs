@@ -353,11 +353,12 @@ pub fn silu_mul_backward<T: Float, O: Out<T>>(
         sig.extend_from_slice(sil);
         Acc::silu_slice(sil);
         Acc::sigmoid_slice(sig);
-        for k in 0..m {
-            let (av, bv, g) = (ab[k].to_acc(), bb[k].to_acc(), gb[k].to_acc());
-            let s = sig[k];
-            dbb[k].put(T::from_acc(g * sil[k]));
-            dab[k].put(T::from_acc(g * bv * s * (one + av * (one - s))));
+        let outs = dab.iter_mut().zip(dbb.iter_mut());
+        let ins = ab.iter().zip(bb).zip(gb).zip(sil.iter().zip(sig.iter()));
+        for ((da_k, db_k), (((av, bv), g), (&y, &s))) in outs.zip(ins) {
+            let (av, g) = (av.to_acc(), g.to_acc());
+            db_k.put(T::from_acc(g * y));
+            da_k.put(T::from_acc(g * bv.to_acc() * s * (one + av * (one - s))));
         }
     };
     if n >= PAR_THRESHOLD {
@@ -371,6 +372,19 @@ pub fn silu_mul_backward<T: Float, O: Out<T>>(
         chunks.enumerate().for_each(|c| block(&mut bufs, c));
     }
     Ok(())
+}
+
+/// [`silu_mul_backward`] into new vectors `(da, db)`.
+pub fn silu_mul_backward_new<T: Float>(a: &[T], b: &[T], dy: &[T]) -> Result<(Vec<T>, Vec<T>)> {
+    let mut db_out = None;
+    // SAFETY: `silu_mul_backward` writes every element of both outputs when it returns Ok.
+    let da = unsafe {
+        filled(a.len(), |da| {
+            db_out = Some(filled(a.len(), |db| silu_mul_backward(a, b, dy, da, db))?);
+            Ok::<(), KernelError>(())
+        })?
+    };
+    Ok((da, db_out.unwrap_or_default()))
 }
 
 /// `y = x op s` (or `s op x` when `scalar_first`); writes every element of `y`.

@@ -288,9 +288,7 @@ impl Tensor {
                 with_float_type!(st[0].dtype(), OP, |T| {
                     let (x, u, dy) =
                         (typed::<T>(OP, st[0])?, typed::<T>(OP, st[1])?, typed::<T>(OP, st[2])?);
-                    let (mut da, mut db) =
-                        (vec![T::default(); x.len()], vec![T::default(); x.len()]);
-                    k::silu_mul_backward(x, u, dy, &mut da, &mut db)?;
+                    let (da, db) = k::silu_mul_backward_new(x, u, dy)?;
                     Ok(vec![T::wrap(da), T::wrap(db)])
                 })
             })?;
