@@ -542,13 +542,7 @@ impl FsdpParamGroup {
         let mut done = waited;
         no_grad(|| -> Result<()> {
             for (i, g) in reduce.ready {
-                let leaf = self.params[i].sharded();
-                let g = g.reshape(leaf.shape().clone())?.to_dtype(leaf.dtype())?;
-                let g = match leaf.grad() {
-                    Some(old) => old.add(&g)?,
-                    None => g,
-                };
-                leaf.set_grad(Some(g));
+                self.add_to_shard_grad(i, g)?;
             }
             Ok(())
         })?;
@@ -562,23 +556,27 @@ impl FsdpParamGroup {
                     f.layout.segments.iter().map(|s| s.chunk * s.row_numel).collect();
                 let pieces = out.split_sizes(&sizes, 0)?;
                 for (s, piece) in f.layout.segments.iter().zip(pieces) {
-                    let leaf = self.params[s.index].sharded();
                     let (_, len) = chunk_range(s.rows, k, r);
-                    let piece = piece
-                        .narrow(0, 0, len * s.row_numel)?
-                        .reshape(leaf.shape().clone())?
-                        .to_dtype(leaf.dtype())?;
-                    let g = match leaf.grad() {
-                        Some(old) => old.add(&piece)?,
-                        None => piece,
-                    };
-                    leaf.set_grad(Some(g));
+                    self.add_to_shard_grad(s.index, piece.narrow(0, 0, len * s.row_numel)?)?;
                 }
                 Ok(())
             })?;
         }
         let blocked = done.saturating_duration_since(waited);
         self.record(TimelineKind::ReduceScatter, reduce.issued, done.max(reduce.issued), blocked);
+        Ok(())
+    }
+
+    /// Adds `g` (member `i`'s reduced gradient shard, any shape of its elements and any
+    /// float dtype) into the shard's `.grad()`, cast to the shard's dtype.
+    fn add_to_shard_grad(&self, i: usize, g: Tensor) -> Result<()> {
+        let leaf = self.params[i].sharded();
+        let g = g.reshape(leaf.shape().clone())?.to_dtype(leaf.dtype())?;
+        let g = match leaf.grad() {
+            Some(old) => old.add(&g)?,
+            None => g,
+        };
+        leaf.set_grad(Some(g));
         Ok(())
     }
 
