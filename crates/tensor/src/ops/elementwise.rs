@@ -242,8 +242,8 @@ impl Tensor {
         self.unary_op(UnaryOp::Silu)
     }
     /// The SwiGLU product `silu(self) * up` as one op (PyTorch's
-    /// `F.silu(gate) * up`), for a gated MLP: one pass forward and one backward instead
-    /// of three and four, with no `silu(self)` kept for the backward. `up` has this
+    /// `F.silu(gate) * up`), for a gated MLP: one kernel forward and one backward
+    /// instead of two and three, with no `silu(self)` kept for the backward. `up` has this
     /// tensor's shape and dtype (no broadcasting). `silu(self)` is not rounded to the
     /// dtype before the product (for f32 the bits equal `self.silu()?.mul(up)`).
     pub fn silu_mul(&self, up: &Tensor) -> Result<Tensor> {
