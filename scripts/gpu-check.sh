@@ -19,7 +19,8 @@
 #      training step in eager PyTorch (tokens/s) in each bf16 mode (autocast,
 #      FSDP2 at world 1, bf16 parameters);
 #   3. llama_2d --device cuda with the same model and batch as step 2 (its
-#      outcome is reported, never fatal), its host round trips per step
+#      outcome is reported, never fatal), with FSDP and with --no-fsdp (each
+#      against its PyTorch mode in step 4's table), its host round trips per step
 #      (logging steps and the others), then the GPU time per kernel of 3 more
 #      steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
 #   3b. the small default model on the device and on the host in the
@@ -30,8 +31,8 @@
 #      ours/cuBLASLt (python3 merges the JSON files).
 #
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
-# torch_ref.{log,json}, llama_2d.log, parity.log, summary.{txt,json} (eight
-# files).
+# torch_ref.{log,json}, llama_2d.log, llama_2d_nofsdp.log, parity.log,
+# summary.{txt,json} (nine files).
 # Exit status: gpu_check's (0 every check passed, 1 a check failed, 2 no GPU
 # or no binary). Expect several minutes on an H200 (NVRTC compiles the kernels
 # on first use; step 3 is capped at LLAMA_TIMEOUT): where one command may run
@@ -166,6 +167,12 @@ if [ "${SKIP_LLAMA:-0}" != 1 ]; then
             tee "$out/llama_2d.log"
         llama_rc=$?
         echo "(llama_2d: exit $llama_rc, $SECONDS s in all; 124 = stopped by LLAMA_TIMEOUT)"
+        # bf16 parameters without FSDP, the like of PyTorch's `bf16` mode.
+        # shellcheck disable=SC2086
+        timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
+            --dtype bf16 --no-fsdp --steps 10 --log-every 2 --device cuda ${LLAMA_ARGS:-} \
+            >"$out/llama_2d_nofsdp.log" 2>&1
+        echo "(llama_2d --no-fsdp: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log"))"
         if [ "$llama_rc" = 0 ] && [ "${SKIP_PROFILE:-0}" != 1 ]; then
             # Where the device time goes: GPU time per kernel over 3 steps
             # (TPAR_CUDA_PROFILE=1 times each launch with CUDA events).
@@ -288,6 +295,22 @@ if m:
             step_s = float(steady.group(1))
             llama["first_steps_included"] = False
         ours["train.llama.tokens_per_s"] = int(shape.group(1)) * int(shape.group(2)) / step_s
+        # The same FSDP step against PyTorch's autocast and FSDP2 modes (torch_ref
+        # --train-mode all), and the --no-fsdp step against its bf16 mode.
+        for mode in ("autocast", "fsdp"):
+            ours[f"train.llama.{mode}.tokens_per_s"] = ours["train.llama.tokens_per_s"]
+            units[f"train.llama.{mode}.tokens_per_s"] = "tokens/s"
+        try:
+            with open(os.path.join(out, "llama_2d_nofsdp.log")) as f:
+                plain = re.search(r" steady_step_s=([0-9.eE+-]+)", f.read())
+        except OSError:
+            plain = None
+        if plain and float(plain.group(1)) > 0:
+            ours["train.llama.bf16.tokens_per_s"] = (
+                int(shape.group(1)) * int(shape.group(2)) / float(plain.group(1))
+            )
+            units["train.llama.bf16.tokens_per_s"] = "tokens/s"
+            llama["no_fsdp_step_ms"] = 1e3 * float(plain.group(1))
         llama["step_ms"] = 1e3 * step_s
     units["train.llama.tokens_per_s"] = "tokens/s"
     llama["tokens_per_s_not_padding"] = float(m.group(1))
