@@ -3,9 +3,9 @@
 //
 // Tensor t's elements are cut into chunks of kChunk elements, one block per
 // chunk: blocks [first[t], first[t + 1]) of the grid (the last tensor's end
-// is `total`, the grid's width). A block finds its
-// tensor by scanning `first`, so tensors of any sizes (none included) share
-// one launch without idle blocks.
+// is `total`, the grid's width). A block finds its tensor by scanning
+// `first`, so tensors of any sizes (empty ones included) share one launch
+// without idle blocks.
 //
 // - tpar_multi_sumsq_*: each block's sum of squares (f32) of its chunk into
 //   `partial[block]`; tpar_multi_sumsq_final folds tensor t's partials in
