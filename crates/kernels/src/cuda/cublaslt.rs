@@ -5,8 +5,8 @@
 //! It takes the same [`GemmProblem`] as [`crate::cuda::raw::gemm`] (row-major
 //! operands, `trans_a` / `trans_b`, leading dimensions, batch strides with 0
 //! broadcasting, `alpha` / `beta`), so both run any problem and compare on
-//! it. Inputs bf16, f16 or f32; f32 accumulation (`CUBLAS_COMPUTE_32F`: exact f32 for f32 inputs, no TF32);
-//! output the input type or f32.
+//! it. Inputs bf16, f16 or f32; f32 accumulation (`CUBLAS_COMPUTE_32F`: exact
+//! f32 for f32 inputs, no TF32); output the input type or f32.
 //!
 //! cuBLAS is column-major: a row-major `[r, c]` matrix with row stride `ld` is
 //! the column-major `[c, r]` matrix with the same `ld`, i.e. its transpose. So
