@@ -100,6 +100,13 @@ pub trait Float: Copy + Send + Sync + Default + PartialOrd + Debug + 'static {
     fn from_f64(v: f64) -> Self {
         Self::from_acc(Self::Acc::of(v))
     }
+    /// `s` itself when the storage type is its own accumulator (`f32`, `f64`), so a
+    /// kernel can read it in place instead of widening a copy; `None` for bf16 / f16.
+    #[inline(always)]
+    fn as_acc(s: &[Self]) -> Option<&[Self::Acc]> {
+        let _ = s;
+        None
+    }
 }
 
 impl Float for f32 {
@@ -113,6 +120,10 @@ impl Float for f32 {
     fn from_acc(v: f32) -> Self {
         v
     }
+    #[inline(always)]
+    fn as_acc(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
 }
 
 impl Float for f64 {
@@ -125,6 +136,10 @@ impl Float for f64 {
     #[inline(always)]
     fn from_acc(v: f64) -> Self {
         v
+    }
+    #[inline(always)]
+    fn as_acc(s: &[f64]) -> Option<&[f64]> {
+        Some(s)
     }
 }
 

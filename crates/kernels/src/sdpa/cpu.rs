@@ -54,6 +54,18 @@ fn load<T: Float>(dst: &mut Vec<T::Acc>, src: &[T], mul: T::Acc) {
     dst.extend(src.iter().map(|x| x.to_acc() * mul));
 }
 
+/// `src` in the accumulator type: itself when it already is (f32, f64), else widened
+/// into `buf`.
+fn view<'a, T: Float>(buf: &'a mut Vec<T::Acc>, src: &'a [T]) -> &'a [T::Acc] {
+    match T::as_acc(src) {
+        Some(s) => s,
+        None => {
+            load(buf, src, One::one());
+            buf
+        }
+    }
+}
+
 /// What the mask does to one key tile of one head.
 #[derive(Clone, Copy, PartialEq)]
 enum TileMask {
@@ -169,10 +181,10 @@ pub(super) fn forward<T: Float, O: Out<T>>(
                 continue;
             }
             let k0 = kv * s.kv_len + j0;
-            load(&mut ka, &k[k0 * d..(k0 + nk) * d], One::one());
-            load(&mut va, &v[k0 * dv..(k0 + nk) * dv], One::one());
+            let kt = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
+            let vt = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
             let sc = &mut sc[..nq * nk];
-            small_matmul((nq, nk, d), &qa, false, &ka, true, sc, false);
+            small_matmul((nq, nk, d), &qa, false, kt, true, sc, false);
             for qi in 0..nq {
                 let row = &mut sc[qi * nk..(qi + 1) * nk];
                 let tmax = cx.mask_scores(bh, i0 + qi, j0, tm, row);
@@ -189,7 +201,7 @@ pub(super) fn forward<T: Float, O: Out<T>>(
                 l[qi] += Acc::exp_sub_sum(row, mnew);
                 m[qi] = mnew;
             }
-            small_matmul((nq, dv, nk), sc, false, &va, false, &mut acc, true);
+            small_matmul((nq, dv, nk), sc, false, vt, false, &mut acc, true);
         }
         for qi in 0..nq {
             let orow = &mut out[qi * dv..(qi + 1) * dv];
