@@ -10,7 +10,8 @@
 // CPU kernel does. Parameters are f32/bf16/f16, gradients the same dtype
 // (tpar_adamw_*) or f32 (tpar_adamw_f32grad_*), moments f32. A grid-stride
 // loop takes 8 elements per thread per step with 16-byte accesses when every
-// buffer is 16-byte aligned, element by element otherwise.
+// buffer is 16-byte aligned, element by element otherwise. tpar_multi_adamw_*
+// (MultiAdamwArgs below) run the same step over up to 32 tensors a launch.
 
 struct AdamwArgs {
     void* param;        // [n]
@@ -26,6 +27,23 @@ struct AdamwArgs {
     float bc2_sqrt;     // sqrt(1 - beta2^step)
     float eps;
     float pad;
+};
+
+// The same step over up to TPAR_MULTI_MAX tensors in one launch (PyTorch's
+// foreach AdamW), all with the same hyper-parameters and step: tensor t's
+// chunks of TPAR_MULTI_CHUNK elements are blocks [first[t], first[t + 1]).
+// Each element gets the arithmetic of tpar_adamw_*, so the results are the
+// same bits.
+struct MultiAdamwArgs {
+    void* param[TPAR_MULTI_MAX];
+    const void* grad[TPAR_MULTI_MAX];
+    float* exp_avg[TPAR_MULTI_MAX];
+    float* exp_avg_sq[TPAR_MULTI_MAX];
+    i64 n[TPAR_MULTI_MAX];
+    i32 first[TPAR_MULTI_MAX];
+    i32 total;  // blocks in all
+    i32 count;  // tensors used (1..=32)
+    float decay, w1, beta2, w2, step_size, bc2_sqrt, eps, pad;
 };
 
 namespace adamw {
@@ -46,35 +64,53 @@ TPAR_DEVICE float update(float p, float g, float& m, float& v, const Coef& c) {
     return x;
 }
 
+// Elements [begin, end) of one tensor, thread t of nt: 8 at a time with
+// 16-byte accesses when all four buffers are 16-byte aligned at `begin`
+// (`begin` is a multiple of 8), one at a time otherwise and for the tail.
 template <typename T, typename G>
-TPAR_DEVICE void step(const AdamwArgs& a) {
-    T* param = static_cast<T*>(a.param);
-    const G* grad = static_cast<const G*>(a.grad);
-    const Coef c = {a.decay, a.w1, a.beta2, a.w2, a.step_size, a.bc2_sqrt, a.eps};
-    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 nthreads = (i64)gridDim.x * blockDim.x;
-    const bool vec = aligned16(param) && aligned16(grad) && aligned16(a.exp_avg) &&
-                     aligned16(a.exp_avg_sq);
-    const i64 body = vec ? a.n / kVec * kVec : 0;
-    for (i64 i = tid * kVec; i < body; i += nthreads * kVec) {
+TPAR_DEVICE void update_range(T* param, const G* grad, float* exp_avg, float* exp_avg_sq,
+                              i64 begin, i64 end, i64 t, i64 nt, const Coef& c) {
+    const bool vec = aligned16(param + begin) && aligned16(grad + begin) &&
+                     aligned16(exp_avg + begin) && aligned16(exp_avg_sq + begin);
+    const i64 body = vec ? begin + (end - begin) / kVec * kVec : begin;
+    for (i64 i = begin + t * kVec; i < body; i += nt * kVec) {
         float p[kVec], g[kVec], m[kVec], v[kVec];
         load8(param + i, p);
         load8(grad + i, g);
-        load8(a.exp_avg + i, m);
-        load8(a.exp_avg_sq + i, v);
+        load8(exp_avg + i, m);
+        load8(exp_avg_sq + i, v);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) p[k] = update(p[k], g[k], m[k], v[k], c);
         store8(param + i, p);
-        store8(a.exp_avg + i, m);
-        store8(a.exp_avg_sq + i, v);
+        store8(exp_avg + i, m);
+        store8(exp_avg_sq + i, v);
     }
-    for (i64 i = body + tid; i < a.n; i += nthreads) {
-        float m = a.exp_avg[i], v = a.exp_avg_sq[i];
+    for (i64 i = body + t; i < end; i += nt) {
+        float m = exp_avg[i], v = exp_avg_sq[i];
         const float p = update(to_f32(param[i]), to_f32(grad[i]), m, v, c);
         param[i] = from_f32<T>(p);
-        a.exp_avg[i] = m;
-        a.exp_avg_sq[i] = v;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
     }
+}
+
+template <typename T, typename G>
+TPAR_DEVICE void step(const AdamwArgs& a) {
+    const Coef c = {a.decay, a.w1, a.beta2, a.w2, a.step_size, a.bc2_sqrt, a.eps};
+    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 nthreads = (i64)gridDim.x * blockDim.x;
+    update_range(static_cast<T*>(a.param), static_cast<const G*>(a.grad), a.exp_avg,
+                 a.exp_avg_sq, 0, a.n, tid, nthreads, c);
+}
+
+// One block per chunk of one of up to TPAR_MULTI_MAX tensors (tpar.cuh).
+template <typename T, typename G>
+TPAR_DEVICE void step_each(const MultiAdamwArgs& a) {
+    const Coef c = {a.decay, a.w1, a.beta2, a.w2, a.step_size, a.bc2_sqrt, a.eps};
+    const MultiChunk ch = multi_chunk(a.first, a.n, a.count, blockIdx.x);
+    update_range(static_cast<T*>(a.param[ch.t]), static_cast<const G*>(a.grad[ch.t]),
+                 a.exp_avg[ch.t], a.exp_avg_sq[ch.t], ch.begin, ch.end, threadIdx.x, blockDim.x,
+                 c);
 }
 
 }  // namespace adamw
@@ -84,3 +120,13 @@ TPAR_KERNEL(tpar_adamw_bf16, AdamwArgs, 256) { adamw::step<bf16, bf16>(args); }
 TPAR_KERNEL(tpar_adamw_f16, AdamwArgs, 256) { adamw::step<f16, f16>(args); }
 TPAR_KERNEL(tpar_adamw_f32grad_bf16, AdamwArgs, 256) { adamw::step<bf16, float>(args); }
 TPAR_KERNEL(tpar_adamw_f32grad_f16, AdamwArgs, 256) { adamw::step<f16, float>(args); }
+
+TPAR_KERNEL(tpar_multi_adamw_f32, MultiAdamwArgs, 256) { adamw::step_each<float, float>(args); }
+TPAR_KERNEL(tpar_multi_adamw_bf16, MultiAdamwArgs, 256) { adamw::step_each<bf16, bf16>(args); }
+TPAR_KERNEL(tpar_multi_adamw_f16, MultiAdamwArgs, 256) { adamw::step_each<f16, f16>(args); }
+TPAR_KERNEL(tpar_multi_adamw_f32grad_bf16, MultiAdamwArgs, 256) {
+    adamw::step_each<bf16, float>(args);
+}
+TPAR_KERNEL(tpar_multi_adamw_f32grad_f16, MultiAdamwArgs, 256) {
+    adamw::step_each<f16, float>(args);
+}

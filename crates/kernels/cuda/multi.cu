@@ -1,11 +1,11 @@
 // Multi-tensor kernels: one launch over up to 32 tensors of one dtype
 // (PyTorch's foreach ops), for gradient-norm clipping over every parameter.
 //
-// Tensor t's elements are cut into chunks of kChunk elements, one block per
-// chunk: blocks [first[t], first[t + 1]) of the grid (the last tensor's end
-// is `total`, the grid's width). A block finds its tensor by scanning
-// `first`, so tensors of any sizes (empty ones included) share one launch
-// without idle blocks.
+// Tensor t's elements are cut into chunks of TPAR_MULTI_CHUNK elements, one
+// block per chunk: blocks [first[t], first[t + 1]) of the grid (the last
+// tensor's end is `total`, the grid's width; `multi_chunk` in tpar.cuh). A
+// block finds its tensor by scanning `first`, so tensors of any sizes (empty
+// ones included) share one launch without idle blocks.
 //
 // - tpar_multi_sumsq_*: each block's sum of squares (f32) of its chunk into
 //   `partial[block]`; tpar_multi_sumsq_final folds tensor t's partials in
@@ -15,8 +15,6 @@
 //   `coef` rounded to the dtype first (as a multiply by a 0-dim tensor cast
 //   to the dtype), the product rounded once.
 // All kernels run with 256 threads per block (the final fold with 32).
-
-#define TPAR_MULTI_MAX 32
 
 struct MultiSumSqArgs {
     const void* x[TPAR_MULTI_MAX];   // tensor t's first element
@@ -40,15 +38,6 @@ struct MultiScaleArgs {
 
 namespace multi {
 
-constexpr i64 kChunk = 16384;
-
-// The tensor of block b.
-TPAR_DEVICE int tensor_of(const i32* first, int count, int b) {
-    int t = 0;
-    while (t + 1 < count && first[t + 1] <= b) ++t;
-    return t;
-}
-
 // The end of tensor t's blocks.
 TPAR_DEVICE int blocks_end(const i32* first, int count, int total, int t) {
     return t + 1 < count ? first[t + 1] : total;
@@ -57,19 +46,15 @@ TPAR_DEVICE int blocks_end(const i32* first, int count, int total, int t) {
 template <typename T>
 TPAR_DEVICE void sumsq(const MultiSumSqArgs& a) {
     __shared__ float scratch[33];
-    const int b = blockIdx.x;
-    const int t = tensor_of(a.first, a.count, b);
-    const i64 begin = (i64)(b - a.first[t]) * kChunk;
-    i64 n = a.n[t] - begin;
-    if (n > kChunk) n = kChunk;
-    if (n < 0) n = 0;
+    const MultiChunk c = multi_chunk(a.first, a.n, a.count, blockIdx.x);
     float acc = 0.0f;
-    for_each_chunk(static_cast<const T*>(a.x[t]) + begin, n, threadIdx.x, blockDim.x,
+    for_each_chunk(static_cast<const T*>(a.x[c.t]) + c.begin, c.end - c.begin, threadIdx.x,
+                   blockDim.x,
                    [&](i64, const float* e, int cnt) {
                        for (int j = 0; j < cnt; ++j) acc += e[j] * e[j];
                    });
     acc = block_sum(acc, scratch);
-    if (threadIdx.x == 0) a.partial[b] = acc;
+    if (threadIdx.x == 0) a.partial[blockIdx.x] = acc;
 }
 
 TPAR_DEVICE void sumsq_final(const MultiSumSqArgs& a) {
@@ -84,15 +69,12 @@ TPAR_DEVICE void sumsq_final(const MultiSumSqArgs& a) {
 
 template <typename T>
 TPAR_DEVICE void scale(const MultiScaleArgs& a) {
-    const int b = blockIdx.x;
-    const int t = tensor_of(a.first, a.count, b);
-    const i64 begin = (i64)(b - a.first[t]) * kChunk;
-    i64 end = begin + kChunk;
-    if (end > a.n[t]) end = a.n[t];
+    const MultiChunk ch = multi_chunk(a.first, a.n, a.count, blockIdx.x);
     const float c = to_f32(from_f32<T>(*a.coef));
-    const T* x = static_cast<const T*>(a.x[t]);
-    T* y = static_cast<T*>(a.y[t]);
-    for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) y[i] = from_f32<T>(to_f32(x[i]) * c);
+    const T* x = static_cast<const T*>(a.x[ch.t]);
+    T* y = static_cast<T*>(a.y[ch.t]);
+    for (i64 i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x)
+        y[i] = from_f32<T>(to_f32(x[i]) * c);
 }
 
 }  // namespace multi

@@ -197,6 +197,30 @@ TPAR_DEVICE void for_each_chunk(const T* p, i64 n, int t, int nt, F&& f) {
     }
 }
 
+// ---------------------------------------------------------- multi-tensor
+
+// A multi-tensor launch (multi.cu, adamw.cu; PyTorch's foreach ops) covers up
+// to TPAR_MULTI_MAX tensors: tensor t's elements are cut into chunks of
+// TPAR_MULTI_CHUNK, one block each, blocks [first[t], first[t + 1]) of the
+// grid (empty tensors have none).
+#define TPAR_MULTI_MAX 32
+#define TPAR_MULTI_CHUNK 16384
+
+// Block b's tensor and its element range [begin, end) in it.
+struct MultiChunk {
+    int t;
+    i64 begin, end;
+};
+
+TPAR_DEVICE MultiChunk multi_chunk(const i32* first, const i64* n, int count, int b) {
+    int t = 0;
+    while (t + 1 < count && first[t + 1] <= b) ++t;
+    const i64 begin = (i64)(b - first[t]) * TPAR_MULTI_CHUNK;
+    i64 end = begin + TPAR_MULTI_CHUNK;
+    if (end > n[t]) end = n[t];
+    return {t, begin, end < begin ? begin : end};
+}
+
 // ---------------------------------------------------------------- reductions
 
 TPAR_DEVICE float warp_sum(float v) {

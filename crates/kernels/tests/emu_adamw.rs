@@ -1,12 +1,12 @@
 //! `cuda/adamw.cu` on the CPU emulator against `tpar_kernels::adamw`, over
-//! several steps.
+//! several steps, and the multi-tensor step against each tensor's own.
 
 mod common;
 
-use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
+use common::{assert_close, dtype, emu, f64s, mptr, multi_lengths, ptr, tol, Buf, Rng};
 use half::{bf16, f16};
 use tpar_kernels::adamw::{adamw_step, AdamWParams};
-use tpar_kernels::cuda::raw::adamw as k;
+use tpar_kernels::cuda::raw::adamw::{self as k, AdamwBuffers};
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::{Float, KernelError};
 
@@ -160,4 +160,100 @@ fn bad_arguments_are_errors() {
         k::adamw_step(emu(), CudaDType::BF16, CudaDType::BF16, pp, pp, 0, vp, 8, &hyper(1))
     };
     assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+}
+
+/// One tensor's buffers, twice: stepped alone and in the multi-tensor launch.
+struct Pair<T, G> {
+    alone: (Buf<T>, Buf<f32>, Buf<f32>),
+    each: (Buf<T>, Buf<f32>, Buf<f32>),
+    grad: Buf<G>,
+}
+
+/// Three steps of [`k::adamw_step_each`] over [`multi_lengths`] tensors against
+/// [`k::adamw_step`] on each alone: the same bits, aligned or not.
+fn each_steps_as_alone<T: Float<Acc = f32>, G: Float>(seed: u64) {
+    let lens = multi_lengths();
+    let mut r = Rng(seed);
+    let mut pairs: Vec<Pair<T, G>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let p: Vec<T> = r.vec(n, 1.0);
+            // Every third parameter sits one element past a 16-byte boundary, every
+            // fifth tensor's first moment too: those take the element path.
+            let (sp, sm) = ((i % 3 == 1) as usize, (i % 5 == 2) as usize);
+            let bufs = || (Buf::new(&p, sp), Buf::zeros(n, sm), Buf::zeros(n, 0));
+            Pair { alone: bufs(), each: bufs(), grad: Buf::zeros(n, 0) }
+        })
+        .collect();
+    let name = format!("adamw_step_each {} with {} grads", T::NAME, G::NAME);
+    for step in 1..=3 {
+        for (pair, &n) in pairs.iter_mut().zip(&lens) {
+            pair.grad = Buf::new(&r.vec::<G>(n, 0.5), (n % 2 == 1) as usize);
+            let (p, m, v) = &mut pair.alone;
+            // SAFETY: host buffers stand in for device memory (the emulator runs the
+            // kernel on this thread before returning), each of `n` elements.
+            unsafe {
+                let (pp, gp, mp, vp) = (p.ptr(), pair.grad.ptr(), m.ptr(), v.ptr());
+                k::adamw_step(emu(), dtype::<T>(), dtype::<G>(), pp, gp, mp, vp, n, &hyper(step))
+                    .unwrap();
+            }
+        }
+        let bufs: Vec<AdamwBuffers> = pairs
+            .iter_mut()
+            .zip(&lens)
+            .map(|(pair, &n)| AdamwBuffers {
+                param: pair.each.0.ptr(),
+                grad: pair.grad.ptr(),
+                exp_avg: pair.each.1.ptr(),
+                exp_avg_sq: pair.each.2.ptr(),
+                n,
+            })
+            .collect();
+        // SAFETY: as above; no two tensors share a buffer.
+        unsafe { k::adamw_step_each(emu(), dtype::<T>(), dtype::<G>(), &bufs, &hyper(step)) }
+            .unwrap();
+        for (i, pair) in pairs.iter().enumerate() {
+            let what = format!("{name}: tensor {i} ({} elements) step {step}", lens[i]);
+            assert_eq!(f64s(&pair.each.0.get()), f64s(&pair.alone.0.get()), "{what}: param");
+            assert_eq!(pair.each.1.get(), pair.alone.1.get(), "{what}: exp_avg");
+            assert_eq!(pair.each.2.get(), pair.alone.2.get(), "{what}: exp_avg_sq");
+        }
+    }
+}
+
+#[test]
+fn each_tensor_steps_as_alone_in_the_multi_tensor_launch() {
+    each_steps_as_alone::<f32, f32>(21);
+    each_steps_as_alone::<bf16, bf16>(22);
+    each_steps_as_alone::<f16, f16>(23);
+    each_steps_as_alone::<bf16, f32>(24);
+    each_steps_as_alone::<f16, f32>(25);
+}
+
+#[test]
+fn bad_multi_tensor_arguments_are_errors() {
+    let mut p = vec![bf16::ZERO; 8];
+    let g = vec![f16::ZERO; 8];
+    let (mut m, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+    let b = AdamwBuffers {
+        param: mptr(&mut p),
+        grad: ptr(&g),
+        exp_avg: mptr(&mut m),
+        exp_avg_sq: mptr(&mut v),
+        n: 8,
+    };
+    let (bf, hf) = (CudaDType::BF16, CudaDType::F16);
+    // SAFETY: the argument checks reject each call before anything is launched (asserted
+    // below).
+    for r in unsafe {
+        [
+            k::adamw_step_each(emu(), bf, hf, &[b], &hyper(1)),
+            k::adamw_step_each(emu(), bf, bf, &[b], &hyper(0)),
+            k::adamw_step_each(emu(), bf, bf, &[b, AdamwBuffers { exp_avg: 0, ..b }], &hyper(1)),
+        ]
+    } {
+        assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    }
+    assert_eq!(p, vec![bf16::ZERO; 8], "a refused call changed the parameters");
 }

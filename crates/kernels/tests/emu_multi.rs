@@ -5,21 +5,10 @@
 
 mod common;
 
-use common::{assert_close, dtype, emu, mptr, ptr, Buf, Rng};
+use common::{assert_close, dtype, emu, mptr, multi_lengths as lengths, ptr, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::raw::multi::{self as k, CHUNK, MULTI_MAX};
+use tpar_kernels::cuda::raw::multi as k;
 use tpar_kernels::Float;
-
-/// Lengths covering an empty tensor, tiny ones, the chunk's edges and more
-/// tensors than one launch takes.
-fn lengths() -> Vec<usize> {
-    let mut lens = vec![0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 1000];
-    let mut r = Rng(3);
-    while lens.len() < MULTI_MAX + 5 {
-        lens.push((r.uniform() * 3000.0) as usize);
-    }
-    lens
-}
 
 fn sum_squares<T: Float>(seed: u64) {
     let lens = lengths();

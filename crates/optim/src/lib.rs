@@ -7,10 +7,12 @@
 //! * [`clip_grad_norm`] computes the true global L2 norm over all shards and mesh dims
 //!   and scales the gradients as `torch.nn.utils.clip_grad_norm_`.
 //! * Parameters on a CUDA device (f32, bf16, f16) are updated there, in place, by the
-//!   fused kernels ([`Tensor::adamw_step_`], [`Tensor::sgd_step_`]) with their state on
-//!   the same device; gradient norms and the clipping are computed there too, one
-//!   launch per 32 gradients of a dtype ([`Tensor::sum_squares_each`],
-//!   [`Tensor::scale_each`]). The host path is unchanged.
+//!   fused kernels with their state on the same device: AdamW steps up to 32 parameters
+//!   of a dtype in one launch, as PyTorch's foreach AdamW ([`Tensor::adamw_step_each_`]),
+//!   SGD one parameter a launch ([`Tensor::sgd_step_`]). Gradient norms and the
+//!   clipping are computed there too, one launch per 32 gradients of a dtype
+//!   ([`Tensor::sum_squares_each`], [`Tensor::scale_each`]). The host path is
+//!   unchanged.
 //! * [`LinearLR`], [`CosineAnnealingLR`] and [`SequentialLR`] are pure functions of the
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
@@ -466,55 +468,92 @@ impl AdamW {
         Ok(())
     }
 
-    /// One step of a parameter on its CUDA device ([`on_device`]), in place, with the
-    /// fused kernel; the state lives on the device.
-    fn step_device(
+    /// The buffers of a parameter stepped on its CUDA device ([`on_device`]): its state
+    /// lives on the device, created at zero before its first step.
+    fn device_step(
+        index: usize,
         name: &str,
-        leaf: &Tensor,
+        leaf: Tensor,
         g: &Tensor,
         slot: &mut Option<AdamWSlot>,
-        config: &AdamWConfig,
-    ) -> Result<()> {
+    ) -> Result<DeviceStep> {
         let s = match slot {
             Some(s) => s,
             None => slot.insert(AdamWSlot {
                 step: 0,
-                exp_avg: StateBuf::device_zeros(leaf)?,
-                exp_avg_sq: StateBuf::device_zeros(leaf)?,
+                exp_avg: StateBuf::device_zeros(&leaf)?,
+                exp_avg_sq: StateBuf::device_zeros(&leaf)?,
             }),
         };
-        let g = &grad_on(leaf, g)?;
-        let m = device_slot("AdamW", name, &mut s.exp_avg, leaf)?;
-        let v = device_slot("AdamW", name, &mut s.exp_avg_sq, leaf)?;
-        let h = AdamWParams {
-            lr: config.lr,
-            beta1: config.betas.0,
-            beta2: config.betas.1,
-            eps: config.eps,
-            weight_decay: config.weight_decay,
+        Ok(DeviceStep {
+            index,
             step: s.step + 1,
-        };
-        leaf.adamw_step_(g, &m, &v, &h)?;
-        s.step += 1;
+            grad: grad_on(&leaf, g)?,
+            exp_avg: device_slot("AdamW", name, &mut s.exp_avg, &leaf)?,
+            exp_avg_sq: device_slot("AdamW", name, &mut s.exp_avg_sq, &leaf)?,
+            leaf,
+        })
+    }
+
+    /// The device parameters' steps, in place, with the fused kernel: one launch for up
+    /// to 32 parameters of one step number and dtype (PyTorch's foreach AdamW).
+    fn step_devices(&mut self, mut steps: Vec<DeviceStep>) -> Result<()> {
+        steps.sort_by_key(|d| d.step);
+        for same in steps.chunk_by(|a, b| a.step == b.step) {
+            let h = AdamWParams {
+                lr: self.config.lr,
+                beta1: self.config.betas.0,
+                beta2: self.config.betas.1,
+                eps: self.config.eps,
+                weight_decay: self.config.weight_decay,
+                step: same[0].step,
+            };
+            let list = |f: fn(&DeviceStep) -> &Tensor| same.iter().map(f).collect::<Vec<_>>();
+            Tensor::adamw_step_each_(
+                &list(|d| &d.leaf),
+                &list(|d| &d.grad),
+                &list(|d| &d.exp_avg),
+                &list(|d| &d.exp_avg_sq),
+                &h,
+            )?;
+            for d in same {
+                if let Some(s) = &mut self.state[d.index] {
+                    s.step = d.step;
+                }
+            }
+        }
         Ok(())
     }
 }
 
+/// One parameter's step on its CUDA device: its index, the step number taken, and the
+/// tensors the kernel reads and updates.
+struct DeviceStep {
+    index: usize,
+    step: u64,
+    leaf: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
-        for ((name, p), slot) in self.params.iter().zip(&mut self.state) {
+        // Parameters on a CUDA device step together after the host ones.
+        let mut device = Vec::new();
+        for (i, ((name, p), slot)) in self.params.iter().zip(&mut self.state).enumerate() {
             let leaf = p.trainable();
-            let device = on_device(&leaf);
-            let Some(g) = grad_for_step("AdamW", name, p, &leaf, device)? else { continue };
-            if device {
-                AdamW::step_device(name, &leaf, &g, slot, &self.config)?;
+            let on = on_device(&leaf);
+            let Some(g) = grad_for_step("AdamW", name, p, &leaf, on)? else { continue };
+            if on {
+                device.push(AdamW::device_step(i, name, leaf, &g, slot)?);
                 continue;
             }
             with_float_type!(leaf.dtype(), "AdamW", |T| {
                 Ok(AdamW::step_one::<T>(name, &leaf, &g, slot, &self.config))
             })??;
         }
-        Ok(())
+        self.step_devices(device)
     }
 
     fn zero_grad(&self) {

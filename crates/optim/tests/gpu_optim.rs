@@ -129,6 +129,94 @@ fn adamw_steps_on_the_device_as_on_the_host() {
     }
 }
 
+/// More parameters than one multi-tensor launch takes, of every dtype (half ones with
+/// f32 gradients too) and of two step numbers (every fourth parameter has no gradient
+/// at the first step, so it lags one step behind): the same steps as on the host.
+#[test]
+fn adamw_over_many_mixed_parameters_on_the_device_as_on_the_host() {
+    setup();
+    let mut rng = Rng::new(16);
+    let config = AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..Default::default() };
+    let kinds = [
+        (DType::F32, None),
+        (DType::BF16, None),
+        (DType::BF16, Some(DType::F32)),
+        (DType::F16, None),
+        (DType::F16, Some(DType::F32)),
+    ];
+    let (mut host, mut dev) = (Vec::new(), Vec::new());
+    for i in 0..40usize {
+        let n = if i == 5 { 16385 } else { 1 + 97 * i };
+        let h = Tensor::randn([n], kinds[i / 8].0, &mut rng).unwrap().mul_scalar(0.5).unwrap();
+        dev.push(h.to_device(DEV).unwrap().requires_grad_(true));
+        host.push(h.requires_grad_(true));
+    }
+    let mut opt_h = AdamW::new(wrap(&host), config).unwrap();
+    let mut opt_d = AdamW::new(wrap(&dev), config).unwrap();
+    for step in 0..3 {
+        for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+            set_grads(std::slice::from_ref(h), std::slice::from_ref(d), kinds[i / 8].1, &mut rng);
+            if step == 0 && i % 4 == 3 {
+                h.set_grad(None);
+                d.set_grad(None);
+            }
+        }
+        opt_h.step().unwrap();
+        let before = gpu::host_round_trips();
+        opt_d.step().unwrap();
+        assert_eq!(gpu::host_round_trips(), before, "AdamW step must stay on the device");
+        for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+            let what = format!("{:?} step {step} param {i}", kinds[i / 8]);
+            assert_step_close(&what, h.dtype(), d, h);
+            let (sh, sd) = (opt_h.state(i).unwrap(), opt_d.state(i).unwrap());
+            assert_eq!(sd.map(|s| s.step), sh.map(|s| s.step), "{what}: steps taken");
+        }
+        opt_h.zero_grad();
+        opt_d.zero_grad();
+    }
+}
+
+/// `Tensor::adamw_step_each_` refuses lists of different lengths and an updated buffer
+/// shared by two parameters, before changing anything.
+#[test]
+fn adamw_step_each_refuses_bad_lists_before_any_update() {
+    setup();
+    let mut rng = Rng::new(17);
+    let (_, dev) = params(DType::F32, &mut rng);
+    let zeros = |t: &Tensor| Tensor::zeros(t.dims(), DType::F32, DEV).unwrap();
+    let grads: Vec<Tensor> = dev
+        .iter()
+        .map(|t| Tensor::randn(t.dims(), DType::F32, &mut rng).unwrap().to_device(DEV).unwrap())
+        .collect();
+    let (m, v): (Vec<Tensor>, Vec<Tensor>) = dev.iter().map(|t| (zeros(t), zeros(t))).unzip();
+    let before: Vec<Vec<f64>> = dev.iter().map(|t| t.to_vec_f64().unwrap()).collect();
+    let h = tpar_kernels::adamw::AdamWParams {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+    };
+    fn refs(ts: &[Tensor]) -> Vec<&Tensor> {
+        ts.iter().collect()
+    }
+    let (p, g, m, v) = (refs(&dev), refs(&grads), refs(&m), refs(&v));
+    let short = Tensor::adamw_step_each_(&p, &g[..2], &m, &v, &h);
+    assert!(short.is_err(), "two gradients for three parameters were accepted");
+    // The last parameter's first moment is the second one's too.
+    let mut shared = m.clone();
+    shared[2] = m[1];
+    let (p2, g2) = (vec![p[1], p[1]], vec![g[1], g[1]]);
+    assert!(Tensor::adamw_step_each_(&p, &g, &shared, &v, &h).is_err(), "a shared moment");
+    assert!(Tensor::adamw_step_each_(&p2, &g2, &m[..2], &v[..2], &h).is_err(), "a parameter twice");
+    for (t, b) in dev.iter().zip(&before) {
+        assert_eq!(&t.to_vec_f64().unwrap(), b, "a refused step changed a parameter");
+    }
+    Tensor::adamw_step_each_(&p, &g, &m, &v, &h).unwrap();
+    assert_ne!(dev[0].to_vec_f64().unwrap(), before[0], "the step changed nothing");
+}
+
 #[test]
 fn adamw_state_moves_with_set_state() {
     setup();

@@ -145,3 +145,15 @@ impl<T: Copy + Default> Buf<T> {
         self.v[self.off..self.off + self.n].to_vec()
     }
 }
+
+/// Tensor lengths for the multi-tensor kernels: an empty tensor, tiny ones, the
+/// chunk's edges and more tensors than one launch takes.
+pub fn multi_lengths() -> Vec<usize> {
+    use tpar_kernels::cuda::raw::multi::{CHUNK, MULTI_MAX};
+    let mut lens = vec![0, 1, 7, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 1000];
+    let mut r = Rng(3);
+    while lens.len() < MULTI_MAX + 5 {
+        lens.push((r.uniform() * 3000.0) as usize);
+    }
+    lens
+}

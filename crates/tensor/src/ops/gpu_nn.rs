@@ -747,6 +747,87 @@ impl Tensor {
         })
     }
 
+    /// [`Tensor::adamw_step_`] on many CUDA parameters at once, all with the same
+    /// hyper-parameters and step `h`: parameter `i` with `grads[i]`, `exp_avgs[i]`
+    /// and `exp_avg_sqs[i]`, each under `adamw_step_`'s rules. One launch covers up to
+    /// 32 parameters of one dtype whose gradients share a dtype (PyTorch's foreach
+    /// AdamW), with `adamw_step_`'s arithmetic per element, so the results are the
+    /// same bits. No buffer updated may share its storage with any other argument.
+    /// Every argument is checked before any parameter changes. Not recorded by
+    /// autograd.
+    pub fn adamw_step_each_(
+        params: &[&Tensor],
+        grads: &[&Tensor],
+        exp_avgs: &[&Tensor],
+        exp_avg_sqs: &[&Tensor],
+        h: &AdamWParams,
+    ) -> Result<()> {
+        const OP: &str = "adamw_step_each_";
+        let n = params.len();
+        if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{n} parameters with {} gradients, {} exp_avg and {} exp_avg_sq",
+                    grads.len(),
+                    exp_avgs.len(),
+                    exp_avg_sqs.len()
+                ),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let dev = multi_device(OP, params)?;
+        let mut kinds = Vec::with_capacity(n);
+        for i in 0..n {
+            same_layout(OP, params[i], &[grads[i], exp_avgs[i], exp_avg_sqs[i]])?;
+            require_f32(OP, exp_avgs[i])?;
+            require_f32(OP, exp_avg_sqs[i])?;
+            kinds.push((kernel_dtype(OP, params[i])?, kernel_dtype(OP, grads[i])?));
+        }
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for i in 0..n {
+            match runs.last_mut() {
+                Some(r) if kinds[r.0] == kinds[i] => r.1 = i + 1,
+                _ => runs.push((i, i + 1)),
+            }
+        }
+        // Every sharing is refused before the first launch.
+        let writes: Vec<&Tensor> =
+            params.iter().chain(exp_avgs).chain(exp_avg_sqs).copied().collect();
+        with_gpu_mut(OP, &writes, grads, |_, _| Ok(()))?;
+        for (s, e) in runs {
+            let (cd, gd) = kinds[s];
+            let writes: Vec<&Tensor> = params[s..e]
+                .iter()
+                .chain(&exp_avgs[s..e])
+                .chain(&exp_avg_sqs[s..e])
+                .copied()
+                .collect();
+            with_gpu_mut(OP, &writes, &grads[s..e], |w, r| {
+                let (p, rest) = w.split_at_mut(e - s);
+                let (m, v) = rest.split_at_mut(e - s);
+                let views: Vec<k_adamw::AdamwViews<'_>> = p
+                    .iter_mut()
+                    .zip(m.iter_mut())
+                    .zip(v.iter_mut())
+                    .zip(r)
+                    .zip(&params[s..e])
+                    .map(|((((p, m), v), g), t)| k_adamw::AdamwViews {
+                        param: p.view_mut(),
+                        grad: g.view(),
+                        exp_avg: m.view_mut(),
+                        exp_avg_sq: v.view_mut(),
+                        n: t.numel(),
+                    })
+                    .collect();
+                Ok(k_adamw::adamw_step_each(&*dev, cd, gd, &views, h)?)
+            })?;
+        }
+        Ok(())
+    }
+
     /// One SGD step on this CUDA parameter, in place, for optimizers
     /// (`tpar_optim::Sgd` calls it for parameters on a CUDA device), as
     /// `torch.optim.SGD`:

@@ -1,9 +1,9 @@
-//! The fused AdamW step (`cuda/adamw.cu`) over device buffers;
-//! [`crate::cuda::raw::adamw`] documents the kernel.
+//! The fused AdamW step (`cuda/adamw.cu`) over device buffers, one tensor or
+//! many in a launch; [`crate::cuda::raw::adamw`] documents the kernels.
 
 use super::Check;
 use crate::adamw::AdamWParams;
-use crate::cuda::raw::adamw as raw;
+use crate::cuda::raw::adamw::{self as raw, AdamwBuffers};
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
@@ -31,4 +31,50 @@ pub fn adamw_step(
     // `n` elements (checked above); the updated ones are exclusive borrows,
     // so none overlaps another.
     unsafe { raw::adamw_step(dev, dtype, grad_dtype, pp, gp, mp, vp, n, h) }
+}
+
+/// One tensor's buffers in [`adamw_step_each`]: parameters and gradients of
+/// `n` elements, f32 moments.
+pub struct AdamwViews<'a> {
+    /// Parameters (updated).
+    pub param: DeviceSliceMut<'a>,
+    /// Gradients.
+    pub grad: DeviceSlice<'a>,
+    /// f32 first moments (updated).
+    pub exp_avg: DeviceSliceMut<'a>,
+    /// f32 second moments (updated).
+    pub exp_avg_sq: DeviceSliceMut<'a>,
+    /// Elements.
+    pub n: usize,
+}
+
+/// One in-place AdamW step with the same hyper-parameters on each tensor of
+/// `tensors` (parameters of `dtype`, gradients of `grad_dtype`: `dtype` or
+/// [`CudaDType::F32`]), up to 32 tensors a launch, with
+/// [`adamw_step`]'s arithmetic per element. `h.step` must be at least 1.
+pub fn adamw_step_each(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    tensors: &[AdamwViews<'_>],
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_each";
+    let c = Check::new(OP, dev);
+    let bufs = tensors
+        .iter()
+        .map(|t| {
+            Ok(AdamwBuffers {
+                param: c.write("param", &t.param, t.n, dtype.size())?,
+                grad: c.read("grad", &t.grad, t.n, grad_dtype.size())?,
+                exp_avg: c.write("exp_avg", &t.exp_avg, t.n, 4)?,
+                exp_avg_sq: c.write("exp_avg_sq", &t.exp_avg_sq, t.n, 4)?,
+                n: t.n,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // SAFETY: every view is a live buffer in `dev`'s memory of at least its
+    // tensor's elements (checked above); the updated ones are exclusive
+    // borrows, so none overlaps another.
+    unsafe { raw::adamw_step_each(dev, dtype, grad_dtype, &bufs, h) }
 }

@@ -7,10 +7,15 @@
 //! Parameters are f32, bf16 or f16; gradients have the parameters' dtype or
 //! are f32 (e.g. gradients reduced in f32 for bf16 parameters); the moment
 //! buffers `exp_avg` and `exp_avg_sq` are f32.
+//!
+//! [`adamw_step_each`] runs the same step over many tensors, up to
+//! [`MULTI_MAX`] a launch (PyTorch's foreach AdamW), with the same arithmetic
+//! per element as [`adamw_step`]: the same bits.
 
 use bytemuck::{Pod, Zeroable};
 
-use super::{bad, check_ptr};
+use super::multi::{block_starts, MULTI_MAX};
+use super::{bad, check_ptr, to_i64};
 use crate::adamw::AdamWParams;
 use crate::cuda::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
 use crate::Result;
@@ -47,6 +52,61 @@ pub struct AdamwArgs {
     pub pad: f32,
 }
 
+/// Arguments of `tpar_multi_adamw_*` and `tpar_multi_adamw_f32grad_*`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct MultiAdamwArgs {
+    /// Tensor `t`'s parameters (updated).
+    pub param: [DevPtr; MULTI_MAX],
+    /// Tensor `t`'s gradients.
+    pub grad: [DevPtr; MULTI_MAX],
+    /// Tensor `t`'s f32 first moments (updated).
+    pub exp_avg: [DevPtr; MULTI_MAX],
+    /// Tensor `t`'s f32 second moments (updated).
+    pub exp_avg_sq: [DevPtr; MULTI_MAX],
+    /// Tensor `t`'s elements.
+    pub n: [i64; MULTI_MAX],
+    /// Tensor `t`'s first block (its blocks end at the next tensor's first, the
+    /// last tensor's at `total`).
+    pub first: [i32; MULTI_MAX],
+    /// Blocks in all.
+    pub total: i32,
+    /// Tensors used.
+    pub count: i32,
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// `1 - beta1`.
+    pub w1: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub w2: f32,
+    /// `lr / (1 - beta1^step)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bc2_sqrt: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// Padding.
+    pub pad: f32,
+}
+
+/// The device buffers of one tensor's step in [`adamw_step_each`], each of `n`
+/// elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdamwBuffers {
+    /// Parameters (updated).
+    pub param: DevPtr,
+    /// Gradients.
+    pub grad: DevPtr,
+    /// f32 first moments (updated).
+    pub exp_avg: DevPtr,
+    /// f32 second moments (updated).
+    pub exp_avg_sq: DevPtr,
+    /// Elements.
+    pub n: usize,
+}
+
 /// Threads per block.
 const BLOCK: u32 = 256;
 /// Elements per thread per grid-stride step.
@@ -77,6 +137,19 @@ fn coefficients(h: &AdamWParams) -> AdamwArgs {
     }
 }
 
+/// The kernel variant for `dtype` parameters with `grad_dtype` gradients:
+/// `bf16` (same dtype) or `f32grad_bf16` (f32 gradients).
+fn variant(op: &'static str, dtype: CudaDType, grad_dtype: CudaDType) -> Result<String> {
+    match (dtype, grad_dtype) {
+        (d, g) if d == g => Ok(d.suffix().to_string()),
+        (d, CudaDType::F32) => Ok(format!("f32grad_{}", d.suffix())),
+        (d, g) => Err(bad(
+            op,
+            format!("{} gradients for {} parameters (same dtype or f32)", g.suffix(), d.suffix()),
+        )),
+    }
+}
+
 /// One in-place AdamW step on `n` parameters of `dtype` at `param` with
 /// gradients of `grad_dtype` (`dtype` or [`CudaDType::F32`]) at `grad`,
 /// updating the f32 moment buffers `exp_avg` and `exp_avg_sq`. `h.step` must
@@ -100,20 +173,7 @@ pub unsafe fn adamw_step(
     if h.step == 0 {
         return Err(bad(OP, "step must start at 1"));
     }
-    let name = match (dtype, grad_dtype) {
-        (d, g) if d == g => format!("tpar_adamw_{}", d.suffix()),
-        (d, CudaDType::F32) => format!("tpar_adamw_f32grad_{}", d.suffix()),
-        (d, g) => {
-            return Err(bad(
-                OP,
-                format!(
-                    "{} gradients for {} parameters (same dtype or f32)",
-                    g.suffix(),
-                    d.suffix()
-                ),
-            ))
-        }
-    };
+    let name = format!("tpar_adamw_{}", variant(OP, dtype, grad_dtype)?);
     let n64 = i64::try_from(n).map_err(|_| bad(OP, format!("{n} elements overflow i64")))?;
     check_ptr(OP, "param", param, n, dtype.size())?;
     check_ptr(OP, "grad", grad, n, grad_dtype.size())?;
@@ -126,4 +186,71 @@ pub unsafe fn adamw_step(
     let cfg = LaunchConfig::for_items(n.div_ceil(VEC), BLOCK, MAX_BLOCKS);
     // SAFETY: the caller vouches for the addresses; sizes are checked above.
     unsafe { launch(launcher, &name, cfg, &args) }
+}
+
+/// One in-place AdamW step, with the same hyper-parameters, on each tensor of
+/// `tensors` (parameters of `dtype`, gradients of `grad_dtype`: `dtype` or
+/// [`CudaDType::F32`]; f32 moments), one launch per [`MULTI_MAX`] tensors.
+/// Each element gets [`adamw_step`]'s arithmetic. `h.step` must be at least 1.
+///
+/// # Safety
+/// Each tensor's four buffers must be device buffers of its `n` elements on the
+/// launcher's device; no updated buffer (`param`, `exp_avg`, `exp_avg_sq`)
+/// overlaps any other buffer of any tensor.
+pub unsafe fn adamw_step_each(
+    launcher: &dyn Launcher,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    tensors: &[AdamwBuffers],
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_each";
+    if h.step == 0 {
+        return Err(bad(OP, "step must start at 1"));
+    }
+    let name = format!("tpar_multi_adamw_{}", variant(OP, dtype, grad_dtype)?);
+    for b in tensors {
+        to_i64(OP, "elements", b.n)?;
+        check_ptr(OP, "param", b.param, b.n, dtype.size())?;
+        check_ptr(OP, "grad", b.grad, b.n, grad_dtype.size())?;
+        check_ptr(OP, "exp_avg", b.exp_avg, b.n, 4)?;
+        check_ptr(OP, "exp_avg_sq", b.exp_avg_sq, b.n, 4)?;
+    }
+    let c = coefficients(h);
+    for group in tensors.chunks(MULTI_MAX) {
+        let lens: Vec<usize> = group.iter().map(|b| b.n).collect();
+        let (first, blocks) = block_starts(OP, &lens)?;
+        if blocks == 0 {
+            continue;
+        }
+        let mut args = MultiAdamwArgs {
+            param: [0; MULTI_MAX],
+            grad: [0; MULTI_MAX],
+            exp_avg: [0; MULTI_MAX],
+            exp_avg_sq: [0; MULTI_MAX],
+            n: [0; MULTI_MAX],
+            first,
+            total: blocks,
+            count: group.len() as i32,
+            decay: c.decay,
+            w1: c.w1,
+            beta2: c.beta2,
+            w2: c.w2,
+            step_size: c.step_size,
+            bc2_sqrt: c.bc2_sqrt,
+            eps: c.eps,
+            pad: 0.0,
+        };
+        for (t, b) in group.iter().enumerate() {
+            args.param[t] = b.param;
+            args.grad[t] = b.grad;
+            args.exp_avg[t] = b.exp_avg;
+            args.exp_avg_sq[t] = b.exp_avg_sq;
+            args.n[t] = b.n as i64;
+        }
+        let cfg = LaunchConfig::grid([blocks as u32, 1, 1], BLOCK);
+        // SAFETY: the caller vouches for the addresses; sizes are checked above.
+        unsafe { launch(launcher, &name, cfg, &args)? };
+    }
+    Ok(())
 }

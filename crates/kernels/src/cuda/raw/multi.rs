@@ -77,7 +77,7 @@ pub fn sum_squares_each_workspace_len(lens: &[usize]) -> usize {
 }
 
 /// Each tensor's first block for one group of lengths, and the blocks in all.
-fn block_starts(op: &'static str, lens: &[usize]) -> Result<([i32; MULTI_MAX], i32)> {
+pub(super) fn block_starts(op: &'static str, lens: &[usize]) -> Result<([i32; MULTI_MAX], i32)> {
     let mut first = [0i32; MULTI_MAX];
     let mut at = 0usize;
     for (f, &n) in first.iter_mut().zip(lens) {
