@@ -119,8 +119,10 @@ impl<T: Float> Ctx<'_, T> {
     }
 
     /// Turns raw `q·k` scores of query `i` (of flattened head `bh`) against keys
-    /// `j0..j0 + row.len()` into masked scores: adds the mask and sets keys the
-    /// query may not see (causal) to `-inf`. Returns the row max.
+    /// `j0..j0 + row.len()` into masked scores: adds the mask to the keys the query
+    /// may see (all of them, or the first `vis` when causal) and sets the others,
+    /// which would be `-inf` and then `e^-inf`, to 0 at once. Returns the max of the
+    /// first `vis` scores and `vis`: only they need exponentiating.
     fn mask_scores(
         &self,
         bh: usize,
@@ -128,10 +130,10 @@ impl<T: Float> Ctx<'_, T> {
         j0: usize,
         tm: TileMask,
         row: &mut [T::Acc],
-    ) -> T::Acc {
+    ) -> (T::Acc, usize) {
         let ninf = T::Acc::neg_infinity();
         let vis = if self.s.causal { (i + 1).saturating_sub(j0).min(row.len()) } else { row.len() };
-        row[vis..].fill(ninf);
+        row[vis..].fill(T::Acc::zero());
         let add = match (tm, self.mask) {
             (TileMask::Keys(off), Some(m)) => Some(&m.data[off..off + vis]),
             (TileMask::Rows, Some(m)) => {
@@ -145,7 +147,7 @@ impl<T: Float> Ctx<'_, T> {
                 *x += v.to_acc();
             }
         }
-        row[..vis].iter().fold(ninf, |a, &x| a.max(x))
+        (row[..vis].iter().fold(ninf, |a, &x| a.max(x)), vis)
     }
 }
 
@@ -187,7 +189,7 @@ pub(super) fn forward<T: Float, O: Out<T>>(
             small_matmul((nq, nk, d), &qa, false, kt, true, sc, false);
             for qi in 0..nq {
                 let row = &mut sc[qi * nk..(qi + 1) * nk];
-                let tmax = cx.mask_scores(bh, i0 + qi, j0, tm, row);
+                let (tmax, vis) = cx.mask_scores(bh, i0 + qi, j0, tm, row);
                 if tmax == ninf {
                     row.fill(zero); // every key of this tile is masked
                     continue;
@@ -198,7 +200,7 @@ pub(super) fn forward<T: Float, O: Out<T>>(
                     l[qi] *= alpha;
                     acc[qi * dv..(qi + 1) * dv].iter_mut().for_each(|a| *a *= alpha);
                 }
-                l[qi] += Acc::exp_sub_sum(row, mnew);
+                l[qi] += Acc::exp_sub_sum(&mut row[..vis], mnew);
                 m[qi] = mnew;
             }
             small_matmul((nq, dv, nk), sc, false, vt, false, &mut acc, true);
@@ -334,8 +336,8 @@ pub(super) fn backward<T: Float>(
                                 pr.fill(zero);
                                 continue;
                             }
-                            cx.mask_scores(bh, i0 + qi, j0, tm, pr);
-                            Acc::exp_sub_sum(pr, l);
+                            let (_, vis) = cx.mask_scores(bh, i0 + qi, j0, tm, pr);
+                            Acc::exp_sub_sum(&mut pr[..vis], l);
                             any = true;
                         }
                         if !any {
