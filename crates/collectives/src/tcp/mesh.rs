@@ -24,7 +24,8 @@
 //! repeated collectives of the same size read into memory that is already mapped instead
 //! of faulting in a fresh allocation per frame. A socket that ends or
 //! fails marks its peer gone: every wait on that peer then fails with
-//! [`CollectiveError::PeerFailed`] naming its global rank, at once.
+//! [`CollectiveError::PeerFailed`] at once, naming its global rank (or, in a
+//! collective, the group's first peer to go).
 //!
 //! # Shared memory
 //!
@@ -119,6 +120,20 @@ struct InboxState {
     queues: HashMap<QueueKey, VecDeque<Vec<u8>>>,
     /// Peers whose connection ended, and how.
     gone: HashMap<usize, String>,
+    /// The peers of `gone` in the order their connections ended.
+    gone_order: Vec<usize>,
+}
+
+impl InboxState {
+    /// The peer a collective's failure in `group` (global ranks) is blamed on: of the
+    /// group's peers that are gone, the first whose connection ended, with why. A
+    /// survivor that fails because a peer died leaves too, and the others may see its
+    /// connection end before they miss the dead peer (a sender blocked on the
+    /// survivor's full ring, say); naming the first keeps the cause.
+    fn culprit(&self, group: &[usize]) -> Option<(usize, String)> {
+        let p = *self.gone_order.iter().find(|p| group.contains(p))?;
+        Some((p, self.gone.get(&p)?.clone()))
+    }
 }
 
 /// Payloads below this size are plain allocations (the allocator serves them from its
@@ -203,7 +218,12 @@ impl Inbox {
     }
 
     fn mark_gone(&self, peer: usize, why: String) {
-        self.lock().gone.entry(peer).or_insert(why);
+        let mut st = self.lock();
+        if let std::collections::hash_map::Entry::Vacant(e) = st.gone.entry(peer) {
+            e.insert(why);
+            st.gone_order.push(peer);
+        }
+        drop(st);
         self.cv.notify_all();
     }
 }
@@ -649,6 +669,25 @@ impl Mesh {
         self.inbox.lock().gone.get(&peer).cloned()
     }
 
+    /// The error of `op` in `group` on `chan` after a failure of `peer`: `PeerFailed`
+    /// naming `peer`, or for a collective the group's first peer to go
+    /// ([`InboxState::culprit`]).
+    fn peer_failed(
+        &self,
+        op: &'static str,
+        group: &[usize],
+        chan: Channel,
+        peer: usize,
+        why: String,
+    ) -> CollectiveError {
+        let first = match chan {
+            Channel::Collective => self.inbox.lock().culprit(group),
+            Channel::P2p => None,
+        };
+        let (rank, why) = first.unwrap_or((peer, why));
+        CollectiveError::PeerFailed { op, group: group.to_vec(), rank, why }
+    }
+
     /// Sends one frame to global rank `peer`. Fails with `PeerFailed` when the peer is
     /// gone (or the write fails: the peer is then marked gone), `Timeout` when the peer
     /// does not take the bytes within the socket's write timeout.
@@ -661,14 +700,8 @@ impl Mesh {
         chan: Channel,
         payload: &[u8],
     ) -> Result<()> {
-        let failed = |why: String| CollectiveError::PeerFailed {
-            op,
-            group: group.to_vec(),
-            rank: peer,
-            why,
-        };
         if let Some(why) = self.gone(peer) {
-            return Err(failed(why));
+            return Err(self.peer_failed(op, group, chan, peer, why));
         }
         let Some(Some(w)) = self.writers.get(peer) else {
             return Err(CollectiveError::InvalidArgument {
@@ -725,7 +758,7 @@ impl Mesh {
                 after: self.write_timeout,
             })
         } else {
-            Err(failed(why))
+            Err(self.peer_failed(op, group, chan, peer, why))
         }
     }
 
@@ -827,12 +860,14 @@ impl Mesh {
                 return Ok(out);
             }
             if let Some((&p, why)) = missing.iter().find_map(|p| st.gone.get_key_value(p)) {
-                return Err(CollectiveError::PeerFailed {
-                    op,
-                    group: group.to_vec(),
-                    rank: p,
-                    why: why.clone(),
-                });
+                // A collective blames the group's first peer to go, which need not be
+                // this one.
+                let first = match chan {
+                    Channel::Collective => st.culprit(group),
+                    Channel::P2p => None,
+                };
+                let (rank, why) = first.unwrap_or((p, why.clone()));
+                return Err(CollectiveError::PeerFailed { op, group: group.to_vec(), rank, why });
             }
             st = match deadline.at {
                 None => self.inbox.cv.wait(st).unwrap_or_else(PoisonError::into_inner),

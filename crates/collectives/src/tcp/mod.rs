@@ -80,7 +80,9 @@
 //!   global rank (collectives exchange headers with every member first, so every
 //!   collective involving it notices). Shared memory changes nothing here: a receiver
 //!   waits on the socket for each chunk's notice, and a sender asleep on a full ring is
-//!   woken when the peer's socket closes.
+//!   woken when the peer's socket closes. A collective names the group's first member
+//!   whose connection ended: a survivor that fails because of a dead peer and leaves
+//!   closes its sockets too, and a member blocked on the survivor may see that first.
 //! - A member that is only late makes the others fail with [`CollectiveError::Timeout`]
 //!   after the group's timeout, naming the members whose data had not arrived. A peer
 //!   that takes no data for that long (its socket full, or no slot of its ring freed)

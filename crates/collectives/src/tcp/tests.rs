@@ -446,6 +446,31 @@ fn a_member_that_drops_its_world_is_a_peer_failure_naming_it() {
     }
 }
 
+/// A member dies, a survivor that saw it leaves too, and a third member calls only
+/// after both connections ended: its collective names the member that went first, not
+/// the survivor whose connection it happened to miss first.
+#[test]
+fn a_collective_names_the_first_member_to_go_not_a_survivor_that_left_after() {
+    let outs = run_world(3, Duration::from_secs(30), |pg| {
+        pg.barrier().unwrap();
+        match pg.rank() {
+            1 => None,
+            0 => {
+                // Sees rank 1 go, then leaves as a failing survivor would.
+                std::thread::sleep(Duration::from_millis(300));
+                None
+            }
+            _ => {
+                std::thread::sleep(Duration::from_millis(900));
+                let t = Tensor::ones([4], DType::F32, Device::Cpu).unwrap();
+                Some(pg.all_reduce(&t, ReduceOp::Sum).unwrap_err())
+            }
+        }
+    });
+    let e = outs.into_iter().flatten().next().unwrap();
+    assert!(matches!(e, CollectiveError::PeerFailed { rank: 1, .. }), "{e}");
+}
+
 #[test]
 fn a_slow_member_is_a_timeout_naming_it() {
     let outs = run_world(3, Duration::from_millis(400), |pg| {
