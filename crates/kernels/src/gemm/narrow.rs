@@ -7,8 +7,10 @@
 //! packed operands. Here a block of output rows stays in registers (two or four
 //! 16-lane vectors per row, 24 accumulators), each row of `B` is loaded once per block,
 //! and each element of `A` is broadcast from memory straight into the multiply-adds; `A`
-//! may be given transposed at no cost. Products whose `B` is given transposed (`Q Kᵀ`)
-//! stay on the gemm crate: a transposing copy per call here measured slower.
+//! may be given transposed at no cost. `B` may not: a transposing copy per call measured
+//! slower than the gemm crate. The attention backward instead transposes each key tile
+//! once for all its query tiles, which puts `Q Kᵀ` and `dO Vᵀ` here when the key tile is
+//! 32 or 64 keys wide.
 
 /// The longest contraction [`matmul`] takes: `B` (at most 128 KiB) then stays in the
 /// L2 cache while every row block streams through it. Attention's tiles contract over

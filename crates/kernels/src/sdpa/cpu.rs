@@ -2,8 +2,10 @@
 //! one pass over (key tile, query tile) pairs backward that recomputes the
 //! probabilities from `lse` once and feeds `dq`, `dk` and `dv` from them. Tile
 //! products (`Q Kᵀ`, `P V`, ...) run on single-threaded gemm calls in the
-//! accumulator type (those with head-dim outputs of 32 or 64 on an AVX-512 register
-//! tile of our own, `gemm/narrow.rs`); parallelism comes from the task split.
+//! accumulator type (those with outputs of 32 or 64 columns on an AVX-512 register
+//! tile of our own, `gemm/narrow.rs`: the head-dim products, and backward, against
+//! each key tile's transpose, `Q Kᵀ` and `dO Vᵀ`); parallelism comes from the task
+//! split.
 
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
@@ -62,6 +64,16 @@ fn view<'a, T: Float>(buf: &'a mut Vec<T::Acc>, src: &'a [T]) -> &'a [T::Acc] {
         None => {
             load(buf, src, One::one());
             buf
+        }
+    }
+}
+
+/// `dst[c * rows + r] = src[r * cols + c]`: the `cols x rows` transpose of row-major
+/// `src` (`rows x cols`).
+fn transpose_into<A: Copy>(src: &[A], rows: usize, cols: usize, dst: &mut [A]) {
+    for (r, row) in src[..rows * cols].chunks_exact(cols).enumerate() {
+        for (c, &x) in row.iter().enumerate() {
+            dst[c * rows + r] = x;
         }
     }
 }
@@ -304,11 +316,18 @@ pub(super) fn backward<T: Float>(
             }
             let (mut p, mut ds) = (vec![zero; bq * bk], vec![zero; bq * bk]);
             let (mut dka, mut dva) = (vec![zero; bk * d], vec![zero; bk * dv]);
+            let (mut kt, mut vt) = (vec![zero; d * bk], vec![zero; dv * bk]);
             for j0 in (t.j_start..t.j_start + t.nkeys).step_by(bk) {
                 let nk = bk.min(t.j_start + t.nkeys - j0);
                 let k0 = t.g * s.kv_len + j0;
                 load(&mut ka, &k[k0 * d..(k0 + nk) * d], One::one());
                 load(&mut va, &v[k0 * dv..(k0 + nk) * dv], One::one());
+                // `Kᵀ` and `Vᵀ` of the tile, once for all its query tiles: `Q Kᵀ` and
+                // `dO Vᵀ` then take `B` untransposed, which runs them on the narrow
+                // tile kernel when the key tile is 32 or 64 keys wide.
+                let (kt, vt) = (&mut kt[..d * nk], &mut vt[..dv * nk]);
+                transpose_into(&ka, nk, d, kt);
+                transpose_into(&va, nk, dv, vt);
                 let (dka, dva) = (&mut dka[..nk * d], &mut dva[..nk * dv]);
                 dka.fill(zero);
                 dva.fill(zero);
@@ -327,7 +346,7 @@ pub(super) fn backward<T: Float>(
                         let (p, ds) = (&mut p[..nq * nk], &mut ds[..nq * nk]);
                         let row0 = bh * s.q_len + i0;
                         // P = exp(mask(Qs Kᵀ) - lse), one exp per score.
-                        small_matmul((nq, nk, d), qt, false, &ka, true, p, false);
+                        small_matmul((nq, nk, d), qt, false, kt, false, p, false);
                         let mut any = false;
                         for qi in 0..nq {
                             let pr = &mut p[qi * nk..(qi + 1) * nk];
@@ -344,7 +363,7 @@ pub(super) fn backward<T: Float>(
                             continue;
                         }
                         // dS = P * (dO Vᵀ - D).
-                        small_matmul((nq, nk, dv), ot, false, &va, true, ds, false);
+                        small_matmul((nq, nk, dv), ot, false, vt, false, ds, false);
                         for qi in 0..nq {
                             let di = dsum[row0 + qi];
                             let (pr, dr) =
