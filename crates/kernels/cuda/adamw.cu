@@ -13,20 +13,25 @@
 // buffer is 16-byte aligned, element by element otherwise. tpar_multi_adamw_*
 // (MultiAdamwArgs below) run the same step over up to 32 tensors a launch.
 
+// The step's coefficients, folded on the host.
+struct AdamwCoef {
+    float decay;      // 1 - lr * weight_decay
+    float w1;         // 1 - beta1
+    float beta2;
+    float w2;         // 1 - beta2
+    float step_size;  // lr / (1 - beta1^step)
+    float bc2_sqrt;   // sqrt(1 - beta2^step)
+    float eps;
+    float pad;
+};
+
 struct AdamwArgs {
     void* param;        // [n]
     const void* grad;   // [n]
     float* exp_avg;     // [n]
     float* exp_avg_sq;  // [n]
     i64 n;
-    float decay;        // 1 - lr * weight_decay
-    float w1;           // 1 - beta1
-    float beta2;
-    float w2;           // 1 - beta2
-    float step_size;    // lr / (1 - beta1^step)
-    float bc2_sqrt;     // sqrt(1 - beta2^step)
-    float eps;
-    float pad;
+    AdamwCoef coef;
 };
 
 // The same step over up to TPAR_MULTI_MAX tensors in one launch (PyTorch's
@@ -43,19 +48,15 @@ struct MultiAdamwArgs {
     i32 first[TPAR_MULTI_MAX];
     i32 total;  // blocks in all
     i32 count;  // tensors used (1..=32)
-    float decay, w1, beta2, w2, step_size, bc2_sqrt, eps, pad;
+    AdamwCoef coef;
 };
 
 namespace adamw {
 
 constexpr int kVec = 8;  // elements per thread per step (load8 / store8)
 
-struct Coef {
-    float decay, w1, beta2, w2, step_size, bc2_sqrt, eps;
-};
-
 // One element: updates m, v in place and returns the new parameter.
-TPAR_DEVICE float update(float p, float g, float& m, float& v, const Coef& c) {
+TPAR_DEVICE float update(float p, float g, float& m, float& v, const AdamwCoef& c) {
     float x = p * c.decay;
     m += c.w1 * (g - m);
     v = v * c.beta2 + c.w2 * g * g;
@@ -69,7 +70,7 @@ TPAR_DEVICE float update(float p, float g, float& m, float& v, const Coef& c) {
 // (`begin` is a multiple of 8), one at a time otherwise and for the tail.
 template <typename T, typename G>
 TPAR_DEVICE void update_range(T* param, const G* grad, float* exp_avg, float* exp_avg_sq,
-                              i64 begin, i64 end, i64 t, i64 nt, const Coef& c) {
+                              i64 begin, i64 end, i64 t, i64 nt, const AdamwCoef& c) {
     const bool vec = aligned16(param + begin) && aligned16(grad + begin) &&
                      aligned16(exp_avg + begin) && aligned16(exp_avg_sq + begin);
     const i64 body = vec ? begin + (end - begin) / kVec * kVec : begin;
@@ -96,7 +97,7 @@ TPAR_DEVICE void update_range(T* param, const G* grad, float* exp_avg, float* ex
 
 template <typename T, typename G>
 TPAR_DEVICE void step(const AdamwArgs& a) {
-    const Coef c = {a.decay, a.w1, a.beta2, a.w2, a.step_size, a.bc2_sqrt, a.eps};
+    const AdamwCoef& c = a.coef;
     const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 nthreads = (i64)gridDim.x * blockDim.x;
     update_range(static_cast<T*>(a.param), static_cast<const G*>(a.grad), a.exp_avg,
@@ -106,7 +107,7 @@ TPAR_DEVICE void step(const AdamwArgs& a) {
 // One block per chunk of one of up to TPAR_MULTI_MAX tensors (tpar.cuh).
 template <typename T, typename G>
 TPAR_DEVICE void step_each(const MultiAdamwArgs& a) {
-    const Coef c = {a.decay, a.w1, a.beta2, a.w2, a.step_size, a.bc2_sqrt, a.eps};
+    const AdamwCoef& c = a.coef;
     const MultiChunk ch = multi_chunk(a.first, a.n, a.count, blockIdx.x);
     update_range(static_cast<T*>(a.param[ch.t]), static_cast<const G*>(a.grad[ch.t]),
                  a.exp_avg[ch.t], a.exp_avg_sq[ch.t], ch.begin, ch.end, threadIdx.x, blockDim.x,

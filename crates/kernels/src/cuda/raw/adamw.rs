@@ -20,20 +20,10 @@ use crate::adamw::AdamWParams;
 use crate::cuda::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
 use crate::Result;
 
-/// Arguments of `tpar_adamw_*` and `tpar_adamw_f32grad_*`.
+/// The coefficients of one step, folded from [`AdamWParams`] on the host.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct AdamwArgs {
-    /// Parameters `[n]` (updated).
-    pub param: DevPtr,
-    /// Gradients `[n]`.
-    pub grad: DevPtr,
-    /// f32 first moments `[n]` (updated).
-    pub exp_avg: DevPtr,
-    /// f32 second moments `[n]` (updated).
-    pub exp_avg_sq: DevPtr,
-    /// Elements.
-    pub n: i64,
+pub struct AdamwCoef {
     /// `1 - lr * weight_decay`.
     pub decay: f32,
     /// `1 - beta1`.
@@ -50,6 +40,24 @@ pub struct AdamwArgs {
     pub eps: f32,
     /// Padding.
     pub pad: f32,
+}
+
+/// Arguments of `tpar_adamw_*` and `tpar_adamw_f32grad_*`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct AdamwArgs {
+    /// Parameters `[n]` (updated).
+    pub param: DevPtr,
+    /// Gradients `[n]`.
+    pub grad: DevPtr,
+    /// f32 first moments `[n]` (updated).
+    pub exp_avg: DevPtr,
+    /// f32 second moments `[n]` (updated).
+    pub exp_avg_sq: DevPtr,
+    /// Elements.
+    pub n: i64,
+    /// The step's coefficients.
+    pub coef: AdamwCoef,
 }
 
 /// Arguments of `tpar_multi_adamw_*` and `tpar_multi_adamw_f32grad_*`.
@@ -73,22 +81,8 @@ pub struct MultiAdamwArgs {
     pub total: i32,
     /// Tensors used.
     pub count: i32,
-    /// `1 - lr * weight_decay`.
-    pub decay: f32,
-    /// `1 - beta1`.
-    pub w1: f32,
-    /// `beta2`.
-    pub beta2: f32,
-    /// `1 - beta2`.
-    pub w2: f32,
-    /// `lr / (1 - beta1^step)`.
-    pub step_size: f32,
-    /// `sqrt(1 - beta2^step)`.
-    pub bc2_sqrt: f32,
-    /// `eps`.
-    pub eps: f32,
-    /// Padding.
-    pub pad: f32,
+    /// The step's coefficients.
+    pub coef: AdamwCoef,
 }
 
 /// The device buffers of one tensor's step in [`adamw_step_each`], each of `n`
@@ -114,18 +108,13 @@ const VEC: usize = 8;
 /// Most blocks: enough to fill an H200 several times; the kernel grid-strides.
 const MAX_BLOCKS: u32 = 4096;
 
-/// The kernel arguments for one step, with the coefficients folded as the
-/// CPU kernel folds them (in f64, then rounded to f32).
-fn coefficients(h: &AdamWParams) -> AdamwArgs {
+/// The coefficients of one step, folded as the CPU kernel folds them (in f64,
+/// then rounded to f32).
+fn coefficients(h: &AdamWParams) -> AdamwCoef {
     let step = i32::try_from(h.step).unwrap_or(i32::MAX);
     let bc1 = 1.0 - h.beta1.powi(step);
     let bc2 = 1.0 - h.beta2.powi(step);
-    AdamwArgs {
-        param: 0,
-        grad: 0,
-        exp_avg: 0,
-        exp_avg_sq: 0,
-        n: 0,
+    AdamwCoef {
         decay: (1.0 - h.lr * h.weight_decay) as f32,
         w1: (1.0 - h.beta1) as f32,
         beta2: h.beta2 as f32,
@@ -182,7 +171,7 @@ pub unsafe fn adamw_step(
     if n == 0 {
         return Ok(());
     }
-    let args = AdamwArgs { param, grad, exp_avg, exp_avg_sq, n: n64, ..coefficients(h) };
+    let args = AdamwArgs { param, grad, exp_avg, exp_avg_sq, n: n64, coef: coefficients(h) };
     let cfg = LaunchConfig::for_items(n.div_ceil(VEC), BLOCK, MAX_BLOCKS);
     // SAFETY: the caller vouches for the addresses; sizes are checked above.
     unsafe { launch(launcher, &name, cfg, &args) }
@@ -216,7 +205,7 @@ pub unsafe fn adamw_step_each(
         check_ptr(OP, "exp_avg", b.exp_avg, b.n, 4)?;
         check_ptr(OP, "exp_avg_sq", b.exp_avg_sq, b.n, 4)?;
     }
-    let c = coefficients(h);
+    let coef = coefficients(h);
     for group in tensors.chunks(MULTI_MAX) {
         let lens: Vec<usize> = group.iter().map(|b| b.n).collect();
         let (first, blocks) = block_starts(OP, &lens)?;
@@ -232,14 +221,7 @@ pub unsafe fn adamw_step_each(
             first,
             total: blocks,
             count: group.len() as i32,
-            decay: c.decay,
-            w1: c.w1,
-            beta2: c.beta2,
-            w2: c.w2,
-            step_size: c.step_size,
-            bc2_sqrt: c.bc2_sqrt,
-            eps: c.eps,
-            pad: 0.0,
+            coef,
         };
         for (t, b) in group.iter().enumerate() {
             args.param[t] = b.param;
