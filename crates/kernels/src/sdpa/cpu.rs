@@ -320,14 +320,14 @@ pub(super) fn backward<T: Float>(
             for j0 in (t.j_start..t.j_start + t.nkeys).step_by(bk) {
                 let nk = bk.min(t.j_start + t.nkeys - j0);
                 let k0 = t.g * s.kv_len + j0;
-                load(&mut ka, &k[k0 * d..(k0 + nk) * d], One::one());
-                load(&mut va, &v[k0 * dv..(k0 + nk) * dv], One::one());
+                let kk = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
+                let vv = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
                 // `Kᵀ` and `Vᵀ` of the tile, once for all its query tiles: `Q Kᵀ` and
                 // `dO Vᵀ` then take `B` untransposed, which runs them on the narrow
                 // tile kernel when the key tile is 32 or 64 keys wide.
                 let (kt, vt) = (&mut kt[..d * nk], &mut vt[..dv * nk]);
-                transpose_into(&ka, nk, d, kt);
-                transpose_into(&va, nk, dv, vt);
+                transpose_into(kk, nk, d, kt);
+                transpose_into(vv, nk, dv, vt);
                 let (dka, dva) = (&mut dka[..nk * d], &mut dva[..nk * dv]);
                 dka.fill(zero);
                 dva.fill(zero);
@@ -376,7 +376,7 @@ pub(super) fn backward<T: Float>(
                         small_matmul((nk, dv, nq), p, true, ot, false, dva, true);
                         small_matmul((nk, d, nq), ds, true, qt, false, dka, true);
                         let dqt = &mut dqa[r * d..(r + nq) * d];
-                        small_matmul((nq, d, nk), ds, false, &ka, false, dqt, true);
+                        small_matmul((nq, d, nk), ds, false, kk, false, dqt, true);
                     }
                 }
                 let o = (j0 - t.j_start) * d;

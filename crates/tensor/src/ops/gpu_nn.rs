@@ -750,9 +750,9 @@ impl Tensor {
     /// [`Tensor::adamw_step_`] on many CUDA parameters at once, all with the same
     /// hyper-parameters and step `h`: parameter `i` with `grads[i]`, `exp_avgs[i]`
     /// and `exp_avg_sqs[i]`, each under `adamw_step_`'s rules. One launch covers up to
-    /// 32 parameters of one dtype whose gradients share a dtype (PyTorch's foreach
-    /// AdamW), with `adamw_step_`'s arithmetic per element, so the results are the
-    /// same bits. No buffer updated may share its storage with any other argument.
+    /// 32 parameters of one dtype whose gradients share a dtype, wherever they stand in
+    /// the lists (PyTorch's foreach AdamW), with `adamw_step_`'s arithmetic per element,
+    /// so the results are the same bits. No buffer updated may share its storage with any other argument.
     /// Every argument is checked before any parameter changes. Not recorded by
     /// autograd.
     pub fn adamw_step_each_(
@@ -786,34 +786,40 @@ impl Tensor {
             require_f32(OP, exp_avg_sqs[i])?;
             kinds.push((kernel_dtype(OP, params[i])?, kernel_dtype(OP, grads[i])?));
         }
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for i in 0..n {
-            match runs.last_mut() {
-                Some(r) if kinds[r.0] == kinds[i] => r.1 = i + 1,
-                _ => runs.push((i, i + 1)),
-            }
-        }
         // Every sharing is refused before the first launch.
         let writes: Vec<&Tensor> =
             params.iter().chain(exp_avgs).chain(exp_avg_sqs).copied().collect();
         with_gpu_mut(OP, &writes, grads, |_, _| Ok(()))?;
-        for (s, e) in runs {
-            let (cd, gd) = kinds[s];
-            let writes: Vec<&Tensor> = params[s..e]
+        // The parameters by kind, in their order within each: one group of launches
+        // per kind, however the kinds interleave.
+        let mut kinds_seen: Vec<(CudaDType, CudaDType)> = Vec::new();
+        for k in &kinds {
+            if !kinds_seen.contains(k) {
+                kinds_seen.push(*k);
+            }
+        }
+        for (cd, gd) in kinds_seen {
+            let idx: Vec<usize> = (0..n).filter(|&i| kinds[i] == (cd, gd)).collect();
+            fn pick<'t>(ts: &[&'t Tensor], idx: &[usize]) -> Vec<&'t Tensor> {
+                idx.iter().map(|&i| ts[i]).collect()
+            }
+            let (ps, gs) = (pick(params, &idx), pick(grads, &idx));
+            let writes: Vec<&Tensor> = ps
                 .iter()
-                .chain(&exp_avgs[s..e])
-                .chain(&exp_avg_sqs[s..e])
                 .copied()
+                .chain(pick(exp_avgs, &idx))
+                .chain(pick(exp_avg_sqs, &idx))
                 .collect();
-            with_gpu_mut(OP, &writes, &grads[s..e], |w, r| {
-                let (p, rest) = w.split_at_mut(e - s);
-                let (m, v) = rest.split_at_mut(e - s);
+            let k = idx.len();
+            with_gpu_mut(OP, &writes, &gs, |w, r| {
+                let (p, rest) = w.split_at_mut(k);
+                let (m, v) = rest.split_at_mut(k);
                 let views: Vec<k_adamw::AdamwViews<'_>> = p
                     .iter_mut()
                     .zip(m.iter_mut())
                     .zip(v.iter_mut())
                     .zip(r)
-                    .zip(&params[s..e])
+                    .zip(&ps)
                     .map(|((((p, m), v), g), t)| k_adamw::AdamwViews {
                         param: p.view_mut(),
                         grad: g.view(),
