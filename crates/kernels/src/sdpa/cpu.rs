@@ -78,6 +78,20 @@ fn transpose_into<A: Copy>(src: &[A], rows: usize, cols: usize, dst: &mut [A]) {
     }
 }
 
+/// The largest of `row` (NaNs ignored, as `f32::max` does), `init` when it is
+/// empty; 16 running maxima, one per lane, so the loop vectorizes.
+fn row_max<A: Acc>(row: &[A], init: A) -> A {
+    let mut lanes = [init; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let tail = chunks.remainder().iter().fold(init, |a, &x| if x > a { x } else { a });
+    lanes.iter().fold(tail, |a, &x| if x > a { x } else { a })
+}
+
 /// What the mask does to one key tile of one head.
 #[derive(Clone, Copy, PartialEq)]
 enum TileMask {
@@ -133,8 +147,8 @@ impl<T: Float> Ctx<'_, T> {
     /// Turns raw `q·k` scores of query `i` (of flattened head `bh`) against keys
     /// `j0..j0 + row.len()` into masked scores: adds the mask to the keys the query
     /// may see (all of them, or the first `vis` when causal) and sets the others,
-    /// which would be `-inf` and then `e^-inf`, to 0 at once. Returns the max of the
-    /// first `vis` scores and `vis`: only they need exponentiating.
+    /// which would be `-inf` and then `e^-inf`, to 0 at once. Returns `vis`: only the
+    /// first `vis` scores need exponentiating.
     fn mask_scores(
         &self,
         bh: usize,
@@ -142,8 +156,7 @@ impl<T: Float> Ctx<'_, T> {
         j0: usize,
         tm: TileMask,
         row: &mut [T::Acc],
-    ) -> (T::Acc, usize) {
-        let ninf = T::Acc::neg_infinity();
+    ) -> usize {
         let vis = if self.s.causal { (i + 1).saturating_sub(j0).min(row.len()) } else { row.len() };
         row[vis..].fill(T::Acc::zero());
         let add = match (tm, self.mask) {
@@ -159,7 +172,7 @@ impl<T: Float> Ctx<'_, T> {
                 *x += v.to_acc();
             }
         }
-        (row[..vis].iter().fold(ninf, |a, &x| a.max(x)), vis)
+        vis
     }
 }
 
@@ -201,7 +214,8 @@ pub(super) fn forward<T: Float, O: Out<T>>(
             small_matmul((nq, nk, d), &qa, false, kt, true, sc, false);
             for qi in 0..nq {
                 let row = &mut sc[qi * nk..(qi + 1) * nk];
-                let (tmax, vis) = cx.mask_scores(bh, i0 + qi, j0, tm, row);
+                let vis = cx.mask_scores(bh, i0 + qi, j0, tm, row);
+                let tmax = row_max(&row[..vis], ninf);
                 if tmax == ninf {
                     row.fill(zero); // every key of this tile is masked
                     continue;
@@ -355,7 +369,7 @@ pub(super) fn backward<T: Float>(
                                 pr.fill(zero);
                                 continue;
                             }
-                            let (_, vis) = cx.mask_scores(bh, i0 + qi, j0, tm, pr);
+                            let vis = cx.mask_scores(bh, i0 + qi, j0, tm, pr);
                             Acc::exp_sub_sum(&mut pr[..vis], l);
                             any = true;
                         }
@@ -425,4 +439,31 @@ pub(super) fn backward<T: Float>(
             *o = T::from_acc(a * scale);
         }
     });
+}
+
+#[cfg(test)]
+mod row_max_tests {
+    use super::row_max;
+
+    /// Every length around the 16 lanes, with `NaN`, `±inf` and equal values among the
+    /// elements: the same value as a fold with `f32::max`.
+    #[test]
+    fn row_max_is_f32_max_folded() {
+        let ninf = f32::NEG_INFINITY;
+        for n in 0..50usize {
+            for seed in 0..4usize {
+                let row: Vec<f32> = (0..n)
+                    .map(|i| match (i * 7 + seed * 13) % 11 {
+                        0 => f32::NAN,
+                        1 => ninf,
+                        2 if seed == 3 => f32::INFINITY,
+                        k => (k as f32 - 5.0) * (1.0 + seed as f32),
+                    })
+                    .collect();
+                let want = row.iter().fold(ninf, |a, &x| a.max(x));
+                let got = row_max(&row, ninf);
+                assert_eq!(got.to_bits(), want.to_bits(), "n {n} seed {seed}: {row:?}");
+            }
+        }
+    }
 }
