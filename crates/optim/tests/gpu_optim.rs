@@ -209,6 +209,11 @@ fn adamw_step_each_refuses_bad_lists_before_any_update() {
     shared[2] = m[1];
     let (p2, g2) = (vec![p[1], p[1]], vec![g[1], g[1]]);
     assert!(Tensor::adamw_step_each_(&p, &g, &shared, &v, &h).is_err(), "a shared moment");
+    // One parameter is another's gradient: read and updated in the same call.
+    let four = || Tensor::zeros([4], DType::F32, DEV).unwrap();
+    let (a, b, gb, m4, v4) = (four(), four(), four(), [four(), four()], [four(), four()]);
+    let e = Tensor::adamw_step_each_(&[&a, &b], &[&b, &gb], &refs(&m4), &refs(&v4), &h);
+    assert!(e.is_err(), "a parameter read as another's gradient was accepted");
     assert!(Tensor::adamw_step_each_(&p2, &g2, &m[..2], &v[..2], &h).is_err(), "a parameter twice");
     for (t, b) in dev.iter().zip(&before) {
         assert_eq!(&t.to_vec_f64().unwrap(), b, "a refused step changed a parameter");

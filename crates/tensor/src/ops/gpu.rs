@@ -74,14 +74,17 @@ pub(crate) fn with_gpu_mut<R>(
     reads: &[&Tensor],
     f: impl FnOnce(&mut [&mut GpuStorage], &[&GpuStorage]) -> Result<R>,
 ) -> Result<R> {
-    for (i, w) in writes.iter().enumerate() {
-        let shared = writes[i + 1..].iter().chain(reads).any(|t| t.same_storage(w));
-        if shared {
-            return Err(super::invalid(
-                op,
-                "a tensor updated in place must not share its storage with another argument",
-            ));
-        }
+    // Storages by address: linear in the arguments (a multi-tensor update passes
+    // hundreds).
+    let id = |t: &Tensor| Arc::as_ptr(&t.0.storage) as *const () as usize;
+    let mut written = std::collections::HashSet::with_capacity(writes.len());
+    let shared = !writes.iter().all(|w| written.insert(id(w)))
+        || reads.iter().any(|r| written.contains(&id(r)));
+    if shared {
+        return Err(super::invalid(
+            op,
+            "a tensor updated in place must not share its storage with another argument",
+        ));
     }
     let mut wguards: Vec<RwLockWriteGuard<'_, Storage>> =
         writes.iter().map(|t| t.0.storage.write().unwrap_or_else(|p| p.into_inner())).collect();
