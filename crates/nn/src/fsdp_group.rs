@@ -492,15 +492,19 @@ impl FsdpParamGroup {
         let members: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
         let k = self.dp.size();
         let mut flights = Vec::new();
-        let mut ready = Vec::new();
-        if self.single() {
-            for &i in &members {
-                if let Some(g) = &grads[i] {
-                    ready.push((i, no_grad(|| g.to_dtype(self.params[i].reduce_dtype()))?));
-                }
+        // Over one dp rank each gradient is its own reduction: nothing to lay out.
+        let (ready, members) = match self.single() {
+            true => {
+                let cast = |i: usize| -> Result<(usize, Tensor)> {
+                    let g = grads[i].as_ref().ok_or_else(|| NnError::Config {
+                        what: "internal error: a gradient left the FSDP unit".into(),
+                    })?;
+                    Ok((i, no_grad(|| g.to_dtype(self.params[i].reduce_dtype()))?))
+                };
+                (members.into_iter().map(cast).collect::<Result<Vec<_>>>()?, Vec::new())
             }
-        }
-        let members = if self.single() { Vec::new() } else { members };
+            false => (Vec::new(), members),
+        };
         for layout in self.layouts(&members, |p| p.reduce_dtype()) {
             if layout.numel == 0 {
                 flights.push(Flight { layout, work: None });

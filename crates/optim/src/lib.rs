@@ -1111,8 +1111,7 @@ fn clip_on_device(
     let coef = no_grad(|| total.add_scalar(1e-6)?.recip()?.mul_scalar(max_norm)?.minimum(&one))?;
     let host_coef =
         if grads.iter().any(|(_, g)| g.device() != device) { Some(coef.item()?) } else { None };
-    let kernel_dtype = |g: &Tensor| matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16);
-    if host_coef.is_none() && grads.iter().all(|(_, g)| kernel_dtype(g)) {
+    if host_coef.is_none() && grads.iter().all(|(_, g)| crate::on_device(g)) {
         // Every gradient scaled by the device coefficient in one launch per 32.
         let refs: Vec<&Tensor> = grads.iter().map(|(_, g)| g).collect();
         let scaled = Tensor::scale_each(&refs, &coef)?;

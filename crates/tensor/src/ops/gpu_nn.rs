@@ -798,11 +798,11 @@ impl Tensor {
                 kinds_seen.push(*k);
             }
         }
+        fn pick<'t>(ts: &[&'t Tensor], idx: &[usize]) -> Vec<&'t Tensor> {
+            idx.iter().map(|&i| ts[i]).collect()
+        }
         for (cd, gd) in kinds_seen {
             let idx: Vec<usize> = (0..n).filter(|&i| kinds[i] == (cd, gd)).collect();
-            fn pick<'t>(ts: &[&'t Tensor], idx: &[usize]) -> Vec<&'t Tensor> {
-                idx.iter().map(|&i| ts[i]).collect()
-            }
             let (ps, gs) = (pick(params, &idx), pick(grads, &idx));
             let writes: Vec<&Tensor> = ps
                 .iter()
