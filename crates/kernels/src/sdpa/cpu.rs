@@ -78,6 +78,35 @@ fn transpose_into<A: Copy>(src: &[A], rows: usize, cols: usize, dst: &mut [A]) {
     }
 }
 
+/// The row pieces `(first row, rows, keys)` to compute query rows `i0..i0 + nq`
+/// against keys `j0..j0 + nk` in: all rows against all keys, except where causal
+/// attention hides keys from the tile's first rows. There the rows are cut in two at
+/// the multiple of 32 rows that computes the fewest scores, and each piece takes only
+/// the keys its last row sees (a diagonal 64 x 64 tile costs three quarters of it).
+/// The keys left out are ones every row of the piece has at probability 0, so nothing
+/// changes but the work; pieces whose rows see none of the keys are left out.
+fn causal_pieces(
+    causal: bool,
+    i0: usize,
+    nq: usize,
+    j0: usize,
+    nk: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    // Keys of the tile seen by the rows before `end` (relative to `i0`).
+    let seen = |end: usize| if causal { (i0 + end).saturating_sub(j0).min(nk) } else { nk };
+    let mut best = (nq, seen(nq) * nq);
+    for cut in (32..nq).step_by(32) {
+        let area = seen(cut) * cut + seen(nq) * (nq - cut);
+        if area < best.1 {
+            best = (cut, area);
+        }
+    }
+    let cut = best.0;
+    [(0, cut, seen(cut)), (cut, nq - cut, seen(nq))]
+        .into_iter()
+        .filter(|&(_, rows, keys)| rows > 0 && keys > 0)
+}
+
 /// The largest of `row` (NaNs ignored, as `f32::max` does), `init` when it is
 /// empty; 16 running maxima, one per lane, so the loop vectorizes.
 fn row_max<A: Acc>(row: &[A], init: A) -> A {
@@ -210,26 +239,31 @@ pub(super) fn forward<T: Float, O: Out<T>>(
             let k0 = kv * s.kv_len + j0;
             let kt = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
             let vt = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
-            let sc = &mut sc[..nq * nk];
-            small_matmul((nq, nk, d), &qa, false, kt, true, sc, false);
-            for qi in 0..nq {
-                let row = &mut sc[qi * nk..(qi + 1) * nk];
-                let vis = cx.mask_scores(bh, i0 + qi, j0, tm, row);
-                let tmax = row_max(&row[..vis], ninf);
-                if tmax == ninf {
-                    row.fill(zero); // every key of this tile is masked
-                    continue;
+            for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
+                let sc = &mut sc[..na * ne];
+                let qt = &qa[a0 * d..(a0 + na) * d];
+                small_matmul((na, ne, d), qt, false, &kt[..ne * d], true, sc, false);
+                for qi in 0..na {
+                    let row = &mut sc[qi * ne..(qi + 1) * ne];
+                    let vis = cx.mask_scores(bh, i0 + a0 + qi, j0, tm, row);
+                    let tmax = row_max(&row[..vis], ninf);
+                    if tmax == ninf {
+                        row.fill(zero); // every key of this tile is masked
+                        continue;
+                    }
+                    let r = a0 + qi;
+                    let mnew = m[r].max(tmax);
+                    let alpha = (m[r] - mnew).exp();
+                    if alpha != T::Acc::one() {
+                        l[r] *= alpha;
+                        acc[r * dv..(r + 1) * dv].iter_mut().for_each(|a| *a *= alpha);
+                    }
+                    l[r] += Acc::exp_sub_sum(&mut row[..vis], mnew);
+                    m[r] = mnew;
                 }
-                let mnew = m[qi].max(tmax);
-                let alpha = (m[qi] - mnew).exp();
-                if alpha != T::Acc::one() {
-                    l[qi] *= alpha;
-                    acc[qi * dv..(qi + 1) * dv].iter_mut().for_each(|a| *a *= alpha);
-                }
-                l[qi] += Acc::exp_sub_sum(&mut row[..vis], mnew);
-                m[qi] = mnew;
+                let acc = &mut acc[a0 * dv..(a0 + na) * dv];
+                small_matmul((na, dv, ne), sc, false, &vt[..ne * dv], false, acc, true);
             }
-            small_matmul((nq, dv, nk), sc, false, vt, false, &mut acc, true);
         }
         for qi in 0..nq {
             let orow = &mut out[qi * dv..(qi + 1) * dv];
@@ -331,6 +365,7 @@ pub(super) fn backward<T: Float>(
             let (mut p, mut ds) = (vec![zero; bq * bk], vec![zero; bq * bk]);
             let (mut dka, mut dva) = (vec![zero; bk * d], vec![zero; bk * dv]);
             let (mut kt, mut vt) = (vec![zero; d * bk], vec![zero; dv * bk]);
+            let (mut kth, mut vth) = (vec![zero; d * bk], vec![zero; dv * bk]);
             for j0 in (t.j_start..t.j_start + t.nkeys).step_by(bk) {
                 let nk = bk.min(t.j_start + t.nkeys - j0);
                 let k0 = t.g * s.kv_len + j0;
@@ -355,42 +390,71 @@ pub(super) fn backward<T: Float>(
                     let i_start = if s.causal { j0 } else { 0 };
                     for i0 in (i_start..s.q_len).step_by(bq) {
                         let nq = bq.min(s.q_len - i0);
-                        let r = t_h * rows + (i0 - q_first);
-                        let (qt, ot) = (&qa[r * d..(r + nq) * d], &oa[r * dv..(r + nq) * dv]);
-                        let (p, ds) = (&mut p[..nq * nk], &mut ds[..nq * nk]);
-                        let row0 = bh * s.q_len + i0;
-                        // P = exp(mask(Qs Kᵀ) - lse), one exp per score.
-                        small_matmul((nq, nk, d), qt, false, kt, false, p, false);
-                        let mut any = false;
-                        for qi in 0..nq {
-                            let pr = &mut p[qi * nk..(qi + 1) * nk];
-                            let l = lse[row0 + qi];
-                            if l == T::Acc::neg_infinity() {
-                                pr.fill(zero);
+                        for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
+                            // A piece that sees only the tile's first `ne` keys takes the
+                            // transposes of those keys alone.
+                            let (kt, vt) = if ne == nk {
+                                (&kt[..], &vt[..])
+                            } else {
+                                transpose_into(&kk[..ne * d], ne, d, &mut kth[..d * ne]);
+                                transpose_into(&vv[..ne * dv], ne, dv, &mut vth[..dv * ne]);
+                                (&kth[..d * ne], &vth[..dv * ne])
+                            };
+                            let (ia, r) = (i0 + a0, t_h * rows + (i0 + a0 - q_first));
+                            let qt = &qa[r * d..(r + na) * d];
+                            let ot = &oa[r * dv..(r + na) * dv];
+                            let (p, ds) = (&mut p[..na * ne], &mut ds[..na * ne]);
+                            let row0 = bh * s.q_len + ia;
+                            // P = exp(mask(Qs Kᵀ) - lse), one exp per score.
+                            small_matmul((na, ne, d), qt, false, kt, false, p, false);
+                            let mut any = false;
+                            for qi in 0..na {
+                                let pr = &mut p[qi * ne..(qi + 1) * ne];
+                                let l = lse[row0 + qi];
+                                if l == T::Acc::neg_infinity() {
+                                    pr.fill(zero);
+                                    continue;
+                                }
+                                let vis = cx.mask_scores(bh, ia + qi, j0, tm, pr);
+                                Acc::exp_sub_sum(&mut pr[..vis], l);
+                                any = true;
+                            }
+                            if !any {
                                 continue;
                             }
-                            let vis = cx.mask_scores(bh, i0 + qi, j0, tm, pr);
-                            Acc::exp_sub_sum(&mut pr[..vis], l);
-                            any = true;
-                        }
-                        if !any {
-                            continue;
-                        }
-                        // dS = P * (dO Vᵀ - D).
-                        small_matmul((nq, nk, dv), ot, false, vt, false, ds, false);
-                        for qi in 0..nq {
-                            let di = dsum[row0 + qi];
-                            let (pr, dr) =
-                                (&p[qi * nk..(qi + 1) * nk], &mut ds[qi * nk..(qi + 1) * nk]);
-                            for (x, &pv) in dr.iter_mut().zip(pr) {
-                                *x = pv * (*x - di);
+                            // dS = P * (dO Vᵀ - D).
+                            small_matmul((na, ne, dv), ot, false, vt, false, ds, false);
+                            for qi in 0..na {
+                                let di = dsum[row0 + qi];
+                                let (pr, dr) =
+                                    (&p[qi * ne..(qi + 1) * ne], &mut ds[qi * ne..(qi + 1) * ne]);
+                                for (x, &pv) in dr.iter_mut().zip(pr) {
+                                    *x = pv * (*x - di);
+                                }
                             }
+                            // dV += Pᵀ dO; dK += dSᵀ (scale Q); dQ += dS K (scaled at the
+                            // end).
+                            small_matmul(
+                                (ne, dv, na),
+                                p,
+                                true,
+                                ot,
+                                false,
+                                &mut dva[..ne * dv],
+                                true,
+                            );
+                            small_matmul(
+                                (ne, d, na),
+                                ds,
+                                true,
+                                qt,
+                                false,
+                                &mut dka[..ne * d],
+                                true,
+                            );
+                            let dqt = &mut dqa[r * d..(r + na) * d];
+                            small_matmul((na, d, ne), ds, false, &kk[..ne * d], false, dqt, true);
                         }
-                        // dV += Pᵀ dO; dK += dSᵀ (scale Q); dQ += dS K (scaled at the end).
-                        small_matmul((nk, dv, nq), p, true, ot, false, dva, true);
-                        small_matmul((nk, d, nq), ds, true, qt, false, dka, true);
-                        let dqt = &mut dqa[r * d..(r + nq) * d];
-                        small_matmul((nq, d, nk), ds, false, kk, false, dqt, true);
                     }
                 }
                 let o = (j0 - t.j_start) * d;
@@ -439,6 +503,38 @@ pub(super) fn backward<T: Float>(
             *o = T::from_acc(a * scale);
         }
     });
+}
+
+#[cfg(test)]
+mod causal_pieces_tests {
+    use super::causal_pieces;
+
+    fn pieces(
+        causal: bool,
+        i0: usize,
+        nq: usize,
+        j0: usize,
+        nk: usize,
+    ) -> Vec<(usize, usize, usize)> {
+        causal_pieces(causal, i0, nq, j0, nk).collect()
+    }
+
+    /// Diagonal tiles are cut where fewest scores are computed, each piece taking the
+    /// keys its last row sees; tiles every row sees whole, and non-causal ones, are not
+    /// cut; rows that see none of the keys are left out.
+    #[test]
+    fn diagonal_tiles_are_cut_where_fewest_scores_remain() {
+        // The forward's 64 x 64 and 64 x 128 diagonal tiles, the backward's 128 x 64.
+        assert_eq!(pieces(true, 64, 64, 64, 64), vec![(0, 32, 32), (32, 32, 64)]);
+        assert_eq!(pieces(true, 64, 64, 0, 128), vec![(0, 32, 96), (32, 32, 128)]);
+        assert_eq!(pieces(true, 64, 128, 64, 64), vec![(0, 32, 32), (32, 96, 64)]);
+        // Every row sees every key, or attention is not causal: one piece.
+        assert_eq!(pieces(true, 128, 64, 0, 128), vec![(0, 64, 128)]);
+        assert_eq!(pieces(false, 64, 64, 64, 64), vec![(0, 64, 64)]);
+        // Small tiles are not cut; a tile past every row is dropped.
+        assert_eq!(pieces(true, 8, 16, 8, 16), vec![(0, 16, 16)]);
+        assert_eq!(pieces(true, 0, 16, 16, 16), vec![]);
+    }
 }
 
 #[cfg(test)]
