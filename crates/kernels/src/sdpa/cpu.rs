@@ -205,6 +205,39 @@ impl<T: Float> Ctx<'_, T> {
     }
 }
 
+#[cfg(test)]
+static PORTABLE_ONLY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the tasks must run their portable build (a test compares the two builds).
+#[cfg(all(test, target_arch = "x86_64"))]
+fn portable_only() -> bool {
+    PORTABLE_ONLY.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(all(not(test), target_arch = "x86_64"))]
+fn portable_only() -> bool {
+    false
+}
+
+/// Runs task function `$plain` on `$args`, or its AVX-512 build `$avx512` where the CPU
+/// has AVX-512: the loops of the task bodies outside the products (loads, the softmax
+/// bookkeeping, `dS`, transposes, stores) are then compiled 16 lanes wide. The same
+/// operations in the same order either way: the results are the same bits.
+macro_rules! tuned {
+    ($plain:ident, $avx512:ident, $($args:expr),*) => {{
+        #[cfg(target_arch = "x86_64")]
+        let r = if crate::vmath::isa() == crate::vmath::Isa::Avx512 && !portable_only() {
+            // SAFETY: `isa` found AVX-512F, AVX2 and FMA on this CPU.
+            unsafe { $avx512($($args),*) }
+        } else {
+            $plain($($args),*)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let r = $plain($($args),*);
+        r
+    }};
+}
+
 pub(super) fn forward<T: Float, O: Out<T>>(
     s: &SdpaShape,
     tiles: SdpaTiles,
@@ -216,70 +249,253 @@ pub(super) fn forward<T: Float, O: Out<T>>(
     lse: &mut [T::Acc],
 ) {
     let cx = Ctx { s, mask };
-    let (d, dv) = (s.head_dim, s.v_dim);
     let (bq, bk) = (tiles.q.max(1), tiles.k.max(1));
-    let tasks = blocks(out, dv, lse, 1, s.batch * s.q_heads, s.q_len, bq);
-    tasks.into_par_iter().for_each(|(bh, i0, nq, out, lse)| {
-        let (zero, ninf) = (T::Acc::zero(), T::Acc::neg_infinity());
-        let kv = cx.kv_of(bh);
-        let r0 = bh * s.q_len + i0;
-        let (mut qa, mut ka, mut va) = (Vec::new(), Vec::new(), Vec::new());
-        load(&mut qa, &q[r0 * d..(r0 + nq) * d], Acc::of(s.scale));
-        let mut acc = vec![zero; nq * dv];
-        let mut m = vec![ninf; nq];
-        let mut l = vec![zero; nq];
-        let mut sc = vec![zero; nq * bk];
-        let kv_end = if s.causal { s.kv_len.min(i0 + nq) } else { s.kv_len };
-        for j0 in (0..kv_end).step_by(bk) {
-            let nk = bk.min(kv_end - j0);
+    let tasks = blocks(out, s.v_dim, lse, 1, s.batch * s.q_heads, s.q_len, bq);
+    let a = Fwd { cx, bk, q, k, v };
+    tasks.into_par_iter().for_each(|t| tuned!(forward_task, forward_task_avx512, &a, t));
+}
+
+/// What every forward task reads.
+struct Fwd<'a, T: Float> {
+    cx: Ctx<'a, T>,
+    bk: usize,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+}
+
+/// One forward task: query rows `i0..i0 + nq` of flattened head `bh`, against every key
+/// they see, into their `out` rows and `lse`.
+#[inline(always)]
+fn forward_task<T: Float, O: Out<T>>(a: &Fwd<T>, (bh, i0, nq, out, lse): Block<O, T::Acc>) {
+    let Fwd { ref cx, bk, q, k, v } = *a;
+    let s = cx.s;
+    let (d, dv) = (s.head_dim, s.v_dim);
+    let (zero, ninf) = (T::Acc::zero(), T::Acc::neg_infinity());
+    let kv = cx.kv_of(bh);
+    let r0 = bh * s.q_len + i0;
+    let (mut qa, mut ka, mut va) = (Vec::new(), Vec::new(), Vec::new());
+    load(&mut qa, &q[r0 * d..(r0 + nq) * d], Acc::of(s.scale));
+    let mut acc = vec![zero; nq * dv];
+    let mut m = vec![ninf; nq];
+    let mut l = vec![zero; nq];
+    let mut sc = vec![zero; nq * bk];
+    let kv_end = if s.causal { s.kv_len.min(i0 + nq) } else { s.kv_len };
+    for j0 in (0..kv_end).step_by(bk) {
+        let nk = bk.min(kv_end - j0);
+        let tm = cx.tile_mask(bh, j0, nk);
+        if tm == TileMask::Closed {
+            continue;
+        }
+        let k0 = kv * s.kv_len + j0;
+        let kt = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
+        let vt = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
+        for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
+            let sc = &mut sc[..na * ne];
+            let qt = &qa[a0 * d..(a0 + na) * d];
+            small_matmul((na, ne, d), qt, false, &kt[..ne * d], true, sc, false);
+            for qi in 0..na {
+                let row = &mut sc[qi * ne..(qi + 1) * ne];
+                let vis = cx.mask_scores(bh, i0 + a0 + qi, j0, tm, row);
+                let tmax = row_max(&row[..vis], ninf);
+                if tmax == ninf {
+                    row.fill(zero); // every key of this tile is masked
+                    continue;
+                }
+                let r = a0 + qi;
+                let mnew = m[r].max(tmax);
+                let alpha = (m[r] - mnew).exp();
+                if alpha != T::Acc::one() {
+                    l[r] *= alpha;
+                    acc[r * dv..(r + 1) * dv].iter_mut().for_each(|a| *a *= alpha);
+                }
+                l[r] += Acc::exp_sub_sum(&mut row[..vis], mnew);
+                m[r] = mnew;
+            }
+            let acc = &mut acc[a0 * dv..(a0 + na) * dv];
+            small_matmul((na, dv, ne), sc, false, &vt[..ne * dv], false, acc, true);
+        }
+    }
+    for qi in 0..nq {
+        let orow = &mut out[qi * dv..(qi + 1) * dv];
+        if l[qi] == zero {
+            // Fully masked row: zeros and lse = -inf, like PyTorch.
+            orow.iter_mut().for_each(|o| o.put(T::from_acc(zero)));
+            lse[qi] = ninf;
+        } else {
+            let inv = l[qi].recip();
+            for (o, &a) in orow.iter_mut().zip(&acc[qi * dv..(qi + 1) * dv]) {
+                o.put(T::from_acc(a * inv));
+            }
+            lse[qi] = m[qi] + l[qi].ln();
+        }
+    }
+}
+
+/// [`forward_task`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn forward_task_avx512<T: Float, O: Out<T>>(a: &Fwd<T>, t: Block<O, T::Acc>) {
+    forward_task(a, t)
+}
+
+/// What every backward task reads.
+struct Bwd<'a, T: Float> {
+    cx: Ctx<'a, T>,
+    bq: usize,
+    bk: usize,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    lse: &'a [T::Acc],
+    dout: &'a [T],
+    dsum: &'a [T::Acc],
+    scale: T::Acc,
+    group: usize,
+}
+
+/// One backward task (see [`BackTask`]): its keys' `dk` and `dv`, and its `dq` rows
+/// (written when it is the head's only task, else returned as a partial sum with the
+/// first row it starts at).
+#[inline(always)]
+fn backward_task<T: Float>(a: &Bwd<T>, t: BackTask<T>) -> Option<(usize, Vec<T::Acc>)> {
+    let Bwd { ref cx, bq, bk, q, k, v, lse, dout, dsum, scale, group } = *a;
+    let s = cx.s;
+    let (d, dv) = (s.head_dim, s.v_dim);
+    let zero = T::Acc::zero();
+    // Causal: queries before the first key of the task see none of its keys,
+    // so its dq rows start there.
+    let q_first = if s.causal { t.j_start.min(s.q_len) } else { 0 };
+    let rows = s.q_len - q_first;
+    // The group's scaled queries and output gradients, widened once.
+    let (mut qa, mut oa) = (Vec::new(), Vec::new());
+    let (mut dqa, mut ka, mut va) = (vec![zero; group * rows * d], Vec::new(), Vec::new());
+    qa.reserve(group * rows * d);
+    oa.reserve(group * rows * dv);
+    for t_h in 0..group {
+        let r0 = (t.g * group + t_h) * s.q_len + q_first;
+        qa.extend(q[r0 * d..(r0 + rows) * d].iter().map(|x| x.to_acc() * scale));
+        oa.extend(dout[r0 * dv..(r0 + rows) * dv].iter().map(|x| x.to_acc()));
+    }
+    let (mut p, mut ds) = (vec![zero; bq * bk], vec![zero; bq * bk]);
+    let (mut dka, mut dva) = (vec![zero; bk * d], vec![zero; bk * dv]);
+    let (mut kt, mut vt) = (vec![zero; d * bk], vec![zero; dv * bk]);
+    let (mut kth, mut vth) = (vec![zero; d * bk], vec![zero; dv * bk]);
+    for j0 in (t.j_start..t.j_start + t.nkeys).step_by(bk) {
+        let nk = bk.min(t.j_start + t.nkeys - j0);
+        let k0 = t.g * s.kv_len + j0;
+        let kk = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
+        let vv = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
+        // `Kᵀ` and `Vᵀ` of the tile, once for all its query tiles: `Q Kᵀ` and
+        // `dO Vᵀ` then take `B` untransposed, which runs them on the narrow
+        // tile kernel when the key tile is 32 or 64 keys wide.
+        let (kt, vt) = (&mut kt[..d * nk], &mut vt[..dv * nk]);
+        transpose_into(kk, nk, d, kt);
+        transpose_into(vv, nk, dv, vt);
+        let (dka, dva) = (&mut dka[..nk * d], &mut dva[..nk * dv]);
+        dka.fill(zero);
+        dva.fill(zero);
+        for t_h in 0..group {
+            let bh = t.g * group + t_h;
             let tm = cx.tile_mask(bh, j0, nk);
             if tm == TileMask::Closed {
                 continue;
             }
-            let k0 = kv * s.kv_len + j0;
-            let kt = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
-            let vt = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
-            for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
-                let sc = &mut sc[..na * ne];
-                let qt = &qa[a0 * d..(a0 + na) * d];
-                small_matmul((na, ne, d), qt, false, &kt[..ne * d], true, sc, false);
-                for qi in 0..na {
-                    let row = &mut sc[qi * ne..(qi + 1) * ne];
-                    let vis = cx.mask_scores(bh, i0 + a0 + qi, j0, tm, row);
-                    let tmax = row_max(&row[..vis], ninf);
-                    if tmax == ninf {
-                        row.fill(zero); // every key of this tile is masked
+            // Causal: only queries i >= j0 see a key of this tile.
+            let i_start = if s.causal { j0 } else { 0 };
+            for i0 in (i_start..s.q_len).step_by(bq) {
+                let nq = bq.min(s.q_len - i0);
+                for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
+                    // A piece that sees only the tile's first `ne` keys takes the
+                    // transposes of those keys alone.
+                    let (kt, vt) = if ne == nk {
+                        (&kt[..], &vt[..])
+                    } else {
+                        transpose_into(&kk[..ne * d], ne, d, &mut kth[..d * ne]);
+                        transpose_into(&vv[..ne * dv], ne, dv, &mut vth[..dv * ne]);
+                        (&kth[..d * ne], &vth[..dv * ne])
+                    };
+                    let (ia, r) = (i0 + a0, t_h * rows + (i0 + a0 - q_first));
+                    let qt = &qa[r * d..(r + na) * d];
+                    let ot = &oa[r * dv..(r + na) * dv];
+                    let (p, ds) = (&mut p[..na * ne], &mut ds[..na * ne]);
+                    let row0 = bh * s.q_len + ia;
+                    // P = exp(mask(Qs Kᵀ) - lse), one exp per score.
+                    small_matmul((na, ne, d), qt, false, kt, false, p, false);
+                    let mut any = false;
+                    for qi in 0..na {
+                        let pr = &mut p[qi * ne..(qi + 1) * ne];
+                        let l = lse[row0 + qi];
+                        if l == T::Acc::neg_infinity() {
+                            pr.fill(zero);
+                            continue;
+                        }
+                        let vis = cx.mask_scores(bh, ia + qi, j0, tm, pr);
+                        Acc::exp_sub_sum(&mut pr[..vis], l);
+                        any = true;
+                    }
+                    if !any {
                         continue;
                     }
-                    let r = a0 + qi;
-                    let mnew = m[r].max(tmax);
-                    let alpha = (m[r] - mnew).exp();
-                    if alpha != T::Acc::one() {
-                        l[r] *= alpha;
-                        acc[r * dv..(r + 1) * dv].iter_mut().for_each(|a| *a *= alpha);
+                    // dS = P * (dO Vᵀ - D).
+                    small_matmul((na, ne, dv), ot, false, vt, false, ds, false);
+                    for qi in 0..na {
+                        let di = dsum[row0 + qi];
+                        let (pr, dr) =
+                            (&p[qi * ne..(qi + 1) * ne], &mut ds[qi * ne..(qi + 1) * ne]);
+                        for (x, &pv) in dr.iter_mut().zip(pr) {
+                            *x = pv * (*x - di);
+                        }
                     }
-                    l[r] += Acc::exp_sub_sum(&mut row[..vis], mnew);
-                    m[r] = mnew;
+                    // dV += Pᵀ dO; dK += dSᵀ (scale Q); dQ += dS K (scaled at the
+                    // end).
+                    small_matmul((ne, dv, na), p, true, ot, false, &mut dva[..ne * dv], true);
+                    small_matmul((ne, d, na), ds, true, qt, false, &mut dka[..ne * d], true);
+                    let dqt = &mut dqa[r * d..(r + na) * d];
+                    small_matmul((na, d, ne), ds, false, &kk[..ne * d], false, dqt, true);
                 }
-                let acc = &mut acc[a0 * dv..(a0 + na) * dv];
-                small_matmul((na, dv, ne), sc, false, &vt[..ne * dv], false, acc, true);
             }
         }
-        for qi in 0..nq {
-            let orow = &mut out[qi * dv..(qi + 1) * dv];
-            if l[qi] == zero {
-                // Fully masked row: zeros and lse = -inf, like PyTorch.
-                orow.iter_mut().for_each(|o| o.put(T::from_acc(zero)));
-                lse[qi] = ninf;
-            } else {
-                let inv = l[qi].recip();
-                for (o, &a) in orow.iter_mut().zip(&acc[qi * dv..(qi + 1) * dv]) {
-                    o.put(T::from_acc(a * inv));
-                }
-                lse[qi] = m[qi] + l[qi].ln();
-            }
+        let o = (j0 - t.j_start) * d;
+        for (o, &a) in t.dk[o..o + nk * d].iter_mut().zip(dka.iter()) {
+            *o = T::from_acc(a);
         }
-    });
+        let o = (j0 - t.j_start) * dv;
+        for (o, &a) in t.dv[o..o + nk * dv].iter_mut().zip(dva.iter()) {
+            *o = T::from_acc(a);
+        }
+    }
+    match t.dq {
+        Some(dq) => {
+            // The only task of its head: write dq directly.
+            for t_h in 0..group {
+                let dst = &mut dq[(t_h * s.q_len + q_first) * d..(t_h + 1) * s.q_len * d];
+                let src = &dqa[t_h * rows * d..(t_h + 1) * rows * d];
+                for (o, &a) in dst.iter_mut().zip(src) {
+                    *o = T::from_acc(a * scale);
+                }
+                dq[t_h * s.q_len * d..(t_h * s.q_len + q_first) * d].fill(T::from_acc(zero));
+            }
+            None
+        }
+        None => Some((q_first, dqa)),
+    }
+}
+
+/// [`backward_task`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn backward_task_avx512<T: Float>(
+    a: &Bwd<T>,
+    t: BackTask<T>,
+) -> Option<(usize, Vec<T::Acc>)> {
+    backward_task(a, t)
 }
 
 /// One backward task: the keys `j_start..j_start + nkeys` of kv head `g`
@@ -345,145 +561,9 @@ pub(super) fn backward<T: Float>(
             t.dq = Some(dq);
         }
     }
-    let partials: Vec<Option<(usize, Vec<T::Acc>)>> = tasks
-        .into_par_iter()
-        .map(|t| {
-            // Causal: queries before the first key of the task see none of its keys,
-            // so its dq rows start there.
-            let q_first = if s.causal { t.j_start.min(s.q_len) } else { 0 };
-            let rows = s.q_len - q_first;
-            // The group's scaled queries and output gradients, widened once.
-            let (mut qa, mut oa) = (Vec::new(), Vec::new());
-            let (mut dqa, mut ka, mut va) = (vec![zero; group * rows * d], Vec::new(), Vec::new());
-            qa.reserve(group * rows * d);
-            oa.reserve(group * rows * dv);
-            for t_h in 0..group {
-                let r0 = (t.g * group + t_h) * s.q_len + q_first;
-                qa.extend(q[r0 * d..(r0 + rows) * d].iter().map(|x| x.to_acc() * scale));
-                oa.extend(dout[r0 * dv..(r0 + rows) * dv].iter().map(|x| x.to_acc()));
-            }
-            let (mut p, mut ds) = (vec![zero; bq * bk], vec![zero; bq * bk]);
-            let (mut dka, mut dva) = (vec![zero; bk * d], vec![zero; bk * dv]);
-            let (mut kt, mut vt) = (vec![zero; d * bk], vec![zero; dv * bk]);
-            let (mut kth, mut vth) = (vec![zero; d * bk], vec![zero; dv * bk]);
-            for j0 in (t.j_start..t.j_start + t.nkeys).step_by(bk) {
-                let nk = bk.min(t.j_start + t.nkeys - j0);
-                let k0 = t.g * s.kv_len + j0;
-                let kk = view(&mut ka, &k[k0 * d..(k0 + nk) * d]);
-                let vv = view(&mut va, &v[k0 * dv..(k0 + nk) * dv]);
-                // `Kᵀ` and `Vᵀ` of the tile, once for all its query tiles: `Q Kᵀ` and
-                // `dO Vᵀ` then take `B` untransposed, which runs them on the narrow
-                // tile kernel when the key tile is 32 or 64 keys wide.
-                let (kt, vt) = (&mut kt[..d * nk], &mut vt[..dv * nk]);
-                transpose_into(kk, nk, d, kt);
-                transpose_into(vv, nk, dv, vt);
-                let (dka, dva) = (&mut dka[..nk * d], &mut dva[..nk * dv]);
-                dka.fill(zero);
-                dva.fill(zero);
-                for t_h in 0..group {
-                    let bh = t.g * group + t_h;
-                    let tm = cx.tile_mask(bh, j0, nk);
-                    if tm == TileMask::Closed {
-                        continue;
-                    }
-                    // Causal: only queries i >= j0 see a key of this tile.
-                    let i_start = if s.causal { j0 } else { 0 };
-                    for i0 in (i_start..s.q_len).step_by(bq) {
-                        let nq = bq.min(s.q_len - i0);
-                        for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
-                            // A piece that sees only the tile's first `ne` keys takes the
-                            // transposes of those keys alone.
-                            let (kt, vt) = if ne == nk {
-                                (&kt[..], &vt[..])
-                            } else {
-                                transpose_into(&kk[..ne * d], ne, d, &mut kth[..d * ne]);
-                                transpose_into(&vv[..ne * dv], ne, dv, &mut vth[..dv * ne]);
-                                (&kth[..d * ne], &vth[..dv * ne])
-                            };
-                            let (ia, r) = (i0 + a0, t_h * rows + (i0 + a0 - q_first));
-                            let qt = &qa[r * d..(r + na) * d];
-                            let ot = &oa[r * dv..(r + na) * dv];
-                            let (p, ds) = (&mut p[..na * ne], &mut ds[..na * ne]);
-                            let row0 = bh * s.q_len + ia;
-                            // P = exp(mask(Qs Kᵀ) - lse), one exp per score.
-                            small_matmul((na, ne, d), qt, false, kt, false, p, false);
-                            let mut any = false;
-                            for qi in 0..na {
-                                let pr = &mut p[qi * ne..(qi + 1) * ne];
-                                let l = lse[row0 + qi];
-                                if l == T::Acc::neg_infinity() {
-                                    pr.fill(zero);
-                                    continue;
-                                }
-                                let vis = cx.mask_scores(bh, ia + qi, j0, tm, pr);
-                                Acc::exp_sub_sum(&mut pr[..vis], l);
-                                any = true;
-                            }
-                            if !any {
-                                continue;
-                            }
-                            // dS = P * (dO Vᵀ - D).
-                            small_matmul((na, ne, dv), ot, false, vt, false, ds, false);
-                            for qi in 0..na {
-                                let di = dsum[row0 + qi];
-                                let (pr, dr) =
-                                    (&p[qi * ne..(qi + 1) * ne], &mut ds[qi * ne..(qi + 1) * ne]);
-                                for (x, &pv) in dr.iter_mut().zip(pr) {
-                                    *x = pv * (*x - di);
-                                }
-                            }
-                            // dV += Pᵀ dO; dK += dSᵀ (scale Q); dQ += dS K (scaled at the
-                            // end).
-                            small_matmul(
-                                (ne, dv, na),
-                                p,
-                                true,
-                                ot,
-                                false,
-                                &mut dva[..ne * dv],
-                                true,
-                            );
-                            small_matmul(
-                                (ne, d, na),
-                                ds,
-                                true,
-                                qt,
-                                false,
-                                &mut dka[..ne * d],
-                                true,
-                            );
-                            let dqt = &mut dqa[r * d..(r + na) * d];
-                            small_matmul((na, d, ne), ds, false, &kk[..ne * d], false, dqt, true);
-                        }
-                    }
-                }
-                let o = (j0 - t.j_start) * d;
-                for (o, &a) in t.dk[o..o + nk * d].iter_mut().zip(dka.iter()) {
-                    *o = T::from_acc(a);
-                }
-                let o = (j0 - t.j_start) * dv;
-                for (o, &a) in t.dv[o..o + nk * dv].iter_mut().zip(dva.iter()) {
-                    *o = T::from_acc(a);
-                }
-            }
-            match t.dq {
-                Some(dq) => {
-                    // The only task of its head: write dq directly.
-                    for t_h in 0..group {
-                        let dst = &mut dq[(t_h * s.q_len + q_first) * d..(t_h + 1) * s.q_len * d];
-                        let src = &dqa[t_h * rows * d..(t_h + 1) * rows * d];
-                        for (o, &a) in dst.iter_mut().zip(src) {
-                            *o = T::from_acc(a * scale);
-                        }
-                        dq[t_h * s.q_len * d..(t_h * s.q_len + q_first) * d]
-                            .fill(T::from_acc(zero));
-                    }
-                    None
-                }
-                None => Some((q_first, dqa)),
-            }
-        })
-        .collect();
+    let a = Bwd { cx, bq, bk, q, k, v, lse, dout, dsum: &dsum, scale, group };
+    let partials: Vec<Option<(usize, Vec<T::Acc>)>> =
+        tasks.into_par_iter().map(|t| tuned!(backward_task, backward_task_avx512, &a, t)).collect();
     if chunks == 1 {
         return;
     }
@@ -503,6 +583,53 @@ pub(super) fn backward<T: Float>(
             *o = T::from_acc(a * scale);
         }
     });
+}
+
+#[cfg(test)]
+mod tuned_tests {
+    use super::{backward, forward, PORTABLE_ONLY};
+    use crate::sdpa::{SdpaMask, SdpaShape, SdpaTiles};
+    use std::sync::atomic::Ordering;
+
+    /// Forward and backward of a causal, key-masked grouped-query attention in f32:
+    /// `out`, `lse`, `dq`, `dk`, `dv`.
+    fn run(portable: bool) -> Vec<Vec<u32>> {
+        let s = SdpaShape {
+            batch: 2,
+            q_heads: 4,
+            kv_heads: 2,
+            q_len: 150,
+            kv_len: 150,
+            head_dim: 32,
+            v_dim: 32,
+            scale: 0.2,
+            causal: true,
+        };
+        let val = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 1999) as f32 / 999.5 - 1.0;
+        let (nq, nk) = (2 * 4 * 150, 2 * 2 * 150);
+        let q: Vec<f32> = (0..nq * 32).map(|i| val(i, 1)).collect();
+        let k: Vec<f32> = (0..nk * 32).map(|i| val(i, 2)).collect();
+        let v: Vec<f32> = (0..nk * 32).map(|i| val(i, 3)).collect();
+        let dout: Vec<f32> = (0..nq * 32).map(|i| val(i, 4)).collect();
+        let m: Vec<f32> =
+            (0..2 * 150).map(|j| if j % 150 > 130 { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = SdpaMask { data: &m[..], batch_stride: 150, head_stride: 0, row_stride: 0 };
+        PORTABLE_ONLY.store(portable, Ordering::SeqCst);
+        let (mut out, mut lse) = (vec![0f32; nq * 32], vec![0f32; nq]);
+        forward(&s, SdpaTiles::forward(&s), &q, &k, &v, Some(&mask), &mut out, &mut lse);
+        let (mut dq, mut dk, mut dv) =
+            (vec![0f32; nq * 32], vec![0f32; nk * 32], vec![0f32; nk * 32]);
+        let t = SdpaTiles::backward(&s);
+        backward(&s, t, &q, &k, &v, Some(&mask), &out, &lse, &dout, &mut dq, &mut dk, &mut dv);
+        PORTABLE_ONLY.store(false, Ordering::SeqCst);
+        [out, lse, dq, dk, dv].iter().map(|x| x.iter().map(|f| f.to_bits()).collect()).collect()
+    }
+
+    /// The AVX-512 build of the task bodies gives the portable build's bits.
+    #[test]
+    fn avx512_tasks_give_the_portable_bits() {
+        assert_eq!(run(false), run(true));
+    }
 }
 
 #[cfg(test)]
