@@ -42,7 +42,7 @@ fn allocations_are_credited_per_rank() {
 #[test]
 fn kept_host_buffers_count_for_no_rank() {
     use tpar::tensor::{DType, Device, Tensor};
-    let n = 9 << 20; // 36 MiB of f32 (the cache keeps 1 MiB and more)
+    let n = 9 << 20; // 36 MiB of f32 (the cache keeps 256 KiB and more)
                      // A thread with a rank slot of its own: the test beside this one runs ranks 0 and 1
                      // (and 7) at the same time, and their allocations would move a shared slot's figure.
     let r = 11;

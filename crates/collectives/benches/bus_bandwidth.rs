@@ -10,7 +10,7 @@
 //!
 //! next to the single-thread memcpy bandwidth of this machine at the same size, measured in
 //! the same run (busbw/cpy is against memcpy into a reused buffer). Plain collectives are
-//! out of place, so each call also allocates its output: from 1 MiB the host cache
+//! out of place, so each call also allocates its output: from 256 KiB the host cache
 //! (`tpar_memory::cache`) hands back the buffer a previous call's output left, while
 //! a fresh mapping would fault in page by page, which the "fresh dst" memcpy column
 //! shows on its own. The `_into` rows write into one output

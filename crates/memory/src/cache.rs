@@ -35,10 +35,11 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 /// Buffers smaller than this are left to the allocator, which reuses them well. From
 /// 1 MiB the single-rank Llama step of `benches/llama_step.rs` faults in a quarter of
 /// the pages it faults in when only blocks of 32 MiB and more (glibc's largest mmap
-/// threshold) are kept, and runs 4-5 % faster; the multi-rank steps fault in about as
-/// many pages either way, at the same speed (docs/PERF.md, "Plain collectives and the
-/// host cache").
-pub const MIN_BYTES: usize = 1 << 20;
+/// threshold) are kept, and runs 4-5 % faster; from 256 KiB the multi-rank steps, whose
+/// per-rank activations are smaller, fault in a third to a sixth of the pages per step
+/// they fault in from 1 MiB, with no larger resident set (docs/PERF.md, "Plain
+/// collectives and the host cache").
+pub const MIN_BYTES: usize = 256 << 10;
 
 const DEFAULT_LIMIT: usize = 512 << 20;
 
