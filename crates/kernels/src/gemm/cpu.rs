@@ -258,6 +258,36 @@ pub(super) fn matmul_new<T: Float>(s: &GemmShape, a: &[T], b: &[T]) -> Result<Ve
     Ok(v)
 }
 
+/// Whether [`narrow_matmul_ldb`] takes products of `n` output columns over `k` for
+/// accumulator type `A`.
+pub(crate) fn narrow_takes<A: 'static>(n: usize, k: usize) -> bool {
+    TypeId::of::<A>() == TypeId::of::<f32>() && super::narrow::supports(n, k, false)
+}
+
+/// Single-threaded `out (+)= a · b` on the narrow tile kernel, `a` `[m, k]`, `b` the
+/// first `n` columns of `k` rows `ldb` apart: runs it and returns true where that kernel
+/// takes the product (f32 with AVX-512, `n` of 32 or 64; see `narrow.rs`), else writes
+/// nothing and returns false. Wrong lengths are an internal bug and panic.
+pub(crate) fn narrow_matmul_ldb<A: Acc>(
+    (m, n, k): (usize, usize, usize),
+    a: &[A],
+    b: &[A],
+    ldb: usize,
+    out: &mut [A],
+    accumulate: bool,
+) -> bool {
+    if !super::narrow::supports(n, k, false) {
+        return false;
+    }
+    match (cast::<A, f32>(a), cast(b), cast_mut::<A, f32>(out)) {
+        (Some(a), Some(b), Some(o)) => {
+            super::narrow::matmul_ldb((m, n, k), a, false, b, ldb, o, accumulate);
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Single-threaded `out (+)= op(a) · op(b)` on accumulator buffers, for use
 /// inside other kernels' parallel tasks. `a` is `[m, k]` (`[k, m]` if
 /// `trans_a`), `b` is `[k, n]` (`[n, k]` if `trans_b`), `out` is `[m, n]`;

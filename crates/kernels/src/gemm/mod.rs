@@ -14,7 +14,7 @@ mod tests;
 
 use crate::util::{bad, check_len, numel};
 use crate::{Float, Result};
-pub(crate) use cpu::small_matmul;
+pub(crate) use cpu::{narrow_matmul_ldb, narrow_takes, small_matmul};
 
 /// The shape of a batched product `out[b] = op(A[b]) · op(B[b])`, `out[b]` `[m, n]`.
 ///

@@ -46,10 +46,31 @@ pub(super) fn matmul(
     out: &mut [f32],
     accumulate: bool,
 ) {
-    assert!(supports(n, k, false) && a.len() >= m * k && b.len() >= k * n && out.len() == m * n);
+    matmul_ldb((m, n, k), a, trans_a, b, n, out, accumulate)
+}
+
+/// [`matmul`] with the rows of `B` `ldb` elements apart (at least `n`): `B` may be the
+/// first `n` columns of a wider row-major matrix.
+pub(super) fn matmul_ldb(
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    trans_a: bool,
+    b: &[f32],
+    ldb: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    let b_len = if k == 0 { 0 } else { (k - 1) * ldb + n };
+    assert!(
+        supports(n, k, false)
+            && ldb >= n
+            && a.len() >= m * k
+            && b.len() >= b_len
+            && out.len() == m * n
+    );
     // A element (i, p) sits at `i * rs + p * cs`.
     let (rs, cs) = if trans_a { (1, m) } else { (k, 1) };
-    let ops = Operands { m, k, a, rs, cs, b, accumulate };
+    let ops = Operands { m, k, a, rs, cs, b, ldb, accumulate };
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `supports` checked AVX-512F; the lengths are asserted above, and every
     // index the kernels form stays below them.
@@ -64,7 +85,8 @@ pub(super) fn matmul(
 }
 
 /// The inputs of one product: `m x k` times `k x n`, `A` element `(i, p)` at
-/// `a[i * rs + p * cs]`, `B` row-major; the output is added to when `accumulate`.
+/// `a[i * rs + p * cs]`, `B` row-major with rows `ldb` apart; the output is added to
+/// when `accumulate`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Operands<'a> {
     m: usize,
@@ -73,6 +95,7 @@ struct Operands<'a> {
     rs: usize,
     cs: usize,
     b: &'a [f32],
+    ldb: usize,
     accumulate: bool,
 }
 
@@ -91,7 +114,7 @@ mod avx512 {
     ///
     /// # Safety
     /// AVX-512F is available; `ops.a` holds every `i * rs + p * cs` for `i < m`,
-    /// `p < k`; `ops.b` holds `k * NV * 16` and `out` `m * NV * 16` elements.
+    /// `p < k`; `ops.b` holds `(k - 1) * ldb + NV * 16` and `out` `m * NV * 16` elements.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn rows<const NV: usize>(ops: &Operands, out: &mut [f32]) {
         let mr = block_rows(NV);
@@ -125,7 +148,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn block<const NV: usize, const R: usize>(ops: &Operands, i0: usize, out: &mut [f32]) {
-        let Operands { k, rs, cs, accumulate, .. } = *ops;
+        let Operands { k, rs, cs, ldb, accumulate, .. } = *ops;
         let n = NV * 16;
         let (a, b, o) = (ops.a.as_ptr(), ops.b.as_ptr(), out.as_mut_ptr());
         let mut acc = [[_mm512_setzero_ps(); NV]; R];
@@ -133,7 +156,7 @@ mod avx512 {
         unsafe {
             let arow = a.add(i0 * rs);
             for p in 0..k {
-                let bp = b.add(p * n);
+                let bp = b.add(p * ldb);
                 let mut bv = [_mm512_setzero_ps(); NV];
                 for (v, x) in bv.iter_mut().enumerate() {
                     *x = _mm512_loadu_ps(bp.add(v * 16));
@@ -199,6 +222,34 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// `B` as the first `n` columns of wider rows (`ldb` past `n`): the same as a plain
+    /// loop over those columns.
+    #[test]
+    fn b_rows_may_be_wider_than_the_output() {
+        if !supports(32, 1, false) {
+            return;
+        }
+        let val = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 1999) as f32 / 999.5 - 1.0;
+        for (n, ldb) in [(32, 64), (32, 33), (64, 128)] {
+            let (m, k) = (13, 40);
+            let a: Vec<f32> = (0..m * k).map(|i| val(i, 1)).collect();
+            let b: Vec<f32> = (0..(k - 1) * ldb + n).map(|i| val(i, 2)).collect();
+            let mut out = vec![0f32; m * n];
+            matmul_ldb((m, n, k), &a, false, &b, ldb, &mut out, false);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 =
+                        (0..k).map(|p| a[i * k + p] as f64 * b[p * ldb + j] as f64).sum();
+                    let got = out[i * n + j] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-4,
+                        "n {n} ldb {ldb} ({i}, {j}): {got} vs {want}"
+                    );
                 }
             }
         }

@@ -11,7 +11,7 @@ use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
 
 use super::{SdpaMask, SdpaShape, SdpaTiles};
-use crate::gemm::small_matmul;
+use crate::gemm::{narrow_matmul_ldb, narrow_takes, small_matmul};
 use crate::{Acc, Float, Out};
 
 /// Backward tasks wanted at least: when `batch * kv_heads` is smaller, each
@@ -251,7 +251,8 @@ pub(super) fn forward<T: Float, O: Out<T>>(
     let cx = Ctx { s, mask };
     let (bq, bk) = (tiles.q.max(1), tiles.k.max(1));
     let tasks = blocks(out, s.v_dim, lse, 1, s.batch * s.q_heads, s.q_len, bq);
-    let a = Fwd { cx, bk, q, k, v };
+    let kt = transposed_key_tiles(s, bk, k);
+    let a = Fwd { cx, bk, q, k, v, kt: &kt };
     tasks.into_par_iter().for_each(|t| tuned!(forward_task, forward_task_avx512, &a, t));
 }
 
@@ -262,13 +263,42 @@ struct Fwd<'a, T: Float> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
+    /// [`transposed_key_tiles`] (empty when the narrow tile kernel does not take them).
+    kt: &'a [T::Acc],
+}
+
+/// Every kv head's key tiles of `bk` keys, each transposed into a `[head_dim, bk]`
+/// block (a last, shorter tile padded): `Q Kᵀ` against a block's first columns then
+/// runs on the narrow tile kernel, with the transposes done once per call instead of
+/// once per query tile. Empty where that kernel does not take `bk`-column products
+/// (not f32, no AVX-512, other tile widths).
+fn transposed_key_tiles<T: Float>(s: &SdpaShape, bk: usize, k: &[T]) -> Vec<T::Acc> {
+    let d = s.head_dim;
+    if !narrow_takes::<T::Acc>(bk, d) || s.kv_len == 0 {
+        return Vec::new();
+    }
+    let tiles = s.kv_len.div_ceil(bk);
+    let mut out = vec![T::Acc::zero(); s.batch * s.kv_heads * tiles * d * bk];
+    out.par_chunks_mut(tiles * d * bk).enumerate().for_each(|(g, dst)| {
+        for (t, tile) in dst.chunks_exact_mut(d * bk).enumerate() {
+            let j0 = t * bk;
+            let nk = bk.min(s.kv_len - j0);
+            let src = &k[(g * s.kv_len + j0) * d..(g * s.kv_len + j0 + nk) * d];
+            for (r, row) in src.chunks_exact(d).enumerate() {
+                for (c, &x) in row.iter().enumerate() {
+                    tile[c * bk + r] = x.to_acc();
+                }
+            }
+        }
+    });
+    out
 }
 
 /// One forward task: query rows `i0..i0 + nq` of flattened head `bh`, against every key
 /// they see, into their `out` rows and `lse`.
 #[inline(always)]
 fn forward_task<T: Float, O: Out<T>>(a: &Fwd<T>, (bh, i0, nq, out, lse): Block<O, T::Acc>) {
-    let Fwd { ref cx, bk, q, k, v } = *a;
+    let Fwd { ref cx, bk, q, k, v, kt: kt_all } = *a;
     let s = cx.s;
     let (d, dv) = (s.head_dim, s.v_dim);
     let (zero, ninf) = (T::Acc::zero(), T::Acc::neg_infinity());
@@ -293,7 +323,21 @@ fn forward_task<T: Float, O: Out<T>>(a: &Fwd<T>, (bh, i0, nq, out, lse): Block<O
         for (a0, na, ne) in causal_pieces(s.causal, i0, nq, j0, nk) {
             let sc = &mut sc[..na * ne];
             let qt = &qa[a0 * d..(a0 + na) * d];
-            small_matmul((na, ne, d), qt, false, &kt[..ne * d], true, sc, false);
+            // Against the transposed tile where there is one (its rows `bk` apart).
+            let tiles = s.kv_len.div_ceil(bk);
+            let block = (kv * tiles + j0 / bk) * d * bk;
+            let narrow = !kt_all.is_empty()
+                && narrow_matmul_ldb(
+                    (na, ne, d),
+                    qt,
+                    &kt_all[block..block + d * bk],
+                    bk,
+                    sc,
+                    false,
+                );
+            if !narrow {
+                small_matmul((na, ne, d), qt, false, &kt[..ne * d], true, sc, false);
+            }
             for qi in 0..na {
                 let row = &mut sc[qi * ne..(qi + 1) * ne];
                 let vis = cx.mask_scores(bh, i0 + a0 + qi, j0, tm, row);
