@@ -10,7 +10,9 @@
 //! may be given transposed at no cost. `B` may not: a transposing copy per call measured
 //! slower than the gemm crate. The attention backward instead transposes each key tile
 //! once for all its query tiles, which puts `Q Kᵀ` and `dO Vᵀ` here when the key tile is
-//! 32 or 64 keys wide.
+//! 32 or 64 keys wide, and the forward transposes every key tile once per call; rows of
+//! `B` may lie further apart than `n` (`matmul_ldb`), so a product may take the first
+//! columns of such a transposed tile.
 
 /// The longest contraction [`matmul`] takes: `B` (at most 128 KiB) then stays in the
 /// L2 cache while every row block streams through it. Attention's tiles contract over

@@ -3,9 +3,10 @@
 //! probabilities from `lse` once and feeds `dq`, `dk` and `dv` from them. Tile
 //! products (`Q Kᵀ`, `P V`, ...) run on single-threaded gemm calls in the
 //! accumulator type (those with outputs of 32 or 64 columns on an AVX-512 register
-//! tile of our own, `gemm/narrow.rs`: the head-dim products, and backward, against
-//! each key tile's transpose, `Q Kᵀ` and `dO Vᵀ`); parallelism comes from the task
-//! split.
+//! tile of our own, `gemm/narrow.rs`: the head-dim products, and against each key
+//! tile's transpose `Q Kᵀ`, forward and backward, and `dO Vᵀ`); parallelism comes from
+//! the task split. A causal tile on the diagonal is computed in row pieces that see
+//! fewer keys ([`causal_pieces`]).
 
 use num_traits::{Float as _, One, Zero};
 use rayon::prelude::*;
