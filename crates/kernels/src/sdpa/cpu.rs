@@ -72,6 +72,9 @@ fn view<'a, T: Float>(buf: &'a mut Vec<T::Acc>, src: &'a [T]) -> &'a [T::Acc] {
 /// `dst[c * rows + r] = src[r * cols + c]`: the `cols x rows` transpose of row-major
 /// `src` (`rows x cols`).
 fn transpose_into<A: Copy>(src: &[A], rows: usize, cols: usize, dst: &mut [A]) {
+    if cols == 0 {
+        return; // nothing to move (and no rows to cut `src` into)
+    }
     for (r, row) in src[..rows * cols].chunks_exact(cols).enumerate() {
         for (c, &x) in row.iter().enumerate() {
             dst[c * rows + r] = x;
@@ -275,7 +278,7 @@ struct Fwd<'a, T: Float> {
 /// (not f32, no AVX-512, other tile widths).
 fn transposed_key_tiles<T: Float>(s: &SdpaShape, bk: usize, k: &[T]) -> Vec<T::Acc> {
     let d = s.head_dim;
-    if !narrow_takes::<T::Acc>(bk, d) || s.kv_len == 0 {
+    if !narrow_takes::<T::Acc>(bk, d) || s.kv_len == 0 || d == 0 {
         return Vec::new();
     }
     let tiles = s.kv_len.div_ceil(bk);
@@ -302,6 +305,7 @@ fn forward_task<T: Float, O: Out<T>>(a: &Fwd<T>, (bh, i0, nq, out, lse): Block<O
     let Fwd { ref cx, bk, q, k, v, kt: kt_all } = *a;
     let s = cx.s;
     let (d, dv) = (s.head_dim, s.v_dim);
+    let key_tiles = s.kv_len.div_ceil(bk);
     let (zero, ninf) = (T::Acc::zero(), T::Acc::neg_infinity());
     let kv = cx.kv_of(bh);
     let r0 = bh * s.q_len + i0;
@@ -325,8 +329,7 @@ fn forward_task<T: Float, O: Out<T>>(a: &Fwd<T>, (bh, i0, nq, out, lse): Block<O
             let sc = &mut sc[..na * ne];
             let qt = &qa[a0 * d..(a0 + na) * d];
             // Against the transposed tile where there is one (its rows `bk` apart).
-            let tiles = s.kv_len.div_ceil(bk);
-            let block = (kv * tiles + j0 / bk) * d * bk;
+            let block = (kv * key_tiles + j0 / bk) * d * bk;
             let narrow = !kt_all.is_empty()
                 && narrow_matmul_ldb(
                     (na, ne, d),
@@ -613,7 +616,7 @@ pub(super) fn backward<T: Float>(
         return;
     }
     // Sum each head's partials in key order (fixed by the shape: deterministic).
-    dq.par_chunks_mut(dq_per_group).enumerate().for_each(|(g, dq)| {
+    dq.par_chunks_mut(dq_per_group.max(1)).enumerate().for_each(|(g, dq)| {
         let mut acc = vec![zero; dq_per_group];
         for (q_first, part) in partials[g * chunks..(g + 1) * chunks].iter().flatten() {
             let rows = s.q_len - q_first;

@@ -322,3 +322,31 @@ fn causal_diagonal_pieces_match_reference() {
         }
     }
 }
+
+/// A head dim of 0 (every score 0, uniform attention over the keys a query sees) or a
+/// value dim of 0 (an empty output) at the default tiles, causal and not: no panic, and
+/// the reference's values.
+#[test]
+fn empty_head_dims_match_reference() {
+    for (causal, (head_dim, v_dim)) in [false, true]
+        .into_iter()
+        .zip([(0, 4), (4, 0)])
+        .chain([false, true].into_iter().zip([(4, 0), (0, 4)]))
+    {
+        let s = SdpaShape {
+            batch: 1,
+            q_heads: 2,
+            kv_heads: 1,
+            q_len: 70,
+            kv_len: 70,
+            head_dim,
+            v_dim,
+            scale: 1.0,
+            causal,
+        };
+        let c = Case { s, mask: None };
+        for tiles in [SdpaTiles::forward(&s), SdpaTiles::backward(&s)] {
+            run_with::<f32>(&c, &[], tiles, &mut Rng::new(3));
+        }
+    }
+}
