@@ -130,8 +130,9 @@ fn adamw_steps_on_the_device_as_on_the_host() {
 }
 
 /// More parameters than one multi-tensor launch takes, of every dtype (half ones with
-/// f32 gradients too) interleaved, and of two step numbers (every fourth parameter has no gradient
-/// at the first step, so it lags one step behind): the same steps as on the host.
+/// f32 gradients too) interleaved, and of two step numbers (every fourth parameter has
+/// no gradient at the first step, so it lags one step behind): the same steps as on
+/// the host.
 #[test]
 fn adamw_over_many_mixed_parameters_on_the_device_as_on_the_host() {
     setup();

@@ -134,6 +134,25 @@ impl InboxState {
         let p = *self.gone_order.iter().find(|p| group.contains(p))?;
         Some((p, self.gone.get(&p)?.clone()))
     }
+
+    /// The `PeerFailed` error of `op` in `group` on `chan` after `peer` failed with
+    /// `why`: naming `peer`, or for a collective the group's first peer to go
+    /// ([`InboxState::culprit`]).
+    fn peer_failed(
+        &self,
+        op: &'static str,
+        group: &[usize],
+        chan: Channel,
+        peer: usize,
+        why: String,
+    ) -> CollectiveError {
+        let first = match chan {
+            Channel::Collective => self.culprit(group),
+            Channel::P2p => None,
+        };
+        let (rank, why) = first.unwrap_or((peer, why));
+        CollectiveError::PeerFailed { op, group: group.to_vec(), rank, why }
+    }
 }
 
 /// Payloads below this size are plain allocations (the allocator serves them from its
@@ -669,9 +688,7 @@ impl Mesh {
         self.inbox.lock().gone.get(&peer).cloned()
     }
 
-    /// The error of `op` in `group` on `chan` after a failure of `peer`: `PeerFailed`
-    /// naming `peer`, or for a collective the group's first peer to go
-    /// ([`InboxState::culprit`]).
+    /// [`InboxState::peer_failed`] under the inbox's lock.
     fn peer_failed(
         &self,
         op: &'static str,
@@ -680,12 +697,7 @@ impl Mesh {
         peer: usize,
         why: String,
     ) -> CollectiveError {
-        let first = match chan {
-            Channel::Collective => self.inbox.lock().culprit(group),
-            Channel::P2p => None,
-        };
-        let (rank, why) = first.unwrap_or((peer, why));
-        CollectiveError::PeerFailed { op, group: group.to_vec(), rank, why }
+        self.inbox.lock().peer_failed(op, group, chan, peer, why)
     }
 
     /// Sends one frame to global rank `peer`. Fails with `PeerFailed` when the peer is
@@ -862,12 +874,7 @@ impl Mesh {
             if let Some((&p, why)) = missing.iter().find_map(|p| st.gone.get_key_value(p)) {
                 // A collective blames the group's first peer to go, which need not be
                 // this one.
-                let first = match chan {
-                    Channel::Collective => st.culprit(group),
-                    Channel::P2p => None,
-                };
-                let (rank, why) = first.unwrap_or((p, why.clone()));
-                return Err(CollectiveError::PeerFailed { op, group: group.to_vec(), rank, why });
+                return Err(st.peer_failed(op, group, chan, p, why.clone()));
             }
             st = match deadline.at {
                 None => self.inbox.cv.wait(st).unwrap_or_else(PoisonError::into_inner),

@@ -69,15 +69,15 @@ fn view<'a, T: Float>(buf: &'a mut Vec<T::Acc>, src: &'a [T]) -> &'a [T::Acc] {
     }
 }
 
-/// `dst[c * rows + r] = src[r * cols + c]`: the `cols x rows` transpose of row-major
-/// `src` (`rows x cols`).
-fn transpose_into<A: Copy>(src: &[A], rows: usize, cols: usize, dst: &mut [A]) {
+/// `dst[c * ld + r] = src[r * cols + c]`: the `cols x rows` transpose of row-major
+/// `src` (`rows x cols`), its rows `ld` (at least `rows`) apart in `dst`.
+fn transpose_into<A: Copy>(src: &[A], rows: usize, cols: usize, ld: usize, dst: &mut [A]) {
     if cols == 0 {
         return; // nothing to move (and no rows to cut `src` into)
     }
     for (r, row) in src[..rows * cols].chunks_exact(cols).enumerate() {
         for (c, &x) in row.iter().enumerate() {
-            dst[c * rows + r] = x;
+            dst[c * ld + r] = x;
         }
     }
 }
@@ -284,15 +284,12 @@ fn transposed_key_tiles<T: Float>(s: &SdpaShape, bk: usize, k: &[T]) -> Vec<T::A
     let tiles = s.kv_len.div_ceil(bk);
     let mut out = vec![T::Acc::zero(); s.batch * s.kv_heads * tiles * d * bk];
     out.par_chunks_mut(tiles * d * bk).enumerate().for_each(|(g, dst)| {
+        let mut buf = Vec::new();
         for (t, tile) in dst.chunks_exact_mut(d * bk).enumerate() {
             let j0 = t * bk;
             let nk = bk.min(s.kv_len - j0);
             let src = &k[(g * s.kv_len + j0) * d..(g * s.kv_len + j0 + nk) * d];
-            for (r, row) in src.chunks_exact(d).enumerate() {
-                for (c, &x) in row.iter().enumerate() {
-                    tile[c * bk + r] = x.to_acc();
-                }
-            }
+            transpose_into(view(&mut buf, src), nk, d, bk, tile);
         }
     });
     out
@@ -441,8 +438,8 @@ fn backward_task<T: Float>(a: &Bwd<T>, t: BackTask<T>) -> Option<(usize, Vec<T::
         // `dO Vᵀ` then take `B` untransposed, which runs them on the narrow
         // tile kernel when the key tile is 32 or 64 keys wide.
         let (kt, vt) = (&mut kt[..d * nk], &mut vt[..dv * nk]);
-        transpose_into(kk, nk, d, kt);
-        transpose_into(vv, nk, dv, vt);
+        transpose_into(kk, nk, d, nk, kt);
+        transpose_into(vv, nk, dv, nk, vt);
         let (dka, dva) = (&mut dka[..nk * d], &mut dva[..nk * dv]);
         dka.fill(zero);
         dva.fill(zero);
@@ -462,8 +459,8 @@ fn backward_task<T: Float>(a: &Bwd<T>, t: BackTask<T>) -> Option<(usize, Vec<T::
                     let (kt, vt) = if ne == nk {
                         (&kt[..], &vt[..])
                     } else {
-                        transpose_into(&kk[..ne * d], ne, d, &mut kth[..d * ne]);
-                        transpose_into(&vv[..ne * dv], ne, dv, &mut vth[..dv * ne]);
+                        transpose_into(&kk[..ne * d], ne, d, ne, &mut kth[..d * ne]);
+                        transpose_into(&vv[..ne * dv], ne, dv, ne, &mut vth[..dv * ne]);
                         (&kth[..d * ne], &vth[..dv * ne])
                     };
                     let (ia, r) = (i0 + a0, t_h * rows + (i0 + a0 - q_first));
@@ -699,7 +696,7 @@ mod causal_pieces_tests {
     /// cut; rows that see none of the keys are left out.
     #[test]
     fn diagonal_tiles_are_cut_where_fewest_scores_remain() {
-        // The forward's 64 x 64 and 64 x 128 diagonal tiles, the backward's 128 x 64.
+        // The forward's 64 x 64 diagonal tile, a 64 x 128 one, the backward's 128 x 64.
         assert_eq!(pieces(true, 64, 64, 64, 64), vec![(0, 32, 32), (32, 32, 64)]);
         assert_eq!(pieces(true, 64, 64, 0, 128), vec![(0, 32, 96), (32, 32, 128)]);
         assert_eq!(pieces(true, 64, 128, 64, 64), vec![(0, 32, 32), (32, 96, 64)]);

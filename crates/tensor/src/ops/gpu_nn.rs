@@ -752,9 +752,9 @@ impl Tensor {
     /// and `exp_avg_sqs[i]`, each under `adamw_step_`'s rules. One launch covers up to
     /// 32 parameters of one dtype whose gradients share a dtype, wherever they stand in
     /// the lists (PyTorch's foreach AdamW), with `adamw_step_`'s arithmetic per element,
-    /// so the results are the same bits. No buffer updated may share its storage with any other argument.
-    /// Every argument is checked before any parameter changes. Not recorded by
-    /// autograd.
+    /// so the results are the same bits. No buffer updated may share its storage with
+    /// any other argument. Every argument is checked before any parameter changes. Not
+    /// recorded by autograd.
     pub fn adamw_step_each_(
         params: &[&Tensor],
         grads: &[&Tensor],
