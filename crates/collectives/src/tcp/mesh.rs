@@ -688,18 +688,6 @@ impl Mesh {
         self.inbox.lock().gone.get(&peer).cloned()
     }
 
-    /// [`InboxState::peer_failed`] under the inbox's lock.
-    fn peer_failed(
-        &self,
-        op: &'static str,
-        group: &[usize],
-        chan: Channel,
-        peer: usize,
-        why: String,
-    ) -> CollectiveError {
-        self.inbox.lock().peer_failed(op, group, chan, peer, why)
-    }
-
     /// Sends one frame to global rank `peer`. Fails with `PeerFailed` when the peer is
     /// gone (or the write fails: the peer is then marked gone), `Timeout` when the peer
     /// does not take the bytes within the socket's write timeout.
@@ -713,7 +701,7 @@ impl Mesh {
         payload: &[u8],
     ) -> Result<()> {
         if let Some(why) = self.gone(peer) {
-            return Err(self.peer_failed(op, group, chan, peer, why));
+            return Err(self.inbox.lock().peer_failed(op, group, chan, peer, why));
         }
         let Some(Some(w)) = self.writers.get(peer) else {
             return Err(CollectiveError::InvalidArgument {
@@ -770,7 +758,7 @@ impl Mesh {
                 after: self.write_timeout,
             })
         } else {
-            Err(self.peer_failed(op, group, chan, peer, why))
+            Err(self.inbox.lock().peer_failed(op, group, chan, peer, why))
         }
     }
 
