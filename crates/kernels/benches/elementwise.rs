@@ -2,7 +2,7 @@
 //! f32, 6 MiB per operand): binary ops on contiguous operands, with a broadcast row
 //! (`x * w` for `w: [768]`), with a scalar, SiLU, and the strided copies of attention's
 //! head permutes (`[8, 256, 24, 32]` to `[8, 24, 256, 32]` and back) and of a local slice
-//! (half of every row), each against a `memcpy` of the same output measured in the same
+//! (half of every row), and RoPE forward and backward on `[b, h, s, d]`, each against a `memcpy` of the same output measured in the same
 //! run (`copy`: the bytes one output costs at least).
 //! Run: `cargo bench -p tpar-kernels --bench elementwise`.
 
@@ -10,6 +10,7 @@ mod common;
 
 use common::median_secs;
 use tpar_kernels::elementwise::{binary, scalar, strided_copy, unary, BinaryOp, UnaryOp};
+use tpar_kernels::rope::{rope_backward, rope_forward, RopeShape};
 
 fn main() {
     let (rows, cols) = (2048usize, 768usize);
@@ -47,6 +48,10 @@ fn main() {
     row("permute [b, h, s, d] -> [b, s, h, d]", &mut |o| {
         strided_copy(&a, 0, &[h * sq * d, d, sq * d, 1], &[b, sq, h, d], o).unwrap()
     });
+    let rs = RopeShape { outer: b * h, seq: sq, inner: 1, head_dim: d };
+    let (cos, sin) = (&a[..sq * d], &a[sq * d..2 * sq * d]);
+    row("rope forward [b, h, s, d]", &mut |o| rope_forward(&rs, &a, cos, sin, o).unwrap());
+    row("rope backward [b, h, s, d]", &mut |o| rope_backward(&rs, &a, cos, sin, o).unwrap());
     let half = &mut out[..n / 2];
     let t = median_secs(2, reps, || {
         strided_copy(&a, cols / 2, &[cols, 1], &[rows, cols / 2], half).unwrap()

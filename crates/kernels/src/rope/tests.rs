@@ -5,7 +5,17 @@ use crate::testutil::*;
 
 fn check<T: Float>(seed: u64) {
     let mut rng = Rng::new(seed);
-    let shapes = [(1, 1, 1, 2), (2, 7, 1, 8), (1, 33, 3, 6), (3, 5, 2, 130), (1, 65, 1, 4)];
+    // The last two run in several blocks (rows of 200 and 130 elements), the last in
+    // parallel, with blocks that start mid-sequence.
+    let shapes = [
+        (1, 1, 1, 2),
+        (2, 7, 1, 8),
+        (1, 33, 3, 6),
+        (3, 5, 2, 130),
+        (1, 65, 1, 4),
+        (3, 37, 2, 100),
+        (2, 129, 1, 130),
+    ];
     for &(outer, seq, inner, head_dim) in &shapes {
         let s = RopeShape { outer, seq, inner, head_dim };
         let n = outer * seq * inner * head_dim;
@@ -28,6 +38,35 @@ fn matches_reference() {
     check::<f32>(1);
     check::<f64>(2);
     check::<bf16>(3);
+}
+
+/// The AVX-512 build gives the portable build's bits, forward and backward, at the
+/// head dims with a constant half (32, 64, 128) and others, in f32 and bf16.
+#[test]
+fn avx512_build_gives_the_portable_bits() {
+    if crate::vmath::isa() != crate::vmath::Isa::Avx512 {
+        return; // only the portable build runs here
+    }
+    fn both<T: Float + PartialEq + std::fmt::Debug>(rng: &mut Rng) {
+        for (outer, seq, inner, hd) in
+            [(16, 256, 1, 32), (2, 100, 3, 64), (3, 50, 2, 128), (4, 60, 1, 20)]
+        {
+            let s = RopeShape { outer, seq, inner, head_dim: hd };
+            let n = outer * seq * inner * hd;
+            let x: Vec<T> = rng.vec(n, 1.0);
+            let (cos, sin): (Vec<T>, Vec<T>) = (rng.vec(seq * hd, 1.0), rng.vec(seq * hd, 1.0));
+            for transpose in [false, true] {
+                let mut y = [vec![T::default(); n], vec![T::default(); n]];
+                for (y, avx512) in y.iter_mut().zip([false, true]) {
+                    cpu::apply_on(&s, &x, &cos, &sin, y, transpose, avx512);
+                }
+                assert!(y[0] == y[1], "{s:?} transpose {transpose}: the builds differ");
+            }
+        }
+    }
+    let mut rng = Rng::new(5);
+    both::<f32>(&mut rng);
+    both::<bf16>(&mut rng);
 }
 
 #[test]
