@@ -16,10 +16,11 @@
 //! (default 10), each after a barrier; reported: rank 0's median step time, tokens/s,
 //! and the ratio to tpar's single-rank step measured in the same run. With `--torch
 //! PATH` (the JSON `torch_llama_step.py --json PATH` writes), also the ratio to
-//! PyTorch's step. `--pools shared|per-rank|both` (default `shared`): the rank threads
-//! share the global rayon pool, or each rank runs in a pool of its own of
-//! `cores / ranks` threads (`both` measures the two in one run, alternating per
-//! configuration, each ratio against the single rank of the same pools).
+//! PyTorch's step. `--pools shared|per-rank|both` (default `per-rank`, the default of
+//! `SpawnConfig`): each rank runs in a rayon pool of its own of `max(1, cores / ranks)`
+//! threads, or the rank threads share the global pool (`both` measures the two in one
+//! run, alternating per configuration, each ratio against the single rank of the same
+//! pools).
 //! `--rounds N` (default 1) runs the whole list N times in turn, so that a slow minute
 //! of a noisy machine falls on every configuration alike: each round's ratio is taken
 //! against the single rank of the same round, and a row reports the medians over the
@@ -88,8 +89,8 @@ fn opts() -> Result<Opts> {
         None => BTreeMap::new(),
     };
     let pools = match value("--pools").map(String::as_str) {
-        None | Some("shared") => vec![false],
-        Some("per-rank") => vec![true],
+        Some("shared") => vec![false],
+        None | Some("per-rank") => vec![true],
         Some("both") => vec![false, true],
         Some(other) => {
             return Err(bad(format!("--pools takes shared|per-rank|both, not {other:?}")))
