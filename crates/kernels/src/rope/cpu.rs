@@ -19,21 +19,10 @@ const BLOCK: usize = 16 * 1024;
 /// laid out as `[a1, a2, b1, b2]` (each `head_dim / 2` long): `b1 = -s1, b2 = s2`
 /// forward, `b1 = s2, b2 = -s1` transposed. Adding a negated product rounds as
 /// subtracting it does.
-pub(super) fn apply<T: Float, O: Out<T>>(
-    s: &RopeShape,
-    x: &[T],
-    cos: &[T],
-    sin: &[T],
-    y: &mut [O],
-    transpose: bool,
-) {
-    let avx512 = crate::vmath::isa() == crate::vmath::Isa::Avx512;
-    apply_on(s, x, cos, sin, y, transpose, avx512)
-}
-
-/// [`apply`], built for AVX-512 when `avx512` (which the CPU must have) or else
+///
+/// Built for AVX-512 when `avx512` (which the CPU must have, [`avx512`]), else
 /// portable: the same operations in the same order, so the same bits.
-pub(super) fn apply_on<T: Float, O: Out<T>>(
+pub(super) fn apply<T: Float, O: Out<T>>(
     s: &RopeShape,
     x: &[T],
     cos: &[T],
@@ -76,6 +65,11 @@ pub(super) fn apply_on<T: Float, O: Out<T>>(
     } else {
         y.chunks_mut(chunk).zip(x.chunks(chunk)).enumerate().for_each(block);
     }
+}
+
+/// Whether this CPU runs the AVX-512 build.
+pub(super) fn avx512() -> bool {
+    crate::vmath::isa() == crate::vmath::Isa::Avx512
 }
 
 /// [`rows_any`] compiled for AVX-512.

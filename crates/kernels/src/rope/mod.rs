@@ -58,7 +58,7 @@ pub fn rope_forward<T: Float, O: Out<T>>(
         s,
         [("x", x.len()), ("cos", cos.len()), ("sin", sin.len()), ("y", y.len())],
     )?;
-    cpu::apply(s, x, cos, sin, y, false);
+    cpu::apply(s, x, cos, sin, y, false, cpu::avx512());
     Ok(())
 }
 
@@ -82,7 +82,7 @@ pub fn rope_backward<T: Float, O: Out<T>>(
         s,
         [("dy", dy.len()), ("cos", cos.len()), ("sin", sin.len()), ("dx", dx.len())],
     )?;
-    cpu::apply(s, dy, cos, sin, dx, true);
+    cpu::apply(s, dy, cos, sin, dx, true, cpu::avx512());
     Ok(())
 }
 
