@@ -2,8 +2,9 @@
 //! f32, 6 MiB per operand): binary ops on contiguous operands, with a broadcast row
 //! (`x * w` for `w: [768]`), with a scalar, SiLU, and the strided copies of attention's
 //! head permutes (`[8, 256, 24, 32]` to `[8, 24, 256, 32]` and back) and of a local slice
-//! (half of every row), and RoPE forward and backward on `[b, h, s, d]`, each against a `memcpy` of the same output measured in the same
-//! run (`copy`: the bytes one output costs at least).
+//! (half of every row), and RoPE forward and backward on `[8, 24, 256, 32]`, each
+//! against a `memcpy` of the same output measured in the same run (`copy`: the bytes
+//! one output costs at least).
 //! Run: `cargo bench -p tpar-kernels --bench elementwise`.
 
 mod common;
