@@ -40,7 +40,7 @@ pub use error::{Error, Result};
 pub mod prelude {
     pub use crate::{Error, Result};
     pub use tpar_checkpoint::{
-        CheckpointConfig, CheckpointError, CheckpointManager, ModuleState, StateDict,
+        CheckpointConfig, CheckpointError, CheckpointManager, ModuleState, RunConfig, StateDict,
         StateDictError, StateDictOptions, StateValue, Stateful,
     };
     pub use tpar_collectives::{

@@ -339,7 +339,11 @@ fn resumed_run_equals_uninterrupted_run() {
         assert_eq!(losses, first, "{l:?}: per-step losses");
         assert!(full == resumed, "{l:?}: final state differs");
         // keep = 2: the two newest of steps 1, 3, 5.
-        let kept: Vec<_> = std::fs::read_dir(&b).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let kept: Vec<_> = std::fs::read_dir(&b)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| !n.to_string_lossy().starts_with('.'))
+            .collect();
         assert_eq!(kept.len(), 2, "{kept:?}");
         let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
     }

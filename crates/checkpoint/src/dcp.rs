@@ -55,8 +55,11 @@ fn lower_priority(nice: i32) {
 /// Options of [`load`].
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
-    /// A key of the target missing from the checkpoint is an error (default); with
-    /// `false` it keeps its current value.
+    /// Both directions are errors (default): a key of the target missing from the
+    /// checkpoint, and a key of the checkpoint that no rank's target has (so a model
+    /// built smaller than the one saved is refused, not silently cut). With `false` a
+    /// missing entry keeps its current value and the checkpoint's other keys are
+    /// ignored (loading part of a checkpoint).
     pub strict: bool,
 }
 
@@ -261,6 +264,8 @@ pub struct AsyncSave {
     group: ProcessGroup,
     values: BTreeMap<String, Scalar>,
     tensors: BTreeMap<String, (String, Vec<usize>)>,
+    /// The training step recorded in the metadata ([`CheckpointManager`](crate::CheckpointManager)'s saves).
+    step: Option<u64>,
     writer: Option<JoinHandle<std::result::Result<Written, String>>>,
 }
 
@@ -352,6 +357,7 @@ pub fn async_save(
         group: group.clone(),
         values: global.values,
         tensors: global.tensors,
+        step: None,
         writer: Some(writer),
     })
 }
@@ -410,6 +416,12 @@ fn write_shards(
 }
 
 impl AsyncSave {
+    /// Records `step` in the metadata (a [`CheckpointManager`](crate::CheckpointManager)'s
+    /// save).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = Some(step);
+    }
+
     /// Whether this rank's writer has finished (local; no communication).
     pub fn is_written(&self) -> bool {
         self.writer.as_ref().is_none_or(|w| w.is_finished())
@@ -505,12 +517,11 @@ impl AsyncSave {
             world_size: self.group.size(),
             tensors,
             values: self.values.clone(),
+            step: self.step,
+            checksum: None,
         };
         let path = tmp.join(METADATA);
-        let json = serde_json::to_vec_pretty(&meta).map_err(|e| CheckpointError::Format {
-            path: path.display().to_string(),
-            what: e.to_string(),
-        })?;
+        let json = meta.to_json()?;
         fs::write(&path, json).map_err(|e| CheckpointError::io(&path, e))?;
         fs::File::open(&path)
             .and_then(|f| f.sync_all())
@@ -546,23 +557,27 @@ impl Drop for AsyncSave {
 /// Reads the metadata of the checkpoint at `dir`.
 ///
 /// # Errors
-/// [`CheckpointError::NotFound`] without one; [`CheckpointError::Format`] for a file of
-/// another format or version.
+/// [`CheckpointError::NotFound`] when `dir` does not exist; [`CheckpointError::Damaged`]
+/// when it exists without a readable metadata file, or with one whose checksum does not
+/// match; [`CheckpointError::Format`] for a file of another format or version.
 pub fn read_metadata(dir: &Path) -> Result<Metadata> {
     let path = dir.join(METADATA);
-    if !path.exists() {
+    if !dir.exists() {
         return Err(CheckpointError::NotFound { path: dir.display().to_string() });
     }
-    let bytes = fs::read(&path).map_err(|e| CheckpointError::io(&path, e))?;
-    let bad = |what: String| CheckpointError::Format { path: path.display().to_string(), what };
-    let meta: Metadata = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-    if meta.format != FORMAT || meta.version != VERSION {
-        return Err(bad(format!(
-            "format {:?} version {}, this build reads {FORMAT:?} version {VERSION}",
-            meta.format, meta.version
-        )));
+    if !path.is_file() {
+        // A directory where a checkpoint was committed, without its metadata: damaged,
+        // never taken for "no checkpoint".
+        return Err(CheckpointError::Damaged {
+            path: path.display().to_string(),
+            what: "missing: the checkpoint directory exists but its metadata does not".into(),
+        });
     }
-    Ok(meta)
+    let bytes = fs::read(&path).map_err(|e| CheckpointError::Damaged {
+        path: path.display().to_string(),
+        what: format!("cannot be read: {e}"),
+    })?;
+    Metadata::from_json(&bytes, &path)
 }
 
 /// Loads the checkpoint at `dir` into `state` (`torch.distributed.checkpoint.load`):
@@ -575,6 +590,8 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
 ///
 /// # Errors
 /// [`StateDictError::Missing`] (with `strict`) for keys the checkpoint lacks;
+/// [`StateDictError::Unexpected`] (with `strict`) for keys of the checkpoint that no
+/// rank's target has;
 /// [`StateDictError::Shape`], [`StateDictError::DType`], [`StateDictError::Kind`] for
 /// entries that do not match what was saved; [`CheckpointError::Corrupt`] naming the
 /// file and key of a chunk whose bytes do not match its checksum or are cut short;
@@ -585,7 +602,60 @@ pub fn load(
     group: &ProcessGroup,
     opts: &LoadOptions,
 ) -> Result<()> {
-    let local = load_local(state, dir, opts);
+    load_scoped(state, dir, group, opts, None, None)
+}
+
+/// [`load`], where strict loading refuses only the checkpoint's keys under `scope` (key
+/// prefixes such as `model.`) that no rank's target has (`None`: every key); with
+/// `step`, metadata that records another step is refused as damaged.
+pub(crate) fn load_scoped(
+    state: &mut StateDict,
+    dir: &Path,
+    group: &ProcessGroup,
+    opts: &LoadOptions,
+    scope: Option<&[String]>,
+    step: Option<u64>,
+) -> Result<()> {
+    let meta = read_metadata(dir).and_then(|m| match (step, m.step) {
+        (Some(want), Some(got)) if want != got => Err(CheckpointError::Damaged {
+            path: dir.join(METADATA).display().to_string(),
+            what: format!("records step {got}, but its directory is named for step {want}"),
+        }),
+        _ => Ok(m),
+    });
+    // The checkpoint's keys this rank's target lacks; the keys no rank's target has
+    // are unexpected (ranks may hold different keys, as ZeRO-1's do).
+    let lacking: Option<Vec<&String>> = match &meta {
+        Ok(m) if opts.strict => Some(
+            m.tensors
+                .keys()
+                .chain(m.values.keys())
+                .filter(|k| !state.contains_key(*k))
+                .filter(|k| scope.is_none_or(|p| p.iter().any(|p| k.starts_with(p.as_str()))))
+                .collect(),
+        ),
+        _ => None,
+    };
+    let bytes = serde_json::to_vec(&lacking)
+        .map_err(|e| CheckpointError::Format { path: String::new(), what: e.to_string() })?;
+    let all = all_gather_bytes(group, &bytes)?;
+    let mut unexpected: Option<Vec<String>> = None;
+    for b in &all {
+        let theirs: Option<Vec<String>> = serde_json::from_slice(b).map_err(|e| {
+            CheckpointError::Format { path: "load plan".into(), what: e.to_string() }
+        })?;
+        let Some(theirs) = theirs else { continue };
+        unexpected = Some(match unexpected {
+            None => theirs,
+            Some(u) => u.into_iter().filter(|k| theirs.contains(k)).collect(),
+        });
+    }
+    let local = meta.and_then(|meta| {
+        if let Some(keys) = unexpected.filter(|u| !u.is_empty()) {
+            return Err(StateDictError::Unexpected { keys }.into());
+        }
+        load_local(state, dir, &meta, opts)
+    });
     let status = local.as_ref().map(|_| ()).map_err(|e| e.to_string());
     let failed = agree(group, &status)?;
     local?;
@@ -599,8 +669,12 @@ pub fn load(
     }
 }
 
-fn load_local(state: &mut StateDict, dir: &Path, opts: &LoadOptions) -> Result<()> {
-    let meta = read_metadata(dir)?;
+fn load_local(
+    state: &mut StateDict,
+    dir: &Path,
+    meta: &Metadata,
+    opts: &LoadOptions,
+) -> Result<()> {
     let missing: Vec<String> = state
         .keys()
         .filter(|k| !meta.tensors.contains_key(*k) && !meta.values.contains_key(*k))
@@ -613,7 +687,7 @@ fn load_local(state: &mut StateDict, dir: &Path, opts: &LoadOptions) -> Result<(
         if missing.contains(key) {
             continue;
         }
-        *value = load_value(dir, &meta, key, value)?;
+        *value = load_value(dir, meta, key, value)?;
     }
     Ok(())
 }

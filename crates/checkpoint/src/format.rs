@@ -15,13 +15,16 @@ use crate::{CheckpointError, Result};
 
 /// The `format` field of every metadata file.
 pub const FORMAT: &str = "tpar-checkpoint";
-/// The format version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The format version this build writes. Version 2 adds the metadata's own checksum
+/// ([`Metadata::checksum`]) and the step of a [`crate::CheckpointManager`]'s
+/// checkpoint; version 1 files (no checksum) are still read.
+pub const VERSION: u32 = 2;
 /// The metadata file's name inside a checkpoint directory.
 pub const METADATA: &str = "metadata.json";
 
 /// A checkpoint's `metadata.json`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Metadata {
     /// Always [`FORMAT`].
     pub format: String,
@@ -33,6 +36,76 @@ pub struct Metadata {
     pub tensors: BTreeMap<String, TensorMeta>,
     /// Every scalar by key.
     pub values: BTreeMap<String, Scalar>,
+    /// The training step of a checkpoint a [`crate::CheckpointManager`] saved (checked
+    /// against the directory's name when it is loaded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// CRC-32 of the file's canonical form without this field (see
+    /// [`Metadata::to_json`]): every value a load reads, scalars included, is covered.
+    /// Required from version 2 on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<u32>,
+}
+
+impl Metadata {
+    /// The CRC-32 of this metadata's canonical JSON (pretty-printed, keys in order,
+    /// without `checksum`).
+    pub fn compute_checksum(&self) -> Result<u32> {
+        let unsummed = Metadata { checksum: None, ..self.clone() };
+        let json = serde_json::to_vec_pretty(&unsummed)
+            .map_err(|e| CheckpointError::Format { path: METADATA.into(), what: e.to_string() })?;
+        Ok(crc32(&json))
+    }
+
+    /// The file's bytes: the canonical JSON with the checksum filled in.
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        let summed = Metadata { checksum: Some(self.compute_checksum()?), ..self.clone() };
+        serde_json::to_vec_pretty(&summed)
+            .map_err(|e| CheckpointError::Format { path: METADATA.into(), what: e.to_string() })
+    }
+
+    /// Parses a metadata file's bytes and checks its format, version and checksum;
+    /// `path` names the file in errors.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Damaged`] for bytes that are not a metadata file or whose
+    /// checksum does not match (the file was changed after it was written);
+    /// [`CheckpointError::Format`] for another format or version.
+    pub fn from_json(bytes: &[u8], path: &Path) -> Result<Metadata> {
+        let damaged =
+            |what: String| CheckpointError::Damaged { path: path.display().to_string(), what };
+        let meta: Metadata = serde_json::from_slice(bytes)
+            .map_err(|e| damaged(format!("not a readable metadata file: {e}")))?;
+        if meta.format != FORMAT || !(1..=VERSION).contains(&meta.version) {
+            return Err(CheckpointError::Format {
+                path: path.display().to_string(),
+                what: format!(
+                    "format {:?} version {}, this build reads {FORMAT:?} versions 1 to {VERSION}",
+                    meta.format, meta.version
+                ),
+            });
+        }
+        match (meta.version, meta.checksum) {
+            (1, None) => {}
+            (1, Some(_)) => {
+                return Err(damaged(
+                    "a version 1 file with a checksum: its version was changed".into(),
+                ))
+            }
+            (_, None) => {
+                return Err(damaged(format!("version {} without a checksum", meta.version)))
+            }
+            (_, Some(saved)) => {
+                let sum = meta.compute_checksum()?;
+                if sum != saved {
+                    return Err(damaged(format!(
+                        "checksum {sum:08x}, recorded {saved:08x}: the file was changed after it was written"
+                    )));
+                }
+            }
+        }
+        Ok(meta)
+    }
 }
 
 /// One tensor of a checkpoint.

@@ -48,14 +48,17 @@
 //! ```
 #![warn(missing_docs)]
 
+mod config;
 mod dcp;
 mod exchange;
 pub mod format;
 mod full;
+mod lock;
 mod manager;
 
 use std::path::Path;
 
+pub use config::{ConfigValue, RunConfig};
 pub use dcp::{async_save, load, read_metadata, save, AsyncSave, LoadOptions, SaveOptions};
 pub use full::{
     export_safetensors, full_state_dict, get_state_dict, import_safetensors, set_state_dict,
@@ -93,6 +96,34 @@ pub enum CheckpointError {
         path: String,
         /// What is wrong.
         what: String,
+    },
+    /// A checkpoint that was committed but can no longer be read as written: its
+    /// metadata is missing, unreadable or changed (checksum), or it does not match the
+    /// directory it is in. Never taken for "no checkpoint".
+    #[error("damaged checkpoint: {path}: {what}")]
+    Damaged {
+        /// The file or directory.
+        path: String,
+        /// What is wrong.
+        what: String,
+    },
+    /// The checkpoint directory is owned by another run (see
+    /// [`CheckpointManager::new`]).
+    #[error("checkpoint directory {dir} is in use by another run ({owner}); if that run is gone, delete {lock} and start again")]
+    Locked {
+        /// The checkpoint directory.
+        dir: String,
+        /// The owner as its lock file records it (host, pid, job, since when).
+        owner: String,
+        /// The lock file.
+        lock: String,
+    },
+    /// A save of a checkpoint that is already committed (a [`CheckpointManager`] never
+    /// replaces one).
+    #[error("refusing to replace the committed checkpoint {path}: each step is saved once (move it aside to save this step again)")]
+    Exists {
+        /// The checkpoint directory.
+        path: String,
     },
     /// No checkpoint where one was asked for.
     #[error("no checkpoint at {path}")]

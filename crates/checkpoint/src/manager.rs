@@ -7,9 +7,9 @@ use tpar_collectives::{ProcessGroup, ReduceOp};
 use tpar_tensor::state::{split_prefix, with_prefix, StateDict, Stateful};
 use tpar_tensor::Tensor;
 
-use crate::dcp::{async_save, load, AsyncSave, LoadOptions, SaveOptions};
-use crate::exchange::all_gather_bytes;
-use crate::format::METADATA;
+use crate::dcp::{async_save, load_scoped, AsyncSave, LoadOptions, SaveOptions};
+use crate::exchange::{agree, all_gather_bytes};
+use crate::lock::DirLock;
 use crate::{CheckpointError, Result};
 
 /// How a [`CheckpointManager`] saves.
@@ -32,6 +32,12 @@ pub struct CheckpointConfig {
 /// Every method is collective over the group: all ranks call them at the same points.
 /// Items are named [`Stateful`] values (`model`, `optim`, `lr_scheduler`, `sampler`,
 /// `trainer`, ...), stored under their name as a key prefix.
+///
+/// A manager owns its directory for as long as it lives (see [`CheckpointManager::new`]):
+/// a second run pointed at the same directory is refused instead of mixing its
+/// checkpoints with this run's. A committed checkpoint is never replaced: a save of a step
+/// that already has one is an error, and a checkpoint that cannot be read as written (its
+/// metadata deleted or changed) is an error naming the file, never "no checkpoint".
 pub struct CheckpointManager {
     dir: PathBuf,
     group: ProcessGroup,
@@ -39,6 +45,8 @@ pub struct CheckpointManager {
     pending: Option<(u64, AsyncSave)>,
     /// Rank 0's background deletion of checkpoints beyond `keep`.
     deleter: Option<std::thread::JoinHandle<()>>,
+    /// Rank 0's hold on the directory.
+    _lock: Option<DirLock>,
 }
 
 impl std::fmt::Debug for CheckpointManager {
@@ -53,9 +61,16 @@ fn step_of(name: &str) -> Option<u64> {
 }
 
 impl CheckpointManager {
-    /// A manager of the checkpoints in `dir` (created when missing).
+    /// A manager of the checkpoints in `dir` (created when missing), which it owns until
+    /// it is dropped: group rank 0 takes `dir/.lock` (an exclusive `flock` recording its
+    /// host, pid and job id), which the operating system releases when the process
+    /// exits however it exits, so a crashed run's lock is taken over by the next run.
+    /// Rank 0 then clears what interrupted saves and deletions left behind (hidden
+    /// `.step-*.tmp` and `.step-*.deleting` directories). Collective.
     ///
     /// # Errors
+    /// [`CheckpointError::Locked`] (on rank 0; [`CheckpointError::RankFailed`] naming it
+    /// on the others) when another run holds `dir`, naming its owner;
     /// [`CheckpointError::Io`] when `dir` cannot be created.
     pub fn new(
         dir: impl Into<PathBuf>,
@@ -63,8 +78,34 @@ impl CheckpointManager {
         config: CheckpointConfig,
     ) -> Result<Self> {
         let dir = dir.into();
-        fs::create_dir_all(&dir).map_err(|e| CheckpointError::io(&dir, e))?;
-        Ok(CheckpointManager { dir, group: group.clone(), config, pending: None, deleter: None })
+        let mut lock = None;
+        let mut deleter = None;
+        let local =
+            fs::create_dir_all(&dir).map_err(|e| CheckpointError::io(&dir, e)).and_then(|()| {
+                if group.rank() == 0 {
+                    lock = Some(DirLock::acquire(&dir)?);
+                    deleter = clear_leftovers(&dir)?;
+                }
+                Ok(())
+            });
+        let status = local.as_ref().map(|_| ()).map_err(|e| e.to_string());
+        let failed = agree(group, &status)?;
+        local?;
+        if let Some((r, what)) = failed.first() {
+            return Err(CheckpointError::RankFailed {
+                op: "open",
+                ranks: vec![*r],
+                what: what.clone(),
+            });
+        }
+        Ok(CheckpointManager {
+            dir,
+            group: group.clone(),
+            config,
+            pending: None,
+            deleter,
+            _lock: lock,
+        })
     }
 
     /// The directory of the checkpoint of `step`.
@@ -73,13 +114,15 @@ impl CheckpointManager {
     }
 
     /// The steps of the committed checkpoints, oldest first (local: reads the directory).
+    /// Every `step-N` directory counts, whether or not it is still readable: loading a
+    /// damaged one is an error, never a silent fall-back to an older one or to none.
     pub fn steps(&self) -> Result<Vec<u64>> {
         let mut out = Vec::new();
         let entries = fs::read_dir(&self.dir).map_err(|e| CheckpointError::io(&self.dir, e))?;
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if let Some(step) = step_of(&name) {
-                if e.path().join(METADATA).is_file() {
+                if e.path().is_dir() {
                     out.push(step);
                 }
             }
@@ -107,17 +150,34 @@ impl CheckpointManager {
     /// As [`crate::save`]; a failed previous asynchronous save is reported here.
     pub fn save(&mut self, step: u64, items: &mut [(&str, &mut dyn Stateful)]) -> Result<()> {
         self.wait()?;
+        let dir = self.step_dir(step);
+        // A committed checkpoint is never replaced (it may be the only copy of a run).
+        let exists = if self.group.rank() == 0 && dir.exists() {
+            Err(CheckpointError::Exists { path: dir.display().to_string() })
+        } else {
+            Ok(())
+        };
+        let status = exists.as_ref().map_err(|e| e.to_string()).copied();
+        let failed = agree(&self.group, &status)?;
+        exists?;
+        if let Some((r, what)) = failed.first() {
+            return Err(CheckpointError::RankFailed {
+                op: "save",
+                ranks: vec![*r],
+                what: what.clone(),
+            });
+        }
         let mut state = StateDict::new();
         for (name, item) in items.iter() {
             state.extend(with_prefix(name, item.state_dict()?));
         }
-        let dir = self.step_dir(step);
         let mut opts = self.config.save_options.clone();
         if !self.config.async_save {
             // The training thread waits for this writer: no lower priority.
             opts.writer_nice = 0;
         }
-        let handle = async_save(&state, &dir, &self.group, &opts)?;
+        let mut handle = async_save(&state, &dir, &self.group, &opts)?;
+        handle.set_step(step);
         drop(state);
         self.pending = Some((step, handle));
         if !self.config.async_save {
@@ -168,6 +228,10 @@ impl CheckpointManager {
         for step in &steps[..steps.len().saturating_sub(keep.max(1))] {
             let d = self.step_dir(*step);
             let hidden = self.dir.join(format!(".step-{step:08}.deleting"));
+            if hidden.exists() {
+                // Left by an interrupted deletion: finish it first.
+                fs::remove_dir_all(&hidden).map_err(|e| CheckpointError::io(&hidden, e))?;
+            }
             fs::rename(&d, &hidden).map_err(|e| CheckpointError::io(&d, e))?;
             retired.push(hidden);
         }
@@ -177,8 +241,8 @@ impl CheckpointManager {
         self.join_deleter();
         self.deleter = Some(std::thread::spawn(move || {
             for d in retired {
-                // A directory left behind (a failed delete) is hidden and never loaded;
-                // the next prune of the same step name does not touch it.
+                // A directory left behind (a failed or interrupted delete) is hidden and
+                // never loaded; the next manager on this directory deletes it.
                 let _ = fs::remove_dir_all(&d);
             }
         }));
@@ -192,17 +256,22 @@ impl CheckpointManager {
     }
 
     /// Loads the checkpoint of `step` into `items` (resharding to their current layout)
-    /// and hands each its part ([`Stateful::load_state_dict`]).
+    /// and hands each its part ([`Stateful::load_state_dict`]). Strict both ways over the
+    /// items named: every key of theirs must be in the checkpoint, and every key the
+    /// checkpoint has under their names must be one of theirs.
     ///
     /// # Errors
-    /// As [`crate::load`], and each item's own load errors.
+    /// As [`crate::load`]; [`CheckpointError::Damaged`] for a checkpoint whose metadata is
+    /// missing, changed, or records another step than its directory's name; and each
+    /// item's own load errors.
     pub fn load(&mut self, step: u64, items: &mut [(&str, &mut dyn Stateful)]) -> Result<()> {
         let dir = self.step_dir(step);
-        load_items(&dir, &self.group, items)
+        load_items(&dir, &self.group, items, Some(step))
     }
 
     /// Loads the newest committed checkpoint into `items`; returns its step, or `None`
-    /// (loading nothing) when there is none.
+    /// (loading nothing) when there is none. A damaged newest checkpoint is an error
+    /// naming it (move it aside to resume from an older one), never `None`.
     ///
     /// # Errors
     /// As [`CheckpointManager::load`].
@@ -213,17 +282,53 @@ impl CheckpointManager {
     }
 }
 
-/// Loads the checkpoint at `dir` into named items (their state dicts as the targets).
+/// Rank 0 of a new manager: removes the hidden directories that interrupted saves
+/// (`.step-N.tmp`, `.step-N.old`) and deletions (`.step-N.deleting`) left in `dir`, on a
+/// background thread. A `.step-N.old` whose `step-N` is missing (a crash between the two
+/// renames of a commit over an existing checkpoint) is renamed back instead.
+fn clear_leftovers(dir: &Path) -> Result<Option<std::thread::JoinHandle<()>>> {
+    let entries = fs::read_dir(dir).map_err(|e| CheckpointError::io(dir, e))?;
+    let mut doomed = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix('.') else { continue };
+        let Some((base, suffix)) = rest.rsplit_once('.') else { continue };
+        if step_of(base).is_none() || !e.path().is_dir() {
+            continue;
+        }
+        match suffix {
+            "old" if !dir.join(base).exists() => {
+                fs::rename(e.path(), dir.join(base))
+                    .map_err(|err| CheckpointError::io(&e.path(), err))?;
+            }
+            "old" | "tmp" | "deleting" => doomed.push(e.path()),
+            _ => {}
+        }
+    }
+    if doomed.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(std::thread::spawn(move || {
+        for d in doomed {
+            let _ = fs::remove_dir_all(&d);
+        }
+    })))
+}
+
+/// Loads the checkpoint at `dir` into named items (their state dicts as the targets),
+/// strictly over the items' key prefixes; with `step`, the metadata must record it.
 pub(crate) fn load_items(
     dir: &Path,
     group: &ProcessGroup,
     items: &mut [(&str, &mut dyn Stateful)],
+    step: Option<u64>,
 ) -> Result<()> {
     let mut state = StateDict::new();
     for (name, item) in items.iter() {
         state.extend(with_prefix(name, item.state_dict()?));
     }
-    load(&mut state, dir, group, &LoadOptions::default())?;
+    let scope: Vec<String> = items.iter().map(|(name, _)| format!("{name}.")).collect();
+    load_scoped(&mut state, dir, group, &LoadOptions::default(), Some(&scope), step)?;
     for (name, item) in items.iter_mut() {
         let part = split_prefix(name, &mut state);
         item.load_state_dict(part)?;

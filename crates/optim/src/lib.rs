@@ -1292,6 +1292,8 @@ pub struct LrScheduler<S: LrSchedule> {
     base_lr: f64,
     last_step: usize,
     last_lr: f64,
+    /// Loading takes only the step from a checkpoint ([`LrScheduler::override_on_load`]).
+    keep_own_schedule: bool,
 }
 
 impl<S: LrSchedule> LrScheduler<S> {
@@ -1300,7 +1302,7 @@ impl<S: LrSchedule> LrScheduler<S> {
         let base_lr = opt.lr();
         let last_lr = schedule.lr_at(0, base_lr);
         opt.set_lr(last_lr);
-        LrScheduler { schedule, base_lr, last_step: 0, last_lr }
+        LrScheduler { schedule, base_lr, last_step: 0, last_lr, keep_own_schedule: false }
     }
 
     /// Advances one step and sets the optimizer's learning rate; returns it.
@@ -1315,6 +1317,29 @@ impl<S: LrSchedule> LrScheduler<S> {
     /// learning rate is restored with the optimizer's own state.
     pub fn restore(&mut self, last_step: usize, base_lr: f64, last_lr: f64) {
         (self.last_step, self.base_lr, self.last_lr) = (last_step, base_lr, last_lr);
+    }
+
+    /// Makes loading a checkpoint take only its step: this scheduler's own schedule and
+    /// base learning rate stay, and the learning rate is recomputed at the loaded step.
+    /// Without it, loading a checkpoint saved with another schedule is an error (a
+    /// resume would otherwise follow a mix of the two); with it, a resumed run changes
+    /// its learning rate on purpose. Set the optimizer's learning rate to
+    /// [`LrScheduler::last_lr`] after loading (the optimizer's own state holds the
+    /// saved one).
+    pub fn override_on_load(&mut self) {
+        self.keep_own_schedule = true;
+    }
+
+    /// Whether loading keeps this scheduler's schedule ([`LrScheduler::override_on_load`]).
+    pub fn overrides_on_load(&self) -> bool {
+        self.keep_own_schedule
+    }
+
+    /// The position after `last_step` steps of this scheduler's own schedule (its own
+    /// base learning rate), as [`LrScheduler::override_on_load`] loads it.
+    pub(crate) fn restore_step(&mut self, last_step: usize) {
+        self.last_step = last_step;
+        self.last_lr = self.schedule.lr_at(last_step, self.base_lr);
     }
 
     /// The learning rate the last step set (`get_last_lr()`).

@@ -169,12 +169,17 @@ impl Stateful for Sgd {
     }
 }
 
+/// The scheduler's position (`last_step`, `base_lr`, `last_lr`) and, as `schedule`, the
+/// schedule itself as text (its `Debug` form: every parameter, floats exactly). Loading
+/// refuses a checkpoint of another schedule, naming both, unless
+/// [`LrScheduler::override_on_load`] was called (then only the step is taken).
 impl<S: LrSchedule> Stateful for LrScheduler<S> {
     fn state_dict(&self) -> SResult<StateDict> {
         Ok(StateDict::from([
             ("last_step".to_string(), StateValue::Int(self.last_step() as i64)),
             ("base_lr".to_string(), StateValue::Float(self.base_lr())),
             ("last_lr".to_string(), StateValue::Float(self.last_lr())),
+            ("schedule".to_string(), StateValue::Text(format!("{:?}", self.schedule()))),
         ]))
     }
 
@@ -182,7 +187,32 @@ impl<S: LrSchedule> Stateful for LrScheduler<S> {
         let last_step = non_negative_int(&mut state, "last_step")? as usize;
         let base_lr = take_float(&mut state, "base_lr")?;
         let last_lr = take_float(&mut state, "last_lr")?;
+        let saved = match state.remove("schedule") {
+            Some(StateValue::Text(t)) => t,
+            Some(v) => {
+                return Err(StateDictError::Kind {
+                    key: "schedule".into(),
+                    expected: "text",
+                    got: v.kind(),
+                })
+            }
+            None => return Err(StateDictError::Missing { keys: vec!["schedule".into()] }),
+        };
         expect_empty(state)?;
+        if self.overrides_on_load() {
+            self.restore_step(last_step);
+            return Ok(());
+        }
+        let mine = format!("{:?}", self.schedule());
+        if saved != mine {
+            return Err(StateDictError::Invalid {
+                key: "schedule".into(),
+                what: format!(
+                    "the checkpoint was saved with {saved}, this run has {mine}: resuming would \
+                     follow neither (override_on_load takes this run's schedule on purpose)"
+                ),
+            });
+        }
         self.restore(last_step, base_lr, last_lr);
         Ok(())
     }

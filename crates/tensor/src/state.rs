@@ -290,6 +290,13 @@ pub enum StateDictError {
         /// What is wrong.
         what: String,
     },
+    /// A resume whose configuration differs from the one the checkpoint was saved with,
+    /// in what may not differ (each difference names the key and both values).
+    #[error("resume refused: this run's configuration differs from the checkpoint's: {}", differences.join("; "))]
+    Mismatch {
+        /// `key: saved X, this run Y`, one per difference.
+        differences: Vec<String>,
+    },
     /// A tensor op failed while reading or writing state.
     #[error(transparent)]
     Tensor(#[from] TensorError),
