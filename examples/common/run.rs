@@ -2,6 +2,7 @@
 //! over a dataset, and the progress bar.
 
 use indicatif::{ProgressBar, ProgressStyle};
+use tpar::checkpoint::{ConfigValue, RunConfig};
 use tpar::prelude::*;
 use tpar::tensor::state::{expect_empty, take_float, take_int};
 
@@ -21,10 +22,97 @@ impl Stateful for Progress {
     }
 
     fn load_state_dict(&mut self, mut state: StateDict) -> Result<(), StateDictError> {
-        self.step = take_int(&mut state, "step")?.max(0) as usize;
+        let step = take_int(&mut state, "step")?;
+        self.step = usize::try_from(step).map_err(|_| StateDictError::Invalid {
+            key: "step".into(),
+            what: format!("{step} is negative"),
+        })?;
         self.first_loss = take_float(&mut state, "first_loss")?;
         expect_empty(state)
     }
+}
+
+impl Progress {
+    /// Checks the loaded trainer step against the checkpoint's (its directory's) step.
+    pub fn check_resumed(&self, checkpoint_step: u64) -> tpar::Result<()> {
+        if self.step as u64 != checkpoint_step {
+            return Err(tpar::Error::from(StateDictError::Invalid {
+                key: "trainer.step".into(),
+                what: format!("{}, but the checkpoint is of step {checkpoint_step}", self.step),
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// What a training run is, as far as a resume must match it: the model, the optimizer's
+/// hyper-parameters, the schedule and the data order.
+pub struct Recipe<'a> {
+    pub model: &'a LlamaConfig,
+    pub lr: f64,
+    /// `--override-lr`: the learning rate may differ from the checkpoint's.
+    pub override_lr: bool,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    pub steps: usize,
+    pub warmup: usize,
+    /// Sequences per step over all dp ranks (the data order depends on it, not on dp).
+    pub global_batch: usize,
+    pub seq: usize,
+    pub seed: u64,
+    pub docs: &'a [String],
+    /// Samples of the tokenized dataset (depends on the tokenizer).
+    pub samples: usize,
+}
+
+/// The run's configuration as a checkpoint item: a resume must match the recipe, and
+/// may change the `recorded` keys (mesh, plan, data-parallel mode, dtype), which the
+/// checkpoint reshards across.
+pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
+    let m = r.model;
+    // FNV-1a over the documents: a change of the training text is a change of data.
+    let digest = r.docs.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, d| {
+        d.bytes().chain([0xff]).fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    });
+    let mut c = RunConfig::new()
+        .require("model.vocab_size", m.vocab_size)
+        .require("model.hidden_size", m.hidden_size)
+        .require("model.intermediate_size", m.intermediate_size)
+        .require("model.num_hidden_layers", m.num_hidden_layers)
+        .require("model.num_attention_heads", m.num_attention_heads)
+        .require("model.num_key_value_heads", m.num_key_value_heads)
+        .require("model.rms_norm_eps", m.rms_norm_eps)
+        .require("model.rope_theta", m.rope_theta)
+        .require("optim.beta1", r.betas.0)
+        .require("optim.beta2", r.betas.1)
+        .require("optim.eps", r.eps)
+        .require("optim.weight_decay", r.weight_decay)
+        .require("optim.max_grad_norm", r.max_grad_norm)
+        .require("schedule.steps", r.steps)
+        .require("schedule.warmup", r.warmup)
+        .require("data.global_batch", r.global_batch)
+        .require("data.seq", r.seq)
+        .require("data.seed", r.seed)
+        .require("data.samples", r.samples)
+        .require("data.digest", format!("{digest:016x}"));
+    c = if r.override_lr { c.record("optim.lr", r.lr) } else { c.require("optim.lr", r.lr) };
+    for (k, v) in recorded {
+        c = c.record(k, v.clone());
+    }
+    c
+}
+
+/// The resume error of a learning rate that differs, with the flag that allows it.
+pub fn explain_resume(e: tpar::Error) -> tpar::Error {
+    let m = e.to_string();
+    if m.contains("optim.lr: saved") {
+        return tpar::Error::from(NnError::Config {
+            what: format!("{m} (--override-lr resumes with this run's --lr on purpose)"),
+        });
+    }
+    e
 }
 
 /// The shuffled sampler of dp rank `dp_rank` over `len` samples, and how many batches
@@ -56,4 +144,16 @@ pub fn progress_bar(steps: usize, start: usize) -> ProgressBar {
     bar.set_style(ProgressStyle::with_template(style).unwrap_or(ProgressStyle::default_bar()));
     bar.set_position(start as u64);
     bar
+}
+
+/// The slot of `tpar::tensor::memory` that a rank's allocations are credited to, for its
+/// peak: a rank thread of the local backend is credited to its rank (`spawn` sets it);
+/// a rank that is a process of its own (`own_process`: tcp or nccl under a launcher)
+/// trains on the main thread, which `main` credits to slot 0, whatever the rank.
+pub fn memory_slot(rank: usize, own_process: bool) -> usize {
+    if own_process {
+        0
+    } else {
+        rank
+    }
 }
