@@ -203,7 +203,7 @@ impl Run {
 }
 
 fn spawn_layout<R: Send>(l: Layout, f: impl Fn(&ProcessGroup) -> tpar::Result<R> + Sync) -> Vec<R> {
-    spawn_with(SpawnConfig::new(l.dp * l.tp).timeout(Duration::from_secs(120)), |ctx| {
+    spawn_scoped(SpawnConfig::new(l.dp * l.tp).timeout(Duration::from_secs(120)), |ctx| {
         f(&ctx.world_group())
     })
     .unwrap_or_else(|e| panic!("{l:?}: {e}"))
@@ -359,7 +359,9 @@ fn failed_save_keeps_previous_checkpoint_and_names_the_rank() {
         let mut ckpt = CheckpointManager::new(&dir, w, config)?;
         r.with_items(None, |items| Ok(ckpt.save(1, items)?))?;
         r.step(0)?;
-        // A failing writer on rank 2 while saving over the same step.
+        // One manager owns the directory at a time.
+        drop(ckpt);
+        // A failing writer on rank 2 while saving the next step.
         let mut bad = CheckpointManager::new(
             &dir,
             w,
@@ -369,11 +371,11 @@ fn failed_save_keeps_previous_checkpoint_and_names_the_rank() {
             },
         )?;
         let err = r
-            .with_items(None, |items| Ok(bad.save(1, items)))
+            .with_items(None, |items| Ok(bad.save(2, items)))
             .map(|r| r.expect_err("must fail"))?;
-        // The previous checkpoint of step 1 still loads.
+        // The previous checkpoint of step 1 still loads, and is still the newest.
         let mut fresh = build(w, l, 3)?;
-        assert_eq!(fresh.with_items(None, |items| Ok(ckpt.load_latest(items)?))?, Some(1));
+        assert_eq!(fresh.with_items(None, |items| Ok(bad.load_latest(items)?))?, Some(1));
         Ok(err.to_string())
     });
     for e in errors {
