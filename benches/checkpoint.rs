@@ -225,7 +225,7 @@ fn part_a(spec: StateSpec, world: usize, reps: usize, root: &Path) -> Res<PartA>
     let plain = root.join("plain.bin");
     let bytes = spec.bytes();
     let out =
-        spawn_with(SpawnConfig::new(world).timeout(Duration::from_secs(600)), |ctx| -> Res<_> {
+        spawn_scoped(SpawnConfig::new(world).timeout(Duration::from_secs(600)), |ctx| -> Res<_> {
             let g = ctx.world_group();
             let rank = g.rank();
             let sd = rank_state(spec, rank, world, true)?;
@@ -491,8 +491,9 @@ fn part_b(spec: ModelSpec, args: &Args, root: &Path) -> Res<PartB> {
     let writer_nice = args.writer_nice;
     let async_dir = root.join("async");
     let sync_dir = root.join("sync");
-    let out =
-        spawn_with(SpawnConfig::new(spec.dp).timeout(Duration::from_secs(600)), |ctx| -> Res<_> {
+    let out = spawn_scoped(
+        SpawnConfig::new(spec.dp).timeout(Duration::from_secs(600)),
+        |ctx| -> Res<_> {
             let world = ctx.world_group();
             let mut tr = Trainer::new(&world, spec)?;
             let config =
@@ -603,7 +604,8 @@ fn part_b(spec: ModelSpec, args: &Args, root: &Path) -> Res<PartB> {
                 niced: writer_nice.map(|_| arms[1].stats(cpu_plain_step)),
                 sync_save_s: median(&sync_t),
             })
-        })?;
+        },
+    )?;
     let _ = fs::remove_dir_all(&async_dir);
     let _ = fs::remove_dir_all(&sync_dir);
     Ok(out.into_iter().next().expect("rank 0"))

@@ -126,7 +126,7 @@ fn run(
     let threads = if per_rank_pool { RankThreads::per_rank(world) } else { RankThreads::Shared };
     let config = SpawnConfig::new(world).timeout(Duration::from_secs(600)).threads(threads);
     let (warmup, steps) = (o.warmup, o.steps);
-    let times = spawn_with(config, |ctx| -> Result<Vec<f64>> {
+    let times = spawn_scoped(config, |ctx| -> Result<Vec<f64>> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
         let cfg = LlamaConfig {
             vocab_size: VOCAB,

@@ -248,59 +248,71 @@ fn run_all(kinds: &[ScheduleKind], o: &Opts) -> tpar::Result<Vec<Row>> {
             (x.clone(), x)
         }
     };
-    let out = tpar::spawn(pp, |ctx| -> tpar::Result<Vec<RankOut>> {
-        let rank = ctx.rank();
-        let world = ctx.world_group();
-        let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[pp], &["pp"])?;
-        let mut pipes = Vec::with_capacity(kinds.len());
-        for &kind in kinds {
-            let stages = build_stages(kind, o, &cfg, &mesh)?;
-            let pipe = match o.sleep_ms {
-                Some(_) => PipelineSchedule::new(kind, stages, m, |out: &Value, _t: &Tensor| {
-                    Ok(Value::Tensor(out.clone().into_tensor("loss")?.square()?.mean_all()?))
-                })?,
-                None => {
-                    let vocab = cfg.vocab_size as isize;
-                    PipelineSchedule::new(kind, stages, m, move |logits: &Value, t: &Tensor| {
-                        logits.reshape(&[-1, vocab])?.cross_entropy(&t.reshape([t.numel()])?, -100)
-                    })?
-                }
-            };
-            let params = pipe.parameters();
-            pipes.push((pipe, params));
-        }
-        let mut outs: Vec<RankOut> = kinds.iter().map(|_| RankOut::default()).collect();
-        for round in 0..WARMUP + o.steps {
-            let timed = round >= WARMUP;
-            for turn in 0..pipes.len() {
-                let i = (round + turn) % pipes.len();
-                let (pipe, params) = &mut pipes[i];
-                params.iter().for_each(Param::zero_grad);
-                world.barrier()?;
-                let before = memory::current(rank);
-                memory::reset_peak(rank);
-                let t = Instant::now();
-                pipe.step(Some(&ids), Some(&tgt))?;
-                let secs = t.elapsed().as_secs_f64();
-                let peak = memory::peak(rank) - before;
-                if timed {
-                    let out = &mut outs[i];
-                    out.step_s.push(secs);
-                    out.peak_bytes = out.peak_bytes.max(peak);
-                    out.bubbles.push(pipe.gather_timeline()?.bubble_fraction());
+    let out =
+        tpar::spawn_scoped(tpar::SpawnConfig::new(pp), |ctx| -> tpar::Result<Vec<RankOut>> {
+            let rank = ctx.rank();
+            let world = ctx.world_group();
+            let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[pp], &["pp"])?;
+            let mut pipes = Vec::with_capacity(kinds.len());
+            for &kind in kinds {
+                let stages = build_stages(kind, o, &cfg, &mesh)?;
+                let pipe = match o.sleep_ms {
+                    Some(_) => {
+                        PipelineSchedule::new(kind, stages, m, |out: &Value, _t: &Tensor| {
+                            Ok(Value::Tensor(
+                                out.clone().into_tensor("loss")?.square()?.mean_all()?,
+                            ))
+                        })?
+                    }
+                    None => {
+                        let vocab = cfg.vocab_size as isize;
+                        PipelineSchedule::new(
+                            kind,
+                            stages,
+                            m,
+                            move |logits: &Value, t: &Tensor| {
+                                logits
+                                    .reshape(&[-1, vocab])?
+                                    .cross_entropy(&t.reshape([t.numel()])?, -100)
+                            },
+                        )?
+                    }
+                };
+                let params = pipe.parameters();
+                pipes.push((pipe, params));
+            }
+            let mut outs: Vec<RankOut> = kinds.iter().map(|_| RankOut::default()).collect();
+            for round in 0..WARMUP + o.steps {
+                let timed = round >= WARMUP;
+                for turn in 0..pipes.len() {
+                    let i = (round + turn) % pipes.len();
+                    let (pipe, params) = &mut pipes[i];
+                    params.iter().for_each(Param::zero_grad);
+                    world.barrier()?;
+                    let before = memory::current(rank);
+                    memory::reset_peak(rank);
+                    let t = Instant::now();
+                    pipe.step(Some(&ids), Some(&tgt))?;
+                    let secs = t.elapsed().as_secs_f64();
+                    let peak = memory::peak(rank) - before;
+                    if timed {
+                        let out = &mut outs[i];
+                        out.step_s.push(secs);
+                        out.peak_bytes = out.peak_bytes.max(peak);
+                        out.bubbles.push(pipe.gather_timeline()?.bubble_fraction());
+                    }
                 }
             }
-        }
-        for ((pipe, _), out) in pipes.iter().zip(&mut outs) {
-            let timeline = pipe.gather_timeline()?;
-            out.bubble_last = timeline.bubble_fraction();
-            out.bubble_sim = pipe.schedule().bubble();
-            if o.timeline && rank == 0 {
-                out.rendered = timeline.render();
+            for ((pipe, _), out) in pipes.iter().zip(&mut outs) {
+                let timeline = pipe.gather_timeline()?;
+                out.bubble_last = timeline.bubble_fraction();
+                out.bubble_sim = pipe.schedule().bubble();
+                if o.timeline && rank == 0 {
+                    out.rendered = timeline.render();
+                }
             }
-        }
-        Ok(outs)
-    })?;
+            Ok(outs)
+        })?;
     let rows = kinds
         .iter()
         .enumerate()

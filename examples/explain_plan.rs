@@ -32,10 +32,11 @@ fn config() -> LlamaConfig {
 /// Rank 0's explanation of one training step under `layer_plan`, and the bytes its
 /// style hooks moved (forward + backward).
 fn explained(layer_plan: &ParallelizePlan) -> Result<(String, u64), NnError> {
-    let outs = spawn(2, |ctx| -> Result<(String, u64), NnError> {
+    let layer_plan = layer_plan.clone();
+    let outs = spawn(2, move |ctx| -> Result<(String, u64), NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
-        parallelize_llama(&mut model, &mesh, layer_plan)
+        parallelize_llama(&mut model, &mesh, &layer_plan)
             .map_err(|e| NnError::Config { what: e.to_string() })?;
         reset_parameters(&mut model, Device::Cpu, 0)?;
         let n = BATCH * SEQ;

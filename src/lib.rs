@@ -16,7 +16,9 @@
 
 pub use tpar_checkpoint as checkpoint;
 pub use tpar_collectives as collectives;
-pub use tpar_collectives::{spawn, spawn_owned, spawn_with, RankThreads, SpawnConfig};
+pub use tpar_collectives::{
+    spawn, spawn_owned, spawn_scoped, spawn_with, RankThreads, SpawnConfig,
+};
 pub use tpar_data as data;
 pub use tpar_dtensor as dtensor;
 pub use tpar_kernels as kernels;
@@ -44,8 +46,8 @@ pub mod prelude {
         StateDictError, StateDictOptions, StateValue, Stateful,
     };
     pub use tpar_collectives::{
-        spawn, spawn_owned, spawn_with, CollectiveError, ProcessGroup, RankCtx, RankThreads,
-        ReduceOp, SpawnConfig,
+        spawn, spawn_owned, spawn_scoped, spawn_with, CollectiveError, ProcessGroup, RankCtx,
+        RankThreads, ReduceOp, SpawnConfig,
     };
     pub use tpar_data::{
         default_documents, load_documents, load_tokenizer, ByteTokenizer, DataError,

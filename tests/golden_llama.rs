@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::golden::{self, assert_close, Golden};
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_scoped, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
@@ -219,7 +219,7 @@ fn plan_err(e: impl std::fmt::Display) -> NnError {
 fn two_by_two(plan: fn() -> ParallelizePlan, name: &str, typed: bool) {
     let file = golden::load("llama.safetensors");
     for prefix in ["", "causal.", "additive."] {
-        let outs = spawn_with(SpawnConfig::new(4).timeout(Duration::from_secs(120)), |ctx| {
+        let outs = spawn_scoped(SpawnConfig::new(4).timeout(Duration::from_secs(120)), |ctx| {
             let mesh =
                 DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "tp"])?;
             let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;

@@ -44,21 +44,25 @@ fn pipelined(
     ids: &Tensor,
     tgt: &Tensor,
 ) -> (f64, Grads) {
-    let out = tpar::spawn(pp, |ctx| -> tpar::Result<(Option<f64>, Grads)> {
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[pp], &["pp"])?;
-        let mut sched =
-            PipelineSchedule::new(kind, stages(cfg, &mesh, v)?, m, loss_fn(cfg.vocab_size))?;
-        let losses = sched.step(Some(ids), Some(tgt))?;
-        let mut grads = Grads::new();
-        for st in sched.stages() {
-            for (n, p) in named_parameters(st.module()) {
-                let g = p.trainable().grad().expect("every parameter gets a gradient");
-                grads.insert(n, g.to_vec_f64()?);
+    let out = tpar::spawn_scoped(
+        tpar::SpawnConfig::new(pp),
+        |ctx| -> tpar::Result<(Option<f64>, Grads)> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[pp], &["pp"])?;
+            let mut sched =
+                PipelineSchedule::new(kind, stages(cfg, &mesh, v)?, m, loss_fn(cfg.vocab_size))?;
+            let losses = sched.step(Some(ids), Some(tgt))?;
+            let mut grads = Grads::new();
+            for st in sched.stages() {
+                for (n, p) in named_parameters(st.module()) {
+                    let g = p.trainable().grad().expect("every parameter gets a gradient");
+                    grads.insert(n, g.to_vec_f64()?);
+                }
             }
-        }
-        let loss = (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64);
-        Ok((loss, grads))
-    })
+            let loss =
+                (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64);
+            Ok((loss, grads))
+        },
+    )
     .unwrap_or_else(|e| panic!("{kind} pp {pp} v {v} m {m}: {e}"));
     let loss = out.iter().find_map(|(l, _)| *l).unwrap();
     let grads = out.into_iter().flat_map(|(_, g)| g).collect();
@@ -104,7 +108,7 @@ fn every_schedule_equals_the_unpipelined_model() {
 fn uneven_micro_batches_are_an_error_naming_the_sizes() {
     let cfg = config(2, DType::F32);
     let (ids, tgt) = batch(6, 4, cfg.vocab_size);
-    let err = tpar::spawn(2, |ctx| -> tpar::Result<()> {
+    let err = tpar::spawn_scoped(tpar::SpawnConfig::new(2), |ctx| -> tpar::Result<()> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["pp"])?;
         let mut s = PipelineSchedule::new(
             ScheduleKind::OneFOneB,
@@ -209,7 +213,7 @@ fn square_loss(out: &Value, _t: &Tensor) -> tpar::nn::Result<Value> {
 /// Measured bubble fraction (median of 3 steps) of `kind` on 4 sleepy stages.
 fn measured_bubble(kind: ScheduleKind, m: usize) -> (f64, f64) {
     let pp = 4;
-    let out = tpar::spawn(pp, |ctx| -> tpar::Result<(f64, f64)> {
+    let out = tpar::spawn_scoped(tpar::SpawnConfig::new(pp), |ctx| -> tpar::Result<(f64, f64)> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[pp], &["pp"])?;
         let r = mesh.local_rank();
         let stage = PipelineStage::new(Sleepy::new(8, 4, r as u64), r, pp, &mesh, Device::Cpu)?;
@@ -243,7 +247,7 @@ fn a_failing_stage_fails_every_rank_naming_it() {
         let errors = Arc::new(std::sync::Mutex::new(Vec::new()));
         let t0 = Instant::now();
         let config = SpawnConfig::new(3).timeout(Duration::from_secs(30));
-        let res = tpar::spawn_with(config, |ctx| -> tpar::Result<()> {
+        let res = tpar::spawn_scoped(config, |ctx| -> tpar::Result<()> {
             let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[3], &["pp"])?;
             let r = mesh.local_rank();
             let mut module = Sleepy::new(8, 0, r as u64);
@@ -301,48 +305,52 @@ fn step_3d(
     ids: &Tensor,
     tgt: &Tensor,
 ) -> BTreeMap<String, Vec<f64>> {
-    let out = tpar::spawn(8, |ctx| -> tpar::Result<BTreeMap<String, Vec<f64>>> {
-        let world = ctx.world_group();
-        let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[2, 2, 2], &["pp", "dp", "tp"])?;
-        let (pp_rank, dp_rank) = (mesh["pp"].local_rank(), mesh["dp"].local_rank());
-        let mut st = LlamaStage::for_stage(cfg, pp_rank, 2, None, Device::Meta)?;
-        let layer_plan = if sp { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
-        parallelize_llama_stage(&mut st, &mesh["tp"], &layer_plan, &top_level_plan())?;
-        if fsdp {
-            for layer in &mut st.base_model.layers.items {
-                fully_shard(layer, &mesh["dp"], &FsdpConfig::default())?;
+    let out = tpar::spawn_scoped(
+        tpar::SpawnConfig::new(8),
+        |ctx| -> tpar::Result<BTreeMap<String, Vec<f64>>> {
+            let world = ctx.world_group();
+            let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[2, 2, 2], &["pp", "dp", "tp"])?;
+            let (pp_rank, dp_rank) = (mesh["pp"].local_rank(), mesh["dp"].local_rank());
+            let mut st = LlamaStage::for_stage(cfg, pp_rank, 2, None, Device::Meta)?;
+            let layer_plan =
+                if sp { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
+            parallelize_llama_stage(&mut st, &mesh["tp"], &layer_plan, &top_level_plan())?;
+            if fsdp {
+                for layer in &mut st.base_model.layers.items {
+                    fully_shard(layer, &mesh["dp"], &FsdpConfig::default())?;
+                }
+                fully_shard(&mut st, &mesh["dp"], &FsdpConfig::default())?;
             }
-            fully_shard(&mut st, &mesh["dp"], &FsdpConfig::default())?;
-        }
-        reset_parameters(&mut st, Device::Cpu, 7)?;
-        let ddp = if fsdp { None } else { Some(DataParallel::new(&mut st, &mesh["dp"])?) };
-        let stage = PipelineStage::new(st, pp_rank, 2, &mesh["pp"], Device::Cpu)?;
-        let mut sched = PipelineSchedule::new(kind, vec![stage], 2, loss_fn(cfg.vocab_size))?;
-        let rows = ids.dims()[0] / 2;
-        let (my_ids, my_tgt) =
-            (ids.narrow(0, dp_rank * rows, rows)?, tgt.narrow(0, dp_rank * rows, rows)?);
-        {
-            let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
-            sched.step(Some(&my_ids), Some(&my_tgt))?;
-        }
-        if let Some(ddp) = &ddp {
-            ddp.sync_gradients(sched.stages()[0].module())?;
-        }
-        let params = sched.parameters();
-        clip_grad_norm_pp(&params, 1.0, mesh.group_of("pp")?)?;
-        let mut opt = AdamW::with_names(named_parameters(sched.stages()[0].module()), adamw())?;
-        opt.step()?;
-        let opts = StateDictOptions { full_state_dict: true, ..Default::default() };
-        let (sd, _) =
-            tpar::checkpoint::get_state_dict(sched.stages()[0].module(), None, &world, &opts)?;
-        let mut out = BTreeMap::new();
-        for (k, v) in sd {
-            if let StateValue::Tensor(t) = v {
-                out.insert(k, t.to_vec_f64()?);
+            reset_parameters(&mut st, Device::Cpu, 7)?;
+            let ddp = if fsdp { None } else { Some(DataParallel::new(&mut st, &mesh["dp"])?) };
+            let stage = PipelineStage::new(st, pp_rank, 2, &mesh["pp"], Device::Cpu)?;
+            let mut sched = PipelineSchedule::new(kind, vec![stage], 2, loss_fn(cfg.vocab_size))?;
+            let rows = ids.dims()[0] / 2;
+            let (my_ids, my_tgt) =
+                (ids.narrow(0, dp_rank * rows, rows)?, tgt.narrow(0, dp_rank * rows, rows)?);
+            {
+                let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
+                sched.step(Some(&my_ids), Some(&my_tgt))?;
             }
-        }
-        Ok(out)
-    })
+            if let Some(ddp) = &ddp {
+                ddp.sync_gradients(sched.stages()[0].module())?;
+            }
+            let params = sched.parameters();
+            clip_grad_norm_pp(&params, 1.0, mesh.group_of("pp")?)?;
+            let mut opt = AdamW::with_names(named_parameters(sched.stages()[0].module()), adamw())?;
+            opt.step()?;
+            let opts = StateDictOptions { full_state_dict: true, ..Default::default() };
+            let (sd, _) =
+                tpar::checkpoint::get_state_dict(sched.stages()[0].module(), None, &world, &opts)?;
+            let mut out = BTreeMap::new();
+            for (k, v) in sd {
+                if let StateValue::Tensor(t) = v {
+                    out.insert(k, t.to_vec_f64()?);
+                }
+            }
+            Ok(out)
+        },
+    )
     .unwrap_or_else(|e| panic!("3-D {kind} sp {sp} fsdp {fsdp}: {e}"));
     out.into_iter().next().unwrap()
 }
@@ -371,30 +379,33 @@ fn three_d_pp_dp_tp_step_equals_the_single_rank_step() {
 fn shapes_are_agreed_on_the_first_step_only() {
     let cfg = config(2, DType::F32);
     let (ids, tgt) = batch(4, 4, cfg.vocab_size);
-    let sends = tpar::spawn(2, |ctx| -> tpar::Result<Vec<Vec<Vec<usize>>>> {
-        let world = ctx.world_group();
-        let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[2], &["pp"])?;
-        let mut s = PipelineSchedule::new(
-            ScheduleKind::OneFOneB,
-            stages(&cfg, &mesh, 1)?,
-            4,
-            loss_fn(cfg.vocab_size),
-        )?;
-        let debug = world.comm_debug();
-        debug.enable();
-        let mut per_step = Vec::new();
-        for _ in 0..2 {
-            s.step(Some(&ids), Some(&tgt))?;
-            let recs = debug.take();
-            per_step.push(
-                recs.iter()
-                    .filter(|r| r.kind == tpar::collectives::CollectiveKind::Send)
-                    .map(|r| r.shape.clone())
-                    .collect(),
-            );
-        }
-        Ok(per_step)
-    })
+    let sends = tpar::spawn_scoped(
+        tpar::SpawnConfig::new(2),
+        |ctx| -> tpar::Result<Vec<Vec<Vec<usize>>>> {
+            let world = ctx.world_group();
+            let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[2], &["pp"])?;
+            let mut s = PipelineSchedule::new(
+                ScheduleKind::OneFOneB,
+                stages(&cfg, &mesh, 1)?,
+                4,
+                loss_fn(cfg.vocab_size),
+            )?;
+            let debug = world.comm_debug();
+            debug.enable();
+            let mut per_step = Vec::new();
+            for _ in 0..2 {
+                s.step(Some(&ids), Some(&tgt))?;
+                let recs = debug.take();
+                per_step.push(
+                    recs.iter()
+                        .filter(|r| r.kind == tpar::collectives::CollectiveKind::Send)
+                        .map(|r| r.shape.clone())
+                        .collect(),
+                );
+            }
+            Ok(per_step)
+        },
+    )
     .unwrap();
     // Stage 0 sends its 4 activations each step, and their shape only before the first.
     let act = vec![1, 4, 16];

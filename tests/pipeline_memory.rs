@@ -21,7 +21,7 @@ fn step_peak(kind: ScheduleKind, m: usize) -> (i64, i64) {
         ..config(4, DType::F32)
     };
     let (ids, tgt) = batch(m * 2, 64, cfg.vocab_size);
-    let out = tpar::spawn(4, |ctx| -> tpar::Result<(i64, i64)> {
+    let out = tpar::spawn_scoped(tpar::SpawnConfig::new(4), |ctx| -> tpar::Result<(i64, i64)> {
         let rank = ctx.rank();
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[4], &["pp"])?;
         let st = stages(&cfg, &mesh, 1)?;

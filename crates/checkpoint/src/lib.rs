@@ -29,16 +29,17 @@
 //! use tpar_tensor::Tensor;
 //!
 //! let dir = std::env::temp_dir().join(format!("tpar-doc-{}", std::process::id()));
-//! spawn(2, |ctx| -> tpar_checkpoint::Result<()> {
+//! let d = dir.clone();
+//! spawn(2, move |ctx| -> tpar_checkpoint::Result<()> {
 //!     let g = ctx.world_group();
 //!     let w = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3])?;
 //!     let mut sd = StateDict::from([
 //!         ("w".to_string(), StateValue::Tensor(w)),
 //!         ("step".to_string(), StateValue::Int(5)),
 //!     ]);
-//!     save(&sd, &dir, &g, &SaveOptions::default())?;
+//!     save(&sd, &d, &g, &SaveOptions::default())?;
 //!     sd.insert("w".into(), StateValue::Tensor(Tensor::zeros([3], tpar_tensor::DType::F32, tpar_tensor::Device::Cpu)?));
-//!     load(&mut sd, &dir, &g, &LoadOptions::default())?;
+//!     load(&mut sd, &d, &g, &LoadOptions::default())?;
 //!     let StateValue::Tensor(w) = &sd["w"] else { unreachable!() };
 //!     assert_eq!(w.to_vec::<f32>()?, [1.0, 2.0, 3.0]);
 //!     Ok(())

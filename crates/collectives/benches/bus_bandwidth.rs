@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use tpar_collectives::{spawn, CollectiveError, ProcessGroup, ReduceOp};
+use tpar_collectives::{spawn_scoped, CollectiveError, ProcessGroup, ReduceOp, SpawnConfig};
 use tpar_tensor::{DType, Device, Tensor};
 
 const MIB: usize = 1 << 20;
@@ -117,10 +117,13 @@ fn main() -> Result<(), CollectiveError> {
     );
     for world in [2usize, 4] {
         for op in [Op::Reduce, Op::ReduceInto, Op::ReduceInPlace, Op::Gather, Op::GatherInto] {
-            let rows = spawn(world, |ctx| -> Result<Vec<(usize, Duration)>, CollectiveError> {
-                let pg = ctx.world_group();
-                sizes.iter().map(|&s| Ok((s, time_op(&pg, op, s)?))).collect()
-            })?;
+            let rows = spawn_scoped(
+                SpawnConfig::new(world),
+                |ctx| -> Result<Vec<(usize, Duration)>, CollectiveError> {
+                    let pg = ctx.world_group();
+                    sizes.iter().map(|&s| Ok((s, time_op(&pg, op, s)?))).collect()
+                },
+            )?;
             for (&(size, t), &cpy) in rows[0].iter().zip(&memcpy) {
                 let n = world as f64;
                 let algbw = gbps(size, t);

@@ -1,5 +1,6 @@
 //! The collectives layer's error type.
 
+use std::fmt;
 use std::time::Duration;
 
 use tpar_tensor::TensorError;
@@ -12,17 +13,25 @@ use tpar_tensor::TensorError;
 pub enum CollectiveError {
     /// Some members never arrived (or never finished) within the group's timeout.
     #[error(
-        "{op} on group {group:?}: timed out after {after:?} waiting for rank(s) {waiting_for:?}"
+        "{op} on group {group:?}: timed out after {after:?} waiting for rank(s) \
+         {waiting_for:?}{}",
+        chain_text(.chain)
     )]
     Timeout {
         /// The collective (`"all_reduce"`, `"recv"`, ...).
         op: &'static str,
         /// The group's members, as global ranks.
         group: Vec<usize>,
-        /// Global ranks that had not arrived (or finished) when time ran out.
+        /// Global ranks that had not arrived (or finished) when time ran out; on the
+        /// `local` backend, those running outside any collective come first.
         waiting_for: Vec<usize>,
         /// The timeout that expired.
         after: Duration,
+        /// When the first rank waited for was itself waiting in another collective (ranks
+        /// as threads, the `local` backend): that wait, then the one it waited on, and so
+        /// on; the last link's first rank held them all up (see [`culprit`](Self::culprit)).
+        /// Empty otherwise.
+        chain: Vec<WaitLink>,
     },
     /// A peer failed (its rank function returned an error or panicked, or it left
     /// without joining a collective the others are waiting in).
@@ -117,7 +126,9 @@ impl CollectiveError {
     /// first rank that did not arrive, the rank that passed a mismatching argument).
     pub fn culprit(&self) -> Option<usize> {
         match self {
-            CollectiveError::Timeout { waiting_for, .. } => waiting_for.first().copied(),
+            CollectiveError::Timeout { waiting_for, chain, .. } => {
+                chain.last().map_or(waiting_for, |l| &l.waiting_for).first().copied()
+            }
             CollectiveError::PeerFailed { rank, .. }
             | CollectiveError::Mismatch { rank, .. }
             | CollectiveError::Panicked { rank, .. }
@@ -125,6 +136,47 @@ impl CollectiveError {
             _ => None,
         }
     }
+}
+
+/// One rank blocked in a collective, waiting for others: a link of the chain of waits a
+/// [`CollectiveError::Timeout`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitLink {
+    /// The waiting global rank.
+    pub rank: usize,
+    /// The collective it waited in.
+    pub op: &'static str,
+    /// That collective's group, as global ranks.
+    pub group: Vec<usize>,
+    /// The global ranks it waited for (those running outside any collective first).
+    pub waiting_for: Vec<usize>,
+}
+
+impl fmt::Display for WaitLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} was itself waiting in {} on group {:?} for rank(s) {:?}",
+            self.rank, self.op, self.group, self.waiting_for
+        )
+    }
+}
+
+/// The tail of a `Timeout` message: each link of the chain, then the rank that held it up.
+fn chain_text(chain: &[WaitLink]) -> String {
+    let Some(last) = chain.last() else { return String::new() };
+    let mut s = String::new();
+    for link in chain {
+        s.push_str(&format!("; {link}"));
+    }
+    match last.waiting_for.first() {
+        Some(r) if chain.iter().any(|l| l.rank == *r) => {
+            s.push_str(" (a cycle: these ranks wait for each other in different collectives)")
+        }
+        Some(r) => s.push_str(&format!(" (rank {r} held them up, outside any collective)")),
+        None => {}
+    }
+    s
 }
 
 impl From<CollectiveError> for TensorError {

@@ -534,7 +534,7 @@ impl ProcessGroup {
     /// use tpar_tensor::{DType, Device, Tensor};
     /// // Two pipeline stages agree on the activation shape once; then only data moves.
     /// let dims = [2, 3];
-    /// let seen = spawn(2, |ctx| -> Result<Vec<f32>, CollectiveError> {
+    /// let seen = spawn(2, move |ctx| -> Result<Vec<f32>, CollectiveError> {
     ///     let pg = ctx.world_group();
     ///     let mut seen = Vec::new();
     ///     for step in 0..3 {

@@ -63,10 +63,12 @@ pub mod tcp;
 mod world;
 
 pub use debug::{CommDebug, CommRecord};
-pub use error::CollectiveError;
+pub use error::{CollectiveError, WaitLink};
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
-pub use spawn::{spawn, spawn_owned, spawn_with, RankThreads, SpawnConfig, RANK_STACK_SIZE};
+pub use spawn::{
+    spawn, spawn_owned, spawn_scoped, spawn_with, RankThreads, SpawnConfig, RANK_STACK_SIZE,
+};
 pub use store::{BoxedStoreError, HashStore, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};
 

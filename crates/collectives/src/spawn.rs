@@ -80,12 +80,17 @@ impl SpawnConfig {
 /// If any rank fails, the world is marked failed at once, so peers blocked in collectives
 /// return [`CollectiveError::PeerFailed`] instead of hanging, and `spawn` returns the
 /// *originating* error: the one of the first rank that failed (a rank that panics is
-/// reported as [`CollectiveError::Panicked`]), not the induced failures of its peers.
-/// Panics never escape `spawn`. A rank that returns while peers wait for it in a
-/// collective makes them fail promptly naming it. A rank stuck outside any collective (a
-/// loop or a sleep in user code) cannot be interrupted, and since `f` may borrow from the
-/// caller's stack, `spawn` must wait for it; use [`spawn_owned`] (an owned `'static`
-/// closure) to return at most one timeout after the first failure instead.
+/// reported as [`CollectiveError::Panicked`]), not the induced failures of its peers. A
+/// rank that failed only because it timed out waiting for a slow peer (directly, or through
+/// peers that were themselves waiting) blames that peer. Panics never escape `spawn`. A
+/// rank that returns while peers wait for it in a collective makes them fail promptly
+/// naming it.
+///
+/// `spawn` never hangs: after the first failure it waits at most the timeout for the other
+/// ranks, then returns [`CollectiveError::Stuck`] naming the rank to blame and the ranks
+/// still running (stuck outside any collective: a loop, a sleep, a blocking read in user
+/// code), whose threads are left running, detached. That is why `f` is owned (`'static`):
+/// a rank function shares the caller's data through an `Arc` or a clone it moves in.
 ///
 /// The error type `E` is the rank function's: anything that a [`CollectiveError`] converts
 /// into, such as `CollectiveError` itself (which converts from `TensorError`, so `?` works
@@ -103,178 +108,193 @@ impl SpawnConfig {
 /// ```
 pub fn spawn<R, E, F>(world_size: usize, f: F) -> Result<Vec<R>, E>
 where
-    R: Send,
-    E: From<CollectiveError> + fmt::Display + Send,
-    F: Fn(RankCtx) -> Result<R, E> + Sync,
+    R: Send + 'static,
+    E: From<CollectiveError> + fmt::Display + Send + 'static,
+    F: Fn(RankCtx) -> Result<R, E> + Send + Sync + 'static,
 {
     spawn_with(SpawnConfig::new(world_size), f)
 }
 
-/// [`spawn`] with an explicit [`SpawnConfig`] (timeout, stack size).
+/// [`spawn`] with an explicit [`SpawnConfig`] (timeout, stack size, threads).
+///
+/// Returns every rank's result in rank order, or the originating error when ranks fail
+/// and all finish. When ranks are still running `config.timeout` after the first
+/// failure, returns [`CollectiveError::Stuck`] naming the rank to blame, its error and the
+/// ranks still running; their threads are left running, detached (they own everything
+/// they use, so this is sound), and the process can exit non-zero.
 ///
 /// ```
-/// use std::time::Duration;
+/// use std::time::{Duration, Instant};
 /// use tpar_collectives::{spawn_with, CollectiveError, SpawnConfig};
 /// let cfg = SpawnConfig::new(2).timeout(Duration::from_millis(200));
-/// // Rank 1 never joins the barrier: rank 0 fails naming it.
+/// let t0 = Instant::now();
+/// // Rank 1 never joins the barrier: rank 0 times out naming it, and `spawn_with`
+/// // returns one timeout later without waiting for rank 1's sleep to end.
 /// let err = spawn_with(cfg, |ctx| -> Result<(), CollectiveError> {
 ///     if ctx.rank() == 0 {
 ///         ctx.world_group().barrier()?;
 ///     } else {
-///         std::thread::sleep(Duration::from_millis(400));
+///         std::thread::sleep(Duration::from_secs(5)); // stuck in user code
 ///     }
-///     Ok(())
-/// })
-/// .unwrap_err();
-/// assert_eq!(err.culprit(), Some(1));
-/// ```
-pub fn spawn_with<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
-where
-    R: Send,
-    E: From<CollectiveError> + fmt::Display + Send,
-    F: Fn(RankCtx) -> Result<R, E> + Sync,
-{
-    let world = World::with_timeout(config.world_size, config.timeout)?;
-    let n = world.size();
-    let stack = config.stack_size.max(64 << 10);
-    let threads = config.threads;
-    let f = &f;
-    let mut start_error: Option<CollectiveError> = None;
-    let results: Vec<Option<Result<R, E>>> = std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(n);
-        for rank in 0..n {
-            let ctx = match world.rank(rank) {
-                Ok(c) => c,
-                Err(e) => {
-                    world.fail(rank, e.to_string());
-                    start_error = Some(e);
-                    break;
-                }
-            };
-            let w = world.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("tpar-rank-{rank}"))
-                .stack_size(stack)
-                .spawn_scoped(s, move || run_rank(&w, rank, ctx, f, threads, stack));
-            match spawned {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    let why = format!("could not start its thread: {e}");
-                    world.fail(rank, why.clone());
-                    start_error =
-                        Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
-                    break;
-                }
-            }
-        }
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                Some(h.join().unwrap_or_else(|p| {
-                    Err(E::from(CollectiveError::Panicked { rank, message: panic_message(&*p) }))
-                }))
-            })
-            .collect()
-    });
-    if let Some(e) = start_error {
-        return Err(E::from(e));
-    }
-    let first = world.failure().map(|(rank, _)| rank);
-    let mut values = Vec::with_capacity(n);
-    let mut errors = Vec::new();
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Some(Ok(v)) => values.push(v),
-            Some(Err(e)) => errors.push((rank, e)),
-            None => {}
-        }
-    }
-    if errors.is_empty() {
-        return Ok(values);
-    }
-    let pick = errors.iter().position(|(r, _)| Some(*r) == first).unwrap_or(0);
-    Err(errors.swap_remove(pick).1)
-}
-
-/// [`spawn_with`] for an owned (`'static`) rank function: after the first rank fails, it
-/// waits at most `config.timeout` for the others, then returns instead of hanging on a rank
-/// stuck outside any collective (a loop, a sleep, a blocking read in user code).
-///
-/// Returns what [`spawn_with`] returns when every rank finishes (all results, or the
-/// originating error). When ranks are still running `config.timeout` after the first
-/// failure, returns [`CollectiveError::Stuck`] naming the failed rank, its error and the
-/// ranks still running; their threads are left running, detached (they own everything they
-/// use, so this is sound), and the process can exit non-zero. A trainer's `main` should use
-/// this rather than [`spawn_with`].
-///
-/// ```
-/// use std::time::{Duration, Instant};
-/// use tpar_collectives::{spawn_owned, CollectiveError, SpawnConfig};
-/// let t0 = Instant::now();
-/// let err = spawn_owned(SpawnConfig::new(2).timeout(Duration::from_millis(200)), |ctx| {
-///     if ctx.rank() == 0 {
-///         return Err(CollectiveError::InvalidArgument { op: "train", why: "bad batch".into() });
-///     }
-///     std::thread::sleep(Duration::from_secs(5)); // stuck in user code
 ///     Ok(())
 /// })
 /// .unwrap_err();
 /// assert!(t0.elapsed() < Duration::from_secs(4));
-/// assert!(matches!(err, CollectiveError::Stuck { rank: 0, ref running, .. } if running == &[1]));
+/// assert_eq!(err.culprit(), Some(1));
+/// assert!(matches!(err, CollectiveError::Stuck { rank: 1, ref running, .. } if running == &[1]));
 /// ```
-pub fn spawn_owned<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
+pub fn spawn_with<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
 where
     R: Send + 'static,
     E: From<CollectiveError> + fmt::Display + Send + 'static,
     F: Fn(RankCtx) -> Result<R, E> + Send + Sync + 'static,
 {
     let world = World::with_timeout(config.world_size, config.timeout)?;
-    let n = world.size();
     let stack = config.stack_size.max(64 << 10);
     let threads = config.threads;
     let f = Arc::new(f);
     let (tx, rx) = mpsc::channel::<(usize, Result<R, E>)>();
-    let mut handles = Vec::with_capacity(n);
-    let mut start_error: Option<CollectiveError> = None;
-    for rank in 0..n {
-        let ctx = match world.rank(rank) {
-            Ok(c) => c,
-            Err(e) => {
-                world.fail(rank, e.to_string());
-                start_error = Some(e);
-                break;
-            }
-        };
+    let mut handles = Vec::with_capacity(world.size());
+    let start_error = start_ranks(&world, |rank, ctx| {
         let (w, f, tx) = (world.clone(), Arc::clone(&f), tx.clone());
-        let spawned = std::thread::Builder::new()
+        let h = std::thread::Builder::new()
             .name(format!("tpar-rank-{rank}"))
             .stack_size(stack)
             .spawn(move || {
                 let r = run_rank(&w, rank, ctx, &*f, threads, stack);
-                // The receiver is gone when `spawn_owned` already returned: nothing to do.
+                // The receiver is gone when `spawn_with` already returned: nothing to do.
                 let _ = tx.send((rank, r));
-            });
-        match spawned {
-            Ok(h) => handles.push(h),
-            Err(e) => {
-                let why = format!("could not start its thread: {e}");
-                world.fail(rank, why.clone());
-                start_error =
-                    Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
-                break;
-            }
+            })?;
+        handles.push(h);
+        Ok(())
+    });
+    drop(tx);
+    let r = gather(&world, &rx, start_error, config.timeout, Stuck::Return);
+    if r.is_ok() {
+        for h in handles {
+            // Every thread has sent its result; joining only reaps it.
+            let _ = h.join();
         }
     }
-    drop(tx);
-    let started = handles.len();
+    // Else threads still running are detached: dropping a JoinHandle does not wait.
+    r
+}
+
+/// [`spawn_with`] by its former name (it was the variant that returns despite a rank stuck
+/// outside any collective; now every `spawn` does).
+pub fn spawn_owned<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
+where
+    R: Send + 'static,
+    E: From<CollectiveError> + fmt::Display + Send + 'static,
+    F: Fn(RankCtx) -> Result<R, E> + Send + Sync + 'static,
+{
+    spawn_with(config, f)
+}
+
+/// [`spawn_with`] for a rank function that borrows from the caller (`Fn + Sync`, not
+/// `'static`), as [`std::thread::scope`] is to [`std::thread::spawn`]: it returns only
+/// once every rank's thread has finished.
+///
+/// Results and errors are those of [`spawn_with`], and a rank that fails still makes its
+/// peers in collectives fail promptly, or after the timeout. But a rank stuck outside any
+/// collective (a loop, a sleep, a blocking read in user code) cannot be interrupted, and
+/// since `f` may borrow from the caller's stack, `spawn_scoped` must wait for it: one
+/// timeout after the first failure it writes the [`CollectiveError::Stuck`] message naming
+/// the failed rank and the ranks still running to standard error, then keeps waiting. Use
+/// it for tests and benches that share the caller's data; a trainer uses [`spawn`].
+///
+/// ```
+/// use std::sync::Mutex;
+/// use tpar_collectives::{spawn_scoped, CollectiveError, SpawnConfig};
+/// let seen = Mutex::new(Vec::new());
+/// spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
+///     seen.lock().unwrap().push(ctx.rank());
+///     ctx.world_group().barrier()
+/// })?;
+/// assert_eq!(seen.into_inner().unwrap().len(), 3);
+/// # Ok::<(), CollectiveError>(())
+/// ```
+pub fn spawn_scoped<R, E, F>(config: SpawnConfig, f: F) -> Result<Vec<R>, E>
+where
+    R: Send,
+    E: From<CollectiveError> + fmt::Display + Send,
+    F: Fn(RankCtx) -> Result<R, E> + Sync,
+{
+    let world = World::with_timeout(config.world_size, config.timeout)?;
+    let stack = config.stack_size.max(64 << 10);
+    let threads = config.threads;
+    let f = &f;
+    let (tx, rx) = mpsc::channel::<(usize, Result<R, E>)>();
+    std::thread::scope(|s| {
+        let start_error = start_ranks(&world, |rank, ctx| {
+            let (w, tx) = (world.clone(), tx.clone());
+            std::thread::Builder::new()
+                .name(format!("tpar-rank-{rank}"))
+                .stack_size(stack)
+                .spawn_scoped(s, move || {
+                    let r = run_rank(&w, rank, ctx, f, threads, stack);
+                    let _ = tx.send((rank, r));
+                })?;
+            Ok(())
+        });
+        drop(tx);
+        // The scope joins every thread before returning.
+        gather(&world, &rx, start_error, config.timeout, Stuck::Warn)
+    })
+}
+
+/// Starts a thread per rank with `start`; on the first rank that cannot start, marks the
+/// world failed and returns why (the ranks started so far fail promptly).
+fn start_ranks(
+    world: &World,
+    mut start: impl FnMut(usize, RankCtx) -> std::io::Result<()>,
+) -> Option<CollectiveError> {
+    for rank in 0..world.size() {
+        let ctx = match world.rank(rank) {
+            Ok(c) => c,
+            Err(e) => {
+                world.fail(rank, e.to_string());
+                return Some(e);
+            }
+        };
+        if let Err(e) = start(rank, ctx) {
+            let why = format!("could not start its thread: {e}");
+            world.fail(rank, why.clone());
+            return Some(CollectiveError::Unavailable { what: format!("rank {rank}"), why });
+        }
+    }
+    None
+}
+
+/// What [`gather`] does when ranks are still running one timeout after the first failure.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stuck {
+    /// Return [`CollectiveError::Stuck`] (the rank threads own what they use).
+    Return,
+    /// Write the `Stuck` message to standard error and keep waiting (they may borrow).
+    Warn,
+}
+
+/// Collects every started rank's result from `rx` (in rank order), and returns them, or
+/// the originating error: the error of the rank whose report failed the world (its own, or
+/// its timeout naming the peer that held it up), else the lowest failed rank's.
+fn gather<R, E>(
+    world: &World,
+    rx: &mpsc::Receiver<(usize, Result<R, E>)>,
+    start_error: Option<CollectiveError>,
+    timeout: Duration,
+    stuck: Stuck,
+) -> Result<Vec<R>, E>
+where
+    E: From<CollectiveError>,
+{
+    let n = world.size();
     let mut results: Vec<Option<Result<R, E>>> = (0..n).map(|_| None).collect();
-    let mut pending = started;
     let mut failed_at: Option<Instant> = start_error.as_ref().map(|_| Instant::now());
-    while pending > 0 {
+    loop {
         let msg = match failed_at {
             None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-            Some(t) => match (t + config.timeout).checked_duration_since(Instant::now()) {
+            Some(t) => match (t + timeout).checked_duration_since(Instant::now()) {
                 Some(left) => rx.recv_timeout(left),
                 None => Err(mpsc::RecvTimeoutError::Timeout),
             },
@@ -284,36 +304,41 @@ where
                 if r.is_err() && failed_at.is_none() {
                     failed_at = Some(Instant::now());
                 }
-                results[rank] = Some(r);
-                pending -= 1;
+                if let Some(slot) = results.get_mut(rank) {
+                    *slot = Some(r);
+                }
             }
-            // Every sender is gone: run_rank never unwinds, so every rank has reported.
+            // Every sender is gone: run_rank never unwinds, so every started rank reported.
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                let running: Vec<usize> = (0..started).filter(|&r| results[r].is_none()).collect();
+                let running: Vec<usize> = (0..n).filter(|&r| results[r].is_none()).collect();
                 let (rank, why) = world.failure().unwrap_or_else(|| {
                     let rank = results.iter().position(|r| matches!(r, Some(Err(_)))).unwrap_or(0);
                     (rank, "failed".to_string())
                 });
-                // Detach the stuck threads: dropping a JoinHandle does not wait.
-                drop(handles);
-                return Err(E::from(CollectiveError::Stuck {
-                    rank,
-                    why,
-                    running,
-                    waited: config.timeout,
-                }));
+                let e = CollectiveError::Stuck { rank, why, running, waited: timeout };
+                match stuck {
+                    Stuck::Return => return Err(E::from(e)),
+                    Stuck::Warn => {
+                        eprintln!(
+                            "tpar spawn_scoped: {e}; waiting for them, as their rank function \
+                             may borrow from the caller (`spawn` would return now)"
+                        );
+                        // From now on, wait without a deadline.
+                        while let Ok((rank, r)) = rx.recv() {
+                            if let Some(slot) = results.get_mut(rank) {
+                                *slot = Some(r);
+                            }
+                        }
+                        break;
+                    }
+                }
             }
         }
-    }
-    for h in handles {
-        // Every thread has sent its result; joining only reaps it.
-        let _ = h.join();
     }
     if let Some(e) = start_error {
         return Err(E::from(e));
     }
-    let first = world.failure().map(|(rank, _)| rank);
     let mut values = Vec::with_capacity(n);
     let mut errors = Vec::new();
     for (rank, r) in results.into_iter().enumerate() {
@@ -326,6 +351,7 @@ where
     if errors.is_empty() {
         return Ok(values);
     }
+    let first = world.reporter().or(world.failure().map(|(rank, _)| rank));
     let pick = errors.iter().position(|(r, _)| Some(*r) == first).unwrap_or(0);
     Err(errors.swap_remove(pick).1)
 }
@@ -347,12 +373,12 @@ where
     let r = match catch_unwind(AssertUnwindSafe(|| in_rank_pool(rank, threads, stack, || f(ctx)))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
-            world.fail(rank, e.to_string());
+            world.fail_reported(rank, e.to_string());
             Err(e)
         }
         Err(p) => {
             let message = panic_message(&*p);
-            world.fail(rank, format!("panicked: {message}"));
+            world.fail_reported(rank, format!("panicked: {message}"));
             Err(E::from(CollectiveError::Panicked { rank, message }))
         }
     };

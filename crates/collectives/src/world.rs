@@ -86,7 +86,22 @@ impl World {
         self.shared.fail(rank, why.into())
     }
 
-    /// The first failure: the rank and why.
+    /// Marks the world failed on the report of `rank`, whose rank function failed for
+    /// `why`, blaming the rank that held `rank` up when `rank`'s last wait failed (it timed
+    /// out waiting for a peer, or a peer left without joining), else `rank` itself.
+    pub(crate) fn fail_reported(&self, rank: usize, why: impl Into<String>) -> bool {
+        self.shared.fail_reported(rank, why.into())
+    }
+
+    /// The rank whose report marked the world failed (the one [`World::failure`] names, or
+    /// a rank that was waiting for it).
+    pub(crate) fn reporter(&self) -> Option<usize> {
+        self.shared.reporter()
+    }
+
+    /// The first failure: the rank to blame and why. A rank that failed because a peer
+    /// held it up (it timed out waiting for the peer, directly or through ranks that were
+    /// themselves waiting) names that peer.
     pub fn failure(&self) -> Option<(usize, String)> {
         self.shared.failure()
     }

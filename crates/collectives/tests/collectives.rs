@@ -7,7 +7,7 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use tpar_collectives::{
-    chunk_range, spawn, CollectiveError, CollectiveKind, ProcessGroup, ReduceOp,
+    chunk_range, spawn_scoped, CollectiveError, CollectiveKind, ProcessGroup, ReduceOp, SpawnConfig,
 };
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
@@ -153,7 +153,7 @@ fn run_broadcast(pg: &ProcessGroup, case: u64, rng: &mut Rng) {
 }
 
 fn all_collectives(world: usize, cases: u64) {
-    spawn(world, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let dbg = ctx.comm_debug();
         dbg.enable();
@@ -214,16 +214,19 @@ fn world_8() {
 #[test]
 fn reductions_are_bit_identical_across_ranks() {
     for world in WORLDS {
-        let outs = spawn(world, |ctx| -> Result<Vec<Vec<f64>>, CollectiveError> {
-            let pg = ctx.world_group();
-            let mut v = Vec::new();
-            for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let x = input(9, ctx.rank(), &[37, 5], dtype);
-                v.push(pg.all_reduce(&x, ReduceOp::Sum)?.to_vec_f64()?);
-                v.push(pg.all_reduce(&x, ReduceOp::Avg)?.to_vec_f64()?);
-            }
-            Ok(v)
-        })
+        let outs = spawn_scoped(
+            SpawnConfig::new(world),
+            |ctx| -> Result<Vec<Vec<f64>>, CollectiveError> {
+                let pg = ctx.world_group();
+                let mut v = Vec::new();
+                for dtype in [DType::F32, DType::BF16, DType::F16] {
+                    let x = input(9, ctx.rank(), &[37, 5], dtype);
+                    v.push(pg.all_reduce(&x, ReduceOp::Sum)?.to_vec_f64()?);
+                    v.push(pg.all_reduce(&x, ReduceOp::Avg)?.to_vec_f64()?);
+                }
+                Ok(v)
+            },
+        )
         .unwrap();
         for o in &outs[1..] {
             assert_eq!(o, &outs[0]);
@@ -235,7 +238,7 @@ fn reductions_are_bit_identical_across_ranks() {
 fn half_precision_accumulates_in_f32() {
     // A running bf16 sum would lose the small terms; accumulating in f32 and rounding
     // once gives the correctly rounded sum.
-    spawn(8, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(8), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let v = if ctx.rank() == 0 { 256.0 } else { 1.0 };
         let x = Tensor::from_f64(&[v], [1], DType::BF16)?;
@@ -250,7 +253,7 @@ fn half_precision_accumulates_in_f32() {
 
 #[test]
 fn inputs_are_untouched_and_outputs_are_fresh() {
-    spawn(3, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let x = input(1, ctx.rank(), &[4, 3], DType::F32);
         let before = x.to_vec::<f32>()?;
@@ -279,7 +282,7 @@ fn inputs_are_untouched_and_outputs_are_fresh() {
 
 #[test]
 fn works_on_grad_tensors_under_no_grad_and_on_meta() {
-    spawn(2, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let w = Tensor::ones([2, 2], DType::F32, Device::Cpu)?.requires_grad_(true);
         let y = w.mul_scalar(2.0)?; // non-leaf with history
@@ -303,7 +306,7 @@ fn works_on_grad_tensors_under_no_grad_and_on_meta() {
 
 #[test]
 fn scalars_and_empty_tensors() {
-    spawn(4, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let s = Tensor::scalar(ctx.rank() as f64, DType::F64);
         assert_eq!(pg.all_reduce(&s, ReduceOp::Sum)?.item()?, 6.0);
@@ -325,7 +328,7 @@ fn scalars_and_empty_tensors() {
 fn large_all_reduce_staged_path_every_dtype_and_op() {
     // Big enough for the staged (reduce-scatter + gather) path, not divisible by world.
     for world in [3usize, 4] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let dims = [131, 127];
             for dtype in DTYPES {
@@ -358,7 +361,7 @@ proptest! {
         seed in 0u64..1000,
     ) {
         let dim = dim_pick % dims.len();
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let x = rand_tensor(&dims, DType::F64, &mut Rng::new(seed));
             let shard = pg.reduce_scatter(&x, dim, ReduceOp::Sum)?;
@@ -377,7 +380,7 @@ proptest! {
 #[test]
 fn into_collectives_reuse_the_callers_buffer() {
     for (world, rows) in [(2, 4), (3, 4), (2, 64), (3, 64)] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let n = pg.size();
             let cols = 1024; // 4 Ki elements run direct, 64 Ki lent
@@ -415,7 +418,7 @@ fn into_collectives_reuse_the_callers_buffer() {
 /// hang, and leaves `out` zeroed; the group works on afterwards.
 #[test]
 fn into_collectives_reject_a_wrong_out_on_every_member() {
-    spawn(3, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let x = Tensor::from_vec(vec![pg.rank() as f32 + 1.0; 6], [2, 3])?;
         let good = Tensor::from_vec(vec![7.0f32; 6], [2, 3])?;
@@ -455,7 +458,7 @@ fn into_collectives_reject_a_wrong_out_on_every_member() {
 #[test]
 fn all_reduce_in_place_equals_all_reduce() {
     for world in [2, 3, 4] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let (n, r) = (pg.size(), pg.rank());
             // 1 << 14 elements is the in-place size; 4 * 12503 splits unevenly on 3 and 4.
@@ -498,7 +501,7 @@ fn all_reduce_in_place_equals_all_reduce() {
 #[test]
 fn all_reduce_into_equals_all_reduce() {
     for world in [2, 3, 4] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let (n, r) = (pg.size(), pg.rank());
             let mut cases: Vec<(Vec<usize>, DType, ReduceOp)> = Vec::new();
@@ -544,7 +547,7 @@ fn all_reduce_into_equals_all_reduce() {
 #[test]
 fn large_all_gathers_equal_the_concatenation() {
     for world in [2, 3] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let (n, r) = (pg.size(), pg.rank());
             // f32: (4 Mi + 13) rows of 1 (dim 0); bf16: [1031, 2 Ki + 7] along dim 1.
@@ -578,7 +581,7 @@ fn large_all_gathers_equal_the_concatenation() {
 #[test]
 fn all_reduce_into_mixes_with_other_calls_and_shared_inputs() {
     let shared = Tensor::from_vec(vec![1.5f32; 1 << 15], [1 << 15]).unwrap();
-    spawn(3, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let r = pg.rank();
         let x = || Tensor::from_vec(vec![r as f32 + 1.0; 1 << 15], [1 << 15]);
@@ -610,7 +613,7 @@ fn all_reduce_into_mixes_with_other_calls_and_shared_inputs() {
 #[test]
 fn all_reduce_in_place_mixes_with_all_reduce_and_shared_storage() {
     let shared = Tensor::from_vec(vec![1.5f32; 1 << 15], [1 << 15]).unwrap();
-    spawn(3, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let r = pg.rank();
         let x = || Tensor::from_vec(vec![r as f32 + 1.0; 1 << 15], [1 << 15]);
@@ -636,7 +639,7 @@ fn all_reduce_in_place_mixes_with_all_reduce_and_shared_storage() {
 /// the group goes on.
 #[test]
 fn all_reduce_in_place_rejects_bad_input_on_every_member() {
-    spawn(3, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let r = pg.rank();
         let x = |len: usize| Tensor::from_vec(vec![r as f32 + 1.0; len], [len]);

@@ -5,7 +5,7 @@
 
 use std::sync::Once;
 
-use tpar_collectives::{spawn, CollectiveError, ProcessGroup, ReduceOp};
+use tpar_collectives::{spawn_scoped, CollectiveError, ProcessGroup, ReduceOp, SpawnConfig};
 use tpar_tensor::gpu::{self, EmulatedGpu};
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
@@ -91,7 +91,7 @@ fn run_all(pg: &ProcessGroup, x: &[Tensor; 4], dtype: DType) -> Result<Vec<Tenso
 /// results on the caller's device, bit-equal to the host collectives'.
 fn check(world: usize, ordinal_of: fn(usize) -> usize) {
     emulated_devices();
-    spawn(world, |ctx| -> Result<(), BoxErr> {
+    spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), BoxErr> {
         let pg = ctx.world_group();
         let r = pg.rank();
         let here = Device::Cuda(ordinal_of(r));
@@ -164,7 +164,7 @@ fn four_ranks_on_four_devices() {
 fn all_reduce_is_bit_identical_on_every_rank() {
     emulated_devices();
     // Many bf16 terms: any other summation order or rounding would show.
-    let results = spawn(4, |ctx| -> Result<Vec<u64>, BoxErr> {
+    let results = spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<Vec<u64>, BoxErr> {
         let pg = ctx.world_group();
         let mut rng = Rng::new(7 + pg.rank() as u64);
         let t = sample(&[64, 33], DType::BF16, &mut rng)?.to_device(Device::Cuda(pg.rank()))?;
@@ -179,7 +179,7 @@ fn all_reduce_is_bit_identical_on_every_rank() {
 #[test]
 fn host_and_cuda_members_mix() {
     emulated_devices();
-    spawn(3, |ctx| -> Result<(), BoxErr> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), BoxErr> {
         let pg = ctx.world_group();
         let r = pg.rank();
         let here = if r == 0 { Device::Cpu } else { Device::Cuda(r) };
@@ -212,7 +212,7 @@ fn host_and_cuda_members_mix() {
 #[test]
 fn a_meta_member_among_cuda_members_is_a_typed_mismatch() {
     emulated_devices();
-    let r = spawn(2, |ctx| -> Result<(), CollectiveError> {
+    let r = spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let d = if pg.rank() == 0 { Device::Meta } else { Device::Cuda(0) };
         let t = Tensor::zeros([4], DType::F32, d)?;
@@ -225,7 +225,7 @@ fn a_meta_member_among_cuda_members_is_a_typed_mismatch() {
 #[test]
 fn recv_shaped_delivers_on_the_requested_device() {
     emulated_devices();
-    spawn(2, |ctx| -> Result<(), BoxErr> {
+    spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), BoxErr> {
         let pg = ctx.world_group();
         let host = Tensor::from_vec(vec![1.5f32, -2.0, 3.25, 0.0, 7.0, 8.5], [2, 3])?;
         if pg.rank() == 0 {

@@ -3,7 +3,7 @@
 //! error. Never a hang, never a panic out of `spawn`.
 
 use std::error::Error;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tpar_collectives::{spawn, spawn_with, CollectiveError, ReduceOp, SpawnConfig, World};
@@ -21,9 +21,10 @@ type Outcome = (Result<Vec<()>, CollectiveError>, Vec<Option<CollectiveError>>, 
 /// after the first. Returns spawn's result, the error each rank's second all_reduce
 /// returned, and the elapsed time.
 fn all_reduce_in(world: usize, timeout: Duration, culprit: usize, bad: fn(usize)) -> Outcome {
-    let seen = Mutex::new(vec![None; world]);
+    let seen = Arc::new(Mutex::new(vec![None; world]));
+    let seen2 = Arc::clone(&seen);
     let t0 = Instant::now();
-    let r = spawn_with(SpawnConfig::new(world).timeout(timeout), |ctx| {
+    let r = spawn_with(SpawnConfig::new(world).timeout(timeout), move |ctx| {
         let pg = ctx.world_group();
         let rank = ctx.rank();
         pg.all_reduce(&x(&[8], DType::F32), ReduceOp::Sum)?; // everyone in step first
@@ -36,11 +37,12 @@ fn all_reduce_in(world: usize, timeout: Duration, culprit: usize, bad: fn(usize)
         }
         let out = pg.all_reduce(&x(&[8], DType::F32), ReduceOp::Sum).map(|_| ());
         if let Err(e) = &out {
-            seen.lock().unwrap()[rank] = Some(e.clone());
+            seen2.lock().unwrap()[rank] = Some(e.clone());
         }
         out
     });
-    (r, seen.into_inner().unwrap(), t0.elapsed())
+    let seen = seen.lock().unwrap().clone();
+    (r, seen, t0.elapsed())
 }
 
 #[test]
@@ -83,23 +85,24 @@ fn a_rank_returning_an_error_fails_its_peers_promptly() {
 #[test]
 fn an_absent_rank_times_out_naming_it() {
     let timeout = Duration::from_millis(500);
-    let seen = Mutex::new(vec![None; 3]);
+    let seen = Arc::new(Mutex::new(vec![None; 3]));
+    let seen2 = Arc::clone(&seen);
     let t0 = Instant::now();
-    let r = spawn_with(SpawnConfig::new(3).timeout(timeout), |ctx| {
+    let r = spawn_with(SpawnConfig::new(3).timeout(timeout), move |ctx| {
         if ctx.rank() == 1 {
-            // Alive but never joins.
-            std::thread::sleep(Duration::from_millis(1500));
+            // Alive but never joins; done before spawn_with's grace after the timeout ends.
+            std::thread::sleep(Duration::from_millis(700));
             return Ok(());
         }
         let out = ctx.world_group().all_gather(&x(&[2], DType::BF16), 0).map(|_| ());
         if let Err(e) = &out {
-            seen.lock().unwrap()[ctx.rank()] = Some(e.clone());
+            seen2.lock().unwrap()[ctx.rank()] = Some(e.clone());
         }
         out
     });
     let dt = t0.elapsed();
     match r {
-        Err(CollectiveError::Timeout { waiting_for, after, op, group }) => {
+        Err(CollectiveError::Timeout { waiting_for, after, op, group, .. }) => {
             assert_eq!(
                 (waiting_for, after, op, group),
                 (vec![1], timeout, "all_gather", vec![0, 1, 2])
@@ -116,15 +119,16 @@ fn an_absent_rank_times_out_naming_it() {
 
 #[test]
 fn a_rank_that_leaves_without_joining_is_named_at_once() {
-    let seen = Mutex::new(vec![None; 4]);
+    let seen = Arc::new(Mutex::new(vec![None; 4]));
+    let seen2 = Arc::clone(&seen);
     let t0 = Instant::now();
-    let r = spawn(4, |ctx| -> Result<(), CollectiveError> {
+    let r = spawn(4, move |ctx| -> Result<(), CollectiveError> {
         if ctx.rank() == 3 {
             return Ok(());
         }
         let out = ctx.world_group().barrier();
         if let Err(e) = &out {
-            seen.lock().unwrap()[ctx.rank()] = Some(e.clone());
+            seen2.lock().unwrap()[ctx.rank()] = Some(e.clone());
         }
         out
     });
@@ -147,7 +151,7 @@ fn a_lending_all_reduce_without_a_peer_fails_naming_it_and_keeps_values() {
     for (absent, into) in [(true, false), (false, false), (true, true), (false, true)] {
         let timeout = Duration::from_millis(1000);
         let t0 = Instant::now();
-        let r = spawn_with(SpawnConfig::new(3).timeout(timeout), |ctx| {
+        let r = spawn_with(SpawnConfig::new(3).timeout(timeout), move |ctx| {
             if ctx.rank() == 2 {
                 if absent {
                     std::thread::sleep(Duration::from_millis(2500));
@@ -177,14 +181,18 @@ fn a_lending_all_reduce_without_a_peer_fails_naming_it_and_keeps_values() {
 fn expect_mismatch(
     world: usize,
     culprit: usize,
-    f: impl Fn(&tpar_collectives::ProcessGroup, usize) -> Result<Tensor, CollectiveError> + Sync,
+    f: impl Fn(&tpar_collectives::ProcessGroup, usize) -> Result<Tensor, CollectiveError>
+        + Send
+        + Sync
+        + 'static,
 ) {
-    let seen = Mutex::new(vec![None; world]);
+    let seen = Arc::new(Mutex::new(vec![None; world]));
+    let seen2 = Arc::clone(&seen);
     let t0 = Instant::now();
-    let r = spawn_with(SpawnConfig::new(world).timeout(LONG), |ctx| {
+    let r = spawn_with(SpawnConfig::new(world).timeout(LONG), move |ctx| {
         let out = f(&ctx.world_group(), ctx.rank()).map(|_| ());
         if let Err(e) = &out {
-            seen.lock().unwrap()[ctx.rank()] = Some(e.clone());
+            seen2.lock().unwrap()[ctx.rank()] = Some(e.clone());
         }
         out
     });
@@ -193,7 +201,7 @@ fn expect_mismatch(
         Err(CollectiveError::Mismatch { rank, .. }) => assert_eq!(*rank, culprit, "{r:?}"),
         other => panic!("expected a mismatch naming {culprit}, got {other:?}"),
     }
-    for (rank, e) in seen.into_inner().unwrap().into_iter().enumerate() {
+    for (rank, e) in seen.lock().unwrap().clone().into_iter().enumerate() {
         match e {
             Some(CollectiveError::Mismatch { rank: c, .. }) => assert_eq!(c, culprit),
             other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
@@ -248,19 +256,20 @@ fn different_shapes_are_a_mismatch_naming_the_minority() {
 
 #[test]
 fn an_invalid_argument_on_one_rank_fails_all_ranks_at_once() {
-    let seen = Mutex::new(vec![None; 3]);
+    let seen = Arc::new(Mutex::new(vec![None; 3]));
+    let seen2 = Arc::clone(&seen);
     let t0 = Instant::now();
-    let r = spawn_with(SpawnConfig::new(3).timeout(LONG), |ctx| {
+    let r = spawn_with(SpawnConfig::new(3).timeout(LONG), move |ctx| {
         let src = if ctx.rank() == 2 { 7 } else { 0 };
         let out = ctx.world_group().broadcast(&x(&[2], DType::F32), src).map(|_| ());
         if let Err(e) = &out {
-            seen.lock().unwrap()[ctx.rank()] = Some(e.clone());
+            seen2.lock().unwrap()[ctx.rank()] = Some(e.clone());
         }
         out
     });
     assert!(t0.elapsed() < Duration::from_secs(5));
     assert!(matches!(r, Err(CollectiveError::InvalidArgument { .. })), "{r:?}");
-    for (rank, e) in seen.into_inner().unwrap().into_iter().enumerate() {
+    for (rank, e) in seen.lock().unwrap().clone().into_iter().enumerate() {
         let msg = e.map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.contains("src 7") || msg.contains("rank 2"), "rank {rank}: {msg}");
     }
@@ -271,7 +280,8 @@ fn recv_times_out_or_fails_naming_the_sender() {
     let timeout = Duration::from_millis(300);
     let r = spawn_with(SpawnConfig::new(2).timeout(timeout), |ctx| {
         if ctx.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(800));
+            // Back before spawn_with stops waiting (one timeout after rank 0's).
+            std::thread::sleep(Duration::from_millis(450));
             return Ok(());
         }
         ctx.world_group().recv(1).map(|_| ())
@@ -337,6 +347,7 @@ fn errors_convert_into_tensor_errors() {
         group: vec![0, 1],
         waiting_for: vec![1],
         after: Duration::from_secs(1),
+        chain: Vec::new(),
     };
     let t: tpar_tensor::TensorError = e.into();
     assert!(t.to_string().contains("waiting for rank(s) [1]"), "{t}");

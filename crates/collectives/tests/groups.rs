@@ -7,14 +7,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
-use tpar_collectives::{spawn, spawn_with, CollectiveError, CollectiveKind, ReduceOp, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveError, CollectiveKind, ReduceOp, SpawnConfig};
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
 /// On a rows x cols mesh (rank = row * cols + col), every rank alternates collectives on
 /// its row group and its column group; results must only mix the right ranks.
 fn mesh_groups(rows: usize, cols: usize) {
     let world = rows * cols;
-    spawn(world, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
         let r = ctx.rank();
         let (row, col) = (r / cols, r % cols);
         let row_ranks: Vec<usize> = (0..cols).map(|c| row * cols + c).collect();
@@ -72,7 +72,7 @@ fn mesh_3x2_sub_group_of_sub_group() {
 
 #[test]
 fn group_ranks_and_validation() {
-    spawn(4, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         assert_eq!((pg.size(), pg.rank(), pg.global_rank()), (4, ctx.rank(), ctx.rank()));
         assert_eq!(pg.backend_name(), "local");
@@ -113,7 +113,7 @@ fn group_ranks_and_validation() {
 #[test]
 fn send_recv_ring_is_fifo_per_pair() {
     for world in [1usize, 2, 3, 5] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let (me, n) = (pg.rank(), pg.size());
             let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
@@ -141,7 +141,7 @@ fn send_recv_ring_is_fifo_per_pair() {
 #[test]
 fn pipeline_style_send_recv_on_a_sub_group() {
     // Stages 0 -> 1 -> 2 on a pp group, independently in two dp replicas.
-    spawn(6, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(6), |ctx| -> Result<(), CollectiveError> {
         let (dp, stage) = (ctx.rank() / 3, ctx.rank() % 3);
         let pp = ctx.new_group(&[dp * 3, dp * 3 + 1, dp * 3 + 2])?;
         for mb in 0..5 {
@@ -164,7 +164,7 @@ fn pipeline_style_send_recv_on_a_sub_group() {
 
 #[test]
 fn async_work_overlaps_and_keeps_order() {
-    spawn(4, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let mut rng = Rng::new(5);
         let xs: Vec<Tensor> = (0..6)
@@ -199,7 +199,7 @@ fn async_work_overlaps_and_keeps_order() {
 
 #[test]
 fn async_errors_come_back_through_wait() {
-    let r = spawn_with(SpawnConfig::new(2).timeout(Duration::from_millis(500)), |ctx| {
+    let r = spawn_scoped(SpawnConfig::new(2).timeout(Duration::from_millis(500)), |ctx| {
         let pg = ctx.world_group();
         let x = Tensor::zeros([3], DType::F32, Device::Cpu)?;
         let w = if ctx.rank() == 0 {
@@ -217,41 +217,44 @@ fn async_errors_come_back_through_wait() {
 
 #[test]
 fn comm_debug_counts_exactly_what_ran() {
-    let counts = spawn(3, |ctx| -> Result<BTreeMap<CollectiveKind, usize>, CollectiveError> {
-        let pg = ctx.world_group();
-        let dbg = ctx.comm_debug();
-        let x = Tensor::zeros([6, 2], DType::BF16, Device::Cpu)?;
-        pg.all_reduce(&x, ReduceOp::Sum)?; // not recorded: disabled
-        assert_eq!(dbg.total(), 0);
-        dbg.enable();
-        pg.all_reduce(&x, ReduceOp::Sum)?;
-        pg.all_reduce(&x, ReduceOp::Avg)?;
-        pg.all_gather(&x, 1)?;
-        pg.reduce_scatter(&x, 0, ReduceOp::Sum)?;
-        pg.all_to_all(&x, 0, 0)?;
-        pg.broadcast(&x, 0)?;
-        pg.barrier()?;
-        pg.all_gather_async(&x, 0).wait()?;
-        let sub = ctx.new_group(&[ctx.rank()])?;
-        sub.all_reduce(&x, ReduceOp::Max)?;
-        let recs = dbg.records();
-        assert_eq!(recs[0].op, Some(ReduceOp::Sum));
-        assert_eq!(recs[0].bytes, 24);
-        assert_eq!(recs[0].group, vec![0, 1, 2]);
-        assert_eq!(recs[0].shape, vec![6, 2]);
-        assert_eq!(recs.last().map(|r| r.group.clone()), Some(vec![ctx.rank()]));
-        assert!(recs.iter().any(|r| r.is_async));
-        assert_eq!(dbg.bytes(CollectiveKind::AllReduce), 3 * 24);
-        let bc = recs.iter().find(|r| r.kind == CollectiveKind::Broadcast).unwrap();
-        assert_eq!(bc.bytes, if ctx.rank() == 0 { 24 } else { 0 });
-        let counts = dbg.counts();
-        dbg.clear();
-        assert_eq!(dbg.total(), 0);
-        dbg.disable();
-        pg.barrier()?;
-        assert_eq!(dbg.total(), 0);
-        Ok(counts)
-    })
+    let counts = spawn_scoped(
+        SpawnConfig::new(3),
+        |ctx| -> Result<BTreeMap<CollectiveKind, usize>, CollectiveError> {
+            let pg = ctx.world_group();
+            let dbg = ctx.comm_debug();
+            let x = Tensor::zeros([6, 2], DType::BF16, Device::Cpu)?;
+            pg.all_reduce(&x, ReduceOp::Sum)?; // not recorded: disabled
+            assert_eq!(dbg.total(), 0);
+            dbg.enable();
+            pg.all_reduce(&x, ReduceOp::Sum)?;
+            pg.all_reduce(&x, ReduceOp::Avg)?;
+            pg.all_gather(&x, 1)?;
+            pg.reduce_scatter(&x, 0, ReduceOp::Sum)?;
+            pg.all_to_all(&x, 0, 0)?;
+            pg.broadcast(&x, 0)?;
+            pg.barrier()?;
+            pg.all_gather_async(&x, 0).wait()?;
+            let sub = ctx.new_group(&[ctx.rank()])?;
+            sub.all_reduce(&x, ReduceOp::Max)?;
+            let recs = dbg.records();
+            assert_eq!(recs[0].op, Some(ReduceOp::Sum));
+            assert_eq!(recs[0].bytes, 24);
+            assert_eq!(recs[0].group, vec![0, 1, 2]);
+            assert_eq!(recs[0].shape, vec![6, 2]);
+            assert_eq!(recs.last().map(|r| r.group.clone()), Some(vec![ctx.rank()]));
+            assert!(recs.iter().any(|r| r.is_async));
+            assert_eq!(dbg.bytes(CollectiveKind::AllReduce), 3 * 24);
+            let bc = recs.iter().find(|r| r.kind == CollectiveKind::Broadcast).unwrap();
+            assert_eq!(bc.bytes, if ctx.rank() == 0 { 24 } else { 0 });
+            let counts = dbg.counts();
+            dbg.clear();
+            assert_eq!(dbg.total(), 0);
+            dbg.disable();
+            pg.barrier()?;
+            assert_eq!(dbg.total(), 0);
+            Ok(counts)
+        },
+    )
     .unwrap();
     let want: BTreeMap<CollectiveKind, usize> = [
         (CollectiveKind::AllReduce, 3),

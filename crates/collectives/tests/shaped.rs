@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::rand_tensor;
-use tpar_collectives::{spawn, spawn_with, CollectiveError, CollectiveKind, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveError, CollectiveKind, SpawnConfig};
 use tpar_tensor::{DType, Device, Rng, Tensor};
 
 /// The dtypes and shapes of the round trips, the empty and 0-d tensors included.
@@ -32,7 +32,7 @@ fn payload(r: usize, k: usize, dtype: DType, dims: &[usize]) -> Tensor {
 #[test]
 fn round_trips_every_dtype_around_a_ring_of_2_and_3() {
     for world in [2usize, 3] {
-        spawn(world, |ctx| -> Result<(), CollectiveError> {
+        spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
             let pg = ctx.world_group();
             let (me, n) = (pg.rank(), pg.size());
             let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
@@ -54,7 +54,7 @@ fn round_trips_every_dtype_around_a_ring_of_2_and_3() {
 
 #[test]
 fn shaped_transfers_are_fifo_per_pair_and_keep_order_with_send() {
-    spawn(3, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let me = pg.rank();
         let dims = |k: usize| vec![k % 3 + 1, 2];
@@ -93,7 +93,7 @@ fn shaped_transfers_are_fifo_per_pair_and_keep_order_with_send() {
 
 #[test]
 fn a_rank_may_send_to_itself_and_sub_groups_use_group_ranks() {
-    spawn(4, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let t = Tensor::from_vec(vec![ctx.rank() as f32, 1.0], [1, 2])?;
         pg.send_shaped(&t, pg.rank())?;
@@ -114,7 +114,7 @@ fn a_rank_may_send_to_itself_and_sub_groups_use_group_ranks() {
 
 #[test]
 fn meta_tensors_move_no_data_and_keep_their_shape() {
-    spawn(2, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         if pg.rank() == 0 {
             pg.send_shaped(&Tensor::empty([6, 2], DType::BF16, Device::Meta)?, 1)?;
@@ -140,7 +140,7 @@ fn receiver_error(
 ) -> CollectiveError {
     let seen = Mutex::new(None);
     let t0 = Instant::now();
-    let r = spawn(world, |ctx| -> Result<(), CollectiveError> {
+    let r = spawn_scoped(SpawnConfig::new(world), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         if pg.rank() == from {
             if plain {
@@ -233,7 +233,7 @@ fn a_dead_sender_makes_recv_shaped_fail_promptly() {
     // The sender's rank function fails without sending.
     let seen = Mutex::new(None);
     let t0 = Instant::now();
-    let r = spawn(2, |ctx| -> Result<(), CollectiveError> {
+    let r = spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         if pg.rank() == 1 {
             return Err(CollectiveError::InvalidArgument { op: "stage", why: "boom".into() });
@@ -251,7 +251,7 @@ fn a_dead_sender_makes_recv_shaped_fail_promptly() {
 
     // The sender returns Ok without sending: the receiver fails naming it.
     let t0 = Instant::now();
-    let r = spawn(3, |ctx| -> Result<(), CollectiveError> {
+    let r = spawn_scoped(SpawnConfig::new(3), |ctx| -> Result<(), CollectiveError> {
         if ctx.rank() == 0 {
             ctx.world_group().recv_shaped(2, &[1], DType::I64, Device::Cpu)?;
         }
@@ -262,7 +262,7 @@ fn a_dead_sender_makes_recv_shaped_fail_promptly() {
     assert!(matches!(e, CollectiveError::PeerFailed { op: "recv_shaped", rank: 2, .. }), "{e}");
 
     // A sender that is only late: the group's timeout.
-    let r = spawn_with(SpawnConfig::new(2).timeout(Duration::from_millis(300)), |ctx| {
+    let r = spawn_scoped(SpawnConfig::new(2).timeout(Duration::from_millis(300)), |ctx| {
         if ctx.rank() == 1 {
             std::thread::sleep(Duration::from_millis(800));
             return Ok(());
@@ -279,7 +279,7 @@ fn a_dead_sender_makes_recv_shaped_fail_promptly() {
 
 #[test]
 fn bad_ranks_are_refused_and_calls_are_recorded() {
-    spawn(2, |ctx| -> Result<(), CollectiveError> {
+    spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), CollectiveError> {
         let pg = ctx.world_group();
         let t = Tensor::zeros([2, 3], DType::BF16, Device::Cpu)?;
         let e = pg.send_shaped(&t, 2).unwrap_err();

@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use tpar_collectives::{spawn, ProcessGroup, ReduceOp as CommOp};
+use tpar_collectives::{spawn_scoped, ProcessGroup, ReduceOp as CommOp, SpawnConfig};
 use tpar_dtensor::{DTensor, DTensorError, Placement, ReduceOp};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_tensor::{DType, Device, Tensor};
@@ -53,38 +53,41 @@ fn compare(
 
 fn main() -> Result<(), DTensorError> {
     let shape = [ROWS, COLS];
-    let rows = spawn(WORLD, |ctx| -> Result<Vec<(String, Duration, Duration)>, DTensorError> {
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[WORLD], &["tp"])?;
-        let pg = mesh.group(0)?.clone();
-        let psum = [Placement::Partial(ReduceOp::Sum)];
-        let mut out = Vec::new();
+    let rows = spawn_scoped(
+        SpawnConfig::new(WORLD),
+        |ctx| -> Result<Vec<(String, Duration, Duration)>, DTensorError> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[WORLD], &["tp"])?;
+            let pg = mesh.group(0)?.clone();
+            let psum = [Placement::Partial(ReduceOp::Sum)];
+            let mut out = Vec::new();
 
-        let shard = Tensor::ones([ROWS / WORLD, COLS], DType::F32, Device::Cpu)?;
-        let d = DTensor::from_local(&shard, &mesh, &[Placement::Shard(0)], Some(&shape))?;
-        let (raw, red) = compare(
-            &pg,
-            || Ok(pg.all_gather(&shard, 0)?),
-            || Ok(d.redistribute(&[Placement::Replicate])?.to_local()),
-        )?;
-        out.push(("Shard(0) -> Replicate vs all_gather".to_string(), raw, red));
+            let shard = Tensor::ones([ROWS / WORLD, COLS], DType::F32, Device::Cpu)?;
+            let d = DTensor::from_local(&shard, &mesh, &[Placement::Shard(0)], Some(&shape))?;
+            let (raw, red) = compare(
+                &pg,
+                || Ok(pg.all_gather(&shard, 0)?),
+                || Ok(d.redistribute(&[Placement::Replicate])?.to_local()),
+            )?;
+            out.push(("Shard(0) -> Replicate vs all_gather".to_string(), raw, red));
 
-        let full = Tensor::ones(shape, DType::F32, Device::Cpu)?;
-        let p = DTensor::from_local(&full, &mesh, &psum, Some(&shape))?;
-        let (raw, red) = compare(
-            &pg,
-            || Ok(pg.reduce_scatter(&full, 0, CommOp::Sum)?),
-            || Ok(p.redistribute(&[Placement::Shard(0)])?.to_local()),
-        )?;
-        out.push(("Partial(sum) -> Shard(0) vs reduce_scatter".to_string(), raw, red));
+            let full = Tensor::ones(shape, DType::F32, Device::Cpu)?;
+            let p = DTensor::from_local(&full, &mesh, &psum, Some(&shape))?;
+            let (raw, red) = compare(
+                &pg,
+                || Ok(pg.reduce_scatter(&full, 0, CommOp::Sum)?),
+                || Ok(p.redistribute(&[Placement::Shard(0)])?.to_local()),
+            )?;
+            out.push(("Partial(sum) -> Shard(0) vs reduce_scatter".to_string(), raw, red));
 
-        let (raw, red) = compare(
-            &pg,
-            || Ok(pg.all_reduce(&full, CommOp::Sum)?),
-            || Ok(p.redistribute(&[Placement::Replicate])?.to_local()),
-        )?;
-        out.push(("Partial(sum) -> Replicate vs all_reduce".to_string(), raw, red));
-        Ok(out)
-    })?;
+            let (raw, red) = compare(
+                &pg,
+                || Ok(pg.all_reduce(&full, CommOp::Sum)?),
+                || Ok(p.redistribute(&[Placement::Replicate])?.to_local()),
+            )?;
+            out.push(("Partial(sum) -> Replicate vs all_reduce".to_string(), raw, red));
+            Ok(out)
+        },
+    )?;
     println!(
         "redistribute overhead, 64 MiB f32 global ({ROWS}x{COLS}), world {WORLD} (local backend), \
          median of {ITERS}, rank 0"

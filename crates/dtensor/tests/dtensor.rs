@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tpar_collectives::{spawn_with, CollectiveKind, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveKind, SpawnConfig};
 use tpar_dtensor::{distribute_tensor, DTensor, DTensorError, Placement, ReduceOp};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_tensor::{tol::Tol, DType, Rng, Tensor};
@@ -21,7 +21,7 @@ fn run<R: Send>(
     let n: usize = mesh_shape.iter().product();
     let names: Vec<String> = (0..mesh_shape.len()).map(|i| format!("d{i}")).collect();
     let cfg = SpawnConfig::new(n).timeout(Duration::from_secs(20));
-    spawn_with(cfg, |ctx| {
+    spawn_scoped(cfg, |ctx| {
         let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, mesh_shape, &names)?;
         f(&mesh, ctx.rank())

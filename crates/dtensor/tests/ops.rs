@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use tpar_collectives::{spawn_with, CollectiveKind, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveKind, SpawnConfig};
 use tpar_dtensor::{
     distribute_tensor, strict, take_implicit_redistributions, DTensor, DTensorError, Placement,
     ReduceOp,
@@ -37,7 +37,7 @@ fn try_run<R: Send>(
     let n: usize = mesh_shape.iter().product();
     let names: Vec<String> = (0..mesh_shape.len()).map(|i| format!("d{i}")).collect();
     let cfg = SpawnConfig::new(n).timeout(Duration::from_secs(20));
-    spawn_with(cfg, |ctx| {
+    spawn_scoped(cfg, |ctx| {
         let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, mesh_shape, &names)?;
         f(&mesh, ctx.rank())

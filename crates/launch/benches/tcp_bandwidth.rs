@@ -32,7 +32,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tpar_collectives::tcp::{TCP_SHM_ENV, TCP_SHM_MIN_ENV};
-use tpar_collectives::{spawn, CollectiveError, ProcessGroup, ReduceOp};
+use tpar_collectives::{spawn_scoped, CollectiveError, ProcessGroup, ReduceOp, SpawnConfig};
 use tpar_tensor::Tensor;
 
 const MIB: usize = 1 << 20;
@@ -420,10 +420,13 @@ fn main() -> Res<()> {
         // busbw of the local backend by op and size.
         let mut local: Vec<(Op, usize, f64)> = Vec::new();
         for &op in &ops {
-            let rows = spawn(world, |ctx| -> Result<Vec<(Duration, f64)>, CollectiveError> {
-                let pg = ctx.world_group();
-                sizes.iter().map(|&s| time_op(&pg, op, s, false)).collect()
-            })?;
+            let rows = spawn_scoped(
+                SpawnConfig::new(world),
+                |ctx| -> Result<Vec<(Duration, f64)>, CollectiveError> {
+                    let pg = ctx.world_group();
+                    sizes.iter().map(|&s| time_op(&pg, op, s, false)).collect()
+                },
+            )?;
             for (i, (&size, &(time, cpu))) in sizes.iter().zip(&rows[0]).enumerate() {
                 let row = Row {
                     world,

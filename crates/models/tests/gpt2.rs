@@ -7,7 +7,7 @@
 use std::f64::consts::PI;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_scoped, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_nn::{
     call, module_boilerplate, named_parameters, reset_parameters, Args, AttentionHeads, Embedding,
@@ -321,7 +321,7 @@ fn plan_err(e: PlanError) -> NnError {
 /// Runs on a (dp, tp) mesh: TP by plan on every block and the head, FSDP per block and
 /// at the root when dp > 1.
 fn sharded(dp: usize, tp: usize) -> Vec<(usize, Outcome)> {
-    spawn_with(SpawnConfig::new(dp * tp).timeout(Duration::from_secs(60)), |ctx| {
+    spawn_scoped(SpawnConfig::new(dp * tp).timeout(Duration::from_secs(60)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
         let mut model = Gpt2::new()?;
         for block in &mut model.h.items {
@@ -378,7 +378,7 @@ fn tp_times_fsdp_gpt2_equals_the_unsharded_model() {
 /// and head-sharding 4 heads over 3 ranks is refused before anything changes.
 #[test]
 fn the_plan_check_works_on_a_user_model() {
-    let errs = spawn_with(SpawnConfig::new(3).timeout(Duration::from_secs(30)), |ctx| {
+    let errs = spawn_scoped(SpawnConfig::new(3).timeout(Duration::from_secs(30)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[3], &["tp"])?;
         let model = Gpt2::new()?;
         let typo = ParallelizePlan::new().add("h.0.attn.c_qq", ColwiseParallel::new());

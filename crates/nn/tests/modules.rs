@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_scoped, SpawnConfig};
 use tpar_dtensor::distribute_tensor;
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
@@ -77,7 +77,7 @@ fn deferred_init_materializes_only_local_shards() {
     let full: Vec<(String, Tensor)> =
         named_parameters(&reference).into_iter().map(|(n, p)| (n, p.local())).collect();
     let total: usize = full.iter().map(|(_, t)| t.numel()).sum();
-    let locals = spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(30)), |ctx| {
+    let locals = spawn_scoped(SpawnConfig::new(2).timeout(Duration::from_secs(30)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         parallelize_llama(&mut model, &mesh, &megatron_layer_plan())

@@ -3,7 +3,7 @@
 
 use std::f64::consts::PI;
 
-use tpar_collectives::{spawn, CollectiveKind};
+use tpar_collectives::{spawn_scoped, CollectiveKind, SpawnConfig};
 use tpar_dtensor::{distribute_tensor, DTensor, DeviceMesh, Placement, ReduceOp};
 use tpar_mesh::DeviceType;
 use tpar_nn::{NnError, Param};
@@ -264,7 +264,7 @@ fn sharded_adamw_and_sgd_equal_the_unsharded_step_sliced() {
         sgd_ref(&mut sb, &grads_b[s], &mut bb, &sgd);
     }
 
-    let out = spawn(2, |ctx| -> Result<_, NnError> {
+    let out = spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<_, NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
         let r = ctx.rank();
         let mk = |full: &[f64], dims: &[usize], pl: Placement| -> Result<Param, NnError> {
@@ -375,7 +375,7 @@ fn clip_grad_norm_on_shards_equals_the_unsharded_norm_and_scaling() {
             let want = case.norm();
             let max_norm = 1.0;
             let coef = (max_norm / (want + 1e-6)).min(1.0);
-            let out = spawn(k, |ctx| -> Result<_, NnError> {
+            let out = spawn_scoped(SpawnConfig::new(k), |ctx| -> Result<_, NnError> {
                 let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[k], &["tp"])?;
                 let params = clip_params(&mesh, &case)?;
                 let dbg = ctx.comm_debug();
@@ -418,7 +418,7 @@ fn clip_grad_norm_on_a_2d_mesh_and_a_sub_mesh() {
     let b = vals(5, 62);
     let c = vals(3, 63);
     let want: f64 = [&a, &b, &c].iter().flat_map(|v| v.iter()).map(|x| x * x).sum::<f64>().sqrt();
-    let out = spawn(4, |ctx| -> Result<_, NnError> {
+    let out = spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<_, NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "tp"])?;
         let tp = mesh.dim("tp")?.clone();
         let mk = |v: &[f64],
@@ -575,7 +575,7 @@ fn lr_schedules_handle_degenerate_struct_literals_without_panicking() {
 fn dtensor_param_grad_after_clip_is_not_reduced_twice() {
     // A Replicate DTensor parameter trained through a real backward: clip, then the
     // optimizer step uses the same reduced gradient.
-    let out = spawn(2, |ctx| -> Result<_, NnError> {
+    let out = spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<_, NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
         let w = Tensor::from_f64(&[1.0, -2.0, 3.0], [3], DType::F64)?.requires_grad_(true);
         let d = distribute_tensor(&w, &mesh, &[Replicate])?;

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, ReduceOp, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveKind, CommRecord, ReduceOp, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
@@ -28,7 +28,7 @@ use common::{
 /// Runs one forward+backward on a (dp, tp) mesh; returns every rank's full gradients.
 fn run(dp: usize, tp: usize, mode: &str) -> Vec<BTreeMap<String, Vec<f64>>> {
     let mode = mode.to_string();
-    spawn_with(
+    spawn_scoped(
         SpawnConfig::new(dp * tp).timeout(Duration::from_secs(60)),
         |ctx| -> Result<_, NnError> {
             let mesh =
@@ -119,7 +119,7 @@ fn ddp_gradients_equal_the_unsharded_model() {
 #[test]
 fn ddp_all_reduces_each_dtype_in_that_dtype() {
     use tpar_nn::{Linear, ModuleList};
-    let out = spawn_with(
+    let out = spawn_scoped(
         SpawnConfig::new(2).timeout(Duration::from_secs(60)),
         |ctx| -> Result<_, NnError> {
             let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
@@ -248,22 +248,25 @@ fn assert_bf16_compute_f32_master(model: &LlamaForPretraining) -> Result<(), NnE
 /// shards and their gradients stay f32.
 #[test]
 fn fsdp_mixed_precision_computes_in_bf16_with_f32_master_shards() {
-    spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| -> Result<_, NnError> {
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
-        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
-        shard_model_with(&mut model, &mesh, &BF16_MP)?;
-        reset_parameters(&mut model, Device::Cpu, 3)?;
-        let (ids, tgt) = global_batch();
-        let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
-        let mask = Tensor::from_vec(vec![1i64, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1], [2, 6])?;
-        let logits = call(&model, Args::new(vec![Value::Tensor(ids), Value::Tensor(mask)]))?
-            .into_tensor("logits")?;
-        assert_eq!(logits.dtype(), DType::BF16, "logits under bf16 mixed precision");
-        let loss = logits.reshape([12, 40])?.cross_entropy(&tgt.reshape([12])?, -100)?;
-        assert!(loss.item()?.is_finite());
-        loss.backward()?;
-        assert_bf16_compute_f32_master(&model)
-    })
+    spawn_scoped(
+        SpawnConfig::new(2).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+            let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+            shard_model_with(&mut model, &mesh, &BF16_MP)?;
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+            let (ids, tgt) = global_batch();
+            let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
+            let mask = Tensor::from_vec(vec![1i64, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1], [2, 6])?;
+            let logits = call(&model, Args::new(vec![Value::Tensor(ids), Value::Tensor(mask)]))?
+                .into_tensor("logits")?;
+            assert_eq!(logits.dtype(), DType::BF16, "logits under bf16 mixed precision");
+            let loss = logits.reshape([12, 40])?.cross_entropy(&tgt.reshape([12])?, -100)?;
+            assert!(loss.item()?.is_finite());
+            loss.backward()?;
+            assert_bf16_compute_f32_master(&model)
+        },
+    )
     .unwrap();
 }
 
@@ -274,41 +277,44 @@ type Recorded = (Vec<CommRecord>, Vec<(String, usize)>, Vec<DType>);
 
 /// [`Recorded`] on each rank for `cfg` at dp = 2.
 fn record_fsdp_step(cfg: FsdpConfig) -> Vec<Recorded> {
-    spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| -> Result<_, NnError> {
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
-        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
-        shard_model_with(&mut model, &mesh, &cfg)?;
-        reset_parameters(&mut model, Device::Cpu, 3)?;
-        let (ids, tgt) = global_batch();
-        let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
-        let dbg = mesh.group(0)?.comm_debug();
-        dbg.enable();
-        unshard(&model).map_err(common::plan_err)?;
-        loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
-        dbg.disable();
-        let mut grad_dtypes = Vec::new();
-        for (name, p) in named_parameters(&model) {
-            let Param::Fsdp(f) = p else {
-                return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
-            };
-            grad_dtypes.push(f.sharded().grad().expect("a reduced gradient").dtype());
-        }
-        let units = fsdp_units(&model)
-            .into_iter()
-            .map(|(fqn, g)| {
-                let padded: usize = g
-                    .params()
-                    .iter()
-                    .map(|p| {
-                        let s = p.local_shape();
-                        s[0].div_ceil(2) * s[1..].iter().product::<usize>()
-                    })
-                    .sum();
-                (fqn, padded)
-            })
-            .collect();
-        Ok((dbg.take(), units, grad_dtypes))
-    })
+    spawn_scoped(
+        SpawnConfig::new(2).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<_, NnError> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+            let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+            shard_model_with(&mut model, &mesh, &cfg)?;
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+            let (ids, tgt) = global_batch();
+            let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
+            let dbg = mesh.group(0)?.comm_debug();
+            dbg.enable();
+            unshard(&model).map_err(common::plan_err)?;
+            loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
+            dbg.disable();
+            let mut grad_dtypes = Vec::new();
+            for (name, p) in named_parameters(&model) {
+                let Param::Fsdp(f) = p else {
+                    return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
+                };
+                grad_dtypes.push(f.sharded().grad().expect("a reduced gradient").dtype());
+            }
+            let units = fsdp_units(&model)
+                .into_iter()
+                .map(|(fqn, g)| {
+                    let padded: usize = g
+                        .params()
+                        .iter()
+                        .map(|p| {
+                            let s = p.local_shape();
+                            s[0].div_ceil(2) * s[1..].iter().product::<usize>()
+                        })
+                        .sum();
+                    (fqn, padded)
+                })
+                .collect();
+            Ok((dbg.take(), units, grad_dtypes))
+        },
+    )
     .unwrap()
 }
 
@@ -379,7 +385,7 @@ fn fsdp_collectives_run_in_param_and_reduce_dtypes() {
 /// unsharded model's.
 #[test]
 fn fsdp_issues_one_gather_and_one_reduce_per_unit_on_a_2x2_llama() {
-    let out = spawn_with(
+    let out = spawn_scoped(
         SpawnConfig::new(4).timeout(Duration::from_secs(60)),
         |ctx| -> Result<_, NnError> {
             let mesh =
@@ -462,7 +468,7 @@ fn a_unit_with_uneven_and_mixed_dtype_parameters_gathers_and_reduces_per_dtype()
             let n: usize = shapes[i].0.iter().product();
             (0..n).map(|e| ((e * 5 + i * 3) % 11) as f64 * 0.25 - 1.0).collect()
         };
-        let out = spawn_with(
+        let out = spawn_scoped(
             SpawnConfig::new(dp).timeout(Duration::from_secs(60)),
             |ctx| -> Result<_, NnError> {
                 let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp], &["dp"])?;
@@ -607,7 +613,7 @@ fn fsdp_over_one_dp_rank_trains_as_the_unsharded_model_without_collectives() {
     }
     mixed_precision_close_to_f32(1);
     for cfg in [FsdpConfig::default(), BF16_MP] {
-        let recs = spawn_with(SpawnConfig::new(1), |ctx| -> Result<_, NnError> {
+        let recs = spawn_scoped(SpawnConfig::new(1), |ctx| -> Result<_, NnError> {
             let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[1], &["dp"])?;
             let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
             shard_model_with(&mut model, &mesh, &cfg)?;
@@ -654,7 +660,7 @@ fn fsdp_mixed_precision_sgd_tracks_f32_sgd() {
 /// parameter.
 #[test]
 fn fsdp_parameters_are_dtensors_on_the_2d_mesh() {
-    let out = spawn_with(
+    let out = spawn_scoped(
         SpawnConfig::new(4).timeout(Duration::from_secs(60)),
         |ctx| -> Result<_, NnError> {
             let mesh =
@@ -699,7 +705,7 @@ fn fsdp_parameters_are_dtensors_on_the_2d_mesh() {
 #[test]
 fn fsdp_timeline_shows_prefetched_gathers_and_overlapped_reductions() {
     use tpar_parallel_styles::{set_fsdp_timeline, FsdpTimeline, TimelineEvent, TimelineKind};
-    let out = spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| {
+    let out = spawn_scoped(SpawnConfig::new(2).timeout(Duration::from_secs(60)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         shard_model(&mut model, &mesh)?;

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_scoped, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{
     megatron_layer_plan, parallelize_llama, sequence_parallel_layer_plan,
@@ -79,7 +79,7 @@ fn reference(dtype: DType) -> (f64, BTreeMap<String, Vec<f64>>) {
 type RankOut = (f64, BTreeMap<String, Vec<f64>>, u64);
 
 fn sharded(tp: usize, dtype: DType, layer_plan: &ParallelizePlan) -> Vec<RankOut> {
-    spawn_with(
+    spawn_scoped(
         SpawnConfig::new(tp).timeout(Duration::from_secs(60)),
         |ctx| -> Result<RankOut, tpar_nn::NnError> {
             let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[tp], &["tp"])?;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveKind, CommRecord, SpawnConfig};
 use tpar_dtensor::{distribute_tensor, Placement};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{
@@ -103,7 +103,7 @@ fn float_kinds(records: &[CommRecord]) -> Vec<CollectiveKind> {
 fn megatron_decoder_layer_collective_counts() {
     let (want_out, want_grads) = layer_reference();
     for tp in [2usize, 3] {
-        let outs = spawn_with(SpawnConfig::new(tp).timeout(Duration::from_secs(30)), |ctx| {
+        let outs = spawn_scoped(SpawnConfig::new(tp).timeout(Duration::from_secs(30)), |ctx| {
             let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[tp], &["tp"])?;
             let mut layer = LlamaDecoderLayer::new(&config(), Device::Meta)?;
             tpar_parallel_styles::parallelize_module(&mut layer, &mesh, &megatron_layer_plan())
@@ -183,7 +183,7 @@ fn megatron_decoder_layer_collective_counts() {
 fn on_two_ranks<R: Send>(
     f: impl Fn(&DeviceMesh, &mut LlamaForPretraining) -> R + Sync,
 ) -> (R, usize, bool) {
-    let mut outs = spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(30)), |ctx| {
+    let mut outs = spawn_scoped(SpawnConfig::new(2).timeout(Duration::from_secs(30)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         let dbg = mesh.group(0)?.comm_debug();
@@ -244,7 +244,7 @@ fn styles_that_do_not_fit_the_module_type_are_reported() {
 #[test]
 fn head_counts_that_do_not_divide_are_reported() {
     // 12 query heads and 6 kv heads over 4 ranks: the kv heads do not split.
-    let mut outs = spawn_with(SpawnConfig::new(4).timeout(Duration::from_secs(30)), |ctx| {
+    let mut outs = spawn_scoped(SpawnConfig::new(4).timeout(Duration::from_secs(30)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[4], &["tp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         let dbg = mesh.group(0)?.comm_debug();
@@ -362,7 +362,7 @@ fn layouts_that_cannot_meet_are_reported() {
 /// Runs one forward (traced) and backward of the tiny Llama under `layer_plan` at tp=2,
 /// returning rank 0's explanation and its hook byte totals.
 fn explained(layer_plan: &ParallelizePlan) -> (String, u64, u64) {
-    let mut outs = spawn_with(SpawnConfig::new(2).timeout(Duration::from_secs(30)), |ctx| {
+    let mut outs = spawn_scoped(SpawnConfig::new(2).timeout(Duration::from_secs(30)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         parallelize_llama(&mut model, &mesh, layer_plan).map_err(cfg_err)?;

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_scoped, SpawnConfig};
 use tpar_dtensor::{distribute_tensor, DTensor, Placement};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_nn::{
@@ -127,7 +127,7 @@ fn reference(kind: Kind, c: &Case) -> tpar_nn::Result<Outcome> {
 
 /// The module under `setup` on `c.tp` ranks: every rank's output (full) and gradients.
 fn sharded(setup: &Setup, c: &Case) -> tpar_nn::Result<Vec<Outcome>> {
-    spawn_with(SpawnConfig::new(c.tp).timeout(Duration::from_secs(30)), |ctx| {
+    spawn_scoped(SpawnConfig::new(c.tp).timeout(Duration::from_secs(30)), |ctx| {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[c.tp], &["tp"])?;
         let mut m = build(setup.kind, c)?;
         parallelize_module(m.as_mut(), &mesh, &setup.plan).map_err(plan_err)?;

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, CollectiveKind, CommRecord, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveKind, CommRecord, SpawnConfig};
 use tpar_dtensor::Placement::Replicate;
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{
@@ -68,7 +68,7 @@ struct Step {
 fn step(dp: usize, tp: usize, layer: &ParallelizePlan, top: &ParallelizePlan) -> Step {
     let (layer, top) = (layer.clone(), top.clone());
     let want = reference_grads();
-    let out = spawn_with(
+    let out = spawn_scoped(
         SpawnConfig::new(dp * tp).timeout(Duration::from_secs(60)),
         |ctx| -> Result<_, NnError> {
             let mesh =

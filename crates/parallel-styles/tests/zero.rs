@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tpar_collectives::{spawn, spawn_with, CollectiveKind, ReduceOp, SpawnConfig};
+use tpar_collectives::{spawn_scoped, CollectiveKind, ReduceOp, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::LlamaForPretraining;
 use tpar_nn::{named_parameters, reset_parameters, NnError, Param};
@@ -67,7 +67,7 @@ fn zero1_reduces_and_gathers_each_dtype_bucket_in_its_dtype() {
         (0..numel).map(|e| ((e * 5 + 2 * i) % 9) as f64 * 0.5 - 2.0).collect()
     };
     let cfg = SgdConfig { lr: 1.0, ..Default::default() };
-    let out = spawn(2, |ctx| -> Result<_, NnError> {
+    let out = spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<_, NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
         let ws: Vec<Tensor> = specs
             .iter()
@@ -160,7 +160,7 @@ fn zero1_reduced_gradients_and_norm_equal_the_unsharded_model() {
     let tol = Tol::for_dtype(DType::F32).scaled(10.0);
     for (dp, tp) in [(2, 1), (4, 1), (2, 2)] {
         let grads = &grads;
-        let norms = spawn(dp * tp, |ctx| -> Result<f64, NnError> {
+        let norms = spawn_scoped(SpawnConfig::new(dp * tp), |ctx| -> Result<f64, NnError> {
             let mesh =
                 DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
             let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
@@ -228,7 +228,7 @@ fn zero1_step_issues_one_reduce_scatter_and_one_all_gather() {
         reset_parameters(&mut m, Device::Cpu, 3).unwrap();
         tpar_nn::parameters(&m).iter().map(|p| p.numel()).sum()
     };
-    spawn(2, |ctx| -> Result<(), NnError> {
+    spawn_scoped(SpawnConfig::new(2), |ctx| -> Result<(), NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         reset_parameters(&mut model, Device::Cpu, 3)?;
@@ -309,7 +309,7 @@ fn zero1_sgd_with_uneven_and_empty_ranges() {
         }
         ws.iter().map(|w| w.to_vec_f64().unwrap()).collect::<Vec<_>>()
     };
-    let got = spawn(4, |ctx| -> Result<_, NnError> {
+    let got = spawn_scoped(SpawnConfig::new(4), |ctx| -> Result<_, NnError> {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[4], &["dp"])?;
         let ws = make();
         let named = ws.iter().enumerate().map(|(i, w)| (format!("w{i}"), Param::Tensor(w.clone())));
@@ -344,7 +344,7 @@ fn zero1_sgd_with_uneven_and_empty_ranges() {
 
 #[test]
 fn zero1_bad_setups_are_typed_errors() {
-    spawn_with(
+    spawn_scoped(
         SpawnConfig::new(2).timeout(Duration::from_secs(30)),
         |ctx| -> Result<(), NnError> {
             let mesh =

@@ -24,6 +24,7 @@
 //! Every wait is a `Condvar::wait_timeout` loop that also wakes when the world is marked
 //! failed or a member thread has exited, so peers of a dead rank return promptly.
 
+mod blame;
 pub(crate) mod desc;
 mod device;
 mod inplace;
@@ -41,7 +42,7 @@ use desc::{Desc, Place};
 use kernels::{reduce_runs, store_fence, with_slices, Narrow, Reducible, STREAM_MIN_BYTES};
 
 use crate::p2p::{check_arrival, Expect, Mail};
-use crate::{chunk_range, CollectiveError, CommDebug, ReduceOp, Result};
+use crate::{chunk_range, CollectiveError, CommDebug, ReduceOp, Result, WaitLink};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -53,6 +54,9 @@ pub(crate) struct WorldShared {
     pub timeout: Duration,
     failed: AtomicBool,
     failure: Mutex<Option<(usize, String)>>,
+    /// The rank whose report marked the world failed (the blamed rank may differ).
+    reporter: Mutex<Option<usize>>,
+    waits: blame::Waits,
     exited: Vec<AtomicBool>,
     pending: Vec<AtomicUsize>,
     groups: Mutex<HashMap<Vec<usize>, Arc<Exchange>>>,
@@ -66,6 +70,8 @@ impl WorldShared {
             timeout,
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
+            reporter: Mutex::new(None),
+            waits: blame::Waits::new(size),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
             pending: (0..size).map(|_| AtomicUsize::new(0)).collect(),
             groups: Mutex::new(HashMap::new()),
@@ -75,11 +81,28 @@ impl WorldShared {
 
     /// Marks the world failed by `rank` (the first call wins). Returns whether it was first.
     pub fn fail(&self, rank: usize, why: String) -> bool {
+        self.fail_blaming(rank, rank, why)
+    }
+
+    /// Marks the world failed on `reporter`'s report, blaming the rank that held up the
+    /// wait `reporter` last failed in (a timeout, a peer gone), or else `reporter`.
+    pub fn fail_reported(&self, reporter: usize, why: String) -> bool {
+        let culprit = self.waits.culprit(reporter);
+        self.fail_blaming(reporter, culprit, why)
+    }
+
+    /// The rank whose report marked the world failed.
+    pub fn reporter(&self) -> Option<usize> {
+        *lock(&self.reporter)
+    }
+
+    fn fail_blaming(&self, reporter: usize, rank: usize, why: String) -> bool {
         let first = {
             let mut f = lock(&self.failure);
             let first = f.is_none();
             if first {
                 *f = Some((rank, why));
+                *lock(&self.reporter) = Some(reporter);
             }
             first
         };
@@ -301,11 +324,45 @@ impl LocalComm {
     /// fails, a missing member is gone, or the deadline passes.
     fn wait<'a>(
         &'a self,
+        st: MutexGuard<'a, ExState>,
+        seq: u64,
+        op: &'static str,
+        clock: Clock,
+        phase: Phase,
+    ) -> (MutexGuard<'a, ExState>, Result<()>) {
+        let me = self.global(self.me);
+        let mut token = None;
+        let (st, r) = self.wait_blocking(st, seq, op, clock, phase, &mut token);
+        // A failed wait stays on record (for the blame of a peer waiting on this rank, and
+        // of this rank's own failure), unless the world's failure already names a rank.
+        let failed = match &r {
+            Err(e) if !self.world.is_failed() => self.failed_link(op, e),
+            _ => None,
+        };
+        self.world.waits.unblock(me, token, failed);
+        (st, r)
+    }
+
+    /// The record of this member's wait in `op` that failed with `e`, naming whom it
+    /// waited for (`None` when `e` blames nobody).
+    fn failed_link(&self, op: &'static str, e: &CollectiveError) -> Option<WaitLink> {
+        let waiting_for = match e {
+            CollectiveError::Timeout { waiting_for, .. } if !waiting_for.is_empty() => {
+                waiting_for.clone()
+            }
+            e => vec![e.culprit()?],
+        };
+        Some(WaitLink { rank: self.global(self.me), op, group: self.group(), waiting_for })
+    }
+
+    fn wait_blocking<'a>(
+        &'a self,
         mut st: MutexGuard<'a, ExState>,
         seq: u64,
         op: &'static str,
         clock: Clock,
         phase: Phase,
+        token: &mut Option<u64>,
     ) -> (MutexGuard<'a, ExState>, Result<()>) {
         loop {
             let Some(slot) = st.slots.get_mut(&seq) else {
@@ -339,7 +396,7 @@ impl LocalComm {
                 Phase::Lent => (0..slot.lent.len()).filter(|&i| slot.lent[i].is_none()).collect(),
                 Phase::Done => (0..slot.done.len()).filter(|&i| !slot.done[i]).collect(),
             };
-            let missing: Vec<usize> = missing.into_iter().map(|m| self.global(m)).collect();
+            let mut missing: Vec<usize> = missing.into_iter().map(|m| self.global(m)).collect();
             if self.world.is_failed() {
                 let (rank, why) = self.world.failure().unwrap_or((usize::MAX, String::new()));
                 let e = CollectiveError::PeerFailed { op, group: self.group(), rank, why };
@@ -359,11 +416,13 @@ impl LocalComm {
             let now = Instant::now();
             let left = match clock.deadline {
                 Some(d) if now >= d => {
+                    let chain = self.world.waits.chain(&mut missing);
                     let e = CollectiveError::Timeout {
                         op,
                         group: self.group(),
                         waiting_for: missing,
                         after: clock.timeout,
+                        chain,
                     };
                     slot.abort.get_or_insert_with(|| e.clone());
                     self.ex.cv.notify_all();
@@ -372,6 +431,13 @@ impl LocalComm {
                 Some(d) => Some(d - now),
                 None => None,
             };
+            let link = WaitLink {
+                rank: self.global(self.me),
+                op,
+                group: self.group(),
+                waiting_for: missing,
+            };
+            self.world.waits.block(token, link);
             st = match left {
                 Some(left) => {
                     self.ex.cv.wait_timeout(st, left).unwrap_or_else(PoisonError::into_inner).0
@@ -720,6 +786,23 @@ impl LocalComm {
     /// Takes the oldest message member `src` sent to this member, waiting up to `timeout`;
     /// fails early when the world fails or `src` is gone.
     fn take(&self, op: &'static str, src: usize, timeout: Duration) -> Result<Mail> {
+        let mut token = None;
+        let r = self.take_blocking(op, src, timeout, &mut token);
+        let failed = match &r {
+            Err(e) if !self.world.is_failed() => self.failed_link(op, e),
+            _ => None,
+        };
+        self.world.waits.unblock(self.global(self.me), token, failed);
+        r
+    }
+
+    fn take_blocking(
+        &self,
+        op: &'static str,
+        src: usize,
+        timeout: Duration,
+        token: &mut Option<u64>,
+    ) -> Result<Mail> {
         let deadline = Instant::now().checked_add(timeout);
         let mut st = self.ex.lock();
         loop {
@@ -739,15 +822,25 @@ impl LocalComm {
                     why: "its rank function returned without sending the awaited tensor".into(),
                 });
             }
+            let link = WaitLink {
+                rank: self.global(self.me),
+                op,
+                group: self.group(),
+                waiting_for: vec![g],
+            };
+            self.world.waits.block(token, link);
             let now = Instant::now();
             st = match deadline {
                 Some(d) if now >= d => {
+                    let mut waiting_for = vec![g];
+                    let chain = self.world.waits.chain(&mut waiting_for);
                     return Err(CollectiveError::Timeout {
                         op,
                         group: self.group(),
-                        waiting_for: vec![g],
+                        waiting_for,
                         after: timeout,
-                    })
+                        chain,
+                    });
                 }
                 Some(d) => {
                     self.ex.cv.wait_timeout(st, d - now).unwrap_or_else(PoisonError::into_inner).0

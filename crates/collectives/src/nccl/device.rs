@@ -298,6 +298,7 @@ impl NcclDevice {
                     group: self.group.to_vec(),
                     waiting_for,
                     after: deadline.timeout,
+                    chain: Vec::new(),
                 });
             }
             let waited = start.elapsed();
@@ -403,6 +404,7 @@ impl Transport for NcclDevice {
                         group: self.group.to_vec(),
                         waiting_for: Vec::new(),
                         after: deadline.timeout,
+                        chain: Vec::new(),
                     };
                     let found = (e, *seq, deadline.timeout);
                     self.in_flight.clear();

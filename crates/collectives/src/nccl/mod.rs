@@ -346,6 +346,7 @@ impl RemoteWorld for NcclWorld {
             group: ranks.clone(),
             waiting_for,
             after: timeout,
+            chain: Vec::new(),
         };
 
         // Everyone says it arrived; member 0 publishes the unique id; all wait for all.

@@ -67,7 +67,8 @@ fn diagnose(
     setup: &Setup,
     timeout: Duration,
 ) -> CollectiveError {
-    let (CollectiveError::Timeout { op, group, waiting_for, after }, Some(seq)) = (&e, seq) else {
+    let (CollectiveError::Timeout { op, group, waiting_for, after, .. }, Some(seq)) = (&e, seq)
+    else {
         return e;
     };
     if !waiting_for.is_empty() {
@@ -93,5 +94,11 @@ fn diagnose(
             missing.push(r);
         }
     }
-    CollectiveError::Timeout { op, group: group.clone(), waiting_for: missing, after: *after }
+    CollectiveError::Timeout {
+        op,
+        group: group.clone(),
+        waiting_for: missing,
+        after: *after,
+        chain: Vec::new(),
+    }
 }

@@ -122,6 +122,7 @@ impl Shared {
             group: self.group.to_vec(),
             waiting_for: Vec::new(),
             after: b.timeout,
+            chain: Vec::new(),
         };
         self.fail(e.clone());
         self.failure()

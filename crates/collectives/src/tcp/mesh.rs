@@ -303,7 +303,13 @@ fn setup_err(rank: usize, size: usize, message: String) -> CollectiveError {
 }
 
 fn setup_timeout(size: usize, waiting_for: Vec<usize>, after: Duration) -> CollectiveError {
-    CollectiveError::Timeout { op: "tcp_world", group: (0..size).collect(), waiting_for, after }
+    CollectiveError::Timeout {
+        op: "tcp_world",
+        group: (0..size).collect(),
+        waiting_for,
+        after,
+        chain: Vec::new(),
+    }
 }
 
 /// The address this process advertises (host text) and the address it binds.
@@ -756,6 +762,7 @@ impl Mesh {
                 group: group.to_vec(),
                 waiting_for: vec![peer],
                 after: self.write_timeout,
+                chain: Vec::new(),
             })
         } else {
             Err(self.inbox.lock().peer_failed(op, group, chan, peer, why))
@@ -874,6 +881,7 @@ impl Mesh {
                             group: group.to_vec(),
                             waiting_for: missing,
                             after: deadline.timeout,
+                            chain: Vec::new(),
                         });
                     }
                     self.inbox

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tpar_collectives::{spawn_with, SpawnConfig};
+use tpar_collectives::{spawn_scoped, SpawnConfig};
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
 use tpar_models::{LlamaConfig, LlamaForPretraining};
@@ -267,7 +267,7 @@ pub fn train_with(
     if dp == 0 {
         return vec![body(None).unwrap()];
     }
-    spawn_with(
+    spawn_scoped(
         SpawnConfig::new(dp * tp).timeout(Duration::from_secs(60)),
         |ctx| -> Result<_, NnError> {
             let mesh =
