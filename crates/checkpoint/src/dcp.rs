@@ -10,7 +10,7 @@ use tpar_collectives::ProcessGroup;
 use tpar_tensor::state::{Chunk, ShardedTensor, StateDict, StateDictError, StateValue};
 use tpar_tensor::{DType, Tensor};
 
-use crate::exchange::{agree, all_gather_bytes};
+use crate::exchange::{agree, agree_on, all_gather_bytes};
 use crate::format::{
     crc32, data_offsets, dtype_of, read_at, st_dtype, tensor_bytes, tensor_from_bytes, ChunkMeta,
     Metadata, RawView, Scalar, TensorMeta, FORMAT, METADATA, VERSION,
@@ -656,17 +656,7 @@ pub(crate) fn load_scoped(
         }
         load_local(state, dir, &meta, opts)
     });
-    let status = local.as_ref().map(|_| ()).map_err(|e| e.to_string());
-    let failed = agree(group, &status)?;
-    local?;
-    match failed.first() {
-        None => Ok(()),
-        Some((_, what)) => Err(CheckpointError::RankFailed {
-            op: "load",
-            ranks: failed.iter().map(|f| f.0).collect(),
-            what: what.clone(),
-        }),
-    }
+    agree_on(group, "load", local)
 }
 
 fn load_local(

@@ -3,7 +3,7 @@
 use tpar_collectives::ProcessGroup;
 use tpar_tensor::Tensor;
 
-use crate::Result;
+use crate::{CheckpointError, Result};
 
 /// Every member's `bytes`, in group-rank order, on every member (two all_gathers: the
 /// lengths, then the bytes packed eight to an i64 and padded to the longest).
@@ -52,4 +52,21 @@ pub(crate) fn agree(
             (group.global_rank_of(r).unwrap_or(r), String::from_utf8_lossy(&m[1..]).into_owned())
         })
         .collect())
+}
+
+/// [`agree`] on `local`, this rank's outcome of a phase every member ran: this rank's
+/// own error as it is, else [`CheckpointError::RankFailed`] naming the members that
+/// failed, else the value.
+pub(crate) fn agree_on<T>(group: &ProcessGroup, op: &'static str, local: Result<T>) -> Result<T> {
+    let status = local.as_ref().map(|_| ()).map_err(|e| e.to_string());
+    let failed = agree(group, &status)?;
+    let value = local?;
+    match failed.first() {
+        None => Ok(value),
+        Some((_, what)) => Err(CheckpointError::RankFailed {
+            op,
+            ranks: failed.iter().map(|f| f.0).collect(),
+            what: what.clone(),
+        }),
+    }
 }

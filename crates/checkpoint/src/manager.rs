@@ -8,7 +8,7 @@ use tpar_tensor::state::{split_prefix, with_prefix, StateDict, Stateful};
 use tpar_tensor::Tensor;
 
 use crate::dcp::{async_save, load_scoped, AsyncSave, LoadOptions, SaveOptions};
-use crate::exchange::{agree, all_gather_bytes};
+use crate::exchange::{agree_on, all_gather_bytes};
 use crate::lock::DirLock;
 use crate::{CheckpointError, Result};
 
@@ -88,16 +88,7 @@ impl CheckpointManager {
                 }
                 Ok(())
             });
-        let status = local.as_ref().map(|_| ()).map_err(|e| e.to_string());
-        let failed = agree(group, &status)?;
-        local?;
-        if let Some((r, what)) = failed.first() {
-            return Err(CheckpointError::RankFailed {
-                op: "open",
-                ranks: vec![*r],
-                what: what.clone(),
-            });
-        }
+        agree_on(group, "open", local)?;
         Ok(CheckpointManager {
             dir,
             group: group.clone(),
@@ -157,16 +148,7 @@ impl CheckpointManager {
         } else {
             Ok(())
         };
-        let status = exists.as_ref().map_err(|e| e.to_string()).copied();
-        let failed = agree(&self.group, &status)?;
-        exists?;
-        if let Some((r, what)) = failed.first() {
-            return Err(CheckpointError::RankFailed {
-                op: "save",
-                ranks: vec![*r],
-                what: what.clone(),
-            });
-        }
+        agree_on(&self.group, "save", exists)?;
         let mut state = StateDict::new();
         for (name, item) in items.iter() {
             state.extend(with_prefix(name, item.state_dict()?));
