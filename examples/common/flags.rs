@@ -49,3 +49,113 @@ pub fn llama_shape(hidden: usize, heads: usize, kv_heads: usize) -> Result<(), S
     }
     Ok(())
 }
+
+/// Rank threads the local backend runs per core at most: beyond that the ranks wait on
+/// each other far more than they compute, and a typo (`--world 1000000`) would start a
+/// thread per rank until the machine gives out.
+pub const LOCAL_RANKS_PER_CORE: usize = 64;
+
+/// A number read from the first line of a file (`/proc/sys/...`), if it is one.
+fn read_number(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// The most threads this process may start, from what the OS says (Linux: the system's
+/// `threads-max`, the soft `Max processes` limit, and half of `vm.max_map_count` since
+/// each thread's stack is a mapping plus a guard page); `None` where it says nothing.
+fn os_thread_limit() -> Option<u64> {
+    let nproc = std::fs::read_to_string("/proc/self/limits").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("Max processes"))?;
+        line.split_whitespace().nth(2)?.parse::<u64>().ok()
+    });
+    let maps = read_number("/proc/sys/vm/max_map_count").map(|m| m / 2);
+    [read_number("/proc/sys/kernel/threads-max"), nproc, maps].into_iter().flatten().min()
+}
+
+/// `Err` when the local backend (every rank a thread of this process) cannot run `world`
+/// ranks on this machine: more than [`LOCAL_RANKS_PER_CORE`] per core, more than the OS
+/// lets this process start (two threads a rank: its own and its kernel pool's), or more
+/// than the memory accounting tells apart (`tpar::tensor::memory::MAX_RANKS`; beyond it
+/// the trainers' per-rank peaks would be sums of ranks). `what` names the flags that set
+/// the world (`"--world 1000000"`). Checked before any rank starts.
+pub fn local_world(world: usize, what: &str) -> Result<(), String> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let by_cores = cores.saturating_mul(LOCAL_RANKS_PER_CORE);
+    let mut bounds =
+        vec![(by_cores, format!("{by_cores} at {LOCAL_RANKS_PER_CORE} per core on {cores} cores"))];
+    if let Some(t) = os_thread_limit() {
+        let ranks = (t / 2).min(usize::MAX as u64) as usize;
+        bounds.push((ranks, format!("{ranks} by the threads the OS lets it start")));
+    }
+    let tracked = tpar::tensor::memory::MAX_RANKS;
+    bounds.push((tracked, format!("{tracked} whose peak memory is tracked apart")));
+    let limit = bounds.iter().map(|(n, _)| *n).min().unwrap_or(0);
+    if world <= limit {
+        return Ok(());
+    }
+    let why: Vec<String> = bounds.into_iter().map(|(_, why)| why).collect();
+    Err(format!(
+        "{what}: {world} ranks, but the local backend runs each rank as a thread of this \
+         process and takes at most {limit} here ({}); run fewer ranks, or one process per \
+         rank (--backend tcp under tpar-run)",
+        why.join("; ")
+    ))
+}
+
+/// Memory this machine can give a process, in bytes: its RAM (`MemTotal`), or the
+/// cgroup's limit when that is lower; `None` where neither can be read.
+pub fn machine_memory() -> Option<u64> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
+    });
+    let cgroup = read_number("/sys/fs/cgroup/memory.max");
+    [total, cgroup].into_iter().flatten().min()
+}
+
+/// Bytes of training state per parameter element, at least: the parameter in `dtype`,
+/// its gradient, and AdamW's two moments (f32, f64 for f64 parameters).
+pub fn training_bytes_per_parameter(dtype: tpar::tensor::DType) -> u128 {
+    let state = if dtype == tpar::tensor::DType::F64 { 8 } else { 4 };
+    2 * dtype.size_in_bytes() as u128 + 2 * state
+}
+
+/// `Err` when the model of `cfg` cannot be trained by this process, before anything is
+/// built: its parameter count overflows, or the training state this process must hold
+/// (`ranks_here` of the `world` ranks, each parameter element held at least once in the
+/// world with its gradient and AdamW state: [`training_bytes_per_parameter`]) exceeds
+/// the machine's memory ([`machine_memory`]), or the allocator refuses it. Every
+/// sharding and replication only adds to this lower bound. `flags` names the size flags
+/// for the message (`"--layers 100000 (hidden 64, intermediate 176)"`).
+pub fn model_fits(
+    cfg: &tpar::models::LlamaConfig,
+    ranks_here: usize,
+    world: usize,
+    flags: &str,
+) -> Result<(), String> {
+    let params = cfg.num_parameters().map_err(|e| format!("{flags}: {e}"))?;
+    let per = training_bytes_per_parameter(cfg.dtype);
+    let need = (params as u128 * per * ranks_here as u128).div_ceil(world.max(1) as u128);
+    let human = tpar::tensor::human_bytes;
+    let refuse = |have: String| {
+        format!(
+            "{flags}: {params} parameters need at least {} of training state in this \
+             process ({per} bytes a parameter for its value, gradient and AdamW moments, \
+             {ranks_here} of {world} ranks here), but {have}; lower --layers (or the widths)",
+            human(need)
+        )
+    };
+    if let Some(mem) = machine_memory() {
+        if need > mem as u128 {
+            return Err(refuse(format!("this machine has {}", human(mem as u128))));
+        }
+    }
+    // Where the memory is unknown, or fits it: the allocator has the last word.
+    let fits = usize::try_from(need).ok().is_some_and(|n| {
+        n < tpar::tensor::PROBE_BYTES || Vec::<u8>::new().try_reserve_exact(n).is_ok()
+    });
+    if !fits {
+        return Err(refuse("the allocator refuses that much".into()));
+    }
+    Ok(())
+}

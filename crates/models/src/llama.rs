@@ -63,10 +63,47 @@ impl LlamaConfig {
         self.hidden_size / self.num_attention_heads.max(1)
     }
 
+    /// Parameters of one decoder layer: the q, k, v and o projections, the three MLP
+    /// projections and the two RMSNorm weights (`None` when the count overflows `usize`).
+    pub fn layer_parameters(&self) -> Option<usize> {
+        let (h, i) = (self.hidden_size, self.intermediate_size);
+        let q = self.num_attention_heads.checked_mul(self.head_dim())?;
+        let kv = self.num_key_value_heads.checked_mul(self.head_dim())?;
+        // q_proj + o_proj: 2 h q; k_proj + v_proj: 2 h kv; gate, up, down: 3 h i; norms: 2 h.
+        let attn = h.checked_mul(q.checked_add(kv)?)?.checked_mul(2)?;
+        let mlp = h.checked_mul(i)?.checked_mul(3)?;
+        attn.checked_add(mlp)?.checked_add(h.checked_mul(2)?)
+    }
+
+    /// Parameters of the whole model: embedding, `num_hidden_layers` decoder layers
+    /// ([`LlamaConfig::layer_parameters`]), final norm and the (untied) lm_head, the sum
+    /// of every parameter's element count. An error naming the sizes when the count (or
+    /// its bytes in `dtype`) overflows `usize`.
+    pub fn num_parameters(&self) -> Result<usize> {
+        let (v, h, l) = (self.vocab_size, self.hidden_size, self.num_hidden_layers);
+        let count = self.layer_parameters().and_then(|per| {
+            let layers = per.checked_mul(l)?;
+            // embed_tokens + lm_head: 2 v h; final norm: h.
+            let ends = v.checked_mul(h)?.checked_mul(2)?.checked_add(h)?;
+            let n = layers.checked_add(ends)?;
+            n.checked_mul(self.dtype.size_in_bytes()).map(|_| n)
+        });
+        count.ok_or_else(|| NnError::Config {
+            what: format!(
+                "num_hidden_layers {l} of hidden_size {h}, intermediate_size {} and \
+                 vocab_size {v}: the parameter count (or its bytes in {}) overflows {} bits",
+                self.intermediate_size,
+                self.dtype,
+                usize::BITS
+            ),
+        })
+    }
+
     /// Checks the sizes fit together: every size but `num_hidden_layers` is at least 1 (a
     /// model of 0 layers, embedding + norm + head, is legal), heads divide the width, the
-    /// head dim is even (RoPE), and `rms_norm_eps` and `rope_theta` are finite and positive.
-    /// Errors name the field.
+    /// head dim is even (RoPE), `rms_norm_eps` and `rope_theta` are finite and positive,
+    /// and the parameter count and its bytes do not overflow
+    /// ([`LlamaConfig::num_parameters`]). Errors name the field.
     pub fn validate(&self) -> Result<()> {
         let c = self;
         for (field, v) in [
@@ -113,6 +150,7 @@ impl LlamaConfig {
                 what: format!("head_dim {} must be even for RoPE", c.head_dim()),
             });
         }
+        c.num_parameters()?;
         Ok(())
     }
 }

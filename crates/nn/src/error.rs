@@ -31,6 +31,23 @@ pub enum NnError {
         /// The value (NaN or ±inf).
         value: f64,
     },
+    /// An optimizer (or another holder of parameters) holds a parameter its module no
+    /// longer has: a parallel style, `fully_shard` or `reset_parameters` replaced it after
+    /// the optimizer was built, so stepping it would not train the model.
+    #[error(
+        "{holder}: parameter {param} is no longer the model's ({by} replaced it after the \
+         optimizer was built), so stepping it would not train the model; build the \
+         optimizer after sharding and initialising the model (after parallelize_module, \
+         fully_shard and reset_parameters), from its parameters then"
+    )]
+    RetiredParam {
+        /// The optimizer (`"AdamW"`, `"SGD"`, `"ZeroRedundancyOptimizer"`).
+        holder: String,
+        /// The parameter's name as the optimizer knows it (its FQN when built with names).
+        param: String,
+        /// What replaced it (`"fully_shard"`, `"parallelize_module"`, `"reset_parameters"`).
+        by: String,
+    },
     /// A configuration that cannot work (head counts, sizes).
     #[error("{what}")]
     Config {

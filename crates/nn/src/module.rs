@@ -252,7 +252,7 @@ pub fn reset_parameters(m: &mut dyn Module, device: Device, seed: u64) -> Result
             let full = tpar_tensor::no_grad(|| {
                 init_value(slot.init, &shape, dtype, param_seed(seed, &fqn))
             })?;
-            *slot.param = match &*slot.param {
+            let new = match &*slot.param {
                 Param::Tensor(_) => Param::Tensor(full.to_device(device)?.requires_grad_(true)),
                 Param::Fsdp(f) => {
                     let local = match f.tp() {
@@ -272,6 +272,8 @@ pub fn reset_parameters(m: &mut dyn Module, device: Device, seed: u64) -> Result
                     )?)
                 }
             };
+            // An optimizer built before this holds the old tensors: its step will say so.
+            slot.param.replace(new, "reset_parameters");
         }
         Ok(())
     })

@@ -263,3 +263,82 @@ impl Param {
         Ok(layout)
     }
 }
+
+// ---- Retired parameters (an optimizer built before sharding) ----
+
+/// Leaves a module no longer holds because [`Param::replace`] put another parameter in
+/// their place (a parallel style, `fully_shard`, `reset_parameters`): leaf id -> what
+/// replaced it. Leaf ids are never reused, so an entry stays true; one small entry per
+/// replaced parameter.
+static RETIRED: std::sync::Mutex<Option<std::collections::HashMap<u64, &'static str>>> =
+    std::sync::Mutex::new(None);
+
+/// Bumped after every retirement, so a holder of parameters re-checks them only when
+/// something was retired since it last looked ([`RetiredCheck`]).
+static RETIRED_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn retired_marks<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, &'static str>) -> R) -> R {
+    let mut g = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
+    f(g.get_or_insert_with(Default::default))
+}
+
+impl Param {
+    /// Puts `new` in this parameter's place in its module, and marks the old leaf
+    /// ([`Param::trainable`]) retired by `by` (`"fully_shard"`, `"parallelize_module"`,
+    /// `"reset_parameters"`) when `new` does not keep it: a copy of the old parameter
+    /// still held elsewhere (by an optimizer built before sharding) then reports
+    /// [`Param::retired_by`], and the optimizers refuse to step it
+    /// ([`NnError::RetiredParam`](crate::NnError::RetiredParam)) instead of updating
+    /// a tensor the model no longer computes with. A tensor shared by two slots (tied
+    /// weights) is retired when either is replaced: replace both, as sharding a whole
+    /// model does.
+    pub fn replace(&mut self, new: Param, by: &'static str) {
+        let old = self.trainable().id();
+        let kept = new.trainable().id() == old;
+        *self = new;
+        if !kept {
+            retired_marks(|m| m.insert(old, by));
+            RETIRED_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// What replaced this parameter in its module (see [`Param::replace`]), `None` while
+    /// it is still the module's.
+    pub fn retired_by(&self) -> Option<&'static str> {
+        let leaf = self.trainable().id();
+        retired_marks(|m| m.get(&leaf).copied())
+    }
+}
+
+/// A cheap watch over a list of named parameters for ones their module no longer holds
+/// ([`Param::replace`]): [`RetiredCheck::check`] looks at the parameters only when some
+/// parameter in the process was retired since its last look, so a training loop pays
+/// one atomic load per step.
+#[derive(Clone, Debug, Default)]
+pub struct RetiredCheck {
+    /// The retirement generation last checked against (0: nothing retired then).
+    seen: u64,
+}
+
+impl RetiredCheck {
+    /// `Err(`[`NnError::RetiredParam`](crate::NnError::RetiredParam)`)` naming the first
+    /// of `params` that was replaced in its module, what replaced it and `holder` (the
+    /// optimizer), which was built too early: it must be built after sharding.
+    pub fn check(&mut self, holder: &str, params: &[(String, Param)]) -> Result<()> {
+        let now = RETIRED_GENERATION.load(std::sync::atomic::Ordering::Acquire);
+        if now == self.seen {
+            return Ok(());
+        }
+        for (name, p) in params {
+            if let Some(by) = p.retired_by() {
+                return Err(crate::NnError::RetiredParam {
+                    holder: holder.to_string(),
+                    param: name.clone(),
+                    by: by.to_string(),
+                });
+            }
+        }
+        self.seen = now;
+        Ok(())
+    }
+}

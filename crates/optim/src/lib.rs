@@ -13,6 +13,11 @@
 //!   clipping are computed there too, one launch per 32 gradients of a dtype
 //!   ([`Tensor::sum_squares_each`], [`Tensor::scale_each`]). The host path is
 //!   unchanged.
+//! * Build an optimizer after `parallelize_module`, `fully_shard` and `reset_parameters`:
+//!   they put new parameters in the model's place ([`Param::replace`]), and an optimizer
+//!   still holding the old ones would step tensors the model no longer uses. Its first
+//!   step (and its constructor) then fails with [`NnError::RetiredParam`] naming the
+//!   parameter; the check costs one atomic load per step ([`tpar_nn::RetiredCheck`]).
 //! * [`LinearLR`], [`CosineAnnealingLR`] and [`SequentialLR`] are pure functions of the
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
@@ -46,7 +51,7 @@ use tpar_kernels::adamw::{adamw_step, AdamWParams};
 use tpar_kernels::{Acc, Float};
 use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, TensorError};
 
-use tpar_nn::{NnError, Param, Result};
+use tpar_nn::{NnError, Param, Result, RetiredCheck};
 
 mod state;
 mod zero;
@@ -359,6 +364,7 @@ pub struct AdamW {
     params: Vec<(String, Param)>,
     config: AdamWConfig,
     state: Vec<Option<AdamWSlot>>,
+    retired: RetiredCheck,
 }
 
 impl AdamW {
@@ -370,8 +376,10 @@ impl AdamW {
     /// AdamW over named parameters (e.g. from [`tpar_nn::named_parameters`]).
     pub fn with_names(params: Vec<(String, Param)>, config: AdamWConfig) -> Result<AdamW> {
         config.check()?;
+        let mut retired = RetiredCheck::default();
+        retired.check("AdamW", &params)?;
         let state = vec![None; params.len()];
-        Ok(AdamW { params, config, state })
+        Ok(AdamW { params, config, state, retired })
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -539,6 +547,8 @@ struct DeviceStep {
 
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
+        // Parameters the model no longer holds (an optimizer built before sharding).
+        self.retired.check("AdamW", &self.params)?;
         // Parameters on a CUDA device step together after the host ones.
         let mut device = Vec::new();
         for (i, ((name, p), slot)) in self.params.iter().zip(&mut self.state).enumerate() {
@@ -641,6 +651,7 @@ pub struct Sgd {
     params: Vec<(String, Param)>,
     config: SgdConfig,
     momentum_buffer: Vec<Option<StateBuf>>,
+    retired: RetiredCheck,
 }
 
 impl Sgd {
@@ -652,8 +663,10 @@ impl Sgd {
     /// SGD over named parameters.
     pub fn with_names(params: Vec<(String, Param)>, config: SgdConfig) -> Result<Sgd> {
         config.check()?;
+        let mut retired = RetiredCheck::default();
+        retired.check("SGD", &params)?;
         let momentum_buffer = vec![None; params.len()];
-        Ok(Sgd { params, config, momentum_buffer })
+        Ok(Sgd { params, config, momentum_buffer, retired })
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -787,6 +800,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
+        self.retired.check("SGD", &self.params)?;
         for ((name, p), buf) in self.params.iter().zip(&mut self.momentum_buffer) {
             let leaf = p.trainable();
             let device = on_device(&leaf);

@@ -333,7 +333,7 @@ pub fn fully_shard(
                 None => (local.dtype(), local.dtype()),
             };
             let f = FsdpParam::new(&local, tp, dp_mesh, pd, rd)?;
-            *slot.param = Param::Fsdp(f.clone());
+            slot.param.replace(Param::Fsdp(f.clone()), "fully_shard");
             params.push(f);
         }
         Ok(())

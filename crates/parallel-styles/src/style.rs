@@ -284,10 +284,12 @@ fn one_d(style: &str, mesh: &DeviceMesh) -> Result<()> {
     Ok(())
 }
 
-/// Replaces a plain parameter by a DTensor with `placement` on the 1-d mesh.
+/// Replaces a plain parameter by a DTensor with `placement` on the 1-d mesh (the old
+/// tensor is retired: an optimizer still holding it refuses to step).
 pub(crate) fn shard_param(p: &mut Param, mesh: &DeviceMesh, placement: Placement) -> Result<()> {
     if let Param::Tensor(t) = p {
-        *p = Param::DTensor(distribute_tensor(t, mesh, &[placement])?);
+        let d = distribute_tensor(t, mesh, &[placement])?;
+        p.replace(Param::DTensor(d), "parallelize_module");
     }
     Ok(())
 }
