@@ -27,6 +27,9 @@ use flags::NonFinite;
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
 
+/// The gradient norm clipped to.
+const MAX_GRAD_NORM: f64 = 1.0;
+
 #[derive(Clone, Debug)]
 struct Opts {
     world: usize,
@@ -54,6 +57,7 @@ struct Opts {
     save_every: usize,
     async_save: bool,
     keep: Option<usize>,
+    override_lr: bool,
     stop_after: Option<usize>,
     export: Option<PathBuf>,
     nonfinite: NonFinite,
@@ -147,6 +151,13 @@ struct Cli {
     /// Keep only the newest K checkpoints.
     #[arg(long, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
     keep: Option<u64>,
+    /// Resume with this run's --lr although the checkpoint was saved with another: the
+    /// warmup-cosine schedule of the new --lr from the saved step on (optimizer state
+    /// kept). Without it, a resume whose --lr (or any other setting of the model, the
+    /// optimizer, the schedule or the data) differs from the checkpoint's is refused
+    /// with the differences listed.
+    #[arg(long, requires = "checkpoint_dir")]
+    override_lr: bool,
     /// End the run after step N, as an interruption would (the schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -223,6 +234,9 @@ fn parse() -> Result<Opts, String> {
     if dp_tp != world {
         return Err(format!("dp {} x tp {} must equal world {world}", c.dp, c.tp));
     }
+    if c.backend == BackendArg::Local {
+        flags::local_world(world, &format!("--world {world} (--dp {} x --tp {})", c.dp, c.tp))?;
+    }
     if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {
         return Err(format!("--device: cpu, cuda or cuda:N, not {}", c.device));
     }
@@ -262,6 +276,7 @@ fn parse() -> Result<Opts, String> {
         save_every: c.save_every as usize,
         async_save: c.async_save,
         keep: c.keep.map(|k| k as usize),
+        override_lr: c.override_lr,
         stop_after: c.stop_after,
         export: c.export,
         nonfinite: c.nonfinite,
@@ -331,8 +346,11 @@ impl Opt {
     }
 }
 
-/// Every checkpointed part of the run, by name, for a checkpoint to save or load.
+/// Every checkpointed part of the run, by name, for a checkpoint to save or load: the
+/// run's configuration first, so a resume that does not match stops before anything
+/// else loads.
 fn with_items<R>(
+    config: &mut RunConfig,
     model: &mut LlamaForPretraining,
     opt: &mut Opt,
     sched: &mut LrScheduler<SequentialLR>,
@@ -342,6 +360,7 @@ fn with_items<R>(
 ) -> tpar::Result<R> {
     let mut model = ModuleState::new(model);
     f(&mut [
+        ("config", config),
         ("model", &mut model),
         ("optim", opt.stateful()),
         ("lr_scheduler", sched),
@@ -413,6 +432,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         // replicated modes train parameters of `--dtype` itself.
         dtype: if o.dp_mode == DpMode::Fsdp { DType::F32 } else { o.dtype },
     };
+    // A model whose training state this process cannot hold fails here, before anything
+    // is built (the local backend holds every rank's share).
+    let here = if o.backend == "local" { o.world } else { 1 };
+    let sizes =
+        format!("--layers {} (--hidden {}, --intermediate {})", o.layers, o.hidden, o.intermediate);
+    flags::model_fits(&cfg, here, o.world, &sizes).map_err(|what| NnError::Config { what })?;
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
     if o.tp > 1 {
@@ -453,6 +478,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let warmup = (o.steps / 10).max(1);
     let mut sched =
         LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, opt.get());
+    if o.override_lr {
+        sched.override_on_load();
+    }
 
     let docs: Vec<String> = match &o.data {
         Some(p) => load_documents(p)?,
@@ -464,21 +492,54 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
+    let mut run_config = run::run_config(
+        &run::Recipe {
+            model: &cfg,
+            lr: o.lr,
+            override_lr: o.override_lr,
+            betas: adamw.betas,
+            eps: adamw.eps,
+            weight_decay: adamw.weight_decay,
+            max_grad_norm: MAX_GRAD_NORM,
+            steps: o.steps,
+            warmup,
+            global_batch: o.batch * o.dp,
+            seq: o.seq,
+            seed: o.seed,
+            docs: &docs,
+            samples: dataset.len(),
+        },
+        &[
+            ("mesh.world", o.world.into()),
+            ("mesh.dp", o.dp.into()),
+            ("mesh.tp", o.tp.into()),
+            ("plan", o.plan.as_str().into()),
+            ("dp_mode", format!("{:?}", o.dp_mode).into()),
+            ("dtype", o.dtype.name().into()),
+        ],
+    );
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
             let config =
                 CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
             let mut c = CheckpointManager::new(dir, world, config)?;
             let resumed = with_items(
+                &mut run_config,
                 &mut model,
                 &mut opt,
                 &mut sched,
                 &mut sampler,
                 &mut progress,
                 |items| Ok(c.load_latest(items)?),
-            )?;
-            if let (Some(step), 0) = (resumed, rank) {
-                println!("resumed from {} at step {step}", c.step_dir(step).display());
+            )
+            .map_err(run::explain_resume)?;
+            if let Some(step) = resumed {
+                progress.check_resumed(step)?;
+                // The optimizer's own state holds the saved learning rate.
+                opt.get().set_lr(sched.last_lr());
+                if rank == 0 {
+                    println!("resumed from {} at step {step}", c.step_dir(step).display());
+                }
             }
             Some(c)
         }
@@ -487,7 +548,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let start_step = progress.step;
     let stop = o.stop_after.unwrap_or(o.steps).min(o.steps);
 
-    memory::reset_peak(rank);
+    // This rank's allocations, for its peak.
+    let mem_slot = run::memory_slot(rank, o.backend != "local");
+    memory::reset_peak(mem_slot);
     let trips0 = tpar::tensor::gpu::host_round_trips();
     let dp_group = mesh.group_of("dp")?.clone();
     // `with loss_parallel():` for the whole loop: `loss.backward()` is right for the
@@ -576,7 +639,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 ddp.sync_gradients(&model)?;
             }
             // The norm is global (all-reduced): every rank takes the same branch.
-            let norm_t = opt.clip(&params, 1.0)?;
+            let norm_t = opt.clip(&params, MAX_GRAD_NORM)?;
             let norm = if !read {
                 // Not read back: the step goes on (see --nonfinite).
                 f64::NAN
@@ -635,6 +698,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 c.poll()?;
                 if step.is_multiple_of(o.save_every) || step == o.steps {
                     with_items(
+                        &mut run_config,
                         &mut model,
                         &mut opt,
                         &mut sched,
@@ -683,7 +747,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         steps_run: step - start_step,
         tokens,
         seconds: t0.elapsed().as_secs_f64(),
-        peak_bytes: memory::peak(rank),
+        peak_bytes: memory::peak(mem_slot),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
         step_round_trips,

@@ -26,6 +26,29 @@ use flags::NonFinite;
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
 
+/// Every checkpointed part of the run, by name: the run's configuration first, so a
+/// resume that does not match stops before anything else loads.
+fn items<'a>(
+    config: &'a mut RunConfig,
+    pipe: &'a mut PipelineSchedule,
+    opt: &'a mut AdamW,
+    sched: &'a mut LrScheduler<SequentialLR>,
+    sampler: &'a mut DistributedSampler,
+    progress: &'a mut run::Progress,
+) -> [(&'static str, &'a mut dyn Stateful); 6] {
+    [
+        ("config", config),
+        ("model", pipe),
+        ("optim", opt),
+        ("lr_scheduler", sched),
+        ("sampler", sampler),
+        ("trainer", progress),
+    ]
+}
+
+/// The gradient norm clipped to.
+const MAX_GRAD_NORM: f64 = 1.0;
+
 /// Pipeline-parallel Llama training (pp x dp x tp ranks as threads).
 #[derive(Parser, Debug, Clone)]
 #[command(name = "llama_pp", version)]
@@ -111,6 +134,13 @@ struct Opts {
     /// Keep only the newest K checkpoints.
     #[arg(long, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
     keep: Option<u64>,
+    /// Resume with this run's --lr although the checkpoint was saved with another: the
+    /// warmup-cosine schedule of the new --lr from the saved step on (optimizer state
+    /// kept). Without it, a resume whose --lr (or any other setting of the model, the
+    /// optimizer, the schedule or the data) differs from the checkpoint's is refused
+    /// with the differences listed.
+    #[arg(long, requires = "checkpoint_dir")]
+    override_lr: bool,
     /// End the run after step N, as an interruption would (the LR schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -149,6 +179,10 @@ impl Opts {
             ));
         }
         flags::learning_rate(self.lr)?;
+        if self.backend == BackendArg::Local {
+            let (pp, dp, tp) = (self.pp, self.dp, self.tp);
+            flags::local_world(pp * dp * tp, &format!("--pp {pp} x --dp {dp} x --tp {tp}"))?;
+        }
         Ok(())
     }
 }
@@ -222,6 +256,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         rope_theta: 10000.0,
         dtype: DType::F32,
     };
+    // A model whose training state this process cannot hold fails here, before anything
+    // is built (the local backend holds every rank's share).
+    let here = if o.backend == BackendArg::Local { world.size() } else { 1 };
+    let sizes =
+        format!("--layers {} (--hidden {}, --intermediate {})", o.layers, o.hidden, o.intermediate);
+    flags::model_fits(&cfg, here, world.size(), &sizes).map_err(|what| NnError::Config { what })?;
 
     // This rank's stages (round-robin: r, r + pp, ...), each built on the meta device
     // with only its own layers, then parallelized and materialized.
@@ -246,13 +286,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
-    let dataset = {
-        let docs: Vec<String> = match &o.data {
-            Some(p) => load_documents(p)?,
-            None => default_documents().into_iter().map(String::from).collect(),
-        };
-        PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?
+    let docs: Vec<String> = match &o.data {
+        Some(p) => load_documents(p)?,
+        None => default_documents().into_iter().map(String::from).collect(),
     };
+    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?;
     let ignore = dataset.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let loss_fn = move |logits: &Value, t: &Tensor| -> tpar::nn::Result<Value> {
@@ -277,10 +315,39 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let warmup = (o.steps / 10).max(1);
     let mut sched =
         LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
+    if o.override_lr {
+        sched.override_on_load();
+    }
 
     let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
+    let mut run_config = run::run_config(
+        &run::Recipe {
+            model: &cfg,
+            lr: o.lr,
+            override_lr: o.override_lr,
+            betas: adamw.betas,
+            eps: adamw.eps,
+            weight_decay: adamw.weight_decay,
+            max_grad_norm: MAX_GRAD_NORM,
+            steps: o.steps,
+            warmup,
+            global_batch: o.batch * o.dp,
+            seq: o.seq,
+            seed: o.seed,
+            docs: &docs,
+            samples: dataset.len(),
+        },
+        &[
+            ("mesh.world", world.size().into()),
+            ("mesh.pp", o.pp.into()),
+            ("mesh.dp", o.dp.into()),
+            ("mesh.tp", o.tp.into()),
+            ("pipeline.schedule", o.schedule.kind().to_string().into()),
+            ("pipeline.microbatches", o.microbatches.into()),
+        ],
+    );
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
             let config = CheckpointConfig {
@@ -289,15 +356,23 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 ..Default::default()
             };
             let mut c = CheckpointManager::new(dir, world, config)?;
-            let resumed = c.load_latest(&mut [
-                ("model", &mut pipe as &mut dyn Stateful),
-                ("optim", &mut opt),
-                ("lr_scheduler", &mut sched),
-                ("sampler", &mut sampler),
-                ("trainer", &mut progress),
-            ])?;
-            if let (Some(step), 0) = (resumed, rank) {
-                println!("resumed from {} at step {step}", c.step_dir(step).display());
+            let resumed = c
+                .load_latest(&mut items(
+                    &mut run_config,
+                    &mut pipe,
+                    &mut opt,
+                    &mut sched,
+                    &mut sampler,
+                    &mut progress,
+                ))
+                .map_err(|e| run::explain_resume(e.into()))?;
+            if let Some(step) = resumed {
+                progress.check_resumed(step)?;
+                // The optimizer's own state holds the saved learning rate.
+                opt.set_lr(sched.last_lr());
+                if rank == 0 {
+                    println!("resumed from {} at step {step}", c.step_dir(step).display());
+                }
             }
             Some(c)
         }
@@ -314,7 +389,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let pp_group = mesh.group_of("pp")?.clone();
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
     let bar = reporter.then(|| run::progress_bar(o.steps, start_step));
-    memory::reset_peak(rank);
+    // This rank's allocations, for its peak (a tcp process credits its own to slot 0).
+    let mem_slot = run::memory_slot(rank, o.backend == BackendArg::Tcp);
+    memory::reset_peak(mem_slot);
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
@@ -352,7 +429,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 ddp.sync_gradients(s.module())?;
             }
             // The norm is over every stage (all-reduced): every rank takes the same branch.
-            let norm = clip_grad_norm_pp(&params, 1.0, &pp_group)?;
+            let norm = clip_grad_norm_pp(&params, MAX_GRAD_NORM, &pp_group)?;
             if norm.is_finite() {
                 opt.step()?;
             } else if o.nonfinite == NonFinite::Fail {
@@ -388,13 +465,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 if step.is_multiple_of(o.save_every as usize) || step == o.steps {
                     c.save(
                         step as u64,
-                        &mut [
-                            ("model", &mut pipe as &mut dyn Stateful),
-                            ("optim", &mut opt),
-                            ("lr_scheduler", &mut sched),
-                            ("sampler", &mut sampler),
-                            ("trainer", &mut progress),
-                        ],
+                        &mut items(
+                            &mut run_config,
+                            &mut pipe,
+                            &mut opt,
+                            &mut sched,
+                            &mut sampler,
+                            &mut progress,
+                        ),
                     )?;
                 }
             }
@@ -442,7 +520,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         final_loss: last,
         tokens,
         seconds: t0.elapsed().as_secs_f64(),
-        peak_bytes: memory::peak(rank),
+        peak_bytes: memory::peak(mem_slot),
         start_step,
         steps_run: step - start_step,
         bubble: timeline.bubble_fraction(),

@@ -1,31 +1,14 @@
 //! Classes of bad input, one test each: every one is a typed error whose message names
 //! what is wrong, never a panic, an abort, a silent disagreement or a hang.
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tpar::collectives::spawn_owned;
 use tpar::prelude::*;
+
+mod common;
+use common::examples::run_example;
 use tpar::tensor::TensorError;
-
-/// An example binary `cargo test` built beside this test.
-fn example(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("examples").join(name);
-    p.exists().then_some(p)
-}
-
-/// Runs an example with `args`: (exit code, stdout, stderr).
-fn run_example(name: &str, args: &[&str]) -> Option<(i32, String, String)> {
-    let exe = example(name)?;
-    let out = Command::new(exe).args(args).output().expect("run the example");
-    Some((
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
 
 fn small_llama() -> LlamaConfig {
     LlamaConfig {

@@ -7,11 +7,12 @@
 //!   to build for tens of seconds, then abort);
 //! * the peak memory a trainer reports when its ranks are processes over tcp.
 
-use std::path::PathBuf;
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tpar::prelude::*;
+
+mod common;
+use common::examples::{example, run_example_timed, run_limited};
 
 fn tiny_llama() -> LlamaConfig {
     LlamaConfig {
@@ -162,60 +163,6 @@ fn an_optimizer_over_replaced_parameters_names_them() {
     fresh.step().unwrap();
 }
 
-/// An example binary `cargo test` built beside this test.
-fn example(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("examples").join(name);
-    p.exists().then_some(p)
-}
-
-/// Runs `program args...`, killing it past `limit`: (exit code, stdout, stderr, time).
-fn run_limited(
-    program: &std::path::Path,
-    args: &[&str],
-    limit: Duration,
-) -> (i32, String, String, Duration) {
-    use std::io::Read;
-    use std::process::Stdio;
-    let t0 = Instant::now();
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the program");
-    let read_all = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = r.read_to_string(&mut s);
-            s
-        })
-    };
-    let out = read_all(Box::new(child.stdout.take().unwrap()));
-    let err = read_all(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{program:?} {args:?} ran past {limit:?}; stderr:\n{}", err.join().unwrap());
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let took = t0.elapsed();
-    (status.code().unwrap_or(-1), out.join().unwrap(), err.join().unwrap(), took)
-}
-
-/// Runs an example with `args` (at most 60 s): (exit code, stdout, stderr, time); `None`
-/// when it is not built.
-fn run_example(name: &str, args: &[&str]) -> Option<(i32, String, String, Duration)> {
-    let exe = example(name)?;
-    Some(run_limited(&exe, args, Duration::from_secs(60)))
-}
-
 /// Item 13, in the library: the Llama's parameter count is known before anything is
 /// built, and a count that overflows is a typed error naming the layer count.
 #[test]
@@ -245,7 +192,9 @@ fn too_many_layers_are_refused_before_building() {
     for name in ["llama_2d", "llama_pp"] {
         for layers in ["10000000", "1000000000", "18446744073709551615"] {
             let args = ["--layers", layers, "--steps", "1"];
-            let Some((code, out, err, took)) = run_example(name, &args) else {
+            let Some((code, out, err, took)) =
+                run_example_timed(name, &args, Duration::from_secs(60))
+            else {
                 eprintln!("{name} not built; skipping its size checks");
                 continue;
             };
@@ -258,7 +207,8 @@ fn too_many_layers_are_refused_before_building() {
             assert!(!out.contains("summary:"), "{what}: {out}");
         }
         // The numbers: the parameter count, the bytes it needs and what the machine has.
-        let (_, _, err, _) = run_example(name, &["--layers", "10000000"]).unwrap();
+        let (_, _, err, _) =
+            run_example_timed(name, &["--layers", "10000000"], Duration::from_secs(60)).unwrap();
         assert!(err.contains("parameters need at least") && err.contains("TiB"), "{err}");
     }
 }
@@ -276,7 +226,8 @@ fn too_many_rank_threads_are_refused_before_spawning() {
         ("llama_2d", &["--dp", "1000", "--tp", "1000"][..], "--world 1000000"),
         ("llama_pp", &["--pp", "1000", "--dp", "1000"][..], "--pp 1000 x --dp 1000 x --tp 1"),
     ] {
-        let Some((code, out, err, took)) = run_example(name, args) else {
+        let Some((code, out, err, took)) = run_example_timed(name, args, Duration::from_secs(60))
+        else {
             eprintln!("{name} not built; skipping its world checks");
             continue;
         };
