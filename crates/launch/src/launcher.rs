@@ -356,6 +356,11 @@ struct Rank {
 /// `--nnodes` and checks them against node 0's (node 0 checks everyone's), so a
 /// mismatch is [`LaunchError::NodeMismatch`] on both sides before any rank starts.
 /// Node 0 then picks a free port for rank 0's store and hands it to the others.
+///
+/// The ranks die with the launcher: on Linux each gets `SIGKILL` when the thread that
+/// called `run` exits (a parent-death signal), so a `kill -9` of `tpar-run` leaves none
+/// running. `run` returns only once its ranks are done, so call it from a thread that
+/// lives until then (the main thread, as `tpar-run` does).
 pub fn run(cfg: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     cfg.validate()?;
     // NCCL installed only as libnccl.so.2, which cudarc does not look for: give the ranks a
@@ -599,6 +604,7 @@ fn run_once(
             cmd.env("LD_LIBRARY_PATH", p);
         }
         sys::own_process_group(&mut cmd);
+        sys::die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(source) => {

@@ -1,6 +1,7 @@
 //! The operating system's side of stopping ranks: process groups, signals to them, and
 //! signal names. On Unix each rank leads its own process group, so a signal to the
-//! group also reaches what the rank started; elsewhere killing the child is all there is.
+//! group also reaches what the rank started; on Linux each rank also dies with the
+//! launcher (a parent-death signal); elsewhere killing the child is all there is.
 
 #[cfg(unix)]
 pub(crate) use unix::*;
@@ -19,6 +20,36 @@ mod unix {
     /// Makes the child lead a new process group (its pid is the group id).
     pub(crate) fn own_process_group(cmd: &mut Command) {
         cmd.process_group(0);
+    }
+
+    /// Makes the child die with the launcher (as torchrun's children die with their
+    /// agent): on Linux the kernel sends it `SIGKILL` when the thread that started it
+    /// exits, so a `kill -9` of the launcher leaves no rank running. A child whose
+    /// launcher died before the request took effect exits before its program starts.
+    /// Elsewhere this does nothing (the launcher's signal handlers still stop the ranks).
+    pub(crate) fn die_with_launcher(cmd: &mut Command) {
+        #[cfg(target_os = "linux")]
+        {
+            let launcher = std::process::id();
+            // SAFETY: the closure runs in the child between fork and exec, where only
+            // async-signal-safe calls are allowed: prctl(2) and getppid(2) are system
+            // calls that allocate nothing and take no locks; the error is built from a
+            // plain errno value, without allocating.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // The launcher died between fork and prctl: the signal will not come.
+                    if u32::try_from(libc::getppid()).ok() != Some(launcher) {
+                        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                    }
+                    Ok(())
+                });
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = cmd;
     }
 
     /// The signal that killed the process, if one did.
@@ -53,6 +84,8 @@ mod other {
     pub(crate) const SIGTERM: i32 = 15;
 
     pub(crate) fn own_process_group(_cmd: &mut Command) {}
+
+    pub(crate) fn die_with_launcher(_cmd: &mut Command) {}
 
     pub(crate) fn signal_of(_status: ExitStatus) -> Option<i32> {
         None
