@@ -28,6 +28,15 @@ pub enum StoreError {
     /// Any other failure.
     #[error(transparent)]
     Failed(BoxedStoreError),
+    /// A process of the job is gone (the store saw its connection close without a
+    /// goodbye): the store names its rank.
+    #[error("{source}")]
+    RankGone {
+        /// The rank whose process is gone.
+        rank: usize,
+        /// The store's error, naming it.
+        source: BoxedStoreError,
+    },
 }
 
 /// A key-value store shared by every process of a job. Values are bytes; keys are
@@ -52,6 +61,17 @@ pub trait Store: Send + Sync + fmt::Debug {
 
     /// Whether every key in `keys` is set, without waiting.
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError>;
+
+    /// Registers this process as `rank` of a job of `world_size` processes, before its
+    /// first wait in the store (the `tcp` backend's setup calls it). A store that can tell
+    /// (`tpar_launch::TcpStore`) refuses a world size other than its host's, or a rank
+    /// another live process holds, with an error naming both values, and fails every
+    /// other rank's waits with it; later, when this process dies, it fails their waits
+    /// with [`StoreError::RankGone`] naming `rank`. The default accepts.
+    fn join(&self, rank: usize, world_size: usize) -> Result<(), StoreError> {
+        let _ = (rank, world_size);
+        Ok(())
+    }
 
     /// The IP address of this process's end of its connection to the store, when it has
     /// one: the interface through which the other processes of the job can usually reach

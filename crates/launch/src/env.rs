@@ -273,6 +273,12 @@ impl EnvInit {
     /// connect to it (retrying until `timeout`, since rank 0 may start
     /// later). `timeout` becomes the store's default timeout.
     ///
+    /// The rank then joins the store ([`TcpStore::join`]) with `RANK` and `WORLD_SIZE`:
+    /// a world size other than rank 0's, or a rank another process holds, is a
+    /// [`RendezvousError::JobMismatch`] naming both values, here and in every other rank's
+    /// next wait in the store; and if this process dies, the others' waits in the store
+    /// fail at once with [`RendezvousError::RankGone`] naming its rank.
+    ///
     /// Rank 0 binds `MASTER_ADDR` itself when it names a loopback address,
     /// and every interface (at `MASTER_PORT`) otherwise, so that a host name
     /// that resolves to a loopback alias on the master (a common
@@ -289,6 +295,13 @@ impl EnvInit {
     /// agent's store only carries that address: the job's own keys, counters and
     /// barriers live in rank 0's [`TcpStore`] as in every other launch.
     pub fn store(&self, timeout: Duration) -> Result<TcpStore> {
+        let store = self.connect_store(timeout)?;
+        store.join(self.rank, self.world_size)?;
+        Ok(store)
+    }
+
+    /// [`store`](Self::store) before the rank joins it.
+    fn connect_store(&self, timeout: Duration) -> Result<TcpStore> {
         if self.agent_store {
             return self.store_via_agent(timeout);
         }

@@ -546,9 +546,20 @@ impl Mesh {
         shm: ShmConfig,
     ) -> Result<Mesh> {
         let fail = |m: String| setup_err(rank, size, m);
-        let store_err = |what: &str, e: StoreError| fail(format!("store: {what}: {e}"));
+        let store_err = |what: &str, e: StoreError| match e {
+            StoreError::RankGone { rank: gone, source } => CollectiveError::PeerFailed {
+                op: "tcp_world",
+                group: (0..size).collect(),
+                rank: gone,
+                why: format!("store: {what}: {source}"),
+            },
+            e => fail(format!("store: {what}: {e}")),
+        };
         let deadline = Instant::now() + timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
+        // Before any wait: a store that can tell refuses a world size or rank that
+        // disagrees with the others', and fails their waits with it.
+        store.join(rank, size).map_err(|e| store_err("joining the job", e))?;
 
         let (host, bind) = listen_addrs(store).map_err(&fail)?;
         let listener =

@@ -167,6 +167,22 @@ impl TcpStore {
         self.server.is_some()
     }
 
+    /// Registers this connection as `rank` of a job of `world_size` ranks, before the
+    /// job's first wait in the store ([`EnvInit::store`](crate::EnvInit::store) does it).
+    ///
+    /// The store checks that `world_size` is its host's and that no other live
+    /// connection holds `rank`; if not, this fails with
+    /// [`RendezvousError::JobMismatch`] naming both world sizes (or the rank claimed
+    /// twice), and so does every other rank's next wait in the store. From then on, if
+    /// this connection closes without the goodbye that dropping the store sends (the
+    /// process died), every rank waiting in the store gets [`RendezvousError::RankGone`]
+    /// naming `rank` at once. Joining again as the same rank is allowed.
+    pub fn join(&self, rank: usize, world_size: usize) -> Result<()> {
+        let req = Enc::default().u8(OP_JOIN).u64(rank as u64).u64(world_size as u64);
+        let mut reply = self.request("join", &[], req, Some(self.timeout))?;
+        self.decode(&mut reply, |d| d.end())
+    }
+
     /// Stores `value` under `key`, replacing any previous value and waking
     /// every `get`/`wait` on it.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
@@ -353,6 +369,26 @@ impl TcpStore {
                     timeout: Duration::ZERO, // replaced by the caller
                 })
             }
+            Ok(reply) if reply.status == ST_FAILED => {
+                let mut d = Dec(&reply.payload);
+                let (kind, rank, message) = match (d.u8(), d.u64(), d.bytes()) {
+                    (Ok(k), Ok(r), Ok(m)) => (k, r, String::from_utf8_lossy(m).into_owned()),
+                    _ => {
+                        return Err(RendezvousError::Protocol {
+                            addr: self.addr.clone(),
+                            what: format!("malformed failure reply to {op}"),
+                        })
+                    }
+                };
+                let rank = usize::try_from(rank).unwrap_or(usize::MAX);
+                let addr = self.addr.clone();
+                Err(match kind {
+                    FAIL_GONE => {
+                        RendezvousError::RankGone { addr, rank, op, keys: keys_owned(), message }
+                    }
+                    _ => RendezvousError::JobMismatch { addr, rank, message },
+                })
+            }
             Ok(reply) if reply.status == ST_REFUSED || reply.status == ST_ERROR => {
                 let message = String::from_utf8_lossy(Dec(&reply.payload).bytes().unwrap_or(b""))
                     .into_owned();
@@ -400,8 +436,11 @@ impl TcpStore {
 
 impl Drop for TcpStore {
     fn drop(&mut self) {
-        // Close our own connection first so the server's drain does not wait on it.
-        if let Some(s) = self.conn.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+        // Close our own connection first so the server's drain does not wait on it, saying
+        // goodbye: the server tells a dropped store from a dead process by it.
+        if let Some(mut s) = self.conn.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = write_frame(&mut s, &Enc::default().u8(OP_BYE).0);
             let _ = s.shutdown(Shutdown::Both);
         }
     }

@@ -152,6 +152,37 @@ pub enum RendezvousError {
         /// The server's explanation.
         message: String,
     },
+    /// A rank of the job is gone: its connection to the store closed without the goodbye a
+    /// dropped store sends (its process died, e.g. was killed). Every rank waiting in the
+    /// store, and every later wait, gets this at once instead of its timeout.
+    #[error("rendezvous store at {addr}: {op} of key(s) {keys:?} failed: {message}")]
+    RankGone {
+        /// The server address.
+        addr: String,
+        /// The rank whose process is gone.
+        rank: usize,
+        /// The operation that was waiting.
+        op: &'static str,
+        /// The keys of that operation.
+        keys: Vec<String>,
+        /// The store's account (`rank 2's connection to the store ... closed without a
+        /// goodbye: its process died`).
+        message: String,
+    },
+    /// The ranks of the job disagree on who is who: one was started with another world
+    /// size than the store's host, or two processes claim the same rank. The rank that
+    /// joined so gets this from [`TcpStore::join`], and every other rank from its next
+    /// wait in the store, before any collective.
+    #[error("rendezvous store at {addr}: {message}")]
+    JobMismatch {
+        /// The server address.
+        addr: String,
+        /// The rank that joined with the mismatch.
+        rank: usize,
+        /// What differs, with both values (`world sizes differ: rank 2 was started with
+        /// WORLD_SIZE=4, but the store's host (rank 0) with WORLD_SIZE=3`).
+        message: String,
+    },
     /// The connection failed earlier and the store can no longer be used.
     #[error("rendezvous store at {addr}: connection is closed after an earlier error")]
     Closed {
@@ -206,13 +237,17 @@ pub enum RendezvousError {
 pub(crate) type Result<T, E = RendezvousError> = std::result::Result<T, E>;
 
 impl From<RendezvousError> for StoreError {
-    /// A timeout (of a `get`, a `wait` or a barrier) is [`StoreError::Timeout`]; every
-    /// other error is [`StoreError::Failed`]. Both keep the error, so
-    /// `downcast_ref::<RendezvousError>()` gets it back.
+    /// A timeout (of a `get`, a `wait` or a barrier) is [`StoreError::Timeout`]; a rank
+    /// that is gone is [`StoreError::RankGone`]; every other error is
+    /// [`StoreError::Failed`]. All keep the error, so `downcast_ref::<RendezvousError>()`
+    /// gets it back.
     fn from(e: RendezvousError) -> Self {
         match e {
             RendezvousError::Timeout { .. } | RendezvousError::BarrierTimeout { .. } => {
                 StoreError::Timeout(Box::new(e))
+            }
+            RendezvousError::RankGone { rank, .. } => {
+                StoreError::RankGone { rank, source: Box::new(e) }
             }
             other => StoreError::Failed(Box::new(other)),
         }
@@ -235,6 +270,10 @@ impl Store for TcpStore {
 
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
         Ok(TcpStore::check(self, keys)?)
+    }
+
+    fn join(&self, rank: usize, world_size: usize) -> Result<(), StoreError> {
+        Ok(TcpStore::join(self, rank, world_size)?)
     }
 
     fn local_ip(&self) -> Option<std::net::IpAddr> {

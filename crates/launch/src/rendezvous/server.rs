@@ -17,6 +17,35 @@ struct State {
     shutdown: bool,
     /// Connection threads still running.
     live: usize,
+    /// The joined ranks: each rank's connection (its peer address).
+    ranks: HashMap<u64, String>,
+    /// Why the job failed, once it has: every waiting request (and every later one that
+    /// would wait) is answered with it.
+    failure: Option<Failure>,
+}
+
+/// Why the job failed, as every rank is told.
+#[derive(Clone)]
+struct Failure {
+    /// [`FAIL_GONE`] or [`FAIL_MISMATCH`].
+    kind: u8,
+    /// The rank concerned (the one that died, or that joined last).
+    rank: u64,
+    message: String,
+}
+
+impl Failure {
+    fn reply(&self) -> Enc {
+        Enc::default().u8(ST_FAILED).u8(self.kind).u64(self.rank).bytes(self.message.as_bytes())
+    }
+}
+
+/// How a wait of [`Shared::wait_until`] ended.
+enum Waited<'a> {
+    Ready(MutexGuard<'a, State>),
+    TimedOut(MutexGuard<'a, State>),
+    Failed(Failure),
+    Shutdown,
 }
 
 struct Shared {
@@ -34,32 +63,39 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits until `ready` holds, the deadline passes (false) or the server
-    /// shuts down (None). `ready` is checked first, so requests satisfied at
-    /// shutdown time still get their answer.
-    fn wait_until(
-        &self,
-        timeout: Duration,
-        mut ready: impl FnMut(&State) -> bool,
-    ) -> Option<(bool, MutexGuard<'_, State>)> {
+    /// Waits until `ready` holds, the deadline passes, the job fails or the server
+    /// shuts down. `ready` is checked first, so requests satisfied at shutdown time (or
+    /// when a rank dies right after a barrier it completed) still get their answer.
+    fn wait_until(&self, timeout: Duration, mut ready: impl FnMut(&State) -> bool) -> Waited<'_> {
         let deadline = Instant::now().checked_add(timeout);
         let mut st = self.lock();
         loop {
             if ready(&st) {
-                return Some((true, st));
+                return Waited::Ready(st);
+            }
+            if let Some(f) = &st.failure {
+                return Waited::Failed(f.clone());
             }
             if st.shutdown {
-                return None;
+                return Waited::Shutdown;
             }
             let wait = match deadline {
                 None => Duration::from_secs(3600),
                 Some(d) => match d.checked_duration_since(Instant::now()) {
                     Some(left) if !left.is_zero() => left,
-                    _ => return Some((false, st)),
+                    _ => return Waited::TimedOut(st),
                 },
             };
             st = self.changed.wait_timeout(st, wait).unwrap_or_else(|p| p.into_inner()).0;
         }
+    }
+
+    /// Marks the job failed (the first failure is kept) and wakes every waiting request.
+    fn fail(&self, mut st: MutexGuard<'_, State>, failure: Failure) -> Failure {
+        let f = st.failure.get_or_insert(failure).clone();
+        drop(st);
+        self.changed.notify_all();
+        f
     }
 }
 
@@ -142,8 +178,13 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Arc<AtomicBool>
     }
 }
 
-/// One client connection: read a request, answer it, until the peer leaves.
+/// One client connection: read a request, answer it, until the peer leaves. A joined
+/// rank whose connection closes without a goodbye (its process died, or dropped the
+/// connection without dropping its store) fails the job, naming the rank.
 fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
+    let peer = stream.peer_addr().map_or_else(|_| "an unknown address".into(), |a| a.to_string());
+    let mut joined: Option<u64> = None;
+    let mut bye = false;
     loop {
         let body = match read_frame(&mut stream) {
             Ok(b) => b,
@@ -154,7 +195,15 @@ fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
             }
             Err(_) => break,
         };
-        match handle(&shared, &body) {
+        let reply = match body.first() {
+            Some(&OP_BYE) => {
+                bye = true;
+                break;
+            }
+            Some(&OP_JOIN) => join(&shared, &body, &peer, &mut joined),
+            _ => handle(&shared, &body),
+        };
+        match reply {
             Ok(Some(reply)) => {
                 if write_frame(&mut stream, &reply).is_err() {
                     break;
@@ -170,8 +219,72 @@ fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
         }
     }
     drop(stream);
-    shared.lock().live -= 1;
+    let mut st = shared.lock();
+    st.live -= 1;
+    if let Some(rank) = joined {
+        if st.ranks.get(&rank) == Some(&peer) {
+            st.ranks.remove(&rank);
+            if !bye && !st.shutdown {
+                let message = format!(
+                    "rank {rank}'s connection to the store (from {peer}) closed without a \
+                     goodbye: its process died"
+                );
+                shared.fail(st, Failure { kind: FAIL_GONE, rank, message });
+                return;
+            }
+        }
+    }
+    drop(st);
     shared.changed.notify_all();
+}
+
+/// Registers the connection from `peer` as a rank: refuses (and fails the job with) a
+/// world size other than the store's, or a rank another live connection holds.
+fn join(
+    shared: &Shared,
+    body: &[u8],
+    peer: &str,
+    joined: &mut Option<u64>,
+) -> Result<Option<Vec<u8>>, String> {
+    let mut d = Dec(body);
+    d.u8()?;
+    let rank = d.u64()?;
+    let world = d.u64()?;
+    d.end()?;
+    let mut st = shared.lock();
+    let mismatch = if world != shared.world_size {
+        Some(format!(
+            "world sizes differ: rank {rank} was started with WORLD_SIZE={world}, but the \
+             store's host (rank 0) with WORLD_SIZE={}",
+            shared.world_size
+        ))
+    } else if rank >= world {
+        Some(format!("rank {rank} is out of range for WORLD_SIZE={world}"))
+    } else {
+        match st.ranks.get(&rank) {
+            Some(other) if other != peer => Some(format!(
+                "RANK={rank} is claimed by two processes (connections from {other} and \
+                 {peer}): each process needs its own rank below WORLD_SIZE={world}"
+            )),
+            _ => None,
+        }
+    };
+    if let Some(message) = mismatch {
+        let f = shared.fail(st, Failure { kind: FAIL_MISMATCH, rank, message });
+        // This rank hears its own problem, even when another failure came first.
+        let own = if f.rank == rank {
+            f
+        } else {
+            Failure { kind: FAIL_MISMATCH, rank, message: f.message }
+        };
+        return Ok(Some(own.reply().0));
+    }
+    if let Some(f) = &st.failure {
+        return Ok(Some(f.reply().0));
+    }
+    st.ranks.insert(rank, peer.to_string());
+    *joined = Some(rank);
+    Ok(Some(Enc::default().u8(ST_OK).0))
 }
 
 /// Answers one request; `Err` is a malformed request, `Ok(None)` means shutdown.
@@ -205,9 +318,10 @@ fn handle(shared: &Shared, body: &[u8]) -> Result<Option<Vec<u8>>, String> {
             let timeout = d.millis()?;
             d.end()?;
             match shared.wait_until(timeout, |st| st.data.contains_key(&key)) {
-                None => return Ok(None),
-                Some((true, st)) => ok().bytes(&st.data[&key]),
-                Some((false, _)) => Enc::default().u8(ST_TIMEOUT),
+                Waited::Shutdown => return Ok(None),
+                Waited::Failed(f) => f.reply(),
+                Waited::Ready(st) => ok().bytes(&st.data[&key]),
+                Waited::TimedOut(_) => Enc::default().u8(ST_TIMEOUT),
             }
         }
         OP_ADD => {
@@ -248,9 +362,10 @@ fn handle(shared: &Shared, body: &[u8]) -> Result<Option<Vec<u8>>, String> {
             let timeout = d.millis()?;
             d.end()?;
             match shared.wait_until(timeout, |st| keys.iter().all(|k| st.data.contains_key(k))) {
-                None => return Ok(None),
-                Some((true, _)) => ok(),
-                Some((false, st)) => {
+                Waited::Shutdown => return Ok(None),
+                Waited::Failed(f) => f.reply(),
+                Waited::Ready(_) => ok(),
+                Waited::TimedOut(st) => {
                     let missing: Vec<&String> =
                         keys.iter().filter(|k| !st.data.contains_key(*k)).collect();
                     Enc::default().u8(ST_TIMEOUT).keys(&missing)
@@ -275,9 +390,10 @@ fn handle(shared: &Shared, body: &[u8]) -> Result<Option<Vec<u8>>, String> {
             }
             shared.changed.notify_all();
             match shared.wait_until(timeout, |st| count(st) >= target) {
-                None => return Ok(None),
-                Some((true, _)) => ok(),
-                Some((false, st)) => Enc::default().u8(ST_TIMEOUT).u64(count(&st)),
+                Waited::Shutdown => return Ok(None),
+                Waited::Failed(f) => f.reply(),
+                Waited::Ready(_) => ok(),
+                Waited::TimedOut(st) => Enc::default().u8(ST_TIMEOUT).u64(count(&st)),
             }
         }
         OP_DELETE => {

@@ -22,6 +22,10 @@ pub(super) const OP_CHECK: u8 = 4;
 pub(super) const OP_WAIT: u8 = 5;
 pub(super) const OP_BARRIER: u8 = 6;
 pub(super) const OP_DELETE: u8 = 7;
+/// Registers the connection as a rank of the job: its rank and world size.
+pub(super) const OP_JOIN: u8 = 8;
+/// The client closes its connection on purpose (its store was dropped): no reply.
+pub(super) const OP_BYE: u8 = 9;
 
 pub(super) const ST_OK: u8 = 0;
 pub(super) const ST_TIMEOUT: u8 = 1;
@@ -29,6 +33,14 @@ pub(super) const ST_TIMEOUT: u8 = 1;
 pub(super) const ST_ERROR: u8 = 2;
 /// A well-formed request the server refuses; the connection stays usable.
 pub(super) const ST_REFUSED: u8 = 3;
+/// The job has failed (a rank's process died, or ranks disagree on who is who): a kind
+/// ([`FAIL_GONE`] or [`FAIL_MISMATCH`]), the rank concerned and a message.
+pub(super) const ST_FAILED: u8 = 4;
+
+/// A joined rank's connection closed without a goodbye: its process is gone.
+pub(super) const FAIL_GONE: u8 = 0;
+/// Ranks disagree on the world size, or two processes claim one rank.
+pub(super) const FAIL_MISMATCH: u8 = 1;
 
 /// Builds one message body.
 #[derive(Default)]
