@@ -164,18 +164,6 @@ impl Param {
 
 // ---- Reduced gradients (optimizers and clip_grad_norm; see crate::optim) ----
 
-/// Leaves whose `.grad()` holds an already-reduced gradient: leaf id -> id of that
-/// gradient tensor. A backward that accumulates into the leaf makes a new gradient
-/// tensor (a new id), and `zero_grad` drops it, so a mark never outlives its gradient.
-/// One small entry per leaf ever marked.
-static REDUCED: std::sync::Mutex<Option<std::collections::HashMap<u64, u64>>> =
-    std::sync::Mutex::new(None);
-
-fn reduced_marks<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, u64>) -> R) -> R {
-    let mut g = REDUCED.lock().unwrap_or_else(|p| p.into_inner());
-    f(g.get_or_insert_with(Default::default))
-}
-
 /// Where the elements of a parameter's reduced local gradient live, for reductions
 /// over all of them (a global norm; see `tpar_optim::sum_over_groups`).
 #[derive(Clone, Debug)]
@@ -206,19 +194,12 @@ impl Param {
     /// Replaces the leaf's gradient with `g`, an already-reduced gradient laid out like
     /// [`Param::trainable`] (e.g. a clipped one), marked as reduced; `None` clears it.
     pub fn set_reduced_grad(&self, g: Option<Tensor>) {
-        let leaf = self.trainable();
-        reduced_marks(|m| match &g {
-            Some(g) => m.insert(leaf.id(), g.id()),
-            None => m.remove(&leaf.id()),
-        });
-        leaf.set_grad(g);
+        self.trainable().set_reduced_grad(g);
     }
 
-    /// The leaf's gradient when it is marked as reduced.
+    /// The leaf's gradient when it is marked as reduced ([`Tensor::reduced_grad`]).
     fn reduced_grad(&self) -> Option<Tensor> {
-        let leaf = self.trainable();
-        let g = leaf.grad()?;
-        reduced_marks(|m| m.get(&leaf.id()) == Some(&g.id())).then_some(g)
+        self.trainable().reduced_grad()
     }
 
     /// A reduced local gradient in the parameter's own layout (as [`Param::grad`]).
@@ -266,22 +247,6 @@ impl Param {
 
 // ---- Retired parameters (an optimizer built before sharding) ----
 
-/// Leaves a module no longer holds because [`Param::replace`] put another parameter in
-/// their place (a parallel style, `fully_shard`, `reset_parameters`): leaf id -> what
-/// replaced it. Leaf ids are never reused, so an entry stays true; one small entry per
-/// replaced parameter.
-static RETIRED: std::sync::Mutex<Option<std::collections::HashMap<u64, &'static str>>> =
-    std::sync::Mutex::new(None);
-
-/// Bumped after every retirement, so a holder of parameters re-checks them only when
-/// something was retired since it last looked ([`RetiredCheck`]).
-static RETIRED_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-fn retired_marks<R>(f: impl FnOnce(&mut std::collections::HashMap<u64, &'static str>) -> R) -> R {
-    let mut g = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
-    f(g.get_or_insert_with(Default::default))
-}
-
 impl Param {
     /// Puts `new` in this parameter's place in its module, and marks the old leaf
     /// ([`Param::trainable`]) retired by `by` (`"fully_shard"`, `"parallelize_module"`,
@@ -293,52 +258,34 @@ impl Param {
     /// weights) is retired when either is replaced: replace both, as sharding a whole
     /// model does.
     pub fn replace(&mut self, new: Param, by: &'static str) {
-        let old = self.trainable().id();
-        let kept = new.trainable().id() == old;
+        let old = self.trainable();
+        let kept = new.trainable().id() == old.id();
         *self = new;
         if !kept {
-            retired_marks(|m| m.insert(old, by));
-            RETIRED_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Release);
+            old.retire(by);
         }
     }
 
     /// What replaced this parameter in its module (see [`Param::replace`]), `None` while
     /// it is still the module's.
     pub fn retired_by(&self) -> Option<&'static str> {
-        let leaf = self.trainable().id();
-        retired_marks(|m| m.get(&leaf).copied())
+        self.trainable().retired_by()
     }
 }
 
-/// A cheap watch over a list of named parameters for ones their module no longer holds
-/// ([`Param::replace`]): [`RetiredCheck::check`] looks at the parameters only when some
-/// parameter in the process was retired since its last look, so a training loop pays
-/// one atomic load per step.
-#[derive(Clone, Debug, Default)]
-pub struct RetiredCheck {
-    /// The retirement generation last checked against (0: nothing retired then).
-    seen: u64,
-}
-
-impl RetiredCheck {
-    /// `Err(`[`NnError::RetiredParam`](crate::NnError::RetiredParam)`)` naming the first
-    /// of `params` that was replaced in its module, what replaced it and `holder` (the
-    /// optimizer), which was built too early: it must be built after sharding.
-    pub fn check(&mut self, holder: &str, params: &[(String, Param)]) -> Result<()> {
-        let now = RETIRED_GENERATION.load(std::sync::atomic::Ordering::Acquire);
-        if now == self.seen {
-            return Ok(());
+/// `Err(`[`NnError::RetiredParam`](crate::NnError::RetiredParam)`)` naming the first of
+/// `params` that was replaced in its module ([`Param::replace`]), what replaced it and
+/// `holder` (an optimizer built too early: it must be built after sharding). One flag
+/// read per parameter, so an optimizer checks at every step.
+pub fn check_not_retired(holder: &str, params: &[(String, Param)]) -> Result<()> {
+    for (name, p) in params {
+        if let Some(by) = p.retired_by() {
+            return Err(crate::NnError::RetiredParam {
+                holder: holder.to_string(),
+                param: name.clone(),
+                by: by.to_string(),
+            });
         }
-        for (name, p) in params {
-            if let Some(by) = p.retired_by() {
-                return Err(crate::NnError::RetiredParam {
-                    holder: holder.to_string(),
-                    param: name.clone(),
-                    by: by.to_string(),
-                });
-            }
-        }
-        self.seen = now;
-        Ok(())
     }
+    Ok(())
 }

@@ -17,7 +17,7 @@
 //!   they put new parameters in the model's place ([`Param::replace`]), and an optimizer
 //!   still holding the old ones would step tensors the model no longer uses. Its first
 //!   step (and its constructor) then fails with [`NnError::RetiredParam`] naming the
-//!   parameter; the check costs one atomic load per step ([`tpar_nn::RetiredCheck`]).
+//!   parameter; the check reads one flag per parameter ([`tpar_nn::check_not_retired`]).
 //! * [`LinearLR`], [`CosineAnnealingLR`] and [`SequentialLR`] are pure functions of the
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
@@ -51,7 +51,7 @@ use tpar_kernels::adamw::{adamw_step, AdamWParams};
 use tpar_kernels::{Acc, Float};
 use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, TensorError};
 
-use tpar_nn::{NnError, Param, Result, RetiredCheck};
+use tpar_nn::{check_not_retired, NnError, Param, Result};
 
 mod state;
 mod zero;
@@ -364,7 +364,6 @@ pub struct AdamW {
     params: Vec<(String, Param)>,
     config: AdamWConfig,
     state: Vec<Option<AdamWSlot>>,
-    retired: RetiredCheck,
 }
 
 impl AdamW {
@@ -376,10 +375,9 @@ impl AdamW {
     /// AdamW over named parameters (e.g. from [`tpar_nn::named_parameters`]).
     pub fn with_names(params: Vec<(String, Param)>, config: AdamWConfig) -> Result<AdamW> {
         config.check()?;
-        let mut retired = RetiredCheck::default();
-        retired.check("AdamW", &params)?;
+        check_not_retired("AdamW", &params)?;
         let state = vec![None; params.len()];
-        Ok(AdamW { params, config, state, retired })
+        Ok(AdamW { params, config, state })
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -548,7 +546,7 @@ struct DeviceStep {
 impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         // Parameters the model no longer holds (an optimizer built before sharding).
-        self.retired.check("AdamW", &self.params)?;
+        check_not_retired("AdamW", &self.params)?;
         // Parameters on a CUDA device step together after the host ones.
         let mut device = Vec::new();
         for (i, ((name, p), slot)) in self.params.iter().zip(&mut self.state).enumerate() {
@@ -651,7 +649,6 @@ pub struct Sgd {
     params: Vec<(String, Param)>,
     config: SgdConfig,
     momentum_buffer: Vec<Option<StateBuf>>,
-    retired: RetiredCheck,
 }
 
 impl Sgd {
@@ -663,10 +660,9 @@ impl Sgd {
     /// SGD over named parameters.
     pub fn with_names(params: Vec<(String, Param)>, config: SgdConfig) -> Result<Sgd> {
         config.check()?;
-        let mut retired = RetiredCheck::default();
-        retired.check("SGD", &params)?;
+        check_not_retired("SGD", &params)?;
         let momentum_buffer = vec![None; params.len()];
-        Ok(Sgd { params, config, momentum_buffer, retired })
+        Ok(Sgd { params, config, momentum_buffer })
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -800,7 +796,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        self.retired.check("SGD", &self.params)?;
+        check_not_retired("SGD", &self.params)?;
         for ((name, p), buf) in self.params.iter().zip(&mut self.momentum_buffer) {
             let leaf = p.trainable();
             let device = on_device(&leaf);

@@ -52,7 +52,7 @@ use std::collections::BTreeMap;
 use crate::{sum_over_groups, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use tpar_collectives::{chunk_range, ProcessGroup, ReduceOp};
 use tpar_mesh::DeviceMesh;
-use tpar_nn::{NnError, Param, RetiredCheck};
+use tpar_nn::{check_not_retired, NnError, Param};
 use tpar_tensor::{no_grad, DType, Device, Tensor};
 
 use tpar_parallel_styles::{PlanError, Result};
@@ -127,7 +127,6 @@ pub struct ZeroRedundancyOptimizer<O: Optimizer> {
     dp: ProcessGroup,
     buckets: Vec<Bucket>,
     inner: O,
-    retired: RetiredCheck,
 }
 
 fn bad(what: impl Into<String>) -> PlanError {
@@ -177,8 +176,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
             return Err(bad(format!("needs a 1-d mesh (mesh[\"dp\"]), got {dp_mesh}")));
         }
         let dp = dp_mesh.group(0).map_err(NnError::from)?.clone();
-        let mut retired = RetiredCheck::default();
-        retired.check("ZeroRedundancyOptimizer", &params)?;
+        check_not_retired("ZeroRedundancyOptimizer", &params)?;
         // Buckets by dtype, members in parameter order (the same on every rank).
         let mut by_dtype: BTreeMap<&'static str, Bucket> = BTreeMap::new();
         for (i, (name, p)) in params.iter().enumerate() {
@@ -241,7 +239,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
             }
         }
         let inner = make_inner(shards)?;
-        Ok(ZeroRedundancyOptimizer { params, dp, buckets, inner, retired })
+        Ok(ZeroRedundancyOptimizer { params, dp, buckets, inner })
     }
 
     /// The optimizer stepping this rank's ranges (its parameters are the shard leaves).
@@ -295,7 +293,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
     /// Collective over dp (and over tp for tensor-parallel parameters replicated there).
     pub fn reduce_gradients(&mut self) -> tpar_nn::Result<()> {
         // Parameters the model no longer holds (an optimizer built before sharding).
-        self.retired.check("ZeroRedundancyOptimizer", &self.params)?;
+        check_not_retired("ZeroRedundancyOptimizer", &self.params)?;
         if self.params.is_empty() {
             return Ok(());
         }

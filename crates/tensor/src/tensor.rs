@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use crate::autograd::Node;
 use crate::gpu::GpuStorage;
@@ -19,7 +19,18 @@ pub(crate) struct Inner {
     pub(crate) storage: Arc<RwLock<Storage>>,
     pub(crate) node: Option<Arc<Node>>,
     pub(crate) requires_grad: AtomicBool,
-    pub(crate) grad: Mutex<Option<Tensor>>,
+    pub(crate) grad: Mutex<GradSlot>,
+    /// What replaced this leaf in its module, once something did ([`Tensor::retire`]).
+    pub(crate) retired: OnceLock<&'static str>,
+}
+
+/// A leaf's accumulated gradient and whether it is already reduced over the ranks that
+/// share the parameter ([`Tensor::set_reduced_grad`]); a new accumulation or a clear
+/// makes it unreduced again.
+#[derive(Default)]
+pub(crate) struct GradSlot {
+    grad: Option<Tensor>,
+    reduced: bool,
 }
 
 impl Drop for Inner {
@@ -73,7 +84,8 @@ impl Tensor {
             storage: Arc::new(RwLock::new(storage)),
             node: None,
             requires_grad: AtomicBool::new(false),
-            grad: Mutex::new(None),
+            grad: Mutex::new(GradSlot::default()),
+            retired: OnceLock::new(),
         }))
     }
 
@@ -88,7 +100,8 @@ impl Tensor {
             storage: self.0.storage.clone(),
             node,
             requires_grad: AtomicBool::new(rg),
-            grad: Mutex::new(None),
+            grad: Mutex::new(GradSlot::default()),
+            retired: OnceLock::new(),
         }))
     }
 
@@ -276,16 +289,38 @@ impl Tensor {
         self.0.node.as_ref().map(|n| n.name)
     }
 
+    fn grad_slot(&self) -> std::sync::MutexGuard<'_, GradSlot> {
+        self.0.grad.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The accumulated gradient of a leaf.
     pub fn grad(&self) -> Option<Tensor> {
-        self.0.grad.lock().map(|g| g.clone()).unwrap_or_else(|p| p.into_inner().clone())
+        self.grad_slot().grad.clone()
     }
 
     /// Replaces the accumulated gradient (`None` clears it, as `zero_grad(set_to_none=True)`).
+    /// The gradient is unreduced (see [`Tensor::set_reduced_grad`]).
     pub fn set_grad(&self, g: Option<Tensor>) {
-        match self.0.grad.lock() {
-            Ok(mut slot) => *slot = g,
-            Err(p) => *p.into_inner() = g,
+        *self.grad_slot() = GradSlot { grad: g, reduced: false };
+    }
+
+    /// Replaces the accumulated gradient with `g`, which is already reduced over the
+    /// ranks that share the parameter (the data-parallel all-reduce, a replicated mesh
+    /// dim's sum): [`Tensor::reduced_grad`] returns it until a backward accumulates into
+    /// this leaf again or the gradient is cleared, so whoever reduces it next (the
+    /// gradient clip, the optimizer) sees that it need not.
+    pub fn set_reduced_grad(&self, g: Option<Tensor>) {
+        let reduced = g.is_some();
+        *self.grad_slot() = GradSlot { grad: g, reduced };
+    }
+
+    /// The accumulated gradient when it is marked reduced ([`Tensor::set_reduced_grad`]).
+    pub fn reduced_grad(&self) -> Option<Tensor> {
+        let slot = self.grad_slot();
+        if slot.reduced {
+            slot.grad.clone()
+        } else {
+            None
         }
     }
 
@@ -295,13 +330,27 @@ impl Tensor {
     }
 
     pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
-        let mut slot = self.0.grad.lock().unwrap_or_else(|p| p.into_inner());
-        let new = match slot.take() {
+        let mut slot = self.grad_slot();
+        let new = match slot.grad.take() {
             Some(old) => crate::autograd::no_grad(|| old.add(&g))?,
             None => g,
         };
-        *slot = Some(new);
+        *slot = GradSlot { grad: Some(new), reduced: false };
         Ok(())
+    }
+
+    /// Marks this leaf as no longer its module's: `by` (`"fully_shard"`,
+    /// `"parallelize_module"`, `"reset_parameters"`) put another tensor in its place. Every
+    /// handle of the leaf (an optimizer's copy) then reports it ([`Tensor::retired_by`]).
+    /// The first mark stays.
+    pub fn retire(&self, by: &'static str) {
+        let _ = self.0.retired.set(by);
+    }
+
+    /// What replaced this leaf in its module ([`Tensor::retire`]), `None` while it is
+    /// still the module's.
+    pub fn retired_by(&self) -> Option<&'static str> {
+        self.0.retired.get().copied()
     }
 
     /// A handle to the same data that is cut from the graph.
