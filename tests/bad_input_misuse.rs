@@ -290,3 +290,26 @@ fn llama_pp_over_tcp_reports_its_own_peak_memory() {
     assert!(peak > 0.0, "peak_mib_max={peak}:\n{out}");
     assert!(out.contains("[rank 1] summary: world=2 pp=2"), "{out}");
 }
+
+/// Item 13, in the library: `spawn` refuses a world of more rank threads than the process
+/// can run before it builds anything (no abort, no exhausted memory), naming the count
+/// and the limit.
+#[test]
+fn spawn_refuses_more_rank_threads_than_the_process_runs() {
+    let (limit, _) = tpar::collectives::max_rank_threads();
+    for n in [1_000_000usize, usize::MAX] {
+        let t0 = std::time::Instant::now();
+        let err = spawn(n, |_ctx| Ok::<_, CollectiveError>(())).unwrap_err().to_string();
+        assert!(t0.elapsed() < Duration::from_secs(5), "{n}: took {:?}", t0.elapsed());
+        assert!(
+            err.contains(&format!("{n} ranks")) && err.contains(&format!("at most {limit}")),
+            "{err}"
+        );
+        let cfg = SpawnConfig::new(n);
+        let err =
+            tpar::collectives::spawn_scoped(cfg, |_ctx| Ok::<_, CollectiveError>(())).unwrap_err();
+        assert!(err.to_string().contains(&format!("{n} ranks")), "{err}");
+    }
+    // Within the limit it runs.
+    assert_eq!(spawn(2, |ctx| Ok::<_, CollectiveError>(ctx.rank())).unwrap(), vec![0, 1]);
+}

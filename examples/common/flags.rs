@@ -50,50 +50,25 @@ pub fn llama_shape(hidden: usize, heads: usize, kv_heads: usize) -> Result<(), S
     Ok(())
 }
 
-/// Rank threads the local backend runs per core at most: beyond that the ranks wait on
-/// each other far more than they compute, and a typo (`--world 1000000`) would start a
-/// thread per rank until the machine gives out.
-pub const LOCAL_RANKS_PER_CORE: usize = 64;
-
 /// A number read from the first line of a file (`/proc/sys/...`), if it is one.
 fn read_number(path: &str) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.split_whitespace().next()?.parse().ok()
 }
 
-/// The most threads this process may start, from what the OS says (Linux: the system's
-/// `threads-max`, the soft `Max processes` limit, and half of `vm.max_map_count` since
-/// each thread's stack is a mapping plus a guard page); `None` where it says nothing.
-fn os_thread_limit() -> Option<u64> {
-    let nproc = std::fs::read_to_string("/proc/self/limits").ok().and_then(|s| {
-        let line = s.lines().find(|l| l.starts_with("Max processes"))?;
-        line.split_whitespace().nth(2)?.parse::<u64>().ok()
-    });
-    let maps = read_number("/proc/sys/vm/max_map_count").map(|m| m / 2);
-    [read_number("/proc/sys/kernel/threads-max"), nproc, maps].into_iter().flatten().min()
-}
-
 /// `Err` when the local backend (every rank a thread of this process) cannot run `world`
-/// ranks on this machine: more than [`LOCAL_RANKS_PER_CORE`] per core, more than the OS
+/// ranks on this machine: more than [`tpar::collectives::RANKS_PER_CORE`] per core, more than the OS
 /// lets this process start (two threads a rank: its own and its kernel pool's), or more
 /// than the memory accounting tells apart (`tpar::tensor::memory::MAX_RANKS`; beyond it
 /// the trainers' per-rank peaks would be sums of ranks). `what` names the flags that set
 /// the world (`"--world 1000000"`). Checked before any rank starts.
 pub fn local_world(world: usize, what: &str) -> Result<(), String> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let by_cores = cores.saturating_mul(LOCAL_RANKS_PER_CORE);
-    let mut bounds =
-        vec![(by_cores, format!("{by_cores} at {LOCAL_RANKS_PER_CORE} per core on {cores} cores"))];
-    if let Some(t) = os_thread_limit() {
-        let ranks = (t / 2).min(usize::MAX as u64) as usize;
-        bounds.push((ranks, format!("{ranks} by the threads the OS lets it start")));
-    }
+    let (threads, mut why) = tpar::collectives::max_rank_threads();
     let tracked = tpar::tensor::memory::MAX_RANKS;
-    bounds.push((tracked, format!("{tracked} whose peak memory is tracked apart")));
-    let limit = bounds.iter().map(|(n, _)| *n).min().unwrap_or(0);
+    why.push(format!("{tracked} whose peak memory is tracked apart"));
+    let limit = threads.min(tracked);
     if world <= limit {
         return Ok(());
     }
-    let why: Vec<String> = bounds.into_iter().map(|(_, why)| why).collect();
     Err(format!(
         "{what}: {world} ranks, but the local backend runs each rank as a thread of this \
          process and takes at most {limit} here ({}); run fewer ranks, or one process per \

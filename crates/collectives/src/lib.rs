@@ -67,7 +67,8 @@ pub use error::{CollectiveError, WaitLink};
 pub use group::{ProcessGroup, Work};
 pub use op::{chunk_range, CollectiveKind, ReduceOp};
 pub use spawn::{
-    spawn, spawn_owned, spawn_scoped, spawn_with, RankThreads, SpawnConfig, RANK_STACK_SIZE,
+    max_rank_threads, spawn, spawn_owned, spawn_scoped, spawn_with, RankThreads, SpawnConfig,
+    RANKS_PER_CORE, RANK_STACK_SIZE,
 };
 pub use store::{BoxedStoreError, HashStore, Store, StoreError};
 pub use world::{RankCtx, World, DEFAULT_TIMEOUT};

@@ -34,6 +34,56 @@ impl RankThreads {
     }
 }
 
+/// Rank threads a process runs per core at most: beyond that the ranks wait on each
+/// other far more than they compute, and a typo (a world of a million) would start a
+/// thread per rank until the machine gives out.
+pub const RANKS_PER_CORE: usize = 64;
+
+/// A number read from the first line of a file (`/proc/sys/...`), if it is one.
+fn read_number(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// The most rank threads this process can run, with why: [`RANKS_PER_CORE`] per core,
+/// and what the OS lets it start (Linux: the system's `threads-max`, the soft `Max
+/// processes` limit, half of `vm.max_map_count` since each thread's stack is a mapping
+/// plus a guard page), at two threads a rank (its own and its kernel pool's).
+pub fn max_rank_threads() -> (usize, Vec<String>) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let by_cores = cores.saturating_mul(RANKS_PER_CORE);
+    let mut bounds =
+        vec![(by_cores, format!("{by_cores} at {RANKS_PER_CORE} per core on {cores} cores"))];
+    let nproc = std::fs::read_to_string("/proc/self/limits").ok().and_then(|s| {
+        let line = s.lines().find(|l| l.starts_with("Max processes"))?;
+        line.split_whitespace().nth(2)?.parse::<u64>().ok()
+    });
+    let maps = read_number("/proc/sys/vm/max_map_count").map(|m| m / 2);
+    let os = [read_number("/proc/sys/kernel/threads-max"), nproc, maps].into_iter().flatten().min();
+    if let Some(t) = os {
+        let ranks = usize::try_from(t / 2).unwrap_or(usize::MAX);
+        bounds.push((ranks, format!("{ranks} by the threads the OS lets it start")));
+    }
+    let limit = bounds.iter().map(|(n, _)| *n).min().unwrap_or(by_cores);
+    (limit, bounds.into_iter().map(|(_, why)| why).collect())
+}
+
+/// `Err(InvalidArgument)` naming `world_size` and the limit when this process cannot run
+/// that many rank threads ([`max_rank_threads`]); checked before anything is built.
+fn check_world_size(world_size: usize) -> Result<(), CollectiveError> {
+    let (limit, why) = max_rank_threads();
+    if world_size <= limit {
+        return Ok(());
+    }
+    Err(CollectiveError::InvalidArgument {
+        op: "spawn",
+        why: format!(
+            "{world_size} ranks, but this process runs at most {limit} rank threads ({}); \
+             run fewer ranks, or one process per rank",
+            why.join("; ")
+        ),
+    })
+}
+
 /// How [`spawn_with`] runs its ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpawnConfig {
@@ -149,6 +199,7 @@ where
     E: From<CollectiveError> + fmt::Display + Send + 'static,
     F: Fn(RankCtx) -> Result<R, E> + Send + Sync + 'static,
 {
+    check_world_size(config.world_size)?;
     let world = World::with_timeout(config.world_size, config.timeout)?;
     let stack = config.stack_size.max(64 << 10);
     let threads = config.threads;
@@ -220,6 +271,7 @@ where
     E: From<CollectiveError> + fmt::Display + Send,
     F: Fn(RankCtx) -> Result<R, E> + Sync,
 {
+    check_world_size(config.world_size)?;
     let world = World::with_timeout(config.world_size, config.timeout)?;
     let stack = config.stack_size.max(64 << 10);
     let threads = config.threads;
