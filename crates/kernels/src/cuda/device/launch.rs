@@ -1,0 +1,124 @@
+//! Launching a kernel on a [`CudaDevice`]: the [`Launcher`] implementation,
+//! which finds (compiling on first use) the kernel, checks the argument
+//! struct's size and the shared memory against what the driver reports, and
+//! calls `cuLaunchKernel` on the handle's stream.
+
+use std::ffi::c_void;
+
+use cudarc::driver::result as dresult;
+
+use super::modules::DEFAULT_DYN_SMEM_LIMIT;
+use super::probe::driver_error;
+use super::CudaDevice;
+use crate::cuda::{cuda_error, LaunchConfig, Launcher};
+use crate::Result;
+
+impl Launcher for CudaDevice {
+    fn describe(&self) -> String {
+        format!("cuda:{} ({}, {})", self.ordinal, self.arch, self.name)
+    }
+
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        let size = args.len();
+        // the name for messages, built only when something fails
+        let op = || format!("{} {kernel}", self.op());
+        let f = self.function(kernel)?;
+        if f.extra_params {
+            return Err(cuda_error(&op(), "the kernel takes more than one parameter".to_string()));
+        }
+        if let Some(p) = f.param_size {
+            if p != size {
+                return Err(cuda_error(
+                    &op(),
+                    format!(
+                        "the argument struct is {size} bytes but the kernel's parameter is {p} \
+                         bytes (the Rust mirror and the CUDA struct disagree)"
+                    ),
+                ));
+            }
+        }
+        let smem = cfg.shared_bytes;
+        if smem as u64 + f.static_smem as u64 > self.max_smem_optin as u64 {
+            return Err(cuda_error(
+                &op(),
+                format!(
+                    "{smem} bytes of dynamic plus {} of static shared memory exceed the \
+                     {}-byte limit per block",
+                    f.static_smem, self.max_smem_optin
+                ),
+            ));
+        }
+        self.ctx.bind_to_thread().map_err(|e| driver_error(&op(), "binding the context", e))?;
+        if smem > DEFAULT_DYN_SMEM_LIMIT {
+            f.allow_dyn_smem(&op(), smem)?;
+        }
+        // cuLaunchKernel reads each parameter's size in bytes from the pointer
+        // given for it: the one parameter is the argument struct at `args`.
+        let mut params: [*mut c_void; 1] = [args.as_ptr() as *mut c_void];
+        let params: &mut [*mut c_void] = if size == 0 { &mut [] } else { &mut params };
+        let g = cfg.grid;
+        let b = cfg.block;
+        crate::cuda::profile::timed(
+            &self.ctx,
+            &self.stream,
+            || kernel.to_string(),
+            || {
+                // SAFETY: the function is loaded in this (current) context, the
+                // stream belongs to it, and the caller guarantees `args` points to
+                // `size` bytes laid out as the kernel's parameter (whose size was
+                // checked above when the driver could tell) with valid addresses in it.
+                unsafe {
+                    dresult::launch_kernel(
+                        f.func.cu_function(),
+                        (g[0], g[1], g[2]),
+                        (b[0], b[1], b[2]),
+                        smem,
+                        self.stream.cu_stream(),
+                        params,
+                    )
+                }
+            },
+        )
+        .map_err(|e| driver_error(&op(), &format!("cuLaunchKernel (grid {g:?}, block {b:?})"), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::device::index::kernel_names;
+    use crate::cuda::device::tests::{gpu_or_skip, say};
+    use crate::KernelError;
+
+    #[test]
+    fn gpu_launch_errors_are_reported() {
+        let Some(dev) = gpu_or_skip("gpu_launch_errors_are_reported") else { return };
+        let cfg = LaunchConfig::linear(1, 32);
+        let x = 0u8;
+        // SAFETY: the kernel does not exist, so nothing is launched.
+        let r = unsafe { dev.launch_raw("tpar_no_such_kernel", &cfg, &[x]) };
+        assert!(matches!(r, Err(KernelError::Cuda { .. })));
+        let Some(name) = crate::cuda::sources().iter().flat_map(|s| kernel_names(s.text)).next()
+        else {
+            return;
+        };
+        let info = dev.kernel_info(name).unwrap();
+        if let Some(p) = info.param_bytes {
+            assert!(p > 1, "{name} takes a {p}-byte argument struct");
+            // SAFETY: the size check rejects the launch before anything runs.
+            let r = unsafe { dev.launch_raw(name, &cfg, &[x]) };
+            let msg = format!("{r:?}");
+            assert!(msg.contains("argument struct is 1 bytes"), "{msg}");
+            // Too much shared memory is refused before the launch, too.
+            let big = LaunchConfig::linear(1, 32).with_shared(dev.max_shared_per_block() + 1);
+            let args = vec![0u8; p];
+            // SAFETY: refused before anything runs (the limit check).
+            let r = unsafe { dev.launch_raw(name, &big, &args) };
+            assert!(format!("{r:?}").contains("shared memory"), "{r:?}");
+        } else {
+            say("the driver cannot report parameter sizes (cuFuncGetParamInfo needs CUDA 12.4+)");
+        }
+    }
+}
