@@ -1,4 +1,4 @@
-//! FSDP (`fully_shard`) and plain data parallelism.
+//! FSDP (`fully_shard`).
 //!
 //! `fully_shard(module, dp_mesh, config)` makes `module` one FSDP unit: every parameter
 //! of its subtree not already in a child unit is sharded along dim 0 over the dp group
@@ -32,7 +32,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use tpar_collectives::ReduceOp;
 use tpar_dtensor::DTensor;
 use tpar_mesh::DeviceMesh;
 use tpar_nn::fsdp_group::{FsdpParamGroup, FsdpTimeline, TimelineKind};
@@ -384,67 +383,5 @@ pub fn fsdp_units(model: &dyn Module) -> Vec<(String, Arc<FsdpParamGroup>)> {
 pub fn set_fsdp_timeline(model: &dyn Module, timeline: Option<&FsdpTimeline>) {
     for (_, g) in fsdp_units(model) {
         g.set_timeline(timeline.cloned());
-    }
-}
-
-/// Plain replicated data parallelism (DDP): every rank holds every parameter; after
-/// backward, [`DataParallel::sync_gradients`] averages the gradients over dp with one
-/// all_reduce of a flat bucket per dtype.
-#[derive(Clone, Debug)]
-pub struct DataParallel {
-    dp: tpar_collectives::ProcessGroup,
-}
-
-impl DataParallel {
-    /// Data parallelism over the 1-d `dp_mesh`; broadcasts `module`'s parameters from dp
-    /// rank 0 so every replica starts equal.
-    pub fn new(module: &mut dyn Module, dp_mesh: &DeviceMesh) -> Result<DataParallel> {
-        if dp_mesh.ndim() != 1 {
-            return Err(PlanError::BadStyle {
-                style: "DataParallel".into(),
-                what: format!("needs a 1-d mesh, got {dp_mesh}"),
-            });
-        }
-        let dp = dp_mesh.group(0).map_err(NnError::from)?.clone();
-        for p in tpar_nn::parameters(module) {
-            let t = p.trainable();
-            let src = dp.broadcast(&t.detach(), 0).map_err(NnError::from)?;
-            t.copy_(&src).map_err(NnError::from)?;
-        }
-        Ok(DataParallel { dp })
-    }
-
-    /// Averages every parameter's accumulated gradient over dp (in place). With one dp
-    /// rank the average is the gradient itself: nothing is issued (no collective, so no
-    /// staging of device gradients either).
-    pub fn sync_gradients(&self, module: &dyn Module) -> Result<()> {
-        if self.dp.size() == 1 {
-            return Ok(());
-        }
-        let mut by_dtype: std::collections::BTreeMap<&'static str, Vec<(Tensor, Tensor)>> =
-            Default::default();
-        for p in tpar_nn::parameters(module) {
-            let t = p.trainable();
-            if let Some(g) = t.grad() {
-                by_dtype.entry(g.dtype().name()).or_default().push((t, g));
-            }
-        }
-        for (_, items) in by_dtype {
-            let flat: Vec<Tensor> = items
-                .iter()
-                .map(|(_, g)| g.detach().reshape([g.numel()]))
-                .collect::<tpar_tensor::Result<_>>()
-                .map_err(NnError::from)?;
-            // A new buffer: averaged in place, with no second one for the result.
-            let bucket = Tensor::cat(&flat, 0).map_err(NnError::from)?;
-            self.dp.all_reduce_(&bucket, ReduceOp::Avg).map_err(NnError::from)?;
-            let sizes: Vec<usize> = items.iter().map(|(_, g)| g.numel()).collect();
-            for ((t, g), piece) in
-                items.iter().zip(bucket.split_sizes(&sizes, 0).map_err(NnError::from)?)
-            {
-                t.set_grad(Some(piece.reshape(g.shape().clone()).map_err(NnError::from)?));
-            }
-        }
-        Ok(())
     }
 }

@@ -66,6 +66,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod ddp;
 mod explain;
 mod fsdp;
 pub mod loss_parallel {
@@ -79,9 +80,8 @@ pub mod trace;
 
 pub use error::{PlanError, Result};
 pub use explain::{explain, explain_collectives, tally_collectives, CommTally};
-pub use fsdp::{
-    fsdp_units, fully_shard, set_fsdp_timeline, unshard, DataParallel, FsdpConfig, MixedPrecision,
-};
+pub use ddp::{sync_module_states, DataParallel, NoSync, DEFAULT_BUCKET_CAP_BYTES};
+pub use fsdp::{fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, MixedPrecision};
 pub use plan::{apply_plan, check_plan, matches, parallelize_module, ParallelizePlan};
 pub use style::{
     ColwiseParallel, InputLayout, OutputLayout, ParallelStyle, PrepareModuleInput,

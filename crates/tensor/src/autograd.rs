@@ -568,6 +568,7 @@ fn propagate(
     tags: &mut Tags,
     keep: &HashSet<u64>,
     mut split: Option<Split<'_>>,
+    mut ready: Option<&mut ReadyLeaves>,
 ) -> Result<()> {
     for t in order {
         let Some(node) = t.node() else { continue };
@@ -616,6 +617,11 @@ fn propagate(
                 s.weight.seeds.push((inp.clone(), gi));
             }
         }
+        if let Some(r) = ready.as_deref_mut() {
+            for inp in node.inputs.iter().filter(|i| i.requires_grad()) {
+                r.edge_done(inp.id(), map, tags)?;
+            }
+        }
         if let (false, Some(s)) = (later.is_empty(), &mut split) {
             // The weight pass calls the closure again, untagged.
             let grad = match tag {
@@ -650,7 +656,7 @@ fn run_tagged(
     let _m = MaskGuard::new(None);
     let mut map = seed(roots, grads)?;
     let (order, leaves) = topo(roots);
-    propagate(&order, &mut map, &mut tags, keep, None)?;
+    propagate(&order, &mut map, &mut tags, keep, None, None)?;
     demote_all(&mut map, tags)?;
     Ok((leaves, map))
 }
@@ -660,15 +666,75 @@ fn run_into_leaves(roots: &[Tensor], grads: Vec<Tensor>) -> Result<()> {
     run_into_leaves_tagged(roots, grads, Tags::new())
 }
 
-/// [`run_into_leaves`] with some roots' gradients tagged.
-fn run_into_leaves_tagged(roots: &[Tensor], grads: Vec<Tensor>, tags: Tags) -> Result<()> {
-    let (leaves, mut map) = run_tagged(roots, grads, tags, &HashSet::new())?;
+/// [`run_into_leaves`] with some roots' gradients tagged. A leaf with a post-accumulate
+/// hook gets its gradient as soon as the last node that feeds it has run (its hooks run
+/// then, while the pass goes on); the others at the end. Either way a leaf receives the
+/// same sum, added once.
+fn run_into_leaves_tagged(roots: &[Tensor], grads: Vec<Tensor>, mut tags: Tags) -> Result<()> {
+    let _g = GradModeGuard::new(false);
+    let _m = MaskGuard::new(None);
+    let mut map = seed(roots, grads)?;
+    let (order, leaves) = topo(roots);
+    let mut ready = ReadyLeaves::new(&order, &leaves);
+    propagate(&order, &mut map, &mut tags, &HashSet::new(), None, Some(&mut ready))?;
+    demote_all(&mut map, tags)?;
     for leaf in leaves {
         if let Some(g) = map.remove(&leaf.id()) {
             leaf.accumulate_grad(g)?;
         }
     }
     Ok(())
+}
+
+/// The leaves with post-accumulate hooks of one backward pass, each with the number of
+/// graph edges (node inputs) still to deliver its gradient.
+struct ReadyLeaves {
+    pending: HashMap<u64, (Tensor, usize)>,
+}
+
+impl ReadyLeaves {
+    fn new(order: &[Tensor], leaves: &[Tensor]) -> ReadyLeaves {
+        let mut pending: HashMap<u64, (Tensor, usize)> = leaves
+            .iter()
+            .filter(|l| l.has_post_grad_hooks())
+            .map(|l| (l.id(), (l.clone(), 0)))
+            .collect();
+        if !pending.is_empty() {
+            for t in order {
+                let Some(node) = t.node() else { continue };
+                for inp in node.inputs.iter().filter(|i| i.requires_grad()) {
+                    if let Some(e) = pending.get_mut(&inp.id()) {
+                        e.1 += 1;
+                    }
+                }
+            }
+        }
+        ReadyLeaves { pending }
+    }
+
+    /// One edge into `id` has been processed: on the last, the leaf's gradient leaves
+    /// the engine's map for the leaf (demoted if tagged, as at the end of a pass).
+    fn edge_done(
+        &mut self,
+        id: u64,
+        map: &mut HashMap<u64, Tensor>,
+        tags: &mut Tags,
+    ) -> Result<()> {
+        let Some(e) = self.pending.get_mut(&id) else { return Ok(()) };
+        e.1 -= 1;
+        if e.1 > 0 {
+            return Ok(());
+        }
+        let Some((leaf, _)) = self.pending.remove(&id) else { return Ok(()) };
+        if let Some(g) = map.remove(&id) {
+            let g = match tags.remove(&id) {
+                Some(tg) => tg.demote(g)?,
+                None => g,
+            };
+            leaf.accumulate_grad(g)?;
+        }
+        Ok(())
+    }
 }
 
 /// Runs one backward pass `f` with its own callback queue (holding `carried`), then the
@@ -844,7 +910,7 @@ pub fn backward_input(
     let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
     let split = Split { on_path: &on_path, weight: &mut weight };
     let mut tags = Tags::new();
-    propagate(&order, &mut map, &mut tags, &targets, Some(split))?;
+    propagate(&order, &mut map, &mut tags, &targets, Some(split), None)?;
     demote_all(&mut map, tags)?;
     // The backward ends with the weight pass: its callbacks wait for it.
     weight.callbacks = scope.take();

@@ -22,7 +22,14 @@ pub(crate) struct Inner {
     pub(crate) grad: Mutex<GradSlot>,
     /// What replaced this leaf in its module, once something did ([`Tensor::retire`]).
     pub(crate) retired: OnceLock<&'static str>,
+    /// Run after each backward pass accumulates into this leaf's gradient
+    /// ([`Tensor::register_post_accumulate_grad_hook`]).
+    pub(crate) post_grad_hooks: Mutex<Vec<PostGradHook>>,
 }
+
+/// A hook run after a backward pass accumulates into a leaf's gradient, with the leaf
+/// ([`Tensor::register_post_accumulate_grad_hook`]).
+pub type PostGradHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
 
 /// A leaf's accumulated gradient and whether it is already reduced over the ranks that
 /// share the parameter ([`Tensor::set_reduced_grad`]); a new accumulation or a clear
@@ -86,6 +93,7 @@ impl Tensor {
             requires_grad: AtomicBool::new(false),
             grad: Mutex::new(GradSlot::default()),
             retired: OnceLock::new(),
+            post_grad_hooks: Mutex::new(Vec::new()),
         }))
     }
 
@@ -102,6 +110,7 @@ impl Tensor {
             requires_grad: AtomicBool::new(rg),
             grad: Mutex::new(GradSlot::default()),
             retired: OnceLock::new(),
+            post_grad_hooks: Mutex::new(Vec::new()),
         }))
     }
 
@@ -330,13 +339,33 @@ impl Tensor {
     }
 
     pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
-        let mut slot = self.grad_slot();
-        let new = match slot.grad.take() {
-            Some(old) => crate::autograd::no_grad(|| old.add(&g))?,
-            None => g,
-        };
-        *slot = GradSlot { grad: Some(new), reduced: false };
+        {
+            let mut slot = self.grad_slot();
+            let new = match slot.grad.take() {
+                Some(old) => crate::autograd::no_grad(|| old.add(&g))?,
+                None => g,
+            };
+            *slot = GradSlot { grad: Some(new), reduced: false };
+        }
+        let hooks = self.0.post_grad_hooks.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for hook in hooks {
+            hook(self)?;
+        }
         Ok(())
+    }
+
+    /// Registers `hook` to run each time a backward pass has accumulated into this
+    /// leaf's gradient (PyTorch's `register_post_accumulate_grad_hook`), with the leaf:
+    /// as soon as every contribution of that pass has arrived, while the pass goes on
+    /// with the rest of the graph (data parallelism starts the leaf's all-reduce there).
+    /// An error from the hook is the backward's error.
+    pub fn register_post_accumulate_grad_hook(&self, hook: PostGradHook) {
+        self.0.post_grad_hooks.lock().unwrap_or_else(|p| p.into_inner()).push(hook);
+    }
+
+    /// Whether any [`Tensor::register_post_accumulate_grad_hook`] hook is registered.
+    pub(crate) fn has_post_grad_hooks(&self) -> bool {
+        !self.0.post_grad_hooks.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
     }
 
     /// Marks this leaf as no longer its module's: `by` (`"fully_shard"`,
