@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch reference numbers for tpar's GPU benchmarks.
 
-The PyTorch side of ``examples/gpu_check.rs --bench``: the same shapes, the
+The PyTorch side of ``gpu_check --bench`` (``crates/tools``): the same shapes, the
 same byte and FLOP accounting and the same JSON keys, so that
 ``scripts/gpu-check.sh`` can print ours / PyTorch for every key both measured.
 

@@ -3,10 +3,13 @@
 # in one command. The GPU machine needs no Rust: build the binaries where
 # cargo is, carry them in a folder, and run this from the repository root:
 #
-#     # where cargo is (binaries land in $CARGO_TARGET_DIR, default target/):
-#     cargo build --release --example gpu_check --example llama_2d
+#     # where cargo is (binaries land in $CARGO_TARGET_DIR, default target/;
+#     # gpu_check is the binary of the tools crate, crates/tools):
+#     cargo build --release -p tpar-tools --bin gpu_check
+#     cargo build --release --example llama_2d
 #     mkdir -p gpu-bin
-#     cp "${CARGO_TARGET_DIR:-target}"/release/examples/{gpu_check,llama_2d} gpu-bin/
+#     cp "${CARGO_TARGET_DIR:-target}"/release/gpu_check \
+#         "${CARGO_TARGET_DIR:-target}"/release/examples/llama_2d gpu-bin/
 #
 #     # on the GPU machine, from the repository root (gpu-bin/ carried along):
 #     scripts/gpu-check.sh

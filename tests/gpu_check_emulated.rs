@@ -1,20 +1,47 @@
-//! The GPU check tool (`examples/gpu_check.rs`) on the emulated device: every
-//! kernel family passes against the CPU kernels, and a perturbed reference
-//! makes every check fail (so a broken kernel cannot pass unnoticed).
+//! The GPU check tool (`gpu_check`, the binary of `crates/tools`) on the
+//! emulated device: every kernel family passes against the CPU kernels, and a
+//! perturbed reference makes every check fail (so a broken kernel cannot pass
+//! unnoticed).
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::OnceLock;
 
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let p = exe.parent().and_then(|d| d.parent()).expect("target dir").join("examples/gpu_check");
-    assert!(p.exists(), "gpu_check example not built at {}", p.display());
-    p
+/// The `gpu_check` binary, built by cargo for this test's profile and target
+/// directory. A binary of another workspace package has no
+/// `CARGO_BIN_EXE_<name>` here, and `cargo test` builds it only with
+/// `--workspace`, so the test asks cargo for it (a no-op when it is fresh)
+/// rather than running a stale copy.
+fn gpu_check() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test binary path");
+        // <target dir>/<profile>/deps/<this test>
+        let profile_dir = exe.parent().and_then(|d| d.parent()).expect("profile dir");
+        let target_dir = profile_dir.parent().expect("target dir");
+        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "dev",
+            Some(p) => p,
+        };
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "-p", "tpar-tools", "--bin", "gpu_check", "--profile"])
+            .arg(profile)
+            .arg("--target-dir")
+            .arg(target_dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build for gpu_check");
+        assert!(status.success(), "cargo build -p tpar-tools --bin gpu_check failed");
+        let bin = profile_dir.join(format!("gpu_check{}", std::env::consts::EXE_SUFFIX));
+        assert!(bin.exists(), "gpu_check not built at {}", bin.display());
+        bin
+    })
+    .clone()
 }
 
 #[test]
 fn every_kernel_passes_on_the_emulator() {
-    let out = Command::new(example()).args(["--device", "emulator", "--quick"]).output().unwrap();
+    let out = Command::new(gpu_check()).args(["--device", "emulator", "--quick"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let last = stdout.lines().rev().find(|l| l.contains("checks:")).unwrap_or_default();
@@ -23,7 +50,7 @@ fn every_kernel_passes_on_the_emulator() {
 
 #[test]
 fn a_perturbed_reference_fails_the_checks() {
-    let out = Command::new(example())
+    let out = Command::new(gpu_check())
         .args(["--device", "emulator", "--quick", "--sabotage", "--only", "rmsnorm,gemm"])
         .output()
         .unwrap();

@@ -1,0 +1,272 @@
+//! Part 2, `--bench` (GPU only): GEMM and attention TFLOP/s (ours and
+//! cuBLASLt) and the memory-bound kernels' GB/s, timed between device
+//! synchronizations, and the table that prints them.
+
+mod bandwidth;
+
+use std::time::Instant;
+
+use tpar_kernels::cuda::cublaslt::CublasLt;
+use tpar_kernels::cuda::raw::gemm::GemmProblem;
+use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
+use tpar_kernels::cuda::raw::{gemm, sdpa};
+use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::gemm::GemmShape;
+
+use CudaDType::BF16;
+
+use crate::checks::{gemm::layout_name, sdpa::sdpa_shape, IGNORE};
+use crate::data::Rng;
+use crate::dev::Dev;
+use crate::Res;
+use bandwidth::bandwidth_benches;
+
+/// One measured quantity: ours, and cuBLASLt's where it applies.
+pub(crate) struct Bench {
+    pub(crate) key: String,
+    pub(crate) unit: &'static str,
+    pub(crate) ours: Option<f64>,
+    pub(crate) cublaslt: Option<f64>,
+    pub(crate) note: String,
+}
+
+/// Seconds per call of `f`: the median of three trials of back-to-back calls
+/// (enough for about 0.2 s each) after a warm-up, between synchronizations.
+pub(crate) fn time_per_call(d: &Dev, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    f()?;
+    d.sync()?;
+    let t = Instant::now();
+    f()?;
+    d.sync()?;
+    let one = t.elapsed().as_secs_f64().max(1e-6);
+    let reps = ((0.2 / one).ceil() as usize).clamp(3, 2000);
+    let mut trials = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        d.sync()?;
+        trials.push(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    trials.sort_by(f64::total_cmp);
+    Ok(trials[1])
+}
+
+/// `value / t`, scaled (1e12 for TFLOP/s, 1e9 for GB/s).
+pub(crate) fn rate(amount: f64, seconds: f64, scale: f64) -> f64 {
+    amount / seconds / scale
+}
+
+/// Prints a measurement as it comes and keeps it.
+pub(crate) fn push(out: &mut Vec<Bench>, b: Bench) {
+    println!(
+        "  {:<34} ours {:>9} cuBLASLt {:>9} {}{}",
+        b.key,
+        b.ours.map_or("-".into(), |v| format!("{v:.1}")),
+        b.cublaslt.map_or("-".into(), |v| format!("{v:.1}")),
+        b.unit,
+        if b.note.is_empty() { String::new() } else { format!("  ({})", b.note) }
+    );
+    out.push(b);
+}
+
+/// The benchmarks: GEMM (`gemm` in `only`), attention (`sdpa`) and the
+/// memory-bound kernels (any other family); all of them when `only` is empty.
+pub(crate) fn run_benches(
+    d: &Dev,
+    lt: Option<&CublasLt>,
+    quick: bool,
+    rng: &mut Rng,
+    only: &[String],
+) -> Vec<Bench> {
+    let want = |f: &str| only.is_empty() || only.iter().any(|o| o == f);
+    let memory = only.is_empty() || only.iter().any(|o| o != "gemm" && o != "sdpa");
+    let mut out = Vec::new();
+    // One random bf16 source that every read-only operand points into.
+    let src_elems = 8192 * 14336;
+    let src = match d.up(BF16, &rng.vals(BF16, src_elems, -1.0, 1.0)) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("gpu_check: bench source buffer: {e}");
+            return out;
+        }
+    };
+    let s = src.ptr();
+
+    // GEMM.
+    let shapes: Vec<(&str, usize, usize, usize)> = if !want("gemm") {
+        Vec::new()
+    } else if quick {
+        vec![("square", 4096, 4096, 4096)]
+    } else {
+        vec![
+            ("square", 4096, 4096, 4096),
+            ("square", 8192, 8192, 8192),
+            ("llama8b q/o proj", 8192, 4096, 4096),
+            ("llama8b k/v proj", 8192, 1024, 4096),
+            ("llama8b gate/up proj", 8192, 14336, 4096),
+            ("llama8b down proj", 8192, 4096, 14336),
+        ]
+    };
+    for (label, m, n, k) in shapes {
+        for tb in [false, true] {
+            let shape = GemmShape { trans_b: tb, ..GemmShape::new(1, m, n, k) };
+            let p = GemmProblem::new(shape, BF16, BF16);
+            let key = format!("gemm.bf16.{}.{m}x{n}x{k}", layout_name(false, tb));
+            let flops = 2.0 * (m * n * k) as f64;
+            let mut b =
+                Bench { key, unit: "TFLOP/s", ours: None, cublaslt: None, note: label.into() };
+            match d.alloc(m * n * 2) {
+                Ok(cbuf) => {
+                    let c = cbuf.ptr();
+                    // SAFETY: A and B lie inside the source buffer, C was allocated for m x n.
+                    let ours = time_per_call(d, || {
+                        unsafe { gemm::gemm(d.l(), &p, s, s, c)? };
+                        Ok(())
+                    });
+                    match ours {
+                        Ok(t) => b.ours = Some(rate(flops, t, 1e12)),
+                        Err(e) => b.note = format!("{label}; ours: {e}"),
+                    }
+                    if let Some(lt) = lt {
+                        // SAFETY: as above, on the GPU cuBLASLt was created on.
+                        let theirs = time_per_call(d, || {
+                            unsafe { lt.matmul(&p, s, s, c)? };
+                            Ok(())
+                        });
+                        match theirs {
+                            Ok(t) => b.cublaslt = Some(rate(flops, t, 1e12)),
+                            Err(e) => b.note = format!("{}; cuBLASLt: {e}", b.note),
+                        }
+                    }
+                }
+                Err(e) => b.note = format!("{label}; {e}"),
+            }
+            push(&mut out, b);
+        }
+    }
+
+    // Attention: causal GQA, 32 q / 8 kv heads of 128, batch x seq = 16k tokens; then
+    // the shape of `scripts/gpu-check.sh`'s training step (16 q / 8 kv heads of 64,
+    // batch 8 x seq 1024) with each tensor-core forward (64 or 128 query rows a block).
+    let mut cases: Vec<(String, usize, usize, usize, usize, usize, SdpaPath)> = Vec::new();
+    let seqs: &[usize] = match (want("sdpa"), quick) {
+        (false, _) => &[],
+        (true, true) => &[1024, 2048],
+        (true, false) => &[1024, 2048, 4096, 8192],
+    };
+    for &seq in seqs {
+        cases.push((format!("s{seq}"), 16384 / seq, 32, 8, seq, 128, SdpaPath::Auto));
+    }
+    for &seq in seqs.iter().take(2) {
+        for (sfx, path) in [(".m64", SdpaPath::TensorCore), (".m128", SdpaPath::TensorCoreWide)] {
+            cases.push((format!("s{seq}{sfx}"), 16384 / seq, 32, 8, seq, 128, path));
+        }
+    }
+    if want("sdpa") {
+        for (sfx, path) in [
+            ("", SdpaPath::Auto),
+            (".m64", SdpaPath::TensorCore),
+            (".m128", SdpaPath::TensorCoreWide),
+        ] {
+            cases.push((format!("d64.s1024{sfx}"), 8, 16, 8, 1024, 64, path));
+        }
+    }
+    for (label, batch, hq, hkv, seq, hd, path) in cases {
+        let sh = sdpa_shape(batch, hq, hkv, seq, seq, hd, true);
+        // 4 * b * h * s^2 * d for q k^T and p v, half of it under the causal mask;
+        // the backward pass counts 2.5 times the forward.
+        let fwd_flops = 4.0 * (batch * hq * seq * seq * hd) as f64 * 0.5;
+        let note = format!("b{batch} h{hq}/{hkv} d{hd} causal, {path:?}");
+        let res = (|| -> Res<(f64, f64)> {
+            let nq = batch * hq * seq * hd;
+            let nk = batch * hkv * seq * hd;
+            let (o, lse) = (d.alloc(nq * 2)?, d.alloc(batch * hq * seq * 4)?);
+            let (dq, dk, dv) = (d.alloc(nq * 2)?, d.alloc(nk * 2)?, d.alloc(nk * 2)?);
+            let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&sh)?;
+            let ws = d.alloc(ws_bytes)?;
+            let fb = SdpaFwdBuffers { q: s, k: s, v: s, mask: None, out: o.ptr(), lse: lse.ptr() };
+            let bb = SdpaBwdBuffers {
+                q: s,
+                k: s,
+                v: s,
+                mask: None,
+                out: o.ptr(),
+                lse: lse.ptr(),
+                dout: s,
+                dq: dq.ptr(),
+                dk: dk.ptr(),
+                dv: dv.ptr(),
+                workspace: ws.ptr(),
+                workspace_bytes: ws_bytes,
+            };
+            let l = d.l();
+            let t_fwd = time_per_call(d, || {
+                // SAFETY: q, k, v and dout lie inside the source buffer; the
+                // outputs and the workspace were allocated for `sh`.
+                unsafe { sdpa::sdpa_forward(l, BF16, &sh, &fb, path)? };
+                Ok(())
+            })?;
+            let t_all = time_per_call(d, || {
+                // SAFETY: as above.
+                unsafe {
+                    sdpa::sdpa_forward(l, BF16, &sh, &fb, path)?;
+                    sdpa::sdpa_backward(l, BF16, &sh, &bb, SdpaPath::Auto)?;
+                }
+                Ok(())
+            })?;
+            Ok((t_fwd, t_all))
+        })();
+        let (fwd, all) = match res {
+            Ok((f, a)) => (Some(rate(fwd_flops, f, 1e12)), Some(rate(3.5 * fwd_flops, a, 1e12))),
+            Err(e) => {
+                eprintln!("gpu_check: sdpa {label}: {e}");
+                (None, None)
+            }
+        };
+        let mk = |key: String, v| Bench {
+            key,
+            unit: "TFLOP/s",
+            ours: v,
+            cublaslt: None,
+            note: note.clone(),
+        };
+        push(&mut out, mk(format!("sdpa.fwd.{label}"), fwd));
+        push(&mut out, mk(format!("sdpa.fwdbwd.{label}"), all));
+    }
+
+    // Memory-bound kernels, against a device-to-device copy.
+    let bandwidth = if memory { bandwidth_benches(d, s, rng) } else { Vec::new() };
+    for b in bandwidth {
+        push(&mut out, b);
+    }
+    out
+}
+
+pub(crate) fn print_bench_table(rows: &[Bench]) {
+    let copy = rows.iter().find(|b| b.key == "copy.dtod").and_then(|b| b.ours);
+    println!(
+        "\n{:<34} {:>10} {:>10} {:<8} {:>14}  note",
+        "benchmark", "ours", "cuBLASLt", "unit", "ratio"
+    );
+    for b in rows {
+        let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+        let ratio = match (b.unit, b.ours, b.cublaslt, copy) {
+            (_, Some(o), Some(c), _) => format!("{:.2} of cuBLASLt", o / c),
+            ("GB/s", Some(o), None, Some(c)) if b.key != "copy.dtod" => {
+                format!("{:.0}% of copy", 100.0 * o / c)
+            }
+            _ => String::new(),
+        };
+        println!(
+            "{:<34} {:>10} {:>10} {:<8} {:>14}  {}",
+            b.key,
+            f(b.ours),
+            f(b.cublaslt),
+            b.unit,
+            ratio,
+            b.note
+        );
+    }
+}

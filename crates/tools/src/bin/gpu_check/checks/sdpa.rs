@@ -1,0 +1,126 @@
+//! The `sdpa` family of checks.
+
+use tpar_kernels::cuda::raw::sdpa;
+use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
+use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::sdpa::SdpaShape;
+
+use CudaDType::{BF16, F16, F32};
+
+use super::{bound, Ctx, DTYPES};
+use crate::data::dn;
+
+pub(crate) fn sdpa_shape(
+    batch: usize,
+    hq: usize,
+    hkv: usize,
+    q_len: usize,
+    kv_len: usize,
+    d: usize,
+    causal: bool,
+) -> SdpaShape {
+    SdpaShape {
+        batch,
+        q_heads: hq,
+        kv_heads: hkv,
+        q_len,
+        kv_len,
+        head_dim: d,
+        v_dim: d,
+        scale: 1.0 / (d as f64).sqrt(),
+        causal,
+    }
+}
+
+pub(crate) fn check_sdpa(c: &mut Ctx) {
+    use SdpaPath::*;
+    if c.quick {
+        for dt in DTYPES {
+            sdpa_case(c, dt, sdpa_shape(1, 4, 2, 72, 72, 64, true), Auto);
+        }
+        sdpa_case(c, BF16, sdpa_shape(1, 4, 2, 80, 80, 128, true), Auto);
+        sdpa_case(c, BF16, sdpa_shape(1, 2, 1, 136, 136, 64, true), TensorCoreWide);
+        sdpa_case(c, BF16, sdpa_shape(1, 4, 2, 72, 72, 64, true), Simt);
+        sdpa_case(c, F16, sdpa_shape(2, 2, 1, 40, 70, 64, false), Auto);
+    } else {
+        for dt in [BF16, F16] {
+            sdpa_case(c, dt, sdpa_shape(2, 32, 8, 1024, 1024, 128, true), Auto);
+        }
+        sdpa_case(c, F32, sdpa_shape(1, 8, 2, 512, 512, 128, true), Auto);
+        sdpa_case(c, BF16, sdpa_shape(4, 16, 4, 1024, 1024, 64, true), Auto);
+        sdpa_case(c, BF16, sdpa_shape(1, 8, 2, 512, 512, 128, true), TensorCore);
+        sdpa_case(c, BF16, sdpa_shape(1, 8, 2, 512, 512, 128, true), Simt);
+        sdpa_case(c, BF16, sdpa_shape(2, 8, 8, 300, 1000, 128, false), Auto);
+    }
+}
+
+pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
+    let base = format!("sdpa.{}", format!("{path:?}").to_lowercase());
+    let shape = format!(
+        "b{} h{}/{} s{}x{} d{}{}",
+        s.batch,
+        s.q_heads,
+        s.kv_heads,
+        s.q_len,
+        s.kv_len,
+        s.head_dim,
+        if s.causal { " causal" } else { "" }
+    );
+    c.guard(&base, dn(dt), &shape, |c| {
+        let d = c.d;
+        let nq = s.batch * s.q_heads * s.q_len;
+        let nk = s.batch * s.kv_heads * s.kv_len;
+        let q = c.rng.vals(dt, nq * s.head_dim, -1.5, 1.5);
+        let k = c.rng.vals(dt, nk * s.head_dim, -1.5, 1.5);
+        let v = c.rng.vals(dt, nk * s.v_dim, -1.0, 1.0);
+        let dout = c.rng.vals(dt, nq * s.v_dim, -1.0, 1.0);
+        let mut out = vec![0.0; nq * s.v_dim];
+        let mut lse = vec![0.0; nq];
+        tpar_kernels::sdpa::sdpa_forward::<f64, _>(&s, &q, &k, &v, None, &mut out, &mut lse)?;
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        tpar_kernels::sdpa::sdpa_backward::<f64>(
+            &s, &q, &k, &v, None, &out, &lse, &dout, &mut dq, &mut dk, &mut dv,
+        )?;
+        let es = dt.size();
+        let (bq, bk, bv, bdo) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &v)?, d.up(dt, &dout)?);
+        let (bo, bl) = (d.junk(out.len() * es)?, d.junk(nq * 4)?);
+        let (bdq, bdk, bdv) = (d.junk(q.len() * es)?, d.junk(k.len() * es)?, d.junk(v.len() * es)?);
+        let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
+        let ws = d.junk(ws_bytes)?;
+        let fb = SdpaFwdBuffers {
+            q: bq.ptr(),
+            k: bk.ptr(),
+            v: bv.ptr(),
+            mask: None,
+            out: bo.ptr(),
+            lse: bl.ptr(),
+        };
+        let bb = SdpaBwdBuffers {
+            q: bq.ptr(),
+            k: bk.ptr(),
+            v: bv.ptr(),
+            mask: None,
+            out: bo.ptr(),
+            lse: bl.ptr(),
+            dout: bdo.ptr(),
+            dq: bdq.ptr(),
+            dk: bdk.ptr(),
+            dv: bdv.ptr(),
+            workspace: ws.ptr(),
+            workspace_bytes: ws_bytes,
+        };
+        // SAFETY: every buffer was allocated above with the size `s` gives it.
+        unsafe {
+            sdpa::sdpa_forward(d.l(), dt, &s, &fb, path)?;
+            sdpa::sdpa_backward(d.l(), dt, &s, &bb, path)?;
+        }
+        let b = bound(dt);
+        let name = |what: &str| format!("{base}.{what}");
+        c.r.close(&name("out"), dn(dt), &shape, &d.down(dt, &bo)?, &out, b);
+        c.r.close(&name("lse"), dn(dt), &shape, &d.down(F32, &bl)?, &lse, b);
+        c.r.close(&name("dq"), dn(dt), &shape, &d.down(dt, &bdq)?, &dq, b);
+        c.r.close(&name("dk"), dn(dt), &shape, &d.down(dt, &bdk)?, &dk, b);
+        c.r.close(&name("dv"), dn(dt), &shape, &d.down(dt, &bdv)?, &dv, b);
+        Ok(())
+    });
+}
