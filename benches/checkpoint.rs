@@ -404,7 +404,7 @@ impl Trainer {
         let logits = self.model.logits(&ids, None)?.reshape(&[-1, s.vocab as isize])?;
         let loss = logits.cross_entropy(&targets.reshape([targets.numel()])?, -100)?;
         loss.backward()?;
-        clip_grad_norm(&parameters(&self.model), 1.0)?;
+        clip_grad_norm_(&parameters(&self.model), 1.0, &ClipOptions::default())?;
         self.opt.step()?;
         self.opt.zero_grad();
         Ok(loss.item()?)

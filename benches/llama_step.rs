@@ -3,7 +3,7 @@
 //!
 //! Model: hidden 256, 4 decoder layers, 8 query / 4 kv heads, MLP 768, vocab 4096, seq
 //! 256, f32, random token ids, a global batch of 8 sequences split over dp. A step:
-//! forward, cross-entropy (`loss_parallel` when tp > 1), backward, `clip_grad_norm(1.0)`,
+//! forward, cross-entropy (`loss_parallel` when tp > 1), backward, `clip_grad_norm_(1.0)`,
 //! AdamW (lr 1e-3, betas (0.9, 0.99), eps 1e-8, weight decay 0.1), `zero_grad`, as in
 //! `benches/torch_llama_step.py`, PyTorch's side of the same steps.
 //!
@@ -176,7 +176,7 @@ fn run(
             let logits = model.logits(&ids, None)?.reshape(&[-1, VOCAB as isize])?;
             let loss = logits.cross_entropy(&labels, -100)?;
             loss.backward()?;
-            clip_grad_norm(&params, 1.0)?;
+            clip_grad_norm_(&params, 1.0, &ClipOptions::default())?;
             opt.step()?;
             opt.zero_grad();
             if i >= warmup {

@@ -111,7 +111,7 @@ fn train(ctx: RankCtx) -> tpar::Result<(f64, f64)> {
         // loss.backward()
         loss.backward()?;
         // clip_grad_norm_(model.parameters(), 1.0)
-        clip_grad_norm(&params, 1.0)?;
+        clip_grad_norm_(&params, 1.0, &ClipOptions::default())?;
         // optimizer.step(); scheduler.step(); optimizer.zero_grad()
         optimizer.step()?;
         scheduler.step(&mut optimizer);

@@ -64,8 +64,7 @@ pub mod prelude {
         call, named_parameters, parameters, reset_parameters, Args, Module, NnError, Param, Value,
     };
     pub use tpar_optim::{
-        clip_grad_norm, clip_grad_norm_, clip_grad_norm_checked, clip_grad_norm_pp,
-        clip_grad_norm_pp_checked, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrScheduler,
+        clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, CosineAnnealingLR, LinearLR, LrScheduler,
         Optimizer, SequentialLR, Sgd, SgdConfig, ZeroRedundancyOptimizer,
     };
     pub use tpar_parallel_styles::{

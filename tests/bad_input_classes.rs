@@ -207,7 +207,7 @@ fn inconsistent_shards_name_the_odd_rank_and_what_differs() {
 }
 
 /// Class 4: a non-finite gradient norm is an error naming the norm with
-/// `clip_grad_norm_checked` (PyTorch's `error_if_nonfinite=True`); the trainers fail
+/// `clip_grad_norm_` with `error_if_nonfinite` (PyTorch's `error_if_nonfinite=True`); the trainers fail
 /// fast naming the step and the rank, or skip the step with `--nonfinite skip`.
 #[test]
 fn non_finite_norms_are_errors_when_asked() {
@@ -215,16 +215,18 @@ fn non_finite_norms_are_errors_when_asked() {
     let p = Param::Tensor(w.clone());
     let loss = w.mul_scalar(f64::NAN).unwrap().sum_all().unwrap();
     loss.backward().unwrap();
-    let e = clip_grad_norm_checked(std::slice::from_ref(&p), 1.0).unwrap_err();
+    let checked = ClipOptions::default().error_if_nonfinite(true);
+    let e = clip_grad_norm_(std::slice::from_ref(&p), 1.0, &checked).unwrap_err();
     let m = e.to_string();
     assert!(m.contains("clip_grad_norm") && m.contains("norm") && m.contains("NaN"), "{m}");
     // Without the check the norm is returned as it is.
-    assert!(clip_grad_norm(std::slice::from_ref(&p), 1.0).unwrap().is_nan());
+    let norm = clip_grad_norm_(std::slice::from_ref(&p), 1.0, &ClipOptions::default()).unwrap();
+    assert!(norm.item().unwrap().is_nan());
     // A finite norm passes and clips.
     let v = Tensor::from_vec(vec![3.0f32, 4.0], [2]).unwrap().requires_grad_(true);
     let q = Param::Tensor(v.clone());
     v.square().unwrap().sum_all().unwrap().mul_scalar(0.5).unwrap().backward().unwrap();
-    let n = clip_grad_norm_checked(std::slice::from_ref(&q), 1.0).unwrap();
+    let n = clip_grad_norm_(std::slice::from_ref(&q), 1.0, &checked).unwrap().item().unwrap();
     assert!((n - 5.0).abs() < 1e-5, "{n}");
     // The trainers: an infinite learning rate is refused; a huge one blows the loss up.
     let args = ["--steps", "6", "--lr", "1e30", "--layers", "1", "--seq", "16", "--batch", "2"];

@@ -140,10 +140,10 @@ impl Run {
         }
         match &mut self.opt {
             Opt::Plain(_) => {
-                clip_grad_norm(&parameters(&self.model), 1.0)?;
+                clip_grad_norm_(&parameters(&self.model), 1.0, &ClipOptions::default())?;
             }
             Opt::Zero(z) => {
-                z.clip_grad_norm(1.0)?;
+                clip_grad_norm_(&mut *z, 1.0, &ClipOptions::default())?;
             }
         }
         self.opt.get().step()?;

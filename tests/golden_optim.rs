@@ -1,4 +1,4 @@
-//! AdamW, SGD, `clip_grad_norm` and the LR schedules against trajectories recorded from
+//! AdamW, SGD, `clip_grad_norm_` and the LR schedules against trajectories recorded from
 //! `torch.optim` itself (`tests/golden/make_optim_golden.py`, float64): the same initial
 //! parameters and per-step gradients go through tpar, and every step's parameters, the
 //! final optimizer state, the clipped gradients and every learning rate must match.
@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use common::golden::{self, Golden};
 use tpar_nn::Param;
 use tpar_optim::{
-    clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrSchedule, LrScheduler,
-    Optimizer, SequentialLR, Sgd, SgdConfig,
+    clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, CosineAnnealingLR, LinearLR, LrSchedule,
+    LrScheduler, Optimizer, SequentialLR, Sgd, SgdConfig,
 };
 use tpar_tensor::{DType, Tensor};
 
@@ -217,7 +217,7 @@ fn sgd_nesterov_matches_torch() {
 }
 
 // ---------------------------------------------------------------------------------------
-// clip_grad_norm
+// clip_grad_norm_
 // ---------------------------------------------------------------------------------------
 
 fn clip_case(name: &str) {
@@ -234,7 +234,8 @@ fn clip_case(name: &str) {
         })
         .collect();
     let params: Vec<Param> = leaves.iter().cloned().map(Param::Tensor).collect();
-    let total = clip_grad_norm(&params, max_norm).unwrap();
+    let total = clip_grad_norm_(&params, max_norm, &ClipOptions::default()).unwrap();
+    let total = total.item().unwrap();
     check(&format!("{prefix}.total_norm"), &[total], values(&f, &format!("{prefix}.total_norm")));
     for (i, w) in leaves.iter().enumerate() {
         let got = w.grad().expect("a gradient").to_vec_f64().unwrap();

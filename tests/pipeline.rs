@@ -282,7 +282,7 @@ fn reference_step(cfg: &LlamaConfig, ids: &Tensor, tgt: &Tensor) -> BTreeMap<Str
     let loss = loss_fn(cfg.vocab_size)(&model.logits(ids, None).unwrap(), tgt).unwrap();
     loss.backward().unwrap();
     let params = parameters(&model);
-    clip_grad_norm(&params, 1.0).unwrap();
+    clip_grad_norm_(&params, 1.0, &ClipOptions::default()).unwrap();
     let mut opt = AdamW::with_names(named_parameters(&model), adamw()).unwrap();
     opt.step().unwrap();
     named_parameters(&model)
@@ -336,7 +336,7 @@ fn step_3d(
                 ddp.sync_gradients(sched.stages()[0].module())?;
             }
             let params = sched.parameters();
-            clip_grad_norm_pp(&params, 1.0, mesh.group_of("pp")?)?;
+            clip_grad_norm_(&params, 1.0, &ClipOptions::default().pp(mesh.group_of("pp")?))?;
             let mut opt = AdamW::with_names(named_parameters(sched.stages()[0].module()), adamw())?;
             opt.step()?;
             let opts = StateDictOptions { full_state_dict: true, ..Default::default() };

@@ -36,7 +36,7 @@ fn train(seed: u64) -> Vec<u64> {
             let logits = model.logits(&ids, None)?.reshape(&[-1, 32])?;
             let loss = logits.cross_entropy(&ids.reshape([16])?, -100)?;
             loss.backward()?;
-            clip_grad_norm_(&params, 0.5)?;
+            clip_grad_norm_(&params, 0.5, &ClipOptions::default())?;
             opt.step()?;
             opt.zero_grad();
             losses.push(loss.into_local("loss")?.item()?.to_bits());

@@ -4,8 +4,13 @@
 //!   [`Param::trainable`] leaf (a plain tensor, a DTensor's shard or an FSDP shard) with
 //!   [`Param::grad_local`]'s gradient, so a sharded parameter keeps sharded optimizer
 //!   state (one state element per local element, allocated on the first step).
-//! * [`clip_grad_norm`] computes the true global L2 norm over all shards and mesh dims
-//!   and scales the gradients as `torch.nn.utils.clip_grad_norm_`.
+//! * [`clip_grad_norm_`] computes the true global p-norm (2, inf, any p) over all shards,
+//!   mesh dims and pipeline stages and scales the gradients as
+//!   `torch.nn.utils.clip_grad_norm_`, for a parameter list or an optimizer's gradients
+//!   (the one form that also serves ZeRO-1's ranges), with PyTorch's options
+//!   ([`ClipOptions`]).
+//! * [`ZeroRedundancyOptimizer`] (ZeRO-1) is an [`Optimizer`] like the others, so a
+//!   trainer holds a `Box<dyn Optimizer>` whatever its data-parallel mode.
 //! * Parameters on a CUDA device (f32, bf16, f16) are updated there, in place, by the
 //!   fused kernels with their state on the same device: AdamW steps up to 32 parameters
 //!   of a dtype in one launch, as PyTorch's foreach AdamW ([`Tensor::adamw_step_each_`]),
@@ -22,7 +27,7 @@
 //!   step ([`LrSchedule::lr_at`]); [`LrScheduler`] drives one against an optimizer.
 //!
 //! ```
-//! use tpar_optim::{AdamW, AdamWConfig, LrScheduler, Optimizer, SequentialLR};
+//! use tpar_optim::{clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, LrScheduler, Optimizer, SequentialLR};
 //! use tpar_nn::Param;
 //! use tpar_tensor::{DType, Tensor};
 //! let w = Tensor::from_vec(vec![1.0f32, -2.0], [2])?.requires_grad_(true);
@@ -31,7 +36,8 @@
 //! let mut sched = LrScheduler::new(SequentialLR::warmup_cosine(2, 10, 0.1, 0.0)?, &mut opt);
 //! for _ in 0..3 {
 //!     w.square()?.sum_all()?.backward()?;
-//!     tpar_optim::clip_grad_norm(&params, 1.0)?;
+//!     let norm = clip_grad_norm_(&params, 1.0, &ClipOptions::default())?; // a 0-dim tensor
+//!     assert!(norm.item()? >= 0.0);
 //!     opt.step()?;
 //!     opt.zero_grad();
 //!     sched.step(&mut opt);
@@ -42,27 +48,30 @@
 
 #![warn(missing_docs)]
 
-use std::collections::HashMap;
 use std::f64::consts::PI;
 use std::fmt;
 
-use tpar_collectives::{ProcessGroup, ReduceOp};
 use tpar_kernels::adamw::{adamw_step, AdamWParams};
 use tpar_kernels::{Acc, Float};
 use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, TensorError};
 
-use tpar_nn::{check_not_retired, NnError, Param, Result};
+use tpar_nn::{check_not_retired, NnError, Param, Result, Stateful};
 
+mod clip;
 mod state;
 mod zero;
+pub use clip::{clip_grad_norm_, param_grads, sum_over_groups, ClipGrad, ClipOptions, GradSource};
 pub use zero::ZeroRedundancyOptimizer;
 
 // ---------------------------------------------------------------------------------------
 // The optimizer trait and shared state storage
 // ---------------------------------------------------------------------------------------
 
-/// What a training loop needs from an optimizer.
-pub trait Optimizer {
+/// What a training loop needs from an optimizer: one interface for [`AdamW`], [`Sgd`]
+/// and [`ZeroRedundancyOptimizer`], so a trainer holds a `Box<dyn Optimizer>` whatever
+/// the data-parallel mode, clips through it ([`clip_grad_norm_`]`(opt.as_mut(), ..)`)
+/// and checkpoints it (every optimizer is [`Stateful`], as torch's have `state_dict`).
+pub trait Optimizer: Stateful {
     /// One update of every parameter that has a gradient (collective when parameters are
     /// distributed and their gradients are not reduced yet: every rank calls it).
     fn step(&mut self) -> Result<()>;
@@ -74,6 +83,10 @@ pub trait Optimizer {
     fn set_lr(&mut self, lr: f64);
     /// Bytes of optimizer state held on this rank.
     fn state_bytes(&self) -> usize;
+    /// The gradients the next [`Optimizer::step`] uses, reduced, for
+    /// [`clip_grad_norm_`] (collective: every rank calls it): the parameters' reduced
+    /// gradients for a local optimizer, the ranks' ranges for ZeRO-1.
+    fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>>;
 }
 
 /// A state buffer in the precision the optimizer computes in: `f32` for f32/bf16/f16
@@ -88,7 +101,7 @@ enum StateBuf {
 }
 
 /// Whether `leaf` is updated on its device: a CUDA tensor of a dtype the fused kernels take.
-fn on_device(leaf: &Tensor) -> bool {
+pub(crate) fn on_device(leaf: &Tensor) -> bool {
     matches!(leaf.device(), Device::Cuda(_))
         && matches!(leaf.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
@@ -187,7 +200,7 @@ fn non_negative(x: f64) -> bool {
     x.is_finite() && x >= 0.0
 }
 
-fn config_err(what: impl Into<String>) -> NnError {
+pub(crate) fn config_err(what: impl Into<String>) -> NnError {
     NnError::Config { what: what.into() }
 }
 
@@ -581,6 +594,9 @@ impl Optimizer for AdamW {
     fn state_bytes(&self) -> usize {
         self.state.iter().flatten().map(|s| s.exp_avg.bytes() + s.exp_avg_sq.bytes()).sum()
     }
+    fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>> {
+        param_grads(self.params.iter().map(|(_, p)| p))
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -829,316 +845,9 @@ impl Optimizer for Sgd {
     fn state_bytes(&self) -> usize {
         self.momentum_buffer.iter().flatten().map(StateBuf::bytes).sum()
     }
-}
-
-// ---------------------------------------------------------------------------------------
-// Gradient clipping
-// ---------------------------------------------------------------------------------------
-
-/// Sum of squares of a float tensor's elements, accumulated in f64.
-fn sum_sq(t: &Tensor) -> Result<f64> {
-    Ok(with_float_type!(t.dtype(), "clip_grad_norm", |T| {
-        t.with_data::<T, _>(|s| s.iter().map(|&x| Float::to_f64(x).powi(2)).sum::<f64>())
-    })?)
-}
-
-/// The global sum of per-rank partial values: `parts[i] = (groups, value)` is this rank's
-/// share of a quantity whose total is the sum of `value` over every member of every group
-/// in `groups` (orthogonal groups that together hold all its elements, as
-/// [`Param::grad_layout`] gives them; no groups means the value is already global).
-///
-/// Parts are keyed by their groups' ranks in first-seen order (so every rank must pass
-/// the same groups in the same order), and each distinct group is all-reduced once,
-/// carrying one slot per part spanning it: for parts on one mesh that is one scalar-vector
-/// all_reduce per mesh dim of size > 1. Collective over every group named.
-pub fn sum_over_groups(parts: &[(Vec<ProcessGroup>, f64)]) -> Result<f64> {
-    let (layouts, slot_of) = layout_slots(parts.iter().map(|(g, _)| g.as_slice()));
-    let mut sums = vec![0.0; layouts.len()];
-    let mut local_only = 0.0;
-    for ((_, v), slot) in parts.iter().zip(&slot_of) {
-        match slot {
-            Some(j) => sums[*j] += v,
-            None => local_only += v,
-        }
+    fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>> {
+        param_grads(self.params.iter().map(|(_, p)| p))
     }
-    for (group, slots) in group_spans(&layouts) {
-        let vals: Vec<f64> = slots.iter().map(|&j| sums[j]).collect();
-        let n = vals.len();
-        let reduced = group.all_reduce(&Tensor::from_vec(vals, [n])?, ReduceOp::Sum)?;
-        for (&j, v) in slots.iter().zip(reduced.to_vec::<f64>()?) {
-            sums[j] = v;
-        }
-    }
-    Ok(local_only + sums.iter().sum::<f64>())
-}
-
-/// The distinct layouts among `parts` (by their groups' ranks, in first-seen order) and
-/// each part's slot among them (`None` for a part with no groups: already global).
-fn layout_slots<'a>(
-    parts: impl Iterator<Item = &'a [ProcessGroup]>,
-) -> (Vec<&'a [ProcessGroup]>, Vec<Option<usize>>) {
-    let mut layouts: Vec<&[ProcessGroup]> = Vec::new();
-    let mut keys: HashMap<Vec<Vec<usize>>, usize> = HashMap::new();
-    let slot_of = parts
-        .map(|groups| {
-            if groups.is_empty() {
-                return None;
-            }
-            let key: Vec<Vec<usize>> = groups.iter().map(|g| g.ranks().to_vec()).collect();
-            Some(*keys.entry(key).or_insert_with(|| {
-                layouts.push(groups);
-                layouts.len() - 1
-            }))
-        })
-        .collect();
-    (layouts, slot_of)
-}
-
-/// Each distinct group of `layouts` (first-seen order) with the layouts spanning it: one
-/// all_reduce per group carries the slots of all of them.
-fn group_spans<'a>(layouts: &[&'a [ProcessGroup]]) -> Vec<(&'a ProcessGroup, Vec<usize>)> {
-    let mut out: Vec<(&ProcessGroup, Vec<usize>)> = Vec::new();
-    for group in layouts.iter().flat_map(|l| l.iter()) {
-        if out.iter().any(|(g, _)| g.ranks() == group.ranks()) {
-            continue;
-        }
-        let spanning = (0..layouts.len())
-            .filter(|&j| layouts[j].iter().any(|h| h.ranks() == group.ranks()))
-            .collect();
-        out.push((group, spanning));
-    }
-    out
-}
-
-/// The global L2 norm of all parameters' gradients, as `torch.nn.utils.clip_grad_norm_`,
-/// scaling every gradient by `max_norm / (norm + 1e-6)` when that factor is below 1.
-/// Returns the norm before clipping (0 when no parameter has a gradient).
-///
-/// **Sharded parameters.** Each distinct element of each gradient counts once: on mesh
-/// dims where a parameter is sharded (including FSDP's dp dim) every rank's shard
-/// counts; on dims where it is `Replicate` (or `Partial`, whose gradient is replicated)
-/// only the rank at coordinate 0 counts. The local sums of squares are all-reduced once
-/// per process group that the parameters' layouts span (for parameters on one mesh:
-/// one scalar all_reduce per mesh dim of size > 1), with one slot per distinct layout
-/// so parameters on different meshes are reduced correctly. Collective: every rank of
-/// every mesh calls it, with the same parameter list.
-///
-/// **Gradients are reduced here, once.** Each parameter's gradient is first brought to
-/// its reduced form with [`Param::reduce_grads_in_place`], so that afterwards the leaves'
-/// `.grad()` hold the *reduced* (and clipped) gradients, marked so that
-/// [`Param::grad_local`], [`Param::grad`] and the optimizers use them as they are and
-/// do not reduce again. Call it after the last backward of a step (a backward on top of
-/// a reduced gradient would mix reduced and unreduced terms).
-///
-/// A non-finite norm is returned as it is: an infinite norm zeroes the gradients (as
-/// torch's), a NaN norm leaves them unscaled; a trainer should skip such a step.
-///
-/// **Devices.** This returns the norm as an `f64`, so on a CUDA device it reads the norm
-/// back (one host round trip). [`clip_grad_norm_`] does the same work and returns the
-/// norm as a 0-dim tensor on the gradients' device, as PyTorch's `clip_grad_norm_`, so a
-/// trainer reads it only when it logs it.
-pub fn clip_grad_norm(params: &[Param], max_norm: f64) -> Result<f64> {
-    Ok(clip_grad_norm_(params, max_norm)?.item()?)
-}
-
-/// [`clip_grad_norm`] returning the total norm as a 0-dim tensor, as PyTorch's
-/// `torch.nn.utils.clip_grad_norm_`: an f64 host tensor when the gradients are on the
-/// host; with gradients on a CUDA device an f32 tensor on that device, computed there
-/// (per-gradient sums of squares, the all_reduces over the layouts' groups, the square
-/// root) with every gradient scaled by the device-side coefficient
-/// `min(1, max_norm / (norm + 1e-6))`: nothing is read back, so a step that does not
-/// log its norm stays on the device. Same semantics, collectives and non-finite
-/// behaviour as [`clip_grad_norm`] (the coefficient is 1 for a NaN norm and 0 for an
-/// infinite one). Gradients split over the host and a device (or several devices) read
-/// the coefficient back once.
-pub fn clip_grad_norm_(params: &[Param], max_norm: f64) -> Result<Tensor> {
-    clip_grad_norm_inner(params, max_norm, None, false)
-}
-
-/// [`clip_grad_norm`] for a pipeline stage: `params` are this rank's stages' parameters
-/// and the norm is over every stage's, the sums of squares being added up over the `pp`
-/// group as well (one more scalar all_reduce). Every rank of the pp group calls it.
-pub fn clip_grad_norm_pp(params: &[Param], max_norm: f64, pp: &ProcessGroup) -> Result<f64> {
-    clip_grad_norm_over(params, max_norm, Some(pp))
-}
-
-/// [`clip_grad_norm`] with PyTorch's `error_if_nonfinite=True`: when the total norm is NaN
-/// or infinite, returns [`NnError::NonFinite`] naming the norm, and leaves the (reduced)
-/// gradients unscaled, instead of returning the norm.
-pub fn clip_grad_norm_checked(params: &[Param], max_norm: f64) -> Result<f64> {
-    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, None, true)?.item()?)
-}
-
-/// [`clip_grad_norm_pp`] with `error_if_nonfinite=True` (see [`clip_grad_norm_checked`]).
-pub fn clip_grad_norm_pp_checked(
-    params: &[Param],
-    max_norm: f64,
-    pp: &ProcessGroup,
-) -> Result<f64> {
-    nonfinite_is_error(clip_grad_norm_inner(params, max_norm, Some(pp), true)?.item()?)
-}
-
-fn nonfinite_is_error(norm: f64) -> Result<f64> {
-    if norm.is_finite() {
-        return Ok(norm);
-    }
-    Err(NnError::NonFinite {
-        what: "clip_grad_norm: the total norm of the gradients (some gradient holds NaN or inf; \
-               the gradients were left unscaled)"
-            .into(),
-        value: norm,
-    })
-}
-
-fn clip_grad_norm_over(params: &[Param], max_norm: f64, pp: Option<&ProcessGroup>) -> Result<f64> {
-    Ok(clip_grad_norm_inner(params, max_norm, pp, false)?.item()?)
-}
-
-/// The total norm, as a 0-dim tensor: f64 on the host, or f32 on the device of the
-/// gradients when some are on a CUDA device (see [`clip_grad_norm_`]). With
-/// `error_if_nonfinite` a non-finite norm is returned before any gradient is scaled.
-fn clip_grad_norm_inner(
-    params: &[Param],
-    max_norm: f64,
-    pp: Option<&ProcessGroup>,
-    error_if_nonfinite: bool,
-) -> Result<Tensor> {
-    // An infinite max_norm is legal (the norm without clipping), as in torch.
-    if max_norm.is_nan() || max_norm < 0.0 {
-        return Err(config_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
-    }
-    // Reduce every gradient once (collective), and sum this rank's counted squares.
-    let mut grads: Vec<(&Param, Tensor)> = Vec::with_capacity(params.len());
-    let mut parts: Vec<(Vec<ProcessGroup>, f64)> = Vec::with_capacity(params.len());
-    // Counted gradients on CUDA devices: (part index, gradient).
-    let mut on_devices: Vec<(usize, Tensor)> = Vec::new();
-    for p in params {
-        let Some(g) = p.reduce_grads_in_place()? else { continue };
-        let layout = p.grad_layout()?;
-        let sq = if layout.counts && on_device(&g) {
-            on_devices.push((parts.len(), g.clone()));
-            0.0
-        } else if layout.counts {
-            sum_sq(&g)?
-        } else {
-            0.0
-        };
-        grads.push((p, g));
-        parts.push((layout.groups, sq));
-    }
-    if !on_devices.is_empty() {
-        return clip_on_device(grads, &parts, &on_devices, max_norm, pp, error_if_nonfinite);
-    }
-    let mut total_sq = sum_over_groups(&parts)?;
-    if let Some(pp) = pp {
-        let t = Tensor::scalar(total_sq, DType::F64);
-        total_sq = pp.all_reduce(&t, ReduceOp::Sum)?.item()?;
-    }
-    let total = total_sq.sqrt();
-    if error_if_nonfinite && !total.is_finite() {
-        return Ok(Tensor::scalar(total, DType::F64));
-    }
-    let coef = max_norm / (total + 1e-6);
-    if coef < 1.0 {
-        for (p, g) in grads {
-            let scaled = no_grad(|| g.mul_scalar(coef))?;
-            p.set_reduced_grad(Some(scaled));
-        }
-    }
-    Ok(Tensor::scalar(total, DType::F64))
-}
-
-/// The device half of [`clip_grad_norm_inner`]: `parts` as there (host sums filled in,
-/// device ones 0), `on_device` the counted gradients on a CUDA device with their part
-/// index. The per-gradient sums of squares ([`Tensor::sum_squares_each`]) are folded
-/// into one f32 slot per distinct layout on the device (a 0/1 matrix product, host parts
-/// added), each distinct group all-reduces the slots spanning it as
-/// [`sum_over_groups`] does, and the norm and the clipping coefficient stay on the
-/// device.
-fn clip_on_device(
-    grads: Vec<(&Param, Tensor)>,
-    parts: &[(Vec<ProcessGroup>, f64)],
-    on_device: &[(usize, Tensor)],
-    max_norm: f64,
-    pp: Option<&ProcessGroup>,
-    error_if_nonfinite: bool,
-) -> Result<Tensor> {
-    let device = on_device[0].1.device();
-    // Gradients on another device than the first: their sums move to it.
-    let mut sums: Vec<Tensor> = Vec::new();
-    let mut order: Vec<usize> = Vec::new();
-    let mut devices: Vec<Device> = Vec::new();
-    for (_, g) in on_device {
-        if !devices.contains(&g.device()) {
-            devices.push(g.device());
-        }
-    }
-    for d in devices {
-        let (idx, ts): (Vec<usize>, Vec<&Tensor>) =
-            on_device.iter().filter(|(_, g)| g.device() == d).map(|(i, g)| (*i, g)).unzip();
-        sums.push(Tensor::sum_squares_each(&ts)?.to_device(device)?);
-        order.extend(idx);
-    }
-    let sq = if sums.len() == 1 { sums.remove(0) } else { Tensor::cat(&sums, 0)? };
-    // Slots: one per distinct layout (by its groups' ranks, first-seen order), then one
-    // for the parts that are already global.
-    let (layouts, slot_of) = layout_slots(parts.iter().map(|(g, _)| g.as_slice()));
-    let n_slots = layouts.len() + 1;
-    let slot = |i: usize| slot_of[i].unwrap_or(layouts.len());
-    let mut fold = vec![0f32; n_slots * order.len()];
-    for (k, &i) in order.iter().enumerate() {
-        fold[slot(i) * order.len() + k] = 1.0;
-    }
-    let mut host = vec![0f32; n_slots];
-    for (i, (_, v)) in parts.iter().enumerate() {
-        host[slot(i)] += *v as f32;
-    }
-    let fold = Tensor::from_vec(fold, [n_slots, order.len()])?.to_device(device)?;
-    let host = Tensor::from_vec(host, [n_slots])?.to_device(device)?;
-    // [n_slots, k] @ [k, 1] -> [n_slots]
-    let slots = fold.matmul(&sq.reshape([order.len(), 1])?)?.reshape([n_slots])?.add(&host)?;
-    let mut slots: Vec<Tensor> =
-        (0..n_slots).map(|j| slots.narrow(0, j, 1)).collect::<std::result::Result<_, _>>()?;
-    // One all_reduce per distinct group, carrying the slots of every layout spanning it.
-    for (group, spanning) in group_spans(&layouts) {
-        let vals: Vec<Tensor> = spanning.iter().map(|&j| slots[j].clone()).collect();
-        let reduced = group.all_reduce(&Tensor::cat(&vals, 0)?, ReduceOp::Sum)?;
-        for (k, &j) in spanning.iter().enumerate() {
-            slots[j] = reduced.narrow(0, k, 1)?;
-        }
-    }
-    let mut total_sq = Tensor::cat(&slots, 0)?.sum_all()?;
-    if let Some(pp) = pp {
-        total_sq = pp.all_reduce(&total_sq, ReduceOp::Sum)?;
-    }
-    let total = total_sq.sqrt()?;
-    if error_if_nonfinite && !total.item()?.is_finite() {
-        return Ok(total);
-    }
-    // min(1, max_norm / (norm + 1e-6)), on the device: 1 for a NaN norm (fmin), 0 for an
-    // infinite one.
-    let one = Tensor::ones([], DType::F32, device)?;
-    let coef = no_grad(|| total.add_scalar(1e-6)?.recip()?.mul_scalar(max_norm)?.minimum(&one))?;
-    let host_coef =
-        if grads.iter().any(|(_, g)| g.device() != device) { Some(coef.item()?) } else { None };
-    if host_coef.is_none() && grads.iter().all(|(_, g)| crate::on_device(g)) {
-        // Every gradient scaled by the device coefficient in one launch per 32.
-        let refs: Vec<&Tensor> = grads.iter().map(|(_, g)| g).collect();
-        let scaled = Tensor::scale_each(&refs, &coef)?;
-        for ((p, _), g) in grads.into_iter().zip(scaled) {
-            p.set_reduced_grad(Some(g));
-        }
-        return Ok(total);
-    }
-    for (p, g) in grads {
-        let scaled = match host_coef {
-            Some(c) if c < 1.0 => no_grad(|| g.mul_scalar(c))?,
-            Some(_) => continue,
-            None => no_grad(|| g.mul(&coef.to_dtype(g.dtype())?))?,
-        };
-        p.set_reduced_grad(Some(scaled));
-    }
-    Ok(total)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 //! ZeRO-1: optimizer-state sharding over data parallelism, the lighter alternative to
 //! FSDP.
 //!
-//! Every dp rank holds every parameter (as with [`DataParallel`](tpar_parallel_styles::DataParallel)),
+//! Every dp rank holds every parameter (as with `tpar_parallel_styles::DataParallel`),
 //! but the optimizer state only for its share of them. The parameters of one dtype are
 //! laid end to end, flattened, in parameter order (a *bucket*, as DeepSpeed's stage 1
 //! does); dp rank `r` owns the `torch.chunk` range `r` of each bucket
@@ -28,34 +28,29 @@
 //!
 //! Collectives per step with one parameter dtype and no tensor parallelism: one
 //! all_reduce of the gradient mask, one reduce_scatter, one all_gather (and, with
-//! [`ZeroRedundancyOptimizer::clip_grad_norm`], one more mask all_reduce and one scalar
-//! all_reduce of the squared norm).
+//! clipping, one more mask all_reduce and one scalar all_reduce of the norm's share).
 //!
 //! **Clipping.** After `reduce_gradients` the full gradients are gone and each rank
-//! holds only its range's averaged gradient, so the free function
-//! [`crate::clip_grad_norm`] over the model's parameters does not apply (it
-//! would see no gradients, or, called before the reduction, each rank's unaveraged
-//! ones). Call [`ZeroRedundancyOptimizer::clip_grad_norm`] between the backward and
-//! `step`: it reduce-scatters, computes the global L2 norm from the ranges (one
-//! all_reduce over dp, plus one per tensor-parallel mesh dim where parameters are
-//! DTensors) and scales the shard gradients as `torch.nn.utils.clip_grad_norm_` does.
+//! holds only its range's averaged gradient, so clip through the optimizer:
+//! [`clip_grad_norm_`](crate::clip_grad_norm_)`(&mut opt, max_norm, &opts)` between the
+//! backward and `step`. It reduce-scatters ([`Optimizer::grads_for_clip`]), computes the
+//! global norm from the ranges (one all_reduce over dp, plus one per tensor-parallel
+//! mesh dim where parameters are DTensors) and scales the shard gradients as
+//! `torch.nn.utils.clip_grad_norm_` does. (Passing the model's parameters instead would
+//! see no gradients after the reduction, or each rank's unaveraged ones before it.)
 //!
 //! **Requirements.** Build it after the parameters are materialized (not on the meta
-//! device) and equal on every dp rank (same seed, or [`DataParallel::new`]'s broadcast);
+//! device) and equal on every dp rank (same seed, or `DataParallel::new`'s broadcast);
 //! every dp rank passes the same parameter list. FSDP parameters are refused (FSDP
-//! shards the optimizer state already).
-//!
-//! [`DataParallel::new`]: tpar_parallel_styles::DataParallel::new
+//! shards the optimizer state already). Refused configurations are [`NnError::Config`].
 
 use std::collections::BTreeMap;
 
-use crate::{sum_over_groups, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use crate::{AdamW, AdamWConfig, ClipGrad, Optimizer, Sgd, SgdConfig};
 use tpar_collectives::{chunk_range, ProcessGroup, ReduceOp};
 use tpar_mesh::DeviceMesh;
-use tpar_nn::{check_not_retired, NnError, Param};
+use tpar_nn::{check_not_retired, NnError, Param, Result};
 use tpar_tensor::{no_grad, DType, Device, Tensor};
-
-use tpar_parallel_styles::{PlanError, Result};
 
 /// This rank's part of one parameter: elements `start..start + leaf.numel()` of the
 /// flattened parameter, as a leaf the inner optimizer steps.
@@ -99,19 +94,18 @@ struct Bucket {
 /// ```
 /// use tpar_collectives::spawn;
 /// use tpar_mesh::{DeviceMesh, DeviceType};
-/// use tpar_optim::{AdamWConfig, Optimizer, ZeroRedundancyOptimizer};
+/// use tpar_optim::{clip_grad_norm_, AdamWConfig, ClipOptions, Optimizer, ZeroRedundancyOptimizer};
 /// use tpar_nn::{NnError, Param};
 /// use tpar_tensor::Tensor;
 /// spawn(2, |ctx| -> Result<(), NnError> {
 ///     let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
 ///     let w = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], [3])?.requires_grad_(true);
 ///     let params = vec![("w".to_string(), Param::Tensor(w.clone()))];
-///     let mut opt = ZeroRedundancyOptimizer::adamw(params, &mesh, AdamWConfig::default())
-///         .map_err(|e| NnError::Config { what: e.to_string() })?;
+///     let mut opt = ZeroRedundancyOptimizer::adamw(params, &mesh, AdamWConfig::default())?;
 ///     // Each rank's own data; the step uses the mean gradient over dp.
 ///     let k = (ctx.rank() + 1) as f64;
 ///     w.mul_scalar(k)?.sum_all()?.backward()?;
-///     opt.clip_grad_norm(1.0)?;
+///     clip_grad_norm_(&mut opt, 1.0, &ClipOptions::default())?;
 ///     opt.step()?;
 ///     opt.zero_grad();
 ///     // Rank 0 holds the state of elements 0..2, rank 1 of element 2: two f32 moments.
@@ -129,11 +123,8 @@ pub struct ZeroRedundancyOptimizer<O: Optimizer> {
     inner: O,
 }
 
-fn bad(what: impl Into<String>) -> PlanError {
-    PlanError::BadStyle { style: "ZeroRedundancyOptimizer".into(), what: what.into() }
-}
-
-fn nn_err(what: impl Into<String>) -> NnError {
+/// A configuration ZeRO-1 refuses ([`NnError::Config`], naming it).
+fn bad(what: impl Into<String>) -> NnError {
     NnError::Config { what: format!("ZeroRedundancyOptimizer: {}", what.into()) }
 }
 
@@ -170,12 +161,12 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
     pub fn new(
         params: Vec<(String, Param)>,
         dp_mesh: &DeviceMesh,
-        make_inner: impl FnOnce(Vec<(String, Param)>) -> tpar_nn::Result<O>,
+        make_inner: impl FnOnce(Vec<(String, Param)>) -> Result<O>,
     ) -> Result<Self> {
         if dp_mesh.ndim() != 1 {
             return Err(bad(format!("needs a 1-d mesh (mesh[\"dp\"]), got {dp_mesh}")));
         }
-        let dp = dp_mesh.group(0).map_err(NnError::from)?.clone();
+        let dp = dp_mesh.group(0)?.clone();
         check_not_retired("ZeroRedundancyOptimizer", &params)?;
         // Buckets by dtype, members in parameter order (the same on every rank).
         let mut by_dtype: BTreeMap<&'static str, Bucket> = BTreeMap::new();
@@ -228,8 +219,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                 let (start, len) = (s - m.offset, e - s);
                 let leaf = no_grad(|| {
                     p.trainable().detach().reshape([m.numel])?.narrow(0, start, len)?.deep_clone()
-                })
-                .map_err(NnError::from)?
+                })?
                 .requires_grad_(true);
                 shards.push((
                     format!("{name}[{start}..{}]", start + len),
@@ -288,10 +278,10 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
     /// Moves the parameters' accumulated gradients into this rank's shard leaves:
     /// reduce-scatters (averages) each bucket's gradients over dp and adds this rank's
     /// range to the shard leaves' `.grad()`, then drops the full gradients (see the
-    /// module docs). [`Optimizer::step`] and [`Self::clip_grad_norm`] call it; a second
+    /// module docs). [`Optimizer::step`] and [`Optimizer::grads_for_clip`] call it; a second
     /// call with no backward in between communicates only the gradient mask.
     /// Collective over dp (and over tp for tensor-parallel parameters replicated there).
-    pub fn reduce_gradients(&mut self) -> tpar_nn::Result<()> {
+    pub fn reduce_gradients(&mut self) -> Result<()> {
         // Parameters the model no longer holds (an optimizer built before sharding).
         check_not_retired("ZeroRedundancyOptimizer", &self.params)?;
         if self.params.is_empty() {
@@ -316,7 +306,7 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
                         no_grad(|| g.detach().reshape([m.numel])?.to_dtype(b.dtype))?
                     }
                     Some(g) => {
-                        return Err(nn_err(format!(
+                        return Err(bad(format!(
                             "parameter {:?}: gradient of shape {:?} for {} elements",
                             self.params[m.param].0,
                             g.dims(),
@@ -351,55 +341,13 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
         }
         Ok(())
     }
-
-    /// Clips as `torch.nn.utils.clip_grad_norm_` over all parameters: reduces the
-    /// gradients ([`Self::reduce_gradients`]), computes the global L2 norm of the
-    /// averaged gradient from every rank's ranges (one all_reduce over dp; with
-    /// tensor-parallel DTensor parameters also one over each tp mesh dim, counting
-    /// replicated copies once), and scales the shard gradients by
-    /// `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm before clipping
-    /// (0 without gradients). Call it after the last backward of a step, before
-    /// [`Optimizer::step`]. Collective: every rank calls it.
-    pub fn clip_grad_norm(&mut self, max_norm: f64) -> tpar_nn::Result<f64> {
-        if max_norm.is_nan() || max_norm < 0.0 {
-            return Err(nn_err(format!("clip_grad_norm: invalid max_norm {max_norm}")));
-        }
-        self.reduce_gradients()?;
-        // One part per parameter (also where this rank holds none of it), in bucket
-        // order, so every rank names the same groups in the same order.
-        let mut parts = Vec::with_capacity(self.params.len());
-        for b in &self.buckets {
-            for m in &b.members {
-                let mut layout = self.params[m.param].1.grad_layout()?;
-                if self.dp.size() > 1 {
-                    layout.groups.push(self.dp.clone());
-                }
-                let g = m.shard.as_ref().and_then(|s| s.leaf.grad());
-                let sq = match g {
-                    Some(g) if layout.counts => g.to_vec_f64()?.iter().map(|x| x * x).sum(),
-                    _ => 0.0,
-                };
-                parts.push((layout.groups, sq));
-            }
-        }
-        let total = sum_over_groups(&parts)?.sqrt();
-        let coef = max_norm / (total + 1e-6);
-        if coef < 1.0 {
-            for s in self.buckets.iter().flat_map(|b| &b.members).filter_map(|m| m.shard.as_ref()) {
-                if let Some(g) = s.leaf.grad() {
-                    s.leaf.set_grad(Some(no_grad(|| g.mul_scalar(coef))?));
-                }
-            }
-        }
-        Ok(total)
-    }
 }
 
 impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
     /// Reduce-scatters the gradients, steps this rank's ranges with the inner optimizer,
     /// and all-gathers the updated ranges into every parameter (module docs).
     /// Collective over dp.
-    fn step(&mut self) -> tpar_nn::Result<()> {
+    fn step(&mut self) -> Result<()> {
         self.reduce_gradients()?;
         for b in &self.buckets {
             for m in &b.members {
@@ -429,7 +377,7 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
             drop(mine);
             let full = self.dp.all_gather(&local, 0)?;
             if full.numel() != b.numel {
-                return Err(nn_err(format!(
+                return Err(bad(format!(
                     "all_gather of a {} bucket returned {} elements, expected {} (do all dp \
                      ranks pass the same parameters?)",
                     b.dtype,
@@ -465,5 +413,24 @@ impl<O: Optimizer> Optimizer for ZeroRedundancyOptimizer<O> {
     /// This rank's share of the optimizer state (the inner optimizer's state).
     fn state_bytes(&self) -> usize {
         self.inner.state_bytes()
+    }
+    /// The gradients a step uses: reduces them first ([`Self::reduce_gradients`]), then
+    /// lists this rank's shard leaves' gradients, one entry per parameter in bucket order
+    /// (also where this rank holds none of it, so every rank names the same groups in the
+    /// same order), each laid out as its parameter's gradient plus the dp group (the
+    /// ranges split every bucket over dp). Clipping scales the shard leaves' gradients.
+    fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>> {
+        self.reduce_gradients()?;
+        let mut out = Vec::with_capacity(self.params.len());
+        for b in &self.buckets {
+            for m in &b.members {
+                let mut layout = self.params[m.param].1.grad_layout()?;
+                if self.dp.size() > 1 {
+                    layout.groups.push(self.dp.clone());
+                }
+                out.push(ClipGrad::of_leaf(m.shard.as_ref().map(|s| &s.leaf), layout));
+            }
+        }
+        Ok(out)
     }
 }

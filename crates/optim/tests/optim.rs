@@ -8,12 +8,17 @@ use tpar_dtensor::{distribute_tensor, DTensor, DeviceMesh, Placement, ReduceOp};
 use tpar_mesh::DeviceType;
 use tpar_nn::{NnError, Param};
 use tpar_optim::{
-    clip_grad_norm, AdamW, AdamWConfig, CosineAnnealingLR, LinearLR, LrSchedule, LrScheduler,
-    Optimizer, SequentialLR, Sgd, SgdConfig,
+    clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, CosineAnnealingLR, LinearLR, LrSchedule,
+    LrScheduler, Optimizer, SequentialLR, Sgd, SgdConfig,
 };
 use tpar_tensor::{tol::Tol, DType, Tensor};
 
 use Placement::{Replicate, Shard};
+
+/// `clip_grad_norm_` with the default options, the norm read back.
+fn clip(params: &[Param], max_norm: f64) -> Result<f64, tpar_nn::NnError> {
+    Ok(clip_grad_norm_(params, max_norm, &ClipOptions::default())?.item()?)
+}
 
 // ---------------------------------------------------------------------------------------
 // Helpers and references
@@ -218,7 +223,7 @@ fn bad_hyper_parameters_are_errors() {
     assert!(bad(AdamWConfig { eps: f64::NAN, ..ADAM }));
     let nesterov = SgdConfig { nesterov: true, ..Default::default() };
     assert!(Sgd::new(p.clone(), nesterov).is_err());
-    assert!(clip_grad_norm(&p, -1.0).is_err());
+    assert!(clip(&p, -1.0).is_err());
     assert!(LinearLR::new(0.0, 1.0, 5).is_err());
     assert!(CosineAnnealingLR::new(0, 0.0).is_err());
     let one: Vec<Box<dyn LrSchedule>> = vec![Box::new(LinearLR::new(0.5, 1.0, 2).unwrap())];
@@ -380,7 +385,7 @@ fn clip_grad_norm_on_shards_equals_the_unsharded_norm_and_scaling() {
                 let params = clip_params(&mesh, &case)?;
                 let dbg = ctx.comm_debug();
                 dbg.enable();
-                let norm = clip_grad_norm(&params, max_norm)?;
+                let norm = clip(&params, max_norm)?;
                 let records = dbg.take();
                 dbg.disable();
                 // After clipping, the reduced gradients are the leaves' grads: reading them
@@ -389,7 +394,7 @@ fn clip_grad_norm_on_shards_equals_the_unsharded_norm_and_scaling() {
                 for p in &params {
                     full_grads.push(p.grad()?.unwrap().full()?.to_vec_f64()?);
                 }
-                let again = clip_grad_norm(&params, max_norm)?;
+                let again = clip(&params, max_norm)?;
                 Ok((norm, again, records, full_grads))
             })
             .unwrap();
@@ -443,7 +448,7 @@ fn clip_grad_norm_on_a_2d_mesh_and_a_sub_mesh() {
         ];
         let dbg = ctx.comm_debug();
         dbg.enable();
-        let norm = clip_grad_norm(&params, 1e9)?;
+        let norm = clip(&params, 1e9)?;
         let records = dbg.take();
         let groups = (mesh.group(0)?.ranks().to_vec(), mesh.group(1)?.ranks().to_vec());
         Ok((norm, records, groups))
@@ -584,7 +589,7 @@ fn dtensor_param_grad_after_clip_is_not_reduced_twice() {
         loss.backward()?;
         let p = Param::DTensor(d);
         let first = p.grad_local()?.unwrap().to_vec_f64()?;
-        let norm = clip_grad_norm(std::slice::from_ref(&p), 1e9)?;
+        let norm = clip(std::slice::from_ref(&p), 1e9)?;
         let after = p.grad_local()?.unwrap().to_vec_f64()?;
         Ok((first, norm, after))
     })

@@ -13,7 +13,7 @@ use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
 use tpar_models::{LlamaConfig, LlamaForPretraining};
 use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Value};
 use tpar_optim::ZeroRedundancyOptimizer;
-use tpar_optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use tpar_optim::{clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, Optimizer, Sgd, SgdConfig};
 use tpar_parallel_styles::{
     fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, PlanError,
 };
@@ -198,12 +198,12 @@ pub fn train_with(
         let params = tpar_nn::parameters(&model);
         let named = named_parameters(&model);
         let mut opt = match (&mesh, mode, optim) {
-            (Some(m), Mode::Zero1, Optim::AdamW) => Stepper::ZeroAdamW(
-                ZeroRedundancyOptimizer::adamw(named, &m["dp"], ADAMW).map_err(plan_err)?,
-            ),
-            (Some(m), Mode::Zero1, Optim::Sgd) => Stepper::ZeroSgd(
-                ZeroRedundancyOptimizer::sgd(named, &m["dp"], SGD).map_err(plan_err)?,
-            ),
+            (Some(m), Mode::Zero1, Optim::AdamW) => {
+                Stepper::ZeroAdamW(ZeroRedundancyOptimizer::adamw(named, &m["dp"], ADAMW)?)
+            }
+            (Some(m), Mode::Zero1, Optim::Sgd) => {
+                Stepper::ZeroSgd(ZeroRedundancyOptimizer::sgd(named, &m["dp"], SGD)?)
+            }
             (_, _, Optim::AdamW) => Stepper::Plain(Box::new(AdamW::with_names(named, ADAMW)?)),
             (_, _, Optim::Sgd) => Stepper::Plain(Box::new(Sgd::with_names(named, SGD)?)),
         };
@@ -236,7 +236,7 @@ pub fn train_with(
             }
             match &mut opt {
                 Stepper::ZeroAdamW(z) => {
-                    z.clip_grad_norm(0.5)?;
+                    clip_grad_norm_(&mut *z, 0.5, &ClipOptions::default())?;
                     z.step()?;
                     z.zero_grad();
                 }
@@ -246,7 +246,7 @@ pub fn train_with(
                 }
                 Stepper::Plain(o) => {
                     if optim == Optim::AdamW {
-                        clip_grad_norm(&params, 0.5)?;
+                        clip_grad_norm_(&params, 0.5, &ClipOptions::default())?;
                     }
                     o.step()?;
                     o.zero_grad();
