@@ -11,13 +11,14 @@
 //!   ([`ClipOptions`]).
 //! * [`ZeroRedundancyOptimizer`] (ZeRO-1) is an [`Optimizer`] like the others, so a
 //!   trainer holds a `Box<dyn Optimizer>` whatever its data-parallel mode.
-//! * Parameters on a CUDA device (f32, bf16, f16) are updated there, in place, by the
-//!   fused kernels with their state on the same device: AdamW steps up to 32 parameters
-//!   of a dtype in one launch, as PyTorch's foreach AdamW ([`Tensor::adamw_step_each_`]),
-//!   SGD one parameter a launch ([`Tensor::sgd_step_`]). Gradient norms and the
-//!   clipping are computed there too, one launch per 32 gradients of a dtype
-//!   ([`Tensor::sum_squares_each`], [`Tensor::scale_each`]). The host path is
-//!   unchanged.
+//! * One AdamW and one SGD for every device: their state is tensors (shaped like the
+//!   local shard, in f32, or f64 for f64 parameters, on the parameter's device) and their
+//!   update is a tensor op ([`Tensor::adamw_step_each_`], [`Tensor::sgd_step_`]) that the
+//!   tensor layer runs with the CPU kernels on the host and the fused CUDA kernels on a
+//!   CUDA device (AdamW: up to 32 parameters of a dtype per launch, as PyTorch's foreach
+//!   AdamW). With the 2-norm, gradient norms and the clipping of CUDA gradients stay on
+//!   the device too, one launch per 32 gradients of a dtype
+//!   ([`Tensor::sum_squares_each`], [`Tensor::scale_each`]).
 //! * Build an optimizer after `parallelize_module`, `fully_shard` and `reset_parameters`:
 //!   they put new parameters in the model's place ([`Param::replace`]), and an optimizer
 //!   still holding the old ones would step tensors the model no longer uses. Its first
@@ -51,9 +52,7 @@
 use std::f64::consts::PI;
 use std::fmt;
 
-use tpar_kernels::adamw::{adamw_step, AdamWParams};
-use tpar_kernels::{Acc, Float};
-use tpar_tensor::{no_grad, with_float_type, DType, Device, Element, Tensor, TensorError};
+use tpar_tensor::{no_grad, AdamWParams, DType, Device, Tensor};
 
 use tpar_nn::{check_not_retired, NnError, Param, Result, Stateful};
 
@@ -89,108 +88,35 @@ pub trait Optimizer: Stateful {
     fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>>;
 }
 
-/// A state buffer in the precision the optimizer computes in: `f32` for f32/bf16/f16
-/// parameters, `f64` for f64 parameters; on the parameter's CUDA device for parameters
-/// there (see [`on_device`]).
-#[derive(Clone, Debug)]
-enum StateBuf {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    /// An f32 tensor shaped like the parameter, on its CUDA device.
-    Device(Tensor),
-}
-
-/// Whether `leaf` is updated on its device: a CUDA tensor of a dtype the fused kernels take.
+/// Whether `leaf` is updated by the fused CUDA kernels (a CUDA tensor of f32, bf16 or
+/// f16): where clipping computes its norm on the device.
 pub(crate) fn on_device(leaf: &Tensor) -> bool {
     matches!(leaf.device(), Device::Cuda(_))
         && matches!(leaf.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
 
-impl StateBuf {
-    fn bytes(&self) -> usize {
-        match self {
-            StateBuf::F32(v) => v.len() * 4,
-            StateBuf::F64(v) => v.len() * 8,
-            StateBuf::Device(t) => t.numel() * 4,
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            StateBuf::F32(v) => v.len(),
-            StateBuf::F64(v) => v.len(),
-            StateBuf::Device(t) => t.numel(),
-        }
-    }
-
-    /// A copy with shape `dims` (on the device for device state).
-    fn to_tensor(&self, dims: &[usize]) -> Result<Tensor> {
-        Ok(match self {
-            StateBuf::F32(v) => Tensor::from_vec(v.clone(), dims)?,
-            StateBuf::F64(v) => Tensor::from_vec(v.clone(), dims)?,
-            StateBuf::Device(t) => {
-                let c = Tensor::zeros(dims, DType::F32, t.device())?;
-                c.copy_(&t.reshape(dims)?)?;
-                c
-            }
-        })
-    }
-
-    /// A buffer of the precision (and on the device) `leaf` keeps its state in, from
-    /// `t`'s values.
-    fn from_tensor(t: &Tensor, leaf: &Tensor) -> Result<StateBuf> {
-        if on_device(leaf) {
-            let src = if t.dtype() == DType::F32 {
-                t.reshape(leaf.dims())?
-            } else {
-                let v: Vec<f32> = t.to_vec_f64()?.into_iter().map(|x| x as f32).collect();
-                Tensor::from_vec(v, leaf.dims())?
-            };
-            let s = Tensor::zeros(leaf.dims(), DType::F32, leaf.device())?;
-            s.copy_(&src)?;
-            return Ok(StateBuf::Device(s));
-        }
-        let v = t.to_vec_f64()?;
-        Ok(match leaf.dtype() {
-            DType::F64 => StateBuf::F64(v),
-            _ => StateBuf::F32(v.into_iter().map(|x| x as f32).collect()),
-        })
-    }
-
-    /// Zeroed f32 state for `leaf` on its device.
-    fn device_zeros(leaf: &Tensor) -> Result<StateBuf> {
-        Ok(StateBuf::Device(Tensor::zeros(leaf.dims(), DType::F32, leaf.device())?))
-    }
+/// Bytes of a state tensor.
+fn bytes(t: &Tensor) -> usize {
+    t.numel() * t.dtype().size_in_bytes()
 }
 
-/// The element type of optimizer state (the kernels' accumulator types, f32 and f64).
-trait StateElem: Acc {
-    fn zeros(n: usize) -> StateBuf;
-    fn slot(buf: &mut StateBuf) -> Option<&mut Vec<Self>>;
+/// Zeroed state for `leaf`: shaped like it, in its state dtype
+/// ([`Tensor::optimizer_state_dtype`]: f32, or f64 for f64 parameters), on its device.
+fn zeros_state(leaf: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::zeros(leaf.dims(), leaf.optimizer_state_dtype(), leaf.device())?)
 }
 
-impl StateElem for f32 {
-    fn zeros(n: usize) -> StateBuf {
-        StateBuf::F32(vec![0.0; n])
-    }
-    fn slot(buf: &mut StateBuf) -> Option<&mut Vec<f32>> {
-        match buf {
-            StateBuf::F32(v) => Some(v),
-            StateBuf::F64(_) | StateBuf::Device(_) => None,
-        }
-    }
+/// A state tensor of `leaf` from `t`'s values (a copy the optimizer owns).
+fn state_from(t: &Tensor, leaf: &Tensor) -> Result<Tensor> {
+    let s = zeros_state(leaf)?;
+    let src = no_grad(|| t.reshape(leaf.dims())?.to_dtype(s.dtype()))?;
+    s.copy_(&src)?;
+    Ok(s)
 }
 
-impl StateElem for f64 {
-    fn zeros(n: usize) -> StateBuf {
-        StateBuf::F64(vec![0.0; n])
-    }
-    fn slot(buf: &mut StateBuf) -> Option<&mut Vec<f64>> {
-        match buf {
-            StateBuf::F64(v) => Some(v),
-            StateBuf::F32(_) | StateBuf::Device(_) => None,
-        }
-    }
+/// A copy of a state tensor shaped `dims`.
+fn state_copy(t: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    Ok(no_grad(|| t.reshape(dims)?.deep_clone())?)
 }
 
 /// `x >= 0` (false for NaN).
@@ -217,13 +143,7 @@ fn numbered(params: Vec<Param>) -> Vec<(String, Param)> {
 /// leaf's dtype (f32 gradients stay f32 when `f32_ok`: the device kernels take them);
 /// `None` when it has none. Collective the first time for distributed parameters (see
 /// [`Param::reduce_grads_in_place`]).
-fn grad_for_step(
-    opt: &str,
-    name: &str,
-    p: &Param,
-    leaf: &Tensor,
-    f32_ok: bool,
-) -> Result<Option<Tensor>> {
+fn grad_for_step(opt: &str, name: &str, p: &Param, leaf: &Tensor) -> Result<Option<Tensor>> {
     let Some(g) = p.reduce_grads_in_place()? else { return Ok(None) };
     if g.dims() != leaf.dims() {
         return Err(bad_param(
@@ -232,67 +152,40 @@ fn grad_for_step(
             format!("gradient of shape {:?} for a parameter of shape {:?}", g.dims(), leaf.dims()),
         ));
     }
-    let keep = g.dtype() == leaf.dtype() || (f32_ok && g.dtype() == DType::F32);
+    let keep = g.dtype() == leaf.dtype() || g.dtype() == DType::F32;
     let g = if keep { g } else { no_grad(|| g.to_dtype(leaf.dtype()))? };
     // The update reads the gradient while it writes the parameter: never one storage.
     let g = if g.same_storage(leaf) { no_grad(|| g.deep_clone())? } else { g };
     Ok(Some(g))
 }
 
-fn state_slot<'a, S: StateElem>(
-    opt: &str,
-    name: &str,
-    buf: &'a mut StateBuf,
-    n: usize,
-) -> Result<&'a mut Vec<S>> {
-    if let StateBuf::Device(t) = buf {
-        // The parameter left its device: bring the state to the host once.
-        *buf = StateBuf::F32(t.to_vec::<f32>()?);
-    }
-    let len = buf.len();
-    let v = S::slot(buf).ok_or_else(|| {
-        bad_param(opt, name, "the parameter's dtype changed since its state was created")
-    })?;
-    if len != n {
-        return Err(bad_param(
-            opt,
-            name,
-            format!("state of {len} elements for a local shard of {n} elements"),
-        ));
-    }
-    Ok(v)
-}
-
-/// The gradient on the parameter's device (where the device update reads it).
+/// The gradient on the parameter's device (where the update reads it).
 fn grad_on(leaf: &Tensor, g: &Tensor) -> Result<Tensor> {
     Ok(if g.device() == leaf.device() { g.clone() } else { g.to_device(leaf.device())? })
 }
 
-/// The device state tensor of a parameter updated on its device ([`on_device`]):
-/// host f32 state (e.g. from before the parameter moved) is uploaded once.
-fn device_slot(opt: &str, name: &str, buf: &mut StateBuf, leaf: &Tensor) -> Result<Tensor> {
+/// The state tensor `buf` of parameter `name`, checked against its leaf and moved to the
+/// leaf's device once if the parameter moved.
+fn state_for(opt: &str, name: &str, buf: &mut Tensor, leaf: &Tensor) -> Result<Tensor> {
     let n = leaf.numel();
-    if buf.len() != n {
+    if buf.numel() != n {
         return Err(bad_param(
             opt,
             name,
-            format!("state of {} elements for a local shard of {n} elements", buf.len()),
+            format!("state of {} elements for a local shard of {n} elements", buf.numel()),
         ));
     }
-    let t = match &*buf {
-        StateBuf::Device(t) if t.device() == leaf.device() => return Ok(t.clone()),
-        StateBuf::Device(t) => t.to_device(leaf.device())?,
-        StateBuf::F32(v) => Tensor::from_vec(v.clone(), leaf.dims())?.to_device(leaf.device())?,
-        StateBuf::F64(_) => {
-            return Err(bad_param(
-                opt,
-                name,
-                "the parameter's dtype changed since its state was created",
-            ))
-        }
-    };
-    *buf = StateBuf::Device(t.clone());
-    Ok(t)
+    if buf.dtype() != leaf.optimizer_state_dtype() {
+        return Err(bad_param(
+            opt,
+            name,
+            "the parameter's dtype changed since its state was created",
+        ));
+    }
+    if buf.device() != leaf.device() {
+        *buf = buf.to_device(leaf.device())?;
+    }
+    Ok(buf.clone())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -340,8 +233,8 @@ impl AdamWConfig {
 #[derive(Clone, Debug)]
 struct AdamWSlot {
     step: u64,
-    exp_avg: StateBuf,
-    exp_avg_sq: StateBuf,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
 }
 
 /// One parameter's AdamW state, laid out like its local shard ([`Param::trainable`]), in
@@ -411,8 +304,8 @@ impl AdamW {
         let dims = p.trainable().dims().to_vec();
         Ok(Some(AdamWState {
             step: s.step,
-            exp_avg: s.exp_avg.to_tensor(&dims)?,
-            exp_avg_sq: s.exp_avg_sq.to_tensor(&dims)?,
+            exp_avg: state_copy(&s.exp_avg, &dims)?,
+            exp_avg_sq: state_copy(&s.exp_avg_sq, &dims)?,
         }))
     }
 
@@ -449,76 +342,45 @@ impl AdamW {
         }
         self.state[index] = Some(AdamWSlot {
             step: state.step,
-            exp_avg: StateBuf::from_tensor(&state.exp_avg, &leaf)?,
-            exp_avg_sq: StateBuf::from_tensor(&state.exp_avg_sq, &leaf)?,
+            exp_avg: state_from(&state.exp_avg, &leaf)?,
+            exp_avg_sq: state_from(&state.exp_avg_sq, &leaf)?,
         });
         Ok(())
     }
 
-    fn step_one<T: Float + Element>(
-        name: &str,
-        leaf: &Tensor,
-        g: &Tensor,
-        slot: &mut Option<AdamWSlot>,
-        config: &AdamWConfig,
-    ) -> Result<()>
-    where
-        T::Acc: StateElem,
-    {
-        let n = leaf.numel();
-        let s = slot.get_or_insert_with(|| AdamWSlot {
-            step: 0,
-            exp_avg: <T::Acc as StateElem>::zeros(n),
-            exp_avg_sq: <T::Acc as StateElem>::zeros(n),
-        });
-        let m = state_slot::<T::Acc>("AdamW", name, &mut s.exp_avg, n)?;
-        let v = state_slot::<T::Acc>("AdamW", name, &mut s.exp_avg_sq, n)?;
-        let h = AdamWParams {
-            lr: config.lr,
-            beta1: config.betas.0,
-            beta2: config.betas.1,
-            eps: config.eps,
-            weight_decay: config.weight_decay,
-            step: s.step + 1,
-        };
-        g.with_data::<T, _>(|g| leaf.with_data_mut::<T, _>(|p| adamw_step(p, g, m, v, &h)))??
-            .map_err(TensorError::from)?;
-        s.step += 1;
-        Ok(())
-    }
-
-    /// The buffers of a parameter stepped on its CUDA device ([`on_device`]): its state
-    /// lives on the device, created at zero before its first step.
-    fn device_step(
+    /// One parameter's part of a step: its state (created at zero before its first
+    /// step) and the tensors the update reads and writes.
+    fn prepare(
         index: usize,
         name: &str,
         leaf: Tensor,
         g: &Tensor,
         slot: &mut Option<AdamWSlot>,
-    ) -> Result<DeviceStep> {
+    ) -> Result<StepItem> {
         let s = match slot {
             Some(s) => s,
             None => slot.insert(AdamWSlot {
                 step: 0,
-                exp_avg: StateBuf::device_zeros(&leaf)?,
-                exp_avg_sq: StateBuf::device_zeros(&leaf)?,
+                exp_avg: zeros_state(&leaf)?,
+                exp_avg_sq: zeros_state(&leaf)?,
             }),
         };
-        Ok(DeviceStep {
+        Ok(StepItem {
             index,
             step: s.step + 1,
             grad: grad_on(&leaf, g)?,
-            exp_avg: device_slot("AdamW", name, &mut s.exp_avg, &leaf)?,
-            exp_avg_sq: device_slot("AdamW", name, &mut s.exp_avg_sq, &leaf)?,
+            exp_avg: state_for("AdamW", name, &mut s.exp_avg, &leaf)?,
+            exp_avg_sq: state_for("AdamW", name, &mut s.exp_avg_sq, &leaf)?,
             leaf,
         })
     }
 
-    /// The device parameters' steps, in place, with the fused kernel: one launch for up
-    /// to 32 parameters of one step number and dtype (PyTorch's foreach AdamW).
-    fn step_devices(&mut self, mut steps: Vec<DeviceStep>) -> Result<()> {
-        steps.sort_by_key(|d| d.step);
-        for same in steps.chunk_by(|a, b| a.step == b.step) {
+    /// The parameters' updates, in place, through [`Tensor::adamw_step_each_`]: one call
+    /// per step number (on a CUDA device one launch for up to 32 parameters of a dtype,
+    /// PyTorch's foreach AdamW; on the host the CPU kernel per parameter).
+    fn step_all(&mut self, mut items: Vec<StepItem>) -> Result<()> {
+        items.sort_by_key(|d| d.step);
+        for same in items.chunk_by(|a, b| a.step == b.step) {
             let h = AdamWParams {
                 lr: self.config.lr,
                 beta1: self.config.betas.0,
@@ -527,7 +389,7 @@ impl AdamW {
                 weight_decay: self.config.weight_decay,
                 step: same[0].step,
             };
-            let list = |f: fn(&DeviceStep) -> &Tensor| same.iter().map(f).collect::<Vec<_>>();
+            let list = |f: fn(&StepItem) -> &Tensor| same.iter().map(f).collect::<Vec<_>>();
             Tensor::adamw_step_each_(
                 &list(|d| &d.leaf),
                 &list(|d| &d.grad),
@@ -545,9 +407,9 @@ impl AdamW {
     }
 }
 
-/// One parameter's step on its CUDA device: its index, the step number taken, and the
-/// tensors the kernel reads and updates.
-struct DeviceStep {
+/// One parameter's AdamW update: its index, the step number taken, and the tensors the
+/// update reads and writes.
+struct StepItem {
     index: usize,
     step: u64,
     leaf: Tensor,
@@ -560,21 +422,13 @@ impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         // Parameters the model no longer holds (an optimizer built before sharding).
         check_not_retired("AdamW", &self.params)?;
-        // Parameters on a CUDA device step together after the host ones.
-        let mut device = Vec::new();
+        let mut items = Vec::new();
         for (i, ((name, p), slot)) in self.params.iter().zip(&mut self.state).enumerate() {
             let leaf = p.trainable();
-            let on = on_device(&leaf);
-            let Some(g) = grad_for_step("AdamW", name, p, &leaf, on)? else { continue };
-            if on {
-                device.push(AdamW::device_step(i, name, leaf, &g, slot)?);
-                continue;
-            }
-            with_float_type!(leaf.dtype(), "AdamW", |T| {
-                Ok(AdamW::step_one::<T>(name, &leaf, &g, slot, &self.config))
-            })??;
+            let Some(g) = grad_for_step("AdamW", name, p, &leaf)? else { continue };
+            items.push(AdamW::prepare(i, name, leaf, &g, slot)?);
         }
-        self.step_devices(device)
+        self.step_all(items)
     }
 
     fn zero_grad(&self) {
@@ -592,7 +446,7 @@ impl Optimizer for AdamW {
     }
 
     fn state_bytes(&self) -> usize {
-        self.state.iter().flatten().map(|s| s.exp_avg.bytes() + s.exp_avg_sq.bytes()).sum()
+        self.state.iter().flatten().map(|s| bytes(&s.exp_avg) + bytes(&s.exp_avg_sq)).sum()
     }
     fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>> {
         param_grads(self.params.iter().map(|(_, p)| p))
@@ -664,7 +518,7 @@ impl SgdConfig {
 pub struct Sgd {
     params: Vec<(String, Param)>,
     config: SgdConfig,
-    momentum_buffer: Vec<Option<StateBuf>>,
+    momentum_buffer: Vec<Option<Tensor>>,
 }
 
 impl Sgd {
@@ -699,7 +553,7 @@ impl Sgd {
         else {
             return Ok(None);
         };
-        Ok(Some(b.to_tensor(p.trainable().dims())?))
+        Ok(Some(state_copy(b, p.trainable().dims())?))
     }
 
     /// Replaces the hyper-parameters (e.g. from a checkpoint).
@@ -730,59 +584,18 @@ impl Sgd {
                     ),
                 ))
             }
-            Some(b) => Some(StateBuf::from_tensor(&b, &leaf)?),
+            Some(b) => Some(state_from(&b, &leaf)?),
         };
         Ok(())
     }
 
-    fn step_one<T: Float + Element>(
+    /// One parameter's step, in place, through [`Tensor::sgd_step_`]; the momentum buffer
+    /// (with momentum only) lives on the parameter's device.
+    fn step_one(
         name: &str,
         leaf: &Tensor,
         g: &Tensor,
-        buf: &mut Option<StateBuf>,
-        c: &SgdConfig,
-    ) -> Result<()>
-    where
-        T::Acc: StateElem,
-    {
-        let a = <T::Acc as Acc>::of;
-        let (lr, wd, mom, damp) = (a(c.lr), a(c.weight_decay), a(c.momentum), a(1.0 - c.dampening));
-        let n = leaf.numel();
-        let first = buf.is_none();
-        let b: Option<&mut Vec<T::Acc>> = if c.momentum != 0.0 {
-            let s = buf.get_or_insert_with(|| <T::Acc as StateElem>::zeros(n));
-            Some(state_slot::<T::Acc>("SGD", name, s, n)?)
-        } else {
-            None
-        };
-        let (use_wd, nesterov) = (c.weight_decay != 0.0, c.nesterov);
-        g.with_data::<T, _>(|g| {
-            leaf.with_data_mut::<T, _>(|p| {
-                let mut b = b;
-                for i in 0..p.len() {
-                    let x = p[i].to_acc();
-                    let mut d = g[i].to_acc();
-                    if use_wd {
-                        d += wd * x;
-                    }
-                    if let Some(b) = b.as_deref_mut() {
-                        b[i] = if first { d } else { mom * b[i] + damp * d };
-                        d = if nesterov { d + mom * b[i] } else { b[i] };
-                    }
-                    p[i] = T::from_acc(x - lr * d);
-                }
-            })
-        })??;
-        Ok(())
-    }
-
-    /// One step of a parameter on its CUDA device ([`on_device`]), in place; the momentum
-    /// buffer lives on the device.
-    fn step_device(
-        name: &str,
-        leaf: &Tensor,
-        g: &Tensor,
-        buf: &mut Option<StateBuf>,
+        buf: &mut Option<Tensor>,
         c: &SgdConfig,
     ) -> Result<()> {
         let g = &grad_on(leaf, g)?;
@@ -790,9 +603,9 @@ impl Sgd {
         let b = if c.momentum != 0.0 {
             let s = match buf {
                 Some(s) => s,
-                None => buf.insert(StateBuf::device_zeros(leaf)?),
+                None => buf.insert(zeros_state(leaf)?),
             };
-            Some(device_slot("SGD", name, s, leaf)?)
+            Some(state_for("SGD", name, s, leaf)?)
         } else {
             None
         };
@@ -815,15 +628,8 @@ impl Optimizer for Sgd {
         check_not_retired("SGD", &self.params)?;
         for ((name, p), buf) in self.params.iter().zip(&mut self.momentum_buffer) {
             let leaf = p.trainable();
-            let device = on_device(&leaf);
-            let Some(g) = grad_for_step("SGD", name, p, &leaf, device)? else { continue };
-            if device {
-                Sgd::step_device(name, &leaf, &g, buf, &self.config)?;
-                continue;
-            }
-            with_float_type!(leaf.dtype(), "SGD", |T| {
-                Ok(Sgd::step_one::<T>(name, &leaf, &g, buf, &self.config))
-            })??;
+            let Some(g) = grad_for_step("SGD", name, p, &leaf)? else { continue };
+            Sgd::step_one(name, &leaf, &g, buf, &self.config)?;
         }
         Ok(())
     }
@@ -843,7 +649,7 @@ impl Optimizer for Sgd {
     }
 
     fn state_bytes(&self) -> usize {
-        self.momentum_buffer.iter().flatten().map(StateBuf::bytes).sum()
+        self.momentum_buffer.iter().flatten().map(bytes).sum()
     }
     fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>> {
         param_grads(self.params.iter().map(|(_, p)| p))

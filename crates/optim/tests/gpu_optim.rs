@@ -1,10 +1,10 @@
 //! Optimizers and gradient clipping on parameters on the emulated CUDA
 //! device: the same steps as on the CPU, updated in place on the device.
 
-use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_nn::Param;
 use tpar_optim::{clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, Optimizer, Sgd, SgdConfig};
-use tpar_tensor::{gpu, tol::Tol, DType, Device, Rng, Tensor};
+use tpar_tensor::gpu::EmulatedGpu;
+use tpar_tensor::{gpu, tol::Tol, AdamWParams, DType, Device, Rng, Tensor};
 
 const DEV: Device = Device::Cuda(0);
 
@@ -196,14 +196,8 @@ fn adamw_step_each_refuses_bad_lists_before_any_update() {
         .collect();
     let (m, v): (Vec<Tensor>, Vec<Tensor>) = dev.iter().map(|t| (zeros(t), zeros(t))).unzip();
     let before: Vec<Vec<f64>> = dev.iter().map(|t| t.to_vec_f64().unwrap()).collect();
-    let h = tpar_kernels::adamw::AdamWParams {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        step: 1,
-    };
+    let h =
+        AdamWParams { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
     fn refs(ts: &[Tensor]) -> Vec<&Tensor> {
         ts.iter().collect()
     }

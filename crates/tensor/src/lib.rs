@@ -39,6 +39,8 @@ pub use error::TensorError;
 pub use ops::RopeLayout;
 pub use rng::Rng;
 pub use shape::Shape;
+/// Hyper-parameters of one AdamW step ([`Tensor::adamw_step_each_`]).
+pub use tpar_kernels::adamw::AdamWParams;
 pub use storage::{
     check_alloc, human_bytes, storage_bytes, try_vec, CpuStorage, Element, PROBE_BYTES,
 };

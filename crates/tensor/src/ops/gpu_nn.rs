@@ -747,6 +747,7 @@ impl Tensor {
         })
     }
 
+    /// The CUDA half of [`Tensor::adamw_step_each_`]:
     /// [`Tensor::adamw_step_`] on many CUDA parameters at once, all with the same
     /// hyper-parameters and step `h`: parameter `i` with `grads[i]`, `exp_avgs[i]`
     /// and `exp_avg_sqs[i]`, each under `adamw_step_`'s rules. One launch covers up to
@@ -755,7 +756,7 @@ impl Tensor {
     /// so the results are the same bits. No buffer updated may share its storage with
     /// any other argument. Every argument is checked before any parameter changes. Not
     /// recorded by autograd.
-    pub fn adamw_step_each_(
+    pub(crate) fn cuda_adamw_step_each_(
         params: &[&Tensor],
         grads: &[&Tensor],
         exp_avgs: &[&Tensor],
@@ -834,9 +835,8 @@ impl Tensor {
         Ok(())
     }
 
-    /// One SGD step on this CUDA parameter, in place, for optimizers
-    /// (`tpar_optim::Sgd` calls it for parameters on a CUDA device), as
-    /// `torch.optim.SGD`:
+    /// The CUDA half of [`Tensor::sgd_step_`]: one SGD step on this CUDA
+    /// parameter, in place, as `torch.optim.SGD`:
     ///
     /// ```text
     /// d = grad + weight_decay * p
@@ -848,7 +848,8 @@ impl Tensor {
     /// computed in f32. `grad` has the parameter's dtype or is f32;
     /// `momentum_buffer` is an f32 buffer of the parameter's size, updated in
     /// place (`None` without momentum). Not recorded by autograd.
-    pub fn sgd_step_(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn cuda_sgd_step_(
         &self,
         grad: &Tensor,
         momentum_buffer: Option<&Tensor>,

@@ -11,6 +11,7 @@ mod gpu_elem;
 mod gpu_nn;
 mod matmul;
 mod nn;
+mod optim;
 mod reduce;
 mod shape;
 

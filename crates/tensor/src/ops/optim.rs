@@ -1,0 +1,251 @@
+//! Optimizer updates as tensor ops, one entry point per update whatever the device:
+//! CUDA parameters of f32, bf16 or f16 go to the fused CUDA kernels (`gpu_nn.rs`),
+//! every other parameter to the CPU kernels (`tpar_kernels::adamw`, the SGD loop here),
+//! through host copies for CUDA tensors of other dtypes. An optimizer keeps its state
+//! as tensors and calls these; it never sees the kernels.
+
+use tpar_kernels::adamw::{adamw_step, AdamWParams};
+use tpar_kernels::{Acc, Float};
+
+use super::invalid;
+use crate::storage::Element;
+use crate::{no_grad, with_float_type, DType, Device, Result, Tensor, TensorError};
+
+/// Whether the fused CUDA kernels update `p`: a CUDA tensor of f32, bf16 or f16.
+fn on_device_kernels(p: &Tensor) -> bool {
+    matches!(p.device(), Device::Cuda(_))
+        && matches!(p.dtype(), DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// Refuses two of `ts` sharing a storage (an update reads one while it writes another).
+fn distinct(op: &'static str, ts: &[&Tensor]) -> Result<()> {
+    for (i, a) in ts.iter().enumerate() {
+        if ts[i + 1..].iter().any(|b| a.same_storage(b)) {
+            return Err(invalid(
+                op,
+                "the parameter, its gradient and its state must be separate buffers",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `g` in `p`'s dtype (the host kernels read the gradient in the parameter's dtype).
+fn grad_as(p: &Tensor, g: &Tensor) -> Result<Tensor> {
+    if g.dtype() == p.dtype() {
+        Ok(g.clone())
+    } else {
+        no_grad(|| g.to_dtype(p.dtype()))
+    }
+}
+
+/// The state dtype `T`'s kernels keep: its accumulator type.
+fn check_state<A: Element>(op: &'static str, s: &Tensor) -> Result<()> {
+    if s.dtype() != A::DTYPE {
+        return Err(TensorError::DTypeMismatch {
+            op,
+            expected: format!("{} state", A::DTYPE.name()),
+            got: s.dtype(),
+        });
+    }
+    Ok(())
+}
+
+fn host_adamw<T: Float + Element>(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: &AdamWParams,
+) -> Result<()>
+where
+    T::Acc: Element,
+{
+    const OP: &str = "adamw_step_each_";
+    check_state::<T::Acc>(OP, m)?;
+    check_state::<T::Acc>(OP, v)?;
+    let g = grad_as(p, g)?;
+    distinct(OP, &[p, &g, m, v])?;
+    g.with_data::<T, _>(|g| {
+        p.with_data_mut::<T, _>(|p| {
+            m.with_data_mut::<T::Acc, _>(|m| {
+                v.with_data_mut::<T::Acc, _>(|v| adamw_step(p, g, m, v, h))
+            })
+        })
+    })????
+    .map_err(TensorError::from)?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn host_sgd<T: Float + Element>(
+    p: &Tensor,
+    g: &Tensor,
+    b: Option<&Tensor>,
+    first: bool,
+    lr: f64,
+    weight_decay: f64,
+    momentum: f64,
+    dampening: f64,
+    nesterov: bool,
+) -> Result<()>
+where
+    T::Acc: Element,
+{
+    const OP: &str = "sgd_step_";
+    let a = <T::Acc as Acc>::of;
+    let (lr_a, wd, mom, damp) = (a(lr), a(weight_decay), a(momentum), a(1.0 - dampening));
+    let use_wd = weight_decay != 0.0;
+    let g = grad_as(p, g)?;
+    let mut all = vec![p, &g];
+    all.extend(b);
+    distinct(OP, &all)?;
+    if let Some(b) = b {
+        check_state::<T::Acc>(OP, b)?;
+    }
+    let run = |p: &mut [T], g: &[T], mut b: Option<&mut [T::Acc]>| {
+        for i in 0..p.len() {
+            let x = p[i].to_acc();
+            let mut d = g[i].to_acc();
+            if use_wd {
+                d += wd * x;
+            }
+            if let Some(b) = b.as_deref_mut() {
+                b[i] = if first { d } else { mom * b[i] + damp * d };
+                d = if nesterov { d + mom * b[i] } else { b[i] };
+            }
+            p[i] = T::from_acc(x - lr_a * d);
+        }
+    };
+    g.with_data::<T, _>(|g| {
+        p.with_data_mut::<T, _>(|p| match b {
+            Some(b) => b.with_data_mut::<T::Acc, _>(|b| run(p, g, Some(b))),
+            None => {
+                run(p, g, None);
+                Ok(())
+            }
+        })
+    })???;
+    Ok(())
+}
+
+impl Tensor {
+    /// The dtype an optimizer keeps this parameter's state in (the kernels' accumulator
+    /// type): f64 for f64 parameters, f32 for the others.
+    pub fn optimizer_state_dtype(&self) -> DType {
+        if self.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
+    /// One AdamW step ([`AdamWParams`], `torch.optim.AdamW`'s update) of every parameter
+    /// in `params`, in place, with `grads[i]` (the parameter's dtype, or f32) and the
+    /// moment buffers `exp_avgs[i]`, `exp_avg_sqs[i]` (in
+    /// [`Tensor::optimizer_state_dtype`], shaped like the parameter, on its device),
+    /// updated in place. All share the hyper-parameters and the step `h.step`.
+    ///
+    /// CUDA parameters of f32, bf16 or f16 are updated by the fused CUDA kernel, up to 32
+    /// of a dtype per launch (PyTorch's foreach AdamW; see the CUDA rules below); the
+    /// others by the CPU kernel `tpar_kernels::adamw::adamw_step`, one parameter at a
+    /// time (on host copies for CUDA tensors of other dtypes). Both compute the same
+    /// formula element for element. Not recorded by autograd.
+    ///
+    /// CUDA rules: [`Tensor::adamw_step_`] per parameter; every argument is checked
+    /// before any parameter changes, and no updated buffer may share its storage with
+    /// any other argument.
+    pub fn adamw_step_each_(
+        params: &[&Tensor],
+        grads: &[&Tensor],
+        exp_avgs: &[&Tensor],
+        exp_avg_sqs: &[&Tensor],
+        h: &AdamWParams,
+    ) -> Result<()> {
+        const OP: &str = "adamw_step_each_";
+        let n = params.len();
+        if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{n} parameters with {} gradients, {} exp_avg and {} exp_avg_sq",
+                    grads.len(),
+                    exp_avgs.len(),
+                    exp_avg_sqs.len()
+                ),
+            ));
+        }
+        let (dev, host): (Vec<usize>, Vec<usize>) =
+            (0..n).partition(|&i| on_device_kernels(params[i]));
+        for i in host {
+            let (p, g, m, v) = (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]);
+            with_float_type!(p.dtype(), OP, |T| { host_adamw::<T>(p, g, m, v, h) })?;
+        }
+        if dev.is_empty() {
+            return Ok(());
+        }
+        fn pick<'t>(ts: &[&'t Tensor], idx: &[usize]) -> Vec<&'t Tensor> {
+            idx.iter().map(|&i| ts[i]).collect()
+        }
+        Tensor::cuda_adamw_step_each_(
+            &pick(params, &dev),
+            &pick(grads, &dev),
+            &pick(exp_avgs, &dev),
+            &pick(exp_avg_sqs, &dev),
+            h,
+        )
+    }
+
+    /// One SGD step of this parameter, in place, as `torch.optim.SGD`:
+    ///
+    /// ```text
+    /// d = grad + weight_decay * p
+    /// b = d on the first step, else momentum * b + (1 - dampening) * d   (with momentum)
+    /// d = d + momentum * b if nesterov, else b                           (with momentum)
+    /// p = p - lr * d
+    /// ```
+    ///
+    /// computed in [`Tensor::optimizer_state_dtype`]. `grad` has the parameter's dtype
+    /// or is f32; `momentum_buffer` (in the state dtype, the parameter's size and
+    /// device) is updated in place (`None` without momentum). CUDA parameters of f32,
+    /// bf16 or f16 are updated by CUDA kernels, the others on the host. Not recorded by
+    /// autograd.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgd_step_(
+        &self,
+        grad: &Tensor,
+        momentum_buffer: Option<&Tensor>,
+        first_step: bool,
+        lr: f64,
+        weight_decay: f64,
+        momentum: f64,
+        dampening: f64,
+        nesterov: bool,
+    ) -> Result<()> {
+        if on_device_kernels(self) {
+            return self.cuda_sgd_step_(
+                grad,
+                momentum_buffer,
+                first_step,
+                lr,
+                weight_decay,
+                momentum,
+                dampening,
+                nesterov,
+            );
+        }
+        with_float_type!(self.dtype(), "sgd_step_", |T| {
+            host_sgd::<T>(
+                self,
+                grad,
+                momentum_buffer,
+                first_step,
+                lr,
+                weight_decay,
+                momentum,
+                dampening,
+                nesterov,
+            )
+        })
+    }
+}
