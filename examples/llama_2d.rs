@@ -313,46 +313,13 @@ enum DpMode {
     Zero1,
 }
 
-/// The optimizer of each dp mode: ZeRO-1 clips through its own method (its gradients
-/// live in the ranks' ranges after the reduce-scatter).
-enum Opt {
-    Plain(AdamW),
-    Zero(ZeroRedundancyOptimizer<AdamW>),
-}
-
-impl Opt {
-    /// Clips the gradients and returns their total norm as a 0-dim tensor: on the
-    /// gradients' device (nothing read back) for the plain optimizer, on the host for
-    /// ZeRO-1.
-    fn clip(&mut self, params: &[Param], max_norm: f64) -> tpar::Result<Tensor> {
-        match self {
-            Opt::Plain(_) => Ok(clip_grad_norm_(params, max_norm)?),
-            Opt::Zero(z) => Ok(Tensor::scalar(z.clip_grad_norm(max_norm)?, DType::F64)),
-        }
-    }
-
-    fn get(&mut self) -> &mut dyn Optimizer {
-        match self {
-            Opt::Plain(a) => a,
-            Opt::Zero(z) => z,
-        }
-    }
-
-    fn stateful(&mut self) -> &mut dyn Stateful {
-        match self {
-            Opt::Plain(a) => a,
-            Opt::Zero(z) => z,
-        }
-    }
-}
-
 /// Every checkpointed part of the run, by name, for a checkpoint to save or load: the
 /// run's configuration first, so a resume that does not match stops before anything
 /// else loads.
 fn with_items<R>(
     config: &mut RunConfig,
     model: &mut LlamaForPretraining,
-    opt: &mut Opt,
+    opt: &mut dyn Optimizer,
     sched: &mut LrScheduler<SequentialLR>,
     sampler: &mut DistributedSampler,
     progress: &mut run::Progress,
@@ -362,7 +329,7 @@ fn with_items<R>(
     f(&mut [
         ("config", config),
         ("model", &mut model),
-        ("optim", opt.stateful()),
+        ("optim", opt),
         ("lr_scheduler", sched),
         ("sampler", sampler),
         ("trainer", progress),
@@ -459,25 +426,31 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     }
     let device = compute_device(o);
     reset_parameters(&mut model, device, o.seed)?;
-    // Replicated modes: every dp replica starts from dp rank 0's parameters.
-    let ddp = match o.dp_mode {
+    // Replicated modes: every dp replica starts from dp rank 0's parameters; DDP's
+    // backward passes average the gradients over dp as they are produced (ZeRO-1's
+    // optimizer reduce-scatters them itself).
+    let _ddp = match o.dp_mode {
         DpMode::Fsdp => None,
-        DpMode::Ddp | DpMode::Zero1 => Some(DataParallel::new(&mut model, &mesh["dp"])?),
+        DpMode::Ddp => Some(DataParallel::new(&mut model, &mesh["dp"])?),
+        DpMode::Zero1 => {
+            sync_module_states(&mut model, &mesh["dp"])?;
+            None
+        }
     };
 
-    let params = parameters(&model);
     let adamw = AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
-    let mut opt = match o.dp_mode {
+    // One optimizer interface for every dp mode (ZeRO-1 shards its state over dp).
+    let mut opt: Box<dyn Optimizer> = match o.dp_mode {
         DpMode::Zero1 => {
-            Opt::Zero(ZeroRedundancyOptimizer::adamw(named_parameters(&model), &mesh["dp"], adamw)?)
+            Box::new(ZeroRedundancyOptimizer::adamw(named_parameters(&model), &mesh["dp"], adamw)?)
         }
-        DpMode::Fsdp | DpMode::Ddp => {
-            Opt::Plain(AdamW::with_names(named_parameters(&model), adamw)?)
-        }
+        DpMode::Fsdp | DpMode::Ddp => Box::new(AdamW::with_names(named_parameters(&model), adamw)?),
     };
     let warmup = (o.steps / 10).max(1);
-    let mut sched =
-        LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, opt.get());
+    let mut sched = LrScheduler::new(
+        SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?,
+        opt.as_mut(),
+    );
     if o.override_lr {
         sched.override_on_load();
     }
@@ -526,7 +499,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             let resumed = with_items(
                 &mut run_config,
                 &mut model,
-                &mut opt,
+                opt.as_mut(),
                 &mut sched,
                 &mut sampler,
                 &mut progress,
@@ -536,7 +509,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if let Some(step) = resumed {
                 progress.check_resumed(step)?;
                 // The optimizer's own state holds the saved learning rate.
-                opt.get().set_lr(sched.last_lr());
+                opt.set_lr(sched.last_lr());
                 if rank == 0 {
                     println!("resumed from {} at step {step}", c.step_dir(step).display());
                 }
@@ -635,11 +608,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if timeline.is_some() {
                 phases.push(("backward", comm.take()));
             }
-            if let (Some(ddp), DpMode::Ddp) = (&ddp, o.dp_mode) {
-                ddp.sync_gradients(&model)?;
-            }
-            // The norm is global (all-reduced): every rank takes the same branch.
-            let norm_t = opt.clip(&params, MAX_GRAD_NORM)?;
+            // The norm is global (all-reduced): every rank takes the same branch. Clipping
+            // through the optimizer serves every dp mode (ZeRO-1's gradients live in the
+            // ranks' ranges after its reduce-scatter); the norm stays on the device.
+            let norm_t = clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
             let norm = if !read {
                 // Not read back: the step goes on (see --nonfinite).
                 f64::NAN
@@ -652,7 +624,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 n
             };
             if !read || norm.is_finite() {
-                opt.get().step()?;
+                opt.step()?;
             } else if o.nonfinite == NonFinite::Fail {
                 return Err(NnError::NonFinite {
                     what: format!(
@@ -668,8 +640,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                     step + 1
                 );
             }
-            let lr = sched.step(opt.get());
-            opt.get().zero_grad();
+            let lr = sched.step(opt.as_mut());
+            opt.zero_grad();
             // The loss averaged over dp ranks, for the log (a host scalar: no round trip).
             let l = if read {
                 let local = Tensor::scalar(local, DType::F64);
@@ -700,7 +672,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                     with_items(
                         &mut run_config,
                         &mut model,
-                        &mut opt,
+                        opt.as_mut(),
                         &mut sched,
                         &mut sampler,
                         &mut progress,
@@ -738,7 +710,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             println!("exported the model to {}", path.display());
         }
     }
-    let state_bytes = opt.get().state_bytes();
+    let state_bytes = opt.state_bytes();
     Ok(RankReport {
         state_bytes,
         first_loss: progress.first_loss,

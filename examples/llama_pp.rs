@@ -406,11 +406,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 break 'outer;
             }
             let batch = dataset.batch(chunk)?;
+            // DDP: the micro-batches' gradients accumulate on each rank; the sum is
+            // averaged over dp once, after the schedule.
+            let no_sync: Vec<_> = ddps.iter().map(DataParallel::no_sync).collect();
             let losses = pipe.step_with(
                 Some(&batch.input_ids),
                 std::slice::from_ref(&batch.attention_mask),
                 Some(&batch.target_ids),
             )?;
+            drop(no_sync);
             if o.nonfinite == NonFinite::Fail {
                 if let Some(i) = losses.iter().position(|l| !l.is_finite()) {
                     // Fail fast, here: peers waiting in the next collective fail naming
@@ -429,7 +433,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 ddp.sync_gradients(s.module())?;
             }
             // The norm is over every stage (all-reduced): every rank takes the same branch.
-            let norm = clip_grad_norm_pp(&params, MAX_GRAD_NORM, &pp_group)?;
+            let clip = ClipOptions::default().pp(&pp_group);
+            let norm = clip_grad_norm_(&params, MAX_GRAD_NORM, &clip)?.item()?;
             if norm.is_finite() {
                 opt.step()?;
             } else if o.nonfinite == NonFinite::Fail {

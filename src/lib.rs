@@ -69,9 +69,9 @@ pub mod prelude {
     };
     pub use tpar_parallel_styles::{
         explain, explain_collectives, fully_shard, loss_parallel, parallelize_module,
-        set_fsdp_timeline, unshard, ColwiseParallel, DataParallel, FsdpConfig, FsdpTimeline,
-        MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput, PrepareModuleInputOutput,
-        PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+        set_fsdp_timeline, sync_module_states, unshard, ColwiseParallel, DataParallel, FsdpConfig,
+        FsdpTimeline, MixedPrecision, ParallelizePlan, PlanError, PrepareModuleInput,
+        PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
     };
     pub use tpar_pipeline::{
         PipelineError, PipelineSchedule, PipelineStage, Schedule, ScheduleKind,

@@ -74,7 +74,7 @@ struct Run {
     mesh: DeviceMesh,
     model: LlamaForPretraining,
     opt: Opt,
-    ddp: Option<DataParallel>,
+    _ddp: Option<DataParallel>,
     sched: LrScheduler<SequentialLR>,
     layout: Layout,
 }
@@ -95,7 +95,11 @@ fn build(world: &ProcessGroup, l: Layout, seed: u64) -> tpar::Result<Run> {
     }
     reset_parameters(&mut model, Device::Cpu, seed)?;
     let ddp = match l.mode {
-        Mode::Ddp | Mode::Zero1 if l.dp > 1 => Some(DataParallel::new(&mut model, &mesh["dp"])?),
+        Mode::Ddp if l.dp > 1 => Some(DataParallel::new(&mut model, &mesh["dp"])?),
+        Mode::Zero1 if l.dp > 1 => {
+            sync_module_states(&mut model, &mesh["dp"])?;
+            None
+        }
         _ => None,
     };
     let adamw = AdamWConfig { lr: 1e-2, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
@@ -106,7 +110,7 @@ fn build(world: &ProcessGroup, l: Layout, seed: u64) -> tpar::Result<Run> {
         _ => Opt::Plain(AdamW::with_names(named_parameters(&model), adamw)?),
     };
     let sched = LrScheduler::new(SequentialLR::warmup_cosine(2, 6, 0.1, 1e-3)?, opt.get());
-    Ok(Run { mesh, model, opt, ddp, sched, layout: l })
+    Ok(Run { mesh, model, opt, _ddp: ddp, sched, layout: l })
 }
 
 /// The global batch of `step` (8 sequences), the same whatever the layout; each dp rank
@@ -135,9 +139,6 @@ impl Run {
         let logits = self.model.logits(&ids, None)?.reshape(&[-1, 48])?;
         let loss = logits.cross_entropy(&targets.reshape([targets.numel()])?, -100)?;
         loss.backward()?;
-        if let (Some(ddp), Mode::Ddp) = (&self.ddp, l.mode) {
-            ddp.sync_gradients(&self.model)?;
-        }
         match &mut self.opt {
             Opt::Plain(_) => {
                 clip_grad_norm_(&parameters(&self.model), 1.0, &ClipOptions::default())?;

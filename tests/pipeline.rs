@@ -330,6 +330,8 @@ fn step_3d(
                 (ids.narrow(0, dp_rank * rows, rows)?, tgt.narrow(0, dp_rank * rows, rows)?);
             {
                 let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
+                // DDP: the micro-batches accumulate, averaged once after the schedule.
+                let _no_sync = ddp.as_ref().map(DataParallel::no_sync);
                 sched.step(Some(&my_ids), Some(&my_tgt))?;
             }
             if let Some(ddp) = &ddp {

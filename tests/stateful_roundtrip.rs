@@ -1,5 +1,5 @@
-//! Every `Stateful` a training run checkpoints (the model, AdamW, SGD, ZeRO-1, the LR
-//! schedule, the sampler, the examples' trainer counters) round-trips through a
+//! Every `Stateful` a training run checkpoints (the model, a pipeline schedule's stages,
+//! AdamW, SGD, ZeRO-1, the LR schedule, the sampler, the examples' trainer counters) round-trips through a
 //! checkpoint: saved from objects whose every field is off its default, loaded into
 //! objects whose every field differs from the saved ones, the loaded objects' state
 //! equals the saved state field by field and they behave as the saved ones do (the next
@@ -49,6 +49,8 @@ struct Run {
     sampler: DistributedSampler,
     progress: run::Progress,
     config: RunConfig,
+    /// Two pipeline stages (pp 2 over the two ranks), one on each rank.
+    pipe: PipelineSchedule,
 }
 
 /// One training step of `model` on a fixed batch.
@@ -91,7 +93,7 @@ fn build(
     };
     let mut sgd = Sgd::with_names(named_parameters(&sgd_model), sgd_cfg)?;
     let mut zero_model = new_model(seed + 2)?;
-    let _ddp = DataParallel::new(&mut zero_model, &mesh["dp"])?;
+    sync_module_states(&mut zero_model, &mesh["dp"])?;
     let mut zero = ZeroRedundancyOptimizer::adamw(named_parameters(&zero_model), &mesh["dp"], cfg)?;
     let mut sched =
         LrScheduler::new(SequentialLR::warmup_cosine(2, 10, 0.1, lr * 0.1)?, &mut adamw);
@@ -113,8 +115,35 @@ fn build(
         .with_drop_last(true);
     sampler.set_epoch(epoch);
     let progress = run::Progress { step: steps * 10 + 3, first_loss: 1.0 / (seed as f64 + 3.0) };
+    let pp = DeviceMesh::new(g, DeviceType::Cpu, &[g.size()], &["pp"])?;
+    let mut stage = LlamaStage::for_stage(&config(), pp.local_rank(), 2, None, Device::Meta)?;
+    reset_parameters(&mut stage, Device::Cpu, seed + 3)?;
+    let stage = PipelineStage::new(stage, pp.local_rank(), 2, &pp["pp"], Device::Cpu)?;
+    let loss_fn = |logits: &Value, t: &Tensor| -> tpar::nn::Result<Value> {
+        let l = logits.clone().into_tensor("logits")?;
+        let l = l.reshape([l.numel() / 32, 32])?;
+        Ok(Value::Tensor(l.cross_entropy(&t.reshape([t.numel()])?, -100)?))
+    };
+    let pipe = PipelineSchedule::new(ScheduleKind::OneFOneB, vec![stage], 2, loss_fn)?;
+    // Every stage parameter off its initial value (norm weights start at one everywhere).
+    for p in pipe.parameters() {
+        let t = p.trainable();
+        tpar::tensor::no_grad(|| t.copy_(&t.mul_scalar(1.0 + seed as f64 / 64.0)?))?;
+    }
     let config = RunConfig::new().require("layers", config().num_hidden_layers).record("lr", lr);
-    Ok(Run { model, adamw, sgd_model, sgd, zero_model, zero, sched, sampler, progress, config })
+    Ok(Run {
+        model,
+        adamw,
+        sgd_model,
+        sgd,
+        zero_model,
+        zero,
+        sched,
+        sampler,
+        progress,
+        config,
+        pipe,
+    })
 }
 
 impl Run {
@@ -136,6 +165,7 @@ impl Run {
             ("lr_scheduler", &mut self.sched),
             ("sampler", &mut self.sampler),
             ("trainer", &mut self.progress),
+            ("pipe", &mut self.pipe),
         ])
     }
 

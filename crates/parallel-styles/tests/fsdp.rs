@@ -69,10 +69,9 @@ fn run(dp: usize, tp: usize, mode: &str) -> Vec<BTreeMap<String, Vec<f64>>> {
                     }
                 }
             }
+            // DDP averages the gradients during the backward pass.
             loss_parallel::backward(&loss, &mesh["tp"])?;
-            if let Some(ddp) = &ddp {
-                ddp.sync_gradients(&model).map_err(|e| NnError::Config { what: e.to_string() })?;
-            }
+            drop(ddp);
             let mut out = BTreeMap::new();
             for (n, p) in named_parameters(&model) {
                 let g = p.grad()?.expect("gradient");

@@ -15,7 +15,7 @@ use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Value};
 use tpar_optim::ZeroRedundancyOptimizer;
 use tpar_optim::{clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, Optimizer, Sgd, SgdConfig};
 use tpar_parallel_styles::{
-    fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig, PlanError,
+    fully_shard, loss_parallel, sync_module_states, unshard, DataParallel, FsdpConfig, PlanError,
 };
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -176,7 +176,7 @@ pub fn train_with(
 ) -> Vec<Trained> {
     let body = |mesh: Option<DeviceMesh>| -> Result<Trained, NnError> {
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
-        let mut ddp = None;
+        let mut _ddp = None;
         if let Some(mesh) = &mesh {
             if tp > 1 {
                 parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())
@@ -187,9 +187,13 @@ pub fn train_with(
                     shard_model_with(&mut model, &mesh["dp"], &cfg)?;
                     reset_parameters(&mut model, Device::Cpu, 3)?;
                 }
-                Mode::Ddp | Mode::Zero1 => {
+                Mode::Ddp => {
                     reset_parameters(&mut model, Device::Cpu, 3)?;
-                    ddp = Some(DataParallel::new(&mut model, &mesh["dp"]).map_err(plan_err)?);
+                    _ddp = Some(DataParallel::new(&mut model, &mesh["dp"]).map_err(plan_err)?);
+                }
+                Mode::Zero1 => {
+                    reset_parameters(&mut model, Device::Cpu, 3)?;
+                    sync_module_states(&mut model, &mesh["dp"]).map_err(plan_err)?;
                 }
             }
         } else {
@@ -231,9 +235,6 @@ pub fn train_with(
                 None => loss.into_tensor("ref")?.backward()?,
             }
             after_backward(&model)?;
-            if let (Some(d), Mode::Ddp) = (&ddp, mode) {
-                d.sync_gradients(&model).map_err(plan_err)?;
-            }
             match &mut opt {
                 Stepper::ZeroAdamW(z) => {
                     clip_grad_norm_(&mut *z, 0.5, &ClipOptions::default())?;
