@@ -65,8 +65,8 @@
 //! ```
 #![warn(missing_docs)]
 
-mod error;
 mod ddp;
+mod error;
 mod explain;
 mod fsdp;
 pub mod loss_parallel {
@@ -78,9 +78,9 @@ mod plan;
 mod style;
 pub mod trace;
 
+pub use ddp::{sync_module_states, DataParallel, NoSync, DEFAULT_BUCKET_CAP_BYTES};
 pub use error::{PlanError, Result};
 pub use explain::{explain, explain_collectives, tally_collectives, CommTally};
-pub use ddp::{sync_module_states, DataParallel, NoSync, DEFAULT_BUCKET_CAP_BYTES};
 pub use fsdp::{fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, MixedPrecision};
 pub use plan::{apply_plan, check_plan, matches, parallelize_module, ParallelizePlan};
 pub use style::{
