@@ -39,12 +39,12 @@ pub use error::TensorError;
 pub use ops::RopeLayout;
 pub use rng::Rng;
 pub use shape::Shape;
-/// Hyper-parameters of one AdamW step ([`Tensor::adamw_step_each_`]).
-pub use tpar_kernels::adamw::AdamWParams;
 pub use storage::{
     check_alloc, human_bytes, storage_bytes, try_vec, CpuStorage, Element, PROBE_BYTES,
 };
 pub use tensor::Tensor;
+/// Hyper-parameters of one AdamW step ([`Tensor::adamw_step_each_`]).
+pub use tpar_kernels::adamw::AdamWParams;
 
 /// Result type of tensor ops.
 pub type Result<T> = std::result::Result<T, TensorError>;
