@@ -21,6 +21,7 @@ pub use tpar_collectives::{
 };
 pub use tpar_data as data;
 pub use tpar_dtensor as dtensor;
+pub use tpar_fsdp as fsdp;
 pub use tpar_kernels as kernels;
 pub use tpar_launch as launch;
 pub use tpar_mesh as mesh;

@@ -330,13 +330,13 @@ fn sharded(dp: usize, tp: usize) -> Vec<(usize, Outcome)> {
         parallelize_module(&mut model, &mesh["tp"], &top_plan()).map_err(plan_err)?;
         if dp > 1 {
             for block in &mut model.h.items {
-                fully_shard(block, &mesh["dp"], &FsdpConfig::default()).map_err(plan_err)?;
+                fully_shard(block, &mesh["dp"], &FsdpConfig::default())?;
             }
-            fully_shard(&mut model, &mesh["dp"], &FsdpConfig::default()).map_err(plan_err)?;
+            fully_shard(&mut model, &mesh["dp"], &FsdpConfig::default())?;
         }
         reset_parameters(&mut model, Device::Cpu, 11)?;
         if dp > 1 {
-            unshard(&model).map_err(plan_err)?;
+            unshard(&model)?;
         }
         let r = mesh["dp"].local_rank();
         let rows = 4 / dp;

@@ -5,8 +5,41 @@ use std::sync::Arc;
 use tpar_dtensor::DTensor;
 use tpar_tensor::{DType, Device, Shape, Tensor};
 
-use crate::fsdp_param::FsdpParam;
 use crate::Result;
+
+/// A parameter sharded over data-parallel ranks and gathered for compute: what the module
+/// layer needs of it. FSDP's parameters (`tpar_fsdp::FsdpParam`) implement it; the module
+/// layer knows no more of FSDP than this.
+pub trait ShardedParam: Send + Sync + std::fmt::Debug {
+    /// This rank's dp shard: the leaf the optimizer updates, which owns the gradient.
+    fn sharded(&self) -> Tensor;
+    /// The unsharded tensor the forward computes with (its storage may be released
+    /// between uses).
+    fn unsharded(&self) -> Tensor;
+    /// What a layer computes with, gathered first if needed.
+    fn compute(&self) -> Result<ComputeParam>;
+    /// The dp shard as a DTensor laid out as it is held on this rank (pass the 2-d mesh
+    /// when the parameter is also tensor-parallel).
+    fn dtensor(&self, mesh: Option<&tpar_mesh::DeviceMesh>) -> Result<DTensor>;
+    /// The tensor-parallel spec of the parameter, if it is also tensor-parallel.
+    fn tp(&self) -> Option<&tpar_dtensor::DTensorSpec>;
+    /// The shape of the (tensor-parallel local) parameter that is sharded over dp.
+    fn local_shape(&self) -> &[usize];
+    /// The dp group.
+    fn dp(&self) -> &tpar_collectives::ProcessGroup;
+    /// The reduced gradient of [`ShardedParam::sharded`].
+    fn grad_local(&self) -> Result<Option<Tensor>>;
+    /// The whole (tensor-parallel local) parameter from a dp shard laid out like
+    /// [`ShardedParam::sharded`] (collective over dp).
+    fn gather_full(&self, shard: &Tensor) -> Result<Tensor>;
+    /// Replaces the shard with this rank's chunk of `local` (the whole tensor-parallel
+    /// local value), as `reset_parameters` does.
+    fn reinit(&self, local: &Tensor) -> Result<()>;
+    /// Copies `shard` (this rank's chunk) into the shard, as loading a state dict does.
+    fn load_shard(&self, shard: &Tensor) -> Result<()>;
+    /// The concrete parameter, for its owner's crate to downcast.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
 
 /// What a layer computes with: a plain tensor or a DTensor.
 #[derive(Clone, Debug)]
@@ -39,8 +72,9 @@ pub enum Param {
     Tensor(Tensor),
     /// A distributed tensor (each rank holds its shard).
     DTensor(DTensor),
-    /// Managed by FSDP: sharded over the dp group, gathered for compute.
-    Fsdp(Arc<FsdpParam>),
+    /// Managed by FSDP (`tpar_fsdp::fully_shard`): sharded over the dp group, gathered
+    /// for compute.
+    Fsdp(Arc<dyn ShardedParam>),
 }
 
 impl Param {
@@ -62,7 +96,7 @@ impl Param {
 
     /// The parameter as a DTensor laid out as it is held on this rank: a DTensor
     /// parameter itself; an FSDP parameter's dp shard with its layout (pass the 2-d mesh
-    /// when it is also tensor-parallel, see [`FsdpParam::dtensor`]); `None` for a plain
+    /// when it is also tensor-parallel, see [`ShardedParam::dtensor`]); `None` for a plain
     /// tensor.
     pub fn as_dtensor(&self, mesh: Option<&tpar_mesh::DeviceMesh>) -> Result<Option<DTensor>> {
         Ok(match self {

@@ -68,7 +68,6 @@
 mod ddp;
 mod error;
 mod explain;
-mod fsdp;
 pub mod loss_parallel {
     //! Cross-entropy on vocab-sharded logits (see [`cross_entropy`]).
     pub use crate::loss::{backward, cross_entropy, enable};
@@ -81,10 +80,14 @@ pub mod trace;
 pub use ddp::{sync_module_states, DataParallel, NoSync, DEFAULT_BUCKET_CAP_BYTES};
 pub use error::{PlanError, Result};
 pub use explain::{explain, explain_collectives, tally_collectives, CommTally};
-pub use fsdp::{fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, MixedPrecision};
 pub use plan::{apply_plan, check_plan, matches, parallelize_module, ParallelizePlan};
 pub use style::{
     ColwiseParallel, InputLayout, OutputLayout, ParallelStyle, PrepareModuleInput,
     PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, StyleLayouts,
 };
-pub use tpar_nn::fsdp_group::{FsdpParamGroup, FsdpTimeline, TimelineEvent, TimelineKind};
+/// FSDP lives in `tpar-fsdp`; its user-facing names are re-exported here too, beside the
+/// other parallel styles a plan composes with.
+pub use tpar_fsdp::{
+    fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, FsdpParamGroup, FsdpTimeline,
+    MixedPrecision, TimelineEvent, TimelineKind,
+};

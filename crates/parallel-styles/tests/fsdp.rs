@@ -54,7 +54,7 @@ fn run(dp: usize, tp: usize, mode: &str) -> Vec<BTreeMap<String, Vec<f64>>> {
             let rows = 4 / dp;
             let r = mesh["dp"].local_rank();
             let (ids, tgt) = (ids.narrow(0, r * rows, rows)?, tgt.narrow(0, r * rows, rows)?);
-            unshard(&model).map_err(|e| NnError::Config { what: e.to_string() })?;
+            unshard(&model)?;
             let loss = loss_of(&model, &ids, &tgt)?;
             if mode == "fsdp" {
                 // Every layer's gathered parameters were released after its forward.
@@ -287,7 +287,7 @@ fn record_fsdp_step(cfg: FsdpConfig) -> Vec<Recorded> {
             let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
             let dbg = mesh.group(0)?.comm_debug();
             dbg.enable();
-            unshard(&model).map_err(common::plan_err)?;
+            unshard(&model)?;
             loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
             dbg.disable();
             let mut grad_dtypes = Vec::new();
@@ -394,16 +394,16 @@ fn fsdp_issues_one_gather_and_one_reduce_per_unit_on_a_2x2_llama() {
                 .map_err(common::plan_err)?;
             let fsdp = FsdpConfig::default();
             for layer in &mut model.base_model.layers.items {
-                fully_shard(layer, &mesh["dp"], &fsdp).map_err(common::plan_err)?;
+                fully_shard(layer, &mesh["dp"], &fsdp)?;
             }
-            fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(common::plan_err)?;
+            fully_shard(&mut model, &mesh["dp"], &fsdp)?;
             reset_parameters(&mut model, Device::Cpu, 3)?;
             let (ids, tgt) = global_batch();
             let r = mesh["dp"].local_rank();
             let (ids, tgt) = (ids.narrow(0, 2 * r, 2)?, tgt.narrow(0, 2 * r, 2)?);
             let dbg = ctx.world_group().comm_debug();
             dbg.enable();
-            unshard(&model).map_err(common::plan_err)?;
+            unshard(&model)?;
             let loss = loss_of(&model, &ids, &tgt)?;
             let forward = dbg.take();
             loss_parallel::backward(&loss, &mesh["tp"])?;
@@ -453,8 +453,8 @@ fn fsdp_issues_one_gather_and_one_reduce_per_unit_on_a_2x2_llama() {
 /// (added to what was there); a parameter the loss does not use gets no gradient.
 #[test]
 fn a_unit_with_uneven_and_mixed_dtype_parameters_gathers_and_reduces_per_dtype() {
-    use tpar_nn::fsdp_group::FsdpParamGroup;
-    use tpar_nn::fsdp_param::FsdpParam;
+    use tpar_fsdp::FsdpParam;
+    use tpar_fsdp::FsdpParamGroup;
     for dp in [2, 3, 4] {
         let shapes: Vec<(Vec<usize>, DType)> = vec![
             (vec![dp * 3, 2], DType::F32),
@@ -620,7 +620,7 @@ fn fsdp_over_one_dp_rank_trains_as_the_unsharded_model_without_collectives() {
             let (ids, tgt) = global_batch();
             let dbg = mesh.group(0)?.comm_debug();
             dbg.enable();
-            unshard(&model).map_err(common::plan_err)?;
+            unshard(&model)?;
             loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
             dbg.disable();
             for (name, p) in named_parameters(&model) {
@@ -715,7 +715,7 @@ fn fsdp_timeline_shows_prefetched_gathers_and_overlapped_reductions() {
         let (ids, tgt) = (ids.narrow(0, 2 * ctx.rank(), 2)?, tgt.narrow(0, 2 * ctx.rank(), 2)?);
         for _ in 0..2 {
             timeline.clear();
-            unshard(&model).map_err(common::plan_err)?;
+            unshard(&model)?;
             loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
         }
         Ok::<_, NnError>((timeline.events(), timeline.render(60)))

@@ -99,12 +99,11 @@ fn fsdp_at_dp4_holds_at_most_a_third_of_the_unsharded_state() {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[4], &["dp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         let cfg = FsdpConfig::default();
-        let e = |e: tpar_parallel_styles::PlanError| NnError::Config { what: e.to_string() };
         for layer in &mut model.base_model.layers.items {
-            fully_shard(layer, &mesh, &cfg).map_err(e)?;
+            fully_shard(layer, &mesh, &cfg)?;
         }
-        fully_shard(&mut model.base_model, &mesh, &cfg).map_err(e)?;
-        fully_shard(&mut model, &mesh, &cfg).map_err(e)?;
+        fully_shard(&mut model.base_model, &mesh, &cfg)?;
+        fully_shard(&mut model, &mesh, &cfg)?;
         step_bytes(&mut model, ctx.rank(), 1, None)
     })
     .unwrap();
@@ -121,12 +120,12 @@ fn fsdp_at_dp4_holds_at_most_a_third_of_the_unsharded_state() {
 /// Counts the decoder layers whose gathered parameters are alive, at every layer's
 /// forward and at the start of every layer's backward.
 struct Watch {
-    layers: Arc<Vec<Vec<Arc<tpar_nn::fsdp_param::FsdpParam>>>>,
+    layers: Arc<Vec<Vec<Arc<dyn tpar_nn::ShardedParam>>>>,
     max_alive: Arc<AtomicUsize>,
 }
 
 impl Watch {
-    fn count(layers: &[Vec<Arc<tpar_nn::fsdp_param::FsdpParam>>], max: &AtomicUsize) {
+    fn count(layers: &[Vec<Arc<dyn tpar_nn::ShardedParam>>], max: &AtomicUsize) {
         let alive =
             layers.iter().filter(|ps| ps.iter().any(|p| !p.unsharded().is_released())).count();
         max.fetch_max(alive, Ordering::Relaxed);
@@ -158,12 +157,11 @@ fn at_most_two_layers_are_gathered_at_once() {
         let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
         let cfg = FsdpConfig::default();
-        let e = |e: tpar_parallel_styles::PlanError| NnError::Config { what: e.to_string() };
         for layer in &mut model.base_model.layers.items {
-            fully_shard(layer, &mesh, &cfg).map_err(e)?;
+            fully_shard(layer, &mesh, &cfg)?;
         }
-        fully_shard(&mut model.base_model, &mesh, &cfg).map_err(e)?;
-        fully_shard(&mut model, &mesh, &cfg).map_err(e)?;
+        fully_shard(&mut model.base_model, &mesh, &cfg)?;
+        fully_shard(&mut model, &mesh, &cfg)?;
         reset_parameters(&mut model, Device::Cpu, 1)?;
         let layers: Vec<Vec<_>> = model
             .base_model

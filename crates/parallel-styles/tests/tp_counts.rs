@@ -78,9 +78,9 @@ fn step(dp: usize, tp: usize, layer: &ParallelizePlan, top: &ParallelizePlan) ->
             if dp > 1 {
                 let fsdp = FsdpConfig::default();
                 for layer in &mut model.base_model.layers.items {
-                    fully_shard(layer, &mesh["dp"], &fsdp).map_err(plan_err)?;
+                    fully_shard(layer, &mesh["dp"], &fsdp)?;
                 }
-                fully_shard(&mut model, &mesh["dp"], &fsdp).map_err(plan_err)?;
+                fully_shard(&mut model, &mesh["dp"], &fsdp)?;
             }
             reset_parameters(&mut model, Device::Cpu, 3)?;
             let (ids, tgt) = global_batch();
@@ -90,7 +90,7 @@ fn step(dp: usize, tp: usize, layer: &ParallelizePlan, top: &ParallelizePlan) ->
             let dbg = ctx.world_group().comm_debug();
             dbg.enable();
             if dp > 1 {
-                unshard(&model).map_err(plan_err)?;
+                unshard(&model)?;
             }
             let loss = loss_of(&model, &ids, &tgt)?;
             let forward = dbg.take();

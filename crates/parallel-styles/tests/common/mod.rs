@@ -92,10 +92,10 @@ pub fn shard_model_with(
     cfg: &FsdpConfig,
 ) -> Result<(), NnError> {
     for layer in &mut model.base_model.layers.items {
-        fully_shard(layer, dp, cfg).map_err(plan_err)?;
+        fully_shard(layer, dp, cfg)?;
     }
-    fully_shard(&mut model.base_model, dp, cfg).map_err(plan_err)?;
-    fully_shard(model, dp, cfg).map_err(plan_err)
+    fully_shard(&mut model.base_model, dp, cfg)?;
+    fully_shard(model, dp, cfg)
 }
 
 pub fn shard_model(model: &mut LlamaForPretraining, dp: &DeviceMesh) -> Result<(), NnError> {
@@ -223,7 +223,7 @@ pub fn train_with(
         let mut losses = Vec::new();
         for _ in 0..steps {
             if matches!(mode, Mode::Fsdp(_)) && mesh.is_some() {
-                unshard(&model).map_err(plan_err)?;
+                unshard(&model)?;
             }
             let loss = loss_of_masked(&model, &ids, &tgt, mask)?;
             losses.push(match &loss {

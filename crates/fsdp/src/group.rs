@@ -43,8 +43,9 @@ use tpar_placements::chunk_range;
 use tpar_tensor::autograd::queue_callback_once;
 use tpar_tensor::{no_grad, DType, Device, Tensor};
 
-use crate::fsdp_param::{into_tensor_error, FsdpParam};
-use crate::{NnError, Result};
+use tpar_nn::{NnError, Result};
+
+use crate::param::{into_tensor_error, FsdpParam};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 

@@ -1,7 +1,7 @@
 //! The state of one FSDP-managed parameter: its dp shard (the leaf the optimizer
 //! updates) and the unsharded tensor the forward computes with, whose storage exists
 //! only while its unit runs. A unit's parameters communicate together through their
-//! [`FsdpParamGroup`](crate::fsdp_group::FsdpParamGroup).
+//! [`FsdpParamGroup`].
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -12,8 +12,9 @@ use tpar_placements::chunk_range;
 use tpar_tensor::autograd::{needs_input_grad, record, GradModeGuard};
 use tpar_tensor::{no_grad, DType, Device, Tensor, TensorError};
 
-use crate::fsdp_group::FsdpParamGroup;
-use crate::{NnError, Result};
+use tpar_nn::{ComputeParam, NnError, Result, ShardedParam};
+
+use crate::group::FsdpParamGroup;
 
 /// The group a parameter belongs to and its index there (shared with the backward
 /// closure of the parameter's all-gather node).
@@ -73,9 +74,7 @@ impl FsdpParam {
     ) -> Result<Arc<FsdpParam>> {
         let dp = dp_mesh.group(0)?.clone();
         if local.rank() == 0 {
-            return Err(crate::NnError::Config {
-                what: "FSDP cannot shard a 0-d parameter".into(),
-            });
+            return Err(NnError::Config { what: "FSDP cannot shard a 0-d parameter".into() });
         }
         let sharded = Self::shard_of(local, &dp)?;
         let p = FsdpParam {
@@ -223,7 +222,7 @@ impl FsdpParam {
             )?),
             Some(spec) => {
                 let Some(mesh) = mesh else {
-                    return Err(crate::NnError::Config {
+                    return Err(NnError::Config {
                         what: "a tensor-parallel FSDP parameter needs the 2-d mesh to be presented as a DTensor".into(),
                     });
                 };
@@ -298,17 +297,17 @@ impl FsdpParam {
 
     /// What the forward computes with: the unsharded tensor (as a DTensor with the
     /// tensor-parallel layout, when there is one). Gathers first if needed.
-    pub fn compute(&self) -> Result<crate::param::ComputeParam> {
+    pub fn compute(&self) -> Result<ComputeParam> {
         self.unshard()?;
         let u = self.unsharded();
         Ok(match &self.tp {
-            Some(spec) => crate::param::ComputeParam::Dist(DTensor::from_local(
+            Some(spec) => ComputeParam::Dist(DTensor::from_local(
                 &u,
                 spec.mesh(),
                 spec.placements(),
                 Some(spec.shape()),
             )?),
-            None => crate::param::ComputeParam::Plain(u),
+            None => ComputeParam::Plain(u),
         })
     }
 
@@ -350,5 +349,45 @@ pub(crate) fn into_tensor_error(e: NnError) -> TensorError {
     match e {
         NnError::Tensor(t) => t,
         other => TensorError::External(Arc::new(other)),
+    }
+}
+
+/// The module layer's view of an FSDP parameter (`Param::Fsdp`): the inherent methods.
+impl ShardedParam for FsdpParam {
+    fn sharded(&self) -> Tensor {
+        FsdpParam::sharded(self)
+    }
+    fn unsharded(&self) -> Tensor {
+        FsdpParam::unsharded(self)
+    }
+    fn compute(&self) -> Result<ComputeParam> {
+        FsdpParam::compute(self)
+    }
+    fn dtensor(&self, mesh: Option<&DeviceMesh>) -> Result<DTensor> {
+        FsdpParam::dtensor(self, mesh)
+    }
+    fn tp(&self) -> Option<&DTensorSpec> {
+        FsdpParam::tp(self)
+    }
+    fn local_shape(&self) -> &[usize] {
+        FsdpParam::local_shape(self)
+    }
+    fn dp(&self) -> &ProcessGroup {
+        FsdpParam::dp(self)
+    }
+    fn grad_local(&self) -> Result<Option<Tensor>> {
+        FsdpParam::grad_local(self)
+    }
+    fn gather_full(&self, shard: &Tensor) -> Result<Tensor> {
+        FsdpParam::gather_full(self, shard)
+    }
+    fn reinit(&self, local: &Tensor) -> Result<()> {
+        FsdpParam::reinit(self, local)
+    }
+    fn load_shard(&self, shard: &Tensor) -> Result<()> {
+        FsdpParam::load_shard(self, shard)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

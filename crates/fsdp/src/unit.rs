@@ -34,13 +34,14 @@ use std::time::{Duration, Instant};
 
 use tpar_dtensor::DTensor;
 use tpar_mesh::DeviceMesh;
-use tpar_nn::fsdp_group::{FsdpParamGroup, FsdpTimeline, TimelineKind};
-use tpar_nn::fsdp_param::FsdpParam;
-use tpar_nn::{named_modules, visit_modules_mut, Args, ForwardHook, Module, NnError, Param, Value};
+use tpar_nn::{
+    named_modules, visit_modules_mut, Args, ForwardHook, Module, NnError, Param, Result, Value,
+};
 use tpar_tensor::autograd::{is_grad_enabled, record};
 use tpar_tensor::{DType, Tensor};
 
-use crate::{PlanError, Result};
+use crate::group::{FsdpParamGroup, FsdpTimeline, TimelineKind};
+use crate::param::FsdpParam;
 
 /// Compute and reduction dtypes for mixed precision (e.g. bf16 compute with f32 master
 /// shards and f32 gradient reductions).
@@ -314,9 +315,8 @@ pub fn fully_shard(
     config: &FsdpConfig,
 ) -> Result<()> {
     if dp_mesh.ndim() != 1 {
-        return Err(PlanError::BadStyle {
-            style: "fully_shard".into(),
-            what: format!("needs a 1-d mesh (mesh[\"dp\"]), got {dp_mesh}"),
+        return Err(NnError::Config {
+            what: format!("fully_shard needs a 1-d mesh (mesh[\"dp\"]), got {dp_mesh}"),
         });
     }
     let mut params = Vec::new();
