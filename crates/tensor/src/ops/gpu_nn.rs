@@ -764,18 +764,7 @@ impl Tensor {
         h: &AdamWParams,
     ) -> Result<()> {
         const OP: &str = "adamw_step_each_";
-        let n = params.len();
-        if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
-            return Err(invalid(
-                OP,
-                format!(
-                    "{n} parameters with {} gradients, {} exp_avg and {} exp_avg_sq",
-                    grads.len(),
-                    exp_avgs.len(),
-                    exp_avg_sqs.len()
-                ),
-            ));
-        }
+        let n = super::optim::same_lengths(OP, params, grads, exp_avgs, exp_avg_sqs)?;
         if n == 0 {
             return Ok(());
         }

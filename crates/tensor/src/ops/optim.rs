@@ -163,18 +163,7 @@ impl Tensor {
         h: &AdamWParams,
     ) -> Result<()> {
         const OP: &str = "adamw_step_each_";
-        let n = params.len();
-        if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
-            return Err(invalid(
-                OP,
-                format!(
-                    "{n} parameters with {} gradients, {} exp_avg and {} exp_avg_sq",
-                    grads.len(),
-                    exp_avgs.len(),
-                    exp_avg_sqs.len()
-                ),
-            ));
-        }
+        let n = same_lengths(OP, params, grads, exp_avgs, exp_avg_sqs)?;
         let (dev, host): (Vec<usize>, Vec<usize>) =
             (0..n).partition(|&i| on_device_kernels(params[i]));
         for i in host {
@@ -248,4 +237,28 @@ impl Tensor {
             )
         })
     }
+}
+
+/// The number of parameters of a foreach AdamW call, or an error naming `op` when the
+/// gradient and state lists are not as long as the parameter list.
+pub(crate) fn same_lengths(
+    op: &'static str,
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    exp_avgs: &[&Tensor],
+    exp_avg_sqs: &[&Tensor],
+) -> Result<usize> {
+    let n = params.len();
+    if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
+        return Err(invalid(
+            op,
+            format!(
+                "{n} parameters with {} gradients, {} exp_avg and {} exp_avg_sq",
+                grads.len(),
+                exp_avgs.len(),
+                exp_avg_sqs.len()
+            ),
+        ));
+    }
+    Ok(n)
 }
