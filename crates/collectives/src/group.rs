@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::local::{Call, Dest, LocalComm};
+use crate::nccl::DeviceJob;
 use crate::p2p::{to_requested, Expect};
-use crate::remote::{Pending, RemoteComm};
+use crate::remote::{DeviceWork, NoDevice, Pending, RemoteComm};
 use crate::spawn::panic_message;
 use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Result, Store};
 
@@ -21,17 +22,18 @@ use crate::{CollectiveError, CollectiveKind, CommDebug, CommRecord, ReduceOp, Re
 /// sequence numbering and [`CommDebug`] recording stay in `ProcessGroup` and are shared
 /// by all. The `nccl` module always compiles (cudarc loads CUDA at run time); a machine
 /// without the CUDA driver or NCCL reports [`CollectiveError::Unavailable`] when such a
-/// group is requested. `Nccl` and `Tcp` share their handle type (the `remote` module's
-/// job queue to the group's worker) and differ in the transport that worker owns.
+/// group is requested. `Nccl` and `Tcp` share their handle (the `remote` module's job
+/// queue to the group's worker) and differ in the transport that worker owns, and so in
+/// the handle's device work (NCCL's device path; none for TCP).
 #[derive(Clone)]
 pub(crate) enum Backend {
     /// Ranks are threads of this process (see the `local` module).
     Local(LocalComm),
     /// One process per GPU, over NCCL (see the `nccl` module), built through a [`Store`].
-    Nccl(RemoteComm),
+    Nccl(RemoteComm<DeviceJob>),
     /// Ranks are processes on one host or several, over TCP sockets (see the `tcp`
     /// module), built through a [`Store`].
-    Tcp(RemoteComm),
+    Tcp(RemoteComm<NoDevice>),
 }
 
 /// A collective call numbered and checked on the calling thread, ready to run.
@@ -115,19 +117,19 @@ impl ProcessGroup {
         }
     }
 
-    pub(crate) fn nccl(comm: RemoteComm, timeout: Duration) -> ProcessGroup {
-        let mut pg = ProcessGroup::remote(&comm, timeout);
-        pg.backend = Backend::Nccl(comm);
-        pg
+    pub(crate) fn nccl(comm: RemoteComm<DeviceJob>, timeout: Duration) -> ProcessGroup {
+        ProcessGroup::remote(&comm, timeout, Backend::Nccl(comm.clone()))
     }
 
-    pub(crate) fn tcp(comm: RemoteComm, timeout: Duration) -> ProcessGroup {
-        let mut pg = ProcessGroup::remote(&comm, timeout);
-        pg.backend = Backend::Tcp(comm);
-        pg
+    pub(crate) fn tcp(comm: RemoteComm<NoDevice>, timeout: Duration) -> ProcessGroup {
+        ProcessGroup::remote(&comm, timeout, Backend::Tcp(comm.clone()))
     }
 
-    fn remote(comm: &RemoteComm, timeout: Duration) -> ProcessGroup {
+    fn remote<D: DeviceWork>(
+        comm: &RemoteComm<D>,
+        timeout: Duration,
+        backend: Backend,
+    ) -> ProcessGroup {
         ProcessGroup {
             ranks: comm.ranks(),
             rank: comm.rank(),
@@ -135,7 +137,7 @@ impl ProcessGroup {
             world_size: comm.world_size(),
             timeout,
             debug: comm.debug(),
-            backend: Backend::Nccl(comm.clone()),
+            backend,
         }
     }
 
@@ -279,7 +281,8 @@ impl ProcessGroup {
             Backend::Local(l) => {
                 crate::world::local_group(l.world(), self.global_rank, ranks, Some(self.timeout))
             }
-            Backend::Nccl(c) | Backend::Tcp(c) => c.new_group(ranks, self.timeout),
+            Backend::Nccl(c) => c.new_group(ranks, self.timeout),
+            Backend::Tcp(c) => c.new_group(ranks, self.timeout),
         }
     }
 
@@ -483,7 +486,8 @@ impl ProcessGroup {
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
             Backend::Local(l) => l.send(dst, copy, false),
-            Backend::Nccl(c) | Backend::Tcp(c) => c.send(dst, copy, self.timeout)?,
+            Backend::Nccl(c) => c.send(dst, copy, self.timeout)?,
+            Backend::Tcp(c) => c.send(dst, copy, self.timeout)?,
         }
         Ok(())
     }
@@ -503,7 +507,8 @@ impl ProcessGroup {
         self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
         match &self.backend {
             Backend::Local(l) => l.recv(src, self.timeout),
-            Backend::Nccl(c) | Backend::Tcp(c) => c.recv(src, self.timeout),
+            Backend::Nccl(c) => c.recv(src, self.timeout),
+            Backend::Tcp(c) => c.recv(src, self.timeout),
         }
     }
 
@@ -562,7 +567,8 @@ impl ProcessGroup {
         self.debug.record(|| self.record(CollectiveKind::Send, None, Some(t), false));
         match &self.backend {
             Backend::Local(l) => l.send(dst, copy, true),
-            Backend::Nccl(c) | Backend::Tcp(c) => c.send_shaped(dst, copy, self.timeout)?,
+            Backend::Nccl(c) => c.send_shaped(dst, copy, self.timeout)?,
+            Backend::Tcp(c) => c.send_shaped(dst, copy, self.timeout)?,
         }
         Ok(())
     }
@@ -623,7 +629,8 @@ impl ProcessGroup {
         self.debug.record(|| self.record(CollectiveKind::Recv, None, None, false));
         let t = match &self.backend {
             Backend::Local(l) => l.recv_shaped(src, &expect, self.timeout)?,
-            Backend::Nccl(c) | Backend::Tcp(c) => c.recv_shaped(src, expect, self.timeout)?,
+            Backend::Nccl(c) => c.recv_shaped(src, expect, self.timeout)?,
+            Backend::Tcp(c) => c.recv_shaped(src, expect, self.timeout)?,
         };
         to_requested(op, t, device)
     }
@@ -694,7 +701,8 @@ impl ProcessGroup {
         }
         let seq = match &self.backend {
             Backend::Local(l) => l.next_seq(),
-            Backend::Nccl(c) | Backend::Tcp(c) => c.next_seq(),
+            Backend::Nccl(c) => c.next_seq(),
+            Backend::Tcp(c) => c.next_seq(),
         };
         let device = t.map(Tensor::device).unwrap_or(Device::Cpu);
         // The local backend reads CUDA tensors where they are (device to device), and so
@@ -733,9 +741,8 @@ impl ProcessGroup {
         let device = i.device;
         let r = match &self.backend {
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, Dest::New),
-            Backend::Nccl(c) | Backend::Tcp(c) => {
-                c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
-            }
+            Backend::Nccl(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
+            Backend::Tcp(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
         };
         back_to(device, r)
     }
@@ -791,9 +798,8 @@ impl ProcessGroup {
                 }
             }
             Backend::Local(l) => l.run(i.seq, i.call, i.tensor, i.problem, self.timeout, dest),
-            Backend::Nccl(c) | Backend::Tcp(c) => {
-                c.run(i.seq, i.call, i.tensor, i.problem, self.timeout)
-            }
+            Backend::Nccl(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
+            Backend::Tcp(c) => c.run(i.seq, i.call, i.tensor, i.problem, self.timeout),
         };
         let r = expect_tensor(op, back_to(device, r)).and_then(|result| {
             if result.dims() != out.dims() {
@@ -890,12 +896,8 @@ impl ProcessGroup {
                 return Work { op, state };
             }
             // The group's worker thread runs it: queue it and hand out the reply.
-            Backend::Nccl(c) | Backend::Tcp(c) => {
-                let device = issued.device;
-                let p =
-                    c.start(issued.seq, issued.call, issued.tensor, issued.problem, self.timeout);
-                return Work { op, state: WorkState::Queued(p, device) };
-            }
+            Backend::Nccl(c) => return queue(op, c, issued, self.timeout),
+            Backend::Tcp(c) => return queue(op, c, issued, self.timeout),
         };
         let me = self.global_rank;
         world.async_started(me);
@@ -940,6 +942,13 @@ impl ProcessGroup {
             }
         }
     }
+}
+
+/// Queues an issued call on a multi-process group's worker thread; the reply is the
+/// returned `Work`'s.
+fn queue<D: DeviceWork>(op: &'static str, c: &RemoteComm<D>, i: Issued, timeout: Duration) -> Work {
+    let p = c.start(i.seq, i.call, i.tensor, i.problem, timeout);
+    Work { op, state: WorkState::Queued(p, i.device) }
 }
 
 fn bad_rank(op: &'static str, what: &str, r: usize, size: usize) -> CollectiveError {

@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::Comm;
 
@@ -70,6 +70,15 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
         ReduceOp::Product => cudarc::nccl::ReduceOp::Prod,
     }
 }
+
+/// The element types NCCL and the device copies take: the [`Wire`] types, with cudarc's
+/// traits (the host path reaches them by dispatching on [`Wire`]'s dtype).
+pub(crate) trait DeviceWire:
+    Wire + cudarc::nccl::NcclType + DeviceRepr + ValidAsZeroBits
+{
+}
+
+impl<T> DeviceWire for T where T: Wire + cudarc::nccl::NcclType + DeviceRepr + ValidAsZeroBits {}
 
 /// A device collective in flight: its completion event, sequence number, deadline, name.
 type InFlight = (Arc<DeviceEvent>, u64, Deadline, &'static str);
@@ -162,7 +171,7 @@ impl NcclDevice {
     /// non-source, an `Exchange` that only receives); `recv` is written (`None` for sends).
     /// CUDA tensors will call this with their own storage, skipping [`Transport::run`]'s
     /// host copies.
-    pub fn run_on_device<T: Wire>(
+    pub fn run_on_device<T: DeviceWire>(
         &self,
         op: &'static str,
         prim: &Prim,
@@ -213,7 +222,7 @@ impl NcclDevice {
     }
 
     /// Grouped sends and receives of `all_to_all`; pieces to itself are device copies.
-    fn exchange<T: Wire>(
+    fn exchange<T: DeviceWire>(
         &self,
         comm: &Comm,
         op: &'static str,
@@ -313,9 +322,44 @@ impl NcclDevice {
             }
         }
     }
+
+    /// [`Transport::run`] on elements `T` that are `U` (the same dtype): host → device,
+    /// [`run_on_device`](NcclDevice::run_on_device), device → host.
+    fn run_as<T: Wire, U: DeviceWire>(
+        &mut self,
+        op: &'static str,
+        prim: &Prim,
+        send: &[T],
+        recv_len: usize,
+        deadline: Deadline,
+    ) -> Result<Vec<T>> {
+        let not_u = || {
+            self.backend_err(
+                op,
+                format!("internal error: {} elements are not {}", T::DTYPE, U::DTYPE),
+            )
+        };
+        let send: &[U] = bytemuck::try_cast_slice(send).map_err(|_| not_u())?;
+        let derr = self.driver_err(op);
+        let send_d =
+            if send.is_empty() { None } else { Some(self.stream.clone_htod(send).map_err(&derr)?) };
+        let mut recv_d = if recv_len == 0 {
+            None
+        } else {
+            Some(self.stream.alloc_zeros::<U>(recv_len).map_err(&derr)?)
+        };
+        self.run_on_device(op, prim, send_d.as_ref(), recv_d.as_mut(), deadline)?;
+        let back = match recv_d {
+            None => Vec::new(),
+            Some(r) => self.stream.clone_dtoh(&r).map_err(self.driver_err(op))?,
+        };
+        T::unwrap(U::wrap(back)).map_err(|_| not_u())
+    }
 }
 
 impl Transport for NcclDevice {
+    type DeviceJob = DeviceJob;
+
     fn size(&self) -> usize {
         self.group.len()
     }
@@ -329,7 +373,7 @@ impl Transport for NcclDevice {
     }
 
     /// The interim host path: host → device, [`run_on_device`](NcclDevice::run_on_device),
-    /// device → host.
+    /// device → host, on the NCCL datatype of `T`'s dtype.
     fn run<T: Wire>(
         &mut self,
         op: &'static str,
@@ -338,18 +382,12 @@ impl Transport for NcclDevice {
         recv_len: usize,
         deadline: Deadline,
     ) -> Result<Vec<T>> {
-        let derr = self.driver_err(op);
-        let send_d =
-            if send.is_empty() { None } else { Some(self.stream.clone_htod(send).map_err(&derr)?) };
-        let mut recv_d = if recv_len == 0 {
-            None
-        } else {
-            Some(self.stream.alloc_zeros::<T>(recv_len).map_err(&derr)?)
-        };
-        self.run_on_device(op, prim, send_d.as_ref(), recv_d.as_mut(), deadline)?;
-        match recv_d {
-            None => Ok(Vec::new()),
-            Some(r) => self.stream.clone_dtoh(&r).map_err(self.driver_err(op)),
+        match T::DTYPE {
+            DType::F32 => self.run_as::<T, f32>(op, prim, send, recv_len, deadline),
+            DType::F64 => self.run_as::<T, f64>(op, prim, send, recv_len, deadline),
+            DType::BF16 => self.run_as::<T, half::bf16>(op, prim, send, recv_len, deadline),
+            DType::F16 => self.run_as::<T, half::f16>(op, prim, send, recv_len, deadline),
+            DType::I64 => self.run_as::<T, i64>(op, prim, send, recv_len, deadline),
         }
     }
 

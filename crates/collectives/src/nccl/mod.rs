@@ -116,7 +116,7 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::Id;
 
 pub(crate) use device::{driver_error_text, nccl_error_text};
-pub(crate) use ondevice::{DeviceEvent, DeviceJob};
+pub(crate) use ondevice::DeviceJob;
 pub use probe::{nccl_library_link, probe, LibStatus, NcclLibLink, NcclProbe, NCCL_LIBRARY_ENV};
 pub use standin::{StandIn, StandInComm};
 
@@ -150,7 +150,7 @@ pub(crate) trait Bringup: Send + Sync {
     fn start(
         &self,
         setup: GroupSetup,
-        jobs: mpsc::Receiver<Job>,
+        jobs: mpsc::Receiver<Job<DeviceJob>>,
         ready: mpsc::Sender<Result<()>>,
     ) -> std::io::Result<()>;
 }
@@ -172,7 +172,7 @@ impl Bringup for CudaNccl {
     fn start(
         &self,
         g: GroupSetup,
-        jobs: mpsc::Receiver<Job>,
+        jobs: mpsc::Receiver<Job<DeviceJob>>,
         ready: mpsc::Sender<Result<()>>,
     ) -> std::io::Result<()> {
         let name = format!("tpar-nccl-{}-{}", g.shared.rank, g.key);
@@ -204,7 +204,7 @@ pub(crate) struct NcclWorld {
 }
 
 /// Live communicators by sorted member list, and how many were created for each list.
-pub(crate) type GroupCache = HashMap<Vec<usize>, (WeakComm, u64)>;
+pub(crate) type GroupCache = HashMap<Vec<usize>, (WeakComm<DeviceJob>, u64)>;
 
 /// Builds the world group: checks the arguments, probes the libraries, creates the
 /// world communicator on CUDA device `device` through `store`.
@@ -295,7 +295,7 @@ pub(crate) fn list_key(ranks: &[usize]) -> String {
     format!("{}..{}#{}-{h:016x}", ranks[0], ranks[ranks.len() - 1], ranks.len())
 }
 
-impl RemoteWorld for NcclWorld {
+impl RemoteWorld<DeviceJob> for NcclWorld {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -308,13 +308,17 @@ impl RemoteWorld for NcclWorld {
         self.debug.clone()
     }
 
-    fn process_group(&self, comm: RemoteComm, timeout: Duration) -> ProcessGroup {
+    fn process_group(&self, comm: RemoteComm<DeviceJob>, timeout: Duration) -> ProcessGroup {
         ProcessGroup::nccl(comm, timeout)
     }
 
     /// The communicator of a sorted member list holding this rank: the live one, or a new
     /// one set up with every member (which must all call this).
-    fn group(self: Arc<Self>, ranks: Vec<usize>, timeout: Duration) -> Result<RemoteComm> {
+    fn group(
+        self: Arc<Self>,
+        ranks: Vec<usize>,
+        timeout: Duration,
+    ) -> Result<RemoteComm<DeviceJob>> {
         let w = &self;
         let op = "new_group";
         let me = ranks.binary_search(&w.rank).map_err(|_| CollectiveError::InvalidArgument {
@@ -384,7 +388,7 @@ impl RemoteWorld for NcclWorld {
 
         // The worker creates the stream and the communicator, then serves jobs.
         let shared = Arc::new(Shared::new(group.clone(), w.rank, "nccl"));
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Job<DeviceJob>>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
         let setup =
             GroupSetup { id, me, shared: shared.clone(), store: w.store.clone(), key: key.clone() };
@@ -399,7 +403,7 @@ impl RemoteWorld for NcclWorld {
                 return Err(backend("the group's worker thread exited during setup".into()))
             }
         }
-        let world: Arc<dyn RemoteWorld> = self.clone();
+        let world: Arc<dyn RemoteWorld<DeviceJob>> = self.clone();
         let comm = RemoteComm::new(tx, shared, world, me);
         let mut groups = w.groups.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(entry) = groups.get_mut(&ranks) {

@@ -39,7 +39,7 @@ use tpar_tensor::{DType, Device, Tensor};
 use super::device::driver_error_text;
 use crate::local::desc::Call;
 use crate::remote::plan::{around, Prim};
-use crate::remote::RemoteComm;
+use crate::remote::{DeviceWork, RemoteComm};
 use crate::{CollectiveError, Result};
 
 /// Whether `TPAR_NCCL_CHECK=1` asks for the checked host path.
@@ -126,6 +126,15 @@ pub(crate) struct DeviceJob {
     pub recv: u64,
     pub count: usize,
     pub ready: DeviceEvent,
+}
+
+/// The NCCL transport's device work: the worker enqueues it and answers with the
+/// collective's completion event.
+impl DeviceWork for DeviceJob {
+    type Done = DeviceEvent;
+    fn op(&self) -> &'static str {
+        self.op
+    }
 }
 
 /// Device memory NCCL reads or writes through cudarc's safe calls: an address and length
@@ -266,7 +275,7 @@ impl Drop for InFlight {
 /// Starts `call` on CUDA tensor `t` (an [`eligible`] call) on the device; see the module
 /// docs. The returned [`InFlight`] gives the result.
 pub(crate) fn start(
-    comm: &RemoteComm,
+    comm: &RemoteComm<DeviceJob>,
     seq: u64,
     call: &Call,
     t: &Tensor,

@@ -10,7 +10,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::{check_rank, start_world, Bringup, GroupSetup};
+use super::{check_rank, start_world, Bringup, DeviceJob, GroupSetup};
 use crate::remote::worker::Job;
 use crate::{CollectiveError, ProcessGroup, Result, Store};
 
@@ -104,7 +104,7 @@ impl Bringup for StandIn {
     fn start(
         &self,
         g: GroupSetup,
-        jobs: Receiver<Job>,
+        jobs: Receiver<Job<DeviceJob>>,
         ready: Sender<Result<()>>,
     ) -> std::io::Result<()> {
         self.log.lock().unwrap_or_else(PoisonError::into_inner).push(StandInComm {

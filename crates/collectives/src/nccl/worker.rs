@@ -9,6 +9,7 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::{Comm, Id};
 
 use super::device::{driver_error_text, nccl_error_text, NcclDevice};
+use super::ondevice::DeviceJob;
 use super::probe::guarded;
 use crate::remote::worker::{serve, Job, Shared};
 use crate::{CollectiveError, Result, Store};
@@ -26,7 +27,7 @@ pub(crate) struct Setup {
 
 /// The worker's body: sets up, says so on `ready`, then serves `jobs` until every handle
 /// is gone.
-pub(crate) fn main(setup: Setup, jobs: Receiver<Job>, ready: Sender<Result<()>>) {
+pub(crate) fn main(setup: Setup, jobs: Receiver<Job<DeviceJob>>, ready: Sender<Result<()>>) {
     let shared = setup.shared.clone();
     let group = shared.group.clone();
     let backend = |op: &'static str, message: String| shared.backend_err(op, message);

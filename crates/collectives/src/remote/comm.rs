@@ -9,14 +9,16 @@ use std::time::Duration;
 
 use tpar_tensor::Tensor;
 
+use super::exec::DeviceWork;
 use super::wire::MAX_DIMS;
 use super::worker::{Job, Reply, Shared};
 use crate::local::desc::Call;
 use crate::p2p::Expect;
 use crate::{CollectiveError, CommDebug, ProcessGroup, Result};
 
-/// One process's world of a multi-process backend: it knows its rank and makes groups.
-pub(crate) trait RemoteWorld: Send + Sync {
+/// One process's world of a multi-process backend: it knows its rank and makes groups;
+/// `D` is the device work of its groups' transports.
+pub(crate) trait RemoteWorld<D: DeviceWork>: Send + Sync {
     /// This process's global rank.
     fn rank(&self) -> usize;
     /// The number of processes.
@@ -25,50 +27,60 @@ pub(crate) trait RemoteWorld: Send + Sync {
     fn debug(&self) -> CommDebug;
     /// The group of the sorted member list `ranks` (holding this rank): the live one, or
     /// a new one set up with every member, which must all call this.
-    fn group(self: Arc<Self>, ranks: Vec<usize>, timeout: Duration) -> Result<RemoteComm>;
+    fn group(self: Arc<Self>, ranks: Vec<usize>, timeout: Duration) -> Result<RemoteComm<D>>;
     /// Wraps a handle of this world's backend into a process group.
-    fn process_group(&self, comm: RemoteComm, timeout: Duration) -> ProcessGroup;
+    fn process_group(&self, comm: RemoteComm<D>, timeout: Duration) -> ProcessGroup;
 }
 
-struct Handle {
-    tx: mpsc::Sender<Job>,
+struct Handle<D: DeviceWork> {
+    tx: mpsc::Sender<Job<D>>,
     shared: Arc<Shared>,
-    world: Arc<dyn RemoteWorld>,
+    world: Arc<dyn RemoteWorld<D>>,
     me: usize,
     seq: AtomicU64,
 }
 
 /// A multi-process backend's handle on one group (cheap to clone; clones share the
-/// group's worker).
-#[derive(Clone)]
-pub(crate) struct RemoteComm {
-    h: Arc<Handle>,
+/// group's worker); `D` is the device work of the worker's transport.
+pub(crate) struct RemoteComm<D: DeviceWork> {
+    h: Arc<Handle<D>>,
+}
+
+impl<D: DeviceWork> Clone for RemoteComm<D> {
+    fn clone(&self) -> Self {
+        RemoteComm { h: self.h.clone() }
+    }
 }
 
 /// A handle kept by a world's group cache without keeping the group alive.
-#[derive(Clone, Default)]
-pub(crate) struct WeakComm(Option<Weak<Handle>>);
+pub(crate) struct WeakComm<D: DeviceWork>(Option<Weak<Handle<D>>>);
 
-impl WeakComm {
+impl<D: DeviceWork> Default for WeakComm<D> {
+    fn default() -> Self {
+        WeakComm(None)
+    }
+}
+
+impl<D: DeviceWork> WeakComm<D> {
     /// The group, if some handle still holds it.
-    pub fn upgrade(&self) -> Option<RemoteComm> {
+    pub fn upgrade(&self) -> Option<RemoteComm<D>> {
         self.0.as_ref().and_then(Weak::upgrade).map(|h| RemoteComm { h })
     }
 }
 
-impl RemoteComm {
+impl<D: DeviceWork> RemoteComm<D> {
     /// The handle of member `me` of the group whose worker reads `tx`.
     pub fn new(
-        tx: mpsc::Sender<Job>,
+        tx: mpsc::Sender<Job<D>>,
         shared: Arc<Shared>,
-        world: Arc<dyn RemoteWorld>,
+        world: Arc<dyn RemoteWorld<D>>,
         me: usize,
-    ) -> RemoteComm {
+    ) -> RemoteComm<D> {
         RemoteComm { h: Arc::new(Handle { tx, shared, world, me, seq: AtomicU64::new(0) }) }
     }
 
     /// A weak reference for a group cache.
-    pub fn downgrade(&self) -> WeakComm {
+    pub fn downgrade(&self) -> WeakComm<D> {
         WeakComm(Some(Arc::downgrade(&self.h)))
     }
 
@@ -106,7 +118,7 @@ impl RemoteComm {
         self.h.shared.backend_err(op, why.into())
     }
 
-    fn submit(&self, job: Job) -> Result<()> {
+    fn submit(&self, job: Job<D>) -> Result<()> {
         let op = job.op();
         if let Some(e) = self.h.shared.failure() {
             return Err(e);
@@ -143,15 +155,10 @@ impl RemoteComm {
         self.start(seq, call, tensor, problem, timeout).wait()
     }
 
-    /// Queues device collective `seq` (see `nccl::ondevice`) and returns its completion
-    /// event once the worker has enqueued it (without waiting for the collective).
-    pub fn run_device(
-        &self,
-        seq: u64,
-        job: crate::nccl::DeviceJob,
-        timeout: Duration,
-    ) -> Result<Arc<crate::nccl::DeviceEvent>> {
-        let op = job.op;
+    /// Queues device collective `seq` (see [`DeviceWork`]) and returns its completion
+    /// once the worker has enqueued it (without waiting for the collective).
+    pub fn run_device(&self, seq: u64, job: D, timeout: Duration) -> Result<Arc<D::Done>> {
+        let op = job.op();
         let (reply, rx) = mpsc::channel();
         self.submit(Job::Device { seq, job, timeout, reply })?;
         Pending { rx, shared: self.h.shared.clone(), op, done: Mutex::new(None) }.wait()

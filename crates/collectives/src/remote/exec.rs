@@ -39,30 +39,38 @@ impl Deadline {
     }
 }
 
-/// Element types every transport handles (NCCL and its device copies; the CPU reduction
-/// kernels): the tensor dtypes.
-pub(crate) trait Wire:
-    Element
-    + Reducible
-    + bytemuck::Pod
-    + cudarc::nccl::NcclType
-    + cudarc::driver::DeviceRepr
-    + cudarc::driver::ValidAsZeroBits
-{
+/// Element types every transport handles (the host buffers, the CPU reduction kernels):
+/// the tensor dtypes. A transport that needs more of an element type (NCCL's datatypes,
+/// device copies) dispatches on its [`DType`](tpar_tensor::DType) (`Element::DTYPE`).
+pub(crate) trait Wire: Element + Reducible + bytemuck::Pod {}
+
+impl<T> Wire for T where T: Element + Reducible + bytemuck::Pod {}
+
+/// A collective on device memory that a transport's device path enqueues (NCCL's, see
+/// `nccl::ondevice`), and the completion it answers with. The worker and the group handle
+/// carry it without looking inside; a transport without a device path takes
+/// [`NoDevice`].
+pub(crate) trait DeviceWork: Send + 'static {
+    /// What comes back once the work is enqueued (a completion event).
+    type Done: Send + Sync + 'static;
+    /// The collective's name, for errors.
+    fn op(&self) -> &'static str;
 }
 
-impl<T> Wire for T where
-    T: Element
-        + Reducible
-        + bytemuck::Pod
-        + cudarc::nccl::NcclType
-        + cudarc::driver::DeviceRepr
-        + cudarc::driver::ValidAsZeroBits
-{
+/// The device work of a transport without a device path: there is none.
+pub(crate) enum NoDevice {}
+
+impl DeviceWork for NoDevice {
+    type Done = NoDevice;
+    fn op(&self) -> &'static str {
+        match *self {}
+    }
 }
 
 /// Runs the primitives of [`Prim`] among the members of one group.
 pub(crate) trait Transport {
+    /// The work of this transport's device path ([`NoDevice`] where it has none).
+    type DeviceJob: DeviceWork;
     /// Number of members.
     fn size(&self) -> usize;
     /// This member's group rank.
@@ -85,17 +93,16 @@ pub(crate) trait Transport {
     /// Gives up the transport after a fatal error (NCCL: `ncclCommAbort`); later calls
     /// fail. Does nothing by default.
     fn abort(&mut self) {}
-    /// Enqueues a collective on CUDA tensors' device memory (NCCL's device path, see
-    /// `nccl::ondevice`) and returns its completion event without waiting for it. A
-    /// transport without a device path fails.
+    /// Enqueues a collective on device memory (see [`DeviceWork`]) and returns its
+    /// completion without waiting for it. A transport without a device path fails.
     fn run_device(
         &mut self,
         seq: u64,
-        job: crate::nccl::DeviceJob,
+        job: Self::DeviceJob,
         deadline: Deadline,
-    ) -> Result<std::sync::Arc<crate::nccl::DeviceEvent>> {
+    ) -> Result<std::sync::Arc<<Self::DeviceJob as DeviceWork>::Done>> {
         let _ = (seq, deadline);
-        Err(internal(job.op, "this backend has no device path"))
+        Err(internal(job.op(), "this backend has no device path"))
     }
     /// Whether device collectives are still in flight (the worker then polls).
     fn device_in_flight(&self) -> bool {
@@ -504,6 +511,7 @@ mod tests {
     }
 
     impl Transport for Fake {
+        type DeviceJob = NoDevice;
         fn size(&self) -> usize {
             self.bus.n
         }

@@ -5,7 +5,10 @@
 //! and the group handle ([`RemoteComm`]) whose `*_async` calls are queued jobs.
 //!
 //! A backend brings a `Transport` (NCCL on a CUDA stream; TCP sockets between
-//! processes) and a [`RemoteWorld`] that sets groups up; everything else is here.
+//! processes) and a [`RemoteWorld`] that sets groups up; everything else is here. A
+//! transport with a device path names its work as its
+//! [`DeviceJob`](exec::Transport::DeviceJob) (a [`DeviceWork`]), which the worker and the
+//! handle carry without looking inside, so this layer knows no backend's types.
 
 pub(crate) mod comm;
 pub(crate) mod exec;
@@ -14,3 +17,4 @@ pub(crate) mod wire;
 pub(crate) mod worker;
 
 pub(crate) use comm::{Pending, RemoteComm, RemoteWorld, WeakComm};
+pub(crate) use exec::{DeviceWork, NoDevice};

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tpar_tensor::Tensor;
 
-use super::exec::{self, Deadline, Transport};
+use super::exec::{self, Deadline, DeviceWork, Transport};
 use crate::local::desc::Call;
 use crate::p2p::{Expect, Mail};
 use crate::spawn::guarded;
@@ -18,8 +18,8 @@ use crate::{CollectiveError, Result};
 /// What a caller waits for: the collective's output (`None` for a barrier).
 pub(crate) type Reply = Result<Option<Tensor>>;
 
-/// One request to a group's worker.
-pub(crate) enum Job {
+/// One request to a group's worker; `D` is the device work of the worker's transport.
+pub(crate) enum Job<D: DeviceWork> {
     /// A numbered collective; `problem` is the caller's own argument error.
     Collective {
         seq: u64,
@@ -35,17 +35,12 @@ pub(crate) enum Job {
     /// A receive: of a header and its payload, or (`recv_shaped`, `expect` given) of the
     /// payload alone, of the expected shape.
     Recv { src: usize, expect: Option<Expect>, timeout: Duration, reply: Sender<Reply> },
-    /// A numbered collective on CUDA tensors' device memory: enqueued, not waited for;
-    /// the reply is its completion event (see `nccl::ondevice`).
-    Device {
-        seq: u64,
-        job: crate::nccl::DeviceJob,
-        timeout: Duration,
-        reply: Sender<Result<Arc<crate::nccl::DeviceEvent>>>,
-    },
+    /// A numbered collective on device memory: enqueued, not waited for; the reply is
+    /// its completion (see [`DeviceWork`]).
+    Device { seq: u64, job: D, timeout: Duration, reply: Sender<Result<Arc<D::Done>>> },
 }
 
-impl Job {
+impl<D: DeviceWork> Job<D> {
     pub fn op(&self) -> &'static str {
         match self {
             Job::Collective { call, .. } => call.name(),
@@ -53,7 +48,7 @@ impl Job {
             Job::Send { shaped: true, .. } => "send_shaped",
             Job::Recv { expect: None, .. } => "recv",
             Job::Recv { expect: Some(_), .. } => "recv_shaped",
-            Job::Device { job, .. } => job.op,
+            Job::Device { job, .. } => job.op(),
         }
     }
 
@@ -161,7 +156,7 @@ pub(crate) fn serve<X: Transport>(
     x: &mut X,
     me: usize,
     shared: &Shared,
-    jobs: Receiver<Job>,
+    jobs: Receiver<Job<X::DeviceJob>>,
     diagnose: impl Fn(CollectiveError, Option<u64>, Duration) -> CollectiveError,
 ) {
     let rank = shared.rank;

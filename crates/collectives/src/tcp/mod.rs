@@ -114,7 +114,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::remote::worker::{serve, Job, Shared};
-use crate::remote::{RemoteComm, RemoteWorld, WeakComm};
+use crate::remote::{NoDevice, RemoteComm, RemoteWorld, WeakComm};
 use crate::{CollectiveError, CommDebug, ProcessGroup, Result, Store};
 use mesh::Mesh;
 use shm::ShmConfig;
@@ -143,11 +143,14 @@ pub(crate) struct TcpWorld {
     mesh: Arc<Mesh>,
     debug: CommDebug,
     /// Live groups by member list, and how many were created per list.
-    groups: Mutex<HashMap<Vec<usize>, (WeakComm, u64)>>,
+    groups: Mutex<GroupCache>,
     /// Kept for the world's lifetime: on rank 0 it may host the store other processes
     /// are still reading addresses from.
     _store: Arc<dyn Store>,
 }
+
+/// Live groups by sorted member list, and how many were created for each list.
+type GroupCache = HashMap<Vec<usize>, (WeakComm<NoDevice>, u64)>;
 
 /// Builds the world group: checks the arguments, connects to every other process through
 /// `store`, and starts the world group's worker.
@@ -202,7 +205,7 @@ fn group_id(ranks: &[usize], generation: u64) -> u64 {
     h
 }
 
-impl RemoteWorld for TcpWorld {
+impl RemoteWorld<NoDevice> for TcpWorld {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -215,13 +218,17 @@ impl RemoteWorld for TcpWorld {
         self.debug.clone()
     }
 
-    fn process_group(&self, comm: RemoteComm, timeout: Duration) -> ProcessGroup {
+    fn process_group(&self, comm: RemoteComm<NoDevice>, timeout: Duration) -> ProcessGroup {
         ProcessGroup::tcp(comm, timeout)
     }
 
     /// The group of a sorted member list holding this rank: the live one, or a new one
     /// (no communication: the world's sockets carry it under its own id).
-    fn group(self: Arc<Self>, ranks: Vec<usize>, _timeout: Duration) -> Result<RemoteComm> {
+    fn group(
+        self: Arc<Self>,
+        ranks: Vec<usize>,
+        _timeout: Duration,
+    ) -> Result<RemoteComm<NoDevice>> {
         let op = "new_group";
         let me = ranks.binary_search(&self.rank).map_err(|_| CollectiveError::InvalidArgument {
             op,
@@ -237,7 +244,7 @@ impl RemoteWorld for TcpWorld {
         let group: Arc<[usize]> = ranks.into();
         let shared = Arc::new(Shared::new(group.clone(), self.rank, "tcp"));
         let mut x = TcpTransport::new(self.mesh.clone(), gid, group.clone(), me);
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Job<NoDevice>>();
         let worker_shared = shared.clone();
         std::thread::Builder::new()
             .name(format!("tpar-tcp-{}-{gid:016x}", self.rank))
@@ -249,7 +256,7 @@ impl RemoteWorld for TcpWorld {
                 rank: self.rank,
                 message: format!("cannot start the group's worker thread: {e}"),
             })?;
-        let world: Arc<dyn RemoteWorld> = self.clone();
+        let world: Arc<dyn RemoteWorld<NoDevice>> = self.clone();
         let comm = RemoteComm::new(tx, shared, world, me);
         entry.0 = comm.downgrade();
         Ok(comm)

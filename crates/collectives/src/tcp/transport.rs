@@ -29,7 +29,7 @@ use std::sync::Arc;
 use super::mesh::{Channel, Mesh};
 use crate::chunk_range;
 use crate::local::kernels::reduce_runs;
-use crate::remote::exec::{Deadline, Transport, Wire};
+use crate::remote::exec::{Deadline, NoDevice, Transport, Wire};
 use crate::remote::plan::Prim;
 use crate::{CollectiveError, ReduceOp, Result};
 
@@ -232,6 +232,8 @@ impl TcpTransport {
 }
 
 impl Transport for TcpTransport {
+    type DeviceJob = NoDevice;
+
     fn size(&self) -> usize {
         self.group.len()
     }
