@@ -25,18 +25,7 @@ const TOL: f64 = 1e-10;
 
 /// The configuration `make_llama_golden.py` builds.
 fn config() -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 32,
-        max_position_embeddings: 16,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype: DType::F64,
-    }
+    tpar_testing::tiny_llama_config(32, 16, 2, DType::F64)
 }
 
 type Files = BTreeMap<String, Golden>;
@@ -210,9 +199,7 @@ fn single_rank_llama_equals_pytorch() {
     }
 }
 
-fn plan_err(e: impl std::fmt::Display) -> NnError {
-    NnError::Config { what: e.to_string() }
-}
+use tpar_testing::plan_err;
 
 /// dp = 2 (FSDP per layer, then the model) x tp = 2 under `plan`; each dp rank runs two
 /// of the four rows.

@@ -3,18 +3,7 @@
 use tpar::prelude::*;
 
 pub fn config(layers: usize, dtype: DType) -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 40,
-        max_position_embeddings: 8,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: layers,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype,
-    }
+    tpar_testing::tiny_llama_config(40, 8, layers, dtype)
 }
 
 /// Token ids `[rows, seq]` and next-token targets, from a fixed pattern.

@@ -15,7 +15,7 @@ use tpar_nn::{
 };
 use tpar_parallel_styles::{
     check_plan, fully_shard, loss_parallel, parallelize_module, unshard, ColwiseParallel,
-    FsdpConfig, ParallelizePlan, PlanError, RowwiseParallel,
+    FsdpConfig, ParallelizePlan, RowwiseParallel,
 };
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -314,9 +314,7 @@ fn reference() -> Outcome {
     loss_and_grads(&model, 0..4, None).unwrap()
 }
 
-fn plan_err(e: PlanError) -> NnError {
-    NnError::Config { what: e.to_string() }
-}
+use tpar_testing::plan_err;
 
 /// Runs on a (dp, tp) mesh: TP by plan on every block and the head, FSDP per block and
 /// at the root when dp > 1.

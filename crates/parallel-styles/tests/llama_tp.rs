@@ -18,18 +18,7 @@ use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 const PAD: i64 = 0;
 
 fn config(dtype: DType) -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 48,
-        max_position_embeddings: 32,
-        hidden_size: 24,
-        intermediate_size: 40,
-        num_hidden_layers: 2,
-        num_attention_heads: 12,
-        num_key_value_heads: 6,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype,
-    }
+    tpar_testing::tp_llama_config(dtype)
 }
 
 /// Token ids `[2, 9]` (so the sequence of 8 does not divide every tp size) with right

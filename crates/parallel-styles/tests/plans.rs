@@ -24,23 +24,10 @@ use CollectiveKind::{AllGather, AllReduce, ReduceScatter};
 use Placement::{Replicate, Shard};
 
 fn config() -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 48,
-        max_position_embeddings: 32,
-        hidden_size: 24,
-        intermediate_size: 40,
-        num_hidden_layers: 2,
-        num_attention_heads: 12,
-        num_key_value_heads: 6,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype: DType::F32,
-    }
+    tpar_testing::tp_llama_config(DType::F32)
 }
 
-fn cfg_err(e: PlanError) -> NnError {
-    NnError::Config { what: e.to_string() }
-}
+use tpar_testing::plan_err as cfg_err;
 
 const BATCH: usize = 2;
 const SEQ: usize = 7;

@@ -18,9 +18,8 @@ use tpar_nn::{
     Value,
 };
 use tpar_parallel_styles::{
-    loss_parallel, parallelize_module, ColwiseParallel, ParallelizePlan, PlanError,
-    PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
-    SequenceParallel,
+    loss_parallel, parallelize_module, ColwiseParallel, ParallelizePlan, PrepareModuleInput,
+    PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
 };
 use tpar_tensor::{tol::Tol, DType, Device, Rng, Tensor};
 
@@ -74,9 +73,7 @@ struct Setup {
     placements: Vec<(&'static str, Placement)>,
 }
 
-fn plan_err(e: PlanError) -> NnError {
-    NnError::Config { what: e.to_string() }
-}
+use tpar_testing::plan_err;
 
 fn build(kind: Kind, c: &Case) -> tpar_nn::Result<Box<dyn Module>> {
     Ok(match kind {

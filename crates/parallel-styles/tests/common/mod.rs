@@ -15,23 +15,12 @@ use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Value};
 use tpar_optim::ZeroRedundancyOptimizer;
 use tpar_optim::{clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, Optimizer, Sgd, SgdConfig};
 use tpar_parallel_styles::{
-    fully_shard, loss_parallel, sync_module_states, unshard, DataParallel, FsdpConfig, PlanError,
+    fully_shard, loss_parallel, sync_module_states, unshard, DataParallel, FsdpConfig,
 };
 use tpar_tensor::{DType, Device, Tensor};
 
 pub fn config() -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 40,
-        max_position_embeddings: 16,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype: DType::F32,
-    }
+    tpar_testing::tiny_llama_config(40, 16, 2, DType::F32)
 }
 
 /// Global batch: 4 sequences of 6 tokens (+1 for targets), no padding (equal token
@@ -81,9 +70,7 @@ pub fn reference_grads() -> BTreeMap<String, Vec<f64>> {
         .collect()
 }
 
-pub fn plan_err(e: PlanError) -> NnError {
-    NnError::Config { what: e.to_string() }
-}
+pub use tpar_testing::plan_err;
 
 /// `fully_shard` per decoder layer, then the base model, then the root (as FSDP2).
 pub fn shard_model_with(
