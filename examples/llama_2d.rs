@@ -18,6 +18,8 @@ use clap::{Parser, ValueEnum};
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/flags.rs"]
 mod flags;
 #[path = "common/run.rs"]
@@ -27,8 +29,7 @@ use flags::NonFinite;
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
 
-/// The gradient norm clipped to.
-const MAX_GRAD_NORM: f64 = 1.0;
+use run::MAX_GRAD_NORM;
 
 #[derive(Clone, Debug)]
 struct Opts {
@@ -37,29 +38,21 @@ struct Opts {
     tp: usize,
     steps: usize,
     batch: usize,
-    seq: usize,
     layers: usize,
-    hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    intermediate: usize,
+    model: args::ModelArgs,
     lr: f64,
     dtype: DType,
     plan: String,
     dp_mode: DpMode,
     seed: u64,
-    data: Option<PathBuf>,
-    tokenizer: Option<PathBuf>,
+    data: args::DataArgs,
     device: String,
     backend: String,
     log_every: usize,
     checkpoint_dir: Option<PathBuf>,
     save_every: usize,
-    async_save: bool,
-    keep: Option<usize>,
-    override_lr: bool,
+    save: args::SaveArgs,
     stop_after: Option<usize>,
-    export: Option<PathBuf>,
     nonfinite: NonFinite,
     timeline: bool,
 }
@@ -85,24 +78,11 @@ struct Cli {
     /// Sequences per dp rank per step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 64)]
-    seq: usize,
     /// Decoder layers.
     #[arg(long, default_value_t = 2)]
     layers: usize,
-    /// Model width.
-    #[arg(long, default_value_t = 64)]
-    hidden: usize,
-    /// Query heads.
-    #[arg(long, default_value_t = 4)]
-    heads: usize,
-    /// Key/value heads.
-    #[arg(long, default_value_t = 2)]
-    kv_heads: usize,
-    /// MLP width.
-    #[arg(long, default_value_t = 176)]
-    intermediate: usize,
+    #[command(flatten)]
+    model: args::ModelArgs,
     /// Peak learning rate (warmup, then cosine to a tenth).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
@@ -122,12 +102,8 @@ struct Cli {
     /// Seed of the data order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Training text (documents separated by blank lines, or JSON lines with "text").
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// A Hugging Face tokenizer.json (default: bytes).
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    data: args::DataArgs,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -145,26 +121,12 @@ struct Cli {
     /// Save a checkpoint every N steps (and after the last one).
     #[arg(long, default_value_t = 100, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
     save_every: u64,
-    /// Write checkpoints in the background while training goes on.
-    #[arg(long, requires = "checkpoint_dir")]
-    async_save: bool,
-    /// Keep only the newest K checkpoints.
-    #[arg(long, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
-    keep: Option<u64>,
-    /// Resume with this run's --lr although the checkpoint was saved with another: the
-    /// warmup-cosine schedule of the new --lr from the saved step on (optimizer state
-    /// kept). Without it, a resume whose --lr (or any other setting of the model, the
-    /// optimizer, the schedule or the data) differs from the checkpoint's is refused
-    /// with the differences listed.
-    #[arg(long, requires = "checkpoint_dir")]
-    override_lr: bool,
+    #[command(flatten)]
+    save: args::SaveArgs,
     /// End the run after step N, as an interruption would (the schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
     stop_after: Option<usize>,
-    /// Write the trained model as one safetensors file (FQN keys) at the end.
-    #[arg(long)]
-    export: Option<PathBuf>,
     /// On a non-finite loss or gradient norm: fail (stop with an error naming the step
     /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
     /// On the host both are checked every step. On a CUDA device the loss and the norm
@@ -218,18 +180,11 @@ fn parse() -> Result<Opts, String> {
         }
         (None, BackendArg::Local) => dp_tp,
     };
-    flags::positive(&[
-        ("--dp", c.dp),
-        ("--tp", c.tp),
-        ("--steps", c.steps),
-        ("--batch", c.batch),
-        ("--seq", c.seq),
-        ("--hidden", c.hidden),
-        ("--heads", c.heads),
-        ("--kv-heads", c.kv_heads),
-        ("--intermediate", c.intermediate),
-    ])?;
-    flags::llama_shape(c.hidden, c.heads, c.kv_heads)?;
+    let mut sizes =
+        vec![("--dp", c.dp), ("--tp", c.tp), ("--steps", c.steps), ("--batch", c.batch)];
+    sizes.extend(c.model.sizes());
+    flags::positive(&sizes)?;
+    flags::llama_shape(c.model.hidden, c.model.heads, c.model.kv_heads)?;
     flags::learning_rate(c.lr)?;
     if dp_tp != world {
         return Err(format!("dp {} x tp {} must equal world {world}", c.dp, c.tp));
@@ -246,12 +201,8 @@ fn parse() -> Result<Opts, String> {
         tp: c.tp,
         steps: c.steps,
         batch: c.batch,
-        seq: c.seq,
         layers: c.layers,
-        hidden: c.hidden,
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        intermediate: c.intermediate,
+        model: c.model,
         lr: c.lr,
         dtype: match c.dtype {
             DtypeArg::F32 => DType::F32,
@@ -268,17 +219,13 @@ fn parse() -> Result<Opts, String> {
         },
         seed: c.seed,
         data: c.data,
-        tokenizer: c.tokenizer,
         device: c.device,
         backend: backend.into(),
         log_every: c.log_every as usize,
         checkpoint_dir: c.checkpoint_dir,
         save_every: c.save_every as usize,
-        async_save: c.async_save,
-        keep: c.keep.map(|k| k as usize),
-        override_lr: c.override_lr,
+        save: c.save,
         stop_after: c.stop_after,
-        export: c.export,
         nonfinite: c.nonfinite,
         timeline: c.timeline,
     })
@@ -382,28 +329,18 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // form, in f64) no machine holds fails here, before anything is built. The model
     // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
     // than what a step needs.
-    let mask = tpar::tensor::Shape::new(&[o.batch, 1, o.seq, o.seq]);
+    let seq = o.model.seq;
+    let mask = tpar::tensor::Shape::new(&[o.batch, 1, seq, seq]);
     tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
-    let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
-    let cfg = LlamaConfig {
-        vocab_size: tokenizer.vocab_size(),
-        max_position_embeddings: o.seq,
-        hidden_size: o.hidden,
-        intermediate_size: o.intermediate,
-        num_hidden_layers: o.layers,
-        num_attention_heads: o.heads,
-        num_key_value_heads: o.kv_heads,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        // FSDP keeps f32 master shards and computes in `--dtype` (mixed precision);
-        // replicated modes train parameters of `--dtype` itself.
-        dtype: if o.dp_mode == DpMode::Fsdp { DType::F32 } else { o.dtype },
-    };
+    let tokenizer = load_tokenizer(o.data.tokenizer.as_deref())?;
+    // FSDP keeps f32 master shards and computes in `--dtype` (mixed precision);
+    // replicated modes train parameters of `--dtype` itself.
+    let dtype = if o.dp_mode == DpMode::Fsdp { DType::F32 } else { o.dtype };
+    let cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, dtype);
     // A model whose training state this process cannot hold fails here, before anything
     // is built (the local backend holds every rank's share).
     let here = if o.backend == "local" { o.world } else { 1 };
-    let sizes =
-        format!("--layers {} (--hidden {}, --intermediate {})", o.layers, o.hidden, o.intermediate);
+    let sizes = o.model.size_flags(o.layers);
     flags::model_fits(&cfg, here, o.world, &sizes).map_err(|what| NnError::Config { what })?;
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
@@ -438,7 +375,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
     };
 
-    let adamw = AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
+    let optim = run::Optim::new(o.lr, o.steps);
+    let adamw = optim.adamw;
     // One optimizer interface for every dp mode (ZeRO-1 shards its state over dp).
     let mut opt: Box<dyn Optimizer> = match o.dp_mode {
         DpMode::Zero1 => {
@@ -446,20 +384,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         DpMode::Fsdp | DpMode::Ddp => Box::new(AdamW::with_names(named_parameters(&model), adamw)?),
     };
-    let warmup = (o.steps / 10).max(1);
-    let mut sched = LrScheduler::new(
-        SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?,
-        opt.as_mut(),
-    );
-    if o.override_lr {
+    let mut sched = LrScheduler::new(optim.schedule()?, opt.as_mut());
+    if o.save.override_lr {
         sched.override_on_load();
     }
 
-    let docs: Vec<String> = match &o.data {
-        Some(p) => load_documents(p)?,
-        None => default_documents().into_iter().map(String::from).collect(),
-    };
-    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?;
+    let docs = run::documents(o.data.data.as_deref())?;
+    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
     let pad = dataset.pad_id() as i64;
     let dp_rank = mesh["dp"].local_rank();
     let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
@@ -468,16 +399,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut run_config = run::run_config(
         &run::Recipe {
             model: &cfg,
-            lr: o.lr,
-            override_lr: o.override_lr,
-            betas: adamw.betas,
-            eps: adamw.eps,
-            weight_decay: adamw.weight_decay,
-            max_grad_norm: MAX_GRAD_NORM,
-            steps: o.steps,
-            warmup,
+            optim: &optim,
+            override_lr: o.save.override_lr,
             global_batch: o.batch * o.dp,
-            seq: o.seq,
+            seq,
             seed: o.seed,
             docs: &docs,
             samples: dataset.len(),
@@ -493,8 +418,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     );
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
-            let config =
-                CheckpointConfig { keep: o.keep, async_save: o.async_save, ..Default::default() };
+            let config = CheckpointConfig {
+                keep: o.save.keep.map(|k| k as usize),
+                async_save: o.save.async_save,
+                ..Default::default()
+            };
             let mut c = CheckpointManager::new(dir, world, config)?;
             let resumed = with_items(
                 &mut run_config,
@@ -704,7 +632,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     if let Some(c) = &mut ckpt {
         c.wait()?;
     }
-    if let Some(path) = &o.export {
+    if let Some(path) = &o.save.export {
         tpar::checkpoint::export_safetensors(&tpar::nn::state_dict(&model)?, path, world)?;
         if rank == 0 {
             println!("exported the model to {}", path.display());
@@ -754,7 +682,7 @@ fn main() {
     };
     println!(
         "llama_2d: world {} = dp {} x tp {}, {} layers, hidden {}, heads {}/{}, seq {}, batch {} per dp rank, {} steps, {}, plan {}{}",
-        o.world, o.dp, o.tp, o.layers, o.hidden, o.heads, o.kv_heads, o.seq, o.batch, o.steps, o.dtype, o.plan,
+        o.world, o.dp, o.tp, o.layers, o.model.hidden, o.model.heads, o.model.kv_heads, o.model.seq, o.batch, o.steps, o.dtype, o.plan,
         match o.dp_mode {
             DpMode::Fsdp => ", FSDP",
             DpMode::Ddp => ", DDP",

@@ -17,6 +17,8 @@ use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/flags.rs"]
 mod flags;
 #[path = "common/run.rs"]
@@ -46,8 +48,7 @@ fn items<'a>(
     ]
 }
 
-/// The gradient norm clipped to.
-const MAX_GRAD_NORM: f64 = 1.0;
+use run::MAX_GRAD_NORM;
 
 /// Pipeline-parallel Llama training (pp x dp x tp ranks as threads).
 #[derive(Parser, Debug, Clone)]
@@ -77,24 +78,11 @@ struct Opts {
     /// Sequences per dp rank per step (a multiple of --microbatches).
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 64)]
-    seq: usize,
     /// Decoder layers.
     #[arg(long, default_value_t = 6)]
     layers: usize,
-    /// Model width.
-    #[arg(long, default_value_t = 64)]
-    hidden: usize,
-    /// Query heads.
-    #[arg(long, default_value_t = 4)]
-    heads: usize,
-    /// Key/value heads.
-    #[arg(long, default_value_t = 2)]
-    kv_heads: usize,
-    /// MLP width.
-    #[arg(long, default_value_t = 176)]
-    intermediate: usize,
+    #[command(flatten)]
+    model: args::ModelArgs,
     /// Peak learning rate (linear warmup, then cosine to a tenth).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
@@ -104,12 +92,8 @@ struct Opts {
     /// Seed of the parameters and the data order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Training text (documents separated by blank lines, or JSON lines with "text").
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// A Hugging Face tokenizer.json (default: bytes).
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    data: args::DataArgs,
     /// Log every N steps.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
@@ -128,26 +112,12 @@ struct Opts {
     /// Save a checkpoint every N steps (and after the last one).
     #[arg(long, default_value_t = 50, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
     save_every: u64,
-    /// Write checkpoints in the background while training goes on.
-    #[arg(long, requires = "checkpoint_dir")]
-    async_save: bool,
-    /// Keep only the newest K checkpoints.
-    #[arg(long, requires = "checkpoint_dir", value_parser = clap::value_parser!(u64).range(1..))]
-    keep: Option<u64>,
-    /// Resume with this run's --lr although the checkpoint was saved with another: the
-    /// warmup-cosine schedule of the new --lr from the saved step on (optimizer state
-    /// kept). Without it, a resume whose --lr (or any other setting of the model, the
-    /// optimizer, the schedule or the data) differs from the checkpoint's is refused
-    /// with the differences listed.
-    #[arg(long, requires = "checkpoint_dir")]
-    override_lr: bool,
+    #[command(flatten)]
+    save: args::SaveArgs,
     /// End the run after step N, as an interruption would (the LR schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
     stop_after: Option<usize>,
-    /// Write the trained model as one safetensors file (FQN keys) at the end.
-    #[arg(long)]
-    export: Option<PathBuf>,
     /// On a non-finite loss or gradient norm: fail (stop with an error naming the step
     /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
     #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
@@ -157,7 +127,7 @@ struct Opts {
 impl Opts {
     /// Flags that cannot work, as one message (before any rank starts).
     fn check(&self) -> Result<(), String> {
-        flags::positive(&[
+        let mut sizes = vec![
             ("--pp", self.pp),
             ("--dp", self.dp),
             ("--tp", self.tp),
@@ -165,13 +135,11 @@ impl Opts {
             ("--microbatches", self.microbatches),
             ("--steps", self.steps),
             ("--batch", self.batch),
-            ("--seq", self.seq),
-            ("--hidden", self.hidden),
-            ("--heads", self.heads),
-            ("--kv-heads", self.kv_heads),
-            ("--intermediate", self.intermediate),
-        ])?;
-        flags::llama_shape(self.hidden, self.heads, self.kv_heads)?;
+        ];
+        sizes.extend(self.model.sizes());
+        flags::positive(&sizes)?;
+        let m = &self.model;
+        flags::llama_shape(m.hidden, m.heads, m.kv_heads)?;
         if self.pp.checked_mul(self.dp).and_then(|w| w.checked_mul(self.tp)).is_none() {
             return Err(format!(
                 "--pp {} x --dp {} x --tp {} overflows",
@@ -241,26 +209,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // form, in f64) no machine holds fails here, before anything is built. The model
     // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
     // than what a step needs.
-    let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, o.seq, o.seq]);
+    let seq = o.model.seq;
+    let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, seq, seq]);
     tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
-    let tokenizer = load_tokenizer(o.tokenizer.as_deref())?;
-    let cfg = LlamaConfig {
-        vocab_size: tokenizer.vocab_size(),
-        max_position_embeddings: o.seq,
-        hidden_size: o.hidden,
-        intermediate_size: o.intermediate,
-        num_hidden_layers: o.layers,
-        num_attention_heads: o.heads,
-        num_key_value_heads: o.kv_heads,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
-        dtype: DType::F32,
-    };
+    let tokenizer = load_tokenizer(o.data.tokenizer.as_deref())?;
+    let cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, DType::F32);
     // A model whose training state this process cannot hold fails here, before anything
     // is built (the local backend holds every rank's share).
     let here = if o.backend == BackendArg::Local { world.size() } else { 1 };
-    let sizes =
-        format!("--layers {} (--hidden {}, --intermediate {})", o.layers, o.hidden, o.intermediate);
+    let sizes = o.model.size_flags(o.layers);
     flags::model_fits(&cfg, here, world.size(), &sizes).map_err(|what| NnError::Config { what })?;
 
     // This rank's stages (round-robin: r, r + pp, ...), each built on the meta device
@@ -286,11 +243,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
-    let docs: Vec<String> = match &o.data {
-        Some(p) => load_documents(p)?,
-        None => default_documents().into_iter().map(String::from).collect(),
-    };
-    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), o.seq)?;
+    let docs = run::documents(o.data.data.as_deref())?;
+    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
     let ignore = dataset.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let loss_fn = move |logits: &Value, t: &Tensor| -> tpar::nn::Result<Value> {
@@ -310,12 +264,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let named: Vec<(String, Param)> =
         pipe.stages().iter().flat_map(|s| named_parameters(s.module())).collect();
     let params: Vec<Param> = named.iter().map(|(_, p)| p.clone()).collect();
-    let adamw = AdamWConfig { lr: o.lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 };
-    let mut opt = AdamW::with_names(named, adamw)?;
-    let warmup = (o.steps / 10).max(1);
-    let mut sched =
-        LrScheduler::new(SequentialLR::warmup_cosine(warmup, o.steps, 0.1, o.lr * 0.1)?, &mut opt);
-    if o.override_lr {
+    let optim = run::Optim::new(o.lr, o.steps);
+    let mut opt = AdamW::with_names(named, optim.adamw)?;
+    let mut sched = LrScheduler::new(optim.schedule()?, &mut opt);
+    if o.save.override_lr {
         sched.override_on_load();
     }
 
@@ -325,16 +277,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut run_config = run::run_config(
         &run::Recipe {
             model: &cfg,
-            lr: o.lr,
-            override_lr: o.override_lr,
-            betas: adamw.betas,
-            eps: adamw.eps,
-            weight_decay: adamw.weight_decay,
-            max_grad_norm: MAX_GRAD_NORM,
-            steps: o.steps,
-            warmup,
+            optim: &optim,
+            override_lr: o.save.override_lr,
             global_batch: o.batch * o.dp,
-            seq: o.seq,
+            seq,
             seed: o.seed,
             docs: &docs,
             samples: dataset.len(),
@@ -351,8 +297,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut ckpt = match &o.checkpoint_dir {
         Some(dir) => {
             let config = CheckpointConfig {
-                keep: o.keep.map(|k| k as usize),
-                async_save: o.async_save,
+                keep: o.save.keep.map(|k| k as usize),
+                async_save: o.save.async_save,
                 ..Default::default()
             };
             let mut c = CheckpointManager::new(dir, world, config)?;
@@ -505,7 +451,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     if let Some(c) = &mut ckpt {
         c.wait()?;
     }
-    if let Some(path) = &o.export {
+    if let Some(path) = &o.save.export {
         tpar::checkpoint::export_safetensors(&pipe.state_dict()?, path, world)?;
         if rank == 0 {
             println!("exported the model to {}", path.display());
@@ -542,7 +488,7 @@ fn main() {
     let world = o.pp * o.dp * o.tp;
     println!(
         "llama_pp: world {world} = pp {} x dp {} x tp {}, schedule {}, {} micro-batches, {} layers, hidden {}, seq {}, batch {} per dp rank, {} steps{}",
-        o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.hidden, o.seq, o.batch, o.steps,
+        o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.model.hidden, o.model.seq, o.batch, o.steps,
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
     let run = if o.backend == BackendArg::Tcp {

@@ -45,19 +45,53 @@ impl Progress {
     }
 }
 
+/// The gradient norm clipped to.
+pub const MAX_GRAD_NORM: f64 = 1.0;
+
+/// The optimizer and learning-rate schedule both trainers use: AdamW at peak `lr` with
+/// betas (0.9, 0.99), eps 1e-8 and weight decay 0.1, gradients clipped to
+/// [`MAX_GRAD_NORM`]; a linear warmup over a tenth of the steps (at least one), then
+/// cosine to a tenth of `lr` at `steps`.
+#[derive(Clone, Copy, Debug)]
+pub struct Optim {
+    pub adamw: AdamWConfig,
+    pub steps: usize,
+    pub warmup: usize,
+}
+
+impl Optim {
+    /// The optimizer of peak learning rate `lr` over a schedule of `steps` steps.
+    pub fn new(lr: f64, steps: usize) -> Self {
+        Optim {
+            adamw: AdamWConfig { lr, betas: (0.9, 0.99), eps: 1e-8, weight_decay: 0.1 },
+            steps,
+            warmup: (steps / 10).max(1),
+        }
+    }
+
+    /// The warmup-cosine schedule, for an `LrScheduler` over the optimizer.
+    pub fn schedule(&self) -> tpar::Result<SequentialLR> {
+        let lr = self.adamw.lr;
+        Ok(SequentialLR::warmup_cosine(self.warmup, self.steps, 0.1, lr * 0.1)?)
+    }
+}
+
+/// The training documents: the `--data` file's, or the built-in text.
+pub fn documents(data: Option<&std::path::Path>) -> tpar::Result<Vec<String>> {
+    Ok(match data {
+        Some(p) => load_documents(p)?,
+        None => default_documents().into_iter().map(String::from).collect(),
+    })
+}
+
 /// What a training run is, as far as a resume must match it: the model, the optimizer's
 /// hyper-parameters, the schedule and the data order.
 pub struct Recipe<'a> {
     pub model: &'a LlamaConfig,
-    pub lr: f64,
+    /// The optimizer's hyper-parameters and the schedule.
+    pub optim: &'a Optim,
     /// `--override-lr`: the learning rate may differ from the checkpoint's.
     pub override_lr: bool,
-    pub betas: (f64, f64),
-    pub eps: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-    pub steps: usize,
-    pub warmup: usize,
     /// Sequences per step over all dp ranks (the data order depends on it, not on dp).
     pub global_batch: usize,
     pub seq: usize,
@@ -71,7 +105,7 @@ pub struct Recipe<'a> {
 /// may change the `recorded` keys (mesh, plan, data-parallel mode, dtype), which the
 /// checkpoint reshards across.
 pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
-    let m = r.model;
+    let (m, a) = (r.model, &r.optim.adamw);
     // FNV-1a over the documents: a change of the training text is a change of data.
     let digest = r.docs.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, d| {
         d.bytes().chain([0xff]).fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
@@ -85,19 +119,19 @@ pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
         .require("model.num_key_value_heads", m.num_key_value_heads)
         .require("model.rms_norm_eps", m.rms_norm_eps)
         .require("model.rope_theta", m.rope_theta)
-        .require("optim.beta1", r.betas.0)
-        .require("optim.beta2", r.betas.1)
-        .require("optim.eps", r.eps)
-        .require("optim.weight_decay", r.weight_decay)
-        .require("optim.max_grad_norm", r.max_grad_norm)
-        .require("schedule.steps", r.steps)
-        .require("schedule.warmup", r.warmup)
+        .require("optim.beta1", a.betas.0)
+        .require("optim.beta2", a.betas.1)
+        .require("optim.eps", a.eps)
+        .require("optim.weight_decay", a.weight_decay)
+        .require("optim.max_grad_norm", MAX_GRAD_NORM)
+        .require("schedule.steps", r.optim.steps)
+        .require("schedule.warmup", r.optim.warmup)
         .require("data.global_batch", r.global_batch)
         .require("data.seq", r.seq)
         .require("data.seed", r.seed)
         .require("data.samples", r.samples)
         .require("data.digest", format!("{digest:016x}"));
-    c = if r.override_lr { c.record("optim.lr", r.lr) } else { c.require("optim.lr", r.lr) };
+    c = if r.override_lr { c.record("optim.lr", a.lr) } else { c.require("optim.lr", a.lr) };
     for (k, v) in recorded {
         c = c.record(k, v.clone());
     }
