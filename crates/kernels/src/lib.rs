@@ -1,9 +1,12 @@
-//! CPU (rayon) kernels for tpar's tensor core.
+//! The kernels of tpar's tensor core: CPU kernels (rayon) and CUDA kernels.
 //!
-//! Every kernel works on contiguous row-major slices and is generic over the
+//! Every CPU kernel works on contiguous row-major slices and is generic over the
 //! [`Float`] element types (f32, f64, bf16, f16); half-precision inputs
 //! accumulate in f32. Each op lives in its own folder with its fast CPU
 //! kernel and a slow reference implementation the tests compare against.
+//! [`cuda`] holds the CUDA side: the kernels' `.cu` sources, compiled at run time by
+//! NVRTC (and checked on machines without a GPU by a CPU emulator of the CUDA
+//! execution model), their launchers, and cuBLASLt.
 #![warn(missing_docs)]
 
 mod element;
