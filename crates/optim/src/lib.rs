@@ -52,7 +52,7 @@
 use std::f64::consts::PI;
 use std::fmt;
 
-use tpar_tensor::{no_grad, AdamWParams, DType, Device, Tensor};
+use tpar_tensor::{no_grad, AdamWParams, DType, Device, SgdParams, Tensor};
 
 use tpar_nn::{check_not_retired, NnError, Param, Result, Stateful};
 

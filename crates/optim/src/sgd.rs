@@ -158,16 +158,15 @@ impl Sgd {
         } else {
             None
         };
-        leaf.sgd_step_(
-            g,
-            b.as_ref(),
-            first,
-            c.lr,
-            c.weight_decay,
-            c.momentum,
-            c.dampening,
-            c.nesterov,
-        )?;
+        let h = SgdParams {
+            lr: c.lr,
+            weight_decay: c.weight_decay,
+            momentum: c.momentum,
+            dampening: c.dampening,
+            nesterov: c.nesterov,
+            first_step: first,
+        };
+        leaf.sgd_step_(g, b.as_ref(), &h)?;
         Ok(())
     }
 }

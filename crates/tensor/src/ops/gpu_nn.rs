@@ -837,19 +837,15 @@ impl Tensor {
     /// computed in f32. `grad` has the parameter's dtype or is f32;
     /// `momentum_buffer` is an f32 buffer of the parameter's size, updated in
     /// place (`None` without momentum). Not recorded by autograd.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn cuda_sgd_step_(
         &self,
         grad: &Tensor,
         momentum_buffer: Option<&Tensor>,
-        first_step: bool,
-        lr: f64,
-        weight_decay: f64,
-        momentum: f64,
-        dampening: f64,
-        nesterov: bool,
+        h: &super::optim::SgdParams,
     ) -> Result<()> {
         const OP: &str = "sgd_step_";
+        let super::optim::SgdParams { lr, weight_decay, momentum, dampening, nesterov, first_step } =
+            *h;
         let mut others = vec![grad];
         others.extend(momentum_buffer);
         let dev = same_layout(OP, self, &others)?;

@@ -12,6 +12,7 @@ mod gpu_nn;
 mod matmul;
 mod nn;
 mod optim;
+pub use optim::SgdParams;
 mod reduce;
 mod shape;
 

@@ -77,22 +77,35 @@ where
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Hyper-parameters of one SGD step ([`Tensor::sgd_step_`]), as `torch.optim.SGD`
+/// names them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdParams {
+    /// Learning rate.
+    pub lr: f64,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    /// Momentum factor (0: no momentum buffer).
+    pub momentum: f64,
+    /// Dampening of the momentum's gradient term.
+    pub dampening: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// The parameter's first step: the momentum buffer starts as the gradient.
+    pub first_step: bool,
+}
+
 fn host_sgd<T: Float + Element>(
     p: &Tensor,
     g: &Tensor,
     b: Option<&Tensor>,
-    first: bool,
-    lr: f64,
-    weight_decay: f64,
-    momentum: f64,
-    dampening: f64,
-    nesterov: bool,
+    h: &SgdParams,
 ) -> Result<()>
 where
     T::Acc: Element,
 {
     const OP: &str = "sgd_step_";
+    let SgdParams { lr, weight_decay, momentum, dampening, nesterov, first_step: first } = *h;
     let a = <T::Acc as Acc>::of;
     let (lr_a, wd, mom, damp) = (a(lr), a(weight_decay), a(momentum), a(1.0 - dampening));
     let use_wd = weight_decay != 0.0;
@@ -199,42 +212,17 @@ impl Tensor {
     /// device) is updated in place (`None` without momentum). CUDA parameters of f32,
     /// bf16 or f16 are updated by CUDA kernels, the others on the host. Not recorded by
     /// autograd.
-    #[allow(clippy::too_many_arguments)]
     pub fn sgd_step_(
         &self,
         grad: &Tensor,
         momentum_buffer: Option<&Tensor>,
-        first_step: bool,
-        lr: f64,
-        weight_decay: f64,
-        momentum: f64,
-        dampening: f64,
-        nesterov: bool,
+        h: &SgdParams,
     ) -> Result<()> {
         if on_device_kernels(self) {
-            return self.cuda_sgd_step_(
-                grad,
-                momentum_buffer,
-                first_step,
-                lr,
-                weight_decay,
-                momentum,
-                dampening,
-                nesterov,
-            );
+            return self.cuda_sgd_step_(grad, momentum_buffer, h);
         }
         with_float_type!(self.dtype(), "sgd_step_", |T| {
-            host_sgd::<T>(
-                self,
-                grad,
-                momentum_buffer,
-                first_step,
-                lr,
-                weight_decay,
-                momentum,
-                dampening,
-                nesterov,
-            )
+            host_sgd::<T>(self, grad, momentum_buffer, h)
         })
     }
 }
