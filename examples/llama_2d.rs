@@ -432,8 +432,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 &mut sampler,
                 &mut progress,
                 |items| Ok(c.load_latest(items)?),
-            )
-            .map_err(run::explain_resume)?;
+            )?;
             if let Some(step) = resumed {
                 progress.check_resumed(step)?;
                 // The optimizer's own state holds the saved learning rate.

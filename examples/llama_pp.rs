@@ -302,16 +302,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 ..Default::default()
             };
             let mut c = CheckpointManager::new(dir, world, config)?;
-            let resumed = c
-                .load_latest(&mut items(
-                    &mut run_config,
-                    &mut pipe,
-                    &mut opt,
-                    &mut sched,
-                    &mut sampler,
-                    &mut progress,
-                ))
-                .map_err(|e| run::explain_resume(e.into()))?;
+            let resumed = c.load_latest(&mut items(
+                &mut run_config,
+                &mut pipe,
+                &mut opt,
+                &mut sched,
+                &mut sampler,
+                &mut progress,
+            ))?;
             if let Some(step) = resumed {
                 progress.check_resumed(step)?;
                 // The optimizer's own state holds the saved learning rate.

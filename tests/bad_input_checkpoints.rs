@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tpar::checkpoint::format::{Metadata, Scalar, METADATA};
-use tpar::checkpoint::{CheckpointConfig, CheckpointError, CheckpointManager};
+use tpar::checkpoint::{CheckpointConfig, CheckpointManager};
 use tpar::prelude::*;
 
 mod common;
@@ -445,12 +445,4 @@ fn interrupted_pruning_leaves_nothing_behind() {
     assert_eq!(files_under(&dir), vec![".lock".to_string(), "step-00000004".to_string()]);
     assert_eq!(load_latest(&dir).unwrap(), Some((4, vec![4.0; 3])));
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A checkpoint error stays typed through the facade.
-#[test]
-fn checkpoint_errors_are_typed() {
-    let e = CheckpointError::Damaged { path: "p/metadata.json".into(), what: "missing".into() };
-    let m = tpar::Error::from(e).to_string();
-    assert!(m.contains("damaged checkpoint: p/metadata.json: missing"), "{m}");
 }

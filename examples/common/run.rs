@@ -131,22 +131,16 @@ pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
         .require("data.seed", r.seed)
         .require("data.samples", r.samples)
         .require("data.digest", format!("{digest:016x}"));
-    c = if r.override_lr { c.record("optim.lr", a.lr) } else { c.require("optim.lr", a.lr) };
+    c = if r.override_lr {
+        c.record("optim.lr", a.lr)
+    } else {
+        c.require("optim.lr", a.lr)
+            .note("optim.lr", "--override-lr resumes with this run's --lr on purpose")
+    };
     for (k, v) in recorded {
         c = c.record(k, v.clone());
     }
     c
-}
-
-/// The resume error of a learning rate that differs, with the flag that allows it.
-pub fn explain_resume(e: tpar::Error) -> tpar::Error {
-    let m = e.to_string();
-    if m.contains("optim.lr: saved") {
-        return tpar::Error::from(NnError::Config {
-            what: format!("{m} (--override-lr resumes with this run's --lr on purpose)"),
-        });
-    }
-    e
 }
 
 /// The shuffled sampler of dp rank `dp_rank` over `len` samples, and how many batches

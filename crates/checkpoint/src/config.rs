@@ -17,9 +17,13 @@ use tpar_tensor::state::{StateDict, StateDictError, StateValue, Stateful};
 /// ```
 /// use tpar_checkpoint::{RunConfig, Stateful};
 /// let saved = RunConfig::new().require("lr", 3e-3).require("layers", 2).record("tp", 2);
-/// let mut resumed = RunConfig::new().require("lr", 1e-3).require("layers", 2).record("tp", 4);
+/// let mut resumed = RunConfig::new()
+///     .require("lr", 1e-3)
+///     .note("lr", "--override-lr to change it")
+///     .require("layers", 2)
+///     .record("tp", 4);
 /// let err = resumed.load_state_dict(saved.state_dict()?).unwrap_err().to_string();
-/// assert!(err.contains("lr: saved 0.003, this run 0.001"), "{err}");
+/// assert!(err.contains("lr: saved 0.003, this run 0.001 (--override-lr to change it)"), "{err}");
 /// assert!(!err.contains("tp"), "{err}");
 /// # Ok::<(), tpar_checkpoint::StateDictError>(())
 /// ```
@@ -27,6 +31,8 @@ use tpar_tensor::state::{StateDict, StateDictError, StateValue, Stateful};
 pub struct RunConfig {
     /// Each key's value and whether a resume must match it.
     entries: BTreeMap<String, (ConfigValue, bool)>,
+    /// How to change a required key on purpose, added to its difference.
+    notes: BTreeMap<String, String>,
 }
 
 /// A value of a [`RunConfig`]: an integer, a float or text.
@@ -125,6 +131,13 @@ impl RunConfig {
         self
     }
 
+    /// Adds to `key`'s difference, should a resume refuse it, how to change it on
+    /// purpose (a flag of the trainer, say).
+    pub fn note(mut self, key: &str, how: &str) -> RunConfig {
+        self.notes.insert(key.to_string(), how.to_string());
+        self
+    }
+
     /// This run's value of `key`.
     pub fn get(&self, key: &str) -> Option<&ConfigValue> {
         self.entries.get(key).map(|(v, _)| v)
@@ -155,7 +168,8 @@ impl Stateful for RunConfig {
                     differences.push(format!("{key}: saved a {}, this run {mine}", v.kind()))
                 }
                 Some((_, Some(saved))) if !saved.same(mine) => {
-                    differences.push(format!("{key}: saved {saved}, this run {mine}"))
+                    let note = self.notes.get(key).map(|n| format!(" ({n})")).unwrap_or_default();
+                    differences.push(format!("{key}: saved {saved}, this run {mine}{note}"))
                 }
                 Some(_) => {}
             }
