@@ -56,6 +56,9 @@ pub enum Error {
     /// A checkpoint could not be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] tpar_checkpoint::CheckpointError),
+    /// A Hugging Face checkpoint could not be read or written.
+    #[error(transparent)]
+    Hf(#[from] tpar_models::hf::HfError),
     /// A state dict does not fit what loads it.
     #[error(transparent)]
     State(#[from] tpar_tensor::state::StateDictError),

@@ -17,6 +17,9 @@
 //!   (`full_state_dict`, `cpu_offload`, `strict`, `broadcast_from_rank0`), and
 //!   [`export_safetensors`] / [`import_safetensors`] for one safetensors file other
 //!   tools read and write.
+//! * [`hf`]: safetensors checkpoints in the Hugging Face layout (one file, or shards
+//!   with their index), read by the byte ranges of each rank's chunks and written
+//!   sharded.
 //!
 //! Anything with state takes part through [`Stateful`]: modules (through
 //! [`ModuleState`]), the optimizers and the scheduler of `tpar-optim`, the sampler of
@@ -54,6 +57,7 @@ mod dcp;
 mod exchange;
 pub mod format;
 mod full;
+pub mod hf;
 mod lock;
 mod manager;
 

@@ -2,7 +2,8 @@
 //! implementations, and their tensor-parallel plans: the Llama
 //! ([`LlamaForPretraining`]: RoPE, grouped-query attention, RMSNorm, SwiGLU) and
 //! [`llama_plans`] (sequence-parallel and Megatron layer plans, applied to every
-//! decoder layer by [`llama_plans::parallelize_llama`]).
+//! decoder layer by [`llama_plans::parallelize_llama`]), and [`hf`]: Hugging Face
+//! Llama checkpoints (`config.json` and safetensors) in and out.
 //!
 //! ```
 //! use tpar_models::{LlamaConfig, LlamaForPretraining};
@@ -24,6 +25,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod hf;
 pub mod llama;
 mod llama_pipeline;
 pub mod llama_plans;

@@ -1,0 +1,105 @@
+"""Golden files for tpar's Hugging Face Llama import and export (tests/hf_checkpoint.rs).
+
+Builds tiny Llamas with `transformers` (2 layers, hidden 32, 4 query heads, 2 key/value
+heads, vocab 96, float32, fixed seed), saves them with `save_pretrained` (safetensors;
+a small `max_shard_size`, so the untied one is sharded through
+`model.safetensors.index.json`) and writes their logits on a fixed batch:
+
+- `tests/golden/hf_tiny/`: untied head, sharded; `logits.safetensors` holds
+  `input_ids` (i64 [2, 8]) and `logits` (f32 [2, 8, 96]) of `LlamaForCausalLM` in eval
+  mode with no attention mask (plain causal attention).
+- `tests/golden/hf_tiny_tied/`: `tie_word_embeddings=True` (no `lm_head.weight` in the
+  file), one `model.safetensors`, and its `logits.safetensors` on the same batch.
+
+Run from the repository root (needs `pip install torch transformers safetensors`; the
+Rust tests read only the committed files, so CI needs no Python):
+
+    python scripts/make_hf_golden.py
+
+With `--check-export DIR`, instead loads a directory tpar exported
+(`llama_2d --export-hf DIR`, or the test's export with TPAR_HF_EXPORT_DIR set) with
+`LlamaForCausalLM.from_pretrained` and, when DIR holds `logits.safetensors`, checks
+that transformers' logits on its `input_ids` equal them (f32, 1e-5).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+SIZES = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def batch():
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, SIZES["vocab_size"], (2, 8), generator=g, dtype=torch.int64)
+
+
+def make(name, tie, seed, shard):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**SIZES, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    # Norm weights other than ones, so a mix-up of the two norms shows.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    out = os.path.join(GOLDEN, name)
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(out):
+        os.remove(os.path.join(out, f))
+    model.save_pretrained(out, max_shard_size=shard, safe_serialization=True)
+    ids = batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    save_file({"input_ids": ids, "logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
+    files = sorted(os.listdir(out))
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
+    print(f"wrote {out}: {files} ({size} bytes)")
+
+
+def check_export(d):
+    model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    print(f"transformers loaded {d}: {model.config.num_hidden_layers} layers, "
+          f"vocab {model.config.vocab_size}, tied {model.config.tie_word_embeddings}")
+    golden = os.path.join(d, "logits.safetensors")
+    if not os.path.exists(golden):
+        return 0
+    g = load_file(golden)
+    with torch.no_grad():
+        got = model(input_ids=g["input_ids"]).logits.float()
+    err = (got - g["logits"]).abs().max().item()
+    print(f"max |transformers - tpar| = {err:.3e}")
+    return 0 if err <= 1e-5 else 1
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check-export", metavar="DIR")
+    a = ap.parse_args()
+    if a.check_export:
+        sys.exit(check_export(a.check_export))
+    make("hf_tiny", tie=False, seed=1234, shard="40KB")
+    make("hf_tiny_tied", tie=True, seed=4321, shard="10MB")
