@@ -913,7 +913,7 @@ impl Tensor {
     /// vocab-parallel cross-entropy). A target that is neither `ignore_index` nor in
     /// `[0, vocab_size)` is an `IndexOutOfRange` error (a 4-byte status read, no tensor
     /// data). For CUDA tensors only.
-    pub fn ce_shard_stats(
+    pub(crate) fn cuda_ce_shard_stats(
         &self,
         targets: &Tensor,
         vocab_start: i64,
@@ -966,7 +966,11 @@ impl Tensor {
     /// `sumexp` (f32 `[n]`, relative to `local_max`) rescaled to be relative to
     /// `global_max`, on the device: the shards' values can then be summed. For CUDA
     /// tensors only.
-    pub fn ce_rescale(local_max: &Tensor, sumexp: &Tensor, global_max: &Tensor) -> Result<Tensor> {
+    pub(crate) fn cuda_ce_rescale(
+        local_max: &Tensor,
+        sumexp: &Tensor,
+        global_max: &Tensor,
+    ) -> Result<Tensor> {
         const OP: &str = "ce_rescale";
         let n = ce_rows(OP, &[local_max, sumexp, global_max])?;
         let dev = device_of(sumexp, OP)?;
@@ -981,7 +985,7 @@ impl Tensor {
     }
 
     /// f32 `lse = max + ln(sumexp)` (`[n]`) on the device. For CUDA tensors only.
-    pub fn ce_lse(max: &Tensor, sumexp: &Tensor) -> Result<Tensor> {
+    pub(crate) fn cuda_ce_lse(max: &Tensor, sumexp: &Tensor) -> Result<Tensor> {
         const OP: &str = "ce_lse";
         let n = ce_rows(OP, &[max, sumexp])?;
         let dev = device_of(max, OP)?;
@@ -995,7 +999,7 @@ impl Tensor {
     /// The two sums a mean cross-entropy needs, as an f32 `[2]` tensor on the device:
     /// the total of `lse - target_logit` over the rows whose i64 target is not
     /// `ignore_index`, and the number of those rows. For CUDA tensors only.
-    pub fn ce_loss_sums(
+    pub(crate) fn cuda_ce_loss_sums(
         lse: &Tensor,
         target_logit: &Tensor,
         targets: &Tensor,
@@ -1034,7 +1038,7 @@ impl Tensor {
     /// scale`, from the global f32 `lse` (`[rows]`) and a one-element f32 `scale`, in
     /// the logits' dtype; zero rows where the target is `ignore_index`. For CUDA tensors
     /// only.
-    pub fn ce_shard_backward(
+    pub(crate) fn cuda_ce_shard_backward(
         &self,
         targets: &Tensor,
         vocab_start: i64,

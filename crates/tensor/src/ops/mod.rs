@@ -5,6 +5,7 @@ use std::sync::RwLockReadGuard;
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
+mod cross_entropy;
 mod elementwise;
 mod gpu;
 mod gpu_elem;
