@@ -52,18 +52,15 @@ fn load_golden_params(model: &mut dyn Module, file: &Files) -> Result<(), NnErro
             assert_eq!(full.dims(), slot.param.shape().as_slice(), "{fqn}: golden shape");
             *slot.param = match &*slot.param {
                 Param::Tensor(_) => Param::Tensor(full.requires_grad_(true)),
-                Param::Fsdp(f) => {
-                    let local = match f.tp() {
-                        Some(spec) => tpar_dtensor::redistribute::slice_full(&full, spec)?,
-                        None => full,
-                    };
-                    f.reinit(&local)?;
-                    Param::Fsdp(f.clone())
-                }
                 Param::DTensor(d) => {
                     let local = tpar_dtensor::redistribute::slice_full(&full, d.spec())?;
+                    let leaf = local.requires_grad_(true);
+                    // An FSDP parameter's state takes the new shard as its own.
+                    if let Some(u) = slot.param.unsharder()? {
+                        u.adopt(&leaf)?;
+                    }
                     Param::DTensor(tpar_dtensor::DTensor::from_local(
-                        &local.requires_grad_(true),
+                        &leaf,
                         d.mesh(),
                         d.placements(),
                         Some(d.shape()),

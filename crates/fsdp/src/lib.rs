@@ -10,8 +10,10 @@
 //!   reduced with one reduce-scatter per dtype, through flat per-unit buffers, with the
 //!   unit's record in an [`FsdpTimeline`].
 //! * [`FsdpParam`]: one parameter's dp shard (the leaf the optimizer updates) and its
-//!   unsharded tensor; the module layer sees it as a
-//!   [`tpar_nn::Param::Fsdp`] through the [`tpar_nn::ShardedParam`] trait.
+//!   unsharded tensor. The module holds the parameter as a plain
+//!   [`tpar_nn::Param::DTensor`] (`Shard(0)` on dp, after its tensor-parallel
+//!   placements), whose shard links to this state ([`tpar_nn::Unshard`]); [`fsdp_param`]
+//!   finds it.
 //!
 //! ```
 //! use tpar_collectives::spawn;
@@ -38,4 +40,6 @@ pub mod unit;
 
 pub use group::{FsdpParamGroup, FsdpTimeline, TimelineEvent, TimelineKind};
 pub use param::FsdpParam;
-pub use unit::{fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, MixedPrecision};
+pub use unit::{
+    fsdp_param, fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, MixedPrecision,
+};

@@ -12,7 +12,7 @@ use tpar_placements::chunk_range;
 use tpar_tensor::autograd::{needs_input_grad, record, GradModeGuard};
 use tpar_tensor::{no_grad, DType, Device, Tensor, TensorError};
 
-use tpar_nn::{ComputeParam, NnError, Result, ShardedParam};
+use tpar_nn::{link_unsharder, ComputeParam, NnError, Result, Unshard};
 
 use crate::group::FsdpParamGroup;
 
@@ -40,7 +40,11 @@ struct Inner {
 /// gradient (averaged over dp, in `reduce_dtype`) into the shard.
 pub struct FsdpParam {
     inner: Mutex<Inner>,
-    dp_mesh: DeviceMesh,
+    /// This state, for the link its shards carry ([`link_unsharder`]).
+    me: Weak<FsdpParam>,
+    /// The parameter's layout as a DTensor: `[Shard(0)]` on the dp mesh, or the
+    /// tensor-parallel placements then `Shard(0)` on the mesh of the tp dims and dp.
+    layout: DTensorSpec,
     dp: ProcessGroup,
     tp: Option<DTensorSpec>,
     local_shape: Vec<usize>,
@@ -76,23 +80,57 @@ impl FsdpParam {
         if local.rank() == 0 {
             return Err(NnError::Config { what: "FSDP cannot shard a 0-d parameter".into() });
         }
+        let layout = Self::layout(local.dims(), tp.as_ref(), dp_mesh)?;
         let sharded = Self::shard_of(local, &dp)?;
-        let p = FsdpParam {
+        let p = Arc::new_cyclic(|me| FsdpParam {
             inner: Mutex::new(Inner {
                 unsharded: sharded.clone(),
                 sharded: sharded.clone(),
                 pending: None,
             }),
-            dp_mesh: dp_mesh.clone(),
+            me: me.clone(),
+            layout,
             dp,
             tp,
             local_shape: local.dims().to_vec(),
             param_dtype,
             reduce_dtype,
             group: Arc::new(Mutex::new(None)),
-        };
+        });
         p.install(sharded)?;
-        Ok(Arc::new(p))
+        Ok(p)
+    }
+
+    /// The DTensor layout of the dp shards of `local` (the tensor-parallel local
+    /// parameter, laid out by `tp`). FSDP shards the TP-local shard, so the TP split is
+    /// the outer one: the mesh is the tp dims then dp, cut from their common root mesh
+    /// ([`DeviceMesh::root`]), with the tp placements then `Shard(0)`, which nests exactly
+    /// as the shards are held.
+    fn layout(
+        local: &[usize],
+        tp: Option<&DTensorSpec>,
+        dp_mesh: &DeviceMesh,
+    ) -> Result<DTensorSpec> {
+        let Some(spec) = tp else {
+            return Ok(DTensorSpec::new(dp_mesh, &[Placement::Shard(0)], local)?);
+        };
+        let root = dp_mesh.root();
+        let tp_root = spec.mesh().root();
+        if root.names() != tp_root.names() || root.ranks() != tp_root.ranks() {
+            return Err(NnError::Config {
+                what: format!(
+                    "fully_shard's dp mesh {dp_mesh} and the tensor-parallel mesh {} of a \
+                     parameter must be cut from one mesh (mesh[\"dp\"] and mesh[\"tp\"])",
+                    spec.mesh()
+                ),
+            });
+        }
+        let mut names: Vec<&str> = spec.mesh().names().iter().map(String::as_str).collect();
+        names.extend(dp_mesh.names().iter().map(String::as_str));
+        let mesh = root.slice(&names)?;
+        let mut placements = spec.placements().to_vec();
+        placements.push(Placement::Shard(0));
+        Ok(DTensorSpec::new(&mesh, &placements, spec.shape())?)
     }
 
     fn shard_of(local: &Tensor, dp: &ProcessGroup) -> Result<Tensor> {
@@ -100,8 +138,11 @@ impl FsdpParam {
         Ok(no_grad(|| local.detach().narrow(0, start, len)?.deep_clone())?.requires_grad_(true))
     }
 
-    /// Sets the shard and builds the unsharded tensor with its all-gather node.
+    /// Sets the shard (linked to this state, [`link_unsharder`]) and builds the unsharded
+    /// tensor with its all-gather node.
     fn install(&self, sharded: Tensor) -> Result<()> {
+        let me: Weak<dyn Unshard> = self.me.clone();
+        link_unsharder(&sharded, me)?;
         let placeholder = if sharded.device() == Device::Meta {
             Tensor::empty(self.local_shape.clone(), self.param_dtype, Device::Meta)?
         } else {
@@ -132,11 +173,21 @@ impl FsdpParam {
         Ok(())
     }
 
-    /// Replaces the shard with this rank's chunk of a new (tp-local) value, e.g. at
-    /// initialisation; the old gradient is dropped (and a gather of the old values that
-    /// is in flight, discarded).
-    pub fn reinit(&self, local: &Tensor) -> Result<()> {
-        self.install(Self::shard_of(local, &self.dp)?)?;
+    /// Makes `shard` (a new leaf laid out as the current shard, e.g. at initialisation)
+    /// the shard; the old gradient is dropped (and a gather of the old values that is in
+    /// flight, discarded).
+    pub fn adopt(&self, shard: &Tensor) -> Result<()> {
+        let want = self.sharded();
+        if shard.dims() != want.dims() {
+            return Err(NnError::Config {
+                what: format!(
+                    "a new shard of {:?} for the FSDP parameter {self:?}, whose shard is {:?}",
+                    shard.dims(),
+                    want.dims()
+                ),
+            });
+        }
+        self.install(shard.clone())?;
         if let Some((group, _)) = self.group() {
             group.discard_prefetch()?;
         }
@@ -144,12 +195,18 @@ impl FsdpParam {
     }
 
     /// Copies `shard` (this rank's dp shard of a saved value) into the shard in place,
-    /// keeping the leaf and its optimizer state's identity, and releases any gathered
-    /// copy (or discards a gather in flight) so the next use gathers the new values.
+    /// keeping the leaf and its optimizer state's identity, and drops what was gathered
+    /// of the old values ([`FsdpParam::invalidate`]).
     pub fn load_shard(&self, shard: &Tensor) -> Result<()> {
+        no_grad(|| self.sharded().copy_(shard))?;
+        self.invalidate()
+    }
+
+    /// Releases any gathered copy (or discards a gather in flight), so the next use
+    /// gathers the shard's current values (after they were overwritten in place).
+    pub fn invalidate(&self) -> Result<()> {
         {
             let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            no_grad(|| inner.sharded.copy_(shard))?;
             if !inner.unsharded.is_released() && inner.unsharded.device() != Device::Meta {
                 inner.unsharded.release_storage_();
             }
@@ -158,6 +215,11 @@ impl FsdpParam {
             group.discard_prefetch()?;
         }
         Ok(())
+    }
+
+    /// This state as the `Arc` it lives in.
+    pub(crate) fn this(&self) -> Option<Arc<FsdpParam>> {
+        self.me.upgrade()
     }
 
     /// The unit this parameter belongs to, and its index there.
@@ -206,33 +268,14 @@ impl FsdpParam {
     }
 
     /// The parameter as a DTensor whose local shard is the dp shard (the leaf the
-    /// optimizer updates), for state dicts and checkpoints. Without tensor parallelism
-    /// it lives on the dp mesh as `[Shard(0)]`. With it, FSDP shards the TP-local shard,
-    /// so the TP split is the outer one: the DTensor lives on `mesh` (the 2-d mesh
-    /// holding both dims) sliced to `(tp, dp)` order, with placements
-    /// `[<tp placement>, Shard(0)]`, which nests exactly as the shards are held.
-    pub fn dtensor(&self, mesh: Option<&DeviceMesh>) -> Result<DTensor> {
-        let sharded = self.sharded();
-        match &self.tp {
-            None => Ok(DTensor::from_local(
-                &sharded,
-                &self.dp_mesh,
-                &[Placement::Shard(0)],
-                Some(&self.local_shape),
-            )?),
-            Some(spec) => {
-                let Some(mesh) = mesh else {
-                    return Err(NnError::Config {
-                        what: "a tensor-parallel FSDP parameter needs the 2-d mesh to be presented as a DTensor".into(),
-                    });
-                };
-                let tp_name = spec.mesh().names()[0].clone();
-                let dp_name = self.dp_mesh.names()[0].clone();
-                let m = mesh.slice(&[tp_name.as_str(), dp_name.as_str()])?;
-                let placements = [spec.placements()[0], Placement::Shard(0)];
-                Ok(DTensor::from_local(&sharded, &m, &placements, Some(spec.shape()))?)
-            }
-        }
+    /// optimizer updates): what the module holds as its parameter
+    /// ([`Param::DTensor`](tpar_nn::Param::DTensor)), for state dicts, optimizers and
+    /// checkpoints. Without tensor parallelism it lives on the dp mesh as
+    /// `[Shard(0)]`; with it, on the tp dims then dp as `[<tp placements>, Shard(0)]`
+    /// (see [`FsdpParam::new`]).
+    pub fn dtensor(&self) -> Result<DTensor> {
+        let l = &self.layout;
+        Ok(DTensor::from_local(&self.sharded(), l.mesh(), l.placements(), Some(l.shape()))?)
     }
 
     /// The dp group.
@@ -352,40 +395,16 @@ pub(crate) fn into_tensor_error(e: NnError) -> TensorError {
     }
 }
 
-/// The module layer's view of an FSDP parameter (`Param::Fsdp`): the inherent methods.
-impl ShardedParam for FsdpParam {
-    fn sharded(&self) -> Tensor {
-        FsdpParam::sharded(self)
-    }
-    fn unsharded(&self) -> Tensor {
-        FsdpParam::unsharded(self)
-    }
+/// The module layer's view of an FSDP parameter ([`tpar_nn::Param::unsharder`]).
+impl Unshard for FsdpParam {
     fn compute(&self) -> Result<ComputeParam> {
         FsdpParam::compute(self)
     }
-    fn dtensor(&self, mesh: Option<&DeviceMesh>) -> Result<DTensor> {
-        FsdpParam::dtensor(self, mesh)
+    fn adopt(&self, shard: &Tensor) -> Result<()> {
+        FsdpParam::adopt(self, shard)
     }
-    fn tp(&self) -> Option<&DTensorSpec> {
-        FsdpParam::tp(self)
-    }
-    fn local_shape(&self) -> &[usize] {
-        FsdpParam::local_shape(self)
-    }
-    fn dp(&self) -> &ProcessGroup {
-        FsdpParam::dp(self)
-    }
-    fn grad_local(&self) -> Result<Option<Tensor>> {
-        FsdpParam::grad_local(self)
-    }
-    fn gather_full(&self, shard: &Tensor) -> Result<Tensor> {
-        FsdpParam::gather_full(self, shard)
-    }
-    fn reinit(&self, local: &Tensor) -> Result<()> {
-        FsdpParam::reinit(self, local)
-    }
-    fn load_shard(&self, shard: &Tensor) -> Result<()> {
-        FsdpParam::load_shard(self, shard)
+    fn invalidate(&self) -> Result<()> {
+        FsdpParam::invalidate(self)
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self

@@ -322,8 +322,11 @@ pub fn fully_shard(
     let mut params = Vec::new();
     visit_modules_mut(module, "", &mut |_, m| {
         for slot in m.param_slots() {
+            if slot.param.unsharder()?.is_some() {
+                // A child unit's.
+                continue;
+            }
             let (local, tp) = match &*slot.param {
-                Param::Fsdp(_) => continue,
                 Param::Tensor(t) => (t.clone(), None),
                 Param::DTensor(d) => (d.to_local(), Some(d.spec().clone())),
             };
@@ -332,7 +335,7 @@ pub fn fully_shard(
                 None => (local.dtype(), local.dtype()),
             };
             let f = FsdpParam::new(&local, tp, dp_mesh, pd, rd)?;
-            slot.param.replace(Param::Fsdp(f.clone()), "fully_shard");
+            slot.param.replace(Param::DTensor(f.dtensor()?), "fully_shard");
             params.push(f);
         }
         Ok(())
@@ -349,6 +352,16 @@ pub fn fully_shard(
         }),
     }));
     Ok(())
+}
+
+/// The FSDP state of `param` when `fully_shard` sharded it (its
+/// [`Param::unsharder`]); `None` for any other parameter.
+///
+/// # Errors
+/// As [`Param::unsharder`]: the module that sharded it no longer exists.
+pub fn fsdp_param(param: &Param) -> Result<Option<Arc<FsdpParam>>> {
+    let Some(u) = param.unsharder()? else { return Ok(None) };
+    Ok(u.as_any().downcast_ref::<FsdpParam>().and_then(FsdpParam::this))
 }
 
 /// Starts gathering `module`'s own FSDP parameters ahead of its forward (as FSDP2's

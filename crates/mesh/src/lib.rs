@@ -22,6 +22,7 @@
 
 use std::fmt;
 use std::ops::Index;
+use std::sync::Arc;
 
 use tpar_collectives::{CollectiveError, ProcessGroup};
 
@@ -108,6 +109,9 @@ pub struct DeviceMesh {
     groups: Vec<ProcessGroup>,
     /// The 1-d meshes of each dim (empty for a 1-d mesh, which is its own dim).
     dims: Vec<DeviceMesh>,
+    /// The mesh this one was cut from by [`DeviceMesh::dim`] or [`DeviceMesh::slice`]
+    /// (kept without its dim meshes); `None` for a mesh built over ranks.
+    root: Option<Arc<DeviceMesh>>,
 }
 
 impl fmt::Debug for DeviceMesh {
@@ -202,11 +206,40 @@ impl DeviceMesh {
             coord,
             groups,
             dims: Vec::new(),
+            root: None,
         };
-        if mesh.shape.len() > 1 {
-            mesh.dims = (0..mesh.shape.len()).map(|d| mesh.dim_mesh(d)).collect();
-        }
+        mesh.fill_dims();
         Ok(mesh)
+    }
+
+    /// Builds the 1-d meshes of every dim (a mesh of more than one dim).
+    fn fill_dims(&mut self) {
+        if self.shape.len() > 1 {
+            self.dims = (0..self.shape.len()).map(|d| self.dim_mesh(d)).collect();
+        }
+    }
+
+    /// The mesh this one was cut from, without its dim meshes (itself when it was built
+    /// over ranks).
+    fn root_arc(&self) -> Arc<DeviceMesh> {
+        match &self.root {
+            Some(r) => r.clone(),
+            None => Arc::new(DeviceMesh { dims: Vec::new(), root: None, ..self.clone() }),
+        }
+    }
+
+    /// The mesh this one was cut from by [`DeviceMesh::dim`] or [`DeviceMesh::slice`]
+    /// (PyTorch's root mesh): itself when it was built over ranks. FSDP uses it to lay
+    /// a parameter out over its dp mesh and its tensor-parallel mesh together.
+    pub fn root(&self) -> DeviceMesh {
+        match &self.root {
+            Some(r) => {
+                let mut m = DeviceMesh::clone(r);
+                m.fill_dims();
+                m
+            }
+            None => self.clone(),
+        }
     }
 
     /// The 1-d mesh along dim `d` through this rank (reusing its group).
@@ -226,6 +259,7 @@ impl DeviceMesh {
             coord: vec![self.coord[d]],
             groups: vec![self.groups[d].clone()],
             dims: Vec::new(),
+            root: Some(self.root_arc()),
         }
     }
 
@@ -295,9 +329,21 @@ impl DeviceMesh {
         Ok(if self.dims.is_empty() { self } else { &self.dims[d] })
     }
 
-    /// The sub-mesh of several named dims, in the order given (`mesh["dp", "tp"]`).
+    /// The sub-mesh of several named dims, in the order given (`mesh["dp", "tp"]`,
+    /// `mesh["tp", "dp"]`), through this rank. Each dim keeps its process group (nothing
+    /// is communicated or created), and the sub-mesh remembers its root
+    /// ([`DeviceMesh::root`]).
     pub fn slice(&self, names: &[&str]) -> Result<DeviceMesh> {
         let idx = names.iter().map(|n| self.dim_index(n)).collect::<Result<Vec<_>>>()?;
+        if let Some(n) =
+            names.iter().enumerate().find_map(|(i, n)| names[..i].contains(n).then_some(n))
+        {
+            return Err(MeshError::BadNames {
+                names: names.iter().map(|s| s.to_string()).collect(),
+                shape: self.shape.clone(),
+                why: format!("name {n:?} repeats"),
+            });
+        }
         let shape: Vec<usize> = idx.iter().map(|&d| self.shape[d]).collect();
         let sub_size: usize = shape.iter().product();
         let ranks: Vec<usize> = (0..sub_size)
@@ -308,7 +354,18 @@ impl DeviceMesh {
                 self.ranks[flatten(&c, &self.shape)]
             })
             .collect();
-        self.derive(ranks, shape, names)
+        let mut mesh = DeviceMesh {
+            device: self.device,
+            names: names.iter().map(|s| s.to_string()).collect(),
+            ranks,
+            coord: idx.iter().map(|&d| self.coord[d]).collect(),
+            groups: idx.iter().map(|&d| self.groups[d].clone()).collect(),
+            shape,
+            dims: Vec::new(),
+            root: Some(self.root_arc()),
+        };
+        mesh.fill_dims();
+        Ok(mesh)
     }
 
     /// The dims `names` (adjacent or not) flattened into one dim called `new_name`,

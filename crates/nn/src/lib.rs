@@ -19,7 +19,7 @@ pub use module::{
     call, init_value, named_modules, named_parameters, parameters, reset_parameters, set_training,
     visit_modules_mut, AttentionHeads, ForwardHook, Init, Module, ModuleCore, ParamSlot,
 };
-pub use param::{check_not_retired, ComputeParam, GradLayout, Param, ShardedParam};
+pub use param::{check_not_retired, link_unsharder, ComputeParam, GradLayout, Param, Unshard};
 pub use state::{
     load_state_dict, state_dict, ModuleState, StateDict, StateDictError, StateValue, Stateful,
 };

@@ -254,18 +254,15 @@ pub fn reset_parameters(m: &mut dyn Module, device: Device, seed: u64) -> Result
             })?;
             let new = match &*slot.param {
                 Param::Tensor(_) => Param::Tensor(full.to_device(device)?.requires_grad_(true)),
-                Param::Fsdp(f) => {
-                    let local = match f.tp() {
-                        Some(spec) => tpar_dtensor::redistribute::slice_full(&full, spec)?,
-                        None => full,
-                    };
-                    f.reinit(&local.to_device(device)?)?;
-                    Param::Fsdp(f.clone())
-                }
                 Param::DTensor(d) => {
                     let local = tpar_dtensor::redistribute::slice_full(&full, d.spec())?;
+                    let leaf = local.to_device(device)?.requires_grad_(true);
+                    // An FSDP parameter's state takes the new shard as its own.
+                    if let Some(u) = slot.param.unsharder()? {
+                        u.adopt(&leaf)?;
+                    }
                     Param::DTensor(tpar_dtensor::DTensor::from_local(
-                        &local.to_device(device)?.requires_grad_(true),
+                        &leaf,
                         d.mesh(),
                         d.placements(),
                         Some(d.shape()),

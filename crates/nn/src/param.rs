@@ -1,44 +1,49 @@
 //! Parameters: a plain tensor, or a DTensor once a parallel style or FSDP shards it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use tpar_dtensor::DTensor;
 use tpar_tensor::{DType, Device, Shape, Tensor};
 
 use crate::Result;
 
-/// A parameter sharded over data-parallel ranks and gathered for compute: what the module
-/// layer needs of it. FSDP's parameters (`tpar_fsdp::FsdpParam`) implement it; the module
-/// layer knows no more of FSDP than this.
-pub trait ShardedParam: Send + Sync + std::fmt::Debug {
-    /// This rank's dp shard: the leaf the optimizer updates, which owns the gradient.
-    fn sharded(&self) -> Tensor;
-    /// The unsharded tensor the forward computes with (its storage may be released
-    /// between uses).
-    fn unsharded(&self) -> Tensor;
-    /// What a layer computes with, gathered first if needed.
+/// The state that gathers a sharded parameter for compute: what the module layer needs
+/// of FSDP. FSDP's parameters are plain [`Param::DTensor`]s (`Shard(0)` over the dp mesh,
+/// with their tensor-parallel placements); the shard of each carries its FSDP state
+/// (`tpar_fsdp::FsdpParam`), which implements this, so that a layer computes with the
+/// gathered parameter ([`Param::compute`]) and initialisation and loading keep the state
+/// in step ([`Param::unsharder`]).
+pub trait Unshard: Send + Sync + std::fmt::Debug {
+    /// What a layer computes with: the gathered parameter (a DTensor with its
+    /// tensor-parallel layout when it has one), gathered first if needed.
     fn compute(&self) -> Result<ComputeParam>;
-    /// The dp shard as a DTensor laid out as it is held on this rank (pass the 2-d mesh
-    /// when the parameter is also tensor-parallel).
-    fn dtensor(&self, mesh: Option<&tpar_mesh::DeviceMesh>) -> Result<DTensor>;
-    /// The tensor-parallel spec of the parameter, if it is also tensor-parallel.
-    fn tp(&self) -> Option<&tpar_dtensor::DTensorSpec>;
-    /// The shape of the (tensor-parallel local) parameter that is sharded over dp.
-    fn local_shape(&self) -> &[usize];
-    /// The dp group.
-    fn dp(&self) -> &tpar_collectives::ProcessGroup;
-    /// The reduced gradient of [`ShardedParam::sharded`].
-    fn grad_local(&self) -> Result<Option<Tensor>>;
-    /// The whole (tensor-parallel local) parameter from a dp shard laid out like
-    /// [`ShardedParam::sharded`] (collective over dp).
-    fn gather_full(&self, shard: &Tensor) -> Result<Tensor>;
-    /// Replaces the shard with this rank's chunk of `local` (the whole tensor-parallel
-    /// local value), as `reset_parameters` does.
-    fn reinit(&self, local: &Tensor) -> Result<()>;
-    /// Copies `shard` (this rank's chunk) into the shard, as loading a state dict does.
-    fn load_shard(&self, shard: &Tensor) -> Result<()>;
-    /// The concrete parameter, for its owner's crate to downcast.
+    /// Makes `shard`, a new leaf laid out as the current shard, the parameter's shard (as
+    /// `reset_parameters` does); what was gathered of the old one is dropped.
+    fn adopt(&self, shard: &Tensor) -> Result<()>;
+    /// The shard's values were overwritten in place (a state dict was loaded): drops
+    /// what was gathered of the old values, so the next use gathers the new ones.
+    fn invalidate(&self) -> Result<()>;
+    /// The concrete state, for its owner's crate to downcast.
     fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// What a sharded parameter's leaf carries ([`Tensor::attach`]): a weak link to its
+/// [`Unshard`] state (the state holds the leaf, so a strong one would never be freed).
+struct UnshardLink(Weak<dyn Unshard>);
+
+/// Links `shard` (the leaf of a sharded parameter) to the state that gathers it for
+/// compute; [`Param::unsharder`] finds it. A leaf is linked once.
+///
+/// # Errors
+/// [`NnError::Config`](crate::NnError::Config) when the leaf already carries something.
+pub fn link_unsharder(shard: &Tensor, state: Weak<dyn Unshard>) -> Result<()> {
+    if shard.attach(Arc::new(UnshardLink(state))) {
+        Ok(())
+    } else {
+        Err(crate::NnError::Config {
+            what: format!("{shard:?} is already linked to a sharded parameter's state"),
+        })
+    }
 }
 
 /// What a layer computes with: a plain tensor or a DTensor.
@@ -70,11 +75,9 @@ impl ComputeParam {
 pub enum Param {
     /// A plain tensor (every rank holds all of it).
     Tensor(Tensor),
-    /// A distributed tensor (each rank holds its shard).
+    /// A distributed tensor (each rank holds its shard). FSDP's parameters are these too
+    /// (`Shard(0)` on the dp mesh), gathered for compute by their [`Param::unsharder`].
     DTensor(DTensor),
-    /// Managed by FSDP (`tpar_fsdp::fully_shard`): sharded over the dp group, gathered
-    /// for compute.
-    Fsdp(Arc<dyn ShardedParam>),
 }
 
 impl Param {
@@ -84,34 +87,45 @@ impl Param {
         Ok(Param::Tensor(Tensor::zeros(shape, dtype, device)?.requires_grad_(true)))
     }
 
-    /// The tensor the forward pass computes with: the plain tensor, this rank's shard, or
-    /// FSDP's unsharded tensor (whose storage may be released between uses).
+    /// The tensor this rank holds: the plain tensor, or this rank's shard (for an FSDP
+    /// parameter, its dp shard; see [`Param::compute`] for what the forward uses).
     pub fn local(&self) -> Tensor {
         match self {
             Param::Tensor(t) => t.clone(),
             Param::DTensor(d) => d.to_local(),
-            Param::Fsdp(f) => f.unsharded(),
         }
     }
 
-    /// The parameter as a DTensor laid out as it is held on this rank: a DTensor
-    /// parameter itself; an FSDP parameter's dp shard with its layout (pass the 2-d mesh
-    /// when it is also tensor-parallel, see [`ShardedParam::dtensor`]); `None` for a plain
-    /// tensor.
-    pub fn as_dtensor(&self, mesh: Option<&tpar_mesh::DeviceMesh>) -> Result<Option<DTensor>> {
-        Ok(match self {
-            Param::Tensor(_) => None,
-            Param::DTensor(d) => Some(d.clone()),
-            Param::Fsdp(f) => Some(f.dtensor(mesh)?),
-        })
+    /// The state that gathers this parameter for compute, when it is sharded by FSDP
+    /// ([`link_unsharder`]); `None` for any other parameter.
+    ///
+    /// # Errors
+    /// [`NnError::Config`](crate::NnError::Config) when the parameter was sharded by a
+    /// module that no longer exists (its state is gone).
+    pub fn unsharder(&self) -> Result<Option<Arc<dyn Unshard>>> {
+        let Param::DTensor(d) = self else { return Ok(None) };
+        let Some(link) = d.local().attachment().and_then(|a| a.downcast_ref::<UnshardLink>())
+        else {
+            return Ok(None);
+        };
+        match link.0.upgrade() {
+            Some(u) => Ok(Some(u)),
+            None => Err(crate::NnError::Config {
+                what: format!(
+                    "{d:?} was sharded by FSDP in a module that no longer exists; take parameters from the live model"
+                ),
+            }),
+        }
     }
 
     /// What a layer computes with (an FSDP parameter is gathered first if needed).
     pub fn compute(&self) -> Result<ComputeParam> {
+        if let Some(u) = self.unsharder()? {
+            return u.compute();
+        }
         Ok(match self {
             Param::Tensor(t) => ComputeParam::Plain(t.clone()),
             Param::DTensor(d) => ComputeParam::Dist(d.clone()),
-            Param::Fsdp(f) => f.compute()?,
         })
     }
 
@@ -119,7 +133,7 @@ impl Param {
     pub fn dtensor(&self) -> Option<&DTensor> {
         match self {
             Param::DTensor(d) => Some(d),
-            Param::Tensor(_) | Param::Fsdp(_) => None,
+            Param::Tensor(_) => None,
         }
     }
 
@@ -128,9 +142,6 @@ impl Param {
         match self {
             Param::Tensor(t) => t.dims().to_vec(),
             Param::DTensor(d) => d.shape().to_vec(),
-            Param::Fsdp(f) => {
-                f.tp().map(|s| s.shape().to_vec()).unwrap_or_else(|| f.local_shape().to_vec())
-            }
         }
     }
 
@@ -153,10 +164,6 @@ impl Param {
         Ok(match self {
             Param::Tensor(t) => t.grad().map(Param::Tensor),
             Param::DTensor(d) => d.grad()?.map(Param::DTensor),
-            Param::Fsdp(f) => match f.grad_local()? {
-                None => None,
-                Some(g) => Some(Param::Tensor(f.gather_full(&g)?)),
-            },
         })
     }
 
@@ -165,16 +172,12 @@ impl Param {
         Ok(match self {
             Param::Tensor(t) => t.clone(),
             Param::DTensor(d) => d.full_tensor()?,
-            Param::Fsdp(f) => f.gather_full(&f.sharded())?,
         })
     }
 
     /// The leaf an optimizer updates in place: the plain tensor, or this rank's shard.
     pub fn trainable(&self) -> Tensor {
-        match self {
-            Param::Fsdp(f) => f.sharded(),
-            other => other.local(),
-        }
+        self.local()
     }
 
     /// The gradient of [`Param::trainable`], laid out like it, with the contributions of
@@ -186,7 +189,6 @@ impl Param {
         Ok(match self {
             Param::Tensor(t) => t.grad(),
             Param::DTensor(d) => d.grad()?.map(|g| g.to_local()),
-            Param::Fsdp(f) => f.grad_local()?,
         })
     }
 
@@ -243,7 +245,6 @@ impl Param {
             Param::DTensor(d) => {
                 Param::DTensor(DTensor::from_local(&g, d.mesh(), d.placements(), Some(d.shape()))?)
             }
-            Param::Fsdp(f) => Param::Tensor(f.gather_full(&g)?),
         })
     }
 
@@ -263,17 +264,8 @@ impl Param {
             }
             Ok::<(), crate::NnError>(())
         };
-        match self {
-            Param::Tensor(_) => {}
-            Param::DTensor(d) => add_spec(d.mesh(), d.placements())?,
-            Param::Fsdp(f) => {
-                if let Some(spec) = f.tp() {
-                    add_spec(spec.mesh(), spec.placements())?;
-                }
-                if f.dp().size() > 1 {
-                    layout.groups.push(f.dp().clone());
-                }
-            }
+        if let Param::DTensor(d) = self {
+            add_spec(d.mesh(), d.placements())?;
         }
         Ok(layout)
     }

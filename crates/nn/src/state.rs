@@ -2,7 +2,7 @@
 //! this rank holds, whatever made it (a plain tensor, a tensor-parallel DTensor, an FSDP
 //! shard, or both), so a checkpoint can reshard it on load.
 
-use tpar_placements::{chunk_range, local_shape_and_offset};
+use tpar_placements::local_shape_and_offset;
 pub use tpar_tensor::state::{ShardedTensor, StateDict, StateDictError, StateValue, Stateful};
 use tpar_tensor::{no_grad, Tensor};
 
@@ -11,9 +11,8 @@ use crate::{named_parameters, Module, NnError, Param, Result};
 
 /// Where this rank's [`Param::trainable`] tensor sits in the full parameter: the full
 /// parameter's shape and the offsets of the box this rank holds (its size is the
-/// trainable tensor's shape). A plain tensor is the whole box; a DTensor's box follows
-/// its placements on its mesh; an FSDP shard is its dp chunk of dim 0 inside the
-/// tensor-parallel box.
+/// trainable tensor's shape). A plain tensor is the whole box; a DTensor's box (an FSDP
+/// parameter's too) follows its placements on its mesh.
 pub fn param_box(p: &Param) -> Result<(Vec<usize>, Vec<usize>)> {
     let box_of =
         |spec_shape: &[usize], mesh: &tpar_mesh::DeviceMesh, pl: &[tpar_placements::Placement]| {
@@ -25,18 +24,6 @@ pub fn param_box(p: &Param) -> Result<(Vec<usize>, Vec<usize>)> {
         Param::DTensor(d) => {
             let (_, off) = box_of(d.shape(), d.mesh(), d.placements())?;
             (d.shape().to_vec(), off)
-        }
-        Param::Fsdp(f) => {
-            let (shape, mut off) = match f.tp() {
-                Some(spec) => {
-                    let (_, off) = box_of(spec.shape(), spec.mesh(), spec.placements())?;
-                    (spec.shape().to_vec(), off)
-                }
-                None => (f.local_shape().to_vec(), vec![0; f.local_shape().len()]),
-            };
-            let (start, _) = chunk_range(f.local_shape()[0], f.dp().size(), f.dp().rank());
-            off[0] += start;
-            (shape, off)
         }
     })
 }
@@ -171,9 +158,9 @@ pub fn load_state_dict(m: &mut dyn Module, mut state: StateDict, strict: bool) -
     visit_modules_mut(m, "", &mut |prefix, module| {
         for slot in module.param_slots() {
             let Some(src) = plan.remove(&join(prefix, slot.name)) else { continue };
-            match &*slot.param {
-                Param::Fsdp(f) => f.load_shard(&src)?,
-                p => no_grad(|| p.trainable().copy_(&src))?,
+            no_grad(|| slot.param.trainable().copy_(&src))?;
+            if let Some(u) = slot.param.unsharder()? {
+                u.invalidate()?;
             }
         }
         Ok(())

@@ -171,15 +171,13 @@ impl<O: Optimizer> ZeroRedundancyOptimizer<O> {
         // Buckets by dtype, members in parameter order (the same on every rank).
         let mut by_dtype: BTreeMap<&'static str, Bucket> = BTreeMap::new();
         for (i, (name, p)) in params.iter().enumerate() {
-            let t = match p {
-                Param::Fsdp(_) => {
-                    return Err(bad(format!(
-                        "parameter {name:?} is managed by FSDP, which shards optimizer state \
-                         already; use a plain optimizer with fully_shard"
-                    )))
-                }
-                other => other.trainable(),
-            };
+            if p.unsharder()?.is_some() {
+                return Err(bad(format!(
+                    "parameter {name:?} is managed by FSDP, which shards optimizer state \
+                     already; use a plain optimizer with fully_shard"
+                )));
+            }
+            let t = p.trainable();
             if t.device() == Device::Meta {
                 return Err(bad(format!(
                     "parameter {name:?} is still on the meta device; build the optimizer \

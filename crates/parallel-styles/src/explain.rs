@@ -66,9 +66,8 @@ pub fn explain(model: &dyn Module, events: &[HookEvent]) -> String {
     for (fqn, m) in &modules {
         let hooks = m.core().hooks();
         let params = m.params();
-        let sharded = params.iter().any(|(_, p)| match p.dtensor() {
-            Some(d) => d.placements().iter().any(|p| !p.is_replicate()),
-            None => !matches!(p, tpar_nn::Param::Tensor(_)),
+        let sharded = params.iter().any(|(_, p)| {
+            p.dtensor().is_some_and(|d| d.placements().iter().any(|p| !p.is_replicate()))
         });
         if hooks.is_empty() && !sharded {
             continue;
@@ -102,12 +101,8 @@ pub fn explain(model: &dyn Module, events: &[HookEvent]) -> String {
                     );
                 }
                 None => {
-                    let kind = if matches!(p, tpar_nn::Param::Tensor(_)) {
-                        "plain (whole on every rank)"
-                    } else {
-                        "sharded by FSDP"
-                    };
-                    let _ = writeln!(out, "  {pname:<8} {:?} {kind}", p.shape());
+                    let _ =
+                        writeln!(out, "  {pname:<8} {:?} plain (whole on every rank)", p.shape());
                 }
             }
         }

@@ -88,6 +88,6 @@ pub use style::{
 /// FSDP lives in `tpar-fsdp`; its user-facing names are re-exported here too, beside the
 /// other parallel styles a plan composes with.
 pub use tpar_fsdp::{
-    fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, FsdpParamGroup, FsdpTimeline,
-    MixedPrecision, TimelineEvent, TimelineKind,
+    fsdp_param, fsdp_units, fully_shard, set_fsdp_timeline, unshard, FsdpConfig, FsdpParam,
+    FsdpParamGroup, FsdpTimeline, MixedPrecision, TimelineEvent, TimelineKind,
 };

@@ -14,8 +14,8 @@ use tpar_models::llama_plans::{
 use tpar_models::LlamaForPretraining;
 use tpar_nn::{call, named_parameters, reset_parameters, Args, NnError, Param, Value};
 use tpar_parallel_styles::{
-    explain_collectives, fsdp_units, fully_shard, loss_parallel, unshard, DataParallel, FsdpConfig,
-    MixedPrecision,
+    explain_collectives, fsdp_param, fsdp_units, fully_shard, loss_parallel, unshard, DataParallel,
+    FsdpConfig, MixedPrecision,
 };
 use tpar_tensor::{tol::Tol, DType, Device, Tensor};
 
@@ -60,7 +60,7 @@ fn run(dp: usize, tp: usize, mode: &str) -> Vec<BTreeMap<String, Vec<f64>>> {
                 // Every layer's gathered parameters were released after its forward.
                 for layer in &model.base_model.layers.items {
                     for (_, p) in named_parameters(layer) {
-                        if let Param::Fsdp(f) = p {
+                        if let Some(f) = fsdp_param(&p)? {
                             assert!(
                                 f.unsharded().is_released(),
                                 "a layer parameter stayed gathered after forward"
@@ -228,7 +228,9 @@ const BF16_MP: FsdpConfig = FsdpConfig {
 fn assert_bf16_compute_f32_master(model: &LlamaForPretraining) -> Result<(), NnError> {
     let fail = |what: String| Err(NnError::Config { what });
     for (name, p) in named_parameters(model) {
-        let Param::Fsdp(f) = p else { return fail(format!("{name} is not FSDP-managed")) };
+        let Some(f) = fsdp_param(&p)? else {
+            return fail(format!("{name} is not FSDP-managed"));
+        };
         let (u, s) = (f.unsharded().dtype(), f.sharded().dtype());
         if u != DType::BF16 || s != DType::F32 {
             return fail(format!("{name}: unsharded {u}, sharded {s} (want bf16, f32)"));
@@ -292,7 +294,7 @@ fn record_fsdp_step(cfg: FsdpConfig) -> Vec<Recorded> {
             dbg.disable();
             let mut grad_dtypes = Vec::new();
             for (name, p) in named_parameters(&model) {
-                let Param::Fsdp(f) = p else {
+                let Some(f) = fsdp_param(&p)? else {
                     return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
                 };
                 grad_dtypes.push(f.sharded().grad().expect("a reduced gradient").dtype());
@@ -624,7 +626,7 @@ fn fsdp_over_one_dp_rank_trains_as_the_unsharded_model_without_collectives() {
             loss_of(&model, &ids, &tgt)?.into_tensor("loss")?.backward()?;
             dbg.disable();
             for (name, p) in named_parameters(&model) {
-                let Param::Fsdp(f) = p else {
+                let Some(f) = fsdp_param(&p)? else {
                     return Err(NnError::Config { what: format!("{name} is not FSDP-managed") });
                 };
                 let g = f.sharded().grad().expect("a gradient on the shard");
@@ -671,7 +673,7 @@ fn fsdp_parameters_are_dtensors_on_the_2d_mesh() {
             reset_parameters(&mut model, Device::Cpu, 3)?;
             let mut layouts = BTreeMap::new();
             for (n, p) in named_parameters(&model) {
-                let d = p.as_dtensor(Some(&mesh))?.expect("FSDP parameters are DTensors");
+                let Param::DTensor(d) = &p else { panic!("{n}: FSDP parameters are DTensors") };
                 assert!(
                     d.to_local().same_storage(&p.trainable()),
                     "{n}: the DTensor's local is the dp shard"

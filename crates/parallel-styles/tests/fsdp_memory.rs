@@ -13,10 +13,10 @@ use tpar_collectives::spawn;
 use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::{LlamaConfig, LlamaForPretraining};
 use tpar_nn::{
-    call, named_parameters, reset_parameters, Args, ForwardHook, Module, NnError, Param, Value,
+    call, named_parameters, reset_parameters, Args, ForwardHook, Module, NnError, Value,
 };
 use tpar_optim::{AdamW, AdamWConfig, Optimizer};
-use tpar_parallel_styles::{fully_shard, loss_parallel, FsdpConfig};
+use tpar_parallel_styles::{fsdp_param, fully_shard, loss_parallel, FsdpConfig};
 use tpar_tensor::autograd::record;
 use tpar_tensor::{memory, DType, Device, Tensor};
 
@@ -120,12 +120,12 @@ fn fsdp_at_dp4_holds_at_most_a_third_of_the_unsharded_state() {
 /// Counts the decoder layers whose gathered parameters are alive, at every layer's
 /// forward and at the start of every layer's backward.
 struct Watch {
-    layers: Arc<Vec<Vec<Arc<dyn tpar_nn::ShardedParam>>>>,
+    layers: Arc<Vec<Vec<Arc<tpar_parallel_styles::FsdpParam>>>>,
     max_alive: Arc<AtomicUsize>,
 }
 
 impl Watch {
-    fn count(layers: &[Vec<Arc<dyn tpar_nn::ShardedParam>>], max: &AtomicUsize) {
+    fn count(layers: &[Vec<Arc<tpar_parallel_styles::FsdpParam>>], max: &AtomicUsize) {
         let alive =
             layers.iter().filter(|ps| ps.iter().any(|p| !p.unsharded().is_released())).count();
         max.fetch_max(alive, Ordering::Relaxed);
@@ -171,7 +171,7 @@ fn at_most_two_layers_are_gathered_at_once() {
             .map(|l| {
                 named_parameters(l)
                     .into_iter()
-                    .filter_map(|(_, p)| if let Param::Fsdp(f) = p { Some(f) } else { None })
+                    .filter_map(|(_, p)| fsdp_param(&p).ok().flatten())
                     .collect()
             })
             .collect();

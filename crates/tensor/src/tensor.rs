@@ -25,7 +25,12 @@ pub(crate) struct Inner {
     /// Run after each backward pass accumulates into this leaf's gradient
     /// ([`Tensor::register_post_accumulate_grad_hook`]).
     pub(crate) post_grad_hooks: Mutex<Vec<PostGradHook>>,
+    /// What a higher layer keeps with this tensor ([`Tensor::attach`]).
+    pub(crate) attachment: OnceLock<Attachment>,
 }
+
+/// An object a higher layer keeps with a tensor ([`Tensor::attach`]).
+pub type Attachment = Arc<dyn std::any::Any + Send + Sync>;
 
 /// A hook run after a backward pass accumulates into a leaf's gradient, with the leaf
 /// ([`Tensor::register_post_accumulate_grad_hook`]).
@@ -94,6 +99,7 @@ impl Tensor {
             grad: Mutex::new(GradSlot::default()),
             retired: OnceLock::new(),
             post_grad_hooks: Mutex::new(Vec::new()),
+            attachment: OnceLock::new(),
         }))
     }
 
@@ -111,6 +117,7 @@ impl Tensor {
             grad: Mutex::new(GradSlot::default()),
             retired: OnceLock::new(),
             post_grad_hooks: Mutex::new(Vec::new()),
+            attachment: OnceLock::new(),
         }))
     }
 
@@ -380,6 +387,20 @@ impl Tensor {
     /// still the module's.
     pub fn retired_by(&self) -> Option<&'static str> {
         self.0.retired.get().copied()
+    }
+
+    /// Keeps `what` with this tensor (every handle of it sees it, a [`Tensor::detach`]ed
+    /// copy does not): how a layer above finds its own state from a tensor it handed out
+    /// (FSDP: the state that gathers a sharded parameter for compute, found from the
+    /// parameter's shard). Set once: `false`, and nothing changes, when the tensor
+    /// already has one.
+    pub fn attach(&self, what: Attachment) -> bool {
+        self.0.attachment.set(what).is_ok()
+    }
+
+    /// What [`Tensor::attach`] keeps with this tensor.
+    pub fn attachment(&self) -> Option<&Attachment> {
+        self.0.attachment.get()
     }
 
     /// A handle to the same data that is cut from the graph.
