@@ -298,6 +298,7 @@ pub fn record(
     backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 ) -> Tensor {
     if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+        crate::checkpoint::note_inputs(inputs);
         return output;
     }
     let mut groups = inputs.iter().map(|t| t.replicated_group());
@@ -326,6 +327,7 @@ pub fn record_replication_aware(
     backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 ) -> Tensor {
     if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+        crate::checkpoint::note_inputs(inputs);
         return output;
     }
     let node = Node {
@@ -815,6 +817,65 @@ pub fn grad(
     let grads = grad_outputs.iter().map(|g| g.detach()).collect();
     let (_, map) = with_callbacks(Vec::new(), || run(outputs, grads, &keep))?;
     Ok(inputs.iter().map(|t| map.get(&t.id()).cloned()).collect())
+}
+
+/// The gradients of `outputs` (weighted by `grads`) with respect to `inputs`, computed
+/// inside the backward pass running on this thread (an activation-checkpointed region's
+/// recompute): the walk treats `inputs` as leaves (the graph beyond them is the enclosing
+/// pass's), and callbacks queued by the closures it calls join the enclosing pass's queue.
+/// Also returns the other leaves that requiring a gradient got one (the caller decides
+/// what a gradient reaching past `inputs` means).
+pub(crate) fn grad_within(
+    outputs: &[Tensor],
+    grads: Vec<Tensor>,
+    inputs: &[Tensor],
+) -> Result<(Vec<Option<Tensor>>, Vec<Tensor>)> {
+    let _g = GradModeGuard::new(false);
+    let _m = MaskGuard::new(None);
+    let stop: HashSet<u64> = inputs.iter().map(|t| t.id()).collect();
+    let mut map = seed(outputs, grads)?;
+    let mut tags = Tags::new();
+    let (order, leaves) = topo_until(outputs, &stop);
+    propagate(&order, &mut map, &mut tags, &HashSet::new(), None, None)?;
+    demote_all(&mut map, tags)?;
+    let stray = leaves.into_iter().filter(|l| !stop.contains(&l.id()) && map.contains_key(&l.id()));
+    let stray = stray.collect();
+    Ok((inputs.iter().map(|t| map.remove(&t.id())).collect(), stray))
+}
+
+/// [`topo`] with the tensors of `stop` taken as leaves (not expanded).
+fn topo_until(roots: &[Tensor], stop: &HashSet<u64>) -> (Vec<Tensor>, Vec<Tensor>) {
+    let mut order = Vec::new();
+    let mut leaves = Vec::new();
+    let mut seen = HashSet::new();
+    let mut stack: Vec<(Tensor, bool)> = roots.iter().map(|t| (t.clone(), false)).collect();
+    while let Some((t, expanded)) = stack.pop() {
+        if expanded {
+            order.push(t);
+            continue;
+        }
+        if !seen.insert(t.id()) {
+            continue;
+        }
+        match t.node().filter(|_| !stop.contains(&t.id())) {
+            None => {
+                if t.requires_grad() {
+                    leaves.push(t.clone());
+                }
+            }
+            Some(node) => {
+                let node = node.clone();
+                stack.push((t, true));
+                for inp in node.inputs.iter().rev() {
+                    if inp.requires_grad() && !seen.contains(&inp.id()) {
+                        stack.push((inp.clone(), false));
+                    }
+                }
+            }
+        }
+    }
+    order.reverse();
+    (order, leaves)
 }
 
 /// The input gradients of a split backward now, and the parameter gradients

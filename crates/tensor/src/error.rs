@@ -96,6 +96,14 @@ pub enum TensorError {
     /// Autograd misuse (backward from a non-scalar without a gradient, ...).
     #[error("autograd: {0}")]
     Autograd(String),
+    /// An activation-checkpointed region whose recompute in backward did not match its
+    /// forward (another output shape, a kept op's output asked for out of order, a tensor
+    /// the forward never used), so no gradient is computed from it.
+    #[error("activation checkpointing: {what}")]
+    Recompute {
+        /// What differed.
+        what: String,
+    },
     /// An error of a layer above (collectives, DTensor) raised inside a backward function,
     /// carried through autograd unchanged.
     #[error("{0}")]

@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod autograd;
+pub mod checkpoint;
 mod dtype;
 mod error;
 pub mod gpu;

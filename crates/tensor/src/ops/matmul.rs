@@ -122,7 +122,9 @@ impl Tensor {
                 return full(self)?.matmul_t(&full(rhs)?, ta, tb);
             }
         }
-        let out = mm_raw(self, rhs, ta, tb)?;
+        // A selective activation checkpoint may keep this output (crate::checkpoint).
+        let keep = crate::checkpoint::SaveOp::Matmul;
+        let out = crate::checkpoint::kept(keep, &[self, rhs], || mm_raw(self, rhs, ta, tb))?;
         let (a, b) = (self.clone(), rhs.clone());
         Ok(record("matmul", &[self, rhs], out, move |g| {
             // Each half is a GEMM of its own: compute only those asked for.

@@ -340,17 +340,21 @@ impl Tensor {
                 Some((m, st)) => Some((m.to_vec::<T>()?, st.clone())),
                 None => None,
             };
-            let mut lse = vec![<T as Float>::Acc::default(); rows];
-            // Read q, k, v in place (no copies of the activations).
-            let out = q.with_data::<T, _>(|qs| {
-                k.with_data::<T, _>(|ks| {
-                    v.with_data::<T, _>(|vs| {
-                        let m = mask_ref(&mask_data);
-                        sdpa::sdpa_forward_new(&s, qs, ks, vs, m.as_ref(), &mut lse)
+            // A selective activation checkpoint may keep this output (crate::checkpoint).
+            let keep = crate::checkpoint::SaveOp::Sdpa;
+            let (out_t, lse) = crate::checkpoint::kept(keep, &[q, k, v], || {
+                let mut lse = vec![<T as Float>::Acc::default(); rows];
+                // Read q, k, v in place (no copies of the activations).
+                let out = q.with_data::<T, _>(|qs| {
+                    k.with_data::<T, _>(|ks| {
+                        v.with_data::<T, _>(|vs| {
+                            let m = mask_ref(&mask_data);
+                            sdpa::sdpa_forward_new(&s, qs, ks, vs, m.as_ref(), &mut lse)
+                        })
                     })
-                })
-            })????;
-            let out_t = Tensor::from_vec(out, out_shape.clone())?;
+                })????;
+                Ok((Tensor::from_vec(out, out_shape.clone())?, std::sync::Arc::new(lse)))
+            })?;
             let (qq, kk, vt, oo) = (q.detach(), k.detach(), v.detach(), out_t.detach());
             Ok(record(op, &[q, k, v], out_t, move |g| {
                 let mut dq = crate::storage::zeros_vec::<T>(qq.numel());

@@ -1,0 +1,433 @@
+//! Activation checkpointing (PyTorch's `torch.utils.checkpoint`): a region's forward
+//! runs without keeping its intermediate activations, and backward recomputes them.
+//!
+//! [`checkpoint`]`(inputs, keep, f)` runs `f(inputs)` with grad recording off, so none
+//! of the region's intermediate tensors (nor the values its ops' backward closures would
+//! save) outlive the call. It records one node, `checkpoint`, whose inputs are the
+//! region's `inputs` and every tensor requiring a gradient that an op of the region read
+//! from outside it (its parameters, or an FSDP unit's unsharded parameters): found while
+//! the forward runs, as the inputs of the ops that would have recorded a node. In
+//! backward that node's closure runs `f` again, with grad recording on, on copies of the
+//! inputs cut from the graph, then backpropagates the output's gradient through the
+//! recomputed graph down to those copies and the outside tensors (and no further: the
+//! graph beyond them is the enclosing backward's), and hands the gradients to the
+//! enclosing pass. So the engine's machinery sees an ordinary node: parameters get their
+//! gradients from it (ready-leaf accumulation and post-accumulate-grad hooks, as DDP
+//! uses), callbacks the recomputed graph's closures queue ([`crate::autograd::queue_callback`],
+//! as FSDP's) join the running pass, and a split backward
+//! ([`crate::autograd::backward_input`]) treats it as a node whose closure computed every
+//! input's gradient at once (the region is recomputed once per backward).
+//!
+//! **Bit-identical recompute.** The recompute runs the same `f` on the same values, so
+//! it issues the same ops in the same order; tpar's ops draw no hidden random state (an
+//! [`crate::Rng`] is always passed explicitly), so there is no generator state to
+//! restore. Its output's shape and dtype are checked against the forward's.
+//!
+//! **Selective checkpointing.** With a non-empty `keep` (e.g. [`SaveOp::Matmul`] and
+//! [`SaveOp::Sdpa`], torchtitan's choice), the outputs of those ops are kept from the
+//! forward and everything else (norms, elementwise ops, RoPE) is recomputed. The
+//! mechanism is a per-thread stack of frames consulted by the kept ops themselves (one
+//! call in the host matmul and the host attention): during the forward a *record* frame
+//! appends each kept op's output (with the op and its operands' shapes) to a list; during
+//! the recompute a *replay* frame hands those outputs back in order instead of computing
+//! them, while the op still records its autograd node (its backward reads its inputs and
+//! the saved output as usual). The replay checks each request against the next entry
+//! (same op, same operand shapes) and that every entry was used at the end; any
+//! difference fails the backward with [`TensorError::Recompute`] instead of computing a
+//! gradient from a misaligned value. On CUDA tensors the kept ops run their device kernels,
+//! which do not consult the frames: there every op is recomputed.
+//!
+//! **Nesting.** A [`checkpoint`] called with grad recording off, or inside a selective
+//! region's forward or recompute, runs `f` directly (the enclosing region already
+//! decides what is kept). A full region inside a full region's recompute becomes a
+//! region of its own.
+//!
+//! [`recompute_counts`] reports, per thread, how many regions were recomputed and how
+//! many kept outputs were saved and reused, so tests and benchmarks can see what ran.
+
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::autograd::{grad_within, is_grad_enabled, record, GradModeGuard};
+use crate::{DType, Result, Shape, Tensor, TensorError};
+
+/// An op whose output a selective checkpoint keeps from the forward instead of
+/// recomputing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SaveOp {
+    /// Matrix products (`matmul`, `matmul_t`, and so `linear`).
+    Matmul,
+    /// Scaled dot-product attention (its output and log-sum-exps).
+    Sdpa,
+}
+
+impl SaveOp {
+    /// Every op that can be kept.
+    pub const ALL: [SaveOp; 2] = [SaveOp::Matmul, SaveOp::Sdpa];
+
+    /// The op's name as written in policies (`matmul`, `sdpa`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SaveOp::Matmul => "matmul",
+            SaveOp::Sdpa => "sdpa",
+        }
+    }
+
+    /// The op named `s` (`matmul`/`mm`/`linear`, `sdpa`/`attention`), if any.
+    pub fn parse(s: &str) -> Option<SaveOp> {
+        match s.trim() {
+            "matmul" | "mm" | "linear" => Some(SaveOp::Matmul),
+            "sdpa" | "attention" | "scaled_dot_product_attention" => Some(SaveOp::Sdpa),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SaveOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Per-thread counts of what activation checkpointing did (see [`recompute_counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecomputeCounts {
+    /// Regions whose forward ran without keeping activations (nodes recorded).
+    pub regions: u64,
+    /// Regions recomputed in backward.
+    pub recomputed: u64,
+    /// Kept-op outputs saved by selective regions' forwards.
+    pub saved: u64,
+    /// Kept-op outputs handed back to recomputes (not computed again).
+    pub reused: u64,
+}
+
+/// What checkpointing did on this thread since the last [`reset_recompute_counts`].
+pub fn recompute_counts() -> RecomputeCounts {
+    COUNTS.with(|c| c.get())
+}
+
+/// Zeroes this thread's [`recompute_counts`].
+pub fn reset_recompute_counts() {
+    COUNTS.with(|c| c.set(RecomputeCounts::default()));
+}
+
+fn count(f: impl FnOnce(&mut RecomputeCounts)) {
+    let _ = COUNTS.try_with(|c| {
+        let mut v = c.get();
+        f(&mut v);
+        c.set(v);
+    });
+}
+
+/// One kept output: the op, its operands' shapes, and the value (whatever the op
+/// needs back: a tensor, or a tensor and its log-sum-exps).
+struct Entry {
+    op: SaveOp,
+    dims: Vec<Vec<usize>>,
+    value: Arc<dyn Any + Send + Sync>,
+}
+
+enum Frame {
+    Record { keep: Vec<SaveOp>, entries: Vec<Entry> },
+    Replay { keep: Vec<SaveOp>, entries: Arc<Vec<Entry>>, next: usize },
+}
+
+/// The tensors requiring a gradient that ops read while a region's forward ran.
+#[derive(Default)]
+struct Capture {
+    ids: HashSet<u64>,
+    tensors: Vec<Tensor>,
+}
+
+thread_local! {
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+    static CAPTURES: RefCell<Vec<Capture>> = const { RefCell::new(Vec::new()) };
+    static COUNTS: Cell<RecomputeCounts> = const { Cell::new(RecomputeCounts {
+        regions: 0, recomputed: 0, saved: 0, reused: 0,
+    }) };
+}
+
+/// Called by [`record`] when it records nothing: inside a region's forward, the inputs
+/// that require a gradient are tensors from outside the region.
+pub(crate) fn note_inputs(inputs: &[&Tensor]) {
+    let _ = CAPTURES.try_with(|c| {
+        let mut c = c.borrow_mut();
+        if let Some(top) = c.last_mut() {
+            for t in inputs {
+                if t.requires_grad() && top.ids.insert(t.id()) {
+                    top.tensors.push((*t).clone());
+                }
+            }
+        }
+    });
+}
+
+/// Pops the capture frame it pushed when dropped.
+struct CaptureGuard;
+
+impl CaptureGuard {
+    fn push() -> CaptureGuard {
+        CAPTURES.with(|c| c.borrow_mut().push(Capture::default()));
+        CaptureGuard
+    }
+
+    fn take(self) -> Vec<Tensor> {
+        let c = CAPTURES.with(|c| c.borrow_mut().pop()).unwrap_or_default();
+        std::mem::forget(self);
+        c.tensors
+    }
+}
+
+impl Drop for CaptureGuard {
+    fn drop(&mut self) {
+        let _ = CAPTURES.try_with(|c| c.borrow_mut().pop());
+    }
+}
+
+/// Pops the selective frame it pushed when dropped.
+struct FrameGuard;
+
+impl FrameGuard {
+    fn push(f: Frame) -> FrameGuard {
+        FRAMES.with(|s| s.borrow_mut().push(f));
+        FrameGuard
+    }
+
+    fn pop(self) -> Option<Frame> {
+        let f = FRAMES.with(|s| s.borrow_mut().pop());
+        std::mem::forget(self);
+        f
+    }
+}
+
+impl Drop for FrameGuard {
+    fn drop(&mut self) {
+        let _ = FRAMES.try_with(|s| s.borrow_mut().pop());
+    }
+}
+
+fn in_selective_region() -> bool {
+    FRAMES.try_with(|s| !s.borrow().is_empty()).unwrap_or(false)
+}
+
+/// A kept op's output: computed (and, in a selective region's forward, saved), or, in a
+/// selective region's recompute, the saved one handed back. The ops that can be kept
+/// call this around the computation of their output (not around recording their node).
+pub(crate) fn kept<R: Clone + Send + Sync + 'static>(
+    op: SaveOp,
+    operands: &[&Tensor],
+    compute: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    enum Act<R> {
+        Compute,
+        Save,
+        Reuse(Result<R>),
+    }
+    let act = FRAMES.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.last_mut() {
+            None => Act::Compute,
+            Some(Frame::Record { keep, .. }) if keep.contains(&op) => Act::Save,
+            Some(Frame::Replay { keep, entries, next }) if keep.contains(&op) => {
+                let dims: Vec<Vec<usize>> = operands.iter().map(|t| t.dims().to_vec()).collect();
+                let r = match entries.get(*next) {
+                    None => Err(format!(
+                        "the recompute asks for {op} output {} with operands {dims:?}, but the \
+                         forward kept only {} outputs",
+                        *next + 1,
+                        entries.len()
+                    )),
+                    Some(e) if e.op != op || e.dims != dims => Err(format!(
+                        "the recompute asks for {op} with operands {dims:?} where the forward \
+                         kept {} with operands {:?} (kept output {} of {})",
+                        e.op,
+                        e.dims,
+                        *next + 1,
+                        entries.len()
+                    )),
+                    Some(e) => e.value.downcast_ref::<R>().cloned().ok_or_else(|| {
+                        format!("kept output {} ({op}) holds another type of value", *next + 1)
+                    }),
+                };
+                *next += 1;
+                Act::Reuse(r.map_err(|what| TensorError::Recompute { what }))
+            }
+            Some(_) => Act::Compute,
+        }
+    });
+    match act {
+        Act::Compute => compute(),
+        Act::Reuse(r) => {
+            if r.is_ok() {
+                count(|c| c.reused += 1);
+            }
+            r
+        }
+        Act::Save => {
+            let r = compute()?;
+            let dims = operands.iter().map(|t| t.dims().to_vec()).collect();
+            let e = Entry { op, dims, value: Arc::new(r.clone()) };
+            FRAMES.with(|s| {
+                if let Some(Frame::Record { entries, .. }) = s.borrow_mut().last_mut() {
+                    entries.push(e);
+                }
+            });
+            count(|c| c.saved += 1);
+            Ok(r)
+        }
+    }
+}
+
+/// The region function of a [`checkpoint`].
+type RegionFn = dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync;
+
+/// What a region's node needs to recompute it.
+struct Region {
+    f: Arc<RegionFn>,
+    /// The region's inputs, then the outside tensors its ops read.
+    inputs: Vec<Tensor>,
+    /// How many of `inputs` are the region's own inputs.
+    own: usize,
+    keep: Vec<SaveOp>,
+    kept: Arc<Vec<Entry>>,
+    shape: Shape,
+    dtype: DType,
+}
+
+/// Runs `f(inputs)` as an activation-checkpointed region (see the module docs): its
+/// intermediate activations are not kept, and backward recomputes them by running `f`
+/// again. `keep` lists the ops whose outputs are kept instead (selective checkpointing);
+/// empty recomputes everything.
+///
+/// `f` must compute the same thing from the same inputs every time it is called (as any
+/// forward does); a recompute that differs in its output's shape or dtype, or in the
+/// kept ops it runs, fails the backward with [`TensorError::Recompute`]. With grad
+/// recording off, or inside a selective region, it is `f(inputs)`.
+///
+/// ```
+/// use tpar_tensor::{checkpoint::checkpoint, Tensor};
+/// let x = Tensor::from_vec(vec![1.0f64, -2.0, 0.5, 3.0], [2, 2])?.requires_grad_(true);
+/// let w = Tensor::from_vec(vec![0.5f64, -1.0, 2.0, 0.25], [2, 2])?.requires_grad_(true);
+/// let w2 = w.clone();
+/// let y = checkpoint(&[x.clone()], &[], move |i| i[0].linear(&w2, None)?.silu()?.sum_all())?;
+/// y.backward()?;
+/// let (gx, gw) = (x.grad().unwrap(), w.grad().unwrap());
+/// // The same as without the checkpoint.
+/// let (x2, w3) = (x.detach().requires_grad_(true), w.detach().requires_grad_(true));
+/// x2.linear(&w3, None)?.silu()?.sum_all()?.backward()?;
+/// assert_eq!(gx.to_vec::<f64>()?, x2.grad().unwrap().to_vec::<f64>()?);
+/// assert_eq!(gw.to_vec::<f64>()?, w3.grad().unwrap().to_vec::<f64>()?);
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+pub fn checkpoint<F>(inputs: &[Tensor], keep: &[SaveOp], f: F) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+{
+    if !is_grad_enabled() || in_selective_region() {
+        return f(inputs);
+    }
+    let (out, captured, kept) = {
+        let _g = GradModeGuard::new(false);
+        let capture = CaptureGuard::push();
+        let frame = (!keep.is_empty())
+            .then(|| FrameGuard::push(Frame::Record { keep: keep.to_vec(), entries: Vec::new() }));
+        let out = f(inputs)?;
+        let kept = match frame.and_then(FrameGuard::pop) {
+            Some(Frame::Record { entries, .. }) => entries,
+            _ => Vec::new(),
+        };
+        (out, capture.take(), kept)
+    };
+    let mut all: Vec<Tensor> = inputs.to_vec();
+    let mut ids: HashSet<u64> = inputs.iter().map(|t| t.id()).collect();
+    for t in captured {
+        if ids.insert(t.id()) {
+            all.push(t);
+        }
+    }
+    if !all.iter().any(|t| t.requires_grad()) {
+        return Ok(out);
+    }
+    count(|c| c.regions += 1);
+    let region = Region {
+        f: Arc::new(f),
+        inputs: all.clone(),
+        own: inputs.len(),
+        keep: keep.to_vec(),
+        kept: Arc::new(kept),
+        shape: out.shape().clone(),
+        dtype: out.dtype(),
+    };
+    let refs: Vec<&Tensor> = all.iter().collect();
+    Ok(record("checkpoint", &refs, out, move |g| region.backward(g)))
+}
+
+impl Region {
+    /// Recomputes the region and returns the gradients of its node's inputs.
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        count(|c| c.recomputed += 1);
+        let copies: Vec<Tensor> = self.inputs[..self.own]
+            .iter()
+            .map(|t| t.detach().requires_grad_(t.requires_grad()))
+            .collect();
+        let out = {
+            let _g = GradModeGuard::new(true);
+            let frame = (!self.keep.is_empty()).then(|| {
+                FrameGuard::push(Frame::Replay {
+                    keep: self.keep.clone(),
+                    entries: self.kept.clone(),
+                    next: 0,
+                })
+            });
+            let out = (self.f)(&copies)?;
+            if let Some(Frame::Replay { entries, next, .. }) = frame.and_then(FrameGuard::pop) {
+                if next != entries.len() {
+                    return Err(TensorError::Recompute {
+                        what: format!(
+                            "the recompute used {next} of the {} outputs the forward kept",
+                            entries.len()
+                        ),
+                    });
+                }
+            }
+            out
+        };
+        if out.shape() != &self.shape || out.dtype() != self.dtype {
+            return Err(TensorError::Recompute {
+                what: format!(
+                    "the recompute's output is {} {} where the forward's was {} {}",
+                    out.dtype().name(),
+                    out.shape(),
+                    self.dtype.name(),
+                    self.shape
+                ),
+            });
+        }
+        let n = self.inputs.len();
+        if !out.requires_grad() {
+            return Ok(vec![None; n]);
+        }
+        let mut targets = copies;
+        targets.extend_from_slice(&self.inputs[self.own..]);
+        let (grads, stray) = grad_within(&[out], vec![g.clone()], &targets)?;
+        if let Some(t) = stray.first() {
+            return Err(TensorError::Recompute {
+                what: format!(
+                    "the recompute reached a tensor requiring a gradient ({} {}) that no op \
+                     of the forward read",
+                    t.dtype().name(),
+                    t.shape()
+                ),
+            });
+        }
+        Ok(grads
+            .into_iter()
+            .zip(&self.inputs)
+            .map(|(g, t)| g.filter(|_| t.requires_grad()))
+            .collect())
+    }
+}
