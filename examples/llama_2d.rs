@@ -52,6 +52,7 @@ struct Opts {
     checkpoint_dir: Option<PathBuf>,
     save_every: usize,
     save: args::SaveArgs,
+    hf: args::HfArgs,
     stop_after: Option<usize>,
     nonfinite: NonFinite,
     timeline: bool,
@@ -123,6 +124,8 @@ struct Cli {
     save_every: u64,
     #[command(flatten)]
     save: args::SaveArgs,
+    #[command(flatten)]
+    hf: args::HfArgs,
     /// End the run after step N, as an interruption would (the schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -225,6 +228,7 @@ fn parse() -> Result<Opts, String> {
         checkpoint_dir: c.checkpoint_dir,
         save_every: c.save_every as usize,
         save: c.save,
+        hf: c.hf,
         stop_after: c.stop_after,
         nonfinite: c.nonfinite,
         timeline: c.timeline,
@@ -332,11 +336,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let seq = o.model.seq;
     let mask = tpar::tensor::Shape::new(&[o.batch, 1, seq, seq]);
     tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
-    let tokenizer = load_tokenizer(o.data.tokenizer.as_deref())?;
+    let hf = o.hf.open()?;
+    let tokenizer = o.hf.tokenizer(o.data.tokenizer.as_deref(), hf.as_ref())?;
     // FSDP keeps f32 master shards and computes in `--dtype` (mixed precision);
     // replicated modes train parameters of `--dtype` itself.
     let dtype = if o.dp_mode == DpMode::Fsdp { DType::F32 } else { o.dtype };
-    let cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, dtype);
+    let flags_cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, dtype);
+    let cfg = o.hf.llama_config(hf.as_ref(), flags_cfg, tokenizer.vocab_size(), seq, rank)?;
     // A model whose training state this process cannot hold fails here, before anything
     // is built (the local backend holds every rank's share).
     let here = if o.backend == "local" { o.world } else { 1 };
@@ -363,6 +369,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     }
     let device = compute_device(o);
     reset_parameters(&mut model, device, o.seed)?;
+    if let Some(hf) = &hf {
+        hf.load_into(&mut model)?;
+    }
     // Replicated modes: every dp replica starts from dp rank 0's parameters; DDP's
     // backward passes average the gradients over dp as they are produced (ZeRO-1's
     // optimizer reduce-scatters them itself).
@@ -637,6 +646,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             println!("exported the model to {}", path.display());
         }
     }
+    o.hf.export(&tpar::nn::state_dict(&model)?, &cfg, hf.as_ref(), world)?;
     let state_bytes = opt.state_bytes();
     Ok(RankReport {
         state_bytes,

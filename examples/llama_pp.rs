@@ -114,6 +114,8 @@ struct Opts {
     save_every: u64,
     #[command(flatten)]
     save: args::SaveArgs,
+    #[command(flatten)]
+    hf: args::HfArgs,
     /// End the run after step N, as an interruption would (the LR schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -212,8 +214,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let seq = o.model.seq;
     let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, seq, seq]);
     tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
-    let tokenizer = load_tokenizer(o.data.tokenizer.as_deref())?;
-    let cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, DType::F32);
+    let hf = o.hf.open()?;
+    let tokenizer = o.hf.tokenizer(o.data.tokenizer.as_deref(), hf.as_ref())?;
+    let flags_cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, DType::F32);
+    let cfg = o.hf.llama_config(hf.as_ref(), flags_cfg, tokenizer.vocab_size(), seq, rank)?;
     // A model whose training state this process cannot hold fails here, before anything
     // is built (the local backend holds every rank's share).
     let here = if o.backend == BackendArg::Local { world.size() } else { 1 };
@@ -238,6 +242,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             fully_shard(&mut stage, &mesh["dp"], &FsdpConfig::default())?;
         }
         reset_parameters(&mut stage, Device::Cpu, o.seed)?;
+        if let Some(hf) = &hf {
+            hf.load_into(&mut stage)?;
+        }
         if o.no_fsdp && o.dp > 1 {
             ddps.push(DataParallel::new(&mut stage, &mesh["dp"])?);
         }
@@ -455,6 +462,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             println!("exported the model to {}", path.display());
         }
     }
+    o.hf.export(&pipe.state_dict()?, &cfg, hf.as_ref(), world)?;
     if o.timeline && rank == 0 && step > start_step {
         println!(
             "measured timeline of the last step (rank 0's dp/tp replica):\n{}",

@@ -8,6 +8,9 @@ a small `max_shard_size`, so the untied one is sharded through
 - `tests/golden/hf_tiny/`: untied head, sharded; `logits.safetensors` holds
   `input_ids` (i64 [2, 8]) and `logits` (f32 [2, 8, 96]) of `LlamaForCausalLM` in eval
   mode with no attention mask (plain causal attention).
+  It also holds a `tokenizer.json` of 96 ids (a BPE the `tokenizers` library trains on
+  the first 20,000 characters of `crates/data/data/corpus.txt`; specials `<unk>`, `<s>`,
+  `</s>`, `<pad>`), so the trainers' `--init-from` runs on it.
 - `tests/golden/hf_tiny_tied/`: `tie_word_embeddings=True` (no `lm_head.weight` in the
   file), one `model.safetensors`, and its `logits.safetensors` on the same batch.
 
@@ -80,6 +83,27 @@ def make(name, tie, seed, shard):
     print(f"wrote {out}: {files} ({size} bytes)")
 
 
+def write_tokenizer(name):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    with open(os.path.join(ROOT, "crates", "data", "data", "corpus.txt"), encoding="utf-8") as f:
+        text = f.read()[:20000]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=SIZES["vocab_size"],
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        limit_alphabet=48,
+        show_progress=False,
+    )
+    tok.train_from_iterator([text], trainer=trainer)
+    assert tok.get_vocab_size() <= SIZES["vocab_size"], tok.get_vocab_size()
+    out = os.path.join(GOLDEN, name, "tokenizer.json")
+    tok.save(out)
+    print(f"wrote {out} ({tok.get_vocab_size()} ids)")
+
+
 def check_export(d):
     model = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
     print(f"transformers loaded {d}: {model.config.num_hidden_layers} layers, "
@@ -102,4 +126,5 @@ if __name__ == "__main__":
     if a.check_export:
         sys.exit(check_export(a.check_export))
     make("hf_tiny", tie=False, seed=1234, shard="40KB")
+    write_tokenizer("hf_tiny")
     make("hf_tiny_tied", tie=True, seed=4321, shard="10MB")

@@ -4,11 +4,18 @@
 //! tpar's Llama, plain and under 2x2 FSDP x TP, and give transformers' logits; an export
 //! reads back bit for bit; bad directories are typed errors naming key and file.
 //!
+//! The trainers start from such a directory (`--init-from`, with its tokenizer.json) and
+//! write one back (`--export-hf`).
+//!
 //! With `TPAR_HF_EXPORT_DIR` set, the export test also leaves its export of `hf_tiny`
 //! there with the golden logits, for `python scripts/make_hf_golden.py --check-export`.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use common::examples::run_example;
 
 use tpar::checkpoint::hf::{write_sharded_safetensors, SafetensorsDir, INDEX_FILE, SINGLE_FILE};
 use tpar::checkpoint::import_safetensors;
@@ -294,5 +301,35 @@ fn bad_directories_are_typed_errors_naming_key_and_file() {
         let _ = std::fs::remove_dir_all(
             std::env::temp_dir().join(format!("tpar-hf-{}-{n}", std::process::id())),
         );
+    }
+}
+
+#[test]
+fn trainers_start_from_and_export_a_hugging_face_directory() {
+    // One step at a learning rate far below every weight's last bit: the exported
+    // weights are the loaded ones, bit for bit, through FSDP x TP and through a pipeline.
+    let src = golden("hf_tiny");
+    for (name, layout) in [
+        ("llama_2d", &["--dp", "2", "--tp", "2"][..]),
+        ("llama_pp", &["--pp", "2", "--dp", "1", "--tp", "2"][..]),
+    ] {
+        let out = tmp(&format!("{name}-export"));
+        let args = [
+            layout,
+            &["--init-from", src.to_str().unwrap(), "--export-hf", out.to_str().unwrap()],
+            &["--export-shard-size", "40000", "--steps", "1", "--seq", "16", "--lr", "1e-30"],
+        ]
+        .concat();
+        let Some((code, stdout, stderr)) = run_example(name, &args) else {
+            eprintln!("{name} is not built (cargo test builds it with the whole suite); skipped");
+            continue;
+        };
+        assert_eq!(code, 0, "{name}: {stdout}\n{stderr}");
+        assert!(stdout.contains("--init-from"), "{name}: {stdout}");
+        assert!(out.join(INDEX_FILE).is_file(), "{name}: no index");
+        assert_eq!(tensor_bits(&out), tensor_bits(&src), "{name}");
+        let back = HfCheckpoint::open(&out).unwrap();
+        assert_eq!(back.config.llama, HfConfig::from_file(&src.join("config.json")).unwrap().llama);
+        let _ = std::fs::remove_dir_all(&out);
     }
 }

@@ -5,11 +5,11 @@
 //! each trainer.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
-use tpar::models::LlamaConfig;
-use tpar::tensor::DType;
+use tpar::models::hf::{export_hf, HfCheckpoint, HfConfig, DEFAULT_SHARD_BYTES, TOKENIZER_FILE};
+use tpar::prelude::*;
 
 /// The sequence length and the model's widths.
 #[derive(Args, Clone, Debug)]
@@ -100,4 +100,106 @@ pub struct SaveArgs {
     /// Write the trained model as one safetensors file (FQN keys) at the end.
     #[arg(long)]
     pub export: Option<PathBuf>,
+}
+
+/// Start from a Hugging Face Llama directory, and write the trained model as one.
+#[derive(Args, Clone, Debug)]
+pub struct HfArgs {
+    /// A Hugging Face Llama directory (config.json; model.safetensors, or shards and
+    /// model.safetensors.index.json; tokenizer.json when present): the model's sizes come
+    /// from its config.json (--layers, --hidden, --heads, --kv-heads and --intermediate
+    /// are not used), its weights replace the initialization, and its tokenizer.json, when
+    /// present and --tokenizer is not given, tokenizes the data.
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// Write the trained model at the end as a Hugging Face Llama directory (config.json,
+    /// safetensors shards and their index) that transformers' LlamaForCausalLM loads.
+    #[arg(long)]
+    pub export_hf: Option<PathBuf>,
+    /// Largest safetensors file --export-hf writes, in bytes.
+    #[arg(long, default_value_t = DEFAULT_SHARD_BYTES, requires = "export_hf",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub export_shard_size: u64,
+}
+
+impl HfArgs {
+    /// The directory of --init-from, opened (its config and safetensors headers; the
+    /// tensors are read later, each rank its own chunks), if given.
+    pub fn open(&self) -> tpar::Result<Option<HfCheckpoint>> {
+        Ok(self.init_from.as_deref().map(HfCheckpoint::open).transpose()?)
+    }
+
+    /// The tokenizer: --tokenizer when given, else the tokenizer.json of --init-from when
+    /// it has one, else bytes.
+    pub fn tokenizer(
+        &self,
+        given: Option<&Path>,
+        ckpt: Option<&HfCheckpoint>,
+    ) -> tpar::Result<Box<dyn Tokenizer>> {
+        let from_dir = ckpt.map(|c| c.dir.join(TOKENIZER_FILE)).filter(|p| p.is_file());
+        Ok(load_tokenizer(given.or(from_dir.as_deref()))?)
+    }
+
+    /// The model's configuration: the checkpoint's config.json in `from_flags`' dtype (its
+    /// vocabulary must hold the tokenizer's `vocab` ids and its positions `seq` tokens;
+    /// rank 0 prints its sizes), else `from_flags`.
+    pub fn llama_config(
+        &self,
+        ckpt: Option<&HfCheckpoint>,
+        from_flags: LlamaConfig,
+        vocab: usize,
+        seq: usize,
+        rank: usize,
+    ) -> tpar::Result<LlamaConfig> {
+        let Some(c) = ckpt else { return Ok(from_flags) };
+        let cfg = LlamaConfig { dtype: from_flags.dtype, ..c.config.llama };
+        let dir = c.dir.display();
+        if vocab > cfg.vocab_size {
+            let what = format!(
+                "--init-from {dir}: the tokenizer has {vocab} ids, config.json's vocab_size is {}",
+                cfg.vocab_size
+            );
+            return Err(NnError::Config { what }.into());
+        }
+        if seq > cfg.max_position_embeddings {
+            let what = format!(
+                "--seq {seq} exceeds max_position_embeddings {} of --init-from {dir}",
+                cfg.max_position_embeddings
+            );
+            return Err(NnError::Config { what }.into());
+        }
+        if rank == 0 {
+            println!(
+                "--init-from {dir}: {} layers, hidden {}, heads {} (kv {}), intermediate {}, vocab {}{}",
+                cfg.num_hidden_layers,
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.intermediate_size,
+                cfg.vocab_size,
+                if c.config.tie_word_embeddings { ", tied embeddings" } else { "" }
+            );
+        }
+        Ok(cfg)
+    }
+
+    /// --export-hf: writes the model of `state` (each rank's model state dict; collective
+    /// over `group`, which holds every rank) and `cfg` there, keeping the token ids of
+    /// --init-from's config.json.
+    pub fn export(
+        &self,
+        state: &StateDict,
+        cfg: &LlamaConfig,
+        ckpt: Option<&HfCheckpoint>,
+        group: &ProcessGroup,
+    ) -> tpar::Result<()> {
+        let Some(dir) = &self.export_hf else { return Ok(()) };
+        let mut hf = ckpt.map_or_else(|| HfConfig::new(*cfg), |c| c.config.clone());
+        hf.llama = *cfg;
+        export_hf(state, &hf, dir, group, self.export_shard_size)?;
+        if group.rank() == 0 {
+            println!("exported the model as a Hugging Face Llama to {}", dir.display());
+        }
+        Ok(())
+    }
 }
