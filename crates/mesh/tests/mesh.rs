@@ -86,3 +86,52 @@ fn bad_meshes_are_typed_errors() {
         "{unknown}"
     );
 }
+
+/// A mesh cut from another (a dim, or a slice in any order) knows its root, and a slice
+/// reuses the root's groups: a collective over a reordered slice's dim runs on the same
+/// ranks as over the root's dim of that name, with no new group made.
+#[test]
+fn slices_know_their_root_and_keep_its_groups() {
+    let out = spawn(8, |ctx| -> Result<_, MeshError> {
+        let mesh =
+            DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2, 2], &["pp", "dp", "tp"])?;
+        let tp_dp = mesh.slice(&["tp", "dp"])?;
+        let root_of_dim = mesh["dp"].root();
+        let root_of_slice = tp_dp.root();
+        let root_of_sub_dim = tp_dp["tp"].root();
+        let x = Tensor::from_vec(vec![ctx.rank() as f64], [1])?;
+        let via_slice = tp_dp.group_of("dp")?.all_reduce(&x, ReduceOp::Sum)?.item()?;
+        let via_root = mesh.group_of("dp")?.all_reduce(&x, ReduceOp::Sum)?.item()?;
+        let repeated = mesh.slice(&["dp", "dp"]).is_err();
+        Ok((
+            [root_of_dim, root_of_slice, root_of_sub_dim]
+                .iter()
+                .map(|m| (m.names().to_vec(), m.ranks().to_vec(), m.coordinate().to_vec()))
+                .collect::<Vec<_>>(),
+            tp_dp.ranks().to_vec(),
+            tp_dp.coordinate().to_vec(),
+            via_slice,
+            via_root,
+            repeated,
+            mesh.root().ranks().to_vec(),
+        ))
+    })
+    .unwrap();
+    for (r, (roots, ranks, coord, via_slice, via_root, repeated, own)) in
+        out.into_iter().enumerate()
+    {
+        for (names, rs, c) in &roots {
+            assert_eq!(names, &["pp", "dp", "tp"], "rank {r}");
+            assert_eq!(rs, &(0..8).collect::<Vec<_>>(), "rank {r}");
+            assert_eq!(c, &vec![r / 4, (r / 2) % 2, r % 2], "rank {r}");
+        }
+        // (tp, dp) order: tp outer.
+        let base = (r / 4) * 4;
+        assert_eq!(ranks, vec![base, base + 2, base + 1, base + 3], "rank {r}");
+        assert_eq!(coord, vec![r % 2, (r / 2) % 2], "rank {r}");
+        assert_eq!(via_slice, via_root, "rank {r}");
+        assert_eq!(via_root, (2 * (base + r % 2) + 2) as f64, "rank {r}");
+        assert!(repeated, "a slice naming a dim twice is an error");
+        assert_eq!(own, (0..8).collect::<Vec<_>>());
+    }
+}

@@ -164,6 +164,11 @@ impl fmt::Display for Desc {
     }
 }
 
+/// `(outer, inner)` element counts around `dim` of a tensor of shape `dims`.
+pub(crate) fn around(dims: &[usize], dim: usize) -> (usize, usize) {
+    (dims[..dim].iter().product(), dims[dim + 1..].iter().product())
+}
+
 /// Checks that all members' calls agree. On disagreement the majority's call is taken as
 /// the expected one and the first member outside it is named (as a global rank).
 pub(crate) fn validate(group: &[usize], descs: &[&Desc]) -> Result<(), CollectiveError> {

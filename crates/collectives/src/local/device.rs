@@ -16,7 +16,7 @@ use tpar_tensor::{Device, Tensor};
 
 use super::desc::{Call, Desc};
 use super::{a2a_pieces, internal};
-use crate::remote::plan::around;
+use crate::local::desc::around;
 use crate::{chunk_range, CollectiveError, ReduceOp, Result};
 
 fn fold(op: ReduceOp) -> FoldOp {

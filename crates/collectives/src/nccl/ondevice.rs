@@ -37,8 +37,9 @@ use tpar_tensor::gpu::{self, Block, MemorySpace, Piece, RawDeviceMemory};
 use tpar_tensor::{DType, Device, Tensor};
 
 use super::device::driver_error_text;
+use crate::local::desc::around;
 use crate::local::desc::Call;
-use crate::remote::plan::{around, Prim};
+use crate::remote::plan::Prim;
 use crate::remote::{DeviceWork, RemoteComm};
 use crate::{CollectiveError, Result};
 

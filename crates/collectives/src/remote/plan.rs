@@ -24,7 +24,7 @@
 use tpar_tensor::DType;
 
 use crate::chunk_range;
-use crate::local::desc::{Call, Desc};
+use crate::local::desc::{around, Call, Desc};
 use crate::ReduceOp;
 
 /// A strided block copy: for `r in 0..rows`, the `width` elements at
@@ -120,11 +120,6 @@ pub(crate) struct Layout {
 
 fn prod(d: &[usize]) -> usize {
     d.iter().product()
-}
-
-/// `(outer, inner)` element counts around `dim`.
-pub(crate) fn around(dims: &[usize], dim: usize) -> (usize, usize) {
-    (prod(&dims[..dim]), prod(&dims[dim + 1..]))
 }
 
 /// The piece of the member described by `desc` that `all_to_all` sends to member `to`:
