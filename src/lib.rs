@@ -62,7 +62,9 @@ pub mod prelude {
     };
     pub use tpar_models::{LlamaConfig, LlamaForPretraining, LlamaStage};
     pub use tpar_nn::{
-        call, named_parameters, parameters, reset_parameters, Args, Module, NnError, Param, Value,
+        apply_activation_checkpointing, apply_activation_checkpointing_to, call,
+        checkpoint_wrapper, named_parameters, parameters, reset_parameters, AcPolicy, Args,
+        CheckpointWrapper, Module, NnError, Param, Value,
     };
     pub use tpar_optim::{
         clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, CosineAnnealingLR, LinearLR, LrScheduler,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tpar_tensor::{DType, Device, RopeLayout, Tensor};
 
+use tpar_nn::CheckpointWrapper;
 use tpar_nn::{
     call, module_boilerplate, Args, AttentionHeads, Embedding, Linear, Module, ModuleCore,
     ModuleList, NnError, Result, RmsNorm, Value,
@@ -673,8 +674,9 @@ pub struct LlamaModel {
     core: ModuleCore,
     /// Token embedding.
     pub embed_tokens: Embedding,
-    /// The decoder layers (`layers.0`, `layers.1`, ...).
-    pub layers: ModuleList<LlamaDecoderLayer>,
+    /// The decoder layers (`layers.0`, `layers.1`, ...), each checkpointable (a
+    /// pass-through until `apply_activation_checkpointing` sets a policy; same FQNs).
+    pub layers: ModuleList<CheckpointWrapper<LlamaDecoderLayer>>,
     /// Final norm.
     pub norm: RmsNorm,
     /// RoPE tables.
@@ -691,7 +693,7 @@ impl LlamaModel {
             embed_tokens: Embedding::new(cfg.vocab_size, cfg.hidden_size, cfg.dtype, device)?,
             layers: ModuleList::new(
                 (0..cfg.num_hidden_layers)
-                    .map(|_| LlamaDecoderLayer::new(cfg, device))
+                    .map(|_| LlamaDecoderLayer::new(cfg, device).map(CheckpointWrapper::new))
                     .collect::<Result<_>>()?,
             ),
             norm: RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)?,

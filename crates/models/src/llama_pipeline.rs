@@ -14,6 +14,7 @@ use tpar_tensor::{DType, Device};
 
 use crate::llama::attention_mask;
 use crate::{LlamaConfig, LlamaDecoderLayer, RotaryPositionEncoding};
+use tpar_nn::CheckpointWrapper;
 
 /// The transformer part of a [`LlamaStage`], named `base_model` as in
 /// [`crate::LlamaForPretraining`]: the embedding (first stage only), this stage's
@@ -23,7 +24,7 @@ pub struct LlamaStageModel {
     /// Token embedding (first stage only).
     pub embed_tokens: Option<Embedding>,
     /// This stage's decoder layers, named by their index in the whole model.
-    pub layers: ModuleList<LlamaDecoderLayer>,
+    pub layers: ModuleList<CheckpointWrapper<LlamaDecoderLayer>>,
     /// Final norm (last stage only).
     pub norm: Option<RmsNorm>,
     /// RoPE tables.
@@ -174,7 +175,7 @@ impl LlamaStage {
         }
         let items = layers
             .clone()
-            .map(|_| LlamaDecoderLayer::new(cfg, device))
+            .map(|_| LlamaDecoderLayer::new(cfg, device).map(CheckpointWrapper::new))
             .collect::<Result<Vec<_>>>()?;
         let base_model = LlamaStageModel {
             core: ModuleCore::default(),

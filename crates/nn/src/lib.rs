@@ -5,6 +5,7 @@
 //! these (the Llama) are in `tpar-models`.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 mod error;
 pub mod layers;
 mod module;
@@ -13,6 +14,10 @@ mod param;
 pub mod state;
 mod value;
 
+pub use checkpoint::{
+    apply_activation_checkpointing, apply_activation_checkpointing_to, checkpoint_wrapper,
+    checkpointable_modules, AcPolicy, CheckpointWrapper,
+};
 pub use error::{NnError, Result};
 pub use layers::{Embedding, Linear, ModuleList, RmsNorm};
 pub use module::{
