@@ -335,3 +335,100 @@ pub fn write_sharded_safetensors(
     }
     Ok(written)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tpar-hfst-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    /// `t[offsets .. offsets + sizes]`, by narrowing the whole tensor.
+    fn narrowed(t: &Tensor, offsets: &[usize], sizes: &[usize]) -> Vec<f64> {
+        let mut t = t.clone();
+        for d in 0..sizes.len() {
+            t = t.narrow(d as isize, offsets[d], sizes[d]).unwrap();
+        }
+        t.to_vec_f64().unwrap()
+    }
+
+    #[test]
+    fn every_box_reads_what_narrowing_the_whole_tensor_gives() {
+        let dir = tmp("boxes");
+        let n = 3 * 4 * 5;
+        let a =
+            Tensor::from_vec((0..n).map(|i| i as f32 * 0.5 - 7.0).collect::<Vec<_>>(), [3, 4, 5])
+                .unwrap();
+        let b = Tensor::from_vec((0..6).map(|i| i as f64).collect::<Vec<_>>(), [6]).unwrap();
+        let c = Tensor::from_vec(vec![2.5f32], [1, 1]).unwrap().reshape([]).unwrap();
+        let tensors = vec![("a".to_string(), a.clone()), ("b".into(), b.clone()), ("c".into(), c)];
+        write_sharded_safetensors(&tensors, &dir, 1 << 20).unwrap();
+        let st = SafetensorsDir::open(&dir).unwrap();
+        assert!(st.source().ends_with(SINGLE_FILE));
+        // Every box of `a` (all offsets and sizes), each dim whole, partial or empty.
+        for o0 in 0..3 {
+            for s0 in 0..=3 - o0 {
+                for o1 in 0..4 {
+                    for s1 in 0..=4 - o1 {
+                        for (o2, s2) in [(0, 5), (1, 3), (4, 1), (2, 0)] {
+                            let (off, size) = ([o0, o1, o2], [s0, s1, s2]);
+                            let got = st.read_box("a", &off, &size).unwrap();
+                            assert_eq!(got.dims(), size);
+                            assert_eq!(got.to_vec_f64().unwrap(), narrowed(&a, &off, &size));
+                        }
+                    }
+                }
+            }
+        }
+        let got = st.read_box("b", &[2], &[3]).unwrap();
+        assert_eq!((got.dtype(), got.to_vec_f64().unwrap()), (DType::F64, vec![2.0, 3.0, 4.0]));
+        assert_eq!(st.read_box("c", &[], &[]).unwrap().to_vec_f64().unwrap(), vec![2.5]);
+        // A box past the tensor and an unknown name are errors naming the file.
+        let e = st.read_box("a", &[2, 0, 0], &[2, 4, 5]).unwrap_err().to_string();
+        assert!(e.contains(SINGLE_FILE) && e.contains("\"a\""), "{e}");
+        assert!(st.read_box("z", &[0], &[1]).is_err());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn shards_split_at_the_size_and_the_index_names_each_tensors_file() {
+        let dir = tmp("shards");
+        let t = |n: usize| Tensor::from_vec(vec![1.0f32; n], [n]).unwrap();
+        // 400, 400, 800 (a shard of its own), 40 bytes; shards of at most 800 bytes.
+        let tensors: Vec<(String, Tensor)> =
+            [100, 100, 200, 10].iter().enumerate().map(|(i, &n)| (format!("t{i}"), t(n))).collect();
+        // A single file of an earlier write is replaced by the shards.
+        write_sharded_safetensors(&tensors, &dir, 1 << 20).unwrap();
+        assert!(dir.join(SINGLE_FILE).is_file());
+        let files = write_sharded_safetensors(&tensors, &dir, 800).unwrap();
+        assert!(!dir.join(SINGLE_FILE).exists());
+        let names: Vec<String> =
+            files.iter().map(|f| f.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(
+            names,
+            [
+                "model-00001-of-00003.safetensors",
+                "model-00002-of-00003.safetensors",
+                "model-00003-of-00003.safetensors",
+                INDEX_FILE
+            ]
+        );
+        let st = SafetensorsDir::open(&dir).unwrap();
+        let file_of = |k: &str| st.get(k).unwrap().file.file_name().unwrap().to_owned();
+        assert_eq!(file_of("t0"), file_of("t1"));
+        assert_ne!(file_of("t1"), file_of("t2"));
+        assert_ne!(file_of("t2"), file_of("t3"));
+        let idx: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(dir.join(INDEX_FILE)).unwrap()).unwrap();
+        assert_eq!(idx["metadata"]["total_size"], 1640);
+        // An index naming a tensor its shard lacks is an error naming the shard.
+        let text = fs::read_to_string(dir.join(INDEX_FILE)).unwrap();
+        fs::write(dir.join(INDEX_FILE), text.replace("\"t3\"", "\"t9\"")).unwrap();
+        let e = SafetensorsDir::open(&dir).unwrap_err().to_string();
+        assert!(e.contains("model-00003-of-00003.safetensors") && e.contains("t9"), "{e}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
