@@ -47,6 +47,7 @@ fn assert_logits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(err <= 1e-5, "{what}: max |tpar - transformers| = {err:e}");
+    println!("{what}: max |tpar - transformers| = {err:e}");
 }
 
 /// `model`'s logits on `ids`, whole (gathered when vocab-sharded).
