@@ -37,7 +37,7 @@ pub use tpar_memory as memory;
 pub use autograd::no_grad;
 pub use dtype::{DType, Device};
 pub use error::TensorError;
-pub use ops::{RopeLayout, SgdParams};
+pub use ops::{BlockMask, RopeLayout, SgdParams};
 pub use rng::Rng;
 pub use shape::Shape;
 pub use storage::{

@@ -5,6 +5,7 @@ use std::sync::RwLockReadGuard;
 use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
+mod attention_block;
 mod cross_entropy;
 mod elementwise;
 mod gpu;
@@ -17,6 +18,7 @@ pub use optim::SgdParams;
 mod reduce;
 mod shape;
 
+pub use attention_block::BlockMask;
 pub use nn::RopeLayout;
 
 /// Checks that all inputs share one device, returning it.
