@@ -53,6 +53,7 @@ struct Opts {
     save_every: usize,
     save: args::SaveArgs,
     hf: args::HfArgs,
+    ac: args::AcArgs,
     stop_after: Option<usize>,
     nonfinite: NonFinite,
     timeline: bool,
@@ -126,6 +127,8 @@ struct Cli {
     save: args::SaveArgs,
     #[command(flatten)]
     hf: args::HfArgs,
+    #[command(flatten)]
+    ac: args::AcArgs,
     /// End the run after step N, as an interruption would (the schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -229,6 +232,7 @@ fn parse() -> Result<Opts, String> {
         save_every: c.save_every as usize,
         save: c.save,
         hf: c.hf,
+        ac: c.ac,
         stop_after: c.stop_after,
         nonfinite: c.nonfinite,
         timeline: c.timeline,
@@ -355,6 +359,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if o.plan == "sp" { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
         parallelize_llama(&mut model, &mesh["tp"], &plan)?;
     }
+    // Activation checkpointing after the plan and before FSDP (as torchtitan).
+    o.ac.apply(&mut model)?;
     if o.dp_mode == DpMode::Fsdp {
         let fsdp = FsdpConfig {
             reshard_after_forward: true,
@@ -743,7 +749,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={}",
         o.world,
         o.dp,
         o.tp,
@@ -757,6 +763,7 @@ fn main() {
         r0.start_step + r0.steps_run,
         r0.final_loss.to_bits(),
         r0.steady_step_s(),
+        o.ac.ac,
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

@@ -116,6 +116,8 @@ struct Opts {
     save: args::SaveArgs,
     #[command(flatten)]
     hf: args::HfArgs,
+    #[command(flatten)]
+    ac: args::AcArgs,
     /// End the run after step N, as an interruption would (the LR schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -235,6 +237,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             let plan = sequence_parallel_layer_plan();
             parallelize_llama_stage(&mut stage, &mesh["tp"], &plan, &top_level_plan())?;
         }
+        // Activation checkpointing after the plan and before FSDP (as torchtitan).
+        o.ac.apply(&mut stage)?;
         if !o.no_fsdp && o.dp > 1 {
             for layer in &mut stage.base_model.layers.items {
                 fully_shard(layer, &mesh["dp"], &FsdpConfig::default())?;
@@ -548,7 +552,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={}",
         o.pp,
         o.dp,
         o.tp,
@@ -565,6 +569,7 @@ fn main() {
         r.start_step,
         r.start_step + r.steps_run,
         r.final_loss.to_bits(),
+        o.ac.ac,
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

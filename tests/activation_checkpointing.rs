@@ -165,12 +165,18 @@ fn memory_of(policy: &AcPolicy) -> (i64, i64) {
 fn activations_are_not_kept_but_recomputed() {
     let (none, none_peak) = memory_of(&AcPolicy::None);
     let (full, full_peak) = memory_of(&AcPolicy::full());
-    let (sel, _) = memory_of(&AcPolicy::selective());
+    let (sel, sel_peak) = memory_of(&AcPolicy::selective());
     // Full AC keeps each layer's input only; selective keeps matmul and attention outputs.
     assert!(full * 3 < none, "full AC keeps {full} bytes after forward, none {none}");
     assert!(full < sel && sel < none, "selective keeps {sel} (full {full}, none {none})");
-    assert!(full_peak < none_peak, "peak: full {full_peak}, none {none_peak}");
-    eprintln!("after forward: none {none} B, selective {sel} B, full {full} B; peak: none {none_peak} B, full {full_peak} B");
+    // The recompute's graph lives only while its layer's backward runs: the peak over
+    // forward and backward falls too.
+    assert!(full_peak * 2 < none_peak, "peak: full {full_peak}, none {none_peak}");
+    assert!(sel_peak < none_peak, "peak: selective {sel_peak}, none {none_peak}");
+    eprintln!(
+        "after forward: none {none} B, selective {sel} B, full {full} B; peak: none {none_peak} B, \
+         selective {sel_peak} B, full {full_peak} B"
+    );
 }
 
 /// What a planted region computes on its `n`-th run (0: the forward; later: recomputes).

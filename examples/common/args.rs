@@ -102,6 +102,29 @@ pub struct SaveArgs {
     pub export: Option<PathBuf>,
 }
 
+/// Activation checkpointing of the decoder layers.
+#[derive(Args, Clone, Debug)]
+pub struct AcArgs {
+    /// Activation checkpointing of the decoder layers: none; full (recompute every
+    /// layer's activations in backward); full:K (every K-th layer); selective (keep the
+    /// matmul and attention outputs, recompute norms, elementwise ops and RoPE);
+    /// selective:K.
+    #[arg(long, default_value = "none", value_parser = parse_ac)]
+    pub ac: AcPolicy,
+}
+
+fn parse_ac(s: &str) -> Result<AcPolicy, String> {
+    s.parse().map_err(|e: NnError| e.to_string())
+}
+
+impl AcArgs {
+    /// Applies the policy to `model`'s checkpointable modules (its decoder layers).
+    pub fn apply(&self, model: &mut dyn Module) -> tpar::Result<()> {
+        apply_activation_checkpointing(model, &self.ac)?;
+        Ok(())
+    }
+}
+
 /// Start from a Hugging Face Llama directory, and write the trained model as one.
 #[derive(Args, Clone, Debug)]
 pub struct HfArgs {

@@ -313,6 +313,13 @@ impl<M: Module> fmt::Debug for CheckpointWrapper<M> {
     }
 }
 
+/// The output of a checkpointed forward's first run (see `checkpointed`).
+struct Ran {
+    /// Whether a run stores its output (only until the forward returns).
+    armed: bool,
+    out: Option<(OutKind, Tensor)>,
+}
+
 /// How one input of a checkpointed forward is rebuilt inside the region.
 #[derive(Clone)]
 enum Slot {
@@ -387,7 +394,10 @@ impl<M: Module> CheckpointWrapper<M> {
         // the recompute's copies are told the same.
         let originals = tensors.clone();
         let module: Weak<M> = Arc::downgrade(self.shared());
-        let kind: Arc<Mutex<Option<(OutKind, Tensor)>>> = Arc::new(Mutex::new(None));
+        // What the forward's run returned, for the caller to rebuild the output: only that
+        // run stores it (a recompute's output holds its whole graph, which must not
+        // outlive the recompute).
+        let kind: Arc<Mutex<Ran>> = Arc::new(Mutex::new(Ran { armed: true, out: None }));
         let out_kind = kind.clone();
         let region = move |ins: &[Tensor]| -> tpar_tensor::Result<Tensor> {
             let m = module.upgrade().ok_or_else(|| TensorError::Recompute {
@@ -420,13 +430,20 @@ impl<M: Module> CheckpointWrapper<M> {
                         })
                     }
                 };
-                *out_kind.lock().unwrap_or_else(|p| p.into_inner()) = Some((kind, t.clone()));
+                let mut ran = out_kind.lock().unwrap_or_else(|p| p.into_inner());
+                if ran.armed {
+                    ran.out = Some((kind, t.clone()));
+                }
                 Ok(t)
             };
             run().map_err(to_tensor_error)
         };
         let out = checkpoint(&tensors, keep, region)?;
-        let ran = kind.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let ran = {
+            let mut ran = kind.lock().unwrap_or_else(|p| p.into_inner());
+            ran.armed = false;
+            ran.out.take()
+        };
         Ok(match ran {
             Some((OutKind::DTensor(spec), _)) => Value::DTensor(DTensor::from_local(
                 &out,
