@@ -20,6 +20,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod context_parallel;
 mod dtensor;
 mod error;
 pub mod local_layout;
@@ -28,6 +29,7 @@ pub mod ops;
 pub mod redistribute;
 mod spec;
 
+pub use context_parallel::{context_parallel_attention, ContextParallel, CpLayout, CpMethod};
 pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor};
 pub use error::{DTensorError, Result};
 pub use mode::{
