@@ -205,6 +205,9 @@ pub type BackwardFn = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sy
 /// A recorded op in the graph.
 pub struct Node {
     pub(crate) name: &'static str,
+    /// The graph's edges: each input as [`Tensor::edge`] makes it (a leaf that requires
+    /// a gradient itself; any other input without its data, so the graph keeps alive
+    /// only what the backward closures saved).
     pub(crate) inputs: Vec<Tensor>,
     pub(crate) backward: Box<BackwardFn>,
     /// The group the output is replicated over in forward (see [`ReplicatedGrad`]).
@@ -306,7 +309,7 @@ pub fn record(
     let replicated = first.filter(|g| groups.all(|o| o == Some(*g)));
     let node = Node {
         name,
-        inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+        inputs: inputs.iter().map(|t| t.edge()).collect(),
         backward: Box::new(backward),
         replicated,
         aware: false,
@@ -332,7 +335,7 @@ pub fn record_replication_aware(
     }
     let node = Node {
         name,
-        inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+        inputs: inputs.iter().map(|t| t.edge()).collect(),
         backward: Box::new(backward),
         replicated,
         aware: true,

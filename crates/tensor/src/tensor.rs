@@ -403,6 +403,31 @@ impl Tensor {
         self.0.attachment.get()
     }
 
+    /// This tensor as an edge of the autograd graph (an input of a recorded node): a
+    /// leaf that requires a gradient is itself (its gradient and hooks live there); any
+    /// other tensor is a handle with the same id, shape, dtype, device and node but no
+    /// data, so that recording an op keeps no input's data alive: what a backward needs
+    /// is what its closure saved, and an intermediate nothing saved is freed when its
+    /// last user lets go of it (PyTorch's graph holds edges, not tensors).
+    pub(crate) fn edge(&self) -> Tensor {
+        if self.0.node.is_none() && self.requires_grad() {
+            return self.clone();
+        }
+        Tensor(Arc::new(Inner {
+            id: self.0.id,
+            shape: self.0.shape.clone(),
+            dtype: self.0.dtype,
+            device: self.0.device,
+            storage: Arc::new(RwLock::new(Storage::Released)),
+            node: self.0.node.clone(),
+            requires_grad: AtomicBool::new(self.requires_grad()),
+            grad: Mutex::new(GradSlot::default()),
+            retired: OnceLock::new(),
+            post_grad_hooks: Mutex::new(Vec::new()),
+            attachment: OnceLock::new(),
+        }))
+    }
+
     /// A handle to the same data that is cut from the graph.
     pub fn detach(&self) -> Tensor {
         self.share(self.shape().clone(), None)

@@ -1,0 +1,59 @@
+//! The autograd graph keeps alive only what backward closures saved: an intermediate
+//! that no backward needs is freed when its last user lets go of it, as in PyTorch,
+//! whose graph holds edges, not tensors.
+
+#[global_allocator]
+static ALLOC: tpar_tensor::memory::TrackingAllocator = tpar_tensor::memory::TrackingAllocator;
+
+use tpar_tensor::{memory, DType, Device, Tensor, TensorError};
+
+const N: usize = 1 << 20; // 4 MiB of f32
+
+/// Bytes this thread's rank holds after `f` returns, less what it held before.
+fn held_after(
+    rank: usize,
+    f: impl FnOnce() -> Result<Vec<Tensor>, TensorError>,
+) -> (i64, Vec<Tensor>) {
+    memory::cache::set_limit(0);
+    memory::set_rank(Some(rank));
+    let base = memory::current(rank);
+    let kept = f().unwrap();
+    (memory::current(rank) - base, kept)
+}
+
+#[test]
+fn intermediates_no_backward_saved_are_freed() {
+    std::thread::spawn(|| {
+        let x = Tensor::ones([N], DType::F32, Device::Cpu).unwrap().requires_grad_(true);
+        // a = 2x and b = 3a save nothing of their inputs (a scale's backward needs only
+        // the scale): once `a` is dropped only `b` is held.
+        let (held, kept) = held_after(40, || {
+            let a = x.mul_scalar(2.0)?;
+            let b = a.mul_scalar(3.0)?;
+            Ok(vec![b])
+        });
+        let four_mib = (N * 4) as i64;
+        assert!(held >= four_mib, "b itself is held: {held}");
+        assert!(
+            held < four_mib + four_mib / 2,
+            "the graph held a dropped intermediate: {held} bytes"
+        );
+        // The graph still reaches x: its gradient is 6 everywhere.
+        kept[0].sum_all().unwrap().backward().unwrap();
+        let g = x.grad().unwrap().to_vec::<f32>().unwrap();
+        assert!(g.iter().all(|&v| v == 6.0));
+        // What a backward does need stays: y = a * a saves `a`.
+        let (held, kept) = held_after(41, || {
+            let a = x.mul_scalar(2.0)?;
+            let y = a.mul(&a)?;
+            Ok(vec![y])
+        });
+        assert!(held >= 2 * four_mib, "a (saved by the product) and y: {held}");
+        x.zero_grad();
+        kept[0].sum_all().unwrap().backward().unwrap();
+        let g = x.grad().unwrap().to_vec::<f32>().unwrap();
+        assert!(g.iter().all(|&v| v == 8.0), "d(4x^2)/dx at 1 is 8");
+    })
+    .join()
+    .unwrap();
+}
