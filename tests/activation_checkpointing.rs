@@ -397,3 +397,37 @@ fn pipeline_1f1b_and_zero_bubble_with_ac_equal_no_ac_bit_for_bit() {
         }
     }
 }
+
+/// One step of a 4-layer f64 Llama under DDP over 2 ranks (gradients averaged by the
+/// post-accumulate-grad hooks while the backward runs) with `policy`: each rank's loss
+/// bits and gradient bits by FQN.
+fn ddp(policy: &AcPolicy) -> Vec<(u64, Grads)> {
+    let cfg = tpar_testing::tiny_llama_config(40, 16, 4, DType::F64);
+    let policy = policy.clone();
+    spawn_scoped(SpawnConfig::new(2), move |ctx| -> tpar::Result<(u64, Grads)> {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+        let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+        reset_parameters(&mut model, Device::Cpu, 13)?;
+        apply_activation_checkpointing(&mut model, &policy)?;
+        let _ddp = DataParallel::new(&mut model, &mesh["dp"])?;
+        let (ids, tgt) = batch(4, 8, cfg.vocab_size);
+        let r = mesh.local_rank();
+        let (ids, tgt) = (ids.narrow(0, 2 * r, 2)?, tgt.narrow(0, 2 * r, 2)?);
+        let logits = model.logits(&ids, None)?;
+        let loss = loss_fn(cfg.vocab_size)(&logits, &tgt)?.into_tensor("loss")?;
+        loss.backward()?;
+        Ok((loss.item()?.to_bits(), grads_of(&model)))
+    })
+    .unwrap()
+}
+
+#[test]
+fn ddp_hooks_get_the_gradients_of_checkpointed_layers() {
+    let want = ddp(&AcPolicy::None);
+    // The two ranks saw different data, and DDP averaged their gradients.
+    assert_ne!(want[0].0, want[1].0);
+    assert_eq!(want[0].1, want[1].1);
+    for p in [AcPolicy::full(), AcPolicy::Full { every: 2 }, AcPolicy::selective()] {
+        assert_eq!(ddp(&p), want, "{p}");
+    }
+}
