@@ -25,6 +25,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod context_parallel;
 pub mod hf;
 pub mod llama;
 mod llama_pipeline;

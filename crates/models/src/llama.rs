@@ -464,7 +464,13 @@ impl Module for LlamaAttention {
     fn forward(&self, args: Args) -> Result<Value> {
         let who = "LlamaAttention";
         let x = args.get(0);
-        let rope = args.get(1).opaque::<RopeTables>(who)?;
+        // Under context parallelism the tables come at this rank's positions with the
+        // attention settings (crate::context_parallel).
+        let cp = args.get(1).opaque::<crate::context_parallel::CpRope>(who).ok();
+        let rope = match &cp {
+            Some(c) => Arc::new(c.tables.clone()),
+            None => args.get(1).opaque::<RopeTables>(who)?,
+        };
         let mask = args.get(2).into_optional_tensor(who)?;
         let hd = self.head_dim;
         // [b, s, heads * hd] -> [b, heads, s, hd]
@@ -509,7 +515,10 @@ impl Module for LlamaAttention {
         let k = k.rope(&cos, &sin, RopeLayout::Bhsd)?;
         // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
         let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
-        let a = Value::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?; // [b, hq, s, hd]
+        let a = match &cp {
+            Some(c) => crate::context_parallel::cp_attention(c, &q, &k, &v, mask.as_ref())?,
+            None => Value::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?,
+        }; // [b, hq, s, hd]
         let a = a.transpose(1, 2)?.reshape(&[b as isize, s as isize, (hq * hd) as isize])?; // [b, s, hq * hd]
         call(&self.o_proj, Args::one(a))
     }
@@ -682,6 +691,8 @@ pub struct LlamaModel {
     /// RoPE tables.
     pub rotary_emb: RotaryPositionEncoding,
     dtype: DType,
+    /// Set by [`crate::context_parallel::apply_context_parallel`].
+    pub(crate) context_parallel: Option<crate::context_parallel::CpConfig>,
 }
 
 impl LlamaModel {
@@ -704,6 +715,7 @@ impl LlamaModel {
                 cfg.dtype,
             )?,
             dtype: cfg.dtype,
+            context_parallel: None,
         })
     }
 }
@@ -735,8 +747,21 @@ impl Module for LlamaModel {
         let (b, s) = (ids.dims()[0], ids.dims()[1]);
         let pad = args.get(1).into_optional_tensor("LlamaModel")?;
         let device = ids.device();
-        let mask = attention_mask(pad.as_ref(), b, s, self.dtype, device)?;
-        let rope = Value::Opaque(Arc::new(self.rotary_emb.tables_on(s, device)?));
+        let (mask, rope) = match &self.context_parallel {
+            Some(cp) => crate::context_parallel::cp_inputs(
+                cp,
+                &self.rotary_emb,
+                pad.as_ref(),
+                b,
+                s,
+                self.dtype,
+                device,
+            )?,
+            None => (
+                attention_mask(pad.as_ref(), b, s, self.dtype, device)?,
+                Value::Opaque(Arc::new(self.rotary_emb.tables_on(s, device)?)),
+            ),
+        };
         let x = call(&self.embed_tokens, Args::new(vec![args.get(0)]))?;
         let mask = mask.map(Value::Tensor).unwrap_or(Value::None);
         let x = call(&self.layers, Args::new(vec![x, rope, mask]))?;
