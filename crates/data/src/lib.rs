@@ -25,6 +25,8 @@ mod hf;
 #[cfg(not(feature = "hf-tokenizers"))]
 #[path = "hf_unavailable.rs"]
 mod hf;
+pub mod metrics;
+pub mod parquet;
 
 use std::path::Path;
 
@@ -34,7 +36,9 @@ use rand_chacha::ChaCha8Rng;
 use tpar_tensor::state::{expect_empty, take_int, StateDict, StateDictError, StateValue};
 use tpar_tensor::Tensor;
 
+pub use crate::parquet::{is_parquet, ParquetDocuments, ParquetProblem};
 pub use hf::HfTokenizer;
+pub use metrics::{MetricsConfig, MetricsError, MetricsLogger, StepMetrics};
 /// The Hugging Face `tokenizers` crate [`HfTokenizer`] wraps, re-exported so
 /// [`HfTokenizer::inner`] and [`HfTokenizer::from_hf`] meet the same version.
 #[cfg(feature = "hf-tokenizers")]
@@ -69,6 +73,20 @@ pub enum DataError {
         /// Why it is missing and how to get it.
         why: &'static str,
     },
+    /// A parquet file that cannot serve as documents: unreadable, without the column, a
+    /// column that is not strings, a null or non-UTF-8 value.
+    #[error("parquet file {file}, column \"{column}\": {problem}")]
+    Parquet {
+        /// The file's path.
+        file: String,
+        /// The column asked for.
+        column: String,
+        /// What is wrong.
+        problem: ParquetProblem,
+    },
+    /// A metrics file could not be created or written.
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
     /// A tensor op failed while building a batch.
     #[error(transparent)]
     Tensor(#[from] tpar_tensor::TensorError),
@@ -358,8 +376,19 @@ pub fn split_documents(text: &str) -> Vec<&str> {
 }
 
 /// Documents from a `--data FILE`: a `.jsonl` file takes each line's `"text"` field;
-/// any other file is plain text split at blank lines ([`split_documents`]).
+/// parquet (a `.parquet` file or a directory of them) its `text` column; any other file
+/// is plain text split at blank lines ([`split_documents`]).
 pub fn load_documents(path: &Path) -> Result<Vec<String>> {
+    load_documents_with_column(path, "text")
+}
+
+/// [`load_documents`] reading the string column `column` of parquet data (read a row
+/// group at a time by [`ParquetDocuments`], every document kept); text and JSON lines
+/// are read as there (JSON lines always by their `"text"` field).
+pub fn load_documents_with_column(path: &Path, column: &str) -> Result<Vec<String>> {
+    if is_parquet(path) {
+        return ParquetDocuments::read_all(path, column);
+    }
     let text = std::fs::read_to_string(path)
         .map_err(|e| config_err(format!("cannot read data file {}: {e}", path.display())))?;
     if path.extension().is_some_and(|e| e == "jsonl") {
