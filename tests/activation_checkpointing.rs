@@ -205,7 +205,7 @@ fn a_recompute_that_differs_from_its_forward_fails() {
     let keep = [SaveOp::Matmul];
     // As written: the same both times (the control).
     let same = region(&w, &w2, |_, x, w, w2| x.matmul(w)?.silu()?.matmul(w2)?.sum_all());
-    checkpoint(&[x.clone()], &keep, same).unwrap().backward().unwrap();
+    checkpoint(std::slice::from_ref(&x), &keep, same).unwrap().backward().unwrap();
     // The recompute skips a kept op: one kept output is left unused.
     let fewer = region(&w, &w2, |n, x, w, w2| {
         let h = x.matmul(w)?.silu()?;
@@ -215,7 +215,7 @@ fn a_recompute_that_differs_from_its_forward_fails() {
             h.sum_all()?.mul_scalar(1.0)
         }
     });
-    let y = checkpoint(&[x.clone()], &keep, fewer).unwrap();
+    let y = checkpoint(std::slice::from_ref(&x), &keep, fewer).unwrap();
     let e = y.backward().unwrap_err().to_string();
     assert!(e.contains("used 1 of the 2 outputs the forward kept"), "{e}");
     // The recompute runs its kept ops in another order: the first request does not match
@@ -228,7 +228,7 @@ fn a_recompute_that_differs_from_its_forward_fails() {
             x.matmul(&a)?.sum_all()
         }
     });
-    let y = checkpoint(&[x.clone()], &keep, swapped).unwrap();
+    let y = checkpoint(std::slice::from_ref(&x), &keep, swapped).unwrap();
     let e = y.backward().unwrap_err().to_string();
     assert!(e.contains("asks for matmul with operands [[3, 4], [4, 2]]"), "{e}");
     // A kept op more in the recompute than in the forward.
@@ -240,7 +240,7 @@ fn a_recompute_that_differs_from_its_forward_fails() {
             h.matmul(&w2.reshape([2, 4])?)?.sum_all()
         }
     });
-    let y = checkpoint(&[x.clone()], &keep, more).unwrap();
+    let y = checkpoint(std::slice::from_ref(&x), &keep, more).unwrap();
     let e = y.backward().unwrap_err().to_string();
     assert!(e.contains("forward kept only 2 outputs"), "{e}");
     // Another output shape.
@@ -252,7 +252,7 @@ fn a_recompute_that_differs_from_its_forward_fails() {
             h.reshape([4, 2])
         }
     });
-    let y = checkpoint(&[x.clone()], &[], reshaped).unwrap();
+    let y = checkpoint(std::slice::from_ref(&x), &[], reshaped).unwrap();
     let e = y.sum_all().unwrap().backward().unwrap_err().to_string();
     assert!(e.contains("recompute's output is f64 [4, 2]"), "{e}");
 }
@@ -269,8 +269,10 @@ fn the_kept_outputs_are_what_the_recompute_uses() {
             Tensor::from_vec(vec![1.0f64, 0.5, -0.5, 2.0], [2, 2]).unwrap().requires_grad_(true);
         let w2 = w.clone();
         let xx = x.clone().requires_grad_(true);
-        let y =
-            checkpoint(&[xx.clone()], keep, move |i| i[0].matmul(&w2)?.silu()?.sum_all()).unwrap();
+        let y = checkpoint(std::slice::from_ref(&xx), keep, move |i| {
+            i[0].matmul(&w2)?.silu()?.sum_all()
+        })
+        .unwrap();
         no_grad(|| w.copy_(&w.mul_scalar(3.0)?)).unwrap();
         y.backward().unwrap();
         xx.grad().unwrap().to_vec_f64().unwrap()
