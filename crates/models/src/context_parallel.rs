@@ -124,7 +124,12 @@ pub(crate) fn cp_attention(
 /// `(loss, global)`: `loss` is this rank's share (its tokens' summed loss over the global
 /// count), whose backward gives this rank's gradient contribution (sum them over cp with
 /// [`all_reduce_gradients`]), and `global` the loss itself, equal on every rank. One
-/// `all_reduce` of the count and one of the loss.
+/// `all_reduce` of the count and one of the loss over `group`.
+///
+/// With data parallelism too, `group` is every rank holding tokens of the batch (the
+/// flattened dp x cp group). FSDP sharded over that group averages gradients in its
+/// reduce-scatter: multiply `loss` by the group's size before backward (the test
+/// `cp2_dp2_fsdp_equals_unsharded` does so).
 pub fn cp_cross_entropy(
     logits: &Tensor,
     labels: &Tensor,

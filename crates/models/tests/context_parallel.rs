@@ -173,3 +173,56 @@ fn cp3_uneven_equals_unsharded() {
 fn cp2_tp2_equals_unsharded() {
     check(2, 2, 12, true, CpMethod::Ring);
 }
+
+/// cp 2 x dp 2 with FSDP sharding the parameters over the flattened (dp, cp) mesh, as
+/// torchtitan does: each dp rank takes one sequence, each cp rank its rows of it; FSDP's
+/// reduce-scatter averages over the 4 ranks, so each rank's share of the global-mean loss
+/// is scaled by 4.
+#[test]
+fn cp2_dp2_fsdp_equals_unsharded() {
+    use tpar_parallel_styles::{fully_shard, FsdpConfig};
+    let (s, pad) = (12, true);
+    let (want_loss, want) = reference(s, pad);
+    let cfg = SpawnConfig::new(4).timeout(Duration::from_secs(60));
+    let got = spawn_scoped(cfg, |ctx| -> Result<(f64, BTreeMap<String, Vec<f64>>), NnError> {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "cp"])?;
+        let cp = mesh.group_of("cp")?.clone();
+        let flat = mesh.flatten(&["dp", "cp"], "dp_cp")?;
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        let fc = FsdpConfig::default();
+        for layer in &mut model.base_model.layers.items {
+            fully_shard(layer, &flat, &fc)?;
+        }
+        fully_shard(&mut model, &flat, &fc)?;
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        apply_context_parallel(&mut model, &cp, CpMethod::Ring)?;
+        let dp = mesh.local_rank_of("dp")?;
+        let layout = CpLayout::new(s, 2)?;
+        let (ids, labels, mask) = batch(s, pad);
+        let row = |t: &Tensor| -> Result<Tensor, NnError> {
+            Ok(layout.shard(&t.narrow(0, dp, 1)?, 1, cp.rank())?)
+        };
+        let (ids, labels) = (row(&ids)?, row(&labels)?);
+        let mask = mask.map(|m| row(&m)).transpose()?;
+        let n = ids.dims()[1];
+        let logits = model.logits(&ids, mask.as_ref())?.into_tensor("logits")?;
+        let all = flat.group(0)?.clone();
+        let (loss, global) =
+            cp_cross_entropy(&logits.reshape([n, VOCAB])?, &labels.reshape([n])?, -100, &all)?;
+        loss.mul_scalar(all.size() as f64)?.backward()?;
+        let mut grads = BTreeMap::new();
+        for (name, p) in named_parameters(&model) {
+            let full = p.grad()?.expect("every parameter has a gradient").full()?;
+            grads.insert(name, full.to_vec_f64()?);
+        }
+        Ok((global, grads))
+    })
+    .unwrap_or_else(|e| panic!("cp 2 x dp 2 FSDP: {e}"));
+    for (rank, (loss, grads)) in got.iter().enumerate() {
+        assert!((loss - want_loss).abs() <= TOL, "rank {rank}: loss {loss} vs {want_loss}");
+        for (name, w) in &want {
+            let d = max_diff(&grads[name], w);
+            assert!(d <= TOL, "rank {rank}: gradient of {name} differs by {d}");
+        }
+    }
+}
