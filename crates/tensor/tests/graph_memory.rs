@@ -1,6 +1,7 @@
 //! The autograd graph keeps alive only what backward closures saved: an intermediate
 //! that no backward needs is freed when its last user lets go of it, as in PyTorch,
-//! whose graph holds edges, not tensors.
+//! whose graph holds edges, not tensors, and whose ops save only what their backward
+//! reads.
 
 #[global_allocator]
 static ALLOC: tpar_tensor::memory::TrackingAllocator = tpar_tensor::memory::TrackingAllocator;
@@ -42,6 +43,17 @@ fn intermediates_no_backward_saved_are_freed() {
         kept[0].sum_all().unwrap().backward().unwrap();
         let g = x.grad().unwrap().to_vec::<f32>().unwrap();
         assert!(g.iter().all(|&v| v == 6.0));
+        // A sum saves neither operand (its backward passes the gradient through).
+        let (held, kept) = held_after(42, || {
+            let a = x.mul_scalar(2.0)?;
+            let b = x.mul_scalar(3.0)?;
+            Ok(vec![a.add(&b)?])
+        });
+        assert!(held < four_mib + four_mib / 2, "a sum kept its operands: {held} bytes");
+        x.zero_grad();
+        kept[0].sum_all().unwrap().backward().unwrap();
+        let g = x.grad().unwrap().to_vec::<f32>().unwrap();
+        assert!(g.iter().all(|&v| v == 5.0));
         // What a backward does need stays: y = a * a saves `a`.
         let (held, kept) = held_after(41, || {
             let a = x.mul_scalar(2.0)?;

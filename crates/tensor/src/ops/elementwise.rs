@@ -68,30 +68,45 @@ impl Tensor {
 
     fn binary_op(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
         let out = self.binary_raw(rhs, op)?;
-        let (a, b) = (self.clone(), rhs.clone());
+        // Save only what this op's backward reads (a sum needs no operand), so the graph
+        // keeps no tensor alive that it does not need.
+        let (keep_a, keep_b, keep_y) = match op {
+            BinaryOp::Add | BinaryOp::Sub | BinaryOp::Max | BinaryOp::Min => (false, false, false),
+            BinaryOp::Mul => (true, true, false),
+            BinaryOp::Div => (false, true, true),
+            BinaryOp::Pow => (true, true, true),
+        };
+        let saved = |keep: bool, t: &Tensor| keep.then(|| t.clone());
+        let (a, b, y) = (saved(keep_a, self), saved(keep_b, rhs), saved(keep_y, &out.detach()));
+        let (rg_a, rg_b) = (self.requires_grad(), rhs.requires_grad());
         let (sa, sb) = (self.shape().clone(), rhs.shape().clone());
-        let y = out.detach();
         Ok(record(binary_name(op), &[self, rhs], out, move |g| {
             // Each side costs its own pass (and a reduction when broadcast):
             // compute only those asked for.
-            let need_a = a.requires_grad() && needs_input_grad(0);
-            let need_b = b.requires_grad() && needs_input_grad(1);
+            let need_a = rg_a && needs_input_grad(0);
+            let need_b = rg_b && needs_input_grad(1);
+            let saved_err =
+                || TensorError::Autograd(format!("{}: an operand was not saved", binary_name(op)));
+            let a = || a.as_ref().ok_or_else(saved_err);
+            let b = || b.as_ref().ok_or_else(saved_err);
+            let y = || y.as_ref().ok_or_else(saved_err);
             let when = |need: bool, f: &dyn Fn() -> Result<Tensor>| need.then(f).transpose();
             let (ga, gb) = match op {
                 BinaryOp::Add => {
                     (when(need_a, &|| Ok(g.clone()))?, when(need_b, &|| Ok(g.clone()))?)
                 }
                 BinaryOp::Sub => (when(need_a, &|| Ok(g.clone()))?, when(need_b, &|| g.neg())?),
-                BinaryOp::Mul => (when(need_a, &|| g.mul(&b))?, when(need_b, &|| g.mul(&a))?),
-                BinaryOp::Div => {
-                    (when(need_a, &|| g.div(&b))?, when(need_b, &|| g.mul(&y)?.div(&b)?.neg())?)
-                }
+                BinaryOp::Mul => (when(need_a, &|| g.mul(b()?))?, when(need_b, &|| g.mul(a()?))?),
+                BinaryOp::Div => (
+                    when(need_a, &|| g.div(b()?))?,
+                    when(need_b, &|| g.mul(y()?)?.div(b()?)?.neg())?,
+                ),
                 BinaryOp::Pow => (
                     // d/da a^b = b a^(b-1); d/db a^b = a^b ln a
                     when(need_a, &|| {
-                        g.mul(&b)?.mul(&a.binary_raw(&b.add_scalar(-1.0)?, BinaryOp::Pow)?)
+                        g.mul(b()?)?.mul(&a()?.binary_raw(&b()?.add_scalar(-1.0)?, BinaryOp::Pow)?)
                     })?,
-                    when(need_b, &|| g.mul(&y)?.mul(&a.log()?))?,
+                    when(need_b, &|| g.mul(y()?)?.mul(&a()?.log()?))?,
                 ),
                 BinaryOp::Max | BinaryOp::Min => {
                     return Err(TensorError::Autograd(format!(
