@@ -226,3 +226,54 @@ fn cp2_dp2_fsdp_equals_unsharded() {
         }
     }
 }
+
+/// Activation checkpointing and cp together: full and selective checkpointing of every
+/// decoder layer recompute the ring attention (its exchanges again) in backward, and the
+/// loss and gradients still equal the unsharded model's.
+#[test]
+fn cp2_with_activation_checkpointing_equals_unsharded() {
+    use tpar_nn::{apply_activation_checkpointing, AcPolicy};
+    let (s, pad) = (12, true);
+    let (want_loss, want) = reference(s, pad);
+    for policy in [AcPolicy::full(), AcPolicy::selective()] {
+        let cfg = SpawnConfig::new(2).timeout(Duration::from_secs(60));
+        let p = policy.clone();
+        let got =
+            spawn_scoped(cfg, move |ctx| -> Result<(f64, BTreeMap<String, Vec<f64>>), NnError> {
+                let g = ctx.world_group();
+                let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+                let wrapped = apply_activation_checkpointing(&mut model, &p)?;
+                assert_eq!(wrapped.len(), 2, "both decoder layers checkpointed");
+                reset_parameters(&mut model, Device::Cpu, 3)?;
+                apply_context_parallel(&mut model, &g, CpMethod::Ring)?;
+                let layout = CpLayout::new(s, 2)?;
+                let (ids, labels, mask) = batch(s, pad);
+                let ids = layout.shard(&ids, 1, g.rank())?;
+                let labels = layout.shard(&labels, 1, g.rank())?;
+                let mask = mask.map(|m| layout.shard(&m, 1, g.rank())).transpose()?;
+                let n = ids.dims()[1];
+                let logits = model.logits(&ids, mask.as_ref())?.into_tensor("logits")?;
+                let (loss, global) = cp_cross_entropy(
+                    &logits.reshape([2 * n, VOCAB])?,
+                    &labels.reshape([2 * n])?,
+                    -100,
+                    &g,
+                )?;
+                loss.backward()?;
+                all_reduce_gradients(&model, &g)?;
+                let mut grads = BTreeMap::new();
+                for (name, p) in named_parameters(&model) {
+                    grads.insert(name, p.grad()?.expect("a gradient").full()?.to_vec_f64()?);
+                }
+                Ok((global, grads))
+            })
+            .unwrap_or_else(|e| panic!("cp 2 with {policy}: {e}"));
+        for (rank, (loss, grads)) in got.iter().enumerate() {
+            assert!((loss - want_loss).abs() <= TOL, "{policy} rank {rank}: loss {loss}");
+            for (name, w) in &want {
+                let d = max_diff(&grads[name], w);
+                assert!(d <= TOL, "{policy} rank {rank}: gradient of {name} differs by {d}");
+            }
+        }
+    }
+}
