@@ -31,6 +31,7 @@ fn policies() -> Vec<AcPolicy> {
         AcPolicy::selective(),
         AcPolicy::Selective { every: 2, ops: vec![SaveOp::Sdpa] },
         AcPolicy::Selective { every: 1, ops: vec![SaveOp::Matmul] },
+        AcPolicy::Selective { every: 1, ops: vec![SaveOp::EveryOtherMatmul, SaveOp::Sdpa] },
     ]
 }
 
@@ -85,8 +86,16 @@ fn single_rank_ac_equals_no_ac_bit_for_bit() {
             match &p {
                 AcPolicy::Full { .. } => assert_eq!((counts.saved, counts.reused), (0, 0)),
                 AcPolicy::Selective { ops, .. } => {
-                    // Per layer: 7 matmuls (q, k, v, o, gate, up, down) and 1 attention.
-                    let per: u64 = ops.iter().map(|o| if *o == SaveOp::Sdpa { 1 } else { 7 }).sum();
+                    // Per layer: 7 matmuls (q, k, v, o, gate, up, down; every second one
+                    // is the 1st, 3rd, 5th and 7th) and 1 attention.
+                    let per: u64 = ops
+                        .iter()
+                        .map(|o| match o {
+                            SaveOp::Sdpa => 1,
+                            SaveOp::Matmul => 7,
+                            SaveOp::EveryOtherMatmul => 4,
+                        })
+                        .sum();
                     assert_eq!((counts.saved, counts.reused), (n * per, n * per), "{p}");
                 }
                 AcPolicy::None => unreachable!(),
@@ -97,7 +106,15 @@ fn single_rank_ac_equals_no_ac_bit_for_bit() {
 
 #[test]
 fn policies_parse_print_and_apply_by_fqn() {
-    for s in ["none", "full", "full:2", "selective", "selective:3", "selective[sdpa]:2"] {
+    for s in [
+        "none",
+        "full",
+        "full:2",
+        "selective",
+        "selective:3",
+        "selective[sdpa]:2",
+        "selective[matmul/2,sdpa]",
+    ] {
         let p: AcPolicy = s.parse().unwrap();
         assert_eq!(p.to_string(), s);
     }

@@ -56,7 +56,8 @@ pub enum AcPolicy {
     Selective {
         /// Checkpoint the `every`-th, `2*every`-th, ... module (at least 1).
         every: usize,
-        /// The ops whose outputs are kept (torchtitan keeps matmuls and attention).
+        /// The ops whose outputs are kept ([`AcPolicy::selective`] keeps every matmul and
+        /// attention; torchtitan keeps attention and every second matmul).
         ops: Vec<SaveOp>,
     },
 }
@@ -69,7 +70,7 @@ impl AcPolicy {
 
     /// Selective checkpointing of every module, keeping matmul and attention outputs.
     pub fn selective() -> AcPolicy {
-        AcPolicy::Selective { every: 1, ops: SaveOp::ALL.to_vec() }
+        AcPolicy::Selective { every: 1, ops: SaveOp::DEFAULT.to_vec() }
     }
 
     /// Every how many modules one is checkpointed (`None` for [`AcPolicy::None`]).
@@ -109,7 +110,7 @@ impl fmt::Display for AcPolicy {
         };
         f.write_str(name)?;
         if let AcPolicy::Selective { ops, .. } = self {
-            if ops.as_slice() != SaveOp::ALL {
+            if ops.as_slice() != SaveOp::DEFAULT {
                 let names: Vec<&str> = ops.iter().map(|o| o.name()).collect();
                 write!(f, "[{}]", names.join(","))?;
             }
@@ -156,7 +157,7 @@ impl std::str::FromStr for AcPolicy {
             ("full", None) => AcPolicy::Full { every: every.unwrap_or(1) },
             ("selective", ops) => AcPolicy::Selective {
                 every: every.unwrap_or(1),
-                ops: ops.unwrap_or_else(|| SaveOp::ALL.to_vec()),
+                ops: ops.unwrap_or_else(|| SaveOp::DEFAULT.to_vec()),
             },
             _ => return Err(bad("unknown policy")),
         };

@@ -24,7 +24,8 @@
 //! restore. Its output's shape and dtype are checked against the forward's.
 //!
 //! **Selective checkpointing.** With a non-empty `keep` (e.g. [`SaveOp::Matmul`] and
-//! [`SaveOp::Sdpa`], torchtitan's choice), the outputs of those ops are kept from the
+//! [`SaveOp::Sdpa`]; torchtitan keeps attention and every second matmul,
+//! [`SaveOp::EveryOtherMatmul`]), the outputs of those ops are kept from the
 //! forward and everything else (norms, elementwise ops, RoPE) is recomputed. The
 //! mechanism is a per-thread stack of frames consulted by the kept ops themselves (one
 //! call in the host matmul and the host attention): during the forward a *record* frame
@@ -62,27 +63,47 @@ pub enum SaveOp {
     Matmul,
     /// Scaled dot-product attention (its output and log-sum-exps).
     Sdpa,
+    /// Every second matrix product of a region: the 1st, 3rd, 5th, ... are kept, the
+    /// others recomputed (torchtitan's selective policy; [`SaveOp::Matmul`] wins when
+    /// both are listed).
+    EveryOtherMatmul,
 }
 
 impl SaveOp {
-    /// Every op that can be kept.
-    pub const ALL: [SaveOp; 2] = [SaveOp::Matmul, SaveOp::Sdpa];
+    /// What selective checkpointing keeps unless told otherwise: every matmul and
+    /// attention output.
+    pub const DEFAULT: [SaveOp; 2] = [SaveOp::Matmul, SaveOp::Sdpa];
 
-    /// The op's name as written in policies (`matmul`, `sdpa`).
+    /// The op's name as written in policies (`matmul`, `sdpa`, `matmul/2`).
     pub fn name(self) -> &'static str {
         match self {
             SaveOp::Matmul => "matmul",
             SaveOp::Sdpa => "sdpa",
+            SaveOp::EveryOtherMatmul => "matmul/2",
         }
     }
 
-    /// The op named `s` (`matmul`/`mm`/`linear`, `sdpa`/`attention`), if any.
+    /// The op named `s` (`matmul`/`mm`/`linear`, `sdpa`/`attention`, `matmul/2`), if any.
     pub fn parse(s: &str) -> Option<SaveOp> {
         match s.trim() {
             "matmul" | "mm" | "linear" => Some(SaveOp::Matmul),
             "sdpa" | "attention" | "scaled_dot_product_attention" => Some(SaveOp::Sdpa),
+            "matmul/2" | "mm/2" => Some(SaveOp::EveryOtherMatmul),
             _ => None,
         }
+    }
+
+    /// Whether a region keeping `keep` keeps this call of `self`; `matmuls` counts the
+    /// region's matrix products so far (for [`SaveOp::EveryOtherMatmul`]).
+    fn kept_in(self, keep: &[SaveOp], matmuls: &mut usize) -> bool {
+        if keep.contains(&self) {
+            return true;
+        }
+        if self == SaveOp::Matmul && keep.contains(&SaveOp::EveryOtherMatmul) {
+            *matmuls += 1;
+            return *matmuls % 2 == 1;
+        }
+        false
     }
 }
 
@@ -132,8 +153,8 @@ struct Entry {
 }
 
 enum Frame {
-    Record { keep: Vec<SaveOp>, entries: Vec<Entry> },
-    Replay { keep: Vec<SaveOp>, entries: Arc<Vec<Entry>>, next: usize },
+    Record { keep: Vec<SaveOp>, entries: Vec<Entry>, matmuls: usize },
+    Replay { keep: Vec<SaveOp>, entries: Arc<Vec<Entry>>, next: usize, matmuls: usize },
 }
 
 /// The tensors requiring a gradient that ops read while a region's forward ran.
@@ -231,8 +252,14 @@ pub(crate) fn kept<R: Clone + Send + Sync + 'static>(
         let mut s = s.borrow_mut();
         match s.last_mut() {
             None => Act::Compute,
-            Some(Frame::Record { keep, .. }) if keep.contains(&op) => Act::Save,
-            Some(Frame::Replay { keep, entries, next }) if keep.contains(&op) => {
+            Some(Frame::Record { keep, matmuls, .. }) => match op.kept_in(keep, matmuls) {
+                true => Act::Save,
+                false => Act::Compute,
+            },
+            Some(Frame::Replay { keep, entries, next, matmuls }) => {
+                if !op.kept_in(keep, matmuls) {
+                    return Act::Compute;
+                }
                 let dims: Vec<Vec<usize>> = operands.iter().map(|t| t.dims().to_vec()).collect();
                 let r = match entries.get(*next) {
                     None => Err(format!(
@@ -256,7 +283,6 @@ pub(crate) fn kept<R: Clone + Send + Sync + 'static>(
                 *next += 1;
                 Act::Reuse(r.map_err(|what| TensorError::Recompute { what }))
             }
-            Some(_) => Act::Compute,
         }
     });
     match act {
@@ -333,8 +359,9 @@ where
     let (out, captured, kept) = {
         let _g = GradModeGuard::new(false);
         let capture = CaptureGuard::push();
-        let frame = (!keep.is_empty())
-            .then(|| FrameGuard::push(Frame::Record { keep: keep.to_vec(), entries: Vec::new() }));
+        let frame = (!keep.is_empty()).then(|| {
+            FrameGuard::push(Frame::Record { keep: keep.to_vec(), entries: Vec::new(), matmuls: 0 })
+        });
         let out = f(inputs)?;
         let kept = match frame.and_then(FrameGuard::pop) {
             Some(Frame::Record { entries, .. }) => entries,
@@ -381,6 +408,7 @@ impl Region {
                     keep: self.keep.clone(),
                     entries: self.kept.clone(),
                     next: 0,
+                    matmuls: 0,
                 })
             });
             let out = (self.f)(&copies)?;
