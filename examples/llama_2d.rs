@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
+use tpar::data::StepMetrics;
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
@@ -54,6 +55,7 @@ struct Opts {
     save: args::SaveArgs,
     hf: args::HfArgs,
     ac: args::AcArgs,
+    metrics: args::MetricsArgs,
     stop_after: Option<usize>,
     nonfinite: NonFinite,
     timeline: bool,
@@ -129,6 +131,8 @@ struct Cli {
     hf: args::HfArgs,
     #[command(flatten)]
     ac: args::AcArgs,
+    #[command(flatten)]
+    metrics: args::MetricsArgs,
     /// End the run after step N, as an interruption would (the schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -233,6 +237,7 @@ fn parse() -> Result<Opts, String> {
         save: c.save,
         hf: c.hf,
         ac: c.ac,
+        metrics: c.metrics,
         stop_after: c.stop_after,
         nonfinite: c.nonfinite,
         timeline: c.timeline,
@@ -404,7 +409,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         sched.override_on_load();
     }
 
-    let docs = run::documents(o.data.data.as_deref())?;
+    let docs = run::documents(o.data.data.as_deref(), &o.data.text_column)?;
     let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
     let pad = dataset.pad_id() as i64;
     let dp_rank = mesh["dp"].local_rank();
@@ -472,6 +477,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // plan's vocab-sharded loss and for a plain one alike.
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
     let progress_bar = (rank == 0).then(|| run::progress_bar(o.steps, 0));
+    // --metrics / --tensorboard: rank 0 writes them (on a writer thread).
+    let metrics = o.metrics.start(rank == 0)?;
     // Each step starts a fresh record, so the last step's is what is left at the end.
     let timeline = (o.timeline && o.dp_mode == DpMode::Fsdp).then(FsdpTimeline::new);
     set_fsdp_timeline(&model, timeline.as_ref());
@@ -498,6 +505,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 break 'outer;
             }
             let step_trips0 = tpar::tensor::gpu::host_round_trips();
+            let step_t0 = Instant::now();
             // Logging steps read the loss and the gradient norm back (one host round trip
             // on a device): step 1, every --log-every steps and the last step; on the host
             // every step reads them (it costs nothing there). All ranks agree on which.
@@ -604,6 +612,20 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             tokens += batch_tokens * o.dp;
             step += 1;
             progress.step = step;
+            if let Some(m) = &metrics {
+                let step_time_s = step_t0.elapsed().as_secs_f64();
+                m.log(StepMetrics {
+                    step: step as u64,
+                    loss: l,
+                    lr,
+                    grad_norm: norm,
+                    tokens: (batch_tokens * o.dp) as u64,
+                    tokens_per_s: (batch_tokens * o.dp) as f64 / step_time_s,
+                    step_time_s,
+                    peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
+                    ..Default::default()
+                });
+            }
             if read {
                 read_times.push((step - start_step, t0.elapsed().as_secs_f64()));
             }
@@ -643,6 +665,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     if let Some(bar) = progress_bar {
         bar.finish();
     }
+    args::MetricsArgs::finish(metrics);
     if let Some(c) = &mut ckpt {
         c.wait()?;
     }

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
+use tpar::data::StepMetrics;
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
 use tpar::tensor::memory;
@@ -118,6 +119,8 @@ struct Opts {
     hf: args::HfArgs,
     #[command(flatten)]
     ac: args::AcArgs,
+    #[command(flatten)]
+    metrics: args::MetricsArgs,
     /// End the run after step N, as an interruption would (the LR schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -254,7 +257,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
-    let docs = run::documents(o.data.data.as_deref())?;
+    let docs = run::documents(o.data.data.as_deref(), &o.data.text_column)?;
     let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
     let ignore = dataset.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
@@ -344,6 +347,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let pp_group = mesh.group_of("pp")?.clone();
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
     let bar = reporter.then(|| run::progress_bar(o.steps, start_step));
+    // --metrics / --tensorboard: the reporting rank (last stage) writes them.
+    let metrics = o.metrics.start(reporter)?;
     // This rank's allocations, for its peak (a tcp process credits its own to slot 0).
     let mem_slot = run::memory_slot(rank, o.backend == BackendArg::Tcp);
     memory::reset_peak(mem_slot);
@@ -360,6 +365,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             if step == stop {
                 break 'outer;
             }
+            let step_t0 = Instant::now();
             let batch = dataset.batch(chunk)?;
             // DDP: the micro-batches' gradients accumulate on each rank; the sum is
             // averaged over dp once, after the schedule.
@@ -406,7 +412,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             }
             let lr = sched.step(&mut opt);
             opt.zero_grad();
-            tokens += batch.num_tokens()? * o.dp;
+            let step_tokens = batch.num_tokens()? * o.dp;
+            tokens += step_tokens;
             step += 1;
             progress.step = step;
             if has_last {
@@ -414,6 +421,20 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
                 let l = dp_group.all_reduce(&Tensor::scalar(mean, DType::F64), ReduceOp::Avg)?;
                 last = l.item()?;
+            }
+            if let Some(m) = &metrics {
+                let step_time_s = step_t0.elapsed().as_secs_f64();
+                m.log(StepMetrics {
+                    step: step as u64,
+                    loss: last,
+                    lr,
+                    grad_norm: norm,
+                    tokens: step_tokens as u64,
+                    tokens_per_s: step_tokens as f64 / step_time_s,
+                    step_time_s,
+                    peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
+                    ..Default::default()
+                });
             }
             if step == 1 {
                 // Every rank keeps the first loss (it is checkpointed from any of them).
@@ -454,6 +475,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     if let Some(bar) = bar {
         bar.finish();
     }
+    args::MetricsArgs::finish(metrics);
     if step > start_step {
         timeline = pipe.gather_timeline()?;
     }

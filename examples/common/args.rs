@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
+use tpar::data::{MetricsConfig, MetricsLogger};
 use tpar::models::hf::{export_hf, HfCheckpoint, HfConfig, DEFAULT_SHARD_BYTES, TOKENIZER_FILE};
 use tpar::prelude::*;
 
@@ -72,12 +73,50 @@ impl ModelArgs {
 /// The training text and its tokenizer.
 #[derive(Args, Clone, Debug)]
 pub struct DataArgs {
-    /// Training text (documents separated by blank lines, or JSON lines with "text").
+    /// Training text: documents separated by blank lines, JSON lines with "text", or
+    /// parquet (a .parquet file, or a directory of them read in sorted order, as Hugging
+    /// Face datasets saves them) whose --text-column holds the documents.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// The string column of parquet --data that holds the documents.
+    #[arg(long, default_value = "text", requires = "data")]
+    pub text_column: String,
     /// A Hugging Face tokenizer.json (default: bytes).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+}
+
+/// Per-step metrics files, written by the reporting rank off the training thread.
+#[derive(Args, Clone, Debug)]
+pub struct MetricsArgs {
+    /// Write each step's loss, learning rate, gradient norm, tokens, tokens/s, step time
+    /// and peak memory as one JSON object per line to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+    /// Write the same figures as TensorBoard scalars to a new event file in DIR
+    /// (events.out.tfevents.<time>.<host>).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
+}
+
+impl MetricsArgs {
+    /// The writer of the files asked for, on the rank that `reports` (`None` elsewhere
+    /// and when no file is asked for). A path that cannot be created fails here.
+    pub fn start(&self, reports: bool) -> tpar::Result<Option<MetricsLogger>> {
+        let config =
+            MetricsConfig { jsonl: self.metrics.clone(), tensorboard: self.tensorboard.clone() };
+        if !reports || !config.is_enabled() {
+            return Ok(None);
+        }
+        Ok(Some(MetricsLogger::start(&config).map_err(DataError::from)?))
+    }
+
+    /// Closes the files; a write error is reported on stderr (the run's result stands).
+    pub fn finish(logger: Option<MetricsLogger>) {
+        if let Some(Err(e)) = logger.map(MetricsLogger::finish) {
+            eprintln!("warning: {e}");
+        }
+    }
 }
 
 /// How checkpoints are written and resumed (each needs --checkpoint-dir), and the

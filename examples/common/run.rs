@@ -76,10 +76,11 @@ impl Optim {
     }
 }
 
-/// The training documents: the `--data` file's, or the built-in text.
-pub fn documents(data: Option<&std::path::Path>) -> tpar::Result<Vec<String>> {
+/// The training documents: those of `--data` (parquet's from `column`), or the built-in
+/// text.
+pub fn documents(data: Option<&std::path::Path>, column: &str) -> tpar::Result<Vec<String>> {
     Ok(match data {
-        Some(p) => load_documents(p)?,
+        Some(p) => tpar::data::load_documents_with_column(p, column)?,
         None => default_documents().into_iter().map(String::from).collect(),
     })
 }

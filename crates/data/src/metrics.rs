@@ -76,7 +76,7 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// The step's wall-clock seconds.
     pub step_time_s: f64,
-    /// Peak bytes allocated on the host by the logging rank since the run started.
+    /// Peak bytes allocated on the host by the logging rank since training began.
     pub peak_host_bytes: u64,
     /// Peak device bytes of the logging rank, where measured.
     pub peak_device_bytes: Option<u64>,
