@@ -119,12 +119,28 @@ pub(crate) fn cp_attention(
     Ok(Value::Tensor(context_parallel_attention(&q, &k, &v, mask, &cp.cp)?))
 }
 
+/// This rank's share of the batch's non-ignored tokens: `local / global`, where `local`
+/// counts this rank's `labels` that are not `ignore_index` and `global` is their sum over
+/// `group` (0 when no token is left). A rank's mean loss times its share, summed over the
+/// ranks, is the mean over the global tokens; under a loss-parallel (vocab-sharded) loss,
+/// scale the rank's [`Value`] loss by it (`Value::mul_scalar`). One `all_reduce`.
+pub fn cp_token_share(labels: &Tensor, ignore_index: i64, group: &ProcessGroup) -> Result<f64> {
+    let local = labels.to_vec::<i64>()?.iter().filter(|&&l| l != ignore_index).count();
+    let count = Tensor::from_vec(vec![local as f64], [1])?;
+    let global = if group.size() > 1 {
+        group.all_reduce(&count, ReduceOp::Sum)?.to_vec::<f64>()?[0]
+    } else {
+        local as f64
+    };
+    Ok(if global > 0.0 { local as f64 / global } else { 0.0 })
+}
+
 /// The mean cross-entropy over the global non-ignored tokens of a cp-sharded batch:
 /// `logits` `[n, vocab]` and `labels` `[n]` (i64) are this rank's rows. Returns
 /// `(loss, global)`: `loss` is this rank's share (its tokens' summed loss over the global
-/// count), whose backward gives this rank's gradient contribution (sum them over cp with
-/// [`all_reduce_gradients`]), and `global` the loss itself, equal on every rank. One
-/// `all_reduce` of the count and one of the loss over `group`.
+/// count, [`cp_token_share`]), whose backward gives this rank's gradient contribution (sum
+/// them over cp with [`all_reduce_gradients`]), and `global` the loss itself, equal on
+/// every rank. One `all_reduce` of the count and one of the loss over `group`.
 ///
 /// With data parallelism too, `group` is every rank holding tokens of the batch (the
 /// flattened dp x cp group). FSDP sharded over that group averages gradients in its
@@ -136,14 +152,14 @@ pub fn cp_cross_entropy(
     ignore_index: i64,
     group: &ProcessGroup,
 ) -> Result<(Tensor, f64)> {
-    let local = labels.to_vec::<i64>()?.iter().filter(|&&l| l != ignore_index).count();
-    let count = Tensor::from_vec(vec![local as f64], [1])?;
-    let global = group.all_reduce(&count, ReduceOp::Sum)?.to_vec::<f64>()?[0];
-    let mean = logits.cross_entropy(labels, ignore_index)?;
-    let share = if global > 0.0 { local as f64 / global } else { 0.0 };
-    let loss = mean.mul_scalar(share)?;
+    let share = cp_token_share(labels, ignore_index, group)?;
+    let loss = logits.cross_entropy(labels, ignore_index)?.mul_scalar(share)?;
     let value = Tensor::from_vec(vec![loss.item()?], [1])?;
-    let total = group.all_reduce(&value, ReduceOp::Sum)?.to_vec::<f64>()?[0];
+    let total = if group.size() > 1 {
+        group.all_reduce(&value, ReduceOp::Sum)?.to_vec::<f64>()?[0]
+    } else {
+        loss.item()?
+    };
     Ok((loss, total))
 }
 

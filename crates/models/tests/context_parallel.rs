@@ -277,3 +277,56 @@ fn cp2_with_activation_checkpointing_equals_unsharded() {
         }
     }
 }
+
+/// cp 2 x tp 2 with the default top-level plan: vocab-sharded logits and loss_parallel's
+/// cross-entropy, scaled by this rank's token share (what a trainer does).
+#[test]
+fn cp2_tp2_loss_parallel_equals_unsharded() {
+    use tpar_models::context_parallel::cp_token_share;
+    use tpar_models::llama_plans::parallelize_llama;
+    let (s, pad) = (12, true);
+    let (want_loss, want) = reference(s, pad);
+    let cfg = SpawnConfig::new(4).timeout(Duration::from_secs(60));
+    let got = spawn_scoped(cfg, |ctx| -> Result<(f64, BTreeMap<String, Vec<f64>>), NnError> {
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["cp", "tp"])?;
+        let g = mesh.group_of("cp")?.clone();
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        parallelize_llama(&mut model, mesh.dim("tp")?, &megatron_layer_plan())
+            .map_err(|e| NnError::Config { what: e.to_string() })?;
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        apply_context_parallel(&mut model, &g, CpMethod::AllGather)?;
+        let layout = CpLayout::new(s, 2)?;
+        let (ids, labels, mask) = batch(s, pad);
+        let ids = layout.shard(&ids, 1, g.rank())?;
+        let labels = layout.shard(&labels, 1, g.rank())?;
+        let labels = labels.reshape([labels.numel()])?;
+        let mask = mask.map(|m| layout.shard(&m, 1, g.rank())).transpose()?;
+        let rows = labels.numel() as isize;
+        let logits = match model.logits(&ids, mask.as_ref())? {
+            Value::DTensor(d) => Value::DTensor(d.view(&[rows, VOCAB as isize])?),
+            other => panic!("expected vocab-sharded logits, got {other:?}"),
+        };
+        let share = cp_token_share(&labels, -100, &g)?;
+        let loss = logits.cross_entropy(&labels, -100)?.mul_scalar(share)?;
+        {
+            let _lp = loss_parallel::enable(mesh.dim("tp")?);
+            loss.backward()?;
+        }
+        let value = Tensor::from_vec(vec![loss.item()?], [1])?;
+        let global = g.all_reduce(&value, tpar_dtensor::ReduceOp::Sum)?.to_vec::<f64>()?[0];
+        all_reduce_gradients(&model, &g)?;
+        let mut grads = BTreeMap::new();
+        for (name, p) in named_parameters(&model) {
+            grads.insert(name, p.grad()?.expect("a gradient").full()?.to_vec_f64()?);
+        }
+        Ok((global, grads))
+    })
+    .unwrap_or_else(|e| panic!("cp 2 x tp 2 loss_parallel: {e}"));
+    for (rank, (loss, grads)) in got.iter().enumerate() {
+        assert!((loss - want_loss).abs() <= TOL, "rank {rank}: loss {loss} vs {want_loss}");
+        for (name, w) in &want {
+            let d = max_diff(&grads[name], w);
+            assert!(d <= TOL, "rank {rank}: gradient of {name} differs by {d}");
+        }
+    }
+}
