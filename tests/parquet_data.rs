@@ -5,9 +5,15 @@
 //! `DistributedSampler` with drop_last) for dp 1, 2 and 3, from one file and from a
 //! directory of shards; a stream resumed from its saved state (through a checkpoint, and
 //! with another dp degree) reads the next batch an uninterrupted one reads; bad files are
-//! typed errors naming the file and the column.
+//! typed errors naming the file and the column. The trainer `llama_2d` trained on the
+//! parquet shards (`--data DIR --text-column content`) ends with the loss bits of the
+//! same run on the JSON-lines file.
+
+mod common;
 
 use std::path::{Path, PathBuf};
+
+use common::examples::run_example;
 
 use tpar::checkpoint::{CheckpointConfig, CheckpointManager};
 use tpar::data::{
@@ -223,4 +229,38 @@ fn bad_parquet_inputs_are_typed_errors_naming_file_and_column() {
         .is_err());
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&empty);
+}
+
+/// `key=VALUE` of the summary line.
+fn summary(out: &str, key: &str) -> String {
+    let line = out.lines().find(|l| l.starts_with("summary:")).expect("a summary line");
+    let v = line.split_whitespace().find_map(|kv| kv.strip_prefix(&format!("{key}=")));
+    v.unwrap_or_else(|| panic!("{key} in {line}")).to_string()
+}
+
+#[test]
+fn llama_2d_trains_on_parquet_as_on_the_same_jsonl() {
+    let base = ["--steps", "3", "--batch", "2", "--seq", "32", "--layers", "1", "--log-every", "1"];
+    let run = |data: &[&str]| run_example("llama_2d", &[&base[..], data].concat());
+    let jsonl = golden("docs.jsonl");
+    let Some((code, out, err)) = run(&["--data", jsonl.to_str().unwrap()]) else {
+        eprintln!("llama_2d is not built: skipped");
+        return;
+    };
+    assert_eq!(code, 0, "{out}\n{err}");
+    let want = summary(&out, "final_loss_bits");
+    let shards = golden("shards");
+    let (code, out, err) =
+        run(&["--data", shards.to_str().unwrap(), "--text-column", "content"]).unwrap();
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(summary(&out, "final_loss_bits"), want);
+    // The data is what was read: the shipped corpus ends elsewhere.
+    let (code, out, err) = run(&[]).unwrap();
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_ne!(summary(&out, "final_loss_bits"), want);
+    // The default column is `text`, which the shards lack: an error naming both.
+    let (code, out, err) = run(&["--data", shards.to_str().unwrap()]).unwrap();
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(err.contains("train-00000-of-00003.parquet") && err.contains("\"text\""), "{err}");
+    assert!(err.contains("content"), "{err}");
 }
