@@ -450,3 +450,38 @@ fn ddp_hooks_get_the_gradients_of_checkpointed_layers() {
         assert_eq!(ddp(&p), want, "{p}");
     }
 }
+
+#[test]
+fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
+    use tpar::tensor::autograd::backward_input;
+    let leaf = |v: Vec<f64>, d: [usize; 2]| Tensor::from_vec(v, d).unwrap().requires_grad_(true);
+    let make = || {
+        (
+            leaf(vec![1.0, -2.0, 0.5, 3.0, 0.25, -1.5], [3, 2]),
+            leaf(vec![0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 0.1, 0.2], [4, 2]),
+            leaf(vec![1.0, 1.5, -0.5, 2.0, 0.3, -0.2, 0.7, 0.9], [2, 4]),
+        )
+    };
+    let dy = Tensor::from_vec(vec![1.0f64, -0.5, 0.25, 2.0, -1.0, 0.5], [3, 2]).unwrap();
+    // Without checkpointing: the reference.
+    let (x, w1, w2) = make();
+    let y = x.linear(&w1, None).unwrap().silu().unwrap().linear(&w2, None).unwrap();
+    y.backward_with(&dy).unwrap();
+    let want: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    for keep in [vec![], SaveOp::DEFAULT.to_vec()] {
+        let (x, w1, w2) = make();
+        let (a, b) = (w1.clone(), w2.clone());
+        let f = move |i: &[Tensor]| i[0].linear(&a, None)?.silu()?.linear(&b, None);
+        let y = checkpoint(std::slice::from_ref(&x), &keep, f).unwrap();
+        reset_recompute_counts();
+        let (dx, weights) = backward_input(&[y], &[dy.clone()], std::slice::from_ref(&x)).unwrap();
+        // The input pass recomputed the region once and left the weights for later.
+        assert_eq!(recompute_counts().recomputed, 1, "{keep:?}");
+        assert!(w1.grad().is_none() && w2.grad().is_none(), "{keep:?}");
+        assert_eq!(bits(dx[0].as_ref().unwrap()), want[0], "{keep:?}");
+        weights.run().unwrap();
+        assert_eq!(recompute_counts().recomputed, 1, "{keep:?}: the weight pass recomputed");
+        assert_eq!(bits(&w1.grad().unwrap()), want[1], "{keep:?}");
+        assert_eq!(bits(&w2.grad().unwrap()), want[2], "{keep:?}");
+    }
+}

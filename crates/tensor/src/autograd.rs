@@ -846,6 +846,76 @@ pub(crate) fn grad_within(
     Ok((inputs.iter().map(|t| map.remove(&t.id())).collect(), stray))
 }
 
+/// [`grad_within`] split in two as [`backward_input`] splits a backward: the gradients of
+/// `now` at once (only the nodes on a path to them run, each asked for its inputs on the
+/// path), and a [`DeferredWithin`] that computes those of `later` when finished (the
+/// weight half of the nodes, and the rest of the graph down to `now` and `later`).
+pub(crate) fn grad_within_split(
+    outputs: &[Tensor],
+    grads: Vec<Tensor>,
+    now: &[Tensor],
+    later: &[Tensor],
+) -> Result<(Vec<Option<Tensor>>, DeferredWithin)> {
+    let _g = GradModeGuard::new(false);
+    let _m = MaskGuard::new(None);
+    let stop: HashSet<u64> = now.iter().chain(later).map(|t| t.id()).collect();
+    let mut map = seed(outputs, grads)?;
+    let (order, _) = topo_until(outputs, &stop);
+    let targets: HashSet<u64> = now.iter().filter(|t| t.requires_grad()).map(|t| t.id()).collect();
+    let mut on_path = targets.clone();
+    for t in order.iter().rev() {
+        let Some(node) = t.node() else { continue };
+        if node.inputs.iter().any(|i| i.requires_grad() && on_path.contains(&i.id())) {
+            on_path.insert(t.id());
+        }
+    }
+    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new(), callbacks: Vec::new() };
+    for r in outputs {
+        if !on_path.contains(&r.id()) {
+            if let Some(g) = map.remove(&r.id()) {
+                weight.seeds.push((r.clone(), Some(g)));
+            }
+        }
+    }
+    let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
+    let split = Split { on_path: &on_path, weight: &mut weight };
+    let mut tags = Tags::new();
+    propagate(&order, &mut map, &mut tags, &targets, Some(split), None)?;
+    demote_all(&mut map, tags)?;
+    let got = now.iter().map(|t| map.get(&t.id()).cloned()).collect();
+    Ok((got, DeferredWithin { weight, stop, later: later.to_vec() }))
+}
+
+/// The deferred half of a [`grad_within_split`].
+pub(crate) struct DeferredWithin {
+    weight: WeightGrad,
+    stop: HashSet<u64>,
+    later: Vec<Tensor>,
+}
+
+impl DeferredWithin {
+    /// The gradients of the split's `later` tensors, and the other leaves that got one (as
+    /// [`grad_within`] returns them).
+    pub(crate) fn finish(self) -> Result<(Vec<Option<Tensor>>, Vec<Tensor>)> {
+        let _g = GradModeGuard::new(false);
+        let _m = MaskGuard::new(None);
+        let DeferredWithin { weight, stop, later } = self;
+        let (roots, grads) = WeightGrad::settle(weight.seeds, weight.pending)?;
+        if roots.is_empty() {
+            return Ok((vec![None; later.len()], Vec::new()));
+        }
+        let mut map = seed(&roots, grads)?;
+        let mut tags = Tags::new();
+        let (order, leaves) = topo_until(&roots, &stop);
+        propagate(&order, &mut map, &mut tags, &HashSet::new(), None, None)?;
+        demote_all(&mut map, tags)?;
+        let stray =
+            leaves.into_iter().filter(|l| !stop.contains(&l.id()) && map.contains_key(&l.id()));
+        let stray = stray.collect();
+        Ok((later.iter().map(|t| map.remove(&t.id())).collect(), stray))
+    }
+}
+
 /// [`topo`] with the tensors of `stop` taken as leaves (not expanded).
 fn topo_until(roots: &[Tensor], stop: &HashSet<u64>) -> (Vec<Tensor>, Vec<Tensor>) {
     let mut order = Vec::new();
@@ -1025,9 +1095,22 @@ impl WeightGrad {
         with_callbacks(callbacks, || Self::propagate(seeds, pending))
     }
 
-    fn propagate(mut seeds: Vec<(Tensor, Option<Tensor>)>, pending: Vec<Pending>) -> Result<()> {
+    fn propagate(seeds: Vec<(Tensor, Option<Tensor>)>, pending: Vec<Pending>) -> Result<()> {
         let _g = GradModeGuard::new(false);
         let _m = MaskGuard::new(None);
+        let (roots, grads) = Self::settle(seeds, pending)?;
+        if roots.is_empty() {
+            return Ok(());
+        }
+        run_into_leaves(&roots, grads)
+    }
+
+    /// Runs the pending node calls and sums the gradients per tensor: the roots the rest
+    /// of the weight pass propagates from, with their gradients.
+    fn settle(
+        mut seeds: Vec<(Tensor, Option<Tensor>)>,
+        pending: Vec<Pending>,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
         for p in pending {
             let mut mask = vec![false; p.node.inputs.len()];
             for &(i, _) in &p.slots {
@@ -1056,10 +1139,7 @@ impl WeightGrad {
                 }
             }
         }
-        if roots.is_empty() {
-            return Ok(());
-        }
-        run_into_leaves(&roots, grads)
+        Ok((roots, grads))
     }
 }
 

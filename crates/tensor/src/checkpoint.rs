@@ -14,9 +14,12 @@
 //! enclosing pass. So the engine's machinery sees an ordinary node: parameters get their
 //! gradients from it (ready-leaf accumulation and post-accumulate-grad hooks, as DDP
 //! uses), callbacks the recomputed graph's closures queue ([`crate::autograd::queue_callback`],
-//! as FSDP's) join the running pass, and a split backward
-//! ([`crate::autograd::backward_input`]) treats it as a node whose closure computed every
-//! input's gradient at once (the region is recomputed once per backward).
+//! as FSDP's) join the running pass. In a split backward
+//! ([`crate::autograd::backward_input`]) the input pass asks the node only for the
+//! region's inputs: it recomputes the region, computes those, and keeps the recomputed
+//! graph's parameter half, which the weight pass asks for next (the region is recomputed
+//! once per backward, and its weight gradients wait for the weight pass as a plain
+//! layer's do).
 //!
 //! **Bit-identical recompute.** The recompute runs the same `f` on the same values, so
 //! it issues the same ops in the same order; tpar's ops draw no hidden random state (an
@@ -50,9 +53,12 @@ use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use crate::autograd::{grad_within, is_grad_enabled, record, GradModeGuard};
+use crate::autograd::{
+    grad_within, grad_within_split, is_grad_enabled, needs_input_grad, record, DeferredWithin,
+    GradModeGuard,
+};
 use crate::{DType, Result, Shape, Tensor, TensorError};
 
 /// An op whose output a selective checkpoint keeps from the forward instead of
@@ -322,6 +328,9 @@ struct Region {
     kept: Arc<Vec<Entry>>,
     shape: Shape,
     dtype: DType,
+    /// The parameters' half of a split backward's input pass, with the input indices it
+    /// owes, until the weight pass asks for it.
+    deferred: Mutex<Option<(Vec<usize>, DeferredWithin)>>,
 }
 
 /// Runs `f(inputs)` as an activation-checkpointed region (see the module docs): its
@@ -388,6 +397,7 @@ where
         kept: Arc::new(kept),
         shape: out.shape().clone(),
         dtype: out.dtype(),
+        deferred: Mutex::new(None),
     };
     let refs: Vec<&Tensor> = all.iter().collect();
     Ok(record("checkpoint", &refs, out, move |g| region.backward(g)))
@@ -395,7 +405,55 @@ where
 
 impl Region {
     /// Recomputes the region and returns the gradients of its node's inputs.
+    ///
+    /// Called by a split backward's input pass with only some inputs asked for
+    /// ([`needs_input_grad`]: the region's inputs, not the parameters), it computes those
+    /// now and keeps the rest of the recomputed graph's backward (the parameters' half)
+    /// for the weight pass, which calls it again asking for exactly those: the region is
+    /// recomputed once, and its weight gradients wait for the weight pass.
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let n = self.inputs.len();
+        let wants = |i: usize| self.inputs[i].requires_grad() && needs_input_grad(i);
+        let asked: Vec<usize> = (0..n).filter(|&i| wants(i)).collect();
+        let owed: Vec<usize> =
+            (0..n).filter(|&i| self.inputs[i].requires_grad() && !wants(i)).collect();
+        let deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((later, d)) = deferred {
+            if later == asked {
+                let (grads, stray) = d.finish()?;
+                stray_check(&stray)?;
+                let mut out = vec![None; n];
+                for (i, gi) in later.into_iter().zip(grads) {
+                    out[i] = gi;
+                }
+                return Ok(out);
+            }
+        }
+        let Some((out, targets)) = self.recompute()? else { return Ok(vec![None; n]) };
+        if owed.is_empty() || asked.is_empty() {
+            let (grads, stray) = grad_within(&[out], vec![g.clone()], &targets)?;
+            stray_check(&stray)?;
+            return Ok(grads
+                .into_iter()
+                .zip(&self.inputs)
+                .map(|(g, t)| g.filter(|_| t.requires_grad()))
+                .collect());
+        }
+        let now: Vec<Tensor> = asked.iter().map(|&i| targets[i].clone()).collect();
+        let later: Vec<Tensor> = owed.iter().map(|&i| targets[i].clone()).collect();
+        let (grads, d) = grad_within_split(&[out], vec![g.clone()], &now, &later)?;
+        *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = Some((owed, d));
+        let mut res = vec![None; n];
+        for (i, gi) in asked.into_iter().zip(grads) {
+            res[i] = gi;
+        }
+        Ok(res)
+    }
+
+    /// Runs the region again with grad recording on: its output, and the tensors its
+    /// node's input gradients are taken at (the inputs' copies, then the outside
+    /// tensors); `None` when the output does not require a gradient.
+    fn recompute(&self) -> Result<Option<(Tensor, Vec<Tensor>)>> {
         count(|c| c.recomputed += 1);
         let copies: Vec<Tensor> = self.inputs[..self.own]
             .iter()
@@ -435,27 +493,26 @@ impl Region {
                 ),
             });
         }
-        let n = self.inputs.len();
         if !out.requires_grad() {
-            return Ok(vec![None; n]);
+            return Ok(None);
         }
         let mut targets = copies;
         targets.extend_from_slice(&self.inputs[self.own..]);
-        let (grads, stray) = grad_within(&[out], vec![g.clone()], &targets)?;
-        if let Some(t) = stray.first() {
-            return Err(TensorError::Recompute {
-                what: format!(
-                    "the recompute reached a tensor requiring a gradient ({} {}) that no op \
-                     of the forward read",
-                    t.dtype().name(),
-                    t.shape()
-                ),
-            });
-        }
-        Ok(grads
-            .into_iter()
-            .zip(&self.inputs)
-            .map(|(g, t)| g.filter(|_| t.requires_grad()))
-            .collect())
+        Ok(Some((out, targets)))
+    }
+}
+
+/// A gradient that reached a leaf outside the region's node inputs is an error.
+fn stray_check(stray: &[Tensor]) -> Result<()> {
+    match stray.first() {
+        None => Ok(()),
+        Some(t) => Err(TensorError::Recompute {
+            what: format!(
+                "the recompute reached a tensor requiring a gradient ({} {}) that no op of \
+                 the forward read",
+                t.dtype().name(),
+                t.shape()
+            ),
+        }),
     }
 }
