@@ -61,3 +61,27 @@ fn a_perturbed_reference_fails_the_checks() {
     let last = stdout.lines().rev().find(|l| l.contains("checks:")).unwrap_or_default();
     assert!(last.contains(" 0 passed"), "{last}");
 }
+
+/// With the emulator contracting `a * b + c` into fused multiply-adds where the host
+/// compiler chooses (as a GPU compiler may), the AdamW kernels still give the CPU
+/// kernel's bits and agree with each other: every operation of their step is
+/// explicitly rounded, so no compiler's choice can change it.
+#[test]
+fn adamw_bits_do_not_depend_on_contraction() {
+    #[cfg(target_arch = "x86_64")]
+    if !std::arch::is_x86_feature_detected!("fma") {
+        eprintln!("skipped: this host has no fused multiply-add to contract into");
+        return;
+    }
+    let out = Command::new(gpu_check())
+        .args(["--device", "emulator", "--quick", "--only", "adamw"])
+        .env(tpar::kernels::cuda::emu::FP_CONTRACT_ENV, "fast")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for check in ["adamw.cpu_bits", "adamw.each"] {
+        assert!(stdout.lines().any(|l| l.starts_with("PASS") && l.contains(check)), "{stdout}");
+    }
+    assert!(!stdout.lines().any(|l| l.starts_with("FAIL")), "{stdout}");
+}

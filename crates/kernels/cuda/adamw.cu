@@ -56,12 +56,20 @@ namespace adamw {
 constexpr int kVec = 8;  // elements per thread per step (load8 / store8)
 
 // One element: updates m, v in place and returns the new parameter.
+//
+// Every operation is an explicitly rounded one (__fmul_rn, __fadd_rn, ...), which
+// the compiler never contracts into a fused multiply-add: with plain `a * b + c`
+// it may fuse either product of `v * beta2 + w2 * g * g`, and may choose
+// differently in two kernels (tpar_adamw_* and tpar_multi_adamw_* then differed
+// in a fraction of a percent of the moments on hardware). Written this way each
+// element gets the CPU kernel's f32 arithmetic in its order, whatever kernel,
+// compiler or device runs it.
 TPAR_DEVICE float update(float p, float g, float& m, float& v, const AdamwCoef& c) {
-    float x = p * c.decay;
-    m += c.w1 * (g - m);
-    v = v * c.beta2 + c.w2 * g * g;
-    const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
-    x -= c.step_size * m / denom;
+    float x = __fmul_rn(p, c.decay);
+    m = __fadd_rn(m, __fmul_rn(c.w1, __fsub_rn(g, m)));
+    v = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.w2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+    x = __fsub_rn(x, __fdiv_rn(__fmul_rn(c.step_size, m), denom));
     return x;
 }
 

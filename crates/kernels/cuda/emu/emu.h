@@ -104,6 +104,26 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+// Explicitly rounded single operations: a GPU compiler never contracts them into
+// a fused multiply-add. Each result passes through an empty asm statement, so the
+// host compiler cannot fuse it either, even when the emulator contracts
+// expressions (TPAR_EMU_FP_CONTRACT=fast).
+inline float tpar_emu_rounded(float r) {
+#if defined(__x86_64__)
+    __asm__ volatile("" : "+x"(r));
+#elif defined(__aarch64__)
+    __asm__ volatile("" : "+w"(r));
+#else
+    volatile float v = r;
+    r = v;
+#endif
+    return r;
+}
+inline float __fadd_rn(float a, float b) { return tpar_emu_rounded(a + b); }
+inline float __fsub_rn(float a, float b) { return tpar_emu_rounded(a - b); }
+inline float __fmul_rn(float a, float b) { return tpar_emu_rounded(a * b); }
+inline float __fdiv_rn(float a, float b) { return tpar_emu_rounded(a / b); }
+inline float __fsqrt_rn(float x) { return tpar_emu_rounded(std::sqrt(x)); }
 template <typename T>
 inline T __ldg(const T* p) {
     return *p;

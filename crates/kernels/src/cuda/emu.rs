@@ -64,6 +64,9 @@ struct KernelInfo {
 pub struct Emulator {
     launch: LaunchFn,
     cxx: String,
+    /// Flags kernel sources are compiled with beyond [`CXX_FLAGS`] (see
+    /// [`contraction_flags`]).
+    kernel_flags: Vec<String>,
     rt_path: PathBuf,
     rt_hash: u64,
     libs: Mutex<
@@ -79,6 +82,44 @@ pub struct Emulator {
 }
 
 static EMULATOR: OnceLock<std::result::Result<Emulator, crate::KernelError>> = OnceLock::new();
+
+/// The environment variable that makes the emulator contract floating-point
+/// expressions as a GPU compiler may: `TPAR_EMU_FP_CONTRACT=fast` compiles kernel
+/// sources with `-ffp-contract=fast -mfma`, so `a * b + c` may become one fused
+/// multiply-add where the host compiler chooses. A kernel whose bits must not
+/// depend on the compiler's choice (two kernels that must agree, or one that
+/// must equal the CPU kernel) then shows the difference here too; the default
+/// compiles every operation as written.
+pub const FP_CONTRACT_ENV: &str = "TPAR_EMU_FP_CONTRACT";
+
+/// The flags [`FP_CONTRACT_ENV`] asks for: none unless it is `fast`, which
+/// needs a host with FMA instructions.
+fn contraction_flags() -> Result<Vec<String>> {
+    match std::env::var(FP_CONTRACT_ENV).ok().as_deref() {
+        None | Some("") | Some("off") => Ok(Vec::new()),
+        Some("fast") => {
+            #[cfg(target_arch = "x86_64")]
+            let fma = std::arch::is_x86_feature_detected!("fma");
+            #[cfg(not(target_arch = "x86_64"))]
+            let fma = cfg!(target_arch = "aarch64");
+            if !fma {
+                return Err(cuda_error(
+                    "emulator",
+                    format!("{FP_CONTRACT_ENV}=fast needs a host with fused multiply-add"),
+                ));
+            }
+            let mut f = vec!["-ffp-contract=fast".to_string()];
+            if cfg!(target_arch = "x86_64") {
+                f.push("-mfma".to_string());
+            }
+            Ok(f)
+        }
+        Some(other) => Err(cuda_error(
+            "emulator",
+            format!("{FP_CONTRACT_ENV}={other:?}: expected fast or off"),
+        )),
+    }
+}
 
 fn cache_root() -> PathBuf {
     std::env::temp_dir().join("tpar-emu")
@@ -107,6 +148,7 @@ impl Emulator {
 
     fn build() -> Result<Emulator> {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+        let kernel_flags = contraction_flags()?;
         let mut hash = Fnv::new();
         for part in [EMU_H, EMU_CPP, &cxx] {
             hash.add(part.as_bytes());
@@ -123,6 +165,7 @@ impl Emulator {
                 "libtpar_emu_rt.so",
                 &[("emu.h", EMU_H.to_string()), ("emu.cpp", EMU_CPP.to_string())],
                 None,
+                &[],
             )?;
         }
         // SAFETY: the runtime is ours, built from the embedded emu.cpp; its
@@ -137,6 +180,7 @@ impl Emulator {
         Ok(Emulator {
             launch,
             cxx,
+            kernel_flags,
             rt_path,
             rt_hash: hash.0,
             libs: Mutex::new(HashMap::new()),
@@ -176,6 +220,9 @@ impl Emulator {
         let mut hash = Fnv::new();
         hash.add(&self.rt_hash.to_le_bytes());
         hash.add(text.as_bytes());
+        for f in &self.kernel_flags {
+            hash.add(f.as_bytes());
+        }
         let dir = cache_root().join(format!("{src_name}-{:016x}", hash.0));
         let file = format!("libtpar_emu_{src_name}.so");
         let path = dir.join(&file);
@@ -187,6 +234,7 @@ impl Emulator {
                 &file,
                 &[("emu.h", EMU_H.to_string()), (&format!("{src_name}.cpp"), unit)],
                 Some(&self.rt_path),
+                &self.kernel_flags,
             )?;
         }
         // SAFETY: built from CUDA C++ source against the emulator; loading runs
@@ -307,6 +355,7 @@ fn build_library(
     file: &str,
     units: &[(&str, String)],
     rt: Option<&Path>,
+    extra_flags: &[String],
 ) -> Result<()> {
     let err = |what: String| cuda_error("emulator build", what);
     let tmp = cache_root().join(format!("build-{}-{}", std::process::id(), unique()));
@@ -321,7 +370,7 @@ fn build_library(
     }
     let lib = tmp.join(file);
     let mut cmd = Command::new(cxx);
-    cmd.args(CXX_FLAGS).arg("-shared").args(&cpps).arg("-o").arg(&lib);
+    cmd.args(CXX_FLAGS).args(extra_flags).arg("-shared").args(&cpps).arg("-o").arg(&lib);
     if let Some(rt) = rt {
         cmd.arg(rt);
         if let Some(d) = rt.parent() {

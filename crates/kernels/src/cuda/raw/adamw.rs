@@ -1,8 +1,9 @@
 //! Fused AdamW step (`cuda/adamw.cu`) over flat buffers, as
 //! [`crate::adamw::adamw_step`]: the hyper-parameters are folded into f32
 //! coefficients on the host exactly as the CPU kernel folds them, and each
-//! element follows the same f32 formula (a GPU may fuse multiply-adds, so
-//! results agree to rounding).
+//! element follows the same f32 formula with every operation explicitly
+//! rounded (never contracted into a fused multiply-add), so the results are the
+//! CPU kernel's bits on any device and compiler.
 //!
 //! Parameters are f32, bf16 or f16; gradients have the parameters' dtype or
 //! are f32 (e.g. gradients reduced in f32 for bf16 parameters); the moment

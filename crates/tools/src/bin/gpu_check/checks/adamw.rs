@@ -62,8 +62,39 @@ pub(crate) fn adamw_case(c: &mut Ctx, dt: CudaDType, gdt: CudaDType, n: usize) {
             ("exp_avg_sq".to_string(), d.down(F32, &bv)?, v),
         ];
         c.r.close_parts("adamw.moments", &dtype, &shape, &parts, bound(F32));
+        // Every operation of the device step is explicitly rounded, in the CPU
+        // kernel's order: the same bits as the CPU kernel in the parameters' dtype.
+        let cpu = match (dt, gdt) {
+            (F32, F32) => Some(cpu_step::<f32>(&p0, &g, &m0, &v0, &h)?),
+            (BF16, BF16) => Some(cpu_step::<half::bf16>(&p0, &g, &m0, &v0, &h)?),
+            (F16, F16) => Some(cpu_step::<half::f16>(&p0, &g, &m0, &v0, &h)?),
+            _ => None,
+        };
+        if let Some((cp, cm, cv)) = cpu {
+            let dev = [d.down(dt, &bp)?, d.down(F32, &bm)?, d.down(F32, &bv)?].concat();
+            let host = [cp, cm, cv].concat();
+            let bits = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<u64>>();
+            c.r.exact("adamw.cpu_bits", &dtype, &shape, &bits(&dev), &bits(&host));
+        }
         Ok(())
     });
+}
+
+/// The CPU kernel's step in `T` (f32 moments) on the same values, widened back to f64.
+fn cpu_step<T: tpar_kernels::Float<Acc = f32>>(
+    p: &[f64],
+    g: &[f64],
+    m: &[f64],
+    v: &[f64],
+    h: &tpar_kernels::adamw::AdamWParams,
+) -> Res<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+    let mut p: Vec<T> = p.iter().map(|&x| T::from_f64(x)).collect();
+    let g: Vec<T> = g.iter().map(|&x| T::from_f64(x)).collect();
+    let mut m: Vec<f32> = m.iter().map(|&x| x as f32).collect();
+    let mut v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+    tpar_kernels::adamw::adamw_step::<T>(&mut p, &g, &mut m, &mut v, h)?;
+    let wide = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
+    Ok((p.iter().map(|x| x.to_f64()).collect(), wide(&m), wide(&v)))
 }
 
 /// `adamw::adamw_step_each` over tensors of `lens` against `adamw::adamw_step` on each
