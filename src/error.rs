@@ -59,6 +59,10 @@ pub enum Error {
     /// A Hugging Face checkpoint could not be read or written.
     #[error(transparent)]
     Hf(#[from] tpar_models::hf::HfError),
+    /// A predicted peak memory that does not fit, or a configuration the memory model
+    /// cannot predict.
+    #[error(transparent)]
+    Memory(#[from] tpar_models::memory::MemoryError),
     /// A state dict does not fit what loads it.
     #[error(transparent)]
     State(#[from] tpar_tensor::state::StateDictError),

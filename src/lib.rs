@@ -60,6 +60,10 @@ pub mod prelude {
         megatron_layer_plan, parallelize_llama, parallelize_llama_stage,
         sequence_parallel_layer_plan, top_level_plan,
     };
+    pub use tpar_models::memory::{
+        predict_memory, predict_memory_stage, DataParallelMode, MemoryConfig, MemoryError,
+        MemoryEstimate, TpPlan,
+    };
     pub use tpar_models::{LlamaConfig, LlamaForPretraining, LlamaStage};
     pub use tpar_nn::{
         apply_activation_checkpointing, apply_activation_checkpointing_to, call,

@@ -28,6 +28,7 @@
 pub mod context_parallel;
 pub mod hf;
 pub mod llama;
+pub mod memory;
 mod llama_pipeline;
 pub mod llama_plans;
 

@@ -1,0 +1,594 @@
+//! Per-rank peak memory of a Llama training step, predicted before anything is
+//! allocated: [`predict_memory`] takes the model, the mesh degrees, the data-parallel
+//! mode, the tensor-parallel plan, the batch, the sequence, the pipeline schedule and
+//! the activation-checkpointing policy, and returns a [`MemoryEstimate`] per rank
+//! (parameters, gradients, optimizer state, activations, the largest transient and the
+//! peak). [`MemoryEstimate::fits`] answers "does it fit in N bytes" with a typed error
+//! that names the configuration and every number when it does not.
+//!
+//! # What the model counts
+//!
+//! The figures follow what this implementation keeps, not a generic formula. Below `b`
+//! is the rows a rank computes at once (its batch, or a micro-batch under a pipeline),
+//! `s` the sequence, `h` the hidden size, `q = heads * head_dim`, `kv = kv_heads *
+//! head_dim`, `i` the MLP width, `v` the vocabulary and `t` the tensor-parallel degree;
+//! `[x]` is `b * s * x` elements in the compute dtype.
+//!
+//! - **Parameters**: every parameter's local shard in the parameter dtype: divided by
+//!   `t` for the sharded projections, embedding and head (the norms' weights are
+//!   replicated over tp), and by `dp` as well under FSDP (`fully_shard` shards dim 0).
+//! - **Gradients**: one per parameter, laid out like the parameter (FSDP reduce-scatters
+//!   into the shard; DDP and ZeRO-1 keep a full replica's gradient).
+//! - **Optimizer state**: AdamW's two moments per trainable element, in f32 (f64 for f64
+//!   parameters); ZeRO-1 and FSDP divide them by `dp`.
+//! - **Activations** kept for the backward, per decoder layer without checkpointing:
+//!   the RMSNorm inputs `[h]` twice (divided by `t` under the sequence-parallel plan,
+//!   whose norms see a sequence shard), the normed inputs the q/k/v and gate/up
+//!   projections save `[h]` twice (gathered to the whole sequence under tp), q `[q/t]`,
+//!   k and v `[2 kv/t]` (after RoPE for q and k, saved by attention), attention's output
+//!   `[q/t]` and its `[b, s, q]` copy that `o_proj` saves `[q/t]`, and the gate, up and
+//!   SwiGLU outputs `[3 i/t]`; the row statistics (RMSNorm's and attention's
+//!   log-sum-exps) are a few values per row. Residual sums and RoPE keep nothing
+//!   (an add's backward reads no operand; RoPE keeps only its tables). Then the final
+//!   norm's input `[h/t]` (sp) or `[h]`, the head's input `[h]` and the logits `[v/t]`,
+//!   which the loss keeps. The autograd graph frees a closure's saved tensors when the
+//!   graph is dropped, not during the backward: activations live until the loss is
+//!   dropped (a trainer holds it through the optimizer step).
+//! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` (sp) or `[h]`
+//!   only; during its backward the recomputed layer's activations exist once.
+//!   **Selective** keeps the layer input and the outputs of the kept ops: every matmul
+//!   (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up, `[h]` for
+//!   down, gathered or partial outputs at their local size) and attention (`[q/t]`); its
+//!   recompute adds the rest once (the normed inputs, RoPE'd q and k, the output copy,
+//!   the residual, the SwiGLU output).
+//! - **Largest transient**: the biggest of (a) a layer's backward workspace: the MLP's
+//!   input gradients `[3 i/t]` and the hidden-state gradient `[h]`, plus under
+//!   checkpointing the recomputed layer; (b) the loss's backward: the logits' gradient
+//!   `[v/t]` (the logits themselves are counted as activations); (c) under FSDP, a unit's
+//!   gathered parameters, the next unit's prefetched ones and the unit's unsharded
+//!   gradients before the reduce-scatter: three decoder layers' worth of local
+//!   parameters in the compute dtype; DDP adds its gradient buckets of one layer.
+//!   To these the host adds the GEMM kernels' packing buffers, kept per rank thread
+//!   ([`HOST_GEMM_WORKSPACE`]).
+//! - **Pipelines**: stage `r` of `pp` holds its layers' activations for the
+//!   micro-batches in flight: all `m` under GPipe, `min(pp - r, m)` under 1F1B,
+//!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
+//!   backward on, so the peak has every gradient and the in-flight activations. An
+//!   activation sent to the next stage is a copy counted on the sender until the receiver
+//!   drops it (one `[h]` of a micro-batch per micro-batch the next stage holds).
+//!
+//! The peak is parameters + gradients + optimizer state + activations + the largest
+//! transient: at the end of the backward of the first layer, everything else is still
+//! held (the graph keeps the activations, gradients are complete, the optimizer's state
+//! was made by the previous step).
+//!
+//! What it does not model: context parallelism (a `cp` above 1 is refused), the
+//! interleaved 1F1B schedule (refused), padding masks (a `[b, 1, 1, s]` mask per step,
+//! small) and the communication buffers of collectives in flight.
+//!
+//! ```
+//! use tpar_models::memory::{predict_memory, DataParallelMode, MemoryConfig};
+//! use tpar_models::LlamaConfig;
+//! let cfg = LlamaConfig {
+//!     vocab_size: 512, hidden_size: 256, intermediate_size: 688, num_hidden_layers: 4,
+//!     num_attention_heads: 8, num_key_value_heads: 4, max_position_embeddings: 256,
+//!     ..Default::default()
+//! };
+//! let mut run = MemoryConfig::new(cfg, 2, 256);
+//! run.dp = 2;
+//! run.tp = 2;
+//! run.data_parallel = DataParallelMode::Fsdp { param_dtype: None };
+//! let est = predict_memory(&run)?;
+//! assert!(est.peak > est.parameters + est.optimizer_state);
+//! assert!(est.fits(1 << 30).is_ok());
+//! let refused = est.fits(1 << 20).unwrap_err().to_string();
+//! assert!(refused.contains("does not fit"), "{refused}");
+//! # Ok::<(), tpar_models::memory::MemoryError>(())
+//! ```
+
+use std::fmt;
+
+use tpar_nn::checkpoint::AcPolicy;
+use tpar_pipeline::ScheduleKind;
+use tpar_tensor::checkpoint::SaveOp;
+use tpar_tensor::DType;
+
+use crate::LlamaConfig;
+
+/// The GEMM kernels' packing buffers a host rank thread keeps between calls (measured
+/// with the tracking allocator on the Llama steps of `tests/memory_model.rs`).
+pub const HOST_GEMM_WORKSPACE: u64 = 2 << 20;
+
+/// What the predictor refuses, and a configuration that does not fit.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// The configuration cannot be modelled (a size of 0, an unsupported axis or
+    /// schedule, a layer count the pipeline cannot split, an overflow).
+    #[error("memory model: {what}")]
+    Config {
+        /// What is wrong, with the values.
+        what: String,
+    },
+    /// The predicted peak exceeds the budget.
+    #[error(
+        "{config}: predicted peak {peak} per rank does not fit in {budget} (parameters \
+         {params}, gradients {grads}, optimizer state {optim}, activations {acts}, largest \
+         transient {transient}: {transient_what})",
+        peak = mib(estimate.peak),
+        budget = mib(*budget),
+        params = mib(estimate.parameters),
+        grads = mib(estimate.gradients),
+        optim = mib(estimate.optimizer_state),
+        acts = mib(estimate.activations),
+        transient = mib(estimate.transient),
+        transient_what = estimate.transient_what
+    )]
+    DoesNotFit {
+        /// The configuration, in words.
+        config: String,
+        /// The prediction.
+        estimate: Box<MemoryEstimate>,
+        /// The budget in bytes.
+        budget: u64,
+    },
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB ({bytes} B)", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn config_err(what: impl Into<String>) -> MemoryError {
+    MemoryError::Config { what: what.into() }
+}
+
+/// How the dp mesh axis is used.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DataParallelMode {
+    /// No data parallelism over dp (dp must be 1).
+    None,
+    /// Replicated parameters, gradients all-reduced.
+    Ddp,
+    /// Replicated parameters, AdamW state sharded over dp.
+    Zero1,
+    /// `fully_shard` per decoder layer, the base model and the root; `param_dtype` is the
+    /// mixed-precision compute dtype (`None`: the parameters' dtype).
+    Fsdp {
+        /// The dtype parameters are gathered and computed in.
+        param_dtype: Option<DType>,
+    },
+}
+
+/// The tensor-parallel layer plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpPlan {
+    /// Sequence parallel: norms and residuals on a sequence shard, the sequence gathered
+    /// before attention and the MLP.
+    SequenceParallel,
+    /// Megatron: norms and residuals replicated.
+    Megatron,
+}
+
+/// One training step's configuration, per rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryConfig {
+    /// The model (its `dtype` is the parameters' dtype).
+    pub model: LlamaConfig,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Context-parallel degree (only 1 is modelled).
+    pub cp: usize,
+    /// Pipeline stages (one per pp rank).
+    pub pp: usize,
+    /// How dp is used.
+    pub data_parallel: DataParallelMode,
+    /// The tensor-parallel plan (used when `tp > 1`).
+    pub plan: TpPlan,
+    /// Sequences per dp rank per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batches per step under a pipeline (`pp > 1`).
+    pub microbatches: usize,
+    /// The pipeline schedule (`pp > 1`).
+    pub schedule: ScheduleKind,
+    /// The activation-checkpointing policy on the decoder layers.
+    pub ac: AcPolicy,
+    /// Whether the ranks compute on the host (adds [`HOST_GEMM_WORKSPACE`]).
+    pub host: bool,
+}
+
+impl MemoryConfig {
+    /// One rank, no parallelism, no checkpointing, on the host: `batch` sequences of
+    /// `seq` tokens per step.
+    pub fn new(model: LlamaConfig, batch: usize, seq: usize) -> MemoryConfig {
+        MemoryConfig {
+            model,
+            dp: 1,
+            tp: 1,
+            cp: 1,
+            pp: 1,
+            data_parallel: DataParallelMode::None,
+            plan: TpPlan::SequenceParallel,
+            batch,
+            seq,
+            microbatches: 1,
+            schedule: ScheduleKind::OneFOneB,
+            ac: AcPolicy::None,
+            host: true,
+        }
+    }
+}
+
+impl fmt::Display for MemoryConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.model;
+        write!(
+            f,
+            "Llama ({} layers, hidden {}, mlp {}, heads {}/{}, vocab {}, {}) at dp {} x tp {} x cp {} x pp {}",
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.vocab_size,
+            c.dtype,
+            self.dp,
+            self.tp,
+            self.cp,
+            self.pp
+        )?;
+        match self.data_parallel {
+            DataParallelMode::None => {}
+            DataParallelMode::Ddp => write!(f, ", DDP")?,
+            DataParallelMode::Zero1 => write!(f, ", ZeRO-1")?,
+            DataParallelMode::Fsdp { param_dtype: None } => write!(f, ", FSDP")?,
+            DataParallelMode::Fsdp { param_dtype: Some(d) } => write!(f, ", FSDP ({d} compute)")?,
+        }
+        if self.tp > 1 {
+            let plan = match self.plan {
+                TpPlan::SequenceParallel => "sp",
+                TpPlan::Megatron => "megatron",
+            };
+            write!(f, ", plan {plan}")?;
+        }
+        write!(f, ", batch {} x seq {}", self.batch, self.seq)?;
+        if self.pp > 1 {
+            write!(f, ", {} micro-batches {}", self.microbatches, self.schedule)?;
+        }
+        write!(f, ", ac {}", self.ac)
+    }
+}
+
+/// The predicted memory of one rank, in bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryEstimate {
+    /// The configuration, in words (for messages).
+    pub config: String,
+    /// The pipeline stage (pp rank) this estimate is for (0 without a pipeline).
+    pub stage: usize,
+    /// Local parameter shards.
+    pub parameters: u64,
+    /// Gradients of the local parameters.
+    pub gradients: u64,
+    /// AdamW's moments.
+    pub optimizer_state: u64,
+    /// Activations the graph keeps at the peak (all micro-batches in flight).
+    pub activations: u64,
+    /// The largest transient at the peak (with the host's kernel workspace).
+    pub transient: u64,
+    /// What the largest transient is.
+    pub transient_what: String,
+    /// The predicted peak: the sum of the above.
+    pub peak: u64,
+}
+
+impl MemoryEstimate {
+    /// `Ok` when the peak fits in `budget_bytes`; otherwise an error naming the
+    /// configuration, each term and the budget.
+    pub fn fits(&self, budget_bytes: u64) -> Result<(), MemoryError> {
+        if self.peak <= budget_bytes {
+            return Ok(());
+        }
+        Err(MemoryError::DoesNotFit {
+            config: self.config.clone(),
+            estimate: Box::new(self.clone()),
+            budget: budget_bytes,
+        })
+    }
+}
+
+impl fmt::Display for MemoryEstimate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = |b: u64| b as f64 / (1u64 << 20) as f64;
+        write!(
+            f,
+            "predicted peak {:.1} MiB per rank (stage {}): parameters {:.1}, gradients {:.1}, \
+             optimizer state {:.1}, activations {:.1}, largest transient {:.1} ({})",
+            m(self.peak),
+            self.stage,
+            m(self.parameters),
+            m(self.gradients),
+            m(self.optimizer_state),
+            m(self.activations),
+            m(self.transient),
+            self.transient_what
+        )
+    }
+}
+
+/// Elements per token of a decoder layer's tensors, local to a rank.
+struct LayerShape {
+    /// The residual stream at a norm (divided by tp under sp).
+    resid: f64,
+    /// A normed input gathered for the projections.
+    full: f64,
+    q: f64,
+    kv: f64,
+    mlp: f64,
+}
+
+impl LayerShape {
+    /// What a layer keeps without checkpointing.
+    fn kept(&self) -> f64 {
+        // x and x1 at the norms, h1 and h2 at the projections, q, k, v, attention's
+        // output and its copy, gate, up and the SwiGLU output.
+        2.0 * self.resid + 2.0 * self.full + 3.0 * self.q + 2.0 * self.kv + 3.0 * self.mlp
+    }
+
+    /// What a selectively checkpointed layer keeps: its input and the kept ops' outputs.
+    fn kept_selective(&self, ops: &[SaveOp]) -> f64 {
+        let matmul = ops.contains(&SaveOp::Matmul);
+        // Every second matmul (`matmul/2`, torchtitan's policy): the 1st, 3rd, 5th, 7th.
+        let every_other = !matmul && ops.iter().any(|o| o.name() == "matmul/2");
+        // The seven matmuls' outputs in order: q, k, v, o, gate, up, down.
+        let outs = [self.q, self.kv, self.kv, self.full, self.mlp, self.mlp, self.full];
+        let mm: f64 = outs
+            .iter()
+            .enumerate()
+            .filter(|(n, _)| matmul || (every_other && n % 2 == 0))
+            .map(|(_, e)| e)
+            .sum();
+        let sdpa = if ops.contains(&SaveOp::Sdpa) { self.q } else { 0.0 };
+        self.resid + mm + sdpa
+    }
+}
+
+fn stat_bytes(dtype: DType) -> f64 {
+    if dtype == DType::F64 {
+        8.0
+    } else {
+        4.0
+    }
+}
+
+/// The predicted memory of the rank with the highest peak (under a pipeline, the stage
+/// whose peak is highest; see [`predict_memory_stage`] for one stage).
+pub fn predict_memory(c: &MemoryConfig) -> Result<MemoryEstimate, MemoryError> {
+    let mut best: Option<MemoryEstimate> = None;
+    for s in 0..c.pp.max(1) {
+        let e = predict_memory_stage(c, s)?;
+        if best.as_ref().is_none_or(|b| e.peak > b.peak) {
+            best = Some(e);
+        }
+    }
+    best.ok_or_else(|| config_err("pp is 0"))
+}
+
+/// The predicted memory of a rank of pipeline stage `stage` (0 without a pipeline).
+pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEstimate, MemoryError> {
+    validate(c, stage)?;
+    let m = &c.model;
+    let (h, v, i) = (m.hidden_size as f64, m.vocab_size as f64, m.intermediate_size as f64);
+    let hd = m.head_dim() as f64;
+    let q = m.num_attention_heads as f64 * hd;
+    let kvw = m.num_key_value_heads as f64 * hd;
+    let t = c.tp as f64;
+    let sp = c.tp > 1 && c.plan == TpPlan::SequenceParallel;
+    let (fsdp, compute) = match c.data_parallel {
+        DataParallelMode::Fsdp { param_dtype } => (true, param_dtype.unwrap_or(m.dtype)),
+        _ => (false, m.dtype),
+    };
+    let pbytes = m.dtype.size_in_bytes() as f64;
+    let abytes = compute.size_in_bytes() as f64;
+    let obytes = if m.dtype == DType::F64 { 8.0 } else { 4.0 };
+
+    // Layers of this stage, and whether it holds the embedding and the head.
+    let ranges = tpar_pipeline::split_blocks(m.num_hidden_layers, c.pp, None)
+        .map_err(|e| config_err(e.to_string()))?;
+    let layers = ranges[stage].len();
+    let (first, last) = (stage == 0, stage + 1 == c.pp);
+
+    // Parameters, local to a tp rank (norm weights replicated over tp).
+    let layer_params = (2.0 * h * (q + kvw) + 3.0 * h * i) / t + 2.0 * h;
+    let mut elems = layers as f64 * layer_params;
+    if first {
+        elems += v * h / t;
+    }
+    if last {
+        elems += v * h / t + h;
+    }
+    let dp = c.dp as f64;
+    let shard = if fsdp { elems / dp } else { elems };
+    let parameters = shard * pbytes;
+    let gradients = shard * pbytes;
+    let optimizer_state = match c.data_parallel {
+        DataParallelMode::Zero1 | DataParallelMode::Fsdp { .. } => 2.0 * elems / dp * obytes,
+        _ => 2.0 * elems * obytes,
+    };
+
+    // Activations per token of one decoder layer, and the rows in flight.
+    let shape = LayerShape {
+        resid: if sp { h / t } else { h },
+        full: h,
+        q: q / t,
+        kv: kvw / t,
+        mlp: i / t,
+    };
+    let mb = if c.pp > 1 { c.microbatches } else { 1 };
+    let rows = c.batch as f64 / mb as f64;
+    let tokens = rows * c.seq as f64;
+    let stat = stat_bytes(compute);
+    // Row statistics: two RMSNorm rstd per token and attention's log-sum-exp per head.
+    let stats = (2.0 + m.num_attention_heads as f64 / t) * stat;
+    let full_layer = tokens * (shape.kept() * abytes + stats);
+    let mut per_mb = 0.0;
+    let mut recompute = 0.0f64;
+    // The policy counts the checkpointable layers of the module it is applied to: this
+    // stage's.
+    for l in 0..layers {
+        let (kept, again) = match &c.ac {
+            AcPolicy::Full { every } if (l + 1) % every == 0 => {
+                (tokens * shape.resid * abytes, full_layer)
+            }
+            AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
+                let k = tokens * shape.kept_selective(ops) * abytes;
+                (k, (full_layer - k + tokens * shape.resid * abytes).max(0.0))
+            }
+            _ => (full_layer, 0.0),
+        };
+        per_mb += kept;
+        recompute = recompute.max(again);
+    }
+    if last {
+        // The final norm's input, the head's input and the logits.
+        per_mb += tokens * (shape.resid + h + v / t) * abytes + tokens * stat;
+    }
+    let in_flight = match (c.pp, c.schedule) {
+        (1, _) => 1,
+        (_, ScheduleKind::GPipe) => mb,
+        (_, ScheduleKind::ZeroBubble) => c.pp.min(mb),
+        _ => (c.pp - stage).min(mb),
+    };
+    let mut activations = per_mb * in_flight as f64;
+    if !last {
+        // Outputs sent to the next stage: a copy each until it is dropped there.
+        let next_holds = match c.schedule {
+            ScheduleKind::GPipe => mb,
+            ScheduleKind::ZeroBubble => c.pp.min(mb),
+            _ => (c.pp - stage - 1).min(mb),
+        };
+        activations += next_holds as f64 * tokens * shape.resid * abytes;
+    }
+
+    // The largest transient.
+    let mut options: Vec<(f64, String)> = Vec::new();
+    if layers > 0 {
+        let ws = tokens * (3.0 * shape.mlp + h) * abytes;
+        let what = if recompute > 0.0 {
+            "a layer's backward with its recomputed activations"
+        } else {
+            "a layer's backward (MLP input gradients)"
+        };
+        options.push((ws + recompute, what.into()));
+    }
+    if last {
+        options.push((tokens * v / t * abytes, "the logits' gradient".into()));
+    }
+    if fsdp && layers > 0 {
+        let unit = layer_params * compute.size_in_bytes() as f64;
+        options.push((
+            3.0 * unit,
+            "FSDP: a unit gathered, the next prefetched, its unsharded gradients".into(),
+        ));
+    }
+    if c.data_parallel == DataParallelMode::Ddp && layers > 0 {
+        options.push((layer_params * pbytes, "DDP: a layer's gradient bucket".into()));
+    }
+    let (mut transient, mut transient_what) =
+        options.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)).unwrap_or((0.0, "none".into()));
+    if c.host {
+        transient += HOST_GEMM_WORKSPACE as f64;
+        transient_what.push_str(", plus the host GEMM workspace");
+    }
+
+    let round = |x: f64| x.round() as u64;
+    let (parameters, gradients, optimizer_state, activations, transient) = (
+        round(parameters),
+        round(gradients),
+        round(optimizer_state),
+        round(activations),
+        round(transient),
+    );
+    let peak = parameters
+        .checked_add(gradients)
+        .and_then(|x| x.checked_add(optimizer_state))
+        .and_then(|x| x.checked_add(activations))
+        .and_then(|x| x.checked_add(transient))
+        .ok_or_else(|| config_err(format!("{c}: the predicted bytes overflow 64 bits")))?;
+    Ok(MemoryEstimate {
+        config: c.to_string(),
+        stage,
+        parameters,
+        gradients,
+        optimizer_state,
+        activations,
+        transient,
+        transient_what,
+        peak,
+    })
+}
+
+fn validate(c: &MemoryConfig, stage: usize) -> Result<(), MemoryError> {
+    c.model.validate().map_err(|e| config_err(e.to_string()))?;
+    for (name, v) in [
+        ("dp", c.dp),
+        ("tp", c.tp),
+        ("cp", c.cp),
+        ("pp", c.pp),
+        ("batch", c.batch),
+        ("seq", c.seq),
+        ("microbatches", c.microbatches),
+    ] {
+        if v == 0 {
+            return Err(config_err(format!("{name} is 0; it must be at least 1")));
+        }
+    }
+    if c.cp > 1 {
+        return Err(config_err(format!("{c}: context parallelism (cp {}) is not modelled", c.cp)));
+    }
+    if c.dp > 1 && c.data_parallel == DataParallelMode::None {
+        return Err(config_err(format!(
+            "dp {} needs a data-parallel mode (DDP, ZeRO-1 or FSDP)",
+            c.dp
+        )));
+    }
+    if c.pp > 1 && c.schedule == ScheduleKind::Interleaved1F1B {
+        return Err(config_err(format!("{c}: the interleaved 1F1B schedule is not modelled")));
+    }
+    if stage >= c.pp {
+        return Err(config_err(format!("stage {stage} out of range for pp {}", c.pp)));
+    }
+    if c.pp > 1 && !c.batch.is_multiple_of(c.microbatches) {
+        return Err(config_err(format!(
+            "batch {} is not a multiple of {} micro-batches",
+            c.batch, c.microbatches
+        )));
+    }
+    if c.seq > c.model.max_position_embeddings {
+        return Err(config_err(format!(
+            "seq {} exceeds max_position_embeddings {}",
+            c.seq, c.model.max_position_embeddings
+        )));
+    }
+    let m = &c.model;
+    for (what, n) in [
+        ("num_attention_heads", m.num_attention_heads),
+        ("num_key_value_heads", m.num_key_value_heads),
+        ("intermediate_size", m.intermediate_size),
+        ("vocab_size", m.vocab_size),
+    ] {
+        if c.tp > 1 && !n.is_multiple_of(c.tp) {
+            return Err(config_err(format!("{what} {n} is not a multiple of tp {}", c.tp)));
+        }
+    }
+    if c.tp > 1 && c.plan == TpPlan::SequenceParallel && !c.seq.is_multiple_of(c.tp) {
+        return Err(config_err(format!(
+            "seq {} is not a multiple of tp {} (the sequence-parallel plan shards it)",
+            c.seq, c.tp
+        )));
+    }
+    Ok(())
+}
