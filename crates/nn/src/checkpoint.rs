@@ -216,6 +216,20 @@ pub struct CheckpointWrapper<M: Module> {
 
 /// Wraps `module` with full activation checkpointing (PyTorch's `checkpoint_wrapper`);
 /// [`CheckpointWrapper::set_policy`] changes what it does.
+///
+/// ```
+/// use tpar_nn::{call, checkpoint_wrapper, named_parameters, reset_parameters, Args, Linear};
+/// use tpar_tensor::{DType, Device, Tensor};
+/// let mut lin = checkpoint_wrapper(Linear::new(3, 2, true, DType::F64, Device::Meta)?);
+/// reset_parameters(&mut lin, Device::Cpu, 0)?;
+/// // The wrapped module's names: no `_checkpoint_wrapped_module` component.
+/// let names: Vec<String> = named_parameters(&lin).into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["weight", "bias"]);
+/// let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0], [1, 3])?;
+/// call(&lin, Args::one(x))?.into_tensor("y")?.sum_all()?.backward()?;
+/// assert!(lin.weight.local().grad().is_some()); // the fields read through the wrapper
+/// # Ok::<(), tpar_nn::NnError>(())
+/// ```
 pub fn checkpoint_wrapper<M: Module>(module: M) -> CheckpointWrapper<M> {
     let w = CheckpointWrapper::new(module);
     w.slot.set(Some(Vec::new()));
