@@ -3,7 +3,9 @@
 //! one JSON line per step with every field and an event file whose records pass their
 //! CRCs and hold each step's scalars; the last step's loss in both equals the summary's
 //! `final_loss_bits` (the f32 of it in the event file), and the per-step losses equal the
-//! logged lines. A pipeline run (`llama_pp`) logs from its last stage.
+//! logged lines. A pipeline run (`llama_pp`) logs from its last stage. On a CUDA device
+//! (the emulator serving `cuda`) each step also records the device's peak bytes, at
+//! least the parameters' and gradients' bytes.
 
 mod common;
 
@@ -35,7 +37,11 @@ const FIELDS: [&str; 10] = [
 ];
 
 /// The JSON lines of `path`, each checked to hold every field, with steps 1, 2, ...
-fn json_lines(path: &Path, steps: usize) -> Vec<serde_json::Map<String, serde_json::Value>> {
+fn json_lines(
+    path: &Path,
+    steps: usize,
+    device: bool,
+) -> Vec<serde_json::Map<String, serde_json::Value>> {
     let text = std::fs::read_to_string(path).unwrap();
     let lines: Vec<_> = text
         .lines()
@@ -53,8 +59,10 @@ fn json_lines(path: &Path, steps: usize) -> Vec<serde_json::Map<String, serde_js
         }
         assert!(obj["tokens"].as_u64().unwrap() > 0);
         assert!(obj["peak_host_bytes"].as_u64().unwrap() > 0);
-        // A CPU run measures no device memory.
-        assert!(obj["peak_device_bytes"].is_null());
+        // A CPU run measures no device memory; a device run does.
+        if !device {
+            assert!(obj["peak_device_bytes"].is_null());
+        }
     }
     lines
 }
@@ -122,7 +130,7 @@ fn llama_2d_writes_json_lines_and_tensorboard_events() {
         return;
     };
     assert_eq!(code, 0, "{out}\n{err}");
-    let lines = json_lines(&jsonl, 4);
+    let lines = json_lines(&jsonl, 4, false);
     // The figures are the run's: the last loss is the summary's, bit for bit, and each
     // step's loss and learning rate are those of its logged line.
     let bits = u64::from_str_radix(&summary(&out, "final_loss_bits"), 16).unwrap();
@@ -164,7 +172,7 @@ fn llama_pp_logs_from_the_last_stage() {
         return;
     };
     assert_eq!(code, 0, "{out}\n{err}");
-    let lines = json_lines(&jsonl, 3);
+    let lines = json_lines(&jsonl, 3, false);
     let bits = u64::from_str_radix(&summary(&out, "final_loss_bits"), 16).unwrap();
     assert_eq!(lines[2]["loss"].as_f64().unwrap().to_bits(), bits);
     check_events(&tb, &lines);
@@ -184,5 +192,42 @@ fn an_unwritable_metrics_path_fails_before_training() {
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(err.contains("metrics: cannot create") && err.contains("a_file"), "{err}");
     assert!(!out.contains("summary:"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_device_run_records_the_device_peak() {
+    let Some(exe) = common::examples::example("llama_2d") else {
+        return;
+    };
+    let dir = tmp("device");
+    let jsonl = dir.join("m.jsonl");
+    let tb = dir.join("tb");
+    let out = std::process::Command::new(exe)
+        .env("TPAR_CUDA", "emulator")
+        .args(["--world", "1", "--dp", "1", "--tp", "1", "--steps", "2", "--layers", "1"])
+        .args(["--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
+        .args(["--seq", "16", "--batch", "2", "--device", "cuda", "--no-fsdp"])
+        .args(["--metrics", jsonl.to_str().unwrap(), "--tensorboard", tb.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let lines = json_lines(&jsonl, 2, true);
+    // Parameters and their gradients (f32) stay on the device through each step:
+    // the embedding and the head (259 x 32 each), one layer's four attention and three
+    // MLP matrices, and the norms.
+    let (v, h, kv, i) = (259u64, 32u64, 16u64, 64u64);
+    let params = 2 * v * h + (2 * h * h + 2 * h * kv) + 3 * h * i + 3 * h;
+    for obj in &lines {
+        let peak = obj["peak_device_bytes"].as_u64().expect("a device peak");
+        assert!(peak >= 2 * params * 4, "peak {peak} < parameters and gradients");
+    }
+    let events = tfevents::read_events(&event_file(&tb));
+    for (e, obj) in events[1..].iter().zip(&lines) {
+        let mib = obj["peak_device_bytes"].as_u64().unwrap() as f64 / (1 << 20) as f64;
+        assert_eq!(e.scalars["memory/peak_device_mib"], mib as f32);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

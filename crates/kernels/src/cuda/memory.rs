@@ -9,6 +9,7 @@
 
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytemuck::Pod;
@@ -169,10 +170,45 @@ fn sub_range(op: &'static str, range: Range<usize>, len: usize) -> Result<Range<
     Ok(range)
 }
 
+/// Device ordinals whose [`DeviceBuffer`] bytes are counted apart (higher ordinals share
+/// the last slot).
+const COUNTED_DEVICES: usize = 64;
+static DEVICE_CURRENT: [AtomicU64; COUNTED_DEVICES] =
+    [const { AtomicU64::new(0) }; COUNTED_DEVICES];
+static DEVICE_PEAK: [AtomicU64; COUNTED_DEVICES] = [const { AtomicU64::new(0) }; COUNTED_DEVICES];
+
+fn device_slot(ordinal: usize) -> usize {
+    ordinal.min(COUNTED_DEVICES - 1)
+}
+
+/// Bytes of the live [`DeviceBuffer`]s of device `ordinal` (a GPU, or the emulator's
+/// device of that ordinal), over every handle and thread that uses it: the local
+/// backend's rank threads sharing one GPU count together. Memory the driver or the
+/// vendor libraries hold (contexts, a pool's cached blocks, cuBLASLt workspaces, NCCL
+/// buffers) is not counted.
+pub fn device_bytes_in_use(ordinal: usize) -> u64 {
+    DEVICE_CURRENT[device_slot(ordinal)].load(Ordering::Relaxed)
+}
+
+/// The highest [`device_bytes_in_use`] of device `ordinal` since the last
+/// [`reset_device_peak`].
+pub fn device_peak_bytes(ordinal: usize) -> u64 {
+    DEVICE_PEAK[device_slot(ordinal)].load(Ordering::Relaxed)
+}
+
+/// Restarts the peak of device `ordinal` from its bytes in use now.
+pub fn reset_device_peak(ordinal: usize) {
+    let slot = device_slot(ordinal);
+    DEVICE_PEAK[slot].store(DEVICE_CURRENT[slot].load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
 impl DeviceBuffer {
     /// Allocates `bytes` on `dev` (contents unspecified).
     pub fn alloc(dev: &Arc<dyn GpuDevice>, bytes: usize) -> Result<DeviceBuffer> {
         let ptr = dev.alloc(bytes)?;
+        let slot = device_slot(dev.ordinal());
+        let now = DEVICE_CURRENT[slot].fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        DEVICE_PEAK[slot].fetch_max(now, Ordering::Relaxed);
         Ok(DeviceBuffer { dev: dev.clone(), ptr, bytes })
     }
 
@@ -255,6 +291,8 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        DEVICE_CURRENT[device_slot(self.dev.ordinal())]
+            .fetch_sub(self.bytes as u64, Ordering::Relaxed);
         // SAFETY: allocated by `dev` with `bytes`, owned by this buffer alone;
         // no view outlives the buffer, and the device frees it only after the
         // work queued on it (the `GpuDevice` contract).

@@ -33,7 +33,10 @@ pub mod ops;
 pub mod profile;
 pub mod raw;
 
-pub use memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice, MemorySpace};
+pub use memory::{
+    device_bytes_in_use, device_peak_bytes, reset_device_peak, DeviceBuffer, DeviceSlice,
+    DeviceSliceMut, GpuDevice, MemorySpace,
+};
 
 /// One embedded kernel source file (`crates/kernels/cuda/<name>.cu`).
 #[derive(Clone, Copy, Debug)]
