@@ -9,13 +9,19 @@
 //! With FSDP, `--timeline` prints each rank's record of the last step: every unit's
 //! forward and backward compute and its all-gathers and reduce-scatters, to see what
 //! overlapped, and the collectives the rank issued in that step per phase and group.
+//! `--cp N` adds a context-parallel mesh dim (`["dp", "cp", "tp"]`): each sequence is
+//! sharded over N ranks in the load-balanced layout and attention passes keys and
+//! values around the cp ring; the data-parallel mode runs over dp x cp.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 
+use tpar::data::Batch;
 use tpar::data::StepMetrics;
+use tpar::dtensor::{CpLayout, CpMethod};
+use tpar::models::context_parallel::{apply_context_parallel, cp_token_share};
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
@@ -36,6 +42,7 @@ use run::MAX_GRAD_NORM;
 struct Opts {
     world: usize,
     dp: usize,
+    cp: usize,
     tp: usize,
     steps: usize,
     batch: usize,
@@ -67,12 +74,17 @@ struct Opts {
 #[derive(Parser, Debug)]
 #[command(name = "llama_2d", version)]
 struct Cli {
-    /// World size (default dp x tp; with --backend nccl or tcp, the launcher's WORLD_SIZE).
+    /// World size (default dp x cp x tp; with --backend nccl or tcp, the launcher's WORLD_SIZE).
     #[arg(long)]
     world: Option<usize>,
     /// Data-parallel degree (the dp mesh dim).
     #[arg(long, default_value_t = 2)]
     dp: usize,
+    /// Context-parallel degree (the cp mesh dim, between dp and tp): each sequence is
+    /// sharded over cp ranks (head and mirror tail chunks), attention passes keys and
+    /// values around the cp ring, and FSDP (or DDP, ZeRO-1) runs over dp x cp.
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Tensor-parallel degree (the tp mesh dim).
     #[arg(long, default_value_t = 2)]
     tp: usize,
@@ -181,7 +193,9 @@ fn parse() -> Result<Opts, String> {
         BackendArg::Tcp => "tcp",
     };
     let dp_tp =
-        c.dp.checked_mul(c.tp).ok_or_else(|| format!("--dp {} x --tp {} overflows", c.dp, c.tp))?;
+        c.dp.checked_mul(c.cp)
+            .and_then(|d| d.checked_mul(c.tp))
+            .ok_or_else(|| format!("--dp {} x --cp {} x --tp {} overflows", c.dp, c.cp, c.tp))?;
     let world = match (c.world, c.backend) {
         (Some(w), _) => w,
         // One process per rank: the world is the launcher's (torchrun or tpar-run).
@@ -190,17 +204,33 @@ fn parse() -> Result<Opts, String> {
         }
         (None, BackendArg::Local) => dp_tp,
     };
-    let mut sizes =
-        vec![("--dp", c.dp), ("--tp", c.tp), ("--steps", c.steps), ("--batch", c.batch)];
+    let mut sizes = vec![
+        ("--dp", c.dp),
+        ("--cp", c.cp),
+        ("--tp", c.tp),
+        ("--steps", c.steps),
+        ("--batch", c.batch),
+    ];
     sizes.extend(c.model.sizes());
     flags::positive(&sizes)?;
     flags::llama_shape(c.model.hidden, c.model.heads, c.model.kv_heads)?;
     flags::learning_rate(c.lr)?;
     if dp_tp != world {
-        return Err(format!("dp {} x tp {} must equal world {world}", c.dp, c.tp));
+        return Err(if c.cp == 1 {
+            format!("dp {} x tp {} must equal world {world}", c.dp, c.tp)
+        } else {
+            format!("dp {} x cp {} x tp {} must equal world {world}", c.dp, c.cp, c.tp)
+        });
     }
     if c.backend == BackendArg::Local {
         flags::local_world(world, &format!("--world {world} (--dp {} x --tp {})", c.dp, c.tp))?;
+    }
+    if c.cp > 1 && c.tp > 1 && !c.no_fsdp && !c.zero1 {
+        return Err(format!(
+            "--cp {} with --tp {} under FSDP: FSDP over the flattened dp x cp mesh does not \
+             compose with tensor parallelism; use --no-fsdp (DDP) or --zero1",
+            c.cp, c.tp
+        ));
     }
     if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {
         return Err(format!("--device: cpu, cuda or cuda:N, not {}", c.device));
@@ -208,6 +238,7 @@ fn parse() -> Result<Opts, String> {
     Ok(Opts {
         world,
         dp: c.dp,
+        cp: c.cp,
         tp: c.tp,
         steps: c.steps,
         batch: c.batch,
@@ -337,7 +368,10 @@ impl RankReport {
 /// world of a process launched by torchrun / tpar-run).
 fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
-    let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.dp, o.tp], &["dp", "tp"])?;
+    let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.dp, o.cp, o.tp], &["dp", "cp", "tp"])?;
+    // The data-parallel mesh: dp, or dp x cp flattened under context parallelism (the
+    // ranks that hold different tokens of a batch), as torchtitan shards FSDP.
+    let dp_mesh = if o.cp > 1 { mesh.flatten(&["dp", "cp"], "dp_cp")? } else { mesh["dp"].clone() };
     // A sequence length whose full [batch, 1, seq, seq] attention mask (the explicit
     // form, in f64) no machine holds fails here, before anything is built. The model
     // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
@@ -373,10 +407,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 .then_some(MixedPrecision { param_dtype: o.dtype, reduce_dtype: DType::F32 }),
         };
         for layer in &mut model.base_model.layers.items {
-            fully_shard(layer, &mesh["dp"], &fsdp)?;
+            fully_shard(layer, &dp_mesh, &fsdp)?;
         }
-        fully_shard(&mut model.base_model, &mesh["dp"], &fsdp)?;
-        fully_shard(&mut model, &mesh["dp"], &fsdp)?;
+        fully_shard(&mut model.base_model, &dp_mesh, &fsdp)?;
+        fully_shard(&mut model, &dp_mesh, &fsdp)?;
     }
     let device = compute_device(o);
     reset_parameters(&mut model, device, o.seed)?;
@@ -388,19 +422,26 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // optimizer reduce-scatters them itself).
     let _ddp = match o.dp_mode {
         DpMode::Fsdp => None,
-        DpMode::Ddp => Some(DataParallel::new(&mut model, &mesh["dp"])?),
+        DpMode::Ddp => Some(DataParallel::new(&mut model, &dp_mesh)?),
         DpMode::Zero1 => {
-            sync_module_states(&mut model, &mesh["dp"])?;
+            sync_module_states(&mut model, &dp_mesh)?;
             None
         }
     };
+
+    // Context parallelism: each cp rank takes its chunks of every sequence.
+    let cp_group = mesh.group_of("cp")?.clone();
+    let cp_layout = CpLayout::new(seq, o.cp)?;
+    if o.cp > 1 {
+        apply_context_parallel(&mut model, &cp_group, CpMethod::Ring)?;
+    }
 
     let optim = run::Optim::new(o.lr, o.steps);
     let adamw = optim.adamw;
     // One optimizer interface for every dp mode (ZeRO-1 shards its state over dp).
     let mut opt: Box<dyn Optimizer> = match o.dp_mode {
         DpMode::Zero1 => {
-            Box::new(ZeroRedundancyOptimizer::adamw(named_parameters(&model), &mesh["dp"], adamw)?)
+            Box::new(ZeroRedundancyOptimizer::adamw(named_parameters(&model), &dp_mesh, adamw)?)
         }
         DpMode::Fsdp | DpMode::Ddp => Box::new(AdamW::with_names(named_parameters(&model), adamw)?),
     };
@@ -430,6 +471,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         &[
             ("mesh.world", o.world.into()),
             ("mesh.dp", o.dp.into()),
+            ("mesh.cp", o.cp.into()),
             ("mesh.tp", o.tp.into()),
             ("plan", o.plan.as_str().into()),
             ("dp_mode", format!("{:?}", o.dp_mode).into()),
@@ -479,14 +521,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let progress_bar = (rank == 0).then(|| run::progress_bar(o.steps, 0));
     // --metrics / --tensorboard: rank 0 writes them (on a writer thread).
     let metrics = o.metrics.start(rank == 0)?;
-    // The device's buffers, for its peak (the local backend's ranks share one device).
-    let cuda_ordinal = match device {
-        Device::Cuda(i) => Some(i),
-        _ => None,
-    };
-    if let (Some(i), Some(_)) = (cuda_ordinal, &metrics) {
-        tpar::kernels::cuda::reset_device_peak(i);
-    }
     // Each step starts a fresh record, so the last step's is what is left at the end.
     let timeline = (o.timeline && o.dp_mode == DpMode::Fsdp).then(FsdpTimeline::new);
     set_fsdp_timeline(&model, timeline.as_ref());
@@ -528,6 +562,17 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // Counted on the host, before the batch moves (a device count would read it back).
             let batch_tokens = batch.num_tokens()?;
             let batch = batch.to_device(device)?;
+            // Under context parallelism this rank's chunks of every sequence.
+            let batch = if o.cp > 1 {
+                let me = cp_group.rank();
+                Batch {
+                    input_ids: cp_layout.shard(&batch.input_ids, 1, me)?,
+                    target_ids: cp_layout.shard(&batch.target_ids, 1, me)?,
+                    attention_mask: cp_layout.shard(&batch.attention_mask, 1, me)?,
+                }
+            } else {
+                batch
+            };
             if let Some(t) = &timeline {
                 t.clear();
                 comm.clear();
@@ -539,8 +584,16 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             let logits = model
                 .logits(&batch.input_ids, Some(&batch.attention_mask))?
                 .reshape(&[-1, cfg.vocab_size as isize])?;
-            let loss = logits
-                .cross_entropy(&batch.target_ids.reshape([batch.target_ids.numel()])?, pad)?;
+            let targets = batch.target_ids.reshape([batch.target_ids.numel()])?;
+            let loss = logits.cross_entropy(&targets, pad)?;
+            // Under cp: this rank's share of its dp rank's mean (its tokens over the cp
+            // group's), times cp since the gradient reduction averages over dp x cp.
+            let loss = if o.cp > 1 {
+                let share = cp_token_share(&targets, pad, &cp_group)?;
+                loss.mul_scalar(share * o.cp as f64)?
+            } else {
+                loss
+            };
             // The loss is Replicate: the local tensor is its value.
             let loss_t = loss.clone().into_local("loss")?;
             // On the host: read now, and fail before the backward.
@@ -600,6 +653,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             }
             let lr = sched.step(opt.as_mut());
             opt.zero_grad();
+            // Under cp, this dp rank's loss is the sum of its cp ranks' shares.
+            if read && o.cp > 1 {
+                let share = Tensor::scalar(local / o.cp as f64, DType::F64);
+                local = cp_group.all_reduce(&share, ReduceOp::Sum)?.item()?;
+            }
             // The loss averaged over dp ranks, for the log (a host scalar: no round trip).
             let l = if read {
                 let local = Tensor::scalar(local, DType::F64);
@@ -631,7 +689,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                     tokens_per_s: (batch_tokens * o.dp) as f64 / step_time_s,
                     step_time_s,
                     peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
-                    peak_device_bytes: cuda_ordinal.map(tpar::kernels::cuda::device_peak_bytes),
                     ..Default::default()
                 });
             }
@@ -728,8 +785,8 @@ fn main() {
         }
     };
     println!(
-        "llama_2d: world {} = dp {} x tp {}, {} layers, hidden {}, heads {}/{}, seq {}, batch {} per dp rank, {} steps, {}, plan {}{}",
-        o.world, o.dp, o.tp, o.layers, o.model.hidden, o.model.heads, o.model.kv_heads, o.model.seq, o.batch, o.steps, o.dtype, o.plan,
+        "llama_2d: world {} = dp {}{} x tp {}, {} layers, hidden {}, heads {}/{}, seq {}, batch {} per dp rank, {} steps, {}, plan {}{}",
+        o.world, o.dp, if o.cp > 1 { format!(" x cp {}", o.cp) } else { String::new() }, o.tp, o.layers, o.model.hidden, o.model.heads, o.model.kv_heads, o.model.seq, o.batch, o.steps, o.dtype, o.plan,
         match o.dp_mode {
             DpMode::Fsdp => ", FSDP",
             DpMode::Ddp => ", DDP",
@@ -781,7 +838,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={}",
         o.world,
         o.dp,
         o.tp,
@@ -796,6 +853,7 @@ fn main() {
         r0.final_loss.to_bits(),
         r0.steady_step_s(),
         o.ac.ac,
+        o.cp,
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

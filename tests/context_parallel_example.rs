@@ -1,0 +1,50 @@
+//! `llama_2d --cp N`: the trainer on a ["dp", "cp", "tp"] mesh trains the same model as
+//! without context parallelism (losses equal to f32 rounding at cp 2 and cp 3, FSDP over
+//! dp x cp; cp 2 x tp 2 with DDP), its summary line gains `cp=N`, and the one combination
+//! that does not compose (FSDP with cp and tp) is a one-line refusal.
+
+mod common;
+use common::examples::run_example;
+
+/// The `key=value` of a summary line.
+fn key(out: &str, k: &str) -> String {
+    let line = out.lines().find(|l| l.starts_with("summary:")).expect("a summary line");
+    let pre = format!(" {k}=");
+    let at = line.find(&pre).unwrap_or_else(|| panic!("{k} in {line}"));
+    line[at + pre.len()..].split_whitespace().next().unwrap().to_string()
+}
+
+fn losses(args: &[&str]) -> Option<(f64, f64, String)> {
+    let base = ["--steps", "4", "--layers", "1", "--seq", "24", "--batch", "2", "--log-every", "1"];
+    let all = [&base[..], args].concat();
+    let (code, out, err) = run_example("llama_2d", &all)?;
+    assert_eq!(code, 0, "{all:?}\n{out}\n{err}");
+    let first: f64 = key(&out, "first_loss").parse().unwrap();
+    let last: f64 = key(&out, "final_loss").parse().unwrap();
+    Some((first, last, key(&out, "cp")))
+}
+
+#[test]
+fn cp_runs_match_the_run_without_cp() {
+    let Some(reference) = losses(&["--dp", "1", "--tp", "1"]) else { return };
+    assert_eq!(reference.2, "1");
+    for (args, cp) in [
+        (&["--dp", "1", "--tp", "1", "--cp", "2"][..], "2"),
+        (&["--dp", "1", "--tp", "1", "--cp", "3"][..], "3"),
+        (&["--dp", "1", "--tp", "2", "--cp", "2", "--no-fsdp"][..], "2"),
+    ] {
+        let got = losses(args).unwrap();
+        assert_eq!(got.2, cp, "{args:?}");
+        for (g, w) in [(got.0, reference.0), (got.1, reference.1)] {
+            assert!((g - w).abs() <= 2e-4 * w.abs(), "{args:?}: loss {g} vs {w}");
+        }
+    }
+}
+
+#[test]
+fn fsdp_with_cp_and_tp_is_refused() {
+    let args = ["--dp", "1", "--cp", "2", "--tp", "2", "--steps", "1"];
+    let Some((code, _, err)) = run_example("llama_2d", &args) else { return };
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--no-fsdp") && err.contains("--cp 2"), "{err}");
+}
