@@ -2,7 +2,8 @@
 //! layers, seq 256, f32, AdamW) trained two steps as the trainers do (the loss held
 //! through the optimizer step), the predicted per-rank peak is within 15 % of the
 //! measured one at one rank, 2x2 FSDP x TP (sequence-parallel plan), pp 2 with 1F1B,
-//! full and selective activation checkpointing; a predictor that forgets the optimizer
+//! cp 2, cp 2 x tp 2 (ring attention, Megatron plan), full and selective activation
+//! checkpointing; a predictor that forgets the optimizer
 //! state or the activations misses by more in at least one of them. Alone in its test
 //! binary, one test at a time: the allocator counts per rank slot, so rank threads of
 //! another test running at the same time would be counted too.
@@ -90,6 +91,53 @@ fn measure_2d(dp: usize, tp: usize, ac: &AcPolicy) -> Vec<i64> {
     .unwrap()
 }
 
+/// Each rank's peak over building the model and two training steps at cp x tp
+/// (context-parallel ring attention; the Megatron plan when `tp > 1`, whose loss is
+/// vocab-sharded and scaled by the rank's token share).
+fn measure_cp(cp: usize, tp: usize) -> Vec<i64> {
+    use tpar::dtensor::{CpLayout, CpMethod};
+    use tpar::models::context_parallel::{
+        all_reduce_gradients, apply_context_parallel, cp_token_share,
+    };
+    let cfg = config();
+    spawn_scoped(
+        SpawnConfig::new(cp * tp).timeout(Duration::from_secs(120)),
+        move |ctx| -> tpar::Result<i64> {
+            let rank = ctx.rank();
+            let base = memory::current(rank);
+            memory::reset_peak(rank);
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[cp, tp], &["cp", "tp"])?;
+            let g = mesh.group_of("cp")?.clone();
+            let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+            if tp > 1 {
+                parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())?;
+            }
+            reset_parameters(&mut model, Device::Cpu, 3)?;
+            apply_context_parallel(&mut model, &g, CpMethod::Ring)?;
+            let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
+            let layout = CpLayout::new(SEQ, cp)?;
+            let (ids, tgt) = batch(BATCH, cfg.vocab_size);
+            let ids = layout.shard(&ids, 1, g.rank())?;
+            let tgt = layout.shard(&tgt, 1, g.rank())?;
+            let tgt = tgt.reshape([tgt.numel()])?;
+            let share = cp_token_share(&tgt, -100, &g)?;
+            let _lp = loss_parallel::enable(&mesh["tp"]);
+            for _ in 0..2 {
+                let logits = model.logits(&ids, None)?.reshape(&[-1, cfg.vocab_size as isize])?;
+                let loss = logits.cross_entropy(&tgt, -100)?.mul_scalar(share)?;
+                loss.backward()?;
+                all_reduce_gradients(&model, &g)?;
+                opt.step()?;
+                opt.zero_grad();
+                drop((logits, loss));
+            }
+            Ok(memory::peak(rank) - base)
+        },
+    )
+    .unwrap()
+}
+
 /// Each pp rank's peak over building its stage and two 1F1B steps of `m` micro-batches.
 fn measure_pp(m: usize) -> Vec<i64> {
     let cfg = config();
@@ -167,6 +215,18 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
         name: "pp 2, 1F1B, 2 micro-batches",
         predicted: predict_all(&pp, 2),
         measured: measure_pp(2),
+    });
+    let cp2 = MemoryConfig { cp: 2, ..base.clone() };
+    cases.push(Case {
+        name: "cp 2 (ring)",
+        predicted: predict_all(&cp2, 2),
+        measured: measure_cp(2, 1),
+    });
+    let cp2_tp2 = MemoryConfig { cp: 2, tp: 2, plan: TpPlan::Megatron, ..base.clone() };
+    cases.push(Case {
+        name: "cp 2 x tp 2 (ring, megatron)",
+        predicted: predict_all(&cp2_tp2, 4),
+        measured: measure_cp(2, 2),
     });
     let full = MemoryConfig { ac: AcPolicy::full(), ..base.clone() };
     cases.push(Case {
@@ -259,7 +319,6 @@ fn fits_refuses_with_the_numbers() {
     // Configurations the model refuses, by name.
     let bad = [
         (MemoryConfig { dp: 0, ..run.clone() }, "dp is 0"),
-        (MemoryConfig { cp: 2, ..run.clone() }, "context parallelism"),
         (
             MemoryConfig { data_parallel: DataParallelMode::None, ..run.clone() },
             "data-parallel mode",

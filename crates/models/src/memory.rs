@@ -62,9 +62,16 @@
 //! held (the graph keeps the activations, gradients are complete, the optimizer's state
 //! was made by the previous step).
 //!
-//! What it does not model: context parallelism (a `cp` above 1 is refused), the
-//! interleaved 1F1B schedule (refused), padding masks (a `[b, 1, 1, s]` mask per step,
-//! small) and the communication buffers of collectives in flight.
+//! - **Context parallelism**: every activation holds `s / cp` positions of its rows
+//!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
+//!   attention); the ring adds the key and value blocks in flight (`[4 kv/t]` of the
+//!   local rows, a transient); parameters are replicated over cp, or sharded over
+//!   `dp x cp` under FSDP.
+//!
+//! What it does not model: the interleaved 1F1B schedule (refused), the all-gather
+//! method of context parallelism (its gathered keys and values), padding masks (a
+//! `[b, 1, 1, s]` mask per step, small) and the communication buffers of collectives in
+//! flight.
 //!
 //! ```
 //! use tpar_models::memory::{predict_memory, DataParallelMode, MemoryConfig};
@@ -178,7 +185,7 @@ pub struct MemoryConfig {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
-    /// Context-parallel degree (only 1 is modelled).
+    /// Context-parallel degree (ring attention).
     pub cp: usize,
     /// Pipeline stages (one per pp rank).
     pub pp: usize,
@@ -410,12 +417,15 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     if last {
         elems += v * h / t + h;
     }
+    // FSDP shards over dp x cp (parameters are replicated over cp otherwise).
     let dp = c.dp as f64;
-    let shard = if fsdp { elems / dp } else { elems };
+    let fsdp_ranks = dp * c.cp as f64;
+    let shard = if fsdp { elems / fsdp_ranks } else { elems };
     let parameters = shard * pbytes;
     let gradients = shard * pbytes;
     let optimizer_state = match c.data_parallel {
-        DataParallelMode::Zero1 | DataParallelMode::Fsdp { .. } => 2.0 * elems / dp * obytes,
+        DataParallelMode::Zero1 => 2.0 * elems / dp * obytes,
+        DataParallelMode::Fsdp { .. } => 2.0 * elems / fsdp_ranks * obytes,
         _ => 2.0 * elems * obytes,
     };
 
@@ -429,7 +439,8 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     };
     let mb = if c.pp > 1 { c.microbatches } else { 1 };
     let rows = c.batch as f64 / mb as f64;
-    let tokens = rows * c.seq as f64;
+    // Each cp rank holds `seq / cp` positions of every row.
+    let tokens = rows * c.seq as f64 / c.cp as f64;
     let stat = stat_bytes(compute);
     // Row statistics: two RMSNorm rstd per token and attention's log-sum-exp per head.
     let stats = (2.0 + m.num_attention_heads as f64 / t) * stat;
@@ -494,6 +505,11 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             "FSDP: a unit gathered, the next prefetched, its unsharded gradients".into(),
         ));
     }
+    if c.cp > 1 && layers > 0 {
+        // The ring: the key and value blocks received for the next hop while the current
+        // ones are used, forward and backward (where dk and dv travel with them).
+        options.push((4.0 * tokens * shape.kv * abytes, "cp: key/value blocks in flight".into()));
+    }
     if c.data_parallel == DataParallelMode::Ddp && layers > 0 {
         options.push((layer_params * pbytes, "DDP: a layer's gradient bucket".into()));
     }
@@ -545,9 +561,6 @@ fn validate(c: &MemoryConfig, stage: usize) -> Result<(), MemoryError> {
         if v == 0 {
             return Err(config_err(format!("{name} is 0; it must be at least 1")));
         }
-    }
-    if c.cp > 1 {
-        return Err(config_err(format!("{c}: context parallelism (cp {}) is not modelled", c.cp)));
     }
     if c.dp > 1 && c.data_parallel == DataParallelMode::None {
         return Err(config_err(format!(
