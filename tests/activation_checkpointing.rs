@@ -486,3 +486,38 @@ fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
         assert_eq!(bits(&w2.grad().unwrap()), want[2], "{keep:?}");
     }
 }
+
+/// The `key=value` of an example's summary line.
+fn summary_key(out: &str, k: &str) -> String {
+    let line = out.lines().find(|l| l.starts_with("summary:")).expect("a summary line");
+    let pre = format!(" {k}=");
+    let at = line.find(&pre).unwrap_or_else(|| panic!("{k} in {line}"));
+    line[at + pre.len()..].split_whitespace().next().unwrap().to_string()
+}
+
+#[test]
+fn the_trainers_ac_flag_keeps_the_losses_and_names_the_policy() {
+    use common::examples::run_example;
+    for (example, base) in [
+        ("llama_2d", &["--steps", "3", "--seq", "16", "--layers", "2", "--log-every", "1"][..]),
+        ("llama_pp", &["--steps", "3", "--seq", "16", "--log-every", "1"][..]),
+    ] {
+        let mut want = None;
+        for ac in ["none", "full", "full:2", "selective", "selective[matmul/2,sdpa]:2"] {
+            let args = [base, &["--ac", ac][..]].concat();
+            let Some((code, out, err)) = run_example(example, &args) else { return };
+            assert_eq!(code, 0, "{example} {args:?}\n{out}\n{err}");
+            assert_eq!(summary_key(&out, "ac"), ac, "{example}");
+            let bits = summary_key(&out, "final_loss_bits");
+            let first = summary_key(&out, "first_loss");
+            match &want {
+                None => want = Some((bits, first)),
+                Some(w) => assert_eq!(&(bits, first), w, "{example} --ac {ac}"),
+            }
+        }
+        let (code, _, err) =
+            run_example(example, &[base, &["--ac", "full:0"][..]].concat()).unwrap();
+        assert_eq!(code, 2, "{example}: {err}");
+        assert!(err.contains("full:0") && err.contains("at least 1"), "{example}: {err}");
+    }
+}
