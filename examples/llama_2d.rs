@@ -63,6 +63,7 @@ struct Opts {
     hf: args::HfArgs,
     ac: args::AcArgs,
     metrics: args::MetricsArgs,
+    memory_budget: Option<f64>,
     stop_after: Option<usize>,
     nonfinite: NonFinite,
     timeline: bool,
@@ -145,6 +146,11 @@ struct Cli {
     ac: args::AcArgs,
     #[command(flatten)]
     metrics: args::MetricsArgs,
+    /// Refuse to start (exit code 2, before the model is built) when the predicted peak
+    /// memory per rank (tpar's memory model: parameters, gradients, optimizer state,
+    /// activations, the largest transient) exceeds this many GiB.
+    #[arg(long)]
+    memory_budget: Option<f64>,
     /// End the run after step N, as an interruption would (the schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -232,6 +238,9 @@ fn parse() -> Result<Opts, String> {
             c.cp, c.tp
         ));
     }
+    if let Some(b) = c.memory_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
+        return Err(format!("--memory-budget {b}: a positive number of GiB"));
+    }
     if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {
         return Err(format!("--device: cpu, cuda or cuda:N, not {}", c.device));
     }
@@ -269,10 +278,33 @@ fn parse() -> Result<Opts, String> {
         hf: c.hf,
         ac: c.ac,
         metrics: c.metrics,
+        memory_budget: c.memory_budget,
         stop_after: c.stop_after,
         nonfinite: c.nonfinite,
         timeline: c.timeline,
     })
+}
+
+/// The memory model's prediction for this run: the rank with the highest peak.
+fn predicted_memory(o: &Opts, cfg: &LlamaConfig, host: bool) -> tpar::Result<MemoryEstimate> {
+    let data_parallel = match o.dp_mode {
+        DpMode::Fsdp => {
+            DataParallelMode::Fsdp { param_dtype: (o.dtype != DType::F32).then_some(o.dtype) }
+        }
+        DpMode::Ddp => DataParallelMode::Ddp,
+        DpMode::Zero1 => DataParallelMode::Zero1,
+    };
+    let run = MemoryConfig {
+        dp: o.dp,
+        tp: o.tp,
+        cp: o.cp,
+        data_parallel,
+        plan: if o.plan == "sp" { TpPlan::SequenceParallel } else { TpPlan::Megatron },
+        ac: o.ac.ac.clone(),
+        host,
+        ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
+    };
+    Ok(predict_memory(&run)?)
 }
 
 fn parse_cuda_ordinal(s: &str) -> Option<usize> {
@@ -328,6 +360,8 @@ fn with_items<R>(
 }
 
 struct RankReport {
+    /// The memory model's predicted peak for this rank.
+    predicted_peak_bytes: u64,
     first_loss: f64,
     final_loss: f64,
     tokens: usize,
@@ -391,6 +425,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let here = if o.backend == "local" { o.world } else { 1 };
     let sizes = o.model.size_flags(o.layers);
     flags::model_fits(&cfg, here, o.world, &sizes).map_err(|what| NnError::Config { what })?;
+    // The predicted peak per rank; over --memory-budget the run stops here, before the
+    // model is built.
+    let predicted = predicted_memory(o, &cfg, compute_device(o) == Device::Cpu)?;
+    if rank == 0 {
+        println!("memory: {predicted}");
+    }
+    if let Some(gib) = o.memory_budget {
+        predicted.fits((gib * (1u64 << 30) as f64) as u64)?;
+    }
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
     if o.tp > 1 {
@@ -744,6 +787,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     o.hf.export(&tpar::nn::state_dict(&model)?, &cfg, hf.as_ref(), world)?;
     let state_bytes = opt.state_bytes();
     Ok(RankReport {
+        predicted_peak_bytes: predicted.peak,
         state_bytes,
         first_loss: progress.first_loss,
         final_loss: last,
@@ -822,7 +866,8 @@ fn main() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("llama_2d: {e}");
-            std::process::exit(1);
+            // A configuration the memory budget refuses: 2, as a bad flag.
+            std::process::exit(if matches!(e, tpar::Error::Memory(_)) { 2 } else { 1 });
         }
     };
     let r0 = &reports[0];
@@ -838,7 +883,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1}",
         o.world,
         o.dp,
         o.tp,
@@ -854,6 +899,7 @@ fn main() {
         r0.steady_step_s(),
         o.ac.ac,
         o.cp,
+        reports.iter().map(|r| r.predicted_peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

@@ -12,7 +12,8 @@
 //! is the rows a rank computes at once (its batch, or a micro-batch under a pipeline),
 //! `s` the sequence, `h` the hidden size, `q = heads * head_dim`, `kv = kv_heads *
 //! head_dim`, `i` the MLP width, `v` the vocabulary and `t` the tensor-parallel degree;
-//! `[x]` is `b * s * x` elements in the compute dtype.
+//! `[x]` is `b * s * x` elements in the compute dtype. A size that does not divide
+//! evenly by its degree is counted at its average share.
 //!
 //! - **Parameters**: every parameter's local shard in the parameter dtype: divided by
 //!   `t` for the sharded projections, embedding and head (the norms' weights are
@@ -584,23 +585,6 @@ fn validate(c: &MemoryConfig, stage: usize) -> Result<(), MemoryError> {
         return Err(config_err(format!(
             "seq {} exceeds max_position_embeddings {}",
             c.seq, c.model.max_position_embeddings
-        )));
-    }
-    let m = &c.model;
-    for (what, n) in [
-        ("num_attention_heads", m.num_attention_heads),
-        ("num_key_value_heads", m.num_key_value_heads),
-        ("intermediate_size", m.intermediate_size),
-        ("vocab_size", m.vocab_size),
-    ] {
-        if c.tp > 1 && !n.is_multiple_of(c.tp) {
-            return Err(config_err(format!("{what} {n} is not a multiple of tp {}", c.tp)));
-        }
-    }
-    if c.tp > 1 && c.plan == TpPlan::SequenceParallel && !c.seq.is_multiple_of(c.tp) {
-        return Err(config_err(format!(
-            "seq {} is not a multiple of tp {} (the sequence-parallel plan shards it)",
-            c.seq, c.tp
         )));
     }
     Ok(())
