@@ -21,7 +21,7 @@ use tpar_nn::{parameters, Module, NnError, Result, Value};
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::llama::{key_padding_mask, RopeTables, RotaryPositionEncoding};
-use crate::LlamaForPretraining;
+use crate::{LlamaForPretraining, LlamaStage};
 
 /// How a Llama runs on a cp axis: the group and the key/value exchange method.
 #[derive(Debug, Clone)]
@@ -51,6 +51,19 @@ pub fn apply_context_parallel(
     method: CpMethod,
 ) -> Result<()> {
     model.base_model.context_parallel = Some(CpConfig { group: group.clone(), method });
+    Ok(())
+}
+
+/// [`apply_context_parallel`] for one pipeline stage: every stage of a pipeline on a cp
+/// axis takes (and passes on) its rank's rows; the loss function of the last stage scales
+/// each micro-batch's mean by [`cp_token_share`] and the gradients are summed over cp
+/// ([`all_reduce_gradients`]) after the schedule's step.
+pub fn apply_context_parallel_stage(
+    stage: &mut LlamaStage,
+    group: &ProcessGroup,
+    method: CpMethod,
+) -> Result<()> {
+    stage.base_model.context_parallel = Some(CpConfig { group: group.clone(), method });
     Ok(())
 }
 

@@ -31,6 +31,8 @@ pub struct LlamaStageModel {
     pub rotary_emb: RotaryPositionEncoding,
     max_positions: usize,
     dtype: DType,
+    /// Set by [`crate::context_parallel::apply_context_parallel_stage`].
+    pub(crate) context_parallel: Option<crate::context_parallel::CpConfig>,
 }
 
 impl Module for LlamaStageModel {
@@ -72,12 +74,26 @@ impl Module for LlamaStageModel {
             (None, Some(m)) => Some(m.dims().get(1).copied().unwrap_or(0)),
             (None, None) => None,
         };
-        let mask = match s {
-            Some(s) => attention_mask(given.as_ref(), b, s, self.dtype, device)?,
-            None => None,
+        let (mask, rope) = match &self.context_parallel {
+            // Under context parallelism every stage's input holds this rank's rows.
+            Some(cp) => crate::context_parallel::cp_inputs(
+                cp,
+                &self.rotary_emb,
+                given.as_ref(),
+                b,
+                dims[1],
+                self.dtype,
+                device,
+            )?,
+            None => {
+                let mask = match s {
+                    Some(s) => attention_mask(given.as_ref(), b, s, self.dtype, device)?,
+                    None => None,
+                };
+                let rope = self.rotary_emb.tables_on(s.unwrap_or(self.max_positions), device)?;
+                (mask, Value::Opaque(Arc::new(rope)))
+            }
         };
-        let rope = self.rotary_emb.tables_on(s.unwrap_or(self.max_positions), device)?;
-        let rope = Value::Opaque(Arc::new(rope));
         let mut x = match &self.embed_tokens {
             Some(e) => call(e, Args::new(vec![x]))?,
             None => x,
@@ -194,6 +210,7 @@ impl LlamaStage {
             )?,
             max_positions: cfg.max_position_embeddings,
             dtype: cfg.dtype,
+            context_parallel: None,
         };
         Ok(LlamaStage {
             core: ModuleCore::default(),

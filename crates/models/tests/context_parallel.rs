@@ -21,6 +21,9 @@ use tpar_parallel_styles::{
 use tpar_tensor::{DType, Device, Tensor};
 
 const TOL: f64 = 1e-10;
+
+/// Gradients by parameter name.
+type Grads = BTreeMap<String, Vec<f64>>;
 const VOCAB: usize = 40;
 
 fn config() -> LlamaConfig {
@@ -328,5 +331,78 @@ fn cp2_tp2_loss_parallel_equals_unsharded() {
             let d = max_diff(&grads[name], w);
             assert!(d <= TOL, "rank {rank}: gradient of {name} differs by {d}");
         }
+    }
+}
+
+/// pp 2 x cp 2: each stage takes its cp rank's rows; the last stage's loss function
+/// scales each micro-batch's mean by the rank's token share; after the schedule the
+/// gradients are summed over cp. Loss and gradients equal the unsharded model's.
+#[test]
+fn pp2_cp2_equals_unsharded() {
+    use tpar_models::context_parallel::{apply_context_parallel_stage, cp_token_share};
+    use tpar_models::LlamaStage;
+    use tpar_pipeline::{PipelineSchedule, PipelineStage, ScheduleKind};
+    let s = 12;
+    let (want_loss, want) = reference(s, false);
+    for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+        let cfg = SpawnConfig::new(4).timeout(Duration::from_secs(60));
+        let got = spawn_scoped(cfg, |ctx| -> Result<(Option<f64>, Grads), NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["pp", "cp"])?;
+            let cp = mesh.group_of("cp")?.clone();
+            let pp = mesh.dim("pp")?;
+            let stage_idx = pp.local_rank();
+            let mut stage = LlamaStage::for_stage(&config(), stage_idx, 2, None, Device::Meta)?;
+            reset_parameters(&mut stage, Device::Cpu, 3)?;
+            apply_context_parallel_stage(&mut stage, &cp, CpMethod::Ring)?;
+            let stage = PipelineStage::new(stage, stage_idx, 2, pp, Device::Cpu)
+                .map_err(|e| NnError::Config { what: e.to_string() })?;
+            let g = cp.clone();
+            let loss_fn = move |logits: &Value, t: &Tensor| -> tpar_nn::Result<Value> {
+                let t = t.reshape([t.numel()])?;
+                let share = cp_token_share(&t, -100, &g)?;
+                logits.reshape(&[-1, VOCAB as isize])?.cross_entropy(&t, -100)?.mul_scalar(share)
+            };
+            let mut sched = PipelineSchedule::new(kind, vec![stage], 2, loss_fn)
+                .map_err(|e| NnError::Config { what: e.to_string() })?;
+            let layout = CpLayout::new(s, 2)?;
+            let (ids, labels, _) = batch(s, false);
+            let ids = layout.shard(&ids, 1, cp.rank())?;
+            let labels = layout.shard(&labels, 1, cp.rank())?;
+            let losses = sched
+                .step(Some(&ids), Some(&labels))
+                .map_err(|e| NnError::Config { what: e.to_string() })?;
+            // The last stage's loss: the micro-batches' mean, summed over cp.
+            let loss = if losses.is_empty() {
+                None
+            } else {
+                let mine = losses.iter().sum::<f64>() / losses.len() as f64;
+                let t = Tensor::from_vec(vec![mine], [1])?;
+                Some(cp.all_reduce(&t, tpar_dtensor::ReduceOp::Sum)?.to_vec::<f64>()?[0])
+            };
+            let module = sched.stages()[0].module();
+            all_reduce_gradients(module, &cp)?;
+            let mut grads = BTreeMap::new();
+            for (name, p) in named_parameters(module) {
+                grads.insert(name, p.trainable().grad().expect("a gradient").to_vec_f64()?);
+            }
+            Ok((loss, grads))
+        })
+        .unwrap_or_else(|e| panic!("pp 2 x cp 2 {kind}: {e}"));
+        let mut all = BTreeMap::new();
+        for (rank, (loss, grads)) in got.into_iter().enumerate() {
+            if let Some(l) = loss {
+                assert!(
+                    (l - want_loss).abs() <= TOL,
+                    "{kind} rank {rank}: loss {l} vs {want_loss}"
+                );
+            }
+            for (name, g) in grads {
+                let d = max_diff(&g, &want[&name]);
+                assert!(d <= TOL, "{kind} rank {rank}: gradient of {name} differs by {d}");
+                all.insert(name, ());
+            }
+        }
+        assert_eq!(all.len(), want.len(), "{kind}: every parameter is on some stage");
     }
 }
