@@ -121,6 +121,12 @@ struct Opts {
     ac: args::AcArgs,
     #[command(flatten)]
     metrics: args::MetricsArgs,
+    /// Refuse to start (exit code 2, before the stages are built) when the predicted peak
+    /// memory of a rank (tpar's memory model: parameters, gradients, optimizer state,
+    /// the activations of the micro-batches in flight, the largest transient) exceeds
+    /// this many GiB. The interleaved schedule is not modelled: with it a budget is refused.
+    #[arg(long)]
+    memory_budget: Option<f64>,
     /// End the run after step N, as an interruption would (the LR schedule still spans
     /// --steps); a later run with the same --checkpoint-dir resumes.
     #[arg(long)]
@@ -154,6 +160,9 @@ impl Opts {
             ));
         }
         flags::learning_rate(self.lr)?;
+        if let Some(b) = self.memory_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
+            return Err(format!("--memory-budget {b}: a positive number of GiB"));
+        }
         if self.backend == BackendArg::Local {
             let (pp, dp, tp) = (self.pp, self.dp, self.tp);
             flags::local_world(pp * dp * tp, &format!("--pp {pp} x --dp {dp} x --tp {tp}"))?;
@@ -190,6 +199,8 @@ impl SchedArg {
 
 /// What one rank reports at the end.
 struct RankReport {
+    /// The memory model's predicted peak for this rank's stage (`None`: not modelled).
+    predicted_peak_bytes: Option<u64>,
     /// Whether this rank printed the losses (last stage, dp 0, tp 0).
     reporter: bool,
     first_loss: f64,
@@ -228,6 +239,31 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let here = if o.backend == BackendArg::Local { world.size() } else { 1 };
     let sizes = o.model.size_flags(o.layers);
     flags::model_fits(&cfg, here, world.size(), &sizes).map_err(|what| NnError::Config { what })?;
+    // The predicted peak of this rank's stage; over --memory-budget the run stops here,
+    // before the stages are built.
+    let predicted = match predicted_memory(o, &cfg, pp_rank) {
+        Ok(p) => Some(p),
+        Err(tpar::Error::Memory(MemoryError::Config { what })) if o.memory_budget.is_none() => {
+            if rank == 0 {
+                println!("memory: not predicted ({what})");
+            }
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    if let Some(p) = &predicted {
+        // One line per stage, from its first rank.
+        if dp_rank == 0 && mesh["tp"].local_rank() == 0 {
+            println!("memory: {p}");
+        }
+        if let Some(gib) = o.memory_budget {
+            // Every rank checks the stage with the highest peak, so all stop alike.
+            let highest = (0..o.pp).map(|s| predicted_memory(o, &cfg, s));
+            let highest = highest.collect::<tpar::Result<Vec<_>>>()?.into_iter();
+            let highest = highest.max_by_key(|e| e.peak).unwrap_or_else(|| p.clone());
+            highest.fits((gib * (1u64 << 30) as f64) as u64)?;
+        }
+    }
 
     // This rank's stages (round-robin: r, r + pp, ...), each built on the meta device
     // with only its own layers, then parallelized and materialized.
@@ -498,6 +534,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         println!("simulated timeline (F = I = W = 1):\n{}", sim.render());
     }
     Ok(RankReport {
+        predicted_peak_bytes: predicted.map(|p| p.peak),
         reporter,
         first_loss: progress.first_loss,
         final_loss: last,
@@ -509,6 +546,27 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         bubble: timeline.bubble_fraction(),
         bubble_theory: pipe.schedule().bubble(),
     })
+}
+
+/// The memory model's prediction for pipeline stage `stage` of this run.
+fn predicted_memory(o: &Opts, cfg: &LlamaConfig, stage: usize) -> tpar::Result<MemoryEstimate> {
+    let data_parallel = match (o.dp > 1, o.no_fsdp) {
+        (false, _) => DataParallelMode::None,
+        (true, false) => DataParallelMode::Fsdp { param_dtype: None },
+        (true, true) => DataParallelMode::Ddp,
+    };
+    let run = MemoryConfig {
+        dp: o.dp,
+        tp: o.tp,
+        pp: o.pp,
+        data_parallel,
+        plan: TpPlan::SequenceParallel,
+        microbatches: o.microbatches,
+        schedule: o.schedule.kind(),
+        ac: o.ac.ac.clone(),
+        ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
+    };
+    Ok(predict_memory_stage(&run, stage)?)
 }
 
 fn main() {
@@ -563,7 +621,8 @@ fn main() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("llama_pp: {e}");
-            std::process::exit(1);
+            // A configuration the memory budget refuses: 2, as a bad flag.
+            std::process::exit(if matches!(e, tpar::Error::Memory(_)) { 2 } else { 1 });
         }
     };
     let Some(r) = reports.iter().find(|r| r.reporter) else {
@@ -574,7 +633,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={}",
         o.pp,
         o.dp,
         o.tp,
@@ -592,6 +651,10 @@ fn main() {
         r.start_step + r.steps_run,
         r.final_loss.to_bits(),
         o.ac.ac,
+        match reports.iter().map(|r| r.predicted_peak_bytes).collect::<Option<Vec<u64>>>() {
+            Some(p) => format!("{:.1}", p.into_iter().max().unwrap_or(0) as f64 / (1 << 20) as f64),
+            None => "none".into(),
+        },
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;
