@@ -8,7 +8,8 @@
 //! The logits are this rank's rows. [`cp_cross_entropy`] gives the loss as the mean over
 //! the global non-ignored tokens (sum and count all-reduced over cp), and
 //! [`all_reduce_gradients`] sums the gradients of the parameters over cp after backward
-//! (parameters are replicated over cp).
+//! (parameters are replicated over cp). [`apply_context_parallel_stage`] does the same for
+//! a pipeline stage.
 //!
 //! The global sequence length is the sum of the ranks' local lengths (one `all_reduce`
 //! of a scalar per forward). An additive `[b, 1, s, s]` mask is refused under cp.

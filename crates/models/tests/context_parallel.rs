@@ -1,7 +1,8 @@
 //! The Llama on a cp axis: inputs, labels and the padding mask sharded on the sequence in
 //! the load-balanced layout; the global loss and every parameter's gradient (summed over
 //! cp) equal the unsharded model's (f64, 1e-10), at cp 2 (ring and all-gather), cp 3
-//! (uneven chunks) and cp 2 x tp 2.
+//! (uneven chunks), cp 2 x tp 2 (plain and vocab-parallel loss), cp 2 x dp 2 with FSDP
+//! over dp x cp, cp 2 with full and selective activation checkpointing, and pp 2 x cp 2.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -334,7 +335,7 @@ fn cp2_tp2_loss_parallel_equals_unsharded() {
     }
 }
 
-/// pp 2 x cp 2: each stage takes its cp rank's rows; the last stage's loss function
+/// pp 2 x cp 2 (GPipe, 1F1B and zero-bubble): each stage takes its cp rank's rows; the last stage's loss function
 /// scales each micro-batch's mean by the rank's token share; after the schedule the
 /// gradients are summed over cp. Loss and gradients equal the unsharded model's.
 #[test]
@@ -344,7 +345,7 @@ fn pp2_cp2_equals_unsharded() {
     use tpar_pipeline::{PipelineSchedule, PipelineStage, ScheduleKind};
     let s = 12;
     let (want_loss, want) = reference(s, false);
-    for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+    for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble] {
         let cfg = SpawnConfig::new(4).timeout(Duration::from_secs(60));
         let got = spawn_scoped(cfg, |ctx| -> Result<(Option<f64>, Grads), NnError> {
             let mesh =
