@@ -2,7 +2,8 @@
 //! the load-balanced layout; the global loss and every parameter's gradient (summed over
 //! cp) equal the unsharded model's (f64, 1e-10), at cp 2 (ring and all-gather), cp 3
 //! (uneven chunks), cp 2 x tp 2 (plain and vocab-parallel loss), cp 2 x dp 2 with FSDP
-//! over dp x cp, cp 2 with full and selective activation checkpointing, and pp 2 x cp 2.
+//! over dp x cp, cp 2 with full and selective activation checkpointing, and pp 2 x cp 2;
+//! a checkpoint saved at cp 2 loads at cp 1 and cp 4.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -405,5 +406,118 @@ fn pp2_cp2_equals_unsharded() {
             }
         }
         assert_eq!(all.len(), want.len(), "{kind}: every parameter is on some stage");
+    }
+}
+
+/// The Llama (seed `seed`) FSDP-sharded over the flattened (dp, cp) mesh and run
+/// context-parallel over cp; returns it with the cp group.
+fn fsdp_cp_model(
+    mesh: &DeviceMesh,
+    seed: u64,
+) -> Result<(LlamaForPretraining, tpar_collectives::ProcessGroup), NnError> {
+    use tpar_parallel_styles::{fully_shard, FsdpConfig};
+    let cp = mesh.group_of("cp")?.clone();
+    let flat = mesh.flatten(&["dp", "cp"], "dp_cp")?;
+    let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+    for layer in &mut model.base_model.layers.items {
+        fully_shard(layer, &flat, &FsdpConfig::default())?;
+    }
+    fully_shard(&mut model, &flat, &FsdpConfig::default())?;
+    reset_parameters(&mut model, Device::Cpu, seed)?;
+    apply_context_parallel(&mut model, &cp, CpMethod::Ring)?;
+    Ok((model, cp))
+}
+
+/// Checkpoints reshard across cp: saved with FSDP over dp 2 x cp 2, loaded at cp 1 (one
+/// rank, plain parameters) and at cp 4 (FSDP over dp 1 x cp 4), each into a model
+/// initialised with another seed: the parameters are the saved ones and the cp 4 model's
+/// loss equals the unsharded model's.
+#[test]
+fn checkpoint_saved_at_cp2_loads_at_cp1_and_cp4() {
+    use tpar_checkpoint::{load, save, LoadOptions, SaveOptions};
+    use tpar_nn::state_dict;
+    let dir = std::env::temp_dir().join(format!("tpar-cp-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (s, pad) = (12, true);
+    let (want_loss, _) = reference(s, pad);
+    let mut want_params = BTreeMap::new();
+    {
+        let mut m = LlamaForPretraining::new(&config(), Device::Meta).unwrap();
+        reset_parameters(&mut m, Device::Cpu, 3).unwrap();
+        for (n, p) in named_parameters(&m) {
+            want_params.insert(n, p.local().to_vec_f64().unwrap());
+        }
+    }
+    let d = dir.clone();
+    spawn_scoped(
+        SpawnConfig::new(4).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<(), NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "cp"])?;
+            let (model, _) = fsdp_cp_model(&mesh, 3)?;
+            save(&state_dict(&model)?, &d, &ctx.world_group(), &SaveOptions::default())
+                .map_err(|e| NnError::Config { what: e.to_string() })?;
+            Ok(())
+        },
+    )
+    .unwrap();
+    // cp 1: one rank, plain parameters.
+    let d = dir.clone();
+    let one = spawn_scoped(SpawnConfig::new(1), |ctx| -> Result<Grads, NnError> {
+        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
+        reset_parameters(&mut model, Device::Cpu, 11)?;
+        let mut sd = state_dict(&model)?;
+        load(&mut sd, &d, &ctx.world_group(), &LoadOptions::default())
+            .map_err(|e| NnError::Config { what: e.to_string() })?;
+        tpar_nn::load_state_dict(&mut model, sd, true)?;
+        let mut params = BTreeMap::new();
+        for (n, p) in named_parameters(&model) {
+            params.insert(n, p.full()?.to_vec_f64()?);
+        }
+        Ok(params)
+    })
+    .unwrap();
+    for (n, w) in &want_params {
+        assert_eq!(&one[0][n], w, "cp 1: {n} differs from the saved parameter");
+    }
+    // cp 4: FSDP over dp 1 x cp 4; the loaded model's loss on the cp-sharded batch.
+    let d = dir.clone();
+    let four = spawn_scoped(
+        SpawnConfig::new(4).timeout(Duration::from_secs(60)),
+        |ctx| -> Result<(f64, Grads), NnError> {
+            let mesh =
+                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[1, 4], &["dp", "cp"])?;
+            let (mut model, cp) = fsdp_cp_model(&mesh, 11)?;
+            let mut sd = state_dict(&model)?;
+            load(&mut sd, &d, &ctx.world_group(), &LoadOptions::default())
+                .map_err(|e| NnError::Config { what: e.to_string() })?;
+            tpar_nn::load_state_dict(&mut model, sd, true)?;
+            let layout = CpLayout::new(s, 4)?;
+            let (ids, labels, mask) = batch(s, pad);
+            let ids = layout.shard(&ids, 1, cp.rank())?;
+            let labels = layout.shard(&labels, 1, cp.rank())?;
+            let mask = mask.map(|m| layout.shard(&m, 1, cp.rank())).transpose()?;
+            let n = ids.dims()[1];
+            let logits = model.logits(&ids, mask.as_ref())?.into_tensor("logits")?;
+            let (_, global) = cp_cross_entropy(
+                &logits.reshape([2 * n, VOCAB])?,
+                &labels.reshape([2 * n])?,
+                -100,
+                &cp,
+            )?;
+            let mut params = BTreeMap::new();
+            for (name, p) in named_parameters(&model) {
+                params.insert(name, p.full()?.to_vec_f64()?);
+            }
+            Ok((global, params))
+        },
+    )
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    for (rank, (loss, params)) in four.iter().enumerate() {
+        assert!((loss - want_loss).abs() <= TOL, "cp 4 rank {rank}: loss {loss} vs {want_loss}");
+        for (n, w) in &want_params {
+            assert_eq!(&params[n], w, "cp 4 rank {rank}: {n} differs from the saved parameter");
+        }
     }
 }
