@@ -56,7 +56,10 @@
 //!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
 //!   backward on, so the peak has every gradient and the in-flight activations. An
 //!   activation sent to the next stage is a copy counted on the sender until the receiver
-//!   drops it (one `[h]` of a micro-batch per micro-batch the next stage holds).
+//!   drops it (one `[h]` of a micro-batch per micro-batch the next stage holds). A
+//!   later micro-batch's backward makes a whole set of the stage's gradients before they
+//!   are added into the accumulated ones: a transient of one more set of gradients,
+//!   while the micro-batches still in flight are held.
 //!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
@@ -510,6 +513,14 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         // The ring: the key and value blocks received for the next hop while the current
         // ones are used, forward and backward (where dk and dv travel with them).
         options.push((4.0 * tokens * shape.kv * abytes, "cp: key/value blocks in flight".into()));
+    }
+    if c.pp > 1 && mb > 1 {
+        // A later micro-batch's backward makes a whole set of the stage's gradients
+        // before adding them into the accumulated ones; it holds every micro-batch in
+        // flight when more follow, one fewer in the last backwards.
+        let k = if mb > in_flight { in_flight } else { in_flight - 1 };
+        let extra = gradients - (in_flight - k) as f64 * per_mb;
+        options.push((extra, "a later micro-batch's gradients, before their accumulation".into()));
     }
     if c.data_parallel == DataParallelMode::Ddp && layers > 0 {
         options.push((layer_params * pbytes, "DDP: a layer's gradient bucket".into()));
