@@ -14,6 +14,8 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 
 use tpar::data::StepMetrics;
+use tpar::dtensor::{CpLayout, CpMethod};
+use tpar::models::context_parallel::{apply_context_parallel_stage, cp_token_share};
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
 use tpar::tensor::memory;
@@ -64,6 +66,11 @@ struct Opts {
     /// Data-parallel degree (FSDP, or DDP with --no-fsdp).
     #[arg(long, default_value_t = 1)]
     dp: usize,
+    /// Context-parallel degree (the cp mesh dim, between dp and tp): each sequence is
+    /// sharded over cp ranks (head and mirror tail chunks), every stage's attention passes
+    /// keys and values around the cp ring, and FSDP or DDP runs over dp x cp.
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
     /// Tensor-parallel degree (the sequence-parallel plan).
     #[arg(long, default_value_t = 1)]
     tp: usize,
@@ -143,6 +150,7 @@ impl Opts {
         let mut sizes = vec![
             ("--pp", self.pp),
             ("--dp", self.dp),
+            ("--cp", self.cp),
             ("--tp", self.tp),
             ("--stages-per-rank", self.stages_per_rank),
             ("--microbatches", self.microbatches),
@@ -153,10 +161,18 @@ impl Opts {
         flags::positive(&sizes)?;
         let m = &self.model;
         flags::llama_shape(m.hidden, m.heads, m.kv_heads)?;
-        if self.pp.checked_mul(self.dp).and_then(|w| w.checked_mul(self.tp)).is_none() {
+        let world = self.pp.checked_mul(self.dp).and_then(|w| w.checked_mul(self.cp));
+        if world.and_then(|w| w.checked_mul(self.tp)).is_none() {
             return Err(format!(
-                "--pp {} x --dp {} x --tp {} overflows",
-                self.pp, self.dp, self.tp
+                "--pp {} x --dp {} x --cp {} x --tp {} overflows",
+                self.pp, self.dp, self.cp, self.tp
+            ));
+        }
+        if self.cp > 1 && self.tp > 1 && !self.no_fsdp {
+            return Err(format!(
+                "--cp {} with --tp {} under FSDP: FSDP over the flattened dp x cp mesh does not \
+                 compose with tensor parallelism; use --no-fsdp (DDP)",
+                self.cp, self.tp
             ));
         }
         flags::learning_rate(self.lr)?;
@@ -165,7 +181,12 @@ impl Opts {
         }
         if self.backend == BackendArg::Local {
             let (pp, dp, tp) = (self.pp, self.dp, self.tp);
-            flags::local_world(pp * dp * tp, &format!("--pp {pp} x --dp {dp} x --tp {tp}"))?;
+            let what = if self.cp > 1 {
+                format!("--pp {pp} x --dp {dp} x --cp {} x --tp {tp}", self.cp)
+            } else {
+                format!("--pp {pp} x --dp {dp} x --tp {tp}")
+            };
+            flags::local_world(pp * dp * self.cp * tp, &what)?;
         }
         Ok(())
     }
@@ -218,7 +239,15 @@ struct RankReport {
 
 fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let rank = world.rank();
-    let mesh = DeviceMesh::new(world, DeviceType::Cpu, &[o.pp, o.dp, o.tp], &["pp", "dp", "tp"])?;
+    let mesh = DeviceMesh::new(
+        world,
+        DeviceType::Cpu,
+        &[o.pp, o.dp, o.cp, o.tp],
+        &["pp", "dp", "cp", "tp"],
+    )?;
+    // The data-parallel mesh: dp, or dp x cp flattened under context parallelism.
+    let dp_mesh = if o.cp > 1 { mesh.flatten(&["dp", "cp"], "dp_cp")? } else { mesh["dp"].clone() };
+    let cp_group = mesh.group_of("cp")?.clone();
     let (pp_rank, dp_rank) = (mesh["pp"].local_rank(), mesh["dp"].local_rank());
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
@@ -278,18 +307,21 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         // Activation checkpointing after the plan and before FSDP (as torchtitan).
         o.ac.apply(&mut stage)?;
-        if !o.no_fsdp && o.dp > 1 {
+        if !o.no_fsdp && o.dp * o.cp > 1 {
             for layer in &mut stage.base_model.layers.items {
-                fully_shard(layer, &mesh["dp"], &FsdpConfig::default())?;
+                fully_shard(layer, &dp_mesh, &FsdpConfig::default())?;
             }
-            fully_shard(&mut stage, &mesh["dp"], &FsdpConfig::default())?;
+            fully_shard(&mut stage, &dp_mesh, &FsdpConfig::default())?;
         }
         reset_parameters(&mut stage, Device::Cpu, o.seed)?;
         if let Some(hf) = &hf {
             hf.load_into(&mut stage)?;
         }
-        if o.no_fsdp && o.dp > 1 {
-            ddps.push(DataParallel::new(&mut stage, &mesh["dp"])?);
+        if o.no_fsdp && o.dp * o.cp > 1 {
+            ddps.push(DataParallel::new(&mut stage, &dp_mesh)?);
+        }
+        if o.cp > 1 {
+            apply_context_parallel_stage(&mut stage, &cp_group, CpMethod::Ring)?;
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
@@ -297,8 +329,16 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
     let ignore = dataset.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
+    let (cp, loss_cp) = (o.cp, cp_group.clone());
     let loss_fn = move |logits: &Value, t: &Tensor| -> tpar::nn::Result<Value> {
-        logits.reshape(&[-1, vocab])?.cross_entropy(&t.reshape([t.numel()])?, ignore)
+        let loss = logits.reshape(&[-1, vocab])?.cross_entropy(&t.reshape([t.numel()])?, ignore)?;
+        if cp == 1 {
+            return Ok(loss);
+        }
+        // Under cp: this rank's share of the micro-batch's mean, times cp since the
+        // gradient reduction averages over dp x cp.
+        let share = cp_token_share(&t.reshape([t.numel()])?, ignore, &loss_cp)?;
+        loss.mul_scalar(share * cp as f64)
     };
     let mut pipe = PipelineSchedule::new(kind, stages, o.microbatches, loss_fn)?;
     if rank == 0 {
@@ -339,6 +379,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             ("mesh.world", world.size().into()),
             ("mesh.pp", o.pp.into()),
             ("mesh.dp", o.dp.into()),
+            ("mesh.cp", o.cp.into()),
             ("mesh.tp", o.tp.into()),
             ("pipeline.schedule", o.schedule.kind().to_string().into()),
             ("pipeline.microbatches", o.microbatches.into()),
@@ -378,7 +419,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // The rank that reports: the last stage's, at dp 0 and tp 0.
     let last_rank = pipe.schedule().rank_of_stage(num_stages - 1);
     let has_last = pp_rank == last_rank;
-    let reporter = has_last && dp_rank == 0 && mesh["tp"].local_rank() == 0;
+    let reporter =
+        has_last && dp_rank == 0 && mesh["cp"].local_rank() == 0 && mesh["tp"].local_rank() == 0;
+    let cp_layout = CpLayout::new(seq, o.cp)?;
     let dp_group = mesh.group_of("dp")?.clone();
     let pp_group = mesh.group_of("pp")?.clone();
     let _loss_parallel = loss_parallel::enable(&mesh["tp"]);
@@ -406,10 +449,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // DDP: the micro-batches' gradients accumulate on each rank; the sum is
             // averaged over dp once, after the schedule.
             let no_sync: Vec<_> = ddps.iter().map(DataParallel::no_sync).collect();
+            // Under context parallelism this rank's chunks of every sequence.
+            let cut = |t: &Tensor| -> tpar::Result<Tensor> {
+                Ok(if o.cp > 1 { cp_layout.shard(t, 1, cp_group.rank())? } else { t.clone() })
+            };
             let losses = pipe.step_with(
-                Some(&batch.input_ids),
-                std::slice::from_ref(&batch.attention_mask),
-                Some(&batch.target_ids),
+                Some(&cut(&batch.input_ids)?),
+                &[cut(&batch.attention_mask)?],
+                Some(&cut(&batch.target_ids)?),
             )?;
             drop(no_sync);
             if o.nonfinite == NonFinite::Fail {
@@ -454,7 +501,13 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             progress.step = step;
             if has_last {
                 // The step's loss: the mean of the micro-batch losses, averaged over dp.
-                let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+                let mut mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+                if o.cp > 1 {
+                    // Each cp rank's losses are its shares (times cp): their sum over cp
+                    // is this dp rank's.
+                    let share = Tensor::scalar(mean / o.cp as f64, DType::F64);
+                    mean = cp_group.all_reduce(&share, ReduceOp::Sum)?.item()?;
+                }
                 let l = dp_group.all_reduce(&Tensor::scalar(mean, DType::F64), ReduceOp::Avg)?;
                 last = l.item()?;
             }
@@ -557,6 +610,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, stage: usize) -> tpar::Result<M
     };
     let run = MemoryConfig {
         dp: o.dp,
+        cp: o.cp,
         tp: o.tp,
         pp: o.pp,
         data_parallel,
@@ -575,10 +629,10 @@ fn main() {
         eprintln!("llama_pp: {e}");
         std::process::exit(2);
     }
-    let world = o.pp * o.dp * o.tp;
+    let world = o.pp * o.dp * o.cp * o.tp;
     println!(
-        "llama_pp: world {world} = pp {} x dp {} x tp {}, schedule {}, {} micro-batches, {} layers, hidden {}, seq {}, batch {} per dp rank, {} steps{}",
-        o.pp, o.dp, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.model.hidden, o.model.seq, o.batch, o.steps,
+        "llama_pp: world {world} = pp {} x dp {}{} x tp {}, schedule {}, {} micro-batches, {} layers, hidden {}, seq {}, batch {} per dp rank, {} steps{}",
+        o.pp, o.dp, if o.cp > 1 { format!(" x cp {}", o.cp) } else { String::new() }, o.tp, o.schedule.kind(), o.microbatches, o.layers, o.model.hidden, o.model.seq, o.batch, o.steps,
         if o.dp > 1 { if o.no_fsdp { ", DDP" } else { ", FSDP" } } else { "" }
     );
     let run = if o.backend == BackendArg::Tcp {
@@ -591,9 +645,10 @@ fn main() {
                 if group.size() != world {
                     return Err(tpar::Error::from(NnError::Config {
                         what: format!(
-                            "pp {} x dp {} x tp {} is {world} ranks, but the launcher started {}",
+                            "pp {} x dp {} x cp {} x tp {} is {world} ranks, but the launcher started {}",
                             o.pp,
                             o.dp,
+                            o.cp,
                             o.tp,
                             group.size()
                         ),
@@ -633,7 +688,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={}",
         o.pp,
         o.dp,
         o.tp,
@@ -655,6 +710,7 @@ fn main() {
             Some(p) => format!("{:.1}", p.into_iter().max().unwrap_or(0) as f64 / (1 << 20) as f64),
             None => "none".into(),
         },
+        o.cp,
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

@@ -1,7 +1,8 @@
-//! `llama_2d --cp N`: the trainer on a ["dp", "cp", "tp"] mesh trains the same model as
-//! without context parallelism (losses equal to f32 rounding at cp 2 and cp 3, FSDP over
-//! dp x cp; cp 2 x tp 2 with DDP), its summary line gains `cp=N`, and the one combination
-//! that does not compose (FSDP with cp and tp) is a one-line refusal.
+//! `llama_2d --cp N` and `llama_pp --cp N`: the trainers on a ["dp", "cp", "tp"] and a
+//! ["pp", "dp", "cp", "tp"] mesh train the same model as without context parallelism
+//! (losses equal to f32 rounding at cp 2 and cp 3, FSDP over dp x cp; cp 2 x tp 2 with
+//! DDP; pp 2 x cp 2 under 1F1B and zero-bubble), their summary lines gain `cp=N`, and the
+//! one combination that does not compose (FSDP with cp and tp) is a one-line refusal.
 
 mod common;
 use common::examples::run_example;
@@ -15,9 +16,13 @@ fn key(out: &str, k: &str) -> String {
 }
 
 fn losses(args: &[&str]) -> Option<(f64, f64, String)> {
-    let base = ["--steps", "4", "--layers", "1", "--seq", "24", "--batch", "2", "--log-every", "1"];
+    losses_of("llama_2d", args)
+}
+
+fn losses_of(example: &str, args: &[&str]) -> Option<(f64, f64, String)> {
+    let base = ["--steps", "4", "--layers", "2", "--seq", "24", "--log-every", "1"];
     let all = [&base[..], args].concat();
-    let (code, out, err) = run_example("llama_2d", &all)?;
+    let (code, out, err) = run_example(example, &all)?;
     assert_eq!(code, 0, "{all:?}\n{out}\n{err}");
     let first: f64 = key(&out, "first_loss").parse().unwrap();
     let last: f64 = key(&out, "final_loss").parse().unwrap();
@@ -26,12 +31,12 @@ fn losses(args: &[&str]) -> Option<(f64, f64, String)> {
 
 #[test]
 fn cp_runs_match_the_run_without_cp() {
-    let Some(reference) = losses(&["--dp", "1", "--tp", "1"]) else { return };
+    let Some(reference) = losses(&["--dp", "1", "--tp", "1", "--batch", "2"]) else { return };
     assert_eq!(reference.2, "1");
     for (args, cp) in [
-        (&["--dp", "1", "--tp", "1", "--cp", "2"][..], "2"),
-        (&["--dp", "1", "--tp", "1", "--cp", "3"][..], "3"),
-        (&["--dp", "1", "--tp", "2", "--cp", "2", "--no-fsdp"][..], "2"),
+        (&["--dp", "1", "--tp", "1", "--cp", "2", "--batch", "2"][..], "2"),
+        (&["--dp", "1", "--tp", "1", "--cp", "3", "--batch", "2"][..], "3"),
+        (&["--dp", "1", "--tp", "2", "--cp", "2", "--no-fsdp", "--batch", "2"][..], "2"),
     ] {
         let got = losses(args).unwrap();
         assert_eq!(got.2, cp, "{args:?}");
@@ -47,4 +52,22 @@ fn fsdp_with_cp_and_tp_is_refused() {
     let Some((code, _, err)) = run_example("llama_2d", &args) else { return };
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--no-fsdp") && err.contains("--cp 2"), "{err}");
+}
+
+#[test]
+fn llama_pp_cp_runs_match_the_run_without_cp() {
+    let pp = ["--pp", "2", "--batch", "4", "--microbatches", "2"];
+    let with = |extra: &[&'static str]| [&pp[..], extra].concat();
+    let Some(reference) = losses_of("llama_pp", &with(&[])) else { return };
+    for (extra, cp) in [
+        (&["--cp", "2"][..], "2"),
+        (&["--cp", "2", "--schedule", "zb"][..], "2"),
+        (&["--cp", "2", "--tp", "2", "--no-fsdp"][..], "2"),
+    ] {
+        let got = losses_of("llama_pp", &with(extra)).unwrap();
+        assert_eq!(got.2, cp, "{extra:?}");
+        for (g, w) in [(got.0, reference.0), (got.1, reference.1)] {
+            assert!((g - w).abs() <= 2e-4 * w.abs(), "llama_pp {extra:?}: loss {g} vs {w}");
+        }
+    }
 }

@@ -75,13 +75,14 @@ impl Module for LlamaStageModel {
             (None, None) => None,
         };
         let (mask, rope) = match &self.context_parallel {
-            // Under context parallelism every stage's input holds this rank's rows.
+            // Under context parallelism every stage's input holds this rank's rows (the
+            // mask's length: hidden states may be sequence-sharded over tp too).
             Some(cp) => crate::context_parallel::cp_inputs(
                 cp,
                 &self.rotary_emb,
                 given.as_ref(),
                 b,
-                dims[1],
+                s.unwrap_or(dims[1]),
                 self.dtype,
                 device,
             )?,
