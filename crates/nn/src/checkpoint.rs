@@ -184,6 +184,10 @@ impl AcSlot {
 }
 
 impl ForwardHook for AcSlot {
+    fn shown(&self) -> bool {
+        self.get().is_some()
+    }
+
     fn describe(&self) -> String {
         match self.get() {
             None => "activation checkpointing: off".into(),

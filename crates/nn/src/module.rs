@@ -48,6 +48,11 @@ pub trait ForwardHook: Send + Sync {
     }
     /// A one-line description (`ColwiseParallel(input R -> R, output S(-1), local)`).
     fn describe(&self) -> String;
+    /// Whether a description of the model (`explain`) lists this hook: `true` unless it
+    /// does nothing now (an activation checkpointing slot with no policy set).
+    fn shown(&self) -> bool {
+        true
+    }
     /// Starts work ahead of the next forward (FSDP: begin gathering parameters).
     fn prefetch(&self) -> Result<()> {
         Ok(())

@@ -64,7 +64,7 @@ pub fn explain(model: &dyn Module, events: &[HookEvent]) -> String {
     preorder(model, String::new(), &mut modules);
     let mut shown = vec![false; events.len()];
     for (fqn, m) in &modules {
-        let hooks = m.core().hooks();
+        let hooks: Vec<_> = m.core().hooks().iter().filter(|h| h.shown()).collect();
         let params = m.params();
         let sharded = params.iter().any(|(_, p)| {
             p.dtensor().is_some_and(|d| d.placements().iter().any(|p| !p.is_replicate()))
