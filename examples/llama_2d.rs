@@ -564,6 +564,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let progress_bar = (rank == 0).then(|| run::progress_bar(o.steps, 0));
     // --metrics / --tensorboard: rank 0 writes them (on a writer thread).
     let metrics = o.metrics.start(rank == 0)?;
+    // The device's buffers, for its peak (the local backend's ranks share one device).
+    let cuda_ordinal = match device {
+        Device::Cuda(i) => Some(i),
+        _ => None,
+    };
+    if let (Some(i), Some(_)) = (cuda_ordinal, &metrics) {
+        tpar::kernels::cuda::reset_device_peak(i);
+    }
     // Each step starts a fresh record, so the last step's is what is left at the end.
     let timeline = (o.timeline && o.dp_mode == DpMode::Fsdp).then(FsdpTimeline::new);
     set_fsdp_timeline(&model, timeline.as_ref());
@@ -732,6 +740,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                     tokens_per_s: (batch_tokens * o.dp) as f64 / step_time_s,
                     step_time_s,
                     peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
+                    peak_device_bytes: cuda_ordinal.map(tpar::kernels::cuda::device_peak_bytes),
                     ..Default::default()
                 });
             }
