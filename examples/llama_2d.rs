@@ -231,13 +231,6 @@ fn parse() -> Result<Opts, String> {
     if c.backend == BackendArg::Local {
         flags::local_world(world, &format!("--world {world} (--dp {} x --tp {})", c.dp, c.tp))?;
     }
-    if c.cp > 1 && c.tp > 1 && !c.no_fsdp && !c.zero1 {
-        return Err(format!(
-            "--cp {} with --tp {} under FSDP: FSDP over the flattened dp x cp mesh does not \
-             compose with tensor parallelism; use --no-fsdp (DDP) or --zero1",
-            c.cp, c.tp
-        ));
-    }
     if let Some(b) = c.memory_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
         return Err(format!("--memory-budget {b}: a positive number of GiB"));
     }

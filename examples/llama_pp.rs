@@ -168,13 +168,6 @@ impl Opts {
                 self.pp, self.dp, self.cp, self.tp
             ));
         }
-        if self.cp > 1 && self.tp > 1 && !self.no_fsdp {
-            return Err(format!(
-                "--cp {} with --tp {} under FSDP: FSDP over the flattened dp x cp mesh does not \
-                 compose with tensor parallelism; use --no-fsdp (DDP)",
-                self.cp, self.tp
-            ));
-        }
         flags::learning_rate(self.lr)?;
         if let Some(b) = self.memory_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
             return Err(format!("--memory-budget {b}: a positive number of GiB"));

@@ -1,8 +1,8 @@
 //! `llama_2d --cp N` and `llama_pp --cp N`: the trainers on a ["dp", "cp", "tp"] and a
 //! ["pp", "dp", "cp", "tp"] mesh train the same model as without context parallelism
 //! (losses equal to f32 rounding at cp 2 and cp 3, FSDP over dp x cp; cp 2 x tp 2 with
-//! DDP; pp 2 x cp 2 under 1F1B and zero-bubble), their summary lines gain `cp=N`, and the
-//! one combination that does not compose (FSDP with cp and tp) is a one-line refusal.
+//! DDP and with FSDP over dp x cp; pp 2 x cp 2 under 1F1B and zero-bubble, and with tp 2
+//! under FSDP), and their summary lines gain `cp=N`.
 
 mod common;
 use common::examples::run_example;
@@ -37,6 +37,8 @@ fn cp_runs_match_the_run_without_cp() {
         (&["--dp", "1", "--tp", "1", "--cp", "2", "--batch", "2"][..], "2"),
         (&["--dp", "1", "--tp", "1", "--cp", "3", "--batch", "2"][..], "3"),
         (&["--dp", "1", "--tp", "2", "--cp", "2", "--no-fsdp", "--batch", "2"][..], "2"),
+        // FSDP over the flattened dp x cp mesh composed with tensor parallelism.
+        (&["--dp", "1", "--tp", "2", "--cp", "2", "--batch", "2"][..], "2"),
     ] {
         let got = losses(args).unwrap();
         assert_eq!(got.2, cp, "{args:?}");
@@ -44,14 +46,6 @@ fn cp_runs_match_the_run_without_cp() {
             assert!((g - w).abs() <= 2e-4 * w.abs(), "{args:?}: loss {g} vs {w}");
         }
     }
-}
-
-#[test]
-fn fsdp_with_cp_and_tp_is_refused() {
-    let args = ["--dp", "1", "--cp", "2", "--tp", "2", "--steps", "1"];
-    let Some((code, _, err)) = run_example("llama_2d", &args) else { return };
-    assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--no-fsdp") && err.contains("--cp 2"), "{err}");
 }
 
 #[test]
@@ -63,6 +57,7 @@ fn llama_pp_cp_runs_match_the_run_without_cp() {
         (&["--cp", "2"][..], "2"),
         (&["--cp", "2", "--schedule", "zb"][..], "2"),
         (&["--cp", "2", "--tp", "2", "--no-fsdp"][..], "2"),
+        (&["--cp", "2", "--tp", "2"][..], "2"),
     ] {
         let got = losses_of("llama_pp", &with(extra)).unwrap();
         assert_eq!(got.2, cp, "{extra:?}");

@@ -114,9 +114,14 @@ impl FsdpParam {
         let Some(spec) = tp else {
             return Ok(DTensorSpec::new(dp_mesh, &[Placement::Shard(0)], local)?);
         };
+        // The dp mesh's root holds the tp dims too (the same mesh, or it with dims
+        // flattened into the dp dim, as `mesh.flatten(["dp", "cp"], "dp_cp")` gives).
         let root = dp_mesh.root();
         let tp_root = spec.mesh().root();
-        if root.names() != tp_root.names() || root.ranks() != tp_root.ranks() {
+        let tp_names: Vec<&str> = spec.mesh().names().iter().map(String::as_str).collect();
+        let same_tp = root.ranks() == tp_root.ranks()
+            && root.slice(&tp_names).is_ok_and(|m| m.ranks() == spec.mesh().ranks());
+        if !same_tp {
             return Err(NnError::Config {
                 what: format!(
                     "fully_shard's dp mesh {dp_mesh} and the tensor-parallel mesh {} of a \

@@ -370,9 +370,58 @@ impl DeviceMesh {
 
     /// The dims `names` (adjacent or not) flattened into one dim called `new_name`,
     /// as `mesh["dp", "tp"]._flatten("dp_tp")`.
+    ///
+    /// When `names` are adjacent dims of the root mesh ([`DeviceMesh::root`]) in its
+    /// order (`["dp", "cp"]` of `["pp", "dp", "cp", "tp"]`), the flattened mesh's root
+    /// is that root with those dims merged into `new_name` (`["pp", "dp_cp", "tp"]`,
+    /// the other dims keeping their groups), as PyTorch registers a flattened dim
+    /// with its root: FSDP over the flattened dim then lays a parameter out together
+    /// with its tensor-parallel dim.
     pub fn flatten(&self, names: &[&str], new_name: &str) -> Result<DeviceMesh> {
         let sliced = self.slice(names)?;
-        self.derive(sliced.ranks.clone(), vec![sliced.size()], &[new_name])
+        let mut flat = self.derive(sliced.ranks.clone(), vec![sliced.size()], &[new_name])?;
+        flat.root = self.root().merged(names, new_name, &flat.groups[0]).map(Arc::new);
+        Ok(flat)
+    }
+
+    /// This mesh (a root) with the adjacent dims `names` merged into one called
+    /// `new_name` whose group is `group`; `None` unless `names` are adjacent dims in
+    /// this mesh's order and `new_name` is not another dim's name.
+    fn merged(&self, names: &[&str], new_name: &str, group: &ProcessGroup) -> Option<DeviceMesh> {
+        let idx: Vec<usize> =
+            names.iter().map(|n| self.dim_index(n).ok()).collect::<Option<_>>()?;
+        let (first, last) = (*idx.first()?, *idx.last()?);
+        if idx.iter().enumerate().any(|(k, &d)| d != first + k) {
+            return None;
+        }
+        if self.names.iter().enumerate().any(|(d, n)| n == new_name && !(first..=last).contains(&d))
+        {
+            return None;
+        }
+        let size: usize = self.shape[first..=last].iter().product();
+        let coord = flatten(&self.coord[first..=last], &self.shape[first..=last]);
+        let splice = |v: &[usize], x: usize| -> Vec<usize> {
+            let mut out = v[..first].to_vec();
+            out.push(x);
+            out.extend_from_slice(&v[last + 1..]);
+            out
+        };
+        let mut groups = self.groups[..first].to_vec();
+        groups.push(group.clone());
+        groups.extend_from_slice(&self.groups[last + 1..]);
+        let mut names_out = self.names[..first].to_vec();
+        names_out.push(new_name.to_string());
+        names_out.extend_from_slice(&self.names[last + 1..]);
+        Some(DeviceMesh {
+            device: self.device,
+            shape: splice(&self.shape, size),
+            names: names_out,
+            ranks: self.ranks.clone(),
+            coord: splice(&self.coord, coord),
+            groups,
+            dims: Vec::new(),
+            root: None,
+        })
     }
 
     fn derive(&self, ranks: Vec<usize>, shape: Vec<usize>, names: &[&str]) -> Result<DeviceMesh> {
