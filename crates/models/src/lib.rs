@@ -28,9 +28,9 @@
 pub mod context_parallel;
 pub mod hf;
 pub mod llama;
-pub mod memory;
 mod llama_pipeline;
 pub mod llama_plans;
+pub mod memory;
 
 pub use llama::{
     causal_padding_mask, key_padding_mask, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
