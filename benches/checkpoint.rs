@@ -356,6 +356,7 @@ impl ModelSpec {
             num_key_value_heads: 4,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             dtype: DType::F32,
         }
     }

@@ -13,6 +13,9 @@ a small `max_shard_size`, so the untied one is sharded through
   `</s>`, `<pad>`), so the trainers' `--init-from` runs on it.
 - `tests/golden/hf_tiny_tied/`: `tie_word_embeddings=True` (no `lm_head.weight` in the
   file), one `model.safetensors`, and its `logits.safetensors` on the same batch.
+- `tests/golden/hf_tiny_llama3/`: Llama 3's RoPE scaling (`rope_type` llama3, factor 8,
+  low/high frequency factors 1 and 4, original context 16, head dim 8: one frequency
+  kept, one blended, two divided), one file, its logits on a batch of 2 x 24.
 
 Run from the repository root (needs `pip install torch transformers safetensors`; the
 Rust tests read only the committed files, so CI needs no Python):
@@ -55,14 +58,26 @@ SIZES = dict(
 )
 
 
-def batch():
+LLAMA3 = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
+
+
+def batch(seq=8):
     g = torch.Generator().manual_seed(7)
-    return torch.randint(0, SIZES["vocab_size"], (2, 8), generator=g, dtype=torch.int64)
+    return torch.randint(0, SIZES["vocab_size"], (2, seq), generator=g, dtype=torch.int64)
 
 
-def make(name, tie, seed, shard):
+def make(name, tie, seed, shard, rope_scaling=None, seq=8):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**SIZES, tie_word_embeddings=tie)
+    extra = {}
+    if rope_scaling is not None:
+        extra["rope_scaling"] = dict(rope_scaling, rope_theta=SIZES["rope_theta"])
+    cfg = LlamaConfig(**SIZES, tie_word_embeddings=tie, **extra)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     # Norm weights other than ones, so a mix-up of the two norms shows.
     with torch.no_grad():
@@ -74,7 +89,7 @@ def make(name, tie, seed, shard):
     for f in os.listdir(out):
         os.remove(os.path.join(out, f))
     model.save_pretrained(out, max_shard_size=shard, safe_serialization=True)
-    ids = batch()
+    ids = batch(seq)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     save_file({"input_ids": ids, "logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
@@ -122,9 +137,15 @@ def check_export(d):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-export", metavar="DIR")
+    ap.add_argument("--only", metavar="NAME", help="write only this golden directory")
     a = ap.parse_args()
     if a.check_export:
         sys.exit(check_export(a.check_export))
-    make("hf_tiny", tie=False, seed=1234, shard="40KB")
-    write_tokenizer("hf_tiny")
-    make("hf_tiny_tied", tie=True, seed=4321, shard="10MB")
+    want = lambda n: a.only is None or a.only == n
+    if want("hf_tiny"):
+        make("hf_tiny", tie=False, seed=1234, shard="40KB")
+        write_tokenizer("hf_tiny")
+    if want("hf_tiny_tied"):
+        make("hf_tiny_tied", tie=True, seed=4321, shard="10MB")
+    if want("hf_tiny_llama3"):
+        make("hf_tiny_llama3", tie=False, seed=2468, shard="10MB", rope_scaling=LLAMA3, seq=24)

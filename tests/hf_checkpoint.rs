@@ -20,6 +20,7 @@ use common::examples::run_example;
 use tpar::checkpoint::hf::{write_sharded_safetensors, SafetensorsDir, INDEX_FILE, SINGLE_FILE};
 use tpar::checkpoint::import_safetensors;
 use tpar::models::hf::{export_hf, HfCheckpoint, HfConfig, HfError};
+use tpar::models::RopeScaling;
 use tpar::prelude::*;
 
 fn golden(name: &str) -> PathBuf {
@@ -111,6 +112,50 @@ fn single_rank_logits_equal_transformers() {
         // The comparison can fail: the randomly initialized model is far off.
         let err = before.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(err > 1e-2, "{name}: an unloaded model matches ({err})");
+    }
+}
+
+/// Llama 3's RoPE scaling (`rope_parameters` of `rope_type` llama3): the config reads
+/// it, the logits equal transformers' (on 24 positions, past the original context of
+/// 16), the same weights without the scaling are far off, and the config writes it
+/// back as read; at 2x2 FSDP x TP the logits are the same.
+#[test]
+fn llama3_rope_scaling_logits_equal_transformers() {
+    let dir = golden("hf_tiny_llama3");
+    let ckpt = HfCheckpoint::open(&dir).unwrap();
+    let scaling = ckpt.config.llama.rope_scaling.expect("llama3 scaling is read");
+    assert_eq!(
+        scaling,
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16,
+        }
+    );
+    let (ids, want) = golden_logits(&dir);
+    let mut model = build(&ckpt.config.llama, None).unwrap();
+    ckpt.load_into(&mut model).unwrap();
+    assert_logits(&logits(&model, &ids).unwrap(), &want, "hf_tiny_llama3");
+    // The scaling matters: plain RoPE on the same weights is off.
+    let plain = LlamaConfig { rope_scaling: None, ..ckpt.config.llama };
+    let mut unscaled = build(&plain, None).unwrap();
+    ckpt.load_into(&mut unscaled).unwrap();
+    let got = logits(&unscaled, &ids).unwrap();
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(err > 1e-3, "plain RoPE matches llama3-scaled logits ({err})");
+    // Written back and read again, the config is the same.
+    let back = HfConfig::from_json(&ckpt.config.to_json(), "written").unwrap();
+    assert_eq!(back.llama, ckpt.config.llama);
+    // 2x2 FSDP x TP.
+    let got = spawn4(|world| {
+        let mesh = mesh_2x2(world)?;
+        let mut model = build(&ckpt.config.llama, Some(&mesh))?;
+        ckpt.load_into(&mut model)?;
+        logits(&model, &ids)
+    });
+    for (r, g) in got.iter().enumerate() {
+        assert_logits(g, &want, &format!("hf_tiny_llama3 2x2 rank {r}"));
     }
 }
 
@@ -228,7 +273,7 @@ fn bad_directories_are_typed_errors_naming_key_and_file() {
 
     // A RoPE tpar does not have.
     let d = copy_of_tiny("rope");
-    edit(&d.join("config.json"), "\"rope_type\": \"default\"", "\"rope_type\": \"llama3\"");
+    edit(&d.join("config.json"), "\"rope_type\": \"default\"", "\"rope_type\": \"yarn\"");
     match HfCheckpoint::open(&d) {
         Err(HfError::Unsupported { key, file, .. }) => {
             assert_eq!(key, "rope_parameters");

@@ -57,6 +57,7 @@ impl ModelArgs {
             num_key_value_heads: self.kv_heads,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
+            rope_scaling: None,
             dtype,
         }
     }

@@ -120,6 +120,7 @@ pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
         .require("model.num_key_value_heads", m.num_key_value_heads)
         .require("model.rms_norm_eps", m.rms_norm_eps)
         .require("model.rope_theta", m.rope_theta)
+        .require("model.rope_scaling", rope_scaling_text(m.rope_scaling.as_ref()))
         .require("optim.beta1", a.betas.0)
         .require("optim.beta2", a.betas.1)
         .require("optim.eps", a.eps)
@@ -184,5 +185,24 @@ pub fn memory_slot(rank: usize, own_process: bool) -> usize {
         0
     } else {
         rank
+    }
+}
+
+/// A model's RoPE scaling as the run configuration records it (`none`, or its type and
+/// numbers).
+fn rope_scaling_text(r: Option<&tpar::models::RopeScaling>) -> String {
+    use tpar::models::RopeScaling;
+    match r {
+        None => "none".into(),
+        Some(RopeScaling::Linear { factor }) => format!("linear factor {factor}"),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => format!(
+            "llama3 factor {factor} low {low_freq_factor} high {high_freq_factor} \
+             original {original_max_position_embeddings}"
+        ),
     }
 }

@@ -36,7 +36,7 @@ use tpar_nn::{Module, NnError};
 use tpar_tensor::state::{ShardedTensor, StateDict, StateValue};
 use tpar_tensor::{DType, Device, Tensor, TensorError};
 
-use crate::LlamaConfig;
+use crate::{LlamaConfig, RopeScaling};
 
 /// The config file of a Hugging Face model directory.
 pub const CONFIG_FILE: &str = "config.json";
@@ -233,8 +233,9 @@ impl HfConfig {
 
     /// A config from the text of a `config.json` (`file` names it in errors).
     /// `architectures` must hold `LlamaForCausalLM` (without `architectures`,
-    /// `model_type` must be `llama`); RoPE must be the default one (`rope_scaling` null
-    /// or of `rope_type` `default`, likewise `rope_parameters`); `hidden_act` must be
+    /// `model_type` must be `llama`); RoPE must be plain or scaled by `rope_type` `linear`
+    /// or `llama3` (in `rope_scaling` or `rope_parameters`; read as
+    /// [`LlamaConfig::rope_scaling`]); `hidden_act` must be
     /// `silu`, `attention_bias` and `mlp_bias` false, and `head_dim` (when present)
     /// `hidden_size / num_attention_heads`. Absent keys take Hugging Face's defaults.
     ///
@@ -265,6 +266,7 @@ impl HfConfig {
                 why: why.into(),
             };
         let mut rope_theta = raw.rope_theta.unwrap_or(10000.0);
+        let mut rope_scaling = None;
         for (key, v) in
             [("rope_scaling", &raw.rope_scaling), ("rope_parameters", &raw.rope_parameters)]
         {
@@ -275,15 +277,41 @@ impl HfConfig {
             let Some(obj) = v.as_object() else {
                 return Err(unsupported(key, v, "expected an object or null"));
             };
+            let number = |name: &str| -> Result<f64> {
+                let x = obj.get(name).ok_or_else(|| {
+                    unsupported(&format!("{key}.{name}"), &"absent", "needed by its rope_type")
+                })?;
+                x.as_f64().ok_or_else(|| unsupported(&format!("{key}.{name}"), x, "a number"))
+            };
             let kind = obj.get("rope_type").or_else(|| obj.get("type"));
-            if let Some(k) = kind {
-                if k.as_str() != Some("default") {
+            match kind.map(|k| k.as_str()) {
+                None | Some(Some("default")) => {}
+                Some(Some("linear")) => {
+                    rope_scaling = Some(RopeScaling::Linear { factor: number("factor")? });
+                }
+                Some(Some("llama3")) => {
+                    let original = number("original_max_position_embeddings")?;
+                    if !(original >= 1.0 && original.fract() == 0.0) {
+                        return Err(unsupported(
+                            &format!("{key}.original_max_position_embeddings"),
+                            &original,
+                            "a positive whole number",
+                        ));
+                    }
+                    rope_scaling = Some(RopeScaling::Llama3 {
+                        factor: number("factor")?,
+                        low_freq_factor: number("low_freq_factor")?,
+                        high_freq_factor: number("high_freq_factor")?,
+                        original_max_position_embeddings: original as usize,
+                    });
+                }
+                _ => {
                     return Err(HfError::Unsupported {
                         file: file.into(),
                         key: key.into(),
                         value: v.to_string(),
-                        why: "tpar's RoPE is the default one (rope_type \"default\"): no \
-                              linear, dynamic, yarn, longrope or llama3 scaling"
+                        why: "tpar's RoPE takes rope_type \"default\", \"linear\" or \"llama3\" \
+                              (no dynamic, yarn or longrope scaling)"
                             .into(),
                     });
                 }
@@ -315,6 +343,7 @@ impl HfConfig {
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(heads),
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
+            rope_scaling,
             dtype: DType::F32,
         };
         llama.validate().map_err(|source| HfError::Config { file: file.into(), source })?;
@@ -340,7 +369,7 @@ impl HfConfig {
     }
 
     /// The `config.json` text `transformers` reads back as this config
-    /// (`LlamaForCausalLM`, default RoPE, SwiGLU, no biases).
+    /// (`LlamaForCausalLM`, its RoPE scaling, SwiGLU, no biases).
     pub fn to_json(&self) -> String {
         let c = &self.llama;
         let dtype = self.torch_dtype.clone().unwrap_or_else(|| torch_dtype_name(c.dtype).into());
@@ -362,7 +391,7 @@ impl HfConfig {
             "pretraining_tp": 1,
             "rms_norm_eps": c.rms_norm_eps,
             "rope_theta": c.rope_theta,
-            "rope_scaling": null,
+            "rope_scaling": rope_scaling_json(c.rope_scaling.as_ref()),
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": dtype,
             "use_cache": true,
@@ -701,4 +730,26 @@ fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
         r += n;
     }
     Ok(true)
+}
+
+/// `rope_scaling` as transformers writes it (`null` for plain RoPE).
+fn rope_scaling_json(r: Option<&RopeScaling>) -> Json {
+    match r {
+        None => Json::Null,
+        Some(RopeScaling::Linear { factor }) => {
+            json!({ "rope_type": "linear", "factor": factor })
+        }
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+    }
 }

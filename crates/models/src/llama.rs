@@ -33,8 +33,100 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     /// RoPE base.
     pub rope_theta: f64,
+    /// RoPE frequency scaling for contexts longer than the model was trained on
+    /// (Hugging Face's `rope_scaling`); `None` for plain RoPE.
+    pub rope_scaling: Option<RopeScaling>,
     /// Parameter dtype.
     pub dtype: DType,
+}
+
+/// How RoPE's frequencies are scaled (Hugging Face's `rope_scaling` / `rope_parameters`
+/// of `rope_type` `linear` or `llama3`). Both leave the attention scale alone.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (positions interpolated), `"linear"`.
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Llama 3's: frequencies whose wavelength exceeds
+    /// `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
+    /// those shorter than `original_max_position_embeddings / high_freq_factor` are
+    /// kept, and those between are blended smoothly, `"llama3"`.
+    Llama3 {
+        /// The divisor of the low frequencies.
+        factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context length the model was trained on.
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// The scaled inverse frequency for the unscaled `inv_freq` (as transformers'
+    /// `_compute_linear_scaling_rope_parameters` and `_compute_llama3_parameters`).
+    pub fn apply(&self, inv_freq: f64) -> f64 {
+        match *self {
+            RopeScaling::Linear { factor } => inv_freq / factor,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old = original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+                if wavelen > low_wavelen {
+                    inv_freq / factor
+                } else if wavelen < high_wavelen {
+                    inv_freq
+                } else {
+                    let smooth =
+                        (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+                }
+            }
+        }
+    }
+
+    /// `Err` naming the field that is out of range (factors finite and positive, Llama
+    /// 3's high factor above its low one, a positive original context).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(NnError::Config { what: format!("rope_scaling: {what}") });
+        let positive = |name: &str, v: f64| -> Result<()> {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                bad(format!("{name} is {v}; it must be finite and positive"))
+            }
+        };
+        match *self {
+            RopeScaling::Linear { factor } => positive("factor", factor),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    return bad(format!(
+                        "high_freq_factor {high_freq_factor} must exceed low_freq_factor {low_freq_factor}"
+                    ));
+                }
+                if original_max_position_embeddings == 0 {
+                    return bad("original_max_position_embeddings is 0".into());
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 impl Default for LlamaConfig {
@@ -53,6 +145,7 @@ impl Default for LlamaConfig {
             num_key_value_heads: 32,
             rms_norm_eps: 1e-6,
             rope_theta: 10000.0,
+            rope_scaling: None,
             dtype: DType::F32,
         }
     }
@@ -128,6 +221,9 @@ impl LlamaConfig {
                 });
             }
         }
+        if let Some(r) = &c.rope_scaling {
+            r.validate()?;
+        }
         if c.num_attention_heads == 0 || !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return Err(NnError::Config {
                 what: format!(
@@ -177,6 +273,7 @@ pub struct RotaryPositionEncoding {
     head_dim: usize,
     max_positions: usize,
     base: f64,
+    scaling: Option<RopeScaling>,
     dtype: DType,
     cache: std::sync::Mutex<RopeCache>,
 }
@@ -202,9 +299,16 @@ impl RotaryPositionEncoding {
             head_dim,
             max_positions,
             base,
+            scaling: None,
             dtype,
             cache: std::sync::Mutex::new(RopeCache::default()),
         })
+    }
+
+    /// The same tables with their frequencies scaled by `scaling` (`None`: plain RoPE).
+    pub fn with_scaling(mut self, scaling: Option<RopeScaling>) -> Self {
+        self.scaling = scaling;
+        self
     }
 
     /// `cos` and `sin` for the first `rows` positions, allocated fallibly.
@@ -217,6 +321,10 @@ impl RotaryPositionEncoding {
         for p in 0..rows {
             for j in 0..head_dim {
                 let inv = base.powf(-2.0 * (j % half.max(1)) as f64 / head_dim as f64);
+                let inv = match &self.scaling {
+                    Some(r) => r.apply(inv),
+                    None => inv,
+                };
                 c[p * head_dim + j] = (p as f64 * inv).cos();
                 s[p * head_dim + j] = (p as f64 * inv).sin();
             }
@@ -713,7 +821,8 @@ impl LlamaModel {
                 cfg.max_position_embeddings,
                 cfg.rope_theta,
                 cfg.dtype,
-            )?,
+            )?
+            .with_scaling(cfg.rope_scaling),
             dtype: cfg.dtype,
             context_parallel: None,
         })

@@ -208,7 +208,8 @@ impl LlamaStage {
                 cfg.max_position_embeddings,
                 cfg.rope_theta,
                 cfg.dtype,
-            )?,
+            )?
+            .with_scaling(cfg.rope_scaling),
             max_positions: cfg.max_position_embeddings,
             dtype: cfg.dtype,
             context_parallel: None,

@@ -106,16 +106,24 @@ fn what_tpar_does_not_implement_is_an_error_naming_the_key_and_file() {
             other => panic!("{other:?}"),
         };
     let key = unsupported(&|m| {
-        m.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2.0}));
+        m.insert("rope_scaling".into(), json!({"type": "dynamic", "factor": 2.0}));
     });
     assert_eq!(key, "rope_scaling");
+    // llama3 scaling needs all of its fields.
     let key = unsupported(&|m| {
         m.insert(
             "rope_parameters".into(),
             json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
         );
     });
-    assert_eq!(key, "rope_parameters");
+    assert_eq!(key, "rope_parameters.original_max_position_embeddings");
+    // linear scaling is read, and written back as read.
+    let c = parse(&config(|m: &mut serde_json::Map<String, serde_json::Value>| {
+        m.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2.0}));
+    }))
+    .unwrap();
+    assert_eq!(c.llama.rope_scaling, Some(tpar_models::RopeScaling::Linear { factor: 2.0 }));
+    assert_eq!(parse(&c.to_json()).unwrap(), c);
     let key = unsupported(&|m| {
         m.insert("hidden_act".into(), json!("gelu"));
     });

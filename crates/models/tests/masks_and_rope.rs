@@ -276,3 +276,35 @@ fn key_padding_mask_with_causal_attention_equals_the_full_mask() {
         }
     }
 }
+
+/// Linear RoPE scaling interpolates positions: the scaled tables at position `2p` equal
+/// the plain tables at `p` (factor 2), and a bad factor is a typed error naming it.
+#[test]
+fn linear_rope_scaling_interpolates_positions() {
+    use tpar_models::{LlamaConfig, RopeScaling};
+    let plain = RotaryPositionEncoding::new(8, 32, 10_000.0, DType::F64).unwrap();
+    let scaled = RotaryPositionEncoding::new(8, 32, 10_000.0, DType::F64)
+        .unwrap()
+        .with_scaling(Some(RopeScaling::Linear { factor: 2.0 }));
+    let (p, s) = (plain.tables(16).unwrap(), scaled.tables(32).unwrap());
+    for (a, b) in [(&p.cos, &s.cos), (&p.sin, &s.sin)] {
+        let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+        for pos in 0..16 {
+            for j in 0..8 {
+                let (x, y) = (a[pos * 8 + j], b[2 * pos * 8 + j]);
+                assert!((x - y).abs() <= 1e-12, "position {pos} dim {j}: {x} vs {y}");
+            }
+        }
+    }
+    let cfg = LlamaConfig {
+        rope_scaling: Some(RopeScaling::Linear { factor: 0.0 }),
+        ..LlamaConfig {
+            hidden_size: 16,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            ..Default::default()
+        }
+    };
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("rope_scaling") && err.contains("factor"), "{err}");
+}

@@ -29,6 +29,7 @@ pub fn tiny_llama_config(
         num_key_value_heads: 2,
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         dtype,
     }
 }
@@ -47,6 +48,7 @@ pub fn tp_llama_config(dtype: DType) -> LlamaConfig {
         num_key_value_heads: 6,
         rms_norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: None,
         dtype,
     }
 }
