@@ -179,86 +179,43 @@ fn cp2_tp2_equals_unsharded() {
     check(2, 2, 12, true, CpMethod::Ring);
 }
 
-/// cp 2 x dp 2 with FSDP sharding the parameters over the flattened (dp, cp) mesh, as
-/// torchtitan does: each dp rank takes one sequence, each cp rank its rows of it; FSDP's
-/// reduce-scatter averages over the 4 ranks, so each rank's share of the global-mean loss
-/// is scaled by 4.
-#[test]
-fn cp2_dp2_fsdp_equals_unsharded() {
+/// One step of dp 2 x cp 2 x `tp` with FSDP sharding the parameters over the flattened
+/// (dp, cp) mesh, as torchtitan does (and the Megatron plan on tp when `tp` > 1, each
+/// parameter then a DTensor on the (tp, dp_cp) mesh: the flattened dim is registered
+/// with the root mesh): each dp rank takes one sequence, each cp rank its rows of it;
+/// FSDP's reduce-scatter averages over the 4 (dp, cp) ranks, so each rank's share of the
+/// global-mean loss is scaled by 4. Loss and every gradient equal the unsharded model's.
+fn check_fsdp_over_dp_cp(tp: usize) {
     use tpar_parallel_styles::{fully_shard, FsdpConfig};
     let (s, pad) = (12, true);
     let (want_loss, want) = reference(s, pad);
-    let cfg = SpawnConfig::new(4).timeout(Duration::from_secs(60));
-    let got = spawn_scoped(cfg, |ctx| -> Result<(f64, BTreeMap<String, Vec<f64>>), NnError> {
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2], &["dp", "cp"])?;
-        let cp = mesh.group_of("cp")?.clone();
-        let flat = mesh.flatten(&["dp", "cp"], "dp_cp")?;
-        let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
-        let fc = FsdpConfig::default();
-        for layer in &mut model.base_model.layers.items {
-            fully_shard(layer, &flat, &fc)?;
-        }
-        fully_shard(&mut model, &flat, &fc)?;
-        reset_parameters(&mut model, Device::Cpu, 3)?;
-        apply_context_parallel(&mut model, &cp, CpMethod::Ring)?;
-        let dp = mesh.local_rank_of("dp")?;
-        let layout = CpLayout::new(s, 2)?;
-        let (ids, labels, mask) = batch(s, pad);
-        let row = |t: &Tensor| -> Result<Tensor, NnError> {
-            Ok(layout.shard(&t.narrow(0, dp, 1)?, 1, cp.rank())?)
-        };
-        let (ids, labels) = (row(&ids)?, row(&labels)?);
-        let mask = mask.map(|m| row(&m)).transpose()?;
-        let n = ids.dims()[1];
-        let logits = model.logits(&ids, mask.as_ref())?.into_tensor("logits")?;
-        let all = flat.group(0)?.clone();
-        let (loss, global) =
-            cp_cross_entropy(&logits.reshape([n, VOCAB])?, &labels.reshape([n])?, -100, &all)?;
-        loss.mul_scalar(all.size() as f64)?.backward()?;
-        let mut grads = BTreeMap::new();
-        for (name, p) in named_parameters(&model) {
-            let full = p.grad()?.expect("every parameter has a gradient").full()?;
-            grads.insert(name, full.to_vec_f64()?);
-        }
-        Ok((global, grads))
-    })
-    .unwrap_or_else(|e| panic!("cp 2 x dp 2 FSDP: {e}"));
-    for (rank, (loss, grads)) in got.iter().enumerate() {
-        assert!((loss - want_loss).abs() <= TOL, "rank {rank}: loss {loss} vs {want_loss}");
-        for (name, w) in &want {
-            let d = max_diff(&grads[name], w);
-            assert!(d <= TOL, "rank {rank}: gradient of {name} differs by {d}");
-        }
-    }
-}
-
-/// The 3-D composition torchtitan runs: dp 2 x cp 2 x tp 2 (8 ranks) with the Megatron
-/// plan on tp and FSDP over the flattened (dp, cp) mesh, so each parameter is a DTensor
-/// on the (tp, dp_cp) mesh (the flattened dim is registered with the root mesh). Loss
-/// and every gradient equal the unsharded model's.
-#[test]
-fn cp2_dp2_tp2_fsdp_equals_unsharded() {
-    use tpar_parallel_styles::{fully_shard, FsdpConfig};
-    let (s, pad) = (12, true);
-    let (want_loss, want) = reference(s, pad);
-    let cfg = SpawnConfig::new(8).timeout(Duration::from_secs(60));
+    let cfg = SpawnConfig::new(4 * tp).timeout(Duration::from_secs(60));
     let got = spawn_scoped(cfg, |ctx| -> Result<(f64, BTreeMap<String, Vec<f64>>), NnError> {
         let mesh =
-            DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2, 2], &["dp", "cp", "tp"])?;
+            DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2, 2, tp], &["dp", "cp", "tp"])?;
         let cp = mesh.group_of("cp")?.clone();
         let flat = mesh.flatten(&["dp", "cp"], "dp_cp")?;
         let mut model = LlamaForPretraining::new(&config(), Device::Meta)?;
-        parallelize_llama_with(&mut model, mesh.dim("tp")?, &megatron_layer_plan(), &cp_top_plan())
+        if tp > 1 {
+            parallelize_llama_with(
+                &mut model,
+                mesh.dim("tp")?,
+                &megatron_layer_plan(),
+                &cp_top_plan(),
+            )
             .map_err(|e| NnError::Config { what: e.to_string() })?;
+        }
         let fc = FsdpConfig::default();
         for layer in &mut model.base_model.layers.items {
             fully_shard(layer, &flat, &fc)?;
         }
         fully_shard(&mut model, &flat, &fc)?;
         reset_parameters(&mut model, Device::Cpu, 3)?;
-        for (name, p) in named_parameters(&model) {
-            let d = p.dtensor().expect("FSDP parameters are DTensors");
-            assert_eq!(d.mesh().names(), ["tp", "dp_cp"], "{name}: the (tp, dp_cp) mesh");
+        if tp > 1 {
+            for (name, p) in named_parameters(&model) {
+                let d = p.dtensor().expect("FSDP parameters are DTensors");
+                assert_eq!(d.mesh().names(), ["tp", "dp_cp"], "{name}: the (tp, dp_cp) mesh");
+            }
         }
         apply_context_parallel(&mut model, &cp, CpMethod::Ring)?;
         let dp = mesh.local_rank_of("dp")?;
@@ -279,8 +236,7 @@ fn cp2_dp2_tp2_fsdp_equals_unsharded() {
         let (loss, global) =
             cp_cross_entropy(&logits.reshape([n, VOCAB])?, &labels.reshape([n])?, -100, &all)?;
         {
-            // Replicated over tp: seed its gradient once there. FSDP's reduce-scatter
-            // averages over the 4 (dp, cp) ranks, so each share is scaled by 4.
+            // Replicated over tp: seed its gradient once there.
             let _lp = loss_parallel::enable(mesh.dim("tp")?);
             Value::Tensor(loss.mul_scalar(all.size() as f64)?).backward()?;
         }
@@ -291,14 +247,25 @@ fn cp2_dp2_tp2_fsdp_equals_unsharded() {
         }
         Ok((global, grads))
     })
-    .unwrap_or_else(|e| panic!("cp 2 x dp 2 x tp 2 FSDP: {e}"));
+    .unwrap_or_else(|e| panic!("cp 2 x dp 2 x tp {tp} FSDP: {e}"));
     for (rank, (loss, grads)) in got.iter().enumerate() {
-        assert!((loss - want_loss).abs() <= TOL, "rank {rank}: loss {loss} vs {want_loss}");
+        assert!((loss - want_loss).abs() <= TOL, "tp {tp} rank {rank}: loss {loss} vs {want_loss}");
         for (name, w) in &want {
             let d = max_diff(&grads[name], w);
-            assert!(d <= TOL, "rank {rank}: gradient of {name} differs by {d}");
+            assert!(d <= TOL, "tp {tp} rank {rank}: gradient of {name} differs by {d}");
         }
     }
+}
+
+#[test]
+fn cp2_dp2_fsdp_equals_unsharded() {
+    check_fsdp_over_dp_cp(1);
+}
+
+/// The 3-D composition torchtitan runs: dp 2 x cp 2 x tp 2 (8 ranks).
+#[test]
+fn cp2_dp2_tp2_fsdp_equals_unsharded() {
+    check_fsdp_over_dp_cp(2);
 }
 
 /// Activation checkpointing and cp together: full and selective checkpointing of every
