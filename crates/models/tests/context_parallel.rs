@@ -71,6 +71,28 @@ fn reference(s: usize, pad: bool) -> (f64, BTreeMap<String, Vec<f64>>) {
     (loss.item().unwrap(), grads)
 }
 
+/// Every parameter's whole gradient, by name (collective over the model's meshes).
+fn full_grads(model: &LlamaForPretraining) -> Result<Grads, NnError> {
+    let mut grads = BTreeMap::new();
+    for (name, p) in named_parameters(model) {
+        let full = p.grad()?.expect("every parameter has a gradient").full()?;
+        grads.insert(name, full.to_vec_f64()?);
+    }
+    Ok(grads)
+}
+
+/// Every rank's global loss and every gradient equal the unsharded model's (within
+/// [`TOL`]).
+fn assert_equals_reference(what: &str, got: &[(f64, Grads)], want_loss: f64, want: &Grads) {
+    for (rank, (loss, grads)) in got.iter().enumerate() {
+        assert!((loss - want_loss).abs() <= TOL, "{what} rank {rank}: loss {loss} vs {want_loss}");
+        for (name, w) in want {
+            let d = max_diff(&grads[name], w);
+            assert!(d <= TOL, "{what} rank {rank}: gradient of {name} differs by {d}");
+        }
+    }
+}
+
 fn max_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
@@ -137,27 +159,19 @@ fn run(
             Value::Tensor(loss).backward()?;
         }
         all_reduce_gradients(&model, &g)?;
-        let mut grads = BTreeMap::new();
-        for (name, p) in named_parameters(&model) {
-            let full = p.grad()?.expect("every parameter has a gradient").full()?;
-            grads.insert(name, full.to_vec_f64()?);
-        }
-        Ok((global, grads))
+        Ok((global, full_grads(&model)?))
     })
     .unwrap_or_else(|e| panic!("cp {cp} tp {tp} seq {s}: {e}"))
 }
 
 fn check(cp: usize, tp: usize, s: usize, pad: bool, method: CpMethod) {
     let (want_loss, want) = reference(s, pad);
-    for (rank, (loss, grads)) in run(cp, tp, s, pad, method).iter().enumerate() {
-        let what = format!("cp {cp} tp {tp} seq {s} pad {pad} {method:?} rank {rank}");
-        assert!((loss - want_loss).abs() <= TOL, "{what}: loss {loss} vs {want_loss}");
-        assert_eq!(grads.len(), want.len(), "{what}: parameter count");
-        for (name, w) in &want {
-            let d = max_diff(&grads[name], w);
-            assert!(d <= TOL, "{what}: gradient of {name} differs by {d}");
-        }
+    let got = run(cp, tp, s, pad, method);
+    let what = format!("cp {cp} tp {tp} seq {s} pad {pad} {method:?}");
+    for (rank, (_, grads)) in got.iter().enumerate() {
+        assert_eq!(grads.len(), want.len(), "{what} rank {rank}: parameter count");
     }
+    assert_equals_reference(&what, &got, want_loss, &want);
 }
 
 #[test]
@@ -240,21 +254,10 @@ fn check_fsdp_over_dp_cp(tp: usize) {
             let _lp = loss_parallel::enable(mesh.dim("tp")?);
             Value::Tensor(loss.mul_scalar(all.size() as f64)?).backward()?;
         }
-        let mut grads = BTreeMap::new();
-        for (name, p) in named_parameters(&model) {
-            let full = p.grad()?.expect("every parameter has a gradient").full()?;
-            grads.insert(name, full.to_vec_f64()?);
-        }
-        Ok((global, grads))
+        Ok((global, full_grads(&model)?))
     })
     .unwrap_or_else(|e| panic!("cp 2 x dp 2 x tp {tp} FSDP: {e}"));
-    for (rank, (loss, grads)) in got.iter().enumerate() {
-        assert!((loss - want_loss).abs() <= TOL, "tp {tp} rank {rank}: loss {loss} vs {want_loss}");
-        for (name, w) in &want {
-            let d = max_diff(&grads[name], w);
-            assert!(d <= TOL, "tp {tp} rank {rank}: gradient of {name} differs by {d}");
-        }
-    }
+    assert_equals_reference(&format!("cp 2 x dp 2 x tp {tp} FSDP"), &got, want_loss, &want);
 }
 
 #[test]
@@ -302,20 +305,10 @@ fn cp2_with_activation_checkpointing_equals_unsharded() {
                 )?;
                 loss.backward()?;
                 all_reduce_gradients(&model, &g)?;
-                let mut grads = BTreeMap::new();
-                for (name, p) in named_parameters(&model) {
-                    grads.insert(name, p.grad()?.expect("a gradient").full()?.to_vec_f64()?);
-                }
-                Ok((global, grads))
+                Ok((global, full_grads(&model)?))
             })
             .unwrap_or_else(|e| panic!("cp 2 with {policy}: {e}"));
-        for (rank, (loss, grads)) in got.iter().enumerate() {
-            assert!((loss - want_loss).abs() <= TOL, "{policy} rank {rank}: loss {loss}");
-            for (name, w) in &want {
-                let d = max_diff(&grads[name], w);
-                assert!(d <= TOL, "{policy} rank {rank}: gradient of {name} differs by {d}");
-            }
-        }
+        assert_equals_reference(&format!("cp 2 with {policy}"), &got, want_loss, &want);
     }
 }
 
@@ -356,20 +349,10 @@ fn cp2_tp2_loss_parallel_equals_unsharded() {
         let value = Tensor::from_vec(vec![loss.item()?], [1])?;
         let global = g.all_reduce(&value, tpar_dtensor::ReduceOp::Sum)?.to_vec::<f64>()?[0];
         all_reduce_gradients(&model, &g)?;
-        let mut grads = BTreeMap::new();
-        for (name, p) in named_parameters(&model) {
-            grads.insert(name, p.grad()?.expect("a gradient").full()?.to_vec_f64()?);
-        }
-        Ok((global, grads))
+        Ok((global, full_grads(&model)?))
     })
     .unwrap_or_else(|e| panic!("cp 2 x tp 2 loss_parallel: {e}"));
-    for (rank, (loss, grads)) in got.iter().enumerate() {
-        assert!((loss - want_loss).abs() <= TOL, "rank {rank}: loss {loss} vs {want_loss}");
-        for (name, w) in &want {
-            let d = max_diff(&grads[name], w);
-            assert!(d <= TOL, "rank {rank}: gradient of {name} differs by {d}");
-        }
-    }
+    assert_equals_reference("cp 2 x tp 2 loss_parallel", &got, want_loss, &want);
 }
 
 /// pp 2 x cp 2 (GPipe, 1F1B and zero-bubble): each stage takes its cp rank's rows; the last stage's loss function

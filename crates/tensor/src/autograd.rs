@@ -846,6 +846,41 @@ pub(crate) fn grad_within(
     Ok((inputs.iter().map(|t| map.remove(&t.id())).collect(), stray))
 }
 
+/// The input half of a split backward over `order` (the reverse topological order of
+/// `roots`, whose gradients are seeded in `map`): only the nodes on a path to `targets`
+/// run, each asked for its inputs on the path; root gradients off the path and the
+/// node calls owed to inputs off it are set aside in the returned [`WeightGrad`].
+fn input_pass(
+    order: Vec<Tensor>,
+    roots: &[Tensor],
+    targets: &HashSet<u64>,
+    map: &mut HashMap<u64, Tensor>,
+) -> Result<WeightGrad> {
+    // Reverse topological order lists consumers first: walk it backwards so a
+    // node's inputs are settled before the node.
+    let mut on_path = targets.clone();
+    for t in order.iter().rev() {
+        let Some(node) = t.node() else { continue };
+        if node.inputs.iter().any(|i| i.requires_grad() && on_path.contains(&i.id())) {
+            on_path.insert(t.id());
+        }
+    }
+    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new(), callbacks: Vec::new() };
+    for r in roots {
+        if !on_path.contains(&r.id()) {
+            if let Some(g) = map.remove(&r.id()) {
+                weight.seeds.push((r.clone(), Some(g)));
+            }
+        }
+    }
+    let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
+    let split = Split { on_path: &on_path, weight: &mut weight };
+    let mut tags = Tags::new();
+    propagate(&order, map, &mut tags, targets, Some(split), None)?;
+    demote_all(map, tags)?;
+    Ok(weight)
+}
+
 /// [`grad_within`] split in two as [`backward_input`] splits a backward: the gradients of
 /// `now` at once (only the nodes on a path to them run, each asked for its inputs on the
 /// path), and a [`DeferredWithin`] that computes those of `later` when finished (the
@@ -862,26 +897,7 @@ pub(crate) fn grad_within_split(
     let mut map = seed(outputs, grads)?;
     let (order, _) = topo_until(outputs, &stop);
     let targets: HashSet<u64> = now.iter().filter(|t| t.requires_grad()).map(|t| t.id()).collect();
-    let mut on_path = targets.clone();
-    for t in order.iter().rev() {
-        let Some(node) = t.node() else { continue };
-        if node.inputs.iter().any(|i| i.requires_grad() && on_path.contains(&i.id())) {
-            on_path.insert(t.id());
-        }
-    }
-    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new(), callbacks: Vec::new() };
-    for r in outputs {
-        if !on_path.contains(&r.id()) {
-            if let Some(g) = map.remove(&r.id()) {
-                weight.seeds.push((r.clone(), Some(g)));
-            }
-        }
-    }
-    let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
-    let split = Split { on_path: &on_path, weight: &mut weight };
-    let mut tags = Tags::new();
-    propagate(&order, &mut map, &mut tags, &targets, Some(split), None)?;
-    demote_all(&mut map, tags)?;
+    let weight = input_pass(order, outputs, &targets, &mut map)?;
     let got = now.iter().map(|t| map.get(&t.id()).cloned()).collect();
     Ok((got, DeferredWithin { weight, stop, later: later.to_vec() }))
 }
@@ -1024,28 +1040,7 @@ pub fn backward_input(
     let (order, _) = topo(roots);
     let targets: HashSet<u64> =
         inputs.iter().filter(|t| t.requires_grad()).map(|t| t.id()).collect();
-    // Reverse topological order lists consumers first: walk it backwards so a
-    // node's inputs are settled before the node.
-    let mut on_path = targets.clone();
-    for t in order.iter().rev() {
-        let Some(node) = t.node() else { continue };
-        if node.inputs.iter().any(|i| i.requires_grad() && on_path.contains(&i.id())) {
-            on_path.insert(t.id());
-        }
-    }
-    let mut weight = WeightGrad { seeds: Vec::new(), pending: Vec::new(), callbacks: Vec::new() };
-    for r in roots {
-        if !on_path.contains(&r.id()) {
-            if let Some(g) = map.remove(&r.id()) {
-                weight.seeds.push((r.clone(), Some(g)));
-            }
-        }
-    }
-    let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
-    let split = Split { on_path: &on_path, weight: &mut weight };
-    let mut tags = Tags::new();
-    propagate(&order, &mut map, &mut tags, &targets, Some(split), None)?;
-    demote_all(&mut map, tags)?;
+    let mut weight = input_pass(order, roots, &targets, &mut map)?;
     // The backward ends with the weight pass: its callbacks wait for it.
     weight.callbacks = scope.take();
     Ok((inputs.iter().map(|t| map.get(&t.id()).cloned()).collect(), weight))
