@@ -337,7 +337,7 @@ fn with_items<R>(
     model: &mut LlamaForPretraining,
     opt: &mut dyn Optimizer,
     sched: &mut LrScheduler<SequentialLR>,
-    sampler: &mut DistributedSampler,
+    data: &mut run::TrainData,
     progress: &mut run::Progress,
     f: impl FnOnce(&mut [(&str, &mut dyn Stateful)]) -> tpar::Result<R>,
 ) -> tpar::Result<R> {
@@ -347,7 +347,7 @@ fn with_items<R>(
         ("model", &mut model),
         ("optim", opt),
         ("lr_scheduler", sched),
-        ("sampler", sampler),
+        data.item(),
         ("trainer", progress),
     ])
 }
@@ -486,11 +486,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         sched.override_on_load();
     }
 
-    let docs = run::documents(o.data.data.as_deref(), &o.data.text_column)?;
-    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
-    let pad = dataset.pad_id() as i64;
     let dp_rank = mesh["dp"].local_rank();
-    let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
+    let mut data =
+        run::TrainData::open(&o.data, tokenizer.as_ref(), seq, (o.dp, dp_rank), o.batch, o.seed)?;
+    let pad = tokenizer.pad_id() as i64;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
     let mut run_config = run::run_config(
@@ -501,8 +500,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             global_batch: o.batch * o.dp,
             seq,
             seed: o.seed,
-            docs: &docs,
-            samples: dataset.len(),
+            data: &data,
         },
         &[
             ("mesh.world", o.world.into()),
@@ -527,7 +525,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 &mut model,
                 opt.as_mut(),
                 &mut sched,
-                &mut sampler,
+                &mut data,
                 &mut progress,
                 |items| Ok(c.load_latest(items)?),
             )?;
@@ -577,201 +575,187 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut step_round_trips: Vec<(bool, u64)> = Vec::new();
     let mut read_times: Vec<(usize, f64)> = Vec::new();
     let on_host = device == Device::Cpu;
-    // Every epoch takes `per_epoch` batches, so the step gives the data position.
-    let mut epoch = step / per_epoch;
     if let Some(bar) = &progress_bar {
         bar.set_position(step as u64);
     }
-    'outer: while step < stop {
-        sampler.set_epoch(epoch as u64);
-        let idx = sampler.indices(dataset.len());
-        let skip = if epoch == step / per_epoch { step % per_epoch } else { 0 };
-        for chunk in idx.chunks(o.batch).take(per_epoch).skip(skip) {
-            if step == stop {
-                break 'outer;
+    while step < stop {
+        let step_trips0 = tpar::tensor::gpu::host_round_trips();
+        let step_t0 = Instant::now();
+        // Logging steps read the loss and the gradient norm back (one host round trip
+        // on a device): step 1, every --log-every steps and the last step; on the host
+        // every step reads them (it costs nothing there). All ranks agree on which.
+        let logging = step == 0 || (step + 1).is_multiple_of(o.log_every) || step + 1 == stop;
+        let saving =
+            ckpt.is_some() && ((step + 1).is_multiple_of(o.save_every) || step + 1 == o.steps);
+        let read = on_host
+            || logging
+            || o.nonfinite == NonFinite::Skip
+            || (saving && o.nonfinite == NonFinite::Fail);
+        let (epoch, batch) = data.batch(step, o.batch, seq)?;
+        // Counted on the host, before the batch moves (a device count would read it back).
+        let batch_tokens = batch.num_tokens()?;
+        let batch = batch.to_device(device)?;
+        // Under context parallelism this rank's chunks of every sequence.
+        let batch = if o.cp > 1 {
+            let me = cp_group.rank();
+            Batch {
+                input_ids: cp_layout.shard(&batch.input_ids, 1, me)?,
+                target_ids: cp_layout.shard(&batch.target_ids, 1, me)?,
+                attention_mask: cp_layout.shard(&batch.attention_mask, 1, me)?,
             }
-            let step_trips0 = tpar::tensor::gpu::host_round_trips();
-            let step_t0 = Instant::now();
-            // Logging steps read the loss and the gradient norm back (one host round trip
-            // on a device): step 1, every --log-every steps and the last step; on the host
-            // every step reads them (it costs nothing there). All ranks agree on which.
-            let logging = step == 0 || (step + 1).is_multiple_of(o.log_every) || step + 1 == stop;
-            let saving =
-                ckpt.is_some() && ((step + 1).is_multiple_of(o.save_every) || step + 1 == o.steps);
-            let read = on_host
-                || logging
-                || o.nonfinite == NonFinite::Skip
-                || (saving && o.nonfinite == NonFinite::Fail);
-            let batch = dataset.batch(chunk)?;
-            // Counted on the host, before the batch moves (a device count would read it back).
-            let batch_tokens = batch.num_tokens()?;
-            let batch = batch.to_device(device)?;
-            // Under context parallelism this rank's chunks of every sequence.
-            let batch = if o.cp > 1 {
-                let me = cp_group.rank();
-                Batch {
-                    input_ids: cp_layout.shard(&batch.input_ids, 1, me)?,
-                    target_ids: cp_layout.shard(&batch.target_ids, 1, me)?,
-                    attention_mask: cp_layout.shard(&batch.attention_mask, 1, me)?,
-                }
-            } else {
-                batch
-            };
-            if let Some(t) = &timeline {
-                t.clear();
-                comm.clear();
-                comm.enable();
-                phases.clear();
-            }
-            unshard(&model)?;
-            // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
-            let logits = model
-                .logits(&batch.input_ids, Some(&batch.attention_mask))?
-                .reshape(&[-1, cfg.vocab_size as isize])?;
-            let targets = batch.target_ids.reshape([batch.target_ids.numel()])?;
-            let loss = logits.cross_entropy(&targets, pad)?;
-            // Under cp: this rank's share of its dp rank's mean (its tokens over the cp
-            // group's), times cp since the gradient reduction averages over dp x cp.
-            let loss = if o.cp > 1 {
-                let share = cp_token_share(&targets, pad, &cp_group)?;
-                loss.mul_scalar(share * o.cp as f64)?
-            } else {
-                loss
-            };
-            // The loss is Replicate: the local tensor is its value.
-            let loss_t = loss.clone().into_local("loss")?;
-            // On the host: read now, and fail before the backward.
-            let mut local = if on_host { loss_t.item()? } else { f64::NAN };
-            let fail_on_loss = |local: f64| -> tpar::Result<()> {
-                if o.nonfinite == NonFinite::Fail && !local.is_finite() {
-                    // Peers waiting in the next collective fail naming this rank.
-                    return Err(NnError::NonFinite {
-                        what: format!("step {} on rank {rank}: the loss", step + 1),
-                        value: local,
-                    }
-                    .into());
-                }
-                Ok(())
-            };
-            if on_host {
-                fail_on_loss(local)?;
-            }
-            if timeline.is_some() {
-                phases.push(("forward", comm.take()));
-            }
-            loss.backward()?;
-            if timeline.is_some() {
-                phases.push(("backward", comm.take()));
-            }
-            // The norm is global (all-reduced): every rank takes the same branch. Clipping
-            // through the optimizer serves every dp mode (ZeRO-1's gradients live in the
-            // ranks' ranges after its reduce-scatter); the norm stays on the device.
-            let norm_t = clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
-            let norm = if !read {
-                // Not read back: the step goes on (see --nonfinite).
-                f64::NAN
-            } else if on_host {
-                norm_t.item()?
-            } else {
-                let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
-                local = l;
-                fail_on_loss(local)?;
-                n
-            };
-            if !read || norm.is_finite() {
-                opt.step()?;
-            } else if o.nonfinite == NonFinite::Fail {
+        } else {
+            batch
+        };
+        if let Some(t) = &timeline {
+            t.clear();
+            comm.clear();
+            comm.enable();
+            phases.clear();
+        }
+        unshard(&model)?;
+        // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
+        let logits = model
+            .logits(&batch.input_ids, Some(&batch.attention_mask))?
+            .reshape(&[-1, cfg.vocab_size as isize])?;
+        let targets = batch.target_ids.reshape([batch.target_ids.numel()])?;
+        let loss = logits.cross_entropy(&targets, pad)?;
+        // Under cp: this rank's share of its dp rank's mean (its tokens over the cp
+        // group's), times cp since the gradient reduction averages over dp x cp.
+        let loss = if o.cp > 1 {
+            let share = cp_token_share(&targets, pad, &cp_group)?;
+            loss.mul_scalar(share * o.cp as f64)?
+        } else {
+            loss
+        };
+        // The loss is Replicate: the local tensor is its value.
+        let loss_t = loss.clone().into_local("loss")?;
+        // On the host: read now, and fail before the backward.
+        let mut local = if on_host { loss_t.item()? } else { f64::NAN };
+        let fail_on_loss = |local: f64| -> tpar::Result<()> {
+            if o.nonfinite == NonFinite::Fail && !local.is_finite() {
+                // Peers waiting in the next collective fail naming this rank.
                 return Err(NnError::NonFinite {
-                    what: format!(
-                        "step {} on rank {rank}: the gradient norm (loss {local})",
-                        step + 1
-                    ),
-                    value: norm,
+                    what: format!("step {} on rank {rank}: the loss", step + 1),
+                    value: local,
                 }
                 .into());
-            } else if rank == 0 {
-                println!(
-                    "step {}: non-finite gradient norm {norm} (loss {local}): optimizer step skipped",
-                    step + 1
-                );
             }
-            let lr = sched.step(opt.as_mut());
-            opt.zero_grad();
-            // Under cp, this dp rank's loss is the sum of its cp ranks' shares.
-            if read && o.cp > 1 {
-                let share = Tensor::scalar(local / o.cp as f64, DType::F64);
-                local = cp_group.all_reduce(&share, ReduceOp::Sum)?.item()?;
+            Ok(())
+        };
+        if on_host {
+            fail_on_loss(local)?;
+        }
+        if timeline.is_some() {
+            phases.push(("forward", comm.take()));
+        }
+        loss.backward()?;
+        if timeline.is_some() {
+            phases.push(("backward", comm.take()));
+        }
+        // The norm is global (all-reduced): every rank takes the same branch. Clipping
+        // through the optimizer serves every dp mode (ZeRO-1's gradients live in the
+        // ranks' ranges after its reduce-scatter); the norm stays on the device.
+        let norm_t = clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
+        let norm = if !read {
+            // Not read back: the step goes on (see --nonfinite).
+            f64::NAN
+        } else if on_host {
+            norm_t.item()?
+        } else {
+            let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
+            local = l;
+            fail_on_loss(local)?;
+            n
+        };
+        if !read || norm.is_finite() {
+            opt.step()?;
+        } else if o.nonfinite == NonFinite::Fail {
+            return Err(NnError::NonFinite {
+                what: format!("step {} on rank {rank}: the gradient norm (loss {local})", step + 1),
+                value: norm,
             }
-            // The loss averaged over dp ranks, for the log (a host scalar: no round trip).
-            let l = if read {
-                let local = Tensor::scalar(local, DType::F64);
-                dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?
-            } else {
-                f64::NAN
-            };
-            if timeline.is_some() {
-                phases.push(("optimizer", comm.take()));
-                comm.disable();
-            }
-            if step == 0 {
-                progress.first_loss = l;
-            }
-            if read {
-                last = l;
-            }
-            tokens += batch_tokens * o.dp;
-            step += 1;
-            progress.step = step;
-            if let Some(m) = &metrics {
-                let step_time_s = step_t0.elapsed().as_secs_f64();
-                m.log(StepMetrics {
-                    step: step as u64,
-                    loss: l,
-                    lr,
-                    grad_norm: norm,
-                    tokens: (batch_tokens * o.dp) as u64,
-                    tokens_per_s: (batch_tokens * o.dp) as f64 / step_time_s,
-                    step_time_s,
-                    peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
-                    peak_device_bytes: cuda_ordinal.map(tpar::kernels::cuda::device_peak_bytes),
-                    ..Default::default()
-                });
-            }
-            if read {
-                read_times.push((step - start_step, t0.elapsed().as_secs_f64()));
-            }
-            step_round_trips.push((logging, tpar::tensor::gpu::host_round_trips() - step_trips0));
-            if let Some(c) = &mut ckpt {
-                c.poll()?;
-                if step.is_multiple_of(o.save_every) || step == o.steps {
-                    with_items(
-                        &mut run_config,
-                        &mut model,
-                        opt.as_mut(),
-                        &mut sched,
-                        &mut sampler,
-                        &mut progress,
-                        |items| Ok(c.save(step as u64, items)?),
-                    )?;
-                }
-            }
-            if let Some(bar) = &progress_bar {
-                let secs = t0.elapsed().as_secs_f64();
-                let msg = format!("loss {l:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
-                if bar.is_hidden() {
-                    // Not a terminal: plain lines a log or a script can read.
-                    if step.is_multiple_of(o.log_every) || step == o.steps {
-                        println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
-                    }
-                } else {
-                    if read {
-                        bar.set_message(format!("epoch {epoch} {msg}"));
-                    }
-                    bar.set_position(step as u64);
-                }
+            .into());
+        } else if rank == 0 {
+            println!(
+                "step {}: non-finite gradient norm {norm} (loss {local}): optimizer step skipped",
+                step + 1
+            );
+        }
+        let lr = sched.step(opt.as_mut());
+        opt.zero_grad();
+        // Under cp, this dp rank's loss is the sum of its cp ranks' shares.
+        if read && o.cp > 1 {
+            let share = Tensor::scalar(local / o.cp as f64, DType::F64);
+            local = cp_group.all_reduce(&share, ReduceOp::Sum)?.item()?;
+        }
+        // The loss averaged over dp ranks, for the log (a host scalar: no round trip).
+        let l = if read {
+            let local = Tensor::scalar(local, DType::F64);
+            dp_group.all_reduce(&local, ReduceOp::Avg)?.item()?
+        } else {
+            f64::NAN
+        };
+        if timeline.is_some() {
+            phases.push(("optimizer", comm.take()));
+            comm.disable();
+        }
+        if step == 0 {
+            progress.first_loss = l;
+        }
+        if read {
+            last = l;
+        }
+        tokens += batch_tokens * o.dp;
+        step += 1;
+        progress.step = step;
+        if let Some(m) = &metrics {
+            let step_time_s = step_t0.elapsed().as_secs_f64();
+            m.log(StepMetrics {
+                step: step as u64,
+                loss: l,
+                lr,
+                grad_norm: norm,
+                tokens: (batch_tokens * o.dp) as u64,
+                tokens_per_s: (batch_tokens * o.dp) as f64 / step_time_s,
+                step_time_s,
+                peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
+                peak_device_bytes: cuda_ordinal.map(tpar::kernels::cuda::device_peak_bytes),
+                ..Default::default()
+            });
+        }
+        if read {
+            read_times.push((step - start_step, t0.elapsed().as_secs_f64()));
+        }
+        step_round_trips.push((logging, tpar::tensor::gpu::host_round_trips() - step_trips0));
+        if let Some(c) = &mut ckpt {
+            c.poll()?;
+            if step.is_multiple_of(o.save_every) || step == o.steps {
+                with_items(
+                    &mut run_config,
+                    &mut model,
+                    opt.as_mut(),
+                    &mut sched,
+                    &mut data,
+                    &mut progress,
+                    |items| Ok(c.save(step as u64, items)?),
+                )?;
             }
         }
-        epoch += 1;
+        if let Some(bar) = &progress_bar {
+            let secs = t0.elapsed().as_secs_f64();
+            let msg = format!("loss {l:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
+            if bar.is_hidden() {
+                // Not a terminal: plain lines a log or a script can read.
+                if step.is_multiple_of(o.log_every) || step == o.steps {
+                    println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
+                }
+            } else {
+                if read {
+                    bar.set_message(format!("epoch {epoch} {msg}"));
+                }
+                bar.set_position(step as u64);
+            }
+        }
     }
     if let Some(bar) = progress_bar {
         bar.finish();

@@ -38,7 +38,7 @@ fn items<'a>(
     pipe: &'a mut PipelineSchedule,
     opt: &'a mut AdamW,
     sched: &'a mut LrScheduler<SequentialLR>,
-    sampler: &'a mut DistributedSampler,
+    data: &'a mut run::TrainData,
     progress: &'a mut run::Progress,
 ) -> [(&'static str, &'a mut dyn Stateful); 6] {
     [
@@ -46,7 +46,7 @@ fn items<'a>(
         ("model", pipe),
         ("optim", opt),
         ("lr_scheduler", sched),
-        ("sampler", sampler),
+        data.item(),
         ("trainer", progress),
     ]
 }
@@ -318,9 +318,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
-    let docs = run::documents(o.data.data.as_deref(), &o.data.text_column)?;
-    let dataset = PretrainingDataset::new(&docs, tokenizer.as_ref(), seq)?;
-    let ignore = dataset.pad_id() as i64;
+    let mut data =
+        run::TrainData::open(&o.data, tokenizer.as_ref(), seq, (o.dp, dp_rank), o.batch, o.seed)?;
+    let ignore = tokenizer.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let (cp, loss_cp) = (o.cp, cp_group.clone());
     let loss_fn = move |logits: &Value, t: &Tensor| -> tpar::nn::Result<Value> {
@@ -354,8 +354,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         sched.override_on_load();
     }
 
-    let (mut sampler, per_epoch) = run::sampler(dataset.len(), o.dp, dp_rank, o.batch, o.seed)?;
-
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
     let mut run_config = run::run_config(
         &run::Recipe {
@@ -365,8 +363,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             global_batch: o.batch * o.dp,
             seq,
             seed: o.seed,
-            docs: &docs,
-            samples: dataset.len(),
+            data: &data,
         },
         &[
             ("mesh.world", world.size().into()),
@@ -391,7 +388,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 &mut pipe,
                 &mut opt,
                 &mut sched,
-                &mut sampler,
+                &mut data,
                 &mut progress,
             ))?;
             if let Some(step) = resumed {
@@ -427,132 +424,116 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
     let mut step = progress.step;
-    let mut epoch = step / per_epoch;
     let mut timeline = Timeline::default();
-    'outer: while step < stop {
-        sampler.set_epoch(epoch as u64);
-        let idx = sampler.indices(dataset.len());
-        let skip = if epoch == step / per_epoch { step % per_epoch } else { 0 };
-        for chunk in idx.chunks(o.batch).take(per_epoch).skip(skip) {
-            if step == stop {
-                break 'outer;
-            }
-            let step_t0 = Instant::now();
-            let batch = dataset.batch(chunk)?;
-            // DDP: the micro-batches' gradients accumulate on each rank; the sum is
-            // averaged over dp once, after the schedule.
-            let no_sync: Vec<_> = ddps.iter().map(DataParallel::no_sync).collect();
-            // Under context parallelism this rank's chunks of every sequence.
-            let cut = |t: &Tensor| -> tpar::Result<Tensor> {
-                Ok(if o.cp > 1 { cp_layout.shard(t, 1, cp_group.rank())? } else { t.clone() })
-            };
-            let losses = pipe.step_with(
-                Some(&cut(&batch.input_ids)?),
-                &[cut(&batch.attention_mask)?],
-                Some(&cut(&batch.target_ids)?),
-            )?;
-            drop(no_sync);
-            if o.nonfinite == NonFinite::Fail {
-                if let Some(i) = losses.iter().position(|l| !l.is_finite()) {
-                    // Fail fast, here: peers waiting in the next collective fail naming
-                    // this rank.
-                    return Err(NnError::NonFinite {
-                        what: format!(
-                            "step {} on rank {rank}: the loss of micro-batch {i}",
-                            step + 1
-                        ),
-                        value: losses[i],
-                    }
-                    .into());
-                }
-            }
-            for (ddp, s) in ddps.iter().zip(pipe.stages()) {
-                ddp.sync_gradients(s.module())?;
-            }
-            // The norm is over every stage (all-reduced): every rank takes the same branch.
-            let clip = ClipOptions::default().pp(&pp_group);
-            let norm = clip_grad_norm_(&params, MAX_GRAD_NORM, &clip)?.item()?;
-            if norm.is_finite() {
-                opt.step()?;
-            } else if o.nonfinite == NonFinite::Fail {
+    while step < stop {
+        let step_t0 = Instant::now();
+        let (epoch, batch) = data.batch(step, o.batch, seq)?;
+        // DDP: the micro-batches' gradients accumulate on each rank; the sum is
+        // averaged over dp once, after the schedule.
+        let no_sync: Vec<_> = ddps.iter().map(DataParallel::no_sync).collect();
+        // Under context parallelism this rank's chunks of every sequence.
+        let cut = |t: &Tensor| -> tpar::Result<Tensor> {
+            Ok(if o.cp > 1 { cp_layout.shard(t, 1, cp_group.rank())? } else { t.clone() })
+        };
+        let losses = pipe.step_with(
+            Some(&cut(&batch.input_ids)?),
+            &[cut(&batch.attention_mask)?],
+            Some(&cut(&batch.target_ids)?),
+        )?;
+        drop(no_sync);
+        if o.nonfinite == NonFinite::Fail {
+            if let Some(i) = losses.iter().position(|l| !l.is_finite()) {
+                // Fail fast, here: peers waiting in the next collective fail naming
+                // this rank.
                 return Err(NnError::NonFinite {
-                    what: format!("step {} on rank {rank}: the gradient norm", step + 1),
-                    value: norm,
+                    what: format!("step {} on rank {rank}: the loss of micro-batch {i}", step + 1),
+                    value: losses[i],
                 }
                 .into());
-            } else if reporter {
-                println!(
-                    "step {}: non-finite gradient norm {norm}: optimizer step skipped",
-                    step + 1
-                );
-            }
-            let lr = sched.step(&mut opt);
-            opt.zero_grad();
-            let step_tokens = batch.num_tokens()? * o.dp;
-            tokens += step_tokens;
-            step += 1;
-            progress.step = step;
-            if has_last {
-                // The step's loss: the mean of the micro-batch losses, averaged over dp.
-                let mut mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
-                if o.cp > 1 {
-                    // Each cp rank's losses are its shares (times cp): their sum over cp
-                    // is this dp rank's.
-                    let share = Tensor::scalar(mean / o.cp as f64, DType::F64);
-                    mean = cp_group.all_reduce(&share, ReduceOp::Sum)?.item()?;
-                }
-                let l = dp_group.all_reduce(&Tensor::scalar(mean, DType::F64), ReduceOp::Avg)?;
-                last = l.item()?;
-            }
-            if let Some(m) = &metrics {
-                let step_time_s = step_t0.elapsed().as_secs_f64();
-                m.log(StepMetrics {
-                    step: step as u64,
-                    loss: last,
-                    lr,
-                    grad_norm: norm,
-                    tokens: step_tokens as u64,
-                    tokens_per_s: step_tokens as f64 / step_time_s,
-                    step_time_s,
-                    peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
-                    ..Default::default()
-                });
-            }
-            if step == 1 {
-                // Every rank keeps the first loss (it is checkpointed from any of them).
-                let first = Tensor::scalar(if has_last { last } else { 0.0 }, DType::F64);
-                progress.first_loss = pp_group.broadcast(&first, last_rank)?.item()?;
-            }
-            if let Some(c) = &mut ckpt {
-                c.poll()?;
-                if step.is_multiple_of(o.save_every as usize) || step == o.steps {
-                    c.save(
-                        step as u64,
-                        &mut items(
-                            &mut run_config,
-                            &mut pipe,
-                            &mut opt,
-                            &mut sched,
-                            &mut sampler,
-                            &mut progress,
-                        ),
-                    )?;
-                }
-            }
-            if let Some(bar) = &bar {
-                let secs = t0.elapsed().as_secs_f64();
-                let msg = format!("loss {last:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
-                if bar.is_hidden() {
-                    if step.is_multiple_of(o.log_every as usize) || step == o.steps {
-                        println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
-                    }
-                } else {
-                    bar.set_message(format!("epoch {epoch} {msg}"));
-                    bar.set_position(step as u64);
-                }
             }
         }
-        epoch += 1;
+        for (ddp, s) in ddps.iter().zip(pipe.stages()) {
+            ddp.sync_gradients(s.module())?;
+        }
+        // The norm is over every stage (all-reduced): every rank takes the same branch.
+        let clip = ClipOptions::default().pp(&pp_group);
+        let norm = clip_grad_norm_(&params, MAX_GRAD_NORM, &clip)?.item()?;
+        if norm.is_finite() {
+            opt.step()?;
+        } else if o.nonfinite == NonFinite::Fail {
+            return Err(NnError::NonFinite {
+                what: format!("step {} on rank {rank}: the gradient norm", step + 1),
+                value: norm,
+            }
+            .into());
+        } else if reporter {
+            println!("step {}: non-finite gradient norm {norm}: optimizer step skipped", step + 1);
+        }
+        let lr = sched.step(&mut opt);
+        opt.zero_grad();
+        let step_tokens = batch.num_tokens()? * o.dp;
+        tokens += step_tokens;
+        step += 1;
+        progress.step = step;
+        if has_last {
+            // The step's loss: the mean of the micro-batch losses, averaged over dp.
+            let mut mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+            if o.cp > 1 {
+                // Each cp rank's losses are its shares (times cp): their sum over cp
+                // is this dp rank's.
+                let share = Tensor::scalar(mean / o.cp as f64, DType::F64);
+                mean = cp_group.all_reduce(&share, ReduceOp::Sum)?.item()?;
+            }
+            let l = dp_group.all_reduce(&Tensor::scalar(mean, DType::F64), ReduceOp::Avg)?;
+            last = l.item()?;
+        }
+        if let Some(m) = &metrics {
+            let step_time_s = step_t0.elapsed().as_secs_f64();
+            m.log(StepMetrics {
+                step: step as u64,
+                loss: last,
+                lr,
+                grad_norm: norm,
+                tokens: step_tokens as u64,
+                tokens_per_s: step_tokens as f64 / step_time_s,
+                step_time_s,
+                peak_host_bytes: memory::peak(mem_slot).max(0) as u64,
+                ..Default::default()
+            });
+        }
+        if step == 1 {
+            // Every rank keeps the first loss (it is checkpointed from any of them).
+            let first = Tensor::scalar(if has_last { last } else { 0.0 }, DType::F64);
+            progress.first_loss = pp_group.broadcast(&first, last_rank)?.item()?;
+        }
+        if let Some(c) = &mut ckpt {
+            c.poll()?;
+            if step.is_multiple_of(o.save_every as usize) || step == o.steps {
+                c.save(
+                    step as u64,
+                    &mut items(
+                        &mut run_config,
+                        &mut pipe,
+                        &mut opt,
+                        &mut sched,
+                        &mut data,
+                        &mut progress,
+                    ),
+                )?;
+            }
+        }
+        if let Some(bar) = &bar {
+            let secs = t0.elapsed().as_secs_f64();
+            let msg = format!("loss {last:.4} lr {lr:.2e} {:.0} tok/s", tokens as f64 / secs);
+            if bar.is_hidden() {
+                if step.is_multiple_of(o.log_every as usize) || step == o.steps {
+                    println!("epoch {epoch:>2} step {step:>4}/{} {msg}", o.steps);
+                }
+            } else {
+                bar.set_message(format!("epoch {epoch} {msg}"));
+                bar.set_position(step as u64);
+            }
+        }
     }
     if let Some(bar) = bar {
         bar.finish();

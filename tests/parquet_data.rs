@@ -5,9 +5,11 @@
 //! `DistributedSampler` with drop_last) for dp 1, 2 and 3, from one file and from a
 //! directory of shards; a stream resumed from its saved state (through a checkpoint, and
 //! with another dp degree) reads the next batch an uninterrupted one reads; bad files are
-//! typed errors naming the file and the column. The trainer `llama_2d` trained on the
-//! parquet shards (`--data DIR --text-column content`) ends with the loss bits of the
-//! same run on the JSON-lines file.
+//! typed errors naming the file and the column. The trainers `llama_2d` and `llama_pp`,
+//! which stream parquet `--data` (`--data DIR --text-column content`), end with the loss
+//! bits of the same run on the JSON-lines file read in order (`--no-shuffle`), and
+//! `llama_2d` interrupted and resumed from a checkpoint, inside the first epoch and
+//! inside the second, ends with the uninterrupted run's.
 
 mod common;
 
@@ -239,28 +241,76 @@ fn summary(out: &str, key: &str) -> String {
 }
 
 #[test]
-fn llama_2d_trains_on_parquet_as_on_the_same_jsonl() {
+fn the_trainers_stream_parquet_as_they_read_the_same_jsonl_in_order() {
     let base = ["--steps", "3", "--batch", "2", "--seq", "32", "--layers", "1", "--log-every", "1"];
-    let run = |data: &[&str]| run_example("llama_2d", &[&base[..], data].concat());
     let jsonl = golden("docs.jsonl");
-    let Some((code, out, err)) = run(&["--data", jsonl.to_str().unwrap()]) else {
+    let shards = golden("shards");
+    let in_order = ["--data", jsonl.to_str().unwrap(), "--no-shuffle"];
+    let streamed = ["--data", shards.to_str().unwrap(), "--text-column", "content"];
+    for (example, own) in [("llama_2d", &[][..]), ("llama_pp", &["--microbatches", "2"][..])] {
+        let run = |data: &[&str]| run_example(example, &[&base[..], own, data].concat());
+        let Some((code, out, err)) = run(&in_order) else {
+            eprintln!("{example} is not built: skipped");
+            continue;
+        };
+        assert_eq!(code, 0, "{out}\n{err}");
+        let want = summary(&out, "final_loss_bits");
+        let (code, out, err) = run(&streamed).unwrap();
+        assert_eq!(code, 0, "{out}\n{err}");
+        assert_eq!(summary(&out, "final_loss_bits"), want, "{example}");
+        // The order is what was read: the same documents shuffled end elsewhere.
+        let (code, out, err) = run(&in_order[..2]).unwrap();
+        assert_eq!(code, 0, "{out}\n{err}");
+        assert_ne!(summary(&out, "final_loss_bits"), want, "{example}");
+    }
+    // The default column is `text`, which the shards lack: an error naming both.
+    if let Some((code, out, err)) = run_example("llama_2d", &[&base[..], &streamed[..2]].concat()) {
+        assert_eq!(code, 1, "{out}\n{err}");
+        assert!(err.contains("train-00000-of-00003.parquet") && err.contains("\"text\""), "{err}");
+        assert!(err.contains("content"), "{err}");
+    }
+}
+
+/// `llama_2d` on the parquet shards at dp 2 x tp 2, 12 steps of 2 sequences per rank
+/// (48 documents of 41: the stream wraps into a second epoch), interrupted after step 5
+/// (inside the first epoch) or step 10 (inside the second) and resumed from its checkpoint,
+/// ends with the uninterrupted run's loss bits; the data position is the stream's.
+#[test]
+fn llama_2d_resumes_a_parquet_stream_where_it_stopped() {
+    let shards = golden("shards");
+    let base = [
+        "--steps",
+        "12",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--layers",
+        "1",
+        "--log-every",
+        "1",
+        "--data",
+        shards.to_str().unwrap(),
+        "--text-column",
+        "content",
+    ];
+    let Some((code, out, err)) = run_example("llama_2d", &base) else {
         eprintln!("llama_2d is not built: skipped");
         return;
     };
     assert_eq!(code, 0, "{out}\n{err}");
     let want = summary(&out, "final_loss_bits");
-    let shards = golden("shards");
-    let (code, out, err) =
-        run(&["--data", shards.to_str().unwrap(), "--text-column", "content"]).unwrap();
-    assert_eq!(code, 0, "{out}\n{err}");
-    assert_eq!(summary(&out, "final_loss_bits"), want);
-    // The data is what was read: the shipped corpus ends elsewhere.
-    let (code, out, err) = run(&[]).unwrap();
-    assert_eq!(code, 0, "{out}\n{err}");
-    assert_ne!(summary(&out, "final_loss_bits"), want);
-    // The default column is `text`, which the shards lack: an error naming both.
-    let (code, out, err) = run(&["--data", shards.to_str().unwrap()]).unwrap();
-    assert_eq!(code, 1, "{out}\n{err}");
-    assert!(err.contains("train-00000-of-00003.parquet") && err.contains("\"text\""), "{err}");
-    assert!(err.contains("content"), "{err}");
+    assert!(out.contains("epoch  1 step   12/12"), "the stream wraps:\n{out}");
+    for stop in ["5", "10"] {
+        let dir = tmp(&format!("resume-{stop}"));
+        let ckpt = ["--checkpoint-dir", dir.to_str().unwrap(), "--save-every", "1"];
+        let first = [&base[..], &ckpt[..], &["--stop-after", stop][..]].concat();
+        let (code, out, err) = run_example("llama_2d", &first).unwrap();
+        assert_eq!(code, 0, "{out}\n{err}");
+        let (code, out, err) = run_example("llama_2d", &[&base[..], &ckpt[..]].concat()).unwrap();
+        assert_eq!(code, 0, "{out}\n{err}");
+        assert!(out.contains(&format!("at step {stop}")), "{out}");
+        assert_eq!(summary(&out, "final_loss_bits"), want, "resumed after step {stop}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -82,6 +82,11 @@ pub struct DataArgs {
     /// The string column of parquet --data that holds the documents.
     #[arg(long, default_value = "text", requires = "data")]
     pub text_column: String,
+    /// Read the documents in their order instead of shuffling them every epoch (as
+    /// `DistributedSampler(shuffle=False)`); parquet --data is always streamed in file
+    /// order.
+    #[arg(long)]
+    pub no_shuffle: bool,
     /// A Hugging Face tokenizer.json (default: bytes).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,

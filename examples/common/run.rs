@@ -1,8 +1,9 @@
-//! Pieces the training examples share: the loop's checkpointed progress, the sampler
-//! over a dataset, and the progress bar.
+//! Pieces the training examples share: the loop's checkpointed progress, the training
+//! data of a rank, and the progress bar.
 
 use indicatif::{ProgressBar, ProgressStyle};
 use tpar::checkpoint::{ConfigValue, RunConfig};
+use tpar::data::{Batch, ParquetDocuments, PretrainingDataset, Tokenizer};
 use tpar::prelude::*;
 use tpar::tensor::state::{expect_empty, take_float, take_int};
 
@@ -76,15 +77,6 @@ impl Optim {
     }
 }
 
-/// The training documents: those of `--data` (parquet's from `column`), or the built-in
-/// text.
-pub fn documents(data: Option<&std::path::Path>, column: &str) -> tpar::Result<Vec<String>> {
-    Ok(match data {
-        Some(p) => tpar::data::load_documents_with_column(p, column)?,
-        None => default_documents().into_iter().map(String::from).collect(),
-    })
-}
-
 /// What a training run is, as far as a resume must match it: the model, the optimizer's
 /// hyper-parameters, the schedule and the data order.
 pub struct Recipe<'a> {
@@ -97,9 +89,8 @@ pub struct Recipe<'a> {
     pub global_batch: usize,
     pub seq: usize,
     pub seed: u64,
-    pub docs: &'a [String],
-    /// Samples of the tokenized dataset (depends on the tokenizer).
-    pub samples: usize,
+    /// What was read: [`TrainData::samples`] and [`TrainData::digest`].
+    pub data: &'a TrainData<'a>,
 }
 
 /// The run's configuration as a checkpoint item: a resume must match the recipe, and
@@ -107,10 +98,6 @@ pub struct Recipe<'a> {
 /// checkpoint reshards across.
 pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
     let (m, a) = (r.model, &r.optim.adamw);
-    // FNV-1a over the documents: a change of the training text is a change of data.
-    let digest = r.docs.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, d| {
-        d.bytes().chain([0xff]).fold(h, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-    });
     let mut c = RunConfig::new()
         .require("model.vocab_size", m.vocab_size)
         .require("model.hidden_size", m.hidden_size)
@@ -131,8 +118,9 @@ pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
         .require("data.global_batch", r.global_batch)
         .require("data.seq", r.seq)
         .require("data.seed", r.seed)
-        .require("data.samples", r.samples)
-        .require("data.digest", format!("{digest:016x}"));
+        .require("data.order", r.data.order())
+        .require("data.samples", r.data.samples())
+        .require("data.digest", format!("{:016x}", r.data.digest()));
     c = if r.override_lr {
         c.record("optim.lr", a.lr)
     } else {
@@ -145,26 +133,158 @@ pub fn run_config(r: &Recipe, recorded: &[(&str, ConfigValue)]) -> RunConfig {
     c
 }
 
-/// The shuffled sampler of dp rank `dp_rank` over `len` samples, and how many batches
-/// of `batch` an epoch has (an error when the data is too small for one).
-pub fn sampler(
-    len: usize,
-    dp: usize,
-    dp_rank: usize,
-    batch: usize,
-    seed: u64,
-) -> tpar::Result<(DistributedSampler, usize)> {
-    let sampler = DistributedSampler::new(dp, dp_rank)?
-        .with_shuffle(true)
-        .with_seed(seed)
-        .with_drop_last(true);
-    let per_epoch = len / dp / batch.max(1);
-    if per_epoch == 0 {
-        return Err(tpar::Error::from(NnError::Config {
-            what: format!("{len} documents are too few for dp {dp} x batch {batch}"),
-        }));
+/// FNV-1a over byte strings, each ended by 0xff: a change of the training data is a
+/// change of this digest.
+fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    parts.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, d| {
+        d.iter().chain(&[0xff]).fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    })
+}
+
+/// The batches of one data-parallel rank, in step order, and their position as a
+/// checkpoint item.
+///
+/// Text, JSON lines and the shipped corpus are held in memory and shuffled every epoch
+/// (unless `--no-shuffle`) by a [`DistributedSampler`] (seeded, `drop_last`): the batch
+/// of a step follows from the step. Parquet `--data` is streamed one row group at a time by
+/// [`ParquetDocuments`], in file order, rank `r` of `dp` reading documents `r`,
+/// `r + dp`, ...; an epoch ends at the end of the last file and the next one starts at
+/// the first; the stream's position is what a checkpoint saves, so a resumed run reads
+/// the batch an uninterrupted one would (also at another dp degree).
+pub enum TrainData<'t> {
+    Memory {
+        dataset: PretrainingDataset,
+        sampler: DistributedSampler,
+        /// Batches per epoch.
+        per_epoch: usize,
+        /// FNV-1a over the documents.
+        digest: u64,
+        /// The sampler's order of the current epoch (`None` before the first batch).
+        order: Option<(usize, Vec<usize>)>,
+    },
+    Parquet {
+        stream: ParquetDocuments,
+        tokenizer: &'t dyn Tokenizer,
+        /// Rows of all files.
+        rows: u64,
+        /// FNV-1a over the column name and each file's name, size and rows.
+        digest: u64,
+    },
+}
+
+impl<'t> TrainData<'t> {
+    /// The training data of `--data` (the shipped corpus without it) for dp rank
+    /// `dp_rank` of `dp`, in batches of `batch` sequences of `seq` tokens.
+    pub fn open(
+        data: &crate::args::DataArgs,
+        tokenizer: &'t dyn Tokenizer,
+        seq: usize,
+        (dp, dp_rank): (usize, usize),
+        batch: usize,
+        seed: u64,
+    ) -> tpar::Result<TrainData<'t>> {
+        if batch == 0 {
+            return Err(config_err("the batch must be at least 1".into()));
+        }
+        if let Some(path) = data.data.as_deref().filter(|p| tpar::data::is_parquet(p)) {
+            let stream = ParquetDocuments::open(path, &data.text_column)?
+                .for_rank(dp, dp_rank)?
+                .with_repeat(true);
+            let mut parts: Vec<Vec<u8>> = vec![data.text_column.as_bytes().to_vec()];
+            for f in stream.files() {
+                let name = f.file_name().map_or(String::new(), |n| n.to_string_lossy().into());
+                let len = std::fs::metadata(f).map_err(|e| {
+                    config_err(format!("cannot read the size of {}: {e}", f.display()))
+                })?;
+                parts.push(format!("{name} {}", len.len()).into_bytes());
+            }
+            let rows = stream.num_rows()?;
+            parts.push(rows.to_le_bytes().to_vec());
+            let digest = digest(parts.iter().map(Vec::as_slice));
+            return Ok(TrainData::Parquet { stream, tokenizer, rows, digest });
+        }
+        let docs: Vec<String> = match data.data.as_deref() {
+            Some(p) => tpar::data::load_documents_with_column(p, &data.text_column)?,
+            None => default_documents().into_iter().map(String::from).collect(),
+        };
+        let dataset = PretrainingDataset::new(&docs, tokenizer, seq)?;
+        let sampler = DistributedSampler::new(dp, dp_rank)?
+            .with_shuffle(!data.no_shuffle)
+            .with_seed(seed)
+            .with_drop_last(true);
+        let per_epoch = dataset.len() / dp / batch;
+        if per_epoch == 0 {
+            return Err(config_err(format!(
+                "{} documents are too few for dp {dp} x batch {batch}",
+                dataset.len()
+            )));
+        }
+        let digest = digest(docs.iter().map(|d| d.as_bytes()));
+        Ok(TrainData::Memory { dataset, sampler, per_epoch, digest, order: None })
     }
-    Ok((sampler, per_epoch))
+
+    /// Samples in the data: documents in memory, or rows of the parquet files.
+    pub fn samples(&self) -> u64 {
+        match self {
+            TrainData::Memory { dataset, .. } => dataset.len() as u64,
+            TrainData::Parquet { rows, .. } => *rows,
+        }
+    }
+
+    /// How the documents are ordered: `shuffled` or `in order` (in memory), `streamed`
+    /// (parquet).
+    pub fn order(&self) -> &'static str {
+        match self {
+            TrainData::Memory { sampler, .. } if sampler.shuffle() => "shuffled",
+            TrainData::Memory { .. } => "in order",
+            TrainData::Parquet { .. } => "streamed",
+        }
+    }
+
+    /// A digest of the data (the documents, or the parquet files' names, sizes and rows).
+    pub fn digest(&self) -> u64 {
+        match self {
+            TrainData::Memory { digest, .. } | TrainData::Parquet { digest, .. } => *digest,
+        }
+    }
+
+    /// This rank's batch of training step `step` (steps are taken in order from the
+    /// resumed one) and the epoch it belongs to.
+    pub fn batch(&mut self, step: usize, batch: usize, seq: usize) -> tpar::Result<(u64, Batch)> {
+        match self {
+            TrainData::Memory { dataset, sampler, per_epoch, order, .. } => {
+                let epoch = step / *per_epoch;
+                if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                    sampler.set_epoch(epoch as u64);
+                    *order = Some((epoch, sampler.indices(dataset.len())));
+                }
+                let Some((_, idx)) = order else { unreachable!("set above") };
+                let at = (step % *per_epoch) * batch;
+                Ok((epoch as u64, dataset.batch(&idx[at..at + batch])?))
+            }
+            TrainData::Parquet { stream, tokenizer, .. } => {
+                // The epoch of the batch's first document.
+                let epoch = stream.epoch();
+                match stream.next_batch(batch, *tokenizer, seq)? {
+                    Some(b) => Ok((epoch, b)),
+                    None => Err(config_err("the parquet stream ended".into())),
+                }
+            }
+        }
+    }
+
+    /// The checkpoint item of the data position: the sampler (in memory) or the
+    /// stream's position (parquet).
+    pub fn item(&mut self) -> (&'static str, &mut dyn Stateful) {
+        match self {
+            TrainData::Memory { sampler, .. } => ("sampler", sampler),
+            TrainData::Parquet { stream, .. } => ("data", stream),
+        }
+    }
+}
+
+fn config_err(what: String) -> tpar::Error {
+    tpar::Error::from(NnError::Config { what })
 }
 
 /// A progress bar over `steps` (loss, lr, tokens/s, ETA), starting at `start`.

@@ -176,6 +176,11 @@ impl DistributedSampler {
         self.epoch = epoch;
     }
 
+    /// Whether the order is shuffled every epoch.
+    pub fn shuffle(&self) -> bool {
+        self.shuffle
+    }
+
     /// The epoch.
     pub fn epoch(&self) -> u64 {
         self.epoch
