@@ -368,3 +368,61 @@ fn f64_falls_back_through_the_host() {
         assert_close("f64", g, w, 1e-12);
     }
 }
+
+/// A selective activation checkpoint keeps the device's matmul and attention outputs:
+/// the recompute takes them back instead of launching those kernels again (counted),
+/// and the gradients equal the region's without checkpointing, bit for bit.
+#[test]
+fn selective_checkpoints_keep_device_matmul_and_attention_outputs() {
+    use tpar_tensor::checkpoint::{checkpoint, recompute_counts, reset_recompute_counts, SaveOp};
+    setup();
+    let mut rng = Rng::new(12);
+    let (b, h, s, d) = (1, 2, 6, 8);
+    let x = randn(&[b, s, h * d], DType::F32, &mut rng, false).to_device(DEV).unwrap();
+    let ws: Vec<Tensor> = (0..3)
+        .map(|_| randn(&[h * d, h * d], DType::F32, &mut rng, true).to_device(DEV).unwrap())
+        .map(|w| w.detach().requires_grad_(true))
+        .collect();
+    let block = move |i: &[Tensor]| -> Result<Tensor> {
+        let heads = |t: Tensor| t.reshape([b, s, h, d]);
+        let q = heads(i[0].matmul(&i[1])?.silu()?)?.transpose(1, 2)?;
+        let k = heads(i[0].matmul(&i[2])?)?.transpose(1, 2)?;
+        let v = heads(i[0].matmul(&i[3])?)?.transpose(1, 2)?;
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None, true, None)?;
+        o.mul(&o)?.sum_all()
+    };
+    let run = |keep: Option<&[SaveOp]>| {
+        for w in &ws {
+            w.zero_grad();
+        }
+        let xx = x.detach().requires_grad_(true);
+        let mut inputs = vec![xx.clone()];
+        inputs.extend(ws.iter().cloned());
+        reset_recompute_counts();
+        let y = match keep {
+            None => block(&inputs).unwrap(),
+            Some(keep) => checkpoint(&inputs, keep, block).unwrap(),
+        };
+        y.backward().unwrap();
+        let mut grads = vec![xx.grad().unwrap()];
+        grads.extend(ws.iter().map(|w| w.grad().unwrap()));
+        let bits: Vec<Vec<u32>> = grads
+            .iter()
+            .map(|g| g.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+            .collect();
+        (y.to_vec::<f32>().unwrap()[0].to_bits(), bits, recompute_counts())
+    };
+    let (loss, grads, _) = run(None);
+    for (keep, kept) in [
+        (&[][..], 0),
+        (&[SaveOp::Matmul][..], 3),
+        (&[SaveOp::Sdpa][..], 1),
+        (&[SaveOp::Matmul, SaveOp::Sdpa][..], 4),
+        (&[SaveOp::EveryOtherMatmul][..], 2),
+    ] {
+        let (l, g, counts) = run(Some(keep));
+        assert_eq!((l, &g), (loss, &grads), "keep {keep:?}");
+        assert_eq!(counts.recomputed, 1, "keep {keep:?}");
+        assert_eq!((counts.saved, counts.reused), (kept, kept), "keep {keep:?}: {counts:?}");
+    }
+}

@@ -396,23 +396,26 @@ pub(crate) fn sdpa(
     };
     let strides = mask.as_ref().map(|m| crate::shape::broadcast_strides(m.shape(), &full));
     let rows = s.batch * s.q_heads * s.q_len;
-    let mut out = Out::new(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
-    let mut lse = Out::new(&dev, [rows], DType::F32)?;
-    let mut ins = vec![q, k, v];
-    ins.extend(mask.as_ref());
-    with_gpu(OP, &ins, |b| {
-        let views = k_sdpa::SdpaFwdViews {
-            q: b[0].view(),
-            k: b[1].view(),
-            v: b[2].view(),
-            mask: mask_view(b.get(3).copied(), strides.as_deref()),
-            out: out.view_mut(),
-            lse: lse.view_mut(),
-        };
-        Ok(k_sdpa::sdpa_forward(&*dev, cd, &s, views, k_sdpa::SdpaPath::Auto)?)
+    // A selective activation checkpoint may keep the output and its log-sum-exps
+    // (crate::checkpoint).
+    let (out, lse) = crate::checkpoint::kept(crate::checkpoint::SaveOp::Sdpa, &[q, k, v], || {
+        let mut out = Out::new(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
+        let mut lse = Out::new(&dev, [rows], DType::F32)?;
+        let mut ins = vec![q, k, v];
+        ins.extend(mask.as_ref());
+        with_gpu(OP, &ins, |b| {
+            let views = k_sdpa::SdpaFwdViews {
+                q: b[0].view(),
+                k: b[1].view(),
+                v: b[2].view(),
+                mask: mask_view(b.get(3).copied(), strides.as_deref()),
+                out: out.view_mut(),
+                lse: lse.view_mut(),
+            };
+            Ok(k_sdpa::sdpa_forward(&*dev, cd, &s, views, k_sdpa::SdpaPath::Auto)?)
+        })?;
+        Ok((out.into_tensor(), lse.into_tensor()))
     })?;
-    let out = out.into_tensor();
-    let lse = lse.into_tensor();
     let (qq, kk, vv, oo) = (q.detach(), k.detach(), v.detach(), out.detach());
     Ok(Some(record(OP, &[q, k, v], out, move |g| {
         let dev = device_of(g, OP)?;
@@ -575,7 +578,6 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
     let (sa, sb) = if fold { (0, 0) } else { (oa.stride, ob.stride) };
     let mut od = bd.clone();
     od.extend_from_slice(&[m, n]);
-    let mut out = Out::new(&dev, od, a.dtype())?;
     let shape = GemmShape {
         batch,
         m: me,
@@ -586,13 +588,18 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
         a_batch_stride: sa,
         b_batch_stride: sb,
     };
-    with_gpu(OP, &[&oa.data, &ob.data], |v| {
-        gemm(&dev, cd, shape, v[0].view(), v[1].view(), out.view_mut())
+    // A selective activation checkpoint may keep this output (crate::checkpoint).
+    let out = crate::checkpoint::kept(crate::checkpoint::SaveOp::Matmul, &[a, b], || {
+        let mut out = Out::new(&dev, od, a.dtype())?;
+        with_gpu(OP, &[&oa.data, &ob.data], |v| {
+            gemm(&dev, cd, shape, v[0].view(), v[1].view(), out.view_mut())
+        })?;
+        Ok(out.into_tensor())
     })?;
     let (a_in, b_in) = (a.clone(), b.clone());
     let (a_red, b_red) = (oa.reduce && !fold, ob.reduce && !fold);
     let (ad, bdat) = (oa.data, ob.data);
-    Ok(Some(record(OP, &[a, b], out.into_tensor(), move |g| {
+    Ok(Some(record(OP, &[a, b], out, move |g| {
         let dev = device_of(g, OP)?;
         let sg = me * n;
         let full_dims = |t: &Tensor| {
