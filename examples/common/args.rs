@@ -152,7 +152,8 @@ pub struct SaveArgs {
 pub struct AcArgs {
     /// Activation checkpointing of the decoder layers: none; full (recompute every
     /// layer's activations in backward); full:K (every K-th layer); selective (keep the
-    /// matmul and attention outputs, recompute norms, elementwise ops and RoPE);
+    /// attention output and every second matmul's, recompute the other matmuls, norms,
+    /// elementwise ops and RoPE);
     /// selective:K; selective[OPS] keeps the listed ops' outputs (matmul, sdpa, matmul/2:
     /// every second matmul, as torchtitan's selective AC).
     #[arg(long, default_value = "none", value_parser = parse_ac)]

@@ -37,7 +37,8 @@
 //!   dropped (a trainer holds it through the optimizer step).
 //! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` (sp) or `[h]`
 //!   only; during its backward the recomputed layer's activations exist once.
-//!   **Selective** keeps the layer input and the outputs of the kept ops: every matmul
+//!   **Selective** keeps the layer input and the outputs of the kept ops (by default
+//!   attention and every second matmul: q, v, gate and down): of the matmuls
 //!   (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up, `[h]` for
 //!   down, gathered or partial outputs at their local size) and attention (`[q/t]`); its
 //!   recompute adds the rest once (the normed inputs, RoPE'd q and k, the output copy,

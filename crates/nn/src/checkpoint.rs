@@ -56,8 +56,8 @@ pub enum AcPolicy {
     Selective {
         /// Checkpoint the `every`-th, `2*every`-th, ... module (at least 1).
         every: usize,
-        /// The ops whose outputs are kept ([`AcPolicy::selective`] keeps every matmul and
-        /// attention; torchtitan keeps attention and every second matmul).
+        /// The ops whose outputs are kept ([`AcPolicy::selective`] keeps attention and
+        /// every second matmul, as torchtitan does: [`SaveOp::DEFAULT`]).
         ops: Vec<SaveOp>,
     },
 }
@@ -68,7 +68,8 @@ impl AcPolicy {
         AcPolicy::Full { every: 1 }
     }
 
-    /// Selective checkpointing of every module, keeping matmul and attention outputs.
+    /// Selective checkpointing of every module, keeping attention's output and every
+    /// second matmul's ([`SaveOp::DEFAULT`], torchtitan's selective policy).
     pub fn selective() -> AcPolicy {
         AcPolicy::Selective { every: 1, ops: SaveOp::DEFAULT.to_vec() }
     }
@@ -101,7 +102,10 @@ impl AcPolicy {
 }
 
 impl fmt::Display for AcPolicy {
-    /// `none`, `full`, `full:2`, `selective`, `selective:2`, `selective[matmul]`.
+    /// `none`, `full`, `full:2`, `selective`, `selective:2`, `selective[matmul]`. The
+    /// ops are written out unless they are [`SaveOp::DEFAULT`] in its order, so a policy
+    /// prints as it was written (`selective[matmul/2,sdpa]` lists the default's ops in
+    /// another order and prints so).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (name, every) = match self {
             AcPolicy::None => return f.write_str("none"),

@@ -28,9 +28,9 @@
 //!
 //! **Selective checkpointing.** With a non-empty `keep` (e.g. [`SaveOp::Matmul`] and
 //! [`SaveOp::Sdpa`]; torchtitan keeps attention and every second matmul,
-//! [`SaveOp::EveryOtherMatmul`]), the outputs of those ops are kept from the
-//! forward and everything else (norms, elementwise ops, RoPE) is recomputed. The
-//! mechanism is a per-thread stack of frames consulted by the kept ops themselves (one
+//! [`SaveOp::EveryOtherMatmul`], which is [`SaveOp::DEFAULT`]), the outputs of those ops
+//! are kept from the forward and everything else (norms, elementwise ops, RoPE) is
+//! recomputed. The mechanism is a per-thread stack of frames consulted by the kept ops themselves (one
 //! call in the host matmul and the host attention): during the forward a *record* frame
 //! appends each kept op's output (with the op and its operands' shapes) to a list; during
 //! the recompute a *replay* frame hands those outputs back in order instead of computing
@@ -38,8 +38,8 @@
 //! the saved output as usual). The replay checks each request against the next entry
 //! (same op, same operand shapes) and that every entry was used at the end; any
 //! difference fails the backward with [`TensorError::Recompute`] instead of computing a
-//! gradient from a misaligned value. On CUDA tensors the kept ops run their device kernels,
-//! which do not consult the frames: there every op is recomputed.
+//! gradient from a misaligned value. The device matmul and attention of CUDA tensors
+//! consult the frames the same way.
 //!
 //! **Nesting.** A [`checkpoint`] called with grad recording off, or inside a selective
 //! region's forward or recompute, runs `f` directly (the enclosing region already
@@ -76,9 +76,14 @@ pub enum SaveOp {
 }
 
 impl SaveOp {
-    /// What selective checkpointing keeps unless told otherwise: every matmul and
-    /// attention output.
-    pub const DEFAULT: [SaveOp; 2] = [SaveOp::Matmul, SaveOp::Sdpa];
+    /// What selective checkpointing keeps unless told otherwise: attention's output and
+    /// every second matmul's (torchtitan's selective policy). On the CPU Llama of
+    /// docs/PERF.md it keeps about half of what no checkpointing keeps and recomputes the
+    /// other matmuls (k, o and up of each decoder layer) and the elementwise ops.
+    ///
+    /// Written `sdpa` first, so that a policy printer can tell this default from the
+    /// same ops listed explicitly (`selective[matmul/2,sdpa]`).
+    pub const DEFAULT: [SaveOp; 2] = [SaveOp::Sdpa, SaveOp::EveryOtherMatmul];
 
     /// The op's name as written in policies (`matmul`, `sdpa`, `matmul/2`).
     pub fn name(self) -> &'static str {

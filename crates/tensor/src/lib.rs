@@ -37,7 +37,10 @@ pub use tpar_memory as memory;
 pub use autograd::no_grad;
 pub use dtype::{DType, Device};
 pub use error::TensorError;
-pub use ops::{BlockMask, RopeLayout, SgdParams};
+pub use ops::{
+    block_attention_time, reset_block_attention_time, BlockAttentionTime, BlockMask, RopeLayout,
+    SgdParams,
+};
 pub use rng::Rng;
 pub use shape::Shape;
 pub use storage::{

@@ -10,12 +10,95 @@
 //!
 //! These functions are not recorded by autograd: the caller (a context-parallel
 //! attention op) records one node around all its blocks.
+//!
+//! Each thread adds the time it spends in them to its own [`BlockAttentionTime`]
+//! ([`block_attention_time`], [`reset_block_attention_time`]): with ranks as threads,
+//! each rank's attention time, so a benchmark can show how evenly causal attention's
+//! work falls on the ranks of a context-parallel group.
+
+use std::cell::Cell;
+use std::time::{Duration, Instant};
 
 use tpar_kernels::sdpa::{self, SdpaMask, SdpaShape};
 use tpar_kernels::{Acc, Float};
 
-use super::{common_device, common_dtype, invalid, require_float};
+use super::{common_device, common_dtype, gpu_nn, invalid, require_float};
 use crate::{with_float_type, DType, Device, Result, Shape, Tensor, TensorError};
+
+/// Time one thread spent in the blockwise attention ops since the last
+/// [`reset_block_attention_time`] (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockAttentionTime {
+    /// In [`Tensor::sdpa_block_forward`].
+    pub forward: Duration,
+    /// In [`Tensor::sdpa_block_backward`].
+    pub backward: Duration,
+    /// In [`Tensor::sdpa_lse_merge`].
+    pub merge: Duration,
+    /// Calls of [`Tensor::sdpa_block_forward`] that attended something (not
+    /// [`BlockMask::Empty`]).
+    pub forward_blocks: u64,
+    /// Calls of [`Tensor::sdpa_block_backward`] that attended something.
+    pub backward_blocks: u64,
+}
+
+impl BlockAttentionTime {
+    /// Forward, backward and merge together.
+    pub fn total(&self) -> Duration {
+        self.forward + self.backward + self.merge
+    }
+}
+
+thread_local! {
+    static BLOCK_TIME: Cell<BlockAttentionTime> = const { Cell::new(BlockAttentionTime {
+        forward: Duration::ZERO,
+        backward: Duration::ZERO,
+        merge: Duration::ZERO,
+        forward_blocks: 0,
+        backward_blocks: 0,
+    }) };
+}
+
+/// This thread's time in the blockwise attention ops since the last
+/// [`reset_block_attention_time`] (a rank thread's: its attention under context
+/// parallelism).
+pub fn block_attention_time() -> BlockAttentionTime {
+    BLOCK_TIME.try_with(|c| c.get()).unwrap_or_default()
+}
+
+/// Zeroes this thread's [`block_attention_time`].
+pub fn reset_block_attention_time() {
+    let _ = BLOCK_TIME.try_with(|c| c.set(BlockAttentionTime::default()));
+}
+
+/// Which counter of [`BlockAttentionTime`] a timed call adds to.
+#[derive(Clone, Copy)]
+enum Timed {
+    Forward,
+    Backward,
+    Merge,
+}
+
+/// Adds the time since `start` to this thread's counter `what` (and one block when
+/// `block`).
+fn add_time(what: Timed, start: Instant, block: bool) {
+    let d = start.elapsed();
+    let _ = BLOCK_TIME.try_with(|c| {
+        let mut t = c.get();
+        match what {
+            Timed::Forward => {
+                t.forward += d;
+                t.forward_blocks += u64::from(block);
+            }
+            Timed::Backward => {
+                t.backward += d;
+                t.backward_blocks += u64::from(block);
+            }
+            Timed::Merge => t.merge += d,
+        }
+        c.set(t);
+    });
+}
 
 /// How a (query block, key block) pair is masked, decided from the positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +154,8 @@ fn check_positions(op: &'static str, what: &str, pos: &[usize], len: usize) -> R
 
 /// Checks shapes and builds the mask for a block of `q` `[b, hq, sq, d]` against `k`
 /// `[b, hkv, sk, d]`, `v` `[b, hkv, sk, dv]`, with an optional additive key mask
-/// (`[b, sk]` or `[b, 1, 1, sk]`, 0 or `-inf`).
+/// (`[b, sk]` or `[b, 1, 1, sk]`, 0 or `-inf`), read into the host mask only when
+/// `host_keys`.
 #[allow(clippy::too_many_arguments)]
 fn prepare(
     op: &'static str,
@@ -82,6 +166,7 @@ fn prepare(
     k_pos: &[usize],
     key_mask: Option<&Tensor>,
     scale: Option<f64>,
+    host_keys: bool,
 ) -> Result<Block> {
     require_float(op, q)?;
     let dtype = common_dtype(op, &[q, k, v])?;
@@ -142,7 +227,12 @@ fn prepare(
                     why: format!("a key mask must be [{b}, {sk}] or [{b}, 1, 1, {sk}]"),
                 });
             }
-            Some(m.to_device(Device::Cpu)?.to_vec_f64()?)
+            // The device path reads the key mask where it is (`host_keys` false).
+            if host_keys {
+                Some(m.to_device(Device::Cpu)?.to_vec_f64()?)
+            } else {
+                None
+            }
         }
     };
     let mask = match (kind, keys) {
@@ -223,8 +313,33 @@ impl Tensor {
         key_mask: Option<&Tensor>,
         scale: Option<f64>,
     ) -> Result<(Tensor, Tensor)> {
+        let start = Instant::now();
+        let r = Tensor::block_forward(q, k, v, q_pos, k_pos, key_mask, scale);
+        add_time(Timed::Forward, start, matches!(r, Ok((_, _, true))));
+        r.map(|(out, lse, _)| (out, lse))
+    }
+
+    /// [`Tensor::sdpa_block_forward`], and whether the block attended anything.
+    #[allow(clippy::too_many_arguments)]
+    fn block_forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        q_pos: &[usize],
+        k_pos: &[usize],
+        key_mask: Option<&Tensor>,
+        scale: Option<f64>,
+    ) -> Result<(Tensor, Tensor, bool)> {
         const OP: &str = "sdpa_block_forward";
-        let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale)?;
+        let on_device = device_candidate(q, q_pos, k_pos);
+        let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, !on_device)?;
+        if on_device && gpu_nn::sdpa_on_device(q, &blk.s) {
+            return device_block_forward(q, k, v, key_mask, &blk);
+        }
+        let blk = match on_device {
+            true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
+            false => blk,
+        };
         let s = blk.s;
         let out_shape = Shape::new(&[s.batch, s.q_heads, s.q_len, s.v_dim]);
         let lse_shape = Shape::new(&[s.batch, s.q_heads, s.q_len]);
@@ -233,7 +348,7 @@ impl Tensor {
         if blk.kind == BlockMask::Empty {
             let out = Tensor::zeros(out_shape, dtype, dev)?;
             let lse = Tensor::full(lse_shape, f64::NEG_INFINITY, DType::F64, Device::Cpu)?;
-            return Ok((out, lse));
+            return Ok((out, lse, false));
         }
         let rows = lse_shape.numel();
         let (out, lse) = with_float_type!(dtype, OP, |T| {
@@ -250,7 +365,7 @@ impl Tensor {
             Ok::<_, TensorError>((Tensor::from_vec(out, out_shape)?, lse))
         })?;
         let out = if dev == Device::Cpu { out } else { out.to_device(dev)? };
-        Ok((out, Tensor::from_vec(lse, lse_shape)?))
+        Ok((out, Tensor::from_vec(lse, lse_shape)?, true))
     }
 
     /// The backward of [`Tensor::sdpa_block_forward`] given the *merged* output and
@@ -274,8 +389,29 @@ impl Tensor {
         lse: &Tensor,
         dout: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let start = Instant::now();
+        let r = Tensor::block_backward(q, k, v, q_pos, k_pos, key_mask, scale, out, lse, dout);
+        add_time(Timed::Backward, start, matches!(r, Ok((_, true))));
+        r.map(|(g, _)| g)
+    }
+
+    /// [`Tensor::sdpa_block_backward`], and whether the block attended anything.
+    #[allow(clippy::too_many_arguments)]
+    fn block_backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        q_pos: &[usize],
+        k_pos: &[usize],
+        key_mask: Option<&Tensor>,
+        scale: Option<f64>,
+        out: &Tensor,
+        lse: &Tensor,
+        dout: &Tensor,
+    ) -> Result<((Tensor, Tensor, Tensor), bool)> {
         const OP: &str = "sdpa_block_backward";
-        let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale)?;
+        let on_device = device_candidate(q, q_pos, k_pos);
+        let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, !on_device)?;
         let s = blk.s;
         let out_dims = [s.batch, s.q_heads, s.q_len, s.v_dim];
         let lse_dims = [s.batch, s.q_heads, s.q_len];
@@ -303,14 +439,22 @@ impl Tensor {
                 ),
             ));
         }
+        if on_device && gpu_nn::sdpa_on_device(q, &s) {
+            return device_block_backward(q, k, v, key_mask, &blk, out, lse, dout);
+        }
+        let blk = match on_device {
+            true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
+            false => blk,
+        };
         let (h, dev) = host(OP, &[q, k, v, out, dout])?;
         let dtype = q.dtype();
         if blk.kind == BlockMask::Empty {
-            return Ok((
+            let z = (
                 Tensor::zeros(q.shape().clone(), dtype, dev)?,
                 Tensor::zeros(k.shape().clone(), dtype, dev)?,
                 Tensor::zeros(v.shape().clone(), dtype, dev)?,
-            ));
+            );
+            return Ok((z, false));
         }
         let lse64 = lse.to_device(Device::Cpu)?.to_vec_f64()?;
         let (dq, dk, dv) = with_float_type!(dtype, OP, |T| {
@@ -350,9 +494,9 @@ impl Tensor {
             ))
         })?;
         if dev == Device::Cpu {
-            Ok((dq, dk, dv))
+            Ok(((dq, dk, dv), true))
         } else {
-            Ok((dq.to_device(dev)?, dk.to_device(dev)?, dv.to_device(dev)?))
+            Ok(((dq.to_device(dev)?, dk.to_device(dev)?, dv.to_device(dev)?), true))
         }
     }
 
@@ -363,6 +507,19 @@ impl Tensor {
     /// f64); returns the merged output (the outputs' dtype) and log-sum-exp (f64). Computed
     /// in f64. Not recorded by autograd.
     pub fn sdpa_lse_merge(
+        out_a: &Tensor,
+        lse_a: &Tensor,
+        out_b: &Tensor,
+        lse_b: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let start = Instant::now();
+        let r = Tensor::lse_merge(out_a, lse_a, out_b, lse_b);
+        add_time(Timed::Merge, start, false);
+        r
+    }
+
+    /// [`Tensor::sdpa_lse_merge`], untimed.
+    fn lse_merge(
         out_a: &Tensor,
         lse_a: &Tensor,
         out_b: &Tensor,
@@ -387,6 +544,9 @@ impl Tensor {
                     lse_b.shape()
                 ),
             ));
+        }
+        if matches!(out_a.device(), Device::Cuda(_)) && dtype != DType::F64 {
+            return crate::autograd::no_grad(|| device_lse_merge(out_a, lse_a, out_b, lse_b));
         }
         let (h, dev) = host(OP, &[out_a, out_b])?;
         let la = lse_a.to_device(Device::Cpu)?.to_vec_f64()?;
@@ -414,4 +574,109 @@ impl Tensor {
         let out = if dev == Device::Cpu { out } else { out.to_device(dev)? };
         Ok((out, Tensor::from_vec(lse, lse_a.shape().clone())?))
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// CUDA tensors
+// ---------------------------------------------------------------------------------------
+
+/// Whether a block of `q` at these positions may run on the device's flash kernels: a
+/// CUDA tensor of a kernel dtype whose block needs no mask or the top-left causal one
+/// (the sizes are checked once the block is prepared). Other blocks go through the host.
+fn device_candidate(q: &Tensor, q_pos: &[usize], k_pos: &[usize]) -> bool {
+    matches!(q.device(), Device::Cuda(_))
+        && matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && BlockMask::classify(q_pos, k_pos) != BlockMask::Explicit
+}
+
+/// The key mask as the flash kernels take it: `[b, 1, 1, sk]`, on its device.
+fn device_key_mask(key_mask: Option<&Tensor>, s: &SdpaShape) -> Result<Option<Tensor>> {
+    key_mask.map(|m| m.reshape([s.batch, 1, 1, s.kv_len])).transpose()
+}
+
+/// [`Tensor::sdpa_block_forward`] of a device block: the flash kernel's output and f32
+/// log-sum-exp, on the device (a block that attends nothing gets zeros and `-inf`).
+fn device_block_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_mask: Option<&Tensor>,
+    blk: &Block,
+) -> Result<(Tensor, Tensor, bool)> {
+    let s = blk.s;
+    let dev = common_device("sdpa_block_forward", &[q, k, v])?;
+    if blk.kind == BlockMask::Empty {
+        let out = Tensor::zeros([s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype(), dev)?;
+        let lse = Tensor::full([s.batch, s.q_heads, s.q_len], f64::NEG_INFINITY, DType::F32, dev)?;
+        return Ok((out, lse, false));
+    }
+    let mask = device_key_mask(key_mask, &s)?;
+    let (out, lse) = gpu_nn::sdpa_forward_device(q, k, v, mask.as_ref(), &s)?;
+    Ok((out, lse, true))
+}
+
+/// [`Tensor::sdpa_block_backward`] of a device block: the flash kernel's backward from
+/// the merged output and log-sum-exp (moved to the device as f32 where they are not).
+#[allow(clippy::too_many_arguments)]
+fn device_block_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    key_mask: Option<&Tensor>,
+    blk: &Block,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+) -> Result<((Tensor, Tensor, Tensor), bool)> {
+    let dev = common_device("sdpa_block_backward", &[q, k, v, out, dout])?;
+    if blk.kind == BlockMask::Empty {
+        let z = (
+            Tensor::zeros(q.shape().clone(), q.dtype(), dev)?,
+            Tensor::zeros(k.shape().clone(), k.dtype(), dev)?,
+            Tensor::zeros(v.shape().clone(), v.dtype(), dev)?,
+        );
+        return Ok((z, false));
+    }
+    let lse = f32_on(lse, dev)?;
+    let mask = device_key_mask(key_mask, &blk.s)?;
+    let g = gpu_nn::sdpa_backward_device(q, k, v, mask.as_ref(), &blk.s, out, &lse, dout)?;
+    Ok((g, true))
+}
+
+/// `t` as f32 on `dev`: a host tensor is cast on the host and uploaded (the device has
+/// no f64 kernels), a device tensor cast there where needed.
+fn f32_on(t: &Tensor, dev: Device) -> Result<Tensor> {
+    let t = if t.dtype() == DType::F32 || t.device() == dev {
+        t.clone()
+    } else {
+        t.to_dtype(DType::F32)?
+    };
+    let t = if t.device() == dev { t } else { t.to_device(dev)? };
+    if t.dtype() == DType::F32 {
+        Ok(t)
+    } else {
+        t.to_dtype(DType::F32)
+    }
+}
+
+/// [`Tensor::sdpa_lse_merge`] of device outputs, by device ops in f32: with `m` the
+/// larger log-sum-exp (held finite, so a row masked on both sides gets weights 0),
+/// `lse = m + log(e^(lse_a - m) + e^(lse_b - m))` and each output weighted by its share
+/// of that sum. The log-sum-exps may come from the host (moved to the device once).
+fn device_lse_merge(
+    out_a: &Tensor,
+    lse_a: &Tensor,
+    out_b: &Tensor,
+    lse_b: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let dev = common_device("sdpa_lse_merge", &[out_a, out_b])?;
+    let (la, lb) = (f32_on(lse_a, dev)?, f32_on(lse_b, dev)?);
+    let m = la.maximum(&lb)?.clamp_min(f64::from(f32::MIN))?;
+    let (ea, eb) = (la.sub(&m)?.exp()?, lb.sub(&m)?.exp()?);
+    let sum = ea.add(&eb)?;
+    let lse = m.add(&sum.log()?)?;
+    let denom = sum.clamp_min(f64::from(f32::MIN_POSITIVE))?;
+    let (wa, wb) = (ea.div(&denom)?.unsqueeze(-1)?, eb.div(&denom)?.unsqueeze(-1)?);
+    let out = f32_on(out_a, dev)?.mul(&wa)?.add(&f32_on(out_b, dev)?.mul(&wb)?)?;
+    Ok((out.to_dtype(out_a.dtype())?, lse))
 }

@@ -18,7 +18,9 @@ pub use optim::SgdParams;
 mod reduce;
 mod shape;
 
-pub use attention_block::BlockMask;
+pub use attention_block::{
+    block_attention_time, reset_block_attention_time, BlockAttentionTime, BlockMask,
+};
 pub use nn::RopeLayout;
 
 /// Checks that all inputs share one device, returning it.
