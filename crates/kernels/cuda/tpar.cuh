@@ -359,3 +359,599 @@ template <>
 TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
     mma_16816_f16(d, a, b);
 }
+
+// ---------------------------------------------------------------- Hopper (sm_90a)
+//
+// Warpgroup MMA, bulk tensor copies (TMA) and mbarriers. On a GPU these are
+// inline PTX and need the `sm_90a` target (wgmma and setmaxnreg do not exist
+// for plain sm_90); in the emulator they are emu.cpp's. A warpgroup is 4
+// consecutive warps (threads 128g..128g+127); warpgroup calls are made by
+// all its 128 threads.
+//
+// mbarrier (a u64 in shared memory, 8-byte aligned): mbarrier_init(bar,
+// count) by one thread, then a fence (fence_mbarrier_init, or
+// __syncthreads) before others use it. A phase completes when `count`
+// arrivals have come and the transaction bytes announced with expect_tx have
+// all been delivered (by bulk copies' complete_tx); the phases alternate
+// parity 0, 1, 0, ... starting at 0, and mbarrier_wait_parity(bar, p)
+// returns once the phase of parity p has completed (on a fresh barrier,
+// waiting for parity 1 returns at once: it is "the phase before").
+//
+// Tensor maps: a TparTensorMap (CUtensorMap: 128 bytes, 64-byte aligned) is
+// built on the host (src/cuda/tensor_map.rs: the driver's
+// cuTensorMapEncodeTiled on a GPU, an emulated encoding in the emulator) and
+// passed inside the kernel's argument struct; declare such a kernel with
+// TPAR_KERNEL(name, TPAR_GRID_CONSTANT(Args), threads), so the GPU build
+// marks the parameter __grid_constant__ and the copies read the map where
+// the launch put it (param space), as CUTLASS does. tma_load_2d(smem, map,
+// x, y, bar) copies the box whose first element is at column x, row y
+// (innermost coordinate first) into shared memory (128-byte aligned; 1024
+// for the 128-byte swizzle), elements out of the tensor read as zeros, and
+// performs complete_tx of the box's bytes on `bar`. tma_store_2d writes a
+// box back (out-of-bounds elements are not written); fence_proxy_async()
+// first makes the threads' shared-memory writes visible to it, and
+// tma_store_commit / tma_store_wait<N> track completion.
+//
+// wgmma: wgmma_ss<T, N, TA, TB>(d, desc_a, desc_b, accumulate) computes
+// D(64xN) = A(64x16) * B(16xN) (+ D when accumulate), T bf16 or f16, f32
+// accumulators `d` (N / 2 per thread, the ISA's fragment: d[i] holds row
+// 16 * warp_in_group + lane / 4 + 8 * (i / 2 % 2), column 8 * (i / 4) +
+// 2 * (lane % 4) + i % 2); wgmma_rs<T, N, TB> takes A from registers (4
+// per thread: a[j] packs elements 2j, 2j+1 of the ISA's A fragment, as
+// mma_16816's). TA / TB: 0 K-major, 1 M/N-major (transposed). The shared
+// operands are described by wgmma_desc(smem, lbo, sbo, mode) (byte offsets,
+// mode TPAR_WG_SWIZZLE_*), the PTX ISA's canonical layouts. The call is
+// asynchronous: wgmma_fence() before the first wgmma (and after the
+// registers were written otherwise), wgmma_commit() closes a group,
+// wgmma_wait<N>() waits until at most N groups are pending; the
+// accumulators must not be read before that wait (the emulator fills them
+// with NaN until then). GPU builds provide N in 16, 32, 64, 128, 192, 256;
+// the emulator any multiple of 8 up to 256.
+
+// The 64-bit wgmma matrix descriptor's swizzle modes.
+#define TPAR_WG_SWIZZLE_NONE 0
+#define TPAR_WG_SWIZZLE_128B 1
+#define TPAR_WG_SWIZZLE_64B 2
+#define TPAR_WG_SWIZZLE_32B 3
+
+struct alignas(64) TparTensorMap {
+    u64 opaque[16];
+};
+
+#ifndef TPAR_EMU
+#define TPAR_GRID_CONSTANT(T) __grid_constant__ T
+
+TPAR_DEVICE u32 tpar_shared_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+TPAR_DEVICE void mbarrier_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tpar_shared_addr(bar)),
+                 "r"(count)
+                 : "memory");
+}
+TPAR_DEVICE void mbarrier_inval(u64* bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(tpar_shared_addr(bar)) : "memory");
+}
+TPAR_DEVICE u64 mbarrier_arrive(u64* bar) {
+    u64 state;
+    asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];\n"
+                 : "=l"(state)
+                 : "r"(tpar_shared_addr(bar))
+                 : "memory");
+    return state;
+}
+TPAR_DEVICE u64 mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
+    u64 state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;\n"
+                 : "=l"(state)
+                 : "r"(tpar_shared_addr(bar)), "r"(bytes)
+                 : "memory");
+    return state;
+}
+TPAR_DEVICE void mbarrier_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(
+                     tpar_shared_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+// One try: whether the phase of parity `parity` has completed (the thread
+// may be suspended for a while first).
+TPAR_DEVICE bool mbarrier_try_wait_parity(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.b32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(tpar_shared_addr(bar)), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+TPAR_DEVICE void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+TPAR_DEVICE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+TPAR_DEVICE void tma_prefetch(const TparTensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)map) : "memory");
+}
+TPAR_DEVICE void tma_load_2d(void* smem, const TparTensorMap* map, int x, int y, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(tpar_shared_addr(smem)),
+        "l"((u64)map), "r"(x), "r"(y), "r"(tpar_shared_addr(bar))
+        : "memory");
+}
+TPAR_DEVICE void tma_store_2d(const TparTensorMap* map, int x, int y, const void* smem) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::
+                     "l"((u64)map),
+                 "r"(x), "r"(y), "r"(tpar_shared_addr(smem))
+                 : "memory");
+}
+TPAR_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N committed bulk store groups are pending.
+template <int N>
+TPAR_DEVICE void tma_store_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int R>
+TPAR_DEVICE void setmaxnreg_inc() {
+    static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in 24..256");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+TPAR_DEVICE void setmaxnreg_dec() {
+    static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in 24..256");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+TPAR_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+TPAR_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+TPAR_DEVICE void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+template <int N>
+struct tpar_wgmma_n;
+#define TPAR_WG_D16 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7" \
+    "}"
+#define TPAR_WG_OPS16(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+template <>
+struct tpar_wgmma_n<16> {
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(bf16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " TPAR_WG_D16
+            ", %8, %9, p, 1, 1, %11, %12;\n}\n"
+            : TPAR_WG_OPS16(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(bf16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " TPAR_WG_D16
+            ", {%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n"
+            : TPAR_WG_OPS16(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(f16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 " TPAR_WG_D16
+            ", %8, %9, p, 1, 1, %11, %12;\n}\n"
+            : TPAR_WG_OPS16(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(f16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 " TPAR_WG_D16
+            ", {%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n"
+            : TPAR_WG_OPS16(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+};
+#undef TPAR_WG_D16
+#undef TPAR_WG_OPS16
+#define TPAR_WG_D32 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+    "}"
+#define TPAR_WG_OPS32(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+template <>
+struct tpar_wgmma_n<32> {
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(bf16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " TPAR_WG_D32
+            ", %16, %17, p, 1, 1, %19, %20;\n}\n"
+            : TPAR_WG_OPS32(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(bf16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " TPAR_WG_D32
+            ", {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+            : TPAR_WG_OPS32(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(f16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " TPAR_WG_D32
+            ", %16, %17, p, 1, 1, %19, %20;\n}\n"
+            : TPAR_WG_OPS32(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(f16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " TPAR_WG_D32
+            ", {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+            : TPAR_WG_OPS32(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+};
+#undef TPAR_WG_D32
+#undef TPAR_WG_OPS32
+#define TPAR_WG_D64 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+    "}"
+#define TPAR_WG_OPS64(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+template <>
+struct tpar_wgmma_n<64> {
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(bf16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TPAR_WG_D64
+            ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+            : TPAR_WG_OPS64(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(bf16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " TPAR_WG_D64
+            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : TPAR_WG_OPS64(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(f16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TPAR_WG_D64
+            ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+            : TPAR_WG_OPS64(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(f16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " TPAR_WG_D64
+            ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+            : TPAR_WG_OPS64(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+};
+#undef TPAR_WG_D64
+#undef TPAR_WG_OPS64
+#define TPAR_WG_D128 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+    "}"
+#define TPAR_WG_OPS128(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+template <>
+struct tpar_wgmma_n<128> {
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(bf16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " TPAR_WG_D128
+            ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+            : TPAR_WG_OPS128(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(bf16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " TPAR_WG_D128
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+            : TPAR_WG_OPS128(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(f16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " TPAR_WG_D128
+            ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+            : TPAR_WG_OPS128(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(f16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " TPAR_WG_D128
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+            : TPAR_WG_OPS128(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+};
+#undef TPAR_WG_D128
+#undef TPAR_WG_OPS128
+#define TPAR_WG_D192 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63," \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
+    "}"
+#define TPAR_WG_OPS192(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+template <>
+struct tpar_wgmma_n<192> {
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(bf16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " TPAR_WG_D192
+            ", %96, %97, p, 1, 1, %99, %100;\n}\n"
+            : TPAR_WG_OPS192(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(bf16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " TPAR_WG_D192
+            ", {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+            : TPAR_WG_OPS192(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(f16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 " TPAR_WG_D192
+            ", %96, %97, p, 1, 1, %99, %100;\n}\n"
+            : TPAR_WG_OPS192(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(f16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 " TPAR_WG_D192
+            ", {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+            : TPAR_WG_OPS192(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+};
+#undef TPAR_WG_D192
+#undef TPAR_WG_OPS192
+#define TPAR_WG_D256 "{" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63," \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79," \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95," \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111," \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
+    "}"
+#define TPAR_WG_OPS256(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+template <>
+struct tpar_wgmma_n<256> {
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(bf16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " TPAR_WG_D256
+            ", %128, %129, p, 1, 1, %131, %132;\n}\n"
+            : TPAR_WG_OPS256(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(bf16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " TPAR_WG_D256
+            ", {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+            : TPAR_WG_OPS256(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+    template <int TA, int TB>
+    static TPAR_DEVICE void ss(f16, float* d, u64 da, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " TPAR_WG_D256
+            ", %128, %129, p, 1, 1, %131, %132;\n}\n"
+            : TPAR_WG_OPS256(d)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)
+            : "memory");
+    }
+    template <int TB>
+    static TPAR_DEVICE void rs(f16, float* d, const u32* a, u64 db, int acc) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " TPAR_WG_D256
+            ", {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+            : TPAR_WG_OPS256(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB)
+            : "memory");
+    }
+};
+#undef TPAR_WG_D256
+#undef TPAR_WG_OPS256
+
+template <typename T, int N, int TA, int TB>
+TPAR_DEVICE void wgmma_ss(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
+    tpar_wgmma_n<N>::template ss<TA, TB>(T{}, d, desc_a, desc_b, accumulate ? 1 : 0);
+}
+template <typename T, int N, int TB>
+TPAR_DEVICE void wgmma_rs(float* d, const u32 a[4], u64 desc_b, bool accumulate) {
+    tpar_wgmma_n<N>::template rs<TB>(T{}, d, a, desc_b, accumulate ? 1 : 0);
+}
+#else
+#define TPAR_GRID_CONSTANT(T) T
+
+TPAR_DEVICE u32 tpar_shared_addr(const void* p) { return tpar_emu_smem_offset(p); }
+TPAR_DEVICE void mbarrier_init(u64* bar, u32 count) { tpar_emu_mbar_init(bar, count); }
+TPAR_DEVICE void mbarrier_inval(u64* bar) { tpar_emu_mbar_inval(bar); }
+TPAR_DEVICE u64 mbarrier_arrive(u64* bar) { return tpar_emu_mbar_arrive(bar, 1, 0); }
+TPAR_DEVICE u64 mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
+    return tpar_emu_mbar_arrive(bar, 1, bytes);
+}
+TPAR_DEVICE void mbarrier_expect_tx(u64* bar, u32 bytes) { tpar_emu_mbar_expect_tx(bar, bytes); }
+// The emulator blocks the thread until the phase completes (a wait that
+// never can is reported as a deadlock).
+TPAR_DEVICE bool mbarrier_try_wait_parity(u64* bar, u32 parity) {
+    return tpar_emu_mbar_try_wait(bar, parity) != 0;
+}
+TPAR_DEVICE void fence_mbarrier_init() {}
+TPAR_DEVICE void fence_proxy_async() {}
+TPAR_DEVICE void tma_prefetch(const TparTensorMap*) {}
+TPAR_DEVICE void tma_load_2d(void* smem, const TparTensorMap* map, int x, int y, u64* bar) {
+    const int c[2] = {x, y};
+    tpar_emu_tma_load(smem, map, c, 2, bar);
+}
+TPAR_DEVICE void tma_store_2d(const TparTensorMap* map, int x, int y, const void* smem) {
+    const int c[2] = {x, y};
+    tpar_emu_tma_store(map, c, 2, smem);
+}
+TPAR_DEVICE void tma_store_commit() {}
+template <int N>
+TPAR_DEVICE void tma_store_wait() {}
+template <int R>
+TPAR_DEVICE void setmaxnreg_inc() {
+    static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in 24..256");
+    tpar_emu_setmaxnreg(R, 1);
+}
+template <int R>
+TPAR_DEVICE void setmaxnreg_dec() {
+    static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in 24..256");
+    tpar_emu_setmaxnreg(R, 0);
+}
+TPAR_DEVICE void wgmma_fence() { tpar_emu_wgmma_fence(); }
+TPAR_DEVICE void wgmma_commit() { tpar_emu_wgmma_commit(); }
+template <int N>
+TPAR_DEVICE void wgmma_wait() {
+    tpar_emu_wgmma_wait(N);
+}
+template <typename T>
+struct tpar_wgmma_f16;
+template <>
+struct tpar_wgmma_f16<bf16> {
+    static constexpr int flag = 0;
+};
+template <>
+struct tpar_wgmma_f16<f16> {
+    static constexpr int flag = 1;
+};
+template <typename T, int N, int TA, int TB>
+TPAR_DEVICE void wgmma_ss(float* d, u64 desc_a, u64 desc_b, bool accumulate) {
+    tpar_emu_wgmma(d, N, nullptr, desc_a, desc_b,
+                   tpar_wgmma_f16<T>::flag | (TA ? 2 : 0) | (TB ? 4 : 0) | (accumulate ? 8 : 0));
+}
+template <typename T, int N, int TB>
+TPAR_DEVICE void wgmma_rs(float* d, const u32 a[4], u64 desc_b, bool accumulate) {
+    tpar_emu_wgmma(d, N, a, 0, desc_b,
+                   tpar_wgmma_f16<T>::flag | (TB ? 4 : 0) | (accumulate ? 8 : 0));
+}
+#endif
+
+// Waits until the phase of parity `parity` of `bar` has completed.
+TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
+    while (!mbarrier_try_wait_parity(bar, parity)) {
+    }
+}
+
+// The wgmma matrix descriptor of a shared-memory operand starting at `smem`:
+// leading and stride byte offsets (multiples of 16) and the swizzle mode.
+TPAR_DEVICE u64 wgmma_desc(const void* smem, u32 lbo, u32 sbo, int swizzle) {
+    return (u64)((tpar_shared_addr(smem) & 0x3ffffu) >> 4) | ((u64)((lbo & 0x3ffffu) >> 4) << 16) |
+           ((u64)((sbo & 0x3ffffu) >> 4) << 32) | ((u64)(swizzle & 3) << 62);
+}

@@ -15,13 +15,24 @@
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "emu.h"
 
 namespace {
 
-enum State { RUNNABLE, AT_BARRIER, AT_WARP, DONE };
+enum State { RUNNABLE, AT_BARRIER, AT_WARP, AT_GROUP, AT_MBAR, DONE };
+
+// A wgmma.mma_async issued by one thread whose results it has not yet
+// waited for: they reach the registers at wgmma.wait_group (until then the
+// registers hold NaN, so a read before the wait shows).
+struct WgmmaPending {
+    float* d = nullptr;
+    int count = 0;  // registers (N / 2)
+    int group = -1;  // commit group, -1 while not committed
+    float vals[128];
+};
 
 struct Fiber {
     ucontext_t ctx;
@@ -32,6 +43,32 @@ struct Fiber {
     void* out = nullptr;
     tpar_emu_combine_fn combine = nullptr;
     int kind = 0;
+    // AT_MBAR: the barrier and the parity of the phase waited for
+    const void* mbar = nullptr;
+    unsigned parity = 0;
+    std::vector<WgmmaPending> wgmma;
+    int wgmma_groups = 0;  // groups committed so far
+    int wgmma_done = 0;    // groups retired by wait_group
+};
+
+// A warpgroup (4 consecutive warps, 128 threads) at a warpgroup collective.
+struct Group {
+    int arrived = 0;
+    int live = 0;
+    tpar_emu_combine_fn combine = nullptr;
+    int kind = 0;
+    Fiber* threads[128] = {};
+};
+
+// An mbarrier object (PTX ISA "Parallel synchronization and communication
+// instructions: mbarrier"): a phase completes when its pending arrival count
+// and its transaction count are both zero; the next phase then starts with
+// the expected arrival count again.
+struct Mbar {
+    unsigned expected = 0;
+    unsigned pending = 0;
+    long long tx = 0;
+    unsigned phase = 0;
 };
 
 struct Warp {
@@ -51,7 +88,12 @@ struct Launch {
     dim3 grid{}, block{}, bidx{};
     std::vector<Fiber> fibers;
     std::vector<Warp> warps;
+    std::vector<Group> groups;
+    std::unordered_map<const void*, Mbar> mbars;
     std::vector<unsigned char> dyn_smem;
+    // dynamic shared memory, 1024-byte aligned (the emulated shared window)
+    unsigned char* smem = nullptr;
+    size_t smem_bytes = 0;
     ucontext_t sched;
     Fiber* current = nullptr;
     std::string error;
@@ -116,11 +158,39 @@ void complete_warp(Warp& w) {
     w.combine = nullptr;
 }
 
+// Completes the warpgroup collective all live threads of `g` have arrived at.
+void complete_group(Group& g) {
+    void* ins[128] = {};
+    void* outs[128] = {};
+    for (int t = 0; t < 128; ++t) {
+        Fiber* f = g.threads[t];
+        if (f && f->state == AT_GROUP) {
+            ins[t] = f->in;
+            outs[t] = f->out;
+        }
+    }
+    g.combine(ins, outs, g.kind);
+    for (int t = 0; t < 128; ++t) {
+        Fiber* f = g.threads[t];
+        if (f && f->state == AT_GROUP) f->state = RUNNABLE;
+    }
+    g.arrived = 0;
+    g.combine = nullptr;
+}
+
+bool mbar_ready(Launch* L, const Fiber& f) {
+    auto it = L->mbars.find(f.mbar);
+    // an invalidated barrier never completes the wait
+    return it != L->mbars.end() && (it->second.phase & 1u) != f.parity;
+}
+
 void run_block(Launch* L) {
     const unsigned nthreads = L->block.x * L->block.y * L->block.z;
     const unsigned nwarps = (nthreads + 31) / 32;
     L->fibers.assign(nthreads, Fiber{});
     L->warps.assign(nwarps, Warp{});
+    L->groups.assign((nthreads + 127) / 128, Group{});
+    L->mbars.clear();
     while (g_stacks.size() < nthreads) {
         void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -137,6 +207,8 @@ void run_block(Launch* L) {
         f.warp = i / 32;
         L->warps[f.warp].lanes[f.lane] = &f;
         L->warps[f.warp].live++;
+        L->groups[i / 128].threads[i % 128] = &f;
+        L->groups[i / 128].live++;
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = g_stacks[i];
         f.ctx.uc_stack.ss_size = kStack;
@@ -173,6 +245,7 @@ void run_block(Launch* L) {
                     const unsigned t = w * 32 + lorder[li];
                     if (t >= nthreads) continue;
                     Fiber& f = L->fibers[t];
+                    if (f.state == AT_MBAR && mbar_ready(L, f)) f.state = RUNNABLE;
                     if (f.state != RUNNABLE) continue;
                     ran = progress = true;
                     L->current = &f;
@@ -180,9 +253,16 @@ void run_block(Launch* L) {
                     L->current = nullptr;
                     if (f.state == DONE) {
                         --live;
+                        if (!f.wgmma.empty())
+                            fail(L, "a thread exited with wgmma.mma_async results it never "
+                                    "waited for (wgmma.commit_group / wgmma.wait_group missing) "
+                                    "at " + where(&f));
                         Warp& wp = L->warps[f.warp];
                         wp.live--;
                         if (wp.arrived > 0 && wp.arrived == wp.live) complete_warp(wp);
+                        Group& gp = L->groups[t / 128];
+                        gp.live--;
+                        if (gp.arrived > 0 && gp.arrived == gp.live) complete_group(gp);
                     }
                 }
             }
@@ -196,19 +276,39 @@ void run_block(Launch* L) {
             continue;
         }
         // Nothing can run: describe who waits where.
+        unsigned at_mbar = 0, at_group = 0;
+        for (auto& f : L->fibers) {
+            at_mbar += f.state == AT_MBAR;
+            at_group += f.state == AT_GROUP;
+        }
         std::string msg = "deadlock: ";
-        char buf[200];
+        char buf[300];
         std::snprintf(buf, sizeof buf,
-                      "%u of %u live threads wait at __syncthreads, the others at warp operations "
-                      "some lanes of their warp never reach (",
-                      at_barrier, live);
+                      "%u of %u live threads wait at __syncthreads, %u at mbarrier phases that "
+                      "never complete, %u at warpgroup operations and %u at warp operations "
+                      "some threads of their warp or warpgroup never reach (",
+                      at_barrier, live, at_mbar, at_group, live - at_barrier - at_mbar - at_group);
         msg += buf;
         int shown = 0;
         for (auto& f : L->fibers) {
-            if (f.state == AT_WARP && shown < 3) {
-                msg += (shown ? ", " : "") + where(&f);
-                ++shown;
+            if (f.state != AT_WARP && f.state != AT_GROUP && f.state != AT_MBAR) continue;
+            if (shown >= 3) break;
+            msg += (shown ? ", " : "") + where(&f);
+            if (f.state == AT_MBAR) {
+                auto it = L->mbars.find(f.mbar);
+                if (it == L->mbars.end()) {
+                    msg += " on an invalidated mbarrier";
+                } else {
+                    std::snprintf(buf, sizeof buf,
+                                  " on an mbarrier waiting for parity %u (phase %u, %u arrivals "
+                                  "and %lld transaction bytes pending)",
+                                  f.parity, it->second.phase, it->second.pending, it->second.tx);
+                    msg += buf;
+                }
+            } else if (f.state == AT_GROUP) {
+                msg += " at a warpgroup operation";
             }
+            ++shown;
         }
         msg += ")";
         fail(L, msg);
@@ -223,7 +323,7 @@ const dim3* tpar_emu_thread_idx() { return &g_launch->current->tid; }
 const dim3* tpar_emu_block_idx() { return &g_launch->bidx; }
 const dim3* tpar_emu_block_dim() { return &g_launch->block; }
 const dim3* tpar_emu_grid_dim() { return &g_launch->grid; }
-unsigned char* tpar_emu_dyn_smem_ptr() { return g_launch->dyn_smem.data(); }
+unsigned char* tpar_emu_dyn_smem_ptr() { return g_launch->smem; }
 
 void tpar_emu_fail(const char* what) {
     Launch* L = g_launch;
@@ -381,6 +481,448 @@ void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred) {
         std::memset(smem, 0, 16);
 }
 
+// ---------------------------------------------------------------- Hopper (sm_90a)
+
+void tpar_emu_warpgroup_collective(void* in, void* out, tpar_emu_combine_fn combine, int kind) {
+    Launch* L = g_launch;
+    Fiber* f = L->current;
+    const size_t t = f - L->fibers.data();
+    if ((t / 128 + 1) * 128 > L->fibers.size()) {
+        tpar_emu_fail("a warpgroup operation in a block whose threads do not fill whole "
+                      "warpgroups of 128");
+        return;
+    }
+    Group& g = L->groups[t / 128];
+    if (g.arrived > 0 && (g.combine != combine || g.kind != kind)) {
+        tpar_emu_fail("threads of one warpgroup are at different warpgroup operations");
+        return;
+    }
+    g.combine = combine;
+    g.kind = kind;
+    f->in = in;
+    f->out = out;
+    f->state = AT_GROUP;
+    g.arrived++;
+    if (g.arrived == g.live) {
+        complete_group(g);
+        return;
+    }
+    yield_to_scheduler();
+}
+
+unsigned tpar_emu_smem_offset(const void* p) {
+    Launch* L = g_launch;
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    if (c < L->smem || c > L->smem + L->smem_bytes) {
+        tpar_emu_fail("a shared-memory address that is not in dynamic shared memory (the "
+                      "emulator's shared window is tpar_dyn_smem)");
+        return 0;
+    }
+    return (unsigned)(c - L->smem);
+}
+
+namespace {
+Mbar* find_mbar(const void* bar, const char* op) {
+    Launch* L = g_launch;
+    auto it = L->mbars.find(bar);
+    if (it == L->mbars.end()) {
+        tpar_emu_fail((std::string(op) + " on an mbarrier that was never initialized (or was "
+                                         "invalidated)")
+                          .c_str());
+        return nullptr;
+    }
+    return &it->second;
+}
+
+void mbar_check_phase(Mbar* m) {
+    if (m->pending == 0 && m->tx == 0) {
+        m->phase++;
+        m->pending = m->expected;
+    }
+}
+
+void mbar_complete_tx(const void* bar, long long bytes) {
+    Mbar* m = find_mbar(bar, "complete_tx of a bulk copy");
+    if (!m) return;
+    m->tx -= bytes;
+    if (m->tx < -((1ll << 20) - 1)) {
+        tpar_emu_fail("mbarrier transaction count below -(2^20 - 1)");
+        return;
+    }
+    mbar_check_phase(m);
+}
+}  // namespace
+
+void tpar_emu_mbar_init(void* bar, unsigned count) {
+    if (reinterpret_cast<uintptr_t>(bar) % 8 != 0) {
+        tpar_emu_fail("mbarrier not 8-byte aligned");
+        return;
+    }
+    if (count == 0 || count >= (1u << 20)) {
+        tpar_emu_fail("mbarrier.init with an expected arrival count outside 1..2^20-1");
+        return;
+    }
+    Mbar m;
+    m.expected = m.pending = count;
+    g_launch->mbars[bar] = m;
+    std::memset(bar, 0, 8);
+}
+
+void tpar_emu_mbar_inval(void* bar) {
+    if (find_mbar(bar, "mbarrier.inval")) g_launch->mbars.erase(bar);
+}
+
+u64 tpar_emu_mbar_arrive(void* bar, unsigned count, unsigned tx) {
+    Mbar* m = find_mbar(bar, "mbarrier.arrive");
+    if (!m) return 0;
+    const u64 token = m->phase;
+    if (tx >= (1u << 20)) {
+        tpar_emu_fail("mbarrier expect_tx of 2^20 bytes or more");
+        return token;
+    }
+    m->tx += tx;
+    if (count == 0 || count > m->pending) {
+        tpar_emu_fail("mbarrier.arrive with more arrivals than the current phase still expects");
+        return token;
+    }
+    m->pending -= count;
+    mbar_check_phase(m);
+    return token;
+}
+
+void tpar_emu_mbar_expect_tx(void* bar, unsigned tx) {
+    Mbar* m = find_mbar(bar, "mbarrier.expect_tx");
+    if (!m) return;
+    if (tx >= (1u << 20)) {
+        tpar_emu_fail("mbarrier expect_tx of 2^20 bytes or more");
+        return;
+    }
+    m->tx += tx;
+}
+
+int tpar_emu_mbar_try_wait(void* bar, unsigned parity) {
+    Launch* L = g_launch;
+    if (!find_mbar(bar, "mbarrier.try_wait.parity")) return 1;
+    Fiber* f = L->current;
+    f->mbar = bar;
+    f->parity = parity & 1u;
+    if (mbar_ready(L, *f)) return 1;
+    f->state = AT_MBAR;
+    yield_to_scheduler();
+    return 1;
+}
+
+void tpar_emu_setmaxnreg(unsigned regs, int) {
+    if (regs % 8 != 0 || regs < 24 || regs > 256)
+        tpar_emu_fail("setmaxnreg with a register count that is not a multiple of 8 in 24..256");
+}
+
+// ---------------------------------------------------------------- tensor maps (TMA)
+
+namespace {
+// The emulated CUtensorMap, as src/cuda/tensor_map.rs encodes it (byte
+// offsets): 0 magic "TPTM" (u32), 4 data type (CUtensorMapDataType), 5 rank,
+// 6 element bytes, 7 swizzle (CUtensorMapSwizzle), 8 interleave (0), 9
+// out-of-bounds fill (0: zeros), 16 global address (u64), 24 dims (u64 x 5,
+// innermost first), 64 strides in bytes of dims 1.. (u64 x 4), 96 box sizes
+// (u16 x 5), 106 element strides (u8 x 5).
+constexpr u32 kMapMagic = 0x4d545054u;  // "TPTM"
+struct MapView {
+    unsigned dtype, rank, esize, swizzle, interleave, fill;
+    u64 global;
+    u64 dims[5];
+    u64 strides[5];  // bytes; strides[0] = element size
+    unsigned box[5];
+    unsigned estride[5];
+};
+
+bool decode_map(const void* map, MapView* v) {
+    const unsigned char* b = static_cast<const unsigned char*>(map);
+    u32 magic;
+    std::memcpy(&magic, b, 4);
+    if (magic != kMapMagic) {
+        tpar_emu_fail("a bulk tensor copy with a tensor map the emulator did not encode (use "
+                      "the emulated cuTensorMapEncodeTiled of tpar_kernels::cuda::tensor_map)");
+        return false;
+    }
+    v->dtype = b[4];
+    v->rank = b[5];
+    v->esize = b[6];
+    v->swizzle = b[7];
+    v->interleave = b[8];
+    v->fill = b[9];
+    std::memcpy(&v->global, b + 16, 8);
+    for (unsigned i = 0; i < 5; ++i) {
+        std::memcpy(&v->dims[i], b + 24 + 8 * i, 8);
+        u16 bx;
+        std::memcpy(&bx, b + 96 + 2 * i, 2);
+        v->box[i] = bx;
+        v->estride[i] = b[106 + i];
+    }
+    v->strides[0] = v->esize;
+    for (unsigned i = 0; i < 4; ++i) std::memcpy(&v->strides[i + 1], b + 64 + 8 * i, 8);
+    if (v->rank < 1 || v->rank > 5 || v->interleave != 0 || v->fill != 0) {
+        tpar_emu_fail("a tensor map with a rank, interleave or fill the emulator does not model");
+        return false;
+    }
+    for (unsigned i = 0; i < v->rank; ++i)
+        if (v->estride[i] != 1 || v->box[i] == 0) {
+            tpar_emu_fail("a tensor map with element strides other than 1 or an empty box");
+            return false;
+        }
+    return true;
+}
+
+// The byte address a TMA box byte at `addr` lands at under `swizzle`
+// (CU_TENSOR_MAP_SWIZZLE_*: 1 = 32B, 2 = 64B, 3 = 128B): bits 4.. of the
+// address XOR bits 7.. (1, 2 or 3 of them), the shared-memory address being
+// the one the pattern repeats on.
+uintptr_t tma_swizzle(uintptr_t addr, unsigned swizzle) {
+    if (swizzle == 0) return addr;
+    const uintptr_t mask = (1u << swizzle) - 1;
+    return addr ^ (((addr >> 7) & mask) << 4);
+}
+
+// Visits every element of the box at `coords`: f(smem byte offset before
+// swizzling, global address or 0 when out of bounds).
+extern "C++" template <typename F>
+bool for_each_box_element(const MapView& v, const int* coords, int rank, F&& f) {
+    if ((unsigned)rank != v.rank) {
+        tpar_emu_fail("a bulk tensor copy of another rank than its tensor map's");
+        return false;
+    }
+    unsigned long long total = 1;
+    for (unsigned i = 0; i < v.rank; ++i) total *= v.box[i];
+    for (unsigned long long e = 0; e < total; ++e) {
+        unsigned long long rest = e;
+        bool in = true;
+        u64 addr = v.global;
+        for (unsigned i = 0; i < v.rank; ++i) {
+            const long long c = (long long)coords[i] + (long long)(rest % v.box[i]);
+            rest /= v.box[i];
+            if (c < 0 || (u64)c >= v.dims[i]) in = false;
+            else addr += (u64)c * v.strides[i];
+        }
+        f(e * v.esize, in ? addr : 0);
+    }
+    return true;
+}
+
+bool check_smem_box(const void* smem, const MapView& v, const char* op) {
+    Launch* L = g_launch;
+    const unsigned char* c = static_cast<const unsigned char*>(smem);
+    unsigned long long bytes = v.esize;
+    for (unsigned i = 0; i < v.rank; ++i) bytes *= v.box[i];
+    if (reinterpret_cast<uintptr_t>(smem) % 128 != 0) {
+        tpar_emu_fail((std::string(op) + ": shared-memory box address not 128-byte aligned").c_str());
+        return false;
+    }
+    if (c < L->smem || c + bytes > L->smem + L->smem_bytes) {
+        tpar_emu_fail((std::string(op) + ": the box does not fit in dynamic shared memory").c_str());
+        return false;
+    }
+    return true;
+}
+}  // namespace
+
+void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank, void* bar) {
+    MapView v;
+    if (!decode_map(map, &v) || !check_smem_box(smem, v, "cp.async.bulk.tensor load")) return;
+    if (!find_mbar(bar, "cp.async.bulk.tensor load")) return;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(smem);
+    unsigned long long bytes = 0;
+    for_each_box_element(v, coords, rank, [&](unsigned long long off, u64 src) {
+        unsigned char* dst = reinterpret_cast<unsigned char*>(tma_swizzle(base + off, v.swizzle));
+        if (src)
+            std::memcpy(dst, reinterpret_cast<const void*>(src), v.esize);
+        else
+            std::memset(dst, 0, v.esize);  // out of bounds: zeros
+        bytes += v.esize;
+    });
+    mbar_complete_tx(bar, (long long)bytes);
+}
+
+void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void* smem) {
+    MapView v;
+    if (!decode_map(map, &v) || !check_smem_box(smem, v, "cp.async.bulk.tensor store")) return;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(smem);
+    for_each_box_element(v, coords, rank, [&](unsigned long long off, u64 dst) {
+        if (!dst) return;  // out of bounds: not written
+        std::memcpy(reinterpret_cast<void*>(dst),
+                    reinterpret_cast<const void*>(tma_swizzle(base + off, v.swizzle)), v.esize);
+    });
+}
+
+// ---------------------------------------------------------------- wgmma
+
+namespace {
+struct WgmmaIn {
+    const u32* a;  // A fragment (4 registers), or null: A from shared memory
+    u64 desc_a, desc_b;
+    const float* c;  // the accumulator as the thread's earlier operations leave it
+};
+
+// Flags of tpar_emu_wgmma (`kind` of the collective, with N << 8).
+enum { WG_F16 = 1, WG_TA = 2, WG_TB = 4, WG_SCALE_D = 8, WG_A_REGS = 16 };
+
+// Shared-memory address of element (mn, k) of a 16-bit operand under the
+// canonical layouts of the PTX ISA ("Shared Memory Matrix Layout" of
+// wgmma): T = 8 elements per 16 bytes, W = swizzle width in 16-byte units.
+bool operand_addr(u64 desc, int mn, int k, bool mn_major, size_t* out) {
+    Launch* L = g_launch;
+    const u64 start = (desc & 0x3fffu) << 4;
+    const u64 lbo = ((desc >> 16) & 0x3fffu) << 4;
+    const u64 sbo = ((desc >> 32) & 0x3fffu) << 4;
+    const unsigned base_offset = (desc >> 49) & 7u;
+    const unsigned mode = (unsigned)(desc >> 62);
+    if (base_offset != 0) {
+        tpar_emu_fail("wgmma matrix descriptor with a non-zero base offset (not emulated: "
+                      "start swizzled matrices on their pattern's boundary)");
+        return false;
+    }
+    const unsigned W = mode == 0 ? 1 : mode == 1 ? 8 : mode == 2 ? 4 : 2;  // 16-byte units
+    u64 off;
+    if (!mn_major) {
+        // ((8,m),(T,2k)) : ((W*T, SBO), (1, LBO or T))
+        const u64 row = (u64)(mn % 8) * W * 16 + (u64)(mn / 8) * sbo;
+        const u64 col = mode == 0 ? (u64)(k % 8) * 2 + (u64)(k / 8) * lbo : (u64)k * 2;
+        off = row + col;
+    } else if (mode == 0) {
+        // ((T,1,m),(8,k)) : ((1,T,SBO),(T,LBO))
+        off = (u64)(mn % 8) * 2 + (u64)(mn / 8) * sbo + (u64)(k % 8) * 16 + (u64)(k / 8) * lbo;
+    } else {
+        // ((T,W,m),(8,k)) : ((1,T,LBO),(W*T,SBO))
+        off = (u64)(mn % (8 * W)) * 2 + (u64)(mn / (8 * W)) * lbo + (u64)(k % 8) * W * 16 +
+              (u64)(k / 8) * sbo;
+    }
+    u64 a = start + off;
+    if (mode != 0) {
+        const u64 bits = mode == 1 ? 7 : mode == 2 ? 3 : 1;
+        a ^= ((a >> 7) & bits) << 4;
+    }
+    if (a + 2 > L->smem_bytes) {
+        tpar_emu_fail("a wgmma operand reaches past the end of dynamic shared memory");
+        return false;
+    }
+    *out = (size_t)a;
+    return true;
+}
+
+float bits16(u16 v, bool f16) {
+    return f16 ? tpar_emu_f16_to_f32(v) : __uint_as_float(((u32)v) << 16);
+}
+
+void wgmma_combine(void* const* ins, void* const* outs, int kind) {
+    Launch* L = g_launch;
+    const int n = kind >> 8;
+    const bool f16 = kind & WG_F16, ta = kind & WG_TA, tb = kind & WG_TB;
+    const bool scale_d = kind & WG_SCALE_D, a_regs = kind & WG_A_REGS;
+    const WgmmaIn* first = static_cast<const WgmmaIn*>(ins[0]);
+    for (int t = 0; t < 128; ++t) {
+        if (!ins[t]) {
+            tpar_emu_fail("wgmma.mma_async with a thread of the warpgroup that has exited");
+            return;
+        }
+        const WgmmaIn* in = static_cast<const WgmmaIn*>(ins[t]);
+        if (in->desc_b != first->desc_b || (!a_regs && in->desc_a != first->desc_a)) {
+            tpar_emu_fail("wgmma.mma_async with matrix descriptors that differ between the "
+                          "threads of the warpgroup");
+            return;
+        }
+    }
+    static thread_local float A[64][16], B[16][256];
+    for (int t = 0; t < 128; ++t) {
+        if (!a_regs) break;
+        const u32* r = static_cast<const WgmmaIn*>(ins[t])->a;
+        const int w = t / 32, g = (t % 32) / 4, q = t % 4;
+        for (int i = 0; i < 8; ++i) {
+            const int row = 16 * w + g + 8 * ((i / 2) % 2), col = 2 * q + (i % 2) + 8 * (i / 4);
+            const u32 reg = r[i / 2];
+            A[row][col] = bits16((u16)(i % 2 ? reg >> 16 : reg & 0xffffu), f16);
+        }
+    }
+    auto load = [&](u64 desc, int mn, int k, bool mn_major, float* v) {
+        size_t off;
+        if (!operand_addr(desc, mn, k, mn_major, &off)) return false;
+        u16 h;
+        std::memcpy(&h, L->smem + off, 2);
+        *v = bits16(h, f16);
+        return true;
+    };
+    for (int k = 0; k < 16; ++k) {
+        for (int m = 0; m < 64 && !a_regs; ++m)
+            if (!load(first->desc_a, m, k, ta, &A[m][k])) return;
+        for (int j = 0; j < n; ++j)
+            if (!load(first->desc_b, j, k, tb, &B[k][j])) return;
+    }
+    for (int t = 0; t < 128; ++t) {
+        const float* c = static_cast<const WgmmaIn*>(ins[t])->c;
+        float* d = static_cast<float*>(outs[t]);
+        const int w = t / 32, g = (t % 32) / 4, q = t % 4;
+        for (int i = 0; i < n / 2; ++i) {
+            const int row = 16 * w + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * q + (i % 2);
+            float s = 0.0f;
+            for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+            d[i] = scale_d ? c[i] + s : s;
+        }
+    }
+}
+}  // namespace
+
+void tpar_emu_wgmma(float* d, int n, const u32* a, u64 desc_a, u64 desc_b, int flags) {
+    Launch* L = g_launch;
+    Fiber* f = L->current;
+    if (n < 8 || n > 256 || n % 8 != 0) {
+        tpar_emu_fail("wgmma.mma_async with N not a multiple of 8 in 8..256");
+        return;
+    }
+    WgmmaIn in{a, desc_a, desc_b, d};
+    // an accumulator still in flight: the new operation adds to its result
+    for (auto it = f->wgmma.rbegin(); it != f->wgmma.rend(); ++it)
+        if (it->d == d) {
+            in.c = it->vals;
+            break;
+        }
+    WgmmaPending p;
+    p.d = d;
+    p.count = n / 2;
+    tpar_emu_warpgroup_collective(&in, p.vals, &wgmma_combine, (n << 8) | flags | (a ? WG_A_REGS : 0));
+    f->wgmma.push_back(p);
+    const float nan = __uint_as_float(0x7fc00000u);
+    for (int i = 0; i < n / 2; ++i) d[i] = nan;
+}
+
+void tpar_emu_wgmma_fence() {}
+
+void tpar_emu_wgmma_commit() {
+    Fiber* f = g_launch->current;
+    bool any = false;
+    for (auto& p : f->wgmma)
+        if (p.group < 0) {
+            p.group = f->wgmma_groups;
+            any = true;
+        }
+    (void)any;
+    f->wgmma_groups++;
+}
+
+void tpar_emu_wgmma_wait(int n) {
+    Fiber* f = g_launch->current;
+    if (n < 0 || n > 7) {
+        tpar_emu_fail("wgmma.wait_group with N outside 0..7");
+        return;
+    }
+    const int keep_from = f->wgmma_groups - n;  // groups >= keep_from may stay pending
+    std::vector<WgmmaPending> rest;
+    for (auto& p : f->wgmma) {
+        if (p.group >= 0 && p.group < keep_from)
+            std::memcpy(p.d, p.vals, sizeof(float) * p.count);
+        else
+            rest.push_back(p);
+    }
+    f->wgmma.swap(rest);
+}
+
 // Runs a whole launch; returns 0, or 1 with a message in `err`.
 int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigned grid[3],
                     const unsigned block[3], size_t dyn_smem, unsigned long long seed, char* err,
@@ -401,7 +943,12 @@ int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigne
     } else if (dyn_smem > kMaxDynSmem) {
         fail(&L, "more dynamic shared memory than a block can have (227 KiB)");
     }
-    L.dyn_smem.assign(dyn_smem + 16, 0);
+    L.dyn_smem.assign(dyn_smem + 16 + 1024, 0);
+    {
+        uintptr_t p = reinterpret_cast<uintptr_t>(L.dyn_smem.data());
+        L.smem = L.dyn_smem.data() + ((1024 - p % 1024) % 1024);
+        L.smem_bytes = dyn_smem;
+    }
     g_launch = &L;
     for (unsigned z = 0; z < grid[2] && L.error.empty(); ++z)
         for (unsigned y = 0; y < grid[1] && L.error.empty(); ++y)

@@ -302,3 +302,38 @@ void tpar_emu_mma_16816(float d[4], const u32 a[4], const u32 b[2], int f16);
 void tpar_emu_ldmatrix(u32* r, const void* row, int count, bool trans);
 void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred);
 }
+
+// Hopper (sm_90a) emulation (emu.cpp): warpgroup collectives (4 consecutive
+// warps, 128 threads), mbarriers, bulk tensor copies through emulated tensor
+// maps, wgmma.mma_async and setmaxnreg. The prelude (tpar.cuh) wraps these
+// in the same functions the GPU build implements with inline PTX.
+extern "C" {
+// As tpar_emu_warp_collective, over the 128 threads of the calling warpgroup.
+void tpar_emu_warpgroup_collective(void* in, void* out, tpar_emu_combine_fn combine, int kind);
+// The shared-window address of `p`: its offset in dynamic shared memory
+// (1024-byte aligned in the emulator), as wgmma matrix descriptors hold it.
+unsigned tpar_emu_smem_offset(const void* p);
+void tpar_emu_mbar_init(void* bar, unsigned count);
+void tpar_emu_mbar_inval(void* bar);
+// Adds `tx` expected transaction bytes, then `count` arrivals; returns the
+// phase the arrivals belong to.
+u64 tpar_emu_mbar_arrive(void* bar, unsigned count, unsigned tx);
+void tpar_emu_mbar_expect_tx(void* bar, unsigned tx);
+// Blocks the calling thread until the phase of parity `parity` has
+// completed; returns 1.
+int tpar_emu_mbar_try_wait(void* bar, unsigned parity);
+void tpar_emu_setmaxnreg(unsigned regs, int inc);
+// Box at `coords` (innermost first) of the tensor `map` into shared memory,
+// then complete_tx of its bytes on `bar`.
+void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank, void* bar);
+// Box of shared memory to the tensor `map` at `coords` (out-of-bounds
+// elements not written).
+void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void* smem);
+// wgmma.mma_async m64nNk16 with f32 accumulators `d` (N / 2 per thread); `a`
+// the thread's A fragment, or null for A through `desc_a`; flags: 1 f16
+// (else bf16), 2 A M-major, 4 B N-major, 8 accumulate into d.
+void tpar_emu_wgmma(float* d, int n, const u32* a, u64 desc_a, u64 desc_b, int flags);
+void tpar_emu_wgmma_fence();
+void tpar_emu_wgmma_commit();
+void tpar_emu_wgmma_wait(int n);
+}

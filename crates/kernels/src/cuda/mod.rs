@@ -32,6 +32,7 @@ mod memory;
 pub mod ops;
 pub mod profile;
 pub mod raw;
+pub mod tensor_map;
 
 pub use memory::{
     device_bytes_in_use, device_peak_bytes, reset_device_peak, DeviceBuffer, DeviceSlice,

@@ -1,0 +1,695 @@
+//! The emulator's Hopper instructions against the PTX ISA: mbarrier phases and
+//! parities, bulk tensor copies through tensor maps (box, strides, the 32/64/128
+//! byte swizzles, out-of-bounds zeros, clipped stores), wgmma.mma_async (the
+//! accumulator and A register fragments, the canonical shared-memory layouts
+//! of K-major and M/N-major operands under every swizzle mode), and a small
+//! GEMM built from them, compared with a CPU matmul.
+//!
+//! The expected layouts are written here from the ISA's definitions, not from
+//! the emulator's code: a wrong fragment, layout or swizzle in the emulator
+//! makes these tests fail.
+
+use tpar_kernels::cuda::emu::Emulator;
+use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
+use tpar_kernels::cuda::{launch, DevPtr, LaunchConfig};
+
+const SRC: &str = include_str!("hopper/kernels.cu");
+
+fn emu() -> &'static Emulator {
+    let e = Emulator::get().expect("emulator");
+    static ADDED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    ADDED
+        .get_or_init(|| e.add_source("hopper_test", SRC).expect("the Hopper test kernels compile"));
+    e
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct MbarArgs {
+    out: DevPtr,
+    rounds: i32,
+    mode: i32,
+}
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct TmaArgs {
+    map: TensorMap,
+    src: DevPtr,
+    out: DevPtr,
+    x: i32,
+    y: i32,
+    bytes: i32,
+    extra_tx: i32,
+    pad: [u64; 4],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct WgmmaArgs {
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+    out: DevPtr,
+    a_bytes: u32,
+    b_bytes: u32,
+    b_at: u32,
+    a_start: u32,
+    b_start: u32,
+    lbo_a: u32,
+    sbo_a: u32,
+    lbo_b: u32,
+    sbo_b: u32,
+    mode_a: i32,
+    mode_b: i32,
+    variant: i32,
+    accumulate: i32,
+    early_read: i32,
+}
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct GemmTileArgs {
+    map_a: TensorMap,
+    map_b: TensorMap,
+    c: DevPtr,
+    m: i32,
+    n: i32,
+    k: i32,
+    pad: [i32; 11],
+}
+
+fn run<A: bytemuck::Pod>(name: &str, cfg: LaunchConfig, args: &A) -> tpar_kernels::Result<()> {
+    // SAFETY: every test passes host buffers covering what its kernel reads
+    // and writes (see the kernels in hopper/kernels.cu), kept alive across
+    // the launch, and tensor maps over such buffers.
+    unsafe { launch(emu(), name, cfg, args) }
+}
+
+// ---------------------------------------------------------------- mbarrier
+
+#[test]
+fn mbarrier_phases_order_a_producer_and_consumers() {
+    let rounds = 5;
+    let mut out = vec![0f32; rounds * 96];
+    for seed in 0..4 {
+        emu().set_seed(seed);
+        out.fill(-1.0);
+        let args = MbarArgs { out: out.as_mut_ptr() as DevPtr, rounds: rounds as i32, mode: 0 };
+        run("hopper_mbar_ring", LaunchConfig::linear(1, 128), &args).unwrap();
+        for r in 0..rounds {
+            let want: f32 = (0..32).map(|l| (r * 100 + l) as f32).sum();
+            for c in 0..96 {
+                assert_eq!(out[r * 96 + c], want, "seed {seed} round {r} consumer {c}");
+            }
+        }
+    }
+    emu().set_seed(0x7470_6172);
+}
+
+fn misuse(mode: i32) -> tpar_kernels::Result<()> {
+    let mut out = vec![0f32; 128];
+    let args = MbarArgs { out: out.as_mut_ptr() as DevPtr, rounds: 0, mode };
+    run("hopper_mbar_misuse", LaunchConfig::linear(1, 128), &args)
+}
+
+#[test]
+fn mbarrier_misuse_is_reported_not_hung() {
+    let parity = misuse(0).unwrap_err().to_string();
+    assert!(parity.contains("deadlock") && parity.contains("mbarrier"), "{parity}");
+    assert!(parity.contains("waiting for parity 1"), "{parity}");
+    let tx = misuse(1).unwrap_err().to_string();
+    assert!(tx.contains("deadlock") && tx.contains("64 transaction bytes pending"), "{tx}");
+    let uninit = misuse(2).unwrap_err().to_string();
+    assert!(uninit.contains("never initialized"), "{uninit}");
+    misuse(3).expect("the correct use runs");
+}
+
+// ---------------------------------------------------------------- TMA
+
+/// Where byte `o` of a box (its row-major image, rows of `16 * w` bytes)
+/// lands under a swizzle `w` 16-byte chunks wide (1: none). The CUDA
+/// programming guide's patterns: in the 128-byte swizzle the 16-byte chunk
+/// `c` of row `r` goes to chunk `c ^ (r % 8)`; in the 64-byte one to
+/// `c ^ ((r / 2) % 4)`; in the 32-byte one to `c ^ ((r / 4) % 2)` (the
+/// pattern repeating every 1024, 512, 256 bytes).
+fn swizzled(o: usize, w: usize) -> usize {
+    if w == 1 {
+        return o;
+    }
+    let row_bytes = 16 * w;
+    let (r, c) = (o / row_bytes, (o % row_bytes) / 16);
+    r * row_bytes + (c ^ ((r / (8 / w)) % w)) * 16 + o % 16
+}
+
+fn chunks(s: TensorMapSwizzle) -> usize {
+    match s {
+        TensorMapSwizzle::None => 1,
+        TensorMapSwizzle::B32 => 2,
+        TensorMapSwizzle::B64 => 4,
+        TensorMapSwizzle::B128 => 8,
+    }
+}
+
+/// A `rows x cols` tensor of `esize`-byte elements with rows `pitch` bytes
+/// apart; element (r, c) is distinct and never zero.
+struct Tensor2 {
+    esize: usize,
+    cols: usize,
+    rows: usize,
+    pitch: usize,
+    bytes: Vec<u8>,
+}
+
+impl Tensor2 {
+    fn new(esize: usize, cols: usize, rows: usize, pitch: usize) -> Tensor2 {
+        let mut bytes = vec![0u8; rows * pitch + 256];
+        for r in 0..rows {
+            for c in 0..cols {
+                let v = (r * cols + c) as u64 * 2654435761 % 65521 + 1;
+                let at = r * pitch + c * esize;
+                bytes[at..at + esize].copy_from_slice(&v.to_le_bytes()[..esize]);
+            }
+        }
+        Tensor2 { esize, cols, rows, pitch, bytes }
+    }
+
+    fn base(&self) -> u64 {
+        let p = self.bytes.as_ptr() as u64;
+        p.next_multiple_of(16)
+    }
+
+    fn map(&self, box_dims: [u32; 2], swizzle: TensorMapSwizzle) -> TensorMap {
+        let dtype = if self.esize == 2 { TensorMapDType::BF16 } else { TensorMapDType::F32 };
+        TensorMap::encode_tiled_emulated(&TiledDesc {
+            dtype,
+            global: self.base(),
+            dims: &[self.cols as u64, self.rows as u64],
+            strides: &[self.pitch as u64],
+            box_dims: &box_dims,
+            swizzle,
+        })
+        .unwrap()
+    }
+
+    /// The element at (row, col) as bytes, or None outside the tensor.
+    fn at(&self, r: i64, c: i64) -> Option<&[u8]> {
+        if r < 0 || c < 0 || r >= self.rows as i64 || c >= self.cols as i64 {
+            return None;
+        }
+        let off = (self.base() - self.bytes.as_ptr() as u64) as usize;
+        let at = off + r as usize * self.pitch + c as usize * self.esize;
+        Some(&self.bytes[at..at + self.esize])
+    }
+}
+
+/// Every swizzle mode, with the box width it needs, for both element sizes.
+fn tma_cases() -> Vec<(usize, TensorMapSwizzle, u32)> {
+    let mut v = Vec::new();
+    for esize in [2usize, 4] {
+        v.push((esize, TensorMapSwizzle::None, (48 / esize) as u32));
+        for s in [TensorMapSwizzle::B32, TensorMapSwizzle::B64, TensorMapSwizzle::B128] {
+            v.push((esize, s, (s.bytes() / esize) as u32));
+        }
+    }
+    v
+}
+
+#[test]
+fn tma_loads_boxes_swizzled_with_zeros_outside() {
+    for (esize, swizzle, inner) in tma_cases() {
+        let t = Tensor2::new(esize, 136 / esize, 40, 176);
+        let rows = 16u32;
+        let map = t.map([inner, rows], swizzle);
+        let w = chunks(swizzle);
+        let bytes = inner as usize * esize * rows as usize;
+        let (cols, nrows) = (t.cols as i32, t.rows as i32);
+        for (x, y) in [(0, 0), (3, 5), (cols - 7, nrows - 9), (-5, -3), (cols + 4, 0)] {
+            let mut out = vec![0x5Au8; bytes];
+            let args = TmaArgs {
+                map,
+                src: 0,
+                out: out.as_mut_ptr() as DevPtr,
+                x,
+                y,
+                bytes: bytes as i32,
+                extra_tx: 0,
+                pad: [0; 4],
+            };
+            run(
+                "hopper_tma_load",
+                LaunchConfig::linear(1, 128).with_shared(bytes as u32 + 1024),
+                &args,
+            )
+            .unwrap();
+            for r in 0..rows as usize {
+                for c in 0..inner as usize {
+                    let o = swizzled((r * inner as usize + c) * esize, w);
+                    let got = &out[o..o + esize];
+                    let zero = vec![0u8; esize];
+                    let want = t.at(y as i64 + r as i64, x as i64 + c as i64).unwrap_or(&zero);
+                    assert_eq!(
+                        got, want,
+                        "esize {esize} {swizzle:?} box at ({x}, {y}): element ({r}, {c})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tma_load_expecting_more_bytes_than_arrive_deadlocks() {
+    let t = Tensor2::new(2, 64, 16, 128);
+    let map = t.map([64, 8], TensorMapSwizzle::B128);
+    let mut out = vec![0u8; 1024];
+    let args = TmaArgs {
+        map,
+        src: 0,
+        out: out.as_mut_ptr() as DevPtr,
+        x: 0,
+        y: 0,
+        bytes: 1024,
+        extra_tx: 16,
+        pad: [0; 4],
+    };
+    let e = run("hopper_tma_load", LaunchConfig::linear(1, 128).with_shared(2048), &args)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("deadlock") && e.contains("16 transaction bytes pending"), "{e}");
+}
+
+#[test]
+fn tma_stores_boxes_unswizzled_and_clipped() {
+    for (esize, swizzle, inner) in tma_cases() {
+        let rows = 8u32;
+        let bytes = inner as usize * esize * rows as usize;
+        let image: Vec<u8> = (0..bytes).map(|i| (i * 7 % 251 + 1) as u8).collect();
+        let w = chunks(swizzle);
+        for (x, y) in [(0i32, 0i32), (5, 3), (-4, -2), (20, 30)] {
+            let mut t = Tensor2::new(esize, 80 / esize, 36, 96);
+            t.bytes.fill(0xEE);
+            let map = t.map([inner, rows], swizzle);
+            let args = TmaArgs {
+                map,
+                src: image.as_ptr() as DevPtr,
+                out: 0,
+                x,
+                y,
+                bytes: bytes as i32,
+                extra_tx: 0,
+                pad: [0; 4],
+            };
+            run(
+                "hopper_tma_store",
+                LaunchConfig::linear(1, 128).with_shared(bytes as u32 + 1024),
+                &args,
+            )
+            .unwrap();
+            let mut written = 0;
+            for r in 0..t.rows as i64 {
+                for c in 0..t.cols as i64 {
+                    let (br, bc) = (r - y as i64, c - x as i64);
+                    let inside = (0..rows as i64).contains(&br) && (0..inner as i64).contains(&bc);
+                    let want: Vec<u8> = if inside {
+                        written += 1;
+                        let o = swizzled((br as usize * inner as usize + bc as usize) * esize, w);
+                        image[o..o + esize].to_vec()
+                    } else {
+                        vec![0xEE; esize]
+                    };
+                    assert_eq!(
+                        t.at(r, c).unwrap(),
+                        &want[..],
+                        "esize {esize} {swizzle:?} box at ({x}, {y}): tensor element ({r}, {c})"
+                    );
+                }
+            }
+            assert!(written > 0 || x >= 20, "the box at ({x}, {y}) wrote nothing");
+        }
+    }
+}
+
+#[test]
+fn bad_tensor_maps_are_refused() {
+    let t = Tensor2::new(2, 64, 16, 128);
+    let d = TiledDesc {
+        dtype: TensorMapDType::BF16,
+        global: t.base(),
+        dims: &[64, 16],
+        strides: &[128],
+        box_dims: &[64, 8],
+        swizzle: TensorMapSwizzle::B64,
+    };
+    let e = TensorMap::encode_tiled_emulated(&d).unwrap_err().to_string();
+    assert!(e.contains("wider than the 64-byte swizzle"), "{e}");
+    let e = TensorMap::encode_tiled_emulated(&TiledDesc { strides: &[100], ..d }).unwrap_err();
+    assert!(e.to_string().contains("multiple of 16"), "{e}");
+}
+
+// ---------------------------------------------------------------- wgmma
+
+/// A shared-memory operand of wgmma: M/N-major or K-major, swizzle width
+/// `w` in 16-byte chunks (1: none), leading and stride byte offsets.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    mn_major: bool,
+    w: usize,
+    lbo: usize,
+    sbo: usize,
+}
+
+impl Layout {
+    /// The byte offset of element (mn, k) of a 16-bit operand before
+    /// swizzling: the PTX ISA's canonical layouts ("Shared Memory Matrix
+    /// Layout", in CuTe notation, T = 8 elements per 16 bytes):
+    /// K-major none ((8,m),(T,2k)):((1T,SBO),(1,LBO)); K-major swizzled
+    /// ((8,m),(T,2k)):((wT,SBO),(1,T)); MN-major none
+    /// ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)); MN-major swizzled
+    /// ((T,w,m),(8,k)):((1,T,LBO),(wT,SBO)); strides in elements of 2 bytes.
+    fn offset(&self, mn: usize, k: usize) -> usize {
+        let (w, lbo, sbo) = (self.w, self.lbo, self.sbo);
+        let elems = match (self.mn_major, w) {
+            (false, 1) => (mn % 8) * 8 + (mn / 8) * (sbo / 2) + (k % 8) + (k / 8) * (lbo / 2),
+            (false, _) => (mn % 8) * w * 8 + (mn / 8) * (sbo / 2) + (k % 8) + (k / 8) * 8,
+            (true, 1) => (mn % 8) + (mn / 8) * (sbo / 2) + (k % 8) * 8 + (k / 8) * (lbo / 2),
+            (true, _) => {
+                (mn % 8)
+                    + ((mn / 8) % w) * 8
+                    + (mn / (8 * w)) * (lbo / 2)
+                    + (k % 8) * w * 8
+                    + (k / 8) * (sbo / 2)
+            }
+        };
+        2 * elems
+    }
+
+    /// A layout for an operand of `mn` rows and `k` columns, strides chosen
+    /// so that no two elements meet and LBO and SBO both matter where used.
+    fn for_operand(mn_major: bool, w: usize, mn: usize, k: usize) -> Layout {
+        match (mn_major, w) {
+            // core matrices of 8 x 16 bytes: all MN groups, then the next 8 k
+            (_, 1) => Layout { mn_major, w, lbo: 128 * mn.div_ceil(8), sbo: 128 },
+            // K-major atoms of 8 rows x 16w bytes stacked along MN
+            (false, _) => {
+                assert!(k <= 8 * w);
+                Layout { mn_major, w, lbo: 16, sbo: 128 * w }
+            }
+            // MN-major atoms of 8 k-rows x 16w bytes: the k groups, then the next MN atom
+            (true, _) => Layout { mn_major, w, lbo: 128 * w * k.div_ceil(8), sbo: 128 * w },
+        }
+    }
+
+    /// The swizzle mode field of the matrix descriptor.
+    fn mode(&self) -> i32 {
+        match self.w {
+            1 => 0,
+            8 => 1,
+            4 => 2,
+            _ => 3,
+        }
+    }
+
+    /// The shared-memory image of `value(mn, k)` for mn < `mn`, k < `k`
+    /// (16-bit bits), unused bytes a pattern that poisons any sum reading
+    /// them.
+    fn image(&self, mn: usize, k: usize, value: impl Fn(usize, usize) -> u16) -> Vec<u8> {
+        let mut end = 0;
+        for i in 0..mn {
+            for j in 0..k {
+                end = end.max(swizzled(self.offset(i, j), self.w) + 2);
+            }
+        }
+        let mut img = vec![0x47u8; end.next_multiple_of(1024)];
+        for i in 0..mn {
+            for j in 0..k {
+                let o = swizzled(self.offset(i, j), self.w);
+                assert_eq!(img[o..o + 2], [0x47, 0x47], "layout {self:?} puts two elements at {o}");
+                img[o..o + 2].copy_from_slice(&value(i, j).to_le_bytes());
+            }
+        }
+        img
+    }
+}
+
+fn a_val(m: usize, k: usize) -> f32 {
+    ((m * 7 + k * 3) % 11) as f32 - 5.0
+}
+fn b_val(k: usize, n: usize) -> f32 {
+    ((k * 5 + n * 3) % 13) as f32 - 6.0
+}
+fn c_val(r: usize, c: usize) -> f32 {
+    ((r * 3 + c) % 17) as f32 - 8.0
+}
+
+fn to16(v: f32, f16: bool) -> u16 {
+    if f16 {
+        half::f16::from_f32(v).to_bits()
+    } else {
+        half::bf16::from_f32(v).to_bits()
+    }
+}
+
+/// The ISA's accumulator fragment of wgmma m64nNk16: register `i` of thread
+/// `t` of the warpgroup holds D(row, col).
+fn d_fragment(t: usize, i: usize) -> (usize, usize) {
+    let (warp, lane) = (t / 32, t % 32);
+    (16 * warp + lane / 4 + 8 * ((i / 2) % 2), 8 * (i / 4) + 2 * (lane % 4) + i % 2)
+}
+
+/// The ISA's A fragment of wgmma m64nNk16 (f16/bf16): element `e` (0..8) of
+/// thread `t` holds A(row, col); register j packs elements 2j (low) and 2j+1.
+fn a_fragment(t: usize, e: usize) -> (usize, usize) {
+    let (warp, lane) = (t / 32, t % 32);
+    (16 * warp + lane / 4 + 8 * ((e / 2) % 2), 2 * (lane % 4) + e % 2 + 8 * (e / 4))
+}
+
+#[derive(Clone, Copy, Debug)]
+enum ASource {
+    KMajor,
+    MMajor,
+    Registers,
+}
+
+struct WgCase {
+    n: usize,
+    f16: bool,
+    a: ASource,
+    b_n_major: bool,
+    w: usize,
+    accumulate: bool,
+    early_read: bool,
+}
+
+/// Runs one wgmma and returns (got, want) per thread and register.
+fn wgmma_case(c: &WgCase) -> (Vec<f32>, Vec<f32>) {
+    let n = c.n;
+    let regs = n / 2;
+    // K-major swizzled operands hold a whole swizzle row of k; the wgmma reads
+    // its last 16 (the descriptor's start 32 bytes further per slice)
+    let k_total = |mn_major: bool| if !mn_major && c.w > 2 { 8 * c.w } else { 16 };
+    let a_major = matches!(c.a, ASource::MMajor);
+    let ka = k_total(a_major);
+    let kb = k_total(c.b_n_major);
+    let (ks_a, ks_b) = (ka / 16 - 1, kb / 16 - 1);
+    let la = Layout::for_operand(a_major, c.w, 64, ka);
+    let lb = Layout::for_operand(c.b_n_major, c.w, n, kb);
+    let (a_img, a_start) = match c.a {
+        ASource::Registers => {
+            let mut frag = Vec::with_capacity(128 * 16);
+            for t in 0..128 {
+                for j in 0..4 {
+                    let lo = a_fragment(t, 2 * j);
+                    let hi = a_fragment(t, 2 * j + 1);
+                    let bits = to16(a_val(lo.0, lo.1), c.f16) as u32
+                        | (to16(a_val(hi.0, hi.1), c.f16) as u32) << 16;
+                    frag.extend_from_slice(&bits.to_le_bytes());
+                }
+            }
+            (frag, 0)
+        }
+        _ => {
+            let img = la.image(64, ka, |m, k| to16(a_val(m, k), c.f16));
+            (img, 32 * ks_a)
+        }
+    };
+    let b_img = lb.image(n, kb, |j, k| to16(b_val(k, j), c.f16));
+    let b_at = if matches!(c.a, ASource::Registers) { 0 } else { a_img.len() };
+    let cin: Vec<f32> = (0..128 * regs)
+        .map(|x| {
+            let (r, col) = d_fragment(x / regs, x % regs);
+            c_val(r, col)
+        })
+        .collect();
+    let mut out = vec![0f32; 128 * regs];
+    let variant = c.f16 as i32
+        | (a_major as i32) << 1
+        | (c.b_n_major as i32) << 2
+        | (matches!(c.a, ASource::Registers) as i32) << 3
+        | (match n {
+            16 => 0,
+            64 => 1,
+            128 => 2,
+            _ => 3,
+        }) << 4;
+    let args = WgmmaArgs {
+        a: a_img.as_ptr() as DevPtr,
+        b: b_img.as_ptr() as DevPtr,
+        c: cin.as_ptr() as DevPtr,
+        out: out.as_mut_ptr() as DevPtr,
+        a_bytes: if matches!(c.a, ASource::Registers) { 0 } else { a_img.len() as u32 },
+        b_bytes: b_img.len() as u32,
+        b_at: b_at as u32,
+        a_start: a_start as u32,
+        b_start: 32 * ks_b as u32,
+        lbo_a: la.lbo as u32,
+        sbo_a: la.sbo as u32,
+        lbo_b: lb.lbo as u32,
+        sbo_b: lb.sbo as u32,
+        mode_a: la.mode(),
+        mode_b: lb.mode(),
+        variant,
+        accumulate: c.accumulate as i32,
+        early_read: c.early_read as i32,
+    };
+    let smem = (b_at + b_img.len() + 1024) as u32;
+    run("hopper_wgmma", LaunchConfig::linear(1, 128).with_shared(smem), &args).unwrap();
+    let a_k0 = if matches!(c.a, ASource::Registers) { 0 } else { 16 * ks_a };
+    let want: Vec<f32> = (0..128 * regs)
+        .map(|x| {
+            let (r, col) = d_fragment(x / regs, x % regs);
+            let dot: f64 =
+                (0..16).map(|k| a_val(r, a_k0 + k) as f64 * b_val(16 * ks_b + k, col) as f64).sum();
+            (dot + if c.accumulate { c_val(r, col) as f64 } else { 0.0 }) as f32
+        })
+        .collect();
+    (out, want)
+}
+
+#[test]
+fn wgmma_follows_the_isa_fragments_and_shared_layouts() {
+    let mut cases = 0;
+    for (wi, w) in [1usize, 2, 4, 8].into_iter().enumerate() {
+        for (ai, a) in
+            [ASource::KMajor, ASource::MMajor, ASource::Registers].into_iter().enumerate()
+        {
+            for b_n_major in [false, true] {
+                for (ni, n) in [16usize, 64, 128, 256].into_iter().enumerate() {
+                    let c = WgCase {
+                        n,
+                        f16: (wi + ai + ni) % 2 == 1,
+                        a,
+                        b_n_major,
+                        w,
+                        accumulate: (wi + ni + b_n_major as usize).is_multiple_of(2),
+                        early_read: false,
+                    };
+                    let (got, want) = wgmma_case(&c);
+                    let bad: Vec<String> = (0..got.len())
+                        .filter(|&x| got[x] != want[x])
+                        .take(4)
+                        .map(|x| {
+                            let (r, col) = d_fragment(x / (n / 2), x % (n / 2));
+                            format!(
+                                "thread {} reg {} D[{r}][{col}] = {} want {}",
+                                x / (n / 2),
+                                x % (n / 2),
+                                got[x],
+                                want[x]
+                            )
+                        })
+                        .collect();
+                    assert!(
+                        bad.is_empty(),
+                        "N {n} f16 {} A {a:?} B n-major {b_n_major} swizzle {} acc {}: {}",
+                        c.f16,
+                        16 * w,
+                        c.accumulate,
+                        bad.join("; ")
+                    );
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 96);
+}
+
+#[test]
+fn wgmma_accumulators_read_before_the_wait_are_nan() {
+    let c = WgCase {
+        n: 64,
+        f16: false,
+        a: ASource::KMajor,
+        b_n_major: false,
+        w: 8,
+        accumulate: true,
+        early_read: true,
+    };
+    let (got, want) = wgmma_case(&c);
+    for t in 0..128 {
+        assert!(got[t * 32].is_nan(), "thread {t} read {} before the wait", got[t * 32]);
+        assert_eq!(&got[t * 32 + 1..t * 32 + 32], &want[t * 32 + 1..t * 32 + 32], "thread {t}");
+    }
+    let mut out = vec![0f32; 1];
+    let args = WgmmaArgs { out: out.as_mut_ptr() as DevPtr, ..bytemuck::Zeroable::zeroed() };
+    let e = run("hopper_wgmma_no_wait", LaunchConfig::linear(1, 128).with_shared(8192), &args)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("never waited"), "{e}");
+}
+
+// ---------------------------------------------------------------- a GEMM tile
+
+/// C = A * B^T (`n_major` false, B stored N x K) or A * B (B stored K x N),
+/// on the emulated TMA + mbarrier + wgmma kernel, against a CPU matmul.
+fn gemm_tile(m: usize, n: usize, k: usize, n_major: bool) {
+    let a: Vec<f32> = (0..m * k).map(|i| ((i * 7 + i / k) % 9) as f32 - 4.0).collect();
+    let b: Vec<f32> = (0..n * k).map(|i| ((i * 5 + i / 3) % 7) as f32 - 3.0).collect();
+    // b[j * k + kk] = B^T(j, kk) = B(kk, j)
+    let a16: Vec<u16> = a.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let b16: Vec<u16> = if n_major {
+        (0..k * n).map(|i| half::bf16::from_f32(b[(i % n) * k + i / n]).to_bits()).collect()
+    } else {
+        b.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
+    };
+    let map = |p: &[u16], cols: usize, rows: usize| {
+        TensorMap::encode_tiled_emulated(&TiledDesc {
+            dtype: TensorMapDType::BF16,
+            global: p.as_ptr() as u64,
+            dims: &[cols as u64, rows as u64],
+            strides: &[2 * cols as u64],
+            box_dims: &[64, 64],
+            swizzle: TensorMapSwizzle::B128,
+        })
+        .unwrap()
+    };
+    let mut c = vec![f32::NAN; m * n];
+    let args = GemmTileArgs {
+        map_a: map(&a16, k, m),
+        map_b: if n_major { map(&b16, n, k) } else { map(&b16, k, n) },
+        c: c.as_mut_ptr() as DevPtr,
+        m: m as i32,
+        n: n as i32,
+        k: k as i32,
+        pad: [0; 11],
+    };
+    let name = if n_major { "hopper_gemm_tile_nn" } else { "hopper_gemm_tile_nt" };
+    let cfg = LaunchConfig::grid([n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1], 128)
+        .with_shared(2 * 64 * 64 * 2 + 1024);
+    run(name, cfg, &args).unwrap();
+    for i in 0..m {
+        for j in 0..n {
+            let want: f64 = (0..k).map(|kk| a[i * k + kk] as f64 * b[j * k + kk] as f64).sum();
+            assert_eq!(c[i * n + j] as f64, want, "{name} {m}x{n}x{k}: C[{i}][{j}]");
+        }
+    }
+}
+
+#[test]
+fn a_tma_wgmma_gemm_tile_equals_a_cpu_matmul() {
+    gemm_tile(64, 64, 64, false);
+    gemm_tile(100, 72, 200, false);
+    gemm_tile(100, 72, 200, true);
+    gemm_tile(128, 64, 72, true);
+}

@@ -1,0 +1,133 @@
+//! NVRTC compiles the Hopper test kernels (`tests/hopper/kernels.cu`: the
+//! mbarrier, bulk tensor copy, wgmma and setmaxnreg wrappers of the prelude
+//! and the TMA + wgmma GEMM tile) for `sm_90a`, without a GPU.
+//!
+//! Without a loadable NVRTC the tests print why and pass, unless
+//! `TPAR_REQUIRE_NVRTC=1`, where they fail. NVRTC does not read inline PTX;
+//! when `ptxas` is available (`TPAR_PTXAS`, or on `PATH`) the PTX is also
+//! assembled for `sm_90a`, which checks every instruction, and the registers
+//! and spills of each kernel are reported.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::Command;
+
+use tpar_kernels::cuda::device::{compile_ptx, kernel_names, nvrtc_version};
+use tpar_kernels::cuda::KernelSource;
+
+const ARCH: &str = "sm_90a";
+
+const SOURCE: KernelSource =
+    KernelSource { name: "hopper_test", text: include_str!("hopper/kernels.cu") };
+
+fn say(text: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{text}");
+}
+
+/// Whether NVRTC can be used; without it, skips (prints the reason) or, when
+/// required, fails.
+fn nvrtc_or_skip(test: &str) -> bool {
+    match nvrtc_version() {
+        Ok(_) => true,
+        Err(e) if std::env::var("TPAR_REQUIRE_NVRTC").is_ok_and(|v| v == "1") => {
+            panic!("TPAR_REQUIRE_NVRTC=1 but NVRTC is unavailable: {e}")
+        }
+        Err(e) => {
+            say(&format!("skipping {test}: {e}"));
+            false
+        }
+    }
+}
+
+fn find_ptxas() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TPAR_PTXAS").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join("ptxas")).find(|p| p.is_file())
+}
+
+/// The number right before `unit` in `line` ("0 bytes spill stores" -> 0).
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let head = &line[..line.find(unit)?];
+    head.split_whitespace().next_back()?.parse().ok()
+}
+
+/// (kernel, registers, spill stores, spill loads) from `ptxas -v`.
+fn parse_ptxas(log: &str) -> Vec<(String, u32, u32, u32)> {
+    let mut out: Vec<(String, u32, u32, u32)> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            out.push((rest.split('\'').next().unwrap_or("?").to_string(), 0, 0, 0));
+            continue;
+        }
+        let Some(u) = out.last_mut() else { continue };
+        if line.contains("bytes spill stores") {
+            u.2 = number_before(line, "bytes spill stores").unwrap_or(0);
+            u.3 = number_before(line, "bytes spill loads").unwrap_or(0);
+        }
+        if line.contains("registers") {
+            u.1 = number_before(line, "registers").unwrap_or(0);
+        }
+    }
+    out
+}
+
+#[test]
+fn hopper_kernels_compile_for_sm_90a() {
+    if !nvrtc_or_skip("hopper_kernels_compile_for_sm_90a") {
+        return;
+    }
+    let ptx = compile_ptx(&SOURCE, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    let names = kernel_names(SOURCE.text);
+    assert!(names.contains(&"hopper_gemm_tile_nt") && names.contains(&"hopper_gemm_tile_nn"));
+    for n in &names {
+        assert!(ptx.contains(&format!(".entry {n}(")), "no .entry for {n}");
+    }
+    for instr in [
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16",
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group",
+        "mbarrier.try_wait.parity.shared::cta.b64",
+        "setmaxnreg.dec.sync.aligned.u32",
+    ] {
+        assert!(ptx.contains(instr), "{instr} missing from the PTX");
+    }
+    say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
+
+    let Some(ptxas) = find_ptxas() else {
+        say("ptxas check skipped: no TPAR_PTXAS and no ptxas on PATH");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("tpar-nvrtc-hopper-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("hopper_test.ptx");
+    std::fs::write(&file, &ptx).unwrap();
+    let out = Command::new(&ptxas)
+        .arg(format!("-arch={ARCH}"))
+        .arg("-v")
+        .arg(&file)
+        .arg("-o")
+        .arg(dir.join("hopper_test.cubin"))
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let log =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() && log.contains("Unsupported .version") {
+        say(&format!(
+            "ptxas check skipped: {} is older than the NVRTC that wrote the PTX:\n{log}",
+            ptxas.display()
+        ));
+        return;
+    }
+    assert!(out.status.success(), "ptxas rejected the PTX:\n{log}");
+    let mut report = format!(
+        "ptxas -arch={ARCH} -v:\n  {:<28} {:>5} {:>8} {:>8}",
+        "kernel", "regs", "spill-st", "spill-ld"
+    );
+    for (k, regs, st, ld) in parse_ptxas(&log) {
+        report.push_str(&format!("\n  {k:<28} {regs:>5} {st:>8} {ld:>8}"));
+    }
+    say(&report);
+}
