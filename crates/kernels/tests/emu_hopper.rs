@@ -639,6 +639,19 @@ fn wgmma_accumulators_read_before_the_wait_are_nan() {
     assert!(e.contains("never waited"), "{e}");
 }
 
+#[test]
+fn wgmma_wait_group_retires_the_older_groups_only() {
+    let mut out = vec![0f32; 4 * 128];
+    let args = WgmmaArgs { out: out.as_mut_ptr() as DevPtr, ..bytemuck::Zeroable::zeroed() };
+    run("hopper_wgmma_groups", LaunchConfig::linear(1, 128).with_shared(8192), &args).unwrap();
+    for t in 0..128 {
+        let o = &out[4 * t..4 * t + 4];
+        // every element of A and B is 1: each result is the sum over k = 16
+        assert_eq!((o[0], o[2], o[3]), (16.0, 16.0, 16.0), "thread {t}: {o:?}");
+        assert!(o[1].is_nan(), "thread {t}: the second group landed before its wait: {o:?}");
+    }
+}
+
 // ---------------------------------------------------------------- a GEMM tile
 
 /// C = A * B^T (`n_major` false, B stored N x K) or A * B (B stored K x N),

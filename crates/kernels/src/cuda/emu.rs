@@ -16,6 +16,13 @@
 //! shuffles from exited lanes). Threads of a block run in a shuffled order
 //! between synchronization points (seeded, [`Emulator::set_seed`]).
 //!
+//! Hopper's instructions are emulated too (`crates/kernels/cuda/README.md`
+//! says how): mbarriers (a wait no phase can complete is reported as a
+//! deadlock), bulk tensor copies through tensor maps of
+//! [`super::tensor_map::TensorMap::encode_tiled_emulated`], `wgmma.mma_async`
+//! as a warpgroup collective (accumulators NaN until `wgmma_wait`) and
+//! `setmaxnreg`; thread-block clusters are not.
+//!
 //! ```no_run
 //! use tpar_kernels::cuda::emu::Emulator;
 //! let emu = Emulator::get()?;

@@ -208,6 +208,30 @@ TPAR_KERNEL(hopper_wgmma_no_wait, WgmmaArgs, 128) {
     wgmma_commit();
 }
 
+// Two commit groups on two accumulators: after wgmma_wait<1> only the
+// first group's results have landed, after wgmma_wait<0> both.
+// out[4t..4t+4] = first, second accumulator after wait<1>, then after wait<0>.
+TPAR_KERNEL(hopper_wgmma_groups, WgmmaArgs, 128) {
+    unsigned char* s = hopper_test::smem1024();
+    const int t = threadIdx.x;
+    for (int i = t; i < 4096; i += blockDim.x) s[i] = (i % 2) ? 0x3f : 0x80;  // 1.0 in bf16
+    fence_proxy_async();
+    __syncthreads();
+    float d1[32], d2[32];
+    const u64 desc = wgmma_desc(s, 128, 256, TPAR_WG_SWIZZLE_NONE);
+    wgmma_fence();
+    wgmma_ss<bf16, 64, 0, 0>(d1, desc, desc, false);
+    wgmma_commit();
+    wgmma_ss<bf16, 64, 0, 0>(d2, desc, desc, false);
+    wgmma_commit();
+    wgmma_wait<1>();
+    args.out[4 * t] = d1[0];
+    args.out[4 * t + 1] = d2[0];
+    wgmma_wait<0>();
+    args.out[4 * t + 2] = d1[0];
+    args.out[4 * t + 3] = d2[0];
+}
+
 struct GemmTileArgs {
     TparTensorMap map_a;  // A: M x K bf16 row-major, box 64 x 64, 128-byte swizzle
     TparTensorMap map_b;  // B: N x K (K-major) or K x N (N-major), box 64 x 64, 128-byte swizzle
