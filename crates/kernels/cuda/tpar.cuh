@@ -388,7 +388,8 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // (innermost coordinate first) into shared memory (128-byte aligned; 1024
 // for the 128-byte swizzle), elements out of the tensor read as zeros, and
 // performs complete_tx of the box's bytes on `bar`. tma_store_2d writes a
-// box back (out-of-bounds elements are not written); fence_proxy_async()
+// box back (out-of-bounds elements are not written; tma_load_3d and
+// tma_store_3d the same for 3-D maps, x innermost); fence_proxy_async()
 // first makes the threads' shared-memory writes visible to it, and
 // tma_store_commit / tma_store_wait<N> track completion.
 //
@@ -485,6 +486,20 @@ TPAR_DEVICE void tma_store_2d(const TparTensorMap* map, int x, int y, const void
                      "l"((u64)map),
                  "r"(x), "r"(y), "r"(tpar_shared_addr(smem))
                  : "memory");
+}
+TPAR_DEVICE void tma_load_3d(void* smem, const TparTensorMap* map, int x, int y, int z, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(tpar_shared_addr(smem)),
+        "l"((u64)map), "r"(x), "r"(y), "r"(z), "r"(tpar_shared_addr(bar))
+        : "memory");
+}
+TPAR_DEVICE void tma_store_3d(const TparTensorMap* map, int x, int y, int z, const void* smem) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+            (u64)map),
+        "r"(x), "r"(y), "r"(z), "r"(tpar_shared_addr(smem))
+        : "memory");
 }
 TPAR_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until at most N committed bulk store groups are pending.
@@ -901,6 +916,14 @@ TPAR_DEVICE void tma_load_2d(void* smem, const TparTensorMap* map, int x, int y,
 TPAR_DEVICE void tma_store_2d(const TparTensorMap* map, int x, int y, const void* smem) {
     const int c[2] = {x, y};
     tpar_emu_tma_store(map, c, 2, smem);
+}
+TPAR_DEVICE void tma_load_3d(void* smem, const TparTensorMap* map, int x, int y, int z, u64* bar) {
+    const int c[3] = {x, y, z};
+    tpar_emu_tma_load(smem, map, c, 3, bar);
+}
+TPAR_DEVICE void tma_store_3d(const TparTensorMap* map, int x, int y, int z, const void* smem) {
+    const int c[3] = {x, y, z};
+    tpar_emu_tma_store(map, c, 3, smem);
 }
 TPAR_DEVICE void tma_store_commit() {}
 template <int N>

@@ -331,6 +331,85 @@ fn tma_stores_boxes_unswizzled_and_clipped() {
 }
 
 #[test]
+fn tma_3d_boxes_load_and_store_through_the_third_dim() {
+    // a 4 x 10 x 24 bf16 tensor (planes of 10 rows of 24, rows 64 bytes apart,
+    // planes 704 bytes apart); boxes of 2 planes x 4 rows x 32 elements
+    let (cols, rows, planes, pitch, plane) = (24usize, 10usize, 4usize, 64usize, 704usize);
+    let mut data = vec![0u16; plane / 2 * planes + 64];
+    let base = data.as_ptr() as usize;
+    let off = (base.next_multiple_of(16) - base) / 2;
+    let idx = |z: usize, y: usize, x: usize| off + z * plane / 2 + y * pitch / 2 + x;
+    for z in 0..planes {
+        for y in 0..rows {
+            for x in 0..cols {
+                data[idx(z, y, x)] = (1 + z * 1000 + y * 40 + x) as u16;
+            }
+        }
+    }
+    let before = data.clone();
+    let map = TensorMap::encode_tiled_emulated(&TiledDesc {
+        dtype: TensorMapDType::BF16,
+        global: data[off..].as_mut_ptr() as u64,
+        dims: &[cols as u64, rows as u64, planes as u64],
+        strides: &[pitch as u64, plane as u64],
+        box_dims: &[32, 4, 2],
+        swizzle: TensorMapSwizzle::B64,
+    })
+    .unwrap();
+    let (x, y, z) = (-4i32, 7i32, 1i32);
+    let bytes = 32 * 4 * 2 * 2;
+    let mut out = vec![0u8; bytes];
+    let args = TmaArgs {
+        map,
+        src: 0,
+        out: out.as_mut_ptr() as DevPtr,
+        x,
+        y,
+        bytes: bytes as i32,
+        extra_tx: z,
+        pad: [0; 4],
+    };
+    run("hopper_tma_3d", LaunchConfig::linear(1, 128).with_shared(bytes as u32 + 1024), &args)
+        .unwrap();
+    let value = |d: &[u16], gz: i64, gy: i64, gx: i64| -> u16 {
+        let inside = (0..planes as i64).contains(&gz)
+            && (0..rows as i64).contains(&gy)
+            && (0..cols as i64).contains(&gx);
+        if inside {
+            d[idx(gz as usize, gy as usize, gx as usize)]
+        } else {
+            0
+        }
+    };
+    for bz in 0..2i64 {
+        for by in 0..4i64 {
+            for bx in 0..32i64 {
+                let o = swizzled((((bz * 4 + by) * 32 + bx) * 2) as usize, 4);
+                let got = u16::from_le_bytes([out[o], out[o + 1]]);
+                let want = value(&before, z as i64 + bz, y as i64 + by, x as i64 + bx);
+                assert_eq!(got, want, "load: box element ({bz}, {by}, {bx})");
+            }
+        }
+    }
+    // the store wrote the loaded box one plane further, clipped to the tensor
+    for gz in 0..planes as i64 {
+        for gy in 0..rows as i64 {
+            for gx in 0..cols as i64 {
+                let (bz, by, bx) = (gz - z as i64 - 1, gy - y as i64, gx - x as i64);
+                let inside = (0..2).contains(&bz) && (0..4).contains(&by) && (0..32).contains(&bx);
+                let want = if inside {
+                    value(&before, gz - 1, gy, gx)
+                } else {
+                    before[idx(gz as usize, gy as usize, gx as usize)]
+                };
+                let got = data[idx(gz as usize, gy as usize, gx as usize)];
+                assert_eq!(got, want, "store: tensor element ({gz}, {gy}, {gx})");
+            }
+        }
+    }
+}
+
+#[test]
 fn bad_tensor_maps_are_refused() {
     let t = Tensor2::new(2, 64, 16, 128);
     let d = TiledDesc {

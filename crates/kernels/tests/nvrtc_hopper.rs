@@ -88,6 +88,8 @@ fn hopper_kernels_compile_for_sm_90a() {
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16",
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
         "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group",
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
         "mbarrier.try_wait.parity.shared::cta.b64",
         "setmaxnreg.dec.sync.aligned.u32",
     ] {

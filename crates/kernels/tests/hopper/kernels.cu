@@ -105,6 +105,33 @@ TPAR_KERNEL(hopper_tma_load, TPAR_GRID_CONSTANT(TmaArgs), 128) {
     for (int i = t; i < args.bytes; i += blockDim.x) out[i] = s[i];
 }
 
+// As hopper_tma_load for a 3-D map, the box at (x, y, z = extra_tx); then
+// the image stored back through the same map at (x, y, z + 1).
+TPAR_KERNEL(hopper_tma_3d, TPAR_GRID_CONSTANT(TmaArgs), 128) {
+    __shared__ __align__(8) u64 bar;
+    unsigned char* s = hopper_test::smem1024();
+    const int t = threadIdx.x;
+    if (t == 0) {
+        mbarrier_init(&bar, 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (t == 0) {
+        mbarrier_arrive_expect_tx(&bar, (u32)args.bytes);
+        tma_load_3d(s, &args.map, args.x, args.y, args.extra_tx, &bar);
+    }
+    mbarrier_wait_parity(&bar, 0);
+    unsigned char* out = static_cast<unsigned char*>(args.out);
+    for (int i = t; i < args.bytes; i += blockDim.x) out[i] = s[i];
+    fence_proxy_async();
+    __syncthreads();
+    if (t == 0) {
+        tma_store_3d(&args.map, args.x, args.y, args.extra_tx + 1, s);
+        tma_store_commit();
+        tma_store_wait<0>();
+    }
+}
+
 // The raw shared-memory image `src` of one box written to the tensor at
 // (x, y) through the tensor map.
 TPAR_KERNEL(hopper_tma_store, TPAR_GRID_CONSTANT(TmaArgs), 128) {
