@@ -276,7 +276,12 @@ impl FsdpParamGroup {
                         ),
                     });
                 }
-                parts.push(shard.to_dtype(layout.dtype)?.reshape([len * s.row_numel])?);
+                // The compute-dtype shard: the optimizer's working copy when current.
+                let cast = match layout.dtype == shard.dtype() {
+                    true => shard,
+                    false => self.params[s.index].compute_shard()?.to_dtype(layout.dtype)?,
+                };
+                parts.push(cast.reshape([len * s.row_numel])?);
                 let pad = (s.chunk - len) * s.row_numel;
                 if pad > 0 {
                     parts.push(Tensor::zeros([pad], layout.dtype, device)?);
@@ -403,7 +408,9 @@ impl FsdpParamGroup {
                 let cast = match shard.dtype() == p.param_dtype() {
                     // A copy of its own: the optimizer updates the shard in place.
                     true => shard.deep_clone()?,
-                    false => shard.to_dtype(p.param_dtype())?,
+                    // The working copy when current (copied into the parameter's own
+                    // storage, as it is kept), else the cast shard (moved).
+                    false => p.compute_shard()?,
                 };
                 // `{ cast }` drops the cast's handle with the statement, so the storage
                 // moves into the parameter instead of being copied again.
@@ -575,6 +582,8 @@ impl FsdpParamGroup {
     /// Adds `g` (member `i`'s reduced gradient shard, any shape of its elements and any
     /// float dtype) into the shard's `.grad()`, cast to the shard's dtype.
     fn add_to_shard_grad(&self, i: usize, g: Tensor) -> Result<()> {
+        // An optimizer may change the shard from now on.
+        self.params[i].working_out_of_date();
         let leaf = self.params[i].sharded();
         let g = g.reshape(leaf.shape().clone())?.to_dtype(leaf.dtype())?;
         let g = match leaf.grad() {

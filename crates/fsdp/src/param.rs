@@ -24,6 +24,15 @@ struct Inner {
     sharded: Tensor,
     unsharded: Tensor,
     pending: Option<Work>,
+    /// The shard in the compute dtype as an optimizer step wrote it (mixed precision),
+    /// kept between steps; `current` while it holds the shard's values.
+    working: Option<Working>,
+}
+
+/// The working copy of [`Inner`].
+struct Working {
+    copy: Tensor,
+    current: bool,
 }
 
 /// One parameter under FSDP.
@@ -38,6 +47,15 @@ struct Inner {
 /// gradient to the group, which reduce-scatters the unit's gradients together once all
 /// have arrived. Alone, the parameter gathers itself and its node reduce-scatters its own
 /// gradient (averaged over dp, in `reduce_dtype`) into the shard.
+///
+/// **Working copy (mixed precision).** When the compute dtype differs from the shard's,
+/// an optimizer step can write the updated shard, cast to the compute dtype, into the
+/// parameter's working copy in the same pass ([`Unshard::working_copy`], what
+/// `tpar_optim::AdamW` does); the gathers until the shard's next gradient arrives then
+/// read that copy instead of casting the shard (bit for bit the same values). The copy is
+/// out of date once a gradient arrives (an optimizer may then change the shard), and on
+/// [`FsdpParam::adopt`], [`FsdpParam::load_shard`] and [`FsdpParam::invalidate`]; the
+/// gathers then cast the shard as without it. It costs one shard in the compute dtype.
 pub struct FsdpParam {
     inner: Mutex<Inner>,
     /// This state, for the link its shards carry ([`link_unsharder`]).
@@ -87,6 +105,7 @@ impl FsdpParam {
                 unsharded: sharded.clone(),
                 sharded: sharded.clone(),
                 pending: None,
+                working: None,
             }),
             me: me.clone(),
             layout,
@@ -156,6 +175,7 @@ impl FsdpParam {
         let u = placeholder.clone();
         let (dp, reduce, master) = (self.dp.clone(), self.reduce_dtype, sharded.dtype());
         let link = self.group.clone();
+        let me = self.me.clone();
         // The node is part of the parameter whatever the caller's grad mode.
         let _grad = GradModeGuard::new(true);
         let unsharded = record("fsdp_all_gather", &[&sharded], placeholder, move |g| {
@@ -171,11 +191,78 @@ impl FsdpParam {
             let g = g.to_dtype(reduce)?;
             let shard = dp.reduce_scatter(&g, 0, ReduceOp::Avg)?;
             u.release_storage_();
+            if let Some(me) = me.upgrade() {
+                me.working_out_of_date();
+            }
             Ok(vec![Some(shard.to_dtype(master)?)])
         });
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        *inner = Inner { sharded, unsharded, pending: None };
+        *inner = Inner { sharded, unsharded, pending: None, working: None };
         Ok(())
+    }
+
+    /// Marks the working copy out of date (the shard may change, or did).
+    pub(crate) fn working_out_of_date(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = &mut inner.working {
+            w.current = false;
+        }
+    }
+
+    /// The shard in the compute dtype, as a gather sends it: the working copy an
+    /// optimizer step wrote when it is current, else the shard cast (the shard itself
+    /// when the dtypes agree; callers copy before writing).
+    pub(crate) fn compute_shard(&self) -> Result<Tensor> {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        self.compute_shard_of(&inner)
+    }
+
+    fn compute_shard_of(&self, inner: &Inner) -> Result<Tensor> {
+        if let Some(Working { copy, current: true }) = &inner.working {
+            return Ok(copy.clone());
+        }
+        Ok(no_grad(|| inner.sharded.detach().to_dtype(self.param_dtype))?)
+    }
+
+    /// Whether a current working copy stands in for the cast shard (for tests and
+    /// reports).
+    pub fn has_current_working_copy(&self) -> bool {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.working.as_ref().is_some_and(|w| w.current)
+    }
+
+    /// See [`Unshard::working_copy`]: the working copy (allocated on first use, in the
+    /// compute dtype, shaped and placed as the shard), marked out of date until
+    /// [`FsdpParam::stepped`]; `None` when the shard is in the compute dtype or holds
+    /// no data (meta).
+    pub fn working_copy(&self) -> Result<Option<Tensor>> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let shard = &inner.sharded;
+        if shard.dtype() == self.param_dtype || shard.device() == Device::Meta {
+            return Ok(None);
+        }
+        let fits = inner
+            .working
+            .as_ref()
+            .is_some_and(|w| w.copy.shape() == shard.shape() && w.copy.device() == shard.device());
+        if !fits {
+            let copy = Tensor::zeros(shard.shape().clone(), self.param_dtype, shard.device())?;
+            inner.working = Some(Working { copy, current: false });
+        }
+        let w = inner.working.as_mut().ok_or_else(|| NnError::Config {
+            what: "internal error: the FSDP working copy vanished".into(),
+        })?;
+        w.current = false;
+        Ok(Some(w.copy.clone()))
+    }
+
+    /// See [`Unshard::stepped`]: the shard was updated in place; the working copy is
+    /// current when the update wrote it too.
+    pub fn stepped(&self, copy_written: bool) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = &mut inner.working {
+            w.current = copy_written;
+        }
     }
 
     /// Makes `shard` (a new leaf laid out as the current shard, e.g. at initialisation)
@@ -211,7 +298,10 @@ impl FsdpParam {
     /// gathers the shard's current values (after they were overwritten in place).
     pub fn invalidate(&self) -> Result<()> {
         {
-            let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(w) = &mut inner.working {
+                w.current = false;
+            }
             if !inner.unsharded.is_released() && inner.unsharded.device() != Device::Meta {
                 inner.unsharded.release_storage_();
             }
@@ -308,7 +398,7 @@ impl FsdpParam {
         if !inner.unsharded.is_released() || inner.pending.is_some() {
             return Ok(());
         }
-        let src = no_grad(|| inner.sharded.detach().to_dtype(self.param_dtype))?;
+        let src = self.compute_shard_of(&inner)?;
         inner.pending = Some(self.dp.all_gather_async(&src, 0));
         Ok(())
     }
@@ -329,10 +419,10 @@ impl FsdpParam {
         }
         let full = match inner.pending.take() {
             Some(w) => w.wait()?,
-            None => no_grad(|| -> Result<Tensor> {
-                let src = inner.sharded.detach().to_dtype(self.param_dtype)?;
-                Ok(self.dp.all_gather(&src, 0)?)
-            })?,
+            None => {
+                let src = self.compute_shard_of(&inner)?;
+                no_grad(|| self.dp.all_gather(&src, 0))?
+            }
         };
         inner.unsharded.fill_storage_(full)?;
         Ok(())
@@ -410,6 +500,13 @@ impl Unshard for FsdpParam {
     }
     fn invalidate(&self) -> Result<()> {
         FsdpParam::invalidate(self)
+    }
+    fn working_copy(&self) -> Result<Option<Tensor>> {
+        FsdpParam::working_copy(self)
+    }
+    fn stepped(&self, copy_written: bool) -> Result<()> {
+        FsdpParam::stepped(self, copy_written);
+        Ok(())
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self

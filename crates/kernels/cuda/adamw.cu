@@ -12,6 +12,13 @@
 // loop takes 8 elements per thread per step with 16-byte accesses when every
 // buffer is 16-byte aligned, element by element otherwise. tpar_multi_adamw_*
 // (MultiAdamwArgs below) run the same step over up to 32 tensors a launch.
+//
+// Working copies: tpar_adamw_f32_copy_{bf16,f16} (and tpar_multi_adamw_f32_copy_*)
+// take f32 parameters and gradients and also write each updated parameter, rounded
+// to bf16 or f16, into `work` (a tensor's `work` may be null: no copy), in the same
+// pass: the low-precision working copy mixed-precision training computes with, the
+// bits a separate cast of the updated parameter gives (from_f32 rounds to nearest
+// even, as the cast kernels do). The other kernels ignore `work`.
 
 // The step's coefficients, folded on the host.
 struct AdamwCoef {
@@ -30,6 +37,7 @@ struct AdamwArgs {
     const void* grad;   // [n]
     float* exp_avg;     // [n]
     float* exp_avg_sq;  // [n]
+    void* work;         // [n] working copy, or null (the *_copy_* kernels only)
     i64 n;
     AdamwCoef coef;
 };
@@ -44,6 +52,7 @@ struct MultiAdamwArgs {
     const void* grad[TPAR_MULTI_MAX];
     float* exp_avg[TPAR_MULTI_MAX];
     float* exp_avg_sq[TPAR_MULTI_MAX];
+    void* work[TPAR_MULTI_MAX];  // working copies or nulls (the *_copy_* kernels only)
     i64 n[TPAR_MULTI_MAX];
     i32 first[TPAR_MULTI_MAX];
     i32 total;  // blocks in all
@@ -74,13 +83,16 @@ TPAR_DEVICE float update(float p, float g, float& m, float& v, const AdamwCoef& 
 }
 
 // Elements [begin, end) of one tensor, thread t of nt: 8 at a time with
-// 16-byte accesses when all four buffers are 16-byte aligned at `begin`
-// (`begin` is a multiple of 8), one at a time otherwise and for the tail.
-template <typename T, typename G>
+// 16-byte accesses when all buffers (the working copy too, when there is one) are
+// 16-byte aligned at `begin` (`begin` is a multiple of 8), one at a time otherwise
+// and for the tail. With `work` not null, each updated parameter as stored (rounded
+// to T) is also rounded to W and written there.
+template <typename T, typename G, typename W>
 TPAR_DEVICE void update_range(T* param, const G* grad, float* exp_avg, float* exp_avg_sq,
-                              i64 begin, i64 end, i64 t, i64 nt, const AdamwCoef& c) {
+                              W* work, i64 begin, i64 end, i64 t, i64 nt, const AdamwCoef& c) {
     const bool vec = aligned16(param + begin) && aligned16(grad + begin) &&
-                     aligned16(exp_avg + begin) && aligned16(exp_avg_sq + begin);
+                     aligned16(exp_avg + begin) && aligned16(exp_avg_sq + begin) &&
+                     (work == nullptr || aligned16(work + begin));
     const i64 body = vec ? begin + (end - begin) / kVec * kVec : begin;
     for (i64 i = begin + t * kVec; i < body; i += nt * kVec) {
         float p[kVec], g[kVec], m[kVec], v[kVec];
@@ -93,33 +105,43 @@ TPAR_DEVICE void update_range(T* param, const G* grad, float* exp_avg, float* ex
         store8(param + i, p);
         store8(exp_avg + i, m);
         store8(exp_avg_sq + i, v);
+        if (work != nullptr) {
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) p[k] = to_f32(from_f32<T>(p[k]));
+            store8(work + i, p);
+        }
     }
     for (i64 i = body + t; i < end; i += nt) {
         float m = exp_avg[i], v = exp_avg_sq[i];
         const float p = update(to_f32(param[i]), to_f32(grad[i]), m, v, c);
-        param[i] = from_f32<T>(p);
+        const T stored = from_f32<T>(p);
+        param[i] = stored;
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
+        if (work != nullptr) work[i] = from_f32<W>(to_f32(stored));
     }
 }
 
-template <typename T, typename G>
+// kCopy: `work` holds a working copy of W elements (or null); otherwise it is not read.
+template <typename T, typename G, typename W = T, bool kCopy = false>
 TPAR_DEVICE void step(const AdamwArgs& a) {
     const AdamwCoef& c = a.coef;
     const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 nthreads = (i64)gridDim.x * blockDim.x;
+    W* work = kCopy ? static_cast<W*>(a.work) : nullptr;
     update_range(static_cast<T*>(a.param), static_cast<const G*>(a.grad), a.exp_avg,
-                 a.exp_avg_sq, 0, a.n, tid, nthreads, c);
+                 a.exp_avg_sq, work, 0, a.n, tid, nthreads, c);
 }
 
 // One block per chunk of one of up to TPAR_MULTI_MAX tensors (tpar.cuh).
-template <typename T, typename G>
+template <typename T, typename G, typename W = T, bool kCopy = false>
 TPAR_DEVICE void step_each(const MultiAdamwArgs& a) {
     const AdamwCoef& c = a.coef;
     const MultiChunk ch = multi_chunk(a.first, a.n, a.count, blockIdx.x);
+    W* work = kCopy ? static_cast<W*>(a.work[ch.t]) : nullptr;
     update_range(static_cast<T*>(a.param[ch.t]), static_cast<const G*>(a.grad[ch.t]),
-                 a.exp_avg[ch.t], a.exp_avg_sq[ch.t], ch.begin, ch.end, threadIdx.x, blockDim.x,
-                 c);
+                 a.exp_avg[ch.t], a.exp_avg_sq[ch.t], work, ch.begin, ch.end, threadIdx.x,
+                 blockDim.x, c);
 }
 
 }  // namespace adamw
@@ -129,6 +151,12 @@ TPAR_KERNEL(tpar_adamw_bf16, AdamwArgs, 256) { adamw::step<bf16, bf16>(args); }
 TPAR_KERNEL(tpar_adamw_f16, AdamwArgs, 256) { adamw::step<f16, f16>(args); }
 TPAR_KERNEL(tpar_adamw_f32grad_bf16, AdamwArgs, 256) { adamw::step<bf16, float>(args); }
 TPAR_KERNEL(tpar_adamw_f32grad_f16, AdamwArgs, 256) { adamw::step<f16, float>(args); }
+TPAR_KERNEL(tpar_adamw_f32_copy_bf16, AdamwArgs, 256) {
+    adamw::step<float, float, bf16, true>(args);
+}
+TPAR_KERNEL(tpar_adamw_f32_copy_f16, AdamwArgs, 256) {
+    adamw::step<float, float, f16, true>(args);
+}
 
 TPAR_KERNEL(tpar_multi_adamw_f32, MultiAdamwArgs, 256) { adamw::step_each<float, float>(args); }
 TPAR_KERNEL(tpar_multi_adamw_bf16, MultiAdamwArgs, 256) { adamw::step_each<bf16, bf16>(args); }
@@ -138,4 +166,10 @@ TPAR_KERNEL(tpar_multi_adamw_f32grad_bf16, MultiAdamwArgs, 256) {
 }
 TPAR_KERNEL(tpar_multi_adamw_f32grad_f16, MultiAdamwArgs, 256) {
     adamw::step_each<f16, float>(args);
+}
+TPAR_KERNEL(tpar_multi_adamw_f32_copy_bf16, MultiAdamwArgs, 256) {
+    adamw::step_each<float, float, bf16, true>(args);
+}
+TPAR_KERNEL(tpar_multi_adamw_f32_copy_f16, MultiAdamwArgs, 256) {
+    adamw::step_each<float, float, f16, true>(args);
 }

@@ -1,13 +1,16 @@
 //! `cuda/adamw.cu` on the CPU emulator against `tpar_kernels::adamw`, over
-//! several steps, and the multi-tensor step against each tensor's own.
+//! several steps, and the multi-tensor step against each tensor's own; the steps
+//! that also write a bf16 / f16 working copy against the plain step and a separate
+//! cast of its result, bit for bit.
 
 mod common;
 
 use common::{assert_close, dtype, emu, f64s, mptr, multi_lengths, ptr, tol, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::adamw::{adamw_step, AdamWParams};
+use tpar_kernels::adamw::{adamw_step, adamw_step_with_copy, AdamWParams};
 use tpar_kernels::cuda::raw::adamw::{self as k, AdamwBuffers};
-use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::elementwise::cast;
 use tpar_kernels::{Float, KernelError};
 
 fn hyper(step: u64) -> AdamWParams {
@@ -256,4 +259,177 @@ fn bad_multi_tensor_arguments_are_errors() {
         assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
     }
     assert_eq!(p, vec![bf16::ZERO; 8], "a refused call changed the parameters");
+}
+
+/// Bits of the f64 widening of each element (a NaN's too).
+fn bits_of<T: Float>(v: &[T]) -> Vec<u64> {
+    f64s(v).iter().map(|x| x.to_bits()).collect()
+}
+
+/// Gradients with a NaN (its parameter, and so its copy, turn NaN) and parameters
+/// that round to infinity in f16 or sit at a bf16 rounding tie.
+fn awkward(rng: &mut Rng, n: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut p: Vec<f32> = rng.vec(n, 1.0);
+    let specials = [70_000.0, -65_519.0, 1.0 + 1.0 / 256.0];
+    for (x, s) in p.iter_mut().zip(specials) {
+        *x = s;
+    }
+    let grads = (0..3)
+        .map(|_| {
+            let mut g: Vec<f32> = rng.vec(n, 0.5);
+            if n > 5 {
+                g[5] = f32::NAN;
+            }
+            g
+        })
+        .collect();
+    (p, grads)
+}
+
+/// Three steps of [`k::adamw_step_with_copy`] (f32 parameters, a `W` copy whose
+/// buffer starts `copy_shift` elements past a 16-byte boundary) against
+/// [`k::adamw_step`] on a twin: the parameters and moments are the same bits, the
+/// copy is a separate cast of the parameters bit for bit, and both equal the CPU's
+/// [`adamw_step_with_copy`].
+fn copy_steps<W: Float<Acc = f32>>(seed: u64, n: usize, copy_shift: usize) {
+    let mut rng = Rng(seed);
+    let (p, grads) = awkward(&mut rng, n);
+    let mut plain = (Buf::new(&p, 0), Buf::<f32>::zeros(n, 0), Buf::<f32>::zeros(n, 0));
+    let mut with = (Buf::new(&p, 0), Buf::<f32>::zeros(n, 0), Buf::<f32>::zeros(n, 0));
+    let mut copy = Buf::<W>::zeros(n, copy_shift);
+    let (mut cp, mut cm, mut cv, mut cc) = (p.clone(), vec![0f32; n], vec![0f32; n], copy.get());
+    let (f32d, wd) = (CudaDType::F32, dtype::<W>());
+    for (step, g) in (1..=3).zip(&grads) {
+        let h = hyper(step);
+        let gp = ptr(g);
+        // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on
+        // this thread before returning), each of `n` elements; none overlaps another.
+        unsafe {
+            let (pp, mp, vp) = (plain.0.ptr(), plain.1.ptr(), plain.2.ptr());
+            k::adamw_step(emu(), f32d, f32d, pp, gp, mp, vp, n, &h).unwrap();
+            let (pp, mp, vp, cp) = (with.0.ptr(), with.1.ptr(), with.2.ptr(), copy.ptr());
+            k::adamw_step_with_copy(emu(), pp, gp, mp, vp, wd, cp, n, &h).unwrap();
+        }
+        let cast_one = |x: f32| W::from_f64(x.to_f64());
+        adamw_step_with_copy(&mut cp, g, &mut cm, &mut cv, &mut cc, cast_one, &h).unwrap();
+        let what = format!("adamw f32 -> {} n {n} copy shift {copy_shift} step {step}", W::NAME);
+        assert_eq!(bits_of(&with.0.get()), bits_of(&plain.0.get()), "{what}: param");
+        assert_eq!(bits_of(&with.1.get()), bits_of(&plain.1.get()), "{what}: exp_avg");
+        assert_eq!(bits_of(&with.2.get()), bits_of(&plain.2.get()), "{what}: exp_avg_sq");
+        let mut want = vec![W::from_f64(0.0); n];
+        cast(&with.0.get(), &mut want).unwrap();
+        assert_eq!(bits_of(&copy.get()), bits_of(&want), "{what}: copy against a cast");
+        assert_eq!(bits_of(&with.0.get()), bits_of(&cp), "{what}: param against the CPU");
+        assert_eq!(bits_of(&copy.get()), bits_of(&cc), "{what}: copy against the CPU");
+    }
+}
+
+#[test]
+fn step_with_copy_writes_the_cast_of_the_update() {
+    copy_steps::<bf16>(31, 1003, 0);
+    copy_steps::<bf16>(32, 77, 1);
+    copy_steps::<f16>(33, 517, 0);
+    copy_steps::<f16>(34, 45, 3);
+}
+
+/// Three steps of [`k::adamw_step_each_with_copies`] over [`multi_lengths`] tensors
+/// (every fourth without a copy, some copies unaligned) against
+/// [`k::adamw_step_with_copy`] / [`k::adamw_step`] on each alone: the same bits.
+fn each_copies_as_alone<W: Float<Acc = f32>>(seed: u64) {
+    let lens = multi_lengths();
+    let mut r = Rng(seed);
+    type Set<W> = (Buf<f32>, Buf<f32>, Buf<f32>, Option<Buf<W>>);
+    let mut sets: Vec<(Set<W>, Set<W>)> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let p: Vec<f32> = r.vec(n, 1.0);
+            let shift = (i % 3 == 2) as usize;
+            let make = || -> Set<W> {
+                let copy = (i % 4 != 3).then(|| Buf::zeros(n, shift));
+                (Buf::new(&p, (i % 5 == 1) as usize), Buf::zeros(n, 0), Buf::zeros(n, 0), copy)
+            };
+            (make(), make())
+        })
+        .collect();
+    let (f32d, wd) = (CudaDType::F32, dtype::<W>());
+    for step in 1..=3 {
+        let grads: Vec<Vec<f32>> = lens.iter().map(|&n| r.vec(n, 0.5)).collect();
+        for ((alone, _), (g, &n)) in sets.iter_mut().zip(grads.iter().zip(&lens)) {
+            let (pp, mp, vp) = (alone.0.ptr(), alone.1.ptr(), alone.2.ptr());
+            // SAFETY: host buffers stand in for device memory, each of `n` elements.
+            unsafe {
+                match &mut alone.3 {
+                    Some(c) => {
+                        let cp = c.ptr();
+                        k::adamw_step_with_copy(emu(), pp, ptr(g), mp, vp, wd, cp, n, &hyper(step))
+                    }
+                    None => k::adamw_step(emu(), f32d, f32d, pp, ptr(g), mp, vp, n, &hyper(step)),
+                }
+                .unwrap();
+            }
+        }
+        let mut bufs = Vec::new();
+        let mut copies: Vec<DevPtr> = Vec::new();
+        for ((_, each), (g, &n)) in sets.iter_mut().zip(grads.iter().zip(&lens)) {
+            bufs.push(AdamwBuffers {
+                param: each.0.ptr(),
+                grad: ptr(g),
+                exp_avg: each.1.ptr(),
+                exp_avg_sq: each.2.ptr(),
+                n,
+            });
+            copies.push(each.3.as_mut().map_or(0, |c| c.ptr()));
+        }
+        // SAFETY: as above; no two tensors share a buffer.
+        unsafe { k::adamw_step_each_with_copies(emu(), wd, &bufs, &copies, &hyper(step)) }.unwrap();
+        for (i, (alone, each)) in sets.iter().enumerate() {
+            let what = format!("{} copies: tensor {i} ({} elements) step {step}", W::NAME, lens[i]);
+            assert_eq!(bits_of(&each.0.get()), bits_of(&alone.0.get()), "{what}: param");
+            assert_eq!(bits_of(&each.1.get()), bits_of(&alone.1.get()), "{what}: exp_avg");
+            assert_eq!(bits_of(&each.2.get()), bits_of(&alone.2.get()), "{what}: exp_avg_sq");
+            if let (Some(a), Some(e)) = (&alone.3, &each.3) {
+                assert_eq!(bits_of(&e.get()), bits_of(&a.get()), "{what}: copy");
+                let mut want = vec![W::from_f64(0.0); lens[i]];
+                cast(&each.0.get(), &mut want).unwrap();
+                assert_eq!(bits_of(&e.get()), bits_of(&want), "{what}: copy against a cast");
+            }
+        }
+    }
+}
+
+#[test]
+fn each_tensor_writes_its_copy_as_alone_in_the_multi_tensor_launch() {
+    each_copies_as_alone::<bf16>(41);
+    each_copies_as_alone::<f16>(42);
+}
+
+#[test]
+fn bad_copy_arguments_are_errors() {
+    let mut p = vec![0f32; 8];
+    let g = vec![0f32; 8];
+    let (mut m, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+    let mut c = vec![bf16::ZERO; 8];
+    let (pp, mp, vp, cp) = (mptr(&mut p), mptr(&mut m), mptr(&mut v), mptr(&mut c));
+    let b = AdamwBuffers { param: pp, grad: ptr(&g), exp_avg: mp, exp_avg_sq: vp, n: 8 };
+    let (bf, f32d) = (CudaDType::BF16, CudaDType::F32);
+    // SAFETY: the argument checks reject each call before anything is launched (asserted
+    // below).
+    for r in unsafe {
+        [
+            // An f32 "working copy" of f32 parameters.
+            k::adamw_step_with_copy(emu(), pp, ptr(&g), mp, vp, f32d, cp, 8, &hyper(1)),
+            // A null copy with elements.
+            k::adamw_step_with_copy(emu(), pp, ptr(&g), mp, vp, bf, 0, 8, &hyper(1)),
+            k::adamw_step_with_copy(emu(), pp, ptr(&g), mp, vp, bf, cp, 8, &hyper(0)),
+            k::adamw_step_each_with_copies(emu(), f32d, &[b], &[cp], &hyper(1)),
+            // One copy slot for two tensors.
+            k::adamw_step_each_with_copies(emu(), bf, &[b, b], &[cp], &hyper(1)),
+            k::adamw_step_each_with_copies(emu(), bf, &[b], &[cp + 1], &hyper(1)),
+        ]
+    } {
+        assert!(matches!(r, Err(KernelError::BadArguments { .. })), "{r:?}");
+    }
+    assert_eq!(p, vec![0f32; 8], "a refused call changed the parameters");
+    assert_eq!(c, vec![bf16::ZERO; 8], "a refused call wrote the copy");
 }

@@ -17,7 +17,8 @@
 //!
 //! - **Parameters**: every parameter's local shard in the parameter dtype: divided by
 //!   `t` for the sharded projections, embedding and head (the norms' weights are
-//!   replicated over tp), and by `dp` as well under FSDP (`fully_shard` shards dim 0).
+//!   replicated over tp), and by `dp` as well under FSDP (`fully_shard` shards dim 0);
+//!   under FSDP mixed precision each shard's working copy in the compute dtype too.
 //! - **Gradients**: one per parameter, laid out like the parameter (FSDP reduce-scatters
 //!   into the shard; DDP and ZeRO-1 keep a full replica's gradient).
 //! - **Optimizer state**: AdamW's two moments per trainable element, in f32 (f64 for f64
@@ -281,7 +282,8 @@ pub struct MemoryEstimate {
     pub config: String,
     /// The pipeline stage (pp rank) this estimate is for (0 without a pipeline).
     pub stage: usize,
-    /// Local parameter shards.
+    /// Local parameter shards (and their compute-dtype working copies under FSDP mixed
+    /// precision).
     pub parameters: u64,
     /// Gradients of the local parameters.
     pub gradients: u64,
@@ -426,7 +428,10 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let dp = c.dp as f64;
     let fsdp_ranks = dp * c.cp as f64;
     let shard = if fsdp { elems / fsdp_ranks } else { elems };
-    let parameters = shard * pbytes;
+    // FSDP mixed precision keeps each shard's compute-dtype working copy beside it (AdamW
+    // writes it in its step for the next gathers).
+    let working_copy = if fsdp && compute != m.dtype { shard * abytes } else { 0.0 };
+    let parameters = shard * pbytes + working_copy;
     let gradients = shard * pbytes;
     let optimizer_state = match c.data_parallel {
         DataParallelMode::Zero1 => 2.0 * elems / dp * obytes,

@@ -23,6 +23,20 @@ pub trait Unshard: Send + Sync + std::fmt::Debug {
     /// The shard's values were overwritten in place (a state dict was loaded): drops
     /// what was gathered of the old values, so the next use gathers the new ones.
     fn invalidate(&self) -> Result<()>;
+    /// The low-precision working copy an optimizer step may write beside its in-place
+    /// update of the shard (the updated shard cast to this tensor's dtype, in the same
+    /// pass), so the next gather reads it instead of casting the shard again; `None`
+    /// when the parameter computes in the shard's own dtype. Asking for it marks any
+    /// copy written before as out of date until [`Unshard::stepped`] says otherwise.
+    fn working_copy(&self) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+    /// An optimizer updated the shard in place; `copy_written`: the update also wrote
+    /// [`Unshard::working_copy`]'s tensor with the updated values.
+    fn stepped(&self, copy_written: bool) -> Result<()> {
+        let _ = copy_written;
+        Ok(())
+    }
     /// The concrete state, for its owner's crate to downcast.
     fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -1,5 +1,9 @@
 //! AdamW (`torch.optim.AdamW`): decoupled weight decay, bias-corrected moments.
 
+use std::sync::Arc;
+
+use tpar_nn::Unshard;
+
 use super::*;
 
 // ---------------------------------------------------------------------------------------
@@ -78,7 +82,10 @@ pub struct AdamWState {
 /// step count does not advance). State is allocated lazily on a parameter's first step,
 /// in f32 for f32/bf16/f16 parameters and f64 for f64 ones. There is no separate master
 /// copy: the weights are updated in the parameter's own dtype (for f32 master weights
-/// with bf16 compute use FSDP's mixed precision, which keeps f32 shards).
+/// with bf16 compute use FSDP's mixed precision, which keeps f32 shards). Under FSDP
+/// mixed precision the step also writes each shard's compute-dtype working copy in the
+/// same pass ([`tpar_nn::Unshard::working_copy`]), which the next gathers send instead of
+/// casting the shard again.
 #[derive(Debug)]
 pub struct AdamW {
     params: Vec<(String, Param)>,
@@ -167,6 +174,7 @@ impl AdamW {
     fn prepare(
         index: usize,
         name: &str,
+        p: &Param,
         leaf: Tensor,
         g: &Tensor,
         slot: &mut Option<AdamWSlot>,
@@ -179,8 +187,15 @@ impl AdamW {
                 exp_avg_sq: zeros_state(&leaf)?,
             }),
         };
+        let unshard = p.unsharder()?;
+        let copy = match &unshard {
+            Some(u) => u.working_copy()?,
+            None => None,
+        };
         Ok(StepItem {
             index,
+            unshard,
+            copy,
             step: s.step + 1,
             grad: grad_on(&leaf, g)?,
             exp_avg: state_for("AdamW", name, &mut s.exp_avg, &leaf)?,
@@ -189,9 +204,10 @@ impl AdamW {
         })
     }
 
-    /// The parameters' updates, in place, through [`Tensor::adamw_step_each_`]: one call
-    /// per step number (on a CUDA device one launch for up to 32 parameters of a dtype,
-    /// PyTorch's foreach AdamW; on the host the CPU kernel per parameter).
+    /// The parameters' updates, in place, through [`Tensor::adamw_step_each_with_copies_`]:
+    /// one call per step number (on a CUDA device one launch for up to 32 parameters of a
+    /// dtype, PyTorch's foreach AdamW; on the host the CPU kernel per parameter), writing
+    /// the working copies of sharded parameters that have one in the same pass.
     fn step_all(&mut self, mut items: Vec<StepItem>) -> Result<()> {
         items.sort_by_key(|d| d.step);
         for same in items.chunk_by(|a, b| a.step == b.step) {
@@ -204,16 +220,21 @@ impl AdamW {
                 step: same[0].step,
             };
             let list = |f: fn(&StepItem) -> &Tensor| same.iter().map(f).collect::<Vec<_>>();
-            Tensor::adamw_step_each_(
+            let copies: Vec<Option<&Tensor>> = same.iter().map(|d| d.copy.as_ref()).collect();
+            Tensor::adamw_step_each_with_copies_(
                 &list(|d| &d.leaf),
                 &list(|d| &d.grad),
                 &list(|d| &d.exp_avg),
                 &list(|d| &d.exp_avg_sq),
+                &copies,
                 &h,
             )?;
             for d in same {
                 if let Some(s) = &mut self.state[d.index] {
                     s.step = d.step;
+                }
+                if let Some(u) = &d.unshard {
+                    u.stepped(d.copy.is_some())?;
                 }
             }
         }
@@ -225,6 +246,9 @@ impl AdamW {
 /// update reads and writes.
 struct StepItem {
     index: usize,
+    /// The sharded parameter's state, and the working copy the step writes (if any).
+    unshard: Option<Arc<dyn Unshard>>,
+    copy: Option<Tensor>,
     step: u64,
     leaf: Tensor,
     grad: Tensor,
@@ -240,7 +264,7 @@ impl Optimizer for AdamW {
         for (i, ((name, p), slot)) in self.params.iter().zip(&mut self.state).enumerate() {
             let leaf = p.trainable();
             let Some(g) = grad_for_step("AdamW", name, p, &leaf)? else { continue };
-            items.push(AdamW::prepare(i, name, leaf, &g, slot)?);
+            items.push(AdamW::prepare(i, name, p, leaf, &g, slot)?);
         }
         self.step_all(items)
     }

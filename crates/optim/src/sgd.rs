@@ -178,6 +178,10 @@ impl Optimizer for Sgd {
             let leaf = p.trainable();
             let Some(g) = grad_for_step("SGD", name, p, &leaf)? else { continue };
             Sgd::step_one(name, &leaf, &g, buf, &self.config)?;
+            // A sharded parameter's low-precision working copy no longer holds the shard.
+            if let Some(u) = p.unsharder()? {
+                u.stepped(false)?;
+            }
         }
         Ok(())
     }

@@ -330,3 +330,100 @@ fn clip_grad_norm_over_many_mixed_gradients_on_the_device_as_on_the_host() {
         assert_close(&format!("gradient {i} ({:?})", h.dtype()), &gd, &gh, tol(h.dtype()));
     }
 }
+
+/// Bits of every element, widened to f64 (a NaN's too).
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// `Tensor::adamw_step_each_with_copies_` on the emulated device and on the host, over
+/// more parameters than one launch takes: f32 parameters with bf16 and f16 working copies
+/// (the fused kernels), some without a copy, and pairs no fused kernel writes (a bf16
+/// parameter with an f32 copy, an f32 parameter with an f32 copy: stepped, then cast).
+/// Parameters and moments are `adamw_step_each_`'s bits on twins, every copy is the cast
+/// of its updated parameter bit for bit, and the device step makes no host round trip.
+#[test]
+fn adamw_working_copies_are_the_cast_of_the_update() {
+    setup();
+    let mut rng = Rng::new(18);
+    let copy_kinds: [(DType, Option<DType>); 6] = [
+        (DType::F32, Some(DType::BF16)),
+        (DType::F32, Some(DType::F16)),
+        (DType::F32, None),
+        (DType::BF16, Some(DType::F32)),
+        (DType::F32, Some(DType::F32)),
+        (DType::F32, Some(DType::BF16)),
+    ];
+    for device in [Device::Cpu, DEV] {
+        let (mut ps, mut twins, mut gs, mut copies, mut states) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for i in 0..38usize {
+            let (dtype, copy) = copy_kinds[i % copy_kinds.len()];
+            let n = if i == 7 { 16385 } else { 1 + 61 * i };
+            let p = Tensor::randn([n], dtype, &mut rng).unwrap().to_device(device).unwrap();
+            twins.push(p.deep_clone().unwrap());
+            ps.push(p);
+            gs.push(Tensor::randn([n], dtype, &mut rng).unwrap().to_device(device).unwrap());
+            copies.push(copy.map(|d| Tensor::zeros([n], d, device).unwrap()));
+            let z = || Tensor::zeros([n], DType::F32, device).unwrap();
+            states.push([z(), z(), z(), z()]);
+        }
+        fn r(ts: &[Tensor]) -> Vec<&Tensor> {
+            ts.iter().collect()
+        }
+        let col = |k: usize| states.iter().map(|s| &s[k]).collect::<Vec<_>>();
+        let cs: Vec<Option<&Tensor>> = copies.iter().map(Option::as_ref).collect();
+        for step in 1..=3 {
+            let h = AdamWParams {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step,
+            };
+            Tensor::adamw_step_each_(&r(&twins), &r(&gs), &col(0), &col(1), &h).unwrap();
+            let before = gpu::host_round_trips();
+            Tensor::adamw_step_each_with_copies_(&r(&ps), &r(&gs), &col(2), &col(3), &cs, &h)
+                .unwrap();
+            if device == DEV {
+                let fused = gpu::host_round_trips() - before;
+                assert_eq!(fused, 0, "the step with working copies left the device");
+            }
+            for i in 0..ps.len() {
+                let what = format!("{device} {:?} param {i} step {step}", copy_kinds[i % 6]);
+                assert_eq!(bits(&ps[i]), bits(&twins[i]), "{what}: parameter");
+                assert_eq!(bits(&states[i][2]), bits(&states[i][0]), "{what}: exp_avg");
+                assert_eq!(bits(&states[i][3]), bits(&states[i][1]), "{what}: exp_avg_sq");
+                if let Some(c) = &copies[i] {
+                    let cast = ps[i].to_dtype(c.dtype()).unwrap();
+                    assert_eq!(bits(c), bits(&cast), "{what}: working copy");
+                    assert_eq!(c.device(), device, "{what}: copy's device");
+                }
+            }
+        }
+        // A copy of another shape, and one shared with a moment, are refused before any
+        // update.
+        let before = bits(&ps[0]);
+        let h = AdamWParams {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 4,
+        };
+        let wrong = Tensor::zeros([2], DType::BF16, device).unwrap();
+        let mut bad = cs.clone();
+        bad[0] = Some(&wrong);
+        let e = Tensor::adamw_step_each_with_copies_(&r(&ps), &r(&gs), &col(2), &col(3), &bad, &h);
+        assert!(e.is_err(), "{device}: a copy of another shape was accepted");
+        bad[0] = Some(&states[0][2]);
+        let e = Tensor::adamw_step_each_with_copies_(&r(&ps), &r(&gs), &col(2), &col(3), &bad, &h);
+        assert!(e.is_err(), "{device}: a copy that is a moment was accepted");
+        let e =
+            Tensor::adamw_step_each_with_copies_(&r(&ps), &r(&gs), &col(2), &col(3), &cs[1..], &h);
+        assert!(e.is_err(), "{device}: one copy slot too few was accepted");
+        assert_eq!(bits(&ps[0]), before, "{device}: a refused step changed a parameter");
+    }
+}

@@ -754,20 +754,23 @@ impl Tensor {
         })
     }
 
-    /// The CUDA half of [`Tensor::adamw_step_each_`]:
+    /// The CUDA half of [`Tensor::adamw_step_each_with_copies_`]:
     /// [`Tensor::adamw_step_`] on many CUDA parameters at once, all with the same
     /// hyper-parameters and step `h`: parameter `i` with `grads[i]`, `exp_avgs[i]`
     /// and `exp_avg_sqs[i]`, each under `adamw_step_`'s rules. One launch covers up to
     /// 32 parameters of one dtype whose gradients share a dtype, wherever they stand in
     /// the lists (PyTorch's foreach AdamW), with `adamw_step_`'s arithmetic per element,
-    /// so the results are the same bits. No buffer updated may share its storage with
-    /// any other argument. Every argument is checked before any parameter changes. Not
-    /// recorded by autograd.
+    /// so the results are the same bits. `copies[i]`, when given, receives the updated
+    /// parameter cast to its dtype: in the same launch for f32 parameters with f32
+    /// gradients and bf16 or f16 copies, by a cast after the step otherwise. No buffer
+    /// updated may share its storage with any other argument. Every argument is checked
+    /// before any parameter changes. Not recorded by autograd.
     pub(crate) fn cuda_adamw_step_each_(
         params: &[&Tensor],
         grads: &[&Tensor],
         exp_avgs: &[&Tensor],
         exp_avg_sqs: &[&Tensor],
+        copies: &[Option<&Tensor>],
         h: &AdamWParams,
     ) -> Result<()> {
         const OP: &str = "adamw_step_each_";
@@ -775,21 +778,34 @@ impl Tensor {
         if n == 0 {
             return Ok(());
         }
+        if copies.len() != n {
+            return Err(invalid(OP, format!("{} copy slots for {n} parameters", copies.len())));
+        }
         let dev = multi_device(OP, params)?;
+        // (parameter, gradient, fused copy) kernel dtypes of each parameter.
         let mut kinds = Vec::with_capacity(n);
         for i in 0..n {
             same_layout(OP, params[i], &[grads[i], exp_avgs[i], exp_avg_sqs[i]])?;
             require_f32(OP, exp_avgs[i])?;
             require_f32(OP, exp_avg_sqs[i])?;
-            kinds.push((kernel_dtype(OP, params[i])?, kernel_dtype(OP, grads[i])?));
+            let (cd, gd) = (kernel_dtype(OP, params[i])?, kernel_dtype(OP, grads[i])?);
+            let fused = match copies[i] {
+                Some(c) if (cd, gd) == (CudaDType::F32, CudaDType::F32) => {
+                    same_layout(OP, params[i], &[c])?;
+                    cuda_dtype(c.dtype()).filter(|d| *d != CudaDType::F32)
+                }
+                _ => None,
+            };
+            kinds.push((cd, gd, fused));
         }
         // Every sharing is refused before the first launch.
-        let writes: Vec<&Tensor> =
+        let mut writes: Vec<&Tensor> =
             params.iter().chain(exp_avgs).chain(exp_avg_sqs).copied().collect();
+        writes.extend(copies.iter().flatten().copied());
         with_gpu_mut(OP, &writes, grads, |_, _| Ok(()))?;
         // The parameters by kind, in their order within each: one group of launches
         // per kind, however the kinds interleave.
-        let mut kinds_seen: Vec<(CudaDType, CudaDType)> = Vec::new();
+        let mut kinds_seen: Vec<(CudaDType, CudaDType, Option<CudaDType>)> = Vec::new();
         for k in &kinds {
             if !kinds_seen.contains(k) {
                 kinds_seen.push(*k);
@@ -798,19 +814,25 @@ impl Tensor {
         fn pick<'t>(ts: &[&'t Tensor], idx: &[usize]) -> Vec<&'t Tensor> {
             idx.iter().map(|&i| ts[i]).collect()
         }
-        for (cd, gd) in kinds_seen {
-            let idx: Vec<usize> = (0..n).filter(|&i| kinds[i] == (cd, gd)).collect();
+        for (cd, gd, fused) in kinds_seen {
+            let idx: Vec<usize> = (0..n).filter(|&i| kinds[i] == (cd, gd, fused)).collect();
             let (ps, gs) = (pick(params, &idx), pick(grads, &idx));
+            let cs: Vec<&Tensor> = match fused {
+                Some(_) => idx.iter().filter_map(|&i| copies[i]).collect(),
+                None => Vec::new(),
+            };
             let writes: Vec<&Tensor> = ps
                 .iter()
                 .copied()
                 .chain(pick(exp_avgs, &idx))
                 .chain(pick(exp_avg_sqs, &idx))
+                .chain(cs.iter().copied())
                 .collect();
             let k = idx.len();
             with_gpu_mut(OP, &writes, &gs, |w, r| {
                 let (p, rest) = w.split_at_mut(k);
-                let (m, v) = rest.split_at_mut(k);
+                let (m, rest) = rest.split_at_mut(k);
+                let (v, c) = rest.split_at_mut(k);
                 let views: Vec<k_adamw::AdamwViews<'_>> = p
                     .iter_mut()
                     .zip(m.iter_mut())
@@ -825,8 +847,21 @@ impl Tensor {
                         n: t.numel(),
                     })
                     .collect();
-                Ok(k_adamw::adamw_step_each(&*dev, cd, gd, &views, h)?)
+                match fused {
+                    Some(wd) => {
+                        let copies: Vec<Option<DeviceSliceMut<'_>>> =
+                            c.iter_mut().map(|c| Some(c.view_mut())).collect();
+                        Ok(k_adamw::adamw_step_each_with_copies(&*dev, wd, &views, &copies, h)?)
+                    }
+                    None => Ok(k_adamw::adamw_step_each(&*dev, cd, gd, &views, h)?),
+                }
             })?;
+        }
+        // Copies no fused kernel writes: a cast of the updated parameter.
+        for i in 0..n {
+            if let (Some(c), None) = (copies[i], kinds[i].2) {
+                crate::no_grad(|| c.copy_(params[i]))?;
+            }
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! through host copies for CUDA tensors of other dtypes. An optimizer keeps its state
 //! as tensors and calls these; it never sees the kernels.
 
-use tpar_kernels::adamw::{adamw_step, AdamWParams};
+use tpar_kernels::adamw::{adamw_step, adamw_step_with_copy, AdamWParams};
 use tpar_kernels::{Acc, Float};
 
 use super::invalid;
@@ -74,6 +74,116 @@ where
         })
     })????
     .map_err(TensorError::from)?;
+    Ok(())
+}
+
+/// [`host_adamw`] that also writes the updated parameters, cast to `W` as
+/// [`Tensor::to_dtype`] casts on the host, into `c` in the same pass (f32 / bf16 / f16
+/// parameters and copies).
+fn host_adamw_copy<T: Float<Acc = f32> + Element, W: Element>(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    c: &Tensor,
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "adamw_step_each_with_copies_";
+    check_state::<f32>(OP, m)?;
+    check_state::<f32>(OP, v)?;
+    let g = grad_as(p, g)?;
+    distinct(OP, &[p, &g, m, v, c])?;
+    g.with_data::<T, _>(|g| {
+        p.with_data_mut::<T, _>(|p| {
+            m.with_data_mut::<f32, _>(|m| {
+                v.with_data_mut::<f32, _>(|v| {
+                    // The conversion of the host cast (`Tensor::to_dtype`), element
+                    // for element.
+                    let cast = |x: T| <W as Element>::from_f64(<T as Element>::to_f64(x));
+                    c.with_data_mut::<W, _>(|c| adamw_step_with_copy(p, g, m, v, c, cast, h))
+                })
+            })
+        })
+    })?????
+    .map_err(TensorError::from)?;
+    Ok(())
+}
+
+/// [`host_adamw_copy`] for the host parameter `p` and its host copy `c` when both are
+/// f32, bf16 or f16; `Ok(false)` (nothing done) otherwise.
+fn host_adamw_fused_copy(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    c: &Tensor,
+    h: &AdamWParams,
+) -> Result<bool> {
+    use half::{bf16, f16};
+    if p.device() != Device::Cpu || c.device() != Device::Cpu {
+        return Ok(false);
+    }
+    macro_rules! to {
+        ($T:ty) => {
+            match c.dtype() {
+                DType::F32 => host_adamw_copy::<$T, f32>(p, g, m, v, c, h),
+                DType::BF16 => host_adamw_copy::<$T, bf16>(p, g, m, v, c, h),
+                DType::F16 => host_adamw_copy::<$T, f16>(p, g, m, v, c, h),
+                _ => return Ok(false),
+            }
+        };
+    }
+    match p.dtype() {
+        DType::F32 => to!(f32),
+        DType::BF16 => to!(bf16),
+        DType::F16 => to!(f16),
+        _ => return Ok(false),
+    }?;
+    Ok(true)
+}
+
+/// Checks the working copies of a foreach AdamW call: one slot per parameter, each
+/// copy a float tensor of its parameter's shape on its device, in a storage of its own
+/// (shared with no parameter, gradient, state or other copy).
+fn check_copies(
+    op: &'static str,
+    lists: [&[&Tensor]; 4],
+    copies: &[Option<&Tensor>],
+) -> Result<()> {
+    let params = lists[0];
+    if copies.len() != params.len() {
+        return Err(invalid(
+            op,
+            format!("{} working-copy slots for {} parameters", copies.len(), params.len()),
+        ));
+    }
+    let id = |t: &Tensor| std::sync::Arc::as_ptr(&t.0.storage) as *const () as usize;
+    let mut seen: std::collections::HashSet<usize> =
+        lists.iter().flat_map(|l| l.iter().map(|t| id(t))).collect();
+    for (i, (p, c)) in params.iter().zip(copies).enumerate() {
+        let Some(c) = c else { continue };
+        if c.shape() != p.shape() || c.device() != p.device() || !c.dtype().is_float() {
+            return Err(invalid(
+                op,
+                format!(
+                    "parameter {i} is {} {} on {}; its working copy must be a float tensor of \
+                     that shape on that device, not {} {} on {}",
+                    p.shape(),
+                    p.dtype(),
+                    p.device(),
+                    c.shape(),
+                    c.dtype(),
+                    c.device()
+                ),
+            ));
+        }
+        if !seen.insert(id(c)) {
+            return Err(invalid(
+                op,
+                format!("parameter {i}'s working copy shares its storage with another argument"),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -175,18 +285,51 @@ impl Tensor {
         exp_avg_sqs: &[&Tensor],
         h: &AdamWParams,
     ) -> Result<()> {
+        let none = vec![None; params.len()];
+        Tensor::adamw_step_each_with_copies_(params, grads, exp_avgs, exp_avg_sqs, &none, h)
+    }
+
+    /// [`Tensor::adamw_step_each_`] that also writes each parameter's low-precision
+    /// working copy `copies[i]` (`None`: none), the updated parameter cast to the
+    /// copy's dtype, in the same pass: what mixed-precision training computes with,
+    /// without a separate cast after the step. The copy is bit for bit what
+    /// `copy.copy_(param)` after the step gives; the update is
+    /// [`Tensor::adamw_step_each_`]'s, bit for bit.
+    ///
+    /// A copy is a float tensor of its parameter's shape on its device, in a storage of
+    /// its own. The fused kernels write it: on a CUDA device for f32 parameters with f32
+    /// gradients and bf16 or f16 copies (up to 32 parameters a launch), on the host for
+    /// f32, bf16 or f16 parameters and copies; any other pair is stepped, then cast.
+    /// Every argument is checked before any parameter changes. Not recorded by autograd.
+    pub fn adamw_step_each_with_copies_(
+        params: &[&Tensor],
+        grads: &[&Tensor],
+        exp_avgs: &[&Tensor],
+        exp_avg_sqs: &[&Tensor],
+        copies: &[Option<&Tensor>],
+        h: &AdamWParams,
+    ) -> Result<()> {
         const OP: &str = "adamw_step_each_";
         let n = same_lengths(OP, params, grads, exp_avgs, exp_avg_sqs)?;
+        check_copies(OP, [params, grads, exp_avgs, exp_avg_sqs], copies)?;
         let (dev, host): (Vec<usize>, Vec<usize>) =
             (0..n).partition(|&i| on_device_kernels(params[i]));
         for i in host {
             let (p, g, m, v) = (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]);
+            if let Some(c) = copies[i] {
+                if host_adamw_fused_copy(p, g, m, v, c, h)? {
+                    continue;
+                }
+            }
             with_float_type!(p.dtype(), OP, |T| { host_adamw::<T>(p, g, m, v, h) })?;
+            if let Some(c) = copies[i] {
+                no_grad(|| c.copy_(p))?;
+            }
         }
         if dev.is_empty() {
             return Ok(());
         }
-        fn pick<'t>(ts: &[&'t Tensor], idx: &[usize]) -> Vec<&'t Tensor> {
+        fn pick<T: Copy>(ts: &[T], idx: &[usize]) -> Vec<T> {
             idx.iter().map(|&i| ts[i]).collect()
         }
         Tensor::cuda_adamw_step_each_(
@@ -194,6 +337,7 @@ impl Tensor {
             &pick(grads, &dev),
             &pick(exp_avgs, &dev),
             &pick(exp_avg_sqs, &dev),
+            &pick(copies, &dev),
             h,
         )
     }

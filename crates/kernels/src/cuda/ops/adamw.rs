@@ -1,5 +1,6 @@
 //! The fused AdamW step (`cuda/adamw.cu`) over device buffers, one tensor or
-//! many in a launch; [`crate::cuda::raw::adamw`] documents the kernels.
+//! many in a launch, optionally writing a bf16 or f16 working copy of each updated
+//! parameter in the same pass; [`crate::cuda::raw::adamw`] documents the kernels.
 
 use super::Check;
 use crate::adamw::AdamWParams;
@@ -77,4 +78,75 @@ pub fn adamw_step_each(
     // tensor's elements (checked above); the updated ones are exclusive
     // borrows, so none overlaps another.
     unsafe { raw::adamw_step_each(dev, dtype, grad_dtype, &bufs, h) }
+}
+
+/// [`adamw_step`] on `n` f32 parameters with f32 gradients that also writes each
+/// updated parameter, rounded to `copy_dtype` ([`CudaDType::BF16`] or
+/// [`CudaDType::F16`]), into `copy` (`n` elements) in the same pass: the bits a
+/// separate cast of the updated parameters gives; the update is [`adamw_step`]'s.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step_with_copy(
+    dev: &dyn GpuDevice,
+    param: DeviceSliceMut<'_>,
+    grad: DeviceSlice<'_>,
+    exp_avg: DeviceSliceMut<'_>,
+    exp_avg_sq: DeviceSliceMut<'_>,
+    copy_dtype: CudaDType,
+    copy: DeviceSliceMut<'_>,
+    n: usize,
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_with_copy";
+    let c = Check::new(OP, dev);
+    let pp = c.write("param", &param, n, 4)?;
+    let gp = c.read("grad", &grad, n, 4)?;
+    let mp = c.write("exp_avg", &exp_avg, n, 4)?;
+    let vp = c.write("exp_avg_sq", &exp_avg_sq, n, 4)?;
+    let cp = c.write("copy", &copy, n, copy_dtype.size())?;
+    // SAFETY: the five views are live buffers in `dev`'s memory of at least `n`
+    // elements (checked above); the written ones are exclusive borrows, so none
+    // overlaps another.
+    unsafe { raw::adamw_step_with_copy(dev, pp, gp, mp, vp, copy_dtype, cp, n, h) }
+}
+
+/// [`adamw_step_each`] on f32 parameters with f32 gradients that also writes each
+/// tensor's updated parameters, rounded to `copy_dtype` ([`CudaDType::BF16`] or
+/// [`CudaDType::F16`]), into `copies[i]` (tensor `i`'s working copy of its `n`
+/// elements; `None`: no copy) in the same launches: the bits a separate cast of the
+/// updated parameters gives; the updates are [`adamw_step`]'s.
+pub fn adamw_step_each_with_copies(
+    dev: &dyn GpuDevice,
+    copy_dtype: CudaDType,
+    tensors: &[AdamwViews<'_>],
+    copies: &[Option<DeviceSliceMut<'_>>],
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_each_with_copies";
+    if copies.len() != tensors.len() {
+        let what = format!("{} working copies for {} tensors", copies.len(), tensors.len());
+        return Err(crate::util::bad(OP, what));
+    }
+    let c = Check::new(OP, dev);
+    let f32s = |t: &AdamwViews<'_>| {
+        Ok(AdamwBuffers {
+            param: c.write("param", &t.param, t.n, 4)?,
+            grad: c.read("grad", &t.grad, t.n, 4)?,
+            exp_avg: c.write("exp_avg", &t.exp_avg, t.n, 4)?,
+            exp_avg_sq: c.write("exp_avg_sq", &t.exp_avg_sq, t.n, 4)?,
+            n: t.n,
+        })
+    };
+    let bufs = tensors.iter().map(f32s).collect::<Result<Vec<_>>>()?;
+    let ptrs = copies
+        .iter()
+        .zip(tensors)
+        .map(|(v, t)| match v {
+            Some(v) => c.write("copy", v, t.n, copy_dtype.size()),
+            None => Ok(0),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // SAFETY: every view is a live buffer in `dev`'s memory of at least its tensor's
+    // elements (checked above); the written ones are exclusive borrows, so none
+    // overlaps another.
+    unsafe { raw::adamw_step_each_with_copies(dev, copy_dtype, &bufs, &ptrs, h) }
 }

@@ -12,6 +12,12 @@
 //! [`adamw_step_each`] runs the same step over many tensors, up to
 //! [`MULTI_MAX`] a launch (PyTorch's foreach AdamW), with the same arithmetic
 //! per element as [`adamw_step`]: the same bits.
+//!
+//! [`adamw_step_with_copy`] and [`adamw_step_each_with_copies`] (f32 parameters and
+//! gradients) also write each updated parameter rounded to bf16 or f16 into a working
+//! copy in the same pass: the copy mixed-precision training computes with, the bits a
+//! separate cast of the updated parameter gives (round to nearest even); the update
+//! itself is [`adamw_step`]'s, bit for bit.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -55,6 +61,8 @@ pub struct AdamwArgs {
     pub exp_avg: DevPtr,
     /// f32 second moments `[n]` (updated).
     pub exp_avg_sq: DevPtr,
+    /// The working copy `[n]` (written by `tpar_adamw_f32_copy_*`; 0 otherwise).
+    pub work: DevPtr,
     /// Elements.
     pub n: i64,
     /// The step's coefficients.
@@ -73,6 +81,8 @@ pub struct MultiAdamwArgs {
     pub exp_avg: [DevPtr; MULTI_MAX],
     /// Tensor `t`'s f32 second moments (updated).
     pub exp_avg_sq: [DevPtr; MULTI_MAX],
+    /// Tensor `t`'s working copy (written by `tpar_multi_adamw_f32_copy_*` unless 0).
+    pub work: [DevPtr; MULTI_MAX],
     /// Tensor `t`'s elements.
     pub n: [i64; MULTI_MAX],
     /// Tensor `t`'s first block (its blocks end at the next tensor's first, the
@@ -160,22 +170,119 @@ pub unsafe fn adamw_step(
     h: &AdamWParams,
 ) -> Result<()> {
     const OP: &str = "cuda_adamw_step";
-    if h.step == 0 {
-        return Err(bad(OP, "step must start at 1"));
-    }
     let name = format!("tpar_adamw_{}", variant(OP, dtype, grad_dtype)?);
-    let n64 = i64::try_from(n).map_err(|_| bad(OP, format!("{n} elements overflow i64")))?;
-    check_ptr(OP, "param", param, n, dtype.size())?;
-    check_ptr(OP, "grad", grad, n, grad_dtype.size())?;
-    check_ptr(OP, "exp_avg", exp_avg, n, 4)?;
-    check_ptr(OP, "exp_avg_sq", exp_avg_sq, n, 4)?;
-    if n == 0 {
+    let bufs = AdamwBuffers { param, grad, exp_avg, exp_avg_sq, n };
+    // SAFETY: forwarded from the caller.
+    unsafe { step_one(launcher, OP, &name, dtype, grad_dtype, None, &bufs, h) }
+}
+
+/// [`adamw_step`] on `n` f32 parameters with f32 gradients that also writes each
+/// updated parameter, rounded to `copy_dtype` ([`CudaDType::BF16`] or
+/// [`CudaDType::F16`]), into the working copy `copy` of `n` elements: the bits
+/// a separate cast of the updated parameters gives. The update is
+/// [`adamw_step`]'s, bit for bit.
+///
+/// # Safety
+/// As [`adamw_step`]; `copy` is a device buffer of `n` elements of
+/// `copy_dtype` overlapping no other buffer.
+pub unsafe fn adamw_step_with_copy(
+    launcher: &dyn Launcher,
+    param: DevPtr,
+    grad: DevPtr,
+    exp_avg: DevPtr,
+    exp_avg_sq: DevPtr,
+    copy_dtype: CudaDType,
+    copy: DevPtr,
+    n: usize,
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_with_copy";
+    let name =
+        format!("tpar_adamw_{}", copy_variant(OP, CudaDType::F32, CudaDType::F32, copy_dtype)?);
+    let bufs = AdamwBuffers { param, grad, exp_avg, exp_avg_sq, n };
+    let (f32d, copy) = (CudaDType::F32, Some((copy_dtype, copy)));
+    // SAFETY: forwarded from the caller.
+    unsafe { step_one(launcher, OP, &name, f32d, f32d, copy, &bufs, h) }
+}
+
+/// The kernel variant writing a `copy` working copy for `dtype` parameters with
+/// `grad_dtype` gradients: `f32_copy_bf16` or `f32_copy_f16`.
+fn copy_variant(
+    op: &'static str,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    copy: CudaDType,
+) -> Result<String> {
+    match (dtype, grad_dtype, copy) {
+        (CudaDType::F32, CudaDType::F32, c @ (CudaDType::BF16 | CudaDType::F16)) => {
+            Ok(format!("f32_copy_{}", c.suffix()))
+        }
+        (d, g, c) => Err(bad(
+            op,
+            format!(
+                "a {} working copy of {} parameters with {} gradients (the fused kernels \
+                 write bf16 or f16 copies of f32 parameters with f32 gradients)",
+                c.suffix(),
+                d.suffix(),
+                g.suffix()
+            ),
+        )),
+    }
+}
+
+/// Checks one tensor's buffers (and its working copy, when it has one).
+fn check_bufs(
+    op: &'static str,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    b: &AdamwBuffers,
+    copy: Option<(CudaDType, DevPtr)>,
+) -> Result<i64> {
+    let n64 = to_i64(op, "elements", b.n)?;
+    check_ptr(op, "param", b.param, b.n, dtype.size())?;
+    check_ptr(op, "grad", b.grad, b.n, grad_dtype.size())?;
+    check_ptr(op, "exp_avg", b.exp_avg, b.n, 4)?;
+    check_ptr(op, "exp_avg_sq", b.exp_avg_sq, b.n, 4)?;
+    if let Some((cd, ptr)) = copy {
+        check_ptr(op, "copy", ptr, b.n, cd.size())?;
+    }
+    Ok(n64)
+}
+
+/// One tensor's step through kernel `name`, with its working copy if any.
+///
+/// # Safety
+/// As [`adamw_step_with_copy`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn step_one(
+    launcher: &dyn Launcher,
+    op: &'static str,
+    name: &str,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    copy: Option<(CudaDType, DevPtr)>,
+    b: &AdamwBuffers,
+    h: &AdamWParams,
+) -> Result<()> {
+    if h.step == 0 {
+        return Err(bad(op, "step must start at 1"));
+    }
+    let n64 = check_bufs(op, dtype, grad_dtype, b, copy)?;
+    if b.n == 0 {
         return Ok(());
     }
-    let args = AdamwArgs { param, grad, exp_avg, exp_avg_sq, n: n64, coef: coefficients(h) };
-    let cfg = LaunchConfig::for_items(n.div_ceil(VEC), BLOCK, MAX_BLOCKS);
+    let args = AdamwArgs {
+        param: b.param,
+        grad: b.grad,
+        exp_avg: b.exp_avg,
+        exp_avg_sq: b.exp_avg_sq,
+        work: copy.map_or(0, |(_, p)| p),
+        n: n64,
+        coef: coefficients(h),
+    };
+    let cfg = LaunchConfig::for_items(b.n.div_ceil(VEC), BLOCK, MAX_BLOCKS);
     // SAFETY: the caller vouches for the addresses; sizes are checked above.
-    unsafe { launch(launcher, &name, cfg, &args) }
+    unsafe { launch(launcher, name, cfg, &args) }
 }
 
 /// One in-place AdamW step, with the same hyper-parameters, on each tensor of
@@ -195,21 +302,71 @@ pub unsafe fn adamw_step_each(
     h: &AdamWParams,
 ) -> Result<()> {
     const OP: &str = "cuda_adamw_step_each";
-    if h.step == 0 {
-        return Err(bad(OP, "step must start at 1"));
-    }
     let name = format!("tpar_multi_adamw_{}", variant(OP, dtype, grad_dtype)?);
-    for b in tensors {
-        to_i64(OP, "elements", b.n)?;
-        check_ptr(OP, "param", b.param, b.n, dtype.size())?;
-        check_ptr(OP, "grad", b.grad, b.n, grad_dtype.size())?;
-        check_ptr(OP, "exp_avg", b.exp_avg, b.n, 4)?;
-        check_ptr(OP, "exp_avg_sq", b.exp_avg_sq, b.n, 4)?;
+    // SAFETY: forwarded from the caller.
+    unsafe { step_many(launcher, OP, &name, dtype, grad_dtype, None, tensors, h) }
+}
+
+/// [`adamw_step_each`] on f32 parameters with f32 gradients that also writes each
+/// tensor's updated parameters, rounded to `copy_dtype` ([`CudaDType::BF16`] or
+/// [`CudaDType::F16`]), into its working copy `copies[i]` (of its `n` elements; 0:
+/// no copy for that tensor) in the same launch: the bits a separate cast of the
+/// updated parameters gives. The updates are [`adamw_step`]'s, bit for bit.
+///
+/// # Safety
+/// As [`adamw_step_each`]; each non-zero `copies[i]` is a device buffer of tensor
+/// `i`'s elements of `copy_dtype` overlapping no other buffer of any tensor.
+pub unsafe fn adamw_step_each_with_copies(
+    launcher: &dyn Launcher,
+    copy_dtype: CudaDType,
+    tensors: &[AdamwBuffers],
+    copies: &[DevPtr],
+    h: &AdamWParams,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_each_with_copies";
+    let f32d = CudaDType::F32;
+    let name = format!("tpar_multi_adamw_{}", copy_variant(OP, f32d, f32d, copy_dtype)?);
+    if copies.len() != tensors.len() {
+        return Err(bad(
+            OP,
+            format!("{} working copies for {} tensors", copies.len(), tensors.len()),
+        ));
+    }
+    let copies = (copy_dtype, copies);
+    // SAFETY: forwarded from the caller.
+    unsafe { step_many(launcher, OP, &name, f32d, f32d, Some(copies), tensors, h) }
+}
+
+/// Every tensor's step through the multi-tensor kernel `name`, [`MULTI_MAX`] a
+/// launch, each with its working copy (`copies`, 0 for none) when there are copies.
+///
+/// # Safety
+/// As [`adamw_step_each_with_copies`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn step_many(
+    launcher: &dyn Launcher,
+    op: &'static str,
+    name: &str,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    copies: Option<(CudaDType, &[DevPtr])>,
+    tensors: &[AdamwBuffers],
+    h: &AdamWParams,
+) -> Result<()> {
+    if h.step == 0 {
+        return Err(bad(op, "step must start at 1"));
+    }
+    let copy_of = |i: usize| match copies {
+        Some((cd, ptrs)) if ptrs[i] != 0 => Some((cd, ptrs[i])),
+        _ => None,
+    };
+    for (i, b) in tensors.iter().enumerate() {
+        check_bufs(op, dtype, grad_dtype, b, copy_of(i))?;
     }
     let coef = coefficients(h);
-    for group in tensors.chunks(MULTI_MAX) {
+    for (g, group) in tensors.chunks(MULTI_MAX).enumerate() {
         let lens: Vec<usize> = group.iter().map(|b| b.n).collect();
-        let (first, blocks) = block_starts(OP, &lens)?;
+        let (first, blocks) = block_starts(op, &lens)?;
         if blocks == 0 {
             continue;
         }
@@ -218,6 +375,7 @@ pub unsafe fn adamw_step_each(
             grad: [0; MULTI_MAX],
             exp_avg: [0; MULTI_MAX],
             exp_avg_sq: [0; MULTI_MAX],
+            work: [0; MULTI_MAX],
             n: [0; MULTI_MAX],
             first,
             total: blocks,
@@ -229,11 +387,12 @@ pub unsafe fn adamw_step_each(
             args.grad[t] = b.grad;
             args.exp_avg[t] = b.exp_avg;
             args.exp_avg_sq[t] = b.exp_avg_sq;
+            args.work[t] = copy_of(g * MULTI_MAX + t).map_or(0, |(_, p)| p);
             args.n[t] = b.n as i64;
         }
         let cfg = LaunchConfig::grid([blocks as u32, 1, 1], BLOCK);
         // SAFETY: the caller vouches for the addresses; sizes are checked above.
-        unsafe { launch(launcher, &name, cfg, &args)? };
+        unsafe { launch(launcher, name, cfg, &args)? };
     }
     Ok(())
 }
