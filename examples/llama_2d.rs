@@ -594,18 +594,22 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         let (epoch, batch) = data.batch(step, o.batch, seq)?;
         // Counted on the host, before the batch moves (a device count would read it back).
         let batch_tokens = batch.num_tokens()?;
-        let batch = batch.to_device(device)?;
-        // Under context parallelism this rank's chunks of every sequence.
-        let batch = if o.cp > 1 {
+        // Under context parallelism this rank's chunks of every sequence, and its share
+        // of the tokens (counted on the host, before the batch moves).
+        let (batch, cp_share) = if o.cp > 1 {
             let me = cp_group.rank();
-            Batch {
+            let target_ids = cp_layout.shard(&batch.target_ids, 1, me)?;
+            let share = cp_token_share(&target_ids, pad, &cp_group)?;
+            let batch = Batch {
                 input_ids: cp_layout.shard(&batch.input_ids, 1, me)?,
-                target_ids: cp_layout.shard(&batch.target_ids, 1, me)?,
+                target_ids,
                 attention_mask: cp_layout.shard(&batch.attention_mask, 1, me)?,
-            }
+            };
+            (batch, share)
         } else {
-            batch
+            (batch, 1.0)
         };
+        let batch = batch.to_device(device)?;
         if let Some(t) = &timeline {
             t.clear();
             comm.clear();
@@ -621,12 +625,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         let loss = logits.cross_entropy(&targets, pad)?;
         // Under cp: this rank's share of its dp rank's mean (its tokens over the cp
         // group's), times cp since the gradient reduction averages over dp x cp.
-        let loss = if o.cp > 1 {
-            let share = cp_token_share(&targets, pad, &cp_group)?;
-            loss.mul_scalar(share * o.cp as f64)?
-        } else {
-            loss
-        };
+        let loss = if o.cp > 1 { loss.mul_scalar(cp_share * o.cp as f64)? } else { loss };
         // The loss is Replicate: the local tensor is its value.
         let loss_t = loss.clone().into_local("loss")?;
         // On the host: read now, and fail before the backward.

@@ -89,11 +89,13 @@ fn step_round_trips(args: &[&str]) -> (Vec<u64>, Vec<u64>) {
 
 /// On the device a training step stays there: no host round trip on a step that does
 /// not log, exactly one (the loss and the gradient norm, read together) on a step that
-/// does, with and without FSDP at world 1 and with FSDP x TP at 2x2 for both plans.
+/// does, with and without FSDP at world 1, at cp 2 (ring attention's blocks and merges on
+/// the device) and with FSDP x TP at 2x2 for both plans.
 #[test]
 fn a_device_step_reads_the_host_only_to_log() {
-    let configs: [&[&str]; 4] = [
+    let configs: [&[&str]; 5] = [
         &["--world", "1", "--dp", "1", "--tp", "1", "--no-fsdp"],
+        &["--world", "2", "--dp", "1", "--cp", "2", "--tp", "1"],
         &["--world", "1", "--dp", "1", "--tp", "1"],
         &["--world", "4", "--dp", "2", "--tp", "2", "--plan", "sp"],
         &["--world", "4", "--dp", "2", "--tp", "2", "--plan", "megatron"],
@@ -110,4 +112,21 @@ fn a_device_step_reads_the_host_only_to_log() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Context parallelism on the device: cp 2 x tp 2 steps (ring attention's blocks, the
+/// log-sum-exp merges and the backward on `cuda:0`) end with the CPU run's loss bits.
+#[test]
+fn context_parallel_training_on_the_emulated_gpu_matches_the_cpu() {
+    let bits = |device: &str| -> String {
+        let args = ["--world", "4", "--dp", "1", "--cp", "2", "--tp", "2", "--steps", "2"];
+        let (stdout, stderr) =
+            run_tiny(&[&args[..], &["--log-every", "1", "--device", device]].concat());
+        let line = stdout.lines().find(|l| l.starts_with("summary:"));
+        let line = line.unwrap_or_else(|| panic!("{device}: no summary line:\n{stdout}\n{stderr}"));
+        assert!(line.contains(" cp=2"), "{line}");
+        let v = line.split_whitespace().find_map(|kv| kv.strip_prefix("final_loss_bits="));
+        v.unwrap_or_else(|| panic!("no final_loss_bits in {line}")).to_string()
+    };
+    assert_eq!(bits("cuda"), bits("cpu"));
 }

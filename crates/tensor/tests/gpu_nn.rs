@@ -426,3 +426,129 @@ fn selective_checkpoints_keep_device_matmul_and_attention_outputs() {
         assert_eq!((counts.saved, counts.reused), (kept, kept), "keep {keep:?}: {counts:?}");
     }
 }
+
+/// The blockwise attention of context parallelism on the device: every block kind
+/// (no mask, top-left causal, nothing visible, and an explicit pattern through the host)
+/// with and without a key mask, forward, backward from merged results and the
+/// log-sum-exp merge, against the same calls on the host; no host round trip, and the
+/// blocks with kernels keep their log-sum-exps on the device.
+#[test]
+fn attention_blocks_run_on_the_device() {
+    setup();
+    let mut rng = Rng::new(21);
+    let (b, hq, hkv, d) = (2, 4, 2, 8);
+    let neg = f64::NEG_INFINITY;
+    // (query positions, key positions, whether a kernel takes the block)
+    let blocks: [(&[usize], &[usize], bool); 4] = [
+        (&[4, 5, 6], &[0, 1, 2, 3], true),
+        (&[0, 1, 6, 7], &[0, 1, 6, 7], true),
+        (&[0, 1], &[5, 6, 7], true),
+        (&[2, 5, 6], &[3, 4, 6], false),
+    ];
+    for (q_pos, k_pos, kernel) in blocks {
+        for masked in [false, true] {
+            let what = format!("block {q_pos:?} x {k_pos:?} masked {masked}");
+            let (sq, sk) = (q_pos.len(), k_pos.len());
+            let q = randn(&[b, hq, sq, d], DType::F32, &mut rng, false);
+            let k = randn(&[b, hkv, sk, d], DType::F32, &mut rng, false);
+            let v = randn(&[b, hkv, sk, d], DType::F32, &mut rng, false);
+            let dout = randn(&[b, hq, sq, d], DType::F32, &mut rng, false);
+            // Batch 1 pads its first key (a fully padded row where nothing else shows).
+            let mask = masked.then(|| {
+                let m: Vec<f64> = (0..b * sk).map(|i| if i == sk { neg } else { 0.0 }).collect();
+                Tensor::from_f64(&m, [b, sk], DType::F32).unwrap()
+            });
+            let on = |t: &Tensor| t.to_device(DEV).unwrap();
+            let host =
+                Tensor::sdpa_block_forward(&q, &k, &v, q_pos, k_pos, mask.as_ref(), None).unwrap();
+            let dm = mask.as_ref().map(on);
+            let trips = gpu::host_round_trips();
+            let dev = Tensor::sdpa_block_forward(
+                &on(&q),
+                &on(&k),
+                &on(&v),
+                q_pos,
+                k_pos,
+                dm.as_ref(),
+                None,
+            )
+            .unwrap();
+            let (hg, dg) = {
+                let hg = Tensor::sdpa_block_backward(
+                    &q,
+                    &k,
+                    &v,
+                    q_pos,
+                    k_pos,
+                    mask.as_ref(),
+                    None,
+                    &host.0,
+                    &host.1,
+                    &dout,
+                )
+                .unwrap();
+                let dg = Tensor::sdpa_block_backward(
+                    &on(&q),
+                    &on(&k),
+                    &on(&v),
+                    q_pos,
+                    k_pos,
+                    dm.as_ref(),
+                    None,
+                    &dev.0,
+                    &dev.1,
+                    &on(&dout),
+                )
+                .unwrap();
+                (hg, dg)
+            };
+            let added = gpu::host_round_trips() - trips;
+            assert_eq!(added, 0, "{what}: host round trips");
+            // A kernel's log-sum-exps stay on the device (f32); the host's are f64.
+            let want = if kernel { (DEV, DType::F32) } else { (Device::Cpu, DType::F64) };
+            assert_eq!((dev.1.device(), dev.1.dtype()), want, "{what}");
+            assert_eq!(dev.0.device(), DEV, "{what}");
+            let lse = |t: &Tensor| t.to_device(Device::Cpu).unwrap().to_dtype(DType::F64).unwrap();
+            assert_close(&format!("{what}: out"), &dev.0, &host.0, tol(DType::F32));
+            let (hl, dl) = (lse(&host.1).to_vec_f64().unwrap(), lse(&dev.1).to_vec_f64().unwrap());
+            for (i, (x, y)) in dl.iter().zip(&hl).enumerate() {
+                let same = (x == y) || (x - y).abs() <= 1e-5 * y.abs().max(1.0);
+                assert!(same, "{what}: lse {i}: device {x} vs host {y}");
+            }
+            for (name, a, h) in [("dq", &dg.0, &hg.0), ("dk", &dg.1, &hg.1), ("dv", &dg.2, &hg.2)] {
+                assert_close(&format!("{what}: {name}"), a, h, tol(DType::F32));
+            }
+        }
+    }
+}
+
+/// The log-sum-exp merge on the device equals the host's, including rows that only one
+/// side sees and rows neither sees (zeros and `-inf`, never NaN), with a host lse on one
+/// side (the running result's start); no host round trip.
+#[test]
+fn lse_merge_runs_on_the_device() {
+    setup();
+    let mut rng = Rng::new(22);
+    let neg = f64::NEG_INFINITY;
+    for dtype in [DType::F32, DType::BF16] {
+        let oa = randn(&[2, 3, 4], dtype, &mut rng, false);
+        let ob = randn(&[2, 3, 4], dtype, &mut rng, false);
+        let la = Tensor::from_f64(&[0.5, neg, 2.0, neg, -1.0, 30.0], [2, 3], DType::F64).unwrap();
+        let lb = Tensor::from_f64(&[1.5, 0.25, neg, neg, -1.0, -30.0], [2, 3], DType::F32).unwrap();
+        let (ho, hl) = Tensor::sdpa_lse_merge(&oa, &la, &ob, &lb).unwrap();
+        let trips = gpu::host_round_trips();
+        let (d_oa, d_ob, d_lb) =
+            (oa.to_device(DEV).unwrap(), ob.to_device(DEV).unwrap(), lb.to_device(DEV).unwrap());
+        let (dout, dl) = Tensor::sdpa_lse_merge(&d_oa, &la, &d_ob, &d_lb).unwrap();
+        assert_eq!(gpu::host_round_trips(), trips, "{dtype:?}");
+        assert_close(&format!("merge {dtype:?}"), &dout, &ho, tol(dtype));
+        let got = dl.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap();
+        let want = hl.to_vec_f64().unwrap();
+        for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+            let same = (x == y) || (x - y).abs() <= 1e-6 * y.abs().max(1.0);
+            assert!(same, "{dtype:?}: lse {i}: device {x} vs host {y}");
+        }
+        let o = dout.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap();
+        assert!(o.iter().all(|x| x.is_finite()) && o[12..16].iter().all(|&x| x == 0.0), "{o:?}");
+    }
+}

@@ -8,6 +8,11 @@
 //! one block takes the merged (global) output and log-sum-exp, as flash attention does,
 //! so the gradients of all blocks add up to the gradients of attention over all keys.
 //!
+//! On CUDA tensors the blocks that need no mask or the top-left causal one (every block
+//! of the load-balanced context-parallel layout) run the flash kernels of
+//! [`Tensor::scaled_dot_product_attention`] with their f32 log-sum-exps, and the merge
+//! runs as device ops: ring attention stays on the device.
+//!
 //! These functions are not recorded by autograd: the caller (a context-parallel
 //! attention op) records one node around all its blocks.
 //!
@@ -298,8 +303,11 @@ impl Tensor {
     /// token, `-inf` for padding, in q's dtype). `scale` defaults to `1/sqrt(d)`.
     ///
     /// Returns `(out, lse)`: `out` `[b, hq, sq, dv]` and the log-sum-exp of each query
-    /// row's scaled, masked scores, `lse` `[b, hq, sq]` in f64 (`-inf` and a zero output
-    /// row where the block has no visible key). The block is computed by the same flash
+    /// row's scaled, masked scores, `lse` `[b, hq, sq]` (`-inf` and a zero output row where
+    /// the block has no visible key): f64 on the host, or, for CUDA tensors of f32, bf16
+    /// or f16 whose block needs no mask or the top-left causal one, f32 on the device
+    /// (the flash kernel's; the key mask is read where it is, nothing leaves the device).
+    /// Other CUDA blocks are computed on host copies. The block is computed by the same flash
     /// kernel as [`Tensor::scaled_dot_product_attention`]: with no mask (every key before
     /// every query) or a top-left causal one (equal, increasing positions); other patterns
     /// get an explicit mask. Not recorded by autograd; see [`Tensor::sdpa_block_backward`].
@@ -503,9 +511,11 @@ impl Tensor {
     /// Merges two partial attention results over disjoint key sets by their log-sum-exps:
     /// `lse = log(e^lse_a + e^lse_b)` and `out = e^(lse_a - lse) out_a + e^(lse_b - lse)
     /// out_b`, row by row (a row with `lse = -inf` on both sides stays zero with `-inf`).
-    /// `out_*` are `[..., rows, dv]` in one float dtype, `lse_*` `[..., rows]` (read as
-    /// f64); returns the merged output (the outputs' dtype) and log-sum-exp (f64). Computed
-    /// in f64. Not recorded by autograd.
+    /// `out_*` are `[..., rows, dv]` in one float dtype, `lse_*` `[..., rows]` (any float
+    /// dtype); returns the merged output (the outputs' dtype) and log-sum-exp: on the host
+    /// computed in f64 (lse f64); for CUDA outputs of f32, bf16 or f16 computed by device
+    /// ops in f32 (lse f32 on the device; a host lse is moved there). Not recorded by
+    /// autograd.
     pub fn sdpa_lse_merge(
         out_a: &Tensor,
         lse_a: &Tensor,

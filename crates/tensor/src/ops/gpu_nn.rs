@@ -351,6 +351,102 @@ pub(crate) fn embedding(
 // Attention
 // ---------------------------------------------------------------------------------------
 
+/// Whether the flash kernels take attention of shape `s` (head dims within their limit,
+/// batches and heads within a grid, lengths within 32-bit offsets).
+fn sdpa_fits(s: &SdpaShape) -> bool {
+    s.head_dim <= k_sdpa::MAX_HEAD_DIM
+        && s.v_dim <= k_sdpa::MAX_HEAD_DIM
+        && s.batch <= 65_535
+        && s.q_heads <= 65_535
+        && s.q_len <= i32::MAX as usize / 2
+        && s.kv_len <= i32::MAX as usize / 2
+}
+
+/// Whether attention of `q` (and k, v of its device and dtype) with shape `s` runs on the
+/// device's flash kernels: a CUDA tensor of a kernel dtype and sizes they take.
+pub(crate) fn sdpa_on_device(q: &Tensor, s: &SdpaShape) -> bool {
+    matches!(q.device(), Device::Cuda(_)) && cuda_dtype(q.dtype()).is_some() && sdpa_fits(s)
+}
+
+/// The flash kernels' forward (see [`sdpa_on_device`]): `(out, lse)` with `out`
+/// `[b, hq, sq, dv]` in q's dtype and `lse` the f32 natural-log log-sum-exp of each
+/// query row `[b, hq, sq]` (`-inf` for a row with every key masked). `mask` is additive,
+/// 4-d, broadcastable to `[b, hq, sq, sk]`, with its last dim `sk`. Not recorded.
+pub(crate) fn sdpa_forward_device(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    s: &SdpaShape,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "scaled_dot_product_attention";
+    let cd = kernel_dtype(OP, q)?;
+    let dev = device_of(q, OP)?;
+    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+    let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
+    let mut out = Out::new(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
+    let mut lse = Out::new(&dev, [s.batch, s.q_heads, s.q_len], DType::F32)?;
+    let mut ins = vec![q, k, v];
+    ins.extend(mask);
+    with_gpu(OP, &ins, |b| {
+        let views = k_sdpa::SdpaFwdViews {
+            q: b[0].view(),
+            k: b[1].view(),
+            v: b[2].view(),
+            mask: mask_view(b.get(3).copied(), strides.as_deref()),
+            out: out.view_mut(),
+            lse: lse.view_mut(),
+        };
+        Ok(k_sdpa::sdpa_forward(&*dev, cd, s, views, k_sdpa::SdpaPath::Auto)?)
+    })?;
+    Ok((out.into_tensor(), lse.into_tensor()))
+}
+
+/// The flash kernels' backward of [`sdpa_forward_device`]: `(dq, dk, dv)` from the
+/// forward's `out` and f32 `lse` (or, for one key block of a longer attention, the
+/// merged ones over every key) and the output's gradient `dout`. Not recorded.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sdpa_backward_device(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    s: &SdpaShape,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    const OP: &str = "scaled_dot_product_attention";
+    let cd = kernel_dtype(OP, q)?;
+    let dev = device_of(dout, OP)?;
+    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+    let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
+    let mut dq = Out::new(&dev, q.shape().clone(), q.dtype())?;
+    let mut dk = Out::new(&dev, k.shape().clone(), k.dtype())?;
+    let mut dv = Out::new(&dev, v.shape().clone(), v.dtype())?;
+    let ws_bytes = k_sdpa::sdpa_backward_workspace_bytes(s)?;
+    let mut ws = Out::new(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
+    let mut ins = vec![q, k, v, out, lse, dout];
+    ins.extend(mask);
+    with_gpu(OP, &ins, |b| {
+        let views = k_sdpa::SdpaBwdViews {
+            q: b[0].view(),
+            k: b[1].view(),
+            v: b[2].view(),
+            mask: mask_view(b.get(6).copied(), strides.as_deref()),
+            out: b[3].view(),
+            lse: b[4].view(),
+            dout: b[5].view(),
+            dq: dq.view_mut(),
+            dk: dk.view_mut(),
+            dv: dv.view_mut(),
+            workspace: ws.view_mut(),
+        };
+        Ok(k_sdpa::sdpa_backward(&*dev, cd, s, views, k_sdpa::SdpaPath::Auto)?)
+    })?;
+    Ok((dq.into_tensor(), dk.into_tensor(), dv.into_tensor()))
+}
+
 /// Flash attention on the device; `None` when the dtype or sizes have no
 /// kernel (f64, head dims above the kernels' limit, more batches or heads
 /// than a grid holds). `mask` is the caller's 4-d mask, broadcastable to
@@ -364,13 +460,7 @@ pub(crate) fn sdpa(
 ) -> Result<Option<Tensor>> {
     const OP: &str = "scaled_dot_product_attention";
     let Some(cd) = cuda_dtype(q.dtype()) else { return Ok(None) };
-    let fits = s.head_dim <= k_sdpa::MAX_HEAD_DIM
-        && s.v_dim <= k_sdpa::MAX_HEAD_DIM
-        && s.batch <= 65_535
-        && s.q_heads <= 65_535
-        && s.q_len <= i32::MAX as usize / 2
-        && s.kv_len <= i32::MAX as usize / 2;
-    if !fits {
+    if !sdpa_fits(s) {
         return Ok(None);
     }
     let s = *s;
@@ -394,55 +484,15 @@ pub(crate) fn sdpa(
         }
         _ => None,
     };
-    let strides = mask.as_ref().map(|m| crate::shape::broadcast_strides(m.shape(), &full));
-    let rows = s.batch * s.q_heads * s.q_len;
     // A selective activation checkpoint may keep the output and its log-sum-exps
     // (crate::checkpoint).
     let (out, lse) = crate::checkpoint::kept(crate::checkpoint::SaveOp::Sdpa, &[q, k, v], || {
-        let mut out = Out::new(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
-        let mut lse = Out::new(&dev, [rows], DType::F32)?;
-        let mut ins = vec![q, k, v];
-        ins.extend(mask.as_ref());
-        with_gpu(OP, &ins, |b| {
-            let views = k_sdpa::SdpaFwdViews {
-                q: b[0].view(),
-                k: b[1].view(),
-                v: b[2].view(),
-                mask: mask_view(b.get(3).copied(), strides.as_deref()),
-                out: out.view_mut(),
-                lse: lse.view_mut(),
-            };
-            Ok(k_sdpa::sdpa_forward(&*dev, cd, &s, views, k_sdpa::SdpaPath::Auto)?)
-        })?;
-        Ok((out.into_tensor(), lse.into_tensor()))
+        sdpa_forward_device(q, k, v, mask.as_ref(), &s)
     })?;
     let (qq, kk, vv, oo) = (q.detach(), k.detach(), v.detach(), out.detach());
     Ok(Some(record(OP, &[q, k, v], out, move |g| {
-        let dev = device_of(g, OP)?;
-        let mut dq = Out::new(&dev, qq.shape().clone(), qq.dtype())?;
-        let mut dk = Out::new(&dev, kk.shape().clone(), kk.dtype())?;
-        let mut dv = Out::new(&dev, vv.shape().clone(), vv.dtype())?;
-        let ws_bytes = k_sdpa::sdpa_backward_workspace_bytes(&s)?;
-        let mut ws = Out::new(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
-        let mut ins = vec![&qq, &kk, &vv, &oo, &lse, g];
-        ins.extend(mask.as_ref());
-        with_gpu(OP, &ins, |b| {
-            let views = k_sdpa::SdpaBwdViews {
-                q: b[0].view(),
-                k: b[1].view(),
-                v: b[2].view(),
-                mask: mask_view(b.get(6).copied(), strides.as_deref()),
-                out: b[3].view(),
-                lse: b[4].view(),
-                dout: b[5].view(),
-                dq: dq.view_mut(),
-                dk: dk.view_mut(),
-                dv: dv.view_mut(),
-                workspace: ws.view_mut(),
-            };
-            Ok(k_sdpa::sdpa_backward(&*dev, cd, &s, views, k_sdpa::SdpaPath::Auto)?)
-        })?;
-        Ok(vec![Some(dq.into_tensor()), Some(dk.into_tensor()), Some(dv.into_tensor())])
+        let (dq, dk, dv) = sdpa_backward_device(&qq, &kk, &vv, mask.as_ref(), &s, &oo, &lse, g)?;
+        Ok(vec![Some(dq), Some(dk), Some(dv)])
     })))
 }
 
