@@ -360,6 +360,9 @@ struct RankReport {
     tokens: usize,
     seconds: f64,
     peak_bytes: i64,
+    /// The CUDA device's high-water mark (its pool's bytes in use, as PyTorch's
+    /// `max_memory_allocated`); `None` on the host.
+    device_peak_bytes: Option<u64>,
     state_bytes: usize,
     /// Device-host round trips per training step on this rank (CUDA devices).
     round_trips_per_step: f64,
@@ -781,6 +784,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         tokens,
         seconds: t0.elapsed().as_secs_f64(),
         peak_bytes: memory::peak(mem_slot),
+        device_peak_bytes: cuda_ordinal.map(tpar::kernels::cuda::device_peak_bytes),
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
         step_round_trips,
@@ -863,12 +867,28 @@ fn main() {
     }
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
-    println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    // On CUDA the host figure is the host's allocations only; the device pool's
+    // high-water mark follows it.
+    let device_peaks: Option<Vec<String>> =
+        reports.iter().map(|r| r.device_peak_bytes.map(|b| format!("{:.1}", mib(b)))).collect();
+    match &device_peaks {
+        Some(d) => println!(
+            "peak memory per rank (MiB): host [{}], device [{}]",
+            peaks.join(", "),
+            d.join(", ")
+        ),
+        None => println!("peak memory per rank (MiB): [{}]", peaks.join(", ")),
+    }
+    let device_peak_max = match reports.iter().filter_map(|r| r.device_peak_bytes).max() {
+        Some(b) => format!("{:.1}", mib(b)),
+        None => "none".into(),
+    };
     let states: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={}",
         o.world,
         o.dp,
         o.tp,
@@ -885,6 +905,7 @@ fn main() {
         o.ac.ac,
         o.cp,
         reports.iter().map(|r| r.predicted_peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
+        device_peak_max,
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

@@ -661,8 +661,9 @@ fn main() {
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
+    // device_peak_mib_max (llama_2d's key): none, the stages run on the host.
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none",
         o.pp,
         o.dp,
         o.tp,
