@@ -31,8 +31,18 @@ same byte and FLOP accounting and the same JSON keys, so that
   FSDP2's ``fully_shard`` on a world-1 process group with bf16 parameters and
   f32 gradient reduction (llama_2d's FSDP mixed precision, gathers and copies
   included); ``bf16`` trains bf16 parameters without autocast (llama_2d's
-  ``--no-fsdp``). ``--train-mode all`` measures the three in turn and reports
-  each as ``train.llama.<mode>.tokens_per_s`` as well.
+  ``--no-fsdp``); ``fused`` is ``autocast`` with PyTorch's fused AdamW
+  (``fused=True``: one kernel for every parameter's update); ``compile`` is
+  ``fused`` with ``torch.compile(model)`` (Inductor; its compilation falls in
+  the warm-up steps, which are not timed). ``--train-mode all`` measures the
+  five in turn and reports each as ``train.<tag>.<mode>.tokens_per_s`` as well,
+  with ``train.<tag>.<mode>.peak_mib``: ``torch.cuda.max_memory_allocated()``
+  over the mode's model, optimizer and steps, in MiB (n/a on the CPU).
+  ``<tag>`` is ``--tag`` (default ``llama``).
+- Model sizes: the flags below, or ``--preset``: ``step`` (gpu-check.sh's
+  training-step model: 8 layers, hidden 1024, heads 16/8, intermediate 2816,
+  seq 1024, batch 8, 94.9M parameters) or ``l16`` (16 layers, hidden 1024,
+  8 heads (8 kv heads), intermediate 2816, context 256, batch 128).
 
 Every time is the median of 3 trials of enough back-to-back calls for about
 0.2 s, after a warm-up, bracketed by ``torch.cuda.synchronize()`` (as in
@@ -89,7 +99,7 @@ class Results:
         self.values[key] = value
         self.units[key] = unit
         self.notes[key] = note
-        shown = "-" if value is None else f"{value:.1f}"
+        shown = ("n/a" if unit == "MiB" else "-") if value is None else f"{value:.1f}"
         print(f"  {key:<34} torch {shown:>9} {unit}  ({note})", flush=True)
 
     def guard(self, keys, unit, note, fn):
@@ -393,6 +403,23 @@ def shard_world1(model):
     fully_shard(model, mp_policy=mp)
 
 
+# The modes of --train-mode all, in order (module docs).
+TRAIN_MODES = ["autocast", "fused", "compile", "fsdp", "bf16"]
+
+# --preset: the model sizes of scripts/gpu-check.sh's training-step rows.
+PRESETS = {
+    "step": dict(layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816, seq=1024, batch=8),
+    "l16": dict(layers=16, hidden=1024, heads=8, kv_heads=8, intermediate=2816, seq=256, batch=128),
+}
+
+
+def peak_mib():
+    """``torch.cuda.max_memory_allocated()`` in MiB; None on the CPU (no allocator stats)."""
+    if DEV != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated() / (1 << 20)
+
+
 def bench_train(r, cfg, mode="autocast"):
     """One training step of ``cfg`` in ``mode`` (see the module docs), timed."""
     hd = cfg.hidden // cfg.heads
@@ -407,6 +434,9 @@ def bench_train(r, cfg, mode="autocast"):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return gqa(q, k, v)
 
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(cfg.seed)
     model = Llama(cfg, attn).to(DEV)
     params = sum(p.numel() for p in model.parameters())
@@ -415,10 +445,16 @@ def bench_train(r, cfg, mode="autocast"):
         model = model.to(torch.bfloat16)
     elif half and mode == "fsdp":
         shard_world1(model)
+    # fused / compile: PyTorch's fused AdamW (one kernel over every parameter).
+    fused = mode in ("fused", "compile")
     opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1
+        model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+        **({"fused": True} if fused else {}),
     )
-    amp = half and mode == "autocast"
+    params_list = list(model.parameters())
+    if mode == "compile":
+        model = torch.compile(model)
+    amp = half and mode in ("autocast", "fused", "compile")
     losses = []
 
     def step():
@@ -428,7 +464,7 @@ def bench_train(r, cfg, mode="autocast"):
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, cfg.vocab).float(), y.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params_list, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
@@ -442,15 +478,22 @@ def bench_train(r, cfg, mode="autocast"):
     sync()
     secs = (time.perf_counter() - t) / cfg.steps
     tokens = cfg.batch * cfg.seq / secs
+    peak = peak_mib()
+    how_run = {"compile": "torch.compile", "fused": "eager, fused AdamW"}.get(mode, "eager")
+    if mode == "compile":
+        how_run += ", fused AdamW"
     note = (
         f"{cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads}, "
         f"intermediate {cfg.intermediate}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}, "
-        f"{cfg.dtype}{f' {mode}' if half else ''}, {params / 1e6:.1f}M params, eager, {how}"
+        f"{cfg.dtype}{f' {mode}' if half else ''}, {params / 1e6:.1f}M params, {how_run}, {how}"
     )
-    if "train.llama.tokens_per_s" not in r.values:  # the first mode's
-        r.add("train.llama.tokens_per_s", tokens, "tokens/s", note)
+    tag = cfg.tag
+    if f"train.{tag}.tokens_per_s" not in r.values:  # the first mode's
+        r.add(f"train.{tag}.tokens_per_s", tokens, "tokens/s", note)
     if half:
-        r.add(f"train.llama.{mode}.tokens_per_s", tokens, "tokens/s", note)
+        r.add(f"train.{tag}.{mode}.tokens_per_s", tokens, "tokens/s", note)
+        where = "torch.cuda.max_memory_allocated" if DEV == "cuda" else "n/a on the CPU"
+        r.add(f"train.{tag}.{mode}.peak_mib", peak, "MiB", where)
     return {
         "config": {k: getattr(cfg, k) for k in (
             "layers", "hidden", "heads", "kv_heads", "intermediate", "seq", "batch",
@@ -459,6 +502,7 @@ def bench_train(r, cfg, mode="autocast"):
         "step_ms": secs * 1e3,
         "tokens_per_s": tokens,
         "mode": mode if half else "f32",
+        "peak_mib": peak,
         "loss_first": float(losses[0]),
         "loss_last": float(losses[-1]),
     }
@@ -485,12 +529,18 @@ def main():
     p.add_argument("--vocab", type=int, default=259, help="259: llama_2d's byte tokenizer")
     p.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     p.add_argument("--steps", type=int, default=10, help="timed training steps")
-    p.add_argument("--train-mode", choices=["autocast", "fsdp", "bf16", "all"], default="autocast",
-                   help="how --dtype bf16 trains (module docs); all: the three in turn")
+    p.add_argument("--train-mode", choices=TRAIN_MODES + ["all"], default="autocast",
+                   help="how --dtype bf16 trains (module docs); all: the five in turn")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a model size of the module docs (overrides the model flags)")
+    p.add_argument("--tag", default="llama",
+                   help="the training keys' name: train.<tag>.<mode>.tokens_per_s")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: only to smoke-test this script without a GPU")
     a = p.parse_args()
+    for k, v in PRESETS.get(a.preset, {}).items():
+        setattr(a, k, v)
     global DEV
     DEV = a.device
     if DEV == "cuda" and not torch.cuda.is_available():
@@ -517,7 +567,7 @@ def main():
         print("== training step", flush=True)
         modes = [a.train_mode]
         if a.train_mode == "all":  # the modes differ in bf16 only
-            modes = ["autocast", "fsdp", "bf16"] if a.dtype == "bf16" else ["autocast"]
+            modes = TRAIN_MODES if a.dtype == "bf16" else ["autocast"]
         for mode in modes:
             try:
                 res = bench_train(r, a, mode)
@@ -539,7 +589,7 @@ def main():
         ratio = ""
         if unit == "GB/s" and copy and v and k != "copy.dtod":
             ratio = f"{100 * v / copy:.0f}% of copy"
-        shown = "-" if v is None else f"{v:.1f}"
+        shown = ("n/a" if unit == "MiB" else "-") if v is None else f"{v:.1f}"
         print(f"{k:<34} {shown:>10} {unit:<9} {ratio}")
     if a.json:
         with open(a.json, "w") as f:

@@ -19,32 +19,49 @@
 #      PASS/FAIL line per output), then GEMM / attention TFLOP/s (ours and
 #      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s;
 #   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
-#      training step in eager PyTorch (tokens/s) in each bf16 mode (autocast,
-#      FSDP2 at world 1, bf16 parameters);
-#   3. llama_2d --device cuda with the same model and batch as step 2 (its
+#      training step (tokens/s and torch.cuda.max_memory_allocated) in each bf16
+#      mode: autocast (eager), fused (autocast, fused AdamW), compile
+#      (torch.compile(model), autocast, fused AdamW), FSDP2 at world 1, bf16
+#      parameters; for two model sizes: the training-step model below and the
+#      16-layer one (hidden 1024, 8 heads, context 256, batch 128; SKIP_L16=1
+#      skips it), the second without the kernel benchmarks (torch_ref_l16.*);
+#   3. llama_2d --device cuda with the same models and batches as step 2 (its
 #      outcome is reported, never fatal), with FSDP and with --no-fsdp (each
-#      against its PyTorch mode in step 4's table), its host round trips per step
-#      (logging steps and the others), then the GPU time per kernel of 3 more
-#      steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
+#      against every PyTorch mode in step 4's training table), its host round
+#      trips per step (logging steps and the others), then the GPU time per
+#      kernel of 3 more steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
 #   3b. the small default model on the device and on the host in the
 #      configurations whose emulated round trips the tests pin (world 1 with
 #      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
 #      NCCL under torchrun): the logged losses compared, the round trips read;
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
-#      ours/cuBLASLt (python3 merges the JSON files).
+#      ours/cuBLASLt (python3 merges the JSON files); then the training table:
+#      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
+#      PyTorch mode, tokens/s and device peak memory (llama_2d's
+#      device_peak_mib_max, torch's max_memory_allocated), and the ratios
+#      tpar/torch of tokens/s and of peak memory.
 #
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
-# torch_ref.{log,json}, llama_2d.log, llama_2d_nofsdp.log, parity.log,
-# summary.{txt,json} (nine files).
+# torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
+# llama_2d_nofsdp.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
+# summary.{txt,json}.
+#
+# SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
+# --device cpu without the kernel benchmarks, llama_2d --device cpu, both
+# model sizes shrunk to a few thousand parameters, gpu_check and parity
+# skipped): a check that the script, its logs and its tables hold together,
+# not a measurement.
 # Exit status: gpu_check's (0 every check passed, 1 a check failed, 2 no GPU
 # or no binary). Expect several minutes on an H200 (NVRTC compiles the kernels
 # on first use; step 3 is capped at LLAMA_TIMEOUT): where one command may run
 # at most 10 minutes, use QUICK=1 (fewer shapes) or SKIP_LLAMA=1 and run
-# step 3 alone in a second command with SKIP_CHECK=1 SKIP_TORCH=1.
+# step 3 alone in a second command with SKIP_CHECK=1 SKIP_TORCH=1. The
+# training table alone (both sizes, every PyTorch mode, tpar both ways):
+# SKIP_CHECK=1 SKIP_PARITY=1 SKIP_PROFILE=1 TORCH_REF_ARGS=--skip-kernels.
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
-# (default python3), QUICK=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
-# SKIP_PARITY=1, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
+# SKIP_L16=1, SKIP_PARITY=1, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
 # run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
@@ -64,6 +81,23 @@ if [ "${QUICK:-0}" = 1 ]; then quick=(--quick); fi
 # (2 layers, hidden 64, heads 4/2, intermediate 176, seq 64, batch 4) scaled
 # up for a GPU; byte-level vocab (259) on both sides.
 model=(--layers 8 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 2816 --seq 1024 --batch 8)
+# The second size (torch_ref.py --preset l16): 16 layers, hidden 1024, 8 heads
+# (MHA), intermediate 2816, context 256, batch 128.
+model_l16=(--layers 16 --hidden 1024 --heads 8 --kv-heads 8 --intermediate 2816 --seq 256 --batch 128)
+dev=cuda
+torch_dev=()
+llama_steps=(--steps 10 --log-every 2)
+if [ "${SMOKE:-0}" = 1 ]; then
+    # The host, tiny models, no kernel benchmarks, no gpu_check, no parity runs.
+    dev=cpu
+    torch_dev=(--device cpu --skip-kernels --steps 2)
+    model=(--layers 1 --hidden 32 --heads 4 --kv-heads 2 --intermediate 88 --seq 16 --batch 2)
+    model_l16=(--layers 2 --hidden 32 --heads 2 --kv-heads 2 --intermediate 88 --seq 8 --batch 4)
+    llama_steps=(--steps 4 --log-every 2)
+    SKIP_CHECK=1
+    SKIP_PARITY=1
+    SKIP_PROFILE=1
+fi
 
 # ---------------------------------------------------------------- libraries
 # cudarc loads the driver, NVRTC (the kernels compile at run time) and
@@ -152,9 +186,18 @@ if [ "${SKIP_TORCH:-0}" != 1 ]; then
     # Every bf16 mode (autocast, FSDP2 at world 1, bf16 parameters): the ratio row
     # compares llama_2d (FSDP mixed precision) with the first, autocast.
     PYTHONUNBUFFERED=1 "$py" "$root/benches/torch_ref.py" ${quick[@]+"${quick[@]}"} "${model[@]}" \
-        --train-mode all --json "$out/torch_ref.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
+        --train-mode all ${torch_dev[@]+"${torch_dev[@]}"} --json "$out/torch_ref.json" \
+        ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
     torch_rc=$?
     echo "(torch_ref: exit $torch_rc, $SECONDS s in all)"
+    if [ "${SKIP_L16:-0}" != 1 ]; then
+        echo "=== the 16-layer model (training step only)"
+        # shellcheck disable=SC2086
+        PYTHONUNBUFFERED=1 "$py" "$root/benches/torch_ref.py" --skip-kernels "${model_l16[@]}" \
+            --tag l16 --train-mode all ${torch_dev[@]+"${torch_dev[@]}"} \
+            --json "$out/torch_ref_l16.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref_l16.log"
+        echo "(torch_ref l16: exit $?, $SECONDS s in all)"
+    fi
 fi
 
 # ---------------------------------------------------------------- 3. llama_2d
@@ -162,27 +205,43 @@ fi
 llama_rc=skipped
 if [ "${SKIP_LLAMA:-0}" != 1 ]; then
     echo
-    echo "== 3. llama_2d --device cuda (outcome reported, never fatal)"
+    echo "== 3. llama_2d --device $dev (outcome reported, never fatal)"
     if [ -x "$bin/llama_2d" ]; then
         # shellcheck disable=SC2086
         timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
-            --dtype bf16 --steps 10 --log-every 2 --device cuda ${LLAMA_ARGS:-} 2>&1 |
+            --dtype bf16 "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} 2>&1 |
             tee "$out/llama_2d.log"
         llama_rc=$?
         echo "(llama_2d: exit $llama_rc, $SECONDS s in all; 124 = stopped by LLAMA_TIMEOUT)"
         # bf16 parameters without FSDP, the like of PyTorch's `bf16` mode.
         # shellcheck disable=SC2086
         timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
-            --dtype bf16 --no-fsdp --steps 10 --log-every 2 --device cuda ${LLAMA_ARGS:-} \
+            --dtype bf16 --no-fsdp "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} \
             >"$out/llama_2d_nofsdp.log" 2>&1
         echo "(llama_2d --no-fsdp: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log"))"
+        if [ "${SKIP_L16:-0}" != 1 ]; then
+            # The 16-layer model, both ways (the training table's second size).
+            for mode in fsdp nofsdp; do
+                flags=()
+                log="$out/llama_2d_l16.log"
+                if [ "$mode" = nofsdp ]; then
+                    flags=(--no-fsdp)
+                    log="$out/llama_2d_l16_nofsdp.log"
+                fi
+                # shellcheck disable=SC2086
+                timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 \
+                    "${model_l16[@]}" --dtype bf16 ${flags[@]+"${flags[@]}"} "${llama_steps[@]}" \
+                    --device "$dev" ${LLAMA_ARGS:-} >"$log" 2>&1
+                echo "(llama_2d l16 $mode: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$log"))"
+            done
+        fi
         if [ "$llama_rc" = 0 ] && [ "${SKIP_PROFILE:-0}" != 1 ]; then
             # Where the device time goes: GPU time per kernel over 3 steps
             # (TPAR_CUDA_PROFILE=1 times each launch with CUDA events).
             echo "=== profile (TPAR_CUDA_PROFILE=1, 3 steps)" | tee -a "$out/llama_2d.log"
             # shellcheck disable=SC2086
             TPAR_CUDA_PROFILE=1 timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 \
-                --tp 1 "${model[@]}" --dtype bf16 --steps 3 --log-every 1 --device cuda \
+                --tp 1 "${model[@]}" --dtype bf16 --steps 3 --log-every 1 --device "$dev" \
                 ${LLAMA_ARGS:-} 2>&1 | tee -a "$out/llama_2d.log" | grep -A40 '^GPU time by kernel'
         fi
     else
@@ -248,13 +307,13 @@ fi
 
 echo
 echo "== 4. summary"
-"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" <<'PY' || echo "the summary failed (see above)"
+"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" "$dev" <<'PY' || echo "the summary failed (see above)"
 import json
 import os
 import re
 import sys
 
-out, check_rc, torch_rc, llama_rc, parity_rc = sys.argv[1:6]
+out, check_rc, torch_rc, llama_rc, parity_rc, dev = sys.argv[1:7]
 
 
 def load(name):
@@ -348,7 +407,7 @@ lines.append(
     + "".join(f"\n  FAIL {c['name']} {c['dtype']} {c['shape']} err {c['err']} {c['note']}" for c in failed)
 )
 lines.append(f"torch_ref: exit {torch_rc}")
-lines.append(f"llama_2d --device cuda: exit {llama_rc}, {llama['outcome']}")
+lines.append(f"llama_2d --device {dev}: exit {llama_rc}, {llama['outcome']}")
 if "round_trips_quiet" in llama or "round_trips_logging" in llama:
     lines.append(
         "llama_2d host round trips per step (rank 0): logging steps "
@@ -399,6 +458,66 @@ for k in keys:
                  "ours_over_cublaslt": o / c if o is not None and c else None})
     lines.append(f"{k:<34} {units.get(k, ''):<9} {fmt(o):>9} {fmt(p):>9} {fmt(c):>9} "
                  f"{ratio(o, p):>11} {ratio(o, c):>14}")
+
+
+# The training table: per model size, tpar's two runs against every PyTorch mode of
+# torch_ref (--train-mode all), tokens/s and device peak memory, and tpar/torch.
+def tpar_run(name):
+    """tokens/s (every token over steady_step_s) and device peak of a llama_2d log."""
+    try:
+        with open(os.path.join(out, name)) as f:
+            log = f.read()
+    except OSError:
+        return None
+    steady = re.search(r" steady_step_s=([0-9.eE+-]+)", log)
+    secs = re.search(r" seconds=([0-9.eE+-]+)", log)
+    steps = re.search(r" steps=([0-9]+)", log)
+    shape = re.search(r"seq ([0-9]+), batch ([0-9]+) per dp rank", log)
+    peak = re.search(r" device_peak_mib_max=([0-9.eE+-]+)", log)
+    if not (shape and (steady or (secs and steps))):
+        tail = [l for l in log.strip().splitlines() if l.strip()][-1:]
+        return {"error": tail[0] if tail else "no output"}
+    step_s = float(steady.group(1)) if steady and float(steady.group(1)) > 0 else 0.0
+    if step_s <= 0 and secs and steps:
+        step_s = float(secs.group(1)) / max(int(steps.group(1)), 1)
+    if step_s <= 0:
+        return {"error": "no step time"}
+    tokens = int(shape.group(1)) * int(shape.group(2)) / step_s
+    return {"tokens_per_s": tokens, "step_ms": 1e3 * step_s,
+            "peak_mib": float(peak.group(1)) if peak else None}
+
+
+training = {}
+lines.append("")
+lines.append("training step: tpar against each PyTorch mode (tokens/s; peak MiB: tpar's "
+             "device_peak_mib_max, torch's max_memory_allocated; ratios tpar/torch)")
+sizes = [("step", "torch_ref.json", "llama", "llama_2d.log", "llama_2d_nofsdp.log"),
+         ("l16", "torch_ref_l16.json", "l16", "llama_2d_l16.log", "llama_2d_l16_nofsdp.log")]
+thead = (f"{'size':<5} {'tpar run':<9} {'torch mode':<9} {'tpar tok/s':>11} {'torch tok/s':>11} "
+         f"{'tok/s ratio':>11} {'tpar MiB':>9} {'torch MiB':>9} {'MiB ratio':>9}")
+lines.append(thead)
+lines.append("-" * len(thead))
+for size, tjson, tag, fsdp_log, plain_log in sizes:
+    tr = load(tjson) or {}
+    modes = tr.get("train_modes", {})
+    runs = {"fsdp": tpar_run(fsdp_log), "no-fsdp": tpar_run(plain_log)}
+    training[size] = {"tpar": runs, "torch": modes, "ratios": {}}
+    if not modes and all(r is None for r in runs.values()):
+        continue
+    for run, r in runs.items():
+        if r is None or "error" in r:
+            lines.append(f"{size:<5} {run:<9} {'-':<9} {('no run' if r is None else r['error'])[:60]}")
+            continue
+        for mode, res in modes.items():
+            tt, tp = res.get("tokens_per_s"), res.get("peak_mib")
+            rt = r["tokens_per_s"] / tt if tt else None
+            rm = r["peak_mib"] / tp if r["peak_mib"] is not None and tp else None
+            training[size]["ratios"][f"{run}/{mode}"] = {"tokens_per_s": rt, "peak_mib": rm}
+            pm = "n/a" if tp is None else f"{tp:.0f}"
+            om = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+            lines.append(f"{size:<5} {run:<9} {mode:<9} {r['tokens_per_s']:>11.0f} "
+                         f"{fmt(tt):>11} {ratio(r['tokens_per_s'], tt):>11} {om:>9} {pm:>9} "
+                         f"{ratio(r['peak_mib'], tp):>9}")
 text = "\n".join(lines)
 print(text)
 with open(os.path.join(out, "summary.txt"), "w") as f:
@@ -406,7 +525,7 @@ with open(os.path.join(out, "summary.txt"), "w") as f:
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"gpu_check_exit": check_rc, "torch_ref_exit": torch_rc, "llama_2d": llama,
                "parity": parity, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
-               "rows": rows}, f, indent=2)
+               "rows": rows, "training": training}, f, indent=2)
 PY
 
 echo
