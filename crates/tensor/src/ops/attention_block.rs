@@ -280,6 +280,30 @@ fn mask_view<T>(m: &Option<(Vec<T>, [usize; 3])>) -> Option<SdpaMask<'_, T>> {
     })
 }
 
+/// The forward of a block that attends nothing: a zero output of `dtype` on `dev` and
+/// `-inf` log-sum-exps of the `(dtype, device)` `lse`.
+fn nothing_attended(
+    s: &SdpaShape,
+    dtype: DType,
+    dev: Device,
+    lse: (DType, Device),
+) -> Result<(Tensor, Tensor, bool)> {
+    let out = Tensor::zeros([s.batch, s.q_heads, s.q_len, s.v_dim], dtype, dev)?;
+    let lse = Tensor::full([s.batch, s.q_heads, s.q_len], f64::NEG_INFINITY, lse.0, lse.1)?;
+    Ok((out, lse, false))
+}
+
+/// The backward of a block that attends nothing: zero gradients of q, k and v on `dev`.
+fn zero_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dev: Device,
+) -> Result<((Tensor, Tensor, Tensor), bool)> {
+    let z = |t: &Tensor| Tensor::zeros(t.shape().clone(), t.dtype(), dev);
+    Ok(((z(q)?, z(k)?, z(v)?), false))
+}
+
 /// Host copies of tensors on another device, with the device to return results to.
 fn host(op: &'static str, ts: &[&Tensor]) -> Result<(Vec<Tensor>, Device)> {
     let dev = common_device(op, ts)?;
@@ -351,13 +375,12 @@ impl Tensor {
         let s = blk.s;
         let out_shape = Shape::new(&[s.batch, s.q_heads, s.q_len, s.v_dim]);
         let lse_shape = Shape::new(&[s.batch, s.q_heads, s.q_len]);
+        if blk.kind == BlockMask::Empty {
+            let dev = common_device(OP, &[q, k, v])?;
+            return nothing_attended(&s, q.dtype(), dev, (DType::F64, Device::Cpu));
+        }
         let (h, dev) = host(OP, &[q, k, v])?;
         let dtype = q.dtype();
-        if blk.kind == BlockMask::Empty {
-            let out = Tensor::zeros(out_shape, dtype, dev)?;
-            let lse = Tensor::full(lse_shape, f64::NEG_INFINITY, DType::F64, Device::Cpu)?;
-            return Ok((out, lse, false));
-        }
         let rows = lse_shape.numel();
         let (out, lse) = with_float_type!(dtype, OP, |T| {
             let mask = mask_in::<T>(&blk.mask);
@@ -454,16 +477,11 @@ impl Tensor {
             true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
             false => blk,
         };
+        if blk.kind == BlockMask::Empty {
+            return zero_grads(q, k, v, common_device(OP, &[q, k, v, out, dout])?);
+        }
         let (h, dev) = host(OP, &[q, k, v, out, dout])?;
         let dtype = q.dtype();
-        if blk.kind == BlockMask::Empty {
-            let z = (
-                Tensor::zeros(q.shape().clone(), dtype, dev)?,
-                Tensor::zeros(k.shape().clone(), dtype, dev)?,
-                Tensor::zeros(v.shape().clone(), dtype, dev)?,
-            );
-            return Ok((z, false));
-        }
         let lse64 = lse.to_device(Device::Cpu)?.to_vec_f64()?;
         let (dq, dk, dv) = with_float_type!(dtype, OP, |T| {
             let mask = mask_in::<T>(&blk.mask);
@@ -616,9 +634,7 @@ fn device_block_forward(
     let s = blk.s;
     let dev = common_device("sdpa_block_forward", &[q, k, v])?;
     if blk.kind == BlockMask::Empty {
-        let out = Tensor::zeros([s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype(), dev)?;
-        let lse = Tensor::full([s.batch, s.q_heads, s.q_len], f64::NEG_INFINITY, DType::F32, dev)?;
-        return Ok((out, lse, false));
+        return nothing_attended(&s, q.dtype(), dev, (DType::F32, dev));
     }
     let mask = device_key_mask(key_mask, &s)?;
     let (out, lse) = gpu_nn::sdpa_forward_device(q, k, v, mask.as_ref(), &s)?;
@@ -640,12 +656,7 @@ fn device_block_backward(
 ) -> Result<((Tensor, Tensor, Tensor), bool)> {
     let dev = common_device("sdpa_block_backward", &[q, k, v, out, dout])?;
     if blk.kind == BlockMask::Empty {
-        let z = (
-            Tensor::zeros(q.shape().clone(), q.dtype(), dev)?,
-            Tensor::zeros(k.shape().clone(), k.dtype(), dev)?,
-            Tensor::zeros(v.shape().clone(), v.dtype(), dev)?,
-        );
-        return Ok((z, false));
+        return zero_grads(q, k, v, dev);
     }
     let lse = f32_on(lse, dev)?;
     let mask = device_key_mask(key_mask, &blk.s)?;
