@@ -408,6 +408,12 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // accumulators must not be read before that wait (the emulator fills them
 // with NaN until then). GPU builds provide N in 16, 32, 64, 128, 192, 256;
 // the emulator any multiple of 8 up to 256.
+//
+// Clusters: cluster_ctarank / cluster_nctarank, cluster_sync (every thread
+// of every block of the cluster), cluster_map(p, rank) (the same shared
+// object in block `rank`), mbarrier_arrive_cluster(bar, rank) and
+// tma_load_2d_multicast(smem, map, x, y, bar, mask) (the box into the blocks
+// of `mask`, complete_tx on each one's mbarrier at the offset of `bar`).
 
 // The 64-bit wgmma matrix descriptor's swizzle modes.
 #define TPAR_WG_SWIZZLE_NONE 0
@@ -501,11 +507,54 @@ TPAR_DEVICE void tma_store_3d(const TparTensorMap* map, int x, int y, int z, con
         "r"(x), "r"(y), "r"(z), "r"(tpar_shared_addr(smem))
         : "memory");
 }
+// The box into shared memory of every block of the cluster in `mask` (bit =
+// rank), at the same offset as `smem`, with complete_tx on each block's
+// mbarrier at the offset of `bar`.
+TPAR_DEVICE void tma_load_2d_multicast(void* smem, const TparTensorMap* map, int x, int y, u64* bar,
+                                       u16 mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(tpar_shared_addr(smem)),
+        "l"((u64)map), "r"(x), "r"(y), "r"(tpar_shared_addr(bar)), "h"(mask)
+        : "memory");
+}
 TPAR_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until at most N committed bulk store groups are pending.
 template <int N>
 TPAR_DEVICE void tma_store_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+TPAR_DEVICE u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+TPAR_DEVICE u32 cluster_nctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return r;
+}
+// barrier.cluster: every thread of every block of the cluster.
+TPAR_DEVICE void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+// The address of the same shared-memory object in block `rank` of the cluster.
+template <typename T>
+TPAR_DEVICE T* cluster_map(T* p, u32 rank) {
+    u64 r;
+    asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(r) : "l"((u64)p), "r"(rank));
+    return reinterpret_cast<T*>(r);
+}
+// One arrival on the mbarrier at the offset of `bar` in block `rank`.
+TPAR_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 rank) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(
+            tpar_shared_addr(bar)),
+        "r"(rank)
+        : "memory");
 }
 
 template <int R>
@@ -924,6 +973,21 @@ TPAR_DEVICE void tma_load_3d(void* smem, const TparTensorMap* map, int x, int y,
 TPAR_DEVICE void tma_store_3d(const TparTensorMap* map, int x, int y, int z, const void* smem) {
     const int c[3] = {x, y, z};
     tpar_emu_tma_store(map, c, 3, smem);
+}
+TPAR_DEVICE void tma_load_2d_multicast(void* smem, const TparTensorMap* map, int x, int y, u64* bar,
+                                       u16 mask) {
+    const int c[2] = {x, y};
+    tpar_emu_tma_load_multicast(smem, map, c, 2, bar, mask);
+}
+TPAR_DEVICE u32 cluster_ctarank() { return tpar_emu_cluster_ctarank(); }
+TPAR_DEVICE u32 cluster_nctarank() { return tpar_emu_cluster_nctarank(); }
+TPAR_DEVICE void cluster_sync() { tpar_emu_cluster_sync(); }
+template <typename T>
+TPAR_DEVICE T* cluster_map(T* p, u32 rank) {
+    return static_cast<T*>(tpar_emu_mapa(p, rank));
+}
+TPAR_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 rank) {
+    tpar_emu_mbar_arrive(tpar_emu_mapa(bar, rank), 1, 0);
 }
 TPAR_DEVICE void tma_store_commit() {}
 template <int N>

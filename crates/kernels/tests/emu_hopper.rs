@@ -2,8 +2,10 @@
 //! parities, bulk tensor copies through tensor maps (box, strides, the 32/64/128
 //! byte swizzles, out-of-bounds zeros, clipped stores), wgmma.mma_async (the
 //! accumulator and A register fragments, the canonical shared-memory layouts
-//! of K-major and M/N-major operands under every swizzle mode), and a small
-//! GEMM built from them, compared with a CPU matmul.
+//! of K-major and M/N-major operands under every swizzle mode), a small GEMM
+//! built from them, compared with a CPU matmul, and thread-block clusters
+//! (distributed shared memory, the cluster barrier, remote mbarrier arrivals,
+//! multicast copies).
 //!
 //! The expected layouts are written here from the ISA's definitions, not from
 //! the emulator's code: a wrong fragment, layout or swizzle in the emulator
@@ -784,4 +786,111 @@ fn a_tma_wgmma_gemm_tile_equals_a_cpu_matmul() {
     gemm_tile(100, 72, 200, false);
     gemm_tile(100, 72, 200, true);
     gemm_tile(128, 64, 72, true);
+}
+
+// ---------------------------------------------------------------- clusters
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct ClusterArgs {
+    map: TensorMap,
+    out: DevPtr,
+    bytes: i32,
+    mask: i32,
+    pad: [i32; 12],
+}
+
+fn run_cluster(
+    name: &str,
+    cfg: LaunchConfig,
+    cluster: [u32; 3],
+    args: &ClusterArgs,
+) -> tpar_kernels::Result<()> {
+    // SAFETY: the kernels write `out` within the sizes the tests allocate and
+    // read the tensor map's host buffer, both alive across the launch.
+    unsafe { emu().launch_cluster_raw(name, &cfg, cluster, bytemuck::bytes_of(args)) }
+}
+
+#[test]
+fn cluster_blocks_share_memory_barriers_and_mbarriers() {
+    for cluster in [2u32, 4] {
+        let grid = 8u32;
+        let mut out = vec![-1i32; grid as usize * 66];
+        let args = ClusterArgs {
+            map: TensorMap { opaque: [0; 16] },
+            out: out.as_mut_ptr() as DevPtr,
+            bytes: 0,
+            mask: 0,
+            pad: [0; 12],
+        };
+        let cfg = LaunchConfig::linear(grid, 64).with_shared(2048);
+        run_cluster("hopper_cluster_exchange", cfg, [cluster, 1, 1], &args).unwrap();
+        for b in 0..grid as usize {
+            let rank = b % cluster as usize;
+            let next = b - rank + (rank + 1) % cluster as usize;
+            for t in 0..64 {
+                assert_eq!(
+                    out[b * 64 + t],
+                    (next * 1000 + t) as i32,
+                    "cluster {cluster} block {b} t {t}"
+                );
+            }
+            let at = grid as usize * 64 + 2 * b;
+            assert_eq!((out[at], out[at + 1]), (rank as i32, cluster as i32), "block {b}");
+        }
+    }
+    let args =
+        ClusterArgs { map: TensorMap { opaque: [0; 16] }, out: 0, bytes: 0, mask: 0, pad: [0; 12] };
+    let e = run_cluster("hopper_cluster_exchange", LaunchConfig::linear(6, 64), [4, 1, 1], &args)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("divides the grid"), "{e}");
+}
+
+#[test]
+fn multicast_tma_fills_every_block_of_the_mask() {
+    let t = Tensor2::new(2, 64, 16, 128);
+    let map = t.map([64, 16], TensorMapSwizzle::B128);
+    let bytes = 64 * 16 * 2;
+    for (cluster, mask) in [(2u32, 0b11i32), (4, 0b1011)] {
+        let mut out = vec![0u8; bytes * cluster as usize];
+        let args = ClusterArgs {
+            map,
+            out: out.as_mut_ptr() as DevPtr,
+            bytes: bytes as i32,
+            mask,
+            pad: [0; 12],
+        };
+        let cfg = LaunchConfig::linear(cluster, 128).with_shared(bytes as u32 + 2048);
+        run_cluster("hopper_cluster_multicast", cfg, [cluster, 1, 1], &args).unwrap();
+        for b in 0..cluster as usize {
+            let img = &out[b * bytes..(b + 1) * bytes];
+            if mask >> b & 1 == 0 {
+                // the emulator's fill of fresh shared memory
+                assert!(img.iter().all(|&x| x == 0xA5), "block {b} outside the mask received data");
+                continue;
+            }
+            for r in 0..16 {
+                for c in 0..64 {
+                    let o = swizzled((r * 64 + c) * 2, 8);
+                    assert_eq!(
+                        &img[o..o + 2],
+                        t.at(r as i64, c as i64).unwrap(),
+                        "block {b} ({r}, {c})"
+                    );
+                }
+            }
+        }
+    }
+    let mut out = vec![0u8; bytes * 2];
+    let args = ClusterArgs {
+        map,
+        out: out.as_mut_ptr() as DevPtr,
+        bytes: bytes as i32,
+        mask: 0b100,
+        pad: [0; 12],
+    };
+    let cfg = LaunchConfig::linear(2, 128).with_shared(bytes as u32 + 2048);
+    let e = run_cluster("hopper_cluster_multicast", cfg, [2, 1, 1], &args).unwrap_err().to_string();
+    assert!(e.contains("outside the cluster"), "{e}");
 }

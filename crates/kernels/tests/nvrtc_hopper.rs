@@ -1,6 +1,6 @@
 //! NVRTC compiles the Hopper test kernels (`tests/hopper/kernels.cu`: the
-//! mbarrier, bulk tensor copy, wgmma and setmaxnreg wrappers of the prelude
-//! and the TMA + wgmma GEMM tile) for `sm_90a`, without a GPU.
+//! mbarrier, bulk tensor copy, wgmma, setmaxnreg and cluster wrappers of the
+//! prelude and the TMA + wgmma GEMM tile) for `sm_90a`, without a GPU.
 //!
 //! Without a loadable NVRTC the tests print why and pass, unless
 //! `TPAR_REQUIRE_NVRTC=1`, where they fail. NVRTC does not read inline PTX;
@@ -92,6 +92,9 @@ fn hopper_kernels_compile_for_sm_90a() {
         "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
         "mbarrier.try_wait.parity.shared::cta.b64",
         "setmaxnreg.dec.sync.aligned.u32",
+        "multicast::cluster",
+        "mapa.u64",
+        "barrier.cluster.arrive.release.aligned",
     ] {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }

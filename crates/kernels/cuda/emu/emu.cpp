@@ -22,7 +22,7 @@
 
 namespace {
 
-enum State { RUNNABLE, AT_BARRIER, AT_WARP, AT_GROUP, AT_MBAR, DONE };
+enum State { RUNNABLE, AT_BARRIER, AT_WARP, AT_GROUP, AT_MBAR, AT_CLUSTER, DONE };
 
 // A wgmma.mma_async issued by one thread whose results it has not yet
 // waited for: they reach the registers at wgmma.wait_group (until then the
@@ -46,6 +46,9 @@ struct Fiber {
     // AT_MBAR: the barrier and the parity of the phase waited for
     const void* mbar = nullptr;
     unsigned parity = 0;
+    unsigned cta = 0;    // rank of its block in the cluster
+    unsigned local = 0;  // linear thread index in its block
+    unsigned group = 0;  // its warpgroup in Launch::groups
     std::vector<WgmmaPending> wgmma;
     int wgmma_groups = 0;  // groups committed so far
     int wgmma_done = 0;    // groups retired by wait_group
@@ -82,17 +85,24 @@ struct Warp {
 constexpr size_t kStack = 256 * 1024;
 constexpr size_t kMaxDynSmem = 227 * 1024;
 
+// One block of the cluster running.
+struct Cta {
+    dim3 bidx{};
+    std::vector<unsigned char> dyn_smem;
+    // dynamic shared memory, 1024-byte aligned (the emulated shared window)
+    unsigned char* smem = nullptr;
+};
+
 struct Launch {
     void (*kernel)(const void*) = nullptr;
     const void* args = nullptr;
-    dim3 grid{}, block{}, bidx{};
+    dim3 grid{}, block{}, cluster{1, 1, 1};
+    unsigned csize = 1;  // blocks per cluster
+    std::vector<Cta> ctas;
     std::vector<Fiber> fibers;
     std::vector<Warp> warps;
     std::vector<Group> groups;
     std::unordered_map<const void*, Mbar> mbars;
-    std::vector<unsigned char> dyn_smem;
-    // dynamic shared memory, 1024-byte aligned (the emulated shared window)
-    unsigned char* smem = nullptr;
     size_t smem_bytes = 0;
     ucontext_t sched;
     Fiber* current = nullptr;
@@ -119,10 +129,14 @@ void fail(Launch* L, const std::string& what) {
 
 std::string where(const Fiber* f) {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", g_launch->bidx.x,
-                  g_launch->bidx.y, g_launch->bidx.z, f->tid.x, f->tid.y, f->tid.z);
+    const dim3& b = g_launch->ctas[f->cta].bidx;
+    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u)", b.x, b.y, b.z, f->tid.x,
+                  f->tid.y, f->tid.z);
     return buf;
 }
+
+// Dynamic shared memory of the running thread's block.
+unsigned char* cur_smem(Launch* L) { return L->ctas[L->current ? L->current->cta : 0].smem; }
 
 void fiber_entry() {
     Launch* L = g_launch;
@@ -184,12 +198,15 @@ bool mbar_ready(Launch* L, const Fiber& f) {
     return it != L->mbars.end() && (it->second.phase & 1u) != f.parity;
 }
 
-void run_block(Launch* L) {
-    const unsigned nthreads = L->block.x * L->block.y * L->block.z;
+// Runs the blocks of one cluster (one block without clusters) together.
+void run_cluster(Launch* L) {
+    const unsigned per_block = L->block.x * L->block.y * L->block.z;
+    const unsigned nthreads = per_block * L->csize;
     const unsigned nwarps = (nthreads + 31) / 32;
+    const unsigned groups_per_block = (per_block + 127) / 128;
     L->fibers.assign(nthreads, Fiber{});
     L->warps.assign(nwarps, Warp{});
-    L->groups.assign((nthreads + 127) / 128, Group{});
+    L->groups.assign(groups_per_block * L->csize, Group{});
     L->mbars.clear();
     while (g_stacks.size() < nthreads) {
         void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
@@ -202,13 +219,17 @@ void run_block(Launch* L) {
     }
     for (unsigned i = 0; i < nthreads; ++i) {
         Fiber& f = L->fibers[i];
-        f.tid = dim3{i % L->block.x, (i / L->block.x) % L->block.y, i / (L->block.x * L->block.y)};
+        const unsigned j = i % per_block;
+        f.cta = i / per_block;
+        f.local = j;
+        f.tid = dim3{j % L->block.x, (j / L->block.x) % L->block.y, j / (L->block.x * L->block.y)};
         f.lane = i % 32;
         f.warp = i / 32;
+        f.group = f.cta * groups_per_block + j / 128;
         L->warps[f.warp].lanes[f.lane] = &f;
         L->warps[f.warp].live++;
-        L->groups[i / 128].threads[i % 128] = &f;
-        L->groups[i / 128].live++;
+        L->groups[f.group].threads[j % 128] = &f;
+        L->groups[f.group].live++;
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = g_stacks[i];
         f.ctx.uc_stack.ss_size = kStack;
@@ -260,7 +281,7 @@ void run_block(Launch* L) {
                         Warp& wp = L->warps[f.warp];
                         wp.live--;
                         if (wp.arrived > 0 && wp.arrived == wp.live) complete_warp(wp);
-                        Group& gp = L->groups[t / 128];
+                        Group& gp = L->groups[f.group];
                         gp.live--;
                         if (gp.arrived > 0 && gp.arrived == gp.live) complete_group(gp);
                     }
@@ -268,13 +289,31 @@ void run_block(Launch* L) {
             }
         }
         if (ran || live == 0 || !L->error.empty()) continue;
-        unsigned at_barrier = 0;
-        for (auto& f : L->fibers) at_barrier += f.state == AT_BARRIER;
-        if (at_barrier == live) {
-            for (auto& f : L->fibers)
-                if (f.state == AT_BARRIER) f.state = RUNNABLE;
-            continue;
+        // __syncthreads completes for each block whose live threads all wait
+        // there; the cluster barrier once every live thread of the cluster waits
+        // at it
+        unsigned at_barrier = 0, at_cluster = 0;
+        bool released = false;
+        for (unsigned b = 0; b < L->csize; ++b) {
+            unsigned lb = 0, ab = 0;
+            for (unsigned i = b * per_block; i < (b + 1) * per_block; ++i) {
+                lb += L->fibers[i].state != DONE;
+                ab += L->fibers[i].state == AT_BARRIER;
+            }
+            at_barrier += ab;
+            if (ab > 0 && ab == lb) {
+                for (unsigned i = b * per_block; i < (b + 1) * per_block; ++i)
+                    if (L->fibers[i].state == AT_BARRIER) L->fibers[i].state = RUNNABLE;
+                released = true;
+            }
         }
+        for (auto& f : L->fibers) at_cluster += f.state == AT_CLUSTER;
+        if (at_cluster > 0 && at_cluster == live) {
+            for (auto& f : L->fibers)
+                if (f.state == AT_CLUSTER) f.state = RUNNABLE;
+            released = true;
+        }
+        if (released) continue;
         // Nothing can run: describe who waits where.
         unsigned at_mbar = 0, at_group = 0;
         for (auto& f : L->fibers) {
@@ -282,12 +321,17 @@ void run_block(Launch* L) {
             at_group += f.state == AT_GROUP;
         }
         std::string msg = "deadlock: ";
-        char buf[300];
+        char buf[400];
+        if (at_cluster > 0) {
+            std::snprintf(buf, sizeof buf, "%u threads wait at the cluster barrier; ", at_cluster);
+            msg += buf;
+        }
         std::snprintf(buf, sizeof buf,
                       "%u of %u live threads wait at __syncthreads, %u at mbarrier phases that "
                       "never complete, %u at warpgroup operations and %u at warp operations "
                       "some threads of their warp or warpgroup never reach (",
-                      at_barrier, live, at_mbar, at_group, live - at_barrier - at_mbar - at_group);
+                      at_barrier, live, at_mbar, at_group,
+                      live - at_barrier - at_mbar - at_group - at_cluster);
         msg += buf;
         int shown = 0;
         for (auto& f : L->fibers) {
@@ -320,10 +364,10 @@ void run_block(Launch* L) {
 extern "C" {
 
 const dim3* tpar_emu_thread_idx() { return &g_launch->current->tid; }
-const dim3* tpar_emu_block_idx() { return &g_launch->bidx; }
+const dim3* tpar_emu_block_idx() { return &g_launch->ctas[g_launch->current->cta].bidx; }
 const dim3* tpar_emu_block_dim() { return &g_launch->block; }
 const dim3* tpar_emu_grid_dim() { return &g_launch->grid; }
-unsigned char* tpar_emu_dyn_smem_ptr() { return g_launch->smem; }
+unsigned char* tpar_emu_dyn_smem_ptr() { return cur_smem(g_launch); }
 
 void tpar_emu_fail(const char* what) {
     Launch* L = g_launch;
@@ -486,13 +530,13 @@ void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred) {
 void tpar_emu_warpgroup_collective(void* in, void* out, tpar_emu_combine_fn combine, int kind) {
     Launch* L = g_launch;
     Fiber* f = L->current;
-    const size_t t = f - L->fibers.data();
-    if ((t / 128 + 1) * 128 > L->fibers.size()) {
+    const unsigned per_block = L->block.x * L->block.y * L->block.z;
+    if ((f->local / 128 + 1) * 128 > per_block) {
         tpar_emu_fail("a warpgroup operation in a block whose threads do not fill whole "
                       "warpgroups of 128");
         return;
     }
-    Group& g = L->groups[t / 128];
+    Group& g = L->groups[f->group];
     if (g.arrived > 0 && (g.combine != combine || g.kind != kind)) {
         tpar_emu_fail("threads of one warpgroup are at different warpgroup operations");
         return;
@@ -513,12 +557,13 @@ void tpar_emu_warpgroup_collective(void* in, void* out, tpar_emu_combine_fn comb
 unsigned tpar_emu_smem_offset(const void* p) {
     Launch* L = g_launch;
     const unsigned char* c = static_cast<const unsigned char*>(p);
-    if (c < L->smem || c > L->smem + L->smem_bytes) {
-        tpar_emu_fail("a shared-memory address that is not in dynamic shared memory (the "
-                      "emulator's shared window is tpar_dyn_smem)");
+    const unsigned char* smem = cur_smem(L);
+    if (c < smem || c > smem + L->smem_bytes) {
+        tpar_emu_fail("a shared-memory address that is not in its block's dynamic shared memory "
+                      "(the emulator's shared window is tpar_dyn_smem)");
         return 0;
     }
-    return (unsigned)(c - L->smem);
+    return (unsigned)(c - smem);
 }
 
 namespace {
@@ -615,6 +660,32 @@ int tpar_emu_mbar_try_wait(void* bar, unsigned parity) {
 void tpar_emu_setmaxnreg(unsigned regs, int) {
     if (regs % 8 != 0 || regs < 24 || regs > 256)
         tpar_emu_fail("setmaxnreg with a register count that is not a multiple of 8 in 24..256");
+}
+
+// ---------------------------------------------------------------- clusters
+
+unsigned tpar_emu_cluster_ctarank() { return g_launch->current->cta; }
+unsigned tpar_emu_cluster_nctarank() { return g_launch->csize; }
+
+void tpar_emu_cluster_sync() {
+    Launch* L = g_launch;
+    L->current->state = AT_CLUSTER;
+    yield_to_scheduler();
+}
+
+void* tpar_emu_mapa(const void* p, unsigned rank) {
+    Launch* L = g_launch;
+    const unsigned char* c = static_cast<const unsigned char*>(p);
+    if (rank >= L->csize) {
+        tpar_emu_fail("mapa to a block rank outside the cluster");
+        return const_cast<void*>(p);
+    }
+    for (const Cta& cta : L->ctas)
+        if (c >= cta.smem && c <= cta.smem + L->smem_bytes)
+            return L->ctas[rank].smem + (c - cta.smem);
+    tpar_emu_fail("mapa of an address outside dynamic shared memory (the emulator maps only "
+                  "tpar_dyn_smem between the blocks of a cluster)");
+    return const_cast<void*>(p);
 }
 
 // ---------------------------------------------------------------- tensor maps (TMA)
@@ -717,7 +788,10 @@ bool check_smem_box(const void* smem, const MapView& v, const char* op) {
         tpar_emu_fail((std::string(op) + ": shared-memory box address not 128-byte aligned").c_str());
         return false;
     }
-    if (c < L->smem || c + bytes > L->smem + L->smem_bytes) {
+    const unsigned char* base = nullptr;
+    for (const Cta& cta : L->ctas)
+        if (c >= cta.smem && c + bytes <= cta.smem + L->smem_bytes) base = cta.smem;
+    if (!base) {
         tpar_emu_fail((std::string(op) + ": the box does not fit in dynamic shared memory").c_str());
         return false;
     }
@@ -740,6 +814,18 @@ void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank,
         bytes += v.esize;
     });
     mbar_complete_tx(bar, (long long)bytes);
+}
+
+void tpar_emu_tma_load_multicast(void* smem, const void* map, const int* coords, int rank,
+                                 void* bar, unsigned mask) {
+    Launch* L = g_launch;
+    if (mask == 0 || (L->csize < 16 && (mask >> L->csize) != 0)) {
+        tpar_emu_fail("a multicast bulk tensor copy whose mask names blocks outside the cluster");
+        return;
+    }
+    for (unsigned r = 0; r < L->csize && L->error.empty(); ++r)
+        if (mask & (1u << r))
+            tpar_emu_tma_load(tpar_emu_mapa(smem, r), map, coords, rank, tpar_emu_mapa(bar, r));
 }
 
 void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void* smem) {
@@ -845,7 +931,7 @@ void wgmma_combine(void* const* ins, void* const* outs, int kind) {
         size_t off;
         if (!operand_addr(desc, mn, k, mn_major, &off)) return false;
         u16 h;
-        std::memcpy(&h, L->smem + off, 2);
+        std::memcpy(&h, cur_smem(L) + off, 2);
         *v = bits16(h, f16);
         return true;
     };
@@ -923,16 +1009,19 @@ void tpar_emu_wgmma_wait(int n) {
     f->wgmma.swap(rest);
 }
 
-// Runs a whole launch; returns 0, or 1 with a message in `err`.
-int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigned grid[3],
-                    const unsigned block[3], size_t dyn_smem, unsigned long long seed, char* err,
-                    size_t errlen) {
+// Runs a whole launch (blocks `cluster` at a time, together); returns 0, or
+// 1 with a message in `err`.
+int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, const unsigned grid[3],
+                            const unsigned block[3], const unsigned cluster[3], size_t dyn_smem,
+                            unsigned long long seed, char* err, size_t errlen) {
     std::lock_guard<std::mutex> lock(g_mutex);
     Launch L;
     L.kernel = kernel;
     L.args = args;
     L.grid = dim3{grid[0], grid[1], grid[2]};
     L.block = dim3{block[0], block[1], block[2]};
+    L.cluster = dim3{cluster[0], cluster[1], cluster[2]};
+    L.csize = cluster[0] * cluster[1] * cluster[2];
     L.rng = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
     if (L.rng == 0) L.rng = 1;
     const unsigned long long nthreads = (unsigned long long)block[0] * block[1] * block[2];
@@ -942,22 +1031,35 @@ int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigne
         fail(&L, "threads per block must be a multiple of 32 in the emulator");
     } else if (dyn_smem > kMaxDynSmem) {
         fail(&L, "more dynamic shared memory than a block can have (227 KiB)");
+    } else if (L.csize == 0 || L.csize > 16 || grid[0] % cluster[0] || grid[1] % cluster[1] ||
+               grid[2] % cluster[2]) {
+        fail(&L, "a cluster of 1 to 16 blocks that divides the grid in every dimension is needed");
     }
-    L.dyn_smem.assign(dyn_smem + 16 + 1024, 0);
-    {
-        uintptr_t p = reinterpret_cast<uintptr_t>(L.dyn_smem.data());
-        L.smem = L.dyn_smem.data() + ((1024 - p % 1024) % 1024);
-        L.smem_bytes = dyn_smem;
+    if (!L.error.empty()) {
+        if (errlen > 0) std::snprintf(err, errlen, "%s", L.error.c_str());
+        return 1;
+    }
+    L.smem_bytes = dyn_smem;
+    L.ctas.resize(L.csize);
+    for (Cta& c : L.ctas) {
+        c.dyn_smem.assign(dyn_smem + 16 + 1024, 0);
+        uintptr_t p = reinterpret_cast<uintptr_t>(c.dyn_smem.data());
+        c.smem = c.dyn_smem.data() + ((1024 - p % 1024) % 1024);
     }
     g_launch = &L;
-    for (unsigned z = 0; z < grid[2] && L.error.empty(); ++z)
-        for (unsigned y = 0; y < grid[1] && L.error.empty(); ++y)
-            for (unsigned x = 0; x < grid[0] && L.error.empty(); ++x) {
-                L.bidx = dim3{x, y, z};
-                // fill dynamic shared memory with a pattern: kernels must not
-                // rely on it starting at zero
-                std::memset(L.dyn_smem.data(), 0xA5, L.dyn_smem.size());
-                run_block(&L);
+    for (unsigned z = 0; z < grid[2] && L.error.empty(); z += cluster[2])
+        for (unsigned y = 0; y < grid[1] && L.error.empty(); y += cluster[1])
+            for (unsigned x = 0; x < grid[0] && L.error.empty(); x += cluster[0]) {
+                for (unsigned r = 0; r < L.csize; ++r) {
+                    Cta& c = L.ctas[r];
+                    // ranks in the cluster: x fastest, as %cluster_ctarank
+                    c.bidx = dim3{x + r % cluster[0], y + (r / cluster[0]) % cluster[1],
+                                  z + r / (cluster[0] * cluster[1])};
+                    // fill dynamic shared memory with a pattern: kernels must not
+                    // rely on it starting at zero
+                    std::memset(c.dyn_smem.data(), 0xA5, c.dyn_smem.size());
+                }
+                run_cluster(&L);
             }
     g_launch = nullptr;
     if (!L.error.empty()) {
@@ -965,6 +1067,14 @@ int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigne
         return 1;
     }
     return 0;
+}
+
+// Runs a whole launch without clusters.
+int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigned grid[3],
+                    const unsigned block[3], size_t dyn_smem, unsigned long long seed, char* err,
+                    size_t errlen) {
+    const unsigned one[3] = {1, 1, 1};
+    return tpar_emu_launch_cluster(kernel, args, grid, block, one, dyn_smem, seed, err, errlen);
 }
 
 }  // extern "C"

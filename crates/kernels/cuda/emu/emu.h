@@ -2,12 +2,14 @@
 // machines without a GPU. Included before the prelude (tpar.cuh) when a
 // kernel source is compiled with the host C++ compiler and -DTPAR_EMU.
 //
-// Model: a launch runs its blocks one after another; the threads of a block
-// are fibers (emu.cpp) that run until they reach __syncthreads() or a warp
-// operation (shuffle, __syncwarp, mma, ldmatrix), which completes once every
-// live lane of the warp (or thread of the block) has arrived. `__shared__`
-// becomes `static`, which is shared by exactly the threads of the one block
-// running at a time.
+// Model: a launch runs its blocks one after another (the blocks of a
+// thread-block cluster together); the threads of a block are fibers
+// (emu.cpp) that run until they reach __syncthreads() or a warp operation
+// (shuffle, __syncwarp, mma, ldmatrix), which completes once every live lane
+// of the warp (or thread of the block) has arrived. `__shared__` becomes
+// `static`, which is shared by exactly the threads of the one block running
+// at a time (by all blocks of a cluster: clustered kernels keep their shared
+// memory in tpar_dyn_smem, which each block has its own of).
 #pragma once
 
 #include <cmath>
@@ -333,6 +335,17 @@ void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void
 // the thread's A fragment, or null for A through `desc_a`; flags: 1 f16
 // (else bf16), 2 A M-major, 4 B N-major, 8 accumulate into d.
 void tpar_emu_wgmma(float* d, int n, const u32* a, u64 desc_a, u64 desc_b, int flags);
+// Thread-block clusters: the block's rank in its cluster (x fastest), the
+// blocks per cluster, barrier.cluster (arrive and wait), mapa (the address
+// of the same dynamic shared memory byte in block `rank`), and a bulk tensor
+// load multicast to the blocks of `mask` (each at the same shared offset,
+// complete_tx on each one's mbarrier at the same offset).
+unsigned tpar_emu_cluster_ctarank();
+unsigned tpar_emu_cluster_nctarank();
+void tpar_emu_cluster_sync();
+void* tpar_emu_mapa(const void* p, unsigned rank);
+void tpar_emu_tma_load_multicast(void* smem, const void* map, const int* coords, int rank,
+                                 void* bar, unsigned mask);
 void tpar_emu_wgmma_fence();
 void tpar_emu_wgmma_commit();
 void tpar_emu_wgmma_wait(int n);

@@ -20,8 +20,9 @@
 //! says how): mbarriers (a wait no phase can complete is reported as a
 //! deadlock), bulk tensor copies through tensor maps of
 //! [`super::tensor_map::TensorMap::encode_tiled_emulated`], `wgmma.mma_async`
-//! as a warpgroup collective (accumulators NaN until `wgmma_wait`) and
-//! `setmaxnreg`; thread-block clusters are not.
+//! as a warpgroup collective (accumulators NaN until `wgmma_wait`),
+//! `setmaxnreg`, and thread-block clusters ([`Emulator::launch_cluster_raw`]:
+//! distributed shared memory, the cluster barrier, multicast copies).
 //!
 //! ```no_run
 //! use tpar_kernels::cuda::emu::Emulator;
@@ -51,6 +52,7 @@ type KernelFn = unsafe extern "C" fn(*const c_void);
 type LaunchFn = unsafe extern "C" fn(
     KernelFn,
     *const c_void,
+    *const u32,
     *const u32,
     *const u32,
     usize,
@@ -179,10 +181,10 @@ impl Emulator {
         // initializers only set up C++ statics.
         let rt = unsafe { libloading::Library::new(&rt_path) }
             .map_err(|e| cuda_error("emulator", format!("loading {}: {e}", rt_path.display())))?;
-        // SAFETY: `tpar_emu_launch` is defined in emu.cpp with this signature.
+        // SAFETY: `tpar_emu_launch_cluster` is defined in emu.cpp with this signature.
         let launch: LaunchFn = unsafe {
-            *rt.get::<LaunchFn>(b"tpar_emu_launch\0")
-                .map_err(|e| cuda_error("emulator", format!("tpar_emu_launch: {e}")))?
+            *rt.get::<LaunchFn>(b"tpar_emu_launch_cluster\0")
+                .map_err(|e| cuda_error("emulator", format!("tpar_emu_launch_cluster: {e}")))?
         };
         Ok(Emulator {
             launch,
@@ -297,14 +299,22 @@ impl Emulator {
     }
 }
 
-impl Launcher for Emulator {
-    fn describe(&self) -> String {
-        "CPU emulator".to_string()
-    }
-
+impl Emulator {
+    /// Launches `kernel` as a grid of thread-block clusters of `cluster`
+    /// blocks (each dim dividing the grid's, at most 16 blocks): the blocks of
+    /// a cluster run together, reach each other's dynamic shared memory
+    /// (`cluster_map`), meet at `cluster_sync` and receive multicast bulk
+    /// copies. `[1, 1, 1]` is an ordinary launch.
+    ///
     /// # Safety
     /// As [`Launcher::launch_raw`].
-    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+    pub unsafe fn launch_cluster_raw(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        cluster: [u32; 3],
+        args: &[u8],
+    ) -> Result<()> {
         let info = self.kernel(kernel)?;
         let size = args.len();
         if size != info.args_size {
@@ -328,14 +338,16 @@ impl Launcher for Emulator {
         }
         let mut err = vec![0u8; 1024];
         // SAFETY: `info.entry` reads a struct of `size` bytes from `args`, as
-        // checked above; the caller vouches for the addresses in it. The grid
-        // and block are three u32 each; the error buffer has `err.len()` bytes.
+        // checked above; the caller vouches for the addresses in it. The grid,
+        // block and cluster are three u32 each; the error buffer has
+        // `err.len()` bytes.
         let rc = unsafe {
             (self.launch)(
                 info.entry,
                 args.as_ptr().cast::<c_void>(),
                 cfg.grid.as_ptr(),
                 cfg.block.as_ptr(),
+                cluster.as_ptr(),
                 cfg.shared_bytes as usize,
                 self.seed.load(Ordering::Relaxed),
                 err.as_mut_ptr() as *mut c_char,
@@ -350,6 +362,19 @@ impl Launcher for Emulator {
             ));
         }
         Ok(())
+    }
+}
+
+impl Launcher for Emulator {
+    fn describe(&self) -> String {
+        "CPU emulator".to_string()
+    }
+
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        // SAFETY: the caller's guarantee (the trait's contract).
+        unsafe { self.launch_cluster_raw(kernel, cfg, [1, 1, 1], args) }
     }
 }
 

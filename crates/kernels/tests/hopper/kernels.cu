@@ -326,3 +326,67 @@ TPAR_KERNEL(hopper_gemm_tile_nt, TPAR_GRID_CONSTANT(GemmTileArgs), 128) {
 TPAR_KERNEL(hopper_gemm_tile_nn, TPAR_GRID_CONSTANT(GemmTileArgs), 128) {
     hopper_test::gemm_tile<1>(args);
 }
+
+struct ClusterArgs {
+    TparTensorMap map;  // the multicast test's tensor (64 x 16 bf16 boxes, 128-byte swizzle)
+    i32* out;
+    i32 bytes;          // multicast box bytes
+    i32 mask;           // multicast mask
+    i32 pad[12];
+};
+
+// Blocks of a cluster (shared memory in tpar_dyn_smem only): each fills its
+// shared words, then reads its next neighbour's through cluster_map; every
+// block's thread 0 arrives on rank 0's mbarrier, which rank 0 waits for.
+// out[block * 64 + t] = the neighbour's word t; out[grid * 64 + block * 2 +
+// {0, 1}] = rank and cluster size (thread 0).
+TPAR_KERNEL(hopper_cluster_exchange, ClusterArgs, 64) {
+    unsigned char* s = hopper_test::smem1024();
+    u64* bar = reinterpret_cast<u64*>(s);
+    i32* words = reinterpret_cast<i32*>(s + 64);
+    const int t = threadIdx.x;
+    const u32 rank = cluster_ctarank(), n = cluster_nctarank();
+    if (t == 0) {
+        mbarrier_init(bar, n);
+        fence_mbarrier_init();
+    }
+    words[t] = (i32)(blockIdx.x * 1000 + t);
+    cluster_sync();
+    const i32* next = cluster_map(words, (rank + 1) % n);
+    args.out[blockIdx.x * 64 + t] = next[t];
+    if (t == 0) {
+        mbarrier_arrive_cluster(bar, 0);
+        args.out[gridDim.x * 64 + blockIdx.x * 2] = (i32)rank;
+        args.out[gridDim.x * 64 + blockIdx.x * 2 + 1] = (i32)n;
+    }
+    if (rank == 0) mbarrier_wait_parity(bar, 0);
+    cluster_sync();  // no block leaves while another may still read its shared memory
+}
+
+// Rank 0 multicasts one box to the blocks of `mask`; each of those waits on
+// its own mbarrier (same offset) and copies its shared bytes to
+// out[block * bytes ..] (as bytes); the other blocks copy theirs after the
+// copy was issued.
+TPAR_KERNEL(hopper_cluster_multicast, TPAR_GRID_CONSTANT(ClusterArgs), 128) {
+    unsigned char* s = hopper_test::smem1024();
+    u64* bar = reinterpret_cast<u64*>(s + args.bytes);
+    const int t = threadIdx.x;
+    const u32 rank = cluster_ctarank();
+    const bool mine = (args.mask >> rank) & 1;
+    if (t == 0) {
+        mbarrier_init(bar, 1);
+        fence_mbarrier_init();
+    }
+    cluster_sync();
+    if (t == 0 && mine) mbarrier_arrive_expect_tx(bar, (u32)args.bytes);
+    if (t == 0 && rank == 0) tma_load_2d_multicast(s, &args.map, 0, 0, bar, (u16)args.mask);
+    unsigned char* out = reinterpret_cast<unsigned char*>(args.out) + blockIdx.x * args.bytes;
+    if (mine) {
+        mbarrier_wait_parity(bar, 0);
+        for (int i = t; i < args.bytes; i += blockDim.x) out[i] = s[i];
+    }
+    cluster_sync();
+    // a block outside the mask: what its shared memory holds after the copy
+    if (!mine)
+        for (int i = t; i < args.bytes; i += blockDim.x) out[i] = s[i];
+}
