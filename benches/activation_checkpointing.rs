@@ -17,7 +17,10 @@
 //! AdamW state (the activations and the step's transients), and that against `none`;
 //! and the step's CPU time (all threads, from `/proc/self/task/*/schedstat`) with the
 //! median over rounds of its ratio to `none`'s, which a busy machine moves less than
-//! the wall time.
+//! the wall time. Where the time goes: the step's forward (logits and loss) and, with
+//! `tpar::tensor::checkpoint::region_times` on, the regions' recomputes and the backward
+//! through the recomputed graphs (medians per step), so a policy's extra time can be
+//! set against one extra forward of the checkpointed layers.
 //!
 //! Policies (`--policies`, default `none,selective,full`) are written as `--ac` takes
 //! them (`none`, `full`, `full:2`, `selective`, `selective[matmul,sdpa]`, ...); a
@@ -31,6 +34,7 @@
 use std::time::Instant;
 
 use tpar::prelude::*;
+use tpar::tensor::checkpoint::{region_times, reset_region_times, set_region_timing};
 use tpar::tensor::memory;
 
 #[global_allocator]
@@ -205,6 +209,9 @@ fn main() -> Result<()> {
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut cpu_ratios: Vec<Vec<f64>> = vec![Vec::new(); n];
+    // Per policy, per timed step: forward s, regions' forward, recompute, backward s.
+    let mut parts: Vec<[Vec<f64>; 4]> = vec![Default::default(); n];
+    set_region_timing(true);
     let mut peaks = vec![0i64; n];
     let mut state = 0i64;
     let mut loads = Vec::new();
@@ -221,9 +228,11 @@ fn main() -> Result<()> {
                 // bytes as the parameters during the step.
                 let start = memory::current(0);
                 memory::reset_peak(0);
+                reset_region_times();
                 let (t0, c0) = (Instant::now(), cpu_secs());
                 let logits = model.logits(&ids, None)?.into_tensor("logits")?;
                 let loss = logits.reshape([SEQ, VOCAB])?.cross_entropy(&labels, -100)?;
+                let forward = t0.elapsed().as_secs_f64();
                 drop(logits);
                 loss.backward()?;
                 clip_grad_norm_(&params, 1.0, &ClipOptions::default())?;
@@ -232,6 +241,16 @@ fn main() -> Result<()> {
                 let dt = t0.elapsed().as_secs_f64();
                 let dc = cpu_secs() - c0;
                 if s > 0 {
+                    let rt = region_times();
+                    let part = [
+                        forward,
+                        rt.forward.as_secs_f64(),
+                        rt.recompute.as_secs_f64(),
+                        rt.backward.as_secs_f64(),
+                    ];
+                    for (v, x) in parts[i].iter_mut().zip(part) {
+                        v.push(x);
+                    }
                     mine.push(dt);
                     mine_cpu.push(dc);
                     peaks[i] = peaks[i].max(memory::peak(0));
@@ -296,6 +315,19 @@ fn main() -> Result<()> {
             mib(act),
             act / base_act,
             loads.join(",")
+        );
+    }
+    println!(
+        "where the time goes (medians per step, s): | policy | forward (logits, loss) | \
+         regions' forward | recompute | backward through the recompute |"
+    );
+    for i in 0..n {
+        let [f, rf, rc, rb] = parts[i].clone().map(median);
+        println!("| {} | {f:.3} | {rf:.3} | {rc:.3} | {rb:.3} |", o.policies[i]);
+        println!(
+            "summary_parts: policy={} forward_s={f:.4} region_forward_s={rf:.4} \
+             recompute_s={rc:.4} region_backward_s={rb:.4}",
+            o.policies[i]
         );
     }
     Ok(())

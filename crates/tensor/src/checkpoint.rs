@@ -48,12 +48,17 @@
 //!
 //! [`recompute_counts`] reports, per thread, how many regions were recomputed and how
 //! many kept outputs were saved and reused, so tests and benchmarks can see what ran.
+//! [`region_times`] (off unless [`set_region_timing`] turns it on) sums the wall time of
+//! regions' forwards, their recomputes and the backward through the recomputed graphs,
+//! so a benchmark can tell what a checkpointed step spends beyond one extra forward.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::autograd::{
     grad_within, grad_within_split, is_grad_enabled, needs_input_grad, record, DeferredWithin,
@@ -145,6 +150,56 @@ pub fn recompute_counts() -> RecomputeCounts {
 /// Zeroes this thread's [`recompute_counts`].
 pub fn reset_recompute_counts() {
     COUNTS.with(|c| c.set(RecomputeCounts::default()));
+}
+
+/// Wall time spent in activation checkpointing's parts, summed over every thread of the
+/// process while [`set_region_timing`] is on (see [`region_times`]). A region nested in
+/// another one's forward or recompute counts inside the outer one's time too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionTimes {
+    /// Regions' forwards (grad recording off, nothing but the kept outputs kept).
+    pub forward: Duration,
+    /// Regions run again in backward, with grad recording on.
+    pub recompute: Duration,
+    /// The backward through the recomputed graphs, down to the regions' inputs and
+    /// parameters (both passes of a split backward).
+    pub backward: Duration,
+}
+
+static TIMING: AtomicBool = AtomicBool::new(false);
+static FORWARD_NS: AtomicU64 = AtomicU64::new(0);
+static RECOMPUTE_NS: AtomicU64 = AtomicU64::new(0);
+static BACKWARD_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Turns the process-wide [`region_times`] on or off (off by default: no clock is read).
+pub fn set_region_timing(on: bool) {
+    TIMING.store(on, Ordering::Relaxed);
+}
+
+/// The wall time regions' forwards, recomputes and backwards took since the last
+/// [`reset_region_times`], while [`set_region_timing`] was on.
+pub fn region_times() -> RegionTimes {
+    let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+    RegionTimes { forward: d(&FORWARD_NS), recompute: d(&RECOMPUTE_NS), backward: d(&BACKWARD_NS) }
+}
+
+/// Zeroes [`region_times`].
+pub fn reset_region_times() {
+    for a in [&FORWARD_NS, &RECOMPUTE_NS, &BACKWARD_NS] {
+        a.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Runs `f`, adding its wall time to `slot` when region timing is on.
+fn timed<T>(slot: &AtomicU64, f: impl FnOnce() -> T) -> T {
+    if !TIMING.load(Ordering::Relaxed) {
+        return f();
+    }
+    let t0 = Instant::now();
+    let r = f();
+    let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    slot.fetch_add(ns, Ordering::Relaxed);
+    r
 }
 
 fn count(f: impl FnOnce(&mut RecomputeCounts)) {
@@ -376,7 +431,7 @@ where
         let frame = (!keep.is_empty()).then(|| {
             FrameGuard::push(Frame::Record { keep: keep.to_vec(), entries: Vec::new(), matmuls: 0 })
         });
-        let out = f(inputs)?;
+        let out = timed(&FORWARD_NS, || f(inputs))?;
         let kept = match frame.and_then(FrameGuard::pop) {
             Some(Frame::Record { entries, .. }) => entries,
             _ => Vec::new(),
@@ -425,7 +480,7 @@ impl Region {
         let deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some((later, d)) = deferred {
             if later == asked {
-                let (grads, stray) = d.finish()?;
+                let (grads, stray) = timed(&BACKWARD_NS, || d.finish())?;
                 stray_check(&stray)?;
                 let mut out = vec![None; n];
                 for (i, gi) in later.into_iter().zip(grads) {
@@ -434,9 +489,12 @@ impl Region {
                 return Ok(out);
             }
         }
-        let Some((out, targets)) = self.recompute()? else { return Ok(vec![None; n]) };
+        let Some((out, targets)) = timed(&RECOMPUTE_NS, || self.recompute())? else {
+            return Ok(vec![None; n]);
+        };
         if owed.is_empty() || asked.is_empty() {
-            let (grads, stray) = grad_within(&[out], vec![g.clone()], &targets)?;
+            let (grads, stray) =
+                timed(&BACKWARD_NS, || grad_within(&[out], vec![g.clone()], &targets))?;
             stray_check(&stray)?;
             return Ok(grads
                 .into_iter()
@@ -446,7 +504,8 @@ impl Region {
         }
         let now: Vec<Tensor> = asked.iter().map(|&i| targets[i].clone()).collect();
         let later: Vec<Tensor> = owed.iter().map(|&i| targets[i].clone()).collect();
-        let (grads, d) = grad_within_split(&[out], vec![g.clone()], &now, &later)?;
+        let (grads, d) =
+            timed(&BACKWARD_NS, || grad_within_split(&[out], vec![g.clone()], &now, &later))?;
         *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = Some((owed, d));
         let mut res = vec![None; n];
         for (i, gi) in asked.into_iter().zip(grads) {
