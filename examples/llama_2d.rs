@@ -20,7 +20,7 @@ use clap::{Parser, ValueEnum};
 
 use tpar::data::Batch;
 use tpar::data::StepMetrics;
-use tpar::dtensor::{CpLayout, CpMethod};
+use tpar::dtensor::CpLayout;
 use tpar::models::context_parallel::{apply_context_parallel, cp_token_share};
 use tpar::prelude::*;
 use tpar::tensor::memory;
@@ -62,6 +62,7 @@ struct Opts {
     save: args::SaveArgs,
     hf: args::HfArgs,
     ac: args::AcArgs,
+    cp_method: args::CpMethodArgs,
     metrics: args::MetricsArgs,
     memory_budget: Option<f64>,
     stop_after: Option<usize>,
@@ -144,6 +145,8 @@ struct Cli {
     hf: args::HfArgs,
     #[command(flatten)]
     ac: args::AcArgs,
+    #[command(flatten)]
+    cp_method: args::CpMethodArgs,
     #[command(flatten)]
     metrics: args::MetricsArgs,
     /// Refuse to start (exit code 2, before the model is built) when the predicted peak
@@ -270,6 +273,7 @@ fn parse() -> Result<Opts, String> {
         save: c.save,
         hf: c.hf,
         ac: c.ac,
+        cp_method: c.cp_method,
         metrics: c.metrics,
         memory_budget: c.memory_budget,
         stop_after: c.stop_after,
@@ -472,7 +476,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let cp_group = mesh.group_of("cp")?.clone();
     let cp_layout = CpLayout::new(seq, o.cp)?;
     if o.cp > 1 {
-        apply_context_parallel(&mut model, &cp_group, CpMethod::Ring)?;
+        apply_context_parallel(&mut model, &cp_group, o.cp_method.cp_method)?;
     }
 
     let optim = run::Optim::new(o.lr, o.steps);
@@ -888,7 +892,7 @@ fn main() {
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={}",
         o.world,
         o.dp,
         o.tp,
@@ -906,6 +910,7 @@ fn main() {
         o.cp,
         reports.iter().map(|r| r.predicted_peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
         device_peak_max,
+        o.cp_method.name(),
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

@@ -14,7 +14,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 
 use tpar::data::StepMetrics;
-use tpar::dtensor::{CpLayout, CpMethod};
+use tpar::dtensor::CpLayout;
 use tpar::models::context_parallel::{apply_context_parallel_stage, cp_token_share};
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
@@ -126,6 +126,8 @@ struct Opts {
     hf: args::HfArgs,
     #[command(flatten)]
     ac: args::AcArgs,
+    #[command(flatten)]
+    cp_method: args::CpMethodArgs,
     #[command(flatten)]
     metrics: args::MetricsArgs,
     /// Refuse to start (exit code 2, before the stages are built) when the predicted peak
@@ -314,7 +316,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             ddps.push(DataParallel::new(&mut stage, &dp_mesh)?);
         }
         if o.cp > 1 {
-            apply_context_parallel_stage(&mut stage, &cp_group, CpMethod::Ring)?;
+            apply_context_parallel_stage(&mut stage, &cp_group, o.cp_method.cp_method)?;
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
@@ -663,7 +665,7 @@ fn main() {
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
     // device_peak_mib_max (llama_2d's key): none, the stages run on the host.
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={}",
         o.pp,
         o.dp,
         o.tp,
@@ -686,6 +688,7 @@ fn main() {
             None => "none".into(),
         },
         o.cp,
+        o.cp_method.name(),
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

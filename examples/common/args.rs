@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use tpar::data::{MetricsConfig, MetricsLogger};
+use tpar::dtensor::CpMethod;
 use tpar::models::hf::{export_hf, HfCheckpoint, HfConfig, DEFAULT_SHARD_BYTES, TOKENIZER_FILE};
 use tpar::prelude::*;
 
@@ -169,6 +170,35 @@ impl AcArgs {
     pub fn apply(&self, model: &mut dyn Module) -> tpar::Result<()> {
         apply_activation_checkpointing(model, &self.ac)?;
         Ok(())
+    }
+}
+
+/// How context parallelism's attention exchanges keys and values (with --cp > 1).
+#[derive(Args, Clone, Copy, Debug)]
+pub struct CpMethodArgs {
+    /// With --cp: how attention exchanges keys and values between the cp ranks: ring
+    /// (each rank's keys and values pass around the ring by send/recv, one hop per rank,
+    /// so a rank holds two blocks at a time) or all-gather (one all_gather of every
+    /// rank's keys and values, the backward a reduce_scatter of their gradients).
+    #[arg(long = "cp-method", default_value = "ring", value_parser = parse_cp_method)]
+    pub cp_method: CpMethod,
+}
+
+fn parse_cp_method(s: &str) -> Result<CpMethod, String> {
+    match s {
+        "ring" => Ok(CpMethod::Ring),
+        "all-gather" => Ok(CpMethod::AllGather),
+        other => Err(format!("--cp-method: ring or all-gather, not {other:?}")),
+    }
+}
+
+impl CpMethodArgs {
+    /// The method as the flag writes it (`ring`, `all-gather`).
+    pub fn name(&self) -> &'static str {
+        match self.cp_method {
+            CpMethod::Ring => "ring",
+            CpMethod::AllGather => "all-gather",
+        }
     }
 }
 
