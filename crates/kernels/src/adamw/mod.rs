@@ -59,7 +59,7 @@ pub fn adamw_step<T: Float>(
 /// [`adamw_step`] that also writes `cast` of each updated parameter into `copy` (the
 /// same length) in the same pass: the low-precision working copy, equal bit for bit
 /// to `cast` applied to the updated `p` afterwards (pass the conversion a separate
-/// cast would use, e.g. `|x| bf16::from_f64(x.to_f64())`). The update of `p` and the
+/// cast would use, e.g. `|x| bf16::from_f32(x)`). The update of `p` and the
 /// moments is [`adamw_step`]'s, bit for bit.
 pub fn adamw_step_with_copy<T: Float, W: Send>(
     p: &mut [T],
