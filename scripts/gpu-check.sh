@@ -34,6 +34,11 @@
 #      configurations whose emulated round trips the tests pin (world 1 with
 #      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
 #      NCCL under torchrun): the logged losses compared, the round trips read;
+#   3c. context parallelism on one GPU: llama_2d at a long sequence (the
+#      step's model, batch 1, bf16 parameters, seq CP_SEQ, default 32768, one
+#      long synthetic document) at cp 1 on one rank and at cp 2 as two rank
+#      threads on the same GPU (SKIP_CP=1 skips): logged losses compared, time
+#      per step and device peak of each (logs in cp.log);
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files); then the training table:
 #      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
@@ -44,7 +49,7 @@
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
-# summary.{txt,json}.
+# cp.log, summary.{txt,json}.
 #
 # SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
 # --device cpu without the kernel benchmarks, llama_2d --device cpu, both
@@ -61,7 +66,7 @@
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
 # (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
-# SKIP_L16=1, SKIP_PARITY=1, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, CP_SEQ, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
 # run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
@@ -84,6 +89,9 @@ model=(--layers 8 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 2816 --se
 # The second size (torch_ref.py --preset l16): 16 layers, hidden 1024, 8 heads
 # (MHA), intermediate 2816, context 256, batch 128.
 model_l16=(--layers 16 --hidden 1024 --heads 8 --kv-heads 8 --intermediate 2816 --seq 256 --batch 128)
+# Step 3c's model: the step's widths at one long sequence.
+cp_seq="${CP_SEQ:-32768}"
+model_cp=(--layers 8 --hidden 1024 --heads 16 --kv-heads 8 --intermediate 2816 --batch 1)
 dev=cuda
 torch_dev=()
 llama_steps=(--steps 10 --log-every 2)
@@ -93,6 +101,8 @@ if [ "${SMOKE:-0}" = 1 ]; then
     torch_dev=(--device cpu --skip-kernels --steps 2)
     model=(--layers 1 --hidden 32 --heads 4 --kv-heads 2 --intermediate 88 --seq 16 --batch 2)
     model_l16=(--layers 2 --hidden 32 --heads 2 --kv-heads 2 --intermediate 88 --seq 8 --batch 4)
+    model_cp=(--layers 1 --hidden 32 --heads 4 --kv-heads 2 --intermediate 88 --batch 1)
+    cp_seq="${CP_SEQ:-256}"
     llama_steps=(--steps 4 --log-every 2)
     SKIP_CHECK=1
     SKIP_PARITY=1
@@ -303,6 +313,39 @@ if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
     echo "(parity: $SECONDS s in all)"
 fi
 
+# ---------------------------------------------------------------- 3c. context parallelism
+
+# cp 2 as two rank threads on one GPU against cp 1 on it, at one long sequence: a
+# synthetic document longer than the sequence (byte tokens), read in order, so every
+# step trains on full rows. Each run's output goes to cp.log after `=== cp<N>`.
+cp_rc=skipped
+if [ "${SKIP_CP:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
+    echo
+    echo "== 3c. context parallelism on one $dev device, seq $cp_seq (logs in cp.log)"
+    : >"$out/cp.log"
+    cp_rc=0
+    long="$out/cp_document.txt"
+    "$py" - "$long" "$cp_seq" <<'PY'
+import sys
+path, n = sys.argv[1], int(sys.argv[2])
+words = [f"w{(i * 7919) % 1009}" for i in range(2 * n)]
+line = " ".join(words)[: 2 * n]
+with open(path, "w") as f:
+    f.write(line + "\n\n" + line[::-1] + "\n")
+PY
+    for cp in 1 2; do
+        echo "=== cp$cp" >>"$out/cp.log"
+        # shellcheck disable=SC2086
+        timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world "$cp" --dp 1 --cp "$cp" --tp 1 \
+            "${model_cp[@]}" --seq "$cp_seq" --dtype bf16 --no-fsdp --steps 4 --log-every 1 \
+            --data "$long" --no-shuffle --device "$dev" ${LLAMA_ARGS:-} >>"$out/cp.log" 2>&1
+        rc=$?
+        echo "=== exit $rc" >>"$out/cp.log"
+        echo "  cp $cp: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/cp.log" | tail -1)"
+        [ "$rc" = 0 ] || cp_rc=1
+    done
+fi
+
 # ---------------------------------------------------------------- 4. summary
 
 echo
@@ -446,6 +489,39 @@ for (name, dev), body in runs.items():
     tail = " | ".join([l for l in body if l.strip()][-2:]) if not ls else ""
     lines.append(f"  {name:<14} {'MATCH' if ok else 'DIFFER'} cuda {ls} cpu {lr} max|d| {diff} "
                  f"round trips logging {rt.get('logging', '?')} quiet {rt.get('quiet', '?')} {tail}")
+# Context parallelism (3c): cp 2 on one device against cp 1, losses and step time.
+cp = {}
+try:
+    with open(os.path.join(out, "cp.log")) as f:
+        clog = f.read()
+except OSError:
+    clog = ""
+cruns, cur = {}, None
+for line in clog.splitlines():
+    m = re.match(r"=== (cp[0-9]+)$", line)
+    if m:
+        cur = m.group(1)
+        cruns[cur] = []
+    elif cur is not None:
+        cruns[cur].append(line)
+if cruns:
+    lines.append("context parallelism on one device (3c): cp 2 against cp 1")
+for name, body in cruns.items():
+    t = "\n".join(body)
+    ls = [float(x) for x in re.findall(r"(?:first_loss=| loss )([0-9.]+)", t)]
+    st = re.search(r" steady_step_s=([0-9.eE+-]+)", t)
+    pk = re.search(r" device_peak_mib_max=([0-9.eE+-]+)", t)
+    cp[name] = {"losses": ls, "step_s": float(st.group(1)) if st else None,
+                "device_peak_mib": float(pk.group(1)) if pk else None}
+if "cp1" in cp and "cp2" in cp:
+    a, b = cp["cp1"], cp["cp2"]
+    d = max((abs(x - y) for x, y in zip(a["losses"], b["losses"])), default=None)
+    ok = bool(a["losses"]) and len(a["losses"]) == len(b["losses"]) and d is not None and d <= 2e-2
+    r = b["step_s"] / a["step_s"] if a["step_s"] and b["step_s"] else None
+    cp["match"], cp["max_abs_loss_diff"], cp["step_ratio"] = ok, d, r
+    lines.append(f"  losses {'MATCH' if ok else 'DIFFER'} (max|d| {d}): cp1 {a['losses']} cp2 {b['losses']}")
+    lines.append(f"  step s: cp1 {a['step_s']} cp2 {b['step_s']} (cp2/cp1 {ratio(b['step_s'], a['step_s'])}); "
+                 f"device peak MiB: cp1 {a['device_peak_mib']} cp2 {b['device_peak_mib']}")
 lines.append("")
 head = f"{'benchmark':<34} {'unit':<9} {'ours':>9} {'torch':>9} {'cuBLASLt':>9} {'ours/torch':>11} {'ours/cuBLASLt':>14}"
 lines.append(head)
@@ -524,7 +600,7 @@ with open(os.path.join(out, "summary.txt"), "w") as f:
     f.write(text + "\n")
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"gpu_check_exit": check_rc, "torch_ref_exit": torch_rc, "llama_2d": llama,
-               "parity": parity, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
+               "parity": parity, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
                "rows": rows, "training": training}, f, indent=2)
 PY
 
