@@ -6,8 +6,10 @@
 #
 # It uses the first of
 #   1. $TPAR_NVRTC_DIR, a directory holding libnvrtc.so.13 (or .so.12), set by hand;
-#   2. an NVRTC 13 already on this machine: LD_LIBRARY_PATH, /usr/local/cuda*,
-#      the ldconfig cache, NVIDIA wheels in Python's site-packages;
+#   2. an NVRTC 13 already on this machine (LD_LIBRARY_PATH, /usr/local/cuda*,
+#      the ldconfig cache, NVIDIA wheels in Python's site-packages) when a ptxas
+#      comes with it (beside it, on PATH, or TPAR_PTXAS); without one, step 3's
+#      pair is preferred and this NVRTC is the fallback;
 #   3. NVIDIA's pip wheels nvidia-cuda-nvrtc and nvidia-cuda-nvcc (for ptxas),
 #      installed once into $TPAR_CUDA_CACHE (default ~/.cache/tpar/cuda-13.0)
 #      and reused afterwards; only this step needs the network;
@@ -75,8 +77,17 @@ print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/
             return 1
         fi
     fi
+    # An NVRTC 13 already here is used when a ptxas comes with it (or is set or on
+    # PATH); without one, the cached pair of the same release is preferred (installed
+    # once), since the NVRTC found may write PTX newer than any ptxas at hand and the
+    # ptxas checks would skip.
+    local found=""
     if [ -z "$lib" ]; then
-        lib="$(tpar_find_nvrtc 13)" || lib=""
+        found="$(tpar_find_nvrtc 13)" || found=""
+        if [ -n "$found" ] && { [ -n "${TPAR_PTXAS:-}" ] || command -v ptxas >/dev/null 2>&1 ||
+            [ -x "$found/../bin/ptxas" ]; }; then
+            lib="$found"
+        fi
     fi
 
     if [ -z "$lib" ]; then
@@ -127,6 +138,10 @@ print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/
         fi
     fi
 
+    if [ -z "$lib" ] && [ -n "$found" ]; then
+        lib="$found"
+        echo "nvrtc-env: NVRTC 13 without a ptxas of its release: the ptxas checks will skip" >&2
+    fi
     if [ -z "$lib" ]; then
         lib="$(tpar_find_nvrtc 12)" || lib=""
         if [ -n "$lib" ]; then echo "nvrtc-env: no NVRTC 13; using NVRTC 12" >&2; fi
