@@ -494,8 +494,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     }
 
     let dp_rank = mesh["dp"].local_rank();
-    let mut data =
-        run::TrainData::open(&o.data, tokenizer.as_ref(), seq, (o.dp, dp_rank), o.batch, o.seed)?;
+    let mut data = run::TrainData::open(
+        &o.data.source(),
+        tokenizer.as_ref(),
+        seq,
+        (o.dp, dp_rank),
+        o.batch,
+        o.seed,
+    )?;
     let pad = tokenizer.pad_id() as i64;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };

@@ -320,8 +320,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
-    let mut data =
-        run::TrainData::open(&o.data, tokenizer.as_ref(), seq, (o.dp, dp_rank), o.batch, o.seed)?;
+    let mut data = run::TrainData::open(
+        &o.data.source(),
+        tokenizer.as_ref(),
+        seq,
+        (o.dp, dp_rank),
+        o.batch,
+        o.seed,
+    )?;
     let ignore = tokenizer.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let (cp, loss_cp) = (o.cp, cp_group.clone());

@@ -93,6 +93,17 @@ pub struct DataArgs {
     pub tokenizer: Option<PathBuf>,
 }
 
+impl DataArgs {
+    /// The training data these flags name.
+    pub fn source(&self) -> crate::run::DataSource<'_> {
+        crate::run::DataSource {
+            path: self.data.as_deref(),
+            text_column: &self.text_column,
+            shuffle: !self.no_shuffle,
+        }
+    }
+}
+
 /// Per-step metrics files, written by the reporting rank off the training thread.
 #[derive(Args, Clone, Debug)]
 pub struct MetricsArgs {

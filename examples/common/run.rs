@@ -172,11 +172,22 @@ pub enum TrainData<'t> {
     },
 }
 
+/// Where the training documents come from (the trainers' `--data`, `--text-column` and
+/// `--no-shuffle`).
+pub struct DataSource<'a> {
+    /// The data path; the shipped corpus without one.
+    pub path: Option<&'a std::path::Path>,
+    /// The string column of parquet data.
+    pub text_column: &'a str,
+    /// Whether in-memory documents are shuffled every epoch.
+    pub shuffle: bool,
+}
+
 impl<'t> TrainData<'t> {
-    /// The training data of `--data` (the shipped corpus without it) for dp rank
-    /// `dp_rank` of `dp`, in batches of `batch` sequences of `seq` tokens.
+    /// The training data of `data` for dp rank `dp_rank` of `dp`, in batches of `batch`
+    /// sequences of `seq` tokens.
     pub fn open(
-        data: &crate::args::DataArgs,
+        data: &DataSource,
         tokenizer: &'t dyn Tokenizer,
         seq: usize,
         (dp, dp_rank): (usize, usize),
@@ -186,8 +197,8 @@ impl<'t> TrainData<'t> {
         if batch == 0 {
             return Err(config_err("the batch must be at least 1".into()));
         }
-        if let Some(path) = data.data.as_deref().filter(|p| tpar::data::is_parquet(p)) {
-            let stream = ParquetDocuments::open(path, &data.text_column)?
+        if let Some(path) = data.path.filter(|p| tpar::data::is_parquet(p)) {
+            let stream = ParquetDocuments::open(path, data.text_column)?
                 .for_rank(dp, dp_rank)?
                 .with_repeat(true);
             let mut parts: Vec<Vec<u8>> = vec![data.text_column.as_bytes().to_vec()];
@@ -203,13 +214,13 @@ impl<'t> TrainData<'t> {
             let digest = digest(parts.iter().map(Vec::as_slice));
             return Ok(TrainData::Parquet { stream, tokenizer, rows, digest });
         }
-        let docs: Vec<String> = match data.data.as_deref() {
-            Some(p) => tpar::data::load_documents_with_column(p, &data.text_column)?,
+        let docs: Vec<String> = match data.path {
+            Some(p) => tpar::data::load_documents_with_column(p, data.text_column)?,
             None => default_documents().into_iter().map(String::from).collect(),
         };
         let dataset = PretrainingDataset::new(&docs, tokenizer, seq)?;
         let sampler = DistributedSampler::new(dp, dp_rank)?
-            .with_shuffle(!data.no_shuffle)
+            .with_shuffle(data.shuffle)
             .with_seed(seed)
             .with_drop_last(true);
         let per_epoch = dataset.len() / dp / batch;
