@@ -2,7 +2,8 @@
 //! ["pp", "dp", "cp", "tp"] mesh train the same model as without context parallelism
 //! (losses equal to f32 rounding at cp 2 and cp 3, FSDP over dp x cp; cp 2 x tp 2 with
 //! DDP and with FSDP over dp x cp; pp 2 x cp 2 under 1F1B and zero-bubble, and with tp 2
-//! under FSDP), and their summary lines gain `cp=N`.
+//! under FSDP), and their summary lines gain `cp=N`; `--cp-method all-gather` trains as
+//! the ring does.
 
 mod common;
 use common::examples::run_example;
@@ -65,4 +66,29 @@ fn llama_pp_cp_runs_match_the_run_without_cp() {
             assert!((g - w).abs() <= 2e-4 * w.abs(), "llama_pp {extra:?}: loss {g} vs {w}");
         }
     }
+}
+
+/// `--cp-method`: the all-gather exchange trains as the ring does (both trainers, the
+/// same loss bits), the summary names the method, and an unknown method is refused.
+#[test]
+fn the_cp_method_flag_picks_the_exchange() {
+    for (example, args) in [
+        ("llama_2d", &["--dp", "1", "--tp", "2", "--cp", "2", "--batch", "2"][..]),
+        ("llama_pp", &["--pp", "2", "--dp", "1", "--tp", "1", "--cp", "2", "--batch", "4"][..]),
+    ] {
+        let base = ["--steps", "3", "--layers", "2", "--seq", "24", "--log-every", "1"];
+        let run = |method: &str| {
+            let all = [&base[..], args, &["--cp-method", method]].concat();
+            run_example(example, &all).map(|(code, out, err)| {
+                assert_eq!(code, 0, "{all:?}\n{out}\n{err}");
+                assert_eq!(key(&out, "cp_method"), method, "{example}");
+                key(&out, "final_loss_bits")
+            })
+        };
+        let Some(ring) = run("ring") else { return };
+        assert_eq!(run("all-gather").unwrap(), ring, "{example}");
+    }
+    let (code, _, err) = run_example("llama_2d", &["--cp", "2", "--cp-method", "gossip"]).unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("gossip"), "{err}");
 }
