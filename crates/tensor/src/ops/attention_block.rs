@@ -331,10 +331,10 @@ impl Tensor {
     /// the block has no visible key): f64 on the host, or, for CUDA tensors of f32, bf16
     /// or f16 whose block needs no mask or the top-left causal one, f32 on the device
     /// (the flash kernel's; the key mask is read where it is, nothing leaves the device).
-    /// Other CUDA blocks are computed on host copies. The block is computed by the same flash
-    /// kernel as [`Tensor::scaled_dot_product_attention`]: with no mask (every key before
-    /// every query) or a top-left causal one (equal, increasing positions); other patterns
-    /// get an explicit mask. Not recorded by autograd; see [`Tensor::sdpa_block_backward`].
+    /// Other CUDA blocks are computed on host copies. The block is computed by the same
+    /// flash kernel as [`Tensor::scaled_dot_product_attention`]: with no mask (every key
+    /// before every query) or a top-left causal one (equal, increasing positions); other
+    /// patterns get an explicit mask. Not recorded by autograd; see [`Tensor::sdpa_block_backward`].
     #[allow(clippy::too_many_arguments)]
     pub fn sdpa_block_forward(
         q: &Tensor,
@@ -346,57 +346,52 @@ impl Tensor {
         scale: Option<f64>,
     ) -> Result<(Tensor, Tensor)> {
         let start = Instant::now();
-        let r = Tensor::block_forward(q, k, v, q_pos, k_pos, key_mask, scale);
+        let r = (|| -> Result<(Tensor, Tensor, bool)> {
+            const OP: &str = "sdpa_block_forward";
+            let on_device = device_candidate(q, q_pos, k_pos);
+            let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, !on_device)?;
+            if on_device && gpu_nn::sdpa_on_device(q, &blk.s) {
+                return device_block_forward(q, k, v, key_mask, &blk);
+            }
+            let blk = match on_device {
+                true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
+                false => blk,
+            };
+            let s = blk.s;
+            let out_shape = Shape::new(&[s.batch, s.q_heads, s.q_len, s.v_dim]);
+            let lse_shape = Shape::new(&[s.batch, s.q_heads, s.q_len]);
+            if blk.kind == BlockMask::Empty {
+                let dev = common_device(OP, &[q, k, v])?;
+                return nothing_attended(&s, q.dtype(), dev, (DType::F64, Device::Cpu));
+            }
+            let (h, dev) = host(OP, &[q, k, v])?;
+            let dtype = q.dtype();
+            let rows = lse_shape.numel();
+            let (out, lse) = with_float_type!(dtype, OP, |T| {
+                let mask = mask_in::<T>(&blk.mask);
+                let mut lse = vec![<T as Float>::Acc::default(); rows];
+                let out = h[0].with_data::<T, _>(|qs| {
+                    h[1].with_data::<T, _>(|ks| {
+                        h[2].with_data::<T, _>(|vs| {
+                            sdpa::sdpa_forward_new(
+                                &s,
+                                qs,
+                                ks,
+                                vs,
+                                mask_view(&mask).as_ref(),
+                                &mut lse,
+                            )
+                        })
+                    })
+                })????;
+                let lse: Vec<f64> = lse.into_iter().map(|x| x.f64()).collect();
+                Ok::<_, TensorError>((Tensor::from_vec(out, out_shape)?, lse))
+            })?;
+            let out = if dev == Device::Cpu { out } else { out.to_device(dev)? };
+            Ok((out, Tensor::from_vec(lse, lse_shape)?, true))
+        })();
         add_time(Timed::Forward, start, matches!(r, Ok((_, _, true))));
         r.map(|(out, lse, _)| (out, lse))
-    }
-
-    /// [`Tensor::sdpa_block_forward`], and whether the block attended anything.
-    #[allow(clippy::too_many_arguments)]
-    fn block_forward(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        q_pos: &[usize],
-        k_pos: &[usize],
-        key_mask: Option<&Tensor>,
-        scale: Option<f64>,
-    ) -> Result<(Tensor, Tensor, bool)> {
-        const OP: &str = "sdpa_block_forward";
-        let on_device = device_candidate(q, q_pos, k_pos);
-        let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, !on_device)?;
-        if on_device && gpu_nn::sdpa_on_device(q, &blk.s) {
-            return device_block_forward(q, k, v, key_mask, &blk);
-        }
-        let blk = match on_device {
-            true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
-            false => blk,
-        };
-        let s = blk.s;
-        let out_shape = Shape::new(&[s.batch, s.q_heads, s.q_len, s.v_dim]);
-        let lse_shape = Shape::new(&[s.batch, s.q_heads, s.q_len]);
-        if blk.kind == BlockMask::Empty {
-            let dev = common_device(OP, &[q, k, v])?;
-            return nothing_attended(&s, q.dtype(), dev, (DType::F64, Device::Cpu));
-        }
-        let (h, dev) = host(OP, &[q, k, v])?;
-        let dtype = q.dtype();
-        let rows = lse_shape.numel();
-        let (out, lse) = with_float_type!(dtype, OP, |T| {
-            let mask = mask_in::<T>(&blk.mask);
-            let mut lse = vec![<T as Float>::Acc::default(); rows];
-            let out = h[0].with_data::<T, _>(|qs| {
-                h[1].with_data::<T, _>(|ks| {
-                    h[2].with_data::<T, _>(|vs| {
-                        sdpa::sdpa_forward_new(&s, qs, ks, vs, mask_view(&mask).as_ref(), &mut lse)
-                    })
-                })
-            })????;
-            let lse: Vec<f64> = lse.into_iter().map(|x| x.f64()).collect();
-            Ok::<_, TensorError>((Tensor::from_vec(out, out_shape)?, lse))
-        })?;
-        let out = if dev == Device::Cpu { out } else { out.to_device(dev)? };
-        Ok((out, Tensor::from_vec(lse, lse_shape)?, true))
     }
 
     /// The backward of [`Tensor::sdpa_block_forward`] given the *merged* output and
@@ -421,109 +416,94 @@ impl Tensor {
         dout: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let start = Instant::now();
-        let r = Tensor::block_backward(q, k, v, q_pos, k_pos, key_mask, scale, out, lse, dout);
-        add_time(Timed::Backward, start, matches!(r, Ok((_, true))));
-        r.map(|(g, _)| g)
-    }
-
-    /// [`Tensor::sdpa_block_backward`], and whether the block attended anything.
-    #[allow(clippy::too_many_arguments)]
-    fn block_backward(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        q_pos: &[usize],
-        k_pos: &[usize],
-        key_mask: Option<&Tensor>,
-        scale: Option<f64>,
-        out: &Tensor,
-        lse: &Tensor,
-        dout: &Tensor,
-    ) -> Result<((Tensor, Tensor, Tensor), bool)> {
-        const OP: &str = "sdpa_block_backward";
-        let on_device = device_candidate(q, q_pos, k_pos);
-        let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, !on_device)?;
-        let s = blk.s;
-        let out_dims = [s.batch, s.q_heads, s.q_len, s.v_dim];
-        let lse_dims = [s.batch, s.q_heads, s.q_len];
-        for (name, t, want) in [("out", out, &out_dims[..]), ("dout", dout, &out_dims[..])] {
-            if t.dims() != want || t.dtype() != q.dtype() {
+        let r = (|| -> Result<((Tensor, Tensor, Tensor), bool)> {
+            const OP: &str = "sdpa_block_backward";
+            let on_device = device_candidate(q, q_pos, k_pos);
+            let blk = prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, !on_device)?;
+            let s = blk.s;
+            let out_dims = [s.batch, s.q_heads, s.q_len, s.v_dim];
+            let lse_dims = [s.batch, s.q_heads, s.q_len];
+            for (name, t, want) in [("out", out, &out_dims[..]), ("dout", dout, &out_dims[..])] {
+                if t.dims() != want || t.dtype() != q.dtype() {
+                    return Err(invalid(
+                        OP,
+                        format!(
+                            "{name} is {} {}, expected {:?} {}",
+                            t.dtype().name(),
+                            t.shape(),
+                            want,
+                            q.dtype().name()
+                        ),
+                    ));
+                }
+            }
+            if lse.dims() != lse_dims || !lse.dtype().is_float() {
                 return Err(invalid(
                     OP,
                     format!(
-                        "{name} is {} {}, expected {:?} {}",
-                        t.dtype().name(),
-                        t.shape(),
-                        want,
-                        q.dtype().name()
+                        "lse is {} {}, expected a float {lse_dims:?}",
+                        lse.dtype().name(),
+                        lse.shape()
                     ),
                 ));
             }
-        }
-        if lse.dims() != lse_dims || !lse.dtype().is_float() {
-            return Err(invalid(
-                OP,
-                format!(
-                    "lse is {} {}, expected a float {lse_dims:?}",
-                    lse.dtype().name(),
-                    lse.shape()
-                ),
-            ));
-        }
-        if on_device && gpu_nn::sdpa_on_device(q, &s) {
-            return device_block_backward(q, k, v, key_mask, &blk, out, lse, dout);
-        }
-        let blk = match on_device {
-            true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
-            false => blk,
-        };
-        if blk.kind == BlockMask::Empty {
-            return zero_grads(q, k, v, common_device(OP, &[q, k, v, out, dout])?);
-        }
-        let (h, dev) = host(OP, &[q, k, v, out, dout])?;
-        let dtype = q.dtype();
-        let lse64 = lse.to_device(Device::Cpu)?.to_vec_f64()?;
-        let (dq, dk, dv) = with_float_type!(dtype, OP, |T| {
-            let mask = mask_in::<T>(&blk.mask);
-            let lse: Vec<<T as Float>::Acc> =
-                lse64.iter().map(|&x| <<T as Float>::Acc as Acc>::of(x)).collect();
-            let mut dq = crate::storage::zeros_vec::<T>(h[0].numel());
-            let mut dk = crate::storage::zeros_vec::<T>(h[1].numel());
-            let mut dv = crate::storage::zeros_vec::<T>(h[2].numel());
-            h[0].with_data::<T, _>(|qs| {
-                h[1].with_data::<T, _>(|ks| {
-                    h[2].with_data::<T, _>(|vs| {
-                        h[3].with_data::<T, _>(|os| {
-                            h[4].with_data::<T, _>(|gs| {
-                                sdpa::sdpa_backward(
-                                    &s,
-                                    qs,
-                                    ks,
-                                    vs,
-                                    mask_view(&mask).as_ref(),
-                                    os,
-                                    &lse,
-                                    gs,
-                                    &mut dq,
-                                    &mut dk,
-                                    &mut dv,
-                                )
+            if on_device && gpu_nn::sdpa_on_device(q, &s) {
+                return device_block_backward(q, k, v, key_mask, &blk, out, lse, dout);
+            }
+            let blk = match on_device {
+                true => prepare(OP, q, k, v, q_pos, k_pos, key_mask, scale, true)?,
+                false => blk,
+            };
+            if blk.kind == BlockMask::Empty {
+                return zero_grads(q, k, v, common_device(OP, &[q, k, v, out, dout])?);
+            }
+            let (h, dev) = host(OP, &[q, k, v, out, dout])?;
+            let dtype = q.dtype();
+            let lse64 = lse.to_device(Device::Cpu)?.to_vec_f64()?;
+            let (dq, dk, dv) = with_float_type!(dtype, OP, |T| {
+                let mask = mask_in::<T>(&blk.mask);
+                let lse: Vec<<T as Float>::Acc> =
+                    lse64.iter().map(|&x| <<T as Float>::Acc as Acc>::of(x)).collect();
+                let mut dq = crate::storage::zeros_vec::<T>(h[0].numel());
+                let mut dk = crate::storage::zeros_vec::<T>(h[1].numel());
+                let mut dv = crate::storage::zeros_vec::<T>(h[2].numel());
+                h[0].with_data::<T, _>(|qs| {
+                    h[1].with_data::<T, _>(|ks| {
+                        h[2].with_data::<T, _>(|vs| {
+                            h[3].with_data::<T, _>(|os| {
+                                h[4].with_data::<T, _>(|gs| {
+                                    sdpa::sdpa_backward(
+                                        &s,
+                                        qs,
+                                        ks,
+                                        vs,
+                                        mask_view(&mask).as_ref(),
+                                        os,
+                                        &lse,
+                                        gs,
+                                        &mut dq,
+                                        &mut dk,
+                                        &mut dv,
+                                    )
+                                })
                             })
                         })
                     })
-                })
-            })??????;
-            Ok::<_, TensorError>((
-                Tensor::from_vec(dq, q.shape().clone())?,
-                Tensor::from_vec(dk, k.shape().clone())?,
-                Tensor::from_vec(dv, v.shape().clone())?,
-            ))
-        })?;
-        if dev == Device::Cpu {
-            Ok(((dq, dk, dv), true))
-        } else {
-            Ok(((dq.to_device(dev)?, dk.to_device(dev)?, dv.to_device(dev)?), true))
-        }
+                })??????;
+                Ok::<_, TensorError>((
+                    Tensor::from_vec(dq, q.shape().clone())?,
+                    Tensor::from_vec(dk, k.shape().clone())?,
+                    Tensor::from_vec(dv, v.shape().clone())?,
+                ))
+            })?;
+            if dev == Device::Cpu {
+                Ok(((dq, dk, dv), true))
+            } else {
+                Ok(((dq.to_device(dev)?, dk.to_device(dev)?, dv.to_device(dev)?), true))
+            }
+        })();
+        add_time(Timed::Backward, start, matches!(r, Ok((_, true))));
+        r.map(|(g, _)| g)
     }
 
     /// Merges two partial attention results over disjoint key sets by their log-sum-exps:
@@ -541,66 +521,59 @@ impl Tensor {
         lse_b: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let start = Instant::now();
-        let r = Tensor::lse_merge(out_a, lse_a, out_b, lse_b);
+        let r = (|| -> Result<(Tensor, Tensor)> {
+            const OP: &str = "sdpa_lse_merge";
+            require_float(OP, out_a)?;
+            let dtype = common_dtype(OP, &[out_a, out_b])?;
+            let shape_ok = out_a.dims() == out_b.dims()
+                && lse_a.dims() == lse_b.dims()
+                && out_a.rank() >= 1
+                && lse_a.dims() == &out_a.dims()[..out_a.rank() - 1];
+            if !shape_ok {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "outputs {} and {} with log-sum-exps {} and {}: an lse must be its \
+                         output's shape without the last dim",
+                        out_a.shape(),
+                        out_b.shape(),
+                        lse_a.shape(),
+                        lse_b.shape()
+                    ),
+                ));
+            }
+            if matches!(out_a.device(), Device::Cuda(_)) && dtype != DType::F64 {
+                return crate::autograd::no_grad(|| device_lse_merge(out_a, lse_a, out_b, lse_b));
+            }
+            let (h, dev) = host(OP, &[out_a, out_b])?;
+            let la = lse_a.to_device(Device::Cpu)?.to_vec_f64()?;
+            let lb = lse_b.to_device(Device::Cpu)?.to_vec_f64()?;
+            let oa = h[0].to_vec_f64()?;
+            let ob = h[1].to_vec_f64()?;
+            let width = out_a.dims()[out_a.rank() - 1];
+            let mut out = vec![0.0f64; oa.len()];
+            let mut lse = vec![f64::NEG_INFINITY; la.len()];
+            for (r, (&a, &b)) in la.iter().zip(&lb).enumerate() {
+                let m = a.max(b);
+                if m == f64::NEG_INFINITY {
+                    continue;
+                }
+                let l = m + ((a - m).exp() + (b - m).exp()).ln();
+                let (wa, wb) = ((a - l).exp(), (b - l).exp());
+                lse[r] = l;
+                let span = r * width..(r + 1) * width;
+                for ((o, &x), &y) in
+                    out[span.clone()].iter_mut().zip(&oa[span.clone()]).zip(&ob[span])
+                {
+                    *o = wa * x + wb * y;
+                }
+            }
+            let out = Tensor::from_f64(&out, out_a.shape().clone(), dtype)?;
+            let out = if dev == Device::Cpu { out } else { out.to_device(dev)? };
+            Ok((out, Tensor::from_vec(lse, lse_a.shape().clone())?))
+        })();
         add_time(Timed::Merge, start, false);
         r
-    }
-
-    /// [`Tensor::sdpa_lse_merge`], untimed.
-    fn lse_merge(
-        out_a: &Tensor,
-        lse_a: &Tensor,
-        out_b: &Tensor,
-        lse_b: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        const OP: &str = "sdpa_lse_merge";
-        require_float(OP, out_a)?;
-        let dtype = common_dtype(OP, &[out_a, out_b])?;
-        let shape_ok = out_a.dims() == out_b.dims()
-            && lse_a.dims() == lse_b.dims()
-            && out_a.rank() >= 1
-            && lse_a.dims() == &out_a.dims()[..out_a.rank() - 1];
-        if !shape_ok {
-            return Err(invalid(
-                OP,
-                format!(
-                    "outputs {} and {} with log-sum-exps {} and {}: an lse must be its \
-                     output's shape without the last dim",
-                    out_a.shape(),
-                    out_b.shape(),
-                    lse_a.shape(),
-                    lse_b.shape()
-                ),
-            ));
-        }
-        if matches!(out_a.device(), Device::Cuda(_)) && dtype != DType::F64 {
-            return crate::autograd::no_grad(|| device_lse_merge(out_a, lse_a, out_b, lse_b));
-        }
-        let (h, dev) = host(OP, &[out_a, out_b])?;
-        let la = lse_a.to_device(Device::Cpu)?.to_vec_f64()?;
-        let lb = lse_b.to_device(Device::Cpu)?.to_vec_f64()?;
-        let oa = h[0].to_vec_f64()?;
-        let ob = h[1].to_vec_f64()?;
-        let width = out_a.dims()[out_a.rank() - 1];
-        let mut out = vec![0.0f64; oa.len()];
-        let mut lse = vec![f64::NEG_INFINITY; la.len()];
-        for (r, (&a, &b)) in la.iter().zip(&lb).enumerate() {
-            let m = a.max(b);
-            if m == f64::NEG_INFINITY {
-                continue;
-            }
-            let l = m + ((a - m).exp() + (b - m).exp()).ln();
-            let (wa, wb) = ((a - l).exp(), (b - l).exp());
-            lse[r] = l;
-            let span = r * width..(r + 1) * width;
-            for ((o, &x), &y) in out[span.clone()].iter_mut().zip(&oa[span.clone()]).zip(&ob[span])
-            {
-                *o = wa * x + wb * y;
-            }
-        }
-        let out = Tensor::from_f64(&out, out_a.shape().clone(), dtype)?;
-        let out = if dev == Device::Cpu { out } else { out.to_device(dev)? };
-        Ok((out, Tensor::from_vec(lse, lse_a.shape().clone())?))
     }
 }
 
