@@ -3,27 +3,36 @@
 //! [`crate::cuda::raw::gemm`] documents the kernels, layouts and tiles.
 //!
 //! [`gemm`] runs on tpar's kernel or on the device's vendor library
-//! (cuBLASLt), as [`GEMM_BACKEND_ENV`] says; see [`GemmBackend`].
+//! (cuBLASLt), as [`GEMM_BACKEND_ENV`] says; see [`GemmBackend`]. By default
+//! ([`GemmBackend::Auto`]) the choice is per problem, from a tuning table
+//! measured on the device ([`super::gemm_tune`]).
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};
 
 use half::{bf16, f16};
 
+use super::gemm_tune::{GemmTable, GEMM_TABLE_ENV};
 use super::Check;
 use crate::cuda::raw::gemm as raw;
 pub use crate::cuda::raw::gemm::{GemmLaunch, GemmProblem, GemmTile, MAX_BATCH, MAX_DIM};
 use crate::cuda::{CudaDType, DevPtr, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
-/// Environment variable choosing [`gemm`]'s backend: `ours`, `cublaslt` or
-/// `check` (see [`GemmBackend`]); read once per process.
+/// Environment variable choosing [`gemm`]'s backend: `auto`, `ours`,
+/// `cublaslt` or `check` (see [`GemmBackend`]); read once per process.
 pub const GEMM_BACKEND_ENV: &str = "TPAR_GEMM";
 
 /// Which GEMM [`gemm`] runs on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmBackend {
-    /// tpar's kernel (`cuda/gemm.cu`), with [`GemmProblem::default_tile`].
+    /// Per problem, by measurement: tpar's kernel where the tuning table of
+    /// [`GEMM_TABLE_ENV`] (written by `gpu_check --bench --gemm-table PATH`
+    /// on the same kind of device) measured it at least as fast as the
+    /// vendor library, [`GemmBackend::Vendor`]'s choice everywhere else. With
+    /// no table, that is the vendor library for every problem it takes.
+    Auto,
+    /// tpar's kernel ([`ours`]) for every problem.
     Ours,
     /// The device's vendor library (cuBLASLt) for every problem it takes,
     /// tpar's kernel for the others (and on the emulator, which has none).
@@ -36,9 +45,10 @@ pub enum GemmBackend {
 }
 
 impl GemmBackend {
-    /// Parses `ours`, `cublaslt` (or `vendor`) and `check`.
+    /// Parses `auto`, `ours`, `cublaslt` (or `vendor`) and `check`.
     pub fn parse(s: &str) -> Option<GemmBackend> {
         match s {
+            "auto" => Some(GemmBackend::Auto),
             "ours" => Some(GemmBackend::Ours),
             "cublaslt" | "vendor" => Some(GemmBackend::Vendor),
             "check" => Some(GemmBackend::Check),
@@ -47,23 +57,47 @@ impl GemmBackend {
     }
 }
 
-/// The backend [`GEMM_BACKEND_ENV`] names; unset, [`GemmBackend::Vendor`]:
-/// cuBLASLt where it loads (its f32 accumulation gives the same sums up to
-/// rounding order), tpar's kernel elsewhere. A value that names no backend
-/// is reported once on stderr and the default is used.
+/// The backend [`GEMM_BACKEND_ENV`] names; unset, [`GemmBackend::Auto`]. A
+/// value that names no backend is reported once on stderr and the default is
+/// used.
 pub fn gemm_backend() -> GemmBackend {
     static B: OnceLock<GemmBackend> = OnceLock::new();
     *B.get_or_init(|| {
-        let Some(v) = std::env::var_os(GEMM_BACKEND_ENV) else { return GemmBackend::Vendor };
+        let Some(v) = std::env::var_os(GEMM_BACKEND_ENV) else { return GemmBackend::Auto };
         let v = v.to_string_lossy();
         GemmBackend::parse(v.trim()).unwrap_or_else(|| {
             eprintln!(
-                "tpar: {GEMM_BACKEND_ENV}={v:?} names no GEMM backend (ours, cublaslt or \
-                 check); using cublaslt where it loads"
+                "tpar: {GEMM_BACKEND_ENV}={v:?} names no GEMM backend (auto, ours, cublaslt or \
+                 check); using auto"
             );
-            GemmBackend::Vendor
+            GemmBackend::Auto
         })
     })
+}
+
+/// The tuning table [`GemmBackend::Auto`] consults: the file named by
+/// [`GEMM_TABLE_ENV`], read once per process. Unset, none; a file that cannot
+/// be read or parsed is reported once on stderr (naming the file and the
+/// line) and none is used, so every problem goes to the vendor library.
+pub fn gemm_table() -> Option<&'static GemmTable> {
+    static T: OnceLock<Option<GemmTable>> = OnceLock::new();
+    T.get_or_init(|| {
+        let path = std::env::var_os(GEMM_TABLE_ENV)?;
+        let read = std::fs::read_to_string(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| GemmTable::parse(&text).map_err(|e| e.to_string()));
+        match read {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!(
+                    "tpar: {GEMM_TABLE_ENV}={path:?}: {e}; TPAR_GEMM=auto uses the vendor library \
+                     for every problem"
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
 }
 
 /// Runs `p` on the backend of [`gemm_backend`]: A and B read from `a` and
@@ -77,19 +111,36 @@ pub fn gemm(
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
     let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
-    match gemm_backend() {
-        GemmBackend::Ours => {}
+    let vendor_first = match gemm_backend() {
+        GemmBackend::Ours => false,
+        GemmBackend::Vendor => true,
+        GemmBackend::Auto => !gemm_table().is_some_and(|t| t.prefers_ours(&dev.describe(), p)),
         // SAFETY: `operands` checked the buffers (see `gemm_with_tile`).
-        GemmBackend::Vendor => {
-            if unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
-                return Ok(());
-            }
-        }
-        // SAFETY: as above.
         GemmBackend::Check => return unsafe { gemm_checked(dev, p, ap, bp, cp) },
+    };
+    // SAFETY: as above.
+    if vendor_first && unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
+        return Ok(());
     }
     // SAFETY: as above.
-    unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), ap, bp, cp) }
+    unsafe { ours(dev, p, ap, bp, cp) }
+}
+
+/// Runs `p` on tpar's own kernel for `dev` (what `TPAR_GEMM=ours` runs, and
+/// what `gpu_check --bench` measures as "ours").
+///
+/// # Safety
+/// As [`raw::gemm`]: `a`, `b` and `c` are `dev`'s memory covering every
+/// element `p` reaches, and C overlaps neither A nor B.
+pub unsafe fn ours(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), a, b, c) }
 }
 
 /// Runs `p` with tpar's kernel and an explicit tile (for benchmarks and tuning).
@@ -185,7 +236,7 @@ unsafe fn gemm_checked(
     // SAFETY: the caller guarantees `c` spans `bytes`; the shadow is as long.
     unsafe { dev.dtod(c, shadow.ptr, bytes)? };
     // SAFETY: forwarded from the caller.
-    unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), a, b, c)? };
+    unsafe { ours(dev, p, a, b, c)? };
     // SAFETY: the shadow has C's extent and overlaps neither A nor B.
     if !unsafe { dev.vendor_gemm(p, a, b, shadow.ptr)? } {
         return Ok(());
@@ -235,6 +286,7 @@ mod tests {
 
     #[test]
     fn backend_names_parse() {
+        assert_eq!(GemmBackend::parse("auto"), Some(GemmBackend::Auto));
         assert_eq!(GemmBackend::parse("ours"), Some(GemmBackend::Ours));
         assert_eq!(GemmBackend::parse("cublaslt"), Some(GemmBackend::Vendor));
         assert_eq!(GemmBackend::parse("vendor"), Some(GemmBackend::Vendor));
