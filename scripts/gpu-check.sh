@@ -39,6 +39,9 @@
 #      long synthetic document) at cp 1 on one rank and at cp 2 as two rank
 #      threads on the same GPU (SKIP_CP=1 skips): logged losses compared, time
 #      per step and device peak of each (logs in cp.log);
+#   3d. the training step (--no-fsdp) with TPAR_GEMM=cublaslt, ours, and auto
+#      reading step 1's tuning table gemm_table.txt (SKIP_GEMM_STEP=1 skips;
+#      logs in gemm_step.log);
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files); then the training table:
 #      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
@@ -49,7 +52,7 @@
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
-# cp.log, summary.{txt,json}.
+# cp.log, gemm_table.txt, gemm_step.log, summary.{txt,json}.
 #
 # SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
 # --device cpu without the kernel benchmarks, llama_2d --device cpu, both
@@ -66,7 +69,7 @@
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
 # (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
-# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, CP_SEQ, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, CP_SEQ, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
 # run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
@@ -179,7 +182,7 @@ elif [ -x "$bin/gpu_check" ]; then
     echo "== 1. gpu_check (correctness, then benchmarks)"
     # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
     "$bin/gpu_check" --bench ${quick[@]+"${quick[@]}"} --json "$out/gpu_check.json" \
-        ${GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
+        --gemm-table "$out/gemm_table.txt" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
     check_rc=$?
     echo "(gpu_check: exit $check_rc after $SECONDS s in all)"
 else
@@ -343,6 +346,28 @@ PY
         echo "=== exit $rc" >>"$out/cp.log"
         echo "  cp $cp: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/cp.log" | tail -1)"
         [ "$rc" = 0 ] || cp_rc=1
+    done
+fi
+
+# ---------------------------------------------------------------- 3d. GEMM backends
+
+# The training step (--no-fsdp, the step's model) with each GEMM backend: cuBLASLt for
+# every product, tpar's kernel for every product, and auto with step 1's tuning table
+# (tpar's kernel where it measured at least as fast). Logs in gemm_step.log, each run
+# after `=== <backend>`.
+if [ "${SKIP_GEMM_STEP:-0}" != 1 ] && [ "$dev" = cuda ] && [ -x "$bin/llama_2d" ]; then
+    echo
+    echo "== 3d. llama_2d --no-fsdp with each GEMM backend (logs in gemm_step.log)"
+    : >"$out/gemm_step.log"
+    for backend in cublaslt ours auto; do
+        echo "=== $backend" >>"$out/gemm_step.log"
+        # shellcheck disable=SC2086
+        TPAR_GEMM="$backend" TPAR_GEMM_TABLE="$out/gemm_table.txt" timeout "${LLAMA_TIMEOUT:-180}" \
+            "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
+            "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} >>"$out/gemm_step.log" 2>&1
+        rc=$?
+        echo "=== exit $rc" >>"$out/gemm_step.log"
+        echo "  TPAR_GEMM=$backend: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/gemm_step.log" | tail -1)"
     done
 fi
 

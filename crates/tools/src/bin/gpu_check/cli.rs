@@ -39,6 +39,11 @@ pub(crate) struct Opts {
     /// Write the checks and the benchmark numbers to this JSON file.
     #[arg(long, value_name = "PATH")]
     pub(crate) json: Option<PathBuf>,
+    /// With `--bench`: write the GEMM tuning table (tpar's and cuBLASLt's
+    /// rate per product) to this file, for `TPAR_GEMM=auto` through
+    /// `TPAR_GEMM_TABLE`.
+    #[arg(long, value_name = "PATH")]
+    pub(crate) gemm_table: Option<PathBuf>,
     /// Only these families (comma-separated): gemm, sdpa, rmsnorm, rope,
     /// cross_entropy, embedding, adamw, reduce, elementwise, layout.
     #[arg(long, value_name = "FAMILY,...", value_delimiter = ',')]
@@ -101,6 +106,9 @@ mod tests {
         assert!(o.gpu() && !o.quick && !o.bench && !o.no_checks && !o.sabotage);
         assert_eq!((o.ordinal, o.seed, o.json, o.precompile), (0, 0x7470_6172, None, None));
         let o = parse(&["--bench", "--quick", "--json", "/tmp/x.json", "--quick"]).unwrap();
+        assert_eq!(o.gemm_table, None);
+        let t = parse(&["--bench", "--gemm-table", "/tmp/t.txt"]).unwrap().gemm_table;
+        assert_eq!(t, Some(PathBuf::from("/tmp/t.txt")));
         assert!(o.bench && o.quick);
         assert_eq!(o.json, Some(PathBuf::from("/tmp/x.json")));
         let o = parse(&["--device", "emu", "--only", "rmsnorm, gemm", "--sabotage"]).unwrap();

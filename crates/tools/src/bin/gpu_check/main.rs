@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! gpu_check [--device gpu|emulator] [--ordinal N] [--quick] [--bench] [--no-checks]
-//!           [--json PATH] [--only FAMILY,...] [--seed N] [--sabotage]
+//!           [--json PATH] [--gemm-table PATH] [--only FAMILY,...] [--seed N] [--sabotage]
 //! gpu_check --precompile ARCH
 //! ```
 //!
@@ -34,8 +34,14 @@
 //! also picks the benchmarks: GEMM for `gemm`, attention for `sdpa`, the
 //! memory-bound ones for any other family.
 //!
-//! Part 2, `--bench` (GPU only): bf16 GEMM TFLOP/s, ours and cuBLASLt, NN and
-//! NT, for 4096^3, 8192^3 and the Llama-8B projections at 8192 tokens;
+//! Part 2, `--bench` (GPU only): bf16 GEMM TFLOP/s, ours and cuBLASLt, for
+//! 4096^3 and 8192^3 (NN, NT, TN), the Llama-8B projections at 8192 tokens
+//! (NN, NT), and every product of the training step of `scripts/gpu-check.sh`
+//! (each linear's forward NT, input-gradient NN and weight-gradient TN),
+//! summed as `gemm.step.sum` with each product weighted by its count per
+//! step; every product measured on both goes into the tuning table of
+//! `TPAR_GEMM=auto`, printed after the benchmarks and written by
+//! `--gemm-table PATH`;
 //! causal GQA attention (32 q / 8 kv heads of 128, batch x seq = 16k tokens)
 //! forward and forward+backward TFLOP/s at seq 1k..8k, at the first two with
 //! each tensor-core forward tiling forced (`.m64`, `.m128`), and at the
@@ -61,6 +67,7 @@ use std::time::Instant;
 
 use clap::Parser as _;
 use tpar_kernels::cuda::cublaslt::CublasLt;
+use tpar_kernels::cuda::ops::gemm_tune::GemmTable;
 
 mod bench;
 mod checks;
@@ -145,8 +152,21 @@ fn main() {
     if o.bench {
         if dev.cuda().is_some() {
             println!("\n== benchmarks");
-            benches = bench::run_benches(&dev, lt.as_ref(), o.quick, &mut c.rng, &o.only);
+            let mut table = GemmTable::new(&dev.l().describe());
+            benches =
+                bench::run_benches(&dev, lt.as_ref(), o.quick, &mut c.rng, &o.only, &mut table);
             bench::print_bench_table(&benches);
+            if !table.is_empty() {
+                println!("\n== GEMM tuning table (TPAR_GEMM=auto reads it from TPAR_GEMM_TABLE)");
+                print!("{}", table.to_text());
+            }
+            if let Some(path) = &o.gemm_table {
+                if let Err(e) = std::fs::write(path, table.to_text()) {
+                    eprintln!("gpu_check: writing {}: {e}", path.display());
+                    std::process::exit(1);
+                }
+                println!("wrote {} ({} products)", path.display(), table.len());
+            }
         } else {
             eprintln!("gpu_check: --bench needs a GPU (the emulator models no timing); skipped");
         }

@@ -3,23 +3,24 @@
 //! synchronizations, and the table that prints them.
 
 mod bandwidth;
+mod matmul;
 
 use std::time::Instant;
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
-use tpar_kernels::cuda::raw::gemm::GemmProblem;
+use tpar_kernels::cuda::ops::gemm_tune::GemmTable;
+use tpar_kernels::cuda::raw::sdpa;
 use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
-use tpar_kernels::cuda::raw::{gemm, sdpa};
 use tpar_kernels::cuda::CudaDType;
-use tpar_kernels::gemm::GemmShape;
 
 use CudaDType::BF16;
 
-use crate::checks::{gemm::layout_name, sdpa::sdpa_shape, IGNORE};
+use crate::checks::{sdpa::sdpa_shape, IGNORE};
 use crate::data::Rng;
 use crate::dev::Dev;
 use crate::Res;
 use bandwidth::bandwidth_benches;
+use matmul::gemm_benches;
 
 /// One measured quantity: ours, and cuBLASLt's where it applies.
 pub(crate) struct Bench {
@@ -71,7 +72,8 @@ pub(crate) fn push(out: &mut Vec<Bench>, b: Bench) {
     out.push(b);
 }
 
-/// The benchmarks: GEMM (`gemm` in `only`), attention (`sdpa`) and the
+/// The benchmarks: GEMM (`gemm` in `only`; each product's rates go into
+/// `table`), attention (`sdpa`) and the
 /// memory-bound kernels (any other family); all of them when `only` is empty.
 pub(crate) fn run_benches(
     d: &Dev,
@@ -79,6 +81,7 @@ pub(crate) fn run_benches(
     quick: bool,
     rng: &mut Rng,
     only: &[String],
+    table: &mut GemmTable,
 ) -> Vec<Bench> {
     let want = |f: &str| only.is_empty() || only.iter().any(|o| o == f);
     let memory = only.is_empty() || only.iter().any(|o| o != "gemm" && o != "sdpa");
@@ -95,54 +98,8 @@ pub(crate) fn run_benches(
     let s = src.ptr();
 
     // GEMM.
-    let shapes: Vec<(&str, usize, usize, usize)> = if !want("gemm") {
-        Vec::new()
-    } else if quick {
-        vec![("square", 4096, 4096, 4096)]
-    } else {
-        vec![
-            ("square", 4096, 4096, 4096),
-            ("square", 8192, 8192, 8192),
-            ("llama8b q/o proj", 8192, 4096, 4096),
-            ("llama8b k/v proj", 8192, 1024, 4096),
-            ("llama8b gate/up proj", 8192, 14336, 4096),
-            ("llama8b down proj", 8192, 4096, 14336),
-        ]
-    };
-    for (label, m, n, k) in shapes {
-        for tb in [false, true] {
-            let shape = GemmShape { trans_b: tb, ..GemmShape::new(1, m, n, k) };
-            let p = GemmProblem::new(shape, BF16, BF16);
-            let key = format!("gemm.bf16.{}.{m}x{n}x{k}", layout_name(false, tb));
-            let flops = 2.0 * (m * n * k) as f64;
-            let mut b =
-                Bench { key, unit: "TFLOP/s", ours: None, cublaslt: None, note: label.into() };
-            match d.alloc(m * n * 2) {
-                Ok(cbuf) => {
-                    let c = cbuf.ptr();
-                    // SAFETY: A and B lie inside the source buffer, C was allocated for m x n.
-                    let ours = time_per_call(d, || {
-                        unsafe { gemm::gemm(d.l(), &p, s, s, c)? };
-                        Ok(())
-                    });
-                    match ours {
-                        Ok(t) => b.ours = Some(rate(flops, t, 1e12)),
-                        Err(e) => b.note = format!("{label}; ours: {e}"),
-                    }
-                    if let Some(lt) = lt {
-                        // SAFETY: as above, on the GPU cuBLASLt was created on.
-                        let theirs = time_per_call(d, || {
-                            unsafe { lt.matmul(&p, s, s, c)? };
-                            Ok(())
-                        });
-                        match theirs {
-                            Ok(t) => b.cublaslt = Some(rate(flops, t, 1e12)),
-                            Err(e) => b.note = format!("{}; cuBLASLt: {e}", b.note),
-                        }
-                    }
-                }
-                Err(e) => b.note = format!("{label}; {e}"),
-            }
+    if want("gemm") {
+        for b in gemm_benches(d, lt, quick, s, table) {
             push(&mut out, b);
         }
     }

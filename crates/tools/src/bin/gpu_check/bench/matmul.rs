@@ -1,0 +1,203 @@
+//! The GEMM benchmarks: bf16 TFLOP/s of tpar's kernel (`ops::gemm::ours`,
+//! what `TPAR_GEMM=ours` runs) and cuBLASLt on the same buffers, for square
+//! products, the Llama-8B projections and every product of the training step
+//! of `scripts/gpu-check.sh`, which are also summed as the step spends them.
+//! Every measured product goes into the tuning table of `TPAR_GEMM=auto`.
+
+use tpar_kernels::cuda::cublaslt::CublasLt;
+use tpar_kernels::cuda::ops::gemm::ours;
+use tpar_kernels::cuda::ops::gemm_tune::{GemmKey, GemmTable};
+use tpar_kernels::cuda::raw::gemm::GemmProblem;
+use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::gemm::GemmShape;
+
+use super::{rate, time_per_call, Bench};
+use crate::checks::gemm::layout_name;
+use crate::dev::Dev;
+
+/// One benchmarked product: label, layout (A, B transposed), m, n, k, and how
+/// many times one training step runs it (0: not a step product).
+struct Product {
+    label: &'static str,
+    ta: bool,
+    tb: bool,
+    mnk: [usize; 3],
+    per_step: usize,
+}
+
+/// The products of one training step of `scripts/gpu-check.sh`'s model (8
+/// layers, hidden 1024, 16 query / 8 key-value heads of 64, intermediate
+/// 2816, byte vocabulary 259, batch 8 x seq 1024 = 8192 tokens). A linear
+/// layer `y = x Wᵀ` with `W` stored `[out, in]` runs forward as NT
+/// (`tokens x out x in`), its input gradient as NN (`tokens x in x out`) and
+/// its weight gradient as TN (`out x in x tokens`).
+fn step_products() -> Vec<Product> {
+    const TOKENS: usize = 8 * 1024;
+    const LAYERS: usize = 8;
+    // (label, out, in, linears of this shape per step)
+    let linears: [(&'static str, usize, usize, usize); 5] = [
+        ("q/o", 1024, 1024, 2 * LAYERS),
+        ("k/v", 512, 1024, 2 * LAYERS),
+        ("gate/up", 2816, 1024, 2 * LAYERS),
+        ("down", 1024, 2816, LAYERS),
+        ("lm head", 259, 1024, 1),
+    ];
+    let mut out = Vec::new();
+    for (label, o, i, count) in linears {
+        let row = |ta, tb, mnk| Product { label, ta, tb, mnk, per_step: count };
+        out.push(row(false, true, [TOKENS, o, i]));
+        out.push(row(false, false, [TOKENS, i, o]));
+        out.push(row(true, false, [o, i, TOKENS]));
+    }
+    out
+}
+
+/// The products `gpu_check --bench` times: with `quick`, 4096³ in the three
+/// layouts the autograd uses; else also 8192³, the Llama-8B projections at
+/// 8192 tokens (NN and NT) and [`step_products`].
+fn products(quick: bool) -> Vec<Product> {
+    let square = |n: usize| {
+        [(false, false), (false, true), (true, false)].map(|(ta, tb)| Product {
+            label: "square",
+            ta,
+            tb,
+            mnk: [n; 3],
+            per_step: 0,
+        })
+    };
+    let mut out: Vec<Product> = square(4096).into();
+    if quick {
+        return out;
+    }
+    out.extend(square(8192));
+    for (label, m, n, k) in [
+        ("llama8b q/o proj", 8192, 4096, 4096),
+        ("llama8b k/v proj", 8192, 1024, 4096),
+        ("llama8b gate/up proj", 8192, 14336, 4096),
+        ("llama8b down proj", 8192, 4096, 14336),
+    ] {
+        for tb in [false, true] {
+            out.push(Product { label, ta: false, tb, mnk: [m, n, k], per_step: 0 });
+        }
+    }
+    out.extend(step_products());
+    out
+}
+
+/// Times every product of [`products`] on both backends (A and B read from
+/// the bf16 buffer at `src`, which must hold the largest operand), records
+/// each in `table`, and adds `gemm.step.sum`: the step's products weighted by
+/// how often a step runs them, as total FLOPs over total time, where the
+/// cuBLASLt side counts tpar's time for any product cuBLASLt refuses (as the
+/// step itself would run it).
+pub(super) fn gemm_benches(
+    d: &Dev,
+    lt: Option<&CublasLt>,
+    quick: bool,
+    src: DevPtr,
+    table: &mut GemmTable,
+) -> Vec<Bench> {
+    let mut out = Vec::new();
+    // (flops, ours seconds, cuBLASLt-or-ours seconds) summed over the step
+    let mut step = (0.0f64, 0.0f64, 0.0f64, true);
+    for pr in products(quick) {
+        let [m, n, k] = pr.mnk;
+        let shape = GemmShape { trans_a: pr.ta, trans_b: pr.tb, ..GemmShape::new(1, m, n, k) };
+        let p = GemmProblem::new(shape, CudaDType::BF16, CudaDType::BF16);
+        let key = format!("gemm.bf16.{}.{m}x{n}x{k}", layout_name(pr.ta, pr.tb));
+        let flops = 2.0 * (m * n * k) as f64;
+        let label = match pr.per_step {
+            0 => pr.label.to_string(),
+            c => format!("step {}, x{c}", pr.label),
+        };
+        let mut b = Bench { key, unit: "TFLOP/s", ours: None, cublaslt: None, note: label };
+        let (mut t_ours, mut t_lt) = (None, None);
+        match d.alloc(m * n * 2) {
+            Ok(cbuf) => {
+                let c = cbuf.ptr();
+                let run = || {
+                    // SAFETY: A and B lie inside the source buffer, C was allocated for m x n.
+                    unsafe { ours(&*d.mem, &p, src, src, c)? };
+                    Ok(())
+                };
+                match time_per_call(d, run) {
+                    Ok(t) => t_ours = Some(t),
+                    Err(e) => b.note = format!("{}; ours: {e}", b.note),
+                }
+                if let Some(lt) = lt {
+                    let run = || {
+                        // SAFETY: as above, on the GPU cuBLASLt was created on.
+                        unsafe { lt.matmul(&p, src, src, c)? };
+                        Ok(())
+                    };
+                    match time_per_call(d, run) {
+                        Ok(t) => t_lt = Some(t),
+                        Err(e) => b.note = format!("{}; cuBLASLt: {e}", b.note),
+                    }
+                }
+            }
+            Err(e) => b.note = format!("{}; {e}", b.note),
+        }
+        b.ours = t_ours.map(|t| rate(flops, t, 1e12));
+        b.cublaslt = t_lt.map(|t| rate(flops, t, 1e12));
+        if let (Some(o), Some(v)) = (b.ours, b.cublaslt) {
+            table.insert(GemmKey::of(&p), o, v);
+        }
+        if pr.per_step > 0 {
+            let w = pr.per_step as f64;
+            match (t_ours, t_lt.or(t_ours)) {
+                (Some(o), Some(v)) => {
+                    step.0 += w * flops;
+                    step.1 += w * o;
+                    step.2 += w * v;
+                }
+                _ => step.3 = false,
+            }
+        }
+        out.push(b);
+    }
+    if step.0 > 0.0 {
+        let note = if step.3 {
+            "the step's products, each weighted by its count".to_string()
+        } else {
+            "INCOMPLETE: a step product failed".to_string()
+        };
+        out.push(Bench {
+            key: "gemm.step.sum".into(),
+            unit: "TFLOP/s",
+            ours: Some(rate(step.0, step.1, 1e12)),
+            cublaslt: lt.map(|_| rate(step.0, step.2, 1e12)),
+            note,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_step_products_are_every_linear_in_three_layouts() {
+        let s = step_products();
+        assert_eq!(s.len(), 15);
+        // Per step: 8 layers x 7 linears + the LM head, each forward and two backward.
+        assert_eq!(s.iter().map(|p| p.per_step).sum::<usize>(), 3 * (8 * 7 + 1));
+        // A linear's three products contract over in, out and tokens.
+        for t in s.chunks(3) {
+            let [f, dx, dw] = [&t[0], &t[1], &t[2]];
+            assert_eq!(
+                (f.ta, f.tb, dx.ta, dx.tb, dw.ta, dw.tb),
+                (false, true, false, false, true, false)
+            );
+            assert_eq!(f.mnk, [dx.mnk[0], dw.mnk[0], dx.mnk[1]]);
+            assert_eq!(dw.mnk, [f.mnk[1], f.mnk[2], f.mnk[0]]);
+        }
+        // Every product fits the 8192 x 14336 bf16 source buffer.
+        for p in products(false) {
+            let [m, n, k] = p.mnk;
+            assert!(m * k <= 8192 * 14336 && k * n <= 8192 * 14336, "{:?}", p.mnk);
+        }
+        assert_eq!(products(true).len(), 3);
+    }
+}
