@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_void};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use std::sync::Arc;
@@ -300,21 +300,10 @@ impl Emulator {
 }
 
 impl Emulator {
-    /// Launches `kernel` as a grid of thread-block clusters of `cluster`
-    /// blocks (each dim dividing the grid's, at most 16 blocks): the blocks of
-    /// a cluster run together, reach each other's dynamic shared memory
-    /// (`cluster_map`), meet at `cluster_sync` and receive multicast bulk
-    /// copies. `[1, 1, 1]` is an ordinary launch.
-    ///
-    /// # Safety
-    /// As [`Launcher::launch_raw`].
-    pub unsafe fn launch_cluster_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        cluster: [u32; 3],
-        args: &[u8],
-    ) -> Result<()> {
+    /// Checks what a GPU launch of `kernel` with `cfg` and `args` would refuse (an
+    /// argument struct of the wrong size, a block above the kernel's launch bounds),
+    /// building its source on first use.
+    fn validate(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<KernelInfo> {
         let info = self.kernel(kernel)?;
         let size = args.len();
         if size != info.args_size {
@@ -336,6 +325,25 @@ impl Emulator {
                 ),
             ));
         }
+        Ok(info)
+    }
+
+    /// Launches `kernel` as a grid of thread-block clusters of `cluster`
+    /// blocks (each dim dividing the grid's, at most 16 blocks): the blocks of
+    /// a cluster run together, reach each other's dynamic shared memory
+    /// (`cluster_map`), meet at `cluster_sync` and receive multicast bulk
+    /// copies. `[1, 1, 1]` is an ordinary launch.
+    ///
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    pub unsafe fn launch_cluster_raw(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        cluster: [u32; 3],
+        args: &[u8],
+    ) -> Result<()> {
+        let info = self.validate(kernel, cfg, args)?;
         let mut err = vec![0u8; 1024];
         // SAFETY: `info.entry` reads a struct of `size` bytes from `args`, as
         // checked above; the caller vouches for the addresses in it. The grid,
@@ -456,6 +464,14 @@ impl Fnv {
 /// The emulator as a [`GpuDevice`]: "device" memory is host memory (256-byte
 /// aligned), copies are `memcpy`, kernels run on the calling thread.
 ///
+/// It captures CUDA graphs ([`super::graph`]): during a capture launches, device
+/// copies and memsets are recorded, allocations come from the graph's private
+/// pool, and what CUDA refuses inside a capture (a device-to-host or
+/// host-to-device copy, a synchronization, work or an allocation from another
+/// thread) fails and spoils the capture; a block allocated before the capture,
+/// freed during it and used by the recorded work is reported when the capture
+/// ends. It also counts the work issued ([`GpuDevice::work_counts`]).
+///
 /// ```no_run
 /// use std::sync::Arc;
 /// use tpar_kernels::cuda::{emu::EmulatedGpu, DeviceBuffer, GpuDevice};
@@ -467,12 +483,233 @@ impl Fnv {
 pub struct EmulatedGpu {
     emu: &'static Emulator,
     ordinal: usize,
+    shared: Arc<Shared>,
+}
+
+/// What an emulated device shares with the graphs it captured.
+#[derive(Default)]
+struct Shared {
+    capture: Mutex<Option<Capture>>,
+    /// Whether `capture` holds one (read without the lock on every call).
+    capturing: AtomicBool,
+    /// The private pools of live graphs, and of dead ones whose blocks buffers
+    /// still hold.
+    pools: Mutex<Vec<Arc<Mutex<Pool>>>>,
+    /// `pools.len()`, read without the lock on every free.
+    pool_count: AtomicUsize,
+    host_calls: AtomicU64,
+    kernels_run: AtomicU64,
+    copies_run: AtomicU64,
+    replays: AtomicU64,
+    device_ns: AtomicU64,
+}
+
+/// One recorded piece of work.
+enum Node {
+    Kernel {
+        name: String,
+        cfg: LaunchConfig,
+        /// The argument bytes, in 8-byte words (kernels read the struct aligned).
+        args: Vec<u64>,
+        len: usize,
+    },
+    Copy {
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+    },
+    Zero {
+        dst: DevPtr,
+        bytes: usize,
+    },
+}
+
+/// A graph's private memory pool: block address -> (bytes, held by a buffer).
+#[derive(Default)]
+struct Pool {
+    blocks: HashMap<DevPtr, (usize, bool)>,
+    graph_alive: bool,
+}
+
+struct Capture {
+    thread: std::thread::ThreadId,
+    nodes: Vec<Node>,
+    pool: Arc<Mutex<Pool>>,
+    fault: Option<String>,
+    /// Blocks allocated before the capture and freed during it (freed at its end).
+    freed_outside: Vec<(DevPtr, usize)>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn capture_error(what: impl Into<String>) -> crate::KernelError {
+    cuda_error(super::graph::CAPTURE_OP, what)
 }
 
 impl EmulatedGpu {
     /// An emulated device `cuda:ordinal` (builds the emulator on first use).
     pub fn open(ordinal: usize) -> Result<Arc<dyn GpuDevice>> {
-        Ok(Arc::new(EmulatedGpu { emu: Emulator::get()?, ordinal }))
+        Ok(Arc::new(EmulatedGpu { emu: Emulator::get()?, ordinal, shared: Arc::default() }))
+    }
+
+    /// Inside a capture, `what` issued on this thread: `Ok(true)` to record it;
+    /// refused (and the capture spoiled) from another thread or when `host` (a
+    /// host round trip). `Ok(false)` outside a capture.
+    fn capturing(&self, what: &str, host: bool) -> Result<bool> {
+        if !self.shared.capturing.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let mut g = lock(&self.shared.capture);
+        let Some(c) = g.as_mut() else { return Ok(false) };
+        let fault = if host {
+            format!(
+                "{what} inside capture on {} (a host round trip; CUDA refuses it too)",
+                self.describe()
+            )
+        } else if c.thread != std::thread::current().id() {
+            format!(
+                "{what} from another thread than the capturing one on {} (not ordered with \
+                 the captured work)",
+                self.describe()
+            )
+        } else {
+            return Ok(true);
+        };
+        c.fault.get_or_insert_with(|| fault.clone());
+        Err(capture_error(fault))
+    }
+
+    fn record(&self, node: Node) {
+        if let Some(c) = lock(&self.shared.capture).as_mut() {
+            c.nodes.push(node);
+        }
+    }
+
+    /// Counts one piece of work issued by the host and times `f`, which runs it.
+    fn issue<R>(&self, kernel: bool, f: impl FnOnce() -> R) -> R {
+        let sh = &self.shared;
+        sh.host_calls.fetch_add(1, Ordering::Relaxed);
+        if kernel { &sh.kernels_run } else { &sh.copies_run }.fetch_add(1, Ordering::Relaxed);
+        let t = std::time::Instant::now();
+        let r = f();
+        sh.device_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    fn layout(bytes: usize) -> Result<std::alloc::Layout> {
+        std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN)
+            .map_err(|e| cuda_error("alloc", e.to_string()))
+    }
+}
+
+/// Frees a block of [`EmulatedGpu`] memory.
+fn dealloc(ptr: DevPtr, bytes: usize) {
+    if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN) {
+        // SAFETY: allocated by `EmulatedGpu::alloc` with this layout, freed once.
+        unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+    }
+}
+
+/// Releases a pool's free blocks once its graph is gone.
+fn release_free_blocks(pool: &mut Pool) {
+    pool.blocks.retain(|&p, &mut (bytes, held)| {
+        if !held {
+            dealloc(p, bytes);
+        }
+        held
+    });
+}
+
+/// Whether `node` touches `[ptr, ptr + bytes)`: its copy ranges, or an 8-byte word
+/// of its argument struct holding an address in the range.
+fn touches(node: &Node, ptr: DevPtr, bytes: usize) -> bool {
+    let end = ptr + bytes.max(1) as DevPtr;
+    let overlaps = |a: DevPtr, n: usize| a < end && ptr < a + n.max(1) as DevPtr;
+    match node {
+        Node::Kernel { args, .. } => args.iter().any(|&w| w >= ptr && w < end),
+        Node::Copy { src, dst, bytes } => overlaps(*src, *bytes) || overlaps(*dst, *bytes),
+        Node::Zero { dst, bytes } => overlaps(*dst, *bytes),
+    }
+}
+
+/// A graph the emulator captured.
+struct EmuGraph {
+    emu: &'static Emulator,
+    shared: Arc<Shared>,
+    nodes: Vec<Node>,
+    pool: Arc<Mutex<Pool>>,
+    describe: String,
+}
+
+impl super::graph::GraphExec for EmuGraph {
+    fn replay(&self) -> Result<()> {
+        let sh = &self.shared;
+        if sh.capturing.load(Ordering::Acquire) {
+            return Err(capture_error(format!(
+                "a graph replay inside a capture on {}",
+                self.describe
+            )));
+        }
+        sh.host_calls.fetch_add(1, Ordering::Relaxed);
+        sh.replays.fetch_add(1, Ordering::Relaxed);
+        let t = std::time::Instant::now();
+        let mut result = Ok(());
+        for node in &self.nodes {
+            match node {
+                Node::Kernel { name, cfg, args, len } => {
+                    sh.kernels_run.fetch_add(1, Ordering::Relaxed);
+                    let bytes = &bytemuck::cast_slice::<u64, u8>(args)[..*len];
+                    // SAFETY: the bytes and addresses the capture recorded: the
+                    // addresses were valid for the launch then, and stay so while the
+                    // graph lives (its private pool keeps its blocks; the caller keeps
+                    // the buffers it captured with, as with CUDA graphs).
+                    result = unsafe { self.emu.launch_cluster_raw(name, cfg, [1, 1, 1], bytes) };
+                }
+                Node::Copy { src, dst, bytes } => {
+                    sh.copies_run.fetch_add(1, Ordering::Relaxed);
+                    // SAFETY: as for the kernels above.
+                    unsafe { std::ptr::copy(*src as *const u8, *dst as *mut u8, *bytes) };
+                }
+                Node::Zero { dst, bytes } => {
+                    sh.copies_run.fetch_add(1, Ordering::Relaxed);
+                    // SAFETY: as for the kernels above.
+                    unsafe { std::ptr::write_bytes(*dst as *mut u8, 0, *bytes) };
+                }
+            }
+            if result.is_err() {
+                break;
+            }
+        }
+        sh.device_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        result
+    }
+
+    fn stats(&self) -> super::graph::GraphStats {
+        let kernels = self.nodes.iter().filter(|n| matches!(n, Node::Kernel { .. })).count();
+        let pool = lock(&self.pool);
+        super::graph::GraphStats {
+            kernels,
+            copies: self.nodes.len() - kernels,
+            pool_blocks: pool.blocks.len(),
+            pool_bytes: pool.blocks.values().map(|&(b, _)| b).sum(),
+        }
+    }
+}
+
+impl Drop for EmuGraph {
+    fn drop(&mut self) {
+        let mut pool = lock(&self.pool);
+        pool.graph_alive = false;
+        release_free_blocks(&mut pool);
+        let empty = pool.blocks.is_empty();
+        drop(pool);
+        if empty {
+            let mut pools = lock(&self.shared.pools);
+            pools.retain(|p| !Arc::ptr_eq(p, &self.pool));
+            self.shared.pool_count.store(pools.len(), Ordering::Release);
+        }
     }
 }
 
@@ -486,15 +723,29 @@ impl Launcher for EmulatedGpu {
     /// # Safety
     /// As [`Launcher::launch_raw`].
     unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        if self.capturing(&format!("launch of {kernel}"), false)? {
+            self.emu.validate(kernel, cfg, args)?;
+            let mut words = vec![0u64; args.len().div_ceil(8)];
+            bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..args.len()].copy_from_slice(args);
+            self.record(Node::Kernel {
+                name: kernel.to_string(),
+                cfg: *cfg,
+                args: words,
+                len: args.len(),
+            });
+            return Ok(());
+        }
         // SAFETY: the caller's guarantee (the trait's contract) is the emulator's.
-        unsafe { self.emu.launch_raw(kernel, cfg, args) }
+        self.issue(true, || unsafe { self.emu.launch_raw(kernel, cfg, args) })
     }
 }
 
 // SAFETY: allocations are fresh host blocks of at least the requested size
-// (`std::alloc`, 256-byte aligned) freed with the same layout; launches and
-// copies run to completion on the calling thread before returning, so every
-// use is ordered, and all emulated devices address the same host memory.
+// (`std::alloc`, 256-byte aligned) freed with the same layout, once: blocks of a
+// graph's private pool are freed when both the graph and their buffer are gone;
+// launches and copies run to completion on the calling thread before returning
+// (or are recorded into a graph during a capture, and run by its replays), so
+// every use is ordered, and all emulated devices address the same host memory.
 unsafe impl GpuDevice for EmulatedGpu {
     fn ordinal(&self) -> usize {
         self.ordinal
@@ -505,12 +756,29 @@ unsafe impl GpuDevice for EmulatedGpu {
     }
 
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
-        let layout = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN)
-            .map_err(|e| cuda_error("alloc", e.to_string()))?;
+        let pool = if self.capturing(&format!("an allocation of {bytes} bytes"), false)? {
+            let g = lock(&self.shared.capture);
+            g.as_ref().map(|c| c.pool.clone())
+        } else {
+            None
+        };
+        let size = bytes.max(1);
+        if let Some(pool) = &pool {
+            // A block the capture freed already serves again (stream order).
+            let mut pool = lock(pool);
+            if let Some((&p, e)) = pool.blocks.iter_mut().find(|(_, e)| e.0 == size && !e.1) {
+                e.1 = true;
+                return Ok(p);
+            }
+        }
+        let layout = EmulatedGpu::layout(bytes)?;
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc(layout) };
         if p.is_null() {
             return Err(cuda_error("alloc", format!("out of memory allocating {bytes} bytes")));
+        }
+        if let Some(pool) = pool {
+            lock(&pool).blocks.insert(p as DevPtr, (size, true));
         }
         Ok(p as DevPtr)
     }
@@ -518,33 +786,73 @@ unsafe impl GpuDevice for EmulatedGpu {
     /// # Safety
     /// As [`GpuDevice::free`].
     unsafe fn free(&self, ptr: DevPtr, bytes: usize) {
-        if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN) {
-            // SAFETY: allocated by `alloc` above with this layout.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+        if self.shared.pool_count.load(Ordering::Acquire) > 0 {
+            let mut pools = lock(&self.shared.pools);
+            let mut found = None;
+            for (i, pool) in pools.iter().enumerate() {
+                let mut pl = lock(pool);
+                if let Some(e) = pl.blocks.get_mut(&ptr) {
+                    e.1 = false;
+                    if !pl.graph_alive {
+                        release_free_blocks(&mut pl);
+                        if pl.blocks.is_empty() {
+                            found = Some(i);
+                        }
+                    }
+                    found.get_or_insert(usize::MAX);
+                    break;
+                }
+            }
+            if let Some(i) = found {
+                if i != usize::MAX {
+                    pools.remove(i);
+                    self.shared.pool_count.store(pools.len(), Ordering::Release);
+                }
+                return;
+            }
         }
+        if self.shared.capturing.load(Ordering::Acquire) {
+            if let Some(c) = lock(&self.shared.capture).as_mut() {
+                // Freed at the end of the capture, after checking that nothing
+                // recorded uses it.
+                c.freed_outside.push((ptr, bytes));
+                return;
+            }
+        }
+        dealloc(ptr, bytes);
     }
 
     /// # Safety
     /// As [`GpuDevice::htod`].
     unsafe fn htod(&self, src: &[u8], dst: DevPtr) -> Result<()> {
+        self.capturing(&format!("a host-to-device copy of {} bytes", src.len()), true)?;
         // SAFETY: the caller guarantees the destination range.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        self.issue(false, || unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len())
+        });
         Ok(())
     }
 
     /// # Safety
     /// As [`GpuDevice::dtoh`].
     unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
+        self.capturing(&format!("a device-to-host copy of {} bytes", dst.len()), true)?;
         // SAFETY: the caller guarantees the source range.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        self.issue(false, || unsafe {
+            std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
+        });
         Ok(())
     }
 
     /// # Safety
     /// As [`GpuDevice::dtod`].
     unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()> {
+        if self.capturing("a device-to-device copy", false)? {
+            self.record(Node::Copy { src, dst, bytes });
+            return Ok(());
+        }
         // SAFETY: the caller guarantees both ranges.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        self.issue(false, || unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) });
         Ok(())
     }
 
@@ -565,21 +873,118 @@ unsafe impl GpuDevice for EmulatedGpu {
                 got: src_dev.describe(),
             });
         }
+        if self.capturing("a device-to-device copy", false)? {
+            self.record(Node::Copy { src, dst, bytes });
+            return Ok(());
+        }
         // SAFETY: every emulated device addresses host memory; the caller
         // guarantees both ranges and that they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        self.issue(false, || unsafe {
+            std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes)
+        });
         Ok(())
     }
 
     /// # Safety
     /// As [`GpuDevice::zero`].
     unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
+        if self.capturing("a memset", false)? {
+            self.record(Node::Zero { dst, bytes });
+            return Ok(());
+        }
         // SAFETY: the caller guarantees the range.
-        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+        self.issue(false, || unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) });
         Ok(())
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.capturing("a device synchronization", true)?;
         Ok(())
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        let mut g = lock(&self.shared.capture);
+        if g.is_some() {
+            return Err(capture_error(format!(
+                "{} is capturing already (captures do not nest)",
+                self.describe()
+            )));
+        }
+        let pool = Arc::new(Mutex::new(Pool { blocks: HashMap::new(), graph_alive: true }));
+        {
+            let mut pools = lock(&self.shared.pools);
+            pools.push(pool.clone());
+            self.shared.pool_count.store(pools.len(), Ordering::Release);
+        }
+        *g = Some(Capture {
+            thread: std::thread::current().id(),
+            nodes: Vec::new(),
+            pool,
+            fault: None,
+            freed_outside: Vec::new(),
+        });
+        self.shared.capturing.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<Box<dyn super::graph::GraphExec>> {
+        let c = {
+            let mut g = lock(&self.shared.capture);
+            match g.as_ref() {
+                None => return Err(capture_error(format!("{} is not capturing", self.describe()))),
+                Some(c) if c.thread != std::thread::current().id() => {
+                    return Err(capture_error(format!(
+                        "ending the capture on {} from another thread than the one that \
+                         began it",
+                        self.describe()
+                    )))
+                }
+                Some(_) => {}
+            }
+            self.shared.capturing.store(false, Ordering::Release);
+            g.take()
+        };
+        let Some(mut c) = c else {
+            return Err(capture_error(format!("{} is not capturing", self.describe())));
+        };
+        for &(ptr, bytes) in &c.freed_outside {
+            if c.fault.is_none() {
+                if let Some(n) = c.nodes.iter().position(|n| touches(n, ptr, bytes)) {
+                    c.fault = Some(format!(
+                        "recorded work {n} uses a block of {bytes} bytes at {ptr:#x} that \
+                         was allocated before the capture and freed during it (a replay \
+                         would touch freed memory); keep it alive while the graph lives"
+                    ));
+                }
+            }
+            dealloc(ptr, bytes);
+        }
+        let graph = EmuGraph {
+            emu: self.emu,
+            shared: self.shared.clone(),
+            nodes: c.nodes,
+            pool: c.pool,
+            describe: self.describe(),
+        };
+        match c.fault {
+            // Dropping the graph releases its pool's free blocks.
+            Some(f) => Err(capture_error(format!("the capture failed: {f}"))),
+            None => Ok(Box::new(graph)),
+        }
+    }
+
+    fn is_capturing(&self) -> bool {
+        self.shared.capturing.load(Ordering::Acquire)
+    }
+
+    fn work_counts(&self) -> Option<super::graph::WorkCounts> {
+        let sh = &self.shared;
+        Some(super::graph::WorkCounts {
+            host_calls: sh.host_calls.load(Ordering::Relaxed),
+            kernels_run: sh.kernels_run.load(Ordering::Relaxed),
+            copies_run: sh.copies_run.load(Ordering::Relaxed),
+            replays: sh.replays.load(Ordering::Relaxed),
+            device_ns: sh.device_ns.load(Ordering::Relaxed),
+        })
     }
 }

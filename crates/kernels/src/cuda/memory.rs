@@ -132,6 +132,36 @@ pub unsafe trait GpuDevice: Launcher {
         let _ = (p, a, b, c);
         Ok(false)
     }
+
+    /// Starts capturing this device's work into a graph (see [`super::graph`]):
+    /// until [`GpuDevice::end_capture`], launches, device copies and memsets are
+    /// recorded instead of run, and allocations come from the graph's private
+    /// pool. An error where the device cannot capture (the default).
+    fn begin_capture(&self) -> Result<()> {
+        Err(super::cuda_error(
+            super::graph::CAPTURE_OP,
+            format!("{} does not capture CUDA graphs", self.describe()),
+        ))
+    }
+
+    /// Ends the capture: the executable graph, or the first fault the capture saw.
+    fn end_capture(&self) -> Result<Box<dyn super::graph::GraphExec>> {
+        Err(super::cuda_error(
+            super::graph::CAPTURE_OP,
+            format!("{} is not capturing", self.describe()),
+        ))
+    }
+
+    /// Whether a capture is under way on this device.
+    fn is_capturing(&self) -> bool {
+        false
+    }
+
+    /// The work issued to this device so far, where it counts it (the emulator);
+    /// `None` otherwise.
+    fn work_counts(&self) -> Option<super::graph::WorkCounts> {
+        None
+    }
 }
 
 /// An owned allocation on a [`GpuDevice`], freed on drop.

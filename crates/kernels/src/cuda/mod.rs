@@ -28,6 +28,7 @@ use crate::{KernelError, Result};
 pub mod cublaslt;
 pub mod device;
 pub mod emu;
+pub mod graph;
 mod memory;
 pub mod ops;
 pub mod profile;
