@@ -139,6 +139,12 @@ pub unsafe fn ours(
     b: DevPtr,
     c: DevPtr,
 ) -> Result<()> {
+    // The Hopper kernel where `dev` runs sm_90a kernels and it takes `p`
+    // (see `raw::gemm_hopper`), else the mma.sync kernel.
+    // SAFETY: forwarded from the caller.
+    if unsafe { crate::cuda::raw::gemm_hopper::gemm_if_supported(dev, p, a, b, c)? } {
+        return Ok(());
+    }
     // SAFETY: forwarded from the caller.
     unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), a, b, c) }
 }

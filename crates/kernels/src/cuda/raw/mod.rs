@@ -14,6 +14,7 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod gemm_hopper;
 pub mod layout;
 pub mod multi;
 pub mod reduce;

@@ -1,0 +1,338 @@
+// The Hopper GEMM (sm_90a): C[b] = epilogue(alpha * op(A[b]) * op(B[b]) + beta * C[b]),
+// A and B bf16 or f16, f32 accumulation, C bf16, f16 or f32. Launcher:
+// src/cuda/raw/gemm_hopper.rs, which documents the layouts and the epilogues.
+//
+// One block = 3 warpgroups (384 threads), persistent over 128 x 128 tiles of C:
+// - warpgroup 0 produces: after setmaxnreg_dec, one thread brings the 128 x 64
+//   tiles of A and 64 x 128 tiles of B of each K step into a STAGES-deep ring
+//   of shared-memory stages with bulk tensor copies (128-byte swizzle), each
+//   stage guarded by a "full" mbarrier (the copies' transaction bytes) and an
+//   "empty" mbarrier (the consumer warps' arrivals);
+// - warpgroups 1 and 2 consume (setmaxnreg_inc): each owns 64 rows of the
+//   tile, waits for a stage to be full, issues four wgmma m64n128k16 over it
+//   straight from the swizzled shared memory (descriptors below), commits, and
+//   once the previous stage's group has retired (wgmma_wait<1>) releases that
+//   stage to the producer; then the epilogue of its 64 x 128 rows.
+// Both sides walk the same tiles: t = blockIdx.x, t + gridDim.x, ... in a
+// grouped order (`group` tile rows at a time, column by column inside a
+// group) so that blocks running together share rows of A and columns of B.
+//
+// Layouts (the kernel name's two letters, A first): `n` = as stored
+// row-major ([m, k] for A, [k, n] for B), `t` = stored transposed ([k, m],
+// [n, k]). The tensor maps follow the storage (their innermost dim is the
+// contiguous one) and the wgmma descriptors the major-ness: A [m, k] and B
+// [n, k] are K-major (one 128 x 64 box: rows of 64 k, 128 bytes, 8-row
+// groups 1024 bytes apart, a k slice 32 bytes further), A [k, m] and B [k, n]
+// are M/N-major (two 64 x 64 boxes of 64 m or n per 128-byte row, the second
+// 8192 bytes further = the descriptor's leading byte offset; 8-row k groups
+// 1024 bytes apart; a k slice 16 rows = 2048 bytes further). Out-of-range
+// rows, columns and k (K not a multiple of 64) load as zeros.
+//
+// Epilogue (runtime flags, uniform per launch): v = alpha * acc + beta * C
+// (C read only when beta != 0); EPI_BIAS adds bias[col]; EPI_RESIDUAL adds
+// aux[row, col]; EPI_SILU_MUL makes v = silu(aux[row, col]) * v (aux = the
+// gate projection, this GEMM the up projection of a SwiGLU MLP); the result
+// is cast to C's type. bias and aux have C's element type. C is written
+// through shared memory and a bulk tensor store (c_tma: the launcher's
+// map_c, which clips at the edges) or, when C's rows are not 16-byte
+// aligned, by guarded stores from the registers.
+//
+// Compiled for an architecture without wgmma (sm_90, sm_80), the kernels
+// are empty: the launcher only picks them for devices compiled for sm_90a.
+
+struct GemmHopperArgs {
+    TparTensorMap map_a;  // 3-D (inner, rows, batch) over A as stored
+    TparTensorMap map_b;  // 3-D over B as stored
+    TparTensorMap map_c;  // 3-D (n, m, batch) over C, box 128 x 64, when c_tma
+    void* c;
+    const void* bias;  // n elements (EPI_BIAS)
+    const void* aux;   // residual or gate, like C with ld_aux / batch_stride_aux
+    i64 batch_stride_c;
+    i64 batch_stride_aux;
+    i32 m, n, k;
+    i32 ldc, ld_aux;
+    i32 batch;
+    i32 bcast_a, bcast_b;  // 1: one matrix for every batch (z = 0)
+    float alpha, beta;
+    i32 epilogue;  // EPI_* bits
+    i32 c_tma;
+    i32 group;  // tile rows per group of the tile order
+    i32 pad[9];
+};
+
+#if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TPAR_GEMM_HOPPER_BODY 1
+#endif
+
+namespace gemm_hopper {
+
+constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
+constexpr u32 A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+// one 64 x BN staging tile per consumer warpgroup (f32 at most)
+constexpr u32 STAGING_BYTES = 64 * BN * 4;
+enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4 };
+
+struct Smem {
+    unsigned char* a[STAGES];
+    unsigned char* b[STAGES];
+    unsigned char* staging[2];
+    u64* full;      // [STAGES]
+    u64* empty;     // [STAGES]
+    u64* epi_full;  // [2]: a warpgroup's staging tile written
+    u64* epi_free;  // [2]: its bulk store has read the staging tile
+};
+
+TPAR_DEVICE Smem carve() {
+    const u32 at = tpar_shared_addr(tpar_dyn_smem);
+    unsigned char* base = tpar_dyn_smem + ((1024u - (at & 1023u)) & 1023u);
+    Smem s;
+    for (int i = 0; i < STAGES; ++i) {
+        s.a[i] = base + i * STAGE_BYTES;
+        s.b[i] = base + i * STAGE_BYTES + A_BYTES;
+    }
+    unsigned char* p = base + STAGES * STAGE_BYTES;
+    s.staging[0] = p;
+    s.staging[1] = p + STAGING_BYTES;
+    u64* bars = reinterpret_cast<u64*>(p + 2 * STAGING_BYTES);
+    s.full = bars;
+    s.empty = bars + STAGES;
+    s.epi_full = bars + 2 * STAGES;
+    s.epi_free = bars + 2 * STAGES + 2;
+    return s;
+}
+
+struct Tile {
+    int b, m0, n0;
+};
+
+// Tile `t` of the launch in the grouped order.
+TPAR_DEVICE Tile tile_of(int t, const GemmHopperArgs& a) {
+    const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
+    const int per = tiles_m * tiles_n;
+    const int b = t / per, r = t % per;
+    const int width = a.group * tiles_n;
+    const int first = (r / width) * a.group;
+    const int rows = min(tiles_m - first, a.group);
+    const int in = r % width;
+    return Tile{b, (first + in % rows) * BM, (in / rows) * BN};
+}
+
+// Warpgroup 0, one thread: fills the ring.
+template <int TA, int TB>
+TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int ktiles) {
+    int it = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile tl = tile_of(t, a);
+        const int za = a.bcast_a ? 0 : tl.b, zb = a.bcast_b ? 0 : tl.b;
+        for (int kt = 0; kt < ktiles; ++kt, ++it) {
+            const int st = it % STAGES;
+            const u32 phase = (u32)((it / STAGES) & 1);
+            mbarrier_wait_parity(&s.empty[st], phase ^ 1u);
+            mbarrier_arrive_expect_tx(&s.full[st], STAGE_BYTES);
+            const int k0 = kt * BK;
+            if (TA == 0) {
+                tma_load_3d(s.a[st], &a.map_a, k0, tl.m0, za, &s.full[st]);
+            } else {
+                tma_load_3d(s.a[st], &a.map_a, tl.m0, k0, za, &s.full[st]);
+                tma_load_3d(s.a[st] + A_BYTES / 2, &a.map_a, tl.m0 + 64, k0, za, &s.full[st]);
+            }
+            if (TB == 0) {
+                tma_load_3d(s.b[st], &a.map_b, k0, tl.n0, zb, &s.full[st]);
+            } else {
+                tma_load_3d(s.b[st], &a.map_b, tl.n0, k0, zb, &s.full[st]);
+                tma_load_3d(s.b[st] + B_BYTES / 2, &a.map_b, tl.n0 + 64, k0, zb, &s.full[st]);
+            }
+        }
+    }
+}
+
+TPAR_DEVICE float silu(float x) { return x / (1.0f + expf(-x)); }
+
+template <typename O>
+TPAR_DEVICE float load_out(const void* p, i64 i) {
+    return to_f32(static_cast<const O*>(p)[i]);
+}
+
+// Warpgroups 1 and 2: the K loop of each tile, then its epilogue.
+template <typename T, typename O, int TA, int TB>
+TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int ktiles, int cw) {
+    const int tw = threadIdx.x % 128;
+    const int w = tw / 32, lane = tw % 32, g = lane / 4, q = lane % 4;
+    float d[BN / 2];
+    int it = 0, done = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x, ++done) {
+        const Tile tl = tile_of(t, a);
+        for (int kt = 0; kt < ktiles; ++kt, ++it) {
+            const int st = it % STAGES;
+            mbarrier_wait_parity(&s.full[st], (u32)((it / STAGES) & 1));
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / 16; ++ks) {
+                const u64 da =
+                    TA == 0 ? wgmma_desc(s.a[st] + cw * 64 * 128 + ks * 32, 16, 1024,
+                                         TPAR_WG_SWIZZLE_128B)
+                            : wgmma_desc(s.a[st] + cw * (A_BYTES / 2) + ks * 2048, A_BYTES / 2,
+                                         1024, TPAR_WG_SWIZZLE_128B);
+                const u64 db = TB == 0 ? wgmma_desc(s.b[st] + ks * 32, 16, 1024,
+                                                    TPAR_WG_SWIZZLE_128B)
+                                       : wgmma_desc(s.b[st] + ks * 2048, B_BYTES / 2, 1024,
+                                                    TPAR_WG_SWIZZLE_128B);
+                wgmma_ss<T, BN, TA, TB>(d, da, db, kt > 0 || ks > 0);
+            }
+            wgmma_commit();
+            // the group before this one has retired: its stage may be refilled
+            wgmma_wait<1>();
+            if (kt > 0 && lane == 0) mbarrier_arrive(&s.empty[(it - 1) % STAGES]);
+        }
+        wgmma_wait<0>();
+        if (lane == 0) mbarrier_arrive(&s.empty[(it - 1) % STAGES]);
+
+        // epilogue of rows m0 + 64 cw .. + 63
+        const int row0 = tl.m0 + 64 * cw;
+        O* stage = reinterpret_cast<O*>(s.staging[cw]);
+        if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(done & 1) ^ 1u);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const int r = 16 * w + g + 8 * ((i / 2) % 2);
+            const int c = 8 * (i / 4) + 2 * q + (i % 2);
+            const int row = row0 + r, col = tl.n0 + c;
+            float v = a.alpha * d[i];
+            if (row < a.m && col < a.n) {
+                const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
+                if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
+                if (a.epilogue & EPI_BIAS) v += load_out<O>(a.bias, col);
+                if (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL)) {
+                    const float x = load_out<O>(
+                        a.aux, (i64)tl.b * a.batch_stride_aux + (i64)row * a.ld_aux + col);
+                    v = (a.epilogue & EPI_RESIDUAL) ? v + x : silu(x) * v;
+                }
+                if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
+            }
+            if (a.c_tma) stage[r * BN + c] = from_f32<O>(v);
+        }
+        if (a.c_tma) {
+            fence_proxy_async();
+            mbarrier_arrive(&s.epi_full[cw]);
+            if (tw == 0) {
+                mbarrier_wait_parity(&s.epi_full[cw], (u32)(done & 1));
+                tma_store_3d(&a.map_c, tl.n0, row0, tl.b, stage);
+                tma_store_commit();
+                tma_store_wait<0>();
+                mbarrier_arrive(&s.epi_free[cw]);
+            }
+        }
+    }
+}
+
+template <typename T, typename O, int TA, int TB>
+TPAR_DEVICE void run(const GemmHopperArgs& a) {
+    const Smem s = carve();
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        tma_prefetch(&a.map_a);
+        tma_prefetch(&a.map_b);
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(&s.full[i], 1);
+            mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
+        }
+        for (int i = 0; i < 2; ++i) {
+            mbarrier_init(&s.epi_full[i], 128);
+            mbarrier_init(&s.epi_free[i], 1);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    const int tiles = ((a.m + BM - 1) / BM) * ((a.n + BN - 1) / BN);
+    const int total = tiles * a.batch;
+    const int ktiles = (a.k + BK - 1) / BK;
+    if (wg == 0) {
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0) produce<TA, TB>(a, s, total, ktiles);
+    } else {
+        setmaxnreg_inc<232>();
+        consume<T, O, TA, TB>(a, s, total, ktiles, wg - 1);
+    }
+}
+
+}  // namespace gemm_hopper
+
+#ifdef TPAR_GEMM_HOPPER_BODY
+#define TPAR_GEMM_HOPPER(T, O, TA, TB) gemm_hopper::run<T, O, TA, TB>(args)
+#else
+#define TPAR_GEMM_HOPPER(T, O, TA, TB)
+#endif
+
+// tpar_gemm_hopper_<layout>_<in>_<out>; wgmma's TB is 1 for B stored [k, n] (N-major).
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, bf16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, bf16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, bf16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, bf16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, f16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, f16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, f16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, f16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, float, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, float, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, float, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(bf16, float, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, bf16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, bf16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, bf16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, bf16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, f16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, f16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, f16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, f16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, float, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, float, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, float, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+    TPAR_GEMM_HOPPER(f16, float, 1, 0);
+}

@@ -1,0 +1,550 @@
+//! Launch wrappers for `cuda/gemm_hopper.cu`, the Hopper GEMM:
+//! `C[b] = epilogue(alpha * op(A[b]) * op(B[b]) + beta * C[b])` with warpgroup
+//! MMA (wgmma), bulk tensor copies (TMA) and mbarriers, for `sm_90a`.
+//!
+//! The problem is a [`GemmProblem`] (the layouts, leading dimensions, batch
+//! strides and scales of [`super::gemm`]); A and B are bf16 or f16, C any of
+//! bf16, f16 and f32 (f32 accumulation). One block of 384 threads (a producer
+//! warpgroup and two consumer warpgroups) is persistent over 128 x 128 tiles
+//! of C, K in steps of 64 through a 4-stage shared-memory ring; the kernel's
+//! source describes the pipeline. [`Epilogue`] adds the fused steps a
+//! transformer layer uses: a per-column bias, a residual matrix, or SiLU of a
+//! gate matrix times the product (SwiGLU).
+//!
+//! Which GEMM kernel runs where: wgmma and `setmaxnreg` exist only for the
+//! `sm_90a` target, so [`HopperTarget::of`] accepts a GPU handle whose kernels
+//! are compiled for `sm_90a` (a compute capability 9.0 device opened with
+//! `CompileOptions { arch: Some("sm_90a".into()), .. }`), and the emulator
+//! when [`EMU_ARCH_ENV`]` = sm_90a`; everything else runs the `mma.sync`
+//! kernels of [`super::gemm`] (Ampere and later), as do the problems
+//! [`unsupported`] names: f32 inputs (wgmma here takes 16-bit operands), and
+//! operands a tensor map cannot describe (A or B not 16-byte aligned, their
+//! leading dimensions or batch strides not multiples of 8 elements).
+//! Kernel names: `tpar_gemm_hopper_<layout>_<in>_<out>` (layout `nn`, `nt`,
+//! `tn`, `tt`, first letter A, `t` = stored transposed).
+
+use bytemuck::{Pod, Zeroable};
+
+use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
+use super::super::{launch, CudaDType, DevPtr, GpuDevice, LaunchConfig, Launcher, MemorySpace};
+use super::bad;
+use super::gemm::GemmProblem;
+use crate::Result;
+
+const OP: &str = "cuda gemm (hopper)";
+
+/// Environment variable naming the architecture the CPU emulator stands in
+/// for when kernels are chosen by device: `sm_90a` makes [`HopperTarget::of`]
+/// accept the emulator, so [`gemm_if_supported`] runs the Hopper kernel there.
+pub const EMU_ARCH_ENV: &str = "TPAR_EMU_ARCH";
+
+/// Rows and columns of C per tile.
+pub const TILE: (usize, usize) = (128, 128);
+
+/// Threads per block: a producer and two consumer warpgroups.
+pub const THREADS: u32 = 384;
+
+/// Dynamic shared memory per block: 4 stages of a 128 x 64 A tile and a
+/// 64 x 128 B tile (16-bit), two 64 x 128 f32 staging tiles for the epilogue,
+/// the mbarriers and 1024 bytes to align the 128-byte swizzle's pattern.
+pub const SHARED_BYTES: u32 = 4 * 2 * 128 * 64 * 2 + 2 * 64 * 128 * 4 + 12 * 8 + 1024;
+
+/// Tile rows per group of the persistent tile order (blocks running together
+/// share rows of A and columns of B).
+const GROUP: i32 = 8;
+
+/// Epilogue bits of [`GemmHopperArgs::epilogue`].
+const EPI_BIAS: i32 = 1;
+const EPI_RESIDUAL: i32 = 2;
+const EPI_SILU_MUL: i32 = 4;
+
+/// The argument struct of every `tpar_gemm_hopper_*` kernel
+/// (`GemmHopperArgs` in `gemm_hopper.cu`).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct GemmHopperArgs {
+    /// A as stored: dims (inner, rows, batch), 128-byte swizzle.
+    pub map_a: TensorMap,
+    /// B as stored: dims (inner, rows, batch), 128-byte swizzle.
+    pub map_b: TensorMap,
+    /// C: dims (n, m, batch), box 128 x 64 (when `c_tma`).
+    pub map_c: TensorMap,
+    /// C, batch 0.
+    pub c: DevPtr,
+    /// The bias (n elements of C's type), or 0.
+    pub bias: DevPtr,
+    /// The residual or gate matrix (C's type), or 0.
+    pub aux: DevPtr,
+    /// Elements between consecutive batches of C.
+    pub batch_stride_c: i64,
+    /// Elements between consecutive batches of `aux`.
+    pub batch_stride_aux: i64,
+    /// Rows of C.
+    pub m: i32,
+    /// Columns of C.
+    pub n: i32,
+    /// The contracted dimension.
+    pub k: i32,
+    /// Row stride of C.
+    pub ldc: i32,
+    /// Row stride of `aux`.
+    pub ld_aux: i32,
+    /// Batches.
+    pub batch: i32,
+    /// 1: one A for every batch.
+    pub bcast_a: i32,
+    /// 1: one B for every batch.
+    pub bcast_b: i32,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of the old C (0: C is not read).
+    pub beta: f32,
+    /// Epilogue bits: 1 bias, 2 residual, 4 SiLU(aux) * v.
+    pub epilogue: i32,
+    /// 1: C is written by bulk tensor stores through `map_c`.
+    pub c_tma: i32,
+    /// Tile rows per group of the tile order.
+    pub group: i32,
+    /// Padding (0) to a multiple of 64 bytes.
+    pub pad: [i32; 9],
+}
+
+/// What a matrix [`AuxInput`] is combined with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuxOp {
+    /// `v + aux` (a residual connection).
+    Residual,
+    /// `silu(aux) * v`: with aux the gate projection `x W_gate^T` and this
+    /// GEMM the up projection `x W_up^T`, C is SwiGLU's hidden activation
+    /// `silu(gate) * up` (the backward pass needs gate and up themselves,
+    /// which the caller keeps).
+    SiluMul,
+}
+
+/// A second matrix of C's shape and element type read by the epilogue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuxInput {
+    /// Batch 0 of the matrix (device address).
+    pub ptr: DevPtr,
+    /// Row stride in elements (`n` or more).
+    pub ld: usize,
+    /// Elements between consecutive batches (any value for one batch).
+    pub batch_stride: usize,
+    /// How it is combined.
+    pub op: AuxOp,
+}
+
+/// The fused steps after `v = alpha * op(A) op(B) + beta * C`, in this
+/// order: `v += bias[col]`, then the [`AuxInput`], then the cast to C's type.
+/// The default is none (a plain GEMM).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Epilogue {
+    /// A per-column bias: `n` elements of C's type (device address).
+    pub bias: Option<DevPtr>,
+    /// A residual or gate matrix.
+    pub aux: Option<AuxInput>,
+}
+
+/// Where the Hopper kernel runs: how many blocks a persistent launch
+/// starts, and how its tensor maps are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperTarget {
+    /// Streaming multiprocessors (blocks of the persistent grid, at most).
+    pub sms: u32,
+    /// Tensor maps in the CPU emulator's encoding (else the driver's).
+    pub emulated: bool,
+}
+
+impl HopperTarget {
+    /// The CPU emulator standing in for a GPU of `sms` SMs.
+    pub fn emulator(sms: u32) -> Self {
+        HopperTarget { sms: sms.max(1), emulated: true }
+    }
+
+    /// The target of `dev` when it runs `sm_90a` kernels: a GPU handle
+    /// compiling for `sm_90a`, or the emulator when [`EMU_ARCH_ENV`] says
+    /// `sm_90a` (then standing in for an H100's 132 SMs); `None` otherwise.
+    pub fn of(dev: &dyn GpuDevice) -> Option<HopperTarget> {
+        match dev.memory_space() {
+            MemorySpace::Host => {
+                let arch = std::env::var(EMU_ARCH_ENV).ok()?;
+                (arch.trim() == "sm_90a").then(|| HopperTarget::emulator(132))
+            }
+            MemorySpace::Cuda { ordinal, .. } => {
+                if described_arch(&dev.describe()) != Some("sm_90a") {
+                    return None;
+                }
+                Some(HopperTarget { sms: gpu_sm_count(ordinal)?, emulated: false })
+            }
+        }
+    }
+}
+
+/// The architecture in a GPU handle's description (`"cuda:0 (sm_90a, NVIDIA
+/// H200)"`, as `device/launch.rs` writes it).
+fn described_arch(describe: &str) -> Option<&str> {
+    let inner = describe.split_once('(')?.1;
+    let arch = inner.split([',', ')']).next()?.trim();
+    arch.starts_with("sm_").then_some(arch)
+}
+
+/// The SM count of GPU `ordinal` (the driver is loaded: the device exists).
+fn gpu_sm_count(ordinal: usize) -> Option<u32> {
+    use cudarc::driver::{result, sys};
+    let dev = result::device::get(i32::try_from(ordinal).ok()?).ok()?;
+    // SAFETY: `dev` is a valid device handle; the call writes one integer.
+    let n = unsafe {
+        result::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+    }
+    .ok()?;
+    u32::try_from(n).ok().filter(|&n| n > 0)
+}
+
+/// A resolved launch: kernel, grid and argument struct.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HopperLaunch {
+    /// Kernel name (`tpar_gemm_hopper_nt_bf16_f32`, ...).
+    pub kernel: String,
+    /// Persistent grid (min(tiles, SMs) blocks of 384 threads) and shared memory.
+    pub cfg: LaunchConfig,
+    /// The argument struct.
+    pub args: GemmHopperArgs,
+}
+
+/// Why the Hopper kernel does not take `p` with operands at `a` and `b`
+/// (`None`: it does). C may have any alignment (unaligned rows are written
+/// without bulk stores).
+pub fn unsupported(p: &GemmProblem, a: DevPtr, b: DevPtr) -> Option<String> {
+    let s = &p.shape;
+    if p.dtype_in.size() != 2 {
+        return Some(format!("{:?} inputs (wgmma takes bf16 or f16 here)", p.dtype_in));
+    }
+    if !a.is_multiple_of(16) || !b.is_multiple_of(16) {
+        return Some(format!("A {a:#x} or B {b:#x} is not 16-byte aligned (a tensor map's base)"));
+    }
+    if !p.lda.is_multiple_of(8) || !p.ldb.is_multiple_of(8) {
+        return Some(format!(
+            "lda {} or ldb {} is not a multiple of 8 elements (a tensor map's row pitch is a \
+             multiple of 16 bytes)",
+            p.lda, p.ldb
+        ));
+    }
+    if s.batch > 1 && (!s.a_batch_stride.is_multiple_of(8) || !s.b_batch_stride.is_multiple_of(8)) {
+        return Some(format!(
+            "batch strides {} / {} are not multiples of 8 elements",
+            s.a_batch_stride, s.b_batch_stride
+        ));
+    }
+    None
+}
+
+/// Whether `dev` runs the Hopper kernel ([`HopperTarget::of`]) and it takes
+/// `p` ([`unsupported`]).
+pub fn supports(dev: &dyn GpuDevice, p: &GemmProblem, a: DevPtr, b: DevPtr) -> bool {
+    HopperTarget::of(dev).is_some() && unsupported(p, a, b).is_none()
+}
+
+fn map_dtype(dt: CudaDType) -> TensorMapDType {
+    match dt {
+        CudaDType::BF16 => TensorMapDType::BF16,
+        CudaDType::F16 => TensorMapDType::F16,
+        CudaDType::F32 => TensorMapDType::F32,
+    }
+}
+
+/// One operand's 3-D tensor map: `cols` contiguous elements per row, `rows`
+/// rows `ld` apart, batches `stride` apart (one batch when `stride` is 0 or
+/// there is one).
+#[allow(clippy::too_many_arguments)]
+fn operand_map(
+    target: HopperTarget,
+    dt: CudaDType,
+    ptr: DevPtr,
+    (cols, rows, ld): (usize, usize, usize),
+    (batch, stride): (usize, usize),
+    box_dims: [u32; 3],
+    swizzle: TensorMapSwizzle,
+) -> Result<TensorMap> {
+    let es = dt.size() as u64;
+    let (nb, bstride) = if batch > 1 && stride > 0 {
+        (batch as u64, stride as u64 * es)
+    } else {
+        // one batch: any valid stride (a multiple of 16 bytes past the matrix)
+        (1, (rows as u64 * ld as u64 * es).div_ceil(16).max(1) * 16)
+    };
+    let desc = TiledDesc {
+        dtype: map_dtype(dt),
+        global: ptr,
+        dims: &[cols as u64, rows as u64, nb],
+        strides: &[ld as u64 * es, bstride],
+        box_dims: &box_dims,
+        swizzle,
+    };
+    if target.emulated {
+        TensorMap::encode_tiled_emulated(&desc)
+    } else {
+        TensorMap::encode_tiled_driver(&desc)
+    }
+}
+
+/// Checks `p` for the Hopper kernel: the checks of [`GemmProblem::validate`]
+/// with any output type for 16-bit inputs, and [`unsupported`].
+fn validate(p: &GemmProblem, a: DevPtr, b: DevPtr) -> Result<()> {
+    if let Some(why) = unsupported(p, a, b) {
+        return Err(bad(OP, format!("the Hopper kernel does not take this problem: {why}")));
+    }
+    // the shared checks, with the output type the mma.sync kernels pair with the input
+    let mut q = *p;
+    q.dtype_out = p.dtype_in;
+    q.validate()
+}
+
+fn fit_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| bad(OP, format!("{what} = {v} does not fit i32")))
+}
+
+fn fit_i64(what: &str, v: usize) -> Result<i64> {
+    i64::try_from(v).map_err(|_| bad(OP, format!("{what} = {v} does not fit i64")))
+}
+
+/// Validates `p`, the epilogue and the addresses and resolves the launch on
+/// `target`: the kernel, a persistent grid of min(tiles, SMs) blocks, and the
+/// argument struct with the tensor maps of A, B and (when C's address, row
+/// pitch and batch stride are 16-byte multiples) C.
+pub fn plan(
+    p: &GemmProblem,
+    epi: &Epilogue,
+    target: HopperTarget,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<HopperLaunch> {
+    validate(p, a, b)?;
+    let s = &p.shape;
+    let osz = p.dtype_out.size();
+    if c == 0 || !c.is_multiple_of(osz as u64) {
+        return Err(bad(OP, format!("C address {c:#x} is null or not aligned to {osz} bytes")));
+    }
+    let mut flags = 0;
+    let (mut aux, mut ld_aux, mut aux_stride) = (0, 0, 0);
+    if let Some(bias) = epi.bias {
+        if bias == 0 || !bias.is_multiple_of(osz as u64) {
+            return Err(bad(OP, format!("bias address {bias:#x} is null or misaligned")));
+        }
+        flags |= EPI_BIAS;
+    }
+    if let Some(x) = epi.aux {
+        if x.ptr == 0 || !x.ptr.is_multiple_of(osz as u64) {
+            return Err(bad(
+                OP,
+                format!("epilogue matrix address {:#x} is null or misaligned", x.ptr),
+            ));
+        }
+        if x.ld < s.n {
+            return Err(bad(OP, format!("epilogue matrix ld {} is less than n = {}", x.ld, s.n)));
+        }
+        flags |= match x.op {
+            AuxOp::Residual => EPI_RESIDUAL,
+            AuxOp::SiluMul => EPI_SILU_MUL,
+        };
+        (aux, ld_aux, aux_stride) = (x.ptr, x.ld, if s.batch > 1 { x.batch_stride } else { 0 });
+    }
+    let (bm, bn) = TILE;
+    let tiles = s.m.div_ceil(bm).saturating_mul(s.n.div_ceil(bn)).saturating_mul(s.batch);
+    if tiles > i32::MAX as usize {
+        return Err(bad(OP, format!("{} x {} x batch {} has too many tiles", s.m, s.n, s.batch)));
+    }
+    let (ta, tb) = (s.trans_a, s.trans_b);
+    let sw = TensorMapSwizzle::B128;
+    // A [m, k] / B [n, k] (K-major): one 64 x 128 box; A [k, m] / B [k, n]: two 64 x 64
+    let map_a = if ta {
+        operand_map(
+            target,
+            p.dtype_in,
+            a,
+            (s.m, s.k, p.lda),
+            (s.batch, s.a_batch_stride),
+            [64, 64, 1],
+            sw,
+        )?
+    } else {
+        operand_map(
+            target,
+            p.dtype_in,
+            a,
+            (s.k, s.m, p.lda),
+            (s.batch, s.a_batch_stride),
+            [64, 128, 1],
+            sw,
+        )?
+    };
+    let map_b = if tb {
+        operand_map(
+            target,
+            p.dtype_in,
+            b,
+            (s.k, s.n, p.ldb),
+            (s.batch, s.b_batch_stride),
+            [64, 128, 1],
+            sw,
+        )?
+    } else {
+        operand_map(
+            target,
+            p.dtype_in,
+            b,
+            (s.n, s.k, p.ldb),
+            (s.batch, s.b_batch_stride),
+            [64, 64, 1],
+            sw,
+        )?
+    };
+    let c_tma = c.is_multiple_of(16)
+        && (p.ldc * osz).is_multiple_of(16)
+        && (s.batch == 1 || (p.c_batch_stride * osz).is_multiple_of(16));
+    let map_c = if c_tma {
+        operand_map(
+            target,
+            p.dtype_out,
+            c,
+            (s.n, s.m, p.ldc),
+            (s.batch, p.c_batch_stride),
+            [128, 64, 1],
+            TensorMapSwizzle::None,
+        )?
+    } else {
+        TensorMap::zeroed()
+    };
+    let layout = match (ta, tb) {
+        (false, false) => "nn",
+        (false, true) => "nt",
+        (true, false) => "tn",
+        (true, true) => "tt",
+    };
+    let kernel =
+        format!("tpar_gemm_hopper_{layout}_{}_{}", p.dtype_in.suffix(), p.dtype_out.suffix());
+    let blocks = tiles.min(target.sms.max(1) as usize) as u32;
+    let cfg = LaunchConfig::linear(blocks, THREADS).with_shared(SHARED_BYTES);
+    let args = GemmHopperArgs {
+        map_a,
+        map_b,
+        map_c,
+        c,
+        bias: epi.bias.unwrap_or(0),
+        aux,
+        batch_stride_c: fit_i64("C batch stride", p.c_batch_stride)?,
+        batch_stride_aux: fit_i64("epilogue matrix batch stride", aux_stride)?,
+        m: fit_i32("m", s.m)?,
+        n: fit_i32("n", s.n)?,
+        k: fit_i32("k", s.k)?,
+        ldc: fit_i32("ldc", p.ldc)?,
+        ld_aux: fit_i32("epilogue matrix ld", ld_aux)?,
+        batch: fit_i32("batch", s.batch)?,
+        bcast_a: i32::from(s.batch == 1 || s.a_batch_stride == 0),
+        bcast_b: i32::from(s.batch == 1 || s.b_batch_stride == 0),
+        alpha: p.alpha,
+        beta: p.beta,
+        epilogue: flags,
+        c_tma: i32::from(c_tma),
+        group: GROUP,
+        pad: [0; 9],
+    };
+    Ok(HopperLaunch { kernel, cfg, args })
+}
+
+/// Runs `p` with epilogue `epi` on `l` (a device of `target`).
+///
+/// # Safety
+/// `a`, `b` and `c` (and the epilogue's bias and matrix) must be device
+/// addresses (host addresses in the emulator) of buffers covering every
+/// element the problem's sizes, leading dimensions and batch strides reach,
+/// A and B in `p.dtype_in`, C, bias and matrix in `p.dtype_out`; C must not
+/// overlap A, B, the bias or the matrix.
+pub unsafe fn gemm(
+    l: &dyn Launcher,
+    target: HopperTarget,
+    p: &GemmProblem,
+    epi: &Epilogue,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<()> {
+    let plan = plan(p, epi, target, a, b, c)?;
+    // SAFETY: the caller guarantees the buffers; `plan` checked the sizes fit
+    // the argument struct, which mirrors the kernel's.
+    unsafe { launch(l, &plan.kernel, plan.cfg, &plan.args) }
+}
+
+/// Runs `p` (no epilogue) on `dev` with the Hopper kernel when `dev` runs
+/// it and it takes the problem ([`supports`]); `Ok(false)` otherwise, and
+/// the caller runs the `mma.sync` kernel of [`super::gemm`].
+///
+/// # Safety
+/// As [`gemm()`].
+pub unsafe fn gemm_if_supported(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<bool> {
+    let Some(target) = HopperTarget::of(dev) else { return Ok(false) };
+    if unsupported(p, a, b).is_some() {
+        return Ok(false);
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { gemm(dev, target, p, &Epilogue::default(), a, b, c)? };
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::GemmShape;
+
+    #[test]
+    fn args_layout_matches_the_kernel() {
+        assert_eq!(std::mem::size_of::<GemmHopperArgs>(), 512);
+        assert_eq!(std::mem::align_of::<GemmHopperArgs>(), 64);
+    }
+
+    #[test]
+    fn the_arch_is_read_from_a_gpu_description() {
+        assert_eq!(described_arch("cuda:0 (sm_90a, NVIDIA H200)"), Some("sm_90a"));
+        assert_eq!(described_arch("cuda:1 (sm_90, NVIDIA H100)"), Some("sm_90"));
+        assert_eq!(described_arch("cuda:0 (CPU emulator)"), None);
+    }
+
+    #[test]
+    fn plans_name_kernels_grids_and_refusals() {
+        let shape = GemmShape::new(2, 300, 200, 72);
+        let p = GemmProblem::new(shape, CudaDType::BF16, CudaDType::F32);
+        let t = HopperTarget::emulator(4);
+        let l = plan(&p, &Epilogue::default(), t, 4096, 8192, 16384).unwrap();
+        assert_eq!(l.kernel, "tpar_gemm_hopper_nn_bf16_f32");
+        // 3 x 2 tiles x 2 batches on 4 blocks
+        assert_eq!(l.cfg.grid, [4, 1, 1]);
+        assert_eq!(l.cfg.block, [384, 1, 1]);
+        assert_eq!(l.args.c_tma, 1);
+        assert_eq!(l.args.bcast_a, 0);
+        // f32 inputs, unaligned operands and odd leading dims are refused
+        let f = GemmProblem::new(shape, CudaDType::F32, CudaDType::F32);
+        assert!(unsupported(&f, 4096, 8192).is_some());
+        assert!(unsupported(&p, 4098, 8192).is_some());
+        let odd = GemmProblem::new(GemmShape::new(1, 8, 8, 37), CudaDType::F16, CudaDType::F16);
+        assert!(unsupported(&odd, 4096, 8192).unwrap().contains("lda 37"));
+        assert!(plan(&odd, &Epilogue::default(), t, 4096, 8192, 16384).is_err());
+        // a cross output type is taken; C with odd rows is stored without TMA
+        let x = GemmProblem::new(GemmShape::new(1, 8, 9, 16), CudaDType::F16, CudaDType::BF16);
+        let l = plan(&x, &Epilogue::default(), t, 4096, 8192, 16384).unwrap();
+        assert_eq!((l.kernel.as_str(), l.args.c_tma), ("tpar_gemm_hopper_nn_f16_bf16", 0));
+        let bad_aux = Epilogue {
+            bias: None,
+            aux: Some(AuxInput { ptr: 64, ld: 4, batch_stride: 0, op: AuxOp::Residual }),
+        };
+        assert!(plan(&x, &bad_aux, t, 4096, 8192, 16384).unwrap_err().to_string().contains("ld 4"));
+    }
+}

@@ -1,0 +1,505 @@
+//! The Hopper GEMM (`cuda/gemm_hopper.cu`: TMA, mbarriers, wgmma, warp
+//! specialization), run in the CPU emulator, against an f64 reference of the
+//! rounded inputs: every layout, input and output type, alpha / beta,
+//! batches, edges, the persistent tile walk and the fused epilogues (against
+//! the unfused computation).
+
+use half::{bf16, f16};
+use tpar_kernels::cuda::emu::{EmulatedGpu, Emulator};
+use tpar_kernels::cuda::raw::gemm::GemmProblem;
+use tpar_kernels::cuda::raw::gemm_hopper::{
+    self, plan, AuxInput, AuxOp, Epilogue, HopperTarget, EMU_ARCH_ENV,
+};
+use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
+use tpar_kernels::cuda::{launch, CudaDType, DevPtr};
+use tpar_kernels::gemm::GemmShape;
+
+use CudaDType::{BF16, F16, F32};
+
+fn emu() -> &'static Emulator {
+    Emulator::get().expect("the CPU emulator builds")
+}
+
+/// A device buffer in host memory: 16-byte aligned, or `shift` bytes past that.
+struct Buf {
+    words: Vec<u64>,
+    off: usize,
+    dt: CudaDType,
+    len: usize,
+}
+
+impl Buf {
+    fn new(dt: CudaDType, len: usize, shift: usize) -> Self {
+        let words = vec![0u64; (len * dt.size()).div_ceil(8) + 4];
+        let addr = words.as_ptr() as usize;
+        let off = (16 - addr % 16) % 16 + shift;
+        Buf { words, off, dt, len }
+    }
+
+    fn ptr(&self) -> DevPtr {
+        self.words.as_ptr() as DevPtr + self.off as DevPtr
+    }
+
+    fn mut_ptr(&mut self) -> DevPtr {
+        self.words.as_mut_ptr() as DevPtr + self.off as DevPtr
+    }
+
+    fn get(&self, i: usize) -> f64 {
+        assert!(i < self.len);
+        // SAFETY: in bounds of `words` (room for `off` + `len` elements).
+        unsafe {
+            let p = (self.words.as_ptr() as *const u8).add(self.off + i * self.dt.size());
+            match self.dt {
+                BF16 => bf16::from_bits((p as *const u16).read_unaligned()).to_f64(),
+                F16 => f16::from_bits((p as *const u16).read_unaligned()).to_f64(),
+                F32 => (p as *const f32).read_unaligned() as f64,
+            }
+        }
+    }
+
+    fn set(&mut self, i: usize, v: f64) {
+        assert!(i < self.len);
+        // SAFETY: as in `get`.
+        unsafe {
+            let p = (self.words.as_mut_ptr() as *mut u8).add(self.off + i * self.dt.size());
+            match self.dt {
+                BF16 => (p as *mut u16).write_unaligned(bf16::from_f64(v).to_bits()),
+                F16 => (p as *mut u16).write_unaligned(f16::from_f64(v).to_bits()),
+                F32 => (p as *mut f32).write_unaligned(v as f32),
+            }
+        }
+    }
+
+    /// Values k/16 for k in -16..16 (exact in every type), from `seed`.
+    fn fill(&mut self, seed: u64) {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for i in 0..self.len {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            self.set(i, ((s >> 40) % 32) as f64 / 16.0 - 1.0);
+        }
+    }
+}
+
+/// One product: shapes, layouts (A stored `[k, m]` when `ta`, B `[n, k]`
+/// when `tb`), types, scales, batch strides and the epilogue.
+#[derive(Clone, Debug)]
+struct Case {
+    din: CudaDType,
+    dout: CudaDType,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+    alpha: f32,
+    beta: f32,
+    /// Extra elements of C's row pitch past `n` (odd: rows not 16-byte aligned).
+    ldc_pad: usize,
+    /// Bytes C starts past a 16-byte boundary.
+    c_shift: usize,
+    /// One B for every batch (batch stride 0).
+    bcast_b: bool,
+    bias: bool,
+    aux: Option<AuxOp>,
+    /// Blocks of the persistent grid.
+    sms: u32,
+}
+
+impl Case {
+    fn new(din: CudaDType, dout: CudaDType, (m, n, k): (usize, usize, usize)) -> Self {
+        Case {
+            din,
+            dout,
+            batch: 1,
+            m,
+            n,
+            k,
+            ta: false,
+            tb: false,
+            alpha: 1.0,
+            beta: 0.0,
+            ldc_pad: 0,
+            c_shift: 0,
+            bcast_b: false,
+            bias: false,
+            aux: None,
+            sms: 4,
+        }
+    }
+
+    fn layout(mut self, ta: bool, tb: bool) -> Self {
+        (self.ta, self.tb) = (ta, tb);
+        self
+    }
+}
+
+/// Row pitch: the row length rounded up to 8 elements, plus 8 (so the kernel
+/// must honour the leading dimension).
+fn pitch(cols: usize) -> usize {
+    cols.div_ceil(8) * 8 + 8
+}
+
+/// Everything one case allocates, and the f64 reference.
+struct Run {
+    c: Buf,
+    want: Vec<f64>,
+    /// C before the launch (what `beta` scales).
+    p: GemmProblem,
+    epi: Epilogue,
+    a: Buf,
+    b: Buf,
+    bias: Buf,
+    aux: Buf,
+    ldc: usize,
+    sc: usize,
+}
+
+fn prepare(cs: &Case) -> Run {
+    let (m, n, k, batch) = (cs.m, cs.n, cs.k, cs.batch);
+    let (ar, ac) = if cs.ta { (k, m) } else { (m, k) };
+    let (br, bc) = if cs.tb { (n, k) } else { (k, n) };
+    let (lda, ldb) = (pitch(ac), pitch(bc));
+    let ldc = n + cs.ldc_pad;
+    let (sa, sb, sc) = (ar * lda + 8, if cs.bcast_b { 0 } else { br * ldb + 16 }, m * ldc + 3);
+    let mut a = Buf::new(cs.din, (batch - 1) * sa + ar * lda, 0);
+    let mut b = Buf::new(cs.din, (batch - 1) * sb + br * ldb, 0);
+    let mut c = Buf::new(cs.dout, (batch - 1) * sc + m * ldc, cs.c_shift);
+    let mut bias = Buf::new(cs.dout, n, 0);
+    let mut aux = Buf::new(cs.dout, (batch - 1) * sc + m * ldc, 0);
+    a.fill(1 + m as u64);
+    b.fill(2 + n as u64);
+    c.fill(3 + k as u64);
+    bias.fill(4);
+    aux.fill(5);
+    let mut want = vec![0.0; c.len];
+    for bi in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0;
+                for kk in 0..k {
+                    let av = if cs.ta {
+                        a.get(bi * sa + kk * lda + i)
+                    } else {
+                        a.get(bi * sa + i * lda + kk)
+                    };
+                    let bv = if cs.tb {
+                        b.get(bi * sb + j * ldb + kk)
+                    } else {
+                        b.get(bi * sb + kk * ldb + j)
+                    };
+                    acc += av * bv;
+                }
+                let ci = bi * sc + i * ldc + j;
+                let mut v = cs.alpha as f64 * acc + cs.beta as f64 * c.get(ci);
+                if cs.bias {
+                    v += bias.get(j);
+                }
+                match cs.aux {
+                    Some(AuxOp::Residual) => v += aux.get(ci),
+                    Some(AuxOp::SiluMul) => {
+                        let g = aux.get(ci);
+                        v *= g / (1.0 + (-g).exp());
+                    }
+                    None => {}
+                }
+                want[ci] = v;
+            }
+        }
+    }
+    let mut shape = GemmShape::new(batch, m, n, k);
+    (shape.trans_a, shape.trans_b, shape.a_batch_stride, shape.b_batch_stride) =
+        (cs.ta, cs.tb, sa, sb);
+    let p = GemmProblem::new(shape, cs.din, cs.dout)
+        .with_leading_dims(lda, ldb, ldc)
+        .with_c_batch_stride(sc)
+        .with_scale(cs.alpha, cs.beta);
+    let epi = Epilogue {
+        bias: cs.bias.then(|| bias.ptr()),
+        aux: cs.aux.map(|op| AuxInput { ptr: aux.ptr(), ld: ldc, batch_stride: sc, op }),
+    };
+    Run { c, want, p, epi, a, b, bias, aux, ldc, sc }
+}
+
+/// The largest |got - want| over the tolerance of C's type, at the element
+/// where it is largest (> 1 fails); elements outside the batches' m x n
+/// windows must keep their values.
+fn worst(cs: &Case, r: &Run, before: &[f64]) -> (f64, String) {
+    let eps = match cs.dout {
+        BF16 => 1.0 / 256.0,
+        F16 => 1.0 / 1024.0,
+        F32 => 1e-6,
+    };
+    let mut worst = (0.0f64, String::new());
+    for i in 0..r.c.len {
+        let (bi, rem) = (i / r.sc, i % r.sc);
+        let (row, col) = (rem / r.ldc, rem % r.ldc);
+        let inside = bi < cs.batch && row < cs.m && col < cs.n;
+        let (got, want) = (r.c.get(i), if inside { r.want[i] } else { before[i] });
+        let tol = if inside { eps * want.abs() + 1e-5 * (1.0 + want.abs()) } else { 0.0 };
+        let err = if got.is_nan() { f64::INFINITY } else { (got - want).abs() / tol.max(1e-300) };
+        let err = if !inside && got.to_bits() == want.to_bits() { 0.0 } else { err };
+        if err > worst.0 {
+            worst = (err, format!("C[{bi}][{row}][{col}] = {got}, want {want}"));
+        }
+    }
+    worst
+}
+
+fn run(cs: &Case) {
+    let mut r = prepare(cs);
+    let before: Vec<f64> = (0..r.c.len).map(|i| r.c.get(i)).collect();
+    let cp = r.c.mut_ptr();
+    // SAFETY: the buffers cover every element the problem reaches (built from
+    // the same sizes and strides) and stay alive across the launch.
+    unsafe {
+        gemm_hopper::gemm(
+            emu(),
+            HopperTarget::emulator(cs.sms),
+            &r.p,
+            &r.epi,
+            r.a.ptr(),
+            r.b.ptr(),
+            cp,
+        )
+    }
+    .unwrap_or_else(|e| panic!("{cs:?}: {e}"));
+    let (err, at) = worst(cs, &r, &before);
+    assert!(err <= 1.0, "{cs:?}: {at} ({err:.1} x the tolerance)");
+    let _ = (&r.bias, &r.aux);
+}
+
+const LAYOUTS: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
+
+#[test]
+fn every_layout_input_and_output_type() {
+    for (ta, tb) in LAYOUTS {
+        for din in [BF16, F16] {
+            for dout in [BF16, F16, F32] {
+                run(&Case::new(din, dout, (70, 136, 72)).layout(ta, tb));
+            }
+        }
+    }
+}
+
+#[test]
+fn alpha_beta_batches_and_a_broadcast_operand() {
+    for (ta, tb) in LAYOUTS {
+        for (din, dout) in [(BF16, F32), (F16, F16)] {
+            let cs =
+                Case { batch: 2, alpha: 0.5, beta: -1.25, ..Case::new(din, dout, (130, 72, 40)) };
+            run(&cs.clone().layout(ta, tb));
+            run(&Case { bcast_b: true, ..cs }.layout(ta, tb));
+        }
+    }
+}
+
+#[test]
+fn edges_in_m_n_and_k() {
+    for (m, n, k) in
+        [(1, 1, 8), (1, 130, 72), (130, 1, 200), (129, 257, 136), (64, 64, 16), (200, 130, 64)]
+    {
+        for (ta, tb) in LAYOUTS {
+            run(&Case::new(BF16, BF16, (m, n, k)).layout(ta, tb));
+        }
+    }
+}
+
+#[test]
+fn one_block_walks_every_tile_of_every_batch() {
+    // 3 x 3 tiles x 2 batches on one block, then on two and five: the ring's
+    // phases carry over from tile to tile
+    for sms in [1, 2, 5] {
+        for (ta, tb) in [(false, true), (true, false)] {
+            let cs = Case { batch: 2, sms, beta: 1.0, ..Case::new(F16, F32, (300, 260, 136)) };
+            run(&cs.layout(ta, tb));
+        }
+    }
+}
+
+#[test]
+fn c_rows_not_16_byte_aligned_use_guarded_stores() {
+    for (dout, pad, shift) in [(BF16, 1, 0), (F16, 3, 2), (F32, 1, 4), (BF16, 0, 2)] {
+        for (ta, tb) in LAYOUTS {
+            let cs = Case {
+                batch: 2,
+                beta: 0.75,
+                ldc_pad: pad,
+                c_shift: shift,
+                ..Case::new(BF16, dout, (70, 9, 24))
+            };
+            run(&cs.layout(ta, tb));
+            let cs = Case {
+                batch: 1,
+                ldc_pad: pad,
+                c_shift: shift,
+                ..Case::new(F16, dout, (33, 130, 80))
+            };
+            run(&cs.layout(ta, tb));
+        }
+    }
+}
+
+/// The fused epilogue equals the unfused computation: the plain GEMM's C
+/// (rounded to its type), then bias, residual or SiLU(gate) * C on the host.
+#[test]
+fn epilogues_equal_the_unfused_ops() {
+    for (bias, aux) in [
+        (true, None),
+        (false, Some(AuxOp::Residual)),
+        (true, Some(AuxOp::Residual)),
+        (false, Some(AuxOp::SiluMul)),
+        (true, Some(AuxOp::SiluMul)),
+    ] {
+        for (din, dout) in [(BF16, BF16), (F16, F32)] {
+            for (ta, tb) in [(false, true), (true, false)] {
+                let cs =
+                    Case { batch: 2, bias, aux, alpha: 0.5, ..Case::new(din, dout, (70, 136, 72)) }
+                        .layout(ta, tb);
+                run(&cs);
+                // unfused: the plain GEMM into C, then the ops in f64
+                let plain = Case { bias: false, aux: None, ..cs.clone() };
+                let mut r = prepare(&plain);
+                let fused = prepare(&cs);
+                let cp = r.c.mut_ptr();
+                // SAFETY: as in `run`.
+                unsafe {
+                    gemm_hopper::gemm(
+                        emu(),
+                        HopperTarget::emulator(3),
+                        &r.p,
+                        &r.epi,
+                        r.a.ptr(),
+                        r.b.ptr(),
+                        cp,
+                    )
+                }
+                .unwrap();
+                for bi in 0..cs.batch {
+                    for i in 0..cs.m {
+                        for j in 0..cs.n {
+                            let ci = bi * r.sc + i * r.ldc + j;
+                            let mut v = r.c.get(ci);
+                            if bias {
+                                v += r.bias.get(j);
+                            }
+                            match aux {
+                                Some(AuxOp::Residual) => v += r.aux.get(ci),
+                                Some(AuxOp::SiluMul) => {
+                                    let g = r.aux.get(ci);
+                                    v *= g / (1.0 + (-g).exp());
+                                }
+                                None => {}
+                            }
+                            let tol = 2.0 / 256.0 * v.abs().max(1.0);
+                            assert!(
+                                (v - fused.want[ci]).abs() <= tol,
+                                "{cs:?}: unfused {v} vs fused reference {} at [{bi}][{i}][{j}]",
+                                fused.want[ci]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A wrong shared-memory layout is caught: the same launch with A's tensor
+/// map encoded without the 128-byte swizzle the wgmma descriptors assume
+/// gives wrong products.
+#[test]
+fn a_map_without_the_swizzle_gives_wrong_results() {
+    let cs = Case::new(BF16, F32, (128, 128, 64)).layout(false, true);
+    let mut r = prepare(&cs);
+    let before: Vec<f64> = (0..r.c.len).map(|i| r.c.get(i)).collect();
+    let cp = r.c.mut_ptr();
+    let mut l = plan(&r.p, &r.epi, HopperTarget::emulator(1), r.a.ptr(), r.b.ptr(), cp).unwrap();
+    let lda = r.p.lda as u64;
+    l.args.map_a = TensorMap::encode_tiled_emulated(&TiledDesc {
+        dtype: TensorMapDType::BF16,
+        global: r.a.ptr(),
+        dims: &[64, 128, 1],
+        strides: &[lda * 2, lda * 2 * 128],
+        box_dims: &[64, 128, 1],
+        swizzle: TensorMapSwizzle::None,
+    })
+    .unwrap();
+    // SAFETY: as in `run`.
+    unsafe { launch(emu(), &l.kernel, l.cfg, &l.args) }.unwrap();
+    let (err, _) = worst(&cs, &r, &before);
+    assert!(err > 1.0, "an unswizzled A tile went unnoticed");
+}
+
+#[test]
+fn bad_problems_are_refused_with_reasons() {
+    let mut p = GemmProblem::new(GemmShape::new(1, 8, 8, 12), BF16, F32);
+    let t = HopperTarget::emulator(2);
+    let e = plan(&p, &Epilogue::default(), t, 4096, 8192, 16384).unwrap_err().to_string();
+    assert!(e.contains("lda 12"), "{e}");
+    p = p.with_leading_dims(16, 8, 8);
+    let e = plan(&p, &Epilogue::default(), t, 4100, 8192, 16384).unwrap_err().to_string();
+    assert!(e.contains("16-byte aligned"), "{e}");
+    let f = GemmProblem::new(GemmShape::new(1, 8, 8, 8), F32, F32);
+    let e = plan(&f, &Epilogue::default(), t, 4096, 8192, 16384).unwrap_err().to_string();
+    assert!(e.contains("F32 inputs"), "{e}");
+    let z = GemmProblem::new(GemmShape::new(1, 0, 8, 8), BF16, BF16);
+    assert!(plan(&z, &Epilogue::default(), t, 4096, 8192, 16384).is_err());
+    let e = plan(&p, &Epilogue::default(), t, 4096, 8192, 16386).unwrap_err().to_string();
+    assert!(e.contains("C address"), "{e}");
+}
+
+/// `ops::gemm` with `TPAR_GEMM=ours` on an emulated device standing in for
+/// sm_90a runs the Hopper kernel; the mma.sync kernel's result agrees.
+#[test]
+fn the_checked_op_picks_the_hopper_kernel_when_the_device_runs_it() {
+    use tpar_kernels::cuda::{ops, DeviceBuffer};
+    // SAFETY (edition 2021 API): set before any other thread of this test reads them.
+    std::env::set_var(EMU_ARCH_ENV, "sm_90a");
+    std::env::set_var(ops::gemm::GEMM_BACKEND_ENV, "ours");
+    let dev = EmulatedGpu::open(0).unwrap();
+    assert!(HopperTarget::of(dev.as_ref()).is_some());
+    let cs = Case::new(BF16, F32, (70, 136, 72)).layout(true, false);
+    let r = prepare(&cs);
+    let bytes = |b: &Buf| -> Vec<u8> {
+        // SAFETY: the buffer's bytes from `off`.
+        unsafe {
+            std::slice::from_raw_parts(
+                (b.words.as_ptr() as *const u8).add(b.off),
+                b.len * b.dt.size(),
+            )
+        }
+        .to_vec()
+    };
+    let a = DeviceBuffer::from_host(&dev, &bytes(&r.a)).unwrap();
+    let b = DeviceBuffer::from_host(&dev, &bytes(&r.b)).unwrap();
+    let (ap, bp) = (a.as_slice().ptr(), b.as_slice().ptr());
+    assert!(gemm_hopper::supports(dev.as_ref(), &r.p, ap, bp));
+    let check = |c: &DeviceBuffer, what: &str| {
+        let mut out = vec![0f32; r.c.len];
+        c.as_slice().copy_to_host(&mut out).unwrap();
+        for (i, (&got, &want)) in out.iter().zip(&r.want).enumerate() {
+            let (row, col) = (i / r.ldc, i % r.ldc);
+            if row < cs.m && col < cs.n {
+                let ok = (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs());
+                assert!(ok, "{what}: C[{row}][{col}] = {got}, want {want}");
+            }
+        }
+    };
+    // the entry `ops::gemm::ours` takes first: it runs the Hopper kernel here
+    let mut c = DeviceBuffer::from_host(&dev, &bytes(&r.c)).unwrap();
+    let cp = c.as_slice_mut().ptr();
+    // SAFETY: the three buffers cover what the problem reaches (the same
+    // sizes as the host buffers they were copied from); C is separate.
+    let ran = unsafe { gemm_hopper::gemm_if_supported(dev.as_ref(), &r.p, ap, bp, cp) }.unwrap();
+    assert!(ran, "the Hopper kernel did not take the problem");
+    check(&c, "gemm_if_supported");
+    let mut c = DeviceBuffer::from_host(&dev, &bytes(&r.c)).unwrap();
+    ops::gemm::gemm(dev.as_ref(), &r.p, a.as_slice(), b.as_slice(), c.as_slice_mut()).unwrap();
+    check(&c, "ops::gemm");
+    // a problem it does not take (an odd leading dimension) runs the mma.sync kernel
+    let odd = r.p.with_leading_dims(r.p.lda + 1, r.p.ldb, r.p.ldc);
+    assert!(!gemm_hopper::supports(dev.as_ref(), &odd, ap, bp));
+}
