@@ -19,6 +19,12 @@
 // pass: the low-precision working copy mixed-precision training computes with, the
 // bits a separate cast of the updated parameter gives (from_f32 rounds to nearest
 // even, as the cast kernels do). The other kernels ignore `work`.
+//
+// Capturable steps: with `coef_dev` not null every kernel reads the coefficients
+// from that device address instead of `coef`, so a CUDA graph that captured the
+// launch stays right when the host writes the next step's coefficients there
+// (one small host-to-device copy before each replay, outside the graph). The host
+// folds them as for `coef`, so the steps are the same bits.
 
 // The step's coefficients, folded on the host.
 struct AdamwCoef {
@@ -40,6 +46,7 @@ struct AdamwArgs {
     void* work;         // [n] working copy, or null (the *_copy_* kernels only)
     i64 n;
     AdamwCoef coef;
+    const AdamwCoef* coef_dev;  // the coefficients in device memory, or null: `coef`
 };
 
 // The same step over up to TPAR_MULTI_MAX tensors in one launch (PyTorch's
@@ -58,6 +65,7 @@ struct MultiAdamwArgs {
     i32 total;  // blocks in all
     i32 count;  // tensors used (1..=32)
     AdamwCoef coef;
+    const AdamwCoef* coef_dev;  // the coefficients in device memory, or null: `coef`
 };
 
 namespace adamw {
@@ -125,7 +133,7 @@ TPAR_DEVICE void update_range(T* param, const G* grad, float* exp_avg, float* ex
 // kCopy: `work` holds a working copy of W elements (or null); otherwise it is not read.
 template <typename T, typename G, typename W = T, bool kCopy = false>
 TPAR_DEVICE void step(const AdamwArgs& a) {
-    const AdamwCoef& c = a.coef;
+    const AdamwCoef c = a.coef_dev != nullptr ? *a.coef_dev : a.coef;
     const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 nthreads = (i64)gridDim.x * blockDim.x;
     W* work = kCopy ? static_cast<W*>(a.work) : nullptr;
@@ -136,7 +144,7 @@ TPAR_DEVICE void step(const AdamwArgs& a) {
 // One block per chunk of one of up to TPAR_MULTI_MAX tensors (tpar.cuh).
 template <typename T, typename G, typename W = T, bool kCopy = false>
 TPAR_DEVICE void step_each(const MultiAdamwArgs& a) {
-    const AdamwCoef& c = a.coef;
+    const AdamwCoef c = a.coef_dev != nullptr ? *a.coef_dev : a.coef;
     const MultiChunk ch = multi_chunk(a.first, a.n, a.count, blockIdx.x);
     W* work = kCopy ? static_cast<W*>(a.work[ch.t]) : nullptr;
     update_range(static_cast<T*>(a.param[ch.t]), static_cast<const G*>(a.grad[ch.t]),

@@ -150,3 +150,59 @@ pub fn adamw_step_each_with_copies(
     // overlaps another.
     unsafe { raw::adamw_step_each_with_copies(dev, copy_dtype, &bufs, &ptrs, h) }
 }
+
+/// The capturable multi-tensor step ([`raw::adamw_step_each_device_coef`]): as
+/// [`adamw_step_each`] (or [`adamw_step_each_with_copies`] with `copies`: their
+/// dtype and one optional working copy per tensor), the kernels reading the step's
+/// coefficients from `coef`, a device buffer holding a
+/// [`raw::AdamwCoef`] ([`raw::coefficients`] of the step's hyper-parameters, written
+/// before the kernels run), instead of their arguments: a CUDA graph that captured
+/// these launches takes each step's coefficients from there on every replay. With
+/// the same coefficients the results are the non-capturable kernels' bits.
+pub fn adamw_step_each_device_coef(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    tensors: &[AdamwViews<'_>],
+    copies: Option<(CudaDType, &[Option<DeviceSliceMut<'_>>])>,
+    coef: DeviceSlice<'_>,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_each_device_coef";
+    let c = Check::new(OP, dev);
+    let bufs = tensors
+        .iter()
+        .map(|t| {
+            Ok(AdamwBuffers {
+                param: c.write("param", &t.param, t.n, dtype.size())?,
+                grad: c.read("grad", &t.grad, t.n, grad_dtype.size())?,
+                exp_avg: c.write("exp_avg", &t.exp_avg, t.n, 4)?,
+                exp_avg_sq: c.write("exp_avg_sq", &t.exp_avg_sq, t.n, 4)?,
+                n: t.n,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cp = c.read("coefficients", &coef, 1, std::mem::size_of::<raw::AdamwCoef>())?;
+    let ptrs = match copies {
+        Some((cd, views)) => {
+            if views.len() != tensors.len() {
+                let what = format!("{} working copies for {} tensors", views.len(), tensors.len());
+                return Err(crate::util::bad(OP, what));
+            }
+            let ptrs = views
+                .iter()
+                .zip(tensors)
+                .map(|(v, t)| match v {
+                    Some(v) => c.write("copy", v, t.n, cd.size()),
+                    None => Ok(0),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some((cd, ptrs))
+        }
+        None => None,
+    };
+    let copies = ptrs.as_ref().map(|(cd, p)| (*cd, p.as_slice()));
+    // SAFETY: every view is a live buffer in `dev`'s memory of at least its tensor's
+    // elements and `coef` one of an AdamwCoef (checked above); the written ones are
+    // exclusive borrows, so none overlaps another.
+    unsafe { raw::adamw_step_each_device_coef(dev, dtype, grad_dtype, &bufs, copies, cp) }
+}

@@ -67,6 +67,9 @@ pub struct AdamwArgs {
     pub n: i64,
     /// The step's coefficients.
     pub coef: AdamwCoef,
+    /// The address of an [`AdamwCoef`] in device memory the kernel reads instead of
+    /// `coef` (0: `coef`).
+    pub coef_dev: DevPtr,
 }
 
 /// Arguments of `tpar_multi_adamw_*` and `tpar_multi_adamw_f32grad_*`.
@@ -94,6 +97,9 @@ pub struct MultiAdamwArgs {
     pub count: i32,
     /// The step's coefficients.
     pub coef: AdamwCoef,
+    /// The address of an [`AdamwCoef`] in device memory the kernel reads instead of
+    /// `coef` (0: `coef`).
+    pub coef_dev: DevPtr,
 }
 
 /// The device buffers of one tensor's step in [`adamw_step_each`], each of `n`
@@ -120,8 +126,8 @@ const VEC: usize = 8;
 const MAX_BLOCKS: u32 = 4096;
 
 /// The coefficients of one step, folded as the CPU kernel folds them (in f64,
-/// then rounded to f32).
-fn coefficients(h: &AdamWParams) -> AdamwCoef {
+/// then rounded to f32): what a capturable step reads from device memory.
+pub fn coefficients(h: &AdamWParams) -> AdamwCoef {
     let step = i32::try_from(h.step).unwrap_or(i32::MAX);
     let bc1 = 1.0 - h.beta1.powi(step);
     let bc2 = 1.0 - h.beta2.powi(step);
@@ -267,6 +273,7 @@ unsafe fn step_one(
     if h.step == 0 {
         return Err(bad(op, "step must start at 1"));
     }
+    let coef = coefficients(h);
     let n64 = check_bufs(op, dtype, grad_dtype, b, copy)?;
     if b.n == 0 {
         return Ok(());
@@ -278,7 +285,8 @@ unsafe fn step_one(
         exp_avg_sq: b.exp_avg_sq,
         work: copy.map_or(0, |(_, p)| p),
         n: n64,
-        coef: coefficients(h),
+        coef,
+        coef_dev: 0,
     };
     let cfg = LaunchConfig::for_items(b.n.div_ceil(VEC), BLOCK, MAX_BLOCKS);
     // SAFETY: the caller vouches for the addresses; sizes are checked above.
@@ -304,7 +312,7 @@ pub unsafe fn adamw_step_each(
     const OP: &str = "cuda_adamw_step_each";
     let name = format!("tpar_multi_adamw_{}", variant(OP, dtype, grad_dtype)?);
     // SAFETY: forwarded from the caller.
-    unsafe { step_many(launcher, OP, &name, dtype, grad_dtype, None, tensors, h) }
+    unsafe { step_many(launcher, OP, &name, dtype, grad_dtype, None, tensors, Coef::Host(h)) }
 }
 
 /// [`adamw_step_each`] on f32 parameters with f32 gradients that also writes each
@@ -334,7 +342,7 @@ pub unsafe fn adamw_step_each_with_copies(
     }
     let copies = (copy_dtype, copies);
     // SAFETY: forwarded from the caller.
-    unsafe { step_many(launcher, OP, &name, f32d, f32d, Some(copies), tensors, h) }
+    unsafe { step_many(launcher, OP, &name, f32d, f32d, Some(copies), tensors, Coef::Host(h)) }
 }
 
 /// Every tensor's step through the multi-tensor kernel `name`, [`MULTI_MAX`] a
@@ -351,11 +359,16 @@ unsafe fn step_many(
     grad_dtype: CudaDType,
     copies: Option<(CudaDType, &[DevPtr])>,
     tensors: &[AdamwBuffers],
-    h: &AdamWParams,
+    coef: Coef<'_>,
 ) -> Result<()> {
-    if h.step == 0 {
-        return Err(bad(op, "step must start at 1"));
-    }
+    let (coef, coef_dev) = match coef {
+        Coef::Host(h) if h.step == 0 => return Err(bad(op, "step must start at 1")),
+        Coef::Host(h) => (coefficients(h), 0),
+        Coef::Device(p) => {
+            check_ptr(op, "coefficients", p, 1, std::mem::size_of::<AdamwCoef>())?;
+            (AdamwCoef::zeroed(), p)
+        }
+    };
     let copy_of = |i: usize| match copies {
         Some((cd, ptrs)) if ptrs[i] != 0 => Some((cd, ptrs[i])),
         _ => None,
@@ -363,7 +376,6 @@ unsafe fn step_many(
     for (i, b) in tensors.iter().enumerate() {
         check_bufs(op, dtype, grad_dtype, b, copy_of(i))?;
     }
-    let coef = coefficients(h);
     for (g, group) in tensors.chunks(MULTI_MAX).enumerate() {
         let lens: Vec<usize> = group.iter().map(|b| b.n).collect();
         let (first, blocks) = block_starts(op, &lens)?;
@@ -381,6 +393,7 @@ unsafe fn step_many(
             total: blocks,
             count: group.len() as i32,
             coef,
+            coef_dev,
         };
         for (t, b) in group.iter().enumerate() {
             args.param[t] = b.param;
@@ -395,4 +408,51 @@ unsafe fn step_many(
         unsafe { launch(launcher, name, cfg, &args)? };
     }
     Ok(())
+}
+
+/// Where a multi-tensor step takes its coefficients from.
+#[derive(Clone, Copy)]
+enum Coef<'a> {
+    /// Folded from these hyper-parameters into the launch's arguments.
+    Host(&'a AdamWParams),
+    /// Read by the kernel from this device address (an [`AdamwCoef`]).
+    Device(DevPtr),
+}
+
+/// The capturable form of [`adamw_step_each`] and [`adamw_step_each_with_copies`]:
+/// the kernels read the step's coefficients from the [`AdamwCoef`] at `coef` in
+/// device memory (written with [`coefficients`] of the step's hyper-parameters
+/// before the kernels run) instead of from their arguments, so a CUDA graph that
+/// captured these launches takes each step's learning rate and bias corrections
+/// from there on every replay. `copies` (with their dtype, bf16 or f16; f32
+/// parameters and gradients) are the working copies as in
+/// [`adamw_step_each_with_copies`]. The arithmetic is the same, so with the same
+/// coefficients the results are the same bits.
+///
+/// # Safety
+/// As [`adamw_step_each_with_copies`] (or [`adamw_step_each`] without copies);
+/// `coef` is device memory of the launcher's device holding an [`AdamwCoef`] when
+/// the kernels run.
+pub unsafe fn adamw_step_each_device_coef(
+    launcher: &dyn Launcher,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    tensors: &[AdamwBuffers],
+    copies: Option<(CudaDType, &[DevPtr])>,
+    coef: DevPtr,
+) -> Result<()> {
+    const OP: &str = "cuda_adamw_step_each_device_coef";
+    let name = match copies {
+        Some((cd, ptrs)) => {
+            if ptrs.len() != tensors.len() {
+                let what = format!("{} working copies for {} tensors", ptrs.len(), tensors.len());
+                return Err(bad(OP, what));
+            }
+            format!("tpar_multi_adamw_{}", copy_variant(OP, dtype, grad_dtype, cd)?)
+        }
+        None => format!("tpar_multi_adamw_{}", variant(OP, dtype, grad_dtype)?),
+    };
+    let c = Coef::Device(coef);
+    // SAFETY: forwarded from the caller.
+    unsafe { step_many(launcher, OP, &name, dtype, grad_dtype, copies, tensors, c) }
 }
