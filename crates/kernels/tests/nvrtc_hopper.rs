@@ -100,20 +100,27 @@ fn hopper_kernels_compile_for_sm_90a() {
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
 
+    ptxas_report("hopper_test", &ptx);
+}
+
+/// Assembles `ptx` with `ptxas -arch=sm_90a -v` when a ptxas is at hand
+/// (which checks every instruction) and prints each kernel's registers and
+/// spills; returns them (`None` when the check was skipped).
+fn ptxas_report(name: &str, ptx: &str) -> Option<Vec<(String, u32, u32, u32)>> {
     let Some(ptxas) = find_ptxas() else {
         say("ptxas check skipped: no TPAR_PTXAS and no ptxas on PATH");
-        return;
+        return None;
     };
-    let dir = std::env::temp_dir().join(format!("tpar-nvrtc-hopper-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("tpar-nvrtc-hopper-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("hopper_test.ptx");
-    std::fs::write(&file, &ptx).unwrap();
+    let file = dir.join(format!("{name}.ptx"));
+    std::fs::write(&file, ptx).unwrap();
     let out = Command::new(&ptxas)
         .arg(format!("-arch={ARCH}"))
         .arg("-v")
         .arg(&file)
         .arg("-o")
-        .arg(dir.join("hopper_test.cubin"))
+        .arg(dir.join(format!("{name}.cubin")))
         .output()
         .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -124,15 +131,56 @@ fn hopper_kernels_compile_for_sm_90a() {
             "ptxas check skipped: {} is older than the NVRTC that wrote the PTX:\n{log}",
             ptxas.display()
         ));
-        return;
+        return None;
     }
-    assert!(out.status.success(), "ptxas rejected the PTX:\n{log}");
+    assert!(out.status.success(), "ptxas rejected the PTX of {name}:\n{log}");
+    let usage = parse_ptxas(&log);
     let mut report = format!(
-        "ptxas -arch={ARCH} -v:\n  {:<28} {:>5} {:>8} {:>8}",
+        "ptxas -arch={ARCH} -v ({name}):\n  {:<32} {:>5} {:>8} {:>8}",
         "kernel", "regs", "spill-st", "spill-ld"
     );
-    for (k, regs, st, ld) in parse_ptxas(&log) {
-        report.push_str(&format!("\n  {k:<28} {regs:>5} {st:>8} {ld:>8}"));
+    for (k, regs, st, ld) in &usage {
+        report.push_str(&format!("\n  {k:<32} {regs:>5} {st:>8} {ld:>8}"));
     }
     say(&report);
+    Some(usage)
+}
+
+/// The Hopper GEMM (`cuda/gemm_hopper.cu`, embedded like every kernel
+/// source) compiles for sm_90a with its wgmma, bulk tensor copies, mbarriers
+/// and setmaxnreg, and (with ptxas) assembles; registers and spills of its
+/// kernels are reported. Compiled for plain sm_90 its kernels are empty
+/// (`tests/nvrtc.rs` covers that build).
+#[test]
+fn the_hopper_gemm_compiles_for_sm_90a() {
+    if !nvrtc_or_skip("the_hopper_gemm_compiles_for_sm_90a") {
+        return;
+    }
+    let source = *tpar_kernels::cuda::sources()
+        .iter()
+        .find(|s| s.name == "gemm_hopper")
+        .expect("gemm_hopper.cu is embedded");
+    let ptx = compile_ptx(&source, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    let names = kernel_names(source.text);
+    assert_eq!(names.len(), 24, "4 layouts x 2 input x 3 output types: {names:?}");
+    for n in &names {
+        assert!(ptx.contains(&format!(".entry {n}(")), "no .entry for {n}");
+    }
+    for instr in [
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
+        "wgmma.wait_group.sync.aligned",
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
+        "mbarrier.try_wait.parity.shared::cta.b64",
+        "mbarrier.arrive.expect_tx.shared::cta.b64",
+        "setmaxnreg.dec.sync.aligned.u32",
+        "setmaxnreg.inc.sync.aligned.u32",
+    ] {
+        assert!(ptx.contains(instr), "{instr} missing from the PTX");
+    }
+    say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
+    if let Some(usage) = ptxas_report("gemm_hopper", &ptx) {
+        assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
+    }
 }
