@@ -459,6 +459,42 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
 
 // ------------------------------------------------------------------ tensor cores
 
+// 2^x for the softmax: on a GPU one ex2.approx.ftz (a result below 2^-126,
+// a probability far under the rounding of the sums it joins, flushes to
+// zero; exp2f would add a rescale around it), exp2f in the emulator.
+TPAR_DEVICE float exp2_ftz(float x) {
+#ifndef TPAR_EMU
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
+// Two floats rounded to nearest even into one register of two 16-bit
+// values, `lo` in the low half: one cvt.rn.{bf16,f16}x2.f32 on a GPU (the
+// same bits as pack2_f32 for every finite value; a NaN becomes the
+// canonical one), pack2_f32 in the emulator.
+template <typename T>
+TPAR_DEVICE u32 pack2_rn(float lo, float hi) {
+    return pack2_f32<T>(lo, hi);
+}
+#ifndef TPAR_EMU
+template <>
+TPAR_DEVICE u32 pack2_rn<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <>
+TPAR_DEVICE u32 pack2_rn<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif
+
 // Element offset of 16-byte chunk `c` of row `r` in a [rows][HD] tile of
 // 16-bit elements whose chunks are XOR-swizzled by the row (HD >= 64), so
 // that ldmatrix reads of eight rows at one chunk column hit distinct banks.
@@ -467,36 +503,54 @@ TPAR_DEVICE int swz(int r, int c) {
     return r * HD + ((c ^ (r & 7)) << 3);
 }
 
+// A thread's share of copying [ROWS][HD] tiles with NT threads: 16-byte
+// chunk `col8 / 8` of rows row, row + RS, row + 2 RS, ... (RS = NT / (HD /
+// 8), a multiple of 8, so every pass keeps the first row's swizzle); `soff`
+// is the element offset of the first chunk in the swizzled tile. Computed
+// once per kernel; each pass adds constants.
+template <int HD, int NT>
+struct TileCopy {
+    static constexpr int CH = HD / 8, RS = NT / CH;
+    static_assert(HD >= 64 && RS % 8 == 0, "swizzle width; passes keep the swizzle");
+    int row, col8, soff;
+    TPAR_DEVICE TileCopy()
+        : row(threadIdx.x / CH),
+          col8(threadIdx.x % CH * 8),
+          soff(swz<HD>(threadIdx.x / CH, threadIdx.x % CH)) {}
+};
+
 // Asynchronous copy of rows 0..ROWS-1 of a row-major matrix (`ld` elements
-// per row) into a swizzled [ROWS][HD] tile; zero outside `nrows` x `ncols`
-// (`ncols` a multiple of 8, rows 16-byte aligned).
+// per row, ROWS * ld within i32) into a swizzled [ROWS][HD] tile; zero
+// outside `nrows` x `ncols` (`ncols` a multiple of 8, rows 16-byte aligned).
 template <typename T, int ROWS, int HD, int NT>
-TPAR_DEVICE void tc_load(T* s, const T* g, int ld, int nrows, int ncols) {
-    constexpr int CH = HD / 8;
-    static_assert(HD >= 64 && ROWS * CH % NT == 0, "swizzle width; whole passes of the block");
+TPAR_DEVICE void tc_load(T* s, const T* g, int ld, int nrows, int ncols,
+                         const TileCopy<HD, NT>& tc) {
+    constexpr int RS = TileCopy<HD, NT>::RS;
+    static_assert(ROWS % RS == 0, "whole passes of the block");
+    const bool col_ok = tc.col8 < ncols;
+    const T* p = g + (tc.row * ld + tc.col8);
+    const int step = RS * ld;
 #pragma unroll
-    for (int it = 0; it < ROWS * CH / NT; ++it) {
-        const int e = threadIdx.x + it * NT;
-        const int r = e / CH, c = e % CH;
-        const bool ok = r < nrows && c * 8 < ncols;
-        cp_async_16(s + swz<HD>(r, c), ok ? g + (i64)r * ld + c * 8 : g, ok);
+    for (int it = 0; it < ROWS / RS; ++it) {
+        const bool ok = col_ok && tc.row + it * RS < nrows;
+        cp_async_16(s + tc.soff + it * RS * HD, ok ? p + it * step : g, ok);
     }
 }
 
 // Stores rows 0..nrows-1, columns 0..ncols-1 of a swizzled [ROWS][HD] tile
 // to a row-major matrix with `ld` elements per row, 16 bytes at a time.
 template <typename T, int ROWS, int HD, int NT>
-TPAR_DEVICE void tc_store(T* g, const T* s, int ld, int nrows, int ncols) {
-    constexpr int CH = HD / 8;
-    static_assert(HD >= 64 && ROWS * CH % NT == 0, "swizzle width; whole passes of the block");
+TPAR_DEVICE void tc_store(T* g, const T* s, int ld, int nrows, int ncols,
+                          const TileCopy<HD, NT>& tc) {
+    constexpr int RS = TileCopy<HD, NT>::RS;
+    static_assert(ROWS % RS == 0, "whole passes of the block");
+    if (tc.col8 >= ncols) return;
+    T* p = g + (tc.row * ld + tc.col8);
 #pragma unroll
-    for (int it = 0; it < ROWS * CH / NT; ++it) {
-        const int e = threadIdx.x + it * NT;
-        const int r = e / CH, c = e % CH;
-        if (r < nrows && c * 8 < ncols)
-            *reinterpret_cast<Raw16*>(g + (i64)r * ld + c * 8) =
-                *reinterpret_cast<const Raw16*>(s + swz<HD>(r, c));
-    }
+    for (int it = 0; it < ROWS / RS; ++it)
+        if (tc.row + it * RS < nrows)
+            *reinterpret_cast<Raw16*>(p + it * RS * ld) =
+                *reinterpret_cast<const Raw16*>(s + tc.soff + it * RS * HD);
 }
 
 // Writes an mma accumulator tile (16 rows from `row`, HD columns) as T into a
@@ -507,44 +561,52 @@ TPAR_DEVICE void tc_stage(T* s, float (*acc)[4], int row, const float mul[2]) {
 #pragma unroll
     for (int nt = 0; nt < HD / 8; ++nt) {
         *reinterpret_cast<u32*>(s + swz<HD>(row + g, nt) + 2 * t) =
-            pack2_f32<T>(acc[nt][0] * mul[0], acc[nt][1] * mul[0]);
+            pack2_rn<T>(acc[nt][0] * mul[0], acc[nt][1] * mul[0]);
         *reinterpret_cast<u32*>(s + swz<HD>(row + g + 8, nt) + 2 * t) =
-            pack2_f32<T>(acc[nt][2] * mul[1], acc[nt][3] * mul[1]);
+            pack2_rn<T>(acc[nt][2] * mul[1], acc[nt][3] * mul[1]);
     }
 }
 
-// Lane address for ldmatrix_x4 of the A operand (16 rows from `row`, 16
-// columns from chunk 2*kk) of a swizzled row-major tile.
+// A lane's element offsets for ldmatrix_x4 reads of 16 rows x 16 columns
+// (chunk pair kk, i.e. chunks 2kk and 2kk + 1) from a swizzled [*][HD] tile,
+// computed once: the read of rows from `row` (a multiple of 8) is at
+// row * HD + off[kk & 3] + (kk >> 2) * 64. Since row & 7 = lane & 7 and the
+// chunk is 2kk ^ bit, the swizzled chunk is 8 (kk >> 2) + ((2 (kk & 3)) ^
+// bit ^ (lane & 7)): four values per lane, the rest constants.
+// - `a`: the A operand of a row-major tile, or ldmatrix_x4_trans's two B
+//   operands of a [k][n] tile (lane rows (lane & 7) + ((lane >> 3) & 1) * 8,
+//   chunk bit lane >> 4);
+// - `b`: two B operands of a [n][k] tile (lane rows (lane & 7) + (lane >> 4)
+//   * 8, chunk bit (lane >> 3) & 1); registers {0,1} and {2,3} are the
+//   fragments of n rows 0-7 and 8-15.
 template <int HD>
-TPAR_DEVICE int lda_off(int row, int kk) {
-    const int lane = threadIdx.x & 31;
-    return swz<HD>(row + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * kk + (lane >> 4));
-}
-
-// Lane address for ldmatrix_x4 of two B operands (n-tiles of 8 rows from
-// `row` and row + 8; 16 columns from chunk 2*kk) of a swizzled tile stored
-// [n][k]; registers {0,1} and {2,3} are the two fragments.
-template <int HD>
-TPAR_DEVICE int ldb_off(int row, int kk) {
-    const int lane = threadIdx.x & 31;
-    return swz<HD>(row + (lane & 7) + (lane >> 4) * 8, 2 * kk + ((lane >> 3) & 1));
-}
-
-// Lane address for ldmatrix_x4_trans of two B operands of a swizzled tile
-// stored [k][n]: k rows from `row` (16), n columns from chunk 2*np (two
-// n-tiles of 8).
-template <int HD>
-TPAR_DEVICE int ldbt_off(int row, int np) {
-    const int lane = threadIdx.x & 31;
-    return swz<HD>(row + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * np + (lane >> 4));
-}
+struct LdsmOffsets {
+    int a[4], b[4];
+    TPAR_DEVICE LdsmOffsets() {
+        const int lane = threadIdx.x & 31, x = lane & 7;
+        const int ra = x + ((lane >> 3) & 1) * 8, ya = (lane >> 4) ^ x;
+        const int rb = x + (lane >> 4) * 8, yb = ((lane >> 3) & 1) ^ x;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            a[k] = ra * HD + (((2 * k) ^ ya) << 3);
+            b[k] = rb * HD + (((2 * k) ^ yb) << 3);
+        }
+    }
+    // Offset of chunk pair kk of rows from `row` (a multiple of 8).
+    TPAR_DEVICE int at_a(int row, int kk) const { return row * HD + a[kk & 3] + (kk >> 2) * 64; }
+    TPAR_DEVICE int at_b(int row, int kk) const { return row * HD + b[kk & 3] + (kk >> 2) * 64; }
+};
 
 // Forward with tensor cores: 4 warps, each owning MT m-tiles (16*MT query
 // rows) of the block's BQ = 64*MT, so every k / v fragment read from shared
 // memory feeds MT mma. The q fragments stay in registers when they fit
-// (MT*HD <= 128; the q tile's space then takes the v tiles), else they are
+// (MT*HD <= 64; the q tile's space then takes the v tiles), else they are
 // read from the q tile at each step. The v tile loads while the scores are
-// computed, the next k tile while P v is.
+// computed, the next k tile while P v is. Address arithmetic is done once
+// (TileCopy, LdsmOffsets; the k and v pointers advance by a tile); element
+// masks are looked at only in tiles that reach past kv_len or the warp's
+// causal diagonal, or with an additive mask, as one compare per element
+// against a per-row limit.
 template <typename T, int HD, int MT>
 TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     constexpr int NT = 128, BQ = 64 * MT, KT = HD / 16;
@@ -570,10 +632,13 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     const int wrow = warp * 16 * MT;  // the warp's first row in the block
     // This lane's rows of m-tile mt: q0 + wrow + 16*mt + g (+ 8).
     const int row_lo = q0 + wrow + g;
+    const TileCopy<HD, NT> tcp;
+    const LdsmOffsets<HD> lo;
+    const int k_step = kBlock * a.head_dim, v_step = kBlock * a.v_dim;
 
-    tc_load<T, BQ, HD, NT>(sQ, Q, a.head_dim, nq, a.head_dim);
+    tc_load<T, BQ, HD, NT>(sQ, Q, a.head_dim, nq, a.head_dim, tcp);
     if (kv_end > 0)
-        tc_load<T, kBlock, HD, NT>(sK, K, a.head_dim, min(kBlock, a.kv_len), a.head_dim);
+        tc_load<T, kBlock, HD, NT>(sK, K, a.head_dim, min(kBlock, a.kv_len), a.head_dim, tcp);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -583,9 +648,10 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int kk = 0; kk < KT; ++kk)
-                ldmatrix_x4(qf[QREG ? mt * KT + kk : 0], sQ + lda_off<HD>(wrow + 16 * mt, kk));
+                ldmatrix_x4(qf[QREG ? mt * KT + kk : 0], sQ + lo.at_a(wrow + 16 * mt, kk));
         __syncthreads();  // the q tile's space takes the v tiles
     }
+    const T* sQw = sQ + wrow * HD;
 
     float o[MT][HD / 8][4];
 #pragma unroll
@@ -602,9 +668,9 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     }
 
     for (int j0 = 0; j0 < kv_end; j0 += kBlock) {
-        tc_load<T, kBlock, HD, NT>(sV, V + (i64)j0 * a.v_dim, a.v_dim, min(kBlock, a.kv_len - j0),
-                                   a.v_dim);
+        tc_load<T, kBlock, HD, NT>(sV, V, a.v_dim, min(kBlock, a.kv_len - j0), a.v_dim, tcp);
         cp_async_commit();
+        V += v_step;
 
         // S = q k^T: MT x 8 accumulator tiles of 16 x 8.
         float s[MT][8][4];
@@ -623,13 +689,13 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) qa[mt][i] = qf[QREG ? mt * KT + kk : 0][i];
                 } else {
-                    ldmatrix_x4(qa[mt], sQ + lda_off<HD>(wrow + 16 * mt, kk));
+                    ldmatrix_x4(qa[mt], sQw + lo.at_a(16 * mt, kk));
                 }
             }
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 r[4];
-                ldmatrix_x4(r, sK + ldb_off<HD>(np * 16, kk));
+                ldmatrix_x4(r, sK + lo.at_b(np * 16, kk));
                 const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -639,30 +705,51 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
             }
         }
 
-        // Masks: only tiles that reach past kv_len or the causal diagonal, or
-        // with an additive mask, look at each element.
-        const bool check =
-            j0 + kBlock > a.kv_len || (a.causal && j0 + kBlock - 1 > q0) || M != nullptr;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= sl2;
+        // Masks: key j0 + 2t + idx (idx = nt*8 + (e & 1)) is visible to a
+        // row when idx < lim, the row's limit (kv_len, and the diagonal).
+        if (j0 + kBlock > a.kv_len || (a.causal && j0 + kBlock - 1 > q0 + wrow) || M != nullptr) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int r = row_lo + 16 * mt + 8 * hr;
+                    const int lim = (a.causal ? min(a.kv_len, r + 1) : a.kv_len) - j0 - 2 * t;
+                    if (M != nullptr) {
+                        // Rows past q_len (never stored) read the last row's mask.
+                        const T* mr = M + (i64)min(r, a.q_len - 1) * a.mask_rs + (j0 + 2 * t);
+#pragma unroll
+                        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 2; ++i) {
+                                float& x = s[mt][nt][2 * hr + i];
+                                if (nt * 8 + i >= lim) {
+                                    x = ninf;
+                                } else {
+                                    x += to_f32(mr[nt * 8 + i]) * kLog2e;
+                                }
+                            }
+                    } else {
+#pragma unroll
+                        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                            for (int i = 0; i < 2; ++i)
+                                if (nt * 8 + i >= lim) s[mt][nt][2 * hr + i] = ninf;
+                    }
+                }
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             float mx[2] = {ninf, ninf};
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[mt][nt][e] * sl2;
-                    if (check) {
-                        const int r = row_lo + 16 * mt + (e >> 1) * 8;
-                        const int c = j0 + nt * 8 + 2 * t + (e & 1);
-                        if (c >= a.kv_len || (a.causal && c > r)) {
-                            x = ninf;
-                        } else if (M != nullptr && r < a.q_len) {
-                            x += to_f32(M[(i64)r * a.mask_rs + c]) * kLog2e;
-                        }
-                    }
-                    s[mt][nt][e] = x;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                }
+                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
             // Online softmax; `base` keeps exp2 finite for rows masked so far.
             float base[2];
 #pragma unroll
@@ -671,7 +758,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
                 mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 2));
                 const float mnew = fmaxf(m[mt][hr], mx[hr]);
                 base[hr] = mnew == ninf ? 0.0f : mnew;
-                const float alpha = exp2f(m[mt][hr] - base[hr]);
+                const float alpha = exp2_ftz(m[mt][hr] - base[hr]);
                 m[mt][hr] = mnew;
                 l[mt][hr] *= alpha;
 #pragma unroll
@@ -684,7 +771,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2f(s[mt][nt][e] - base[e >> 1]);
+                    const float p = exp2_ftz(s[mt][nt][e] - base[e >> 1]);
                     l[mt][e >> 1] += p;
                     s[mt][nt][e] = p;
                 }
@@ -692,9 +779,11 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
 
         cp_async_wait<0>();
         __syncthreads();  // v tile in; every warp is done with the k tile
-        if (j0 + kBlock < kv_end)
-            tc_load<T, kBlock, HD, NT>(sK, K + (i64)(j0 + kBlock) * a.head_dim, a.head_dim,
-                                       min(kBlock, a.kv_len - j0 - kBlock), a.head_dim);
+        if (j0 + kBlock < kv_end) {
+            K += k_step;
+            tc_load<T, kBlock, HD, NT>(sK, K, a.head_dim, min(kBlock, a.kv_len - j0 - kBlock),
+                                       a.head_dim, tcp);
+        }
         cp_async_commit();
 
         // o += P v: P from the score registers as A fragments.
@@ -703,15 +792,15 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
             u32 pa[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack2_f32<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = pack2_f32<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = pack2_f32<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack2_f32<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                pa[mt][0] = pack2_rn<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack2_rn<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack2_rn<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack2_rn<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
                 u32 r[4];
-                ldmatrix_x4_trans(r, sV + ldbt_off<HD>(kk * 16, np));
+                ldmatrix_x4_trans(r, sV + lo.at_a(kk * 16, np));
                 const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -742,14 +831,16 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     }
     __syncthreads();
     tc_store<T, BQ, HD, NT>(static_cast<T*>(a.out) + (bh * a.q_len + q0) * a.v_dim, sQ, a.v_dim,
-                            nq, a.v_dim);
+                            nq, a.v_dim, tcp);
 }
 
 // Backward dK/dV (and dQ by atomics) with tensor cores: 4 warps, each
 // owning 16 keys of the block's 64, over the 64-query tiles of every q head
 // of the group. Shared memory: k and v tiles, two buffers of q and dout tiles
 // (the next tile loads while this one is computed), dS^T [64 keys][64
-// queries], lse and delta.
+// queries], lse and delta. As in the forward, addresses are computed once
+// and element masks are looked at only in tiles that need them (a partial
+// key or query tile, the warp's causal diagonal, an additive mask).
 template <typename T, int HD>
 TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     constexpr int NT = 128;
@@ -777,17 +868,27 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     const int ntiles = group * per_head;
     const T* Qb = static_cast<const T*>(a.q) + (i64)b * a.q_heads * a.q_len * a.head_dim;
     const T* Gb = static_cast<const T*>(a.dout) + (i64)b * a.q_heads * a.q_len * a.v_dim;
+    const TileCopy<HD, NT> tcp;
+    const LdsmOffsets<HD> lo;
+    const T* sKw = sK + warp * 16 * HD;
+    const T* sVw = sV + warp * 16 * HD;
+    // dS^T: this lane's stores (rows kl0, kl0 + 8; chunk nt at (nt ^ g) * 8)
+    // and its ldmatrix_x4_trans reads (queries warp*16.., keys 16 kk..).
+    const int ds_st = kl0 * kBlock + 2 * t;
+    const int ds_ld = swz<kBlock>((lane >> 4) * 8 + (lane & 7), warp * 2 + ((lane >> 3) & 1));
+    // This lane's dQ elements: query rows warp*16 + g (+ 8), columns 2t (+1).
+    const int dq_off = (warp * 16 + g) * a.head_dim + 2 * t, dq_row8 = 8 * a.head_dim;
 
     const i64 krow = bkv * a.kv_len + k0;
     tc_load<T, kBlock, HD, NT>(sK, static_cast<const T*>(a.k) + krow * a.head_dim, a.head_dim, nk,
-                               a.head_dim);
+                               a.head_dim, tcp);
     tc_load<T, kBlock, HD, NT>(sV, static_cast<const T*>(a.v) + krow * a.v_dim, a.v_dim, nk,
-                               a.v_dim);
+                               a.v_dim, tcp);
     if (ntiles > 0) {
         const i64 row = (i64)(kvh * group) * a.q_len + i_start;
         const int nq = min(kBlock, a.q_len - i_start);
-        tc_load<T, kBlock, HD, NT>(sQb, Qb + row * a.head_dim, a.head_dim, nq, a.head_dim);
-        tc_load<T, kBlock, HD, NT>(sGb, Gb + row * a.v_dim, a.v_dim, nq, a.v_dim);
+        tc_load<T, kBlock, HD, NT>(sQb, Qb + row * a.head_dim, a.head_dim, nq, a.head_dim, tcp);
+        tc_load<T, kBlock, HD, NT>(sGb, Gb + row * a.v_dim, a.v_dim, nq, a.v_dim, tcp);
     }
     cp_async_commit();
 
@@ -800,16 +901,19 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
             dv[nt][e] = 0.0f;
         }
 
+    int h = kvh * group, i0 = i_start;  // this tile's q head and first query
     for (int it = 0; it < ntiles; ++it) {
-        const int h = kvh * group + it / per_head;
-        const int i0 = i_start + (it % per_head) * kBlock;
+        // The next tile: the next 64 queries, or the next head's first.
+        int h_next = h, i_next = i0 + kBlock;
+        if (i_next >= a.q_len) {
+            i_next = i_start;
+            ++h_next;
+        }
         const int nq = min(kBlock, a.q_len - i0);
         const i64 bh = (i64)b * a.q_heads + h;
         const T* sQ = sQb + (it & 1) * TILE;
         const T* sG = sGb + (it & 1) * TILE;
-        float* dQ = a.dq_acc + (bh * a.q_len + i0) * a.head_dim;
-        const T* M =
-            a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
+        float* dQ = a.dq_acc + (bh * a.q_len + i0) * a.head_dim + dq_off;
         // Every warp passed the previous tile's dS^T barrier: lse and delta
         // are free to overwrite.
         if (threadIdx.x < kBlock) {
@@ -822,14 +926,13 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         cp_async_wait<0>();
         __syncthreads();  // this tile's q and dout are in; the previous tile is done
         if (it + 1 < ntiles) {
-            const int h2 = kvh * group + (it + 1) / per_head;
-            const int i2 = i_start + ((it + 1) % per_head) * kBlock;
-            const i64 row = (i64)h2 * a.q_len + i2;
-            const int nq2 = min(kBlock, a.q_len - i2);
+            const i64 row = (i64)h_next * a.q_len + i_next;
+            const int nq2 = min(kBlock, a.q_len - i_next);
             T* dstQ = sQb + ((it + 1) & 1) * TILE;
             T* dstG = sGb + ((it + 1) & 1) * TILE;
-            tc_load<T, kBlock, HD, NT>(dstQ, Qb + row * a.head_dim, a.head_dim, nq2, a.head_dim);
-            tc_load<T, kBlock, HD, NT>(dstG, Gb + row * a.v_dim, a.v_dim, nq2, a.v_dim);
+            tc_load<T, kBlock, HD, NT>(dstQ, Qb + row * a.head_dim, a.head_dim, nq2, a.head_dim,
+                                       tcp);
+            tc_load<T, kBlock, HD, NT>(dstG, Gb + row * a.v_dim, a.v_dim, nq2, a.v_dim, tcp);
         }
         cp_async_commit();
 
@@ -845,16 +948,16 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 ka[4], va[4];
-            ldmatrix_x4(ka, sK + lda_off<HD>(warp * 16, kk));
-            ldmatrix_x4(va, sV + lda_off<HD>(warp * 16, kk));
+            ldmatrix_x4(ka, sKw + lo.at_a(0, kk));
+            ldmatrix_x4(va, sVw + lo.at_a(0, kk));
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 r[4];
-                ldmatrix_x4(r, sQ + ldb_off<HD>(np * 16, kk));
+                ldmatrix_x4(r, sQ + lo.at_b(np * 16, kk));
                 const u32 q0f[2] = {r[0], r[1]}, q1f[2] = {r[2], r[3]};
                 mma_16816<T>(st[2 * np], ka, q0f);
                 mma_16816<T>(st[2 * np + 1], ka, q1f);
-                ldmatrix_x4(r, sG + ldb_off<HD>(np * 16, kk));
+                ldmatrix_x4(r, sG + lo.at_b(np * 16, kk));
                 const u32 g0f[2] = {r[0], r[1]}, g1f[2] = {r[2], r[3]};
                 mma_16816<T>(dp[2 * np], va, g0f);
                 mma_16816<T>(dp[2 * np + 1], va, g1f);
@@ -862,41 +965,67 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         }
 
         // P^T = exp2(S^T * scale * log2e (+ mask) - lse), dS^T = P^T (dP^T - delta).
+        // Query i0 + 2t + idx (idx = nt*8 + (e & 1)) and key j of a lane
+        // row: visible when lo <= idx < hi (hi: nq, none past kv_len; lo:
+        // the causal diagonal).
+        if (k0 + kBlock <= a.kv_len && nq == kBlock &&
+            !(a.causal && k0 + warp * 16 + 15 > i0) && a.mask == nullptr) {
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+            for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = k0 + kl0 + (e >> 1) * 8;
-                const int qi = nt * 8 + 2 * t + (e & 1), r = i0 + qi;
-                float p = 0.0f;
-                if (j < a.kv_len && qi < nq && !(a.causal && j > r)) {
-                    float x = st[nt][e] * sl2;
-                    if (M != nullptr) x += to_f32(M[(i64)r * a.mask_rs + j]) * kLog2e;
-                    p = exp2f(x - sL[qi]);
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = nt * 8 + 2 * t + (e & 1);
+                    const float p = exp2_ftz(st[nt][e] * sl2 - sL[qi]);
+                    st[nt][e] = p;
+                    dp[nt][e] = p * (dp[nt][e] - sD[qi]);
                 }
-                st[nt][e] = p;
-                dp[nt][e] = p * (dp[nt][e] - sD[qi]);
+        } else {
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int j = k0 + kl0 + 8 * hr;
+                const int hi = j < a.kv_len ? nq - 2 * t : 0;
+                const int lo_ = a.causal ? j - i0 - 2 * t : -kBlock;
+                const T* mp = a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs +
+                                           h * a.mask_hs + (i64)(i0 + 2 * t) * a.mask_rs + j
+                                     : nullptr;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int e = 2 * hr + i, idx = nt * 8 + i, qi = idx + 2 * t;
+                        float p = 0.0f;
+                        if (idx < hi && idx >= lo_) {
+                            float x = st[nt][e] * sl2;
+                            if (mp != nullptr) x += to_f32(mp[i * a.mask_rs]) * kLog2e;
+                            p = exp2_ftz(x - sL[qi]);
+                        }
+                        st[nt][e] = p;
+                        dp[nt][e] = p * (dp[nt][e] - sD[qi]);
+                    }
+                    if (mp != nullptr) mp += 8 * a.mask_rs;
+                }
             }
+        }
 
         // dV += P^T dout, dK += dS^T q (P^T, dS^T as A fragments).
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq) {
-            const u32 pa[4] = {pack2_f32<T>(st[2 * kq][0], st[2 * kq][1]),
-                               pack2_f32<T>(st[2 * kq][2], st[2 * kq][3]),
-                               pack2_f32<T>(st[2 * kq + 1][0], st[2 * kq + 1][1]),
-                               pack2_f32<T>(st[2 * kq + 1][2], st[2 * kq + 1][3])};
-            const u32 sa[4] = {pack2_f32<T>(dp[2 * kq][0], dp[2 * kq][1]),
-                               pack2_f32<T>(dp[2 * kq][2], dp[2 * kq][3]),
-                               pack2_f32<T>(dp[2 * kq + 1][0], dp[2 * kq + 1][1]),
-                               pack2_f32<T>(dp[2 * kq + 1][2], dp[2 * kq + 1][3])};
+            const u32 pa[4] = {pack2_rn<T>(st[2 * kq][0], st[2 * kq][1]),
+                               pack2_rn<T>(st[2 * kq][2], st[2 * kq][3]),
+                               pack2_rn<T>(st[2 * kq + 1][0], st[2 * kq + 1][1]),
+                               pack2_rn<T>(st[2 * kq + 1][2], st[2 * kq + 1][3])};
+            const u32 sa[4] = {pack2_rn<T>(dp[2 * kq][0], dp[2 * kq][1]),
+                               pack2_rn<T>(dp[2 * kq][2], dp[2 * kq][3]),
+                               pack2_rn<T>(dp[2 * kq + 1][0], dp[2 * kq + 1][1]),
+                               pack2_rn<T>(dp[2 * kq + 1][2], dp[2 * kq + 1][3])};
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
                 u32 r[4];
-                ldmatrix_x4_trans(r, sG + ldbt_off<HD>(kq * 16, np));
+                ldmatrix_x4_trans(r, sG + lo.at_a(kq * 16, np));
                 const u32 g0f[2] = {r[0], r[1]}, g1f[2] = {r[2], r[3]};
                 mma_16816<T>(dv[2 * np], pa, g0f);
                 mma_16816<T>(dv[2 * np + 1], pa, g1f);
-                ldmatrix_x4_trans(r, sQ + ldbt_off<HD>(kq * 16, np));
+                ldmatrix_x4_trans(r, sQ + lo.at_a(kq * 16, np));
                 const u32 q0f[2] = {r[0], r[1]}, q1f[2] = {r[2], r[3]};
                 mma_16816<T>(dk[2 * np], sa, q0f);
                 mma_16816<T>(dk[2 * np + 1], sa, q1f);
@@ -906,10 +1035,10 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         // dS^T to shared memory for dQ = dS K.
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-            *reinterpret_cast<u32*>(sS + swz<kBlock>(kl0, nt) + 2 * t) =
-                pack2_f32<T>(dp[nt][0], dp[nt][1]);
-            *reinterpret_cast<u32*>(sS + swz<kBlock>(kl0 + 8, nt) + 2 * t) =
-                pack2_f32<T>(dp[nt][2], dp[nt][3]);
+            const int c = (nt ^ g) << 3;
+            *reinterpret_cast<u32*>(sS + ds_st + c) = pack2_rn<T>(dp[nt][0], dp[nt][1]);
+            *reinterpret_cast<u32*>(sS + ds_st + 8 * kBlock + c) =
+                pack2_rn<T>(dp[nt][2], dp[nt][3]);
         }
         __syncthreads();  // dS^T complete; every warp is done with this q / dout buffer
 
@@ -917,9 +1046,8 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         // added to the f32 accumulator.
         u32 af[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            ldmatrix_x4_trans(af[kk], sS + swz<kBlock>(kk * 16 + (lane >> 4) * 8 + (lane & 7),
-                                                       warp * 2 + ((lane >> 3) & 1)));
+        for (int kk = 0; kk < 4; ++kk) ldmatrix_x4_trans(af[kk], sS + ds_ld + kk * 16 * kBlock);
+        const bool row_ok[2] = {warp * 16 + g < nq, warp * 16 + g + 8 < nq};
 #pragma unroll
         for (int nc = 0; nc < HD / 32; ++nc) {
             if (nc * 32 < a.head_dim) {
@@ -933,23 +1061,26 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
 #pragma unroll
                     for (int np2 = 0; np2 < 2; ++np2) {
                         u32 r[4];
-                        ldmatrix_x4_trans(r, sK + ldbt_off<HD>(kk * 16, nc * 2 + np2));
+                        ldmatrix_x4_trans(r, sK + lo.at_a(kk * 16, nc * 2 + np2));
                         const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
                         mma_16816<T>(dq[2 * np2], af[kk], b0);
                         mma_16816<T>(dq[2 * np2 + 1], af[kk], b1);
                     }
                 }
+                // Column nc*32 + n*8 + 2t + (e & 1) < head_dim (a multiple of
+                // 8) when nc*32 + n*8 < head_dim.
 #pragma unroll
                 for (int n = 0; n < 4; ++n)
+                    if (nc * 32 + n * 8 < a.head_dim)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qi = warp * 16 + g + (e >> 1) * 8;
-                        const int c = nc * 32 + n * 8 + 2 * t + (e & 1);
-                        if (qi < nq && c < a.head_dim)
-                            atomicAdd(&dQ[(i64)qi * a.head_dim + c], dq[n][e]);
-                    }
+                        for (int e = 0; e < 4; ++e)
+                            if (row_ok[e >> 1])
+                                atomicAdd(dQ + (e >> 1) * dq_row8 + nc * 32 + n * 8 + (e & 1),
+                                          dq[n][e]);
             }
         }
+        h = h_next;
+        i0 = i_next;
     }
 
     cp_async_wait<0>();
@@ -959,8 +1090,9 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     tc_stage<T, HD>(sGb, dv, warp * 16, mv);
     __syncthreads();
     tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dk) + krow * a.head_dim, sQb, a.head_dim, nk,
-                                a.head_dim);
-    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dv) + krow * a.v_dim, sGb, a.v_dim, nk, a.v_dim);
+                                a.head_dim, tcp);
+    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dv) + krow * a.v_dim, sGb, a.v_dim, nk, a.v_dim,
+                                tcp);
 }
 
 // ------------------------------------------------------------------ backward helpers
