@@ -599,9 +599,10 @@ struct LdsmOffsets {
 
 // Forward with tensor cores: 4 warps, each owning MT m-tiles (16*MT query
 // rows) of the block's BQ = 64*MT, so every k / v fragment read from shared
-// memory feeds MT mma. The q fragments stay in registers when they fit
-// (MT*HD <= 64; the q tile's space then takes the v tiles), else they are
-// read from the q tile at each step. The v tile loads while the scores are
+// memory feeds MT mma. The q fragments stay in registers only at MT*HD =
+// 64 (the q tile's space then takes the v tiles); elsewhere they are read
+// from the q tile at each step, which keeps the registers under the launch
+// bounds without spills. The v tile loads while the scores are
 // computed, the next k tile while P v is. Address arithmetic is done once
 // (TileCopy, LdsmOffsets; the k and v pointers advance by a tile); element
 // masks are looked at only in tiles that reach past kv_len or the warp's
@@ -610,7 +611,7 @@ struct LdsmOffsets {
 template <typename T, int HD, int MT>
 TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     constexpr int NT = 128, BQ = 64 * MT, KT = HD / 16;
-    constexpr bool QREG = MT * HD <= 128;
+    constexpr bool QREG = MT * HD <= 64;
     T* sQ = reinterpret_cast<T*>(tpar_dyn_smem);  // [BQ][HD]
     T* sK = sQ + BQ * HD;                          // [64][HD]
     T* sV = QREG ? sQ : sK + kBlock * HD;          // [64][HD]
@@ -743,6 +744,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
                     }
                 }
         }
+        u32 pa[MT][4][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             float mx[2] = {ninf, ninf};
@@ -775,6 +777,14 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
                     l[mt][e >> 1] += p;
                     s[mt][nt][e] = p;
                 }
+            // P as the A fragments of P v, packed now: the scores die here.
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                pa[mt][kk][0] = pack2_rn<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack2_rn<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack2_rn<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack2_rn<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
         }
 
         cp_async_wait<0>();
@@ -786,17 +796,9 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
         }
         cp_async_commit();
 
-        // o += P v: P from the score registers as A fragments.
+        // o += P v.
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            u32 pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = pack2_rn<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = pack2_rn<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = pack2_rn<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack2_rn<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
                 u32 r[4];
@@ -804,8 +806,8 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
                 const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(o[mt][2 * np], pa[mt], b0);
-                    mma_16816<T>(o[mt][2 * np + 1], pa[mt], b1);
+                    mma_16816<T>(o[mt][2 * np], pa[mt][kk], b0);
+                    mma_16816<T>(o[mt][2 * np + 1], pa[mt][kk], b1);
                 }
             }
         }
@@ -1160,17 +1162,25 @@ TPAR_KERNEL(tpar_sdpa_fwd_simt8_f16, SdpaFwdArgs, 256) { sdpa::fwd_simt<f16, 8>(
 TPAR_KERNEL(tpar_sdpa_bwd_simt8_f16, SdpaBwdArgs, 256) { sdpa::bwd_simt<f16, 8>(args); }
 
 // Tensor-core kernels: HD = padded head dim (64, 128); forward with 64
-// (`tc<HD>`) or 128 (`tc<HD>m2`) query rows per block.
-TPAR_KERNEL(tpar_sdpa_fwd_tc64_bf16, SdpaFwdArgs, 128) { sdpa::fwd_tc<bf16, 64, 1>(args); }
+// (`tc<HD>`) or 128 (`tc<HD>m2`) query rows per block. The 64-row forward
+// asks for three blocks of 128 threads per SM (at most 168 registers, which
+// it fits without spills at both head dims); the emulator takes the thread
+// count alone.
+#ifndef TPAR_EMU
+#define SDPA_TC_FWD_BOUNDS 128, 3
+#else
+#define SDPA_TC_FWD_BOUNDS 128
+#endif
+TPAR_KERNEL(tpar_sdpa_fwd_tc64_bf16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<bf16, 64, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc64m2_bf16, SdpaFwdArgs, 128) { sdpa::fwd_tc<bf16, 64, 2>(args); }
 TPAR_KERNEL(tpar_sdpa_bwd_tc64_bf16, SdpaBwdArgs, 128) { sdpa::bwd_tc<bf16, 64>(args); }
-TPAR_KERNEL(tpar_sdpa_fwd_tc128_bf16, SdpaFwdArgs, 128) { sdpa::fwd_tc<bf16, 128, 1>(args); }
+TPAR_KERNEL(tpar_sdpa_fwd_tc128_bf16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<bf16, 128, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc128m2_bf16, SdpaFwdArgs, 128) { sdpa::fwd_tc<bf16, 128, 2>(args); }
 TPAR_KERNEL(tpar_sdpa_bwd_tc128_bf16, SdpaBwdArgs, 128) { sdpa::bwd_tc<bf16, 128>(args); }
-TPAR_KERNEL(tpar_sdpa_fwd_tc64_f16, SdpaFwdArgs, 128) { sdpa::fwd_tc<f16, 64, 1>(args); }
+TPAR_KERNEL(tpar_sdpa_fwd_tc64_f16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<f16, 64, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc64m2_f16, SdpaFwdArgs, 128) { sdpa::fwd_tc<f16, 64, 2>(args); }
 TPAR_KERNEL(tpar_sdpa_bwd_tc64_f16, SdpaBwdArgs, 128) { sdpa::bwd_tc<f16, 64>(args); }
-TPAR_KERNEL(tpar_sdpa_fwd_tc128_f16, SdpaFwdArgs, 128) { sdpa::fwd_tc<f16, 128, 1>(args); }
+TPAR_KERNEL(tpar_sdpa_fwd_tc128_f16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<f16, 128, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc128m2_f16, SdpaFwdArgs, 128) { sdpa::fwd_tc<f16, 128, 2>(args); }
 TPAR_KERNEL(tpar_sdpa_bwd_tc128_f16, SdpaBwdArgs, 128) { sdpa::bwd_tc<f16, 128>(args); }
 

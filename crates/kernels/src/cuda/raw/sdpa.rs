@@ -398,10 +398,9 @@ fn plan(
                 }
             };
             // The q tile, the k tile, and a v tile unless v reuses the q
-            // tile's space (q fragments in registers: 64 rows, or 128 of
-            // head dim 64).
+            // tile's space (q fragments in registers: 64 rows of head dim 64).
             let rows = if wide { 2 * BLOCK } else { BLOCK };
-            let v_tile = if rows * hd <= BLOCK * 128 { 0 } else { BLOCK };
+            let v_tile = if rows * hd <= BLOCK * 64 { 0 } else { BLOCK };
             Plan {
                 name: format!("tpar_sdpa_fwd_tc{hd}{}_{sfx}", if wide { "m2" } else { "" }),
                 threads: 128,
