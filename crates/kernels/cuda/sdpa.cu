@@ -598,8 +598,9 @@ struct LdsmOffsets {
 };
 
 // Forward with tensor cores: 4 warps, each owning MT m-tiles (16*MT query
-// rows) of the block's BQ = 64*MT, so every k / v fragment read from shared
-// memory feeds MT mma. The q fragments stay in registers only at MT*HD =
+// rows) of the block's BQ = 64*MT, so every v fragment read from shared
+// memory feeds MT mma (the scores are computed one m-tile at a time, so
+// that only one tile's are live). The q fragments stay in registers only at MT*HD =
 // 64 (the q tile's space then takes the v tiles); elsewhere they are read
 // from the q tile at each step, which keeps the registers under the launch
 // bounds without spills. The v tile loads while the scores are
@@ -673,50 +674,44 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
         cp_async_commit();
         V += v_step;
 
-        // S = q k^T: MT x 8 accumulator tiles of 16 x 8.
-        float s[MT][8][4];
+        // Per m-tile (so that one tile's scores are live at a time): S = q
+        // k^T as 8 accumulator tiles of 16 x 8, masks, online softmax, and
+        // P packed as the A fragments of P v.
+        u32 pa[MT][4][4];
+        const bool check =
+            j0 + kBlock > a.kv_len || (a.causal && j0 + kBlock - 1 > q0 + wrow) || M != nullptr;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt) {
+            float s[8][4];
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+                for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk) {
-            u32 qa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
+            for (int kk = 0; kk < KT; ++kk) {
+                u32 qa[4];
                 if (QREG) {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) qa[mt][i] = qf[QREG ? mt * KT + kk : 0][i];
+                    for (int i = 0; i < 4; ++i) qa[i] = qf[QREG ? mt * KT + kk : 0][i];
                 } else {
-                    ldmatrix_x4(qa[mt], sQw + lo.at_a(16 * mt, kk));
+                    ldmatrix_x4(qa, sQw + lo.at_a(16 * mt, kk));
+                }
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    u32 r[4];
+                    ldmatrix_x4(r, sK + lo.at_b(np * 16, kk));
+                    const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                    mma_16816<T>(s[2 * np], qa, b0);
+                    mma_16816<T>(s[2 * np + 1], qa, b1);
                 }
             }
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                u32 r[4];
-                ldmatrix_x4(r, sK + lo.at_b(np * 16, kk));
-                const u32 b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(s[mt][2 * np], qa[mt], b0);
-                    mma_16816<T>(s[mt][2 * np + 1], qa[mt], b1);
-                }
-            }
-        }
-
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= sl2;
-        // Masks: key j0 + 2t + idx (idx = nt*8 + (e & 1)) is visible to a
-        // row when idx < lim, the row's limit (kv_len, and the diagonal).
-        if (j0 + kBlock > a.kv_len || (a.causal && j0 + kBlock - 1 > q0 + wrow) || M != nullptr) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+                for (int e = 0; e < 4; ++e) s[nt][e] *= sl2;
+            // Masks: key j0 + 2t + idx (idx = nt*8 + (e & 1)) is visible to
+            // a row when idx < lim, the row's limit (kv_len, and the diagonal).
+            if (check) {
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
                     const int r = row_lo + 16 * mt + 8 * hr;
@@ -728,7 +723,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
                         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                             for (int i = 0; i < 2; ++i) {
-                                float& x = s[mt][nt][2 * hr + i];
+                                float& x = s[nt][2 * hr + i];
                                 if (nt * 8 + i >= lim) {
                                     x = ninf;
                                 } else {
@@ -740,18 +735,15 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
                         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                             for (int i = 0; i < 2; ++i)
-                                if (nt * 8 + i >= lim) s[mt][nt][2 * hr + i] = ninf;
+                                if (nt * 8 + i >= lim) s[nt][2 * hr + i] = ninf;
                     }
                 }
-        }
-        u32 pa[MT][4][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+            }
             float mx[2] = {ninf, ninf};
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nt][e]);
+                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
             // Online softmax; `base` keeps exp2 finite for rows masked so far.
             float base[2];
 #pragma unroll
@@ -773,17 +765,16 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2_ftz(s[mt][nt][e] - base[e >> 1]);
+                    const float p = exp2_ftz(s[nt][e] - base[e >> 1]);
                     l[mt][e >> 1] += p;
-                    s[mt][nt][e] = p;
+                    s[nt][e] = p;
                 }
-            // P as the A fragments of P v, packed now: the scores die here.
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                pa[mt][kk][0] = pack2_rn<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][kk][1] = pack2_rn<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][kk][2] = pack2_rn<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][kk][3] = pack2_rn<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                pa[mt][kk][0] = pack2_rn<T>(s[2 * kk][0], s[2 * kk][1]);
+                pa[mt][kk][1] = pack2_rn<T>(s[2 * kk][2], s[2 * kk][3]);
+                pa[mt][kk][2] = pack2_rn<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[mt][kk][3] = pack2_rn<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
             }
         }
 
