@@ -68,6 +68,7 @@ struct Opts {
     stop_after: Option<usize>,
     nonfinite: NonFinite,
     timeline: bool,
+    cuda_graph: bool,
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
@@ -173,6 +174,15 @@ struct Cli {
     /// phase and group).
     #[arg(long, conflicts_with_all = ["no_fsdp", "zero1"])]
     timeline: bool,
+    /// On a CUDA device: after one eager warm-up step, capture one whole training step
+    /// (forward, loss, backward, clipping, AdamW) as a CUDA graph, its batch read from
+    /// static device tensors, and replay it for the following steps (the learning rate
+    /// and bias corrections reach the device before each replay); a batch of another
+    /// shape runs eagerly (said once). World 1 only (--world 1 --dp 1 --tp 1, FSDP or
+    /// --no-fsdp); the loss and the gradient norm are read back on logging steps only,
+    /// so --nonfinite fail reports a non-finite step there, after its update.
+    #[arg(long)]
+    cuda_graph: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -240,6 +250,9 @@ fn parse() -> Result<Opts, String> {
     if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {
         return Err(format!("--device: cpu, cuda or cuda:N, not {}", c.device));
     }
+    if c.cuda_graph {
+        cuda_graph_supported(&c, world)?;
+    }
     Ok(Opts {
         world,
         dp: c.dp,
@@ -279,7 +292,38 @@ fn parse() -> Result<Opts, String> {
         stop_after: c.stop_after,
         nonfinite: c.nonfinite,
         timeline: c.timeline,
+        cuda_graph: c.cuda_graph,
     })
+}
+
+/// `--cuda-graph` where it runs: one rank on a CUDA device, AdamW stepped locally, the
+/// step's decisions made on the device. Anything else is refused naming what is not
+/// supported (rather than a graph that would replay wrong work).
+fn cuda_graph_supported(c: &Cli, world: usize) -> Result<(), String> {
+    let mut no = Vec::new();
+    if c.device == "cpu" {
+        no.push("--device cpu (graphs capture CUDA work: --device cuda)".to_string());
+    }
+    if world != 1 || c.backend != BackendArg::Local {
+        no.push(format!(
+            "a world of {world} ranks (collectives across ranks are not captured yet: \
+             --world 1 --dp 1 --tp 1 with the local backend)"
+        ));
+    }
+    if c.zero1 {
+        no.push("--zero1 (its optimizer does not take capturable steps)".into());
+    }
+    if c.nonfinite == NonFinite::Skip {
+        no.push("--nonfinite skip (it decides on the host every step)".into());
+    }
+    if c.timeline {
+        no.push("--timeline (it times host phases of the step)".into());
+    }
+    if no.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("--cuda-graph does not support {}", no.join("; ")))
+    }
 }
 
 /// The memory model's prediction for this run: the rank with the highest peak.
@@ -383,6 +427,18 @@ struct RankReport {
     /// Seconds from the start to the end of each step that read its loss back
     /// (so the device had finished it), with the steps done by then.
     read_times: Vec<(usize, f64)>,
+    /// Per step on a device that counts its work (the emulator): whether it logged, how
+    /// it ran (eager, warm-up, captured, replayed, fallback), the work it issued and its
+    /// wall seconds.
+    step_work: Vec<StepWork>,
+}
+
+/// One step's work on a device that counts it.
+struct StepWork {
+    logging: bool,
+    mode: &'static str,
+    work: tpar::tensor::gpu::WorkCounts,
+    wall_s: f64,
 }
 
 impl RankReport {
@@ -481,6 +537,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
 
     let optim = run::Optim::new(o.lr, o.steps);
     let adamw = optim.adamw;
+    let cuda_ordinal = match compute_device(o) {
+        Device::Cuda(i) => Some(i),
+        _ => None,
+    };
     // One optimizer interface for every dp mode (ZeRO-1 shards its state over dp).
     let mut opt: Box<dyn Optimizer> = match o.dp_mode {
         DpMode::Zero1 => {
@@ -488,6 +548,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         DpMode::Fsdp | DpMode::Ddp => Box::new(AdamW::with_names(named_parameters(&model), adamw)?),
     };
+    // --cuda-graph: capturable AdamW, and the step runner (one eager warm-up step).
+    let mut graphed = match (o.cuda_graph, cuda_ordinal) {
+        (true, Some(i)) => {
+            opt.set_capturable(true)?;
+            Some(tpar::tensor::gpu::GraphedStep::<(Tensor, Tensor)>::new(i, 1))
+        }
+        _ => None,
+    };
+    let mut said_fallback = false;
     let mut sched = LrScheduler::new(optim.schedule()?, opt.as_mut());
     if o.save.override_lr {
         sched.override_on_load();
@@ -569,10 +638,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // --metrics / --tensorboard: rank 0 writes them (on a writer thread).
     let metrics = o.metrics.start(rank == 0)?;
     // The device's buffers, for its peak (the local backend's ranks share one device).
-    let cuda_ordinal = match device {
-        Device::Cuda(i) => Some(i),
-        _ => None,
-    };
     if let (Some(i), Some(_)) = (cuda_ordinal, &metrics) {
         tpar::kernels::cuda::reset_device_peak(i);
     }
@@ -587,12 +652,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut step = progress.step;
     let mut step_round_trips: Vec<(bool, u64)> = Vec::new();
     let mut read_times: Vec<(usize, f64)> = Vec::new();
+    let mut step_work: Vec<StepWork> = Vec::new();
     let on_host = device == Device::Cpu;
     if let Some(bar) = &progress_bar {
         bar.set_position(step as u64);
     }
     while step < stop {
         let step_trips0 = tpar::tensor::gpu::host_round_trips();
+        let work0 = cuda_ordinal.and_then(tpar::tensor::gpu::work_counts);
         let step_t0 = Instant::now();
         // Logging steps read the loss and the gradient norm back (one host round trip
         // on a device): step 1, every --log-every steps and the last step; on the host
@@ -622,77 +689,143 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         } else {
             (batch, 1.0)
         };
-        let batch = batch.to_device(device)?;
-        if let Some(t) = &timeline {
-            t.clear();
-            comm.clear();
-            comm.enable();
-            phases.clear();
-        }
-        unshard(&model)?;
-        // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
-        let logits = model
-            .logits(&batch.input_ids, Some(&batch.attention_mask))?
-            .reshape(&[-1, cfg.vocab_size as isize])?;
-        let targets = batch.target_ids.reshape([batch.target_ids.numel()])?;
-        let loss = logits.cross_entropy(&targets, pad)?;
-        // Under cp: this rank's share of its dp rank's mean (its tokens over the cp
-        // group's), times cp since the gradient reduction averages over dp x cp.
-        let loss = if o.cp > 1 { loss.mul_scalar(cp_share * o.cp as f64)? } else { loss };
-        // The loss is Replicate: the local tensor is its value.
-        let loss_t = loss.clone().into_local("loss")?;
-        // On the host: read now, and fail before the backward.
-        let mut local = if on_host { loss_t.item()? } else { f64::NAN };
-        let fail_on_loss = |local: f64| -> tpar::Result<()> {
-            if o.nonfinite == NonFinite::Fail && !local.is_finite() {
-                // Peers waiting in the next collective fail naming this rank.
+        let mut mode = "eager";
+        let (mut local, norm) = if let Some(gs) = graphed.as_mut() {
+            // --cuda-graph: the batch goes into the graph's static inputs; the loss and the
+            // norm are its static outputs, read back on logging steps only.
+            let inputs =
+                [batch.input_ids.clone(), batch.target_ids.clone(), batch.attention_mask.clone()];
+            let ((loss_t, norm_t), how) = gs.run(
+                &mut opt,
+                &inputs,
+                |opt, d| -> tpar::Result<(Tensor, Tensor)> {
+                    unshard(&model)?;
+                    // [b, s, vocab] -> [b * s, vocab]
+                    let logits = model
+                        .logits(&d[0], Some(&d[2]))?
+                        .reshape(&[-1, cfg.vocab_size as isize])?;
+                    let loss = logits.cross_entropy(&d[1].reshape([d[1].numel()])?, pad)?;
+                    let loss_t = loss.clone().into_local("loss")?;
+                    loss.backward()?;
+                    let norm_t =
+                        clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
+                    opt.step()?;
+                    Ok((loss_t, norm_t))
+                },
+                |opt| Ok(opt.prepare_replay()?),
+            )?;
+            mode = match how {
+                tpar::tensor::gpu::StepMode::Warmup => "warmup",
+                tpar::tensor::gpu::StepMode::Captured => "captured",
+                tpar::tensor::gpu::StepMode::Replayed => "replayed",
+                tpar::tensor::gpu::StepMode::Fallback => "fallback",
+            };
+            if how == tpar::tensor::gpu::StepMode::Fallback && !said_fallback && rank == 0 {
+                said_fallback = true;
+                let captured: Vec<String> =
+                    gs.captured_inputs().iter().map(|(s, d)| format!("{s} {}", d.name())).collect();
+                println!(
+                    "cuda graph: step {} has a batch of shape {} (captured: {}): it runs \
+                     eagerly, as every step whose batch differs from the captured one",
+                    step + 1,
+                    inputs[0].shape(),
+                    captured.join(", ")
+                );
+            }
+            if read {
+                let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
+                if o.nonfinite == NonFinite::Fail && !(l.is_finite() && n.is_finite()) {
+                    return Err(NnError::NonFinite {
+                        what: format!(
+                            "step {} on rank {rank}: the loss or the gradient norm (loss {l}, \
+                             norm {n}; the step's update was taken)",
+                            step + 1
+                        ),
+                        value: if l.is_finite() { n } else { l },
+                    }
+                    .into());
+                }
+                (l, n)
+            } else {
+                (f64::NAN, f64::NAN)
+            }
+        } else {
+            let batch = batch.to_device(device)?;
+            if let Some(t) = &timeline {
+                t.clear();
+                comm.clear();
+                comm.enable();
+                phases.clear();
+            }
+            unshard(&model)?;
+            // Plain or vocab-sharded logits alike: [b, s, vocab] -> [b * s, vocab].
+            let logits = model
+                .logits(&batch.input_ids, Some(&batch.attention_mask))?
+                .reshape(&[-1, cfg.vocab_size as isize])?;
+            let targets = batch.target_ids.reshape([batch.target_ids.numel()])?;
+            let loss = logits.cross_entropy(&targets, pad)?;
+            // Under cp: this rank's share of its dp rank's mean (its tokens over the cp
+            // group's), times cp since the gradient reduction averages over dp x cp.
+            let loss = if o.cp > 1 { loss.mul_scalar(cp_share * o.cp as f64)? } else { loss };
+            // The loss is Replicate: the local tensor is its value.
+            let loss_t = loss.clone().into_local("loss")?;
+            // On the host: read now, and fail before the backward.
+            let mut local = if on_host { loss_t.item()? } else { f64::NAN };
+            let fail_on_loss = |local: f64| -> tpar::Result<()> {
+                if o.nonfinite == NonFinite::Fail && !local.is_finite() {
+                    // Peers waiting in the next collective fail naming this rank.
+                    return Err(NnError::NonFinite {
+                        what: format!("step {} on rank {rank}: the loss", step + 1),
+                        value: local,
+                    }
+                    .into());
+                }
+                Ok(())
+            };
+            if on_host {
+                fail_on_loss(local)?;
+            }
+            if timeline.is_some() {
+                phases.push(("forward", comm.take()));
+            }
+            loss.backward()?;
+            if timeline.is_some() {
+                phases.push(("backward", comm.take()));
+            }
+            // The norm is global (all-reduced): every rank takes the same branch. Clipping
+            // through the optimizer serves every dp mode (ZeRO-1's gradients live in the
+            // ranks' ranges after its reduce-scatter); the norm stays on the device.
+            let norm_t = clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
+            let norm = if !read {
+                // Not read back: the step goes on (see --nonfinite).
+                f64::NAN
+            } else if on_host {
+                norm_t.item()?
+            } else {
+                let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
+                local = l;
+                fail_on_loss(local)?;
+                n
+            };
+            if !read || norm.is_finite() {
+                opt.step()?;
+            } else if o.nonfinite == NonFinite::Fail {
                 return Err(NnError::NonFinite {
-                    what: format!("step {} on rank {rank}: the loss", step + 1),
-                    value: local,
+                    what: format!(
+                        "step {} on rank {rank}: the gradient norm (loss {local})",
+                        step + 1
+                    ),
+                    value: norm,
                 }
                 .into());
-            }
-            Ok(())
-        };
-        if on_host {
-            fail_on_loss(local)?;
-        }
-        if timeline.is_some() {
-            phases.push(("forward", comm.take()));
-        }
-        loss.backward()?;
-        if timeline.is_some() {
-            phases.push(("backward", comm.take()));
-        }
-        // The norm is global (all-reduced): every rank takes the same branch. Clipping
-        // through the optimizer serves every dp mode (ZeRO-1's gradients live in the
-        // ranks' ranges after its reduce-scatter); the norm stays on the device.
-        let norm_t = clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
-        let norm = if !read {
-            // Not read back: the step goes on (see --nonfinite).
-            f64::NAN
-        } else if on_host {
-            norm_t.item()?
-        } else {
-            let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
-            local = l;
-            fail_on_loss(local)?;
-            n
-        };
-        if !read || norm.is_finite() {
-            opt.step()?;
-        } else if o.nonfinite == NonFinite::Fail {
-            return Err(NnError::NonFinite {
-                what: format!("step {} on rank {rank}: the gradient norm (loss {local})", step + 1),
-                value: norm,
-            }
-            .into());
-        } else if rank == 0 {
-            println!(
+            } else if rank == 0 {
+                println!(
                 "step {}: non-finite gradient norm {norm} (loss {local}): optimizer step skipped",
                 step + 1
             );
-        }
+            }
+            (local, norm)
+        };
         let lr = sched.step(opt.as_mut());
         opt.zero_grad();
         // Under cp, this dp rank's loss is the sum of its cp ranks' shares.
@@ -739,6 +872,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             read_times.push((step - start_step, t0.elapsed().as_secs_f64()));
         }
         step_round_trips.push((logging, tpar::tensor::gpu::host_round_trips() - step_trips0));
+        if let (Some(w0), Some(w1)) = (work0, cuda_ordinal.and_then(tpar::tensor::gpu::work_counts))
+        {
+            let wall_s = step_t0.elapsed().as_secs_f64();
+            step_work.push(StepWork { logging, mode, work: w1 - w0, wall_s });
+        }
         if let Some(c) = &mut ckpt {
             c.poll()?;
             if step.is_multiple_of(o.save_every) || step == o.steps {
@@ -798,6 +936,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         round_trips_per_step: (tpar::tensor::gpu::host_round_trips() - trips0) as f64
             / (step - start_step).max(1) as f64,
         step_round_trips,
+        step_work,
         timeline: timeline.map(|t| {
             let p: Vec<(&str, &[tpar::collectives::CommRecord])> =
                 phases.iter().map(|(n, r)| (*n, r.as_slice())).collect();
@@ -897,8 +1036,16 @@ fn main() {
     let states: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.state_bytes as f64 / 1024.0)).collect();
     println!("optimizer state per rank (KiB): [{}]", states.join(", "));
+    // Host calls that issued device work (launches, copies, graph replays) on rank 0's
+    // last quiet step after the warm-up and the capture, where the device counts them.
+    let launches_per_step = r0
+        .step_work
+        .iter()
+        .rev()
+        .find(|w| !w.logging && w.mode != "warmup" && w.mode != "captured")
+        .map_or("none".to_string(), |w| w.work.host_calls.to_string());
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={}",
         o.world,
         o.dp,
         o.tp,
@@ -917,6 +1064,8 @@ fn main() {
         reports.iter().map(|r| r.predicted_peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
         device_peak_max,
         o.cp_method.name(),
+        u8::from(o.cuda_graph),
+        launches_per_step,
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.
@@ -936,6 +1085,25 @@ fn main() {
             list(true),
             list(false)
         );
+        // Where the device counts its work (the emulator), rank 0's steps: how each ran,
+        // the host calls that issued work, the kernels and copies run, and the wall time
+        // split into time inside the device's work and the host's own time around it
+        // (the emulator runs kernels on the host thread: the gaps a GPU would idle in).
+        if !r0.step_work.is_empty() {
+            let col = |f: &dyn Fn(&StepWork) -> String| -> String {
+                r0.step_work.iter().map(f).collect::<Vec<_>>().join(",")
+            };
+            println!(
+                "work: modes={} logging={} host_calls={} kernels={} copies={} device_ms={} host_ms={}",
+                col(&|w| w.mode.to_string()),
+                col(&|w| u8::from(w.logging).to_string()),
+                col(&|w| w.work.host_calls.to_string()),
+                col(&|w| w.work.kernels_run.to_string()),
+                col(&|w| w.work.copies_run.to_string()),
+                col(&|w| format!("{:.3}", w.work.device_ns as f64 / 1e6)),
+                col(&|w| format!("{:.3}", (w.wall_s * 1e3 - w.work.device_ns as f64 / 1e6).max(0.0))),
+            );
+        }
         // With TPAR_CUDA_PROFILE=1: where the device time went, per kernel (stderr).
         if let Some(table) = tpar::kernels::cuda::profile::report() {
             eprint!("{table}");

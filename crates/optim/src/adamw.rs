@@ -91,6 +91,18 @@ pub struct AdamW {
     params: Vec<(String, Param)>,
     config: AdamWConfig,
     state: Vec<Option<AdamWSlot>>,
+    capturable: Capturable,
+}
+
+/// The capturable mode's state: the device coefficients and what the captured step
+/// covers.
+#[derive(Debug, Default)]
+struct Capturable {
+    on: bool,
+    /// The step's coefficients on the parameters' device (8 f32).
+    coef: Option<Tensor>,
+    /// The parameters the captured step updates.
+    captured: Vec<usize>,
 }
 
 impl AdamW {
@@ -104,7 +116,7 @@ impl AdamW {
         config.check()?;
         check_not_retired("AdamW", &params)?;
         let state = vec![None; params.len()];
-        Ok(AdamW { params, config, state })
+        Ok(AdamW { params, config, state, capturable: Capturable::default() })
     }
 
     /// The hyper-parameters (with the current learning rate).
@@ -166,6 +178,133 @@ impl AdamW {
             exp_avg: state_from(&state.exp_avg, &leaf)?,
             exp_avg_sq: state_from(&state.exp_avg_sq, &leaf)?,
         });
+        Ok(())
+    }
+
+    /// Capturable steps (PyTorch's `AdamW(capturable=True)`), for parameters on one CUDA
+    /// device: the kernels read the step's coefficients (learning rate, bias corrections,
+    /// folded on the host as always) from a small buffer on the device, so a CUDA graph
+    /// that captured [`Optimizer::step`] stays right when replayed at later steps with
+    /// another learning rate.
+    ///
+    /// An eager step writes the coefficients there (one host-to-device copy) and
+    /// launches the kernels; a step issued while the device captures a graph launches
+    /// them only, and leaves the step counts alone: before each replay of that graph,
+    /// [`AdamW::prepare_replay`] advances them and writes the coefficients. Writing them
+    /// from the host, rather than computing the bias corrections on the device from a
+    /// device step counter as PyTorch does, keeps the steps bit for bit the
+    /// non-capturable ones (the same f64 folding) and takes the learning rate schedule
+    /// from the host as before. Every parameter's state must exist before a capture (take
+    /// one eager step first), and all parameters must be at the same step count.
+    pub fn set_capturable(&mut self, on: bool) {
+        self.capturable.on = on;
+        if !on {
+            self.capturable = Capturable::default();
+        }
+    }
+
+    /// Before a replay of a graph that captured [`Optimizer::step`] in capturable mode:
+    /// the step counts of the parameters the captured step updates advance by one, and
+    /// that step's coefficients (at the current learning rate) are written to the device.
+    pub fn prepare_replay(&mut self) -> Result<()> {
+        let idx = self.capturable.captured.clone();
+        let Some(&first) = idx.first() else {
+            return Err(config_err("AdamW: no captured step to replay"));
+        };
+        let step = self.state[first].as_ref().map_or(0, |s| s.step) + 1;
+        for &i in &idx {
+            let s = self.state[i].as_mut().ok_or_else(|| {
+                config_err(format!("AdamW: parameter {} lost its state", self.params[i].0))
+            })?;
+            s.step = step;
+        }
+        self.write_coefficients(step)
+    }
+
+    /// The step's hyper-parameters at step `step`.
+    fn hyper(&self, step: u64) -> AdamWParams {
+        AdamWParams {
+            lr: self.config.lr,
+            beta1: self.config.betas.0,
+            beta2: self.config.betas.1,
+            eps: self.config.eps,
+            weight_decay: self.config.weight_decay,
+            step,
+        }
+    }
+
+    /// Writes step `step`'s coefficients into the device buffer (which must exist).
+    fn write_coefficients(&self, step: u64) -> Result<()> {
+        let Some(coef) = &self.capturable.coef else {
+            return Err(config_err("AdamW: no device coefficients (no capturable step yet)"));
+        };
+        let host =
+            Tensor::from_vec(tpar_tensor::adamw_coefficients(&self.hyper(step)).to_vec(), [8])?;
+        tpar_tensor::gpu::write_from_host(coef, &host)?;
+        Ok(())
+    }
+
+    /// A capturable step of `items` (see [`AdamW::set_capturable`]).
+    fn step_capturable(&mut self, items: Vec<StepItem>) -> Result<()> {
+        let Some(first) = items.first() else { return Ok(()) };
+        let device = first.leaf.device();
+        let Device::Cuda(ordinal) = device else {
+            return Err(config_err(format!(
+                "AdamW (capturable): parameter {} is on {device}; capturable steps run on a \
+                 CUDA device",
+                self.params[first.index].0
+            )));
+        };
+        let step = first.step;
+        for d in &items {
+            if d.leaf.device() != device || d.step != step {
+                return Err(config_err(format!(
+                    "AdamW (capturable): parameter {} is at step {} on {}, parameter {} at \
+                     step {step} on {device}; a capturable step needs one device and one \
+                     step count",
+                    self.params[d.index].0,
+                    d.step - 1,
+                    d.leaf.device(),
+                    self.params[first.index].0
+                )));
+            }
+        }
+        let capturing = tpar_tensor::gpu::is_capturing(ordinal);
+        if !capturing {
+            if self.capturable.coef.is_none() {
+                self.capturable.coef = Some(Tensor::zeros([8], DType::F32, device)?);
+            }
+            self.write_coefficients(step)?;
+        }
+        let Some(coef) = self.capturable.coef.clone() else {
+            return Err(config_err(
+                "AdamW (capturable): a step captured before any eager capturable step (take \
+                 one first: it creates the state and the device coefficients)",
+            ));
+        };
+        let list = |f: fn(&StepItem) -> &Tensor| items.iter().map(f).collect::<Vec<_>>();
+        let copies: Vec<Option<&Tensor>> = items.iter().map(|d| d.copy.as_ref()).collect();
+        Tensor::adamw_step_each_capturable_(
+            &list(|d| &d.leaf),
+            &list(|d| &d.grad),
+            &list(|d| &d.exp_avg),
+            &list(|d| &d.exp_avg_sq),
+            &copies,
+            &coef,
+        )?;
+        for d in &items {
+            if !capturing {
+                if let Some(s) = &mut self.state[d.index] {
+                    s.step = d.step;
+                }
+            }
+            if let Some(u) = &d.unshard {
+                u.stepped(d.copy.is_some())?;
+            }
+        }
+        if capturing {
+            self.capturable.captured = items.iter().map(|d| d.index).collect();
+        }
         Ok(())
     }
 
@@ -264,9 +403,32 @@ impl Optimizer for AdamW {
         for (i, ((name, p), slot)) in self.params.iter().zip(&mut self.state).enumerate() {
             let leaf = p.trainable();
             let Some(g) = grad_for_step("AdamW", name, p, &leaf)? else { continue };
+            if self.capturable.on && slot.is_none() {
+                if let Device::Cuda(o) = leaf.device() {
+                    if tpar_tensor::gpu::is_capturing(o) {
+                        return Err(config_err(format!(
+                            "AdamW (capturable): parameter {name} has no state yet; take one \
+                             eager step before capturing (its state would be zeroed by every \
+                             replay)"
+                        )));
+                    }
+                }
+            }
             items.push(AdamW::prepare(i, name, p, leaf, &g, slot)?);
         }
+        if self.capturable.on {
+            return self.step_capturable(items);
+        }
         self.step_all(items)
+    }
+
+    fn set_capturable(&mut self, on: bool) -> Result<()> {
+        AdamW::set_capturable(self, on);
+        Ok(())
+    }
+
+    fn prepare_replay(&mut self) -> Result<()> {
+        AdamW::prepare_replay(self)
     }
 
     fn zero_grad(&self) {

@@ -517,8 +517,8 @@ fn clip_on_device(entries: &[ClipGrad], max_norm: f64, opts: &ClipOptions<'_>) -
     for (i, (_, v)) in parts.iter().enumerate() {
         host[slot(i)] += *v as f32;
     }
-    let fold = Tensor::from_vec(fold, [n_slots, order.len()])?.to_device(device)?;
-    let host = Tensor::from_vec(host, [n_slots])?.to_device(device)?;
+    let fold = device_constant(fold, &[n_slots, order.len()], device)?;
+    let host = device_constant(host, &[n_slots], device)?;
     // [n_slots, k] @ [k, 1] -> [n_slots]
     let slots = fold.matmul(&sq.reshape([order.len(), 1])?)?.reshape([n_slots])?.add(&host)?;
     let mut slots: Vec<Tensor> =
@@ -565,4 +565,32 @@ fn clip_on_device(entries: &[ClipGrad], max_norm: f64, opts: &ClipOptions<'_>) -
         e.set(scaled);
     }
     Ok(total)
+}
+
+/// Host values on `device`, uploaded once per distinct (values, shape, device) on this
+/// thread and shared after: the fold matrix and the host parts repeat from step to step,
+/// so a step needs no host-to-device copy for them (and can be captured into a CUDA
+/// graph, which refuses one). Values that change every step (host parts of gradients
+/// on the host) are uploaded each time; the cache keeps the last 64.
+fn device_constant(values: Vec<f32>, dims: &[usize], device: Device) -> Result<Tensor> {
+    type Key = (Vec<u32>, Vec<usize>, Device);
+    thread_local! {
+        static CONSTANTS: std::cell::RefCell<Vec<(Key, Tensor)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let key: Key = (values.iter().map(|v| v.to_bits()).collect(), dims.to_vec(), device);
+    if let Some(t) =
+        CONSTANTS.with(|c| c.borrow().iter().find(|(k, _)| *k == key).map(|e| e.1.clone()))
+    {
+        return Ok(t);
+    }
+    let t = Tensor::from_vec(values, dims)?.to_device(device)?;
+    CONSTANTS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= 64 {
+            c.remove(0);
+        }
+        c.push((key, t.clone()));
+    });
+    Ok(t)
 }

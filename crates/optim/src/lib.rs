@@ -92,6 +92,23 @@ pub trait Optimizer: Stateful {
     /// [`clip_grad_norm_`] (collective: every rank calls it): the parameters' reduced
     /// gradients for a local optimizer, the ranks' ranges for ZeRO-1.
     fn grads_for_clip(&mut self) -> Result<Vec<ClipGrad>>;
+    /// Makes the steps capturable into a CUDA graph (PyTorch's `capturable=True`): the
+    /// per-step values (learning rate, bias corrections) are read from device memory
+    /// instead of being folded into the launches, so a replayed step takes the current
+    /// ones (see [`AdamW::set_capturable`]). An error for an optimizer that cannot
+    /// (the default).
+    fn set_capturable(&mut self, on: bool) -> Result<()> {
+        if on {
+            return Err(config_err("this optimizer does not take capturable steps"));
+        }
+        Ok(())
+    }
+    /// Before each replay of a graph that captured [`Optimizer::step`]: advances the
+    /// step counts the captured step would and writes its coefficients to the device
+    /// (see [`AdamW::prepare_replay`]). An error without a captured step.
+    fn prepare_replay(&mut self) -> Result<()> {
+        Err(config_err("this optimizer has no captured step to replay"))
+    }
 }
 
 /// Whether `leaf` is updated by the fused CUDA kernels (a CUDA tensor of f32, bf16 or

@@ -479,3 +479,188 @@ pub fn single_stream() -> bool {
 pub fn synchronize(ordinal: usize) -> Result<()> {
     device(ordinal)?.synchronize().map_err(kerr)
 }
+
+// ------------------------------------------------------------------ CUDA graphs
+
+pub use tpar_kernels::cuda::graph::{CudaGraph, GraphStats, WorkCounts};
+
+/// Captures the CUDA work `f` issues on `cuda:ordinal` into a graph (see
+/// [`tpar_kernels::cuda::graph`]): tensor ops inside `f` are recorded, not run;
+/// tensors they create live in the graph's private memory pool, and a
+/// [`CudaGraph::replay`] rewrites them. Returns the graph and what `f` returned (the
+/// static outputs to read after a replay). A host round trip inside `f` (reading a
+/// tensor back, an op without a device kernel) fails it, as does any fault the
+/// capture saw; the device is out of capture mode either way.
+pub fn capture_graph<R, E: From<TensorError>>(
+    ordinal: usize,
+    f: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<(CudaGraph, R), E> {
+    let dev = device(ordinal)?;
+    dev.begin_capture().map_err(kerr)?;
+    let r = f();
+    let graph = CudaGraph::end(&dev);
+    let r = r?;
+    Ok((graph.map_err(kerr)?, r))
+}
+
+/// How [`GraphedStep::run`] ran a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepMode {
+    /// Eagerly, as a warm-up step.
+    Warmup,
+    /// Captured into the graph, then replayed once.
+    Captured,
+    /// Replayed from the graph.
+    Replayed,
+    /// Eagerly, because its inputs' shapes or dtypes differ from the captured ones.
+    Fallback,
+}
+
+/// One training step as a CUDA graph, PyTorch's whole-network capture: a few eager
+/// warm-up steps (lazy allocations, kernel builds, optimizer state), then the step is
+/// captured once with its inputs in static device tensors and replayed for each later
+/// step after the new inputs are written into those tensors; a step whose inputs have
+/// other shapes or dtypes than the captured ones runs eagerly instead (the graph stays
+/// for the steps that match again).
+///
+/// The step closure gets the inputs on the device and returns its outputs (tensors it
+/// computed, e.g. the loss); under capture those are the graph's static outputs, which
+/// every replay rewrites, and a replayed step returns them again. Whatever the step
+/// changes on the host (an optimizer's step count, the learning rate) must reach the
+/// device before a replay: `before_replay` runs then (e.g. `Optimizer::prepare_replay`).
+pub struct GraphedStep<O> {
+    ordinal: usize,
+    warmup_left: usize,
+    graph: Option<CudaGraph>,
+    inputs: Vec<Tensor>,
+    outputs: Option<O>,
+}
+
+impl<O: Clone> GraphedStep<O> {
+    /// Steps on `cuda:ordinal`, the first `warmup` (at least 1) run eagerly.
+    pub fn new(ordinal: usize, warmup: usize) -> Self {
+        GraphedStep {
+            ordinal,
+            warmup_left: warmup.max(1),
+            graph: None,
+            inputs: Vec::new(),
+            outputs: None,
+        }
+    }
+
+    /// The captured graph, once there is one.
+    pub fn graph(&self) -> Option<&CudaGraph> {
+        self.graph.as_ref()
+    }
+
+    /// The shapes and dtypes the graph was captured with.
+    pub fn captured_inputs(&self) -> Vec<(Shape, DType)> {
+        self.inputs.iter().map(|t| (t.shape().clone(), t.dtype())).collect()
+    }
+
+    fn matches(&self, inputs: &[Tensor]) -> bool {
+        inputs.len() == self.inputs.len()
+            && inputs
+                .iter()
+                .zip(&self.inputs)
+                .all(|(a, b)| a.shape() == b.shape() && a.dtype() == b.dtype())
+    }
+
+    /// Runs one step on host `inputs` (see the type's docs): its outputs and how it ran.
+    /// `ctx` is what both closures work on (the optimizer, for example).
+    pub fn run<C, E: From<TensorError>>(
+        &mut self,
+        ctx: &mut C,
+        inputs: &[Tensor],
+        mut step: impl FnMut(&mut C, &[Tensor]) -> std::result::Result<O, E>,
+        mut before_replay: impl FnMut(&mut C) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(O, StepMode), E> {
+        let to_device = |ts: &[Tensor]| -> Result<Vec<Tensor>> {
+            ts.iter().map(|t| t.to_device(Device::Cuda(self.ordinal))).collect()
+        };
+        if self.warmup_left > 0 {
+            self.warmup_left -= 1;
+            return Ok((step(ctx, &to_device(inputs)?)?, StepMode::Warmup));
+        }
+        let mode = match &self.graph {
+            Some(_) if !self.matches(inputs) => {
+                return Ok((step(ctx, &to_device(inputs)?)?, StepMode::Fallback));
+            }
+            Some(_) => {
+                for (dst, src) in self.inputs.iter().zip(inputs) {
+                    write_from_host(dst, src)?;
+                }
+                StepMode::Replayed
+            }
+            None => {
+                self.inputs = to_device(inputs)?;
+                let statics = self.inputs.clone();
+                let (graph, out) = capture_graph(self.ordinal, || step(ctx, &statics))?;
+                self.graph = Some(graph);
+                self.outputs = Some(out);
+                StepMode::Captured
+            }
+        };
+        before_replay(ctx)?;
+        let (Some(graph), Some(out)) = (&self.graph, &self.outputs) else {
+            return Err(TensorError::InvalidArgument {
+                op: "GraphedStep::run",
+                what: "no graph".into(),
+            }
+            .into());
+        };
+        graph.replay().map_err(kerr)?;
+        Ok((out.clone(), mode))
+    }
+}
+
+/// Whether `cuda:ordinal` is capturing a graph now (false for a device never opened).
+pub fn is_capturing(ordinal: usize) -> bool {
+    let reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+    reg.get(&ordinal).is_some_and(|d| d.is_capturing())
+}
+
+/// The work issued to `cuda:ordinal` so far, where the device counts it (the
+/// emulator): kernels, copies, host calls, graph replays and the time inside them.
+pub fn work_counts(ordinal: usize) -> Option<WorkCounts> {
+    let reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+    reg.get(&ordinal).and_then(|d| d.work_counts())
+}
+
+/// Overwrites CUDA tensor `dst`'s data, in place, with host tensor `src` of the same
+/// shape and dtype: one host-to-device copy into the same device memory (a
+/// [`crate::Tensor::copy_`] gives `dst` new storage instead). What feeds a captured
+/// graph's static inputs before a replay.
+pub fn write_from_host(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "write_from_host";
+    if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
+        return Err(TensorError::InvalidArgument {
+            op: OP,
+            what: format!(
+                "a {} {} host tensor into a {} {} device tensor (same shape and dtype needed)",
+                src.shape(),
+                src.dtype().name(),
+                dst.shape(),
+                dst.dtype().name()
+            ),
+        });
+    }
+    let host = {
+        let g = src.0.storage.read().unwrap_or_else(|p| p.into_inner());
+        match &*g {
+            Storage::Cpu(s) => s.clone(),
+            _ => {
+                return Err(TensorError::DeviceMismatch {
+                    op: OP,
+                    lhs: Device::Cpu,
+                    rhs: src.device(),
+                })
+            }
+        }
+    };
+    let mut g = dst.0.storage.write().unwrap_or_else(|p| p.into_inner());
+    match &mut *g {
+        Storage::Gpu(d) => d.upload_into(&host),
+        _ => Err(TensorError::DeviceMismatch { op: OP, lhs: Device::Cuda(0), rhs: dst.device() }),
+    }
+}

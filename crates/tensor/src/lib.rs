@@ -38,8 +38,8 @@ pub use autograd::no_grad;
 pub use dtype::{DType, Device};
 pub use error::TensorError;
 pub use ops::{
-    block_attention_time, reset_block_attention_time, BlockAttentionTime, BlockMask, RopeLayout,
-    SgdParams,
+    adamw_coefficients, block_attention_time, reset_block_attention_time, BlockAttentionTime,
+    BlockMask, RopeLayout, SgdParams,
 };
 pub use rng::Rng;
 pub use shape::Shape;

@@ -577,6 +577,9 @@ impl EmulatedGpu {
         } else {
             return Ok(true);
         };
+        if std::env::var_os(TRACE_CAPTURE_ENV).is_some_and(|v| v == "1") {
+            eprintln!("capture fault: {fault}\n{}", std::backtrace::Backtrace::force_capture());
+        }
         c.fault.get_or_insert_with(|| fault.clone());
         Err(capture_error(fault))
     }
@@ -714,6 +717,11 @@ impl Drop for EmuGraph {
 }
 
 const EMU_ALIGN: usize = 256;
+
+/// With `TPAR_TRACE_CAPTURE=1` in the environment, each fault an emulated capture
+/// sees (a host round trip, work from another thread) also prints a backtrace to
+/// stderr, to find what in a captured step leaves the device.
+pub const TRACE_CAPTURE_ENV: &str = "TPAR_TRACE_CAPTURE";
 
 impl Launcher for EmulatedGpu {
     fn describe(&self) -> String {

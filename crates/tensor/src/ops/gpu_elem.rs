@@ -338,8 +338,13 @@ pub(crate) fn index_select0(x: &Tensor, index: &Tensor) -> Result<Option<Tensor>
     let mut od = vec![n];
     od.extend_from_slice(&x.dims()[1..]);
     let mut y = Out::new(&dev, od, x.dtype())?;
-    let mut slot =
-        if on_device { Some(DeviceBuffer::from_host(&dev, &[k_emb::NO_ERROR])?) } else { None };
+    let mut slot = if on_device && !dev.is_capturing() {
+        // Inside a graph capture no status can be read back: ids out of range read
+        // as masked (zero rows) on every replay.
+        Some(DeviceBuffer::from_host(&dev, &[k_emb::NO_ERROR])?)
+    } else {
+        None
+    };
     with_gpu(OP, &[x, &ids], |s| {
         let (xv, iv, err) = (s[0].view(), s[1].view(), slot.as_mut().map(|b| b.as_slice_mut()));
         Ok(k_emb::embedding_forward(&*dev, cd, xv, rows, dim, iv, n, 0, false, y.view_mut(), err)?)

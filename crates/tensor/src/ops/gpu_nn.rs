@@ -11,6 +11,10 @@
 //! through a 4-byte status slot that is read back once per call: a
 //! synchronization, so a bad id is an error naming it as on the CPU, but no
 //! tensor data moves (it is not counted in [`crate::gpu::host_round_trips`]).
+//! Inside a CUDA graph capture (see [`crate::gpu::capture_graph`]) nothing can be read
+//! back: the ops are recorded without their status slot, and the kernels treat ids out
+//! of range as masked ones (zero rows, rows left out of the loss) on every replay, so
+//! a captured step's ids are checked before they are written into its inputs.
 
 use std::sync::Arc;
 
@@ -73,25 +77,30 @@ fn kernel_dtype(op: &'static str, t: &Tensor) -> Result<CudaDType> {
 }
 
 /// The i32 status slot the index-checking kernels lower to the first bad
-/// position (see the module docs).
-struct Status(DeviceBuffer);
+/// position (see the module docs); none inside a graph capture.
+struct Status(Option<DeviceBuffer>);
 
 impl Status {
     fn new(dev: &Arc<dyn GpuDevice>) -> Result<Status> {
         // Both kernel families use `i32::MAX` for "no error".
         debug_assert_eq!(k_ce::NO_ERROR, k_emb::NO_ERROR);
-        Ok(Status(DeviceBuffer::from_host(dev, &[k_ce::NO_ERROR])?))
+        if dev.is_capturing() {
+            return Ok(Status(None));
+        }
+        Ok(Status(Some(DeviceBuffer::from_host(dev, &[k_ce::NO_ERROR])?)))
     }
 
-    fn slot(&mut self) -> DeviceSliceMut<'_> {
-        self.0.as_slice_mut()
+    fn slot(&mut self) -> Option<DeviceSliceMut<'_>> {
+        self.0.as_mut().map(DeviceBuffer::as_slice_mut)
     }
 
     /// Waits for the launches before it and returns the first bad position
-    /// with the offending i64 value read from `indices` (`n` of them).
+    /// with the offending i64 value read from `indices` (`n` of them); `None` without
+    /// a slot.
     fn check(&self, indices: DeviceSlice<'_>, n: usize) -> Result<Option<(usize, i64)>> {
+        let Some(slot) = &self.0 else { return Ok(None) };
         let mut first = [0i32];
-        self.0.as_slice().copy_to_host(&mut first)?;
+        slot.as_slice().copy_to_host(&mut first)?;
         let v = first[0];
         if v == k_ce::NO_ERROR || v < 0 || v as usize >= n {
             return Ok(None);
@@ -170,7 +179,7 @@ pub(crate) fn cross_entropy(
     let bad = with_gpu(OP, &[x, targets], |v| {
         let (lv, tv) = (v[0].view(), v[1].view());
         let (loss_rows, _) = parts.view_mut().split_at(rows * 4)?;
-        let (lsev, err) = (lse.view_mut(), Some(status.slot()));
+        let (lsev, err) = (lse.view_mut(), status.slot());
         k_ce::cross_entropy_forward(
             &*dev,
             cd,
@@ -304,7 +313,7 @@ pub(crate) fn embedding(
     let mut status = if masked { None } else { Some(Status::new(&dev)?) };
     let bad = with_gpu(OP, &[weight, ids], |v| {
         let (wv, iv) = (v[0].view(), v[1].view());
-        let err = status.as_mut().map(Status::slot);
+        let err = status.as_mut().and_then(Status::slot);
         let ov = out.view_mut();
         k_emb::embedding_forward(&*dev, cd, wv, vocab, dim, iv, n, vocab_start, masked, ov, err)?;
         status.as_ref().map_or(Ok(None), |s| s.check(iv, n))
@@ -822,6 +831,7 @@ impl Tensor {
         exp_avg_sqs: &[&Tensor],
         copies: &[Option<&Tensor>],
         h: &AdamWParams,
+        coef: Option<&Tensor>,
     ) -> Result<()> {
         const OP: &str = "adamw_step_each_";
         let n = super::optim::same_lengths(OP, params, grads, exp_avgs, exp_avg_sqs)?;
@@ -832,6 +842,22 @@ impl Tensor {
             return Err(invalid(OP, format!("{} copy slots for {n} parameters", copies.len())));
         }
         let dev = multi_device(OP, params)?;
+        if let Some(c) = coef {
+            // The coefficients a capturable step reads: 8 f32 on the parameters' device.
+            same_layout(OP, c, &[])?;
+            if c.dtype() != DType::F32 || c.numel() != 8 || c.device() != params[0].device() {
+                return Err(invalid(
+                    OP,
+                    format!(
+                        "the coefficients are {} {} values on {}; 8 f32 values on {} expected",
+                        c.numel(),
+                        c.dtype().name(),
+                        c.device(),
+                        params[0].device()
+                    ),
+                ));
+            }
+        }
         // (parameter, gradient, fused copy) kernel dtypes of each parameter.
         let mut kinds = Vec::with_capacity(n);
         for i in 0..n {
@@ -879,7 +905,9 @@ impl Tensor {
                 .chain(cs.iter().copied())
                 .collect();
             let k = idx.len();
-            with_gpu_mut(OP, &writes, &gs, |w, r| {
+            let mut reads = gs.clone();
+            reads.extend(coef);
+            with_gpu_mut(OP, &writes, &reads, |w, r| {
                 let (p, rest) = w.split_at_mut(k);
                 let (m, rest) = rest.split_at_mut(k);
                 let (v, c) = rest.split_at_mut(k);
@@ -897,13 +925,21 @@ impl Tensor {
                         n: t.numel(),
                     })
                     .collect();
-                match fused {
-                    Some(wd) => {
+                match (coef.is_some(), fused) {
+                    (true, fused) => {
+                        let copies: Vec<Option<DeviceSliceMut<'_>>> =
+                            c.iter_mut().map(|c| Some(c.view_mut())).collect();
+                        let copies = fused.map(|wd| (wd, copies.as_slice()));
+                        let cv = r[k].view();
+                        let d = &*dev;
+                        Ok(k_adamw::adamw_step_each_device_coef(d, cd, gd, &views, copies, cv)?)
+                    }
+                    (false, Some(wd)) => {
                         let copies: Vec<Option<DeviceSliceMut<'_>>> =
                             c.iter_mut().map(|c| Some(c.view_mut())).collect();
                         Ok(k_adamw::adamw_step_each_with_copies(&*dev, wd, &views, &copies, h)?)
                     }
-                    None => Ok(k_adamw::adamw_step_each(&*dev, cd, gd, &views, h)?),
+                    (false, None) => Ok(k_adamw::adamw_step_each(&*dev, cd, gd, &views, h)?),
                 }
             })?;
         }
@@ -1047,7 +1083,7 @@ impl Tensor {
                 max.view_mut(),
                 sumexp.view_mut(),
                 tl.view_mut(),
-                Some(status.slot()),
+                status.slot(),
             )?;
             status.check(tv, rows)
         })?;
@@ -1203,9 +1239,17 @@ impl Tensor {
         };
         let dev = device_of(self, OP)?;
         let mut status = Status::new(&dev)?;
+        if status.0.is_none() {
+            return Err(invalid(
+                OP,
+                "the check reads a status back, which a CUDA graph capture cannot: check the \
+                 ids before they are written into the captured step's inputs",
+            ));
+        }
         with_gpu(OP, &[self], |v| {
             let iv = v[0].view();
-            k_emb::embedding_check_ids(&*dev, iv, n, size, status.slot())?;
+            let Some(slot) = status.slot() else { return Ok(None) };
+            k_emb::embedding_check_ids(&*dev, iv, n, size, slot)?;
             status.check(iv, n)
         })
     }

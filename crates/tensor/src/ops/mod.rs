@@ -14,7 +14,7 @@ mod gpu_nn;
 mod matmul;
 mod nn;
 mod optim;
-pub use optim::SgdParams;
+pub use optim::{adamw_coefficients, SgdParams};
 mod reduce;
 mod shape;
 

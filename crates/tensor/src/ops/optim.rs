@@ -339,7 +339,66 @@ impl Tensor {
             &pick(exp_avg_sqs, &dev),
             &pick(copies, &dev),
             h,
+            None,
         )
+    }
+
+    /// The capturable form of [`Tensor::adamw_step_each_with_copies_`], for CUDA
+    /// parameters only: the kernels read the step's coefficients from `coef` (8 f32
+    /// values on the parameters' device, [`adamw_coefficients`] of the step's
+    /// hyper-parameters, written there before the kernels run; `h` is not used on the
+    /// device) instead of their arguments, so a CUDA graph that captured this step
+    /// takes each step's learning rate and bias corrections from `coef` on every
+    /// replay. With the coefficients of `h` the results are
+    /// [`Tensor::adamw_step_each_with_copies_`]'s bits. A parameter on the host, or
+    /// a working copy no fused kernel writes (other than a bf16 or f16 copy of an
+    /// f32 parameter with an f32 gradient), is an error here.
+    pub fn adamw_step_each_capturable_(
+        params: &[&Tensor],
+        grads: &[&Tensor],
+        exp_avgs: &[&Tensor],
+        exp_avg_sqs: &[&Tensor],
+        copies: &[Option<&Tensor>],
+        coef: &Tensor,
+    ) -> Result<()> {
+        const OP: &str = "adamw_step_each_capturable_";
+        let n = same_lengths(OP, params, grads, exp_avgs, exp_avg_sqs)?;
+        check_copies(OP, [params, grads, exp_avgs, exp_avg_sqs], copies)?;
+        for i in 0..n {
+            if !on_device_kernels(params[i]) {
+                return Err(TensorError::InvalidArgument {
+                    op: OP,
+                    what: format!(
+                        "parameter {i} is a {} tensor on {}: the capturable step runs the \
+                         CUDA kernels (f32, bf16 or f16 on a CUDA device)",
+                        params[i].dtype().name(),
+                        params[i].device()
+                    ),
+                });
+            }
+            if let Some(c) = copies[i] {
+                let fused = params[i].dtype() == DType::F32
+                    && grads[i].dtype() == DType::F32
+                    && matches!(c.dtype(), DType::BF16 | DType::F16);
+                if !fused {
+                    return Err(TensorError::InvalidArgument {
+                        op: OP,
+                        what: format!(
+                            "working copy {i} ({} of a {} parameter with a {} gradient): the \
+                             capturable step writes bf16 or f16 copies of f32 parameters \
+                             with f32 gradients",
+                            c.dtype().name(),
+                            params[i].dtype().name(),
+                            grads[i].dtype().name()
+                        ),
+                    });
+                }
+            }
+        }
+        // Unused with device coefficients beyond the argument checks.
+        let h =
+            AdamWParams { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1 };
+        Tensor::cuda_adamw_step_each_(params, grads, exp_avgs, exp_avg_sqs, copies, &h, Some(coef))
     }
 
     /// One SGD step of this parameter, in place, as `torch.optim.SGD`:
@@ -393,4 +452,12 @@ pub(crate) fn same_lengths(
         ));
     }
     Ok(n)
+}
+
+/// The coefficients of one AdamW step as the CUDA kernels take them (8 f32 values:
+/// `1 - lr * weight_decay`, `1 - beta1`, `beta2`, `1 - beta2`, `lr / (1 - beta1^step)`,
+/// `sqrt(1 - beta2^step)`, `eps`, padding), folded in f64 as the CPU kernel folds them:
+/// what [`Tensor::adamw_step_each_capturable_`] reads from the device.
+pub fn adamw_coefficients(h: &AdamWParams) -> [f32; 8] {
+    bytemuck::cast(tpar_kernels::cuda::raw::adamw::coefficients(h))
 }
