@@ -895,6 +895,8 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         }
 
     int h = kvh * group, i0 = i_start;  // this tile's q head and first query
+    // This lane's first dQ element of the tile (carried from tile to tile).
+    float* dQ = a.dq_acc + (((i64)b * a.q_heads + h) * a.q_len + i0) * a.head_dim + dq_off;
     for (int it = 0; it < ntiles; ++it) {
         // The next tile: the next 64 queries, or the next head's first.
         int h_next = h, i_next = i0 + kBlock;
@@ -906,7 +908,6 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         const i64 bh = (i64)b * a.q_heads + h;
         const T* sQ = sQb + (it & 1) * TILE;
         const T* sG = sGb + (it & 1) * TILE;
-        float* dQ = a.dq_acc + (bh * a.q_len + i0) * a.head_dim + dq_off;
         // Every warp passed the previous tile's dS^T barrier: lse and delta
         // are free to overwrite.
         if (threadIdx.x < kBlock) {
@@ -1041,6 +1042,8 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) ldmatrix_x4_trans(af[kk], sS + ds_ld + kk * 16 * kBlock);
         const bool row_ok[2] = {warp * 16 + g < nq, warp * 16 + g + 8 < nq};
+        // The lane's two dQ rows as pointers: the columns below are constants.
+        float* const dq_rows[2] = {dQ, dQ + dq_row8};
 #pragma unroll
         for (int nc = 0; nc < HD / 32; ++nc) {
             if (nc * 32 < a.head_dim) {
@@ -1068,10 +1071,13 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
                             if (row_ok[e >> 1])
-                                atomicAdd(dQ + (e >> 1) * dq_row8 + nc * 32 + n * 8 + (e & 1),
-                                          dq[n][e]);
+                                atomicAdd(dq_rows[e >> 1] + (nc * 32 + n * 8 + (e & 1)), dq[n][e]);
             }
         }
+        dQ = h_next == h ? dQ + kBlock * a.head_dim
+                         : a.dq_acc +
+                               (((i64)b * a.q_heads + h_next) * a.q_len + i_next) * a.head_dim +
+                               dq_off;
         h = h_next;
         i0 = i_next;
     }
