@@ -241,6 +241,34 @@ fn tensor_core_wide_forward() {
 }
 
 #[test]
+fn full_tiles_without_mask() {
+    // Several whole 64 x 64 tiles and no additive mask: the tensor-core kernels
+    // skip the element masks in these (causal: below the diagonal), forward
+    // and backward, at both head dims and both forward tilings.
+    let none = |s| Case { s, mask: MaskKind::None };
+    run::<bf16>(
+        CudaDType::BF16,
+        &none(shape(1, 2, 1, 200, 190, 64, 64, true)),
+        SdpaPath::TensorCore,
+    );
+    run::<bf16>(
+        CudaDType::BF16,
+        &none(shape(1, 2, 2, 150, 192, 64, 64, false)),
+        SdpaPath::TensorCoreWide,
+    );
+    run::<f16>(
+        CudaDType::F16,
+        &none(shape(1, 2, 1, 140, 140, 128, 128, true)),
+        SdpaPath::TensorCore,
+    );
+    run::<bf16>(
+        CudaDType::BF16,
+        &none(shape(1, 1, 1, 160, 128, 128, 120, true)),
+        SdpaPath::TensorCoreWide,
+    );
+}
+
+#[test]
 fn bf16_simt() {
     run::<bf16>(CudaDType::BF16, &case_gqa_causal_full(64), SdpaPath::Simt);
     run::<bf16>(CudaDType::BF16, &case_padding(64), SdpaPath::Simt);
