@@ -32,10 +32,13 @@
 // (C read only when beta != 0); EPI_BIAS adds bias[col]; EPI_RESIDUAL adds
 // aux[row, col]; EPI_SILU_MUL makes v = silu(aux[row, col]) * v (aux = the
 // gate projection, this GEMM the up projection of a SwiGLU MLP); the result
-// is cast to C's type. bias and aux have C's element type. C is written
-// through shared memory and a bulk tensor store (c_tma: the launcher's
-// map_c, which clips at the edges) or, when C's rows are not 16-byte
-// aligned, by guarded stores from the registers.
+// is cast to C's type. bias and aux have C's element type. A consumer
+// warpgroup first puts its accumulators into a f32 staging tile in shared
+// memory, then walks it row by row (128 consecutive columns per step, so the
+// reads of C, bias and aux are coalesced) and writes C's image in shared
+// memory for one bulk tensor store (c_tma: the launcher's map_c, which clips
+// at the edges) or, when C's rows are not 16-byte aligned, C itself by
+// guarded stores.
 //
 // Compiled for an architecture without wgmma (sm_90, sm_80), the kernels
 // are empty: the launcher only picks them for devices compiled for sm_90a.
@@ -69,18 +72,20 @@ namespace gemm_hopper {
 constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
 constexpr u32 A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
 constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
-// one 64 x BN staging tile per consumer warpgroup (f32 at most)
+// per consumer warpgroup: a 64 x BN f32 staging tile, and the 16-bit image of
+// C's tile (a f32 C is converted in place)
 constexpr u32 STAGING_BYTES = 64 * BN * 4;
 enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4 };
 
 struct Smem {
     unsigned char* a[STAGES];
     unsigned char* b[STAGES];
-    unsigned char* staging[2];
-    u64* full;      // [STAGES]
-    u64* empty;     // [STAGES]
-    u64* epi_full;  // [2]: a warpgroup's staging tile written
-    u64* epi_free;  // [2]: its bulk store has read the staging tile
+    unsigned char* staging[2];  // a consumer warpgroup's 64 x BN f32 tile
+    unsigned char* out16[2];    // its 64 x BN image of a 16-bit C
+    u64* full;                  // [STAGES]
+    u64* empty;                 // [STAGES]
+    u64* epi_sync;              // [2]: a barrier of a consumer warpgroup (128 arrivals)
+    u64* epi_free;              // [2]: its bulk store has read the image
 };
 
 TPAR_DEVICE Smem carve() {
@@ -94,10 +99,12 @@ TPAR_DEVICE Smem carve() {
     unsigned char* p = base + STAGES * STAGE_BYTES;
     s.staging[0] = p;
     s.staging[1] = p + STAGING_BYTES;
-    u64* bars = reinterpret_cast<u64*>(p + 2 * STAGING_BYTES);
+    s.out16[0] = p + 2 * STAGING_BYTES;
+    s.out16[1] = p + 2 * STAGING_BYTES + STAGING_BYTES / 2;
+    u64* bars = reinterpret_cast<u64*>(p + 3 * STAGING_BYTES);
     s.full = bars;
     s.empty = bars + STAGES;
-    s.epi_full = bars + 2 * STAGES;
+    s.epi_sync = bars + 2 * STAGES;
     s.epi_free = bars + 2 * STAGES + 2;
     return s;
 }
@@ -147,6 +154,13 @@ TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int 
     }
 }
 
+// A barrier of one consumer warpgroup (no named barriers here: an mbarrier of
+// 128 arrivals); `use` counts its uses from 0, whose phases alternate parity.
+TPAR_DEVICE void wg_sync(u64* bar, u32 use) {
+    mbarrier_arrive(bar);
+    mbarrier_wait_parity(bar, use & 1u);
+}
+
 TPAR_DEVICE float silu(float x) { return x / (1.0f + expf(-x)); }
 
 template <typename O>
@@ -188,16 +202,23 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
         wgmma_wait<0>();
         if (lane == 0) mbarrier_arrive(&s.empty[(it - 1) % STAGES]);
 
-        // epilogue of rows m0 + 64 cw .. + 63
+        // epilogue of rows m0 + 64 cw .. + 63: the accumulators into the f32
+        // staging tile, then row by row (coalesced) the scales, hooks and cast
         const int row0 = tl.m0 + 64 * cw;
-        O* stage = reinterpret_cast<O*>(s.staging[cw]);
+        float* f = reinterpret_cast<float*>(s.staging[cw]);
+        O* o = sizeof(O) == 4 ? reinterpret_cast<O*>(f) : reinterpret_cast<O*>(s.out16[cw]);
+        // the previous tile's bulk store has read its image
         if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(done & 1) ^ 1u);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
             const int r = 16 * w + g + 8 * ((i / 2) % 2);
             const int c = 8 * (i / 4) + 2 * q + (i % 2);
-            const int row = row0 + r, col = tl.n0 + c;
-            float v = a.alpha * d[i];
+            f[r * BN + c] = d[i];
+        }
+        wg_sync(&s.epi_sync[cw], 2u * (u32)done);
+        for (int idx = tw; idx < 64 * BN; idx += 128) {
+            const int row = row0 + idx / BN, col = tl.n0 + idx % BN;
+            float v = a.alpha * f[idx];
             if (row < a.m && col < a.n) {
                 const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
                 if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
@@ -209,18 +230,18 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
                 }
                 if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
             }
-            if (a.c_tma) stage[r * BN + c] = from_f32<O>(v);
+            // (for f32 C, o is f: each element is read and written by one thread)
+            if (a.c_tma) o[idx] = from_f32<O>(v);
         }
-        if (a.c_tma) {
-            fence_proxy_async();
-            mbarrier_arrive(&s.epi_full[cw]);
-            if (tw == 0) {
-                mbarrier_wait_parity(&s.epi_full[cw], (u32)(done & 1));
-                tma_store_3d(&a.map_c, tl.n0, row0, tl.b, stage);
-                tma_store_commit();
-                tma_store_wait<0>();
-                mbarrier_arrive(&s.epi_free[cw]);
-            }
+        if (a.c_tma) fence_proxy_async();
+        // every thread is done with f (and has written o) before the store
+        // and the next tile's accumulators
+        wg_sync(&s.epi_sync[cw], 2u * (u32)done + 1u);
+        if (a.c_tma && tw == 0) {
+            tma_store_3d(&a.map_c, tl.n0, row0, tl.b, o);
+            tma_store_commit();
+            tma_store_wait<0>();
+            mbarrier_arrive(&s.epi_free[cw]);
         }
     }
 }
@@ -237,7 +258,7 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
             mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
         }
         for (int i = 0; i < 2; ++i) {
-            mbarrier_init(&s.epi_full[i], 128);
+            mbarrier_init(&s.epi_sync[i], 128);
             mbarrier_init(&s.epi_free[i], 1);
         }
         fence_mbarrier_init();
