@@ -695,6 +695,27 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // norm are its static outputs, read back on logging steps only.
             let inputs =
                 [batch.input_ids.clone(), batch.target_ids.clone(), batch.attention_mask.clone()];
+            // A replayed step reads no status back (ids out of range would read as
+            // masked): the ids are checked here, on the host, before they go in.
+            for (what, t) in [("input id", &inputs[0]), ("target", &inputs[1])] {
+                let bad = t.with_data::<i64, _>(|v| {
+                    v.iter()
+                        .copied()
+                        .enumerate()
+                        .find(|&(_, i)| i != pad && (i < 0 || i as u64 >= cfg.vocab_size as u64))
+                })?;
+                if let Some((position, id)) = bad {
+                    return Err(NnError::Config {
+                        what: format!(
+                            "step {}: {what} {id} at position {position} is outside the \
+                             vocabulary of {}",
+                            step + 1,
+                            cfg.vocab_size
+                        ),
+                    }
+                    .into());
+                }
+            }
             let ((loss_t, norm_t), how) = gs.run(
                 &mut opt,
                 &inputs,

@@ -108,7 +108,8 @@ fn write_coef(coef: &mut DeviceBuffer, h: &AdamWParams) {
 }
 
 fn run(with_copies: bool) {
-    let dev = EmulatedGpu::open(0).unwrap();
+    // One emulated device per test (a capture records all of its device's work).
+    let dev = EmulatedGpu::open(usize::from(with_copies) + 1).unwrap();
     let d = &*dev;
     // 37 tensors (two launches), odd lengths, an empty one.
     let lens: Vec<usize> = (0..37).map(|i| (i * 7 + 3) % 41 + usize::from(i % 5 == 0)).collect();
@@ -189,7 +190,7 @@ fn capturable_adamw_with_working_copies_is_the_plain_steps_bits() {
 
 #[test]
 fn a_coefficient_buffer_too_small_is_an_error() {
-    let dev = EmulatedGpu::open(0).unwrap();
+    let dev = EmulatedGpu::open(3).unwrap();
     let mut s = State::new(&dev, &[5], 3);
     let small = DeviceBuffer::zeros(&dev, 16).unwrap();
     let views = s.views();

@@ -11,8 +11,10 @@ use tpar_kernels::cuda::ops::elementwise::{binary, scalar, BinaryOp};
 use tpar_kernels::cuda::{CudaDType, DeviceBuffer, GpuDevice};
 use tpar_kernels::KernelError;
 
-fn dev() -> Arc<dyn GpuDevice> {
-    EmulatedGpu::open(0).expect("emulator")
+/// Emulated device `cuda:n`: each test its own ordinal, since a capture records all of
+/// its device's work (and the tests run on parallel threads).
+fn dev(n: usize) -> Arc<dyn GpuDevice> {
+    EmulatedGpu::open(n).expect("emulator")
 }
 
 fn f32s(b: &DeviceBuffer) -> Vec<f32> {
@@ -54,7 +56,7 @@ fn step(
 
 #[test]
 fn replay_reissues_the_recorded_work_on_current_memory() {
-    let d = dev();
+    let d = dev(1);
     let n = 37;
     let xs: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 3.0).collect();
     let ws: Vec<f32> = (0..n).map(|i| 1.0 / (i as f32 + 1.0)).collect();
@@ -103,7 +105,7 @@ fn replay_reissues_the_recorded_work_on_current_memory() {
 
 #[test]
 fn host_round_trips_inside_capture_are_errors() {
-    let d = dev();
+    let d = dev(2);
     let b = DeviceBuffer::from_host(&d, &[1.0f32, 2.0]).unwrap();
     let mut o = DeviceBuffer::zeros(&d, 8).unwrap();
     type Case<'a> = (&'a str, Box<dyn Fn(&mut DeviceBuffer) -> tpar_kernels::Result<()> + 'a>);
@@ -134,7 +136,7 @@ fn host_round_trips_inside_capture_are_errors() {
 
 #[test]
 fn captures_do_not_nest_and_replays_wait_for_the_capture_to_end() {
-    let d = dev();
+    let d = dev(3);
     let mut o = DeviceBuffer::zeros(&d, 8).unwrap();
     let g = CudaGraph::capture(&d, || o.as_slice_mut().zero()).unwrap();
     d.begin_capture().unwrap();
@@ -147,7 +149,7 @@ fn captures_do_not_nest_and_replays_wait_for_the_capture_to_end() {
 
 #[test]
 fn work_from_another_thread_during_capture_is_an_error() {
-    let d = dev();
+    let d = dev(4);
     d.begin_capture().unwrap();
     let d2 = d.clone();
     let other =
@@ -160,7 +162,7 @@ fn work_from_another_thread_during_capture_is_an_error() {
 
 #[test]
 fn the_private_pool_keeps_captured_blocks_from_other_users() {
-    let d = dev();
+    let d = dev(5);
     let n = 64;
     let x = DeviceBuffer::from_host(&d, &vec![2.0f32; n]).unwrap();
     let mut out = DeviceBuffer::zeros(&d, n * 4).unwrap();
@@ -201,7 +203,7 @@ fn the_private_pool_keeps_captured_blocks_from_other_users() {
 
 #[test]
 fn a_pre_capture_block_freed_during_capture_and_used_by_it_is_reported() {
-    let d = dev();
+    let d = dev(6);
     let old = DeviceBuffer::from_host(&d, &[1.0f32; 16]).unwrap();
     let mut out = DeviceBuffer::zeros(&d, 64).unwrap();
     let r = CudaGraph::capture(&d, || {

@@ -470,7 +470,8 @@ impl Fnv {
 /// host-to-device copy, a synchronization, work or an allocation from another
 /// thread) fails and spoils the capture; a block allocated before the capture,
 /// freed during it and used by the recorded work is reported when the capture
-/// ends. It also counts the work issued ([`GpuDevice::work_counts`]).
+/// ends. It also counts the work issued ([`GpuDevice::work_counts`]). Every handle
+/// [`EmulatedGpu::open`] gives for one ordinal shares the capture state and the counts.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -551,7 +552,11 @@ fn capture_error(what: impl Into<String>) -> crate::KernelError {
 impl EmulatedGpu {
     /// An emulated device `cuda:ordinal` (builds the emulator on first use).
     pub fn open(ordinal: usize) -> Result<Arc<dyn GpuDevice>> {
-        Ok(Arc::new(EmulatedGpu { emu: Emulator::get()?, ordinal, shared: Arc::default() }))
+        // Every handle of one ordinal shares its capture state, pools and counters: a
+        // capture on `cuda:N` sees all of `cuda:N`'s work, whichever handle issues it.
+        static SHARED: OnceLock<Mutex<HashMap<usize, Arc<Shared>>>> = OnceLock::new();
+        let shared = lock(SHARED.get_or_init(Default::default)).entry(ordinal).or_default().clone();
+        Ok(Arc::new(EmulatedGpu { emu: Emulator::get()?, ordinal, shared }))
     }
 
     /// Inside a capture, `what` issued on this thread: `Ok(true)` to record it;
