@@ -14,6 +14,12 @@
 //! 16-byte aligned ([`GemmProblem::is_vectorizable`]); [`GemmProblem::plan`]
 //! picks between them, so any sizes and strides work.
 //!
+//! These `mma.sync` kernels run on every GPU and take every problem. Where
+//! kernels are compiled for `sm_90a` (Hopper), tpar's GEMM
+//! (`ops::gemm::ours`) runs the wgmma kernel of [`super::gemm_hopper`]
+//! instead for the problems it takes (16-bit inputs, operands a tensor map
+//! can describe); [`super::gemm_hopper`] says which.
+//!
 //! Kernel names: `tpar_gemm_<layout>_<tile>_<in>[_f32out]` (vectorized tensor
 //! cores; layout `nn`, `nt`, `tn`, `tt`, first letter A; tile `128x128` or
 //! `64x64`), `tpar_gemm_scalar_<in>[_f32out]` (element-wise tensor cores) and
