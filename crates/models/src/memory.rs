@@ -62,6 +62,16 @@
 //!   later micro-batch's backward makes a whole set of the stage's gradients before they
 //!   are added into the accumulated ones: a transient of one more set of gradients,
 //!   while the micro-batches still in flight are held.
+//! - **Interleaved 1F1B** (`stages_per_rank` stages per pp rank, stage `s` on rank
+//!   `s % pp`, the layers split over all `pp * stages_per_rank` stages): the rank's own
+//!   action list (`tpar_pipeline::Schedule`) is walked in order. Each (stage,
+//!   micro-batch) holds that stage's activations from its forward to the end of its
+//!   backward; every boundary copy the rank sent (an activation to the next stage, an
+//!   input gradient to the previous one) is held until its receiver's backward of that
+//!   micro-batch ends, at the times of the schedule simulated with unit costs (forward 1,
+//!   backward 2). A backward adds the largest of the transients above, or a whole set of
+//!   its stage's gradients once that stage has accumulated ones; the peak is the highest
+//!   point of the walk, with every gradient and the optimizer state beside it.
 //!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
@@ -72,12 +82,18 @@
 //!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
 //!   attention); the ring adds the key and value blocks in flight (`[4 kv/t]` of the
 //!   local rows, a transient); parameters are replicated over cp, or sharded over
-//!   `dp x cp` under FSDP.
+//!   `dp x cp` under FSDP. The all-gather method ([`CpMethod::AllGather`]) gathers every
+//!   rank's keys and values again in attention's backward and makes their gradients
+//!   before the reduce-scatter: a layer's backward holds, beyond what the ring holds, the
+//!   other `cp - 1` ranks' keys, values and their gradients (`[4 (cp - 1) kv/t]`). Its
+//!   forward's gathered keys and values (`[2 cp kv/t]`) are freed when attention returns
+//!   and stay below the backward's peak.
 //!
-//! What it does not model: the interleaved 1F1B schedule (refused), the all-gather
-//! method of context parallelism (its gathered keys and values), padding masks (a
-//! `[b, 1, 1, s]` mask per step, small) and the communication buffers of collectives in
-//! flight.
+//! What it does not model: padding masks (a `[b, 1, 1, s]` mask per micro-batch, and
+//! under context parallelism every rank's `[b, s / cp]` key mask gathered once per
+//! layer: small next to the activations), the communication buffers of collectives in
+//! flight, and the timing of the rank threads (an interleaved rank's boundary copies
+//! follow the unit-cost simulation, not the measured order).
 //!
 //! ```
 //! use tpar_models::memory::{predict_memory, DataParallelMode, MemoryConfig};
@@ -101,8 +117,11 @@
 
 use std::fmt;
 
+use std::collections::HashMap;
+
+use tpar_dtensor::CpMethod;
 use tpar_nn::checkpoint::AcPolicy;
-use tpar_pipeline::ScheduleKind;
+use tpar_pipeline::{Costs, Phase, Schedule, ScheduleKind};
 use tpar_tensor::checkpoint::SaveOp;
 use tpar_tensor::DType;
 
@@ -191,10 +210,15 @@ pub struct MemoryConfig {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
-    /// Context-parallel degree (ring attention).
+    /// Context-parallel degree.
     pub cp: usize,
-    /// Pipeline stages (one per pp rank).
+    /// How context-parallel attention exchanges keys and values (`cp > 1`).
+    pub cp_method: CpMethod,
+    /// Pipeline ranks.
     pub pp: usize,
+    /// Stages per pp rank: several under [`ScheduleKind::Interleaved1F1B`] (stage `s` on
+    /// pp rank `s % pp`), 1 for the other schedules.
+    pub stages_per_rank: usize,
     /// How dp is used.
     pub data_parallel: DataParallelMode,
     /// The tensor-parallel plan (used when `tp > 1`).
@@ -222,7 +246,9 @@ impl MemoryConfig {
             dp: 1,
             tp: 1,
             cp: 1,
+            cp_method: CpMethod::Ring,
             pp: 1,
+            stages_per_rank: 1,
             data_parallel: DataParallelMode::None,
             plan: TpPlan::SequenceParallel,
             batch,
@@ -267,9 +293,19 @@ impl fmt::Display for MemoryConfig {
             };
             write!(f, ", plan {plan}")?;
         }
+        if self.cp > 1 {
+            let method = match self.cp_method {
+                CpMethod::Ring => "ring",
+                CpMethod::AllGather => "all-gather",
+            };
+            write!(f, ", cp {method}")?;
+        }
         write!(f, ", batch {} x seq {}", self.batch, self.seq)?;
         if self.pp > 1 {
             write!(f, ", {} micro-batches {}", self.microbatches, self.schedule)?;
+            if self.schedule == ScheduleKind::Interleaved1F1B {
+                write!(f, " ({} stages per rank)", self.stages_per_rank)?;
+            }
         }
         write!(f, ", ac {}", self.ac)
     }
@@ -391,7 +427,9 @@ pub fn predict_memory(c: &MemoryConfig) -> Result<MemoryEstimate, MemoryError> {
     best.ok_or_else(|| config_err("pp is 0"))
 }
 
-/// The predicted memory of a rank of pipeline stage `stage` (0 without a pipeline).
+/// The predicted memory of a rank of pipeline stage `stage` (0 without a pipeline; the pp
+/// rank under [`ScheduleKind::Interleaved1F1B`], whose stages are `stage`,
+/// `stage + pp`, ...).
 pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEstimate, MemoryError> {
     validate(c, stage)?;
     let m = &c.model;
@@ -409,21 +447,29 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let abytes = compute.size_in_bytes() as f64;
     let obytes = if m.dtype == DType::F64 { 8.0 } else { 4.0 };
 
-    // Layers of this stage, and whether it holds the embedding and the head.
-    let ranges = tpar_pipeline::split_blocks(m.num_hidden_layers, c.pp, None)
+    // The stages of this pp rank (`stage`, `stage + pp`, ... under interleaved 1F1B), their
+    // layers, and whether the rank holds the embedding (stage 0) and the head (the last).
+    let per_rank = if c.pp > 1 { c.stages_per_rank } else { 1 };
+    let num_stages = c.pp * per_rank;
+    let ranges = tpar_pipeline::split_blocks(m.num_hidden_layers, num_stages, None)
         .map_err(|e| config_err(e.to_string()))?;
-    let layers = ranges[stage].len();
-    let (first, last) = (stage == 0, stage + 1 == c.pp);
+    let mine: Vec<usize> = (0..per_rank).map(|j| stage + j * c.pp).collect();
+    let layers: usize = mine.iter().map(|&s| ranges[s].len()).sum();
+    let last = stage + 1 == c.pp;
 
     // Parameters, local to a tp rank (norm weights replicated over tp).
     let layer_params = (2.0 * h * (q + kvw) + 3.0 * h * i) / t + 2.0 * h;
-    let mut elems = layers as f64 * layer_params;
-    if first {
-        elems += v * h / t;
-    }
-    if last {
-        elems += v * h / t + h;
-    }
+    let stage_elems = |s: usize| {
+        let mut e = ranges[s].len() as f64 * layer_params;
+        if s == 0 {
+            e += v * h / t;
+        }
+        if s + 1 == num_stages {
+            e += v * h / t + h;
+        }
+        e
+    };
+    let elems: f64 = mine.iter().map(|&s| stage_elems(s)).sum();
     // FSDP shards over dp x cp (parameters are replicated over cp otherwise).
     let dp = c.dp as f64;
     let fsdp_ranks = dp * c.cp as f64;
@@ -455,46 +501,36 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // Row statistics: two RMSNorm rstd per token and attention's log-sum-exp per head.
     let stats = (2.0 + m.num_attention_heads as f64 / t) * stat;
     let full_layer = tokens * (shape.kept() * abytes + stats);
-    let mut per_mb = 0.0;
     let mut recompute = 0.0f64;
-    // The policy counts the checkpointable layers of the module it is applied to: this
-    // stage's.
-    for l in 0..layers {
-        let (kept, again) = match &c.ac {
-            AcPolicy::Full { every } if (l + 1) % every == 0 => {
-                (tokens * shape.resid * abytes, full_layer)
-            }
-            AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
-                let k = tokens * shape.kept_selective(ops) * abytes;
-                (k, (full_layer - k + tokens * shape.resid * abytes).max(0.0))
-            }
-            _ => (full_layer, 0.0),
-        };
-        per_mb += kept;
-        recompute = recompute.max(again);
+    // What one micro-batch keeps on each of this rank's stages. The policy counts the
+    // checkpointable layers of the module it is applied to: the stage's.
+    let mut stage_mb = Vec::with_capacity(per_rank);
+    for &s in &mine {
+        let mut kept_mb = 0.0;
+        for l in 0..ranges[s].len() {
+            let (kept, again) = match &c.ac {
+                AcPolicy::Full { every } if (l + 1) % every == 0 => {
+                    (tokens * shape.resid * abytes, full_layer)
+                }
+                AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
+                    let k = tokens * shape.kept_selective(ops) * abytes;
+                    (k, (full_layer - k + tokens * shape.resid * abytes).max(0.0))
+                }
+                _ => (full_layer, 0.0),
+            };
+            kept_mb += kept;
+            recompute = recompute.max(again);
+        }
+        if s + 1 == num_stages {
+            // The final norm's input, the head's input and the logits.
+            kept_mb += tokens * (shape.resid + h + v / t) * abytes + tokens * stat;
+        }
+        stage_mb.push(kept_mb);
     }
-    if last {
-        // The final norm's input, the head's input and the logits.
-        per_mb += tokens * (shape.resid + h + v / t) * abytes + tokens * stat;
-    }
-    let in_flight = match (c.pp, c.schedule) {
-        (1, _) => 1,
-        (_, ScheduleKind::GPipe) => mb,
-        (_, ScheduleKind::ZeroBubble) => c.pp.min(mb),
-        _ => (c.pp - stage).min(mb),
-    };
-    let mut activations = per_mb * in_flight as f64;
-    if !last {
-        // Outputs sent to the next stage: a copy each until it is dropped there.
-        let next_holds = match c.schedule {
-            ScheduleKind::GPipe => mb,
-            ScheduleKind::ZeroBubble => c.pp.min(mb),
-            _ => (c.pp - stage - 1).min(mb),
-        };
-        activations += next_holds as f64 * tokens * shape.resid * abytes;
-    }
+    let per_mb: f64 = stage_mb.iter().sum();
 
-    // The largest transient.
+    // The largest transient of a layer's or the loss's backward (what a pipeline adds is
+    // weighed below).
     let mut options: Vec<(f64, String)> = Vec::new();
     if layers > 0 {
         let ws = tokens * (3.0 * shape.mlp + h) * abytes;
@@ -503,7 +539,20 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         } else {
             "a layer's backward (MLP input gradients)"
         };
-        options.push((ws + recompute, what.into()));
+        if c.cp > 1 && c.cp_method == CpMethod::AllGather {
+            // Over the ring, attention's backward holds the other ranks' keys and values
+            // (gathered again) and their gradients before the reduce-scatter.
+            let gathered = 4.0 * (c.cp - 1) as f64 * tokens * shape.kv * abytes;
+            options.push((
+                ws + recompute + gathered,
+                format!(
+                    "{what}, with the keys and values of {} cp ranks and their gradients",
+                    c.cp
+                ),
+            ));
+        } else {
+            options.push((ws + recompute, what.into()));
+        }
     }
     if last {
         options.push((tokens * v / t * abytes, "the logits' gradient".into()));
@@ -520,16 +569,57 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         // ones are used, forward and backward (where dk and dv travel with them).
         options.push((4.0 * tokens * shape.kv * abytes, "cp: key/value blocks in flight".into()));
     }
-    if c.pp > 1 && mb > 1 {
-        // A later micro-batch's backward makes a whole set of the stage's gradients
-        // before adding them into the accumulated ones; it holds every micro-batch in
-        // flight when more follow, one fewer in the last backwards.
-        let k = if mb > in_flight { in_flight } else { in_flight - 1 };
-        let extra = gradients - (in_flight - k) as f64 * per_mb;
-        options.push((extra, "a later micro-batch's gradients, before their accumulation".into()));
-    }
     if c.data_parallel == DataParallelMode::Ddp && layers > 0 {
         options.push((layer_params * pbytes, "DDP: a layer's gradient bucket".into()));
+    }
+
+    // An activation sent to the next stage is a copy counted on the sender until the
+    // receiver drops it after its backward; an input gradient sent back likewise.
+    let boundary = tokens * shape.resid * abytes;
+    let (activations, pipeline_transient) =
+        if c.pp > 1 && c.schedule == ScheduleKind::Interleaved1F1B {
+            let grads_of = |j: usize| {
+                let e = stage_elems(mine[j]);
+                (if fsdp { e / fsdp_ranks } else { e }) * pbytes
+            };
+            let grads: Vec<f64> = (0..per_rank).map(grads_of).collect();
+            let base = options.iter().map(|o| o.0).fold(0.0, f64::max);
+            let held = interleaved_peak(c, stage, &stage_mb, &grads, boundary, base)?;
+            if held.transient > base {
+                options.push((
+                    held.transient,
+                    "a later micro-batch's gradients, before their accumulation".into(),
+                ));
+            }
+            (held.activations, None)
+        } else {
+            let in_flight = match (c.pp, c.schedule) {
+                (1, _) => 1,
+                (_, ScheduleKind::GPipe) => mb,
+                (_, ScheduleKind::ZeroBubble) => c.pp.min(mb),
+                _ => (c.pp - stage).min(mb),
+            };
+            let mut activations = per_mb * in_flight as f64;
+            if !last {
+                // Outputs sent to the next stage: a copy each until it is dropped there.
+                let next_holds = match c.schedule {
+                    ScheduleKind::GPipe => mb,
+                    ScheduleKind::ZeroBubble => c.pp.min(mb),
+                    _ => (c.pp - stage - 1).min(mb),
+                };
+                activations += next_holds as f64 * boundary;
+            }
+            let later = (c.pp > 1 && mb > 1).then(|| {
+                // A later micro-batch's backward makes a whole set of the stage's gradients
+                // before adding them into the accumulated ones; it holds every micro-batch in
+                // flight when more follow, one fewer in the last backwards.
+                let k = if mb > in_flight { in_flight } else { in_flight - 1 };
+                gradients - (in_flight - k) as f64 * per_mb
+            });
+            (activations, later)
+        };
+    if let Some(extra) = pipeline_transient {
+        options.push((extra, "a later micro-batch's gradients, before their accumulation".into()));
     }
     let (mut transient, mut transient_what) =
         options.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)).unwrap_or((0.0, "none".into()));
@@ -565,6 +655,95 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     })
 }
 
+/// What an interleaved 1F1B rank holds at its peak.
+struct Held {
+    /// The activations of the (stage, micro-batch) pairs between their forward and
+    /// backward, and the boundary copies not yet dropped by their receiver.
+    activations: f64,
+    /// The backward's transient then: the layer's or the loss's workspace (`base`), or
+    /// a whole set of the stage's gradients when it already has accumulated ones.
+    transient: f64,
+}
+
+/// Walks pp rank `rank`'s actions of the interleaved 1F1B schedule and returns what it
+/// holds when activations plus transient are highest. `stage_mb[j]` is what one
+/// micro-batch keeps on the rank's `j`-th stage, `grads[j]` that stage's gradients,
+/// `boundary` one micro-batch's activation (or input gradient) sent between stages.
+///
+/// A (stage, micro-batch) is held from its forward to the end of its backward. A copy
+/// sent to another rank lives until the receiver's backward of that micro-batch ends
+/// (for an activation) or the previous stage's backward ends (for an input gradient):
+/// when that is, the schedule simulated with unit costs says (forward 1, backward 2).
+/// A backward runs with `base` or, once the stage has gradients from an earlier
+/// micro-batch of the step, a new set of them, whichever is larger.
+fn interleaved_peak(
+    c: &MemoryConfig,
+    rank: usize,
+    stage_mb: &[f64],
+    grads: &[f64],
+    boundary: f64,
+    base: f64,
+) -> Result<Held, MemoryError> {
+    let sched =
+        Schedule::build(ScheduleKind::Interleaved1F1B, c.pp, c.stages_per_rank, c.microbatches)
+            .map_err(|e| config_err(e.to_string()))?;
+    let timeline = sched.simulate(&Costs::unit()).map_err(|e| config_err(e.to_string()))?;
+    let num_stages = sched.num_stages();
+    // When each backward ends, by (stage, micro-batch), over every rank.
+    let mut backward_end: HashMap<(usize, usize), f64> = HashMap::new();
+    for span in timeline.ranks.iter().flatten() {
+        if span.action.phase != Phase::F {
+            backward_end.insert((span.action.stage, span.action.microbatch), span.end);
+        }
+    }
+    let end_of = |s: usize, m: usize| backward_end.get(&(s, m)).copied().unwrap_or(f64::INFINITY);
+    let spans = timeline.ranks.get(rank).cloned().unwrap_or_default();
+    let j_of = |s: usize| s / c.pp;
+    // Forward ends of this rank's (stage, micro-batch) pairs, and its backward ends.
+    let mut forward_end: HashMap<(usize, usize), f64> = HashMap::new();
+    let mut held = 0.0;
+    let mut has_grads = vec![false; stage_mb.len()];
+    let mut best = Held { activations: 0.0, transient: 0.0 };
+    // Boundary copies this rank sent that are still alive at time `now`.
+    let copies = |now: f64, forward_end: &HashMap<(usize, usize), f64>| -> f64 {
+        let mut n = 0usize;
+        for (&(s, m), &f) in forward_end {
+            if s + 1 < num_stages && f <= now && now < end_of(s + 1, m) {
+                n += 1;
+            }
+            let own = end_of(s, m);
+            if s > 0 && own <= now && now < end_of(s - 1, m) {
+                n += 1;
+            }
+        }
+        n as f64 * boundary
+    };
+    for span in &spans {
+        let (s, m) = (span.action.stage, span.action.microbatch);
+        let j = j_of(s);
+        match span.action.phase {
+            Phase::F => {
+                held += stage_mb[j];
+                forward_end.insert((s, m), span.end);
+                let acts = held + copies(span.end, &forward_end);
+                if acts > best.activations + best.transient {
+                    best = Held { activations: acts, transient: 0.0 };
+                }
+            }
+            _ => {
+                let transient = if has_grads[j] { base.max(grads[j]) } else { base };
+                let acts = held + copies(span.start, &forward_end);
+                if acts + transient > best.activations + best.transient {
+                    best = Held { activations: acts, transient };
+                }
+                held -= stage_mb[j];
+                has_grads[j] = true;
+            }
+        }
+    }
+    Ok(best)
+}
+
 fn validate(c: &MemoryConfig, stage: usize) -> Result<(), MemoryError> {
     c.model.validate().map_err(|e| config_err(e.to_string()))?;
     for (name, v) in [
@@ -586,8 +765,14 @@ fn validate(c: &MemoryConfig, stage: usize) -> Result<(), MemoryError> {
             c.dp
         )));
     }
-    if c.pp > 1 && c.schedule == ScheduleKind::Interleaved1F1B {
-        return Err(config_err(format!("{c}: the interleaved 1F1B schedule is not modelled")));
+    if c.stages_per_rank == 0 {
+        return Err(config_err("stages_per_rank is 0; it must be at least 1"));
+    }
+    if c.pp > 1 && c.stages_per_rank > 1 && c.schedule != ScheduleKind::Interleaved1F1B {
+        return Err(config_err(format!(
+            "{c}: the {} schedule runs one stage per rank, not {}",
+            c.schedule, c.stages_per_rank
+        )));
     }
     if stage >= c.pp {
         return Err(config_err(format!("stage {stage} out of range for pp {}", c.pp)));
