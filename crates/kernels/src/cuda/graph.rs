@@ -26,8 +26,14 @@
 //! uses (a replay would touch freed memory). A capture that saw a fault ends
 //! with that error and no graph.
 //!
-//! The CPU emulator ([`super::emu::EmulatedGpu`]) implements capture; a device
-//! without it answers [`GpuDevice::begin_capture`] with an error saying so.
+//! The CPU emulator ([`super::emu::EmulatedGpu`]) implements capture and checks the
+//! faults above. A GPU ([`super::device::CudaDevice`]) captures with the driver's
+//! stream capture of its handle's stream (relaxed mode), allocations during it from
+//! the graph's private pool, blocks of earlier allocations freed during it released
+//! when it ends; the driver itself refuses the host round trips (the capture then
+//! ends with its error). That path follows the driver's documented rules and has not
+//! run on a GPU yet. A device without capture answers [`GpuDevice::begin_capture`]
+//! with an error saying so.
 //!
 //! ```
 //! use std::sync::Arc;

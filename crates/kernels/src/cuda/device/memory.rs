@@ -92,6 +92,10 @@ unsafe impl GpuDevice for CudaDevice {
         let op = self.op();
         self.ctx.bind_to_thread().map_err(|e| driver_error(&op, "binding the context", e))?;
         let n = bytes.max(1);
+        // During a graph capture: the graph's private pool.
+        if let Some(r) = self.graph.alloc(&op, n) {
+            return r;
+        }
         // SAFETY: plain allocation calls in the current context, on its stream.
         let r = unsafe {
             if self.ctx.has_async_alloc() {
@@ -107,6 +111,10 @@ unsafe impl GpuDevice for CudaDevice {
     /// As [`GpuDevice::free`].
     unsafe fn free(&self, ptr: DevPtr, _bytes: usize) {
         if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // A block of a graph's private pool stays the graph's.
+        if self.graph.free(&self.ctx, ptr) {
             return;
         }
         // SAFETY: the caller guarantees `ptr` is an allocation of this device
@@ -248,6 +256,20 @@ unsafe impl GpuDevice for CudaDevice {
 
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| driver_error(&self.op(), "cuStreamSynchronize", e))
+    }
+
+    /// The driver's stream capture of this handle's stream (relaxed mode), allocations
+    /// during it from the graph's private pool.
+    fn begin_capture(&self) -> Result<()> {
+        self.graph.begin(&self.op(), &self.stream)
+    }
+
+    fn end_capture(&self) -> Result<Box<dyn crate::cuda::graph::GraphExec>> {
+        self.graph.end(&self.op(), &self.ctx, &self.stream)
+    }
+
+    fn is_capturing(&self) -> bool {
+        self.graph.is_capturing()
     }
 
     /// cuBLASLt, on this handle's stream, for every problem it takes (f32

@@ -56,6 +56,7 @@ use super::{cuda_error, Launcher};
 use crate::Result;
 
 mod disk_cache;
+mod graph;
 mod index;
 mod launch;
 mod memory;
@@ -95,6 +96,8 @@ pub struct CudaDevice {
     /// loadable). It holds this device, which therefore lives as long as the
     /// process once a vendor GEMM has run.
     vendor: OnceLock<Option<Arc<crate::cuda::cublaslt::CublasLt>>>,
+    /// CUDA graph capture on this handle's stream and the graphs' private pools.
+    graph: graph::GraphState,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -164,6 +167,7 @@ impl CudaDevice {
             functions: Mutex::new(HashMap::new()),
             me: me.clone(),
             vendor: OnceLock::new(),
+            graph: graph::GraphState::default(),
         }))
     }
 
