@@ -15,6 +15,8 @@ use crate::Result;
 
 impl Launcher for CudaDevice {
     fn describe(&self) -> String {
+        // `raw::gemm_hopper` reads the architecture (the first item in the
+        // parentheses) from this text to pick its kernel.
         format!("cuda:{} ({}, {})", self.ordinal, self.arch, self.name)
     }
 
