@@ -133,7 +133,8 @@ struct Opts {
     /// Refuse to start (exit code 2, before the stages are built) when the predicted peak
     /// memory of a rank (tpar's memory model: parameters, gradients, optimizer state,
     /// the activations of the micro-batches in flight, the largest transient) exceeds
-    /// this many GiB. The interleaved schedule is not modelled: with it a budget is refused.
+    /// this many GiB (under the interleaved schedule, of the rank's stages in the
+    /// schedule's order).
     #[arg(long)]
     memory_budget: Option<f64>,
     /// End the run after step N, as an interruption would (the LR schedule still spans
@@ -599,6 +600,12 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, stage: usize) -> tpar::Result<M
         plan: TpPlan::SequenceParallel,
         microbatches: o.microbatches,
         schedule: o.schedule.kind(),
+        stages_per_rank: if o.schedule.kind() == ScheduleKind::Interleaved1F1B {
+            o.stages_per_rank
+        } else {
+            1
+        },
+        cp_method: o.cp_method.cp_method,
         ac: o.ac.ac.clone(),
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     };
