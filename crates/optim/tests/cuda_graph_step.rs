@@ -137,7 +137,7 @@ fn capturing_before_any_eager_step_is_an_error() {
         e.mul(&e)?.sum_all()?.backward()?;
         opt.step()
     });
-    let e = r.err().expect("no state to capture").to_string();
+    let e = r.expect_err("no state to capture").to_string();
     assert!(e.contains("eager step"), "{e}");
     assert!(!gpu::is_capturing(0));
     // Without a captured step there is nothing to replay.
@@ -168,7 +168,7 @@ fn a_host_read_inside_the_captured_step_is_an_error() {
         if i == 0 {
             r.unwrap();
         } else {
-            let e = r.err().expect("a read-back under capture").to_string();
+            let e = r.expect_err("a read-back under capture").to_string();
             assert!(e.contains("device-to-host") && e.contains("inside capture"), "{e}");
         }
     }
