@@ -342,6 +342,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, host: bool) -> tpar::Result<Mem
         data_parallel,
         plan: if o.plan == "sp" { TpPlan::SequenceParallel } else { TpPlan::Megatron },
         ac: o.ac.ac.clone(),
+        cp_method: o.cp_method.cp_method,
         host,
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     };

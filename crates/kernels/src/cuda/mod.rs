@@ -4,7 +4,7 @@
 //! prelude `tpar.cuh`) are embedded in the crate. They run either
 //!
 //! - on a GPU: compiled at run time by NVRTC for the device's own architecture
-//!   (e.g. `sm_90` on Hopper) and launched through cudarc ([`device`]), or
+//!   (`sm_90a` on Hopper) and launched through cudarc ([`device`]), or
 //! - on the CPU: compiled by the host C++ compiler against a small emulator
 //!   of the CUDA execution model ([`emu`]: blocks, warps, shared memory,
 //!   barriers, shuffles, `mma.sync`, `ldmatrix`), so every kernel is tested

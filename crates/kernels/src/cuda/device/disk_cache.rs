@@ -1,6 +1,6 @@
 //! The on-disk cache of compiled device binaries ([`KERNEL_CACHE_ENV`]), shared
 //! by every process with the same NVRTC version, and [`precompile`], which
-//! fills it ahead of time without a GPU (`gpu_check --precompile sm_90`).
+//! fills it ahead of time without a GPU (`gpu_check --precompile sm_90a`).
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};

@@ -150,6 +150,10 @@ impl CudaDevice {
                 check_arch(a)?;
                 a.clone()
             }
+            // Compute capability 9.0 compiles for `sm_90a`, the Hopper target
+            // with wgmma and setmaxnreg (the Hopper GEMM, `raw::gemm_hopper`);
+            // every other device for its own `sm_XY`.
+            None if cc == (9, 0) => "sm_90a".to_string(),
             None => format!("sm_{}{}", cc.0, cc.1),
         };
         let stream = ctx.new_stream().map_err(|e| driver_error(&op, "creating a stream", e))?;
@@ -181,7 +185,9 @@ impl CudaDevice {
         self.cc
     }
 
-    /// The architecture kernels are compiled for (`"sm_90"`).
+    /// The architecture kernels are compiled for: [`CompileOptions::arch`]
+    /// when set, else `"sm_90a"` on a compute capability 9.0 device and
+    /// `"sm_XY"` on the others.
     pub fn arch(&self) -> &str {
         &self.arch
     }

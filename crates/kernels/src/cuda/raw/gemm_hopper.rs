@@ -13,8 +13,8 @@
 //!
 //! Which GEMM kernel runs where: wgmma and `setmaxnreg` exist only for the
 //! `sm_90a` target, so [`HopperTarget::of`] accepts a GPU handle whose kernels
-//! are compiled for `sm_90a` (a compute capability 9.0 device opened with
-//! `CompileOptions { arch: Some("sm_90a".into()), .. }`), and the emulator
+//! are compiled for `sm_90a` (a compute capability 9.0 device's default, unless
+//! its `CompileOptions::arch` names another target), and the emulator
 //! when [`EMU_ARCH_ENV`]` = sm_90a`; everything else runs the `mma.sync`
 //! kernels of [`super::gemm`] (Ampere and later), as do the problems
 //! [`unsupported`] names: f32 inputs (wgmma here takes 16-bit operands), and

@@ -11,7 +11,7 @@
 //! is `target/release/gpu_check`); `scripts/gpu-check.sh` runs it on a GPU
 //! machine.
 //!
-//! `--precompile sm_90` needs no GPU: NVRTC compiles every kernel source for
+//! `--precompile sm_90a` (what a Hopper GPU compiles for) needs no GPU: NVRTC compiles every kernel source for
 //! that architecture into the kernel cache (`TPAR_KERNEL_CACHE`, default
 //! `~/.cache/tpar/kernels`), so GPU processes with the same NVRTC version
 //! load them instead of compiling on first use; it prints the cache files.
