@@ -62,6 +62,33 @@ fn a_perturbed_reference_fails_the_checks() {
     assert!(last.contains(" 0 passed"), "{last}");
 }
 
+/// The Hopper GEMM's checks run where the device runs `sm_90a` kernels (the emulator
+/// standing in for one): every layout, type pair, edge and epilogue passes, and a
+/// perturbed reference fails every one of them.
+#[test]
+fn the_hopper_gemm_checks_run_on_an_emulated_sm_90a() {
+    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
+    let run = |sabotage: bool| {
+        let mut args = vec!["--device", "emulator", "--quick", "--only", "gemm"];
+        if sabotage {
+            args.push("--sabotage");
+        }
+        let out = Command::new(gpu_check()).args(&args).env(arch, "sm_90a").output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let good = run(false);
+    let hopper: Vec<&str> = good.lines().filter(|l| l.contains(" gemm_hopper.")).collect();
+    assert!(hopper.len() >= 25, "{good}");
+    assert!(hopper.iter().all(|l| l.starts_with("PASS")), "{good}");
+    for fused in ["bias", "residual", "silu_mul"] {
+        assert!(hopper.iter().any(|l| l.contains(&format!(".{fused} "))), "{good}");
+    }
+    let bad = run(true);
+    assert!(!bad.lines().any(|l| l.starts_with("PASS")), "{bad}");
+    assert_eq!(bad.lines().filter(|l| l.contains(" gemm_hopper.")).count(), hopper.len());
+}
+
 /// With the emulator contracting `a * b + c` into fused multiply-adds where the host
 /// compiler chooses (as a GPU compiler may), the AdamW kernels still give the CPU
 /// kernel's bits and agree with each other: every operation of their step is

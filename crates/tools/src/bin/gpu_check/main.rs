@@ -25,6 +25,13 @@
 //! outputs (indices, counts, error slots, copies) must match exactly (`err`
 //! counts the mismatches). Exit status 1 when a check fails.
 //!
+//! The `gemm` family also checks the Hopper GEMM (`raw::gemm_hopper`) where
+//! the device runs `sm_90a` kernels (a compute capability 9.0 GPU; in the
+//! emulator with `TPAR_EMU_ARCH=sm_90a`): every layout, bf16 and f16 into
+//! their own type and f32, partial tiles with K not a multiple of 64, scales
+//! over a batch, each epilogue (bias, residual, SiLU gate) against the
+//! unfused computation, and on a GPU the Llama-8B projections sampled.
+//!
 //! Sizes: on a GPU they are realistic (GEMM 1024^3 in every layout, the
 //! Llama-8B projections 4096x4096x14336 and 4096x14336x4096 in bf16 checked on
 //! 256 sampled outputs against an f64 dot product, attention at 1k tokens with

@@ -6,13 +6,14 @@ use rayon::prelude::*;
 use tpar_kernels::cuda::cublaslt::CublasLt;
 use tpar_kernels::cuda::raw::gemm;
 use tpar_kernels::cuda::raw::gemm::{GemmProblem, GemmTile};
-use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::gemm::GemmShape;
 
 use CudaDType::{BF16, F16, F32};
 
 use super::{bound, Ctx, DTYPES, LAYOUTS};
 use crate::data::dn;
+use crate::dev::Dev;
 use crate::Res;
 
 pub(crate) fn layout_name(ta: bool, tb: bool) -> &'static str {
@@ -70,6 +71,7 @@ pub(crate) fn check_gemm(c: &mut Ctx) {
             }
         }
     }
+    super::gemm_hopper::check_gemm_hopper(c);
 }
 
 /// Host operands of one product and its f64 reference.
@@ -143,20 +145,37 @@ pub(crate) fn gemm_case(c: &mut Ctx, p: GemmProblem, tile: Option<GemmTile>) {
     });
 }
 
-/// A bf16 product too large for a full CPU reference: 256 random outputs
-/// against f64 dot products of the same rounded inputs.
+/// A bf16 product too large for a full CPU reference, on tpar's `mma.sync`
+/// kernel: 256 random outputs against f64 dot products of the same rounded
+/// inputs.
 pub(crate) fn gemm_sampled(c: &mut Ctx, m: usize, n: usize, k: usize, ta: bool, tb: bool) {
+    sampled(c, "gemm", [m, n, k], ta, tb, |d, p, a, b, out| {
+        // SAFETY: the caller allocated A, B and C with the extents `p` describes.
+        unsafe { gemm::gemm(d.l(), p, a, b, out)? };
+        Ok(())
+    });
+}
+
+/// `{prefix}.{layout}.sampled`: a bf16 product of `[m, n, k]` run by `run` (on
+/// device buffers of A, B and C), checked on 256 random outputs.
+pub(crate) fn sampled(
+    c: &mut Ctx,
+    prefix: &str,
+    [m, n, k]: [usize; 3],
+    ta: bool,
+    tb: bool,
+    run: impl FnOnce(&Dev, &GemmProblem, DevPtr, DevPtr, DevPtr) -> Res<()>,
+) {
     let s = GemmShape { trans_a: ta, trans_b: tb, ..GemmShape::new(1, m, n, k) };
     let p = GemmProblem::new(s, BF16, BF16);
-    let name = format!("gemm.{}.sampled", layout_name(ta, tb));
+    let name = format!("{prefix}.{}.sampled", layout_name(ta, tb));
     let shape = format!("{m}x{n}x{k} (256 outputs)");
     c.guard(&name, "bf16", &shape, |c| {
         let d = c.d;
         let a = c.rng.vals(BF16, m * k, -1.0, 1.0);
         let b = c.rng.vals(BF16, k * n, -1.0, 1.0);
         let (da, db, dc) = (d.up(BF16, &a)?, d.up(BF16, &b)?, d.junk(m * n * 2)?);
-        // SAFETY: A, B and C were allocated above with the extents `p` describes.
-        unsafe { gemm::gemm(d.l(), &p, da.ptr(), db.ptr(), dc.ptr())? };
+        run(d, &p, da.ptr(), db.ptr(), dc.ptr())?;
         let out = d.down(BF16, &dc)?;
         let picks: Vec<(usize, usize)> =
             (0..256).map(|_| (c.rng.below(m), c.rng.below(n))).collect();

@@ -19,6 +19,7 @@ pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod gemm;
+pub(crate) mod gemm_hopper;
 pub(crate) mod layout;
 pub(crate) mod reduce;
 pub(crate) mod rmsnorm;

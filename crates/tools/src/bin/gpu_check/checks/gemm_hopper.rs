@@ -1,0 +1,138 @@
+//! The Hopper GEMM's checks (part of the `gemm` family), where the device
+//! runs it: a GPU whose kernels are compiled for `sm_90a`, or the emulator
+//! with `TPAR_EMU_ARCH=sm_90a`. Every layout and type pair, a problem with
+//! partial tiles and K not a multiple of 64, scales with C read over a batch
+//! with a broadcast B, each epilogue against the unfused computation, and on
+//! a GPU the Llama-8B projections on sampled outputs.
+
+use tpar_kernels::cuda::raw::gemm::GemmProblem;
+use tpar_kernels::cuda::raw::gemm_hopper::{
+    self, AuxInput, AuxOp, Epilogue, HopperTarget, EMU_ARCH_ENV,
+};
+use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::gemm::GemmShape;
+
+use CudaDType::{BF16, F16, F32};
+
+use super::gemm::{gemm_inputs, gemm_label, layout_name, sampled, GemmData};
+use super::{bound, Ctx, LAYOUTS};
+
+/// The fused step a check adds after the product.
+#[derive(Clone, Copy, PartialEq)]
+enum Fused {
+    None,
+    Bias,
+    Residual,
+    SiluMul,
+}
+
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
+    let Some(target) = HopperTarget::of(&*c.d.mem) else {
+        println!(
+            "   gemm_hopper: skipped (the device does not run sm_90a kernels; in the emulator \
+             set {EMU_ARCH_ENV}=sm_90a)"
+        );
+        return;
+    };
+    let big = !c.quick;
+    let (m, n, k) = if big { (1024, 1024, 1024) } else { (160, 144, 96) };
+    for dt in [BF16, F16] {
+        for out in [dt, F32] {
+            for (ta, tb) in LAYOUTS {
+                let s = GemmShape { trans_a: ta, trans_b: tb, ..GemmShape::new(1, m, n, k) };
+                hopper_case(c, target, GemmProblem::new(s, dt, out), Fused::None);
+            }
+        }
+    }
+    // Partial tiles in M and N, K not a multiple of the 64-wide k step.
+    let (m, n, k) = if big { (1000, 776, 520) } else { (200, 136, 72) };
+    for (ta, tb) in LAYOUTS {
+        let s = GemmShape { trans_a: ta, trans_b: tb, ..GemmShape::new(1, m, n, k) };
+        hopper_case(c, target, GemmProblem::new(s, BF16, BF16), Fused::None);
+    }
+    // Scales with C read, over a batch with one B for every batch.
+    let s = GemmShape { b_batch_stride: 0, ..GemmShape::new(3, m, n, k) };
+    hopper_case(c, target, GemmProblem::new(s, BF16, BF16).with_scale(0.5, 2.0), Fused::None);
+    hopper_case(c, target, GemmProblem::new(s, F16, F32).with_scale(-1.5, 0.5), Fused::None);
+    // The epilogues, on the layout of a linear layer's forward (B = W stored [n, k]).
+    let s = GemmShape { trans_b: true, ..GemmShape::new(1, m, n, k) };
+    for fused in [Fused::Bias, Fused::Residual, Fused::SiluMul] {
+        hopper_case(c, target, GemmProblem::new(s, BF16, BF16), fused);
+    }
+    if big {
+        hopper_sampled(c, target, [4096, 4096, 14336], false, false);
+        hopper_sampled(c, target, [4096, 14336, 4096], false, true);
+    }
+}
+
+fn hopper_case(c: &mut Ctx, target: HopperTarget, p: GemmProblem, fused: Fused) {
+    let s = p.shape;
+    let lay = layout_name(s.trans_a, s.trans_b);
+    let name = match fused {
+        Fused::None => format!("gemm_hopper.{lay}"),
+        Fused::Bias => format!("gemm_hopper.{lay}.bias"),
+        Fused::Residual => format!("gemm_hopper.{lay}.residual"),
+        Fused::SiluMul => format!("gemm_hopper.{lay}.silu_mul"),
+    };
+    let (dtype, shape) = gemm_label(&p);
+    c.guard(&name, &dtype, &shape, |c| {
+        let d = c.d;
+        let GemmData { a, b, c_old, mut want } = gemm_inputs(c, &p)?;
+        let (da, db) = (d.up(p.dtype_in, &a)?, d.up(p.dtype_in, &b)?);
+        let dc = if p.beta != 0.0 {
+            d.up(p.dtype_out, &c_old)?
+        } else {
+            d.junk(want.len() * p.dtype_out.size())?
+        };
+        let (mn, n) = (s.m * s.n, s.n);
+        // The epilogue's inputs in C's type, and the reference after it.
+        let (bias, aux) = match fused {
+            Fused::None => (None, None),
+            Fused::Bias => {
+                let v = c.rng.vals(p.dtype_out, n, -1.0, 1.0);
+                for (i, w) in want.iter_mut().enumerate() {
+                    *w += v[i % n];
+                }
+                (Some(d.up(p.dtype_out, &v)?), None)
+            }
+            Fused::Residual | Fused::SiluMul => {
+                let v = c.rng.vals(p.dtype_out, mn, -3.0, 3.0);
+                for (w, x) in want.iter_mut().zip(&v) {
+                    *w = if fused == Fused::Residual { *w + x } else { silu(*x) * *w };
+                }
+                (None, Some(d.up(p.dtype_out, &v)?))
+            }
+        };
+        let epi = Epilogue {
+            bias: bias.as_ref().map(|b| b.ptr()),
+            aux: aux.as_ref().map(|x| AuxInput {
+                ptr: x.ptr(),
+                ld: n,
+                batch_stride: mn,
+                op: if fused == Fused::Residual { AuxOp::Residual } else { AuxOp::SiluMul },
+            }),
+        };
+        let kernel = gemm_hopper::plan(&p, &epi, target, da.ptr(), db.ptr(), dc.ptr())?.kernel;
+        // SAFETY: A, B, C, the bias and the matrix were allocated above with the
+        // extents `p` describes (bias n, matrix m x n, both in C's type).
+        unsafe { gemm_hopper::gemm(d.l(), target, &p, &epi, da.ptr(), db.ptr(), dc.ptr())? };
+        let got = d.down(p.dtype_out, &dc)?;
+        c.r.close_note(&name, &dtype, &shape, &got, &want, bound(p.dtype_out), &kernel);
+        Ok(())
+    });
+}
+
+/// A Llama-8B-sized bf16 product on the Hopper kernel, checked on 256
+/// sampled outputs.
+fn hopper_sampled(c: &mut Ctx, target: HopperTarget, mnk: [usize; 3], ta: bool, tb: bool) {
+    sampled(c, "gemm_hopper", mnk, ta, tb, |d, p, a, b, out| {
+        let epi = Epilogue::default();
+        // SAFETY: the caller allocated A, B and C with the extents `p` describes.
+        unsafe { gemm_hopper::gemm(d.l(), target, p, &epi, a, b, out)? };
+        Ok(())
+    });
+}
