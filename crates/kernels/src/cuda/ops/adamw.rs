@@ -62,18 +62,7 @@ pub fn adamw_step_each(
 ) -> Result<()> {
     const OP: &str = "cuda_adamw_step_each";
     let c = Check::new(OP, dev);
-    let bufs = tensors
-        .iter()
-        .map(|t| {
-            Ok(AdamwBuffers {
-                param: c.write("param", &t.param, t.n, dtype.size())?,
-                grad: c.read("grad", &t.grad, t.n, grad_dtype.size())?,
-                exp_avg: c.write("exp_avg", &t.exp_avg, t.n, 4)?,
-                exp_avg_sq: c.write("exp_avg_sq", &t.exp_avg_sq, t.n, 4)?,
-                n: t.n,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let bufs = checked_buffers(&c, dtype, grad_dtype, tensors)?;
     // SAFETY: every view is a live buffer in `dev`'s memory of at least its
     // tensor's elements (checked above); the updated ones are exclusive
     // borrows, so none overlaps another.
@@ -169,18 +158,7 @@ pub fn adamw_step_each_device_coef(
 ) -> Result<()> {
     const OP: &str = "cuda_adamw_step_each_device_coef";
     let c = Check::new(OP, dev);
-    let bufs = tensors
-        .iter()
-        .map(|t| {
-            Ok(AdamwBuffers {
-                param: c.write("param", &t.param, t.n, dtype.size())?,
-                grad: c.read("grad", &t.grad, t.n, grad_dtype.size())?,
-                exp_avg: c.write("exp_avg", &t.exp_avg, t.n, 4)?,
-                exp_avg_sq: c.write("exp_avg_sq", &t.exp_avg_sq, t.n, 4)?,
-                n: t.n,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let bufs = checked_buffers(&c, dtype, grad_dtype, tensors)?;
     let cp = c.read("coefficients", &coef, 1, std::mem::size_of::<raw::AdamwCoef>())?;
     let ptrs = match copies {
         Some((cd, views)) => {
@@ -205,4 +183,26 @@ pub fn adamw_step_each_device_coef(
     // elements and `coef` one of an AdamwCoef (checked above); the written ones are
     // exclusive borrows, so none overlaps another.
     unsafe { raw::adamw_step_each_device_coef(dev, dtype, grad_dtype, &bufs, copies, cp) }
+}
+
+/// Each tensor's four buffers after `c`'s checks: the parameter (`dtype`) and
+/// the moments (f32) written, the gradient (`grad_dtype`) read, `n` elements each.
+fn checked_buffers(
+    c: &Check<'_>,
+    dtype: CudaDType,
+    grad_dtype: CudaDType,
+    tensors: &[AdamwViews<'_>],
+) -> Result<Vec<AdamwBuffers>> {
+    tensors
+        .iter()
+        .map(|t| {
+            Ok(AdamwBuffers {
+                param: c.write("param", &t.param, t.n, dtype.size())?,
+                grad: c.read("grad", &t.grad, t.n, grad_dtype.size())?,
+                exp_avg: c.write("exp_avg", &t.exp_avg, t.n, 4)?,
+                exp_avg_sq: c.write("exp_avg_sq", &t.exp_avg_sq, t.n, 4)?,
+                n: t.n,
+            })
+        })
+        .collect()
 }

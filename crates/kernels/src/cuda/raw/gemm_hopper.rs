@@ -362,49 +362,13 @@ pub fn plan(
     }
     let (ta, tb) = (s.trans_a, s.trans_b);
     let sw = TensorMapSwizzle::B128;
-    // A [m, k] / B [n, k] (K-major): one 64 x 128 box; A [k, m] / B [k, n]: two 64 x 64
-    let map_a = if ta {
-        operand_map(
-            target,
-            p.dtype_in,
-            a,
-            (s.m, s.k, p.lda),
-            (s.batch, s.a_batch_stride),
-            [64, 64, 1],
-            sw,
-        )?
-    } else {
-        operand_map(
-            target,
-            p.dtype_in,
-            a,
-            (s.k, s.m, p.lda),
-            (s.batch, s.a_batch_stride),
-            [64, 128, 1],
-            sw,
-        )?
-    };
-    let map_b = if tb {
-        operand_map(
-            target,
-            p.dtype_in,
-            b,
-            (s.k, s.n, p.ldb),
-            (s.batch, s.b_batch_stride),
-            [64, 128, 1],
-            sw,
-        )?
-    } else {
-        operand_map(
-            target,
-            p.dtype_in,
-            b,
-            (s.n, s.k, p.ldb),
-            (s.batch, s.b_batch_stride),
-            [64, 64, 1],
-            sw,
-        )?
-    };
+    // (inner, outer) of each operand as stored, and its box: A [m, k] / B [n, k]
+    // (K-major) one 64 x 128 box; A [k, m] / B [k, n] two 64 x 64
+    let (a_dims, a_box) = if ta { ((s.m, s.k), [64, 64, 1]) } else { ((s.k, s.m), [64, 128, 1]) };
+    let (b_dims, b_box) = if tb { ((s.k, s.n), [64, 128, 1]) } else { ((s.n, s.k), [64, 64, 1]) };
+    let (ab, bb) = ((s.batch, s.a_batch_stride), (s.batch, s.b_batch_stride));
+    let map_a = operand_map(target, p.dtype_in, a, (a_dims.0, a_dims.1, p.lda), ab, a_box, sw)?;
+    let map_b = operand_map(target, p.dtype_in, b, (b_dims.0, b_dims.1, p.ldb), bb, b_box, sw)?;
     let c_tma = c.is_multiple_of(16)
         && (p.ldc * osz).is_multiple_of(16)
         && (s.batch == 1 || (p.c_batch_stride * osz).is_multiple_of(16));
