@@ -87,6 +87,52 @@ pub fn count_host_round_trip() {
     ROUND_TRIPS.with(|c| c.set(c.get() + 1));
 }
 
+/// Turns deferral of this thread's device index checks on (`true`) or off; returns
+/// the previous setting. Off by default.
+///
+/// By default the embedding forward and the cross-entropy forwards on a CUDA
+/// device check their ids there and read a 4-byte status back at once: a device
+/// synchronization per call, and a bad id is an `IndexOutOfRange` error at the op.
+/// With deferral on, those ops launch their kernels with the status slot and
+/// record it instead of reading it, so the op returns `Ok` even for a bad id;
+/// [`check_deferred_index_checks`] later reads every recorded slot (one
+/// synchronization) and returns the error the first bad call would have
+/// returned. Turning deferral off leaves recorded checks pending.
+///
+/// **Until that check, work issued after a bad id runs on masked ids** (the
+/// kernels give zero embedding rows and leave the row out of the loss): losses,
+/// gradients and optimizer steps computed in between are wrong without any error.
+/// A caller that defers must validate its ids itself (e.g. on the host before
+/// they are uploaded) or call [`check_deferred_index_checks`] before anything
+/// irreversible: an optimizer step it cannot undo, a checkpoint save, a reported
+/// metric. [`crate::Tensor::first_index_out_of_range`] and CUDA graph captures
+/// (which record no status) are unaffected.
+pub fn defer_index_checks(on: bool) -> bool {
+    crate::ops::gpu_nn::defer_index_checks(on)
+}
+
+/// Whether this thread defers its device index checks (see [`defer_index_checks`]).
+pub fn index_checks_deferred() -> bool {
+    crate::ops::gpu_nn::index_checks_deferred()
+}
+
+/// How many deferred index checks this thread has recorded and not yet read (see
+/// [`defer_index_checks`]).
+pub fn pending_index_checks() -> usize {
+    crate::ops::gpu_nn::pending_index_checks()
+}
+
+/// Reads every index check this thread has deferred (see [`defer_index_checks`])
+/// and clears them, whatever the outcome: one device synchronization (per device
+/// the checks ran on), plus one read of the offending id when one is bad. Returns
+/// the first bad call's error, in launch order, exactly as the immediate check
+/// would have (`IndexOutOfRange` with the op, the position and the offending
+/// value, read from the ids as they are now); `Ok` when none is pending or all
+/// ids were in range.
+pub fn check_deferred_index_checks() -> Result<()> {
+    crate::ops::gpu_nn::check_deferred()
+}
+
 /// A tensor's data on a CUDA device.
 #[derive(Debug)]
 pub struct GpuStorage {

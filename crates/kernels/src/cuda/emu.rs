@@ -502,6 +502,7 @@ struct Shared {
     kernels_run: AtomicU64,
     copies_run: AtomicU64,
     replays: AtomicU64,
+    dtoh_reads: AtomicU64,
     device_ns: AtomicU64,
 }
 
@@ -850,6 +851,7 @@ unsafe impl GpuDevice for EmulatedGpu {
     /// As [`GpuDevice::dtoh`].
     unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.capturing(&format!("a device-to-host copy of {} bytes", dst.len()), true)?;
+        self.shared.dtoh_reads.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the caller guarantees the source range.
         self.issue(false, || unsafe {
             std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
@@ -997,6 +999,7 @@ unsafe impl GpuDevice for EmulatedGpu {
             kernels_run: sh.kernels_run.load(Ordering::Relaxed),
             copies_run: sh.copies_run.load(Ordering::Relaxed),
             replays: sh.replays.load(Ordering::Relaxed),
+            dtoh_reads: sh.dtoh_reads.load(Ordering::Relaxed),
             device_ns: sh.device_ns.load(Ordering::Relaxed),
         })
     }

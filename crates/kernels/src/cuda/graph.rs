@@ -70,6 +70,9 @@ pub struct WorkCounts {
     pub copies_run: u64,
     /// Graph replays.
     pub replays: u64,
+    /// Device-to-host copies issued by the host (each one a synchronization: the
+    /// host waits for the work before it). Also counted in `copies_run`.
+    pub dtoh_reads: u64,
     /// Nanoseconds the host spent in the device's work itself (the emulator runs
     /// kernels on the calling thread: the time inside them); a step's wall time
     /// minus this is the host's own time between pieces of work.
@@ -84,6 +87,7 @@ impl std::ops::Sub for WorkCounts {
             kernels_run: self.kernels_run.saturating_sub(o.kernels_run),
             copies_run: self.copies_run.saturating_sub(o.copies_run),
             replays: self.replays.saturating_sub(o.replays),
+            dtoh_reads: self.dtoh_reads.saturating_sub(o.dtoh_reads),
             device_ns: self.device_ns.saturating_sub(o.device_ns),
         }
     }

@@ -11,6 +11,13 @@
 //! through a 4-byte status slot that is read back once per call: a
 //! synchronization, so a bad id is an error naming it as on the CPU, but no
 //! tensor data moves (it is not counted in [`crate::gpu::host_round_trips`]).
+//! A thread that turns on [`crate::gpu::defer_index_checks`] reads nothing at the
+//! op: the embedding and cross-entropy forwards launch their kernels with the slot
+//! and record it, and [`crate::gpu::check_deferred_index_checks`] reads all the
+//! recorded slots at once (one synchronization) and returns the error the first
+//! of them would have returned. Until then, work after a bad id runs on it
+//! masked. [`crate::Tensor::first_index_out_of_range`] always reads its answer
+//! back at once.
 //! Inside a CUDA graph capture (see [`crate::gpu::capture_graph`]) nothing can be read
 //! back: the ops are recorded without their status slot, and the kernels treat ids out
 //! of range as masked ones (zero rows, rows left out of the loss) on every replay, so
@@ -94,6 +101,12 @@ impl Status {
         self.0.as_mut().map(DeviceBuffer::as_slice_mut)
     }
 
+    /// Whether this status is recorded for [`check_deferred`] instead of read now:
+    /// it has a slot and this thread defers its index checks.
+    fn deferred(&self) -> bool {
+        self.0.is_some() && index_checks_deferred()
+    }
+
     /// Waits for the launches before it and returns the first bad position
     /// with the offending i64 value read from `indices` (`n` of them); `None` without
     /// a slot.
@@ -101,15 +114,118 @@ impl Status {
         let Some(slot) = &self.0 else { return Ok(None) };
         let mut first = [0i32];
         slot.as_slice().copy_to_host(&mut first)?;
-        let v = first[0];
-        if v == k_ce::NO_ERROR || v < 0 || v as usize >= n {
+        first_bad(first[0], indices, n)
+    }
+
+    /// [`Status::check`], or `None` without reading anything when the status is
+    /// deferred (then [`Status::finish`] records it).
+    fn check_now(&self, indices: DeviceSlice<'_>, n: usize) -> Result<Option<(usize, i64)>> {
+        if self.deferred() {
             return Ok(None);
         }
-        let position = v as usize;
-        let mut value = [0i64];
-        indices.slice(elems(position, 1, 8))?.copy_to_host(&mut value)?;
-        Ok(Some((position, value[0])))
+        self.check(indices, n)
     }
+
+    /// Records a deferred status (see [`Status::deferred`]) with what reading it
+    /// later needs: `op` and `size` for the error, a handle on the `n` `ids` for
+    /// the offending value. Does nothing for a status read now or without a slot.
+    fn finish(self, op: &'static str, ids: &Tensor, n: usize, size: usize) {
+        if !self.deferred() {
+            return;
+        }
+        if let Some(slot) = self.0 {
+            let check = PendingCheck { op, slot, ids: ids.detach(), n, size };
+            PENDING.with(|p| p.borrow_mut().push(check));
+        }
+    }
+}
+
+/// The first bad position a status slot holds (`first`), with its i64 value read
+/// from `indices` (`n` of them), or `None` when the slot says "no error".
+fn first_bad(first: i32, indices: DeviceSlice<'_>, n: usize) -> Result<Option<(usize, i64)>> {
+    if first == k_ce::NO_ERROR || first < 0 || first as usize >= n {
+        return Ok(None);
+    }
+    let position = first as usize;
+    let mut value = [0i64];
+    indices.slice(elems(position, 1, 8))?.copy_to_host(&mut value)?;
+    Ok(Some((position, value[0])))
+}
+
+/// An index check recorded while deferred: the launch's status slot, and the op
+/// name, ids and valid range its error needs.
+struct PendingCheck {
+    op: &'static str,
+    slot: DeviceBuffer,
+    ids: Tensor,
+    n: usize,
+    size: usize,
+}
+
+thread_local! {
+    static DEFER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static PENDING: std::cell::RefCell<Vec<PendingCheck>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Turns deferral of this thread's index checks on or off; returns the previous
+/// setting. See [`crate::gpu::defer_index_checks`].
+pub(crate) fn defer_index_checks(on: bool) -> bool {
+    DEFER.with(|d| d.replace(on))
+}
+
+/// Whether this thread defers its index checks.
+pub(crate) fn index_checks_deferred() -> bool {
+    DEFER.with(|d| d.get())
+}
+
+/// How many deferred index checks this thread holds.
+pub(crate) fn pending_index_checks() -> usize {
+    PENDING.with(|p| p.borrow().len())
+}
+
+/// Reads every deferred index check of this thread and clears them: the slots
+/// of each device are gathered into one buffer on it (device-to-device copies, no
+/// kernel)
+/// and read back at once, so one device synchronization per device. The first
+/// check, in launch order, that found a bad id gives its `IndexOutOfRange` error,
+/// as the immediate check would have (its offending value is read then).
+pub(crate) fn check_deferred() -> Result<()> {
+    const OP: &str = "check_deferred_index_checks";
+    let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    let mut firsts = vec![k_ce::NO_ERROR; pending.len()];
+    let mut read = vec![false; pending.len()];
+    for i in 0..pending.len() {
+        if read[i] {
+            continue;
+        }
+        let dev = pending[i].slot.device().clone();
+        let group: Vec<usize> = (i..pending.len())
+            .filter(|&j| !read[j] && Arc::ptr_eq(pending[j].slot.device(), &dev))
+            .collect();
+        let mut values = vec![k_ce::NO_ERROR; group.len()];
+        if let [only] = group[..] {
+            pending[only].slot.as_slice().copy_to_host(&mut values)?;
+        } else {
+            let mut gather = DeviceBuffer::from_host(&dev, &values)?;
+            for (k, &j) in group.iter().enumerate() {
+                gather.slice_mut(elems(k, 1, 4))?.copy_from(pending[j].slot.as_slice())?;
+            }
+            gather.as_slice().copy_to_host(&mut values)?;
+        }
+        for (&j, v) in group.iter().zip(values) {
+            firsts[j] = v;
+            read[j] = true;
+        }
+    }
+    for (p, first) in pending.iter().zip(firsts) {
+        if first == k_ce::NO_ERROR {
+            continue;
+        }
+        let bad = with_gpu(OP, &[&p.ids], |v| first_bad(first, v[0].view(), p.n))?;
+        out_of_range(p.op, bad, p.size)?;
+    }
+    Ok(())
 }
 
 /// The error for the first bad index a kernel's [`Status`] found (`(position, value)`),
@@ -193,9 +309,10 @@ pub(crate) fn cross_entropy(
             None,
             err,
         )?;
-        status.check(tv, rows)
+        status.check_now(tv, rows)
     })?;
     out_of_range("ce_local_stats", bad, vocab)?;
+    status.finish("ce_local_stats", targets, rows, vocab);
     let mut ones = Out::new(&dev, [rows], DType::F32)?;
     let zero = Out::zeros(&dev, [rows], DType::F32)?;
     let mut sums = Out::new(&dev, [2], DType::F32)?;
@@ -316,9 +433,12 @@ pub(crate) fn embedding(
         let err = status.as_mut().and_then(Status::slot);
         let ov = out.view_mut();
         k_emb::embedding_forward(&*dev, cd, wv, vocab, dim, iv, n, vocab_start, masked, ov, err)?;
-        status.as_ref().map_or(Ok(None), |s| s.check(iv, n))
+        status.as_ref().map_or(Ok(None), |s| s.check_now(iv, n))
     })?;
     out_of_range("embedding_forward", bad, vocab)?;
+    if let Some(status) = status {
+        status.finish("embedding_forward", ids, n, vocab);
+    }
     let ids_c = ids.detach();
     let wdt = weight.dtype();
     Ok(Some(record(OP, &[weight], out.into_tensor(), move |g| {
@@ -1085,9 +1205,10 @@ impl Tensor {
                 tl.view_mut(),
                 status.slot(),
             )?;
-            status.check(tv, rows)
+            status.check_now(tv, rows)
         })?;
         out_of_range("ce_local_stats", bad, vocab_size)?;
+        status.finish("ce_local_stats", targets, rows, vocab_size);
         Ok((max.into_tensor(), sumexp.into_tensor(), tl.into_tensor()))
     }
 

@@ -10,7 +10,7 @@ mod cross_entropy;
 mod elementwise;
 mod gpu;
 mod gpu_elem;
-mod gpu_nn;
+pub(crate) mod gpu_nn;
 mod matmul;
 mod nn;
 mod optim;
