@@ -168,7 +168,7 @@ pub fn gemm_with_tile(
 
 /// The operands' addresses, after checking that each view is `dev`'s memory
 /// and covers what `p` reaches.
-fn operands(
+pub(crate) fn operands(
     dev: &dyn GpuDevice,
     p: &GemmProblem,
     a: &DeviceSlice<'_>,

@@ -38,6 +38,7 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
+pub mod gemm_fused;
 pub mod gemm_tune;
 pub mod layout;
 pub mod multi;

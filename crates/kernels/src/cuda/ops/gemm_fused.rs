@@ -1,0 +1,339 @@
+//! The GEMM with a fused epilogue over device buffers:
+//! `C[b] = epilogue(alpha * op(A[b]) * op(B[b]) + beta * C[b])`, the epilogue
+//! a per-column bias, then a residual matrix or SiLU of a gate matrix times
+//! the product ([`FusedEpilogue`]).
+//!
+//! [`gemm_fused`] runs the Hopper kernel with the epilogue fused
+//! ([`crate::cuda::raw::gemm_hopper`]) where the device runs `sm_90a`
+//! kernels ([`HopperTarget::of`]), the kernel takes the problem
+//! ([`unsupported`]) and the GEMM backend ([`super::gemm::gemm_backend`])
+//! would run tpar's kernel; everywhere else (GPUs before Hopper, the
+//! emulator without `TPAR_EMU_ARCH=sm_90a`, f32 inputs, A or B not 16-byte
+//! aligned, leading dimensions or batch strides of A and B that are not
+//! multiples of 8, and where `TPAR_GEMM` picks the vendor library) it runs
+//! the plain GEMM ([`super::gemm::gemm`], so the backend choice applies) and
+//! then the elementwise device ops that compute the same epilogue.
+//!
+//! On a GPU the backend picks the vendor library for `TPAR_GEMM=cublaslt`
+//! and `check`, and for `auto` (the default) unless the tuning table of
+//! `TPAR_GEMM_TABLE` prefers tpar's kernel for the problem; so with neither
+//! `TPAR_GEMM=ours` nor such a table, [`gemm_fused`] runs the unfused path
+//! there. The emulator has no vendor library. [`gemm_fused_via`] chooses
+//! the path explicitly.
+//!
+//! The two paths round at different points. Fused, the product, the bias and
+//! the epilogue matrix are combined in f32 and rounded once, to C's dtype,
+//! at the end. Unfused, C is rounded to its dtype after the GEMM, again after
+//! the bias add, and again after the residual add or `silu(gate) * v` (each
+//! of which computes in f32). For an f32 C the two agree to f32 rounding;
+//! for bf16 or f16 they differ by up to a few units in the last place of
+//! the output's dtype.
+
+use super::gemm::{gemm_backend, gemm_table, operands, GemmBackend};
+use super::{pitched, Check};
+use crate::cuda::raw::elementwise as ew;
+use crate::cuda::raw::gemm::GemmProblem;
+pub use crate::cuda::raw::gemm_hopper::AuxOp;
+use crate::cuda::raw::gemm_hopper::{self, unsupported, AuxInput, Epilogue, HopperTarget};
+use crate::cuda::raw::layout::{self, Block2d};
+use crate::cuda::{DevPtr, DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice, MemorySpace};
+use crate::elementwise::BinaryOp;
+use crate::util::bad;
+use crate::Result;
+
+const OP: &str = "cuda gemm_fused";
+
+/// A matrix the epilogue reads: per batch `m` rows of `n` elements of C's
+/// dtype, `ld` apart, batches `batch_stride` apart (any value for one batch).
+#[derive(Clone, Copy, Debug)]
+pub struct FusedAux<'a> {
+    /// The matrix, starting at batch 0.
+    pub view: DeviceSlice<'a>,
+    /// Row stride in elements (`n` or more).
+    pub ld: usize,
+    /// Elements between consecutive batches.
+    pub batch_stride: usize,
+    /// How it is combined with the product.
+    pub op: AuxOp,
+}
+
+/// The steps after `v = alpha * op(A) op(B) + beta * C`, in this order:
+/// `v += bias[col]`, then the [`FusedAux`] (`v + aux` or `silu(aux) * v`).
+/// The default is none (a plain GEMM).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FusedEpilogue<'a> {
+    /// A per-column bias: `n` elements of C's dtype.
+    pub bias: Option<DeviceSlice<'a>>,
+    /// A residual or gate matrix.
+    pub aux: Option<FusedAux<'a>>,
+}
+
+/// How [`gemm_fused_via`] computes the epilogue (and, as its result, how it
+/// did).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EpiloguePath {
+    /// [`EpiloguePath::Fused`] where [`gemm_fused`]'s conditions hold,
+    /// [`EpiloguePath::Unfused`] elsewhere.
+    Auto,
+    /// The Hopper kernel with the epilogue fused: on a GPU running `sm_90a`
+    /// kernels, or on the emulator (as an H100, whatever `TPAR_EMU_ARCH`
+    /// says); a device or problem the kernel does not take is an error.
+    Fused,
+    /// The plain GEMM, then the elementwise ops.
+    Unfused,
+}
+
+/// Runs `p` with the epilogue `epi` on the path of [`EpiloguePath::Auto`]:
+/// A and B read from `a` and `b` (`p.dtype_in`), C written (and read when
+/// `beta != 0`) in `c` (`p.dtype_out`), the bias and epilogue matrix read in
+/// `p.dtype_out`; every view is checked (device, extent, alignment) before
+/// anything runs. Returns the path that ran.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tpar_kernels::cuda::emu::EmulatedGpu;
+/// use tpar_kernels::cuda::ops::gemm::GemmProblem;
+/// use tpar_kernels::cuda::ops::gemm_fused::{gemm_fused, AuxOp, FusedAux, FusedEpilogue};
+/// use tpar_kernels::cuda::{CudaDType, DeviceBuffer, GpuDevice};
+/// use tpar_kernels::gemm::GemmShape;
+/// let dev: Arc<dyn GpuDevice> = EmulatedGpu::open(0)?;
+/// // C [2, 3] = A [2, 4] B [4, 3] + bias + residual, in f32
+/// let p = GemmProblem::new(GemmShape::new(1, 2, 3, 4), CudaDType::F32, CudaDType::F32);
+/// let a = DeviceBuffer::from_host(&dev, &[1.0f32, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])?;
+/// let b = DeviceBuffer::from_host(&dev, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])?;
+/// let bias = DeviceBuffer::from_host(&dev, &[10.0f32, 20.0, 30.0])?;
+/// let res = DeviceBuffer::from_host(&dev, &[0.5f32; 6])?;
+/// let mut c = DeviceBuffer::zeros(&dev, 6 * 4)?;
+/// let aux = FusedAux { view: res.as_slice(), ld: 3, batch_stride: 6, op: AuxOp::Residual };
+/// let epi = FusedEpilogue { bias: Some(bias.as_slice()), aux: Some(aux) };
+/// gemm_fused(&*dev, &p, epi, a.as_slice(), b.as_slice(), c.as_slice_mut())?;
+/// let mut host = [0.0f32; 6];
+/// c.as_slice().copy_to_host(&mut host)?;
+/// assert_eq!(host, [11.5, 22.5, 33.5, 14.5, 25.5, 36.5]);
+/// // A bias shorter than n: an error, and nothing runs.
+/// let short = FusedEpilogue { bias: Some(bias.slice(0..8)?), aux: None };
+/// assert!(gemm_fused(&*dev, &p, short, a.as_slice(), b.as_slice(), c.as_slice_mut()).is_err());
+/// # Ok::<(), tpar_kernels::KernelError>(())
+/// ```
+pub fn gemm_fused(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    epi: FusedEpilogue<'_>,
+    a: DeviceSlice<'_>,
+    b: DeviceSlice<'_>,
+    c: DeviceSliceMut<'_>,
+) -> Result<EpiloguePath> {
+    gemm_fused_via(dev, EpiloguePath::Auto, p, epi, a, b, c)
+}
+
+/// [`gemm_fused`] on the path `path` asks for; returns the path that ran
+/// ([`EpiloguePath::Fused`] or [`EpiloguePath::Unfused`]).
+pub fn gemm_fused_via(
+    dev: &dyn GpuDevice,
+    path: EpiloguePath,
+    p: &GemmProblem,
+    epi: FusedEpilogue<'_>,
+    a: DeviceSlice<'_>,
+    b: DeviceSlice<'_>,
+    mut c: DeviceSliceMut<'_>,
+) -> Result<EpiloguePath> {
+    let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
+    let raw_epi = epilogue(dev, p, &epi)?;
+    let target = match path {
+        EpiloguePath::Unfused => None,
+        EpiloguePath::Auto => HopperTarget::of(dev)
+            .filter(|_| unsupported(p, ap, bp).is_none() && !vendor_picked(dev, p)),
+        EpiloguePath::Fused => {
+            let t = HopperTarget::of(dev).or_else(|| {
+                (dev.memory_space() == MemorySpace::Host).then(|| HopperTarget::emulator(132))
+            });
+            let Some(t) = t else {
+                return Err(bad(
+                    OP,
+                    format!(
+                        "the fused epilogue needs sm_90a kernels; {} does not run them",
+                        dev.describe()
+                    ),
+                ));
+            };
+            if let Some(why) = unsupported(p, ap, bp) {
+                return Err(bad(
+                    OP,
+                    format!("the Hopper kernel does not take this problem: {why}"),
+                ));
+            }
+            Some(t)
+        }
+    };
+    if let Some(t) = target {
+        // SAFETY: `operands` and `epilogue` checked that A, B, C, the bias and
+        // the matrix are live buffers in `dev`'s memory covering every element
+        // the problem reaches, in their dtypes; `c` is an exclusive borrow, so
+        // C overlaps none of the views read.
+        unsafe { gemm_hopper::gemm(dev, t, p, &raw_epi, ap, bp, cp)? };
+        return Ok(EpiloguePath::Fused);
+    }
+    super::gemm::gemm(dev, p, a, b, c.reborrow())?;
+    unfused(dev, p, &raw_epi, &c)?;
+    Ok(EpiloguePath::Unfused)
+}
+
+/// Whether [`super::gemm::gemm`] would hand `p` to the device's vendor
+/// library (the emulator has none).
+fn vendor_picked(dev: &dyn GpuDevice, p: &GemmProblem) -> bool {
+    if dev.memory_space() == MemorySpace::Host {
+        return false;
+    }
+    match gemm_backend() {
+        GemmBackend::Ours => false,
+        // the diagnosis mode compares the plain GEMM against the vendor's
+        GemmBackend::Vendor | GemmBackend::Check => true,
+        GemmBackend::Auto => !gemm_table().is_some_and(|t| t.prefers_ours(&dev.describe(), p)),
+    }
+}
+
+/// The epilogue's addresses, after checking each view against `p`.
+fn epilogue(dev: &dyn GpuDevice, p: &GemmProblem, epi: &FusedEpilogue<'_>) -> Result<Epilogue> {
+    let ch = Check::new(OP, dev);
+    let s = &p.shape;
+    let es = p.dtype_out.size();
+    let bias = epi.bias.as_ref().map(|v| ch.read("bias", v, s.n, es)).transpose()?;
+    let aux = match &epi.aux {
+        None => None,
+        Some(x) => {
+            if x.ld < s.n {
+                return Err(bad(
+                    OP,
+                    format!("epilogue matrix ld {} is less than n = {}", x.ld, s.n),
+                ));
+            }
+            let one = pitched(OP, s.m, s.n, x.ld)?;
+            let need = if s.batch > 1 && one > 0 {
+                (s.batch - 1)
+                    .checked_mul(x.batch_stride)
+                    .and_then(|v| v.checked_add(one))
+                    .ok_or_else(|| {
+                        bad(
+                            OP,
+                            format!("epilogue matrix batch stride {} overflows", x.batch_stride),
+                        )
+                    })?
+            } else {
+                one
+            };
+            let ptr = ch.read("epilogue matrix", &x.view, need, es)?;
+            Some(AuxInput { ptr, ld: x.ld, batch_stride: x.batch_stride, op: x.op })
+        }
+    };
+    Ok(Epilogue { bias, aux })
+}
+
+/// The epilogue after the plain GEMM wrote C: each step reads the current
+/// value (C itself, then a contiguous temporary), computes in f32 and
+/// rounds to C's dtype; the result is copied back into C's rows.
+fn unfused(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    epi: &Epilogue,
+    c: &DeviceSliceMut<'_>,
+) -> Result<()> {
+    if epi.bias.is_none() && epi.aux.is_none() {
+        return Ok(());
+    }
+    let s = &p.shape;
+    let (dt, es) = (p.dtype_out, p.dtype_out.size());
+    let total = s.batch * s.m * s.n;
+    if total == 0 {
+        return Ok(());
+    }
+    let shape = [s.batch, s.m, s.n];
+    let dense = [s.m * s.n, s.n, 1];
+    let batched = |stride: usize| if s.batch > 1 { stride } else { 0 };
+    let c_strides = [batched(p.c_batch_stride), p.ldc, 1];
+    let alloc = || DeviceBuffer::alloc(c.device(), total * es);
+    // the current value: (address, strides), C's until a step writes a temporary
+    let mut cur: (DevPtr, [usize; 3]) = (c.ptr(), c_strides);
+    let mut temps: Vec<DeviceBuffer> = Vec::new();
+    if let Some(bias) = epi.bias {
+        let t = alloc()?;
+        // SAFETY: C and the bias were checked by `operands` and `epilogue` to
+        // cover what these strides reach over `shape`; `t` holds `total`
+        // elements and overlaps neither.
+        unsafe {
+            ew::binary(dev, dt, BinaryOp::Add, cur.0, &cur.1, bias, &[0, 0, 1], &shape, t.ptr())?
+        };
+        cur = (t.ptr(), dense);
+        temps.push(t);
+    }
+    if let Some(x) = epi.aux {
+        let x_strides = [batched(x.batch_stride), x.ld, 1];
+        let t = alloc()?;
+        match x.op {
+            AuxOp::Residual => {
+                // SAFETY: as above; the matrix was checked by `epilogue`.
+                unsafe {
+                    ew::binary(
+                        dev,
+                        dt,
+                        BinaryOp::Add,
+                        cur.0,
+                        &cur.1,
+                        x.ptr,
+                        &x_strides,
+                        &shape,
+                        t.ptr(),
+                    )?
+                };
+            }
+            AuxOp::SiluMul => {
+                // SwiGLU's kernel reads gate and value densely: copy what is not
+                let gate = if x_strides == dense || s.batch == 1 && x.ld == s.n {
+                    x.ptr
+                } else {
+                    let g = alloc()?;
+                    // SAFETY: the matrix covers these strides (checked); `g`
+                    // holds `total` elements.
+                    unsafe {
+                        layout::strided_copy(dev, es, x.ptr, 0, &x_strides, &shape, g.ptr())?
+                    };
+                    temps.push(g);
+                    temps[temps.len() - 1].ptr()
+                };
+                let value = if cur.1 == dense || s.batch == 1 && cur.1[1] == s.n {
+                    cur.0
+                } else {
+                    let v = alloc()?;
+                    // SAFETY: C covers these strides (checked); `v` holds
+                    // `total` elements.
+                    unsafe { layout::strided_copy(dev, es, cur.0, 0, &cur.1, &shape, v.ptr())? };
+                    temps.push(v);
+                    temps[temps.len() - 1].ptr()
+                };
+                // SAFETY: `gate` and `value` hold `batch * m` dense rows of
+                // `n`, `t` as many; `t` overlaps neither.
+                unsafe {
+                    ew::swiglu_forward(dev, dt, gate, value, s.n, t.ptr(), s.batch * s.m, s.n)?
+                };
+            }
+        }
+        cur = (t.ptr(), dense);
+        temps.push(t);
+    }
+    let blocks: Vec<Block2d> = (0..s.batch)
+        .map(|i| Block2d {
+            src: cur.0 + (i * s.m * s.n * es) as DevPtr,
+            src_ld: s.n,
+            dst: c.ptr() + (i * c_strides[0] * es) as DevPtr,
+            dst_ld: p.ldc,
+            rows: s.m,
+            cols: s.n,
+        })
+        .collect();
+    // SAFETY: the temporary holds `batch` dense `m x n` matrices; C covers
+    // `m` rows at `ldc` per batch at its batch stride (checked by `operands`)
+    // and is exclusively borrowed, disjoint from the temporary.
+    unsafe { layout::copy2d_batch(dev, es, &blocks)? };
+    // the temporaries live until the copies are ordered after their writes
+    drop(temps);
+    Ok(())
+}
