@@ -89,30 +89,53 @@ const XBS: usize = M * LDX + 4;
 /// What C's padding holds before and after.
 const PAD: f64 = 7.0;
 
+/// Where the operands' rows and batches lie.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    batch: usize,
+    /// C's row stride and batch stride.
+    ldc: usize,
+    cbs: usize,
+    /// The epilogue matrix's row stride and batch stride.
+    ldx: usize,
+    xbs: usize,
+}
+
+/// Padded rows and batches in C and in the epilogue matrix.
+const PADDED: Layout = Layout { batch: BATCH, ldc: LDC, cbs: CBS, ldx: LDX, xbs: XBS };
+
+/// One batch, C and the epilogue matrix dense.
+const DENSE: Layout = Layout { batch: 1, ldc: N, cbs: M * N, ldx: N, xbs: M * N };
+
 fn problem(din: CudaDType, dout: CudaDType) -> GemmProblem {
-    GemmProblem::new(GemmShape::new(BATCH, M, N, K), din, dout)
-        .with_leading_dims(K, N, LDC)
-        .with_c_batch_stride(CBS)
+    problem_in(PADDED, din, dout)
+}
+
+fn problem_in(l: Layout, din: CudaDType, dout: CudaDType) -> GemmProblem {
+    GemmProblem::new(GemmShape::new(l.batch, M, N, K), din, dout)
+        .with_leading_dims(K, N, l.ldc)
+        .with_c_batch_stride(l.cbs)
         .with_scale(1.0, 0.5)
 }
 
-/// Runs one case on `path`; returns the path taken, C's elements (padding
+/// Runs one case on `path` with the layout `l`; returns the path taken, C's elements (padding
 /// included) and the f64 reference of C's elements (padding included).
 fn run(
+    l: Layout,
     path: EpiloguePath,
     din: CudaDType,
     dout: CudaDType,
     epi: Epi,
 ) -> (EpiloguePath, Vec<f64>, Vec<f64>) {
     let dev = dev();
-    let p = problem(din, dout);
-    let a = round(din, &data(BATCH * M * K, 1, 1.0));
-    let b = round(din, &data(BATCH * K * N, 2, 1.0));
+    let p = problem_in(l, din, dout);
+    let a = round(din, &data(l.batch * M * K, 1, 1.0));
+    let b = round(din, &data(l.batch * K * N, 2, 1.0));
     let bias = round(dout, &data(N, 3, 1.0));
-    let x = round(dout, &data(BATCH * XBS, 4, 2.0));
-    let c0v = data(BATCH * CBS, 5, 1.0);
-    let mut c0 = vec![PAD; BATCH * CBS];
-    let live = |i: usize| i % CBS < M * LDC && i % CBS % LDC < N;
+    let x = round(dout, &data(l.batch * l.xbs, 4, 2.0));
+    let c0v = data(l.batch * l.cbs, 5, 1.0);
+    let mut c0 = vec![PAD; l.batch * l.cbs];
+    let live = |i: usize| i % l.cbs < M * l.ldc && i % l.cbs % l.ldc < N;
     for (i, v) in c0.iter_mut().enumerate() {
         if live(i) {
             *v = c0v[i];
@@ -134,22 +157,22 @@ fn run(
     let with_bias = matches!(epi, Epi::Bias | Epi::BiasSiluMul);
     let fe = FusedEpilogue {
         bias: with_bias.then(|| dbias.as_slice()),
-        aux: op.map(|op| FusedAux { view: dx.as_slice(), ld: LDX, batch_stride: XBS, op }),
+        aux: op.map(|op| FusedAux { view: dx.as_slice(), ld: l.ldx, batch_stride: l.xbs, op }),
     };
     let took = gemm_fused_via(&*dev, path, &p, fe, da.as_slice(), db.as_slice(), dc.as_slice_mut())
         .unwrap();
     let mut want = c0.clone();
-    for bi in 0..BATCH {
+    for bi in 0..l.batch {
         for i in 0..M {
             for j in 0..N {
                 let dot: f64 =
                     (0..K).map(|l| a[bi * M * K + i * K + l] * b[bi * K * N + l * N + j]).sum();
-                let ci = bi * CBS + i * LDC + j;
+                let ci = bi * l.cbs + i * l.ldc + j;
                 let mut v = dot + 0.5 * c0[ci];
                 if with_bias {
                     v += bias[j];
                 }
-                let g = x[bi * XBS + i * LDX + j];
+                let g = x[bi * l.xbs + i * l.ldx + j];
                 v = match op {
                     Some(AuxOp::Residual) => v + g,
                     Some(AuxOp::SiluMul) => silu(g) * v,
@@ -182,22 +205,25 @@ fn fused_and_unfused_match_the_reference_and_each_other() {
     for dout in [BF16, F32] {
         for epi in CASES {
             let what = format!("{epi:?} bf16 -> {dout:?}");
-            let (tf, fused, want) = run(EpiloguePath::Fused, BF16, dout, epi);
-            let (tu, unfused, _) = run(EpiloguePath::Unfused, BF16, dout, epi);
-            assert_eq!((tf, tu), (EpiloguePath::Fused, EpiloguePath::Unfused), "{what}");
-            assert_close(&format!("fused {what}"), &fused, &want, tol(dout));
-            assert_close(&format!("unfused {what}"), &unfused, &want, tol(dout));
-            assert_close(&format!("fused vs unfused {what}"), &fused, &unfused, tol(dout));
+            for l in [PADDED, DENSE] {
+                let what = format!("{what} batch {}", l.batch);
+                let (tf, fused, want) = run(l, EpiloguePath::Fused, BF16, dout, epi);
+                let (tu, unfused, _) = run(l, EpiloguePath::Unfused, BF16, dout, epi);
+                assert_eq!((tf, tu), (EpiloguePath::Fused, EpiloguePath::Unfused), "{what}");
+                assert_close(&format!("fused {what}"), &fused, &want, tol(dout));
+                assert_close(&format!("unfused {what}"), &unfused, &want, tol(dout));
+                assert_close(&format!("fused vs unfused {what}"), &fused, &unfused, tol(dout));
+            }
         }
     }
 }
 
 #[test]
 fn f32_inputs_run_unfused() {
-    for epi in CASES {
-        let (took, got, want) = run(EpiloguePath::Auto, F32, F32, epi);
-        assert_eq!(took, EpiloguePath::Unfused, "{epi:?}");
-        assert_close(&format!("{epi:?} f32"), &got, &want, tol(F32));
+    for (epi, l) in CASES.into_iter().flat_map(|e| [(e, PADDED), (e, DENSE)]) {
+        let (took, got, want) = run(l, EpiloguePath::Auto, F32, F32, epi);
+        assert_eq!(took, EpiloguePath::Unfused, "{epi:?} {l:?}");
+        assert_close(&format!("{epi:?} f32 {l:?}"), &got, &want, tol(F32));
     }
     // the Hopper kernel takes 16-bit inputs only: asking for it is an error
     let dev = dev();
@@ -226,7 +252,7 @@ fn auto_follows_the_device_architecture() {
     let dev = dev();
     let want =
         if HopperTarget::of(&*dev).is_some() { EpiloguePath::Fused } else { EpiloguePath::Unfused };
-    let (took, got, reference) = run(EpiloguePath::Auto, BF16, BF16, Epi::Residual);
+    let (took, got, reference) = run(PADDED, EpiloguePath::Auto, BF16, BF16, Epi::Residual);
     assert_eq!(took, want);
     assert_close("auto residual", &got, &reference, tol(BF16));
 }
