@@ -655,6 +655,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let mut read_times: Vec<(usize, f64)> = Vec::new();
     let mut step_work: Vec<StepWork> = Vec::new();
     let on_host = device == Device::Cpu;
+    // On a device, the embedding's and the loss's id checks record their status instead
+    // of reading it back on every step (the ids were checked on the host); the recorded
+    // checks are read where the trainer synchronizes anyway: logging steps, before a
+    // checkpoint save and at the end.
+    let _defer = (!on_host).then(DeferIndexChecks::on);
     if let Some(bar) = &progress_bar {
         bar.set_position(step as u64);
     }
@@ -673,6 +678,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             || o.nonfinite == NonFinite::Skip
             || (saving && o.nonfinite == NonFinite::Fail);
         let (epoch, batch) = data.batch(step, o.batch, seq)?;
+        if !on_host {
+            // The device reads no status back on a quiet step (deferred checks, or a
+            // replayed graph): the ids are checked here, on the host, before they move.
+            check_batch_ids(&batch, cfg.vocab_size, pad, step)?;
+        }
         // Counted on the host, before the batch moves (a device count would read it back).
         let batch_tokens = batch.num_tokens()?;
         // Under context parallelism this rank's chunks of every sequence, and its share
@@ -696,27 +706,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // norm are its static outputs, read back on logging steps only.
             let inputs =
                 [batch.input_ids.clone(), batch.target_ids.clone(), batch.attention_mask.clone()];
-            // A replayed step reads no status back (ids out of range would read as
-            // masked): the ids are checked here, on the host, before they go in.
-            for (what, t) in [("input id", &inputs[0]), ("target", &inputs[1])] {
-                let bad = t.with_data::<i64, _>(|v| {
-                    v.iter()
-                        .copied()
-                        .enumerate()
-                        .find(|&(_, i)| i != pad && (i < 0 || i as u64 >= cfg.vocab_size as u64))
-                })?;
-                if let Some((position, id)) = bad {
-                    return Err(NnError::Config {
-                        what: format!(
-                            "step {}: {what} {id} at position {position} is outside the \
-                             vocabulary of {}",
-                            step + 1,
-                            cfg.vocab_size
-                        ),
-                    }
-                    .into());
-                }
-            }
             let ((loss_t, norm_t), how) = gs.run(
                 &mut opt,
                 &inputs,
@@ -755,6 +744,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
                 );
             }
             if read {
+                // Warm-up and fallback steps run eagerly and may have recorded checks.
+                tpar::tensor::gpu::check_deferred_index_checks()?;
                 let (l, n) = read_loss_and_norm(&loss_t, &norm_t)?;
                 if o.nonfinite == NonFinite::Fail && !(l.is_finite() && n.is_finite()) {
                     return Err(NnError::NonFinite {
@@ -818,6 +809,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // through the optimizer serves every dp mode (ZeRO-1's gradients live in the
             // ranks' ranges after its reduce-scatter); the norm stays on the device.
             let norm_t = clip_grad_norm_(opt.as_mut(), MAX_GRAD_NORM, &ClipOptions::default())?;
+            if read && !on_host {
+                tpar::tensor::gpu::check_deferred_index_checks()?;
+            }
             let norm = if !read {
                 // Not read back: the step goes on (see --nonfinite).
                 f64::NAN
@@ -902,6 +896,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         if let Some(c) = &mut ckpt {
             c.poll()?;
             if step.is_multiple_of(o.save_every) || step == o.steps {
+                tpar::tensor::gpu::check_deferred_index_checks()?;
                 with_items(
                     &mut run_config,
                     &mut model,
@@ -929,6 +924,8 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             }
         }
     }
+    // No recorded index check goes unread (a no-op on the host).
+    tpar::tensor::gpu::check_deferred_index_checks()?;
     if let Some(bar) = progress_bar {
         bar.finish();
     }
@@ -966,6 +963,47 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }),
         read_times,
     })
+}
+
+/// Checks a batch's input ids and targets on the host (`pad` allowed in both) before
+/// they go to a device, whose quiet steps read no index status back: an id outside
+/// the vocabulary is an error naming the step, the tensor and the position.
+fn check_batch_ids(batch: &Batch, vocab_size: usize, pad: i64, step: usize) -> tpar::Result<()> {
+    for (what, t) in [("input id", &batch.input_ids), ("target", &batch.target_ids)] {
+        let bad = t.with_data::<i64, _>(|v| {
+            v.iter()
+                .copied()
+                .enumerate()
+                .find(|&(_, i)| i != pad && (i < 0 || i as u64 >= vocab_size as u64))
+        })?;
+        if let Some((position, id)) = bad {
+            return Err(NnError::Config {
+                what: format!(
+                    "step {}: {what} {id} at position {position} is outside the vocabulary of \
+                     {vocab_size}",
+                    step + 1,
+                ),
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// Defers this thread's device index checks while it lives (see
+/// `tpar::tensor::gpu::defer_index_checks`), restoring the previous setting on drop.
+struct DeferIndexChecks(bool);
+
+impl DeferIndexChecks {
+    fn on() -> Self {
+        DeferIndexChecks(tpar::tensor::gpu::defer_index_checks(true))
+    }
+}
+
+impl Drop for DeferIndexChecks {
+    fn drop(&mut self) {
+        tpar::tensor::gpu::defer_index_checks(self.0);
+    }
 }
 
 /// A logging step's loss and gradient norm, read back together: one host round trip when
@@ -1108,20 +1146,22 @@ fn main() {
             list(false)
         );
         // Where the device counts its work (the emulator), rank 0's steps: how each ran,
-        // the host calls that issued work, the kernels and copies run, and the wall time
-        // split into time inside the device's work and the host's own time around it
+        // the host calls that issued work, the kernels and copies run (device-to-host reads
+        // among them), and the wall time split into time inside the device's work and the
+        // host's own time around it
         // (the emulator runs kernels on the host thread: the gaps a GPU would idle in).
         if !r0.step_work.is_empty() {
             let col = |f: &dyn Fn(&StepWork) -> String| -> String {
                 r0.step_work.iter().map(f).collect::<Vec<_>>().join(",")
             };
             println!(
-                "work: modes={} logging={} host_calls={} kernels={} copies={} device_ms={} host_ms={}",
+                "work: modes={} logging={} host_calls={} kernels={} copies={} dtoh_reads={} device_ms={} host_ms={}",
                 col(&|w| w.mode.to_string()),
                 col(&|w| u8::from(w.logging).to_string()),
                 col(&|w| w.work.host_calls.to_string()),
                 col(&|w| w.work.kernels_run.to_string()),
                 col(&|w| w.work.copies_run.to_string()),
+                col(&|w| w.work.dtoh_reads.to_string()),
                 col(&|w| format!("{:.3}", w.work.device_ns as f64 / 1e6)),
                 col(&|w| format!("{:.3}", (w.wall_s * 1e3 - w.work.device_ns as f64 / 1e6).max(0.0))),
             );

@@ -130,3 +130,40 @@ fn context_parallel_training_on_the_emulated_gpu_matches_the_cpu() {
     };
     assert_eq!(bits("cuda"), bits("cpu"));
 }
+
+/// A quiet eager step on the device reads nothing back: the embedding's and the loss's
+/// index checks are deferred (the ids were checked on the host) and read on logging
+/// steps, so the device-to-host reads the emulator counts are 0 on steps 2 and 3 of a
+/// 4-step run that logs steps 1 and 4 (each id check read its status back before,
+/// 2 reads a step), and the run ends with the CPU run's loss bits.
+#[test]
+fn quiet_device_steps_read_nothing_back() {
+    for mode in [&["--no-fsdp"][..], &[]] {
+        let run = |device: &str| -> String {
+            let args = ["--world", "1", "--dp", "1", "--tp", "1", "--steps", "4"];
+            let rest = ["--log-every", "10", "--device", device];
+            let (stdout, stderr) = run_tiny(&[&args[..], mode, &rest].concat());
+            assert!(stdout.contains("summary:"), "{mode:?} {device}:\n{stdout}\n{stderr}");
+            stdout
+        };
+        let field = |out: &str, prefix: &str, key: &str| -> String {
+            let line =
+                out.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("{out}"));
+            let v = line.split_whitespace().find_map(|kv| kv.strip_prefix(key));
+            v.unwrap_or_else(|| panic!("no {key} in {line}")).to_string()
+        };
+        let (cpu, gpu) = (run("cpu"), run("cuda"));
+        let nums = |key: &str| -> Vec<u64> {
+            field(&gpu, "work:", key).split(',').map(|v| v.parse().unwrap()).collect()
+        };
+        let (logging, reads) = (nums("logging="), nums("dtoh_reads="));
+        assert_eq!(logging, [1, 0, 0, 1], "{mode:?}: {gpu}");
+        let quiet: Vec<u64> =
+            reads.iter().zip(&logging).filter(|p| *p.1 == 0).map(|p| *p.0).collect();
+        assert_eq!(quiet, [0, 0], "{mode:?}: device-to-host reads of the quiet steps ({reads:?})");
+        // A logging step reads the loss and the norm, and the recorded index checks.
+        assert!(reads[0] >= 1 && reads[3] >= 1, "{mode:?}: {reads:?}");
+        let bits = |o: &str| field(o, "summary:", "final_loss_bits=");
+        assert_eq!(bits(&gpu), bits(&cpu), "{mode:?}: final loss bits, cuda:0 vs cpu");
+    }
+}

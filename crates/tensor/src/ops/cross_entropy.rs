@@ -158,7 +158,8 @@ impl Tensor {
     ///
     /// A target that is neither `ignore_index` nor in `[0, vocab_size)` is an
     /// `IndexOutOfRange` error naming it (on a CUDA device through a 4-byte status read,
-    /// no tensor data). Not recorded by autograd.
+    /// no tensor data; from [`crate::gpu::check_deferred_index_checks`] instead while the
+    /// thread defers its index checks). Not recorded by autograd.
     pub fn ce_shard_stats(
         &self,
         targets: &Tensor,
