@@ -90,8 +90,8 @@ pub fn count_host_round_trip() {
 /// Turns deferral of this thread's device index checks on (`true`) or off; returns
 /// the previous setting. Off by default.
 ///
-/// By default the embedding forward and the cross-entropy forwards on a CUDA
-/// device check their ids there and read a 4-byte status back at once: a device
+/// By default the embedding forward, the cross-entropy forwards and
+/// [`crate::Tensor::check_index_range`] on a CUDA device check their ids there and read a 4-byte status back at once: a device
 /// synchronization per call, and a bad id is an `IndexOutOfRange` error at the op.
 /// With deferral on, those ops launch their kernels with the status slot and
 /// record it instead of reading it, so the op returns `Ok` even for a bad id;

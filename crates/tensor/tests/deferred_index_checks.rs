@@ -159,3 +159,30 @@ fn deferral_is_per_thread() {
     assert!(gpu::check_deferred_index_checks().is_err());
     gpu::defer_index_checks(false);
 }
+
+/// The explicit range check (a vocab-sharded lookup's global check) defers too, and its
+/// deferred error is the immediate one; on the host it checks at once.
+#[test]
+fn deferred_range_check_reports_the_immediate_error() {
+    let dev = setup(15);
+    let host = Tensor::from_vec(vec![3i64, 0, 10, -1], [4]).unwrap();
+    let want = host.check_index_range(10, "embedding").unwrap_err();
+    assert!(want.to_string().contains("index 10 at position 2"), "{want}");
+    let bad = host.to_device(dev).unwrap();
+    let immediate = bad.check_index_range(10, "embedding").unwrap_err();
+    assert_eq!(immediate.to_string(), want.to_string());
+
+    gpu::defer_index_checks(true);
+    let before = dtoh_reads(15);
+    bad.check_index_range(10, "embedding").unwrap();
+    assert_eq!(dtoh_reads(15) - before, 0, "a deferred check reads nothing back");
+    assert_eq!(gpu::pending_index_checks(), 1);
+    let got = gpu::check_deferred_index_checks().unwrap_err();
+    assert_eq!(got.to_string(), want.to_string());
+    ids(dev, vec![0, 9]).check_index_range(10, "embedding").unwrap();
+    gpu::check_deferred_index_checks().unwrap();
+    assert_eq!(gpu::pending_index_checks(), 0);
+    // Still an error at once on the host.
+    assert!(host.check_index_range(10, "embedding").is_err());
+    gpu::defer_index_checks(false);
+}

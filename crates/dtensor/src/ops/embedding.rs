@@ -61,8 +61,17 @@ impl DTensor {
             if ids.dtype() != DType::I64 {
                 return Err(no_rule(op, &operands, "ids must be i64"));
             }
-            // On a CUDA device the ids are checked there (no host round trip).
-            let bad = local_ids.first_index_out_of_range(vocab)?;
+            // On a CUDA device the ids are checked there (no host round trip); a thread
+            // that defers its index checks records this one too (an `IndexOutOfRange`
+            // from `tpar_tensor::gpu::check_deferred_index_checks`).
+            let deferred = matches!(local_ids.device(), tpar_tensor::Device::Cuda(_))
+                && tpar_tensor::gpu::index_checks_deferred();
+            let bad = if deferred {
+                local_ids.check_index_range(vocab, "embedding")?;
+                None
+            } else {
+                local_ids.first_index_out_of_range(vocab)?
+            };
             if let Some((pos, id)) = bad {
                 return Err(no_rule(
                     op,

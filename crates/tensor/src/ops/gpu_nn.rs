@@ -16,8 +16,8 @@
 //! and record it, and [`crate::gpu::check_deferred_index_checks`] reads all the
 //! recorded slots at once (one synchronization) and returns the error the first
 //! of them would have returned. Until then, work after a bad id runs on it
-//! masked. [`crate::Tensor::first_index_out_of_range`] always reads its answer
-//! back at once.
+//! masked. [`crate::Tensor::check_index_range`] defers as those ops do;
+//! [`crate::Tensor::first_index_out_of_range`] always reads its answer back at once.
 //! Inside a CUDA graph capture (see [`crate::gpu::capture_graph`]) nothing can be read
 //! back: the ops are recorded without their status slot, and the kernels treat ids out
 //! of range as masked ones (zero rows, rows left out of the loss) on every replay, so
@@ -1373,6 +1373,47 @@ impl Tensor {
             k_emb::embedding_check_ids(&*dev, iv, n, size, slot)?;
             status.check(iv, n)
         })
+    }
+
+    /// Checks that every element of this i64 tensor is in `[0, size)`: otherwise an
+    /// `IndexOutOfRange` error naming `op`, the first bad position and its value (as
+    /// [`Tensor::first_index_out_of_range`] finds them). On a CUDA device a kernel checks
+    /// them and a 4-byte status is read back, or, while this thread defers its index
+    /// checks ([`crate::gpu::defer_index_checks`]), recorded and read by
+    /// [`crate::gpu::check_deferred_index_checks`]: this call then returns `Ok` for bad
+    /// ids too.
+    pub fn check_index_range(&self, size: usize, op: &'static str) -> Result<()> {
+        const OP: &str = "check_index_range";
+        let Device::Cuda(_) = self.device() else {
+            let bad = self.first_index_out_of_range(size)?;
+            return out_of_range(op, bad, size);
+        };
+        if self.dtype() != DType::I64 {
+            return Err(TensorError::DTypeMismatch {
+                op: OP,
+                expected: "i64".into(),
+                got: self.dtype(),
+            });
+        }
+        let n = self.numel();
+        let dev = device_of(self, OP)?;
+        let mut status = Status::new(&dev)?;
+        if status.0.is_none() {
+            return Err(invalid(
+                OP,
+                "the check reads a status back, which a CUDA graph capture cannot: check the \
+                 ids before they are written into the captured step's inputs",
+            ));
+        }
+        let bad = with_gpu(OP, &[self], |v| {
+            let iv = v[0].view();
+            let Some(slot) = status.slot() else { return Ok(None) };
+            k_emb::embedding_check_ids(&*dev, iv, n, size, slot)?;
+            status.check_now(iv, n)
+        })?;
+        out_of_range(op, bad, size)?;
+        status.finish(op, self, n, size);
+        Ok(())
     }
 
     /// Squared L2 norms of CUDA tensors, for gradient clipping: an f32 tensor
