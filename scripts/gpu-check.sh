@@ -27,7 +27,8 @@
 #      skips it), the second without the kernel benchmarks (torch_ref_l16.*);
 #   3. llama_2d --device cuda with the same models and batches as step 2 (its
 #      outcome is reported, never fatal), with FSDP and with --no-fsdp (each
-#      against every PyTorch mode in step 4's training table), its host round
+#      against every PyTorch mode in step 4's training table), --no-fsdp again
+#      with --cuda-graph (llama_2d_graph.log), its host round
 #      trips per step (logging steps and the others), then the GPU time per
 #      kernel of 3 more steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
 #   3b. the small default model on the device and on the host in the
@@ -51,7 +52,7 @@
 #
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
-# llama_2d_nofsdp.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
+# llama_2d_nofsdp.log, llama_2d_graph.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
 # cp.log, gemm_table.txt, gemm_step.log, summary.{txt,json}.
 #
 # SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
@@ -232,6 +233,14 @@ if [ "${SKIP_LLAMA:-0}" != 1 ]; then
             --dtype bf16 --no-fsdp "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} \
             >"$out/llama_2d_nofsdp.log" 2>&1
         echo "(llama_2d --no-fsdp: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log"))"
+        if [ "$dev" = cuda ]; then
+            # The same step captured once as a CUDA graph and replayed (--cuda-graph).
+            # shellcheck disable=SC2086
+            timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
+                --dtype bf16 --no-fsdp --cuda-graph "${llama_steps[@]}" --device "$dev" \
+                ${LLAMA_ARGS:-} >"$out/llama_2d_graph.log" 2>&1
+            echo "(llama_2d --no-fsdp --cuda-graph: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_graph.log"))"
+        fi
         if [ "${SKIP_L16:-0}" != 1 ]; then
             # The 16-layer model, both ways (the training table's second size).
             for mode in fsdp nofsdp; do
