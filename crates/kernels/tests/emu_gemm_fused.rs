@@ -16,11 +16,11 @@ use tpar_kernels::cuda::ops::gemm_fused::{
     gemm_fused, gemm_fused_via, AuxOp, EpiloguePath, FusedAux, FusedEpilogue,
 };
 use tpar_kernels::cuda::raw::gemm_hopper::HopperTarget;
-use tpar_kernels::cuda::{CudaDType, DeviceBuffer, GpuDevice, LaunchConfig, Launcher, MemorySpace};
+use tpar_kernels::cuda::{CudaDType, DeviceBuffer, GpuDevice};
 use tpar_kernels::gemm::GemmShape;
 use tpar_kernels::KernelError;
 
-use common::{assert_close, data};
+use common::{assert_close, data, Elsewhere};
 use CudaDType::{BF16, F32};
 
 fn dev() -> Arc<dyn GpuDevice> {
@@ -308,94 +308,4 @@ fn bad_views_are_typed_errors() {
     assert!(matches!(r, Err(KernelError::WrongDevice { what: "bias", .. })), "{r:?}");
     let r = refused(&dev, N, &other, aux_need, LDX);
     assert!(matches!(r, Err(KernelError::WrongDevice { what: "epilogue matrix", .. })), "{r:?}");
-}
-
-/// A device whose memory is host memory but which claims another memory
-/// space: its buffers must not reach the emulator's launches.
-struct Elsewhere(Arc<dyn GpuDevice>);
-
-impl Launcher for Elsewhere {
-    fn describe(&self) -> String {
-        "cuda:1 (elsewhere)".into()
-    }
-
-    /// # Safety
-    /// As [`Launcher::launch_raw`].
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: &[u8],
-    ) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee is the emulator's.
-        unsafe { self.0.launch_raw(kernel, cfg, args) }
-    }
-}
-
-// SAFETY: every call forwards to the emulated device, whose memory and order
-// it uses; only the memory space it reports differs, which keeps its buffers
-// away from other devices' launches.
-unsafe impl GpuDevice for Elsewhere {
-    fn ordinal(&self) -> usize {
-        1
-    }
-    fn memory_space(&self) -> MemorySpace {
-        MemorySpace::Cuda { ordinal: 1, stream: 1 }
-    }
-    fn alloc(&self, bytes: usize) -> tpar_kernels::Result<u64> {
-        self.0.alloc(bytes)
-    }
-    /// # Safety
-    /// As [`GpuDevice::free`].
-    unsafe fn free(&self, ptr: u64, bytes: usize) {
-        // SAFETY: the caller's guarantee; allocated by the emulated device.
-        unsafe { self.0.free(ptr, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::htod`].
-    unsafe fn htod(&self, src: &[u8], dst: u64) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.0.htod(src, dst) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::dtoh`].
-    unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.0.dtoh(src, dst) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::dtod`].
-    unsafe fn dtod(&self, src: u64, dst: u64, bytes: usize) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.0.dtod(src, dst, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::copy_from_device`].
-    unsafe fn copy_from_device(
-        &self,
-        src_dev: &dyn GpuDevice,
-        src: u64,
-        dst: u64,
-        bytes: usize,
-    ) -> tpar_kernels::Result<()> {
-        if src_dev.memory_space() != self.memory_space() {
-            return Err(KernelError::WrongDevice {
-                op: "copy_from_device",
-                what: "source",
-                want: self.describe(),
-                got: src_dev.describe(),
-            });
-        }
-        // SAFETY: the caller's guarantee.
-        unsafe { self.0.dtod(src, dst, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::zero`].
-    unsafe fn zero(&self, dst: u64, bytes: usize) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.0.zero(dst, bytes) }
-    }
-    fn synchronize(&self) -> tpar_kernels::Result<()> {
-        self.0.synchronize()
-    }
 }
