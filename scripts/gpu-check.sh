@@ -491,29 +491,39 @@ if "round_trips_quiet" in llama or "round_trips_logging" in llama:
         f"{llama.get('round_trips_logging', [])}, other steps {llama.get('round_trips_quiet', [])}"
     )
 
+def sections(name, header):
+    """The lines of log `name` after each line matching `header`, keyed by its groups
+    (one group: that group's text)."""
+    try:
+        with open(os.path.join(out, name)) as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    runs, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(header, line)
+        if m:
+            cur = m.groups() if len(m.groups()) > 1 else m.group(1)
+            runs[cur] = []
+        elif cur is not None:
+            runs[cur].append(line)
+    return runs
+
+
+def losses(t):
+    """first_loss (step 1 logs only in the summary line), then the loss lines."""
+    return [float(x) for x in re.findall(r"(?:first_loss=| loss )([0-9.]+)", t)]
+
+
 # Parity: per configuration, the device run's logged losses against the host's.
 parity = {}
-try:
-    with open(os.path.join(out, "parity.log")) as f:
-        plog = f.read()
-except OSError:
-    plog = ""
-runs, cur = {}, None
-for line in plog.splitlines():
-    m = re.match(r"=== (\S+) (cpu|cuda)$", line)
-    if m:
-        cur = (m.group(1), m.group(2))
-        runs[cur] = []
-    elif cur is not None:
-        runs[cur].append(line)
+runs = sections("parity.log", r"=== (\S+) (cpu|cuda)$")
 lines.append(f"parity (exit {parity_rc}): cuda against cpu, logged losses")
 for (name, dev), body in runs.items():
     if dev != "cuda":
         continue
     text = "\n".join(body)
     ref = "\n".join(runs.get((name.replace("nccl-w1", "w1-fsdp"), "cpu"), []))
-    # first_loss (step 1 logs only in the summary line), then the loss lines.
-    losses = lambda t: [float(x) for x in re.findall(r"(?:first_loss=| loss )([0-9.]+)", t)]
     ls, lr = losses(text), losses(ref)
     diff = max((abs(a - b) for a, b in zip(ls, lr)), default=None)
     rt = {k: re.search(rf"round_trips_{k}=([0-9,]*)", text) for k in ("logging", "quiet")}
@@ -525,24 +535,12 @@ for (name, dev), body in runs.items():
                  f"round trips logging {rt.get('logging', '?')} quiet {rt.get('quiet', '?')} {tail}")
 # Context parallelism (3c): cp 2 on one device against cp 1, losses and step time.
 cp = {}
-try:
-    with open(os.path.join(out, "cp.log")) as f:
-        clog = f.read()
-except OSError:
-    clog = ""
-cruns, cur = {}, None
-for line in clog.splitlines():
-    m = re.match(r"=== (cp[0-9]+)$", line)
-    if m:
-        cur = m.group(1)
-        cruns[cur] = []
-    elif cur is not None:
-        cruns[cur].append(line)
+cruns = sections("cp.log", r"=== (cp[0-9]+)$")
 if cruns:
     lines.append("context parallelism on one device (3c): cp 2 against cp 1")
 for name, body in cruns.items():
     t = "\n".join(body)
-    ls = [float(x) for x in re.findall(r"(?:first_loss=| loss )([0-9.]+)", t)]
+    ls = losses(t)
     st = re.search(r" steady_step_s=([0-9.eE+-]+)", t)
     pk = re.search(r" device_peak_mib_max=([0-9.eE+-]+)", t)
     cp[name] = {"losses": ls, "step_s": float(st.group(1)) if st else None,

@@ -1,89 +1,16 @@
 //! GEMM CUDA kernels, run in the CPU emulator, against the f64 reference of
 //! the rounded inputs.
 
-use half::{bf16, f16};
+mod common;
+
 use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::raw::gemm::{gemm, gemm_with_tile, GemmProblem, GemmTile, MAX_BATCH};
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::gemm::{reference, GemmShape};
 use tpar_kernels::KernelError;
 
+use common::RawBuf;
 use CudaDType::{BF16, F16, F32};
-
-/// A device buffer in host memory: 16-byte aligned, or one element past that
-/// when `misalign`.
-struct Buf {
-    words: Vec<u64>,
-    off: usize,
-    dt: CudaDType,
-    len: usize,
-}
-
-impl Buf {
-    fn new(dt: CudaDType, len: usize, misalign: bool) -> Self {
-        let words = vec![0u64; (len * dt.size()).div_ceil(8) + 4];
-        let addr = words.as_ptr() as usize;
-        let off = (16 - addr % 16) % 16 + if misalign { dt.size() } else { 0 };
-        Buf { words, off, dt, len }
-    }
-
-    fn ptr(&self) -> DevPtr {
-        self.words.as_ptr() as DevPtr + self.off as DevPtr
-    }
-
-    /// The address of a buffer a kernel writes.
-    fn mut_ptr(&mut self) -> DevPtr {
-        self.words.as_mut_ptr() as DevPtr + self.off as DevPtr
-    }
-
-    fn bits(&self, i: usize) -> u32 {
-        assert!(i < self.len);
-        // SAFETY: in bounds of `words` (allocated with room for `off` + `len` elements).
-        unsafe {
-            let p = (self.words.as_ptr() as *const u8).add(self.off + i * self.dt.size());
-            match self.dt.size() {
-                2 => (p as *const u16).read_unaligned() as u32,
-                _ => (p as *const u32).read_unaligned(),
-            }
-        }
-    }
-
-    fn set_bits(&mut self, i: usize, bits: u32) {
-        assert!(i < self.len);
-        // SAFETY: as in `bits`.
-        unsafe {
-            let p = (self.words.as_mut_ptr() as *mut u8).add(self.off + i * self.dt.size());
-            match self.dt.size() {
-                2 => (p as *mut u16).write_unaligned(bits as u16),
-                _ => (p as *mut u32).write_unaligned(bits),
-            }
-        }
-    }
-
-    fn get(&self, i: usize) -> f64 {
-        decode(self.dt, self.bits(i))
-    }
-
-    fn set(&mut self, i: usize, v: f64) {
-        self.set_bits(i, encode(self.dt, v));
-    }
-}
-
-fn encode(dt: CudaDType, v: f64) -> u32 {
-    match dt {
-        BF16 => bf16::from_f64(v).to_bits() as u32,
-        F16 => f16::from_f64(v).to_bits() as u32,
-        F32 => (v as f32).to_bits(),
-    }
-}
-
-fn decode(dt: CudaDType, b: u32) -> f64 {
-    match dt {
-        BF16 => bf16::from_bits(b as u16).to_f64(),
-        F16 => f16::from_bits(b as u16).to_f64(),
-        F32 => f32::from_bits(b) as f64,
-    }
-}
 
 /// Deterministic values in [-1, 1).
 struct Rng(u64);
@@ -196,8 +123,12 @@ fn check(c: &Case) -> f64 {
     // Operands: NaN everywhere the product must not read, values where it must.
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (m * 131 + n * 17 + k) as u64);
     let operand = |rng: &mut Rng, rows, cols, ld, s| {
-        let mut buf = Buf::new(c.dt_in, span(rows, cols, ld, s), c.misalign);
-        for i in 0..buf.len {
+        let mut buf = RawBuf::new(
+            c.dt_in,
+            span(rows, cols, ld, s),
+            if c.misalign { c.dt_in.size() } else { 0 },
+        );
+        for i in 0..buf.len() {
             buf.set(i, f64::NAN);
         }
         // dense op-layout copy of the rounded values, batch-strided like the buffer
@@ -222,8 +153,8 @@ fn check(c: &Case) -> f64 {
 
     // C: old values (or NaN when beta = 0: must not be read), a sentinel between rows.
     const SENTINEL: f64 = 7.0;
-    let mut cbuf = Buf::new(c.dt_out, span(m, n, ldc, sc), false);
-    for i in 0..cbuf.len {
+    let mut cbuf = RawBuf::new(c.dt_out, span(m, n, ldc, sc), 0);
+    for i in 0..cbuf.len() {
         cbuf.set(i, SENTINEL);
     }
     let mut c_old = vec![0.0; batch * m * n];
@@ -284,7 +215,7 @@ fn check(c: &Case) -> f64 {
     let written = |i: usize| {
         (0..batch).any(|bi| i >= bi * sc && i < bi * sc + m * ldc && (i - bi * sc) % ldc < n)
     };
-    for i in 0..cbuf.len {
+    for i in 0..cbuf.len() {
         if !written(i) {
             assert_eq!(
                 cbuf.get(i),
@@ -425,9 +356,9 @@ fn many_tiles_grouped_order() {
 #[test]
 fn bad_arguments_are_errors() {
     let emu = Emulator::get().expect("emulator");
-    let mut a = Buf::new(BF16, 64, false);
-    let mut b = Buf::new(BF16, 64, false);
-    let mut c = Buf::new(F32, 64, false);
+    let mut a = RawBuf::new(BF16, 64, 0);
+    let mut b = RawBuf::new(BF16, 64, 0);
+    let mut c = RawBuf::new(F32, 64, 0);
     for i in 0..64 {
         a.set(i, 1.0);
         b.set(i, 0.5);

@@ -4,83 +4,19 @@
 //! batches, edges, the persistent tile walk and the fused epilogues (against
 //! the unfused computation).
 
-use half::{bf16, f16};
-use tpar_kernels::cuda::emu::{EmulatedGpu, Emulator};
+mod common;
+
+use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
     self, plan, AuxInput, AuxOp, Epilogue, HopperTarget, EMU_ARCH_ENV,
 };
 use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
-use tpar_kernels::cuda::{launch, CudaDType, DevPtr};
+use tpar_kernels::cuda::{launch, CudaDType};
 use tpar_kernels::gemm::GemmShape;
 
+use common::{emu, RawBuf};
 use CudaDType::{BF16, F16, F32};
-
-fn emu() -> &'static Emulator {
-    Emulator::get().expect("the CPU emulator builds")
-}
-
-/// A device buffer in host memory: 16-byte aligned, or `shift` bytes past that.
-struct Buf {
-    words: Vec<u64>,
-    off: usize,
-    dt: CudaDType,
-    len: usize,
-}
-
-impl Buf {
-    fn new(dt: CudaDType, len: usize, shift: usize) -> Self {
-        let words = vec![0u64; (len * dt.size()).div_ceil(8) + 4];
-        let addr = words.as_ptr() as usize;
-        let off = (16 - addr % 16) % 16 + shift;
-        Buf { words, off, dt, len }
-    }
-
-    fn ptr(&self) -> DevPtr {
-        self.words.as_ptr() as DevPtr + self.off as DevPtr
-    }
-
-    fn mut_ptr(&mut self) -> DevPtr {
-        self.words.as_mut_ptr() as DevPtr + self.off as DevPtr
-    }
-
-    fn get(&self, i: usize) -> f64 {
-        assert!(i < self.len);
-        // SAFETY: in bounds of `words` (room for `off` + `len` elements).
-        unsafe {
-            let p = (self.words.as_ptr() as *const u8).add(self.off + i * self.dt.size());
-            match self.dt {
-                BF16 => bf16::from_bits((p as *const u16).read_unaligned()).to_f64(),
-                F16 => f16::from_bits((p as *const u16).read_unaligned()).to_f64(),
-                F32 => (p as *const f32).read_unaligned() as f64,
-            }
-        }
-    }
-
-    fn set(&mut self, i: usize, v: f64) {
-        assert!(i < self.len);
-        // SAFETY: as in `get`.
-        unsafe {
-            let p = (self.words.as_mut_ptr() as *mut u8).add(self.off + i * self.dt.size());
-            match self.dt {
-                BF16 => (p as *mut u16).write_unaligned(bf16::from_f64(v).to_bits()),
-                F16 => (p as *mut u16).write_unaligned(f16::from_f64(v).to_bits()),
-                F32 => (p as *mut f32).write_unaligned(v as f32),
-            }
-        }
-    }
-
-    /// Values k/16 for k in -16..16 (exact in every type), from `seed`.
-    fn fill(&mut self, seed: u64) {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        for i in 0..self.len {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            self.set(i, ((s >> 40) % 32) as f64 / 16.0 - 1.0);
-        }
-    }
-}
 
 /// One product: shapes, layouts (A stored `[k, m]` when `ta`, B `[n, k]`
 /// when `tb`), types, scales, batch strides and the epilogue.
@@ -144,15 +80,15 @@ fn pitch(cols: usize) -> usize {
 
 /// Everything one case allocates, and the f64 reference.
 struct Run {
-    c: Buf,
+    c: RawBuf,
     want: Vec<f64>,
     /// C before the launch (what `beta` scales).
     p: GemmProblem,
     epi: Epilogue,
-    a: Buf,
-    b: Buf,
-    bias: Buf,
-    aux: Buf,
+    a: RawBuf,
+    b: RawBuf,
+    bias: RawBuf,
+    aux: RawBuf,
     ldc: usize,
     sc: usize,
 }
@@ -164,17 +100,17 @@ fn prepare(cs: &Case) -> Run {
     let (lda, ldb) = (pitch(ac), pitch(bc));
     let ldc = n + cs.ldc_pad;
     let (sa, sb, sc) = (ar * lda + 8, if cs.bcast_b { 0 } else { br * ldb + 16 }, m * ldc + 3);
-    let mut a = Buf::new(cs.din, (batch - 1) * sa + ar * lda, 0);
-    let mut b = Buf::new(cs.din, (batch - 1) * sb + br * ldb, 0);
-    let mut c = Buf::new(cs.dout, (batch - 1) * sc + m * ldc, cs.c_shift);
-    let mut bias = Buf::new(cs.dout, n, 0);
-    let mut aux = Buf::new(cs.dout, (batch - 1) * sc + m * ldc, 0);
+    let mut a = RawBuf::new(cs.din, (batch - 1) * sa + ar * lda, 0);
+    let mut b = RawBuf::new(cs.din, (batch - 1) * sb + br * ldb, 0);
+    let mut c = RawBuf::new(cs.dout, (batch - 1) * sc + m * ldc, cs.c_shift);
+    let mut bias = RawBuf::new(cs.dout, n, 0);
+    let mut aux = RawBuf::new(cs.dout, (batch - 1) * sc + m * ldc, 0);
     a.fill(1 + m as u64);
     b.fill(2 + n as u64);
     c.fill(3 + k as u64);
     bias.fill(4);
     aux.fill(5);
-    let mut want = vec![0.0; c.len];
+    let mut want = vec![0.0; c.len()];
     for bi in 0..batch {
         for i in 0..m {
             for j in 0..n {
@@ -233,7 +169,7 @@ fn worst(cs: &Case, r: &Run, before: &[f64]) -> (f64, String) {
         F32 => 1e-6,
     };
     let mut worst = (0.0f64, String::new());
-    for i in 0..r.c.len {
+    for i in 0..r.c.len() {
         let (bi, rem) = (i / r.sc, i % r.sc);
         let (row, col) = (rem / r.ldc, rem % r.ldc);
         let inside = bi < cs.batch && row < cs.m && col < cs.n;
@@ -250,7 +186,7 @@ fn worst(cs: &Case, r: &Run, before: &[f64]) -> (f64, String) {
 
 fn run(cs: &Case) {
     let mut r = prepare(cs);
-    let before: Vec<f64> = (0..r.c.len).map(|i| r.c.get(i)).collect();
+    let before: Vec<f64> = (0..r.c.len()).map(|i| r.c.get(i)).collect();
     let cp = r.c.mut_ptr();
     // SAFETY: the buffers cover every element the problem reaches (built from
     // the same sizes and strides) and stay alive across the launch.
@@ -414,7 +350,7 @@ fn epilogues_equal_the_unfused_ops() {
 fn a_map_without_the_swizzle_gives_wrong_results() {
     let cs = Case::new(BF16, F32, (128, 128, 64)).layout(false, true);
     let mut r = prepare(&cs);
-    let before: Vec<f64> = (0..r.c.len).map(|i| r.c.get(i)).collect();
+    let before: Vec<f64> = (0..r.c.len()).map(|i| r.c.get(i)).collect();
     let cp = r.c.mut_ptr();
     let mut l = plan(&r.p, &r.epi, HopperTarget::emulator(1), r.a.ptr(), r.b.ptr(), cp).unwrap();
     let lda = r.p.lda as u64;
@@ -463,22 +399,12 @@ fn the_checked_op_picks_the_hopper_kernel_when_the_device_runs_it() {
     assert!(HopperTarget::of(dev.as_ref()).is_some());
     let cs = Case::new(BF16, F32, (70, 136, 72)).layout(true, false);
     let r = prepare(&cs);
-    let bytes = |b: &Buf| -> Vec<u8> {
-        // SAFETY: the buffer's bytes from `off`.
-        unsafe {
-            std::slice::from_raw_parts(
-                (b.words.as_ptr() as *const u8).add(b.off),
-                b.len * b.dt.size(),
-            )
-        }
-        .to_vec()
-    };
-    let a = DeviceBuffer::from_host(&dev, &bytes(&r.a)).unwrap();
-    let b = DeviceBuffer::from_host(&dev, &bytes(&r.b)).unwrap();
+    let a = DeviceBuffer::from_host(&dev, r.a.bytes()).unwrap();
+    let b = DeviceBuffer::from_host(&dev, r.b.bytes()).unwrap();
     let (ap, bp) = (a.as_slice().ptr(), b.as_slice().ptr());
     assert!(gemm_hopper::supports(dev.as_ref(), &r.p, ap, bp));
     let check = |c: &DeviceBuffer, what: &str| {
-        let mut out = vec![0f32; r.c.len];
+        let mut out = vec![0f32; r.c.len()];
         c.as_slice().copy_to_host(&mut out).unwrap();
         for (i, (&got, &want)) in out.iter().zip(&r.want).enumerate() {
             let (row, col) = (i / r.ldc, i % r.ldc);
@@ -489,14 +415,14 @@ fn the_checked_op_picks_the_hopper_kernel_when_the_device_runs_it() {
         }
     };
     // the entry `ops::gemm::ours` takes first: it runs the Hopper kernel here
-    let mut c = DeviceBuffer::from_host(&dev, &bytes(&r.c)).unwrap();
+    let mut c = DeviceBuffer::from_host(&dev, r.c.bytes()).unwrap();
     let cp = c.as_slice_mut().ptr();
     // SAFETY: the three buffers cover what the problem reaches (the same
     // sizes as the host buffers they were copied from); C is separate.
     let ran = unsafe { gemm_hopper::gemm_if_supported(dev.as_ref(), &r.p, ap, bp, cp) }.unwrap();
     assert!(ran, "the Hopper kernel did not take the problem");
     check(&c, "gemm_if_supported");
-    let mut c = DeviceBuffer::from_host(&dev, &bytes(&r.c)).unwrap();
+    let mut c = DeviceBuffer::from_host(&dev, r.c.bytes()).unwrap();
     ops::gemm::gemm(dev.as_ref(), &r.p, a.as_slice(), b.as_slice(), c.as_slice_mut()).unwrap();
     check(&c, "ops::gemm");
     // a problem it does not take (an odd leading dimension) runs the mma.sync kernel

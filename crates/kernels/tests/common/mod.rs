@@ -251,3 +251,101 @@ unsafe impl GpuDevice for Elsewhere {
         self.0.synchronize()
     }
 }
+
+/// A device buffer in host memory of `len` elements of a [`CudaDType`], read and
+/// written as f64: 16-byte aligned, or `shift` bytes past that.
+pub struct RawBuf {
+    words: Vec<u64>,
+    off: usize,
+    dt: CudaDType,
+    len: usize,
+}
+
+impl RawBuf {
+    pub fn new(dt: CudaDType, len: usize, shift: usize) -> Self {
+        let words = vec![0u64; (len * dt.size()).div_ceil(8) + 4];
+        let addr = words.as_ptr() as usize;
+        let off = (16 - addr % 16) % 16 + shift;
+        RawBuf { words, off, dt, len }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The elements' bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `words` holds `off` + `len` elements' bytes.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self.words.as_ptr() as *const u8).add(self.off),
+                self.len * self.dt.size(),
+            )
+        }
+    }
+
+    /// The address of a buffer a kernel reads.
+    pub fn ptr(&self) -> DevPtr {
+        self.words.as_ptr() as DevPtr + self.off as DevPtr
+    }
+
+    /// The address of a buffer a kernel writes.
+    pub fn mut_ptr(&mut self) -> DevPtr {
+        self.words.as_mut_ptr() as DevPtr + self.off as DevPtr
+    }
+
+    pub fn bits(&self, i: usize) -> u32 {
+        assert!(i < self.len);
+        // SAFETY: in bounds of `words` (allocated with room for `off` + `len` elements).
+        unsafe {
+            let p = (self.words.as_ptr() as *const u8).add(self.off + i * self.dt.size());
+            match self.dt.size() {
+                2 => (p as *const u16).read_unaligned() as u32,
+                _ => (p as *const u32).read_unaligned(),
+            }
+        }
+    }
+
+    pub fn set_bits(&mut self, i: usize, bits: u32) {
+        assert!(i < self.len);
+        // SAFETY: as in `bits`.
+        unsafe {
+            let p = (self.words.as_mut_ptr() as *mut u8).add(self.off + i * self.dt.size());
+            match self.dt.size() {
+                2 => (p as *mut u16).write_unaligned(bits as u16),
+                _ => (p as *mut u32).write_unaligned(bits),
+            }
+        }
+    }
+
+    pub fn get(&self, i: usize) -> f64 {
+        let b = self.bits(i);
+        match self.dt {
+            CudaDType::BF16 => half::bf16::from_bits(b as u16).to_f64(),
+            CudaDType::F16 => half::f16::from_bits(b as u16).to_f64(),
+            CudaDType::F32 => f32::from_bits(b) as f64,
+        }
+    }
+
+    /// Stores `v` rounded to the buffer's type.
+    pub fn set(&mut self, i: usize, v: f64) {
+        let b = match self.dt {
+            CudaDType::BF16 => half::bf16::from_f64(v).to_bits() as u32,
+            CudaDType::F16 => half::f16::from_f64(v).to_bits() as u32,
+            CudaDType::F32 => (v as f32).to_bits(),
+        };
+        self.set_bits(i, b);
+    }
+
+    /// Values k/16 for k in -16..16 (exact in every type), from `seed`.
+    pub fn fill(&mut self, seed: u64) {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for i in 0..self.len {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            self.set(i, ((s >> 40) % 32) as f64 / 16.0 - 1.0);
+        }
+    }
+}

@@ -464,37 +464,13 @@ impl Tensor {
                 let mask = mask_in::<T>(&blk.mask);
                 let lse: Vec<<T as Float>::Acc> =
                     lse64.iter().map(|&x| <<T as Float>::Acc as Acc>::of(x)).collect();
-                let mut dq = crate::storage::zeros_vec::<T>(h[0].numel());
-                let mut dk = crate::storage::zeros_vec::<T>(h[1].numel());
-                let mut dv = crate::storage::zeros_vec::<T>(h[2].numel());
-                h[0].with_data::<T, _>(|qs| {
-                    h[1].with_data::<T, _>(|ks| {
-                        h[2].with_data::<T, _>(|vs| {
-                            h[3].with_data::<T, _>(|os| {
-                                h[4].with_data::<T, _>(|gs| {
-                                    sdpa::sdpa_backward(
-                                        &s,
-                                        qs,
-                                        ks,
-                                        vs,
-                                        mask_view(&mask).as_ref(),
-                                        os,
-                                        &lse,
-                                        gs,
-                                        &mut dq,
-                                        &mut dk,
-                                        &mut dv,
-                                    )
-                                })
-                            })
-                        })
-                    })
-                })??????;
-                Ok::<_, TensorError>((
-                    Tensor::from_vec(dq, q.shape().clone())?,
-                    Tensor::from_vec(dk, k.shape().clone())?,
-                    Tensor::from_vec(dv, v.shape().clone())?,
-                ))
+                let [dq, dk, dv] = super::nn::host_sdpa_backward(
+                    &s,
+                    [&h[0], &h[1], &h[2], &h[3], &h[4]],
+                    mask_view(&mask).as_ref(),
+                    &lse,
+                )?;
+                Ok::<_, TensorError>((dq, dk, dv))
             })?;
             if dev == Device::Cpu {
                 Ok(((dq, dk, dv), true))

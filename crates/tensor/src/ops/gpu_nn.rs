@@ -1345,34 +1345,13 @@ impl Tensor {
     /// crosses to the host.
     pub fn first_index_out_of_range(&self, size: usize) -> Result<Option<(usize, i64)>> {
         const OP: &str = "first_index_out_of_range";
-        if self.dtype() != DType::I64 {
-            return Err(TensorError::DTypeMismatch {
-                op: OP,
-                expected: "i64".into(),
-                got: self.dtype(),
-            });
-        }
-        let n = self.numel();
+        self.require_i64(OP)?;
         let Device::Cuda(_) = self.device() else {
             return self.with_data::<i64, _>(|is| {
                 is.iter().copied().enumerate().find(|&(_, i)| i < 0 || i as u64 >= size as u64)
             });
         };
-        let dev = device_of(self, OP)?;
-        let mut status = Status::new(&dev)?;
-        if status.0.is_none() {
-            return Err(invalid(
-                OP,
-                "the check reads a status back, which a CUDA graph capture cannot: check the \
-                 ids before they are written into the captured step's inputs",
-            ));
-        }
-        with_gpu(OP, &[self], |v| {
-            let iv = v[0].view();
-            let Some(slot) = status.slot() else { return Ok(None) };
-            k_emb::embedding_check_ids(&*dev, iv, n, size, slot)?;
-            status.check(iv, n)
-        })
+        Ok(self.device_index_check(OP, size, false)?.1)
     }
 
     /// Checks that every element of this i64 tensor is in `[0, size)`: otherwise an
@@ -1388,32 +1367,57 @@ impl Tensor {
             let bad = self.first_index_out_of_range(size)?;
             return out_of_range(op, bad, size);
         };
+        self.require_i64(OP)?;
+        let (status, bad) = self.device_index_check(OP, size, true)?;
+        out_of_range(op, bad, size)?;
+        status.finish(op, self, self.numel(), size);
+        Ok(())
+    }
+
+    /// A `DTypeMismatch` error naming `op` unless this tensor holds i64 values.
+    fn require_i64(&self, op: &'static str) -> Result<()> {
         if self.dtype() != DType::I64 {
             return Err(TensorError::DTypeMismatch {
-                op: OP,
+                op,
                 expected: "i64".into(),
                 got: self.dtype(),
             });
         }
+        Ok(())
+    }
+
+    /// The range check of this i64 CUDA tensor's ids against `[0, size)` on its device:
+    /// the first bad `(position, value)`, read back now unless `deferrable` and this
+    /// thread defers its checks (then `None`, and the returned status is to be
+    /// [`Status::finish`]ed). Refused inside a CUDA graph capture, which cannot read
+    /// a status back.
+    fn device_index_check(
+        &self,
+        op: &'static str,
+        size: usize,
+        deferrable: bool,
+    ) -> Result<(Status, Option<(usize, i64)>)> {
         let n = self.numel();
-        let dev = device_of(self, OP)?;
+        let dev = device_of(self, op)?;
         let mut status = Status::new(&dev)?;
         if status.0.is_none() {
             return Err(invalid(
-                OP,
+                op,
                 "the check reads a status back, which a CUDA graph capture cannot: check the \
                  ids before they are written into the captured step's inputs",
             ));
         }
-        let bad = with_gpu(OP, &[self], |v| {
+        let bad = with_gpu(op, &[self], |v| {
             let iv = v[0].view();
             let Some(slot) = status.slot() else { return Ok(None) };
             k_emb::embedding_check_ids(&*dev, iv, n, size, slot)?;
-            status.check_now(iv, n)
+            if deferrable {
+                status.check_now(iv, n)
+            } else {
+                status.check(iv, n)
+            }
         })?;
-        out_of_range(op, bad, size)?;
-        status.finish(op, self, n, size);
-        Ok(())
+        Ok((status, bad))
     }
 
     /// Squared L2 norms of CUDA tensors, for gradient clipping: an f32 tensor

@@ -53,6 +53,38 @@ fn mask_ref<T>(md: &Option<(Vec<T>, Vec<usize>)>) -> Option<SdpaMask<'_, T>> {
     })
 }
 
+/// The host SDPA backward of the float element type `T`: the gradients of q, k and
+/// v (in their shapes) from `[q, k, v, out, dout]` (host tensors of `T`), the mask
+/// and the forward's log-sum-exps, reading every input in place.
+pub(crate) fn host_sdpa_backward<T: Float + Element>(
+    s: &SdpaShape,
+    [q, k, v, o, g]: [&Tensor; 5],
+    mask: Option<&SdpaMask<'_, T>>,
+    lse: &[T::Acc],
+) -> Result<[Tensor; 3]> {
+    let mut dq = crate::storage::zeros_vec::<T>(q.numel());
+    let mut dk = crate::storage::zeros_vec::<T>(k.numel());
+    let mut dv = crate::storage::zeros_vec::<T>(v.numel());
+    q.with_data::<T, _>(|qs| {
+        k.with_data::<T, _>(|ks| {
+            v.with_data::<T, _>(|vs| {
+                o.with_data::<T, _>(|os| {
+                    g.with_data::<T, _>(|gs| {
+                        sdpa::sdpa_backward(
+                            s, qs, ks, vs, mask, os, lse, gs, &mut dq, &mut dk, &mut dv,
+                        )
+                    })
+                })
+            })
+        })
+    })??????;
+    Ok([
+        Tensor::from_vec(dq, q.shape().clone())?,
+        Tensor::from_vec(dk, k.shape().clone())?,
+        Tensor::from_vec(dv, v.shape().clone())?,
+    ])
+}
+
 fn acc_to<T: Float>(v: Vec<T::Acc>) -> Vec<T> {
     v.into_iter().map(T::from_acc).collect()
 }
@@ -357,38 +389,10 @@ impl Tensor {
             })?;
             let (qq, kk, vt, oo) = (q.detach(), k.detach(), v.detach(), out_t.detach());
             Ok(record(op, &[q, k, v], out_t, move |g| {
-                let mut dq = crate::storage::zeros_vec::<T>(qq.numel());
-                let mut dk = crate::storage::zeros_vec::<T>(kk.numel());
-                let mut dv = crate::storage::zeros_vec::<T>(vt.numel());
-                qq.with_data::<T, _>(|qs| {
-                    kk.with_data::<T, _>(|ks| {
-                        vt.with_data::<T, _>(|vs| {
-                            oo.with_data::<T, _>(|os| {
-                                g.with_data::<T, _>(|gs| {
-                                    let m = mask_ref(&mask_data);
-                                    sdpa::sdpa_backward(
-                                        &s,
-                                        qs,
-                                        ks,
-                                        vs,
-                                        m.as_ref(),
-                                        os,
-                                        &lse,
-                                        gs,
-                                        &mut dq,
-                                        &mut dk,
-                                        &mut dv,
-                                    )
-                                })
-                            })
-                        })
-                    })
-                })??????;
-                Ok(vec![
-                    Some(Tensor::from_vec(dq, qq.shape().clone())?),
-                    Some(Tensor::from_vec(dk, kk.shape().clone())?),
-                    Some(Tensor::from_vec(dv, vt.shape().clone())?),
-                ])
+                let m = mask_ref(&mask_data);
+                let [dq, dk, dv] =
+                    host_sdpa_backward(&s, [&qq, &kk, &vt, &oo, g], m.as_ref(), &lse)?;
+                Ok(vec![Some(dq), Some(dk), Some(dv)])
             }))
         })
     }

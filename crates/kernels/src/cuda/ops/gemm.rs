@@ -111,19 +111,27 @@ pub fn gemm(
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
     let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
-    let vendor_first = match gemm_backend() {
-        GemmBackend::Ours => false,
-        GemmBackend::Vendor => true,
-        GemmBackend::Auto => !gemm_table().is_some_and(|t| t.prefers_ours(&dev.describe(), p)),
+    if gemm_backend() == GemmBackend::Check {
         // SAFETY: `operands` checked the buffers (see `gemm_with_tile`).
-        GemmBackend::Check => return unsafe { gemm_checked(dev, p, ap, bp, cp) },
-    };
+        return unsafe { gemm_checked(dev, p, ap, bp, cp) };
+    }
     // SAFETY: as above.
-    if vendor_first && unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
+    if vendor_first(dev, p) && unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
         return Ok(());
     }
     // SAFETY: as above.
     unsafe { ours(dev, p, ap, bp, cp) }
+}
+
+/// Whether [`gemm_backend`] hands `p` to `dev`'s vendor library first (where
+/// it has one and takes the problem): always for `cublaslt` and `check`, for
+/// `auto` unless the tuning table prefers tpar's kernel.
+pub(crate) fn vendor_first(dev: &dyn GpuDevice, p: &GemmProblem) -> bool {
+    match gemm_backend() {
+        GemmBackend::Ours => false,
+        GemmBackend::Vendor | GemmBackend::Check => true,
+        GemmBackend::Auto => !gemm_table().is_some_and(|t| t.prefers_ours(&dev.describe(), p)),
+    }
 }
 
 /// Runs `p` on tpar's own kernel for `dev` (what `TPAR_GEMM=ours` runs, and

@@ -29,7 +29,7 @@
 //! for bf16 or f16 they differ by up to a few units in the last place of
 //! the output's dtype.
 
-use super::gemm::{gemm_backend, gemm_table, operands, GemmBackend};
+use super::gemm::{operands, vendor_first};
 use super::{pitched, Check};
 use crate::cuda::raw::elementwise as ew;
 use crate::cuda::raw::gemm::GemmProblem;
@@ -181,15 +181,7 @@ pub fn gemm_fused_via(
 /// Whether [`super::gemm::gemm`] would hand `p` to the device's vendor
 /// library (the emulator has none).
 fn vendor_picked(dev: &dyn GpuDevice, p: &GemmProblem) -> bool {
-    if dev.memory_space() == MemorySpace::Host {
-        return false;
-    }
-    match gemm_backend() {
-        GemmBackend::Ours => false,
-        // the diagnosis mode compares the plain GEMM against the vendor's
-        GemmBackend::Vendor | GemmBackend::Check => true,
-        GemmBackend::Auto => !gemm_table().is_some_and(|t| t.prefers_ours(&dev.describe(), p)),
-    }
+    dev.memory_space() != MemorySpace::Host && vendor_first(dev, p)
 }
 
 /// The epilogue's addresses, after checking each view against `p`.
