@@ -21,6 +21,8 @@ pub mod reduce;
 pub mod rmsnorm;
 pub mod rope;
 pub mod sdpa;
+pub mod sdpa_hopper;
+pub mod sdpa_hopper_bwd;
 
 // ---------------------------------------------------------------- argument checks
 //
