@@ -49,6 +49,19 @@ pub enum KernelError {
         /// The device the buffer belongs to.
         got: String,
     },
+    /// A launch's thread-block cluster shape does not fit its grid or the
+    /// portable limit.
+    #[error("{kernel}: cluster {cluster:?} on grid {grid:?}: {why}")]
+    BadCluster {
+        /// The kernel being launched.
+        kernel: String,
+        /// Blocks per cluster in x, y, z.
+        cluster: [u32; 3],
+        /// Blocks of the grid in x, y, z.
+        grid: [u32; 3],
+        /// What is wrong.
+        why: String,
+    },
     /// A CUDA kernel could not be compiled or run (on a GPU or in the emulator).
     #[error("{op}: {what}")]
     Cuda {
