@@ -413,7 +413,8 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // of every block of the cluster), cluster_map(p, rank) (the same shared
 // object in block `rank`), mbarrier_arrive_cluster(bar, rank) and
 // tma_load_2d_multicast(smem, map, x, y, bar, mask) (the box into the blocks
-// of `mask`, complete_tx on each one's mbarrier at the offset of `bar`).
+// of `mask`, complete_tx on each one's mbarrier at the offset of `bar`;
+// tma_load_3d_multicast the same for 3-D maps).
 
 // The 64-bit wgmma matrix descriptor's swizzle modes.
 #define TPAR_WG_SWIZZLE_NONE 0
@@ -516,6 +517,15 @@ TPAR_DEVICE void tma_load_2d_multicast(void* smem, const TparTensorMap* map, int
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
         ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(tpar_shared_addr(smem)),
         "l"((u64)map), "r"(x), "r"(y), "r"(tpar_shared_addr(bar)), "h"(mask)
+        : "memory");
+}
+// tma_load_2d_multicast for a 3-D map (x innermost).
+TPAR_DEVICE void tma_load_3d_multicast(void* smem, const TparTensorMap* map, int x, int y, int z,
+                                       u64* bar, u16 mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(tpar_shared_addr(smem)),
+        "l"((u64)map), "r"(x), "r"(y), "r"(z), "r"(tpar_shared_addr(bar)), "h"(mask)
         : "memory");
 }
 TPAR_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
@@ -978,6 +988,11 @@ TPAR_DEVICE void tma_load_2d_multicast(void* smem, const TparTensorMap* map, int
                                        u16 mask) {
     const int c[2] = {x, y};
     tpar_emu_tma_load_multicast(smem, map, c, 2, bar, mask);
+}
+TPAR_DEVICE void tma_load_3d_multicast(void* smem, const TparTensorMap* map, int x, int y, int z,
+                                       u64* bar, u16 mask) {
+    const int c[3] = {x, y, z};
+    tpar_emu_tma_load_multicast(smem, map, c, 3, bar, mask);
 }
 TPAR_DEVICE u32 cluster_ctarank() { return tpar_emu_cluster_ctarank(); }
 TPAR_DEVICE u32 cluster_nctarank() { return tpar_emu_cluster_nctarank(); }

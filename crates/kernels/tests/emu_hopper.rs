@@ -894,3 +894,116 @@ fn multicast_tma_fills_every_block_of_the_mask() {
     let e = run_cluster("hopper_cluster_multicast", cfg, [2, 1, 1], &args).unwrap_err().to_string();
     assert!(e.contains("outside the cluster"), "{e}");
 }
+
+#[test]
+fn multicast_3d_loads_equal_the_plain_3d_load() {
+    // a 3 x 20 x 64 bf16 tensor (planes 20 rows of 64, rows 128 bytes apart);
+    // boxes of 64 x 16 x 2 with the 128-byte swizzle, partly outside in y and z
+    let (cols, rows, planes, pitch) = (64usize, 20usize, 3usize, 128usize);
+    let plane = rows * pitch;
+    let mut data = vec![0u16; plane / 2 * planes + 64];
+    let base = data.as_ptr() as usize;
+    let off = (base.next_multiple_of(16) - base) / 2;
+    for (i, v) in data[off..].iter_mut().enumerate() {
+        *v = (i * 7919 % 65521 + 1) as u16;
+    }
+    let map = TensorMap::encode_tiled_emulated(&TiledDesc {
+        dtype: TensorMapDType::BF16,
+        global: data[off..].as_ptr() as u64,
+        dims: &[cols as u64, rows as u64, planes as u64],
+        strides: &[pitch as u64, plane as u64],
+        box_dims: &[64, 16, 2],
+        swizzle: TensorMapSwizzle::B128,
+    })
+    .unwrap();
+    let bytes = 64 * 16 * 2 * 2;
+    for (cluster, mask, (y, z)) in [(2u32, 0b11, (8, 2)), (4, 0b1101, (-3, 0)), (2, 0b10, (0, 1))] {
+        let mut out = vec![0u8; bytes * (cluster as usize + 1)];
+        let args = TmaArgs {
+            map,
+            src: 0,
+            out: out.as_mut_ptr() as DevPtr,
+            x: 0,
+            y,
+            bytes: bytes as i32,
+            extra_tx: z | (mask << 8),
+            pad: [0; 4],
+        };
+        let cfg = LaunchConfig::linear(cluster, 128)
+            .with_shared(2 * bytes as u32 + 2048)
+            .with_cluster([cluster, 1, 1]);
+        run("hopper_cluster_multicast_3d", cfg, &args).unwrap();
+        let plain = &out[cluster as usize * bytes..];
+        assert!(plain.iter().any(|&b| b != 0), "the plain load read nothing");
+        for b in 0..cluster as usize {
+            let img = &out[b * bytes..(b + 1) * bytes];
+            if mask >> b & 1 == 1 {
+                assert_eq!(img, plain, "cluster {cluster} mask {mask:#b}: block {b}");
+            } else {
+                assert!(img.iter().all(|&x| x == 0), "block {b} outside the mask wrote out");
+            }
+        }
+    }
+}
+
+/// `LaunchConfig::with_cluster` through the ordinary launch path: the
+/// emulator runs the blocks as clusters (each sees its rank, the cluster
+/// size and its neighbour's shared memory), a graph captured on an emulated
+/// device replays them as clusters, and a bad shape is a typed error.
+#[test]
+fn launch_config_clusters_reach_every_launcher() {
+    use tpar_kernels::cuda::emu::EmulatedGpu;
+    use tpar_kernels::cuda::graph::CudaGraph;
+    use tpar_kernels::KernelError;
+    let grid = 8u32;
+    let check = |out: &[i32], cluster: u32, what: &str| {
+        for b in 0..grid as usize {
+            let rank = b % cluster as usize;
+            let next = b - rank + (rank + 1) % cluster as usize;
+            assert_eq!(out[b * 64 + 5], (next * 1000 + 5) as i32, "{what}: block {b}");
+            let at = grid as usize * 64 + 2 * b;
+            assert_eq!((out[at], out[at + 1]), (rank as i32, cluster as i32), "{what}: block {b}");
+        }
+    };
+    let fresh = || vec![-1i32; grid as usize * 66];
+    let args_for = |out: &mut Vec<i32>| ClusterArgs {
+        map: TensorMap { opaque: [0; 16] },
+        out: out.as_mut_ptr() as DevPtr,
+        bytes: 0,
+        mask: 0,
+        pad: [0; 12],
+    };
+    for cluster in [1u32, 2, 4, 8] {
+        let mut out = fresh();
+        let cfg = LaunchConfig::linear(grid, 64).with_shared(2048).with_cluster([cluster, 1, 1]);
+        run("hopper_cluster_exchange", cfg, &args_for(&mut out)).unwrap();
+        check(&out, cluster, "Emulator");
+    }
+    // the emulated device, directly and replayed from a graph
+    let dev = EmulatedGpu::open(0).unwrap();
+    emu(); // registers the test kernels with the emulator the device runs
+    let mut out = fresh();
+    let args = args_for(&mut out);
+    let cfg = LaunchConfig::linear(grid, 64).with_shared(2048).with_cluster([2, 1, 1]);
+    // SAFETY: as `run`: `out` covers what the kernel writes and outlives the graph.
+    let graph = CudaGraph::capture(&dev, || unsafe {
+        launch(dev.as_ref(), "hopper_cluster_exchange", cfg, &args)
+    })
+    .unwrap();
+    assert!(out.iter().all(|&v| v == -1), "a captured launch ran");
+    graph.replay().unwrap();
+    check(&out, 2, "graph replay");
+    // refused shapes, before anything runs
+    for (grid, cluster, want) in
+        [(6, [4, 1, 1], "not a multiple"), (16, [16, 1, 1], "at most 8"), (4, [2, 0, 1], "zero")]
+    {
+        let cfg = LaunchConfig::linear(grid, 64).with_shared(2048).with_cluster(cluster);
+        let mut out = vec![-1i32; grid as usize * 66];
+        let e = run("hopper_cluster_exchange", cfg, &args_for(&mut out)).unwrap_err();
+        assert!(matches!(e, KernelError::BadCluster { .. }) && e.to_string().contains(want), "{e}");
+        assert!(out.iter().all(|&v| v == -1));
+        // SAFETY: refused before launching.
+        let e = unsafe { dev.launch_raw("hopper_cluster_exchange", &cfg, &[0u8; 1]) }.unwrap_err();
+        assert!(matches!(e, KernelError::BadCluster { .. }), "{e}");
+    }
+}

@@ -41,7 +41,8 @@ use std::sync::{Mutex, OnceLock};
 
 use std::sync::Arc;
 
-use super::{cuda_error, sources, DevPtr, GpuDevice, LaunchConfig, Launcher, MemorySpace};
+use super::raw::gemm_hopper::EMU_ARCH_ENV;
+use super::{cuda_error, sources, Arch, DevPtr, GpuDevice, LaunchConfig, Launcher, MemorySpace};
 use crate::Result;
 
 const EMU_H: &str = include_str!("../../cuda/emu/emu.h");
@@ -329,10 +330,12 @@ impl Emulator {
     }
 
     /// Launches `kernel` as a grid of thread-block clusters of `cluster`
-    /// blocks (each dim dividing the grid's, at most 16 blocks): the blocks of
-    /// a cluster run together, reach each other's dynamic shared memory
-    /// (`cluster_map`), meet at `cluster_sync` and receive multicast bulk
-    /// copies. `[1, 1, 1]` is an ordinary launch.
+    /// blocks (each dim dividing the grid's, at most 16 blocks; `cluster`
+    /// replaces `cfg.cluster`): the blocks of a cluster run together, reach
+    /// each other's dynamic shared memory (`cluster_map`), meet at
+    /// `cluster_sync` and receive multicast bulk copies. `[1, 1, 1]` is an
+    /// ordinary launch. [`Launcher::launch_raw`] launches `cfg.cluster`
+    /// clusters, at most [`super::MAX_PORTABLE_CLUSTER`] blocks each, as a GPU does.
     ///
     /// # Safety
     /// As [`Launcher::launch_raw`].
@@ -373,16 +376,28 @@ impl Emulator {
     }
 }
 
+/// The architecture the emulator stands in for: [`EMU_ARCH_ENV`] when it
+/// names one (`sm_90a` runs the Hopper kernels), else none.
+fn emulated_arch() -> Option<Arch> {
+    Arch::parse(std::env::var(EMU_ARCH_ENV).ok()?.trim())
+}
+
 impl Launcher for Emulator {
     fn describe(&self) -> String {
         "CPU emulator".to_string()
     }
 
+    /// [`EMU_ARCH_ENV`] parsed, when set to an architecture's name.
+    fn compile_arch(&self) -> Option<Arch> {
+        emulated_arch()
+    }
+
     /// # Safety
     /// As [`Launcher::launch_raw`].
     unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        cfg.check_cluster(kernel)?;
         // SAFETY: the caller's guarantee (the trait's contract).
-        unsafe { self.launch_cluster_raw(kernel, cfg, [1, 1, 1], args) }
+        unsafe { self.launch_cluster_raw(kernel, cfg, cfg.cluster, args) }
     }
 }
 
@@ -674,7 +689,7 @@ impl super::graph::GraphExec for EmuGraph {
                     // addresses were valid for the launch then, and stay so while the
                     // graph lives (its private pool keeps its blocks; the caller keeps
                     // the buffers it captured with, as with CUDA graphs).
-                    result = unsafe { self.emu.launch_cluster_raw(name, cfg, [1, 1, 1], bytes) };
+                    result = unsafe { self.emu.launch_cluster_raw(name, cfg, cfg.cluster, bytes) };
                 }
                 Node::Copy { src, dst, bytes } => {
                     sh.copies_run.fetch_add(1, Ordering::Relaxed);
@@ -734,9 +749,14 @@ impl Launcher for EmulatedGpu {
         format!("cuda:{} (CPU emulator)", self.ordinal)
     }
 
+    fn compile_arch(&self) -> Option<Arch> {
+        emulated_arch()
+    }
+
     /// # Safety
     /// As [`Launcher::launch_raw`].
     unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
+        cfg.check_cluster(kernel)?;
         if self.capturing(&format!("launch of {kernel}"), false)? {
             self.emu.validate(kernel, cfg, args)?;
             let mut words = vec![0u64; args.len().div_ceil(8)];

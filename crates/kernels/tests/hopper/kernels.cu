@@ -390,3 +390,42 @@ TPAR_KERNEL(hopper_cluster_multicast, TPAR_GRID_CONSTANT(ClusterArgs), 128) {
     if (!mine)
         for (int i = t; i < args.bytes; i += blockDim.x) out[i] = s[i];
 }
+
+// Rank 0 multicasts one 3-D box (args.x, args.y, args.extra_tx) to the blocks
+// of `mask` (the high bits of args.extra_tx >> 8); each of them copies its
+// shared bytes to out[block * bytes ..]; block 0 then loads the same box
+// with the plain tma_load_3d into shared memory past the first image and
+// copies it to out[gridDim.x * bytes ..].
+TPAR_KERNEL(hopper_cluster_multicast_3d, TPAR_GRID_CONSTANT(TmaArgs), 128) {
+    unsigned char* s = hopper_test::smem1024();
+    const int bytes = args.bytes;
+    const int span = (bytes + 1023) / 1024 * 1024;
+    u64* bar = reinterpret_cast<u64*>(s + 2 * span);
+    const int t = threadIdx.x;
+    const u32 rank = cluster_ctarank();
+    const int z = args.extra_tx & 255, mask = args.extra_tx >> 8;
+    const bool mine = (mask >> rank) & 1;
+    if (t == 0) {
+        mbarrier_init(&bar[0], 1);
+        mbarrier_init(&bar[1], 1);
+        fence_mbarrier_init();
+    }
+    cluster_sync();
+    if (t == 0 && mine) mbarrier_arrive_expect_tx(&bar[0], (u32)bytes);
+    if (t == 0 && rank == 0)
+        tma_load_3d_multicast(s, &args.map, args.x, args.y, z, &bar[0], (u16)mask);
+    unsigned char* out = static_cast<unsigned char*>(args.out);
+    if (mine) {
+        mbarrier_wait_parity(&bar[0], 0);
+        for (int i = t; i < bytes; i += blockDim.x) out[blockIdx.x * bytes + i] = s[i];
+    }
+    if (blockIdx.x == 0) {
+        if (t == 0) {
+            mbarrier_arrive_expect_tx(&bar[1], (u32)bytes);
+            tma_load_3d(s + span, &args.map, args.x, args.y, z, &bar[1]);
+        }
+        mbarrier_wait_parity(&bar[1], 0);
+        for (int i = t; i < bytes; i += blockDim.x) out[gridDim.x * bytes + i] = s[span + i];
+    }
+    cluster_sync();
+}

@@ -1,23 +1,32 @@
 //! Launching a kernel on a [`CudaDevice`]: the [`Launcher`] implementation,
 //! which finds (compiling on first use) the kernel, checks the argument
 //! struct's size and the shared memory against what the driver reports, and
-//! calls `cuLaunchKernel` on the handle's stream.
+//! calls `cuLaunchKernel` on the handle's stream, or `cuLaunchKernelEx` with
+//! the cluster-dimension attribute for a clustered [`LaunchConfig`] (a stream
+//! capture records the attribute with the launch, so a graph's replay keeps
+//! the cluster shape). The cluster path follows the driver's documented API
+//! and has not run on a GPU yet.
 
 use std::ffi::c_void;
 
 use cudarc::driver::result as dresult;
+use cudarc::driver::sys;
 
 use super::modules::DEFAULT_DYN_SMEM_LIMIT;
 use super::probe::driver_error;
 use super::CudaDevice;
-use crate::cuda::{cuda_error, LaunchConfig, Launcher};
+use crate::cuda::{cuda_error, Arch, LaunchConfig, Launcher};
 use crate::Result;
 
 impl Launcher for CudaDevice {
     fn describe(&self) -> String {
-        // `raw::gemm_hopper` reads the architecture (the first item in the
-        // parentheses) from this text to pick its kernel.
         format!("cuda:{} ({}, {})", self.ordinal, self.arch, self.name)
+    }
+
+    /// [`CudaDevice::arch`] parsed (always an architecture: it was checked
+    /// when the handle was opened).
+    fn compile_arch(&self) -> Option<Arch> {
+        Arch::parse(&self.arch)
     }
 
     /// # Safety
@@ -26,6 +35,17 @@ impl Launcher for CudaDevice {
         let size = args.len();
         // the name for messages, built only when something fails
         let op = || format!("{} {kernel}", self.op());
+        cfg.check_cluster(kernel)?;
+        if cfg.is_clustered() && !Arch::parse(&self.arch).is_some_and(Arch::has_clusters) {
+            return Err(cuda_error(
+                &op(),
+                format!(
+                    "a cluster launch ({:?}) needs compute capability 9.0 or later; kernels here \
+                     are compiled for {}",
+                    cfg.cluster, self.arch
+                ),
+            ));
+        }
         let f = self.function(kernel)?;
         if f.extra_params {
             return Err(cuda_error(&op(), "the kernel takes more than one parameter".to_string()));
@@ -62,11 +82,25 @@ impl Launcher for CudaDevice {
         let params: &mut [*mut c_void] = if size == 0 { &mut [] } else { &mut params };
         let g = cfg.grid;
         let b = cfg.block;
+        let cl = cfg.cluster;
+        let clustered = cfg.is_clustered();
         crate::cuda::profile::timed(
             &self.ctx,
             &self.stream,
             || kernel.to_string(),
             || {
+                if clustered {
+                    // SAFETY: as below; the launch configuration and its one
+                    // attribute live on this frame for the duration of the call.
+                    return unsafe {
+                        launch_clustered(
+                            f.func.cu_function(),
+                            cfg,
+                            self.stream.cu_stream(),
+                            params.as_mut_ptr(),
+                        )
+                    };
+                }
                 // SAFETY: the function is loaded in this (current) context, the
                 // stream belongs to it, and the caller guarantees `args` points to
                 // `size` bytes laid out as the kernel's parameter (whose size was
@@ -83,8 +117,53 @@ impl Launcher for CudaDevice {
                 }
             },
         )
-        .map_err(|e| driver_error(&op(), &format!("cuLaunchKernel (grid {g:?}, block {b:?})"), e))
+        .map_err(|e| {
+            let call = if clustered { "cuLaunchKernelEx" } else { "cuLaunchKernel" };
+            driver_error(&op(), &format!("{call} (grid {g:?}, block {b:?}, cluster {cl:?})"), e)
+        })
     }
+}
+
+/// `cuLaunchKernelEx` of `func` with `cfg`'s grid, block, shared memory and
+/// its cluster shape as the `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION` attribute
+/// (at most [`crate::cuda::MAX_PORTABLE_CLUSTER`] blocks, so the non-portable
+/// opt-in is not needed).
+///
+/// # Safety
+/// As `cuLaunchKernel`: `func` is loaded in the current context, `stream`
+/// belongs to it, and `params` points to the kernel's parameter pointers.
+unsafe fn launch_clustered(
+    func: sys::CUfunction,
+    cfg: &LaunchConfig,
+    stream: sys::CUstream,
+    params: *mut *mut c_void,
+) -> std::result::Result<(), dresult::DriverError> {
+    let mut value = sys::CUlaunchAttributeValue { pad: [0; 64] };
+    value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+        x: cfg.cluster[0],
+        y: cfg.cluster[1],
+        z: cfg.cluster[2],
+    };
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value,
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid[0],
+        gridDimY: cfg.grid[1],
+        gridDimZ: cfg.grid[2],
+        blockDimX: cfg.block[0],
+        blockDimY: cfg.block[1],
+        blockDimZ: cfg.block[2],
+        sharedMemBytes: cfg.shared_bytes,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and the attribute it points to are alive for the call;
+    // the caller vouches for the function, the stream and the parameters.
+    unsafe { sys::cuLaunchKernelEx(&config, func, params, std::ptr::null_mut()) }.result()
 }
 
 #[cfg(test)]

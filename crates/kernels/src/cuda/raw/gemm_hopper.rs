@@ -170,25 +170,16 @@ impl HopperTarget {
     pub fn of(dev: &dyn GpuDevice) -> Option<HopperTarget> {
         match dev.memory_space() {
             MemorySpace::Host => {
-                let arch = std::env::var(EMU_ARCH_ENV).ok()?;
-                (arch.trim() == "sm_90a").then(|| HopperTarget::emulator(132))
+                dev.compile_arch()?.has_wgmma().then(|| HopperTarget::emulator(132))
             }
             MemorySpace::Cuda { ordinal, .. } => {
-                if described_arch(&dev.describe()) != Some("sm_90a") {
+                if !dev.compile_arch()?.has_wgmma() {
                     return None;
                 }
                 Some(HopperTarget { sms: gpu_sm_count(ordinal)?, emulated: false })
             }
         }
     }
-}
-
-/// The architecture in a GPU handle's description (`"cuda:0 (sm_90a, NVIDIA
-/// H200)"`, as `device/launch.rs` writes it).
-fn described_arch(describe: &str) -> Option<&str> {
-    let inner = describe.split_once('(')?.1;
-    let arch = inner.split([',', ')']).next()?.trim();
-    arch.starts_with("sm_").then_some(arch)
 }
 
 /// The SM count of GPU `ordinal` (the driver is loaded: the device exists).
@@ -480,10 +471,13 @@ mod tests {
     }
 
     #[test]
-    fn the_arch_is_read_from_a_gpu_description() {
-        assert_eq!(described_arch("cuda:0 (sm_90a, NVIDIA H200)"), Some("sm_90a"));
-        assert_eq!(described_arch("cuda:1 (sm_90, NVIDIA H100)"), Some("sm_90"));
-        assert_eq!(described_arch("cuda:0 (CPU emulator)"), None);
+    fn only_sm_90a_has_wgmma() {
+        use crate::cuda::Arch;
+        assert!(Arch::parse("sm_90a").is_some_and(Arch::has_wgmma));
+        for other in ["sm_90", "sm_80", "sm_100a", "sm_100f", "compute_90"] {
+            assert!(!Arch::parse(other).unwrap().has_wgmma(), "{other}");
+        }
+        assert_eq!(Arch::parse("cuda:0 (CPU emulator)"), None);
     }
 
     #[test]
