@@ -1,2 +1,347 @@
 //! Launch wrappers for `cuda/sdpa_hopper_bwd.cu`, the Hopper (sm_90a)
 //! attention backward pass.
+//!
+//! The same operation and buffers as [`super::sdpa::sdpa_backward`] (see
+//! [`super::sdpa`] for the layouts, GQA, causal and mask semantics), with the
+//! same workspace contract: `delta` (f32 per query row) at the start of the
+//! workspace, the f32 `dq` accumulator after it (256-byte aligned),
+//! [`sdpa_backward_workspace_bytes`] in all. It runs sdpa.cu's
+//! `tpar_sdpa_bwd_pre_*` (delta, accumulator zeroed), then this file's
+//! `tpar_sdpa_bwd_hopper<HD>_<dtype>` (one block of 384 threads per 128 keys,
+//! kv head and batch: a producer warp bringing K / V once and Q / dO tiles
+//! through a 2-stage ring by bulk tensor copies, two consumer warpgroups
+//! computing with wgmma; the kernel's source describes it), then sdpa.cu's
+//! `tpar_sdpa_bwd_dq_*` (scale and convert dq).
+//!
+//! It takes bf16 and f16 with `head_dim == v_dim` of 64 or 128, 16-byte
+//! aligned q, k, v, dout, dk and dv, on a launcher that runs `sm_90a`
+//! kernels: a GPU whose kernels are compiled for `sm_90a` (its description
+//! names the architecture), or the CPU emulator with
+//! [`EMU_ARCH_ENV`]` = sm_90a`. [`unsupported`] says why a call is not taken.
+//! The kernel has not run on a GPU yet.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
+use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
+use super::sdpa::{
+    sdpa_backward_workspace_bytes, SdpaBwdArgs, SdpaBwdBuffers, SdpaDevMask, SdpaPath,
+};
+use super::{bad, numel};
+use crate::sdpa::SdpaShape;
+use crate::Result;
+
+pub use super::gemm_hopper::EMU_ARCH_ENV;
+
+const OP: &str = "cuda sdpa_backward (hopper)";
+
+/// Keys per block of the main kernel.
+pub const KEYS_PER_BLOCK: usize = 128;
+/// Queries per tile of the main kernel's ring.
+pub const QUERIES_PER_TILE: usize = 64;
+/// Threads per block of the main kernel (a producer and two consumer warpgroups).
+pub const THREADS: u32 = 384;
+/// Largest grid extent in y and z (kv heads and batch).
+const MAX_GRID_YZ: usize = 65_535;
+
+/// Dynamic shared memory of the main kernel for head dim `hd` (64 or 128):
+/// alignment slack, K and V, two stages of Q and dO, dS^T, two stages of lse
+/// and delta, six mbarriers.
+pub const fn shared_bytes(hd: usize) -> u32 {
+    let kv = KEYS_PER_BLOCK * hd * 2;
+    let qt = QUERIES_PER_TILE * hd * 2;
+    (1024
+        + 2 * kv
+        + 4 * qt
+        + KEYS_PER_BLOCK * QUERIES_PER_TILE * 2
+        + 4 * QUERIES_PER_TILE * 4
+        + 6 * 8) as u32
+}
+
+/// Arguments of `tpar_sdpa_bwd_hopper<HD>_<dtype>`: four tensor maps and the
+/// backward arguments every sdpa.cu backward kernel takes.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct SdpaHopperBwdArgs {
+    /// 3-D map (head_dim, q_len, batch * q_heads) over q, box 64 x 64, 128-byte swizzle.
+    pub map_q: TensorMap,
+    /// 3-D map (head_dim, kv_len, batch * kv_heads) over k, box 64 x 128.
+    pub map_k: TensorMap,
+    /// Like `map_k` over v.
+    pub map_v: TensorMap,
+    /// Like `map_q` over dout.
+    pub map_do: TensorMap,
+    /// The buffers and sizes (as the pre and dq kernels take them).
+    pub a: SdpaBwdArgs,
+    /// Padding to a multiple of 64 bytes.
+    pub pad: [i32; 8],
+}
+
+/// Whether `l` runs `sm_90a` kernels: `Some(true)` for the CPU emulator with
+/// [`EMU_ARCH_ENV`]` = sm_90a`, `Some(false)` for a GPU whose description
+/// names `sm_90a` (`"cuda:0 (sm_90a, NVIDIA H100)"`), else `None`.
+fn target(l: &dyn Launcher) -> Option<bool> {
+    let d = l.describe();
+    if d.contains("CPU emulator") {
+        let arch = std::env::var(EMU_ARCH_ENV).ok()?;
+        return (arch.trim() == "sm_90a").then_some(true);
+    }
+    let inner = d.split_once('(')?.1;
+    let arch = inner.split([',', ')']).next()?.trim();
+    (arch == "sm_90a").then_some(false)
+}
+
+/// Why the Hopper backward does not take this call on `l` (`None`: it does).
+/// Sizes the kernels refuse outright (q_heads not a multiple of kv_heads,
+/// buffers too small) are errors of [`sdpa_backward`] instead.
+pub fn unsupported(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaBwdBuffers,
+) -> Option<String> {
+    if target(l).is_none() {
+        return Some(format!(
+            "{} does not run sm_90a kernels (wgmma, setmaxnreg; the emulator does with \
+             {EMU_ARCH_ENV}=sm_90a)",
+            l.describe()
+        ));
+    }
+    if dtype == CudaDType::F32 {
+        return Some("f32 attention (wgmma here takes bf16 or f16)".into());
+    }
+    if s.head_dim != s.v_dim || !matches!(s.head_dim, 64 | 128) {
+        return Some(format!(
+            "head_dim {} / v_dim {}: the kernel takes equal head dims of 64 or 128",
+            s.head_dim, s.v_dim
+        ));
+    }
+    for (name, p) in
+        [("q", b.q), ("k", b.k), ("v", b.v), ("dout", b.dout), ("dk", b.dk), ("dv", b.dv)]
+    {
+        if !p.is_multiple_of(16) {
+            return Some(format!(
+                "{name} address {p:#x} is not 16-byte aligned (a tensor map's base)"
+            ));
+        }
+    }
+    let bh = s.batch.saturating_mul(s.q_heads);
+    if bh as u64 > 1 << 32 || s.q_len as u64 > 1 << 32 || s.kv_len as u64 > 1 << 32 {
+        return Some(format!("{s:?}: a tensor map dim exceeds 2^32"));
+    }
+    let pitch = (s.q_len.max(s.kv_len) as u64).saturating_mul(s.head_dim as u64 * 2);
+    if pitch >= 1 << 40 {
+        return Some(format!("{s:?}: a head's {pitch} bytes exceed a tensor map's 2^40 stride"));
+    }
+    if s.kv_heads > MAX_GRID_YZ || s.batch > MAX_GRID_YZ {
+        return Some(format!(
+            "{s:?}: kv_heads and batch are grid extents of at most {MAX_GRID_YZ}"
+        ));
+    }
+    if s.q_len > i32::MAX as usize - 2 * KEYS_PER_BLOCK
+        || s.kv_len > i32::MAX as usize - 2 * KEYS_PER_BLOCK
+    {
+        return Some(format!("{s:?}: sequence lengths beyond the kernel's i32 tile arithmetic"));
+    }
+    None
+}
+
+/// Checks a buffer of `n` elements of `elem` bytes (an empty one may sit anywhere).
+fn check_buf(name: &str, p: DevPtr, n: usize, elem: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    super::check_ptr(OP, name, p, n, elem)
+}
+
+/// The mask's pointer and the strides the kernel uses (0 where the dim has
+/// one index), after checking that every read falls inside it.
+fn mask_args(
+    dtype: CudaDType,
+    s: &SdpaShape,
+    m: Option<&SdpaDevMask>,
+) -> Result<(DevPtr, i64, i64, i64)> {
+    let Some(m) = m else { return Ok((0, 0, 0, 0)) };
+    if s.batch == 0 || s.q_heads == 0 || s.q_len == 0 || s.kv_len == 0 {
+        return Ok((m.data, 0, 0, 0));
+    }
+    let last = [
+        (s.batch - 1, m.batch_stride),
+        (s.q_heads - 1, m.head_stride),
+        (s.q_len - 1, m.row_stride),
+        (s.kv_len - 1, 1),
+    ]
+    .iter()
+    .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc));
+    if !matches!(last, Some(last) if last < m.len) {
+        return Err(bad(
+            OP,
+            format!(
+                "{s:?}: mask with strides (batch {}, head {}, row {}) reads past its {} elements",
+                m.batch_stride, m.head_stride, m.row_stride, m.len
+            ),
+        ));
+    }
+    check_buf("mask", m.data, m.len, dtype.size())?;
+    // a stride in use is at most the last offset read, so it fits in i64
+    let st = |n: usize, v: usize| if n > 1 { v as i64 } else { 0 };
+    Ok((
+        m.data,
+        st(s.batch, m.batch_stride),
+        st(s.q_heads, m.head_stride),
+        st(s.q_len, m.row_stride),
+    ))
+}
+
+/// A 3-D tensor map (head_dim, len, heads) over `ptr` with boxes of 64
+/// columns x `rows`.
+fn head_map(
+    emulated: bool,
+    dtype: CudaDType,
+    ptr: DevPtr,
+    (hd, len, heads): (usize, usize, usize),
+    rows: u32,
+) -> Result<TensorMap> {
+    let dt = match dtype {
+        CudaDType::BF16 => TensorMapDType::BF16,
+        _ => TensorMapDType::F16,
+    };
+    let pitch = hd as u64 * 2;
+    let desc = TiledDesc {
+        dtype: dt,
+        global: ptr,
+        dims: &[hd as u64, len as u64, heads as u64],
+        strides: &[pitch, pitch * len as u64],
+        box_dims: &[64, rows, 1],
+        swizzle: TensorMapSwizzle::B128,
+    };
+    if emulated {
+        TensorMap::encode_tiled_emulated(&desc)
+    } else {
+        TensorMap::encode_tiled_driver(&desc)
+    }
+}
+
+/// Attention backward on the Hopper kernel: writes `dq`, `dk` and `dv`
+/// (overwritten; `dk`/`dv` sum over the q heads of each group), as
+/// [`super::sdpa::sdpa_backward`] does. A call [`unsupported`] names is an
+/// error; with no query or no key rows it runs the tensor-core backward
+/// (which only zeroes what has to be).
+///
+/// # Safety
+/// Every buffer must be valid on the launcher's device for the sizes `s`
+/// gives it (elements of `dtype`; `lse` f32), the mask for `mask.len`
+/// elements and the workspace for `workspace_bytes` bytes.
+pub unsafe fn sdpa_backward(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaBwdBuffers,
+) -> Result<()> {
+    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
+        return Err(bad(OP, format!("{s:?}: q_heads must be a multiple of kv_heads > 0")));
+    }
+    if let Some(why) = unsupported(l, dtype, s, b) {
+        return Err(bad(OP, format!("the Hopper backward does not take this call: {why}")));
+    }
+    let rows = numel(OP, &[s.batch, s.q_heads, s.q_len])?;
+    let nq = numel(OP, &[rows, s.head_dim])?;
+    let nk = numel(OP, &[s.batch, s.kv_heads, s.kv_len, s.head_dim])?;
+    if nq == 0 || nk == 0 {
+        // SAFETY: forwarded from the caller.
+        return unsafe { super::sdpa::sdpa_backward(l, dtype, s, b, SdpaPath::TensorCore) };
+    }
+    let es = dtype.size();
+    for (name, p, n) in [
+        ("q", b.q, nq),
+        ("k", b.k, nk),
+        ("v", b.v, nk),
+        ("out", b.out, nq),
+        ("dout", b.dout, nq),
+        ("dq", b.dq, nq),
+        ("dk", b.dk, nk),
+        ("dv", b.dv, nk),
+    ] {
+        check_buf(name, p, n, es)?;
+    }
+    check_buf("lse", b.lse, rows, 4)?;
+    let need = sdpa_backward_workspace_bytes(s)?;
+    if b.workspace_bytes < need {
+        return Err(bad(
+            OP,
+            format!("workspace of {} bytes; {s:?} needs {need}", b.workspace_bytes),
+        ));
+    }
+    check_buf("workspace", b.workspace, need, 16)?;
+    let mask = mask_args(dtype, s, b.mask.as_ref())?;
+    // delta's rows rounded up so that the accumulator starts 256-byte aligned
+    // (raw::sdpa's workspace layout)
+    let delta_off = (rows * 4).next_multiple_of(256) as u64;
+    let i = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| bad(OP, format!("{what} = {v} exceeds i32")))
+    };
+    let a = SdpaBwdArgs {
+        q: b.q,
+        k: b.k,
+        v: b.v,
+        mask: mask.0,
+        out: b.out,
+        dout: b.dout,
+        lse: b.lse,
+        delta: b.workspace,
+        dq_acc: b.workspace + delta_off,
+        dq: b.dq,
+        dk: b.dk,
+        dv: b.dv,
+        mask_bs: mask.1,
+        mask_hs: mask.2,
+        mask_rs: mask.3,
+        batch: i("batch", s.batch)?,
+        q_heads: i("q_heads", s.q_heads)?,
+        kv_heads: i("kv_heads", s.kv_heads)?,
+        q_len: i("q_len", s.q_len)?,
+        kv_len: i("kv_len", s.kv_len)?,
+        head_dim: i("head_dim", s.head_dim)?,
+        v_dim: i("v_dim", s.v_dim)?,
+        causal: s.causal as i32,
+        scale: s.scale as f32,
+        pad: 0,
+    };
+    let emulated = target(l).unwrap_or(false);
+    let hd = s.head_dim;
+    let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
+    let args = SdpaHopperBwdArgs {
+        map_q: head_map(emulated, dtype, b.q, (hd, s.q_len, qh), QUERIES_PER_TILE as u32)?,
+        map_k: head_map(emulated, dtype, b.k, (hd, s.kv_len, kh), KEYS_PER_BLOCK as u32)?,
+        map_v: head_map(emulated, dtype, b.v, (hd, s.kv_len, kh), KEYS_PER_BLOCK as u32)?,
+        map_do: head_map(emulated, dtype, b.dout, (hd, s.q_len, qh), QUERIES_PER_TILE as u32)?,
+        a,
+        pad: [0; 8],
+    };
+    let sfx = dtype.suffix();
+    let blocks = rows.div_ceil(8).min(4096) as u32;
+    // SAFETY (all three launches): sizes and pointers checked above; the
+    // caller vouches for the buffers; `delta` is the start of the checked
+    // workspace and `dq_acc` the rest of it.
+    unsafe {
+        // one warp per row: delta, and the dq accumulator zeroed
+        launch(l, &format!("tpar_sdpa_bwd_pre_{sfx}"), LaunchConfig::linear(blocks, 256), &a)?;
+        let grid = [s.kv_len.div_ceil(KEYS_PER_BLOCK) as u32, s.kv_heads as u32, s.batch as u32];
+        let cfg = LaunchConfig::grid(grid, THREADS).with_shared(shared_bytes(hd));
+        launch(l, &format!("tpar_sdpa_bwd_hopper{hd}_{sfx}"), cfg, &args)?;
+        launch(l, &format!("tpar_sdpa_bwd_dq_{sfx}"), LaunchConfig::for_items(nq, 256, 4096), &a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_layout_matches_the_kernel() {
+        assert_eq!(std::mem::size_of::<SdpaBwdArgs>(), 160);
+        assert_eq!(std::mem::size_of::<SdpaHopperBwdArgs>(), 704);
+        assert_eq!(std::mem::align_of::<SdpaHopperBwdArgs>(), 64);
+        const { assert!(shared_bytes(128) as usize <= 227 * 1024) };
+    }
+}

@@ -1,0 +1,422 @@
+// The Hopper (sm_90a) attention backward pass, FlashAttention-3 style: the
+// main kernel between sdpa.cu's `tpar_sdpa_bwd_pre_*` (delta = rowsum(dout *
+// out), dq accumulator zeroed) and `tpar_sdpa_bwd_dq_*` (dq = scale * the
+// accumulator, converted). Same meaning as sdpa.cu's backward: q [batch,
+// q_heads, q_len, d], k and v [batch, kv_heads, kv_len, d], out / dout like q,
+// lse [batch, q_heads, q_len] (f32, natural log), GQA (q head h reads kv head
+// h / (q_heads / kv_heads)), top-left causal masking, an optional additive
+// mask of the attention type broadcast by strides; a row whose lse is -inf
+// gets no gradient. Launcher: src/cuda/raw/sdpa_hopper_bwd.rs.
+//
+// Head dims (head_dim == v_dim) HD = 64 or 128, bf16 or f16. One block of 384
+// threads per (128-key block, kv head, batch):
+// - warpgroup 0 produces (setmaxnreg_dec): one warp brings the block's K and
+//   V tiles once (bulk tensor copies, 64-column boxes, 128-byte swizzle, keys
+//   past kv_len read as zeros) and then, for every q head of the group and
+//   every 64-query tile from the block's first visible query (causal: the
+//   block's first key), the Q and dO tiles into a 2-stage ring guarded by
+//   "full" mbarriers (the copies' bytes and the warp's 32 arrivals, after it
+//   wrote the tile's lse * log2(e) and delta into the stage) and "empty"
+//   mbarriers (lane 0 of each consumer warp);
+// - warpgroups 1 and 2 consume (setmaxnreg_inc): warpgroup w owns keys
+//   64 w .. 64 w + 63 of the block. Per tile: S^T = K Q^T and dP^T = V dO^T
+//   (wgmma, both operands K-major from the swizzled tiles), P^T = exp2(S^T *
+//   scale * log2e (+ mask) - lse) (0 outside the causal triangle, past either
+//   length, and for a row with lse = -inf), dS^T = P^T (dP^T - delta); dV +=
+//   P^T dO and dK += dS^T Q with P^T and dS^T as register A operands (the
+//   accumulator fragment is the A fragment) and dO / Q as N-major B operands
+//   of the same tiles; dS^T goes to shared memory ([128 keys][64 queries],
+//   128-byte swizzle: the M-major A operand of dQ = dS K), and warpgroup w
+//   computes columns w HD/2 .. of dQ over all 128 keys and adds them into
+//   the f32 accumulator with atomics. dK (times scale) and dV stay in
+//   registers until the end: one writer per element.
+//
+// Compiled for an architecture without wgmma, the kernels are empty: the
+// launcher runs them only where kernels are compiled for sm_90a (or the
+// emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet.
+
+struct SdpaBwdArgs {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* mask;  // null: no mask
+    const void* out;
+    const void* dout;
+    const float* lse;
+    float* delta;   // [batch * q_heads * q_len] workspace
+    float* dq_acc;  // [batch * q_heads * q_len, head_dim] f32 workspace
+    void* dq;
+    void* dk;
+    void* dv;
+    i64 mask_bs;
+    i64 mask_hs;
+    i64 mask_rs;
+    i32 batch;
+    i32 q_heads;
+    i32 kv_heads;
+    i32 q_len;
+    i32 kv_len;
+    i32 head_dim;
+    i32 v_dim;
+    i32 causal;
+    float scale;
+    i32 pad;
+};
+
+struct SdpaHopperBwdArgs {
+    TparTensorMap map_q;   // 3-D (head_dim, q_len, batch * q_heads), box 64 x 64
+    TparTensorMap map_k;   // 3-D (head_dim, kv_len, batch * kv_heads), box 64 x 128
+    TparTensorMap map_v;   // like map_k over v
+    TparTensorMap map_do;  // like map_q over dout
+    SdpaBwdArgs a;
+    i32 pad[8];
+};
+
+#if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TPAR_SDPA_HOPPER_BWD_BODY 1
+#endif
+
+namespace sdpa_hopper_bwd {
+
+constexpr int BR = 64;   // queries per tile
+constexpr int BC = 128;  // keys per block (64 per consumer warpgroup)
+constexpr int STAGES = 2;
+constexpr float kLog2e = 1.4426950408889634f;
+// One 64-column box of a K / V tile (128 rows) and of a Q / dO tile (64 rows).
+constexpr u32 KBOX = BC * 64 * 2, QBOX = BR * 64 * 2;
+constexpr u32 DS_BYTES = BC * BR * 2;
+
+// 2^x: one ex2.approx.ftz on a GPU, exp2f in the emulator.
+TPAR_DEVICE float exp2_ftz(float x) {
+#ifndef TPAR_EMU
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
+// Two floats rounded to nearest even into one register, `lo` in the low half.
+template <typename T>
+TPAR_DEVICE u32 pack2_rn(float lo, float hi) {
+    return pack2_f32<T>(lo, hi);
+}
+#ifndef TPAR_EMU
+template <>
+TPAR_DEVICE u32 pack2_rn<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <>
+TPAR_DEVICE u32 pack2_rn<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif
+
+struct Smem {
+    unsigned char* k;            // [HD / 64] boxes of [128 keys][64 columns]
+    unsigned char* v;            // likewise
+    unsigned char* q[STAGES];    // [HD / 64] boxes of [64 queries][64 columns]
+    unsigned char* g[STAGES];    // dO, likewise
+    unsigned char* ds;           // dS^T [128 keys][64 queries], 128-byte swizzle
+    float* lse[STAGES];          // [64] lse * log2(e) (+inf for no gradient)
+    float* delta[STAGES];        // [64]
+    u64* kv_full;                // the K and V copies
+    u64* full;                   // [STAGES]
+    u64* empty;                  // [STAGES]
+    u64* csync;                  // a barrier of the 256 consumer threads
+};
+
+template <int HD>
+TPAR_DEVICE Smem carve() {
+    constexpr u32 KV = BC * HD * 2, QT = BR * HD * 2;
+    const u32 at = tpar_shared_addr(tpar_dyn_smem);
+    unsigned char* base = tpar_dyn_smem + ((1024u - (at & 1023u)) & 1023u);
+    Smem s;
+    s.k = base;
+    s.v = base + KV;
+    for (int i = 0; i < STAGES; ++i) {
+        s.q[i] = base + 2 * KV + i * 2 * QT;
+        s.g[i] = s.q[i] + QT;
+    }
+    s.ds = base + 2 * KV + STAGES * 2 * QT;
+    float* f = reinterpret_cast<float*>(s.ds + DS_BYTES);
+    for (int i = 0; i < STAGES; ++i) {
+        s.lse[i] = f + 2 * BR * i;
+        s.delta[i] = f + 2 * BR * i + BR;
+    }
+    u64* bars = reinterpret_cast<u64*>(f + 2 * BR * STAGES);
+    s.kv_full = bars;
+    s.full = bars + 1;
+    s.empty = bars + 1 + STAGES;
+    s.csync = bars + 1 + 2 * STAGES;
+    return s;
+}
+
+// The block's place and its q tiles: `per_head` tiles of 64 queries from
+// `i_start` for each of the `group` q heads of kv head `kvh`.
+struct Work {
+    int k0, kvh, b, group, i_start, per_head, ntiles;
+};
+
+TPAR_DEVICE Work work_of(const SdpaBwdArgs& a) {
+    Work w;
+    w.k0 = blockIdx.x * BC;
+    w.kvh = blockIdx.y;
+    w.b = blockIdx.z;
+    w.group = a.q_heads / a.kv_heads;
+    // causal: queries before the block's first key see none of its keys
+    w.i_start = a.causal ? w.k0 : 0;
+    w.per_head = a.q_len > w.i_start ? (a.q_len - w.i_start + BR - 1) / BR : 0;
+    w.ntiles = w.group * w.per_head;
+    return w;
+}
+
+// Warpgroup 0, warp 0: the K and V tiles, then the ring of Q / dO tiles.
+template <int HD>
+TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& w) {
+    const SdpaBwdArgs& a = p.a;
+    const int lane = threadIdx.x % 32;
+    const int bkv = w.b * a.kv_heads + w.kvh;
+    if (lane == 0) {
+        mbarrier_arrive_expect_tx(s.kv_full, 2u * BC * HD * 2);
+        for (int j = 0; j < HD / 64; ++j) {
+            tma_load_3d(s.k + j * KBOX, &p.map_k, 64 * j, w.k0, bkv, s.kv_full);
+            tma_load_3d(s.v + j * KBOX, &p.map_v, 64 * j, w.k0, bkv, s.kv_full);
+        }
+    }
+    const float inf = tpar_inf();
+    for (int it = 0; it < w.ntiles; ++it) {
+        const int st = it % STAGES;
+        mbarrier_wait_parity(&s.empty[st], (u32)((it / STAGES) & 1) ^ 1u);
+        const int h = w.kvh * w.group + it / w.per_head;
+        const int i0 = w.i_start + (it % w.per_head) * BR;
+        const i64 bh = (i64)w.b * a.q_heads + h;
+        for (int r = lane; r < BR; r += 32) {
+            const int i = i0 + r;
+            const float lv = i < a.q_len ? a.lse[bh * a.q_len + i] : -inf;
+            // a row without gradient (lse = -inf, or past q_len) gets P = 0
+            s.lse[st][r] = lv == -inf ? inf : lv * kLog2e;
+            s.delta[st][r] = i < a.q_len ? a.delta[bh * a.q_len + i] : 0.0f;
+        }
+        if (lane == 0) {
+            mbarrier_arrive_expect_tx(&s.full[st], 2u * BR * HD * 2);
+            for (int j = 0; j < HD / 64; ++j) {
+                tma_load_3d(s.q[st] + j * QBOX, &p.map_q, 64 * j, i0, (int)bh, &s.full[st]);
+                tma_load_3d(s.g[st] + j * QBOX, &p.map_do, 64 * j, i0, (int)bh, &s.full[st]);
+            }
+        } else {
+            mbarrier_arrive(&s.full[st]);
+        }
+    }
+}
+
+// A barrier of the 256 consumer threads; `use` counts its uses from 0.
+TPAR_DEVICE void csync(u64* bar, u32 use) {
+    mbarrier_arrive(bar);
+    mbarrier_wait_parity(bar, use & 1u);
+}
+
+// Consumer warpgroup `cw` (0 or 1): keys k0 + 64 cw .. + 63.
+template <typename T, int HD>
+TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& w, int cw) {
+    const SdpaBwdArgs& a = p.a;
+    const int tw = threadIdx.x % 128;
+    const int wi = tw / 32, lane = tw % 32, g = lane / 4, t = lane % 4;
+    const int kb = w.k0 + 64 * cw;  // this warpgroup's first key
+    const float sl2 = a.scale * kLog2e;
+    const T* mask = static_cast<const T*>(a.mask);
+    mbarrier_wait_parity(s.kv_full, 0);
+
+    float dk[HD / 2], dv[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) {
+        dk[i] = 0.0f;
+        dv[i] = 0.0f;
+    }
+    u32 use = 0;
+    for (int it = 0; it < w.ntiles; ++it) {
+        const int st = it % STAGES;
+        const int h = w.kvh * w.group + it / w.per_head;
+        const int i0 = w.i_start + (it % w.per_head) * BR;
+        const i64 bh = (i64)w.b * a.q_heads + h;
+        const int nq = min(BR, a.q_len - i0);
+        mbarrier_wait_parity(&s.full[st], (u32)((it / STAGES) & 1));
+
+        // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries, k over HD.
+        float sc[BR / 2], dp[BR / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
+            const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
+            wgmma_ss<T, BR, 0, 0>(sc, wgmma_desc(s.k + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                  wgmma_desc(s.q[st] + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                  ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
+            const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
+            wgmma_ss<T, BR, 0, 0>(dp, wgmma_desc(s.v + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                  wgmma_desc(s.g[st] + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                  ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+
+        // P^T and dS^T. Element i: key kb + r, query i0 + c.
+        const float* L = s.lse[st];
+        const float* D = s.delta[st];
+        const bool edge = mask != nullptr || nq < BR || kb + 64 > a.kv_len ||
+                          (a.causal && i0 < kb + 63);
+#pragma unroll
+        for (int i = 0; i < BR / 2; ++i) {
+            const int r = 16 * wi + g + 8 * ((i / 2) % 2);
+            const int c = 8 * (i / 4) + 2 * t + (i % 2);
+            float x = sc[i] * sl2;
+            bool ok = true;
+            if (edge) {
+                const int j = kb + r, qi = i0 + c;
+                ok = c < nq && j < a.kv_len && !(a.causal && j > qi);
+                if (ok && mask != nullptr)
+                    x += to_f32(mask[(i64)w.b * a.mask_bs + (i64)h * a.mask_hs +
+                                     (i64)qi * a.mask_rs + j]) *
+                         kLog2e;
+            }
+            const float pv = ok ? exp2_ftz(x - L[c]) : 0.0f;
+            sc[i] = pv;
+            dp[i] = pv * (dp[i] - D[c]);
+        }
+        // The accumulator fragment of k step kq (queries 16 kq ..) is the A fragment.
+        u32 pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                pa[kq][j] = pack2_rn<T>(sc[8 * kq + 2 * j], sc[8 * kq + 2 * j + 1]);
+                sa[kq][j] = pack2_rn<T>(dp[8 * kq + 2 * j], dp[8 * kq + 2 * j + 1]);
+            }
+
+        // dV += P^T dO, dK += dS^T Q (B: the tiles as N-major operands, 16
+        // query rows = 2048 bytes per k step, 64-column boxes QBOX apart).
+        wgmma_fence();
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq) {
+            wgmma_rs<T, HD, 1>(dv, pa[kq],
+                               wgmma_desc(s.g[st] + kq * 2048, QBOX, 1024, TPAR_WG_SWIZZLE_128B),
+                               true);
+            wgmma_rs<T, HD, 1>(dk, sa[kq],
+                               wgmma_desc(s.q[st] + kq * 2048, QBOX, 1024, TPAR_WG_SWIZZLE_128B),
+                               true);
+        }
+        wgmma_commit();
+
+        // dS^T into shared memory once both warpgroups' previous dQ has read it.
+        csync(s.csync, use++);
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int row = 64 * cw + 16 * wi + g + 8 * (j % 2);
+                const int col = 16 * kq + 8 * (j / 2) + 2 * t;
+                *reinterpret_cast<u32*>(s.ds + row * 128 + (((col / 8) ^ (row % 8)) * 16) +
+                                        (col % 8) * 2) = sa[kq][j];
+            }
+        fence_proxy_async();
+        csync(s.csync, use++);
+
+        // dQ[:, cw HD/2 ..] = dS K over the block's 128 keys (A: dS^T as the
+        // M-major operand; B: K as N-major, its 64-column boxes KBOX apart).
+        float dq[HD / 4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            const u32 bo = HD == 128 ? cw * KBOX : cw * 64;
+            wgmma_ss<T, HD / 2, 1, 1>(
+                dq, wgmma_desc(s.ds + kk * 2048, 8192, 1024, TPAR_WG_SWIZZLE_128B),
+                wgmma_desc(s.k + bo + kk * 2048, KBOX, 1024, TPAR_WG_SWIZZLE_128B), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        // every read of this stage (S, dP, dV, dK) has retired
+        if (lane == 0) mbarrier_arrive(&s.empty[st]);
+
+        float* dqa = a.dq_acc + (bh * a.q_len + i0) * a.head_dim + cw * (HD / 2);
+#pragma unroll
+        for (int i = 0; i < HD / 4; ++i) {
+            const int r = 16 * wi + g + 8 * ((i / 2) % 2);
+            const int c = 8 * (i / 4) + 2 * t + (i % 2);
+            if (r < nq) atomicAdd(dqa + (i64)r * a.head_dim + c, dq[i]);
+        }
+    }
+
+    // dK (times scale) and dV of this warpgroup's keys.
+    const i64 krow = ((i64)w.b * a.kv_heads + w.kvh) * a.kv_len;
+    T* dkp = static_cast<T*>(a.dk);
+    T* dvp = static_cast<T*>(a.dv);
+#pragma unroll
+    for (int i = 0; i < HD / 2; i += 2) {
+        const int r = 16 * wi + g + 8 * ((i / 2) % 2);
+        const int c = 8 * (i / 4) + 2 * t;
+        const int j = kb + r;
+        if (j < a.kv_len) {
+            const i64 o = (krow + j) * HD + c;
+            *reinterpret_cast<u32*>(dkp + o) = pack2_rn<T>(dk[i] * a.scale, dk[i + 1] * a.scale);
+            *reinterpret_cast<u32*>(dvp + o) = pack2_rn<T>(dv[i], dv[i + 1]);
+        }
+    }
+}
+
+template <typename T, int HD>
+TPAR_DEVICE void run(const SdpaHopperBwdArgs& p) {
+    const Smem s = carve<HD>();
+    const Work w = work_of(p.a);
+    if (threadIdx.x == 0) {
+        tma_prefetch(&p.map_q);
+        tma_prefetch(&p.map_k);
+        tma_prefetch(&p.map_v);
+        tma_prefetch(&p.map_do);
+        mbarrier_init(s.kv_full, 1);
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(&s.full[i], 32);  // the producer warp
+            mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
+        }
+        mbarrier_init(s.csync, 256);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (threadIdx.x < 32) produce<HD>(p, s, w);
+    } else {
+        setmaxnreg_inc<240>();
+        consume<T, HD>(p, s, w, wg - 1);
+    }
+}
+
+}  // namespace sdpa_hopper_bwd
+
+#ifdef TPAR_SDPA_HOPPER_BWD_BODY
+#define TPAR_SDPA_HOPPER_BWD(T, HD) sdpa_hopper_bwd::run<T, HD>(args)
+#else
+#define TPAR_SDPA_HOPPER_BWD(T, HD)
+#endif
+
+TPAR_KERNEL(tpar_sdpa_bwd_hopper64_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), 384) {
+    TPAR_SDPA_HOPPER_BWD(bf16, 64);
+}
+TPAR_KERNEL(tpar_sdpa_bwd_hopper128_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), 384) {
+    TPAR_SDPA_HOPPER_BWD(bf16, 128);
+}
+TPAR_KERNEL(tpar_sdpa_bwd_hopper64_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), 384) {
+    TPAR_SDPA_HOPPER_BWD(f16, 64);
+}
+TPAR_KERNEL(tpar_sdpa_bwd_hopper128_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), 384) {
+    TPAR_SDPA_HOPPER_BWD(f16, 128);
+}

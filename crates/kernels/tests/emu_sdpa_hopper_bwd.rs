@@ -1,0 +1,308 @@
+//! The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`: TMA, mbarriers,
+//! wgmma, a producer warp and two consumer warpgroups), run in the CPU
+//! emulator as `sm_90a`: dq, dk and dv against the f64 reference of the CPU
+//! op and against the tensor-core backward of `sdpa.cu`, for bf16 and f16,
+//! head dims 64 and 128, causal or not, GQA, masks, ragged lengths (several
+//! and partial query and key tiles) and fully masked rows; and the calls it
+//! refuses.
+
+mod common;
+
+use common::{cvt, data, emu, f64s, mptr, ptr};
+use tpar_kernels::cuda::raw::sdpa::{
+    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
+    SdpaFwdBuffers, SdpaPath,
+};
+use tpar_kernels::cuda::raw::sdpa_hopper_bwd::{self as hopper, EMU_ARCH_ENV};
+use tpar_kernels::cuda::{CudaDType, DevPtr, LaunchConfig, Launcher};
+use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
+use tpar_kernels::Float;
+
+use CudaDType::{BF16, F16};
+
+/// Mask layouts.
+#[derive(Clone, Copy, Debug)]
+enum MaskKind {
+    None,
+    /// `[batch, 1, 1, kv_len]`: a trailing run of padded keys per batch.
+    KeyPadding,
+    /// `[batch, q_heads, q_len, kv_len]`: random values, some `-inf`, and one
+    /// fully masked query row per head.
+    Full,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_len: usize,
+    kv_len: usize,
+    head_dim: usize,
+    causal: bool,
+) -> SdpaShape {
+    SdpaShape {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim: head_dim,
+        scale: 1.0 / (head_dim as f64).sqrt(),
+        causal,
+    }
+}
+
+/// Mask values and strides `(batch, head, row)`.
+fn make_mask(s: &SdpaShape, kind: MaskKind) -> Option<(Vec<f64>, [usize; 3])> {
+    let ninf = f64::NEG_INFINITY;
+    match kind {
+        MaskKind::None => None,
+        MaskKind::KeyPadding => {
+            let mut m = vec![0.0; s.batch * s.kv_len];
+            for b in 0..s.batch {
+                // batch b keeps kv_len - 37b - 5 keys
+                let keep = s.kv_len.saturating_sub(37 * b + 5).max(1);
+                m[b * s.kv_len + keep..(b + 1) * s.kv_len].fill(ninf);
+            }
+            Some((m, [s.kv_len, 0, 0]))
+        }
+        MaskKind::Full => {
+            let row = s.kv_len;
+            let head = s.q_len * row;
+            let n = s.batch * s.q_heads * head;
+            let mut m = data(n, 99, 1.0);
+            for (i, x) in m.iter_mut().enumerate() {
+                if i % 7 == 3 {
+                    *x = ninf;
+                }
+            }
+            for bh in 0..s.batch * s.q_heads {
+                let r = (bh * 5 + 2) % s.q_len;
+                m[bh * head + r * row..bh * head + (r + 1) * row].fill(ninf);
+            }
+            Some((m, [s.q_heads * head, head, row]))
+        }
+    }
+}
+
+/// Largest `|got - want|` relative to the largest `|want|`; both must be finite.
+fn max_rel(what: &str, got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite value");
+    let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs() / scale))
+}
+
+/// Gradient tolerance (relative to the largest magnitude), as for the
+/// tensor-core backward: P and dS are rounded to the attention dtype.
+fn tol(dtype: CudaDType) -> f64 {
+    match dtype {
+        BF16 => 1e-2,
+        _ => 2e-3,
+    }
+}
+
+/// Host buffers of one case's backward outputs.
+struct Grads<T> {
+    dq: Vec<T>,
+    dk: Vec<T>,
+    dv: Vec<T>,
+}
+
+/// Runs the forward (tensor cores), the tensor-core backward and the Hopper
+/// backward of one case on the emulator, and checks both backwards against
+/// the f64 reference and the Hopper one against the tensor-core one.
+fn run<T: Float>(dtype: CudaDType, s: SdpaShape, mask: MaskKind) {
+    std::env::set_var(EMU_ARCH_ENV, "sm_90a");
+    let emu = emu();
+    let nq = s.batch * s.q_heads * s.q_len;
+    let nk = s.batch * s.kv_heads * s.kv_len;
+    let q: Vec<T> = cvt(&data(nq * s.head_dim, 1, 1.5));
+    let k: Vec<T> = cvt(&data(nk * s.head_dim, 2, 1.5));
+    let v: Vec<T> = cvt(&data(nk * s.v_dim, 3, 1.0));
+    let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
+    let m = make_mask(&s, mask);
+    let mask_t: Vec<T> = m.as_ref().map_or(Vec::new(), |(m, _)| cvt(m));
+    let mask_f = f64s(&mask_t);
+    let ref_mask = m.as_ref().map(|(_, [bs, hs, rs])| SdpaMask {
+        data: &mask_f[..],
+        batch_stride: *bs,
+        head_stride: *hs,
+        row_stride: *rs,
+    });
+    let dev_mask = m.as_ref().map(|(_, [bs, hs, rs])| SdpaDevMask {
+        data: ptr(&mask_t),
+        len: mask_t.len(),
+        batch_stride: *bs,
+        head_stride: *hs,
+        row_stride: *rs,
+    });
+    let (qf, kf, vf, gf) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
+    let (dq_ref, dk_ref, dv_ref) =
+        reference::sdpa_backward(&s, &qf, &kf, &vf, ref_mask.as_ref(), &gf);
+
+    let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
+    let mut lse = vec![7.0f32; nq];
+    let ws_bytes = sdpa_backward_workspace_bytes(&s).unwrap();
+    let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
+    let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    // SAFETY: host buffers stand in for device memory (the emulator runs
+    // each kernel on this thread before returning), each holding every
+    // element the call's sizes reach.
+    unsafe {
+        let fb = SdpaFwdBuffers {
+            q: ptr(&q),
+            k: ptr(&k),
+            v: ptr(&v),
+            mask: dev_mask,
+            out: mptr(&mut o),
+            lse: mptr(&mut lse),
+        };
+        sdpa_forward(emu, dtype, &s, &fb, SdpaPath::TensorCore).unwrap();
+    }
+    let mut grads = |hopper_path: bool| {
+        let mut g = Grads {
+            dq: vec![T::from_f64(7.0); q.len()],
+            dk: vec![T::from_f64(7.0); k.len()],
+            dv: vec![T::from_f64(7.0); v.len()],
+        };
+        let bb = SdpaBwdBuffers {
+            q: ptr(&q),
+            k: ptr(&k),
+            v: ptr(&v),
+            mask: dev_mask,
+            out: ptr(&o),
+            lse: ptr(&lse),
+            dout: ptr(&dout),
+            dq: mptr(&mut g.dq),
+            dk: mptr(&mut g.dk),
+            dv: mptr(&mut g.dv),
+            workspace: mptr(&mut ws[ws_off..]),
+            workspace_bytes: ws_bytes,
+        };
+        if hopper_path {
+            assert_eq!(hopper::unsupported(emu, dtype, &s, &bb), None);
+        }
+        // SAFETY: as for the forward.
+        unsafe {
+            if hopper_path {
+                hopper::sdpa_backward(emu, dtype, &s, &bb).unwrap();
+            } else {
+                sdpa_backward(emu, dtype, &s, &bb, SdpaPath::TensorCore).unwrap();
+            }
+        }
+        g
+    };
+    let tc = grads(false);
+    let hp = grads(true);
+    let t = tol(dtype);
+    let what = format!("{dtype:?} {s:?} mask {mask:?}");
+    for (name, got, base, want) in [
+        ("dq", &hp.dq, &tc.dq, &dq_ref),
+        ("dk", &hp.dk, &tc.dk, &dk_ref),
+        ("dv", &hp.dv, &tc.dv, &dv_ref),
+    ] {
+        let e_ref = max_rel(&format!("{name} {what}"), &f64s(got), want);
+        let e_tc = max_rel(&format!("{name} {what}"), &f64s(got), &f64s(base));
+        let e_base = max_rel(&format!("{name} (tensor cores) {what}"), &f64s(base), want);
+        eprintln!(
+            "{name} {what}: hopper vs f64 {e_ref:.2e}, vs tensor cores {e_tc:.2e} (tensor \
+             cores vs f64 {e_base:.2e})"
+        );
+        assert!(e_ref <= t, "{name} {what}: rel err vs f64 {e_ref:e} > {t:e}");
+        assert!(e_tc <= t, "{name} {what}: rel diff vs tensor cores {e_tc:e} > {t:e}");
+    }
+}
+
+/// Causal GQA (group 2), head dim 64: 130 queries x 200 keys (a full and a
+/// partial key block, three query tiles per head, the last one partial).
+#[test]
+fn bf16_d64_causal_gqa_ragged() {
+    run::<half::bf16>(BF16, shape(1, 4, 2, 130, 200, 64, true), MaskKind::None);
+}
+
+/// Non-causal, key-padding mask, head dim 128, two batches, GQA.
+#[test]
+fn bf16_d128_key_padding_gqa() {
+    run::<half::bf16>(BF16, shape(2, 2, 1, 70, 150, 128, false), MaskKind::KeyPadding);
+}
+
+/// A full additive mask with `-inf` entries and a fully masked row per head,
+/// head dim 64, causal, more queries than keys.
+#[test]
+fn f16_d64_full_mask_causal() {
+    run::<half::f16>(F16, shape(1, 2, 1, 150, 70, 64, true), MaskKind::Full);
+}
+
+/// Causal, head dim 128, more queries than keys across two key blocks.
+#[test]
+fn f16_d128_causal_more_queries() {
+    run::<half::f16>(F16, shape(1, 2, 2, 200, 130, 128, true), MaskKind::None);
+}
+
+/// A launcher that describes a GPU compiled for another architecture.
+struct OtherArch;
+
+impl Launcher for OtherArch {
+    fn describe(&self) -> String {
+        "cuda:0 (sm_90, NVIDIA H100)".into()
+    }
+
+    /// # Safety
+    /// Never launches.
+    unsafe fn launch_raw(&self, _: &str, _: &LaunchConfig, _: &[u8]) -> tpar_kernels::Result<()> {
+        panic!("a refused call launched a kernel")
+    }
+}
+
+#[test]
+fn refusals_name_the_reason() {
+    std::env::set_var(EMU_ARCH_ENV, "sm_90a");
+    let emu = emu();
+    let s = shape(1, 2, 1, 16, 16, 64, false);
+    let buf: Vec<u64> = vec![0; 4096];
+    let p: DevPtr = (ptr(&buf) as DevPtr).next_multiple_of(16);
+    let b = SdpaBwdBuffers {
+        q: p,
+        k: p,
+        v: p,
+        mask: None,
+        out: p,
+        lse: p,
+        dout: p,
+        dq: p,
+        dk: p,
+        dv: p,
+        workspace: p,
+        workspace_bytes: 1 << 20,
+    };
+    assert_eq!(hopper::unsupported(emu, BF16, &s, &b), None);
+    let why = |l: &dyn Launcher, dt: CudaDType, s: &SdpaShape, b: &SdpaBwdBuffers| {
+        let w = hopper::unsupported(l, dt, s, b).expect("refused");
+        // SAFETY: the call is refused before any launch.
+        let e = unsafe { hopper::sdpa_backward(l, dt, s, b) }.unwrap_err().to_string();
+        assert!(e.contains(&w), "{e} names {w}");
+        w
+    };
+    assert!(why(&OtherArch, BF16, &s, &b).contains("sm_90a"));
+    assert!(why(emu, CudaDType::F32, &s, &b).contains("f32"));
+    let mut s96 = s;
+    (s96.head_dim, s96.v_dim) = (96, 96);
+    assert!(why(emu, BF16, &s96, &b).contains("96"));
+    let mut sv = s;
+    sv.v_dim = 128;
+    assert!(why(emu, F16, &sv, &b).contains("v_dim 128"));
+    let odd = SdpaBwdBuffers { k: p + 2, ..b };
+    assert!(why(emu, BF16, &s, &odd).contains("k address"));
+    // a workspace too small is an error, not a refusal
+    let small = SdpaBwdBuffers { workspace_bytes: 16, ..b };
+    // SAFETY: the call fails its checks before any launch.
+    let e = unsafe { hopper::sdpa_backward(emu, BF16, &s, &small) }.unwrap_err().to_string();
+    assert!(e.contains("workspace"), "{e}");
+    let gqa = SdpaShape { q_heads: 3, kv_heads: 2, ..s };
+    // SAFETY: as above.
+    let e = unsafe { hopper::sdpa_backward(emu, BF16, &gqa, &b) }.unwrap_err().to_string();
+    assert!(e.contains("multiple of kv_heads"), "{e}");
+}
