@@ -44,7 +44,7 @@ const MAX_LEN: usize = i32::MAX as usize - 2 * BLOCK;
 
 /// Arguments of `tpar_sdpa_fwd_*`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaFwdArgs {
     /// Queries `[batch, q_heads, q_len, head_dim]`.
     pub q: DevPtr,
@@ -88,7 +88,7 @@ pub struct SdpaFwdArgs {
 
 /// Arguments of `tpar_sdpa_bwd_*` (every backward kernel takes the same struct).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaBwdArgs {
     /// Queries `[batch, q_heads, q_len, head_dim]`.
     pub q: DevPtr,
@@ -223,15 +223,21 @@ pub enum SdpaPath {
     /// memory feeds two mma. `Auto` picks it when there are enough blocks to
     /// fill the GPU.
     TensorCoreWide,
+    /// The Hopper (`sm_90a`) forward kernel of [`super::sdpa_hopper`]; an
+    /// error naming why when the device does not run it or it does not take
+    /// the call ([`super::sdpa_hopper::unsupported`]). The backward pass runs
+    /// the tensor-core kernels (the same `lse` convention). `Auto` never
+    /// picks it: it has not run on a GPU yet.
+    Hopper,
 }
 
 /// Validated sizes of one call, in the kernels' integer types.
-struct Dims {
-    batch: i32,
-    q_heads: i32,
-    kv_heads: i32,
-    q_len: i32,
-    kv_len: i32,
+pub(crate) struct Dims {
+    pub(crate) batch: i32,
+    pub(crate) q_heads: i32,
+    pub(crate) kv_heads: i32,
+    pub(crate) q_len: i32,
+    pub(crate) kv_len: i32,
     head_dim: i32,
     v_dim: i32,
     /// `batch * q_heads * q_len`.
@@ -242,7 +248,7 @@ struct Dims {
     v: usize,
     out: usize,
     /// Mask pointer and strides (0s without a mask).
-    mask: (DevPtr, i64, i64, i64),
+    pub(crate) mask: (DevPtr, i64, i64, i64),
 }
 
 fn to_i32(op: &'static str, what: &str, v: usize, max: usize) -> Result<i32> {
@@ -369,7 +375,7 @@ fn plan(
     let tc = match path {
         SdpaPath::Simt => None,
         SdpaPath::Auto => tensor_core_dim(dtype, s, ptrs),
-        SdpaPath::TensorCore | SdpaPath::TensorCoreWide => {
+        SdpaPath::TensorCore | SdpaPath::TensorCoreWide | SdpaPath::Hopper => {
             Some(tensor_core_dim(dtype, s, ptrs).ok_or_else(|| {
                 bad(
                     op,
@@ -387,7 +393,7 @@ fn plan(
         (Some(hd), "fwd") => {
             let wide = match path {
                 SdpaPath::TensorCoreWide => true,
-                SdpaPath::TensorCore => false,
+                SdpaPath::TensorCore | SdpaPath::Hopper => false,
                 // At head dim 64 the 64-row forward is the faster one (H100, 8 x 16
                 // heads x 1024 causal: 119 against 96 TFLOP/s; the 128-row kernel
                 // runs at the 255-register cap), so only head dim 128 goes wide.
@@ -433,6 +439,23 @@ fn plan(
     })
 }
 
+/// The checks of a forward call: sizes, mask reach, and each buffer present
+/// and aligned to its element.
+pub(crate) fn validate_forward(
+    op: &'static str,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaFwdBuffers,
+) -> Result<Dims> {
+    let d = validate(op, dtype, s, b.mask.as_ref())?;
+    let es = dtype.size();
+    for (name, p, n) in [("q", b.q, d.q), ("k", b.k, d.k), ("v", b.v, d.v), ("out", b.out, d.out)] {
+        check_ptr(op, name, p, n, es)?;
+    }
+    check_ptr(op, "lse", b.lse, d.rows, 4)?;
+    Ok(d)
+}
+
 /// Rows of `delta` rounded so that the `dq` accumulator starts 256-byte aligned.
 fn delta_bytes(rows: usize) -> Option<usize> {
     rows.checked_mul(4)?.checked_next_multiple_of(256)
@@ -464,12 +487,11 @@ pub unsafe fn sdpa_forward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_forward";
-    let d = validate(OP, dtype, s, b.mask.as_ref())?;
-    let es = dtype.size();
-    for (name, p, n) in [("q", b.q, d.q), ("k", b.k, d.k), ("v", b.v, d.v), ("out", b.out, d.out)] {
-        check_ptr(OP, name, p, n, es)?;
+    if path == SdpaPath::Hopper {
+        // SAFETY: forwarded from the caller.
+        return unsafe { super::sdpa_hopper::sdpa_forward(l, dtype, s, b) };
     }
-    check_ptr(OP, "lse", b.lse, d.rows, 4)?;
+    let d = validate_forward(OP, dtype, s, b)?;
     if d.rows == 0 {
         return Ok(());
     }

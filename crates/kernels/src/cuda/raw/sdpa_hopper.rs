@@ -1,2 +1,315 @@
 //! Launch wrappers for `cuda/sdpa_hopper.cu`, the Hopper (sm_90a) attention
 //! forward pass.
+//!
+//! Same meaning and buffers as [`super::sdpa::sdpa_forward`] (q `[batch,
+//! q_heads, q_len, head_dim]`, k / v `[batch, kv_heads, kv_len, head_dim]`,
+//! out like q, f32 `lse` `[batch, q_heads, q_len]` in natural log, GQA,
+//! top-left causal masking, an optional additive mask broadcast by strides,
+//! fully masked rows give zeros and `lse = -inf`), FlashAttention-3 style: a
+//! producer warpgroup brings the q tile and 128-key k and v tiles by bulk
+//! tensor copies into a 2-stage mbarrier ring, and two consumer warpgroups
+//! (64 q rows each) compute `q kᵀ` with `wgmma` from shared memory, the online
+//! softmax in registers and `P v` with `wgmma` taking P from registers. One
+//! block of [`THREADS`] threads per (128-row q tile, q head, batch); the
+//! kernel's source describes the pipeline.
+//!
+//! Where it runs: devices that run `sm_90a` kernels (a GPU handle compiling
+//! for `sm_90a`, or the CPU emulator with
+//! [`EMU_ARCH_ENV`]` = sm_90a`), for the calls [`unsupported`] accepts: bf16
+//! or f16, `head_dim == v_dim` in {64, 128}, q, k and v 16-byte aligned (the
+//! tensor maps' base), out 4-byte aligned, `kv_len > 0`, and `batch *
+//! q_heads`, `batch * kv_heads` within the maps' and kernel's `i32`
+//! coordinates. [`super::sdpa::SdpaPath::Hopper`] selects it. It has not run
+//! on a GPU yet.
+//!
+//! Kernel names: `tpar_sdpa_hopper_fwd<head_dim>_<dtype>`.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
+use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
+pub use super::gemm_hopper::{HopperTarget, EMU_ARCH_ENV};
+use super::sdpa::{validate_forward, SdpaFwdBuffers};
+use super::{bad, numel};
+use crate::sdpa::SdpaShape;
+use crate::Result;
+
+const OP: &str = "cuda sdpa_forward (hopper)";
+
+/// Threads per block: a producer and two consumer warpgroups.
+pub const THREADS: u32 = 384;
+
+/// Query rows per block and keys per tile.
+pub const TILE: (usize, usize) = (128, 128);
+
+/// Stages of the k / v ring.
+const STAGES: u32 = 2;
+
+/// Dynamic shared memory per block for `head_dim`: the q tile, two stages of
+/// a k and a v tile (128 rows of `head_dim` 16-bit elements each), 7
+/// mbarriers and 1024 bytes to align the 128-byte swizzle's pattern (83,000
+/// bytes at head dim 64, 164,920 at 128).
+pub const fn shared_bytes(head_dim: usize) -> u32 {
+    let tile = 128 * head_dim as u32 * 2;
+    (1 + 2 * STAGES) * tile + (1 + 3 * STAGES) * 8 + 1024
+}
+
+/// The argument struct of every `tpar_sdpa_hopper_fwd*` kernel
+/// (`SdpaHopperFwdArgs` in `sdpa_hopper.cu`).
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct SdpaHopperFwdArgs {
+    /// q: dims (head_dim, q_len, batch * q_heads), box 64 x 128, 128-byte swizzle.
+    pub map_q: TensorMap,
+    /// k: dims (head_dim, kv_len, batch * kv_heads), box 64 x 128, 128-byte swizzle.
+    pub map_k: TensorMap,
+    /// v: like `map_k`.
+    pub map_v: TensorMap,
+    /// Output `[batch, q_heads, q_len, head_dim]` (written).
+    pub out: DevPtr,
+    /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
+    pub lse: DevPtr,
+    /// Additive mask (attention dtype), or 0 for none.
+    pub mask: DevPtr,
+    /// Mask elements between batches (0 broadcasts).
+    pub mask_bs: i64,
+    /// Mask elements between q heads (0 broadcasts).
+    pub mask_hs: i64,
+    /// Mask elements between query rows (0 broadcasts).
+    pub mask_rs: i64,
+    /// Batch size.
+    pub batch: i32,
+    /// Query heads.
+    pub q_heads: i32,
+    /// Key/value heads (divides `q_heads`).
+    pub kv_heads: i32,
+    /// Query sequence length.
+    pub q_len: i32,
+    /// Key/value sequence length.
+    pub kv_len: i32,
+    /// 1 for top-left aligned causal masking.
+    pub causal: i32,
+    /// Multiplier of `q·k`.
+    pub scale: f32,
+    /// Padding (0) to a multiple of 64 bytes.
+    pub pad: [i32; 13],
+}
+
+/// The Hopper target of a launcher, from its description: the CPU emulator
+/// when [`EMU_ARCH_ENV`] says `sm_90a` (emulated tensor maps), a GPU handle
+/// whose kernels are compiled for `sm_90a` (`"cuda:0 (sm_90a, ...)"`, the
+/// driver's tensor maps); `None` for everything else.
+pub fn target_of(l: &dyn Launcher) -> Option<HopperTarget> {
+    let d = l.describe();
+    if d.contains("CPU emulator") {
+        let arch = std::env::var(EMU_ARCH_ENV).ok()?;
+        return (arch.trim() == "sm_90a").then(|| HopperTarget::emulator(1));
+    }
+    let inner = d.split_once('(')?.1;
+    let arch = inner.split([',', ')']).next()?.trim();
+    (arch == "sm_90a").then_some(HopperTarget { sms: 1, emulated: false })
+}
+
+/// Why the Hopper forward kernel does not take this call on `l` (`None`: it
+/// does): the device does not run `sm_90a` kernels, the dtype, the head
+/// dims, the buffers' alignment, an empty key sequence, or head counts past
+/// the kernel's coordinates. Sizes the generic checks refuse are reported by
+/// [`sdpa_forward`] itself.
+pub fn unsupported(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaFwdBuffers,
+) -> Option<String> {
+    if target_of(l).is_none() {
+        return Some(format!(
+            "{} does not run sm_90a kernels (the emulator does with {EMU_ARCH_ENV}=sm_90a)",
+            l.describe()
+        ));
+    }
+    unsupported_call(dtype, s, b)
+}
+
+/// [`unsupported`] without the device.
+fn unsupported_call(dtype: CudaDType, s: &SdpaShape, b: &SdpaFwdBuffers) -> Option<String> {
+    if dtype.size() != 2 {
+        return Some(format!("{dtype:?} (the Hopper attention takes bf16 or f16)"));
+    }
+    if s.head_dim != s.v_dim || !matches!(s.head_dim, 64 | 128) {
+        return Some(format!(
+            "head_dim {} / v_dim {} (the Hopper attention takes equal head dims of 64 or 128)",
+            s.head_dim, s.v_dim
+        ));
+    }
+    if s.kv_len == 0 {
+        return Some("kv_len 0 (a tensor map needs a non-empty key sequence)".into());
+    }
+    for (name, p) in [("q", b.q), ("k", b.k), ("v", b.v)] {
+        if !p.is_multiple_of(16) {
+            return Some(format!(
+                "{name} address {p:#x} is not 16-byte aligned (a tensor map's base)"
+            ));
+        }
+    }
+    if !b.out.is_multiple_of(4) {
+        return Some(format!("out address {:#x} is not 4-byte aligned", b.out));
+    }
+    let max = i32::MAX as usize;
+    if s.batch.saturating_mul(s.q_heads) > max || s.q_len > max - TILE.0 {
+        return Some(format!(
+            "batch {} x q_heads {} or q_len {} exceeds the kernel's i32 coordinates",
+            s.batch, s.q_heads, s.q_len
+        ));
+    }
+    None
+}
+
+fn map_dtype(dt: CudaDType) -> TensorMapDType {
+    match dt {
+        CudaDType::BF16 => TensorMapDType::BF16,
+        CudaDType::F16 => TensorMapDType::F16,
+        CudaDType::F32 => TensorMapDType::F32,
+    }
+}
+
+/// A 3-D map over `[planes, seq, head_dim]` 16-bit elements: dims (head_dim,
+/// seq, planes), boxes of 64 x 128 x 1, 128-byte swizzle.
+fn seq_map(
+    target: HopperTarget,
+    dt: CudaDType,
+    ptr: DevPtr,
+    head_dim: usize,
+    seq: usize,
+    planes: usize,
+) -> Result<TensorMap> {
+    let es = dt.size() as u64;
+    let row = head_dim as u64 * es;
+    let desc = TiledDesc {
+        dtype: map_dtype(dt),
+        global: ptr,
+        dims: &[head_dim as u64, seq as u64, planes as u64],
+        strides: &[row, row * seq as u64],
+        box_dims: &[64, TILE.0 as u32, 1],
+        swizzle: TensorMapSwizzle::B128,
+    };
+    if target.emulated {
+        TensorMap::encode_tiled_emulated(&desc)
+    } else {
+        TensorMap::encode_tiled_driver(&desc)
+    }
+}
+
+/// The kernel name, grid and argument struct of a checked call.
+fn plan(
+    target: HopperTarget,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaFwdBuffers,
+) -> Result<(String, LaunchConfig, SdpaHopperFwdArgs)> {
+    let d = validate_forward(OP, dtype, s, b)?;
+    if let Some(why) = unsupported_call(dtype, s, b) {
+        return Err(bad(OP, format!("the Hopper attention does not take this call: {why}")));
+    }
+    let planes_q = numel(OP, &[s.batch, s.q_heads])?;
+    let planes_kv = numel(OP, &[s.batch, s.kv_heads])?;
+    let map_q = seq_map(target, dtype, b.q, s.head_dim, s.q_len.max(1), planes_q)?;
+    let map_k = seq_map(target, dtype, b.k, s.head_dim, s.kv_len, planes_kv)?;
+    let map_v = seq_map(target, dtype, b.v, s.head_dim, s.kv_len, planes_kv)?;
+    let args = SdpaHopperFwdArgs {
+        map_q,
+        map_k,
+        map_v,
+        out: b.out,
+        lse: b.lse,
+        mask: d.mask.0,
+        mask_bs: d.mask.1,
+        mask_hs: d.mask.2,
+        mask_rs: d.mask.3,
+        batch: d.batch,
+        q_heads: d.q_heads,
+        kv_heads: d.kv_heads,
+        q_len: d.q_len,
+        kv_len: d.kv_len,
+        causal: s.causal as i32,
+        scale: s.scale as f32,
+        pad: [0; 13],
+    };
+    let name = format!("tpar_sdpa_hopper_fwd{}_{}", s.head_dim, dtype.suffix());
+    let grid = [s.q_len.div_ceil(TILE.0) as u32, d.q_heads as u32, d.batch as u32];
+    let cfg = LaunchConfig::grid(grid, THREADS).with_shared(shared_bytes(s.head_dim));
+    Ok((name, cfg, args))
+}
+
+/// Attention forward on the Hopper kernel: `out = softmax(scale * q kᵀ +
+/// mask) v` per (batch, q head), and `lse`. An error names why when `l` does
+/// not run it or it does not take the call ([`unsupported`]), or the sizes
+/// and buffers fail [`super::sdpa::sdpa_forward`]'s checks.
+///
+/// # Safety
+/// As [`super::sdpa::sdpa_forward`]: every buffer valid on the launcher's
+/// device for the sizes `s` gives it, the mask for `mask.len` elements.
+pub unsafe fn sdpa_forward(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaFwdBuffers,
+) -> Result<()> {
+    let Some(target) = target_of(l) else {
+        return Err(bad(
+            OP,
+            format!(
+                "{} does not run sm_90a kernels (the emulator does with {EMU_ARCH_ENV}=sm_90a)",
+                l.describe()
+            ),
+        ));
+    };
+    if s.batch == 0 || s.q_heads == 0 || s.q_len == 0 {
+        // nothing to compute; the generic checks still apply
+        validate_forward(OP, dtype, s, b)?;
+        return Ok(());
+    }
+    let (name, cfg, args) = plan(target, dtype, s, b)?;
+    // SAFETY: sizes and pointers checked by `plan`; the caller vouches for
+    // the buffers; the struct mirrors the kernel's.
+    unsafe { launch(l, &name, cfg, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_layout_matches_the_kernel() {
+        assert_eq!(std::mem::size_of::<SdpaHopperFwdArgs>(), 512);
+        assert_eq!(std::mem::align_of::<SdpaHopperFwdArgs>(), 64);
+        assert_eq!(shared_bytes(64), 83_000);
+        assert_eq!(shared_bytes(128), 164_920);
+        const { assert!(shared_bytes(128) <= 227 * 1024) };
+    }
+
+    #[test]
+    fn refusals_name_the_reason() {
+        let s = SdpaShape {
+            batch: 1,
+            q_heads: 2,
+            kv_heads: 1,
+            q_len: 10,
+            kv_len: 12,
+            head_dim: 64,
+            v_dim: 64,
+            scale: 0.125,
+            causal: false,
+        };
+        let b = SdpaFwdBuffers { q: 4096, k: 8192, v: 12288, mask: None, out: 16384, lse: 20480 };
+        assert_eq!(unsupported_call(CudaDType::BF16, &s, &b), None);
+        assert!(unsupported_call(CudaDType::F32, &s, &b).unwrap().contains("F32"));
+        let s96 = SdpaShape { head_dim: 96, v_dim: 96, ..s };
+        assert!(unsupported_call(CudaDType::F16, &s96, &b).unwrap().contains("head_dim 96"));
+        let uneven = SdpaShape { v_dim: 128, ..s };
+        assert!(unsupported_call(CudaDType::F16, &uneven, &b).is_some());
+        let empty = SdpaShape { kv_len: 0, ..s };
+        assert!(unsupported_call(CudaDType::F16, &empty, &b).unwrap().contains("kv_len 0"));
+        let odd = SdpaFwdBuffers { k: 8194, ..b };
+        assert!(unsupported_call(CudaDType::BF16, &s, &odd).unwrap().contains("k address"));
+    }
+}

@@ -1,0 +1,348 @@
+// The Hopper (sm_90a) attention forward pass, FlashAttention-3 style:
+// out = softmax(scale * q k^T + mask) v and lse (f32, natural log) per
+// (batch, q head), with the semantics of sdpa.cu's forward (GQA, top-left
+// causal, an additive mask of the attention dtype broadcast by strides, fully
+// masked rows give zeros and lse = -inf). bf16 and f16, head_dim == v_dim in
+// {64, 128}. Launcher: src/cuda/raw/sdpa_hopper.rs.
+//
+// One block = 3 warpgroups (384 threads) per (128-row q tile, q head, batch),
+// heavy causal tiles first:
+// - warpgroup 0 produces (setmaxnreg_dec): one thread brings the q tile once
+//   and the k and v tiles of BN = 128 keys into a 2-stage ring by bulk tensor
+//   copies (3-D maps over (head_dim, seq, batch * heads), 128-byte swizzle,
+//   boxes of 64 columns: one box per 64 of the head dim), each stage guarded
+//   by a "k full" and a "v full" mbarrier (the copies' transaction bytes, so
+//   the scores may start before v has landed) and an "empty" mbarrier (lane 0
+//   of each of the 8 consumer warps);
+// - warpgroups 1 and 2 consume (setmaxnreg_inc): each owns 64 q rows. Per key
+//   tile: S = q k^T with wgmma_ss (q and k K-major: 128-byte rows of 64 head
+//   dims, 8-row groups 1024 bytes apart, a 16-column k slice 32 bytes
+//   further, the next 64 columns one box further); the scale folded into
+//   exp2's argument; masks (keys past kv_len, the causal diagonal, the
+//   additive mask read from global memory) only in the tiles that need them;
+//   the online softmax in registers (a row's max and sum across the 4 threads
+//   that hold it); P rounded to 16 bits in registers as wgmma's A fragments;
+//   O rescaled, then O += P v with wgmma_rs (v N-major: 64 head dims per
+//   128-byte row, 8-key groups 1024 bytes apart, 16 keys 2048 bytes further,
+//   the next 64 head dims one box further = the leading byte offset).
+// Out-of-range q rows and keys load as zeros (the maps bound the sequence of
+// each head); those keys are masked, those rows never stored. The output is
+// written from the accumulators (two elements per 4-byte store), lse by one
+// thread of each row.
+//
+// Compiled for an architecture without wgmma (sm_90, sm_80), the kernels are
+// empty: the launcher only picks them for devices compiled for sm_90a.
+
+struct SdpaHopperFwdArgs {
+    TparTensorMap map_q;  // (head_dim, q_len, batch * q_heads), box 64 x 128
+    TparTensorMap map_k;  // (head_dim, kv_len, batch * kv_heads), box 64 x 128
+    TparTensorMap map_v;  // like map_k over v
+    void* out;            // [batch, q_heads, q_len, head_dim]
+    float* lse;           // [batch, q_heads, q_len]
+    const void* mask;     // additive mask (attention dtype), or null
+    i64 mask_bs, mask_hs, mask_rs;
+    i32 batch, q_heads, kv_heads, q_len, kv_len;
+    i32 causal;
+    float scale;
+    i32 pad[13];
+};
+
+#if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TPAR_SDPA_HOPPER_BODY 1
+#endif
+
+namespace sdpa_hopper {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int BM = 128, BN = 128, STAGES = 2;
+// One box: 64 columns (128 bytes) of 128 rows.
+constexpr u32 BOX_BYTES = 128 * 128;
+
+TPAR_DEVICE float exp2_fast(float x) {
+#ifndef TPAR_EMU
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
+template <typename T>
+TPAR_DEVICE u32 pack_rn(float lo, float hi) {
+    return pack2_f32<T>(lo, hi);
+}
+#ifndef TPAR_EMU
+template <>
+TPAR_DEVICE u32 pack_rn<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <>
+TPAR_DEVICE u32 pack_rn<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif
+
+template <int HD>
+struct Smem {
+    static constexpr u32 TILE = (u32)(HD / 64) * BOX_BYTES;  // q, k or v tile
+    unsigned char* q;
+    unsigned char* k[STAGES];
+    unsigned char* v[STAGES];
+    u64* q_full;
+    u64* k_full;  // [STAGES]
+    u64* v_full;  // [STAGES]
+    u64* empty;   // [STAGES]
+};
+
+template <int HD>
+TPAR_DEVICE Smem<HD> carve() {
+    const u32 at = tpar_shared_addr(tpar_dyn_smem);
+    unsigned char* base = tpar_dyn_smem + ((1024u - (at & 1023u)) & 1023u);
+    Smem<HD> s;
+    constexpr u32 T = Smem<HD>::TILE;
+    s.q = base;
+    for (int i = 0; i < STAGES; ++i) {
+        s.k[i] = base + T + i * T;
+        s.v[i] = base + (1 + STAGES) * T + i * T;
+    }
+    u64* bars = reinterpret_cast<u64*>(base + (1 + 2 * STAGES) * T);
+    s.q_full = bars;
+    s.k_full = bars + 1;
+    s.v_full = bars + 1 + STAGES;
+    s.empty = bars + 1 + 2 * STAGES;
+    return s;
+}
+
+// The block's q tile, heads and key tiles.
+struct Work {
+    int m0;       // first q row
+    int h, b;     // q head, batch
+    int bh, bkv;  // z coordinates of q and k/v in the maps
+    int tiles;    // key tiles to visit
+};
+
+TPAR_DEVICE Work work_of(const SdpaHopperFwdArgs& a) {
+    Work w;
+    w.m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heavy causal tiles first
+    w.h = blockIdx.y;
+    w.b = blockIdx.z;
+    w.bh = w.b * a.q_heads + w.h;
+    w.bkv = w.b * a.kv_heads + w.h / (a.q_heads / a.kv_heads);
+    // Causal: keys past the tile's last row are masked for every row.
+    const int kv_end = a.causal ? min(a.kv_len, w.m0 + BM) : a.kv_len;
+    w.tiles = (kv_end + BN - 1) / BN;
+    return w;
+}
+
+// Warpgroup 0, one thread: the q tile, then k and v through the ring.
+template <int HD>
+TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Work& w) {
+    constexpr u32 T = Smem<HD>::TILE;
+    mbarrier_arrive_expect_tx(s.q_full, T);
+#pragma unroll
+    for (int c = 0; c < HD / 64; ++c)
+        tma_load_3d(s.q + c * BOX_BYTES, &a.map_q, c * 64, w.m0, w.bh, s.q_full);
+    for (int n = 0; n < w.tiles; ++n) {
+        const int st = n % STAGES;
+        const u32 phase = (u32)((n / STAGES) & 1);
+        mbarrier_wait_parity(&s.empty[st], phase ^ 1u);
+        mbarrier_arrive_expect_tx(&s.k_full[st], T);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+            tma_load_3d(s.k[st] + c * BOX_BYTES, &a.map_k, c * 64, n * BN, w.bkv, &s.k_full[st]);
+        mbarrier_arrive_expect_tx(&s.v_full[st], T);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+            tma_load_3d(s.v[st] + c * BOX_BYTES, &a.map_v, c * 64, n * BN, w.bkv, &s.v_full[st]);
+    }
+}
+
+// Warpgroups 1 and 2 (cw = 0, 1): rows m0 + 64 cw .. + 63.
+template <typename T, int HD>
+TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Work& w, int cw) {
+    const int tw = threadIdx.x % 128;
+    const int wp = tw / 32, lane = tw % 32, g = lane / 4, q = lane % 4;
+    const int wg_row0 = w.m0 + 64 * cw;
+    // This thread's two rows (accumulator elements i with (i / 2) % 2 = 0, 1).
+    const int row[2] = {wg_row0 + 16 * wp + g, wg_row0 + 16 * wp + g + 8};
+    const float sl2 = a.scale * kLog2e;
+    const float ninf = -tpar_inf();
+    const T* M = a.mask ? static_cast<const T*>(a.mask) + (i64)w.b * a.mask_bs +
+                              (i64)w.h * a.mask_hs
+                        : nullptr;
+
+    float o[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
+    float m[2] = {ninf, ninf}, l[2] = {0.0f, 0.0f};
+
+    mbarrier_wait_parity(s.q_full, 0u);
+    for (int n = 0; n < w.tiles; ++n) {
+        const int st = n % STAGES;
+        const u32 phase = (u32)((n / STAGES) & 1);
+        const int j0 = n * BN;
+
+        // S = q k^T (64 x BN per warpgroup).
+        float sc[BN / 2];
+        mbarrier_wait_parity(&s.k_full[st], phase);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ++ks) {
+            const u64 da = wgmma_desc(s.q + (ks / 4) * BOX_BYTES + cw * 64 * 128 + (ks % 4) * 32,
+                                      16, 1024, TPAR_WG_SWIZZLE_128B);
+            const u64 db = wgmma_desc(s.k[st] + (ks / 4) * BOX_BYTES + (ks % 4) * 32, 16, 1024,
+                                      TPAR_WG_SWIZZLE_128B);
+            wgmma_ss<T, BN, 0, 0>(sc, da, db, ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
+        // Masks: only tiles reaching past kv_len or above the warpgroup's
+        // first row (causal), or with an additive mask, look at elements.
+        const bool check = j0 + BN > a.kv_len || (a.causal && j0 + BN - 1 > wg_row0) || M;
+        if (check) {
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = row[hr];
+                // key j0 + c is visible when c < lim
+                const int lim = (a.causal ? min(a.kv_len, r + 1) : a.kv_len) - j0;
+                // Rows past q_len (never stored) read the last row's mask.
+                const T* mr = M ? M + (i64)min(r, a.q_len - 1) * a.mask_rs + j0 : nullptr;
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) {
+                    if (((i / 2) % 2) != hr) continue;
+                    const int c = 8 * (i / 4) + 2 * q + (i % 2);
+                    if (c >= lim) {
+                        sc[i] = ninf;
+                    } else if (mr) {
+                        sc[i] += to_f32(mr[c]) * kLog2e;
+                    }
+                }
+            }
+        }
+
+        // Online softmax; `base` keeps exp2 finite for rows masked so far.
+        float mx[2] = {ninf, ninf};
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sc[i]);
+        float base[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 1));
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 2));
+            const float mnew = fmaxf(m[hr], mx[hr]);
+            base[hr] = mnew == ninf ? 0.0f : mnew;
+            const float alpha = exp2_fast(m[hr] - base[hr]);
+            m[hr] = mnew;
+            l[hr] *= alpha;
+#pragma unroll
+            for (int i = 0; i < HD / 2; ++i)
+                if (((i / 2) % 2) == hr) o[i] *= alpha;
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) {
+            const float p = exp2_fast(sc[i] - base[(i / 2) % 2]);
+            l[(i / 2) % 2] += p;
+            sc[i] = p;
+        }
+        // P as wgmma's A fragments: 16-key slice kk is accumulator elements
+        // 8 kk .. 8 kk + 7 (rows g, g + 8 of key groups 2 kk, 2 kk + 1).
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) pa[kk][j] = pack_rn<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+
+        // O += P v (64 x HD per warpgroup).
+        mbarrier_wait_parity(&s.v_full[st], phase);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const u64 db = wgmma_desc(s.v[st] + kk * 2048, BOX_BYTES, 1024, TPAR_WG_SWIZZLE_128B);
+            wgmma_rs<T, HD, 1>(o, pa[kk], db, true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        // this warp has read the stage (both wgmma retired): release it
+        if (lane == 0) mbarrier_arrive(&s.empty[st]);
+    }
+
+    // Final normalisation, lse, and the stores.
+    T* out = static_cast<T*>(a.out);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float lt = l[hr];
+        lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 1);
+        lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 2);
+        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+        const int r = row[hr];
+        if (r < a.q_len) {
+            const i64 ri = (i64)w.bh * a.q_len + r;
+            if (q == 0) a.lse[ri] = lt > 0.0f ? m[hr] * kLn2 + logf(lt) : ninf;
+            u32* orow = reinterpret_cast<u32*>(out + ri * HD);
+#pragma unroll
+            for (int i = 0; i < HD / 2; i += 2) {
+                if (((i / 2) % 2) != hr) continue;
+                const int c = 8 * (i / 4) + 2 * q;
+                orow[c / 2] = pack_rn<T>(o[i] * inv, o[i + 1] * inv);
+            }
+        }
+    }
+}
+
+template <typename T, int HD>
+TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
+    const Smem<HD> s = carve<HD>();
+    const Work w = work_of(a);
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        tma_prefetch(&a.map_q);
+        tma_prefetch(&a.map_k);
+        tma_prefetch(&a.map_v);
+        mbarrier_init(s.q_full, 1);
+        for (int i = 0; i < STAGES; ++i) {
+            mbarrier_init(&s.k_full[i], 1);
+            mbarrier_init(&s.v_full[i], 1);
+            mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (threadIdx.x == 0) produce<HD>(a, s, w);
+    } else {
+        setmaxnreg_inc<240>();
+        consume<T, HD>(a, s, w, wg - 1);
+    }
+}
+
+}  // namespace sdpa_hopper
+
+#ifdef TPAR_SDPA_HOPPER_BODY
+#define TPAR_SDPA_HOPPER_FWD(T, HD) sdpa_hopper::run<T, HD>(args)
+#else
+#define TPAR_SDPA_HOPPER_FWD(T, HD)
+#endif
+
+// tpar_sdpa_hopper_fwd<head_dim>_<dtype>
+TPAR_KERNEL(tpar_sdpa_hopper_fwd64_bf16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), 384) {
+    TPAR_SDPA_HOPPER_FWD(bf16, 64);
+}
+TPAR_KERNEL(tpar_sdpa_hopper_fwd128_bf16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), 384) {
+    TPAR_SDPA_HOPPER_FWD(bf16, 128);
+}
+TPAR_KERNEL(tpar_sdpa_hopper_fwd64_f16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), 384) {
+    TPAR_SDPA_HOPPER_FWD(f16, 64);
+}
+TPAR_KERNEL(tpar_sdpa_hopper_fwd128_f16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), 384) {
+    TPAR_SDPA_HOPPER_FWD(f16, 128);
+}

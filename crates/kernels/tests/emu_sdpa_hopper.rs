@@ -1,0 +1,266 @@
+//! The Hopper attention forward (`cuda/sdpa_hopper.cu`: TMA, mbarriers,
+//! wgmma from shared memory and from registers, warp specialization), run in
+//! the CPU emulator as an `sm_90a` device, against the f64 reference of the
+//! CPU op on the same rounded inputs and against the tested `mma.sync`
+//! tensor-core kernel: bf16 and f16, head dims 64 and 128, causal or not,
+//! GQA, key-padding and full additive masks (with fully masked rows), ragged
+//! lengths over several q tiles and key tiles.
+
+mod common;
+
+use common::{cvt, data, emu, f64s, mptr, ptr};
+use half::{bf16, f16};
+use tpar_kernels::cuda::raw::sdpa::{sdpa_forward, SdpaDevMask, SdpaFwdBuffers, SdpaPath};
+use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
+use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
+use tpar_kernels::{Float, KernelError};
+
+/// Makes the emulator an `sm_90a` device for this process.
+fn sm90a() {
+    // Every test of this binary sets the same value before launching.
+    std::env::set_var(EMU_ARCH_ENV, "sm_90a");
+}
+
+#[derive(Clone, Copy, Debug)]
+enum MaskKind {
+    None,
+    /// `[batch, 1, 1, kv_len]`: a trailing run of padded keys per batch.
+    KeyPadding,
+    /// `[batch, q_heads, q_len, kv_len]`: random values, some `-inf`, and one
+    /// fully masked query row per head.
+    Full,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_len: usize,
+    kv_len: usize,
+    head_dim: usize,
+    causal: bool,
+) -> SdpaShape {
+    SdpaShape {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim: head_dim,
+        scale: 1.0 / (head_dim as f64).sqrt(),
+        causal,
+    }
+}
+
+/// Mask values and strides `(batch, head, row)`.
+fn make_mask(s: &SdpaShape, kind: MaskKind) -> Option<(Vec<f64>, [usize; 3])> {
+    let ninf = f64::NEG_INFINITY;
+    match kind {
+        MaskKind::None => None,
+        MaskKind::KeyPadding => {
+            let mut m = vec![0.0; s.batch * s.kv_len];
+            for b in 0..s.batch {
+                // batch b keeps kv_len - 37b - 5 keys (past a key tile's edge for b >= 1)
+                let keep = s.kv_len.saturating_sub(37 * b + 5).max(1);
+                m[b * s.kv_len + keep..(b + 1) * s.kv_len].fill(ninf);
+            }
+            Some((m, [s.kv_len, 0, 0]))
+        }
+        MaskKind::Full => {
+            let row = s.kv_len;
+            let head = s.q_len * row;
+            let mut m = data(s.batch * s.q_heads * head, 99, 1.0);
+            for (i, x) in m.iter_mut().enumerate() {
+                if i % 7 == 3 {
+                    *x = ninf;
+                }
+            }
+            for bh in 0..s.batch * s.q_heads {
+                let r = (bh * 37 + 2) % s.q_len;
+                m[bh * head + r * row..bh * head + (r + 1) * row].fill(ninf);
+            }
+            Some((m, [s.q_heads * head, head, row]))
+        }
+    }
+}
+
+/// Inputs of one case, rounded to `T`, and the mask.
+struct Inputs<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    mask: Option<(Vec<T>, [usize; 3])>,
+}
+
+fn inputs<T: Float>(s: &SdpaShape, kind: MaskKind) -> Inputs<T> {
+    let nq = s.batch * s.q_heads * s.q_len;
+    let nk = s.batch * s.kv_heads * s.kv_len;
+    Inputs {
+        q: cvt(&data(nq * s.head_dim, 1, 1.5)),
+        k: cvt(&data(nk * s.head_dim, 2, 1.5)),
+        v: cvt(&data(nk * s.v_dim, 3, 1.0)),
+        mask: make_mask(s, kind).map(|(m, st)| (cvt(&m), st)),
+    }
+}
+
+/// One forward on the emulator: (out, lse).
+fn forward<T: Float>(
+    dtype: CudaDType,
+    s: &SdpaShape,
+    x: &Inputs<T>,
+    path: SdpaPath,
+) -> Result<(Vec<f64>, Vec<f32>), KernelError> {
+    let nq = s.batch * s.q_heads * s.q_len;
+    let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
+    let mut lse = vec![7.0f32; nq];
+    let b = SdpaFwdBuffers {
+        q: ptr(&x.q),
+        k: ptr(&x.k),
+        v: ptr(&x.v),
+        mask: x.mask.as_ref().map(|(m, [bs, hs, rs])| SdpaDevMask {
+            data: ptr(m),
+            len: m.len(),
+            batch_stride: *bs,
+            head_stride: *hs,
+            row_stride: *rs,
+        }),
+        out: mptr(&mut o),
+        lse: mptr(&mut lse),
+    };
+    // SAFETY: host buffers stand in for device memory (the emulator runs the
+    // kernel on this thread before returning), each holding every element the
+    // call's sizes reach.
+    unsafe { sdpa_forward(emu(), dtype, s, &b, path)? };
+    Ok((f64s(&o), lse))
+}
+
+/// Largest `|got - want|` relative to the largest `|want|`; both finite.
+fn max_rel(what: &str, got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite value");
+    let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs() / scale))
+}
+
+/// `lse` within `tol` relative (plus absolute) where finite, `-inf` exactly.
+fn check_lse(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lse length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = g as f64;
+        let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= tol * (1.0 + w.abs()) };
+        assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
+    }
+}
+
+/// The Hopper forward of `s` against the f64 reference and against the
+/// tensor-core kernel.
+fn check<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind) {
+    sm90a();
+    let x = inputs::<T>(&s, kind);
+    let mask_f = x.mask.as_ref().map(|(m, st)| (f64s(m), *st));
+    let ref_mask = mask_f.as_ref().map(|(m, [bs, hs, rs])| SdpaMask {
+        data: &m[..],
+        batch_stride: *bs,
+        head_stride: *hs,
+        row_stride: *rs,
+    });
+    let (qf, kf, vf) = (f64s(&x.q), f64s(&x.k), f64s(&x.v));
+    let (out_ref, lse_ref) = reference::sdpa_forward(&s, &qf, &kf, &vf, ref_mask.as_ref());
+    let what = format!("{dtype:?} {s:?} mask {kind:?}");
+    let (out, lse) = forward(dtype, &s, &x, SdpaPath::Hopper).unwrap();
+    let tol = if dtype == CudaDType::BF16 { 1e-2 } else { 2e-3 };
+    let e = max_rel(&format!("hopper out {what}"), &out, &out_ref);
+    eprintln!("hopper out {what}: {e:.2e} against f64");
+    assert!(e <= tol, "hopper out {what}: rel err {e:e} > {tol:e}");
+    check_lse(&format!("hopper {what}"), &lse, &lse_ref, 1e-3);
+
+    let (out_tc, lse_tc) = forward(dtype, &s, &x, SdpaPath::TensorCore).unwrap();
+    let e = max_rel(&format!("hopper vs tc out {what}"), &out, &out_tc);
+    eprintln!("hopper out {what}: {e:.2e} against the tensor-core kernel");
+    assert!(e <= tol, "hopper vs tensor-core out {what}: rel err {e:e} > {tol:e}");
+    let lse_tc: Vec<f64> = lse_tc.iter().map(|&v| v as f64).collect();
+    check_lse(&format!("hopper vs tc {what}"), &lse, &lse_tc, 1e-3);
+}
+
+#[test]
+fn bf16_d64_gqa_causal_full_mask() {
+    // 2 q tiles (130 rows) x 2 key tiles (200 keys), GQA 4:2, a fully masked
+    // row per head, causal: the second q tile visits both key tiles, the
+    // first only the diagonal one.
+    check::<bf16>(CudaDType::BF16, shape(1, 4, 2, 130, 200, 64, true), MaskKind::Full);
+}
+
+#[test]
+fn f16_d64_causal_more_keys_than_rows() {
+    // 3 key tiles, 1 q tile: the causal walk stops after the first key tile.
+    check::<f16>(CudaDType::F16, shape(1, 2, 1, 100, 300, 64, true), MaskKind::None);
+}
+
+#[test]
+fn f16_d128_key_padding_two_batches() {
+    // Non-causal, padded keys per batch (the second batch's past a tile edge).
+    check::<f16>(CudaDType::F16, shape(2, 2, 1, 70, 200, 128, false), MaskKind::KeyPadding);
+}
+
+#[test]
+fn bf16_d128_causal_more_rows_than_keys() {
+    // sq > skv: 2 q tiles, 2 key tiles (the second ragged), no mask.
+    check::<bf16>(CudaDType::BF16, shape(1, 2, 2, 200, 150, 128, true), MaskKind::None);
+}
+
+#[test]
+fn bf16_d64_plain_whole_tiles() {
+    // Whole 128-row / 128-key tiles, no mask, not causal: no element masks.
+    check::<bf16>(CudaDType::BF16, shape(1, 1, 1, 256, 256, 64, false), MaskKind::None);
+}
+
+#[test]
+fn refusals_name_the_reason() {
+    sm90a();
+    let expect_bad =
+        |r: Result<(Vec<f64>, Vec<f32>), KernelError>, what: &str, needle: &str| match r {
+            Err(KernelError::BadArguments { what: msg, .. }) => {
+                assert!(msg.contains(needle), "{what}: {msg:?} does not name {needle:?}")
+            }
+            other => panic!("{what}: expected BadArguments, got {other:?}"),
+        };
+    let s = shape(1, 2, 1, 20, 30, 64, false);
+    let xf = inputs::<f32>(&s, MaskKind::None);
+    expect_bad(forward(CudaDType::F32, &s, &xf, SdpaPath::Hopper), "f32", "F32");
+    let s96 = shape(1, 2, 1, 20, 30, 96, false);
+    let x96 = inputs::<bf16>(&s96, MaskKind::None);
+    expect_bad(forward(CudaDType::BF16, &s96, &x96, SdpaPath::Hopper), "d96", "head_dim 96");
+    // the generic checks still apply on the Hopper path
+    let bad_heads = SdpaShape { kv_heads: 3, ..s };
+    let x = inputs::<bf16>(&s, MaskKind::None);
+    expect_bad(
+        forward(CudaDType::BF16, &bad_heads, &x, SdpaPath::Hopper),
+        "heads",
+        "multiple of kv_heads",
+    );
+    // a launcher that does not run sm_90a kernels is named
+    let b = SdpaFwdBuffers { q: 4096, k: 8192, v: 12288, mask: None, out: 16384, lse: 20480 };
+    struct Plain;
+    impl tpar_kernels::cuda::Launcher for Plain {
+        fn describe(&self) -> String {
+            "cuda:0 (sm_90, NVIDIA H100)".into()
+        }
+        unsafe fn launch_raw(
+            &self,
+            _: &str,
+            _: &tpar_kernels::cuda::LaunchConfig,
+            _: &[u8],
+        ) -> tpar_kernels::Result<()> {
+            panic!("nothing may launch")
+        }
+    }
+    let why = sdpa_hopper::unsupported(&Plain, CudaDType::BF16, &s, &b).unwrap();
+    assert!(why.contains("sm_90a"), "{why}");
+    assert!(sdpa_hopper::unsupported(emu(), CudaDType::BF16, &s, &b).is_none());
+    // SAFETY: refused before any launch.
+    let r = unsafe { sdpa_hopper::sdpa_forward(&Plain, CudaDType::BF16, &s, &b) };
+    assert!(r.unwrap_err().to_string().contains("sm_90a"));
+}
