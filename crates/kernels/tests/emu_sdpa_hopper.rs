@@ -4,14 +4,20 @@
 //! CPU op on the same rounded inputs and against the tested `mma.sync`
 //! tensor-core kernel: bf16 and f16, head dims 64 and 128, causal or not,
 //! GQA, key-padding and full additive masks (with fully masked rows), ragged
-//! lengths over several q tiles and key tiles.
+//! lengths over several q tiles and key tiles; the backward pass on
+//! `SdpaPath::Hopper` from its out and lse; the checked ops following
+//! `TPAR_SDPA=hopper`, and the refusals.
 
 mod common;
 
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use half::{bf16, f16};
-use tpar_kernels::cuda::raw::sdpa::{sdpa_forward, SdpaDevMask, SdpaFwdBuffers, SdpaPath};
+use tpar_kernels::cuda::raw::sdpa::{
+    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
+    SdpaFwdBuffers, SdpaPath,
+};
 use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
+use tpar_kernels::cuda::raw::sdpa_hopper_bwd;
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
 use tpar_kernels::{Float, KernelError};
@@ -248,6 +254,9 @@ fn refusals_name_the_reason() {
         fn describe(&self) -> String {
             "cuda:0 (sm_90, NVIDIA H100)".into()
         }
+        fn compile_arch(&self) -> Option<tpar_kernels::cuda::Arch> {
+            tpar_kernels::cuda::Arch::parse("sm_90")
+        }
         unsafe fn launch_raw(
             &self,
             _: &str,
@@ -263,4 +272,162 @@ fn refusals_name_the_reason() {
     // SAFETY: refused before any launch.
     let r = unsafe { sdpa_hopper::sdpa_forward(&Plain, CudaDType::BF16, &s, &b) };
     assert!(r.unwrap_err().to_string().contains("sm_90a"));
+}
+
+/// The backward pass of `s` on `path` from the Hopper forward's out and lse:
+/// (dq, dk, dv).
+fn backward<T: Float>(
+    dtype: CudaDType,
+    s: &SdpaShape,
+    x: &Inputs<T>,
+    fwd: &(Vec<f64>, Vec<f32>),
+    dout: &[T],
+    path: SdpaPath,
+) -> [Vec<f64>; 3] {
+    let out: Vec<T> = cvt(&fwd.0);
+    let mut dq = vec![T::from_f64(7.0); x.q.len()];
+    let mut dk = vec![T::from_f64(7.0); x.k.len()];
+    let mut dv = vec![T::from_f64(7.0); x.v.len()];
+    let ws_bytes = sdpa_backward_workspace_bytes(s).unwrap();
+    let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
+    let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    let b = SdpaBwdBuffers {
+        q: ptr(&x.q),
+        k: ptr(&x.k),
+        v: ptr(&x.v),
+        mask: x.mask.as_ref().map(|(m, [bs, hs, rs])| SdpaDevMask {
+            data: ptr(m),
+            len: m.len(),
+            batch_stride: *bs,
+            head_stride: *hs,
+            row_stride: *rs,
+        }),
+        out: ptr(&out),
+        lse: ptr(&fwd.1),
+        dout: ptr(dout),
+        dq: mptr(&mut dq),
+        dk: mptr(&mut dk),
+        dv: mptr(&mut dv),
+        workspace: mptr(&mut ws[ws_off..]),
+        workspace_bytes: ws_bytes,
+    };
+    // SAFETY: host buffers stand in for device memory, each holding every
+    // element the call's sizes reach; the workspace is 16-byte aligned.
+    unsafe { sdpa_backward(emu(), dtype, s, &b, path).unwrap() };
+    [f64s(&dq), f64s(&dk), f64s(&dv)]
+}
+
+/// Forward and backward on `SdpaPath::Hopper` against the f64 reference: the
+/// Hopper backward where it takes the call, the tensor-core backward (from
+/// the Hopper forward's lse) where it does not.
+fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_bwd: bool) {
+    sm90a();
+    let x = inputs::<T>(&s, kind);
+    let nq = s.batch * s.q_heads * s.q_len;
+    let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
+    let mask_f = x.mask.as_ref().map(|(m, st)| (f64s(m), *st));
+    let ref_mask = mask_f.as_ref().map(|(m, [bs, hs, rs])| SdpaMask {
+        data: &m[..],
+        batch_stride: *bs,
+        head_stride: *hs,
+        row_stride: *rs,
+    });
+    let (qf, kf, vf) = (f64s(&x.q), f64s(&x.k), f64s(&x.v));
+    let grads_ref = reference::sdpa_backward(&s, &qf, &kf, &vf, ref_mask.as_ref(), &f64s(&dout));
+    let b = SdpaBwdBuffers {
+        q: 4096,
+        k: 8192,
+        v: 12288,
+        mask: None,
+        out: 16384,
+        lse: 20480,
+        dout: 24576,
+        dq: 28672,
+        dk: 32768,
+        dv: 36864,
+        workspace: 40960,
+        workspace_bytes: 1 << 20,
+    };
+    let takes = sdpa_hopper_bwd::unsupported(emu(), dtype, &s, &b).is_none();
+    assert_eq!(takes, hopper_bwd, "the Hopper backward's verdict on {s:?}");
+    let fwd = forward(dtype, &s, &x, SdpaPath::Hopper).unwrap();
+    let grads = backward(dtype, &s, &x, &fwd, &dout, SdpaPath::Hopper);
+    let tol = if dtype == CudaDType::BF16 { 1e-2 } else { 2e-3 };
+    let what = format!("{dtype:?} {s:?} mask {kind:?}");
+    let (dq_ref, dk_ref, dv_ref) = grads_ref;
+    for (name, got, want) in
+        [("dq", &grads[0], &dq_ref), ("dk", &grads[1], &dk_ref), ("dv", &grads[2], &dv_ref)]
+    {
+        let e = max_rel(&format!("{name} {what}"), got, want);
+        eprintln!("{name} {what}: {e:.2e} against f64");
+        assert!(e <= tol, "{name} {what}: rel err {e:e} > {tol:e}");
+    }
+}
+
+#[test]
+fn backward_on_the_hopper_path() {
+    // the Hopper backward takes these (bf16 / f16, both head dims, GQA,
+    // causal with a full mask, key padding)
+    check_train::<bf16>(CudaDType::BF16, shape(1, 2, 1, 70, 140, 64, true), MaskKind::Full, true);
+    check_train::<f16>(
+        CudaDType::F16,
+        shape(1, 2, 2, 40, 70, 128, false),
+        MaskKind::KeyPadding,
+        true,
+    );
+}
+
+#[test]
+fn the_checked_ops_follow_tpar_sdpa() {
+    use tpar_kernels::cuda::emu::EmulatedGpu;
+    use tpar_kernels::cuda::ops::sdpa as ops;
+    use tpar_kernels::cuda::DeviceBuffer;
+    sm90a();
+    // SAFETY (edition 2021 API): set before this binary's first checked
+    // attention call reads it (no other test here calls the checked ops).
+    std::env::set_var(ops::SDPA_BACKEND_ENV, "hopper");
+    assert_eq!(ops::sdpa_backend(), ops::SdpaBackend::Hopper);
+    assert_eq!(ops::SdpaBackend::parse("mma"), Some(ops::SdpaBackend::Mma));
+    assert_eq!(ops::SdpaBackend::parse("flash"), None);
+    let dev = EmulatedGpu::open(0).unwrap();
+    let run = |s: &SdpaShape| {
+        let x = inputs::<bf16>(s, MaskKind::KeyPadding);
+        let (m, [bs, hs, rs]) = x.mask.as_ref().unwrap();
+        let nq = s.batch * s.q_heads * s.q_len;
+        let q = DeviceBuffer::from_host(&dev, &x.q).unwrap();
+        let k = DeviceBuffer::from_host(&dev, &x.k).unwrap();
+        let v = DeviceBuffer::from_host(&dev, &x.v).unwrap();
+        let mask = DeviceBuffer::from_host(&dev, m).unwrap();
+        let mut out = DeviceBuffer::zeros(&dev, nq * s.v_dim * 2).unwrap();
+        let mut lse = DeviceBuffer::zeros(&dev, nq * 4).unwrap();
+        let views = ops::SdpaFwdViews {
+            q: q.as_slice(),
+            k: k.as_slice(),
+            v: v.as_slice(),
+            mask: Some(ops::SdpaMaskView {
+                data: mask.as_slice(),
+                batch_stride: *bs,
+                head_stride: *hs,
+                row_stride: *rs,
+            }),
+            out: out.as_slice_mut(),
+            lse: lse.as_slice_mut(),
+        };
+        ops::sdpa_forward(dev.as_ref(), CudaDType::BF16, s, views, SdpaPath::Auto).unwrap();
+        let mut o = vec![bf16::ZERO; nq * s.v_dim];
+        out.as_slice().copy_to_host(&mut o).unwrap();
+        (f64s(&o), x)
+    };
+    // a call the Hopper kernel takes runs it: bit for bit the raw Hopper path
+    let s = shape(2, 2, 1, 70, 150, 64, true);
+    let (got, x) = run(&s);
+    let (hopper, _) = forward(CudaDType::BF16, &s, &x, SdpaPath::Hopper).unwrap();
+    let (mma, _) = forward(CudaDType::BF16, &s, &x, SdpaPath::TensorCore).unwrap();
+    assert_eq!(got, hopper, "TPAR_SDPA=hopper did not run the Hopper kernel");
+    assert_ne!(got, mma, "the two kernels round alike: the check above proves nothing");
+    // one it does not take (head dim 96) runs the mma.sync kernel
+    let s96 = shape(1, 2, 1, 30, 40, 96, false);
+    let (got, x) = run(&s96);
+    let (mma, _) = forward(CudaDType::BF16, &s96, &x, SdpaPath::Auto).unwrap();
+    assert_eq!(got, mma);
 }

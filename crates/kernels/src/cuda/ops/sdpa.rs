@@ -1,15 +1,76 @@
-//! Flash attention (`cuda/sdpa.cu`) over device buffers;
+//! Flash attention (`cuda/sdpa.cu`, and `cuda/sdpa_hopper.cu` /
+//! `cuda/sdpa_hopper_bwd.cu` on request) over device buffers;
 //! [`crate::cuda::raw::sdpa`] documents the layouts, masking and kernel
 //! families.
+//!
+//! Calls with [`SdpaPath::Auto`] (what the tensor layer's attention passes)
+//! take their kernels from [`SDPA_BACKEND_ENV`] ([`sdpa_backend`]): unset or
+//! `auto`, and `mma`, run the `mma.sync` tensor-core kernels (SIMT where they
+//! do not apply); `hopper` runs the Hopper kernels where the device runs
+//! `sm_90a` kernels and they take the call, and falls back to the `mma.sync`
+//! kernels for every other call (forward and backward are chosen
+//! separately). The Hopper kernels have not run on a GPU yet, so `auto` does
+//! not pick them.
+
+use std::sync::OnceLock;
 
 use super::{count, Check};
 use crate::cuda::raw::sdpa as raw;
 pub use crate::cuda::raw::sdpa::{
     sdpa_backward_workspace_bytes, SdpaPath, MAX_HEAD_DIM, MAX_TENSOR_CORE_HEAD_DIM,
 };
+use crate::cuda::raw::{sdpa_hopper, sdpa_hopper_bwd};
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 pub use crate::sdpa::SdpaShape;
 use crate::Result;
+
+/// Environment variable choosing the kernels of [`SdpaPath::Auto`] calls:
+/// `auto`, `hopper` or `mma` (see [`SdpaBackend`]); read once per process.
+pub const SDPA_BACKEND_ENV: &str = "TPAR_SDPA";
+
+/// Which attention kernels [`SdpaPath::Auto`] calls of [`sdpa_forward`] and
+/// [`sdpa_backward`] run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SdpaBackend {
+    /// `SdpaPath::Auto`'s own choice: the `mma.sync` tensor-core kernels
+    /// where they apply, else SIMT.
+    Auto,
+    /// The Hopper kernels ([`SdpaPath::Hopper`]) for the calls they take on
+    /// a device running `sm_90a` kernels, `Auto`'s choice for the others.
+    Hopper,
+    /// The `mma.sync` tensor-core kernels (SIMT where they do not apply).
+    Mma,
+}
+
+impl SdpaBackend {
+    /// Parses `auto`, `hopper` and `mma`.
+    pub fn parse(s: &str) -> Option<SdpaBackend> {
+        match s {
+            "auto" => Some(SdpaBackend::Auto),
+            "hopper" => Some(SdpaBackend::Hopper),
+            "mma" => Some(SdpaBackend::Mma),
+            _ => None,
+        }
+    }
+}
+
+/// The backend [`SDPA_BACKEND_ENV`] names; unset, [`SdpaBackend::Auto`]. A
+/// value that names no backend is reported once on stderr and the default is
+/// used.
+pub fn sdpa_backend() -> SdpaBackend {
+    static B: OnceLock<SdpaBackend> = OnceLock::new();
+    *B.get_or_init(|| {
+        let Some(v) = std::env::var_os(SDPA_BACKEND_ENV) else { return SdpaBackend::Auto };
+        let v = v.to_string_lossy();
+        SdpaBackend::parse(v.trim()).unwrap_or_else(|| {
+            eprintln!(
+                "tpar: {SDPA_BACKEND_ENV}={v:?} names no attention backend (auto, hopper or \
+                 mma); using auto"
+            );
+            SdpaBackend::Auto
+        })
+    })
+}
 
 /// An additive attention mask in device memory (elements of the attention
 /// dtype): the element for `(b, h, i, j)` is at
@@ -122,6 +183,14 @@ pub fn sdpa_forward(
         out: c.write("out", &b.out, no, es)?,
         lse: c.write("lse", &b.lse, rows, 4)?,
     };
+    let path = match (path, sdpa_backend()) {
+        (SdpaPath::Auto, SdpaBackend::Hopper)
+            if sdpa_hopper::unsupported(dev, dtype, s, &buffers).is_none() =>
+        {
+            SdpaPath::Hopper
+        }
+        _ => path,
+    };
     // SAFETY: every buffer is a live view in `dev`'s memory holding the
     // elements `s` gives it (checked above), and the mask's length bounds
     // every mask read (checked by the launch); the written views are
@@ -155,6 +224,14 @@ pub fn sdpa_backward(
         dv: c.write("dv", &b.dv, nv, es)?,
         workspace: c.write_bytes("workspace", &b.workspace, ws, 16)?,
         workspace_bytes: b.workspace.len(),
+    };
+    let path = match (path, sdpa_backend()) {
+        (SdpaPath::Auto, SdpaBackend::Hopper)
+            if sdpa_hopper_bwd::unsupported(dev, dtype, s, &buffers).is_none() =>
+        {
+            SdpaPath::Hopper
+        }
+        _ => path,
     };
     // SAFETY: as in `sdpa_forward`; the workspace holds what the backward
     // pass needs for `s` (checked above) and is exclusive.

@@ -21,7 +21,9 @@
 //! (`mma.sync` + `ldmatrix`, head dims up to 128 that are multiples of 8,
 //! 16-byte aligned tensors), and SIMT kernels for every dtype and any head
 //! dims up to [`MAX_HEAD_DIM`]. [`SdpaPath::Auto`] takes the tensor cores when
-//! they apply.
+//! they apply. On devices that run `sm_90a` kernels, [`SdpaPath::Hopper`]
+//! selects the wgmma / TMA kernels of [`super::sdpa_hopper`] (forward) and
+//! [`super::sdpa_hopper_bwd`] (backward); `Auto` does not pick them.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -223,11 +225,13 @@ pub enum SdpaPath {
     /// memory feeds two mma. `Auto` picks it when there are enough blocks to
     /// fill the GPU.
     TensorCoreWide,
-    /// The Hopper (`sm_90a`) forward kernel of [`super::sdpa_hopper`]; an
+    /// The Hopper (`sm_90a`) kernels. Forward: [`super::sdpa_hopper`], an
     /// error naming why when the device does not run it or it does not take
-    /// the call ([`super::sdpa_hopper::unsupported`]). The backward pass runs
-    /// the tensor-core kernels (the same `lse` convention). `Auto` never
-    /// picks it: it has not run on a GPU yet.
+    /// the call ([`super::sdpa_hopper::unsupported`]). Backward:
+    /// [`super::sdpa_hopper_bwd`] where it takes the call
+    /// ([`super::sdpa_hopper_bwd::unsupported`]), else the tensor-core
+    /// kernels (as [`SdpaPath::TensorCore`]; the same `lse` convention).
+    /// `Auto` never picks it: these kernels have not run on a GPU yet.
     Hopper,
 }
 
@@ -539,6 +543,10 @@ pub unsafe fn sdpa_backward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
+    if path == SdpaPath::Hopper && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none() {
+        // SAFETY: forwarded from the caller (the same buffer contract).
+        return unsafe { super::sdpa_hopper_bwd::sdpa_backward(l, dtype, s, b) };
+    }
     let d = validate(OP, dtype, s, b.mask.as_ref())?;
     let es = dtype.size();
     for (name, p, n) in [

@@ -95,19 +95,17 @@ pub struct SdpaHopperFwdArgs {
     pub pad: [i32; 13],
 }
 
-/// The Hopper target of a launcher, from its description: the CPU emulator
-/// when [`EMU_ARCH_ENV`] says `sm_90a` (emulated tensor maps), a GPU handle
-/// whose kernels are compiled for `sm_90a` (`"cuda:0 (sm_90a, ...)"`, the
-/// driver's tensor maps); `None` for everything else.
+/// The Hopper target of a launcher: one whose kernels are compiled for an
+/// architecture with wgmma ([`Launcher::compile_arch`]: a GPU handle compiling
+/// for `sm_90a`, or the CPU emulator when [`EMU_ARCH_ENV`] says `sm_90a`),
+/// with the emulator's tensor-map encoding when it is the emulator; `None`
+/// for everything else.
 pub fn target_of(l: &dyn Launcher) -> Option<HopperTarget> {
-    let d = l.describe();
-    if d.contains("CPU emulator") {
-        let arch = std::env::var(EMU_ARCH_ENV).ok()?;
-        return (arch.trim() == "sm_90a").then(|| HopperTarget::emulator(1));
+    if !l.compile_arch()?.has_wgmma() {
+        return None;
     }
-    let inner = d.split_once('(')?.1;
-    let arch = inner.split([',', ')']).next()?.trim();
-    (arch == "sm_90a").then_some(HopperTarget { sms: 1, emulated: false })
+    let emulated = l.describe().contains("CPU emulator");
+    Some(HopperTarget { sms: 1, emulated })
 }
 
 /// Why the Hopper forward kernel does not take this call on `l` (`None`: it
