@@ -112,3 +112,30 @@ fn adamw_bits_do_not_depend_on_contraction() {
     }
     assert!(!stdout.lines().any(|l| l.starts_with("FAIL")), "{stdout}");
 }
+
+/// The Hopper attention's checks run where the device runs `sm_90a` kernels (the
+/// emulator standing in for one): forward and backward on `SdpaPath::Hopper` pass for
+/// every case, and a perturbed reference fails every one of them.
+#[test]
+fn the_hopper_attention_checks_run_on_an_emulated_sm_90a() {
+    let arch = tpar::kernels::cuda::raw::sdpa_hopper::EMU_ARCH_ENV;
+    let run = |sabotage: bool| {
+        let mut args = vec!["--device", "emulator", "--quick", "--only", "sdpa"];
+        if sabotage {
+            args.push("--sabotage");
+        }
+        let out = Command::new(gpu_check()).args(&args).env(arch, "sm_90a").output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let good = run(false);
+    let hopper: Vec<&str> = good.lines().filter(|l| l.contains(" sdpa_hopper.")).collect();
+    assert!(hopper.len() >= 20, "{good}");
+    assert!(hopper.iter().all(|l| l.starts_with("PASS")), "{good}");
+    for part in ["out", "lse", "dq", "dk", "dv"] {
+        assert!(hopper.iter().any(|l| l.contains(&format!(".{part} "))), "{good}");
+    }
+    let bad = run(true);
+    assert!(!bad.lines().any(|l| l.starts_with("PASS")), "{bad}");
+    assert_eq!(bad.lines().filter(|l| l.contains(" sdpa_hopper.")).count(), hopper.len());
+}

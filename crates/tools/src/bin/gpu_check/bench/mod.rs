@@ -130,6 +130,14 @@ pub(crate) fn run_benches(
             cases.push((format!("d64.s1024{sfx}"), 8, 16, 8, 1024, 64, path));
         }
     }
+    // The same cases on the Hopper kernels (forward and backward), where the
+    // device runs sm_90a kernels.
+    if want("sdpa") && tpar_kernels::cuda::raw::sdpa_hopper::target_of(d.l()).is_some() {
+        for &seq in seqs {
+            cases.push((format!("s{seq}.hopper"), 16384 / seq, 32, 8, seq, 128, SdpaPath::Hopper));
+        }
+        cases.push(("d64.s1024.hopper".to_string(), 8, 16, 8, 1024, 64, SdpaPath::Hopper));
+    }
     for (label, batch, hq, hkv, seq, hd, path) in cases {
         let sh = sdpa_shape(batch, hq, hkv, seq, seq, hd, true);
         // 4 * b * h * s^2 * d for q k^T and p v, half of it under the causal mask;
@@ -159,6 +167,8 @@ pub(crate) fn run_benches(
                 workspace_bytes: ws_bytes,
             };
             let l = d.l();
+            // the Hopper rows time the Hopper backward too
+            let bwd_path = if path == SdpaPath::Hopper { path } else { SdpaPath::Auto };
             let t_fwd = time_per_call(d, || {
                 // SAFETY: q, k, v and dout lie inside the source buffer; the
                 // outputs and the workspace were allocated for `sh`.
@@ -169,7 +179,7 @@ pub(crate) fn run_benches(
                 // SAFETY: as above.
                 unsafe {
                     sdpa::sdpa_forward(l, BF16, &sh, &fb, path)?;
-                    sdpa::sdpa_backward(l, BF16, &sh, &bb, SdpaPath::Auto)?;
+                    sdpa::sdpa_backward(l, BF16, &sh, &bb, bwd_path)?;
                 }
                 Ok(())
             })?;

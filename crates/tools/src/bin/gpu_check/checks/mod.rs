@@ -25,6 +25,7 @@ pub(crate) mod reduce;
 pub(crate) mod rmsnorm;
 pub(crate) mod rope;
 pub(crate) mod sdpa;
+pub(crate) mod sdpa_hopper;
 
 pub(crate) const DTYPES: [CudaDType; 3] = [F32, BF16, F16];
 pub(crate) const LAYOUTS: [(bool, bool); 4] =

@@ -52,6 +52,7 @@ pub(crate) fn check_sdpa(c: &mut Ctx) {
         sdpa_case(c, BF16, sdpa_shape(1, 8, 2, 512, 512, 128, true), Simt);
         sdpa_case(c, BF16, sdpa_shape(2, 8, 8, 300, 1000, 128, false), Auto);
     }
+    super::sdpa_hopper::check_sdpa_hopper(c);
 }
 
 pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
