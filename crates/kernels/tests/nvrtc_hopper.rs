@@ -185,6 +185,46 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
     }
 }
 
+/// The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`) compiles for
+/// sm_90a with its wgmma (shared and register A operands), bulk tensor
+/// copies, mbarriers and setmaxnreg, and (with ptxas) assembles without
+/// spills; registers and spills of its kernels are reported.
+#[test]
+fn the_hopper_attention_backward_compiles_for_sm_90a() {
+    if !nvrtc_or_skip("the_hopper_attention_backward_compiles_for_sm_90a") {
+        return;
+    }
+    let source = *tpar_kernels::cuda::sources()
+        .iter()
+        .find(|s| s.name == "sdpa_hopper_bwd")
+        .expect("sdpa_hopper_bwd.cu is embedded");
+    let ptx = compile_ptx(&source, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    let names = kernel_names(source.text);
+    assert_eq!(names.len(), 4, "head dims 64 and 128 x bf16 and f16: {names:?}");
+    for n in &names {
+        assert!(ptx.contains(&format!(".entry {n}(")), "no .entry for {n}");
+    }
+    for instr in [
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+        "mbarrier.try_wait.parity.shared::cta.b64",
+        "mbarrier.arrive.expect_tx.shared::cta.b64",
+        "setmaxnreg.dec.sync.aligned.u32",
+        "setmaxnreg.inc.sync.aligned.u32",
+    ] {
+        assert!(ptx.contains(instr), "{instr} missing from the PTX");
+    }
+    say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
+    if let Some(usage) = ptxas_report("sdpa_hopper_bwd", &ptx) {
+        assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
+        for (k, _, st, ld) in &usage {
+            assert!(*st == 0 && *ld == 0, "{k} spills ({st} bytes stored, {ld} loaded)");
+        }
+    }
+}
+
 /// The Hopper attention forward (`cuda/sdpa_hopper.cu`) compiles for sm_90a
 /// with its wgmma (from shared memory and from registers), bulk tensor
 /// copies, mbarriers and setmaxnreg, and (with ptxas) assembles with no
