@@ -15,9 +15,8 @@
 //!
 //! It takes bf16 and f16 with `head_dim == v_dim` of 64 or 128, 16-byte
 //! aligned q, k, v, dout, dk and dv, on a launcher that runs `sm_90a`
-//! kernels: a GPU whose kernels are compiled for `sm_90a` (its description
-//! names the architecture), or the CPU emulator with
-//! [`EMU_ARCH_ENV`]` = sm_90a`. [`unsupported`] says why a call is not taken.
+//! kernels ([`target_of`]: a GPU handle compiling for `sm_90a`, or the CPU
+//! emulator with [`EMU_ARCH_ENV`]` = sm_90a`). [`unsupported`] says why a call is not taken.
 //! The kernel has not run on a GPU yet.
 
 use bytemuck::{Pod, Zeroable};
@@ -27,6 +26,7 @@ use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
 use super::sdpa::{
     sdpa_backward_workspace_bytes, SdpaBwdArgs, SdpaBwdBuffers, SdpaDevMask, SdpaPath,
 };
+use super::sdpa_hopper::target_of;
 use super::{bad, numel};
 use crate::sdpa::SdpaShape;
 use crate::Result;
@@ -77,20 +77,6 @@ pub struct SdpaHopperBwdArgs {
     pub pad: [i32; 8],
 }
 
-/// Whether `l` runs `sm_90a` kernels: `Some(true)` for the CPU emulator with
-/// [`EMU_ARCH_ENV`]` = sm_90a`, `Some(false)` for a GPU whose description
-/// names `sm_90a` (`"cuda:0 (sm_90a, NVIDIA H100)"`), else `None`.
-fn target(l: &dyn Launcher) -> Option<bool> {
-    let d = l.describe();
-    if d.contains("CPU emulator") {
-        let arch = std::env::var(EMU_ARCH_ENV).ok()?;
-        return (arch.trim() == "sm_90a").then_some(true);
-    }
-    let inner = d.split_once('(')?.1;
-    let arch = inner.split([',', ')']).next()?.trim();
-    (arch == "sm_90a").then_some(false)
-}
-
 /// Why the Hopper backward does not take this call on `l` (`None`: it does).
 /// Sizes the kernels refuse outright (q_heads not a multiple of kv_heads,
 /// buffers too small) are errors of [`sdpa_backward`] instead.
@@ -100,7 +86,7 @@ pub fn unsupported(
     s: &SdpaShape,
     b: &SdpaBwdBuffers,
 ) -> Option<String> {
-    if target(l).is_none() {
+    if target_of(l).is_none() {
         return Some(format!(
             "{} does not run sm_90a kernels (wgmma, setmaxnreg; the emulator does with \
              {EMU_ARCH_ENV}=sm_90a)",
@@ -307,7 +293,7 @@ pub unsafe fn sdpa_backward(
         scale: s.scale as f32,
         pad: 0,
     };
-    let emulated = target(l).unwrap_or(false);
+    let emulated = target_of(l).is_some_and(|t| t.emulated);
     let hd = s.head_dim;
     let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
     let args = SdpaHopperBwdArgs {
