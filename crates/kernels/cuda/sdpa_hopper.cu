@@ -22,9 +22,11 @@
 //   additive mask read from global memory) only in the tiles that need them;
 //   the online softmax in registers (a row's max and sum across the 4 threads
 //   that hold it); P rounded to 16 bits in registers as wgmma's A fragments;
-//   O rescaled, then O += P v with wgmma_rs (v N-major: 64 head dims per
-//   128-byte row, 8-key groups 1024 bytes apart, 16 keys 2048 bytes further,
-//   the next 64 head dims one box further = the leading byte offset).
+//   O += P v with wgmma_rs (v N-major: 64 head dims per 128-byte row, 8-key
+//   groups 1024 bytes apart, 16 keys 2048 bytes further, the next 64 head
+//   dims one box further = the leading byte offset). The scores of tile n are
+//   issued with the P v of tile n - 1, so the softmax of one overlaps the
+//   other (see `consume`).
 // Out-of-range q rows and keys load as zeros (the maps bound the sequence of
 // each head); those keys are masked, those rows never stored. The output is
 // written from the accumulators (two elements per 4-byte store), lse by one
@@ -163,16 +165,126 @@ TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     }
 }
 
-// Warpgroups 1 and 2 (cw = 0, 1): rows m0 + 64 cw .. + 63.
+// The scores of one key tile, in a consumer thread's registers: its two
+// rows, the mask, and the running max and sum of the online softmax.
+struct Rows {
+    int row[2];      // this thread's rows (accumulator elements with (i / 2) % 2 = 0, 1)
+    int wg_row0;     // the warpgroup's first row
+    int q;           // lane % 4: the columns 2q, 2q + 1 of each 8-column group
+    float m[2], l[2];
+};
+
+// Scales, masks (only tiles reaching past kv_len or above the warpgroup's
+// first row when causal, or with an additive mask, look at elements) and
+// exponentiates the scores `sc` of key tile j0 in place, updating the running
+// max and (per-thread partial) sum; returns the factor each row's output
+// must be rescaled by.
+template <typename T>
+TPAR_DEVICE void softmax_step(const SdpaHopperFwdArgs& a, const T* M, int j0, Rows& r,
+                              float (&sc)[BN / 2], float (&alpha)[2]) {
+    const float sl2 = a.scale * kLog2e;
+    const float ninf = -tpar_inf();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
+    const bool check = j0 + BN > a.kv_len || (a.causal && j0 + BN - 1 > r.wg_row0) || M;
+    if (check) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int row = r.row[hr];
+            // key j0 + c is visible when c < lim
+            const int lim = (a.causal ? min(a.kv_len, row + 1) : a.kv_len) - j0;
+            // Rows past q_len (never stored) read the last row's mask.
+            const T* mr = M ? M + (i64)min(row, a.q_len - 1) * a.mask_rs + j0 : nullptr;
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) {
+                if (((i / 2) % 2) != hr) continue;
+                const int c = 8 * (i / 4) + 2 * r.q + (i % 2);
+                if (c >= lim) {
+                    sc[i] = ninf;
+                } else if (mr) {
+                    sc[i] += to_f32(mr[c]) * kLog2e;
+                }
+            }
+        }
+    }
+    // Online softmax; `base` keeps exp2 finite for rows masked so far.
+    float mx[2] = {ninf, ninf};
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sc[i]);
+    float base[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 1));
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 2));
+        const float mnew = fmaxf(r.m[hr], mx[hr]);
+        base[hr] = mnew == ninf ? 0.0f : mnew;
+        alpha[hr] = exp2_fast(r.m[hr] - base[hr]);
+        r.m[hr] = mnew;
+        r.l[hr] *= alpha[hr];
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+        const float p = exp2_fast(sc[i] - base[(i / 2) % 2]);
+        r.l[(i / 2) % 2] += p;
+        sc[i] = p;
+    }
+}
+
+// P as wgmma's A fragments: 16-key slice kk is accumulator elements 8 kk ..
+// 8 kk + 7 (rows g, g + 8 of key groups 2 kk, 2 kk + 1).
+template <typename T>
+TPAR_DEVICE void to_fragments(const float (&sc)[BN / 2], u32 (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pa[kk][j] = pack_rn<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+}
+
+// Issues S = q k^T over stage st (64 x BN per warpgroup) as one commit group.
+template <typename T, int HD>
+TPAR_DEVICE void issue_qk(const Smem<HD>& s, int st, int cw, float (&sc)[BN / 2]) {
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+        const u64 da = wgmma_desc(s.q + (ks / 4) * BOX_BYTES + cw * 64 * 128 + (ks % 4) * 32, 16,
+                                  1024, TPAR_WG_SWIZZLE_128B);
+        const u64 db = wgmma_desc(s.k[st] + (ks / 4) * BOX_BYTES + (ks % 4) * 32, 16, 1024,
+                                  TPAR_WG_SWIZZLE_128B);
+        wgmma_ss<T, BN, 0, 0>(sc, da, db, ks > 0);
+    }
+    wgmma_commit();
+}
+
+// Issues O += P v over stage st (64 x HD per warpgroup) as one commit group.
+template <typename T, int HD>
+TPAR_DEVICE void issue_pv(const Smem<HD>& s, int st, const u32 (&pa)[BN / 16][4],
+                          float (&o)[HD / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        const u64 db = wgmma_desc(s.v[st] + kk * 2048, BOX_BYTES, 1024, TPAR_WG_SWIZZLE_128B);
+        wgmma_rs<T, HD, 1>(o, pa[kk], db, true);
+    }
+    wgmma_commit();
+}
+
+// Warpgroups 1 and 2 (cw = 0, 1): rows m0 + 64 cw .. + 63. Key tile n's
+// scores are issued together with tile n - 1's P v, so that the softmax of
+// tile n overlaps that product (FlashAttention-3's intra-warpgroup
+// pipelining): wait for the scores (wgmma_wait<1>), softmax, wait for P v
+// (wgmma_wait<0>), release tile n - 1's stage, rescale O, and only then
+// overwrite P (the pending P v reads it).
 template <typename T, int HD>
 TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Work& w, int cw) {
     const int tw = threadIdx.x % 128;
-    const int wp = tw / 32, lane = tw % 32, g = lane / 4, q = lane % 4;
-    const int wg_row0 = w.m0 + 64 * cw;
-    // This thread's two rows (accumulator elements i with (i / 2) % 2 = 0, 1).
-    const int row[2] = {wg_row0 + 16 * wp + g, wg_row0 + 16 * wp + g + 8};
-    const float sl2 = a.scale * kLog2e;
+    const int wp = tw / 32, lane = tw % 32, g = lane / 4;
     const float ninf = -tpar_inf();
+    Rows r;
+    r.wg_row0 = w.m0 + 64 * cw;
+    r.row[0] = r.wg_row0 + 16 * wp + g;
+    r.row[1] = r.row[0] + 8;
+    r.q = lane % 4;
+    r.m[0] = r.m[1] = ninf;
+    r.l[0] = r.l[1] = 0.0f;
+    const int q = r.q;
     const T* M = a.mask ? static_cast<const T*>(a.mask) + (i64)w.b * a.mask_bs +
                               (i64)w.h * a.mask_hs
                         : nullptr;
@@ -180,98 +292,40 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     float o[HD / 2];
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
-    float m[2] = {ninf, ninf}, l[2] = {0.0f, 0.0f};
+    float sc[BN / 2];
+    u32 pa[BN / 16][4];
+    float alpha[2];
 
     mbarrier_wait_parity(s.q_full, 0u);
-    for (int n = 0; n < w.tiles; ++n) {
-        const int st = n % STAGES;
-        const u32 phase = (u32)((n / STAGES) & 1);
-        const int j0 = n * BN;
-
-        // S = q k^T (64 x BN per warpgroup).
-        float sc[BN / 2];
-        mbarrier_wait_parity(&s.k_full[st], phase);
+    if (w.tiles > 0) {
+        mbarrier_wait_parity(&s.k_full[0], 0u);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HD / 16; ++ks) {
-            const u64 da = wgmma_desc(s.q + (ks / 4) * BOX_BYTES + cw * 64 * 128 + (ks % 4) * 32,
-                                      16, 1024, TPAR_WG_SWIZZLE_128B);
-            const u64 db = wgmma_desc(s.k[st] + (ks / 4) * BOX_BYTES + (ks % 4) * 32, 16, 1024,
-                                      TPAR_WG_SWIZZLE_128B);
-            wgmma_ss<T, BN, 0, 0>(sc, da, db, ks > 0);
-        }
-        wgmma_commit();
+        issue_qk<T, HD>(s, 0, cw, sc);
         wgmma_wait<0>();
-
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) sc[i] *= sl2;
-        // Masks: only tiles reaching past kv_len or above the warpgroup's
-        // first row (causal), or with an additive mask, look at elements.
-        const bool check = j0 + BN > a.kv_len || (a.causal && j0 + BN - 1 > wg_row0) || M;
-        if (check) {
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const int r = row[hr];
-                // key j0 + c is visible when c < lim
-                const int lim = (a.causal ? min(a.kv_len, r + 1) : a.kv_len) - j0;
-                // Rows past q_len (never stored) read the last row's mask.
-                const T* mr = M ? M + (i64)min(r, a.q_len - 1) * a.mask_rs + j0 : nullptr;
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) {
-                    if (((i / 2) % 2) != hr) continue;
-                    const int c = 8 * (i / 4) + 2 * q + (i % 2);
-                    if (c >= lim) {
-                        sc[i] = ninf;
-                    } else if (mr) {
-                        sc[i] += to_f32(mr[c]) * kLog2e;
-                    }
-                }
-            }
-        }
-
-        // Online softmax; `base` keeps exp2 finite for rows masked so far.
-        float mx[2] = {ninf, ninf};
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sc[i]);
-        float base[2];
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 1));
-            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 2));
-            const float mnew = fmaxf(m[hr], mx[hr]);
-            base[hr] = mnew == ninf ? 0.0f : mnew;
-            const float alpha = exp2_fast(m[hr] - base[hr]);
-            m[hr] = mnew;
-            l[hr] *= alpha;
-#pragma unroll
-            for (int i = 0; i < HD / 2; ++i)
-                if (((i / 2) % 2) == hr) o[i] *= alpha;
-        }
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const float p = exp2_fast(sc[i] - base[(i / 2) % 2]);
-            l[(i / 2) % 2] += p;
-            sc[i] = p;
-        }
-        // P as wgmma's A fragments: 16-key slice kk is accumulator elements
-        // 8 kk .. 8 kk + 7 (rows g, g + 8 of key groups 2 kk, 2 kk + 1).
-        u32 pa[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) pa[kk][j] = pack_rn<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
-
-        // O += P v (64 x HD per warpgroup).
-        mbarrier_wait_parity(&s.v_full[st], phase);
+        softmax_step<T>(a, M, 0, r, sc, alpha);  // O is 0: alpha is not needed
+        to_fragments<T>(sc, pa);
+    }
+    for (int n = 1; n < w.tiles; ++n) {
+        const int st = n % STAGES, pst = (n - 1) % STAGES;
+        mbarrier_wait_parity(&s.k_full[st], (u32)((n / STAGES) & 1));
         wgmma_fence();
+        issue_qk<T, HD>(s, st, cw, sc);
+        mbarrier_wait_parity(&s.v_full[pst], (u32)(((n - 1) / STAGES) & 1));
+        issue_pv<T, HD>(s, pst, pa, o);
+        wgmma_wait<1>();  // the scores; P v may still run
+        softmax_step<T>(a, M, n * BN, r, sc, alpha);
+        wgmma_wait<0>();  // P v of tile n - 1: its stage is read, O and P free
+        if (lane == 0) mbarrier_arrive(&s.empty[pst]);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const u64 db = wgmma_desc(s.v[st] + kk * 2048, BOX_BYTES, 1024, TPAR_WG_SWIZZLE_128B);
-            wgmma_rs<T, HD, 1>(o, pa[kk], db, true);
-        }
-        wgmma_commit();
+        for (int i = 0; i < HD / 2; ++i) o[i] *= alpha[(i / 2) % 2];
+        to_fragments<T>(sc, pa);
+    }
+    if (w.tiles > 0) {
+        const int last = w.tiles - 1, st = last % STAGES;
+        mbarrier_wait_parity(&s.v_full[st], (u32)((last / STAGES) & 1));
+        wgmma_fence();
+        issue_pv<T, HD>(s, st, pa, o);
         wgmma_wait<0>();
-        // this warp has read the stage (both wgmma retired): release it
         if (lane == 0) mbarrier_arrive(&s.empty[st]);
     }
 
@@ -279,14 +333,14 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     T* out = static_cast<T*>(a.out);
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-        float lt = l[hr];
+        float lt = r.l[hr];
         lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 1);
         lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 2);
         const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-        const int r = row[hr];
-        if (r < a.q_len) {
-            const i64 ri = (i64)w.bh * a.q_len + r;
-            if (q == 0) a.lse[ri] = lt > 0.0f ? m[hr] * kLn2 + logf(lt) : ninf;
+        const int row = r.row[hr];
+        if (row < a.q_len) {
+            const i64 ri = (i64)w.bh * a.q_len + row;
+            if (q == 0) a.lse[ri] = lt > 0.0f ? r.m[hr] * kLn2 + logf(lt) : ninf;
             u32* orow = reinterpret_cast<u32*>(out + ri * HD);
 #pragma unroll
             for (int i = 0; i < HD / 2; i += 2) {
