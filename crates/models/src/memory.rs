@@ -44,9 +44,11 @@
 //!   down, gathered or partial outputs at their local size) and attention (`[q/t]`); its
 //!   recompute adds the rest once (the normed inputs, RoPE'd q and k, the output copy,
 //!   the residual, the SwiGLU output).
-//! - **Largest transient**: the biggest of (a) a layer's backward workspace: the MLP's
-//!   input gradients `[3 i/t]` and the hidden-state gradient `[h]`, plus under
-//!   checkpointing the recomputed layer; (b) the loss's backward: the logits' gradient
+//! - **Largest transient**: the biggest of (a) a layer's backward workspace: the larger
+//!   of the MLP's input gradients `[3 i/t]` with the hidden-state gradient `[h]`, and
+//!   attention's backward (below; the two do not overlap, the MLP's input gradients are
+//!   freed before attention's backward starts), plus under checkpointing the recomputed
+//!   layer; (b) the loss's backward: the logits' gradient
 //!   `[v/t]` (the logits themselves are counted as activations); (c) under FSDP, a unit's
 //!   gathered parameters, the next unit's prefetched ones and the unit's unsharded
 //!   gradients before the reduce-scatter: three decoder layers' worth of local
@@ -73,6 +75,36 @@
 //!   its stage's gradients once that stage has accumulated ones; the peak is the highest
 //!   point of the walk, with every gradient and the optimizer state beside it.
 //!
+//! - **Attention's backward** holds the hidden-state gradient `[h]`, attention's output
+//!   gradient `[q/t]` (the transpose's copy), the gradients it makes, `dq` `[q/t]`, `dk`
+//!   and `dv` `[2 kv/t]`, and the kernel's scratch. On the host that is
+//!   [`host_sdpa_backward_scratch`] of the rank's attention call (`b` rows, `heads/t`
+//!   query and `kv_heads/t` key heads, `s` queries and keys, causal), whose tasks run on
+//!   the rank's [`MemoryConfig::host_threads`] at once: a row statistic per query row,
+//!   and per running task its query heads' widened queries, output gradients and `dq`
+//!   accumulators (`3 (heads / kv_heads) s head_dim` accumulators) with its tiles; when
+//!   there are fewer than 8 (batch, kv head) groups the keys are split in runs whose
+//!   `dq` partial sums are all kept until the end (up to `(runs + 1) / 2` times `dq` in
+//!   the accumulator type, causal). On a CUDA device it is the backward's workspace
+//!   ([`device_sdpa_backward_scratch`]: a row statistic and an f32 `dq` accumulator).
+//!   With a small MLP (`i` near `h`) at long sequences this is the largest transient.
+//!   Under context parallelism the backward runs per block (this rank's queries against
+//!   each rank's keys, as [`CpLayout`] places them: the rank's own block with the causal
+//!   mask, the others' whole or not at all under the load-balanced layout). With `Q` the
+//!   rank's `[q/t]` and `K` its `[kv/t]`, a block holding the fractions `fq` of the
+//!   rank's query rows and `fk` of the source's key rows holds, beside `[h + q/t]`: what
+//!   the method keeps through the backward (`base`: the ring's `dq`, `dk`, `dv` and the
+//!   copies of k and v it sent, `Q + 4 K`; all-gather's `dq`, the gathered keys and
+//!   values, this hop's slices of them and the earlier hops' `dk` and `dv`,
+//!   `Q + 2 cp K + 2 K + 2 hop K`), the block's gradients `fq Q + 2 fk K`, and the larger
+//!   of the kernel phase (row copies of a partial block's q, out and dout, `3 fq Q`, or
+//!   k and v, `2 fk K`, the kernel's scratch at the block's shape and the block's
+//!   log-sum-exps in f64 and the accumulator type) and the phase that adds the block's
+//!   gradients in (a new `dq`, `2 Q` while it is pieced from rows, then zero `dk` and
+//!   `dv` and their sums, `Q + 4 K`, `+ K` for a partial key block); all-gather's
+//!   reduce-scatter holds every hop's `dk` and `dv`, their concatenation and the sum
+//!   (`Q + (5 cp + 1) K`). The cp rank and hop with the most set the term.
+//!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
 //! held (the graph keeps the activations, gradients are complete, the optimizer's state
@@ -82,12 +114,12 @@
 //!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
 //!   attention); the ring adds the key and value blocks in flight (`[4 kv/t]` of the
 //!   local rows, a transient); parameters are replicated over cp, or sharded over
-//!   `dp x cp` under FSDP. The all-gather method ([`CpMethod::AllGather`]) gathers every
-//!   rank's keys and values again in attention's backward and makes their gradients
-//!   before the reduce-scatter: a layer's backward holds, beyond what the ring holds, the
-//!   other `cp - 1` ranks' keys, values and their gradients (`[4 (cp - 1) kv/t]`). Its
-//!   forward's gathered keys and values (`[2 cp kv/t]`) are freed when attention returns
-//!   and stay below the backward's peak.
+//!   `dp x cp` under FSDP. Attention's backward is modelled per block (above); the
+//!   all-gather method ([`CpMethod::AllGather`]) gathers every rank's keys and values
+//!   again in attention's backward and keeps every block's `dk` and `dv` until the
+//!   reduce-scatter, which is what it holds beyond the ring. Its forward's gathered keys
+//!   and values (`[2 cp kv/t]`) are freed when attention returns and stay below the
+//!   backward's peak.
 //!
 //! What it does not model: padding masks (a `[b, 1, 1, s]` mask per micro-batch, and
 //! under context parallelism every rank's `[b, s / cp]` key mask gathered once per
@@ -119,7 +151,8 @@ use std::fmt;
 
 use std::collections::HashMap;
 
-use tpar_dtensor::CpMethod;
+use tpar_collectives::RankThreads;
+use tpar_dtensor::{CpLayout, CpMethod};
 use tpar_nn::checkpoint::AcPolicy;
 use tpar_pipeline::{Costs, Phase, Schedule, ScheduleKind};
 use tpar_tensor::checkpoint::SaveOp;
@@ -235,6 +268,12 @@ pub struct MemoryConfig {
     pub ac: AcPolicy,
     /// Whether the ranks compute on the host (adds [`HOST_GEMM_WORKSPACE`]).
     pub host: bool,
+    /// Threads of each rank's host kernel pool, which run the attention backward's tasks
+    /// at once (each with its own scratch). `None`: what the local backend gives ranks
+    /// that are threads of one process by default, [`RankThreads::per_rank`] of the world
+    /// `dp * tp * cp * pp` (this machine's cores split between the ranks); a process per
+    /// rank sets its own pool's size.
+    pub host_threads: Option<usize>,
 }
 
 impl MemoryConfig {
@@ -257,6 +296,7 @@ impl MemoryConfig {
             schedule: ScheduleKind::OneFOneB,
             ac: AcPolicy::None,
             host: true,
+            host_threads: None,
         }
     }
 }
@@ -533,26 +573,21 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // weighed below).
     let mut options: Vec<(f64, String)> = Vec::new();
     if layers > 0 {
-        let ws = tokens * (3.0 * shape.mlp + h) * abytes;
-        let what = if recompute > 0.0 {
-            "a layer's backward with its recomputed activations"
+        // The MLP's backward and attention's do not overlap: the MLP's input gradients
+        // are freed before attention's backward starts.
+        let mlp = tokens * (3.0 * shape.mlp + h) * abytes;
+        let attn = attention_backward(c, &shape, c.batch / mb, compute)?;
+        let (ws, part) = if attn > mlp {
+            (attn, "attention's output gradient, dq, dk, dv and the kernel's scratch")
         } else {
-            "a layer's backward (MLP input gradients)"
+            (mlp, "MLP input gradients")
         };
-        if c.cp > 1 && c.cp_method == CpMethod::AllGather {
-            // Over the ring, attention's backward holds the other ranks' keys and values
-            // (gathered again) and their gradients before the reduce-scatter.
-            let gathered = 4.0 * (c.cp - 1) as f64 * tokens * shape.kv * abytes;
-            options.push((
-                ws + recompute + gathered,
-                format!(
-                    "{what}, with the keys and values of {} cp ranks and their gradients",
-                    c.cp
-                ),
-            ));
+        let what = if recompute > 0.0 {
+            format!("a layer's backward ({part}) with its recomputed activations")
         } else {
-            options.push((ws + recompute, what.into()));
-        }
+            format!("a layer's backward ({part})")
+        };
+        options.push((ws + recompute, what));
     }
     if last {
         options.push((tokens * v / t * abytes, "the logits' gradient".into()));
@@ -653,6 +688,241 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         transient_what,
         peak,
     })
+}
+
+/// One attention call, local to a rank, as the SDPA backward sees it (`q` `[batch,
+/// q_heads, q_len, head_dim]`, `k` and `v` `[batch, kv_heads, kv_len, head_dim]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionCall {
+    /// Rows of the batch.
+    pub batch: usize,
+    /// Query heads (a multiple of `kv_heads`).
+    pub q_heads: usize,
+    /// Key and value heads.
+    pub kv_heads: usize,
+    /// Query rows.
+    pub q_len: usize,
+    /// Key rows.
+    pub kv_len: usize,
+    /// Elements per head of q, k and v.
+    pub head_dim: usize,
+    /// Whether the top-left causal mask applies (query `i` sees keys `j <= i`).
+    pub causal: bool,
+}
+
+/// The host backward's tiles (`tpar_kernels::sdpa::SdpaTiles::backward`: 128 query rows,
+/// 64 keys) and the fewest tasks it splits into (its `MIN_BACKWARD_TASKS`).
+const HOST_SDPA_BWD_QUERIES: usize = 128;
+const HOST_SDPA_BWD_KEYS: usize = 64;
+const HOST_SDPA_BWD_MIN_TASKS: usize = 8;
+
+/// Bytes the host SDPA backward (`tpar_kernels::sdpa::sdpa_backward`) holds beyond its
+/// `dq`, `dk` and `dv` at its peak when `threads` threads run its tasks, for tensors of
+/// `dtype` (the kernel accumulates in f32, f64 for f64).
+///
+/// The kernel splits the work over (batch, kv head) groups `G = batch * kv_heads`, each
+/// with its `r = q_heads / kv_heads` query heads; when `G < 8`, each group's keys are cut
+/// into `n = min(key tiles, ceil(8 / G))` runs of whole 64-key tiles, a task each. With
+/// `d` the head dim, `rows` a task's query rows (those from its first key on when causal,
+/// else `q_len`) and `A` the accumulator's bytes:
+///
+/// - `D = rowsum(dO * O)`: one accumulator per query row, `batch * q_heads * q_len * A`.
+/// - A running task widens its group's scaled queries and output gradients and
+///   accumulates its `dq` rows: `3 r rows d A`, plus its tiles (two 128 x 64 score tiles
+///   and eight 64 x `d` key tiles): `(2 * 128 * 64 + 8 * 64 d) A`. `min(threads, tasks)`
+///   run at once.
+/// - With `n > 1` runs a task's `dq` rows are a partial sum kept until every task is
+///   done (`sum over tasks of r rows d A`); the tasks then run with their queries and
+///   output gradients at the runs' average rows, and the final sum adds one group's `dq`
+///   accumulator (`r q_len d A`) per thread, whichever is larger.
+pub fn host_sdpa_backward_scratch(a: &AttentionCall, dtype: DType, threads: usize) -> u64 {
+    let groups = a.batch * a.kv_heads;
+    if groups == 0 || a.q_heads == 0 || a.q_len == 0 || a.kv_len == 0 {
+        return 0;
+    }
+    let acc = stat_bytes(dtype);
+    let d = a.head_dim as f64;
+    let group = (a.q_heads / a.kv_heads).max(1) as f64;
+    let dsum = (a.batch * a.q_heads * a.q_len) as f64;
+    let key_tiles = a.kv_len.div_ceil(HOST_SDPA_BWD_KEYS);
+    let want = HOST_SDPA_BWD_MIN_TASKS.div_ceil(groups).clamp(1, key_tiles);
+    let run = key_tiles.div_ceil(want) * HOST_SDPA_BWD_KEYS;
+    let chunks = a.kv_len.div_ceil(run);
+    let threads = threads.max(1);
+    let running = threads.min(groups * chunks) as f64;
+    let rows = |c: usize| {
+        if a.causal {
+            a.q_len.saturating_sub(c * run) as f64
+        } else {
+            a.q_len as f64
+        }
+    };
+    let tiles = (2 * HOST_SDPA_BWD_QUERIES * HOST_SDPA_BWD_KEYS) as f64
+        + 8.0 * HOST_SDPA_BWD_KEYS as f64 * d;
+    let elems = if chunks == 1 {
+        dsum + running * (3.0 * group * rows(0) * d + tiles)
+    } else {
+        let all_rows: f64 = (0..chunks).map(rows).sum();
+        let partials = groups as f64 * group * all_rows * d;
+        let tasks = running * (2.0 * group * all_rows / chunks as f64 * d + tiles);
+        let sum = threads.min(groups) as f64 * group * a.q_len as f64 * d;
+        dsum + partials + tasks.max(sum)
+    };
+    (elems * acc).round() as u64
+}
+
+/// Bytes the CUDA SDPA backward's workspace takes for `a`
+/// (`tpar_kernels::cuda::raw::sdpa_backward_workspace_bytes`): an f32 per query row,
+/// rounded up to 256 bytes, and an f32 `dq` accumulator.
+pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
+    let rows = (a.batch * a.q_heads * a.q_len) as u64;
+    (rows * 4).next_multiple_of(256) + rows * a.head_dim as u64 * 4
+}
+
+/// The largest transient of one decoder layer's attention backward, in bytes (the
+/// module docs, "Attention's backward"); `rows` the batch rows a rank computes at once.
+fn attention_backward(
+    c: &MemoryConfig,
+    shape: &LayerShape,
+    rows: usize,
+    compute: DType,
+) -> Result<f64, MemoryError> {
+    let m = &c.model;
+    let abytes = compute.size_in_bytes() as f64;
+    let acc = stat_bytes(compute);
+    let q_heads = (m.num_attention_heads / c.tp).max(1);
+    let kv_heads = (m.num_key_value_heads / c.tp).max(1);
+    let world = c.dp * c.tp * c.cp * c.pp;
+    let threads = c.host_threads.unwrap_or(match RankThreads::per_rank(world) {
+        RankThreads::PerRank(n) => n,
+        RankThreads::Shared => 1,
+    });
+    let call = |q_len: usize, kv_len: usize, causal: bool| AttentionCall {
+        batch: rows,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim: m.head_dim(),
+        causal,
+    };
+    let scratch = |a: &AttentionCall| -> f64 {
+        if c.host {
+            host_sdpa_backward_scratch(a, compute, threads) as f64
+        } else {
+            device_sdpa_backward_scratch(a) as f64
+        }
+    };
+    // Beside every form below: the hidden state's gradient and attention's output
+    // gradient (`[b, hq, s, hd]`, the transpose's copy).
+    let per_token = |tokens: f64| tokens * (shape.full + shape.q) * abytes;
+    if c.cp == 1 {
+        let tokens = (rows * c.seq) as f64;
+        let outputs = tokens * (shape.q + 2.0 * shape.kv) * abytes;
+        return Ok(per_token(tokens) + outputs + scratch(&call(c.seq, c.seq, true)));
+    }
+    let layout = CpLayout::new(c.seq, c.cp).map_err(|e| config_err(e.to_string()))?;
+    let mut worst = 0.0f64;
+    for me in 0..c.cp {
+        let local = layout.local_len(me);
+        let tokens = (rows * local) as f64;
+        // This rank's q (and dq) and k or v (and dk or dv), whole.
+        let (big_q, big_k) = (tokens * shape.q * abytes, tokens * shape.kv * abytes);
+        let mut peak = 0.0f64;
+        for hop in 0..c.cp {
+            let src = (me + c.cp - hop) % c.cp;
+            let blk = cp_block(&layout, me, src);
+            // The dq accumulator and what the method holds through the backward: the
+            // ring's dk and dv and the copies of k and v it sent; all-gather's gathered
+            // k and v, this hop's slices of them and the earlier hops' dk and dv.
+            let base = match c.cp_method {
+                CpMethod::Ring => big_q + 4.0 * big_k,
+                CpMethod::AllGather => {
+                    big_q + 2.0 * c.cp as f64 * big_k + 2.0 * big_k + 2.0 * hop as f64 * big_k
+                }
+            };
+            if blk.kind == BlockKind::Empty {
+                peak = peak.max(base + 2.0 * big_k);
+                continue;
+            }
+            let qf = blk.q_rows as f64 / local.max(1) as f64;
+            let kf = blk.k_rows as f64 / layout.local_len(src).max(1) as f64;
+            // The block's dq, dk and dv.
+            let grads = qf * big_q + 2.0 * kf * big_k;
+            // Row copies of a partial block's q, out and dout, or of its k and v.
+            let copies = if qf < 1.0 { 3.0 * qf * big_q } else { 0.0 }
+                + if kf < 1.0 { 2.0 * kf * big_k } else { 0.0 };
+            let a = call(blk.q_rows, blk.k_rows, blk.kind == BlockKind::Diagonal);
+            // The merged log-sum-exps of the block's rows, in f64 and in the kernel's type.
+            let lse = (rows * q_heads * blk.q_rows) as f64 * (8.0 + acc);
+            let mask = if blk.kind == BlockKind::Explicit {
+                (blk.q_rows * blk.k_rows) as f64 * (8.0 + abytes)
+            } else {
+                0.0
+            };
+            let kernel = base + copies + grads + scratch(&a) + lse + mask;
+            // Adding the block's gradients in: a new dq (built from row pieces when the
+            // block has part of the rows), then zero dk and dv and their sums.
+            let dq_new = if qf < 1.0 { 2.0 * big_q } else { big_q };
+            let dkv_new = big_q + 4.0 * big_k + if kf < 1.0 { big_k } else { 0.0 };
+            let add = base + grads + dq_new.max(dkv_new);
+            peak = peak.max(kernel).max(add);
+        }
+        if c.cp_method == CpMethod::AllGather {
+            // The reduce-scatter: every hop's dk and dv, their concatenation and this
+            // rank's sum.
+            let n = c.cp as f64;
+            peak = peak.max(big_q + 4.0 * n * big_k + (n + 1.0) * big_k);
+        }
+        worst = worst.max(per_token(tokens) + peak);
+    }
+    Ok(worst)
+}
+
+/// How a context-parallel block is masked (`tpar_tensor`'s `BlockMask`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockKind {
+    /// Every key at or before every query.
+    Full,
+    /// The rank's own rows: the top-left causal mask.
+    Diagonal,
+    /// No key visible.
+    Empty,
+    /// Any other pattern: an explicit `[q_rows, k_rows]` mask.
+    Explicit,
+}
+
+/// The query and key rows of the block of `me`'s queries against `src`'s keys that
+/// context-parallel attention computes (`tpar_dtensor::context_parallel`): key chunks
+/// after every query are dropped, then query chunks before every kept key.
+struct CpBlock {
+    q_rows: usize,
+    k_rows: usize,
+    kind: BlockKind,
+}
+
+fn cp_block(layout: &CpLayout, me: usize, src: usize) -> CpBlock {
+    let (qr, kr) = (layout.ranges(me), layout.ranges(src));
+    let nonempty = |r: &[(usize, usize)]| -> Vec<(usize, usize)> {
+        r.iter().copied().filter(|&(_, l)| l > 0).collect()
+    };
+    let q_max = nonempty(&qr).iter().map(|&(s, l)| s + l - 1).max();
+    let keys: Vec<(usize, usize)> =
+        nonempty(&kr).into_iter().filter(|&(s, _)| q_max.is_some_and(|m| s <= m)).collect();
+    let k_min = keys.iter().map(|r| r.0).min();
+    let queries: Vec<(usize, usize)> =
+        nonempty(&qr).into_iter().filter(|&(s, l)| k_min.is_some_and(|m| s + l > m)).collect();
+    let (q_rows, k_rows) =
+        (queries.iter().map(|r| r.1).sum::<usize>(), keys.iter().map(|r| r.1).sum::<usize>());
+    let q_min = queries.iter().map(|r| r.0).min();
+    let k_max = keys.iter().map(|&(s, l)| s + l - 1).max();
+    let kind = match (q_min, k_max) {
+        _ if q_rows == 0 || k_rows == 0 => BlockKind::Empty,
+        _ if me == src => BlockKind::Diagonal,
+        (Some(q0), Some(k1)) if k1 <= q0 => BlockKind::Full,
+        _ => BlockKind::Explicit,
+    };
+    CpBlock { q_rows, k_rows, kind }
 }
 
 /// What an interleaved 1F1B rank holds at its peak.
