@@ -28,7 +28,8 @@
 //   of the same tiles; dS^T goes to shared memory ([128 keys][64 queries],
 //   128-byte swizzle: the M-major A operand of dQ = dS K), and warpgroup w
 //   computes columns w HD/2 .. of dQ over all 128 keys and adds them into
-//   the f32 accumulator with atomics. dK (times scale) and dV stay in
+//   the f32 accumulator with atomics (red.global.add.v2.f32: two adjacent
+//   columns per instruction). dK (times scale) and dV stay in
 //   registers until the end: one writer per element.
 //
 // Compiled for an architecture without wgmma, the kernels are empty: the
@@ -116,6 +117,17 @@ TPAR_DEVICE u32 pack2_rn<f16>(float lo, float hi) {
     return r;
 }
 #endif
+
+// p[0] += x, p[1] += y (p 8-byte aligned): one red.global.add.v2.f32 on a
+// GPU (sm_90), two atomicAdd in the emulator.
+TPAR_DEVICE void red_add2(float* p, float x, float y) {
+#ifndef TPAR_EMU
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
 
 struct Smem {
     unsigned char* k;            // [HD / 64] boxes of [128 keys][64 columns]
@@ -350,10 +362,10 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
 
         float* dqa = a.dq_acc + (bh * a.q_len + i0) * a.head_dim + cw * (HD / 2);
 #pragma unroll
-        for (int i = 0; i < HD / 4; ++i) {
+        for (int i = 0; i < HD / 4; i += 2) {
             const int r = 16 * wi + g + 8 * ((i / 2) % 2);
-            const int c = 8 * (i / 4) + 2 * t + (i % 2);
-            if (r < nq) atomicAdd(dqa + (i64)r * a.head_dim + c, dq[i]);
+            const int c = 8 * (i / 4) + 2 * t;
+            if (r < nq) red_add2(dqa + (i64)r * a.head_dim + c, dq[i], dq[i + 1]);
         }
     }
 

@@ -176,12 +176,20 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
         "mbarrier.arrive.expect_tx.shared::cta.b64",
         "setmaxnreg.dec.sync.aligned.u32",
         "setmaxnreg.inc.sync.aligned.u32",
+        // clusters of 2: A multicast, remote empty arrivals, the cluster barrier
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+        "mbarrier.arrive.release.cluster.shared::cluster.b64",
+        "barrier.cluster.arrive.release.aligned",
+        "%cluster_ctarank",
     ] {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
     if let Some(usage) = ptxas_report("gemm_hopper", &ptx) {
         assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
+        for (k, _, st, ld) in &usage {
+            assert!(*st == 0 && *ld == 0, "{k} spills ({st} bytes stored, {ld} loaded)");
+        }
     }
 }
 
@@ -208,6 +216,7 @@ fn the_hopper_attention_backward_compiles_for_sm_90a() {
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
+        "red.global.add.v2.f32",
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
         "mbarrier.try_wait.parity.shared::cta.b64",
         "mbarrier.arrive.expect_tx.shared::cta.b64",
