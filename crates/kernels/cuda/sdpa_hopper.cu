@@ -26,7 +26,9 @@
 //   groups 1024 bytes apart, 16 keys 2048 bytes further, the next 64 head
 //   dims one box further = the leading byte offset). The scores of tile n are
 //   issued with the P v of tile n - 1, so the softmax of one overlaps the
-//   other (see `consume`).
+//   other (see `consume`), and the two consumer warpgroups take turns
+//   issuing their products (an mbarrier per warpgroup), so that one's softmax
+//   runs while the other's products occupy the tensor cores.
 // Out-of-range q rows and keys load as zeros (the maps bound the sequence of
 // each head); those keys are masked, those rows never stored. The output is
 // written from the accumulators (two elements per 4-byte store), lse by one
@@ -100,6 +102,7 @@ struct Smem {
     u64* k_full;  // [STAGES]
     u64* v_full;  // [STAGES]
     u64* empty;   // [STAGES]
+    u64* turn;    // [2]: consumer warpgroup c may issue its products (128 arrivals)
 };
 
 template <int HD>
@@ -118,6 +121,7 @@ TPAR_DEVICE Smem<HD> carve() {
     s.k_full = bars + 1;
     s.v_full = bars + 1 + STAGES;
     s.empty = bars + 1 + 2 * STAGES;
+    s.turn = bars + 1 + 3 * STAGES;
     return s;
 }
 
@@ -296,11 +300,23 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     u32 pa[BN / 16][4];
     float alpha[2];
 
+    // The two consumer warpgroups take turns issuing their products (FA3's
+    // ping-pong): the k-th issue of warpgroup c waits for phase k of turn[c]
+    // and then completes a phase of turn[1 - c], so one warpgroup's softmax
+    // runs while the other's products occupy the tensor cores. Warpgroup 1
+    // opens turn[0]'s first phase.
+    u32 turns = 0;
+    auto my_turn = [&]() { mbarrier_wait_parity(&s.turn[cw], turns++ & 1u); };
+    auto pass_turn = [&]() { mbarrier_arrive(&s.turn[1 - cw]); };
+    if (cw == 1) pass_turn();
+
     mbarrier_wait_parity(s.q_full, 0u);
     if (w.tiles > 0) {
         mbarrier_wait_parity(&s.k_full[0], 0u);
+        my_turn();
         wgmma_fence();
         issue_qk<T, HD>(s, 0, cw, sc);
+        pass_turn();
         wgmma_wait<0>();
         softmax_step<T>(a, M, 0, r, sc, alpha);  // O is 0: alpha is not needed
         to_fragments<T>(sc, pa);
@@ -308,10 +324,12 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     for (int n = 1; n < w.tiles; ++n) {
         const int st = n % STAGES, pst = (n - 1) % STAGES;
         mbarrier_wait_parity(&s.k_full[st], (u32)((n / STAGES) & 1));
+        mbarrier_wait_parity(&s.v_full[pst], (u32)(((n - 1) / STAGES) & 1));
+        my_turn();
         wgmma_fence();
         issue_qk<T, HD>(s, st, cw, sc);
-        mbarrier_wait_parity(&s.v_full[pst], (u32)(((n - 1) / STAGES) & 1));
         issue_pv<T, HD>(s, pst, pa, o);
+        pass_turn();
         wgmma_wait<1>();  // the scores; P v may still run
         softmax_step<T>(a, M, n * BN, r, sc, alpha);
         wgmma_wait<0>();  // P v of tile n - 1: its stage is read, O and P free
@@ -323,8 +341,10 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     if (w.tiles > 0) {
         const int last = w.tiles - 1, st = last % STAGES;
         mbarrier_wait_parity(&s.v_full[st], (u32)((last / STAGES) & 1));
+        my_turn();
         wgmma_fence();
         issue_pv<T, HD>(s, st, pa, o);
+        pass_turn();
         wgmma_wait<0>();
         if (lane == 0) mbarrier_arrive(&s.empty[st]);
     }
@@ -367,6 +387,8 @@ TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
             mbarrier_init(&s.v_full[i], 1);
             mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
         }
+        mbarrier_init(&s.turn[0], 128);
+        mbarrier_init(&s.turn[1], 128);
         fence_mbarrier_init();
     }
     __syncthreads();
