@@ -17,6 +17,22 @@
 // grouped order (`group` tile rows at a time, column by column inside a
 // group) so that blocks running together share rows of A and columns of B.
 //
+// Clusters (`cluster` = 2, launched as 2 x 1 x 1 thread-block clusters): the
+// two blocks of a cluster walk pairs of tiles, t = cluster id, + clusters,
+// ..., in the grouped order over pairs; block `rank` takes the pair's tile
+// at columns n0 + 128 * rank, so both share the 128 rows of A. Each
+// producer loads rows 64 * rank .. + 63 of the A tile (a 64-row box) and
+// multicasts them into the same stage of both blocks, and loads its own B
+// tile; a block's "full" barrier thus completes on its own and its peer's
+// copies. A stage is refilled only when both blocks' consumers released it:
+// each consumer warp arrives on its own block's "empty" barrier and on the
+// peer's (16 arrivals per phase). When N has an odd number of tiles, the
+// last pair's second tile lies past N: its block still loads its half of A
+// for the peer (and zeros for B) and skips the epilogue. Both blocks meet
+// at a cluster barrier after the barriers' initialisation (before any copy
+// or remote arrival reaches the peer) and before exiting (no block leaves
+// while its peer may still arrive on its barriers).
+//
 // Layouts (the kernel name's two letters, A first): `n` = as stored
 // row-major ([m, k] for A, [k, n] for B), `t` = stored transposed ([k, m],
 // [n, k]). The tensor maps follow the storage (their innermost dim is the
@@ -59,8 +75,9 @@ struct GemmHopperArgs {
     float alpha, beta;
     i32 epilogue;  // EPI_* bits
     i32 c_tma;
-    i32 group;  // tile rows per group of the tile order
-    i32 pad[9];
+    i32 group;    // tile rows per group of the tile order
+    i32 cluster;  // blocks per cluster along N: 1, or 2 (A multicast)
+    i32 pad[8];
 };
 
 #if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -113,24 +130,35 @@ struct Tile {
     int b, m0, n0;
 };
 
-// Tile `t` of the launch in the grouped order.
-TPAR_DEVICE Tile tile_of(int t, const GemmHopperArgs& a) {
-    const int tiles_m = (a.m + BM - 1) / BM, tiles_n = (a.n + BN - 1) / BN;
-    const int per = tiles_m * tiles_n;
+// Units of work a block walks: tiles, or pairs of tiles along N (cluster 2).
+TPAR_DEVICE int work_units(const GemmHopperArgs& a) {
+    const int tiles_m = (a.m + BM - 1) / BM, cols = (a.n + BN * a.cluster - 1) / (BN * a.cluster);
+    return tiles_m * cols * a.batch;
+}
+
+// Block `rank`'s tile of unit `t` in the grouped order (units are
+// `cluster` tiles wide along N).
+TPAR_DEVICE Tile tile_of(int t, const GemmHopperArgs& a, int rank) {
+    const int tiles_m = (a.m + BM - 1) / BM, cols = (a.n + BN * a.cluster - 1) / (BN * a.cluster);
+    const int per = tiles_m * cols;
     const int b = t / per, r = t % per;
-    const int width = a.group * tiles_n;
+    const int width = a.group * cols;
     const int first = (r / width) * a.group;
     const int rows = min(tiles_m - first, a.group);
     const int in = r % width;
-    return Tile{b, (first + in % rows) * BM, (in / rows) * BN};
+    return Tile{b, (first + in % rows) * BM, ((in / rows) * a.cluster + rank) * BN};
 }
+
+// The first unit of this block and the stride between its units.
+TPAR_DEVICE int first_unit(const GemmHopperArgs& a) { return (int)blockIdx.x / a.cluster; }
+TPAR_DEVICE int unit_stride(const GemmHopperArgs& a) { return (int)gridDim.x / a.cluster; }
 
 // Warpgroup 0, one thread: fills the ring.
 template <int TA, int TB>
-TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int ktiles) {
+TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int ktiles, int rank) {
     int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const Tile tl = tile_of(t, a);
+    for (int t = first_unit(a); t < total; t += unit_stride(a)) {
+        const Tile tl = tile_of(t, a, rank);
         const int za = a.bcast_a ? 0 : tl.b, zb = a.bcast_b ? 0 : tl.b;
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
             const int st = it % STAGES;
@@ -138,7 +166,16 @@ TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int 
             mbarrier_wait_parity(&s.empty[st], phase ^ 1u);
             mbarrier_arrive_expect_tx(&s.full[st], STAGE_BYTES);
             const int k0 = kt * BK;
-            if (TA == 0) {
+            if (a.cluster == 2) {
+                // this block's 64 rows of A into both blocks' stage
+                unsigned char* half = s.a[st] + rank * (A_BYTES / 2);
+                if (TA == 0)
+                    tma_load_3d_multicast(half, &a.map_a, k0, tl.m0 + 64 * rank, za, &s.full[st],
+                                          (u16)3);
+                else
+                    tma_load_3d_multicast(half, &a.map_a, tl.m0 + 64 * rank, k0, za, &s.full[st],
+                                          (u16)3);
+            } else if (TA == 0) {
                 tma_load_3d(s.a[st], &a.map_a, k0, tl.m0, za, &s.full[st]);
             } else {
                 tma_load_3d(s.a[st], &a.map_a, tl.m0, k0, za, &s.full[st]);
@@ -169,14 +206,22 @@ TPAR_DEVICE float load_out(const void* p, i64 i) {
 }
 
 // Warpgroups 1 and 2: the K loop of each tile, then its epilogue.
+// Releases stage `st` to the producers: this block's, and with clusters the
+// peer's (whose multicast also writes this block's stage).
+TPAR_DEVICE void release(const GemmHopperArgs& a, const Smem& s, int st, int rank) {
+    mbarrier_arrive(&s.empty[st]);
+    if (a.cluster == 2) mbarrier_arrive_cluster(&s.empty[st], (u32)(rank ^ 1));
+}
+
 template <typename T, typename O, int TA, int TB>
-TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int ktiles, int cw) {
+TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int ktiles, int cw,
+                         int rank) {
     const int tw = threadIdx.x % 128;
     const int w = tw / 32, lane = tw % 32, g = lane / 4, q = lane % 4;
     float d[BN / 2];
     int it = 0, done = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x, ++done) {
-        const Tile tl = tile_of(t, a);
+    for (int t = first_unit(a); t < total; t += unit_stride(a), ++done) {
+        const Tile tl = tile_of(t, a, rank);
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
             const int st = it % STAGES;
             mbarrier_wait_parity(&s.full[st], (u32)((it / STAGES) & 1));
@@ -197,10 +242,16 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
             wgmma_commit();
             // the group before this one has retired: its stage may be refilled
             wgmma_wait<1>();
-            if (kt > 0 && lane == 0) mbarrier_arrive(&s.empty[(it - 1) % STAGES]);
+            if (kt > 0 && lane == 0) release(a, s, (it - 1) % STAGES, rank);
         }
         wgmma_wait<0>();
-        if (lane == 0) mbarrier_arrive(&s.empty[(it - 1) % STAGES]);
+        if (lane == 0) release(a, s, (it - 1) % STAGES, rank);
+        // the second tile of a pair past N (odd tile count): nothing to store;
+        // `done` counts only stored tiles (the epilogue barriers' phases)
+        if (tl.n0 >= a.n) {
+            --done;
+            continue;
+        }
 
         // epilogue of rows m0 + 64 cw .. + 63: the accumulators into the f32
         // staging tile, then row by row (coalesced) the scales, hooks and cast
@@ -250,12 +301,14 @@ template <typename T, typename O, int TA, int TB>
 TPAR_DEVICE void run(const GemmHopperArgs& a) {
     const Smem s = carve();
     const int wg = threadIdx.x / 128;
+    const int rank = a.cluster == 2 ? (int)cluster_ctarank() : 0;
     if (threadIdx.x == 0) {
         tma_prefetch(&a.map_a);
         tma_prefetch(&a.map_b);
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&s.full[i], 1);
-            mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
+            // lane 0 of each consumer warp (of both blocks of a cluster)
+            mbarrier_init(&s.empty[i], 8 * a.cluster);
         }
         for (int i = 0; i < 2; ++i) {
             mbarrier_init(&s.epi_sync[i], 128);
@@ -263,17 +316,23 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
         }
         fence_mbarrier_init();
     }
-    __syncthreads();
-    const int tiles = ((a.m + BM - 1) / BM) * ((a.n + BN - 1) / BN);
-    const int total = tiles * a.batch;
+    // with clusters, the peer's barriers are initialised before any copy or
+    // arrival of this block reaches them
+    if (a.cluster == 2)
+        cluster_sync();
+    else
+        __syncthreads();
+    const int total = work_units(a);
     const int ktiles = (a.k + BK - 1) / BK;
     if (wg == 0) {
         setmaxnreg_dec<40>();
-        if (threadIdx.x == 0) produce<TA, TB>(a, s, total, ktiles);
+        if (threadIdx.x == 0) produce<TA, TB>(a, s, total, ktiles, rank);
     } else {
         setmaxnreg_inc<232>();
-        consume<T, O, TA, TB>(a, s, total, ktiles, wg - 1);
+        consume<T, O, TA, TB>(a, s, total, ktiles, wg - 1, rank);
     }
+    // no block leaves while its peer may still arrive on its barriers
+    if (a.cluster == 2) cluster_sync();
 }
 
 }  // namespace gemm_hopper

@@ -91,6 +91,9 @@ struct Cta {
     std::vector<unsigned char> dyn_smem;
     // dynamic shared memory, 1024-byte aligned (the emulated shared window)
     unsigned char* smem = nullptr;
+    // threads not yet exited: once 0, the block's shared memory is gone for
+    // the rest of its cluster
+    unsigned live = 0;
 };
 
 struct Launch {
@@ -208,6 +211,7 @@ void run_cluster(Launch* L) {
     L->warps.assign(nwarps, Warp{});
     L->groups.assign(groups_per_block * L->csize, Group{});
     L->mbars.clear();
+    for (Cta& c : L->ctas) c.live = per_block;
     while (g_stacks.size() < nthreads) {
         void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -274,6 +278,7 @@ void run_cluster(Launch* L) {
                     L->current = nullptr;
                     if (f.state == DONE) {
                         --live;
+                        L->ctas[f.cta].live--;
                         if (!f.wgmma.empty())
                             fail(L, "a thread exited with wgmma.mma_async results it never "
                                     "waited for (wgmma.commit_group / wgmma.wait_group missing) "
@@ -681,8 +686,18 @@ void* tpar_emu_mapa(const void* p, unsigned rank) {
         return const_cast<void*>(p);
     }
     for (const Cta& cta : L->ctas)
-        if (c >= cta.smem && c <= cta.smem + L->smem_bytes)
+        if (c >= cta.smem && c <= cta.smem + L->smem_bytes) {
+            if (L->ctas[rank].live == 0) {
+                // a remote arrival, multicast copy or load into a block whose
+                // threads have all exited (on a GPU its shared memory may
+                // belong to another block by then)
+                tpar_emu_fail("an access to the shared memory of a block of the cluster whose "
+                              "threads have all exited (a cluster_sync before exiting keeps "
+                              "every block's shared memory alive while its peers use it)");
+                return const_cast<void*>(p);
+            }
             return L->ctas[rank].smem + (c - cta.smem);
+        }
     tpar_emu_fail("mapa of an address outside dynamic shared memory (the emulator maps only "
                   "tpar_dyn_smem between the blocks of a cluster)");
     return const_cast<void*>(p);

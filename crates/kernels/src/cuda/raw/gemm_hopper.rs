@@ -22,6 +22,13 @@
 //! leading dimensions or batch strides not multiples of 8 elements).
 //! Kernel names: `tpar_gemm_hopper_<layout>_<in>_<out>` (layout `nn`, `nt`,
 //! `tn`, `tt`, first letter A, `t` = stored transposed).
+//!
+//! Clusters ([`HopperConfig::cluster`]): with 2, the kernel runs as 2 x 1 x 1
+//! thread-block clusters whose two blocks take neighbouring tiles along N;
+//! each loads half of their shared A tile and multicasts it to both, which
+//! halves A's traffic from L2. The default is 1 (no clusters) until a GPU
+//! measurement shows that 2 pays; [`CLUSTER_ENV`] overrides it for
+//! measurement. Only the emulator has run the clustered kernel so far.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -37,6 +44,10 @@ const OP: &str = "cuda gemm (hopper)";
 /// for when kernels are chosen by device: `sm_90a` makes [`HopperTarget::of`]
 /// accept the emulator, so [`gemm_if_supported`] runs the Hopper kernel there.
 pub const EMU_ARCH_ENV: &str = "TPAR_EMU_ARCH";
+
+/// Environment variable overriding the cluster size [`gemm()`] launches
+/// with: `1` or `2` (see [`HopperConfig`]); unset or empty: the default, 1.
+pub const CLUSTER_ENV: &str = "TPAR_GEMM_CLUSTER";
 
 /// Rows and columns of C per tile.
 pub const TILE: (usize, usize) = (128, 128);
@@ -108,8 +119,59 @@ pub struct GemmHopperArgs {
     pub c_tma: i32,
     /// Tile rows per group of the tile order.
     pub group: i32,
+    /// Blocks per cluster along N: 1, or 2 (A multicast to both).
+    pub cluster: i32,
     /// Padding (0) to a multiple of 64 bytes.
-    pub pad: [i32; 9],
+    pub pad: [i32; 8],
+}
+
+/// How the Hopper kernel is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperConfig {
+    /// Blocks per thread-block cluster: 1 (no clusters, the default), or 2
+    /// (the two blocks of a cluster take neighbouring tiles along N and
+    /// multicast halves of their common A tile to each other).
+    pub cluster: u32,
+}
+
+impl Default for HopperConfig {
+    fn default() -> Self {
+        HopperConfig { cluster: 1 }
+    }
+}
+
+impl HopperConfig {
+    /// A launch with clusters of `cluster` blocks: 1 or 2, else an error.
+    pub fn with_cluster(cluster: u32) -> Result<HopperConfig> {
+        let c = HopperConfig { cluster };
+        c.check()?;
+        Ok(c)
+    }
+
+    /// The default, or the cluster size [`CLUSTER_ENV`] names; a value other
+    /// than `1` or `2` is an error naming it.
+    pub fn from_env() -> Result<HopperConfig> {
+        HopperConfig::from_env_value(std::env::var(CLUSTER_ENV).ok().as_deref())
+    }
+
+    fn from_env_value(v: Option<&str>) -> Result<HopperConfig> {
+        match v.map(str::trim) {
+            None | Some("") => Ok(HopperConfig::default()),
+            Some("1") => Ok(HopperConfig { cluster: 1 }),
+            Some("2") => Ok(HopperConfig { cluster: 2 }),
+            Some(other) => Err(bad(OP, format!("{CLUSTER_ENV}={other:?}: expected 1 or 2"))),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if !matches!(self.cluster, 1 | 2) {
+            return Err(bad(
+                OP,
+                format!("cluster size {} (the Hopper GEMM takes 1 or 2)", self.cluster),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What a matrix [`AuxInput`] is combined with.
@@ -197,12 +259,14 @@ fn gpu_sm_count(ordinal: usize) -> Option<u32> {
     u32::try_from(n).ok().filter(|&n| n > 0)
 }
 
-/// A resolved launch: kernel, grid and argument struct.
+/// A resolved launch: kernel, grid (and cluster shape) and argument struct.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HopperLaunch {
     /// Kernel name (`tpar_gemm_hopper_nt_bf16_f32`, ...).
     pub kernel: String,
-    /// Persistent grid (min(tiles, SMs) blocks of 384 threads) and shared memory.
+    /// Persistent grid (min(tiles, SMs) blocks of 384 threads, or with
+    /// clusters of 2 twice min(tile pairs, SMs / 2)), cluster shape and
+    /// shared memory.
     pub cfg: LaunchConfig,
     /// The argument struct.
     pub args: GemmHopperArgs,
@@ -305,9 +369,7 @@ fn fit_i64(what: &str, v: usize) -> Result<i64> {
 }
 
 /// Validates `p`, the epilogue and the addresses and resolves the launch on
-/// `target`: the kernel, a persistent grid of min(tiles, SMs) blocks, and the
-/// argument struct with the tensor maps of A, B and (when C's address, row
-/// pitch and batch stride are 16-byte multiples) C.
+/// `target` without clusters ([`plan_with`] the default [`HopperConfig`]).
 pub fn plan(
     p: &GemmProblem,
     epi: &Epilogue,
@@ -316,6 +378,24 @@ pub fn plan(
     b: DevPtr,
     c: DevPtr,
 ) -> Result<HopperLaunch> {
+    plan_with(p, epi, target, HopperConfig::default(), a, b, c)
+}
+
+/// Validates `p`, the epilogue, the addresses and `cfg` and resolves the
+/// launch on `target`: the kernel, a persistent grid of min(tiles, SMs)
+/// blocks (clusters of 2: min(tile pairs, SMs / 2) clusters), and the
+/// argument struct with the tensor maps of A, B and (when C's address, row
+/// pitch and batch stride are 16-byte multiples) C.
+pub fn plan_with(
+    p: &GemmProblem,
+    epi: &Epilogue,
+    target: HopperTarget,
+    cfg: HopperConfig,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<HopperLaunch> {
+    cfg.check()?;
     validate(p, a, b)?;
     let s = &p.shape;
     let osz = p.dtype_out.size();
@@ -355,7 +435,10 @@ pub fn plan(
     let sw = TensorMapSwizzle::B128;
     // (inner, outer) of each operand as stored, and its box: A [m, k] / B [n, k]
     // (K-major) one 64 x 128 box; A [k, m] / B [k, n] two 64 x 64
-    let (a_dims, a_box) = if ta { ((s.m, s.k), [64, 64, 1]) } else { ((s.k, s.m), [64, 128, 1]) };
+    // (with clusters of 2, a block loads 64 rows of the A tile: 64 x 64 boxes)
+    let cl = cfg.cluster as usize;
+    let (a_dims, a_box) =
+        if ta { ((s.m, s.k), [64, 64, 1]) } else { ((s.k, s.m), [64, 128 / cl as u32, 1]) };
     let (b_dims, b_box) = if tb { ((s.k, s.n), [64, 128, 1]) } else { ((s.n, s.k), [64, 64, 1]) };
     let (ab, bb) = ((s.batch, s.a_batch_stride), (s.batch, s.b_batch_stride));
     let map_a = operand_map(target, p.dtype_in, a, (a_dims.0, a_dims.1, p.lda), ab, a_box, sw)?;
@@ -384,8 +467,12 @@ pub fn plan(
     };
     let kernel =
         format!("tpar_gemm_hopper_{layout}_{}_{}", p.dtype_in.suffix(), p.dtype_out.suffix());
-    let blocks = tiles.min(target.sms.max(1) as usize) as u32;
-    let cfg = LaunchConfig::linear(blocks, THREADS).with_shared(SHARED_BYTES);
+    // units of work: tiles, or pairs of tiles along N
+    let units = s.m.div_ceil(bm) * s.n.div_ceil(bn * cl) * s.batch;
+    let clusters = units.min((target.sms as usize / cl).max(1)) as u32;
+    let launch_cfg = LaunchConfig::linear(clusters * cfg.cluster, THREADS)
+        .with_shared(SHARED_BYTES)
+        .with_cluster([cfg.cluster, 1, 1]);
     let args = GemmHopperArgs {
         map_a,
         map_b,
@@ -408,12 +495,15 @@ pub fn plan(
         epilogue: flags,
         c_tma: i32::from(c_tma),
         group: GROUP,
-        pad: [0; 9],
+        cluster: cfg.cluster as i32,
+        pad: [0; 8],
     };
-    Ok(HopperLaunch { kernel, cfg, args })
+    Ok(HopperLaunch { kernel, cfg: launch_cfg, args })
 }
 
-/// Runs `p` with epilogue `epi` on `l` (a device of `target`).
+/// Runs `p` with epilogue `epi` on `l` (a device of `target`), with the
+/// cluster size [`HopperConfig::from_env`] gives (1 unless [`CLUSTER_ENV`]
+/// says otherwise).
 ///
 /// # Safety
 /// `a`, `b` and `c` (and the epilogue's bias and matrix) must be device
@@ -430,7 +520,26 @@ pub unsafe fn gemm(
     b: DevPtr,
     c: DevPtr,
 ) -> Result<()> {
-    let plan = plan(p, epi, target, a, b, c)?;
+    // SAFETY: forwarded from the caller.
+    unsafe { gemm_with(l, target, HopperConfig::from_env()?, p, epi, a, b, c) }
+}
+
+/// [`gemm()`] with an explicit [`HopperConfig`].
+///
+/// # Safety
+/// As [`gemm()`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_with(
+    l: &dyn Launcher,
+    target: HopperTarget,
+    cfg: HopperConfig,
+    p: &GemmProblem,
+    epi: &Epilogue,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<()> {
+    let plan = plan_with(p, epi, target, cfg, a, b, c)?;
     // SAFETY: the caller guarantees the buffers; `plan` checked the sizes fit
     // the argument struct, which mirrors the kernel's.
     unsafe { launch(l, &plan.kernel, plan.cfg, &plan.args) }
@@ -509,5 +618,50 @@ mod tests {
             aux: Some(AuxInput { ptr: 64, ld: 4, batch_stride: 0, op: AuxOp::Residual }),
         };
         assert!(plan(&x, &bad_aux, t, 4096, 8192, 16384).unwrap_err().to_string().contains("ld 4"));
+    }
+
+    #[test]
+    fn cluster_plans_pair_tiles_and_refuse_other_sizes() {
+        // 3 x 2 tiles x 2 batches = 6 pairs along N
+        let shape = GemmShape::new(2, 300, 200, 72);
+        let p = GemmProblem::new(shape, CudaDType::BF16, CudaDType::F32);
+        let c2 = HopperConfig::with_cluster(2).unwrap();
+        let plan2 = |sms| {
+            plan_with(&p, &Epilogue::default(), HopperTarget::emulator(sms), c2, 4096, 8192, 16384)
+        };
+        let l = plan2(4).unwrap();
+        assert_eq!((l.cfg.grid, l.cfg.cluster), ([4, 1, 1], [2, 1, 1]));
+        assert_eq!(l.args.cluster, 2);
+        assert_eq!(plan2(132).unwrap().cfg.grid, [12, 1, 1]);
+        // one SM still runs one cluster
+        assert_eq!(plan2(1).unwrap().cfg.grid, [2, 1, 1]);
+        assert_eq!(
+            plan(&p, &Epilogue::default(), HopperTarget::emulator(4), 4096, 8192, 16384)
+                .unwrap()
+                .cfg
+                .cluster,
+            [1, 1, 1]
+        );
+        for bad_size in [0, 3, 4] {
+            let e = HopperConfig::with_cluster(bad_size).unwrap_err().to_string();
+            assert!(e.contains(&format!("cluster size {bad_size}")), "{e}");
+            let cfg = HopperConfig { cluster: bad_size };
+            assert!(plan_with(
+                &p,
+                &Epilogue::default(),
+                HopperTarget::emulator(4),
+                cfg,
+                4096,
+                8192,
+                16384
+            )
+            .is_err());
+        }
+        assert_eq!(HopperConfig::from_env_value(None).unwrap().cluster, 1);
+        assert_eq!(HopperConfig::from_env_value(Some("")).unwrap().cluster, 1);
+        assert_eq!(HopperConfig::from_env_value(Some(" 2")).unwrap().cluster, 2);
+        assert_eq!(HopperConfig::from_env_value(Some("1")).unwrap().cluster, 1);
+        let e = HopperConfig::from_env_value(Some("4")).unwrap_err().to_string();
+        assert!(e.contains("TPAR_GEMM_CLUSTER=\"4\""), "{e}");
     }
 }
