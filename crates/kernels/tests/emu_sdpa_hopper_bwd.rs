@@ -306,3 +306,49 @@ fn refusals_name_the_reason() {
     let e = unsafe { hopper::sdpa_backward(emu, BF16, &gqa, &b) }.unwrap_err().to_string();
     assert!(e.contains("multiple of kv_heads"), "{e}");
 }
+
+/// One partial tile each way: 33 queries, 40 keys (the second consumer
+/// warpgroup's keys all past kv_len), GQA, causal and a full mask.
+#[test]
+fn bf16_d128_single_partial_tiles() {
+    run::<half::bf16>(BF16, shape(2, 4, 2, 33, 40, 128, true), MaskKind::Full);
+}
+
+/// No queries: dk and dv are zeros; no keys: dq is zero.
+#[test]
+fn empty_sequences_give_zero_gradients() {
+    std::env::set_var(EMU_ARCH_ENV, "sm_90a");
+    let emu = emu();
+    for (q_len, kv_len) in [(0, 70), (70, 0)] {
+        let s = shape(1, 2, 1, q_len, kv_len, 64, false);
+        let (nq, nk) = (2 * q_len * 64, kv_len * 64);
+        let q: Vec<half::bf16> = cvt(&data(nq, 1, 1.0));
+        let k: Vec<half::bf16> = cvt(&data(nk, 2, 1.0));
+        let mut dq = vec![half::bf16::from_f64(7.0); nq];
+        let mut dk = vec![half::bf16::from_f64(7.0); nk];
+        let mut dv = vec![half::bf16::from_f64(7.0); nk];
+        let lse = vec![0.0f32; 2 * q_len];
+        let ws_bytes = sdpa_backward_workspace_bytes(&s).unwrap().max(16);
+        let mut ws = vec![0.0f32; ws_bytes.div_ceil(4) + 4];
+        let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+        let b = SdpaBwdBuffers {
+            q: ptr(&q),
+            k: ptr(&k),
+            v: ptr(&k),
+            mask: None,
+            out: ptr(&q),
+            lse: ptr(&lse),
+            dout: ptr(&q),
+            dq: mptr(&mut dq),
+            dk: mptr(&mut dk),
+            dv: mptr(&mut dv),
+            workspace: mptr(&mut ws[ws_off..]),
+            workspace_bytes: ws_bytes,
+        };
+        // SAFETY: host buffers holding every element the sizes reach.
+        unsafe { hopper::sdpa_backward(emu, BF16, &s, &b).unwrap() };
+        for (name, g) in [("dq", &dq), ("dk", &dk), ("dv", &dv)] {
+            assert!(g.iter().all(|x| x.to_f64() == 0.0), "{name} of {s:?} is not zero");
+        }
+    }
+}
