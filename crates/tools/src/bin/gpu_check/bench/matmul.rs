@@ -3,11 +3,15 @@
 //! products, the Llama-8B projections and every product of the training step
 //! of `scripts/gpu-check.sh`, which are also summed as the step spends them.
 //! Every measured product goes into the tuning table of `TPAR_GEMM=auto`.
+//! Where the device runs the Hopper kernel, the square products also get a
+//! `.c2` row: that kernel with 2-block clusters (A multicast), beside the
+//! same cuBLASLt time, to decide whether clusters should become the default.
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
 use tpar_kernels::cuda::ops::gemm::ours;
 use tpar_kernels::cuda::ops::gemm_tune::{GemmKey, GemmTable};
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
+use tpar_kernels::cuda::raw::gemm_hopper::{self, Epilogue, HopperConfig, HopperTarget};
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::gemm::GemmShape;
 
@@ -100,6 +104,7 @@ pub(super) fn gemm_benches(
     let mut out = Vec::new();
     // (flops, ours seconds, cuBLASLt-or-ours seconds) summed over the step
     let mut step = (0.0f64, 0.0f64, 0.0f64, true);
+    let hopper = HopperTarget::of(&*d.mem);
     for pr in products(quick) {
         let [m, n, k] = pr.mnk;
         let shape = GemmShape { trans_a: pr.ta, trans_b: pr.tb, ..GemmShape::new(1, m, n, k) };
@@ -143,6 +148,10 @@ pub(super) fn gemm_benches(
         if let (Some(o), Some(v)) = (b.ours, b.cublaslt) {
             table.insert(GemmKey::of(&p), o, v);
         }
+        let c2 = match (hopper, pr.label) {
+            (Some(t), "square") => Some(cluster2_bench(d, t, &p, src, &b)),
+            _ => None,
+        };
         if pr.per_step > 0 {
             let w = pr.per_step as f64;
             match (t_ours, t_lt.or(t_ours)) {
@@ -155,6 +164,7 @@ pub(super) fn gemm_benches(
             }
         }
         out.push(b);
+        out.extend(c2);
     }
     if step.0 > 0.0 {
         let note = if step.3 {
@@ -171,6 +181,39 @@ pub(super) fn gemm_benches(
         });
     }
     out
+}
+
+/// The `.c2` row of `base` (a square product's row): the Hopper kernel with
+/// 2-block clusters on the same operands, beside `base`'s cuBLASLt rate.
+fn cluster2_bench(d: &Dev, t: HopperTarget, p: &GemmProblem, src: DevPtr, base: &Bench) -> Bench {
+    let s = p.shape;
+    let flops = 2.0 * (s.m * s.n * s.k) as f64;
+    let mut b = Bench {
+        key: format!("{}.c2", base.key),
+        unit: "TFLOP/s",
+        ours: None,
+        cublaslt: base.cublaslt,
+        note: "hopper kernel, 2-block clusters (A multicast)".to_string(),
+    };
+    let cfg = HopperConfig { cluster: 2 };
+    match d.alloc(s.m * s.n * 2) {
+        Ok(cbuf) => {
+            let c = cbuf.ptr();
+            let run = || {
+                // SAFETY: A and B lie inside the source buffer, C was allocated for m x n.
+                unsafe {
+                    gemm_hopper::gemm_with(d.l(), t, cfg, p, &Epilogue::default(), src, src, c)?
+                };
+                Ok(())
+            };
+            match time_per_call(d, run) {
+                Ok(secs) => b.ours = Some(rate(flops, secs, 1e12)),
+                Err(e) => b.note = format!("{}; {e}", b.note),
+            }
+        }
+        Err(e) => b.note = format!("{}; {e}", b.note),
+    }
+    b
 }
 
 #[cfg(test)]

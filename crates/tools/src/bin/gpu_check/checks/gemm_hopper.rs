@@ -3,11 +3,14 @@
 //! with `TPAR_EMU_ARCH=sm_90a`. Every layout and type pair, a problem with
 //! partial tiles and K not a multiple of 64, scales with C read over a batch
 //! with a broadcast B, each epilogue against the unfused computation, and on
-//! a GPU the Llama-8B projections on sampled outputs.
+//! a GPU the Llama-8B projections on sampled outputs; then the same kernel
+//! with 2-block clusters (A multicast; names `gemm_hopper.c2.*`): every
+//! layout, partial tiles with an odd tile count along N, the batch with a
+//! broadcast operand, an epilogue and a sampled projection.
 
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
-    self, AuxInput, AuxOp, Epilogue, HopperTarget, EMU_ARCH_ENV,
+    self, AuxInput, AuxOp, Epilogue, HopperConfig, HopperTarget, EMU_ARCH_ENV,
 };
 use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::gemm::GemmShape;
@@ -39,6 +42,9 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
         return;
     };
     let big = !c.quick;
+    let c1 = HopperConfig::default();
+    let c2 = HopperConfig { cluster: 2 };
+    let target = (target, c1);
     let (m, n, k) = if big { (1024, 1024, 1024) } else { (160, 144, 96) };
     for dt in [BF16, F16] {
         for out in [dt, F32] {
@@ -67,16 +73,47 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
         hopper_sampled(c, target, [4096, 4096, 14336], false, false);
         hopper_sampled(c, target, [4096, 14336, 4096], false, true);
     }
+    // 2-block clusters: every layout, partial tiles with N of an odd number
+    // of tiles (the last pair's second block past N), a batch with a
+    // broadcast A (the multicast operand), an epilogue
+    let target = (target.0, c2);
+    let (m, n, k) = if big { (1000, 1160, 520) } else { (200, 264, 72) };
+    for (ta, tb) in LAYOUTS {
+        let s = GemmShape { trans_a: ta, trans_b: tb, ..GemmShape::new(1, m, n, k) };
+        hopper_case(c, target, GemmProblem::new(s, BF16, BF16), Fused::None);
+    }
+    let s = GemmShape { a_batch_stride: 0, ..GemmShape::new(3, m, n, k) };
+    hopper_case(c, target, GemmProblem::new(s, F16, F32).with_scale(-1.5, 0.5), Fused::None);
+    let s = GemmShape { trans_b: true, ..GemmShape::new(1, m, n, k) };
+    hopper_case(c, target, GemmProblem::new(s, BF16, BF16), Fused::SiluMul);
+    if big {
+        hopper_sampled(c, target, [4096, 14336, 4096], false, true);
+    }
 }
 
-fn hopper_case(c: &mut Ctx, target: HopperTarget, p: GemmProblem, fused: Fused) {
+/// The check's name prefix for a launch configuration.
+fn prefix(cfg: HopperConfig) -> &'static str {
+    if cfg.cluster == 2 {
+        "gemm_hopper.c2"
+    } else {
+        "gemm_hopper"
+    }
+}
+
+fn hopper_case(
+    c: &mut Ctx,
+    (target, cfg): (HopperTarget, HopperConfig),
+    p: GemmProblem,
+    fused: Fused,
+) {
     let s = p.shape;
     let lay = layout_name(s.trans_a, s.trans_b);
+    let pre = prefix(cfg);
     let name = match fused {
-        Fused::None => format!("gemm_hopper.{lay}"),
-        Fused::Bias => format!("gemm_hopper.{lay}.bias"),
-        Fused::Residual => format!("gemm_hopper.{lay}.residual"),
-        Fused::SiluMul => format!("gemm_hopper.{lay}.silu_mul"),
+        Fused::None => format!("{pre}.{lay}"),
+        Fused::Bias => format!("{pre}.{lay}.bias"),
+        Fused::Residual => format!("{pre}.{lay}.residual"),
+        Fused::SiluMul => format!("{pre}.{lay}.silu_mul"),
     };
     let (dtype, shape) = gemm_label(&p);
     c.guard(&name, &dtype, &shape, |c| {
@@ -116,10 +153,11 @@ fn hopper_case(c: &mut Ctx, target: HopperTarget, p: GemmProblem, fused: Fused) 
                 op: if fused == Fused::Residual { AuxOp::Residual } else { AuxOp::SiluMul },
             }),
         };
-        let kernel = gemm_hopper::plan(&p, &epi, target, da.ptr(), db.ptr(), dc.ptr())?.kernel;
+        let (ap, bp, cp) = (da.ptr(), db.ptr(), dc.ptr());
+        let kernel = gemm_hopper::plan_with(&p, &epi, target, cfg, ap, bp, cp)?.kernel;
         // SAFETY: A, B, C, the bias and the matrix were allocated above with the
         // extents `p` describes (bias n, matrix m x n, both in C's type).
-        unsafe { gemm_hopper::gemm(d.l(), target, &p, &epi, da.ptr(), db.ptr(), dc.ptr())? };
+        unsafe { gemm_hopper::gemm_with(d.l(), target, cfg, &p, &epi, ap, bp, cp)? };
         let got = d.down(p.dtype_out, &dc)?;
         c.r.close_note(&name, &dtype, &shape, &got, &want, bound(p.dtype_out), &kernel);
         Ok(())
@@ -128,11 +166,17 @@ fn hopper_case(c: &mut Ctx, target: HopperTarget, p: GemmProblem, fused: Fused) 
 
 /// A Llama-8B-sized bf16 product on the Hopper kernel, checked on 256
 /// sampled outputs.
-fn hopper_sampled(c: &mut Ctx, target: HopperTarget, mnk: [usize; 3], ta: bool, tb: bool) {
-    sampled(c, "gemm_hopper", mnk, ta, tb, |d, p, a, b, out| {
+fn hopper_sampled(
+    c: &mut Ctx,
+    (target, cfg): (HopperTarget, HopperConfig),
+    mnk: [usize; 3],
+    ta: bool,
+    tb: bool,
+) {
+    sampled(c, prefix(cfg), mnk, ta, tb, |d, p, a, b, out| {
         let epi = Epilogue::default();
         // SAFETY: the caller allocated A, B and C with the extents `p` describes.
-        unsafe { gemm_hopper::gemm(d.l(), target, p, &epi, a, b, out)? };
+        unsafe { gemm_hopper::gemm_with(d.l(), target, cfg, p, &epi, a, b, out)? };
         Ok(())
     });
 }
