@@ -34,6 +34,7 @@ pub mod memory;
 
 pub use llama::{
     causal_padding_mask, key_padding_mask, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
-    LlamaForPretraining, LlamaMLP, LlamaModel, RopeScaling, RopeTables, RotaryPositionEncoding,
+    LlamaForPretraining, LlamaFusion, LlamaMLP, LlamaModel, RopeScaling, RopeTables,
+    RotaryPositionEncoding,
 };
 pub use llama_pipeline::{LlamaStage, LlamaStageModel};

@@ -524,6 +524,26 @@ pub(crate) fn attention_mask(
         .transpose()
 }
 
+/// Optional fusions of the Llama's decoder layers, all off by default (the model then
+/// computes exactly as without them). Set them with [`LlamaForPretraining::set_fusion`],
+/// [`LlamaModel::set_fusion`] or [`LlamaDecoderLayer::set_fusion`]; they are not part of
+/// [`LlamaConfig`], so configurations, checkpoints and FQNs are the same either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlamaFusion {
+    /// q, k and v computed by one GEMM over the concatenation of `q_proj`, `k_proj` and
+    /// `v_proj`'s weights (concatenated on dim 0 with autograd, so each weight keeps its
+    /// own parameter, gradient, FQN and optimizer state), the output split back into q, k
+    /// and v; gate and up likewise with one GEMM over `gate_proj` and `up_proj`.
+    ///
+    /// It applies where the plan allows: a plain (not DTensor) input and projections
+    /// without bias and without hooks of their own (no parallel style installed on them)
+    /// whose weights compute as plain tensors or as DTensors replicated on every mesh dim
+    /// (FSDP's gathered parameters, data-parallel replicas), of one dtype and device.
+    /// Anywhere else (a tensor-parallel plan on the projections, a DTensor input) the
+    /// separate projections run, silently, with the same results as without the fusion.
+    pub projections: bool,
+}
+
 /// Grouped-query self-attention with RoPE. The head counts are read from the
 /// projections' outputs (this rank's heads when a plan hands on local shards), so a
 /// head-sharded plan needs no change here.
@@ -538,6 +558,7 @@ pub struct LlamaAttention {
     /// Output projection.
     pub o_proj: Linear,
     head_dim: usize,
+    fuse_projections: bool,
 }
 
 impl LlamaAttention {
@@ -551,12 +572,27 @@ impl LlamaAttention {
             v_proj: Linear::new(h, cfg.num_key_value_heads * hd, false, cfg.dtype, device)?,
             o_proj: Linear::new(cfg.num_attention_heads * hd, h, false, cfg.dtype, device)?,
             head_dim: hd,
+            fuse_projections: false,
         })
     }
 
     /// Head dim.
     pub fn head_dim(&self) -> usize {
         self.head_dim
+    }
+
+    /// Computes q, k and v with one GEMM over the concatenated weights when `on` and the
+    /// plan allows it (see [`LlamaFusion::projections`]); off by default.
+    pub fn set_fuse_projections(&mut self, on: bool) {
+        self.fuse_projections = on;
+    }
+
+    /// Whether the forward on the hidden states `x` computes q, k and v as one GEMM: the
+    /// fusion is on and the plan allows it ([`LlamaFusion::projections`]). It reads (for
+    /// FSDP, gathers) the weights as the forward does.
+    pub fn projections_fused_for(&self, x: &Value) -> Result<bool> {
+        let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
+        Ok(self.fuse_projections && fusable(x, &projs)?.is_some())
     }
 }
 
@@ -582,8 +618,7 @@ impl Module for LlamaAttention {
         let mask = args.get(2).into_optional_tensor(who)?;
         let hd = self.head_dim;
         // [b, s, heads * hd] -> [b, heads, s, hd]
-        let heads = |proj: &Linear| -> Result<Value> {
-            let t = call(proj, Args::one(x.clone()))?;
+        let heads = |t: &Value| -> Result<Value> {
             let d = t.shape()?;
             let (b, s, w) = (d[0], d[1], d[2]);
             if w % hd != 0 {
@@ -593,7 +628,23 @@ impl Module for LlamaAttention {
             }
             t.reshape(&[b as isize, s as isize, (w / hd) as isize, hd as isize])?.transpose(1, 2)
         };
-        let (q, k, v) = (heads(&self.q_proj)?, heads(&self.k_proj)?, heads(&self.v_proj)?);
+        let fused = if self.fuse_projections {
+            fused_linear(&x, &[&self.q_proj, &self.k_proj, &self.v_proj])?
+        } else {
+            None
+        };
+        let (q, k, v) = match fused.as_deref() {
+            // [b, s, (hq + 2 hkv) * hd] split into q, k and v.
+            Some([q, k, v]) => (heads(q)?, heads(k)?, heads(v)?),
+            _ => {
+                let proj = |p: &Linear| call(p, Args::one(x.clone()));
+                (
+                    heads(&proj(&self.q_proj)?)?,
+                    heads(&proj(&self.k_proj)?)?,
+                    heads(&proj(&self.v_proj)?)?,
+                )
+            }
+        };
         let (qd, hkv) = (q.shape()?, k.shape()?[1]);
         let (b, hq, s) = (qd[0], qd[1], qd[2]);
         if hkv == 0 || hq % hkv != 0 {
@@ -663,6 +714,44 @@ impl Module for LlamaAttention {
     module_boilerplate!();
 }
 
+/// The input and the weights `projs` compute with when the plan allows computing them
+/// as one GEMM ([`LlamaFusion::projections`]); `None` otherwise.
+fn fusable(x: &Value, projs: &[&Linear]) -> Result<Option<(Tensor, Vec<Tensor>)>> {
+    let Value::Tensor(xt) = x else { return Ok(None) };
+    let mut weights = Vec::with_capacity(projs.len());
+    for p in projs {
+        if p.bias.is_some() || !p.core().hooks().is_empty() {
+            return Ok(None);
+        }
+        match p.weight.compute()?.replicated_local() {
+            Some(w) => weights.push(w),
+            None => return Ok(None),
+        }
+    }
+    let Some(first) = weights.first() else { return Ok(None) };
+    let alike = |w: &Tensor| {
+        w.rank() == 2
+            && w.dims()[1] == first.dims()[1]
+            && w.dtype() == first.dtype()
+            && w.device() == first.device()
+    };
+    if !weights.iter().all(alike) {
+        return Ok(None);
+    }
+    Ok(Some((xt.clone(), weights)))
+}
+
+/// The projections of `x` by `projs` as one GEMM over their weights concatenated on dim
+/// 0, the output split back on its last dim, one piece per projection; `None` where the
+/// plan does not allow it ([`LlamaFusion::projections`]), so the caller runs them apart.
+fn fused_linear(x: &Value, projs: &[&Linear]) -> Result<Option<Vec<Value>>> {
+    let Some((xt, weights)) = fusable(x, projs)? else { return Ok(None) };
+    let sizes: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
+    let w = Tensor::cat(&weights, 0)?; // [sum(out), in]
+    let y = xt.linear(&w, None)?; // [..., in] x [sum(out), in]^T -> [..., sum(out)]
+    Ok(Some(y.split_sizes(&sizes, -1)?.into_iter().map(Value::Tensor).collect()))
+}
+
 /// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
 pub struct LlamaMLP {
     core: ModuleCore,
@@ -672,6 +761,7 @@ pub struct LlamaMLP {
     pub up_proj: Linear,
     /// Down projection.
     pub down_proj: Linear,
+    fuse_projections: bool,
 }
 
 impl LlamaMLP {
@@ -683,7 +773,21 @@ impl LlamaMLP {
             gate_proj: Linear::new(h, i, false, cfg.dtype, device)?,
             up_proj: Linear::new(h, i, false, cfg.dtype, device)?,
             down_proj: Linear::new(i, h, false, cfg.dtype, device)?,
+            fuse_projections: false,
         })
+    }
+
+    /// Computes gate and up with one GEMM over the concatenated weights when `on` and
+    /// the plan allows it (see [`LlamaFusion::projections`]); off by default.
+    pub fn set_fuse_projections(&mut self, on: bool) {
+        self.fuse_projections = on;
+    }
+
+    /// Whether the forward on the input `x` computes gate and up as one GEMM: the fusion
+    /// is on and the plan allows it ([`LlamaFusion::projections`]). It reads (for FSDP,
+    /// gathers) the weights as the forward does.
+    pub fn projections_fused_for(&self, x: &Value) -> Result<bool> {
+        Ok(self.fuse_projections && fusable(x, &[&self.gate_proj, &self.up_proj])?.is_some())
     }
 }
 
@@ -694,8 +798,16 @@ impl Module for LlamaMLP {
 
     fn forward(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
-        let gate = call(&self.gate_proj, Args::one(x.clone()))?;
-        let up = call(&self.up_proj, Args::one(x))?;
+        let fused = if self.fuse_projections {
+            fused_linear(&x, &[&self.gate_proj, &self.up_proj])?
+        } else {
+            None
+        };
+        let (gate, up) = match fused.as_deref() {
+            // [b, s, 2 i] split into gate and up.
+            Some([gate, up]) => (gate.clone(), up.clone()),
+            _ => (call(&self.gate_proj, Args::one(x.clone()))?, call(&self.up_proj, Args::one(x))?),
+        };
         call(&self.down_proj, Args::one(gate.silu_mul(&up)?))
     }
 
@@ -746,6 +858,12 @@ impl LlamaDecoderLayer {
             )?,
             mlp: LlamaMLP::new(cfg, device)?,
         })
+    }
+
+    /// Switches this layer's optional fusions ([`LlamaFusion`]).
+    pub fn set_fusion(&mut self, fusion: LlamaFusion) {
+        self.self_attn.set_fuse_projections(fusion.projections);
+        self.mlp.set_fuse_projections(fusion.projections);
     }
 }
 
@@ -826,6 +944,13 @@ impl LlamaModel {
             dtype: cfg.dtype,
             context_parallel: None,
         })
+    }
+
+    /// Switches the optional fusions ([`LlamaFusion`]) of every decoder layer.
+    pub fn set_fusion(&mut self, fusion: LlamaFusion) {
+        for layer in &mut self.layers.items {
+            layer.inner_mut().set_fusion(fusion);
+        }
     }
 }
 
@@ -916,6 +1041,12 @@ impl LlamaForPretraining {
             lm_head: Linear::new(cfg.hidden_size, cfg.vocab_size, false, cfg.dtype, device)?,
             config: *cfg,
         })
+    }
+
+    /// Switches the optional fusions ([`LlamaFusion`]) of every decoder layer; the
+    /// parameters, their names and the default computation are unchanged.
+    pub fn set_fusion(&mut self, fusion: LlamaFusion) {
+        self.base_model.set_fusion(fusion);
     }
 
     /// `model(input_ids, attention_mask)`: the logits `[b, s, vocab]` for token ids

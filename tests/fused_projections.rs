@@ -1,0 +1,204 @@
+//! Fused projections ([`LlamaFusion::projections`]): q, k and v (and gate and up) by one
+//! GEMM over the concatenated weights give the loss and every parameter's gradient of the
+//! separate projections (f64, within 1e-12) at one rank, with full and selective
+//! activation checkpointing, and under FSDP over 2 ranks; under a tensor-parallel plan
+//! the fusion does not apply and the step is the unfused one bit for bit; on the
+//! emulated CUDA device (f32) the fused step matches the unfused one within f32
+//! rounding. The switch defaults to off, and off is the model as it always computed.
+
+use std::collections::BTreeMap;
+use std::sync::Once;
+use std::time::Duration;
+
+use tpar::models::LlamaFusion;
+use tpar::prelude::*;
+use tpar::tensor::gpu::{self, EmulatedGpu};
+
+mod common;
+use common::llama_pipeline::{batch, loss_fn};
+
+type Grads = BTreeMap<String, Vec<f64>>;
+
+const FUSED: LlamaFusion = LlamaFusion { projections: true };
+
+/// A 2-layer f64 Llama of width 16 (q 16, k and v 8 wide: unequal pieces), MLP 24.
+fn config(dtype: DType) -> LlamaConfig {
+    tpar_testing::tiny_llama_config(40, 16, 2, dtype)
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap()
+}
+
+/// Every parameter's local gradient by FQN (none missing).
+fn grads_of(model: &dyn Module) -> Grads {
+    named_parameters(model)
+        .into_iter()
+        .map(|(n, p)| {
+            let g = p.local().grad().unwrap_or_else(|| panic!("{n} has no gradient"));
+            (n, values(&g))
+        })
+        .collect()
+}
+
+/// `got` within `tol` of `want` (relative to the larger of 1 and the value), every FQN.
+fn assert_close(what: &str, got: &(f64, Grads), want: &(f64, Grads), tol: f64) {
+    let near = |a: f64, b: f64| (a - b).abs() <= tol * b.abs().max(1.0);
+    assert!(near(got.0, want.0), "{what}: loss {} vs {}", got.0, want.0);
+    assert_eq!(got.1.len(), want.1.len(), "{what}: parameter count");
+    for (name, w) in &want.1 {
+        let g = &got.1[name];
+        assert_eq!(g.len(), w.len(), "{what}: {name} size");
+        for (i, (a, b)) in g.iter().zip(w).enumerate() {
+            assert!(near(*a, *b), "{what}: gradient of {name}[{i}] is {a}, unfused {b}");
+        }
+    }
+}
+
+/// Loss and gradients of one step at one rank on the host, with `fusion` and `policy`.
+fn single(fusion: LlamaFusion, policy: &AcPolicy) -> (f64, Grads) {
+    let cfg = config(DType::F64);
+    let mut model = LlamaForPretraining::new(&cfg, Device::Meta).unwrap();
+    reset_parameters(&mut model, Device::Cpu, 11).unwrap();
+    apply_activation_checkpointing(&mut model, policy).unwrap();
+    model.set_fusion(fusion);
+    let (ids, tgt) = batch(3, 12, cfg.vocab_size);
+    let logits = model.logits(&ids, None).unwrap();
+    let loss = loss_fn(cfg.vocab_size)(&logits, &tgt).unwrap().into_tensor("loss").unwrap();
+    loss.backward().unwrap();
+    (loss.item().unwrap(), grads_of(&model))
+}
+
+#[test]
+fn fused_projections_equal_separate_ones_at_one_rank() {
+    let want = single(LlamaFusion::default(), &AcPolicy::None);
+    assert_close("fused", &single(FUSED, &AcPolicy::None), &want, 1e-12);
+    for policy in [AcPolicy::full(), AcPolicy::selective()] {
+        assert_close(&format!("fused, {policy}"), &single(FUSED, &policy), &want, 1e-12);
+    }
+}
+
+#[test]
+fn the_fusion_applies_to_plain_weights_and_defaults_to_off() {
+    let cfg = config(DType::F64);
+    let mut model = LlamaForPretraining::new(&cfg, Device::Meta).unwrap();
+    reset_parameters(&mut model, Device::Cpu, 3).unwrap();
+    let x = Value::Tensor(Tensor::zeros([2, 5, cfg.hidden_size], DType::F64, Device::Cpu).unwrap());
+    let layer = |m: &LlamaForPretraining| {
+        let l = m.base_model.layers.items[1].inner();
+        (l.self_attn.projections_fused_for(&x).unwrap(), l.mlp.projections_fused_for(&x).unwrap())
+    };
+    assert_eq!(layer(&model), (false, false));
+    model.set_fusion(FUSED);
+    assert_eq!(layer(&model), (true, true));
+    // Off again: the separate projections.
+    model.set_fusion(LlamaFusion::default());
+    assert_eq!(layer(&model), (false, false));
+}
+
+/// One step of the 2-layer f64 Llama with FSDP over 2 ranks (per layer and at the root),
+/// each rank half the batch: loss and each rank's gradient shards.
+fn fsdp(fusion: LlamaFusion) -> Vec<(f64, Grads)> {
+    let cfg = config(DType::F64);
+    spawn_scoped(
+        SpawnConfig::new(2).timeout(Duration::from_secs(120)),
+        move |ctx| -> tpar::Result<(f64, Grads)> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["dp"])?;
+            let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+            model.set_fusion(fusion);
+            let fsdp = FsdpConfig::default();
+            for layer in &mut model.base_model.layers.items {
+                fully_shard(layer, &mesh["dp"], &fsdp)?;
+            }
+            fully_shard(&mut model, &mesh["dp"], &fsdp)?;
+            reset_parameters(&mut model, Device::Cpu, 9)?;
+            // The gathered weights are what the fused GEMM concatenates.
+            let x = Value::Tensor(Tensor::zeros([1, 2, cfg.hidden_size], DType::F64, Device::Cpu)?);
+            let layer = model.base_model.layers.items[0].inner();
+            let fused =
+                (layer.self_attn.projections_fused_for(&x)?, layer.mlp.projections_fused_for(&x)?);
+            assert_eq!(fused, (fusion.projections, fusion.projections));
+            let (ids, tgt) = batch(4, 8, cfg.vocab_size);
+            let r = mesh.local_rank();
+            let (ids, tgt) = (ids.narrow(0, 2 * r, 2)?, tgt.narrow(0, 2 * r, 2)?);
+            let logits = model.logits(&ids, None)?;
+            let loss = loss_fn(cfg.vocab_size)(&logits, &tgt)?.into_tensor("loss")?;
+            loss.backward()?;
+            Ok((loss.item()?, grads_of(&model)))
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn fused_projections_equal_separate_ones_under_fsdp() {
+    let want = fsdp(LlamaFusion::default());
+    for (r, (got, want)) in fsdp(FUSED).iter().zip(&want).enumerate() {
+        assert_close(&format!("fsdp rank {r}"), got, want, 1e-12);
+    }
+}
+
+/// One step of the 2-layer f64 tp Llama on 2 ranks with the sequence-parallel plan and
+/// loss_parallel: loss bits and each rank's gradient bits.
+fn tp(fusion: LlamaFusion) -> Vec<(u64, BTreeMap<String, Vec<u64>>)> {
+    let cfg = tpar_testing::tp_llama_config(DType::F64);
+    spawn_scoped(
+        SpawnConfig::new(2).timeout(Duration::from_secs(120)),
+        move |ctx| -> tpar::Result<(u64, BTreeMap<String, Vec<u64>>)> {
+            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["tp"])?;
+            let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+            parallelize_llama(&mut model, &mesh["tp"], &sequence_parallel_layer_plan())?;
+            model.set_fusion(fusion);
+            reset_parameters(&mut model, Device::Cpu, 5)?;
+            let x = Value::Tensor(Tensor::zeros([1, 2, cfg.hidden_size], DType::F64, Device::Cpu)?);
+            let layer = model.base_model.layers.items[0].inner();
+            assert!(
+                !layer.self_attn.projections_fused_for(&x)?
+                    && !layer.mlp.projections_fused_for(&x)?
+            );
+            let (ids, tgt) = batch(2, 8, cfg.vocab_size);
+            let _lp = loss_parallel::enable(&mesh["tp"]);
+            let logits = model.logits(&ids, None)?.reshape(&[-1, cfg.vocab_size as isize])?;
+            let loss = logits.cross_entropy(&tgt.reshape([tgt.numel()])?, -100)?;
+            loss.backward()?;
+            let bits = grads_of(&model)
+                .into_iter()
+                .map(|(n, g)| (n, g.into_iter().map(f64::to_bits).collect()))
+                .collect();
+            Ok((loss.item()?.to_bits(), bits))
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn under_a_tensor_parallel_plan_the_projections_stay_separate() {
+    assert_eq!(tp(FUSED), tp(LlamaFusion::default()));
+}
+
+/// Makes `cuda:0` an emulated device, once for this binary's tests.
+fn emulated_device() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| gpu::register_device(0, EmulatedGpu::open(0).expect("emulator")));
+}
+
+/// One f32 step on the emulated `cuda:0`.
+fn on_device(fusion: LlamaFusion) -> (f64, Grads) {
+    emulated_device();
+    let cfg = config(DType::F32);
+    let dev = Device::Cuda(0);
+    let mut model = LlamaForPretraining::new(&cfg, Device::Meta).unwrap();
+    reset_parameters(&mut model, dev, 11).unwrap();
+    model.set_fusion(fusion);
+    let (ids, tgt) = batch(2, 9, cfg.vocab_size);
+    let (ids, tgt) = (ids.to_device(dev).unwrap(), tgt.to_device(dev).unwrap());
+    let logits = model.logits(&ids, None).unwrap();
+    let loss = loss_fn(cfg.vocab_size)(&logits, &tgt).unwrap().into_tensor("loss").unwrap();
+    loss.backward().unwrap();
+    (values(&loss)[0], grads_of(&model))
+}
+
+#[test]
+fn fused_projections_on_the_emulated_gpu_match_separate_ones() {
+    assert_close("cuda f32", &on_device(FUSED), &on_device(LlamaFusion::default()), 1e-5);
+}
