@@ -535,3 +535,79 @@ fn clusters_under_shuffled_thread_orders() {
     }
     emu().set_seed(0x7470_6172);
 }
+
+/// A launcher that says how many clusters fit at once (as a GPU's occupancy
+/// query does) and runs the emulator.
+struct Fits(u32);
+
+impl tpar_kernels::cuda::Launcher for Fits {
+    fn describe(&self) -> String {
+        format!("emulator fitting {} clusters", self.0)
+    }
+
+    fn max_active_clusters(
+        &self,
+        _kernel: &str,
+        cfg: &tpar_kernels::cuda::LaunchConfig,
+    ) -> tpar_kernels::Result<Option<u32>> {
+        assert_eq!(cfg.cluster, [2, 1, 1]);
+        Ok(Some(self.0))
+    }
+
+    unsafe fn launch_raw(
+        &self,
+        kernel: &str,
+        cfg: &tpar_kernels::cuda::LaunchConfig,
+        args: &[u8],
+    ) -> tpar_kernels::Result<()> {
+        assert!(cfg.grid[0] <= 2 * self.0, "grid {:?} above {} clusters", cfg.grid, self.0);
+        // SAFETY: forwarded from the caller.
+        unsafe { emu().launch_raw(kernel, cfg, args) }
+    }
+}
+
+/// The persistent grid shrinks to the clusters that fit at once (12 pairs
+/// planned on 5 clusters run on 1 or 3), and none fitting is an error.
+#[test]
+fn clusters_are_capped_at_what_fits() {
+    let cs = Case { batch: 2, ..Case::new(F16, F32, (300, 260, 136)) }.layout(true, true).c2(5);
+    for fit in [1, 3] {
+        let mut r = prepare(&cs);
+        let before: Vec<f64> = (0..r.c.len()).map(|i| r.c.get(i)).collect();
+        let cp = r.c.mut_ptr();
+        // SAFETY: as in `run`.
+        unsafe {
+            gemm_hopper::gemm_with(
+                &Fits(fit),
+                HopperTarget::emulator(cs.sms),
+                HopperConfig::with_cluster(2).unwrap(),
+                &r.p,
+                &r.epi,
+                r.a.ptr(),
+                r.b.ptr(),
+                cp,
+            )
+        }
+        .unwrap();
+        let (err, at) = worst(&cs, &r, &before);
+        assert!(err <= 1.0, "{fit} clusters: {at} ({err:.1} x the tolerance)");
+    }
+    let mut r = prepare(&cs);
+    let cp = r.c.mut_ptr();
+    // SAFETY: refused before launching.
+    let e = unsafe {
+        gemm_hopper::gemm_with(
+            &Fits(0),
+            HopperTarget::emulator(cs.sms),
+            HopperConfig::with_cluster(2).unwrap(),
+            &r.p,
+            &r.epi,
+            r.a.ptr(),
+            r.b.ptr(),
+            cp,
+        )
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no cluster of 2 blocks"), "{e}");
+}

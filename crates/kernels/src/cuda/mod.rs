@@ -294,6 +294,16 @@ pub trait Launcher: Send + Sync {
         None
     }
 
+    /// How many clusters of `cfg.cluster` blocks of `kernel` (with `cfg`'s
+    /// block size and shared memory) can be resident at once, where the
+    /// launcher can tell: the driver's `cuOccupancyMaxActiveClusters` on a
+    /// GPU. `Ok(None)` otherwise (the default, and the emulator, which runs
+    /// clusters one after another). A persistent kernel sizes its grid by it.
+    fn max_active_clusters(&self, kernel: &str, cfg: &LaunchConfig) -> Result<Option<u32>> {
+        let _ = (kernel, cfg);
+        Ok(None)
+    }
+
     /// Launches `kernel` with the bytes of its argument struct, as a grid of
     /// `cfg.cluster` clusters when that is not `[1, 1, 1]` (refused with
     /// [`KernelError::BadCluster`] where [`LaunchConfig::check_cluster`] fails).

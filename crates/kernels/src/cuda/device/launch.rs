@@ -29,6 +29,32 @@ impl Launcher for CudaDevice {
         Arch::parse(&self.arch)
     }
 
+    /// The driver's `cuOccupancyMaxActiveClusters` for `kernel` launched
+    /// with `cfg` (its cluster shape checked first); `None` without clusters.
+    fn max_active_clusters(&self, kernel: &str, cfg: &LaunchConfig) -> Result<Option<u32>> {
+        cfg.check_cluster(kernel)?;
+        if !cfg.is_clustered() {
+            return Ok(None);
+        }
+        let op = || format!("{} {kernel}", self.op());
+        let f = self.function(kernel)?;
+        self.ctx.bind_to_thread().map_err(|e| driver_error(&op(), "binding the context", e))?;
+        if cfg.shared_bytes > DEFAULT_DYN_SMEM_LIMIT {
+            f.allow_dyn_smem(&op(), cfg.shared_bytes)?;
+        }
+        let mut attr = cluster_attribute(cfg);
+        let config = launch_config(cfg, self.stream.cu_stream(), &mut attr);
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: the function is loaded in the current context; `config` and
+        // its attribute live for the call, which writes one integer.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.func.cu_function(), &config) }
+            .result()
+            .map_err(|e| {
+                driver_error(&op(), &format!("cuOccupancyMaxActiveClusters ({:?})", cfg.cluster), e)
+            })?;
+        Ok(Some(n.max(0) as u32))
+    }
+
     /// # Safety
     /// As [`Launcher::launch_raw`].
     unsafe fn launch_raw(&self, kernel: &str, cfg: &LaunchConfig, args: &[u8]) -> Result<()> {
@@ -124,6 +150,42 @@ impl Launcher for CudaDevice {
     }
 }
 
+/// The cluster-dimension launch attribute of `cfg`.
+fn cluster_attribute(cfg: &LaunchConfig) -> sys::CUlaunchAttribute {
+    let mut value = sys::CUlaunchAttributeValue { pad: [0; 64] };
+    value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+        x: cfg.cluster[0],
+        y: cfg.cluster[1],
+        z: cfg.cluster[2],
+    };
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value,
+    }
+}
+
+/// The driver's launch configuration of `cfg` on `stream` with the one
+/// attribute `attr` (which must outlive the configuration's use).
+fn launch_config(
+    cfg: &LaunchConfig,
+    stream: sys::CUstream,
+    attr: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
+        gridDimX: cfg.grid[0],
+        gridDimY: cfg.grid[1],
+        gridDimZ: cfg.grid[2],
+        blockDimX: cfg.block[0],
+        blockDimY: cfg.block[1],
+        blockDimZ: cfg.block[2],
+        sharedMemBytes: cfg.shared_bytes,
+        hStream: stream,
+        attrs: attr,
+        numAttrs: 1,
+    }
+}
+
 /// `cuLaunchKernelEx` of `func` with `cfg`'s grid, block, shared memory and
 /// its cluster shape as the `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION` attribute
 /// (at most [`crate::cuda::MAX_PORTABLE_CLUSTER`] blocks, so the non-portable
@@ -138,29 +200,8 @@ unsafe fn launch_clustered(
     stream: sys::CUstream,
     params: *mut *mut c_void,
 ) -> std::result::Result<(), dresult::DriverError> {
-    let mut value = sys::CUlaunchAttributeValue { pad: [0; 64] };
-    value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-        x: cfg.cluster[0],
-        y: cfg.cluster[1],
-        z: cfg.cluster[2],
-    };
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        value,
-    };
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid[0],
-        gridDimY: cfg.grid[1],
-        gridDimZ: cfg.grid[2],
-        blockDimX: cfg.block[0],
-        blockDimY: cfg.block[1],
-        blockDimZ: cfg.block[2],
-        sharedMemBytes: cfg.shared_bytes,
-        hStream: stream,
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
+    let mut attr = cluster_attribute(cfg);
+    let config = launch_config(cfg, stream, &mut attr);
     // SAFETY: `config` and the attribute it points to are alive for the call;
     // the caller vouches for the function, the stream and the parameters.
     unsafe { sys::cuLaunchKernelEx(&config, func, params, std::ptr::null_mut()) }.result()

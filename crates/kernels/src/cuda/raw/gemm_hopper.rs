@@ -524,7 +524,10 @@ pub unsafe fn gemm(
     unsafe { gemm_with(l, target, HopperConfig::from_env()?, p, epi, a, b, c) }
 }
 
-/// [`gemm()`] with an explicit [`HopperConfig`].
+/// [`gemm()`] with an explicit [`HopperConfig`]. With clusters, the grid of
+/// [`plan_with`] is capped at the clusters the launcher says can be resident
+/// at once ([`Launcher::max_active_clusters`]; none of them fitting is an
+/// error).
 ///
 /// # Safety
 /// As [`gemm()`].
@@ -539,7 +542,26 @@ pub unsafe fn gemm_with(
     b: DevPtr,
     c: DevPtr,
 ) -> Result<()> {
-    let plan = plan_with(p, epi, target, cfg, a, b, c)?;
+    let mut plan = plan_with(p, epi, target, cfg, a, b, c)?;
+    if plan.cfg.is_clustered() {
+        // no more clusters than can be resident at once (the persistent walk
+        // strides by the grid): where the launcher can tell
+        if let Some(fit) = l.max_active_clusters(&plan.kernel, &plan.cfg)? {
+            if fit == 0 {
+                return Err(bad(
+                    OP,
+                    format!(
+                        "{}: no cluster of {} blocks with {SHARED_BYTES} bytes of shared memory \
+                         each fits on {}",
+                        plan.kernel,
+                        cfg.cluster,
+                        l.describe()
+                    ),
+                ));
+            }
+            plan.cfg.grid[0] = plan.cfg.grid[0].min(fit.saturating_mul(cfg.cluster));
+        }
+    }
     // SAFETY: the caller guarantees the buffers; `plan` checked the sizes fit
     // the argument struct, which mirrors the kernel's.
     unsafe { launch(l, &plan.kernel, plan.cfg, &plan.args) }
