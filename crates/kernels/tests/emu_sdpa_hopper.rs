@@ -390,44 +390,78 @@ fn the_checked_ops_follow_tpar_sdpa() {
     assert_eq!(ops::SdpaBackend::parse("mma"), Some(ops::SdpaBackend::Mma));
     assert_eq!(ops::SdpaBackend::parse("flash"), None);
     let dev = EmulatedGpu::open(0).unwrap();
+    // forward and backward through the checked ops (SdpaPath::Auto): (out, lse), [dq, dk, dv]
     let run = |s: &SdpaShape| {
         let x = inputs::<bf16>(s, MaskKind::KeyPadding);
         let (m, [bs, hs, rs]) = x.mask.as_ref().unwrap();
         let nq = s.batch * s.q_heads * s.q_len;
-        let q = DeviceBuffer::from_host(&dev, &x.q).unwrap();
-        let k = DeviceBuffer::from_host(&dev, &x.k).unwrap();
-        let v = DeviceBuffer::from_host(&dev, &x.v).unwrap();
-        let mask = DeviceBuffer::from_host(&dev, m).unwrap();
+        let dout: Vec<bf16> = cvt(&data(nq * s.v_dim, 4, 1.0));
+        let up = |v: &[bf16]| DeviceBuffer::from_host(&dev, v).unwrap();
+        let (q, k, v, mask, gd) = (up(&x.q), up(&x.k), up(&x.v), up(m), up(&dout));
         let mut out = DeviceBuffer::zeros(&dev, nq * s.v_dim * 2).unwrap();
         let mut lse = DeviceBuffer::zeros(&dev, nq * 4).unwrap();
+        let mut dq = DeviceBuffer::zeros(&dev, x.q.len() * 2).unwrap();
+        let mut dk = DeviceBuffer::zeros(&dev, x.k.len() * 2).unwrap();
+        let mut dv = DeviceBuffer::zeros(&dev, x.v.len() * 2).unwrap();
+        let ws_bytes = sdpa_backward_workspace_bytes(s).unwrap();
+        let mut ws = DeviceBuffer::zeros(&dev, ws_bytes).unwrap();
+        let mask_view = || ops::SdpaMaskView {
+            data: mask.as_slice(),
+            batch_stride: *bs,
+            head_stride: *hs,
+            row_stride: *rs,
+        };
         let views = ops::SdpaFwdViews {
             q: q.as_slice(),
             k: k.as_slice(),
             v: v.as_slice(),
-            mask: Some(ops::SdpaMaskView {
-                data: mask.as_slice(),
-                batch_stride: *bs,
-                head_stride: *hs,
-                row_stride: *rs,
-            }),
+            mask: Some(mask_view()),
             out: out.as_slice_mut(),
             lse: lse.as_slice_mut(),
         };
         ops::sdpa_forward(dev.as_ref(), CudaDType::BF16, s, views, SdpaPath::Auto).unwrap();
-        let mut o = vec![bf16::ZERO; nq * s.v_dim];
-        out.as_slice().copy_to_host(&mut o).unwrap();
-        (f64s(&o), x)
+        let views = ops::SdpaBwdViews {
+            q: q.as_slice(),
+            k: k.as_slice(),
+            v: v.as_slice(),
+            mask: Some(mask_view()),
+            out: out.as_slice(),
+            lse: lse.as_slice(),
+            dout: gd.as_slice(),
+            dq: dq.as_slice_mut(),
+            dk: dk.as_slice_mut(),
+            dv: dv.as_slice_mut(),
+            workspace: ws.as_slice_mut(),
+        };
+        ops::sdpa_backward(dev.as_ref(), CudaDType::BF16, s, views, SdpaPath::Auto).unwrap();
+        let get = |b: &DeviceBuffer, n: usize| {
+            let mut h = vec![bf16::ZERO; n];
+            b.as_slice().copy_to_host(&mut h).unwrap();
+            f64s(&h)
+        };
+        let mut l = vec![0f32; nq];
+        lse.as_slice().copy_to_host(&mut l).unwrap();
+        let o = get(&out, nq * s.v_dim);
+        ((o, l), [get(&dq, x.q.len()), get(&dk, x.k.len()), get(&dv, x.v.len())], dout, x)
     };
-    // a call the Hopper kernel takes runs it: bit for bit the raw Hopper path
+    // a call the Hopper kernels take runs them: bit for bit the raw Hopper
+    // path (the emulator runs blocks in order, so even dq's atomics add in a
+    // fixed order)
     let s = shape(2, 2, 1, 70, 150, 64, true);
-    let (got, x) = run(&s);
-    let (hopper, _) = forward(CudaDType::BF16, &s, &x, SdpaPath::Hopper).unwrap();
-    let (mma, _) = forward(CudaDType::BF16, &s, &x, SdpaPath::TensorCore).unwrap();
-    assert_eq!(got, hopper, "TPAR_SDPA=hopper did not run the Hopper kernel");
-    assert_ne!(got, mma, "the two kernels round alike: the check above proves nothing");
-    // one it does not take (head dim 96) runs the mma.sync kernel
+    let (fwd, grads, dout, x) = run(&s);
+    let hopper = forward(CudaDType::BF16, &s, &x, SdpaPath::Hopper).unwrap();
+    let mma = forward(CudaDType::BF16, &s, &x, SdpaPath::TensorCore).unwrap();
+    assert_eq!(fwd.0, hopper.0, "TPAR_SDPA=hopper did not run the Hopper forward");
+    assert_ne!(fwd.0, mma.0, "the two kernels round alike: the check above proves nothing");
+    // (the emulated Hopper and tensor-core backwards add the same products in
+    // the same order, so equal gradients show the backward ran correctly, not
+    // which kernel ran it)
+    let grads_h = backward(CudaDType::BF16, &s, &x, &hopper, &dout, SdpaPath::Hopper);
+    assert_eq!(grads, grads_h, "TPAR_SDPA=hopper backward");
+    // one they do not take (head dim 96) runs the mma.sync kernels
     let s96 = shape(1, 2, 1, 30, 40, 96, false);
-    let (got, x) = run(&s96);
-    let (mma, _) = forward(CudaDType::BF16, &s96, &x, SdpaPath::Auto).unwrap();
-    assert_eq!(got, mma);
+    let (fwd, grads, dout, x) = run(&s96);
+    let mma = forward(CudaDType::BF16, &s96, &x, SdpaPath::Auto).unwrap();
+    assert_eq!(fwd.0, mma.0);
+    assert_eq!(grads, backward(CudaDType::BF16, &s96, &x, &mma, &dout, SdpaPath::Auto));
 }
