@@ -26,7 +26,8 @@
 //   P^T dO and dK += dS^T Q with P^T and dS^T as register A operands (the
 //   accumulator fragment is the A fragment) and dO / Q as N-major B operands
 //   of the same tiles; dS^T goes to shared memory ([128 keys][64 queries],
-//   128-byte swizzle: the M-major A operand of dQ = dS K), and warpgroup w
+//   128-byte swizzle: the M-major A operand of dQ = dS K; two buffers, so
+//   one barrier of the consumers per tile), and warpgroup w
 //   computes columns w HD/2 .. of dQ over all 128 keys and adds them into
 //   the f32 accumulator with atomics (red.global.add.v2.f32: two adjacent
 //   columns per instruction). dK (times scale) and dV stay in
@@ -135,7 +136,8 @@ struct Smem {
     // stage i: Q at stage + i * 2 QT ([HD / 64] boxes of [64 queries][64
     // columns]), dO QT bytes after it (QT = 64 * HD * 2)
     unsigned char* stage;
-    unsigned char* ds;           // dS^T [128 keys][64 queries], 128-byte swizzle
+    // dS^T [128 keys][64 queries], 128-byte swizzle; tile it in buffer it % 2
+    unsigned char* ds;
     // stage i: lse * log2(e) (+inf for no gradient) at rows + 128 i, delta
     // 64 floats after it
     float* rows;
@@ -155,7 +157,7 @@ TPAR_DEVICE Smem carve() {
     s.v = base + KV;
     s.stage = base + 2 * KV;
     s.ds = base + 2 * KV + STAGES * 2 * QT;
-    float* f = reinterpret_cast<float*>(s.ds + DS_BYTES);
+    float* f = reinterpret_cast<float*>(s.ds + 2 * DS_BYTES);
     s.rows = f;
     u64* bars = reinterpret_cast<u64*>(f + 2 * BR * STAGES);
     s.kv_full = bars;
@@ -250,7 +252,6 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         dk[i] = 0.0f;
         dv[i] = 0.0f;
     }
-    u32 use = 0;
     for (int it = 0; it < w.ntiles; ++it) {
         const int st = it % STAGES;
         const int h = w.kvh * w.group + it / w.per_head;
@@ -330,19 +331,21 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         }
         wgmma_commit();
 
-        // dS^T into shared memory once both warpgroups' previous dQ has read it.
-        csync(s.csync, use++);
+        // dS^T into shared memory, buffer it % 2: both warpgroups' dQ of
+        // tile it - 2, which read it, retired before they passed the barrier
+        // below in tile it - 1.
+        unsigned char* const ds = s.ds + (it & 1) * DS_BYTES;
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int row = 64 * cw + 16 * wi + g + 8 * (j % 2);
                 const int col = 16 * kq + 8 * (j / 2) + 2 * t;
-                *reinterpret_cast<u32*>(s.ds + row * 128 + (((col / 8) ^ (row % 8)) * 16) +
+                *reinterpret_cast<u32*>(ds + row * 128 + (((col / 8) ^ (row % 8)) * 16) +
                                         (col % 8) * 2) = sa[kq][j];
             }
         fence_proxy_async();
-        csync(s.csync, use++);
+        csync(s.csync, (u32)it);
 
         // dQ[:, cw HD/2 ..] = dS K over the block's 128 keys (A: dS^T as the
         // M-major operand; B: K as N-major, its 64-column boxes KBOX apart).
@@ -352,7 +355,7 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         for (int kk = 0; kk < BC / 16; ++kk) {
             const u32 bo = HD == 128 ? cw * KBOX : cw * 64;
             wgmma_ss<T, HD / 2, 1, 1>(
-                dq, wgmma_desc(s.ds + kk * 2048, 8192, 1024, TPAR_WG_SWIZZLE_128B),
+                dq, wgmma_desc(ds + kk * 2048, 8192, 1024, TPAR_WG_SWIZZLE_128B),
                 wgmma_desc(s.k + bo + kk * 2048, KBOX, 1024, TPAR_WG_SWIZZLE_128B), kk > 0);
         }
         wgmma_commit();

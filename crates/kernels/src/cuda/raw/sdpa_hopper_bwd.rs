@@ -45,15 +45,15 @@ pub const THREADS: u32 = 384;
 const MAX_GRID_YZ: usize = 65_535;
 
 /// Dynamic shared memory of the main kernel for head dim `hd` (64 or 128):
-/// alignment slack, K and V, two stages of Q and dO, dS^T, two stages of lse
-/// and delta, six mbarriers.
+/// alignment slack, K and V, two stages of Q and dO, two dS^T buffers, two
+/// stages of lse and delta, six mbarriers.
 pub const fn shared_bytes(hd: usize) -> u32 {
     let kv = KEYS_PER_BLOCK * hd * 2;
     let qt = QUERIES_PER_TILE * hd * 2;
     (1024
         + 2 * kv
         + 4 * qt
-        + KEYS_PER_BLOCK * QUERIES_PER_TILE * 2
+        + 2 * KEYS_PER_BLOCK * QUERIES_PER_TILE * 2
         + 4 * QUERIES_PER_TILE * 4
         + 6 * 8) as u32
 }
