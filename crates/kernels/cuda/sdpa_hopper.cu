@@ -95,9 +95,11 @@ TPAR_DEVICE u32 pack_rn<f16>(float lo, float hi) {
 template <int HD>
 struct Smem {
     static constexpr u32 TILE = (u32)(HD / 64) * BOX_BYTES;  // q, k or v tile
+    TPAR_DEVICE unsigned char* k(int st) const { return k0 + st * TILE; }
+    TPAR_DEVICE unsigned char* v(int st) const { return v0 + st * TILE; }
     unsigned char* q;
-    unsigned char* k[STAGES];
-    unsigned char* v[STAGES];
+    unsigned char* k0;  // stage st's k tile at k0 + st * TILE (computed, not an
+    unsigned char* v0;  // array indexed at run time, which would live in local memory)
     u64* q_full;
     u64* k_full;  // [STAGES]
     u64* v_full;  // [STAGES]
@@ -112,10 +114,8 @@ TPAR_DEVICE Smem<HD> carve() {
     Smem<HD> s;
     constexpr u32 T = Smem<HD>::TILE;
     s.q = base;
-    for (int i = 0; i < STAGES; ++i) {
-        s.k[i] = base + T + i * T;
-        s.v[i] = base + (1 + STAGES) * T + i * T;
-    }
+    s.k0 = base + T;
+    s.v0 = base + (1 + STAGES) * T;
     u64* bars = reinterpret_cast<u64*>(base + (1 + 2 * STAGES) * T);
     s.q_full = bars;
     s.k_full = bars + 1;
@@ -161,11 +161,11 @@ TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         mbarrier_arrive_expect_tx(&s.k_full[st], T);
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c)
-            tma_load_3d(s.k[st] + c * BOX_BYTES, &a.map_k, c * 64, n * BN, w.bkv, &s.k_full[st]);
+            tma_load_3d(s.k(st) + c * BOX_BYTES, &a.map_k, c * 64, n * BN, w.bkv, &s.k_full[st]);
         mbarrier_arrive_expect_tx(&s.v_full[st], T);
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c)
-            tma_load_3d(s.v[st] + c * BOX_BYTES, &a.map_v, c * 64, n * BN, w.bkv, &s.v_full[st]);
+            tma_load_3d(s.v(st) + c * BOX_BYTES, &a.map_v, c * 64, n * BN, w.bkv, &s.v_full[st]);
     }
 }
 
@@ -251,7 +251,7 @@ TPAR_DEVICE void issue_qk(const Smem<HD>& s, int st, int cw, float (&sc)[BN / 2]
     for (int ks = 0; ks < HD / 16; ++ks) {
         const u64 da = wgmma_desc(s.q + (ks / 4) * BOX_BYTES + cw * 64 * 128 + (ks % 4) * 32, 16,
                                   1024, TPAR_WG_SWIZZLE_128B);
-        const u64 db = wgmma_desc(s.k[st] + (ks / 4) * BOX_BYTES + (ks % 4) * 32, 16, 1024,
+        const u64 db = wgmma_desc(s.k(st) + (ks / 4) * BOX_BYTES + (ks % 4) * 32, 16, 1024,
                                   TPAR_WG_SWIZZLE_128B);
         wgmma_ss<T, BN, 0, 0>(sc, da, db, ks > 0);
     }
@@ -264,7 +264,7 @@ TPAR_DEVICE void issue_pv(const Smem<HD>& s, int st, const u32 (&pa)[BN / 16][4]
                           float (&o)[HD / 2]) {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-        const u64 db = wgmma_desc(s.v[st] + kk * 2048, BOX_BYTES, 1024, TPAR_WG_SWIZZLE_128B);
+        const u64 db = wgmma_desc(s.v(st) + kk * 2048, BOX_BYTES, 1024, TPAR_WG_SWIZZLE_128B);
         wgmma_rs<T, HD, 1>(o, pa[kk], db, true);
     }
     wgmma_commit();
