@@ -296,6 +296,10 @@ fn refusals_name_the_reason() {
     assert!(why(emu, F16, &sv, &b).contains("v_dim 128"));
     let odd = SdpaBwdBuffers { k: p + 2, ..b };
     assert!(why(emu, BF16, &s, &odd).contains("k address"));
+    let wide = SdpaShape { batch: 70_000, ..s };
+    assert!(why(emu, BF16, &wide, &b).contains("grid"));
+    let heads = SdpaShape { batch: 65_535, q_heads: 40_000, kv_heads: 40_000, ..s };
+    assert!(why(emu, BF16, &heads, &b).contains("i32"));
     // a workspace too small is an error, not a refusal
     let small = SdpaBwdBuffers { workspace_bytes: 16, ..b };
     // SAFETY: the call fails its checks before any launch.

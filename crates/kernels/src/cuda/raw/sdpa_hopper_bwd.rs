@@ -109,9 +109,9 @@ pub fn unsupported(
     if let Some((name, p)) = mapped.iter().find(|(_, p)| !empty && !p.is_multiple_of(16)) {
         return Some(format!("{name} address {p:#x} is not 16-byte aligned (a tensor map's base)"));
     }
-    let bh = s.batch.saturating_mul(s.q_heads);
-    if bh as u64 > 1 << 32 || s.q_len as u64 > 1 << 32 || s.kv_len as u64 > 1 << 32 {
-        return Some(format!("{s:?}: a tensor map dim exceeds 2^32"));
+    // the kernel's copy coordinates are i32: (column, row, batch * heads)
+    if s.batch.saturating_mul(s.q_heads) > i32::MAX as usize {
+        return Some(format!("{s:?}: batch * q_heads exceeds a copy coordinate's i32 range"));
     }
     let pitch = (s.q_len.max(s.kv_len) as u64).saturating_mul(s.head_dim as u64 * 2);
     if pitch >= 1 << 40 {
