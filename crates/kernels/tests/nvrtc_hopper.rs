@@ -181,6 +181,8 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
         "mbarrier.arrive.release.cluster.shared::cluster.b64",
         "barrier.cluster.arrive.release.aligned",
         "%cluster_ctarank",
+        // the epilogue waits for its previous bulk store to have read the image
+        "cp.async.bulk.wait_group.read 0",
     ] {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
