@@ -54,7 +54,9 @@
 // reads of C, bias and aux are coalesced) and writes C's image in shared
 // memory for one bulk tensor store (c_tma: the launcher's map_c, which clips
 // at the edges) or, when C's rows are not 16-byte aligned, C itself by
-// guarded stores.
+// guarded stores. The bulk store is not waited for at once: the warpgroup
+// goes on to the next tile's main loop while it writes C, and the next
+// epilogue first waits until it has read the image (epi_free).
 //
 // Compiled for an architecture without wgmma (sm_90, sm_80), the kernels
 // are empty: the launcher only picks them for devices compiled for sm_90a.
@@ -258,7 +260,12 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
         const int row0 = tl.m0 + 64 * cw;
         float* f = reinterpret_cast<float*>(s.staging[cw]);
         O* o = sizeof(O) == 4 ? reinterpret_cast<O*>(f) : reinterpret_cast<O*>(s.out16[cw]);
-        // the previous tile's bulk store has read its image
+        // the previous tile's bulk store has read its image (its global
+        // writes went on during this tile's main loop)
+        if (a.c_tma && tw == 0 && done > 0) {
+            tma_store_wait_read<0>();
+            mbarrier_arrive(&s.epi_free[cw]);
+        }
         if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(done & 1) ^ 1u);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
@@ -291,10 +298,10 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
         if (a.c_tma && tw == 0) {
             tma_store_3d(&a.map_c, tl.n0, row0, tl.b, o);
             tma_store_commit();
-            tma_store_wait<0>();
-            mbarrier_arrive(&s.epi_free[cw]);
         }
     }
+    // the last store has completed before the block (and its shared memory) ends
+    if (a.c_tma && tw == 0) tma_store_wait<0>();
 }
 
 template <typename T, typename O, int TA, int TB>

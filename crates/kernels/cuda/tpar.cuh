@@ -391,7 +391,9 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // box back (out-of-bounds elements are not written; tma_load_3d and
 // tma_store_3d the same for 3-D maps, x innermost); fence_proxy_async()
 // first makes the threads' shared-memory writes visible to it, and
-// tma_store_commit / tma_store_wait<N> track completion.
+// tma_store_commit / tma_store_wait<N> track completion (tma_store_wait_read<N>
+// only until the groups' shared-memory sources have been read, so they may
+// be overwritten while the global writes go on).
 //
 // wgmma: wgmma_ss<T, N, TA, TB>(d, desc_a, desc_b, accumulate) computes
 // D(64xN) = A(64x16) * B(16xN) (+ D when accumulate), T bf16 or f16, f32
@@ -533,6 +535,12 @@ TPAR_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\
 template <int N>
 TPAR_DEVICE void tma_store_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N committed bulk store groups have not yet read their
+// shared-memory source.
+template <int N>
+TPAR_DEVICE void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
 TPAR_DEVICE u32 cluster_ctarank() {
@@ -1007,6 +1015,8 @@ TPAR_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 rank) {
 TPAR_DEVICE void tma_store_commit() {}
 template <int N>
 TPAR_DEVICE void tma_store_wait() {}
+template <int N>
+TPAR_DEVICE void tma_store_wait_read() {}
 template <int R>
 TPAR_DEVICE void setmaxnreg_inc() {
     static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in 24..256");
