@@ -11,9 +11,11 @@
 //   and the k and v tiles of BN = 128 keys into a 2-stage ring by bulk tensor
 //   copies (3-D maps over (head_dim, seq, batch * heads), 128-byte swizzle,
 //   boxes of 64 columns: one box per 64 of the head dim), each stage guarded
-//   by a "k full" and a "v full" mbarrier (the copies' transaction bytes, so
-//   the scores may start before v has landed) and an "empty" mbarrier (lane 0
-//   of each of the 8 consumer warps);
+//   by "k full" and "v full" mbarriers (the copies' transaction bytes) and
+//   "k empty" and "v empty" mbarriers (lane 0 of each of the 8 consumer
+//   warps); v lags k by one tile (k0, k1, v0, k2, v1, ...), the order the
+//   consumers read them in, and a k tile's slot is refilled as soon as its
+//   scores are computed;
 // - warpgroups 1 and 2 consume (setmaxnreg_inc): each owns 64 q rows. Per key
 //   tile: S = q k^T with wgmma_ss (q and k K-major: 128-byte rows of 64 head
 //   dims, 8-row groups 1024 bytes apart, a 16-column k slice 32 bytes
@@ -103,7 +105,8 @@ struct Smem {
     u64* q_full;
     u64* k_full;  // [STAGES]
     u64* v_full;  // [STAGES]
-    u64* empty;   // [STAGES]
+    u64* k_empty; // [STAGES]
+    u64* v_empty; // [STAGES]
     u64* turn;    // [2]: consumer warpgroup c may issue its products (128 arrivals)
 };
 
@@ -120,8 +123,9 @@ TPAR_DEVICE Smem<HD> carve() {
     s.q_full = bars;
     s.k_full = bars + 1;
     s.v_full = bars + 1 + STAGES;
-    s.empty = bars + 1 + 2 * STAGES;
-    s.turn = bars + 1 + 3 * STAGES;
+    s.k_empty = bars + 1 + 2 * STAGES;
+    s.v_empty = bars + 1 + 3 * STAGES;
+    s.turn = bars + 1 + 4 * STAGES;
     return s;
 }
 
@@ -154,18 +158,23 @@ TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
         tma_load_3d(s.q + c * BOX_BYTES, &a.map_q, c * 64, w.m0, w.bh, s.q_full);
-    for (int n = 0; n < w.tiles; ++n) {
+    // tile n of k (is_v = 0) or v (1) into its stage, once the slot is free
+    auto load = [&](int n, int is_v) {
         const int st = n % STAGES;
         const u32 phase = (u32)((n / STAGES) & 1);
-        mbarrier_wait_parity(&s.empty[st], phase ^ 1u);
-        mbarrier_arrive_expect_tx(&s.k_full[st], T);
+        u64* full = is_v ? &s.v_full[st] : &s.k_full[st];
+        mbarrier_wait_parity(is_v ? &s.v_empty[st] : &s.k_empty[st], phase ^ 1u);
+        mbarrier_arrive_expect_tx(full, T);
+        unsigned char* dst = is_v ? s.v(st) : s.k(st);
+        const TparTensorMap* map = is_v ? &a.map_v : &a.map_k;
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c)
-            tma_load_3d(s.k(st) + c * BOX_BYTES, &a.map_k, c * 64, n * BN, w.bkv, &s.k_full[st]);
-        mbarrier_arrive_expect_tx(&s.v_full[st], T);
-#pragma unroll
-        for (int c = 0; c < HD / 64; ++c)
-            tma_load_3d(s.v(st) + c * BOX_BYTES, &a.map_v, c * 64, n * BN, w.bkv, &s.v_full[st]);
+            tma_load_3d(dst + c * BOX_BYTES, map, c * 64, n * BN, w.bkv, full);
+    };
+    if (w.tiles > 0) load(0, 0);
+    for (int n = 0; n < w.tiles; ++n) {
+        if (n + 1 < w.tiles) load(n + 1, 0);
+        load(n, 1);
     }
 }
 
@@ -318,6 +327,7 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         issue_qk<T, HD>(s, 0, cw, sc);
         pass_turn();
         wgmma_wait<0>();
+        if (lane == 0) mbarrier_arrive(&s.k_empty[0]);
         softmax_step<T>(a, M, 0, r, sc, alpha);  // O is 0: alpha is not needed
         to_fragments<T>(sc, pa);
     }
@@ -330,10 +340,11 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         issue_qk<T, HD>(s, st, cw, sc);
         issue_pv<T, HD>(s, pst, pa, o);
         pass_turn();
-        wgmma_wait<1>();  // the scores; P v may still run
+        wgmma_wait<1>();  // the scores (k tile n is read); P v may still run
+        if (lane == 0) mbarrier_arrive(&s.k_empty[st]);
         softmax_step<T>(a, M, n * BN, r, sc, alpha);
-        wgmma_wait<0>();  // P v of tile n - 1: its stage is read, O and P free
-        if (lane == 0) mbarrier_arrive(&s.empty[pst]);
+        wgmma_wait<0>();  // P v of tile n - 1: its v tile is read, O and P free
+        if (lane == 0) mbarrier_arrive(&s.v_empty[pst]);
 #pragma unroll
         for (int i = 0; i < HD / 2; ++i) o[i] *= alpha[(i / 2) % 2];
         to_fragments<T>(sc, pa);
@@ -346,7 +357,7 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         issue_pv<T, HD>(s, st, pa, o);
         pass_turn();
         wgmma_wait<0>();
-        if (lane == 0) mbarrier_arrive(&s.empty[st]);
+        if (lane == 0) mbarrier_arrive(&s.v_empty[st]);
     }
 
     // Final normalisation, lse, and the stores.
@@ -385,7 +396,8 @@ TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&s.k_full[i], 1);
             mbarrier_init(&s.v_full[i], 1);
-            mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
+            mbarrier_init(&s.k_empty[i], 8);  // lane 0 of each consumer warp
+            mbarrier_init(&s.v_empty[i], 8);
         }
         mbarrier_init(&s.turn[0], 128);
         mbarrier_init(&s.turn[1], 128);
