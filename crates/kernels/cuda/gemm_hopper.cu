@@ -338,8 +338,12 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
         setmaxnreg_inc<232>();
         consume<T, O, TA, TB>(a, s, total, ktiles, wg - 1, rank);
     }
-    // no block leaves while its peer may still arrive on its barriers
-    if (a.cluster == 2) cluster_sync();
+    // no block leaves while its peer may still arrive on its barriers (the
+    // producer warp's lanes first reconverge: the cluster barrier is .aligned)
+    if (a.cluster == 2) {
+        __syncwarp();
+        cluster_sync();
+    }
 }
 
 }  // namespace gemm_hopper
