@@ -19,7 +19,7 @@ use common::llama_pipeline::{batch, loss_fn};
 
 type Grads = BTreeMap<String, Vec<f64>>;
 
-const FUSED: LlamaFusion = LlamaFusion { projections: true };
+const FUSED: LlamaFusion = LlamaFusion { projections: true, residual: false };
 
 /// A 2-layer f64 Llama of width 16 (q 16, k and v 8 wide: unequal pieces), MLP 24.
 fn config(dtype: DType) -> LlamaConfig {

@@ -542,6 +542,21 @@ pub struct LlamaFusion {
     /// Anywhere else (a tensor-parallel plan on the projections, a DTensor input) the
     /// separate projections run, silently, with the same results as without the fusion.
     pub projections: bool,
+    /// The residual adds of each decoder layer, `x + o_proj(a)` and `h + down_proj(m)`,
+    /// each computed with its projection as one op ([`Value::linear_add`]): on a CUDA
+    /// device one GEMM that reads the residual as its C operand, on the host the
+    /// projection then the add (the same bits as without the fusion).
+    ///
+    /// It applies where the attention block or MLP and its output projection have no
+    /// hooks (no parallel style installed on them) and the projection has no bias, and
+    /// the hidden states and the weight are plain (or replicated) tensors; anywhere else
+    /// the projection and the add run apart, as without the fusion.
+    pub residual: bool,
+}
+
+/// Whether `lin`'s output can take a residual in its GEMM: no hooks and no bias.
+fn linear_takes_residual(lin: &Linear) -> bool {
+    lin.bias.is_none() && lin.core().hooks().is_empty()
 }
 
 /// Grouped-query self-attention with RoPE. The head counts are read from the
@@ -594,18 +609,20 @@ impl LlamaAttention {
         let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
         Ok(self.fuse_projections && fusable(x, &projs)?.is_some())
     }
-}
 
-impl Module for LlamaAttention {
-    fn type_name(&self) -> &'static str {
-        "LlamaAttention"
+    /// `residual + forward(args)` with the add in `o_proj`'s GEMM ([`Value::linear_add`]),
+    /// where neither this module nor `o_proj` has hooks and `o_proj` has no bias; `None`
+    /// otherwise (the caller adds).
+    fn forward_add(&self, args: Args, residual: &Value) -> Result<Option<Value>> {
+        if !self.core().hooks().is_empty() || !linear_takes_residual(&self.o_proj) {
+            return Ok(None);
+        }
+        let a = self.attend(args)?;
+        Ok(Some(a.linear_add(&self.o_proj.weight.compute()?, residual)?))
     }
 
-    /// Inputs: hidden states `[b, s, hidden]` (plain or DTensor), the RoPE tables
-    /// (opaque), and the additive mask: none for plain causal attention, a key-padding
-    /// mask `[b, 1, 1, s]` for causal attention that also skips padded keys, or a
-    /// `[b, 1, s, s]` mask used as given (not made causal).
-    fn forward(&self, args: Args) -> Result<Value> {
+    /// Attention's output before `o_proj`, `[b, s, hq * hd]`, for [`Module::forward`]'s inputs.
+    fn attend(&self, args: Args) -> Result<Value> {
         let who = "LlamaAttention";
         let x = args.get(0);
         // Under context parallelism the tables come at this rank's positions with the
@@ -679,6 +696,21 @@ impl Module for LlamaAttention {
             None => Value::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?,
         }; // [b, hq, s, hd]
         let a = a.transpose(1, 2)?.reshape(&[b as isize, s as isize, (hq * hd) as isize])?; // [b, s, hq * hd]
+        Ok(a)
+    }
+}
+
+impl Module for LlamaAttention {
+    fn type_name(&self) -> &'static str {
+        "LlamaAttention"
+    }
+
+    /// Inputs: hidden states `[b, s, hidden]` (plain or DTensor), the RoPE tables
+    /// (opaque), and the additive mask: none for plain causal attention, a key-padding
+    /// mask `[b, 1, 1, s]` for causal attention that also skips padded keys, or a
+    /// `[b, 1, s, s]` mask used as given (not made causal).
+    fn forward(&self, args: Args) -> Result<Value> {
+        let a = self.attend(args)?;
         call(&self.o_proj, Args::one(a))
     }
 
@@ -789,14 +821,9 @@ impl LlamaMLP {
     pub fn projections_fused_for(&self, x: &Value) -> Result<bool> {
         Ok(self.fuse_projections && fusable(x, &[&self.gate_proj, &self.up_proj])?.is_some())
     }
-}
 
-impl Module for LlamaMLP {
-    fn type_name(&self) -> &'static str {
-        "LlamaMLP"
-    }
-
-    fn forward(&self, args: Args) -> Result<Value> {
+    /// `silu(gate(x)) * up(x)`, the input of `down_proj`, `[b, s, intermediate]`.
+    fn gated(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
         let fused = if self.fuse_projections {
             fused_linear(&x, &[&self.gate_proj, &self.up_proj])?
@@ -808,7 +835,28 @@ impl Module for LlamaMLP {
             Some([gate, up]) => (gate.clone(), up.clone()),
             _ => (call(&self.gate_proj, Args::one(x.clone()))?, call(&self.up_proj, Args::one(x))?),
         };
-        call(&self.down_proj, Args::one(gate.silu_mul(&up)?))
+        gate.silu_mul(&up)
+    }
+
+    /// `residual + forward(args)` with the add in `down_proj`'s GEMM
+    /// ([`Value::linear_add`]), where neither this module nor `down_proj` has hooks and
+    /// `down_proj` has no bias; `None` otherwise (the caller adds).
+    fn forward_add(&self, args: Args, residual: &Value) -> Result<Option<Value>> {
+        if !self.core().hooks().is_empty() || !linear_takes_residual(&self.down_proj) {
+            return Ok(None);
+        }
+        let m = self.gated(args)?;
+        Ok(Some(m.linear_add(&self.down_proj.weight.compute()?, residual)?))
+    }
+}
+
+impl Module for LlamaMLP {
+    fn type_name(&self) -> &'static str {
+        "LlamaMLP"
+    }
+
+    fn forward(&self, args: Args) -> Result<Value> {
+        call(&self.down_proj, Args::one(self.gated(args)?))
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {
@@ -841,6 +889,7 @@ pub struct LlamaDecoderLayer {
     pub post_attention_layernorm: RmsNorm,
     /// MLP.
     pub mlp: LlamaMLP,
+    fuse_residual: bool,
 }
 
 impl LlamaDecoderLayer {
@@ -857,6 +906,7 @@ impl LlamaDecoderLayer {
                 device,
             )?,
             mlp: LlamaMLP::new(cfg, device)?,
+            fuse_residual: false,
         })
     }
 
@@ -864,6 +914,7 @@ impl LlamaDecoderLayer {
     pub fn set_fusion(&mut self, fusion: LlamaFusion) {
         self.self_attn.set_fuse_projections(fusion.projections);
         self.mlp.set_fuse_projections(fusion.projections);
+        self.fuse_residual = fusion.residual;
     }
 }
 
@@ -876,11 +927,23 @@ impl Module for LlamaDecoderLayer {
     fn forward(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
         let h = call(&self.input_layernorm, Args::one(x.clone()))?;
-        let h = call(&self.self_attn, Args::new(vec![h, args.get(1), args.get(2)]))?;
-        let x = x.add(&h)?;
+        let attn_args = Args::new(vec![h, args.get(1), args.get(2)]);
+        let fused = if self.fuse_residual {
+            self.self_attn.forward_add(attn_args.clone(), &x)?
+        } else {
+            None
+        };
+        let x = match fused {
+            Some(x) => x,
+            None => x.add(&call(&self.self_attn, attn_args)?)?,
+        };
         let h = call(&self.post_attention_layernorm, Args::one(x.clone()))?;
-        let h = call(&self.mlp, Args::one(h))?;
-        x.add(&h)
+        let fused =
+            if self.fuse_residual { self.mlp.forward_add(Args::one(h.clone()), &x)? } else { None };
+        match fused {
+            Some(x) => Ok(x),
+            None => x.add(&call(&self.mlp, Args::one(h))?),
+        }
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {

@@ -155,6 +155,19 @@ impl Value {
         both!(Operands::with_params("Linear", self, &params)?, |x| x[0].linear(&x[1], x.get(2)))
     }
 
+    /// `self W^T + residual` (no bias) as one op where the operands are plain tensors
+    /// ([`Tensor::linear_add`]: one GEMM reading the residual on a CUDA device, the two
+    /// ops' bits on the host); for DTensor operands `residual + self.linear(W)`, as
+    /// [`Value::linear`] then [`Value::add`].
+    pub fn linear_add(&self, weight: &ComputeParam, residual: &Value) -> Result<Value> {
+        if let (Value::Tensor(x), Value::Tensor(r)) = (self, residual) {
+            if let Some(w) = weight.replicated_local() {
+                return Ok(Value::Tensor(x.linear_add(&w, r)?));
+            }
+        }
+        residual.add(&self.linear(weight, None)?)
+    }
+
     /// Rows of `weight` `[num, dim]` picked by these i64 ids: `F.embedding`
     /// ([`Tensor::embedding`], [`DTensor::embedding`]).
     pub fn embedding(&self, weight: &ComputeParam) -> Result<Value> {

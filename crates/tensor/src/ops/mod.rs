@@ -11,6 +11,7 @@ mod elementwise;
 mod gpu;
 mod gpu_elem;
 pub(crate) mod gpu_nn;
+mod linear_add;
 mod matmul;
 mod nn;
 mod optim;
