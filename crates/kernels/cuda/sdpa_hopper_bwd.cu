@@ -16,7 +16,8 @@
 //   every 64-query tile from the block's first visible query (causal: the
 //   block's first key), the Q and dO tiles into a 2-stage ring guarded by
 //   "full" mbarriers (the copies' bytes and the warp's 32 arrivals, after it
-//   wrote the tile's lse * log2(e) and delta into the stage) and "empty"
+//   wrote the tile's lse * log2(e) and delta into the stage while the
+//   copies fly) and "empty"
 //   mbarriers (lane 0 of each consumer warp);
 // - warpgroups 1 and 2 consume (setmaxnreg_inc): warpgroup w owns keys
 //   64 w .. 64 w + 63 of the block. Per tile: S^T = K Q^T and dP^T = V dO^T
@@ -209,6 +210,15 @@ TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         const i64 bh = (i64)w.b * a.q_heads + h;
         unsigned char* sq = s.stage + st * 2 * QT;
         float* sl = s.rows + st * 2 * BR;
+        // the copies first (their bytes announced), then lse and delta while
+        // they fly; the phase completes with the warp's 32 arrivals and the bytes
+        if (lane == 0) {
+            mbarrier_expect_tx(&s.full[st], 2u * BR * HD * 2);
+            for (int j = 0; j < HD / 64; ++j) {
+                tma_load_3d(sq + j * QBOX, &p.map_q, 64 * j, i0, (int)bh, &s.full[st]);
+                tma_load_3d(sq + QT + j * QBOX, &p.map_do, 64 * j, i0, (int)bh, &s.full[st]);
+            }
+        }
         for (int r = lane; r < BR; r += 32) {
             const int i = i0 + r;
             const float lv = i < a.q_len ? a.lse[bh * a.q_len + i] : -inf;
@@ -216,15 +226,7 @@ TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
             sl[r] = lv == -inf ? inf : lv * kLog2e;
             sl[BR + r] = i < a.q_len ? a.delta[bh * a.q_len + i] : 0.0f;
         }
-        if (lane == 0) {
-            mbarrier_arrive_expect_tx(&s.full[st], 2u * BR * HD * 2);
-            for (int j = 0; j < HD / 64; ++j) {
-                tma_load_3d(sq + j * QBOX, &p.map_q, 64 * j, i0, (int)bh, &s.full[st]);
-                tma_load_3d(sq + QT + j * QBOX, &p.map_do, 64 * j, i0, (int)bh, &s.full[st]);
-            }
-        } else {
-            mbarrier_arrive(&s.full[st]);
-        }
+        mbarrier_arrive(&s.full[st]);
     }
 }
 
