@@ -4,13 +4,18 @@
 //! measured one at one rank, 2x2 FSDP x TP (sequence-parallel plan), pp 2 with 1F1B,
 //! cp 2, cp 2 x tp 2 (ring attention, Megatron plan), cp 2 with the all-gather method
 //! (alone and under full activation checkpointing), full and selective activation
-//! checkpointing; a predictor that forgets the optimizer state or the activations misses
-//! by more in at least one of them. Two more configurations, sized so that what they add
-//! is a large share of the peak, hold the differences too: interleaved 1F1B (pp 2, 2
-//! stages per rank, 4 micro-batches) against 1F1B on the same batch, and all-gather
-//! against ring context parallelism at a long sequence. Alone in its test binary, the
-//! measuring tests one at a time (a lock): the allocator counts per rank slot, so rank
-//! threads of another test running at the same time would be counted too.
+//! checkpointing, and at three configurations whose largest transient is attention's
+//! backward (a sequence of 1024, hidden 128, an MLP of 128: 2 heads, 8 heads over 2 kv
+//! heads, and cp 2 over the ring), where the backward's rise over the forward's end is
+//! held to the model's gradients and transient too; a predictor that forgets the
+//! optimizer state or the activations misses by more in at least one of them. The host
+//! attention backward's gradients and scratch are checked against the allocator alone.
+//! Two more configurations, sized so that what they add is a large share of the peak,
+//! hold the differences too: interleaved 1F1B (pp 2, 2 stages per rank, 4 micro-batches)
+//! against 1F1B on the same batch, and all-gather against ring context parallelism at a
+//! long sequence. Alone in its test binary, the measuring tests one at a time (a lock):
+//! the allocator counts per rank slot, so rank threads of another test running at the
+//! same time would be counted too.
 
 use std::sync::Mutex;
 use std::time::Duration;
