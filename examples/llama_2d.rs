@@ -22,6 +22,7 @@ use tpar::data::Batch;
 use tpar::data::StepMetrics;
 use tpar::dtensor::CpLayout;
 use tpar::models::context_parallel::{apply_context_parallel, cp_token_share};
+use tpar::models::LlamaFusion;
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
@@ -69,6 +70,7 @@ struct Opts {
     nonfinite: NonFinite,
     timeline: bool,
     cuda_graph: bool,
+    fusion: LlamaFusion,
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
@@ -183,6 +185,16 @@ struct Cli {
     /// so --nonfinite fail reports a non-finite step there, after its update.
     #[arg(long)]
     cuda_graph: bool,
+    /// Compute q, k, v (and gate, up) of each decoder layer with one GEMM over the
+    /// concatenated weights, where the plan allows it (no tensor-parallel plan on the
+    /// projections; otherwise the separate projections run).
+    #[arg(long)]
+    fuse_proj: bool,
+    /// Compute each decoder layer's residual adds in o_proj's and down_proj's GEMMs (on a
+    /// CUDA device the GEMM reads the residual; on the host the same bits as without),
+    /// where no parallel style sits on those modules.
+    #[arg(long)]
+    fuse_residual: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -293,6 +305,7 @@ fn parse() -> Result<Opts, String> {
         nonfinite: c.nonfinite,
         timeline: c.timeline,
         cuda_graph: c.cuda_graph,
+        fusion: LlamaFusion { projections: c.fuse_proj, residual: c.fuse_residual },
     })
 }
 
@@ -493,6 +506,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     }
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+    model.set_fusion(o.fusion);
     if o.tp > 1 {
         let plan =
             if o.plan == "sp" { sequence_parallel_layer_plan() } else { megatron_layer_plan() };
@@ -1105,7 +1119,7 @@ fn main() {
         .find(|w| !w.logging && w.mode != "warmup" && w.mode != "captured")
         .map_or("none".to_string(), |w| w.work.host_calls.to_string());
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={} fuse_proj={} fuse_residual={}",
         o.world,
         o.dp,
         o.tp,
@@ -1126,6 +1140,8 @@ fn main() {
         o.cp_method.name(),
         u8::from(o.cuda_graph),
         launches_per_step,
+        u8::from(o.fusion.projections),
+        u8::from(o.fusion.residual),
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

@@ -16,6 +16,7 @@ use clap::{Parser, ValueEnum};
 use tpar::data::StepMetrics;
 use tpar::dtensor::CpLayout;
 use tpar::models::context_parallel::{apply_context_parallel_stage, cp_token_share};
+use tpar::models::LlamaFusion;
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
 use tpar::tensor::memory;
@@ -145,6 +146,15 @@ struct Opts {
     /// and the rank) or skip (zero the gradients, skip that optimizer step, log a line).
     #[arg(long, value_enum, default_value_t = NonFinite::Fail)]
     nonfinite: NonFinite,
+    /// Compute q, k, v (and gate, up) of each decoder layer with one GEMM over the
+    /// concatenated weights, where the plan allows it (no tensor-parallel plan on the
+    /// projections; otherwise the separate projections run).
+    #[arg(long)]
+    fuse_proj: bool,
+    /// Compute each decoder layer's residual adds in o_proj's and down_proj's GEMMs (on
+    /// the host the same bits as without), where no parallel style sits on those modules.
+    #[arg(long)]
+    fuse_residual: bool,
 }
 
 impl Opts {
@@ -297,6 +307,10 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     for j in 0..per_rank {
         let index = pp_rank + j * o.pp;
         let mut stage = LlamaStage::for_stage(&cfg, index, num_stages, None, Device::Meta)?;
+        let fusion = LlamaFusion { projections: o.fuse_proj, residual: o.fuse_residual };
+        for layer in &mut stage.base_model.layers.items {
+            layer.inner_mut().set_fusion(fusion);
+        }
         if o.tp > 1 {
             let plan = sequence_parallel_layer_plan();
             parallelize_llama_stage(&mut stage, &mesh["tp"], &plan, &top_level_plan())?;
@@ -678,7 +692,7 @@ fn main() {
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
     // device_peak_mib_max (llama_2d's key): none, the stages run on the host.
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={} fuse_proj={} fuse_residual={}",
         o.pp,
         o.dp,
         o.tp,
@@ -702,6 +716,8 @@ fn main() {
         },
         o.cp,
         o.cp_method.name(),
+        u8::from(o.fuse_proj),
+        u8::from(o.fuse_residual),
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

@@ -46,6 +46,9 @@
 #   3e. the training step (--no-fsdp) with TPAR_SDPA=hopper: the Hopper
 #      attention kernels where they take the call (SKIP_SDPA_STEP=1 skips; log
 #      in llama_2d_sdpa_hopper.log);
+#   3f. the training step (--no-fsdp) with --fuse-proj --fuse-residual: q, k,
+#      v and gate, up by one GEMM each, the residual adds in the GEMMs (also
+#      under SMOKE=1; SKIP_FUSED_STEP=1 skips; log in llama_2d_fused.log);
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files); then the training table:
 #      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
@@ -56,7 +59,8 @@
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_graph.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
-# cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, summary.{txt,json}.
+# cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, llama_2d_fused.log,
+# summary.{txt,json}.
 #
 # SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
 # --device cpu without the kernel benchmarks, llama_2d --device cpu, both
@@ -73,7 +77,7 @@
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
 # (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
-# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, CP_SEQ, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, SKIP_FUSED_STEP=1, CP_SEQ, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
 # run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
@@ -397,6 +401,25 @@ if [ "${SKIP_SDPA_STEP:-0}" != 1 ] && [ "$dev" = cuda ] && [ -x "$bin/llama_2d" 
         "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} >"$out/llama_2d_sdpa_hopper.log" 2>&1
     rc=$?
     echo "  TPAR_SDPA=hopper: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_sdpa_hopper.log" | tail -1)"
+fi
+
+# ---------------------------------------------------------------- 3f. fused projections
+
+# The training step (--no-fsdp, the step's model) with --fuse-proj --fuse-residual: q, k,
+# v and gate, up each by one GEMM over the concatenated weights, and the residual adds
+# read by o_proj's and down_proj's GEMMs; its time per step next to step 3's
+# --no-fsdp run. Runs on the host too under SMOKE=1. Log in llama_2d_fused.log.
+if [ "${SKIP_FUSED_STEP:-0}" != 1 ] && [ "${SKIP_LLAMA:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
+    echo
+    echo "== 3f. llama_2d --no-fsdp --fuse-proj --fuse-residual (log in llama_2d_fused.log)"
+    # shellcheck disable=SC2086
+    timeout "${LLAMA_TIMEOUT:-180}" \
+        "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
+        --fuse-proj --fuse-residual "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} \
+        >"$out/llama_2d_fused.log" 2>&1
+    rc=$?
+    echo "  fused: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_fused.log" | tail -1)" \
+        "(unfused --no-fsdp: $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log" 2>/dev/null | tail -1))"
 fi
 
 # ---------------------------------------------------------------- 4. summary
