@@ -8,7 +8,8 @@
 // One block = 3 warpgroups (384 threads) per (128-row q tile, q head, batch),
 // heavy causal tiles first:
 // - warpgroup 0 produces (setmaxnreg_dec): one thread brings the q tile once
-//   and the k and v tiles of BN = 128 keys into a 2-stage ring by bulk tensor
+//   and the k and v tiles of BN = 128 keys into a ring of 3 stages (head dim
+//   64) or 2 (128) by bulk tensor
 //   copies (3-D maps over (head_dim, seq, batch * heads), 128-byte swizzle,
 //   boxes of 64 columns: one box per 64 of the head dim), each stage guarded
 //   by "k full" and "v full" mbarriers (the copies' transaction bytes) and
@@ -61,7 +62,7 @@ namespace sdpa_hopper {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int BM = 128, BN = 128, STAGES = 2;
+constexpr int BM = 128, BN = 128;
 // One box: 64 columns (128 bytes) of 128 rows.
 constexpr u32 BOX_BYTES = 128 * 128;
 
@@ -97,6 +98,8 @@ TPAR_DEVICE u32 pack_rn<f16>(float lo, float hi) {
 template <int HD>
 struct Smem {
     static constexpr u32 TILE = (u32)(HD / 64) * BOX_BYTES;  // q, k or v tile
+    // stages of the k / v ring: 3 at head dim 64 (83 KiB more would not fit at 128)
+    static constexpr int STAGES = HD == 64 ? 3 : 2;
     TPAR_DEVICE unsigned char* k(int st) const { return k0 + st * TILE; }
     TPAR_DEVICE unsigned char* v(int st) const { return v0 + st * TILE; }
     unsigned char* q;
@@ -116,6 +119,7 @@ TPAR_DEVICE Smem<HD> carve() {
     unsigned char* base = tpar_dyn_smem + ((1024u - (at & 1023u)) & 1023u);
     Smem<HD> s;
     constexpr u32 T = Smem<HD>::TILE;
+    constexpr int STAGES = Smem<HD>::STAGES;
     s.q = base;
     s.k0 = base + T;
     s.v0 = base + (1 + STAGES) * T;
@@ -154,6 +158,7 @@ TPAR_DEVICE Work work_of(const SdpaHopperFwdArgs& a) {
 template <int HD>
 TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Work& w) {
     constexpr u32 T = Smem<HD>::TILE;
+    constexpr int STAGES = Smem<HD>::STAGES;
     mbarrier_arrive_expect_tx(s.q_full, T);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
@@ -287,6 +292,7 @@ TPAR_DEVICE void issue_pv(const Smem<HD>& s, int st, const u32 (&pa)[BN / 16][4]
 // overwrite P (the pending P v reads it).
 template <typename T, int HD>
 TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Work& w, int cw) {
+    constexpr int STAGES = Smem<HD>::STAGES;
     const int tw = threadIdx.x % 128;
     const int wp = tw / 32, lane = tw % 32, g = lane / 4;
     const float ninf = -tpar_inf();
@@ -386,6 +392,7 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
 template <typename T, int HD>
 TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
     const Smem<HD> s = carve<HD>();
+    constexpr int STAGES = Smem<HD>::STAGES;
     const Work w = work_of(a);
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {

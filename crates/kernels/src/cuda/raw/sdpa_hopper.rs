@@ -7,7 +7,7 @@
 //! top-left causal masking, an optional additive mask broadcast by strides,
 //! fully masked rows give zeros and `lse = -inf`), FlashAttention-3 style: a
 //! producer warpgroup brings the q tile and 128-key k and v tiles by bulk
-//! tensor copies into a 2-stage mbarrier ring, and two consumer warpgroups
+//! tensor copies into an mbarrier ring (3 stages at head dim 64, 2 at 128), and two consumer warpgroups
 //! (64 q rows each) compute `q kᵀ` with `wgmma` from shared memory, the online
 //! softmax in registers and `P v` with `wgmma` taking P from registers. One
 //! block of [`THREADS`] threads per (128-row q tile, q head, batch); the
@@ -42,16 +42,24 @@ pub const THREADS: u32 = 384;
 /// Query rows per block and keys per tile.
 pub const TILE: (usize, usize) = (128, 128);
 
-/// Stages of the k / v ring.
-const STAGES: u32 = 2;
+/// Stages of the k / v ring at `head_dim`: 3 at 64, 2 at 128.
+const fn stages(head_dim: usize) -> u32 {
+    if head_dim == 64 {
+        3
+    } else {
+        2
+    }
+}
 
-/// Dynamic shared memory per block for `head_dim`: the q tile, two stages of
-/// a k and a v tile (128 rows of `head_dim` 16-bit elements each), 11
-/// mbarriers and 1024 bytes to align the 128-byte swizzle's pattern (83,032
-/// bytes at head dim 64, 164,952 at 128).
+/// Dynamic shared memory per block for `head_dim`: the q tile, the ring's
+/// stages of a k and a v tile (128 rows of `head_dim` 16-bit elements each),
+/// the mbarriers (q, full and empty for k and v per stage, two turns) and
+/// 1024 bytes to align the 128-byte swizzle's pattern (115,832 bytes at head
+/// dim 64, 164,952 at 128).
 pub const fn shared_bytes(head_dim: usize) -> u32 {
     let tile = 128 * head_dim as u32 * 2;
-    (1 + 2 * STAGES) * tile + (3 + 4 * STAGES) * 8 + 1024
+    let st = stages(head_dim);
+    (1 + 2 * st) * tile + (3 + 4 * st) * 8 + 1024
 }
 
 /// The argument struct of every `tpar_sdpa_hopper_fwd*` kernel
@@ -280,7 +288,7 @@ mod tests {
     fn args_layout_matches_the_kernel() {
         assert_eq!(std::mem::size_of::<SdpaHopperFwdArgs>(), 512);
         assert_eq!(std::mem::align_of::<SdpaHopperFwdArgs>(), 64);
-        assert_eq!(shared_bytes(64), 83_032);
+        assert_eq!(shared_bytes(64), 115_832);
         assert_eq!(shared_bytes(128), 164_952);
         const { assert!(shared_bytes(128) <= 227 * 1024) };
     }
