@@ -32,7 +32,9 @@
 //   computes columns w HD/2 .. of dQ over all 128 keys and adds them into
 //   the f32 accumulator with atomics (red.global.add.v2.f32: two adjacent
 //   columns per instruction). dK (times scale) and dV stay in
-//   registers until the end: one writer per element.
+//   registers until the end: one writer per element. A warpgroup whose
+//   keys no query of the tile sees (causal) skips S, dP, dV and dK and
+//   contributes zeros to dS.
 //
 // Compiled for an architecture without wgmma, the kernels are empty: the
 // launcher runs them only where kernels are compiled for sm_90a (or the
@@ -264,74 +266,86 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         unsigned char* const sq = s.stage + st * 2 * QT;
         unsigned char* const sg = sq + QT;
 
-        // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries, k over HD.
-        float sc[BR / 2], dp[BR / 2];
-        wgmma_fence();
+        // dS^T of this warpgroup's keys, packed as A fragments (all zeros
+        // when causality hides its keys from every query of the tile: then
+        // S, dP, dV and dK are skipped).
+        u32 sa[4][4];
+        if (a.causal && i0 + nq - 1 < kb) {
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ++ks) {
-            const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
-            const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
-            wgmma_ss<T, BR, 0, 0>(sc, wgmma_desc(s.k + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                  wgmma_desc(sq + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                  ks > 0);
-        }
+            for (int kq = 0; kq < 4; ++kq)
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ++ks) {
-            const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
-            const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
-            wgmma_ss<T, BR, 0, 0>(dp, wgmma_desc(s.v + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                  wgmma_desc(sg + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                  ks > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-
-        // P^T and dS^T. Element i: key kb + r, query i0 + c.
-        const float* L = s.rows + st * 2 * BR;
-        const float* D = L + BR;
-        const bool edge = mask != nullptr || nq < BR || kb + 64 > a.kv_len ||
-                          (a.causal && i0 < kb + 63);
+                for (int j = 0; j < 4; ++j) sa[kq][j] = 0u;
+        } else {
+            // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries, k over HD.
+            float sc[BR / 2], dp[BR / 2];
+            wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < BR / 2; ++i) {
-            const int r = 16 * wi + g + 8 * ((i / 2) % 2);
-            const int c = 8 * (i / 4) + 2 * t + (i % 2);
-            float x = sc[i] * sl2;
-            bool ok = true;
-            if (edge) {
-                const int j = kb + r, qi = i0 + c;
-                ok = c < nq && j < a.kv_len && !(a.causal && j > qi);
-                if (ok && mask != nullptr)
-                    x += to_f32(mask[(i64)w.b * a.mask_bs + (i64)h * a.mask_hs +
-                                     (i64)qi * a.mask_rs + j]) *
-                         kLog2e;
+            for (int ks = 0; ks < HD / 16; ++ks) {
+                const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
+                const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
+                wgmma_ss<T, BR, 0, 0>(sc, wgmma_desc(s.k + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                      wgmma_desc(sq + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                      ks > 0);
             }
-            const float pv = ok ? exp2_ftz(x - L[c]) : 0.0f;
-            sc[i] = pv;
-            dp[i] = pv * (dp[i] - D[c]);
-        }
-        // The accumulator fragment of k step kq (queries 16 kq ..) is the A fragment.
-        u32 pa[4][4], sa[4][4];
 #pragma unroll
-        for (int kq = 0; kq < 4; ++kq)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                pa[kq][j] = pack2_rn<T>(sc[8 * kq + 2 * j], sc[8 * kq + 2 * j + 1]);
-                sa[kq][j] = pack2_rn<T>(dp[8 * kq + 2 * j], dp[8 * kq + 2 * j + 1]);
+            for (int ks = 0; ks < HD / 16; ++ks) {
+                const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
+                const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
+                wgmma_ss<T, BR, 0, 0>(dp, wgmma_desc(s.v + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                      wgmma_desc(sg + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                                      ks > 0);
             }
+            wgmma_commit();
+            wgmma_wait<0>();
 
-        // dV += P^T dO, dK += dS^T Q (B: the tiles as N-major operands, 16
-        // query rows = 2048 bytes per k step, 64-column boxes QBOX apart).
-        wgmma_fence();
+            // P^T and dS^T. Element i: key kb + r, query i0 + c.
+            const float* L = s.rows + st * 2 * BR;
+            const float* D = L + BR;
+            const bool edge = mask != nullptr || nq < BR || kb + 64 > a.kv_len ||
+                              (a.causal && i0 < kb + 63);
 #pragma unroll
-        for (int kq = 0; kq < 4; ++kq) {
-            wgmma_rs<T, HD, 1>(dv, pa[kq],
-                               wgmma_desc(sg + kq * 2048, QBOX, 1024, TPAR_WG_SWIZZLE_128B),
-                               true);
-            wgmma_rs<T, HD, 1>(dk, sa[kq],
-                               wgmma_desc(sq + kq * 2048, QBOX, 1024, TPAR_WG_SWIZZLE_128B),
-                               true);
+            for (int i = 0; i < BR / 2; ++i) {
+                const int r = 16 * wi + g + 8 * ((i / 2) % 2);
+                const int c = 8 * (i / 4) + 2 * t + (i % 2);
+                float x = sc[i] * sl2;
+                bool ok = true;
+                if (edge) {
+                    const int j = kb + r, qi = i0 + c;
+                    ok = c < nq && j < a.kv_len && !(a.causal && j > qi);
+                    if (ok && mask != nullptr)
+                        x += to_f32(mask[(i64)w.b * a.mask_bs + (i64)h * a.mask_hs +
+                                         (i64)qi * a.mask_rs + j]) *
+                             kLog2e;
+                }
+                const float pv = ok ? exp2_ftz(x - L[c]) : 0.0f;
+                sc[i] = pv;
+                dp[i] = pv * (dp[i] - D[c]);
+            }
+            // The accumulator fragment of k step kq (queries 16 kq ..) is the A
+            // fragment.
+            u32 pa[4][4];
+#pragma unroll
+            for (int kq = 0; kq < 4; ++kq)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    pa[kq][j] = pack2_rn<T>(sc[8 * kq + 2 * j], sc[8 * kq + 2 * j + 1]);
+                    sa[kq][j] = pack2_rn<T>(dp[8 * kq + 2 * j], dp[8 * kq + 2 * j + 1]);
+                }
+
+            // dV += P^T dO, dK += dS^T Q (B: the tiles as N-major operands, 16
+            // query rows = 2048 bytes per k step, 64-column boxes QBOX apart).
+            wgmma_fence();
+#pragma unroll
+            for (int kq = 0; kq < 4; ++kq) {
+                wgmma_rs<T, HD, 1>(dv, pa[kq],
+                                   wgmma_desc(sg + kq * 2048, QBOX, 1024, TPAR_WG_SWIZZLE_128B),
+                                   true);
+                wgmma_rs<T, HD, 1>(dk, sa[kq],
+                                   wgmma_desc(sq + kq * 2048, QBOX, 1024, TPAR_WG_SWIZZLE_128B),
+                                   true);
+            }
+            wgmma_commit();
         }
-        wgmma_commit();
 
         // dS^T into shared memory, buffer it % 2: both warpgroups' dQ of
         // tile it - 2, which read it, retired before they passed the barrier
