@@ -1,13 +1,15 @@
 //! The RoPE CUDA kernel (`cuda/rope.cu`) on the CPU emulator, against the
 //! CPU op: forward and backward in both layouts, in place, for q and k
 //! together, the backward undoing the forward for true rotations, and the
-//! element-wise path (odd half head dims, shifted addresses).
+//! element-wise path (odd half head dims, shifted addresses); and the kernel
+//! reading and writing separate orders (`[b, s, h, d]` in, `[b, h, s, d]` out
+//! and back) bit for bit against an explicit transpose and the one-order kernel.
 
 mod common;
 
 use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
-use tpar_kernels::cuda::raw::rope::{self as gpu, RopeShape};
+use tpar_kernels::cuda::raw::rope::{self as gpu, RopeOrder, RopeShape};
 use tpar_kernels::cuda::{CudaDType, Launcher};
 use tpar_kernels::{rope, Float};
 
@@ -175,5 +177,171 @@ fn rejects_bad_arguments() {
         assert!(gpu::rope_backward(l, f, &ok, p, p + 2, p, p).is_err(), "misaligned table");
         assert!(gpu::rope_qk_inplace(l, f, &ok, p, &long, p, p, p, false).is_err(), "seq differs");
         assert!(gpu::rope_forward(l, f, &ok, p, p, p, p).is_ok());
+    }
+}
+
+/// `[a, b, c, d]` (row-major) to `[a, c, b, d]`.
+fn swap12<T: Copy>(v: &[T], (a, b, c, d): (usize, usize, usize, usize)) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.len());
+    for i in 0..a {
+        for k in 0..c {
+            for j in 0..b {
+                let at = ((i * b + j) * c + k) * d;
+                out.extend_from_slice(&v[at..at + d]);
+            }
+        }
+    }
+    out
+}
+
+/// The bytes of `v`, for bit-for-bit comparisons.
+fn bits<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+/// `[b, s, h, d]` in, `[b, h, s, d]` out (and the backward the reverse, and the
+/// forward the other way round) equal the transpose and the one-order kernel
+/// on `[b*h, s, 1, d]`, bit for bit, on the vector path (`shift` 0, half a
+/// multiple of 8) and the element path.
+fn orders<T: Float + bytemuck::Pod>(seed: u64) {
+    let l: &dyn Launcher = emu();
+    let dt = dtype::<T>();
+    let mut rng = Rng(seed);
+    // (b, s, h, d): vector path, several heads and positions; odd sizes on the
+    // element path; one head; one position
+    for (b, seq, h, d) in [(2, 5, 3, 16), (1, 3, 2, 64), (3, 7, 5, 6), (2, 4, 1, 16), (2, 1, 3, 10)]
+    {
+        let s = RopeShape { outer: b, seq, inner: h, head_dim: d };
+        let flat = RopeShape { outer: b * h, seq, inner: 1, head_dim: d };
+        let n = numel(&s);
+        let x: Vec<T> = rng.vec(n, 1.0); // [b, s, h, d]
+        let g: Vec<T> = rng.vec(n, 1.0); // [b, h, s, d]
+        let cos: Vec<T> = rng.vec(seq * d, 1.0);
+        let sin: Vec<T> = rng.vec(seq * d, 1.0);
+        for shift in [0, 1] {
+            let what = format!("rope orders ({b}, {seq}, {h}, {d}) {}", T::NAME);
+            let mut bc = Buf::new(&cos, shift);
+            let mut bs = Buf::new(&sin, shift);
+            let (pc, ps) = (bc.ptr(), bs.ptr());
+            // reference forward: transpose, then the one-order kernel
+            let mut bxt = Buf::new(&swap12(&x, (b, seq, h, d)), shift);
+            let mut want = Buf::<T>::zeros(n, shift);
+            let (pxt, pw) = (bxt.ptr(), want.ptr());
+            let mut bx = Buf::new(&x, shift);
+            let mut got = Buf::<T>::zeros(n, shift);
+            let (px, pg) = (bx.ptr(), got.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel
+            // on this thread before returning), each holding every element the call's sizes
+            // reach.
+            unsafe {
+                gpu::rope_forward(l, dt, &flat, pxt, pc, ps, pw).unwrap();
+                gpu::rope_forward_orders(
+                    l,
+                    dt,
+                    &s,
+                    px,
+                    RopeOrder::SeqInner,
+                    pc,
+                    ps,
+                    pg,
+                    RopeOrder::InnerSeq,
+                )
+                .unwrap();
+            }
+            assert_eq!(bits(&got.get()), bits(&want.get()), "{what} forward, shift {shift}");
+            // the other way round: [b, h, s, d] in, [b, s, h, d] out
+            // SAFETY: as above.
+            unsafe {
+                gpu::rope_forward_orders(
+                    l,
+                    dt,
+                    &s,
+                    pxt,
+                    RopeOrder::InnerSeq,
+                    pc,
+                    ps,
+                    pg,
+                    RopeOrder::SeqInner,
+                )
+                .unwrap();
+            }
+            let back = swap12(&want.get(), (b, h, seq, d));
+            assert_eq!(bits(&got.get()), bits(&back), "{what} forward reversed, shift {shift}");
+            // backward: dy [b, h, s, d] in, dx [b, s, h, d] out, against the one-order
+            // backward then the transpose
+            let mut bg = Buf::new(&g, shift);
+            let pgr = bg.ptr();
+            // SAFETY: as above.
+            unsafe {
+                gpu::rope_backward(l, dt, &flat, pgr, pc, ps, pw).unwrap();
+                gpu::rope_backward_orders(
+                    l,
+                    dt,
+                    &s,
+                    pgr,
+                    RopeOrder::InnerSeq,
+                    pc,
+                    ps,
+                    pg,
+                    RopeOrder::SeqInner,
+                )
+                .unwrap();
+            }
+            let want_dx = swap12(&want.get(), (b, h, seq, d));
+            assert_eq!(bits(&got.get()), bits(&want_dx), "{what} backward, shift {shift}");
+            // and one order in and out is the one-order kernel
+            // SAFETY: as above.
+            unsafe {
+                gpu::rope_backward(l, dt, &s, px, pc, ps, pw).unwrap();
+                gpu::rope_backward_orders(
+                    l,
+                    dt,
+                    &s,
+                    px,
+                    RopeOrder::SeqInner,
+                    pc,
+                    ps,
+                    pg,
+                    RopeOrder::SeqInner,
+                )
+                .unwrap();
+            }
+            assert_eq!(bits(&got.get()), bits(&want.get()), "{what} one order, shift {shift}");
+        }
+    }
+}
+
+#[test]
+fn orders_match_transpose_f32() {
+    orders::<f32>(7);
+}
+
+#[test]
+fn orders_match_transpose_bf16() {
+    orders::<bf16>(8);
+}
+
+#[test]
+fn orders_match_transpose_f16() {
+    orders::<f16>(9);
+}
+
+#[test]
+fn rejects_in_place_across_orders() {
+    let l: &dyn Launcher = emu();
+    let mut buf = Buf::new(&[0.0f32; 64], 0);
+    let p = buf.ptr();
+    let f = CudaDType::F32;
+    let s = RopeShape { outer: 1, seq: 2, inner: 2, head_dim: 4 };
+    let (si, is) = (RopeOrder::SeqInner, RopeOrder::InnerSeq);
+    // SAFETY: the first two calls are rejected before anything is launched (asserted);
+    // the others rotate 16 elements in place inside `buf` (64 f32) with 8-element tables.
+    unsafe {
+        assert!(gpu::rope_forward_orders(l, f, &s, p, si, p, p, p, is).is_err(), "forward");
+        assert!(gpu::rope_backward_orders(l, f, &s, p, is, p, p, p, si).is_err(), "backward");
+        assert!(gpu::rope_forward_orders(l, f, &s, p, is, p, p, p, is).is_ok(), "one order");
+        // one head: both orders are one layout
+        let one = RopeShape { inner: 1, ..s };
+        assert!(gpu::rope_forward_orders(l, f, &one, p, si, p, p, p, is).is_ok(), "one head");
     }
 }

@@ -3,7 +3,7 @@
 
 use super::{count, Check};
 use crate::cuda::raw::rope as raw;
-pub use crate::cuda::raw::rope::RopeShape;
+pub use crate::cuda::raw::rope::{RopeOrder, RopeShape};
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
@@ -32,6 +32,55 @@ pub fn rope_forward(
     // holding what the kernel touches for `s` (checked above); `y` is an
     // exclusive borrow, disjoint from the inputs.
     unsafe { raw::rope_forward(dev, dtype, s, xp, cp, sp, yp) }
+}
+
+/// [`rope_forward`] reading `x` in `x_order` and writing `y` in `y_order`
+/// ([`raw::rope_forward_orders`]): with `(outer, seq, inner) = (b, s, h)`, `x`
+/// `[b, s, h, d]` ([`RopeOrder::SeqInner`]) gives the rotated `transpose(1, 2)`
+/// in `y` `[b, h, s, d]` ([`RopeOrder::InnerSeq`]) in one pass.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_forward_orders(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    s: &RopeShape,
+    x: DeviceSlice<'_>,
+    x_order: RopeOrder,
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
+    y: DeviceSliceMut<'_>,
+    y_order: RopeOrder,
+) -> Result<()> {
+    const OP: &str = "rope_forward";
+    let c = Check::new(OP, dev);
+    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
+    let (xp, yp) = (c.read("x", &x, n, es)?, c.write("y", &y, n, es)?);
+    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
+    // SAFETY: as in `rope_forward`; both orders are dense, so each reaches the
+    // `n` elements checked above.
+    unsafe { raw::rope_forward_orders(dev, dtype, s, xp, x_order, cp, sp, yp, y_order) }
+}
+
+/// Gradient of [`rope_forward_orders`]: `dy` read in `dy_order`, `dx` written
+/// in `dx_order`.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_backward_orders(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    s: &RopeShape,
+    dy: DeviceSlice<'_>,
+    dy_order: RopeOrder,
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
+    dx: DeviceSliceMut<'_>,
+    dx_order: RopeOrder,
+) -> Result<()> {
+    const OP: &str = "rope_backward";
+    let c = Check::new(OP, dev);
+    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
+    let (gp, dxp) = (c.read("dy", &dy, n, es)?, c.write("dx", &dx, n, es)?);
+    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
+    // SAFETY: as in `rope_forward_orders`.
+    unsafe { raw::rope_backward_orders(dev, dtype, s, gp, dy_order, cp, sp, dxp, dx_order) }
 }
 
 /// Gradient of [`rope_forward`]: `dx` is the transpose of the forward map

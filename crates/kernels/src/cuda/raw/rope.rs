@@ -4,7 +4,11 @@
 //!
 //! The layout is the CPU op's [`RopeShape`]: element `(o, t, i, j)` of the
 //! rotated tensor is at `((o*seq + t)*inner + i)*head_dim + j`, and `cos` /
-//! `sin` are `[seq, head_dim]` tables of the same dtype.
+//! `sin` are `[seq, head_dim]` tables of the same dtype. [`rope_forward_orders`]
+//! and [`rope_backward_orders`] read and write the tensor in separate
+//! [`RopeOrder`]s: with `(outer, seq, inner) = (b, s, h)`, reading `[b, s, h, d]`
+//! and writing `[b, h, s, d]` rotates the `transpose(1, 2)` of the input in one
+//! pass (and the backward pass the reverse).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -37,10 +41,47 @@ pub struct RopeArgs {
     pub inner: i64,
     /// Head dim (even).
     pub head_dim: i64,
+    /// Elements between consecutive `outer` indices of `x`.
+    pub xs_outer: i64,
+    /// Elements between consecutive positions of `x`.
+    pub xs_seq: i64,
+    /// Elements between consecutive `inner` indices of `x`.
+    pub xs_inner: i64,
+    /// Elements between consecutive `outer` indices of `y`.
+    pub ys_outer: i64,
+    /// Elements between consecutive positions of `y`.
+    pub ys_seq: i64,
+    /// Elements between consecutive `inner` indices of `y`.
+    pub ys_inner: i64,
     /// 1: apply the transpose (the backward pass).
     pub transpose: i32,
     /// Padding (0).
     pub pad: i32,
+}
+
+/// Where the rows (heads) of a [`RopeShape`] tensor lie: both orders are dense,
+/// with the head dim contiguous.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RopeOrder {
+    /// `((o*seq + t)*inner + i)*head_dim + j`: the layout of [`rope_forward`]
+    /// (`[b, s, h, d]` for `(outer, seq, inner) = (b, s, h)`).
+    #[default]
+    SeqInner,
+    /// `((o*inner + i)*seq + t)*head_dim + j` (`[b, h, s, d]` for
+    /// `(outer, seq, inner) = (b, s, h)`).
+    InnerSeq,
+}
+
+impl RopeOrder {
+    /// Element strides of the `outer`, `seq` and `inner` indices for `s`
+    /// (sizes already checked not to overflow).
+    fn strides(self, s: &RopeShape) -> [i64; 3] {
+        let (seq, inner, d) = (s.seq as i64, s.inner as i64, s.head_dim as i64);
+        match self {
+            RopeOrder::SeqInner => [seq * inner * d, inner * d, d],
+            RopeOrder::InnerSeq => [seq * inner * d, d, seq * d],
+        }
+    }
 }
 
 /// The rotation (or its transpose) of `x` into `y` with the tables `cos`, `sin`.
@@ -58,8 +99,50 @@ unsafe fn apply(
     y: DevPtr,
     transpose: bool,
 ) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        apply_orders(
+            op,
+            l,
+            dtype,
+            s,
+            (x, RopeOrder::SeqInner),
+            cos,
+            sin,
+            (y, RopeOrder::SeqInner),
+            transpose,
+        )
+    }
+}
+
+/// [`apply`] with `x` read in one order and `y` written in another.
+///
+/// # Safety
+/// As [`rope_forward_orders`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn apply_orders(
+    op: &'static str,
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &RopeShape,
+    (x, x_order): (DevPtr, RopeOrder),
+    cos: DevPtr,
+    sin: DevPtr,
+    (y, y_order): (DevPtr, RopeOrder),
+    transpose: bool,
+) -> Result<()> {
     if !s.head_dim.is_multiple_of(2) {
         return Err(bad(op, format!("{s:?}: head_dim must be even")));
+    }
+    // In place, every element must be read and written at one address.
+    let one_row = s.seq <= 1 || s.inner <= 1;
+    if x == y && x_order != y_order && !one_row {
+        return Err(bad(
+            op,
+            format!(
+                "{s:?}: x and y are one buffer but in different orders ({x_order:?}, {y_order:?})"
+            ),
+        ));
     }
     let es = dtype.size();
     let n = numel(op, &[s.outer, s.seq, s.inner, s.head_dim, es])? / es;
@@ -74,6 +157,7 @@ unsafe fn apply(
     let vec = half.is_multiple_of(8) && [x, cos, sin, y].iter().all(|p| p % 16 == 0);
     let pairs = n / 2;
     let items = if vec { pairs / 8 } else { pairs };
+    let (xs, ys) = (x_order.strides(s), y_order.strides(s));
     let args = RopeArgs {
         x,
         cos,
@@ -83,6 +167,12 @@ unsafe fn apply(
         seq: s.seq as i64,
         inner: s.inner as i64,
         head_dim: s.head_dim as i64,
+        xs_outer: xs[0],
+        xs_seq: xs[1],
+        xs_inner: xs[2],
+        ys_outer: ys[0],
+        ys_seq: ys[1],
+        ys_inner: ys[2],
         transpose: transpose as i32,
         pad: 0,
     };
@@ -108,6 +198,57 @@ pub unsafe fn rope_forward(
 ) -> Result<()> {
     // SAFETY: forwarded to the caller.
     unsafe { apply("rope_forward", l, dtype, s, x, cos, sin, y, false) }
+}
+
+/// [`rope_forward`] reading `x` in `x_order` and writing `y` in `y_order`:
+/// with `(outer, seq, inner) = (b, s, h)`, `x` in [`RopeOrder::SeqInner`]
+/// (`[b, s, h, d]`) and `y` in [`RopeOrder::InnerSeq`] (`[b, h, s, d]`), `y` is
+/// the rotated `transpose(1, 2)` of `x`, bit for bit what the transpose then
+/// [`rope_forward`] give. In place (`y == x`) only in one order (an error
+/// otherwise, unless `seq` or `inner` is 1, when both orders are one layout).
+///
+/// # Safety
+/// As [`rope_forward`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rope_forward_orders(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &RopeShape,
+    x: DevPtr,
+    x_order: RopeOrder,
+    cos: DevPtr,
+    sin: DevPtr,
+    y: DevPtr,
+    y_order: RopeOrder,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        apply_orders("rope_forward", l, dtype, s, (x, x_order), cos, sin, (y, y_order), false)
+    }
+}
+
+/// Gradient of [`rope_forward_orders`]: `dy` read in `dy_order`, `dx` written
+/// in `dx_order` (for the one-pass transpose above, `dy` in
+/// [`RopeOrder::InnerSeq`] and `dx` in [`RopeOrder::SeqInner`]).
+///
+/// # Safety
+/// As [`rope_forward`], with `dy` for `x` and `dx` for `y`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rope_backward_orders(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &RopeShape,
+    dy: DevPtr,
+    dy_order: RopeOrder,
+    cos: DevPtr,
+    sin: DevPtr,
+    dx: DevPtr,
+    dx_order: RopeOrder,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        apply_orders("rope_backward", l, dtype, s, (dy, dy_order), cos, sin, (dx, dx_order), true)
+    }
 }
 
 /// Gradient of [`rope_forward`]: `dx` is the transpose of the forward map
