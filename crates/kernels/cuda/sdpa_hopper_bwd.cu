@@ -36,6 +36,10 @@
 //   keys no query of the tile sees (causal) skips S, dP, dV and dK and
 //   contributes zeros to dS.
 //
+// At head dim 64 each warpgroup's dQ columns are 32 wide, so its K operand
+// starts 64 bytes into the 128-byte swizzled rows (the swizzle applies to the
+// resulting addresses, as for the K-major k steps 32 bytes apart).
+//
 // Compiled for an architecture without wgmma, the kernels are empty: the
 // launcher runs them only where kernels are compiled for sm_90a (or the
 // emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet.
