@@ -103,7 +103,8 @@
 //!   gradients in (a new `dq`, `2 Q` while it is pieced from rows, then zero `dk` and
 //!   `dv` and their sums, `Q + 4 K`, `+ K` for a partial key block); all-gather's
 //!   reduce-scatter holds every hop's `dk` and `dv`, their concatenation and the sum
-//!   (`Q + (5 cp + 1) K`). The cp rank and hop with the most set the term.
+//!   (`Q + (5 cp + 1) K`). The cp rank and hop with the most set the term (of more than
+//!   64 cp ranks, the first two, the middle one and the last two are walked).
 //!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
@@ -736,23 +737,23 @@ const HOST_SDPA_BWD_MIN_TASKS: usize = 8;
 ///   output gradients at the runs' average rows, and the final sum adds one group's `dq`
 ///   accumulator (`r q_len d A`) per thread, whichever is larger.
 pub fn host_sdpa_backward_scratch(a: &AttentionCall, dtype: DType, threads: usize) -> u64 {
-    let groups = a.batch * a.kv_heads;
+    let groups = a.batch.saturating_mul(a.kv_heads);
     if groups == 0 || a.q_heads == 0 || a.q_len == 0 || a.kv_len == 0 {
         return 0;
     }
     let acc = stat_bytes(dtype);
     let d = a.head_dim as f64;
     let group = (a.q_heads / a.kv_heads).max(1) as f64;
-    let dsum = (a.batch * a.q_heads * a.q_len) as f64;
+    let dsum = a.batch as f64 * a.q_heads as f64 * a.q_len as f64;
     let key_tiles = a.kv_len.div_ceil(HOST_SDPA_BWD_KEYS);
     let want = HOST_SDPA_BWD_MIN_TASKS.div_ceil(groups).clamp(1, key_tiles);
-    let run = key_tiles.div_ceil(want) * HOST_SDPA_BWD_KEYS;
+    let run = key_tiles.div_ceil(want).saturating_mul(HOST_SDPA_BWD_KEYS);
     let chunks = a.kv_len.div_ceil(run);
     let threads = threads.max(1);
-    let running = threads.min(groups * chunks) as f64;
+    let running = threads.min(groups.saturating_mul(chunks)) as f64;
     let rows = |c: usize| {
         if a.causal {
-            a.q_len.saturating_sub(c * run) as f64
+            a.q_len.saturating_sub(c.saturating_mul(run)) as f64
         } else {
             a.q_len as f64
         }
@@ -775,8 +776,9 @@ pub fn host_sdpa_backward_scratch(a: &AttentionCall, dtype: DType, threads: usiz
 /// (`tpar_kernels::cuda::raw::sdpa_backward_workspace_bytes`): an f32 per query row,
 /// rounded up to 256 bytes, and an f32 `dq` accumulator.
 pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
-    let rows = (a.batch * a.q_heads * a.q_len) as u64;
-    (rows * 4).next_multiple_of(256) + rows * a.head_dim as u64 * 4
+    let rows = a.batch as f64 * a.q_heads as f64 * a.q_len as f64;
+    let delta = (rows * 4.0 / 256.0).ceil() * 256.0;
+    (delta + rows * a.head_dim as f64 * 4.0).round() as u64
 }
 
 /// The largest transient of one decoder layer's attention backward, in bytes (the
@@ -792,7 +794,7 @@ fn attention_backward(
     let acc = stat_bytes(compute);
     let q_heads = (m.num_attention_heads / c.tp).max(1);
     let kv_heads = (m.num_key_value_heads / c.tp).max(1);
-    let world = c.dp * c.tp * c.cp * c.pp;
+    let world = c.dp.saturating_mul(c.tp).saturating_mul(c.cp).saturating_mul(c.pp);
     let threads = c.host_threads.unwrap_or(match RankThreads::per_rank(world) {
         RankThreads::PerRank(n) => n,
         RankThreads::Shared => 1,
@@ -817,15 +819,19 @@ fn attention_backward(
     // gradient (`[b, hq, s, hd]`, the transpose's copy).
     let per_token = |tokens: f64| tokens * (shape.full + shape.q) * abytes;
     if c.cp == 1 {
-        let tokens = (rows * c.seq) as f64;
+        let tokens = rows as f64 * c.seq as f64;
         let outputs = tokens * (shape.q + 2.0 * shape.kv) * abytes;
         return Ok(per_token(tokens) + outputs + scratch(&call(c.seq, c.seq, true)));
     }
     let layout = CpLayout::new(c.seq, c.cp).map_err(|e| config_err(e.to_string()))?;
     let mut worst = 0.0f64;
-    for me in 0..c.cp {
+    // Every cp rank up to 64 of them; beyond, the first two, the middle and the last two
+    // (each walks `cp` hops).
+    let ranks: Vec<usize> =
+        if c.cp <= 64 { (0..c.cp).collect() } else { vec![0, 1, c.cp / 2, c.cp - 2, c.cp - 1] };
+    for me in ranks {
         let local = layout.local_len(me);
-        let tokens = (rows * local) as f64;
+        let tokens = rows as f64 * local as f64;
         // This rank's q (and dq) and k or v (and dk or dv), whole.
         let (big_q, big_k) = (tokens * shape.q * abytes, tokens * shape.kv * abytes);
         let mut peak = 0.0f64;
@@ -854,9 +860,9 @@ fn attention_backward(
                 + if kf < 1.0 { 2.0 * kf * big_k } else { 0.0 };
             let a = call(blk.q_rows, blk.k_rows, blk.kind == BlockKind::Diagonal);
             // The merged log-sum-exps of the block's rows, in f64 and in the kernel's type.
-            let lse = (rows * q_heads * blk.q_rows) as f64 * (8.0 + acc);
+            let lse = rows as f64 * q_heads as f64 * blk.q_rows as f64 * (8.0 + acc);
             let mask = if blk.kind == BlockKind::Explicit {
-                (blk.q_rows * blk.k_rows) as f64 * (8.0 + abytes)
+                blk.q_rows as f64 * blk.k_rows as f64 * (8.0 + abytes)
             } else {
                 0.0
             };
