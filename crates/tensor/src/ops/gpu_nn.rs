@@ -265,6 +265,58 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, s: RopeShape) -> Resu
     })))
 }
 
+/// [`Tensor::rope_bshd_to_bhsd`] on the device: `x` `[b, s, h, d]` (`s` is `(b, s, h, d)`)
+/// read in one pass into the rotated `[b, h, s, d]`; the backward pass reads the
+/// gradient `[b, h, s, d]` and writes `[b, s, h, d]`. `None` when the dtype has no kernel.
+pub(crate) fn rope_bshd_to_bhsd(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    s: RopeShape,
+) -> Result<Option<Tensor>> {
+    const OP: &str = "rope";
+    let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
+    let (seq_major, head_major) = (k_rope::RopeOrder::SeqInner, k_rope::RopeOrder::InnerSeq);
+    let dev = device_of(x, OP)?;
+    let heads_first = Shape::from([s.outer, s.inner, s.seq, s.head_dim]);
+    let mut y = Out::new(&dev, heads_first, x.dtype())?;
+    with_gpu(OP, &[x, cos, sin], |v| {
+        let (xv, cv, sv) = (v[0].view(), v[1].view(), v[2].view());
+        Ok(k_rope::rope_forward_orders(
+            &*dev,
+            cd,
+            &s,
+            xv,
+            seq_major,
+            cv,
+            sv,
+            y.view_mut(),
+            head_major,
+        )?)
+    })?;
+    let (c, sn) = (cos.detach(), sin.detach());
+    let seq_first = x.shape().clone();
+    Ok(Some(record(OP, &[x], y.into_tensor(), move |g| {
+        let dev = device_of(g, OP)?;
+        let mut dx = Out::new(&dev, seq_first.clone(), g.dtype())?;
+        with_gpu(OP, &[g, &c, &sn], |v| {
+            let (gv, cv, sv) = (v[0].view(), v[1].view(), v[2].view());
+            Ok(k_rope::rope_backward_orders(
+                &*dev,
+                cd,
+                &s,
+                gv,
+                head_major,
+                cv,
+                sv,
+                dx.view_mut(),
+                seq_major,
+            )?)
+        })?;
+        Ok(vec![Some(dx.into_tensor())])
+    })))
+}
+
 // ---------------------------------------------------------------------------------------
 // Cross-entropy
 // ---------------------------------------------------------------------------------------

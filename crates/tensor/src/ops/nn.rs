@@ -252,6 +252,34 @@ impl Tensor {
         }))
     }
 
+    /// RoPE of the heads-first view of `self` `[b, s, h, d]` (a projection's output split
+    /// into heads): `self.transpose(1, 2)?.rope(cos, sin, RopeLayout::Bhsd)`, `[b, h, s, d]`,
+    /// with the same values bit for bit. On a CUDA device one kernel reads `[b, s, h, d]`
+    /// and writes the rotated `[b, h, s, d]` (no transpose copy), and the backward pass
+    /// writes the gradient as `[b, s, h, d]` the same way; elsewhere (and for f64) it is
+    /// the transpose then [`Tensor::rope`]. Differentiable in `self`.
+    pub fn rope_bshd_to_bhsd(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let op = "rope";
+        require_float(op, self)?;
+        common_dtype(op, &[self, cos, sin])?;
+        if self.rank() != 4 {
+            return Err(invalid(op, format!("x must be 4-d [b, s, h, d], got {}", self.shape())));
+        }
+        let d = self.dims();
+        let s = RopeShape { outer: d[0], seq: d[1], inner: d[2], head_dim: d[3] };
+        let tables_fit = cos.dims() == [s.seq, s.head_dim] && sin.dims() == [s.seq, s.head_dim];
+        if tables_fit
+            && s.head_dim.is_multiple_of(2)
+            && cuda_ordinal(op, &[self, cos, sin])?.is_some()
+        {
+            if let Some(t) = super::gpu_nn::rope_bshd_to_bhsd(self, cos, sin, s)? {
+                return Ok(t);
+            }
+        }
+        // Bad tables or head dims get `rope`'s errors here.
+        self.transpose(1, 2)?.rope(cos, sin, RopeLayout::Bhsd)
+    }
+
     /// Scaled dot-product attention, flash style (no `S x S` matrix is stored).
     ///
     /// `q`: `[b, hq, sq, d]`, `k`: `[b, hkv, sk, d]`, `v`: `[b, hkv, sk, dv]` with
