@@ -224,6 +224,16 @@ fn bf16_d64_plain_whole_tiles() {
 }
 
 #[test]
+fn long_key_sequences_wrap_the_ring() {
+    // 6 key tiles through head dim 64's 3-stage ring, 5 through head dim
+    // 128's 2-stage ring: every stage is refilled, the barriers' phases flip.
+    check::<bf16>(CudaDType::BF16, shape(1, 1, 1, 40, 700, 64, false), MaskKind::KeyPadding);
+    check::<f16>(CudaDType::F16, shape(1, 2, 1, 20, 520, 128, false), MaskKind::None);
+    // causal, 3 q tiles: the last visits 3 key tiles (the first two whole)
+    check::<bf16>(CudaDType::BF16, shape(1, 1, 1, 300, 300, 64, true), MaskKind::Full);
+}
+
+#[test]
 fn refusals_name_the_reason() {
     sm90a();
     let expect_bad =
