@@ -41,9 +41,10 @@ fn grads_of(model: &dyn Module) -> Grads {
         .collect()
 }
 
-/// `got` within `tol` of `want` (relative to the larger of 1 and the value), every FQN.
-fn assert_close(what: &str, got: &(f64, Grads), want: &(f64, Grads), tol: f64) {
-    let near = |a: f64, b: f64| (a - b).abs() <= tol * b.abs().max(1.0);
+/// `got` within `tol` of `want` (relative to the larger of `floor` and the value), every
+/// FQN.
+fn assert_close_to(what: &str, got: &(f64, Grads), want: &(f64, Grads), tol: f64, floor: f64) {
+    let near = |a: f64, b: f64| (a - b).abs() <= tol * b.abs().max(floor);
     assert!(near(got.0, want.0), "{what}: loss {} vs {}", got.0, want.0);
     assert_eq!(got.1.len(), want.1.len(), "{what}: parameter count");
     for (name, w) in &want.1 {
@@ -53,6 +54,11 @@ fn assert_close(what: &str, got: &(f64, Grads), want: &(f64, Grads), tol: f64) {
             assert!(near(*a, *b), "{what}: gradient of {name}[{i}] is {a}, unfused {b}");
         }
     }
+}
+
+/// [`assert_close_to`] relative to the larger of 1 and the value.
+fn assert_close(what: &str, got: &(f64, Grads), want: &(f64, Grads), tol: f64) {
+    assert_close_to(what, got, want, tol, 1.0);
 }
 
 /// Loss and gradients of one step at one rank on the host, with `fusion` and `policy`.
@@ -200,5 +206,43 @@ fn on_device(fusion: LlamaFusion) -> (f64, Grads) {
 
 #[test]
 fn fused_projections_on_the_emulated_gpu_match_separate_ones() {
-    assert_close("cuda f32", &on_device(FUSED), &on_device(LlamaFusion::default()), 1e-5);
+    // f32 rounding, relative to the value down to 1e-2 (gradients are small).
+    let (got, want) = (on_device(FUSED), on_device(LlamaFusion::default()));
+    assert_close_to("cuda f32", &got, &want, 1e-5, 1e-2);
+}
+
+#[test]
+fn linear_many_equals_separate_linears_and_checks_its_operands() {
+    let mut rng = Rng::new(3);
+    let mut t = |dims: &[usize]| {
+        Tensor::randn(dims.to_vec(), DType::F64, &mut rng).unwrap().requires_grad_(true)
+    };
+    let (x, ws) = (t(&[2, 3, 5]), [t(&[4, 5]), t(&[2, 5]), t(&[3, 5])]);
+    // sum(piece_i * c_i) with distinct c_i, so every piece's gradient differs.
+    let run = |pieces: Vec<Tensor>| -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+        let mut loss = Tensor::zeros([], DType::F64, Device::Cpu).unwrap();
+        for (i, p) in pieces.iter().enumerate() {
+            let s = p.mul(p).unwrap().mul_scalar(i as f64 + 1.0).unwrap().sum_all().unwrap();
+            loss = loss.add(&s).unwrap();
+        }
+        loss.backward().unwrap();
+        let out = pieces.iter().map(values).collect();
+        let grads = std::iter::once(&x).chain(&ws).map(|t| values(&t.grad().unwrap())).collect();
+        x.zero_grad();
+        ws.iter().for_each(Tensor::zero_grad);
+        (out, grads)
+    };
+    let (got, got_g) = run(x.linear_many(&ws).unwrap());
+    let (want, want_g) = run(ws.iter().map(|w| x.linear(w, None).unwrap()).collect());
+    for (a, b) in got.iter().chain(&got_g).zip(want.iter().chain(&want_g)) {
+        assert_eq!(a.len(), b.len());
+        for (u, v) in a.iter().zip(b) {
+            assert!((u - v).abs() <= 1e-12 * v.abs().max(1.0), "{u} vs {v}");
+        }
+    }
+    // Weights of another width, or of another dtype: typed errors.
+    let narrow = Tensor::zeros([2, 4], DType::F64, Device::Cpu).unwrap();
+    assert!(x.linear_many(&[ws[0].clone(), narrow]).is_err());
+    let f32w = Tensor::zeros([2, 5], DType::F32, Device::Cpu).unwrap();
+    assert!(x.linear_many(&[ws[0].clone(), f32w]).is_err());
 }

@@ -69,11 +69,16 @@ fn apart(x: &Tensor, w: &Tensor, r: &Tensor) -> Tensor {
     r.add(&x.linear(w, None).unwrap()).unwrap()
 }
 
-fn assert_near(what: &str, got: &[f64], want: &[f64], tol: f64) {
+/// `got` within `tol` of `want`, relative to the larger of `floor` and the value.
+fn assert_near_to(what: &str, got: &[f64], want: &[f64], tol: f64, floor: f64) {
     assert_eq!(got.len(), want.len(), "{what}: size");
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!((a - b).abs() <= tol * b.abs().max(1.0), "{what}[{i}]: {a} vs {b}");
+        assert!((a - b).abs() <= tol * b.abs().max(floor), "{what}[{i}]: {a} vs {b}");
     }
+}
+
+fn assert_near(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_near_to(what, got, want, tol, 1.0);
 }
 
 #[test]
@@ -155,7 +160,8 @@ fn a_step_with_the_residual_fused_on_the_emulated_gpu_matches_the_unfused_step()
         let got = step(fusion, &AcPolicy::None, DType::F32, dev);
         assert_near(&format!("{fusion:?} loss"), &[got.0], &[want.0], 1e-5);
         for (name, w) in &want.1 {
-            assert_near(&format!("{fusion:?} {name}"), &got.1[name], w, 1e-4);
+            // f32 rounding, relative to the value down to 1e-2 (gradients are small).
+            assert_near_to(&format!("{fusion:?} {name}"), &got.1[name], w, 2e-5, 1e-2);
         }
     }
 }

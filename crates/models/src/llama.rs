@@ -531,9 +531,10 @@ pub(crate) fn attention_mask(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LlamaFusion {
     /// q, k and v computed by one GEMM over the concatenation of `q_proj`, `k_proj` and
-    /// `v_proj`'s weights (concatenated on dim 0 with autograd, so each weight keeps its
-    /// own parameter, gradient, FQN and optimizer state), the output split back into q, k
-    /// and v; gate and up likewise with one GEMM over `gate_proj` and `up_proj`.
+    /// `v_proj`'s weights on dim 0, the output split back into q, k and v
+    /// ([`Tensor::linear_many`]: each weight keeps its own parameter, gradient, FQN and
+    /// optimizer state, and the backward is each projection's own); gate and up likewise
+    /// with one GEMM over `gate_proj` and `up_proj`.
     ///
     /// It applies where the plan allows: a plain (not DTensor) input and projections
     /// without bias and without hooks of their own (no parallel style installed on them)
@@ -778,10 +779,9 @@ fn fusable(x: &Value, projs: &[&Linear]) -> Result<Option<(Tensor, Vec<Tensor>)>
 /// plan does not allow it ([`LlamaFusion::projections`]), so the caller runs them apart.
 fn fused_linear(x: &Value, projs: &[&Linear]) -> Result<Option<Vec<Value>>> {
     let Some((xt, weights)) = fusable(x, projs)? else { return Ok(None) };
-    let sizes: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
-    let w = Tensor::cat(&weights, 0)?; // [sum(out), in]
-    let y = xt.linear(&w, None)?; // [..., in] x [sum(out), in]^T -> [..., sum(out)]
-    Ok(Some(y.split_sizes(&sizes, -1)?.into_iter().map(Value::Tensor).collect()))
+    // [..., in] x [sum(out), in]^T -> [..., sum(out)], split into [..., out_i].
+    let pieces = xt.linear_many(&weights)?;
+    Ok(Some(pieces.into_iter().map(Value::Tensor).collect()))
 }
 
 /// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.

@@ -12,6 +12,7 @@ mod gpu;
 mod gpu_elem;
 pub(crate) mod gpu_nn;
 mod linear_add;
+mod linear_many;
 mod matmul;
 mod nn;
 mod optim;
