@@ -96,11 +96,13 @@ constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr u32 STAGING_BYTES = 64 * BN * 4;
 enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4 };
 
+// The ring's stages and the consumer warpgroups' epilogue buffers are found
+// by arithmetic (stage_a, stage_b, staging, out16), not kept in arrays of
+// pointers: such an array indexed at run time (by the stage, by the
+// warpgroup) would put the whole struct in local memory (a stack frame).
 struct Smem {
-    unsigned char* a[STAGES];
-    unsigned char* b[STAGES];
-    unsigned char* staging[2];  // a consumer warpgroup's 64 x BN f32 tile
-    unsigned char* out16[2];    // its 64 x BN image of a 16-bit C
+    unsigned char* ring;        // [STAGES] x (A tile, then B tile)
+    unsigned char* epi;         // [2] 64 x BN f32 staging tiles, then [2] 16-bit images
     u64* full;                  // [STAGES]
     u64* empty;                 // [STAGES]
     u64* epi_sync;              // [2]: a barrier of a consumer warpgroup (128 arrivals)
@@ -111,21 +113,28 @@ TPAR_DEVICE Smem carve() {
     const u32 at = tpar_shared_addr(tpar_dyn_smem);
     unsigned char* base = tpar_dyn_smem + ((1024u - (at & 1023u)) & 1023u);
     Smem s;
-    for (int i = 0; i < STAGES; ++i) {
-        s.a[i] = base + i * STAGE_BYTES;
-        s.b[i] = base + i * STAGE_BYTES + A_BYTES;
-    }
+    s.ring = base;
     unsigned char* p = base + STAGES * STAGE_BYTES;
-    s.staging[0] = p;
-    s.staging[1] = p + STAGING_BYTES;
-    s.out16[0] = p + 2 * STAGING_BYTES;
-    s.out16[1] = p + 2 * STAGING_BYTES + STAGING_BYTES / 2;
+    s.epi = p;
     u64* bars = reinterpret_cast<u64*>(p + 3 * STAGING_BYTES);
     s.full = bars;
     s.empty = bars + STAGES;
     s.epi_sync = bars + 2 * STAGES;
     s.epi_free = bars + 2 * STAGES + 2;
     return s;
+}
+
+// Stage `st`'s A and B tiles.
+TPAR_DEVICE unsigned char* stage_a(const Smem& s, int st) { return s.ring + st * STAGE_BYTES; }
+TPAR_DEVICE unsigned char* stage_b(const Smem& s, int st) {
+    return s.ring + st * STAGE_BYTES + A_BYTES;
+}
+
+// Consumer warpgroup `cw`'s 64 x BN f32 staging tile, and its 64 x BN image
+// of a 16-bit C.
+TPAR_DEVICE unsigned char* staging(const Smem& s, int cw) { return s.epi + cw * STAGING_BYTES; }
+TPAR_DEVICE unsigned char* out16(const Smem& s, int cw) {
+    return s.epi + 2 * STAGING_BYTES + cw * (STAGING_BYTES / 2);
 }
 
 struct Tile {
@@ -168,9 +177,11 @@ TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int 
             mbarrier_wait_parity(&s.empty[st], phase ^ 1u);
             mbarrier_arrive_expect_tx(&s.full[st], STAGE_BYTES);
             const int k0 = kt * BK;
+            unsigned char* sa = stage_a(s, st);
+            unsigned char* sb = stage_b(s, st);
             if (a.cluster == 2) {
                 // this block's 64 rows of A into both blocks' stage
-                unsigned char* half = s.a[st] + rank * (A_BYTES / 2);
+                unsigned char* half = sa + rank * (A_BYTES / 2);
                 if (TA == 0)
                     tma_load_3d_multicast(half, &a.map_a, k0, tl.m0 + 64 * rank, za, &s.full[st],
                                           (u16)3);
@@ -178,16 +189,16 @@ TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int 
                     tma_load_3d_multicast(half, &a.map_a, tl.m0 + 64 * rank, k0, za, &s.full[st],
                                           (u16)3);
             } else if (TA == 0) {
-                tma_load_3d(s.a[st], &a.map_a, k0, tl.m0, za, &s.full[st]);
+                tma_load_3d(sa, &a.map_a, k0, tl.m0, za, &s.full[st]);
             } else {
-                tma_load_3d(s.a[st], &a.map_a, tl.m0, k0, za, &s.full[st]);
-                tma_load_3d(s.a[st] + A_BYTES / 2, &a.map_a, tl.m0 + 64, k0, za, &s.full[st]);
+                tma_load_3d(sa, &a.map_a, tl.m0, k0, za, &s.full[st]);
+                tma_load_3d(sa + A_BYTES / 2, &a.map_a, tl.m0 + 64, k0, za, &s.full[st]);
             }
             if (TB == 0) {
-                tma_load_3d(s.b[st], &a.map_b, k0, tl.n0, zb, &s.full[st]);
+                tma_load_3d(sb, &a.map_b, k0, tl.n0, zb, &s.full[st]);
             } else {
-                tma_load_3d(s.b[st], &a.map_b, tl.n0, k0, zb, &s.full[st]);
-                tma_load_3d(s.b[st] + B_BYTES / 2, &a.map_b, tl.n0 + 64, k0, zb, &s.full[st]);
+                tma_load_3d(sb, &a.map_b, tl.n0, k0, zb, &s.full[st]);
+                tma_load_3d(sb + B_BYTES / 2, &a.map_b, tl.n0 + 64, k0, zb, &s.full[st]);
             }
         }
     }
@@ -228,17 +239,18 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
             const int st = it % STAGES;
             mbarrier_wait_parity(&s.full[st], (u32)((it / STAGES) & 1));
             wgmma_fence();
+            unsigned char* sa = stage_a(s, st);
+            unsigned char* sb = stage_b(s, st);
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks) {
                 const u64 da =
-                    TA == 0 ? wgmma_desc(s.a[st] + cw * 64 * 128 + ks * 32, 16, 1024,
+                    TA == 0 ? wgmma_desc(sa + cw * 64 * 128 + ks * 32, 16, 1024,
                                          TPAR_WG_SWIZZLE_128B)
-                            : wgmma_desc(s.a[st] + cw * (A_BYTES / 2) + ks * 2048, A_BYTES / 2,
+                            : wgmma_desc(sa + cw * (A_BYTES / 2) + ks * 2048, A_BYTES / 2,
                                          1024, TPAR_WG_SWIZZLE_128B);
-                const u64 db = TB == 0 ? wgmma_desc(s.b[st] + ks * 32, 16, 1024,
-                                                    TPAR_WG_SWIZZLE_128B)
-                                       : wgmma_desc(s.b[st] + ks * 2048, B_BYTES / 2, 1024,
-                                                    TPAR_WG_SWIZZLE_128B);
+                const u64 db =
+                    TB == 0 ? wgmma_desc(sb + ks * 32, 16, 1024, TPAR_WG_SWIZZLE_128B)
+                            : wgmma_desc(sb + ks * 2048, B_BYTES / 2, 1024, TPAR_WG_SWIZZLE_128B);
                 wgmma_ss<T, BN, TA, TB>(d, da, db, kt > 0 || ks > 0);
             }
             wgmma_commit();
@@ -258,8 +270,8 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
         // epilogue of rows m0 + 64 cw .. + 63: the accumulators into the f32
         // staging tile, then row by row (coalesced) the scales, hooks and cast
         const int row0 = tl.m0 + 64 * cw;
-        float* f = reinterpret_cast<float*>(s.staging[cw]);
-        O* o = sizeof(O) == 4 ? reinterpret_cast<O*>(f) : reinterpret_cast<O*>(s.out16[cw]);
+        float* f = reinterpret_cast<float*>(staging(s, cw));
+        O* o = sizeof(O) == 4 ? reinterpret_cast<O*>(f) : reinterpret_cast<O*>(out16(s, cw));
         // the previous tile's bulk store has read its image (its global
         // writes went on during this tile's main loop)
         if (a.c_tma && tw == 0 && done > 0) {
@@ -354,76 +366,85 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
 #define TPAR_GEMM_HOPPER(T, O, TA, TB)
 #endif
 
+// 384 threads and at least one block per SM: with the minimum given, ptxas
+// knows the registers at entry, so that setmaxnreg applies (without it ptxas
+// may ignore setmaxnreg, C7508); the emulator takes the thread count alone.
+#ifndef TPAR_EMU
+#define GEMM_HOPPER_BOUNDS 384, 1
+#else
+#define GEMM_HOPPER_BOUNDS 384
+#endif
+
 // tpar_gemm_hopper_<layout>_<in>_<out>; wgmma's TB is 1 for B stored [k, n] (N-major).
-TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, bf16, 0, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, bf16, 0, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, bf16, 1, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, bf16, 1, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, f16, 0, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, f16, 0, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, f16, 1, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, f16, 1, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, float, 0, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, float, 0, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, float, 1, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(bf16, float, 1, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, bf16, 0, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, bf16, 0, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, bf16, 1, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, bf16, 1, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, f16, 0, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, f16, 0, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, f16, 1, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, f16, 1, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, float, 0, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, float, 0, 0);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, float, 1, 1);
 }
-TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), 384) {
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(f16, float, 1, 0);
 }

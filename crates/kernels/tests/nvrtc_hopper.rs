@@ -5,8 +5,10 @@
 //! Without a loadable NVRTC the tests print why and pass, unless
 //! `TPAR_REQUIRE_NVRTC=1`, where they fail. NVRTC does not read inline PTX;
 //! when `ptxas` is available (`TPAR_PTXAS`, or on `PATH`) the PTX is also
-//! assembled for `sm_90a`, which checks every instruction, and the registers
-//! and spills of each kernel are reported.
+//! assembled for `sm_90a`, which checks every instruction, and the registers,
+//! stack frame, spills and warnings of each kernel are reported; the GEMM and
+//! the attention backward must have no stack frame, no spills and no warning
+//! (such as a `setmaxnreg` that ptxas ignores).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -52,24 +54,78 @@ fn number_before(line: &str, unit: &str) -> Option<u32> {
     head.split_whitespace().next_back()?.parse().ok()
 }
 
-/// (kernel, registers, spill stores, spill loads) from `ptxas -v`.
-fn parse_ptxas(log: &str) -> Vec<(String, u32, u32, u32)> {
-    let mut out: Vec<(String, u32, u32, u32)> = Vec::new();
+/// What `ptxas -v` says of one kernel.
+#[derive(Debug, Default)]
+struct Usage {
+    kernel: String,
+    registers: u32,
+    /// Bytes of the stack frame (local memory the kernel itself keeps).
+    stack: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    /// The warning lines ([`is_warning`]) while this kernel was compiled, or
+    /// that name it.
+    warnings: Vec<String>,
+}
+
+/// Whether a `ptxas -v` line warns: a `ptxas warning`, or an info line of a
+/// lost optimisation, such as "(C7508) Potential Performance Loss:
+/// 'setmaxnreg' ignored; unable to determine register count at entry" (which
+/// names no kernel and comes before the first one).
+fn is_warning(line: &str) -> bool {
+    line.contains("ptxas warning") || line.contains("Potential Performance Loss")
+}
+
+/// Each kernel's figures from a `ptxas -v` log, and the warnings that belong
+/// to no kernel.
+fn parse_ptxas(log: &str) -> (Vec<Usage>, Vec<String>) {
+    let mut out: Vec<Usage> = Vec::new();
+    let mut loose = Vec::new();
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            out.push((rest.split('\'').next().unwrap_or("?").to_string(), 0, 0, 0));
+            let kernel = rest.split('\'').next().unwrap_or("?").to_string();
+            out.push(Usage { kernel, ..Usage::default() });
+            continue;
+        }
+        if is_warning(line) {
+            let named = out.iter().position(|u| line.contains(&format!("'{}'", u.kernel)));
+            match named.or(out.len().checked_sub(1)) {
+                Some(i) => out[i].warnings.push(line.trim().to_string()),
+                None => loose.push(line.trim().to_string()),
+            }
             continue;
         }
         let Some(u) = out.last_mut() else { continue };
+        if line.contains("bytes stack frame") {
+            u.stack = number_before(line, "bytes stack frame").unwrap_or(0);
+        }
         if line.contains("bytes spill stores") {
-            u.2 = number_before(line, "bytes spill stores").unwrap_or(0);
-            u.3 = number_before(line, "bytes spill loads").unwrap_or(0);
+            u.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+            u.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
         }
         if line.contains("registers") {
-            u.1 = number_before(line, "registers").unwrap_or(0);
+            u.registers = number_before(line, "registers").unwrap_or(0);
         }
     }
-    out
+    (out, loose)
+}
+
+/// Asserts what a warp-specialised Hopper kernel needs of ptxas: no stack
+/// frame (no array indexed at run time kept in local memory), no spills, and
+/// no warning (a `setmaxnreg` that ptxas ignores, C7508, comes as one).
+fn assert_clean((usage, loose): &(Vec<Usage>, Vec<String>)) {
+    assert!(loose.is_empty(), "ptxas warnings: {loose:?}");
+    for u in usage {
+        assert!(u.stack == 0, "{} has a {}-byte stack frame", u.kernel, u.stack);
+        assert!(
+            u.spill_stores == 0 && u.spill_loads == 0,
+            "{} spills ({} bytes stored, {} loaded)",
+            u.kernel,
+            u.spill_stores,
+            u.spill_loads
+        );
+        assert!(u.warnings.is_empty(), "ptxas warns about {}: {:?}", u.kernel, u.warnings);
+    }
 }
 
 #[test]
@@ -104,9 +160,10 @@ fn hopper_kernels_compile_for_sm_90a() {
 }
 
 /// Assembles `ptx` with `ptxas -arch=sm_90a -v` when a ptxas is at hand
-/// (which checks every instruction) and prints each kernel's registers and
-/// spills; returns them (`None` when the check was skipped).
-fn ptxas_report(name: &str, ptx: &str) -> Option<Vec<(String, u32, u32, u32)>> {
+/// (which checks every instruction) and prints each kernel's registers, stack
+/// frame, spills and warnings; returns them and the warnings that belong to
+/// no kernel (`None` when the check was skipped).
+fn ptxas_report(name: &str, ptx: &str) -> Option<(Vec<Usage>, Vec<String>)> {
     let Some(ptxas) = find_ptxas() else {
         say("ptxas check skipped: no TPAR_PTXAS and no ptxas on PATH");
         return None;
@@ -134,16 +191,30 @@ fn ptxas_report(name: &str, ptx: &str) -> Option<Vec<(String, u32, u32, u32)>> {
         return None;
     }
     assert!(out.status.success(), "ptxas rejected the PTX of {name}:\n{log}");
-    let usage = parse_ptxas(&log);
+    let (usage, loose) = parse_ptxas(&log);
     let mut report = format!(
-        "ptxas -arch={ARCH} -v ({name}):\n  {:<32} {:>5} {:>8} {:>8}",
-        "kernel", "regs", "spill-st", "spill-ld"
+        "ptxas -arch={ARCH} -v ({name}):\n  {:<32} {:>5} {:>6} {:>8} {:>8} {:>8}",
+        "kernel", "regs", "stack", "spill-st", "spill-ld", "warnings"
     );
-    for (k, regs, st, ld) in &usage {
-        report.push_str(&format!("\n  {k:<32} {regs:>5} {st:>8} {ld:>8}"));
+    for u in &usage {
+        report.push_str(&format!(
+            "\n  {:<32} {:>5} {:>6} {:>8} {:>8} {:>8}",
+            u.kernel,
+            u.registers,
+            u.stack,
+            u.spill_stores,
+            u.spill_loads,
+            u.warnings.len()
+        ));
+        for w in &u.warnings {
+            report.push_str(&format!("\n    {w}"));
+        }
+    }
+    for w in &loose {
+        report.push_str(&format!("\n  (no kernel) {w}"));
     }
     say(&report);
-    Some(usage)
+    Some((usage, loose))
 }
 
 /// The Hopper GEMM (`cuda/gemm_hopper.cu`, embedded like every kernel
@@ -187,11 +258,10 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(usage) = ptxas_report("gemm_hopper", &ptx) {
+    if let Some(report) = ptxas_report("gemm_hopper", &ptx) {
+        let usage = &report.0;
         assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
-        for (k, _, st, ld) in &usage {
-            assert!(*st == 0 && *ld == 0, "{k} spills ({st} bytes stored, {ld} loaded)");
-        }
+        assert_clean(&report);
     }
 }
 
@@ -228,11 +298,10 @@ fn the_hopper_attention_backward_compiles_for_sm_90a() {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(usage) = ptxas_report("sdpa_hopper_bwd", &ptx) {
+    if let Some(report) = ptxas_report("sdpa_hopper_bwd", &ptx) {
+        let usage = &report.0;
         assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
-        for (k, _, st, ld) in &usage {
-            assert!(*st == 0 && *ld == 0, "{k} spills ({st} bytes stored, {ld} loaded)");
-        }
+        assert_clean(&report);
     }
 }
 
@@ -267,10 +336,11 @@ fn the_hopper_attention_forward_compiles_for_sm_90a() {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(usage) = ptxas_report("sdpa_hopper", &ptx) {
+    if let Some((usage, _)) = ptxas_report("sdpa_hopper", &ptx) {
         assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
-        for (k, _, st, ld) in &usage {
-            assert!(*st == 0 && *ld == 0, "{k} spills ({st} bytes stored, {ld} loaded)");
+        for u in &usage {
+            let (k, st, ld) = (&u.kernel, u.spill_stores, u.spill_loads);
+            assert!(st == 0 && ld == 0, "{k} spills ({st} bytes stored, {ld} loaded)");
         }
     }
 }
