@@ -44,6 +44,83 @@ pub(crate) fn check_rope(c: &mut Ctx) {
         (rs(2 * 32, 2048, 1, 128), rs(2 * 8, 2048, 1, 128))
     };
     rope_qk_case(c, BF16, q, k);
+    // (b, s, h, d): [b, s, h, d] in, the rotated [b, h, s, d] out, and back
+    let orders = if c.quick {
+        vec![(BF16, rs(2, 17, 3, 64)), (F16, rs(2, 9, 3, 6))]
+    } else {
+        vec![(BF16, rs(2, 2048, 32, 128))]
+    };
+    for (dt, s) in orders {
+        rope_orders_case(c, dt, s);
+    }
+}
+
+/// `[a, b, c, d]` (row-major) to `[a, c, b, d]`.
+fn swap12(v: &[f64], (a, b, c, d): (usize, usize, usize, usize)) -> Vec<f64> {
+    let mut out = Vec::with_capacity(v.len());
+    for i in 0..a {
+        for k in 0..c {
+            for j in 0..b {
+                let at = ((i * b + j) * c + k) * d;
+                out.extend_from_slice(&v[at..at + d]);
+            }
+        }
+    }
+    out
+}
+
+/// The two-order kernel: `x` `[b, s, h, d]` (`s` is `(b, s, h, d)`) rotated into
+/// `[b, h, s, d]`, and the gradient `[b, h, s, d]` back into `[b, s, h, d]`, against
+/// the f64 transpose and rotation.
+pub(crate) fn rope_orders_case(c: &mut Ctx, dt: CudaDType, s: RopeShape) {
+    use rope::RopeOrder::{InnerSeq, SeqInner};
+    let shape = rope_label(&s);
+    c.guard("rope.orders", dn(dt), &shape, |c| {
+        let d = c.d;
+        let (b, seq, h, hd) = (s.outer, s.seq, s.inner, s.head_dim);
+        let n = b * seq * h * hd;
+        let flat = RopeShape { outer: b * h, seq, inner: 1, head_dim: hd };
+        let x = c.rng.vals(dt, n, -2.0, 2.0);
+        let dy = c.rng.vals(dt, n, -1.0, 1.0);
+        let (cos, sin) = rope_tables(dt, seq, hd);
+        let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
+        let xt = swap12(&x, (b, seq, h, hd));
+        tpar_kernels::rope::rope_forward::<f64, _>(&flat, &xt, &cos, &sin, &mut y)?;
+        tpar_kernels::rope::rope_backward::<f64, _>(&flat, &dy, &cos, &sin, &mut dx)?;
+        let dx = swap12(&dx, (b, h, seq, hd));
+        let (bx, bdy, bc, bs) = (d.up(dt, &x)?, d.up(dt, &dy)?, d.up(dt, &cos)?, d.up(dt, &sin)?);
+        let (by, bdx) = (d.junk(n * dt.size())?, d.junk(n * dt.size())?);
+        let (pc, ps) = (bc.ptr(), bs.ptr());
+        // SAFETY: every buffer was allocated above with the size `s` gives it; both
+        // orders are dense over those `n` elements.
+        unsafe {
+            rope::rope_forward_orders(
+                d.l(),
+                dt,
+                &s,
+                bx.ptr(),
+                SeqInner,
+                pc,
+                ps,
+                by.ptr(),
+                InnerSeq,
+            )?;
+            rope::rope_backward_orders(
+                d.l(),
+                dt,
+                &s,
+                bdy.ptr(),
+                InnerSeq,
+                pc,
+                ps,
+                bdx.ptr(),
+                SeqInner,
+            )?;
+        }
+        c.r.close("rope.orders.fwd", dn(dt), &shape, &d.down(dt, &by)?, &y, bound(dt));
+        c.r.close("rope.orders.bwd", dn(dt), &shape, &d.down(dt, &bdx)?, &dx, bound(dt));
+        Ok(())
+    });
 }
 
 pub(crate) fn rope_case(c: &mut Ctx, dt: CudaDType, s: RopeShape) {
