@@ -635,8 +635,8 @@ impl LlamaAttention {
         };
         let mask = args.get(2).into_optional_tensor(who)?;
         let hd = self.head_dim;
-        // [b, s, heads * hd] -> [b, heads, s, hd]
-        let heads = |t: &Value| -> Result<Value> {
+        // [b, s, heads * hd] -> [b, s, heads, hd]
+        let split = |t: &Value| -> Result<Value> {
             let d = t.shape()?;
             let (b, s, w) = (d[0], d[1], d[2]);
             if w % hd != 0 {
@@ -644,7 +644,7 @@ impl LlamaAttention {
                     what: format!("{who}: projection width {w} is not a multiple of head_dim {hd}"),
                 });
             }
-            t.reshape(&[b as isize, s as isize, (w / hd) as isize, hd as isize])?.transpose(1, 2)
+            t.reshape(&[b as isize, s as isize, (w / hd) as isize, hd as isize])
         };
         let fused = if self.fuse_projections {
             fused_linear(&x, &[&self.q_proj, &self.k_proj, &self.v_proj])?
@@ -653,18 +653,18 @@ impl LlamaAttention {
         };
         let (q, k, v) = match fused.as_deref() {
             // [b, s, (hq + 2 hkv) * hd] split into q, k and v.
-            Some([q, k, v]) => (heads(q)?, heads(k)?, heads(v)?),
+            Some([q, k, v]) => (split(q)?, split(k)?, split(v)?),
             _ => {
                 let proj = |p: &Linear| call(p, Args::one(x.clone()));
                 (
-                    heads(&proj(&self.q_proj)?)?,
-                    heads(&proj(&self.k_proj)?)?,
-                    heads(&proj(&self.v_proj)?)?,
+                    split(&proj(&self.q_proj)?)?,
+                    split(&proj(&self.k_proj)?)?,
+                    split(&proj(&self.v_proj)?)?,
                 )
             }
         };
-        let (qd, hkv) = (q.shape()?, k.shape()?[1]);
-        let (b, hq, s) = (qd[0], qd[1], qd[2]);
+        let (qd, hkv) = (q.shape()?, k.shape()?[2]);
+        let (b, s, hq) = (qd[0], qd[1], qd[2]);
         if hkv == 0 || hq % hkv != 0 {
             return Err(NnError::Config {
                 what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
@@ -688,8 +688,16 @@ impl LlamaAttention {
         let act = q.dtype()?;
         let (cos, sin) = (cos.to_dtype(act)?, sin.to_dtype(act)?);
         let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
-        let q = q.rope(&cos, &sin, RopeLayout::Bhsd)?;
-        let k = k.rope(&cos, &sin, RopeLayout::Bhsd)?;
+        // [b, s, heads, hd] -> [b, heads, s, hd], q and k rotated: a plain tensor in one
+        // pass on a device (Tensor::rope_bshd_to_bhsd, the same bits as the transpose then
+        // the rotation), a distributed one as the transpose then Value::rope.
+        let rotate = |t: Value| -> Result<Value> {
+            match t {
+                Value::Tensor(t) => Ok(Value::Tensor(t.rope_bshd_to_bhsd(&cos, &sin)?)),
+                t => t.transpose(1, 2)?.rope(&cos, &sin, RopeLayout::Bhsd),
+            }
+        };
+        let (q, k, v) = (rotate(q)?, rotate(k)?, v.transpose(1, 2)?);
         // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
         let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
         let a = match &cp {
