@@ -11,14 +11,18 @@
 mod common;
 
 use common::{cvt, data, emu, f64s, mptr, ptr};
+use std::cell::RefCell;
+use std::sync::Mutex;
+
 use half::{bf16, f16};
+use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::raw::sdpa::{
     sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
     SdpaFwdBuffers, SdpaPath,
 };
 use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
 use tpar_kernels::cuda::raw::sdpa_hopper_bwd;
-use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::cuda::{Arch, CudaDType, LaunchConfig, Launcher};
 use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
 use tpar_kernels::{Float, KernelError};
 
@@ -321,10 +325,42 @@ fn backward<T: Float>(
         workspace: mptr(&mut ws[ws_off..]),
         workspace_bytes: ws_bytes,
     };
+    let rec = Recording { inner: emu(), names: Mutex::new(Vec::new()) };
     // SAFETY: host buffers stand in for device memory, each holding every
     // element the call's sizes reach; the workspace is 16-byte aligned.
-    unsafe { sdpa_backward(emu(), dtype, s, &b, path).unwrap() };
+    unsafe { sdpa_backward(&rec, dtype, s, &b, path).unwrap() };
+    LAST_BACKWARD.with(|l| *l.borrow_mut() = rec.names.into_inner().unwrap());
     [f64s(&dq), f64s(&dk), f64s(&dv)]
+}
+
+thread_local! {
+    /// The kernels the last [`backward`] call of this thread launched.
+    static LAST_BACKWARD: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The emulator, recording the name of every kernel launched through it.
+struct Recording {
+    inner: &'static Emulator,
+    names: Mutex<Vec<String>>,
+}
+
+impl Launcher for Recording {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn compile_arch(&self) -> Option<Arch> {
+        self.inner.compile_arch()
+    }
+    unsafe fn launch_raw(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        args: &[u8],
+    ) -> tpar_kernels::Result<()> {
+        self.names.lock().unwrap().push(kernel.to_string());
+        // SAFETY: forwarded as given; the caller vouches for the arguments.
+        unsafe { self.inner.launch_raw(kernel, cfg, args) }
+    }
 }
 
 /// Forward and backward on `SdpaPath::Hopper` against the f64 reference: the
@@ -362,6 +398,11 @@ fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_
     assert_eq!(takes, hopper_bwd, "the Hopper backward's verdict on {s:?}");
     let fwd = forward(dtype, &s, &x, SdpaPath::Hopper).unwrap();
     let grads = backward(dtype, &s, &x, &fwd, &dout, SdpaPath::Hopper);
+    // The kernels that ran: the Hopper backward's where it takes the call
+    // (between the tensor-core pre and dq kernels), else the tensor-core one.
+    let ran = LAST_BACKWARD.with(|l| l.borrow().clone());
+    let hopper_ran = ran.iter().any(|k| k.starts_with("tpar_sdpa_bwd_hopper"));
+    assert_eq!(hopper_ran, hopper_bwd, "backward kernels launched: {ran:?}");
     let tol = if dtype == CudaDType::BF16 { 1e-2 } else { 2e-3 };
     let what = format!("{dtype:?} {s:?} mask {kind:?}");
     let (dq_ref, dk_ref, dv_ref) = grads_ref;
