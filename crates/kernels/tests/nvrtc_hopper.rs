@@ -217,127 +217,120 @@ fn ptxas_report(name: &str, ptx: &str) -> Option<(Vec<Usage>, Vec<String>)> {
     Some((usage, loose))
 }
 
-/// The Hopper GEMM (`cuda/gemm_hopper.cu`, embedded like every kernel
-/// source) compiles for sm_90a with its wgmma, bulk tensor copies, mbarriers
-/// and setmaxnreg, and (with ptxas) assembles; registers and spills of its
-/// kernels are reported. Compiled for plain sm_90 its kernels are empty
-/// (`tests/nvrtc.rs` covers that build).
-#[test]
-fn the_hopper_gemm_compiles_for_sm_90a() {
-    if !nvrtc_or_skip("the_hopper_gemm_compiles_for_sm_90a") {
+/// Compiles the embedded kernel source `source_name` for sm_90a with NVRTC
+/// and asserts that it has `kernels` kernels (`what` says which), an `.entry`
+/// for each, and every instruction of `instrs` in the PTX; with ptxas, also
+/// that it assembles into exactly those kernels with no stack frame, spills or
+/// warnings ([`assert_clean`]).
+fn assert_compiles_clean(
+    test: &str,
+    source_name: &str,
+    kernels: usize,
+    what: &str,
+    instrs: &[&str],
+) {
+    if !nvrtc_or_skip(test) {
         return;
     }
     let source = *tpar_kernels::cuda::sources()
         .iter()
-        .find(|s| s.name == "gemm_hopper")
-        .expect("gemm_hopper.cu is embedded");
+        .find(|s| s.name == source_name)
+        .unwrap_or_else(|| panic!("{source_name}.cu is embedded"));
     let ptx = compile_ptx(&source, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
     let names = kernel_names(source.text);
-    assert_eq!(names.len(), 24, "4 layouts x 2 input x 3 output types: {names:?}");
+    assert_eq!(names.len(), kernels, "{what}: {names:?}");
     for n in &names {
         assert!(ptx.contains(&format!(".entry {n}(")), "no .entry for {n}");
     }
-    for instr in [
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
-        "wgmma.wait_group.sync.aligned",
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
-        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
-        "mbarrier.try_wait.parity.shared::cta.b64",
-        "mbarrier.arrive.expect_tx.shared::cta.b64",
-        "setmaxnreg.dec.sync.aligned.u32",
-        "setmaxnreg.inc.sync.aligned.u32",
-        // clusters of 2: A multicast, remote empty arrivals, the cluster barrier
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
-        "mbarrier.arrive.release.cluster.shared::cluster.b64",
-        "barrier.cluster.arrive.release.aligned",
-        "%cluster_ctarank",
-        // the epilogue waits for its previous bulk store to have read the image
-        "cp.async.bulk.wait_group.read 0",
-    ] {
+    for instr in instrs {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(report) = ptxas_report("gemm_hopper", &ptx) {
-        let usage = &report.0;
-        assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
+    if let Some(report) = ptxas_report(source_name, &ptx) {
+        assert_eq!(report.0.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
         assert_clean(&report);
     }
+}
+
+/// The Hopper GEMM (`cuda/gemm_hopper.cu`, embedded like every kernel
+/// source) compiles for sm_90a with its wgmma, bulk tensor copies, mbarriers
+/// and setmaxnreg, and (with ptxas) assembles with no stack frame, spills or
+/// warnings; registers and spills of its kernels are reported. Compiled for
+/// plain sm_90 its kernels are empty (`tests/nvrtc.rs` covers that build).
+#[test]
+fn the_hopper_gemm_compiles_for_sm_90a() {
+    assert_compiles_clean(
+        "the_hopper_gemm_compiles_for_sm_90a",
+        "gemm_hopper",
+        24,
+        "4 layouts x 2 input x 3 output types",
+        &[
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
+            "wgmma.wait_group.sync.aligned",
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
+            "mbarrier.try_wait.parity.shared::cta.b64",
+            "mbarrier.arrive.expect_tx.shared::cta.b64",
+            "setmaxnreg.dec.sync.aligned.u32",
+            "setmaxnreg.inc.sync.aligned.u32",
+            // clusters of 2: A multicast, remote empty arrivals, the cluster barrier
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+            "mbarrier.arrive.release.cluster.shared::cluster.b64",
+            "barrier.cluster.arrive.release.aligned",
+            "%cluster_ctarank",
+            // the epilogue waits for its previous bulk store to have read the image
+            "cp.async.bulk.wait_group.read 0",
+        ],
+    );
 }
 
 /// The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`) compiles for
 /// sm_90a with its wgmma (shared and register A operands), bulk tensor
-/// copies, mbarriers and setmaxnreg, and (with ptxas) assembles without
-/// spills; registers and spills of its kernels are reported.
+/// copies, mbarriers and setmaxnreg, and (with ptxas) assembles with no stack
+/// frame, spills or warnings; registers and spills of its kernels are
+/// reported.
 #[test]
 fn the_hopper_attention_backward_compiles_for_sm_90a() {
-    if !nvrtc_or_skip("the_hopper_attention_backward_compiles_for_sm_90a") {
-        return;
-    }
-    let source = *tpar_kernels::cuda::sources()
-        .iter()
-        .find(|s| s.name == "sdpa_hopper_bwd")
-        .expect("sdpa_hopper_bwd.cu is embedded");
-    let ptx = compile_ptx(&source, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
-    let names = kernel_names(source.text);
-    assert_eq!(names.len(), 4, "head dims 64 and 128 x bf16 and f16: {names:?}");
-    for n in &names {
-        assert!(ptx.contains(&format!(".entry {n}(")), "no .entry for {n}");
-    }
-    for instr in [
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
-        "red.global.add.v2.f32",
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
-        "mbarrier.try_wait.parity.shared::cta.b64",
-        "mbarrier.arrive.expect_tx.shared::cta.b64",
-        "setmaxnreg.dec.sync.aligned.u32",
-        "setmaxnreg.inc.sync.aligned.u32",
-    ] {
-        assert!(ptx.contains(instr), "{instr} missing from the PTX");
-    }
-    say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(report) = ptxas_report("sdpa_hopper_bwd", &ptx) {
-        let usage = &report.0;
-        assert_eq!(usage.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
-        assert_clean(&report);
-    }
+    assert_compiles_clean(
+        "the_hopper_attention_backward_compiles_for_sm_90a",
+        "sdpa_hopper_bwd",
+        4,
+        "head dims 64 and 128 x bf16 and f16",
+        &[
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16",
+            "red.global.add.v2.f32",
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "mbarrier.try_wait.parity.shared::cta.b64",
+            "mbarrier.arrive.expect_tx.shared::cta.b64",
+            "setmaxnreg.dec.sync.aligned.u32",
+            "setmaxnreg.inc.sync.aligned.u32",
+        ],
+    );
 }
 
 /// The Hopper attention forward (`cuda/sdpa_hopper.cu`) compiles for sm_90a
 /// with its wgmma (from shared memory and from registers), bulk tensor
-/// copies, mbarriers and setmaxnreg, and (with ptxas) assembles with no
-/// register spills; registers and spills of its kernels are reported.
+/// copies, mbarriers and setmaxnreg, and (with ptxas) assembles with no stack
+/// frame, spills or warnings; registers and spills of its kernels are
+/// reported.
 #[test]
 fn the_hopper_attention_forward_compiles_for_sm_90a() {
-    if !nvrtc_or_skip("the_hopper_attention_forward_compiles_for_sm_90a") {
-        return;
-    }
-    let source = *tpar_kernels::cuda::sources()
-        .iter()
-        .find(|s| s.name == "sdpa_hopper")
-        .expect("sdpa_hopper.cu is embedded");
-    let ptx = compile_ptx(&source, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
-    let names = kernel_names(source.text);
-    assert_eq!(names.len(), 4, "2 head dims x 2 dtypes: {names:?}");
-    for n in &names {
-        assert!(ptx.contains(&format!(".entry {n}(")), "no .entry for {n}");
-    }
-    for instr in [
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
-        "mbarrier.try_wait.parity.shared::cta.b64",
-        "mbarrier.arrive.expect_tx.shared::cta.b64",
-        "setmaxnreg.dec.sync.aligned.u32",
-        "setmaxnreg.inc.sync.aligned.u32",
-    ] {
-        assert!(ptx.contains(instr), "{instr} missing from the PTX");
-    }
-    say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(report) = ptxas_report("sdpa_hopper", &ptx) {
-        assert_eq!(report.0.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
-        assert_clean(&report);
-    }
+    assert_compiles_clean(
+        "the_hopper_attention_forward_compiles_for_sm_90a",
+        "sdpa_hopper",
+        4,
+        "2 head dims x 2 dtypes",
+        &[
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "mbarrier.try_wait.parity.shared::cta.b64",
+            "mbarrier.arrive.expect_tx.shared::cta.b64",
+            "setmaxnreg.dec.sync.aligned.u32",
+            "setmaxnreg.inc.sync.aligned.u32",
+        ],
+    );
 }
