@@ -3,6 +3,7 @@
 
 mod common;
 
+use common::sdpa::{check_lse, dev_mask, make_mask, max_rel, ref_mask, shape, MaskKind, MaskPlan};
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use half::{bf16, f16};
 use tpar_kernels::cuda::raw::sdpa::{
@@ -10,98 +11,15 @@ use tpar_kernels::cuda::raw::sdpa::{
     SdpaFwdBuffers, SdpaPath,
 };
 use tpar_kernels::cuda::{CudaDType, DevPtr};
-use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
+use tpar_kernels::sdpa::{reference, SdpaShape};
 use tpar_kernels::{Float, KernelError};
 
-/// Largest `|got - want|` relative to the largest `|want|`; both must be finite.
-fn max_rel(what: &str, got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite value");
-    let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
-    got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs() / scale))
-}
-
-/// `lse` matches where finite (absolute-plus-relative), and `-inf` exactly.
-fn check_lse(what: &str, got: &[f32], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lse length");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let g = g as f64;
-        let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= tol * (1.0 + w.abs()) };
-        assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
-    }
-}
-
-/// Mask layouts.
-#[derive(Clone, Copy, Debug)]
-enum MaskKind {
-    None,
-    /// `[batch, 1, 1, kv_len]`: a trailing run of padded keys per batch.
-    KeyPadding,
-    /// `[batch, q_heads, q_len, kv_len]`: random values, some `-inf`, and one
-    /// fully masked query row per head.
-    Full,
-}
+/// Batch `b` keeps `kv_len - 3b - 2` keys; head `bh` masks row `(5bh + 2) % q_len`.
+const MASKS: MaskPlan = MaskPlan { pad_step: 3, pad_base: 2, row_step: 5 };
 
 struct Case {
     s: SdpaShape,
     mask: MaskKind,
-}
-
-#[allow(clippy::too_many_arguments)]
-fn shape(
-    batch: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    q_len: usize,
-    kv_len: usize,
-    head_dim: usize,
-    v_dim: usize,
-    causal: bool,
-) -> SdpaShape {
-    SdpaShape {
-        batch,
-        q_heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-        v_dim,
-        scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
-        causal,
-    }
-}
-
-/// Mask values and strides `(batch, head, row)`.
-fn make_mask(s: &SdpaShape, kind: MaskKind) -> Option<(Vec<f64>, [usize; 3])> {
-    let ninf = f64::NEG_INFINITY;
-    match kind {
-        MaskKind::None => None,
-        MaskKind::KeyPadding => {
-            let mut m = vec![0.0; s.batch * s.kv_len];
-            for b in 0..s.batch {
-                // batch b keeps kv_len - 3b - 2 keys
-                let keep = s.kv_len.saturating_sub(3 * b + 2).max(1);
-                m[b * s.kv_len + keep..(b + 1) * s.kv_len].fill(ninf);
-            }
-            Some((m, [s.kv_len, 0, 0]))
-        }
-        MaskKind::Full => {
-            let row = s.kv_len;
-            let head = s.q_len * row;
-            let n = s.batch * s.q_heads * head;
-            let mut m = data(n, 99, 1.0);
-            for (i, x) in m.iter_mut().enumerate() {
-                if i % 7 == 3 {
-                    *x = ninf;
-                }
-            }
-            for bh in 0..s.batch * s.q_heads {
-                let r = (bh * 5 + 2) % s.q_len;
-                m[bh * head + r * row..bh * head + (r + 1) * row].fill(ninf);
-            }
-            Some((m, [s.q_heads * head, head, row]))
-        }
-    }
 }
 
 /// Tolerances (relative to the largest magnitude): (out, lse, gradients).
@@ -124,22 +42,11 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
     let k: Vec<T> = cvt(&data(nk * s.head_dim, 2, 1.5));
     let v: Vec<T> = cvt(&data(nk * s.v_dim, 3, 1.0));
     let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
-    let mask = make_mask(s, c.mask);
+    let mask = make_mask(s, c.mask, MASKS);
     let mask_t: Vec<T> = mask.as_ref().map_or(Vec::new(), |(m, _)| cvt(m));
     let mask_f = f64s(&mask_t);
-    let ref_mask = mask.as_ref().map(|(_, [bs, hs, rs])| SdpaMask {
-        data: &mask_f[..],
-        batch_stride: *bs,
-        head_stride: *hs,
-        row_stride: *rs,
-    });
-    let dev_mask = mask.as_ref().map(|(_, [bs, hs, rs])| SdpaDevMask {
-        data: ptr(&mask_t),
-        len: mask_t.len(),
-        batch_stride: *bs,
-        head_stride: *hs,
-        row_stride: *rs,
-    });
+    let ref_mask = mask.as_ref().map(|(_, st)| ref_mask(&mask_f, *st));
+    let dev_mask = mask.as_ref().map(|(_, st)| dev_mask(&mask_t, *st));
     let (qf, kf, vf, gf) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
     let (out_ref, lse_ref) = reference::sdpa_forward(s, &qf, &kf, &vf, ref_mask.as_ref());
     let (dq_ref, dk_ref, dv_ref) =

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::sdpa::{self, check_lse, dev_mask, make_mask, max_rel, ref_mask, MaskKind, MaskPlan};
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use std::cell::RefCell;
 use std::sync::Mutex;
@@ -17,13 +18,13 @@ use std::sync::Mutex;
 use half::{bf16, f16};
 use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::raw::sdpa::{
-    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
-    SdpaFwdBuffers, SdpaPath,
+    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaFwdBuffers,
+    SdpaPath,
 };
 use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
 use tpar_kernels::cuda::raw::sdpa_hopper_bwd;
 use tpar_kernels::cuda::{Arch, CudaDType, LaunchConfig, Launcher};
-use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
+use tpar_kernels::sdpa::{reference, SdpaShape};
 use tpar_kernels::{Float, KernelError};
 
 /// Makes the emulator an `sm_90a` device for this process.
@@ -32,17 +33,11 @@ fn sm90a() {
     std::env::set_var(EMU_ARCH_ENV, "sm_90a");
 }
 
-#[derive(Clone, Copy, Debug)]
-enum MaskKind {
-    None,
-    /// `[batch, 1, 1, kv_len]`: a trailing run of padded keys per batch.
-    KeyPadding,
-    /// `[batch, q_heads, q_len, kv_len]`: random values, some `-inf`, and one
-    /// fully masked query row per head.
-    Full,
-}
+/// Batch `b` keeps `kv_len - 37b - 5` keys (past a key tile's edge for `b >= 1`);
+/// head `bh` masks row `(37bh + 2) % q_len`.
+const MASKS: MaskPlan = MaskPlan { pad_step: 37, pad_base: 5, row_step: 37 };
 
-#[allow(clippy::too_many_arguments)]
+/// A shape with `v_dim == head_dim`.
 fn shape(
     batch: usize,
     q_heads: usize,
@@ -52,49 +47,7 @@ fn shape(
     head_dim: usize,
     causal: bool,
 ) -> SdpaShape {
-    SdpaShape {
-        batch,
-        q_heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-        v_dim: head_dim,
-        scale: 1.0 / (head_dim as f64).sqrt(),
-        causal,
-    }
-}
-
-/// Mask values and strides `(batch, head, row)`.
-fn make_mask(s: &SdpaShape, kind: MaskKind) -> Option<(Vec<f64>, [usize; 3])> {
-    let ninf = f64::NEG_INFINITY;
-    match kind {
-        MaskKind::None => None,
-        MaskKind::KeyPadding => {
-            let mut m = vec![0.0; s.batch * s.kv_len];
-            for b in 0..s.batch {
-                // batch b keeps kv_len - 37b - 5 keys (past a key tile's edge for b >= 1)
-                let keep = s.kv_len.saturating_sub(37 * b + 5).max(1);
-                m[b * s.kv_len + keep..(b + 1) * s.kv_len].fill(ninf);
-            }
-            Some((m, [s.kv_len, 0, 0]))
-        }
-        MaskKind::Full => {
-            let row = s.kv_len;
-            let head = s.q_len * row;
-            let mut m = data(s.batch * s.q_heads * head, 99, 1.0);
-            for (i, x) in m.iter_mut().enumerate() {
-                if i % 7 == 3 {
-                    *x = ninf;
-                }
-            }
-            for bh in 0..s.batch * s.q_heads {
-                let r = (bh * 37 + 2) % s.q_len;
-                m[bh * head + r * row..bh * head + (r + 1) * row].fill(ninf);
-            }
-            Some((m, [s.q_heads * head, head, row]))
-        }
-    }
+    sdpa::shape(batch, q_heads, kv_heads, q_len, kv_len, head_dim, head_dim, causal)
 }
 
 /// Inputs of one case, rounded to `T`, and the mask.
@@ -112,7 +65,7 @@ fn inputs<T: Float>(s: &SdpaShape, kind: MaskKind) -> Inputs<T> {
         q: cvt(&data(nq * s.head_dim, 1, 1.5)),
         k: cvt(&data(nk * s.head_dim, 2, 1.5)),
         v: cvt(&data(nk * s.v_dim, 3, 1.0)),
-        mask: make_mask(s, kind).map(|(m, st)| (cvt(&m), st)),
+        mask: make_mask(s, kind, MASKS).map(|(m, st)| (cvt(&m), st)),
     }
 }
 
@@ -130,13 +83,7 @@ fn forward<T: Float>(
         q: ptr(&x.q),
         k: ptr(&x.k),
         v: ptr(&x.v),
-        mask: x.mask.as_ref().map(|(m, [bs, hs, rs])| SdpaDevMask {
-            data: ptr(m),
-            len: m.len(),
-            batch_stride: *bs,
-            head_stride: *hs,
-            row_stride: *rs,
-        }),
+        mask: x.mask.as_ref().map(|(m, st)| dev_mask(m, *st)),
         out: mptr(&mut o),
         lse: mptr(&mut lse),
     };
@@ -147,36 +94,13 @@ fn forward<T: Float>(
     Ok((f64s(&o), lse))
 }
 
-/// Largest `|got - want|` relative to the largest `|want|`; both finite.
-fn max_rel(what: &str, got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite value");
-    let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
-    got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs() / scale))
-}
-
-/// `lse` within `tol` relative (plus absolute) where finite, `-inf` exactly.
-fn check_lse(what: &str, got: &[f32], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lse length");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let g = g as f64;
-        let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= tol * (1.0 + w.abs()) };
-        assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
-    }
-}
-
 /// The Hopper forward of `s` against the f64 reference and against the
 /// tensor-core kernel.
 fn check<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind) {
     sm90a();
     let x = inputs::<T>(&s, kind);
     let mask_f = x.mask.as_ref().map(|(m, st)| (f64s(m), *st));
-    let ref_mask = mask_f.as_ref().map(|(m, [bs, hs, rs])| SdpaMask {
-        data: &m[..],
-        batch_stride: *bs,
-        head_stride: *hs,
-        row_stride: *rs,
-    });
+    let ref_mask = mask_f.as_ref().map(|(m, st)| ref_mask(m, *st));
     let (qf, kf, vf) = (f64s(&x.q), f64s(&x.k), f64s(&x.v));
     let (out_ref, lse_ref) = reference::sdpa_forward(&s, &qf, &kf, &vf, ref_mask.as_ref());
     let what = format!("{dtype:?} {s:?} mask {kind:?}");
@@ -309,13 +233,7 @@ fn backward<T: Float>(
         q: ptr(&x.q),
         k: ptr(&x.k),
         v: ptr(&x.v),
-        mask: x.mask.as_ref().map(|(m, [bs, hs, rs])| SdpaDevMask {
-            data: ptr(m),
-            len: m.len(),
-            batch_stride: *bs,
-            head_stride: *hs,
-            row_stride: *rs,
-        }),
+        mask: x.mask.as_ref().map(|(m, st)| dev_mask(m, *st)),
         out: ptr(&out),
         lse: ptr(&fwd.1),
         dout: ptr(dout),
@@ -372,12 +290,7 @@ fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_
     let nq = s.batch * s.q_heads * s.q_len;
     let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
     let mask_f = x.mask.as_ref().map(|(m, st)| (f64s(m), *st));
-    let ref_mask = mask_f.as_ref().map(|(m, [bs, hs, rs])| SdpaMask {
-        data: &m[..],
-        batch_stride: *bs,
-        head_stride: *hs,
-        row_stride: *rs,
-    });
+    let ref_mask = mask_f.as_ref().map(|(m, st)| ref_mask(m, *st));
     let (qf, kf, vf) = (f64s(&x.q), f64s(&x.k), f64s(&x.v));
     let grads_ref = reference::sdpa_backward(&s, &qf, &kf, &vf, ref_mask.as_ref(), &f64s(&dout));
     let b = SdpaBwdBuffers {

@@ -11,6 +11,8 @@ use tpar_kernels::cuda::{GpuDevice, LaunchConfig, Launcher, MemorySpace};
 use tpar_kernels::Float;
 use tpar_kernels::KernelError;
 
+pub mod sdpa;
+
 /// The CPU emulator, built once per test binary.
 pub fn emu() -> &'static Emulator {
     Emulator::get().expect("the CPU emulator builds")
