@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::sdpa::{check_lse, dev_mask, make_mask, max_rel, ref_mask, shape, MaskKind, MaskPlan};
+use common::sdpa::{
+    check_lse, dev_mask, make_mask, max_rel, ref_mask, shape, MaskKind, MaskPlan, Workspace,
+};
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use half::{bf16, f16};
 use tpar_kernels::cuda::raw::sdpa::{
@@ -57,10 +59,7 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
     let mut dq = vec![T::from_f64(7.0); q.len()];
     let mut dk = vec![T::from_f64(7.0); k.len()];
     let mut dv = vec![T::from_f64(7.0); v.len()];
-    let ws_bytes = sdpa_backward_workspace_bytes(s).unwrap();
-    let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
-    // 16-byte aligned start inside the f32 buffer
-    let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    let mut ws = Workspace::new(s);
     // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
     // thread before returning), each holding every element the call's sizes reach.
     unsafe {
@@ -84,8 +83,8 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
             dq: mptr(&mut dq),
             dk: mptr(&mut dk),
             dv: mptr(&mut dv),
-            workspace: mptr(&mut ws[ws_off..]),
-            workspace_bytes: ws_bytes,
+            workspace: ws.ptr(),
+            workspace_bytes: ws.bytes,
         };
         sdpa_backward(emu, dtype, s, &bb, path).unwrap();
     }

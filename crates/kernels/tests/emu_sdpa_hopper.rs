@@ -10,7 +10,10 @@
 
 mod common;
 
-use common::sdpa::{self, check_lse, dev_mask, make_mask, max_rel, ref_mask, MaskKind, MaskPlan};
+use common::sdpa::{
+    check_lse, dev_mask, make_mask, max_rel, ref_mask, same_dim_shape as shape, MaskKind, MaskPlan,
+    Workspace,
+};
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use std::cell::RefCell;
 use std::sync::Mutex;
@@ -36,19 +39,6 @@ fn sm90a() {
 /// Batch `b` keeps `kv_len - 37b - 5` keys (past a key tile's edge for `b >= 1`);
 /// head `bh` masks row `(37bh + 2) % q_len`.
 const MASKS: MaskPlan = MaskPlan { pad_step: 37, pad_base: 5, row_step: 37 };
-
-/// A shape with `v_dim == head_dim`.
-fn shape(
-    batch: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    q_len: usize,
-    kv_len: usize,
-    head_dim: usize,
-    causal: bool,
-) -> SdpaShape {
-    sdpa::shape(batch, q_heads, kv_heads, q_len, kv_len, head_dim, head_dim, causal)
-}
 
 /// Inputs of one case, rounded to `T`, and the mask.
 struct Inputs<T> {
@@ -226,9 +216,7 @@ fn backward<T: Float>(
     let mut dq = vec![T::from_f64(7.0); x.q.len()];
     let mut dk = vec![T::from_f64(7.0); x.k.len()];
     let mut dv = vec![T::from_f64(7.0); x.v.len()];
-    let ws_bytes = sdpa_backward_workspace_bytes(s).unwrap();
-    let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
-    let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    let mut ws = Workspace::new(s);
     let b = SdpaBwdBuffers {
         q: ptr(&x.q),
         k: ptr(&x.k),
@@ -240,8 +228,8 @@ fn backward<T: Float>(
         dq: mptr(&mut dq),
         dk: mptr(&mut dk),
         dv: mptr(&mut dv),
-        workspace: mptr(&mut ws[ws_off..]),
-        workspace_bytes: ws_bytes,
+        workspace: ws.ptr(),
+        workspace_bytes: ws.bytes,
     };
     let rec = Recording { inner: emu(), names: Mutex::new(Vec::new()) };
     // SAFETY: host buffers stand in for device memory, each holding every

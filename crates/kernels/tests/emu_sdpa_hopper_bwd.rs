@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::sdpa::{self, dev_mask, make_mask, max_rel, ref_mask, MaskKind, MaskPlan};
+use common::sdpa::{
+    dev_mask, make_mask, max_rel, ref_mask, same_dim_shape as shape, MaskKind, MaskPlan, Workspace,
+};
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use tpar_kernels::cuda::raw::sdpa::{
     sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaFwdBuffers,
@@ -23,19 +25,6 @@ use CudaDType::{BF16, F16};
 
 /// Batch `b` keeps `kv_len - 37b - 5` keys; head `bh` masks row `(5bh + 2) % q_len`.
 const MASKS: MaskPlan = MaskPlan { pad_step: 37, pad_base: 5, row_step: 5 };
-
-/// A shape with `v_dim == head_dim`.
-fn shape(
-    batch: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    q_len: usize,
-    kv_len: usize,
-    head_dim: usize,
-    causal: bool,
-) -> SdpaShape {
-    sdpa::shape(batch, q_heads, kv_heads, q_len, kv_len, head_dim, head_dim, causal)
-}
 
 /// Gradient tolerance (relative to the largest magnitude), as for the
 /// tensor-core backward: P and dS are rounded to the attention dtype.
@@ -76,9 +65,7 @@ fn run<T: Float>(dtype: CudaDType, s: SdpaShape, mask: MaskKind) {
 
     let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
     let mut lse = vec![7.0f32; nq];
-    let ws_bytes = sdpa_backward_workspace_bytes(&s).unwrap();
-    let mut ws = vec![7.0f32; ws_bytes.div_ceil(4) + 4];
-    let ws_off = (16 - (ptr(&ws) as usize % 16)) % 16 / 4;
+    let mut ws = Workspace::new(&s);
     // SAFETY: host buffers stand in for device memory (the emulator runs
     // each kernel on this thread before returning), each holding every
     // element the call's sizes reach.
@@ -110,8 +97,8 @@ fn run<T: Float>(dtype: CudaDType, s: SdpaShape, mask: MaskKind) {
             dq: mptr(&mut g.dq),
             dk: mptr(&mut g.dk),
             dv: mptr(&mut g.dv),
-            workspace: mptr(&mut ws[ws_off..]),
-            workspace_bytes: ws_bytes,
+            workspace: ws.ptr(),
+            workspace_bytes: ws.bytes,
         };
         if hopper_path {
             assert_eq!(hopper::unsupported(emu, dtype, &s, &bb), None);

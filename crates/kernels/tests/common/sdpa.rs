@@ -5,7 +5,10 @@
 use tpar_kernels::cuda::raw::sdpa::SdpaDevMask;
 use tpar_kernels::sdpa::{SdpaMask, SdpaShape};
 
-use super::{data, ptr};
+use tpar_kernels::cuda::raw::sdpa::sdpa_backward_workspace_bytes;
+use tpar_kernels::cuda::DevPtr;
+
+use super::{data, mptr, ptr};
 
 /// An attention shape with the usual `1 / sqrt(head_dim)` scale.
 #[allow(clippy::too_many_arguments)]
@@ -30,6 +33,19 @@ pub fn shape(
         scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
         causal,
     }
+}
+
+/// [`shape`] with `v_dim == head_dim`.
+pub fn same_dim_shape(
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_len: usize,
+    kv_len: usize,
+    head_dim: usize,
+    causal: bool,
+) -> SdpaShape {
+    shape(batch, q_heads, kv_heads, q_len, kv_len, head_dim, head_dim, causal)
 }
 
 /// Mask layouts.
@@ -116,5 +132,30 @@ pub fn check_lse(what: &str, got: &[f32], want: &[f64], tol: f64) {
         let g = g as f64;
         let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= tol * (1.0 + w.abs()) };
         assert!(ok, "{what}: lse[{i}] = {g}, want {w}");
+    }
+}
+
+/// A host buffer standing in for the backward's device workspace, filled
+/// with 7.0 (garbage the kernels must overwrite) and used from a 16-byte
+/// aligned start.
+pub struct Workspace {
+    buf: Vec<f32>,
+    off: usize,
+    /// Bytes the backward of the shape needs.
+    pub bytes: usize,
+}
+
+impl Workspace {
+    /// The workspace [`sdpa_backward_workspace_bytes`] asks for `s`.
+    pub fn new(s: &SdpaShape) -> Self {
+        let bytes = sdpa_backward_workspace_bytes(s).unwrap();
+        let buf = vec![7.0f32; bytes.div_ceil(4) + 4];
+        let off = (16 - (ptr(&buf) as usize % 16)) % 16 / 4;
+        Workspace { buf, off, bytes }
+    }
+
+    /// The 16-byte aligned address the kernels write.
+    pub fn ptr(&mut self) -> DevPtr {
+        mptr(&mut self.buf[self.off..])
     }
 }
