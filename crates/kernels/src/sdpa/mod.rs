@@ -112,6 +112,16 @@ struct Sizes {
     lse: usize,
 }
 
+/// The offset of the last mask element attention reads for `s` with the
+/// mask strides `(batch, head, row)`, or `None` where it overflows; every
+/// dim of `s` that indexes the mask (batch, q heads, q and kv lengths) must
+/// be non-zero.
+pub(crate) fn mask_last_read(s: &SdpaShape, [batch, head, row]: [usize; 3]) -> Option<usize> {
+    [(s.batch - 1, batch), (s.q_heads - 1, head), (s.q_len - 1, row), (s.kv_len - 1, 1)]
+        .iter()
+        .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc))
+}
+
 fn validate<T>(op: &'static str, s: &SdpaShape, mask: Option<&SdpaMask<T>>) -> Result<Sizes> {
     if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) {
         return Err(bad(op, format!("{s:?}: q_heads must be a multiple of kv_heads > 0")));
@@ -125,15 +135,7 @@ fn validate<T>(op: &'static str, s: &SdpaShape, mask: Option<&SdpaMask<T>>) -> R
     };
     if let Some(m) = mask {
         if sizes.lse > 0 && s.kv_len > 0 {
-            let last = [
-                (s.batch - 1, m.batch_stride),
-                (s.q_heads - 1, m.head_stride),
-                (s.q_len - 1, m.row_stride),
-                (s.kv_len - 1, 1),
-            ]
-            .iter()
-            .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc));
-            match last {
+            match mask_last_read(s, [m.batch_stride, m.head_stride, m.row_stride]) {
                 Some(last) if last < m.data.len() => {}
                 _ => {
                     return Err(bad(

@@ -29,7 +29,7 @@ use bytemuck::{Pod, Zeroable};
 
 use super::{bad, numel};
 use crate::cuda::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
-use crate::sdpa::SdpaShape;
+use crate::sdpa::{mask_last_read, SdpaShape};
 use crate::Result;
 
 /// Largest `head_dim` / `v_dim` the kernels take.
@@ -295,38 +295,44 @@ fn validate(
         out: numel(op, &[s.batch, s.q_heads, s.q_len, s.v_dim])?,
         mask: (0, 0, 0, 0),
     };
-    let Some(m) = mask else { return Ok(d) };
-    let reads = d.rows > 0 && s.kv_len > 0;
-    if reads {
-        let last = [
-            (s.batch - 1, m.batch_stride),
-            (s.q_heads - 1, m.head_stride),
-            (s.q_len - 1, m.row_stride),
-            (s.kv_len - 1, 1),
-        ]
-        .iter()
-        .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc));
-        if !matches!(last, Some(last) if last < m.len) {
-            return Err(bad(
-                op,
-                format!(
-                    "{s:?}: mask with strides (batch {}, head {}, row {}) reads past its {} elements",
-                    m.batch_stride, m.head_stride, m.row_stride, m.len
-                ),
-            ));
-        }
-        check_ptr(op, "mask", m.data, m.len, dtype.size())?;
+    let mask = mask_args(op, dtype, s, mask)?;
+    Ok(Dims { mask, ..d })
+}
+
+/// The mask's pointer and the strides the kernels use (0s without a mask,
+/// and 0 where a dim has one index), after checking that every read falls
+/// inside the mask and that it is present and aligned to its element.
+pub(crate) fn mask_args(
+    op: &'static str,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    mask: Option<&SdpaDevMask>,
+) -> Result<(DevPtr, i64, i64, i64)> {
+    let Some(m) = mask else { return Ok((0, 0, 0, 0)) };
+    if s.batch == 0 || s.q_heads == 0 || s.q_len == 0 || s.kv_len == 0 {
+        // nothing is read
+        return Ok((m.data, 0, 0, 0));
     }
+    let strides = [m.batch_stride, m.head_stride, m.row_stride];
+    if !matches!(mask_last_read(s, strides), Some(last) if last < m.len) {
+        return Err(bad(
+            op,
+            format!(
+                "{s:?}: mask with strides (batch {}, head {}, row {}) reads past its {} elements",
+                m.batch_stride, m.head_stride, m.row_stride, m.len
+            ),
+        ));
+    }
+    check_ptr(op, "mask", m.data, m.len, dtype.size())?;
     // A stride the kernels use (its dim has more than one index) is at most
     // the last offset read, so it fits in i64; the others are never used.
-    let st = |n: usize, v: usize| if reads && n > 1 { v as i64 } else { 0 };
-    let mask = (
+    let st = |n: usize, v: usize| if n > 1 { v as i64 } else { 0 };
+    Ok((
         m.data,
         st(s.batch, m.batch_stride),
         st(s.q_heads, m.head_stride),
         st(s.q_len, m.row_stride),
-    );
-    Ok(Dims { mask, ..d })
+    ))
 }
 
 /// A buffer of `elems` elements must be non-null and aligned to its element;
@@ -460,6 +466,41 @@ pub(crate) fn validate_forward(
     Ok(d)
 }
 
+/// The buffer checks of a backward call with `[q, k, v, out, rows]`
+/// elements: q, k, v, out, dout, dq, dk and dv present and aligned to their
+/// element (an empty one may sit anywhere), lse for `rows` f32s, and a
+/// 16-byte aligned workspace of at least [`sdpa_backward_workspace_bytes`].
+pub(crate) fn check_backward_buffers(
+    op: &'static str,
+    dtype: CudaDType,
+    s: &SdpaShape,
+    b: &SdpaBwdBuffers,
+    [q, k, v, out, rows]: [usize; 5],
+) -> Result<()> {
+    let es = dtype.size();
+    for (name, p, n) in [
+        ("q", b.q, q),
+        ("k", b.k, k),
+        ("v", b.v, v),
+        ("out", b.out, out),
+        ("dout", b.dout, out),
+        ("dq", b.dq, q),
+        ("dk", b.dk, k),
+        ("dv", b.dv, v),
+    ] {
+        check_ptr(op, name, p, n, es)?;
+    }
+    check_ptr(op, "lse", b.lse, rows, 4)?;
+    let need = sdpa_backward_workspace_bytes(s)?;
+    if b.workspace_bytes < need {
+        return Err(bad(
+            op,
+            format!("workspace of {} bytes; {s:?} needs {need}", b.workspace_bytes),
+        ));
+    }
+    check_ptr(op, "workspace", b.workspace, need, 16)
+}
+
 /// Rows of `delta` rounded so that the `dq` accumulator starts 256-byte aligned.
 fn delta_bytes(rows: usize) -> Option<usize> {
     rows.checked_mul(4)?.checked_next_multiple_of(256)
@@ -548,28 +589,7 @@ pub unsafe fn sdpa_backward(
         return unsafe { super::sdpa_hopper_bwd::sdpa_backward(l, dtype, s, b) };
     }
     let d = validate(OP, dtype, s, b.mask.as_ref())?;
-    let es = dtype.size();
-    for (name, p, n) in [
-        ("q", b.q, d.q),
-        ("k", b.k, d.k),
-        ("v", b.v, d.v),
-        ("out", b.out, d.out),
-        ("dout", b.dout, d.out),
-        ("dq", b.dq, d.q),
-        ("dk", b.dk, d.k),
-        ("dv", b.dv, d.v),
-    ] {
-        check_ptr(OP, name, p, n, es)?;
-    }
-    check_ptr(OP, "lse", b.lse, d.rows, 4)?;
-    let need = sdpa_backward_workspace_bytes(s)?;
-    if b.workspace_bytes < need {
-        return Err(bad(
-            OP,
-            format!("workspace of {} bytes; {s:?} needs {need}", b.workspace_bytes),
-        ));
-    }
-    check_ptr(OP, "workspace", b.workspace, need, 16)?;
+    check_backward_buffers(OP, dtype, s, b, [d.q, d.k, d.v, d.out, d.rows])?;
     let delta_off = delta_bytes(d.rows).unwrap_or(0) as u64;
     let args = SdpaBwdArgs {
         q: b.q,

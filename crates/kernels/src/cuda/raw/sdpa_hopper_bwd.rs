@@ -23,9 +23,7 @@ use bytemuck::{Pod, Zeroable};
 
 use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
 use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
-use super::sdpa::{
-    sdpa_backward_workspace_bytes, SdpaBwdArgs, SdpaBwdBuffers, SdpaDevMask, SdpaPath,
-};
+use super::sdpa::{check_backward_buffers, mask_args, SdpaBwdArgs, SdpaBwdBuffers, SdpaPath};
 use super::sdpa_hopper::target_of;
 use super::{bad, numel};
 use crate::sdpa::SdpaShape;
@@ -130,53 +128,6 @@ pub fn unsupported(
     None
 }
 
-/// Checks a buffer of `n` elements of `elem` bytes (an empty one may sit anywhere).
-fn check_buf(name: &str, p: DevPtr, n: usize, elem: usize) -> Result<()> {
-    if n == 0 {
-        return Ok(());
-    }
-    super::check_ptr(OP, name, p, n, elem)
-}
-
-/// The mask's pointer and the strides the kernel uses (0 where the dim has
-/// one index), after checking that every read falls inside it.
-fn mask_args(
-    dtype: CudaDType,
-    s: &SdpaShape,
-    m: Option<&SdpaDevMask>,
-) -> Result<(DevPtr, i64, i64, i64)> {
-    let Some(m) = m else { return Ok((0, 0, 0, 0)) };
-    if s.batch == 0 || s.q_heads == 0 || s.q_len == 0 || s.kv_len == 0 {
-        return Ok((m.data, 0, 0, 0));
-    }
-    let last = [
-        (s.batch - 1, m.batch_stride),
-        (s.q_heads - 1, m.head_stride),
-        (s.q_len - 1, m.row_stride),
-        (s.kv_len - 1, 1),
-    ]
-    .iter()
-    .try_fold(0usize, |acc, &(i, st)| i.checked_mul(st)?.checked_add(acc));
-    if !matches!(last, Some(last) if last < m.len) {
-        return Err(bad(
-            OP,
-            format!(
-                "{s:?}: mask with strides (batch {}, head {}, row {}) reads past its {} elements",
-                m.batch_stride, m.head_stride, m.row_stride, m.len
-            ),
-        ));
-    }
-    check_buf("mask", m.data, m.len, dtype.size())?;
-    // a stride in use is at most the last offset read, so it fits in i64
-    let st = |n: usize, v: usize| if n > 1 { v as i64 } else { 0 };
-    Ok((
-        m.data,
-        st(s.batch, m.batch_stride),
-        st(s.q_heads, m.head_stride),
-        st(s.q_len, m.row_stride),
-    ))
-}
-
 /// A 3-D tensor map (head_dim, len, heads) over `ptr` with boxes of 64
 /// columns x `rows`.
 fn head_map(
@@ -235,29 +186,8 @@ pub unsafe fn sdpa_backward(
         // SAFETY: forwarded from the caller.
         return unsafe { super::sdpa::sdpa_backward(l, dtype, s, b, SdpaPath::TensorCore) };
     }
-    let es = dtype.size();
-    for (name, p, n) in [
-        ("q", b.q, nq),
-        ("k", b.k, nk),
-        ("v", b.v, nk),
-        ("out", b.out, nq),
-        ("dout", b.dout, nq),
-        ("dq", b.dq, nq),
-        ("dk", b.dk, nk),
-        ("dv", b.dv, nk),
-    ] {
-        check_buf(name, p, n, es)?;
-    }
-    check_buf("lse", b.lse, rows, 4)?;
-    let need = sdpa_backward_workspace_bytes(s)?;
-    if b.workspace_bytes < need {
-        return Err(bad(
-            OP,
-            format!("workspace of {} bytes; {s:?} needs {need}", b.workspace_bytes),
-        ));
-    }
-    check_buf("workspace", b.workspace, need, 16)?;
-    let mask = mask_args(dtype, s, b.mask.as_ref())?;
+    check_backward_buffers(OP, dtype, s, b, [nq, nk, nk, nq, rows])?;
+    let mask = mask_args(OP, dtype, s, b.mask.as_ref())?;
     // delta's rows rounded up so that the accumulator starts 256-byte aligned
     // (raw::sdpa's workspace layout)
     let delta_off = (rows * 4).next_multiple_of(256) as u64;
