@@ -501,6 +501,47 @@ pub(crate) fn check_backward_buffers(
     check_ptr(op, "workspace", b.workspace, need, 16)
 }
 
+/// The backward kernels' arguments: the buffers of `b` (`delta` at the start
+/// of the workspace, the `dq` accumulator after `rows` of it), the mask's
+/// pointer and strides from [`mask_args`], and `[batch, q_heads, kv_heads,
+/// q_len, kv_len, head_dim, v_dim]` checked to fit in `i32`.
+pub(crate) fn backward_args(
+    s: &SdpaShape,
+    b: &SdpaBwdBuffers,
+    (mask, mask_bs, mask_hs, mask_rs): (DevPtr, i64, i64, i64),
+    rows: usize,
+    [batch, q_heads, kv_heads, q_len, kv_len, head_dim, v_dim]: [i32; 7],
+) -> SdpaBwdArgs {
+    let delta_off = delta_bytes(rows).unwrap_or(0) as u64;
+    SdpaBwdArgs {
+        q: b.q,
+        k: b.k,
+        v: b.v,
+        mask,
+        out: b.out,
+        dout: b.dout,
+        lse: b.lse,
+        delta: b.workspace,
+        dq_acc: b.workspace + delta_off,
+        dq: b.dq,
+        dk: b.dk,
+        dv: b.dv,
+        mask_bs,
+        mask_hs,
+        mask_rs,
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim,
+        causal: s.causal as i32,
+        scale: s.scale as f32,
+        pad: 0,
+    }
+}
+
 /// Rows of `delta` rounded so that the `dq` accumulator starts 256-byte aligned.
 fn delta_bytes(rows: usize) -> Option<usize> {
     rows.checked_mul(4)?.checked_next_multiple_of(256)
@@ -590,34 +631,8 @@ pub unsafe fn sdpa_backward(
     }
     let d = validate(OP, dtype, s, b.mask.as_ref())?;
     check_backward_buffers(OP, dtype, s, b, [d.q, d.k, d.v, d.out, d.rows])?;
-    let delta_off = delta_bytes(d.rows).unwrap_or(0) as u64;
-    let args = SdpaBwdArgs {
-        q: b.q,
-        k: b.k,
-        v: b.v,
-        mask: d.mask.0,
-        out: b.out,
-        dout: b.dout,
-        lse: b.lse,
-        delta: b.workspace,
-        dq_acc: b.workspace + delta_off,
-        dq: b.dq,
-        dk: b.dk,
-        dv: b.dv,
-        mask_bs: d.mask.1,
-        mask_hs: d.mask.2,
-        mask_rs: d.mask.3,
-        batch: d.batch,
-        q_heads: d.q_heads,
-        kv_heads: d.kv_heads,
-        q_len: d.q_len,
-        kv_len: d.kv_len,
-        head_dim: d.head_dim,
-        v_dim: d.v_dim,
-        causal: s.causal as i32,
-        scale: s.scale as f32,
-        pad: 0,
-    };
+    let dims = [d.batch, d.q_heads, d.kv_heads, d.q_len, d.kv_len, d.head_dim, d.v_dim];
+    let args = backward_args(s, b, d.mask, d.rows, dims);
     let sfx = dtype.suffix();
     let p = plan(
         OP,

@@ -23,7 +23,9 @@ use bytemuck::{Pod, Zeroable};
 
 use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
 use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
-use super::sdpa::{check_backward_buffers, mask_args, SdpaBwdArgs, SdpaBwdBuffers, SdpaPath};
+use super::sdpa::{
+    backward_args, check_backward_buffers, mask_args, SdpaBwdArgs, SdpaBwdBuffers, SdpaPath,
+};
 use super::sdpa_hopper::target_of;
 use super::{bad, numel};
 use crate::sdpa::SdpaShape;
@@ -188,39 +190,19 @@ pub unsafe fn sdpa_backward(
     }
     check_backward_buffers(OP, dtype, s, b, [nq, nk, nk, nq, rows])?;
     let mask = mask_args(OP, dtype, s, b.mask.as_ref())?;
-    // delta's rows rounded up so that the accumulator starts 256-byte aligned
-    // (raw::sdpa's workspace layout)
-    let delta_off = (rows * 4).next_multiple_of(256) as u64;
     let i = |what: &str, v: usize| {
         i32::try_from(v).map_err(|_| bad(OP, format!("{what} = {v} exceeds i32")))
     };
-    let a = SdpaBwdArgs {
-        q: b.q,
-        k: b.k,
-        v: b.v,
-        mask: mask.0,
-        out: b.out,
-        dout: b.dout,
-        lse: b.lse,
-        delta: b.workspace,
-        dq_acc: b.workspace + delta_off,
-        dq: b.dq,
-        dk: b.dk,
-        dv: b.dv,
-        mask_bs: mask.1,
-        mask_hs: mask.2,
-        mask_rs: mask.3,
-        batch: i("batch", s.batch)?,
-        q_heads: i("q_heads", s.q_heads)?,
-        kv_heads: i("kv_heads", s.kv_heads)?,
-        q_len: i("q_len", s.q_len)?,
-        kv_len: i("kv_len", s.kv_len)?,
-        head_dim: i("head_dim", s.head_dim)?,
-        v_dim: i("v_dim", s.v_dim)?,
-        causal: s.causal as i32,
-        scale: s.scale as f32,
-        pad: 0,
-    };
+    let dims = [
+        i("batch", s.batch)?,
+        i("q_heads", s.q_heads)?,
+        i("kv_heads", s.kv_heads)?,
+        i("q_len", s.q_len)?,
+        i("kv_len", s.kv_len)?,
+        i("head_dim", s.head_dim)?,
+        i("v_dim", s.v_dim)?,
+    ];
+    let a = backward_args(s, b, mask, rows, dims);
     let emulated = target_of(l).is_some_and(|t| t.emulated);
     let hd = s.head_dim;
     let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
