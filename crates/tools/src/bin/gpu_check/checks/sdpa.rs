@@ -1,9 +1,9 @@
 //! The `sdpa` family of checks.
 
 use tpar_kernels::cuda::raw::sdpa;
-use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaPath};
+use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers, SdpaPath};
 use tpar_kernels::cuda::CudaDType;
-use tpar_kernels::sdpa::SdpaShape;
+use tpar_kernels::sdpa::{SdpaMask, SdpaShape};
 
 use CudaDType::{BF16, F16, F32};
 
@@ -67,7 +67,22 @@ pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath
         s.head_dim,
         if s.causal { " causal" } else { "" }
     );
-    c.guard(&base, dn(dt), &shape, |c| {
+    train_case(c, &base, &shape, dt, s, path, None);
+}
+
+/// Forward and backward of `s` on `path` against the f64 CPU kernels, with
+/// an optional `[batch, 1, 1, kv_len]` key-padding mask: rows `<base>.out`,
+/// `.lse`, `.dq`, `.dk` and `.dv`.
+pub(crate) fn train_case(
+    c: &mut Ctx,
+    base: &str,
+    shape: &str,
+    dt: CudaDType,
+    s: SdpaShape,
+    path: SdpaPath,
+    mask: Option<Vec<f64>>,
+) {
+    c.guard(base, dn(dt), shape, |c| {
         let d = c.d;
         let nq = s.batch * s.q_heads * s.q_len;
         let nk = s.batch * s.kv_heads * s.kv_len;
@@ -75,15 +90,50 @@ pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath
         let k = c.rng.vals(dt, nk * s.head_dim, -1.5, 1.5);
         let v = c.rng.vals(dt, nk * s.v_dim, -1.0, 1.0);
         let dout = c.rng.vals(dt, nq * s.v_dim, -1.0, 1.0);
+        let host_mask = mask.as_ref().map(|m| SdpaMask {
+            data: &m[..],
+            batch_stride: s.kv_len,
+            head_stride: 0,
+            row_stride: 0,
+        });
         let mut out = vec![0.0; nq * s.v_dim];
         let mut lse = vec![0.0; nq];
-        tpar_kernels::sdpa::sdpa_forward::<f64, _>(&s, &q, &k, &v, None, &mut out, &mut lse)?;
+        tpar_kernels::sdpa::sdpa_forward::<f64, _>(
+            &s,
+            &q,
+            &k,
+            &v,
+            host_mask.as_ref(),
+            &mut out,
+            &mut lse,
+        )?;
         let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
         tpar_kernels::sdpa::sdpa_backward::<f64>(
-            &s, &q, &k, &v, None, &out, &lse, &dout, &mut dq, &mut dk, &mut dv,
+            &s,
+            &q,
+            &k,
+            &v,
+            host_mask.as_ref(),
+            &out,
+            &lse,
+            &dout,
+            &mut dq,
+            &mut dk,
+            &mut dv,
         )?;
         let es = dt.size();
         let (bq, bk, bv, bdo) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &v)?, d.up(dt, &dout)?);
+        let bm = match &mask {
+            Some(m) => Some(d.up(dt, m)?),
+            None => None,
+        };
+        let dev_mask = bm.as_ref().map(|b| SdpaDevMask {
+            data: b.ptr(),
+            len: s.batch * s.kv_len,
+            batch_stride: s.kv_len,
+            head_stride: 0,
+            row_stride: 0,
+        });
         let (bo, bl) = (d.junk(out.len() * es)?, d.junk(nq * 4)?);
         let (bdq, bdk, bdv) = (d.junk(q.len() * es)?, d.junk(k.len() * es)?, d.junk(v.len() * es)?);
         let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
@@ -92,7 +142,7 @@ pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath
             q: bq.ptr(),
             k: bk.ptr(),
             v: bv.ptr(),
-            mask: None,
+            mask: dev_mask,
             out: bo.ptr(),
             lse: bl.ptr(),
         };
@@ -100,7 +150,7 @@ pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath
             q: bq.ptr(),
             k: bk.ptr(),
             v: bv.ptr(),
-            mask: None,
+            mask: dev_mask,
             out: bo.ptr(),
             lse: bl.ptr(),
             dout: bdo.ptr(),
@@ -110,18 +160,19 @@ pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath
             workspace: ws.ptr(),
             workspace_bytes: ws_bytes,
         };
-        // SAFETY: every buffer was allocated above with the size `s` gives it.
+        // SAFETY: every buffer was allocated above with the size `s` gives it
+        // (the mask with `batch * kv_len` elements).
         unsafe {
             sdpa::sdpa_forward(d.l(), dt, &s, &fb, path)?;
             sdpa::sdpa_backward(d.l(), dt, &s, &bb, path)?;
         }
         let b = bound(dt);
         let name = |what: &str| format!("{base}.{what}");
-        c.r.close(&name("out"), dn(dt), &shape, &d.down(dt, &bo)?, &out, b);
-        c.r.close(&name("lse"), dn(dt), &shape, &d.down(F32, &bl)?, &lse, b);
-        c.r.close(&name("dq"), dn(dt), &shape, &d.down(dt, &bdq)?, &dq, b);
-        c.r.close(&name("dk"), dn(dt), &shape, &d.down(dt, &bdk)?, &dk, b);
-        c.r.close(&name("dv"), dn(dt), &shape, &d.down(dt, &bdv)?, &dv, b);
+        c.r.close(&name("out"), dn(dt), shape, &d.down(dt, &bo)?, &out, b);
+        c.r.close(&name("lse"), dn(dt), shape, &d.down(F32, &bl)?, &lse, b);
+        c.r.close(&name("dq"), dn(dt), shape, &d.down(dt, &bdq)?, &dq, b);
+        c.r.close(&name("dk"), dn(dt), shape, &d.down(dt, &bdk)?, &dk, b);
+        c.r.close(&name("dv"), dn(dt), shape, &d.down(dt, &bdv)?, &dv, b);
         Ok(())
     });
 }

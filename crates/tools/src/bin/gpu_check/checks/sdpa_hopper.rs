@@ -6,16 +6,15 @@
 //! kernels: bf16 and f16, head dims 64 and 128, causal or not, GQA, a
 //! key-padding mask, ragged lengths; on a GPU, training-sized shapes.
 
-use tpar_kernels::cuda::raw::sdpa::{self, SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers, SdpaPath};
+use tpar_kernels::cuda::raw::sdpa::SdpaPath;
 use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
 use tpar_kernels::cuda::CudaDType;
-use tpar_kernels::sdpa::{SdpaMask, SdpaShape};
+use tpar_kernels::sdpa::SdpaShape;
 
-use CudaDType::{BF16, F16, F32};
+use CudaDType::{BF16, F16};
 
-use super::sdpa::sdpa_shape;
-use super::{bound, Ctx};
-use crate::data::dn;
+use super::sdpa::{sdpa_shape, train_case};
+use super::Ctx;
 
 pub(crate) fn check_sdpa_hopper(c: &mut Ctx) {
     if sdpa_hopper::target_of(c.d.l()).is_none() {
@@ -65,98 +64,6 @@ fn hopper_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, padded: bool) {
         if s.causal { " causal" } else { "" },
         if padded { " key-padding" } else { "" }
     );
-    c.guard(base, dn(dt), &shape, |c| {
-        let d = c.d;
-        let nq = s.batch * s.q_heads * s.q_len;
-        let nk = s.batch * s.kv_heads * s.kv_len;
-        let q = c.rng.vals(dt, nq * s.head_dim, -1.5, 1.5);
-        let k = c.rng.vals(dt, nk * s.head_dim, -1.5, 1.5);
-        let v = c.rng.vals(dt, nk * s.v_dim, -1.0, 1.0);
-        let dout = c.rng.vals(dt, nq * s.v_dim, -1.0, 1.0);
-        let mask = padded.then(|| key_padding(&s));
-        let host_mask = mask.as_ref().map(|m| SdpaMask {
-            data: &m[..],
-            batch_stride: s.kv_len,
-            head_stride: 0,
-            row_stride: 0,
-        });
-        let mut out = vec![0.0; nq * s.v_dim];
-        let mut lse = vec![0.0; nq];
-        tpar_kernels::sdpa::sdpa_forward::<f64, _>(
-            &s,
-            &q,
-            &k,
-            &v,
-            host_mask.as_ref(),
-            &mut out,
-            &mut lse,
-        )?;
-        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        tpar_kernels::sdpa::sdpa_backward::<f64>(
-            &s,
-            &q,
-            &k,
-            &v,
-            host_mask.as_ref(),
-            &out,
-            &lse,
-            &dout,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-        )?;
-        let es = dt.size();
-        let (bq, bk, bv, bdo) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &v)?, d.up(dt, &dout)?);
-        let bm = match &mask {
-            Some(m) => Some(d.up(dt, m)?),
-            None => None,
-        };
-        let dev_mask = bm.as_ref().map(|b| SdpaDevMask {
-            data: b.ptr(),
-            len: s.batch * s.kv_len,
-            batch_stride: s.kv_len,
-            head_stride: 0,
-            row_stride: 0,
-        });
-        let (bo, bl) = (d.junk(out.len() * es)?, d.junk(nq * 4)?);
-        let (bdq, bdk, bdv) = (d.junk(q.len() * es)?, d.junk(k.len() * es)?, d.junk(v.len() * es)?);
-        let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
-        let ws = d.junk(ws_bytes)?;
-        let fb = SdpaFwdBuffers {
-            q: bq.ptr(),
-            k: bk.ptr(),
-            v: bv.ptr(),
-            mask: dev_mask,
-            out: bo.ptr(),
-            lse: bl.ptr(),
-        };
-        let bb = SdpaBwdBuffers {
-            q: bq.ptr(),
-            k: bk.ptr(),
-            v: bv.ptr(),
-            mask: dev_mask,
-            out: bo.ptr(),
-            lse: bl.ptr(),
-            dout: bdo.ptr(),
-            dq: bdq.ptr(),
-            dk: bdk.ptr(),
-            dv: bdv.ptr(),
-            workspace: ws.ptr(),
-            workspace_bytes: ws_bytes,
-        };
-        // SAFETY: every buffer was allocated above with the size `s` gives it
-        // (the mask with `batch * kv_len` elements).
-        unsafe {
-            sdpa::sdpa_forward(d.l(), dt, &s, &fb, SdpaPath::Hopper)?;
-            sdpa::sdpa_backward(d.l(), dt, &s, &bb, SdpaPath::Hopper)?;
-        }
-        let b = bound(dt);
-        let name = |what: &str| format!("{base}.{what}");
-        c.r.close(&name("out"), dn(dt), &shape, &d.down(dt, &bo)?, &out, b);
-        c.r.close(&name("lse"), dn(dt), &shape, &d.down(F32, &bl)?, &lse, b);
-        c.r.close(&name("dq"), dn(dt), &shape, &d.down(dt, &bdq)?, &dq, b);
-        c.r.close(&name("dk"), dn(dt), &shape, &d.down(dt, &bdk)?, &dk, b);
-        c.r.close(&name("dv"), dn(dt), &shape, &d.down(dt, &bdv)?, &dv, b);
-        Ok(())
-    });
+    let mask = padded.then(|| key_padding(&s));
+    train_case(c, base, &shape, dt, s, SdpaPath::Hopper, mask);
 }
