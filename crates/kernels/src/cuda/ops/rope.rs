@@ -12,6 +12,40 @@ fn sizes(op: &'static str, s: &RopeShape) -> Result<(usize, usize)> {
     Ok((count(op, &[s.outer, s.seq, s.inner, s.head_dim])?, count(op, &[s.seq, s.head_dim])?))
 }
 
+/// The checks and the launch behind the four public wrappers: `x` (`dy`
+/// when `backward`) of shape `s` read in `x_order`, rotated (or, when
+/// `backward`, put through the transposed rotation) with the `[seq,
+/// head_dim]` tables into `y` (`dx`) written in `y_order`.
+#[allow(clippy::too_many_arguments)]
+fn rotate(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    s: &RopeShape,
+    (x, x_order): (DeviceSlice<'_>, RopeOrder),
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
+    (y, y_order): (DeviceSliceMut<'_>, RopeOrder),
+    backward: bool,
+) -> Result<()> {
+    let (op, [xn, yn]) =
+        if backward { ("rope_backward", ["dy", "dx"]) } else { ("rope_forward", ["x", "y"]) };
+    let c = Check::new(op, dev);
+    let ((n, t), es) = (sizes(op, s)?, dtype.size());
+    let (xp, yp) = (c.read(xn, &x, n, es)?, c.write(yn, &y, n, es)?);
+    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
+    // SAFETY: every address starts a view of a live buffer in `dev`'s memory
+    // holding what the kernel touches for `s` (checked above; both orders are
+    // dense, so each reaches the `n` elements checked); `y` is an exclusive
+    // borrow, disjoint from the inputs.
+    unsafe {
+        if backward {
+            raw::rope_backward_orders(dev, dtype, s, xp, x_order, cp, sp, yp, y_order)
+        } else {
+            raw::rope_forward_orders(dev, dtype, s, xp, x_order, cp, sp, yp, y_order)
+        }
+    }
+}
+
 /// `y = x * cos + rotate_half(x) * sin` for `x` and `y` of shape `s` and the
 /// `[seq, head_dim]` tables `cos` and `sin`, all of `dtype`.
 pub fn rope_forward(
@@ -23,15 +57,8 @@ pub fn rope_forward(
     sin: DeviceSlice<'_>,
     y: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    const OP: &str = "rope_forward";
-    let c = Check::new(OP, dev);
-    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
-    let (xp, yp) = (c.read("x", &x, n, es)?, c.write("y", &y, n, es)?);
-    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
-    // SAFETY: every address starts a view of a live buffer in `dev`'s memory
-    // holding what the kernel touches for `s` (checked above); `y` is an
-    // exclusive borrow, disjoint from the inputs.
-    unsafe { raw::rope_forward(dev, dtype, s, xp, cp, sp, yp) }
+    let seq_inner = RopeOrder::SeqInner;
+    rotate(dev, dtype, s, (x, seq_inner), cos, sin, (y, seq_inner), false)
 }
 
 /// [`rope_forward`] reading `x` in `x_order` and writing `y` in `y_order`
@@ -50,14 +77,7 @@ pub fn rope_forward_orders(
     y: DeviceSliceMut<'_>,
     y_order: RopeOrder,
 ) -> Result<()> {
-    const OP: &str = "rope_forward";
-    let c = Check::new(OP, dev);
-    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
-    let (xp, yp) = (c.read("x", &x, n, es)?, c.write("y", &y, n, es)?);
-    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
-    // SAFETY: as in `rope_forward`; both orders are dense, so each reaches the
-    // `n` elements checked above.
-    unsafe { raw::rope_forward_orders(dev, dtype, s, xp, x_order, cp, sp, yp, y_order) }
+    rotate(dev, dtype, s, (x, x_order), cos, sin, (y, y_order), false)
 }
 
 /// Gradient of [`rope_forward_orders`]: `dy` read in `dy_order`, `dx` written
@@ -74,13 +94,7 @@ pub fn rope_backward_orders(
     dx: DeviceSliceMut<'_>,
     dx_order: RopeOrder,
 ) -> Result<()> {
-    const OP: &str = "rope_backward";
-    let c = Check::new(OP, dev);
-    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
-    let (gp, dxp) = (c.read("dy", &dy, n, es)?, c.write("dx", &dx, n, es)?);
-    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
-    // SAFETY: as in `rope_forward_orders`.
-    unsafe { raw::rope_backward_orders(dev, dtype, s, gp, dy_order, cp, sp, dxp, dx_order) }
+    rotate(dev, dtype, s, (dy, dy_order), cos, sin, (dx, dx_order), true)
 }
 
 /// Gradient of [`rope_forward`]: `dx` is the transpose of the forward map
@@ -94,13 +108,8 @@ pub fn rope_backward(
     sin: DeviceSlice<'_>,
     dx: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    const OP: &str = "rope_backward";
-    let c = Check::new(OP, dev);
-    let ((n, t), es) = (sizes(OP, s)?, dtype.size());
-    let (gp, dxp) = (c.read("dy", &dy, n, es)?, c.write("dx", &dx, n, es)?);
-    let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
-    // SAFETY: as in `rope_forward`.
-    unsafe { raw::rope_backward(dev, dtype, s, gp, cp, sp, dxp) }
+    let seq_inner = RopeOrder::SeqInner;
+    rotate(dev, dtype, s, (dy, seq_inner), cos, sin, (dx, seq_inner), true)
 }
 
 /// Rotates queries and keys in place with the same tables (forward, or the
@@ -124,7 +133,7 @@ pub fn rope_qk_in_place(
     let ((nq, tq), (nk, tk)) = (sizes(OP, q_shape)?, sizes(OP, k_shape)?);
     let (qp, kp) = (c.write("q", &q, nq, es)?, c.write("k", &k, nk, es)?);
     let (cp, sp) = (c.read("cos", &cos, tq.max(tk), es)?, c.read("sin", &sin, tq.max(tk), es)?);
-    // SAFETY: as in `rope_forward`; `q` and `k` are exclusive borrows, each
+    // SAFETY: as in `rotate`; `q` and `k` are exclusive borrows, each
     // rotated in place (the kernel reads and writes the same elements).
     unsafe { raw::rope_qk_inplace(dev, dtype, q_shape, qp, k_shape, kp, cp, sp, backward) }
 }
