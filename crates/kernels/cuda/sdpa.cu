@@ -459,42 +459,6 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
 
 // ------------------------------------------------------------------ tensor cores
 
-// 2^x for the softmax: on a GPU one ex2.approx.ftz (a result below 2^-126,
-// a probability far under the rounding of the sums it joins, flushes to
-// zero; exp2f would add a rescale around it), exp2f in the emulator.
-TPAR_DEVICE float exp2_ftz(float x) {
-#ifndef TPAR_EMU
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#else
-    return exp2f(x);
-#endif
-}
-
-// Two floats rounded to nearest even into one register of two 16-bit
-// values, `lo` in the low half: one cvt.rn.{bf16,f16}x2.f32 on a GPU (the
-// same bits as pack2_f32 for every finite value; a NaN becomes the
-// canonical one), pack2_f32 in the emulator.
-template <typename T>
-TPAR_DEVICE u32 pack2_rn(float lo, float hi) {
-    return pack2_f32<T>(lo, hi);
-}
-#ifndef TPAR_EMU
-template <>
-TPAR_DEVICE u32 pack2_rn<bf16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-template <>
-TPAR_DEVICE u32 pack2_rn<f16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-#endif
-
 // Element offset of 16-byte chunk `c` of row `r` in a [rows][HD] tile of
 // 16-bit elements whose chunks are XOR-swizzled by the row (HD >= 64), so
 // that ldmatrix reads of eight rows at one chunk column hit distinct banks.

@@ -66,35 +66,6 @@ constexpr int BM = 128, BN = 128;
 // One box: 64 columns (128 bytes) of 128 rows.
 constexpr u32 BOX_BYTES = 128 * 128;
 
-TPAR_DEVICE float exp2_fast(float x) {
-#ifndef TPAR_EMU
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#else
-    return exp2f(x);
-#endif
-}
-
-template <typename T>
-TPAR_DEVICE u32 pack_rn(float lo, float hi) {
-    return pack2_f32<T>(lo, hi);
-}
-#ifndef TPAR_EMU
-template <>
-TPAR_DEVICE u32 pack_rn<bf16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-template <>
-TPAR_DEVICE u32 pack_rn<f16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-#endif
-
 template <int HD>
 struct Smem {
     static constexpr u32 TILE = (u32)(HD / 64) * BOX_BYTES;  // q, k or v tile
@@ -236,13 +207,13 @@ TPAR_DEVICE void softmax_step(const SdpaHopperFwdArgs& a, const T* M, int j0, Ro
         mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(TPAR_FULL_MASK, mx[hr], 2));
         const float mnew = fmaxf(r.m[hr], mx[hr]);
         base[hr] = mnew == ninf ? 0.0f : mnew;
-        alpha[hr] = exp2_fast(r.m[hr] - base[hr]);
+        alpha[hr] = exp2_ftz(r.m[hr] - base[hr]);
         r.m[hr] = mnew;
         r.l[hr] *= alpha[hr];
     }
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
-        const float p = exp2_fast(sc[i] - base[(i / 2) % 2]);
+        const float p = exp2_ftz(sc[i] - base[(i / 2) % 2]);
         r.l[(i / 2) % 2] += p;
         sc[i] = p;
     }
@@ -255,7 +226,7 @@ TPAR_DEVICE void to_fragments(const float (&sc)[BN / 2], u32 (&pa)[BN / 16][4]) 
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) pa[kk][j] = pack_rn<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
+        for (int j = 0; j < 4; ++j) pa[kk][j] = pack2_rn<T>(sc[8 * kk + 2 * j], sc[8 * kk + 2 * j + 1]);
 }
 
 // Issues S = q k^T over stage st (64 x BN per warpgroup) as one commit group.
@@ -383,7 +354,7 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
             for (int i = 0; i < HD / 2; i += 2) {
                 if (((i / 2) % 2) != hr) continue;
                 const int c = 8 * (i / 4) + 2 * q;
-                orow[c / 2] = pack_rn<T>(o[i] * inv, o[i + 1] * inv);
+                orow[c / 2] = pack2_rn<T>(o[i] * inv, o[i + 1] * inv);
             }
         }
     }

@@ -95,37 +95,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr u32 KBOX = BC * 64 * 2, QBOX = BR * 64 * 2;
 constexpr u32 DS_BYTES = BC * BR * 2;
 
-// 2^x: one ex2.approx.ftz on a GPU, exp2f in the emulator.
-TPAR_DEVICE float exp2_ftz(float x) {
-#ifndef TPAR_EMU
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-#else
-    return exp2f(x);
-#endif
-}
-
-// Two floats rounded to nearest even into one register, `lo` in the low half.
-template <typename T>
-TPAR_DEVICE u32 pack2_rn(float lo, float hi) {
-    return pack2_f32<T>(lo, hi);
-}
-#ifndef TPAR_EMU
-template <>
-TPAR_DEVICE u32 pack2_rn<bf16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-template <>
-TPAR_DEVICE u32 pack2_rn<f16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-#endif
-
 // p[0] += x, p[1] += y (p 8-byte aligned): one red.global.add.v2.f32 on a
 // GPU (sm_90), two atomicAdd in the emulator.
 TPAR_DEVICE void red_add2(float* p, float x, float y) {
