@@ -51,34 +51,6 @@ struct SdpaFwdArgs {
     i32 pad;
 };
 
-struct SdpaBwdArgs {
-    const void* q;
-    const void* k;
-    const void* v;
-    const void* mask;  // null: no mask
-    const void* out;
-    const void* dout;
-    const float* lse;
-    float* delta;   // [batch * q_heads * q_len] workspace
-    float* dq_acc;  // [batch * q_heads * q_len, head_dim] f32 workspace
-    void* dq;
-    void* dk;
-    void* dv;
-    i64 mask_bs;
-    i64 mask_hs;
-    i64 mask_rs;
-    i32 batch;
-    i32 q_heads;
-    i32 kv_heads;
-    i32 q_len;
-    i32 kv_len;
-    i32 head_dim;
-    i32 v_dim;
-    i32 causal;
-    float scale;
-    i32 pad;
-};
-
 namespace sdpa {
 
 constexpr float kLog2e = 1.4426950408889634f;

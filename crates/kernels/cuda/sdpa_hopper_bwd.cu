@@ -44,34 +44,6 @@
 // launcher runs them only where kernels are compiled for sm_90a (or the
 // emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet.
 
-struct SdpaBwdArgs {
-    const void* q;
-    const void* k;
-    const void* v;
-    const void* mask;  // null: no mask
-    const void* out;
-    const void* dout;
-    const float* lse;
-    float* delta;   // [batch * q_heads * q_len] workspace
-    float* dq_acc;  // [batch * q_heads * q_len, head_dim] f32 workspace
-    void* dq;
-    void* dk;
-    void* dv;
-    i64 mask_bs;
-    i64 mask_hs;
-    i64 mask_rs;
-    i32 batch;
-    i32 q_heads;
-    i32 kv_heads;
-    i32 q_len;
-    i32 kv_len;
-    i32 head_dim;
-    i32 v_dim;
-    i32 causal;
-    float scale;
-    i32 pad;
-};
-
 struct SdpaHopperBwdArgs {
     TparTensorMap map_q;   // 3-D (head_dim, q_len, batch * q_heads), box 64 x 64
     TparTensorMap map_k;   // 3-D (head_dim, kv_len, batch * kv_heads), box 64 x 128

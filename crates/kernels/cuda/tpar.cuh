@@ -133,6 +133,41 @@ TPAR_DEVICE float exp2_ftz(float x) {
 #endif
 }
 
+// ---------------------------------------------------------------- attention
+//
+// The argument struct of the attention backward's kernels (mirrored by
+// raw::sdpa::SdpaBwdArgs): sdpa.cu's, and sdpa_hopper_bwd.cu's main kernel,
+// which takes it inside SdpaHopperBwdArgs and runs sdpa.cu's pre and dq
+// kernels around it.
+
+struct SdpaBwdArgs {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* mask;  // null: no mask
+    const void* out;
+    const void* dout;
+    const float* lse;
+    float* delta;   // [batch * q_heads * q_len] workspace
+    float* dq_acc;  // [batch * q_heads * q_len, head_dim] f32 workspace
+    void* dq;
+    void* dk;
+    void* dv;
+    i64 mask_bs;
+    i64 mask_hs;
+    i64 mask_rs;
+    i32 batch;
+    i32 q_heads;
+    i32 kv_heads;
+    i32 q_len;
+    i32 kv_len;
+    i32 head_dim;
+    i32 v_dim;
+    i32 causal;
+    float scale;
+    i32 pad;
+};
+
 // ---------------------------------------------------------------- 16-byte vectors
 //
 // Raw16 is one 16-byte access. Pack16<T> converts one to and from N = 4 f32
