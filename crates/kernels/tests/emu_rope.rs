@@ -10,11 +10,23 @@ mod common;
 use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
 use tpar_kernels::cuda::raw::rope::{self as gpu, RopeOrder, RopeShape};
-use tpar_kernels::cuda::{CudaDType, Launcher};
+use tpar_kernels::cuda::{CudaDType, DevPtr, Launcher};
 use tpar_kernels::{rope, Float};
 
 fn numel(s: &RopeShape) -> usize {
     s.outer * s.seq * s.inner * s.head_dim
+}
+
+/// One `#[test]` per `name: type = seed`, each running `body::<type>(seed)`.
+macro_rules! per_dtype {
+    ($body:ident: $($name:ident: $t:ty = $seed:expr),+ $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                $body::<$t>($seed);
+            }
+        )+
+    };
 }
 
 /// Llama tables: angle `t * theta^(-2i/d)` on both halves.
@@ -80,20 +92,7 @@ fn check<T: Float>(seed: u64) {
     }
 }
 
-#[test]
-fn matches_cpu_f32() {
-    check::<f32>(1);
-}
-
-#[test]
-fn matches_cpu_bf16() {
-    check::<bf16>(2);
-}
-
-#[test]
-fn matches_cpu_f16() {
-    check::<f16>(3);
-}
+per_dtype!(check: matches_cpu_f32: f32 = 1, matches_cpu_bf16: bf16 = 2, matches_cpu_f16: f16 = 3);
 
 /// With real rotation tables the map is orthogonal: backward undoes forward.
 fn round_trip<T: Float>(seed: u64, tol: f64) {
@@ -199,11 +198,39 @@ fn bits<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
     bytemuck::cast_slice(v).to_vec()
 }
 
+/// The two-order kernel on the emulator: `x` read in `from`, rotated (put
+/// through the transposed rotation when `backward`) with the tables `(cos,
+/// sin)` into `y` written in `to`.
+///
+/// # Safety
+/// `x`, `y`, `cos` and `sin` are host buffers holding every element `s`
+/// reaches (the emulator runs the kernel on this thread before returning).
+unsafe fn two_orders(
+    dt: CudaDType,
+    s: &RopeShape,
+    backward: bool,
+    (x, from): (DevPtr, RopeOrder),
+    (cos, sin): (DevPtr, DevPtr),
+    (y, to): (DevPtr, RopeOrder),
+) {
+    let l: &dyn Launcher = emu();
+    // SAFETY: the caller's contract.
+    let r = unsafe {
+        if backward {
+            gpu::rope_backward_orders(l, dt, s, x, from, cos, sin, y, to)
+        } else {
+            gpu::rope_forward_orders(l, dt, s, x, from, cos, sin, y, to)
+        }
+    };
+    r.unwrap();
+}
+
 /// `[b, s, h, d]` in, `[b, h, s, d]` out (and the backward the reverse, and the
 /// forward the other way round) equal the transpose and the one-order kernel
 /// on `[b*h, s, 1, d]`, bit for bit, on the vector path (`shift` 0, half a
 /// multiple of 8) and the element path.
 fn orders<T: Float + bytemuck::Pod>(seed: u64) {
+    use RopeOrder::{InnerSeq, SeqInner};
     let l: &dyn Launcher = emu();
     let dt = dtype::<T>();
     let mut rng = Rng(seed);
@@ -235,36 +262,12 @@ fn orders<T: Float + bytemuck::Pod>(seed: u64) {
             // reach.
             unsafe {
                 gpu::rope_forward(l, dt, &flat, pxt, pc, ps, pw).unwrap();
-                gpu::rope_forward_orders(
-                    l,
-                    dt,
-                    &s,
-                    px,
-                    RopeOrder::SeqInner,
-                    pc,
-                    ps,
-                    pg,
-                    RopeOrder::InnerSeq,
-                )
-                .unwrap();
+                two_orders(dt, &s, false, (px, SeqInner), (pc, ps), (pg, InnerSeq));
             }
             assert_eq!(bits(&got.get()), bits(&want.get()), "{what} forward, shift {shift}");
             // the other way round: [b, h, s, d] in, [b, s, h, d] out
             // SAFETY: as above.
-            unsafe {
-                gpu::rope_forward_orders(
-                    l,
-                    dt,
-                    &s,
-                    pxt,
-                    RopeOrder::InnerSeq,
-                    pc,
-                    ps,
-                    pg,
-                    RopeOrder::SeqInner,
-                )
-                .unwrap();
-            }
+            unsafe { two_orders(dt, &s, false, (pxt, InnerSeq), (pc, ps), (pg, SeqInner)) };
             let back = swap12(&want.get(), (b, h, seq, d));
             assert_eq!(bits(&got.get()), bits(&back), "{what} forward reversed, shift {shift}");
             // backward: dy [b, h, s, d] in, dx [b, s, h, d] out, against the one-order
@@ -274,18 +277,7 @@ fn orders<T: Float + bytemuck::Pod>(seed: u64) {
             // SAFETY: as above.
             unsafe {
                 gpu::rope_backward(l, dt, &flat, pgr, pc, ps, pw).unwrap();
-                gpu::rope_backward_orders(
-                    l,
-                    dt,
-                    &s,
-                    pgr,
-                    RopeOrder::InnerSeq,
-                    pc,
-                    ps,
-                    pg,
-                    RopeOrder::SeqInner,
-                )
-                .unwrap();
+                two_orders(dt, &s, true, (pgr, InnerSeq), (pc, ps), (pg, SeqInner));
             }
             let want_dx = swap12(&want.get(), (b, h, seq, d));
             assert_eq!(bits(&got.get()), bits(&want_dx), "{what} backward, shift {shift}");
@@ -293,38 +285,18 @@ fn orders<T: Float + bytemuck::Pod>(seed: u64) {
             // SAFETY: as above.
             unsafe {
                 gpu::rope_backward(l, dt, &s, px, pc, ps, pw).unwrap();
-                gpu::rope_backward_orders(
-                    l,
-                    dt,
-                    &s,
-                    px,
-                    RopeOrder::SeqInner,
-                    pc,
-                    ps,
-                    pg,
-                    RopeOrder::SeqInner,
-                )
-                .unwrap();
+                two_orders(dt, &s, true, (px, SeqInner), (pc, ps), (pg, SeqInner));
             }
             assert_eq!(bits(&got.get()), bits(&want.get()), "{what} one order, shift {shift}");
         }
     }
 }
 
-#[test]
-fn orders_match_transpose_f32() {
-    orders::<f32>(7);
-}
-
-#[test]
-fn orders_match_transpose_bf16() {
-    orders::<bf16>(8);
-}
-
-#[test]
-fn orders_match_transpose_f16() {
-    orders::<f16>(9);
-}
+per_dtype!(
+    orders: orders_match_transpose_f32: f32 = 7,
+    orders_match_transpose_bf16: bf16 = 8,
+    orders_match_transpose_f16: f16 = 9,
+);
 
 #[test]
 fn rejects_in_place_across_orders() {
