@@ -2,17 +2,35 @@
 // A and B bf16 or f16, f32 accumulation, C bf16, f16 or f32. Launcher:
 // src/cuda/raw/gemm_hopper.rs, which documents the layouts and the epilogues.
 //
-// One block = 3 warpgroups (384 threads), persistent over 128 x 128 tiles of C:
+// One block = 3 warpgroups (384 threads), persistent over BM x BN tiles of C,
+// BM = 128 and BN = 128 (kernels tpar_gemm_hopper_<layout>_<in>_<out>) or
+// BN = 256 (the same names + `_n256`; a template parameter, so that each
+// width has its own accumulator array and unrolled code: a runtime width
+// would hold the 256-column registers in every kernel):
 // - warpgroup 0 produces: after setmaxnreg_dec, one thread brings the 128 x 64
-//   tiles of A and 64 x 128 tiles of B of each K step into a STAGES-deep ring
+//   tiles of A and 64 x BN tiles of B of each K step into a STAGES-deep ring
 //   of shared-memory stages with bulk tensor copies (128-byte swizzle), each
 //   stage guarded by a "full" mbarrier (the copies' transaction bytes) and an
 //   "empty" mbarrier (the consumer warps' arrivals);
 // - warpgroups 1 and 2 consume (setmaxnreg_inc): each owns 64 rows of the
-//   tile, waits for a stage to be full, issues four wgmma m64n128k16 over it
+//   tile, waits for a stage to be full, issues four wgmma m64nBNk16 over it
 //   straight from the swizzled shared memory (descriptors below), commits, and
 //   once the previous stage's group has retired (wgmma_wait<1>) releases that
-//   stage to the producer; then the epilogue of its 64 x 128 rows.
+//   stage to the producer; then the epilogue of its 64 x BN rows.
+// BN = 256 holds 128 f32 accumulators per consumer thread (64 at BN = 128)
+// and reads each A tile from shared memory once per 256 columns, half the
+// A traffic per FLOP of BN = 128.
+//
+// Shared memory (bytes; 1024 more to align the swizzle pattern, and the
+// mbarriers), within the 227 KiB (232,448) a block may opt in to:
+//   BN = 128: 4 stages x (16,384 A + 16,384 B) = 131,072; epilogue 2 x
+//             (64 x 128 f32 staging 32,768 + 16-bit image 16,384) = 98,304;
+//             12 mbarriers 96: 230,496 in all;
+//   BN = 256: 3 stages x (16,384 A + 32,768 B) = 147,456; epilogue in 64-
+//             column chunks, 2 x (64 x 64 f32 16,384 + image 8,192) = 49,152;
+//             10 mbarriers 80: 197,712 in all (four stages, 196,608, would
+//             leave room for 32-column chunks only).
+//
 // Both sides walk the same tiles: t = blockIdx.x, t + gridDim.x, ... in a
 // grouped order (`group` tile rows at a time, column by column inside a
 // group) so that blocks running together share rows of A and columns of B.
@@ -20,7 +38,7 @@
 // Clusters (`cluster` = 2, launched as 2 x 1 x 1 thread-block clusters): the
 // two blocks of a cluster walk pairs of tiles, t = cluster id, + clusters,
 // ..., in the grouped order over pairs; block `rank` takes the pair's tile
-// at columns n0 + 128 * rank, so both share the 128 rows of A. Each
+// at columns n0 + BN * rank, so both share the 128 rows of A. Each
 // producer loads rows 64 * rank .. + 63 of the A tile (a 64-row box) and
 // multicasts them into the same stage of both blocks, and loads its own B
 // tile; a block's "full" barrier thus completes on its own and its peer's
@@ -37,11 +55,12 @@
 // row-major ([m, k] for A, [k, n] for B), `t` = stored transposed ([k, m],
 // [n, k]). The tensor maps follow the storage (their innermost dim is the
 // contiguous one) and the wgmma descriptors the major-ness: A [m, k] and B
-// [n, k] are K-major (one 128 x 64 box: rows of 64 k, 128 bytes, 8-row
-// groups 1024 bytes apart, a k slice 32 bytes further), A [k, m] and B [k, n]
-// are M/N-major (two 64 x 64 boxes of 64 m or n per 128-byte row, the second
-// 8192 bytes further = the descriptor's leading byte offset; 8-row k groups
-// 1024 bytes apart; a k slice 16 rows = 2048 bytes further). Out-of-range
+// [n, k] are K-major (128-row boxes of 64 k, one for A, BN / 128 for B, one
+// after the other: rows of 128 bytes, 8-row groups 1024 bytes apart, a k
+// slice 32 bytes further), A [k, m] and B [k, n] are M/N-major (64 x 64
+// boxes of 64 m or n per 128-byte row, two for A, BN / 64 for B, each 8192
+// bytes after the previous = the descriptor's leading byte offset; 8-row k
+// groups 1024 bytes apart; a k slice 16 rows = 2048 bytes further). Out-of-range
 // rows, columns and k (K not a multiple of 64) load as zeros.
 //
 // Epilogue (runtime flags, uniform per launch): v = alpha * acc + beta * C
@@ -49,14 +68,17 @@
 // aux[row, col]; EPI_SILU_MUL makes v = silu(aux[row, col]) * v (aux = the
 // gate projection, this GEMM the up projection of a SwiGLU MLP); the result
 // is cast to C's type. bias and aux have C's element type. A consumer
-// warpgroup first puts its accumulators into a f32 staging tile in shared
-// memory, then walks it row by row (128 consecutive columns per step, so the
-// reads of C, bias and aux are coalesced) and writes C's image in shared
-// memory for one bulk tensor store (c_tma: the launcher's map_c, which clips
-// at the edges) or, when C's rows are not 16-byte aligned, C itself by
-// guarded stores. The bulk store is not waited for at once: the warpgroup
-// goes on to the next tile's main loop while it writes C, and the next
-// epilogue first waits until it has read the image (epi_free).
+// warpgroup takes its 64 x BN rows in chunks of EC columns (EC = 128 at
+// BN = 128: one chunk; EC = 64 at BN = 256: four, those wholly past N
+// skipped): it puts the chunk's accumulators into a f32 staging chunk in
+// shared memory, then walks it row by row (EC consecutive columns per step,
+// so the reads of C, bias and aux are coalesced) and writes C's image in
+// shared memory for one bulk tensor store (c_tma: the launcher's map_c, box
+// EC x 64, which clips at the edges) or, when C's rows are not 16-byte
+// aligned, C itself by guarded stores. A bulk store is not waited for at
+// once: the warpgroup goes on (to the next chunk, or the next tile's main
+// loop) while it writes C, and the next chunk first waits until it has read
+// the image (epi_free).
 //
 // Compiled for an architecture without wgmma (sm_90, sm_80), the kernels
 // are empty: the launcher only picks them for devices compiled for sm_90a.
@@ -64,7 +86,7 @@
 struct GemmHopperArgs {
     TparTensorMap map_a;  // 3-D (inner, rows, batch) over A as stored
     TparTensorMap map_b;  // 3-D over B as stored
-    TparTensorMap map_c;  // 3-D (n, m, batch) over C, box 128 x 64, when c_tma
+    TparTensorMap map_c;  // 3-D (n, m, batch) over C, box EC x 64, when c_tma
     void* c;
     const void* bias;  // n elements (EPI_BIAS)
     const void* aux;   // residual or gate, like C with ld_aux / batch_stride_aux
@@ -88,13 +110,30 @@ struct GemmHopperArgs {
 
 namespace gemm_hopper {
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 4;
-constexpr u32 A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
-constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
-// per consumer warpgroup: a 64 x BN f32 staging tile, and the 16-bit image of
-// C's tile (a f32 C is converted in place)
-constexpr u32 STAGING_BYTES = 64 * BN * 4;
+constexpr int BM = 128, BK = 64;
+constexpr u32 A_BYTES = BM * BK * 2;
+// a 64 x 64 box of an M/N-major operand (64 m or n per 128-byte row, 64 k
+// rows): the wgmma descriptor's leading byte offset between such boxes
+constexpr u32 MN_BOX_BYTES = 64 * BK * 2;
+// a 128-row box of a K-major B (128 rows of 64 k)
+constexpr u32 K_BOX_BYTES = 128 * BK * 2;
 enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4 };
+
+// What the tile width BN (128 or 256 columns of C) fixes: the ring's depth
+// and the width EC of the epilogue's chunks (a consumer warpgroup stages
+// and stores its 64 x BN rows EC columns at a time); the byte budget is in
+// the header.
+template <int BN>
+struct Geo {
+    static_assert(BN == 128 || BN == 256, "the Hopper GEMM's tile width is 128 or 256");
+    static constexpr int STAGES = BN == 128 ? 4 : 3;
+    static constexpr int EC = BN == 128 ? 128 : 64;
+    static constexpr u32 B_BYTES = BN * BK * 2;
+    static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+    // per consumer warpgroup: a 64 x EC f32 staging chunk, and the 16-bit
+    // image of C's chunk (a f32 C is converted in place)
+    static constexpr u32 STAGING_BYTES = 64 * EC * 4;
+};
 
 // The ring's stages and the consumer warpgroups' epilogue buffers are found
 // by arithmetic (stage_a, stage_b, staging, out16), not kept in arrays of
@@ -102,39 +141,49 @@ enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4 };
 // warpgroup) would put the whole struct in local memory (a stack frame).
 struct Smem {
     unsigned char* ring;        // [STAGES] x (A tile, then B tile)
-    unsigned char* epi;         // [2] 64 x BN f32 staging tiles, then [2] 16-bit images
+    unsigned char* epi;         // [2] 64 x EC f32 staging chunks, then [2] 16-bit images
     u64* full;                  // [STAGES]
     u64* empty;                 // [STAGES]
     u64* epi_sync;              // [2]: a barrier of a consumer warpgroup (128 arrivals)
     u64* epi_free;              // [2]: its bulk store has read the image
 };
 
+template <int BN>
 TPAR_DEVICE Smem carve() {
+    using G = Geo<BN>;
     const u32 at = tpar_shared_addr(tpar_dyn_smem);
     unsigned char* base = tpar_dyn_smem + ((1024u - (at & 1023u)) & 1023u);
     Smem s;
     s.ring = base;
-    unsigned char* p = base + STAGES * STAGE_BYTES;
+    unsigned char* p = base + G::STAGES * G::STAGE_BYTES;
     s.epi = p;
-    u64* bars = reinterpret_cast<u64*>(p + 3 * STAGING_BYTES);
+    u64* bars = reinterpret_cast<u64*>(p + 3 * G::STAGING_BYTES);
     s.full = bars;
-    s.empty = bars + STAGES;
-    s.epi_sync = bars + 2 * STAGES;
-    s.epi_free = bars + 2 * STAGES + 2;
+    s.empty = bars + G::STAGES;
+    s.epi_sync = bars + 2 * G::STAGES;
+    s.epi_free = bars + 2 * G::STAGES + 2;
     return s;
 }
 
 // Stage `st`'s A and B tiles.
-TPAR_DEVICE unsigned char* stage_a(const Smem& s, int st) { return s.ring + st * STAGE_BYTES; }
+template <int BN>
+TPAR_DEVICE unsigned char* stage_a(const Smem& s, int st) {
+    return s.ring + st * Geo<BN>::STAGE_BYTES;
+}
+template <int BN>
 TPAR_DEVICE unsigned char* stage_b(const Smem& s, int st) {
-    return s.ring + st * STAGE_BYTES + A_BYTES;
+    return s.ring + st * Geo<BN>::STAGE_BYTES + A_BYTES;
 }
 
-// Consumer warpgroup `cw`'s 64 x BN f32 staging tile, and its 64 x BN image
+// Consumer warpgroup `cw`'s 64 x EC f32 staging chunk, and its 64 x EC image
 // of a 16-bit C.
-TPAR_DEVICE unsigned char* staging(const Smem& s, int cw) { return s.epi + cw * STAGING_BYTES; }
+template <int BN>
+TPAR_DEVICE unsigned char* staging(const Smem& s, int cw) {
+    return s.epi + cw * Geo<BN>::STAGING_BYTES;
+}
+template <int BN>
 TPAR_DEVICE unsigned char* out16(const Smem& s, int cw) {
-    return s.epi + 2 * STAGING_BYTES + cw * (STAGING_BYTES / 2);
+    return s.epi + 2 * Geo<BN>::STAGING_BYTES + cw * (Geo<BN>::STAGING_BYTES / 2);
 }
 
 struct Tile {
@@ -142,6 +191,7 @@ struct Tile {
 };
 
 // Units of work a block walks: tiles, or pairs of tiles along N (cluster 2).
+template <int BN>
 TPAR_DEVICE int work_units(const GemmHopperArgs& a) {
     const int tiles_m = (a.m + BM - 1) / BM, cols = (a.n + BN * a.cluster - 1) / (BN * a.cluster);
     return tiles_m * cols * a.batch;
@@ -149,6 +199,7 @@ TPAR_DEVICE int work_units(const GemmHopperArgs& a) {
 
 // Block `rank`'s tile of unit `t` in the grouped order (units are
 // `cluster` tiles wide along N).
+template <int BN>
 TPAR_DEVICE Tile tile_of(int t, const GemmHopperArgs& a, int rank) {
     const int tiles_m = (a.m + BM - 1) / BM, cols = (a.n + BN * a.cluster - 1) / (BN * a.cluster);
     const int per = tiles_m * cols;
@@ -165,20 +216,21 @@ TPAR_DEVICE int first_unit(const GemmHopperArgs& a) { return (int)blockIdx.x / a
 TPAR_DEVICE int unit_stride(const GemmHopperArgs& a) { return (int)gridDim.x / a.cluster; }
 
 // Warpgroup 0, one thread: fills the ring.
-template <int TA, int TB>
+template <int BN, int TA, int TB>
 TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int ktiles, int rank) {
+    using G = Geo<BN>;
     int it = 0;
     for (int t = first_unit(a); t < total; t += unit_stride(a)) {
-        const Tile tl = tile_of(t, a, rank);
+        const Tile tl = tile_of<BN>(t, a, rank);
         const int za = a.bcast_a ? 0 : tl.b, zb = a.bcast_b ? 0 : tl.b;
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
-            const int st = it % STAGES;
-            const u32 phase = (u32)((it / STAGES) & 1);
+            const int st = it % G::STAGES;
+            const u32 phase = (u32)((it / G::STAGES) & 1);
             mbarrier_wait_parity(&s.empty[st], phase ^ 1u);
-            mbarrier_arrive_expect_tx(&s.full[st], STAGE_BYTES);
+            mbarrier_arrive_expect_tx(&s.full[st], G::STAGE_BYTES);
             const int k0 = kt * BK;
-            unsigned char* sa = stage_a(s, st);
-            unsigned char* sb = stage_b(s, st);
+            unsigned char* sa = stage_a<BN>(s, st);
+            unsigned char* sb = stage_b<BN>(s, st);
             if (a.cluster == 2) {
                 // this block's 64 rows of A into both blocks' stage
                 unsigned char* half = sa + rank * (A_BYTES / 2);
@@ -192,13 +244,21 @@ TPAR_DEVICE void produce(const GemmHopperArgs& a, const Smem& s, int total, int 
                 tma_load_3d(sa, &a.map_a, k0, tl.m0, za, &s.full[st]);
             } else {
                 tma_load_3d(sa, &a.map_a, tl.m0, k0, za, &s.full[st]);
-                tma_load_3d(sa + A_BYTES / 2, &a.map_a, tl.m0 + 64, k0, za, &s.full[st]);
+                tma_load_3d(sa + MN_BOX_BYTES, &a.map_a, tl.m0 + 64, k0, za, &s.full[st]);
             }
+            // B: BN / 128 boxes of 128 rows (K-major; together the 8-row
+            // groups of one BN-row tile, 1024 bytes apart), or BN / 64 boxes
+            // of 64 columns (N-major, MN_BOX_BYTES apart)
             if (TB == 0) {
-                tma_load_3d(sb, &a.map_b, k0, tl.n0, zb, &s.full[st]);
+#pragma unroll
+                for (int h = 0; h < BN / 128; ++h)
+                    tma_load_3d(sb + h * K_BOX_BYTES, &a.map_b, k0, tl.n0 + 128 * h, zb,
+                                &s.full[st]);
             } else {
-                tma_load_3d(sb, &a.map_b, tl.n0, k0, zb, &s.full[st]);
-                tma_load_3d(sb + B_BYTES / 2, &a.map_b, tl.n0 + 64, k0, zb, &s.full[st]);
+#pragma unroll
+                for (int h = 0; h < BN / 64; ++h)
+                    tma_load_3d(sb + h * MN_BOX_BYTES, &a.map_b, tl.n0 + 64 * h, k0, zb,
+                                &s.full[st]);
             }
         }
     }
@@ -218,7 +278,6 @@ TPAR_DEVICE float load_out(const void* p, i64 i) {
     return to_f32(static_cast<const O*>(p)[i]);
 }
 
-// Warpgroups 1 and 2: the K loop of each tile, then its epilogue.
 // Releases stage `st` to the producers: this block's, and with clusters the
 // peer's (whose multicast also writes this block's stage).
 TPAR_DEVICE void release(const GemmHopperArgs& a, const Smem& s, int st, int rank) {
@@ -226,105 +285,117 @@ TPAR_DEVICE void release(const GemmHopperArgs& a, const Smem& s, int st, int ran
     if (a.cluster == 2) mbarrier_arrive_cluster(&s.empty[st], (u32)(rank ^ 1));
 }
 
-template <typename T, typename O, int TA, int TB>
+// Warpgroups 1 and 2: the K loop of each tile, then its epilogue.
+template <int BN, typename T, typename O, int TA, int TB>
 TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int ktiles, int cw,
                          int rank) {
+    using G = Geo<BN>;
+    constexpr int EC = G::EC;
     const int tw = threadIdx.x % 128;
     const int w = tw / 32, lane = tw % 32, g = lane / 4, q = lane % 4;
     float d[BN / 2];
-    int it = 0, done = 0;
-    for (int t = first_unit(a); t < total; t += unit_stride(a), ++done) {
-        const Tile tl = tile_of(t, a, rank);
+    // `chunks` counts the epilogue chunks stored so far (the epilogue
+    // barriers' phases)
+    int it = 0, chunks = 0;
+    for (int t = first_unit(a); t < total; t += unit_stride(a)) {
+        const Tile tl = tile_of<BN>(t, a, rank);
         for (int kt = 0; kt < ktiles; ++kt, ++it) {
-            const int st = it % STAGES;
-            mbarrier_wait_parity(&s.full[st], (u32)((it / STAGES) & 1));
+            const int st = it % G::STAGES;
+            mbarrier_wait_parity(&s.full[st], (u32)((it / G::STAGES) & 1));
             wgmma_fence();
-            unsigned char* sa = stage_a(s, st);
-            unsigned char* sb = stage_b(s, st);
+            unsigned char* sa = stage_a<BN>(s, st);
+            unsigned char* sb = stage_b<BN>(s, st);
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks) {
                 const u64 da =
                     TA == 0 ? wgmma_desc(sa + cw * 64 * 128 + ks * 32, 16, 1024,
                                          TPAR_WG_SWIZZLE_128B)
-                            : wgmma_desc(sa + cw * (A_BYTES / 2) + ks * 2048, A_BYTES / 2,
+                            : wgmma_desc(sa + cw * MN_BOX_BYTES + ks * 2048, MN_BOX_BYTES,
                                          1024, TPAR_WG_SWIZZLE_128B);
                 const u64 db =
                     TB == 0 ? wgmma_desc(sb + ks * 32, 16, 1024, TPAR_WG_SWIZZLE_128B)
-                            : wgmma_desc(sb + ks * 2048, B_BYTES / 2, 1024, TPAR_WG_SWIZZLE_128B);
+                            : wgmma_desc(sb + ks * 2048, MN_BOX_BYTES, 1024, TPAR_WG_SWIZZLE_128B);
                 wgmma_ss<T, BN, TA, TB>(d, da, db, kt > 0 || ks > 0);
             }
             wgmma_commit();
             // the group before this one has retired: its stage may be refilled
             wgmma_wait<1>();
-            if (kt > 0 && lane == 0) release(a, s, (it - 1) % STAGES, rank);
+            if (kt > 0 && lane == 0) release(a, s, (it - 1) % G::STAGES, rank);
         }
         wgmma_wait<0>();
-        if (lane == 0) release(a, s, (it - 1) % STAGES, rank);
-        // the second tile of a pair past N (odd tile count): nothing to store;
-        // `done` counts only stored tiles (the epilogue barriers' phases)
-        if (tl.n0 >= a.n) {
-            --done;
-            continue;
-        }
+        if (lane == 0) release(a, s, (it - 1) % G::STAGES, rank);
+        // the second tile of a pair past N (odd tile count): nothing to store
+        if (tl.n0 >= a.n) continue;
 
-        // epilogue of rows m0 + 64 cw .. + 63: the accumulators into the f32
-        // staging tile, then row by row (coalesced) the scales, hooks and cast
+        // epilogue of rows m0 + 64 cw .. + 63, EC columns at a time: the
+        // chunk's accumulators into the f32 staging chunk, then row by row
+        // (coalesced) the scales, hooks and cast
         const int row0 = tl.m0 + 64 * cw;
-        float* f = reinterpret_cast<float*>(staging(s, cw));
-        O* o = sizeof(O) == 4 ? reinterpret_cast<O*>(f) : reinterpret_cast<O*>(out16(s, cw));
-        // the previous tile's bulk store has read its image (its global
-        // writes went on during this tile's main loop)
-        if (a.c_tma && tw == 0 && done > 0) {
-            tma_store_wait_read<0>();
-            mbarrier_arrive(&s.epi_free[cw]);
-        }
-        if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(done & 1) ^ 1u);
+        float* f = reinterpret_cast<float*>(staging<BN>(s, cw));
+        O* o = sizeof(O) == 4 ? reinterpret_cast<O*>(f) : reinterpret_cast<O*>(out16<BN>(s, cw));
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const int r = 16 * w + g + 8 * ((i / 2) % 2);
-            const int c = 8 * (i / 4) + 2 * q + (i % 2);
-            f[r * BN + c] = d[i];
-        }
-        wg_sync(&s.epi_sync[cw], 2u * (u32)done);
-        for (int idx = tw; idx < 64 * BN; idx += 128) {
-            const int row = row0 + idx / BN, col = tl.n0 + idx % BN;
-            float v = a.alpha * f[idx];
-            if (row < a.m && col < a.n) {
-                const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
-                if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
-                if (a.epilogue & EPI_BIAS) v += load_out<O>(a.bias, col);
-                if (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL)) {
-                    const float x = load_out<O>(
-                        a.aux, (i64)tl.b * a.batch_stride_aux + (i64)row * a.ld_aux + col);
-                    v = (a.epilogue & EPI_RESIDUAL) ? v + x : silu(x) * v;
-                }
-                if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
+        for (int j = 0; j < BN / EC; ++j) {
+            const int col0 = tl.n0 + j * EC;
+            // chunks wholly past N: nothing to store
+            if (col0 >= a.n) break;
+            // the previous chunk's bulk store has read its image (its global
+            // writes went on meanwhile, across tiles during the main loop)
+            if (a.c_tma && tw == 0 && chunks > 0) {
+                tma_store_wait_read<0>();
+                mbarrier_arrive(&s.epi_free[cw]);
             }
-            // (for f32 C, o is f: each element is read and written by one thread)
-            if (a.c_tma) o[idx] = from_f32<O>(v);
-        }
-        if (a.c_tma) fence_proxy_async();
-        // every thread is done with f (and has written o) before the store
-        // and the next tile's accumulators
-        wg_sync(&s.epi_sync[cw], 2u * (u32)done + 1u);
-        if (a.c_tma && tw == 0) {
-            tma_store_3d(&a.map_c, tl.n0, row0, tl.b, o);
-            tma_store_commit();
+            if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(chunks & 1) ^ 1u);
+            // accumulator i of a thread is row 16 w + g + 8 ((i / 2) % 2),
+            // column 8 (i / 4) + 2 q + i % 2 of the warpgroup's 64 x BN
+#pragma unroll
+            for (int i = j * (EC / 2); i < (j + 1) * (EC / 2); ++i) {
+                const int r = 16 * w + g + 8 * ((i / 2) % 2);
+                const int c = 8 * (i / 4) + 2 * q + (i % 2) - j * EC;
+                f[r * EC + c] = d[i];
+            }
+            wg_sync(&s.epi_sync[cw], 2u * (u32)chunks);
+            for (int idx = tw; idx < 64 * EC; idx += 128) {
+                const int row = row0 + idx / EC, col = col0 + idx % EC;
+                float v = a.alpha * f[idx];
+                if (row < a.m && col < a.n) {
+                    const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
+                    if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
+                    if (a.epilogue & EPI_BIAS) v += load_out<O>(a.bias, col);
+                    if (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL)) {
+                        const float x = load_out<O>(
+                            a.aux, (i64)tl.b * a.batch_stride_aux + (i64)row * a.ld_aux + col);
+                        v = (a.epilogue & EPI_RESIDUAL) ? v + x : silu(x) * v;
+                    }
+                    if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
+                }
+                // (for f32 C, o is f: each element is read and written by one thread)
+                if (a.c_tma) o[idx] = from_f32<O>(v);
+            }
+            if (a.c_tma) fence_proxy_async();
+            // every thread is done with f (and has written o) before the
+            // store and the next chunk's (or tile's) accumulators
+            wg_sync(&s.epi_sync[cw], 2u * (u32)chunks + 1u);
+            if (a.c_tma && tw == 0) {
+                tma_store_3d(&a.map_c, col0, row0, tl.b, o);
+                tma_store_commit();
+            }
+            ++chunks;
         }
     }
     // the last store has completed before the block (and its shared memory) ends
     if (a.c_tma && tw == 0) tma_store_wait<0>();
 }
 
-template <typename T, typename O, int TA, int TB>
+template <int BN, typename T, typename O, int TA, int TB>
 TPAR_DEVICE void run(const GemmHopperArgs& a) {
-    const Smem s = carve();
+    using G = Geo<BN>;
+    const Smem s = carve<BN>();
     const int wg = threadIdx.x / 128;
     const int rank = a.cluster == 2 ? (int)cluster_ctarank() : 0;
     if (threadIdx.x == 0) {
         tma_prefetch(&a.map_a);
         tma_prefetch(&a.map_b);
-        for (int i = 0; i < STAGES; ++i) {
+        for (int i = 0; i < G::STAGES; ++i) {
             mbarrier_init(&s.full[i], 1);
             // lane 0 of each consumer warp (of both blocks of a cluster)
             mbarrier_init(&s.empty[i], 8 * a.cluster);
@@ -341,14 +412,14 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
         cluster_sync();
     else
         __syncthreads();
-    const int total = work_units(a);
+    const int total = work_units<BN>(a);
     const int ktiles = (a.k + BK - 1) / BK;
     if (wg == 0) {
         setmaxnreg_dec<40>();
-        if (threadIdx.x == 0) produce<TA, TB>(a, s, total, ktiles, rank);
+        if (threadIdx.x == 0) produce<BN, TA, TB>(a, s, total, ktiles, rank);
     } else {
         setmaxnreg_inc<232>();
-        consume<T, O, TA, TB>(a, s, total, ktiles, wg - 1, rank);
+        consume<BN, T, O, TA, TB>(a, s, total, ktiles, wg - 1, rank);
     }
     // no block leaves while its peer may still arrive on its barriers (the
     // producer warp's lanes first reconverge: the cluster barrier is .aligned)
@@ -361,9 +432,9 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
 }  // namespace gemm_hopper
 
 #ifdef TPAR_GEMM_HOPPER_BODY
-#define TPAR_GEMM_HOPPER(T, O, TA, TB) gemm_hopper::run<T, O, TA, TB>(args)
+#define TPAR_GEMM_HOPPER(BN, T, O, TA, TB) gemm_hopper::run<BN, T, O, TA, TB>(args)
 #else
-#define TPAR_GEMM_HOPPER(T, O, TA, TB)
+#define TPAR_GEMM_HOPPER(BN, T, O, TA, TB)
 #endif
 
 // 384 threads and at least one block per SM: with the minimum given, ptxas
@@ -375,76 +446,149 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
 #define GEMM_HOPPER_BOUNDS 384
 #endif
 
-// tpar_gemm_hopper_<layout>_<in>_<out>; wgmma's TB is 1 for B stored [k, n] (N-major).
+// tpar_gemm_hopper_<layout>_<in>_<out>[_n256] (the suffix: 128 x 256 tiles); wgmma's TB is
+// 1 for B stored [k, n] (N-major).
 TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, bf16, 0, 1);
+    TPAR_GEMM_HOPPER(128, bf16, bf16, 0, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, bf16, 0, 0);
+    TPAR_GEMM_HOPPER(128, bf16, bf16, 0, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, bf16, 1, 1);
+    TPAR_GEMM_HOPPER(128, bf16, bf16, 1, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, bf16, 1, 0);
+    TPAR_GEMM_HOPPER(128, bf16, bf16, 1, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, f16, 0, 1);
+    TPAR_GEMM_HOPPER(128, bf16, f16, 0, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, f16, 0, 0);
+    TPAR_GEMM_HOPPER(128, bf16, f16, 0, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, f16, 1, 1);
+    TPAR_GEMM_HOPPER(128, bf16, f16, 1, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, f16, 1, 0);
+    TPAR_GEMM_HOPPER(128, bf16, f16, 1, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, float, 0, 1);
+    TPAR_GEMM_HOPPER(128, bf16, float, 0, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, float, 0, 0);
+    TPAR_GEMM_HOPPER(128, bf16, float, 0, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, float, 1, 1);
+    TPAR_GEMM_HOPPER(128, bf16, float, 1, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(bf16, float, 1, 0);
+    TPAR_GEMM_HOPPER(128, bf16, float, 1, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, bf16, 0, 1);
+    TPAR_GEMM_HOPPER(128, f16, bf16, 0, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, bf16, 0, 0);
+    TPAR_GEMM_HOPPER(128, f16, bf16, 0, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tn_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, bf16, 1, 1);
+    TPAR_GEMM_HOPPER(128, f16, bf16, 1, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tt_f16_bf16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, bf16, 1, 0);
+    TPAR_GEMM_HOPPER(128, f16, bf16, 1, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, f16, 0, 1);
+    TPAR_GEMM_HOPPER(128, f16, f16, 0, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, f16, 0, 0);
+    TPAR_GEMM_HOPPER(128, f16, f16, 0, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, f16, 1, 1);
+    TPAR_GEMM_HOPPER(128, f16, f16, 1, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f16, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, f16, 1, 0);
+    TPAR_GEMM_HOPPER(128, f16, f16, 1, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, float, 0, 1);
+    TPAR_GEMM_HOPPER(128, f16, float, 0, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, float, 0, 0);
+    TPAR_GEMM_HOPPER(128, f16, float, 0, 0);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, float, 1, 1);
+    TPAR_GEMM_HOPPER(128, f16, float, 1, 1);
 }
 TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f32, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
-    TPAR_GEMM_HOPPER(f16, float, 1, 0);
+    TPAR_GEMM_HOPPER(128, f16, float, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, bf16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, bf16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, bf16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, bf16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, f16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, f16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, f16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, f16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_bf16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, float, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_bf16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, float, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_bf16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, float, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_bf16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, bf16, float, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, bf16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, bf16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, bf16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_bf16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, bf16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, f16, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, f16, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, f16, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f16_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, f16, 1, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nn_f16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, float, 0, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_nt_f16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, float, 0, 0);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, float, 1, 1);
+}
+TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
+    TPAR_GEMM_HOPPER(256, f16, float, 1, 0);
 }

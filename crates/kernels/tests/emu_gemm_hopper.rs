@@ -2,7 +2,10 @@
 //! specialization), run in the CPU emulator, against an f64 reference of the
 //! rounded inputs: every layout, input and output type, alpha / beta,
 //! batches, edges, the persistent tile walk and the fused epilogues (against
-//! the unfused computation); the same with 2-block clusters multicasting A.
+//! the unfused computation); the same with 2-block clusters multicasting A,
+//! and all of it again with 128 x 256 tiles (the `_n256` kernels: N below,
+//! at and past 256, not a multiple of 256, the epilogue's 64-column chunks
+//! past N skipped, the 3-stage ring's phases over long walks).
 
 mod common;
 
@@ -46,6 +49,8 @@ struct Case {
     sms: u32,
     /// Blocks per thread-block cluster (1 or 2).
     cluster: u32,
+    /// Columns of C per tile (128 or 256).
+    tile_n: u32,
 }
 
 impl Case {
@@ -69,6 +74,7 @@ impl Case {
             aux: None,
             sms: 4,
             cluster: 1,
+            tile_n: 128,
         }
     }
 
@@ -81,6 +87,16 @@ impl Case {
     fn c2(mut self, clusters: u32) -> Self {
         (self.cluster, self.sms) = (2, 2 * clusters);
         self
+    }
+
+    /// The same case with `tile_n` columns of C per tile.
+    fn tile_n(mut self, tile_n: u32) -> Self {
+        self.tile_n = tile_n;
+        self
+    }
+
+    fn config(&self) -> HopperConfig {
+        HopperConfig::with_cluster(self.cluster).and_then(|c| c.with_tile_n(self.tile_n)).unwrap()
     }
 }
 
@@ -207,7 +223,7 @@ fn run(cs: &Case) {
         gemm_hopper::gemm_with(
             emu(),
             HopperTarget::emulator(cs.sms),
-            HopperConfig::with_cluster(cs.cluster).unwrap(),
+            cs.config(),
             &r.p,
             &r.epi,
             r.a.ptr(),
@@ -223,54 +239,114 @@ fn run(cs: &Case) {
 
 const LAYOUTS: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
 
-#[test]
-fn every_layout_input_and_output_type() {
+/// Every layout and type pair at tile width `tn` on an m x n x k product.
+fn layouts_and_types(tn: u32, mnk: (usize, usize, usize)) {
     for (ta, tb) in LAYOUTS {
         for din in [BF16, F16] {
             for dout in [BF16, F16, F32] {
-                run(&Case::new(din, dout, (70, 136, 72)).layout(ta, tb));
+                run(&Case::new(din, dout, mnk).layout(ta, tb).tile_n(tn));
             }
         }
     }
 }
 
 #[test]
-fn alpha_beta_batches_and_a_broadcast_operand() {
+fn every_layout_input_and_output_type() {
+    layouts_and_types(128, (70, 136, 72));
+}
+
+/// 128 x 256 tiles: N below 256 (one tile whose last two 64-column chunks
+/// lie past N), and N of two tiles, the second 44 columns wide.
+#[test]
+fn n256_every_layout_input_and_output_type() {
+    layouts_and_types(256, (70, 136, 72));
+    layouts_and_types(256, (70, 300, 72));
+}
+
+/// Two batches with alpha and beta, then with one B for both.
+fn scales_and_batches(tn: u32, mnk: (usize, usize, usize)) {
     for (ta, tb) in LAYOUTS {
         for (din, dout) in [(BF16, F32), (F16, F16)] {
-            let cs =
-                Case { batch: 2, alpha: 0.5, beta: -1.25, ..Case::new(din, dout, (130, 72, 40)) };
-            run(&cs.clone().layout(ta, tb));
-            run(&Case { bcast_b: true, ..cs }.layout(ta, tb));
+            let cs = Case { batch: 2, alpha: 0.5, beta: -1.25, ..Case::new(din, dout, mnk) }
+                .layout(ta, tb)
+                .tile_n(tn);
+            run(&cs);
+            run(&Case { bcast_b: true, ..cs });
+        }
+    }
+}
+
+#[test]
+fn alpha_beta_batches_and_a_broadcast_operand() {
+    scales_and_batches(128, (130, 72, 40));
+}
+
+#[test]
+fn n256_alpha_beta_batches_and_a_broadcast_operand() {
+    scales_and_batches(256, (130, 300, 40));
+}
+
+/// Every layout on each m x n x k of `shapes` at tile width `tn`.
+fn edges(tn: u32, shapes: &[(usize, usize, usize)]) {
+    for &mnk in shapes {
+        for (ta, tb) in LAYOUTS {
+            run(&Case::new(BF16, BF16, mnk).layout(ta, tb).tile_n(tn));
         }
     }
 }
 
 #[test]
 fn edges_in_m_n_and_k() {
-    for (m, n, k) in
-        [(1, 1, 8), (1, 130, 72), (130, 1, 200), (129, 257, 136), (64, 64, 16), (200, 130, 64)]
-    {
-        for (ta, tb) in LAYOUTS {
-            run(&Case::new(BF16, BF16, (m, n, k)).layout(ta, tb));
+    edges(
+        128,
+        &[(1, 1, 8), (1, 130, 72), (130, 1, 200), (129, 257, 136), (64, 64, 16), (200, 130, 64)],
+    );
+}
+
+/// 128 x 256 tiles: N of 1, 64 (one chunk), 257 (a second tile one column
+/// wide), 260, exactly 256, and 520 (three tiles, the last 8 columns).
+#[test]
+fn n256_edges_in_m_n_and_k() {
+    edges(
+        256,
+        &[
+            (1, 1, 8),
+            (1, 260, 72),
+            (130, 1, 200),
+            (129, 257, 136),
+            (64, 64, 16),
+            (128, 256, 64),
+            (200, 520, 64),
+        ],
+    );
+}
+
+/// Two batches of an m x n x k product on one block, then on two and five:
+/// the ring's phases carry over from tile to tile.
+fn walks(tn: u32, mnk: (usize, usize, usize)) {
+    for sms in [1, 2, 5] {
+        for (ta, tb) in [(false, true), (true, false)] {
+            let cs = Case { batch: 2, sms, beta: 1.0, ..Case::new(F16, F32, mnk) };
+            run(&cs.layout(ta, tb).tile_n(tn));
         }
     }
 }
 
 #[test]
 fn one_block_walks_every_tile_of_every_batch() {
-    // 3 x 3 tiles x 2 batches on one block, then on two and five: the ring's
-    // phases carry over from tile to tile
-    for sms in [1, 2, 5] {
-        for (ta, tb) in [(false, true), (true, false)] {
-            let cs = Case { batch: 2, sms, beta: 1.0, ..Case::new(F16, F32, (300, 260, 136)) };
-            run(&cs.layout(ta, tb));
-        }
-    }
+    // 3 x 3 tiles x 2 batches
+    walks(128, (300, 260, 136));
 }
 
 #[test]
-fn c_rows_not_16_byte_aligned_use_guarded_stores() {
+fn n256_one_block_walks_every_tile_of_every_batch() {
+    // 3 x 3 tiles of 128 x 256 x 2 batches (18 tiles through a 3-stage ring)
+    walks(256, (300, 520, 136));
+}
+
+/// C with rows not 16-byte aligned (or not starting on 16 bytes): guarded
+/// stores, on a narrow product and on `wide`.
+fn guarded(tn: u32, wide: (usize, usize, usize)) {
     for (dout, pad, shift) in [(BF16, 1, 0), (F16, 3, 2), (F32, 1, 4), (BF16, 0, 2)] {
         for (ta, tb) in LAYOUTS {
             let cs = Case {
@@ -280,22 +356,37 @@ fn c_rows_not_16_byte_aligned_use_guarded_stores() {
                 c_shift: shift,
                 ..Case::new(BF16, dout, (70, 9, 24))
             };
-            run(&cs.layout(ta, tb));
-            let cs = Case {
-                batch: 1,
-                ldc_pad: pad,
-                c_shift: shift,
-                ..Case::new(F16, dout, (33, 130, 80))
-            };
-            run(&cs.layout(ta, tb));
+            run(&cs.layout(ta, tb).tile_n(tn));
+            let cs = Case { batch: 1, ldc_pad: pad, c_shift: shift, ..Case::new(F16, dout, wide) };
+            run(&cs.layout(ta, tb).tile_n(tn));
         }
     }
 }
 
-/// The fused epilogue equals the unfused computation: the plain GEMM's C
-/// (rounded to its type), then bias, residual or SiLU(gate) * C on the host.
+#[test]
+fn c_rows_not_16_byte_aligned_use_guarded_stores() {
+    guarded(128, (33, 130, 80));
+}
+
+#[test]
+fn n256_c_rows_not_16_byte_aligned_use_guarded_stores() {
+    guarded(256, (33, 300, 80));
+}
+
 #[test]
 fn epilogues_equal_the_unfused_ops() {
+    epilogues(128, (70, 136, 72));
+}
+
+#[test]
+fn n256_epilogues_equal_the_unfused_ops() {
+    epilogues(256, (70, 300, 72));
+}
+
+/// The fused epilogue at tile width `tn` equals the unfused computation: the
+/// plain GEMM's C (rounded to its type), then bias, residual or SiLU(gate) *
+/// C on the host.
+fn epilogues(tn: u32, mnk: (usize, usize, usize)) {
     for (bias, aux) in [
         (true, None),
         (false, Some(AuxOp::Residual)),
@@ -305,9 +396,9 @@ fn epilogues_equal_the_unfused_ops() {
     ] {
         for (din, dout) in [(BF16, BF16), (F16, F32)] {
             for (ta, tb) in [(false, true), (true, false)] {
-                let cs =
-                    Case { batch: 2, bias, aux, alpha: 0.5, ..Case::new(din, dout, (70, 136, 72)) }
-                        .layout(ta, tb);
+                let cs = Case { batch: 2, bias, aux, alpha: 0.5, ..Case::new(din, dout, mnk) }
+                    .layout(ta, tb)
+                    .tile_n(tn);
                 run(&cs);
                 // unfused: the plain GEMM into C, then the ops in f64
                 let plain = Case { bias: false, aux: None, ..cs.clone() };
@@ -446,61 +537,112 @@ fn the_checked_op_picks_the_hopper_kernel_when_the_device_runs_it() {
 
 // ---------------------------------------------------------------- clusters of 2
 
-/// Every layout and input type with 2-block clusters, N of 3 tiles (the
-/// last pair's second tile past N) and K not a multiple of 64.
-#[test]
-fn clusters_every_layout_with_an_odd_tile_count() {
+/// Every layout and two type pairs with 2-block clusters at tile width
+/// `tn`, N of 3 tiles (the last pair's second tile past N) and K not a
+/// multiple of 64.
+fn clusters_odd_tile_count(tn: u32, mnk: (usize, usize, usize)) {
     for (ta, tb) in LAYOUTS {
         for (din, dout) in [(BF16, F32), (F16, BF16)] {
-            run(&Case::new(din, dout, (70, 264, 72)).layout(ta, tb).c2(2));
+            run(&Case::new(din, dout, mnk).layout(ta, tb).c2(2).tile_n(tn));
+        }
+    }
+}
+
+#[test]
+fn clusters_every_layout_with_an_odd_tile_count() {
+    clusters_odd_tile_count(128, (70, 264, 72));
+}
+
+#[test]
+fn n256_clusters_every_layout_with_an_odd_tile_count() {
+    clusters_odd_tile_count(256, (70, 600, 72));
+}
+
+/// Every layout on each m x n x k of `shapes` on one cluster.
+fn clusters_edges(tn: u32, shapes: &[(usize, usize, usize)]) {
+    for &mnk in shapes {
+        for (ta, tb) in LAYOUTS {
+            run(&Case::new(BF16, BF16, mnk).layout(ta, tb).c2(1).tile_n(tn));
         }
     }
 }
 
 #[test]
 fn clusters_edges_in_m_n_and_k() {
-    for (m, n, k) in [(1, 1, 8), (130, 1, 200), (1, 130, 72), (129, 257, 136), (128, 384, 64)] {
-        for (ta, tb) in LAYOUTS {
-            run(&Case::new(BF16, BF16, (m, n, k)).layout(ta, tb).c2(1));
-        }
-    }
+    clusters_edges(128, &[(1, 1, 8), (130, 1, 200), (1, 130, 72), (129, 257, 136), (128, 384, 64)]);
+}
+
+#[test]
+fn n256_clusters_edges_in_m_n_and_k() {
+    clusters_edges(256, &[(1, 1, 8), (130, 1, 200), (1, 260, 72), (129, 257, 136), (128, 768, 64)]);
 }
 
 /// Batches with alpha / beta and a broadcast A (the multicast operand) or B.
-#[test]
-fn clusters_batches_and_broadcast_operands() {
+fn clusters_batches(tn: u32, mnk: (usize, usize, usize)) {
     for (ta, tb) in LAYOUTS {
-        let cs = Case { batch: 3, alpha: 0.5, beta: -1.25, ..Case::new(F16, F32, (130, 200, 40)) }
+        let cs = Case { batch: 3, alpha: 0.5, beta: -1.25, ..Case::new(F16, F32, mnk) }
             .layout(ta, tb)
-            .c2(2);
+            .c2(2)
+            .tile_n(tn);
         run(&Case { bcast_a: true, ..cs.clone() });
         run(&Case { bcast_b: true, ..cs });
     }
 }
 
-/// 3 x 3 tiles x 2 batches (12 pairs, the last of each row band half past
-/// N) on 1, 2 and 5 persistent clusters: the ring's phases and both blocks'
-/// barriers carry over from pair to pair.
 #[test]
-fn clusters_walk_every_pair_on_1_2_and_5_clusters() {
+fn clusters_batches_and_broadcast_operands() {
+    clusters_batches(128, (130, 200, 40));
+}
+
+#[test]
+fn n256_clusters_batches_and_broadcast_operands() {
+    clusters_batches(256, (130, 300, 40));
+}
+
+/// Two batches of pairs of tiles, the last of each row band half past N, on
+/// 1, 2 and 5 persistent clusters: the ring's phases and both blocks'
+/// barriers carry over from pair to pair.
+fn clusters_walks(tn: u32, mnk: (usize, usize, usize)) {
     for clusters in [1, 2, 5] {
         for (ta, tb) in [(false, true), (true, false)] {
-            let cs = Case { batch: 2, beta: 1.0, ..Case::new(F16, F32, (300, 260, 136)) };
-            run(&cs.layout(ta, tb).c2(clusters));
+            let cs = Case { batch: 2, beta: 1.0, ..Case::new(F16, F32, mnk) };
+            run(&cs.layout(ta, tb).c2(clusters).tile_n(tn));
         }
     }
 }
 
 #[test]
-fn clusters_with_the_epilogues_and_guarded_stores() {
+fn clusters_walk_every_pair_on_1_2_and_5_clusters() {
+    // 3 x 3 tiles x 2 batches: 12 pairs
+    clusters_walks(128, (300, 260, 136));
+}
+
+#[test]
+fn n256_clusters_walk_every_pair_on_1_2_and_5_clusters() {
+    // 3 x 3 tiles of 128 x 256 x 2 batches: 12 pairs
+    clusters_walks(256, (300, 520, 136));
+}
+
+/// The three epilogues on `mnk` (N of an odd tile count), and C with rows
+/// not 16-byte aligned on `unaligned`.
+fn clusters_epilogues(tn: u32, mnk: (usize, usize, usize), unaligned: (usize, usize, usize)) {
     for (bias, aux) in [(true, None), (false, Some(AuxOp::Residual)), (true, Some(AuxOp::SiluMul))]
     {
-        let cs = Case { batch: 2, bias, aux, alpha: 0.5, ..Case::new(BF16, BF16, (70, 390, 72)) };
-        run(&cs.layout(false, true).c2(2));
+        let cs = Case { batch: 2, bias, aux, alpha: 0.5, ..Case::new(BF16, BF16, mnk) };
+        run(&cs.layout(false, true).c2(2).tile_n(tn));
     }
-    // C rows not 16-byte aligned
-    let cs = Case { batch: 2, beta: 0.75, ldc_pad: 1, ..Case::new(BF16, F16, (70, 140, 24)) };
-    run(&cs.layout(true, false).c2(2));
+    let cs = Case { batch: 2, beta: 0.75, ldc_pad: 1, ..Case::new(BF16, F16, unaligned) };
+    run(&cs.layout(true, false).c2(2).tile_n(tn));
+}
+
+#[test]
+fn clusters_with_the_epilogues_and_guarded_stores() {
+    clusters_epilogues(128, (70, 390, 72), (70, 140, 24));
+}
+
+#[test]
+fn n256_clusters_with_the_epilogues_and_guarded_stores() {
+    clusters_epilogues(256, (70, 780, 72), (70, 300, 24));
 }
 
 /// The clustered launch is what runs: the plan asks for 2 x 1 x 1 clusters,
@@ -532,6 +674,17 @@ fn clusters_under_shuffled_thread_orders() {
     for seed in [9, 13, 18] {
         emu().set_seed(seed);
         run(&Case::new(F16, F32, (256, 512, 512)).layout(false, true).c2(1));
+    }
+    emu().set_seed(0x7470_6172);
+}
+
+/// The same at 128 x 256 tiles: 2 x 2 pairs on one cluster, the 3-stage
+/// ring under shuffled thread orders.
+#[test]
+fn n256_clusters_under_shuffled_thread_orders() {
+    for seed in [9, 13, 18] {
+        emu().set_seed(seed);
+        run(&Case::new(F16, F32, (256, 1024, 512)).layout(false, true).c2(1).tile_n(256));
     }
     emu().set_seed(0x7470_6172);
 }

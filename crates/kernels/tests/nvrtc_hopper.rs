@@ -221,16 +221,17 @@ fn ptxas_report(name: &str, ptx: &str) -> Option<(Vec<Usage>, Vec<String>)> {
 /// and asserts that it has `kernels` kernels (`what` says which), an `.entry`
 /// for each, and every instruction of `instrs` in the PTX; with ptxas, also
 /// that it assembles into exactly those kernels with no stack frame, spills or
-/// warnings ([`assert_clean`]).
+/// warnings ([`assert_clean`]), and returns ptxas's figures (`None` when
+/// NVRTC or ptxas is not at hand).
 fn assert_compiles_clean(
     test: &str,
     source_name: &str,
     kernels: usize,
     what: &str,
     instrs: &[&str],
-) {
+) -> Option<Vec<Usage>> {
     if !nvrtc_or_skip(test) {
-        return;
+        return None;
     }
     let source = *tpar_kernels::cuda::sources()
         .iter()
@@ -246,27 +247,33 @@ fn assert_compiles_clean(
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
-    if let Some(report) = ptxas_report(source_name, &ptx) {
-        assert_eq!(report.0.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
-        assert_clean(&report);
-    }
+    let report = ptxas_report(source_name, &ptx)?;
+    assert_eq!(report.0.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");
+    assert_clean(&report);
+    Some(report.0)
 }
 
 /// The Hopper GEMM (`cuda/gemm_hopper.cu`, embedded like every kernel
 /// source) compiles for sm_90a with its wgmma, bulk tensor copies, mbarriers
 /// and setmaxnreg, and (with ptxas) assembles with no stack frame, spills or
-/// warnings; registers and spills of its kernels are reported. Compiled for
-/// plain sm_90 its kernels are empty (`tests/nvrtc.rs` covers that build).
+/// warnings; registers and spills of its kernels are reported. ptxas
+/// reports the count at entry that the launch bounds (384 threads, one
+/// block per SM) fix; `setmaxnreg` then gives the consumer warpgroups 232,
+/// and no spills means their code fits in those (the `_n256` kernels hold
+/// 128 accumulators per thread). Compiled for plain sm_90 its kernels are
+/// empty (`tests/nvrtc.rs` covers that build).
 #[test]
 fn the_hopper_gemm_compiles_for_sm_90a() {
-    assert_compiles_clean(
+    let usage = assert_compiles_clean(
         "the_hopper_gemm_compiles_for_sm_90a",
         "gemm_hopper",
-        24,
-        "4 layouts x 2 input x 3 output types",
+        48,
+        "4 layouts x 2 input x 3 output types x tile widths 128 and 256",
         &[
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16",
             "wgmma.wait_group.sync.aligned",
             "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
             "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
@@ -283,6 +290,17 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
             "cp.async.bulk.wait_group.read 0",
         ],
     );
+    const CONSUMER_REGISTERS: u32 = 232;
+    for u in usage.iter().flatten() {
+        assert!(
+            u.registers <= CONSUMER_REGISTERS,
+            "{} uses {} registers, above the consumers' setmaxnreg {CONSUMER_REGISTERS}",
+            u.kernel,
+            u.registers
+        );
+    }
+    let wide = usage.iter().flatten().filter(|u| u.kernel.ends_with("_n256")).count();
+    assert!(usage.is_none() || wide == 24, "ptxas reported {wide} _n256 kernels");
 }
 
 /// The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`) compiles for

@@ -6,8 +6,9 @@
 //! strides and scales of [`super::gemm`]); A and B are bf16 or f16, C any of
 //! bf16, f16 and f32 (f32 accumulation). One block of 384 threads (a producer
 //! warpgroup and two consumer warpgroups) is persistent over 128 x 128 tiles
-//! of C, K in steps of 64 through a 4-stage shared-memory ring; the kernel's
-//! source describes the pipeline. [`Epilogue`] adds the fused steps a
+//! of C, K in steps of 64 through a 4-stage shared-memory ring, or over
+//! 128 x 256 tiles through a 3-stage ring ([`HopperConfig::tile_n`]); the
+//! kernel's source describes the pipeline and its shared-memory budget. [`Epilogue`] adds the fused steps a
 //! transformer layer uses: a per-column bias, a residual matrix, or SiLU of a
 //! gate matrix times the product (SwiGLU).
 //!
@@ -21,7 +22,8 @@
 //! operands a tensor map cannot describe (A or B not 16-byte aligned, their
 //! leading dimensions or batch strides not multiples of 8 elements).
 //! Kernel names: `tpar_gemm_hopper_<layout>_<in>_<out>` (layout `nn`, `nt`,
-//! `tn`, `tt`, first letter A, `t` = stored transposed).
+//! `tn`, `tt`, first letter A, `t` = stored transposed), with `_n256` appended
+//! for the 128 x 256 tiles.
 //!
 //! Clusters ([`HopperConfig::cluster`]): with 2, the kernel runs as 2 x 1 x 1
 //! thread-block clusters whose two blocks take neighbouring tiles along N;
@@ -29,6 +31,16 @@
 //! halves A's traffic from L2. The default is 1 (no clusters) until a GPU
 //! measurement shows that 2 pays; [`CLUSTER_ENV`] overrides it for
 //! measurement. Only the emulator has run the clustered kernel so far.
+//!
+//! Tile width ([`HopperConfig::tile_n`]): 128 (the default) or 256. At 256
+//! each consumer warpgroup issues `wgmma` m64n256k16 and holds 128 f32
+//! accumulators per thread, and every A tile in shared memory serves twice
+//! the columns, halving A's shared-memory reads per FLOP (the lever of the
+//! hand-written Hopper GEMMs that reach cuBLAS's speed); the ring has 3
+//! stages instead of 4 and the epilogue stages 64 columns at a time so that
+//! the block fits in 227 KiB. The default stays 128 until a GPU measurement
+//! shows that 256 pays (not measured on a GPU: only the emulator has run
+//! either width); [`TILE_N_ENV`] overrides it for measurement.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -49,19 +61,52 @@ pub const EMU_ARCH_ENV: &str = "TPAR_EMU_ARCH";
 /// with: `1` or `2` (see [`HopperConfig`]); unset or empty: the default, 1.
 pub const CLUSTER_ENV: &str = "TPAR_GEMM_CLUSTER";
 
-/// Rows and columns of C per tile.
+/// Environment variable overriding the tile width [`gemm()`] launches with:
+/// `128` or `256` (see [`HopperConfig::tile_n`]); unset or empty: the
+/// default, 128.
+pub const TILE_N_ENV: &str = "TPAR_GEMM_TILE_N";
+
+/// Rows and columns of C per tile at the default tile width
+/// ([`HopperConfig::tile`] gives a configuration's).
 pub const TILE: (usize, usize) = (128, 128);
 
 /// Threads per block: a producer and two consumer warpgroups.
 pub const THREADS: u32 = 384;
 
-/// Dynamic shared memory per block: 4 stages of a 128 x 64 A tile and a
-/// 64 x 128 B tile (16-bit), per consumer warpgroup a 64 x 128 f32 staging
-/// tile and a 16-bit image of C's tile for the epilogue, the mbarriers, and
-/// 1024 bytes to align the 128-byte swizzle's pattern: 230,496 bytes, within
-/// the 227 KiB a Hopper block may opt in to.
-pub const SHARED_BYTES: u32 =
-    4 * 2 * 128 * 64 * 2 + 2 * 64 * 128 * 4 + 2 * 64 * 128 * 2 + 12 * 8 + 1024;
+/// Dynamic shared memory per block at tile width 128: 4 stages of a 128 x 64
+/// A tile and a 64 x 128 B tile (16-bit), per consumer warpgroup a 64 x 128
+/// f32 staging tile and a 16-bit image of C's tile for the epilogue, the
+/// mbarriers, and 1024 bytes to align the 128-byte swizzle's pattern:
+/// 230,496 bytes, within the 227 KiB a Hopper block may opt in to.
+pub const SHARED_BYTES: u32 = shared_bytes_for(128);
+
+/// Dynamic shared memory per block at tile width 256: 3 stages of a 128 x 64
+/// A tile and a 64 x 256 B tile, per consumer warpgroup a 64 x 64 f32
+/// staging chunk and its 16-bit image, the mbarriers and the 1024 bytes of
+/// alignment: 197,712 bytes.
+pub const SHARED_BYTES_N256: u32 = shared_bytes_for(256);
+
+/// The ring's stages and the epilogue's chunk width (columns) at tile width
+/// `tile_n` (`Geo<BN>` in the kernel).
+const fn stages_and_chunk(tile_n: u32) -> (u32, u32) {
+    if tile_n == 256 {
+        (3, 64)
+    } else {
+        (4, 128)
+    }
+}
+
+/// The kernel's dynamic shared memory at tile width `tile_n`: the ring, two
+/// f32 staging chunks and their 16-bit images, the mbarriers (full and
+/// empty per stage, two epilogue pairs) and 1024 bytes of alignment.
+const fn shared_bytes_for(tile_n: u32) -> u32 {
+    let (stages, chunk) = stages_and_chunk(tile_n);
+    stages * (128 * 64 * 2 + tile_n * 64 * 2)
+        + 2 * 64 * chunk * 4
+        + 2 * 64 * chunk * 2
+        + (2 * stages + 4) * 8
+        + 1024
+}
 
 /// Tile rows per group of the persistent tile order (blocks running together
 /// share rows of A and columns of B).
@@ -81,7 +126,7 @@ pub struct GemmHopperArgs {
     pub map_a: TensorMap,
     /// B as stored: dims (inner, rows, batch), 128-byte swizzle.
     pub map_b: TensorMap,
-    /// C: dims (n, m, batch), box 128 x 64 (when `c_tma`).
+    /// C: dims (n, m, batch), box (epilogue chunk width) x 64 (when `c_tma`).
     pub map_c: TensorMap,
     /// C, batch 0.
     pub c: DevPtr,
@@ -132,35 +177,49 @@ pub struct HopperConfig {
     /// (the two blocks of a cluster take neighbouring tiles along N and
     /// multicast halves of their common A tile to each other).
     pub cluster: u32,
+    /// Columns of C per tile: 128 (the default; 128 x 128 tiles, a 4-stage
+    /// ring) or 256 (128 x 256 tiles, `wgmma` m64n256k16, a 3-stage ring;
+    /// the `_n256` kernels).
+    pub tile_n: u32,
 }
 
 impl Default for HopperConfig {
     fn default() -> Self {
-        HopperConfig { cluster: 1 }
+        HopperConfig { cluster: 1, tile_n: 128 }
     }
 }
 
 impl HopperConfig {
-    /// A launch with clusters of `cluster` blocks: 1 or 2, else an error.
+    /// A launch with clusters of `cluster` blocks (1 or 2, else an error)
+    /// and the default tile width.
     pub fn with_cluster(cluster: u32) -> Result<HopperConfig> {
-        let c = HopperConfig { cluster };
+        let c = HopperConfig { cluster, ..HopperConfig::default() };
         c.check()?;
         Ok(c)
     }
 
-    /// The default, or the cluster size [`CLUSTER_ENV`] names; a value other
-    /// than `1` or `2` is an error naming it.
-    pub fn from_env() -> Result<HopperConfig> {
-        HopperConfig::from_env_value(std::env::var(CLUSTER_ENV).ok().as_deref())
+    /// This configuration with `tile_n` columns of C per tile: 128 or 256,
+    /// else an error naming it.
+    pub fn with_tile_n(self, tile_n: u32) -> Result<HopperConfig> {
+        let c = HopperConfig { tile_n, ..self };
+        c.check()?;
+        Ok(c)
     }
 
-    fn from_env_value(v: Option<&str>) -> Result<HopperConfig> {
-        match v.map(str::trim) {
-            None | Some("") => Ok(HopperConfig::default()),
-            Some("1") => Ok(HopperConfig { cluster: 1 }),
-            Some("2") => Ok(HopperConfig { cluster: 2 }),
-            Some(other) => Err(bad(OP, format!("{CLUSTER_ENV}={other:?}: expected 1 or 2"))),
-        }
+    /// The default, with the cluster size [`CLUSTER_ENV`] and the tile width
+    /// [`TILE_N_ENV`] name where they are set; a value other than `1` or `2`,
+    /// or `128` or `256`, is an error naming it.
+    pub fn from_env() -> Result<HopperConfig> {
+        let var = |name| std::env::var(name).ok();
+        HopperConfig::from_env_values(var(CLUSTER_ENV).as_deref(), var(TILE_N_ENV).as_deref())
+    }
+
+    fn from_env_values(cluster: Option<&str>, tile_n: Option<&str>) -> Result<HopperConfig> {
+        let d = HopperConfig::default();
+        Ok(HopperConfig {
+            cluster: env_choice(CLUSTER_ENV, cluster, &[1, 2])?.unwrap_or(d.cluster),
+            tile_n: env_choice(TILE_N_ENV, tile_n, &[128, 256])?.unwrap_or(d.tile_n),
+        })
     }
 
     fn check(&self) -> Result<()> {
@@ -170,7 +229,45 @@ impl HopperConfig {
                 format!("cluster size {} (the Hopper GEMM takes 1 or 2)", self.cluster),
             ));
         }
+        if !matches!(self.tile_n, 128 | 256) {
+            return Err(bad(
+                OP,
+                format!("tile width {} (the Hopper GEMM takes 128 or 256 columns)", self.tile_n),
+            ));
+        }
         Ok(())
+    }
+
+    /// Rows and columns of C per tile: (128, [`HopperConfig::tile_n`]).
+    pub fn tile(&self) -> (usize, usize) {
+        (128, self.tile_n as usize)
+    }
+
+    /// The kernel's dynamic shared memory per block at this tile width
+    /// ([`SHARED_BYTES`] or [`SHARED_BYTES_N256`]).
+    pub fn shared_bytes(&self) -> u32 {
+        shared_bytes_for(self.tile_n)
+    }
+
+    /// Columns of C the epilogue stages and stores at a time (the width of
+    /// C's tensor-map box): the whole tile at 128, 64 at 256.
+    fn epilogue_cols(&self) -> u32 {
+        stages_and_chunk(self.tile_n).1
+    }
+}
+
+/// The value of environment variable `name` (`v`, trimmed) when it is one of
+/// `allowed`; `None` when unset or empty; an error naming it otherwise.
+fn env_choice(name: &str, v: Option<&str>, allowed: &[u32]) -> Result<Option<u32>> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(s) => match s.parse::<u32>() {
+            Ok(x) if allowed.contains(&x) => Ok(Some(x)),
+            _ => {
+                let list: Vec<String> = allowed.iter().map(u32::to_string).collect();
+                Err(bad(OP, format!("{name}={s:?}: expected {}", list.join(" or "))))
+            }
+        },
     }
 }
 
@@ -369,7 +466,8 @@ fn fit_i64(what: &str, v: usize) -> Result<i64> {
 }
 
 /// Validates `p`, the epilogue and the addresses and resolves the launch on
-/// `target` without clusters ([`plan_with`] the default [`HopperConfig`]).
+/// `target` without clusters and with 128 x 128 tiles ([`plan_with`] the
+/// default [`HopperConfig`]).
 pub fn plan(
     p: &GemmProblem,
     epi: &Epilogue,
@@ -382,8 +480,9 @@ pub fn plan(
 }
 
 /// Validates `p`, the epilogue, the addresses and `cfg` and resolves the
-/// launch on `target`: the kernel, a persistent grid of min(tiles, SMs)
-/// blocks (clusters of 2: min(tile pairs, SMs / 2) clusters), and the
+/// launch on `target`: the kernel (for `cfg`'s tile width), a persistent
+/// grid of min(tiles, SMs) blocks (clusters of 2: min(tile pairs, SMs / 2)
+/// clusters), and the
 /// argument struct with the tensor maps of A, B and (when C's address, row
 /// pitch and batch stride are 16-byte multiples) C.
 pub fn plan_with(
@@ -426,7 +525,7 @@ pub fn plan_with(
         };
         (aux, ld_aux, aux_stride) = (x.ptr, x.ld, if s.batch > 1 { x.batch_stride } else { 0 });
     }
-    let (bm, bn) = TILE;
+    let (bm, bn) = cfg.tile();
     let tiles = s.m.div_ceil(bm).saturating_mul(s.n.div_ceil(bn)).saturating_mul(s.batch);
     if tiles > i32::MAX as usize {
         return Err(bad(OP, format!("{} x {} x batch {} has too many tiles", s.m, s.n, s.batch)));
@@ -453,7 +552,7 @@ pub fn plan_with(
             c,
             (s.n, s.m, p.ldc),
             (s.batch, p.c_batch_stride),
-            [128, 64, 1],
+            [cfg.epilogue_cols(), 64, 1],
             TensorMapSwizzle::None,
         )?
     } else {
@@ -465,13 +564,17 @@ pub fn plan_with(
         (true, false) => "tn",
         (true, true) => "tt",
     };
-    let kernel =
-        format!("tpar_gemm_hopper_{layout}_{}_{}", p.dtype_in.suffix(), p.dtype_out.suffix());
+    let width = if cfg.tile_n == 256 { "_n256" } else { "" };
+    let kernel = format!(
+        "tpar_gemm_hopper_{layout}_{}_{}{width}",
+        p.dtype_in.suffix(),
+        p.dtype_out.suffix()
+    );
     // units of work: tiles, or pairs of tiles along N
     let units = s.m.div_ceil(bm) * s.n.div_ceil(bn * cl) * s.batch;
     let clusters = units.min((target.sms as usize / cl).max(1)) as u32;
     let launch_cfg = LaunchConfig::linear(clusters * cfg.cluster, THREADS)
-        .with_shared(SHARED_BYTES)
+        .with_shared(cfg.shared_bytes())
         .with_cluster([cfg.cluster, 1, 1]);
     let args = GemmHopperArgs {
         map_a,
@@ -502,8 +605,8 @@ pub fn plan_with(
 }
 
 /// Runs `p` with epilogue `epi` on `l` (a device of `target`), with the
-/// cluster size [`HopperConfig::from_env`] gives (1 unless [`CLUSTER_ENV`]
-/// says otherwise).
+/// cluster size and tile width [`HopperConfig::from_env`] gives (1 and 128
+/// unless [`CLUSTER_ENV`] or [`TILE_N_ENV`] say otherwise).
 ///
 /// # Safety
 /// `a`, `b` and `c` (and the epilogue's bias and matrix) must be device
@@ -551,10 +654,11 @@ pub unsafe fn gemm_with(
                 return Err(bad(
                     OP,
                     format!(
-                        "{}: no cluster of {} blocks with {SHARED_BYTES} bytes of shared memory \
-                         each fits on {}",
+                        "{}: no cluster of {} blocks with {} bytes of shared memory each fits \
+                         on {}",
                         plan.kernel,
                         cfg.cluster,
+                        cfg.shared_bytes(),
                         l.describe()
                     ),
                 ));
@@ -667,7 +771,7 @@ mod tests {
         for bad_size in [0, 3, 4] {
             let e = HopperConfig::with_cluster(bad_size).unwrap_err().to_string();
             assert!(e.contains(&format!("cluster size {bad_size}")), "{e}");
-            let cfg = HopperConfig { cluster: bad_size };
+            let cfg = HopperConfig { cluster: bad_size, tile_n: 128 };
             assert!(plan_with(
                 &p,
                 &Epilogue::default(),
@@ -679,11 +783,57 @@ mod tests {
             )
             .is_err());
         }
-        assert_eq!(HopperConfig::from_env_value(None).unwrap().cluster, 1);
-        assert_eq!(HopperConfig::from_env_value(Some("")).unwrap().cluster, 1);
-        assert_eq!(HopperConfig::from_env_value(Some(" 2")).unwrap().cluster, 2);
-        assert_eq!(HopperConfig::from_env_value(Some("1")).unwrap().cluster, 1);
-        let e = HopperConfig::from_env_value(Some("4")).unwrap_err().to_string();
-        assert!(e.contains("TPAR_GEMM_CLUSTER=\"4\""), "{e}");
+        let cluster = |v| HopperConfig::from_env_values(v, None).map(|c| c.cluster);
+        assert_eq!(cluster(None).unwrap(), 1);
+        assert_eq!(cluster(Some("")).unwrap(), 1);
+        assert_eq!(cluster(Some(" 2")).unwrap(), 2);
+        assert_eq!(cluster(Some("1")).unwrap(), 1);
+        let e = cluster(Some("4")).unwrap_err().to_string();
+        assert!(e.contains("TPAR_GEMM_CLUSTER=\"4\": expected 1 or 2"), "{e}");
+    }
+
+    #[test]
+    fn tile_width_256_plans_n256_kernels_and_refuses_other_widths() {
+        // 3 row tiles x 2 column tiles of 256 (n = 296) x 2 batches
+        let shape = GemmShape::new(2, 300, 296, 72);
+        let p = GemmProblem::new(shape, CudaDType::F16, CudaDType::BF16);
+        let n256 = HopperConfig::default().with_tile_n(256).unwrap();
+        assert_eq!((n256.tile(), n256.cluster), ((128, 256), 1));
+        let t = HopperTarget::emulator(132);
+        let e = Epilogue::default();
+        let l = plan_with(&p, &e, t, n256, 4096, 8192, 16384).unwrap();
+        assert_eq!(l.kernel, "tpar_gemm_hopper_nn_f16_bf16_n256");
+        assert_eq!((l.cfg.grid, l.cfg.shared_bytes), ([12, 1, 1], SHARED_BYTES_N256));
+        // the same problem at 128 columns: 3 column tiles
+        let l128 = plan(&p, &e, t, 4096, 8192, 16384).unwrap();
+        assert_eq!(l128.kernel, "tpar_gemm_hopper_nn_f16_bf16");
+        assert_eq!((l128.cfg.grid, l128.cfg.shared_bytes), ([18, 1, 1], SHARED_BYTES));
+        // C's box is the epilogue's chunk: 64 columns at 256, 128 at 128
+        assert_ne!(l.args.map_c, l128.args.map_c);
+        // clusters of 2 pair 256-column tiles: 3 x 1 pairs x 2 batches
+        let c2 = HopperConfig { cluster: 2, ..n256 };
+        let l = plan_with(&p, &e, t, c2, 4096, 8192, 16384).unwrap();
+        assert_eq!((l.cfg.grid, l.cfg.cluster), ([12, 1, 1], [2, 1, 1]));
+        assert_eq!(SHARED_BYTES, 230_496);
+        assert_eq!(SHARED_BYTES_N256, 197_712);
+        const { assert!(SHARED_BYTES_N256 <= 227 * 1024) };
+        for bad_width in [0, 64, 192, 512] {
+            let e = HopperConfig::default().with_tile_n(bad_width).unwrap_err().to_string();
+            assert!(e.contains(&format!("tile width {bad_width}")), "{e}");
+            let cfg = HopperConfig { cluster: 1, tile_n: bad_width };
+            assert!(plan_with(&p, &Epilogue::default(), t, cfg, 4096, 8192, 16384).is_err());
+        }
+        let width = |v| HopperConfig::from_env_values(None, v).map(|c| c.tile_n);
+        assert_eq!(width(None).unwrap(), 128);
+        assert_eq!(width(Some(" ")).unwrap(), 128);
+        assert_eq!(width(Some("256")).unwrap(), 256);
+        assert_eq!(width(Some("128 ")).unwrap(), 128);
+        for bad_value in ["64", "wide", "-256"] {
+            let e = width(Some(bad_value)).unwrap_err().to_string();
+            let want = format!("TPAR_GEMM_TILE_N={bad_value:?}: expected 128 or 256");
+            assert!(e.contains(&want), "{e}");
+        }
+        let both = HopperConfig::from_env_values(Some("2"), Some("256")).unwrap();
+        assert_eq!(both, HopperConfig { cluster: 2, tile_n: 256 });
     }
 }
