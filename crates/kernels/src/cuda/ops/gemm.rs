@@ -6,12 +6,18 @@
 //! (cuBLASLt), as [`GEMM_BACKEND_ENV`] says; see [`GemmBackend`]. By default
 //! ([`GemmBackend::Auto`]) the choice is per problem, from a tuning table
 //! measured on the device ([`super::gemm_tune`]).
+//!
+//! Operands whose rows are not 16-byte aligned (the LM head's vocabulary of
+//! 259) are staged in padded scratch first where that lets tpar's kernel take
+//! its aligned path, as [`super::gemm_pad::GEMM_PAD_ENV`] says; see
+//! [`super::gemm_pad`].
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};
 
 use half::{bf16, f16};
 
+use super::gemm_pad::{pad_policy, padded, PadPlan, PadPolicy, PadRoute, Scratch};
 use super::gemm_tune::{GemmTable, GEMM_TABLE_ENV};
 use super::Check;
 use crate::cuda::raw::gemm as raw;
@@ -100,9 +106,10 @@ pub fn gemm_table() -> Option<&'static GemmTable> {
     .as_ref()
 }
 
-/// Runs `p` on the backend of [`gemm_backend`]: A and B read from `a` and
-/// `b` (`p.dtype_in`), C written (and read when `beta != 0`) in `c`
-/// (`p.dtype_out`), each view starting at its operand's batch 0.
+/// Runs `p` on the backend of [`gemm_backend`], padding operands as
+/// [`pad_policy`] says: A and B read from `a` and `b` (`p.dtype_in`), C
+/// written (and read when `beta != 0`) in `c` (`p.dtype_out`), each view
+/// starting at its operand's batch 0.
 pub fn gemm(
     dev: &dyn GpuDevice,
     p: &GemmProblem,
@@ -110,24 +117,66 @@ pub fn gemm(
     b: DeviceSlice<'_>,
     c: DeviceSliceMut<'_>,
 ) -> Result<()> {
-    let [ap, bp, cp] = operands(dev, p, &a, &b, &c)?;
-    if gemm_backend() == GemmBackend::Check {
+    gemm_with(dev, p, a, b, c, gemm_backend(), pad_policy())
+}
+
+/// [`gemm`] with an explicit backend and padding policy (what the
+/// environment variables choose otherwise): `gpu_check --bench` times each
+/// pair. [`GemmBackend::Check`] never pads (it compares the two backends on
+/// the caller's operands).
+pub fn gemm_with(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    a: DeviceSlice<'_>,
+    b: DeviceSlice<'_>,
+    c: DeviceSliceMut<'_>,
+    backend: GemmBackend,
+    pad: PadPolicy,
+) -> Result<()> {
+    let ptrs = operands(dev, p, &a, &b, &c)?;
+    let [ap, bp, cp] = ptrs;
+    if backend == GemmBackend::Check {
         // SAFETY: `operands` checked the buffers (see `gemm_with_tile`).
         return unsafe { gemm_checked(dev, p, ap, bp, cp) };
     }
-    // SAFETY: as above.
-    if vendor_first(dev, p) && unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
-        return Ok(());
+    if vendor_first_on(dev, p, backend) {
+        let plan = PadPlan::choose(p, ptrs, PadRoute::Vendor, pad);
+        if !plan.is_empty() {
+            // SAFETY: as above; `padded` hands the closure staged operands
+            // covering the padded problem.
+            return unsafe {
+                padded(dev, p, plan, ptrs, |q, a, b, c| {
+                    if dev.vendor_gemm(q, a, b, c)? {
+                        return Ok(());
+                    }
+                    ours(dev, q, a, b, c)
+                })
+            };
+        }
+        // SAFETY: as above.
+        if unsafe { dev.vendor_gemm(p, ap, bp, cp)? } {
+            return Ok(());
+        }
+    }
+    let plan = PadPlan::choose(p, ptrs, PadRoute::Ours, pad);
+    if plan.is_empty() {
+        // SAFETY: as above.
+        return unsafe { ours(dev, p, ap, bp, cp) };
     }
     // SAFETY: as above.
-    unsafe { ours(dev, p, ap, bp, cp) }
+    unsafe { padded(dev, p, plan, ptrs, |q, a, b, c| ours(dev, q, a, b, c)) }
 }
 
 /// Whether [`gemm_backend`] hands `p` to `dev`'s vendor library first (where
 /// it has one and takes the problem): always for `cublaslt` and `check`, for
 /// `auto` unless the tuning table prefers tpar's kernel.
 pub(crate) fn vendor_first(dev: &dyn GpuDevice, p: &GemmProblem) -> bool {
-    match gemm_backend() {
+    vendor_first_on(dev, p, gemm_backend())
+}
+
+/// [`vendor_first`] for an explicit backend.
+fn vendor_first_on(dev: &dyn GpuDevice, p: &GemmProblem, backend: GemmBackend) -> bool {
+    match backend {
         GemmBackend::Ours => false,
         GemmBackend::Vendor | GemmBackend::Check => true,
         GemmBackend::Auto => !gemm_table().is_some_and(|t| t.prefers_ours(&dev.describe(), p)),
@@ -192,25 +241,15 @@ pub(crate) fn operands(
 /// An allocation of `bytes` whose address is congruent to `like` modulo 256
 /// (so a vendor library sees the same alignment), freed on drop.
 struct Shadow<'d> {
-    dev: &'d dyn GpuDevice,
-    base: DevPtr,
-    len: usize,
+    _scratch: Scratch<'d>,
     ptr: DevPtr,
 }
 
 impl<'d> Shadow<'d> {
     fn new(dev: &'d dyn GpuDevice, bytes: usize, like: DevPtr) -> Result<Shadow<'d>> {
-        let len = bytes + 256;
-        let base = dev.alloc(len)?;
-        let ptr = base + (like.wrapping_sub(base) & 255);
-        Ok(Shadow { dev, base, len, ptr })
-    }
-}
-
-impl Drop for Shadow<'_> {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this length, used by nothing after.
-        unsafe { self.dev.free(self.base, self.len) };
+        let scratch = Scratch::new(dev, bytes + 256)?;
+        let ptr = scratch.ptr + (like.wrapping_sub(scratch.ptr) & 255);
+        Ok(Shadow { _scratch: scratch, ptr })
     }
 }
 

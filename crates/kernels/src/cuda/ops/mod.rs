@@ -39,6 +39,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
 pub mod gemm_fused;
+pub mod gemm_pad;
 pub mod gemm_tune;
 pub mod layout;
 pub mod multi;
