@@ -4,16 +4,17 @@
 mod common;
 
 use common::sdpa::{
-    check_lse, dev_mask, make_mask, max_rel, ref_mask, shape, MaskKind, MaskPlan, Workspace,
+    bwd_buffers_at, check_lse, forward_outputs, max_rel, shape, Grads, Inputs, MaskKind, MaskPlan,
+    Workspace,
 };
-use common::{cvt, data, emu, f64s, mptr, ptr};
+use common::{emu, f64s, mptr, ptr};
 use half::{bf16, f16};
 use tpar_kernels::cuda::raw::sdpa::{
     sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaDevMask,
     SdpaFwdBuffers, SdpaPath,
 };
 use tpar_kernels::cuda::{CudaDType, DevPtr};
-use tpar_kernels::sdpa::{reference, SdpaShape};
+use tpar_kernels::sdpa::SdpaShape;
 use tpar_kernels::{Float, KernelError};
 
 /// Batch `b` keeps `kv_len - 3b - 2` keys; head `bh` masks row `(5bh + 2) % q_len`.
@@ -38,55 +39,18 @@ fn tols(dtype: CudaDType) -> (f64, f64, f64) {
 fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
     let emu = emu();
     let s = &c.s;
-    let nq = s.batch * s.q_heads * s.q_len;
-    let nk = s.batch * s.kv_heads * s.kv_len;
-    let q: Vec<T> = cvt(&data(nq * s.head_dim, 1, 1.5));
-    let k: Vec<T> = cvt(&data(nk * s.head_dim, 2, 1.5));
-    let v: Vec<T> = cvt(&data(nk * s.v_dim, 3, 1.0));
-    let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
-    let mask = make_mask(s, c.mask, MASKS);
-    let mask_t: Vec<T> = mask.as_ref().map_or(Vec::new(), |(m, _)| cvt(m));
-    let mask_f = f64s(&mask_t);
-    let ref_mask = mask.as_ref().map(|(_, st)| ref_mask(&mask_f, *st));
-    let dev_mask = mask.as_ref().map(|(_, st)| dev_mask(&mask_t, *st));
-    let (qf, kf, vf, gf) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
-    let (out_ref, lse_ref) = reference::sdpa_forward(s, &qf, &kf, &vf, ref_mask.as_ref());
-    let (dq_ref, dk_ref, dv_ref) =
-        reference::sdpa_backward(s, &qf, &kf, &vf, ref_mask.as_ref(), &gf);
+    let x = Inputs::<T>::new(s, c.mask, MASKS);
+    let (out_ref, lse_ref) = x.reference_forward(s);
+    let (dq_ref, dk_ref, dv_ref) = x.reference_backward(s);
 
-    let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
-    let mut lse = vec![7.0f32; nq];
-    let mut dq = vec![T::from_f64(7.0); q.len()];
-    let mut dk = vec![T::from_f64(7.0); k.len()];
-    let mut dv = vec![T::from_f64(7.0); v.len()];
+    let (mut o, mut lse) = forward_outputs::<T>(s);
+    let mut g = Grads::new(&x);
     let mut ws = Workspace::new(s);
     // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
     // thread before returning), each holding every element the call's sizes reach.
     unsafe {
-        let fb = SdpaFwdBuffers {
-            q: ptr(&q),
-            k: ptr(&k),
-            v: ptr(&v),
-            mask: dev_mask,
-            out: mptr(&mut o),
-            lse: mptr(&mut lse),
-        };
-        sdpa_forward(emu, dtype, s, &fb, path).unwrap();
-        let bb = SdpaBwdBuffers {
-            q: ptr(&q),
-            k: ptr(&k),
-            v: ptr(&v),
-            mask: dev_mask,
-            out: ptr(&o),
-            lse: ptr(&lse),
-            dout: ptr(&dout),
-            dq: mptr(&mut dq),
-            dk: mptr(&mut dk),
-            dv: mptr(&mut dv),
-            workspace: ws.ptr(),
-            workspace_bytes: ws.bytes,
-        };
-        sdpa_backward(emu, dtype, s, &bb, path).unwrap();
+        sdpa_forward(emu, dtype, s, &x.fwd_buffers(&mut o, &mut lse), path).unwrap();
+        sdpa_backward(emu, dtype, s, &x.bwd_buffers(&o, &lse, &mut g, &mut ws), path).unwrap();
     }
     let (t_out, t_lse, t_grad) = tols(dtype);
     let what = format!("{dtype:?} {path:?} {s:?} mask {:?}", c.mask);
@@ -94,7 +58,9 @@ fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
     eprintln!("out {what}: {e:.2e}");
     assert!(e <= t_out, "out {what}: rel err {e:e} > {t_out:e}");
     check_lse(&what, &lse, &lse_ref, t_lse);
-    for (name, got, want) in [("dq", &dq, &dq_ref), ("dk", &dk, &dk_ref), ("dv", &dv, &dv_ref)] {
+    for (name, got, want) in
+        [("dq", &g.dq, &dq_ref), ("dk", &g.dk, &dk_ref), ("dv", &g.dv, &dv_ref)]
+    {
         let e = max_rel(&format!("{name} {what}"), &f64s(got), want);
         eprintln!("{name}: {e:.2e}");
         assert!(e <= t_grad, "{name} {what}: rel err {e:e} > {t_grad:e}");
@@ -271,18 +237,9 @@ fn bad_arguments() {
     let need = sdpa_backward_workspace_bytes(&s).unwrap();
     let ws = vec![0f32; need / 4 + 4];
     let b = SdpaBwdBuffers {
-        q: p,
-        k: p,
-        v: p,
-        mask: None,
-        out: p,
         lse: lp,
-        dout: p,
-        dq: p,
-        dk: p,
-        dv: p,
         workspace: ptr(&ws).next_multiple_of(16),
-        workspace_bytes: need - 4,
+        ..bwd_buffers_at(p, need - 4)
     };
     // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
     // thread before returning), each holding every element the call's sizes reach.

@@ -9,16 +9,16 @@
 mod common;
 
 use common::sdpa::{
-    dev_mask, make_mask, max_rel, ref_mask, same_dim_shape as shape, MaskKind, MaskPlan, Workspace,
+    bwd_buffers_at, forward_outputs, max_rel, same_dim_shape as shape, Grads, Inputs, MaskKind,
+    MaskPlan, Workspace,
 };
 use common::{cvt, data, emu, f64s, mptr, ptr};
 use tpar_kernels::cuda::raw::sdpa::{
-    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaFwdBuffers,
-    SdpaPath,
+    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaPath,
 };
 use tpar_kernels::cuda::raw::sdpa_hopper_bwd::{self as hopper, EMU_ARCH_ENV};
 use tpar_kernels::cuda::{CudaDType, DevPtr, LaunchConfig, Launcher};
-use tpar_kernels::sdpa::{reference, SdpaShape};
+use tpar_kernels::sdpa::SdpaShape;
 use tpar_kernels::Float;
 
 use CudaDType::{BF16, F16};
@@ -35,71 +35,27 @@ fn tol(dtype: CudaDType) -> f64 {
     }
 }
 
-/// Host buffers of one case's backward outputs.
-struct Grads<T> {
-    dq: Vec<T>,
-    dk: Vec<T>,
-    dv: Vec<T>,
-}
-
 /// Runs the forward (tensor cores), the tensor-core backward and the Hopper
 /// backward of one case on the emulator, and checks both backwards against
 /// the f64 reference and the Hopper one against the tensor-core one.
 fn run<T: Float>(dtype: CudaDType, s: SdpaShape, mask: MaskKind) {
     std::env::set_var(EMU_ARCH_ENV, "sm_90a");
     let emu = emu();
-    let nq = s.batch * s.q_heads * s.q_len;
-    let nk = s.batch * s.kv_heads * s.kv_len;
-    let q: Vec<T> = cvt(&data(nq * s.head_dim, 1, 1.5));
-    let k: Vec<T> = cvt(&data(nk * s.head_dim, 2, 1.5));
-    let v: Vec<T> = cvt(&data(nk * s.v_dim, 3, 1.0));
-    let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
-    let m = make_mask(&s, mask, MASKS);
-    let mask_t: Vec<T> = m.as_ref().map_or(Vec::new(), |(m, _)| cvt(m));
-    let mask_f = f64s(&mask_t);
-    let ref_mask = m.as_ref().map(|(_, st)| ref_mask(&mask_f, *st));
-    let dev_mask = m.as_ref().map(|(_, st)| dev_mask(&mask_t, *st));
-    let (qf, kf, vf, gf) = (f64s(&q), f64s(&k), f64s(&v), f64s(&dout));
-    let (dq_ref, dk_ref, dv_ref) =
-        reference::sdpa_backward(&s, &qf, &kf, &vf, ref_mask.as_ref(), &gf);
+    let x = Inputs::<T>::new(&s, mask, MASKS);
+    let (dq_ref, dk_ref, dv_ref) = x.reference_backward(&s);
 
-    let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
-    let mut lse = vec![7.0f32; nq];
+    let (mut o, mut lse) = forward_outputs::<T>(&s);
     let mut ws = Workspace::new(&s);
     // SAFETY: host buffers stand in for device memory (the emulator runs
     // each kernel on this thread before returning), each holding every
     // element the call's sizes reach.
     unsafe {
-        let fb = SdpaFwdBuffers {
-            q: ptr(&q),
-            k: ptr(&k),
-            v: ptr(&v),
-            mask: dev_mask,
-            out: mptr(&mut o),
-            lse: mptr(&mut lse),
-        };
+        let fb = x.fwd_buffers(&mut o, &mut lse);
         sdpa_forward(emu, dtype, &s, &fb, SdpaPath::TensorCore).unwrap();
     }
     let mut grads = |hopper_path: bool| {
-        let mut g = Grads {
-            dq: vec![T::from_f64(7.0); q.len()],
-            dk: vec![T::from_f64(7.0); k.len()],
-            dv: vec![T::from_f64(7.0); v.len()],
-        };
-        let bb = SdpaBwdBuffers {
-            q: ptr(&q),
-            k: ptr(&k),
-            v: ptr(&v),
-            mask: dev_mask,
-            out: ptr(&o),
-            lse: ptr(&lse),
-            dout: ptr(&dout),
-            dq: mptr(&mut g.dq),
-            dk: mptr(&mut g.dk),
-            dv: mptr(&mut g.dv),
-            workspace: ws.ptr(),
-            workspace_bytes: ws.bytes,
-        };
+        let mut g = Grads::new(&x);
+        let bb = x.bwd_buffers(&o, &lse, &mut g, &mut ws);
         if hopper_path {
             assert_eq!(hopper::unsupported(emu, dtype, &s, &bb), None);
         }
@@ -182,20 +138,7 @@ fn refusals_name_the_reason() {
     let s = shape(1, 2, 1, 16, 16, 64, false);
     let buf: Vec<u64> = vec![0; 4096];
     let p: DevPtr = (ptr(&buf) as DevPtr).next_multiple_of(16);
-    let b = SdpaBwdBuffers {
-        q: p,
-        k: p,
-        v: p,
-        mask: None,
-        out: p,
-        lse: p,
-        dout: p,
-        dq: p,
-        dk: p,
-        dv: p,
-        workspace: p,
-        workspace_bytes: 1 << 20,
-    };
+    let b = bwd_buffers_at(p, 1 << 20);
     assert_eq!(hopper::unsupported(emu, BF16, &s, &b), None);
     let why = |l: &dyn Launcher, dt: CudaDType, s: &SdpaShape, b: &SdpaBwdBuffers| {
         let w = hopper::unsupported(l, dt, s, b).expect("refused");

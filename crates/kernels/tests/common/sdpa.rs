@@ -1,14 +1,15 @@
 //! Attention test inputs shared by `emu_sdpa.rs`, `emu_sdpa_hopper.rs` and
-//! `emu_sdpa_hopper_bwd.rs`: shapes, additive masks and the error measures
-//! against the f64 reference.
+//! `emu_sdpa_hopper_bwd.rs`: shapes, additive masks, one case's inputs and
+//! buffers, and the error measures against the f64 reference.
 
-use tpar_kernels::cuda::raw::sdpa::SdpaDevMask;
-use tpar_kernels::sdpa::{SdpaMask, SdpaShape};
+use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers};
+use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
+use tpar_kernels::Float;
 
 use tpar_kernels::cuda::raw::sdpa::sdpa_backward_workspace_bytes;
 use tpar_kernels::cuda::DevPtr;
 
-use super::{data, mptr, ptr};
+use super::{cvt, data, f64s, mptr, ptr};
 
 /// An attention shape with the usual `1 / sqrt(head_dim)` scale.
 #[allow(clippy::too_many_arguments)]
@@ -157,5 +158,132 @@ impl Workspace {
     /// The 16-byte aligned address the kernels write.
     pub fn ptr(&mut self) -> DevPtr {
         mptr(&mut self.buf[self.off..])
+    }
+}
+
+/// One case's inputs rounded to `T`: q, k and v (uniform in ±1.5, ±1.5 and
+/// ±1.0), the output gradient `dout` (±1.0), and the mask of `kind` (values
+/// and strides `(batch, head, row)`).
+pub struct Inputs<T> {
+    pub q: Vec<T>,
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+    pub dout: Vec<T>,
+    pub mask: Option<(Vec<T>, [usize; 3])>,
+}
+
+impl<T: Float> Inputs<T> {
+    /// The inputs of `s` with a mask of `kind` placed by `plan`.
+    pub fn new(s: &SdpaShape, kind: MaskKind, plan: MaskPlan) -> Self {
+        let nq = s.batch * s.q_heads * s.q_len;
+        let nk = s.batch * s.kv_heads * s.kv_len;
+        Inputs {
+            q: cvt(&data(nq * s.head_dim, 1, 1.5)),
+            k: cvt(&data(nk * s.head_dim, 2, 1.5)),
+            v: cvt(&data(nk * s.v_dim, 3, 1.0)),
+            dout: cvt(&data(nq * s.v_dim, 4, 1.0)),
+            mask: make_mask(s, kind, plan).map(|(m, st)| (cvt(&m), st)),
+        }
+    }
+
+    /// The kernels' view of the mask.
+    pub fn dev_mask(&self) -> Option<SdpaDevMask> {
+        self.mask.as_ref().map(|(m, st)| dev_mask(m, *st))
+    }
+
+    /// The f64 reference forward on these (rounded) inputs: `(out, lse)`.
+    pub fn reference_forward(&self, s: &SdpaShape) -> (Vec<f64>, Vec<f64>) {
+        let mask = self.mask.as_ref().map(|(m, st)| (f64s(m), *st));
+        let mask = mask.as_ref().map(|(m, st)| ref_mask(m, *st));
+        let (q, k, v) = (f64s(&self.q), f64s(&self.k), f64s(&self.v));
+        reference::sdpa_forward(s, &q, &k, &v, mask.as_ref())
+    }
+
+    /// The f64 reference backward of `dout` on these (rounded) inputs: `(dq,
+    /// dk, dv)`.
+    pub fn reference_backward(&self, s: &SdpaShape) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let mask = self.mask.as_ref().map(|(m, st)| (f64s(m), *st));
+        let mask = mask.as_ref().map(|(m, st)| ref_mask(m, *st));
+        let (q, k, v, g) = (f64s(&self.q), f64s(&self.k), f64s(&self.v), f64s(&self.dout));
+        reference::sdpa_backward(s, &q, &k, &v, mask.as_ref(), &g)
+    }
+
+    /// The addresses of q, k and v, and the kernels' view of the mask.
+    fn qkv_mask(&self) -> (DevPtr, DevPtr, DevPtr, Option<SdpaDevMask>) {
+        (ptr(&self.q), ptr(&self.k), ptr(&self.v), self.dev_mask())
+    }
+
+    /// The forward's buffers: these inputs, and `out` and `lse` to write.
+    pub fn fwd_buffers(&self, out: &mut [T], lse: &mut [f32]) -> SdpaFwdBuffers {
+        let (q, k, v, mask) = self.qkv_mask();
+        SdpaFwdBuffers { q, k, v, mask, out: mptr(out), lse: mptr(lse) }
+    }
+
+    /// The backward's buffers: these inputs, the forward's `out` and `lse`,
+    /// the gradients `g` to write and the workspace `ws`.
+    pub fn bwd_buffers(
+        &self,
+        out: &[T],
+        lse: &[f32],
+        g: &mut Grads<T>,
+        ws: &mut Workspace,
+    ) -> SdpaBwdBuffers {
+        let (q, k, v, mask) = self.qkv_mask();
+        SdpaBwdBuffers {
+            q,
+            k,
+            v,
+            mask,
+            out: ptr(out),
+            lse: ptr(lse),
+            dout: ptr(&self.dout),
+            dq: mptr(&mut g.dq),
+            dk: mptr(&mut g.dk),
+            dv: mptr(&mut g.dv),
+            workspace: ws.ptr(),
+            workspace_bytes: ws.bytes,
+        }
+    }
+}
+
+/// The forward's outputs of `s`: `out` (attention dtype) and the f32 `lse`,
+/// filled with 7.0 (garbage the kernels must overwrite).
+pub fn forward_outputs<T: Float>(s: &SdpaShape) -> (Vec<T>, Vec<f32>) {
+    let nq = s.batch * s.q_heads * s.q_len;
+    (vec![T::from_f64(7.0); nq * s.v_dim], vec![7.0f32; nq])
+}
+
+/// Host buffers of one backward's gradients, shaped like q, k and v.
+pub struct Grads<T> {
+    pub dq: Vec<T>,
+    pub dk: Vec<T>,
+    pub dv: Vec<T>,
+}
+
+impl<T: Float> Grads<T> {
+    /// Gradients for the inputs `x`, filled with 7.0 (garbage the kernels
+    /// must overwrite).
+    pub fn new(x: &Inputs<T>) -> Self {
+        let seven = T::from_f64(7.0);
+        Grads { dq: vec![seven; x.q.len()], dk: vec![seven; x.k.len()], dv: vec![seven; x.v.len()] }
+    }
+}
+
+/// Backward buffers with every tensor and the workspace at `p` (for calls
+/// whose checks refuse them before any launch).
+pub fn bwd_buffers_at(p: DevPtr, workspace_bytes: usize) -> SdpaBwdBuffers {
+    SdpaBwdBuffers {
+        q: p,
+        k: p,
+        v: p,
+        mask: None,
+        out: p,
+        lse: p,
+        dout: p,
+        dq: p,
+        dk: p,
+        dv: p,
+        workspace: p,
+        workspace_bytes,
     }
 }
