@@ -55,9 +55,10 @@ pub(crate) fn check_sdpa(c: &mut Ctx) {
     super::sdpa_hopper::check_sdpa_hopper(c);
 }
 
-pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
-    let base = format!("sdpa.{}", format!("{path:?}").to_lowercase());
-    let shape = format!(
+/// The shape column of an attention row: `b<batch> h<q_heads>/<kv_heads>
+/// s<q_len>x<kv_len> d<head_dim>`, then ` causal` where it is.
+pub(crate) fn sdpa_label(s: &SdpaShape) -> String {
+    format!(
         "b{} h{}/{} s{}x{} d{}{}",
         s.batch,
         s.q_heads,
@@ -66,8 +67,12 @@ pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath
         s.kv_len,
         s.head_dim,
         if s.causal { " causal" } else { "" }
-    );
-    train_case(c, &base, &shape, dt, s, path, None);
+    )
+}
+
+pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
+    let base = format!("sdpa.{}", format!("{path:?}").to_lowercase());
+    train_case(c, &base, &sdpa_label(&s), dt, s, path, None);
 }
 
 /// Forward and backward of `s` on `path` against the f64 CPU kernels, with
@@ -138,27 +143,24 @@ pub(crate) fn train_case(
         let (bdq, bdk, bdv) = (d.junk(q.len() * es)?, d.junk(k.len() * es)?, d.junk(v.len() * es)?);
         let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
         let ws = d.junk(ws_bytes)?;
-        let fb = SdpaFwdBuffers {
-            q: bq.ptr(),
-            k: bk.ptr(),
-            v: bv.ptr(),
-            mask: dev_mask,
-            out: bo.ptr(),
-            lse: bl.ptr(),
-        };
-        let bb = SdpaBwdBuffers {
-            q: bq.ptr(),
-            k: bk.ptr(),
-            v: bv.ptr(),
-            mask: dev_mask,
-            out: bo.ptr(),
-            lse: bl.ptr(),
-            dout: bdo.ptr(),
-            dq: bdq.ptr(),
-            dk: bdk.ptr(),
-            dv: bdv.ptr(),
-            workspace: ws.ptr(),
-            workspace_bytes: ws_bytes,
+        let (fb, bb) = {
+            let (q, k, v, out, lse) = (bq.ptr(), bk.ptr(), bv.ptr(), bo.ptr(), bl.ptr());
+            let fb = SdpaFwdBuffers { q, k, v, mask: dev_mask, out, lse };
+            let bb = SdpaBwdBuffers {
+                q,
+                k,
+                v,
+                mask: dev_mask,
+                out,
+                lse,
+                dout: bdo.ptr(),
+                dq: bdq.ptr(),
+                dk: bdk.ptr(),
+                dv: bdv.ptr(),
+                workspace: ws.ptr(),
+                workspace_bytes: ws_bytes,
+            };
+            (fb, bb)
         };
         // SAFETY: every buffer was allocated above with the size `s` gives it
         // (the mask with `batch * kv_len` elements).

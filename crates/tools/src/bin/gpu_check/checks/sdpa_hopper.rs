@@ -13,7 +13,7 @@ use tpar_kernels::sdpa::SdpaShape;
 
 use CudaDType::{BF16, F16};
 
-use super::sdpa::{sdpa_shape, train_case};
+use super::sdpa::{sdpa_label, sdpa_shape, train_case};
 use super::Ctx;
 
 pub(crate) fn check_sdpa_hopper(c: &mut Ctx) {
@@ -52,18 +52,7 @@ fn key_padding(s: &SdpaShape) -> Vec<f64> {
 }
 
 fn hopper_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, padded: bool) {
-    let base = "sdpa_hopper";
-    let shape = format!(
-        "b{} h{}/{} s{}x{} d{}{}{}",
-        s.batch,
-        s.q_heads,
-        s.kv_heads,
-        s.q_len,
-        s.kv_len,
-        s.head_dim,
-        if s.causal { " causal" } else { "" },
-        if padded { " key-padding" } else { "" }
-    );
+    let shape = format!("{}{}", sdpa_label(&s), if padded { " key-padding" } else { "" });
     let mask = padded.then(|| key_padding(&s));
-    train_case(c, base, &shape, dt, s, SdpaPath::Hopper, mask);
+    train_case(c, "sdpa_hopper", &shape, dt, s, SdpaPath::Hopper, mask);
 }
