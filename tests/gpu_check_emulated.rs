@@ -63,8 +63,8 @@ fn a_perturbed_reference_fails_the_checks() {
 }
 
 /// The Hopper GEMM's checks run where the device runs `sm_90a` kernels (the emulator
-/// standing in for one): every layout, type pair, edge and epilogue passes, and a
-/// perturbed reference fails every one of them.
+/// standing in for one): every layout, type pair, edge and epilogue passes, at both
+/// tile widths and with clusters, and a perturbed reference fails every one of them.
 #[test]
 fn the_hopper_gemm_checks_run_on_an_emulated_sm_90a() {
     let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
@@ -79,10 +79,19 @@ fn the_hopper_gemm_checks_run_on_an_emulated_sm_90a() {
     };
     let good = run(false);
     let hopper: Vec<&str> = good.lines().filter(|l| l.contains(" gemm_hopper.")).collect();
-    assert!(hopper.len() >= 25, "{good}");
+    assert!(hopper.len() >= 62, "{good}");
     assert!(hopper.iter().all(|l| l.starts_with("PASS")), "{good}");
+    // 25 rows per tile width without clusters, 6 with; the epilogues at both widths
+    for (variant, rows) in [(".n256.c2.", 6), (".n256.", 31), (".c2.", 6)] {
+        let n = hopper.iter().filter(|l| l.contains(&format!(" gemm_hopper{variant}"))).count();
+        assert_eq!(n, rows, "gemm_hopper{variant} rows:\n{good}");
+    }
     for fused in ["bias", "residual", "silu_mul"] {
-        assert!(hopper.iter().any(|l| l.contains(&format!(".{fused} "))), "{good}");
+        for width in ["gemm_hopper.", "gemm_hopper.n256."] {
+            let row =
+                |l: &&&str| l.contains(&format!(" {width}")) && l.contains(&format!(".{fused} "));
+            assert!(hopper.iter().any(|l| row(&l)), "{width}*.{fused}:\n{good}");
+        }
     }
     let bad = run(true);
     assert!(!bad.lines().any(|l| l.starts_with("PASS")), "{bad}");

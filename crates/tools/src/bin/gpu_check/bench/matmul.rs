@@ -3,9 +3,10 @@
 //! products, the Llama-8B projections and every product of the training step
 //! of `scripts/gpu-check.sh`, which are also summed as the step spends them.
 //! Every measured product goes into the tuning table of `TPAR_GEMM=auto`.
-//! Where the device runs the Hopper kernel, the square products also get a
-//! `.c2` row: that kernel with 2-block clusters (A multicast), beside the
-//! same cuBLASLt time, to decide whether clusters should become the default.
+//! Where the device runs the Hopper kernel, the square products also get
+//! `.c2`, `.n256` and `.n256.c2` rows: that kernel with 2-block clusters (A
+//! multicast), with 128 x 256 tiles, and with both, beside the same
+//! cuBLASLt time, to decide whether either should become the default.
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
 use tpar_kernels::cuda::ops::gemm::ours;
@@ -148,9 +149,12 @@ pub(super) fn gemm_benches(
         if let (Some(o), Some(v)) = (b.ours, b.cublaslt) {
             table.insert(GemmKey::of(&p), o, v);
         }
-        let c2 = match (hopper, pr.label) {
-            (Some(t), "square") => Some(cluster2_bench(d, t, &p, src, &b)),
-            _ => None,
+        let variants: Vec<Bench> = match (hopper, pr.label) {
+            (Some(t), "square") => HOPPER_VARIANTS
+                .iter()
+                .map(|&variant| hopper_bench(d, t, variant, &p, src, &b))
+                .collect(),
+            _ => Vec::new(),
         };
         if pr.per_step > 0 {
             let w = pr.per_step as f64;
@@ -164,7 +168,7 @@ pub(super) fn gemm_benches(
             }
         }
         out.push(b);
-        out.extend(c2);
+        out.extend(variants);
     }
     if step.0 > 0.0 {
         let note = if step.3 {
@@ -183,19 +187,42 @@ pub(super) fn gemm_benches(
     out
 }
 
-/// The `.c2` row of `base` (a square product's row): the Hopper kernel with
-/// 2-block clusters on the same operands, beside `base`'s cuBLASLt rate.
-fn cluster2_bench(d: &Dev, t: HopperTarget, p: &GemmProblem, src: DevPtr, base: &Bench) -> Bench {
+/// The Hopper kernel's launch configurations benchmarked beside the default
+/// on square products: row suffix, configuration, note.
+const HOPPER_VARIANTS: [(&str, HopperConfig, &str); 3] = [
+    (
+        "c2",
+        HopperConfig { cluster: 2, tile_n: 128 },
+        "hopper kernel, 2-block clusters (A multicast)",
+    ),
+    ("n256", HopperConfig { cluster: 1, tile_n: 256 }, "hopper kernel, 128 x 256 tiles"),
+    (
+        "n256.c2",
+        HopperConfig { cluster: 2, tile_n: 256 },
+        "hopper kernel, 128 x 256 tiles, 2-block clusters (A multicast)",
+    ),
+];
+
+/// The `.<suffix>` row of `base` (a square product's row): the Hopper
+/// kernel launched with `cfg` on the same operands, beside `base`'s
+/// cuBLASLt rate.
+fn hopper_bench(
+    d: &Dev,
+    t: HopperTarget,
+    (suffix, cfg, note): (&str, HopperConfig, &str),
+    p: &GemmProblem,
+    src: DevPtr,
+    base: &Bench,
+) -> Bench {
     let s = p.shape;
     let flops = 2.0 * (s.m * s.n * s.k) as f64;
     let mut b = Bench {
-        key: format!("{}.c2", base.key),
+        key: format!("{}.{suffix}", base.key),
         unit: "TFLOP/s",
         ours: None,
         cublaslt: base.cublaslt,
-        note: "hopper kernel, 2-block clusters (A multicast)".to_string(),
+        note: note.to_string(),
     };
-    let cfg = HopperConfig { cluster: 2 };
     match d.alloc(s.m * s.n * 2) {
         Ok(cbuf) => {
             let c = cbuf.ptr();
@@ -242,5 +269,21 @@ mod tests {
             assert!(m * k <= 8192 * 14336 && k * n <= 8192 * 14336, "{:?}", p.mnk);
         }
         assert_eq!(products(true).len(), 3);
+    }
+
+    #[test]
+    fn the_hopper_variants_are_valid_distinct_launches() {
+        let mut seen = Vec::new();
+        for (suffix, cfg, _) in HOPPER_VARIANTS {
+            let checked = HopperConfig::with_cluster(cfg.cluster)
+                .and_then(|c| c.with_tile_n(cfg.tile_n))
+                .unwrap_or_else(|e| panic!("{suffix}: {e}"));
+            assert_eq!(checked, cfg, "{suffix}");
+            assert_ne!(cfg, HopperConfig::default(), "{suffix} repeats the default row");
+            assert_eq!(suffix.contains("n256"), cfg.tile_n == 256, "{suffix}");
+            assert_eq!(suffix.contains("c2"), cfg.cluster == 2, "{suffix}");
+            assert!(!seen.contains(&cfg), "{suffix} repeats a row");
+            seen.push(cfg);
+        }
     }
 }

@@ -6,7 +6,10 @@
 //! a GPU the Llama-8B projections on sampled outputs; then the same kernel
 //! with 2-block clusters (A multicast; names `gemm_hopper.c2.*`): every
 //! layout, partial tiles with an odd tile count along N, the batch with a
-//! broadcast operand, an epilogue and a sampled projection.
+//! broadcast operand, an epilogue and a sampled projection. All of it again
+//! with 128 x 256 tiles (`HopperConfig::tile_n` 256; names
+//! `gemm_hopper.n256.*` and `gemm_hopper.n256.c2.*`), where the partial
+//! tiles reach past a multiple of 256 columns.
 
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
@@ -41,10 +44,19 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
         );
         return;
     };
+    for tile_n in [128, 256] {
+        let cfg = HopperConfig { cluster: 1, tile_n };
+        block_checks(c, (target, cfg));
+        cluster_checks(c, (target, HopperConfig { cluster: 2, ..cfg }));
+    }
+}
+
+/// Every layout and type pair, partial tiles, scales over a batch with a
+/// broadcast B, the three epilogues and (on a GPU) two sampled Llama-8B
+/// projections, without clusters at `cfg`'s tile width.
+fn block_checks(c: &mut Ctx, target: (HopperTarget, HopperConfig)) {
     let big = !c.quick;
-    let c1 = HopperConfig::default();
-    let c2 = HopperConfig { cluster: 2 };
-    let target = (target, c1);
+    let wide = target.1.tile_n == 256;
     let (m, n, k) = if big { (1024, 1024, 1024) } else { (160, 144, 96) };
     for dt in [BF16, F16] {
         for out in [dt, F32] {
@@ -54,8 +66,13 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
             }
         }
     }
-    // Partial tiles in M and N, K not a multiple of the 64-wide k step.
-    let (m, n, k) = if big { (1000, 776, 520) } else { (200, 136, 72) };
+    // Partial tiles in M and N (at 256 columns: N past a multiple of 256), K
+    // not a multiple of the 64-wide k step.
+    let (m, n, k) = match (big, wide) {
+        (true, _) => (1000, 776, 520),
+        (false, false) => (200, 136, 72),
+        (false, true) => (200, 264, 72),
+    };
     for (ta, tb) in LAYOUTS {
         let s = GemmShape { trans_a: ta, trans_b: tb, ..GemmShape::new(1, m, n, k) };
         hopper_case(c, target, GemmProblem::new(s, BF16, BF16), Fused::None);
@@ -73,11 +90,20 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
         hopper_sampled(c, target, [4096, 4096, 14336], false, false);
         hopper_sampled(c, target, [4096, 14336, 4096], false, true);
     }
-    // 2-block clusters: every layout, partial tiles with N of an odd number
-    // of tiles (the last pair's second block past N), a batch with a
-    // broadcast A (the multicast operand), an epilogue
-    let target = (target.0, c2);
-    let (m, n, k) = if big { (1000, 1160, 520) } else { (200, 264, 72) };
+}
+
+/// 2-block clusters at `cfg`'s tile width: every layout, partial tiles with
+/// N of an odd number of tiles (the last pair's second block past N), a
+/// batch with a broadcast A (the multicast operand), an epilogue and (on a
+/// GPU) a sampled projection.
+fn cluster_checks(c: &mut Ctx, target: (HopperTarget, HopperConfig)) {
+    let big = !c.quick;
+    // (at 256 columns, 1160 is 5 tiles and 520 is 3)
+    let (m, n, k) = match (big, target.1.tile_n == 256) {
+        (true, _) => (1000, 1160, 520),
+        (false, false) => (200, 264, 72),
+        (false, true) => (200, 520, 72),
+    };
     for (ta, tb) in LAYOUTS {
         let s = GemmShape { trans_a: ta, trans_b: tb, ..GemmShape::new(1, m, n, k) };
         hopper_case(c, target, GemmProblem::new(s, BF16, BF16), Fused::None);
@@ -91,12 +117,14 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
     }
 }
 
-/// The check's name prefix for a launch configuration.
+/// The check's name prefix for a launch configuration: `gemm_hopper`, then
+/// `.n256` for 128 x 256 tiles and `.c2` for 2-block clusters.
 fn prefix(cfg: HopperConfig) -> &'static str {
-    if cfg.cluster == 2 {
-        "gemm_hopper.c2"
-    } else {
-        "gemm_hopper"
+    match (cfg.tile_n == 256, cfg.cluster == 2) {
+        (false, false) => "gemm_hopper",
+        (false, true) => "gemm_hopper.c2",
+        (true, false) => "gemm_hopper.n256",
+        (true, true) => "gemm_hopper.n256.c2",
     }
 }
 
