@@ -148,3 +148,36 @@ fn the_hopper_attention_checks_run_on_an_emulated_sm_90a() {
     assert!(!bad.lines().any(|l| l.starts_with("PASS")), "{bad}");
     assert_eq!(bad.lines().filter(|l| l.contains(" sdpa_hopper.")).count(), hopper.len());
 }
+
+/// The padded-GEMM checks (`gemm_pad`: the LM head's products with operands staged
+/// in padded scratch, against the f64 reference and the unpadded run) pass on the
+/// emulator, as itself and as an `sm_90a` device, and a perturbed reference fails
+/// every one of them.
+#[test]
+fn the_padded_gemm_checks_pass_and_a_perturbed_reference_fails_them() {
+    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
+    let run = |sm90a: bool, sabotage: bool| {
+        let mut args = vec!["--device", "emulator", "--quick", "--only", "gemm_pad"];
+        if sabotage {
+            args.push("--sabotage");
+        }
+        let mut cmd = Command::new(gpu_check());
+        cmd.args(&args).env_remove(arch);
+        if sm90a {
+            cmd.env(arch, "sm_90a");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    for sm90a in [false, true] {
+        let good = run(sm90a, false);
+        let rows: Vec<&str> = good.lines().filter(|l| l.contains(" gemm_pad.")).collect();
+        // 3 layouts x 2 type pairs x beta 0 and 1, each against f64 and unpadded
+        assert_eq!(rows.len(), 24, "{good}");
+        assert!(rows.iter().all(|l| l.starts_with("PASS")), "{good}");
+        let bad = run(sm90a, true);
+        assert!(!bad.lines().any(|l| l.starts_with("PASS")), "{bad}");
+        assert_eq!(bad.lines().filter(|l| l.contains(" gemm_pad.")).count(), rows.len());
+    }
+}

@@ -3,6 +3,7 @@
 //! synchronizations, and the table that prints them.
 
 mod bandwidth;
+mod gemm_pad;
 mod matmul;
 
 use std::time::Instant;
@@ -20,6 +21,7 @@ use crate::data::Rng;
 use crate::dev::Dev;
 use crate::Res;
 use bandwidth::bandwidth_benches;
+use gemm_pad::gemm_pad_benches;
 use matmul::gemm_benches;
 
 /// One measured quantity: ours, and cuBLASLt's where it applies.
@@ -100,6 +102,9 @@ pub(crate) fn run_benches(
     // GEMM.
     if want("gemm") {
         for b in gemm_benches(d, lt, quick, s, table) {
+            push(&mut out, b);
+        }
+        for b in gemm_pad_benches(d, rng) {
             push(&mut out, b);
         }
     }

@@ -20,6 +20,7 @@ pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod gemm;
 pub(crate) mod gemm_hopper;
+pub(crate) mod gemm_pad;
 pub(crate) mod layout;
 pub(crate) mod reduce;
 pub(crate) mod rmsnorm;
@@ -88,6 +89,7 @@ impl Ctx<'_> {
 /// Runs every family of checks (those `--only` names, when given).
 pub(crate) fn run_all(c: &mut Ctx) {
     c.family("gemm", gemm::check_gemm);
+    c.family("gemm_pad", gemm_pad::check_gemm_pad);
     c.family("sdpa", sdpa::check_sdpa);
     c.family("rmsnorm", rmsnorm::check_rmsnorm);
     c.family("rope", rope::check_rope);
