@@ -54,10 +54,6 @@ struct SdpaHopperFwdArgs {
     i32 pad[13];
 };
 
-#if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define TPAR_SDPA_HOPPER_BODY 1
-#endif
-
 namespace sdpa_hopper {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -393,31 +389,16 @@ TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
 
 }  // namespace sdpa_hopper
 
-#ifdef TPAR_SDPA_HOPPER_BODY
-#define TPAR_SDPA_HOPPER_FWD(T, HD) sdpa_hopper::run<T, HD>(args)
-#else
-#define TPAR_SDPA_HOPPER_FWD(T, HD)
-#endif
-
-// 384 threads and at least one block per SM: with the minimum given, ptxas
-// knows the registers at entry, so that setmaxnreg applies (without it ptxas
-// may ignore setmaxnreg, C7508); the emulator takes the thread count alone.
-#ifndef TPAR_EMU
-#define SDPA_HOPPER_BOUNDS 384, 1
-#else
-#define SDPA_HOPPER_BOUNDS 384
-#endif
-
 // tpar_sdpa_hopper_fwd<head_dim>_<dtype>
-TPAR_KERNEL(tpar_sdpa_hopper_fwd64_bf16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), SDPA_HOPPER_BOUNDS) {
-    TPAR_SDPA_HOPPER_FWD(bf16, 64);
+TPAR_KERNEL(tpar_sdpa_hopper_fwd64_bf16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper, bf16, 64);
 }
-TPAR_KERNEL(tpar_sdpa_hopper_fwd128_bf16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), SDPA_HOPPER_BOUNDS) {
-    TPAR_SDPA_HOPPER_FWD(bf16, 128);
+TPAR_KERNEL(tpar_sdpa_hopper_fwd128_bf16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper, bf16, 128);
 }
-TPAR_KERNEL(tpar_sdpa_hopper_fwd64_f16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), SDPA_HOPPER_BOUNDS) {
-    TPAR_SDPA_HOPPER_FWD(f16, 64);
+TPAR_KERNEL(tpar_sdpa_hopper_fwd64_f16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper, f16, 64);
 }
-TPAR_KERNEL(tpar_sdpa_hopper_fwd128_f16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), SDPA_HOPPER_BOUNDS) {
-    TPAR_SDPA_HOPPER_FWD(f16, 128);
+TPAR_KERNEL(tpar_sdpa_hopper_fwd128_f16, TPAR_GRID_CONSTANT(SdpaHopperFwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper, f16, 128);
 }

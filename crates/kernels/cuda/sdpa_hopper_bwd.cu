@@ -53,10 +53,6 @@ struct SdpaHopperBwdArgs {
     i32 pad[8];
 };
 
-#if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define TPAR_SDPA_HOPPER_BWD_BODY 1
-#endif
-
 namespace sdpa_hopper_bwd {
 
 constexpr int BR = 64;   // queries per tile
@@ -183,6 +179,22 @@ TPAR_DEVICE void csync(u64* bar, u32 use) {
     mbarrier_wait_parity(bar, use & 1u);
 }
 
+// acc (BR / 2 accumulators a thread: 64 keys x 64 queries) = the 64 rows of
+// the K or V tile `kv` that consumer warpgroup `cw` owns times the Q or dO
+// tile `qt` transposed, over HD; issued, not committed (S^T = K Q^T from s.k
+// and the stage's Q, dP^T = V dO^T from s.v and its dO).
+template <typename T, int HD>
+TPAR_DEVICE void keys_by_queries(float* acc, const unsigned char* kv, const unsigned char* qt,
+                                 int cw) {
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+        const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
+        const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
+        wgmma_ss<T, BR, 0, 0>(acc, wgmma_desc(kv + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
+                              wgmma_desc(qt + qo, 16, 1024, TPAR_WG_SWIZZLE_128B), ks > 0);
+    }
+}
+
 // Consumer warpgroup `cw` (0 or 1): keys k0 + 64 cw .. + 63.
 template <typename T, int HD>
 TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& w, int cw) {
@@ -224,22 +236,8 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
             // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries, k over HD.
             float sc[BR / 2], dp[BR / 2];
             wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < HD / 16; ++ks) {
-                const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
-                const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
-                wgmma_ss<T, BR, 0, 0>(sc, wgmma_desc(s.k + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                      wgmma_desc(sq + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                      ks > 0);
-            }
-#pragma unroll
-            for (int ks = 0; ks < HD / 16; ++ks) {
-                const u32 ko = (ks / 4) * KBOX + cw * 64 * 128 + (ks % 4) * 32;
-                const u32 qo = (ks / 4) * QBOX + (ks % 4) * 32;
-                wgmma_ss<T, BR, 0, 0>(dp, wgmma_desc(s.v + ko, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                      wgmma_desc(sg + qo, 16, 1024, TPAR_WG_SWIZZLE_128B),
-                                      ks > 0);
-            }
+            keys_by_queries<T, HD>(sc, s.k, sq, cw);
+            keys_by_queries<T, HD>(dp, s.v, sg, cw);
             wgmma_commit();
             wgmma_wait<0>();
 
@@ -380,30 +378,15 @@ TPAR_DEVICE void run(const SdpaHopperBwdArgs& p) {
 
 }  // namespace sdpa_hopper_bwd
 
-// One block per SM at most (its shared memory): the minimum of 1 block lets
-// ptxas know the registers at entry, so that setmaxnreg applies; the
-// emulator takes the thread count alone.
-#ifndef TPAR_EMU
-#define SDPA_HOPPER_BWD_BOUNDS 384, 1
-#else
-#define SDPA_HOPPER_BWD_BOUNDS 384
-#endif
-
-#ifdef TPAR_SDPA_HOPPER_BWD_BODY
-#define TPAR_SDPA_HOPPER_BWD(T, HD) sdpa_hopper_bwd::run<T, HD>(args)
-#else
-#define TPAR_SDPA_HOPPER_BWD(T, HD)
-#endif
-
-TPAR_KERNEL(tpar_sdpa_bwd_hopper64_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), SDPA_HOPPER_BWD_BOUNDS) {
-    TPAR_SDPA_HOPPER_BWD(bf16, 64);
+TPAR_KERNEL(tpar_sdpa_bwd_hopper64_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper_bwd, bf16, 64);
 }
-TPAR_KERNEL(tpar_sdpa_bwd_hopper128_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), SDPA_HOPPER_BWD_BOUNDS) {
-    TPAR_SDPA_HOPPER_BWD(bf16, 128);
+TPAR_KERNEL(tpar_sdpa_bwd_hopper128_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper_bwd, bf16, 128);
 }
-TPAR_KERNEL(tpar_sdpa_bwd_hopper64_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), SDPA_HOPPER_BWD_BOUNDS) {
-    TPAR_SDPA_HOPPER_BWD(f16, 64);
+TPAR_KERNEL(tpar_sdpa_bwd_hopper64_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper_bwd, f16, 64);
 }
-TPAR_KERNEL(tpar_sdpa_bwd_hopper128_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), SDPA_HOPPER_BWD_BOUNDS) {
-    TPAR_SDPA_HOPPER_BWD(f16, 128);
+TPAR_KERNEL(tpar_sdpa_bwd_hopper128_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
+    TPAR_SDPA_HOPPER_RUN(sdpa_hopper_bwd, f16, 128);
 }

@@ -168,6 +168,29 @@ struct SdpaBwdArgs {
     i32 pad;
 };
 
+// The Hopper attention kernels (sdpa_hopper.cu's forward, sdpa_hopper_bwd.cu's
+// backward) are declared
+//   TPAR_KERNEL(name, TPAR_GRID_CONSTANT(Args), TPAR_SDPA_HOPPER_BOUNDS) {
+//       TPAR_SDPA_HOPPER_RUN(ns, T, HD);
+//   }
+// The body runs ns::run<T, HD>(args) where the build has wgmma (sm_90a, or the
+// emulator) and is empty elsewhere: the launchers pick these kernels only
+// where kernels are compiled for sm_90a. The bounds are 384 threads (a
+// producer and two consumer warpgroups) and at least one block per SM: with
+// the minimum given, ptxas knows the registers at entry, so that setmaxnreg
+// applies (it may ignore setmaxnreg otherwise, C7508); the emulator takes the
+// thread count alone.
+#if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TPAR_SDPA_HOPPER_RUN(ns, T, HD) ns::run<T, HD>(args)
+#else
+#define TPAR_SDPA_HOPPER_RUN(ns, T, HD)
+#endif
+#ifndef TPAR_EMU
+#define TPAR_SDPA_HOPPER_BOUNDS 384, 1
+#else
+#define TPAR_SDPA_HOPPER_BOUNDS 384
+#endif
+
 // ---------------------------------------------------------------- 16-byte vectors
 //
 // Raw16 is one 16-byte access. Pack16<T> converts one to and from N = 4 f32
