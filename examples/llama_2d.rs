@@ -357,6 +357,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, host: bool) -> tpar::Result<Mem
         ac: o.ac.ac.clone(),
         cp_method: o.cp_method.cp_method,
         host,
+        fusion: o.fusion,
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     };
     Ok(predict_memory(&run)?)

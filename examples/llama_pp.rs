@@ -621,6 +621,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, stage: usize) -> tpar::Result<M
         },
         cp_method: o.cp_method.cp_method,
         ac: o.ac.ac.clone(),
+        fusion: LlamaFusion { projections: o.fuse_proj, residual: o.fuse_residual },
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     };
     Ok(predict_memory_stage(&run, stage)?)

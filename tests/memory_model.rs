@@ -4,18 +4,22 @@
 //! measured one at one rank, 2x2 FSDP x TP (sequence-parallel plan), pp 2 with 1F1B,
 //! cp 2, cp 2 x tp 2 (ring attention, Megatron plan), cp 2 with the all-gather method
 //! (alone and under full activation checkpointing), full and selective activation
-//! checkpointing, and at three configurations whose largest transient is attention's
-//! backward (a sequence of 1024, hidden 128, an MLP of 128: 2 heads, 8 heads over 2 kv
-//! heads, and cp 2 over the ring), where the backward's rise over the forward's end is
-//! held to the model's gradients and transient too; a predictor that forgets the
-//! optimizer state or the activations misses by more in at least one of them. The host
-//! attention backward's gradients and scratch are checked against the allocator alone.
-//! Two more configurations, sized so that what they add is a large share of the peak,
-//! hold the differences too: interleaved 1F1B (pp 2, 2 stages per rank, 4 micro-batches)
-//! against 1F1B on the same batch, and all-gather against ring context parallelism at a
-//! long sequence. Alone in its test binary, the measuring tests one at a time (a lock):
-//! the allocator counts per rank slot, so rank threads of another test running at the
-//! same time would be counted too.
+//! checkpointing, with fused projections or the fused residual at one rank, both under
+//! 2x1 FSDP, and both asked for at 2x2 FSDP x TP (where the plan runs the layers
+//! unfused), and at four configurations whose largest transient is attention's backward
+//! (a sequence of 1024, hidden 128, an MLP of 128: 2 heads, 8 heads over 2 kv heads,
+//! cp 2 over the ring, and 2 heads under selective checkpointing, whose recompute holds
+//! the layer again beside what the checkpoint kept), where the backward's rise over the
+//! forward's end is held to the model's gradients and transient too; a predictor that
+//! forgets the optimizer state or the activations misses by more in at least one of
+//! them. The host attention backward's gradients and scratch are checked against the
+//! allocator alone. Three more pairs of configurations, sized so that what the change
+//! adds is a large share of the peak, hold the differences too: interleaved 1F1B (pp 2,
+//! 2 stages per rank, 4 micro-batches) against 1F1B on the same batch, all-gather
+//! against ring context parallelism at a long sequence, and fused against separate
+//! projections under selective checkpointing. Alone in its test binary, the measuring
+//! tests one at a time (a lock): the allocator counts per rank slot, so rank threads of
+//! another test running at the same time would be counted too.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -24,8 +28,9 @@ use tpar::collectives::RankThreads;
 use tpar::dtensor::CpMethod;
 use tpar::models::memory::{
     host_sdpa_backward_scratch, predict_memory, predict_memory_stage, AttentionCall,
-    DataParallelMode, MemoryConfig, MemoryError, TpPlan, HOST_GEMM_WORKSPACE,
+    DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate, TpPlan, HOST_GEMM_WORKSPACE,
 };
+use tpar::models::LlamaFusion;
 use tpar::prelude::*;
 use tpar::tensor::memory;
 
@@ -37,6 +42,9 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 const BATCH: usize = 2;
 const SEQ: usize = 256;
+
+/// q, k and v (and gate and up) computed by one GEMM each.
+const FUSED_PROJECTIONS: LlamaFusion = LlamaFusion { projections: true, residual: false };
 
 fn config() -> LlamaConfig {
     LlamaConfig {
@@ -65,10 +73,197 @@ fn batch_of(rows: usize, seq: usize, vocab: usize) -> (Tensor, Tensor) {
     (Tensor::from_vec(ids, [rows, seq]).unwrap(), Tensor::from_vec(tgt, [rows, seq]).unwrap())
 }
 
-/// Each rank's peak bytes over building the model and two training steps, above what
-/// the rank held before it started.
-fn measure_2d(dp: usize, tp: usize, ac: &AcPolicy) -> Vec<i64> {
-    measure_2d_with(config(), BATCH, SEQ, dp, tp, ac)
+/// One measured run: the model, `rows` sequences of `seq` tokens per dp rank (the whole
+/// batch under cp), the mesh and what the layers do. With `cp > 1` the ranks form a
+/// cp x tp mesh (context-parallel attention by `method`; the Megatron plan when
+/// `tp > 1`, whose loss is vocab-sharded and scaled by the rank's token share),
+/// otherwise a dp x tp one (the sequence-parallel plan when `tp > 1`, `fully_shard` per
+/// layer when `dp > 1`).
+#[derive(Clone)]
+struct Run {
+    cfg: LlamaConfig,
+    rows: usize,
+    seq: usize,
+    dp: usize,
+    tp: usize,
+    cp: usize,
+    method: CpMethod,
+    ac: AcPolicy,
+    fusion: LlamaFusion,
+    /// Threads of each rank's kernel pool (`None`: `RankThreads::per_rank` of the world,
+    /// as the memory model assumes).
+    threads: Option<usize>,
+}
+
+impl Run {
+    /// One rank, no checkpointing, no fusion: `rows` sequences of `seq` tokens of `cfg`.
+    fn new(cfg: LlamaConfig, rows: usize, seq: usize) -> Run {
+        Run {
+            cfg,
+            rows,
+            seq,
+            dp: 1,
+            tp: 1,
+            cp: 1,
+            method: CpMethod::Ring,
+            ac: AcPolicy::None,
+            fusion: LlamaFusion::default(),
+            threads: None,
+        }
+    }
+
+    /// [`Run::new`] of [`config`], [`BATCH`] sequences of [`SEQ`] tokens.
+    fn base() -> Run {
+        Run::new(config(), BATCH, SEQ)
+    }
+
+    /// What the memory model is given for this run.
+    fn memory_config(&self) -> MemoryConfig {
+        MemoryConfig {
+            dp: self.dp,
+            tp: self.tp,
+            cp: self.cp,
+            cp_method: self.method,
+            data_parallel: if self.dp > 1 {
+                DataParallelMode::Fsdp { param_dtype: None }
+            } else {
+                DataParallelMode::None
+            },
+            plan: if self.cp > 1 { TpPlan::Megatron } else { TpPlan::SequenceParallel },
+            ac: self.ac.clone(),
+            fusion: self.fusion,
+            host_threads: self.threads,
+            ..MemoryConfig::new(self.cfg, self.rows, self.seq)
+        }
+    }
+
+    /// The predicted memory of each rank, in rank order.
+    fn predict(&self) -> Vec<MemoryEstimate> {
+        let c = self.memory_config();
+        (0..self.dp * self.tp * self.cp).map(|_| predict_memory_stage(&c, 0).unwrap()).collect()
+    }
+
+    /// Each rank's peak over building the model and two training steps, above what the
+    /// rank held before it started.
+    fn peaks(&self) -> Vec<i64> {
+        self.measure().iter().map(|m| m.peak).collect()
+    }
+
+    /// What each rank allocated over building the model and two training steps.
+    fn measure(&self) -> Vec<Measured> {
+        let world = self.dp * self.tp * self.cp;
+        let threads = self.threads.map_or(RankThreads::per_rank(world), RankThreads::PerRank);
+        spawn_scoped(
+            SpawnConfig::new(world).timeout(Duration::from_secs(120)).threads(threads),
+            |ctx| if self.cp > 1 { self.rank_cp(ctx) } else { self.rank_2d(ctx) },
+        )
+        .unwrap()
+    }
+
+    /// One rank of a dp x tp run.
+    fn rank_2d(&self, ctx: RankCtx) -> tpar::Result<Measured> {
+        let (cfg, dp, tp, rows) = (self.cfg, self.dp, self.tp, self.rows);
+        let rank = ctx.rank();
+        let base = memory::current(rank);
+        memory::reset_peak(rank);
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
+        let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+        model.set_fusion(self.fusion);
+        if tp > 1 {
+            parallelize_llama(&mut model, &mesh["tp"], &sequence_parallel_layer_plan())?;
+        }
+        apply_activation_checkpointing(&mut model, &self.ac)?;
+        if dp > 1 {
+            let fsdp = FsdpConfig::default();
+            for layer in &mut model.base_model.layers.items {
+                fully_shard(layer, &mesh["dp"], &fsdp)?;
+            }
+            fully_shard(&mut model.base_model, &mesh["dp"], &fsdp)?;
+            fully_shard(&mut model, &mesh["dp"], &fsdp)?;
+        }
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
+        let (ids, tgt) = batch_of(rows * dp, self.seq, cfg.vocab_size);
+        let d = mesh["dp"].local_rank();
+        let (ids, tgt) = (ids.narrow(0, rows * d, rows)?, tgt.narrow(0, rows * d, rows)?);
+        let tgt = tgt.reshape([tgt.numel()])?;
+        let _lp = loss_parallel::enable(&mesh["tp"]);
+        self.train_measured(rank, base, &model, &ids, &tgt, None, &mut opt, || Ok(()))
+    }
+
+    /// Two training steps of `model` on `ids` and the flat targets `tgt` (the loss scaled by
+    /// `share` if any, `before_step` run between the backward and the optimizer step), as the
+    /// trainers run them: the logits and the loss held through the optimizer step. Returns
+    /// the peak above `base` and the second step's backward rise.
+    #[allow(clippy::too_many_arguments)]
+    fn train_measured(
+        &self,
+        rank: usize,
+        base: i64,
+        model: &LlamaForPretraining,
+        ids: &Tensor,
+        tgt: &Tensor,
+        share: Option<f64>,
+        opt: &mut AdamW,
+        before_step: impl Fn() -> tpar::Result<()>,
+    ) -> tpar::Result<Measured> {
+        let vocab = self.cfg.vocab_size as isize;
+        let mut m = Measured { peak: 0, backward_rise: 0 };
+        for _ in 0..2 {
+            let logits = model.logits(ids, None)?.reshape(&[-1, vocab])?;
+            let loss = logits.cross_entropy(tgt, -100)?;
+            let loss = match share {
+                Some(s) => loss.mul_scalar(s)?,
+                None => loss,
+            };
+            let end = memory::current(rank);
+            m.peak = m.peak.max(memory::peak(rank) - base);
+            memory::reset_peak(rank);
+            loss.backward()?;
+            m.backward_rise = memory::peak(rank) - end;
+            m.peak = m.peak.max(memory::peak(rank) - base);
+            before_step()?;
+            opt.step()?;
+            opt.zero_grad();
+            // The trainers drop the logits and the loss (and so the graph) here.
+            drop((logits, loss));
+        }
+        m.peak = m.peak.max(memory::peak(rank) - base);
+        Ok(m)
+    }
+
+    /// One rank of a cp x tp run.
+    fn rank_cp(&self, ctx: RankCtx) -> tpar::Result<Measured> {
+        use tpar::dtensor::CpLayout;
+        use tpar::models::context_parallel::{
+            all_reduce_gradients, apply_context_parallel, cp_token_share,
+        };
+        let (cfg, cp, tp) = (self.cfg, self.cp, self.tp);
+        let rank = ctx.rank();
+        let base = memory::current(rank);
+        memory::reset_peak(rank);
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[cp, tp], &["cp", "tp"])?;
+        let g = mesh.group_of("cp")?.clone();
+        let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
+        model.set_fusion(self.fusion);
+        if tp > 1 {
+            parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())?;
+        }
+        apply_activation_checkpointing(&mut model, &self.ac)?;
+        reset_parameters(&mut model, Device::Cpu, 3)?;
+        apply_context_parallel(&mut model, &g, self.method)?;
+        let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
+        let layout = CpLayout::new(self.seq, cp)?;
+        let (ids, tgt) = batch_of(self.rows, self.seq, cfg.vocab_size);
+        let ids = layout.shard(&ids, 1, g.rank())?;
+        let tgt = layout.shard(&tgt, 1, g.rank())?;
+        let tgt = tgt.reshape([tgt.numel()])?;
+        let share = cp_token_share(&tgt, -100, &g)?;
+        let _lp = loss_parallel::enable(&mesh["tp"]);
+        self.train_measured(rank, base, &model, &ids, &tgt, Some(share), &mut opt, || {
+            Ok(all_reduce_gradients(&model, &g)?)
+        })
+    }
 }
 
 /// What one rank of a measured run allocated, in bytes.
@@ -80,183 +275,6 @@ struct Measured {
     /// How far the second step's backward rose above what the rank held when the forward
     /// ended (the gradients and the backward's largest transient).
     backward_rise: i64,
-}
-
-/// Runs one training step's forward, then its backward, recording in `m` the peak so far
-/// (above `base`) and the backward's rise above the forward's end.
-fn step_measured(
-    rank: usize,
-    base: i64,
-    m: &mut Measured,
-    forward: impl FnOnce() -> tpar::Result<Value>,
-) -> tpar::Result<Value> {
-    let loss = forward()?;
-    let end = memory::current(rank);
-    m.peak = m.peak.max(memory::peak(rank) - base);
-    memory::reset_peak(rank);
-    loss.backward()?;
-    m.backward_rise = memory::peak(rank) - end;
-    m.peak = m.peak.max(memory::peak(rank) - base);
-    Ok(loss)
-}
-
-/// [`measure_2d`] for model `cfg` and `rows` sequences of `seq` tokens per dp rank.
-fn measure_2d_with(
-    cfg: LlamaConfig,
-    rows: usize,
-    seq: usize,
-    dp: usize,
-    tp: usize,
-    ac: &AcPolicy,
-) -> Vec<i64> {
-    let threads = RankThreads::per_rank(dp * tp);
-    measure_2d_steps(cfg, rows, seq, dp, tp, ac, threads).iter().map(|m| m.peak).collect()
-}
-
-/// [`measure_2d_with`] on the rank kernel pools `threads`, with each rank's backward rise.
-fn measure_2d_steps(
-    cfg: LlamaConfig,
-    rows: usize,
-    seq: usize,
-    dp: usize,
-    tp: usize,
-    ac: &AcPolicy,
-    threads: RankThreads,
-) -> Vec<Measured> {
-    let ac = ac.clone();
-    spawn_scoped(
-        SpawnConfig::new(dp * tp).timeout(Duration::from_secs(120)).threads(threads),
-        move |ctx| -> tpar::Result<Measured> {
-            let rank = ctx.rank();
-            let base = memory::current(rank);
-            memory::reset_peak(rank);
-            let mesh =
-                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
-            let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
-            if tp > 1 {
-                parallelize_llama(&mut model, &mesh["tp"], &sequence_parallel_layer_plan())?;
-            }
-            apply_activation_checkpointing(&mut model, &ac)?;
-            if dp > 1 {
-                let fsdp = FsdpConfig::default();
-                for layer in &mut model.base_model.layers.items {
-                    fully_shard(layer, &mesh["dp"], &fsdp)?;
-                }
-                fully_shard(&mut model.base_model, &mesh["dp"], &fsdp)?;
-                fully_shard(&mut model, &mesh["dp"], &fsdp)?;
-            }
-            reset_parameters(&mut model, Device::Cpu, 3)?;
-            let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
-            let (ids, tgt) = batch_of(rows * dp, seq, cfg.vocab_size);
-            let d = mesh["dp"].local_rank();
-            let (ids, tgt) = (ids.narrow(0, rows * d, rows)?, tgt.narrow(0, rows * d, rows)?);
-            let _lp = loss_parallel::enable(&mesh["tp"]);
-            let mut m = Measured { peak: 0, backward_rise: 0 };
-            for _ in 0..2 {
-                let mut logits = None;
-                let loss = step_measured(rank, base, &mut m, || {
-                    let l = model.logits(&ids, None)?.reshape(&[-1, cfg.vocab_size as isize])?;
-                    let loss = l.cross_entropy(&tgt.reshape([tgt.numel()])?, -100)?;
-                    logits = Some(l);
-                    Ok(loss)
-                })?;
-                opt.step()?;
-                opt.zero_grad();
-                // The trainers drop the logits and the loss (and so the graph) here.
-                drop((logits, loss));
-            }
-            m.peak = m.peak.max(memory::peak(rank) - base);
-            Ok(m)
-        },
-    )
-    .unwrap()
-}
-
-/// Each rank's peak over building the model and two training steps at cp x tp
-/// (context-parallel ring attention; the Megatron plan when `tp > 1`, whose loss is
-/// vocab-sharded and scaled by the rank's token share).
-fn measure_cp(cp: usize, tp: usize) -> Vec<i64> {
-    measure_cp_with(config(), BATCH, SEQ, cp, tp, CpMethod::Ring, &AcPolicy::None)
-}
-
-/// [`measure_cp`] for model `cfg`, `batch` sequences of `seq` tokens, the cp `method` and
-/// the checkpointing policy `ac`.
-fn measure_cp_with(
-    cfg: LlamaConfig,
-    batch_rows: usize,
-    seq: usize,
-    cp: usize,
-    tp: usize,
-    method: CpMethod,
-    ac: &AcPolicy,
-) -> Vec<i64> {
-    let threads = RankThreads::per_rank(cp * tp);
-    measure_cp_steps(cfg, batch_rows, seq, cp, tp, method, ac, threads)
-        .iter()
-        .map(|m| m.peak)
-        .collect()
-}
-
-/// [`measure_cp_with`] on the rank kernel pools `threads`, with each rank's backward rise.
-#[allow(clippy::too_many_arguments)]
-fn measure_cp_steps(
-    cfg: LlamaConfig,
-    batch_rows: usize,
-    seq: usize,
-    cp: usize,
-    tp: usize,
-    method: CpMethod,
-    ac: &AcPolicy,
-    threads: RankThreads,
-) -> Vec<Measured> {
-    use tpar::dtensor::CpLayout;
-    use tpar::models::context_parallel::{
-        all_reduce_gradients, apply_context_parallel, cp_token_share,
-    };
-    let ac = ac.clone();
-    spawn_scoped(
-        SpawnConfig::new(cp * tp).timeout(Duration::from_secs(120)).threads(threads),
-        move |ctx| -> tpar::Result<Measured> {
-            let rank = ctx.rank();
-            let base = memory::current(rank);
-            memory::reset_peak(rank);
-            let mesh =
-                DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[cp, tp], &["cp", "tp"])?;
-            let g = mesh.group_of("cp")?.clone();
-            let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
-            if tp > 1 {
-                parallelize_llama(&mut model, &mesh["tp"], &megatron_layer_plan())?;
-            }
-            apply_activation_checkpointing(&mut model, &ac)?;
-            reset_parameters(&mut model, Device::Cpu, 3)?;
-            apply_context_parallel(&mut model, &g, method)?;
-            let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
-            let layout = CpLayout::new(seq, cp)?;
-            let (ids, tgt) = batch_of(batch_rows, seq, cfg.vocab_size);
-            let ids = layout.shard(&ids, 1, g.rank())?;
-            let tgt = layout.shard(&tgt, 1, g.rank())?;
-            let tgt = tgt.reshape([tgt.numel()])?;
-            let share = cp_token_share(&tgt, -100, &g)?;
-            let _lp = loss_parallel::enable(&mesh["tp"]);
-            let mut m = Measured { peak: 0, backward_rise: 0 };
-            for _ in 0..2 {
-                let mut logits = None;
-                let loss = step_measured(rank, base, &mut m, || {
-                    let l = model.logits(&ids, None)?.reshape(&[-1, cfg.vocab_size as isize])?;
-                    let loss = l.cross_entropy(&tgt, -100)?.mul_scalar(share)?;
-                    logits = Some(l);
-                    Ok(loss)
-                })?;
-                all_reduce_gradients(&model, &g)?;
-                opt.step()?;
-                opt.zero_grad();
-                drop((logits, loss));
-            }
-            m.peak = m.peak.max(memory::peak(rank) - base);
-            Ok(m)
-        },
-    )
-    .unwrap()
 }
 
 /// Each pp rank's peak over building its stage and two 1F1B steps of `m` micro-batches.
@@ -334,7 +352,7 @@ fn long_config(heads: usize, kv_heads: usize) -> LlamaConfig {
 /// One configuration's predicted peak per rank (rank order) and measured peak per rank.
 struct Case {
     name: &'static str,
-    predicted: Vec<tpar::models::memory::MemoryEstimate>,
+    predicted: Vec<MemoryEstimate>,
     measured: Vec<i64>,
 }
 
@@ -342,105 +360,77 @@ struct Case {
 fn predicted_peak_is_within_15_percent_of_the_measured_one() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     assert!(memory::is_tracking());
-    let cfg = config();
-    let base = MemoryConfig::new(cfg, BATCH, SEQ);
-    let mut cases = Vec::new();
-
-    let predict_all = |c: &MemoryConfig, ranks: usize| -> Vec<_> {
-        (0..ranks).map(|r| predict_memory_stage(c, r * c.pp / ranks).unwrap()).collect()
+    let base = Run::base();
+    let case = |name: &'static str, run: &Run| Case {
+        name,
+        predicted: run.predict(),
+        measured: run.peaks(),
     };
-
-    cases.push(Case {
-        name: "single rank",
-        predicted: predict_all(&base, 1),
-        measured: measure_2d(1, 1, &AcPolicy::None),
-    });
-    let fsdp_tp = MemoryConfig {
-        dp: 2,
-        tp: 2,
-        data_parallel: DataParallelMode::Fsdp { param_dtype: None },
-        plan: TpPlan::SequenceParallel,
-        ..base.clone()
+    let fused = LlamaFusion { residual: true, ..FUSED_PROJECTIONS };
+    let fsdp_tp = Run { dp: 2, tp: 2, ..base.clone() };
+    let cp2 = Run { cp: 2, ..base.clone() };
+    let cp2_ag = Run { method: CpMethod::AllGather, ..cp2.clone() };
+    let mut cases = vec![
+        case("single rank", &base),
+        case("2x2 FSDP x TP (sp)", &fsdp_tp),
+        case("cp 2 (ring)", &cp2),
+        case("cp 2 x tp 2 (ring, megatron)", &Run { tp: 2, ..cp2.clone() }),
+        case("cp 2 (all-gather)", &cp2_ag),
+        case("cp 2 (all-gather), full AC", &Run { ac: AcPolicy::full(), ..cp2_ag }),
+        case("full AC", &Run { ac: AcPolicy::full(), ..base.clone() }),
+        case("selective AC", &Run { ac: AcPolicy::selective(), ..base.clone() }),
+        case("fused projections", &Run { fusion: FUSED_PROJECTIONS, ..base.clone() }),
+        case(
+            "fused residual",
+            &Run { fusion: LlamaFusion { projections: false, residual: true }, ..base.clone() },
+        ),
+        case(
+            "2x1 FSDP, fused projections and residual",
+            &Run { dp: 2, fusion: fused, ..base.clone() },
+        ),
+        case(
+            "2x2 FSDP x TP (sp), fusion asked (tp runs unfused)",
+            &Run { fusion: fused, ..fsdp_tp.clone() },
+        ),
+    ];
+    let pp = MemoryConfig {
+        pp: 2,
+        microbatches: 2,
+        schedule: ScheduleKind::OneFOneB,
+        ..base.memory_config()
     };
-    cases.push(Case {
-        name: "2x2 FSDP x TP (sp)",
-        predicted: predict_all(&fsdp_tp, 4),
-        measured: measure_2d(2, 2, &AcPolicy::None),
-    });
-    let pp =
-        MemoryConfig { pp: 2, microbatches: 2, schedule: ScheduleKind::OneFOneB, ..base.clone() };
+    let pp_predicted: Vec<_> = (0..2).map(|s| predict_memory_stage(&pp, s).unwrap()).collect();
+    // The highest stage is what predict_memory reports.
+    assert_eq!(
+        predict_memory(&pp).unwrap().peak,
+        pp_predicted.iter().map(|p| p.peak).max().unwrap()
+    );
     cases.push(Case {
         name: "pp 2, 1F1B, 2 micro-batches",
-        predicted: predict_all(&pp, 2),
+        predicted: pp_predicted,
         measured: measure_pp(2),
-    });
-    let cp2 = MemoryConfig { cp: 2, ..base.clone() };
-    cases.push(Case {
-        name: "cp 2 (ring)",
-        predicted: predict_all(&cp2, 2),
-        measured: measure_cp(2, 1),
-    });
-    let cp2_tp2 = MemoryConfig { cp: 2, tp: 2, plan: TpPlan::Megatron, ..base.clone() };
-    cases.push(Case {
-        name: "cp 2 x tp 2 (ring, megatron)",
-        predicted: predict_all(&cp2_tp2, 4),
-        measured: measure_cp(2, 2),
-    });
-    let cp2_ag = MemoryConfig { cp: 2, cp_method: CpMethod::AllGather, ..base.clone() };
-    cases.push(Case {
-        name: "cp 2 (all-gather)",
-        predicted: predict_all(&cp2_ag, 2),
-        measured: measure_cp_with(cfg, BATCH, SEQ, 2, 1, CpMethod::AllGather, &AcPolicy::None),
-    });
-    let cp2_ag_full = MemoryConfig { ac: AcPolicy::full(), ..cp2_ag.clone() };
-    cases.push(Case {
-        name: "cp 2 (all-gather), full AC",
-        predicted: predict_all(&cp2_ag_full, 2),
-        measured: measure_cp_with(cfg, BATCH, SEQ, 2, 1, CpMethod::AllGather, &AcPolicy::full()),
-    });
-    let full = MemoryConfig { ac: AcPolicy::full(), ..base.clone() };
-    cases.push(Case {
-        name: "full AC",
-        predicted: predict_all(&full, 1),
-        measured: measure_2d(1, 1, &AcPolicy::full()),
-    });
-    let selective = MemoryConfig { ac: AcPolicy::selective(), ..base.clone() };
-    cases.push(Case {
-        name: "selective AC",
-        predicted: predict_all(&selective, 1),
-        measured: measure_2d(1, 1, &AcPolicy::selective()),
     });
     // Long sequences and a small MLP: attention's backward is a layer's largest
     // transient. Each also checks the second step's backward rise (below). One kernel
     // thread per rank runs the attention backward's tasks in a fixed order, so the peak
     // is the same from run to run (on more threads it varies with the order).
-    let mut attention_rows = Vec::new();
-    let one = RankThreads::PerRank(1);
-    let long = long_config(2, 2);
-    let run = MemoryConfig { host_threads: Some(1), ..MemoryConfig::new(long, BATCH, LONG_SEQ) };
-    attention_rows.push((
-        "seq 1024, hidden 128, mlp 128, 2 heads",
-        predict_all(&run, 1),
-        measure_2d_steps(long, BATCH, LONG_SEQ, 1, 1, &AcPolicy::None, one),
-    ));
-    let gqa = long_config(8, 2);
-    let run = MemoryConfig { host_threads: Some(1), ..MemoryConfig::new(gqa, 1, LONG_SEQ) };
-    attention_rows.push((
-        "seq 1024, hidden 128, mlp 128, 8 heads / 2 kv heads, batch 1",
-        predict_all(&run, 1),
-        measure_2d_steps(gqa, 1, LONG_SEQ, 1, 1, &AcPolicy::None, one),
-    ));
-    let cp_long = long_config(4, 4);
-    let run = MemoryConfig {
-        cp: 2,
-        host_threads: Some(1),
-        ..MemoryConfig::new(cp_long, BATCH, LONG_SEQ)
+    let long = |heads: usize, kv_heads: usize, rows: usize| Run {
+        threads: Some(1),
+        ..Run::new(long_config(heads, kv_heads), rows, LONG_SEQ)
     };
-    attention_rows.push((
-        "seq 1024, hidden 128, mlp 128, 4 heads, cp 2 (ring)",
-        predict_all(&run, 2),
-        measure_cp_steps(cp_long, BATCH, LONG_SEQ, 2, 1, CpMethod::Ring, &AcPolicy::None, one),
-    ));
+    let attention_rows: Vec<(&str, Run)> = vec![
+        ("seq 1024, hidden 128, mlp 128, 2 heads", long(2, 2, BATCH)),
+        ("seq 1024, hidden 128, mlp 128, 8 heads / 2 kv heads, batch 1", long(8, 2, 1)),
+        ("seq 1024, hidden 128, mlp 128, 4 heads, cp 2 (ring)", Run { cp: 2, ..long(4, 4, BATCH) }),
+        (
+            "seq 1024, hidden 128, mlp 128, 2 heads, selective AC",
+            Run { ac: AcPolicy::selective(), ..long(2, 2, BATCH) },
+        ),
+    ];
+    let attention_rows: Vec<_> = attention_rows
+        .into_iter()
+        .map(|(name, run)| (name, run.predict(), run.measure()))
+        .collect();
     for (name, predicted, measured) in &attention_rows {
         cases.push(Case {
             name,
@@ -516,11 +506,6 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
     // The test can fail: a predictor without either term misses by more than 15 %.
     assert!(no_optim > 0.15, "forgetting the optimizer state is only {no_optim} off");
     assert!(no_acts > 0.15, "forgetting the activations is only {no_acts} off");
-    // The highest stage is what predict_memory reports.
-    assert_eq!(
-        predict_memory(&pp).unwrap().peak,
-        cases[2].predicted.iter().map(|p| p.peak).max().unwrap()
-    );
 }
 
 /// Predicted and measured peaks of two configurations per rank, their differences, and
@@ -530,8 +515,8 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
 /// timing).
 fn check_difference(
     what: &str,
-    (pa, ma): (&[tpar::models::memory::MemoryEstimate], &[i64]),
-    (pb, mb): (&[tpar::models::memory::MemoryEstimate], &[i64]),
+    (pa, ma): (&[MemoryEstimate], &[i64]),
+    (pb, mb): (&[MemoryEstimate], &[i64]),
     diff_tol: f64,
 ) {
     for (r, (((pa, &ma), pb), &mb)) in pa.iter().zip(ma).zip(pb).zip(mb).enumerate() {
@@ -636,15 +621,34 @@ fn interleaved_and_all_gather_add_what_the_model_predicts() {
         max_position_embeddings: seq,
         ..cfg
     };
-    let ring = MemoryConfig { cp: 2, ..MemoryConfig::new(cfg, BATCH, seq) };
-    let gather = MemoryConfig { cp_method: CpMethod::AllGather, ..ring.clone() };
-    let (pr, pg) = (predict(&ring), predict(&gather));
-    for p in pr.iter().chain(&pg) {
+    let ring = Run { cp: 2, ..Run::new(cfg, BATCH, seq) };
+    let gather = Run { method: CpMethod::AllGather, ..ring.clone() };
+    compare_runs("cp 2, seq 2048, ring -> all-gather", &ring, &gather);
+}
+
+/// [`check_difference`] of two measured runs (within 30 %), their predictions printed.
+fn compare_runs(what: &str, a: &Run, b: &Run) {
+    let (pa, pb) = (a.predict(), b.predict());
+    for p in pa.iter().chain(&pb) {
         println!("    {p}");
     }
-    let mr = measure_cp_with(cfg, BATCH, seq, 2, 1, CpMethod::Ring, &AcPolicy::None);
-    let mg = measure_cp_with(cfg, BATCH, seq, 2, 1, CpMethod::AllGather, &AcPolicy::None);
-    check_difference("cp 2, seq 2048, ring -> all-gather", (&pr, &mr), (&pg, &mg), 0.3);
+    check_difference(what, (&pa, &a.peaks()), (&pb, &b.peaks()), 0.3);
+}
+
+/// Fused projections under selective checkpointing (torchtitan's policy: attention and
+/// every second matmul): q, k and v, and gate and up, are one matmul each, so the layer
+/// has 4 matmuls where it had 7 and the checkpoint keeps the wide q/k/v and gate/up
+/// outputs instead of q, v, gate and down, and recomputes gate and up as copies. The
+/// measured difference is within 30 % of the predicted one; a model that ignores the
+/// fusion predicts none.
+#[test]
+fn fused_projections_change_what_selective_checkpointing_keeps() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    assert!(memory::is_tracking());
+    println!("| configuration | rank | predicted MiB | measured MiB | |");
+    let selective = Run { ac: AcPolicy::selective(), ..Run::base() };
+    let fused = Run { fusion: FUSED_PROJECTIONS, ..selective.clone() };
+    compare_runs("selective AC, unfused -> fused projections", &selective, &fused);
 }
 
 #[test]

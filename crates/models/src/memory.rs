@@ -41,9 +41,29 @@
 //!   **Selective** keeps the layer input and the outputs of the kept ops (by default
 //!   attention and every second matmul: q, v, gate and down): of the matmuls
 //!   (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up, `[h]` for
-//!   down, gathered or partial outputs at their local size) and attention (`[q/t]`); its
-//!   recompute adds the rest once (the normed inputs, RoPE'd q and k, the output copy,
-//!   the residual, the SwiGLU output).
+//!   down, gathered or partial outputs at their local size) and attention (`[q/t]`).
+//!   Its recompute, during the layer's backward, holds once what the layer without
+//!   checkpointing keeps (its recomputed output standing for the input, which the
+//!   checkpoint shares) less what it is handed back from the kept outputs instead of
+//!   computing: attention's output `[q/t]` and, when their matmuls are kept, gate's and
+//!   up's `[i/t]` each. The kept q, v and down outputs are not what the backward saves
+//!   (RoPE and the transpose write new q and v, the residual add saves nothing), so the
+//!   recompute makes its own beside them: by default `[2 r + 2 h + 2 q/t + 2 kv/t +
+//!   2 i/t]` with the row statistics, `r` the residual stream (`h`, or `h/t` under sp).
+//! - **Fused projections** (`MemoryConfig::fusion`, `LlamaFusion::projections`; at
+//!   `tp == 1`, where the plan lets them run) keep what the separate projections keep
+//!   without checkpointing: `Tensor::linear_many` writes q, k and v (and gate and up) as
+//!   copies split from one wide output, which is freed when the split returns, and each
+//!   piece's backward is its own projection's. Under selective checkpointing a layer then
+//!   has 4 matmuls (q/k/v, o, gate/up, down) instead of 7, so every second one keeps the
+//!   wide q/k/v output `[q + 2 kv]` and gate/up's `[2 i]` (where the separate ones keep
+//!   q, v, gate and down), and the recompute makes gate and up again as the split's
+//!   copies (`[i]` more). The fused residual (`LlamaFusion::residual`) changes no term on
+//!   the host (it is the product then the add); on a CUDA device a selective checkpoint
+//!   that keeps its GEMM keeps the residual sum the recompute then reuses (`[h]` less
+//!   each, not measured on a GPU). Not counted: the concatenated weights and the wide
+//!   output during a fused projection's forward (a layer's parameters and one layer's
+//!   q/k/v or gate/up, freed before the next op, below the backward's peak).
 //! - **Largest transient**: the biggest of (a) a layer's backward workspace: the larger
 //!   of the MLP's input gradients `[3 i/t]` with the hidden-state gradient `[h]`, and
 //!   attention's backward (below; the two do not overlap, the MLP's input gradients are
@@ -159,7 +179,7 @@ use tpar_pipeline::{Costs, Phase, Schedule, ScheduleKind};
 use tpar_tensor::checkpoint::SaveOp;
 use tpar_tensor::DType;
 
-use crate::LlamaConfig;
+use crate::{LlamaConfig, LlamaFusion};
 
 /// The GEMM kernels' packing buffers a host rank thread keeps between calls (measured
 /// with the tracking allocator on the Llama steps of `tests/memory_model.rs`).
@@ -275,6 +295,12 @@ pub struct MemoryConfig {
     /// `dp * tp * cp * pp` (this machine's cores split between the ranks); a process per
     /// rank sets its own pool's size.
     pub host_threads: Option<usize>,
+    /// The decoder layers' optional fusions (`LlamaForPretraining::set_fusion`; none by
+    /// default). They apply only where the plan allows them, which here means `tp == 1`
+    /// (a tensor-parallel plan installs styles on the projections and the layers then
+    /// run unfused). Fused projections change what a selective checkpoint keeps and
+    /// recomputes (module docs, "Fused projections"); the fused residual changes no term.
+    pub fusion: LlamaFusion,
 }
 
 impl MemoryConfig {
@@ -298,6 +324,7 @@ impl MemoryConfig {
             ac: AcPolicy::None,
             host: true,
             host_threads: None,
+            fusion: LlamaFusion::default(),
         }
     }
 }
@@ -348,7 +375,14 @@ impl fmt::Display for MemoryConfig {
                 write!(f, " ({} stages per rank)", self.stages_per_rank)?;
             }
         }
-        write!(f, ", ac {}", self.ac)
+        write!(f, ", ac {}", self.ac)?;
+        if self.fusion.projections {
+            write!(f, ", fused projections")?;
+        }
+        if self.fusion.residual {
+            write!(f, ", fused residual")?;
+        }
+        Ok(())
     }
 }
 
@@ -429,21 +463,47 @@ impl LayerShape {
         2.0 * self.resid + 2.0 * self.full + 3.0 * self.q + 2.0 * self.kv + 3.0 * self.mlp
     }
 
-    /// What a selectively checkpointed layer keeps: its input and the kept ops' outputs.
-    fn kept_selective(&self, ops: &[SaveOp]) -> f64 {
-        let matmul = ops.contains(&SaveOp::Matmul);
-        // Every second matmul (`matmul/2`, torchtitan's policy): the 1st, 3rd, 5th, 7th.
-        let every_other = !matmul && ops.iter().any(|o| o.name() == "matmul/2");
-        // The seven matmuls' outputs in order: q, k, v, o, gate, up, down.
-        let outs = [self.q, self.kv, self.kv, self.full, self.mlp, self.mlp, self.full];
-        let mm: f64 = outs
-            .iter()
-            .enumerate()
-            .filter(|(n, _)| matmul || (every_other && n % 2 == 0))
-            .map(|(_, e)| e)
-            .sum();
+    /// Which of the layer's matmuls a selective checkpoint keeping `ops` keeps, with each
+    /// one's output width, in the order they run: q, k, v, o, gate, up and down, or with
+    /// fused projections q/k/v (one output `q + 2 kv` wide), o, gate/up (`2 i`) and down.
+    /// Every second matmul (`matmul/2`, torchtitan's policy) is the 1st, 3rd, 5th, ...
+    fn matmuls(&self, ops: &[SaveOp], fused: bool) -> Vec<(bool, f64)> {
+        let all = ops.contains(&SaveOp::Matmul);
+        let every_other = !all && ops.contains(&SaveOp::EveryOtherMatmul);
+        let outs = if fused {
+            vec![self.q + 2.0 * self.kv, self.full, 2.0 * self.mlp, self.full]
+        } else {
+            vec![self.q, self.kv, self.kv, self.full, self.mlp, self.mlp, self.full]
+        };
+        outs.into_iter().enumerate().map(|(n, e)| (all || (every_other && n % 2 == 0), e)).collect()
+    }
+
+    /// What a selectively checkpointed layer keeps: its input and the kept ops' outputs
+    /// (attention's output when `ops` has [`SaveOp::Sdpa`]).
+    fn kept_selective(&self, ops: &[SaveOp], fused: bool) -> f64 {
+        let mm: f64 = self.matmuls(ops, fused).iter().filter(|m| m.0).map(|m| m.1).sum();
         let sdpa = if ops.contains(&SaveOp::Sdpa) { self.q } else { 0.0 };
         self.resid + mm + sdpa
+    }
+
+    /// What the recompute of a selectively checkpointed layer holds when it ends, beside
+    /// what the checkpoint kept: every tensor [`LayerShape::kept`] counts (the layer's
+    /// input, shared with the checkpoint, standing for the recomputed output) except those
+    /// the recompute is handed back from the kept ones instead of computing them:
+    /// attention's output when it is kept, and gate's and up's outputs when their matmul
+    /// is kept and unfused (fused, they are the split's copies of the wide output; q, k,
+    /// v, o and down's outputs are not what the backward saves, so keeping them saves
+    /// nothing here). `residual_kept` is what kept fused residual adds hand back (the
+    /// residual sums `x + o_proj(a)` and `h + down_proj(m)` that the post-attention
+    /// norm and the next layer read).
+    fn recomputed_selective(&self, ops: &[SaveOp], fused: bool, residual_kept: f64) -> f64 {
+        let sdpa = if ops.contains(&SaveOp::Sdpa) { self.q } else { 0.0 };
+        let gate_up: f64 = if fused {
+            0.0
+        } else {
+            self.matmuls(ops, false)[4..6].iter().filter(|m| m.0).map(|m| m.1).sum()
+        };
+        (self.kept() - sdpa - gate_up - residual_kept).max(0.0)
     }
 }
 
@@ -542,6 +602,10 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // Row statistics: two RMSNorm rstd per token and attention's log-sum-exp per head.
     let stats = (2.0 + m.num_attention_heads as f64 / t) * stat;
     let full_layer = tokens * (shape.kept() * abytes + stats);
+    // The fusions apply where the plan allows them: not under a tensor-parallel plan,
+    // whose styles on the projections make the layers run unfused.
+    let fuse_projections = c.fusion.projections && c.tp == 1;
+    let fuse_residual = c.fusion.residual && c.tp == 1;
     let mut recompute = 0.0f64;
     // What one micro-batch keeps on each of this rank's stages. The policy counts the
     // checkpointable layers of the module it is applied to: the stage's.
@@ -554,8 +618,20 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                     (tokens * shape.resid * abytes, full_layer)
                 }
                 AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
-                    let k = tokens * shape.kept_selective(ops) * abytes;
-                    (k, (full_layer - k + tokens * shape.resid * abytes).max(0.0))
+                    let kept = shape.kept_selective(ops, fuse_projections);
+                    // On a CUDA device a fused residual add is one GEMM, kept as the matmul
+                    // it contains: its output is the residual sum the recompute reuses.
+                    let residual_kept = if fuse_residual && !c.host {
+                        let mm = shape.matmuls(ops, fuse_projections);
+                        // o_proj's and down_proj's matmuls.
+                        let o = if fuse_projections { 1 } else { 3 };
+                        let kept = [o, mm.len() - 1].iter().filter(|&&n| mm[n].0).count();
+                        shape.resid * kept as f64
+                    } else {
+                        0.0
+                    };
+                    let again = shape.recomputed_selective(ops, fuse_projections, residual_kept);
+                    (tokens * kept * abytes, tokens * (again * abytes + stats))
                 }
                 _ => (full_layer, 0.0),
             };
