@@ -17,7 +17,7 @@ use tpar::tensor::checkpoint::{
 use tpar::tensor::memory;
 
 mod common;
-use common::llama_pipeline::{batch, loss_fn};
+use common::llama_pipeline::{batch, grads_by_fqn, loss_backward, loss_fn};
 
 #[global_allocator]
 static ALLOC: memory::TrackingAllocator = memory::TrackingAllocator;
@@ -39,14 +39,10 @@ fn bits(t: &Tensor) -> Vec<u64> {
     t.to_vec_f64().unwrap().into_iter().map(f64::to_bits).collect()
 }
 
+/// Every parameter's gradient bits by FQN (none missing).
 fn grads_of(model: &dyn Module) -> Grads {
-    named_parameters(model)
-        .into_iter()
-        .map(|(n, p)| {
-            let g = p.local().grad().unwrap_or_else(|| panic!("{n} has no gradient"));
-            (n, bits(&g))
-        })
-        .collect()
+    let to_bits = |g: Vec<f64>| g.into_iter().map(f64::to_bits).collect();
+    grads_by_fqn(model).into_iter().map(|(n, g)| (n, to_bits(g))).collect()
 }
 
 /// Loss bits, every gradient's bits and the checkpointing counts of one step of a
@@ -62,9 +58,7 @@ fn single(policy: &AcPolicy, pad: bool) -> (u64, Grads, RecomputeCounts) {
         Tensor::from_vec(m, [3, 12]).unwrap()
     });
     reset_recompute_counts();
-    let logits = model.logits(&ids, mask.as_ref()).unwrap();
-    let loss = loss_fn(cfg.vocab_size)(&logits, &tgt).unwrap().into_tensor("loss").unwrap();
-    loss.backward().unwrap();
+    let loss = loss_backward(&model, cfg.vocab_size, (&ids, &tgt), mask.as_ref()).unwrap();
     (loss.item().unwrap().to_bits(), grads_of(&model), recompute_counts())
 }
 
@@ -432,9 +426,7 @@ fn ddp(policy: &AcPolicy) -> Vec<(u64, Grads)> {
         let (ids, tgt) = batch(4, 8, cfg.vocab_size);
         let r = mesh.local_rank();
         let (ids, tgt) = (ids.narrow(0, 2 * r, 2)?, tgt.narrow(0, 2 * r, 2)?);
-        let logits = model.logits(&ids, None)?;
-        let loss = loss_fn(cfg.vocab_size)(&logits, &tgt)?.into_tensor("loss")?;
-        loss.backward()?;
+        let loss = loss_backward(&model, cfg.vocab_size, (&ids, &tgt), None)?;
         Ok((loss.item()?.to_bits(), grads_of(&model)))
     })
     .unwrap()

@@ -15,7 +15,7 @@ use tpar::prelude::*;
 use tpar::tensor::gpu::{self, EmulatedGpu};
 
 mod common;
-use common::llama_pipeline::{batch, loss_fn};
+use common::llama_pipeline::{batch, grads_by_fqn, loss_backward};
 
 type Grads = BTreeMap<String, Vec<f64>>;
 
@@ -28,17 +28,6 @@ fn config(dtype: DType) -> LlamaConfig {
 
 fn values(t: &Tensor) -> Vec<f64> {
     t.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap()
-}
-
-/// Every parameter's local gradient by FQN (none missing).
-fn grads_of(model: &dyn Module) -> Grads {
-    named_parameters(model)
-        .into_iter()
-        .map(|(n, p)| {
-            let g = p.local().grad().unwrap_or_else(|| panic!("{n} has no gradient"));
-            (n, values(&g))
-        })
-        .collect()
 }
 
 /// `got` within `tol` of `want` (relative to the larger of `floor` and the value), every
@@ -69,10 +58,8 @@ fn single(fusion: LlamaFusion, policy: &AcPolicy) -> (f64, Grads) {
     apply_activation_checkpointing(&mut model, policy).unwrap();
     model.set_fusion(fusion);
     let (ids, tgt) = batch(3, 12, cfg.vocab_size);
-    let logits = model.logits(&ids, None).unwrap();
-    let loss = loss_fn(cfg.vocab_size)(&logits, &tgt).unwrap().into_tensor("loss").unwrap();
-    loss.backward().unwrap();
-    (loss.item().unwrap(), grads_of(&model))
+    let loss = loss_backward(&model, cfg.vocab_size, (&ids, &tgt), None).unwrap();
+    (loss.item().unwrap(), grads_by_fqn(&model))
 }
 
 #[test]
@@ -127,10 +114,8 @@ fn fsdp(fusion: LlamaFusion) -> Vec<(f64, Grads)> {
             let (ids, tgt) = batch(4, 8, cfg.vocab_size);
             let r = mesh.local_rank();
             let (ids, tgt) = (ids.narrow(0, 2 * r, 2)?, tgt.narrow(0, 2 * r, 2)?);
-            let logits = model.logits(&ids, None)?;
-            let loss = loss_fn(cfg.vocab_size)(&logits, &tgt)?.into_tensor("loss")?;
-            loss.backward()?;
-            Ok((loss.item()?, grads_of(&model)))
+            let loss = loss_backward(&model, cfg.vocab_size, (&ids, &tgt), None)?;
+            Ok((loss.item()?, grads_by_fqn(&model)))
         },
     )
     .unwrap()
@@ -167,7 +152,7 @@ fn tp(fusion: LlamaFusion) -> Vec<(u64, BTreeMap<String, Vec<u64>>)> {
             let logits = model.logits(&ids, None)?.reshape(&[-1, cfg.vocab_size as isize])?;
             let loss = logits.cross_entropy(&tgt.reshape([tgt.numel()])?, -100)?;
             loss.backward()?;
-            let bits = grads_of(&model)
+            let bits = grads_by_fqn(&model)
                 .into_iter()
                 .map(|(n, g)| (n, g.into_iter().map(f64::to_bits).collect()))
                 .collect();
@@ -198,10 +183,8 @@ fn on_device(fusion: LlamaFusion) -> (f64, Grads) {
     model.set_fusion(fusion);
     let (ids, tgt) = batch(2, 9, cfg.vocab_size);
     let (ids, tgt) = (ids.to_device(dev).unwrap(), tgt.to_device(dev).unwrap());
-    let logits = model.logits(&ids, None).unwrap();
-    let loss = loss_fn(cfg.vocab_size)(&logits, &tgt).unwrap().into_tensor("loss").unwrap();
-    loss.backward().unwrap();
-    (values(&loss)[0], grads_of(&model))
+    let loss = loss_backward(&model, cfg.vocab_size, (&ids, &tgt), None).unwrap();
+    (values(&loss)[0], grads_by_fqn(&model))
 }
 
 #[test]

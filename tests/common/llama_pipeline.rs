@@ -1,4 +1,7 @@
-//! A small Llama cut into pipeline stages, its data and loss, for the pipeline tests.
+//! A small Llama cut into pipeline stages, its data and loss, for the pipeline tests;
+//! one step's loss and gradients, for the tests that compare whole-model steps.
+
+use std::collections::BTreeMap;
 
 use tpar::prelude::*;
 
@@ -17,6 +20,32 @@ pub fn loss_fn(vocab: usize) -> impl Fn(&Value, &Tensor) -> tpar::nn::Result<Val
     move |logits, t| {
         logits.reshape(&[-1, vocab as isize])?.cross_entropy(&t.reshape([t.numel()])?, -100)
     }
+}
+
+/// The loss of `model.logits(ids, mask)` against the next-token targets `tgt` (vocabulary
+/// `vocab`), backpropagated.
+pub fn loss_backward(
+    model: &LlamaForPretraining,
+    vocab: usize,
+    (ids, tgt): (&Tensor, &Tensor),
+    mask: Option<&Tensor>,
+) -> tpar::Result<Tensor> {
+    let logits = model.logits(ids, mask)?;
+    let loss = loss_fn(vocab)(&logits, tgt)?.into_tensor("loss")?;
+    loss.backward()?;
+    Ok(loss)
+}
+
+/// Every parameter's local gradient by FQN, on the host in f64 (a parameter without one
+/// panics, naming it).
+pub fn grads_by_fqn(model: &dyn Module) -> BTreeMap<String, Vec<f64>> {
+    named_parameters(model)
+        .into_iter()
+        .map(|(n, p)| {
+            let g = p.local().grad().unwrap_or_else(|| panic!("{n} has no gradient"));
+            (n, g.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap())
+        })
+        .collect()
 }
 
 /// This rank's stages of a `pp`-rank pipeline of `v` stages per rank, built on meta and
