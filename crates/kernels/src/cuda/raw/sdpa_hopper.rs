@@ -128,12 +128,17 @@ pub fn unsupported(
     b: &SdpaFwdBuffers,
 ) -> Option<String> {
     if target_of(l).is_none() {
-        return Some(format!(
-            "{} does not run sm_90a kernels (the emulator does with {EMU_ARCH_ENV}=sm_90a)",
-            l.describe()
-        ));
+        return Some(not_sm90a(l));
     }
     unsupported_call(dtype, s, b)
+}
+
+/// Why `l` does not run the kernel: it does not run `sm_90a` kernels.
+fn not_sm90a(l: &dyn Launcher) -> String {
+    format!(
+        "{} does not run sm_90a kernels (the emulator does with {EMU_ARCH_ENV}=sm_90a)",
+        l.describe()
+    )
 }
 
 /// [`unsupported`] without the device.
@@ -261,13 +266,7 @@ pub unsafe fn sdpa_forward(
     b: &SdpaFwdBuffers,
 ) -> Result<()> {
     let Some(target) = target_of(l) else {
-        return Err(bad(
-            OP,
-            format!(
-                "{} does not run sm_90a kernels (the emulator does with {EMU_ARCH_ENV}=sm_90a)",
-                l.describe()
-            ),
-        ));
+        return Err(bad(OP, not_sm90a(l)));
     };
     if s.batch == 0 || s.q_heads == 0 || s.q_len == 0 {
         // nothing to compute; the generic checks still apply
