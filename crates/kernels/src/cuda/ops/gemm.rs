@@ -69,15 +69,27 @@ impl GemmBackend {
 pub fn gemm_backend() -> GemmBackend {
     static B: OnceLock<GemmBackend> = OnceLock::new();
     *B.get_or_init(|| {
-        let Some(v) = std::env::var_os(GEMM_BACKEND_ENV) else { return GemmBackend::Auto };
-        let v = v.to_string_lossy();
-        GemmBackend::parse(v.trim()).unwrap_or_else(|| {
-            eprintln!(
-                "tpar: {GEMM_BACKEND_ENV}={v:?} names no GEMM backend (auto, ours, cublaslt or \
-                 check); using auto"
-            );
-            GemmBackend::Auto
-        })
+        let choices = "GEMM backend (auto, ours, cublaslt or check)";
+        env_choice(GEMM_BACKEND_ENV, GemmBackend::parse, choices, GemmBackend::Auto, "auto")
+    })
+}
+
+/// The value of environment variable `var` as `parse` reads it (trimmed);
+/// unset, `default`. A value `parse` rejects is reported on stderr (as naming
+/// no `choices`) and `default` (spelled `default_name`) is used; callers keep
+/// the result in a `OnceLock`, so it is reported once.
+pub(crate) fn env_choice<T>(
+    var: &str,
+    parse: fn(&str) -> Option<T>,
+    choices: &str,
+    default: T,
+    default_name: &str,
+) -> T {
+    let Some(v) = std::env::var_os(var) else { return default };
+    let v = v.to_string_lossy();
+    parse(v.trim()).unwrap_or_else(|| {
+        eprintln!("tpar: {var}={v:?} names no {choices}; using {default_name}");
+        default
     })
 }
 
@@ -345,6 +357,21 @@ mod tests {
         assert_eq!(GemmBackend::parse("vendor"), Some(GemmBackend::Vendor));
         assert_eq!(GemmBackend::parse("check"), Some(GemmBackend::Check));
         assert_eq!(GemmBackend::parse("cuBLAS"), None);
+    }
+
+    #[test]
+    fn env_choices_fall_back_to_the_default() {
+        use crate::cuda::ops::gemm_pad::PadPolicy;
+        // a variable no other test reads
+        let var = "TPAR_TEST_ENV_CHOICE";
+        let read = || env_choice(var, PadPolicy::parse, "policy", PadPolicy::Auto, "auto");
+        std::env::remove_var(var);
+        assert_eq!(read(), PadPolicy::Auto);
+        std::env::set_var(var, " never ");
+        assert_eq!(read(), PadPolicy::Never);
+        std::env::set_var(var, "sometimes");
+        assert_eq!(read(), PadPolicy::Auto);
+        std::env::remove_var(var);
     }
 
     #[test]

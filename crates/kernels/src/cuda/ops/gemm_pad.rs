@@ -51,6 +51,7 @@ use std::sync::OnceLock;
 use super::super::raw::gemm::GemmProblem;
 use super::super::raw::layout::{copy2d_batch, Block2d};
 use super::super::{DevPtr, GpuDevice};
+use super::gemm::env_choice;
 #[cfg(doc)]
 use crate::cuda::raw::gemm_hopper;
 use crate::util::bad;
@@ -104,15 +105,8 @@ impl PadPolicy {
 pub fn pad_policy() -> PadPolicy {
     static P: OnceLock<PadPolicy> = OnceLock::new();
     *P.get_or_init(|| {
-        let Some(v) = std::env::var_os(GEMM_PAD_ENV) else { return PadPolicy::Auto };
-        let v = v.to_string_lossy();
-        PadPolicy::parse(v.trim()).unwrap_or_else(|| {
-            eprintln!(
-                "tpar: {GEMM_PAD_ENV}={v:?} names no padding policy (auto, always or never); \
-                 using auto"
-            );
-            PadPolicy::Auto
-        })
+        let choices = "padding policy (auto, always or never)";
+        env_choice(GEMM_PAD_ENV, PadPolicy::parse, choices, PadPolicy::Auto, "auto")
     })
 }
 
