@@ -17,7 +17,8 @@
 //! adds is a large share of the peak, hold the differences too: interleaved 1F1B (pp 2,
 //! 2 stages per rank, 4 micro-batches) against 1F1B on the same batch, all-gather
 //! against ring context parallelism at a long sequence, and fused against separate
-//! projections under selective checkpointing. Alone in its test binary, the measuring
+//! projections under selective checkpointing (and, without measuring, the fusions move
+//! the prediction only where they run). Alone in its test binary, the measuring
 //! tests one at a time (a lock): the allocator counts per rank slot, so rank threads of
 //! another test running at the same time would be counted too.
 
@@ -649,6 +650,32 @@ fn fused_projections_change_what_selective_checkpointing_keeps() {
     let selective = Run { ac: AcPolicy::selective(), ..Run::base() };
     let fused = Run { fusion: FUSED_PROJECTIONS, ..selective.clone() };
     compare_runs("selective AC, unfused -> fused projections", &selective, &fused);
+}
+
+/// The fusions change the prediction only where they run: fused projections under
+/// selective checkpointing at `tp == 1`; not without checkpointing, and not under a
+/// tensor-parallel plan (whose styles on the projections make the layers run unfused, as
+/// the 2x2 row of the 15 % table measures); the fused residual changes no term on the
+/// host. The configuration names the fusions.
+#[test]
+fn fusion_changes_the_prediction_only_where_it_runs() {
+    let peak = |run: &Run| predict_memory(&run.memory_config()).unwrap().peak;
+    let both = LlamaFusion { residual: true, ..FUSED_PROJECTIONS };
+    let residual = LlamaFusion { projections: false, residual: true };
+    let selective = Run { ac: AcPolicy::selective(), ..Run::base() };
+    let fused = Run { fusion: FUSED_PROJECTIONS, ..selective.clone() };
+    assert!(peak(&fused) > peak(&selective), "{} vs {}", peak(&fused), peak(&selective));
+    for (what, run) in [
+        ("no checkpointing", Run::base()),
+        ("2x2 FSDP x TP, selective", Run { dp: 2, tp: 2, ..selective.clone() }),
+        ("cp 2 x tp 2, selective", Run { cp: 2, tp: 2, ..selective.clone() }),
+    ] {
+        let fused = Run { fusion: both, ..run.clone() };
+        assert_eq!(peak(&fused), peak(&run), "{what}: fused projections and residual");
+    }
+    assert_eq!(peak(&Run { fusion: residual, ..selective.clone() }), peak(&selective));
+    let text = predict_memory(&fused.memory_config()).unwrap().config;
+    assert!(text.ends_with("fused projections"), "{text}");
 }
 
 #[test]
