@@ -132,7 +132,7 @@ pub fn gemm(
     gemm_with(dev, p, a, b, c, gemm_backend(), pad_policy())
 }
 
-/// [`gemm`] with an explicit backend and padding policy (what the
+/// [`gemm()`] with an explicit backend and padding policy (what the
 /// environment variables choose otherwise): `gpu_check --bench` times each
 /// pair. [`GemmBackend::Check`] never pads (it compares the two backends on
 /// the caller's operands).

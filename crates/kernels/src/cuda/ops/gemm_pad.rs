@@ -28,13 +28,15 @@
 //!
 //! Numerics: the kernels' reduction order does not depend on the strides, so
 //! a padded run gives the bits an unpadded run of the same kernel gives on
-//! the same values. Padding A or B can change which kernel runs: on `sm_90a`
-//! the Hopper kernel instead of the `mma.sync` fallback (a different
-//! accumulation order, so results agree to the dtype's rounding, not
-//! bitwise); elsewhere the vectorized `mma.sync` kernel instead of its
-//! element-wise form (both walk K in the same 32-element slices with the
-//! same tensor-core instructions; the emulator tests say whether the bits
-//! agree, `tests/emu_gemm_pad.rs`).
+//! the same values (`tests/emu_gemm_pad.rs` asserts it against operands the
+//! test lays out aligned itself). Padding A or B can change which kernel
+//! runs: on `sm_90a` the Hopper kernel instead of the `mma.sync` fallback,
+//! elsewhere the vectorized `mma.sync` kernel instead of its element-wise
+//! form. Those pairs are only promised to agree within the output type's
+//! rounding (the tests check both against an f64 reference); in the
+//! emulator, whose tensor-core instructions accumulate each K step of 16 in
+//! the same order for every kernel, their bits were also equal in every
+//! case tested, which a GPU need not reproduce.
 //!
 //! When ([`PadPolicy`], [`GEMM_PAD_ENV`]): by default ([`PadPolicy::Auto`])
 //! only for tpar's kernel, only for products of at least [`PAD_MIN_WORK`]
