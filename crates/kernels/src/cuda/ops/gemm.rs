@@ -2,7 +2,7 @@
 //! `C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b]`;
 //! [`crate::cuda::raw::gemm`] documents the kernels, layouts and tiles.
 //!
-//! [`gemm`] runs on tpar's kernel or on the device's vendor library
+//! [`gemm()`] runs on tpar's kernel or on the device's vendor library
 //! (cuBLASLt), as [`GEMM_BACKEND_ENV`] says; see [`GemmBackend`]. By default
 //! ([`GemmBackend::Auto`]) the choice is per problem, from a tuning table
 //! measured on the device ([`super::gemm_tune`]).
@@ -25,11 +25,11 @@ pub use crate::cuda::raw::gemm::{GemmLaunch, GemmProblem, GemmTile, MAX_BATCH, M
 use crate::cuda::{CudaDType, DevPtr, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
-/// Environment variable choosing [`gemm`]'s backend: `auto`, `ours`,
+/// Environment variable choosing [`gemm()`]'s backend: `auto`, `ours`,
 /// `cublaslt` or `check` (see [`GemmBackend`]); read once per process.
 pub const GEMM_BACKEND_ENV: &str = "TPAR_GEMM";
 
-/// Which GEMM [`gemm`] runs on a GPU.
+/// Which GEMM [`gemm()`] runs on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmBackend {
     /// Per problem, by measurement: tpar's kernel where the tuning table of
