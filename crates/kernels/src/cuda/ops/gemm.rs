@@ -7,6 +7,12 @@
 //! ([`GemmBackend::Auto`]) the choice is per problem, from a tuning table
 //! measured on the device ([`super::gemm_tune`]).
 //!
+//! On a device that runs the Hopper kernel, tpar's kernel launches in the
+//! configuration [`hopper_config`] picks per problem: the one
+//! `TPAR_GEMM_TILE_N` / `TPAR_GEMM_CLUSTER` name where either is set, else
+//! the one the tuning table measured fastest for the problem, else the
+//! default.
+//!
 //! Operands whose rows are not 16-byte aligned (the LM head's vocabulary of
 //! 259) are staged in padded scratch first where that lets tpar's kernel take
 //! its aligned path, as [`super::gemm_pad::GEMM_PAD_ENV`] says; see
@@ -22,6 +28,9 @@ use super::gemm_tune::{GemmTable, GEMM_TABLE_ENV};
 use super::Check;
 use crate::cuda::raw::gemm as raw;
 pub use crate::cuda::raw::gemm::{GemmLaunch, GemmProblem, GemmTile, MAX_BATCH, MAX_DIM};
+use crate::cuda::raw::gemm_hopper::{
+    self, unsupported, Epilogue, HopperConfig, HopperTarget, CLUSTER_ENV, TILE_N_ENV,
+};
 use crate::cuda::{CudaDType, DevPtr, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
@@ -195,8 +204,25 @@ fn vendor_first_on(dev: &dyn GpuDevice, p: &GemmProblem, backend: GemmBackend) -
     }
 }
 
-/// Runs `p` on tpar's own kernel for `dev` (what `TPAR_GEMM=ours` runs, and
-/// what `gpu_check --bench` measures as "ours").
+/// The Hopper kernel's launch configuration for `p` on `dev` (used by
+/// [`ours`] and the fused epilogue GEMM): the environment's where
+/// [`CLUSTER_ENV`] or [`TILE_N_ENV`] is set to a non-empty value (explicit
+/// wins; [`HopperConfig::from_env`], a bad value is an error naming it), else
+/// the configuration the tuning table of [`GEMM_TABLE_ENV`] measured fastest
+/// for `p` on this kind of device ([`GemmTable::hopper_config`]), else the
+/// default. The variables are read on every call, the table once.
+pub fn hopper_config(dev: &dyn GpuDevice, p: &GemmProblem) -> Result<HopperConfig> {
+    let set = |var| std::env::var_os(var).is_some_and(|v| !v.to_string_lossy().trim().is_empty());
+    if set(CLUSTER_ENV) || set(TILE_N_ENV) {
+        return HopperConfig::from_env();
+    }
+    Ok(gemm_table().and_then(|t| t.hopper_config(&dev.describe(), p)).unwrap_or_default())
+}
+
+/// Runs `p` on tpar's own kernel for `dev` (what `TPAR_GEMM=ours` runs): on
+/// the Hopper kernel in the configuration of [`hopper_config`] where `dev`
+/// runs `sm_90a` kernels and the kernel takes `p`, else on the `mma.sync`
+/// kernel.
 ///
 /// # Safety
 /// As [`raw::gemm`]: `a`, `b` and `c` are `dev`'s memory covering every
@@ -208,11 +234,48 @@ pub unsafe fn ours(
     b: DevPtr,
     c: DevPtr,
 ) -> Result<()> {
-    // The Hopper kernel where `dev` runs sm_90a kernels and it takes `p`
-    // (see `raw::gemm_hopper`), else the mma.sync kernel.
     // SAFETY: forwarded from the caller.
-    if unsafe { crate::cuda::raw::gemm_hopper::gemm_if_supported(dev, p, a, b, c)? } {
-        return Ok(());
+    unsafe { ours_in(dev, p, None, a, b, c) }
+}
+
+/// [`ours`] with an explicit Hopper configuration (used where `dev` runs the
+/// Hopper kernel and it takes `p`): what `gpu_check --bench` times per
+/// configuration.
+///
+/// # Safety
+/// As [`ours`].
+pub unsafe fn ours_with(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    cfg: HopperConfig,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe { ours_in(dev, p, Some(cfg), a, b, c) }
+}
+
+/// [`ours`] in `cfg`, or in [`hopper_config`]'s choice when `None`.
+///
+/// # Safety
+/// As [`ours`].
+unsafe fn ours_in(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    cfg: Option<HopperConfig>,
+    a: DevPtr,
+    b: DevPtr,
+    c: DevPtr,
+) -> Result<()> {
+    if let Some(t) = HopperTarget::of(dev).filter(|_| unsupported(p, a, b).is_none()) {
+        let cfg = match cfg {
+            Some(c) => c,
+            None => hopper_config(dev, p)?,
+        };
+        let epi = Epilogue::default();
+        // SAFETY: forwarded from the caller; the kernel takes `p`.
+        return unsafe { gemm_hopper::gemm_with(dev, t, cfg, p, &epi, a, b, c) };
     }
     // SAFETY: forwarded from the caller.
     unsafe { raw::gemm_with_tile(dev, p, p.default_tile(), a, b, c) }

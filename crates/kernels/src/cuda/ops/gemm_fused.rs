@@ -28,8 +28,13 @@
 //! of which computes in f32). For an f32 C the two agree to f32 rounding;
 //! for bf16 or f16 they differ by up to a few units in the last place of
 //! the output's dtype.
+//!
+//! The fused path launches the Hopper kernel in the configuration
+//! [`super::gemm::hopper_config`] picks for the problem (as the plain GEMM
+//! does): `TPAR_GEMM_TILE_N` / `TPAR_GEMM_CLUSTER` where set, else the
+//! tuning table's, else the default.
 
-use super::gemm::{operands, vendor_first};
+use super::gemm::{hopper_config, operands, vendor_first};
 use super::{pitched, Check};
 use crate::cuda::raw::elementwise as ew;
 use crate::cuda::raw::gemm::GemmProblem;
@@ -166,11 +171,12 @@ pub fn gemm_fused_via(
         }
     };
     if let Some(t) = target {
+        let cfg = hopper_config(dev, p)?;
         // SAFETY: `operands` and `epilogue` checked that A, B, C, the bias and
         // the matrix are live buffers in `dev`'s memory covering every element
         // the problem reaches, in their dtypes; `c` is an exclusive borrow, so
         // C overlaps none of the views read.
-        unsafe { gemm_hopper::gemm(dev, t, p, &raw_epi, ap, bp, cp)? };
+        unsafe { gemm_hopper::gemm_with(dev, t, cfg, p, &raw_epi, ap, bp, cp)? };
         return Ok(EpiloguePath::Fused);
     }
     super::gemm::gemm(dev, p, a, b, c.reborrow())?;

@@ -8,24 +8,42 @@
 //! vendor library on the same kind of device, the vendor library everywhere
 //! else (shapes never measured included).
 //!
-//! The text format, one record per line (`#` starts a comment):
+//! On a device that runs the Hopper kernel, `gpu_check --bench` times tpar's
+//! kernel in each launch configuration of [`HOPPER_CONFIGS`] and records the
+//! fastest ([`best_config`]): its rate as `ours` and the configuration as
+//! `hopper=`. [`GemmTable::hopper_config`] hands that configuration to
+//! tpar's kernel for the problem (`ops::gemm::hopper_config`: unless
+//! `TPAR_GEMM_TILE_N` or `TPAR_GEMM_CLUSTER` is set, which wins), so one
+//! measured table decides both the backend and the Hopper configuration per
+//! shape. A record without `hopper=` (tables written before it existed, and
+//! devices without the Hopper kernel) means the default configuration.
+//! No table has been measured on a GPU yet.
+//!
+//! The text format, one record per line (`#` starts a comment); `hopper=`
+//! is `n<tile width>c<cluster size>` ([`HopperConfig`]'s display form) and
+//! optional:
 //!
 //! ```text
 //! device (sm_90, NVIDIA H200)
-//! gemm bf16>bf16 nt b1 8192x1024x1024 ours=512.3 cublaslt=640.0
+//! gemm bf16>bf16 nt b1 8192x1024x1024 ours=512.3 cublaslt=640.0 hopper=n256c2
+//! gemm bf16>bf16 nn b1 8192x1024x1024 ours=498.0 cublaslt=610.5
 //! ```
 //!
 //! ```
-//! use tpar_kernels::cuda::ops::gemm_tune::{GemmKey, GemmTable};
+//! use tpar_kernels::cuda::ops::gemm_tune::{GemmKey, GemmRates, GemmTable};
 //! use tpar_kernels::cuda::raw::gemm::GemmProblem;
+//! use tpar_kernels::cuda::raw::gemm_hopper::HopperConfig;
 //! use tpar_kernels::cuda::CudaDType::BF16;
 //! use tpar_kernels::gemm::GemmShape;
 //! let p = GemmProblem::new(GemmShape { trans_b: true, ..GemmShape::new(1, 64, 32, 16) }, BF16, BF16);
+//! let n256c2 = HopperConfig { tile_n: 256, cluster: 2 };
 //! let mut t = GemmTable::new("(sm_90, NVIDIA H200)");
-//! t.insert(GemmKey::of(&p), 410.0, 400.0);
+//! t.insert_rates(GemmKey::of(&p), GemmRates { ours: 410.0, vendor: 400.0, hopper: Some(n256c2) });
 //! let back = GemmTable::parse(&t.to_text())?;
 //! assert!(back.prefers_ours("cuda:1 (sm_90, NVIDIA H200)", &p));
 //! assert!(!back.prefers_ours("cuda:0 (sm_80, NVIDIA A100)", &p));
+//! assert_eq!(back.hopper_config("cuda:1 (sm_90, NVIDIA H200)", &p), Some(n256c2));
+//! assert_eq!(back.hopper_config("cuda:0 (sm_80, NVIDIA A100)", &p), None);
 //! # Ok::<(), tpar_kernels::KernelError>(())
 //! ```
 
@@ -33,6 +51,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use crate::cuda::raw::gemm::GemmProblem;
+use crate::cuda::raw::gemm_hopper::HopperConfig;
 use crate::cuda::CudaDType;
 use crate::util::bad;
 use crate::Result;
@@ -104,10 +123,33 @@ impl fmt::Display for GemmKey {
 /// Measured throughputs (any one unit, e.g. TFLOP/s) of one problem.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmRates {
-    /// tpar's kernel.
+    /// tpar's kernel (in the configuration `hopper` names, where it is set).
     pub ours: f64,
     /// The vendor library (cuBLASLt).
     pub vendor: f64,
+    /// The Hopper kernel's launch configuration that gave `ours` (the
+    /// fastest measured); `None`: the default (not measured per
+    /// configuration, or no Hopper kernel on the device).
+    pub hopper: Option<HopperConfig>,
+}
+
+/// The Hopper kernel's launch configurations `gpu_check --bench` times per
+/// product, the default first.
+pub const HOPPER_CONFIGS: [HopperConfig; 4] = [
+    HopperConfig { tile_n: 128, cluster: 1 },
+    HopperConfig { tile_n: 128, cluster: 2 },
+    HopperConfig { tile_n: 256, cluster: 1 },
+    HopperConfig { tile_n: 256, cluster: 2 },
+];
+
+/// The fastest of `measured` (configuration, throughput) pairs: the highest
+/// finite rate; of equal rates the first listed (list the default first, so
+/// a tie keeps it). `None` when no rate is finite.
+pub fn best_config(measured: &[(HopperConfig, f64)]) -> Option<(HopperConfig, f64)> {
+    measured.iter().filter(|(_, r)| r.is_finite()).fold(None, |best, &(c, r)| match best {
+        Some((_, b)) if b >= r => best,
+        _ => Some((c, r)),
+    })
 }
 
 /// Throughputs per problem, measured on one kind of device.
@@ -140,9 +182,16 @@ impl GemmTable {
         &self.device
     }
 
-    /// Records (or replaces) a problem's throughputs.
+    /// Records (or replaces) a problem's throughputs, tpar's kernel in its
+    /// default configuration.
     pub fn insert(&mut self, key: GemmKey, ours: f64, vendor: f64) {
-        self.rows.insert(key, GemmRates { ours, vendor });
+        self.insert_rates(key, GemmRates { ours, vendor, hopper: None });
+    }
+
+    /// Records (or replaces) a problem's throughputs and the Hopper
+    /// configuration that gave `ours`.
+    pub fn insert_rates(&mut self, key: GemmKey, rates: GemmRates) {
+        self.rows.insert(key, rates);
     }
 
     /// The throughputs recorded for `key`.
@@ -168,12 +217,26 @@ impl GemmTable {
             && self.get(&GemmKey::of(p)).is_some_and(|r| r.ours >= r.vendor)
     }
 
+    /// The Hopper kernel's launch configuration for `p` on the device
+    /// `describe`d: the one the table measured fastest for `p`'s key (the
+    /// default where its record names none), when the table was measured on
+    /// that kind of device and has the key; `None` otherwise.
+    pub fn hopper_config(&self, describe: &str, p: &GemmProblem) -> Option<HopperConfig> {
+        if device_kind(describe) != self.device {
+            return None;
+        }
+        self.get(&GemmKey::of(p)).map(|r| r.hopper.unwrap_or_default())
+    }
+
     /// The table as text, rows sorted ([`GemmTable::parse`] reads it back).
     pub fn to_text(&self) -> String {
         let mut rows: Vec<String> = self
             .rows
             .iter()
-            .map(|(k, r)| format!("gemm {k} ours={} cublaslt={}\n", r.ours, r.vendor))
+            .map(|(k, r)| {
+                let cfg = r.hopper.map(|c| format!(" hopper={c}")).unwrap_or_default();
+                format!("gemm {k} ours={} cublaslt={}{cfg}\n", r.ours, r.vendor)
+            })
             .collect();
         rows.sort();
         format!("device {}\n{}", self.device, rows.concat())
@@ -221,9 +284,19 @@ fn dtype(s: &str) -> std::result::Result<CudaDType, String> {
 
 fn parse_row(rest: &str) -> std::result::Result<(GemmKey, GemmRates), String> {
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let [types, layout, batch, mnk, ours, vendor] = f[..] else {
-        return Err(format!("{} fields where 6 are expected", f.len()));
+    let (fixed, hopper) = match f[..] {
+        [ref fixed @ .., last] if f.len() == 7 => (fixed, Some(last)),
+        ref fixed => (fixed, None),
     };
+    let [types, layout, batch, mnk, ours, vendor] = fixed[..] else {
+        return Err(format!("{} fields where 6 (or 7 with hopper=) are expected", f.len()));
+    };
+    let hopper = hopper
+        .map(|h| {
+            let cfg = h.strip_prefix("hopper=").ok_or(format!("{h:?} is not hopper=<config>"))?;
+            HopperConfig::parse(cfg).map_err(|e| e.to_string())
+        })
+        .transpose()?;
     let (din, dout) = types.split_once('>').ok_or("dtypes are written in>out")?;
     let lay: Vec<char> = layout.chars().collect();
     let flag = |c: char| match c {
@@ -257,7 +330,9 @@ fn parse_row(rest: &str) -> std::result::Result<(GemmKey, GemmRates), String> {
         n: num(n, "n")?,
         k: num(k, "k")?,
     };
-    Ok((key, GemmRates { ours: rate(ours, "ours=")?, vendor: rate(vendor, "cublaslt=")? }))
+    let rates =
+        GemmRates { ours: rate(ours, "ours=")?, vendor: rate(vendor, "cublaslt=")?, hopper };
+    Ok((key, rates))
 }
 
 #[cfg(test)]
@@ -310,10 +385,71 @@ mod tests {
             (format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=-1 cublaslt=1"), "ours="),
             (format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=1"), "5 fields"),
             (format!("{dev}gemmm"), "neither"),
+            (format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=1 cublaslt=1 n256c2"), "hopper="),
+            (format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=1 cublaslt=1 hopper=n256"), "n256"),
+            (
+                format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=1 cublaslt=1 hopper=n512c1"),
+                "tile width 512",
+            ),
+            (
+                format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=1 cublaslt=1 hopper=n128c4"),
+                "cluster size 4",
+            ),
+            (format!("{dev}gemm bf16>bf16 nn b1 1x1x1 ours=1 cublaslt=1 hopper=n1 c2"), "8 fields"),
         ] {
             let e = GemmTable::parse(&text).unwrap_err().to_string();
             assert!(e.contains(want), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn each_record_keeps_its_hopper_config_and_old_records_mean_the_default() {
+        let h200 = "cuda:0 (sm_90, NVIDIA H200)";
+        let (wide, old, lost) = (
+            problem(false, true, 8192, 1024, 1024),
+            problem(false, false, 8192, 1024, 1024),
+            problem(true, false, 1024, 1024, 8192),
+        );
+        let text = "device (sm_90, NVIDIA H200)\n\
+            gemm bf16>bf16 nt b1 8192x1024x1024 ours=512.3 cublaslt=640 hopper=n256c2\n\
+            gemm bf16>bf16 nn b1 8192x1024x1024 ours=498 cublaslt=610.5 # written before hopper=\n\
+            gemm bf16>bf16 tn b1 1024x1024x8192 ours=700 cublaslt=610.5 hopper=n128c2\n";
+        let t = GemmTable::parse(text).unwrap();
+        let n256c2 = HopperConfig { tile_n: 256, cluster: 2 };
+        assert_eq!(t.hopper_config(h200, &wide), Some(n256c2));
+        assert_eq!(t.hopper_config(h200, &old), Some(HopperConfig::default()));
+        assert_eq!(t.hopper_config(h200, &lost), Some(HopperConfig { tile_n: 128, cluster: 2 }));
+        assert_eq!(t.hopper_config(h200, &problem(false, true, 64, 64, 64)), None);
+        assert_eq!(t.hopper_config("cuda:0 (sm_90, NVIDIA H100 80GB HBM3)", &wide), None);
+        assert_eq!(t.get(&GemmKey::of(&old)).unwrap().hopper, None);
+        // Round trip: the configuration is written back only where recorded.
+        let back = t.to_text();
+        assert!(back.contains("nt b1 8192x1024x1024 ours=512.3 cublaslt=640 hopper=n256c2\n"));
+        assert!(back.contains("nn b1 8192x1024x1024 ours=498 cublaslt=610.5\n"), "{back}");
+        assert_eq!(GemmTable::parse(&back).unwrap(), t);
+        // Every configuration's display form reads back as itself.
+        for c in HOPPER_CONFIGS {
+            assert_eq!(HopperConfig::parse(&c.to_string()).unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn the_best_config_is_the_fastest_and_a_tie_keeps_the_first() {
+        let [d, c2, n256, n256c2] = HOPPER_CONFIGS;
+        assert_eq!(d, HopperConfig::default(), "the default is listed first");
+        let best = |m: &[(HopperConfig, f64)]| best_config(m);
+        assert_eq!(
+            best(&[(d, 500.0), (c2, 520.0), (n256, 610.0), (n256c2, 590.0)]),
+            Some((n256, 610.0))
+        );
+        assert_eq!(
+            best(&[(d, 500.0), (c2, 480.0), (n256, 470.0), (n256c2, 460.0)]),
+            Some((d, 500.0))
+        );
+        assert_eq!(best(&[(d, 500.0), (c2, 500.0)]), Some((d, 500.0)), "a tie keeps the default");
+        assert_eq!(best(&[(d, f64::NAN), (n256c2, 3.0)]), Some((n256c2, 3.0)));
+        assert_eq!(best(&[(d, f64::NAN)]), None);
+        assert_eq!(best(&[]), None);
     }
 
     #[test]

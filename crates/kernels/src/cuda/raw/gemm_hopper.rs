@@ -238,6 +238,24 @@ impl HopperConfig {
         Ok(())
     }
 
+    /// Reads [`HopperConfig`]'s display form, `n<tile_n>c<cluster>`
+    /// (`n128c1` is the default, `n256c2` 128 x 256 tiles in 2-block
+    /// clusters); other text, or a width or cluster size the kernel does not
+    /// take, is an error naming it.
+    pub fn parse(text: &str) -> Result<HopperConfig> {
+        let fields = text.strip_prefix('n').and_then(|r| r.split_once('c'));
+        let num = |s: &str| s.parse::<u32>().ok().filter(|_| s.bytes().all(|b| b.is_ascii_digit()));
+        let Some((Some(tile_n), Some(cluster))) = fields.map(|(t, c)| (num(t), num(c))) else {
+            return Err(bad(
+                OP,
+                format!("launch configuration {text:?} is not n<tile width>c<cluster size>"),
+            ));
+        };
+        let c = HopperConfig { cluster, tile_n };
+        c.check()?;
+        Ok(c)
+    }
+
     /// Rows and columns of C per tile: (128, [`HopperConfig::tile_n`]).
     pub fn tile(&self) -> (usize, usize) {
         (128, self.tile_n as usize)
@@ -253,6 +271,14 @@ impl HopperConfig {
     /// C's tensor-map box): the whole tile at 128, 64 at 256.
     fn epilogue_cols(&self) -> u32 {
         stages_and_chunk(self.tile_n).1
+    }
+}
+
+impl std::fmt::Display for HopperConfig {
+    /// `n<tile_n>c<cluster>`, e.g. `n256c2` ([`HopperConfig::parse`] reads
+    /// it back).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "n{}c{}", self.tile_n, self.cluster)
     }
 }
 

@@ -36,18 +36,22 @@
 //! Llama-8B projections 4096x4096x14336 and 4096x14336x4096 in bf16 checked on
 //! 256 sampled outputs against an f64 dot product, attention at 1k tokens with
 //! 32/8 heads of 128); with `--quick`, and always in the CPU emulator, tiny.
-//! Families (for `--only`): gemm, sdpa, rmsnorm, rope, cross_entropy,
-//! embedding, adamw, reduce, elementwise, layout. With `--bench`, `--only`
-//! also picks the benchmarks: GEMM for `gemm`, attention for `sdpa`, the
-//! memory-bound ones for any other family.
+//! Families (for `--only`): gemm, gemm_pad, sdpa, rmsnorm, rope,
+//! cross_entropy, embedding, adamw, reduce, elementwise, layout. With `--bench`, `--only`
+//! also picks the benchmarks: GEMM for `gemm`, the padded LM-head products
+//! for `gemm` and `gemm_pad`, attention for `sdpa`, the memory-bound ones for
+//! any other family.
 //!
 //! Part 2, `--bench` (GPU only): bf16 GEMM TFLOP/s, ours and cuBLASLt, for
 //! 4096^3 and 8192^3 (NN, NT, TN), the Llama-8B projections at 8192 tokens
 //! (NN, NT), and every product of the training step of `scripts/gpu-check.sh`
 //! (each linear's forward NT, input-gradient NN and weight-gradient TN),
 //! summed as `gemm.step.sum` with each product weighted by its count per
-//! step; every product measured on both goes into the tuning table of
-//! `TPAR_GEMM=auto`, printed after the benchmarks and written by
+//! step; where the device runs the Hopper kernel, every product also in each
+//! of its four launch configurations (`.best` rows: the fastest, and
+//! `gemm.step.sum.best`); every product measured on both goes into the tuning
+//! table of `TPAR_GEMM=auto` (with the fastest Hopper configuration as
+//! `hopper=`), printed after the benchmarks and written by
 //! `--gemm-table PATH`;
 //! causal GQA attention (32 q / 8 kv heads of 128, batch x seq = 16k tokens)
 //! forward and forward+backward TFLOP/s at seq 1k..8k, at the first two with

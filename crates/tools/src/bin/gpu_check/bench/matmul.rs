@@ -3,16 +3,27 @@
 //! products, the Llama-8B projections and every product of the training step
 //! of `scripts/gpu-check.sh`, which are also summed as the step spends them.
 //! Every measured product goes into the tuning table of `TPAR_GEMM=auto`.
-//! Where the device runs the Hopper kernel, the square products also get
-//! `.c2`, `.n256` and `.n256.c2` rows: that kernel with 2-block clusters (A
-//! multicast), with 128 x 256 tiles, and with both, beside the same
-//! cuBLASLt time, to decide whether either should become the default.
+//!
+//! Where the device runs the Hopper kernel, every product is timed in each
+//! launch configuration of `gemm_tune::HOPPER_CONFIGS`. A product's own row
+//! keeps the default configuration's rate as `ours` (so it stays comparable
+//! with earlier runs); the square products also get `.c2`, `.n256` and
+//! `.n256.c2` rows (2-block clusters with A multicast, 128 x 256 tiles, both)
+//! beside the same cuBLASLt time; and every product gets a `.best` row: the
+//! fastest configuration's rate, named in the note. The tuning table records
+//! that rate as `ours` with the configuration as `hopper=`, so `TPAR_GEMM=auto`
+//! both picks the backend and launches tpar's kernel in that configuration.
+//! `gemm.step.sum.best` sums the step's products, each in its fastest
+//! configuration. With `--quick` only the square 4096 products are timed, as
+//! before. Not measured on a GPU yet.
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
-use tpar_kernels::cuda::ops::gemm::ours;
-use tpar_kernels::cuda::ops::gemm_tune::{GemmKey, GemmTable};
+use tpar_kernels::cuda::ops::gemm::ours_with;
+use tpar_kernels::cuda::ops::gemm_tune::{best_config, GemmKey, GemmRates, GemmTable};
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
-use tpar_kernels::cuda::raw::gemm_hopper::{self, Epilogue, HopperConfig, HopperTarget};
+use tpar_kernels::cuda::raw::gemm_hopper::{
+    self, unsupported, Epilogue, HopperConfig, HopperTarget,
+};
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::gemm::GemmShape;
 
@@ -90,11 +101,15 @@ fn products(quick: bool) -> Vec<Product> {
 }
 
 /// Times every product of [`products`] on both backends (A and B read from
-/// the bf16 buffer at `src`, which must hold the largest operand), records
-/// each in `table`, and adds `gemm.step.sum`: the step's products weighted by
-/// how often a step runs them, as total FLOPs over total time, where the
-/// cuBLASLt side counts tpar's time for any product cuBLASLt refuses (as the
-/// step itself would run it).
+/// the bf16 buffer at `src`, which must hold the largest operand), tpar's
+/// kernel in its default configuration and, where the device runs the Hopper
+/// kernel, in every other one too ([`HOPPER_VARIANTS`]); records each product
+/// in `table` with tpar's fastest configuration; and adds `gemm.step.sum`:
+/// the step's products weighted by how often a step runs them, as total
+/// FLOPs over total time, where the cuBLASLt side counts tpar's time for any
+/// product cuBLASLt refuses (as the step itself would run it), and on the
+/// Hopper kernel `gemm.step.sum.best`, each product in its fastest
+/// configuration.
 pub(super) fn gemm_benches(
     d: &Dev,
     lt: Option<&CublasLt>,
@@ -103,8 +118,10 @@ pub(super) fn gemm_benches(
     table: &mut GemmTable,
 ) -> Vec<Bench> {
     let mut out = Vec::new();
-    // (flops, ours seconds, cuBLASLt-or-ours seconds) summed over the step
+    // (flops, ours seconds, cuBLASLt-or-ours seconds, complete) summed over
+    // the step, and the best configurations' seconds (None: not measured)
     let mut step = (0.0f64, 0.0f64, 0.0f64, true);
+    let mut step_best = Some(0.0f64);
     let hopper = HopperTarget::of(&*d.mem);
     for pr in products(quick) {
         let [m, n, k] = pr.mnk;
@@ -123,7 +140,7 @@ pub(super) fn gemm_benches(
                 let c = cbuf.ptr();
                 let run = || {
                     // SAFETY: A and B lie inside the source buffer, C was allocated for m x n.
-                    unsafe { ours(&*d.mem, &p, src, src, c)? };
+                    unsafe { ours_with(&*d.mem, &p, HopperConfig::default(), src, src, c)? };
                     Ok(())
                 };
                 match time_per_call(d, run) {
@@ -146,16 +163,21 @@ pub(super) fn gemm_benches(
         }
         b.ours = t_ours.map(|t| rate(flops, t, 1e12));
         b.cublaslt = t_lt.map(|t| rate(flops, t, 1e12));
-        if let (Some(o), Some(v)) = (b.ours, b.cublaslt) {
-            table.insert(GemmKey::of(&p), o, v);
-        }
-        let variants: Vec<Bench> = match (hopper, pr.label) {
-            (Some(t), "square") => HOPPER_VARIANTS
+        // the Hopper kernel's other configurations, where it takes the product
+        let target = hopper.filter(|_| unsupported(&p, src, src).is_none());
+        let variants: Vec<Bench> = match target {
+            Some(t) => HOPPER_VARIANTS
                 .iter()
                 .map(|&variant| hopper_bench(d, t, variant, &p, src, &b))
                 .collect(),
-            _ => Vec::new(),
+            None => Vec::new(),
         };
+        let best = target.and_then(|_| fastest(&b, &variants));
+        let best_rate = best.map_or(b.ours, |(_, r)| Some(r));
+        if let (Some(o), Some(v)) = (best_rate, b.cublaslt) {
+            let hopper = best.map(|(c, _)| c);
+            table.insert_rates(GemmKey::of(&p), GemmRates { ours: o, vendor: v, hopper });
+        }
         if pr.per_step > 0 {
             let w = pr.per_step as f64;
             match (t_ours, t_lt.or(t_ours)) {
@@ -166,9 +188,23 @@ pub(super) fn gemm_benches(
                 }
                 _ => step.3 = false,
             }
+            step_best = match (step_best, best_rate) {
+                (Some(t), Some(r)) if target.is_some() => Some(t + w * flops / (r * 1e12)),
+                _ => None,
+            };
         }
+        let best_bench = best.map(|(cfg, r)| Bench {
+            key: format!("{}.best", b.key),
+            unit: "TFLOP/s",
+            ours: Some(r),
+            cublaslt: b.cublaslt,
+            note: format!("hopper kernel, fastest configuration {cfg}"),
+        });
         out.push(b);
-        out.extend(variants);
+        if pr.label == "square" {
+            out.extend(variants);
+        }
+        out.extend(best_bench);
     }
     if step.0 > 0.0 {
         let note = if step.3 {
@@ -176,19 +212,41 @@ pub(super) fn gemm_benches(
         } else {
             "INCOMPLETE: a step product failed".to_string()
         };
+        let cublaslt = lt.map(|_| rate(step.0, step.2, 1e12));
         out.push(Bench {
             key: "gemm.step.sum".into(),
             unit: "TFLOP/s",
             ours: Some(rate(step.0, step.1, 1e12)),
-            cublaslt: lt.map(|_| rate(step.0, step.2, 1e12)),
+            cublaslt,
             note,
         });
+        if let Some(t) = step_best {
+            out.push(Bench {
+                key: "gemm.step.sum.best".into(),
+                unit: "TFLOP/s",
+                ours: Some(rate(step.0, t, 1e12)),
+                cublaslt,
+                note: "the step's products, each in its fastest hopper configuration".into(),
+            });
+        }
     }
     out
 }
 
+/// The fastest Hopper configuration of a product and its rate: of `base`
+/// (the default configuration's row) and `variants` (the rows of
+/// [`HOPPER_VARIANTS`], in order), those measured; `None` when none was.
+fn fastest(base: &Bench, variants: &[Bench]) -> Option<(HopperConfig, f64)> {
+    let configs = std::iter::once(HopperConfig::default()).chain(HOPPER_VARIANTS.map(|v| v.1));
+    let rates = std::iter::once(base).chain(variants).map(|b| b.ours);
+    let measured: Vec<(HopperConfig, f64)> =
+        configs.zip(rates).filter_map(|(c, r)| Some((c, r?))).collect();
+    best_config(&measured)
+}
+
 /// The Hopper kernel's launch configurations benchmarked beside the default
-/// on square products: row suffix, configuration, note.
+/// (every product; rows printed for the square ones): row suffix,
+/// configuration, note.
 const HOPPER_VARIANTS: [(&str, HopperConfig, &str); 3] = [
     (
         "c2",
@@ -246,6 +304,7 @@ fn hopper_bench(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tpar_kernels::cuda::ops::gemm_tune::HOPPER_CONFIGS;
 
     #[test]
     fn the_step_products_are_every_linear_in_three_layouts() {
@@ -285,5 +344,32 @@ mod tests {
             assert!(!seen.contains(&cfg), "{suffix} repeats a row");
             seen.push(cfg);
         }
+        // with the default: every configuration the table may record
+        seen.push(HopperConfig::default());
+        for cfg in HOPPER_CONFIGS {
+            assert!(seen.contains(&cfg), "{cfg} is never timed");
+        }
+        assert_eq!(seen.len(), HOPPER_CONFIGS.len());
+    }
+
+    #[test]
+    fn the_fastest_measured_configuration_is_picked() {
+        let row = |ours| Bench {
+            key: "k".into(),
+            unit: "TFLOP/s",
+            ours,
+            cublaslt: None,
+            note: "".into(),
+        };
+        let [c2, n256, n256c2] = HOPPER_VARIANTS.map(|v| v.1);
+        let base = row(Some(500.0));
+        let variants = [row(Some(520.0)), row(Some(610.0)), row(None)];
+        assert_eq!(fastest(&base, &variants), Some((n256, 610.0)));
+        let slower = [row(Some(400.0)), row(None), row(Some(499.0))];
+        assert_eq!(fastest(&base, &slower), Some((HopperConfig::default(), 500.0)));
+        let only_last = [row(None), row(None), row(Some(1.0))];
+        assert_eq!(fastest(&row(None), &only_last), Some((n256c2, 1.0)));
+        assert_eq!(fastest(&row(Some(2.0)), &[row(Some(3.0))]), Some((c2, 3.0)));
+        assert_eq!(fastest(&row(None), &[]), None);
     }
 }

@@ -75,8 +75,9 @@ pub(crate) fn push(out: &mut Vec<Bench>, b: Bench) {
 }
 
 /// The benchmarks: GEMM (`gemm` in `only`; each product's rates go into
-/// `table`), attention (`sdpa`) and the
-/// memory-bound kernels (any other family); all of them when `only` is empty.
+/// `table`), padded GEMM operands (`gemm` or `gemm_pad`), attention (`sdpa`)
+/// and the memory-bound kernels (any other family); all of them when `only`
+/// is empty.
 pub(crate) fn run_benches(
     d: &Dev,
     lt: Option<&CublasLt>,
@@ -86,7 +87,8 @@ pub(crate) fn run_benches(
     table: &mut GemmTable,
 ) -> Vec<Bench> {
     let want = |f: &str| only.is_empty() || only.iter().any(|o| o == f);
-    let memory = only.is_empty() || only.iter().any(|o| o != "gemm" && o != "sdpa");
+    let memory =
+        only.is_empty() || only.iter().any(|o| !matches!(o.as_str(), "gemm" | "gemm_pad" | "sdpa"));
     let mut out = Vec::new();
     // One random bf16 source that every read-only operand points into.
     let src_elems = 8192 * 14336;
@@ -104,6 +106,8 @@ pub(crate) fn run_benches(
         for b in gemm_benches(d, lt, quick, s, table) {
             push(&mut out, b);
         }
+    }
+    if want("gemm") || want("gemm_pad") {
         for b in gemm_pad_benches(d, rng) {
             push(&mut out, b);
         }
