@@ -18,7 +18,8 @@
 //   "full" mbarriers (the copies' bytes and the warp's 32 arrivals, after it
 //   wrote the tile's lse * log2(e) and delta into the stage while the
 //   copies fly) and "empty"
-//   mbarriers (lane 0 of each consumer warp);
+//   mbarriers (lane 0 of each consumer warp); lane 0 of its warp 1 writes
+//   dQ (below); its warps 2 and 3 exit;
 // - warpgroups 1 and 2 consume (setmaxnreg_inc): warpgroup w owns keys
 //   64 w .. 64 w + 63 of the block. Per tile: S^T = K Q^T and dP^T = V dO^T
 //   (wgmma, both operands K-major from the swizzled tiles), P^T = exp2(S^T *
@@ -29,12 +30,35 @@
 //   of the same tiles; dS^T goes to shared memory ([128 keys][64 queries],
 //   128-byte swizzle: the M-major A operand of dQ = dS K; two buffers, so
 //   one barrier of the consumers per tile), and warpgroup w
-//   computes columns w HD/2 .. of dQ over all 128 keys and adds them into
-//   the f32 accumulator with atomics (red.global.add.v2.f32: two adjacent
-//   columns per instruction). dK (times scale) and dV stay in
-//   registers until the end: one writer per element. A warpgroup whose
-//   keys no query of the tile sees (causal) skips S, dP, dV and dK and
-//   contributes zeros to dS.
+//   computes columns w HD/2 .. of dQ over all 128 keys and stores the
+//   tile's valid rows of them into a dQ staging buffer. dK (times scale)
+//   and dV stay in registers until the end: one writer per element. A
+//   warpgroup whose keys no query of the tile sees (causal) skips S, dP, dV
+//   and dK and contributes zeros to dS (so to dQ).
+//
+// dQ writer (FlashAttention-3's): the f32 accumulator dq_acc is [batch *
+// q_heads * q_len, HD] row-major, so a tile's rows are one contiguous run of
+// nq * HD floats (nq = min(64, q_len - i0)). Tile it uses staging buffer
+// it % 2, [64][HD] f32 row-major with no padding or swizzle: the 1-D bulk
+// reduction copies shared memory linearly, and 32 bytes of padding per row
+// would take HD 128 past 227 KiB. Its price is bank conflicts on the
+// consumers' 8-byte stores (the 8 rows of a warp's store share 8 banks: 8
+// wavefronts where 2 would do, 8 or 16 stores a thread per tile, in place
+// of as many red.global.add.v2.f32 before). The consumers wait on "dq empty"
+// (it % 2), store, fence the async proxy and arrive on "dq full" (256
+// arrivals); the writer waits on "dq full", adds the nq valid rows to
+// dq_acc with one cp.reduce.async.bulk ... add.f32 (rows past q_len are
+// neither stored nor reduced), commits, waits until the reduction has read
+// the buffer (cp.async.bulk.wait_group.read 0) and arrives on "dq empty".
+// The consumers no longer issue global atomics between tiles.
+//
+// Shared memory: 1024 bytes of alignment slack, K and V (2 x 128 x HD x 2),
+// two Q + dO stages (2 x 2 x 64 x HD x 2), two dS^T buffers (2 x 16 KiB),
+// two dQ buffers (2 x 64 x HD x 4), lse and delta (1 KiB), ten mbarriers:
+// 133 200 bytes at HD 64, 231 504 at HD 128 (the limit is 232 448). ptxas
+// (CUDA 13.0, sm_90a): 168 registers at entry for every kernel (the launch
+// bounds' share; setmaxnreg then gives the consumers 240), no stack frame,
+// no spills. The dQ writer has not been measured on a GPU.
 //
 // At head dim 64 each warpgroup's dQ columns are 32 wide, so its K operand
 // starts 64 bytes into the 128-byte swizzled rows (the swizzle applies to the
@@ -42,7 +66,8 @@
 //
 // Compiled for an architecture without wgmma, the kernels are empty: the
 // launcher runs them only where kernels are compiled for sm_90a (or the
-// emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet.
+// emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet:
+// no speed is measured.
 
 struct SdpaHopperBwdArgs {
     TparTensorMap map_q;   // 3-D (head_dim, q_len, batch * q_heads), box 64 x 64
@@ -63,15 +88,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr u32 KBOX = BC * 64 * 2, QBOX = BR * 64 * 2;
 constexpr u32 DS_BYTES = BC * BR * 2;
 
-// p[0] += x, p[1] += y (p 8-byte aligned): one red.global.add.v2.f32 on a
-// GPU (sm_90), two atomicAdd in the emulator.
-TPAR_DEVICE void red_add2(float* p, float x, float y) {
-#ifndef TPAR_EMU
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
+// p[0] = x, p[1] = y with one 8-byte store (p 8-byte aligned).
+TPAR_DEVICE void store2(float* p, float x, float y) {
+    *reinterpret_cast<u64*>(p) = ((u64)__float_as_uint(y) << 32) | (u64)__float_as_uint(x);
 }
 
 struct Smem {
@@ -82,6 +101,9 @@ struct Smem {
     unsigned char* stage;
     // dS^T [128 keys][64 queries], 128-byte swizzle; tile it in buffer it % 2
     unsigned char* ds;
+    // dQ staging, buffer it % 2 for tile it: [64 queries][HD] f32, row-major
+    // (the layout of the tile's rows in dq_acc, so one bulk reduction adds it)
+    float* dq;
     // stage i: lse * log2(e) (+inf for no gradient) at rows + 128 i, delta
     // 64 floats after it
     float* rows;
@@ -89,6 +111,8 @@ struct Smem {
     u64* full;                   // [STAGES]
     u64* empty;                  // [STAGES]
     u64* csync;                  // a barrier of the 256 consumer threads
+    u64* dq_full;                // [2] the consumers wrote the dQ buffer
+    u64* dq_empty;               // [2] the writer's reduction read it
 };
 
 template <int HD>
@@ -101,13 +125,16 @@ TPAR_DEVICE Smem carve() {
     s.v = base + KV;
     s.stage = base + 2 * KV;
     s.ds = base + 2 * KV + STAGES * 2 * QT;
-    float* f = reinterpret_cast<float*>(s.ds + 2 * DS_BYTES);
+    s.dq = reinterpret_cast<float*>(s.ds + 2 * DS_BYTES);
+    float* f = s.dq + 2 * BR * HD;
     s.rows = f;
     u64* bars = reinterpret_cast<u64*>(f + 2 * BR * STAGES);
     s.kv_full = bars;
     s.full = bars + 1;
     s.empty = bars + 1 + STAGES;
     s.csync = bars + 1 + 2 * STAGES;
+    s.dq_full = bars + 2 + 2 * STAGES;
+    s.dq_empty = bars + 4 + 2 * STAGES;
     return s;
 }
 
@@ -171,6 +198,27 @@ TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         }
         mbarrier_arrive(&s.full[st]);
     }
+}
+
+// Warpgroup 0, warp 1, lane 0: for every tile, once the consumers filled dQ
+// buffer it % 2, adds its valid rows (q_len edge) to dq_acc with one bulk
+// reduction and frees the buffer once the reduction has read it.
+template <int HD>
+TPAR_DEVICE void write_dq(const SdpaBwdArgs& a, const Smem& s, const Work& w) {
+    for (int it = 0; it < w.ntiles; ++it) {
+        const int b = it & 1;
+        const int h = w.kvh * w.group + it / w.per_head;
+        const int i0 = w.i_start + (it % w.per_head) * BR;
+        const i64 bh = (i64)w.b * a.q_heads + h;
+        const int nq = min(BR, a.q_len - i0);
+        mbarrier_wait_parity(&s.dq_full[b], (u32)((it / 2) & 1));
+        bulk_reduce_add_f32(a.dq_acc + (bh * a.q_len + i0) * HD, s.dq + b * BR * HD,
+                            (u32)nq * HD * 4u);
+        tma_store_commit();
+        tma_store_wait_read<0>();
+        mbarrier_arrive(&s.dq_empty[b]);
+    }
+    tma_store_wait<0>();
 }
 
 // A barrier of the 256 consumer threads; `use` counts its uses from 0.
@@ -322,13 +370,20 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         // every read of this stage (S, dP, dV, dK) has retired
         if (lane == 0) mbarrier_arrive(&s.empty[st]);
 
-        float* dqa = a.dq_acc + (bh * a.q_len + i0) * a.head_dim + cw * (HD / 2);
+        // this warpgroup's columns of the tile's valid rows into dQ buffer
+        // it % 2 once the writer's reduction of tile it - 2 has read it;
+        // the writer reduces them when all 256 threads arrived
+        const int b = it & 1;
+        mbarrier_wait_parity(&s.dq_empty[b], (u32)((it / 2) & 1) ^ 1u);
+        float* const sdq = s.dq + b * BR * HD + cw * (HD / 2);
 #pragma unroll
         for (int i = 0; i < HD / 4; i += 2) {
             const int r = 16 * wi + g + 8 * ((i / 2) % 2);
             const int c = 8 * (i / 4) + 2 * t;
-            if (r < nq) red_add2(dqa + (i64)r * a.head_dim + c, dq[i], dq[i + 1]);
+            if (r < nq) store2(sdq + r * HD + c, dq[i], dq[i + 1]);
         }
+        fence_proxy_async();
+        mbarrier_arrive(&s.dq_full[b]);
     }
 
     // dK (times scale) and dV of this warpgroup's keys.
@@ -363,13 +418,20 @@ TPAR_DEVICE void run(const SdpaHopperBwdArgs& p) {
             mbarrier_init(&s.empty[i], 8);  // lane 0 of each consumer warp
         }
         mbarrier_init(s.csync, 256);
+        for (int i = 0; i < 2; ++i) {
+            mbarrier_init(&s.dq_full[i], 256);  // every consumer thread
+            mbarrier_init(&s.dq_empty[i], 1);   // the writer
+        }
         fence_mbarrier_init();
     }
     __syncthreads();
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         setmaxnreg_dec<24>();
-        if (threadIdx.x < 32) produce<HD>(p, s, w);
+        if (threadIdx.x < 32)
+            produce<HD>(p, s, w);
+        else if (threadIdx.x == 32)
+            write_dq<HD>(p.a, s, w);
     } else {
         setmaxnreg_inc<240>();
         consume<T, HD>(p, s, w, wg - 1);

@@ -487,7 +487,14 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // first makes the threads' shared-memory writes visible to it, and
 // tma_store_commit / tma_store_wait<N> track completion (tma_store_wait_read<N>
 // only until the groups' shared-memory sources have been read, so they may
-// be overwritten while the global writes go on).
+// be overwritten while the global writes go on). bulk_reduce_add_f32(gmem,
+// smem, bytes) is the 1-D bulk reduction (cp.reduce.async.bulk ... add.f32:
+// gmem[i] += smem[i] for bytes / 4 floats; both addresses 16-byte aligned,
+// bytes a multiple of 16), in the same bulk groups: tma_store_commit closes a
+// group, tma_store_wait_read<N> lets its shared source be reused. The
+// emulator makes the reduction's reads at that wait (the latest moment
+// allowed), so a source reused too early shows; a thread that exits with one
+// pending is an error there.
 //
 // wgmma: wgmma_ss<T, N, TA, TB>(d, desc_a, desc_b, accumulate) computes
 // D(64xN) = A(64x16) * B(16xN) (+ D when accumulate), T bf16 or f16, f32
@@ -622,6 +629,12 @@ TPAR_DEVICE void tma_load_3d_multicast(void* smem, const TparTensorMap* map, int
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
         ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(tpar_shared_addr(smem)),
         "l"((u64)map), "r"(x), "r"(y), "r"(z), "r"(tpar_shared_addr(bar)), "h"(mask)
+        : "memory");
+}
+TPAR_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, u32 bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+        "r"(tpar_shared_addr(smem)), "r"(bytes)
         : "memory");
 }
 TPAR_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
@@ -1106,11 +1119,18 @@ TPAR_DEVICE T* cluster_map(T* p, u32 rank) {
 TPAR_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 rank) {
     tpar_emu_mbar_arrive(tpar_emu_mapa(bar, rank), 1, 0);
 }
-TPAR_DEVICE void tma_store_commit() {}
+TPAR_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, u32 bytes) {
+    tpar_emu_bulk_reduce_add_f32(gmem, smem, bytes);
+}
+TPAR_DEVICE void tma_store_commit() { tpar_emu_bulk_commit(); }
 template <int N>
-TPAR_DEVICE void tma_store_wait() {}
+TPAR_DEVICE void tma_store_wait() {
+    tpar_emu_bulk_wait(N);
+}
 template <int N>
-TPAR_DEVICE void tma_store_wait_read() {}
+TPAR_DEVICE void tma_store_wait_read() {
+    tpar_emu_bulk_wait(N);
+}
 template <int R>
 TPAR_DEVICE void setmaxnreg_inc() {
     static_assert(R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in 24..256");

@@ -5,7 +5,8 @@
 //! of K-major and M/N-major operands under every swizzle mode), a small GEMM
 //! built from them, compared with a CPU matmul, and thread-block clusters
 //! (distributed shared memory, the cluster barrier, remote mbarrier arrivals,
-//! multicast copies).
+//! multicast copies), and the 1-D bulk reduction (cp.reduce.async.bulk add.f32:
+//! its size, alignment and bulk-group completion).
 //!
 //! The expected layouts are written here from the ISA's definitions, not from
 //! the emulator's code: a wrong fragment, layout or swizzle in the emulator
@@ -80,6 +81,8 @@ struct GemmTileArgs {
     k: i32,
     pad: [i32; 11],
 }
+
+const BULK_SRC: &str = include_str!("hopper/bulk_reduce.cu");
 
 fn run<A: bytemuck::Pod>(name: &str, cfg: LaunchConfig, args: &A) -> tpar_kernels::Result<()> {
     // SAFETY: every test passes host buffers covering what its kernel reads
@@ -731,6 +734,98 @@ fn wgmma_wait_group_retires_the_older_groups_only() {
         assert_eq!((o[0], o[2], o[3]), (16.0, 16.0, 16.0), "thread {t}: {o:?}");
         assert!(o[1].is_nan(), "thread {t}: the second group landed before its wait: {o:?}");
     }
+}
+
+// ---------------------------------------------------------------- bulk reductions
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct BulkReduceArgs {
+    dst: DevPtr,
+    src: DevPtr,
+    out: DevPtr,
+    dst_off: i32,
+    src_off: i32,
+    bytes: i32,
+    mode: i32,
+}
+
+/// Runs `hopper_bulk_reduce` (hopper/bulk_reduce.cu) over a destination of
+/// 128 floats `100 + i`, 16-byte aligned, and the shared source `i + 0.5`;
+/// returns the destination and what the kernel read back.
+fn bulk_reduce(
+    dst_off: i32,
+    src_off: i32,
+    bytes: i32,
+    mode: i32,
+) -> tpar_kernels::Result<(Vec<f32>, Vec<f32>)> {
+    let e = emu();
+    static ADDED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    ADDED.get_or_init(|| {
+        e.add_source("hopper_bulk_test", BULK_SRC).expect("the bulk reduction kernels compile")
+    });
+    let mut dst = vec![0f32; 128 + 4];
+    let at = (16 - dst.as_ptr() as usize % 16) % 16 / 4;
+    for (i, x) in dst[at..at + 128].iter_mut().enumerate() {
+        *x = 100.0 + i as f32;
+    }
+    let src: Vec<f32> = (0..256).map(|i| i as f32 + 0.5).collect();
+    let mut out = vec![0f32; 256];
+    let args = BulkReduceArgs {
+        dst: dst[at..].as_mut_ptr() as DevPtr,
+        src: src.as_ptr() as DevPtr,
+        out: out.as_mut_ptr() as DevPtr,
+        dst_off,
+        src_off,
+        bytes,
+        mode,
+    };
+    run("hopper_bulk_reduce", LaunchConfig::linear(1, 32).with_shared(1024), &args)?;
+    Ok((dst[at..at + 128].to_vec(), out))
+}
+
+#[test]
+fn bulk_reduction_adds_exactly_its_size() {
+    // 12 floats from shared byte 32 (float 8) into dst[4..16]
+    let (dst, _) = bulk_reduce(4, 32, 48, 0).unwrap();
+    for (i, &x) in dst.iter().enumerate() {
+        let want =
+            100.0 + i as f32 + if (4..16).contains(&i) { (i - 4 + 8) as f32 + 0.5 } else { 0.0 };
+        assert_eq!(x, want, "dst[{i}]");
+    }
+}
+
+#[test]
+fn bulk_reduction_reads_its_source_when_a_wait_retires_it() {
+    // the source overwritten before wait_group.read: the emulator's read
+    // comes at the wait (the latest the ISA allows), so the 1000s arrive
+    let (dst, _) = bulk_reduce(0, 0, 32, 1).unwrap();
+    for (i, &x) in dst.iter().enumerate() {
+        let want = 100.0 + i as f32 + if i < 8 { 1000.0 } else { 0.0 };
+        assert_eq!(x, want, "dst[{i}]");
+    }
+    // wait_group.read 1 retires the older of two groups only
+    let (dst, out) = bulk_reduce(8, 16, 64, 2).unwrap();
+    for i in 0..16 {
+        assert_eq!(out[i], 100.0 + (8 + i) as f32 + (4 + i) as f32 + 0.5, "first group [{i}]");
+        assert_eq!(out[16 + i], 100.0 + (24 + i) as f32, "second group [{i}] before its wait");
+        assert_eq!(dst[24 + i], 100.0 + (24 + i) as f32 + (20 + i) as f32 + 0.5, "after wait 0");
+    }
+}
+
+#[test]
+fn bulk_reduction_misuse_is_reported() {
+    for (dst_off, src_off, bytes, want) in [
+        (1, 0, 16, "16-byte aligned"),
+        (0, 8, 16, "16-byte aligned"),
+        (0, 0, 20, "multiple of 16"),
+        (0, 1008, 32, "reaches past"),
+    ] {
+        let e = bulk_reduce(dst_off, src_off, bytes, 0).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains("cp.reduce.async.bulk"), "{e}");
+    }
+    let e = bulk_reduce(0, 0, 16, 3).unwrap_err().to_string();
+    assert!(e.contains("never waited for"), "{e}");
 }
 
 // ---------------------------------------------------------------- a GEMM tile

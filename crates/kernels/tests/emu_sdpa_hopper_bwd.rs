@@ -73,6 +73,7 @@ fn run<T: Float>(dtype: CudaDType, s: SdpaShape, mask: MaskKind) {
     let hp = grads(true);
     let t = tol(dtype);
     let what = format!("{dtype:?} {s:?} mask {mask:?}");
+    assert!(ws.guard_intact(), "{what}: a backward wrote past the end of its workspace");
     for (name, got, base, want) in [
         ("dq", &hp.dq, &tc.dq, &dq_ref),
         ("dk", &hp.dk, &tc.dk, &dk_ref),
@@ -114,6 +115,23 @@ fn f16_d64_full_mask_causal() {
 #[test]
 fn f16_d128_causal_more_queries() {
     run::<half::f16>(F16, shape(1, 2, 2, 200, 130, 128, true), MaskKind::None);
+}
+
+/// Causal GQA with 4 q heads per kv head, head dim 64: 200 queries x 150
+/// keys. The first key block walks 16 query tiles (4 per head, the last of
+/// each 8 rows), so both dQ staging buffers are reused 8 times, and a short
+/// tile follows full ones in the same buffer: reducing more than its 8 rows
+/// would add the stale rows into the next head's dq.
+#[test]
+fn bf16_d64_causal_gqa4_many_tiles() {
+    run::<half::bf16>(BF16, shape(1, 4, 1, 200, 150, 64, true), MaskKind::None);
+}
+
+/// GQA with 4 q heads per kv head, head dim 128, key padding, two batches:
+/// 100 queries (a full and a 36-row tile per head), 8 tiles per block.
+#[test]
+fn f16_d128_gqa4_key_padding_ragged() {
+    run::<half::f16>(F16, shape(2, 8, 2, 100, 70, 128, false), MaskKind::KeyPadding);
 }
 
 /// A launcher that describes a GPU compiled for another architecture.

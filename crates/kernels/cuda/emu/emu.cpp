@@ -34,6 +34,15 @@ struct WgmmaPending {
     float vals[128];
 };
 
+// A bulk asynchronous reduction (cp.reduce.async.bulk) issued by one thread
+// and not yet completed by a cp.async.bulk.wait_group.
+struct BulkPending {
+    float* dst = nullptr;
+    const float* src = nullptr;
+    unsigned count = 0;  // floats
+    int group = -1;      // bulk async-group, -1 while not committed
+};
+
 struct Fiber {
     ucontext_t ctx;
     dim3 tid;
@@ -52,6 +61,8 @@ struct Fiber {
     std::vector<WgmmaPending> wgmma;
     int wgmma_groups = 0;  // groups committed so far
     int wgmma_done = 0;    // groups retired by wait_group
+    std::vector<BulkPending> bulk;
+    int bulk_groups = 0;  // bulk async-groups committed so far
 };
 
 // A warpgroup (4 consecutive warps, 128 threads) at a warpgroup collective.
@@ -283,6 +294,11 @@ void run_cluster(Launch* L) {
                             fail(L, "a thread exited with wgmma.mma_async results it never "
                                     "waited for (wgmma.commit_group / wgmma.wait_group missing) "
                                     "at " + where(&f));
+                        if (!f.bulk.empty())
+                            fail(L, "a thread exited with bulk asynchronous reductions "
+                                    "(cp.reduce.async.bulk) it never waited for "
+                                    "(cp.async.bulk.commit_group / wait_group missing) at " +
+                                        where(&f));
                         Warp& wp = L->warps[f.warp];
                         wp.live--;
                         if (wp.arrived > 0 && wp.arrived == wp.live) complete_warp(wp);
@@ -1022,6 +1038,62 @@ void tpar_emu_wgmma_wait(int n) {
             rest.push_back(p);
     }
     f->wgmma.swap(rest);
+}
+
+// ---------------------------------------------------------------- bulk reductions
+
+void tpar_emu_bulk_reduce_add_f32(float* gmem, const float* smem, unsigned bytes) {
+    Launch* L = g_launch;
+    char buf[200];
+    if (reinterpret_cast<uintptr_t>(gmem) % 16 != 0 || reinterpret_cast<uintptr_t>(smem) % 16 != 0 ||
+        bytes % 16 != 0) {
+        std::snprintf(buf, sizeof buf,
+                      "cp.reduce.async.bulk with global address %p, shared address %p, size %u: "
+                      "addresses must be 16-byte aligned and the size a multiple of 16",
+                      static_cast<void*>(gmem), static_cast<const void*>(smem), bytes);
+        tpar_emu_fail(buf);
+        return;
+    }
+    const unsigned off = tpar_emu_smem_offset(smem);
+    if (!L->error.empty()) return;
+    if ((size_t)off + bytes > L->smem_bytes) {
+        std::snprintf(buf, sizeof buf,
+                      "cp.reduce.async.bulk of %u bytes from shared offset %u reaches past the "
+                      "%zu bytes of dynamic shared memory",
+                      bytes, off, L->smem_bytes);
+        tpar_emu_fail(buf);
+        return;
+    }
+    if (bytes == 0) return;
+    BulkPending p;
+    p.dst = gmem;
+    p.src = smem;
+    p.count = bytes / 4;
+    L->current->bulk.push_back(p);
+}
+
+void tpar_emu_bulk_commit() {
+    Fiber* f = g_launch->current;
+    for (auto& p : f->bulk)
+        if (p.group < 0) p.group = f->bulk_groups;
+    f->bulk_groups++;
+}
+
+void tpar_emu_bulk_wait(int n) {
+    Fiber* f = g_launch->current;
+    if (n < 0) {
+        tpar_emu_fail("cp.async.bulk.wait_group with a negative count");
+        return;
+    }
+    const int keep_from = f->bulk_groups - n;  // groups >= keep_from may stay pending
+    std::vector<BulkPending> rest;
+    for (auto& p : f->bulk) {
+        if (p.group >= 0 && p.group < keep_from)
+            for (unsigned i = 0; i < p.count; ++i) p.dst[i] += p.src[i];
+        else
+            rest.push_back(p);
+    }
+    f->bulk.swap(rest);
 }
 
 // Runs a whole launch (blocks `cluster` at a time, together); returns 0, or

@@ -349,4 +349,16 @@ void tpar_emu_tma_load_multicast(void* smem, const void* map, const int* coords,
 void tpar_emu_wgmma_fence();
 void tpar_emu_wgmma_commit();
 void tpar_emu_wgmma_wait(int n);
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: gmem[i] +=
+// smem[i] for `bytes` / 4 floats (both addresses 16-byte aligned, bytes a
+// multiple of 16), recorded in the thread's open bulk async-group. The source
+// is read (and the sums made) at the latest moment the ISA allows: when a
+// cp.async.bulk.wait_group{.read} retires the group, so a kernel that reuses
+// the source before that wait reduces what it wrote later.
+void tpar_emu_bulk_reduce_add_f32(float* gmem, const float* smem, unsigned bytes);
+// cp.async.bulk.commit_group: closes the thread's open bulk async-group.
+void tpar_emu_bulk_commit();
+// cp.async.bulk.wait_group{.read} n: completes all but the newest n
+// committed groups of the thread.
+void tpar_emu_bulk_wait(int n);
 }

@@ -136,9 +136,14 @@ pub fn check_lse(what: &str, got: &[f32], want: &[f64], tol: f64) {
     }
 }
 
+/// Floats of zeros after a [`Workspace`]: one 64-query tile of f32 rows at
+/// head dim 128, so a kernel adding a whole tile past the dq accumulator's
+/// end stays in the buffer and shows in [`Workspace::guard_intact`].
+const WORKSPACE_GUARD: usize = 64 * 128;
+
 /// A host buffer standing in for the backward's device workspace, filled
 /// with 7.0 (garbage the kernels must overwrite) and used from a 16-byte
-/// aligned start.
+/// aligned start, followed by a guard of zeros no kernel may touch.
 pub struct Workspace {
     buf: Vec<f32>,
     off: usize,
@@ -150,9 +155,16 @@ impl Workspace {
     /// The workspace [`sdpa_backward_workspace_bytes`] asks for `s`.
     pub fn new(s: &SdpaShape) -> Self {
         let bytes = sdpa_backward_workspace_bytes(s).unwrap();
-        let buf = vec![7.0f32; bytes.div_ceil(4) + 4];
+        let mut buf = vec![7.0f32; bytes.div_ceil(4) + 4 + WORKSPACE_GUARD];
         let off = (16 - (ptr(&buf) as usize % 16)) % 16 / 4;
+        buf[off + bytes.div_ceil(4)..].fill(0.0);
         Workspace { buf, off, bytes }
+    }
+
+    /// Whether every float after the workspace's `bytes` is still +0.0 (a
+    /// kernel wrote or added nothing past its end).
+    pub fn guard_intact(&self) -> bool {
+        self.buf[self.off + self.bytes.div_ceil(4)..].iter().all(|x| x.to_bits() == 0)
     }
 
     /// The 16-byte aligned address the kernels write.
