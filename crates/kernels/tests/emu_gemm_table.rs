@@ -10,106 +10,18 @@
 //! A test binary of its own with one test: the variables are process-wide and
 //! the table is read once per process.
 
-mod common;
+#[path = "common/recording.rs"]
+mod recording;
 
-use std::sync::{Arc, Mutex};
-
-use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_kernels::cuda::ops::gemm::gemm;
 use tpar_kernels::cuda::ops::gemm_fused::{gemm_fused, EpiloguePath, FusedEpilogue};
 use tpar_kernels::cuda::ops::gemm_tune::GEMM_TABLE_ENV;
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{CLUSTER_ENV, EMU_ARCH_ENV, TILE_N_ENV};
-use tpar_kernels::cuda::{
-    Arch, CudaDType, DevPtr, DeviceBuffer, GpuDevice, LaunchConfig, Launcher, MemorySpace,
-};
+use tpar_kernels::cuda::{CudaDType, DeviceBuffer, Launcher};
 use tpar_kernels::gemm::GemmShape;
 
-/// The emulated device, recording each launch's kernel and cluster shape.
-struct Recording {
-    inner: Arc<dyn GpuDevice>,
-    launches: Mutex<Vec<(String, [u32; 3])>>,
-}
-
-impl Launcher for Recording {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn compile_arch(&self) -> Option<Arch> {
-        self.inner.compile_arch()
-    }
-    /// # Safety
-    /// As [`Launcher::launch_raw`].
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: &[u8],
-    ) -> tpar_kernels::Result<()> {
-        self.launches.lock().unwrap().push((kernel.to_string(), cfg.cluster));
-        // SAFETY: forwarded as given; the caller vouches for the arguments.
-        unsafe { self.inner.launch_raw(kernel, cfg, args) }
-    }
-}
-
-// SAFETY: every call forwards to the emulated device, whose memory, order
-// and promises it shares.
-unsafe impl GpuDevice for Recording {
-    fn ordinal(&self) -> usize {
-        self.inner.ordinal()
-    }
-    fn memory_space(&self) -> MemorySpace {
-        self.inner.memory_space()
-    }
-    fn alloc(&self, bytes: usize) -> tpar_kernels::Result<DevPtr> {
-        self.inner.alloc(bytes)
-    }
-    /// # Safety
-    /// As [`GpuDevice::free`].
-    unsafe fn free(&self, ptr: DevPtr, bytes: usize) {
-        // SAFETY: the caller's guarantee; allocated by the emulated device.
-        unsafe { self.inner.free(ptr, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::htod`].
-    unsafe fn htod(&self, src: &[u8], dst: DevPtr) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.htod(src, dst) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::dtoh`].
-    unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.dtoh(src, dst) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::dtod`].
-    unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.dtod(src, dst, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::copy_from_device`].
-    unsafe fn copy_from_device(
-        &self,
-        src_dev: &dyn GpuDevice,
-        src: DevPtr,
-        dst: DevPtr,
-        bytes: usize,
-    ) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.copy_from_device(src_dev, src, dst, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::zero`].
-    unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.zero(dst, bytes) }
-    }
-    fn synchronize(&self) -> tpar_kernels::Result<()> {
-        self.inner.synchronize()
-    }
-}
+use recording::Recording;
 
 fn set(name: &str, value: Option<&str>) {
     // SAFETY (edition 2021 API): this binary's only test runs alone.
@@ -136,7 +48,7 @@ fn launched(dev: &Recording, p: &GemmProblem, fused: bool) -> Vec<(String, [u32;
     let da = DeviceBuffer::from_host(&dev.inner, &ones[..M * K]).unwrap();
     let db = DeviceBuffer::from_host(&dev.inner, &ones[..K * N]).unwrap();
     let mut dc = DeviceBuffer::zeros(&dev.inner, M * N * 4).unwrap();
-    dev.launches.lock().unwrap().clear();
+    dev.take();
     let (a, b, c) = (da.as_slice(), db.as_slice(), dc.as_slice_mut());
     if fused {
         let path = gemm_fused(dev, p, FusedEpilogue::default(), a, b, c).unwrap();
@@ -147,7 +59,7 @@ fn launched(dev: &Recording, p: &GemmProblem, fused: bool) -> Vec<(String, [u32;
     let host = dc.to_host().unwrap();
     let vals: Vec<f32> = bytemuck::pod_collect_to_vec(&host);
     assert!(vals.iter().all(|&v| v == K as f32), "{p:?}: C is not all {K}");
-    std::mem::take(&mut *dev.launches.lock().unwrap())
+    dev.take().into_iter().map(|(name, cfg)| (name, cfg.cluster)).collect()
 }
 
 #[test]
@@ -155,7 +67,7 @@ fn the_table_picks_the_hopper_config_unless_the_environment_names_one() {
     set(EMU_ARCH_ENV, Some("sm_90a"));
     set(TILE_N_ENV, None);
     set(CLUSTER_ENV, None);
-    let dev = Recording { inner: EmulatedGpu::open(0).unwrap(), launches: Mutex::new(Vec::new()) };
+    let dev = Recording::new(None);
     let dir = std::env::temp_dir().join(format!("tpar-emu-gemm-table-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("gemm.table");
