@@ -14,7 +14,7 @@
 //! that rate as `ours` with the configuration as `hopper=`, so `TPAR_GEMM=auto`
 //! both picks the backend and launches tpar's kernel in that configuration.
 //! `gemm.step.sum.best` sums the step's products, each in its fastest
-//! configuration. With `--quick` only the square 4096 products are timed, as
+//! configuration (at the default's rate where the Hopper kernel refuses it). With `--quick` only the square 4096 products are timed, as
 //! before. Not measured on a GPU yet.
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
@@ -107,9 +107,10 @@ fn products(quick: bool) -> Vec<Product> {
 /// in `table` with tpar's fastest configuration; and adds `gemm.step.sum`:
 /// the step's products weighted by how often a step runs them, as total
 /// FLOPs over total time, where the cuBLASLt side counts tpar's time for any
-/// product cuBLASLt refuses (as the step itself would run it), and on the
-/// Hopper kernel `gemm.step.sum.best`, each product in its fastest
-/// configuration.
+/// product cuBLASLt refuses (as the step itself would run it), and where the
+/// device runs the Hopper kernel `gemm.step.sum.best`, each product in its
+/// fastest configuration (those the Hopper kernel refuses, such as the LM
+/// head's gradient products with A of 259-element rows, at tpar's default rate).
 pub(super) fn gemm_benches(
     d: &Dev,
     lt: Option<&CublasLt>,
@@ -188,8 +189,9 @@ pub(super) fn gemm_benches(
                 }
                 _ => step.3 = false,
             }
+            // products the Hopper kernel refuses count at the default's rate
             step_best = match (step_best, best_rate) {
-                (Some(t), Some(r)) if target.is_some() => Some(t + w * flops / (r * 1e12)),
+                (Some(t), Some(r)) => Some(t + w * flops / (r * 1e12)),
                 _ => None,
             };
         }
@@ -220,7 +222,7 @@ pub(super) fn gemm_benches(
             cublaslt,
             note,
         });
-        if let Some(t) = step_best {
+        if let Some(t) = step_best.filter(|_| hopper.is_some() && step.3) {
             out.push(Bench {
                 key: "gemm.step.sum.best".into(),
                 unit: "TFLOP/s",
