@@ -11,10 +11,9 @@
 mod common;
 
 use common::sdpa::{
-    check_lse, dev_mask, make_mask, max_rel, ref_mask, same_dim_shape as shape, MaskKind, MaskPlan,
-    Workspace,
+    check_lse, max_rel, same_dim_shape as shape, Inputs, MaskKind, MaskPlan, Workspace,
 };
-use common::{cvt, data, emu, f64s, mptr, ptr};
+use common::{cvt, emu, f64s, mptr, ptr};
 use std::cell::RefCell;
 use std::sync::Mutex;
 
@@ -27,7 +26,7 @@ use tpar_kernels::cuda::raw::sdpa::{
 use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
 use tpar_kernels::cuda::raw::sdpa_hopper_bwd;
 use tpar_kernels::cuda::{Arch, CudaDType, LaunchConfig, Launcher};
-use tpar_kernels::sdpa::{reference, SdpaShape};
+use tpar_kernels::sdpa::SdpaShape;
 use tpar_kernels::{Float, KernelError};
 
 /// Makes the emulator an `sm_90a` device for this process.
@@ -40,23 +39,9 @@ fn sm90a() {
 /// head `bh` masks row `(37bh + 2) % q_len`.
 const MASKS: MaskPlan = MaskPlan { pad_step: 37, pad_base: 5, row_step: 37 };
 
-/// Inputs of one case, rounded to `T`, and the mask.
-struct Inputs<T> {
-    q: Vec<T>,
-    k: Vec<T>,
-    v: Vec<T>,
-    mask: Option<(Vec<T>, [usize; 3])>,
-}
-
+/// The inputs of one case (common::sdpa's, masks placed by [`MASKS`]).
 fn inputs<T: Float>(s: &SdpaShape, kind: MaskKind) -> Inputs<T> {
-    let nq = s.batch * s.q_heads * s.q_len;
-    let nk = s.batch * s.kv_heads * s.kv_len;
-    Inputs {
-        q: cvt(&data(nq * s.head_dim, 1, 1.5)),
-        k: cvt(&data(nk * s.head_dim, 2, 1.5)),
-        v: cvt(&data(nk * s.v_dim, 3, 1.0)),
-        mask: make_mask(s, kind, MASKS).map(|(m, st)| (cvt(&m), st)),
-    }
+    Inputs::new(s, kind, MASKS)
 }
 
 /// One forward on the emulator: (out, lse).
@@ -69,14 +54,7 @@ fn forward<T: Float>(
     let nq = s.batch * s.q_heads * s.q_len;
     let mut o = vec![T::from_f64(7.0); nq * s.v_dim];
     let mut lse = vec![7.0f32; nq];
-    let b = SdpaFwdBuffers {
-        q: ptr(&x.q),
-        k: ptr(&x.k),
-        v: ptr(&x.v),
-        mask: x.mask.as_ref().map(|(m, st)| dev_mask(m, *st)),
-        out: mptr(&mut o),
-        lse: mptr(&mut lse),
-    };
+    let b = x.fwd_buffers(&mut o, &mut lse);
     // SAFETY: host buffers stand in for device memory (the emulator runs the
     // kernel on this thread before returning), each holding every element the
     // call's sizes reach.
@@ -89,10 +67,7 @@ fn forward<T: Float>(
 fn check<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind) {
     sm90a();
     let x = inputs::<T>(&s, kind);
-    let mask_f = x.mask.as_ref().map(|(m, st)| (f64s(m), *st));
-    let ref_mask = mask_f.as_ref().map(|(m, st)| ref_mask(m, *st));
-    let (qf, kf, vf) = (f64s(&x.q), f64s(&x.k), f64s(&x.v));
-    let (out_ref, lse_ref) = reference::sdpa_forward(&s, &qf, &kf, &vf, ref_mask.as_ref());
+    let (out_ref, lse_ref) = x.reference_forward(&s);
     let what = format!("{dtype:?} {s:?} mask {kind:?}");
     let (out, lse) = forward(dtype, &s, &x, SdpaPath::Hopper).unwrap();
     let tol = if dtype == CudaDType::BF16 { 1e-2 } else { 2e-3 };
@@ -202,14 +177,13 @@ fn refusals_name_the_reason() {
     assert!(r.unwrap_err().to_string().contains("sm_90a"));
 }
 
-/// The backward pass of `s` on `path` from the Hopper forward's out and lse:
-/// (dq, dk, dv).
+/// The backward pass of `x.dout` for `s` on `path` from the Hopper
+/// forward's out and lse: (dq, dk, dv).
 fn backward<T: Float>(
     dtype: CudaDType,
     s: &SdpaShape,
     x: &Inputs<T>,
     fwd: &(Vec<f64>, Vec<f32>),
-    dout: &[T],
     path: SdpaPath,
 ) -> [Vec<f64>; 3] {
     let out: Vec<T> = cvt(&fwd.0);
@@ -221,10 +195,10 @@ fn backward<T: Float>(
         q: ptr(&x.q),
         k: ptr(&x.k),
         v: ptr(&x.v),
-        mask: x.mask.as_ref().map(|(m, st)| dev_mask(m, *st)),
+        mask: x.dev_mask(),
         out: ptr(&out),
         lse: ptr(&fwd.1),
-        dout: ptr(dout),
+        dout: ptr(&x.dout),
         dq: mptr(&mut dq),
         dk: mptr(&mut dk),
         dv: mptr(&mut dv),
@@ -275,12 +249,7 @@ impl Launcher for Recording {
 fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_bwd: bool) {
     sm90a();
     let x = inputs::<T>(&s, kind);
-    let nq = s.batch * s.q_heads * s.q_len;
-    let dout: Vec<T> = cvt(&data(nq * s.v_dim, 4, 1.0));
-    let mask_f = x.mask.as_ref().map(|(m, st)| (f64s(m), *st));
-    let ref_mask = mask_f.as_ref().map(|(m, st)| ref_mask(m, *st));
-    let (qf, kf, vf) = (f64s(&x.q), f64s(&x.k), f64s(&x.v));
-    let grads_ref = reference::sdpa_backward(&s, &qf, &kf, &vf, ref_mask.as_ref(), &f64s(&dout));
+    let grads_ref = x.reference_backward(&s);
     let b = SdpaBwdBuffers {
         q: 4096,
         k: 8192,
@@ -298,7 +267,7 @@ fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_
     let takes = sdpa_hopper_bwd::unsupported(emu(), dtype, &s, &b).is_none();
     assert_eq!(takes, hopper_bwd, "the Hopper backward's verdict on {s:?}");
     let fwd = forward(dtype, &s, &x, SdpaPath::Hopper).unwrap();
-    let grads = backward(dtype, &s, &x, &fwd, &dout, SdpaPath::Hopper);
+    let grads = backward(dtype, &s, &x, &fwd, SdpaPath::Hopper);
     // The kernels that ran: the Hopper backward's where it takes the call
     // (between the tensor-core pre and dq kernels), else the tensor-core one.
     let ran = LAST_BACKWARD.with(|l| l.borrow().clone());
@@ -347,9 +316,8 @@ fn the_checked_ops_follow_tpar_sdpa() {
         let x = inputs::<bf16>(s, MaskKind::KeyPadding);
         let (m, [bs, hs, rs]) = x.mask.as_ref().unwrap();
         let nq = s.batch * s.q_heads * s.q_len;
-        let dout: Vec<bf16> = cvt(&data(nq * s.v_dim, 4, 1.0));
         let up = |v: &[bf16]| DeviceBuffer::from_host(&dev, v).unwrap();
-        let (q, k, v, mask, gd) = (up(&x.q), up(&x.k), up(&x.v), up(m), up(&dout));
+        let (q, k, v, mask, gd) = (up(&x.q), up(&x.k), up(&x.v), up(m), up(&x.dout));
         let mut out = DeviceBuffer::zeros(&dev, nq * s.v_dim * 2).unwrap();
         let mut lse = DeviceBuffer::zeros(&dev, nq * 4).unwrap();
         let mut dq = DeviceBuffer::zeros(&dev, x.q.len() * 2).unwrap();
@@ -394,13 +362,13 @@ fn the_checked_ops_follow_tpar_sdpa() {
         let mut l = vec![0f32; nq];
         lse.as_slice().copy_to_host(&mut l).unwrap();
         let o = get(&out, nq * s.v_dim);
-        ((o, l), [get(&dq, x.q.len()), get(&dk, x.k.len()), get(&dv, x.v.len())], dout, x)
+        ((o, l), [get(&dq, x.q.len()), get(&dk, x.k.len()), get(&dv, x.v.len())], x)
     };
     // a call the Hopper kernels take runs them: bit for bit the raw Hopper
-    // path (the emulator runs blocks in order, so even dq's atomics add in a
-    // fixed order)
+    // path (the emulator runs blocks in order, so even dq's bulk reductions
+    // add in a fixed order)
     let s = shape(2, 2, 1, 70, 150, 64, true);
-    let (fwd, grads, dout, x) = run(&s);
+    let (fwd, grads, x) = run(&s);
     let hopper = forward(CudaDType::BF16, &s, &x, SdpaPath::Hopper).unwrap();
     let mma = forward(CudaDType::BF16, &s, &x, SdpaPath::TensorCore).unwrap();
     assert_eq!(fwd.0, hopper.0, "TPAR_SDPA=hopper did not run the Hopper forward");
@@ -408,12 +376,12 @@ fn the_checked_ops_follow_tpar_sdpa() {
     // (the emulated Hopper and tensor-core backwards add the same products in
     // the same order, so equal gradients show the backward ran correctly, not
     // which kernel ran it)
-    let grads_h = backward(CudaDType::BF16, &s, &x, &hopper, &dout, SdpaPath::Hopper);
+    let grads_h = backward(CudaDType::BF16, &s, &x, &hopper, SdpaPath::Hopper);
     assert_eq!(grads, grads_h, "TPAR_SDPA=hopper backward");
     // one they do not take (head dim 96) runs the mma.sync kernels
     let s96 = shape(1, 2, 1, 30, 40, 96, false);
-    let (fwd, grads, dout, x) = run(&s96);
+    let (fwd, grads, x) = run(&s96);
     let mma = forward(CudaDType::BF16, &s96, &x, SdpaPath::Auto).unwrap();
     assert_eq!(fwd.0, mma.0);
-    assert_eq!(grads, backward(CudaDType::BF16, &s96, &x, &mma, &dout, SdpaPath::Auto));
+    assert_eq!(grads, backward(CudaDType::BF16, &s96, &x, &mma, SdpaPath::Auto));
 }
