@@ -16,126 +16,22 @@
 //! took the same kernel.
 
 mod common;
+#[path = "common/recording.rs"]
+mod recording;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::{data, RawBuf};
+use recording::Recording;
 use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_kernels::cuda::graph::CudaGraph;
 use tpar_kernels::cuda::ops::gemm::{gemm_with, GemmBackend};
 use tpar_kernels::cuda::ops::gemm_pad::{PadPolicy, PAD_MIN_WORK};
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
-use tpar_kernels::cuda::{
-    Arch, CudaDType, DevPtr, DeviceBuffer, GpuDevice, LaunchConfig, Launcher, MemorySpace,
-};
+use tpar_kernels::cuda::{CudaDType, DeviceBuffer, GpuDevice};
 use tpar_kernels::gemm::GemmShape;
 
 use CudaDType::{BF16, F16, F32};
-
-// ------------------------------------------------------------ the device
-
-/// The emulated device standing in for `arch` (instead of reading
-/// `TPAR_EMU_ARCH`, so tests of both architectures run side by side),
-/// recording the name of every kernel launched through it.
-struct Recording {
-    inner: Arc<dyn GpuDevice>,
-    arch: Option<Arch>,
-    names: Mutex<Vec<String>>,
-}
-
-impl Recording {
-    fn new(arch: Option<&str>) -> Recording {
-        Recording {
-            inner: EmulatedGpu::open(0).unwrap(),
-            arch: arch.map(|a| Arch::parse(a).unwrap()),
-            names: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn take(&self) -> Vec<String> {
-        std::mem::take(&mut self.names.lock().unwrap())
-    }
-}
-
-impl Launcher for Recording {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn compile_arch(&self) -> Option<Arch> {
-        self.arch
-    }
-    /// # Safety
-    /// As [`Launcher::launch_raw`].
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: &[u8],
-    ) -> tpar_kernels::Result<()> {
-        self.names.lock().unwrap().push(kernel.to_string());
-        // SAFETY: forwarded as given; the caller vouches for the arguments.
-        unsafe { self.inner.launch_raw(kernel, cfg, args) }
-    }
-}
-
-// SAFETY: every call forwards to the emulated device, whose memory, order
-// and promises it shares; only the architecture it reports differs.
-unsafe impl GpuDevice for Recording {
-    fn ordinal(&self) -> usize {
-        self.inner.ordinal()
-    }
-    fn memory_space(&self) -> MemorySpace {
-        self.inner.memory_space()
-    }
-    fn alloc(&self, bytes: usize) -> tpar_kernels::Result<DevPtr> {
-        self.inner.alloc(bytes)
-    }
-    /// # Safety
-    /// As [`GpuDevice::free`].
-    unsafe fn free(&self, ptr: DevPtr, bytes: usize) {
-        // SAFETY: the caller's guarantee; allocated by the emulated device.
-        unsafe { self.inner.free(ptr, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::htod`].
-    unsafe fn htod(&self, src: &[u8], dst: DevPtr) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.htod(src, dst) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::dtoh`].
-    unsafe fn dtoh(&self, src: DevPtr, dst: &mut [u8]) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.dtoh(src, dst) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::dtod`].
-    unsafe fn dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.dtod(src, dst, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::copy_from_device`].
-    unsafe fn copy_from_device(
-        &self,
-        src_dev: &dyn GpuDevice,
-        src: DevPtr,
-        dst: DevPtr,
-        bytes: usize,
-    ) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.copy_from_device(src_dev, src, dst, bytes) }
-    }
-    /// # Safety
-    /// As [`GpuDevice::zero`].
-    unsafe fn zero(&self, dst: DevPtr, bytes: usize) -> tpar_kernels::Result<()> {
-        // SAFETY: the caller's guarantee.
-        unsafe { self.inner.zero(dst, bytes) }
-    }
-    fn synchronize(&self) -> tpar_kernels::Result<()> {
-        self.inner.synchronize()
-    }
-}
 
 // ------------------------------------------------------------ the cases
 
@@ -377,10 +273,10 @@ fn run(dev: &Recording, cs: &Case, x: &Inputs, rows: Rows, pad: PadPolicy) -> Ru
     let da = DeviceBuffer::from_host(&dev.inner, a.buf.bytes()).unwrap();
     let db = DeviceBuffer::from_host(&dev.inner, b.buf.bytes()).unwrap();
     let mut dc = DeviceBuffer::from_host(&dev.inner, c.buf.bytes()).unwrap();
-    dev.take();
+    dev.take_names();
     gemm_with(dev, &p, da.as_slice(), db.as_slice(), dc.as_slice_mut(), GemmBackend::Ours, pad)
         .unwrap_or_else(|e| panic!("{cs:?} {pad:?}: {e}"));
-    let names = dev.take();
+    let names = dev.take_names();
     let mut out = RawBuf::new(cs.dout, c.buf.len(), 0);
     let host = dc.to_host().unwrap();
     for i in 0..out.len() {
