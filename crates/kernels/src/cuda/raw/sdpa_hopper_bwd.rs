@@ -10,7 +10,9 @@
 //! `tpar_sdpa_bwd_hopper<HD>_<dtype>` (one block of 384 threads per 128 keys,
 //! kv head and batch: a producer warp bringing K / V once and Q / dO tiles
 //! through a 2-stage ring by bulk tensor copies, two consumer warpgroups
-//! computing with wgmma; the kernel's source describes it), then sdpa.cu's
+//! computing with wgmma, a writer adding each tile's dQ from shared memory
+//! into the accumulator with one bulk reduction; the kernel's source
+//! describes it), then sdpa.cu's
 //! `tpar_sdpa_bwd_dq_*` (scale and convert dq).
 //!
 //! It takes bf16 and f16 with `head_dim == v_dim` of 64 or 128, 16-byte
