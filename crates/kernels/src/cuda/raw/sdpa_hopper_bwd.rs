@@ -5,7 +5,7 @@
 //! [`super::sdpa`] for the layouts, GQA, causal and mask semantics), with the
 //! same workspace contract: `delta` (f32 per query row) at the start of the
 //! workspace, the f32 `dq` accumulator after it (256-byte aligned),
-//! [`sdpa_backward_workspace_bytes`] in all. It runs sdpa.cu's
+//! [`super::sdpa::sdpa_backward_workspace_bytes`] in all. It runs sdpa.cu's
 //! `tpar_sdpa_bwd_pre_*` (delta, accumulator zeroed), then this file's
 //! `tpar_sdpa_bwd_hopper<HD>_<dtype>` (one block of 384 threads per 128 keys,
 //! kv head and batch: a producer warp bringing K / V once and Q / dO tiles
