@@ -9,23 +9,24 @@
 //! `TPAR_SDPA=hopper`, and the refusals.
 
 mod common;
+#[path = "common/recording.rs"]
+mod recording;
 
 use common::sdpa::{
     check_lse, max_rel, same_dim_shape as shape, Inputs, MaskKind, MaskPlan, Workspace,
 };
 use common::{cvt, emu, f64s, mptr, ptr};
 use std::cell::RefCell;
-use std::sync::Mutex;
 
 use half::{bf16, f16};
-use tpar_kernels::cuda::emu::Emulator;
+use recording::Recording;
 use tpar_kernels::cuda::raw::sdpa::{
     sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaBwdBuffers, SdpaFwdBuffers,
     SdpaPath,
 };
 use tpar_kernels::cuda::raw::sdpa_hopper::{self, EMU_ARCH_ENV};
 use tpar_kernels::cuda::raw::sdpa_hopper_bwd;
-use tpar_kernels::cuda::{Arch, CudaDType, LaunchConfig, Launcher};
+use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::sdpa::SdpaShape;
 use tpar_kernels::{Float, KernelError};
 
@@ -205,42 +206,18 @@ fn backward<T: Float>(
         workspace: ws.ptr(),
         workspace_bytes: ws.bytes,
     };
-    let rec = Recording { inner: emu(), names: Mutex::new(Vec::new()) };
+    let rec = Recording::new(None);
     // SAFETY: host buffers stand in for device memory, each holding every
     // element the call's sizes reach; the workspace is 16-byte aligned.
     unsafe { sdpa_backward(&rec, dtype, s, &b, path).unwrap() };
-    LAST_BACKWARD.with(|l| *l.borrow_mut() = rec.names.into_inner().unwrap());
+    LAST_BACKWARD.with(|l| *l.borrow_mut() = rec.take_names());
+    assert!(ws.guard_intact(), "the {path:?} backward of {s:?} wrote past its workspace");
     [f64s(&dq), f64s(&dk), f64s(&dv)]
 }
 
 thread_local! {
     /// The kernels the last [`backward`] call of this thread launched.
     static LAST_BACKWARD: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
-}
-
-/// The emulator, recording the name of every kernel launched through it.
-struct Recording {
-    inner: &'static Emulator,
-    names: Mutex<Vec<String>>,
-}
-
-impl Launcher for Recording {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn compile_arch(&self) -> Option<Arch> {
-        self.inner.compile_arch()
-    }
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: &[u8],
-    ) -> tpar_kernels::Result<()> {
-        self.names.lock().unwrap().push(kernel.to_string());
-        // SAFETY: forwarded as given; the caller vouches for the arguments.
-        unsafe { self.inner.launch_raw(kernel, cfg, args) }
-    }
 }
 
 /// Forward and backward on `SdpaPath::Hopper` against the f64 reference: the
