@@ -624,32 +624,36 @@ fn interleaved_and_all_gather_add_what_the_model_predicts() {
     };
     let ring = Run { cp: 2, ..Run::new(cfg, BATCH, seq) };
     let gather = Run { method: CpMethod::AllGather, ..ring.clone() };
-    compare_runs("cp 2, seq 2048, ring -> all-gather", &ring, &gather);
+    compare_runs("cp 2, seq 2048, ring -> all-gather", &ring, &gather, 0.3);
 }
 
-/// [`check_difference`] of two measured runs (within 30 %), their predictions printed.
-fn compare_runs(what: &str, a: &Run, b: &Run) {
+/// [`check_difference`] of two measured runs (within `diff_tol` of the predicted
+/// difference), their predictions printed.
+fn compare_runs(what: &str, a: &Run, b: &Run, diff_tol: f64) {
     let (pa, pb) = (a.predict(), b.predict());
     for p in pa.iter().chain(&pb) {
         println!("    {p}");
     }
-    check_difference(what, (&pa, &a.peaks()), (&pb, &b.peaks()), 0.3);
+    check_difference(what, (&pa, &a.peaks()), (&pb, &b.peaks()), diff_tol);
 }
 
 /// Fused projections under selective checkpointing (torchtitan's policy: attention and
 /// every second matmul): q, k and v, and gate and up, are one matmul each, so the layer
 /// has 4 matmuls where it had 7 and the checkpoint keeps the wide q/k/v and gate/up
 /// outputs instead of q, v, gate and down, and recomputes gate and up as copies. The
-/// measured difference is within 30 % of the predicted one; a model that ignores the
-/// fusion predicts none.
+/// measured difference is within 15 % of the predicted one (one kernel thread per rank
+/// makes it repeatable); a model that ignores the fusion predicts none, one that forgets
+/// the recompute's gate and up copies about half of it.
 #[test]
 fn fused_projections_change_what_selective_checkpointing_keeps() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     assert!(memory::is_tracking());
     println!("| configuration | rank | predicted MiB | measured MiB | |");
-    let selective = Run { ac: AcPolicy::selective(), ..Run::base() };
+    // One kernel thread per rank: the measured difference is then the same on a loaded
+    // machine as on a quiet one (with a pool, how many tasks' scratch overlaps varies).
+    let selective = Run { ac: AcPolicy::selective(), threads: Some(1), ..Run::base() };
     let fused = Run { fusion: FUSED_PROJECTIONS, ..selective.clone() };
-    compare_runs("selective AC, unfused -> fused projections", &selective, &fused);
+    compare_runs("selective AC, unfused -> fused projections", &selective, &fused, 0.15);
 }
 
 /// The fusions change the prediction only where they run: fused projections under
