@@ -43,6 +43,21 @@ struct BulkPending {
     int group = -1;      // bulk async-group, -1 while not committed
 };
 
+// Completes (`done`, oldest first) and drops the operations of `pending`
+// committed to a group before `keep_from`; later groups and operations not
+// yet committed (group -1) stay pending.
+template <typename P, typename F>
+void retire_groups(std::vector<P>& pending, int keep_from, F done) {
+    std::vector<P> rest;
+    for (auto& p : pending) {
+        if (p.group >= 0 && p.group < keep_from)
+            done(p);
+        else
+            rest.push_back(p);
+    }
+    pending.swap(rest);
+}
+
 struct Fiber {
     ucontext_t ctx;
     dim3 tid;
@@ -1029,15 +1044,8 @@ void tpar_emu_wgmma_wait(int n) {
         tpar_emu_fail("wgmma.wait_group with N outside 0..7");
         return;
     }
-    const int keep_from = f->wgmma_groups - n;  // groups >= keep_from may stay pending
-    std::vector<WgmmaPending> rest;
-    for (auto& p : f->wgmma) {
-        if (p.group >= 0 && p.group < keep_from)
-            std::memcpy(p.d, p.vals, sizeof(float) * p.count);
-        else
-            rest.push_back(p);
-    }
-    f->wgmma.swap(rest);
+    retire_groups(f->wgmma, f->wgmma_groups - n,
+                  [](WgmmaPending& p) { std::memcpy(p.d, p.vals, sizeof(float) * p.count); });
 }
 
 // ---------------------------------------------------------------- bulk reductions
@@ -1085,15 +1093,9 @@ void tpar_emu_bulk_wait(int n) {
         tpar_emu_fail("cp.async.bulk.wait_group with a negative count");
         return;
     }
-    const int keep_from = f->bulk_groups - n;  // groups >= keep_from may stay pending
-    std::vector<BulkPending> rest;
-    for (auto& p : f->bulk) {
-        if (p.group >= 0 && p.group < keep_from)
-            for (unsigned i = 0; i < p.count; ++i) p.dst[i] += p.src[i];
-        else
-            rest.push_back(p);
-    }
-    f->bulk.swap(rest);
+    retire_groups(f->bulk, f->bulk_groups - n, [](BulkPending& p) {
+        for (unsigned i = 0; i < p.count; ++i) p.dst[i] += p.src[i];
+    });
 }
 
 // Runs a whole launch (blocks `cluster` at a time, together); returns 0, or
