@@ -5,37 +5,18 @@
 //! binary of its own with one test: the variables are process-wide.
 
 mod common;
-
-use std::sync::Mutex;
+#[path = "common/recording.rs"]
+mod recording;
 
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
     self, Epilogue, HopperTarget, CLUSTER_ENV, SHARED_BYTES, SHARED_BYTES_N256, TILE_N_ENV,
 };
-use tpar_kernels::cuda::{CudaDType, LaunchConfig, Launcher};
+use tpar_kernels::cuda::CudaDType;
 use tpar_kernels::gemm::GemmShape;
 
-use common::{emu, Buf};
-
-/// The emulator, recording each launch's kernel and configuration.
-struct Recorder(Mutex<Vec<(String, LaunchConfig)>>);
-
-impl Launcher for Recorder {
-    fn describe(&self) -> String {
-        "emulator (recording launches)".into()
-    }
-
-    unsafe fn launch_raw(
-        &self,
-        kernel: &str,
-        cfg: &LaunchConfig,
-        args: &[u8],
-    ) -> tpar_kernels::Result<()> {
-        self.0.lock().unwrap().push((kernel.to_string(), *cfg));
-        // SAFETY: forwarded from the caller.
-        unsafe { emu().launch_raw(kernel, cfg, args) }
-    }
-}
+use common::Buf;
+use recording::Recording;
 
 fn set(name: &str, value: Option<&str>) {
     // SAFETY (edition 2021 API): this binary's only test runs alone.
@@ -53,7 +34,7 @@ fn the_tile_width_and_cluster_size_come_from_the_environment() {
     let mut b = Buf::new(&vec![0x3f80u16; k * n], 0);
     let p = GemmProblem::new(GemmShape::new(1, m, n, k), CudaDType::BF16, CudaDType::F32);
     let (ap, bp) = (a.ptr(), b.ptr());
-    let rec = Recorder(Mutex::new(Vec::new()));
+    let rec = Recording::new(None);
     let run = |tile_n: Option<&str>, cluster: Option<&str>| {
         set(TILE_N_ENV, tile_n);
         set(CLUSTER_ENV, cluster);
@@ -82,7 +63,9 @@ fn the_tile_width_and_cluster_size_come_from_the_environment() {
     ] {
         let what = format!("{TILE_N_ENV}={tile_n:?} {CLUSTER_ENV}={cluster:?}");
         let c = run(tile_n, cluster).unwrap_or_else(|e| panic!("{what}: {e}"));
-        let (got, cfg) = rec.0.lock().unwrap().pop().unwrap_or_else(|| panic!("{what}: no launch"));
+        let mut launches = rec.take();
+        let (got, cfg) = launches.pop().unwrap_or_else(|| panic!("{what}: no launch"));
+        assert!(launches.is_empty(), "{what}: more than one launch: {launches:?}");
         assert_eq!((got.as_str(), cfg.shared_bytes, cfg.cluster), (kernel.as_str(), shared, shape));
         assert!(c.iter().all(|&v| v == k as f32), "{what}: C is not all {k}");
     }
@@ -93,6 +76,6 @@ fn the_tile_width_and_cluster_size_come_from_the_environment() {
     ] {
         let e = run(tile_n, cluster).unwrap_err().to_string();
         assert!(e.contains(named), "{e}");
-        assert!(rec.0.lock().unwrap().is_empty(), "launched despite {named}");
+        assert!(rec.take().is_empty(), "launched despite {named}");
     }
 }
