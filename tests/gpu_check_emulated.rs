@@ -39,6 +39,26 @@ fn gpu_check() -> PathBuf {
     .clone()
 }
 
+/// `gpu_check --device emulator --quick --only <family>` (with `--sabotage` when asked),
+/// the emulator standing in for an `sm_90a` device when `sm90a` (else for its default
+/// architecture, whatever the environment says): its report, after asserting that it
+/// exited successfully.
+fn quick_family(family: &str, sm90a: bool, sabotage: bool) -> String {
+    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
+    let mut args = vec!["--device", "emulator", "--quick", "--only", family];
+    if sabotage {
+        args.push("--sabotage");
+    }
+    let mut cmd = Command::new(gpu_check());
+    cmd.args(&args).env_remove(arch);
+    if sm90a {
+        cmd.env(arch, "sm_90a");
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
 fn every_kernel_passes_on_the_emulator() {
     let out = Command::new(gpu_check()).args(["--device", "emulator", "--quick"]).output().unwrap();
@@ -67,16 +87,7 @@ fn a_perturbed_reference_fails_the_checks() {
 /// tile widths and with clusters, and a perturbed reference fails every one of them.
 #[test]
 fn the_hopper_gemm_checks_run_on_an_emulated_sm_90a() {
-    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
-    let run = |sabotage: bool| {
-        let mut args = vec!["--device", "emulator", "--quick", "--only", "gemm"];
-        if sabotage {
-            args.push("--sabotage");
-        }
-        let out = Command::new(gpu_check()).args(&args).env(arch, "sm_90a").output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |sabotage: bool| quick_family("gemm", true, sabotage);
     let good = run(false);
     let hopper: Vec<&str> = good.lines().filter(|l| l.contains(" gemm_hopper.")).collect();
     assert!(hopper.len() >= 62, "{good}");
@@ -127,16 +138,7 @@ fn adamw_bits_do_not_depend_on_contraction() {
 /// every case, and a perturbed reference fails every one of them.
 #[test]
 fn the_hopper_attention_checks_run_on_an_emulated_sm_90a() {
-    let arch = tpar::kernels::cuda::raw::sdpa_hopper::EMU_ARCH_ENV;
-    let run = |sabotage: bool| {
-        let mut args = vec!["--device", "emulator", "--quick", "--only", "sdpa"];
-        if sabotage {
-            args.push("--sabotage");
-        }
-        let out = Command::new(gpu_check()).args(&args).env(arch, "sm_90a").output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |sabotage: bool| quick_family("sdpa", true, sabotage);
     let good = run(false);
     let hopper: Vec<&str> = good.lines().filter(|l| l.contains(" sdpa_hopper.")).collect();
     assert!(hopper.len() >= 20, "{good}");
@@ -155,21 +157,7 @@ fn the_hopper_attention_checks_run_on_an_emulated_sm_90a() {
 /// every one of them.
 #[test]
 fn the_padded_gemm_checks_pass_and_a_perturbed_reference_fails_them() {
-    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
-    let run = |sm90a: bool, sabotage: bool| {
-        let mut args = vec!["--device", "emulator", "--quick", "--only", "gemm_pad"];
-        if sabotage {
-            args.push("--sabotage");
-        }
-        let mut cmd = Command::new(gpu_check());
-        cmd.args(&args).env_remove(arch);
-        if sm90a {
-            cmd.env(arch, "sm_90a");
-        }
-        let out = cmd.output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |sm90a: bool, sabotage: bool| quick_family("gemm_pad", sm90a, sabotage);
     for sm90a in [false, true] {
         let good = run(sm90a, false);
         let rows: Vec<&str> = good.lines().filter(|l| l.contains(" gemm_pad.")).collect();
