@@ -11,6 +11,7 @@ use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};
 use tpar_kernels::cuda::raw::rope::{self as gpu, RopeOrder, RopeShape};
 use tpar_kernels::cuda::{CudaDType, DevPtr, Launcher};
+use tpar_kernels::rope::reference::swap12;
 use tpar_kernels::{rope, Float};
 
 fn numel(s: &RopeShape) -> usize {
@@ -177,20 +178,6 @@ fn rejects_bad_arguments() {
         assert!(gpu::rope_qk_inplace(l, f, &ok, p, &long, p, p, p, false).is_err(), "seq differs");
         assert!(gpu::rope_forward(l, f, &ok, p, p, p, p).is_ok());
     }
-}
-
-/// `[a, b, c, d]` (row-major) to `[a, c, b, d]`.
-fn swap12<T: Copy>(v: &[T], (a, b, c, d): (usize, usize, usize, usize)) -> Vec<T> {
-    let mut out = Vec::with_capacity(v.len());
-    for i in 0..a {
-        for k in 0..c {
-            for j in 0..b {
-                let at = ((i * b + j) * c + k) * d;
-                out.extend_from_slice(&v[at..at + d]);
-            }
-        }
-    }
-    out
 }
 
 /// The bytes of `v`, for bit-for-bit comparisons.

@@ -42,3 +42,19 @@ pub fn rope_backward(s: &RopeShape, dy: &[f64], cos: &[f64], sin: &[f64]) -> Vec
     }
     dx
 }
+
+/// `v` laid out `[a, b, c, d]` (row-major), returned as `[a, c, b, d]`: the
+/// transpose of dims 1 and 2 that separates the two row orders of
+/// [`crate::cuda::raw::rope::RopeOrder`] (`[b, s, h, d]` and `[b, h, s, d]`).
+pub fn swap12<T: Copy>(v: &[T], (a, b, c, d): (usize, usize, usize, usize)) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.len());
+    for i in 0..a {
+        for k in 0..c {
+            for j in 0..b {
+                let at = ((i * b + j) * c + k) * d;
+                out.extend_from_slice(&v[at..at + d]);
+            }
+        }
+    }
+    out
+}

@@ -2,6 +2,7 @@
 
 use tpar_kernels::cuda::raw::rope;
 use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::rope::reference::swap12;
 use tpar_kernels::rope::RopeShape;
 
 use CudaDType::{BF16, F16, F32};
@@ -53,20 +54,6 @@ pub(crate) fn check_rope(c: &mut Ctx) {
     for (dt, s) in orders {
         rope_orders_case(c, dt, s);
     }
-}
-
-/// `[a, b, c, d]` (row-major) to `[a, c, b, d]`.
-fn swap12(v: &[f64], (a, b, c, d): (usize, usize, usize, usize)) -> Vec<f64> {
-    let mut out = Vec::with_capacity(v.len());
-    for i in 0..a {
-        for k in 0..c {
-            for j in 0..b {
-                let at = ((i * b + j) * c + k) * d;
-                out.extend_from_slice(&v[at..at + d]);
-            }
-        }
-    }
-    out
 }
 
 /// The two-order kernel: `x` `[b, s, h, d]` (`s` is `(b, s, h, d)`) rotated into
