@@ -19,7 +19,9 @@
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
 use tpar_kernels::cuda::ops::gemm::ours_with;
-use tpar_kernels::cuda::ops::gemm_tune::{best_config, GemmKey, GemmRates, GemmTable};
+use tpar_kernels::cuda::ops::gemm_tune::{
+    best_config, GemmKey, GemmRates, GemmTable, HOPPER_CONFIGS,
+};
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
     self, unsupported, Epilogue, HopperConfig, HopperTarget,
@@ -237,28 +239,25 @@ pub(super) fn gemm_benches(
 
 /// The fastest Hopper configuration of a product and its rate: of `base`
 /// (the default configuration's row) and `variants` (the rows of
-/// [`HOPPER_VARIANTS`], in order), those measured; `None` when none was.
+/// [`HOPPER_VARIANTS`], in order: together [`HOPPER_CONFIGS`]'s order), those
+/// measured; `None` when none was.
 fn fastest(base: &Bench, variants: &[Bench]) -> Option<(HopperConfig, f64)> {
-    let configs = std::iter::once(HopperConfig::default()).chain(HOPPER_VARIANTS.map(|v| v.1));
     let rates = std::iter::once(base).chain(variants).map(|b| b.ours);
     let measured: Vec<(HopperConfig, f64)> =
-        configs.zip(rates).filter_map(|(c, r)| Some((c, r?))).collect();
+        HOPPER_CONFIGS.into_iter().zip(rates).filter_map(|(c, r)| Some((c, r?))).collect();
     best_config(&measured)
 }
 
 /// The Hopper kernel's launch configurations benchmarked beside the default
 /// (every product; rows printed for the square ones): row suffix,
-/// configuration, note.
+/// configuration (the non-default ones of [`HOPPER_CONFIGS`], in its order),
+/// note.
 const HOPPER_VARIANTS: [(&str, HopperConfig, &str); 3] = [
-    (
-        "c2",
-        HopperConfig { cluster: 2, tile_n: 128 },
-        "hopper kernel, 2-block clusters (A multicast)",
-    ),
-    ("n256", HopperConfig { cluster: 1, tile_n: 256 }, "hopper kernel, 128 x 256 tiles"),
+    ("c2", HOPPER_CONFIGS[1], "hopper kernel, 2-block clusters (A multicast)"),
+    ("n256", HOPPER_CONFIGS[2], "hopper kernel, 128 x 256 tiles"),
     (
         "n256.c2",
-        HopperConfig { cluster: 2, tile_n: 256 },
+        HOPPER_CONFIGS[3],
         "hopper kernel, 128 x 256 tiles, 2-block clusters (A multicast)",
     ),
 ];
@@ -306,7 +305,6 @@ fn hopper_bench(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tpar_kernels::cuda::ops::gemm_tune::HOPPER_CONFIGS;
 
     #[test]
     fn the_step_products_are_every_linear_in_three_layouts() {
