@@ -22,7 +22,7 @@
 
 namespace {
 
-enum State { RUNNABLE, AT_BARRIER, AT_WARP, AT_GROUP, AT_MBAR, AT_CLUSTER, DONE };
+enum State { RUNNABLE, AT_BARRIER, AT_WARP, AT_GROUP, AT_MBAR, AT_CLUSTER, AT_REGS, DONE };
 
 // A wgmma.mma_async issued by one thread whose results it has not yet
 // waited for: they reach the registers at wgmma.wait_group (until then the
@@ -78,6 +78,10 @@ struct Fiber {
     int wgmma_done = 0;    // groups retired by wait_group
     std::vector<BulkPending> bulk;
     int bulk_groups = 0;  // bulk async-groups committed so far
+    // setmaxnreg: the registers the thread holds, and (AT_REGS) how many more
+    // setmaxnreg.inc waits for
+    unsigned regs = 0;
+    unsigned reg_need = 0;
 };
 
 // A warpgroup (4 consecutive warps, 128 threads) at a warpgroup collective.
@@ -120,7 +124,19 @@ struct Cta {
     // threads not yet exited: once 0, the block's shared memory is gone for
     // the rest of its cluster
     unsigned live = 0;
+    // setmaxnreg's per-block pool: registers released by setmaxnreg.dec and
+    // not yet taken by setmaxnreg.inc (counted per thread, summed)
+    unsigned long long reg_pool = 0;
 };
+
+// The registers per thread a block of `threads` threads holds at entry when
+// it is compiled for one block per SM with that many threads (the launch
+// bounds of the kernels that use setmaxnreg): the 64K-register file's share,
+// in ptxas's units of 8, at most 255.
+unsigned entry_registers(unsigned threads) {
+    const unsigned share = threads ? 65536u / threads / 8u * 8u : 255u;
+    return share < 255u ? share : 255u;
+}
 
 struct Launch {
     void (*kernel)(const void*) = nullptr;
@@ -237,7 +253,11 @@ void run_cluster(Launch* L) {
     L->warps.assign(nwarps, Warp{});
     L->groups.assign(groups_per_block * L->csize, Group{});
     L->mbars.clear();
-    for (Cta& c : L->ctas) c.live = per_block;
+    for (Cta& c : L->ctas) {
+        c.live = per_block;
+        c.reg_pool = 0;
+    }
+    const unsigned regs0 = entry_registers(per_block);
     while (g_stacks.size() < nthreads) {
         void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -256,6 +276,7 @@ void run_cluster(Launch* L) {
         f.lane = i % 32;
         f.warp = i / 32;
         f.group = f.cta * groups_per_block + j / 128;
+        f.regs = regs0;
         L->warps[f.warp].lanes[f.lane] = &f;
         L->warps[f.warp].live++;
         L->groups[f.group].threads[j % 128] = &f;
@@ -297,6 +318,8 @@ void run_cluster(Launch* L) {
                     if (t >= nthreads) continue;
                     Fiber& f = L->fibers[t];
                     if (f.state == AT_MBAR && mbar_ready(L, f)) f.state = RUNNABLE;
+                    if (f.state == AT_REGS && L->ctas[f.cta].reg_pool >= f.reg_need)
+                        f.state = RUNNABLE;
                     if (f.state != RUNNABLE) continue;
                     ran = progress = true;
                     L->current = &f;
@@ -351,10 +374,11 @@ void run_cluster(Launch* L) {
         }
         if (released) continue;
         // Nothing can run: describe who waits where.
-        unsigned at_mbar = 0, at_group = 0;
+        unsigned at_mbar = 0, at_group = 0, at_regs = 0;
         for (auto& f : L->fibers) {
             at_mbar += f.state == AT_MBAR;
             at_group += f.state == AT_GROUP;
+            at_regs += f.state == AT_REGS;
         }
         std::string msg = "deadlock: ";
         char buf[400];
@@ -362,12 +386,25 @@ void run_cluster(Launch* L) {
             std::snprintf(buf, sizeof buf, "%u threads wait at the cluster barrier; ", at_cluster);
             msg += buf;
         }
+        if (at_regs > 0) {
+            const Fiber* w = nullptr;
+            for (auto& f : L->fibers)
+                if (f.state == AT_REGS && !w) w = &f;
+            std::snprintf(buf, sizeof buf,
+                          "%u threads wait at setmaxnreg.inc for registers their block does not "
+                          "have (the first, at %s, asks for %u more per thread; %llu are free in "
+                          "its block's pool; each thread held %u at entry: the warpgroups' "
+                          "setmaxnreg counts must fit in that many per thread, summed); ",
+                          at_regs, where(w).c_str(), w->reg_need, L->ctas[w->cta].reg_pool,
+                          regs0);
+            msg += buf;
+        }
         std::snprintf(buf, sizeof buf,
                       "%u of %u live threads wait at __syncthreads, %u at mbarrier phases that "
                       "never complete, %u at warpgroup operations and %u at warp operations "
                       "some threads of their warp or warpgroup never reach (",
                       at_barrier, live, at_mbar, at_group,
-                      live - at_barrier - at_mbar - at_group - at_cluster);
+                      live - at_barrier - at_mbar - at_group - at_cluster - at_regs);
         msg += buf;
         int shown = 0;
         for (auto& f : L->fibers) {
@@ -693,9 +730,42 @@ int tpar_emu_mbar_try_wait(void* bar, unsigned parity) {
     return 1;
 }
 
-void tpar_emu_setmaxnreg(unsigned regs, int) {
-    if (regs % 8 != 0 || regs < 24 || regs > 256)
+// setmaxnreg (PTX ISA): .dec returns the thread's registers above `regs` to
+// its block's pool; .inc waits until the pool holds the registers it adds,
+// then takes them. A block starts with every register given to its threads
+// (entry_registers) and an empty pool, so the warpgroups' counts must fit in
+// what the block was launched with, or .inc waits forever (on a GPU too).
+// Counted per thread: the sums are those of the ISA's per-warp accounting.
+void tpar_emu_setmaxnreg(unsigned regs, int inc) {
+    if (regs % 8 != 0 || regs < 24 || regs > 256) {
         tpar_emu_fail("setmaxnreg with a register count that is not a multiple of 8 in 24..256");
+        return;
+    }
+    Launch* L = g_launch;
+    Fiber* f = L->current;
+    Cta& c = L->ctas[f->cta];
+    if (inc ? regs < f->regs : regs > f->regs) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "setmaxnreg.%s to %u registers from %u",
+                      inc ? "inc" : "dec", regs, f->regs);
+        tpar_emu_fail(buf);
+        return;
+    }
+    if (!inc) {
+        c.reg_pool += f->regs - regs;
+        f->regs = regs;
+        return;
+    }
+    const unsigned need = regs - f->regs;
+    while (c.reg_pool < need) {
+        // resumed by the scheduler once the pool holds `need`
+        f->reg_need = need;
+        f->state = AT_REGS;
+        yield_to_scheduler();
+    }
+    c.reg_pool -= need;
+    f->regs = regs;
+    f->reg_need = 0;
 }
 
 // ---------------------------------------------------------------- clusters

@@ -324,6 +324,9 @@ void tpar_emu_mbar_expect_tx(void* bar, unsigned tx);
 // Blocks the calling thread until the phase of parity `parity` has
 // completed; returns 1.
 int tpar_emu_mbar_try_wait(void* bar, unsigned parity);
+// setmaxnreg.inc (inc = 1, waits until the block's pool has the registers
+// it adds) or .dec (returns registers to the pool); a block of T threads
+// holds 65536 / T registers per thread at entry (units of 8, at most 255).
 void tpar_emu_setmaxnreg(unsigned regs, int inc);
 // Box at `coords` (innermost first) of the tensor `map` into shared memory,
 // then complete_tx of its bytes on `bar`.

@@ -21,7 +21,10 @@
 //! deadlock), bulk tensor copies through tensor maps of
 //! [`super::tensor_map::TensorMap::encode_tiled_emulated`], `wgmma.mma_async`
 //! as a warpgroup collective (accumulators NaN until `wgmma_wait`),
-//! `setmaxnreg`, and thread-block clusters ([`Emulator::launch_cluster_raw`]:
+//! `setmaxnreg` with the block's register pool (a block holds 64K registers
+//! over its threads; `.inc` waits until `.dec` returned enough, so counts
+//! that do not fit are reported as a deadlock, where a GPU hangs), and
+//! thread-block clusters ([`Emulator::launch_cluster_raw`]:
 //! distributed shared memory, the cluster barrier, multicast copies).
 //!
 //! ```no_run
