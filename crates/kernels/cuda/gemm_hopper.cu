@@ -73,12 +73,45 @@
 // skipped): it puts the chunk's accumulators into a f32 staging chunk in
 // shared memory, then walks it row by row (EC consecutive columns per step,
 // so the reads of C, bias and aux are coalesced) and writes C's image in
-// shared memory for one bulk tensor store (c_tma: the launcher's map_c, box
-// EC x 64, which clips at the edges) or, when C's rows are not 16-byte
-// aligned, C itself by guarded stores. A bulk store is not waited for at
-// once: the warpgroup goes on (to the next chunk, or the next tile's main
-// loop) while it writes C, and the next chunk first waits until it has read
-// the image (epi_free).
+// shared memory for bulk tensor stores (c_tma: the launcher's map_c, which
+// clips at the edges) or, when C's rows are not 16-byte aligned, C itself by
+// guarded stores. A bulk store is not waited for at once: the warpgroup goes
+// on (to the next chunk, or the next tile's main loop) while it writes C,
+// and the next chunk first waits until it has read the image (epi_free).
+//
+// The staging chunk's layout (`staged`) is the bulk tensor copy's 128-byte
+// swizzle of f32 boxes 32 columns x 64 rows: column c of row r lies in
+// sub-box c / 32 (8192 bytes each), whose row r is 128 bytes at 128 r, and
+// in it in 16-byte unit ((c % 32) / 4) ^ (r % 8) (eight units of 4 floats;
+// the XOR is the swizzle's, bits 4..6 of the address XOR bits 7..9, on a
+// chunk 1024-byte aligned), at float c % 4. Bank = (float index) % 32 =
+// 4 * unit + c % 4, since rows are 32 floats.
+// - The accumulators go in as 8-byte pairs (columns 2q, 2q + 1 of a row:
+//   one unit, floats 2 (q % 2) and + 1). In the fragment, lane = 4 g + q of
+//   warp w holds rows 16 w + g (+ 8) and, per 8-column block b, columns
+//   8 b + 2 q, + 1. One store of a warp takes blocks b and b + 2 of a
+//   sub-box (b % 4 in {0, 1}): lanes with h = q / 2 = s take b, the others
+//   b + 2, the second store (s = 1) the other one (a select between two
+//   registers, no indexing). The unit of lane (g, q) is then
+//   (2 (b % 4) + 4 (s ^ h) + h) ^ g. In a half-warp (g in 0..3 or 4..7,
+//   r % 8 = g) bit 2 of the unit gives s ^ h, hence h, and bits 0..1 then
+//   give g % 4: its 16 lanes hit 8 distinct units, and the two lanes of a
+//   unit (q % 2 = 0, 1) its two halves: 32 distinct banks, one wavefront
+//   per half-warp, 2 for the warp's 256 bytes, the minimum (also where the
+//   hardware serves the whole warp at once: every bank holds 2 of its words).
+//   The row-major chunk before this layout put the 8 rows of a warp store
+//   on the same 4 banks, 512 or 256 bytes apart: 8 ways.
+// - The row walk's reads: a warp reads 32 consecutive columns of one row
+//   (EC is a multiple of 32), one 128-byte row of a sub-box, whose 8 units
+//   the XOR permutes: 32 distinct banks, one wavefront.
+// For f32 C the image is the staging chunk itself: each element is read,
+// scaled and written back at the same place by one thread, and EC / 32 bulk
+// stores (map_c: f32, box 32 x 64, 128-byte swizzle; sub-boxes wholly past
+// N skipped) write it, unswizzling as they go. For 16-bit C the image stays
+// row-major (box EC x 64, no swizzle): a warp's 2-byte writes are 64
+// consecutive bytes, conflict-free already, and one store covers the chunk.
+// The guarded stores read the swizzled staging the same way. None of this
+// is measured on a GPU: the bank arithmetic above is the whole claim.
 //
 // Compiled for an architecture without wgmma (sm_90, sm_80), the kernels
 // are empty: the launcher only picks them for devices compiled for sm_90a.
@@ -86,7 +119,8 @@
 struct GemmHopperArgs {
     TparTensorMap map_a;  // 3-D (inner, rows, batch) over A as stored
     TparTensorMap map_b;  // 3-D over B as stored
-    TparTensorMap map_c;  // 3-D (n, m, batch) over C, box EC x 64, when c_tma
+    TparTensorMap map_c;  // 3-D (n, m, batch) over C when c_tma: f32 box 32 x 64 (128-byte
+                          // swizzle), 16-bit box EC x 64
     void* c;
     const void* bias;  // n elements (EPI_BIAS)
     const void* aux;   // residual or gate, like C with ld_aux / batch_stride_aux
@@ -130,10 +164,27 @@ struct Geo {
     static constexpr int EC = BN == 128 ? 128 : 64;
     static constexpr u32 B_BYTES = BN * BK * 2;
     static constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
-    // per consumer warpgroup: a 64 x EC f32 staging chunk, and the 16-bit
-    // image of C's chunk (a f32 C is converted in place)
+    // per consumer warpgroup: a 64 x EC f32 staging chunk (EC / 32 swizzled
+    // sub-boxes, `staged`), and the 16-bit image of C's chunk (a f32 C is
+    // converted in place)
     static constexpr u32 STAGING_BYTES = 64 * EC * 4;
 };
+
+// Columns of a staging sub-box: one 128-byte swizzle row of f32.
+constexpr int SUB = 32;
+
+// Two accumulators of a row, stored to the staging chunk as one 8-byte access.
+struct alignas(8) Pair {
+    float x, y;
+};
+
+// The float index of element (r, c) of a staging chunk (r < 64): sub-box
+// c / 32 of 64 rows x 32 floats, row r, 16-byte unit ((c % 32) / 4) ^ (r % 8),
+// float c % 4 (the 128-byte swizzle of a bulk tensor copy; the header shows
+// the conflict-free accesses).
+TPAR_DEVICE int staged(int r, int c) {
+    return (c / SUB) * (64 * SUB) + r * SUB + ((((c % SUB) / 4) ^ (r % 8)) * 4) + c % 4;
+}
 
 // The ring's stages and the consumer warpgroups' epilogue buffers are found
 // by arithmetic (stage_a, stage_b, staging, out16), not kept in arrays of
@@ -346,17 +397,33 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
             }
             if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(chunks & 1) ^ 1u);
             // accumulator i of a thread is row 16 w + g + 8 ((i / 2) % 2),
-            // column 8 (i / 4) + 2 q + i % 2 of the warpgroup's 64 x BN
+            // column 8 (i / 4) + 2 q + i % 2 of the warpgroup's 64 x BN: in
+            // pairs, 8-column blocks b and b + 2 of each sub-box swapped
+            // between the lanes with q / 2 = 0 and 1 (the header's argument)
+            const int h = q / 2;
 #pragma unroll
-            for (int i = j * (EC / 2); i < (j + 1) * (EC / 2); ++i) {
-                const int r = 16 * w + g + 8 * ((i / 2) % 2);
-                const int c = 8 * (i / 4) + 2 * q + (i % 2) - j * EC;
-                f[r * EC + c] = d[i];
+            for (int b0 = j * (EC / 8); b0 < (j + 1) * (EC / 8); b0 += SUB / 8) {
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+                        for (int sw = 0; sw < 2; ++sw) {
+                            const int i0 = 4 * (b0 + u) + 2 * e, i1 = i0 + 8;
+                            const bool far = (sw ^ h) != 0;
+                            const Pair v = far ? Pair{d[i1], d[i1 + 1]} : Pair{d[i0], d[i0 + 1]};
+                            const int r = 16 * w + g + 8 * e;
+                            const int c = 8 * (b0 + u + 2 * (sw ^ h)) + 2 * q - j * EC;
+                            *reinterpret_cast<Pair*>(f + staged(r, c)) = v;
+                        }
+                    }
+                }
             }
             wg_sync(&s.epi_sync[cw], 2u * (u32)chunks);
             for (int idx = tw; idx < 64 * EC; idx += 128) {
+                const int at = staged(idx / EC, idx % EC);
                 const int row = row0 + idx / EC, col = col0 + idx % EC;
-                float v = a.alpha * f[idx];
+                float v = a.alpha * f[at];
                 if (row < a.m && col < a.n) {
                     const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
                     if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
@@ -368,15 +435,22 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
                     }
                     if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
                 }
-                // (for f32 C, o is f: each element is read and written by one thread)
-                if (a.c_tma) o[idx] = from_f32<O>(v);
+                // (for f32 C, o is f: each element is read and written at the
+                // same place by one thread; a 16-bit image is row-major)
+                if (a.c_tma) o[sizeof(O) == 4 ? at : idx] = from_f32<O>(v);
             }
             if (a.c_tma) fence_proxy_async();
             // every thread is done with f (and has written o) before the
             // store and the next chunk's (or tile's) accumulators
             wg_sync(&s.epi_sync[cw], 2u * (u32)chunks + 1u);
             if (a.c_tma && tw == 0) {
-                tma_store_3d(&a.map_c, col0, row0, tl.b, o);
+                if (sizeof(O) == 4) {
+                    // the swizzled sub-boxes (those wholly past N skipped)
+                    for (int sb = 0; sb < EC / SUB && col0 + SUB * sb < a.n; ++sb)
+                        tma_store_3d(&a.map_c, col0 + SUB * sb, row0, tl.b, f + sb * 64 * SUB);
+                } else {
+                    tma_store_3d(&a.map_c, col0, row0, tl.b, o);
+                }
                 tma_store_commit();
             }
             ++chunks;

@@ -12,7 +12,7 @@ mod common;
 use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
-    self, plan, AuxInput, AuxOp, Epilogue, HopperConfig, HopperTarget, EMU_ARCH_ENV,
+    self, plan, AuxInput, AuxOp, Epilogue, HopperConfig, HopperLaunch, HopperTarget, EMU_ARCH_ENV,
 };
 use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
 use tpar_kernels::cuda::{launch, CudaDType};
@@ -448,30 +448,66 @@ fn epilogues(tn: u32, mnk: (usize, usize, usize)) {
     }
 }
 
+/// Runs `cs` on one block with its planned launch changed by `edit` (given
+/// the buffers), and returns the worst error over the tolerance.
+fn run_edited(cs: &Case, edit: impl FnOnce(&mut HopperLaunch, &Run)) -> f64 {
+    let mut r = prepare(cs);
+    let before: Vec<f64> = (0..r.c.len()).map(|i| r.c.get(i)).collect();
+    let cp = r.c.mut_ptr();
+    let (a, b, t) = (r.a.ptr(), r.b.ptr(), HopperTarget::emulator(1));
+    let mut l = gemm_hopper::plan_with(&r.p, &r.epi, t, cs.config(), a, b, cp).unwrap();
+    edit(&mut l, &r);
+    // SAFETY: as in `run`.
+    unsafe { launch(emu(), &l.kernel, l.cfg, &l.args) }.unwrap();
+    worst(cs, &r, &before).0
+}
+
 /// A wrong shared-memory layout is caught: the same launch with A's tensor
 /// map encoded without the 128-byte swizzle the wgmma descriptors assume
 /// gives wrong products.
 #[test]
 fn a_map_without_the_swizzle_gives_wrong_results() {
     let cs = Case::new(BF16, F32, (128, 128, 64)).layout(false, true);
-    let mut r = prepare(&cs);
-    let before: Vec<f64> = (0..r.c.len()).map(|i| r.c.get(i)).collect();
-    let cp = r.c.mut_ptr();
-    let mut l = plan(&r.p, &r.epi, HopperTarget::emulator(1), r.a.ptr(), r.b.ptr(), cp).unwrap();
-    let lda = r.p.lda as u64;
-    l.args.map_a = TensorMap::encode_tiled_emulated(&TiledDesc {
-        dtype: TensorMapDType::BF16,
-        global: r.a.ptr(),
-        dims: &[64, 128, 1],
-        strides: &[lda * 2, lda * 2 * 128],
-        box_dims: &[64, 128, 1],
-        swizzle: TensorMapSwizzle::None,
-    })
-    .unwrap();
-    // SAFETY: as in `run`.
-    unsafe { launch(emu(), &l.kernel, l.cfg, &l.args) }.unwrap();
-    let (err, _) = worst(&cs, &r, &before);
+    let err = run_edited(&cs, |l, r| {
+        let lda = r.p.lda as u64;
+        l.args.map_a = TensorMap::encode_tiled_emulated(&TiledDesc {
+            dtype: TensorMapDType::BF16,
+            global: r.a.ptr(),
+            dims: &[64, 128, 1],
+            strides: &[lda * 2, lda * 2 * 128],
+            box_dims: &[64, 128, 1],
+            swizzle: TensorMapSwizzle::None,
+        })
+        .unwrap();
+    });
     assert!(err > 1.0, "an unswizzled A tile went unnoticed");
+}
+
+/// The epilogue's staging chunk is laid out in the 128-byte swizzle, and a
+/// f32 C is stored from it by 32-column boxes that unswizzle it: the same
+/// launch with C's map encoded without the swizzle (box 32 x 64) writes
+/// permuted columns, at both tile widths, while the planned map is exact.
+#[test]
+fn a_f32_c_map_without_the_swizzle_gives_wrong_results() {
+    for tile_n in [128, 256] {
+        let cs = Case::new(F16, F32, (128, 256, 64)).layout(false, true).tile_n(tile_n);
+        let unswizzled = |l: &mut HopperLaunch, r: &Run| {
+            let ldc = r.ldc as u64 * 4;
+            l.args.map_c = TensorMap::encode_tiled_emulated(&TiledDesc {
+                dtype: TensorMapDType::F32,
+                global: r.c.ptr(),
+                dims: &[256, 128, 1],
+                strides: &[ldc, ldc * 128],
+                box_dims: &[32, 64, 1],
+                swizzle: TensorMapSwizzle::None,
+            })
+            .unwrap();
+        };
+        let planned = run_edited(&cs, |_, _| {});
+        assert!(planned <= 1.0, "tile width {tile_n}: the planned launch ({planned})");
+        let err = run_edited(&cs, unswizzled);
+        assert!(err > 1.0, "tile width {tile_n}: an unswizzled C map went unnoticed ({err})");
+    }
 }
 
 #[test]

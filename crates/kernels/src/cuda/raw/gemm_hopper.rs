@@ -126,7 +126,8 @@ pub struct GemmHopperArgs {
     pub map_a: TensorMap,
     /// B as stored: dims (inner, rows, batch), 128-byte swizzle.
     pub map_b: TensorMap,
-    /// C: dims (n, m, batch), box (epilogue chunk width) x 64 (when `c_tma`).
+    /// C: dims (n, m, batch) (when `c_tma`); f32: box 32 x 64, 128-byte
+    /// swizzle; 16-bit: box (epilogue chunk width) x 64, no swizzle.
     pub map_c: TensorMap,
     /// C, batch 0.
     pub c: DevPtr,
@@ -268,7 +269,7 @@ impl HopperConfig {
     }
 
     /// Columns of C the epilogue stages and stores at a time (the width of
-    /// C's tensor-map box): the whole tile at 128, 64 at 256.
+    /// a 16-bit C's tensor-map box): the whole tile at 128, 64 at 256.
     fn epilogue_cols(&self) -> u32 {
         stages_and_chunk(self.tile_n).1
     }
@@ -471,6 +472,19 @@ fn operand_map(
     }
 }
 
+/// The box and swizzle of C's tensor map: a f32 C is stored from the
+/// epilogue's staging chunk itself, 32-column sub-boxes of 64 rows laid out
+/// in the 128-byte swizzle (the kernel's `staged`); a 16-bit C from a
+/// row-major image of the whole chunk (the epilogue's width x 64, no
+/// swizzle).
+fn c_box(dt: CudaDType, cfg: HopperConfig) -> ([u32; 3], TensorMapSwizzle) {
+    if dt == CudaDType::F32 {
+        ([32, 64, 1], TensorMapSwizzle::B128)
+    } else {
+        ([cfg.epilogue_cols(), 64, 1], TensorMapSwizzle::None)
+    }
+}
+
 /// Checks `p` for the Hopper kernel: the checks of [`GemmProblem::validate`]
 /// with any output type for 16-bit inputs, and [`unsupported`].
 fn validate(p: &GemmProblem, a: DevPtr, b: DevPtr) -> Result<()> {
@@ -572,14 +586,15 @@ pub fn plan_with(
         && (p.ldc * osz).is_multiple_of(16)
         && (s.batch == 1 || (p.c_batch_stride * osz).is_multiple_of(16));
     let map_c = if c_tma {
+        let (c_box, c_swizzle) = c_box(p.dtype_out, cfg);
         operand_map(
             target,
             p.dtype_out,
             c,
             (s.n, s.m, p.ldc),
             (s.batch, p.c_batch_stride),
-            [cfg.epilogue_cols(), 64, 1],
-            TensorMapSwizzle::None,
+            c_box,
+            c_swizzle,
         )?
     } else {
         TensorMap::zeroed()
@@ -861,5 +876,38 @@ mod tests {
         }
         let both = HopperConfig::from_env_values(Some("2"), Some("256")).unwrap();
         assert_eq!(both, HopperConfig { cluster: 2, tile_n: 256 });
+    }
+
+    #[test]
+    fn f32_c_is_stored_in_swizzled_32_column_boxes() {
+        // C [300, 296] f32 (ldc 296: rows 16-byte aligned), one batch
+        let shape = GemmShape::new(1, 300, 296, 72);
+        let p = GemmProblem::new(shape, CudaDType::BF16, CudaDType::F32);
+        let t = HopperTarget::emulator(8);
+        let e = Epilogue::default();
+        let c = 16384;
+        let want = |box_dims: [u32; 3], swizzle| {
+            TensorMap::encode_tiled_emulated(&TiledDesc {
+                dtype: TensorMapDType::F32,
+                global: c,
+                dims: &[296, 300, 1],
+                strides: &[296 * 4, 300 * 296 * 4],
+                box_dims: &box_dims,
+                swizzle,
+            })
+            .unwrap()
+        };
+        // the staging chunk's sub-boxes, at either tile width
+        for tile_n in [128, 256] {
+            let cfg = HopperConfig::default().with_tile_n(tile_n).unwrap();
+            let l = plan_with(&p, &e, t, cfg, 4096, 8192, c).unwrap();
+            assert_eq!(l.args.map_c, want([32, 64, 1], TensorMapSwizzle::B128), "{cfg}");
+        }
+        // a 16-bit C: the row-major image of a whole chunk
+        let p16 = GemmProblem::new(shape, CudaDType::BF16, CudaDType::BF16);
+        let l = plan(&p16, &e, t, 4096, 8192, c).unwrap();
+        let (box16, sw16) = c_box(CudaDType::BF16, HopperConfig::default());
+        assert_eq!((box16, sw16), ([128, 64, 1], TensorMapSwizzle::None));
+        assert_ne!(l.args.map_c, want([32, 64, 1], TensorMapSwizzle::B128));
     }
 }
