@@ -1032,8 +1032,13 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
 
 // ------------------------------------------------------------------ backward helpers
 
-// delta[r] = sum_c dout[r, c] * out[r, c], and zero dq_acc[r, :]: one warp
-// per row, grid-strided.
+// delta[r] = sum_c dout[r, c] * out[r, c] (one warp per row, grid-strided),
+// and the whole dq accumulator zeroed: ceil(q_len / 64) * 64 rows of
+// head_dim floats per (batch, q head), the extent of the Hopper backward's
+// tile layout (sdpa_hopper_bwd.cu), whose last tile spreads its valid rows
+// over its whole block; the row-major kernels here use the first
+// batch * q_heads * q_len rows. The extent is a multiple of 64 floats and
+// dq_acc is 256-byte aligned: 16-byte stores, grid-strided.
 template <typename T>
 TPAR_DEVICE void bwd_pre(const SdpaBwdArgs& a) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -1046,9 +1051,14 @@ TPAR_DEVICE void bwd_pre(const SdpaBwdArgs& a) {
         for (int c = lane; c < a.v_dim; c += 32) s += to_f32(o[c]) * to_f32(gr[c]);
         s = warp_sum(s);
         if (lane == 0) a.delta[r] = s;
-        float* dq = a.dq_acc + r * a.head_dim;
-        for (int c = lane; c < a.head_dim; c += 32) dq[c] = 0.0f;
     }
+    constexpr int kTile = 64;  // sdpa_hopper_bwd.cu's query tile (BR)
+    const i64 units = (i64)a.batch * a.q_heads * ((a.q_len + kTile - 1) / kTile) * kTile *
+                      a.head_dim / 4;
+    Raw16* acc = reinterpret_cast<Raw16*>(a.dq_acc);
+    for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < units;
+         u += (i64)gridDim.x * blockDim.x)
+        acc[u] = Raw16{{0u, 0u, 0u, 0u}};
 }
 
 // dq = scale * dq_acc, rounded to T; grid-strided.

@@ -1,7 +1,8 @@
 // The Hopper (sm_90a) attention backward pass, FlashAttention-3 style: the
 // main kernel between sdpa.cu's `tpar_sdpa_bwd_pre_*` (delta = rowsum(dout *
-// out), dq accumulator zeroed) and `tpar_sdpa_bwd_dq_*` (dq = scale * the
-// accumulator, converted). Same meaning as sdpa.cu's backward: q [batch,
+// out), the whole dq accumulator zeroed) and this file's
+// `tpar_sdpa_bwd_hopper_dq_*` (dq = scale * the accumulator, converted from
+// its tile layout, below). Same meaning as sdpa.cu's backward: q [batch,
 // q_heads, q_len, d], k and v [batch, kv_heads, kv_len, d], out / dout like q,
 // lse [batch, q_heads, q_len] (f32, natural log), GQA (q head h reads kv head
 // h / (q_heads / kv_heads)), top-left causal masking, an optional additive
@@ -30,41 +31,54 @@
 //   of the same tiles; dS^T goes to shared memory ([128 keys][64 queries],
 //   128-byte swizzle: the M-major A operand of dQ = dS K; two buffers, so
 //   one barrier of the consumers per tile), and warpgroup w
-//   computes columns w HD/2 .. of dQ over all 128 keys and stores the
-//   tile's valid rows of them into a dQ staging buffer. dK (times scale)
+//   computes columns w HD/2 .. of dQ over all 128 keys and stores them
+//   (all 64 rows) into a dQ staging buffer. dK (times scale)
 //   and dV stay in registers until the end: one writer per element. A
 //   warpgroup whose keys no query of the tile sees (causal) skips S, dP, dV
 //   and dK and contributes zeros to dS (so to dQ).
 //
-// dQ writer (FlashAttention-3's): the f32 accumulator dq_acc is [batch *
-// q_heads * q_len, HD] row-major, so a tile's rows are one contiguous run of
-// nq * HD floats (nq = min(64, q_len - i0)). Tile it uses staging buffer
-// it % 2, [64][HD] f32 row-major with no padding or swizzle: the 1-D bulk
-// reduction copies shared memory linearly, and 32 bytes of padding per row
-// would take HD 128 past 227 KiB. Its price is bank conflicts on the
-// consumers' 8-byte stores (the 8 rows of a warp's store share 8 banks: 8
-// wavefronts where 2 would do, 8 or 16 stores a thread per tile, in place
-// of as many red.global.add.v2.f32 before). The consumers wait on "dq empty"
-// (it % 2), store, fence the async proxy and arrive on "dq full" (256
-// arrivals); the writer waits on "dq full", adds the nq valid rows to
-// dq_acc with one cp.reduce.async.bulk ... add.f32 (rows past q_len are
-// neither stored nor reduced), commits, waits until the reduction has read
-// the buffer (cp.async.bulk.wait_group.read 0) and arrives on "dq empty".
-// The consumers no longer issue global atomics between tiles.
+// dQ writer (FlashAttention-3's): the f32 accumulator dq_acc is not dQ's
+// row-major layout but FlashAttention-3's permuted one (dq_unit below): per
+// (batch, q head) and per 64-query tile one contiguous block of 64 x HD
+// floats, ceil(q_len / 64) blocks a head, each in the order the consumers'
+// registers hold the tile. Thread tw of consumer warpgroup cw holds, for
+// column group j (0 .. HD / 16) of its m64n(HD/2) fragment, rows r = 16
+// (tw / 32) + (tw % 32) / 4 and r + 8 of columns c = cw HD / 2 + 8 j + 2 (tw
+// % 4) and c + 1: one 16-byte unit, stored at unit (cw HD / 16 + j) * 128 +
+// tw. A warp's store covers 512 consecutive bytes (4 wavefronts, the least
+// for 32 x 16 bytes; no bank conflicts), HD / 16 stores a thread per tile
+// (it was HD / 8 8-byte stores hitting 8 rows of [64][HD] row-major that
+// share 8 banks: 8 wavefronts where 2 would do). The staging buffer of tile
+// it, it % 2, holds the tile's block as it sits in dq_acc (no padding or
+// swizzle: the 1-D bulk reduction copies shared memory linearly), so the
+// writer adds all 64 x HD floats with one cp.reduce.async.bulk ... add.f32;
+// rows past q_len (P and so dS are 0 there) land in the last block's
+// padding, which nothing reads. The consumers wait on "dq
+// empty" (it % 2), store, fence the async proxy and arrive on "dq full"
+// (256 arrivals); the writer waits on "dq full", reduces, commits, waits
+// until the reduction has read the buffer (cp.async.bulk.wait_group.read 0)
+// and arrives on "dq empty". The consumers issue no global atomics. The
+// pre kernel zeroes every block (a last tile's valid rows are spread over
+// its whole block), and `tpar_sdpa_bwd_hopper_dq_*` reads the blocks back
+// (16-byte reads, 4 threads on 64 consecutive bytes), scales and writes dq
+// [batch, q_heads, q_len, HD], valid rows only, a warp writing 128
+// consecutive bytes of each of its two rows. Callers size the workspace
+// with sdpa_backward_workspace_bytes, which counts the padded rows.
 //
 // Shared memory: 1024 bytes of alignment slack, K and V (2 x 128 x HD x 2),
 // two Q + dO stages (2 x 2 x 64 x HD x 2), two dS^T buffers (2 x 16 KiB),
-// two dQ buffers (2 x 64 x HD x 4), lse and delta (1 KiB), ten mbarriers:
-// 133 200 bytes at HD 64, 231 504 at HD 128 (the limit is 232 448). ptxas
-// (CUDA 13.0, sm_90a): 168 registers at entry for every kernel (the launch
-// bounds' share; setmaxnreg then gives the consumers 240), no stack frame,
-// no spills. The dQ writer has not been measured on a GPU.
+// two dQ buffers (2 x 64 x HD x 4, the permuted layout takes no more than
+// row-major did), lse and delta (1 KiB), ten mbarriers: 133 200 bytes at HD
+// 64, 231 504 at HD 128 (the limit is 232 448). ptxas (CUDA 13.0, sm_90a):
+// 168 registers at entry for every main kernel (the launch bounds' share;
+// setmaxnreg then gives the consumers 240), no stack frame, no spills. The
+// dQ writer and the permuted layout have not been measured on a GPU.
 //
 // At head dim 64 each warpgroup's dQ columns are 32 wide, so its K operand
 // starts 64 bytes into the 128-byte swizzled rows (the swizzle applies to the
 // resulting addresses, as for the K-major k steps 32 bytes apart).
 //
-// Compiled for an architecture without wgmma, the kernels are empty: the
+// Compiled for an architecture without wgmma, the main kernels are empty: the
 // launcher runs them only where kernels are compiled for sm_90a (or the
 // emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet:
 // no speed is measured.
@@ -88,9 +102,37 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr u32 KBOX = BC * 64 * 2, QBOX = BR * 64 * 2;
 constexpr u32 DS_BYTES = BC * BR * 2;
 
-// p[0] = x, p[1] = y with one 8-byte store (p 8-byte aligned).
-TPAR_DEVICE void store2(float* p, float x, float y) {
-    *reinterpret_cast<u64*>(p) = ((u64)__float_as_uint(y) << 32) | (u64)__float_as_uint(x);
+// The dQ accumulator's tile layout. dq_acc holds, per (batch, q head) and
+// per 64-query tile, one block of 64 x HD floats (tile t of head bh at
+// (bh * ceil(q_len / 64) + t) * 64 * HD) in units of 4 floats: the unit
+// whose first element is row r (r % 16 < 8), column c (c even) of the tile
+// holds (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1) -- the four
+// accumulators i = 4 j .. 4 j + 3 of a consumer thread's m64n(HD/2) wgmma
+// fragment -- and sits at unit (c / 8) * 128 + 32 (r / 16) + 4 (r % 16) +
+// (c % 8) / 2: column group c / 8 (consumer warpgroup c / (HD / 2), its
+// group j), then the consumer thread that holds it (warp r / 16, lane 4 (r %
+// 16) + (c % 8) / 2). A warp's 32 units of one group are 512 consecutive
+// bytes. Returns the unit's first float within the tile.
+TPAR_DEVICE int dq_unit(int r, int c) {
+    return ((c / 8) * 128 + 32 * (r / 16) + 4 * (r % 16) + (c % 8) / 2) * 4;
+}
+
+// The unit (its first float in the tile) that thread `tw` of consumer
+// warpgroup `cw` stores for its column group j (0 .. HD / 16): accumulators
+// 4 j .. 4 j + 3 of its m64n(HD/2) fragment, rows 16 (tw / 32) + (tw % 32) /
+// 4 and + 8, columns cw HD / 2 + 8 j + 2 (tw % 4) and + 1.
+template <int HD>
+TPAR_DEVICE int dq_frag_unit(int cw, int tw, int j) {
+    return dq_unit(16 * (tw / 32) + (tw % 32) / 4, cw * (HD / 2) + 8 * j + 2 * (tw % 4));
+}
+
+// 64-query tiles per (batch, q head) in dq_acc.
+TPAR_DEVICE int dq_tiles(const SdpaBwdArgs& a) { return (a.q_len + BR - 1) / BR; }
+
+// The first float of the dq_acc block of query tile `i0 / 64` of head `bh`.
+template <int HD>
+TPAR_DEVICE i64 dq_block(const SdpaBwdArgs& a, i64 bh, int i0) {
+    return (bh * dq_tiles(a) + i0 / BR) * (i64)(BR * HD);
 }
 
 struct Smem {
@@ -101,8 +143,8 @@ struct Smem {
     unsigned char* stage;
     // dS^T [128 keys][64 queries], 128-byte swizzle; tile it in buffer it % 2
     unsigned char* ds;
-    // dQ staging, buffer it % 2 for tile it: [64 queries][HD] f32, row-major
-    // (the layout of the tile's rows in dq_acc, so one bulk reduction adds it)
+    // dQ staging, buffer it % 2 for tile it: 64 x HD f32 in dq_acc's tile
+    // layout (dq_unit), so one bulk reduction adds it to the tile's block
     float* dq;
     // stage i: lse * log2(e) (+inf for no gradient) at rows + 128 i, delta
     // 64 floats after it
@@ -201,8 +243,9 @@ TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
 }
 
 // Warpgroup 0, warp 1, lane 0: for every tile, once the consumers filled dQ
-// buffer it % 2, adds its valid rows (q_len edge) to dq_acc with one bulk
-// reduction and frees the buffer once the reduction has read it.
+// buffer it % 2, adds the whole buffer to the tile's block of dq_acc with
+// one bulk reduction (rows past q_len land in the block's padding, which
+// nothing reads) and frees the buffer once the reduction has read it.
 template <int HD>
 TPAR_DEVICE void write_dq(const SdpaBwdArgs& a, const Smem& s, const Work& w) {
     for (int it = 0; it < w.ntiles; ++it) {
@@ -210,10 +253,9 @@ TPAR_DEVICE void write_dq(const SdpaBwdArgs& a, const Smem& s, const Work& w) {
         const int h = w.kvh * w.group + it / w.per_head;
         const int i0 = w.i_start + (it % w.per_head) * BR;
         const i64 bh = (i64)w.b * a.q_heads + h;
-        const int nq = min(BR, a.q_len - i0);
         mbarrier_wait_parity(&s.dq_full[b], (u32)((it / 2) & 1));
-        bulk_reduce_add_f32(a.dq_acc + (bh * a.q_len + i0) * HD, s.dq + b * BR * HD,
-                            (u32)nq * HD * 4u);
+        bulk_reduce_add_f32(a.dq_acc + dq_block<HD>(a, bh, i0), s.dq + b * BR * HD,
+                            (u32)(BR * HD * 4));
         tma_store_commit();
         tma_store_wait_read<0>();
         mbarrier_arrive(&s.dq_empty[b]);
@@ -370,17 +412,19 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         // every read of this stage (S, dP, dV, dK) has retired
         if (lane == 0) mbarrier_arrive(&s.empty[st]);
 
-        // this warpgroup's columns of the tile's valid rows into dQ buffer
-        // it % 2 once the writer's reduction of tile it - 2 has read it;
-        // the writer reduces them when all 256 threads arrived
+        // this warpgroup's columns of the tile into dQ buffer it % 2 in
+        // dq_acc's tile layout (dq_unit: one 16-byte store per column group,
+        // a warp's 32 at consecutive addresses) once the writer's reduction
+        // of tile it - 2 has read it; the writer reduces them when all 256
+        // threads arrived
         const int b = it & 1;
         mbarrier_wait_parity(&s.dq_empty[b], (u32)((it / 2) & 1) ^ 1u);
-        float* const sdq = s.dq + b * BR * HD + cw * (HD / 2);
+        float* const sdq = s.dq + b * BR * HD;
 #pragma unroll
-        for (int i = 0; i < HD / 4; i += 2) {
-            const int r = 16 * wi + g + 8 * ((i / 2) % 2);
-            const int c = 8 * (i / 4) + 2 * t;
-            if (r < nq) store2(sdq + r * HD + c, dq[i], dq[i + 1]);
+        for (int i = 0; i < HD / 4; i += 4) {
+            *reinterpret_cast<Raw16*>(sdq + dq_frag_unit<HD>(cw, tw, i / 4)) =
+                Raw16{{__float_as_uint(dq[i]), __float_as_uint(dq[i + 1]),
+                       __float_as_uint(dq[i + 2]), __float_as_uint(dq[i + 3])}};
         }
         fence_proxy_async();
         mbarrier_arrive(&s.dq_full[b]);
@@ -438,6 +482,45 @@ TPAR_DEVICE void run(const SdpaHopperBwdArgs& p) {
     }
 }
 
+// dq = scale * dq_acc rounded to T, from the tile layout (dq_unit) into dq
+// [batch, q_heads, q_len, HD], rows past q_len skipped; grid-strided. Item e
+// is unit (r, c) of tile e / (16 HD) (p = e % (16 HD) / (HD / 2): r = 16 (p
+// / 8) + p % 8, c = 2 (e % (HD / 2))): a 16-byte read (4 consecutive items
+// read 64 consecutive bytes) and the pairs (r, c..) and (r + 8, c..) written
+// (a warp's 32 items write 128 consecutive bytes of each of its two rows).
+template <typename T, int HD>
+TPAR_DEVICE void convert_dq(const SdpaBwdArgs& a) {
+    const int tiles = dq_tiles(a);
+    const i64 n = (i64)a.batch * a.q_heads * tiles * (16 * HD);
+    T* dq = static_cast<T*>(a.dq);
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) {
+        const i64 tile = e / (16 * HD), bh = tile / tiles;
+        const int p = (int)(e % (16 * HD)) / (HD / 2);
+        const int r = 16 * (p / 8) + p % 8, c = 2 * (int)(e % (HD / 2));
+        const int i0 = (int)(tile % tiles) * BR;
+        const Raw16 v =
+            *reinterpret_cast<const Raw16*>(a.dq_acc + dq_block<HD>(a, bh, i0) + dq_unit(r, c));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int i = i0 + r + 8 * k;
+            if (i < a.q_len) {
+                T* o = dq + (bh * a.q_len + i) * HD + c;
+                o[0] = from_f32<T>(__uint_as_float(v.w[2 * k]) * a.scale);
+                o[1] = from_f32<T>(__uint_as_float(v.w[2 * k + 1]) * a.scale);
+            }
+        }
+    }
+}
+
+template <typename T>
+TPAR_DEVICE void convert_dq(const SdpaBwdArgs& a) {
+    if (a.head_dim == 64)
+        convert_dq<T, 64>(a);
+    else
+        convert_dq<T, 128>(a);
+}
+
 }  // namespace sdpa_hopper_bwd
 
 TPAR_KERNEL(tpar_sdpa_bwd_hopper64_bf16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
@@ -451,4 +534,12 @@ TPAR_KERNEL(tpar_sdpa_bwd_hopper64_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), T
 }
 TPAR_KERNEL(tpar_sdpa_bwd_hopper128_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), TPAR_SDPA_HOPPER_BOUNDS) {
     TPAR_SDPA_HOPPER_RUN(sdpa_hopper_bwd, f16, 128);
+}
+
+// dq from the accumulator's tile layout (any architecture: no wgmma).
+TPAR_KERNEL(tpar_sdpa_bwd_hopper_dq_bf16, SdpaBwdArgs, 256) {
+    sdpa_hopper_bwd::convert_dq<bf16>(args);
+}
+TPAR_KERNEL(tpar_sdpa_bwd_hopper_dq_f16, SdpaBwdArgs, 256) {
+    sdpa_hopper_bwd::convert_dq<f16>(args);
 }

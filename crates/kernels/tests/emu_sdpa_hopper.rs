@@ -246,10 +246,20 @@ fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_
     let fwd = forward(dtype, &s, &x, SdpaPath::Hopper).unwrap();
     let grads = backward(dtype, &s, &x, &fwd, SdpaPath::Hopper);
     // The kernels that ran: the Hopper backward's where it takes the call
-    // (between the tensor-core pre and dq kernels), else the tensor-core one.
+    // (after the shared pre kernel, then its own dq convert), else the
+    // tensor-core one.
     let ran = LAST_BACKWARD.with(|l| l.borrow().clone());
     let hopper_ran = ran.iter().any(|k| k.starts_with("tpar_sdpa_bwd_hopper"));
     assert_eq!(hopper_ran, hopper_bwd, "backward kernels launched: {ran:?}");
+    if hopper_bwd {
+        let sfx = dtype.suffix();
+        let want = [
+            format!("tpar_sdpa_bwd_pre_{sfx}"),
+            format!("tpar_sdpa_bwd_hopper{}_{sfx}", s.head_dim),
+            format!("tpar_sdpa_bwd_hopper_dq_{sfx}"),
+        ];
+        assert_eq!(ran, want, "the Hopper backward's kernels");
+    }
     let tol = if dtype == CudaDType::BF16 { 1e-2 } else { 2e-3 };
     let what = format!("{dtype:?} {s:?} mask {kind:?}");
     let (dq_ref, dk_ref, dv_ref) = grads_ref;

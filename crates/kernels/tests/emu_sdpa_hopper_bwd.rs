@@ -120,8 +120,8 @@ fn f16_d128_causal_more_queries() {
 /// Causal GQA with 4 q heads per kv head, head dim 64: 200 queries x 150
 /// keys. The first key block walks 16 query tiles (4 per head, the last of
 /// each 8 rows), so both dQ staging buffers are reused 8 times, and a short
-/// tile follows full ones in the same buffer: reducing more than its 8 rows
-/// would add the stale rows into the next head's dq.
+/// tile follows full ones in the same buffer (its 56 padding rows land in
+/// the padding of the accumulator's tile block, which the convert skips).
 #[test]
 fn bf16_d64_causal_gqa4_many_tiles() {
     run::<half::bf16>(BF16, shape(1, 4, 1, 200, 150, 64, true), MaskKind::None);
@@ -132,6 +132,29 @@ fn bf16_d64_causal_gqa4_many_tiles() {
 #[test]
 fn f16_d128_gqa4_key_padding_ragged() {
     run::<half::f16>(F16, shape(2, 8, 2, 100, 70, 128, false), MaskKind::KeyPadding);
+}
+
+/// Query lengths one past a tile (65: a 1-row last tile), one short (127)
+/// and two past two (130), each with several batches and GQA heads: the
+/// accumulator's blocks of consecutive heads and batches sit back to back,
+/// so a last tile's padding rows reduced or converted into the wrong block,
+/// or left unzeroed, would show in the next head's dq.
+#[test]
+fn bf16_d64_gqa_q65_three_batches() {
+    run::<half::bf16>(BF16, shape(3, 4, 2, 65, 90, 64, false), MaskKind::None);
+}
+
+/// See [`bf16_d64_gqa_q65_three_batches`]: causal, 127 queries, head dim 128.
+#[test]
+fn f16_d128_causal_gqa_q127_two_batches() {
+    run::<half::f16>(F16, shape(2, 4, 1, 127, 140, 128, true), MaskKind::None);
+}
+
+/// See [`bf16_d64_gqa_q65_three_batches`]: 130 queries, key padding, head
+/// dim 128, GQA 3.
+#[test]
+fn bf16_d128_gqa3_q130_key_padding() {
+    run::<half::bf16>(BF16, shape(2, 6, 2, 130, 100, 128, false), MaskKind::KeyPadding);
 }
 
 /// A launcher that describes a GPU compiled for another architecture.
@@ -179,11 +202,20 @@ fn refusals_name_the_reason() {
     assert!(why(emu, BF16, &wide, &b).contains("grid"));
     let heads = SdpaShape { batch: 65_535, q_heads: 40_000, kv_heads: 40_000, ..s };
     assert!(why(emu, BF16, &heads, &b).contains("i32"));
-    // a workspace too small is an error, not a refusal
-    let small = SdpaBwdBuffers { workspace_bytes: 16, ..b };
-    // SAFETY: the call fails its checks before any launch.
-    let e = unsafe { hopper::sdpa_backward(emu, BF16, &s, &small) }.unwrap_err().to_string();
-    assert!(e.contains("workspace"), "{e}");
+    // a workspace too small is an error, not a refusal: 16 bytes, or the
+    // row-major accumulator's size (delta, then 2 x 16 rows of 64 f32) where
+    // the tile layout needs 64 rows a head
+    let need = sdpa_backward_workspace_bytes(&s).unwrap();
+    assert_eq!(need, 256 + 2 * 64 * 64 * 4, "{s:?}: delta, then one 64-row tile a head");
+    for bytes in [16, 256 + 2 * 16 * 64 * 4, need - 1] {
+        let small = SdpaBwdBuffers { workspace_bytes: bytes, ..b };
+        // SAFETY: the call fails its checks before any launch.
+        let e = unsafe { hopper::sdpa_backward(emu, BF16, &s, &small) }.unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("workspace of {bytes} bytes")) && e.contains(&need.to_string()),
+            "{e}"
+        );
+    }
     let gqa = SdpaShape { q_heads: 3, kv_heads: 2, ..s };
     // SAFETY: as above.
     let e = unsafe { hopper::sdpa_backward(emu, BF16, &gqa, &b) }.unwrap_err().to_string();

@@ -108,7 +108,8 @@ pub struct SdpaBwdArgs {
     pub lse: DevPtr,
     /// f32 workspace `[batch * q_heads * q_len]`: `rowsum(dout * out)`.
     pub delta: DevPtr,
-    /// f32 workspace `[batch * q_heads * q_len, head_dim]`: unscaled `dq`.
+    /// f32 workspace: unscaled `dq`, `[batch * q_heads * q_len, head_dim]`
+    /// (the Hopper backward: its tile layout, [`super::sdpa_hopper_bwd`]).
     pub dq_acc: DevPtr,
     /// Gradient of q (written).
     pub dq: DevPtr,
@@ -547,12 +548,16 @@ fn delta_bytes(rows: usize) -> Option<usize> {
     rows.checked_mul(4)?.checked_next_multiple_of(256)
 }
 
-/// Bytes of workspace [`sdpa_backward`] needs for shape `s`: f32 `delta` per
-/// query row and an f32 `dq` accumulator.
+/// Bytes of workspace [`sdpa_backward`] needs for shape `s`, whichever
+/// kernel runs it: f32 `delta` per query row, then an f32 `dq` accumulator
+/// of `ceil(q_len / 64) * 64` rows of `head_dim` per (batch, q head) (the
+/// Hopper backward's tile layout needs them all; the other kernels use the
+/// first `batch * q_heads * q_len` rows, row-major).
 pub fn sdpa_backward_workspace_bytes(s: &SdpaShape) -> Result<usize> {
     const OP: &str = "cuda sdpa_backward";
     let rows = numel(OP, &[s.batch, s.q_heads, s.q_len])?;
-    let acc = numel(OP, &[rows, s.head_dim, 4])?;
+    let tile = super::sdpa_hopper_bwd::QUERIES_PER_TILE;
+    let acc = numel(OP, &[s.batch, s.q_heads, s.q_len.div_ceil(tile), tile, s.head_dim, 4])?;
     delta_bytes(rows)
         .and_then(|d| d.checked_add(acc))
         .ok_or_else(|| bad(OP, format!("{s:?}: workspace size overflows")))

@@ -5,21 +5,30 @@
 //! [`super::sdpa`] for the layouts, GQA, causal and mask semantics), with the
 //! same workspace contract: `delta` (f32 per query row) at the start of the
 //! workspace, the f32 `dq` accumulator after it (256-byte aligned),
-//! [`super::sdpa::sdpa_backward_workspace_bytes`] in all. It runs sdpa.cu's
-//! `tpar_sdpa_bwd_pre_*` (delta, accumulator zeroed), then this file's
-//! `tpar_sdpa_bwd_hopper<HD>_<dtype>` (one block of 384 threads per 128 keys,
-//! kv head and batch: a producer warp bringing K / V once and Q / dO tiles
-//! through a 2-stage ring by bulk tensor copies, two consumer warpgroups
-//! computing with wgmma, a writer adding each tile's dQ from shared memory
-//! into the accumulator with one bulk reduction; the kernel's source
-//! describes it), then sdpa.cu's
-//! `tpar_sdpa_bwd_dq_*` (scale and convert dq).
+//! [`super::sdpa::sdpa_backward_workspace_bytes`] in all. The accumulator is
+//! not row-major here: per (batch, q head) and per tile of
+//! [`QUERIES_PER_TILE`] queries it holds one block of 64 x head_dim floats
+//! in the order the consumers' wgmma registers produce them
+//! (FlashAttention-3's layout: the consumers stage a tile's dQ with 16-byte
+//! stores to consecutive addresses per warp, free of bank conflicts, and one
+//! bulk reduction adds the whole block), `ceil(q_len / 64) * 64` rows per
+//! head in all; the workspace function sizes every call for it.
+//!
+//! It runs sdpa.cu's `tpar_sdpa_bwd_pre_*` (delta, the whole accumulator
+//! zeroed), then this file's `tpar_sdpa_bwd_hopper<HD>_<dtype>` (one block
+//! of 384 threads per 128 keys, kv head and batch: a producer warp bringing
+//! K / V once and Q / dO tiles through a 2-stage ring by bulk tensor copies,
+//! two consumer warpgroups computing with wgmma, a writer adding each tile's
+//! dQ from shared memory into the accumulator with one bulk reduction; the
+//! kernel's source describes it), then `tpar_sdpa_bwd_hopper_dq_<dtype>`
+//! (dq scaled and converted from the tile layout, rows past `q_len`
+//! skipped).
 //!
 //! It takes bf16 and f16 with `head_dim == v_dim` of 64 or 128, 16-byte
 //! aligned q, k, v, dout, dk and dv, on a launcher that runs `sm_90a`
 //! kernels ([`target_of`]: a GPU handle compiling for `sm_90a`, or the CPU
 //! emulator with [`EMU_ARCH_ENV`]` = sm_90a`). [`unsupported`] says why a call is not taken.
-//! The kernel has not run on a GPU yet.
+//! The kernels have not run on a GPU yet: no speed is measured.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -220,16 +229,19 @@ pub unsafe fn sdpa_backward(
     };
     let sfx = dtype.suffix();
     let blocks = rows.div_ceil(8).min(4096) as u32;
+    // the accumulator's 4-float units: 64 x hd floats per tile of each head
+    let units = numel(OP, &[qh, s.q_len.div_ceil(QUERIES_PER_TILE), QUERIES_PER_TILE * hd / 4])?;
     // SAFETY (all three launches): sizes and pointers checked above; the
     // caller vouches for the buffers; `delta` is the start of the checked
-    // workspace and `dq_acc` the rest of it.
+    // workspace and `dq_acc` the rest of it (`units` of 16 bytes).
     unsafe {
-        // one warp per row: delta, and the dq accumulator zeroed
+        // one warp per row: delta; and the whole dq accumulator zeroed
         launch(l, &format!("tpar_sdpa_bwd_pre_{sfx}"), LaunchConfig::linear(blocks, 256), &a)?;
         let grid = [s.kv_len.div_ceil(KEYS_PER_BLOCK) as u32, s.kv_heads as u32, s.batch as u32];
         let cfg = LaunchConfig::grid(grid, THREADS).with_shared(shared_bytes(hd));
         launch(l, &format!("tpar_sdpa_bwd_hopper{hd}_{sfx}"), cfg, &args)?;
-        launch(l, &format!("tpar_sdpa_bwd_dq_{sfx}"), LaunchConfig::for_items(nq, 256, 4096), &a)
+        let cfg = LaunchConfig::for_items(units, 256, 4096);
+        launch(l, &format!("tpar_sdpa_bwd_hopper_dq_{sfx}"), cfg, &a)
     }
 }
 
