@@ -469,7 +469,9 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // all been delivered (by bulk copies' complete_tx); the phases alternate
 // parity 0, 1, 0, ... starting at 0, and mbarrier_wait_parity(bar, p)
 // returns once the phase of parity p has completed (on a fresh barrier,
-// waiting for parity 1 returns at once: it is "the phase before").
+// waiting for parity 1 returns at once: it is "the phase before"). On a GPU
+// a wait that outlasts TPAR_MBAR_TIMEOUT_MS stops the kernel with an error
+// (the watchdog, after wgmma_rs below).
 //
 // Tensor maps: a TparTensorMap (CUtensorMap: 128 bytes, 64-byte aligned) is
 // built on the host (src/cuda/tensor_map.rs: the driver's
@@ -1169,11 +1171,70 @@ TPAR_DEVICE void wgmma_rs(float* d, const u32 a[4], u64 desc_b, bool accumulate)
 }
 #endif
 
-// Waits until the phase of parity `parity` of `bar` has completed.
+// The mbarrier watchdog: on a GPU a wait whose phase never completes (a
+// wrong transaction count, a lost arrival) would spin until the process is
+// killed. mbarrier_wait_parity therefore reads %globaltimer after its first
+// failed try (the fast path reads no timer), and a wait longer than
+// TPAR_MBAR_TIMEOUT_MS milliseconds (default 10000; `-DTPAR_MBAR_TIMEOUT_MS=...`
+// through CompileOptions::define) stops the kernel with an exception: the
+// launch fails with a sticky error, the CUDA context is lost
+// (KernelError::ContextLost on the host, whose message names this watchdog)
+// in seconds instead of a hang. Two choices keep the Hopper kernels' code as
+// it was (ptxas: same registers, no stack frame, no spills):
+// - the exception is `brkpt` (under cuda-gdb it stops at the stuck wait),
+//   followed by a store to the null address, which faults should the
+//   breakpoint not stop the thread; either way the launch fails with a
+//   sticky error (not yet run on a GPU). Not `trap`: a `trap` in the
+//   consumers' wait makes ptxas spill ~500 bytes of the attention forward's
+//   accumulators and serialize its wgmma (C7512);
+// - no device printf naming the block, thread and barrier: printf is a
+//   function call, and a call in a kernel that issues wgmma makes ptxas
+//   serialize the wgmma pipeline (C7510) and ignore setmaxnreg (C7507).
+// The emulator keeps its own report: a wait that never can complete is a
+// deadlock error there, naming the barrier.
+#ifndef TPAR_MBAR_TIMEOUT_MS
+#define TPAR_MBAR_TIMEOUT_MS 10000
+#endif
+#ifndef TPAR_EMU
+static_assert(TPAR_MBAR_TIMEOUT_MS > 0, "TPAR_MBAR_TIMEOUT_MS must be positive");
+// The timer in units of 2^20 ns (about 1.05 ms), 32 bits: one register
+// across the wait loop.
+TPAR_DEVICE u32 tpar_globaltimer_units() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return (u32)(t >> 20);
+}
+constexpr u32 tpar_mbar_timeout_units = (u32)(((u64)TPAR_MBAR_TIMEOUT_MS * 1000000ull) >> 20) + 1u;
+
+// The watchdog's end (above): `brkpt`, then a store to the null address
+// (it faults) should the breakpoint be resumed. The stored value (the
+// barrier's shared address xor the parity) is for a debugger's eyes only.
+TPAR_DEVICE void tpar_mbar_abort(u64* bar, u32 parity) {
+    asm volatile(
+        "brkpt;\n"
+        "st.volatile.global.u32 [%0], %1;\n" ::"l"(0ull),
+        "r"(tpar_shared_addr(bar) ^ parity)
+        : "memory");
+}
+
+// Waits until the phase of parity `parity` of `bar` has completed; past
+// TPAR_MBAR_TIMEOUT_MS, stops the kernel (the watchdog above).
+TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
+    if (mbarrier_try_wait_parity(bar, parity)) return;
+    const u32 start = tpar_globaltimer_units();
+    while (!mbarrier_try_wait_parity(bar, parity)) {
+        if (tpar_globaltimer_units() - start > tpar_mbar_timeout_units) tpar_mbar_abort(bar, parity);
+    }
+}
+#else
+// Waits until the phase of parity `parity` of `bar` has completed (the
+// emulator blocks the thread, and reports a wait that never can complete as
+// a deadlock).
 TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
     while (!mbarrier_try_wait_parity(bar, parity)) {
     }
 }
+#endif
 
 // The wgmma matrix descriptor of a shared-memory operand starting at `smem`:
 // leading and stride byte offsets (multiples of 16) and the swizzle mode.

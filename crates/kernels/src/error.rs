@@ -70,4 +70,30 @@ pub enum KernelError {
         /// What went wrong (compiler log, driver error, emulator report).
         what: String,
     },
+    /// A driver call failed with a sticky error (`CUDA_ERROR_LAUNCH_FAILED`,
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS`, `CUDA_ERROR_ILLEGAL_INSTRUCTION`, ...): a
+    /// kernel trapped or faulted, the device's CUDA context is lost, and
+    /// every later call on that device fails the same way until the process
+    /// exits. [`KernelError::is_context_lost`] tells it apart.
+    #[error(
+        "{op}: {what}; the CUDA context is lost (a kernel trapped or faulted; every later call \
+         on this device fails); a Hopper kernel whose mbarrier wait outlasted \
+         TPAR_MBAR_TIMEOUT_MS (a deadlock) stops this way: TPAR_CUDA_ARCH=sm_90 runs the \
+         pre-Hopper kernels"
+    )]
+    ContextLost {
+        /// The call that reported it.
+        op: String,
+        /// The driver error, with its code's name and text.
+        what: String,
+    },
+}
+
+impl KernelError {
+    /// Whether this is [`KernelError::ContextLost`]: the device's CUDA
+    /// context is gone, so every later call on it fails too (a caller that
+    /// runs many independent GPU jobs stops at the first such error).
+    pub fn is_context_lost(&self) -> bool {
+        matches!(self, KernelError::ContextLost { .. })
+    }
 }

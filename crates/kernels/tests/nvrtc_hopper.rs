@@ -8,7 +8,9 @@
 //! assembled for `sm_90a`, which checks every instruction, and the registers,
 //! stack frame, spills and warnings of each kernel are reported; the GEMM and
 //! the attention backward must have no stack frame, no spills and no warning
-//! (such as a `setmaxnreg` that ptxas ignores).
+//! (such as a `setmaxnreg` that ptxas ignores). Every Hopper kernel's PTX
+//! must hold the mbarrier watchdog (`%globaltimer`, `brkpt`): a wait that
+//! never completes stops the kernel with an error instead of hanging.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -154,6 +156,7 @@ fn hopper_kernels_compile_for_sm_90a() {
     ] {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
+    assert_watchdog("hopper_test", &ptx);
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
 
     ptxas_report("hopper_test", &ptx);
@@ -217,6 +220,20 @@ fn ptxas_report(name: &str, ptx: &str) -> Option<(Vec<Usage>, Vec<String>)> {
     Some((usage, loose))
 }
 
+/// What the mbarrier watchdog of `mbarrier_wait_parity` (tpar.cuh) puts in
+/// the PTX of every kernel that waits on an mbarrier: the global timer read
+/// after the first failed try, and the `brkpt` (then a store to the null
+/// address) that stops a wait past `TPAR_MBAR_TIMEOUT_MS` with a sticky error
+/// instead of a hang.
+const WATCHDOG: [&str; 2] = ["%globaltimer;", "brkpt;"];
+
+/// Asserts that the PTX of `name` holds the mbarrier watchdog ([`WATCHDOG`]).
+fn assert_watchdog(name: &str, ptx: &str) {
+    for instr in WATCHDOG {
+        assert!(ptx.contains(instr), "{name}: the mbarrier watchdog's {instr} is missing");
+    }
+}
+
 /// Compiles the embedded kernel source `source_name` for sm_90a with NVRTC
 /// and asserts that it has `kernels` kernels (`what` says which), an `.entry`
 /// for each, and every instruction of `instrs` in the PTX (one written
@@ -250,6 +267,7 @@ fn assert_compiles_clean(
             None => assert!(ptx.contains(instr), "{instr} missing from the PTX"),
         }
     }
+    assert_watchdog(source_name, &ptx);
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
     let report = ptxas_report(source_name, &ptx)?;
     assert_eq!(report.0.len(), names.len(), "ptxas reported other kernels than NVRTC compiled");

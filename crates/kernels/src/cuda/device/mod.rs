@@ -6,11 +6,14 @@
 //! ([`device_count`], [`nvrtc_version`]) and reports a missing library, a
 //! missing device or a compile failure as
 //! [`KernelError::Cuda`](crate::KernelError::Cuda), never as a panic (cudarc
-//! itself panics when a library it calls into is absent).
+//! itself panics when a library it calls into is absent); a sticky driver
+//! error (a kernel trapped or faulted, after which every call on the device
+//! fails) as [`KernelError::ContextLost`](crate::KernelError::ContextLost).
 //!
 //! Compilation is lazy and shared: the first launch of a kernel compiles the
 //! source file that defines it (found by its `TPAR_KERNEL(<name>, ...)`
-//! line), for the device's architecture and the handle's [`CompileOptions`].
+//! line), for the device's architecture (or the one [`CUDA_ARCH_ENV`] or
+//! [`CompileOptions::arch`] names) and the handle's [`CompileOptions`].
 //! Compiled images are cached per (architecture, source, options) and loaded
 //! modules per (device ordinal, source, options), process-wide, so every
 //! [`CudaDevice`] handle and thread on one GPU shares them. Device binaries
@@ -67,13 +70,13 @@ mod probe;
 pub use disk_cache::{precompile, KERNEL_CACHE_ENV};
 pub use index::{kernel_names, source_of};
 pub use modules::{KernelInfo, DEFAULT_DYN_SMEM_LIMIT};
-pub use nvrtc::{compile_ptx, compile_ptx_with, CompileOptions};
+pub use nvrtc::{compile_ptx, compile_ptx_with, CompileOptions, CUDA_ARCH_ENV};
 pub(crate) use probe::driver_error;
 pub use probe::{check_toolchain, device_count, driver_version, nvrtc_version};
 
 use memory::keep_pool_memory;
 use modules::{contexts, LoadedFunction};
-use nvrtc::check_arch;
+use nvrtc::choose_arch;
 use probe::guarded;
 
 /// One CUDA GPU as a kernel [`Launcher`]: its (process-shared) context, a
@@ -116,7 +119,10 @@ impl CudaDevice {
         CudaDevice::with_options(ordinal, CompileOptions::default())
     }
 
-    /// Opens GPU `ordinal`; its kernels are compiled with `options`.
+    /// Opens GPU `ordinal`; its kernels are compiled with `options`, for
+    /// [`CompileOptions::arch`] when set, else for the architecture
+    /// [`CUDA_ARCH_ENV`] (`TPAR_CUDA_ARCH`) names, else for the device's own
+    /// ([`CudaDevice::arch`]). A bad architecture name is an error naming it.
     pub fn with_options(ordinal: usize, options: CompileOptions) -> Result<Arc<CudaDevice>> {
         let op = format!("cuda:{ordinal}");
         let count = device_count()?;
@@ -145,17 +151,21 @@ impl CudaDevice {
         let sm_count =
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "SM count")?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let arch = match &options.arch {
-            Some(a) => {
-                check_arch(a)?;
-                a.clone()
+        // Compute capability 9.0 compiles for `sm_90a`, the Hopper target
+        // with wgmma and setmaxnreg (the Hopper GEMM, `raw::gemm_hopper`);
+        // every other device for its own `sm_XY`; TPAR_CUDA_ARCH or the
+        // options say otherwise.
+        let env = match std::env::var(CUDA_ARCH_ENV) {
+            Ok(v) => Some(v),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(cuda_error(
+                    &op,
+                    format!("{CUDA_ARCH_ENV}={v:?} is not a GPU architecture (not UTF-8)"),
+                ))
             }
-            // Compute capability 9.0 compiles for `sm_90a`, the Hopper target
-            // with wgmma and setmaxnreg (the Hopper GEMM, `raw::gemm_hopper`);
-            // every other device for its own `sm_XY`.
-            None if cc == (9, 0) => "sm_90a".to_string(),
-            None => format!("sm_{}{}", cc.0, cc.1),
         };
+        let arch = choose_arch(options.arch.as_deref(), env.as_deref(), cc)?;
         let stream = ctx.new_stream().map_err(|e| driver_error(&op, "creating a stream", e))?;
         keep_pool_memory(&ctx);
         Ok(Arc::new_cyclic(|me| CudaDevice {
@@ -186,8 +196,9 @@ impl CudaDevice {
     }
 
     /// The architecture kernels are compiled for: [`CompileOptions::arch`]
-    /// when set, else `"sm_90a"` on a compute capability 9.0 device and
-    /// `"sm_XY"` on the others.
+    /// when set, else [`CUDA_ARCH_ENV`] (`TPAR_CUDA_ARCH`) when set, else
+    /// `"sm_90a"` on a compute capability 9.0 device and `"sm_XY"` on the
+    /// others.
     pub fn arch(&self) -> &str {
         &self.arch
     }

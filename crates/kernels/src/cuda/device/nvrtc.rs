@@ -96,6 +96,46 @@ pub(super) fn check_arch(arch: &str) -> Result<()> {
     }
 }
 
+/// Environment variable naming the architecture a GPU's kernels are compiled
+/// for when [`CompileOptions::arch`] is unset (`sm_90`, `sm_80`, ...),
+/// checked like an explicit architecture; unset or empty: the device's own
+/// (`sm_90a` on compute capability 9.0). `TPAR_CUDA_ARCH=sm_90` on a Hopper
+/// GPU compiles nothing for `sm_90a`, so the GEMM and the attention run
+/// their `mma.sync` kernels instead of the Hopper (wgmma) ones: the way
+/// around a Hopper kernel that fails on the hardware.
+pub const CUDA_ARCH_ENV: &str = "TPAR_CUDA_ARCH";
+
+/// The architecture a device of compute capability `cc` compiles for:
+/// `explicit` ([`CompileOptions::arch`]) when set, else `env` (the value of
+/// [`CUDA_ARCH_ENV`]) when set and not empty, else `sm_90a` on compute
+/// capability 9.0 (the Hopper target with wgmma and setmaxnreg) and
+/// `sm_<major><minor>` on every other device. A bad `explicit` or `env`
+/// name is an error naming it (and the variable).
+pub(super) fn choose_arch(
+    explicit: Option<&str>,
+    env: Option<&str>,
+    cc: (u32, u32),
+) -> Result<String> {
+    if let Some(a) = explicit {
+        check_arch(a)?;
+        return Ok(a.to_string());
+    }
+    match env.filter(|v| !v.is_empty()) {
+        Some(v) => match check_arch(v) {
+            Ok(()) => Ok(v.to_string()),
+            Err(_) => Err(cuda_error(
+                "nvrtc",
+                format!(
+                    "{CUDA_ARCH_ENV}={v:?} is not a GPU architecture (expected e.g. \"sm_90\", \
+                     \"sm_90a\"; unset it for the device's own)"
+                ),
+            )),
+        },
+        None if cc == (9, 0) => Ok("sm_90a".to_string()),
+        None => Ok(format!("sm_{}{}", cc.0, cc.1)),
+    }
+}
+
 /// What one NVRTC compilation produced.
 pub(super) struct Compiled {
     pub(super) ptx: String,
@@ -210,6 +250,27 @@ mod tests {
         let args = o.nvrtc_args("sm_90a").unwrap();
         assert!(args.contains(&"-lineinfo".to_string()));
         assert!(args.contains(&"--maxrregcount=128".to_string()));
+    }
+
+    #[test]
+    fn the_architecture_comes_from_the_options_then_the_environment_then_the_device() {
+        // unset (or empty): the device's own, sm_90a on compute capability 9.0
+        assert_eq!(choose_arch(None, None, (9, 0)).unwrap(), "sm_90a");
+        assert_eq!(choose_arch(None, Some(""), (9, 0)).unwrap(), "sm_90a");
+        assert_eq!(choose_arch(None, None, (8, 0)).unwrap(), "sm_80");
+        assert_eq!(choose_arch(None, None, (10, 0)).unwrap(), "sm_100");
+        // TPAR_CUDA_ARCH=sm_90 on a Hopper GPU: the pre-Hopper kernels
+        assert_eq!(choose_arch(None, Some("sm_90"), (9, 0)).unwrap(), "sm_90");
+        assert_eq!(choose_arch(None, Some("sm_80"), (8, 6)).unwrap(), "sm_80");
+        // an explicit CompileOptions::arch wins over the variable
+        assert_eq!(choose_arch(Some("sm_90a"), Some("sm_90"), (9, 0)).unwrap(), "sm_90a");
+        // a bad value names the variable and the value
+        for bad in ["sm9", "90", "sm_90 ", "hopper"] {
+            let e = choose_arch(None, Some(bad), (9, 0)).unwrap_err().to_string();
+            assert!(e.contains("TPAR_CUDA_ARCH") && e.contains(&format!("{bad:?}")), "{e}");
+        }
+        let e = choose_arch(Some("sm_9"), None, (9, 0)).unwrap_err().to_string();
+        assert!(e.contains("\"sm_9\""), "{e}");
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! and whether the two versions can work together ([`check_toolchain`]).
 //! Also the two helpers every other part of the GPU launcher uses to turn a
 //! library failure into a [`KernelError::Cuda`]: [`guarded`] (a panic inside
-//! cudarc) and [`driver_error`] (a driver error code, with its name and text).
+//! cudarc) and [`driver_error`] (a driver error code, with its name and text;
+//! a sticky code, which leaves the context unusable, is
+//! [`KernelError::ContextLost`]).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -27,7 +29,8 @@ pub(super) fn guarded<T>(op: &str, f: impl FnOnce() -> T) -> Result<T> {
     })
 }
 
-/// A driver error with its CUDA name and description.
+/// A driver error with its CUDA name and description; a sticky one
+/// ([`is_sticky`]) is [`KernelError::ContextLost`].
 pub(crate) fn driver_error(op: &str, what: &str, e: DriverError) -> KernelError {
     let name = e.error_name().map(|s| s.to_string_lossy().into_owned());
     let text = e.error_string().map(|s| s.to_string_lossy().into_owned());
@@ -35,7 +38,40 @@ pub(crate) fn driver_error(op: &str, what: &str, e: DriverError) -> KernelError 
         (Ok(n), Ok(t)) => format!("{n}: {t}"),
         _ => format!("{:?}", e.0),
     };
-    cuda_error(op, format!("{what} failed ({detail})"))
+    classify(op, format!("{what} failed ({detail})"), e.0)
+}
+
+/// The error of a driver call that failed with `code`: [`KernelError::ContextLost`]
+/// for a sticky code, else [`KernelError::Cuda`].
+fn classify(op: &str, what: String, code: CUresult) -> KernelError {
+    if is_sticky(code) {
+        KernelError::ContextLost { op: op.to_string(), what }
+    } else {
+        cuda_error(op, what)
+    }
+}
+
+/// Whether `code` leaves the CUDA context unusable: the driver reports it for
+/// a kernel that trapped or faulted (and for a context already destroyed), and
+/// then returns it from every later call in the process.
+fn is_sticky(code: CUresult) -> bool {
+    use CUresult::*;
+    matches!(
+        code,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_TIMEOUT
+            | CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_LAUNCH_FAILED
+            | CUDA_ERROR_ECC_UNCORRECTABLE
+            | CUDA_ERROR_NVLINK_UNCORRECTABLE
+            | CUDA_ERROR_EXTERNAL_DEVICE
+    )
 }
 
 /// The candidate file names cudarc tries for a library, shortened for messages.
@@ -162,6 +198,43 @@ pub fn check_toolchain(nvrtc: (i32, i32), driver: (i32, i32)) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sticky_driver_errors_are_a_lost_context() {
+        use CUresult::*;
+        for code in [
+            CUDA_ERROR_LAUNCH_FAILED,
+            CUDA_ERROR_ILLEGAL_INSTRUCTION,
+            CUDA_ERROR_ILLEGAL_ADDRESS,
+            CUDA_ERROR_MISALIGNED_ADDRESS,
+            CUDA_ERROR_HARDWARE_STACK_ERROR,
+            CUDA_ERROR_INVALID_PC,
+            CUDA_ERROR_ASSERT,
+            CUDA_ERROR_LAUNCH_TIMEOUT,
+        ] {
+            let e = classify("cuda:0", format!("cuStreamSynchronize failed ({code:?})"), code);
+            assert!(e.is_context_lost(), "{code:?}: {e}");
+            let text = e.to_string();
+            assert!(text.starts_with("cuda:0: cuStreamSynchronize failed ("), "{text}");
+            assert!(text.contains("the CUDA context is lost"), "{text}");
+            assert!(text.contains("TPAR_CUDA_ARCH=sm_90"), "{text}");
+        }
+        // errors after which the context still works: the call alone failed
+        for code in [
+            CUDA_ERROR_OUT_OF_MEMORY,
+            CUDA_ERROR_INVALID_VALUE,
+            CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
+            CUDA_ERROR_INVALID_IMAGE,
+            CUDA_ERROR_NOT_FOUND,
+            CUDA_ERROR_NO_BINARY_FOR_GPU,
+            CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE,
+        ] {
+            let e = classify("cuda:0", "cuLaunchKernel failed".into(), code);
+            assert!(!e.is_context_lost(), "{code:?}: {e}");
+            assert!(matches!(e, KernelError::Cuda { .. }), "{code:?}: {e:?}");
+            assert!(!e.to_string().contains("context is lost"), "{e}");
+        }
+    }
 
     #[test]
     fn probes_do_not_panic() {
