@@ -186,6 +186,27 @@ TPAR_DEVICE int staged(int r, int c) {
     return (c / SUB) * (64 * SUB) + r * SUB + ((((c % SUB) / 4) ^ (r % 8)) * 4) + c % 4;
 }
 
+// Where lane `lane` of warp `w` of a consumer warpgroup puts an accumulator
+// pair in store `sw` (0 or 1) of the rows 16 w + lane / 4 + 8 e and the
+// chunk's 8-column blocks `bl` and bl + 2 (bl % 4 in {0, 1}): `at`, the
+// pair's staged float index, and `far`, whether it is block bl + 2's (lanes
+// with q / 2 = sw take block bl; the header's argument).
+struct PairSlot {
+    int at;
+    bool far;
+};
+TPAR_DEVICE PairSlot pair_slot(int w, int lane, int bl, int e, int sw) {
+    const int g = lane / 4, q = lane % 4;
+    const bool far = (sw ^ (q / 2)) != 0;
+    return PairSlot{staged(16 * w + g + 8 * e, 8 * (bl + 2 * (int)far) + 2 * q), far};
+}
+
+// Element `idx` (row-major) of the row walk over a 64 x EC staging chunk.
+template <int EC>
+TPAR_DEVICE int walk_at(int idx) {
+    return staged(idx / EC, idx % EC);
+}
+
 // The ring's stages and the consumer warpgroups' epilogue buffers are found
 // by arithmetic (stage_a, stage_b, staging, out16), not kept in arrays of
 // pointers: such an array indexed at run time (by the stage, by the
@@ -343,7 +364,7 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
     using G = Geo<BN>;
     constexpr int EC = G::EC;
     const int tw = threadIdx.x % 128;
-    const int w = tw / 32, lane = tw % 32, g = lane / 4, q = lane % 4;
+    const int w = tw / 32, lane = tw % 32;
     float d[BN / 2];
     // `chunks` counts the epilogue chunks stored so far (the epilogue
     // barriers' phases)
@@ -396,11 +417,10 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
                 mbarrier_arrive(&s.epi_free[cw]);
             }
             if (a.c_tma) mbarrier_wait_parity(&s.epi_free[cw], (u32)(chunks & 1) ^ 1u);
-            // accumulator i of a thread is row 16 w + g + 8 ((i / 2) % 2),
+            // accumulator i of lane 4 g + q is row 16 w + g + 8 ((i / 2) % 2),
             // column 8 (i / 4) + 2 q + i % 2 of the warpgroup's 64 x BN: in
             // pairs, 8-column blocks b and b + 2 of each sub-box swapped
-            // between the lanes with q / 2 = 0 and 1 (the header's argument)
-            const int h = q / 2;
+            // between the lanes with q / 2 = 0 and 1 (pair_slot)
 #pragma unroll
             for (int b0 = j * (EC / 8); b0 < (j + 1) * (EC / 8); b0 += SUB / 8) {
 #pragma unroll
@@ -409,19 +429,18 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
                     for (int e = 0; e < 2; ++e) {
 #pragma unroll
                         for (int sw = 0; sw < 2; ++sw) {
+                            const PairSlot p = pair_slot(w, lane, b0 + u - j * (EC / 8), e, sw);
                             const int i0 = 4 * (b0 + u) + 2 * e, i1 = i0 + 8;
-                            const bool far = (sw ^ h) != 0;
-                            const Pair v = far ? Pair{d[i1], d[i1 + 1]} : Pair{d[i0], d[i0 + 1]};
-                            const int r = 16 * w + g + 8 * e;
-                            const int c = 8 * (b0 + u + 2 * (sw ^ h)) + 2 * q - j * EC;
-                            *reinterpret_cast<Pair*>(f + staged(r, c)) = v;
+                            const Pair v =
+                                p.far ? Pair{d[i1], d[i1 + 1]} : Pair{d[i0], d[i0 + 1]};
+                            *reinterpret_cast<Pair*>(f + p.at) = v;
                         }
                     }
                 }
             }
             wg_sync(&s.epi_sync[cw], 2u * (u32)chunks);
             for (int idx = tw; idx < 64 * EC; idx += 128) {
-                const int at = staged(idx / EC, idx % EC);
+                const int at = walk_at<EC>(idx);
                 const int row = row0 + idx / EC, col = col0 + idx % EC;
                 float v = a.alpha * f[at];
                 if (row < a.m && col < a.n) {
@@ -504,6 +523,10 @@ TPAR_DEVICE void run(const GemmHopperArgs& a) {
 }
 
 }  // namespace gemm_hopper
+
+// A source that includes this file for its device functions alone (the
+// staging layout's lane-level test) defines TPAR_GEMM_HOPPER_NO_KERNELS.
+#ifndef TPAR_GEMM_HOPPER_NO_KERNELS
 
 #ifdef TPAR_GEMM_HOPPER_BODY
 #define TPAR_GEMM_HOPPER(BN, T, O, TA, TB) gemm_hopper::run<BN, T, O, TA, TB>(args)
@@ -666,3 +689,5 @@ TPAR_KERNEL(tpar_gemm_hopper_tn_f16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs)
 TPAR_KERNEL(tpar_gemm_hopper_tt_f16_f32_n256, TPAR_GRID_CONSTANT(GemmHopperArgs), GEMM_HOPPER_BOUNDS) {
     TPAR_GEMM_HOPPER(256, f16, float, 1, 0);
 }
+
+#endif  // TPAR_GEMM_HOPPER_NO_KERNELS

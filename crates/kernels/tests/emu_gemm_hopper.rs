@@ -15,7 +15,7 @@ use tpar_kernels::cuda::raw::gemm_hopper::{
     self, plan, AuxInput, AuxOp, Epilogue, HopperConfig, HopperLaunch, HopperTarget, EMU_ARCH_ENV,
 };
 use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
-use tpar_kernels::cuda::{launch, CudaDType};
+use tpar_kernels::cuda::{launch, CudaDType, DevPtr, LaunchConfig};
 use tpar_kernels::gemm::GemmShape;
 
 use common::{emu, RawBuf};
@@ -799,4 +799,95 @@ fn clusters_are_capped_at_what_fits() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("no cluster of 2 blocks"), "{e}");
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct StagingArgs {
+    pairs: DevPtr,
+    walk: DevPtr,
+}
+
+/// Shared-memory wavefronts of one warp access of `width` bytes per lane
+/// (4 or 8) at the given float indices, 32 banks of 4 bytes: the warp is
+/// served in groups of 128 / width lanes (8-byte accesses per half-warp),
+/// each group in as many wavefronts as the most distinct words one bank
+/// holds.
+fn wavefronts(at: &[i32], width: usize) -> usize {
+    at.chunks(128 / width)
+        .map(|group| {
+            let mut words: Vec<Vec<i32>> = vec![Vec::new(); 32];
+            for &a in group {
+                for word in a..a + (width / 4) as i32 {
+                    let bank = &mut words[word.rem_euclid(32) as usize];
+                    if !bank.contains(&word) {
+                        bank.push(word);
+                    }
+                }
+            }
+            words.iter().map(Vec::len).max().unwrap_or(0)
+        })
+        .sum()
+}
+
+/// The epilogue's staging layout, from the kernel's own device functions
+/// (`pair_slot`, `walk_at`, run in the emulator; the layout itself is the
+/// 128-byte swizzle the f32 C store's map unswizzles, which the products
+/// above check): at both chunk widths the row walk reads every element of
+/// the 64 x EC chunk once, each warp read in one wavefront; the accumulator
+/// pairs land 8-byte aligned where the walk reads their row and columns,
+/// each element once, each warp store in 2 wavefronts (one per half-warp,
+/// the minimum for 256 bytes).
+#[test]
+fn the_epilogue_staging_stores_and_reads_without_bank_conflicts() {
+    const SRC: &str = concat!(
+        "#define TPAR_GEMM_HOPPER_NO_KERNELS\n",
+        include_str!("../cuda/gemm_hopper.cu"),
+        "\n",
+        include_str!("hopper/gemm_staging.cu")
+    );
+    emu().add_source("gemm_hopper_staging", SRC).expect("the staging test kernel compiles");
+    let mut pairs = vec![0i32; 16 * 2 * 2 * 128];
+    let mut walk = vec![0i32; 64 * 128 + 64 * 64];
+    let args =
+        StagingArgs { pairs: pairs.as_mut_ptr() as DevPtr, walk: walk.as_mut_ptr() as DevPtr };
+    // SAFETY: the kernel writes 16 * 2 * 2 * 128 and 64 * 192 i32s, the sizes above.
+    unsafe { launch(emu(), "gemm_hopper_staging_slots", LaunchConfig::linear(1, 128), &args) }
+        .unwrap();
+    for ec in [128usize, 64] {
+        let walk = if ec == 128 { &walk[..64 * 128] } else { &walk[64 * 128..] };
+        let mut read = vec![0u8; 64 * ec];
+        for &a in walk {
+            read[a as usize] += 1;
+        }
+        assert!(read.iter().all(|&n| n == 1), "EC {ec}: the walk reads every element once");
+        for (k, warp) in walk.chunks(32).enumerate() {
+            assert_eq!(wavefronts(warp, 4), 1, "EC {ec}: walk read {k}");
+        }
+        // the stores of one chunk: block bl (bl % 4 in {0, 1}) with bl + 2
+        let mut stored = vec![0u8; 64 * ec];
+        for bl in (0..ec / 8).filter(|b| b % 4 < 2) {
+            for e in 0..2 {
+                for sw in 0..2 {
+                    let store = &pairs[((bl * 2 + e) * 2 + sw) * 128..][..128];
+                    for (w, warp) in store.chunks(32).enumerate() {
+                        let at: Vec<i32> = warp.iter().map(|v| v >> 1).collect();
+                        let n = wavefronts(&at, 8);
+                        assert_eq!(n, 2, "EC {ec}: block {bl}, rows +{e}, store {sw}, warp {w}");
+                        for (lane, v) in warp.iter().enumerate() {
+                            let (g, q, far) = (lane / 4, lane % 4, (v & 1) as usize);
+                            let (r, c) = (16 * w + g + 8 * e, 8 * (bl + 2 * far) + 2 * q);
+                            let a = v >> 1;
+                            let want = (walk[r * ec + c], walk[r * ec + c + 1]);
+                            assert_eq!((a, a + 1), want, "EC {ec}: lane {lane} of warp {w}");
+                            assert_eq!(a % 2, 0, "EC {ec}: an 8-byte pair at odd float {a}");
+                            stored[a as usize] += 1;
+                            stored[a as usize + 1] += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(stored.iter().all(|&n| n == 1), "EC {ec}: every element stored once");
+    }
 }
