@@ -3,8 +3,9 @@
 //! emulator as `sm_90a`: dq, dk and dv against the f64 reference of the CPU
 //! op and against the tensor-core backward of `sdpa.cu`, for bf16 and f16,
 //! head dims 64 and 128, causal or not, GQA, masks, ragged lengths (several
-//! and partial query and key tiles) and fully masked rows; and the calls it
-//! refuses.
+//! and partial query and key tiles) and fully masked rows; the dQ staging
+//! stores' layout (a test kernel calling the kernel's own address function,
+//! `hopper/sdpa_dq_units.cu`); and the calls it refuses.
 
 mod common;
 
@@ -155,6 +156,71 @@ fn f16_d128_causal_gqa_q127_two_batches() {
 #[test]
 fn bf16_d128_gqa3_q130_key_padding() {
     run::<half::bf16>(BF16, shape(2, 6, 2, 130, 100, 128, false), MaskKind::KeyPadding);
+}
+
+/// Arguments of `hopper_sdpa_dq_units` (hopper/sdpa_dq_units.cu).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct DqUnitsArgs {
+    out: DevPtr,
+    hd: i32,
+    pad: i32,
+}
+
+/// The float offsets within a dQ tile that the consumers' 16-byte stores
+/// go to, `[warpgroup][column group][thread]`, from the kernel's own
+/// `dq_frag_unit` (the test kernel is compiled after the part of
+/// sdpa_hopper_bwd.cu before its kernels).
+fn dq_store_offsets(hd: usize) -> Vec<i32> {
+    let e = emu();
+    static ADDED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    ADDED.get_or_init(|| {
+        let bwd = tpar_kernels::cuda::sources()
+            .iter()
+            .find(|s| s.name == "sdpa_hopper_bwd")
+            .expect("sdpa_hopper_bwd.cu is embedded");
+        let (head, _kernels) = bwd.text.split_once("\nTPAR_KERNEL(").expect("it has kernels");
+        let text = format!("{head}\n{}", include_str!("hopper/sdpa_dq_units.cu"));
+        e.add_source("hopper_sdpa_dq_units_test", &text).expect("the test kernel compiles");
+    });
+    let mut out = vec![-1i32; 2 * (hd / 16) * 128];
+    let args = DqUnitsArgs { out: mptr(&mut out), hd: hd as i32, pad: 0 };
+    // SAFETY: `out` holds every element the kernel writes (2 x hd / 16 x 128).
+    unsafe {
+        tpar_kernels::cuda::launch(e, "hopper_sdpa_dq_units", LaunchConfig::linear(1, 128), &args)
+    }
+    .unwrap();
+    out
+}
+
+/// The consumers' dQ stores in the accumulator's tile layout: every thread
+/// of both warpgroups stores each of its column groups' 16-byte units to its
+/// own place (together they tile the 64 x HD floats exactly), and each warp
+/// store is free of bank conflicts: with 32 banks of 4 bytes, the most
+/// distinct words any bank serves (the wavefronts the store takes) is the
+/// least 32 x 16 bytes allow, 512 / 128 = 4.
+#[test]
+fn dq_staging_stores_tile_the_block_without_bank_conflicts() {
+    std::env::set_var(EMU_ARCH_ENV, "sm_90a");
+    for hd in [128usize, 64] {
+        let units = dq_store_offsets(hd);
+        let mut seen = vec![false; 64 * hd / 4];
+        for (k, &u) in units.iter().enumerate() {
+            let (cw, j, tw) = (k / (hd / 16 * 128), k / 128 % (hd / 16), k % 128);
+            let at = format!("head dim {hd}: warpgroup {cw}, column group {j}, thread {tw}");
+            assert!(u >= 0 && u % 4 == 0 && (u as usize) < 64 * hd, "{at}: offset {u}");
+            assert!(!std::mem::replace(&mut seen[u as usize / 4], true), "{at}: unit {u} again");
+        }
+        for (store, lanes) in units.chunks(32).enumerate() {
+            // per bank, the distinct 4-byte words the warp's 32 x 4 floats touch
+            let mut words: Vec<std::collections::BTreeSet<i32>> = vec![Default::default(); 32];
+            for w in lanes.iter().flat_map(|&u| u..u + 4) {
+                words[w as usize % 32].insert(w);
+            }
+            let wavefronts = words.iter().map(|s| s.len()).max().unwrap();
+            assert_eq!(wavefronts, 4, "head dim {hd}, warp store {store}: {lanes:?}");
+        }
+    }
 }
 
 /// A launcher that describes a GPU compiled for another architecture.
