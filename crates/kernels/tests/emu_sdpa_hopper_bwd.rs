@@ -196,9 +196,10 @@ fn dq_store_offsets(hd: usize) -> Vec<i32> {
 /// The consumers' dQ stores in the accumulator's tile layout: every thread
 /// of both warpgroups stores each of its column groups' 16-byte units to its
 /// own place (together they tile the 64 x HD floats exactly), and each warp
-/// store is free of bank conflicts: with 32 banks of 4 bytes, the most
-/// distinct words any bank serves (the wavefronts the store takes) is the
-/// least 32 x 16 bytes allow, 512 / 128 = 4.
+/// store is free of bank conflicts: shared memory serves a 16-byte access a
+/// quarter-warp (8 lanes) at a time, each in as many wavefronts as the most
+/// distinct 4-byte words one of its 32 banks holds, so a warp store takes 4
+/// (one per quarter-warp, the least 32 x 16 bytes allow).
 #[test]
 fn dq_staging_stores_tile_the_block_without_bank_conflicts() {
     std::env::set_var(EMU_ARCH_ENV, "sm_90a");
@@ -212,12 +213,17 @@ fn dq_staging_stores_tile_the_block_without_bank_conflicts() {
             assert!(!std::mem::replace(&mut seen[u as usize / 4], true), "{at}: unit {u} again");
         }
         for (store, lanes) in units.chunks(32).enumerate() {
-            // per bank, the distinct 4-byte words the warp's 32 x 4 floats touch
-            let mut words: Vec<std::collections::BTreeSet<i32>> = vec![Default::default(); 32];
-            for w in lanes.iter().flat_map(|&u| u..u + 4) {
-                words[w as usize % 32].insert(w);
-            }
-            let wavefronts = words.iter().map(|s| s.len()).max().unwrap();
+            let wavefronts: usize = lanes
+                .chunks(8)
+                .map(|quarter| {
+                    // per bank, the distinct words the quarter's 8 x 4 floats touch
+                    let mut words = vec![std::collections::BTreeSet::new(); 32];
+                    for w in quarter.iter().flat_map(|&u| u..u + 4) {
+                        words[w as usize % 32].insert(w);
+                    }
+                    words.iter().map(|b| b.len()).max().unwrap_or(0)
+                })
+                .sum();
             assert_eq!(wavefronts, 4, "head dim {hd}, warp store {store}: {lanes:?}");
         }
     }
