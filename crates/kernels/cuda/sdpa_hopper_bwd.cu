@@ -53,17 +53,17 @@
 // swizzle: the 1-D bulk reduction copies shared memory linearly), so the
 // writer adds all 64 x HD floats with one cp.reduce.async.bulk ... add.f32;
 // rows past q_len (P and so dS are 0 there) land in the last block's
-// padding, which nothing reads. The consumers wait on "dq
-// empty" (it % 2), store, fence the async proxy and arrive on "dq full"
-// (256 arrivals); the writer waits on "dq full", reduces, commits, waits
-// until the reduction has read the buffer (cp.async.bulk.wait_group.read 0)
-// and arrives on "dq empty". The consumers issue no global atomics. The
-// pre kernel zeroes every block (a last tile's valid rows are spread over
-// its whole block), and `tpar_sdpa_bwd_hopper_dq_*` reads the blocks back
-// (16-byte reads, 4 threads on 64 consecutive bytes), scales and writes dq
-// [batch, q_heads, q_len, HD], valid rows only, a warp writing 128
-// consecutive bytes of each of its two rows. Callers size the workspace
-// with sdpa_backward_workspace_bytes, which counts the padded rows.
+// padding, which nothing reads. The consumers wait on "dq empty" (it % 2),
+// store, fence the async proxy and arrive on "dq full" (256 arrivals); the
+// writer waits on "dq full", reduces, commits, waits until the reduction
+// has read the buffer (cp.async.bulk.wait_group.read 0) and arrives on "dq
+// empty". The consumers issue no global atomics. The pre kernel zeroes
+// every block (a last tile's valid rows are spread over its whole block),
+// and `tpar_sdpa_bwd_hopper_dq_*` reads the blocks back (16-byte reads, 4
+// threads on 64 consecutive bytes), scales and writes dq [batch, q_heads,
+// q_len, HD], valid rows only, a warp writing 128 consecutive bytes of each
+// of its two rows. Callers size the workspace with
+// sdpa_backward_workspace_bytes, which counts the padded rows.
 //
 // Shared memory: 1024 bytes of alignment slack, K and V (2 x 128 x HD x 2),
 // two Q + dO stages (2 x 2 x 64 x HD x 2), two dS^T buffers (2 x 16 KiB),
