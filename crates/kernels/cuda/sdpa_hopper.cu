@@ -33,9 +33,19 @@
 //   issuing their products (an mbarrier per warpgroup), so that one's softmax
 //   runs while the other's products occupy the tensor cores.
 // Out-of-range q rows and keys load as zeros (the maps bound the sequence of
-// each head); those keys are masked, those rows never stored. The output is
-// written from the accumulators (two elements per 4-byte store), lse by one
-// thread of each row.
+// each head); those keys are masked, those rows never stored. lse is written
+// by one thread of each row. The output goes through shared memory, as in
+// FlashAttention-3: once a consumer warpgroup's last q k^T has retired, its
+// 64 rows of the q tile are free (the other warpgroup reads only its own),
+// and it writes its normalised 16-bit O there in the q tile's layout (the
+// 128-byte swizzle: element (r, c) of the warpgroup's rows in box c / 64,
+// row r at 128 r, 16-byte unit ((c % 64) / 8) ^ (r % 8), `o_staged`), then
+// one thread stores the HD / 64 boxes of 64 x 64 with bulk tensor stores
+// (map_o, which clips the rows past q_len). Each store of a warp (two
+// elements, 4 bytes, per lane: rows 16 w + g (+ 8), columns 8 t + 2 q, + 1
+// of an 8-column block t) puts its 8 rows' 16 bytes in units
+// (t % 8) ^ g, 8 distinct units (r % 8 = g): 32 distinct banks, one
+// wavefront for the 128 bytes (not measured on a GPU).
 //
 // Compiled for an architecture without wgmma (sm_90, sm_80), the kernels are
 // empty: the launcher only picks them for devices compiled for sm_90a.
@@ -44,6 +54,7 @@ struct SdpaHopperFwdArgs {
     TparTensorMap map_q;  // (head_dim, q_len, batch * q_heads), box 64 x 128
     TparTensorMap map_k;  // (head_dim, kv_len, batch * kv_heads), box 64 x 128
     TparTensorMap map_v;  // like map_k over v
+    TparTensorMap map_o;  // (head_dim, q_len, batch * q_heads) over out, box 64 x 64
     void* out;            // [batch, q_heads, q_len, head_dim]
     float* lse;           // [batch, q_heads, q_len]
     const void* mask;     // additive mask (attention dtype), or null
@@ -78,6 +89,7 @@ struct Smem {
     u64* k_empty; // [STAGES]
     u64* v_empty; // [STAGES]
     u64* turn;    // [2]: consumer warpgroup c may issue its products (128 arrivals)
+    u64* o_ready; // [2]: consumer warpgroup c has staged its O rows (128 arrivals)
 };
 
 template <int HD>
@@ -97,7 +109,15 @@ TPAR_DEVICE Smem<HD> carve() {
     s.k_empty = bars + 1 + 2 * STAGES;
     s.v_empty = bars + 1 + 3 * STAGES;
     s.turn = bars + 1 + 4 * STAGES;
+    s.o_ready = bars + 3 + 4 * STAGES;
     return s;
+}
+
+// The byte offset of element (r, c) of a consumer warpgroup's 64 rows of O
+// staged in its rows of the q tile: box c / 64, row r, 16-byte unit
+// ((c % 64) / 8) ^ (r % 8) (the 128-byte swizzle), element c % 8.
+TPAR_DEVICE u32 o_staged(int r, int c) {
+    return (u32)((c / 64) * BOX_BYTES + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2);
 }
 
 // The block's q tile, heads and key tiles.
@@ -333,8 +353,10 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         if (lane == 0) mbarrier_arrive(&s.v_empty[st]);
     }
 
-    // Final normalisation, lse, and the stores.
-    T* out = static_cast<T*>(a.out);
+    // Final normalisation and lse; O into this warpgroup's rows of the q
+    // tile (its last q k^T has retired: wgmma_wait<0> above), then the bulk
+    // stores of those rows (the header's argument).
+    unsigned char* stage = s.q + cw * 64 * 128;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         float lt = r.l[hr];
@@ -342,17 +364,27 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         lt += __shfl_xor_sync(TPAR_FULL_MASK, lt, 2);
         const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
         const int row = r.row[hr];
-        if (row < a.q_len) {
-            const i64 ri = (i64)w.bh * a.q_len + row;
-            if (q == 0) a.lse[ri] = lt > 0.0f ? r.m[hr] * kLn2 + logf(lt) : ninf;
-            u32* orow = reinterpret_cast<u32*>(out + ri * HD);
+        if (row < a.q_len && q == 0)
+            a.lse[(i64)w.bh * a.q_len + row] = lt > 0.0f ? r.m[hr] * kLn2 + logf(lt) : ninf;
+        const int lr = row - r.wg_row0;
 #pragma unroll
-            for (int i = 0; i < HD / 2; i += 2) {
-                if (((i / 2) % 2) != hr) continue;
-                const int c = 8 * (i / 4) + 2 * q;
-                orow[c / 2] = pack2_rn<T>(o[i] * inv, o[i + 1] * inv);
-            }
+        for (int i = 0; i < HD / 2; i += 2) {
+            if (((i / 2) % 2) != hr) continue;
+            const int c = 8 * (i / 4) + 2 * q;
+            *reinterpret_cast<u32*>(stage + o_staged(lr, c)) =
+                pack2_rn<T>(o[i] * inv, o[i + 1] * inv);
         }
+    }
+    fence_proxy_async();
+    mbarrier_arrive(&s.o_ready[cw]);
+    mbarrier_wait_parity(&s.o_ready[cw], 0u);
+    if (tw == 0) {
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+            tma_store_3d(&a.map_o, c * 64, r.wg_row0, w.bh, stage + c * BOX_BYTES);
+        tma_store_commit();
+        // the stores have read the staging (and written out) before the block ends
+        tma_store_wait<0>();
     }
 }
 
@@ -366,6 +398,7 @@ TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
         tma_prefetch(&a.map_q);
         tma_prefetch(&a.map_k);
         tma_prefetch(&a.map_v);
+        tma_prefetch(&a.map_o);
         mbarrier_init(s.q_full, 1);
         for (int i = 0; i < STAGES; ++i) {
             mbarrier_init(&s.k_full[i], 1);
@@ -375,6 +408,8 @@ TPAR_DEVICE void run(const SdpaHopperFwdArgs& a) {
         }
         mbarrier_init(&s.turn[0], 128);
         mbarrier_init(&s.turn[1], 128);
+        mbarrier_init(&s.o_ready[0], 128);
+        mbarrier_init(&s.o_ready[1], 128);
         fence_mbarrier_init();
     }
     __syncthreads();

@@ -9,15 +9,17 @@
 //! producer warpgroup brings the q tile and 128-key k and v tiles by bulk
 //! tensor copies into an mbarrier ring (3 stages at head dim 64, 2 at 128), and two consumer warpgroups
 //! (64 q rows each) compute `q kᵀ` with `wgmma` from shared memory, the online
-//! softmax in registers and `P v` with `wgmma` taking P from registers. One
-//! block of [`THREADS`] threads per (128-row q tile, q head, batch); the
-//! kernel's source describes the pipeline.
+//! softmax in registers and `P v` with `wgmma` taking P from registers; each
+//! stages its normalised output in its rows of the q tile (128-byte swizzle)
+//! and writes it with bulk tensor stores. One block of [`THREADS`] threads
+//! per (128-row q tile, q head, batch); the kernel's source describes the
+//! pipeline.
 //!
 //! Where it runs: devices that run `sm_90a` kernels (a GPU handle compiling
 //! for `sm_90a`, or the CPU emulator with
 //! [`EMU_ARCH_ENV`]` = sm_90a`), for the calls [`unsupported`] accepts: bf16
-//! or f16, `head_dim == v_dim` in {64, 128}, q, k and v 16-byte aligned (the
-//! tensor maps' base), out 4-byte aligned, `kv_len > 0`, and `batch *
+//! or f16, `head_dim == v_dim` in {64, 128}, q, k, v and out 16-byte aligned
+//! (the tensor maps' base), `kv_len > 0`, and `batch *
 //! q_heads`, `batch * kv_heads` within the maps' and kernel's `i32`
 //! coordinates. [`super::sdpa::SdpaPath::Hopper`] selects it. It has not run
 //! on a GPU yet.
@@ -53,13 +55,14 @@ const fn stages(head_dim: usize) -> u32 {
 
 /// Dynamic shared memory per block for `head_dim`: the q tile, the ring's
 /// stages of a k and a v tile (128 rows of `head_dim` 16-bit elements each),
-/// the mbarriers (q, full and empty for k and v per stage, two turns) and
-/// 1024 bytes to align the 128-byte swizzle's pattern (115,832 bytes at head
-/// dim 64, 164,952 at 128).
+/// the mbarriers (q, full and empty for k and v per stage, two turns, two
+/// for the output's staging, which reuses the q tile) and 1024 bytes to
+/// align the 128-byte swizzle's pattern (115,848 bytes at head dim 64,
+/// 164,968 at 128).
 pub const fn shared_bytes(head_dim: usize) -> u32 {
     let tile = 128 * head_dim as u32 * 2;
     let st = stages(head_dim);
-    (1 + 2 * st) * tile + (3 + 4 * st) * 8 + 1024
+    (1 + 2 * st) * tile + (5 + 4 * st) * 8 + 1024
 }
 
 /// The argument struct of every `tpar_sdpa_hopper_fwd*` kernel
@@ -73,6 +76,9 @@ pub struct SdpaHopperFwdArgs {
     pub map_k: TensorMap,
     /// v: like `map_k`.
     pub map_v: TensorMap,
+    /// out: dims (head_dim, q_len, batch * q_heads), box 64 x 64 (a consumer
+    /// warpgroup's rows), 128-byte swizzle.
+    pub map_o: TensorMap,
     /// Output `[batch, q_heads, q_len, head_dim]` (written).
     pub out: DevPtr,
     /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
@@ -155,15 +161,12 @@ fn unsupported_call(dtype: CudaDType, s: &SdpaShape, b: &SdpaFwdBuffers) -> Opti
     if s.kv_len == 0 {
         return Some("kv_len 0 (a tensor map needs a non-empty key sequence)".into());
     }
-    for (name, p) in [("q", b.q), ("k", b.k), ("v", b.v)] {
+    for (name, p) in [("q", b.q), ("k", b.k), ("v", b.v), ("out", b.out)] {
         if !p.is_multiple_of(16) {
             return Some(format!(
                 "{name} address {p:#x} is not 16-byte aligned (a tensor map's base)"
             ));
         }
-    }
-    if !b.out.is_multiple_of(4) {
-        return Some(format!("out address {:#x} is not 4-byte aligned", b.out));
     }
     let max = i32::MAX as usize;
     if s.batch.saturating_mul(s.q_heads) > max || s.q_len > max - TILE.0 {
@@ -184,14 +187,13 @@ fn map_dtype(dt: CudaDType) -> TensorMapDType {
 }
 
 /// A 3-D map over `[planes, seq, head_dim]` 16-bit elements: dims (head_dim,
-/// seq, planes), boxes of 64 x 128 x 1, 128-byte swizzle.
+/// seq, planes), boxes of 64 x `rows` x 1, 128-byte swizzle.
 fn seq_map(
     target: HopperTarget,
     dt: CudaDType,
     ptr: DevPtr,
-    head_dim: usize,
-    seq: usize,
-    planes: usize,
+    (head_dim, seq, planes): (usize, usize, usize),
+    rows: u32,
 ) -> Result<TensorMap> {
     let es = dt.size() as u64;
     let row = head_dim as u64 * es;
@@ -200,7 +202,7 @@ fn seq_map(
         global: ptr,
         dims: &[head_dim as u64, seq as u64, planes as u64],
         strides: &[row, row * seq as u64],
-        box_dims: &[64, TILE.0 as u32, 1],
+        box_dims: &[64, rows, 1],
         swizzle: TensorMapSwizzle::B128,
     };
     if target.emulated {
@@ -223,13 +225,19 @@ fn plan(
     }
     let planes_q = numel(OP, &[s.batch, s.q_heads])?;
     let planes_kv = numel(OP, &[s.batch, s.kv_heads])?;
-    let map_q = seq_map(target, dtype, b.q, s.head_dim, s.q_len.max(1), planes_q)?;
-    let map_k = seq_map(target, dtype, b.k, s.head_dim, s.kv_len, planes_kv)?;
-    let map_v = seq_map(target, dtype, b.v, s.head_dim, s.kv_len, planes_kv)?;
+    let (q_dims, kv_dims) =
+        ((s.head_dim, s.q_len.max(1), planes_q), (s.head_dim, s.kv_len, planes_kv));
+    let tile = TILE.0 as u32;
+    let map_q = seq_map(target, dtype, b.q, q_dims, tile)?;
+    let map_k = seq_map(target, dtype, b.k, kv_dims, tile)?;
+    let map_v = seq_map(target, dtype, b.v, kv_dims, tile)?;
+    // the output, stored by each consumer warpgroup's 64 rows
+    let map_o = seq_map(target, dtype, b.out, q_dims, tile / 2)?;
     let args = SdpaHopperFwdArgs {
         map_q,
         map_k,
         map_v,
+        map_o,
         out: b.out,
         lse: b.lse,
         mask: d.mask.0,
@@ -285,10 +293,10 @@ mod tests {
 
     #[test]
     fn args_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<SdpaHopperFwdArgs>(), 512);
+        assert_eq!(std::mem::size_of::<SdpaHopperFwdArgs>(), 640);
         assert_eq!(std::mem::align_of::<SdpaHopperFwdArgs>(), 64);
-        assert_eq!(shared_bytes(64), 115_832);
-        assert_eq!(shared_bytes(128), 164_952);
+        assert_eq!(shared_bytes(64), 115_848);
+        assert_eq!(shared_bytes(128), 164_968);
         const { assert!(shared_bytes(128) <= 227 * 1024) };
     }
 
@@ -316,5 +324,9 @@ mod tests {
         assert!(unsupported_call(CudaDType::F16, &empty, &b).unwrap().contains("kv_len 0"));
         let odd = SdpaFwdBuffers { k: 8194, ..b };
         assert!(unsupported_call(CudaDType::BF16, &s, &odd).unwrap().contains("k address"));
+        // out is a tensor map's base too
+        let out8 = SdpaFwdBuffers { out: 16392, ..b };
+        let why = unsupported_call(CudaDType::BF16, &s, &out8).unwrap();
+        assert!(why.contains("out address 0x4008 is not 16-byte aligned"), "{why}");
     }
 }
