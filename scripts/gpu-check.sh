@@ -10,14 +10,33 @@
 #     mkdir -p gpu-bin
 #     cp "${CARGO_TARGET_DIR:-target}"/release/gpu_check \
 #         "${CARGO_TARGET_DIR:-target}"/release/examples/llama_2d gpu-bin/
+#     # the kernel cache (NVRTC needs up to a minute per large source on a GPU
+#     # process's first use): every source for sm_90a (what an H100/H200 runs)
+#     # and for sm_90 (the pre-Hopper kernels of the TPAR_CUDA_ARCH=sm_90 rerun
+#     # below); no GPU needed, NVRTC from scripts/nvrtc-env.sh
+#     source scripts/nvrtc-env.sh
+#     TPAR_KERNEL_CACHE="$PWD/gpu-bin/kernel-cache" gpu-bin/gpu_check --precompile sm_90a
+#     TPAR_KERNEL_CACHE="$PWD/gpu-bin/kernel-cache" gpu-bin/gpu_check --precompile sm_90
 #
-#     # on the GPU machine, from the repository root (gpu-bin/ carried along):
+#     # on the GPU machine, from the repository root (gpu-bin/ carried along;
+#     # gpu-bin/kernel-cache is used when TPAR_KERNEL_CACHE is not set):
 #     scripts/gpu-check.sh
 #
 # Steps (a failing step is reported; the next still runs):
 #   1. gpu_check --bench: every kernel family against the CPU kernels (one
 #      PASS/FAIL line per output), then GEMM / attention TFLOP/s (ours and
-#      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s;
+#      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s; under
+#      `timeout CHECK_TIMEOUT` (seconds; default 240 with QUICK=1, else 420:
+#      QUICK=1 is the mode for one 10-minute command, where a first run cut
+#      off at 240 s and its rerun below still leave two minutes for the other
+#      steps, and 420 s leaves a full run the time NVRTC needs on a cold
+#      kernel cache). When gpu_check exits 3 (the CUDA context was lost: a
+#      kernel trapped or faulted, which is how a Hopper kernel's mbarrier
+#      watchdog stops a deadlock) or 124/137 (stopped by CHECK_TIMEOUT), step 1
+#      runs once more with TPAR_CUDA_ARCH=sm_90 (no sm_90a kernels: the GEMM
+#      and the attention run their mma.sync kernels) into
+#      gpu_check_sm90.{log,json} and gemm_table_sm90.txt, and step 4 reads the
+#      rerun's benchmarks when the first run has none;
 #   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
 #      training step (tokens/s and torch.cuda.max_memory_allocated) in each bf16
 #      mode: autocast (eager), fused (autocast, fused AdamW), compile
@@ -60,15 +79,17 @@
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_graph.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
 # cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, llama_2d_fused.log,
-# summary.{txt,json}.
+# summary.{txt,json}; after a lost context or a timeout in step 1 also
+# gpu_check_sm90.{log,json} and gemm_table_sm90.txt.
 #
 # SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
 # --device cpu without the kernel benchmarks, llama_2d --device cpu, both
 # model sizes shrunk to a few thousand parameters, gpu_check and parity
 # skipped): a check that the script, its logs and its tables hold together,
 # not a measurement.
-# Exit status: gpu_check's (0 every check passed, 1 a check failed, 2 no GPU
-# or no binary). Expect several minutes on an H200 (NVRTC compiles the kernels
+# Exit status: step 1's first gpu_check's (0 every check passed, 1 a check
+# failed, 2 no GPU or no binary, 3 the CUDA context was lost, 124/137 stopped
+# by CHECK_TIMEOUT). Expect several minutes on an H200 (NVRTC compiles the kernels
 # on first use; step 3 is capped at LLAMA_TIMEOUT): where one command may run
 # at most 10 minutes, use QUICK=1 (fewer shapes) or SKIP_LLAMA=1 and run
 # step 3 alone in a second command with SKIP_CHECK=1 SKIP_TORCH=1. The
@@ -77,7 +98,7 @@
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
 # (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
-# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, SKIP_FUSED_STEP=1, CP_SEQ, LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, SKIP_FUSED_STEP=1, CP_SEQ, CHECK_TIMEOUT (seconds; default 240 with QUICK=1, else 420), LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
 # run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
@@ -182,17 +203,52 @@ done
 
 # ---------------------------------------------------------------- 1. gpu_check
 
+# The kernel cache carried in the binaries' folder, unless one is named.
+if [ -z "${TPAR_KERNEL_CACHE:-}" ] && [ -d "$bin/kernel-cache" ]; then
+    export TPAR_KERNEL_CACHE="$bin/kernel-cache"
+fi
+if [ "${QUICK:-0}" = 1 ]; then
+    check_timeout="${CHECK_TIMEOUT:-240}"
+else
+    check_timeout="${CHECK_TIMEOUT:-420}"
+fi
+
+# gpu_check --bench under CHECK_TIMEOUT into gpu_check$1.{log,json} and
+# gemm_table$1.txt; its exit status (124 or 137: stopped by the timeout).
+run_check() {
+    # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
+    timeout -k 10 "$check_timeout" "$bin/gpu_check" --bench ${quick[@]+"${quick[@]}"} \
+        --json "$out/gpu_check$1.json" --gemm-table "$out/gemm_table$1.txt" ${GPU_CHECK_ARGS:-} \
+        2>&1 | tee "$out/gpu_check$1.log"
+}
+
 check_rc=2
+check_sm90_rc=none
 if [ "${SKIP_CHECK:-0}" = 1 ]; then
     check_rc=skipped
 elif [ -x "$bin/gpu_check" ]; then
     echo
-    echo "== 1. gpu_check (correctness, then benchmarks)"
-    # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-    "$bin/gpu_check" --bench ${quick[@]+"${quick[@]}"} --json "$out/gpu_check.json" \
-        --gemm-table "$out/gemm_table.txt" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$out/gpu_check.log"
+    echo "== 1. gpu_check (correctness, then benchmarks; at most $check_timeout s)"
+    run_check ""
     check_rc=$?
     echo "(gpu_check: exit $check_rc after $SECONDS s in all)"
+    case "$check_rc" in
+        3 | 124 | 137)
+            if [ "$check_rc" = 3 ]; then
+                why="lost the CUDA context (a kernel trapped or faulted; a Hopper kernel's mbarrier watchdog stops a deadlock this way)"
+            else
+                why="was stopped by CHECK_TIMEOUT ($check_timeout s)"
+            fi
+            echo
+            echo "== 1. again: gpu_check $why; rerun with TPAR_CUDA_ARCH=sm_90 (the pre-Hopper kernels) into gpu_check_sm90.{log,json}, gemm_table_sm90.txt"
+            (
+                export TPAR_CUDA_ARCH=sm_90
+                run_check _sm90
+            )
+            check_sm90_rc=$?
+            echo "(gpu_check TPAR_CUDA_ARCH=sm_90: exit $check_sm90_rc after $SECONDS s in all)"
+            ;;
+    esac
 else
     echo "missing $bin/gpu_check: build it as the top of $0 says" | tee "$out/gpu_check.log"
 fi
@@ -426,13 +482,13 @@ fi
 
 echo
 echo "== 4. summary"
-"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" "$dev" <<'PY' || echo "the summary failed (see above)"
+"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" "$dev" "$check_sm90_rc" <<'PY' || echo "the summary failed (see above)"
 import json
 import os
 import re
 import sys
 
-out, check_rc, torch_rc, llama_rc, parity_rc, dev = sys.argv[1:7]
+out, check_rc, torch_rc, llama_rc, parity_rc, dev, check_sm90_rc = sys.argv[1:8]
 
 
 def load(name):
@@ -444,11 +500,17 @@ def load(name):
 
 
 g = load("gpu_check.json") or {}
+g90 = load("gpu_check_sm90.json")
 t = load("torch_ref.json") or {}
-ours = dict(g.get("bench", {}).get("ours", {}))
-cublaslt = g.get("bench", {}).get("cublaslt", {})
+# The benchmarks: step 1's, or its TPAR_CUDA_ARCH=sm_90 rerun's when the first run has none
+# (it lost the CUDA context or timed out before them).
+gb, bench_from = g, "gpu_check.json"
+if not g.get("bench", {}).get("ours") and g90 and g90.get("bench", {}).get("ours"):
+    gb, bench_from = g90, "gpu_check_sm90.json (the TPAR_CUDA_ARCH=sm_90 rerun: pre-Hopper kernels)"
+ours = dict(gb.get("bench", {}).get("ours", {}))
+cublaslt = gb.get("bench", {}).get("cublaslt", {})
 torch = t.get("bench", {}).get("torch", {})
-units = {**t.get("units", {}), **g.get("units", {})}
+units = {**t.get("units", {}), **gb.get("units", {})}
 
 # llama_2d: its summary line carries tokens_per_s when it trained.
 llama = {"exit": llama_rc}
@@ -520,11 +582,23 @@ def ratio(a, b):
 lines = []
 checks = g.get("checks", [])
 failed = [c for c in checks if not c.get("pass")]
-lines.append(f"device: {g.get('device', '?')} / {t.get('device', '?')} (torch {t.get('torch_version', '?')})")
+lines.append(f"device: {g.get('device', gb.get('device', '?'))} / {t.get('device', '?')} (torch {t.get('torch_version', '?')})")
 lines.append(
     f"gpu_check: exit {check_rc}, {len(checks)} checks, {len(failed)} failed"
     + "".join(f"\n  FAIL {c['name']} {c['dtype']} {c['shape']} err {c['err']} {c['note']}" for c in failed)
 )
+if g.get("context_lost"):
+    lines.append(f"  the CUDA context was lost by {g['context_lost']}; the rest did not run")
+if check_sm90_rc != "none":
+    g90 = g90 or {}
+    checks90 = g90.get("checks", [])
+    failed90 = [c for c in checks90 if not c.get("pass")]
+    lines.append(
+        f"gpu_check rerun with TPAR_CUDA_ARCH=sm_90: exit {check_sm90_rc}, {len(checks90)} checks, "
+        f"{len(failed90)} failed"
+        + "".join(f"\n  FAIL {c['name']} {c['dtype']} {c['shape']} err {c['err']} {c['note']}" for c in failed90)
+    )
+lines.append(f"benchmarks from {bench_from}")
 lines.append(f"torch_ref: exit {torch_rc}")
 lines.append(f"llama_2d --device {dev}: exit {llama_rc}, {llama['outcome']}")
 if "round_trips_quiet" in llama or "round_trips_logging" in llama:
@@ -673,7 +747,9 @@ print(text)
 with open(os.path.join(out, "summary.txt"), "w") as f:
     f.write(text + "\n")
 with open(os.path.join(out, "summary.json"), "w") as f:
-    json.dump({"gpu_check_exit": check_rc, "torch_ref_exit": torch_rc, "llama_2d": llama,
+    json.dump({"gpu_check_exit": check_rc, "gpu_check_sm90_exit": check_sm90_rc,
+               "context_lost": g.get("context_lost"), "benchmarks_from": bench_from,
+               "torch_ref_exit": torch_rc, "llama_2d": llama,
                "parity": parity, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
                "rows": rows, "training": training}, f, indent=2)
 PY

@@ -6,7 +6,8 @@
 //!  "checks_total": N, "checks_failed": N,
 //!  "checks": [{"name", "dtype", "shape", "err", "bound", "pass", "note"}, ...],
 //!  "bench": {"ours": {key: value}, "cublaslt": {key: value}},
-//!  "units": {key: unit}, "notes": {key: note}}
+//!  "units": {key: unit}, "notes": {key: note},
+//!  "context_lost": null or the check or benchmark that lost the CUDA context}
 //! ```
 //!
 //! Maps keep the order the benchmarks ran in (the summary's table follows
@@ -36,6 +37,8 @@ struct Output<'a> {
     units: Vec<(&'a str, &'a str)>,
     #[serde(serialize_with = "in_order")]
     notes: Vec<(&'a str, &'a str)>,
+    /// The check or benchmark that lost the CUDA context (the rest did not run).
+    context_lost: Option<&'a str>,
 }
 
 /// One compared output.
@@ -76,6 +79,7 @@ pub(crate) fn write_json(
     o: &Opts,
     checks: &[Check],
     benches: &[Bench],
+    context_lost: Option<&str>,
 ) -> Res<()> {
     let by_key = |get: &dyn Fn(&Bench) -> Option<f64>| -> Vec<(&str, Option<f64>)> {
         benches.iter().filter_map(|b| get(b).map(|v| (b.key.as_str(), finite(v)))).collect()
@@ -102,6 +106,7 @@ pub(crate) fn write_json(
         bench: BenchOut { ours: by_key(&|b| b.ours), cublaslt: by_key(&|b| b.cublaslt) },
         units: benches.iter().map(|b| (b.key.as_str(), b.unit)).collect(),
         notes: benches.iter().map(|b| (b.key.as_str(), b.note.as_str())).collect(),
+        context_lost,
     };
     let mut text = serde_json::to_string_pretty(&out)?;
     text.push('\n');
@@ -137,7 +142,7 @@ mod tests {
         let benches =
             [bench("z.copy", Some(10.0), None), bench("a.gemm", Some(f64::NAN), Some(2.0))];
         let path = std::env::temp_dir().join(format!("gpu_check_json_{}.json", std::process::id()));
-        write_json(&path, "dev", &o, &checks, &benches).unwrap();
+        write_json(&path, "dev", &o, &checks, &benches, Some("check gemm nn")).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let _ = std::fs::remove_file(&path);
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -152,6 +157,7 @@ mod tests {
         assert!(v["bench"]["cublaslt"].get("z.copy").is_none());
         assert_eq!(v["units"]["a.gemm"], "GB/s");
         assert_eq!(v["notes"]["z.copy"], "n");
+        assert_eq!(v["context_lost"], "check gemm nn");
         // The benchmarks' order, not sorted keys.
         assert!(text.find("\"z.copy\"").unwrap() < text.find("\"a.gemm\"").unwrap());
     }

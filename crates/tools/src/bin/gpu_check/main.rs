@@ -68,6 +68,19 @@
 //! check must FAIL: a self-test of the comparisons (exit status 1 when one
 //! still passes). Without a GPU: `--device emulator --quick`.
 //!
+//! A lost CUDA context (a kernel trapped or faulted, e.g. a deadlocked Hopper
+//! kernel stopped by its mbarrier watchdog after `TPAR_MBAR_TIMEOUT_MS`):
+//! every later call on the device would fail, so the first check or
+//! benchmark that gets it ends the checks and the benchmarks, one line names
+//! it, `--json` (with `"context_lost": NAME`) and `--gemm-table` are still
+//! written with what ran, and the exit status is 3. `TPAR_CUDA_ARCH=sm_90`
+//! then reruns everything on the pre-Hopper kernels (`scripts/gpu-check.sh`
+//! does).
+//!
+//! Exit status: 0 every check passed; 1 a check failed (with `--sabotage`: a
+//! check passed), or a file could not be written; 2 the device could not be
+//! opened; 3 the CUDA context was lost (above).
+//!
 //! The files: `cli.rs` (the flags), `precompile.rs`, `dev.rs` (the device
 //! under test), `data.rs` (host data and random numbers), `report.rs` (the
 //! comparisons), `checks/` (one file per kernel family), `bench/` (the
@@ -88,12 +101,14 @@ mod dev;
 mod json;
 mod precompile;
 mod report;
+mod stop;
 
 use checks::Ctx;
 use cli::Opts;
 use data::Rng;
 use dev::Dev;
 use report::{Check, Report};
+use stop::Stop;
 
 /// Every error of a check or a benchmark, reported and then skipped past.
 pub(crate) type Res<T> = Result<T, Box<dyn Error>>;
@@ -141,6 +156,7 @@ fn main() {
         quick: o.quick,
         only: o.only.clone(),
         lt: lt.as_ref(),
+        stop: Stop::default(),
     };
     if !o.no_checks {
         checks::run_all(&mut c);
@@ -164,8 +180,19 @@ fn main() {
         if dev.cuda().is_some() {
             println!("\n== benchmarks");
             let mut table = GemmTable::new(&dev.l().describe());
-            benches =
-                bench::run_benches(&dev, lt.as_ref(), o.quick, &mut c.rng, &o.only, &mut table);
+            if let Some(by) = c.stop.lost_by() {
+                println!("skipped: {by} lost the CUDA context");
+            } else {
+                benches = bench::run_benches(
+                    &dev,
+                    lt.as_ref(),
+                    o.quick,
+                    &mut c.rng,
+                    &o.only,
+                    &mut table,
+                    &mut c.stop,
+                );
+            }
             bench::print_bench_table(&benches);
             if !table.is_empty() {
                 println!("\n== GEMM tuning table (TPAR_GEMM=auto reads it from TPAR_GEMM_TABLE)");
@@ -183,7 +210,7 @@ fn main() {
         }
     }
     if let Some(path) = &o.json {
-        match json::write_json(path, &device, &o, &checks, &benches) {
+        match json::write_json(path, &device, &o, &checks, &benches, c.stop.lost_by()) {
             Ok(()) => println!("wrote {}", path.display()),
             Err(e) => {
                 eprintln!("gpu_check: writing {}: {e}", path.display());
@@ -200,5 +227,12 @@ fn main() {
     } else {
         !failed.is_empty()
     };
-    std::process::exit(i32::from(bad));
+    if let Some(by) = c.stop.lost_by() {
+        println!(
+            "\ngpu_check: stopped early: {by} lost the CUDA context (exit status {}); \
+             TPAR_CUDA_ARCH=sm_90 runs the pre-Hopper kernels",
+            stop::EXIT_CONTEXT_LOST
+        );
+    }
+    std::process::exit(stop::exit_status(&c.stop, bad));
 }

@@ -19,6 +19,7 @@ use CudaDType::BF16;
 use crate::checks::{sdpa::sdpa_shape, IGNORE};
 use crate::data::Rng;
 use crate::dev::Dev;
+use crate::stop::Stop;
 use crate::Res;
 use bandwidth::bandwidth_benches;
 use gemm_pad::gemm_pad_benches;
@@ -74,10 +75,26 @@ pub(crate) fn push(out: &mut Vec<Bench>, b: Bench) {
     out.push(b);
 }
 
+/// After the rows `rows` of the benchmark group `group` (already in `out`):
+/// whether the CUDA context was lost in it, asked of the device with a
+/// synchronization (the group's errors are in its rows' notes). The first
+/// row whose note says so is named, else the first without a number, else
+/// the group.
+fn lost_in(d: &Dev, group: &str, rows: &[Bench], stop: &mut Stop) -> bool {
+    let Err(e) = d.sync() else { return stop.stopped() };
+    let row = rows
+        .iter()
+        .find(|b| b.note.contains("context is lost"))
+        .or_else(|| rows.iter().find(|b| b.ours.is_none()))
+        .map_or_else(|| format!("the {group} benchmarks"), |b| format!("benchmark {}", b.key));
+    stop.see(&row, e.as_ref())
+}
+
 /// The benchmarks: GEMM (`gemm` in `only`; each product's rates go into
 /// `table`), padded GEMM operands (`gemm` or `gemm_pad`), attention (`sdpa`)
 /// and the memory-bound kernels (any other family); all of them when `only`
-/// is empty.
+/// is empty. The first group (or attention case) that loses the CUDA
+/// context ends them: `stop` names it, and the rows so far are returned.
 pub(crate) fn run_benches(
     d: &Dev,
     lt: Option<&CublasLt>,
@@ -85,6 +102,7 @@ pub(crate) fn run_benches(
     rng: &mut Rng,
     only: &[String],
     table: &mut GemmTable,
+    stop: &mut Stop,
 ) -> Vec<Bench> {
     let want = |f: &str| only.is_empty() || only.iter().any(|o| o == f);
     let memory =
@@ -96,21 +114,28 @@ pub(crate) fn run_benches(
         Ok(b) => b,
         Err(e) => {
             eprintln!("gpu_check: bench source buffer: {e}");
+            stop.see("the benchmarks' source buffer", e.as_ref());
             return out;
         }
     };
     let s = src.ptr();
+    // Pushes a group's rows; whether the context was lost in it.
+    let group = |out: &mut Vec<Bench>, name: &str, rows: Vec<Bench>, stop: &mut Stop| {
+        let n0 = out.len();
+        for b in rows {
+            push(out, b);
+        }
+        lost_in(d, name, &out[n0..], stop)
+    };
 
     // GEMM.
-    if want("gemm") {
-        for b in gemm_benches(d, lt, quick, s, table) {
-            push(&mut out, b);
-        }
+    if want("gemm") && group(&mut out, "GEMM", gemm_benches(d, lt, quick, s, table), stop) {
+        return out;
     }
-    if want("gemm") || want("gemm_pad") {
-        for b in gemm_pad_benches(d, rng) {
-            push(&mut out, b);
-        }
+    if (want("gemm") || want("gemm_pad"))
+        && group(&mut out, "padded GEMM", gemm_pad_benches(d, rng), stop)
+    {
+        return out;
     }
 
     // Attention: causal GQA, 32 q / 8 kv heads of 128, batch x seq = 16k tokens; then
@@ -194,8 +219,8 @@ pub(crate) fn run_benches(
             })?;
             Ok((t_fwd, t_all))
         })();
-        let (fwd, all) = match res {
-            Ok((f, a)) => (Some(rate(fwd_flops, f, 1e12)), Some(rate(3.5 * fwd_flops, a, 1e12))),
+        let (fwd, all) = match &res {
+            Ok((f, a)) => (Some(rate(fwd_flops, *f, 1e12)), Some(rate(3.5 * fwd_flops, *a, 1e12))),
             Err(e) => {
                 eprintln!("gpu_check: sdpa {label}: {e}");
                 (None, None)
@@ -210,12 +235,16 @@ pub(crate) fn run_benches(
         };
         push(&mut out, mk(format!("sdpa.fwd.{label}"), fwd));
         push(&mut out, mk(format!("sdpa.fwdbwd.{label}"), all));
+        if let Err(e) = res {
+            if stop.see(&format!("benchmark sdpa {label}"), e.as_ref()) {
+                return out;
+            }
+        }
     }
 
     // Memory-bound kernels, against a device-to-device copy.
-    let bandwidth = if memory { bandwidth_benches(d, s, rng) } else { Vec::new() };
-    for b in bandwidth {
-        push(&mut out, b);
+    if memory {
+        group(&mut out, "memory-bound", bandwidth_benches(d, s, rng), stop);
     }
     out
 }

@@ -12,6 +12,7 @@ use CudaDType::{BF16, F16, F32};
 use crate::data::Rng;
 use crate::dev::Dev;
 use crate::report::Report;
+use crate::stop::Stop;
 use crate::Res;
 
 pub(crate) mod adamw;
@@ -52,17 +53,26 @@ pub(crate) struct Ctx<'a> {
     pub(crate) quick: bool,
     pub(crate) only: Vec<String>,
     pub(crate) lt: Option<&'a CublasLt>,
+    /// Set by the first check that loses the CUDA context; the rest are skipped.
+    pub(crate) stop: Stop,
 }
 
 impl Ctx<'_> {
-    /// Runs one family of checks unless `--only` leaves it out.
+    /// Runs one family of checks unless `--only` leaves it out or the CUDA
+    /// context is lost; after it, a device synchronization tells whether the
+    /// context was lost by work no check waited for (then the family is named).
     pub(crate) fn family(&mut self, name: &str, f: impl FnOnce(&mut Self)) {
-        if !self.only.is_empty() && !self.only.iter().any(|o| o == name) {
+        if self.stop.stopped() || (!self.only.is_empty() && !self.only.iter().any(|o| o == name)) {
             return;
         }
         println!("== {name}");
         let (n0, t0) = (self.r.checks.len(), Instant::now());
         f(self);
+        if !self.stop.stopped() {
+            if let Err(e) = self.d.sync() {
+                self.stop.see(&format!("the {name} checks"), e.as_ref());
+            }
+        }
         let done = &self.r.checks[n0..];
         println!(
             "   {name}: {} checks, {} failed, {:.1} s",
@@ -72,7 +82,9 @@ impl Ctx<'_> {
         );
     }
 
-    /// Runs a check body; an error (a rejected launch, a failed copy) is a FAIL line.
+    /// Runs a check body; an error (a rejected launch, a failed copy) is a
+    /// FAIL line, and a lost CUDA context also stops the checks (the body
+    /// does not run once they are stopped).
     pub(crate) fn guard(
         &mut self,
         name: &str,
@@ -80,8 +92,12 @@ impl Ctx<'_> {
         shape: &str,
         f: impl FnOnce(&mut Self) -> Res<()>,
     ) {
+        if self.stop.stopped() {
+            return;
+        }
         if let Err(e) = f(self) {
             self.r.failure(name, dt, shape, &e);
+            self.stop.see(&format!("check {name} {dt} {shape}"), e.as_ref());
         }
     }
 }
