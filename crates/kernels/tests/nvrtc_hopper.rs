@@ -328,16 +328,16 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
 /// The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`) compiles for
 /// sm_90a with its wgmma (shared and register A operands), bulk tensor
 /// copies, mbarriers, setmaxnreg and the dQ writer's 1-D bulk reduction (no
-/// per-element `red.global.add` atomics left), and (with ptxas) assembles
-/// with no stack frame, spills or warnings; registers and spills of its
-/// kernels are reported.
+/// per-element `red.global.add` atomics left), and the kernels that convert
+/// the dQ accumulator, and (with ptxas) assembles with no stack frame, spills
+/// or warnings; registers and spills of its kernels are reported.
 #[test]
 fn the_hopper_attention_backward_compiles_for_sm_90a() {
     assert_compiles_clean(
         "the_hopper_attention_backward_compiles_for_sm_90a",
         "sdpa_hopper_bwd",
-        4,
-        "head dims 64 and 128 x bf16 and f16",
+        6,
+        "head dims 64 and 128 x bf16 and f16, and the dQ conversion for bf16 and f16",
         &[
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
