@@ -15,6 +15,8 @@
 //! that architecture into the kernel cache (`TPAR_KERNEL_CACHE`, default
 //! `~/.cache/tpar/kernels`), so GPU processes with the same NVRTC version
 //! load them instead of compiling on first use; it prints the cache files.
+//! `--precompile sm_90` fills it for a Hopper GPU run with
+//! `TPAR_CUDA_ARCH=sm_90` (the pre-Hopper kernels).
 //!
 //! Part 1, correctness (unless `--no-checks`): fresh random inputs, rounded
 //! to the dtype under test, go through the CUDA kernel and through the CPU
