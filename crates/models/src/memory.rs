@@ -848,13 +848,23 @@ pub fn host_sdpa_backward_scratch(a: &AttentionCall, dtype: DType, threads: usiz
     (elems * acc).round() as u64
 }
 
-/// Bytes the CUDA SDPA backward's workspace takes for `a`
-/// (`tpar_kernels::cuda::raw::sdpa_backward_workspace_bytes`): an f32 per query row,
-/// rounded up to 256 bytes, and an f32 `dq` accumulator.
+/// Bytes the CUDA SDPA backward's workspace takes for `a`: the kernels' own
+/// [`tpar_kernels::cuda::raw::sdpa::sdpa_backward_workspace_bytes`] (an f32 per query
+/// row, rounded up to 256 bytes, and an f32 `dq` accumulator of whole 64-query tiles
+/// per head); `u64::MAX` where that size overflows.
 pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
-    let rows = a.batch as f64 * a.q_heads as f64 * a.q_len as f64;
-    let delta = (rows * 4.0 / 256.0).ceil() * 256.0;
-    (delta + rows * a.head_dim as f64 * 4.0).round() as u64
+    let s = tpar_kernels::sdpa::SdpaShape {
+        batch: a.batch,
+        q_heads: a.q_heads,
+        kv_heads: a.kv_heads,
+        q_len: a.q_len,
+        kv_len: a.kv_len,
+        head_dim: a.head_dim,
+        v_dim: a.head_dim,
+        scale: 1.0,
+        causal: a.causal,
+    };
+    tpar_kernels::cuda::raw::sdpa::sdpa_backward_workspace_bytes(&s).map_or(u64::MAX, |b| b as u64)
 }
 
 /// The largest transient of one decoder layer's attention backward, in bytes (the
@@ -1142,4 +1152,30 @@ fn validate(c: &MemoryConfig, stage: usize) -> Result<(), MemoryError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_sdpa_scratch_counts_whole_query_tiles() {
+        let call = |q_len| AttentionCall {
+            batch: 2,
+            q_heads: 4,
+            kv_heads: 2,
+            q_len,
+            kv_len: q_len,
+            head_dim: 64,
+            causal: true,
+        };
+        // the scratch less its f32 per query row (256-byte aligned): the dq accumulator,
+        // in whole 64-query tiles per (batch, head)
+        let acc = |q: usize| {
+            device_sdpa_backward_scratch(&call(q)) - (2 * 4 * q * 4).next_multiple_of(256) as u64
+        };
+        assert_eq!(acc(128), 2 * 4 * 128 * 64 * 4);
+        assert_eq!(acc(65), acc(128));
+        assert!(acc(64) < acc(65));
+    }
 }
