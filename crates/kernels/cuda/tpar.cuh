@@ -1196,7 +1196,8 @@ TPAR_DEVICE void wgmma_rs(float* d, const u32 a[4], u64 desc_b, bool accumulate)
 #define TPAR_MBAR_TIMEOUT_MS 10000
 #endif
 #ifndef TPAR_EMU
-static_assert(TPAR_MBAR_TIMEOUT_MS > 0, "TPAR_MBAR_TIMEOUT_MS must be positive");
+static_assert(TPAR_MBAR_TIMEOUT_MS > 0 && TPAR_MBAR_TIMEOUT_MS <= 3600000,
+              "TPAR_MBAR_TIMEOUT_MS must be in 1..=3600000 (milliseconds)");
 // The timer in units of 2^20 ns (about 1.05 ms), 32 bits: one register
 // across the wait loop.
 TPAR_DEVICE u32 tpar_globaltimer_units() {
@@ -1204,8 +1205,6 @@ TPAR_DEVICE u32 tpar_globaltimer_units() {
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
     return (u32)(t >> 20);
 }
-constexpr u32 tpar_mbar_timeout_units = (u32)(((u64)TPAR_MBAR_TIMEOUT_MS * 1000000ull) >> 20) + 1u;
-
 // The watchdog's end (above): `brkpt`, then a store to the null address
 // (it faults) should the breakpoint be resumed. The stored value (the
 // barrier's shared address xor the parity) is for a debugger's eyes only.
@@ -1220,10 +1219,11 @@ TPAR_DEVICE void tpar_mbar_abort(u64* bar, u32 parity) {
 // Waits until the phase of parity `parity` of `bar` has completed; past
 // TPAR_MBAR_TIMEOUT_MS, stops the kernel (the watchdog above).
 TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
+    constexpr u32 limit = (u32)(((u64)TPAR_MBAR_TIMEOUT_MS * 1000000ull) >> 20) + 1u;
     if (mbarrier_try_wait_parity(bar, parity)) return;
     const u32 start = tpar_globaltimer_units();
     while (!mbarrier_try_wait_parity(bar, parity)) {
-        if (tpar_globaltimer_units() - start > tpar_mbar_timeout_units) tpar_mbar_abort(bar, parity);
+        if (tpar_globaltimer_units() - start > limit) tpar_mbar_abort(bar, parity);
     }
 }
 #else

@@ -16,7 +16,9 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
-use tpar_kernels::cuda::device::{compile_ptx, kernel_names, nvrtc_version};
+use tpar_kernels::cuda::device::{
+    compile_ptx, compile_ptx_with, kernel_names, nvrtc_version, CompileOptions,
+};
 use tpar_kernels::cuda::KernelSource;
 
 const ARCH: &str = "sm_90a";
@@ -160,6 +162,31 @@ fn hopper_kernels_compile_for_sm_90a() {
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
 
     ptxas_report("hopper_test", &ptx);
+}
+
+/// `-DTPAR_MBAR_TIMEOUT_MS=...` (through `CompileOptions::define`) sets the
+/// watchdog's limit: another value changes the PTX, and a value out of
+/// 1..=3600000 is refused by NVRTC with a message naming it.
+#[test]
+fn the_watchdog_limit_is_a_define() {
+    if !nvrtc_or_skip("the_watchdog_limit_is_a_define") {
+        return;
+    }
+    let with = |ms: &str| {
+        compile_ptx_with(
+            &SOURCE,
+            ARCH,
+            &CompileOptions::default().define("TPAR_MBAR_TIMEOUT_MS", Some(ms)),
+        )
+    };
+    let default = compile_ptx(&SOURCE, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    let short = with("2000").unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    assert_watchdog("hopper_test -DTPAR_MBAR_TIMEOUT_MS=2000", &short);
+    assert!(default != short, "-DTPAR_MBAR_TIMEOUT_MS=2000 left the PTX as it was");
+    for bad in ["0", "3600001"] {
+        let e = with(bad).expect_err(bad).to_string();
+        assert!(e.contains("TPAR_MBAR_TIMEOUT_MS must be in 1..=3600000"), "{bad}: {e}");
+    }
 }
 
 /// Assembles `ptx` with `ptxas -arch=sm_90a -v` when a ptxas is at hand
