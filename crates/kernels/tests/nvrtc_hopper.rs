@@ -337,6 +337,8 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
             "%cluster_ctarank",
             // the epilogue waits for its previous bulk store to have read the image
             "cp.async.bulk.wait_group.read 0",
+            // the accumulators staged as 8-byte pairs (the swizzled staging chunk)
+            "st.shared.v2.f32",
         ],
     );
     const CONSUMER_REGISTERS: u32 = 232;
@@ -355,7 +357,8 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
 /// The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`) compiles for
 /// sm_90a with its wgmma (shared and register A operands), bulk tensor
 /// copies, mbarriers, setmaxnreg and the dQ writer's 1-D bulk reduction (no
-/// per-element `red.global.add` atomics left), and the kernels that convert
+/// per-element `red.global.add` atomics left; dQ staged with 16-byte stores,
+/// none of 8 bytes), and the kernels that convert
 /// the dQ accumulator, and (with ptxas) assembles with no stack frame, spills
 /// or warnings; registers and spills of its kernels are reported.
 #[test]
@@ -374,6 +377,9 @@ fn the_hopper_attention_backward_compiles_for_sm_90a() {
             "cp.async.bulk.commit_group",
             "cp.async.bulk.wait_group.read 0",
             "!red.global.add",
+            // dQ staged in the accumulator's permuted order: 16-byte stores, no 8-byte ones
+            "st.shared.v4.f32",
+            "!st.shared.u64",
             "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
             "mbarrier.try_wait.parity.shared::cta.b64",
             "mbarrier.arrive.expect_tx.shared::cta.b64",
@@ -385,7 +391,8 @@ fn the_hopper_attention_backward_compiles_for_sm_90a() {
 
 /// The Hopper attention forward (`cuda/sdpa_hopper.cu`) compiles for sm_90a
 /// with its wgmma (from shared memory and from registers), bulk tensor
-/// copies, mbarriers and setmaxnreg, and (with ptxas) assembles with no stack
+/// copies (the loads of q, k and v, the stores of O staged in shared
+/// memory), mbarriers and setmaxnreg, and (with ptxas) assembles with no stack
 /// frame, spills or warnings; registers and spills of its kernels are
 /// reported.
 #[test]
@@ -403,6 +410,9 @@ fn the_hopper_attention_forward_compiles_for_sm_90a() {
             "mbarrier.arrive.expect_tx.shared::cta.b64",
             "setmaxnreg.dec.sync.aligned.u32",
             "setmaxnreg.inc.sync.aligned.u32",
+            // O staged in the q tile, then bulk tensor stores after an async-proxy fence
+            "fence.proxy.async.shared::cta",
+            "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
         ],
     );
 }
