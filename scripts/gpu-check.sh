@@ -17,6 +17,8 @@
 #     source scripts/nvrtc-env.sh
 #     TPAR_KERNEL_CACHE="$PWD/gpu-bin/kernel-cache" gpu-bin/gpu_check --precompile sm_90a
 #     TPAR_KERNEL_CACHE="$PWD/gpu-bin/kernel-cache" gpu-bin/gpu_check --precompile sm_90
+#     # (scripts/gpu-bundle.sh does all of this in one command, strips the
+#     # binaries to fit a 64 MiB transfer and adds the NCCL test binary of 3b)
 #
 #     # on the GPU machine, from the repository root (gpu-bin/ carried along;
 #     # gpu-bin/kernel-cache is used when TPAR_KERNEL_CACHE is not set):
