@@ -304,3 +304,97 @@ fn rejects_in_place_across_orders() {
         assert!(gpu::rope_forward_orders(l, f, &one, p, si, p, p, p, is).is_ok(), "one head");
     }
 }
+
+/// The q and k heads of a packed `[b, s, (hq + 2 hkv) * d]` buffer rotated by one
+/// strided launch into a dense `[b, s, hq + hkv, d]` buffer equal, bit for bit, the
+/// one-order kernel on those heads copied out; the backward launch from the dense
+/// buffer writes exactly the q and k columns of a packed gradient (the v columns keep
+/// their sentinel) with the one-order backward's bits. Vector path (`d` 16, shift 0)
+/// and element path (`d` 6, and shift 1).
+fn packed<T: Float + bytemuck::Pod>(seed: u64) {
+    use gpu::RopeStrides;
+    let l: &dyn Launcher = emu();
+    let dt = dtype::<T>();
+    let mut rng = Rng(seed);
+    for (b, seq, hq, hkv, d) in [(2, 5, 4, 2, 16), (1, 3, 2, 1, 6), (2, 1, 3, 3, 16)] {
+        let (heads, w) = (hq + hkv, (hq + 2 * hkv) * d);
+        let s = RopeShape { outer: b, seq, inner: heads, head_dim: d };
+        let packed_st = RopeStrides { outer: seq * w, seq: w, inner: d };
+        let dense_st = RopeOrder::SeqInner.strides(&s);
+        let qkv: Vec<T> = rng.vec(b * seq * w, 1.0);
+        let cos: Vec<T> = rng.vec(seq * d, 1.0);
+        let sin: Vec<T> = rng.vec(seq * d, 1.0);
+        // the q and k heads of each row, dense
+        let qk: Vec<T> = qkv.chunks(w).flat_map(|row| row[..heads * d].to_vec()).collect();
+        for shift in [0, 1] {
+            let what = format!("packed ({b}, {seq}, {hq}, {hkv}, {d}) {} shift {shift}", T::NAME);
+            let (mut bc, mut bs) = (Buf::new(&cos, shift), Buf::new(&sin, shift));
+            let (pc, ps) = (bc.ptr(), bs.ptr());
+            let (mut bqk, mut want) = (Buf::new(&qk, shift), Buf::<T>::zeros(qk.len(), shift));
+            let (mut bx, mut got) = (Buf::new(&qkv, shift), Buf::<T>::zeros(qk.len(), shift));
+            let (pqk, pw, px, pg) = (bqk.ptr(), want.ptr(), bx.ptr(), got.ptr());
+            // SAFETY: host buffers stand in for device memory (the emulator runs the kernel
+            // on this thread before returning), each holding every element the call's
+            // sizes and strides reach.
+            unsafe {
+                gpu::rope_forward(l, dt, &s, pqk, pc, ps, pw).unwrap();
+                gpu::rope_strided(l, dt, &s, (px, packed_st), pc, ps, (pg, dense_st), false)
+                    .unwrap();
+            }
+            assert_eq!(bits(&got.get()), bits(&want.get()), "{what} forward");
+            // backward: dense gradient in, the q/k columns of a packed gradient out
+            let sentinel = T::from_f64(7.0);
+            let mut dx = Buf::new(&vec![sentinel; qkv.len()], shift);
+            let pdx = dx.ptr();
+            // SAFETY: as above.
+            unsafe {
+                gpu::rope_backward(l, dt, &s, pqk, pc, ps, pw).unwrap();
+                gpu::rope_strided(l, dt, &s, (pqk, dense_st), pc, ps, (pdx, packed_st), true)
+                    .unwrap();
+            }
+            let want_dx = want.get();
+            for (r, row) in dx.get().chunks(w).enumerate() {
+                let (qk_cols, v_cols) = row.split_at(heads * d);
+                let want_row = &want_dx[r * heads * d..(r + 1) * heads * d];
+                assert_eq!(bits(qk_cols), bits(want_row), "{what} backward row {r}");
+                assert!(v_cols.iter().all(|&x| x == sentinel), "{what}: v columns written");
+            }
+        }
+    }
+}
+
+per_dtype!(
+    packed: packed_heads_match_dense_f32: f32 = 10,
+    packed_heads_match_dense_bf16: bf16 = 11,
+);
+
+#[test]
+fn rejects_overlapping_or_mismatched_strides() {
+    use gpu::RopeStrides;
+    let l: &dyn Launcher = emu();
+    let mut buf = Buf::new(&[0.0f32; 256], 0);
+    let p = buf.ptr();
+    let f = CudaDType::F32;
+    let s = RopeShape { outer: 2, seq: 3, inner: 2, head_dim: 4 };
+    let dense = RopeOrder::SeqInner.strides(&s);
+    // heads 2 elements apart: each head's 4 elements overlap the next head's
+    let overlapping = RopeStrides { inner: 2, ..dense };
+    let wide = RopeStrides { outer: 3 * 16, seq: 16, inner: 4 };
+    let q = p + 128 * 4;
+    // SAFETY: the rejected calls launch nothing (asserted); the accepted ones reach at
+    // most 2*3*16 elements from `p` or from `q` (both inside `buf`, 256 f32) with
+    // 12-element tables at `p`.
+    unsafe {
+        let err = gpu::rope_strided(l, f, &s, (p, dense), p, p, (q, overlapping), false)
+            .expect_err("y overlaps itself");
+        assert!(err.to_string().contains("y strides"), "{err}");
+        // a read may overlap itself (two heads reading one row's elements)
+        assert!(gpu::rope_strided(l, f, &s, (p, overlapping), p, p, (q, dense), false).is_ok());
+        let err = gpu::rope_strided(l, f, &s, (p, wide), p, p, (p, dense), true)
+            .expect_err("in place at other strides");
+        assert!(err.to_string().contains("different strides"), "{err}");
+        assert!(gpu::rope_strided(l, f, &s, (p, wide), p, p, (p, wide), true).is_ok());
+        let huge = RopeStrides { outer: usize::MAX / 2, ..dense };
+        assert!(gpu::rope_strided(l, f, &s, (p, huge), p, p, (q, dense), false).is_err());
+    }
+}

@@ -3,7 +3,7 @@
 
 use super::{count, Check};
 use crate::cuda::raw::rope as raw;
-pub use crate::cuda::raw::rope::{RopeOrder, RopeShape};
+pub use crate::cuda::raw::rope::{RopeOrder, RopeShape, RopeStrides};
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 use crate::Result;
 
@@ -12,10 +12,10 @@ fn sizes(op: &'static str, s: &RopeShape) -> Result<(usize, usize)> {
     Ok((count(op, &[s.outer, s.seq, s.inner, s.head_dim])?, count(op, &[s.seq, s.head_dim])?))
 }
 
-/// The checks and the launch behind the four public wrappers: `x` (`dy`
-/// when `backward`) of shape `s` read in `x_order`, rotated (or, when
-/// `backward`, put through the transposed rotation) with the `[seq,
-/// head_dim]` tables into `y` (`dx`) written in `y_order`.
+/// The checks and the launch behind the public wrappers: `x` (`dy` when
+/// `backward`) of shape `s` read in `x_order`, rotated (or, when `backward`,
+/// put through the transposed rotation) with the `[seq, head_dim]` tables
+/// into `y` (`dx`) written in `y_order`.
 #[allow(clippy::too_many_arguments)]
 fn rotate(
     dev: &dyn GpuDevice,
@@ -27,23 +27,41 @@ fn rotate(
     (y, y_order): (DeviceSliceMut<'_>, RopeOrder),
     backward: bool,
 ) -> Result<()> {
+    let op = if backward { "rope_backward" } else { "rope_forward" };
+    sizes(op, s)?;
+    let (xs, ys) = (x_order.strides(s), y_order.strides(s));
+    rope_strided(dev, dtype, s, (x, xs), cos, sin, (y, ys), backward)
+}
+
+/// [`rope_forward`] (or, when `backward`, [`rope_backward`]) reading `x` at
+/// the strides `xs` and writing `y` at `ys` ([`raw::rope_strided`]): e.g. the
+/// q and k heads of a packed `[b, s, (hq + 2 hkv) * d]` projection output
+/// rotated into a dense `[b, s, hq + hkv, d]` buffer in one launch, or the
+/// gradient rotated back into those columns (the other columns of `y` are
+/// left as they are). Each view must hold every element its strides reach;
+/// strides under which two elements of `y` share an address are an error.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_strided(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    s: &RopeShape,
+    (x, xs): (DeviceSlice<'_>, RopeStrides),
+    cos: DeviceSlice<'_>,
+    sin: DeviceSlice<'_>,
+    (y, ys): (DeviceSliceMut<'_>, RopeStrides),
+    backward: bool,
+) -> Result<()> {
     let (op, [xn, yn]) =
         if backward { ("rope_backward", ["dy", "dx"]) } else { ("rope_forward", ["x", "y"]) };
     let c = Check::new(op, dev);
-    let ((n, t), es) = (sizes(op, s)?, dtype.size());
-    let (xp, yp) = (c.read(xn, &x, n, es)?, c.write(yn, &y, n, es)?);
+    let ((_, t), es) = (sizes(op, s)?, dtype.size());
+    let (xspan, yspan) = (xs.span(op, xn, s, false)?, ys.span(op, yn, s, true)?);
+    let (xp, yp) = (c.read(xn, &x, xspan, es)?, c.write(yn, &y, yspan, es)?);
     let (cp, sp) = (c.read("cos", &cos, t, es)?, c.read("sin", &sin, t, es)?);
     // SAFETY: every address starts a view of a live buffer in `dev`'s memory
-    // holding what the kernel touches for `s` (checked above; both orders are
-    // dense, so each reaches the `n` elements checked); `y` is an exclusive
-    // borrow, disjoint from the inputs.
-    unsafe {
-        if backward {
-            raw::rope_backward_orders(dev, dtype, s, xp, x_order, cp, sp, yp, y_order)
-        } else {
-            raw::rope_forward_orders(dev, dtype, s, xp, x_order, cp, sp, yp, y_order)
-        }
-    }
+    // holding every element the kernel reaches at its strides for `s` (checked
+    // above); `y` is an exclusive borrow, disjoint from the inputs.
+    unsafe { raw::rope_strided(dev, dtype, s, (xp, xs), cp, sp, (yp, ys), backward) }
 }
 
 /// `y = x * cos + rotate_half(x) * sin` for `x` and `y` of shape `s` and the

@@ -13,7 +13,7 @@
 use bytemuck::{Pod, Zeroable};
 
 use super::layout::grid_for;
-use super::{bad, check_aligned, check_ptrs, numel};
+use super::{bad, check_aligned, check_ptrs, numel, to_i64};
 use crate::cuda::{launch, CudaDType, DevPtr, Launcher};
 pub use crate::rope::RopeShape;
 use crate::Result;
@@ -75,12 +75,71 @@ pub enum RopeOrder {
 impl RopeOrder {
     /// Element strides of the `outer`, `seq` and `inner` indices for `s`
     /// (sizes already checked not to overflow).
-    fn strides(self, s: &RopeShape) -> [i64; 3] {
-        let (seq, inner, d) = (s.seq as i64, s.inner as i64, s.head_dim as i64);
+    pub fn strides(self, s: &RopeShape) -> RopeStrides {
+        let (seq, inner, d) = (s.seq, s.inner, s.head_dim);
         match self {
-            RopeOrder::SeqInner => [seq * inner * d, inner * d, d],
-            RopeOrder::InnerSeq => [seq * inner * d, d, seq * d],
+            RopeOrder::SeqInner => RopeStrides { outer: seq * inner * d, seq: inner * d, inner: d },
+            RopeOrder::InnerSeq => RopeStrides { outer: seq * inner * d, seq: d, inner: seq * d },
         }
+    }
+}
+
+/// Where the rows (heads) of a [`RopeShape`] tensor lie in a buffer: element
+/// `(o, t, i, j)` is at `o*outer + t*seq + i*inner + j` (the head dim is
+/// contiguous). A [`RopeOrder`] gives the dense ones; others read or write
+/// some heads of a wider row, e.g. the q and k heads of a packed
+/// `[b, s, (hq + 2 hkv) * d]` projection output: `(outer, seq, inner) =
+/// (b, s, hq + hkv)` with strides `{ outer: s*w, seq: w, inner: d }` for `w =
+/// (hq + 2 hkv) * d`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RopeStrides {
+    /// Elements between consecutive `outer` indices.
+    pub outer: usize,
+    /// Elements between consecutive positions.
+    pub seq: usize,
+    /// Elements between consecutive `inner` indices (heads).
+    pub inner: usize,
+}
+
+impl RopeStrides {
+    /// The strides of the dims `s` moves along (extent above 1), others 0: two
+    /// stride sets with equal `moving` strides address every element alike.
+    fn moving(self, s: &RopeShape) -> [usize; 3] {
+        let keep = |n: usize, st: usize| if n > 1 { st } else { 0 };
+        [keep(s.outer, self.outer), keep(s.seq, self.seq), keep(s.inner, self.inner)]
+    }
+
+    /// Elements a tensor of shape `s` spans under these strides (one past its
+    /// last element; 0 when empty), or an error naming `what` when the span
+    /// overflows i64 or, for a `written` operand, two elements would share an
+    /// address (sorted by stride, each dim that moves must step past all the
+    /// dims inside it reach, the head dim's `head_dim` elements innermost).
+    pub fn span(self, op: &'static str, what: &str, s: &RopeShape, written: bool) -> Result<usize> {
+        let d = s.head_dim;
+        if [s.outer, s.seq, s.inner, d].contains(&0) {
+            return Ok(0);
+        }
+        let err = |why: &str| bad(op, format!("{what} strides {self:?} for {s:?}: {why}"));
+        let mut dims: Vec<(usize, usize)> =
+            [(self.outer, s.outer), (self.seq, s.seq), (self.inner, s.inner)]
+                .into_iter()
+                .filter(|&(_, n)| n > 1)
+                .collect();
+        dims.sort_unstable();
+        let mut last = d - 1;
+        for (stride, n) in dims {
+            if written && stride <= last {
+                return Err(err("two elements would share an address"));
+            }
+            last = stride
+                .checked_mul(n - 1)
+                .and_then(|r| r.checked_add(last))
+                .ok_or_else(|| err("the span overflows"))?;
+        }
+        if i64::try_from(last).is_err() {
+            return Err(err("the span exceeds i64"));
+        }
+        Ok(last + 1)
     }
 }
 
@@ -131,22 +190,45 @@ unsafe fn apply_orders(
     (y, y_order): (DevPtr, RopeOrder),
     transpose: bool,
 ) -> Result<()> {
+    // The orders' strides overflow nowhere once the element count fits.
+    let es = dtype.size();
+    numel(op, &[s.outer, s.seq, s.inner, s.head_dim, es])?;
+    let (xs, ys) = (x_order.strides(s), y_order.strides(s));
+    // SAFETY: forwarded to the caller (both orders are dense layouts of `s`).
+    unsafe { apply_strided(op, l, dtype, s, (x, xs), cos, sin, (y, ys), transpose) }
+}
+
+/// [`apply`] with `x` and `y` at any strides.
+///
+/// # Safety
+/// As [`rope_forward_strided`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn apply_strided(
+    op: &'static str,
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &RopeShape,
+    (x, xs): (DevPtr, RopeStrides),
+    cos: DevPtr,
+    sin: DevPtr,
+    (y, ys): (DevPtr, RopeStrides),
+    transpose: bool,
+) -> Result<()> {
     if !s.head_dim.is_multiple_of(2) {
         return Err(bad(op, format!("{s:?}: head_dim must be even")));
     }
     // In place, every element must be read and written at one address.
-    let one_row = s.seq <= 1 || s.inner <= 1;
-    if x == y && x_order != y_order && !one_row {
+    if x == y && xs.moving(s) != ys.moving(s) {
         return Err(bad(
             op,
-            format!(
-                "{s:?}: x and y are one buffer but in different orders ({x_order:?}, {y_order:?})"
-            ),
+            format!("{s:?}: x and y are one buffer but at different strides ({xs:?}, {ys:?})"),
         ));
     }
     let es = dtype.size();
     let n = numel(op, &[s.outer, s.seq, s.inner, s.head_dim, es])? / es;
     numel(op, &[s.seq, s.head_dim, es])?;
+    xs.span(op, "x", s, false)?;
+    ys.span(op, "y", s, true)?;
     if n == 0 {
         return Ok(());
     }
@@ -154,10 +236,15 @@ unsafe fn apply_orders(
     check_ptrs(op, &ptrs)?;
     check_aligned(op, es, &ptrs)?;
     let half = s.head_dim / 2;
-    let vec = half.is_multiple_of(8) && [x, cos, sin, y].iter().all(|p| p % 16 == 0);
+    // As the kernel decides (the grid only sizes the grid-stride loop).
+    let vec = half.is_multiple_of(8)
+        && [x, cos, sin, y].iter().all(|p| p % 16 == 0)
+        && [xs.outer, xs.seq, xs.inner, ys.outer, ys.seq, ys.inner]
+            .iter()
+            .all(|st| st.is_multiple_of(8));
     let pairs = n / 2;
     let items = if vec { pairs / 8 } else { pairs };
-    let (xs, ys) = (x_order.strides(s), y_order.strides(s));
+    let i = |v: usize| to_i64(op, "stride", v);
     let args = RopeArgs {
         x,
         cos,
@@ -167,18 +254,48 @@ unsafe fn apply_orders(
         seq: s.seq as i64,
         inner: s.inner as i64,
         head_dim: s.head_dim as i64,
-        xs_outer: xs[0],
-        xs_seq: xs[1],
-        xs_inner: xs[2],
-        ys_outer: ys[0],
-        ys_seq: ys[1],
-        ys_inner: ys[2],
+        xs_outer: i(xs.outer)?,
+        xs_seq: i(xs.seq)?,
+        xs_inner: i(xs.inner)?,
+        ys_outer: i(ys.outer)?,
+        ys_seq: i(ys.seq)?,
+        ys_inner: i(ys.inner)?,
         transpose: transpose as i32,
         pad: 0,
     };
     let name = format!("tpar_rope_{}", dtype.suffix());
     // SAFETY: the caller guarantees the addresses; sizes are checked above.
     unsafe { launch(l, &name, grid_for(items, THREADS), &args) }
+}
+
+/// [`rope_forward`] (or, when `backward`, [`rope_backward`]) reading `x` at
+/// the strides `xs` and writing `y` at `ys` ([`RopeStrides`]): one launch
+/// rotates, say, the q and k heads of a packed `[b, s, (hq + 2 hkv) * d]`
+/// projection output into a dense `[b, s, hq + hkv, d]` buffer, or the
+/// gradient back into those columns, with the same bits per element as the
+/// dense layouts. Strides under which two elements of `x` or of `y` share an
+/// address are an error naming the operand, and so is `y == x` at different
+/// strides (in place, each element is read and written at one address).
+///
+/// # Safety
+/// `x` must be a device address valid for every element the shape reaches at
+/// `xs`, `y` likewise at `ys`, `cos` and `sin` for `seq * head_dim` elements,
+/// all of `dtype`; `x` and `y` are either equal (with equal strides) or reach
+/// disjoint elements.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rope_strided(
+    l: &dyn Launcher,
+    dtype: CudaDType,
+    s: &RopeShape,
+    (x, xs): (DevPtr, RopeStrides),
+    cos: DevPtr,
+    sin: DevPtr,
+    (y, ys): (DevPtr, RopeStrides),
+    backward: bool,
+) -> Result<()> {
+    let op = if backward { "rope_backward" } else { "rope_forward" };
+    // SAFETY: forwarded to the caller.
+    unsafe { apply_strided(op, l, dtype, s, (x, xs), cos, sin, (y, ys), backward) }
 }
 
 /// `y = x * cos + rotate_half(x) * sin` (`y` may be `x`: in place).
