@@ -204,7 +204,7 @@ fn bad_arguments() {
     let p = ptr(&buf);
     let mut lse = vec![0f32; 16];
     let fwd = |s: &SdpaShape, mask: Option<SdpaDevMask>, lse: DevPtr, dtype, path| {
-        let b = SdpaFwdBuffers { q: p, k: p, v: p, mask, out: p, lse };
+        let b = SdpaFwdBuffers { q: p, k: p, v: p, mask, out: p, lse, layout: Default::default() };
         // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
         // thread before returning), each holding every element the call's sizes reach.
         unsafe { sdpa_forward(emu, dtype, s, &b, path) }

@@ -152,7 +152,15 @@ fn refusals_name_the_reason() {
         "multiple of kv_heads",
     );
     // a launcher that does not run sm_90a kernels is named
-    let b = SdpaFwdBuffers { q: 4096, k: 8192, v: 12288, mask: None, out: 16384, lse: 20480 };
+    let b = SdpaFwdBuffers {
+        q: 4096,
+        k: 8192,
+        v: 12288,
+        mask: None,
+        out: 16384,
+        lse: 20480,
+        layout: Default::default(),
+    };
     struct Plain;
     impl tpar_kernels::cuda::Launcher for Plain {
         fn describe(&self) -> String {
@@ -205,6 +213,7 @@ fn backward<T: Float>(
         dv: mptr(&mut dv),
         workspace: ws.ptr(),
         workspace_bytes: ws.bytes,
+        layout: Default::default(),
     };
     let rec = Recording::new(None);
     // SAFETY: host buffers stand in for device memory, each holding every
@@ -240,6 +249,7 @@ fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_
         dv: 36864,
         workspace: 40960,
         workspace_bytes: 1 << 20,
+        layout: Default::default(),
     };
     let takes = sdpa_hopper_bwd::unsupported(emu(), dtype, &s, &b).is_none();
     assert_eq!(takes, hopper_bwd, "the Hopper backward's verdict on {s:?}");
@@ -325,6 +335,7 @@ fn the_checked_ops_follow_tpar_sdpa() {
             mask: Some(mask_view()),
             out: out.as_slice_mut(),
             lse: lse.as_slice_mut(),
+            layout: Default::default(),
         };
         ops::sdpa_forward(dev.as_ref(), CudaDType::BF16, s, views, SdpaPath::Auto).unwrap();
         let views = ops::SdpaBwdViews {
@@ -339,6 +350,7 @@ fn the_checked_ops_follow_tpar_sdpa() {
             dk: dk.as_slice_mut(),
             dv: dv.as_slice_mut(),
             workspace: ws.as_slice_mut(),
+            layout: Default::default(),
         };
         ops::sdpa_backward(dev.as_ref(), CudaDType::BF16, s, views, SdpaPath::Auto).unwrap();
         let get = |b: &DeviceBuffer, n: usize| {

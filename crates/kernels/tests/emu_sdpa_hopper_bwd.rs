@@ -331,6 +331,7 @@ fn empty_sequences_give_zero_gradients() {
             dv: mptr(&mut dv),
             workspace: mptr(&mut ws[ws_off..]),
             workspace_bytes: ws_bytes,
+            layout: Default::default(),
         };
         // SAFETY: host buffers holding every element the sizes reach.
         unsafe { hopper::sdpa_backward(emu, BF16, &s, &b).unwrap() };

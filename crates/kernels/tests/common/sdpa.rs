@@ -228,7 +228,7 @@ impl<T: Float> Inputs<T> {
     /// The forward's buffers: these inputs, and `out` and `lse` to write.
     pub fn fwd_buffers(&self, out: &mut [T], lse: &mut [f32]) -> SdpaFwdBuffers {
         let (q, k, v, mask) = self.qkv_mask();
-        SdpaFwdBuffers { q, k, v, mask, out: mptr(out), lse: mptr(lse) }
+        SdpaFwdBuffers { q, k, v, mask, out: mptr(out), lse: mptr(lse), layout: Default::default() }
     }
 
     /// The backward's buffers: these inputs, the forward's `out` and `lse`,
@@ -254,6 +254,7 @@ impl<T: Float> Inputs<T> {
             dv: mptr(&mut g.dv),
             workspace: ws.ptr(),
             workspace_bytes: ws.bytes,
+            layout: Default::default(),
         }
     }
 }
@@ -297,5 +298,6 @@ pub fn bwd_buffers_at(p: DevPtr, workspace_bytes: usize) -> SdpaBwdBuffers {
         dv: p,
         workspace: p,
         workspace_bytes,
+        layout: Default::default(),
     }
 }

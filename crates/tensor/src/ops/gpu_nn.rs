@@ -577,6 +577,7 @@ pub(crate) fn sdpa_forward_device(
             mask: mask_view(b.get(3).copied(), strides.as_deref()),
             out: out.view_mut(),
             lse: lse.view_mut(),
+            layout: Default::default(),
         };
         Ok(k_sdpa::sdpa_forward(&*dev, cd, s, views, k_sdpa::SdpaPath::Auto)?)
     })?;
@@ -622,6 +623,7 @@ pub(crate) fn sdpa_backward_device(
             dk: dk.view_mut(),
             dv: dv.view_mut(),
             workspace: ws.view_mut(),
+            layout: Default::default(),
         };
         Ok(k_sdpa::sdpa_backward(&*dev, cd, s, views, k_sdpa::SdpaPath::Auto)?)
     })?;

@@ -17,7 +17,8 @@ use std::sync::OnceLock;
 use super::{count, Check};
 use crate::cuda::raw::sdpa as raw;
 pub use crate::cuda::raw::sdpa::{
-    sdpa_backward_workspace_bytes, SdpaPath, MAX_HEAD_DIM, MAX_TENSOR_CORE_HEAD_DIM,
+    sdpa_backward_workspace_bytes, SdpaLayout, SdpaPath, SdpaStrides, MAX_HEAD_DIM,
+    MAX_TENSOR_CORE_HEAD_DIM,
 };
 use crate::cuda::raw::{sdpa_hopper, sdpa_hopper_bwd};
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
@@ -103,6 +104,9 @@ pub struct SdpaFwdViews<'a> {
     pub out: DeviceSliceMut<'a>,
     /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
     pub lse: DeviceSliceMut<'a>,
+    /// Where q, k, v and out lie in their views (dense by default; each
+    /// view starts at its operand's element `(0, 0, 0, 0)`).
+    pub layout: SdpaLayout,
 }
 
 /// The buffers of [`sdpa_backward`].
@@ -131,17 +135,15 @@ pub struct SdpaBwdViews<'a> {
     /// Scratch memory of at least [`sdpa_backward_workspace_bytes`] bytes,
     /// 16-byte aligned.
     pub workspace: DeviceSliceMut<'a>,
+    /// Where q/dq, k/dk, v/dv and out/dout lie in their views (dense by
+    /// default).
+    pub layout: SdpaLayout,
 }
 
-/// Element counts of q, k, v and out, and the query rows.
-fn sizes(op: &'static str, s: &SdpaShape) -> Result<[usize; 5]> {
-    Ok([
-        count(op, &[s.batch, s.q_heads, s.q_len, s.head_dim])?,
-        count(op, &[s.batch, s.kv_heads, s.kv_len, s.head_dim])?,
-        count(op, &[s.batch, s.kv_heads, s.kv_len, s.v_dim])?,
-        count(op, &[s.batch, s.q_heads, s.q_len, s.v_dim])?,
-        count(op, &[s.batch, s.q_heads, s.q_len])?,
-    ])
+/// Elements q, k, v and out span under `layout`, and the query rows.
+fn sizes(op: &'static str, s: &SdpaShape, layout: &raw::SdpaLayout) -> Result<[usize; 5]> {
+    let [q, k, v, out] = raw::layout_extents(op, s, layout)?;
+    Ok([q, k, v, out, count(op, &[s.batch, s.q_heads, s.q_len])?])
 }
 
 /// The raw mask of a view: its address, and its length in elements (the
@@ -174,7 +176,7 @@ pub fn sdpa_forward(
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_forward";
     let c = Check::new(OP, dev);
-    let ([nq, nk, nv, no, rows], es) = (sizes(OP, s)?, dtype.size());
+    let ([nq, nk, nv, no, rows], es) = (sizes(OP, s, &b.layout)?, dtype.size());
     let buffers = raw::SdpaFwdBuffers {
         q: c.read("q", &b.q, nq, es)?,
         k: c.read("k", &b.k, nk, es)?,
@@ -182,10 +184,12 @@ pub fn sdpa_forward(
         mask: mask(&c, dtype, b.mask.as_ref())?,
         out: c.write("out", &b.out, no, es)?,
         lse: c.write("lse", &b.lse, rows, 4)?,
+        layout: b.layout,
     };
     let path = match (path, sdpa_backend()) {
         (SdpaPath::Auto, SdpaBackend::Hopper)
-            if sdpa_hopper::unsupported(dev, dtype, s, &buffers).is_none() =>
+            if buffers.layout.is_dense()
+                && sdpa_hopper::unsupported(dev, dtype, s, &buffers).is_none() =>
         {
             SdpaPath::Hopper
         }
@@ -209,7 +213,7 @@ pub fn sdpa_backward(
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
     let c = Check::new(OP, dev);
-    let ([nq, nk, nv, no, rows], es) = (sizes(OP, s)?, dtype.size());
+    let ([nq, nk, nv, no, rows], es) = (sizes(OP, s, &b.layout)?, dtype.size());
     let ws = sdpa_backward_workspace_bytes(s)?;
     let buffers = raw::SdpaBwdBuffers {
         q: c.read("q", &b.q, nq, es)?,
@@ -224,10 +228,12 @@ pub fn sdpa_backward(
         dv: c.write("dv", &b.dv, nv, es)?,
         workspace: c.write_bytes("workspace", &b.workspace, ws, 16)?,
         workspace_bytes: b.workspace.len(),
+        layout: b.layout,
     };
     let path = match (path, sdpa_backend()) {
         (SdpaPath::Auto, SdpaBackend::Hopper)
-            if sdpa_hopper_bwd::unsupported(dev, dtype, s, &buffers).is_none() =>
+            if buffers.layout.is_dense()
+                && sdpa_hopper_bwd::unsupported(dev, dtype, s, &buffers).is_none() =>
         {
             SdpaPath::Hopper
         }

@@ -163,6 +163,56 @@ pub struct SdpaDevMask {
     pub row_stride: usize,
 }
 
+/// Element strides of one attention operand `[batch, heads, len, dim]`
+/// whose last dim is contiguous: element `(b, h, i, j)` is at
+/// `b*batch + h*head + i*row + j`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SdpaStrides {
+    /// Elements between batches.
+    pub batch: usize,
+    /// Elements between heads.
+    pub head: usize,
+    /// Elements between rows (positions).
+    pub row: usize,
+}
+
+impl SdpaStrides {
+    /// The dense `[batch, heads, len, dim]` layout.
+    pub fn contiguous(heads: usize, len: usize, dim: usize) -> Self {
+        Self { batch: heads * len * dim, head: len * dim, row: dim }
+    }
+
+    /// Heads side by side in the rows of a `[batch, len, row_width]` buffer
+    /// (head `h` at columns `h*dim..(h+1)*dim` of each row), as a `[b, s, h,
+    /// d]` tensor or a packed q/k/v projection output gives them.
+    pub fn bshd(len: usize, row_width: usize, dim: usize) -> Self {
+        Self { batch: len * row_width, head: dim, row: row_width }
+    }
+}
+
+/// Where each attention operand lies; `None` is the dense `[batch, heads,
+/// len, dim]` layout. The backward pass uses q's strides for q and dq, k's
+/// for k and dk, v's for v and dv, and out's for out and dout; `lse`, the
+/// mask and the workspace keep their own layouts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SdpaLayout {
+    /// Strides of q (and dq).
+    pub q: Option<SdpaStrides>,
+    /// Strides of k (and dk).
+    pub k: Option<SdpaStrides>,
+    /// Strides of v (and dv).
+    pub v: Option<SdpaStrides>,
+    /// Strides of out (and dout).
+    pub out: Option<SdpaStrides>,
+}
+
+impl SdpaLayout {
+    /// Every operand dense (the default).
+    pub fn is_dense(&self) -> bool {
+        [self.q, self.k, self.v, self.out].iter().all(Option::is_none)
+    }
+}
+
 /// Device buffers of [`sdpa_forward`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SdpaFwdBuffers {
@@ -178,6 +228,8 @@ pub struct SdpaFwdBuffers {
     pub out: DevPtr,
     /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
     pub lse: DevPtr,
+    /// Where q, k, v and out lie (dense by default).
+    pub layout: SdpaLayout,
 }
 
 /// Device buffers of [`sdpa_backward`].
@@ -208,6 +260,8 @@ pub struct SdpaBwdBuffers {
     pub workspace: DevPtr,
     /// Bytes available at `workspace`.
     pub workspace_bytes: usize,
+    /// Where q/dq, k/dk, v/dv and out/dout lie (dense by default).
+    pub layout: SdpaLayout,
 }
 
 /// Which kernel family runs an attention call.
@@ -336,6 +390,79 @@ pub(crate) fn mask_args(
     ))
 }
 
+/// Elements each operand spans, `[q, k, v, out]`: one past the last element
+/// a call reads or writes, under `layout` (the dense sizes where it has no
+/// strides). Errors name the operand whose strides are unusable: a row
+/// stride below its dim, an extent that overflows, or strides under which two
+/// elements share an address (every operand is checked, as the backward pass
+/// writes dq, dk and dv with q's, k's and v's strides).
+pub(crate) fn layout_extents(
+    op: &'static str,
+    s: &SdpaShape,
+    layout: &SdpaLayout,
+) -> Result<[usize; 4]> {
+    let operands = [
+        ("q", layout.q, s.q_heads, s.q_len, s.head_dim),
+        ("k", layout.k, s.kv_heads, s.kv_len, s.head_dim),
+        ("v", layout.v, s.kv_heads, s.kv_len, s.v_dim),
+        ("out", layout.out, s.q_heads, s.q_len, s.v_dim),
+    ];
+    let mut out = [0; 4];
+    for (slot, (name, strides, heads, len, dim)) in out.iter_mut().zip(operands) {
+        let dense = numel(op, &[s.batch, heads, len, dim])?;
+        let Some(st) = strides else {
+            *slot = dense;
+            continue;
+        };
+        if dense == 0 {
+            continue;
+        }
+        let what = |why: String| {
+            bad(
+                op,
+                format!(
+                    "{name} strides (batch {}, head {}, row {}): {why}",
+                    st.batch, st.head, st.row
+                ),
+            )
+        };
+        if st.row < dim {
+            return Err(what(format!("the row stride is below the dim {dim}")));
+        }
+        // Dims with one index never move the address: their strides do not matter.
+        let mut dims: Vec<(usize, usize)> = [(st.row, len), (st.head, heads), (st.batch, s.batch)]
+            .into_iter()
+            .filter(|&(_, n)| n > 1)
+            .collect();
+        dims.sort_unstable();
+        let mut span = dim; // elements one index of the innermost moving dim must clear
+        let mut last = dim - 1;
+        for (stride, n) in dims {
+            if stride < span {
+                return Err(what("two elements would share an address".into()));
+            }
+            let reach = stride.checked_mul(n - 1).and_then(|r| r.checked_add(last));
+            last = reach.ok_or_else(|| what("the extent overflows".into()))?;
+            span = last + 1;
+        }
+        if i64::try_from(last).is_err() {
+            return Err(what("the extent exceeds i64".into()));
+        }
+        *slot = last + 1;
+    }
+    Ok(out)
+}
+
+/// The error of a kernel family that does not take strided operands yet.
+pub(crate) fn refuse_strided(op: &'static str, layout: &SdpaLayout) -> Result<()> {
+    for (name, st) in [("q", layout.q), ("k", layout.k), ("v", layout.v), ("out", layout.out)] {
+        if st.is_some() {
+            return Err(bad(op, format!("{name}: these kernels do not take strided operands")));
+        }
+    }
+    Ok(())
+}
+
 /// A buffer of `elems` elements must be non-null and aligned to its element;
 /// an empty one may sit anywhere.
 fn check_ptr(op: &'static str, name: &str, p: DevPtr, elems: usize, align: usize) -> Result<()> {
@@ -460,7 +587,8 @@ pub(crate) fn validate_forward(
 ) -> Result<Dims> {
     let d = validate(op, dtype, s, b.mask.as_ref())?;
     let es = dtype.size();
-    for (name, p, n) in [("q", b.q, d.q), ("k", b.k, d.k), ("v", b.v, d.v), ("out", b.out, d.out)] {
+    let [q, k, v, out] = layout_extents(op, s, &b.layout)?;
+    for (name, p, n) in [("q", b.q, q), ("k", b.k, k), ("v", b.v, v), ("out", b.out, out)] {
         check_ptr(op, name, p, n, es)?;
     }
     check_ptr(op, "lse", b.lse, d.rows, 4)?;
@@ -578,6 +706,7 @@ pub unsafe fn sdpa_forward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_forward";
+    refuse_strided(OP, &b.layout)?;
     if path == SdpaPath::Hopper {
         // SAFETY: forwarded from the caller.
         return unsafe { super::sdpa_hopper::sdpa_forward(l, dtype, s, b) };
@@ -630,12 +759,14 @@ pub unsafe fn sdpa_backward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
+    refuse_strided(OP, &b.layout)?;
     if path == SdpaPath::Hopper && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none() {
         // SAFETY: forwarded from the caller (the same buffer contract).
         return unsafe { super::sdpa_hopper_bwd::sdpa_backward(l, dtype, s, b) };
     }
     let d = validate(OP, dtype, s, b.mask.as_ref())?;
-    check_backward_buffers(OP, dtype, s, b, [d.q, d.k, d.v, d.out, d.rows])?;
+    let [q, k, v, out] = layout_extents(OP, s, &b.layout)?;
+    check_backward_buffers(OP, dtype, s, b, [q, k, v, out, d.rows])?;
     let dims = [d.batch, d.q_heads, d.kv_heads, d.q_len, d.kv_len, d.head_dim, d.v_dim];
     let args = backward_args(s, b, d.mask, d.rows, dims);
     let sfx = dtype.suffix();
@@ -667,4 +798,65 @@ pub unsafe fn sdpa_backward(
         unsafe { launch(l, &format!("tpar_sdpa_bwd_dq_{sfx}"), cfg, &args)? };
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> SdpaShape {
+        SdpaShape {
+            batch: 2,
+            q_heads: 4,
+            kv_heads: 2,
+            q_len: 5,
+            kv_len: 5,
+            head_dim: 8,
+            v_dim: 8,
+            scale: 0.25,
+            causal: true,
+        }
+    }
+
+    #[test]
+    fn extents_of_dense_and_packed_layouts() {
+        let s = shape();
+        let dense = layout_extents("t", &s, &SdpaLayout::default()).unwrap();
+        assert_eq!(dense, [2 * 4 * 5 * 8, 2 * 2 * 5 * 8, 2 * 2 * 5 * 8, 2 * 4 * 5 * 8]);
+        // the explicit dense strides span the same elements
+        let c = |h| Some(SdpaStrides::contiguous(h, 5, 8));
+        let explicit = SdpaLayout { q: c(4), k: c(2), v: c(2), out: c(4) };
+        assert_eq!(layout_extents("t", &s, &explicit).unwrap(), dense);
+        // a packed [b, s, (4 + 2 + 2) * 8] projection: each operand starts at its
+        // first column and reaches the last row of the last batch
+        let w = (4 + 2 + 2) * 8;
+        let p = Some(SdpaStrides::bshd(5, w, 8));
+        let packed = SdpaLayout { q: p, k: p, v: p, out: Some(SdpaStrides::bshd(5, 32, 8)) };
+        let [q, k, v, out] = layout_extents("t", &s, &packed).unwrap();
+        assert_eq!(q, 5 * w + 4 * w + 3 * 8 + 8);
+        assert_eq!((k, v), (5 * w + 4 * w + 8 + 8, 5 * w + 4 * w + 8 + 8));
+        assert_eq!(out, 2 * 5 * 32);
+    }
+
+    #[test]
+    fn overlapping_or_short_strides_are_refused_by_operand() {
+        let s = shape();
+        let err = |l: SdpaLayout| layout_extents("t", &s, &l).unwrap_err().to_string();
+        // heads 4 elements apart overlap the 8-element rows
+        let overlap = SdpaStrides { batch: 4 * 5 * 8, head: 4, row: 32 };
+        let e = err(SdpaLayout { out: Some(overlap), ..Default::default() });
+        assert!(e.contains("out strides") && e.contains("share an address"), "{e}");
+        let short = SdpaStrides { batch: 400, head: 40, row: 6 };
+        let e = err(SdpaLayout { k: Some(short), ..Default::default() });
+        assert!(e.contains("k strides") && e.contains("below the dim 8"), "{e}");
+        let huge = SdpaStrides { batch: usize::MAX - 4, head: 8, row: 32 };
+        let e = err(SdpaLayout { v: Some(huge), ..Default::default() });
+        assert!(e.contains("v strides") && e.contains("overflows"), "{e}");
+        // a dim with one index may have any stride
+        let one = SdpaShape { batch: 1, ..s };
+        let any = SdpaStrides { batch: 0, head: 40, row: 8 };
+        assert!(
+            layout_extents("t", &one, &SdpaLayout { q: Some(any), ..Default::default() }).is_ok()
+        );
+    }
 }

@@ -313,7 +313,15 @@ mod tests {
             scale: 0.125,
             causal: false,
         };
-        let b = SdpaFwdBuffers { q: 4096, k: 8192, v: 12288, mask: None, out: 16384, lse: 20480 };
+        let b = SdpaFwdBuffers {
+            q: 4096,
+            k: 8192,
+            v: 12288,
+            mask: None,
+            out: 16384,
+            lse: 20480,
+            layout: Default::default(),
+        };
         assert_eq!(unsupported_call(CudaDType::BF16, &s, &b), None);
         assert!(unsupported_call(CudaDType::F32, &s, &b).unwrap().contains("F32"));
         let s96 = SdpaShape { head_dim: 96, v_dim: 96, ..s };

@@ -185,7 +185,15 @@ pub(crate) fn run_benches(
             let (dq, dk, dv) = (d.alloc(nq * 2)?, d.alloc(nk * 2)?, d.alloc(nk * 2)?);
             let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&sh)?;
             let ws = d.alloc(ws_bytes)?;
-            let fb = SdpaFwdBuffers { q: s, k: s, v: s, mask: None, out: o.ptr(), lse: lse.ptr() };
+            let fb = SdpaFwdBuffers {
+                q: s,
+                k: s,
+                v: s,
+                mask: None,
+                out: o.ptr(),
+                lse: lse.ptr(),
+                layout: Default::default(),
+            };
             let bb = SdpaBwdBuffers {
                 q: s,
                 k: s,
@@ -199,6 +207,7 @@ pub(crate) fn run_benches(
                 dv: dv.ptr(),
                 workspace: ws.ptr(),
                 workspace_bytes: ws_bytes,
+                layout: Default::default(),
             };
             let l = d.l();
             // the Hopper rows time the Hopper backward too

@@ -145,7 +145,8 @@ pub(crate) fn train_case(
         let ws = d.junk(ws_bytes)?;
         let (fb, bb) = {
             let (q, k, v, out, lse) = (bq.ptr(), bk.ptr(), bv.ptr(), bo.ptr(), bl.ptr());
-            let fb = SdpaFwdBuffers { q, k, v, mask: dev_mask, out, lse };
+            let fb =
+                SdpaFwdBuffers { q, k, v, mask: dev_mask, out, lse, layout: Default::default() };
             let bb = SdpaBwdBuffers {
                 q,
                 k,
@@ -159,6 +160,7 @@ pub(crate) fn train_case(
                 dv: bdv.ptr(),
                 workspace: ws.ptr(),
                 workspace_bytes: ws_bytes,
+                layout: Default::default(),
             };
             (fb, bb)
         };
