@@ -39,6 +39,9 @@
 #      and the attention run their mma.sync kernels) into
 #      gpu_check_sm90.{log,json} and gemm_table_sm90.txt, and step 4 reads the
 #      rerun's benchmarks when the first run has none;
+#   1b. with SANITIZE=1 only: the checks of the AdamW, attention and GEMM
+#      families under compute-sanitizer (racecheck, memcheck, synccheck; see
+#      the step; logs sanitize_<tool>.log);
 #   2. benches/torch_ref.py: the same benchmarks in PyTorch, plus one Llama
 #      training step (tokens/s and torch.cuda.max_memory_allocated) in each bf16
 #      mode: autocast (eager), fused (autocast, fused AdamW), compile
@@ -100,7 +103,7 @@
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
 # (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
-# SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, SKIP_FUSED_STEP=1, CP_SEQ, CHECK_TIMEOUT (seconds; default 240 with QUICK=1, else 420), LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
+# SANITIZE=1 (SANITIZE_ONLY, SANITIZE_TOOLS, SANITIZE_TIMEOUT), SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, SKIP_FUSED_STEP=1, CP_SEQ, CHECK_TIMEOUT (seconds; default 240 with QUICK=1, else 420), LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
 # run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
 # LLAMA_ARGS.
 
@@ -253,6 +256,38 @@ elif [ -x "$bin/gpu_check" ]; then
     esac
 else
     echo "missing $bin/gpu_check: build it as the top of $0 says" | tee "$out/gpu_check.log"
+fi
+
+# ---------------------------------------------------------------- 1b. sanitizer
+# SANITIZE=1: the correctness checks of the families in SANITIZE_ONLY
+# (default adamw,sdpa,gemm: the multi-tensor AdamW and the Hopper kernels'
+# shared memory, mbarriers and bulk copies) at --quick sizes under
+# compute-sanitizer, once per tool in SANITIZE_TOOLS (default racecheck
+# memcheck synccheck), each under SANITIZE_TIMEOUT (default 150 s), into
+# sanitize_<tool>.log. --report-api-errors no: the driver's parameter-info
+# queries would otherwise fill the report. Each run's exit is 97 when the
+# tool reported an error, else gpu_check's; any nonzero exit makes the
+# step's status 1. The script's exit status stays step 1's.
+sanitize_rc=skipped
+if [ "${SANITIZE:-0}" = 1 ] && [ "$dev" = cuda ]; then
+    sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)"
+    if [ -z "$sanitizer" ] || [ ! -x "$bin/gpu_check" ]; then
+        echo "== 1b. compute-sanitizer: ${sanitizer:-not found}, gpu_check: $bin/gpu_check; skipped"
+        sanitize_rc=2
+    else
+        sanitize_rc=0
+        for tool in ${SANITIZE_TOOLS:-racecheck memcheck synccheck}; do
+            echo
+            echo "== 1b. compute-sanitizer --tool $tool: gpu_check --quick --only ${SANITIZE_ONLY:-adamw,sdpa,gemm}"
+            timeout -k 10 "${SANITIZE_TIMEOUT:-150}" "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 97 \
+                "$bin/gpu_check" --quick --only "${SANITIZE_ONLY:-adamw,sdpa,gemm}" \
+                >"$out/sanitize_$tool.log" 2>&1
+            rc=$?
+            tail -n 3 "$out/sanitize_$tool.log"
+            echo "(compute-sanitizer $tool: exit $rc; $(grep -c -E '^========= (Error|Race|Invalid|Barrier)' "$out/sanitize_$tool.log") reports)"
+            if [ "$rc" != 0 ]; then sanitize_rc=1; fi
+        done
+    fi
 fi
 
 # ---------------------------------------------------------------- 2. PyTorch
@@ -484,13 +519,13 @@ fi
 
 echo
 echo "== 4. summary"
-"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" "$dev" "$check_sm90_rc" <<'PY' || echo "the summary failed (see above)"
+"$py" - "$out" "$check_rc" "$torch_rc" "$llama_rc" "$parity_rc" "$dev" "$check_sm90_rc" "$sanitize_rc" <<'PY' || echo "the summary failed (see above)"
 import json
 import os
 import re
 import sys
 
-out, check_rc, torch_rc, llama_rc, parity_rc, dev, check_sm90_rc = sys.argv[1:8]
+out, check_rc, torch_rc, llama_rc, parity_rc, dev, check_sm90_rc, sanitize_rc = sys.argv[1:9]
 
 
 def load(name):
@@ -602,6 +637,8 @@ if check_sm90_rc != "none":
     )
 lines.append(f"benchmarks from {bench_from}")
 lines.append(f"torch_ref: exit {torch_rc}")
+if sanitize_rc != "skipped":
+    lines.append(f"compute-sanitizer (step 1b): exit {sanitize_rc} (0 no reports; logs sanitize_<tool>.log)")
 lines.append(f"llama_2d --device {dev}: exit {llama_rc}, {llama['outcome']}")
 if "round_trips_quiet" in llama or "round_trips_logging" in llama:
     lines.append(
@@ -751,6 +788,7 @@ with open(os.path.join(out, "summary.txt"), "w") as f:
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"gpu_check_exit": check_rc, "gpu_check_sm90_exit": check_sm90_rc,
                "context_lost": g.get("context_lost"), "benchmarks_from": bench_from,
+               "sanitize_exit": sanitize_rc,
                "torch_ref_exit": torch_rc, "llama_2d": llama,
                "parity": parity, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
                "rows": rows, "training": training}, f, indent=2)
