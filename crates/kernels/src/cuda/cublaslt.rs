@@ -96,7 +96,8 @@ struct PlanKey {
     dims: [usize; 4],
     lds: [usize; 3],
     strides: [usize; 3],
-    align: [u32; 3],
+    /// Alignments of A, B, C and D (the output; C's address when in place).
+    align: [u32; 4],
     reads_c: bool,
 }
 
@@ -268,8 +269,28 @@ impl CublasLt {
     /// extents `p` describes, in `p`'s element types, and C must not overlap A
     /// or B.
     pub unsafe fn matmul(&self, p: &GemmProblem, a: DevPtr, b: DevPtr, c: DevPtr) -> Result<()> {
+        // SAFETY: forwarded from the caller (C is also the output).
+        unsafe { self.matmul_to(p, a, b, c, c) }
+    }
+
+    /// [`CublasLt::matmul`] out of place: `D[b] = alpha * op(A[b]) op(B[b]) +
+    /// beta * C[b]`, C read and D written with the same layout (C's leading
+    /// dimension and batch stride), so a residual add needs no copy of the
+    /// residual into the output first. `c == d` is [`CublasLt::matmul`].
+    ///
+    /// # Safety
+    /// As [`CublasLt::matmul`], for `d` too: `d` spans C's extent, and D
+    /// overlaps neither A nor B, nor C unless it is C.
+    pub unsafe fn matmul_to(
+        &self,
+        p: &GemmProblem,
+        a: DevPtr,
+        b: DevPtr,
+        c: DevPtr,
+        d: DevPtr,
+    ) -> Result<()> {
         p.validate()?;
-        if a == 0 || b == 0 || c == 0 {
+        if a == 0 || b == 0 || c == 0 || d == 0 {
             return Err(cuda_error(OP, "a null operand address".to_string()));
         }
         let s = &p.shape;
@@ -281,7 +302,7 @@ impl CublasLt {
             dims: [s.batch, s.m, s.n, s.k],
             lds: [p.lda, p.ldb, p.ldc],
             strides: [s.a_batch_stride, s.b_batch_stride, p.c_batch_stride],
-            align: [alignment(a), alignment(b), alignment(c)],
+            align: [alignment(a), alignment(b), alignment(c), alignment(d)],
             reads_c: p.beta != 0.0,
         };
         let plan = self.plan(&key)?;
@@ -294,8 +315,8 @@ impl CublasLt {
         let _queued = lock(&self.queue);
         // SAFETY: the plan's descriptors describe exactly these operands (the
         // caller guarantees the memory); cuBLASLt's first operand is our B and
-        // its second our A (see the module docs); C is both input and output
-        // with one layout; the scales are host f32 values that live across the
+        // its second our A (see the module docs); C (input) and D (output)
+        // share one layout; the scales are host f32 values that live across the
         // call; the workspace belongs to this handle and is used on one stream.
         unsafe {
             lt::matmul(
@@ -309,7 +330,7 @@ impl CublasLt {
                 plan.b,
                 c as *const c_void,
                 plan.c,
-                c as *mut c_void,
+                d as *mut c_void,
                 plan.c,
                 &plan.algo,
                 self.workspace as *mut c_void,
@@ -419,7 +440,7 @@ impl CublasLt {
             lt::create_matmul_pref().map_err(|e| lt_error("cublasLtMatmulPreferenceCreate", e))?,
         );
         type PA = sys::cublasLtMatmulPreferenceAttributes_t;
-        let [al_a, al_b, al_c] = key.align;
+        let [al_a, al_b, al_c, al_d] = key.align;
         // SAFETY: preference setters with the u64 / u32 values these attributes take.
         unsafe {
             set_attr(
@@ -429,12 +450,12 @@ impl CublasLt {
                 self.workspace_bytes as u64,
                 "setting MAX_WORKSPACE_BYTES",
             )?;
-            // cuBLASLt's A is our B and its B our A; C and D are one buffer.
+            // cuBLASLt's A is our B and its B our A; D is the output (C when in place).
             for (attr, v) in [
                 (PA::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_b),
                 (PA::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_a),
                 (PA::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c),
-                (PA::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_c),
+                (PA::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d),
             ] {
                 set_attr(lt::set_matmul_pref_attribute, pref.0, attr, v, "setting MIN_ALIGNMENT")?;
             }

@@ -133,6 +133,26 @@ pub unsafe trait GpuDevice: Launcher {
         Ok(false)
     }
 
+    /// [`GpuDevice::vendor_gemm`] out of place: `d = alpha * op(a) op(b) + beta * c`,
+    /// C read and D written with C's layout; `Ok(false)` when the device has no vendor
+    /// library that takes the problem (the caller copies C into D and runs the GEMM in
+    /// place). None by default (the emulator).
+    ///
+    /// # Safety
+    /// As [`GpuDevice::vendor_gemm`], and `d` covers C's extent and overlaps none of
+    /// A, B and C (unless it is C).
+    unsafe fn vendor_gemm_to(
+        &self,
+        p: &crate::cuda::raw::gemm::GemmProblem,
+        a: DevPtr,
+        b: DevPtr,
+        c: DevPtr,
+        d: DevPtr,
+    ) -> Result<bool> {
+        let _ = (p, a, b, c, d);
+        Ok(false)
+    }
+
     /// Starts capturing this device's work into a graph (see [`super::graph`]):
     /// until [`GpuDevice::end_capture`], launches, device copies and memsets are
     /// recorded instead of run, and allocations come from the graph's private

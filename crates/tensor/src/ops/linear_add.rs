@@ -3,9 +3,10 @@
 //!
 //! On the host it is [`Tensor::linear`] then [`Tensor::add`], so its results (and
 //! gradients) are those of the two ops bit for bit. On a CUDA device it is one GEMM that
-//! reads the residual as its C operand (`D = X W^T + 1 * C`): the residual is copied
-//! into the output buffer on the device, then the GEMM accumulates onto it, so no
-//! elementwise add kernel runs. The product and the residual are then summed in f32 and
+//! reads the residual as its C operand (`D = X W^T + 1 * C`), so no elementwise add
+//! kernel runs: cuBLASLt reads C from the residual and writes D to the output
+//! ([`k_gemm::gemm_to`]); tpar's own GEMM (and the emulator) first copies the residual
+//! into the output on the device and accumulates onto it. The product and the residual are then summed in f32 and
 //! rounded once, where the two ops round the product first: for bf16 and f16 outputs
 //! the results may differ from the two ops' by a unit in the last place.
 
@@ -77,8 +78,8 @@ fn on_device(x: &Tensor, w: &Tensor, r: &Tensor, out_dims: &[usize]) -> Result<O
     let out = crate::checkpoint::kept(keep, &[x, w, r], || {
         let mut out = Out::new(&dev, out_dims.to_vec(), x.dtype())?;
         with_gpu(OP, &[x, w, r], |v| {
-            out.view_mut().copy_from(v[2].view())?;
-            // [rows, k] x [n, k]^T + C -> [rows, n], C = the residual copied above.
+            // [rows, k] x [n, k]^T + C -> [rows, n], C = the residual: read in place by
+            // cuBLASLt (separate C and D), else copied into the output first.
             let shape = GemmShape {
                 batch: 1,
                 m: rows,
@@ -90,7 +91,7 @@ fn on_device(x: &Tensor, w: &Tensor, r: &Tensor, out_dims: &[usize]) -> Result<O
                 b_batch_stride: 0,
             };
             let p = k_gemm::GemmProblem::new(shape, cd, cd).with_scale(1.0, 1.0);
-            Ok(k_gemm::gemm(&*dev, &p, v[0].view(), v[1].view(), out.view_mut())?)
+            Ok(k_gemm::gemm_to(&*dev, &p, v[0].view(), v[1].view(), v[2].view(), out.view_mut())?)
         })?;
         Ok(out.into_tensor())
     })?;

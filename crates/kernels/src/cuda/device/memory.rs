@@ -285,6 +285,22 @@ unsafe impl GpuDevice for CudaDevice {
         b: DevPtr,
         c: DevPtr,
     ) -> Result<bool> {
+        // SAFETY: forwarded from the caller (C is also the output).
+        unsafe { self.vendor_gemm_to(p, a, b, c, c) }
+    }
+
+    /// cuBLASLt out of place (its separate C and D), as [`GpuDevice::vendor_gemm`].
+    ///
+    /// # Safety
+    /// As [`GpuDevice::vendor_gemm_to`].
+    unsafe fn vendor_gemm_to(
+        &self,
+        p: &crate::cuda::raw::gemm::GemmProblem,
+        a: DevPtr,
+        b: DevPtr,
+        c: DevPtr,
+        d: DevPtr,
+    ) -> Result<bool> {
         let lt = self.vendor.get_or_init(|| {
             crate::cuda::cublaslt::CublasLt::new(&self.me.upgrade()?).ok().map(Arc::new)
         });
@@ -292,7 +308,7 @@ unsafe impl GpuDevice for CudaDevice {
         let name = || "(cublasLtMatmul)".to_string();
         let r = crate::cuda::profile::timed(&self.ctx, &self.stream, name, || {
             // SAFETY: forwarded from the caller; cuBLASLt queues on this handle's stream.
-            unsafe { lt.matmul(p, a, b, c) }
+            unsafe { lt.matmul_to(p, a, b, c, d) }
         });
         Ok(r.is_ok())
     }

@@ -188,6 +188,41 @@ pub fn gemm_with(
     unsafe { padded(dev, p, plan, ptrs, |q, a, b, c| ours(dev, q, a, b, c)) }
 }
 
+/// [`gemm()`] with C read from `c` and written to `d` (`d = alpha * op(A)
+/// op(B) + beta * c`, both with C's layout), e.g. a residual add into a new
+/// output: where the backend hands `p` to the vendor library and no operand
+/// needs padding, cuBLASLt reads C and writes D in one call; everywhere else
+/// `c` is copied into `d` and [`gemm()`] runs in place. `d` must not be `c`'s
+/// memory (pass the one view to [`gemm()`] for that).
+pub fn gemm_to(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    a: DeviceSlice<'_>,
+    b: DeviceSlice<'_>,
+    c: DeviceSlice<'_>,
+    mut d: DeviceSliceMut<'_>,
+) -> Result<()> {
+    let ptrs = operands(dev, p, &a, &b, &d)?;
+    let [ap, bp, dp] = ptrs;
+    let [.., nc] = p.extents()?;
+    let cp = Check::new("cuda gemm", dev).read("C", &c, nc, p.dtype_out.size())?;
+    let backend = gemm_backend();
+    if p.beta != 0.0
+        && backend != GemmBackend::Check
+        && vendor_first_on(dev, p, backend)
+        && PadPlan::choose(p, ptrs, PadRoute::Vendor, pad_policy()).is_empty()
+    {
+        // SAFETY: `operands` and the check above bound every operand to its
+        // extent on this device; `d` is an exclusive borrow, so it overlaps
+        // neither the read views nor `c`.
+        if unsafe { dev.vendor_gemm_to(p, ap, bp, cp, dp)? } {
+            return Ok(());
+        }
+    }
+    d.copy_from(c)?;
+    gemm_with(dev, p, a, b, d, backend, pad_policy())
+}
+
 /// Whether [`gemm_backend`] hands `p` to `dev`'s vendor library first (where
 /// it has one and takes the problem): always for `cublaslt` and `check`, for
 /// `auto` unless the tuning table prefers tpar's kernel.

@@ -71,6 +71,15 @@ pub(crate) fn check_gemm(c: &mut Ctx) {
             }
         }
     }
+    if let Some(lt) = c.lt {
+        // The residual GEMM of `linear_add` (x W^T + r), C read from its own
+        // buffer and D written to another (cuBLASLt's separate C and D).
+        let (m, n, k) = if big { (1024, 1024, 1024) } else { (160, 144, 96) };
+        for dt in [BF16, F32] {
+            let s = GemmShape { trans_b: true, ..GemmShape::new(1, m, n, k) };
+            cublaslt_to_case(c, lt, GemmProblem::new(s, dt, dt).with_scale(1.0, 1.0));
+        }
+    }
     super::gemm_hopper::check_gemm_hopper(c);
 }
 
@@ -198,6 +207,30 @@ pub(crate) fn sampled(
 }
 
 /// The cuBLASLt baseline itself, against the same reference.
+/// [`CublasLt::matmul_to`]: D close to `alpha * op(A) op(B) + beta * C`, and C
+/// left exactly as it was.
+fn cublaslt_to_case(c: &mut Ctx, lt: &CublasLt, p: GemmProblem) {
+    let s = p.shape;
+    let name = format!("cublaslt.to.{}", layout_name(s.trans_a, s.trans_b));
+    let (dtype, shape) = gemm_label(&p);
+    c.guard(&name, &dtype, &shape, |c| {
+        let d = c.d;
+        let GemmData { a, b, c_old, want } = gemm_inputs(c, &p)?;
+        let (da, db) = (d.up(p.dtype_in, &a)?, d.up(p.dtype_in, &b)?);
+        let dc = d.up(p.dtype_out, &c_old)?;
+        let dd = d.junk(want.len() * p.dtype_out.size())?;
+        // SAFETY: A, B, C and D were allocated above on this GPU with the extents `p`
+        // describes; D is its own allocation.
+        unsafe { lt.matmul_to(&p, da.ptr(), db.ptr(), dc.ptr(), dd.ptr())? };
+        let got = d.down(p.dtype_out, &dd)?;
+        c.r.close(&name, &dtype, &shape, &got, &want, bound(p.dtype_out));
+        let c_after = d.down(p.dtype_out, &dc)?;
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        c.r.exact(&format!("{name}.c_kept"), &dtype, &shape, &bits(&c_after), &bits(&c_old));
+        Ok(())
+    });
+}
+
 pub(crate) fn cublaslt_case(c: &mut Ctx, lt: &CublasLt, p: GemmProblem) {
     let s = p.shape;
     let name = format!("cublaslt.{}", layout_name(s.trans_a, s.trans_b));
