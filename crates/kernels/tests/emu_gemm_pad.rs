@@ -338,7 +338,8 @@ fn copies(names: &[String]) -> usize {
 
 /// Runs every check of the module docs on `cs` as `arch`.
 fn check(arch: Option<&str>, cs: &Case) {
-    let dev = Recording::new(arch);
+    // `None` is the default architecture even where TPAR_EMU_ARCH names another.
+    let dev = Recording::with_arch(arch);
     let hopper = arch == Some("sm_90a");
     let x = inputs(cs);
     let want = reference(cs, &x);
@@ -413,7 +414,7 @@ fn batched_products_sm_90a() {
 /// gradient once it reaches `PAD_MIN_WORK` multiply-adds.
 #[test]
 fn auto_pads_large_enough_products_only() {
-    let dev = Recording::new(None);
+    let dev = Recording::with_arch(None);
     let [_, small, _] = lm_head(BF16, BF16, (96, 259, 64));
     let x = inputs(&small);
     let r = run(&dev, &small, &x, Rows::Dense, PadPolicy::Auto);

@@ -30,6 +30,12 @@ impl Recording {
         }
     }
 
+    /// Standing in for exactly `arch`: `None` is no architecture (the
+    /// emulator's default), whatever `TPAR_EMU_ARCH` says.
+    pub fn with_arch(arch: Option<&str>) -> Recording {
+        Recording { arch: Some(arch.map(|a| Arch::parse(a).unwrap())), ..Recording::new(None) }
+    }
+
     /// The launches since the last take, oldest first.
     pub fn take(&self) -> Vec<(String, LaunchConfig)> {
         std::mem::take(&mut self.launches.lock().unwrap())
