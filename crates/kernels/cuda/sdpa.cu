@@ -3,7 +3,12 @@
 //
 // q [batch, q_heads, q_len, head_dim], k [batch, kv_heads, kv_len, head_dim],
 // v [batch, kv_heads, kv_len, v_dim], out [batch, q_heads, q_len, v_dim],
-// lse [batch, q_heads, q_len] (f32, natural log). q head h reads kv head
+// each addressed through its element strides (SdpaOpStrides: element
+// (b, h, i, j) at b*batch + h*head + i*row + j; dq, dk, dv and dout take the
+// strides of q, k, v and out), so that e.g. the heads of a [b, s, h, d] tensor
+// or of a packed q/k/v projection are read and written in place;
+// lse [batch, q_heads, q_len] (f32, natural log), the mask, delta and the dq
+// accumulator have fixed layouts. q head h reads kv head
 // h / (q_heads / kv_heads). Causal masking is top-left aligned (query i sees
 // keys j <= i). The optional additive mask (same element type as q) holds the
 // element for (b, h, i, j) at b*mask_bs + h*mask_hs + i*mask_rs + j; -inf
@@ -22,12 +27,33 @@
 // Two kernel families:
 // - `tc<HD>` (bf16/f16): tensor cores (mma.sync m16n8k16, ldmatrix from
 //   XOR-swizzled shared tiles, cp.async loads overlapped with compute), head
-//   dims padded to HD = 64 or 128; needs head_dim and v_dim multiples of 8
-//   and 16-byte aligned q/k/v/out/dout/dk/dv. The forward takes 64 query
+//   dims padded to HD = 64 or 128; needs head_dim and v_dim multiples of 8,
+//   16-byte aligned q/k/v/out/dout/dk/dv and strides that are multiples of
+//   16 bytes (every row starts 16-byte aligned), row strides below 2^24
+//   elements (tile offsets in i32). The forward takes 64 query
 //   rows per block (`tc<HD>`) or 128 (`tc<HD>m2`, two 16-row tiles per warp).
 // - `simt<NC>` (any type, head dims up to 32*NC <= 256): f32 FMA on 4x4
 //   register tiles, the head dim streamed through shared memory in chunks of
 //   32 columns.
+
+// Element strides of one operand [batch, heads, len, dim] (dim contiguous);
+// mirrored by raw::sdpa::SdpaOpStrides.
+struct SdpaOpStrides {
+    i64 batch;
+    i64 head;
+    i64 row;
+    // The offset of element (b, h, i, 0).
+    TPAR_DEVICE i64 at(i64 b, i64 h, i64 i) const { return b * batch + h * head + i * row; }
+};
+
+// The strides of q (and dq), k (dk), v (dv) and out (dout); mirrored by
+// raw::sdpa::SdpaArgStrides.
+struct SdpaArgStrides {
+    SdpaOpStrides q;
+    SdpaOpStrides k;
+    SdpaOpStrides v;
+    SdpaOpStrides out;
+};
 
 struct SdpaFwdArgs {
     const void* q;
@@ -49,6 +75,15 @@ struct SdpaFwdArgs {
     i32 causal;
     float scale;
     i32 pad;
+    SdpaArgStrides st;
+};
+
+// The backward kernels of this file take the shared SdpaBwdArgs (tpar.cuh)
+// and the operands' strides; tpar_sdpa_bwd_pre_* alone takes SdpaBwdArgs by
+// itself (dense out and dout), as sdpa_hopper_bwd's launcher runs it.
+struct SdpaBwdStridedArgs {
+    SdpaBwdArgs a;
+    SdpaArgStrides st;
 };
 
 namespace sdpa {
@@ -64,17 +99,17 @@ constexpr int kBlock = 64;
 // Rows of the [*, 33] f32 chunk buffers (33: conflict-free column reads).
 constexpr int kLd = 33;
 
-// Copies columns c0..c0+31 of rows 0..ROWS-1 of a row-major matrix with `ld`
-// elements per row into s[ROWS][33] as f32; zero outside `nrows` x `ncols`.
+// Copies columns c0..c0+31 of rows 0..ROWS-1 of a matrix whose rows are `ld`
+// elements apart into s[ROWS][33] as f32; zero outside `nrows` x `ncols`.
 template <typename T, int ROWS, int NT>
-TPAR_DEVICE void simt_chunk(float* s, const T* g, int ld, int nrows, int c0, int ncols) {
+TPAR_DEVICE void simt_chunk(float* s, const T* g, i64 ld, int nrows, int c0, int ncols) {
     static_assert(ROWS * 32 % NT == 0, "whole passes of the block");
 #pragma unroll
     for (int it = 0; it < ROWS * 32 / NT; ++it) {
         const int e = threadIdx.x + it * NT;
         const int r = e >> 5, c = e & 31;
         float x = 0.0f;
-        if (r < nrows && c0 + c < ncols) x = to_f32(g[(i64)r * ld + c0 + c]);
+        if (r < nrows && c0 + c < ncols) x = to_f32(g[r * ld + c0 + c]);
         s[r * kLd + c] = x;
     }
 }
@@ -107,10 +142,10 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (a.q_heads / a.kv_heads);
     const i64 bh = (i64)b * a.q_heads + h;
-    const i64 bkv = (i64)b * a.kv_heads + kvh;
-    const T* Q = static_cast<const T*>(a.q) + (bh * a.q_len + q0) * a.head_dim;
-    const T* K = static_cast<const T*>(a.k) + bkv * a.kv_len * a.head_dim;
-    const T* V = static_cast<const T*>(a.v) + bkv * a.kv_len * a.v_dim;
+    const i64 qld = a.st.q.row, kld = a.st.k.row, vld = a.st.v.row;
+    const T* Q = static_cast<const T*>(a.q) + a.st.q.at(b, h, q0);
+    const T* K = static_cast<const T*>(a.k) + a.st.k.at(b, kvh, 0);
+    const T* V = static_cast<const T*>(a.v) + a.st.v.at(b, kvh, 0);
     const T* M = a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
     const int nq = min(kBlock, a.q_len - q0);
     const int kv_end = a.causal ? min(a.kv_len, q0 + kBlock) : a.kv_len;
@@ -135,8 +170,8 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
             for (int j = 0; j < 4; ++j) s[i][j] = 0.0f;
         for (int c0 = 0; c0 < a.head_dim; c0 += 32) {
             __syncthreads();
-            simt_chunk<T, kBlock, NT>(sA, Q, a.head_dim, nq, c0, a.head_dim);
-            simt_chunk<T, kBlock, NT>(sB, K + (i64)j0 * a.head_dim, a.head_dim, nk, c0, a.head_dim);
+            simt_chunk<T, kBlock, NT>(sA, Q, qld, nq, c0, a.head_dim);
+            simt_chunk<T, kBlock, NT>(sB, K + j0 * kld, kld, nk, c0, a.head_dim);
             __syncthreads();
 #pragma unroll 8
             for (int d = 0; d < 32; ++d) {
@@ -194,7 +229,7 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
         for (int vc = 0; vc < NC; ++vc) {
             if (vc * 32 < a.v_dim) {
                 __syncthreads();
-                simt_chunk<T, kBlock, NT>(sA, V + (i64)j0 * a.v_dim, a.v_dim, nk, vc * 32, a.v_dim);
+                simt_chunk<T, kBlock, NT>(sA, V + j0 * vld, vld, nk, vc * 32, a.v_dim);
                 __syncthreads();
 #pragma unroll 4
                 for (int j = 0; j < kBlock; ++j) {
@@ -210,7 +245,8 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
         }
     }
 
-    T* out = static_cast<T*>(a.out) + bh * a.q_len * a.v_dim;
+    T* out = static_cast<T*>(a.out) + a.st.out.at(b, h, 0);
+    const i64 out_ld = a.st.out.row;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float lt = half_warp_sum(l[i]);
@@ -223,7 +259,7 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
                 for (int e = 0; e < 2; ++e) {
                     const int c = vc * 32 + tx + 16 * e;
                     if (c < a.v_dim)
-                        out[(i64)r * a.v_dim + c] = from_f32<T>(o[i][2 * vc + e] * inv);
+                        out[r * out_ld + c] = from_f32<T>(o[i][2 * vc + e] * inv);
                 }
             if (tx == 0) a.lse[bh * a.q_len + r] = lt > 0.0f ? m[i] * kLn2 + logf(lt) : ninf;
         }
@@ -234,7 +270,7 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
 // thread (ty, tx) owns keys ty + 16i of the block's 64 and queries tx + 16j
 // of each 32-query tile, and dK/dV columns c*32 + tx + 16e.
 template <typename T, int NC>
-TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
+TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
     constexpr int NT = 256, BQ = 32;
     float* sA = reinterpret_cast<float*>(tpar_dyn_smem);  // [64][33] k / v chunk
     float* sB = sA + kBlock * kLd;                         // [32][33] q / dout chunk
@@ -245,9 +281,9 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     const int k0 = blockIdx.x * kBlock, kvh = blockIdx.y, b = blockIdx.z;
     const int group = a.q_heads / a.kv_heads;
-    const i64 bkv = (i64)b * a.kv_heads + kvh;
-    const T* K = static_cast<const T*>(a.k) + (bkv * a.kv_len + k0) * a.head_dim;
-    const T* V = static_cast<const T*>(a.v) + (bkv * a.kv_len + k0) * a.v_dim;
+    const i64 qld = st.q.row, kld = st.k.row, vld = st.v.row, gld = st.out.row;
+    const T* K = static_cast<const T*>(a.k) + st.k.at(b, kvh, k0);
+    const T* V = static_cast<const T*>(a.v) + st.v.at(b, kvh, k0);
     const int nk = min(kBlock, a.kv_len - k0);
     const float sl2 = a.scale * kLog2e;
     const float inf = tpar_inf();
@@ -264,8 +300,8 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
     for (int gi = 0; gi < group; ++gi) {
         const int h = kvh * group + gi;
         const i64 bh = (i64)b * a.q_heads + h;
-        const T* Qh = static_cast<const T*>(a.q) + bh * a.q_len * a.head_dim;
-        const T* Gh = static_cast<const T*>(a.dout) + bh * a.q_len * a.v_dim;
+        const T* Qh = static_cast<const T*>(a.q) + st.q.at(b, h, 0);
+        const T* Gh = static_cast<const T*>(a.dout) + st.out.at(b, h, 0);
         const float* Lh = a.lse + bh * a.q_len;
         const float* Dh = a.delta + bh * a.q_len;
         float* dQh = a.dq_acc + bh * a.q_len * a.head_dim;
@@ -273,8 +309,8 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
             a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
         for (int i0 = a.causal ? k0 : 0; i0 < a.q_len; i0 += BQ) {
             const int nq = min(BQ, a.q_len - i0);
-            const T* Q = Qh + (i64)i0 * a.head_dim;
-            const T* G = Gh + (i64)i0 * a.v_dim;
+            const T* Q = Qh + i0 * qld;
+            const T* G = Gh + i0 * gld;
             __syncthreads();  // the previous tile's readers are done
             if (threadIdx.x < BQ) {
                 const int r = threadIdx.x;
@@ -294,8 +330,8 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
             // S^T = K Q^T
             for (int c0 = 0; c0 < a.head_dim; c0 += 32) {
                 __syncthreads();
-                simt_chunk<T, kBlock, NT>(sA, K, a.head_dim, nk, c0, a.head_dim);
-                simt_chunk<T, BQ, NT>(sB, Q, a.head_dim, nq, c0, a.head_dim);
+                simt_chunk<T, kBlock, NT>(sA, K, kld, nk, c0, a.head_dim);
+                simt_chunk<T, BQ, NT>(sB, Q, qld, nq, c0, a.head_dim);
                 __syncthreads();
 #pragma unroll 8
                 for (int d = 0; d < 32; ++d) {
@@ -311,8 +347,8 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
             // dP^T = V dout^T
             for (int c0 = 0; c0 < a.v_dim; c0 += 32) {
                 __syncthreads();
-                simt_chunk<T, kBlock, NT>(sA, V, a.v_dim, nk, c0, a.v_dim);
-                simt_chunk<T, BQ, NT>(sB, G, a.v_dim, nq, c0, a.v_dim);
+                simt_chunk<T, kBlock, NT>(sA, V, vld, nk, c0, a.v_dim);
+                simt_chunk<T, BQ, NT>(sB, G, gld, nq, c0, a.v_dim);
                 __syncthreads();
 #pragma unroll 8
                 for (int d = 0; d < 32; ++d) {
@@ -347,7 +383,7 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
             for (int vc = 0; vc < NC; ++vc) {
                 if (vc * 32 < a.v_dim) {
                     __syncthreads();
-                    simt_chunk<T, BQ, NT>(sB, G, a.v_dim, nq, vc * 32, a.v_dim);
+                    simt_chunk<T, BQ, NT>(sB, G, gld, nq, vc * 32, a.v_dim);
                     __syncthreads();
 #pragma unroll 4
                     for (int qi = 0; qi < BQ; ++qi) {
@@ -366,7 +402,7 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
             for (int dc = 0; dc < NC; ++dc) {
                 if (dc * 32 < a.head_dim) {
                     __syncthreads();
-                    simt_chunk<T, BQ, NT>(sB, Q, a.head_dim, nq, dc * 32, a.head_dim);
+                    simt_chunk<T, BQ, NT>(sB, Q, qld, nq, dc * 32, a.head_dim);
                     __syncthreads();
 #pragma unroll 4
                     for (int qi = 0; qi < BQ; ++qi) {
@@ -383,7 +419,7 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
             // dQ += dS K: thread owns queries ty + 16i (i < 2), columns tx + 16e.
             for (int c0 = 0; c0 < a.head_dim; c0 += 32) {
                 __syncthreads();
-                simt_chunk<T, kBlock, NT>(sA, K, a.head_dim, nk, c0, a.head_dim);
+                simt_chunk<T, kBlock, NT>(sA, K, kld, nk, c0, a.head_dim);
                 __syncthreads();
                 float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll 4
@@ -410,8 +446,8 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
         }
     }
 
-    T* dK = static_cast<T*>(a.dk) + (bkv * a.kv_len + k0) * a.head_dim;
-    T* dV = static_cast<T*>(a.dv) + (bkv * a.kv_len + k0) * a.v_dim;
+    T* dK = static_cast<T*>(a.dk) + st.k.at(b, kvh, k0);
+    T* dV = static_cast<T*>(a.dv) + st.v.at(b, kvh, k0);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int kl = ty + 16 * i;
@@ -421,9 +457,8 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int c = cc * 32 + tx + 16 * e;
-                    if (c < a.head_dim)
-                        dK[(i64)kl * a.head_dim + c] = from_f32<T>(dk[i][2 * cc + e] * a.scale);
-                    if (c < a.v_dim) dV[(i64)kl * a.v_dim + c] = from_f32<T>(dv[i][2 * cc + e]);
+                    if (c < a.head_dim) dK[kl * kld + c] = from_f32<T>(dk[i][2 * cc + e] * a.scale);
+                    if (c < a.v_dim) dV[kl * vld + c] = from_f32<T>(dv[i][2 * cc + e]);
                 }
         }
     }
@@ -558,10 +593,11 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (a.q_heads / a.kv_heads);
     const i64 bh = (i64)b * a.q_heads + h;
-    const i64 bkv = (i64)b * a.kv_heads + kvh;
-    const T* Q = static_cast<const T*>(a.q) + (bh * a.q_len + q0) * a.head_dim;
-    const T* K = static_cast<const T*>(a.k) + bkv * a.kv_len * a.head_dim;
-    const T* V = static_cast<const T*>(a.v) + bkv * a.kv_len * a.v_dim;
+    // Row strides (below 2^24: tile offsets stay in i32).
+    const int qld = (int)a.st.q.row, kld = (int)a.st.k.row, vld = (int)a.st.v.row;
+    const T* Q = static_cast<const T*>(a.q) + a.st.q.at(b, h, q0);
+    const T* K = static_cast<const T*>(a.k) + a.st.k.at(b, kvh, 0);
+    const T* V = static_cast<const T*>(a.v) + a.st.v.at(b, kvh, 0);
     const T* M = a.mask ? static_cast<const T*>(a.mask) + b * a.mask_bs + h * a.mask_hs : nullptr;
     const int nq = min(BQ, a.q_len - q0);
     const int kv_end = a.causal ? min(a.kv_len, q0 + BQ) : a.kv_len;
@@ -572,11 +608,10 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     const int row_lo = q0 + wrow + g;
     const TileCopy<HD, NT> tcp;
     const LdsmOffsets<HD> lo;
-    const int k_step = kBlock * a.head_dim, v_step = kBlock * a.v_dim;
+    const int k_step = kBlock * kld, v_step = kBlock * vld;
 
-    tc_load<T, BQ, HD, NT>(sQ, Q, a.head_dim, nq, a.head_dim, tcp);
-    if (kv_end > 0)
-        tc_load<T, kBlock, HD, NT>(sK, K, a.head_dim, min(kBlock, a.kv_len), a.head_dim, tcp);
+    tc_load<T, BQ, HD, NT>(sQ, Q, qld, nq, a.head_dim, tcp);
+    if (kv_end > 0) tc_load<T, kBlock, HD, NT>(sK, K, kld, min(kBlock, a.kv_len), a.head_dim, tcp);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -606,7 +641,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
     }
 
     for (int j0 = 0; j0 < kv_end; j0 += kBlock) {
-        tc_load<T, kBlock, HD, NT>(sV, V, a.v_dim, min(kBlock, a.kv_len - j0), a.v_dim, tcp);
+        tc_load<T, kBlock, HD, NT>(sV, V, vld, min(kBlock, a.kv_len - j0), a.v_dim, tcp);
         cp_async_commit();
         V += v_step;
 
@@ -718,8 +753,8 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
         __syncthreads();  // v tile in; every warp is done with the k tile
         if (j0 + kBlock < kv_end) {
             K += k_step;
-            tc_load<T, kBlock, HD, NT>(sK, K, a.head_dim, min(kBlock, a.kv_len - j0 - kBlock),
-                                       a.head_dim, tcp);
+            tc_load<T, kBlock, HD, NT>(sK, K, kld, min(kBlock, a.kv_len - j0 - kBlock), a.head_dim,
+                                       tcp);
         }
         cp_async_commit();
 
@@ -759,7 +794,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
         tc_stage<T, HD>(sQ, o[mt], wrow + 16 * mt, inv);
     }
     __syncthreads();
-    tc_store<T, BQ, HD, NT>(static_cast<T*>(a.out) + (bh * a.q_len + q0) * a.v_dim, sQ, a.v_dim,
+    tc_store<T, BQ, HD, NT>(static_cast<T*>(a.out) + a.st.out.at(b, h, q0), sQ, (int)a.st.out.row,
                             nq, a.v_dim, tcp);
 }
 
@@ -771,7 +806,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
 // and element masks are looked at only in tiles that need them (a partial
 // key or query tile, the warp's causal diagonal, an additive mask).
 template <typename T, int HD>
-TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
+TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
     constexpr int NT = 128;
     constexpr int TILE = kBlock * HD;
     T* sK = reinterpret_cast<T*>(tpar_dyn_smem);
@@ -785,7 +820,6 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     const int g = lane >> 2, t = lane & 3;
     const int k0 = blockIdx.x * kBlock, kvh = blockIdx.y, b = blockIdx.z;
     const int group = a.q_heads / a.kv_heads;
-    const i64 bkv = (i64)b * a.kv_heads + kvh;
     const int nk = min(kBlock, a.kv_len - k0);
     const float sl2 = a.scale * kLog2e;
     const float inf = tpar_inf();
@@ -795,8 +829,10 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     const int i_start = a.causal ? k0 : 0;
     const int per_head = a.q_len > i_start ? (a.q_len - i_start + kBlock - 1) / kBlock : 0;
     const int ntiles = group * per_head;
-    const T* Qb = static_cast<const T*>(a.q) + (i64)b * a.q_heads * a.q_len * a.head_dim;
-    const T* Gb = static_cast<const T*>(a.dout) + (i64)b * a.q_heads * a.q_len * a.v_dim;
+    // Row strides (below 2^24: tile offsets stay in i32).
+    const int qld = (int)st.q.row, kld = (int)st.k.row, vld = (int)st.v.row, gld = (int)st.out.row;
+    const T* Qb = static_cast<const T*>(a.q) + st.q.at(b, 0, 0);
+    const T* Gb = static_cast<const T*>(a.dout) + st.out.at(b, 0, 0);
     const TileCopy<HD, NT> tcp;
     const LdsmOffsets<HD> lo;
     const T* sKw = sK + warp * 16 * HD;
@@ -808,16 +844,13 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     // This lane's dQ elements: query rows warp*16 + g (+ 8), columns 2t (+1).
     const int dq_off = (warp * 16 + g) * a.head_dim + 2 * t, dq_row8 = 8 * a.head_dim;
 
-    const i64 krow = bkv * a.kv_len + k0;
-    tc_load<T, kBlock, HD, NT>(sK, static_cast<const T*>(a.k) + krow * a.head_dim, a.head_dim, nk,
-                               a.head_dim, tcp);
-    tc_load<T, kBlock, HD, NT>(sV, static_cast<const T*>(a.v) + krow * a.v_dim, a.v_dim, nk,
-                               a.v_dim, tcp);
+    const i64 koff = st.k.at(b, kvh, k0), voff = st.v.at(b, kvh, k0);
+    tc_load<T, kBlock, HD, NT>(sK, static_cast<const T*>(a.k) + koff, kld, nk, a.head_dim, tcp);
+    tc_load<T, kBlock, HD, NT>(sV, static_cast<const T*>(a.v) + voff, vld, nk, a.v_dim, tcp);
     if (ntiles > 0) {
-        const i64 row = (i64)(kvh * group) * a.q_len + i_start;
-        const int nq = min(kBlock, a.q_len - i_start);
-        tc_load<T, kBlock, HD, NT>(sQb, Qb + row * a.head_dim, a.head_dim, nq, a.head_dim, tcp);
-        tc_load<T, kBlock, HD, NT>(sGb, Gb + row * a.v_dim, a.v_dim, nq, a.v_dim, tcp);
+        const int h0 = kvh * group, nq = min(kBlock, a.q_len - i_start);
+        tc_load<T, kBlock, HD, NT>(sQb, Qb + st.q.at(0, h0, i_start), qld, nq, a.head_dim, tcp);
+        tc_load<T, kBlock, HD, NT>(sGb, Gb + st.out.at(0, h0, i_start), gld, nq, a.v_dim, tcp);
     }
     cp_async_commit();
 
@@ -856,13 +889,13 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
         cp_async_wait<0>();
         __syncthreads();  // this tile's q and dout are in; the previous tile is done
         if (it + 1 < ntiles) {
-            const i64 row = (i64)h_next * a.q_len + i_next;
             const int nq2 = min(kBlock, a.q_len - i_next);
             T* dstQ = sQb + ((it + 1) & 1) * TILE;
             T* dstG = sGb + ((it + 1) & 1) * TILE;
-            tc_load<T, kBlock, HD, NT>(dstQ, Qb + row * a.head_dim, a.head_dim, nq2, a.head_dim,
+            tc_load<T, kBlock, HD, NT>(dstQ, Qb + st.q.at(0, h_next, i_next), qld, nq2, a.head_dim,
                                        tcp);
-            tc_load<T, kBlock, HD, NT>(dstG, Gb + row * a.v_dim, a.v_dim, nq2, a.v_dim, tcp);
+            tc_load<T, kBlock, HD, NT>(dstG, Gb + st.out.at(0, h_next, i_next), gld, nq2, a.v_dim,
+                                       tcp);
         }
         cp_async_commit();
 
@@ -1024,29 +1057,36 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a) {
     tc_stage<T, HD>(sQb, dk, warp * 16, mk);
     tc_stage<T, HD>(sGb, dv, warp * 16, mv);
     __syncthreads();
-    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dk) + krow * a.head_dim, sQb, a.head_dim, nk,
-                                a.head_dim, tcp);
-    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dv) + krow * a.v_dim, sGb, a.v_dim, nk, a.v_dim,
-                                tcp);
+    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dk) + koff, sQb, kld, nk, a.head_dim, tcp);
+    tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dv) + voff, sGb, vld, nk, a.v_dim, tcp);
 }
 
 // ------------------------------------------------------------------ backward helpers
 
-// delta[r] = sum_c dout[r, c] * out[r, c] (one warp per row, grid-strided),
-// and the whole dq accumulator zeroed: ceil(q_len / 64) * 64 rows of
+// The offset under `s` of the first element of query row r (of the
+// batch * q_heads * q_len rows, batch-major).
+TPAR_DEVICE i64 query_row(const SdpaOpStrides& s, const SdpaBwdArgs& a, i64 r) {
+    const i64 bh = r / a.q_len;
+    return s.at(bh / a.q_heads, bh % a.q_heads, r % a.q_len);
+}
+
+// delta[r] = sum_c dout[r, c] * out[r, c] (one warp per row, grid-strided;
+// `os` the strides of out and dout), and the whole dq accumulator zeroed:
+// ceil(q_len / 64) * 64 rows of
 // head_dim floats per (batch, q head), the extent of the Hopper backward's
 // tile layout (sdpa_hopper_bwd.cu), whose last tile spreads its valid rows
 // over its whole block; the row-major kernels here use the first
 // batch * q_heads * q_len rows. The extent is a multiple of 64 floats and
 // dq_acc is 256-byte aligned: 16-byte stores, grid-strided.
 template <typename T>
-TPAR_DEVICE void bwd_pre(const SdpaBwdArgs& a) {
+TPAR_DEVICE void bwd_pre(const SdpaBwdArgs& a, const SdpaOpStrides& os) {
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const i64 rows = (i64)a.batch * a.q_heads * a.q_len;
     for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows;
          r += (i64)gridDim.x * warps) {
-        const T* o = static_cast<const T*>(a.out) + r * a.v_dim;
-        const T* gr = static_cast<const T*>(a.dout) + r * a.v_dim;
+        const i64 at = query_row(os, a, r);
+        const T* o = static_cast<const T*>(a.out) + at;
+        const T* gr = static_cast<const T*>(a.dout) + at;
         float s = 0.0f;
         for (int c = lane; c < a.v_dim; c += 32) s += to_f32(o[c]) * to_f32(gr[c]);
         s = warp_sum(s);
@@ -1061,14 +1101,24 @@ TPAR_DEVICE void bwd_pre(const SdpaBwdArgs& a) {
         acc[u] = Raw16{{0u, 0u, 0u, 0u}};
 }
 
-// dq = scale * dq_acc, rounded to T; grid-strided.
+// dq = scale * dq_acc, rounded to T, written through q's strides `qs` (the
+// accumulator is row-major); one warp per query row, grid-strided.
 template <typename T>
-TPAR_DEVICE void bwd_dq(const SdpaBwdArgs& a) {
-    const i64 n = (i64)a.batch * a.q_heads * a.q_len * a.head_dim;
-    T* dq = static_cast<T*>(a.dq);
-    const i64 step = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
-        dq[i] = from_f32<T>(a.dq_acc[i] * a.scale);
+TPAR_DEVICE void bwd_dq(const SdpaBwdArgs& a, const SdpaOpStrides& qs) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const i64 rows = (i64)a.batch * a.q_heads * a.q_len;
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < rows;
+         r += (i64)gridDim.x * warps) {
+        T* dq = static_cast<T*>(a.dq) + query_row(qs, a, r);
+        const float* acc = a.dq_acc + r * a.head_dim;
+        for (int c = lane; c < a.head_dim; c += 32) dq[c] = from_f32<T>(acc[c] * a.scale);
+    }
+}
+
+// The dense strides of out (and dout), for tpar_sdpa_bwd_pre_*.
+TPAR_DEVICE SdpaOpStrides dense_out(const SdpaBwdArgs& a) {
+    const i64 row = a.v_dim, head = row * a.q_len;
+    return SdpaOpStrides{head * a.q_heads, head, row};
 }
 
 }  // namespace sdpa
@@ -1080,29 +1130,29 @@ TPAR_DEVICE void bwd_dq(const SdpaBwdArgs& a) {
 
 // SIMT kernels: NC = 32-column chunks of the larger head dim (1, 2, 4, 8).
 TPAR_KERNEL(tpar_sdpa_fwd_simt1_f32, SdpaFwdArgs, 256) { sdpa::fwd_simt<float, 1>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt1_f32, SdpaBwdArgs, 256) { sdpa::bwd_simt<float, 1>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt1_f32, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<float, 1>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt2_f32, SdpaFwdArgs, 256) { sdpa::fwd_simt<float, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt2_f32, SdpaBwdArgs, 256) { sdpa::bwd_simt<float, 2>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt2_f32, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<float, 2>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt4_f32, SdpaFwdArgs, 256) { sdpa::fwd_simt<float, 4>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt4_f32, SdpaBwdArgs, 256) { sdpa::bwd_simt<float, 4>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt4_f32, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<float, 4>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt8_f32, SdpaFwdArgs, 256) { sdpa::fwd_simt<float, 8>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt8_f32, SdpaBwdArgs, 256) { sdpa::bwd_simt<float, 8>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt8_f32, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<float, 8>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt1_bf16, SdpaFwdArgs, 256) { sdpa::fwd_simt<bf16, 1>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt1_bf16, SdpaBwdArgs, 256) { sdpa::bwd_simt<bf16, 1>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt1_bf16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<bf16, 1>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt2_bf16, SdpaFwdArgs, 256) { sdpa::fwd_simt<bf16, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt2_bf16, SdpaBwdArgs, 256) { sdpa::bwd_simt<bf16, 2>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt2_bf16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<bf16, 2>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt4_bf16, SdpaFwdArgs, 256) { sdpa::fwd_simt<bf16, 4>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt4_bf16, SdpaBwdArgs, 256) { sdpa::bwd_simt<bf16, 4>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt4_bf16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<bf16, 4>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt8_bf16, SdpaFwdArgs, 256) { sdpa::fwd_simt<bf16, 8>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt8_bf16, SdpaBwdArgs, 256) { sdpa::bwd_simt<bf16, 8>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt8_bf16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<bf16, 8>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt1_f16, SdpaFwdArgs, 256) { sdpa::fwd_simt<f16, 1>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt1_f16, SdpaBwdArgs, 256) { sdpa::bwd_simt<f16, 1>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt1_f16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<f16, 1>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt2_f16, SdpaFwdArgs, 256) { sdpa::fwd_simt<f16, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt2_f16, SdpaBwdArgs, 256) { sdpa::bwd_simt<f16, 2>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt2_f16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<f16, 2>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt4_f16, SdpaFwdArgs, 256) { sdpa::fwd_simt<f16, 4>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt4_f16, SdpaBwdArgs, 256) { sdpa::bwd_simt<f16, 4>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt4_f16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<f16, 4>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_simt8_f16, SdpaFwdArgs, 256) { sdpa::fwd_simt<f16, 8>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_simt8_f16, SdpaBwdArgs, 256) { sdpa::bwd_simt<f16, 8>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_simt8_f16, SdpaBwdStridedArgs, 256) { sdpa::bwd_simt<f16, 8>(args.a, args.st); }
 
 // Tensor-core kernels: HD = padded head dim (64, 128); forward with 64
 // (`tc<HD>`) or 128 (`tc<HD>m2`) query rows per block. The 64-row forward
@@ -1116,20 +1166,26 @@ TPAR_KERNEL(tpar_sdpa_bwd_simt8_f16, SdpaBwdArgs, 256) { sdpa::bwd_simt<f16, 8>(
 #endif
 TPAR_KERNEL(tpar_sdpa_fwd_tc64_bf16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<bf16, 64, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc64m2_bf16, SdpaFwdArgs, 128) { sdpa::fwd_tc<bf16, 64, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_tc64_bf16, SdpaBwdArgs, 128) { sdpa::bwd_tc<bf16, 64>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_tc64_bf16, SdpaBwdStridedArgs, 128) { sdpa::bwd_tc<bf16, 64>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc128_bf16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<bf16, 128, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc128m2_bf16, SdpaFwdArgs, 128) { sdpa::fwd_tc<bf16, 128, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_tc128_bf16, SdpaBwdArgs, 128) { sdpa::bwd_tc<bf16, 128>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_tc128_bf16, SdpaBwdStridedArgs, 128) { sdpa::bwd_tc<bf16, 128>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc64_f16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<f16, 64, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc64m2_f16, SdpaFwdArgs, 128) { sdpa::fwd_tc<f16, 64, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_tc64_f16, SdpaBwdArgs, 128) { sdpa::bwd_tc<f16, 64>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_tc64_f16, SdpaBwdStridedArgs, 128) { sdpa::bwd_tc<f16, 64>(args.a, args.st); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc128_f16, SdpaFwdArgs, SDPA_TC_FWD_BOUNDS) { sdpa::fwd_tc<f16, 128, 1>(args); }
 TPAR_KERNEL(tpar_sdpa_fwd_tc128m2_f16, SdpaFwdArgs, 128) { sdpa::fwd_tc<f16, 128, 2>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_tc128_f16, SdpaBwdArgs, 128) { sdpa::bwd_tc<f16, 128>(args); }
+TPAR_KERNEL(tpar_sdpa_bwd_tc128_f16, SdpaBwdStridedArgs, 128) { sdpa::bwd_tc<f16, 128>(args.a, args.st); }
 
-TPAR_KERNEL(tpar_sdpa_bwd_pre_f32, SdpaBwdArgs, 256) { sdpa::bwd_pre<float>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_pre_bf16, SdpaBwdArgs, 256) { sdpa::bwd_pre<bf16>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_pre_f16, SdpaBwdArgs, 256) { sdpa::bwd_pre<f16>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_dq_f32, SdpaBwdArgs, 256) { sdpa::bwd_dq<float>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_dq_bf16, SdpaBwdArgs, 256) { sdpa::bwd_dq<bf16>(args); }
-TPAR_KERNEL(tpar_sdpa_bwd_dq_f16, SdpaBwdArgs, 256) { sdpa::bwd_dq<f16>(args); }
+// delta and the zeroed accumulator: `_strided` for the kernels of this file,
+// the plain ones (dense out and dout) for sdpa_hopper_bwd's launcher, which
+// passes SdpaBwdArgs alone.
+TPAR_KERNEL(tpar_sdpa_bwd_pre_strided_f32, SdpaBwdStridedArgs, 256) { sdpa::bwd_pre<float>(args.a, args.st.out); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_strided_bf16, SdpaBwdStridedArgs, 256) { sdpa::bwd_pre<bf16>(args.a, args.st.out); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_strided_f16, SdpaBwdStridedArgs, 256) { sdpa::bwd_pre<f16>(args.a, args.st.out); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_f32, SdpaBwdArgs, 256) { sdpa::bwd_pre<float>(args, sdpa::dense_out(args)); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_bf16, SdpaBwdArgs, 256) { sdpa::bwd_pre<bf16>(args, sdpa::dense_out(args)); }
+TPAR_KERNEL(tpar_sdpa_bwd_pre_f16, SdpaBwdArgs, 256) { sdpa::bwd_pre<f16>(args, sdpa::dense_out(args)); }
+TPAR_KERNEL(tpar_sdpa_bwd_dq_f32, SdpaBwdStridedArgs, 256) { sdpa::bwd_dq<float>(args.a, args.st.q); }
+TPAR_KERNEL(tpar_sdpa_bwd_dq_bf16, SdpaBwdStridedArgs, 256) { sdpa::bwd_dq<bf16>(args.a, args.st.q); }
+TPAR_KERNEL(tpar_sdpa_bwd_dq_f16, SdpaBwdStridedArgs, 256) { sdpa::bwd_dq<f16>(args.a, args.st.q); }

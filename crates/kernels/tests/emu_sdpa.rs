@@ -4,8 +4,7 @@
 mod common;
 
 use common::sdpa::{
-    bwd_buffers_at, check_lse, forward_outputs, max_rel, shape, Grads, Inputs, MaskKind, MaskPlan,
-    Workspace,
+    bwd_buffers_at, check_lse, max_rel, run_dense, shape, Inputs, MaskKind, MaskPlan, Ran,
 };
 use common::{emu, f64s, mptr, ptr};
 use half::{bf16, f16};
@@ -37,21 +36,12 @@ fn tols(dtype: CudaDType) -> (f64, f64, f64) {
 /// Runs forward and backward of `c` on the emulator and checks them against
 /// the f64 reference on the same (rounded) inputs.
 fn run<T: Float>(dtype: CudaDType, c: &Case, path: SdpaPath) {
-    let emu = emu();
     let s = &c.s;
     let x = Inputs::<T>::new(s, c.mask, MASKS);
     let (out_ref, lse_ref) = x.reference_forward(s);
     let (dq_ref, dk_ref, dv_ref) = x.reference_backward(s);
 
-    let (mut o, mut lse) = forward_outputs::<T>(s);
-    let mut g = Grads::new(&x);
-    let mut ws = Workspace::new(s);
-    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
-    // thread before returning), each holding every element the call's sizes reach.
-    unsafe {
-        sdpa_forward(emu, dtype, s, &x.fwd_buffers(&mut o, &mut lse), path).unwrap();
-        sdpa_backward(emu, dtype, s, &x.bwd_buffers(&o, &lse, &mut g, &mut ws), path).unwrap();
-    }
+    let Ran { out: o, lse, g, .. } = run_dense(dtype, s, &x, path).unwrap();
     let (t_out, t_lse, t_grad) = tols(dtype);
     let what = format!("{dtype:?} {path:?} {s:?} mask {:?}", c.mask);
     let e = max_rel(&format!("out {what}"), &f64s(&o), &out_ref);

@@ -1,13 +1,18 @@
-//! Attention test inputs shared by `emu_sdpa.rs`, `emu_sdpa_hopper.rs` and
-//! `emu_sdpa_hopper_bwd.rs`: shapes, additive masks, one case's inputs and
-//! buffers, and the error measures against the f64 reference.
+//! Attention test inputs shared by `emu_sdpa.rs`, `emu_sdpa_strided.rs`,
+//! `emu_sdpa_hopper.rs` and `emu_sdpa_hopper_bwd.rs`: shapes, additive masks,
+//! one case's inputs and buffers, the error measures against the f64
+//! reference, and the placement of strided operands in host buffers.
 
-use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers};
+use tpar_kernels::cuda::raw::sdpa::{
+    SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers, SdpaLayout, SdpaStrides,
+};
 use tpar_kernels::sdpa::{reference, SdpaMask, SdpaShape};
 use tpar_kernels::Float;
 
-use tpar_kernels::cuda::raw::sdpa::sdpa_backward_workspace_bytes;
-use tpar_kernels::cuda::DevPtr;
+use tpar_kernels::cuda::raw::sdpa::{
+    sdpa_backward, sdpa_backward_workspace_bytes, sdpa_forward, SdpaPath,
+};
+use tpar_kernels::cuda::{CudaDType, DevPtr};
 
 use super::{cvt, data, f64s, mptr, ptr};
 
@@ -300,4 +305,193 @@ pub fn bwd_buffers_at(p: DevPtr, workspace_bytes: usize) -> SdpaBwdBuffers {
         workspace_bytes,
         layout: Default::default(),
     }
+}
+
+/// How the strided tests place the attention operands in host buffers.
+#[derive(Clone, Copy, Debug)]
+pub enum Arrangement {
+    /// q, k and v (and dq, dk, dv) in separate `[batch, len, heads * dim +
+    /// pad]` regions of one buffer, batches `pad` elements apart beyond their
+    /// rows; out (and dout) the same way.
+    Bshd { pad: usize },
+    /// q, k and v side by side in the rows of one `[batch, len, (q_heads + 2
+    /// kv_heads) * dim + pad]` buffer (a fused projection's output; needs
+    /// `q_len == kv_len` and `head_dim == v_dim`), dq, dk and dv likewise in
+    /// another; out (and dout) as [`Arrangement::Bshd`].
+    Packed { pad: usize },
+    /// `[batch, heads, len, dim]` with `pad` elements after every row, head
+    /// and batch.
+    Padded { pad: usize },
+}
+
+/// Where one operand `[batch, heads, len, dim]` lies in its host buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct Placed {
+    /// Element offset of element `(0, 0, 0, 0)`.
+    pub off: usize,
+    /// Element strides.
+    pub st: SdpaStrides,
+    /// `[batch, heads, len, dim]`.
+    pub dims: [usize; 4],
+}
+
+impl Placed {
+    /// The buffer offsets of the operand's elements, in dense `[batch,
+    /// heads, len, dim]` order.
+    pub fn offsets(&self) -> impl Iterator<Item = usize> + '_ {
+        let [nb, nh, nl, nd] = self.dims;
+        (0..nb).flat_map(move |b| {
+            (0..nh).flat_map(move |h| {
+                (0..nl).flat_map(move |i| {
+                    let row = self.off + b * self.st.batch + h * self.st.head + i * self.st.row;
+                    row..row + nd
+                })
+            })
+        })
+    }
+
+    /// One past the last element offset (`off` when the operand is empty).
+    pub fn end(&self) -> usize {
+        self.offsets().max().map_or(self.off, |o| o + 1)
+    }
+
+    /// The operand's elements in `buf`, in dense order.
+    pub fn gather<T: Copy>(&self, buf: &[T]) -> Vec<T> {
+        self.offsets().map(|o| buf[o]).collect()
+    }
+
+    /// Writes the dense `values` into the operand's elements of `buf`.
+    pub fn scatter<T: Copy>(&self, values: &[T], buf: &mut [T]) {
+        let mut n = 0;
+        for (o, &v) in self.offsets().zip(values) {
+            buf[o] = v;
+            n += 1;
+        }
+        assert_eq!(n, values.len(), "scatter: values for {:?}", self.dims);
+    }
+}
+
+/// The placements of q, k, v (one buffer, `qkv_len` elements; dq, dk, dv in
+/// another like it) and out (`out_len`; dout in another like it) of an
+/// [`Arrangement`].
+#[derive(Clone, Copy, Debug)]
+pub struct Placement {
+    pub q: Placed,
+    pub k: Placed,
+    pub v: Placed,
+    pub out: Placed,
+    pub qkv_len: usize,
+    pub out_len: usize,
+}
+
+impl Placement {
+    /// The placements of shape `s` under `arr`; region offsets are
+    /// multiples of 8 elements (16 bytes at 16-bit dtypes).
+    pub fn new(s: &SdpaShape, arr: Arrangement) -> Self {
+        let q = [s.batch, s.q_heads, s.q_len, s.head_dim];
+        let k = [s.batch, s.kv_heads, s.kv_len, s.head_dim];
+        let v = [s.batch, s.kv_heads, s.kv_len, s.v_dim];
+        let o = [s.batch, s.q_heads, s.q_len, s.v_dim];
+        // `[b, l, h * d + pad]` rows, batches `pad` apart past their rows.
+        let bshd = |[_, h, l, d]: [usize; 4], pad: usize| {
+            let row = h * d + pad;
+            SdpaStrides { batch: l * row + pad, head: d, row }
+        };
+        let padded = |[_, h, l, d]: [usize; 4], pad: usize| {
+            let row = d + pad;
+            let head = l * row + pad;
+            SdpaStrides { batch: h * head + pad, head, row }
+        };
+        // operands one after another from `at`, each region rounded to 8 elements
+        let chain = |at: usize, ops: [([usize; 4], SdpaStrides); 3]| {
+            let mut at = at;
+            ops.map(|(dims, st)| {
+                let p = Placed { off: at, st, dims };
+                at = p.end().next_multiple_of(8);
+                p
+            })
+        };
+        let (qkv, out_st) = match arr {
+            Arrangement::Bshd { pad } => {
+                (chain(0, [(q, bshd(q, pad)), (k, bshd(k, pad)), (v, bshd(v, pad))]), bshd(o, pad))
+            }
+            Arrangement::Padded { pad } => (
+                chain(0, [(q, padded(q, pad)), (k, padded(k, pad)), (v, padded(v, pad))]),
+                padded(o, pad),
+            ),
+            Arrangement::Packed { pad } => {
+                assert!(s.q_len == s.kv_len && s.head_dim == s.v_dim, "packed: {s:?}");
+                let d = s.head_dim;
+                let row = (s.q_heads + 2 * s.kv_heads) * d + pad;
+                let st = SdpaStrides { batch: s.q_len * row + pad, head: d, row };
+                let at = |off, dims| Placed { off, st, dims };
+                (
+                    [at(0, q), at(s.q_heads * d, k), at((s.q_heads + s.kv_heads) * d, v)],
+                    bshd(o, pad),
+                )
+            }
+        };
+        let [q, k, v] = qkv;
+        let out = Placed { off: 0, st: out_st, dims: o };
+        // a tail past every operand shows writes beyond the last element
+        let qkv_len = q.end().max(k.end()).max(v.end()) + 64;
+        Placement { q, k, v, out, qkv_len, out_len: out.end() + 64 }
+    }
+
+    /// The kernels' layout of these placements.
+    pub fn layout(&self) -> SdpaLayout {
+        SdpaLayout {
+            q: Some(self.q.st),
+            k: Some(self.k.st),
+            v: Some(self.v.st),
+            out: Some(self.out.st),
+        }
+    }
+}
+
+/// The bits of every element of `buf` whose offset no operand of `ops`
+/// covers, that differ from `guard`: `(offset, value)` pairs, empty when
+/// the kernels wrote nothing outside the operands.
+pub fn guards_touched<T: Float>(buf: &[T], ops: &[&Placed], guard: T) -> Vec<(usize, f64)> {
+    let mut covered = vec![false; buf.len()];
+    for p in ops {
+        for o in p.offsets() {
+            covered[o] = true;
+        }
+    }
+    let g = guard.to_f64().to_bits();
+    buf.iter()
+        .enumerate()
+        .filter(|&(i, x)| !covered[i] && x.to_f64().to_bits() != g)
+        .map(|(i, x)| (i, x.to_f64()))
+        .collect()
+}
+
+/// What one forward and backward call wrote.
+pub struct Ran<T> {
+    pub out: Vec<T>,
+    pub lse: Vec<f32>,
+    pub g: Grads<T>,
+    pub ws: Workspace,
+}
+
+/// Forward then backward of `x` on dense `[batch, heads, len, dim]` buffers
+/// on the emulator, with kernels of `path`.
+pub fn run_dense<T: Float>(
+    dtype: CudaDType,
+    s: &SdpaShape,
+    x: &Inputs<T>,
+    path: SdpaPath,
+) -> tpar_kernels::Result<Ran<T>> {
+    let (mut out, mut lse) = forward_outputs::<T>(s);
+    let mut g = Grads::new(x);
+    let mut ws = Workspace::new(s);
+    let emu = super::emu();
+    // SAFETY: host buffers stand in for device memory (the emulator runs the kernel on this
+    // thread before returning), each holding every element the call's sizes reach.
+    unsafe {
+        sdpa_forward(emu, dtype, s, &x.fwd_buffers(&mut out, &mut lse), path)?;
+        sdpa_backward(emu, dtype, s, &x.bwd_buffers(&out, &lse, &mut g, &mut ws), path)?;
+    }
+    Ok(Ran { out, lse, g, ws })
 }

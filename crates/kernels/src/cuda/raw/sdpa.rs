@@ -10,6 +10,13 @@
 //! e.g. a key-padding mask with head and row strides 0); fully masked rows
 //! give zeros, `lse = -inf` and no gradient.
 //!
+//! q, k, v and out (and dq, dk, dv, dout in the backward pass) may lie at any
+//! element strides ([`SdpaLayout`], [`SdpaStrides`]) whose last dim is
+//! contiguous: the kernels of `cuda/sdpa.cu` read and write them in place,
+//! e.g. the heads of `[batch, len, heads, dim]` tensors or of one packed
+//! `[batch, len, (q_heads + 2 kv_heads) * dim]` q/k/v projection output,
+//! with the same results bit for bit as on dense copies.
+//!
 //! The forward pass walks key tiles with an online softmax and never stores
 //! the score matrix. The backward pass recomputes the probabilities from
 //! `lse`: a small kernel computes `delta = rowsum(dout * out)`, one block per
@@ -19,11 +26,13 @@
 //!
 //! Two kernel families ([`SdpaPath`]): tensor-core kernels for bf16/f16
 //! (`mma.sync` + `ldmatrix`, head dims up to 128 that are multiples of 8,
-//! 16-byte aligned tensors), and SIMT kernels for every dtype and any head
-//! dims up to [`MAX_HEAD_DIM`]. [`SdpaPath::Auto`] takes the tensor cores when
-//! they apply. On devices that run `sm_90a` kernels, [`SdpaPath::Hopper`]
-//! selects the wgmma / TMA kernels of [`super::sdpa_hopper`] (forward) and
-//! [`super::sdpa_hopper_bwd`] (backward); `Auto` does not pick them.
+//! 16-byte aligned tensors, strides that are multiples of 8 elements and row
+//! strides below 2^24), and SIMT kernels for every dtype, any head dims up to
+//! [`MAX_HEAD_DIM`] and any strides. [`SdpaPath::Auto`] takes the tensor
+//! cores when they apply. On devices that run `sm_90a` kernels,
+//! [`SdpaPath::Hopper`] selects the wgmma / TMA kernels of
+//! [`super::sdpa_hopper`] (forward) and [`super::sdpa_hopper_bwd`]
+//! (backward), for dense operands only so far; `Auto` does not pick them.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -86,9 +95,44 @@ pub struct SdpaFwdArgs {
     pub scale: f32,
     /// Padding (keeps the struct free of implicit padding).
     pub pad: i32,
+    /// Element strides of q, k, v and out.
+    pub st: SdpaArgStrides,
 }
 
-/// Arguments of `tpar_sdpa_bwd_*` (every backward kernel takes the same struct).
+/// Element strides of one operand `[batch, heads, len, dim]` as the kernels
+/// take them (`cuda/sdpa.cu`'s `SdpaOpStrides`): element `(b, h, i, j)` at
+/// `b*batch + h*head + i*row + j`. A dim with one index has stride 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct SdpaOpStrides {
+    /// Elements between batches.
+    pub batch: i64,
+    /// Elements between heads.
+    pub head: i64,
+    /// Elements between rows.
+    pub row: i64,
+}
+
+/// The strides of every operand (`cuda/sdpa.cu`'s `SdpaArgStrides`): the
+/// backward pass uses q's for q and dq, k's for k and dk, v's for v and dv,
+/// out's for out and dout.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct SdpaArgStrides {
+    /// Strides of q (and dq).
+    pub q: SdpaOpStrides,
+    /// Strides of k (and dk).
+    pub k: SdpaOpStrides,
+    /// Strides of v (and dv).
+    pub v: SdpaOpStrides,
+    /// Strides of out (and dout).
+    pub out: SdpaOpStrides,
+}
+
+/// Arguments of `tpar_sdpa_bwd_*` (mirrors `SdpaBwdArgs` of `cuda/tpar.cuh`,
+/// shared with the Hopper backward); `cuda/sdpa.cu`'s backward kernels take
+/// it inside [`SdpaBwdStridedArgs`], `tpar_sdpa_bwd_pre_*` alone (dense `out`
+/// and `dout`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaBwdArgs {
@@ -143,6 +187,18 @@ pub struct SdpaBwdArgs {
     pub scale: f32,
     /// Padding (keeps the struct free of implicit padding).
     pub pad: i32,
+}
+
+/// Arguments of `cuda/sdpa.cu`'s backward kernels (`tpar_sdpa_bwd_simt*`,
+/// `_tc*`, `_pre_strided_*`, `_dq_*`): the shared backward arguments and the
+/// operands' strides.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct SdpaBwdStridedArgs {
+    /// Buffers and sizes.
+    pub a: SdpaBwdArgs,
+    /// Element strides of q/dq, k/dk, v/dv and out/dout.
+    pub st: SdpaArgStrides,
 }
 
 /// An additive attention mask in device memory, elements of the attention
@@ -284,9 +340,11 @@ pub enum SdpaPath {
     /// error naming why when the device does not run it or it does not take
     /// the call ([`super::sdpa_hopper::unsupported`]). Backward:
     /// [`super::sdpa_hopper_bwd`] where it takes the call
-    /// ([`super::sdpa_hopper_bwd::unsupported`]), else the tensor-core
-    /// kernels (as [`SdpaPath::TensorCore`]; the same `lse` convention).
-    /// `Auto` never picks it: these kernels have not run on a GPU yet.
+    /// ([`super::sdpa_hopper_bwd::unsupported`]) and the operands are dense,
+    /// else the tensor-core kernels (as [`SdpaPath::TensorCore`]; the same
+    /// `lse` convention). A forward call with strided operands
+    /// ([`SdpaLayout`]) is an error. `Auto` never picks it: these kernels have
+    /// not run on a GPU yet.
     Hopper,
 }
 
@@ -453,7 +511,8 @@ pub(crate) fn layout_extents(
     Ok(out)
 }
 
-/// The error of a kernel family that does not take strided operands yet.
+/// The error of a kernel family that does not take strided operands yet
+/// (the Hopper forward).
 pub(crate) fn refuse_strided(op: &'static str, layout: &SdpaLayout) -> Result<()> {
     for (name, st) in [("q", layout.q), ("k", layout.k), ("v", layout.v), ("out", layout.out)] {
         if st.is_some() {
@@ -461,6 +520,65 @@ pub(crate) fn refuse_strided(op: &'static str, layout: &SdpaLayout) -> Result<()
         }
     }
     Ok(())
+}
+
+/// The kernels' strides of every operand under `layout` (the dense strides
+/// where it has none), 0 for dims with one index (their strides never move
+/// an address). Errors name an operand whose strides do not fit `i64`;
+/// [`layout_extents`] refuses those first.
+pub(crate) fn arg_strides(
+    op: &'static str,
+    s: &SdpaShape,
+    layout: &SdpaLayout,
+) -> Result<SdpaArgStrides> {
+    let one = |name: &str, st: Option<SdpaStrides>, heads: usize, len: usize, dim: usize| {
+        let st = st.unwrap_or(SdpaStrides::contiguous(heads, len, dim));
+        let get = |n: usize, v: usize| {
+            let v = if n > 1 { v } else { 0 };
+            i64::try_from(v).map_err(|_| bad(op, format!("{name} stride {v} exceeds i64")))
+        };
+        Ok(SdpaOpStrides {
+            batch: get(s.batch, st.batch)?,
+            head: get(heads, st.head)?,
+            row: get(len, st.row)?,
+        })
+    };
+    Ok(SdpaArgStrides {
+        q: one("q", layout.q, s.q_heads, s.q_len, s.head_dim)?,
+        k: one("k", layout.k, s.kv_heads, s.kv_len, s.head_dim)?,
+        v: one("v", layout.v, s.kv_heads, s.kv_len, s.v_dim)?,
+        out: one("out", layout.out, s.q_heads, s.q_len, s.v_dim)?,
+    })
+}
+
+/// Largest row stride the tensor-core kernels take: their tile offsets
+/// (128 rows) are `i32`.
+const MAX_TENSOR_CORE_ROW_STRIDE: i64 = (1 << 24) - 1;
+
+/// Why the tensor-core kernels cannot address operands with strides `st`
+/// (`names`: what q's, k's, v's and out's strides are called in the
+/// message), if they cannot: each stride must keep every row 16-byte aligned
+/// (a multiple of 8 elements of a 16-bit dtype), and the row strides must fit
+/// their tile offsets.
+fn tensor_core_strides_unfit(names: [&str; 4], st: &SdpaArgStrides) -> Option<String> {
+    let ops = [st.q, st.k, st.v, st.out];
+    names.iter().zip(ops).find_map(|(name, o)| {
+        let dims = [("batch", o.batch), ("head", o.head), ("row", o.row)];
+        let why = |(dim, v): (&str, i64)| {
+            if v % 8 != 0 {
+                Some(format!(
+                    "{name} {dim} stride {v}: the tensor-core kernels need strides that are                      multiples of 8 elements (16-byte aligned rows)"
+                ))
+            } else if dim == "row" && v > MAX_TENSOR_CORE_ROW_STRIDE {
+                Some(format!(
+                    "{name} row stride {v}: the tensor-core kernels take row strides up to                      {MAX_TENSOR_CORE_ROW_STRIDE} elements"
+                ))
+            } else {
+                None
+            }
+        };
+        dims.into_iter().find_map(why)
+    })
 }
 
 /// A buffer of `elems` elements must be non-null and aligned to its element;
@@ -472,17 +590,31 @@ fn check_ptr(op: &'static str, name: &str, p: DevPtr, elems: usize, align: usize
     super::check_ptr(op, name, p, elems, align)
 }
 
-/// The tensor-core head dim (64 or 128) for these sizes and buffers
-/// (`(address, elements)`; empty ones may sit anywhere), if the tensor-core
-/// kernels apply.
-fn tensor_core_dim(dtype: CudaDType, s: &SdpaShape, ptrs: &[(DevPtr, usize)]) -> Option<usize> {
+/// The tensor-core head dim (64 or 128) for these sizes, buffers
+/// (`(address, elements)`; empty ones may sit anywhere) and strides (named
+/// `names` in messages), or why the tensor-core kernels do not apply.
+fn tensor_core_dim(
+    dtype: CudaDType,
+    s: &SdpaShape,
+    ptrs: &[(DevPtr, usize)],
+    (names, st): ([&str; 4], &SdpaArgStrides),
+) -> std::result::Result<usize, String> {
     let dim = s.head_dim.max(s.v_dim);
     let ok = dtype != CudaDType::F32
         && s.head_dim.is_multiple_of(8)
         && s.v_dim.is_multiple_of(8)
         && dim <= MAX_TENSOR_CORE_HEAD_DIM
         && ptrs.iter().all(|&(p, n)| n == 0 || p % 16 == 0);
-    ok.then_some(if dim <= 64 { 64 } else { 128 })
+    if !ok {
+        return Err(format!(
+            "{s:?} ({dtype:?}): the tensor-core kernels need bf16/f16, head dims that are \
+             multiples of 8 up to {MAX_TENSOR_CORE_HEAD_DIM}, and 16-byte aligned tensors"
+        ));
+    }
+    match tensor_core_strides_unfit(names, st) {
+        Some(why) => Err(why),
+        None => Ok(if dim <= 64 { 64 } else { 128 }),
+    }
 }
 
 /// A kernel variant chosen for a call.
@@ -501,7 +633,8 @@ struct Plan {
 /// large GPU partly idle (about two blocks per SM of an H100/H200).
 const WIDE_MIN_BLOCKS: usize = 256;
 
-/// Picks the kernel of `pass` (`"fwd"` or `"bwd"`).
+/// Picks the kernel of `pass` (`"fwd"` or `"bwd"`) for buffers `ptrs` and
+/// strides `st`.
 fn plan(
     op: &'static str,
     pass: &str,
@@ -509,21 +642,15 @@ fn plan(
     s: &SdpaShape,
     path: SdpaPath,
     ptrs: &[(DevPtr, usize)],
+    st: &SdpaArgStrides,
 ) -> Result<Plan> {
+    let names =
+        if pass == "fwd" { ["q", "k", "v", "out"] } else { ["q/dq", "k/dk", "v/dv", "out/dout"] };
     let tc = match path {
         SdpaPath::Simt => None,
-        SdpaPath::Auto => tensor_core_dim(dtype, s, ptrs),
+        SdpaPath::Auto => tensor_core_dim(dtype, s, ptrs, (names, st)).ok(),
         SdpaPath::TensorCore | SdpaPath::TensorCoreWide | SdpaPath::Hopper => {
-            Some(tensor_core_dim(dtype, s, ptrs).ok_or_else(|| {
-                bad(
-                    op,
-                    format!(
-                        "{s:?} ({dtype:?}): the tensor-core kernels need bf16/f16, head dims \
-                         that are multiples of 8 up to {MAX_TENSOR_CORE_HEAD_DIM}, and 16-byte \
-                         aligned tensors"
-                    ),
-                )
-            })?)
+            Some(tensor_core_dim(dtype, s, ptrs, (names, st)).map_err(|why| bad(op, why))?)
         }
     };
     let sfx = dtype.suffix();
@@ -695,9 +822,9 @@ pub fn sdpa_backward_workspace_bytes(s: &SdpaShape) -> Result<usize> {
 /// head), and `lse` = log-sum-exp of each query row's scaled, masked scores.
 ///
 /// # Safety
-/// Every buffer must be valid on the launcher's device for the sizes `s`
-/// gives it (elements of `dtype`; `lse` f32), and the mask for `mask.len`
-/// elements.
+/// Every buffer must be valid on the launcher's device for the elements
+/// `s` and the strides of `layout` reach (elements of `dtype`; `lse` f32),
+/// and the mask for `mask.len` elements.
 pub unsafe fn sdpa_forward(
     l: &dyn Launcher,
     dtype: CudaDType,
@@ -706,8 +833,9 @@ pub unsafe fn sdpa_forward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_forward";
-    refuse_strided(OP, &b.layout)?;
     if path == SdpaPath::Hopper {
+        // The Hopper kernels take dense operands until they learn strides.
+        refuse_strided(OP, &b.layout)?;
         // SAFETY: forwarded from the caller.
         return unsafe { super::sdpa_hopper::sdpa_forward(l, dtype, s, b) };
     }
@@ -715,7 +843,9 @@ pub unsafe fn sdpa_forward(
     if d.rows == 0 {
         return Ok(());
     }
-    let p = plan(OP, "fwd", dtype, s, path, &[(b.q, d.q), (b.k, d.k), (b.v, d.v), (b.out, d.out)])?;
+    let st = arg_strides(OP, s, &b.layout)?;
+    let ptrs = [(b.q, d.q), (b.k, d.k), (b.v, d.v), (b.out, d.out)];
+    let p = plan(OP, "fwd", dtype, s, path, &ptrs, &st)?;
     let args = SdpaFwdArgs {
         q: b.q,
         k: b.k,
@@ -736,6 +866,7 @@ pub unsafe fn sdpa_forward(
         causal: s.causal as i32,
         scale: s.scale as f32,
         pad: 0,
+        st,
     };
     let grid = [s.q_len.div_ceil(p.rows) as u32, d.q_heads as u32, d.batch as u32];
     let cfg = LaunchConfig::grid(grid, p.threads).with_shared(p.smem);
@@ -748,9 +879,10 @@ pub unsafe fn sdpa_forward(
 /// gradient is produced for the mask.
 ///
 /// # Safety
-/// Every buffer must be valid on the launcher's device for the sizes `s`
-/// gives it (elements of `dtype`; `lse` f32), the mask for `mask.len`
-/// elements and the workspace for `workspace_bytes` bytes.
+/// Every buffer must be valid on the launcher's device for the elements
+/// `s` and the strides of `layout` reach (elements of `dtype`; `lse` f32),
+/// the mask for `mask.len` elements and the workspace for `workspace_bytes`
+/// bytes.
 pub unsafe fn sdpa_backward(
     l: &dyn Launcher,
     dtype: CudaDType,
@@ -759,8 +891,12 @@ pub unsafe fn sdpa_backward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
-    refuse_strided(OP, &b.layout)?;
-    if path == SdpaPath::Hopper && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none() {
+    // Strided operands run on the kernels below (the Hopper backward takes
+    // dense ones until it learns strides).
+    if path == SdpaPath::Hopper
+        && b.layout.is_dense()
+        && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none()
+    {
         // SAFETY: forwarded from the caller (the same buffer contract).
         return unsafe { super::sdpa_hopper_bwd::sdpa_backward(l, dtype, s, b) };
     }
@@ -768,23 +904,17 @@ pub unsafe fn sdpa_backward(
     let [q, k, v, out] = layout_extents(OP, s, &b.layout)?;
     check_backward_buffers(OP, dtype, s, b, [q, k, v, out, d.rows])?;
     let dims = [d.batch, d.q_heads, d.kv_heads, d.q_len, d.kv_len, d.head_dim, d.v_dim];
-    let args = backward_args(s, b, d.mask, d.rows, dims);
+    let st = arg_strides(OP, s, &b.layout)?;
+    let args = SdpaBwdStridedArgs { a: backward_args(s, b, d.mask, d.rows, dims), st };
     let sfx = dtype.suffix();
-    let p = plan(
-        OP,
-        "bwd",
-        dtype,
-        s,
-        path,
-        &[(b.q, d.q), (b.k, d.k), (b.v, d.v), (b.dout, d.out), (b.dk, d.k), (b.dv, d.v)],
-    )?;
+    let ptrs = [(b.q, d.q), (b.k, d.k), (b.v, d.v), (b.dout, d.out), (b.dk, d.k), (b.dv, d.v)];
+    let p = plan(OP, "bwd", dtype, s, path, &ptrs, &st)?;
+    // The pre and dq kernels: one warp per query row.
+    let per_row = LaunchConfig::linear(d.rows.div_ceil(8).min(4096) as u32, 256);
     if d.rows > 0 {
-        // One warp per row.
-        let blocks = d.rows.div_ceil(8).min(4096) as u32;
-        let cfg = LaunchConfig::linear(blocks, 256);
         // SAFETY: sizes and pointers checked above; the caller vouches for
         // the buffers (`delta` is the start of the workspace).
-        unsafe { launch(l, &format!("tpar_sdpa_bwd_pre_{sfx}"), cfg, &args)? };
+        unsafe { launch(l, &format!("tpar_sdpa_bwd_pre_strided_{sfx}"), per_row, &args)? };
     }
     if d.k.max(d.v) > 0 {
         let grid = [s.kv_len.div_ceil(p.rows) as u32, d.kv_heads as u32, d.batch as u32];
@@ -793,9 +923,8 @@ pub unsafe fn sdpa_backward(
         unsafe { launch(l, &p.name, cfg, &args)? };
     }
     if d.q > 0 {
-        let cfg = LaunchConfig::for_items(d.q, 256, 4096);
         // SAFETY: as above.
-        unsafe { launch(l, &format!("tpar_sdpa_bwd_dq_{sfx}"), cfg, &args)? };
+        unsafe { launch(l, &format!("tpar_sdpa_bwd_dq_{sfx}"), per_row, &args)? };
     }
     Ok(())
 }
