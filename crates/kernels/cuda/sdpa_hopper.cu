@@ -10,8 +10,11 @@
 // - warpgroup 0 produces (setmaxnreg_dec): one thread brings the q tile once
 //   and the k and v tiles of BN = 128 keys into a ring of 3 stages (head dim
 //   64) or 2 (128) by bulk tensor
-//   copies (3-D maps over (head_dim, seq, batch * heads), 128-byte swizzle,
-//   boxes of 64 columns: one box per 64 of the head dim), each stage guarded
+//   copies (4-D maps over (head_dim, seq, heads, batch) with the operands'
+//   row, head and batch strides, so q, k and v may lie dense as [batch,
+//   heads, seq, head_dim] or side by side in the rows of a [batch, seq,
+//   heads * head_dim] or packed qkv buffer; 128-byte swizzle, boxes of 64
+//   columns: one box per 64 of the head dim), each stage guarded
 //   by "k full" and "v full" mbarriers (the copies' transaction bytes) and
 //   "k empty" and "v empty" mbarriers (lane 0 of each of the 8 consumer
 //   warps); v lags k by one tile (k0, k1, v0, k2, v1, ...), the order the
@@ -33,7 +36,9 @@
 //   issuing their products (an mbarrier per warpgroup), so that one's softmax
 //   runs while the other's products occupy the tensor cores.
 // Out-of-range q rows and keys load as zeros (the maps bound the sequence of
-// each head); those keys are masked, those rows never stored. lse is written
+// each head of each batch: rows past seq never reach the next head's or
+// batch's rows, whatever the strides); those keys are masked, those rows
+// never stored. lse is written
 // by one thread of each row. The output goes through shared memory, as in
 // FlashAttention-3: once a consumer warpgroup's last q k^T has retired, its
 // 64 rows of the q tile are free (the other warpgroup reads only its own),
@@ -41,7 +46,9 @@
 // 128-byte swizzle: element (r, c) of the warpgroup's rows in box c / 64,
 // row r at 128 r, 16-byte unit ((c % 64) / 8) ^ (r % 8), `o_staged`), then
 // one thread stores the HD / 64 boxes of 64 x 64 with bulk tensor stores
-// (map_o, which clips the rows past q_len). Each store of a warp (two
+// (map_o, 4-D over out with its strides, which clips the rows past q_len and
+// writes nothing else: an output in the rows of a wider buffer keeps the
+// other columns). Each store of a warp (two
 // elements, 4 bytes, per lane: rows 16 w + g (+ 8), columns 8 t + 2 q, + 1
 // of an 8-column block t) puts its 8 rows' 16 bytes in units
 // (t % 8) ^ g, 8 distinct units (r % 8 = g): 32 distinct banks, one
@@ -51,11 +58,11 @@
 // empty: the launcher only picks them for devices compiled for sm_90a.
 
 struct SdpaHopperFwdArgs {
-    TparTensorMap map_q;  // (head_dim, q_len, batch * q_heads), box 64 x 128
-    TparTensorMap map_k;  // (head_dim, kv_len, batch * kv_heads), box 64 x 128
+    TparTensorMap map_q;  // (head_dim, q_len, q_heads, batch), box 64 x 128 x 1 x 1
+    TparTensorMap map_k;  // (head_dim, kv_len, kv_heads, batch), box 64 x 128 x 1 x 1
     TparTensorMap map_v;  // like map_k over v
-    TparTensorMap map_o;  // (head_dim, q_len, batch * q_heads) over out, box 64 x 64
-    void* out;            // [batch, q_heads, q_len, head_dim]
+    TparTensorMap map_o;  // (head_dim, q_len, q_heads, batch) over out, box 64 x 64 x 1 x 1
+    void* out;            // element (0, 0, 0, 0) of the output (written through map_o)
     float* lse;           // [batch, q_heads, q_len]
     const void* mask;     // additive mask (attention dtype), or null
     i64 mask_bs, mask_hs, mask_rs;
@@ -124,7 +131,7 @@ TPAR_DEVICE u32 o_staged(int r, int c) {
 struct Work {
     int m0;       // first q row
     int h, b;     // q head, batch
-    int bh, bkv;  // z coordinates of q and k/v in the maps
+    int kvh;      // kv head
     int tiles;    // key tiles to visit
 };
 
@@ -133,8 +140,7 @@ TPAR_DEVICE Work work_of(const SdpaHopperFwdArgs& a) {
     w.m0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heavy causal tiles first
     w.h = blockIdx.y;
     w.b = blockIdx.z;
-    w.bh = w.b * a.q_heads + w.h;
-    w.bkv = w.b * a.kv_heads + w.h / (a.q_heads / a.kv_heads);
+    w.kvh = w.h / (a.q_heads / a.kv_heads);
     // Causal: keys past the tile's last row are masked for every row.
     const int kv_end = a.causal ? min(a.kv_len, w.m0 + BM) : a.kv_len;
     w.tiles = (kv_end + BN - 1) / BN;
@@ -149,7 +155,7 @@ TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     mbarrier_arrive_expect_tx(s.q_full, T);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
-        tma_load_3d(s.q + c * BOX_BYTES, &a.map_q, c * 64, w.m0, w.bh, s.q_full);
+        tma_load_4d(s.q + c * BOX_BYTES, &a.map_q, c * 64, w.m0, w.h, w.b, s.q_full);
     // tile n of k (is_v = 0) or v (1) into its stage, once the slot is free
     auto load = [&](int n, int is_v) {
         const int st = n % STAGES;
@@ -161,7 +167,7 @@ TPAR_DEVICE void produce(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         const TparTensorMap* map = is_v ? &a.map_v : &a.map_k;
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c)
-            tma_load_3d(dst + c * BOX_BYTES, map, c * 64, n * BN, w.bkv, full);
+            tma_load_4d(dst + c * BOX_BYTES, map, c * 64, n * BN, w.kvh, w.b, full);
     };
     if (w.tiles > 0) load(0, 0);
     for (int n = 0; n < w.tiles; ++n) {
@@ -365,7 +371,7 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
         const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
         const int row = r.row[hr];
         if (row < a.q_len && q == 0)
-            a.lse[(i64)w.bh * a.q_len + row] = lt > 0.0f ? r.m[hr] * kLn2 + logf(lt) : ninf;
+            a.lse[((i64)w.b * a.q_heads + w.h) * a.q_len + row] = lt > 0.0f ? r.m[hr] * kLn2 + logf(lt) : ninf;
         const int lr = row - r.wg_row0;
 #pragma unroll
         for (int i = 0; i < HD / 2; i += 2) {
@@ -381,7 +387,7 @@ TPAR_DEVICE void consume(const SdpaHopperFwdArgs& a, const Smem<HD>& s, const Wo
     if (tw == 0) {
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c)
-            tma_store_3d(&a.map_o, c * 64, r.wg_row0, w.bh, stage + c * BOX_BYTES);
+            tma_store_4d(&a.map_o, c * 64, r.wg_row0, w.h, w.b, stage + c * BOX_BYTES);
         tma_store_commit();
         // the stores have read the staging (and written out) before the block ends
         tma_store_wait<0>();

@@ -4,7 +4,10 @@
 // `tpar_sdpa_bwd_hopper_dq_*` (dq = scale * the accumulator, converted from
 // its tile layout, below). Same meaning as sdpa.cu's backward: q [batch,
 // q_heads, q_len, d], k and v [batch, kv_heads, kv_len, d], out / dout like q,
-// lse [batch, q_heads, q_len] (f32, natural log), GQA (q head h reads kv head
+// each through its own element strides (batch, head, row; the last dim
+// contiguous: dense, or heads side by side in the rows of a [batch, len,
+// heads * d] or packed qkv buffer), dq with q's strides, dk with k's, dv with
+// v's, dout with out's; lse [batch, q_heads, q_len] (f32, natural log), GQA (q head h reads kv head
 // h / (q_heads / kv_heads)), top-left causal masking, an optional additive
 // mask of the attention type broadcast by strides; a row whose lse is -inf
 // gets no gradient. Launcher: src/cuda/raw/sdpa_hopper_bwd.rs.
@@ -12,8 +15,9 @@
 // Head dims (head_dim == v_dim) HD = 64 or 128, bf16 or f16. One block of 384
 // threads per (128-key block, kv head, batch):
 // - warpgroup 0 produces (setmaxnreg_dec): one warp brings the block's K and
-//   V tiles once (bulk tensor copies, 64-column boxes, 128-byte swizzle, keys
-//   past kv_len read as zeros) and then, for every q head of the group and
+//   V tiles once (bulk tensor copies through 4-D maps (d, len, heads, batch)
+//   with the operands' strides, 64-column boxes, 128-byte swizzle, keys past
+//   kv_len read as zeros: a map bounds each head of each batch) and then, for every q head of the group and
 //   every 64-query tile from the block's first visible query (causal: the
 //   block's first key), the Q and dO tiles into a 2-stage ring guarded by
 //   "full" mbarriers (the copies' bytes and the warp's 32 arrivals, after it
@@ -61,8 +65,8 @@
 // every block (a last tile's valid rows are spread over its whole block),
 // and `tpar_sdpa_bwd_hopper_dq_*` reads the blocks back (16-byte reads, 4
 // threads on 64 consecutive bytes), scales and writes dq [batch, q_heads,
-// q_len, HD], valid rows only, a warp writing 128 consecutive bytes of each
-// of its two rows. Callers size the workspace with
+// q_len, HD] through q's strides, valid rows only, a warp writing 128
+// consecutive bytes of each of its two rows. Callers size the workspace with
 // sdpa_backward_workspace_bytes, which counts the padded rows.
 //
 // Shared memory: 1024 bytes of alignment slack, K and V (2 x 128 x HD x 2),
@@ -83,13 +87,21 @@
 // emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet:
 // no speed is measured.
 
+// Element strides of an operand [batch, heads, len, d] (d contiguous).
+struct SdpaHopperStrides {
+    i64 batch, head, row;
+    // The offset of element (b, h, i, 0).
+    TPAR_DEVICE i64 at(i64 b, i64 h, i64 i) const { return b * batch + h * head + i * row; }
+};
+
 struct SdpaHopperBwdArgs {
-    TparTensorMap map_q;   // 3-D (head_dim, q_len, batch * q_heads), box 64 x 64
-    TparTensorMap map_k;   // 3-D (head_dim, kv_len, batch * kv_heads), box 64 x 128
+    TparTensorMap map_q;   // 4-D (head_dim, q_len, q_heads, batch), box 64 x 64 x 1 x 1
+    TparTensorMap map_k;   // 4-D (head_dim, kv_len, kv_heads, batch), box 64 x 128 x 1 x 1
     TparTensorMap map_v;   // like map_k over v
-    TparTensorMap map_do;  // like map_q over dout
+    TparTensorMap map_do;  // like map_q over dout (out's strides)
     SdpaBwdArgs a;
-    i32 pad[8];
+    SdpaHopperStrides dq, dk, dv;  // where the gradients go (q's, k's and v's strides)
+    i32 pad[6];  // to a multiple of 64 bytes (768)
 };
 
 namespace sdpa_hopper_bwd {
@@ -205,12 +217,11 @@ TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
     constexpr int QT = BR * HD * 2;
     const SdpaBwdArgs& a = p.a;
     const int lane = threadIdx.x % 32;
-    const int bkv = w.b * a.kv_heads + w.kvh;
     if (lane == 0) {
         mbarrier_arrive_expect_tx(s.kv_full, 2u * BC * HD * 2);
         for (int j = 0; j < HD / 64; ++j) {
-            tma_load_3d(s.k + j * KBOX, &p.map_k, 64 * j, w.k0, bkv, s.kv_full);
-            tma_load_3d(s.v + j * KBOX, &p.map_v, 64 * j, w.k0, bkv, s.kv_full);
+            tma_load_4d(s.k + j * KBOX, &p.map_k, 64 * j, w.k0, w.kvh, w.b, s.kv_full);
+            tma_load_4d(s.v + j * KBOX, &p.map_v, 64 * j, w.k0, w.kvh, w.b, s.kv_full);
         }
     }
     const float inf = tpar_inf();
@@ -227,8 +238,8 @@ TPAR_DEVICE void produce(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         if (lane == 0) {
             mbarrier_expect_tx(&s.full[st], 2u * BR * HD * 2);
             for (int j = 0; j < HD / 64; ++j) {
-                tma_load_3d(sq + j * QBOX, &p.map_q, 64 * j, i0, (int)bh, &s.full[st]);
-                tma_load_3d(sq + QT + j * QBOX, &p.map_do, 64 * j, i0, (int)bh, &s.full[st]);
+                tma_load_4d(sq + j * QBOX, &p.map_q, 64 * j, i0, h, w.b, &s.full[st]);
+                tma_load_4d(sq + QT + j * QBOX, &p.map_do, 64 * j, i0, h, w.b, &s.full[st]);
             }
         }
         for (int r = lane; r < BR; r += 32) {
@@ -307,7 +318,6 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         const int st = it % STAGES;
         const int h = w.kvh * w.group + it / w.per_head;
         const int i0 = w.i_start + (it % w.per_head) * BR;
-        const i64 bh = (i64)w.b * a.q_heads + h;
         const int nq = min(BR, a.q_len - i0);
         mbarrier_wait_parity(&s.full[st], (u32)((it / STAGES) & 1));
         unsigned char* const sq = s.stage + st * 2 * QT;
@@ -430,19 +440,18 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
         mbarrier_arrive(&s.dq_full[b]);
     }
 
-    // dK (times scale) and dV of this warpgroup's keys.
-    const i64 krow = ((i64)w.b * a.kv_heads + w.kvh) * a.kv_len;
-    T* dkp = static_cast<T*>(a.dk);
-    T* dvp = static_cast<T*>(a.dv);
+    // dK (times scale) and dV of this warpgroup's keys, through k's and v's strides.
+    T* dkp = static_cast<T*>(a.dk) + p.dk.at(w.b, w.kvh, 0);
+    T* dvp = static_cast<T*>(a.dv) + p.dv.at(w.b, w.kvh, 0);
 #pragma unroll
     for (int i = 0; i < HD / 2; i += 2) {
         const int r = 16 * wi + g + 8 * ((i / 2) % 2);
         const int c = 8 * (i / 4) + 2 * t;
         const int j = kb + r;
         if (j < a.kv_len) {
-            const i64 o = (krow + j) * HD + c;
-            *reinterpret_cast<u32*>(dkp + o) = pack2_rn<T>(dk[i] * a.scale, dk[i + 1] * a.scale);
-            *reinterpret_cast<u32*>(dvp + o) = pack2_rn<T>(dv[i], dv[i + 1]);
+            *reinterpret_cast<u32*>(dkp + j * p.dk.row + c) =
+                pack2_rn<T>(dk[i] * a.scale, dk[i + 1] * a.scale);
+            *reinterpret_cast<u32*>(dvp + j * p.dv.row + c) = pack2_rn<T>(dv[i], dv[i + 1]);
         }
     }
 }
@@ -483,13 +492,15 @@ TPAR_DEVICE void run(const SdpaHopperBwdArgs& p) {
 }
 
 // dq = scale * dq_acc rounded to T, from the tile layout (dq_unit) into dq
-// [batch, q_heads, q_len, HD], rows past q_len skipped; grid-strided. Item e
+// [batch, q_heads, q_len, HD] through its strides, rows past q_len skipped;
+// grid-strided. Item e
 // is unit (r, c) of tile e / (16 HD) (p = e % (16 HD) / (HD / 2): r = 16 (p
 // / 8) + p % 8, c = 2 (e % (HD / 2))): a 16-byte read (4 consecutive items
 // read 64 consecutive bytes) and the pairs (r, c..) and (r + 8, c..) written
 // (a warp's 32 items write 128 consecutive bytes of each of its two rows).
 template <typename T, int HD>
-TPAR_DEVICE void convert_dq(const SdpaBwdArgs& a) {
+TPAR_DEVICE void convert_dq(const SdpaHopperBwdArgs& args) {
+    const SdpaBwdArgs& a = args.a;
     const int tiles = dq_tiles(a);
     const i64 n = (i64)a.batch * a.q_heads * tiles * (16 * HD);
     T* dq = static_cast<T*>(a.dq);
@@ -501,11 +512,12 @@ TPAR_DEVICE void convert_dq(const SdpaBwdArgs& a) {
         const int i0 = (int)(tile % tiles) * BR;
         const Raw16 v =
             *reinterpret_cast<const Raw16*>(a.dq_acc + dq_block<HD>(a, bh, i0) + dq_unit(r, c));
+        T* const head = dq + args.dq.at(bh / a.q_heads, bh % a.q_heads, 0) + c;
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             const int i = i0 + r + 8 * k;
             if (i < a.q_len) {
-                T* o = dq + (bh * a.q_len + i) * HD + c;
+                T* o = head + i * args.dq.row;
                 o[0] = from_f32<T>(__uint_as_float(v.w[2 * k]) * a.scale);
                 o[1] = from_f32<T>(__uint_as_float(v.w[2 * k + 1]) * a.scale);
             }
@@ -514,11 +526,11 @@ TPAR_DEVICE void convert_dq(const SdpaBwdArgs& a) {
 }
 
 template <typename T>
-TPAR_DEVICE void convert_dq(const SdpaBwdArgs& a) {
-    if (a.head_dim == 64)
-        convert_dq<T, 64>(a);
+TPAR_DEVICE void convert_dq(const SdpaHopperBwdArgs& p) {
+    if (p.a.head_dim == 64)
+        convert_dq<T, 64>(p);
     else
-        convert_dq<T, 128>(a);
+        convert_dq<T, 128>(p);
 }
 
 }  // namespace sdpa_hopper_bwd
@@ -537,9 +549,10 @@ TPAR_KERNEL(tpar_sdpa_bwd_hopper128_f16, TPAR_GRID_CONSTANT(SdpaHopperBwdArgs), 
 }
 
 // dq from the accumulator's tile layout (any architecture: no wgmma).
-TPAR_KERNEL(tpar_sdpa_bwd_hopper_dq_bf16, SdpaBwdArgs, 256) {
+// (It takes the main kernels' arguments for the strides of dq; the maps are unused.)
+TPAR_KERNEL(tpar_sdpa_bwd_hopper_dq_bf16, SdpaHopperBwdArgs, 256) {
     sdpa_hopper_bwd::convert_dq<bf16>(args);
 }
-TPAR_KERNEL(tpar_sdpa_bwd_hopper_dq_f16, SdpaBwdArgs, 256) {
+TPAR_KERNEL(tpar_sdpa_bwd_hopper_dq_f16, SdpaHopperBwdArgs, 256) {
     sdpa_hopper_bwd::convert_dq<f16>(args);
 }

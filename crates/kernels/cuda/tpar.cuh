@@ -485,7 +485,8 @@ TPAR_DEVICE void mma_16816<f16>(float d[4], const u32 a[4], const u32 b[2]) {
 // for the 128-byte swizzle), elements out of the tensor read as zeros, and
 // performs complete_tx of the box's bytes on `bar`. tma_store_2d writes a
 // box back (out-of-bounds elements are not written; tma_load_3d and
-// tma_store_3d the same for 3-D maps, x innermost); fence_proxy_async()
+// tma_store_3d the same for 3-D maps, tma_load_4d and tma_store_4d for 4-D
+// maps, x innermost); fence_proxy_async()
 // first makes the threads' shared-memory writes visible to it, and
 // tma_store_commit / tma_store_wait<N> track completion (tma_store_wait_read<N>
 // only until the groups' shared-memory sources have been read, so they may
@@ -611,6 +612,22 @@ TPAR_DEVICE void tma_store_3d(const TparTensorMap* map, int x, int y, int z, con
         "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
             (u64)map),
         "r"(x), "r"(y), "r"(z), "r"(tpar_shared_addr(smem))
+        : "memory");
+}
+TPAR_DEVICE void tma_load_4d(void* smem, const TparTensorMap* map, int x, int y, int z, int w,
+                             u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(tpar_shared_addr(smem)),
+        "l"((u64)map), "r"(x), "r"(y), "r"(z), "r"(w), "r"(tpar_shared_addr(bar))
+        : "memory");
+}
+TPAR_DEVICE void tma_store_4d(const TparTensorMap* map, int x, int y, int z, int w,
+                              const void* smem) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::
+            "l"((u64)map),
+        "r"(x), "r"(y), "r"(z), "r"(w), "r"(tpar_shared_addr(smem))
         : "memory");
 }
 // The box into shared memory of every block of the cluster in `mask` (bit =
@@ -1100,6 +1117,16 @@ TPAR_DEVICE void tma_load_3d(void* smem, const TparTensorMap* map, int x, int y,
 TPAR_DEVICE void tma_store_3d(const TparTensorMap* map, int x, int y, int z, const void* smem) {
     const int c[3] = {x, y, z};
     tpar_emu_tma_store(map, c, 3, smem);
+}
+TPAR_DEVICE void tma_load_4d(void* smem, const TparTensorMap* map, int x, int y, int z, int w,
+                             u64* bar) {
+    const int c[4] = {x, y, z, w};
+    tpar_emu_tma_load(smem, map, c, 4, bar);
+}
+TPAR_DEVICE void tma_store_4d(const TparTensorMap* map, int x, int y, int z, int w,
+                              const void* smem) {
+    const int c[4] = {x, y, z, w};
+    tpar_emu_tma_store(map, c, 4, smem);
 }
 TPAR_DEVICE void tma_load_2d_multicast(void* smem, const TparTensorMap* map, int x, int y, u64* bar,
                                        u16 mask) {

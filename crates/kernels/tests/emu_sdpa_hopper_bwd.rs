@@ -272,8 +272,13 @@ fn refusals_name_the_reason() {
     assert!(why(emu, BF16, &s, &odd).contains("k address"));
     let wide = SdpaShape { batch: 70_000, ..s };
     assert!(why(emu, BF16, &wide, &b).contains("grid"));
+    // head and batch are separate copy coordinates: batch * q_heads past
+    // i32 is taken, a batch stride of 2^40 bytes or more is not
     let heads = SdpaShape { batch: 65_535, q_heads: 40_000, kv_heads: 40_000, ..s };
-    assert!(why(emu, BF16, &heads, &b).contains("i32"));
+    assert_eq!(hopper::unsupported(emu, BF16, &heads, &b), None);
+    let far = SdpaShape { q_len: 1 << 20, kv_len: 1 << 20, ..heads };
+    let w = why(emu, BF16, &far, &b);
+    assert!(w.contains("q's batch stride") && w.contains("2^40"), "{w}");
     // a workspace too small is an error, not a refusal: 16 bytes, or the
     // row-major accumulator's size (delta, then 2 x 16 rows of 64 f32) where
     // the tile layout needs 64 rows a head

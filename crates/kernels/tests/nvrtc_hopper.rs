@@ -356,7 +356,7 @@ fn the_hopper_gemm_compiles_for_sm_90a() {
 
 /// The Hopper attention backward (`cuda/sdpa_hopper_bwd.cu`) compiles for
 /// sm_90a with its wgmma (shared and register A operands), bulk tensor
-/// copies, mbarriers, setmaxnreg and the dQ writer's 1-D bulk reduction (no
+/// copies through 4-D maps that carry each operand's strides, mbarriers, setmaxnreg and the dQ writer's 1-D bulk reduction (no
 /// per-element `red.global.add` atomics left; dQ staged with 16-byte stores,
 /// none of 8 bytes), and the kernels that convert
 /// the dQ accumulator, and (with ptxas) assembles with no stack frame, spills
@@ -380,7 +380,9 @@ fn the_hopper_attention_backward_compiles_for_sm_90a() {
             // dQ staged in the accumulator's permuted order: 16-byte stores, no 8-byte ones
             "st.shared.v4.f32",
             "!st.shared.u64",
-            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            // q, dO, k and v through 4-D maps (d, len, heads, batch) with their strides
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "!cp.async.bulk.tensor.3d",
             "mbarrier.try_wait.parity.shared::cta.b64",
             "mbarrier.arrive.expect_tx.shared::cta.b64",
             "setmaxnreg.dec.sync.aligned.u32",
@@ -391,8 +393,8 @@ fn the_hopper_attention_backward_compiles_for_sm_90a() {
 
 /// The Hopper attention forward (`cuda/sdpa_hopper.cu`) compiles for sm_90a
 /// with its wgmma (from shared memory and from registers), bulk tensor
-/// copies (the loads of q, k and v, the stores of O staged in shared
-/// memory), mbarriers and setmaxnreg, and (with ptxas) assembles with no stack
+/// copies through 4-D maps that carry each operand's strides (the loads of
+/// q, k and v, the stores of O staged in shared memory), mbarriers and setmaxnreg, and (with ptxas) assembles with no stack
 /// frame, spills or warnings; registers and spills of its kernels are
 /// reported.
 #[test]
@@ -405,14 +407,16 @@ fn the_hopper_attention_forward_compiles_for_sm_90a() {
         &[
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
-            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            // q, k, v and O through 4-D maps (d, len, heads, batch) with their strides
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "!cp.async.bulk.tensor.3d",
             "mbarrier.try_wait.parity.shared::cta.b64",
             "mbarrier.arrive.expect_tx.shared::cta.b64",
             "setmaxnreg.dec.sync.aligned.u32",
             "setmaxnreg.inc.sync.aligned.u32",
             // O staged in the q tile, then bulk tensor stores after an async-proxy fence
             "fence.proxy.async.shared::cta",
-            "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group",
+            "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group",
         ],
     );
 }

@@ -15,12 +15,21 @@
 //! per (128-row q tile, q head, batch); the kernel's source describes the
 //! pipeline.
 //!
+//! q, k, v and out may lie at any element strides ([`SdpaFwdBuffers::layout`]:
+//! dense, heads side by side in the rows of a `[batch, len, heads *
+//! head_dim]` buffer, or q, k and v packed in one projection output) that a
+//! tensor map can express: the copies go through 4-D maps (head_dim, len,
+//! heads, batch) with the operand's row, head and batch strides, so the
+//! kernel reads q, k and v and writes out in place, with the same boxes,
+//! swizzle and number of copies as for dense operands; rows past a length
+//! read as zeros and are not written, per head and batch. `lse` stays dense.
+//!
 //! Where it runs: devices that run `sm_90a` kernels (a GPU handle compiling
 //! for `sm_90a`, or the CPU emulator with
 //! [`EMU_ARCH_ENV`]` = sm_90a`), for the calls [`unsupported`] accepts: bf16
 //! or f16, `head_dim == v_dim` in {64, 128}, q, k, v and out 16-byte aligned
-//! (the tensor maps' base), `kv_len > 0`, and `batch *
-//! q_heads`, `batch * kv_heads` within the maps' and kernel's `i32`
+//! (the tensor maps' base) with strides that are multiples of 16 bytes below
+//! 2^40 bytes, `kv_len > 0`, and `q_len` within the kernel's `i32` row
 //! coordinates. [`super::sdpa::SdpaPath::Hopper`] selects it. It has not run
 //! on a GPU yet.
 //!
@@ -30,9 +39,9 @@ use bytemuck::{Pod, Zeroable};
 
 use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
 use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
+use super::bad;
 pub use super::gemm_hopper::{HopperTarget, EMU_ARCH_ENV};
-use super::sdpa::{validate_forward, SdpaFwdBuffers};
-use super::{bad, numel};
+use super::sdpa::{validate_forward, SdpaFwdBuffers, SdpaStrides};
 use crate::sdpa::SdpaShape;
 use crate::Result;
 
@@ -70,16 +79,18 @@ pub const fn shared_bytes(head_dim: usize) -> u32 {
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaHopperFwdArgs {
-    /// q: dims (head_dim, q_len, batch * q_heads), box 64 x 128, 128-byte swizzle.
+    /// q: dims (head_dim, q_len, q_heads, batch) with q's strides, box 64 x
+    /// 128 x 1 x 1, 128-byte swizzle ([`operand_map`]).
     pub map_q: TensorMap,
-    /// k: dims (head_dim, kv_len, batch * kv_heads), box 64 x 128, 128-byte swizzle.
+    /// k: dims (head_dim, kv_len, kv_heads, batch) with k's strides, box 64 x
+    /// 128 x 1 x 1, 128-byte swizzle.
     pub map_k: TensorMap,
-    /// v: like `map_k`.
+    /// v: like `map_k` with v's strides.
     pub map_v: TensorMap,
-    /// out: dims (head_dim, q_len, batch * q_heads), box 64 x 64 (a consumer
-    /// warpgroup's rows), 128-byte swizzle.
+    /// out: dims (head_dim, q_len, q_heads, batch) with out's strides, box 64
+    /// x 64 x 1 x 1 (a consumer warpgroup's rows), 128-byte swizzle.
     pub map_o: TensorMap,
-    /// Output `[batch, q_heads, q_len, head_dim]` (written).
+    /// Element (0, 0, 0, 0) of the output (written through `map_o`).
     pub out: DevPtr,
     /// Log-sum-exp, f32 `[batch, q_heads, q_len]` (written).
     pub lse: DevPtr,
@@ -124,8 +135,9 @@ pub fn target_of(l: &dyn Launcher) -> Option<HopperTarget> {
 
 /// Why the Hopper forward kernel does not take this call on `l` (`None`: it
 /// does): the device does not run `sm_90a` kernels, the dtype, the head
-/// dims, the buffers' alignment, an empty key sequence, or head counts past
-/// the kernel's coordinates. Sizes the generic checks refuse are reported by
+/// dims, the buffers' alignment, strides a tensor map cannot express
+/// ([`strides_unsupported`]), an empty key sequence, or a q_len past the
+/// kernel's coordinates. Sizes the generic checks refuse are reported by
 /// [`sdpa_forward`] itself.
 pub fn unsupported(
     l: &dyn Launcher,
@@ -168,12 +180,50 @@ fn unsupported_call(dtype: CudaDType, s: &SdpaShape, b: &SdpaFwdBuffers) -> Opti
             ));
         }
     }
-    let max = i32::MAX as usize;
-    if s.batch.saturating_mul(s.q_heads) > max || s.q_len > max - TILE.0 {
-        return Some(format!(
-            "batch {} x q_heads {} or q_len {} exceeds the kernel's i32 coordinates",
-            s.batch, s.q_heads, s.q_len
-        ));
+    let [q, k, v, out] = operand_strides(s, b.layout);
+    for (name, st) in [("q", q), ("k", k), ("v", v), ("out", out)] {
+        if let Some(why) = strides_unsupported(name, dtype, &st) {
+            return Some(why);
+        }
+    }
+    if s.q_len > i32::MAX as usize - TILE.0 {
+        return Some(format!("q_len {} exceeds the kernel's i32 row coordinates", s.q_len));
+    }
+    None
+}
+
+/// The element strides of q, k, v and out: `layout`'s, or the dense
+/// `[batch, heads, len, dim]` ones where it has none (the backward uses them
+/// for dq, dk, dv and dout too).
+pub(crate) fn operand_strides(s: &SdpaShape, layout: super::sdpa::SdpaLayout) -> [SdpaStrides; 4] {
+    let or_dense = |st: Option<SdpaStrides>, heads, len, dim| {
+        st.unwrap_or_else(|| SdpaStrides::contiguous(heads, len, dim))
+    };
+    [
+        or_dense(layout.q, s.q_heads, s.q_len, s.head_dim),
+        or_dense(layout.k, s.kv_heads, s.kv_len, s.head_dim),
+        or_dense(layout.v, s.kv_heads, s.kv_len, s.v_dim),
+        or_dense(layout.out, s.q_heads, s.q_len, s.v_dim),
+    ]
+}
+
+/// Why a tensor map cannot take operand `name` with element strides `st`
+/// (`None`: it can): each stride, in bytes, must be a multiple of 16 and
+/// below 2^40 (`cuTensorMapEncodeTiled`'s rule; the rows are then 16-byte
+/// aligned, as the swizzled boxes need).
+pub(crate) fn strides_unsupported(
+    name: &str,
+    dtype: CudaDType,
+    st: &SdpaStrides,
+) -> Option<String> {
+    for (which, elems) in [("row", st.row), ("head", st.head), ("batch", st.batch)] {
+        let bytes = (elems as u64).saturating_mul(dtype.size() as u64);
+        if !bytes.is_multiple_of(16) || bytes >= 1 << 40 {
+            return Some(format!(
+                "{name}'s {which} stride of {elems} elements ({bytes} bytes): a tensor map \
+                 takes multiples of 16 bytes below 2^40"
+            ));
+        }
     }
     None
 }
@@ -186,26 +236,30 @@ fn map_dtype(dt: CudaDType) -> TensorMapDType {
     }
 }
 
-/// A 3-D map over `[planes, seq, head_dim]` 16-bit elements: dims (head_dim,
-/// seq, planes), boxes of 64 x `rows` x 1, 128-byte swizzle.
-fn seq_map(
-    target: HopperTarget,
+/// A 4-D map over an operand `[batch, heads, len, head_dim]` of 16-bit
+/// elements at `ptr` (its element (0, 0, 0, 0)) with element strides `st`:
+/// dims (head_dim, len, heads, batch), byte strides (row, head, batch),
+/// boxes of 64 x `rows` x 1 x 1, 128-byte swizzle. A copy at (column, row,
+/// head, batch) reads zeros for rows past `len` of that head and batch, and
+/// a store writes none there, whatever the strides.
+pub(crate) fn operand_map(
+    emulated: bool,
     dt: CudaDType,
     ptr: DevPtr,
-    (head_dim, seq, planes): (usize, usize, usize),
+    st: SdpaStrides,
+    (head_dim, len, heads, batch): (usize, usize, usize, usize),
     rows: u32,
 ) -> Result<TensorMap> {
     let es = dt.size() as u64;
-    let row = head_dim as u64 * es;
     let desc = TiledDesc {
         dtype: map_dtype(dt),
         global: ptr,
-        dims: &[head_dim as u64, seq as u64, planes as u64],
-        strides: &[row, row * seq as u64],
-        box_dims: &[64, rows, 1],
+        dims: &[head_dim as u64, len as u64, heads as u64, batch as u64],
+        strides: &[st.row as u64 * es, st.head as u64 * es, st.batch as u64 * es],
+        box_dims: &[64, rows, 1, 1],
         swizzle: TensorMapSwizzle::B128,
     };
-    if target.emulated {
+    if emulated {
         TensorMap::encode_tiled_emulated(&desc)
     } else {
         TensorMap::encode_tiled_driver(&desc)
@@ -223,16 +277,15 @@ fn plan(
     if let Some(why) = unsupported_call(dtype, s, b) {
         return Err(bad(OP, format!("the Hopper attention does not take this call: {why}")));
     }
-    let planes_q = numel(OP, &[s.batch, s.q_heads])?;
-    let planes_kv = numel(OP, &[s.batch, s.kv_heads])?;
-    let (q_dims, kv_dims) =
-        ((s.head_dim, s.q_len.max(1), planes_q), (s.head_dim, s.kv_len, planes_kv));
-    let tile = TILE.0 as u32;
-    let map_q = seq_map(target, dtype, b.q, q_dims, tile)?;
-    let map_k = seq_map(target, dtype, b.k, kv_dims, tile)?;
-    let map_v = seq_map(target, dtype, b.v, kv_dims, tile)?;
+    let [q, k, v, out] = operand_strides(s, b.layout);
+    let q_dims = (s.head_dim, s.q_len.max(1), s.q_heads, s.batch);
+    let kv_dims = (s.head_dim, s.kv_len, s.kv_heads, s.batch);
+    let (tile, emu) = (TILE.0 as u32, target.emulated);
+    let map_q = operand_map(emu, dtype, b.q, q, q_dims, tile)?;
+    let map_k = operand_map(emu, dtype, b.k, k, kv_dims, tile)?;
+    let map_v = operand_map(emu, dtype, b.v, v, kv_dims, tile)?;
     // the output, stored by each consumer warpgroup's 64 rows
-    let map_o = seq_map(target, dtype, b.out, q_dims, tile / 2)?;
+    let map_o = operand_map(emu, dtype, b.out, out, q_dims, tile / 2)?;
     let args = SdpaHopperFwdArgs {
         map_q,
         map_k,
@@ -336,5 +389,23 @@ mod tests {
         let out8 = SdpaFwdBuffers { out: 16392, ..b };
         let why = unsupported_call(CudaDType::BF16, &s, &out8).unwrap();
         assert!(why.contains("out address 0x4008 is not 16-byte aligned"), "{why}");
+        // strides: [b, s, h * d] rows are taken; 8 bytes off, or 2^40 bytes, are not
+        let rows = |heads: usize| Some(SdpaStrides::bshd(s.q_len, heads * 64, 64));
+        let bshd =
+            super::super::sdpa::SdpaLayout { q: rows(2), k: rows(1), v: rows(1), out: rows(2) };
+        assert_eq!(
+            unsupported_call(CudaDType::BF16, &s, &SdpaFwdBuffers { layout: bshd, ..b }),
+            None
+        );
+        let skewed = |st: SdpaStrides| super::super::sdpa::SdpaLayout { v: Some(st), ..bshd };
+        let v = bshd.v.unwrap();
+        for (st, needle) in [
+            (SdpaStrides { row: 68, ..v }, "v's row stride of 68 elements (136 bytes)"),
+            (SdpaStrides { head: 1 << 39, ..v }, "v's head stride of 549755813888 elements"),
+        ] {
+            let why =
+                unsupported_call(CudaDType::F16, &s, &SdpaFwdBuffers { layout: skewed(st), ..b });
+            assert!(why.as_deref().is_some_and(|w| w.contains(needle)), "{why:?}");
+        }
     }
 }

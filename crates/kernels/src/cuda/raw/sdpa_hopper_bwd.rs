@@ -24,20 +24,30 @@
 //! (dq scaled and converted from the tile layout, rows past `q_len`
 //! skipped).
 //!
+//! The operands may lie at the element strides of [`SdpaBwdBuffers::layout`]
+//! (q's for q and dq, k's for k and dk, v's for v and dv, out's for out and
+//! dout): q, dout, k and v are read through 4-D tensor maps (head_dim, len,
+//! heads, batch) with their strides, dk and dv are stored and dq converted
+//! through theirs, so a `[batch, len, heads * head_dim]` or packed qkv
+//! buffer and its gradient buffer need no transposing copies; `lse`, the
+//! mask and the workspace keep their layouts.
+//!
 //! It takes bf16 and f16 with `head_dim == v_dim` of 64 or 128, 16-byte
-//! aligned q, k, v, dout, dk and dv, on a launcher that runs `sm_90a`
+//! aligned q, k, v, dout, dk and dv with strides that are multiples of 16
+//! bytes below 2^40 bytes, on a launcher that runs `sm_90a`
 //! kernels ([`target_of`]: a GPU handle compiling for `sm_90a`, or the CPU
 //! emulator with [`EMU_ARCH_ENV`]` = sm_90a`). [`unsupported`] says why a call is not taken.
 //! The kernels have not run on a GPU yet: no speed is measured.
 
 use bytemuck::{Pod, Zeroable};
 
-use super::super::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
-use super::super::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
+use super::super::tensor_map::TensorMap;
+use super::super::{launch, CudaDType, LaunchConfig, Launcher};
 use super::sdpa::{
-    backward_args, check_backward_buffers, mask_args, SdpaBwdArgs, SdpaBwdBuffers, SdpaPath,
+    backward_args, check_backward_buffers, layout_extents, mask_args, SdpaBwdArgs, SdpaBwdBuffers,
+    SdpaPath, SdpaStrides,
 };
-use super::sdpa_hopper::target_of;
+use super::sdpa_hopper::{operand_map, operand_strides, strides_unsupported, target_of};
 use super::{bad, numel};
 use crate::sdpa::SdpaShape;
 use crate::Result;
@@ -71,27 +81,64 @@ pub const fn shared_bytes(hd: usize) -> u32 {
         + 10 * 8) as u32
 }
 
-/// Arguments of `tpar_sdpa_bwd_hopper<HD>_<dtype>`: four tensor maps and the
-/// backward arguments every sdpa.cu backward kernel takes.
+/// Element strides of an operand `[batch, heads, len, dim]` as the kernels
+/// take them (`SdpaHopperStrides` in `sdpa_hopper_bwd.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct SdpaHopperStrides {
+    /// Elements between batches.
+    pub batch: i64,
+    /// Elements between heads.
+    pub head: i64,
+    /// Elements between rows.
+    pub row: i64,
+}
+
+impl SdpaHopperStrides {
+    /// `st` in the kernels' `i64`s (an error names the operand whose stride
+    /// does not fit).
+    fn of(name: &str, st: SdpaStrides) -> Result<Self> {
+        let i = |v: usize| {
+            i64::try_from(v)
+                .map_err(|_| bad(OP, format!("{name}'s stride {v} exceeds the kernels' i64")))
+        };
+        Ok(SdpaHopperStrides { batch: i(st.batch)?, head: i(st.head)?, row: i(st.row)? })
+    }
+}
+
+/// Arguments of `tpar_sdpa_bwd_hopper<HD>_<dtype>` and
+/// `tpar_sdpa_bwd_hopper_dq_<dtype>`: four tensor maps, the backward
+/// arguments every sdpa.cu backward kernel takes, and the strides the
+/// gradients are written with.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaHopperBwdArgs {
-    /// 3-D map (head_dim, q_len, batch * q_heads) over q, box 64 x 64, 128-byte swizzle.
+    /// 4-D map (head_dim, q_len, q_heads, batch) over q with its strides, box
+    /// 64 x 64 x 1 x 1, 128-byte swizzle.
     pub map_q: TensorMap,
-    /// 3-D map (head_dim, kv_len, batch * kv_heads) over k, box 64 x 128.
+    /// 4-D map (head_dim, kv_len, kv_heads, batch) over k, box 64 x 128 x 1 x 1.
     pub map_k: TensorMap,
     /// Like `map_k` over v.
     pub map_v: TensorMap,
-    /// Like `map_q` over dout.
+    /// Like `map_q` over dout (out's strides).
     pub map_do: TensorMap,
-    /// The buffers and sizes (as the pre and dq kernels take them).
+    /// The buffers and sizes (as the pre kernel takes them).
     pub a: SdpaBwdArgs,
+    /// Where dq is written (q's strides).
+    pub dq: SdpaHopperStrides,
+    /// Where dk is written (k's strides).
+    pub dk: SdpaHopperStrides,
+    /// Where dv is written (v's strides).
+    pub dv: SdpaHopperStrides,
     /// Padding to a multiple of 64 bytes.
-    pub pad: [i32; 8],
+    pub pad: [i32; 6],
 }
 
-/// Why the Hopper backward does not take this call on `l` (`None`: it does).
-/// Sizes the kernels refuse outright (q_heads not a multiple of kv_heads,
+/// Why the Hopper backward does not take this call on `l` (`None`: it does):
+/// the device, the dtype, the head dims, a buffer that is not 16-byte
+/// aligned or strides a tensor map cannot express ([`strides_unsupported`]:
+/// q, k, v and out, whose strides dq, dk, dv and dout share), or sizes past
+/// the grid and the kernels' coordinates. Sizes the kernels refuse outright (q_heads not a multiple of kv_heads,
 /// buffers too small) are errors of [`sdpa_backward`] instead.
 pub fn unsupported(
     l: &dyn Launcher,
@@ -122,13 +169,19 @@ pub fn unsupported(
     if let Some((name, p)) = mapped.iter().find(|(_, p)| !empty && !p.is_multiple_of(16)) {
         return Some(format!("{name} address {p:#x} is not 16-byte aligned (a tensor map's base)"));
     }
-    // the kernel's copy coordinates are i32: (column, row, batch * heads)
-    if s.batch.saturating_mul(s.q_heads) > i32::MAX as usize {
-        return Some(format!("{s:?}: batch * q_heads exceeds a copy coordinate's i32 range"));
+    if !empty {
+        let [q, k, v, out] = operand_strides(s, b.layout);
+        for (name, st) in [("q", q), ("k", k), ("v", v), ("out", out)] {
+            if let Some(why) = strides_unsupported(name, dtype, &st) {
+                return Some(why);
+            }
+        }
     }
-    let pitch = (s.q_len.max(s.kv_len) as u64).saturating_mul(s.head_dim as u64 * 2);
-    if pitch >= 1 << 40 {
-        return Some(format!("{s:?}: a head's {pitch} bytes exceed a tensor map's 2^40 stride"));
+    if b.layout.out.is_some() {
+        return Some(
+            "out / dout strides: the delta kernel (sdpa.cu's tpar_sdpa_bwd_pre) reads them dense"
+                .into(),
+        );
     }
     if s.kv_heads > MAX_GRID_YZ || s.batch > MAX_GRID_YZ {
         return Some(format!(
@@ -141,35 +194,6 @@ pub fn unsupported(
         return Some(format!("{s:?}: sequence lengths beyond the kernel's i32 tile arithmetic"));
     }
     None
-}
-
-/// A 3-D tensor map (head_dim, len, heads) over `ptr` with boxes of 64
-/// columns x `rows`.
-fn head_map(
-    emulated: bool,
-    dtype: CudaDType,
-    ptr: DevPtr,
-    (hd, len, heads): (usize, usize, usize),
-    rows: u32,
-) -> Result<TensorMap> {
-    let dt = match dtype {
-        CudaDType::BF16 => TensorMapDType::BF16,
-        _ => TensorMapDType::F16,
-    };
-    let pitch = hd as u64 * 2;
-    let desc = TiledDesc {
-        dtype: dt,
-        global: ptr,
-        dims: &[hd as u64, len as u64, heads as u64],
-        strides: &[pitch, pitch * len as u64],
-        box_dims: &[64, rows, 1],
-        swizzle: TensorMapSwizzle::B128,
-    };
-    if emulated {
-        TensorMap::encode_tiled_emulated(&desc)
-    } else {
-        TensorMap::encode_tiled_driver(&desc)
-    }
 }
 
 /// Attention backward on the Hopper kernel: writes `dq`, `dk` and `dv`
@@ -201,7 +225,8 @@ pub unsafe fn sdpa_backward(
         // SAFETY: forwarded from the caller.
         return unsafe { super::sdpa::sdpa_backward(l, dtype, s, b, SdpaPath::TensorCore) };
     }
-    check_backward_buffers(OP, dtype, s, b, [nq, nk, nk, nq, rows])?;
+    let [eq, ek, ev, eo] = layout_extents(OP, s, &b.layout)?;
+    check_backward_buffers(OP, dtype, s, b, [eq, ek, ev, eo, rows])?;
     let mask = mask_args(OP, dtype, s, b.mask.as_ref())?;
     let i = |what: &str, v: usize| {
         i32::try_from(v).map_err(|_| bad(OP, format!("{what} = {v} exceeds i32")))
@@ -216,16 +241,23 @@ pub unsafe fn sdpa_backward(
         i("v_dim", s.v_dim)?,
     ];
     let a = backward_args(s, b, mask, rows, dims);
-    let emulated = target_of(l).is_some_and(|t| t.emulated);
+    let emu = target_of(l).is_some_and(|t| t.emulated);
     let hd = s.head_dim;
-    let (qh, kh) = (s.batch * s.q_heads, s.batch * s.kv_heads);
+    let qh = s.batch * s.q_heads;
+    let [q, k, v, out] = operand_strides(s, b.layout);
+    let q_dims = (hd, s.q_len, s.q_heads, s.batch);
+    let kv_dims = (hd, s.kv_len, s.kv_heads, s.batch);
+    let (qt, kb) = (QUERIES_PER_TILE as u32, KEYS_PER_BLOCK as u32);
     let args = SdpaHopperBwdArgs {
-        map_q: head_map(emulated, dtype, b.q, (hd, s.q_len, qh), QUERIES_PER_TILE as u32)?,
-        map_k: head_map(emulated, dtype, b.k, (hd, s.kv_len, kh), KEYS_PER_BLOCK as u32)?,
-        map_v: head_map(emulated, dtype, b.v, (hd, s.kv_len, kh), KEYS_PER_BLOCK as u32)?,
-        map_do: head_map(emulated, dtype, b.dout, (hd, s.q_len, qh), QUERIES_PER_TILE as u32)?,
+        map_q: operand_map(emu, dtype, b.q, q, q_dims, qt)?,
+        map_k: operand_map(emu, dtype, b.k, k, kv_dims, kb)?,
+        map_v: operand_map(emu, dtype, b.v, v, kv_dims, kb)?,
+        map_do: operand_map(emu, dtype, b.dout, out, q_dims, qt)?,
         a,
-        pad: [0; 8],
+        dq: SdpaHopperStrides::of("q", q)?,
+        dk: SdpaHopperStrides::of("k", k)?,
+        dv: SdpaHopperStrides::of("v", v)?,
+        pad: [0; 6],
     };
     let sfx = dtype.suffix();
     let blocks = rows.div_ceil(8).min(4096) as u32;
@@ -241,7 +273,7 @@ pub unsafe fn sdpa_backward(
         let cfg = LaunchConfig::grid(grid, THREADS).with_shared(shared_bytes(hd));
         launch(l, &format!("tpar_sdpa_bwd_hopper{hd}_{sfx}"), cfg, &args)?;
         let cfg = LaunchConfig::for_items(units, 256, 4096);
-        launch(l, &format!("tpar_sdpa_bwd_hopper_dq_{sfx}"), cfg, &a)
+        launch(l, &format!("tpar_sdpa_bwd_hopper_dq_{sfx}"), cfg, &args)
     }
 }
 
@@ -252,7 +284,8 @@ mod tests {
     #[test]
     fn args_layout_matches_the_kernel() {
         assert_eq!(std::mem::size_of::<SdpaBwdArgs>(), 160);
-        assert_eq!(std::mem::size_of::<SdpaHopperBwdArgs>(), 704);
+        assert_eq!(std::mem::size_of::<SdpaHopperStrides>(), 24);
+        assert_eq!(std::mem::size_of::<SdpaHopperBwdArgs>(), 768);
         assert_eq!(std::mem::align_of::<SdpaHopperBwdArgs>(), 64);
         const { assert!(shared_bytes(128) as usize <= 227 * 1024) };
         assert_eq!((shared_bytes(64), shared_bytes(128)), (133_200, 231_504));
