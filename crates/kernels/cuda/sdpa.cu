@@ -794,8 +794,11 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
         tc_stage<T, HD>(sQ, o[mt], wrow + 16 * mt, inv);
     }
     __syncthreads();
-    tc_store<T, BQ, HD, NT>(static_cast<T*>(a.out) + a.st.out.at(b, h, q0), sQ, (int)a.st.out.row,
-                            nq, a.v_dim, tcp);
+    // The block's indices read again: kept live over the loop, they cost the
+    // 128-row variant spills at head dim 128.
+    const i64 out_at = a.st.out.at(blockIdx.z, blockIdx.y, (gridDim.x - 1 - blockIdx.x) * BQ);
+    tc_store<T, BQ, HD, NT>(static_cast<T*>(a.out) + out_at, sQ, (int)a.st.out.row, nq, a.v_dim,
+                            tcp);
 }
 
 // Backward dK/dV (and dQ by atomics) with tensor cores: 4 warps, each

@@ -163,6 +163,8 @@ fn simt_f32() {
     f32s(&case(gqa(130, 130, 128, false), MaskKind::None, Packed { pad: 8 }));
     // odd gaps: f32 rows need only 4-byte alignment
     f32s(&case(gqa(70, 130, 64, false), MaskKind::Full, Padded { pad: 3 }));
+    // v_dim 40 below head_dim 64
+    f32s(&case(shape(2, 4, 2, 70, 70, 64, 40, true), MaskKind::KeyPadding, Bshd { pad: 1 }));
 }
 
 #[test]
@@ -212,6 +214,9 @@ fn tensor_core_wide() {
     let c = case(gqa(130, 70, 128, false), MaskKind::None, Padded { pad: 8 });
     same::<f16>(CudaDType::F16, &c, SdpaPath::TensorCoreWide);
     let c = case(gqa(70, 70, 128, true), MaskKind::KeyPadding, Bshd { pad: 8 });
+    same::<bf16>(CudaDType::BF16, &c, SdpaPath::TensorCoreWide);
+    // v_dim 96 below head_dim 128, more queries than keys
+    let c = case(shape(2, 4, 2, 130, 70, 128, 96, false), MaskKind::Full, Bshd { pad: 8 });
     same::<bf16>(CudaDType::BF16, &c, SdpaPath::TensorCoreWide);
 }
 

@@ -309,17 +309,20 @@ pub fn bwd_buffers_at(p: DevPtr, workspace_bytes: usize) -> SdpaBwdBuffers {
 
 /// How the strided tests place the attention operands in host buffers.
 #[derive(Clone, Copy, Debug)]
+///
+/// `pad` grows by operand, so that no two operands share their strides:
+/// q's gaps are `pad` elements, k's `2 pad`, v's `3 pad` and out's `4 pad`.
 pub enum Arrangement {
     /// q, k and v (and dq, dk, dv) in separate `[batch, len, heads * dim +
-    /// pad]` regions of one buffer, batches `pad` elements apart beyond their
-    /// rows; out (and dout) the same way.
+    /// gap]` regions of one buffer, batches `gap` elements apart beyond
+    /// their rows; out (and dout) the same way.
     Bshd { pad: usize },
     /// q, k and v side by side in the rows of one `[batch, len, (q_heads + 2
     /// kv_heads) * dim + pad]` buffer (a fused projection's output; needs
     /// `q_len == kv_len` and `head_dim == v_dim`), dq, dk and dv likewise in
     /// another; out (and dout) as [`Arrangement::Bshd`].
     Packed { pad: usize },
-    /// `[batch, heads, len, dim]` with `pad` elements after every row, head
+    /// `[batch, heads, len, dim]` with `gap` elements after every row, head
     /// and batch.
     Padded { pad: usize },
 }
@@ -412,12 +415,13 @@ impl Placement {
             })
         };
         let (qkv, out_st) = match arr {
-            Arrangement::Bshd { pad } => {
-                (chain(0, [(q, bshd(q, pad)), (k, bshd(k, pad)), (v, bshd(v, pad))]), bshd(o, pad))
-            }
+            Arrangement::Bshd { pad } => (
+                chain(0, [(q, bshd(q, pad)), (k, bshd(k, 2 * pad)), (v, bshd(v, 3 * pad))]),
+                bshd(o, 4 * pad),
+            ),
             Arrangement::Padded { pad } => (
-                chain(0, [(q, padded(q, pad)), (k, padded(k, pad)), (v, padded(v, pad))]),
-                padded(o, pad),
+                chain(0, [(q, padded(q, pad)), (k, padded(k, 2 * pad)), (v, padded(v, 3 * pad))]),
+                padded(o, 4 * pad),
             ),
             Arrangement::Packed { pad } => {
                 assert!(s.q_len == s.kv_len && s.head_dim == s.v_dim, "packed: {s:?}");
@@ -427,7 +431,7 @@ impl Placement {
                 let at = |off, dims| Placed { off, st, dims };
                 (
                     [at(0, q), at(s.q_heads * d, k), at((s.q_heads + s.kv_heads) * d, v)],
-                    bshd(o, pad),
+                    bshd(o, 4 * pad),
                 )
             }
         };
