@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) attention backward pass, FlashAttention-3 style: the
-// main kernel between sdpa.cu's `tpar_sdpa_bwd_pre_*` (delta = rowsum(dout *
+// main kernel between sdpa.cu's `tpar_sdpa_bwd_pre_strided_*` (delta = rowsum(dout *
 // out), the whole dq accumulator zeroed) and this file's
 // `tpar_sdpa_bwd_hopper_dq_*` (dq = scale * the accumulator, converted from
 // its tile layout, below). Same meaning as sdpa.cu's backward: q [batch,
@@ -87,11 +87,16 @@
 // emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet:
 // no speed is measured.
 
-// Element strides of an operand [batch, heads, len, d] (d contiguous).
+// Element strides of an operand [batch, heads, len, d] (d contiguous), and
+// of q/dq, k/dk, v/dv and out/dout: the layouts of sdpa.cu's SdpaOpStrides
+// and SdpaArgStrides (raw::sdpa's), which the launcher fills.
 struct SdpaHopperStrides {
     i64 batch, head, row;
     // The offset of element (b, h, i, 0).
     TPAR_DEVICE i64 at(i64 b, i64 h, i64 i) const { return b * batch + h * head + i * row; }
+};
+struct SdpaHopperArgStrides {
+    SdpaHopperStrides q, k, v, out;
 };
 
 struct SdpaHopperBwdArgs {
@@ -100,8 +105,7 @@ struct SdpaHopperBwdArgs {
     TparTensorMap map_v;   // like map_k over v
     TparTensorMap map_do;  // like map_q over dout (out's strides)
     SdpaBwdArgs a;
-    SdpaHopperStrides dq, dk, dv;  // where the gradients go (q's, k's and v's strides)
-    i32 pad[6];  // to a multiple of 64 bytes (768)
+    SdpaHopperArgStrides st;  // dq, dk and dv go through q's, k's and v's strides
 };
 
 namespace sdpa_hopper_bwd {
@@ -441,17 +445,17 @@ TPAR_DEVICE void consume(const SdpaHopperBwdArgs& p, const Smem& s, const Work& 
     }
 
     // dK (times scale) and dV of this warpgroup's keys, through k's and v's strides.
-    T* dkp = static_cast<T*>(a.dk) + p.dk.at(w.b, w.kvh, 0);
-    T* dvp = static_cast<T*>(a.dv) + p.dv.at(w.b, w.kvh, 0);
+    T* dkp = static_cast<T*>(a.dk) + p.st.k.at(w.b, w.kvh, 0);
+    T* dvp = static_cast<T*>(a.dv) + p.st.v.at(w.b, w.kvh, 0);
 #pragma unroll
     for (int i = 0; i < HD / 2; i += 2) {
         const int r = 16 * wi + g + 8 * ((i / 2) % 2);
         const int c = 8 * (i / 4) + 2 * t;
         const int j = kb + r;
         if (j < a.kv_len) {
-            *reinterpret_cast<u32*>(dkp + j * p.dk.row + c) =
+            *reinterpret_cast<u32*>(dkp + j * p.st.k.row + c) =
                 pack2_rn<T>(dk[i] * a.scale, dk[i + 1] * a.scale);
-            *reinterpret_cast<u32*>(dvp + j * p.dv.row + c) = pack2_rn<T>(dv[i], dv[i + 1]);
+            *reinterpret_cast<u32*>(dvp + j * p.st.v.row + c) = pack2_rn<T>(dv[i], dv[i + 1]);
         }
     }
 }
@@ -512,12 +516,12 @@ TPAR_DEVICE void convert_dq(const SdpaHopperBwdArgs& args) {
         const int i0 = (int)(tile % tiles) * BR;
         const Raw16 v =
             *reinterpret_cast<const Raw16*>(a.dq_acc + dq_block<HD>(a, bh, i0) + dq_unit(r, c));
-        T* const head = dq + args.dq.at(bh / a.q_heads, bh % a.q_heads, 0) + c;
+        T* const head = dq + args.st.q.at(bh / a.q_heads, bh % a.q_heads, 0) + c;
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
             const int i = i0 + r + 8 * k;
             if (i < a.q_len) {
-                T* o = head + i * args.dq.row;
+                T* o = head + i * args.st.q.row;
                 o[0] = from_f32<T>(__uint_as_float(v.w[2 * k]) * a.scale);
                 o[1] = from_f32<T>(__uint_as_float(v.w[2 * k + 1]) * a.scale);
             }

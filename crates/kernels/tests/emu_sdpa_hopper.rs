@@ -264,7 +264,7 @@ fn check_train<T: Float>(dtype: CudaDType, s: SdpaShape, kind: MaskKind, hopper_
     if hopper_bwd {
         let sfx = dtype.suffix();
         let want = [
-            format!("tpar_sdpa_bwd_pre_{sfx}"),
+            format!("tpar_sdpa_bwd_pre_strided_{sfx}"),
             format!("tpar_sdpa_bwd_hopper{}_{sfx}", s.head_dim),
             format!("tpar_sdpa_bwd_hopper_dq_{sfx}"),
         ];

@@ -1,13 +1,14 @@
-//! The Hopper attention kernels (`cuda/sdpa_hopper.cu`, `cuda/sdpa_hopper_bwd.cu`)
-//! on strided operands, run in the CPU emulator as `sm_90a`: q, k and v read
-//! through their element strides as separate `[b, s, h, hd]` buffers or packed
-//! in one `[b, s, (hq + 2 hkv) hd]` projection output, out / dout, dq, dk and
-//! dv in the rows of wider buffers whose other elements hold a guard value
-//! that must survive. Every result must equal, bit for bit, the same kernel
-//! on dense `[b, h, s, hd]` copies (checked against the f64 reference; bf16 and f16, head dims 64 and 128, GQA,
-//! causal or not, a key-padding mask, two batches of 130 rows: the last q
-//! and key tiles of a batch end mid-tile). Strides a tensor map cannot take
-//! are refused by name.
+//! The Hopper attention kernels (`cuda/sdpa_hopper.cu`,
+//! `cuda/sdpa_hopper_bwd.cu`) on strided operands, run in the CPU emulator
+//! as `sm_90a`: q, k and v read through their element strides as separate
+//! `[b, s, h, hd]` buffers or packed in one `[b, s, (hq + 2 hkv) hd]`
+//! projection output; out, dout, dq, dk and dv in the rows of wider buffers
+//! whose other elements hold a guard value that must survive. Every result
+//! must equal, bit for bit, the same kernels on dense `[b, h, s, hd]` copies
+//! (which are checked against the f64 reference): bf16 and f16, head dims 64
+//! and 128, GQA, causal or not, a key-padding mask, two batches of 130 rows
+//! (the last q and key tiles of a batch end mid-tile). Strides a tensor map
+//! cannot take are refused by name.
 
 mod common;
 
@@ -276,12 +277,11 @@ fn run<T: Half>(s: &SdpaShape, x: &Inputs<T>, layout: Layout, what: &str) -> Res
     assert_eq!(o_reg.spoiled(&p[3..]), Vec::<usize>::new(), "guards of out, {what}");
     let out = o_reg.take(&p[3]);
 
-    let mut o_at = p[3];
     let mut do_reg = Region::<T>::new(&p[3..]);
     do_reg.put(&p[3], &x.dout);
     let mut grads = qkv_regions::<T>(&pl, [None, None, None]);
     let mut ws = Workspace::new(s);
-    let mut bb = SdpaBwdBuffers {
+    let bb = SdpaBwdBuffers {
         q: fb.q,
         k: fb.k,
         v: fb.v,
@@ -296,16 +296,6 @@ fn run<T: Half>(s: &SdpaShape, x: &Inputs<T>, layout: Layout, what: &str) -> Res
         workspace_bytes: ws.bytes,
         layout: pl.layout,
     };
-    if let Some(why) = sdpa_hopper_bwd::unsupported(emu, dt, s, &bb) {
-        // delta = rowsum(dout * out) comes from sdpa.cu's pre kernel: until
-        // it reads strided out and dout, they are passed dense
-        assert!(why.contains("out"), "{what}: {why}");
-        o_at = dense(p[3].dims);
-        (o_reg, do_reg) = (Region::new(&[o_at]), Region::new(&[o_at]));
-        o_reg.put(&o_at, &out);
-        do_reg.put(&o_at, &x.dout);
-        (bb.out, bb.dout, bb.layout.out) = (o_reg.addr(0), do_reg.addr(0), None);
-    }
     assert_eq!(sdpa_hopper_bwd::unsupported(emu, dt, s, &bb), None, "{what}");
     // SAFETY: as above.
     unsafe { sdpa_hopper_bwd::sdpa_backward(emu, dt, s, &bb).unwrap() };
@@ -318,8 +308,8 @@ fn run<T: Half>(s: &SdpaShape, x: &Inputs<T>, layout: Layout, what: &str) -> Res
         assert!(bits(&reg.v) == before[r], "{what}: input buffer {r} changed");
     }
     for (name, reg, want) in [("out", &o_reg, &out), ("dout", &do_reg, &x.dout)] {
-        assert!(bits(&reg.take(&o_at)) == bits(want), "{what}: the backward changed {name}");
-        assert_eq!(reg.spoiled(&[o_at]), Vec::<usize>::new(), "{name}'s buffer, {what}");
+        assert!(bits(&reg.take(&p[3])) == bits(want), "{what}: the backward changed {name}");
+        assert_eq!(reg.spoiled(&p[3..]), Vec::<usize>::new(), "{name}'s buffer, {what}");
     }
     let grads = [0, 1, 2].map(|i| grads[of[i]].take(&p[i]));
     Results { out, lse, grads }

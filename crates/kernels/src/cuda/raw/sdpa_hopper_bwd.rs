@@ -14,7 +14,7 @@
 //! bulk reduction adds the whole block), `ceil(q_len / 64) * 64` rows per
 //! head in all; the workspace function sizes every call for it.
 //!
-//! It runs sdpa.cu's `tpar_sdpa_bwd_pre_*` (delta, the whole accumulator
+//! It runs sdpa.cu's `tpar_sdpa_bwd_pre_strided_*` (delta, the whole accumulator
 //! zeroed), then this file's `tpar_sdpa_bwd_hopper<HD>_<dtype>` (one block
 //! of 384 threads per 128 keys, kv head and batch: a producer warp bringing
 //! K / V once and Q / dO tiles through a 2-stage ring by bulk tensor copies,
@@ -44,8 +44,8 @@ use bytemuck::{Pod, Zeroable};
 use super::super::tensor_map::TensorMap;
 use super::super::{launch, CudaDType, LaunchConfig, Launcher};
 use super::sdpa::{
-    backward_args, check_backward_buffers, layout_extents, mask_args, SdpaBwdArgs, SdpaBwdBuffers,
-    SdpaPath, SdpaStrides,
+    arg_strides, backward_args, check_backward_buffers, layout_extents, mask_args, SdpaArgStrides,
+    SdpaBwdArgs, SdpaBwdBuffers, SdpaBwdStridedArgs, SdpaPath,
 };
 use super::sdpa_hopper::{operand_map, operand_strides, strides_unsupported, target_of};
 use super::{bad, numel};
@@ -81,35 +81,10 @@ pub const fn shared_bytes(hd: usize) -> u32 {
         + 10 * 8) as u32
 }
 
-/// Element strides of an operand `[batch, heads, len, dim]` as the kernels
-/// take them (`SdpaHopperStrides` in `sdpa_hopper_bwd.cu`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-pub struct SdpaHopperStrides {
-    /// Elements between batches.
-    pub batch: i64,
-    /// Elements between heads.
-    pub head: i64,
-    /// Elements between rows.
-    pub row: i64,
-}
-
-impl SdpaHopperStrides {
-    /// `st` in the kernels' `i64`s (an error names the operand whose stride
-    /// does not fit).
-    fn of(name: &str, st: SdpaStrides) -> Result<Self> {
-        let i = |v: usize| {
-            i64::try_from(v)
-                .map_err(|_| bad(OP, format!("{name}'s stride {v} exceeds the kernels' i64")))
-        };
-        Ok(SdpaHopperStrides { batch: i(st.batch)?, head: i(st.head)?, row: i(st.row)? })
-    }
-}
-
 /// Arguments of `tpar_sdpa_bwd_hopper<HD>_<dtype>` and
-/// `tpar_sdpa_bwd_hopper_dq_<dtype>`: four tensor maps, the backward
-/// arguments every sdpa.cu backward kernel takes, and the strides the
-/// gradients are written with.
+/// `tpar_sdpa_bwd_hopper_dq_<dtype>`: four tensor maps, then the arguments
+/// of sdpa.cu's strided backward kernels ([`SdpaBwdStridedArgs`]: the
+/// buffers, sizes and every operand's strides).
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaHopperBwdArgs {
@@ -122,16 +97,11 @@ pub struct SdpaHopperBwdArgs {
     pub map_v: TensorMap,
     /// Like `map_q` over dout (out's strides).
     pub map_do: TensorMap,
-    /// The buffers and sizes (as the pre kernel takes them).
+    /// The buffers and sizes.
     pub a: SdpaBwdArgs,
-    /// Where dq is written (q's strides).
-    pub dq: SdpaHopperStrides,
-    /// Where dk is written (k's strides).
-    pub dk: SdpaHopperStrides,
-    /// Where dv is written (v's strides).
-    pub dv: SdpaHopperStrides,
-    /// Padding to a multiple of 64 bytes.
-    pub pad: [i32; 6],
+    /// Element strides of q/dq, k/dk, v/dv and out/dout ([`arg_strides`]):
+    /// the main kernel stores dk and dv, the dq kernel dq, through them.
+    pub st: SdpaArgStrides,
 }
 
 /// Why the Hopper backward does not take this call on `l` (`None`: it does):
@@ -176,12 +146,6 @@ pub fn unsupported(
                 return Some(why);
             }
         }
-    }
-    if b.layout.out.is_some() {
-        return Some(
-            "out / dout strides: the delta kernel (sdpa.cu's tpar_sdpa_bwd_pre) reads them dense"
-                .into(),
-        );
     }
     if s.kv_heads > MAX_GRID_YZ || s.batch > MAX_GRID_YZ {
         return Some(format!(
@@ -254,10 +218,7 @@ pub unsafe fn sdpa_backward(
         map_v: operand_map(emu, dtype, b.v, v, kv_dims, kb)?,
         map_do: operand_map(emu, dtype, b.dout, out, q_dims, qt)?,
         a,
-        dq: SdpaHopperStrides::of("q", q)?,
-        dk: SdpaHopperStrides::of("k", k)?,
-        dv: SdpaHopperStrides::of("v", v)?,
-        pad: [0; 6],
+        st: arg_strides(OP, s, &b.layout)?,
     };
     let sfx = dtype.suffix();
     let blocks = rows.div_ceil(8).min(4096) as u32;
@@ -267,8 +228,11 @@ pub unsafe fn sdpa_backward(
     // caller vouches for the buffers; `delta` is the start of the checked
     // workspace and `dq_acc` the rest of it (`units` of 16 bytes).
     unsafe {
-        // one warp per row: delta; and the whole dq accumulator zeroed
-        launch(l, &format!("tpar_sdpa_bwd_pre_{sfx}"), LaunchConfig::linear(blocks, 256), &a)?;
+        // one warp per row: delta (out and dout through their strides); and
+        // the whole dq accumulator zeroed
+        let pre = SdpaBwdStridedArgs { a, st: args.st };
+        let cfg = LaunchConfig::linear(blocks, 256);
+        launch(l, &format!("tpar_sdpa_bwd_pre_strided_{sfx}"), cfg, &pre)?;
         let grid = [s.kv_len.div_ceil(KEYS_PER_BLOCK) as u32, s.kv_heads as u32, s.batch as u32];
         let cfg = LaunchConfig::grid(grid, THREADS).with_shared(shared_bytes(hd));
         launch(l, &format!("tpar_sdpa_bwd_hopper{hd}_{sfx}"), cfg, &args)?;
@@ -284,7 +248,7 @@ mod tests {
     #[test]
     fn args_layout_matches_the_kernel() {
         assert_eq!(std::mem::size_of::<SdpaBwdArgs>(), 160);
-        assert_eq!(std::mem::size_of::<SdpaHopperStrides>(), 24);
+        assert_eq!(std::mem::size_of::<SdpaArgStrides>(), 96);
         assert_eq!(std::mem::size_of::<SdpaHopperBwdArgs>(), 768);
         assert_eq!(std::mem::align_of::<SdpaHopperBwdArgs>(), 64);
         const { assert!(shared_bytes(128) as usize <= 227 * 1024) };
