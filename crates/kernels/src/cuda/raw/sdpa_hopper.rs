@@ -192,18 +192,27 @@ fn unsupported_call(dtype: CudaDType, s: &SdpaShape, b: &SdpaFwdBuffers) -> Opti
     None
 }
 
-/// The element strides of q, k, v and out: `layout`'s, or the dense
-/// `[batch, heads, len, dim]` ones where it has none (the backward uses them
-/// for dq, dk, dv and dout too).
+/// The element strides of q, k, v and out as the tensor maps take them:
+/// `layout`'s, or the dense `[batch, heads, len, dim]` ones where it has none
+/// (the backward uses them for dq, dk, dv and dout too). A dim with one
+/// index never moves an address, so its stride (which the layout checks
+/// ignore too) is replaced by the dense one, which a map always takes.
 pub(crate) fn operand_strides(s: &SdpaShape, layout: super::sdpa::SdpaLayout) -> [SdpaStrides; 4] {
-    let or_dense = |st: Option<SdpaStrides>, heads, len, dim| {
-        st.unwrap_or_else(|| SdpaStrides::contiguous(heads, len, dim))
+    let of = |st: Option<SdpaStrides>, heads: usize, len: usize, dim: usize| {
+        let dense = SdpaStrides::contiguous(heads, len, dim);
+        let st = st.unwrap_or(dense);
+        let pick = |n: usize, given: usize, dense: usize| if n > 1 { given } else { dense };
+        SdpaStrides {
+            batch: pick(s.batch, st.batch, dense.batch),
+            head: pick(heads, st.head, dense.head),
+            row: pick(len, st.row, dense.row),
+        }
     };
     [
-        or_dense(layout.q, s.q_heads, s.q_len, s.head_dim),
-        or_dense(layout.k, s.kv_heads, s.kv_len, s.head_dim),
-        or_dense(layout.v, s.kv_heads, s.kv_len, s.v_dim),
-        or_dense(layout.out, s.q_heads, s.q_len, s.v_dim),
+        of(layout.q, s.q_heads, s.q_len, s.head_dim),
+        of(layout.k, s.kv_heads, s.kv_len, s.head_dim),
+        of(layout.v, s.kv_heads, s.kv_len, s.v_dim),
+        of(layout.out, s.q_heads, s.q_len, s.v_dim),
     ]
 }
 
@@ -397,15 +406,20 @@ mod tests {
             unsupported_call(CudaDType::BF16, &s, &SdpaFwdBuffers { layout: bshd, ..b }),
             None
         );
-        let skewed = |st: SdpaStrides| super::super::sdpa::SdpaLayout { v: Some(st), ..bshd };
-        let v = bshd.v.unwrap();
-        for (st, needle) in [
-            (SdpaStrides { row: 68, ..v }, "v's row stride of 68 elements (136 bytes)"),
-            (SdpaStrides { head: 1 << 39, ..v }, "v's head stride of 549755813888 elements"),
+        let (q, v) = (bshd.q.unwrap(), bshd.v.unwrap());
+        let lay = |q, v| super::super::sdpa::SdpaLayout { q: Some(q), v: Some(v), ..bshd };
+        for (layout, needle) in [
+            (lay(q, SdpaStrides { row: 68, ..v }), "v's row stride of 68 elements (136 bytes)"),
+            (lay(SdpaStrides { head: 1 << 39, ..q }, v), "q's head stride of 549755813888"),
         ] {
-            let why =
-                unsupported_call(CudaDType::F16, &s, &SdpaFwdBuffers { layout: skewed(st), ..b });
+            let why = unsupported_call(CudaDType::F16, &s, &SdpaFwdBuffers { layout, ..b });
             assert!(why.as_deref().is_some_and(|w| w.contains(needle)), "{why:?}");
         }
+        // strides of dims with one index (batch 1, one kv head) are not looked at
+        let one = lay(SdpaStrides { batch: 3, ..q }, SdpaStrides { head: 5, batch: 7, ..v });
+        assert_eq!(
+            unsupported_call(CudaDType::F16, &s, &SdpaFwdBuffers { layout: one, ..b }),
+            None
+        );
     }
 }
