@@ -623,6 +623,13 @@ impl LlamaAttention {
     }
 
     /// Attention's output before `o_proj`, `[b, s, hq * hd]`, for [`Module::forward`]'s inputs.
+    ///
+    /// Plain (not DTensor) operands without context parallelism go through one attention
+    /// op on `[b, s, heads, hd]` ([`Tensor::attention_bshd`], or, with fused projections,
+    /// [`Tensor::attention_packed`] on the one GEMM's output [`Tensor::linear_concat`]
+    /// keeps whole), which on a device reads them in place; the others through RoPE,
+    /// transposes and [`Value::scaled_dot_product_attention`] (or context-parallel
+    /// attention), which compute the same values.
     fn attend(&self, args: Args) -> Result<Value> {
         let who = "LlamaAttention";
         let x = args.get(0);
@@ -635,36 +642,45 @@ impl LlamaAttention {
         };
         let mask = args.get(2).into_optional_tensor(who)?;
         let hd = self.head_dim;
-        // [b, s, heads * hd] -> [b, s, heads, hd]
-        let split = |t: &Value| -> Result<Value> {
-            let d = t.shape()?;
-            let (b, s, w) = (d[0], d[1], d[2]);
-            if w % hd != 0 {
+        let heads = |w: usize| -> Result<usize> {
+            if hd == 0 || !w.is_multiple_of(hd) {
                 return Err(NnError::Config {
                     what: format!("{who}: projection width {w} is not a multiple of head_dim {hd}"),
                 });
             }
-            t.reshape(&[b as isize, s as isize, (w / hd) as isize, hd as isize])
+            Ok(w / hd)
         };
-        let fused = if self.fuse_projections {
-            fused_linear(&x, &[&self.q_proj, &self.k_proj, &self.v_proj])?
-        } else {
-            None
+        // [b, s, heads * hd] -> [b, s, heads, hd]
+        let split = |t: &Value| -> Result<Value> {
+            let d = t.shape()?;
+            t.reshape(&[d[0] as isize, d[1] as isize, heads(d[2])? as isize, hd as isize])
         };
-        let (q, k, v) = match fused.as_deref() {
+        let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let fused = if self.fuse_projections { fusable(&x, &projs)? } else { None };
+        let qkv = match fused {
+            // [b, s, hidden] x [(hq + 2 hkv) * hd, hidden]^T -> [b, s, (hq + 2 hkv) * hd]
+            Some((xt, w)) if cp.is_none() && w[1].dims()[0] == w[2].dims()[0] => {
+                let (hq, hkv) = (heads(w[0].dims()[0])?, heads(w[1].dims()[0])?);
+                Qkv::Packed(xt.linear_concat(&w)?, hq, hkv)
+            }
             // [b, s, (hq + 2 hkv) * hd] split into q, k and v.
-            Some([q, k, v]) => (split(q)?, split(k)?, split(v)?),
-            _ => {
+            Some((xt, w)) => {
+                let p: Vec<Value> = xt.linear_many(&w)?.into_iter().map(Value::Tensor).collect();
+                Qkv::Split(split(&p[0])?, split(&p[1])?, split(&p[2])?)
+            }
+            None => {
                 let proj = |p: &Linear| call(p, Args::one(x.clone()));
-                (
-                    split(&proj(&self.q_proj)?)?,
-                    split(&proj(&self.k_proj)?)?,
-                    split(&proj(&self.v_proj)?)?,
-                )
+                let [q, k, v] = projs.map(proj);
+                Qkv::Split(split(&q?)?, split(&k?)?, split(&v?)?)
             }
         };
-        let (qd, hkv) = (q.shape()?, k.shape()?[2]);
-        let (b, s, hq) = (qd[0], qd[1], qd[2]);
+        let (b, s, hq, hkv, act) = match &qkv {
+            Qkv::Packed(t, hq, hkv) => (t.dims()[0], t.dims()[1], *hq, *hkv, t.dtype()),
+            Qkv::Split(q, k, _) => {
+                let qd = q.shape()?;
+                (qd[0], qd[1], qd[2], k.shape()?[2], q.dtype()?)
+            }
+        };
         if hkv == 0 || hq % hkv != 0 {
             return Err(NnError::Config {
                 what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
@@ -685,9 +701,21 @@ impl LlamaAttention {
         };
         // The tables and the mask are built in the model's (master) dtype; under mixed
         // precision the activations are narrower (bf16), so cast them as HF's Llama does.
-        let act = q.dtype()?;
         let (cos, sin) = (cos.to_dtype(act)?, sin.to_dtype(act)?);
         let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
+        // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
+        let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
+        let (q, k, v) = match qkv {
+            Qkv::Packed(t, hq, hkv) => {
+                let a = Tensor::attention_packed(&t, hq, hkv, &cos, &sin, mask.as_ref(), causal)?;
+                return Ok(Value::Tensor(a)); // [b, s, hq * hd]
+            }
+            Qkv::Split(Value::Tensor(q), Value::Tensor(k), Value::Tensor(v)) if cp.is_none() => {
+                let a = Tensor::attention_bshd(&q, &k, &v, &cos, &sin, mask.as_ref(), causal)?;
+                return Ok(Value::Tensor(a.reshape([b, s, hq * hd])?)); // [b, s, hq * hd]
+            }
+            Qkv::Split(q, k, v) => (q, k, v),
+        };
         // [b, s, heads, hd] -> [b, heads, s, hd], q and k rotated: a plain tensor in one
         // pass on a device (Tensor::rope_bshd_to_bhsd, the same bits as the transpose then
         // the rotation), a distributed one as the transpose then Value::rope.
@@ -698,8 +726,6 @@ impl LlamaAttention {
             }
         };
         let (q, k, v) = (rotate(q)?, rotate(k)?, v.transpose(1, 2)?);
-        // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
-        let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
         let a = match &cp {
             Some(c) => crate::context_parallel::cp_attention(c, &q, &k, &v, mask.as_ref())?,
             None => Value::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), causal, None)?,
@@ -707,6 +733,14 @@ impl LlamaAttention {
         let a = a.transpose(1, 2)?.reshape(&[b as isize, s as isize, (hq * hd) as isize])?; // [b, s, hq * hd]
         Ok(a)
     }
+}
+
+/// The operands [`LlamaAttention`] computes attention on: the packed output of the fused
+/// projections `[b, s, (hq + 2 hkv) * hd]` with its head counts `(hq, hkv)`, or q, k and
+/// v `[b, s, heads, hd]`.
+enum Qkv {
+    Packed(Tensor, usize, usize),
+    Split(Value, Value, Value),
 }
 
 impl Module for LlamaAttention {

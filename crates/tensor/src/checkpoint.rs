@@ -72,7 +72,8 @@ use crate::{DType, Result, Shape, Tensor, TensorError};
 pub enum SaveOp {
     /// Matrix products (`matmul`, `matmul_t`, and so `linear`).
     Matmul,
-    /// Scaled dot-product attention (its output and log-sum-exps).
+    /// Scaled dot-product attention (its output and log-sum-exps), also as the attention
+    /// inside [`Tensor::attention_bshd`] and [`Tensor::attention_packed`].
     Sdpa,
     /// Every second matrix product of a region: the 1st, 3rd, 5th, ... are kept, the
     /// others recomputed (torchtitan's selective policy; [`SaveOp::Matmul`] wins when
@@ -99,11 +100,16 @@ impl SaveOp {
         }
     }
 
-    /// The op named `s` (`matmul`/`mm`/`linear`, `sdpa`/`attention`, `matmul/2`), if any.
+    /// The op named `s` (`matmul`/`mm`/`linear`, `sdpa`/`attention` (also
+    /// `attention_bshd`, `attention_packed`), `matmul/2`), if any.
     pub fn parse(s: &str) -> Option<SaveOp> {
         match s.trim() {
             "matmul" | "mm" | "linear" => Some(SaveOp::Matmul),
-            "sdpa" | "attention" | "scaled_dot_product_attention" => Some(SaveOp::Sdpa),
+            "sdpa"
+            | "attention"
+            | "scaled_dot_product_attention"
+            | "attention_bshd"
+            | "attention_packed" => Some(SaveOp::Sdpa),
             "matmul/2" | "mm/2" => Some(SaveOp::EveryOtherMatmul),
             _ => None,
         }

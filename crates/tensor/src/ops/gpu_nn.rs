@@ -534,7 +534,7 @@ pub(crate) fn embedding(
 
 /// Whether the flash kernels take attention of shape `s` (head dims within their limit,
 /// batches and heads within a grid, lengths within 32-bit offsets).
-fn sdpa_fits(s: &SdpaShape) -> bool {
+pub(crate) fn sdpa_fits(s: &SdpaShape) -> bool {
     s.head_dim <= k_sdpa::MAX_HEAD_DIM
         && s.v_dim <= k_sdpa::MAX_HEAD_DIM
         && s.batch <= 65_535
@@ -549,6 +549,24 @@ pub(crate) fn sdpa_on_device(q: &Tensor, s: &SdpaShape) -> bool {
     matches!(q.device(), Device::Cuda(_)) && cuda_dtype(q.dtype()).is_some() && sdpa_fits(s)
 }
 
+/// One operand of a strided attention call: a CUDA tensor's buffer and the element of it
+/// where the operand's element `(0, 0, 0, 0)` lies (its strides are in the call's
+/// [`k_sdpa::SdpaLayout`]).
+pub(crate) type SdpaAt<'t> = (&'t Tensor, usize);
+
+/// The view of `g` from element `at` on (elements of `es` bytes).
+fn view_from(g: &GpuStorage, at: usize, es: usize) -> Result<DeviceSlice<'_>> {
+    let v = g.view();
+    Ok(v.slice(at * es..v.len())?)
+}
+
+/// The writable view of `o` from element `at` on (elements of `es` bytes).
+pub(crate) fn out_from(o: &mut Out, at: usize, es: usize) -> Result<DeviceSliceMut<'_>> {
+    let v = o.view_mut();
+    let len = v.len();
+    Ok(v.slice_mut(at * es..len)?)
+}
+
 /// The flash kernels' forward (see [`sdpa_on_device`]): `(out, lse)` with `out`
 /// `[b, hq, sq, dv]` in q's dtype and `lse` the f32 natural-log log-sum-exp of each
 /// query row `[b, hq, sq]` (`-inf` for a row with every key masked). `mask` is additive,
@@ -560,24 +578,40 @@ pub(crate) fn sdpa_forward_device(
     mask: Option<&Tensor>,
     s: &SdpaShape,
 ) -> Result<(Tensor, Tensor)> {
+    let out = Shape::new(&[s.batch, s.q_heads, s.q_len, s.v_dim]);
+    sdpa_forward_at([(q, 0), (k, 0), (v, 0)], mask, s, k_sdpa::SdpaLayout::default(), out)
+}
+
+/// [`sdpa_forward_device`] with q, k and v read where `qkv` and `layout` place them, and
+/// `out` (a new tensor of `out_shape`, which holds the elements `layout.out` reaches)
+/// written at `layout.out`. Not recorded.
+pub(crate) fn sdpa_forward_at(
+    qkv: [SdpaAt<'_>; 3],
+    mask: Option<&Tensor>,
+    s: &SdpaShape,
+    layout: k_sdpa::SdpaLayout,
+    out_shape: Shape,
+) -> Result<(Tensor, Tensor)> {
     const OP: &str = "scaled_dot_product_attention";
+    let [(q, qa), (k, ka), (v, va)] = qkv;
     let cd = kernel_dtype(OP, q)?;
+    let es = cd.size();
     let dev = device_of(q, OP)?;
     let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
     let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
-    let mut out = Out::new(&dev, [s.batch, s.q_heads, s.q_len, s.v_dim], q.dtype())?;
+    let mut out = Out::new(&dev, out_shape, q.dtype())?;
     let mut lse = Out::new(&dev, [s.batch, s.q_heads, s.q_len], DType::F32)?;
     let mut ins = vec![q, k, v];
     ins.extend(mask);
     with_gpu(OP, &ins, |b| {
         let views = k_sdpa::SdpaFwdViews {
-            q: b[0].view(),
-            k: b[1].view(),
-            v: b[2].view(),
+            q: view_from(b[0], qa, es)?,
+            k: view_from(b[1], ka, es)?,
+            v: view_from(b[2], va, es)?,
             mask: mask_view(b.get(3).copied(), strides.as_deref()),
             out: out.view_mut(),
             lse: lse.view_mut(),
-            layout: Default::default(),
+            layout,
         };
         Ok(k_sdpa::sdpa_forward(&*dev, cd, s, views, k_sdpa::SdpaPath::Auto)?)
     })?;
@@ -599,35 +633,87 @@ pub(crate) fn sdpa_backward_device(
     dout: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     const OP: &str = "scaled_dot_product_attention";
-    let cd = kernel_dtype(OP, q)?;
     let dev = device_of(dout, OP)?;
-    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
-    let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
     let mut dq = Out::new(&dev, q.shape().clone(), q.dtype())?;
     let mut dk = Out::new(&dev, k.shape().clone(), k.dtype())?;
     let mut dv = Out::new(&dev, v.shape().clone(), v.dtype())?;
+    let grads = [(&mut dq, 0), (&mut dk, 0), (&mut dv, 0)];
+    let dense = k_sdpa::SdpaLayout::default();
+    sdpa_backward_at([(q, 0), (k, 0), (v, 0)], mask, s, dense, [out, lse, dout], grads)?;
+    Ok((dq.into_tensor(), dk.into_tensor(), dv.into_tensor()))
+}
+
+/// [`sdpa_backward_device`] with q, k and v read where `qkv` and `layout` place them,
+/// `out` and `dout` at `layout.out`, and dq, dk and dv written into `grads` (a buffer and
+/// the element where the gradient's `(0, 0, 0, 0)` lies) at q's, k's and v's strides.
+/// `[out, lse, dout]` are the forward's output and log-sum-exps and the output's
+/// gradient. Not recorded.
+pub(crate) fn sdpa_backward_at(
+    qkv: [SdpaAt<'_>; 3],
+    mask: Option<&Tensor>,
+    s: &SdpaShape,
+    layout: k_sdpa::SdpaLayout,
+    [out, lse, dout]: [&Tensor; 3],
+    grads: [(&mut Out, usize); 3],
+) -> Result<()> {
+    const OP: &str = "scaled_dot_product_attention";
+    let [(q, qa), (k, ka), (v, va)] = qkv;
+    let cd = kernel_dtype(OP, q)?;
+    let es = cd.size();
+    let dev = device_of(dout, OP)?;
+    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+    let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
     let ws_bytes = k_sdpa::sdpa_backward_workspace_bytes(s)?;
     let mut ws = Out::new(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
+    let [(dq, dqa), (dk, dka), (dv, dva)] = grads;
     let mut ins = vec![q, k, v, out, lse, dout];
     ins.extend(mask);
     with_gpu(OP, &ins, |b| {
         let views = k_sdpa::SdpaBwdViews {
-            q: b[0].view(),
-            k: b[1].view(),
-            v: b[2].view(),
+            q: view_from(b[0], qa, es)?,
+            k: view_from(b[1], ka, es)?,
+            v: view_from(b[2], va, es)?,
             mask: mask_view(b.get(6).copied(), strides.as_deref()),
             out: b[3].view(),
             lse: b[4].view(),
             dout: b[5].view(),
-            dq: dq.view_mut(),
-            dk: dk.view_mut(),
-            dv: dv.view_mut(),
+            dq: out_from(dq, dqa, es)?,
+            dk: out_from(dk, dka, es)?,
+            dv: out_from(dv, dva, es)?,
             workspace: ws.view_mut(),
-            layout: Default::default(),
+            layout,
         };
         Ok(k_sdpa::sdpa_backward(&*dev, cd, s, views, k_sdpa::SdpaPath::Auto)?)
-    })?;
-    Ok((dq.into_tensor(), dk.into_tensor(), dv.into_tensor()))
+    })
+}
+
+/// The caller's 4-d attention mask (broadcastable to `[batch, q_heads, q_len, kv_len]`,
+/// its last dim `kv_len` or 1) as the kernels read it: detached, and materialized to
+/// the full key length when broadcast over the keys (they read it with unit stride
+/// along them); `None` for no mask or an empty call.
+pub(crate) fn device_mask(
+    mask: Option<&Tensor>,
+    s: &SdpaShape,
+    cd: CudaDType,
+) -> Result<Option<Tensor>> {
+    const OP: &str = "scaled_dot_product_attention";
+    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+    match mask {
+        Some(m) if m.numel() > 0 && full.numel() > 0 => {
+            let md = m.dims();
+            if md[3] == s.kv_len {
+                return Ok(Some(m.detach()));
+            }
+            let dev = device_of(m, OP)?;
+            let out = [md[0], md[1], md[2], s.kv_len];
+            let mut e = Out::new(&dev, out, m.dtype())?;
+            with_gpu(OP, &[m], |v| {
+                Ok(k_layout::expand(&*dev, cd.size(), v[0].view(), md, &out, e.view_mut())?)
+            })?;
+            Ok(Some(e.into_tensor()))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Flash attention on the device; `None` when the dtype or sizes have no
@@ -647,26 +733,7 @@ pub(crate) fn sdpa(
         return Ok(None);
     }
     let s = *s;
-    let dev = device_of(q, OP)?;
-    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
-    // The kernels read the mask with unit stride along the keys: a mask broadcast
-    // over them is materialized to its full key length first.
-    let mask: Option<Tensor> = match mask {
-        Some(m) if m.numel() > 0 && full.numel() > 0 => {
-            let md = m.dims();
-            if md[3] == s.kv_len {
-                Some(m.detach())
-            } else {
-                let out = [md[0], md[1], md[2], s.kv_len];
-                let mut e = Out::new(&dev, out, m.dtype())?;
-                with_gpu(OP, &[m], |v| {
-                    Ok(k_layout::expand(&*dev, cd.size(), v[0].view(), md, &out, e.view_mut())?)
-                })?;
-                Some(e.into_tensor())
-            }
-        }
-        _ => None,
-    };
+    let mask = device_mask(mask, &s, cd)?;
     // A selective activation checkpoint may keep the output and its log-sum-exps
     // (crate::checkpoint).
     let (out, lse) = crate::checkpoint::kept(crate::checkpoint::SaveOp::Sdpa, &[q, k, v], || {

@@ -6,12 +6,14 @@ use crate::storage::{CpuStorage, Storage};
 use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 
 mod attention_block;
+mod attention_bshd;
 mod cross_entropy;
 mod elementwise;
 mod gpu;
 mod gpu_elem;
 pub(crate) mod gpu_nn;
 mod linear_add;
+mod linear_concat;
 mod linear_many;
 mod matmul;
 mod nn;

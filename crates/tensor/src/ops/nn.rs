@@ -89,6 +89,43 @@ fn acc_to<T: Float>(v: Vec<T::Acc>) -> Vec<T> {
     v.into_iter().map(T::from_acc).collect()
 }
 
+/// Attention's default scale for a head dim of `head_dim`: `1/sqrt(head_dim)`.
+pub(crate) fn default_sdpa_scale(head_dim: usize) -> f64 {
+    1.0 / (head_dim.max(1) as f64).sqrt()
+}
+
+/// An attention mask brought to 4 dims whose last is the key length (or 1), after checking
+/// its dtype (`dtype`) and that it broadcasts to `[batch, q_heads, q_len, kv_len]` of `s`;
+/// errors name `op` (and `q`, the query tensor, for shapes).
+pub(crate) fn sdpa_mask4(
+    op: &'static str,
+    mask: Option<&Tensor>,
+    dtype: DType,
+    s: &SdpaShape,
+    q: &Tensor,
+) -> Result<Option<Tensor>> {
+    let Some(m) = mask else { return Ok(None) };
+    if m.dtype() != dtype {
+        return Err(TensorError::DTypeMismatch {
+            op,
+            expected: dtype.name().into(),
+            got: m.dtype(),
+        });
+    }
+    if m.rank() > 4 {
+        return Err(invalid(op, format!("mask of shape {} has more than 4 dims", m.shape())));
+    }
+    let mut md = vec![1; 4 - m.rank()];
+    md.extend_from_slice(m.dims());
+    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+    let m4 = m.detach().reshape(md)?;
+    let b = crate::shape::broadcast_shapes(op, m4.shape(), &full)?;
+    if b != full {
+        return Err(shape_err(op, m, q, format!("mask does not broadcast to {full}")));
+    }
+    Ok(Some(m4))
+}
+
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
         let name = if log { "log_softmax" } else { "softmax" };
@@ -327,38 +364,11 @@ impl Tensor {
             kv_len: kd[2],
             head_dim: qd[3],
             v_dim: vd[3],
-            scale: scale.unwrap_or(1.0 / (qd[3].max(1) as f64).sqrt()),
+            scale: scale.unwrap_or_else(|| default_sdpa_scale(qd[3])),
             causal,
         };
         let out_shape = Shape::new(&[s.batch, s.q_heads, s.q_len, s.v_dim]);
-        // Bring the mask to 4 dims whose last is the key length, then broadcast strides.
-        let mask = match mask {
-            None => None,
-            Some(m) => {
-                if m.dtype() != dtype {
-                    return Err(TensorError::DTypeMismatch {
-                        op,
-                        expected: dtype.name().into(),
-                        got: m.dtype(),
-                    });
-                }
-                if m.rank() > 4 {
-                    return Err(invalid(
-                        op,
-                        format!("mask of shape {} has more than 4 dims", m.shape()),
-                    ));
-                }
-                let mut md = vec![1; 4 - m.rank()];
-                md.extend_from_slice(m.dims());
-                let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
-                let m4 = m.detach().reshape(md)?;
-                let b = crate::shape::broadcast_shapes(op, m4.shape(), &full)?;
-                if b != full {
-                    return Err(shape_err(op, m, q, format!("mask does not broadcast to {full}")));
-                }
-                Some(m4)
-            }
-        };
+        let mask = sdpa_mask4(op, mask, dtype, &s, q)?;
         let mut inputs = vec![q, k, v];
         if let Some(m) = &mask {
             inputs.push(m);
