@@ -188,8 +188,7 @@ pub fn sdpa_forward(
     };
     let path = match (path, sdpa_backend()) {
         (SdpaPath::Auto, SdpaBackend::Hopper)
-            if buffers.layout.is_dense()
-                && sdpa_hopper::unsupported(dev, dtype, s, &buffers).is_none() =>
+            if sdpa_hopper::unsupported(dev, dtype, s, &buffers).is_none() =>
         {
             SdpaPath::Hopper
         }
@@ -232,8 +231,7 @@ pub fn sdpa_backward(
     };
     let path = match (path, sdpa_backend()) {
         (SdpaPath::Auto, SdpaBackend::Hopper)
-            if buffers.layout.is_dense()
-                && sdpa_hopper_bwd::unsupported(dev, dtype, s, &buffers).is_none() =>
+            if sdpa_hopper_bwd::unsupported(dev, dtype, s, &buffers).is_none() =>
         {
             SdpaPath::Hopper
         }

@@ -32,7 +32,8 @@
 //! cores when they apply. On devices that run `sm_90a` kernels,
 //! [`SdpaPath::Hopper`] selects the wgmma / TMA kernels of
 //! [`super::sdpa_hopper`] (forward) and [`super::sdpa_hopper_bwd`]
-//! (backward), for dense operands only so far; `Auto` does not pick them.
+//! (backward), which take strides that are multiples of 16 bytes (their
+//! tensor maps); `Auto` does not pick them.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -340,11 +341,10 @@ pub enum SdpaPath {
     /// error naming why when the device does not run it or it does not take
     /// the call ([`super::sdpa_hopper::unsupported`]). Backward:
     /// [`super::sdpa_hopper_bwd`] where it takes the call
-    /// ([`super::sdpa_hopper_bwd::unsupported`]) and the operands are dense,
-    /// else the tensor-core kernels (as [`SdpaPath::TensorCore`]; the same
-    /// `lse` convention). A forward call with strided operands
-    /// ([`SdpaLayout`]) is an error. `Auto` never picks it: these kernels have
-    /// not run on a GPU yet.
+    /// ([`super::sdpa_hopper_bwd::unsupported`]), else the tensor-core
+    /// kernels (as [`SdpaPath::TensorCore`]; the same `lse` convention). Both
+    /// take [`SdpaLayout`] strides that are multiples of 16 bytes. `Auto`
+    /// never picks it: these kernels have not run on a GPU yet.
     Hopper,
 }
 
@@ -509,17 +509,6 @@ pub(crate) fn layout_extents(
         *slot = last + 1;
     }
     Ok(out)
-}
-
-/// The error of a kernel family that does not take strided operands yet
-/// (the Hopper forward).
-pub(crate) fn refuse_strided(op: &'static str, layout: &SdpaLayout) -> Result<()> {
-    for (name, st) in [("q", layout.q), ("k", layout.k), ("v", layout.v), ("out", layout.out)] {
-        if st.is_some() {
-            return Err(bad(op, format!("{name}: these kernels do not take strided operands")));
-        }
-    }
-    Ok(())
 }
 
 /// The kernels' strides of every operand under `layout` (the dense strides
@@ -834,8 +823,6 @@ pub unsafe fn sdpa_forward(
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_forward";
     if path == SdpaPath::Hopper {
-        // The Hopper kernels take dense operands until they learn strides.
-        refuse_strided(OP, &b.layout)?;
         // SAFETY: forwarded from the caller.
         return unsafe { super::sdpa_hopper::sdpa_forward(l, dtype, s, b) };
     }
@@ -891,12 +878,7 @@ pub unsafe fn sdpa_backward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
-    // Strided operands run on the kernels below (the Hopper backward takes
-    // dense ones until it learns strides).
-    if path == SdpaPath::Hopper
-        && b.layout.is_dense()
-        && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none()
-    {
+    if path == SdpaPath::Hopper && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none() {
         // SAFETY: forwarded from the caller (the same buffer contract).
         return unsafe { super::sdpa_hopper_bwd::sdpa_backward(l, dtype, s, b) };
     }
