@@ -76,8 +76,18 @@ fn inputs(c: &Case, dtype: DType, rng: &mut Rng) -> Inputs {
     Inputs { qkv, cos, sin, mask, dout }
 }
 
-/// The composition the ops are defined as, written out.
-fn reference(c: &Case, x: &[Tensor], cos: &Tensor, sin: &Tensor, mask: Option<&Tensor>) -> Tensor {
+/// The composition the ops are defined as, written out: split and view as heads
+/// (packed), q and k rotated and brought to `[b, h, s, hd]` (by the transpose then
+/// `rope` or, `one_pass`, by `rope_bshd_to_bhsd`, as the model ran it), v transposed,
+/// attention, the output transposed back.
+fn composition(
+    c: &Case,
+    x: &[Tensor],
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: Option<&Tensor>,
+    one_pass: bool,
+) -> Tensor {
     let (cos, sin) = (cos.narrow(0, 0, c.s).unwrap(), sin.narrow(0, 0, c.s).unwrap());
     let parts = if c.packed {
         let w = [c.hq * c.hd, c.hkv * c.hd, c.hkv * c.hd];
@@ -87,7 +97,10 @@ fn reference(c: &Case, x: &[Tensor], cos: &Tensor, sin: &Tensor, mask: Option<&T
     } else {
         x.to_vec()
     };
-    let rot = |t: &Tensor| t.transpose(1, 2).unwrap().rope(&cos, &sin, RopeLayout::Bhsd).unwrap();
+    let rot = |t: &Tensor| match one_pass {
+        true => t.rope_bshd_to_bhsd(&cos, &sin).unwrap(),
+        false => t.transpose(1, 2).unwrap().rope(&cos, &sin, RopeLayout::Bhsd).unwrap(),
+    };
     let (q, k, v) = (rot(&parts[0]), rot(&parts[1]), parts[2].transpose(1, 2).unwrap());
     let causal = c.mask != Mask::Full;
     let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask, causal, None).unwrap();
@@ -97,6 +110,23 @@ fn reference(c: &Case, x: &[Tensor], cos: &Tensor, sin: &Tensor, mask: Option<&T
     } else {
         a
     }
+}
+
+/// [`composition`] with the transpose then `rope`.
+fn reference(c: &Case, x: &[Tensor], cos: &Tensor, sin: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    composition(c, x, cos, sin, mask, false)
+}
+
+/// What a Llama attention block ran before these ops (and still runs on distributed
+/// operands): [`composition`] with the one-pass RoPE.
+fn model_composition(
+    c: &Case,
+    x: &[Tensor],
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: Option<&Tensor>,
+) -> Tensor {
+    composition(c, x, cos, sin, mask, true)
 }
 
 /// The op under test.
@@ -323,34 +353,6 @@ fn linear_concat_is_linear_many_side_by_side() {
     assert!(err.contains("linear_concat") && err.contains("no weights"), "{err}");
     let err = x.linear_concat(&[r(&[4, 12]), r(&[4, 11])]).unwrap_err().to_string();
     assert!(err.contains("[4, 11]") && err.contains("in_features"), "{err}");
-}
-
-/// What a Llama attention block ran before these ops (and still runs on distributed
-/// operands): split (packed), the one-pass RoPE + transpose of q and k, v transposed,
-/// attention, the output transposed back.
-fn model_composition(
-    c: &Case,
-    x: &[Tensor],
-    cos: &Tensor,
-    sin: &Tensor,
-    mask: Option<&Tensor>,
-) -> Tensor {
-    let parts = if c.packed {
-        let w = [c.hq * c.hd, c.hkv * c.hd, c.hkv * c.hd];
-        let p = x[0].split_sizes(&w, -1).unwrap();
-        let heads = [c.hq, c.hkv, c.hkv];
-        p.iter().zip(heads).map(|(t, h)| t.reshape([c.b, c.s, h, c.hd]).unwrap()).collect()
-    } else {
-        x.to_vec()
-    };
-    let (cos, sin) = (cos.narrow(0, 0, c.s).unwrap(), sin.narrow(0, 0, c.s).unwrap());
-    let q = parts[0].rope_bshd_to_bhsd(&cos, &sin).unwrap();
-    let k = parts[1].rope_bshd_to_bhsd(&cos, &sin).unwrap();
-    let v = parts[2].transpose(1, 2).unwrap();
-    let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask, c.mask != Mask::Full, None);
-    let a = a.unwrap().transpose(1, 2).unwrap();
-    let shape = if c.packed { vec![c.b, c.s, c.hq * c.hd] } else { vec![c.b, c.s, c.hq, c.hd] };
-    a.reshape(shape).unwrap()
 }
 
 /// The device node runs no transposes, splits or concatenations: with the flash

@@ -6,8 +6,8 @@
 //! (packed) and view as `[b, s, h, hd]`, rotate q and k and bring them to `[b, h, s, hd]`
 //! ([`Tensor::rope_bshd_to_bhsd`]), transpose v, [`Tensor::scaled_dot_product_attention`]
 //! with the default scale `1/sqrt(hd)`, and transpose the output back to `[b, s, hq, hd]`.
-//! On the host (and for f64, sizes the flash kernels do not take, or kernels that do not
-//! take strided operands) it runs exactly that composition, whose autograd is its ops'.
+//! On the host (and for f64, sizes the flash kernels do not take, or an empty call) it
+//! runs exactly that composition, whose autograd is its ops'.
 //!
 //! On a CUDA device it is one autograd node without transposes, splits or
 //! concatenations: the forward rotates the q heads and the k heads into dense
@@ -25,8 +25,6 @@
 //! dk, at q's and k's strides, into views that must not overlap). Every element is
 //! computed as in the composition, so the bits are the same.
 
-use std::sync::OnceLock;
-
 use tpar_kernels::cuda::ops::{rope as k_rope, sdpa as k_sdpa};
 use tpar_kernels::cuda::{CudaDType, GpuDevice};
 use tpar_kernels::rope::RopeShape;
@@ -38,7 +36,7 @@ use super::nn::{default_sdpa_scale, sdpa_mask4};
 use super::{common_device, common_dtype, invalid, require_float};
 use crate::autograd::record;
 use crate::checkpoint::{kept, SaveOp};
-use crate::{DType, Device, Result, Shape, Tensor, TensorError};
+use crate::{Device, Result, Shape, Tensor, TensorError};
 
 /// The operands: separate q, k and v `[b, s, h, hd]`, or one packed
 /// `[b, s, (hq + 2 hkv) * hd]` tensor holding each row's q, k and v heads side by side.
@@ -286,64 +284,6 @@ fn composition(
     a.transpose(1, 2)?.reshape(h.out_shape(x.packed())) // [b, s, hq, hd] or [b, s, hq * hd]
 }
 
-/// Whether the flash kernels of `cd` take strided operands on `dev`'s kind of device:
-/// one tiny strided forward and backward, once per dtype and process (the answer is
-/// remembered; `false` without trying inside a CUDA graph capture, which then runs the
-/// composition).
-fn strided_kernels(dev: &std::sync::Arc<dyn GpuDevice>, cd: CudaDType) -> bool {
-    static KNOWN: [OnceLock<bool>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    let slot = match cd {
-        CudaDType::F32 => &KNOWN[0],
-        CudaDType::BF16 => &KNOWN[1],
-        _ => &KNOWN[2],
-    };
-    if let Some(&known) = slot.get() {
-        return known;
-    }
-    if dev.is_capturing() {
-        return false;
-    }
-    *slot.get_or_init(|| probe(dev, cd).is_ok())
-}
-
-/// One strided attention forward and backward of one head of 2 positions and 8 dims,
-/// each operand at a row stride of 16 elements.
-fn probe(dev: &std::sync::Arc<dyn GpuDevice>, cd: CudaDType) -> Result<()> {
-    let dtype = match cd {
-        CudaDType::F32 => DType::F32,
-        CudaDType::BF16 => DType::BF16,
-        _ => DType::F16,
-    };
-    let s = SdpaShape {
-        batch: 1,
-        q_heads: 1,
-        kv_heads: 1,
-        q_len: 2,
-        kv_len: 2,
-        head_dim: 8,
-        v_dim: 8,
-        scale: 1.0,
-        causal: true,
-    };
-    let st = Some(k_sdpa::SdpaStrides::bshd(2, 16, 8));
-    let layout = k_sdpa::SdpaLayout { q: st, k: st, v: st, out: st };
-    let t = Out::zeros(dev, [32], dtype)?.into_tensor();
-    let (out, lse) =
-        gpu_nn::sdpa_forward_at([(&t, 0), (&t, 0), (&t, 0)], None, &s, layout, [32].into())?;
-    let mut g =
-        [Out::new(dev, [32], dtype)?, Out::new(dev, [32], dtype)?, Out::new(dev, [32], dtype)?];
-    let [a, b, c] = &mut g;
-    let grads = [(a, 0), (b, 0), (c, 0)];
-    gpu_nn::sdpa_backward_at(
-        [(&t, 0), (&t, 0), (&t, 0)],
-        None,
-        &s,
-        layout,
-        [&out, &lse, &out],
-        grads,
-    )
-}
-
 /// The RoPE launch of `n` heads of `h` (its `b`, `s` and `hd`) from `src` into `dst`:
 /// each a buffer, the element where head `(0, 0, 0)` starts and the elements between
 /// positions; the transposed rotation when `backward`.
@@ -413,8 +353,7 @@ fn layout(x: Qkv<'_>, h: &Heads) -> k_sdpa::SdpaLayout {
 }
 
 /// The device node (see the module docs); `None` where the composition runs instead:
-/// a dtype without flash kernels, sizes they do not take, an empty call, or kernels that
-/// do not take strided operands.
+/// a dtype without flash kernels, sizes they do not take, or an empty call.
 fn on_device(
     x: Qkv<'_>,
     h: Heads,
@@ -429,9 +368,6 @@ fn on_device(
         return Ok(None);
     }
     let dev = device_of(inputs[0], OP)?;
-    if !strided_kernels(&dev, cd) {
-        return Ok(None);
-    }
     let (s, mask) = (*s, gpu_nn::device_mask(mask, s, cd)?);
     let layout = layout(x, &h);
     let (v, v_at, _) = x.place(2, &h);

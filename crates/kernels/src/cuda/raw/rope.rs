@@ -201,7 +201,7 @@ unsafe fn apply_orders(
 /// [`apply`] with `x` and `y` at any strides.
 ///
 /// # Safety
-/// As [`rope_forward_strided`].
+/// As [`rope_strided`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn apply_strided(
     op: &'static str,
