@@ -531,10 +531,13 @@ pub(crate) fn attention_mask(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LlamaFusion {
     /// q, k and v computed by one GEMM over the concatenation of `q_proj`, `k_proj` and
-    /// `v_proj`'s weights on dim 0, the output split back into q, k and v
-    /// ([`Tensor::linear_many`]: each weight keeps its own parameter, gradient, FQN and
-    /// optimizer state, and the backward is each projection's own); gate and up likewise
-    /// with one GEMM over `gate_proj` and `up_proj`.
+    /// `v_proj`'s weights on dim 0 (each weight keeps its own parameter, gradient, FQN and
+    /// optimizer state): without context parallelism the output stays whole
+    /// ([`Tensor::linear_concat`], whose backward is one GEMM for the input's gradient and
+    /// one for the weights') and attention reads it as it is
+    /// ([`Tensor::attention_packed`]); under context parallelism it is split back into q,
+    /// k and v ([`Tensor::linear_many`], the backward each projection's own). Gate and up
+    /// likewise with one GEMM over `gate_proj` and `up_proj`, split back.
     ///
     /// It applies where the plan allows: a plain (not DTensor) input and projections
     /// without bias and without hooks of their own (no parallel style installed on them)
