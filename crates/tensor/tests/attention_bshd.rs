@@ -195,10 +195,12 @@ fn zeros_of_other_signs(a: u64, b: u64) -> bool {
 
 /// The op and the composition on `device` give the same output bits and the same
 /// gradient bits, but for one known difference: on the device, a packed input's
-/// gradient may hold `-0.0` where the composition's has `+0.0` (or the reverse), in the
-/// q columns of a query whose only key leaves dS exactly 0 (the flash backward with v
-/// read at the packed row stride rounds dq to the other zero); such pairs are allowed,
-/// any other difference fails.
+/// gradient may hold `-0.0` where the composition's has `+0.0`, in the q columns of a
+/// query whose only key leaves dS exactly 0. The op writes the kernels' dq there as it
+/// is (a signed zero); the composition's packed gradient is the sum of the three
+/// zero-padded slice gradients (`narrow`'s adjoint), and `-0.0 + +0.0` is `+0.0`. With
+/// separate inputs (no such sum) the bits agree. Such pairs are allowed, any other
+/// difference fails.
 fn check(device: Device, dtype: DType, seed: u64) {
     let mut rng = Rng::new(seed);
     for c in CASES {
