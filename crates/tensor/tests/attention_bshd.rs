@@ -355,6 +355,9 @@ fn linear_concat_is_linear_many_side_by_side() {
     assert!(err.contains("linear_concat") && err.contains("no weights"), "{err}");
     let err = x.linear_concat(&[r(&[4, 12]), r(&[4, 11])]).unwrap_err().to_string();
     assert!(err.contains("[4, 11]") && err.contains("in_features"), "{err}");
+    let f64_weight = r(&[4, 12]).to_dtype(DType::F64).unwrap();
+    let err = x.linear_concat(&[r(&[4, 12]), f64_weight]).unwrap_err().to_string();
+    assert!(err.contains("linear_concat") && err.contains("weight f64"), "{err}");
 }
 
 /// The device node runs no transposes, splits or concatenations: with the flash

@@ -11,7 +11,7 @@
 //! and computes the weights' gradients as the rows of one product `g^T x`.
 
 use crate::autograd::{needs_input_grad, no_grad, record};
-use crate::{Result, Tensor, TensorError};
+use crate::{Result, Tensor};
 
 const OP: &str = "linear_concat";
 
@@ -21,20 +21,10 @@ impl Tensor {
     /// (see the module docs). Differentiable in `self` and every weight; the weights must
     /// share `in`, the dtype and the device of `self`.
     pub fn linear_concat(&self, weights: &[Tensor]) -> Result<Tensor> {
-        let in_f = self.dims().last().copied();
         if weights.is_empty() {
             return Err(super::invalid(OP, "no weights given"));
         }
-        for w in weights {
-            if w.rank() != 2 || Some(w.dims()[1]) != in_f {
-                return Err(TensorError::ShapeMismatch {
-                    op: OP,
-                    lhs: self.shape().clone(),
-                    rhs: w.shape().clone(),
-                    why: "each weight must be [out_features, in_features]".into(),
-                });
-            }
-        }
+        super::linear_many::check_weights(OP, self, weights)?;
         let detached: Vec<Tensor> = weights.iter().map(Tensor::detach).collect();
         let sizes: Vec<usize> = weights.iter().map(|w| w.dims()[0]).collect();
         // the weights as one [sum(out), in]

@@ -19,29 +19,7 @@ impl Tensor {
     /// output's backward that of [`Tensor::linear`] with its own weight (see the module
     /// docs). The weights must share `in`, the dtype and the device of `self`.
     pub fn linear_many(&self, weights: &[Tensor]) -> Result<Vec<Tensor>> {
-        let in_f = self.dims().last().copied();
-        for w in weights {
-            if w.rank() != 2 || Some(w.dims()[1]) != in_f {
-                return Err(TensorError::ShapeMismatch {
-                    op: OP,
-                    lhs: self.shape().clone(),
-                    rhs: w.shape().clone(),
-                    why: "each weight must be [out_features, in_features]".into(),
-                });
-            }
-            if w.dtype() != self.dtype() || w.device() != self.device() {
-                return Err(super::invalid(
-                    OP,
-                    format!(
-                        "weight {} on {:?} for an input {} on {:?}",
-                        w.dtype(),
-                        w.device(),
-                        self.dtype(),
-                        self.device()
-                    ),
-                ));
-            }
-        }
+        check_weights(OP, self, weights)?;
         if weights.len() < 2 {
             return weights.iter().map(|w| self.linear(w, None)).collect();
         }
@@ -93,4 +71,34 @@ fn linear_adjoint(
         };
         Ok(vec![gx, gw])
     }
+}
+
+/// Checks that every weight is `[out_features, in_features]` for `x`'s last dim, with
+/// `x`'s dtype and device (the weights of [`Tensor::linear_many`] and
+/// [`Tensor::linear_concat`]).
+pub(super) fn check_weights(op: &'static str, x: &Tensor, weights: &[Tensor]) -> Result<()> {
+    let in_f = x.dims().last().copied();
+    for w in weights {
+        if w.rank() != 2 || Some(w.dims()[1]) != in_f {
+            return Err(TensorError::ShapeMismatch {
+                op,
+                lhs: x.shape().clone(),
+                rhs: w.shape().clone(),
+                why: "each weight must be [out_features, in_features]".into(),
+            });
+        }
+        if w.dtype() != x.dtype() || w.device() != x.device() {
+            return Err(super::invalid(
+                op,
+                format!(
+                    "weight {} on {:?} for an input {} on {:?}",
+                    w.dtype(),
+                    w.device(),
+                    x.dtype(),
+                    x.device()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
