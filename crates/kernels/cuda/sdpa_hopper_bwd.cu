@@ -87,25 +87,13 @@
 // emulator with TPAR_EMU_ARCH=sm_90a). Nothing here has run on a GPU yet:
 // no speed is measured.
 
-// Element strides of an operand [batch, heads, len, d] (d contiguous), and
-// of q/dq, k/dk, v/dv and out/dout: the layouts of sdpa.cu's SdpaOpStrides
-// and SdpaArgStrides (raw::sdpa's), which the launcher fills.
-struct SdpaHopperStrides {
-    i64 batch, head, row;
-    // The offset of element (b, h, i, 0).
-    TPAR_DEVICE i64 at(i64 b, i64 h, i64 i) const { return b * batch + h * head + i * row; }
-};
-struct SdpaHopperArgStrides {
-    SdpaHopperStrides q, k, v, out;
-};
-
 struct SdpaHopperBwdArgs {
     TparTensorMap map_q;   // 4-D (head_dim, q_len, q_heads, batch), box 64 x 64 x 1 x 1
     TparTensorMap map_k;   // 4-D (head_dim, kv_len, kv_heads, batch), box 64 x 128 x 1 x 1
     TparTensorMap map_v;   // like map_k over v
     TparTensorMap map_do;  // like map_q over dout (out's strides)
     SdpaBwdArgs a;
-    SdpaHopperArgStrides st;  // dq, dk and dv go through q's, k's and v's strides
+    SdpaArgStrides st;  // (tpar.cuh) dq, dk and dv go through q's, k's and v's strides
 };
 
 namespace sdpa_hopper_bwd {

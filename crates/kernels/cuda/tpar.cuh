@@ -135,11 +135,30 @@ TPAR_DEVICE float exp2_ftz(float x) {
 
 // ---------------------------------------------------------------- attention
 //
+// Element strides of one operand [batch, heads, len, dim] (dim contiguous);
+// mirrored by raw::sdpa::SdpaOpStrides (sdpa.cu's kernels and
+// sdpa_hopper_bwd.cu's).
+struct SdpaOpStrides {
+    i64 batch;
+    i64 head;
+    i64 row;
+    // The offset of element (b, h, i, 0).
+    TPAR_DEVICE i64 at(i64 b, i64 h, i64 i) const { return b * batch + h * head + i * row; }
+};
+
+// The strides of q (and dq), k (dk), v (dv) and out (dout); mirrored by
+// raw::sdpa::SdpaArgStrides.
+struct SdpaArgStrides {
+    SdpaOpStrides q;
+    SdpaOpStrides k;
+    SdpaOpStrides v;
+    SdpaOpStrides out;
+};
+
 // The argument struct of the attention backward's kernels (mirrored by
 // raw::sdpa::SdpaBwdArgs): sdpa.cu's, and sdpa_hopper_bwd.cu's main kernel,
 // which takes it inside SdpaHopperBwdArgs and runs sdpa.cu's pre and dq
 // kernels around it.
-
 struct SdpaBwdArgs {
     const void* q;
     const void* k;

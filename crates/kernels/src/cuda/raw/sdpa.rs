@@ -101,7 +101,7 @@ pub struct SdpaFwdArgs {
 }
 
 /// Element strides of one operand `[batch, heads, len, dim]` as the kernels
-/// take them (`cuda/sdpa.cu`'s `SdpaOpStrides`): element `(b, h, i, j)` at
+/// take them (`cuda/tpar.cuh`'s `SdpaOpStrides`): element `(b, h, i, j)` at
 /// `b*batch + h*head + i*row + j`. A dim with one index has stride 0.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -114,7 +114,7 @@ pub struct SdpaOpStrides {
     pub row: i64,
 }
 
-/// The strides of every operand (`cuda/sdpa.cu`'s `SdpaArgStrides`): the
+/// The strides of every operand (`cuda/tpar.cuh`'s `SdpaArgStrides`): the
 /// backward pass uses q's for q and dq, k's for k and dk, v's for v and dv,
 /// out's for out and dout.
 #[repr(C)]
@@ -132,8 +132,7 @@ pub struct SdpaArgStrides {
 
 /// Arguments of `tpar_sdpa_bwd_*` (mirrors `SdpaBwdArgs` of `cuda/tpar.cuh`,
 /// shared with the Hopper backward); `cuda/sdpa.cu`'s backward kernels take
-/// it inside [`SdpaBwdStridedArgs`], `tpar_sdpa_bwd_pre_*` alone (dense `out`
-/// and `dout`).
+/// it inside [`SdpaBwdStridedArgs`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaBwdArgs {
