@@ -192,7 +192,8 @@ pub fn gemm_with(
 /// op(B) + beta * c`, both with C's layout), e.g. a residual add into a new
 /// output: where the backend hands `p` to the vendor library and no operand
 /// needs padding, cuBLASLt reads C and writes D in one call; everywhere else
-/// `c` is copied into `d` and [`gemm()`] runs in place. `d` must not be `c`'s
+/// `c` is copied into `d` and [`gemm()`] runs in place. `c` and `d` are views
+/// of one length (an error otherwise, on every path); `d` must not be `c`'s
 /// memory (pass the one view to [`gemm()`] for that).
 pub fn gemm_to(
     dev: &dyn GpuDevice,
@@ -202,6 +203,10 @@ pub fn gemm_to(
     c: DeviceSlice<'_>,
     mut d: DeviceSliceMut<'_>,
 ) -> Result<()> {
+    if c.len() != d.len() {
+        let why = format!("C holds {} bytes, D {}: they must be one length", c.len(), d.len());
+        return Err(crate::util::bad("cuda gemm_to", why));
+    }
     let ptrs = operands(dev, p, &a, &b, &d)?;
     let [ap, bp, dp] = ptrs;
     let [.., nc] = p.extents()?;

@@ -45,6 +45,53 @@ pub(crate) fn to_i64(op: &'static str, what: &str, v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| bad(op, format!("{what} = {v} does not fit in i64")))
 }
 
+/// Why a strided layout is unusable ([`strided_span`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SpanError {
+    /// Two elements share an address.
+    Overlap,
+    /// The last element's offset overflows `i64`.
+    Overflow,
+}
+
+impl SpanError {
+    /// The reason, for a message that names the operand.
+    pub(crate) fn why(self) -> &'static str {
+        match self {
+            SpanError::Overlap => "two elements would share an address",
+            SpanError::Overflow => "the extent overflows i64",
+        }
+    }
+}
+
+/// Elements a strided tensor spans (one past its last element): `inner`
+/// contiguous elements (at least 1) repeated along each `(stride, extent)`
+/// dim; dims with one index never move an address and are ignored. With
+/// `disjoint`, sorted by stride, each dim must step past everything the dims
+/// inside it reach, so no two elements share an address.
+pub(crate) fn strided_span(
+    inner: usize,
+    dims: [(usize, usize); 3],
+    disjoint: bool,
+) -> std::result::Result<usize, SpanError> {
+    let mut moving = dims.map(|(stride, n)| if n > 1 { (stride, n) } else { (0, 1) });
+    moving.sort_unstable();
+    let mut last = inner - 1;
+    for (stride, n) in moving.into_iter().filter(|&(_, n)| n > 1) {
+        if disjoint && stride <= last {
+            return Err(SpanError::Overlap);
+        }
+        last = stride
+            .checked_mul(n - 1)
+            .and_then(|r| r.checked_add(last))
+            .ok_or(SpanError::Overflow)?;
+    }
+    if i64::try_from(last).is_err() {
+        return Err(SpanError::Overflow);
+    }
+    Ok(last + 1)
+}
+
 /// The product of `dims`, or an error if it overflows `i64`.
 pub(crate) fn numel(op: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter()

@@ -13,7 +13,7 @@
 use bytemuck::{Pod, Zeroable};
 
 use super::layout::grid_for;
-use super::{bad, check_aligned, check_ptrs, numel, to_i64};
+use super::{bad, check_aligned, check_ptrs, numel, strided_span, to_i64};
 use crate::cuda::{launch, CudaDType, DevPtr, Launcher};
 pub use crate::rope::RopeShape;
 use crate::Result;
@@ -119,27 +119,9 @@ impl RopeStrides {
         if [s.outer, s.seq, s.inner, d].contains(&0) {
             return Ok(0);
         }
-        let err = |why: &str| bad(op, format!("{what} strides {self:?} for {s:?}: {why}"));
-        let mut dims: Vec<(usize, usize)> =
-            [(self.outer, s.outer), (self.seq, s.seq), (self.inner, s.inner)]
-                .into_iter()
-                .filter(|&(_, n)| n > 1)
-                .collect();
-        dims.sort_unstable();
-        let mut last = d - 1;
-        for (stride, n) in dims {
-            if written && stride <= last {
-                return Err(err("two elements would share an address"));
-            }
-            last = stride
-                .checked_mul(n - 1)
-                .and_then(|r| r.checked_add(last))
-                .ok_or_else(|| err("the span overflows"))?;
-        }
-        if i64::try_from(last).is_err() {
-            return Err(err("the span exceeds i64"));
-        }
-        Ok(last + 1)
+        let dims = [(self.outer, s.outer), (self.seq, s.seq), (self.inner, s.inner)];
+        strided_span(d, dims, written)
+            .map_err(|e| bad(op, format!("{what} strides {self:?} for {s:?}: {}", e.why())))
     }
 }
 
@@ -273,9 +255,9 @@ unsafe fn apply_strided(
 /// rotates, say, the q and k heads of a packed `[b, s, (hq + 2 hkv) * d]`
 /// projection output into a dense `[b, s, hq + hkv, d]` buffer, or the
 /// gradient back into those columns, with the same bits per element as the
-/// dense layouts. Strides under which two elements of `x` or of `y` share an
-/// address are an error naming the operand, and so is `y == x` at different
-/// strides (in place, each element is read and written at one address).
+/// dense layouts. Strides under which two elements of `y` share an address
+/// are an error naming it, and so is `y == x` at different strides (in
+/// place, each element is read and written at one address).
 ///
 /// # Safety
 /// `x` must be a device address valid for every element the shape reaches at

@@ -37,7 +37,7 @@
 
 use bytemuck::{Pod, Zeroable};
 
-use super::{bad, numel};
+use super::{bad, numel, strided_span};
 use crate::cuda::{launch, CudaDType, DevPtr, LaunchConfig, Launcher};
 use crate::sdpa::{mask_last_read, SdpaShape};
 use crate::Result;
@@ -102,7 +102,7 @@ pub struct SdpaFwdArgs {
 
 /// Element strides of one operand `[batch, heads, len, dim]` as the kernels
 /// take them (`cuda/tpar.cuh`'s `SdpaOpStrides`): element `(b, h, i, j)` at
-/// `b*batch + h*head + i*row + j`. A dim with one index has stride 0.
+/// `b*batch + h*head + i*row + j` ([`SdpaLayout::resolve`]'s strides).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct SdpaOpStrides {
@@ -266,6 +266,34 @@ impl SdpaLayout {
     /// Every operand dense (the default).
     pub fn is_dense(&self) -> bool {
         [self.q, self.k, self.v, self.out].iter().all(Option::is_none)
+    }
+
+    /// q's, k's, v's and out's name, strides in this layout, and `(heads,
+    /// len, dim)` under `s`.
+    fn operands(&self, s: &SdpaShape) -> [(&'static str, Option<SdpaStrides>, [usize; 3]); 4] {
+        [
+            ("q", self.q, [s.q_heads, s.q_len, s.head_dim]),
+            ("k", self.k, [s.kv_heads, s.kv_len, s.head_dim]),
+            ("v", self.v, [s.kv_heads, s.kv_len, s.v_dim]),
+            ("out", self.out, [s.q_heads, s.q_len, s.v_dim]),
+        ]
+    }
+
+    /// The strides of q, k, v and out for shape `s` as the kernels use them:
+    /// this layout's, the dense ones where it has none, and the dense stride
+    /// of every dim with one index (such a stride never moves an address, so
+    /// the layout checks ignore it; the dense one suits every kernel).
+    pub(crate) fn resolve(&self, s: &SdpaShape) -> [SdpaStrides; 4] {
+        self.operands(s).map(|(_, st, [heads, len, dim])| {
+            let dense = SdpaStrides::contiguous(heads, len, dim);
+            let st = st.unwrap_or(dense);
+            let pick = |n: usize, given: usize, dense: usize| if n > 1 { given } else { dense };
+            SdpaStrides {
+                batch: pick(s.batch, st.batch, dense.batch),
+                head: pick(heads, st.head, dense.head),
+                row: pick(len, st.row, dense.row),
+            }
+        })
     }
 }
 
@@ -458,14 +486,8 @@ pub(crate) fn layout_extents(
     s: &SdpaShape,
     layout: &SdpaLayout,
 ) -> Result<[usize; 4]> {
-    let operands = [
-        ("q", layout.q, s.q_heads, s.q_len, s.head_dim),
-        ("k", layout.k, s.kv_heads, s.kv_len, s.head_dim),
-        ("v", layout.v, s.kv_heads, s.kv_len, s.v_dim),
-        ("out", layout.out, s.q_heads, s.q_len, s.v_dim),
-    ];
     let mut out = [0; 4];
-    for (slot, (name, strides, heads, len, dim)) in out.iter_mut().zip(operands) {
+    for (slot, (name, strides, [heads, len, dim])) in out.iter_mut().zip(layout.operands(s)) {
         let dense = numel(op, &[s.batch, heads, len, dim])?;
         let Some(st) = strides else {
             *slot = dense;
@@ -486,57 +508,28 @@ pub(crate) fn layout_extents(
         if st.row < dim {
             return Err(what(format!("the row stride is below the dim {dim}")));
         }
-        // Dims with one index never move the address: their strides do not matter.
-        let mut dims: Vec<(usize, usize)> = [(st.row, len), (st.head, heads), (st.batch, s.batch)]
-            .into_iter()
-            .filter(|&(_, n)| n > 1)
-            .collect();
-        dims.sort_unstable();
-        let mut span = dim; // elements one index of the innermost moving dim must clear
-        let mut last = dim - 1;
-        for (stride, n) in dims {
-            if stride < span {
-                return Err(what("two elements would share an address".into()));
-            }
-            let reach = stride.checked_mul(n - 1).and_then(|r| r.checked_add(last));
-            last = reach.ok_or_else(|| what("the extent overflows".into()))?;
-            span = last + 1;
-        }
-        if i64::try_from(last).is_err() {
-            return Err(what("the extent exceeds i64".into()));
-        }
-        *slot = last + 1;
+        let dims = [(st.row, len), (st.head, heads), (st.batch, s.batch)];
+        *slot = strided_span(dim, dims, true).map_err(|e| what(e.why().into()))?;
     }
     Ok(out)
 }
 
-/// The kernels' strides of every operand under `layout` (the dense strides
-/// where it has none), 0 for dims with one index (their strides never move
-/// an address). Errors name an operand whose strides do not fit `i64`;
-/// [`layout_extents`] refuses those first.
+/// The kernels' strides of every operand under `layout`
+/// ([`SdpaLayout::resolve`]). Errors name an operand whose strides do not
+/// fit `i64`; [`layout_extents`] refuses those first.
 pub(crate) fn arg_strides(
     op: &'static str,
     s: &SdpaShape,
     layout: &SdpaLayout,
 ) -> Result<SdpaArgStrides> {
-    let one = |name: &str, st: Option<SdpaStrides>, heads: usize, len: usize, dim: usize| {
-        let st = st.unwrap_or(SdpaStrides::contiguous(heads, len, dim));
-        let get = |n: usize, v: usize| {
-            let v = if n > 1 { v } else { 0 };
+    let [q, k, v, out] = layout.resolve(s);
+    let one = |name: &str, st: SdpaStrides| {
+        let get = |v: usize| {
             i64::try_from(v).map_err(|_| bad(op, format!("{name} stride {v} exceeds i64")))
         };
-        Ok(SdpaOpStrides {
-            batch: get(s.batch, st.batch)?,
-            head: get(heads, st.head)?,
-            row: get(len, st.row)?,
-        })
+        Ok(SdpaOpStrides { batch: get(st.batch)?, head: get(st.head)?, row: get(st.row)? })
     };
-    Ok(SdpaArgStrides {
-        q: one("q", layout.q, s.q_heads, s.q_len, s.head_dim)?,
-        k: one("k", layout.k, s.kv_heads, s.kv_len, s.head_dim)?,
-        v: one("v", layout.v, s.kv_heads, s.kv_len, s.v_dim)?,
-        out: one("out", layout.out, s.q_heads, s.q_len, s.v_dim)?,
-    })
+    Ok(SdpaArgStrides { q: one("q", q)?, k: one("k", k)?, v: one("v", v)?, out: one("out", out)? })
 }
 
 /// Largest row stride the tensor-core kernels take: their tile offsets
@@ -555,11 +548,13 @@ fn tensor_core_strides_unfit(names: [&str; 4], st: &SdpaArgStrides) -> Option<St
         let why = |(dim, v): (&str, i64)| {
             if v % 8 != 0 {
                 Some(format!(
-                    "{name} {dim} stride {v}: the tensor-core kernels need strides that are                      multiples of 8 elements (16-byte aligned rows)"
+                    "{name} {dim} stride {v}: the tensor-core kernels need strides that are \
+                     multiples of 8 elements (16-byte aligned rows)"
                 ))
             } else if dim == "row" && v > MAX_TENSOR_CORE_ROW_STRIDE {
                 Some(format!(
-                    "{name} row stride {v}: the tensor-core kernels take row strides up to                      {MAX_TENSOR_CORE_ROW_STRIDE} elements"
+                    "{name} row stride {v}: the tensor-core kernels take row strides up to \
+                     {MAX_TENSOR_CORE_ROW_STRIDE} elements"
                 ))
             } else {
                 None

@@ -180,7 +180,7 @@ fn unsupported_call(dtype: CudaDType, s: &SdpaShape, b: &SdpaFwdBuffers) -> Opti
             ));
         }
     }
-    let [q, k, v, out] = operand_strides(s, b.layout);
+    let [q, k, v, out] = b.layout.resolve(s);
     for (name, st) in [("q", q), ("k", k), ("v", v), ("out", out)] {
         if let Some(why) = strides_unsupported(name, dtype, &st) {
             return Some(why);
@@ -190,30 +190,6 @@ fn unsupported_call(dtype: CudaDType, s: &SdpaShape, b: &SdpaFwdBuffers) -> Opti
         return Some(format!("q_len {} exceeds the kernel's i32 row coordinates", s.q_len));
     }
     None
-}
-
-/// The element strides of q, k, v and out as the tensor maps take them:
-/// `layout`'s, or the dense `[batch, heads, len, dim]` ones where it has none
-/// (the backward uses them for dq, dk, dv and dout too). A dim with one
-/// index never moves an address, so its stride (which the layout checks
-/// ignore too) is replaced by the dense one, which a map always takes.
-pub(crate) fn operand_strides(s: &SdpaShape, layout: super::sdpa::SdpaLayout) -> [SdpaStrides; 4] {
-    let of = |st: Option<SdpaStrides>, heads: usize, len: usize, dim: usize| {
-        let dense = SdpaStrides::contiguous(heads, len, dim);
-        let st = st.unwrap_or(dense);
-        let pick = |n: usize, given: usize, dense: usize| if n > 1 { given } else { dense };
-        SdpaStrides {
-            batch: pick(s.batch, st.batch, dense.batch),
-            head: pick(heads, st.head, dense.head),
-            row: pick(len, st.row, dense.row),
-        }
-    };
-    [
-        of(layout.q, s.q_heads, s.q_len, s.head_dim),
-        of(layout.k, s.kv_heads, s.kv_len, s.head_dim),
-        of(layout.v, s.kv_heads, s.kv_len, s.v_dim),
-        of(layout.out, s.q_heads, s.q_len, s.v_dim),
-    ]
 }
 
 /// Why a tensor map cannot take operand `name` with element strides `st`
@@ -286,7 +262,7 @@ fn plan(
     if let Some(why) = unsupported_call(dtype, s, b) {
         return Err(bad(OP, format!("the Hopper attention does not take this call: {why}")));
     }
-    let [q, k, v, out] = operand_strides(s, b.layout);
+    let [q, k, v, out] = b.layout.resolve(s);
     let q_dims = (s.head_dim, s.q_len.max(1), s.q_heads, s.batch);
     let kv_dims = (s.head_dim, s.kv_len, s.kv_heads, s.batch);
     let (tile, emu) = (TILE.0 as u32, target.emulated);

@@ -47,7 +47,7 @@ use super::sdpa::{
     arg_strides, backward_args, check_backward_buffers, layout_extents, mask_args, SdpaArgStrides,
     SdpaBwdArgs, SdpaBwdBuffers, SdpaBwdStridedArgs, SdpaPath,
 };
-use super::sdpa_hopper::{operand_map, operand_strides, strides_unsupported, target_of};
+use super::sdpa_hopper::{operand_map, strides_unsupported, target_of};
 use super::{bad, numel};
 use crate::sdpa::SdpaShape;
 use crate::Result;
@@ -140,7 +140,7 @@ pub fn unsupported(
         return Some(format!("{name} address {p:#x} is not 16-byte aligned (a tensor map's base)"));
     }
     if !empty {
-        let [q, k, v, out] = operand_strides(s, b.layout);
+        let [q, k, v, out] = b.layout.resolve(s);
         for (name, st) in [("q", q), ("k", k), ("v", v), ("out", out)] {
             if let Some(why) = strides_unsupported(name, dtype, &st) {
                 return Some(why);
@@ -208,7 +208,7 @@ pub unsafe fn sdpa_backward(
     let emu = target_of(l).is_some_and(|t| t.emulated);
     let hd = s.head_dim;
     let qh = s.batch * s.q_heads;
-    let [q, k, v, out] = operand_strides(s, b.layout);
+    let [q, k, v, out] = b.layout.resolve(s);
     let q_dims = (hd, s.q_len, s.q_heads, s.batch);
     let kv_dims = (hd, s.kv_len, s.kv_heads, s.batch);
     let (qt, kb) = (QUERIES_PER_TILE as u32, KEYS_PER_BLOCK as u32);
