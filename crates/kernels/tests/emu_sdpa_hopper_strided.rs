@@ -12,7 +12,9 @@
 
 mod common;
 
-use common::sdpa::{max_rel, same_dim_shape as shape, Inputs, MaskKind, MaskPlan, Workspace};
+use common::sdpa::{
+    max_rel, same_dim_shape as shape, Inputs, MaskKind, MaskPlan, Placed, Workspace,
+};
 use common::{emu, f64s};
 use half::{bf16, f16};
 use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaFwdBuffers, SdpaLayout, SdpaStrides};
@@ -62,37 +64,6 @@ impl Half for f16 {
     }
 }
 
-/// Where an operand `[batch, heads, len, dim]` lies in a [`Region`]: its
-/// element (0, 0, 0, 0) at `at`, then its strides.
-#[derive(Clone, Copy, Debug)]
-struct Place {
-    at: usize,
-    st: SdpaStrides,
-    dims: [usize; 4],
-}
-
-impl Place {
-    /// The region index of every element, in the dense `[b, h, len, dim]` order.
-    fn indices(&self) -> Vec<usize> {
-        let [nb, nh, nl, nd] = self.dims;
-        let mut out = Vec::with_capacity(nb * nh * nl * nd);
-        for b in 0..nb {
-            for h in 0..nh {
-                for i in 0..nl {
-                    let row = self.at + b * self.st.batch + h * self.st.head + i * self.st.row;
-                    out.extend(row..row + nd);
-                }
-            }
-        }
-        out
-    }
-
-    /// One past the last element.
-    fn end(&self) -> usize {
-        self.indices().into_iter().max().map_or(self.at, |i| i + 1)
-    }
-}
-
 /// A host buffer standing in for device memory: 16-byte aligned, every
 /// element [`Half::GUARD`] until an operand is put in or a kernel writes.
 struct Region<T> {
@@ -103,9 +74,9 @@ struct Region<T> {
 
 impl<T: Half> Region<T> {
     /// Room for the `places` (and [`TAIL_ROWS`] rows of guards after them).
-    fn new(places: &[Place]) -> Self {
+    fn new(places: &[Placed]) -> Self {
         let row = places.iter().map(|p| p.st.row).max().unwrap_or(0);
-        let len = places.iter().map(Place::end).max().unwrap_or(0) + TAIL_ROWS * row;
+        let len = places.iter().map(Placed::end).max().unwrap_or(0) + TAIL_ROWS * row;
         let v = vec![T::of_bits(T::GUARD); len + 8];
         let off = (16 - v.as_ptr() as usize % 16) % 16 / 2;
         Region { v, off, len }
@@ -117,22 +88,22 @@ impl<T: Half> Region<T> {
     }
 
     /// `dense` (`[b, h, len, dim]`) into the elements of `p`.
-    fn put(&mut self, p: &Place, dense: &[T]) {
-        for (i, x) in p.indices().into_iter().zip(dense) {
+    fn put(&mut self, p: &Placed, dense: &[T]) {
+        for (i, x) in p.offsets().zip(dense) {
             self.v[self.off + i] = *x;
         }
     }
 
     /// The elements of `p`, dense.
-    fn take(&self, p: &Place) -> Vec<T> {
-        p.indices().into_iter().map(|i| self.v[self.off + i]).collect()
+    fn take(&self, p: &Placed) -> Vec<T> {
+        p.offsets().map(|i| self.v[self.off + i]).collect()
     }
 
     /// The elements no place of `covered` holds that lost their guard value.
-    fn spoiled(&self, covered: &[Place]) -> Vec<usize> {
+    fn spoiled(&self, covered: &[Placed]) -> Vec<usize> {
         let mut mine = vec![false; self.len];
         for p in covered {
-            for i in p.indices() {
+            for i in p.offsets() {
                 mine[i] = true;
             }
         }
@@ -155,14 +126,14 @@ enum Layout {
 /// Where a case's operands lie: q, k, v and out, the buffer each of q, k
 /// and v is in (out and dout have their own), and what the kernels are told.
 struct Places {
-    p: [Place; 4],
+    p: [Placed; 4],
     of: [usize; 3],
     layout: SdpaLayout,
 }
 
 /// The dense place of an operand `dims`.
-fn dense(dims: [usize; 4]) -> Place {
-    Place { at: 0, st: SdpaStrides::contiguous(dims[1], dims[2], dims[3]), dims }
+fn dense(dims: [usize; 4]) -> Placed {
+    Placed { off: 0, st: SdpaStrides::contiguous(dims[1], dims[2], dims[3]), dims }
 }
 
 fn places(s: &SdpaShape, layout: Layout) -> Places {
@@ -171,9 +142,9 @@ fn places(s: &SdpaShape, layout: Layout) -> Places {
     let kd = [s.batch, s.kv_heads, s.kv_len, hd];
     let rows = |p: usize, dims: [usize; 4]| {
         let st = SdpaStrides::bshd(dims[2], dims[1] * hd + 2 * p, hd);
-        Place { at: p, st, dims }
+        Placed { off: p, st, dims }
     };
-    let strided = |p: [Place; 4], of| Places {
+    let strided = |p: [Placed; 4], of| Places {
         p,
         of,
         layout: SdpaLayout {
@@ -195,8 +166,8 @@ fn places(s: &SdpaShape, layout: Layout) -> Places {
         Layout::Packed { pad } => {
             assert_eq!(s.q_len, s.kv_len, "a packed projection has one length");
             let st = SdpaStrides::bshd(s.q_len, (s.q_heads + 2 * s.kv_heads) * hd + pad, hd);
-            let at = |heads: usize| Place { at: heads * hd, st, dims: kd };
-            let q = Place { dims: qd, ..at(0) };
+            let at = |heads: usize| Placed { off: heads * hd, st, dims: kd };
+            let q = Placed { dims: qd, ..at(0) };
             strided([q, at(s.q_heads), at(s.q_heads + s.kv_heads), rows(pad, qd)], [0, 0, 0])
         }
     }
@@ -216,7 +187,7 @@ fn qkv_regions<T: Half>(pl: &Places, data: [Option<&[T]>; 3]) -> Vec<Region<T>> 
 
 impl Places {
     /// The places of q, k and v in buffer `r`.
-    fn in_region(&self, r: usize) -> Vec<Place> {
+    fn in_region(&self, r: usize) -> Vec<Placed> {
         (0..3).filter(|&i| self.of[i] == r).map(|i| self.p[i]).collect()
     }
 }
@@ -261,11 +232,11 @@ fn run<T: Half>(s: &SdpaShape, x: &Inputs<T>, layout: Layout, what: &str) -> Res
     let mut o_reg = Region::<T>::new(&p[3..]);
     let mut lse = vec![7.0f32; s.batch * s.q_heads * s.q_len];
     let fb = SdpaFwdBuffers {
-        q: inputs[of[0]].addr(p[0].at),
-        k: inputs[of[1]].addr(p[1].at),
-        v: inputs[of[2]].addr(p[2].at),
+        q: inputs[of[0]].addr(p[0].off),
+        k: inputs[of[1]].addr(p[1].off),
+        v: inputs[of[2]].addr(p[2].off),
         mask: x.dev_mask(),
-        out: o_reg.addr(p[3].at),
+        out: o_reg.addr(p[3].off),
         lse: lse.as_mut_ptr() as DevPtr,
         layout: pl.layout,
     };
@@ -288,10 +259,10 @@ fn run<T: Half>(s: &SdpaShape, x: &Inputs<T>, layout: Layout, what: &str) -> Res
         mask: x.dev_mask(),
         out: fb.out,
         lse: lse.as_ptr() as DevPtr,
-        dout: do_reg.addr(p[3].at),
-        dq: grads[of[0]].addr(p[0].at),
-        dk: grads[of[1]].addr(p[1].at),
-        dv: grads[of[2]].addr(p[2].at),
+        dout: do_reg.addr(p[3].off),
+        dq: grads[of[0]].addr(p[0].off),
+        dk: grads[of[1]].addr(p[1].off),
+        dv: grads[of[2]].addr(p[2].off),
         workspace: ws.ptr(),
         workspace_bytes: ws.bytes,
         layout: pl.layout,
@@ -412,11 +383,11 @@ fn strides_off_16_bytes_are_refused() {
             SdpaStrides { head: st.head + 4, row: 2 * st.row, batch: 4 * st.batch }
         });
         let fb = SdpaFwdBuffers {
-            q: regions[of[0]].addr(p[0].at),
-            k: regions[of[1]].addr(p[1].at),
-            v: regions[of[2]].addr(p[2].at),
+            q: regions[of[0]].addr(p[0].off),
+            k: regions[of[1]].addr(p[1].off),
+            v: regions[of[2]].addr(p[2].off),
             mask: None,
-            out: o_reg.addr(p[3].at),
+            out: o_reg.addr(p[3].off),
             lse: lse.as_mut_ptr() as DevPtr,
             layout,
         };
