@@ -457,9 +457,11 @@ TPAR_DEVICE void ldmatrix_x2_trans(u32 r[2], const void* p) { tpar_emu_ldmatrix(
 TPAR_DEVICE void cp_async_16(void* smem, const void* gmem, bool pred) {
     tpar_emu_cp_async_16(smem, gmem, pred);
 }
-TPAR_DEVICE void cp_async_commit() {}
+TPAR_DEVICE void cp_async_commit() { tpar_emu_cp_async_commit(); }
 template <int N>
-TPAR_DEVICE void cp_async_wait() {}
+TPAR_DEVICE void cp_async_wait() {
+    tpar_emu_cp_async_wait(N);
+}
 #endif
 
 template <typename T>
@@ -1119,7 +1121,7 @@ TPAR_DEVICE bool mbarrier_try_wait_parity(u64* bar, u32 parity) {
     return tpar_emu_mbar_try_wait(bar, parity) != 0;
 }
 TPAR_DEVICE void fence_mbarrier_init() {}
-TPAR_DEVICE void fence_proxy_async() {}
+TPAR_DEVICE void fence_proxy_async() { tpar_emu_fence_proxy_async(); }
 TPAR_DEVICE void tma_prefetch(const TparTensorMap*) {}
 TPAR_DEVICE void tma_load_2d(void* smem, const TparTensorMap* map, int x, int y, u64* bar) {
     const int c[2] = {x, y};

@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -19,6 +20,14 @@
 #include <vector>
 
 #include "emu.h"
+
+#ifdef TPAR_EMU_RACECHECK
+#include <cxxabi.h>
+#include <dlfcn.h>
+#include <link.h>
+
+#include <cstdlib>
+#endif
 
 namespace {
 
@@ -31,6 +40,7 @@ struct WgmmaPending {
     float* d = nullptr;
     int count = 0;  // registers (N / 2)
     int group = -1;  // commit group, -1 while not committed
+    u32 agent = 0, agent_clk = 0;  // racecheck: the operation's shared-memory reads
     float vals[128];
 };
 
@@ -82,6 +92,11 @@ struct Fiber {
     // setmaxnreg.inc waits for
     unsigned regs = 0;
     unsigned reg_need = 0;
+    // racecheck: the agent clocks of this thread's asynchronous operations
+    // that complete by a wait of its own (bulk stores and reductions,
+    // cp.async), with their group (-1 until committed)
+    std::vector<std::pair<int, u32>> race_bulk, race_cpa;
+    int cpa_groups = 0;
 };
 
 // A warpgroup (4 consecutive warps, 128 threads) at a warpgroup collective.
@@ -91,6 +106,8 @@ struct Group {
     tpar_emu_combine_fn combine = nullptr;
     int kind = 0;
     Fiber* threads[128] = {};
+    // racecheck: the agent and clock of the last wgmma's shared-memory reads
+    u32 race_agent = 0, race_clk = 0;
 };
 
 // An mbarrier object (PTX ISA "Parallel synchronization and communication
@@ -102,6 +119,9 @@ struct Mbar {
     unsigned pending = 0;
     long long tx = 0;
     unsigned phase = 0;
+    // racecheck: what the arrivals and completed transactions of the current
+    // phase release, and what the last completed phase of each parity did
+    std::vector<u32> acc, done[2];
 };
 
 struct Warp {
@@ -183,6 +203,371 @@ std::string where(const Fiber* f) {
 // Dynamic shared memory of the running thread's block.
 unsigned char* cur_smem(Launch* L) { return L->ctas[L->current ? L->current->cta : 0].smem; }
 
+#ifdef TPAR_EMU_RACECHECK
+// ---------------------------------------------------------------- racecheck
+//
+// With TPAR_EMU_RACECHECK (src/cuda/emu.rs builds a second runtime and the
+// kernels with it), kernel sources are compiled with -fsanitize=thread,
+// whose instrumentation calls the __tsan_* hooks below (defined here: no
+// ThreadSanitizer runtime is linked) on every load and store of kernel code,
+// and this file checks the accesses to shared memory (each block's dynamic
+// shared memory, and `__shared__` statics: the writable data of the kernel
+// libraries) for data races, as compute-sanitizer's racecheck does on a GPU.
+//
+// Happens-before is tracked with vector clocks over the cluster's threads and
+// one "agent" per thread standing for the asynchronous operations it issues
+// (bulk tensor copies, bulk reductions, cp.async, wgmma). An asynchronous
+// operation's accesses are checked against what its issuer knew when it
+// issued it, and recorded under the issuer's agent; the issuer (or anyone)
+// learns they are done only through the completion mechanism the ISA gives:
+// complete_tx on an mbarrier (bulk tensor loads), wgmma.wait_group,
+// cp.async.bulk.wait_group (bulk stores and reductions) and
+// cp.async.wait_group. Release and acquire: __syncthreads, __syncwarp,
+// barrier.cluster, mbarrier arrivals (release) and completed phase waits
+// (acquire). Shuffles, votes and warpgroup operations order nothing.
+// A conflicting pair (one a write, not both atomic) whose accesses no chain
+// of these orders fails the launch with both accesses named. An
+// asynchronous read (a bulk store's or a reduction's source, a wgmma
+// operand) of shared memory that a thread wrote with ordinary stores also
+// needs that thread's fence.proxy.async between the write and what orders it
+// before the operation; its absence is reported too.
+//
+// Granularity: bytes (threads that write neighbouring bytes do not race).
+namespace race {
+
+enum Kind : u8 { NONE = 0, GENERIC = 1, ASYNC = 2, ATOMIC = 3 };
+
+struct Epoch {
+    u32 id = 0;
+    u32 clk = 0;  // 0: no access
+};
+
+struct Cell {
+    Epoch w;
+    u8 wkind = NONE;
+    Epoch r;        // the reader, when there is one ordered after every other
+    u32 set = 0;    // else 1 + index of the readers' set
+};
+
+struct State {
+    unsigned n = 0;  // threads of the cluster (ids 0..n); agents n..2n
+    unsigned V = 0;
+    std::vector<u32> vc;     // n rows of V clocks
+    std::vector<u32> agent;  // each thread's agent clock
+    std::vector<std::vector<u32>> fences;  // each thread's fence.proxy.async clocks
+    std::vector<std::vector<Cell>> win;    // per block of the cluster: its dynamic shared memory
+    std::unordered_map<uintptr_t, Cell> statics;
+    std::vector<std::pair<uintptr_t, uintptr_t>> static_ranges;
+    uintptr_t st_lo = 0, st_hi = 0;
+    unsigned long long libs_seen = ~0ull;
+    std::vector<std::vector<Epoch>> sets;
+    std::vector<u32> tmp;
+    bool stop = false;
+};
+
+State g;
+
+u32* row(unsigned t) { return &g.vc[(size_t)t * g.V]; }
+unsigned fid(const Launch* L, const Fiber* f) { return (unsigned)(f - L->fibers.data()); }
+void tick(unsigned t) { row(t)[t]++; }
+void join(u32* dst, const u32* src) {
+    for (unsigned i = 0; i < g.V; ++i) dst[i] = dst[i] > src[i] ? dst[i] : src[i];
+}
+
+int collect_static(struct dl_phdr_info* info, size_t, void*) {
+    const char* name = info->dlpi_name ? info->dlpi_name : "";
+    if (!std::strstr(name, "libtpar_emu_") || std::strstr(name, "libtpar_emu_rt")) return 0;
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+        const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+        if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_W)) continue;
+        const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+        g.static_ranges.push_back({lo, lo + ph.p_memsz});
+    }
+    return 0;
+}
+
+int count_objects(struct dl_phdr_info* info, size_t, void* data) {
+    auto* adds = static_cast<unsigned long long*>(data);
+    *adds = info->dlpi_adds + 1000003ull * info->dlpi_subs;
+    return 1;
+}
+
+// A new cluster: fresh clocks and shadows (blocks run one cluster at a time,
+// and a block's shared memory starts unwritten).
+void begin_cluster(Launch* L) {
+    g.n = (unsigned)L->fibers.size();
+    g.V = 2 * g.n;
+    g.vc.assign((size_t)g.n * g.V, 0);
+    for (unsigned t = 0; t < g.n; ++t) row(t)[t] = 1;
+    g.agent.assign(g.n, 0);
+    g.fences.assign(g.n, {});
+    g.win.assign(L->csize, {});
+    for (auto& w : g.win) w.assign(L->smem_bytes, Cell{});
+    g.statics.clear();
+    g.sets.clear();
+    g.stop = false;
+    unsigned long long adds = 0;
+    dl_iterate_phdr(count_objects, &adds);
+    if (adds != g.libs_seen) {
+        g.libs_seen = adds;
+        g.static_ranges.clear();
+        dl_iterate_phdr(collect_static, nullptr);
+        g.st_lo = ~(uintptr_t)0;
+        g.st_hi = 0;
+        for (auto& r : g.static_ranges) {
+            g.st_lo = std::min(g.st_lo, r.first);
+            g.st_hi = std::max(g.st_hi, r.second);
+        }
+    }
+    for (auto& m : L->mbars) {
+        m.second.acc.assign(g.V, 0);
+        m.second.done[0].assign(g.V, 0);
+        m.second.done[1].assign(g.V, 0);
+    }
+}
+
+std::string who(const Launch* L, Epoch e) {
+    if (e.id < g.n) return where(&L->fibers[e.id]);
+    return "an asynchronous operation of " + where(&L->fibers[e.id - g.n]);
+}
+
+std::string function_of(const void* pc) {
+    if (!pc) return "";
+    Dl_info info;
+    if (!dladdr(pc, &info) || !info.dli_sname) return "";
+    int status = 0;
+    char* d = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+    std::string name = status == 0 && d ? d : info.dli_sname;
+    std::free(d);
+    return " in " + name;
+}
+
+struct Access {
+    Epoch me;
+    const u32* vc;  // what the accessor knows
+    Kind kind;
+    bool write;
+    const char* what;  // "a store", "a bulk tensor copy's write", ...
+    const void* pc;
+};
+
+// Where a tracked byte lies: "<region> at byte <offset>", a __shared__
+// variable by its name.
+std::string place(const char* region, uintptr_t off, uintptr_t addr) {
+    char buf[200];
+    Dl_info info;
+    void* extra = nullptr;
+    // the exported symbol holding the byte (function-local statics are not
+    // exported: those are named by their offset)
+    if (std::strcmp(region, "a __shared__ variable") == 0 &&
+        dladdr1(reinterpret_cast<void*>(addr), &info, &extra, RTLD_DL_SYMENT) &&
+        info.dli_sname && info.dli_saddr && extra &&
+        addr < reinterpret_cast<uintptr_t>(info.dli_saddr) +
+                   static_cast<const ElfW(Sym)*>(extra)->st_size) {
+        int status = 0;
+        char* d = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+        std::snprintf(buf, sizeof buf, "the __shared__ variable %s at byte %llu",
+                      status == 0 && d ? d : info.dli_sname,
+                      (unsigned long long)(addr - reinterpret_cast<uintptr_t>(info.dli_saddr)));
+        std::free(d);
+        return buf;
+    }
+    std::snprintf(buf, sizeof buf, "%s at byte %#llx of the kernel library's data", region,
+                  (unsigned long long)off);
+    if (std::strcmp(region, "a __shared__ variable") != 0)
+        std::snprintf(buf, sizeof buf, "%s at byte %#llx", region, (unsigned long long)off);
+    return buf;
+}
+
+void report(Launch* L, const char* hazard, const Access& a, Epoch other, const char* other_what,
+            const std::string& at) {
+    if (g.stop) return;
+    g.stop = true;
+    fail(L, std::string("racecheck: ") + hazard + " hazard on " + at + ": " + a.what + " by " +
+                who(L, a.me) + function_of(a.pc) + " and an earlier " + other_what + " by " +
+                who(L, other) + ", which no synchronization orders before it");
+}
+
+bool before(Epoch e, const u32* vc) { return e.clk == 0 || vc[e.id] >= e.clk; }
+
+void access(Launch* L, Cell& c, const Access& a, const char* region, uintptr_t off,
+            uintptr_t addr) {
+    if (c.w.clk && !before(c.w, a.vc) && !(a.kind == ATOMIC && c.wkind == ATOMIC)) {
+        report(L, a.write ? "write-after-write" : "read-after-write", a, c.w,
+               c.wkind == ASYNC ? "asynchronous write" : c.wkind == ATOMIC ? "atomic" : "write",
+               place(region, off, addr));
+        return;
+    }
+    if (!a.write && a.kind == ASYNC && c.wkind == GENERIC && c.w.id < g.n) {
+        // an asynchronous read of an ordinary store: the writer's
+        // fence.proxy.async must lie between the store and the ordering
+        const auto& fs = g.fences[c.w.id];
+        auto it = std::lower_bound(fs.begin(), fs.end(), c.w.clk);
+        if (it == fs.end() || a.vc[c.w.id] <= *it) {
+            if (g.stop) return;
+            g.stop = true;
+            const std::string buf = place(region, off, addr);
+            fail(L, std::string("racecheck: ") + a.what + " by " + who(L, a.me) + " reads " +
+                        buf + ", written by " + who(L, c.w) +
+                        " with an ordinary store that no fence.proxy.async of that thread "
+                        "makes visible to the asynchronous proxy (fence_proxy_async() after "
+                        "the store, before the synchronization that orders it)");
+            return;
+        }
+    }
+    if (a.write) {
+        auto check = [&](Epoch r) {
+            if (r.clk && r.id != a.me.id && !before(r, a.vc)) {
+                report(L, "write-after-read", a, r,
+                       r.id >= g.n ? "asynchronous read" : "read", place(region, off, addr));
+                return false;
+            }
+            return true;
+        };
+        if (c.set) {
+            for (Epoch r : g.sets[c.set - 1])
+                if (!check(r)) return;
+            g.sets[c.set - 1].clear();
+            c.set = 0;
+        } else if (!check(c.r)) {
+            return;
+        }
+        c.r = Epoch{};
+        c.w = a.me;
+        c.wkind = a.kind;
+        return;
+    }
+    // a read: keep every reader not ordered before a later one
+    if (!c.set) {
+        if (c.r.clk == 0 || c.r.id == a.me.id || before(c.r, a.vc)) {
+            c.r = a.me;
+            return;
+        }
+        g.sets.push_back({c.r, a.me});
+        c.set = (u32)g.sets.size();
+        c.r = Epoch{};
+        return;
+    }
+    auto& set = g.sets[c.set - 1];
+    size_t k = 0;
+    for (Epoch r : set)
+        if (r.id != a.me.id && !before(r, a.vc)) set[k++] = r;
+    set.resize(k);
+    set.push_back(a.me);
+}
+
+// Visits the cells of [p, p + bytes) that racecheck tracks.
+template <typename F>
+void cells(Launch* L, const void* p, size_t bytes, F&& f) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    for (unsigned b = 0; b < L->ctas.size() && b < g.win.size(); ++b) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(L->ctas[b].smem);
+        if (a - lo < L->smem_bytes) {
+            const uintptr_t end = std::min<uintptr_t>(a + bytes, lo + L->smem_bytes);
+            static const char* names[] = {"dynamic shared memory of cluster block 0",
+                                          "dynamic shared memory of cluster block 1",
+                                          "dynamic shared memory of cluster block 2",
+                                          "dynamic shared memory of cluster block 3+"};
+            const char* region = L->csize == 1 ? "dynamic shared memory" : names[b < 3 ? b : 3];
+            for (uintptr_t x = a; x < end; ++x) f(g.win[b][x - lo], region, x - lo, x);
+            return;
+        }
+    }
+    if (a >= g.st_hi || a + bytes <= g.st_lo) return;
+    for (auto& r : g.static_ranges)
+        if (a >= r.first && a < r.second) {
+            for (uintptr_t x = a; x < a + bytes && x < r.second; ++x)
+                f(g.statics[x], "a __shared__ variable", x - r.first, x);
+            return;
+        }
+}
+
+bool on(Launch* L) { return L && L->current && !g.stop && L->error.empty(); }
+
+// An access of the running thread.
+void thread_access(const void* p, size_t bytes, bool write, Kind kind, const void* pc) {
+    Launch* L = g_launch;
+    if (!on(L)) return;
+    const unsigned t = fid(L, L->current);
+    const Access a{Epoch{t, row(t)[t]}, row(t), kind, write,
+                   kind == ATOMIC ? "an atomic" : write ? "a store" : "a load", pc};
+    cells(L, p, bytes, [&](Cell& c, const char* region, uintptr_t off, uintptr_t x) {
+        if (!g.stop) access(L, c, a, region, off, x);
+    });
+}
+
+// An asynchronous operation of thread `t`: a new agent epoch, checked with
+// what `vc` (its issuer's knowledge) holds.
+Epoch agent_epoch(unsigned t) { return Epoch{g.n + t, ++g.agent[t]}; }
+
+void async_access(Launch* L, Epoch e, const u32* vc, const void* p, size_t bytes, bool write,
+                  const char* what) {
+    if (!L || g.stop || !L->error.empty()) return;
+    const Access a{e, vc, ASYNC, write, what, nullptr};
+    cells(L, p, bytes, [&](Cell& c, const char* region, uintptr_t off, uintptr_t x) {
+        if (!g.stop) access(L, c, a, region, off, x);
+    });
+}
+
+// Every thread of `fs` (a barrier's participants) acquires what all of them
+// (and `also`, threads that exited) released.
+template <typename It>
+void barrier(It begin, It end, const std::vector<unsigned>& also = {}) {
+    g.tmp.assign(g.V, 0);
+    for (It i = begin; i != end; ++i) join(g.tmp.data(), row(*i));
+    for (unsigned t : also) join(g.tmp.data(), row(t));
+    for (It i = begin; i != end; ++i) {
+        std::memcpy(row(*i), g.tmp.data(), sizeof(u32) * g.V);
+        tick(*i);
+    }
+}
+
+void mbar_release(Mbar* m, const u32* vc) {
+    if (m->acc.size() != g.V) m->acc.assign(g.V, 0);
+    join(m->acc.data(), vc);
+}
+
+// The phase of `m` has just completed (its parity is that of phase - 1).
+void mbar_completed(Mbar* m) {
+    if (m->acc.size() != g.V) m->acc.assign(g.V, 0);
+    m->done[(m->phase - 1) & 1u] = m->acc;
+    m->acc.assign(g.V, 0);
+}
+
+void mbar_acquire(Mbar* m, unsigned parity, unsigned t) {
+    if (m->done[parity & 1u].size() == g.V) join(row(t), m->done[parity & 1u].data());
+}
+
+// Thread `t` learns that its agent's operations up to `clk` are done.
+void agent_done(unsigned t, u32 clk) {
+    u32& k = row(t)[g.n + t];
+    k = k > clk ? k : clk;
+}
+
+template <typename V>
+void retire(V& pending, int keep_from, unsigned t) {
+    size_t k = 0;
+    for (auto& p : pending) {
+        if (p.first >= 0 && p.first < keep_from)
+            agent_done(t, p.second);
+        else
+            pending[k++] = p;
+    }
+    pending.resize(k);
+}
+
+}  // namespace race
+
+#define TPAR_RACE(stmt) \
+    do {                \
+        stmt;           \
+    } while (0)
+#else
+#define TPAR_RACE(stmt) \
+    do {                \
+    } while (0)
+#endif
+
 void fiber_entry() {
     Launch* L = g_launch;
     L->kernel(L->args);
@@ -209,6 +594,22 @@ void complete_warp(Warp& w) {
     }
     // A lane without data (e.g. __syncwarp) passes null: give combine a dummy.
     w.combine(ins, outs, w.kind);
+#ifdef TPAR_EMU_RACECHECK
+    // __syncwarp (no lane passes data) orders its lanes' memory accesses;
+    // shuffles, votes, mma and ldmatrix order nothing
+    {
+        std::vector<unsigned> ids;
+        bool sync = true;
+        for (int l = 0; l < 32; ++l) {
+            Fiber* f = w.lanes[l];
+            if (f && f->state == AT_WARP) {
+                sync = sync && !f->in && !f->out;
+                ids.push_back(race::fid(g_launch, f));
+            }
+        }
+        if (sync) race::barrier(ids.begin(), ids.end());
+    }
+#endif
     for (int l = 0; l < 32; ++l) {
         Fiber* f = w.lanes[l];
         if (f && f->state == AT_WARP) f->state = RUNNABLE;
@@ -287,6 +688,7 @@ void run_cluster(Launch* L) {
         f.ctx.uc_link = &L->sched;
         makecontext(&f.ctx, fiber_entry, 0);
     }
+    TPAR_RACE(race::begin_cluster(L));
     // Warps run one at a time in a shuffled order, each until all its lanes
     // wait at a barrier or have exited; lanes of a warp run in a shuffled
     // order. A warp thus
@@ -361,6 +763,12 @@ void run_cluster(Launch* L) {
             }
             at_barrier += ab;
             if (ab > 0 && ab == lb) {
+#ifdef TPAR_EMU_RACECHECK
+                std::vector<unsigned> ids, exited;
+                for (unsigned i = b * per_block; i < (b + 1) * per_block; ++i)
+                    (L->fibers[i].state == AT_BARRIER ? ids : exited).push_back(i);
+                race::barrier(ids.begin(), ids.end(), exited);
+#endif
                 for (unsigned i = b * per_block; i < (b + 1) * per_block; ++i)
                     if (L->fibers[i].state == AT_BARRIER) L->fibers[i].state = RUNNABLE;
                 released = true;
@@ -368,6 +776,12 @@ void run_cluster(Launch* L) {
         }
         for (auto& f : L->fibers) at_cluster += f.state == AT_CLUSTER;
         if (at_cluster > 0 && at_cluster == live) {
+#ifdef TPAR_EMU_RACECHECK
+            std::vector<unsigned> ids, exited;
+            for (unsigned i = 0; i < nthreads; ++i)
+                (L->fibers[i].state == AT_CLUSTER ? ids : exited).push_back(i);
+            race::barrier(ids.begin(), ids.end(), exited);
+#endif
             for (auto& f : L->fibers)
                 if (f.state == AT_CLUSTER) f.state = RUNNABLE;
             released = true;
@@ -580,6 +994,8 @@ void tpar_emu_mma_16816(float d[4], const u32 a[4], const u32 b[2], int f16) {
 }
 
 void tpar_emu_ldmatrix(u32* r, const void* row, int count, bool trans) {
+    TPAR_RACE(if (g_launch->current->lane < 8 * count) race::thread_access(
+                  row, 16, false, race::GENERIC, __builtin_return_address(0)));
     LdmIn in{row};
     u32 out[4] = {};
     tpar_emu_warp_collective(&in, out, &ldmatrix_combine, count | (trans ? 8 : 0));
@@ -596,6 +1012,52 @@ void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred) {
         std::memcpy(smem, gmem, 16);
     else
         std::memset(smem, 0, 16);
+#ifdef TPAR_EMU_RACECHECK
+    Launch* L = g_launch;
+    if (race::on(L)) {
+        const unsigned t = race::fid(L, L->current);
+        const race::Epoch e = race::agent_epoch(t);
+        race::async_access(L, e, race::row(t), smem, 16, true, "a cp.async write");
+        L->current->race_cpa.push_back({-1, e.clk});
+    }
+#endif
+}
+
+// cp.async.commit_group: closes the thread's open cp.async group.
+void tpar_emu_cp_async_commit() {
+    Fiber* f = g_launch->current;
+    for (auto& p : f->race_cpa)
+        if (p.first < 0) p.first = f->cpa_groups;
+    f->cpa_groups++;
+}
+
+// cp.async.wait_group n: all but the newest n committed groups are done.
+void tpar_emu_cp_async_wait(int n) {
+    Fiber* f = g_launch->current;
+    TPAR_RACE(race::retire(f->race_cpa, f->cpa_groups - n, race::fid(g_launch, f)));
+    (void)f;
+    (void)n;
+}
+
+// fence.proxy.async: the thread's earlier ordinary stores to shared memory
+// become visible to asynchronous operations ordered after the fence.
+void tpar_emu_fence_proxy_async() {
+#ifdef TPAR_EMU_RACECHECK
+    Launch* L = g_launch;
+    if (race::on(L)) {
+        const unsigned t = race::fid(L, L->current);
+        race::g.fences[t].push_back(race::row(t)[t]);
+        race::tick(t);
+    }
+#endif
+}
+
+// An atomic read-modify-write of `bytes` at `p` by the running thread
+// (racecheck: atomics do not race with each other).
+void tpar_emu_race_atomic(const void* p, unsigned bytes) {
+    TPAR_RACE(race::thread_access(p, bytes, true, race::ATOMIC, __builtin_return_address(0)));
+    (void)p;
+    (void)bytes;
 }
 
 // ---------------------------------------------------------------- Hopper (sm_90a)
@@ -656,6 +1118,7 @@ void mbar_check_phase(Mbar* m) {
     if (m->pending == 0 && m->tx == 0) {
         m->phase++;
         m->pending = m->expected;
+        TPAR_RACE(race::mbar_completed(m));
     }
 }
 
@@ -682,6 +1145,11 @@ void tpar_emu_mbar_init(void* bar, unsigned count) {
     }
     Mbar m;
     m.expected = m.pending = count;
+#ifdef TPAR_EMU_RACECHECK
+    m.acc.assign(race::g.V, 0);
+    m.done[0].assign(race::g.V, 0);
+    m.done[1].assign(race::g.V, 0);
+#endif
     g_launch->mbars[bar] = m;
     std::memset(bar, 0, 8);
 }
@@ -703,6 +1171,13 @@ u64 tpar_emu_mbar_arrive(void* bar, unsigned count, unsigned tx) {
         tpar_emu_fail("mbarrier.arrive with more arrivals than the current phase still expects");
         return token;
     }
+#ifdef TPAR_EMU_RACECHECK
+    if (race::on(g_launch)) {
+        const unsigned t = race::fid(g_launch, g_launch->current);
+        race::mbar_release(m, race::row(t));
+        race::tick(t);
+    }
+#endif
     m->pending -= count;
     mbar_check_phase(m);
     return token;
@@ -724,9 +1199,16 @@ int tpar_emu_mbar_try_wait(void* bar, unsigned parity) {
     Fiber* f = L->current;
     f->mbar = bar;
     f->parity = parity & 1u;
-    if (mbar_ready(L, *f)) return 1;
-    f->state = AT_MBAR;
-    yield_to_scheduler();
+    if (!mbar_ready(L, *f)) {
+        f->state = AT_MBAR;
+        yield_to_scheduler();
+    }
+#ifdef TPAR_EMU_RACECHECK
+    if (race::on(L)) {
+        auto it = L->mbars.find(bar);
+        if (it != L->mbars.end()) race::mbar_acquire(&it->second, parity, race::fid(L, f));
+    }
+#endif
     return 1;
 }
 
@@ -921,14 +1403,34 @@ void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank,
     if (!find_mbar(bar, "cp.async.bulk.tensor load")) return;
     const uintptr_t base = reinterpret_cast<uintptr_t>(smem);
     unsigned long long bytes = 0;
+#ifdef TPAR_EMU_RACECHECK
+    Launch* L = g_launch;
+    const bool check = race::on(L);
+    const unsigned t = check ? race::fid(L, L->current) : 0;
+    const race::Epoch e = check ? race::agent_epoch(t) : race::Epoch{};
+#endif
     for_each_box_element(v, coords, rank, [&](unsigned long long off, u64 src) {
         unsigned char* dst = reinterpret_cast<unsigned char*>(tma_swizzle(base + off, v.swizzle));
         if (src)
             std::memcpy(dst, reinterpret_cast<const void*>(src), v.esize);
         else
             std::memset(dst, 0, v.esize);  // out of bounds: zeros
+#ifdef TPAR_EMU_RACECHECK
+        if (check)
+            race::async_access(L, e, race::row(t), dst, v.esize, true,
+                               "a bulk tensor copy's write");
+#endif
         bytes += v.esize;
     });
+#ifdef TPAR_EMU_RACECHECK
+    if (check) {
+        // complete_tx releases the copy's writes (and what its issuer knew)
+        if (Mbar* m = find_mbar(bar, "cp.async.bulk.tensor load")) {
+            race::mbar_release(m, race::row(t));
+            m->acc[e.id] = std::max(m->acc[e.id], e.clk);
+        }
+    }
+#endif
     mbar_complete_tx(bar, (long long)bytes);
 }
 
@@ -948,10 +1450,23 @@ void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void
     MapView v;
     if (!decode_map(map, &v) || !check_smem_box(smem, v, "cp.async.bulk.tensor store")) return;
     const uintptr_t base = reinterpret_cast<uintptr_t>(smem);
+#ifdef TPAR_EMU_RACECHECK
+    Launch* L = g_launch;
+    const bool check = race::on(L);
+    const unsigned t = check ? race::fid(L, L->current) : 0;
+    const race::Epoch e = check ? race::agent_epoch(t) : race::Epoch{};
+    if (check) L->current->race_bulk.push_back({-1, e.clk});
+#endif
     for_each_box_element(v, coords, rank, [&](unsigned long long off, u64 dst) {
+        const void* src = reinterpret_cast<const void*>(tma_swizzle(base + off, v.swizzle));
+#ifdef TPAR_EMU_RACECHECK
+        // the source is read whether or not the element is in bounds
+        if (check)
+            race::async_access(L, e, race::row(t), src, v.esize, false,
+                               "a bulk tensor store's read of its source");
+#endif
         if (!dst) return;  // out of bounds: not written
-        std::memcpy(reinterpret_cast<void*>(dst),
-                    reinterpret_cast<const void*>(tma_swizzle(base + off, v.swizzle)), v.esize);
+        std::memcpy(reinterpret_cast<void*>(dst), src, v.esize);
     });
 }
 
@@ -1043,10 +1558,35 @@ void wgmma_combine(void* const* ins, void* const* outs, int kind) {
             A[row][col] = bits16((u16)(i % 2 ? reg >> 16 : reg & 0xffffu), f16);
         }
     }
+#ifdef TPAR_EMU_RACECHECK
+    // the operands are read by the warpgroup's operation: under an agent of
+    // its first thread, with what every thread of it knew when it issued
+    const bool check = race::on(L);
+    race::Epoch e;
+    if (check) {
+        Group& grp = L->groups[L->current->group];
+        const unsigned t0 = race::fid(L, grp.threads[0]);
+        e = race::agent_epoch(t0);
+        race::g.tmp.assign(race::row(t0), race::row(t0) + race::g.V);
+        for (int t = 1; t < 128; ++t) {
+            const u32* r = race::row(race::fid(L, grp.threads[t]));
+            for (unsigned i = 0; i < race::g.V; ++i)
+                race::g.tmp[i] = std::min(race::g.tmp[i], r[i]);
+        }
+        grp.race_agent = e.id;
+        grp.race_clk = e.clk;
+    }
+    const std::vector<u32> known = check ? race::g.tmp : std::vector<u32>{};
+#endif
     auto load = [&](u64 desc, int mn, int k, bool mn_major, float* v) {
         size_t off;
         if (!operand_addr(desc, mn, k, mn_major, &off)) return false;
         u16 h;
+#ifdef TPAR_EMU_RACECHECK
+        if (check)
+            race::async_access(L, e, known.data(), cur_smem(L) + off, 2, false,
+                               "a wgmma's read of its shared-memory operand");
+#endif
         std::memcpy(&h, cur_smem(L) + off, 2);
         *v = bits16(h, f16);
         return true;
@@ -1089,6 +1629,8 @@ void tpar_emu_wgmma(float* d, int n, const u32* a, u64 desc_a, u64 desc_b, int f
     p.d = d;
     p.count = n / 2;
     tpar_emu_warpgroup_collective(&in, p.vals, &wgmma_combine, (n << 8) | flags | (a ? WG_A_REGS : 0));
+    p.agent = L->groups[f->group].race_agent;
+    p.agent_clk = L->groups[f->group].race_clk;
     f->wgmma.push_back(p);
     const float nan = __uint_as_float(0x7fc00000u);
     for (int i = 0; i < n / 2; ++i) d[i] = nan;
@@ -1114,8 +1656,17 @@ void tpar_emu_wgmma_wait(int n) {
         tpar_emu_fail("wgmma.wait_group with N outside 0..7");
         return;
     }
-    retire_groups(f->wgmma, f->wgmma_groups - n,
-                  [](WgmmaPending& p) { std::memcpy(p.d, p.vals, sizeof(float) * p.count); });
+    retire_groups(f->wgmma, f->wgmma_groups - n, [f](WgmmaPending& p) {
+        std::memcpy(p.d, p.vals, sizeof(float) * p.count);
+#ifdef TPAR_EMU_RACECHECK
+        // the operation's operand reads are done
+        if (p.agent_clk && race::on(g_launch)) {
+            u32& k = race::row(race::fid(g_launch, f))[p.agent];
+            k = std::max(k, p.agent_clk);
+        }
+#endif
+        (void)f;
+    });
 }
 
 // ---------------------------------------------------------------- bulk reductions
@@ -1148,12 +1699,23 @@ void tpar_emu_bulk_reduce_add_f32(float* gmem, const float* smem, unsigned bytes
     p.src = smem;
     p.count = bytes / 4;
     L->current->bulk.push_back(p);
+#ifdef TPAR_EMU_RACECHECK
+    if (race::on(L)) {
+        const unsigned t = race::fid(L, L->current);
+        const race::Epoch e = race::agent_epoch(t);
+        race::async_access(L, e, race::row(t), smem, bytes, false,
+                           "a bulk reduction's read of its source");
+        L->current->race_bulk.push_back({-1, e.clk});
+    }
+#endif
 }
 
 void tpar_emu_bulk_commit() {
     Fiber* f = g_launch->current;
     for (auto& p : f->bulk)
         if (p.group < 0) p.group = f->bulk_groups;
+    for (auto& p : f->race_bulk)
+        if (p.first < 0) p.first = f->bulk_groups;
     f->bulk_groups++;
 }
 
@@ -1166,6 +1728,7 @@ void tpar_emu_bulk_wait(int n) {
     retire_groups(f->bulk, f->bulk_groups - n, [](BulkPending& p) {
         for (unsigned i = 0; i < p.count; ++i) p.dst[i] += p.src[i];
     });
+    TPAR_RACE(race::retire(f->race_bulk, f->bulk_groups - n, race::fid(g_launch, f)));
 }
 
 // Runs a whole launch (blocks `cluster` at a time, together); returns 0, or
@@ -1237,3 +1800,39 @@ int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigne
 }
 
 }  // extern "C"
+
+#ifdef TPAR_EMU_RACECHECK
+// The instrumentation of -fsanitize=thread calls these on every memory
+// access of kernel code; racecheck keeps those to shared memory (above).
+extern "C" {
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+void __tsan_vptr_update(void**, void*) {}
+void __tsan_vptr_read(void**) {}
+#define TPAR_TSAN_ACCESS(n)                                                                   \
+    void __tsan_read##n(void* p) {                                                            \
+        race::thread_access(p, n, false, race::GENERIC, __builtin_return_address(0));         \
+    }                                                                                         \
+    void __tsan_write##n(void* p) {                                                           \
+        race::thread_access(p, n, true, race::GENERIC, __builtin_return_address(0));          \
+    }                                                                                         \
+    void __tsan_unaligned_read##n(void* p) {                                                  \
+        race::thread_access(p, n, false, race::GENERIC, __builtin_return_address(0));         \
+    }                                                                                         \
+    void __tsan_unaligned_write##n(void* p) {                                                 \
+        race::thread_access(p, n, true, race::GENERIC, __builtin_return_address(0));          \
+    }
+TPAR_TSAN_ACCESS(1)
+TPAR_TSAN_ACCESS(2)
+TPAR_TSAN_ACCESS(4)
+TPAR_TSAN_ACCESS(8)
+TPAR_TSAN_ACCESS(16)
+void __tsan_read_range(void* p, unsigned long n) {
+    race::thread_access(p, n, false, race::GENERIC, __builtin_return_address(0));
+}
+void __tsan_write_range(void* p, unsigned long n) {
+    race::thread_access(p, n, true, race::GENERIC, __builtin_return_address(0));
+}
+}
+#endif

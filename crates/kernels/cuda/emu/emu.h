@@ -140,32 +140,47 @@ inline unsigned long long min(unsigned long long a, unsigned long long b) { retu
 inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 
 // Fibers of one block never run concurrently, so atomics are plain updates.
+// Under racecheck (TPAR_EMU_RACECHECK) they are not instrumented as ordinary
+// accesses but reported as atomics, which do not race with each other.
+extern "C" void tpar_emu_race_atomic(const void* p, unsigned bytes);
+#ifdef TPAR_EMU_RACECHECK
+#define TPAR_EMU_ATOMIC __attribute__((no_sanitize_thread))
+#define TPAR_EMU_RACE_ATOMIC(p) tpar_emu_race_atomic(p, sizeof(*p))
+#else
+#define TPAR_EMU_ATOMIC
+#define TPAR_EMU_RACE_ATOMIC(p) ((void)0)
+#endif
 template <typename T>
-inline T atomicAdd(T* p, T v) {
+TPAR_EMU_ATOMIC inline T atomicAdd(T* p, T v) {
+    TPAR_EMU_RACE_ATOMIC(p);
     T old = *p;
     *p = old + v;
     return old;
 }
 template <typename T>
-inline T atomicMax(T* p, T v) {
+TPAR_EMU_ATOMIC inline T atomicMax(T* p, T v) {
+    TPAR_EMU_RACE_ATOMIC(p);
     T old = *p;
     *p = old > v ? old : v;
     return old;
 }
 template <typename T>
-inline T atomicMin(T* p, T v) {
+TPAR_EMU_ATOMIC inline T atomicMin(T* p, T v) {
+    TPAR_EMU_RACE_ATOMIC(p);
     T old = *p;
     *p = old < v ? old : v;
     return old;
 }
 template <typename T>
-inline T atomicExch(T* p, T v) {
+TPAR_EMU_ATOMIC inline T atomicExch(T* p, T v) {
+    TPAR_EMU_RACE_ATOMIC(p);
     T old = *p;
     *p = v;
     return old;
 }
 template <typename T>
-inline T atomicCAS(T* p, T cmp, T v) {
+TPAR_EMU_ATOMIC inline T atomicCAS(T* p, T cmp, T v) {
+    TPAR_EMU_RACE_ATOMIC(p);
     T old = *p;
     if (old == cmp) *p = v;
     return old;
@@ -303,6 +318,13 @@ extern "C" {
 void tpar_emu_mma_16816(float d[4], const u32 a[4], const u32 b[2], int f16);
 void tpar_emu_ldmatrix(u32* r, const void* row, int count, bool trans);
 void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred);
+// cp.async.commit_group and cp.async.wait_group n (the copies themselves land
+// at issue; racecheck counts them done only at the wait).
+void tpar_emu_cp_async_commit();
+void tpar_emu_cp_async_wait(int n);
+// fence.proxy.async (racecheck: makes the thread's earlier stores to shared
+// memory readable by asynchronous operations ordered after it).
+void tpar_emu_fence_proxy_async();
 }
 
 // Hopper (sm_90a) emulation (emu.cpp): warpgroup collectives (4 consecutive

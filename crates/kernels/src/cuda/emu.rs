@@ -80,6 +80,8 @@ pub struct Emulator {
     /// Flags kernel sources are compiled with beyond [`CXX_FLAGS`] (see
     /// [`contraction_flags`]).
     kernel_flags: Vec<String>,
+    /// Whether launches check shared memory for data races ([`RACECHECK_ENV`]).
+    racecheck: bool,
     rt_path: PathBuf,
     rt_hash: u64,
     libs: Mutex<
@@ -95,6 +97,23 @@ pub struct Emulator {
 }
 
 static EMULATOR: OnceLock<std::result::Result<Emulator, crate::KernelError>> = OnceLock::new();
+static RACECHECK: OnceLock<std::result::Result<Emulator, crate::KernelError>> = OnceLock::new();
+
+/// The environment variable that makes [`Emulator::get`] check every launch for
+/// shared-memory data races, as [`Emulator::racecheck`] does: `TPAR_EMU_RACECHECK=1`
+/// (so a whole test suite can run under the check). Unset, empty or `0`: off.
+pub const RACECHECK_ENV: &str = "TPAR_EMU_RACECHECK";
+
+/// Whether [`RACECHECK_ENV`] asks for the race check.
+fn racecheck_from_env() -> Result<bool> {
+    match std::env::var(RACECHECK_ENV).ok().as_deref() {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => {
+            Err(cuda_error("emulator", format!("{RACECHECK_ENV}={other:?}: expected 1 or 0")))
+        }
+    }
+}
 
 /// The environment variable that makes the emulator contract floating-point
 /// expressions as a GPU compiler may: `TPAR_EMU_FP_CONTRACT=fast` compiles kernel
@@ -146,7 +165,43 @@ impl Emulator {
     /// Fails with [`crate::KernelError::Cuda`] carrying the compiler's output
     /// when no C++ compiler is found or the runtime does not build.
     pub fn get() -> Result<&'static Emulator> {
-        EMULATOR.get_or_init(Emulator::build).as_ref().map_err(Clone::clone)
+        EMULATOR
+            .get_or_init(|| Emulator::build(racecheck_from_env()?))
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// The process-wide emulator that checks every launch for data races on
+    /// shared memory, as `compute-sanitizer --tool racecheck` does on a GPU, and
+    /// also for asynchronous reads (bulk stores, bulk reductions, wgmma operands)
+    /// of shared memory written by ordinary stores without a `fence.proxy.async`
+    /// between. A launch with a race fails with [`crate::KernelError::Cuda`] naming
+    /// both accesses (kind, threads, the shared-memory byte, the function).
+    ///
+    /// Its kernels are compiled with the host compiler's thread-sanitizer
+    /// instrumentation (`-fsanitize=thread`; no sanitizer runtime is linked: the
+    /// emulator implements the hooks) and run several times slower than
+    /// [`Emulator::get`]'s. What orders accesses is what the CUDA memory model
+    /// and the PTX ISA give: `__syncthreads`, `__syncwarp`, the cluster barrier,
+    /// mbarrier arrivals and phase waits, and the completion of each asynchronous
+    /// operation (a bulk tensor load's complete_tx, `wgmma.wait_group`,
+    /// `cp.async.bulk.wait_group`, `cp.async.wait_group`); shuffles, votes and
+    /// warpgroup operations order nothing. Global memory is not checked.
+    ///
+    /// ```no_run
+    /// use tpar_kernels::cuda::emu::Emulator;
+    /// let emu = Emulator::racecheck()?;
+    /// // launch kernels on `emu` as on Emulator::get()'s
+    /// # let _ = emu;
+    /// # Ok::<(), tpar_kernels::KernelError>(())
+    /// ```
+    pub fn racecheck() -> Result<&'static Emulator> {
+        RACECHECK.get_or_init(|| Emulator::build(true)).as_ref().map_err(Clone::clone)
+    }
+
+    /// Whether this emulator checks its launches for data races.
+    pub fn checks_races(&self) -> bool {
+        self.racecheck
     }
 
     /// Sets the seed of the thread order used by later launches.
@@ -159,25 +214,34 @@ impl Emulator {
         &self.rt_path
     }
 
-    fn build() -> Result<Emulator> {
+    fn build(racecheck: bool) -> Result<Emulator> {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        let kernel_flags = contraction_flags()?;
+        let mut kernel_flags = contraction_flags()?;
+        let rt_flags: Vec<String> =
+            if racecheck { vec![RACECHECK_DEFINE.to_string()] } else { Vec::new() };
+        if racecheck {
+            kernel_flags.push(RACECHECK_DEFINE.to_string());
+        }
         let mut hash = Fnv::new();
         for part in [EMU_H, EMU_CPP, &cxx] {
             hash.add(part.as_bytes());
         }
-        for f in CXX_FLAGS {
+        for f in CXX_FLAGS.iter().copied().chain(rt_flags.iter().map(String::as_str)) {
             hash.add(f.as_bytes());
         }
         let dir = cache_root().join(format!("runtime-{:016x}", hash.0));
-        let rt_path = dir.join("libtpar_emu_rt.so");
+        // distinct names: both runtimes may be loaded in one process, and each
+        // kernel library names its own
+        let rt_file = if racecheck { "libtpar_emu_rt_race.so" } else { "libtpar_emu_rt.so" };
+        let rt_path = dir.join(rt_file);
         if !rt_path.exists() {
             build_library(
                 &cxx,
                 &dir,
-                "libtpar_emu_rt.so",
+                rt_file,
                 &[("emu.h", EMU_H.to_string()), ("emu.cpp", EMU_CPP.to_string())],
                 None,
+                &rt_flags,
                 &[],
             )?;
         }
@@ -194,6 +258,7 @@ impl Emulator {
             launch,
             cxx,
             kernel_flags,
+            racecheck,
             rt_path,
             rt_hash: hash.0,
             libs: Mutex::new(HashMap::new()),
@@ -248,6 +313,7 @@ impl Emulator {
                 &[("emu.h", EMU_H.to_string()), (&format!("{src_name}.cpp"), unit)],
                 Some(&self.rt_path),
                 &self.kernel_flags,
+                if self.racecheck { INSTRUMENT_FLAGS } else { &[] },
             )?;
         }
         // SAFETY: built from CUDA C++ source against the emulator; loading runs
@@ -350,7 +416,7 @@ impl Emulator {
         args: &[u8],
     ) -> Result<()> {
         let info = self.validate(kernel, cfg, args)?;
-        let mut err = vec![0u8; 1024];
+        let mut err = vec![0u8; 4096];
         // SAFETY: `info.entry` reads a struct of `size` bytes from `args`, as
         // checked above; the caller vouches for the addresses in it. The grid,
         // block and cluster are three u32 each; the error buffer has
@@ -404,9 +470,19 @@ impl Launcher for Emulator {
     }
 }
 
+/// The define that builds the runtime's race check and the kernels' side of it.
+const RACECHECK_DEFINE: &str = "-DTPAR_EMU_RACECHECK";
+
+/// Kernel sources under racecheck: compiled with the thread-sanitizer's
+/// instrumentation (hooks the racecheck runtime defines), linked without its
+/// runtime, every symbol resolved at link time.
+const INSTRUMENT_FLAGS: &[&str] = &["-fsanitize=thread"];
+
 /// Compiles `units` (file name, text) into the shared library `dir/file`,
 /// linked against the runtime `rt` when given. Builds in a private temporary
 /// folder renamed into place, so concurrent builds never see half a library.
+/// With `compile_only` flags (the instrumentation), each unit is compiled with
+/// them first and the objects linked without them.
 fn build_library(
     cxx: &str,
     dir: &Path,
@@ -414,6 +490,7 @@ fn build_library(
     units: &[(&str, String)],
     rt: Option<&Path>,
     extra_flags: &[String],
+    compile_only: &[&str],
 ) -> Result<()> {
     let err = |what: String| cuda_error("emulator build", what);
     let tmp = cache_root().join(format!("build-{}-{}", std::process::id(), unique()));
@@ -426,25 +503,49 @@ fn build_library(
             cpps.push(p);
         }
     }
+    let run = |cmd: &mut Command| -> Result<()> {
+        let out = cmd
+            .output()
+            .map_err(|e| err(format!("running {cxx}: {e} (set CXX to a C++17 compiler)")))?;
+        if !out.status.success() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(err(format!(
+                "{file} does not compile:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        Ok(())
+    };
+    if !compile_only.is_empty() {
+        let mut objs = Vec::new();
+        for cpp in &cpps {
+            let obj = cpp.with_extension("o");
+            run(Command::new(cxx)
+                .args(CXX_FLAGS)
+                .args(extra_flags)
+                .args(compile_only)
+                .arg("-c")
+                .arg(cpp)
+                .arg("-o")
+                .arg(&obj))?;
+            objs.push(obj);
+        }
+        cpps = objs;
+    }
     let lib = tmp.join(file);
     let mut cmd = Command::new(cxx);
     cmd.args(CXX_FLAGS).args(extra_flags).arg("-shared").args(&cpps).arg("-o").arg(&lib);
+    if !compile_only.is_empty() {
+        // a hook the runtime lacks is a link error, not a crash mid-kernel
+        cmd.arg("-Wl,-z,defs");
+    }
     if let Some(rt) = rt {
         cmd.arg(rt);
         if let Some(d) = rt.parent() {
             cmd.arg(format!("-Wl,-rpath,{}", d.display()));
         }
     }
-    let out = cmd
-        .output()
-        .map_err(|e| err(format!("running {cxx}: {e} (set CXX to a C++17 compiler)")))?;
-    if !out.status.success() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(err(format!(
-            "{file} does not compile:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
+    run(&mut cmd)?;
     match std::fs::rename(&tmp, dir) {
         Ok(()) => Ok(()),
         // another process finished first: use its library
