@@ -68,6 +68,34 @@ fn every_kernel_passes_on_the_emulator() {
     assert!(last.contains(" 0 failed"), "{last}");
 }
 
+/// Every kernel family under the emulator's race check (`TPAR_EMU_RACECHECK=1`:
+/// shared-memory races and missing proxy fences fail the launch), the mma.sync
+/// kernels at the default architecture and the Hopper ones (wgmma, bulk tensor
+/// copies, mbarriers, clusters) at `sm_90a`.
+#[test]
+fn every_kernel_passes_the_race_check() {
+    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
+    for sm90a in [false, true] {
+        let mut cmd = Command::new(gpu_check());
+        cmd.args(["--device", "emulator", "--quick"])
+            .env(tpar::kernels::cuda::emu::RACECHECK_ENV, "1")
+            .env_remove(arch);
+        if sm90a {
+            cmd.env(arch, "sm_90a");
+        }
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "sm_90a {sm90a}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let last = stdout.lines().rev().find(|l| l.contains("checks:")).unwrap_or_default();
+        assert!(last.contains(" 0 failed"), "sm_90a {sm90a}: {last}");
+        assert!(!stdout.contains("racecheck"), "sm_90a {sm90a}: {stdout}");
+    }
+}
+
 #[test]
 fn a_perturbed_reference_fails_the_checks() {
     let out = Command::new(gpu_check())
