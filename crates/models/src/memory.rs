@@ -453,14 +453,18 @@ struct LayerShape {
     q: f64,
     kv: f64,
     mlp: f64,
+    /// Attention runs as the CUDA node of `Tensor::attention_bshd` / `attention_packed`
+    /// (module docs, "On a CUDA device"), not as the host's composition.
+    device_node: bool,
 }
 
 impl LayerShape {
     /// What a layer keeps without checkpointing.
     fn kept(&self) -> f64 {
         // x and x1 at the norms, h1 and h2 at the projections, q, k, v, attention's
-        // output and its copy, gate, up and the SwiGLU output.
-        2.0 * self.resid + 2.0 * self.full + 3.0 * self.q + 2.0 * self.kv + 3.0 * self.mlp
+        // output and (the composition's) its copy, gate, up and the SwiGLU output.
+        let out = if self.device_node { self.q } else { 2.0 * self.q };
+        2.0 * self.resid + 2.0 * self.full + self.q + out + 2.0 * self.kv + 3.0 * self.mlp
     }
 
     /// Which of the layer's matmuls a selective checkpoint keeping `ops` keeps, with each
@@ -479,31 +483,52 @@ impl LayerShape {
     }
 
     /// What a selectively checkpointed layer keeps: its input and the kept ops' outputs
-    /// (attention's output when `ops` has [`SaveOp::Sdpa`]).
-    fn kept_selective(&self, ops: &[SaveOp], fused: bool) -> f64 {
+    /// (attention's, [`LayerShape::sdpa_kept`], when `ops` has [`SaveOp::Sdpa`]).
+    /// `output_kept`: the kept down GEMM's output is the layer's output (a fused residual
+    /// on the device), which the next layer's checkpoint keeps as its input (or the final
+    /// norm saves) anyway.
+    fn kept_selective(&self, ops: &[SaveOp], fused: bool, output_kept: bool) -> f64 {
         let mm: f64 = self.matmuls(ops, fused).iter().filter(|m| m.0).map(|m| m.1).sum();
-        let sdpa = if ops.contains(&SaveOp::Sdpa) { self.q } else { 0.0 };
-        self.resid + mm + sdpa
+        let shared = if output_kept { self.resid } else { 0.0 };
+        self.resid + mm + self.sdpa_kept(ops, fused) - shared
+    }
+
+    /// What a selective checkpoint keeps of attention when `ops` has [`SaveOp::Sdpa`]: its
+    /// output `[q]`, and on the device node of separate projections the rotated q and k
+    /// it read (a packed input is the q/k/v GEMM's output, rotated again in the
+    /// backward).
+    fn sdpa_kept(&self, ops: &[SaveOp], fused: bool) -> f64 {
+        match (ops.contains(&SaveOp::Sdpa), self.device_node && !fused) {
+            (false, _) => 0.0,
+            (true, false) => self.q,
+            (true, true) => 2.0 * self.q + self.kv,
+        }
     }
 
     /// What the recompute of a selectively checkpointed layer holds when it ends, beside
     /// what the checkpoint kept: every tensor [`LayerShape::kept`] counts (the layer's
     /// input, shared with the checkpoint, standing for the recomputed output) except those
     /// the recompute is handed back from the kept ones instead of computing them:
-    /// attention's output when it is kept, and gate's and up's outputs when their matmul
-    /// is kept and unfused (fused, they are the split's copies of the wide output; q, k,
-    /// v, o and down's outputs are not what the backward saves, so keeping them saves
-    /// nothing here). `residual_kept` is what kept fused residual adds hand back (the
-    /// residual sums `x + o_proj(a)` and `h + down_proj(m)` that the post-attention
-    /// norm and the next layer read).
+    /// what [`LayerShape::sdpa_kept`] keeps, and gate's and up's outputs when their
+    /// matmul is kept and unfused (fused, they are the split's copies of the wide
+    /// output). The composition's q, k, v, o and down outputs are not what the backward
+    /// saves (RoPE and the transpose write new ones), so keeping them saves nothing here;
+    /// the device node saves v (or the packed q/k/v output) as it is, so a kept v (or
+    /// q/k/v) GEMM output is handed back too. `residual_kept` is what kept fused residual
+    /// adds hand back (the residual sums `x + o_proj(a)` and `h + down_proj(m)` that the
+    /// post-attention norm and the next layer read).
     fn recomputed_selective(&self, ops: &[SaveOp], fused: bool, residual_kept: f64) -> f64 {
-        let sdpa = if ops.contains(&SaveOp::Sdpa) { self.q } else { 0.0 };
-        let gate_up: f64 = if fused {
-            0.0
-        } else {
-            self.matmuls(ops, false)[4..6].iter().filter(|m| m.0).map(|m| m.1).sum()
+        let mm = self.matmuls(ops, fused);
+        let gate_up: f64 =
+            if fused { 0.0 } else { mm[4..6].iter().filter(|m| m.0).map(|m| m.1).sum() };
+        // The device node's saved v: the v GEMM's output, or the packed q/k/v one.
+        let v = match (self.device_node, fused) {
+            (true, true) if mm[0].0 => mm[0].1,
+            (true, false) if mm[2].0 => mm[2].1,
+            _ => 0.0,
         };
-        (self.kept() - sdpa - gate_up - residual_kept).max(0.0)
+        let handed = self.sdpa_kept(ops, fused) + gate_up + v + residual_kept;
+        (self.kept() - handed).max(0.0)
     }
 }
 
@@ -593,6 +618,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         q: q / t,
         kv: kvw / t,
         mlp: i / t,
+        device_node: device_attention_node(c, compute),
     };
     let mb = if c.pp > 1 { c.microbatches } else { 1 };
     let rows = c.batch as f64 / mb as f64;
@@ -618,11 +644,12 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                     (tokens * shape.resid * abytes, full_layer)
                 }
                 AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
-                    let kept = shape.kept_selective(ops, fuse_projections);
                     // On a CUDA device a fused residual add is one GEMM, kept as the matmul
-                    // it contains: its output is the residual sum the recompute reuses.
+                    // it contains: its output is the residual sum the recompute reuses,
+                    // and down_proj's is the layer's output besides.
+                    let mm = shape.matmuls(ops, fuse_projections);
+                    let down = fuse_residual && !c.host && mm[mm.len() - 1].0;
                     let residual_kept = if fuse_residual && !c.host {
-                        let mm = shape.matmuls(ops, fuse_projections);
                         // o_proj's and down_proj's matmuls.
                         let o = if fuse_projections { 1 } else { 3 };
                         let kept = [o, mm.len() - 1].iter().filter(|&&n| mm[n].0).count();
@@ -630,6 +657,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                     } else {
                         0.0
                     };
+                    let kept = shape.kept_selective(ops, fuse_projections, down);
                     let again = shape.recomputed_selective(ops, fuse_projections, residual_kept);
                     (tokens * kept * abytes, tokens * (again * abytes + stats))
                 }
@@ -867,6 +895,36 @@ pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
     tpar_kernels::cuda::raw::sdpa::sdpa_backward_workspace_bytes(&s).map_or(u64::MAX, |b| b as u64)
 }
 
+/// Whether a decoder layer's attention runs as the CUDA node of `Tensor::attention_bshd`
+/// (`Tensor::attention_packed` with fused projections) rather than as its composition:
+/// on a CUDA device, with plain operands (no tensor-parallel plan, no context
+/// parallelism), in a dtype the flash kernels take (not f64) and a head dim they take.
+fn device_attention_node(c: &MemoryConfig, compute: DType) -> bool {
+    !c.host
+        && c.tp == 1
+        && c.cp == 1
+        && compute != DType::F64
+        && c.model.head_dim() <= tpar_kernels::cuda::raw::sdpa::MAX_HEAD_DIM
+}
+
+/// Bytes the CUDA attention node (`Tensor::attention_bshd`, or with `packed`
+/// `Tensor::attention_packed` on fused projections) holds in its backward beyond the
+/// output gradient it is given, for `a` (`q_len == kv_len`) in `dtype`: its inputs'
+/// gradients (q, k and v, or the packed one), `dq` and `dk` in dense buffers of their own
+/// that RoPE's backward then rotates into them, for a packed input its q and k rotated
+/// again (the node kept the input, not the rotated ones), and the flash backward's
+/// workspace ([`device_sdpa_backward_scratch`]); `u64::MAX` where that overflows.
+pub fn device_attention_backward_bytes(a: &AttentionCall, dtype: DType, packed: bool) -> u64 {
+    // q's gradient and dq (and the rotated q); k's and v's gradients and dk (and the
+    // rotated k).
+    let (nq, nkv) = if packed { (3, 4) } else { (2, 3) };
+    let q = a.batch.checked_mul(a.q_len).and_then(|n| n.checked_mul(nq * a.q_heads));
+    let kv = a.batch.checked_mul(a.kv_len).and_then(|n| n.checked_mul(nkv * a.kv_heads));
+    let elems = q.zip(kv).and_then(|(q, kv)| q.checked_add(kv)?.checked_mul(a.head_dim));
+    let bytes = elems.and_then(|e| e.checked_mul(dtype.size_in_bytes()));
+    bytes.map_or(u64::MAX, |b| (b as u64).saturating_add(device_sdpa_backward_scratch(a)))
+}
+
 /// The largest transient of one decoder layer's attention backward, in bytes (the
 /// module docs, "Attention's backward"); `rows` the batch rows a rank computes at once.
 fn attention_backward(
@@ -906,6 +964,12 @@ fn attention_backward(
     let per_token = |tokens: f64| tokens * (shape.full + shape.q) * abytes;
     if c.cp == 1 {
         let tokens = rows as f64 * c.seq as f64;
+        if shape.device_node {
+            let a = call(c.seq, c.seq, true);
+            // The device node takes fused projections packed (the plan lets them run).
+            let ws = device_attention_backward_bytes(&a, compute, c.fusion.projections);
+            return Ok(per_token(tokens) + ws as f64);
+        }
         let outputs = tokens * (shape.q + 2.0 * shape.kv) * abytes;
         return Ok(per_token(tokens) + outputs + scratch(&call(c.seq, c.seq, true)));
     }
