@@ -14,16 +14,32 @@ fn example() -> Option<PathBuf> {
 /// `llama_2d` on a tiny model (2 layers, hidden 32, seq 16, batch 2) with `args`, the
 /// emulator serving `cuda`: its stdout and stderr.
 fn run_tiny(args: &[&str]) -> (String, String) {
+    let model = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"];
+    let shape = ["--intermediate", "64", "--seq", "16", "--batch", "2"];
+    run_with(&[], &[&model[..], &shape, args].concat())
+}
+
+/// `llama_2d` with `args` and the environment `env`, the emulator serving `cuda`: its
+/// stdout and stderr.
+fn run_with(env: &[(&str, &str)], args: &[&str]) -> (String, String) {
     let exe = example().expect("llama_2d example (built by `cargo test`)");
-    let out = Command::new(exe)
-        .env("TPAR_CUDA", "emulator")
-        .args(["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"])
-        .args(["--intermediate", "64", "--seq", "16", "--batch", "2"])
-        .args(args)
-        .output()
-        .expect("run llama_2d");
+    let mut cmd = Command::new(exe);
+    cmd.env("TPAR_CUDA", "emulator").args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run llama_2d");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     (stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The `final_loss_bits` of a run's summary line (failing with its output when there is
+/// none).
+fn final_bits(what: &str, (stdout, stderr): (String, String)) -> String {
+    let line = stdout.lines().find(|l| l.starts_with("summary:"));
+    let line = line.unwrap_or_else(|| panic!("{what}: no summary line:\n{stdout}\n{stderr}"));
+    let v = line.split_whitespace().find_map(|kv| kv.strip_prefix("final_loss_bits="));
+    v.unwrap_or_else(|| panic!("{what}: no final_loss_bits in {line}")).to_string()
 }
 
 fn summary(device: &str, plan: &str) -> (String, String) {
@@ -120,13 +136,9 @@ fn a_device_step_reads_the_host_only_to_log() {
 fn context_parallel_training_on_the_emulated_gpu_matches_the_cpu() {
     let bits = |device: &str| -> String {
         let args = ["--world", "4", "--dp", "1", "--cp", "2", "--tp", "2", "--steps", "2"];
-        let (stdout, stderr) =
-            run_tiny(&[&args[..], &["--log-every", "1", "--device", device]].concat());
-        let line = stdout.lines().find(|l| l.starts_with("summary:"));
-        let line = line.unwrap_or_else(|| panic!("{device}: no summary line:\n{stdout}\n{stderr}"));
-        assert!(line.contains(" cp=2"), "{line}");
-        let v = line.split_whitespace().find_map(|kv| kv.strip_prefix("final_loss_bits="));
-        v.unwrap_or_else(|| panic!("no final_loss_bits in {line}")).to_string()
+        let out = run_tiny(&[&args[..], &["--log-every", "1", "--device", device]].concat());
+        assert!(out.0.contains(" cp=2"), "{device}: {}", out.0);
+        final_bits(device, out)
     };
     assert_eq!(bits("cuda"), bits("cpu"));
 }
@@ -169,4 +181,30 @@ fn quiet_device_steps_read_nothing_back() {
         let bits = |o: &str| field(o, "summary:", "final_loss_bits=");
         assert_eq!(bits(&gpu), bits(&cpu), "{mode:?}: final loss bits, cuda:0 vs cpu");
     }
+}
+
+/// The emulated training step under the emulator's race check (`TPAR_EMU_RACECHECK=1`:
+/// a data race in shared or global memory, or a missing proxy fence, fails the launch):
+/// 2x2 FSDP x TP steps of the tiny model, and a bf16 step of one layer at head dim 64
+/// with the Hopper kernels (`sm_90a`: the wgmma GEMM and attention forward and
+/// backward, the packed q/k/v and the fused residual), each ending with the loss bits of
+/// the same run without the check.
+#[test]
+fn the_training_step_passes_the_race_check() {
+    let race = ("TPAR_EMU_RACECHECK", "1");
+    let args = ["--world", "4", "--dp", "2", "--tp", "2", "--steps", "2", "--device", "cuda"];
+    let tiny = |env: &[(&str, &str)]| {
+        let model = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"];
+        let shape = ["--intermediate", "64", "--seq", "16", "--batch", "2"];
+        final_bits("2x2", run_with(env, &[&model[..], &shape, &args].concat()))
+    };
+    assert_eq!(tiny(&[race]), tiny(&[]), "2x2 FSDP x TP under the race check");
+    let hopper = [("TPAR_EMU_ARCH", "sm_90a"), ("TPAR_SDPA", "hopper"), ("TPAR_GEMM", "ours")];
+    let step = |env: &[(&str, &str)]| {
+        let model = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2"];
+        let shape = ["--intermediate", "256", "--seq", "128", "--batch", "1", "--dtype", "bf16"];
+        let rest = ["--steps", "2", "--device", "cuda", "--fuse-proj", "--fuse-residual"];
+        final_bits("hopper", run_with(env, &[&model[..], &shape, &rest].concat()))
+    };
+    assert_eq!(step(&[&hopper[..], &[race]].concat()), step(&hopper), "the Hopper kernels");
 }

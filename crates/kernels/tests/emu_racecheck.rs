@@ -7,7 +7,9 @@
 //! counter before the barrier, an mbarrier wait before reading a bulk tensor
 //! copy (by other warps and by the issuing thread), a `fence.proxy.async`
 //! before a bulk store or a wgmma reads ordinary stores, the wait for a bulk
-//! store or a wgmma before its source is overwritten, and `cp.async.wait_group`.
+//! store or a wgmma before its source is overwritten, and `cp.async.wait_group`;
+//! in global memory, two blocks of a launch writing the same bytes, one reading
+//! what the other wrote, and two threads of a block writing the same bytes.
 //! The same planted kernels run without a report on the plain emulator: the
 //! check is what finds them.
 
@@ -76,14 +78,15 @@ fn map(at: DevPtr) -> TensorMap {
 fn run(kernel: &str, mode: i32, racecheck: bool) -> Result<Vec<f32>, String> {
     let mut global = global();
     let at = global.as_mut_ptr() as DevPtr;
-    let mut out = vec![0f32; 128];
+    let mut out = vec![0f32; 256];
     let e = emu(racecheck);
     let tma = kernel == "race_tma" || kernel == "race_store";
     let shared = if tma || kernel == "race_wgmma" { 1024 + 4096 } else { 4096 };
-    let cfg = LaunchConfig::linear(1, 128).with_shared(shared);
+    let blocks = if kernel == "race_global" { 2 } else { 1 };
+    let cfg = LaunchConfig::linear(blocks, 128).with_shared(shared);
     // SAFETY: the kernels read at most 1024 floats of `global` (through the map
-    // or `src`), write 128 floats of `out` and, for race_store, the map's 1024
-    // floats; both live across the launch.
+    // or `src`), write at most 256 floats of `out` and, for race_store, the map's
+    // 1024 floats; both live across the launch.
     let r = unsafe {
         if tma {
             let args =
@@ -94,6 +97,7 @@ fn run(kernel: &str, mode: i32, racecheck: bool) -> Result<Vec<f32>, String> {
             launch(e, kernel, cfg, &args)
         }
     };
+    out.truncate(if kernel == "race_global" { 256 } else { 128 });
     r.map(|()| out).map_err(|e| e.to_string())
 }
 
@@ -177,4 +181,26 @@ fn cp_async_copies_are_read_only_after_their_wait() {
         assert_eq!(*v, (4 * ((t + 32) % 128)) as f32 * 0.5, "thread {t}");
     }
     reported("race_cp_async", 1, &["read-after-write", "asynchronous write"]);
+}
+
+#[test]
+fn blocks_of_a_launch_are_not_ordered_in_global_memory() {
+    let out = run("race_global", 0, true).unwrap();
+    for (i, v) in out.iter().enumerate() {
+        assert_eq!(*v, i as f32, "element {i}");
+    }
+    let out = run("race_global", 3, true).unwrap();
+    assert!(out[..32].iter().all(|&v| v == 8.0), "{:?}", &out[..32]);
+    reported(
+        "race_global",
+        1,
+        &[
+            "write-after-write",
+            "global memory",
+            "block (0,0,0)",
+            "another block of the same launch",
+        ],
+    );
+    reported("race_global", 2, &["read-after-write", "global memory", "block (1,0,0)"]);
+    reported("race_global", 4, &["write-after-write", "global memory", "block (0,0,0)"]);
 }

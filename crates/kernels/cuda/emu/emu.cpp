@@ -212,7 +212,11 @@ unsigned char* cur_smem(Launch* L) { return L->ctas[L->current ? L->current->cta
 // ThreadSanitizer runtime is linked) on every load and store of kernel code,
 // and this file checks the accesses to shared memory (each block's dynamic
 // shared memory, and `__shared__` statics: the writable data of the kernel
-// libraries) for data races, as compute-sanitizer's racecheck does on a GPU.
+// libraries) for data races, as compute-sanitizer's racecheck does on a GPU,
+// and those to global memory (anything else but the fibers' stacks and the
+// runtime's state): between the threads of a block the same way, and between
+// blocks, which nothing orders within a launch, any two accesses to one byte
+// (one a write, not both atomics) are a race.
 //
 // Happens-before is tracked with vector clocks over the cluster's threads and
 // one "agent" per thread standing for the asynchronous operations it issues
@@ -249,6 +253,17 @@ struct Cell {
     u32 set = 0;    // else 1 + index of the readers' set
 };
 
+// A byte of global memory: its cell for the accesses of the running cluster,
+// the clusters of its last writer and readers, and a reader of an earlier
+// cluster (another block of the launch, which nothing orders with this one).
+struct GCell {
+    Cell c;
+    u32 wrun = 0, rrun = 0;
+    u32 frun = 0;  // an earlier cluster that read it since the last write, or 0
+    Epoch fr;      // that reader
+    Epoch lr;      // the last reader
+};
+
 struct State {
     unsigned n = 0;  // threads of the cluster (ids 0..n); agents n..2n
     unsigned V = 0;
@@ -263,6 +278,13 @@ struct State {
     std::vector<std::vector<Epoch>> sets;
     std::vector<u32> tmp;
     bool stop = false;
+    // global memory, over the whole launch: the cluster ("run", from 1) of
+    // each cell's last writer and readers
+    std::unordered_map<uintptr_t, GCell> global;
+    u32 run = 0;
+    // what kernel code reads that is neither shared nor global memory: the
+    // fibers' stacks and the runtime's launch state (sorted ranges)
+    std::vector<std::pair<uintptr_t, uintptr_t>> skip;
 };
 
 State g;
@@ -306,6 +328,18 @@ void begin_cluster(Launch* L) {
     g.statics.clear();
     g.sets.clear();
     g.stop = false;
+    g.run++;
+    g.skip.clear();
+    for (unsigned t = 0; t < g.n && t < g_stacks.size(); ++t)
+        g.skip.push_back({reinterpret_cast<uintptr_t>(g_stacks[t]),
+                          reinterpret_cast<uintptr_t>(g_stacks[t]) + kStack});
+    auto skip = [](const void* p, size_t bytes) {
+        g.skip.push_back({reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + bytes});
+    };
+    skip(L, sizeof(Launch));
+    skip(L->fibers.data(), L->fibers.size() * sizeof(Fiber));
+    skip(L->ctas.data(), L->ctas.size() * sizeof(Cta));
+    std::sort(g.skip.begin(), g.skip.end());
     unsigned long long adds = 0;
     dl_iterate_phdr(count_objects, &adds);
     if (adds != g.libs_seen) {
@@ -324,6 +358,25 @@ void begin_cluster(Launch* L) {
         m.second.done[0].assign(g.V, 0);
         m.second.done[1].assign(g.V, 0);
     }
+}
+
+// Thread `id` (or its agent) of cluster `run`, which may have ended: its
+// block and thread from the launch's shape.
+std::string who_in(const Launch* L, Epoch e, u32 run) {
+    const unsigned id = e.id < g.n ? e.id : e.id - g.n;
+    const unsigned per_block = L->block.x * L->block.y * L->block.z;
+    const unsigned r = id / per_block, j = id % per_block;
+    // clusters run x fastest, then y, then z (tpar_emu_launch_cluster)
+    const unsigned cx = L->grid.x / L->cluster.x, cy = L->grid.y / L->cluster.y;
+    const unsigned c = run - 1;
+    const unsigned x = (c % cx) * L->cluster.x + r % L->cluster.x;
+    const unsigned y = ((c / cx) % cy) * L->cluster.y + (r / L->cluster.x) % L->cluster.y;
+    const unsigned z = (c / (cx * cy)) * L->cluster.z + r / (L->cluster.x * L->cluster.y);
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%sblock (%u,%u,%u) thread (%u,%u,%u)",
+                  e.id < g.n ? "" : "an asynchronous operation of ", x, y, z, j % L->block.x,
+                  (j / L->block.x) % L->block.y, j / (L->block.x * L->block.y));
+    return buf;
 }
 
 std::string who(const Launch* L, Epoch e) {
@@ -456,30 +509,91 @@ void access(Launch* L, Cell& c, const Access& a, const char* region, uintptr_t o
     set.push_back(a.me);
 }
 
-// Visits the cells of [p, p + bytes) that racecheck tracks.
-template <typename F>
-void cells(Launch* L, const void* p, size_t bytes, F&& f) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+// A conflict with an access of another cluster (another block of the launch:
+// blocks are not ordered within a launch).
+void report_blocks(Launch* L, const char* hazard, const Access& a, Epoch other, u32 run,
+                   const char* other_what, uintptr_t addr) {
+    if (g.stop) return;
+    g.stop = true;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "global memory at %#llx", (unsigned long long)addr);
+    fail(L, std::string("racecheck: ") + hazard + " hazard on " + buf + ": " + a.what + " by " +
+                who(L, a.me) + function_of(a.pc) + " and an earlier " + other_what + " by " +
+                who_in(L, other, run) +
+                ", another block of the same launch (nothing orders the blocks of a launch)");
+}
+
+// An access to a byte of global memory.
+void global_access(Launch* L, uintptr_t x, const Access& a) {
+    GCell& gc = g.global[x];
+    Cell& c = gc.c;
+    const u32 R = g.run;
+    if (c.w.clk && gc.wrun != R) {
+        if (!(a.kind == ATOMIC && c.wkind == ATOMIC)) {
+            report_blocks(L, a.write ? "write-after-write" : "read-after-write", a, c.w, gc.wrun,
+                          c.wkind == ASYNC    ? "asynchronous write"
+                          : c.wkind == ATOMIC ? "atomic"
+                                              : "write",
+                          x);
+            return;
+        }
+        c.w = Epoch{};
+    }
+    if (gc.rrun != R && (c.r.clk || c.set)) {
+        // readers of an earlier cluster: keep one for the report
+        gc.frun = gc.rrun;
+        gc.fr = gc.lr;
+        c.r = Epoch{};
+        c.set = 0;
+    }
+    if (gc.rrun != R) gc.rrun = R;
+    if (a.write && gc.frun) {
+        report_blocks(L, "write-after-read", a, gc.fr, gc.frun, "read", x);
+        return;
+    }
+    access(L, c, a, "global memory", x, x);
+    if (a.write) {
+        gc.wrun = R;
+        gc.frun = 0;
+    } else {
+        gc.lr = a.me;
+    }
+}
+
+bool skipped(uintptr_t a) {
+    auto it = std::upper_bound(g.skip.begin(), g.skip.end(),
+                               std::make_pair(a, ~(uintptr_t)0));
+    return it != g.skip.begin() && a < (it - 1)->second;
+}
+
+// Checks and records access `a` of [p, p + bytes): shared memory (dynamic,
+// `__shared__`) and global memory (anything else kernel code reaches but the
+// fibers' stacks and the runtime's state).
+void visit(Launch* L, const void* p, size_t bytes, const Access& a) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
     for (unsigned b = 0; b < L->ctas.size() && b < g.win.size(); ++b) {
         const uintptr_t lo = reinterpret_cast<uintptr_t>(L->ctas[b].smem);
-        if (a - lo < L->smem_bytes) {
-            const uintptr_t end = std::min<uintptr_t>(a + bytes, lo + L->smem_bytes);
+        if (at - lo < L->smem_bytes) {
+            const uintptr_t end = std::min<uintptr_t>(at + bytes, lo + L->smem_bytes);
             static const char* names[] = {"dynamic shared memory of cluster block 0",
                                           "dynamic shared memory of cluster block 1",
                                           "dynamic shared memory of cluster block 2",
                                           "dynamic shared memory of cluster block 3+"};
             const char* region = L->csize == 1 ? "dynamic shared memory" : names[b < 3 ? b : 3];
-            for (uintptr_t x = a; x < end; ++x) f(g.win[b][x - lo], region, x - lo, x);
+            for (uintptr_t x = at; x < end && !g.stop; ++x)
+                access(L, g.win[b][x - lo], a, region, x - lo, x);
             return;
         }
     }
-    if (a >= g.st_hi || a + bytes <= g.st_lo) return;
-    for (auto& r : g.static_ranges)
-        if (a >= r.first && a < r.second) {
-            for (uintptr_t x = a; x < a + bytes && x < r.second; ++x)
-                f(g.statics[x], "a __shared__ variable", x - r.first, x);
-            return;
-        }
+    if (at < g.st_hi && at + bytes > g.st_lo)
+        for (auto& r : g.static_ranges)
+            if (at >= r.first && at < r.second) {
+                for (uintptr_t x = at; x < at + bytes && x < r.second && !g.stop; ++x)
+                    access(L, g.statics[x], a, "a __shared__ variable", x - r.first, x);
+                return;
+            }
+    if (skipped(at)) return;
+    for (uintptr_t x = at; x < at + bytes && !g.stop; ++x) global_access(L, x, a);
 }
 
 bool on(Launch* L) { return L && L->current && !g.stop && L->error.empty(); }
@@ -491,9 +605,7 @@ void thread_access(const void* p, size_t bytes, bool write, Kind kind, const voi
     const unsigned t = fid(L, L->current);
     const Access a{Epoch{t, row(t)[t]}, row(t), kind, write,
                    kind == ATOMIC ? "an atomic" : write ? "a store" : "a load", pc};
-    cells(L, p, bytes, [&](Cell& c, const char* region, uintptr_t off, uintptr_t x) {
-        if (!g.stop) access(L, c, a, region, off, x);
-    });
+    visit(L, p, bytes, a);
 }
 
 // An asynchronous operation of thread `t`: a new agent epoch, checked with
@@ -501,12 +613,15 @@ void thread_access(const void* p, size_t bytes, bool write, Kind kind, const voi
 Epoch agent_epoch(unsigned t) { return Epoch{g.n + t, ++g.agent[t]}; }
 
 void async_access(Launch* L, Epoch e, const u32* vc, const void* p, size_t bytes, bool write,
-                  const char* what) {
+                  const char* what, Kind kind = ASYNC) {
     if (!L || g.stop || !L->error.empty()) return;
-    const Access a{e, vc, ASYNC, write, what, nullptr};
-    cells(L, p, bytes, [&](Cell& c, const char* region, uintptr_t off, uintptr_t x) {
-        if (!g.stop) access(L, c, a, region, off, x);
-    });
+    visit(L, p, bytes, Access{e, vc, kind, write, what, nullptr});
+}
+
+// A new launch: global memory starts unwritten.
+void begin_launch() {
+    g.global.clear();
+    g.run = 0;
 }
 
 // Every thread of `fs` (a barrier's participants) acquires what all of them
@@ -1017,6 +1132,7 @@ void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred) {
     if (race::on(L)) {
         const unsigned t = race::fid(L, L->current);
         const race::Epoch e = race::agent_epoch(t);
+        if (pred) race::async_access(L, e, race::row(t), gmem, 16, false, "a cp.async read");
         race::async_access(L, e, race::row(t), smem, 16, true, "a cp.async write");
         L->current->race_cpa.push_back({-1, e.clk});
     }
@@ -1416,9 +1532,13 @@ void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank,
         else
             std::memset(dst, 0, v.esize);  // out of bounds: zeros
 #ifdef TPAR_EMU_RACECHECK
-        if (check)
+        if (check) {
+            if (src)
+                race::async_access(L, e, race::row(t), reinterpret_cast<const void*>(src),
+                                   v.esize, false, "a bulk tensor copy's read");
             race::async_access(L, e, race::row(t), dst, v.esize, true,
                                "a bulk tensor copy's write");
+        }
 #endif
         bytes += v.esize;
     });
@@ -1461,9 +1581,13 @@ void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void
         const void* src = reinterpret_cast<const void*>(tma_swizzle(base + off, v.swizzle));
 #ifdef TPAR_EMU_RACECHECK
         // the source is read whether or not the element is in bounds
-        if (check)
+        if (check) {
             race::async_access(L, e, race::row(t), src, v.esize, false,
                                "a bulk tensor store's read of its source");
+            if (dst)
+                race::async_access(L, e, race::row(t), reinterpret_cast<const void*>(dst),
+                                   v.esize, true, "a bulk tensor store's write");
+        }
 #endif
         if (!dst) return;  // out of bounds: not written
         std::memcpy(reinterpret_cast<void*>(dst), src, v.esize);
@@ -1705,6 +1829,8 @@ void tpar_emu_bulk_reduce_add_f32(float* gmem, const float* smem, unsigned bytes
         const race::Epoch e = race::agent_epoch(t);
         race::async_access(L, e, race::row(t), smem, bytes, false,
                            "a bulk reduction's read of its source");
+        race::async_access(L, e, race::row(t), gmem, bytes, true, "a bulk reduction's add",
+                           race::ATOMIC);
         L->current->race_bulk.push_back({-1, e.clk});
     }
 #endif
@@ -1769,6 +1895,7 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, const
         c.smem = c.dyn_smem.data() + ((1024 - p % 1024) % 1024);
     }
     g_launch = &L;
+    TPAR_RACE(race::begin_launch());
     for (unsigned z = 0; z < grid[2] && L.error.empty(); z += cluster[2])
         for (unsigned y = 0; y < grid[1] && L.error.empty(); y += cluster[1])
             for (unsigned x = 0; x < grid[0] && L.error.empty(); x += cluster[0]) {

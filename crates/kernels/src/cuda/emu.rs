@@ -186,7 +186,10 @@ impl Emulator {
     /// mbarrier arrivals and phase waits, and the completion of each asynchronous
     /// operation (a bulk tensor load's complete_tx, `wgmma.wait_group`,
     /// `cp.async.bulk.wait_group`, `cp.async.wait_group`); shuffles, votes and
-    /// warpgroup operations order nothing. Global memory is not checked.
+    /// warpgroup operations order nothing. Global memory is checked too: between
+    /// the threads of a block as shared memory is, and between the blocks of a
+    /// launch, which nothing orders, any two accesses to one byte (one a write, not
+    /// both atomics) are a race.
     ///
     /// ```no_run
     /// use tpar_kernels::cuda::emu::Emulator;

@@ -159,3 +159,21 @@ TPAR_KERNEL(race_cp_async, RaceArgs, 128) {
     args.out[t] = s[4 * ((t + 32) % 128)];
     cp_async_wait<0>();
 }
+
+// Global memory, 2 blocks of 128 threads, `out` holding 256 floats:
+// 0 each block writes its own 128 (no race);
+// 1 both blocks write the same 128 (blocks of a launch are not ordered);
+// 2 block 1 reads what block 0 wrote;
+// 3 every thread of both blocks adds to out[t % 32] with atomicAdd (no race);
+// 4 threads t and t + 64 of one block write out[t % 64] with nothing between.
+TPAR_KERNEL(race_global, RaceArgs, 128) {
+    const int t = threadIdx.x, b = blockIdx.x, m = args.mode;
+    if (m == 0) args.out[b * 128 + t] = (float)(b * 128 + t);
+    if (m == 1) args.out[t] = (float)(b * 128 + t);
+    if (m == 2) {
+        if (b == 0) args.out[t] = (float)t;
+        if (b == 1) args.out[128 + t] = args.out[t];
+    }
+    if (m == 3) atomicAdd(&args.out[t % 32], 1.0f);
+    if (m == 4 && b == 0) args.out[t % 64] = (float)t;
+}
