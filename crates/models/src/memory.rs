@@ -61,7 +61,8 @@
 //!   copies (`[i]` more). The fused residual (`LlamaFusion::residual`) changes no term on
 //!   the host (it is the product then the add); on a CUDA device a selective checkpoint
 //!   that keeps its GEMM keeps the residual sum the recompute then reuses (`[h]` less
-//!   each, not measured on a GPU). Not counted: the concatenated weights and the wide
+//!   each), and down_proj's kept output is the layer's output, which the next layer's
+//!   checkpoint keeps as its input anyway (`[h]` less kept per layer). Not counted: the concatenated weights and the wide
 //!   output during a fused projection's forward (a layer's parameters and one layer's
 //!   q/k/v or gate/up, freed before the next op, below the backward's peak).
 //! - **Largest transient**: the biggest of (a) a layer's backward workspace: the larger
@@ -105,8 +106,9 @@
 //!   accumulators (`3 (heads / kv_heads) s head_dim` accumulators) with its tiles; when
 //!   there are fewer than 8 (batch, kv head) groups the keys are split in runs whose
 //!   `dq` partial sums are all kept until the end (up to `(runs + 1) / 2` times `dq` in
-//!   the accumulator type, causal). On a CUDA device it is the backward's workspace
-//!   ([`device_sdpa_backward_scratch`]: a row statistic and an f32 `dq` accumulator).
+//!   the accumulator type, causal). On a CUDA device, where attention is one node (next
+//!   item), it is [`device_attention_backward_bytes`] instead, beside the `[h]` and the
+//!   output gradient `[q/t]` (which the node reads in place).
 //!   With a small MLP (`i` near `h`) at long sequences this is the largest transient.
 //!   Under context parallelism the backward runs per block (this rank's queries against
 //!   each rank's keys, as [`CpLayout`] places them: the rank's own block with the causal
@@ -125,6 +127,26 @@
 //!   reduce-scatter holds every hop's `dk` and `dv`, their concatenation and the sum
 //!   (`Q + (5 cp + 1) K`). The cp rank and hop with the most set the term (of more than
 //!   64 cp ranks, the first two, the middle one and the last two are walked).
+//! - **On a CUDA device** (`MemoryConfig::host` false) without a tensor-parallel plan and
+//!   context parallelism, in f32, bf16 or f16 and a head dim of at most 256, attention is
+//!   one autograd node (`Tensor::attention_bshd`, `Tensor::attention_packed` for fused
+//!   projections) instead of the host's composition. It keeps the rotated q and k and the
+//!   v projection's output (or the packed q/k/v output), and its output `[q]`, which
+//!   `o_proj` saves as it is: one `[q]` per layer less than the composition, which also
+//!   keeps the transposed copy. Under selective checkpointing the kept attention brings
+//!   the rotated q and k `[q + kv]` with it (separate projections), and its recompute is
+//!   handed those, attention's output and a kept v (or q/k/v) GEMM output back instead of
+//!   making them. Its backward holds beside the hidden-state gradient and the output
+//!   gradient [`device_attention_backward_bytes`]: the inputs' gradients `[q + 2 kv]`,
+//!   `dq` and `dk` `[q + kv]` in buffers of their own until RoPE's backward rotates them
+//!   into those, for a packed input its q and k rotated again `[q + kv]`, and the flash
+//!   backward's workspace ([`device_sdpa_backward_scratch`]: a row statistic and an f32
+//!   `dq` accumulator). The host GEMM workspace is not added. Under a tensor-parallel plan
+//!   or context parallelism the composition's terms are used on the device too (not
+//!   checked there). `tests/memory_model_device.rs` holds this against the emulated CUDA
+//!   device, whose `DeviceBuffer`s are counted as a GPU's are (what
+//!   `max_memory_allocated` reports, without the driver's, cuBLASLt's and a caching
+//!   pool's memory); no GPU has run it.
 //!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
@@ -142,11 +164,13 @@
 //!   and values (`[2 cp kv/t]`) are freed when attention returns and stay below the
 //!   backward's peak.
 //!
-//! What it does not model: padding masks (a `[b, 1, 1, s]` mask per micro-batch, and
-//! under context parallelism every rank's `[b, s / cp]` key mask gathered once per
-//! layer: small next to the activations), the communication buffers of collectives in
-//! flight, and the timing of the rank threads (an interleaved rank's boundary copies
-//! follow the unit-cost simulation, not the measured order).
+//! What it does not model: the RoPE tables the model keeps once built (cos and sin,
+//! `2 s head_dim` elements in the parameters' dtype, on the rank's device), padding
+//! masks (a `[b, 1, 1, s]` mask per micro-batch, and under context parallelism every
+//! rank's `[b, s / cp]` key mask gathered once per layer: small next to the
+//! activations), the communication buffers of collectives in flight, and the timing of
+//! the rank threads (an interleaved rank's boundary copies follow the unit-cost
+//! simulation, not the measured order).
 //!
 //! ```
 //! use tpar_models::memory::{predict_memory, DataParallelMode, MemoryConfig};
@@ -287,7 +311,8 @@ pub struct MemoryConfig {
     pub schedule: ScheduleKind,
     /// The activation-checkpointing policy on the decoder layers.
     pub ac: AcPolicy,
-    /// Whether the ranks compute on the host (adds [`HOST_GEMM_WORKSPACE`]).
+    /// Whether the ranks compute on the host (adds [`HOST_GEMM_WORKSPACE`]); `false`: on
+    /// a CUDA device (module docs, "On a CUDA device").
     pub host: bool,
     /// Threads of each rank's host kernel pool, which run the attention backward's tasks
     /// at once (each with its own scratch). `None`: what the local backend gives ranks
@@ -299,7 +324,9 @@ pub struct MemoryConfig {
     /// default). They apply only where the plan allows them, which here means `tp == 1`
     /// (a tensor-parallel plan installs styles on the projections and the layers then
     /// run unfused). Fused projections change what a selective checkpoint keeps and
-    /// recomputes (module docs, "Fused projections"); the fused residual changes no term.
+    /// recomputes (module docs, "Fused projections"); the fused residual changes no term
+    /// on the host, and on a CUDA device what a selective checkpoint keeping its GEMM
+    /// keeps and recomputes.
     pub fusion: LlamaFusion,
 }
 
