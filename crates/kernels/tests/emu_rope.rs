@@ -290,18 +290,23 @@ fn rejects_in_place_across_orders() {
     let l: &dyn Launcher = emu();
     let mut buf = Buf::new(&[0.0f32; 64], 0);
     let p = buf.ptr();
+    // the tables apart from the data: rotating in place while other threads read the
+    // tables from the same bytes would be a race (the race check reports it)
+    let mut tables = Buf::new(&[0.5f32; 16], 0);
+    let t = tables.ptr();
     let f = CudaDType::F32;
     let s = RopeShape { outer: 1, seq: 2, inner: 2, head_dim: 4 };
     let (si, is) = (RopeOrder::SeqInner, RopeOrder::InnerSeq);
     // SAFETY: the first two calls are rejected before anything is launched (asserted);
-    // the others rotate 16 elements in place inside `buf` (64 f32) with 8-element tables.
+    // the others rotate 16 elements in place inside `buf` (64 f32) with 8-element
+    // tables in `tables` (16 f32).
     unsafe {
-        assert!(gpu::rope_forward_orders(l, f, &s, p, si, p, p, p, is).is_err(), "forward");
-        assert!(gpu::rope_backward_orders(l, f, &s, p, is, p, p, p, si).is_err(), "backward");
-        assert!(gpu::rope_forward_orders(l, f, &s, p, is, p, p, p, is).is_ok(), "one order");
+        assert!(gpu::rope_forward_orders(l, f, &s, p, si, t, t, p, is).is_err(), "forward");
+        assert!(gpu::rope_backward_orders(l, f, &s, p, is, t, t, p, si).is_err(), "backward");
+        assert!(gpu::rope_forward_orders(l, f, &s, p, is, t, t, p, is).is_ok(), "one order");
         // one head: both orders are one layout
         let one = RopeShape { inner: 1, ..s };
-        assert!(gpu::rope_forward_orders(l, f, &one, p, si, p, p, p, is).is_ok(), "one head");
+        assert!(gpu::rope_forward_orders(l, f, &one, p, si, t, t, p, is).is_ok(), "one head");
     }
 }
 
@@ -381,20 +386,22 @@ fn rejects_overlapping_or_mismatched_strides() {
     let overlapping = RopeStrides { inner: 2, ..dense };
     let wide = RopeStrides { outer: 3 * 16, seq: 16, inner: 4 };
     let q = p + 128 * 4;
+    let mut tables = Buf::new(&[0.5f32; 16], 0);
+    let t = tables.ptr();
     // SAFETY: the rejected calls launch nothing (asserted); the accepted ones reach at
     // most 2*3*16 elements from `p` or from `q` (both inside `buf`, 256 f32) with
-    // 12-element tables at `p`.
+    // 12-element tables in `tables` (16 f32).
     unsafe {
-        let err = gpu::rope_strided(l, f, &s, (p, dense), p, p, (q, overlapping), false)
+        let err = gpu::rope_strided(l, f, &s, (p, dense), t, t, (q, overlapping), false)
             .expect_err("y overlaps itself");
         assert!(err.to_string().contains("y strides"), "{err}");
         // a read may overlap itself (two heads reading one row's elements)
-        assert!(gpu::rope_strided(l, f, &s, (p, overlapping), p, p, (q, dense), false).is_ok());
-        let err = gpu::rope_strided(l, f, &s, (p, wide), p, p, (p, dense), true)
+        assert!(gpu::rope_strided(l, f, &s, (p, overlapping), t, t, (q, dense), false).is_ok());
+        let err = gpu::rope_strided(l, f, &s, (p, wide), t, t, (p, dense), true)
             .expect_err("in place at other strides");
         assert!(err.to_string().contains("different strides"), "{err}");
-        assert!(gpu::rope_strided(l, f, &s, (p, wide), p, p, (p, wide), true).is_ok());
+        assert!(gpu::rope_strided(l, f, &s, (p, wide), t, t, (p, wide), true).is_ok());
         let huge = RopeStrides { outer: usize::MAX / 2, ..dense };
-        assert!(gpu::rope_strided(l, f, &s, (p, huge), p, p, (q, dense), false).is_err());
+        assert!(gpu::rope_strided(l, f, &s, (p, huge), t, t, (q, dense), false).is_err());
     }
 }

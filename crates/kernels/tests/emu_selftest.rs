@@ -187,6 +187,12 @@ fn a_missing_barrier_shows_in_some_warp_order() {
     let mut out = vec![0f32; 8];
     run("selftest_race", 256, &a, &mut out, 1).unwrap();
     assert_eq!(out, want, "with the barrier every warp reads its neighbour's value");
+    if emu().checks_races() {
+        // under TPAR_EMU_RACECHECK=1 the race check names the missing barrier at once
+        let err = run("selftest_race", 256, &a, &mut out, 0).unwrap_err().to_string();
+        assert!(err.contains("racecheck"), "{err}");
+        return;
+    }
     let mut wrong = 0;
     for seed in 0..8 {
         emu().set_seed(seed);
