@@ -11,10 +11,12 @@
 //! in f32, with bf16 parameters, under FSDP mixed precision (bf16 compute, world 1, as
 //! `llama_2d` runs by default), under full and selective activation checkpointing, with
 //! fused projections, with the fused residual under selective checkpointing (where on the
-//! device the kept GEMM's output is the residual sum), at 2x1 FSDP, whose two rank threads
-//! share the one device (its peak is then the sum of what both hold at that moment, held
-//! to the sum of their predicted peaks), and at a sequence of 512 with an MLP of 64 (1
-//! head, 1 layer), where attention's backward is the layer's largest transient. A
+//! device the kept GEMM's output is the residual sum), at a sequence of 512 with an MLP of
+//! 64 (1 head, 1 layer), where attention's backward is the layer's largest transient, and
+//! at 2x1 FSDP and tp 2 (the sequence-parallel plan), whose two rank threads share the
+//! one device: its peak is then the sum of what both hold at that moment, held to the
+//! sum of their predicted peaks (the ranks step together, each collective waiting for
+//! the other, so each is near its own peak then; both measure above the sum). A
 //! predictor that forgets the optimizer state or the activations misses a peak by more
 //! than 15 %. Without FSDP, what the second step's forward leaves on the device is the
 //! predicted activations within 2 %. The attention node's backward is held apart to the byte: what it allocates
@@ -77,13 +79,15 @@ fn attention_config(dtype: DType) -> LlamaConfig {
 }
 
 /// One measured run on the emulated device: the model, `rows` sequences of `seq` tokens
-/// per dp rank, `dp` ranks, FSDP or not and what the layers do.
+/// per dp rank, a dp x tp mesh, FSDP or not and what the layers do.
 #[derive(Clone)]
 struct Run {
     cfg: LlamaConfig,
     rows: usize,
     seq: usize,
     dp: usize,
+    /// Tensor-parallel ranks (the sequence-parallel plan when more than 1).
+    tp: usize,
     /// `fully_shard` per decoder layer, the base model and the root, computing in this
     /// dtype (mixed precision when it is not the parameters'); `None`: no FSDP.
     fsdp: Option<DType>,
@@ -111,6 +115,7 @@ impl Run {
             rows: 2,
             seq: 128,
             dp: 1,
+            tp: 1,
             fsdp: None,
             ac: AcPolicy::None,
             fusion: LlamaFusion::default(),
@@ -126,6 +131,7 @@ impl Run {
     fn memory_config(&self) -> MemoryConfig {
         MemoryConfig {
             dp: self.dp,
+            tp: self.tp,
             data_parallel: match self.fsdp {
                 Some(d) => {
                     DataParallelMode::Fsdp { param_dtype: (d != self.cfg.dtype).then_some(d) }
@@ -142,7 +148,7 @@ impl Run {
     /// The predicted memory of each rank, in rank order.
     fn predict(&self) -> Vec<MemoryEstimate> {
         let c = self.memory_config();
-        (0..self.dp).map(|_| predict_memory_stage(&c, 0).unwrap()).collect()
+        (0..self.dp * self.tp).map(|_| predict_memory_stage(&c, 0).unwrap()).collect()
     }
 
     /// The device's peak over building the model and two training steps on every rank,
@@ -151,7 +157,7 @@ impl Run {
         emulated_device();
         let base = device_bytes_in_use(ORDINAL) as i64;
         reset_device_peak(ORDINAL);
-        let config = SpawnConfig::new(self.dp).timeout(Duration::from_secs(120));
+        let config = SpawnConfig::new(self.dp * self.tp).timeout(Duration::from_secs(120));
         let ranks = spawn_scoped(config, |ctx| self.rank(ctx, base)).unwrap();
         let peak = device_peak_bytes(ORDINAL) as i64 - base;
         assert_eq!(device_bytes_in_use(ORDINAL) as i64, base, "device bytes left after the run");
@@ -164,11 +170,14 @@ impl Run {
     /// ([`Measured::second_step`]; resetting the device's peak, so it returns the peak
     /// before that with it); beside other ranks it leaves the device's peak alone.
     fn rank(&self, ctx: RankCtx, base: i64) -> tpar::Result<(i64, Option<(i64, i64)>)> {
-        let (cfg, dp, rows) = (self.cfg, self.dp, self.rows);
+        let (cfg, dp, tp, rows) = (self.cfg, self.dp, self.tp, self.rows);
         let dev = Device::Cuda(ORDINAL);
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp], &["dp"])?;
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
         let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
         model.set_fusion(self.fusion);
+        if tp > 1 {
+            parallelize_llama(&mut model, &mesh["tp"], &sequence_parallel_layer_plan())?;
+        }
         apply_activation_checkpointing(&mut model, &self.ac)?;
         if let Some(compute) = self.fsdp {
             let fsdp = FsdpConfig {
@@ -177,18 +186,19 @@ impl Run {
                     .then_some(MixedPrecision { param_dtype: compute, reduce_dtype: DType::F32 }),
             };
             for layer in &mut model.base_model.layers.items {
-                fully_shard(layer, &mesh, &fsdp)?;
+                fully_shard(layer, &mesh["dp"], &fsdp)?;
             }
-            fully_shard(&mut model.base_model, &mesh, &fsdp)?;
-            fully_shard(&mut model, &mesh, &fsdp)?;
+            fully_shard(&mut model.base_model, &mesh["dp"], &fsdp)?;
+            fully_shard(&mut model, &mesh["dp"], &fsdp)?;
         }
         reset_parameters(&mut model, dev, 3)?;
         let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
         let (ids, tgt) = batch(rows * dp, self.seq, cfg.vocab_size);
-        let d = mesh.local_rank();
+        let d = mesh["dp"].local_rank();
         let (ids, tgt) = (ids.narrow(0, rows * d, rows)?, tgt.narrow(0, rows * d, rows)?);
         let (ids, tgt) = (ids.to_device(dev)?, tgt.reshape([tgt.numel()])?.to_device(dev)?);
-        let alone = dp == 1;
+        let _lp = loss_parallel::enable(&mesh["tp"]);
+        let alone = dp * tp == 1;
         let (mut peak, mut kept) = (0i64, None);
         for _ in 0..2 {
             let start = device_bytes_in_use(ORDINAL) as i64;
@@ -245,6 +255,7 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         ("selective AC, fused residual", Run { fusion: RESIDUAL, ..selective.clone() }),
         ("2x1 FSDP (2 ranks on cuda:0)", Run { dp: 2, fsdp: Some(DType::F32), ..f32_run.clone() }),
         ("seq 512, MLP 64, 1 head, f32", Run::attention(DType::F32)),
+        ("tp 2 (sp plan)", Run { tp: 2, ..f32_run.clone() }),
     ];
     println!(
         "| configuration | predicted MiB | measured MiB | error | activations predicted / measured | backward rise predicted / measured |"

@@ -142,8 +142,8 @@
 //!   into those, for a packed input its q and k rotated again `[q + kv]`, and the flash
 //!   backward's workspace ([`device_sdpa_backward_scratch`]: a row statistic and an f32
 //!   `dq` accumulator). The host GEMM workspace is not added. Under a tensor-parallel plan
-//!   or context parallelism the composition's terms are used on the device too (not
-//!   checked there). `tests/memory_model_device.rs` holds this against the emulated CUDA
+//!   or context parallelism the composition's terms are used on the device too (checked
+//!   at tp 2 with the sequence-parallel plan, not under context parallelism). `tests/memory_model_device.rs` holds this against the emulated CUDA
 //!   device, whose `DeviceBuffer`s are counted as a GPU's are (what
 //!   `max_memory_allocated` reports, without the driver's, cuBLASLt's and a caching
 //!   pool's memory); no GPU has run it.
