@@ -233,19 +233,32 @@ fn unusable_layouts_are_refused_by_name() {
     let s = shape(1, 2, 2, 8, 8, 64, 64, false);
     let mut buf = vec![0u64; 1 << 14]; // a 16-byte aligned stand-in for every tensor
     let p = mptr(&mut buf);
+    // what the launches that run write, apart from what they read (one buffer for
+    // both would be a race between the blocks, which the race check reports)
+    let mut written = vec![0u64; 4 << 14];
+    let w = mptr(&mut written);
+    let (o, dq, dk, dv) = (w, w + (1 << 17), w + (2 << 17), w + (3 << 17));
     let mut lse = vec![0f32; 16];
     let lp = mptr(&mut lse);
     let mut ws = Workspace::new(&s);
     let fwd = |layout: SdpaLayout, path| {
-        let b = SdpaFwdBuffers { q: p, k: p, v: p, mask: None, out: p, lse: lp, layout };
+        let b = SdpaFwdBuffers { q: p, k: p, v: p, mask: None, out: o, lse: lp, layout };
         // SAFETY: host buffers stand in for device memory; every call here is refused
-        // before a launch, or reads and writes inside `buf`.
+        // before a launch, or reads inside `buf` and writes inside `written`.
         unsafe { sdpa_forward(emu(), CudaDType::BF16, &s, &b, path) }
     };
     let (wsp, wsb) = (ws.ptr(), ws.bytes);
     let bwd = |layout: SdpaLayout, path| {
-        let b = SdpaBwdBuffers { lse: lp, workspace: wsp, layout, ..bwd_buffers_at(p, wsb) };
-        // SAFETY: as above.
+        let b = SdpaBwdBuffers {
+            lse: lp,
+            workspace: wsp,
+            layout,
+            dq,
+            dk,
+            dv,
+            ..bwd_buffers_at(p, wsb)
+        };
+        // SAFETY: as above (dq, dk and dv each in their own quarter of `written`).
         unsafe { sdpa_backward(emu(), CudaDType::BF16, &s, &b, path) }
     };
     let st = |batch, head, row| Some(SdpaStrides { batch, head, row });

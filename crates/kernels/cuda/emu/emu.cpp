@@ -234,7 +234,8 @@ unsigned char* cur_smem(Launch* L) { return L->ctas[L->current ? L->current->cta
 // asynchronous read (a bulk store's or a reduction's source, a wgmma
 // operand) of shared memory that a thread wrote with ordinary stores also
 // needs that thread's fence.proxy.async between the write and what orders it
-// before the operation; its absence is reported too.
+// before the operation; its absence is reported too, and so is a load of
+// shared memory that nothing in its block has written.
 //
 // Granularity: bytes (threads that write neighbouring bytes do not race).
 namespace race {
@@ -443,12 +444,23 @@ void report(Launch* L, const char* hazard, const Access& a, Epoch other, const c
 
 bool before(Epoch e, const u32* vc) { return e.clk == 0 || vc[e.id] >= e.clk; }
 
+const char kGlobal[] = "global memory";
+
 void access(Launch* L, Cell& c, const Access& a, const char* region, uintptr_t off,
             uintptr_t addr) {
     if (c.w.clk && !before(c.w, a.vc) && !(a.kind == ATOMIC && c.wkind == ATOMIC)) {
         report(L, a.write ? "write-after-write" : "read-after-write", a, c.w,
                c.wkind == ASYNC ? "asynchronous write" : c.wkind == ATOMIC ? "atomic" : "write",
                place(region, off, addr));
+        return;
+    }
+    if (!a.write && a.kind == GENERIC && c.w.clk == 0 && region != kGlobal && !g.stop) {
+        // shared memory no thread of the block has written: what the load
+        // returns is whatever an earlier block left there
+        g.stop = true;
+        fail(L, std::string("racecheck: ") + a.what + " by " + who(L, a.me) + function_of(a.pc) +
+                    " reads " + place(region, off, addr) +
+                    ", which nothing in its block has written (uninitialized shared memory)");
         return;
     }
     if (!a.write && a.kind == ASYNC && c.wkind == GENERIC && c.w.id < g.n) {
@@ -551,7 +563,7 @@ void global_access(Launch* L, uintptr_t x, const Access& a) {
         report_blocks(L, "write-after-read", a, gc.fr, gc.frun, "read", x);
         return;
     }
-    access(L, c, a, "global memory", x, x);
+    access(L, c, a, kGlobal, x, x);
     if (a.write) {
         gc.wrun = R;
         gc.frun = 0;

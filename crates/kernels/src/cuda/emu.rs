@@ -175,7 +175,8 @@ impl Emulator {
     /// shared memory, as `compute-sanitizer --tool racecheck` does on a GPU, and
     /// also for asynchronous reads (bulk stores, bulk reductions, wgmma operands)
     /// of shared memory written by ordinary stores without a `fence.proxy.async`
-    /// between. A launch with a race fails with [`crate::KernelError::Cuda`] naming
+    /// between, and for loads of shared memory nothing in the block has written.
+    /// A launch with a race fails with [`crate::KernelError::Cuda`] naming
     /// both accesses (kind, threads, the shared-memory byte, the function).
     ///
     /// Its kernels are compiled with the host compiler's thread-sanitizer

@@ -27,7 +27,8 @@ TPAR_DEVICE unsigned char* smem1024() {
 // 6 the same with only a shuffle between (a shuffle orders nothing);
 // 7 every thread adds to one counter with atomicAdd, barrier, all read it;
 // 8 the same without the barrier (the reads race with the atomics);
-// 9 neighbouring threads write neighbouring bytes (no race).
+// 9 neighbouring threads write neighbouring bytes (no race);
+// 10 threads read dynamic shared memory nothing in the block wrote.
 TPAR_KERNEL(race_plain, RaceArgs, 128) {
     __shared__ float st[128];
     __shared__ int counter;
@@ -54,11 +55,13 @@ TPAR_KERNEL(race_plain, RaceArgs, 128) {
         atomicAdd(&counter, 1);
         if (m == 7) __syncthreads();
         r = (float)counter;
-    } else {
+    } else if (m == 9) {
         unsigned char* bytes = tpar_dyn_smem;
         bytes[t] = (unsigned char)t;
         __syncthreads();
         r = (float)bytes[t ^ 1];
+    } else {
+        r = dyn[(t + 1) % 128];
     }
     args.out[t] = r;
 }
