@@ -5,23 +5,25 @@
 //! `max_memory_allocated` reports; a GPU's driver, cuBLASLt workspace and caching pools
 //! are not counted, and no GPU has run this).
 //!
-//! A small Llama (hidden 64, MLP 128, 2 heads over 1 key/value head, 2 layers, vocab 256,
-//! 2 sequences of 128) trains two steps on `cuda:0` as the trainers do (the loss held
-//! through the optimizer step), and the predicted peak is within 15 % of the measured one:
-//! in f32, with bf16 parameters, under FSDP mixed precision (bf16 compute, world 1, as
-//! `llama_2d` runs by default), under full and selective activation checkpointing, with
-//! fused projections, with the fused residual under selective checkpointing (where on the
-//! device the kept GEMM's output is the residual sum), at a sequence of 512 with an MLP of
-//! 64 (1 head, 1 layer), where attention's backward is the layer's largest transient, and
-//! at 2x1 FSDP and tp 2 (the sequence-parallel plan), whose two rank threads share the
-//! one device: its peak is then the sum of what both hold at that moment, held to the
-//! sum of their predicted peaks (the ranks step together, each collective waiting for
-//! the other, so each is near its own peak then; both measure above the sum). A
-//! predictor that forgets the optimizer state or the activations misses a peak by more
-//! than 15 %. Without FSDP, what the second step's forward leaves on the device is the
-//! predicted activations within 2 %. The attention node's backward is held apart to the byte: what it allocates
-//! beyond the output gradient is what `device_attention_backward_bytes` counts. Every
-//! measurement runs alone (a lock): the device's counters count every thread using it.
+//! A small Llama (hidden 64, MLP 128, 2 heads over 1 key/value head, 2 layers, vocab
+//! 256, 2 sequences of 128) trains two steps on `cuda:0` as the trainers do (the loss
+//! held through the optimizer step), and the predicted peak is within 15 % of the
+//! measured one: in f32, with bf16 parameters, under FSDP mixed precision (bf16
+//! compute, world 1, as `llama_2d` runs by default), under full and selective
+//! activation checkpointing, with fused projections, with the fused residual under
+//! selective checkpointing (where on the device the kept GEMM's output is the residual
+//! sum), at a sequence of 512 with an MLP of 64 (1 head, 1 layer), where attention's
+//! backward is the layer's largest transient, and at 2x1 FSDP and tp 2 (the
+//! sequence-parallel plan, and the megatron plan with 2 key/value heads), whose two
+//! rank threads share the one device: its peak is then the sum of what both hold at
+//! that moment, held to the sum of their predicted peaks (the ranks step together, each
+//! collective waiting for the other, so each is near its own peak then). A predictor
+//! that forgets the optimizer state or the activations misses a peak by more than 15 %.
+//! Without FSDP, what the second step's forward leaves on the device is the predicted
+//! activations within 2 %. The attention node's backward is held apart to the byte:
+//! what it allocates beyond the output gradient is what
+//! `device_attention_backward_bytes` counts. Every measurement runs alone (a lock): the
+//! device's counters count every thread using it.
 
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
@@ -86,8 +88,10 @@ struct Run {
     rows: usize,
     seq: usize,
     dp: usize,
-    /// Tensor-parallel ranks (the sequence-parallel plan when more than 1).
+    /// Tensor-parallel ranks.
     tp: usize,
+    /// The tensor-parallel plan (when `tp > 1`).
+    plan: TpPlan,
     /// `fully_shard` per decoder layer, the base model and the root, computing in this
     /// dtype (mixed precision when it is not the parameters'); `None`: no FSDP.
     fsdp: Option<DType>,
@@ -116,6 +120,7 @@ impl Run {
             seq: 128,
             dp: 1,
             tp: 1,
+            plan: TpPlan::SequenceParallel,
             fsdp: None,
             ac: AcPolicy::None,
             fusion: LlamaFusion::default(),
@@ -132,6 +137,7 @@ impl Run {
         MemoryConfig {
             dp: self.dp,
             tp: self.tp,
+            plan: self.plan,
             data_parallel: match self.fsdp {
                 Some(d) => {
                     DataParallelMode::Fsdp { param_dtype: (d != self.cfg.dtype).then_some(d) }
@@ -176,7 +182,11 @@ impl Run {
         let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
         model.set_fusion(self.fusion);
         if tp > 1 {
-            parallelize_llama(&mut model, &mesh["tp"], &sequence_parallel_layer_plan())?;
+            let plan = match self.plan {
+                TpPlan::SequenceParallel => sequence_parallel_layer_plan(),
+                TpPlan::Megatron => megatron_layer_plan(),
+            };
+            parallelize_llama(&mut model, &mesh["tp"], &plan)?;
         }
         apply_activation_checkpointing(&mut model, &self.ac)?;
         if let Some(compute) = self.fsdp {
@@ -256,6 +266,15 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         ("2x1 FSDP (2 ranks on cuda:0)", Run { dp: 2, fsdp: Some(DType::F32), ..f32_run.clone() }),
         ("seq 512, MLP 64, 1 head, f32", Run::attention(DType::F32)),
         ("tp 2 (sp plan)", Run { tp: 2, ..f32_run.clone() }),
+        (
+            "tp 2 (megatron plan), 2 key/value heads",
+            Run {
+                cfg: LlamaConfig { num_key_value_heads: 2, ..config(DType::F32) },
+                tp: 2,
+                plan: TpPlan::Megatron,
+                ..f32_run.clone()
+            },
+        ),
     ];
     println!(
         "| configuration | predicted MiB | measured MiB | error | activations predicted / measured | backward rise predicted / measured |"

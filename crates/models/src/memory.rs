@@ -50,21 +50,22 @@
 //!   (RoPE and the transpose write new q and v, the residual add saves nothing), so the
 //!   recompute makes its own beside them: by default `[2 r + 2 h + 2 q/t + 2 kv/t +
 //!   2 i/t]` with the row statistics, `r` the residual stream (`h`, or `h/t` under sp).
-//! - **Fused projections** (`MemoryConfig::fusion`, `LlamaFusion::projections`; at
-//!   `tp == 1`, where the plan lets them run) keep what the separate projections keep
-//!   without checkpointing: `Tensor::linear_many` writes q, k and v (and gate and up) as
-//!   copies split from one wide output, which is freed when the split returns, and each
-//!   piece's backward is its own projection's. Under selective checkpointing a layer then
-//!   has 4 matmuls (q/k/v, o, gate/up, down) instead of 7, so every second one keeps the
-//!   wide q/k/v output `[q + 2 kv]` and gate/up's `[2 i]` (where the separate ones keep
-//!   q, v, gate and down), and the recompute makes gate and up again as the split's
-//!   copies (`[i]` more). The fused residual (`LlamaFusion::residual`) changes no term on
-//!   the host (it is the product then the add); on a CUDA device a selective checkpoint
-//!   that keeps its GEMM keeps the residual sum the recompute then reuses (`[h]` less
-//!   each), and down_proj's kept output is the layer's output, which the next layer's
-//!   checkpoint keeps as its input anyway (`[h]` less kept per layer). Not counted: the concatenated weights and the wide
-//!   output during a fused projection's forward (a layer's parameters and one layer's
-//!   q/k/v or gate/up, freed before the next op, below the backward's peak).
+//! - **Fused projections** (`MemoryConfig::fusion`, `LlamaFusion::projections`; at `tp
+//!   == 1`, where the plan lets them run) keep what the separate projections keep
+//!   without checkpointing: `Tensor::linear_many` writes q, k and v (and gate and up)
+//!   as copies split from one wide output, which is freed when the split returns, and
+//!   each piece's backward is its own projection's. Under selective checkpointing a
+//!   layer then has 4 matmuls (q/k/v, o, gate/up, down) instead of 7, so every second
+//!   one keeps the wide q/k/v output `[q + 2 kv]` and gate/up's `[2 i]` (where the
+//!   separate ones keep q, v, gate and down), and the recompute makes gate and up again
+//!   as the split's copies (`[i]` more). The fused residual (`LlamaFusion::residual`)
+//!   changes no term on the host (it is the product then the add); on a CUDA device a
+//!   selective checkpoint that keeps its GEMM keeps the residual sum the recompute then
+//!   reuses (`[h]` less each), and down_proj's kept output is the layer's output, which
+//!   the next layer's checkpoint keeps as its input anyway (`[h]` less kept per layer).
+//!   Not counted: the concatenated weights and the wide output during a fused
+//!   projection's forward (a layer's parameters and one layer's q/k/v or gate/up, freed
+//!   before the next op, below the backward's peak).
 //! - **Largest transient**: the biggest of (a) a layer's backward workspace: the larger
 //!   of the MLP's input gradients `[3 i/t]` with the hidden-state gradient `[h]`, and
 //!   attention's backward (below; the two do not overlap, the MLP's input gradients are
@@ -127,26 +128,26 @@
 //!   reduce-scatter holds every hop's `dk` and `dv`, their concatenation and the sum
 //!   (`Q + (5 cp + 1) K`). The cp rank and hop with the most set the term (of more than
 //!   64 cp ranks, the first two, the middle one and the last two are walked).
-//! - **On a CUDA device** (`MemoryConfig::host` false) without a tensor-parallel plan and
-//!   context parallelism, in f32, bf16 or f16 and a head dim of at most 256, attention is
-//!   one autograd node (`Tensor::attention_bshd`, `Tensor::attention_packed` for fused
-//!   projections) instead of the host's composition. It keeps the rotated q and k and the
-//!   v projection's output (or the packed q/k/v output), and its output `[q]`, which
-//!   `o_proj` saves as it is: one `[q]` per layer less than the composition, which also
-//!   keeps the transposed copy. Under selective checkpointing the kept attention brings
-//!   the rotated q and k `[q + kv]` with it (separate projections), and its recompute is
-//!   handed those, attention's output and a kept v (or q/k/v) GEMM output back instead of
-//!   making them. Its backward holds beside the hidden-state gradient and the output
-//!   gradient [`device_attention_backward_bytes`]: the inputs' gradients `[q + 2 kv]`,
-//!   `dq` and `dk` `[q + kv]` in buffers of their own until RoPE's backward rotates them
-//!   into those, for a packed input its q and k rotated again `[q + kv]`, and the flash
+//! - **On a CUDA device** (`MemoryConfig::host` false) without context parallelism (the
+//!   tensor-parallel plans hand attention local tensors), in f32, bf16 or f16 and a
+//!   head dim of at most 256, attention is one autograd node (`Tensor::attention_bshd`,
+//!   `Tensor::attention_packed` for fused projections) instead of the host's
+//!   composition. It keeps the rotated q and k and the v projection's output (or the
+//!   packed q/k/v output), and its output `[q]`, which `o_proj` saves as it is: one
+//!   `[q]` per layer less than the composition, which also keeps the transposed copy.
+//!   Under selective checkpointing the kept attention brings the rotated q and k `[q +
+//!   kv]` with it (separate projections), and its recompute is handed those,
+//!   attention's output and a kept v (or q/k/v) GEMM output back instead of making
+//!   them. Its backward holds beside the hidden-state gradient and the output gradient
+//!   [`device_attention_backward_bytes`]: the inputs' gradients `[q + 2 kv]`, `dq` and
+//!   `dk` `[q + kv]` in buffers of their own until RoPE's backward rotates them into
+//!   those, for a packed input its q and k rotated again `[q + kv]`, and the flash
 //!   backward's workspace ([`device_sdpa_backward_scratch`]: a row statistic and an f32
-//!   `dq` accumulator). The host GEMM workspace is not added. Under a tensor-parallel plan
-//!   or context parallelism the composition's terms are used on the device too (checked
-//!   at tp 2 with the sequence-parallel plan, not under context parallelism). `tests/memory_model_device.rs` holds this against the emulated CUDA
-//!   device, whose `DeviceBuffer`s are counted as a GPU's are (what
-//!   `max_memory_allocated` reports, without the driver's, cuBLASLt's and a caching
-//!   pool's memory); no GPU has run it.
+//!   `dq` accumulator). The host GEMM workspace is not added. Under context parallelism
+//!   the composition's terms are used on the device too (not checked there).
+//!   `tests/memory_model_device.rs` holds this against the emulated CUDA device, whose
+//!   `DeviceBuffer`s are counted as a GPU's are (what `max_memory_allocated` reports,
+//!   without the driver's, cuBLASLt's and a caching pool's memory); no GPU has run it.
 //!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
@@ -164,7 +165,11 @@
 //!   and values (`[2 cp kv/t]`) are freed when attention returns and stay below the
 //!   backward's peak.
 //!
-//! What it does not model: the RoPE tables the model keeps once built (cos and sin,
+//! What it does not model: that the sequence-parallel plan gathers q, k and v back to
+//! every head on each rank (`Replicate`), so attention's tensors there are wider than the
+//! `[q/t]` and `[kv/t]` counted (most likely what the predictions miss there: about 0.8
+//! MiB per layer at hidden 256 on the host, 12.8 % of a small model at tp 2 on the
+//! emulated device), the RoPE tables the model keeps once built (cos and sin,
 //! `2 s head_dim` elements in the parameters' dtype, on the rank's device), padding
 //! masks (a `[b, 1, 1, s]` mask per micro-batch, and under context parallelism every
 //! rank's `[b, s / cp]` key mask gathered once per layer: small next to the
@@ -924,11 +929,11 @@ pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
 
 /// Whether a decoder layer's attention runs as the CUDA node of `Tensor::attention_bshd`
 /// (`Tensor::attention_packed` with fused projections) rather than as its composition:
-/// on a CUDA device, with plain operands (no tensor-parallel plan, no context
-/// parallelism), in a dtype the flash kernels take (not f64) and a head dim they take.
+/// on a CUDA device, with plain operands (the tensor-parallel plans' projections hand
+/// attention local tensors; context parallelism runs its own attention), in a dtype the
+/// flash kernels take (not f64) and a head dim they take.
 fn device_attention_node(c: &MemoryConfig, compute: DType) -> bool {
     !c.host
-        && c.tp == 1
         && c.cp == 1
         && compute != DType::F64
         && c.model.head_dim() <= tpar_kernels::cuda::raw::sdpa::MAX_HEAD_DIM
@@ -993,8 +998,10 @@ fn attention_backward(
         let tokens = rows as f64 * c.seq as f64;
         if shape.device_node {
             let a = call(c.seq, c.seq, true);
-            // The device node takes fused projections packed (the plan lets them run).
-            let ws = device_attention_backward_bytes(&a, compute, c.fusion.projections);
+            // The device node takes fused projections packed (where the plan lets them
+            // run: without a tensor-parallel plan).
+            let packed = c.fusion.projections && c.tp == 1;
+            let ws = device_attention_backward_bytes(&a, compute, packed);
             return Ok(per_token(tokens) + ws as f64);
         }
         let outputs = tokens * (shape.q + 2.0 * shape.kv) * abytes;
