@@ -74,5 +74,5 @@ pub enum Error {
     Plan(#[from] tpar_parallel_styles::PlanError),
 }
 
-/// `Result` with [`Error`] as the default error.
+/// `Result` with [`enum@Error`] as the default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

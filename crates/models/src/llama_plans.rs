@@ -156,7 +156,7 @@ pub fn parallelize_llama_stage(
 /// whole sequences; a plain Linear or RMSNorm needs the whole feature dim; plain logits
 /// must be whole. A mismatch is [`PlanError::LayoutMismatch`] naming both modules and
 /// both layouts. Styles defined outside this crate declare no layouts
-/// ([`crate::ParallelStyle::layouts`]); what flows through them is not checked.
+/// ([`ParallelStyle::layouts`](tpar_parallel_styles::ParallelStyle::layouts)); what flows through them is not checked.
 pub fn check_llama_plan(
     model: &LlamaForPretraining,
     layer_plan: &ParallelizePlan,

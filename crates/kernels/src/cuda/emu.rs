@@ -15,6 +15,9 @@
 //! emulator can see (deadlocked barriers, misaligned `cp.async`/`ldmatrix`,
 //! shuffles from exited lanes). Threads of a block run in a shuffled order
 //! between synchronization points (seeded, [`Emulator::set_seed`]).
+//! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
+//! shared and global memory for data races, as `compute-sanitizer --tool
+//! racecheck` does on a GPU.
 //!
 //! Hopper's instructions are emulated too (`crates/kernels/cuda/README.md`
 //! says how): mbarriers (a wait no phase can complete is reported as a

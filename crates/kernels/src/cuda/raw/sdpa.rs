@@ -102,7 +102,7 @@ pub struct SdpaFwdArgs {
 
 /// Element strides of one operand `[batch, heads, len, dim]` as the kernels
 /// take them (`cuda/tpar.cuh`'s `SdpaOpStrides`): element `(b, h, i, j)` at
-/// `b*batch + h*head + i*row + j` ([`SdpaLayout::resolve`]'s strides).
+/// `b*batch + h*head + i*row + j` (`SdpaLayout::resolve`'s strides).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct SdpaOpStrides {

@@ -80,7 +80,7 @@ pub const fn shared_bytes(head_dim: usize) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
 pub struct SdpaHopperFwdArgs {
     /// q: dims (head_dim, q_len, q_heads, batch) with q's strides, box 64 x
-    /// 128 x 1 x 1, 128-byte swizzle ([`operand_map`]).
+    /// 128 x 1 x 1, 128-byte swizzle (`operand_map`).
     pub map_q: TensorMap,
     /// k: dims (head_dim, kv_len, kv_heads, batch) with k's strides, box 64 x
     /// 128 x 1 x 1, 128-byte swizzle.
@@ -136,7 +136,7 @@ pub fn target_of(l: &dyn Launcher) -> Option<HopperTarget> {
 /// Why the Hopper forward kernel does not take this call on `l` (`None`: it
 /// does): the device does not run `sm_90a` kernels, the dtype, the head
 /// dims, the buffers' alignment, strides a tensor map cannot express
-/// ([`strides_unsupported`]), an empty key sequence, or a q_len past the
+/// (`strides_unsupported`), an empty key sequence, or a q_len past the
 /// kernel's coordinates. Sizes the generic checks refuse are reported by
 /// [`sdpa_forward`] itself.
 pub fn unsupported(

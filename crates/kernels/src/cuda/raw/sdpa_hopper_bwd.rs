@@ -99,14 +99,14 @@ pub struct SdpaHopperBwdArgs {
     pub map_do: TensorMap,
     /// The buffers and sizes.
     pub a: SdpaBwdArgs,
-    /// Element strides of q/dq, k/dk, v/dv and out/dout ([`arg_strides`]):
+    /// Element strides of q/dq, k/dk, v/dv and out/dout (`arg_strides`):
     /// the main kernel stores dk and dv, the dq kernel dq, through them.
     pub st: SdpaArgStrides,
 }
 
 /// Why the Hopper backward does not take this call on `l` (`None`: it does):
 /// the device, the dtype, the head dims, a buffer that is not 16-byte
-/// aligned or strides a tensor map cannot express ([`strides_unsupported`]:
+/// aligned or strides a tensor map cannot express (`strides_unsupported`:
 /// q, k, v and out, whose strides dq, dk, dv and dout share), or sizes past
 /// the grid and the kernels' coordinates. Sizes the kernels refuse outright (q_heads not a multiple of kv_heads,
 /// buffers too small) are errors of [`sdpa_backward`] instead.
