@@ -185,14 +185,16 @@ fn quiet_device_steps_read_nothing_back() {
 
 /// The emulated training step under the emulator's race check (`TPAR_EMU_RACECHECK=1`:
 /// a data race in shared or global memory, or a missing proxy fence, fails the launch):
-/// 2x2 FSDP x TP steps of the tiny model, and a bf16 step of one layer at head dim 64
+/// a 2x2 FSDP x TP step of the tiny model, and a bf16 step of one layer at head dim 64
 /// with the Hopper kernels (`sm_90a`: the wgmma GEMM and attention forward and
 /// backward, the packed q/k/v and the fused residual), each ending with the loss bits of
 /// the same run without the check.
 #[test]
 fn the_training_step_passes_the_race_check() {
     let race = ("TPAR_EMU_RACECHECK", "1");
-    let args = ["--world", "4", "--dp", "2", "--tp", "2", "--steps", "2", "--device", "cuda"];
+    // one step each (forward, loss, backward, clipping, AdamW): every kernel of the
+    // step once, under the check's several-fold slowdown
+    let args = ["--world", "4", "--dp", "2", "--tp", "2", "--steps", "1", "--device", "cuda"];
     let tiny = |env: &[(&str, &str)]| {
         let model = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"];
         let shape = ["--intermediate", "64", "--seq", "16", "--batch", "2"];
@@ -203,7 +205,7 @@ fn the_training_step_passes_the_race_check() {
     let step = |env: &[(&str, &str)]| {
         let model = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2"];
         let shape = ["--intermediate", "256", "--seq", "128", "--batch", "1", "--dtype", "bf16"];
-        let rest = ["--steps", "2", "--device", "cuda", "--fuse-proj", "--fuse-residual"];
+        let rest = ["--steps", "1", "--device", "cuda", "--fuse-proj", "--fuse-residual"];
         final_bits("hopper", run_with(env, &[&model[..], &shape, &rest].concat()))
     };
     assert_eq!(step(&[&hopper[..], &[race]].concat()), step(&hopper), "the Hopper kernels");
