@@ -361,9 +361,9 @@ void begin_cluster(Launch* L) {
     }
 }
 
-// Thread `id` (or its agent) of cluster `run`, which may have ended: its
-// block and thread from the launch's shape.
-std::string who_in(const Launch* L, Epoch e, u32 run) {
+// Thread `e.id` (or its agent) of cluster `run` (the running one, or one that
+// has ended): its block and thread from the launch's shape.
+std::string who(const Launch* L, Epoch e, u32 run = g.run) {
     const unsigned id = e.id < g.n ? e.id : e.id - g.n;
     const unsigned per_block = L->block.x * L->block.y * L->block.z;
     const unsigned r = id / per_block, j = id % per_block;
@@ -378,11 +378,6 @@ std::string who_in(const Launch* L, Epoch e, u32 run) {
                   e.id < g.n ? "" : "an asynchronous operation of ", x, y, z, j % L->block.x,
                   (j / L->block.x) % L->block.y, j / (L->block.x * L->block.y));
     return buf;
-}
-
-std::string who(const Launch* L, Epoch e) {
-    if (e.id < g.n) return where(&L->fibers[e.id]);
-    return "an asynchronous operation of " + where(&L->fibers[e.id - g.n]);
 }
 
 std::string function_of(const void* pc) {
@@ -426,20 +421,30 @@ std::string place(const char* region, uintptr_t off, uintptr_t addr) {
         std::free(d);
         return buf;
     }
-    std::snprintf(buf, sizeof buf, "%s at byte %#llx of the kernel library's data", region,
-                  (unsigned long long)off);
-    if (std::strcmp(region, "a __shared__ variable") != 0)
-        std::snprintf(buf, sizeof buf, "%s at byte %#llx", region, (unsigned long long)off);
+    const bool statics = std::strcmp(region, "a __shared__ variable") == 0;
+    std::snprintf(buf, sizeof buf, "%s at byte %#llx%s", region, (unsigned long long)off,
+                  statics ? " of the kernel library's data" : "");
     return buf;
 }
 
-void report(Launch* L, const char* hazard, const Access& a, Epoch other, const char* other_what,
-            const std::string& at) {
+// Fails the launch with a conflict between access `a` and an earlier one,
+// `other`, of cluster `run` (another block of the launch when not the running
+// one).
+void report(Launch* L, const char* hazard, const Access& a, Epoch other, u32 run,
+            const char* other_what, const std::string& at) {
     if (g.stop) return;
     g.stop = true;
     fail(L, std::string("racecheck: ") + hazard + " hazard on " + at + ": " + a.what + " by " +
                 who(L, a.me) + function_of(a.pc) + " and an earlier " + other_what + " by " +
-                who(L, other) + ", which no synchronization orders before it");
+                who(L, other, run) +
+                (run == g.run ? ", which no synchronization orders before it"
+                              : ", another block of the same launch (nothing orders the blocks "
+                                "of a launch)"));
+}
+
+// What the last write to `c` was, for a report.
+const char* write_kind(const Cell& c) {
+    return c.wkind == ASYNC ? "asynchronous write" : c.wkind == ATOMIC ? "atomic" : "write";
 }
 
 bool before(Epoch e, const u32* vc) { return e.clk == 0 || vc[e.id] >= e.clk; }
@@ -449,8 +454,7 @@ const char kGlobal[] = "global memory";
 void access(Launch* L, Cell& c, const Access& a, const char* region, uintptr_t off,
             uintptr_t addr) {
     if (c.w.clk && !before(c.w, a.vc) && !(a.kind == ATOMIC && c.wkind == ATOMIC)) {
-        report(L, a.write ? "write-after-write" : "read-after-write", a, c.w,
-               c.wkind == ASYNC ? "asynchronous write" : c.wkind == ATOMIC ? "atomic" : "write",
+        report(L, a.write ? "write-after-write" : "read-after-write", a, c.w, g.run, write_kind(c),
                place(region, off, addr));
         return;
     }
@@ -483,7 +487,7 @@ void access(Launch* L, Cell& c, const Access& a, const char* region, uintptr_t o
     if (a.write) {
         auto check = [&](Epoch r) {
             if (r.clk && r.id != a.me.id && !before(r, a.vc)) {
-                report(L, "write-after-read", a, r,
+                report(L, "write-after-read", a, r, g.run,
                        r.id >= g.n ? "asynchronous read" : "read", place(region, off, addr));
                 return false;
             }
@@ -521,20 +525,6 @@ void access(Launch* L, Cell& c, const Access& a, const char* region, uintptr_t o
     set.push_back(a.me);
 }
 
-// A conflict with an access of another cluster (another block of the launch:
-// blocks are not ordered within a launch).
-void report_blocks(Launch* L, const char* hazard, const Access& a, Epoch other, u32 run,
-                   const char* other_what, uintptr_t addr) {
-    if (g.stop) return;
-    g.stop = true;
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "global memory at %#llx", (unsigned long long)addr);
-    fail(L, std::string("racecheck: ") + hazard + " hazard on " + buf + ": " + a.what + " by " +
-                who(L, a.me) + function_of(a.pc) + " and an earlier " + other_what + " by " +
-                who_in(L, other, run) +
-                ", another block of the same launch (nothing orders the blocks of a launch)");
-}
-
 // An access to a byte of global memory.
 void global_access(Launch* L, uintptr_t x, const Access& a) {
     GCell& gc = g.global[x];
@@ -542,11 +532,8 @@ void global_access(Launch* L, uintptr_t x, const Access& a) {
     const u32 R = g.run;
     if (c.w.clk && gc.wrun != R) {
         if (!(a.kind == ATOMIC && c.wkind == ATOMIC)) {
-            report_blocks(L, a.write ? "write-after-write" : "read-after-write", a, c.w, gc.wrun,
-                          c.wkind == ASYNC    ? "asynchronous write"
-                          : c.wkind == ATOMIC ? "atomic"
-                                              : "write",
-                          x);
+            report(L, a.write ? "write-after-write" : "read-after-write", a, c.w, gc.wrun,
+                   write_kind(c), place(kGlobal, x, x));
             return;
         }
         c.w = Epoch{};
@@ -560,7 +547,7 @@ void global_access(Launch* L, uintptr_t x, const Access& a) {
     }
     if (gc.rrun != R) gc.rrun = R;
     if (a.write && gc.frun) {
-        report_blocks(L, "write-after-read", a, gc.fr, gc.frun, "read", x);
+        report(L, "write-after-read", a, gc.fr, gc.frun, "read", place(kGlobal, x, x));
         return;
     }
     access(L, c, a, kGlobal, x, x);
@@ -1699,20 +1686,19 @@ void wgmma_combine(void* const* ins, void* const* outs, int kind) {
     // its first thread, with what every thread of it knew when it issued
     const bool check = race::on(L);
     race::Epoch e;
+    std::vector<u32> known;  // the least every thread of the warpgroup knew
     if (check) {
         Group& grp = L->groups[L->current->group];
         const unsigned t0 = race::fid(L, grp.threads[0]);
         e = race::agent_epoch(t0);
-        race::g.tmp.assign(race::row(t0), race::row(t0) + race::g.V);
+        known.assign(race::row(t0), race::row(t0) + race::g.V);
         for (int t = 1; t < 128; ++t) {
             const u32* r = race::row(race::fid(L, grp.threads[t]));
-            for (unsigned i = 0; i < race::g.V; ++i)
-                race::g.tmp[i] = std::min(race::g.tmp[i], r[i]);
+            for (unsigned i = 0; i < race::g.V; ++i) known[i] = std::min(known[i], r[i]);
         }
         grp.race_agent = e.id;
         grp.race_clk = e.clk;
     }
-    const std::vector<u32> known = check ? race::g.tmp : std::vector<u32>{};
 #endif
     auto load = [&](u64 desc, int mn, int k, bool mn_major, float* v) {
         size_t off;

@@ -597,8 +597,7 @@ pub(crate) fn sdpa_forward_at(
     let cd = kernel_dtype(OP, q)?;
     let es = cd.size();
     let dev = device_of(q, OP)?;
-    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
-    let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
+    let strides = mask_strides(mask, s);
     let mut out = Out::new(&dev, out_shape, q.dtype())?;
     let mut lse = Out::new(&dev, [s.batch, s.q_heads, s.q_len], DType::F32)?;
     let mut ins = vec![q, k, v];
@@ -661,8 +660,7 @@ pub(crate) fn sdpa_backward_at(
     let cd = kernel_dtype(OP, q)?;
     let es = cd.size();
     let dev = device_of(dout, OP)?;
-    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
-    let strides = mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full));
+    let strides = mask_strides(mask, s);
     let ws_bytes = k_sdpa::sdpa_backward_workspace_bytes(s)?;
     let mut ws = Out::new(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
     let [(dq, dqa), (dk, dka), (dv, dva)] = grads;
@@ -748,6 +746,13 @@ pub(crate) fn sdpa(
 
 /// The attention mask's view: its data read at its broadcast strides over
 /// `[batch, q_heads, q_len, kv_len]`.
+/// The strides `mask` is read at, broadcast over the scores `[batch, q_heads, q_len,
+/// kv_len]` of `s`.
+fn mask_strides(mask: Option<&Tensor>, s: &SdpaShape) -> Option<Vec<usize>> {
+    let full = Shape::new(&[s.batch, s.q_heads, s.q_len, s.kv_len]);
+    mask.map(|m| crate::shape::broadcast_strides(m.shape(), &full))
+}
+
 fn mask_view<'a>(
     m: Option<&'a GpuStorage>,
     strides: Option<&[usize]>,
