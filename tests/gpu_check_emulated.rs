@@ -61,15 +61,22 @@ fn quick_family(family: &str, sm90a: bool, sabotage: bool) -> String {
 
 #[test]
 fn every_kernel_passes_on_the_emulator() {
-    let out = Command::new(gpu_check()).args(["--device", "emulator", "--quick"]).output().unwrap();
+    let out = Command::new(gpu_check())
+        .args(["--device", "emulator", "--quick"])
+        .env_remove(tpar::kernels::cuda::emu::RACECHECK_ENV)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("emulator checks: none"), "{stdout}");
     let last = stdout.lines().rev().find(|l| l.contains("checks:")).unwrap_or_default();
     assert!(last.contains(" 0 failed"), "{last}");
 }
 
 /// Every kernel family under the emulator's race check (`TPAR_EMU_RACECHECK=1`:
-/// shared-memory races and missing proxy fences fail the launch), the mma.sync
+/// shared-memory races and missing proxy fences fail the launch, and so do
+/// out-of-bounds and misaligned accesses, global memory checked against the
+/// emulated device's allocations), the mma.sync
 /// kernels at the default architecture and the Hopper ones (wgmma, bulk tensor
 /// copies, mbarriers, clusters) at `sm_90a`.
 #[test]
@@ -93,6 +100,12 @@ fn every_kernel_passes_the_race_check() {
         let last = stdout.lines().rev().find(|l| l.contains("checks:")).unwrap_or_default();
         assert!(last.contains(" 0 failed"), "sm_90a {sm90a}: {last}");
         assert!(!stdout.contains("racecheck"), "sm_90a {sm90a}: {stdout}");
+        assert!(!stdout.contains("memcheck"), "sm_90a {sm90a}: {stdout}");
+        // and it did run under the check
+        assert!(
+            stdout.contains("emulator checks: races and memory errors"),
+            "sm_90a {sm90a}: {stdout}"
+        );
     }
 }
 

@@ -27,6 +27,8 @@
 #include <link.h>
 
 #include <cstdlib>
+#include <deque>
+#include <map>
 #endif
 
 namespace {
@@ -161,6 +163,10 @@ unsigned entry_registers(unsigned threads) {
 struct Launch {
     void (*kernel)(const void*) = nullptr;
     const void* args = nullptr;
+    size_t args_len = 0;
+    // memcheck: every global access must lie in a registered allocation
+    // (launches on device memory the host side registers; tpar_emu_track)
+    bool strict = false;
     dim3 grid{}, block{}, cluster{1, 1, 1};
     unsigned csize = 1;  // blocks per cluster
     std::vector<Cta> ctas;
@@ -338,6 +344,7 @@ void begin_cluster(Launch* L) {
         g.skip.push_back({reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + bytes});
     };
     skip(L, sizeof(Launch));
+    skip(L->args, L->args_len);
     skip(L->fibers.data(), L->fibers.size() * sizeof(Fiber));
     skip(L->ctas.data(), L->ctas.size() * sizeof(Cta));
     std::sort(g.skip.begin(), g.skip.end());
@@ -565,15 +572,117 @@ bool skipped(uintptr_t a) {
     return it != g.skip.begin() && a < (it - 1)->second;
 }
 
+// ---------------------------------------------------------------- memcheck
+//
+// The same instrumentation checks every access as compute-sanitizer's memcheck
+// does on a GPU:
+// - an access the compiler emits as aligned (__tsan_readN / writeN for N = 2,
+//   4, 8, 16: the type promises N-byte alignment, which a GPU load or store of
+//   that width requires, else the launch faults) at an address that is not a
+//   multiple of N, and an atomic at an address not a multiple of its size;
+// - an access of dynamic shared memory outside the bytes the launch gave the
+//   block (the emulated window has room for 227 KiB, so any such offset shows);
+// - on launches whose global memory is registered (Launch::strict: an
+//   EmulatedGpu's device buffers, through tpar_emu_track), an access of global
+//   memory that does not lie inside one live allocation: past an allocation's
+//   end, before its start, or in one already freed.
+// The thread stops before the access (its fiber is never resumed, so nothing
+// out of bounds is read or written) and the launch fails naming the access,
+// the address and the nearest allocation, the thread and the function.
+struct Allocs {
+    std::mutex mu;
+    std::map<uintptr_t, uintptr_t> live;                // start -> end
+    std::deque<std::pair<uintptr_t, uintptr_t>> freed;  // the last frees, newest last
+};
+Allocs& allocs() {
+    static Allocs a;
+    return a;
+}
+constexpr size_t kFreedKept = 4096;
+
+// Empty when [at, at + bytes) lies inside one live allocation, else where it
+// lies relative to the nearest one: "at byte <offset> of the <n>-byte
+// allocation at <address>, ..." (a negative offset lies before its start).
+std::string outside_allocation(uintptr_t at, size_t bytes) {
+    Allocs& A = allocs();
+    std::lock_guard<std::mutex> lock(A.mu);
+    auto next = A.live.upper_bound(at);
+    const bool has_prev = next != A.live.begin();
+    const auto prev = has_prev ? std::prev(next) : A.live.end();
+    auto of = [&](std::pair<uintptr_t, uintptr_t> r, const char* how) {
+        char buf[240];
+        std::snprintf(buf, sizeof buf, "at byte %lld of the %llu-byte allocation at %#llx%s",
+                      (long long)(at - r.first), (unsigned long long)(r.second - r.first),
+                      (unsigned long long)r.first, how);
+        return std::string(buf);
+    };
+    if (has_prev && at < prev->second)
+        return at + bytes <= prev->second ? "" : of(*prev, ", reaching past its end");
+    const unsigned long long after = has_prev ? at - prev->second : ~0ull;
+    const unsigned long long before = next != A.live.end() ? next->first - at : ~0ull;
+    std::string where = after == ~0ull && before == ~0ull ? "in no live device allocation"
+                        : after <= before ? of(*prev, ", past its end (the nearest allocation)")
+                                          : of(*next, ", before its start (the nearest allocation)");
+    for (auto f = A.freed.rbegin(); f != A.freed.rend(); ++f)
+        if (at >= f->first && at < f->second) {
+            char buf[200];
+            std::snprintf(buf, sizeof buf,
+                          "; the address was byte %llu of the %llu-byte allocation at %#llx, "
+                          "which has been freed",
+                          (unsigned long long)(at - f->first),
+                          (unsigned long long)(f->second - f->first),
+                          (unsigned long long)f->first);
+            where += buf;
+            break;
+        }
+    return where;
+}
+
+void mem_fail(Launch* L, const Access& a, const std::string& what) {
+    if (g.stop) return;
+    g.stop = true;
+    fail(L, std::string("memcheck: ") + what + ", by " + who(L, a.me) + function_of(a.pc));
+}
+
+std::string sized(const Access& a, size_t bytes, uintptr_t at) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%s of %zu bytes at %#llx", a.what, bytes,
+                  (unsigned long long)at);
+    return buf;
+}
+
+// An access of `bytes` at `at` that reaches outside dynamic shared memory of
+// block `b` (which the window [lo, lo + smem_bytes) is).
+void outside_shared(Launch* L, const Access& a, unsigned b, uintptr_t at, size_t bytes,
+                    uintptr_t lo) {
+    char buf[240];
+    std::snprintf(buf, sizeof buf,
+                  "out of bounds: %s of %zu bytes at byte %lld of the dynamic shared memory of "
+                  "cluster block %u, which has %zu bytes (the launch's dynamic shared memory size)",
+                  a.what, bytes, (long long)(at - lo), b, L->smem_bytes);
+    mem_fail(L, a, buf);
+}
+
+// Stops the running thread before the access that failed: its fiber returns
+// to the scheduler, which runs nothing more of a launch that has failed.
+void stop_thread(Launch* L) { swapcontext(&L->current->ctx, &L->sched); }
+
 // Checks and records access `a` of [p, p + bytes): shared memory (dynamic,
 // `__shared__`) and global memory (anything else kernel code reaches but the
 // fibers' stacks and the runtime's state).
 void visit(Launch* L, const void* p, size_t bytes, const Access& a) {
     const uintptr_t at = reinterpret_cast<uintptr_t>(p);
     for (unsigned b = 0; b < L->ctas.size() && b < g.win.size(); ++b) {
-        const uintptr_t lo = reinterpret_cast<uintptr_t>(L->ctas[b].smem);
-        if (at - lo < L->smem_bytes) {
-            const uintptr_t end = std::min<uintptr_t>(at + bytes, lo + L->smem_bytes);
+        const Cta& cta = L->ctas[b];
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(cta.smem);
+        const uintptr_t w_lo = reinterpret_cast<uintptr_t>(cta.dyn_smem.data());
+        if (at + bytes <= w_lo || at >= w_lo + cta.dyn_smem.size()) continue;
+        if (at < lo || at + bytes > lo + L->smem_bytes) {
+            outside_shared(L, a, b, at, bytes, lo);
+            return;
+        }
+        {
+            const uintptr_t end = at + bytes;
             static const char* names[] = {"dynamic shared memory of cluster block 0",
                                           "dynamic shared memory of cluster block 1",
                                           "dynamic shared memory of cluster block 2",
@@ -592,19 +701,41 @@ void visit(Launch* L, const void* p, size_t bytes, const Access& a) {
                 return;
             }
     if (skipped(at)) return;
+    if (L->strict) {
+        const std::string where = outside_allocation(at, bytes);
+        if (!where.empty()) {
+            mem_fail(L, a, "out of bounds: " + sized(a, bytes, at) + " of global memory, " + where);
+            return;
+        }
+    }
     for (uintptr_t x = at; x < at + bytes && !g.stop; ++x) global_access(L, x, a);
 }
 
 bool on(Launch* L) { return L && L->current && !g.stop && L->error.empty(); }
 
-// An access of the running thread.
-void thread_access(const void* p, size_t bytes, bool write, Kind kind, const void* pc) {
+// An access of the running thread; `align` the alignment its type promises
+// (1: none). A thread whose access fails a check, or that accesses memory once
+// its launch has failed, stops before the access.
+void thread_access(const void* p, size_t bytes, bool write, Kind kind, const void* pc,
+                   size_t align = 1) {
     Launch* L = g_launch;
-    if (!on(L)) return;
+    if (!L || !L->current) return;
+    if (!L->error.empty()) {
+        stop_thread(L);
+        return;
+    }
     const unsigned t = fid(L, L->current);
     const Access a{Epoch{t, row(t)[t]}, row(t), kind, write,
                    kind == ATOMIC ? "an atomic" : write ? "a store" : "a load", pc};
-    visit(L, p, bytes, a);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    if (align > 1 && at % align != 0) {
+        char buf[120];
+        std::snprintf(buf, sizeof buf, " (its type needs a %zu-byte aligned address)", align);
+        mem_fail(L, a, "misaligned address: " + sized(a, bytes, at) + buf);
+    } else {
+        visit(L, p, bytes, a);
+    }
+    if (!L->error.empty()) stop_thread(L);
 }
 
 // An asynchronous operation of thread `t`: a new agent epoch, checked with
@@ -1122,10 +1253,6 @@ void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred) {
         tpar_emu_fail("cp.async of 16 bytes with an address not 16-byte aligned");
         return;
     }
-    if (pred)
-        std::memcpy(smem, gmem, 16);
-    else
-        std::memset(smem, 0, 16);
 #ifdef TPAR_EMU_RACECHECK
     Launch* L = g_launch;
     if (race::on(L)) {
@@ -1133,9 +1260,14 @@ void tpar_emu_cp_async_16(void* smem, const void* gmem, bool pred) {
         const race::Epoch e = race::agent_epoch(t);
         if (pred) race::async_access(L, e, race::row(t), gmem, 16, false, "a cp.async read");
         race::async_access(L, e, race::row(t), smem, 16, true, "a cp.async write");
+        if (!L->error.empty()) return;  // memcheck: not copied
         L->current->race_cpa.push_back({-1, e.clk});
     }
 #endif
+    if (pred)
+        std::memcpy(smem, gmem, 16);
+    else
+        std::memset(smem, 0, 16);
 }
 
 // cp.async.commit_group: closes the thread's open cp.async group.
@@ -1170,7 +1302,8 @@ void tpar_emu_fence_proxy_async() {
 // An atomic read-modify-write of `bytes` at `p` by the running thread
 // (racecheck: atomics do not race with each other).
 void tpar_emu_race_atomic(const void* p, unsigned bytes) {
-    TPAR_RACE(race::thread_access(p, bytes, true, race::ATOMIC, __builtin_return_address(0)));
+    TPAR_RACE(race::thread_access(p, bytes, true, race::ATOMIC, __builtin_return_address(0),
+                                  bytes));
     (void)p;
     (void)bytes;
 }
@@ -1526,10 +1659,6 @@ void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank,
 #endif
     for_each_box_element(v, coords, rank, [&](unsigned long long off, u64 src) {
         unsigned char* dst = reinterpret_cast<unsigned char*>(tma_swizzle(base + off, v.swizzle));
-        if (src)
-            std::memcpy(dst, reinterpret_cast<const void*>(src), v.esize);
-        else
-            std::memset(dst, 0, v.esize);  // out of bounds: zeros
 #ifdef TPAR_EMU_RACECHECK
         if (check) {
             if (src)
@@ -1537,8 +1666,13 @@ void tpar_emu_tma_load(void* smem, const void* map, const int* coords, int rank,
                                    v.esize, false, "a bulk tensor copy's read");
             race::async_access(L, e, race::row(t), dst, v.esize, true,
                                "a bulk tensor copy's write");
+            if (!L->error.empty()) return;  // memcheck: not copied
         }
 #endif
+        if (src)
+            std::memcpy(dst, reinterpret_cast<const void*>(src), v.esize);
+        else
+            std::memset(dst, 0, v.esize);  // out of bounds: zeros
         bytes += v.esize;
     });
 #ifdef TPAR_EMU_RACECHECK
@@ -1586,6 +1720,7 @@ void tpar_emu_tma_store(const void* map, const int* coords, int rank, const void
             if (dst)
                 race::async_access(L, e, race::row(t), reinterpret_cast<const void*>(dst),
                                    v.esize, true, "a bulk tensor store's write");
+            if (!L->error.empty()) return;  // memcheck: not copied
         }
 #endif
         if (!dst) return;  // out of bounds: not written
@@ -1816,11 +1951,6 @@ void tpar_emu_bulk_reduce_add_f32(float* gmem, const float* smem, unsigned bytes
         return;
     }
     if (bytes == 0) return;
-    BulkPending p;
-    p.dst = gmem;
-    p.src = smem;
-    p.count = bytes / 4;
-    L->current->bulk.push_back(p);
 #ifdef TPAR_EMU_RACECHECK
     if (race::on(L)) {
         const unsigned t = race::fid(L, L->current);
@@ -1831,7 +1961,13 @@ void tpar_emu_bulk_reduce_add_f32(float* gmem, const float* smem, unsigned bytes
                            race::ATOMIC);
         L->current->race_bulk.push_back({-1, e.clk});
     }
+    if (!L->error.empty()) return;  // memcheck: not queued
 #endif
+    BulkPending p;
+    p.dst = gmem;
+    p.src = smem;
+    p.count = bytes / 4;
+    L->current->bulk.push_back(p);
 }
 
 void tpar_emu_bulk_commit() {
@@ -1855,15 +1991,21 @@ void tpar_emu_bulk_wait(int n) {
     TPAR_RACE(race::retire(f->race_bulk, f->bulk_groups - n, race::fid(g_launch, f)));
 }
 
-// Runs a whole launch (blocks `cluster` at a time, together); returns 0, or
-// 1 with a message in `err`.
-int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, const unsigned grid[3],
-                            const unsigned block[3], const unsigned cluster[3], size_t dyn_smem,
+// Runs a whole launch (blocks `cluster` at a time, together) of a kernel
+// whose argument struct is the `args_len` bytes at `args`; returns 0, or 1
+// with a message in `err`. `strict`: the launch's global memory is device
+// memory registered with tpar_emu_track (memcheck checks every global access
+// against it).
+int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_t args_len,
+                            const unsigned grid[3], const unsigned block[3],
+                            const unsigned cluster[3], size_t dyn_smem, int strict,
                             unsigned long long seed, char* err, size_t errlen) {
     std::lock_guard<std::mutex> lock(g_mutex);
     Launch L;
     L.kernel = kernel;
     L.args = args;
+    L.args_len = args_len;
+    L.strict = strict != 0;
     L.grid = dim3{grid[0], grid[1], grid[2]};
     L.block = dim3{block[0], block[1], block[2]};
     L.cluster = dim3{cluster[0], cluster[1], cluster[2]};
@@ -1887,10 +2029,18 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, const
     }
     L.smem_bytes = dyn_smem;
     L.ctas.resize(L.csize);
+#ifdef TPAR_EMU_RACECHECK
+    // memcheck: room for the largest window after the block's bytes and 1 KiB
+    // before them, so that offsets a block reaches outside its own bytes land
+    // here and show
+    const size_t window = kMaxDynSmem, before = 1024;
+#else
+    const size_t window = dyn_smem, before = 0;
+#endif
     for (Cta& c : L.ctas) {
-        c.dyn_smem.assign(dyn_smem + 16 + 1024, 0);
-        uintptr_t p = reinterpret_cast<uintptr_t>(c.dyn_smem.data());
-        c.smem = c.dyn_smem.data() + ((1024 - p % 1024) % 1024);
+        c.dyn_smem.assign(before + window + 16 + 1024, 0);
+        uintptr_t p = reinterpret_cast<uintptr_t>(c.dyn_smem.data()) + before;
+        c.smem = c.dyn_smem.data() + before + ((1024 - p % 1024) % 1024);
     }
     g_launch = &L;
     TPAR_RACE(race::begin_launch());
@@ -1904,7 +2054,7 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, const
                                   z + r / (cluster[0] * cluster[1])};
                     // fill dynamic shared memory with a pattern: kernels must not
                     // rely on it starting at zero
-                    std::memset(c.dyn_smem.data(), 0xA5, c.dyn_smem.size());
+                    std::memset(c.dyn_smem.data(), 0xA5, before + dyn_smem + 16 + 1024);
                 }
                 run_cluster(&L);
             }
@@ -1917,12 +2067,32 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, const
 }
 
 // Runs a whole launch without clusters.
-int tpar_emu_launch(void (*kernel)(const void*), const void* args, const unsigned grid[3],
-                    const unsigned block[3], size_t dyn_smem, unsigned long long seed, char* err,
-                    size_t errlen) {
+int tpar_emu_launch(void (*kernel)(const void*), const void* args, size_t args_len,
+                    const unsigned grid[3], const unsigned block[3], size_t dyn_smem, int strict,
+                    unsigned long long seed, char* err, size_t errlen) {
     const unsigned one[3] = {1, 1, 1};
-    return tpar_emu_launch_cluster(kernel, args, grid, block, one, dyn_smem, seed, err, errlen);
+    return tpar_emu_launch_cluster(kernel, args, args_len, grid, block, one, dyn_smem, strict,
+                                   seed, err, errlen);
 }
+
+#ifdef TPAR_EMU_RACECHECK
+// memcheck: registers (`live`) or unregisters the device allocation of
+// `bytes` at `p` (allocations never overlap).
+void tpar_emu_track(const void* p, size_t bytes, int live) {
+    race::Allocs& A = race::allocs();
+    std::lock_guard<std::mutex> lock(A.mu);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    if (live) {
+        A.live[at] = at + bytes;
+        return;
+    }
+    auto it = A.live.find(at);
+    if (it == A.live.end()) return;
+    A.freed.push_back(*it);
+    if (A.freed.size() > race::kFreedKept) A.freed.pop_front();
+    A.live.erase(it);
+}
+#endif
 
 }  // extern "C"
 
@@ -1935,12 +2105,21 @@ void __tsan_func_entry(void*) {}
 void __tsan_func_exit() {}
 void __tsan_vptr_update(void**, void*) {}
 void __tsan_vptr_read(void**) {}
+// The aligned hooks' width is the alignment the access's type promises (GCC
+// calls them only then; Clang also for 16-byte accesses aligned to 8).
+#ifdef __clang__
+#define TPAR_TSAN_ALIGN(n) ((n) < 8 ? (n) : 8)
+#else
+#define TPAR_TSAN_ALIGN(n) (n)
+#endif
 #define TPAR_TSAN_ACCESS(n)                                                                   \
     void __tsan_read##n(void* p) {                                                            \
-        race::thread_access(p, n, false, race::GENERIC, __builtin_return_address(0));         \
+        race::thread_access(p, n, false, race::GENERIC, __builtin_return_address(0),          \
+                            TPAR_TSAN_ALIGN(n));                                              \
     }                                                                                         \
     void __tsan_write##n(void* p) {                                                           \
-        race::thread_access(p, n, true, race::GENERIC, __builtin_return_address(0));          \
+        race::thread_access(p, n, true, race::GENERIC, __builtin_return_address(0),           \
+                            TPAR_TSAN_ALIGN(n));                                              \
     }                                                                                         \
     void __tsan_unaligned_read##n(void* p) {                                                  \
         race::thread_access(p, n, false, race::GENERIC, __builtin_return_address(0));         \

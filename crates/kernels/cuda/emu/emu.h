@@ -17,6 +17,13 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(TPAR_EMU_RACECHECK) && defined(__GNUC__) && !defined(__clang__)
+// memcheck: keep aggregate copies whole (no scalar replacement), so that a
+// 16-byte vector access (Raw16) reaches the check as one access of its type's
+// alignment, as a GPU performs it, instead of four 4-byte ones.
+#pragma GCC optimize("no-tree-sra")
+#endif
+
 typedef uint8_t u8;
 typedef uint16_t u16;
 typedef uint32_t u32;

@@ -17,7 +17,8 @@
 //! between synchronization points (seeded, [`Emulator::set_seed`]).
 //! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
 //! shared and global memory for data races, as `compute-sanitizer --tool
-//! racecheck` does on a GPU.
+//! racecheck` does on a GPU, and for out-of-bounds and misaligned addresses, as
+//! its `memcheck` does.
 //!
 //! Hopper's instructions are emulated too (`crates/kernels/cuda/README.md`
 //! says how): mbarriers (a wait no phase can complete is reported as a
@@ -59,14 +60,18 @@ type KernelFn = unsafe extern "C" fn(*const c_void);
 type LaunchFn = unsafe extern "C" fn(
     KernelFn,
     *const c_void,
+    usize,
     *const u32,
     *const u32,
     *const u32,
     usize,
+    i32,
     u64,
     *mut c_char,
     usize,
 ) -> i32;
+/// `tpar_emu_track(ptr, bytes, live)`: the checking runtime's allocation registry.
+type TrackFn = unsafe extern "C" fn(*const c_void, usize, i32);
 
 #[derive(Clone, Copy)]
 struct KernelInfo {
@@ -85,6 +90,8 @@ pub struct Emulator {
     kernel_flags: Vec<String>,
     /// Whether launches check shared memory for data races ([`RACECHECK_ENV`]).
     racecheck: bool,
+    /// The checking runtime's allocation registry (memcheck), when checking.
+    track: Option<TrackFn>,
     rt_path: PathBuf,
     rt_hash: u64,
     libs: Mutex<
@@ -195,6 +202,18 @@ impl Emulator {
     /// launch, which nothing orders, any two accesses to one byte (one a write, not
     /// both atomics) are a race.
     ///
+    /// The same check is a memcheck, as `compute-sanitizer --tool memcheck` is on a
+    /// GPU: an access whose type needs an aligned address (a 2-, 4-, 8- or 16-byte
+    /// load or store, an atomic) at a misaligned one; dynamic shared memory reached
+    /// outside the bytes the launch gave the block; and, on launches of an
+    /// [`EmulatedGpu`] (its buffers are registered with the check), global memory
+    /// outside every live allocation: past a buffer's end, before its start, or in a
+    /// freed one. The thread stops before the access, and the launch fails naming it,
+    /// the address and the nearest allocation. Raw launches on host memory the check
+    /// does not know ([`Emulator::launch_cluster_raw`] with `Vec` addresses) are not
+    /// checked for global bounds. Not covered: `__shared__` statics overrunning each
+    /// other, and reads of device memory nothing wrote (`initcheck`).
+    ///
     /// ```no_run
     /// use tpar_kernels::cuda::emu::Emulator;
     /// let emu = Emulator::racecheck()?;
@@ -206,9 +225,20 @@ impl Emulator {
         RACECHECK.get_or_init(|| Emulator::build(true)).as_ref().map_err(Clone::clone)
     }
 
-    /// Whether this emulator checks its launches for data races.
+    /// Whether this emulator checks its launches for data races (and for memory
+    /// errors: see [`Emulator::racecheck`]).
     pub fn checks_races(&self) -> bool {
         self.racecheck
+    }
+
+    /// Registers (`live`) or unregisters device memory with the checking
+    /// runtime's memcheck; nothing without the check.
+    fn track(&self, ptr: DevPtr, bytes: usize, live: bool) {
+        if let Some(track) = self.track {
+            // SAFETY: records an address range in the runtime's registry; nothing
+            // is dereferenced.
+            unsafe { track(ptr as *const c_void, bytes, i32::from(live)) }
+        }
     }
 
     /// Sets the seed of the thread order used by later launches.
@@ -261,11 +291,21 @@ impl Emulator {
             *rt.get::<LaunchFn>(b"tpar_emu_launch_cluster\0")
                 .map_err(|e| cuda_error("emulator", format!("tpar_emu_launch_cluster: {e}")))?
         };
+        let track = if racecheck {
+            // SAFETY: the checking runtime defines `tpar_emu_track` with this signature.
+            Some(unsafe {
+                *rt.get::<TrackFn>(b"tpar_emu_track\0")
+                    .map_err(|e| cuda_error("emulator", format!("tpar_emu_track: {e}")))?
+            })
+        } else {
+            None
+        };
         Ok(Emulator {
             launch,
             cxx,
             kernel_flags,
             racecheck,
+            track,
             rt_path,
             rt_hash: hash.0,
             libs: Mutex::new(HashMap::new()),
@@ -422,6 +462,24 @@ impl Emulator {
         cluster: [u32; 3],
         args: &[u8],
     ) -> Result<()> {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.launch_checked(kernel, cfg, cluster, args, false) }
+    }
+
+    /// [`Emulator::launch_cluster_raw`]; `device_memory`: every global address
+    /// the kernel reaches is [`EmulatedGpu`] memory (registered with the checking
+    /// runtime, whose memcheck then refuses any other).
+    ///
+    /// # Safety
+    /// As [`Launcher::launch_raw`].
+    unsafe fn launch_checked(
+        &self,
+        kernel: &str,
+        cfg: &LaunchConfig,
+        cluster: [u32; 3],
+        args: &[u8],
+        device_memory: bool,
+    ) -> Result<()> {
         let info = self.validate(kernel, cfg, args)?;
         let mut err = vec![0u8; 4096];
         // SAFETY: `info.entry` reads a struct of `size` bytes from `args`, as
@@ -432,10 +490,12 @@ impl Emulator {
             (self.launch)(
                 info.entry,
                 args.as_ptr().cast::<c_void>(),
+                args.len(),
                 cfg.grid.as_ptr(),
                 cfg.block.as_ptr(),
                 cluster.as_ptr(),
                 cfg.shared_bytes as usize,
+                i32::from(device_memory),
                 self.seed.load(Ordering::Relaxed),
                 err.as_mut_ptr() as *mut c_char,
                 err.len(),
@@ -686,6 +746,14 @@ impl EmulatedGpu {
         Ok(Arc::new(EmulatedGpu { emu: Emulator::get()?, ordinal, shared }))
     }
 
+    /// An emulated device `cuda:ordinal` on `emu`, e.g. [`Emulator::racecheck`]'s, whose
+    /// launches are then checked for races and memory errors without setting
+    /// [`RACECHECK_ENV`]. Its buffers belong to `emu`: use them with its launches only.
+    /// It does not share [`EmulatedGpu::open`]'s capture state or counters.
+    pub fn open_on(emu: &'static Emulator, ordinal: usize) -> Arc<dyn GpuDevice> {
+        Arc::new(EmulatedGpu { emu, ordinal, shared: Arc::default() })
+    }
+
     /// Inside a capture, `what` issued on this thread: `Ok(true)` to record it;
     /// refused (and the capture spoiled) from another thread or when `host` (a
     /// host round trip). `Ok(false)` outside a capture.
@@ -740,7 +808,8 @@ impl EmulatedGpu {
 }
 
 /// Frees a block of [`EmulatedGpu`] memory.
-fn dealloc(ptr: DevPtr, bytes: usize) {
+fn dealloc(emu: &Emulator, ptr: DevPtr, bytes: usize) {
+    emu.track(ptr, bytes, false);
     if let Ok(layout) = std::alloc::Layout::from_size_align(bytes.max(1), EMU_ALIGN) {
         // SAFETY: allocated by `EmulatedGpu::alloc` with this layout, freed once.
         unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
@@ -748,10 +817,10 @@ fn dealloc(ptr: DevPtr, bytes: usize) {
 }
 
 /// Releases a pool's free blocks once its graph is gone.
-fn release_free_blocks(pool: &mut Pool) {
+fn release_free_blocks(emu: &Emulator, pool: &mut Pool) {
     pool.blocks.retain(|&p, &mut (bytes, held)| {
         if !held {
-            dealloc(p, bytes);
+            dealloc(emu, p, bytes);
         }
         held
     });
@@ -800,7 +869,8 @@ impl super::graph::GraphExec for EmuGraph {
                     // addresses were valid for the launch then, and stay so while the
                     // graph lives (its private pool keeps its blocks; the caller keeps
                     // the buffers it captured with, as with CUDA graphs).
-                    result = unsafe { self.emu.launch_cluster_raw(name, cfg, cfg.cluster, bytes) };
+                    result =
+                        unsafe { self.emu.launch_checked(name, cfg, cfg.cluster, bytes, true) };
                 }
                 Node::Copy { src, dst, bytes } => {
                     sh.copies_run.fetch_add(1, Ordering::Relaxed);
@@ -837,7 +907,7 @@ impl Drop for EmuGraph {
     fn drop(&mut self) {
         let mut pool = lock(&self.pool);
         pool.graph_alive = false;
-        release_free_blocks(&mut pool);
+        release_free_blocks(self.emu, &mut pool);
         let empty = pool.blocks.is_empty();
         drop(pool);
         if empty {
@@ -880,8 +950,11 @@ impl Launcher for EmulatedGpu {
             });
             return Ok(());
         }
-        // SAFETY: the caller's guarantee (the trait's contract) is the emulator's.
-        self.issue(true, || unsafe { self.emu.launch_raw(kernel, cfg, args) })
+        // SAFETY: the caller's guarantee (the trait's contract) is the emulator's;
+        // its addresses are this device's memory.
+        self.issue(true, || unsafe {
+            self.emu.launch_checked(kernel, cfg, cfg.cluster, args, true)
+        })
     }
 }
 
@@ -913,6 +986,7 @@ unsafe impl GpuDevice for EmulatedGpu {
             let mut pool = lock(pool);
             if let Some((&p, e)) = pool.blocks.iter_mut().find(|(_, e)| e.0 == size && !e.1) {
                 e.1 = true;
+                self.emu.track(p, bytes, true);
                 return Ok(p);
             }
         }
@@ -925,6 +999,7 @@ unsafe impl GpuDevice for EmulatedGpu {
         if let Some(pool) = pool {
             lock(&pool).blocks.insert(p as DevPtr, (size, true));
         }
+        self.emu.track(p as DevPtr, bytes, true);
         Ok(p as DevPtr)
     }
 
@@ -938,8 +1013,10 @@ unsafe impl GpuDevice for EmulatedGpu {
                 let mut pl = lock(pool);
                 if let Some(e) = pl.blocks.get_mut(&ptr) {
                     e.1 = false;
+                    // free for the pool's next allocation: no kernel may reach it now
+                    self.emu.track(ptr, bytes, false);
                     if !pl.graph_alive {
-                        release_free_blocks(&mut pl);
+                        release_free_blocks(self.emu, &mut pl);
                         if pl.blocks.is_empty() {
                             found = Some(i);
                         }
@@ -964,7 +1041,7 @@ unsafe impl GpuDevice for EmulatedGpu {
                 return;
             }
         }
-        dealloc(ptr, bytes);
+        dealloc(self.emu, ptr, bytes);
     }
 
     /// # Safety
@@ -1103,7 +1180,7 @@ unsafe impl GpuDevice for EmulatedGpu {
                     ));
                 }
             }
-            dealloc(ptr, bytes);
+            dealloc(self.emu, ptr, bytes);
         }
         let graph = EmuGraph {
             emu: self.emu,

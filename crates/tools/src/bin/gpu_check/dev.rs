@@ -39,7 +39,9 @@ impl Dev {
     pub(crate) fn l(&self) -> &dyn Launcher {
         match &self.backend {
             Backend::Gpu(d) => d.as_ref(),
-            Backend::Emulator(e) => *e,
+            // the emulated device, whose launches the checking emulator
+            // (TPAR_EMU_RACECHECK=1) checks against its allocations too
+            Backend::Emulator(_) => self.mem.as_ref(),
         }
     }
 

@@ -108,7 +108,7 @@ mod stop;
 use checks::Ctx;
 use cli::Opts;
 use data::Rng;
-use dev::Dev;
+use dev::{Backend, Dev};
 use report::{Check, Report};
 use stop::Stop;
 
@@ -135,6 +135,16 @@ fn main() {
         if o.quick { "quick" } else { "full" },
         if o.sabotage { ", SABOTAGED references (every check must fail)" } else { "" }
     );
+    if let Backend::Emulator(emu) = &dev.backend {
+        println!(
+            "emulator checks: {}",
+            if emu.checks_races() {
+                "races and memory errors (every launch)"
+            } else {
+                "none (TPAR_EMU_RACECHECK=1 checks races and memory errors)"
+            }
+        );
+    }
     if o.gpu() {
         if let (Ok(d), Ok(n)) = (
             tpar_kernels::cuda::device::driver_version(),

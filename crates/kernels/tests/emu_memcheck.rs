@@ -1,0 +1,159 @@
+//! The emulator's memcheck (part of `Emulator::racecheck`) against kernels written
+//! to fault: each mode of `racecheck/memcheck.cu`'s `mem_copy` makes one access a
+//! GPU faults on or compute-sanitizer's memcheck reports, and the check must name
+//! it: a read one float past a buffer's end, a write one float before its start, a
+//! buffer used after it was freed, a 4-byte load, a 16-byte store and an atomic at
+//! misaligned addresses, and dynamic shared memory reached outside the launch's
+//! bytes, past its end and before its start. Mode 0 copies in bounds and passes.
+//! Global bounds are checked on launches over an emulated device's buffers
+//! (`EmulatedGpu`), whose allocations the check knows; the same faults run without
+//! a report on the plain emulator.
+
+use std::sync::Arc;
+
+use tpar_kernels::cuda::emu::{EmulatedGpu, Emulator};
+use tpar_kernels::cuda::{launch, DevPtr, DeviceBuffer, GpuDevice, LaunchConfig};
+
+const SRC: &str = include_str!("racecheck/memcheck.cu");
+const N: usize = 64;
+
+fn emu(check: bool) -> &'static Emulator {
+    static PLAIN: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    static CHECKED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    let (e, once) = if check {
+        (Emulator::racecheck().expect("racecheck emulator"), &CHECKED)
+    } else {
+        (Emulator::get().expect("emulator"), &PLAIN)
+    };
+    once.get_or_init(|| e.add_source("mem_test", SRC).expect("the memcheck kernels compile"));
+    e
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct MemArgs {
+    out: DevPtr,
+    src: DevPtr,
+    n: i32,
+    mode: i32,
+}
+
+fn input() -> Vec<f32> {
+    (0..N).map(|i| i as f32 + 0.5).collect()
+}
+
+fn cfg() -> LaunchConfig {
+    LaunchConfig::linear(1, N as u32).with_shared((N * 4) as u32)
+}
+
+/// Runs `mode` over device buffers of an emulated device on the checking
+/// emulator (`freed`: `src` is freed before the launch): the output, or the
+/// launch's error.
+fn on_device(mode: i32, freed: bool) -> Result<Vec<f32>, String> {
+    let dev: Arc<dyn GpuDevice> = EmulatedGpu::open_on(emu(true), 7);
+    let src = DeviceBuffer::from_host(&dev, &input()).unwrap();
+    let mut out = DeviceBuffer::zeros(&dev, N * 4).unwrap();
+    let src_ptr = src.ptr();
+    if freed {
+        drop(src);
+    }
+    let args = MemArgs { out: out.as_slice_mut().ptr(), src: src_ptr, n: N as i32, mode };
+    // SAFETY: in bounds for mode 0; the other modes reach outside the buffers (or
+    // a freed one), which the check stops before the access.
+    let r = unsafe { launch(dev.as_ref(), "mem_copy", cfg(), &args) };
+    r.map_err(|e| e.to_string())?;
+    Ok(bytemuck::cast_slice(&out.to_host().unwrap()).to_vec())
+}
+
+/// Runs `mode` on the plain or the checking emulator over host memory with 16
+/// floats of room on either side, so that every mode stays inside it: the output
+/// or the launch's error.
+fn on_host(mode: i32, check: bool) -> Result<Vec<f32>, String> {
+    let mut src = vec![0f32; N + 32];
+    src[16..16 + N].copy_from_slice(&input());
+    let mut out = vec![0f32; N + 32];
+    let args = MemArgs {
+        out: out[16..].as_mut_ptr() as DevPtr,
+        src: src[16..].as_ptr() as DevPtr,
+        n: N as i32,
+        mode,
+    };
+    // SAFETY: every mode stays inside `src` and `out`, which outlive the launch.
+    let r = unsafe { launch(emu(check), "mem_copy", cfg(), &args) };
+    r.map(|()| out[16..16 + N].to_vec()).map_err(|e| e.to_string())
+}
+
+/// `mode` fails under the check with every one of `needles` in its report; on
+/// the plain emulator it runs (unless the plain emulator is itself the checking
+/// one, under `TPAR_EMU_RACECHECK=1`), except mode 4, whose misaligned 16-byte
+/// store the host compiler may emit as an aligned vector store that faults the
+/// process there.
+fn reported(mode: i32, device: bool, needles: &[&str]) {
+    let err = if device { on_device(mode, false) } else { on_host(mode, true) }
+        .expect_err(&format!("mode {mode}: nothing reported"));
+    assert!(err.contains("memcheck: "), "mode {mode}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "mode {mode}: {n:?} not in: {err}");
+    }
+    if mode != 4 && !emu(false).checks_races() {
+        on_host(mode, false).unwrap_or_else(|e| panic!("mode {mode} plain: {e}"));
+    }
+}
+
+#[test]
+fn in_bounds_copies_pass_on_device_and_host_memory() {
+    assert_eq!(on_device(0, false).unwrap(), input());
+    assert_eq!(on_host(0, true).unwrap(), input());
+}
+
+#[test]
+fn global_reads_past_the_end_and_writes_before_the_start_are_named() {
+    reported(
+        1,
+        true,
+        &[
+            "out of bounds: a load of 4 bytes",
+            "at byte 256 of the 256-byte allocation",
+            "past its end",
+            "block (0,0,0) thread (63,0,0)",
+            "mem_copy",
+        ],
+    );
+    reported(
+        2,
+        true,
+        &["a store of 4 bytes", "at byte -4 of the 256-byte allocation", "thread (0,0,0)"],
+    );
+    // host memory the check does not know is not checked for bounds
+    on_host(1, true).unwrap();
+    on_host(2, true).unwrap();
+}
+
+#[test]
+fn a_buffer_used_after_it_was_freed_is_named() {
+    let err = on_device(0, true).expect_err("a freed buffer read");
+    assert!(err.contains("memcheck: out of bounds: a load of 4 bytes"), "{err}");
+    assert!(err.contains("of the 256-byte allocation at"), "{err}");
+    assert!(err.contains("which has been freed"), "{err}");
+}
+
+#[test]
+fn misaligned_accesses_are_named() {
+    reported(3, true, &["misaligned address: a load of 4 bytes", "4-byte aligned"]);
+    reported(4, false, &["misaligned address: a store of 16 bytes", "16-byte aligned"]);
+    reported(7, false, &["misaligned address: an atomic of 4 bytes", "thread (0,0,0)"]);
+}
+
+#[test]
+fn shared_memory_outside_the_launch_bytes_is_named() {
+    reported(
+        5,
+        false,
+        &[
+            "out of bounds: a store of 4 bytes at byte 256 of the dynamic shared memory",
+            "which has 256 bytes",
+            "thread (63,0,0)",
+        ],
+    );
+    reported(6, true, &["a load of 4 bytes at byte -4 of the dynamic shared memory"]);
+}
