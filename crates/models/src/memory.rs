@@ -13,7 +13,10 @@
 //! `s` the sequence, `h` the hidden size, `q = heads * head_dim`, `kv = kv_heads *
 //! head_dim`, `i` the MLP width, `v` the vocabulary and `t` the tensor-parallel degree;
 //! `[x]` is `b * s * x` elements in the compute dtype. A size that does not divide
-//! evenly by its degree is counted at its average share.
+//! evenly by its degree is counted at its average share. Attention computes on `a_q`
+//! and `a_kv` per token: under the megatron plan the projections' local heads as they
+//! are (`q/t` and `kv/t`; without tp `q` and `kv`), under the sequence-parallel plan q,
+//! k and v gathered back to every head on each rank (`Replicate`: `q` and `kv`).
 //!
 //! - **Parameters**: every parameter's local shard in the parameter dtype: divided by
 //!   `t` for the sharded projections, embedding and head (the norms' weights are
@@ -24,32 +27,32 @@
 //! - **Optimizer state**: AdamW's two moments per trainable element, in f32 (f64 for f64
 //!   parameters); ZeRO-1 and FSDP divide them by `dp`.
 //! - **Activations** kept for the backward, per decoder layer without checkpointing:
-//!   the RMSNorm inputs `[h]` twice (divided by `t` under the sequence-parallel plan,
-//!   whose norms see a sequence shard), the normed inputs the q/k/v and gate/up
-//!   projections save `[h]` twice (gathered to the whole sequence under tp), q `[q/t]`,
-//!   k and v `[2 kv/t]` (after RoPE for q and k, saved by attention), attention's output
-//!   `[q/t]` and its `[b, s, q]` copy that `o_proj` saves `[q/t]`, and the gate, up and
-//!   SwiGLU outputs `[3 i/t]`; the row statistics (RMSNorm's and attention's
-//!   log-sum-exps) are a few values per row. Residual sums and RoPE keep nothing
-//!   (an add's backward reads no operand; RoPE keeps only its tables). Then the final
-//!   norm's input `[h/t]` (sp) or `[h]`, the head's input `[h]` and the logits `[v/t]`,
+//!   the RMSNorm inputs `[h]` twice (divided by `t` under tp: both plans run the norms
+//!   on sequence shards), the normed inputs the q/k/v and gate/up projections save `[h]`
+//!   twice (gathered to the whole sequence under tp), q `[a_q]`, k and v `[2 a_kv]`
+//!   (after RoPE for q and k, saved by attention), attention's output `[a_q]` and the
+//!   `[b, s, q]` copy that `o_proj` saves `[q/t]` (under the sequence-parallel plan its
+//!   local slice of the whole copy, which is freed), and the gate, up and SwiGLU outputs
+//!   `[3 i/t]`; the row statistics (RMSNorm's and attention's log-sum-exps, of
+//!   `a_q / head_dim` heads) are a few values per row. Residual sums and RoPE keep
+//!   nothing (an add's backward reads no operand; RoPE keeps only its tables). Then the
+//!   final norm's input `[h/t]`, the head's input `[h]` and the logits `[v/t]`,
 //!   which the loss keeps. The autograd graph frees a closure's saved tensors when the
 //!   graph is dropped, not during the backward: activations live until the loss is
 //!   dropped (a trainer holds it through the optimizer step).
-//! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` (sp) or `[h]`
-//!   only; during its backward the recomputed layer's activations exist once.
+//! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` only; during its backward the recomputed layer's activations exist once.
 //!   **Selective** keeps the layer input and the outputs of the kept ops (by default
 //!   attention and every second matmul: q, v, gate and down): of the matmuls
 //!   (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up, `[h]` for
-//!   down, gathered or partial outputs at their local size) and attention (`[q/t]`).
+//!   down, gathered or partial outputs at their local size) and attention (`[a_q]`).
 //!   Its recompute, during the layer's backward, holds once what the layer without
 //!   checkpointing keeps (its recomputed output standing for the input, which the
 //!   checkpoint shares) less what it is handed back from the kept outputs instead of
-//!   computing: attention's output `[q/t]` and, when their matmuls are kept, gate's and
+//!   computing: attention's output `[a_q]` and, when their matmuls are kept, gate's and
 //!   up's `[i/t]` each. The kept q, v and down outputs are not what the backward saves
 //!   (RoPE and the transpose write new q and v, the residual add saves nothing), so the
-//!   recompute makes its own beside them: by default `[2 r + 2 h + 2 q/t + 2 kv/t +
-//!   2 i/t]` with the row statistics, `r` the residual stream (`h`, or `h/t` under sp).
+//!   recompute makes its own beside them: by default `[2 r + 2 h + a_q + q/t + 2 a_kv +
+//!   2 i/t]` with the row statistics, `r` the residual stream (`h/t` under tp, else `h`).
 //! - **Fused projections** (`MemoryConfig::fusion`, `LlamaFusion::projections`; at `tp
 //!   == 1`, where the plan lets them run) keep what the separate projections keep
 //!   without checkpointing: `Tensor::linear_many` writes q, k and v (and gate and up)
@@ -98,10 +101,11 @@
 //!   point of the walk, with every gradient and the optimizer state beside it.
 //!
 //! - **Attention's backward** holds the hidden-state gradient `[h]`, attention's output
-//!   gradient `[q/t]` (the transpose's copy), the gradients it makes, `dq` `[q/t]`, `dk`
-//!   and `dv` `[2 kv/t]`, and the kernel's scratch. On the host that is
-//!   [`host_sdpa_backward_scratch`] of the rank's attention call (`b` rows, `heads/t`
-//!   query and `kv_heads/t` key heads, `s` queries and keys, causal), whose tasks run on
+//!   gradient `[a_q]` (the transpose's copy), the gradients it makes, `dq` `[a_q]`, `dk`
+//!   and `dv` `[2 a_kv]`, and the kernel's scratch. On the host that is
+//!   [`host_sdpa_backward_scratch`] of the rank's attention call (`b` rows, attention's
+//!   query and key heads, `heads/t` and `kv_heads/t` or every head under the
+//!   sequence-parallel plan, `s` queries and keys, causal), whose tasks run on
 //!   the rank's [`MemoryConfig::host_threads`] at once: a row statistic per query row,
 //!   and per running task its query heads' widened queries, output gradients and `dq`
 //!   accumulators (`3 (heads / kv_heads) s head_dim` accumulators) with its tiles; when
@@ -109,13 +113,13 @@
 //!   `dq` partial sums are all kept until the end (up to `(runs + 1) / 2` times `dq` in
 //!   the accumulator type, causal). On a CUDA device, where attention is one node (next
 //!   item), it is [`device_attention_backward_bytes`] instead, beside the `[h]` and the
-//!   output gradient `[q/t]` (which the node reads in place).
+//!   output gradient `[a_q]` (which the node reads in place).
 //!   With a small MLP (`i` near `h`) at long sequences this is the largest transient.
 //!   Under context parallelism the backward runs per block (this rank's queries against
 //!   each rank's keys, as [`CpLayout`] places them: the rank's own block with the causal
 //!   mask, the others' whole or not at all under the load-balanced layout). With `Q` the
-//!   rank's `[q/t]` and `K` its `[kv/t]`, a block holding the fractions `fq` of the
-//!   rank's query rows and `fk` of the source's key rows holds, beside `[h + q/t]`: what
+//!   rank's `[a_q]` and `K` its `[a_kv]`, a block holding the fractions `fq` of the
+//!   rank's query rows and `fk` of the source's key rows holds, beside `[h + a_q]`: what
 //!   the method keeps through the backward (`base`: the ring's `dq`, `dk`, `dv` and the
 //!   copies of k and v it sent, `Q + 4 K`; all-gather's `dq`, the gathered keys and
 //!   values, this hop's slices of them and the earlier hops' `dk` and `dv`,
@@ -129,18 +133,22 @@
 //!   (`Q + (5 cp + 1) K`). The cp rank and hop with the most set the term (of more than
 //!   64 cp ranks, the first two, the middle one and the last two are walked).
 //! - **On a CUDA device** (`MemoryConfig::host` false) without context parallelism (the
-//!   tensor-parallel plans hand attention local tensors), in f32, bf16 or f16 and a
-//!   head dim of at most 256, attention is one autograd node (`Tensor::attention_bshd`,
-//!   `Tensor::attention_packed` for fused projections) instead of the host's
-//!   composition. It keeps the rotated q and k and the v projection's output (or the
-//!   packed q/k/v output), and its output `[q]`, which `o_proj` saves as it is: one
-//!   `[q]` per layer less than the composition, which also keeps the transposed copy.
-//!   Under selective checkpointing the kept attention brings the rotated q and k `[q +
-//!   kv]` with it (separate projections), and its recompute is handed those,
-//!   attention's output and a kept v (or q/k/v) GEMM output back instead of making
-//!   them. Its backward holds beside the hidden-state gradient and the output gradient
-//!   [`device_attention_backward_bytes`]: the inputs' gradients `[q + 2 kv]`, `dq` and
-//!   `dk` `[q + kv]` in buffers of their own until RoPE's backward rotates them into
+//!   tensor-parallel plans hand attention plain tensors: the local heads, or every head
+//!   gathered), in f32, bf16 or f16 and a head dim of at most 256, attention is one
+//!   autograd node (`Tensor::attention_bshd`, `Tensor::attention_packed` for fused
+//!   projections) instead of the host's composition. It keeps the rotated q and k and
+//!   its v input (the v projection's output, or the packed q/k/v output), and its output
+//!   `[a_q]`, which `o_proj` saves as it is: one `[q]` per layer less than the
+//!   composition, which also keeps the transposed copy (under the sequence-parallel plan
+//!   `o_proj` saves its local slice `[q/t]`, as on the host). Under selective
+//!   checkpointing the kept attention brings the rotated q and k `[a_q + a_kv]` with it
+//!   (separate projections), and its recompute is handed those, attention's output and
+//!   a kept v (or q/k/v) GEMM output back instead of making them (not the v GEMM's
+//!   output where the plan gathers v: the node keeps the gathered copy). Its backward
+//!   holds beside the hidden-state gradient and the output gradient
+//!   [`device_attention_backward_bytes`] of attention's heads: the inputs' gradients
+//!   `[q + 2 kv]`, `dq` and `dk` `[q + kv]` in buffers of their own until RoPE's
+//!   backward rotates them into
 //!   those, for a packed input its q and k rotated again `[q + kv]`, and the flash
 //!   backward's workspace ([`device_sdpa_backward_scratch`]: a row statistic and an f32
 //!   `dq` accumulator). The host GEMM workspace is not added. Under context parallelism
@@ -156,20 +164,16 @@
 //!
 //! - **Context parallelism**: every activation holds `s / cp` positions of its rows
 //!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
-//!   attention); the ring adds the key and value blocks in flight (`[4 kv/t]` of the
+//!   attention); the ring adds the key and value blocks in flight (`[4 a_kv]` of the
 //!   local rows, a transient); parameters are replicated over cp, or sharded over
 //!   `dp x cp` under FSDP. Attention's backward is modelled per block (above); the
 //!   all-gather method ([`CpMethod::AllGather`]) gathers every rank's keys and values
 //!   again in attention's backward and keeps every block's `dk` and `dv` until the
 //!   reduce-scatter, which is what it holds beyond the ring. Its forward's gathered keys
-//!   and values (`[2 cp kv/t]`) are freed when attention returns and stay below the
+//!   and values (`[2 cp a_kv]`) are freed when attention returns and stay below the
 //!   backward's peak.
 //!
-//! What it does not model: that the sequence-parallel plan gathers q, k and v back to
-//! every head on each rank (`Replicate`), so attention's tensors there are wider than the
-//! `[q/t]` and `[kv/t]` counted (most likely what the predictions miss there: about 0.8
-//! MiB per layer at hidden 256 on the host, 12.8 % of a small model at tp 2 on the
-//! emulated device), the RoPE tables the model keeps once built (cos and sin,
+//! What it does not model: the RoPE tables the model keeps once built (cos and sin,
 //! `2 s head_dim` elements in the parameters' dtype, on the rank's device), padding
 //! masks (a `[b, 1, 1, s]` mask per micro-batch, and under context parallelism every
 //! rank's `[b, s / cp]` key mask gathered once per layer: small next to the
@@ -274,13 +278,15 @@ pub enum DataParallelMode {
     },
 }
 
-/// The tensor-parallel layer plan.
+/// The tensor-parallel layer plan (both run the norms and residuals on a sequence
+/// shard and gather the sequence before attention and the MLP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TpPlan {
-    /// Sequence parallel: norms and residuals on a sequence shard, the sequence gathered
-    /// before attention and the MLP.
+    /// `sequence_parallel_layer_plan`: q, k and v gathered back to every head
+    /// (`Replicate`), so every rank computes attention for all heads.
     SequenceParallel,
-    /// Megatron: norms and residuals replicated.
+    /// `megatron_layer_plan`: q, k and v keep this rank's heads, and attention runs on
+    /// them only.
     Megatron,
 }
 
@@ -482,9 +488,24 @@ struct LayerShape {
     resid: f64,
     /// A normed input gathered for the projections.
     full: f64,
+    /// The q projection's output (`[q/t]`), and o_proj's input.
     q: f64,
+    /// The k or v projection's output (`[kv/t]`).
     kv: f64,
     mlp: f64,
+    /// The query heads attention computes on: this rank's `heads / t`, or every head
+    /// where the sequence-parallel plan gathers q, k and v back (`Replicate`).
+    heads: usize,
+    /// The key and value heads attention computes on (as `heads`).
+    kv_heads: usize,
+    /// Whether attention computes on q, k and v gathered back to every head (the
+    /// sequence-parallel plan), not on the projections' local outputs.
+    gathered: bool,
+    /// Attention's q (and output), `a_q` of the module docs: `q`, or every head's when
+    /// gathered.
+    attn_q: f64,
+    /// Attention's k or v, `a_kv`: `kv`, or every head's when gathered.
+    attn_kv: f64,
     /// Attention runs as the CUDA node of `Tensor::attention_bshd` / `attention_packed`
     /// (module docs, "On a CUDA device"), not as the host's composition.
     device_node: bool,
@@ -493,10 +514,17 @@ struct LayerShape {
 impl LayerShape {
     /// What a layer keeps without checkpointing.
     fn kept(&self) -> f64 {
-        // x and x1 at the norms, h1 and h2 at the projections, q, k, v, attention's
-        // output and (the composition's) its copy, gate, up and the SwiGLU output.
-        let out = if self.device_node { self.q } else { 2.0 * self.q };
-        2.0 * self.resid + 2.0 * self.full + self.q + out + 2.0 * self.kv + 3.0 * self.mlp
+        // x and x1 at the norms, h1 and h2 at the projections, the rotated q and k, v,
+        // attention's output, what o_proj saves (the composition's `[b, s, q]` copy of
+        // the output, or its local slice where attention's heads were gathered; the
+        // device node's output as it is otherwise), gate, up and the SwiGLU output.
+        let o_in = if self.device_node && !self.gathered { 0.0 } else { self.q };
+        2.0 * self.resid
+            + 2.0 * self.full
+            + 2.0 * self.attn_q
+            + o_in
+            + 2.0 * self.attn_kv
+            + 3.0 * self.mlp
     }
 
     /// Which of the layer's matmuls a selective checkpoint keeping `ops` keeps, with each
@@ -532,8 +560,8 @@ impl LayerShape {
     fn sdpa_kept(&self, ops: &[SaveOp], fused: bool) -> f64 {
         match (ops.contains(&SaveOp::Sdpa), self.device_node && !fused) {
             (false, _) => 0.0,
-            (true, false) => self.q,
-            (true, true) => 2.0 * self.q + self.kv,
+            (true, false) => self.attn_q,
+            (true, true) => 2.0 * self.attn_q + self.attn_kv,
         }
     }
 
@@ -553,8 +581,9 @@ impl LayerShape {
         let mm = self.matmuls(ops, fused);
         let gate_up: f64 =
             if fused { 0.0 } else { mm[4..6].iter().filter(|m| m.0).map(|m| m.1).sum() };
-        // The device node's saved v: the v GEMM's output, or the packed q/k/v one.
-        let v = match (self.device_node, fused) {
+        // The device node's saved v: the v GEMM's output, or the packed q/k/v one (not
+        // where the plan gathers v: the node saves the gathered copy).
+        let v = match (self.device_node && !self.gathered, fused) {
             (true, true) if mm[0].0 => mm[0].1,
             (true, false) if mm[2].0 => mm[2].1,
             _ => 0.0,
@@ -643,13 +672,27 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         _ => 2.0 * elems * obytes,
     };
 
-    // Activations per token of one decoder layer, and the rows in flight.
+    // Activations per token of one decoder layer, and the rows in flight. The
+    // sequence-parallel plan gathers the projections' q, k and v back to every head
+    // (`Replicate`): attention computes on all of them on every rank.
+    let (heads, kv_heads) = if sp {
+        (m.num_attention_heads, m.num_key_value_heads)
+    } else {
+        ((m.num_attention_heads / c.tp).max(1), (m.num_key_value_heads / c.tp).max(1))
+    };
+    let attn = if sp { 1.0 } else { t };
     let shape = LayerShape {
-        resid: if sp { h / t } else { h },
+        // Both plans run the norms (and so the residual stream) on sequence shards.
+        resid: h / t,
         full: h,
         q: q / t,
         kv: kvw / t,
         mlp: i / t,
+        heads,
+        kv_heads,
+        gathered: sp,
+        attn_q: q / attn,
+        attn_kv: kvw / attn,
         device_node: device_attention_node(c, compute),
     };
     let mb = if c.pp > 1 { c.microbatches } else { 1 };
@@ -658,7 +701,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let tokens = rows * c.seq as f64 / c.cp as f64;
     let stat = stat_bytes(compute);
     // Row statistics: two RMSNorm rstd per token and attention's log-sum-exp per head.
-    let stats = (2.0 + m.num_attention_heads as f64 / t) * stat;
+    let stats = (2.0 + m.num_attention_heads as f64 / attn) * stat;
     let full_layer = tokens * (shape.kept() * abytes + stats);
     // The fusions apply where the plan allows them: not under a tensor-parallel plan,
     // whose styles on the projections make the layers run unfused.
@@ -739,7 +782,8 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     if c.cp > 1 && layers > 0 {
         // The ring: the key and value blocks received for the next hop while the current
         // ones are used, forward and backward (where dk and dv travel with them).
-        options.push((4.0 * tokens * shape.kv * abytes, "cp: key/value blocks in flight".into()));
+        options
+            .push((4.0 * tokens * shape.attn_kv * abytes, "cp: key/value blocks in flight".into()));
     }
     if c.data_parallel == DataParallelMode::Ddp && layers > 0 {
         options.push((layer_params * pbytes, "DDP: a layer's gradient bucket".into()));
@@ -929,8 +973,8 @@ pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
 
 /// Whether a decoder layer's attention runs as the CUDA node of `Tensor::attention_bshd`
 /// (`Tensor::attention_packed` with fused projections) rather than as its composition:
-/// on a CUDA device, with plain operands (the tensor-parallel plans' projections hand
-/// attention local tensors; context parallelism runs its own attention), in a dtype the
+/// on a CUDA device, with plain operands (the tensor-parallel plans hand attention plain
+/// tensors, local or gathered; context parallelism runs its own attention), in a dtype the
 /// flash kernels take (not f64) and a head dim they take.
 fn device_attention_node(c: &MemoryConfig, compute: DType) -> bool {
     !c.host
@@ -968,8 +1012,7 @@ fn attention_backward(
     let m = &c.model;
     let abytes = compute.size_in_bytes() as f64;
     let acc = stat_bytes(compute);
-    let q_heads = (m.num_attention_heads / c.tp).max(1);
-    let kv_heads = (m.num_key_value_heads / c.tp).max(1);
+    let (q_heads, kv_heads) = (shape.heads, shape.kv_heads);
     let world = c.dp.saturating_mul(c.tp).saturating_mul(c.cp).saturating_mul(c.pp);
     let threads = c.host_threads.unwrap_or(match RankThreads::per_rank(world) {
         RankThreads::PerRank(n) => n,
@@ -993,7 +1036,7 @@ fn attention_backward(
     };
     // Beside every form below: the hidden state's gradient and attention's output
     // gradient (`[b, hq, s, hd]`, the transpose's copy).
-    let per_token = |tokens: f64| tokens * (shape.full + shape.q) * abytes;
+    let per_token = |tokens: f64| tokens * (shape.full + shape.attn_q) * abytes;
     if c.cp == 1 {
         let tokens = rows as f64 * c.seq as f64;
         if shape.device_node {
@@ -1004,7 +1047,7 @@ fn attention_backward(
             let ws = device_attention_backward_bytes(&a, compute, packed);
             return Ok(per_token(tokens) + ws as f64);
         }
-        let outputs = tokens * (shape.q + 2.0 * shape.kv) * abytes;
+        let outputs = tokens * (shape.attn_q + 2.0 * shape.attn_kv) * abytes;
         return Ok(per_token(tokens) + outputs + scratch(&call(c.seq, c.seq, true)));
     }
     let layout = CpLayout::new(c.seq, c.cp).map_err(|e| config_err(e.to_string()))?;
@@ -1017,7 +1060,7 @@ fn attention_backward(
         let local = layout.local_len(me);
         let tokens = rows as f64 * local as f64;
         // This rank's q (and dq) and k or v (and dk or dv), whole.
-        let (big_q, big_k) = (tokens * shape.q * abytes, tokens * shape.kv * abytes);
+        let (big_q, big_k) = (tokens * shape.attn_q * abytes, tokens * shape.attn_kv * abytes);
         let mut peak = 0.0f64;
         for hop in 0..c.cp {
             let src = (me + c.cp - hop) % c.cp;
