@@ -13,14 +13,17 @@
 //! activation checkpointing, with fused projections, with the fused residual under
 //! selective checkpointing (where on the device the kept GEMM's output is the residual
 //! sum), at a sequence of 512 with an MLP of 64 (1 head, 1 layer), where attention's
-//! backward is the layer's largest transient, and at 2x1 FSDP and tp 2 (the
-//! sequence-parallel plan, and the megatron plan with 2 key/value heads), whose two
-//! rank threads share the one device: its peak is then the sum of what both hold at
-//! that moment, held to the sum of their predicted peaks (the ranks step together, each
-//! collective waiting for the other, so each is near its own peak then). A predictor
-//! that forgets the optimizer state or the activations misses a peak by more than 15 %.
-//! Without FSDP, what the second step's forward leaves on the device is the predicted
-//! activations within 2 %. The attention node's backward is held apart to the byte:
+//! backward is the layer's largest transient, and at 2x1 FSDP, tp 2 (the
+//! sequence-parallel plan, which gathers q, k and v back to every head, and the
+//! megatron plan with 2 key/value heads) and cp 2 (ring attention, where attention is
+//! the composition, not the device node), whose two rank threads share the one device:
+//! its peak is then the sum of what both hold at that moment, held to the sum of their
+//! predicted peaks (the ranks step together, each collective waiting for the other, so
+//! each is near its own peak then). A predictor that forgets the optimizer state or the
+//! activations misses a peak by more than 15 %. Without FSDP, what the second step's
+//! forward leaves on the device (every rank's, the ranks waiting for each other before
+//! and after it) is the predicted activations (summed over the ranks) within 2 %. The
+//! attention node's backward is held apart to the byte:
 //! what it allocates beyond the output gradient is what
 //! `device_attention_backward_bytes` counts. Every measurement runs alone (a lock): the
 //! device's counters count every thread using it.
@@ -28,7 +31,11 @@
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
+use tpar::dtensor::{CpLayout, CpMethod};
 use tpar::kernels::cuda::{device_bytes_in_use, device_peak_bytes, reset_device_peak};
+use tpar::models::context_parallel::{
+    all_reduce_gradients, apply_context_parallel, cp_token_share,
+};
 use tpar::models::memory::{device_attention_backward_bytes, AttentionCall};
 use tpar::models::LlamaFusion;
 use tpar::prelude::*;
@@ -88,6 +95,9 @@ struct Run {
     rows: usize,
     seq: usize,
     dp: usize,
+    /// Context-parallel ranks (ring attention; each holds `seq / cp` positions of every
+    /// sequence).
+    cp: usize,
     /// Tensor-parallel ranks.
     tp: usize,
     /// The tensor-parallel plan (when `tp > 1`).
@@ -104,8 +114,8 @@ struct Run {
 struct Measured {
     /// The peak over building the model and two training steps (every rank's together).
     peak: i64,
-    /// One rank alone: what the second step's forward left on the device (the
-    /// activations the graph keeps, the logits and the loss), and how far its backward
+    /// What the second step's forward left on the device (the activations the graph
+    /// keeps, the logits and the loss; every rank's together), and how far the backward
     /// rose above that (the gradients and the backward's largest transient).
     second_step: Option<(i64, i64)>,
 }
@@ -119,6 +129,7 @@ impl Run {
             rows: 2,
             seq: 128,
             dp: 1,
+            cp: 1,
             tp: 1,
             plan: TpPlan::SequenceParallel,
             fsdp: None,
@@ -136,6 +147,7 @@ impl Run {
     fn memory_config(&self) -> MemoryConfig {
         MemoryConfig {
             dp: self.dp,
+            cp: self.cp,
             tp: self.tp,
             plan: self.plan,
             data_parallel: match self.fsdp {
@@ -151,10 +163,15 @@ impl Run {
         }
     }
 
+    /// The ranks: dp x cp x tp.
+    fn world(&self) -> usize {
+        self.dp * self.cp * self.tp
+    }
+
     /// The predicted memory of each rank, in rank order.
     fn predict(&self) -> Vec<MemoryEstimate> {
         let c = self.memory_config();
-        (0..self.dp * self.tp).map(|_| predict_memory_stage(&c, 0).unwrap()).collect()
+        (0..self.world()).map(|_| predict_memory_stage(&c, 0).unwrap()).collect()
     }
 
     /// The device's peak over building the model and two training steps on every rank,
@@ -163,7 +180,7 @@ impl Run {
         emulated_device();
         let base = device_bytes_in_use(ORDINAL) as i64;
         reset_device_peak(ORDINAL);
-        let config = SpawnConfig::new(self.dp * self.tp).timeout(Duration::from_secs(120));
+        let config = SpawnConfig::new(self.world()).timeout(Duration::from_secs(120));
         let ranks = spawn_scoped(config, |ctx| self.rank(ctx, base)).unwrap();
         let peak = device_peak_bytes(ORDINAL) as i64 - base;
         assert_eq!(device_bytes_in_use(ORDINAL) as i64, base, "device bytes left after the run");
@@ -171,14 +188,17 @@ impl Run {
         Measured { peak, second_step: ranks[0].1 }
     }
 
-    /// One rank: builds the model on the device and trains it two steps. Alone on the
-    /// device it also measures the second step's forward and backward
-    /// ([`Measured::second_step`]; resetting the device's peak, so it returns the peak
-    /// before that with it); beside other ranks it leaves the device's peak alone.
+    /// One rank: builds the model on the device and trains it two steps. Rank 0 also
+    /// measures the second step's forward and backward of all ranks, which wait for each
+    /// other before and after each ([`Measured::second_step`]; resetting the device's
+    /// peak, so it returns the peak before that with it); the other ranks leave the
+    /// device's peak alone.
     fn rank(&self, ctx: RankCtx, base: i64) -> tpar::Result<(i64, Option<(i64, i64)>)> {
-        let (cfg, dp, tp, rows) = (self.cfg, self.dp, self.tp, self.rows);
+        let (cfg, dp, cp, tp, rows) = (self.cfg, self.dp, self.cp, self.tp, self.rows);
         let dev = Device::Cuda(ORDINAL);
-        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, tp], &["dp", "tp"])?;
+        let names = ["dp", "cp", "tp"];
+        let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[dp, cp, tp], &names)?;
+        let cp_group = mesh.group_of("cp")?.clone();
         let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
         model.set_fusion(self.fusion);
         if tp > 1 {
@@ -202,27 +222,49 @@ impl Run {
             fully_shard(&mut model, &mesh["dp"], &fsdp)?;
         }
         reset_parameters(&mut model, dev, 3)?;
+        if cp > 1 {
+            apply_context_parallel(&mut model, &cp_group, CpMethod::Ring)?;
+        }
         let mut opt = AdamW::with_names(named_parameters(&model), AdamWConfig::default())?;
         let (ids, tgt) = batch(rows * dp, self.seq, cfg.vocab_size);
         let d = mesh["dp"].local_rank();
         let (ids, tgt) = (ids.narrow(0, rows * d, rows)?, tgt.narrow(0, rows * d, rows)?);
-        let (ids, tgt) = (ids.to_device(dev)?, tgt.reshape([tgt.numel()])?.to_device(dev)?);
+        // Under cp this rank's positions of every sequence, its loss scaled by its share
+        // of the tokens.
+        let layout = CpLayout::new(self.seq, cp)?;
+        let c = cp_group.rank();
+        let (ids, tgt) = (layout.shard(&ids, 1, c)?, layout.shard(&tgt, 1, c)?);
+        let tgt = tgt.reshape([tgt.numel()])?;
+        let share = cp_token_share(&tgt, -100, &cp_group)?;
+        let (ids, tgt) = (ids.to_device(dev)?, tgt.to_device(dev)?);
         let _lp = loss_parallel::enable(&mesh["tp"]);
-        let alone = dp * tp == 1;
+        // Every rank waits for the others at each measuring point, so that what rank 0
+        // reads of the shared device between two of them is what all ranks did.
+        let world = ctx.world_group();
+        let leader = world.rank() == 0;
+        let sync = || if self.world() > 1 { world.barrier() } else { Ok(()) };
         let (mut peak, mut second_step) = (0i64, None);
         for _ in 0..2 {
+            sync()?;
             let start = device_bytes_in_use(ORDINAL) as i64;
+            sync()?;
             let logits = model.logits(&ids, None)?.reshape(&[-1, cfg.vocab_size as isize])?;
             let loss = logits.cross_entropy(&tgt, -100)?;
+            let loss = if cp > 1 { loss.mul_scalar(share)? } else { loss };
+            sync()?;
             let end = device_bytes_in_use(ORDINAL) as i64;
-            if alone {
+            if leader {
                 peak = peak.max(device_peak_bytes(ORDINAL) as i64 - base);
                 reset_device_peak(ORDINAL);
             }
+            sync()?;
             loss.backward()?;
-            if alone {
+            sync()?;
+            if leader {
                 second_step = Some((end - start, device_peak_bytes(ORDINAL) as i64 - end));
             }
+            sync()?;
+            all_reduce_gradients(&model, &cp_group)?;
             opt.step()?;
             opt.zero_grad();
             // The trainers drop the logits and the loss (and so the graph) here.
@@ -250,6 +292,14 @@ struct Row {
     measured: Measured,
 }
 
+impl Row {
+    /// The sum over the ranks of a term of their predictions (ranks sharing the device:
+    /// what they hold together, each rank's at the same moment when they run in step).
+    fn sum(&self, term: impl Fn(&MemoryEstimate) -> u64) -> u64 {
+        self.predicted.iter().map(term).sum()
+    }
+}
+
 #[test]
 fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -266,6 +316,7 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         ("2x1 FSDP (2 ranks on cuda:0)", Run { dp: 2, fsdp: Some(DType::F32), ..f32_run.clone() }),
         ("seq 512, MLP 64, 1 head, f32", Run::attention(DType::F32)),
         ("tp 2 (sp plan)", Run { tp: 2, ..f32_run.clone() }),
+        ("cp 2 (ring, 2 ranks on cuda:0)", Run { cp: 2, rows: 1, ..f32_run.clone() }),
         (
             "tp 2 (megatron plan), 2 key/value heads",
             Run {
@@ -285,13 +336,13 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         let fsdp = run.fsdp.is_some();
         let row = Row { name, fsdp, predicted: run.predict(), measured: run.measure() };
         let p = &row.predicted[0];
-        let sum: u64 = row.predicted.iter().map(|p| p.peak).sum();
+        let sum = row.sum(|p| p.peak);
         let second = match row.measured.second_step {
             Some((acts, rise)) => format!(
                 "{:.2} / {:.2} | {:.2} / {:.2}",
-                mib(p.activations as f64),
+                mib(row.sum(|p| p.activations) as f64),
                 mib(acts as f64),
-                mib((p.gradients + p.transient) as f64),
+                mib(row.sum(|p| p.gradients + p.transient) as f64),
                 mib(rise as f64)
             ),
             None => "| ".into(),
@@ -311,18 +362,15 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
     // forgets the activations.
     let (mut no_optim, mut no_acts) = (0.0f64, 0.0f64);
     for row in &rows {
-        // Ranks sharing the device: the sum of what they hold (each rank's peak at the
-        // same moment when they run in step).
-        let sum = |f: &dyn Fn(&MemoryEstimate) -> u64| -> u64 { row.predicted.iter().map(f).sum() };
         let m = row.measured.peak;
-        let e = rel(sum(&|p| p.peak), m);
-        no_optim = no_optim.max(rel(sum(&|p| p.peak - p.optimizer_state), m).abs());
-        no_acts = no_acts.max(rel(sum(&|p| p.peak - p.activations), m).abs());
+        let e = rel(row.sum(|p| p.peak), m);
+        no_optim = no_optim.max(rel(row.sum(|p| p.peak - p.optimizer_state), m).abs());
+        no_acts = no_acts.max(rel(row.sum(|p| p.peak - p.activations), m).abs());
         if e.abs() > 0.15 {
             failures.push(format!(
                 "{}: predicted {:.2} MiB, measured {:.2} MiB ({:+.1} %)",
                 row.name,
-                mib(sum(&|p| p.peak) as f64),
+                mib(row.sum(|p| p.peak) as f64),
                 mib(m as f64),
                 100.0 * e
             ));
@@ -330,12 +378,12 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         // Without FSDP (whose root keeps its gathered parameters through the step) the
         // second step's forward leaves on the device what the model counts as activations.
         if let (Some((acts, _)), false) = (row.measured.second_step, row.fsdp) {
-            let e = rel(row.predicted[0].activations, acts);
+            let predicted = row.sum(|p| p.activations);
+            let e = rel(predicted, acts);
             if e.abs() > 0.02 {
                 failures.push(format!(
-                    "{}: predicted activations {} B, the forward left {acts} B ({:+.1} %)",
+                    "{}: predicted activations {predicted} B, the forward left {acts} B ({:+.1} %)",
                     row.name,
-                    row.predicted[0].activations,
                     100.0 * e
                 ));
             }

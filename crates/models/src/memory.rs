@@ -148,14 +148,14 @@
 //!   holds beside the hidden-state gradient and the output gradient
 //!   [`device_attention_backward_bytes`] of attention's heads: the inputs' gradients
 //!   `[q + 2 kv]`, `dq` and `dk` `[q + kv]` in buffers of their own until RoPE's
-//!   backward rotates them into
-//!   those, for a packed input its q and k rotated again `[q + kv]`, and the flash
-//!   backward's workspace ([`device_sdpa_backward_scratch`]: a row statistic and an f32
-//!   `dq` accumulator). The host GEMM workspace is not added. Under context parallelism
-//!   the composition's terms are used on the device too (not checked there).
-//!   `tests/memory_model_device.rs` holds this against the emulated CUDA device, whose
-//!   `DeviceBuffer`s are counted as a GPU's are (what `max_memory_allocated` reports,
-//!   without the driver's, cuBLASLt's and a caching pool's memory); no GPU has run it.
+//!   backward rotates them into those, for a packed input its q and k rotated again
+//!   `[q + kv]`, and the flash backward's workspace ([`device_sdpa_backward_scratch`]:
+//!   a row statistic and an f32 `dq` accumulator). The host GEMM workspace is not added.
+//!   Under context parallelism the composition's terms are used on the device too, with
+//!   the device kernel's scratch. `tests/memory_model_device.rs` holds this (cp 2
+//!   included) against the emulated CUDA device, whose `DeviceBuffer`s are counted as a
+//!   GPU's are (what `max_memory_allocated` reports, without the driver's, cuBLASLt's
+//!   and a caching pool's memory); no GPU has run it.
 //!
 //! The peak is parameters + gradients + optimizer state + activations + the largest
 //! transient: at the end of the backward of the first layer, everything else is still
@@ -164,9 +164,11 @@
 //!
 //! - **Context parallelism**: every activation holds `s / cp` positions of its rows
 //!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
-//!   attention); the ring adds the key and value blocks in flight (`[4 a_kv]` of the
-//!   local rows, a transient); parameters are replicated over cp, or sharded over
-//!   `dp x cp` under FSDP. Attention's backward is modelled per block (above); the
+//!   attention), and each forward keeps the RoPE tables cut at the rank's positions
+//!   (cos and sin, `2 (s / cp) head_dim` elements in the parameters' dtype, once per
+//!   stage and micro-batch); the ring adds the key and value blocks in flight
+//!   (`[4 a_kv]` of the local rows, a transient); parameters are replicated over cp, or
+//!   sharded over `dp x cp` under FSDP. Attention's backward is modelled per block (above); the
 //!   all-gather method ([`CpMethod::AllGather`]) gathers every rank's keys and values
 //!   again in attention's backward and keeps every block's `dk` and `dv` until the
 //!   reduce-scatter, which is what it holds beyond the ring. Its forward's gathered keys
@@ -744,6 +746,11 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         if s + 1 == num_stages {
             // The final norm's input, the head's input and the logits.
             kept_mb += tokens * (shape.resid + h + v / t) * abytes + tokens * stat;
+        }
+        if c.cp > 1 && !ranges[s].is_empty() {
+            // Context parallelism cuts the RoPE tables at this rank's positions for each
+            // forward (cos and sin, in the parameters' dtype), which RoPE's backward keeps.
+            kept_mb += 2.0 * (c.seq as f64 / c.cp as f64) * hd * pbytes;
         }
         stage_mb.push(kept_mb);
     }
