@@ -1,8 +1,9 @@
 //! The memory model against the tracking allocator: for one Llama (hidden 256, 4
 //! layers, seq 256, f32, AdamW) trained two steps as the trainers do (the loss held
 //! through the optimizer step), the predicted per-rank peak is within 15 % of the
-//! measured one at one rank, 2x2 FSDP x TP and tp 2 alone (sequence-parallel plan, which
-//! gathers q, k and v back to every head), pp 2 with 1F1B,
+//! measured one at one rank, 2x2 FSDP x TP and tp 2 alone, without checkpointing and
+//! under full checkpointing (sequence-parallel plan, which gathers q, k and v back to
+//! every head), pp 2 with 1F1B,
 //! cp 2, cp 2 x tp 2 (ring attention, Megatron plan), cp 2 with the all-gather method
 //! (alone and under full activation checkpointing), full and selective activation
 //! checkpointing, with fused projections or the fused residual at one rank, both under
@@ -398,6 +399,7 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
         case("single rank", &base),
         case("2x2 FSDP x TP (sp)", &fsdp_tp),
         case("tp 2 (sp)", &Run { tp: 2, ..base.clone() }),
+        case("tp 2 (sp), full AC", &Run { tp: 2, ac: AcPolicy::full(), ..base.clone() }),
         case("cp 2 (ring)", &cp2),
         case("cp 2 x tp 2 (ring, megatron)", &Run { tp: 2, ..cp2.clone() }),
         case("cp 2 (all-gather)", &cp2_ag),
