@@ -34,7 +34,7 @@ fn the_tile_width_and_cluster_size_come_from_the_environment() {
     let mut b = Buf::new(&vec![0x3f80u16; k * n], 0);
     let p = GemmProblem::new(GemmShape::new(1, m, n, k), CudaDType::BF16, CudaDType::F32);
     let (ap, bp) = (a.ptr(), b.ptr());
-    let rec = Recording::new(None);
+    let rec = Recording::for_host_memory(None);
     let run = |tile_n: Option<&str>, cluster: Option<&str>| {
         set(TILE_N_ENV, tile_n);
         set(CLUSTER_ENV, cluster);

@@ -1092,19 +1092,23 @@ fn launch_config_clusters_reach_every_launcher() {
         check(&out, cluster, "Emulator");
     }
     // the emulated device, directly and replayed from a graph
+    // (its launches reach its own buffers only: `out` is device memory here)
     let dev = EmulatedGpu::open(0).unwrap();
     emu(); // registers the test kernels with the emulator the device runs
-    let mut out = fresh();
-    let args = args_for(&mut out);
+    let mut out = tpar_kernels::cuda::DeviceBuffer::from_host(&dev, &fresh()).unwrap();
+    let args = ClusterArgs { out: out.as_slice_mut().ptr(), ..args_for(&mut Vec::new()) };
     let cfg = LaunchConfig::linear(grid, 64).with_shared(2048).with_cluster([2, 1, 1]);
     // SAFETY: as `run`: `out` covers what the kernel writes and outlives the graph.
     let graph = CudaGraph::capture(&dev, || unsafe {
         launch(dev.as_ref(), "hopper_cluster_exchange", cfg, &args)
     })
     .unwrap();
-    assert!(out.iter().all(|&v| v == -1), "a captured launch ran");
+    let ints = |b: &tpar_kernels::cuda::DeviceBuffer| -> Vec<i32> {
+        bytemuck::cast_slice(&b.to_host().unwrap()).to_vec()
+    };
+    assert!(ints(&out).iter().all(|&v| v == -1), "a captured launch ran");
     graph.replay().unwrap();
-    check(&out, 2, "graph replay");
+    check(&ints(&out), 2, "graph replay");
     // refused shapes, before anything runs
     for (grid, cluster, want) in
         [(6, [4, 1, 1], "not a multiple"), (16, [16, 1, 1], "at most 8"), (4, [2, 0, 1], "zero")]

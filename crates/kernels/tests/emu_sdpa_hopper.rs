@@ -215,7 +215,7 @@ fn backward<T: Float>(
         workspace_bytes: ws.bytes,
         layout: Default::default(),
     };
-    let rec = Recording::new(None);
+    let rec = Recording::for_host_memory(None);
     // SAFETY: host buffers stand in for device memory, each holding every
     // element the call's sizes reach; the workspace is 16-byte aligned.
     unsafe { sdpa_backward(&rec, dtype, s, &b, path).unwrap() };

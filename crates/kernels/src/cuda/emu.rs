@@ -648,7 +648,12 @@ impl Fnv {
 }
 
 /// The emulator as a [`GpuDevice`]: "device" memory is host memory (256-byte
-/// aligned), copies are `memcpy`, kernels run on the calling thread.
+/// aligned), copies are `memcpy`, kernels run on the calling thread. A fresh
+/// allocation holds 0xFF bytes (NaN in every float dtype), as hostile as a GPU's
+/// leftover contents, so a result that depends on memory nothing wrote shows.
+/// Its launches reach device memory only: under the checking emulator
+/// ([`Emulator::racecheck`]) any global address outside its live allocations (a
+/// host `Vec`, a freed buffer, past a buffer's end) fails the launch.
 ///
 /// It captures CUDA graphs ([`super::graph`]): during a capture launches, device
 /// copies and memsets are recorded, allocations come from the graph's private
@@ -996,6 +1001,11 @@ unsafe impl GpuDevice for EmulatedGpu {
         if p.is_null() {
             return Err(cuda_error("alloc", format!("out of memory allocating {bytes} bytes")));
         }
+        // Contents unspecified, as on a GPU, and hostile: 0xFF bytes (NaN in every
+        // float dtype, -1 in every signed integer), so that a result that depends on
+        // memory nothing wrote shows instead of reading the zeros of fresh pages.
+        // SAFETY: `p` holds `size` bytes.
+        unsafe { std::ptr::write_bytes(p, 0xFF, size) };
         if let Some(pool) = pool {
             lock(&pool).blocks.insert(p as DevPtr, (size, true));
         }
@@ -1012,9 +1022,9 @@ unsafe impl GpuDevice for EmulatedGpu {
             for (i, pool) in pools.iter().enumerate() {
                 let mut pl = lock(pool);
                 if let Some(e) = pl.blocks.get_mut(&ptr) {
+                    // free for the pool's next allocation; the graph's replays still
+                    // use it, so the memcheck keeps it until it is deallocated
                     e.1 = false;
-                    // free for the pool's next allocation: no kernel may reach it now
-                    self.emu.track(ptr, bytes, false);
                     if !pl.graph_alive {
                         release_free_blocks(self.emu, &mut pl);
                         if pl.blocks.is_empty() {

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use tpar_kernels::cuda::emu::EmulatedGpu;
+use tpar_kernels::cuda::emu::{EmulatedGpu, Emulator};
 use tpar_kernels::cuda::{Arch, DevPtr, GpuDevice, LaunchConfig, Launcher, MemorySpace};
 
 /// The emulated device of ordinal 0 standing in for `arch` (`None`: what
@@ -16,6 +16,9 @@ pub struct Recording {
     pub inner: Arc<dyn GpuDevice>,
     arch: Option<Option<Arch>>,
     launches: Mutex<Vec<(String, LaunchConfig)>>,
+    /// Launches go to the emulator itself: their addresses may be host memory
+    /// (`Vec`s), which the memcheck of an emulated device's launches refuses.
+    host_memory: bool,
 }
 
 impl Recording {
@@ -27,7 +30,13 @@ impl Recording {
             inner: EmulatedGpu::open(0).unwrap(),
             arch: arch.map(|a| Some(Arch::parse(a).unwrap())),
             launches: Mutex::new(Vec::new()),
+            host_memory: false,
         }
+    }
+
+    /// As [`Recording::new`], for launches whose buffers are host memory.
+    pub fn for_host_memory(arch: Option<&str>) -> Recording {
+        Recording { host_memory: true, ..Recording::new(arch) }
     }
 
     /// Standing in for exactly `arch`: `None` is no architecture (the
@@ -64,7 +73,13 @@ impl Launcher for Recording {
     ) -> tpar_kernels::Result<()> {
         self.launches.lock().unwrap().push((kernel.to_string(), *cfg));
         // SAFETY: forwarded as given; the caller vouches for the arguments.
-        unsafe { self.inner.launch_raw(kernel, cfg, args) }
+        unsafe {
+            if self.host_memory {
+                Emulator::get()?.launch_raw(kernel, cfg, args)
+            } else {
+                self.inner.launch_raw(kernel, cfg, args)
+            }
+        }
     }
 }
 
