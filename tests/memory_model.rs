@@ -400,6 +400,7 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
         case("2x2 FSDP x TP (sp)", &fsdp_tp),
         case("tp 2 (sp)", &Run { tp: 2, ..base.clone() }),
         case("tp 2 (sp), full AC", &Run { tp: 2, ac: AcPolicy::full(), ..base.clone() }),
+        case("tp 2 (sp), selective AC", &Run { tp: 2, ac: AcPolicy::selective(), ..base.clone() }),
         case("cp 2 (ring)", &cp2),
         case("cp 2 x tp 2 (ring, megatron)", &Run { tp: 2, ..cp2.clone() }),
         case("cp 2 (all-gather)", &cp2_ag),

@@ -175,14 +175,11 @@
 //!   and values (`[2 cp a_kv]`) are freed when attention returns and stay below the
 //!   backward's peak.
 //!
-//! Known to be off: a selective checkpoint under a tensor-parallel plan keeps less than
-//! counted (at tp 2 under the sequence-parallel plan, hidden 256, 4 layers, 2 x 256
-//! tokens, the forward leaves 4.4 MiB where 10.4 are predicted: the layer inputs and
-//! attention's outputs only), so the prediction is high there. The DTensor `linear`
-//! infers its output's shape by running the product on meta tensors inside the
-//! checkpointed region, and the policy's every-second-matmul count lands on those: a
-//! layer saves 8 outputs instead of 5 (7 of them meta products), none of the real
-//! matmuls'. The model counts what the policy means to keep.
+//! A selective checkpoint under a tensor-parallel plan keeps what it keeps at one rank:
+//! the DTensor `linear` infers its output's shape by running the product on meta tensors
+//! inside the checkpointed region, and those products are not ops to keep and take no
+//! place in the policy's every-second-matmul count (they did until 2026-12-06, and a
+//! layer then kept 8 outputs, 7 of them meta products, none of the real matmuls').
 //!
 //! What it does not model: the RoPE tables the model keeps once built (cos and sin,
 //! `2 s head_dim` elements in the parameters' dtype, on the rank's device), padding

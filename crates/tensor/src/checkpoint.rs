@@ -30,7 +30,9 @@
 //! [`SaveOp::Sdpa`]; torchtitan keeps attention and every second matmul,
 //! [`SaveOp::EveryOtherMatmul`], which is [`SaveOp::DEFAULT`]), the outputs of those ops
 //! are kept from the forward and everything else (norms, elementwise ops, RoPE) is
-//! recomputed. The mechanism is a per-thread stack of frames consulted by the kept ops themselves (one
+//! recomputed. Products on meta tensors (the shape inference a DTensor op runs before
+//! its local product) are neither kept nor counted, so a tensor-parallel layer keeps
+//! what the same layer keeps at one rank. The mechanism is a per-thread stack of frames consulted by the kept ops themselves (one
 //! call in the host matmul and the host attention): during the forward a *record* frame
 //! appends each kept op's output (with the op and its operands' shapes) to a list; during
 //! the recompute a *replay* frame hands those outputs back in order instead of computing
@@ -319,6 +321,11 @@ pub(crate) fn kept<R: Clone + Send + Sync + 'static>(
         Compute,
         Save,
         Reuse(Result<R>),
+    }
+    if operands.iter().any(|t| t.device() == crate::Device::Meta) {
+        // shape inference (a DTensor op running itself on meta tensors): no output to
+        // keep, and no place in the region's count of kept ops
+        return compute();
     }
     let act = FRAMES.with(|s| {
         let mut s = s.borrow_mut();
