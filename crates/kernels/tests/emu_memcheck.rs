@@ -9,6 +9,8 @@
 //! (`EmulatedGpu`), whose allocations the check knows; the same faults run without
 //! a report on the plain emulator.
 
+mod common;
+
 use std::sync::Arc;
 
 use tpar_kernels::cuda::emu::{EmulatedGpu, Emulator};
@@ -18,15 +20,7 @@ const SRC: &str = include_str!("racecheck/memcheck.cu");
 const N: usize = 64;
 
 fn emu(check: bool) -> &'static Emulator {
-    static PLAIN: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    static CHECKED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    let (e, once) = if check {
-        (Emulator::racecheck().expect("racecheck emulator"), &CHECKED)
-    } else {
-        (Emulator::get().expect("emulator"), &PLAIN)
-    };
-    once.get_or_init(|| e.add_source("mem_test", SRC).expect("the memcheck kernels compile"));
-    e
+    common::emu_with(check, "mem_test", SRC)
 }
 
 #[repr(C)]

@@ -14,6 +14,8 @@
 //! The same planted kernels run without a report on the plain emulator: the
 //! check is what finds them.
 
+mod common;
+
 use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
 use tpar_kernels::cuda::{launch, DevPtr, LaunchConfig};
@@ -21,15 +23,7 @@ use tpar_kernels::cuda::{launch, DevPtr, LaunchConfig};
 const SRC: &str = include_str!("racecheck/kernels.cu");
 
 fn emu(racecheck: bool) -> &'static Emulator {
-    static PLAIN: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    static CHECKED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-    let (e, once) = if racecheck {
-        (Emulator::racecheck().expect("racecheck emulator"), &CHECKED)
-    } else {
-        (Emulator::get().expect("emulator"), &PLAIN)
-    };
-    once.get_or_init(|| e.add_source("race_test", SRC).expect("the race test kernels compile"));
-    e
+    common::emu_with(racecheck, "race_test", SRC)
 }
 
 #[repr(C)]

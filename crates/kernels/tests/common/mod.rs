@@ -18,6 +18,18 @@ pub fn emu() -> &'static Emulator {
     Emulator::get().expect("the CPU emulator builds")
 }
 
+/// The plain emulator (`check` false) or the checking one (`Emulator::racecheck`),
+/// with the test binary's own kernels `src` added once under `name`.
+pub fn emu_with(check: bool, name: &str, src: &str) -> &'static Emulator {
+    static ADDED: [std::sync::OnceLock<()>; 2] =
+        [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    let e =
+        if check { Emulator::racecheck().expect("the checking emulator builds") } else { emu() };
+    ADDED[usize::from(check)]
+        .get_or_init(|| e.add_source(name, src).expect("the test kernels compile"));
+    e
+}
+
 /// The address of a buffer the kernel reads.
 pub fn ptr<T>(v: &[T]) -> DevPtr {
     v.as_ptr() as DevPtr
