@@ -3,8 +3,10 @@
 //! GPU faults on or compute-sanitizer's memcheck reports, and the check must name
 //! it: a read one float past a buffer's end, a write one float before its start, a
 //! buffer used after it was freed, a 4-byte load, a 16-byte store and an atomic at
-//! misaligned addresses, and dynamic shared memory reached outside the launch's
-//! bytes, past its end and before its start. Mode 0 copies in bounds and passes.
+//! misaligned addresses, dynamic shared memory reached outside the launch's
+//! bytes, past its end and before its start, and (initcheck) a read of device
+//! memory nothing has written since it was allocated. Mode 0 copies in bounds and
+//! passes.
 //! Global bounds are checked on launches over an emulated device's buffers
 //! (`EmulatedGpu`), whose allocations the check knows; the same faults run without
 //! a report on the plain emulator.
@@ -40,15 +42,29 @@ fn cfg() -> LaunchConfig {
     LaunchConfig::linear(1, N as u32).with_shared((N * 4) as u32)
 }
 
+/// How [`on_device`] prepares its buffers.
+#[derive(Clone, Copy, PartialEq)]
+enum Setup {
+    /// `src` uploaded, `out` zeroed.
+    Written,
+    /// `src` freed before the launch.
+    FreedSrc,
+    /// `out` allocated and never written.
+    UnwrittenOut,
+}
+
 /// Runs `mode` over device buffers of an emulated device on the checking
-/// emulator (`freed`: `src` is freed before the launch): the output, or the
-/// launch's error.
-fn on_device(mode: i32, freed: bool) -> Result<Vec<f32>, String> {
+/// emulator: the output, or the launch's error.
+fn on_device(mode: i32, setup: Setup) -> Result<Vec<f32>, String> {
     let dev: Arc<dyn GpuDevice> = EmulatedGpu::open_on(emu(true), 7);
     let src = DeviceBuffer::from_host(&dev, &input()).unwrap();
-    let mut out = DeviceBuffer::zeros(&dev, N * 4).unwrap();
+    let mut out = if setup == Setup::UnwrittenOut {
+        DeviceBuffer::alloc(&dev, N * 4).unwrap()
+    } else {
+        DeviceBuffer::zeros(&dev, N * 4).unwrap()
+    };
     let src_ptr = src.ptr();
-    if freed {
+    if setup == Setup::FreedSrc {
         drop(src);
     }
     let args = MemArgs { out: out.as_slice_mut().ptr(), src: src_ptr, n: N as i32, mode };
@@ -83,7 +99,7 @@ fn on_host(mode: i32, check: bool) -> Result<Vec<f32>, String> {
 /// store the host compiler may emit as an aligned vector store that faults the
 /// process there.
 fn reported(mode: i32, device: bool, needles: &[&str]) {
-    let err = if device { on_device(mode, false) } else { on_host(mode, true) }
+    let err = if device { on_device(mode, Setup::Written) } else { on_host(mode, true) }
         .expect_err(&format!("mode {mode}: nothing reported"));
     assert!(err.contains("memcheck: "), "mode {mode}: {err}");
     for n in needles {
@@ -96,7 +112,9 @@ fn reported(mode: i32, device: bool, needles: &[&str]) {
 
 #[test]
 fn in_bounds_copies_pass_on_device_and_host_memory() {
-    assert_eq!(on_device(0, false).unwrap(), input());
+    assert_eq!(on_device(0, Setup::Written).unwrap(), input());
+    // mode 8 adds into out, zeroed first
+    assert_eq!(on_device(8, Setup::Written).unwrap(), input());
     assert_eq!(on_host(0, true).unwrap(), input());
 }
 
@@ -125,7 +143,7 @@ fn global_reads_past_the_end_and_writes_before_the_start_are_named() {
 
 #[test]
 fn a_buffer_used_after_it_was_freed_is_named() {
-    let err = on_device(0, true).expect_err("a freed buffer read");
+    let err = on_device(0, Setup::FreedSrc).expect_err("a freed buffer read");
     assert!(err.contains("memcheck: out of bounds: a load of 4 bytes"), "{err}");
     assert!(err.contains("of the 256-byte allocation at"), "{err}");
     assert!(err.contains("which has been freed"), "{err}");
@@ -150,4 +168,19 @@ fn shared_memory_outside_the_launch_bytes_is_named() {
         ],
     );
     reported(6, true, &["a load of 4 bytes at byte -4 of the dynamic shared memory"]);
+}
+
+#[test]
+fn a_read_of_device_memory_nothing_wrote_is_named() {
+    let err = on_device(8, Setup::UnwrittenOut).expect_err("a read of unwritten memory");
+    for n in [
+        "memcheck: uninitialized: a load of 4 bytes",
+        "of the 256-byte allocation at",
+        "has not been written since the allocation",
+        "mem_copy",
+    ] {
+        assert!(err.contains(n), "{n:?} not in: {err}");
+    }
+    // a kernel's own stores count as writes: mode 0 writes out without reading it
+    assert_eq!(on_device(0, Setup::UnwrittenOut).unwrap(), input());
 }

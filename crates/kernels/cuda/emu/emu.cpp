@@ -585,13 +585,20 @@ bool skipped(uintptr_t a) {
 // - on launches whose global memory is registered (Launch::strict: an
 //   EmulatedGpu's device buffers, through tpar_emu_track), an access of global
 //   memory that does not lie inside one live allocation: past an allocation's
-//   end, before its start, or in one already freed.
+//   end, before its start, or in one already freed; and (initcheck) a read of
+//   bytes of an allocation that nothing has written since it was allocated (a
+//   kernel's stores, bulk stores and atomics write; so do the host side's
+//   copies and memsets, which it reports through tpar_emu_written).
 // The thread stops before the access (its fiber is never resumed, so nothing
 // out of bounds is read or written) and the launch fails naming the access,
 // the address and the nearest allocation, the thread and the function.
+struct Alloc {
+    uintptr_t end;
+    std::vector<u8> written;  // one bit per byte
+};
 struct Allocs {
     std::mutex mu;
-    std::map<uintptr_t, uintptr_t> live;                // start -> end
+    std::map<uintptr_t, Alloc> live;                    // by start
     std::deque<std::pair<uintptr_t, uintptr_t>> freed;  // the last frees, newest last
 };
 Allocs& allocs() {
@@ -600,29 +607,63 @@ Allocs& allocs() {
 }
 constexpr size_t kFreedKept = 4096;
 
-// Empty when [at, at + bytes) lies inside one live allocation, else where it
-// lies relative to the nearest one: "at byte <offset> of the <n>-byte
-// allocation at <address>, ..." (a negative offset lies before its start).
-std::string outside_allocation(uintptr_t at, size_t bytes) {
+// Marks [at, at + bytes) of allocation `a` (starting at `start`) written.
+void mark_written(Alloc& a, uintptr_t start, uintptr_t at, size_t bytes) {
+    for (uintptr_t x = at - start, e = std::min<uintptr_t>(x + bytes, a.end - start); x < e; ++x)
+        a.written[x >> 3] |= (u8)(1u << (x & 7));
+}
+
+// The allocation holding `at`, or null (the registry's lock held).
+std::pair<const uintptr_t, Alloc>* holding(Allocs& A, uintptr_t at) {
+    auto next = A.live.upper_bound(at);
+    if (next == A.live.begin()) return nullptr;
+    auto prev = std::prev(next);
+    return at < prev->second.end ? &*prev : nullptr;
+}
+
+// Checks an access of [at, at + bytes) of global memory (`reads`: it reads
+// them; `writes`: it writes them) against the live allocations: empty when it
+// lies inside one and reads nothing unwritten (and then records what it
+// writes), else what is wrong: "out of bounds: ... at byte <offset> of the
+// <n>-byte allocation at <address>, ..." (a negative offset lies before its
+// start; the nearest allocation) or "uninitialized: ...".
+std::string check_global(uintptr_t at, size_t bytes, bool reads, bool writes) {
     Allocs& A = allocs();
     std::lock_guard<std::mutex> lock(A.mu);
     auto next = A.live.upper_bound(at);
     const bool has_prev = next != A.live.begin();
     const auto prev = has_prev ? std::prev(next) : A.live.end();
-    auto of = [&](std::pair<uintptr_t, uintptr_t> r, const char* how) {
+    auto of = [&](uintptr_t start, uintptr_t end, const char* how) {
         char buf[240];
         std::snprintf(buf, sizeof buf, "at byte %lld of the %llu-byte allocation at %#llx%s",
-                      (long long)(at - r.first), (unsigned long long)(r.second - r.first),
-                      (unsigned long long)r.first, how);
+                      (long long)(at - start), (unsigned long long)(end - start),
+                      (unsigned long long)start, how);
         return std::string(buf);
     };
-    if (has_prev && at < prev->second)
-        return at + bytes <= prev->second ? "" : of(*prev, ", reaching past its end");
-    const unsigned long long after = has_prev ? at - prev->second : ~0ull;
+    if (has_prev && at < prev->second.end) {
+        Alloc& a = prev->second;
+        if (at + bytes > a.end) return "out of bounds: " + of(prev->first, a.end, ", reaching past its end");
+        if (reads)
+            for (uintptr_t x = at - prev->first; x < at + bytes - prev->first; ++x)
+                if (!(a.written[x >> 3] >> (x & 7) & 1u)) {
+                    char buf[120];
+                    std::snprintf(buf, sizeof buf,
+                                  " (its byte %llu has not been written since the allocation)",
+                                  (unsigned long long)x);
+                    return "uninitialized: " + of(prev->first, a.end, buf);
+                }
+        if (writes) mark_written(a, prev->first, at, bytes);
+        return "";
+    }
+    const unsigned long long after = has_prev ? at - prev->second.end : ~0ull;
     const unsigned long long before = next != A.live.end() ? next->first - at : ~0ull;
-    std::string where = after == ~0ull && before == ~0ull ? "in no live device allocation"
-                        : after <= before ? of(*prev, ", past its end (the nearest allocation)")
-                                          : of(*next, ", before its start (the nearest allocation)");
+    std::string where =
+        "out of bounds: " +
+        (after == ~0ull && before == ~0ull
+             ? std::string("in no live device allocation")
+         : after <= before
+             ? of(prev->first, prev->second.end, ", past its end (the nearest allocation)")
+             : of(next->first, next->second.end, ", before its start (the nearest allocation)"));
     for (auto f = A.freed.rbegin(); f != A.freed.rend(); ++f)
         if (at >= f->first && at < f->second) {
             char buf[200];
@@ -701,10 +742,22 @@ void visit(Launch* L, const void* p, size_t bytes, const Access& a) {
                 return;
             }
     if (skipped(at)) return;
-    if (L->strict) {
-        const std::string where = outside_allocation(at, bytes);
-        if (!where.empty()) {
-            mem_fail(L, a, "out of bounds: " + sized(a, bytes, at) + " of global memory, " + where);
+    if (!L->strict) {
+        // a raw launch (its addresses may be host memory): what it writes of a
+        // registered allocation counts as written for later checked launches
+        if (a.write) {
+            Allocs& A = allocs();
+            std::lock_guard<std::mutex> lock(A.mu);
+            if (auto* h = holding(A, at)) mark_written(h->second, h->first, at, bytes);
+        }
+    } else {
+        // an atomic (a bulk reduction's add too) reads what it updates
+        const bool reads = !a.write || a.kind == ATOMIC;
+        const std::string what = check_global(at, bytes, reads, a.write);
+        if (!what.empty()) {
+            const size_t colon = what.find(": ");
+            mem_fail(L, a, what.substr(0, colon + 2) + sized(a, bytes, at) + " of global memory, " +
+                               what.substr(colon + 2));
             return;
         }
     }
@@ -2083,14 +2136,23 @@ void tpar_emu_track(const void* p, size_t bytes, int live) {
     std::lock_guard<std::mutex> lock(A.mu);
     const uintptr_t at = reinterpret_cast<uintptr_t>(p);
     if (live) {
-        A.live[at] = at + bytes;
+        A.live[at] = race::Alloc{at + bytes, std::vector<u8>((bytes + 7) / 8, 0)};
         return;
     }
     auto it = A.live.find(at);
     if (it == A.live.end()) return;
-    A.freed.push_back(*it);
+    A.freed.push_back({it->first, it->second.end});
     if (A.freed.size() > race::kFreedKept) A.freed.pop_front();
     A.live.erase(it);
+}
+
+// initcheck: the host side wrote [p, p + bytes) of device memory (a copy or a
+// memset).
+void tpar_emu_written(const void* p, size_t bytes) {
+    race::Allocs& A = race::allocs();
+    std::lock_guard<std::mutex> lock(A.mu);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    if (auto* h = race::holding(A, at)) race::mark_written(h->second, h->first, at, bytes);
 }
 #endif
 

@@ -70,7 +70,15 @@ void tpar_emu_fail(const char* what);
 #define warpSize 32
 #define tpar_dyn_smem (tpar_emu_dyn_smem_ptr())
 
+#ifdef TPAR_EMU_RACECHECK
+// The checks see a store only as an assignment: GCC's instrumentation misses an
+// aggregate a call returns straight into memory (`*p = from_f32<bf16>(v)`,
+// `r[k] = Pack16<T>::pack(e)`), so device functions are inlined there, as a GPU
+// compiler inlines them.
+#define TPAR_DEVICE inline __attribute__((always_inline))
+#else
 #define TPAR_DEVICE inline
+#endif
 #define TPAR_KERNEL(name, ArgsT, max_threads)                                      \
     static void name##_tpar_body(const ArgsT args);                                \
     extern "C" void name(const void* p) {                                          \

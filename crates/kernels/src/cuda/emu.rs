@@ -72,6 +72,8 @@ type LaunchFn = unsafe extern "C" fn(
 ) -> i32;
 /// `tpar_emu_track(ptr, bytes, live)`: the checking runtime's allocation registry.
 type TrackFn = unsafe extern "C" fn(*const c_void, usize, i32);
+/// `tpar_emu_written(ptr, bytes)`: the host side wrote device memory (initcheck).
+type WrittenFn = unsafe extern "C" fn(*const c_void, usize);
 
 #[derive(Clone, Copy)]
 struct KernelInfo {
@@ -91,7 +93,7 @@ pub struct Emulator {
     /// Whether launches check shared memory for data races ([`RACECHECK_ENV`]).
     racecheck: bool,
     /// The checking runtime's allocation registry (memcheck), when checking.
-    track: Option<TrackFn>,
+    track: Option<(TrackFn, WrittenFn)>,
     rt_path: PathBuf,
     rt_hash: u64,
     libs: Mutex<
@@ -208,11 +210,14 @@ impl Emulator {
     /// outside the bytes the launch gave the block; and, on launches of an
     /// [`EmulatedGpu`] (its buffers are registered with the check), global memory
     /// outside every live allocation: past a buffer's end, before its start, or in a
-    /// freed one. The thread stops before the access, and the launch fails naming it,
-    /// the address and the nearest allocation. Raw launches on host memory the check
-    /// does not know ([`Emulator::launch_cluster_raw`] with `Vec` addresses) are not
-    /// checked for global bounds. Not covered: `__shared__` statics overrunning each
-    /// other, and reads of device memory nothing wrote (`initcheck`).
+    /// freed one; and, as `initcheck`, a read of bytes of such an allocation that
+    /// nothing has written since it was allocated (kernels' stores, bulk stores and
+    /// atomics write, and so do the device's copies and memsets; an atomic reads what
+    /// it updates). The thread stops before the access, and the launch fails naming
+    /// it, the address and the nearest allocation. Raw launches on host memory the
+    /// check does not know ([`Emulator::launch_cluster_raw`] with `Vec` addresses) are
+    /// not checked for global bounds (what they write of a device allocation counts as
+    /// written). Not covered: `__shared__` statics overrunning each other.
     ///
     /// ```no_run
     /// use tpar_kernels::cuda::emu::Emulator;
@@ -234,10 +239,19 @@ impl Emulator {
     /// Registers (`live`) or unregisters device memory with the checking
     /// runtime's memcheck; nothing without the check.
     fn track(&self, ptr: DevPtr, bytes: usize, live: bool) {
-        if let Some(track) = self.track {
+        if let Some((track, _)) = self.track {
             // SAFETY: records an address range in the runtime's registry; nothing
             // is dereferenced.
             unsafe { track(ptr as *const c_void, bytes, i32::from(live)) }
+        }
+    }
+
+    /// Tells the checking runtime's initcheck that the host side wrote device memory.
+    fn wrote(&self, ptr: DevPtr, bytes: usize) {
+        if let Some((_, written)) = self.track {
+            // SAFETY: marks an address range in the runtime's registry; nothing is
+            // dereferenced.
+            unsafe { written(ptr as *const c_void, bytes) }
         }
     }
 
@@ -292,10 +306,15 @@ impl Emulator {
                 .map_err(|e| cuda_error("emulator", format!("tpar_emu_launch_cluster: {e}")))?
         };
         let track = if racecheck {
-            // SAFETY: the checking runtime defines `tpar_emu_track` with this signature.
+            // SAFETY: the checking runtime defines `tpar_emu_track` and
+            // `tpar_emu_written` with these signatures.
             Some(unsafe {
-                *rt.get::<TrackFn>(b"tpar_emu_track\0")
-                    .map_err(|e| cuda_error("emulator", format!("tpar_emu_track: {e}")))?
+                (
+                    *rt.get::<TrackFn>(b"tpar_emu_track\0")
+                        .map_err(|e| cuda_error("emulator", format!("tpar_emu_track: {e}")))?,
+                    *rt.get::<WrittenFn>(b"tpar_emu_written\0")
+                        .map_err(|e| cuda_error("emulator", format!("tpar_emu_written: {e}")))?,
+                )
             })
         } else {
             None
@@ -881,11 +900,13 @@ impl super::graph::GraphExec for EmuGraph {
                     sh.copies_run.fetch_add(1, Ordering::Relaxed);
                     // SAFETY: as for the kernels above.
                     unsafe { std::ptr::copy(*src as *const u8, *dst as *mut u8, *bytes) };
+                    self.emu.wrote(*dst, *bytes);
                 }
                 Node::Zero { dst, bytes } => {
                     sh.copies_run.fetch_add(1, Ordering::Relaxed);
                     // SAFETY: as for the kernels above.
                     unsafe { std::ptr::write_bytes(*dst as *mut u8, 0, *bytes) };
+                    self.emu.wrote(*dst, *bytes);
                 }
             }
             if result.is_err() {
@@ -1062,6 +1083,7 @@ unsafe impl GpuDevice for EmulatedGpu {
         self.issue(false, || unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len())
         });
+        self.emu.wrote(dst, src.len());
         Ok(())
     }
 
@@ -1086,6 +1108,7 @@ unsafe impl GpuDevice for EmulatedGpu {
         }
         // SAFETY: the caller guarantees both ranges.
         self.issue(false, || unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) });
+        self.emu.wrote(dst, bytes);
         Ok(())
     }
 
@@ -1115,6 +1138,7 @@ unsafe impl GpuDevice for EmulatedGpu {
         self.issue(false, || unsafe {
             std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes)
         });
+        self.emu.wrote(dst, bytes);
         Ok(())
     }
 
@@ -1127,6 +1151,7 @@ unsafe impl GpuDevice for EmulatedGpu {
         }
         // SAFETY: the caller guarantees the range.
         self.issue(false, || unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) });
+        self.emu.wrote(dst, bytes);
         Ok(())
     }
 

@@ -19,7 +19,8 @@ struct MemArgs {
 // 4 a 16-byte store 8 bytes into out (misaligned);
 // 5 the last thread writes shared memory one float past the launch's bytes;
 // 6 thread 0 reads shared memory one float before its start;
-// 7 an atomicAdd at an address that is not 4-byte aligned.
+// 7 an atomicAdd at an address that is not 4-byte aligned;
+// 8 out[t] += src[t]: reads out, which must have been written first.
 TPAR_KERNEL(mem_copy, MemArgs, 256) {
     const int t = threadIdx.x, n = args.n, m = args.mode;
     float* sh = reinterpret_cast<float*>(tpar_dyn_smem);
@@ -36,6 +37,8 @@ TPAR_KERNEL(mem_copy, MemArgs, 256) {
             Raw16 v{{1u, 2u, 3u, 4u}};
             *reinterpret_cast<Raw16*>(reinterpret_cast<unsigned char*>(args.out) + 8) = v;
         }
+    } else if (m == 8) {
+        args.out[t] += args.src[t];
     } else if (m == 7) {
         if (t == 0) atomicAdd(reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(args.out) + 2), 1.0f);
     } else {
