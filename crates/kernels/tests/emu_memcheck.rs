@@ -184,3 +184,25 @@ fn a_read_of_device_memory_nothing_wrote_is_named() {
     // a kernel's own stores count as writes: mode 0 writes out without reading it
     assert_eq!(on_device(0, Setup::UnwrittenOut).unwrap(), input());
 }
+
+/// The bf16 elementwise kernels store 16-byte vectors that a call returns
+/// (`Pack16<bf16>::pack`), a store the host compiler's instrumentation misses unless
+/// the checked build inlines device functions: then the product below would be
+/// reported as never written when the second product reads it.
+#[test]
+fn a_real_kernels_vector_stores_count_as_written() {
+    use tpar_kernels::cuda::ops::elementwise::{binary, BinaryOp};
+    use tpar_kernels::cuda::CudaDType;
+    let dev: Arc<dyn GpuDevice> = EmulatedGpu::open_on(emu(true), 7);
+    let n = 480;
+    let one = DeviceBuffer::from_host(&dev, &vec![0x3f80u16; n]).unwrap(); // bf16 1.0
+    let mut y = DeviceBuffer::alloc(&dev, n * 2).unwrap();
+    let mut z = DeviceBuffer::alloc(&dev, n * 2).unwrap();
+    let (d, bf16, mul) = (dev.as_ref(), CudaDType::BF16, BinaryOp::Mul);
+    binary(d, bf16, mul, one.as_slice(), &[1], one.as_slice(), &[1], &[n], y.as_slice_mut())
+        .unwrap();
+    binary(d, bf16, mul, y.as_slice(), &[1], one.as_slice(), &[1], &[n], z.as_slice_mut())
+        .unwrap_or_else(|e| panic!("the second product reads the first one's output: {e}"));
+    let bits: Vec<u16> = bytemuck::cast_slice(&z.to_host().unwrap()).to_vec();
+    assert!(bits.iter().all(|&b| b == 0x3f80), "{bits:?}");
+}
