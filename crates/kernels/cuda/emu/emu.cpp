@@ -581,7 +581,8 @@ bool skipped(uintptr_t a) {
 //   that width requires, else the launch faults) at an address that is not a
 //   multiple of N, and an atomic at an address not a multiple of its size;
 // - an access of dynamic shared memory outside the bytes the launch gave the
-//   block (the emulated window has room for 227 KiB, so any such offset shows);
+//   block (the checked window has room for 227 KiB after them and 1 KiB before,
+//   so such an offset shows);
 // - on launches whose global memory is registered (Launch::strict: an
 //   EmulatedGpu's device buffers, through tpar_emu_track), an access of global
 //   memory that does not lie inside one live allocation: past an allocation's
@@ -642,7 +643,8 @@ std::string check_global(uintptr_t at, size_t bytes, bool reads, bool writes) {
     };
     if (has_prev && at < prev->second.end) {
         Alloc& a = prev->second;
-        if (at + bytes > a.end) return "out of bounds: " + of(prev->first, a.end, ", reaching past its end");
+        if (at + bytes > a.end)
+            return "out of bounds: " + of(prev->first, a.end, ", reaching past its end");
         if (reads)
             for (uintptr_t x = at - prev->first; x < at + bytes - prev->first; ++x)
                 if (!(a.written[x >> 3] >> (x & 7) & 1u)) {

@@ -671,8 +671,9 @@ impl Fnv {
 /// allocation holds 0xFF bytes (NaN in every float dtype), as hostile as a GPU's
 /// leftover contents, so a result that depends on memory nothing wrote shows.
 /// Its launches reach device memory only: under the checking emulator
-/// ([`Emulator::racecheck`]) any global address outside its live allocations (a
-/// host `Vec`, a freed buffer, past a buffer's end) fails the launch.
+/// ([`Emulator::racecheck`]) any global address outside the live allocations of the
+/// emulated devices (a host `Vec`, a freed buffer, past a buffer's end) fails the
+/// launch.
 ///
 /// It captures CUDA graphs ([`super::graph`]): during a capture launches, device
 /// copies and memsets are recorded, allocations come from the graph's private
