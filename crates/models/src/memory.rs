@@ -40,7 +40,8 @@
 //!   which the loss keeps. The autograd graph frees a closure's saved tensors when the
 //!   graph is dropped, not during the backward: activations live until the loss is
 //!   dropped (a trainer holds it through the optimizer step).
-//! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` only; during its backward the recomputed layer's activations exist once.
+//! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` only; during its
+//!   backward the recomputed layer's activations exist once.
 //!   **Selective** keeps the layer input and the outputs of the kept ops (by default
 //!   attention and every second matmul: q, v, gate and down): of the matmuls
 //!   (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up, `[h]` for
