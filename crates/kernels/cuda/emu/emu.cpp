@@ -581,8 +581,8 @@ bool skipped(uintptr_t a) {
 //   that width requires, else the launch faults) at an address that is not a
 //   multiple of N, and an atomic at an address not a multiple of its size;
 // - an access of dynamic shared memory outside the bytes the launch gave the
-//   block (the checked window has room for 227 KiB after them and 1 KiB before,
-//   so such an offset shows);
+//   block (the checked window holds 227 KiB from the block's start, the most a
+//   block can have, and 1 KiB before it, so such an offset shows);
 // - on launches whose global memory is registered (Launch::strict: an
 //   EmulatedGpu's device buffers, through tpar_emu_track), an access of global
 //   memory that does not lie inside one live allocation: past an allocation's
@@ -2085,8 +2085,8 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_
     L.smem_bytes = dyn_smem;
     L.ctas.resize(L.csize);
 #ifdef TPAR_EMU_RACECHECK
-    // memcheck: room for the largest window after the block's bytes and 1 KiB
-    // before them, so that offsets a block reaches outside its own bytes land
+    // memcheck: the largest window a block can have from its start, and 1 KiB
+    // before it, so that offsets a block reaches outside its own bytes land
     // here and show
     const size_t window = kMaxDynSmem, before = 1024;
 #else

@@ -17,8 +17,9 @@
 //! between synchronization points (seeded, [`Emulator::set_seed`]).
 //! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
 //! shared and global memory for data races, as `compute-sanitizer --tool
-//! racecheck` does on a GPU, and for out-of-bounds and misaligned addresses, as
-//! its `memcheck` does.
+//! racecheck` does on a GPU, for out-of-bounds and misaligned addresses, as its
+//! `memcheck` does, and for reads of device memory nothing wrote, as its `initcheck`
+//! does.
 //!
 //! Hopper's instructions are emulated too (`crates/kernels/cuda/README.md`
 //! says how): mbarriers (a wait no phase can complete is reported as a
