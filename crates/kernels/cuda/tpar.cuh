@@ -1238,6 +1238,15 @@ TPAR_DEVICE void wgmma_rs(float* d, const u32 a[4], u64 desc_b, bool accumulate)
 // - no device printf naming the block, thread and barrier: printf is a
 //   function call, and a call in a kernel that issues wgmma makes ptxas
 //   serialize the wgmma pipeline (C7510) and ignore setmaxnreg (C7507).
+// Instead, the first thread of a module whose wait times out writes where it
+// waited (the call's source line, the barrier, the parity, its block, thread,
+// cluster rank and SM) into host memory the device can reach: page-locked,
+// mapped memory whose device address the host stores in each module's
+// `tpar_watchdog_report` when it loads the module (null: no report). The
+// host reads it once the launch has failed (the context is lost, host memory
+// is not) and adds it to the ContextLost error (src/cuda/device/watchdog.rs,
+// which also fixes the record's layout: the TPAR_WATCHDOG_* word indices).
+// Plain stores and one atomic on a device global: no call, no trap.
 // The emulator keeps its own report: a wait that never can complete is a
 // deadlock error there, naming the barrier.
 #ifndef TPAR_MBAR_TIMEOUT_MS
@@ -1253,32 +1262,85 @@ TPAR_DEVICE u32 tpar_globaltimer_units() {
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
     return (u32)(t >> 20);
 }
-// The watchdog's end (above): `brkpt`, then a store to the null address
-// (it faults) should the breakpoint be resumed. The stored value (the
-// barrier's shared address xor the parity) is for a debugger's eyes only.
-TPAR_DEVICE void tpar_mbar_abort(u64* bar, u32 parity) {
+// The watchdog's record: 16 u32 words, the magic word written last.
+enum {
+    TPAR_WATCHDOG_MAGIC = 0,     // TPAR_WATCHDOG_WRITTEN once the rest is there
+    TPAR_WATCHDOG_LINE = 1,      // the source line of the mbarrier_wait_parity call
+    TPAR_WATCHDOG_BARRIER = 2,   // the barrier's shared-memory address
+    TPAR_WATCHDOG_PARITY = 3,    // the parity waited for
+    TPAR_WATCHDOG_BLOCK = 4,     // blockIdx x, y, z (words 4-6)
+    TPAR_WATCHDOG_THREAD = 7,    // threadIdx x, y, z (words 7-9)
+    TPAR_WATCHDOG_SM = 10,       // %smid
+    TPAR_WATCHDOG_RANK = 11,     // %cluster_ctarank
+    TPAR_WATCHDOG_STATE = 12,    // the barrier's 64-bit word, low then high (12-13)
+    TPAR_WATCHDOG_TIMEOUT = 14,  // TPAR_MBAR_TIMEOUT_MS
+    TPAR_WATCHDOG_WORDS = 16,
+};
+#define TPAR_WATCHDOG_WRITTEN 0x74706172u  // "tpar"
+extern "C" {
+// Set by the host to a record of mapped host memory (null: no report).
+__device__ u32* tpar_watchdog_report = nullptr;
+// Which thread of the module writes the record: the first to time out.
+__device__ u32 tpar_watchdog_claimed = 0u;
+}
+// The watchdog's end (above): the record, then `brkpt`, then a store to the
+// null address (it faults) should the breakpoint be resumed. The stored
+// value (the barrier's shared address xor the parity) is for a debugger's
+// eyes only.
+TPAR_DEVICE void tpar_mbar_abort(u64* bar, u32 parity, u32 line) {
+    const u32 addr = tpar_shared_addr(bar);
+    u32* report = tpar_watchdog_report;
+    if (report != nullptr && atomicAdd(&tpar_watchdog_claimed, 1u) == 0u) {
+        volatile u32* r = report;
+        u64 state;
+        u32 sm, rank;
+        // The barrier's word is opaque (its layout is undocumented); it is
+        // read once, for the report, as the kernel stops.
+        asm volatile("ld.volatile.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(addr));
+        asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+        asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+        r[TPAR_WATCHDOG_LINE] = line;
+        r[TPAR_WATCHDOG_BARRIER] = addr;
+        r[TPAR_WATCHDOG_PARITY] = parity;
+        r[TPAR_WATCHDOG_BLOCK + 0] = blockIdx.x;
+        r[TPAR_WATCHDOG_BLOCK + 1] = blockIdx.y;
+        r[TPAR_WATCHDOG_BLOCK + 2] = blockIdx.z;
+        r[TPAR_WATCHDOG_THREAD + 0] = threadIdx.x;
+        r[TPAR_WATCHDOG_THREAD + 1] = threadIdx.y;
+        r[TPAR_WATCHDOG_THREAD + 2] = threadIdx.z;
+        r[TPAR_WATCHDOG_SM] = sm;
+        r[TPAR_WATCHDOG_RANK] = rank;
+        r[TPAR_WATCHDOG_STATE + 0] = (u32)state;
+        r[TPAR_WATCHDOG_STATE + 1] = (u32)(state >> 32);
+        r[TPAR_WATCHDOG_TIMEOUT] = (u32)TPAR_MBAR_TIMEOUT_MS;
+        __threadfence_system();
+        r[TPAR_WATCHDOG_MAGIC] = TPAR_WATCHDOG_WRITTEN;
+        __threadfence_system();
+    }
     asm volatile(
         "brkpt;\n"
         "st.volatile.global.u32 [%0], %1;\n" ::"l"(0ull),
-        "r"(tpar_shared_addr(bar) ^ parity)
+        "r"(addr ^ parity)
         : "memory");
 }
 
 // Waits until the phase of parity `parity` of `bar` has completed; past
-// TPAR_MBAR_TIMEOUT_MS, stops the kernel (the watchdog above).
-TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
+// TPAR_MBAR_TIMEOUT_MS, stops the kernel (the watchdog above), reporting
+// `line` (by default the caller's source line).
+TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity, u32 line = __builtin_LINE()) {
     constexpr u32 limit = (u32)(((u64)TPAR_MBAR_TIMEOUT_MS * 1000000ull) >> 20) + 1u;
     if (mbarrier_try_wait_parity(bar, parity)) return;
     const u32 start = tpar_globaltimer_units();
     while (!mbarrier_try_wait_parity(bar, parity)) {
-        if (tpar_globaltimer_units() - start > limit) tpar_mbar_abort(bar, parity);
+        if (tpar_globaltimer_units() - start > limit) tpar_mbar_abort(bar, parity, line);
     }
 }
 #else
 // Waits until the phase of parity `parity` of `bar` has completed (the
 // emulator blocks the thread, and reports a wait that never can complete as
-// a deadlock).
-TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
+// a deadlock; `line` is the GPU watchdog's and unused here).
+TPAR_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity, u32 line = __builtin_LINE()) {
+    (void)line;
     while (!mbarrier_try_wait_parity(bar, parity)) {
     }
 }

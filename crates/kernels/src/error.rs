@@ -78,8 +78,8 @@ pub enum KernelError {
     #[error(
         "{op}: {what}; the CUDA context is lost (a kernel trapped or faulted; every later call \
          on this device fails); a Hopper kernel whose mbarrier wait outlasted \
-         TPAR_MBAR_TIMEOUT_MS (a deadlock) stops this way: TPAR_CUDA_ARCH=sm_90 runs the \
-         pre-Hopper kernels"
+         TPAR_MBAR_TIMEOUT_MS (a deadlock) stops this way, and the error then says where it \
+         waited: TPAR_CUDA_ARCH=sm_90 runs the pre-Hopper kernels"
     )]
     ContextLost {
         /// The call that reported it.

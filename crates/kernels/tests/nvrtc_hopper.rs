@@ -9,8 +9,9 @@
 //! stack frame, spills and warnings of each kernel are reported; the GEMM and
 //! the attention backward must have no stack frame, no spills and no warning
 //! (such as a `setmaxnreg` that ptxas ignores). Every Hopper kernel's PTX
-//! must hold the mbarrier watchdog (`%globaltimer`, `brkpt`): a wait that
-//! never completes stops the kernel with an error instead of hanging.
+//! must hold the mbarrier watchdog (`%globaltimer`, its report, `brkpt`): a
+//! wait that never completes stops the kernel with an error instead of
+//! hanging, and says where it waited.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -249,10 +250,13 @@ fn ptxas_report(name: &str, ptx: &str) -> Option<(Vec<Usage>, Vec<String>)> {
 
 /// What the mbarrier watchdog of `mbarrier_wait_parity` (tpar.cuh) puts in
 /// the PTX of every kernel that waits on an mbarrier: the global timer read
-/// after the first failed try, and the `brkpt` (then a store to the null
+/// after the first failed try, the report (the record's address read from
+/// the module global `tpar_watchdog_report`, the SM read into it, the system
+/// fence before its magic word), and the `brkpt` (then a store to the null
 /// address) that stops a wait past `TPAR_MBAR_TIMEOUT_MS` with a sticky error
 /// instead of a hang.
-const WATCHDOG: [&str; 2] = ["%globaltimer;", "brkpt;"];
+const WATCHDOG: [&str; 5] =
+    ["%globaltimer;", "[tpar_watchdog_report];", "%smid;", "membar.sys;", "brkpt;"];
 
 /// Asserts that the PTX of `name` holds the mbarrier watchdog ([`WATCHDOG`]).
 fn assert_watchdog(name: &str, ptx: &str) {

@@ -46,6 +46,8 @@
 //!   and contexts, and the functions taken from them ([`KernelInfo`]);
 //! - `memory.rs`: a [`CudaDevice`]'s memory (allocation, copies, peer copies);
 //! - `launch.rs`: a [`CudaDevice`]'s kernel launches;
+//! - `watchdog.rs`: where a Hopper kernel's mbarrier wait timed out, read
+//!   back into the lost context's error;
 //! - this file: [`CudaDevice`] itself, opened with [`CudaDevice::new`].
 
 use std::collections::HashMap;
@@ -66,6 +68,7 @@ mod memory;
 mod modules;
 mod nvrtc;
 mod probe;
+mod watchdog;
 
 pub use disk_cache::{precompile, KERNEL_CACHE_ENV};
 pub use index::{kernel_names, source_of};

@@ -16,6 +16,7 @@ use super::disk_cache::{disk_cache_file, disk_cache_load, disk_cache_store};
 use super::index::source_of;
 use super::nvrtc::{nvrtc_compile, CompileOptions};
 use super::probe::{driver_error, guarded};
+use super::watchdog;
 use super::CudaDevice;
 use crate::cuda::{cuda_error, KernelSource};
 use crate::Result;
@@ -25,7 +26,7 @@ pub const DEFAULT_DYN_SMEM_LIMIT: u32 = 48 * 1024;
 
 /// Locks a mutex, carrying on past a panic in another holder (the guarded
 /// data are caches that are either filled or not).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -207,6 +208,7 @@ impl CudaDevice {
             };
             let module = guarded(&op, || self.ctx.load_module(ptx))?
                 .map_err(|e| driver_error(&op, "cuModuleLoadData", e))?;
+            watchdog::attach(&self.ctx, &self.stream, self.ordinal, &module, source.name);
             Ok(Arc::new(LoadedModule { module, functions: Mutex::new(HashMap::new()) }))
         })
     }

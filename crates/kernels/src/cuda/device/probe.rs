@@ -45,7 +45,7 @@ pub(crate) fn driver_error(op: &str, what: &str, e: DriverError) -> KernelError 
 /// for a sticky code, else [`KernelError::Cuda`].
 fn classify(op: &str, what: String, code: CUresult) -> KernelError {
     if is_sticky(code) {
-        KernelError::ContextLost { op: op.to_string(), what }
+        KernelError::ContextLost { op: op.to_string(), what: super::watchdog::with_report(what) }
     } else {
         cuda_error(op, what)
     }
