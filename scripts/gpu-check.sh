@@ -34,8 +34,9 @@
 #      steps, and 420 s leaves a full run the time NVRTC needs on a cold
 #      kernel cache). When gpu_check exits 3 (the CUDA context was lost: a
 #      kernel trapped or faulted, which is how a Hopper kernel's mbarrier
-#      watchdog stops a deadlock) or 124/137 (stopped by CHECK_TIMEOUT), step 1
-#      runs once more with TPAR_CUDA_ARCH=sm_90 (no sm_90a kernels: the GEMM
+#      watchdog stops a deadlock; where the wait timed out, which the lost
+#      context's error then carries, goes to watchdog.txt) or 124/137
+#      (stopped by CHECK_TIMEOUT), step 1 runs once more with TPAR_CUDA_ARCH=sm_90 (no sm_90a kernels: the GEMM
 #      and the attention run their mma.sync kernels) into
 #      gpu_check_sm90.{log,json} and gemm_table_sm90.txt, and step 4 reads the
 #      rerun's benchmarks when the first run has none;
@@ -241,6 +242,14 @@ elif [ -x "$bin/gpu_check" ]; then
         3 | 124 | 137)
             if [ "$check_rc" = 3 ]; then
                 why="lost the CUDA context (a kernel trapped or faulted; a Hopper kernel's mbarrier watchdog stops a deadlock this way)"
+                # the watchdog's record (source line, barrier, parity, block,
+                # thread, SM), which the lost context's error carries
+                if grep -o "the mbarrier watchdog stopped [^;]*" "$out/gpu_check.log" | sort -u > "$out/watchdog.txt" && [ -s "$out/watchdog.txt" ]; then
+                    echo "== 1. where the wait timed out (watchdog.txt):"
+                    cat "$out/watchdog.txt"
+                else
+                    rm -f "$out/watchdog.txt"
+                fi
             else
                 why="was stopped by CHECK_TIMEOUT ($check_timeout s)"
             fi
