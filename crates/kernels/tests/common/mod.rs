@@ -1,6 +1,6 @@
-//! Helpers shared by the emulator tests (`emu_*.rs`): host buffers standing
-//! in for device memory, deterministic test data and tolerance checks. Each
-//! test binary uses a subset of them.
+//! Helpers shared by the emulator tests (`emu/`, `emu_sm90a/`, `emu_*.rs`): host
+//! buffers standing in for device memory, deterministic test data and tolerance
+//! checks. Each test binary uses a subset of them.
 #![allow(dead_code)]
 
 use std::sync::Arc;
@@ -13,20 +13,23 @@ use tpar_kernels::KernelError;
 
 pub mod sdpa;
 
-/// The CPU emulator, built once per test binary.
+/// The CPU emulator, built once per test process.
 pub fn emu() -> &'static Emulator {
     Emulator::get().expect("the CPU emulator builds")
 }
 
 /// The plain emulator (`check` false) or the checking one (`Emulator::racecheck`),
-/// with the test binary's own kernels `src` added once under `name`.
+/// with the test's own kernels `src` added once under `name` (once per name and
+/// emulator: several test modules of one binary add sources of their own).
 pub fn emu_with(check: bool, name: &str, src: &str) -> &'static Emulator {
-    static ADDED: [std::sync::OnceLock<()>; 2] =
-        [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    static ADDED: std::sync::Mutex<Vec<(bool, String)>> = std::sync::Mutex::new(Vec::new());
     let e =
         if check { Emulator::racecheck().expect("the checking emulator builds") } else { emu() };
-    ADDED[usize::from(check)]
-        .get_or_init(|| e.add_source(name, src).expect("the test kernels compile"));
+    let mut added = ADDED.lock().unwrap_or_else(|p| p.into_inner());
+    if !added.iter().any(|(c, n)| *c == check && n == name) {
+        e.add_source(name, src).expect("the test kernels compile");
+        added.push((check, name.to_string()));
+    }
     e
 }
 

@@ -1,5 +1,5 @@
-//! Attention test inputs shared by `emu_sdpa.rs`, `emu_sdpa_strided.rs`,
-//! `emu_sdpa_hopper.rs` and `emu_sdpa_hopper_bwd.rs`: shapes, additive masks,
+//! Attention test inputs shared by `emu/sdpa.rs`, `emu/sdpa_strided.rs`,
+//! `emu_sm90a/sdpa_hopper.rs` and `emu_sm90a/sdpa_hopper_bwd.rs`: shapes, additive masks,
 //! one case's inputs and buffers, the error measures against the f64
 //! reference, and the placement of strided operands in host buffers.
 

@@ -1,7 +1,7 @@
 //! SDPA CUDA kernels (flash attention forward and backward), run in the CPU
 //! emulator, against the f64 reference of the CPU op.
 
-mod common;
+use crate::common;
 
 use common::sdpa::{
     bwd_buffers_at, check_lse, max_rel, run_dense, shape, Inputs, MaskKind, MaskPlan, Ran,

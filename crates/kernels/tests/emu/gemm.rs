@@ -1,7 +1,7 @@
 //! GEMM CUDA kernels, run in the CPU emulator, against the f64 reference of
 //! the rounded inputs.
 
-mod common;
+use crate::common;
 
 use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::raw::gemm::{gemm, gemm_with_tile, GemmProblem, GemmTile, MAX_BATCH};

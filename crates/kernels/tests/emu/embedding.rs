@@ -1,7 +1,7 @@
 //! `cuda/embedding.cu` on the CPU emulator against the CPU kernels of
 //! `tpar_kernels::embedding`.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};

@@ -3,7 +3,7 @@
 //! that also write a bf16 / f16 working copy against the plain step and a separate
 //! cast of its result, bit for bit.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, dtype, emu, f64s, mptr, multi_lengths, ptr, tol, Buf, Rng};
 use half::{bf16, f16};

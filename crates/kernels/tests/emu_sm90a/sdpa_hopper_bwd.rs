@@ -7,7 +7,7 @@
 //! stores' layout (a test kernel calling the kernel's own address function,
 //! `hopper/sdpa_dq_units.cu`); and the calls it refuses.
 
-mod common;
+use crate::common;
 
 use common::sdpa::{
     bwd_buffers_at, forward_outputs, max_rel, same_dim_shape as shape, Grads, Inputs, MaskKind,
@@ -180,7 +180,7 @@ fn dq_store_offsets(hd: usize) -> Vec<i32> {
             .find(|s| s.name == "sdpa_hopper_bwd")
             .expect("sdpa_hopper_bwd.cu is embedded");
         let (head, _kernels) = bwd.text.split_once("\nTPAR_KERNEL(").expect("it has kernels");
-        let text = format!("{head}\n{}", include_str!("hopper/sdpa_dq_units.cu"));
+        let text = format!("{head}\n{}", include_str!("../hopper/sdpa_dq_units.cu"));
         e.add_source("hopper_sdpa_dq_units_test", &text).expect("the test kernel compiles");
     });
     let mut out = vec![-1i32; 2 * (hd / 16) * 128];

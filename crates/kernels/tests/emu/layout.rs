@@ -3,7 +3,7 @@
 //! loops and the CPU [`strided_copy`], for 2-, 4- and 8-byte elements, on
 //! aligned and shifted addresses. Copies must be exact.
 
-mod common;
+use crate::common;
 
 use common::{emu, Buf};
 use tpar_kernels::cuda::raw::layout as lay;

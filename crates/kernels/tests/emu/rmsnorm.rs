@@ -1,6 +1,6 @@
 //! RMSNorm CUDA kernels, run in the CPU emulator, against the CPU kernels.
 
-mod common;
+use crate::common;
 
 use common::{emu, mptr, ptr};
 use half::{bf16, f16};

@@ -14,13 +14,13 @@
 //! The same planted kernels run without a report on the plain emulator: the
 //! check is what finds them.
 
-mod common;
+use crate::common;
 
 use tpar_kernels::cuda::emu::Emulator;
 use tpar_kernels::cuda::tensor_map::{TensorMap, TensorMapDType, TensorMapSwizzle, TiledDesc};
 use tpar_kernels::cuda::{launch, DevPtr, LaunchConfig};
 
-const SRC: &str = include_str!("racecheck/kernels.cu");
+const SRC: &str = include_str!("../racecheck/kernels.cu");
 
 fn emu(racecheck: bool) -> &'static Emulator {
     common::emu_with(racecheck, "race_test", SRC)

@@ -10,7 +10,7 @@
 //! (the last q and key tiles of a batch end mid-tile). Strides a tensor map
 //! cannot take are refused by name.
 
-mod common;
+use crate::common;
 
 use common::sdpa::{
     max_rel, same_dim_shape as shape, Inputs, MaskKind, MaskPlan, Placed, Workspace,

@@ -8,9 +8,8 @@
 //! `SdpaPath::Hopper` from its out and lse; the checked ops following
 //! `TPAR_SDPA=hopper`, and the refusals.
 
-mod common;
-#[path = "common/recording.rs"]
-mod recording;
+use crate::common;
+use crate::recording;
 
 use common::sdpa::{
     check_lse, max_rel, same_dim_shape as shape, Inputs, MaskKind, MaskPlan, Workspace,

@@ -3,7 +3,7 @@
 //! more tensors than one launch takes, of sizes around the chunk and at
 //! unaligned addresses.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, dtype, emu, mptr, multi_lengths as lengths, ptr, Buf, Rng};
 use half::{bf16, f16};

@@ -5,7 +5,7 @@
 //! Sizes are odd so the element-wise tails run, and every op also runs on
 //! addresses shifted by one element so the non-vector paths run.
 
-mod common;
+use crate::common;
 
 use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};

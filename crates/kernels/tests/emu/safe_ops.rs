@@ -2,7 +2,7 @@
 //! views, host copies, the size and device checks that refuse a launch, and
 //! results equal to the address-level launchers of `cuda::raw`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

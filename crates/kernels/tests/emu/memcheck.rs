@@ -11,14 +11,14 @@
 //! (`EmulatedGpu`), whose allocations the check knows; the same faults run without
 //! a report on the plain emulator.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
 use tpar_kernels::cuda::emu::{EmulatedGpu, Emulator};
 use tpar_kernels::cuda::{launch, DevPtr, DeviceBuffer, GpuDevice, LaunchConfig};
 
-const SRC: &str = include_str!("racecheck/memcheck.cu");
+const SRC: &str = include_str!("../racecheck/memcheck.cu");
 const N: usize = 64;
 
 fn emu(check: bool) -> &'static Emulator {

@@ -1,6 +1,6 @@
 //! `cuda/reduce.cu` on the CPU emulator against the CPU reductions.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, dtype, emu, f64s, mptr, ptr, tol, Rng};
 use half::{bf16, f16};

@@ -5,7 +5,7 @@
 //! reading and writing separate orders (`[b, s, h, d]` in, `[b, h, s, d]` out
 //! and back) bit for bit against an explicit transpose and the one-order kernel.
 
-mod common;
+use crate::common;
 
 use common::{assert_close_t as assert_close, dtype, emu, tol, Buf, Rng};
 use half::{bf16, f16};

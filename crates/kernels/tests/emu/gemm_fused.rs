@@ -5,7 +5,7 @@
 //! against each other; batched, with padded rows and batches in C and in the
 //! epilogue matrix; and the checks that refuse bad views.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
