@@ -106,28 +106,41 @@ fn step_round_trips(args: &[&str]) -> (Vec<u64>, Vec<u64>) {
 /// On the device a training step stays there: no host round trip on a step that does
 /// not log, exactly one (the loss and the gradient norm, read together) on a step that
 /// does, with and without FSDP at world 1, at cp 2 (ring attention's blocks and merges on
-/// the device) and with FSDP x TP at 2x2 for both plans.
+/// the device) and with FSDP x TP at 2x2 for both plans: one test each, so that the
+/// runs share the harness's threads.
+fn reads_the_host_only_to_log(args: &[&str]) {
+    let (logging, quiet) = step_round_trips(args);
+    assert!(
+        logging == [1, 1] && quiet == [0, 0],
+        "{}: round trips on logging steps {logging:?} (want [1, 1]), on the others {quiet:?} \
+         (want [0, 0])",
+        args.join(" ")
+    );
+}
+
 #[test]
-fn a_device_step_reads_the_host_only_to_log() {
-    let configs: [&[&str]; 5] = [
-        &["--world", "1", "--dp", "1", "--tp", "1", "--no-fsdp"],
-        &["--world", "2", "--dp", "1", "--cp", "2", "--tp", "1"],
-        &["--world", "1", "--dp", "1", "--tp", "1"],
-        &["--world", "4", "--dp", "2", "--tp", "2", "--plan", "sp"],
-        &["--world", "4", "--dp", "2", "--tp", "2", "--plan", "megatron"],
-    ];
-    let mut failures = Vec::new();
-    for args in configs {
-        let (logging, quiet) = step_round_trips(args);
-        if logging != [1, 1] || quiet != [0, 0] {
-            failures.push(format!(
-                "{}: round trips on logging steps {logging:?} (want [1, 1]), on the others \
-                 {quiet:?} (want [0, 0])",
-                args.join(" ")
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+fn a_device_step_reads_the_host_only_to_log_without_fsdp() {
+    reads_the_host_only_to_log(&["--world", "1", "--dp", "1", "--tp", "1", "--no-fsdp"]);
+}
+
+#[test]
+fn a_device_step_reads_the_host_only_to_log_at_cp_2() {
+    reads_the_host_only_to_log(&["--world", "2", "--dp", "1", "--cp", "2", "--tp", "1"]);
+}
+
+#[test]
+fn a_device_step_reads_the_host_only_to_log_with_fsdp() {
+    reads_the_host_only_to_log(&["--world", "1", "--dp", "1", "--tp", "1"]);
+}
+
+#[test]
+fn a_device_step_reads_the_host_only_to_log_at_2x2_sp() {
+    reads_the_host_only_to_log(&["--world", "4", "--dp", "2", "--tp", "2", "--plan", "sp"]);
+}
+
+#[test]
+fn a_device_step_reads_the_host_only_to_log_at_2x2_megatron() {
+    reads_the_host_only_to_log(&["--world", "4", "--dp", "2", "--tp", "2", "--plan", "megatron"]);
 }
 
 /// Context parallelism on the device: cp 2 x tp 2 steps (ring attention's blocks, the
