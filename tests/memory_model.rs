@@ -366,9 +366,11 @@ struct Case {
     measured: Vec<i64>,
     /// What each rank's second forward left allocated (empty where not measured).
     kept: Vec<i64>,
-    /// Whether `kept` is held to the predicted activations (one rank or tp alone: FSDP's
-    /// root keeps its gathered parameters after the forward, and what a cp rank holds
-    /// then moves with the timing of the copies the other rank sent it).
+    /// Whether `kept` is held to the predicted activations (one rank or tp alone: what a
+    /// cp rank holds then moves with the timing of the copies the other rank sent it, and
+    /// an FSDP rank's with the timing of its gathers, whose outputs the collective's
+    /// helper thread allocates, credited to no rank: one 2x2 rank left 21.12 MiB where
+    /// the others left 22.76, the activations and the root's gathered head, 22.64).
     check_kept: bool,
 }
 
@@ -484,8 +486,10 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
             println!("    {p}");
             if let Some(k) = c.kept.get(r) {
                 println!(
-                    "    activations {:.2} MiB, the second forward left {:.2} MiB",
+                    "    activations {:.2} MiB, root's gathered parameters {:.2} MiB, the \
+                     second forward left {:.2} MiB",
                     mib(p.activations as f64),
+                    mib(p.root_gathered as f64),
                     mib(*k as f64)
                 );
             }
@@ -515,13 +519,14 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
         // What the second step's forward leaves is the predicted activations (with the
         // logits and the loss) within 2 %, where nothing else stays from the forward.
         for (r, (p, &k)) in c.predicted.iter().zip(&c.kept).enumerate().filter(|_| c.check_kept) {
-            let e = (p.activations as f64 - k as f64) / k as f64;
+            let left = p.activations + p.root_gathered;
+            let e = (left as f64 - k as f64) / k as f64;
             assert!(
                 e.abs() <= 0.02,
-                "{} rank {r}: predicted activations {:.2} MiB, the second forward left {:.2} \
-                 MiB ({:+.1} %)",
+                "{} rank {r}: predicted activations and root's gathered parameters {:.2} MiB, \
+                 the second forward left {:.2} MiB ({:+.1} %)",
                 c.name,
-                mib(p.activations as f64),
+                mib(left as f64),
                 mib(k as f64),
                 100.0 * e
             );

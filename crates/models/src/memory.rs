@@ -75,12 +75,37 @@
 //!   attention's backward (below; the two do not overlap, the MLP's input gradients are
 //!   freed before attention's backward starts), plus under checkpointing the recomputed
 //!   layer; (b) the loss's backward: the logits' gradient
-//!   `[v/t]` (the logits themselves are counted as activations); (c) under FSDP, a unit's
-//!   gathered parameters, the next unit's prefetched ones and the unit's unsharded
-//!   gradients before the reduce-scatter: three decoder layers' worth of local
-//!   parameters in the compute dtype; DDP adds its gradient buckets of one layer.
+//!   `[v/t]` (the logits themselves are counted as activations), under FSDP with the
+//!   root's gathered parameters (next item); DDP adds its gradient buckets of one layer.
 //!   To these the host adds the GEMM kernels' packing buffers, kept per rank thread
 //!   ([`HOST_GEMM_WORKSPACE`]).
+//! - **FSDP** (`fully_shard` per decoder layer, the base model and the root, as the
+//!   trainers apply it; `tpar_fsdp`'s unit docs): the root unit's own parameters, the
+//!   head `[v/t, h]` (under a pipeline the stage root's embedding, final norm and head),
+//!   stay gathered in the compute dtype from its forward to its backward
+//!   ([`MemoryEstimate::root_gathered`]: the forward leaves them beside the activations,
+//!   and the loss's backward holds them). Its unit reduce-scatters the head's gradient
+//!   and releases them before the layers' backward. A layer's backward does not take
+//!   the larger of its workspace and FSDP's buffers: both are alive. Beside the
+//!   workspace it holds the layer's gathered parameters, the next layer's prefetched
+//!   ones (over more than one FSDP rank; over one a gather is a local copy made when
+//!   needed), the base model's embedding and final norm, gathered from the first
+//!   layer's backward to the embedding's (the backward's last; under a pipeline the
+//!   stage root's when it holds the embedding), and the layer's unsharded gradients
+//!   made by then in the compute dtype (the MLP's weights' at the MLP's backward, with
+//!   o_proj's and the second norm's at attention's): its unit reduce-scatters them once
+//!   all are made and releases its parameters. The gradient shards then are only those
+//!   already reduced (a reduce-scatter's output until the backward's end, then the
+//!   shards' `.grad()`): the head's and those of the layers whose backward ended. The
+//!   model takes the most of the last layer's backward (the first to run, with a
+//!   prefetch), the second one's (one layer's shards more, and the next prefetch) and
+//!   layer 0's (every other layer's shards, no prefetch), and counts as the transient
+//!   what that holds beyond every gradient shard, which `gradients` counts. (The host's
+//!   tracking allocator does not see a collective's output while it is in flight: the
+//!   local backend's helper thread allocates it, which no rank is credited with. The
+//!   host FSDP rows of `tests/memory_model.rs` measure up to a prefetched unit and the
+//!   reduced shards less than the model predicts for that reason; the emulated device
+//!   counts every allocation.)
 //! - **Pipelines**: stage `r` of `pp` holds its layers' activations for the
 //!   micro-batches in flight: all `m` under GPipe, `min(pp - r, m)` under 1F1B,
 //!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
@@ -186,7 +211,9 @@
 //! `2 s head_dim` elements in the parameters' dtype, on the rank's device), padding
 //! masks (a `[b, 1, 1, s]` mask per micro-batch, and under context parallelism every
 //! rank's `[b, s / cp]` key mask gathered once per layer: small next to the
-//! activations), the communication buffers of collectives in flight, and the timing of
+//! activations), the communication buffers of collectives in flight (other than FSDP's
+//! gathered parameters and reduce-scatter outputs), FSDP's reduce dtype (the shards'
+//! gradients are counted in the parameters' dtype), and the timing of
 //! the rank threads (an interleaved rank's boundary copies follow the unit-cost
 //! simulation, not the measured order).
 //!
@@ -449,11 +476,23 @@ pub struct MemoryEstimate {
     pub optimizer_state: u64,
     /// Activations the graph keeps at the peak (all micro-batches in flight).
     pub activations: u64,
-    /// The largest transient at the peak (with the host's kernel workspace).
+    /// The largest transient at the peak (with the host's kernel workspace). Under FSDP,
+    /// where a layer's backward is the largest, what that backward holds beyond the
+    /// other terms: the units gathered then and the layer's unsharded gradients, less
+    /// the gradient shards not made yet (module docs, "Largest transient").
     pub transient: u64,
     /// What the largest transient is.
     pub transient_what: String,
-    /// The predicted peak: the sum of the above.
+    /// Under FSDP, the root unit's own parameters, gathered in the compute dtype, which
+    /// it keeps from its forward to its backward when a backward follows (FSDP2's root,
+    /// `reshard_after_forward` off): the forward leaves them beside the activations.
+    /// Without a pipeline the root's own parameter is the head (`[v/t, h]`); under a
+    /// pipeline the stage is the root, with its embedding, final norm and head. 0
+    /// without FSDP. The loss's backward holds them (its transient counts them); a
+    /// layer's backward runs after the root's unit released them.
+    pub root_gathered: u64,
+    /// The predicted peak: the sum of the parameters, gradients, optimizer state,
+    /// activations and transient.
     pub peak: u64,
 }
 
@@ -765,33 +804,74 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
 
     // The largest transient of a layer's or the loss's backward (what a pipeline adds is
     // weighed below).
+    // FSDP's units beside the layers (module docs, "Largest transient"): the root's own
+    // parameters, which it keeps gathered from its forward to its backward; those
+    // gathered through every layer's backward (the base model's embedding and final
+    // norm, whose unit waits for the embedding's gradient, the backward's last; under a
+    // pipeline the stage root's, when it holds the embedding); and those whose gradient
+    // shards are made before the layers' backward (the head's; under a pipeline a stage
+    // root's without the embedding).
+    let outer: f64 =
+        mine.iter().map(|&s| stage_elems(s) - ranges[s].len() as f64 * layer_params).sum();
+    let (root_own, held, reduced_first) = match (c.pp, mine.contains(&0)) {
+        (1, _) => (v * h / t, v * h / t + h, v * h / t),
+        (_, true) => (outer, outer, 0.0),
+        (_, false) => (outer, 0.0, outer),
+    };
+    let root_gathered = if fsdp { root_own * abytes } else { 0.0 };
+
     let mut options: Vec<(f64, String)> = Vec::new();
     if layers > 0 {
         // The MLP's backward and attention's do not overlap: the MLP's input gradients
         // are freed before attention's backward starts.
         let mlp = tokens * (3.0 * shape.mlp + h) * abytes;
         let attn = attention_backward(c, &shape, c.batch / mb, compute)?;
-        let (ws, part) = if attn > mlp {
-            (attn, "attention's output gradient, dq, dk, dv and the kernel's scratch")
+        let (ws, part, made) = if attn > mlp {
+            // By attention's backward the layer has its MLP's, o_proj's and the second
+            // norm's weight gradients.
+            let made = 3.0 * h * shape.mlp + h * shape.q + h;
+            (attn, "attention's output gradient, dq, dk, dv and the kernel's scratch", made)
         } else {
-            (mlp, "MLP input gradients")
+            (mlp, "MLP input gradients", 3.0 * h * shape.mlp)
         };
         let what = if recompute > 0.0 {
             format!("a layer's backward ({part}) with its recomputed activations")
         } else {
             format!("a layer's backward ({part})")
         };
-        options.push((ws + recompute, what));
+        if fsdp {
+            let fsdp_ws = fsdp_layer_backward(&FsdpBackward {
+                layers,
+                unit: layer_params * abytes,
+                shard_grads: layer_params / fsdp_ranks * pbytes,
+                prefetch: fsdp_ranks > 1.0,
+                held: held * abytes,
+                reduced_first: reduced_first / fsdp_ranks * pbytes,
+                made: made * abytes,
+            }) + ws
+                + recompute
+                - gradients;
+            options.push((
+                fsdp_ws.max(0.0),
+                format!(
+                    "{what}, with FSDP's gathered units (the layer's, the next one's prefetched, \
+                     the embedding's) and the layer's unsharded gradients"
+                ),
+            ));
+        } else {
+            options.push((ws + recompute, what));
+        }
     }
     if last {
-        options.push((tokens * v / t * abytes, "the logits' gradient".into()));
-    }
-    if fsdp && layers > 0 {
-        let unit = layer_params * compute.size_in_bytes() as f64;
-        options.push((
-            3.0 * unit,
-            "FSDP: a unit gathered, the next prefetched, its unsharded gradients".into(),
-        ));
+        let logits = tokens * v / t * abytes;
+        if fsdp {
+            options.push((
+                logits + root_gathered,
+                "the logits' gradient, with the root's gathered parameters".into(),
+            ));
+        } else {
+            options.push((logits, "the logits' gradient".into()));
+        }
     }
     if c.cp > 1 && layers > 0 {
         // The ring: the key and value blocks received for the next hop while the current
@@ -859,12 +939,13 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     }
 
     let round = |x: f64| x.round() as u64;
-    let (parameters, gradients, optimizer_state, activations, transient) = (
+    let (parameters, gradients, optimizer_state, activations, transient, root_gathered) = (
         round(parameters),
         round(gradients),
         round(optimizer_state),
         round(activations),
         round(transient),
+        round(root_gathered),
     );
     let peak = parameters
         .checked_add(gradients)
@@ -881,8 +962,51 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         activations,
         transient,
         transient_what,
+        root_gathered,
         peak,
     })
+}
+
+/// What a rank holds under FSDP during its decoder layers' backward, beside the
+/// parameters, the optimizer state, the activations and the layer's workspace, in bytes.
+struct FsdpBackward {
+    /// The rank's decoder layers (one FSDP unit each).
+    layers: usize,
+    /// A layer's parameters gathered, in the compute dtype.
+    unit: f64,
+    /// A layer's gradient shards.
+    shard_grads: f64,
+    /// Whether a layer's backward prefetches the next layer's parameters (over more than
+    /// one FSDP rank; over one a gather is a local copy, made when needed).
+    prefetch: bool,
+    /// Parameters gathered through every layer's backward (the embedding's unit).
+    held: f64,
+    /// Gradient shards made before the layers' backward (the head's).
+    reduced_first: f64,
+    /// The layer's unsharded gradients made by the time of its workspace's peak, in the
+    /// compute dtype (its unit reduce-scatters them once all are made).
+    made: f64,
+}
+
+/// The most [`FsdpBackward`] holds at once: in the backward of the first layer to run
+/// it (the last layer; with the next one's prefetch), of the second (with the first's
+/// gradient shards and the next prefetch), or of the last (layer 0: every other layer's
+/// gradient shards, no prefetch); a layer's gradient shards are complete once its
+/// backward ends (its reduce-scatter's output until the backward's end, then the
+/// shards' `.grad()`).
+fn fsdp_layer_backward(f: &FsdpBackward) -> f64 {
+    let at = |layer_done: usize, prefetching: bool| {
+        let gathered = if prefetching { 2.0 } else { 1.0 } * f.unit;
+        f.reduced_first + layer_done as f64 * f.shard_grads + f.held + gathered + f.made
+    };
+    let last = at(f.layers - 1, false);
+    if f.layers > 1 {
+        // The layers' backwards before the last: the latest of them holds the most
+        // shards (`layers - 2`), with the next layer prefetched.
+        last.max(at(f.layers - 2, f.prefetch))
+    } else {
+        last
+    }
 }
 
 /// One attention call, local to a rank, as the SDPA backward sees it (`q` `[batch,
