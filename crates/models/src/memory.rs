@@ -40,6 +40,9 @@
 //!   which the loss keeps. The autograd graph frees a closure's saved tensors when the
 //!   graph is dropped, not during the backward: activations live until the loss is
 //!   dropped (a trainer holds it through the optimizer step).
+//!   Under mixed precision (FSDP's `param_dtype` other than the parameters' dtype) each
+//!   layer's attention casts the RoPE tables to the compute dtype and its backward keeps
+//!   the copy: `2 (s / cp) head_dim` elements per layer, whatever `b`.
 //! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` only; during its
 //!   backward the recomputed layer's activations exist once.
 //!   **Selective** keeps the layer input and the outputs of the kept ops (by default
@@ -750,7 +753,12 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let stat = stat_bytes(compute);
     // Row statistics: two RMSNorm rstd per token and attention's log-sum-exp per head.
     let stats = (2.0 + m.num_attention_heads as f64 / attn) * stat;
-    let full_layer = tokens * (shape.kept() * abytes + stats);
+    // Under mixed precision each attention call casts the RoPE tables (built in the
+    // parameters' dtype) to the compute dtype, and its backward keeps the copy: cos and
+    // sin, `2 (s / cp) head_dim` elements per layer.
+    let rope_cast =
+        if compute != m.dtype { 2.0 * (c.seq / c.cp) as f64 * hd * abytes } else { 0.0 };
+    let full_layer = tokens * (shape.kept() * abytes + stats) + rope_cast;
     // The fusions apply where the plan allows them: not under a tensor-parallel plan,
     // whose styles on the projections make the layers run unfused.
     let fuse_projections = c.fusion.projections && c.tp == 1;
