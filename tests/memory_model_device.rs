@@ -9,7 +9,7 @@
 //! 256, 2 sequences of 128) trains two steps on `cuda:0` as the trainers do (the loss
 //! held through the optimizer step), and the predicted peak is within 15 % of the
 //! measured one: in f32, with bf16 parameters, under FSDP mixed precision (bf16
-//! compute, world 1, as `llama_2d` runs by default), under full and selective
+//! compute, world 1, as `llama_2d --dtype bf16` runs), under full and selective
 //! activation checkpointing, with fused projections, with the fused residual under
 //! selective checkpointing (where on the device the kept GEMM's output is the residual
 //! sum), at a sequence of 512 with an MLP of 64 (1 head, 1 layer), where attention's
