@@ -482,7 +482,7 @@ pub struct MemoryEstimate {
     /// The largest transient at the peak (with the host's kernel workspace). Under FSDP,
     /// where a layer's backward is the largest, what that backward holds beyond the
     /// other terms: the units gathered then and the layer's unsharded gradients, less
-    /// the gradient shards not made yet (module docs, "Largest transient").
+    /// the gradient shards not made yet (module docs, "FSDP").
     pub transient: u64,
     /// What the largest transient is.
     pub transient_what: String,
