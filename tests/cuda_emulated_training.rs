@@ -196,24 +196,30 @@ fn quiet_device_steps_read_nothing_back() {
     }
 }
 
-/// The emulated training step under the emulator's race check (`TPAR_EMU_RACECHECK=1`:
-/// a data race in shared or global memory, or a missing proxy fence, fails the launch):
-/// a 2x2 FSDP x TP step of the tiny model, and a bf16 step of one layer at head dim 64
-/// with the Hopper kernels (`sm_90a`: the wgmma GEMM and attention forward and
-/// backward, the packed q/k/v and the fused residual), each ending with the loss bits of
-/// the same run without the check.
+/// The emulator's race check (`TPAR_EMU_RACECHECK=1`: a data race in shared or global
+/// memory, or a missing proxy fence, fails the launch).
+const RACE: (&str, &str) = ("TPAR_EMU_RACECHECK", "1");
+
+/// The emulated training step under the race check: a 2x2 FSDP x TP step of the tiny
+/// model ends with the loss bits of the same run without the check. One step (forward,
+/// loss, backward, clipping, AdamW): every kernel of the step once, under the check's
+/// several-fold slowdown.
 #[test]
 fn the_training_step_passes_the_race_check() {
-    let race = ("TPAR_EMU_RACECHECK", "1");
-    // one step each (forward, loss, backward, clipping, AdamW): every kernel of the
-    // step once, under the check's several-fold slowdown
     let args = ["--world", "4", "--dp", "2", "--tp", "2", "--steps", "1", "--device", "cuda"];
     let tiny = |env: &[(&str, &str)]| {
         let model = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"];
         let shape = ["--intermediate", "64", "--seq", "16", "--batch", "2"];
         final_bits("2x2", run_with(env, &[&model[..], &shape, &args].concat()))
     };
-    assert_eq!(tiny(&[race]), tiny(&[]), "2x2 FSDP x TP under the race check");
+    assert_eq!(tiny(&[RACE]), tiny(&[]), "2x2 FSDP x TP under the race check");
+}
+
+/// As above, a bf16 step of one layer at head dim 64 with the Hopper kernels (`sm_90a`:
+/// the wgmma GEMM and attention forward and backward, the packed q/k/v and the fused
+/// residual); a test of its own, so that the two checked runs share the harness's threads.
+#[test]
+fn the_hopper_training_step_passes_the_race_check() {
     let hopper = [("TPAR_EMU_ARCH", "sm_90a"), ("TPAR_SDPA", "hopper"), ("TPAR_GEMM", "ours")];
     let step = |env: &[(&str, &str)]| {
         let model = ["--layers", "1", "--hidden", "256", "--heads", "4", "--kv-heads", "2"];
@@ -221,5 +227,5 @@ fn the_training_step_passes_the_race_check() {
         let rest = ["--steps", "1", "--device", "cuda", "--fuse-proj", "--fuse-residual"];
         final_bits("hopper", run_with(env, &[&model[..], &shape, &rest].concat()))
     };
-    assert_eq!(step(&[&hopper[..], &[race]].concat()), step(&hopper), "the Hopper kernels");
+    assert_eq!(step(&[&hopper[..], &[RACE]].concat()), step(&hopper), "the Hopper kernels");
 }
