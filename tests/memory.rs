@@ -36,6 +36,34 @@ fn allocations_are_credited_per_rank() {
     assert!((memory::current(7) - before).abs() < 4096);
 }
 
+/// An asynchronous collective's output, made on the group's helper thread, is
+/// credited to the rank that issued the call (it was credited to no rank).
+#[test]
+fn async_collective_outputs_are_the_issuing_ranks() {
+    use tpar::tensor::{DType, Device, Tensor};
+    let n = 2 << 20; // 8 MiB of f32 per rank; the gathered output is 16 MiB
+    let out = tpar::spawn(2, move |ctx| -> Result<i64, tpar::collectives::CollectiveError> {
+        // slots of their own: the tests beside this one use ranks 0 and 1 (and 7, 11)
+        let r = 20 + ctx.rank();
+        memory::set_rank(Some(r));
+        let x = Tensor::ones([n], DType::F32, Device::Cpu)?.mul_scalar(r as f64)?;
+        let before = memory::current(r);
+        let gathered = ctx.world_group().all_gather_async(&x, 0).wait()?;
+        let held = memory::current(r) - before;
+        assert_eq!(gathered.shape().dims(), [2 * n]);
+        drop(gathered);
+        Ok(held)
+    })
+    .unwrap();
+    for (r, held) in out.into_iter().enumerate() {
+        let want = (2 * n * 4) as i64;
+        assert!(
+            held >= want && held < want + (64 << 10),
+            "rank {r}: {held} bytes after the gather, want {want}"
+        );
+    }
+}
+
 /// A large tensor dropped by a rank leaves its figure as a free would, its buffer is
 /// kept (same address for the next tensor of that size and dtype) and the rank that
 /// takes it is credited again; a limit of 0 keeps nothing.

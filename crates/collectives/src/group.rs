@@ -903,11 +903,14 @@ impl ProcessGroup {
         world.async_started(me);
         // The issued call is taken by the helper thread, or back here if none starts.
         let cell = Arc::new(Mutex::new(Some(issued)));
+        // What the helper thread allocates (the call's output) is the issuing rank's.
+        let rank = tpar_tensor::memory::rank();
         let job = {
             let cell = cell.clone();
             let pg = self.clone();
             let world = world.clone();
             move || {
+                tpar_tensor::memory::set_rank(rank);
                 let issued = cell.lock().unwrap_or_else(PoisonError::into_inner).take();
                 let r = match issued {
                     Some(i) => {

@@ -52,6 +52,13 @@ pub fn set_rank(rank: Option<usize>) {
     let _ = RANK.try_with(|c| c.set(slot));
 }
 
+/// The rank this thread's allocations are credited to ([`set_rank`]; `None`:
+/// unattributed). A thread that works for a rank, such as a collective's helper
+/// thread, passes it on with `set_rank(rank())` taken on the rank's thread.
+pub fn rank() -> Option<usize> {
+    RANK.try_with(|c| c.get()).ok().filter(|&s| s < MAX_RANKS)
+}
+
 /// Whether [`TrackingAllocator`] is the global allocator (figures are 0 otherwise).
 pub fn is_tracking() -> bool {
     INSTALLED.load(Ordering::Relaxed)
