@@ -103,12 +103,7 @@
 //!   model takes the most of the last layer's backward (the first to run, with a
 //!   prefetch), the second one's (one layer's shards more, and the next prefetch) and
 //!   layer 0's (every other layer's shards, no prefetch), and counts as the transient
-//!   what that holds beyond every gradient shard, which `gradients` counts. (The host's
-//!   tracking allocator does not see a collective's output while it is in flight: the
-//!   local backend's helper thread allocates it, which no rank is credited with. The
-//!   host FSDP rows of `tests/memory_model.rs` measure up to a prefetched unit and the
-//!   reduced shards less than the model predicts for that reason; the emulated device
-//!   counts every allocation.)
+//!   what that holds beyond every gradient shard, which `gradients` counts.
 //! - **Pipelines**: stage `r` of `pp` holds its layers' activations for the
 //!   micro-batches in flight: all `m` under GPipe, `min(pp - r, m)` under 1F1B,
 //!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
