@@ -13,8 +13,10 @@
 //! ([`with_report`]), read from host memory, which outlives the context.
 //!
 //! Best effort: a device where the mapped memory cannot be had, a module
-//! loaded while its stream captures a CUDA graph, or more modules than
-//! records, report nothing more than before. The records' memory (4 KiB per
+//! loaded while its stream captures a CUDA graph, a module whose global the
+//! driver does not find (NVRTC emits it as a local symbol of the cubin), or
+//! more modules than records, report nothing more than before. Not run on a
+//! GPU yet. The records' memory (4 KiB per
 //! device) is kept for the process's life.
 
 use std::sync::{Arc, Mutex};
