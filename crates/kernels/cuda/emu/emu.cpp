@@ -1,7 +1,8 @@
 // Fiber scheduler of the CPU emulator (see emu.h).
 //
 // A launch runs its blocks in order. Each thread of a block is a fiber
-// (ucontext) with its own stack. A fiber runs until it reaches a block
+// with its own stack (switched by fiber_switch below: no system call; on
+// other than x86-64, ucontext). A fiber runs until it reaches a block
 // barrier or a warp operation; the scheduler then runs the other runnable
 // fibers: warps one at a time in an order shuffled from the launch seed,
 // each up to its next barrier, so that a missing barrier between one warp's
@@ -20,6 +21,62 @@
 #include <vector>
 
 #include "emu.h"
+
+// Fiber switches. swapcontext saves and restores the signal mask, a system
+// call each way, and the emulator switches fibers millions of times per
+// test: on x86-64 a switch is the callee-saved registers, the SSE and x87
+// control words and the stack pointer, saved on the stack being left
+// (tpar_emu_switch), so no system call is made. Elsewhere, ucontext.
+#if defined(__x86_64__)
+#define TPAR_EMU_FAST_SWITCH 1
+extern "C" {
+// Saves the callee-saved state on the current stack, stores the stack
+// pointer in *from and resumes the state saved at `to`.
+void tpar_emu_switch(void** from, void* to);
+// A new fiber's first return lands here: it calls tpar_emu_fiber_main (which
+// never returns) on the fiber's stack, aligned as for a call.
+void tpar_emu_fiber_start();
+void tpar_emu_fiber_main();
+}
+asm(R"(
+    .text
+    .globl tpar_emu_switch
+    .hidden tpar_emu_switch
+    .type tpar_emu_switch, @function
+tpar_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size tpar_emu_switch, .-tpar_emu_switch
+
+    .globl tpar_emu_fiber_start
+    .hidden tpar_emu_fiber_start
+    .type tpar_emu_fiber_start, @function
+tpar_emu_fiber_start:
+    andq $-16, %rsp
+    call tpar_emu_fiber_main
+    ud2
+    .size tpar_emu_fiber_start, .-tpar_emu_fiber_start
+)");
+#endif
 
 #ifdef TPAR_EMU_RACECHECK
 #include <cxxabi.h>
@@ -71,7 +128,11 @@ void retire_groups(std::vector<P>& pending, int keep_from, F done) {
 }
 
 struct Fiber {
+#ifdef TPAR_EMU_FAST_SWITCH
+    void* sp = nullptr;  // the saved stack pointer while switched out
+#else
     ucontext_t ctx;
+#endif
     dim3 tid;
     int lane = 0, warp = 0;
     State state = RUNNABLE;
@@ -175,13 +236,35 @@ struct Launch {
     std::vector<Group> groups;
     std::unordered_map<const void*, Mbar> mbars;
     size_t smem_bytes = 0;
+#ifdef TPAR_EMU_FAST_SWITCH
+    void* sched_sp = nullptr;
+#else
     ucontext_t sched;
+#endif
     Fiber* current = nullptr;
     std::string error;
     unsigned long long rng = 0;
 };
 
 thread_local Launch* g_launch = nullptr;
+
+// Switches from the running fiber to the scheduler.
+inline void to_scheduler(Launch* L) {
+#ifdef TPAR_EMU_FAST_SWITCH
+    tpar_emu_switch(&L->current->sp, L->sched_sp);
+#else
+    swapcontext(&L->current->ctx, &L->sched);
+#endif
+}
+
+// Switches from the scheduler to fiber `f`.
+inline void to_fiber(Launch* L, Fiber& f) {
+#ifdef TPAR_EMU_FAST_SWITCH
+    tpar_emu_switch(&L->sched_sp, f.sp);
+#else
+    swapcontext(&L->sched, &f.ctx);
+#endif
+}
 std::mutex g_mutex;  // `__shared__` statics are process-wide: one launch at a time
 std::vector<char*> g_stacks;
 
@@ -708,7 +791,7 @@ void outside_shared(Launch* L, const Access& a, unsigned b, uintptr_t at, size_t
 
 // Stops the running thread before the access that failed: its fiber returns
 // to the scheduler, which runs nothing more of a launch that has failed.
-void stop_thread(Launch* L) { swapcontext(&L->current->ctx, &L->sched); }
+void stop_thread(Launch* L) { to_scheduler(L); }
 
 // Checks and records access `a` of [p, p + bytes): shared memory (dynamic,
 // `__shared__`) and global memory (anything else kernel code reaches but the
@@ -872,14 +955,21 @@ void fiber_entry() {
     Launch* L = g_launch;
     L->kernel(L->args);
     L->current->state = DONE;
-    // returning resumes the scheduler through uc_link
+    // returning resumes the scheduler through uc_link (fast switch: the
+    // caller, tpar_emu_fiber_main, switches back and is never resumed)
 }
 
-// Yields from the running fiber back to the scheduler.
-void yield_to_scheduler() {
-    Launch* L = g_launch;
-    swapcontext(&L->current->ctx, &L->sched);
+#ifdef TPAR_EMU_FAST_SWITCH
+// A fiber's body: the kernel, then back to the scheduler for good.
+extern "C" void tpar_emu_fiber_main() {
+    fiber_entry();
+    to_scheduler(g_launch);
+    __builtin_trap();  // a finished fiber is never resumed
 }
+#endif
+
+// Yields from the running fiber back to the scheduler.
+void yield_to_scheduler() { to_scheduler(g_launch); }
 
 // Completes the warp operation all live lanes of `w` have arrived at.
 void complete_warp(Warp& w) {
@@ -982,11 +1072,28 @@ void run_cluster(Launch* L) {
         L->warps[f.warp].live++;
         L->groups[f.group].threads[j % 128] = &f;
         L->groups[f.group].live++;
+#ifdef TPAR_EMU_FAST_SWITCH
+        {
+            // the frame tpar_emu_switch restores, at the stack's top: the
+            // scheduler's SSE and x87 control words, six zeroed registers,
+            // then tpar_emu_fiber_start as the return address
+            uint64_t* sp = reinterpret_cast<uint64_t*>(g_stacks[i] + kStack) - 8;
+            uint32_t mxcsr;
+            uint16_t fpucw;
+            asm volatile("stmxcsr %0" : "=m"(mxcsr));
+            asm volatile("fnstcw %0" : "=m"(fpucw));
+            sp[0] = (uint64_t)mxcsr | ((uint64_t)fpucw << 32);
+            for (int r = 1; r <= 6; ++r) sp[r] = 0;
+            sp[7] = (uint64_t)(uintptr_t)&tpar_emu_fiber_start;
+            f.sp = sp;
+        }
+#else
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = g_stacks[i];
         f.ctx.uc_stack.ss_size = kStack;
         f.ctx.uc_link = &L->sched;
         makecontext(&f.ctx, fiber_entry, 0);
+#endif
     }
     TPAR_RACE(race::begin_cluster(L));
     // Warps run one at a time in a shuffled order, each until all its lanes
@@ -1025,7 +1132,7 @@ void run_cluster(Launch* L) {
                     if (f.state != RUNNABLE) continue;
                     ran = progress = true;
                     L->current = &f;
-                    swapcontext(&L->sched, &f.ctx);
+                    to_fiber(L, f);
                     L->current = nullptr;
                     if (f.state == DONE) {
                         --live;
