@@ -36,8 +36,9 @@
 #      kernel trapped or faulted, which is how a Hopper kernel's mbarrier
 #      watchdog stops a deadlock; where the wait timed out, which the lost
 #      context's error then carries, goes to watchdog.txt) or 124/137
-#      (stopped by CHECK_TIMEOUT), step 1 runs once more with TPAR_CUDA_ARCH=sm_90 (no sm_90a kernels: the GEMM
-#      and the attention run their mma.sync kernels) into
+#      (stopped by CHECK_TIMEOUT), step 1 runs once more with
+#      TPAR_CUDA_ARCH=sm_90 (no sm_90a kernels: the GEMM and the attention run
+#      their mma.sync kernels) into
 #      gpu_check_sm90.{log,json} and gemm_table_sm90.txt, and step 4 reads the
 #      rerun's benchmarks when the first run has none;
 #   1b. with SANITIZE=1 only: the checks of the AdamW, attention and GEMM

@@ -1,8 +1,8 @@
 // Fiber scheduler of the CPU emulator (see emu.h).
 //
 // A launch runs its blocks in order. Each thread of a block is a fiber
-// with its own stack (switched by fiber_switch below: no system call; on
-// other than x86-64, ucontext). A fiber runs until it reaches a block
+// with its own stack (switched by tpar_emu_switch below, with no system
+// call; on other than x86-64, by ucontext). A fiber runs until it reaches a block
 // barrier or a warp operation; the scheduler then runs the other runnable
 // fibers: warps one at a time in an order shuffled from the launch seed,
 // each up to its next barrier, so that a missing barrier between one warp's
@@ -265,6 +265,7 @@ inline void to_fiber(Launch* L, Fiber& f) {
     swapcontext(&L->sched, &f.ctx);
 #endif
 }
+
 std::mutex g_mutex;  // `__shared__` statics are process-wide: one launch at a time
 std::vector<char*> g_stacks;
 

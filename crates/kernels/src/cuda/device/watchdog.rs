@@ -51,7 +51,6 @@ const GLOBAL: &str = "tpar_watchdog_report";
 /// (the device sees them at `dev`), the first `sources.len()` given to the
 /// modules loaded so far, in order.
 struct Records {
-    ordinal: usize,
     /// Host address of the records (mapped, page-locked), or of test memory.
     host: usize,
     dev: u64,
@@ -78,7 +77,7 @@ pub(super) fn attach(
     let at = match all.iter().position(|(o, _)| *o == ordinal) {
         Some(i) => i,
         None => {
-            all.push((ordinal, map_records(ordinal)));
+            all.push((ordinal, map_records()));
             all.len() - 1
         }
     };
@@ -111,9 +110,9 @@ fn capturing(stream: &CudaStream) -> bool {
     r != CUresult::CUDA_SUCCESS || status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
 }
 
-/// Mapped, page-locked memory for device `ordinal`'s records, zeroed (the
-/// device's context is current), or `None`.
-fn map_records(ordinal: usize) -> Option<Records> {
+/// Mapped, page-locked memory for the current context's device's records,
+/// zeroed, or `None`.
+fn map_records() -> Option<Records> {
     let bytes = RECORDS * WORDS * 4;
     let flags = dsys::CU_MEMHOSTALLOC_DEVICEMAP | dsys::CU_MEMHOSTALLOC_PORTABLE;
     // SAFETY: allocates `bytes` of host memory; nothing else is touched.
@@ -127,15 +126,18 @@ fn map_records(ordinal: usize) -> Option<Records> {
     if r != CUresult::CUDA_SUCCESS {
         return None;
     }
-    Some(Records { ordinal, host: host as usize, dev, sources: Vec::new() })
+    Some(Records { host: host as usize, dev, sources: Vec::new() })
 }
 
 /// `what` (a lost context's driver error), followed by every record the
 /// watchdog wrote, if any.
 pub(super) fn with_report(what: String) -> String {
     let all = lock(&RECORDS_OF);
-    let reports: Vec<String> =
-        all.iter().filter_map(|(_, r)| r.as_ref()).flat_map(|r| r.written()).collect();
+    let reports: Vec<String> = all
+        .iter()
+        .filter_map(|(ordinal, r)| r.as_ref().map(|r| r.written(*ordinal)))
+        .flatten()
+        .collect();
     if reports.is_empty() {
         what
     } else {
@@ -144,8 +146,8 @@ pub(super) fn with_report(what: String) -> String {
 }
 
 impl Records {
-    /// The written records, as sentences.
-    fn written(&self) -> Vec<String> {
+    /// The written records of device `ordinal`, as sentences.
+    fn written(&self, ordinal: usize) -> Vec<String> {
         self.sources
             .iter()
             .enumerate()
@@ -155,29 +157,30 @@ impl Records {
                 // WORDS` words at `host`, which live for the process; the
                 // device may write them, so every read is volatile.
                 let word = |w: usize| unsafe { base.add(i * WORDS + w).read_volatile() };
-                (word(MAGIC) == WRITTEN).then(|| self.describe(source, &word))
+                (word(MAGIC) == WRITTEN).then(|| describe(ordinal, source, &word))
             })
             .collect()
     }
+}
 
-    fn describe(&self, source: &str, word: &dyn Fn(usize) -> u32) -> String {
-        let three = |at: usize| format!("({}, {}, {})", word(at), word(at + 1), word(at + 2));
-        let state = (u64::from(word(STATE + 1)) << 32) | u64::from(word(STATE));
-        format!(
-            "the mbarrier watchdog stopped a kernel of {source}.cu on GPU {}: block {} thread {} \
-             (cluster rank {}, SM {}) waited more than {} ms at {source}.cu:{} for the phase of \
-             parity {} of the mbarrier at shared address {:#x} (its word then: {state:#018x})",
-            self.ordinal,
-            three(BLOCK),
-            three(THREAD),
-            word(RANK),
-            word(SM),
-            word(TIMEOUT),
-            word(LINE),
-            word(PARITY),
-            word(BARRIER),
-        )
-    }
+/// Record `word` (of a module of `source` on device `ordinal`) as a sentence.
+fn describe(ordinal: usize, source: &str, word: &dyn Fn(usize) -> u32) -> String {
+    let three = |at: usize| format!("({}, {}, {})", word(at), word(at + 1), word(at + 2));
+    let state = (u64::from(word(STATE + 1)) << 32) | u64::from(word(STATE));
+    format!(
+        "the mbarrier watchdog stopped a kernel of {source}.cu on GPU {}: block {} thread {} \
+         (cluster rank {}, SM {}) waited more than {} ms at {source}.cu:{} for the phase of \
+         parity {} of the mbarrier at shared address {:#x} (its word then: {state:#018x})",
+        ordinal,
+        three(BLOCK),
+        three(THREAD),
+        word(RANK),
+        word(SM),
+        word(TIMEOUT),
+        word(LINE),
+        word(PARITY),
+        word(BARRIER),
+    )
 }
 
 #[cfg(test)]
@@ -236,7 +239,6 @@ mod tests {
         rec[TIMEOUT] = 10000;
         let ordinal = 1000;
         let recs = Records {
-            ordinal,
             host: mem.as_ptr() as usize,
             dev: 0,
             sources: vec!["sdpa_hopper".into(), "gemm_hopper".into()],
