@@ -193,17 +193,23 @@ impl Run {
         let (ids, tgt) = (ids.narrow(0, rows * d, rows)?, tgt.narrow(0, rows * d, rows)?);
         let tgt = tgt.reshape([tgt.numel()])?;
         let _lp = loss_parallel::enable(&mesh["tp"]);
-        self.train_measured(rank, base, &model, &ids, &tgt, None, &mut opt, || Ok(()))
+        self.train_measured(&ctx.world_group(), base, &model, &ids, &tgt, None, &mut opt, || Ok(()))
     }
 
     /// Two training steps of `model` on `ids` and the flat targets `tgt` (the loss scaled by
     /// `share` if any, `before_step` run between the backward and the optimizer step), as the
     /// trainers run them: the logits and the loss held through the optimizer step. Returns
     /// the peak above `base` and the second step's backward rise.
+    ///
+    /// The ranks of `world` meet before each step and after each forward, so no rank's
+    /// figures move with another's progress: the local backend frees what a rank posted to
+    /// a collective (and charges it to that rank until then) when the last member is done
+    /// with it, so a rank that finished its collectives first still holds its inputs until
+    /// the slowest rank finishes.
     #[allow(clippy::too_many_arguments)]
     fn train_measured(
         &self,
-        rank: usize,
+        world: &ProcessGroup,
         base: i64,
         model: &LlamaForPretraining,
         ids: &Tensor,
@@ -213,8 +219,10 @@ impl Run {
         before_step: impl Fn() -> tpar::Result<()>,
     ) -> tpar::Result<Measured> {
         let vocab = self.cfg.vocab_size as isize;
+        let rank = world.rank();
         let mut m = Measured { peak: 0, backward_rise: 0, forward_kept: 0 };
         for _ in 0..2 {
+            world.barrier()?;
             let start = memory::current(rank);
             let logits = model.logits(ids, None)?.reshape(&[-1, vocab])?;
             let loss = logits.cross_entropy(tgt, -100)?;
@@ -222,6 +230,7 @@ impl Run {
                 Some(s) => loss.mul_scalar(s)?,
                 None => loss,
             };
+            world.barrier()?;
             let end = memory::current(rank);
             m.forward_kept = end - start;
             m.peak = m.peak.max(memory::peak(rank) - base);
@@ -267,7 +276,8 @@ impl Run {
         let tgt = tgt.reshape([tgt.numel()])?;
         let share = cp_token_share(&tgt, -100, &g)?;
         let _lp = loss_parallel::enable(&mesh["tp"]);
-        self.train_measured(rank, base, &model, &ids, &tgt, Some(share), &mut opt, || {
+        let world = ctx.world_group();
+        self.train_measured(&world, base, &model, &ids, &tgt, Some(share), &mut opt, || {
             Ok(all_reduce_gradients(&model, &g)?)
         })
     }
