@@ -66,8 +66,13 @@
 // Epilogue (runtime flags, uniform per launch): v = alpha * acc + beta * C
 // (C read only when beta != 0); EPI_BIAS adds bias[col]; EPI_RESIDUAL adds
 // aux[row, col]; EPI_SILU_MUL makes v = silu(aux[row, col]) * v (aux = the
-// gate projection, this GEMM the up projection of a SwiGLU MLP); the result
-// is cast to C's type. bias and aux have C's element type. A consumer
+// gate projection, this GEMM the up projection of a SwiGLU MLP); EPI_ROPE
+// (never with aux; the host refuses it) rotates the pairs (c, c + hd / 2) of
+// the heads of hd columns in columns 0 .. rope_cols - 1 by the rotary
+// embedding of position row % rope_seq (rope.cu's forward, in f32 from the
+// f32 values: the q and k heads of a packed qkv projection; see rope_walk);
+// the result is cast to C's type. bias, aux and the tables have C's element
+// type. A consumer
 // warpgroup takes its 64 x BN rows in chunks of EC columns (EC = 128 at
 // BN = 128: one chunk; EC = 64 at BN = 256: four, those wholly past N
 // skipped): it puts the chunk's accumulators into a f32 staging chunk in
@@ -135,7 +140,12 @@ struct GemmHopperArgs {
     i32 c_tma;
     i32 group;    // tile rows per group of the tile order
     i32 cluster;  // blocks per cluster along N: 1, or 2 (A multicast)
-    i32 pad[8];
+    const void* rope_cos;  // EPI_ROPE: [>= rope_seq, rope_hd] tables of C's type
+    const void* rope_sin;
+    i32 rope_hd;    // head dim (even; EC is a multiple of it)
+    i32 rope_cols;  // columns 0 .. rope_cols - 1 rotated (a multiple of rope_hd)
+    i32 rope_seq;   // row `row` of a batch is position row % rope_seq
+    i32 pad[1];
 };
 
 #if defined(TPAR_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -151,7 +161,7 @@ constexpr u32 A_BYTES = BM * BK * 2;
 constexpr u32 MN_BOX_BYTES = 64 * BK * 2;
 // a 128-row box of a K-major B (128 rows of 64 k)
 constexpr u32 K_BOX_BYTES = 128 * BK * 2;
-enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4 };
+enum { EPI_BIAS = 1, EPI_RESIDUAL = 2, EPI_SILU_MUL = 4, EPI_ROPE = 8 };
 
 // What the tile width BN (128 or 256 columns of C) fixes: the ring's depth
 // and the width EC of the epilogue's chunks (a consumer warpgroup stages
@@ -350,6 +360,70 @@ TPAR_DEVICE float load_out(const void* p, i64 i) {
     return to_f32(static_cast<const O*>(p)[i]);
 }
 
+// The hooks after v = alpha * acc of element (row, col) of batch b (at ci in
+// C), in range: + beta * C, + bias[col], then the residual or the gate.
+template <typename O>
+TPAR_DEVICE float hooks(const GemmHopperArgs& a, float v, int b, int row, int col, i64 ci) {
+    if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
+    if (a.epilogue & EPI_BIAS) v += load_out<O>(a.bias, col);
+    if (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL)) {
+        const float x =
+            load_out<O>(a.aux, (i64)b * a.batch_stride_aux + (i64)row * a.ld_aux + col);
+        v = (a.epilogue & EPI_RESIDUAL) ? v + x : silu(x) * v;
+    }
+    return v;
+}
+
+// The row walk of a 64 x EC staging chunk `f` (columns col0 .., rows row0 ..
+// of batch b) with EPI_ROPE: thread tw takes pairs of columns (c, c + hd / 2)
+// of a head (c in its first half; EC and col0 are multiples of hd, so a pair
+// is in the chunk), 32 consecutive c of a row per warp (coalesced reads of C
+// and the tables; conflict-free reads of f, as in the plain walk). Both
+// values go through the hooks; a pair in the rotated columns (col < rope_cols,
+// whole heads) of a row in range then becomes
+//   (v1 c1 - v2 s1, v2 c2 + v1 s2)
+// in f32, the tables' row the position row % rope_seq, and each is cast to
+// C's type once. One thread reads and writes both elements of its pair, so a
+// f32 C's image (the staging chunk itself) is written in place with no
+// thread reading an element another one has written.
+template <int EC, typename O>
+TPAR_DEVICE void rope_walk(const GemmHopperArgs& a, float* f, O* o, int b, int row0, int col0,
+                           int tw) {
+    // EC / 2 pairs per row: a thread keeps its pair (128 is a multiple of
+    // EC / 2) and steps over rows
+    static_assert(128 % (EC / 2) == 0, "a thread's pair is the same in every row it takes");
+    const int hd = a.rope_hd, half = hd / 2, q = tw % (EC / 2);
+    const int j = q % half, c1 = (q / half) * hd + j, c2 = c1 + half;
+    const int col = col0 + c1;
+    const bool rotated = col < a.rope_cols;
+#pragma unroll 1
+    for (int r = tw / (EC / 2); r < 64; r += 128 / (EC / 2)) {
+        const int at1 = staged(r, c1), at2 = staged(r, c2);
+        const int row = row0 + r;
+        float v1 = a.alpha * f[at1], v2 = a.alpha * f[at2];
+        const i64 ci = (i64)b * a.batch_stride_c + (i64)row * a.ldc + col;
+        const bool in1 = row < a.m && col < a.n, in2 = row < a.m && col + half < a.n;
+        if (in1) v1 = hooks<O>(a, v1, b, row, col, ci);
+        if (in2) v2 = hooks<O>(a, v2, b, row, col + half, ci + half);
+        // (col < rope_cols <= n: the pair is in range when the row is)
+        if (row < a.m && rotated) {
+            const i64 t = (i64)(row % a.rope_seq) * hd + j;
+            const float cs1 = load_out<O>(a.rope_cos, t), cs2 = load_out<O>(a.rope_cos, t + half);
+            const float sn1 = load_out<O>(a.rope_sin, t), sn2 = load_out<O>(a.rope_sin, t + half);
+            const float x1 = v1, x2 = v2;
+            v1 = x1 * cs1 - x2 * sn1;
+            v2 = x2 * cs2 + x1 * sn2;
+        }
+        if (!a.c_tma) {
+            if (in1) static_cast<O*>(a.c)[ci] = from_f32<O>(v1);
+            if (in2) static_cast<O*>(a.c)[ci + half] = from_f32<O>(v2);
+        } else {
+            o[sizeof(O) == 4 ? at1 : r * EC + c1] = from_f32<O>(v1);
+            o[sizeof(O) == 4 ? at2 : r * EC + c2] = from_f32<O>(v2);
+        }
+    }
+}
+
 // Releases stage `st` to the producers: this block's, and with clusters the
 // peer's (whose multicast also writes this block's stage).
 TPAR_DEVICE void release(const GemmHopperArgs& a, const Smem& s, int st, int rank) {
@@ -439,24 +513,22 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
                 }
             }
             wg_sync(&s.epi_sync[cw], 2u * (u32)chunks);
-            for (int idx = tw; idx < 64 * EC; idx += 128) {
-                const int at = walk_at<EC>(idx);
-                const int row = row0 + idx / EC, col = col0 + idx % EC;
-                float v = a.alpha * f[at];
-                if (row < a.m && col < a.n) {
-                    const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
-                    if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
-                    if (a.epilogue & EPI_BIAS) v += load_out<O>(a.bias, col);
-                    if (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL)) {
-                        const float x = load_out<O>(
-                            a.aux, (i64)tl.b * a.batch_stride_aux + (i64)row * a.ld_aux + col);
-                        v = (a.epilogue & EPI_RESIDUAL) ? v + x : silu(x) * v;
+            if (a.epilogue & EPI_ROPE) {
+                rope_walk<EC, O>(a, f, o, tl.b, row0, col0, tw);
+            } else {
+                for (int idx = tw; idx < 64 * EC; idx += 128) {
+                    const int at = walk_at<EC>(idx);
+                    const int row = row0 + idx / EC, col = col0 + idx % EC;
+                    float v = a.alpha * f[at];
+                    if (row < a.m && col < a.n) {
+                        const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
+                        v = hooks<O>(a, v, tl.b, row, col, ci);
+                        if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
                     }
-                    if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
+                    // (for f32 C, o is f: each element is read and written at
+                    // the same place by one thread; a 16-bit image is row-major)
+                    if (a.c_tma) o[sizeof(O) == 4 ? at : idx] = from_f32<O>(v);
                 }
-                // (for f32 C, o is f: each element is read and written at the
-                // same place by one thread; a 16-bit image is row-major)
-                if (a.c_tma) o[sizeof(O) == 4 ? at : idx] = from_f32<O>(v);
             }
             if (a.c_tma) fence_proxy_async();
             // every thread is done with f (and has written o) before the

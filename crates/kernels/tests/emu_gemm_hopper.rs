@@ -184,6 +184,7 @@ fn prepare(cs: &Case) -> Run {
     let epi = Epilogue {
         bias: cs.bias.then(|| bias.ptr()),
         aux: cs.aux.map(|op| AuxInput { ptr: aux.ptr(), ld: ldc, batch_stride: sc, op }),
+        rope: None,
     };
     Run { c, want, p, epi, a, b, bias, aux, ldc, sc }
 }

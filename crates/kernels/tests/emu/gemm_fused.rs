@@ -158,6 +158,7 @@ fn run(
     let fe = FusedEpilogue {
         bias: with_bias.then(|| dbias.as_slice()),
         aux: op.map(|op| FusedAux { view: dx.as_slice(), ld: l.ldx, batch_stride: l.xbs, op }),
+        rope: None,
     };
     let took = gemm_fused_via(&*dev, path, &p, fe, da.as_slice(), db.as_slice(), dc.as_slice_mut())
         .unwrap();
@@ -277,6 +278,7 @@ fn refused(
     let fe = FusedEpilogue {
         bias: Some(bias.as_slice()),
         aux: Some(FusedAux { view: x.as_slice(), ld, batch_stride: XBS, op: AuxOp::SiluMul }),
+        rope: None,
     };
     let before = c.to_host().unwrap();
     let r = gemm_fused(&*dev, &p, fe, a.as_slice(), b.as_slice(), c.as_slice_mut());

@@ -1,7 +1,9 @@
 //! The GEMM with a fused epilogue over device buffers:
 //! `C[b] = epilogue(alpha * op(A[b]) * op(B[b]) + beta * C[b])`, the epilogue
-//! a per-column bias, then a residual matrix or SiLU of a gate matrix times
-//! the product ([`FusedEpilogue`]).
+//! a per-column bias, then a residual matrix, SiLU of a gate matrix times
+//! the product, or the rotary position embedding of C's first columns
+//! ([`FusedEpilogue`], [`FusedRope`]: the q and k heads of a packed qkv
+//! projection rotated where the GEMM writes them).
 //!
 //! [`gemm_fused`] runs the Hopper kernel with the epilogue fused
 //! ([`crate::cuda::raw::gemm_hopper`]) where the device runs `sm_90a`
@@ -29,6 +31,22 @@
 //! for bf16 or f16 they differ by up to a few units in the last place of
 //! the output's dtype.
 //!
+//! The rotary embedding ([`FusedRope`]) runs, fused, in the Hopper kernel's
+//! epilogue after the bias, on the f32 values, rounded once to C's dtype;
+//! unfused, as [`super::rope::rope_strided`]'s kernel in place on C's first
+//! `cols` columns after the GEMM and the bias (C rounded after the GEMM,
+//! after the bias add and again after the rotation, which computes in f32
+//! from the rounded values). For an f32 C the paths agree to f32 rounding;
+//! for bf16 or f16 by a few units in the last place. It combines with a bias,
+//! not with a residual or gate matrix (an error on both paths). Rows need not
+//! fill whole sequences: row `row` of a batch has position `row % seq` on
+//! both paths. Fused, the head dim must divide the epilogue's chunk width
+//! ([`HopperConfig::epilogue_cols`]: 128 columns at tile width 128, 64 at
+//! 256): where the configuration picked for the problem has a chunk the head
+//! dim does not divide, the kernel runs at tile width 128; a head dim that
+//! does not divide 128 either runs unfused on [`EpiloguePath::Auto`] and is
+//! an error on [`EpiloguePath::Fused`].
+//!
 //! The fused path launches the Hopper kernel in the configuration
 //! [`super::gemm::hopper_config`] picks for the problem (as the plain GEMM
 //! does): `TPAR_GEMM_TILE_N` / `TPAR_GEMM_CLUSTER` where set, else the
@@ -39,8 +57,11 @@ use super::{pitched, Check};
 use crate::cuda::raw::elementwise as ew;
 use crate::cuda::raw::gemm::GemmProblem;
 pub use crate::cuda::raw::gemm_hopper::AuxOp;
-use crate::cuda::raw::gemm_hopper::{self, unsupported, AuxInput, Epilogue, HopperTarget};
+use crate::cuda::raw::gemm_hopper::{
+    self, unsupported, AuxInput, Epilogue, HopperConfig, HopperTarget, RopeEpilogue,
+};
 use crate::cuda::raw::layout::{self, Block2d};
+use crate::cuda::raw::rope::{self as raw_rope, RopeShape, RopeStrides};
 use crate::cuda::{DevPtr, DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuDevice, MemorySpace};
 use crate::elementwise::BinaryOp;
 use crate::util::bad;
@@ -62,15 +83,42 @@ pub struct FusedAux<'a> {
     pub op: AuxOp,
 }
 
+/// The rotary position embedding (rotate-half form, as
+/// [`super::rope::rope_forward`]) of C's columns `0..cols`, heads of
+/// `head_dim` columns: with `v1`, `v2` the values of columns `c` and
+/// `c + head_dim / 2` of a head (`c` in its first half, `j` its offset
+/// there, `h = head_dim / 2`) in row `row` of a batch, and `t = row % seq`
+/// its position, they become `(v1 cos[t, j] - v2 sin[t, j],
+/// v2 cos[t, j + h] + v1 sin[t, j + h])`. For a packed
+/// `[rows, (hq + 2 hkv) * head_dim]` qkv projection of `rows = batch * seq`
+/// tokens, `cols = (hq + hkv) * head_dim` rotates q and k and leaves v.
+#[derive(Clone, Copy, Debug)]
+pub struct FusedRope<'a> {
+    /// The cosines: at least `seq * head_dim` elements of C's dtype, read as
+    /// a `[>= seq, head_dim]` table.
+    pub cos: DeviceSlice<'a>,
+    /// The sines, like `cos`.
+    pub sin: DeviceSlice<'a>,
+    /// Columns per head (even and positive).
+    pub head_dim: usize,
+    /// Columns `0..cols` are rotated: a multiple of `head_dim`, at most `n`.
+    pub cols: usize,
+    /// Positions per sequence (positive): row `row` of a batch of C has
+    /// position `row % seq`.
+    pub seq: usize,
+}
+
 /// The steps after `v = alpha * op(A) op(B) + beta * C`, in this order:
-/// `v += bias[col]`, then the [`FusedAux`] (`v + aux` or `silu(aux) * v`).
-/// The default is none (a plain GEMM).
+/// `v += bias[col]`, then the [`FusedAux`] (`v + aux` or `silu(aux) * v`) or
+/// the [`FusedRope`] (not both). The default is none (a plain GEMM).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FusedEpilogue<'a> {
     /// A per-column bias: `n` elements of C's dtype.
     pub bias: Option<DeviceSlice<'a>>,
     /// A residual or gate matrix.
     pub aux: Option<FusedAux<'a>>,
+    /// A rotary embedding of C's first `cols` columns.
+    pub rope: Option<FusedRope<'a>>,
 }
 
 /// How [`gemm_fused_via`] computes the epilogue (and, as its result, how it
@@ -110,13 +158,13 @@ pub enum EpiloguePath {
 /// let res = DeviceBuffer::from_host(&dev, &[0.5f32; 6])?;
 /// let mut c = DeviceBuffer::zeros(&dev, 6 * 4)?;
 /// let aux = FusedAux { view: res.as_slice(), ld: 3, batch_stride: 6, op: AuxOp::Residual };
-/// let epi = FusedEpilogue { bias: Some(bias.as_slice()), aux: Some(aux) };
+/// let epi = FusedEpilogue { bias: Some(bias.as_slice()), aux: Some(aux), rope: None };
 /// gemm_fused(&*dev, &p, epi, a.as_slice(), b.as_slice(), c.as_slice_mut())?;
 /// let mut host = [0.0f32; 6];
 /// c.as_slice().copy_to_host(&mut host)?;
 /// assert_eq!(host, [11.5, 22.5, 33.5, 14.5, 25.5, 36.5]);
 /// // A bias shorter than n: an error, and nothing runs.
-/// let short = FusedEpilogue { bias: Some(bias.slice(0..8)?), aux: None };
+/// let short = FusedEpilogue { bias: Some(bias.slice(0..8)?), ..FusedEpilogue::default() };
 /// assert!(gemm_fused(&*dev, &p, short, a.as_slice(), b.as_slice(), c.as_slice_mut()).is_err());
 /// # Ok::<(), tpar_kernels::KernelError>(())
 /// ```
@@ -146,8 +194,11 @@ pub fn gemm_fused_via(
     let raw_epi = epilogue(dev, p, &epi)?;
     let target = match path {
         EpiloguePath::Unfused => None,
-        EpiloguePath::Auto => HopperTarget::of(dev)
-            .filter(|_| unsupported(p, ap, bp).is_none() && !vendor_picked(dev, p)),
+        EpiloguePath::Auto => HopperTarget::of(dev).filter(|_| {
+            unsupported(p, ap, bp).is_none()
+                && !vendor_picked(dev, p)
+                && rope_config(&raw_epi, HopperConfig::default()).is_ok()
+        }),
         EpiloguePath::Fused => {
             let t = HopperTarget::of(dev).or_else(|| {
                 (dev.memory_space() == MemorySpace::Host).then(|| HopperTarget::emulator(132))
@@ -171,7 +222,7 @@ pub fn gemm_fused_via(
         }
     };
     if let Some(t) = target {
-        let cfg = hopper_config(dev, p)?;
+        let cfg = rope_config(&raw_epi, hopper_config(dev, p)?)?;
         // SAFETY: `operands` and `epilogue` checked that A, B, C, the bias and
         // the matrix are live buffers in `dev`'s memory covering every element
         // the problem reaches, in their dtypes; `c` is an exclusive borrow, so
@@ -181,7 +232,33 @@ pub fn gemm_fused_via(
     }
     super::gemm::gemm(dev, p, a, b, c.reborrow())?;
     unfused(dev, p, &raw_epi, &c)?;
+    if let Some(r) = raw_epi.rope {
+        unfused_rope(dev, p, &r, &c)?;
+    }
     Ok(EpiloguePath::Unfused)
+}
+
+/// `cfg`, or where a rotary embedding's head dim does not divide its
+/// epilogue chunk, `cfg` at tile width 128 (whose chunk is the widest);
+/// an error naming the head dim when that chunk is not a multiple either.
+fn rope_config(epi: &Epilogue, cfg: HopperConfig) -> Result<HopperConfig> {
+    let Some(r) = epi.rope else { return Ok(cfg) };
+    let fits = |c: HopperConfig| (c.epilogue_cols() as usize).is_multiple_of(r.head_dim);
+    if fits(cfg) {
+        return Ok(cfg);
+    }
+    let wide = cfg.with_tile_n(128)?;
+    if fits(wide) {
+        return Ok(wide);
+    }
+    Err(bad(
+        OP,
+        format!(
+            "the fused rotary embedding needs a head dim that divides {} columns, not {}",
+            wide.epilogue_cols(),
+            r.head_dim
+        ),
+    ))
 }
 
 /// Whether [`super::gemm::gemm`] would hand `p` to the device's vendor
@@ -223,7 +300,48 @@ fn epilogue(dev: &dyn GpuDevice, p: &GemmProblem, epi: &FusedEpilogue<'_>) -> Re
             Some(AuxInput { ptr, ld: x.ld, batch_stride: x.batch_stride, op: x.op })
         }
     };
-    Ok(Epilogue { bias, aux })
+    let rope = match &epi.rope {
+        None => None,
+        Some(r) => Some(rope_epilogue(&ch, p, r, aux.is_some())?),
+    };
+    Ok(Epilogue { bias, aux, rope })
+}
+
+/// The checks of a [`FusedRope`] both paths share (the head dim, the
+/// columns, the sequence length, no epilogue matrix, the tables' views),
+/// and its addresses.
+fn rope_epilogue(
+    ch: &Check<'_>,
+    p: &GemmProblem,
+    r: &FusedRope<'_>,
+    with_aux: bool,
+) -> Result<RopeEpilogue> {
+    let (hd, n) = (r.head_dim, p.shape.n);
+    let why = if with_aux {
+        Some("the rotary embedding does not combine with a residual or gate matrix".to_string())
+    } else if hd == 0 || !hd.is_multiple_of(2) {
+        Some(format!("rotary head dim {hd} is not even and positive"))
+    } else if !r.cols.is_multiple_of(hd) || r.cols > n {
+        Some(format!(
+            "rotary columns {} are not a multiple of head dim {hd} within n = {n}",
+            r.cols
+        ))
+    } else if r.seq == 0 {
+        Some("rotary sequence length 0".to_string())
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(bad(OP, why));
+    }
+    let table = r
+        .seq
+        .checked_mul(hd)
+        .ok_or_else(|| bad(OP, format!("rotary table of {} x {hd} elements overflows", r.seq)))?;
+    let es = p.dtype_out.size();
+    let cos = ch.read("rope cos", &r.cos, table, es)?;
+    let sin = ch.read("rope sin", &r.sin, table, es)?;
+    Ok(RopeEpilogue { cos, sin, head_dim: hd, cols: r.cols, seq: r.seq })
 }
 
 /// The epilogue after the plain GEMM wrote C: each step reads the current
@@ -333,5 +451,51 @@ fn unfused(
     unsafe { layout::copy2d_batch(dev, es, &blocks)? };
     // the temporaries live until the copies are ordered after their writes
     drop(temps);
+    Ok(())
+}
+
+/// The unfused rotary embedding: rope's kernel in place on C's first
+/// `cols` columns, per batch the rows that fill whole sequences in one
+/// launch (`(outer, seq, inner) = (m / seq, seq, cols / head_dim)`) and the
+/// rows after them (positions `0..m % seq`, the tables' first rows) in
+/// another; one launch for all batches when they follow each other
+/// without a gap and `m` fills whole sequences.
+fn unfused_rope(
+    dev: &dyn GpuDevice,
+    p: &GemmProblem,
+    r: &RopeEpilogue,
+    c: &DeviceSliceMut<'_>,
+) -> Result<()> {
+    let s = &p.shape;
+    let (hd, es) = (r.head_dim, p.dtype_out.size());
+    let inner = r.cols / hd;
+    if s.batch * s.m * inner == 0 {
+        return Ok(());
+    }
+    let (full, rest) = (s.m / r.seq, s.m % r.seq);
+    let run = |at: usize, outer: usize, seq: usize| -> Result<()> {
+        let shape = RopeShape { outer, seq, inner, head_dim: hd };
+        let st = RopeStrides { outer: seq * p.ldc, seq: p.ldc, inner: hd };
+        let x = c.ptr() + (at * es) as DevPtr;
+        // SAFETY: C covers `m` rows at `ldc` per batch at its batch stride
+        // (checked by `operands`) and these rows are among them; the tables
+        // hold `seq * head_dim` elements (checked by `epilogue`); C is
+        // rotated in place at equal strides and is an exclusive borrow.
+        unsafe {
+            raw_rope::rope_strided(dev, p.dtype_out, &shape, (x, st), r.cos, r.sin, (x, st), false)
+        }
+    };
+    if rest == 0 && (s.batch == 1 || p.c_batch_stride == s.m * p.ldc) {
+        return run(0, s.batch * full, r.seq);
+    }
+    for b in 0..s.batch {
+        let at = b * p.c_batch_stride;
+        if full > 0 {
+            run(at, full, r.seq)?;
+        }
+        if rest > 0 {
+            run(at + full * r.seq * p.ldc, 1, rest)?;
+        }
+    }
     Ok(())
 }

@@ -9,8 +9,9 @@
 //! of C, K in steps of 64 through a 4-stage shared-memory ring, or over
 //! 128 x 256 tiles through a 3-stage ring ([`HopperConfig::tile_n`]); the
 //! kernel's source describes the pipeline and its shared-memory budget. [`Epilogue`] adds the fused steps a
-//! transformer layer uses: a per-column bias, a residual matrix, or SiLU of a
-//! gate matrix times the product (SwiGLU).
+//! transformer layer uses: a per-column bias, a residual matrix, SiLU of a
+//! gate matrix times the product (SwiGLU), or the rotary position embedding
+//! of the q and k heads of a packed projection ([`RopeEpilogue`]).
 //!
 //! Which GEMM kernel runs where: wgmma and `setmaxnreg` exist only for the
 //! `sm_90a` target, so [`HopperTarget::of`] accepts a GPU handle whose kernels
@@ -116,6 +117,7 @@ const GROUP: i32 = 8;
 const EPI_BIAS: i32 = 1;
 const EPI_RESIDUAL: i32 = 2;
 const EPI_SILU_MUL: i32 = 4;
+const EPI_ROPE: i32 = 8;
 
 /// The argument struct of every `tpar_gemm_hopper_*` kernel
 /// (`GemmHopperArgs` in `gemm_hopper.cu`).
@@ -159,7 +161,7 @@ pub struct GemmHopperArgs {
     pub alpha: f32,
     /// Scale of the old C (0: C is not read).
     pub beta: f32,
-    /// Epilogue bits: 1 bias, 2 residual, 4 SiLU(aux) * v.
+    /// Epilogue bits: 1 bias, 2 residual, 4 SiLU(aux) * v, 8 rotary embedding.
     pub epilogue: i32,
     /// 1: C is written by bulk tensor stores through `map_c`.
     pub c_tma: i32,
@@ -167,8 +169,18 @@ pub struct GemmHopperArgs {
     pub group: i32,
     /// Blocks per cluster along N: 1, or 2 (A multicast to both).
     pub cluster: i32,
+    /// The rotary embedding's cosines (`[>= rope_seq, rope_hd]`, C's type), or 0.
+    pub rope_cos: DevPtr,
+    /// The rotary embedding's sines (like `rope_cos`), or 0.
+    pub rope_sin: DevPtr,
+    /// The rotated heads' dim (even), or 0.
+    pub rope_hd: i32,
+    /// Columns `0..rope_cols` are rotated, in heads of `rope_hd`.
+    pub rope_cols: i32,
+    /// Row `row` of a batch is position `row % rope_seq` (the tables' row).
+    pub rope_seq: i32,
     /// Padding (0) to a multiple of 64 bytes.
-    pub pad: [i32; 8],
+    pub pad: [i32; 1],
 }
 
 /// How the Hopper kernel is launched.
@@ -269,8 +281,9 @@ impl HopperConfig {
     }
 
     /// Columns of C the epilogue stages and stores at a time (the width of
-    /// a 16-bit C's tensor-map box): the whole tile at 128, 64 at 256.
-    fn epilogue_cols(&self) -> u32 {
+    /// a 16-bit C's tensor-map box): the whole tile at 128, 64 at 256. A
+    /// [`RopeEpilogue`]'s head dim must divide it.
+    pub fn epilogue_cols(&self) -> u32 {
         stages_and_chunk(self.tile_n).1
     }
 }
@@ -323,15 +336,43 @@ pub struct AuxInput {
     pub op: AuxOp,
 }
 
+/// The rotary position embedding (rotate-half form, as `cuda/rope.cu`'s
+/// forward) applied to the first `cols` columns of C: each head of
+/// `head_dim` columns, with `v1`, `v2` the values of columns `c` and
+/// `c + head_dim / 2` (`c` in the head's first half, `j` its offset there)
+/// and `t = row % seq` the position of row `row` of a batch, becomes
+/// `(v1 cos[t, j] - v2 sin[t, j], v2 cos[t, j + h] + v1 sin[t, j + h])`
+/// (`h = head_dim / 2`), computed in f32 and cast to C's type once: the q
+/// and k heads of a packed `[rows, (hq + 2 hkv) * head_dim]` projection,
+/// rotated where the GEMM writes them (`cols = (hq + hkv) * head_dim`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RopeEpilogue {
+    /// The cosines: `[>= seq, head_dim]` elements of C's type, rows
+    /// `head_dim` apart (device address).
+    pub cos: DevPtr,
+    /// The sines, like `cos`.
+    pub sin: DevPtr,
+    /// Columns per head: even, and a divisor of the configuration's
+    /// epilogue chunk width ([`HopperConfig::epilogue_cols`]).
+    pub head_dim: usize,
+    /// Columns `0..cols` are rotated: a multiple of `head_dim`, at most `n`.
+    pub cols: usize,
+    /// Positions per sequence: row `row` of a batch has position `row % seq`.
+    pub seq: usize,
+}
+
 /// The fused steps after `v = alpha * op(A) op(B) + beta * C`, in this
-/// order: `v += bias[col]`, then the [`AuxInput`], then the cast to C's type.
-/// The default is none (a plain GEMM).
+/// order: `v += bias[col]`, then the [`AuxInput`] or the [`RopeEpilogue`]
+/// (not both), then the cast to C's type. The default is none (a plain
+/// GEMM).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Epilogue {
     /// A per-column bias: `n` elements of C's type (device address).
     pub bias: Option<DevPtr>,
     /// A residual or gate matrix.
     pub aux: Option<AuxInput>,
+    /// A rotary embedding of C's first columns.
+    pub rope: Option<RopeEpilogue>,
 }
 
 /// Where the Hopper kernel runs: how many blocks a persistent launch
@@ -497,6 +538,44 @@ fn validate(p: &GemmProblem, a: DevPtr, b: DevPtr) -> Result<()> {
     q.validate()
 }
 
+/// Checks a [`RopeEpilogue`] for a C of `n` columns of `osz`-byte elements
+/// at configuration `cfg` (`with_aux`: an [`AuxInput`] is asked for too).
+fn check_rope(
+    r: &RopeEpilogue,
+    with_aux: bool,
+    n: usize,
+    osz: usize,
+    cfg: HopperConfig,
+) -> Result<()> {
+    let chunk = cfg.epilogue_cols() as usize;
+    let why = if with_aux {
+        "the rotary embedding does not combine with a residual or gate matrix".to_string()
+    } else if r.head_dim == 0 || !r.head_dim.is_multiple_of(2) {
+        format!("rotary head dim {} is not even and positive", r.head_dim)
+    } else if !chunk.is_multiple_of(r.head_dim) {
+        format!(
+            "rotary head dim {} does not divide the epilogue's chunk of {chunk} columns at tile \
+             width {}",
+            r.head_dim, cfg.tile_n
+        )
+    } else if !r.cols.is_multiple_of(r.head_dim) || r.cols > n {
+        format!(
+            "rotary columns {} are not a multiple of head dim {} within n = {n}",
+            r.cols, r.head_dim
+        )
+    } else if r.seq == 0 || i32::try_from(r.seq).is_err() {
+        format!("rotary sequence length {} is not in 1..2^31", r.seq)
+    } else if let Some((what, p)) = [("cos", r.cos), ("sin", r.sin)]
+        .into_iter()
+        .find(|&(_, p)| p == 0 || !p.is_multiple_of(osz as u64))
+    {
+        format!("rotary {what} table address {p:#x} is null or not aligned to {osz} bytes")
+    } else {
+        return Ok(());
+    };
+    Err(bad(OP, why))
+}
+
 fn fit_i32(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| bad(OP, format!("{what} = {v} does not fit i32")))
 }
@@ -564,6 +643,11 @@ pub fn plan_with(
             AuxOp::SiluMul => EPI_SILU_MUL,
         };
         (aux, ld_aux, aux_stride) = (x.ptr, x.ld, if s.batch > 1 { x.batch_stride } else { 0 });
+    }
+    let rope = epi.rope;
+    if let Some(r) = rope {
+        check_rope(&r, epi.aux.is_some(), s.n, osz, cfg)?;
+        flags |= EPI_ROPE;
     }
     let (bm, bn) = cfg.tile();
     let tiles = s.m.div_ceil(bm).saturating_mul(s.n.div_ceil(bn)).saturating_mul(s.batch);
@@ -640,7 +724,12 @@ pub fn plan_with(
         c_tma: i32::from(c_tma),
         group: GROUP,
         cluster: cfg.cluster as i32,
-        pad: [0; 8],
+        rope_cos: rope.map_or(0, |r| r.cos),
+        rope_sin: rope.map_or(0, |r| r.sin),
+        rope_hd: rope.map_or(0, |r| r.head_dim as i32),
+        rope_cols: rope.map_or(0, |r| r.cols as i32),
+        rope_seq: rope.map_or(0, |r| r.seq as i32),
+        pad: [0; 1],
     };
     Ok(HopperLaunch { kernel, cfg: launch_cfg, args })
 }
@@ -783,6 +872,7 @@ mod tests {
         let bad_aux = Epilogue {
             bias: None,
             aux: Some(AuxInput { ptr: 64, ld: 4, batch_stride: 0, op: AuxOp::Residual }),
+            rope: None,
         };
         assert!(plan(&x, &bad_aux, t, 4096, 8192, 16384).unwrap_err().to_string().contains("ld 4"));
     }
@@ -909,5 +999,57 @@ mod tests {
         let (box16, sw16) = c_box(CudaDType::BF16, HopperConfig::default());
         assert_eq!((box16, sw16), ([128, 64, 1], TensorMapSwizzle::None));
         assert_ne!(l.args.map_c, want([32, 64, 1], TensorMapSwizzle::B128));
+    }
+
+    #[test]
+    fn rope_epilogues_are_checked_before_the_launch() {
+        // C [72, 512] bf16: q/k heads of 64 in columns 0..384, v after
+        let p = GemmProblem::new(GemmShape::new(1, 72, 512, 64), CudaDType::BF16, CudaDType::BF16);
+        let t = HopperTarget::emulator(4);
+        let n128 = HopperConfig::default();
+        let n256 = n128.with_tile_n(256).unwrap();
+        let good = RopeEpilogue { cos: 1 << 20, sin: 1 << 21, head_dim: 64, cols: 384, seq: 24 };
+        let run = |r: RopeEpilogue, aux: Option<AuxInput>, cfg: HopperConfig| {
+            let epi = Epilogue { bias: Some(4096), aux, rope: Some(r) };
+            plan_with(&p, &epi, t, cfg, 8192, 16384, 32768)
+        };
+        let err = |r, aux, cfg| run(r, aux, cfg).unwrap_err().to_string();
+        for cfg in [n128, n256] {
+            let l = run(good, None, cfg).unwrap();
+            assert_eq!(l.args.epilogue, EPI_BIAS | EPI_ROPE);
+            let a = &l.args;
+            assert_eq!((a.rope_cos, a.rope_sin), (1 << 20, 1 << 21));
+            assert_eq!((a.rope_hd, a.rope_cols, a.rope_seq), (64, 384, 24));
+        }
+        // head dim 128 fits the 128-column chunk, not the 64-column one
+        let hd128 = RopeEpilogue { head_dim: 128, ..good };
+        assert!(run(hd128, None, n128).is_ok());
+        let e = err(hd128, None, n256);
+        assert!(e.contains("head dim 128 does not divide the epilogue's chunk of 64"), "{e}");
+        for (head_dim, want) in [(0, "head dim 0 is not even"), (7, "head dim 7 is not even")] {
+            let e = err(RopeEpilogue { head_dim, ..good }, None, n128);
+            assert!(e.contains(want), "{e}");
+        }
+        let e = err(RopeEpilogue { head_dim: 12, cols: 36, ..good }, None, n128);
+        assert!(e.contains("head dim 12 does not divide"), "{e}");
+        let e = err(RopeEpilogue { cols: 100, ..good }, None, n128);
+        assert!(e.contains("rotary columns 100 are not a multiple of head dim 64"), "{e}");
+        let e = err(RopeEpilogue { cols: 576, ..good }, None, n128);
+        assert!(e.contains("rotary columns 576") && e.contains("n = 512"), "{e}");
+        let e = err(RopeEpilogue { seq: 0, ..good }, None, n128);
+        assert!(e.contains("rotary sequence length 0"), "{e}");
+        let e = err(RopeEpilogue { cos: 0, ..good }, None, n128);
+        assert!(e.contains("rotary cos table address 0x0 is null"), "{e}");
+        let e = err(RopeEpilogue { sin: (1 << 21) + 1, ..good }, None, n128);
+        assert!(e.contains("rotary sin table address 0x200001"), "{e}");
+        let x = AuxInput { ptr: 1 << 22, ld: 512, batch_stride: 0, op: AuxOp::Residual };
+        let e = err(good, Some(x), n128);
+        assert!(e.contains("does not combine with a residual or gate matrix"), "{e}");
+        let e = err(good, Some(AuxInput { op: AuxOp::SiluMul, ..x }), n128);
+        assert!(e.contains("does not combine"), "{e}");
+        // no rotary embedding: the fields stay 0
+        let l = plan(&p, &Epilogue::default(), t, 8192, 16384, 32768).unwrap();
+        let a = &l.args;
+        assert_eq!((a.epilogue, a.rope_cos, a.rope_hd, a.rope_cols, a.rope_seq), (0, 0, 0, 0, 0));
     }
 }

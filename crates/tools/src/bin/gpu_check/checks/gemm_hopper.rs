@@ -180,6 +180,7 @@ fn hopper_case(
                 batch_stride: mn,
                 op: if fused == Fused::Residual { AuxOp::Residual } else { AuxOp::SiluMul },
             }),
+            rope: None,
         };
         let (ap, bp, cp) = (da.ptr(), db.ptr(), dc.ptr());
         let kernel = gemm_hopper::plan_with(&p, &epi, target, cfg, ap, bp, cp)?.kernel;
