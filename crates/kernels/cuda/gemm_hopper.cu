@@ -361,12 +361,13 @@ TPAR_DEVICE float load_out(const void* p, i64 i) {
 }
 
 // The hooks after v = alpha * acc of element (row, col) of batch b (at ci in
-// C), in range: + beta * C, + bias[col], then the residual or the gate.
-template <typename O>
+// C), in range: + beta * C, + bias[col], then (AUX: where the launch has
+// one) the residual or the gate.
+template <typename O, bool AUX>
 TPAR_DEVICE float hooks(const GemmHopperArgs& a, float v, int b, int row, int col, i64 ci) {
     if (a.beta != 0.0f) v += a.beta * load_out<O>(a.c, ci);
     if (a.epilogue & EPI_BIAS) v += load_out<O>(a.bias, col);
-    if (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL)) {
+    if (AUX && (a.epilogue & (EPI_RESIDUAL | EPI_SILU_MUL))) {
         const float x =
             load_out<O>(a.aux, (i64)b * a.batch_stride_aux + (i64)row * a.ld_aux + col);
         v = (a.epilogue & EPI_RESIDUAL) ? v + x : silu(x) * v;
@@ -403,8 +404,9 @@ TPAR_DEVICE void rope_walk(const GemmHopperArgs& a, float* f, O* o, int b, int r
         float v1 = a.alpha * f[at1], v2 = a.alpha * f[at2];
         const i64 ci = (i64)b * a.batch_stride_c + (i64)row * a.ldc + col;
         const bool in1 = row < a.m && col < a.n, in2 = row < a.m && col + half < a.n;
-        if (in1) v1 = hooks<O>(a, v1, b, row, col, ci);
-        if (in2) v2 = hooks<O>(a, v2, b, row, col + half, ci + half);
+        // (no residual or gate with EPI_ROPE)
+        if (in1) v1 = hooks<O, false>(a, v1, b, row, col, ci);
+        if (in2) v2 = hooks<O, false>(a, v2, b, row, col + half, ci + half);
         // (col < rope_cols <= n: the pair is in range when the row is)
         if (row < a.m && rotated) {
             const i64 t = (i64)(row % a.rope_seq) * hd + j;
@@ -522,7 +524,7 @@ TPAR_DEVICE void consume(const GemmHopperArgs& a, const Smem& s, int total, int 
                     float v = a.alpha * f[at];
                     if (row < a.m && col < a.n) {
                         const i64 ci = (i64)tl.b * a.batch_stride_c + (i64)row * a.ldc + col;
-                        v = hooks<O>(a, v, tl.b, row, col, ci);
+                        v = hooks<O, true>(a, v, tl.b, row, col, ci);
                         if (!a.c_tma) static_cast<O*>(a.c)[ci] = from_f32<O>(v);
                     }
                     // (for f32 C, o is f: each element is read and written at

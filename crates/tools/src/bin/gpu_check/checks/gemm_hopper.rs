@@ -9,19 +9,26 @@
 //! broadcast operand, an epilogue and a sampled projection. All of it again
 //! with 128 x 256 tiles (`HopperConfig::tile_n` 256; names
 //! `gemm_hopper.n256.*` and `gemm_hopper.n256.c2.*`), where the partial
-//! tiles reach past a multiple of 256 columns.
+//! tiles reach past a multiple of 256 columns. Last the rotary-embedding
+//! epilogue on a packed qkv projection with a bias (`gemm_hopper.rope.*`):
+//! the kernel at both tile widths and the unfused path against the f64
+//! reference, and fused against unfused.
 
+use tpar_kernels::cuda::ops::gemm_fused::{gemm_fused_via, EpiloguePath, FusedEpilogue, FusedRope};
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
-    self, AuxInput, AuxOp, Epilogue, HopperConfig, HopperTarget, EMU_ARCH_ENV,
+    self, AuxInput, AuxOp, Epilogue, HopperConfig, HopperTarget, RopeEpilogue, EMU_ARCH_ENV,
 };
-use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::cuda::{CudaDType, DeviceBuffer};
 use tpar_kernels::gemm::GemmShape;
 
 use CudaDType::{BF16, F16, F32};
 
 use super::gemm::{gemm_inputs, gemm_label, layout_name, sampled, GemmData};
+use super::rope::rope_tables;
 use super::{bound, Ctx, LAYOUTS};
+use crate::data::dn;
+use crate::Res;
 
 /// The fused step a check adds after the product.
 #[derive(Clone, Copy, PartialEq)]
@@ -49,6 +56,7 @@ pub(crate) fn check_gemm_hopper(c: &mut Ctx) {
         block_checks(c, (target, cfg));
         cluster_checks(c, (target, HopperConfig { cluster: 2, ..cfg }));
     }
+    rope_checks(c, target);
 }
 
 /// Every layout and type pair, partial tiles, scales over a batch with a
@@ -208,4 +216,145 @@ fn hopper_sampled(
         unsafe { gemm_hopper::gemm_with(d.l(), target, cfg, p, &epi, a, b, out)? };
         Ok(())
     });
+}
+
+/// How a rotary-embedding check computes C.
+#[derive(Clone, Copy)]
+enum RopeVia {
+    /// The Hopper kernel on this target at this configuration.
+    Kernel(HopperTarget, HopperConfig),
+    /// `gemm_fused_via` on the unfused path (the plain GEMM, the bias, then
+    /// rope's kernel in place).
+    Unfused,
+}
+
+/// A packed qkv projection's inputs on the device and its f64 reference:
+/// `x [m, k]` and the weights stored `[n, k]` in bf16, the bias and the
+/// `[seq, hd]` tables in C's dtype; C's first `cols` columns rotated.
+struct RopeCase {
+    p: GemmProblem,
+    seq: usize,
+    hd: usize,
+    cols: usize,
+    bufs: [DeviceBuffer; 5],
+    want: Vec<f64>,
+}
+
+impl RopeCase {
+    fn new(
+        c: &mut Ctx,
+        dt: CudaDType,
+        (seqs, seq, k): (usize, usize, usize),
+        (hq, hkv, hd): (usize, usize, usize),
+    ) -> Res<Self> {
+        let (m, n, cols) = (seqs * seq, (hq + 2 * hkv) * hd, (hq + hkv) * hd);
+        let s = GemmShape { trans_b: true, ..GemmShape::new(1, m, n, k) };
+        let p = GemmProblem::new(s, BF16, dt);
+        let GemmData { a, b, mut want, .. } = gemm_inputs(c, &p)?;
+        let bias = c.rng.vals(dt, n, -1.0, 1.0);
+        let (cos, sin) = rope_tables(dt, seq, hd);
+        let half = hd / 2;
+        for (r, row) in want.chunks_exact_mut(n).enumerate() {
+            for (w, x) in row.iter_mut().zip(&bias) {
+                *w += x;
+            }
+            let t = (r % seq) * hd;
+            for h in (0..cols).step_by(hd) {
+                for j in 0..half {
+                    let (v1, v2) = (row[h + j], row[h + j + half]);
+                    row[h + j] = v1 * cos[t + j] - v2 * sin[t + j];
+                    row[h + j + half] = v2 * cos[t + j + half] + v1 * sin[t + j + half];
+                }
+            }
+        }
+        let d = c.d;
+        let bufs =
+            [d.up(BF16, &a)?, d.up(BF16, &b)?, d.up(dt, &bias)?, d.up(dt, &cos)?, d.up(dt, &sin)?];
+        Ok(RopeCase { p, seq, hd, cols, bufs, want })
+    }
+
+    /// C computed via `via`, and the kernel's name (or the path's).
+    fn run(&self, c: &Ctx, via: RopeVia) -> Res<(Vec<f64>, String)> {
+        let d = c.d;
+        let [a, b, bias, cos, sin] = &self.bufs;
+        let dt = self.p.dtype_out;
+        let mut out = d.junk(self.want.len() * dt.size())?;
+        let note = match via {
+            RopeVia::Kernel(t, cfg) => {
+                let rope = RopeEpilogue {
+                    cos: cos.ptr(),
+                    sin: sin.ptr(),
+                    head_dim: self.hd,
+                    cols: self.cols,
+                    seq: self.seq,
+                };
+                let epi = Epilogue { bias: Some(bias.ptr()), aux: None, rope: Some(rope) };
+                let (ap, bp, cp) = (a.ptr(), b.ptr(), out.ptr());
+                let kernel = gemm_hopper::plan_with(&self.p, &epi, t, cfg, ap, bp, cp)?.kernel;
+                // SAFETY: A, B, C, the bias and the tables were allocated with
+                // the extents `p` describes (bias n, tables seq x hd, in C's
+                // dtype).
+                unsafe { gemm_hopper::gemm_with(d.l(), t, cfg, &self.p, &epi, ap, bp, cp)? };
+                kernel
+            }
+            RopeVia::Unfused => {
+                let rope = FusedRope {
+                    cos: cos.as_slice(),
+                    sin: sin.as_slice(),
+                    head_dim: self.hd,
+                    cols: self.cols,
+                    seq: self.seq,
+                };
+                let fe = FusedEpilogue { bias: Some(bias.as_slice()), aux: None, rope: Some(rope) };
+                let path = EpiloguePath::Unfused;
+                gemm_fused_via(
+                    &*d.mem,
+                    path,
+                    &self.p,
+                    fe,
+                    a.as_slice(),
+                    b.as_slice(),
+                    out.as_slice_mut(),
+                )?;
+                "unfused".to_string()
+            }
+        };
+        Ok((d.down(dt, &out)?, note))
+    }
+}
+
+/// The rotary-embedding epilogue (`gemm_hopper.rope.<dtype>.*`) on a packed
+/// qkv projection with a bias, bf16 inputs, bf16 and f32 C (whose epilogue
+/// image is the staging chunk, rotated in place), heads of 64: the kernel
+/// at tile widths 128 and 256 and the unfused path against the f64
+/// reference, and the kernel at 128 against the unfused path. Quick: 3 sequences of 24 rows (positions
+/// wrap inside a tile), 4 + 2 + 2 heads, K 64; else a training step's
+/// shape: 2 sequences of 256, 16 + 8 + 8 heads, K 1024.
+fn rope_checks(c: &mut Ctx, target: HopperTarget) {
+    let (rows, heads) =
+        if c.quick { ((3, 24, 64), (4, 2, 64)) } else { ((2, 256, 1024), (16, 8, 64)) };
+    let kernel = |tile_n| RopeVia::Kernel(target, HopperConfig { cluster: 1, tile_n });
+    let label = |rc: &RopeCase| {
+        let (dt, shape) = gemm_label(&rc.p);
+        (dt, format!("{shape} seq{} hd{} rot{}", rc.seq, rc.hd, rc.cols))
+    };
+    for dt in [BF16, F32] {
+        let pre = format!("gemm_hopper.rope.{}", dn(dt));
+        c.guard(&pre, dn(dt), "", |c| {
+            let rc = RopeCase::new(c, dt, rows, heads)?;
+            let (dt, shape) = label(&rc);
+            let mut outs = Vec::new();
+            for (variant, via) in
+                [("n128", kernel(128)), ("n256", kernel(256)), ("unfused", RopeVia::Unfused)]
+            {
+                let (got, note) = rc.run(c, via)?;
+                let name = format!("{pre}.{variant}");
+                c.r.close_note(&name, &dt, &shape, &got, &rc.want, bound(rc.p.dtype_out), &note);
+                outs.push(got);
+            }
+            let name = format!("{pre}.fused_vs_unfused");
+            c.r.close(&name, &dt, &shape, &outs[0], &outs[2], bound(rc.p.dtype_out));
+            Ok(())
+        });
+    }
 }
