@@ -499,3 +499,28 @@ fn unfused_rope(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rope_hook_picks_a_chunk_its_head_dim_divides() {
+        let n256 = HopperConfig::default().with_tile_n(256).unwrap();
+        let c2 = HopperConfig::with_cluster(2).unwrap().with_tile_n(256).unwrap();
+        let rope = |head_dim| Epilogue {
+            rope: Some(RopeEpilogue { cos: 64, sin: 128, head_dim, cols: 0, seq: 1 }),
+            ..Epilogue::default()
+        };
+        // no rope, or a head dim the chunk holds: the configuration as given
+        assert_eq!(rope_config(&Epilogue::default(), n256).unwrap(), n256);
+        assert_eq!(rope_config(&rope(64), n256).unwrap(), n256);
+        assert_eq!(rope_config(&rope(32), c2).unwrap(), c2);
+        // 128 does not divide 64 columns: tile width 128, the cluster kept
+        let wide = rope_config(&rope(128), c2).unwrap();
+        assert_eq!((wide.tile_n, wide.cluster), (128, 2));
+        // 96 divides neither chunk
+        let e = rope_config(&rope(96), n256).unwrap_err().to_string();
+        assert!(e.contains("divides 128 columns, not 96"), "{e}");
+    }
+}
