@@ -32,55 +32,35 @@ fn dev() -> Arc<dyn GpuDevice> {
     EmulatedGpu::open(0).expect("the CPU emulator builds")
 }
 
-/// `v` rounded to `dt`, as f64.
-fn round(dt: CudaDType, v: &[f64]) -> Vec<f64> {
-    v.iter()
-        .map(|&x| match dt {
-            F32 => x as f32 as f64,
-            BF16 => bf16::from_f64(x).to_f64(),
-            F16 => f16::from_f64(x).to_f64(),
-        })
-        .collect()
+/// `x` rounded to `dt`: its value, and its little-endian bytes in `dt`.
+fn to_dtype(dt: CudaDType, x: f64) -> (f64, Vec<u8>) {
+    match dt {
+        F32 => (x as f32 as f64, (x as f32).to_le_bytes().to_vec()),
+        BF16 => (bf16::from_f64(x).to_f64(), bf16::from_f64(x).to_le_bytes().to_vec()),
+        F16 => (f16::from_f64(x).to_f64(), f16::from_f64(x).to_le_bytes().to_vec()),
+    }
 }
 
-/// A device buffer holding `v` (already representable) in `dt`.
+/// `v` rounded to `dt`, as f64.
+fn round(dt: CudaDType, v: &[f64]) -> Vec<f64> {
+    v.iter().map(|&x| to_dtype(dt, x).0).collect()
+}
+
+/// A device buffer holding `v` in `dt`.
 fn upload(dev: &Arc<dyn GpuDevice>, dt: CudaDType, v: &[f64]) -> DeviceBuffer {
-    match dt {
-        F32 => DeviceBuffer::from_host(dev, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
-        BF16 => DeviceBuffer::from_host(
-            dev,
-            &v.iter().map(|&x| bf16::from_f64(x).to_bits()).collect::<Vec<u16>>(),
-        ),
-        F16 => DeviceBuffer::from_host(
-            dev,
-            &v.iter().map(|&x| f16::from_f64(x).to_bits()).collect::<Vec<u16>>(),
-        ),
-    }
-    .unwrap()
+    let bytes: Vec<u8> = v.iter().flat_map(|&x| to_dtype(dt, x).1).collect();
+    DeviceBuffer::from_host(dev, &bytes).unwrap()
 }
 
 /// The buffer's elements of `dt` as f64.
 fn download(b: &DeviceBuffer, dt: CudaDType) -> Vec<f64> {
     let bytes = b.to_host().unwrap();
-    match dt {
-        F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
-            .collect(),
-        _ => {
-            bytes
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .map(|u| {
-                    if dt == BF16 {
-                        bf16::from_bits(u).to_f64()
-                    } else {
-                        f16::from_bits(u).to_f64()
-                    }
-                })
-                .collect()
-        }
-    }
+    let el = |c: &[u8]| match dt {
+        F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64,
+        BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f64(),
+        F16 => f16::from_le_bytes([c[0], c[1]]).to_f64(),
+    };
+    bytes.chunks_exact(dt.size()).map(el).collect()
 }
 
 /// What C's padding holds before and after.

@@ -316,22 +316,8 @@ fn rope_epilogue(
     r: &FusedRope<'_>,
     with_aux: bool,
 ) -> Result<RopeEpilogue> {
-    let (hd, n) = (r.head_dim, p.shape.n);
-    let why = if with_aux {
-        Some("the rotary embedding does not combine with a residual or gate matrix".to_string())
-    } else if hd == 0 || !hd.is_multiple_of(2) {
-        Some(format!("rotary head dim {hd} is not even and positive"))
-    } else if !r.cols.is_multiple_of(hd) || r.cols > n {
-        Some(format!(
-            "rotary columns {} are not a multiple of head dim {hd} within n = {n}",
-            r.cols
-        ))
-    } else if r.seq == 0 {
-        Some("rotary sequence length 0".to_string())
-    } else {
-        None
-    };
-    if let Some(why) = why {
+    let hd = r.head_dim;
+    if let Some(why) = RopeEpilogue::unfit((hd, r.cols, r.seq), p.shape.n, with_aux) {
         return Err(bad(OP, why));
     }
     let table = r

@@ -538,8 +538,36 @@ fn validate(p: &GemmProblem, a: DevPtr, b: DevPtr) -> Result<()> {
     q.validate()
 }
 
+impl RopeEpilogue {
+    /// Why a rotary embedding of `head_dim`, `cols` and `seq` does not fit a
+    /// C of `n` columns on either path (`None`: it does): combined with an
+    /// epilogue matrix (`with_aux`), a head dim that is not even and
+    /// positive, columns that are not whole heads within `n`, or a sequence
+    /// length outside `1..2^31`.
+    pub fn unfit(
+        (head_dim, cols, seq): (usize, usize, usize),
+        n: usize,
+        with_aux: bool,
+    ) -> Option<String> {
+        if with_aux {
+            Some("the rotary embedding does not combine with a residual or gate matrix".into())
+        } else if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            Some(format!("rotary head dim {head_dim} is not even and positive"))
+        } else if !cols.is_multiple_of(head_dim) || cols > n {
+            Some(format!(
+                "rotary columns {cols} are not a multiple of head dim {head_dim} within n = {n}"
+            ))
+        } else if seq == 0 || i32::try_from(seq).is_err() {
+            Some(format!("rotary sequence length {seq} is not in 1..2^31"))
+        } else {
+            None
+        }
+    }
+}
+
 /// Checks a [`RopeEpilogue`] for a C of `n` columns of `osz`-byte elements
-/// at configuration `cfg` (`with_aux`: an [`AuxInput`] is asked for too).
+/// at configuration `cfg` (`with_aux`: an [`AuxInput`] is asked for too):
+/// [`RopeEpilogue::unfit`], the chunk width, the tables' addresses.
 fn check_rope(
     r: &RopeEpilogue,
     with_aux: bool,
@@ -548,23 +576,14 @@ fn check_rope(
     cfg: HopperConfig,
 ) -> Result<()> {
     let chunk = cfg.epilogue_cols() as usize;
-    let why = if with_aux {
-        "the rotary embedding does not combine with a residual or gate matrix".to_string()
-    } else if r.head_dim == 0 || !r.head_dim.is_multiple_of(2) {
-        format!("rotary head dim {} is not even and positive", r.head_dim)
+    let why = if let Some(why) = RopeEpilogue::unfit((r.head_dim, r.cols, r.seq), n, with_aux) {
+        why
     } else if !chunk.is_multiple_of(r.head_dim) {
         format!(
             "rotary head dim {} does not divide the epilogue's chunk of {chunk} columns at tile \
              width {}",
             r.head_dim, cfg.tile_n
         )
-    } else if !r.cols.is_multiple_of(r.head_dim) || r.cols > n {
-        format!(
-            "rotary columns {} are not a multiple of head dim {} within n = {n}",
-            r.cols, r.head_dim
-        )
-    } else if r.seq == 0 || i32::try_from(r.seq).is_err() {
-        format!("rotary sequence length {} is not in 1..2^31", r.seq)
     } else if let Some((what, p)) = [("cos", r.cos), ("sin", r.sin)]
         .into_iter()
         .find(|&(_, p)| p == 0 || !p.is_multiple_of(osz as u64))
