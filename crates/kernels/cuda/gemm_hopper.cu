@@ -387,9 +387,19 @@ TPAR_DEVICE float hooks(const GemmHopperArgs& a, float v, int b, int row, int co
 // C's type once. One thread reads and writes both elements of its pair, so a
 // f32 C's image (the staging chunk itself) is written in place with no
 // thread reading an element another one has written.
+//
+// Not inlined on a GPU: the chunk loop is unrolled (BN / EC copies), and an
+// inlined walk would repeat its ~256 instructions in each copy (4 at
+// BN = 256) of every kernel, rope or not; called, it is there once per
+// kernel (ptxas: the same 168 registers, no stack frame, no spills).
+#ifdef TPAR_EMU
+#define GEMM_HOPPER_ONCE inline
+#else
+#define GEMM_HOPPER_ONCE __device__ __noinline__
+#endif
 template <int EC, typename O>
-TPAR_DEVICE void rope_walk(const GemmHopperArgs& a, float* f, O* o, int b, int row0, int col0,
-                           int tw) {
+GEMM_HOPPER_ONCE void rope_walk(const GemmHopperArgs& a, float* f, O* o, int b, int row0,
+                                int col0, int tw) {
     // EC / 2 pairs per row: a thread keeps its pair (128 is a multiple of
     // EC / 2) and steps over rows
     static_assert(128 % (EC / 2) == 0, "a thread's pair is the same in every row it takes");
