@@ -142,7 +142,7 @@ struct GemmHopperArgs {
     i32 cluster;  // blocks per cluster along N: 1, or 2 (A multicast)
     const void* rope_cos;  // EPI_ROPE: [>= rope_seq, rope_hd] tables of C's type
     const void* rope_sin;
-    i32 rope_hd;    // head dim (even; EC is a multiple of it)
+    i32 rope_hd;    // head dim (even; divides EC)
     i32 rope_cols;  // columns 0 .. rope_cols - 1 rotated (a multiple of rope_hd)
     i32 rope_seq;   // row `row` of a batch is position row % rope_seq
     i32 pad[1];
@@ -378,8 +378,9 @@ TPAR_DEVICE float hooks(const GemmHopperArgs& a, float v, int b, int row, int co
 // The row walk of a 64 x EC staging chunk `f` (columns col0 .., rows row0 ..
 // of batch b) with EPI_ROPE: thread tw takes pairs of columns (c, c + hd / 2)
 // of a head (c in its first half; EC and col0 are multiples of hd, so a pair
-// is in the chunk), 32 consecutive c of a row per warp (coalesced reads of C
-// and the tables; conflict-free reads of f, as in the plain walk). Both
+// is in the chunk), for hd >= 64 32 consecutive c of a row per warp
+// (coalesced reads of C and the tables; conflict-free reads of f, as in the
+// plain walk). Both
 // values go through the hooks; a pair in the rotated columns (col < rope_cols,
 // whole heads) of a row in range then becomes
 //   (v1 c1 - v2 s1, v2 c2 + v1 s2)
