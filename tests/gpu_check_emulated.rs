@@ -132,8 +132,9 @@ fn a_perturbed_reference_fails_the_checks() {
 }
 
 /// The Hopper GEMM's checks run where the device runs `sm_90a` kernels (the emulator
-/// standing in for one): every layout, type pair, edge and epilogue passes, at both
-/// tile widths and with clusters, and a perturbed reference fails every one of them.
+/// standing in for one): every layout, type pair, edge and epilogue (the rotary one
+/// included) passes, at both tile widths and with clusters, and a perturbed reference
+/// fails every one of them.
 #[test]
 fn the_hopper_gemm_checks_run_on_an_emulated_sm_90a() {
     let run = |sabotage: bool| quick_family("gemm", true, sabotage);
@@ -151,6 +152,14 @@ fn the_hopper_gemm_checks_run_on_an_emulated_sm_90a() {
             let row =
                 |l: &&&str| l.contains(&format!(" {width}")) && l.contains(&format!(".{fused} "));
             assert!(hopper.iter().any(|l| row(&l)), "{width}*.{fused}:\n{good}");
+        }
+    }
+    // the rotary epilogue: the kernel at both tile widths and the unfused path against
+    // the reference, and the two paths against each other, with bf16 and f32 C
+    for dt in ["bf16", "f32"] {
+        for what in ["n128", "n256", "unfused", "fused_vs_unfused"] {
+            let name = format!(" gemm_hopper.rope.{dt}.{what} ");
+            assert!(hopper.iter().any(|l| l.contains(&name)), "{name}:\n{good}");
         }
     }
     let bad = run(true);

@@ -32,7 +32,9 @@
 //! emulator with `TPAR_EMU_ARCH=sm_90a`): every layout, bf16 and f16 into
 //! their own type and f32, partial tiles with K not a multiple of 64, scales
 //! over a batch, each epilogue (bias, residual, SiLU gate) against the
-//! unfused computation, and on a GPU the Llama-8B projections sampled.
+//! unfused computation, the rotary-embedding epilogue on a packed qkv
+//! projection against an f64 reference and the unfused path, and on a GPU the
+//! Llama-8B projections sampled.
 //!
 //! Sizes: on a GPU they are realistic (GEMM 1024^3 in every layout, the
 //! Llama-8B projections 4096x4096x14336 and 4096x14336x4096 in bf16 checked on
