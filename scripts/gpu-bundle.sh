@@ -68,7 +68,15 @@ for arch in $archs; do
     "$bin/gpu_check" --precompile "$arch" | tail -n 1
 done
 
+# Which commit the binaries and kernels come from (gpu-check.sh prints it with its
+# results): the commit, then the tracked files that differed from it.
+{
+    git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown
+    git -C "$root" status --porcelain --untracked-files=no 2>/dev/null || true
+} >"$bin/built-from.txt"
+
 echo "== $bin"
+echo "  built from $(head -n 1 "$bin/built-from.txt")$([ "$(wc -l <"$bin/built-from.txt")" -gt 1 ] && echo ' with uncommitted changes')"
 du -sh "$bin"/* | sed 's/^/  /'
 total_kib="$(du -sk "$bin" | cut -f1)"
 echo "  in all: $((total_kib / 1024)) MiB (a device call carries at most 64 MiB)"

@@ -86,7 +86,9 @@
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_graph.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
 # cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, llama_2d_fused.log,
-# summary.{txt,json}; after a lost context or a timeout in step 1 also
+# summary.{txt,json} (its first line names the commit the binaries were built
+# from, when gpu-bundle.sh's built-from.txt is there; copied beside it); after a
+# lost context or a timeout in step 1 also
 # gpu_check_sm90.{log,json} and gemm_table_sm90.txt.
 #
 # SMOKE=1 runs steps 2 to 4 on the host instead (no GPU needed: torch_ref.py
@@ -146,6 +148,13 @@ if [ "${SMOKE:-0}" = 1 ]; then
     SKIP_CHECK=1
     SKIP_PARITY=1
     SKIP_PROFILE=1
+fi
+
+# The commit the carried binaries were built from (scripts/gpu-bundle.sh writes
+# it), with the results: every figure of a run comes from those binaries.
+if [ -f "$bin/built-from.txt" ]; then
+    cp "$bin/built-from.txt" "$out/built-from.txt"
+    echo "binaries in $bin built from $(head -n 1 "$bin/built-from.txt")"
 fi
 
 # ---------------------------------------------------------------- libraries
@@ -626,7 +635,19 @@ def ratio(a, b):
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+# The commit of the binaries (scripts/gpu-bundle.sh), and whether tracked files
+# differed from it then.
+try:
+    with open(os.path.join(out, "built-from.txt")) as f:
+        stamp = f.read().split("\n")
+    built_from = {"commit": stamp[0].strip(), "uncommitted": [l for l in stamp[1:] if l.strip()]}
+except OSError:
+    built_from = None
+
 lines = []
+if built_from:
+    lines.append(f"binaries: built from {built_from['commit']}"
+                 + (" with uncommitted changes" if built_from["uncommitted"] else ""))
 checks = g.get("checks", [])
 failed = [c for c in checks if not c.get("pass")]
 lines.append(f"device: {g.get('device', gb.get('device', '?'))} / {t.get('device', '?')} (torch {t.get('torch_version', '?')})")
@@ -798,6 +819,7 @@ with open(os.path.join(out, "summary.txt"), "w") as f:
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"gpu_check_exit": check_rc, "gpu_check_sm90_exit": check_sm90_rc,
                "context_lost": g.get("context_lost"), "benchmarks_from": bench_from,
+               "built_from": built_from,
                "sanitize_exit": sanitize_rc,
                "torch_ref_exit": torch_rc, "llama_2d": llama,
                "parity": parity, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
