@@ -4,7 +4,7 @@
 use std::any::Any;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::world::DEFAULT_TIMEOUT;
@@ -20,7 +20,9 @@ pub enum RankThreads {
     /// the ranks' work queues up on the same workers.
     Shared,
     /// Each rank runs in a rayon pool of its own of this many threads (at least 1), as
-    /// processes with `OMP_NUM_THREADS = cores / ranks` would.
+    /// processes with `OMP_NUM_THREADS = cores / ranks` would. Their allocations count
+    /// as the rank's, and the pool's threads have exited (their thread-local buffers
+    /// freed) when the rank returns.
     PerRank(usize),
 }
 
@@ -441,6 +443,12 @@ where
 /// Runs `f` on the rank's threads: here (the shared pool), or on a pool of the rank's own
 /// whose workers count their allocations as the rank's. A pool that cannot be built
 /// (no threads left) falls back to the shared pool.
+///
+/// The rank's own pool is joined before this returns: its workers' thread-local buffers
+/// (the kernels' packing buffers, counted as the rank's) are freed when a worker exits,
+/// and a worker that outlived the call would free them later, into the accounting of
+/// whatever runs as that rank next. The wait for the workers to exit is bounded
+/// ([`POOL_EXIT_WAIT`]); workers still running then are left to finish on their own.
 fn in_rank_pool<T: Send>(
     rank: usize,
     threads: RankThreads,
@@ -450,17 +458,55 @@ fn in_rank_pool<T: Send>(
     let RankThreads::PerRank(n) = threads else {
         return f();
     };
+    let exited = Arc::new((Mutex::new(0usize), Condvar::new()));
+    let mut workers = Vec::new();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(n.max(1))
-        .stack_size(stack)
-        .thread_name(move |i| format!("tpar-rank-{rank}-{i}"))
         .start_handler(move |_| tpar_tensor::memory::set_rank(Some(rank)))
+        .exit_handler({
+            let exited = exited.clone();
+            move |_| {
+                let (count, cv) = &*exited;
+                *count.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+                cv.notify_all();
+            }
+        })
+        .spawn_handler(|worker| {
+            let name = format!("tpar-rank-{rank}-{}", worker.index());
+            let h = std::thread::Builder::new()
+                .name(name)
+                .stack_size(stack)
+                .spawn(move || worker.run())?;
+            workers.push(h);
+            Ok(())
+        })
         .build();
-    match pool {
-        Ok(pool) => pool.install(f),
-        Err(_) => f(),
+    let pool = match pool {
+        Ok(pool) => pool,
+        Err(_) => return f(),
+    };
+    let r = pool.install(f);
+    drop(pool);
+    let (count, cv) = &*exited;
+    let deadline = Instant::now() + POOL_EXIT_WAIT;
+    let mut done = count.lock().unwrap_or_else(PoisonError::into_inner);
+    while *done < workers.len() {
+        let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
+        done = cv.wait_timeout(done, left).unwrap_or_else(PoisonError::into_inner).0;
     }
+    let all = *done >= workers.len();
+    drop(done);
+    if all {
+        // Past their exit handlers the workers only run their thread-local destructors.
+        for w in workers {
+            let _ = w.join();
+        }
+    }
+    r
 }
+
+/// How long a rank's own pool waits for its workers to exit after the rank's work.
+const POOL_EXIT_WAIT: Duration = Duration::from_secs(10);
 
 /// The text of a panic payload.
 /// Runs `f`, turning a panic into `Err(message)`.
