@@ -418,6 +418,9 @@ fn with_items<R>(
 struct RankReport {
     /// The memory model's predicted peak for this rank.
     predicted_peak_bytes: u64,
+    /// What opening the training data allocated on this rank (documents and token
+    /// sequences in memory, or a parquet stream's buffers), held through the run.
+    data_bytes: u64,
     first_loss: f64,
     final_loss: f64,
     tokens: usize,
@@ -579,6 +582,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     }
 
     let dp_rank = mesh["dp"].local_rank();
+    // This rank's allocations, for its peak; what the training data holds is in the peak
+    // and not in the memory model's prediction (which counts the model's state and its
+    // training step), so it is reported beside it.
+    let mem_slot = run::memory_slot(rank, o.backend != "local");
+    let before_data = memory::current(mem_slot);
     let mut data = run::TrainData::open(
         &o.data.source(),
         tokenizer.as_ref(),
@@ -587,6 +595,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         o.batch,
         o.seed,
     )?;
+    let data_bytes = (memory::current(mem_slot) - before_data).max(0) as u64;
     let pad = tokenizer.pad_id() as i64;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
@@ -642,8 +651,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let start_step = progress.step;
     let stop = o.stop_after.unwrap_or(o.steps).min(o.steps);
 
-    // This rank's allocations, for its peak.
-    let mem_slot = run::memory_slot(rank, o.backend != "local");
     memory::reset_peak(mem_slot);
     let trips0 = tpar::tensor::gpu::host_round_trips();
     let dp_group = mesh.group_of("dp")?.clone();
@@ -958,6 +965,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let state_bytes = opt.state_bytes();
     Ok(RankReport {
         predicted_peak_bytes: predicted.peak,
+        data_bytes,
         state_bytes,
         first_loss: progress.first_loss,
         final_loss: last,
@@ -1104,6 +1112,11 @@ fn main() {
         ),
         None => println!("peak memory per rank (MiB): [{}]", peaks.join(", ")),
     }
+    let data: Vec<String> = reports.iter().map(|r| format!("{:.1}", mib(r.data_bytes))).collect();
+    println!(
+        "training data per rank (MiB, in the host peak, not in the prediction): [{}]",
+        data.join(", ")
+    );
     let device_peak_max = match reports.iter().filter_map(|r| r.device_peak_bytes).max() {
         Some(b) => format!("{:.1}", mib(b)),
         None => "none".into(),
@@ -1120,7 +1133,7 @@ fn main() {
         .find(|w| !w.logging && w.mode != "warmup" && w.mode != "captured")
         .map_or("none".to_string(), |w| w.work.host_calls.to_string());
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={} fuse_proj={} fuse_residual={}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={} fuse_proj={} fuse_residual={} data_mib_max={:.1}",
         o.world,
         o.dp,
         o.tp,
@@ -1143,6 +1156,7 @@ fn main() {
         launches_per_step,
         u8::from(o.fusion.projections),
         u8::from(o.fusion.residual),
+        mib(reports.iter().map(|r| r.data_bytes).max().unwrap_or(0)),
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.
