@@ -689,6 +689,8 @@ fn monitor(
             }
         }
         if let Some((rank, exit)) = failed {
+            let (rank, exit) =
+                if killed(exit) { (rank, exit) } else { settle(ranks, (rank, exit)) };
             let running = ranks.iter().filter(|r| r.exit.is_none()).count();
             notice!("tpar-run: rank {rank} {exit}; stopping the other {running} rank(s)");
             let local_rank = rank - cfg.node_rank * cfg.nproc_per_node;
@@ -701,6 +703,35 @@ fn monitor(
         }
         if ranks.iter().all(|r| r.exit.is_some()) {
             return Ok(LaunchOutcome::Success);
+        }
+        thread::sleep(POLL);
+    }
+}
+
+/// How long a rank found failed with an error of its own waits for a peer killed by a
+/// signal to be reaped (see [`settle`]).
+const SETTLE: Duration = Duration::from_millis(500);
+
+/// The rank to name for a failure first seen as `failed`, an error exit: ranks usually
+/// exit with an error because a peer died, and a peer killed by a signal closes its
+/// connections (which its peers see) before it can be reaped. For up to [`SETTLE`] the
+/// running ranks are polled again; the first found killed by a signal is named instead
+/// (every rank found exited meanwhile is recorded as such).
+fn settle(ranks: &mut [Rank], failed: (usize, ChildExit)) -> (usize, ChildExit) {
+    let until = Instant::now() + SETTLE;
+    loop {
+        for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                let exit = ChildExit::from_status(status);
+                r.exit = Some(exit);
+                r.signal_group = !exit.success();
+                if killed(exit) {
+                    return (r.rank, exit);
+                }
+            }
+        }
+        if Instant::now() >= until || ranks.iter().all(|r| r.exit.is_some()) {
+            return failed;
         }
         thread::sleep(POLL);
     }
