@@ -643,6 +643,9 @@ fn monitor(
     peers: Option<&Peers<'_>>,
 ) -> Result<LaunchOutcome, LaunchError> {
     let mut polled = Instant::now();
+    // The failed rank to name and when it was found: one that exited with an error is
+    // named after SETTLE (see there) unless a rank killed by a signal turns up meanwhile.
+    let mut failed: Option<(usize, ChildExit, Instant)> = None;
     loop {
         if let Some(p) = peers.filter(|_| polled.elapsed() >= PEER_POLL) {
             polled = Instant::now();
@@ -663,7 +666,6 @@ fn monitor(
             stop(ranks, signal, cfg.grace_period);
             return Ok(LaunchOutcome::Interrupted { signal });
         }
-        let mut failed = None;
         for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
             match r.child.try_wait() {
                 Ok(Some(status)) => {
@@ -671,13 +673,13 @@ fn monitor(
                     r.exit = Some(exit);
                     r.signal_group = !exit.success();
                     // Ranks usually fail because one of them did: of those found
-                    // failed in one poll, name one killed by a signal first.
+                    // failed, name one killed by a signal first.
                     let first = match failed {
                         None => true,
-                        Some((_, seen)) => !killed(seen) && killed(exit),
+                        Some((_, seen, _)) => !killed(seen) && killed(exit),
                     };
                     if !exit.success() && first {
-                        failed = Some((r.rank, exit));
+                        failed = Some((r.rank, exit, Instant::now()));
                     }
                 }
                 Ok(None) => {}
@@ -688,9 +690,11 @@ fn monitor(
                 }
             }
         }
-        if let Some((rank, exit)) = failed {
-            let (rank, exit) =
-                if killed(exit) { (rank, exit) } else { settle(ranks, (rank, exit)) };
+        let all_exited = ranks.iter().all(|r| r.exit.is_some());
+        let settled = |&(_, exit, at): &(usize, ChildExit, Instant)| {
+            killed(exit) || all_exited || at.elapsed() >= SETTLE
+        };
+        if let Some((rank, exit, _)) = failed.filter(settled) {
             let running = ranks.iter().filter(|r| r.exit.is_none()).count();
             notice!("tpar-run: rank {rank} {exit}; stopping the other {running} rank(s)");
             let local_rank = rank - cfg.node_rank * cfg.nproc_per_node;
@@ -701,41 +705,18 @@ fn monitor(
             stop(ranks, sys::SIGTERM, cfg.grace_period);
             return Ok(outcome);
         }
-        if ranks.iter().all(|r| r.exit.is_some()) {
+        if failed.is_none() && all_exited {
             return Ok(LaunchOutcome::Success);
         }
         thread::sleep(POLL);
     }
 }
 
-/// How long a rank found failed with an error of its own waits for a peer killed by a
-/// signal to be reaped (see [`settle`]).
+/// How long a failure first seen as a rank's error exit waits before it is named:
+/// ranks usually exit with an error because a peer died, and a peer killed by a signal
+/// closes its connections (which its peers see) before it can be reaped. A rank found
+/// killed by a signal meanwhile is named instead.
 const SETTLE: Duration = Duration::from_millis(500);
-
-/// The rank to name for a failure first seen as `failed`, an error exit: ranks usually
-/// exit with an error because a peer died, and a peer killed by a signal closes its
-/// connections (which its peers see) before it can be reaped. For up to [`SETTLE`] the
-/// running ranks are polled again; the first found killed by a signal is named instead
-/// (every rank found exited meanwhile is recorded as such).
-fn settle(ranks: &mut [Rank], failed: (usize, ChildExit)) -> (usize, ChildExit) {
-    let until = Instant::now() + SETTLE;
-    loop {
-        for r in ranks.iter_mut().filter(|r| r.exit.is_none()) {
-            if let Ok(Some(status)) = r.child.try_wait() {
-                let exit = ChildExit::from_status(status);
-                r.exit = Some(exit);
-                r.signal_group = !exit.success();
-                if killed(exit) {
-                    return (r.rank, exit);
-                }
-            }
-        }
-        if Instant::now() >= until || ranks.iter().all(|r| r.exit.is_some()) {
-            return failed;
-        }
-        thread::sleep(POLL);
-    }
-}
 
 /// Whether a rank's exit looks like a kill rather than an error it reported: a signal,
 /// or a shell's 128 + signal exit code.

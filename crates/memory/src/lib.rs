@@ -53,7 +53,7 @@ pub fn set_rank(rank: Option<usize>) {
 }
 
 /// The rank this thread's allocations are credited to ([`set_rank`]; `None`:
-/// unattributed). A thread that works for a rank, such as a collective's helper
+/// unattributed; ranks past [`MAX_RANKS`]` - 1` read as the last slot they share). A thread that works for a rank, such as a collective's helper
 /// thread, passes it on with `set_rank(rank())` taken on the rank's thread.
 pub fn rank() -> Option<usize> {
     RANK.try_with(|c| c.get()).ok().filter(|&s| s < MAX_RANKS)
