@@ -630,7 +630,9 @@ impl LlamaAttention {
     /// Plain (not DTensor) operands without context parallelism go through one attention
     /// op on `[b, s, heads, hd]` ([`Tensor::attention_bshd`], or, with fused projections,
     /// [`Tensor::attention_packed`] on the one GEMM's output [`Tensor::linear_concat`]
-    /// keeps whole), which on a device reads them in place; the others through RoPE,
+    /// keeps whole; on a CUDA device [`Tensor::attention_packed_rotated`] on the output of
+    /// [`Tensor::linear_concat_rope`], whose GEMM rotates q and k as it writes them),
+    /// which on a device reads them in place; the others through RoPE,
     /// transposes and [`Value::scaled_dot_product_attention`] (or context-parallel
     /// attention), which compute the same values.
     fn attend(&self, args: Args) -> Result<Value> {
@@ -658,13 +660,40 @@ impl LlamaAttention {
             let d = t.shape()?;
             t.reshape(&[d[0] as isize, d[1] as isize, heads(d[2])? as isize, hd as isize])
         };
+        // The tables for `s` positions in the activations' dtype `act`: longer ones (a
+        // pipeline stage passes the whole tables) are cut to the sequence, and as they are
+        // built in the model's (master) dtype, under mixed precision the activations are
+        // narrower (bf16), so they are cast as HF's Llama does.
+        let tables = |s: usize, act: DType| -> Result<(Tensor, Tensor)> {
+            if rope.cos.dims()[0] < s {
+                return Err(NnError::BadInput {
+                    module: who.into(),
+                    what: format!(
+                        "RoPE tables for {} positions, sequence has {s}",
+                        rope.cos.dims()[0]
+                    ),
+                });
+            }
+            let (cos, sin) = if rope.cos.dims()[0] == s {
+                (rope.cos.clone(), rope.sin.clone())
+            } else {
+                (rope.cos.narrow(0, 0, s)?, rope.sin.narrow(0, 0, s)?)
+            };
+            Ok((cos.to_dtype(act)?, sin.to_dtype(act)?))
+        };
         let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
         let fused = if self.fuse_projections { fusable(&x, &projs)? } else { None };
         let qkv = match fused {
-            // [b, s, hidden] x [(hq + 2 hkv) * hd, hidden]^T -> [b, s, (hq + 2 hkv) * hd]
+            // [b, s, hidden] x [(hq + 2 hkv) * hd, hidden]^T -> [b, s, (hq + 2 hkv) * hd];
+            // on a device q and k are rotated where the GEMM writes them
             Some((xt, w)) if cp.is_none() && w[1].dims()[0] == w[2].dims()[0] => {
                 let (hq, hkv) = (heads(w[0].dims()[0])?, heads(w[1].dims()[0])?);
-                Qkv::Packed(xt.linear_concat(&w)?, hq, hkv)
+                if matches!(xt.device(), Device::Cuda(_)) && xt.rank() == 3 {
+                    let (cos, sin) = tables(xt.dims()[1], xt.dtype())?;
+                    Qkv::Rotated(xt.linear_concat_rope(&w, 2, &cos, &sin)?, hq, hkv)
+                } else {
+                    Qkv::Packed(xt.linear_concat(&w)?, hq, hkv)
+                }
             }
             // [b, s, (hq + 2 hkv) * hd] split into q, k and v.
             Some((xt, w)) => {
@@ -678,7 +707,9 @@ impl LlamaAttention {
             }
         };
         let (b, s, hq, hkv, act) = match &qkv {
-            Qkv::Packed(t, hq, hkv) => (t.dims()[0], t.dims()[1], *hq, *hkv, t.dtype()),
+            Qkv::Packed(t, hq, hkv) | Qkv::Rotated(t, hq, hkv) => {
+                (t.dims()[0], t.dims()[1], *hq, *hkv, t.dtype())
+            }
             Qkv::Split(q, k, _) => {
                 let qd = q.shape()?;
                 (qd[0], qd[1], qd[2], k.shape()?[2], q.dtype()?)
@@ -689,26 +720,20 @@ impl LlamaAttention {
                 what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
             });
         }
-        // Tables for more positions (a pipeline stage passes the whole tables) are cut to
-        // the sequence.
-        if rope.cos.dims()[0] < s {
-            return Err(NnError::BadInput {
-                module: who.into(),
-                what: format!("RoPE tables for {} positions, sequence has {s}", rope.cos.dims()[0]),
-            });
-        }
-        let (cos, sin) = if rope.cos.dims()[0] == s {
-            (rope.cos.clone(), rope.sin.clone())
-        } else {
-            (rope.cos.narrow(0, 0, s)?, rope.sin.narrow(0, 0, s)?)
-        };
-        // The tables and the mask are built in the model's (master) dtype; under mixed
-        // precision the activations are narrower (bf16), so cast them as HF's Llama does.
-        let (cos, sin) = (cos.to_dtype(act)?, sin.to_dtype(act)?);
+        // The mask, like the tables, is built in the model's dtype.
         let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
         // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
         let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
+        // (a rotated input needs none: the projection took them)
+        let (cos, sin) = match &qkv {
+            Qkv::Rotated(..) => (rope.cos.clone(), rope.sin.clone()),
+            _ => tables(s, act)?,
+        };
         let (q, k, v) = match qkv {
+            Qkv::Rotated(t, hq, hkv) => {
+                let a = Tensor::attention_packed_rotated(&t, hq, hkv, mask.as_ref(), causal)?;
+                return Ok(Value::Tensor(a)); // [b, s, hq * hd]
+            }
             Qkv::Packed(t, hq, hkv) => {
                 let a = Tensor::attention_packed(&t, hq, hkv, &cos, &sin, mask.as_ref(), causal)?;
                 return Ok(Value::Tensor(a)); // [b, s, hq * hd]
@@ -739,10 +764,11 @@ impl LlamaAttention {
 }
 
 /// The operands [`LlamaAttention`] computes attention on: the packed output of the fused
-/// projections `[b, s, (hq + 2 hkv) * hd]` with its head counts `(hq, hkv)`, or q, k and
-/// v `[b, s, heads, hd]`.
+/// projections `[b, s, (hq + 2 hkv) * hd]` with its head counts `(hq, hkv)`, unrotated or
+/// (on a device) with q and k rotated, or q, k and v `[b, s, heads, hd]`.
 enum Qkv {
     Packed(Tensor, usize, usize),
+    Rotated(Tensor, usize, usize),
     Split(Value, Value, Value),
 }
 

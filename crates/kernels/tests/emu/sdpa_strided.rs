@@ -303,3 +303,59 @@ fn unusable_layouts_are_refused_by_name() {
     fwd(q4, SdpaPath::Auto).unwrap();
     bwd(v4, SdpaPath::Auto).unwrap();
 }
+
+/// `SdpaGrads::Packed` (dq, dk and dv in one buffer, as a packed q/k/v projection's
+/// gradient holds them) runs where the three fill disjoint columns of shared rows, and
+/// is refused, naming the reason, where two could share an element or the buffer is
+/// short.
+#[test]
+fn packed_gradients_are_checked_for_overlap() {
+    use std::sync::Arc;
+    use tpar_kernels::cuda::emu::EmulatedGpu;
+    use tpar_kernels::cuda::ops::sdpa::{self as ops, SdpaGrads};
+    use tpar_kernels::cuda::{DeviceBuffer, GpuDevice};
+    let dev: Arc<dyn GpuDevice> = EmulatedGpu::open(0).unwrap();
+    // 2 batches of 5 positions, 2 q heads and 1 kv head of 8: rows of 32 elements
+    let s = shape(2, 2, 1, 5, 5, 8, 8, true);
+    let (row, n) = (32, 2 * 5 * 32);
+    let zeros = |len: usize| DeviceBuffer::zeros(&dev, len * 4).unwrap();
+    let (qkv, out, dout, lse) = (zeros(n), zeros(2 * 5 * 16), zeros(2 * 5 * 16), zeros(2 * 2 * 5));
+    let mut ws = zeros(ops::sdpa_backward_workspace_bytes(&s).unwrap().div_ceil(4));
+    let bshd = |w: usize| Some(SdpaStrides::bshd(5, w, 8));
+    let packed = SdpaLayout { q: bshd(row), k: bshd(row), v: bshd(row), out: bshd(16) };
+    let mut run = |layout: SdpaLayout, at: [usize; 3], len: usize, s: &SdpaShape| {
+        let mut g = zeros(len);
+        let views = ops::SdpaBwdViews {
+            q: qkv.as_slice(),
+            k: qkv.as_slice(),
+            v: qkv.as_slice(),
+            mask: None,
+            out: out.as_slice(),
+            lse: lse.as_slice(),
+            dout: dout.as_slice(),
+            grads: SdpaGrads::Packed { dqkv: g.as_slice_mut(), at },
+            workspace: ws.as_slice_mut(),
+            layout,
+        };
+        ops::sdpa_backward(&*dev, CudaDType::F32, s, views, SdpaPath::Auto)
+    };
+    run(packed, [0, 16, 24], n, &s).unwrap();
+    let refused = |r: tpar_kernels::Result<()>, words: &[&str]| {
+        let e = r.expect_err("refused").to_string();
+        for w in words {
+            assert!(e.contains(w), "{e:?} does not name {w:?}");
+        }
+    };
+    refused(
+        run(packed, [0, 8, 24], n, &s),
+        &["dq (columns 0..16)", "dk (columns 8..16)", "overlap"],
+    );
+    refused(run(packed, [0, 16, 28], n, &s), &["dv at element 28", "row of 32"]);
+    let odd_row = SdpaLayout { v: bshd(40), ..packed };
+    refused(run(odd_row, [0, 16, 24], 2 * 5 * 40, &s), &["dv row stride 40", "dq's 32"]);
+    let batches = SdpaLayout { k: Some(SdpaStrides { batch: 6 * 32, head: 8, row: 32 }), ..packed };
+    refused(run(batches, [0, 16, 24], n, &s), &["dk batch stride 192", "whole number of rows"]);
+    refused(run(packed, [0, 16, 24], n - 1, &s), &["dv"]);
+    let cross = shape(2, 2, 1, 5, 4, 8, 8, false);
+    refused(run(packed, [0, 16, 24], n, &cross), &["q_len 5 and kv_len 4 differ"]);
+}

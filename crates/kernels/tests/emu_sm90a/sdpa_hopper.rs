@@ -345,9 +345,11 @@ fn the_checked_ops_follow_tpar_sdpa() {
             out: out.as_slice(),
             lse: lse.as_slice(),
             dout: gd.as_slice(),
-            dq: dq.as_slice_mut(),
-            dk: dk.as_slice_mut(),
-            dv: dv.as_slice_mut(),
+            grads: ops::SdpaGrads::Separate {
+                dq: dq.as_slice_mut(),
+                dk: dk.as_slice_mut(),
+                dv: dv.as_slice_mut(),
+            },
             workspace: ws.as_slice_mut(),
             layout: Default::default(),
         };

@@ -31,7 +31,7 @@ use tpar_kernels::rope::RopeShape;
 use tpar_kernels::sdpa::SdpaShape;
 
 use super::gpu::{cuda_dtype, device_of, with_gpu, Out};
-use super::gpu_nn::{self, SdpaAt};
+use super::gpu_nn::{self, GradsAt, SdpaAt};
 use super::nn::{default_sdpa_scale, sdpa_mask4};
 use super::{common_device, common_dtype, invalid, require_float};
 use crate::autograd::record;
@@ -147,7 +147,7 @@ impl Tensor {
             });
         }
         let h = Heads { b: qd[0], s: qd[1], hq: qd[2], hkv: kd[2], hd: qd[3] };
-        attention(OP, Qkv::Separate([q, k, v]), h, (cos, sin), mask, causal)
+        attention(OP, Qkv::Separate([q, k, v]), h, Some((cos, sin)), mask, causal)
     }
 
     /// [`Tensor::attention_bshd`] on a packed `[b, s, (q_heads + 2 kv_heads) * hd]` input
@@ -168,45 +168,70 @@ impl Tensor {
         causal: bool,
     ) -> Result<Tensor> {
         const OP: &str = "attention_packed";
-        if qkv.rank() != 3 {
-            return Err(invalid(
-                OP,
-                format!(
-                    "qkv must be [batch, seq, (q_heads + 2 kv_heads) * hd], got {}",
-                    qkv.shape()
-                ),
-            ));
-        }
-        let d = qkv.dims();
-        let heads = kv_heads.checked_mul(2).and_then(|k| k.checked_add(q_heads));
-        let Some(heads) = heads.filter(|&n| n > 0 && d[2].is_multiple_of(n)) else {
-            return Err(invalid(
-                OP,
-                format!(
-                    "qkv width {} is not a positive multiple of q_heads + 2 kv_heads ({q_heads} \
-                     + 2 * {kv_heads})",
-                    d[2]
-                ),
-            ));
-        };
-        let h = Heads { b: d[0], s: d[1], hq: q_heads, hkv: kv_heads, hd: d[2] / heads };
-        attention(OP, Qkv::Packed(qkv), h, (cos, sin), mask, causal)
+        let h = packed_heads(OP, qkv, q_heads, kv_heads)?;
+        attention(OP, Qkv::Packed(qkv), h, Some((cos, sin)), mask, causal)
+    }
+
+    /// [`Tensor::attention_packed`] on a packed `[b, s, (q_heads + 2 kv_heads) * hd]`
+    /// input whose q and k heads are already rotated (as [`Tensor::linear_concat_rope`]
+    /// writes them): no RoPE here. It is, bit for bit and with the same gradient, the
+    /// input split into q, k and v, each viewed as `[b, s, heads, hd]` and transposed to
+    /// `[b, heads, s, hd]`, [`Tensor::scaled_dot_product_attention`] with `mask`,
+    /// `causal` and the default scale, and the output transposed back and viewed as
+    /// `[b, s, q_heads * hd]`. On a CUDA device the flash kernels read q, k and v in the
+    /// input's columns and the backward writes dq, dk and dv into the gradient's: no
+    /// other kernel runs. Differentiable in `qkv`.
+    pub fn attention_packed_rotated(
+        qkv: &Tensor,
+        q_heads: usize,
+        kv_heads: usize,
+        mask: Option<&Tensor>,
+        causal: bool,
+    ) -> Result<Tensor> {
+        const OP: &str = "attention_packed_rotated";
+        let h = packed_heads(OP, qkv, q_heads, kv_heads)?;
+        attention(OP, Qkv::Packed(qkv), h, None, mask, causal)
     }
 }
 
-/// The checks shared by both ops, then the device node or the composition.
+/// The sizes of a packed `[b, s, (q_heads + 2 kv_heads) * hd]` input, or the error
+/// naming what does not fit.
+fn packed_heads(op: &'static str, qkv: &Tensor, q_heads: usize, kv_heads: usize) -> Result<Heads> {
+    if qkv.rank() != 3 {
+        return Err(invalid(
+            op,
+            format!("qkv must be [batch, seq, (q_heads + 2 kv_heads) * hd], got {}", qkv.shape()),
+        ));
+    }
+    let d = qkv.dims();
+    let heads = kv_heads.checked_mul(2).and_then(|k| k.checked_add(q_heads));
+    let Some(heads) = heads.filter(|&n| n > 0 && d[2].is_multiple_of(n)) else {
+        return Err(invalid(
+            op,
+            format!(
+                "qkv width {} is not a positive multiple of q_heads + 2 kv_heads ({q_heads} + 2 \
+                 * {kv_heads})",
+                d[2]
+            ),
+        ));
+    };
+    Ok(Heads { b: d[0], s: d[1], hq: q_heads, hkv: kv_heads, hd: d[2] / heads })
+}
+
+/// The checks shared by the ops, then the device node or the composition; `tables`
+/// (cos, sin) rotate q and k, `None` for a pre-rotated input.
 fn attention(
     op: &'static str,
     x: Qkv<'_>,
     h: Heads,
-    (cos, sin): (&Tensor, &Tensor),
+    tables: Option<(&Tensor, &Tensor)>,
     mask: Option<&Tensor>,
     causal: bool,
 ) -> Result<Tensor> {
     let inputs = x.inputs();
     require_float(op, inputs[0])?;
     let mut all = inputs.clone();
-    all.extend([cos, sin]);
+    all.extend(tables.iter().flat_map(|&(c, s)| [c, s]));
     let dtype = common_dtype(op, &all)?;
     if h.hkv == 0 || !h.hq.is_multiple_of(h.hkv) {
         return Err(invalid(
@@ -214,11 +239,11 @@ fn attention(
             format!("{} query heads are not a multiple of {} kv heads", h.hq, h.hkv),
         ));
     }
-    if !h.hd.is_multiple_of(2) {
+    let fits = |t: &Tensor| t.rank() == 2 && t.dims()[0] >= h.s && t.dims()[1] == h.hd;
+    if tables.is_some() && !h.hd.is_multiple_of(2) {
         return Err(invalid(op, format!("head_dim {} must be even (RoPE)", h.hd)));
     }
-    let fits = |t: &Tensor| t.rank() == 2 && t.dims()[0] >= h.s && t.dims()[1] == h.hd;
-    if !fits(cos) || !fits(sin) {
+    if let Some((cos, sin)) = tables.filter(|(c, s)| !fits(c) || !fits(s)) {
         return Err(invalid(
             op,
             format!(
@@ -246,28 +271,23 @@ fn attention(
     match common_device(op, &all)? {
         Device::Meta => return Tensor::empty(h.out_shape(x.packed()), dtype, Device::Meta),
         Device::Cuda(_) => {
-            if let Some(t) = on_device(x, h, (cos, sin), mask4.as_ref(), &s)? {
+            if let Some(t) = on_device(x, h, tables, mask4.as_ref(), &s)? {
                 return Ok(t);
             }
         }
         Device::Cpu => {}
     }
-    composition(x, h, (cos, sin), mask, causal)
+    composition(x, h, tables, mask, causal)
 }
 
 /// What the ops mean (see the module docs), with the autograd of the ops it runs.
 fn composition(
     x: Qkv<'_>,
     h: Heads,
-    (cos, sin): (&Tensor, &Tensor),
+    tables: Option<(&Tensor, &Tensor)>,
     mask: Option<&Tensor>,
     causal: bool,
 ) -> Result<Tensor> {
-    let (cos, sin) = if cos.dims()[0] == h.s {
-        (cos.clone(), sin.clone())
-    } else {
-        (cos.narrow(0, 0, h.s)?, sin.narrow(0, 0, h.s)?)
-    };
     let [q, k, v] = match x {
         Qkv::Separate([q, k, v]) => [q.clone(), k.clone(), v.clone()],
         Qkv::Packed(qkv) => {
@@ -277,8 +297,18 @@ fn composition(
             [heads(0)?, heads(1)?, heads(2)?]
         }
     };
-    // [b, s, heads, hd] -> [b, heads, s, hd], q and k rotated
-    let (q, k) = (q.rope_bshd_to_bhsd(&cos, &sin)?, k.rope_bshd_to_bhsd(&cos, &sin)?);
+    // [b, s, heads, hd] -> [b, heads, s, hd], q and k rotated (unless they come so)
+    let (q, k) = match tables {
+        Some((cos, sin)) => {
+            let (cos, sin) = if cos.dims()[0] == h.s {
+                (cos.clone(), sin.clone())
+            } else {
+                (cos.narrow(0, 0, h.s)?, sin.narrow(0, 0, h.s)?)
+            };
+            (q.rope_bshd_to_bhsd(&cos, &sin)?, k.rope_bshd_to_bhsd(&cos, &sin)?)
+        }
+        None => (q.transpose(1, 2)?, k.transpose(1, 2)?),
+    };
     let v = v.transpose(1, 2)?;
     let a = Tensor::scaled_dot_product_attention(&q, &k, &v, mask, causal, None)?; // [b, hq, s, hd]
     a.transpose(1, 2)?.reshape(h.out_shape(x.packed())) // [b, s, hq, hd] or [b, s, hq * hd]
@@ -340,14 +370,18 @@ fn rotate_qk(
     Ok([rotate(0)?, rotate(1)?])
 }
 
-/// Where the flash kernels find q and k (the dense rotated buffers) and v (in the input)
-/// and write the output (`[b, s, hq, hd]`).
-fn layout(x: Qkv<'_>, h: &Heads) -> k_sdpa::SdpaLayout {
+/// Where the flash kernels find q and k (the dense rotated buffers, or in the input when
+/// it comes rotated) and v (in the input) and write the output (`[b, s, hq, hd]`).
+fn layout(packed: bool, h: &Heads, rotated_in_input: bool) -> k_sdpa::SdpaLayout {
     let bshd = |row: usize| Some(k_sdpa::SdpaStrides::bshd(h.s, row, h.hd));
+    let qk = |i: usize| match rotated_in_input {
+        true => bshd(place(packed, i, h).2),
+        false => bshd(h.of(i) * h.hd),
+    };
     k_sdpa::SdpaLayout {
-        q: bshd(h.hq * h.hd),
-        k: bshd(h.hkv * h.hd),
-        v: bshd(x.place(2, h).2),
+        q: qk(0),
+        k: qk(1),
+        v: bshd(place(packed, 2, h).2),
         out: bshd(h.hq * h.hd),
     }
 }
@@ -357,7 +391,7 @@ fn layout(x: Qkv<'_>, h: &Heads) -> k_sdpa::SdpaLayout {
 fn on_device(
     x: Qkv<'_>,
     h: Heads,
-    tables: (&Tensor, &Tensor),
+    tables: Option<(&Tensor, &Tensor)>,
     mask: Option<&Tensor>,
     s: &SdpaShape,
 ) -> Result<Option<Tensor>> {
@@ -369,11 +403,14 @@ fn on_device(
     }
     let dev = device_of(inputs[0], OP)?;
     let (s, mask) = (*s, gpu_nn::device_mask(mask, s, cd)?);
-    let layout = layout(x, &h);
+    let packed = x.packed();
+    let Some(tables) = tables else {
+        return Ok(Some(rotated_on_device(x, h, mask, s)?));
+    };
+    let layout = layout(packed, &h, false);
     let (v, v_at, _) = x.place(2, &h);
     // A selective activation checkpoint may keep the output and its log-sum-exps
     // (crate::checkpoint), as it keeps attention's.
-    let packed = x.packed();
     let (out, lse, rotated) = kept(SaveOp::Sdpa, &inputs, || {
         let [q, k] = rotate_qk(&dev, cd, x, &h, tables)?;
         let ops = [(&q, 0), (&k, 0), (inputs[v], v_at)];
@@ -402,7 +439,7 @@ fn on_device(
         let mut dk = Out::new(&dev, k.shape().clone(), k.dtype())?;
         let (v, v_at, _) = place(packed, 2, &h);
         let ops = [(&q, 0), (&k, 0), (&v_in, v_at)] as [SdpaAt<'_>; 3];
-        let dests = [(&mut dq, 0), (&mut dk, 0), (&mut grads[v], v_at)];
+        let dests = GradsAt::Separate([(&mut dq, 0), (&mut dk, 0), (&mut grads[v], v_at)]);
         gpu_nn::sdpa_backward_at(ops, mask.as_ref(), &s, layout, [&o, &lse, g], dests)?;
         for (i, d) in [dq, dk].into_iter().enumerate() {
             let (n, d) = (h.of(i), d.into_tensor());
@@ -412,4 +449,27 @@ fn on_device(
         }
         Ok(grads.into_iter().map(|g| Some(g.into_tensor())).collect())
     })))
+}
+
+/// The device node of a pre-rotated packed input: the flash kernels read q, k and v in
+/// its columns, the node keeps it (and the output and log-sum-exps), and the backward
+/// writes dq, dk and dv into the packed gradient's columns.
+fn rotated_on_device(x: Qkv<'_>, h: Heads, mask: Option<Tensor>, s: SdpaShape) -> Result<Tensor> {
+    const OP: &str = "attention_packed_rotated";
+    let inputs = x.inputs();
+    let at = [0, 1, 2].map(|i| x.place(i, &h).1);
+    let layout = layout(true, &h, true);
+    let (out, lse) = kept(SaveOp::Sdpa, &inputs, || {
+        let ops = at.map(|a| (inputs[0], a));
+        gpu_nn::sdpa_forward_at(ops, mask.as_ref(), &s, layout, h.out_shape(true))
+    })?;
+    let (qkv, o) = (inputs[0].detach(), out.detach());
+    Ok(record(OP, &inputs, out, move |g| {
+        let dev = device_of(g, OP)?;
+        let mut grad = Out::new(&dev, qkv.shape().clone(), qkv.dtype())?;
+        let ops = at.map(|a| (&qkv, a));
+        let dests = GradsAt::Packed(&mut grad, at);
+        gpu_nn::sdpa_backward_at(ops, mask.as_ref(), &s, layout, [&o, &lse, g], dests)?;
+        Ok(vec![Some(grad.into_tensor())])
+    }))
 }

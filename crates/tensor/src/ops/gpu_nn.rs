@@ -636,15 +636,24 @@ pub(crate) fn sdpa_backward_device(
     let mut dq = Out::new(&dev, q.shape().clone(), q.dtype())?;
     let mut dk = Out::new(&dev, k.shape().clone(), k.dtype())?;
     let mut dv = Out::new(&dev, v.shape().clone(), v.dtype())?;
-    let grads = [(&mut dq, 0), (&mut dk, 0), (&mut dv, 0)];
+    let grads = GradsAt::Separate([(&mut dq, 0), (&mut dk, 0), (&mut dv, 0)]);
     let dense = k_sdpa::SdpaLayout::default();
     sdpa_backward_at([(q, 0), (k, 0), (v, 0)], mask, s, dense, [out, lse, dout], grads)?;
     Ok((dq.into_tensor(), dk.into_tensor(), dv.into_tensor()))
 }
 
+/// Where [`sdpa_backward_at`] writes dq, dk and dv (at q's, k's and v's strides in its
+/// layout).
+pub(crate) enum GradsAt<'o> {
+    /// Each into its output from an element of it.
+    Separate([(&'o mut Out, usize); 3]),
+    /// All three into one output (a packed q/k/v gradient), from these elements.
+    Packed(&'o mut Out, [usize; 3]),
+}
+
 /// [`sdpa_backward_device`] with q, k and v read where `qkv` and `layout` place them,
-/// `out` and `dout` at `layout.out`, and dq, dk and dv written into `grads` (a buffer and
-/// the element where the gradient's `(0, 0, 0, 0)` lies) at q's, k's and v's strides.
+/// `out` and `dout` at `layout.out`, and dq, dk and dv written where `grads` says ([`GradsAt`])
+/// at q's, k's and v's strides.
 /// `[out, lse, dout]` are the forward's output and log-sum-exps and the output's
 /// gradient. Not recorded.
 pub(crate) fn sdpa_backward_at(
@@ -653,7 +662,7 @@ pub(crate) fn sdpa_backward_at(
     s: &SdpaShape,
     layout: k_sdpa::SdpaLayout,
     [out, lse, dout]: [&Tensor; 3],
-    grads: [(&mut Out, usize); 3],
+    grads: GradsAt<'_>,
 ) -> Result<()> {
     const OP: &str = "scaled_dot_product_attention";
     let [(q, qa), (k, ka), (v, va)] = qkv;
@@ -663,7 +672,6 @@ pub(crate) fn sdpa_backward_at(
     let strides = mask_strides(mask, s);
     let ws_bytes = k_sdpa::sdpa_backward_workspace_bytes(s)?;
     let mut ws = Out::new(&dev, [ws_bytes.div_ceil(4)], DType::F32)?;
-    let [(dq, dqa), (dk, dka), (dv, dva)] = grads;
     let mut ins = vec![q, k, v, out, lse, dout];
     ins.extend(mask);
     with_gpu(OP, &ins, |b| {
@@ -675,9 +683,16 @@ pub(crate) fn sdpa_backward_at(
             out: b[3].view(),
             lse: b[4].view(),
             dout: b[5].view(),
-            dq: out_from(dq, dqa, es)?,
-            dk: out_from(dk, dka, es)?,
-            dv: out_from(dv, dva, es)?,
+            grads: match grads {
+                GradsAt::Separate([(dq, dqa), (dk, dka), (dv, dva)]) => {
+                    k_sdpa::SdpaGrads::Separate {
+                        dq: out_from(dq, dqa, es)?,
+                        dk: out_from(dk, dka, es)?,
+                        dv: out_from(dv, dva, es)?,
+                    }
+                }
+                GradsAt::Packed(d, at) => k_sdpa::SdpaGrads::Packed { dqkv: d.view_mut(), at },
+            },
             workspace: ws.view_mut(),
             layout,
         };

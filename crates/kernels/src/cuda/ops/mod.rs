@@ -128,6 +128,30 @@ impl<'d> Check<'d> {
         self.view(what, v.device(), v.ptr(), v.len(), need, elem)
     }
 
+    /// The address of element `at` of `v`, from which the launch writes (and
+    /// may read) `elems` elements of `elem` bytes.
+    pub(crate) fn write_at(
+        &self,
+        what: &'static str,
+        v: &DeviceSliceMut<'_>,
+        at: usize,
+        elems: usize,
+        elem: usize,
+    ) -> Result<DevPtr> {
+        let skip = self.bytes(what, at, elem)?;
+        let need = self.bytes(what, elems, elem)?;
+        let (ptr, len) = (v.ptr().wrapping_add(skip as DevPtr), v.len().saturating_sub(skip));
+        if need > 0 && skip > v.len() {
+            return Err(KernelError::BufferTooSmall {
+                op: self.op,
+                what,
+                need: skip.saturating_add(need),
+                got: v.len(),
+            });
+        }
+        self.view(what, v.device(), ptr, len, need, elem)
+    }
+
     /// The address of `v`, which the launch writes as `bytes` bytes at an
     /// `align`-byte aligned address (workspaces).
     pub(crate) fn write_bytes(

@@ -126,18 +126,108 @@ pub struct SdpaBwdViews<'a> {
     pub lse: DeviceSlice<'a>,
     /// Gradient of the output.
     pub dout: DeviceSlice<'a>,
-    /// Gradient of q (written).
-    pub dq: DeviceSliceMut<'a>,
-    /// Gradient of k (written; sums the q heads of each group).
-    pub dk: DeviceSliceMut<'a>,
-    /// Gradient of v (written; sums the q heads of each group).
-    pub dv: DeviceSliceMut<'a>,
+    /// Where dq, dk and dv are written (overwritten; dk and dv sum the q
+    /// heads of each group).
+    pub grads: SdpaGrads<'a>,
     /// Scratch memory of at least [`sdpa_backward_workspace_bytes`] bytes,
     /// 16-byte aligned.
     pub workspace: DeviceSliceMut<'a>,
     /// Where q/dq, k/dk, v/dv and out/dout lie in their views (dense by
     /// default).
     pub layout: SdpaLayout,
+}
+
+/// Where [`sdpa_backward`] writes the gradients of q, k and v, each at its
+/// operand's strides in [`SdpaBwdViews::layout`] (q's for dq, k's for dk,
+/// v's for dv).
+#[derive(Debug)]
+pub enum SdpaGrads<'a> {
+    /// Each gradient in a view of its own, starting at its element
+    /// `(0, 0, 0, 0)`.
+    Separate {
+        /// Gradient of q.
+        dq: DeviceSliceMut<'a>,
+        /// Gradient of k.
+        dk: DeviceSliceMut<'a>,
+        /// Gradient of v.
+        dv: DeviceSliceMut<'a>,
+    },
+    /// The three in one buffer, as the gradient of a packed
+    /// `[batch, len, (q_heads + 2 kv_heads) * head_dim]` q/k/v projection
+    /// holds them: dq's element `(0, 0, 0, 0)` at element `at[0]` of `dqkv`,
+    /// dk's at `at[1]`, dv's at `at[2]`. They must not share an element,
+    /// which is checked in the form such a buffer has: `q_len == kv_len`,
+    /// the three with one row stride (and, over more than one batch, one
+    /// batch stride that is a multiple of it and spans the rows), and each
+    /// gradient's heads inside a row, in column ranges that do not meet.
+    Packed {
+        /// The buffer.
+        dqkv: DeviceSliceMut<'a>,
+        /// Where dq, dk and dv start, in elements.
+        at: [usize; 3],
+    },
+}
+
+/// Why packed gradients at `at` could share an element under `layout`
+/// (see [`SdpaGrads::Packed`]), if they could.
+fn packed_overlap(s: &SdpaShape, layout: &raw::SdpaLayout, at: [usize; 3]) -> Option<String> {
+    let [q, k, v, _] = layout.resolve(s);
+    let all = [
+        ("dq", q, s.q_heads, s.head_dim, at[0]),
+        ("dk", k, s.kv_heads, s.head_dim, at[1]),
+        ("dv", v, s.kv_heads, s.v_dim, at[2]),
+    ];
+    let live: Vec<_> = all.into_iter().filter(|&(_, _, h, d, _)| h * d > 0).collect();
+    if s.batch == 0 || s.q_len == 0 || live.is_empty() {
+        return None;
+    }
+    if s.q_len != s.kv_len {
+        return Some(format!("q_len {} and kv_len {} differ", s.q_len, s.kv_len));
+    }
+    let first = live[0].1;
+    // The elements between the rows of one sequence (or between the batches, with one
+    // row each; with one row in all, no bound): every gradient's heads lie inside such a
+    // row.
+    let pitch = match (s.q_len, s.batch) {
+        (1, 1) => usize::MAX,
+        (1, _) => first.batch,
+        _ => first.row,
+    };
+    let mut spans = Vec::with_capacity(live.len());
+    for (name, st, heads, dim, start) in live {
+        if s.q_len > 1 && st.row != first.row {
+            return Some(format!("{name} row stride {} is not dq's {}", st.row, first.row));
+        }
+        let whole_rows =
+            s.q_len == 1 || (st.batch.is_multiple_of(pitch) && st.batch / pitch >= s.q_len);
+        if s.batch > 1 && (st.batch != first.batch || !whole_rows) {
+            return Some(format!(
+                "{name} batch stride {} is not one whole number of rows of {pitch} elements \
+                 shared by the three",
+                st.batch
+            ));
+        }
+        if heads > 1 && st.head < dim {
+            return Some(format!("{name} head stride {} is below its dim {dim}", st.head));
+        }
+        let end = (heads - 1).checked_mul(st.head).and_then(|e| e.checked_add(dim + start));
+        match end {
+            Some(end) if end <= pitch => spans.push((name, start, end)),
+            _ => {
+                return Some(format!("{name} at element {start} does not fit in a row of {pitch}"))
+            }
+        }
+    }
+    for (i, &(a, a0, a1)) in spans.iter().enumerate() {
+        for &(b, b0, b1) in &spans[i + 1..] {
+            if a0 < b1 && b0 < a1 {
+                return Some(format!(
+                    "{a} (columns {a0}..{a1}) and {b} (columns {b0}..{b1}) overlap"
+                ));
+            }
+        }
+    }
+    None
 }
 
 /// Elements q, k, v and out span under `layout`, and the query rows.
@@ -214,6 +304,18 @@ pub fn sdpa_backward(
     let c = Check::new(OP, dev);
     let ([nq, nk, nv, no, rows], es) = (sizes(OP, s, &b.layout)?, dtype.size());
     let ws = sdpa_backward_workspace_bytes(s)?;
+    let [dq, dk, dv] = match &b.grads {
+        SdpaGrads::Separate { dq, dk, dv } => {
+            [c.write("dq", dq, nq, es)?, c.write("dk", dk, nk, es)?, c.write("dv", dv, nv, es)?]
+        }
+        SdpaGrads::Packed { dqkv, at } => {
+            if let Some(why) = packed_overlap(s, &b.layout, *at) {
+                return Err(crate::util::bad(OP, format!("packed gradients: {why}")));
+            }
+            let one = |what, i: usize, n| c.write_at(what, dqkv, at[i], n, es);
+            [one("dq", 0, nq)?, one("dk", 1, nk)?, one("dv", 2, nv)?]
+        }
+    };
     let buffers = raw::SdpaBwdBuffers {
         q: c.read("q", &b.q, nq, es)?,
         k: c.read("k", &b.k, nk, es)?,
@@ -222,9 +324,9 @@ pub fn sdpa_backward(
         out: c.read("out", &b.out, no, es)?,
         lse: c.read("lse", &b.lse, rows, 4)?,
         dout: c.read("dout", &b.dout, no, es)?,
-        dq: c.write("dq", &b.dq, nq, es)?,
-        dk: c.write("dk", &b.dk, nk, es)?,
-        dv: c.write("dv", &b.dv, nv, es)?,
+        dq,
+        dk,
+        dv,
         workspace: c.write_bytes("workspace", &b.workspace, ws, 16)?,
         workspace_bytes: b.workspace.len(),
         layout: b.layout,
