@@ -40,7 +40,7 @@ use tpar::kernels::cuda::{device_bytes_in_use, device_peak_bytes, reset_device_p
 use tpar::models::context_parallel::{
     all_reduce_gradients, apply_context_parallel, cp_token_share,
 };
-use tpar::models::memory::{device_attention_backward_bytes, AttentionCall};
+use tpar::models::memory::{device_attention_backward_bytes, AttentionCall, DeviceAttentionInput};
 use tpar::models::LlamaFusion;
 use tpar::prelude::*;
 use tpar::tensor::gpu::{self, EmulatedGpu};
@@ -428,36 +428,43 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
     assert!(no_acts > 0.15, "forgetting the activations is only {no_acts} off");
 }
 
-/// The CUDA attention node's backward (`Tensor::attention_bshd`, and
-/// `Tensor::attention_packed` as fused projections run it) allocates, beyond the output
-/// gradient it is given, exactly what `device_attention_backward_bytes` counts: its inputs'
-/// gradients, `dq` and `dk` in buffers of their own and the flash backward's workspace;
-/// f32 and bf16, one head, grouped-query heads, two sequences.
+/// The CUDA attention node's backward (`Tensor::attention_bshd`,
+/// `Tensor::attention_packed`, and `Tensor::attention_packed_rotated` as fused
+/// projections run it) allocates, beyond the output gradient it is given, exactly what
+/// `device_attention_backward_bytes` counts: its inputs' gradients, `dq` and `dk` in
+/// buffers of their own where it rotates, and the flash backward's workspace; f32 and
+/// bf16, one head, grouped-query heads, two sequences.
 #[test]
 fn device_attention_backward_holds_what_the_model_counts() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     emulated_device();
     let dev = Device::Cuda(ORDINAL);
-    println!("| b, s, hq, hkv, hd, dtype, packed | predicted B | measured B |");
+    println!("| b, s, hq, hkv, hd, dtype, input | predicted B | measured B |");
     let mut failures = Vec::new();
+    use DeviceAttentionInput::{Packed, PackedRotated, Separate};
     let shapes = [
-        (1, 512, 1, 1, 64, DType::F32, false),
-        (2, 128, 2, 1, 32, DType::F32, false),
-        (1, 256, 4, 2, 64, DType::BF16, false),
-        (2, 128, 4, 2, 32, DType::F32, true),
-        (1, 200, 2, 2, 64, DType::BF16, true),
+        (1, 512, 1, 1, 64, DType::F32, Separate),
+        (2, 128, 2, 1, 32, DType::F32, Separate),
+        (1, 256, 4, 2, 64, DType::BF16, Separate),
+        (2, 128, 4, 2, 32, DType::F32, Packed),
+        (1, 200, 2, 2, 64, DType::BF16, Packed),
+        (2, 128, 4, 2, 32, DType::F32, PackedRotated),
+        (1, 200, 2, 2, 64, DType::BF16, PackedRotated),
     ];
-    for (b, s, hq, hkv, hd, dtype, packed) in shapes {
+    for (b, s, hq, hkv, hd, dtype, input) in shapes {
         let mut rng = tpar::tensor::Rng::new(7);
         let mut randn = |dims: Vec<usize>, grad: bool| -> Tensor {
             let t = Tensor::randn(dims, DType::F32, &mut rng).unwrap();
             t.to_dtype(dtype).unwrap().to_device(dev).unwrap().requires_grad_(grad)
         };
         let (cos, sin) = (randn(vec![s, hd], false), randn(vec![s, hd], false));
-        let (out, dout) = if packed {
+        let (out, dout) = if input != Separate {
             let qkv = randn(vec![b, s, (hq + 2 * hkv) * hd], true);
-            let out = Tensor::attention_packed(&qkv, hq, hkv, &cos, &sin, None, true).unwrap();
-            (out, randn(vec![b, s, hq * hd], false))
+            let out = match input {
+                Packed => Tensor::attention_packed(&qkv, hq, hkv, &cos, &sin, None, true),
+                _ => Tensor::attention_packed_rotated(&qkv, hq, hkv, None, true),
+            };
+            (out.unwrap(), randn(vec![b, s, hq * hd], false))
         } else {
             let q = randn(vec![b, s, hq, hd], true);
             let (k, v) = (randn(vec![b, s, hkv, hd], true), randn(vec![b, s, hkv, hd], true));
@@ -477,12 +484,11 @@ fn device_attention_backward_holds_what_the_model_counts() {
             head_dim: hd,
             causal: true,
         };
-        let predicted = device_attention_backward_bytes(&call, dtype, packed);
-        println!("| {b}, {s}, {hq}, {hkv}, {hd}, {dtype}, {packed} | {predicted} | {measured} |");
+        let predicted = device_attention_backward_bytes(&call, dtype, input);
+        println!("| {b}, {s}, {hq}, {hkv}, {hd}, {dtype}, {input:?} | {predicted} | {measured} |");
         if predicted != measured {
             failures.push(format!(
-                "{call:?} in {dtype}, packed {packed}: predicted {predicted} B, measured \
-                 {measured} B"
+                "{call:?} in {dtype}, {input:?}: predicted {predicted} B, measured {measured} B"
             ));
         }
     }

@@ -159,9 +159,10 @@
 //! - **On a CUDA device** (`MemoryConfig::host` false) without context parallelism (the
 //!   tensor-parallel plans hand attention plain tensors: the local heads, or every head
 //!   gathered), in f32, bf16 or f16 and a head dim of at most 256, attention is one
-//!   autograd node (`Tensor::attention_bshd`, `Tensor::attention_packed` for fused
-//!   projections) instead of the host's composition. It keeps the rotated q and k and
-//!   its v input (the v projection's output, or the packed q/k/v output), and its output
+//!   autograd node (`Tensor::attention_bshd`, `Tensor::attention_packed_rotated` for
+//!   fused projections) instead of the host's composition. It keeps the rotated q and k
+//!   and its v input (the v projection's output), or the packed q/k/v output (q and k
+//!   rotated), and its output
 //!   `[a_q]`, which `o_proj` saves as it is: one `[q]` per layer less than the
 //!   composition, which also keeps the transposed copy (under the sequence-parallel plan
 //!   `o_proj` saves its local slice `[q/t]`, as on the host). Under selective
@@ -172,9 +173,14 @@
 //!   holds beside the hidden-state gradient and the output gradient
 //!   [`device_attention_backward_bytes`] of attention's heads: the inputs' gradients
 //!   `[q + 2 kv]`, `dq` and `dk` `[q + kv]` in buffers of their own until RoPE's
-//!   backward rotates them into those, for a packed input its q and k rotated again
-//!   `[q + kv]`, and the flash backward's workspace ([`device_sdpa_backward_scratch`]:
-//!   a row statistic and an f32 `dq` accumulator). The host GEMM workspace is not added.
+//!   backward rotates them into those, and the flash backward's workspace
+//!   ([`device_sdpa_backward_scratch`]: a row statistic and an f32 `dq` accumulator).
+//!   Fused projections run `Tensor::linear_concat_rope` (q and k rotated by the GEMM)
+//!   and `Tensor::attention_packed_rotated`: the node keeps the rotated packed output,
+//!   and its backward holds only the packed gradient `[q + 2 kv]` and the workspace;
+//!   then the projection's backward holds, beside the hidden-state gradient, that
+//!   gradient and its rotation back, `2 [q + 2 kv]`, and the larger of the two phases
+//!   counts. The host GEMM workspace is not added.
 //!   Under context parallelism the composition's terms are used on the device too, with
 //!   the device kernel's scratch. `tests/memory_model_device.rs` holds this (cp 2
 //!   included) against the emulated CUDA device, whose `DeviceBuffer`s are counted as a
@@ -552,7 +558,7 @@ struct LayerShape {
     attn_q: f64,
     /// Attention's k or v, `a_kv`: `kv`, or every head's when gathered.
     attn_kv: f64,
-    /// Attention runs as the CUDA node of `Tensor::attention_bshd` / `attention_packed`
+    /// Attention runs as the CUDA node of `Tensor::attention_bshd` / `attention_packed_rotated`
     /// (module docs, "On a CUDA device"), not as the host's composition.
     device_node: bool,
 }
@@ -601,8 +607,8 @@ impl LayerShape {
 
     /// What a selective checkpoint keeps of attention when `ops` has [`SaveOp::Sdpa`]: its
     /// output `[q]`, and on the device node of separate projections the rotated q and k
-    /// it read (a packed input is the q/k/v GEMM's output, rotated again in the
-    /// backward).
+    /// it read (a packed input is the q/k/v GEMM's output, which rotated q and k as it
+    /// wrote them).
     fn sdpa_kept(&self, ops: &[SaveOp], fused: bool) -> f64 {
         match (ops.contains(&SaveOp::Sdpa), self.device_node && !fused) {
             (false, _) => 0.0,
@@ -1113,7 +1119,8 @@ pub fn device_sdpa_backward_scratch(a: &AttentionCall) -> u64 {
 }
 
 /// Whether a decoder layer's attention runs as the CUDA node of `Tensor::attention_bshd`
-/// (`Tensor::attention_packed` with fused projections) rather than as its composition:
+/// (`Tensor::attention_packed_rotated` with fused projections) rather than as its
+/// composition:
 /// on a CUDA device, with plain operands (the tensor-parallel plans hand attention plain
 /// tensors, local or gathered; context parallelism runs its own attention), in a dtype the
 /// flash kernels take (not f64) and a head dim they take.
@@ -1124,17 +1131,39 @@ fn device_attention_node(c: &MemoryConfig, compute: DType) -> bool {
         && c.model.head_dim() <= tpar_kernels::cuda::raw::sdpa::MAX_HEAD_DIM
 }
 
-/// Bytes the CUDA attention node (`Tensor::attention_bshd`, or with `packed`
-/// `Tensor::attention_packed` on fused projections) holds in its backward beyond the
-/// output gradient it is given, for `a` (`q_len == kv_len`) in `dtype`: its inputs'
-/// gradients (q, k and v, or the packed one), `dq` and `dk` in dense buffers of their own
-/// that RoPE's backward then rotates into them, for a packed input its q and k rotated
-/// again (the node kept the input, not the rotated ones), and the flash backward's
-/// workspace ([`device_sdpa_backward_scratch`]); `u64::MAX` where that overflows.
-pub fn device_attention_backward_bytes(a: &AttentionCall, dtype: DType, packed: bool) -> u64 {
-    // q's gradient and dq (and the rotated q); k's and v's gradients and dk (and the
-    // rotated k).
-    let (nq, nkv) = if packed { (3, 4) } else { (2, 3) };
+/// The operands of the CUDA attention node whose backward
+/// [`device_attention_backward_bytes`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceAttentionInput {
+    /// q, k and v of their own (`Tensor::attention_bshd`).
+    Separate,
+    /// One packed q/k/v projection output, rotated inside attention
+    /// (`Tensor::attention_packed`).
+    Packed,
+    /// One packed q/k/v projection output whose q and k the projection rotated
+    /// (`Tensor::attention_packed_rotated`, as fused projections run on a device).
+    PackedRotated,
+}
+
+/// Bytes the CUDA attention node holds in its backward beyond the output gradient it is
+/// given, for `a` (`q_len == kv_len`) in `dtype`: its inputs' gradients (q, k and v, or
+/// the packed one); unless the input comes rotated, `dq` and `dk` in dense buffers of
+/// their own that RoPE's backward then rotates into them, and for a packed input its q
+/// and k rotated again (the node kept the input, not the rotated ones); and the flash
+/// backward's workspace ([`device_sdpa_backward_scratch`]); `u64::MAX` where that
+/// overflows.
+pub fn device_attention_backward_bytes(
+    a: &AttentionCall,
+    dtype: DType,
+    input: DeviceAttentionInput,
+) -> u64 {
+    // q's gradient, dq and the rotated q; k's and v's gradients, dk and the rotated k;
+    // as many of each as the node holds
+    let (nq, nkv) = match input {
+        DeviceAttentionInput::Separate => (2, 3),
+        DeviceAttentionInput::Packed => (3, 4),
+        DeviceAttentionInput::PackedRotated => (1, 2),
+    };
     let q = a.batch.checked_mul(a.q_len).and_then(|n| n.checked_mul(nq * a.q_heads));
     let kv = a.batch.checked_mul(a.kv_len).and_then(|n| n.checked_mul(nkv * a.kv_heads));
     let elems = q.zip(kv).and_then(|(q, kv)| q.checked_add(kv)?.checked_mul(a.head_dim));
@@ -1182,11 +1211,21 @@ fn attention_backward(
         let tokens = rows as f64 * c.seq as f64;
         if shape.device_node {
             let a = call(c.seq, c.seq, true);
-            // The device node takes fused projections packed (where the plan lets them
-            // run: without a tensor-parallel plan).
-            let packed = c.fusion.projections && c.tp == 1;
-            let ws = device_attention_backward_bytes(&a, compute, packed);
-            return Ok(per_token(tokens) + ws as f64);
+            // The device node takes fused projections packed, q and k rotated by the
+            // projection (where the plan lets them run: without a tensor-parallel plan),
+            // whose backward then rotates the packed gradient back into a new buffer
+            // beside it (attention's output gradient freed by then).
+            if c.fusion.projections && c.tp == 1 {
+                let input = DeviceAttentionInput::PackedRotated;
+                let node =
+                    per_token(tokens) + device_attention_backward_bytes(&a, compute, input) as f64;
+                let packed = tokens * (shape.attn_q + 2.0 * shape.attn_kv) * abytes;
+                return Ok(node.max(tokens * shape.full * abytes + 2.0 * packed));
+            }
+            let input = DeviceAttentionInput::Separate;
+            return Ok(
+                per_token(tokens) + device_attention_backward_bytes(&a, compute, input) as f64
+            );
         }
         let outputs = tokens * (shape.attn_q + 2.0 * shape.attn_kv) * abytes;
         return Ok(per_token(tokens) + outputs + scratch(&call(c.seq, c.seq, true)));
