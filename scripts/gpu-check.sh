@@ -73,7 +73,8 @@
 #      attention kernels where they take the call (SKIP_SDPA_STEP=1 skips; log
 #      in llama_2d_sdpa_hopper.log);
 #   3f. the training step (--no-fsdp) with --fuse-proj --fuse-residual: q, k,
-#      v and gate, up by one GEMM each, the residual adds in the GEMMs (also
+#      v and gate, up by one GEMM each (q and k rotated where the q/k/v GEMM
+#      writes them), the residual adds in the GEMMs (also
 #      under SMOKE=1; SKIP_FUSED_STEP=1 skips; log in llama_2d_fused.log);
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files); then the training table:

@@ -1,6 +1,8 @@
 //! Attention on heads laid out `[batch, seq, heads, head_dim]`, with RoPE:
 //! [`Tensor::attention_bshd`] (separate q, k, v) and [`Tensor::attention_packed`] (one
-//! packed `[b, s, (hq + 2 hkv) * hd]` projection output).
+//! packed `[b, s, (hq + 2 hkv) * hd]` projection output); and without it,
+//! [`Tensor::attention_packed_rotated`] (a packed output whose q and k the projection
+//! rotated, [`Tensor::linear_concat_rope`]).
 //!
 //! The op means the composition a Llama attention block runs on its projections: split
 //! (packed) and view as `[b, s, h, hd]`, rotate q and k and bring them to `[b, h, s, hd]`
@@ -24,6 +26,10 @@
 //! and k columns; q and k live in buffers of their own because the kernels write dq and
 //! dk, at q's and k's strides, into views that must not overlap). Every element is
 //! computed as in the composition, so the bits are the same.
+//!
+//! A pre-rotated packed input needs none of the RoPE launches: the flash kernels read q,
+//! k and v in its columns, the node keeps it, and the backward writes dq, dk and dv into
+//! the packed gradient's columns ([`k_sdpa::SdpaGrads::Packed`]).
 
 use tpar_kernels::cuda::ops::{rope as k_rope, sdpa as k_sdpa};
 use tpar_kernels::cuda::{CudaDType, GpuDevice};
