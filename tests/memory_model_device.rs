@@ -331,6 +331,7 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         ("selective AC", selective.clone()),
         ("fused projections", Run { fusion: PROJECTIONS, ..f32_run.clone() }),
         ("selective AC, fused residual", Run { fusion: RESIDUAL, ..selective.clone() }),
+        ("selective AC, fused projections", Run { fusion: PROJECTIONS, ..selective.clone() }),
         ("2x1 FSDP (2 ranks on cuda:0)", Run { dp: 2, fsdp: Some(DType::F32), ..f32_run.clone() }),
         ("seq 512, MLP 64, 1 head, f32", Run::attention(DType::F32)),
         ("tp 2 (sp plan)", Run { tp: 2, ..f32_run.clone() }),

@@ -893,14 +893,23 @@ impl LlamaMLP {
         Ok(self.fuse_projections && fusable(x, &[&self.gate_proj, &self.up_proj])?.is_some())
     }
 
-    /// `silu(gate(x)) * up(x)`, the input of `down_proj`, `[b, s, intermediate]`.
+    /// `silu(gate(x)) * up(x)`, the input of `down_proj`, `[b, s, intermediate]`. Fused
+    /// on a CUDA device, the one GEMM's output is kept whole and [`Tensor::swiglu`] reads
+    /// its halves in place (its backward writes one gradient for the GEMM's backward);
+    /// elsewhere the output is split into gate and up.
     fn gated(&self, args: Args) -> Result<Value> {
         let x = args.get(0);
-        let fused = if self.fuse_projections {
-            fused_linear(&x, &[&self.gate_proj, &self.up_proj])?
-        } else {
-            None
-        };
+        let projs = [&self.gate_proj, &self.up_proj];
+        if self.fuse_projections {
+            if let Some((xt, w)) = fusable(&x, &projs)? {
+                let equal = w[0].dims()[0] == w[1].dims()[0];
+                if equal && matches!(xt.device(), Device::Cuda(_)) {
+                    // [b, s, hidden] x [2 i, hidden]^T -> [b, s, 2 i] -> [b, s, i]
+                    return Ok(Value::Tensor(xt.linear_concat(&w)?.swiglu()?));
+                }
+            }
+        }
+        let fused = if self.fuse_projections { fused_linear(&x, &projs)? } else { None };
         let (gate, up) = match fused.as_deref() {
             // [b, s, 2 i] split into gate and up.
             Some([gate, up]) => (gate.clone(), up.clone()),

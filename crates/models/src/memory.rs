@@ -65,7 +65,9 @@
 //!   layer then has 4 matmuls (q/k/v, o, gate/up, down) instead of 7, so every second
 //!   one keeps the wide q/k/v output `[q + 2 kv]` and gate/up's `[2 i]` (where the
 //!   separate ones keep q, v, gate and down), and the recompute makes gate and up again
-//!   as the split's copies (`[i]` more). The fused residual (`LlamaFusion::residual`)
+//!   as the split's copies (`[i]` more); on a CUDA device gate and up are not split
+//!   (`Tensor::swiglu` keeps the wide output), so a kept gate/up output is handed back.
+//!   The fused residual (`LlamaFusion::residual`)
 //!   changes no term on the host (it is the product then the add); on a CUDA device a
 //!   selective checkpoint that keeps its GEMM keeps the residual sum the recompute then
 //!   reuses (`[h]` less each), and down_proj's kept output is the layer's output, which
@@ -561,6 +563,9 @@ struct LayerShape {
     /// Attention runs as the CUDA node of `Tensor::attention_bshd` / `attention_packed_rotated`
     /// (module docs, "On a CUDA device"), not as the host's composition.
     device_node: bool,
+    /// The layer runs on a CUDA device, where fused gate and up projections stay one
+    /// output that `Tensor::swiglu` keeps (not the split's copies).
+    device: bool,
 }
 
 impl LayerShape {
@@ -622,8 +627,8 @@ impl LayerShape {
     /// input, shared with the checkpoint, standing for the recomputed output) except those
     /// the recompute is handed back from the kept ones instead of computing them:
     /// what [`LayerShape::sdpa_kept`] keeps, and gate's and up's outputs when their
-    /// matmul is kept and unfused (fused, they are the split's copies of the wide
-    /// output). The composition's q, k, v, o and down outputs are not what the backward
+    /// matmul is kept and unfused, or fused on a device (fused on the host, they are the
+    /// split's copies of the wide output). The composition's q, k, v, o and down outputs are not what the backward
     /// saves (RoPE and the transpose write new ones), so keeping them saves nothing here;
     /// the device node saves v (or the packed q/k/v output) as it is, so a kept v (or
     /// q/k/v) GEMM output is handed back too. `residual_kept` is what kept fused residual
@@ -631,8 +636,13 @@ impl LayerShape {
     /// post-attention norm and the next layer read).
     fn recomputed_selective(&self, ops: &[SaveOp], fused: bool, residual_kept: f64) -> f64 {
         let mm = self.matmuls(ops, fused);
-        let gate_up: f64 =
-            if fused { 0.0 } else { mm[4..6].iter().filter(|m| m.0).map(|m| m.1).sum() };
+        // Fused, the kept gate/up output is what SwiGLU saves on a device (on the host
+        // the split's copies are).
+        let gate_up: f64 = match (fused, self.device) {
+            (false, _) => mm[4..6].iter().filter(|m| m.0).map(|m| m.1).sum(),
+            (true, true) if mm[2].0 => mm[2].1,
+            (true, _) => 0.0,
+        };
         // The device node's saved v: the v GEMM's output, or the packed q/k/v one (not
         // where the plan gathers v: the node saves the gathered copy).
         let v = match (self.device_node && !self.gathered, fused) {
@@ -746,6 +756,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         attn_q: q / attn,
         attn_kv: kvw / attn,
         device_node: device_attention_node(c, compute),
+        device: !c.host,
     };
     let mb = if c.pp > 1 { c.microbatches } else { 1 };
     let rows = c.batch as f64 / mb as f64;

@@ -313,6 +313,42 @@ impl Tensor {
         }))
     }
 
+    /// SwiGLU of a packed gate/up tensor: with `self` `[..., 2 i]` holding gate in the
+    /// first `i` columns of its last dim and up in the last `i` (a fused gate/up
+    /// projection's output, `x [W_gate; W_up]^T`), `silu(gate) * up`, `[..., i]`. It is,
+    /// bit for bit and with the same gradient, the last dim split in halves and
+    /// [`Tensor::silu_mul`]. On a CUDA device it reads the halves in place, keeps `self`,
+    /// and its backward writes both halves' gradients into one `[..., 2 i]` tensor (no
+    /// split copies, no concatenation); elsewhere it runs the split. Differentiable in
+    /// `self`.
+    pub fn swiglu(&self) -> Result<Tensor> {
+        const OP: &str = "swiglu";
+        require_float(OP, self)?;
+        let width = self.dims().last().copied().unwrap_or(0);
+        if self.rank() == 0 || !width.is_multiple_of(2) {
+            return Err(TensorError::InvalidArgument {
+                op: OP,
+                what: format!(
+                    "the last dim must hold gate and up halves of one width, got {}",
+                    self.shape()
+                ),
+            });
+        }
+        let half = width / 2;
+        let on_device = match cuda_ordinal(OP, &[self])? {
+            Some(_) if self.numel() > 0 => gpu_elem::swiglu_packed(self)?,
+            _ => None,
+        };
+        let Some(out) = on_device else {
+            let parts = self.split_sizes(&[half, half], -1)?;
+            return parts[0].silu_mul(&parts[1]);
+        };
+        let x = self.detach();
+        Ok(record(OP, &[self], out, move |g| {
+            Ok(vec![Some(gpu_elem::swiglu_packed_backward(&x, g)?)])
+        }))
+    }
+
     /// Logistic sigmoid.
     pub fn sigmoid(&self) -> Result<Tensor> {
         self.unary_op(UnaryOp::Sigmoid)

@@ -191,6 +191,51 @@ pub(crate) fn silu_mul_backward(
     Ok(Some((da.into_tensor(), db.into_tensor())))
 }
 
+/// `silu(gate) * up` of a packed `[..., 2 i]` gate/up tensor on the device (see
+/// [`Tensor::swiglu`]); `None` for a dtype without kernels.
+pub(crate) fn swiglu_packed(x: &Tensor) -> Result<Option<Tensor>> {
+    const OP: &str = "swiglu";
+    let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
+    let dev = device_of(x, OP)?;
+    let (rows, width) = rows_cols(x);
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = width / 2;
+    }
+    let mut y = Out::new(&dev, dims, x.dtype())?;
+    with_gpu(OP, &[x], |s| {
+        let out = k_ew::SwigluPackedOut::Forward(y.view_mut());
+        Ok(k_ew::swiglu_packed(&*dev, cd, s[0].view(), out, rows, width / 2)?)
+    })?;
+    Ok(Some(y.into_tensor()))
+}
+
+/// The gradient `[..., 2 i]` of [`swiglu_packed`] for the output gradient `g`, both halves
+/// written into one tensor.
+pub(crate) fn swiglu_packed_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    const OP: &str = "swiglu_backward";
+    let cd = cuda_dtype(x.dtype()).ok_or_else(|| TensorError::InvalidArgument {
+        op: OP,
+        what: format!("no device kernel for {}", x.dtype()),
+    })?;
+    let (rows, width) = rows_cols(x);
+    if g.dtype() != x.dtype() || g.numel() != rows * (width / 2) {
+        return Err(TensorError::ShapeMismatch {
+            op: OP,
+            lhs: x.shape().clone(),
+            rhs: g.shape().clone(),
+            why: "the output gradient must be [..., i] of the input's dtype".into(),
+        });
+    }
+    let dev = device_of(x, OP)?;
+    let mut dx = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(OP, &[x, g], |s| {
+        let out = k_ew::SwigluPackedOut::Backward { dy: s[1].view(), dx: dx.view_mut() };
+        Ok(k_ew::swiglu_packed(&*dev, cd, s[0].view(), out, rows, width / 2)?)
+    })?;
+    Ok(dx.into_tensor())
+}
+
 /// `x` converted to `to` (float to float, or i64 to float; no autograd).
 pub(crate) fn cast(x: &Tensor, to: DType) -> Result<Option<Tensor>> {
     const OP: &str = "to_dtype";

@@ -8,6 +8,7 @@ use crate::cuda::raw::elementwise as raw;
 pub use crate::cuda::raw::elementwise::{binary_code, unary_code, SOFTMAX_WARP_MAX_COLS};
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
 pub use crate::elementwise::{BinaryOp, UnaryOp};
+use crate::util::bad;
 use crate::Result;
 
 /// `y = op(x)` for `n` elements of `dtype`.
@@ -165,6 +166,63 @@ pub fn swiglu_backward(
     let (dap, dbp) = (c.write("da", &da, rowsn, es)?, c.write("db", &db, rowsn, es)?);
     // SAFETY: as in `swiglu_forward`; `da` and `db` are exclusive borrows.
     unsafe { raw::swiglu_backward(dev, dtype, ap, bp, ld, gp, dap, dbp, rows, cols) }
+}
+
+/// SwiGLU forward and backward on one packed `[rows, 2 cols]` buffer `x`, gate in
+/// each row's first `cols` elements and up in its last (a fused gate/up projection's
+/// output): `y = silu(gate) * up` (contiguous `[rows, cols]`) when `dx` is `None`, else
+/// the gradients for `dy` (`[rows, cols]`, in `y`'s place) written into `dx`'s halves
+/// in the same layout: `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`. The
+/// kernels and the arithmetic of [`swiglu_forward`] and [`swiglu_backward`] at row
+/// pitch `2 cols`.
+pub fn swiglu_packed(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    x: DeviceSlice<'_>,
+    y: SwigluPackedOut<'_, '_>,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    const OP: &str = "swiglu_packed";
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let ld = cols.checked_mul(2).ok_or_else(|| bad(OP, format!("{cols} columns overflow")))?;
+    let whole = count(OP, &[rows, ld])?;
+    let xp = c.read("x", &x, whole, es)?;
+    // the up half starts `cols` elements into each row
+    let up = xp.wrapping_add((cols * es) as crate::cuda::DevPtr);
+    let half = count(OP, &[rows, cols])?;
+    match y {
+        SwigluPackedOut::Forward(y) => {
+            let yp = c.write("y", &y, half, es)?;
+            // SAFETY: `x` holds `rows` rows of `2 cols` (checked above), so gate and up
+            // read inside it at pitch `2 cols`; `y` holds `rows * cols` elements and is
+            // an exclusive borrow; all live in `dev`'s memory.
+            unsafe { raw::swiglu_forward(dev, dtype, xp, up, ld, yp, rows, cols) }
+        }
+        SwigluPackedOut::Backward { dy, dx } => {
+            let gp = c.read("dy", &dy, half, es)?;
+            let dxp = c.write("dx", &dx, whole, es)?;
+            let dup = dxp.wrapping_add((cols * es) as crate::cuda::DevPtr);
+            // SAFETY: as above; `dx` holds `rows` rows of `2 cols` and is an exclusive
+            // borrow, its two halves written at pitch `2 cols` never meet.
+            unsafe { raw::swiglu_backward(dev, dtype, xp, up, ld, gp, dxp, dup, rows, cols) }
+        }
+    }
+}
+
+/// What [`swiglu_packed`] writes.
+#[derive(Debug)]
+pub enum SwigluPackedOut<'a, 'b> {
+    /// The product `[rows, cols]`.
+    Forward(DeviceSliceMut<'a>),
+    /// The packed gradient `[rows, 2 cols]` for the product's gradient `dy`.
+    Backward {
+        /// The product's gradient `[rows, cols]`.
+        dy: DeviceSlice<'b>,
+        /// The packed gradient (written).
+        dx: DeviceSliceMut<'a>,
+    },
 }
 
 /// `y[..n] = value` (rounded to `dtype`).
