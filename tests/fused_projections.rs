@@ -4,7 +4,8 @@
 //! activation checkpointing, and under FSDP over 2 ranks; under a tensor-parallel plan
 //! the fusion does not apply and the step is the unfused one bit for bit; on the
 //! emulated CUDA device (f32) the fused step matches the unfused one within f32
-//! rounding. The switch defaults to off, and off is the model as it always computed.
+//! rounding, and recomputes bit for bit under full and selective checkpointing. The
+//! switch defaults to off, and off is the model as it always computed.
 
 use std::collections::BTreeMap;
 use std::sync::Once;
@@ -175,11 +176,17 @@ fn emulated_device() {
 
 /// One f32 step on the emulated `cuda:0`.
 fn on_device(fusion: LlamaFusion) -> (f64, Grads) {
+    on_device_with(fusion, &AcPolicy::None)
+}
+
+/// One f32 step on the emulated `cuda:0` under the checkpointing `policy`.
+fn on_device_with(fusion: LlamaFusion, policy: &AcPolicy) -> (f64, Grads) {
     emulated_device();
     let cfg = config(DType::F32);
     let dev = Device::Cuda(0);
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta).unwrap();
     reset_parameters(&mut model, dev, 11).unwrap();
+    apply_activation_checkpointing(&mut model, policy).unwrap();
     model.set_fusion(fusion);
     let (ids, tgt) = batch(2, 9, cfg.vocab_size);
     let (ids, tgt) = (ids.to_device(dev).unwrap(), tgt.to_device(dev).unwrap());
@@ -192,6 +199,23 @@ fn fused_projections_on_the_emulated_gpu_match_separate_ones() {
     // f32 rounding, relative to the value down to 1e-2 (gradients are small).
     let (got, want) = (on_device(FUSED), on_device(LlamaFusion::default()));
     assert_close_to("cuda f32", &got, &want, 1e-5, 1e-2);
+}
+
+/// On the device the fused step (q and k rotated by the q/k/v GEMM, SwiGLU on the whole
+/// gate/up output) recomputes bit for bit: under full and selective checkpointing the loss
+/// and every gradient equal the step without.
+#[test]
+fn fused_projections_on_the_emulated_gpu_recompute_bit_for_bit() {
+    let want = on_device_with(FUSED, &AcPolicy::None);
+    for policy in [AcPolicy::full(), AcPolicy::selective()] {
+        let got = on_device_with(FUSED, &policy);
+        assert_eq!(got.0.to_bits(), want.0.to_bits(), "{policy}: loss");
+        for (name, w) in &want.1 {
+            let g = &got.1[name];
+            let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{policy}: gradient of {name} differs");
+        }
+    }
 }
 
 #[test]

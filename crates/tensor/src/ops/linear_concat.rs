@@ -199,14 +199,17 @@ impl Rope {
             return Ok(None);
         }
         let dev = device_of(x, ROPE_OP)?;
-        let detached: Vec<Tensor> = weights.iter().map(Tensor::detach).collect();
-        let w = &Tensor::cat(&detached, 0)?; // [sum(out), in]
         let mut out_dims = x.dims().to_vec();
         if let Some(last) = out_dims.last_mut() {
             *last = self.n;
         }
-        // A selective activation checkpoint keeps it as the matmul it contains.
-        let out = kept(SaveOp::Matmul, &[x, w], || {
+        let mut operands = vec![x];
+        operands.extend(weights);
+        // A selective activation checkpoint keeps it as the matmul it contains (and its
+        // recompute then concatenates no weights).
+        let out = kept(SaveOp::Matmul, &operands, || {
+            let detached: Vec<Tensor> = weights.iter().map(Tensor::detach).collect();
+            let w = &Tensor::cat(&detached, 0)?; // [sum(out), in]
             let mut out = Out::new(&dev, out_dims.clone(), x.dtype())?;
             with_gpu(ROPE_OP, &[x, w, &self.cos, &self.sin], |v| {
                 // [rows, k] x [n, k]^T -> [rows, n], the first `cols` columns rotated

@@ -170,9 +170,10 @@ pub fn swiglu_backward(
 
 /// SwiGLU forward and backward on one packed `[rows, 2 cols]` buffer `x`, gate in
 /// each row's first `cols` elements and up in its last (a fused gate/up projection's
-/// output): `y = silu(gate) * up` (contiguous `[rows, cols]`) when `dx` is `None`, else
-/// the gradients for `dy` (`[rows, cols]`, in `y`'s place) written into `dx`'s halves
-/// in the same layout: `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`. The
+/// output). [`SwigluPackedOut::Forward`] writes `y = silu(gate) * up` (contiguous
+/// `[rows, cols]`); [`SwigluPackedOut::Backward`] writes the gradients for `dy`
+/// (`[rows, cols]`) into `dx`'s halves in `x`'s layout: `dgate = dy * up * silu'(gate)`,
+/// `dup = dy * silu(gate)`. The
 /// kernels and the arithmetic of [`swiglu_forward`] and [`swiglu_backward`] at row
 /// pitch `2 cols`.
 pub fn swiglu_packed(

@@ -210,7 +210,8 @@ fn packed_overlap(s: &SdpaShape, layout: &raw::SdpaLayout, at: [usize; 3]) -> Op
         if heads > 1 && st.head < dim {
             return Some(format!("{name} head stride {} is below its dim {dim}", st.head));
         }
-        let end = (heads - 1).checked_mul(st.head).and_then(|e| e.checked_add(dim + start));
+        let end =
+            (heads - 1).checked_mul(st.head).and_then(|e| e.checked_add(dim)?.checked_add(start));
         match end {
             Some(end) if end <= pitch => spans.push((name, start, end)),
             _ => {
