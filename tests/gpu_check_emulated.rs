@@ -193,7 +193,8 @@ fn adamw_bits_do_not_depend_on_contraction() {
 
 /// The Hopper attention's checks run where the device runs `sm_90a` kernels (the
 /// emulator standing in for one): forward and backward on `SdpaPath::Hopper` pass for
-/// every case, and a perturbed reference fails every one of them.
+/// every case (the packed q/k/v layout included, as on the default path), and a
+/// perturbed reference fails every one of them.
 #[test]
 fn the_hopper_attention_checks_run_on_an_emulated_sm_90a() {
     let run = |sabotage: bool| quick_family("sdpa", true, sabotage);
@@ -203,6 +204,12 @@ fn the_hopper_attention_checks_run_on_an_emulated_sm_90a() {
     assert!(hopper.iter().all(|l| l.starts_with("PASS")), "{good}");
     for part in ["out", "lse", "dq", "dk", "dv"] {
         assert!(hopper.iter().any(|l| l.contains(&format!(".{part} "))), "{good}");
+        // the packed layout (one q/k/v buffer, one gradient) on both kernel families
+        for family in ["sdpa_hopper", "sdpa.auto"] {
+            let row = format!(" {family}.packed.{part} ");
+            let rows: Vec<&str> = good.lines().filter(|l| l.contains(&row)).collect();
+            assert!(rows.len() >= 2 && rows.iter().all(|l| l.starts_with("PASS")), "{row}: {good}");
+        }
     }
     let bad = run(true);
     assert!(!bad.lines().any(|l| l.starts_with("PASS")), "{bad}");

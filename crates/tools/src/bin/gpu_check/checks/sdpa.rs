@@ -1,8 +1,10 @@
 //! The `sdpa` family of checks.
 
 use tpar_kernels::cuda::raw::sdpa;
-use tpar_kernels::cuda::raw::sdpa::{SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers, SdpaPath};
-use tpar_kernels::cuda::CudaDType;
+use tpar_kernels::cuda::raw::sdpa::{
+    SdpaBwdBuffers, SdpaDevMask, SdpaFwdBuffers, SdpaLayout, SdpaPath, SdpaStrides,
+};
+use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::sdpa::{SdpaMask, SdpaShape};
 
 use CudaDType::{BF16, F16, F32};
@@ -42,6 +44,10 @@ pub(crate) fn check_sdpa(c: &mut Ctx) {
         sdpa_case(c, BF16, sdpa_shape(1, 2, 1, 136, 136, 64, true), TensorCoreWide);
         sdpa_case(c, BF16, sdpa_shape(1, 4, 2, 72, 72, 64, true), Simt);
         sdpa_case(c, F16, sdpa_shape(2, 2, 1, 40, 70, 64, false), Auto);
+        // q, k and v in one packed projection output, dq, dk and dv into one gradient
+        packed_case(c, BF16, sdpa_shape(2, 4, 2, 72, 72, 64, true), Auto);
+        packed_case(c, F16, sdpa_shape(1, 2, 1, 80, 80, 128, true), Auto);
+        packed_case(c, F32, sdpa_shape(2, 2, 2, 40, 40, 32, false), Auto);
     } else {
         for dt in [BF16, F16] {
             sdpa_case(c, dt, sdpa_shape(2, 32, 8, 1024, 1024, 128, true), Auto);
@@ -51,6 +57,8 @@ pub(crate) fn check_sdpa(c: &mut Ctx) {
         sdpa_case(c, BF16, sdpa_shape(1, 8, 2, 512, 512, 128, true), TensorCore);
         sdpa_case(c, BF16, sdpa_shape(1, 8, 2, 512, 512, 128, true), Simt);
         sdpa_case(c, BF16, sdpa_shape(2, 8, 8, 300, 1000, 128, false), Auto);
+        // the training step's attention with fused projections
+        packed_case(c, BF16, sdpa_shape(8, 16, 8, 1024, 1024, 64, true), Auto);
     }
     super::sdpa_hopper::check_sdpa_hopper(c);
 }
@@ -72,12 +80,67 @@ pub(crate) fn sdpa_label(s: &SdpaShape) -> String {
 
 pub(crate) fn sdpa_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
     let base = format!("sdpa.{}", format!("{path:?}").to_lowercase());
-    train_case(c, &base, &sdpa_label(&s), dt, s, path, None);
+    train_case(c, &base, &sdpa_label(&s), dt, s, path, None, false);
+}
+
+/// [`sdpa_case`] on the packed layout: rows `sdpa.<path>.packed.*`.
+fn packed_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, path: SdpaPath) {
+    let base = format!("sdpa.{}.packed", format!("{path:?}").to_lowercase());
+    train_case(c, &base, &sdpa_label(&s), dt, s, path, None, true);
+}
+
+/// Where the operands of a packed call lie: q, k and v side by side in each
+/// row of one `[batch, len, (q_heads + 2 kv_heads) * head_dim]` buffer (a
+/// fused q/k/v projection's output, and its gradient likewise), out and dout
+/// as `[batch, len, q_heads * head_dim]`; each operand's first element and
+/// the layout.
+fn packed_layout(s: &SdpaShape) -> ([usize; 3], SdpaLayout) {
+    let (hq, hkv, d) = (s.q_heads, s.kv_heads, s.head_dim);
+    let width = (hq + 2 * hkv) * d;
+    let packed = Some(SdpaStrides::bshd(s.q_len, width, d));
+    let out = Some(SdpaStrides::bshd(s.q_len, hq * d, d));
+    ([0, hq * d, (hq + hkv) * d], SdpaLayout { q: packed, k: packed, v: packed, out })
+}
+
+/// The index pairs (dense, row-major) of dense `[batch, heads, len, d]`
+/// values and their places in a `[batch, len, width]` buffer whose heads start
+/// at column `at`, one per `d`-element run.
+fn bshd_runs(
+    [batch, heads, len, d]: [usize; 4],
+    width: usize,
+    at: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    (0..batch * heads * len).map(move |n| {
+        let (b, h, i) = (n / (heads * len), n / len % heads, n % len);
+        (n * d, (b * len + i) * width + at + h * d)
+    })
+}
+
+/// Writes dense values into their places in `rows` ([`bshd_runs`]).
+fn to_rows(dense: &[f64], rows: &mut [f64], dims: [usize; 4], width: usize, at: usize) {
+    let d = dims[3];
+    for (x, y) in bshd_runs(dims, width, at) {
+        rows[y..y + d].copy_from_slice(&dense[x..x + d]);
+    }
+}
+
+/// Reads dense values from their places in `rows` ([`bshd_runs`]).
+fn from_rows(rows: &[f64], dims: [usize; 4], width: usize, at: usize) -> Vec<f64> {
+    let d = dims[3];
+    let mut dense = vec![0.0; dims.iter().product()];
+    for (x, y) in bshd_runs(dims, width, at) {
+        dense[x..x + d].copy_from_slice(&rows[y..y + d]);
+    }
+    dense
 }
 
 /// Forward and backward of `s` on `path` against the f64 CPU kernels, with
 /// an optional `[batch, 1, 1, kv_len]` key-padding mask: rows `<base>.out`,
-/// `.lse`, `.dq`, `.dk` and `.dv`.
+/// `.lse`, `.dq`, `.dk` and `.dv`. With `packed` (`q_len == kv_len`,
+/// `head_dim == v_dim`) the device reads q, k and v from one packed buffer and
+/// writes dq, dk and dv into one ([`packed_layout`]), as a fused projection's
+/// attention does.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn train_case(
     c: &mut Ctx,
     base: &str,
@@ -86,6 +149,7 @@ pub(crate) fn train_case(
     s: SdpaShape,
     path: SdpaPath,
     mask: Option<Vec<f64>>,
+    packed: bool,
 ) {
     c.guard(base, dn(dt), shape, |c| {
         let d = c.d;
@@ -127,6 +191,71 @@ pub(crate) fn train_case(
             &mut dv,
         )?;
         let es = dt.size();
+        if packed {
+            let ([aq, ak, av], layout) = packed_layout(&s);
+            let (hq, hkv, len, hd) = (s.q_heads, s.kv_heads, s.q_len, s.head_dim);
+            let width = (hq + 2 * hkv) * hd;
+            let mut rows = vec![0.0; s.batch * len * width];
+            let mut dout_rows = vec![0.0; s.batch * len * hq * hd];
+            let (qd, kd) = ([s.batch, hq, len, hd], [s.batch, hkv, len, hd]);
+            to_rows(&q, &mut rows, qd, width, aq);
+            to_rows(&k, &mut rows, kd, width, ak);
+            to_rows(&v, &mut rows, kd, width, av);
+            to_rows(&dout, &mut dout_rows, qd, hq * hd, 0);
+            let (bqkv, bdo) = (d.up(dt, &rows)?, d.up(dt, &dout_rows)?);
+            let (bo, bl) = (d.junk(dout_rows.len() * es)?, d.junk(nq * 4)?);
+            let grads = d.junk(rows.len() * es)?;
+            let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
+            let ws = d.junk(ws_bytes)?;
+            let at = |p: DevPtr, e: usize| p + (e * es) as DevPtr;
+            let (x, g) = (bqkv.ptr(), grads.ptr());
+            let (po, pl) = (bo.ptr(), bl.ptr());
+            let fb = SdpaFwdBuffers {
+                q: at(x, aq),
+                k: at(x, ak),
+                v: at(x, av),
+                mask: None,
+                out: po,
+                lse: pl,
+                layout,
+            };
+            let bb = SdpaBwdBuffers {
+                q: fb.q,
+                k: fb.k,
+                v: fb.v,
+                mask: None,
+                out: po,
+                lse: pl,
+                dout: bdo.ptr(),
+                dq: at(g, aq),
+                dk: at(g, ak),
+                dv: at(g, av),
+                workspace: ws.ptr(),
+                workspace_bytes: ws_bytes,
+                layout,
+            };
+            // SAFETY: the packed buffers hold `batch * len` rows of `width`
+            // elements, out and dout `batch * len` rows of `q_heads * head_dim`,
+            // lse and the workspace their sizes; dq, dk and dv fill disjoint
+            // columns of the gradient's rows.
+            unsafe {
+                sdpa::sdpa_forward(d.l(), dt, &s, &fb, path)?;
+                sdpa::sdpa_backward(d.l(), dt, &s, &bb, path)?;
+            }
+            let (got_out, got_g) = (d.down(dt, &bo)?, d.down(dt, &grads)?);
+            let o = from_rows(&got_out, qd, hq * hd, 0);
+            let gq = from_rows(&got_g, qd, width, aq);
+            let gk = from_rows(&got_g, kd, width, ak);
+            let gv = from_rows(&got_g, kd, width, av);
+            let b = bound(dt);
+            let name = |what: &str| format!("{base}.{what}");
+            c.r.close(&name("out"), dn(dt), shape, &o, &out, b);
+            c.r.close(&name("lse"), dn(dt), shape, &d.down(F32, &bl)?, &lse, b);
+            c.r.close(&name("dq"), dn(dt), shape, &gq, &dq, b);
+            c.r.close(&name("dk"), dn(dt), shape, &gk, &dk, b);
+            c.r.close(&name("dv"), dn(dt), shape, &gv, &dv, b);
+            return Ok(());
+        }
         let (bq, bk, bv, bdo) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &v)?, d.up(dt, &dout)?);
         let bm = match &mask {
             Some(m) => Some(d.up(dt, m)?),

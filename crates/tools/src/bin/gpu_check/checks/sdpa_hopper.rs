@@ -30,6 +30,9 @@ pub(crate) fn check_sdpa_hopper(c: &mut Ctx) {
         hopper_case(c, F16, sdpa_shape(1, 2, 1, 70, 150, 128, false), true);
         hopper_case(c, BF16, sdpa_shape(2, 2, 2, 100, 140, 128, true), true);
         hopper_case(c, F16, sdpa_shape(1, 2, 1, 140, 130, 64, true), false);
+        // q, k and v in one packed projection output, dq, dk and dv into one gradient
+        packed_case(c, BF16, sdpa_shape(2, 4, 2, 130, 130, 64, true));
+        packed_case(c, F16, sdpa_shape(1, 2, 1, 100, 100, 128, false));
     } else {
         for dt in [BF16, F16] {
             hopper_case(c, dt, sdpa_shape(2, 32, 8, 1024, 1024, 128, true), false);
@@ -37,7 +40,14 @@ pub(crate) fn check_sdpa_hopper(c: &mut Ctx) {
         hopper_case(c, BF16, sdpa_shape(4, 16, 4, 1024, 1024, 64, true), false);
         hopper_case(c, BF16, sdpa_shape(2, 8, 8, 300, 1000, 128, false), true);
         hopper_case(c, F16, sdpa_shape(1, 8, 2, 2000, 2000, 128, true), true);
+        // the training step's attention with fused projections
+        packed_case(c, BF16, sdpa_shape(8, 16, 8, 1024, 1024, 64, true));
     }
+}
+
+/// A Hopper case on the packed layout (rows `sdpa_hopper.packed.*`).
+fn packed_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape) {
+    train_case(c, "sdpa_hopper.packed", &sdpa_label(&s), dt, s, SdpaPath::Hopper, None, true);
 }
 
 /// A `[batch, 1, 1, kv_len]` key-padding mask: batch `b` keeps all but its
@@ -54,5 +64,5 @@ fn key_padding(s: &SdpaShape) -> Vec<f64> {
 fn hopper_case(c: &mut Ctx, dt: CudaDType, s: SdpaShape, padded: bool) {
     let shape = format!("{}{}", sdpa_label(&s), if padded { " key-padding" } else { "" });
     let mask = padded.then(|| key_padding(&s));
-    train_case(c, "sdpa_hopper", &shape, dt, s, SdpaPath::Hopper, mask);
+    train_case(c, "sdpa_hopper", &shape, dt, s, SdpaPath::Hopper, mask, false);
 }
