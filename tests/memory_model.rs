@@ -3,9 +3,11 @@
 //! through the optimizer step), the predicted per-rank peak is within 15 % of the
 //! measured one at one rank, 2x2 FSDP x TP and tp 2 alone, without checkpointing and
 //! under full checkpointing (sequence-parallel plan, which gathers q, k and v back to
-//! every head), pp 2 with 1F1B,
-//! cp 2, cp 2 x tp 2 (ring attention, Megatron plan), cp 2 with the all-gather method
-//! (alone and under full activation checkpointing), full and selective activation
+//! every head), pp 2 with 1F1B, alone and with FSDP over dp 2 per stage (each rank's lower
+//! peak of two runs, within 8 %: a rank whose dp peer is behind holds a layer's
+//! reduce-scatter input where the model counts its output), cp 2, cp 2 x tp 2 (ring
+//! attention, Megatron plan), cp 2 with the all-gather method (alone and under full
+//! activation checkpointing), full and selective activation
 //! checkpointing, with fused projections or the fused residual at one rank, both under
 //! 2x1 FSDP, and both asked for at 2x2 FSDP x TP (where the plan runs the layers
 //! unfused), and at four configurations whose largest transient is attention's backward
@@ -297,35 +299,43 @@ struct Measured {
     forward_kept: i64,
 }
 
-/// Each pp rank's peak over building its stage and two 1F1B steps of `m` micro-batches.
-fn measure_pp(m: usize) -> Vec<i64> {
-    measure_pp_with(config(), BATCH, ScheduleKind::OneFOneB, 1, m)
-}
-
-/// Each of 2 pp ranks' peak over building its `v` stages (stages `r`, `r + 2`, ...) of
-/// model `cfg` and two `kind` steps of `m` micro-batches on `rows` sequences of `SEQ`.
+/// Each rank's peak, in rank order, over building its `v` stages of model `cfg` and two
+/// `kind` steps of `m` micro-batches on `rows` sequences of [`SEQ`] per dp rank, on a
+/// `["pp", "dp"]` mesh `[2, dp]` (pp rank `r` holds stages `r`, `r + 2`, ...). With
+/// `dp > 1` each stage is built as `llama_pp` builds it under FSDP: its decoder layers,
+/// then the stage, `fully_shard`ed over the dp sub-mesh, and each dp rank takes its
+/// `rows` of a batch of `rows * dp`.
 fn measure_pp_with(
     cfg: LlamaConfig,
     rows: usize,
+    dp: usize,
     kind: ScheduleKind,
     v: usize,
     m: usize,
 ) -> Vec<i64> {
     spawn_scoped(
-        SpawnConfig::new(2).timeout(Duration::from_secs(120)),
+        SpawnConfig::new(2 * dp).timeout(Duration::from_secs(120)),
         move |ctx| -> tpar::Result<i64> {
             let rank = ctx.rank();
             let base = memory::current(rank);
             memory::reset_peak(rank);
-            let mesh = DeviceMesh::new(&ctx.world_group(), DeviceType::Cpu, &[2], &["pp"])?;
-            let r = mesh.local_rank();
+            let world = ctx.world_group();
+            let mesh = DeviceMesh::new(&world, DeviceType::Cpu, &[2, dp], &["pp", "dp"])?;
+            let r = mesh["pp"].local_rank();
+            let fsdp = FsdpConfig::default();
             let (mut stages, mut params) = (Vec::new(), Vec::new());
             for j in 0..v {
                 let s = r + 2 * j;
                 let mut stage = LlamaStage::for_stage(&cfg, s, 2 * v, None, Device::Meta)?;
+                if dp > 1 {
+                    for layer in &mut stage.base_model.layers.items {
+                        fully_shard(layer, &mesh["dp"], &fsdp)?;
+                    }
+                    fully_shard(&mut stage, &mesh["dp"], &fsdp)?;
+                }
                 reset_parameters(&mut stage, Device::Cpu, 3)?;
                 params.extend(named_parameters(&stage));
-                stages.push(PipelineStage::new(stage, s, 2 * v, &mesh, Device::Cpu)?);
+                stages.push(PipelineStage::new(stage, s, 2 * v, &mesh["pp"], Device::Cpu)?);
             }
             let mut opt = AdamW::with_names(params, AdamWConfig::default())?;
             let vocab = cfg.vocab_size as isize;
@@ -333,8 +343,12 @@ fn measure_pp_with(
                 logits.reshape(&[-1, vocab])?.cross_entropy(&t.reshape([t.numel()])?, -100)
             };
             let mut sched = PipelineSchedule::new(kind, stages, m, loss_fn)?;
-            let (ids, tgt) = batch(rows, cfg.vocab_size);
+            let (ids, tgt) = batch(rows * dp, cfg.vocab_size);
+            let d = mesh["dp"].local_rank();
+            let (ids, tgt) = (ids.narrow(0, rows * d, rows)?, tgt.narrow(0, rows * d, rows)?);
             for _ in 0..2 {
+                // No rank's figures move with another's progress (`Run::train_measured`).
+                world.barrier()?;
                 sched.step(Some(&ids), Some(&tgt))?;
                 opt.step()?;
                 opt.zero_grad();
@@ -379,6 +393,8 @@ struct Case {
     /// Whether `kept` is held to the predicted activations (without cp: what a cp rank
     /// holds then moves with the timing of the copies the other rank sent it).
     check_kept: bool,
+    /// The largest relative error allowed on each rank's peak.
+    tol: f64,
 }
 
 impl Case {
@@ -390,6 +406,7 @@ impl Case {
             measured: measured.iter().map(|m| m.peak).collect(),
             kept: measured.iter().map(|m| m.forward_kept).collect(),
             check_kept: run.cp == 1,
+            tol: 0.15,
         }
     }
 }
@@ -430,25 +447,41 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
             &Run { fusion: fused, ..fsdp_tp.clone() },
         ),
     ];
-    let pp = MemoryConfig {
-        pp: 2,
-        microbatches: 2,
-        schedule: ScheduleKind::OneFOneB,
-        ..base.memory_config()
-    };
-    let pp_predicted: Vec<_> = (0..2).map(|s| predict_memory_stage(&pp, s).unwrap()).collect();
-    // The highest stage is what predict_memory reports.
-    assert_eq!(
-        predict_memory(&pp).unwrap().peak,
-        pp_predicted.iter().map(|p| p.peak).max().unwrap()
-    );
-    cases.push(Case {
-        name: "pp 2, 1F1B, 2 micro-batches",
-        predicted: pp_predicted,
-        measured: measure_pp(2),
-        kept: Vec::new(),
-        check_kept: false,
-    });
+    // pp 2, 1F1B, 2 micro-batches; alone, and over 2 FSDP ranks per stage as llama_pp
+    // shards it (ranks in ["pp", "dp"] order: rank `r` runs stage `r / dp`). Under FSDP a
+    // rank whose dp peer is behind still holds a layer's reduce-scatter input (the whole
+    // layer's gradients) where the model counts its output (the rank's shard), which
+    // raises a peak by up to a layer's shard more from run to run: each rank's lower peak
+    // of two runs is held within 8 %, where a model without a layer's gathered
+    // parameters, or without the later micro-batch's FSDP backward on the last stage,
+    // misses by more than 10 %.
+    for (name, dp, tol) in [
+        ("pp 2, 1F1B, 2 micro-batches", 1, 0.15),
+        ("pp 2 x dp 2 FSDP, 1F1B, 2 micro-batches", 2, 0.08),
+    ] {
+        let pp = MemoryConfig {
+            pp: 2,
+            microbatches: 2,
+            schedule: ScheduleKind::OneFOneB,
+            ..Run { dp, ..base.clone() }.memory_config()
+        };
+        let stages: Vec<_> = (0..2).map(|s| predict_memory_stage(&pp, s).unwrap()).collect();
+        // The highest stage is what predict_memory reports.
+        assert_eq!(predict_memory(&pp).unwrap().peak, stages.iter().map(|p| p.peak).max().unwrap());
+        let measure = || measure_pp_with(config(), BATCH, dp, ScheduleKind::OneFOneB, 1, 2);
+        let mut measured = measure();
+        if dp > 1 {
+            measured = measured.iter().zip(measure()).map(|(a, b)| b.min(*a)).collect();
+        }
+        cases.push(Case {
+            name,
+            predicted: (0..2 * dp).map(|r| stages[r / dp].clone()).collect(),
+            measured,
+            kept: Vec::new(),
+            check_kept: false,
+            tol,
+        });
+    }
     // Long sequences and a small MLP: attention's backward is a layer's largest
     // transient. Each also checks the second step's backward rise (below). One kernel
     // thread per rank runs the attention backward's tasks in a fixed order, so the peak
@@ -515,7 +548,7 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
         for (r, (p, &m)) in c.predicted.iter().zip(&c.measured).enumerate() {
             let e = (p.peak as f64 - m as f64) / m as f64;
             assert!(
-                e.abs() <= 0.15,
+                e.abs() <= c.tol,
                 "{} rank {r}: predicted {:.1} MiB, measured {:.1} MiB ({:+.1} %)",
                 c.name,
                 mib(p.peak as f64),
@@ -655,8 +688,8 @@ fn interleaved_and_all_gather_add_what_the_model_predicts() {
     for p in p1.iter().chain(&pi) {
         println!("    {p}");
     }
-    let m1 = measure_pp_with(cfg, rows, ScheduleKind::OneFOneB, 1, 4);
-    let mi = measure_pp_with(cfg, rows, ScheduleKind::Interleaved1F1B, 2, 4);
+    let m1 = measure_pp_with(cfg, rows, 1, ScheduleKind::OneFOneB, 1, 4);
+    let mi = measure_pp_with(cfg, rows, 1, ScheduleKind::Interleaved1F1B, 2, 4);
     check_difference(
         "pp 2, 1F1B -> interleaved (2 per rank), 4 micro-batches",
         (&p1, &m1),

@@ -114,7 +114,15 @@
 //!   drops it (one `[h]` of a micro-batch per micro-batch the next stage holds). A
 //!   later micro-batch's backward makes a whole set of the stage's gradients before they
 //!   are added into the accumulated ones: a transient of one more set of gradients,
-//!   while the micro-batches still in flight are held.
+//!   while the micro-batches still in flight are held. Under FSDP (`fully_shard` of each
+//!   layer, then of the stage, over dp) a later micro-batch's layer backward holds what
+//!   the first one's holds (the units' gathered parameters, the layer's unsharded
+//!   gradients, the reduce-scatter outputs of the units done, above) beside every
+//!   gradient shard the earlier micro-batches accumulated, which the first one's does
+//!   not have yet: the larger of that and one more set of shards counts (GPipe, 1F1B and
+//!   zero-bubble; the interleaved walk below does not add it). On 1F1B's last
+//!   stage, whose micro-batches run one at a time, this is the peak (at pp 2 x dp 2, 2
+//!   micro-batches, a model without it is 10 % under the measured peak, with it 1 to 5 %).
 //! - **Interleaved 1F1B** (`stages_per_rank` stages per pp rank, stage `s` on rank
 //!   `s % pp`, the layers split over all `pp * stages_per_rank` stages): the rank's own
 //!   action list (`tpar_pipeline::Schedule`) is walked in order. Each (stage,
@@ -841,6 +849,10 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let root_gathered = if fsdp { root_own * abytes } else { 0.0 };
 
     let mut options: Vec<(f64, String)> = Vec::new();
+    // Under FSDP, what a layer's backward holds beside the parameters, the optimizer state
+    // and the activations, gradient shards included (a pipeline's later micro-batch holds
+    // it beside the accumulated shards).
+    let mut fsdp_backward = None;
     if layers > 0 {
         // The MLP's backward and attention's do not overlap: the MLP's input gradients
         // are freed before attention's backward starts.
@@ -860,7 +872,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             format!("a layer's backward ({part})")
         };
         if fsdp {
-            let fsdp_ws = fsdp_layer_backward(&FsdpBackward {
+            let held_then = fsdp_layer_backward(&FsdpBackward {
                 layers,
                 unit: layer_params * abytes,
                 shard_grads: layer_params / fsdp_ranks * pbytes,
@@ -869,10 +881,10 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                 reduced_first: reduced_first / fsdp_ranks * pbytes,
                 made: made * abytes,
             }) + ws
-                + recompute
-                - gradients;
+                + recompute;
+            fsdp_backward = Some(held_then);
             options.push((
-                fsdp_ws.max(0.0),
+                (held_then - gradients).max(0.0),
                 format!(
                     "{what}, with FSDP's gathered units (the layer's, the next one's prefetched, \
                      the embedding's) and the layer's unsharded gradients"
@@ -942,14 +954,28 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             let later = (c.pp > 1 && mb > 1).then(|| {
                 // A later micro-batch's backward makes a whole set of the stage's gradients
                 // before adding them into the accumulated ones; it holds every micro-batch in
-                // flight when more follow, one fewer in the last backwards.
+                // flight when more follow, one fewer in the last backwards. Under FSDP its
+                // layers' backward holds the units' gathered parameters, unsharded
+                // gradients and reduce-scatter outputs beside the accumulated shards.
                 let k = if mb > in_flight { in_flight } else { in_flight - 1 };
-                gradients - (in_flight - k) as f64 * per_mb
+                let fewer = (in_flight - k) as f64 * per_mb;
+                match fsdp_backward.filter(|&f| f > gradients) {
+                    Some(f) => (
+                        f - fewer,
+                        "a later micro-batch's layer backward, with FSDP's gathered units, the \
+                         layer's unsharded gradients and the reduce-scatter outputs beside the \
+                         accumulated gradient shards",
+                    ),
+                    None => (
+                        gradients - fewer,
+                        "a later micro-batch's gradients, before their accumulation",
+                    ),
+                }
             });
             (activations, later)
         };
-    if let Some(extra) = pipeline_transient {
-        options.push((extra, "a later micro-batch's gradients, before their accumulation".into()));
+    if let Some((extra, what)) = pipeline_transient {
+        options.push((extra, what.into()));
     }
     let (mut transient, mut transient_what) =
         options.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)).unwrap_or((0.0, "none".into()));
