@@ -4,8 +4,8 @@
 //! measured one at one rank, 2x2 FSDP x TP and tp 2 alone, without checkpointing and
 //! under full checkpointing (sequence-parallel plan, which gathers q, k and v back to
 //! every head), pp 2 with 1F1B, alone and with FSDP over dp 2 per stage (each rank's lower
-//! peak of two runs, within 8 %: a rank whose dp peer is behind holds a layer's
-//! reduce-scatter input where the model counts its output), cp 2, cp 2 x tp 2 (ring
+//! peak of two runs, within 8 %: a rank's peak moves by about a layer's gradient shard
+//! with the dp ranks' relative timing), cp 2, cp 2 x tp 2 (ring
 //! attention, Megatron plan), cp 2 with the all-gather method (alone and under full
 //! activation checkpointing), full and selective activation
 //! checkpointing, with fused projections or the fused residual at one rank, both under
@@ -449,10 +449,10 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
     ];
     // pp 2, 1F1B, 2 micro-batches; alone, and over 2 FSDP ranks per stage as llama_pp
     // shards it (ranks in ["pp", "dp"] order: rank `r` runs stage `r / dp`). Under FSDP a
-    // rank whose dp peer is behind still holds a layer's reduce-scatter input (the whole
-    // layer's gradients) where the model counts its output (the rank's shard), which
-    // raises a peak by up to a layer's shard more from run to run: each rank's lower peak
-    // of two runs is held within 8 %, where a model without a layer's gathered
+    // rank's peak moves from run to run by about a layer's gradient shard (1.4 MiB here)
+    // with the dp ranks' relative timing (which decides when the asynchronous all-gathers
+    // and reduce-scatters allocate their outputs and free their inputs): each rank's lower
+    // peak of two runs is held within 8 %, where a model without a layer's gathered
     // parameters, or without the later micro-batch's FSDP backward on the last stage,
     // misses by more than 10 %.
     for (name, dp, tol) in [
