@@ -235,6 +235,8 @@ struct RankReport {
     tokens: usize,
     seconds: f64,
     peak_bytes: i64,
+    /// What the training data holds on this rank (in `peak_bytes`, not in the prediction).
+    data_bytes: u64,
     start_step: usize,
     steps_run: usize,
     /// Measured bubble fraction of the last step (over every pp rank).
@@ -335,6 +337,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         }
         stages.push(PipelineStage::new(stage, index, num_stages, &mesh["pp"], Device::Cpu)?);
     }
+    // This rank's allocations, for its peak (a tcp process credits its own to slot 0);
+    // what the training data holds is in the peak and not in the memory model's
+    // prediction (which counts the stage's state and its training step), so it is
+    // reported beside it.
+    let mem_slot = run::memory_slot(rank, o.backend == BackendArg::Tcp);
+    let before_data = memory::current(mem_slot);
     let mut data = run::TrainData::open(
         &o.data.source(),
         tokenizer.as_ref(),
@@ -343,6 +351,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         o.batch,
         o.seed,
     )?;
+    let data_bytes = (memory::current(mem_slot) - before_data).max(0) as u64;
     let ignore = tokenizer.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let (cp, loss_cp) = (o.cp, cp_group.clone());
@@ -441,8 +450,6 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let bar = reporter.then(|| run::progress_bar(o.steps, start_step));
     // --metrics / --tensorboard: the reporting rank (last stage) writes them.
     let metrics = o.metrics.start(reporter)?;
-    // This rank's allocations, for its peak (a tcp process credits its own to slot 0).
-    let mem_slot = run::memory_slot(rank, o.backend == BackendArg::Tcp);
     memory::reset_peak(mem_slot);
     let t0 = Instant::now();
     let (mut last, mut tokens) = (f64::NAN, 0usize);
@@ -591,6 +598,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         tokens,
         seconds: t0.elapsed().as_secs_f64(),
         peak_bytes: memory::peak(mem_slot),
+        data_bytes,
         start_step,
         steps_run: step - start_step,
         bubble: timeline.bubble_fraction(),
@@ -691,9 +699,15 @@ fn main() {
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let data: Vec<String> = reports.iter().map(|r| format!("{:.1}", mib(r.data_bytes))).collect();
+    println!(
+        "training data per rank (MiB, in the host peak, not in the prediction): [{}]",
+        data.join(", ")
+    );
     // device_peak_mib_max (llama_2d's key): none, the stages run on the host.
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={} fuse_proj={} fuse_residual={}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={} fuse_proj={} fuse_residual={} data_mib_max={:.1}",
         o.pp,
         o.dp,
         o.tp,
@@ -719,6 +733,7 @@ fn main() {
         o.cp_method.name(),
         u8::from(o.fuse_proj),
         u8::from(o.fuse_residual),
+        mib(reports.iter().map(|r| r.data_bytes).max().unwrap_or(0)),
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;
