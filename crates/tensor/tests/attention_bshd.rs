@@ -6,7 +6,7 @@
 //! tables longer than the sequence; bad inputs are typed errors naming the problem.
 
 use tpar_kernels::cuda::emu::EmulatedGpu;
-use tpar_tensor::{gpu, DType, Device, Rng, RopeLayout, Tensor, TensorError};
+use tpar_tensor::{gpu, DType, Device, Rng, RopeLayout, Tensor};
 
 /// An ordinal of its own, so the kernel counts see only this file's work.
 const ORDINAL: usize = 5;
@@ -16,10 +16,8 @@ fn setup() {
     gpu::register_device(ORDINAL, EmulatedGpu::open(ORDINAL).expect("emulator"));
 }
 
-/// The exact values of `t` (every float dtype widens to f64 exactly).
-fn bits(t: &Tensor) -> Vec<u64> {
-    t.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
-}
+mod common;
+use common::{assert_same_bits, bits, fails_naming};
 
 /// One case: sizes, masking, and whether the input is packed.
 #[derive(Clone, Copy, Debug)]
@@ -188,11 +186,6 @@ const CASES: [Case; 6] = [
     Case { b: 1, s: 66, hq: 2, hkv: 1, hd: 32, table_rows: 66, mask: Mask::Full, packed: true },
 ];
 
-/// Whether `a` and `b` are the bits of `+0.0` and `-0.0` (in either order).
-fn zeros_of_other_signs(a: u64, b: u64) -> bool {
-    a != b && f64::from_bits(a) == 0.0 && f64::from_bits(b) == 0.0
-}
-
 /// The op and the composition on `device` give the same output bits and the same
 /// gradient bits, but for one known difference: on the device, a packed input's
 /// gradient may hold `-0.0` where the composition's has `+0.0`, in the q columns of a
@@ -211,17 +204,7 @@ fn check(device: Device, dtype: DType, seed: u64) {
         assert!(y1 == y0, "{what}: output differs");
         let zero_sign = c.packed && device != Device::Cpu;
         for (n, (a, b)) in g1.iter().zip(&g0).enumerate() {
-            let differ =
-                |j: usize| a[j] != b[j] && !(zero_sign && zeros_of_other_signs(a[j], b[j]));
-            let bad: Vec<usize> = (0..a.len()).filter(|&j| differ(j)).collect();
-            let first = bad.first().map(|&j| (j, f64::from_bits(a[j]), f64::from_bits(b[j])));
-            assert!(
-                bad.is_empty(),
-                "{what}: gradient of input {n} differs at {} of {} elements, first (index, got, \
-                 want) {first:?}",
-                bad.len(),
-                a.len()
-            );
+            assert_same_bits(&format!("{what}: gradient of input {n}"), a, b, zero_sign);
         }
     }
 }
@@ -250,17 +233,6 @@ fn device_equals_the_composition_f16_and_f64() {
     check(DEV, DType::F16, 5);
     // f64 has no device kernels: the composition through the host
     check(DEV, DType::F64, 6);
-}
-
-/// `f` fails with an error whose text contains every one of `words`.
-fn fails_naming(what: &str, r: Result<Tensor, TensorError>, words: &[&str]) {
-    match r {
-        Ok(t) => panic!("{what}: accepted, gave {}", t.shape()),
-        Err(e) => {
-            let text = e.to_string();
-            assert!(words.iter().all(|w| text.contains(w)), "{what}: {text}");
-        }
-    }
 }
 
 #[test]

@@ -10,7 +10,7 @@
 //! errors naming the problem.
 
 use tpar_kernels::cuda::emu::EmulatedGpu;
-use tpar_tensor::{gpu, DType, Device, Rng, Tensor, TensorError};
+use tpar_tensor::{gpu, DType, Device, Rng, Tensor};
 
 /// The device of the bit checks.
 const DEV: Device = Device::Cuda(6);
@@ -23,10 +23,8 @@ fn setup() {
     }
 }
 
-/// The exact values of `t` (every float dtype widens to f64 exactly).
-fn bits(t: &Tensor) -> Vec<u64> {
-    t.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
-}
+mod common;
+use common::{assert_same_bits, bits, fails_naming};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mask {
@@ -133,11 +131,6 @@ fn run(c: &Case, i: &Inputs, device: Device, f: Block) -> (Vec<u64>, Vec<Vec<u64
     (bits(&y), grads.to_vec(), ran)
 }
 
-/// Whether `a` and `b` are the bits of `+0.0` and `-0.0` (in either order).
-fn zeros_of_other_signs(a: u64, b: u64) -> bool {
-    a != b && f64::from_bits(a) == 0.0 && f64::from_bits(b) == 0.0
-}
-
 /// The two forms give the same output and gradient bits on `device`. The one allowed difference is a zero's sign in x's
 /// gradient on the device: there the unrotated form's packed gradient came from RoPE's
 /// backward kernel writing into a zeroed buffer, and the rotated form's from the
@@ -153,16 +146,7 @@ fn check(device: Device, dtype: DType, seed: u64) {
         let (y1, g1, n1) = run(&c, &i, device, rotated);
         assert!(y1 == y0, "{what}: output differs");
         for (n, (a, b)) in g1.iter().zip(&g0).enumerate() {
-            let differ = |j: usize| a[j] != b[j] && !zeros_of_other_signs(a[j], b[j]);
-            let bad: Vec<usize> = (0..a.len()).filter(|&j| differ(j)).collect();
-            let first = bad.first().map(|&j| (j, f64::from_bits(a[j]), f64::from_bits(b[j])));
-            assert!(
-                bad.is_empty(),
-                "{what}: gradient of input {n} differs at {} of {} elements, first (index, got, \
-                 want) {first:?}",
-                bad.len(),
-                a.len()
-            );
+            assert_same_bits(&format!("{what}: gradient of input {n}"), a, b, true);
         }
         if device == Device::Cuda(COUNTED) {
             let (n0, n1) = (n0 as i64, n1 as i64);
@@ -208,19 +192,6 @@ fn device_equals_rotation_inside_attention_bf16_and_f16() {
 fn f64_on_the_device_is_the_host_composition() {
     setup();
     check(DEV, DType::F64, 6);
-}
-
-/// `r` fails with an error whose text contains every one of `words`.
-fn fails_naming(what: &str, r: Result<Tensor, TensorError>, words: &[&str]) {
-    match r {
-        Ok(t) => panic!("{what}: accepted, gave {}", t.shape()),
-        Err(e) => {
-            let text = e.to_string();
-            for w in words {
-                assert!(text.contains(w), "{what}: {text:?} does not name {w:?}");
-            }
-        }
-    }
 }
 
 #[test]

@@ -20,9 +20,8 @@ fn setup() {
     }
 }
 
-fn bits(t: &Tensor) -> Vec<u64> {
-    t.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
-}
+mod common;
+use common::bits;
 
 /// The split then `silu_mul`.
 fn split(x: &Tensor) -> Tensor {
