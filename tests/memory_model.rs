@@ -3,7 +3,8 @@
 //! through the optimizer step), the predicted per-rank peak is within 15 % of the
 //! measured one at one rank, 2x2 FSDP x TP and tp 2 alone, without checkpointing and
 //! under full checkpointing (sequence-parallel plan, which gathers q, k and v back to
-//! every head), pp 2 with 1F1B, alone and with FSDP over dp 2 per stage (each rank's lower
+//! every head), pp 2 with 1F1B, alone and with FSDP over dp 2 per stage, and interleaved
+//! 1F1B (2 stages per rank, 4 micro-batches) with FSDP over dp 2 (each FSDP rank's lower
 //! peak of two runs, within 8 %: a rank's peak moves by about a layer's gradient shard
 //! with the dp ranks' relative timing), cp 2, cp 2 x tp 2 (ring
 //! attention, Megatron plan), cp 2 with the all-gather method (alone and under full
@@ -448,27 +449,39 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
         ),
     ];
     // pp 2, 1F1B, 2 micro-batches; alone, and over 2 FSDP ranks per stage as llama_pp
-    // shards it (ranks in ["pp", "dp"] order: rank `r` runs stage `r / dp`). Under FSDP a
-    // rank's peak moves from run to run by about a layer's gradient shard (1.4 MiB here)
-    // with the dp ranks' relative timing (which decides when the asynchronous all-gathers
-    // and reduce-scatters allocate their outputs and free their inputs): each rank's lower
-    // peak of two runs is held within 8 %, where a model without a layer's gathered
-    // parameters, or without the later micro-batch's FSDP backward on the last stage,
-    // misses by more than 10 %.
-    for (name, dp, tol) in [
-        ("pp 2, 1F1B, 2 micro-batches", 1, 0.15),
-        ("pp 2 x dp 2 FSDP, 1F1B, 2 micro-batches", 2, 0.08),
+    // shards it (ranks in ["pp", "dp"] order: rank `r` runs pp rank `r / dp`'s stages),
+    // with 1F1B and with interleaved 1F1B (2 stages per rank, one layer each, 4
+    // micro-batches of one sequence). Under FSDP a rank's peak moves from run to run by
+    // about a layer's gradient shard (1.4 MiB here) with the dp ranks' relative timing
+    // (which decides when the asynchronous all-gathers and reduce-scatters allocate their
+    // outputs and free their inputs): each rank's lower peak of two runs is held within
+    // 8 %, where a model without a layer's gathered parameters, or without the later
+    // micro-batch's FSDP backward, misses by more than 10 %.
+    for (name, dp, kind, v, m, tol) in [
+        ("pp 2, 1F1B, 2 micro-batches", 1, ScheduleKind::OneFOneB, 1, 2, 0.15),
+        ("pp 2 x dp 2 FSDP, 1F1B, 2 micro-batches", 2, ScheduleKind::OneFOneB, 1, 2, 0.08),
+        (
+            "pp 2 x dp 2 FSDP, interleaved 1F1B (2 stages per rank), 4 micro-batches",
+            2,
+            ScheduleKind::Interleaved1F1B,
+            2,
+            4,
+            0.08,
+        ),
     ] {
+        // One sequence per micro-batch on each dp rank.
+        let rows = m.max(BATCH);
         let pp = MemoryConfig {
             pp: 2,
-            microbatches: 2,
-            schedule: ScheduleKind::OneFOneB,
-            ..Run { dp, ..base.clone() }.memory_config()
+            microbatches: m,
+            schedule: kind,
+            stages_per_rank: v,
+            ..Run { dp, ..Run::new(config(), rows, SEQ) }.memory_config()
         };
         let stages: Vec<_> = (0..2).map(|s| predict_memory_stage(&pp, s).unwrap()).collect();
         // The highest stage is what predict_memory reports.
         assert_eq!(predict_memory(&pp).unwrap().peak, stages.iter().map(|p| p.peak).max().unwrap());
-        let measure = || measure_pp_with(config(), BATCH, dp, ScheduleKind::OneFOneB, 1, 2);
+        let measure = || measure_pp_with(config(), rows, dp, kind, v, m);
         let mut measured = measure();
         if dp > 1 {
             measured = measured.iter().zip(measure()).map(|(a, b)| b.min(*a)).collect();
