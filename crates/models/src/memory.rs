@@ -120,9 +120,12 @@
 //!   gradients, the reduce-scatter outputs of the units done, above) beside every
 //!   gradient shard the earlier micro-batches accumulated, which the first one's does
 //!   not have yet: the larger of that and one more set of shards counts (GPipe, 1F1B and
-//!   zero-bubble; the interleaved walk below does not add it). On 1F1B's last
-//!   stage, whose micro-batches run one at a time, this is the peak (at pp 2 x dp 2, 2
-//!   micro-batches, a model without it is 10 % under the measured peak, with it 1 to 5 %).
+//!   zero-bubble). On 1F1B's last stage, whose micro-batches run one at a time, this is
+//!   the peak (at pp 2 x dp 2, 2 micro-batches, a model without it is 10 % under the
+//!   measured peak, with it 1 to 5 %). The interleaved walk below does not add it: at
+//!   pp 2 x dp 2, 2 stages of one layer per rank, 4 micro-batches, the walk is 2 to 6 %
+//!   under each rank's measured peak, and this term (as the whole rank's layer backward)
+//!   added to its later backwards would put it up to 7 % over.
 //! - **Interleaved 1F1B** (`stages_per_rank` stages per pp rank, stage `s` on rank
 //!   `s % pp`, the layers split over all `pp * stages_per_rank` stages): the rank's own
 //!   action list (`tpar_pipeline::Schedule`) is walked in order. Each (stage,
