@@ -123,7 +123,7 @@
 //!   zero-bubble). On 1F1B's last stage, whose micro-batches run one at a time, this is
 //!   the peak (at pp 2 x dp 2, 2 micro-batches, a model without it is 10 % under the
 //!   measured peak, with it 1 to 5 %). The interleaved walk below does not add it: at
-//!   pp 2 x dp 2, 2 stages of one layer per rank, 4 micro-batches, the walk is 2 to 6 %
+//!   pp 2 x dp 2, 2 stages of one layer per rank, 4 micro-batches, the walk is 2 to 7 %
 //!   under each rank's measured peak, and this term (as the whole rank's layer backward)
 //!   added to its later backwards would put it up to 7 % over.
 //! - **Interleaved 1F1B** (`stages_per_rank` stages per pp rank, stage `s` on rank
