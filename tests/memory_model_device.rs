@@ -9,10 +9,10 @@
 //! 256, 2 sequences of 128) trains two steps on `cuda:0` as the trainers do (the loss
 //! held through the optimizer step), and the predicted peak is within 15 % of the
 //! measured one: in f32, with bf16 parameters, under FSDP mixed precision (bf16
-//! compute, world 1, as `llama_2d --dtype bf16` runs), under full and selective
-//! activation checkpointing, with fused projections, with the fused residual under
-//! selective checkpointing (where on the device the kept GEMM's output is the residual
-//! sum), at a sequence of 512 with an MLP of 64 (1 head, 1 layer), where attention's
+//! compute, world 1, as `llama_2d --dtype bf16` runs), under FSDP with bf16 parameters,
+//! under full and selective activation checkpointing, with fused projections (alone and
+//! under selective checkpointing), with the fused residual under selective checkpointing
+//! (where on the device the kept GEMM's output is the residual sum), at a sequence of 512 with an MLP of 64 (1 head, 1 layer), where attention's
 //! backward is the layer's largest transient, and at 2x1 FSDP, tp 2 (the
 //! sequence-parallel plan, which gathers q, k and v back to every head, and the
 //! megatron plan with 2 key/value heads) and cp 2 (ring attention, where attention is
