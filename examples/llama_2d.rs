@@ -586,16 +586,16 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // and not in the memory model's prediction (which counts the model's state and its
     // training step), so it is reported beside it.
     let mem_slot = run::memory_slot(rank, o.backend != "local");
-    let before_data = memory::current(mem_slot);
-    let mut data = run::TrainData::open(
-        &o.data.source(),
-        tokenizer.as_ref(),
-        seq,
-        (o.dp, dp_rank),
-        o.batch,
-        o.seed,
-    )?;
-    let data_bytes = (memory::current(mem_slot) - before_data).max(0) as u64;
+    let (mut data, data_bytes) = run::held_by(mem_slot, || {
+        run::TrainData::open(
+            &o.data.source(),
+            tokenizer.as_ref(),
+            seq,
+            (o.dp, dp_rank),
+            o.batch,
+            o.seed,
+        )
+    })?;
     let pad = tokenizer.pad_id() as i64;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };
@@ -1112,11 +1112,7 @@ fn main() {
         ),
         None => println!("peak memory per rank (MiB): [{}]", peaks.join(", ")),
     }
-    let data: Vec<String> = reports.iter().map(|r| format!("{:.1}", mib(r.data_bytes))).collect();
-    println!(
-        "training data per rank (MiB, in the host peak, not in the prediction): [{}]",
-        data.join(", ")
-    );
+    let data_mib_max = run::report_data(&reports.iter().map(|r| r.data_bytes).collect::<Vec<_>>());
     let device_peak_max = match reports.iter().filter_map(|r| r.device_peak_bytes).max() {
         Some(b) => format!("{:.1}", mib(b)),
         None => "none".into(),
@@ -1156,7 +1152,7 @@ fn main() {
         launches_per_step,
         u8::from(o.fusion.projections),
         u8::from(o.fusion.residual),
-        mib(reports.iter().map(|r| r.data_bytes).max().unwrap_or(0)),
+        data_mib_max,
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

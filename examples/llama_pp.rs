@@ -342,16 +342,16 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // prediction (which counts the stage's state and its training step), so it is
     // reported beside it.
     let mem_slot = run::memory_slot(rank, o.backend == BackendArg::Tcp);
-    let before_data = memory::current(mem_slot);
-    let mut data = run::TrainData::open(
-        &o.data.source(),
-        tokenizer.as_ref(),
-        seq,
-        (o.dp, dp_rank),
-        o.batch,
-        o.seed,
-    )?;
-    let data_bytes = (memory::current(mem_slot) - before_data).max(0) as u64;
+    let (mut data, data_bytes) = run::held_by(mem_slot, || {
+        run::TrainData::open(
+            &o.data.source(),
+            tokenizer.as_ref(),
+            seq,
+            (o.dp, dp_rank),
+            o.batch,
+            o.seed,
+        )
+    })?;
     let ignore = tokenizer.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let (cp, loss_cp) = (o.cp, cp_group.clone());
@@ -699,12 +699,7 @@ fn main() {
     let peaks: Vec<String> =
         reports.iter().map(|r| format!("{:.1}", r.peak_bytes as f64 / (1 << 20) as f64)).collect();
     println!("peak memory per rank (MiB): [{}]", peaks.join(", "));
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    let data: Vec<String> = reports.iter().map(|r| format!("{:.1}", mib(r.data_bytes))).collect();
-    println!(
-        "training data per rank (MiB, in the host peak, not in the prediction): [{}]",
-        data.join(", ")
-    );
+    let data_mib_max = run::report_data(&reports.iter().map(|r| r.data_bytes).collect::<Vec<_>>());
     // device_peak_mib_max (llama_2d's key): none, the stages run on the host.
     println!(
         "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={} fuse_proj={} fuse_residual={} data_mib_max={:.1}",
@@ -733,7 +728,7 @@ fn main() {
         o.cp_method.name(),
         u8::from(o.fuse_proj),
         u8::from(o.fuse_residual),
-        mib(reports.iter().map(|r| r.data_bytes).max().unwrap_or(0)),
+        data_mib_max,
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

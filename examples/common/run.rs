@@ -319,6 +319,27 @@ pub fn memory_slot(rank: usize, own_process: bool) -> usize {
     }
 }
 
+/// `open()`'s result and what it left allocated on memory slot `slot`, in bytes (0 when it
+/// freed more than it kept): for the training data, what the measured host peak counts
+/// and the memory model's prediction (the model's state and its training step) does not.
+pub fn held_by<T>(slot: usize, open: impl FnOnce() -> tpar::Result<T>) -> tpar::Result<(T, u64)> {
+    let before = tpar::tensor::memory::current(slot);
+    let t = open()?;
+    Ok((t, (tpar::tensor::memory::current(slot) - before).max(0) as u64))
+}
+
+/// Prints what each rank's training data holds ([`held_by`]) and returns the largest, in
+/// MiB (the summary line's `data_mib_max`).
+pub fn report_data(bytes: &[u64]) -> f64 {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let each: Vec<String> = bytes.iter().map(|&b| format!("{:.1}", mib(b))).collect();
+    println!(
+        "training data per rank (MiB, in the host peak, not in the prediction): [{}]",
+        each.join(", ")
+    );
+    mib(bytes.iter().copied().max().unwrap_or(0))
+}
+
 /// A model's RoPE scaling as the run configuration records it (`none`, or its type and
 /// numbers).
 fn rope_scaling_text(r: Option<&tpar::models::RopeScaling>) -> String {

@@ -681,6 +681,21 @@ impl LlamaAttention {
             };
             Ok((cos.to_dtype(act)?, sin.to_dtype(act)?))
         };
+        let groups = |hq: usize, hkv: usize| -> Result<()> {
+            if hkv == 0 || !hq.is_multiple_of(hkv) {
+                return Err(NnError::Config {
+                    what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
+                });
+            }
+            Ok(())
+        };
+        // The mask, like the tables, is built in the model's dtype; a mask with one row
+        // ([b, 1, 1, s]) masks keys, and causality comes from the flag.
+        let masked = |act: DType| -> Result<(Option<Tensor>, bool)> {
+            let mask = mask.as_ref().map(|m| m.to_dtype(act)).transpose()?;
+            let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
+            Ok((mask, causal))
+        };
         let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
         let fused = if self.fuse_projections { fusable(&x, &projs)? } else { None };
         let qkv = match fused {
@@ -689,11 +704,14 @@ impl LlamaAttention {
             Some((xt, w)) if cp.is_none() && w[1].dims()[0] == w[2].dims()[0] => {
                 let (hq, hkv) = (heads(w[0].dims()[0])?, heads(w[1].dims()[0])?);
                 if matches!(xt.device(), Device::Cuda(_)) && xt.rank() == 3 {
+                    groups(hq, hkv)?;
                     let (cos, sin) = tables(xt.dims()[1], xt.dtype())?;
-                    Qkv::Rotated(xt.linear_concat_rope(&w, 2, &cos, &sin)?, hq, hkv)
-                } else {
-                    Qkv::Packed(xt.linear_concat(&w)?, hq, hkv)
+                    let qkv = xt.linear_concat_rope(&w, 2, &cos, &sin)?;
+                    let (mask, causal) = masked(qkv.dtype())?;
+                    let a = Tensor::attention_packed_rotated(&qkv, hq, hkv, mask.as_ref(), causal)?;
+                    return Ok(Value::Tensor(a)); // [b, s, hq * hd]
                 }
+                Qkv::Packed(xt.linear_concat(&w)?, hq, hkv)
             }
             // [b, s, (hq + 2 hkv) * hd] split into q, k and v.
             Some((xt, w)) => {
@@ -707,33 +725,16 @@ impl LlamaAttention {
             }
         };
         let (b, s, hq, hkv, act) = match &qkv {
-            Qkv::Packed(t, hq, hkv) | Qkv::Rotated(t, hq, hkv) => {
-                (t.dims()[0], t.dims()[1], *hq, *hkv, t.dtype())
-            }
+            Qkv::Packed(t, hq, hkv) => (t.dims()[0], t.dims()[1], *hq, *hkv, t.dtype()),
             Qkv::Split(q, k, _) => {
                 let qd = q.shape()?;
                 (qd[0], qd[1], qd[2], k.shape()?[2], q.dtype()?)
             }
         };
-        if hkv == 0 || hq % hkv != 0 {
-            return Err(NnError::Config {
-                what: format!("{who}: {hq} query heads are not a multiple of {hkv} kv heads"),
-            });
-        }
-        // The mask, like the tables, is built in the model's dtype.
-        let mask = mask.map(|m| m.to_dtype(act)).transpose()?;
-        // A mask with one row ([b, 1, 1, s]) masks keys; causality comes from the flag.
-        let causal = mask.as_ref().is_none_or(|m| m.rank() == 4 && m.dims()[2] == 1);
-        // (a rotated input needs none: the projection took them)
-        let (cos, sin) = match &qkv {
-            Qkv::Rotated(..) => (rope.cos.clone(), rope.sin.clone()),
-            _ => tables(s, act)?,
-        };
+        groups(hq, hkv)?;
+        let (mask, causal) = masked(act)?;
+        let (cos, sin) = tables(s, act)?;
         let (q, k, v) = match qkv {
-            Qkv::Rotated(t, hq, hkv) => {
-                let a = Tensor::attention_packed_rotated(&t, hq, hkv, mask.as_ref(), causal)?;
-                return Ok(Value::Tensor(a)); // [b, s, hq * hd]
-            }
             Qkv::Packed(t, hq, hkv) => {
                 let a = Tensor::attention_packed(&t, hq, hkv, &cos, &sin, mask.as_ref(), causal)?;
                 return Ok(Value::Tensor(a)); // [b, s, hq * hd]
@@ -764,11 +765,10 @@ impl LlamaAttention {
 }
 
 /// The operands [`LlamaAttention`] computes attention on: the packed output of the fused
-/// projections `[b, s, (hq + 2 hkv) * hd]` with its head counts `(hq, hkv)`, unrotated or
-/// (on a device) with q and k rotated, or q, k and v `[b, s, heads, hd]`.
+/// projections `[b, s, (hq + 2 hkv) * hd]` with its head counts `(hq, hkv)`, or q, k and
+/// v `[b, s, heads, hd]`.
 enum Qkv {
     Packed(Tensor, usize, usize),
-    Rotated(Tensor, usize, usize),
     Split(Value, Value, Value),
 }
 

@@ -410,8 +410,11 @@ fn on_device(
     let dev = device_of(inputs[0], OP)?;
     let (s, mask) = (*s, gpu_nn::device_mask(mask, s, cd)?);
     let packed = x.packed();
-    let Some(tables) = tables else {
-        return Ok(Some(rotated_on_device(x, h, mask, s)?));
+    let tables = match (tables, x) {
+        (Some(tables), _) => tables,
+        (None, Qkv::Packed(qkv)) => return Ok(Some(rotated_on_device(qkv, h, mask, s)?)),
+        // (no op takes separate inputs without the tables)
+        (None, Qkv::Separate(_)) => return Ok(None),
     };
     let layout = layout(packed, &h, false);
     let (v, v_at, _) = x.place(2, &h);
@@ -460,17 +463,21 @@ fn on_device(
 /// The device node of a pre-rotated packed input: the flash kernels read q, k and v in
 /// its columns, the node keeps it (and the output and log-sum-exps), and the backward
 /// writes dq, dk and dv into the packed gradient's columns.
-fn rotated_on_device(x: Qkv<'_>, h: Heads, mask: Option<Tensor>, s: SdpaShape) -> Result<Tensor> {
+fn rotated_on_device(
+    input: &Tensor,
+    h: Heads,
+    mask: Option<Tensor>,
+    s: SdpaShape,
+) -> Result<Tensor> {
     const OP: &str = "attention_packed_rotated";
-    let inputs = x.inputs();
-    let at = [0, 1, 2].map(|i| x.place(i, &h).1);
+    let at = [0, 1, 2].map(|i| place(true, i, &h).1);
     let layout = layout(true, &h, true);
-    let (out, lse) = kept(SaveOp::Sdpa, &inputs, || {
-        let ops = at.map(|a| (inputs[0], a));
+    let (out, lse) = kept(SaveOp::Sdpa, &[input], || {
+        let ops = at.map(|a| (input, a));
         gpu_nn::sdpa_forward_at(ops, mask.as_ref(), &s, layout, h.out_shape(true))
     })?;
-    let (qkv, o) = (inputs[0].detach(), out.detach());
-    Ok(record(OP, &inputs, out, move |g| {
+    let (qkv, o) = (input.detach(), out.detach());
+    Ok(record(OP, &[input], out, move |g| {
         let dev = device_of(g, OP)?;
         let mut grad = Out::new(&dev, qkv.shape().clone(), qkv.dtype())?;
         let ops = at.map(|a| (&qkv, a));

@@ -326,13 +326,13 @@ impl Tensor {
         require_float(OP, self)?;
         let width = self.dims().last().copied().unwrap_or(0);
         if self.rank() == 0 || !width.is_multiple_of(2) {
-            return Err(TensorError::InvalidArgument {
-                op: OP,
-                what: format!(
+            return Err(super::invalid(
+                OP,
+                format!(
                     "the last dim must hold gate and up halves of one width, got {}",
                     self.shape()
                 ),
-            });
+            ));
         }
         let half = width / 2;
         let on_device = match cuda_ordinal(OP, &[self])? {

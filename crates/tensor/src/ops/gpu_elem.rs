@@ -214,10 +214,8 @@ pub(crate) fn swiglu_packed(x: &Tensor) -> Result<Option<Tensor>> {
 /// written into one tensor.
 pub(crate) fn swiglu_packed_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
     const OP: &str = "swiglu_backward";
-    let cd = cuda_dtype(x.dtype()).ok_or_else(|| TensorError::InvalidArgument {
-        op: OP,
-        what: format!("no device kernel for {}", x.dtype()),
-    })?;
+    let cd = cuda_dtype(x.dtype())
+        .ok_or_else(|| super::invalid(OP, format!("no device kernel for {}", x.dtype())))?;
     let (rows, width) = rows_cols(x);
     if g.dtype() != x.dtype() || g.numel() != rows * (width / 2) {
         return Err(TensorError::ShapeMismatch {

@@ -94,7 +94,6 @@ impl Tensor {
 }
 
 /// RoPE of the first `cols` output columns of a `[..., s, n]` product, in heads of `hd`.
-#[derive(Clone)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,

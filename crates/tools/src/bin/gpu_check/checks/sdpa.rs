@@ -11,6 +11,8 @@ use CudaDType::{BF16, F16, F32};
 
 use super::{bound, Ctx, DTYPES};
 use crate::data::dn;
+use crate::dev::Dev;
+use crate::Res;
 
 pub(crate) fn sdpa_shape(
     batch: usize,
@@ -191,7 +193,10 @@ pub(crate) fn train_case(
             &mut dv,
         )?;
         let es = dt.size();
-        if packed {
+        let (bl, ws_bytes) = (d.junk(nq * 4)?, sdpa::sdpa_backward_workspace_bytes(&s)?);
+        let ws = d.junk(ws_bytes)?;
+        // [out, dq, dk, dv] as the device wrote them, read back dense
+        let got = if packed {
             let ([aq, ak, av], layout) = packed_layout(&s);
             let (hq, hkv, len, hd) = (s.q_heads, s.kv_heads, s.q_len, s.head_dim);
             let width = (hq + 2 * hkv) * hd;
@@ -203,29 +208,18 @@ pub(crate) fn train_case(
             to_rows(&v, &mut rows, kd, width, av);
             to_rows(&dout, &mut dout_rows, qd, hq * hd, 0);
             let (bqkv, bdo) = (d.up(dt, &rows)?, d.up(dt, &dout_rows)?);
-            let (bo, bl) = (d.junk(dout_rows.len() * es)?, d.junk(nq * 4)?);
-            let grads = d.junk(rows.len() * es)?;
-            let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
-            let ws = d.junk(ws_bytes)?;
+            let (bo, grads) = (d.junk(dout_rows.len() * es)?, d.junk(rows.len() * es)?);
             let at = |p: DevPtr, e: usize| p + (e * es) as DevPtr;
-            let (x, g) = (bqkv.ptr(), grads.ptr());
-            let (po, pl) = (bo.ptr(), bl.ptr());
-            let fb = SdpaFwdBuffers {
-                q: at(x, aq),
-                k: at(x, ak),
-                v: at(x, av),
-                mask: None,
-                out: po,
-                lse: pl,
-                layout,
-            };
+            let (x, g, out, lse) = (bqkv.ptr(), grads.ptr(), bo.ptr(), bl.ptr());
+            let (q, k, v) = (at(x, aq), at(x, ak), at(x, av));
+            let fb = SdpaFwdBuffers { q, k, v, mask: None, out, lse, layout };
             let bb = SdpaBwdBuffers {
-                q: fb.q,
-                k: fb.k,
-                v: fb.v,
+                q,
+                k,
+                v,
                 mask: None,
-                out: po,
-                lse: pl,
+                out,
+                lse,
                 dout: bdo.ptr(),
                 dq: at(g, aq),
                 dk: at(g, ak),
@@ -238,44 +232,34 @@ pub(crate) fn train_case(
             // elements, out and dout `batch * len` rows of `q_heads * head_dim`,
             // lse and the workspace their sizes; dq, dk and dv fill disjoint
             // columns of the gradient's rows.
-            unsafe {
-                sdpa::sdpa_forward(d.l(), dt, &s, &fb, path)?;
-                sdpa::sdpa_backward(d.l(), dt, &s, &bb, path)?;
-            }
+            unsafe { launch(d, dt, &s, path, &fb, &bb)? };
             let (got_out, got_g) = (d.down(dt, &bo)?, d.down(dt, &grads)?);
-            let o = from_rows(&got_out, qd, hq * hd, 0);
-            let gq = from_rows(&got_g, qd, width, aq);
-            let gk = from_rows(&got_g, kd, width, ak);
-            let gv = from_rows(&got_g, kd, width, av);
-            let b = bound(dt);
-            let name = |what: &str| format!("{base}.{what}");
-            c.r.close(&name("out"), dn(dt), shape, &o, &out, b);
-            c.r.close(&name("lse"), dn(dt), shape, &d.down(F32, &bl)?, &lse, b);
-            c.r.close(&name("dq"), dn(dt), shape, &gq, &dq, b);
-            c.r.close(&name("dk"), dn(dt), shape, &gk, &dk, b);
-            c.r.close(&name("dv"), dn(dt), shape, &gv, &dv, b);
-            return Ok(());
-        }
-        let (bq, bk, bv, bdo) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &v)?, d.up(dt, &dout)?);
-        let bm = match &mask {
-            Some(m) => Some(d.up(dt, m)?),
-            None => None,
-        };
-        let dev_mask = bm.as_ref().map(|b| SdpaDevMask {
-            data: b.ptr(),
-            len: s.batch * s.kv_len,
-            batch_stride: s.kv_len,
-            head_stride: 0,
-            row_stride: 0,
-        });
-        let (bo, bl) = (d.junk(out.len() * es)?, d.junk(nq * 4)?);
-        let (bdq, bdk, bdv) = (d.junk(q.len() * es)?, d.junk(k.len() * es)?, d.junk(v.len() * es)?);
-        let ws_bytes = sdpa::sdpa_backward_workspace_bytes(&s)?;
-        let ws = d.junk(ws_bytes)?;
-        let (fb, bb) = {
+            [
+                from_rows(&got_out, qd, hq * hd, 0),
+                from_rows(&got_g, qd, width, aq),
+                from_rows(&got_g, kd, width, ak),
+                from_rows(&got_g, kd, width, av),
+            ]
+        } else {
+            let (bq, bk, bv) = (d.up(dt, &q)?, d.up(dt, &k)?, d.up(dt, &v)?);
+            let bdo = d.up(dt, &dout)?;
+            let bm = match &mask {
+                Some(m) => Some(d.up(dt, m)?),
+                None => None,
+            };
+            let dev_mask = bm.as_ref().map(|b| SdpaDevMask {
+                data: b.ptr(),
+                len: s.batch * s.kv_len,
+                batch_stride: s.kv_len,
+                head_stride: 0,
+                row_stride: 0,
+            });
+            let bo = d.junk(out.len() * es)?;
+            let (bdq, bdk) = (d.junk(q.len() * es)?, d.junk(k.len() * es)?);
+            let bdv = d.junk(v.len() * es)?;
             let (q, k, v, out, lse) = (bq.ptr(), bk.ptr(), bv.ptr(), bo.ptr(), bl.ptr());
-            let fb =
-                SdpaFwdBuffers { q, k, v, mask: dev_mask, out, lse, layout: Default::default() };
+            let layout = SdpaLayout::default();
+            let fb = SdpaFwdBuffers { q, k, v, mask: dev_mask, out, lse, layout };
             let bb = SdpaBwdBuffers {
                 q,
                 k,
@@ -289,23 +273,41 @@ pub(crate) fn train_case(
                 dv: bdv.ptr(),
                 workspace: ws.ptr(),
                 workspace_bytes: ws_bytes,
-                layout: Default::default(),
+                layout,
             };
-            (fb, bb)
+            // SAFETY: every buffer was allocated above with the size `s` gives it
+            // (the mask with `batch * kv_len` elements).
+            unsafe { launch(d, dt, &s, path, &fb, &bb)? };
+            [d.down(dt, &bo)?, d.down(dt, &bdq)?, d.down(dt, &bdk)?, d.down(dt, &bdv)?]
         };
-        // SAFETY: every buffer was allocated above with the size `s` gives it
-        // (the mask with `batch * kv_len` elements).
-        unsafe {
-            sdpa::sdpa_forward(d.l(), dt, &s, &fb, path)?;
-            sdpa::sdpa_backward(d.l(), dt, &s, &bb, path)?;
-        }
         let b = bound(dt);
         let name = |what: &str| format!("{base}.{what}");
-        c.r.close(&name("out"), dn(dt), shape, &d.down(dt, &bo)?, &out, b);
+        let [got_out, got_dq, got_dk, got_dv] = got;
+        c.r.close(&name("out"), dn(dt), shape, &got_out, &out, b);
         c.r.close(&name("lse"), dn(dt), shape, &d.down(F32, &bl)?, &lse, b);
-        c.r.close(&name("dq"), dn(dt), shape, &d.down(dt, &bdq)?, &dq, b);
-        c.r.close(&name("dk"), dn(dt), shape, &d.down(dt, &bdk)?, &dk, b);
-        c.r.close(&name("dv"), dn(dt), shape, &d.down(dt, &bdv)?, &dv, b);
+        c.r.close(&name("dq"), dn(dt), shape, &got_dq, &dq, b);
+        c.r.close(&name("dk"), dn(dt), shape, &got_dk, &dk, b);
+        c.r.close(&name("dv"), dn(dt), shape, &got_dv, &dv, b);
         Ok(())
     });
+}
+
+/// The forward then the backward of `s` on `path`.
+///
+/// # Safety
+/// Every address of `fb` and `bb` must hold what `s` and their layouts reach.
+unsafe fn launch(
+    d: &Dev,
+    dt: CudaDType,
+    s: &SdpaShape,
+    path: SdpaPath,
+    fb: &SdpaFwdBuffers,
+    bb: &SdpaBwdBuffers,
+) -> Res<()> {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        sdpa::sdpa_forward(d.l(), dt, s, fb, path)?;
+        sdpa::sdpa_backward(d.l(), dt, s, bb, path)?;
+    }
+    Ok(())
 }
