@@ -11,7 +11,8 @@
 //   `partial[block]`; tpar_multi_sumsq_final folds tensor t's partials in
 //   order into `out[t]`. A tensor's result depends only on its own length
 //   and data (not on the tensors beside it): deterministic.
-// - tpar_multi_scale_*: y = x * c out of place, with `c` the f32 scalar at
+// - tpar_multi_scale_*: y = x * c, out of place or in place (y == x: each
+//   element is read, then written, by one thread), with `c` the f32 scalar at
 //   `coef` rounded to the dtype first (as a multiply by a 0-dim tensor cast
 //   to the dtype), the product rounded once.
 // All kernels run with 256 threads per block (the final fold with 32).

@@ -346,7 +346,9 @@ fn group_spans<'a>(layouts: &[&'a [ProcessGroup]]) -> Vec<(&'a ProcessGroup, Vec
 
 /// Clips gradients by their total norm, as `torch.nn.utils.clip_grad_norm_`: computes
 /// the p-norm of all of `grads`' gradients together (`opts.norm_type`, default 2) and,
-/// when `max_norm / (norm + 1e-6)` is below 1, scales every gradient by it. Returns the
+/// when `max_norm / (norm + 1e-6)` is below 1, scales every gradient by it, in place (as
+/// torch's: every handle on a gradient, `.grad()` taken before the call included, sees
+/// the clipped values, and no second set of gradients is allocated). Returns the
 /// norm before clipping as a 0-dim tensor (0 when there is no gradient): an f64 host
 /// tensor for gradients on the host, an f32 tensor on the gradients' CUDA device
 /// otherwise.
@@ -457,13 +459,42 @@ fn clip(entries: &[ClipGrad], max_norm: f64, norm: Norm, opts: &ClipOptions<'_>)
     }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
-        for e in entries {
-            if let Some(g) = &e.grad {
-                e.set(no_grad(|| g.mul_scalar(coef))?);
-            }
-        }
+        let grads: Vec<(&ClipGrad, &Tensor)> =
+            entries.iter().filter_map(|e| e.grad.as_ref().map(|g| (e, g))).collect();
+        scale_in_place(&grads, |g| no_grad(|| g.mul_scalar(coef)))?;
     }
     Ok(out)
+}
+
+/// Scales `grads` in place, as torch's `clip_grad_norm_` does with `mul_`: `scaled`
+/// gives one gradient's new values, which replace its data for every handle on it
+/// (`Tensor::fill_storage_`: moved, not copied), so only one gradient's worth is ever
+/// held twice. A storage shared by several gradients (two parameters given one gradient
+/// tensor by the backward, as `p1 + p2` does) is scaled once. Each gradient is handed
+/// back to its parameter or leaf.
+fn scale_in_place(
+    grads: &[(&ClipGrad, &Tensor)],
+    scaled: impl Fn(&Tensor) -> tpar_tensor::Result<Tensor>,
+) -> Result<()> {
+    for g in distinct_storages(grads) {
+        g.fill_storage_(scaled(g)?)?;
+    }
+    for &(e, g) in grads {
+        e.set(g.clone());
+    }
+    Ok(())
+}
+
+/// `grads`' tensors with one per storage (the first of each), for an in-place update
+/// that must touch each storage once ([`scale_in_place`]).
+fn distinct_storages<'a>(grads: &[(&ClipGrad, &'a Tensor)]) -> Vec<&'a Tensor> {
+    let mut out: Vec<&Tensor> = Vec::with_capacity(grads.len());
+    for &(_, g) in grads {
+        if !out.iter().any(|h| h.same_storage(g)) {
+            out.push(g);
+        }
+    }
+    out
 }
 
 /// The device half of [`clip`] for the 2-norm: the per-gradient sums of squares of the
@@ -548,21 +579,17 @@ fn clip_on_device(entries: &[ClipGrad], max_norm: f64, opts: &ClipOptions<'_>) -
     let host_coef =
         if grads.iter().any(|(_, g)| g.device() != device) { Some(coef.item()?) } else { None };
     if host_coef.is_none() && grads.iter().all(|(_, g)| on_device(g)) {
-        // Every gradient scaled by the device coefficient in one launch per 32.
-        let refs: Vec<&Tensor> = grads.iter().map(|(_, g)| *g).collect();
-        let scaled = Tensor::scale_each(&refs, &coef)?;
-        for ((e, _), g) in grads.into_iter().zip(scaled) {
-            e.set(g);
+        // Every gradient scaled in place by the device coefficient, one launch per 32.
+        Tensor::scale_each_(&distinct_storages(&grads), &coef)?;
+        for (e, g) in grads {
+            e.set(g.clone());
         }
         return Ok(total);
     }
-    for (e, g) in grads {
-        let scaled = match host_coef {
-            Some(c) if c < 1.0 => no_grad(|| g.mul_scalar(c))?,
-            Some(_) => continue,
-            None => no_grad(|| g.mul(&coef.to_dtype(g.dtype())?))?,
-        };
-        e.set(scaled);
+    match host_coef {
+        Some(c) if c < 1.0 => scale_in_place(&grads, |g| no_grad(|| g.mul_scalar(c)))?,
+        Some(_) => {}
+        None => scale_in_place(&grads, |g| no_grad(|| g.mul(&coef.to_dtype(g.dtype())?)))?,
     }
     Ok(total)
 }

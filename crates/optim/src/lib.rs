@@ -18,7 +18,7 @@
 //!   CUDA device (AdamW: up to 32 parameters of a dtype per launch, as PyTorch's foreach
 //!   AdamW). With the 2-norm, gradient norms and the clipping of CUDA gradients stay on
 //!   the device too, one launch per 32 gradients of a dtype
-//!   ([`Tensor::sum_squares_each`], [`Tensor::scale_each`]).
+//!   ([`Tensor::sum_squares_each`], [`Tensor::scale_each_`], which scales them in place).
 //! * Build an optimizer after `parallelize_module`, `fully_shard` and `reset_parameters`:
 //!   they put new parameters in the model's place ([`Param::replace`]), and an optimizer
 //!   still holding the old ones would step tensors the model no longer uses. Its first

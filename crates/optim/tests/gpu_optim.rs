@@ -331,6 +331,99 @@ fn clip_grad_norm_over_many_mixed_gradients_on_the_device_as_on_the_host() {
     }
 }
 
+/// `clip_grad_norm_` scales the gradients in place, as torch's `mul_`: `.grad()` handles
+/// taken before the call see the clipped values, on the host and on the emulated device
+/// (f32 and bf16). Three leaves share one gradient storage (two given the same tensor, as
+/// the backward of `p1 + p2` gives it, one a reshape of it): its norm counts three times
+/// and each is scaled once, the bits of `g * coef` computed apart. On the device the
+/// clipping allocates no second set of gradients: its peak above what was in use stays
+/// under a tenth of the gradients' bytes (scaling into new tensors needs all of them).
+/// The device is ordinal 7, which no other test of this binary uses, so the counters see
+/// this test alone.
+#[test]
+fn clip_grad_norm_scales_in_place_each_storage_once() {
+    const ORD: usize = 7;
+    gpu::register_device(ORD, EmulatedGpu::open(ORD).expect("emulator"));
+    let max_norm = 0.25;
+    for device in [Device::Cpu, Device::Cuda(ORD)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let mut rng = Rng::new(19);
+            let leaf =
+                |dims: &[usize]| Tensor::zeros(dims, dtype, device).unwrap().requires_grad_(true);
+            let (p1, p2, p3) = (leaf(&[64, 40]), leaf(&[64, 40]), leaf(&[2560]));
+            let shared = Tensor::randn([64, 40], dtype, &mut rng).unwrap();
+            let own: Vec<Tensor> =
+                (0..5).map(|_| Tensor::randn([96, 64], dtype, &mut rng).unwrap()).collect();
+            let others: Vec<Tensor> = own.iter().map(|_| leaf(&[96, 64])).collect();
+            // A copy of its own on `device` (on the host `to_device` would share `t`'s).
+            let on = |t: &Tensor| {
+                let copy = Tensor::from_f64(&t.to_vec_f64().unwrap(), t.dims(), dtype).unwrap();
+                copy.to_device(device).unwrap()
+            };
+            let g = on(&shared);
+            p1.set_grad(Some(g.clone()));
+            p2.set_grad(Some(g.clone()));
+            p3.set_grad(Some(g.reshape([2560]).unwrap()));
+            for (o, gv) in others.iter().zip(&own) {
+                o.set_grad(Some(on(gv)));
+            }
+            let held: Vec<Tensor> = others.iter().map(|o| o.grad().unwrap()).collect();
+            let mut leaves = vec![p1.clone(), p2.clone(), p3.clone()];
+            leaves.extend(others.iter().cloned());
+            // The expected norm and scaling, from the values alone.
+            let sq = |t: &Tensor| t.to_vec_f64().unwrap().iter().map(|v| v * v).sum::<f64>();
+            let want = (3.0 * sq(&shared) + own.iter().map(sq).sum::<f64>()).sqrt();
+            let coef = max_norm / (want + 1e-6);
+            assert!(coef < 0.1, "{device:?} {dtype:?}: the case must clip ({coef})");
+            let in_use = tpar_kernels::cuda::device_bytes_in_use(ORD);
+            tpar_kernels::cuda::reset_device_peak(ORD);
+            let got = clip(&wrap(&leaves), max_norm).unwrap();
+            let rise = tpar_kernels::cuda::device_peak_bytes(ORD) - in_use;
+            assert!(
+                (got - want).abs() <= 1e-5 * want,
+                "{device:?} {dtype:?}: norm {got} vs {want}"
+            );
+            let grad_bytes =
+                (shared.nbytes() + own.iter().map(Tensor::nbytes).sum::<usize>()) as u64;
+            if device != Device::Cpu {
+                assert!(rise * 10 < grad_bytes, "{dtype:?}: clipping took {rise} B above {in_use} B for {grad_bytes} B of gradients");
+            }
+            // The coefficient from the norm clipping found: in f64 times the gradient on
+            // the host, in f32 rounded to the gradient's dtype on the device.
+            let scaled = |t: &Tensor| {
+                if device == Device::Cpu {
+                    return bits(&t.mul_scalar(max_norm / (got + 1e-6)).unwrap());
+                }
+                let c = (max_norm as f32 / (got as f32 + 1e-6)).min(1.0) as f64;
+                bits(&t.mul(&Tensor::scalar(c, DType::F32).to_dtype(dtype).unwrap()).unwrap())
+            };
+            let what = format!("{device:?} {dtype:?}");
+            let same = |what: String, got: &Tensor, want: &[u64]| {
+                let got = bits(got);
+                let first = got.iter().zip(want).position(|(a, b)| a != b);
+                assert!(
+                    first.is_none(),
+                    "{what}: element {first:?} of {} differs: {:?} vs {:?}",
+                    want.len(),
+                    first.map(|i| f64::from_bits(got[i])),
+                    first.map(|i| f64::from_bits(want[i]))
+                );
+            };
+            let want_shared = scaled(&shared);
+            for (name, p) in [("p1", &p1), ("p2", &p2), ("p3", &p3)] {
+                same(format!("{what}: {name} scaled once"), &p.grad().unwrap(), &want_shared);
+            }
+            let one = p1.grad().unwrap().same_storage(&p3.grad().unwrap());
+            assert!(one, "{what}: the shared gradient is still one storage");
+            for (i, ((o, h), gv)) in others.iter().zip(&held).zip(&own).enumerate() {
+                let want = scaled(gv);
+                same(format!("{what}: gradient {i}"), &o.grad().unwrap(), &want);
+                same(format!("{what}: gradient {i} through a handle taken before"), h, &want);
+            }
+        }
+    }
+}
+
 /// Bits of every element, widened to f64 (a NaN's too).
 fn bits(t: &Tensor) -> Vec<u64> {
     t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()

@@ -1604,19 +1604,7 @@ impl Tensor {
         if tensors.is_empty() {
             return Ok(Vec::new());
         }
-        let dev = multi_device(OP, tensors)?;
-        if coef.numel() != 1 || coef.dtype() != DType::F32 || coef.device() != tensors[0].device() {
-            return Err(invalid(
-                OP,
-                format!(
-                    "coef must be one f32 on {}; got {} {} on {}",
-                    tensors[0].device(),
-                    coef.shape(),
-                    coef.dtype(),
-                    coef.device()
-                ),
-            ));
-        }
+        let dev = scale_coef(OP, tensors, coef)?;
         let mut outs = tensors
             .iter()
             .map(|t| Out::new(&dev, t.shape().clone(), t.dtype()))
@@ -1637,4 +1625,51 @@ impl Tensor {
         }
         Ok(outs.into_iter().map(Out::into_tensor).collect())
     }
+
+    /// [`Tensor::scale_each`] in place (PyTorch's `_foreach_mul_`): each CUDA tensor's
+    /// data times the f32 scalar `coef`, rounded to its dtype, the product rounded once,
+    /// so the results are `scale_each`'s bits without a second set of buffers. Every
+    /// handle on a tensor's storage sees the new values. No two tensors may share a
+    /// storage (each would be scaled twice): an error before anything changes, as for
+    /// a bad `coef`. Not recorded by autograd.
+    pub fn scale_each_(tensors: &[&Tensor], coef: &Tensor) -> Result<()> {
+        const OP: &str = "scale_each_";
+        if tensors.is_empty() {
+            return Ok(());
+        }
+        let dev = scale_coef(OP, tensors, coef)?;
+        let runs = dtype_runs(OP, tensors)?;
+        // Refused before the first launch: a storage listed twice, or `coef`'s.
+        with_gpu_mut(OP, tensors, &[coef], |_, _| Ok(()))?;
+        for (s, e, cd) in runs {
+            with_gpu_mut(OP, &tensors[s..e], &[coef], |w, r| {
+                let mut ys: Vec<(DeviceSliceMut<'_>, usize)> = w
+                    .iter_mut()
+                    .zip(&tensors[s..e])
+                    .map(|(g, t)| (g.view_mut(), t.numel()))
+                    .collect();
+                Ok(k_multi::scale_each_in_place(&*dev, cd, &mut ys, r[0].view())?)
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// The device of `tensors` (one CUDA device) for [`Tensor::scale_each`] and
+/// [`Tensor::scale_each_`], whose `coef` must be one f32 there.
+fn scale_coef(op: &'static str, tensors: &[&Tensor], coef: &Tensor) -> Result<Arc<dyn GpuDevice>> {
+    let dev = multi_device(op, tensors)?;
+    if coef.numel() != 1 || coef.dtype() != DType::F32 || coef.device() != tensors[0].device() {
+        return Err(invalid(
+            op,
+            format!(
+                "coef must be one f32 on {}; got {} {} on {}",
+                tensors[0].device(),
+                coef.shape(),
+                coef.dtype(),
+                coef.device()
+            ),
+        ));
+    }
+    Ok(dev)
 }

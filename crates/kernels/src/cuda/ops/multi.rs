@@ -1,6 +1,7 @@
 //! Multi-tensor kernels (`cuda/multi.cu`) over device buffers: one launch per
 //! [`MULTI_MAX`](crate::cuda::raw::multi::MULTI_MAX) tensors of one dtype for
-//! the sums of squares of each, or each times one device scalar;
+//! the sums of squares of each, or each times one device scalar (into new
+//! buffers or in place);
 //! [`crate::cuda::raw::multi`] documents the kernels.
 
 use super::Check;
@@ -57,5 +58,30 @@ pub fn scale_each(
         .collect::<Result<Vec<_>>>()?;
     let cp = c.read("coef", &coef, 1, 4)?;
     // SAFETY: as in `sum_squares_each`.
+    unsafe { raw::scale_each(dev, dtype, &ptrs, cp) }
+}
+
+/// `ys[t] *= c` in place (`dtype`, `ys[t].1` elements each) with `c` the f32 in
+/// `coef` rounded to `dtype`: [`scale_each`]'s arithmetic, each buffer its own
+/// input. The views are exclusive borrows, so no two overlap.
+pub fn scale_each_in_place(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    ys: &mut [(DeviceSliceMut<'_>, usize)],
+    coef: DeviceSlice<'_>,
+) -> Result<()> {
+    const OP: &str = "cuda_scale_each_in_place";
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let ptrs = ys
+        .iter()
+        .map(|(y, n)| {
+            let p = c.write("y", y, *n, es)?;
+            Ok((p, p, *n))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cp = c.read("coef", &coef, 1, 4)?;
+    // SAFETY: as in `sum_squares_each`; each element is read and then written by
+    // the same thread, so an output may be its own input.
     unsafe { raw::scale_each(dev, dtype, &ptrs, cp) }
 }

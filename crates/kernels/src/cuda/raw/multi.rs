@@ -149,11 +149,14 @@ pub unsafe fn sum_squares_each(
 }
 
 /// `y_t = x_t * c` for each pair of `xy` (`(x, y, elements)`, `dtype`), with
-/// `c` the f32 at `coef` rounded to `dtype`, the product rounded once.
+/// `c` the f32 at `coef` rounded to `dtype`, the product rounded once. A `y`
+/// may be its own `x` (in place): each element is read, then written, by one
+/// thread.
 ///
 /// # Safety
 /// Every `x` and `y` must be valid for its elements of `dtype` and `coef` for
-/// one f32, on the launcher's device; no `y` overlaps another buffer.
+/// one f32, on the launcher's device; no `y` overlaps another buffer than its
+/// own `x`, and then only as that same address.
 pub unsafe fn scale_each(
     l: &dyn Launcher,
     dtype: CudaDType,

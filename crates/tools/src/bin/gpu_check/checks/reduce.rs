@@ -40,7 +40,8 @@ pub(crate) fn multi_lens(c: &Ctx) -> Vec<usize> {
     lens
 }
 
-/// `multi::sum_squares_each` and `multi::scale_each` over tensors of `lens`.
+/// `multi::sum_squares_each` and `multi::scale_each` (out of place and in place) over
+/// tensors of `lens`.
 pub(crate) fn multi_case(c: &mut Ctx, dt: CudaDType, lens: &[usize]) {
     let shape = format!("{} tensors", lens.len());
     c.guard("multi", dn(dt), &shape, |c| {
@@ -68,6 +69,18 @@ pub(crate) fn multi_case(c: &mut Ctx, dt: CudaDType, lens: &[usize]) {
             want.extend(x.iter().map(|v| v * coef as f64));
         }
         c.r.close("multi.scale_each", dn(dt), &shape, &got, &want, bound(dt));
+        // In place (each output its own input, as gradient clipping runs it): the same
+        // bits as out of place.
+        let same: Vec<(DevPtr, DevPtr, usize)> =
+            bxs.iter().zip(lens).map(|(x, &n)| (x.ptr(), x.ptr(), n)).collect();
+        // SAFETY: as above; each output is exactly its input.
+        unsafe { multi::scale_each(d.l(), dt, &same, bc.ptr())? };
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for ((x, y), &n) in bxs.iter().zip(&bys).zip(lens) {
+            got.extend(d.down(dt, x)?.into_iter().take(n).map(f64::to_bits));
+            want.extend(d.down(dt, y)?.into_iter().take(n).map(f64::to_bits));
+        }
+        c.r.exact("multi.scale_each.in_place", dn(dt), &shape, &got, &want);
         Ok(())
     });
 }
