@@ -24,15 +24,15 @@
 #     # gpu-bin/kernel-cache is used when TPAR_KERNEL_CACHE is not set):
 #     scripts/gpu-check.sh
 #
-# Steps (a failing step is reported; the next still runs):
+# Steps, in this order (a failing step is reported; the next still runs; with a
+# time budget, BUDGET below, a step that no longer fits is skipped and the
+# summary says so):
 #   1. gpu_check --bench: every kernel family against the CPU kernels (one
 #      PASS/FAIL line per output), then GEMM / attention TFLOP/s (ours and
 #      cuBLASLt) and RMSNorm / RoPE / cross-entropy / copy GB/s; under
-#      `timeout CHECK_TIMEOUT` (seconds; default 240 with QUICK=1, else 420:
-#      QUICK=1 is the mode for one 10-minute command, where a first run cut
-#      off at 240 s and its rerun below still leave two minutes for the other
-#      steps, and 420 s leaves a full run the time NVRTC needs on a cold
-#      kernel cache). When gpu_check exits 3 (the CUDA context was lost: a
+#      `timeout CHECK_TIMEOUT` (seconds; default 240 with QUICK=1, else 420,
+#      which leaves a full run the time NVRTC needs on a cold kernel cache).
+#      When gpu_check exits 3 (the CUDA context was lost: a
 #      kernel trapped or faulted, which is how a Hopper kernel's mbarrier
 #      watchdog stops a deadlock; where the wait timed out, which the lost
 #      context's error then carries, goes to watchdog.txt) or 124/137
@@ -48,24 +48,13 @@
 #      training step (tokens/s and torch.cuda.max_memory_allocated) in each bf16
 #      mode: autocast (eager), fused (autocast, fused AdamW), compile
 #      (torch.compile(model), autocast, fused AdamW), FSDP2 at world 1, bf16
-#      parameters; for two model sizes: the training-step model below and the
-#      16-layer one (hidden 1024, 8 heads, context 256, batch 128; SKIP_L16=1
-#      skips it), the second without the kernel benchmarks (torch_ref_l16.*);
-#   3. llama_2d --device cuda with the same models and batches as step 2 (its
+#      parameters, for the training-step model below (under TORCH_TIMEOUT);
+#   3. llama_2d --device cuda with the same model and batch as step 2 (its
 #      outcome is reported, never fatal), with FSDP and with --no-fsdp (each
 #      against every PyTorch mode in step 4's training table), --no-fsdp again
 #      with --cuda-graph (llama_2d_graph.log), its host round
 #      trips per step (logging steps and the others), then the GPU time per
 #      kernel of 3 more steps (TPAR_CUDA_PROFILE=1; SKIP_PROFILE=1 skips);
-#   3b. the small default model on the device and on the host in the
-#      configurations whose emulated round trips the tests pin (world 1 with
-#      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
-#      NCCL under torchrun): the logged losses compared, the round trips read;
-#   3c. context parallelism on one GPU: llama_2d at a long sequence (the
-#      step's model, batch 1, bf16 parameters, seq CP_SEQ, default 32768, one
-#      long synthetic document) at cp 1 on one rank and at cp 2 as two rank
-#      threads on the same GPU (SKIP_CP=1 skips): logged losses compared, time
-#      per step and device peak of each (logs in cp.log);
 #   3d. the training step (--no-fsdp) with TPAR_GEMM=cublaslt, ours, and auto
 #      reading step 1's tuning table gemm_table.txt (SKIP_GEMM_STEP=1 skips;
 #      logs in gemm_step.log);
@@ -76,6 +65,19 @@
 #      v and gate, up by one GEMM each (q and k rotated where the q/k/v GEMM
 #      writes them), the residual adds in the GEMMs (also
 #      under SMOKE=1; SKIP_FUSED_STEP=1 skips; log in llama_2d_fused.log);
+#   3c. context parallelism on one GPU: llama_2d at a long sequence (the
+#      step's model, batch 1, bf16 parameters, seq CP_SEQ, default 32768, one
+#      long synthetic document) at cp 1 on one rank and at cp 2 as two rank
+#      threads on the same GPU (SKIP_CP=1 skips): logged losses compared, time
+#      per step and device peak of each (logs in cp.log);
+#   3g. the 16-layer model (hidden 1024, 8 heads, context 256, batch 128;
+#      SKIP_L16=1 skips): steps 2 and 3's training runs for it, torch_ref
+#      without the kernel benchmarks (torch_ref_l16.*), llama_2d with FSDP
+#      and with --no-fsdp (llama_2d_l16.log, llama_2d_l16_nofsdp.log);
+#   3b. the small default model on the device and on the host in the
+#      configurations whose emulated round trips the tests pin (world 1 with
+#      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
+#      NCCL under torchrun): the logged losses compared, the round trips read;
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files); then the training table:
 #      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
@@ -87,6 +89,7 @@
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_graph.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
 # cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, llama_2d_fused.log,
+# skipped.txt (the steps the budget skipped),
 # summary.{txt,json} (its first line names the commit the binaries were built
 # from, when gpu-bundle.sh's built-from.txt is there; copied beside it); after a
 # lost context or a timeout in step 1 also
@@ -100,17 +103,21 @@
 # Exit status: step 1's first gpu_check's (0 every check passed, 1 a check
 # failed, 2 no GPU or no binary, 3 the CUDA context was lost, 124/137 stopped
 # by CHECK_TIMEOUT). Expect several minutes on an H200 (NVRTC compiles the kernels
-# on first use; step 3 is capped at LLAMA_TIMEOUT): where one command may run
-# at most 10 minutes, use QUICK=1 (fewer shapes) or SKIP_LLAMA=1 and run
-# step 3 alone in a second command with SKIP_CHECK=1 SKIP_TORCH=1. The
+# on first use; each llama_2d run is capped at LLAMA_TIMEOUT): where one command
+# may run at most 10 minutes, use QUICK=1 (fewer shapes, and a 540 s budget: the
+# steps that do not fit are skipped, in the order above, and the summary is still
+# written); a second command can then run what was skipped, e.g. SKIP_CHECK=1
+# SKIP_TORCH=1 for step 3 alone. The
 # training table alone (both sizes, every PyTorch mode, tpar both ways):
 # SKIP_CHECK=1 SKIP_PARITY=1 SKIP_PROFILE=1 TORCH_REF_ARGS=--skip-kernels.
 #
 # Environment: GPU_BIN (folder of the binaries; default ./gpu-bin), PYTHON
 # (default python3), QUICK=1, SMOKE=1, SKIP_CHECK=1, SKIP_TORCH=1, SKIP_LLAMA=1,
 # SANITIZE=1 (SANITIZE_ONLY, SANITIZE_TOOLS, SANITIZE_TIMEOUT), SKIP_L16=1, SKIP_PARITY=1, SKIP_CP=1, SKIP_GEMM_STEP=1, SKIP_SDPA_STEP=1, SKIP_FUSED_STEP=1, CP_SEQ, CHECK_TIMEOUT (seconds; default 240 with QUICK=1, else 420), LLAMA_TIMEOUT (seconds; default 180), PARITY_TIMEOUT (per
-# run; default 120), and extra flags in GPU_CHECK_ARGS, TORCH_REF_ARGS and
-# LLAMA_ARGS.
+# run; default 120), TORCH_TIMEOUT (per torch_ref run; default 300), BUDGET
+# (seconds for the whole script; default 540 with QUICK=1, else 0: none),
+# SUMMARY_RESERVE (seconds kept for the summary; default 20), and extra flags in
+# GPU_CHECK_ARGS, TORCH_REF_ARGS and LLAMA_ARGS.
 
 set -u
 set -o pipefail
@@ -121,6 +128,43 @@ out="${OUT:-$root/gpu-results}"
 bin="${GPU_BIN:-$root/gpu-bin}"
 py="${PYTHON:-python3}"
 mkdir -p "$out" || exit 2
+
+# ---------------------------------------------------------------- time budget
+# BUDGET: seconds for the whole script (default 540 with QUICK=1, the mode for one
+# 10-minute command; 0, no budget, otherwise). A step starts only when about the time
+# it needs is left (`fits`: otherwise it is skipped, said here and in the summary), and
+# each command's timeout is cut to what is left less SUMMARY_RESERVE seconds (`cap`),
+# so the summary is written even when the steps run long. The steps run in the order
+# of what a run is for: the kernel checks and benchmarks, the training step against
+# PyTorch, the GEMM backends, the Hopper attention, the fused step, context
+# parallelism, the 16-layer model, then parity with the host.
+if [ "${QUICK:-0}" = 1 ]; then budget="${BUDGET:-540}"; else budget="${BUDGET:-0}"; fi
+reserve="${SUMMARY_RESERVE:-20}"
+: >"$out/skipped.txt"
+
+# Seconds left of the budget (a large number without one).
+left() {
+    if [ "$budget" -gt 0 ]; then echo $((budget - SECONDS)); else echo 1000000; fi
+}
+
+# fits NAME SECONDS: whether step NAME, which needs about SECONDS, fits in what is left.
+fits() {
+    local l
+    l=$(($(left) - reserve))
+    if [ "$l" -ge "$2" ]; then return 0; fi
+    echo
+    echo "== $1: skipped, $l s left of BUDGET=$budget (less $reserve for the summary), it needs about $2" |
+        tee -a "$out/skipped.txt"
+    return 1
+}
+
+# cap SECONDS: SECONDS, or what is left of the budget less the summary's reserve when
+# that is less (at least 5).
+cap() {
+    local l
+    l=$(($(left) - reserve))
+    if [ "$l" -lt "$1" ]; then echo $((l > 5 ? l : 5)); else echo "$1"; fi
+}
 
 quick=()
 if [ "${QUICK:-0}" = 1 ]; then quick=(--quick); fi
@@ -229,6 +273,7 @@ if [ "${QUICK:-0}" = 1 ]; then
 else
     check_timeout="${CHECK_TIMEOUT:-420}"
 fi
+check_timeout="$(cap "$check_timeout")"
 
 # gpu_check --bench under CHECK_TIMEOUT into gpu_check$1.{log,json} and
 # gemm_table$1.txt; its exit status (124 or 137: stopped by the timeout).
@@ -266,6 +311,7 @@ elif [ -x "$bin/gpu_check" ]; then
             fi
             echo
             echo "== 1. again: gpu_check $why; rerun with TPAR_CUDA_ARCH=sm_90 (the pre-Hopper kernels) into gpu_check_sm90.{log,json}, gemm_table_sm90.txt"
+            check_timeout="$(cap "$check_timeout")"
             (
                 export TPAR_CUDA_ARCH=sm_90
                 run_check _sm90
@@ -299,7 +345,7 @@ if [ "${SANITIZE:-0}" = 1 ] && [ "$dev" = cuda ]; then
         for tool in ${SANITIZE_TOOLS:-racecheck memcheck synccheck}; do
             echo
             echo "== 1b. compute-sanitizer --tool $tool: gpu_check --quick --only ${SANITIZE_ONLY:-adamw,sdpa,gemm}"
-            timeout -k 10 "${SANITIZE_TIMEOUT:-150}" "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 97 \
+            timeout -k 10 "$(cap "${SANITIZE_TIMEOUT:-150}")" "$sanitizer" --tool "$tool" --report-api-errors no --error-exitcode 97 \
                 "$bin/gpu_check" --quick --only "${SANITIZE_ONLY:-adamw,sdpa,gemm}" \
                 >"$out/sanitize_$tool.log" 2>&1
             rc=$?
@@ -313,82 +359,186 @@ fi
 # ---------------------------------------------------------------- 2. PyTorch
 
 torch_rc=skipped
-if [ "${SKIP_TORCH:-0}" != 1 ]; then
+if [ "${SKIP_TORCH:-0}" != 1 ] && fits "2. PyTorch reference" 120; then
     echo
     echo "== 2. PyTorch reference (benches/torch_ref.py)"
     # shellcheck disable=SC2086
     # Every bf16 mode (autocast, FSDP2 at world 1, bf16 parameters): the ratio row
     # compares llama_2d (FSDP mixed precision) with the first, autocast.
-    PYTHONUNBUFFERED=1 "$py" "$root/benches/torch_ref.py" ${quick[@]+"${quick[@]}"} "${model[@]}" \
-        --train-mode all ${torch_dev[@]+"${torch_dev[@]}"} --json "$out/torch_ref.json" \
-        ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
+    PYTHONUNBUFFERED=1 timeout -k 10 "$(cap "${TORCH_TIMEOUT:-300}")" "$py" "$root/benches/torch_ref.py" \
+        ${quick[@]+"${quick[@]}"} "${model[@]}" --train-mode all ${torch_dev[@]+"${torch_dev[@]}"} \
+        --json "$out/torch_ref.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref.log"
     torch_rc=$?
-    echo "(torch_ref: exit $torch_rc, $SECONDS s in all)"
-    if [ "${SKIP_L16:-0}" != 1 ]; then
-        echo "=== the 16-layer model (training step only)"
-        # shellcheck disable=SC2086
-        PYTHONUNBUFFERED=1 "$py" "$root/benches/torch_ref.py" --skip-kernels "${model_l16[@]}" \
-            --tag l16 --train-mode all ${torch_dev[@]+"${torch_dev[@]}"} \
-            --json "$out/torch_ref_l16.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref_l16.log"
-        echo "(torch_ref l16: exit $?, $SECONDS s in all)"
-    fi
+    echo "(torch_ref: exit $torch_rc, $SECONDS s in all; 124 = stopped by its timeout)"
 fi
 
 # ---------------------------------------------------------------- 3. llama_2d
 
 llama_rc=skipped
-if [ "${SKIP_LLAMA:-0}" != 1 ]; then
+if [ "${SKIP_LLAMA:-0}" != 1 ] && fits "3. llama_2d" 40; then
     echo
     echo "== 3. llama_2d --device $dev (outcome reported, never fatal)"
     if [ -x "$bin/llama_2d" ]; then
         # shellcheck disable=SC2086
-        timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
+        timeout "$(cap "${LLAMA_TIMEOUT:-180}")" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
             --dtype bf16 "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} 2>&1 |
             tee "$out/llama_2d.log"
         llama_rc=$?
         echo "(llama_2d: exit $llama_rc, $SECONDS s in all; 124 = stopped by LLAMA_TIMEOUT)"
         # bf16 parameters without FSDP, the like of PyTorch's `bf16` mode.
         # shellcheck disable=SC2086
-        timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
+        timeout "$(cap "${LLAMA_TIMEOUT:-180}")" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
             --dtype bf16 --no-fsdp "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} \
             >"$out/llama_2d_nofsdp.log" 2>&1
         echo "(llama_2d --no-fsdp: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log"))"
-        if [ "$dev" = cuda ]; then
+        if [ "$dev" = cuda ] && fits "3. --cuda-graph" 15; then
             # The same step captured once as a CUDA graph and replayed (--cuda-graph).
             # shellcheck disable=SC2086
-            timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
+            timeout "$(cap "${LLAMA_TIMEOUT:-180}")" "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" \
                 --dtype bf16 --no-fsdp --cuda-graph "${llama_steps[@]}" --device "$dev" \
                 ${LLAMA_ARGS:-} >"$out/llama_2d_graph.log" 2>&1
             echo "(llama_2d --no-fsdp --cuda-graph: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_graph.log"))"
         fi
-        if [ "${SKIP_L16:-0}" != 1 ]; then
-            # The 16-layer model, both ways (the training table's second size).
-            for mode in fsdp nofsdp; do
-                flags=()
-                log="$out/llama_2d_l16.log"
-                if [ "$mode" = nofsdp ]; then
-                    flags=(--no-fsdp)
-                    log="$out/llama_2d_l16_nofsdp.log"
-                fi
-                # shellcheck disable=SC2086
-                timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 --tp 1 \
-                    "${model_l16[@]}" --dtype bf16 ${flags[@]+"${flags[@]}"} "${llama_steps[@]}" \
-                    --device "$dev" ${LLAMA_ARGS:-} >"$log" 2>&1
-                echo "(llama_2d l16 $mode: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$log"))"
-            done
-        fi
-        if [ "$llama_rc" = 0 ] && [ "${SKIP_PROFILE:-0}" != 1 ]; then
+        if [ "$llama_rc" = 0 ] && [ "${SKIP_PROFILE:-0}" != 1 ] && fits "3. profile" 20; then
             # Where the device time goes: GPU time per kernel over 3 steps
             # (TPAR_CUDA_PROFILE=1 times each launch with CUDA events).
             echo "=== profile (TPAR_CUDA_PROFILE=1, 3 steps)" | tee -a "$out/llama_2d.log"
             # shellcheck disable=SC2086
-            TPAR_CUDA_PROFILE=1 timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world 1 --dp 1 \
+            TPAR_CUDA_PROFILE=1 timeout "$(cap "${LLAMA_TIMEOUT:-180}")" "$bin/llama_2d" --world 1 --dp 1 \
                 --tp 1 "${model[@]}" --dtype bf16 --steps 3 --log-every 1 --device "$dev" \
                 ${LLAMA_ARGS:-} 2>&1 | tee -a "$out/llama_2d.log" | grep -A40 '^GPU time by kernel'
         fi
     else
         echo "missing $bin/llama_2d: build it as the top of $0 says" | tee "$out/llama_2d.log"
         llama_rc=missing
+    fi
+fi
+
+# ---------------------------------------------------------------- 3d. GEMM backends
+
+# The training step (--no-fsdp, the step's model) with each GEMM backend: cuBLASLt for
+# every product, tpar's kernel for every product, and auto with step 1's tuning table
+# (tpar's kernel where it measured at least as fast). Logs in gemm_step.log, each run
+# after `=== <backend>`.
+if [ "${SKIP_GEMM_STEP:-0}" != 1 ] && [ "$dev" = cuda ] && [ -x "$bin/llama_2d" ] &&
+    fits "3d. GEMM backends" 40; then
+    echo
+    echo "== 3d. llama_2d --no-fsdp with each GEMM backend (logs in gemm_step.log)"
+    : >"$out/gemm_step.log"
+    for backend in cublaslt ours auto; do
+        fits "3d. TPAR_GEMM=$backend" 12 || continue
+        echo "=== $backend" >>"$out/gemm_step.log"
+        # shellcheck disable=SC2086
+        TPAR_GEMM="$backend" TPAR_GEMM_TABLE="$out/gemm_table.txt" timeout "$(cap "${LLAMA_TIMEOUT:-180}")" \
+            "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
+            "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} >>"$out/gemm_step.log" 2>&1
+        rc=$?
+        echo "=== exit $rc" >>"$out/gemm_step.log"
+        echo "  TPAR_GEMM=$backend: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/gemm_step.log" | tail -1)"
+    done
+fi
+
+# ---------------------------------------------------------------- 3e. Hopper attention
+
+# The training step (--no-fsdp, the step's model) with TPAR_SDPA=hopper: attention on the
+# Hopper kernels where the device runs sm_90a kernels and they take the call (the
+# mma.sync kernels elsewhere). Log in llama_2d_sdpa_hopper.log.
+if [ "${SKIP_SDPA_STEP:-0}" != 1 ] && [ "$dev" = cuda ] && [ -x "$bin/llama_2d" ] &&
+    fits "3e. Hopper attention" 15; then
+    echo
+    echo "== 3e. llama_2d --no-fsdp with TPAR_SDPA=hopper (log in llama_2d_sdpa_hopper.log)"
+    # shellcheck disable=SC2086
+    TPAR_SDPA=hopper timeout "$(cap "${LLAMA_TIMEOUT:-180}")" \
+        "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
+        "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} >"$out/llama_2d_sdpa_hopper.log" 2>&1
+    rc=$?
+    echo "  TPAR_SDPA=hopper: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_sdpa_hopper.log" | tail -1)"
+fi
+
+# ---------------------------------------------------------------- 3f. fused projections
+
+# The training step (--no-fsdp, the step's model) with --fuse-proj --fuse-residual: q, k,
+# v and gate, up each by one GEMM over the concatenated weights, and the residual adds
+# read by o_proj's and down_proj's GEMMs; its time per step next to step 3's
+# --no-fsdp run. Runs on the host too under SMOKE=1. Log in llama_2d_fused.log.
+if [ "${SKIP_FUSED_STEP:-0}" != 1 ] && [ "${SKIP_LLAMA:-0}" != 1 ] && [ -x "$bin/llama_2d" ] &&
+    fits "3f. fused projections" 15; then
+    echo
+    echo "== 3f. llama_2d --no-fsdp --fuse-proj --fuse-residual (log in llama_2d_fused.log)"
+    # shellcheck disable=SC2086
+    timeout "$(cap "${LLAMA_TIMEOUT:-180}")" \
+        "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
+        --fuse-proj --fuse-residual "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} \
+        >"$out/llama_2d_fused.log" 2>&1
+    rc=$?
+    echo "  fused: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_fused.log" | tail -1)" \
+        "(unfused --no-fsdp: $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log" 2>/dev/null | tail -1))"
+fi
+
+# ---------------------------------------------------------------- 3c. context parallelism
+
+# cp 2 as two rank threads on one GPU against cp 1 on it, at one long sequence: a
+# synthetic document longer than the sequence (byte tokens), read in order, so every
+# step trains on full rows. Each run's output goes to cp.log after `=== cp<N>`.
+cp_rc=skipped
+if [ "${SKIP_CP:-0}" != 1 ] && [ -x "$bin/llama_2d" ] && fits "3c. context parallelism" 40; then
+    echo
+    echo "== 3c. context parallelism on one $dev device, seq $cp_seq (logs in cp.log)"
+    : >"$out/cp.log"
+    cp_rc=0
+    long="$out/cp_document.txt"
+    "$py" - "$long" "$cp_seq" <<'PY'
+import sys
+path, n = sys.argv[1], int(sys.argv[2])
+words = [f"w{(i * 7919) % 1009}" for i in range(2 * n)]
+line = " ".join(words)[: 2 * n]
+with open(path, "w") as f:
+    f.write(line + "\n\n" + line[::-1] + "\n")
+PY
+    for cp in 1 2; do
+        fits "3c. cp $cp" 15 || continue
+        echo "=== cp$cp" >>"$out/cp.log"
+        # shellcheck disable=SC2086
+        timeout "$(cap "${LLAMA_TIMEOUT:-180}")" "$bin/llama_2d" --world "$cp" --dp 1 --cp "$cp" --tp 1 \
+            "${model_cp[@]}" --seq "$cp_seq" --dtype bf16 --no-fsdp --steps 4 --log-every 1 \
+            --data "$long" --no-shuffle --device "$dev" ${LLAMA_ARGS:-} >>"$out/cp.log" 2>&1
+        rc=$?
+        echo "=== exit $rc" >>"$out/cp.log"
+        echo "  cp $cp: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/cp.log" | tail -1)"
+        [ "$rc" = 0 ] || cp_rc=1
+    done
+fi
+
+# ---------------------------------------------------------------- 3g. the 16-layer model
+
+# The training table's second size (16 layers, hidden 1024, 8 heads, context 256, batch
+# 128): PyTorch's training step in every mode (torch_ref_l16.{log,json}), then llama_2d
+# with FSDP and with --no-fsdp (llama_2d_l16.log, llama_2d_l16_nofsdp.log).
+if [ "${SKIP_L16:-0}" != 1 ] && fits "3g. the 16-layer model" 120; then
+    echo
+    echo "== 3g. the 16-layer model (training step only)"
+    if [ "${SKIP_TORCH:-0}" != 1 ]; then
+        # shellcheck disable=SC2086
+        PYTHONUNBUFFERED=1 timeout -k 10 "$(cap "${TORCH_TIMEOUT:-300}")" "$py" "$root/benches/torch_ref.py" \
+            --skip-kernels "${model_l16[@]}" --tag l16 --train-mode all ${torch_dev[@]+"${torch_dev[@]}"} \
+            --json "$out/torch_ref_l16.json" ${TORCH_REF_ARGS:-} 2>&1 | tee "$out/torch_ref_l16.log"
+        echo "(torch_ref l16: exit $?, $SECONDS s in all)"
+    fi
+    if [ "${SKIP_LLAMA:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
+        for mode in fsdp nofsdp; do
+            flags=()
+            log="$out/llama_2d_l16.log"
+            if [ "$mode" = nofsdp ]; then
+                flags=(--no-fsdp)
+                log="$out/llama_2d_l16_nofsdp.log"
+            fi
+            fits "3g. llama_2d l16 $mode" 15 || continue
+            # shellcheck disable=SC2086
+            timeout "$(cap "${LLAMA_TIMEOUT:-180}")" "$bin/llama_2d" --world 1 --dp 1 --tp 1 \
+                "${model_l16[@]}" --dtype bf16 ${flags[@]+"${flags[@]}"} "${llama_steps[@]}" \
+                --device "$dev" ${LLAMA_ARGS:-} >"$log" 2>&1
+            echo "(llama_2d l16 $mode: exit $?, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$log"))"
+        done
     fi
 fi
 
@@ -401,7 +551,7 @@ fi
 # Each run's output goes to parity.log after a `=== <name> <device>` line;
 # the summary compares the logged losses and reads the round trips.
 parity_rc=skipped
-if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
+if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ] && fits "3b. parity" 60; then
     echo
     echo "== 3b. llama_2d parity: cuda against cpu, small model (logs in parity.log)"
     : >"$out/parity.log"
@@ -410,8 +560,9 @@ if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
     run_parity() {
         local name="$1" dev="$2"
         shift 2
+        fits "3b. parity $name on $dev" 8 || return 0
         echo "=== $name $dev" >>"$out/parity.log"
-        timeout "${PARITY_TIMEOUT:-120}" "$@" "${small[@]}" --device "$dev" >>"$out/parity.log" 2>&1
+        timeout "$(cap "${PARITY_TIMEOUT:-120}")" "$@" "${small[@]}" --device "$dev" >>"$out/parity.log" 2>&1
         local rc=$?
         echo "=== exit $rc" >>"$out/parity.log"
         echo "  $name on $dev: exit $rc"
@@ -431,7 +582,7 @@ if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
     # to $bin/nccl_test).
     if [ -x "$bin/nccl_test" ]; then
         echo "=== nccl-tests" >>"$out/parity.log"
-        timeout "${PARITY_TIMEOUT:-120}" "$bin/nccl_test" --test-threads 1 --nocapture \
+        timeout "$(cap "${PARITY_TIMEOUT:-120}")" "$bin/nccl_test" --test-threads 1 --nocapture \
             >>"$out/parity.log" 2>&1
         rc=$?
         echo "=== exit $rc" >>"$out/parity.log"
@@ -443,96 +594,6 @@ if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
             "$bin/llama_2d" --backend nccl --dp 1 --tp 1
     fi
     echo "(parity: $SECONDS s in all)"
-fi
-
-# ---------------------------------------------------------------- 3c. context parallelism
-
-# cp 2 as two rank threads on one GPU against cp 1 on it, at one long sequence: a
-# synthetic document longer than the sequence (byte tokens), read in order, so every
-# step trains on full rows. Each run's output goes to cp.log after `=== cp<N>`.
-cp_rc=skipped
-if [ "${SKIP_CP:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
-    echo
-    echo "== 3c. context parallelism on one $dev device, seq $cp_seq (logs in cp.log)"
-    : >"$out/cp.log"
-    cp_rc=0
-    long="$out/cp_document.txt"
-    "$py" - "$long" "$cp_seq" <<'PY'
-import sys
-path, n = sys.argv[1], int(sys.argv[2])
-words = [f"w{(i * 7919) % 1009}" for i in range(2 * n)]
-line = " ".join(words)[: 2 * n]
-with open(path, "w") as f:
-    f.write(line + "\n\n" + line[::-1] + "\n")
-PY
-    for cp in 1 2; do
-        echo "=== cp$cp" >>"$out/cp.log"
-        # shellcheck disable=SC2086
-        timeout "${LLAMA_TIMEOUT:-180}" "$bin/llama_2d" --world "$cp" --dp 1 --cp "$cp" --tp 1 \
-            "${model_cp[@]}" --seq "$cp_seq" --dtype bf16 --no-fsdp --steps 4 --log-every 1 \
-            --data "$long" --no-shuffle --device "$dev" ${LLAMA_ARGS:-} >>"$out/cp.log" 2>&1
-        rc=$?
-        echo "=== exit $rc" >>"$out/cp.log"
-        echo "  cp $cp: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/cp.log" | tail -1)"
-        [ "$rc" = 0 ] || cp_rc=1
-    done
-fi
-
-# ---------------------------------------------------------------- 3d. GEMM backends
-
-# The training step (--no-fsdp, the step's model) with each GEMM backend: cuBLASLt for
-# every product, tpar's kernel for every product, and auto with step 1's tuning table
-# (tpar's kernel where it measured at least as fast). Logs in gemm_step.log, each run
-# after `=== <backend>`.
-if [ "${SKIP_GEMM_STEP:-0}" != 1 ] && [ "$dev" = cuda ] && [ -x "$bin/llama_2d" ]; then
-    echo
-    echo "== 3d. llama_2d --no-fsdp with each GEMM backend (logs in gemm_step.log)"
-    : >"$out/gemm_step.log"
-    for backend in cublaslt ours auto; do
-        echo "=== $backend" >>"$out/gemm_step.log"
-        # shellcheck disable=SC2086
-        TPAR_GEMM="$backend" TPAR_GEMM_TABLE="$out/gemm_table.txt" timeout "${LLAMA_TIMEOUT:-180}" \
-            "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
-            "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} >>"$out/gemm_step.log" 2>&1
-        rc=$?
-        echo "=== exit $rc" >>"$out/gemm_step.log"
-        echo "  TPAR_GEMM=$backend: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/gemm_step.log" | tail -1)"
-    done
-fi
-
-# ---------------------------------------------------------------- 3e. Hopper attention
-
-# The training step (--no-fsdp, the step's model) with TPAR_SDPA=hopper: attention on the
-# Hopper kernels where the device runs sm_90a kernels and they take the call (the
-# mma.sync kernels elsewhere). Log in llama_2d_sdpa_hopper.log.
-if [ "${SKIP_SDPA_STEP:-0}" != 1 ] && [ "$dev" = cuda ] && [ -x "$bin/llama_2d" ]; then
-    echo
-    echo "== 3e. llama_2d --no-fsdp with TPAR_SDPA=hopper (log in llama_2d_sdpa_hopper.log)"
-    # shellcheck disable=SC2086
-    TPAR_SDPA=hopper timeout "${LLAMA_TIMEOUT:-180}" \
-        "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
-        "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} >"$out/llama_2d_sdpa_hopper.log" 2>&1
-    rc=$?
-    echo "  TPAR_SDPA=hopper: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_sdpa_hopper.log" | tail -1)"
-fi
-
-# ---------------------------------------------------------------- 3f. fused projections
-
-# The training step (--no-fsdp, the step's model) with --fuse-proj --fuse-residual: q, k,
-# v and gate, up each by one GEMM over the concatenated weights, and the residual adds
-# read by o_proj's and down_proj's GEMMs; its time per step next to step 3's
-# --no-fsdp run. Runs on the host too under SMOKE=1. Log in llama_2d_fused.log.
-if [ "${SKIP_FUSED_STEP:-0}" != 1 ] && [ "${SKIP_LLAMA:-0}" != 1 ] && [ -x "$bin/llama_2d" ]; then
-    echo
-    echo "== 3f. llama_2d --no-fsdp --fuse-proj --fuse-residual (log in llama_2d_fused.log)"
-    # shellcheck disable=SC2086
-    timeout "${LLAMA_TIMEOUT:-180}" \
-        "$bin/llama_2d" --world 1 --dp 1 --tp 1 "${model[@]}" --dtype bf16 --no-fsdp \
-        --fuse-proj --fuse-residual "${llama_steps[@]}" --device "$dev" ${LLAMA_ARGS:-} \
-        >"$out/llama_2d_fused.log" 2>&1
-    rc=$?
-    echo "  fused: exit $rc, $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_fused.log" | tail -1)" \
-        "(unfused --no-fsdp: $(grep -o 'steady_step_s=[0-9.eE+-]*' "$out/llama_2d_nofsdp.log" 2>/dev/null | tail -1))"
 fi
 
 # ---------------------------------------------------------------- 4. summary
@@ -667,6 +728,13 @@ if check_sm90_rc != "none":
         f"{len(failed90)} failed"
         + "".join(f"\n  FAIL {c['name']} {c['dtype']} {c['shape']} err {c['err']} {c['note']}" for c in failed90)
     )
+try:
+    with open(os.path.join(out, "skipped.txt")) as f:
+        skipped = [l.strip()[3:] for l in f if l.strip()]
+except OSError:
+    skipped = []
+if skipped:
+    lines.append("skipped for the time budget: " + "; ".join(skipped))
 lines.append(f"benchmarks from {bench_from}")
 lines.append(f"torch_ref: exit {torch_rc}")
 if sanitize_rc != "skipped":
@@ -821,7 +889,7 @@ with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump({"gpu_check_exit": check_rc, "gpu_check_sm90_exit": check_sm90_rc,
                "context_lost": g.get("context_lost"), "benchmarks_from": bench_from,
                "built_from": built_from,
-               "sanitize_exit": sanitize_rc,
+               "sanitize_exit": sanitize_rc, "skipped": skipped,
                "torch_ref_exit": torch_rc, "llama_2d": llama,
                "parity": parity, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
                "rows": rows, "training": training}, f, indent=2)
