@@ -83,7 +83,8 @@
 #      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
 #      PyTorch mode, tokens/s and device peak memory (llama_2d's
 #      device_peak_mib_max, torch's max_memory_allocated), and the ratios
-#      tpar/torch of tokens/s and of peak memory.
+#      tpar/torch of tokens/s and of peak memory, with the memory model's
+#      predicted peak (llama_2d's predicted_peak_mib) beside the measured one.
 #
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
@@ -837,6 +838,7 @@ def tpar_run(name):
     steps = re.search(r" steps=([0-9]+)", log)
     shape = re.search(r"seq ([0-9]+), batch ([0-9]+) per dp rank", log)
     peak = re.search(r" device_peak_mib_max=([0-9.eE+-]+)", log)
+    pred = re.search(r" predicted_peak_mib=([0-9.eE+-]+)", log)
     if not (shape and (steady or (secs and steps))):
         tail = [l for l in log.strip().splitlines() if l.strip()][-1:]
         return {"error": tail[0] if tail else "no output"}
@@ -847,17 +849,19 @@ def tpar_run(name):
         return {"error": "no step time"}
     tokens = int(shape.group(1)) * int(shape.group(2)) / step_s
     return {"tokens_per_s": tokens, "step_ms": 1e3 * step_s,
-            "peak_mib": float(peak.group(1)) if peak else None}
+            "peak_mib": float(peak.group(1)) if peak else None,
+            "predicted_peak_mib": float(pred.group(1)) if pred else None}
 
 
 training = {}
 lines.append("")
 lines.append("training step: tpar against each PyTorch mode (tokens/s; peak MiB: tpar's "
-             "device_peak_mib_max, torch's max_memory_allocated; ratios tpar/torch)")
+             "device_peak_mib_max, torch's max_memory_allocated; ratios tpar/torch; "
+             "pred MiB: tpar's memory model, predicted_peak_mib)")
 sizes = [("step", "torch_ref.json", "llama", "llama_2d.log", "llama_2d_nofsdp.log"),
          ("l16", "torch_ref_l16.json", "l16", "llama_2d_l16.log", "llama_2d_l16_nofsdp.log")]
 thead = (f"{'size':<5} {'tpar run':<9} {'torch mode':<9} {'tpar tok/s':>11} {'torch tok/s':>11} "
-         f"{'tok/s ratio':>11} {'tpar MiB':>9} {'torch MiB':>9} {'MiB ratio':>9}")
+         f"{'tok/s ratio':>11} {'tpar MiB':>9} {'torch MiB':>9} {'MiB ratio':>9} {'pred MiB':>9}")
 lines.append(thead)
 lines.append("-" * len(thead))
 for size, tjson, tag, fsdp_log, plain_log in sizes:
@@ -878,9 +882,10 @@ for size, tjson, tag, fsdp_log, plain_log in sizes:
             training[size]["ratios"][f"{run}/{mode}"] = {"tokens_per_s": rt, "peak_mib": rm}
             pm = "n/a" if tp is None else f"{tp:.0f}"
             om = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+            pp = "n/a" if r["predicted_peak_mib"] is None else f"{r['predicted_peak_mib']:.0f}"
             lines.append(f"{size:<5} {run:<9} {mode:<9} {r['tokens_per_s']:>11.0f} "
                          f"{fmt(tt):>11} {ratio(r['tokens_per_s'], tt):>11} {om:>9} {pm:>9} "
-                         f"{ratio(r['peak_mib'], tp):>9}")
+                         f"{ratio(r['peak_mib'], tp):>9} {pp:>9}")
 text = "\n".join(lines)
 print(text)
 with open(os.path.join(out, "summary.txt"), "w") as f:
