@@ -14,8 +14,12 @@
 //! that rate as `ours` with the configuration as `hopper=`, so `TPAR_GEMM=auto`
 //! both picks the backend and launches tpar's kernel in that configuration.
 //! `gemm.step.sum.best` sums the step's products, each in its fastest
-//! configuration (at the default's rate where the Hopper kernel refuses it). With `--quick` only the square 4096 products are timed, as
-//! before. Not measured on a GPU yet.
+//! configuration (at the default's rate where the Hopper kernel refuses it). The
+//! fused projections' products (q/k/v and gate/up each as one GEMM, `--fuse-proj`)
+//! are timed too, outside the step's sum, so that the table covers them. With
+//! `--quick` only the Llama-8B projections are left out (the products the issue's
+//! goals and the step need stay), and each timing trial is shorter. Not measured on
+//! a GPU yet.
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
 use tpar_kernels::cuda::ops::gemm::ours_with;
@@ -29,7 +33,7 @@ use tpar_kernels::cuda::raw::gemm_hopper::{
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::gemm::GemmShape;
 
-use super::{rate, time_per_call, Bench};
+use super::{rate, time_per_call_for, Bench};
 use crate::checks::gemm::layout_name;
 use crate::dev::Dev;
 
@@ -70,9 +74,24 @@ fn step_products() -> Vec<Product> {
     out
 }
 
-/// The products `gpu_check --bench` times: with `quick`, 4096³ in the three
-/// layouts the autograd uses; else also 8192³, the Llama-8B projections at
-/// 8192 tokens (NN and NT) and [`step_products`].
+/// The products of the step's fused projections (`--fuse-proj`: q, k and v by one
+/// GEMM of 16 + 8 + 8 heads of 64 outputs, gate and up by one of 2 x 2816), in the
+/// three layouts; not in the step's sum (the unfused step is the one summed).
+fn fused_products() -> Vec<Product> {
+    const TOKENS: usize = 8 * 1024;
+    let mut out = Vec::new();
+    for (label, o, i) in [("fused q/k/v", 2048, 1024), ("fused gate/up", 2 * 2816, 1024)] {
+        let row = |ta, tb, mnk| Product { label, ta, tb, mnk, per_step: 0 };
+        out.push(row(false, true, [TOKENS, o, i]));
+        out.push(row(false, false, [TOKENS, i, o]));
+        out.push(row(true, false, [o, i, TOKENS]));
+    }
+    out
+}
+
+/// The products `gpu_check --bench` times: 4096³ and 8192³ in the three layouts
+/// the autograd uses, [`step_products`] and [`fused_products`]; without `quick`
+/// also the Llama-8B projections at 8192 tokens (NN and NT).
 fn products(quick: bool) -> Vec<Product> {
     let square = |n: usize| {
         [(false, false), (false, true), (true, false)].map(|(ta, tb)| Product {
@@ -84,10 +103,12 @@ fn products(quick: bool) -> Vec<Product> {
         })
     };
     let mut out: Vec<Product> = square(4096).into();
+    out.extend(square(8192));
+    out.extend(step_products());
+    out.extend(fused_products());
     if quick {
         return out;
     }
-    out.extend(square(8192));
     for (label, m, n, k) in [
         ("llama8b q/o proj", 8192, 4096, 4096),
         ("llama8b k/v proj", 8192, 1024, 4096),
@@ -98,8 +119,17 @@ fn products(quick: bool) -> Vec<Product> {
             out.push(Product { label, ta: false, tb, mnk: [m, n, k], per_step: 0 });
         }
     }
-    out.extend(step_products());
     out
+}
+
+/// Seconds of one timing trial of a product ([`time_per_call_for`]): shorter with
+/// `quick`, where the products are many and the run is one short command.
+fn trial_seconds(quick: bool) -> f64 {
+    if quick {
+        0.05
+    } else {
+        0.2
+    }
 }
 
 /// Times every product of [`products`] on both backends (A and B read from
@@ -126,6 +156,7 @@ pub(super) fn gemm_benches(
     let mut step = (0.0f64, 0.0f64, 0.0f64, true);
     let mut step_best = Some(0.0f64);
     let hopper = HopperTarget::of(&*d.mem);
+    let trial = trial_seconds(quick);
     for pr in products(quick) {
         let [m, n, k] = pr.mnk;
         let shape = GemmShape { trans_a: pr.ta, trans_b: pr.tb, ..GemmShape::new(1, m, n, k) };
@@ -146,7 +177,7 @@ pub(super) fn gemm_benches(
                     unsafe { ours_with(&*d.mem, &p, HopperConfig::default(), src, src, c)? };
                     Ok(())
                 };
-                match time_per_call(d, run) {
+                match time_per_call_for(d, trial, run) {
                     Ok(t) => t_ours = Some(t),
                     Err(e) => b.note = format!("{}; ours: {e}", b.note),
                 }
@@ -156,7 +187,7 @@ pub(super) fn gemm_benches(
                         unsafe { lt.matmul(&p, src, src, c)? };
                         Ok(())
                     };
-                    match time_per_call(d, run) {
+                    match time_per_call_for(d, trial, run) {
                         Ok(t) => t_lt = Some(t),
                         Err(e) => b.note = format!("{}; cuBLASLt: {e}", b.note),
                     }
@@ -171,7 +202,7 @@ pub(super) fn gemm_benches(
         let variants: Vec<Bench> = match target {
             Some(t) => HOPPER_VARIANTS
                 .iter()
-                .map(|&variant| hopper_bench(d, t, variant, &p, src, &b))
+                .map(|&variant| hopper_bench(d, t, variant, &p, src, &b, trial))
                 .collect(),
             None => Vec::new(),
         };
@@ -272,6 +303,7 @@ fn hopper_bench(
     p: &GemmProblem,
     src: DevPtr,
     base: &Bench,
+    trial: f64,
 ) -> Bench {
     let s = p.shape;
     let flops = 2.0 * (s.m * s.n * s.k) as f64;
@@ -292,7 +324,7 @@ fn hopper_bench(
                 };
                 Ok(())
             };
-            match time_per_call(d, run) {
+            match time_per_call_for(d, trial, run) {
                 Ok(secs) => b.ours = Some(rate(flops, secs, 1e12)),
                 Err(e) => b.note = format!("{}; {e}", b.note),
             }
@@ -327,7 +359,13 @@ mod tests {
             let [m, n, k] = p.mnk;
             assert!(m * k <= 8192 * 14336 && k * n <= 8192 * 14336, "{:?}", p.mnk);
         }
-        assert_eq!(products(true).len(), 3);
+        // Quick keeps the square products, the step's and the fused ones; only the
+        // Llama-8B projections are left out.
+        let quick = products(true);
+        assert_eq!(quick.len(), 3 + 3 + 15 + 6);
+        assert_eq!(quick.iter().filter(|p| p.per_step > 0).count(), 15);
+        assert_eq!(products(false).len(), quick.len() + 8);
+        assert!(fused_products().iter().all(|p| p.per_step == 0));
     }
 
     #[test]

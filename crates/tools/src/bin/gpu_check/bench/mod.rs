@@ -36,14 +36,19 @@ pub(crate) struct Bench {
 
 /// Seconds per call of `f`: the median of three trials of back-to-back calls
 /// (enough for about 0.2 s each) after a warm-up, between synchronizations.
-pub(crate) fn time_per_call(d: &Dev, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+pub(crate) fn time_per_call(d: &Dev, f: impl FnMut() -> Res<()>) -> Res<f64> {
+    time_per_call_for(d, 0.2, f)
+}
+
+/// [`time_per_call`] with trials of about `trial` seconds each.
+pub(crate) fn time_per_call_for(d: &Dev, trial: f64, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     f()?;
     d.sync()?;
     let t = Instant::now();
     f()?;
     d.sync()?;
     let one = t.elapsed().as_secs_f64().max(1e-6);
-    let reps = ((0.2 / one).ceil() as usize).clamp(3, 2000);
+    let reps = ((trial / one).ceil() as usize).clamp(3, 2000);
     let mut trials = Vec::with_capacity(3);
     for _ in 0..3 {
         let t = Instant::now();
