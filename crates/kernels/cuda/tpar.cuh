@@ -6,7 +6,8 @@
 //
 // Conventions:
 // - Every kernel takes one POD argument struct by value and is declared with
-//   TPAR_KERNEL(name, ArgsType, max_threads) { ... body uses `args` ... }.
+//   TPAR_KERNEL(name, ArgsType, max_threads) { ... body uses `args` ... }
+//   (max_threads, or TPAR_BOUNDS(max_threads, min_blocks) for an occupancy bound).
 //   The Rust side mirrors the struct with #[repr(C)]; pointers are 8 bytes.
 // - Element types: float, bf16, f16 (16-bit storage structs). Math is in f32:
 //   to_f32(x) widens, from_f32<T>(v) rounds to nearest even.
@@ -25,6 +26,10 @@ typedef unsigned long long u64;
 #define TPAR_DEVICE __device__ __forceinline__
 #define TPAR_KERNEL(name, ArgsT, max_threads)                                   \
     extern "C" __global__ void __launch_bounds__(max_threads) name(const ArgsT args)
+// TPAR_KERNEL's third argument for a kernel that must also fit `min_blocks`
+// blocks of `max_threads` threads on an SM (ptxas then caps its registers):
+// TPAR_KERNEL(name, ArgsT, TPAR_BOUNDS(512, 2)). The emulator keeps the first.
+#define TPAR_BOUNDS(max_threads, min_blocks) max_threads, min_blocks
 extern __shared__ __align__(16) unsigned char tpar_dyn_smem[];
 #endif
 

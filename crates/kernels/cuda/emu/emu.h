@@ -79,6 +79,8 @@ void tpar_emu_fail(const char* what);
 #else
 #define TPAR_DEVICE inline
 #endif
+// The prelude's occupancy bound: the emulator keeps the thread bound.
+#define TPAR_BOUNDS(max_threads, min_blocks) max_threads
 #define TPAR_KERNEL(name, ArgsT, max_threads)                                      \
     static void name##_tpar_body(const ArgsT args);                                \
     extern "C" void name(const void* p) {                                          \

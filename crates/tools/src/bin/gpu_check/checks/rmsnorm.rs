@@ -9,10 +9,26 @@ use super::{bound, Ctx};
 use crate::data::{dn, round_to};
 
 pub(crate) fn check_rmsnorm(c: &mut Ctx) {
+    // Rows of 16-byte multiples take the vector kernels; the last two of each list
+    // (rows of 203, 1001, 4097, 5121 elements) the element-by-element ones.
     let cases: &[(CudaDType, usize, usize)] = if c.quick {
-        &[(F32, 33, 200), (BF16, 33, 200), (F16, 7, 1000), (BF16, 4, 4096)]
+        &[
+            (F32, 33, 200),
+            (BF16, 33, 200),
+            (F16, 7, 1000),
+            (BF16, 4, 4096),
+            (F32, 5, 203),
+            (BF16, 9, 1001),
+        ]
     } else {
-        &[(F32, 4096, 4096), (BF16, 4096, 4096), (F16, 4096, 4096), (BF16, 1000, 5120)]
+        &[
+            (F32, 4096, 4096),
+            (BF16, 4096, 4096),
+            (F16, 4096, 4096),
+            (BF16, 1000, 5120),
+            (F32, 300, 4097),
+            (BF16, 1000, 5121),
+        ]
     };
     for &(dt, rows, dim) in cases {
         rmsnorm_case(c, dt, rows, dim);
