@@ -424,6 +424,32 @@ fn clip_grad_norm_scales_in_place_each_storage_once() {
     }
 }
 
+/// `Tensor::scale_each_` refuses, before anything changes, a storage listed twice (it
+/// would be scaled twice) and a coefficient that is not one f32 on the tensors' device.
+#[test]
+fn scale_each_in_place_refuses_shared_storage_and_bad_coefficients() {
+    setup();
+    let a = Tensor::ones([4], DType::F32, DEV).unwrap();
+    let b = Tensor::ones([3], DType::BF16, DEV).unwrap();
+    let coef = Tensor::scalar(0.5, DType::F32).to_device(DEV).unwrap();
+    let view = a.reshape([2, 2]).unwrap();
+    let bad: [(&[&Tensor], Tensor); 4] = [
+        (&[&a, &b, &view], coef.clone()),
+        (&[&a, &b, &a], coef.clone()),
+        (&[&a, &b], Tensor::scalar(0.5, DType::F64).to_device(DEV).unwrap()),
+        (&[&a, &b], Tensor::scalar(0.5, DType::F32)),
+    ];
+    for (i, (ts, c)) in bad.iter().enumerate() {
+        assert!(Tensor::scale_each_(ts, c).is_err(), "case {i} accepted");
+        assert_eq!(a.to_vec_f64().unwrap(), vec![1.0; 4], "case {i} changed a");
+        assert_eq!(b.to_vec_f64().unwrap(), vec![1.0; 3], "case {i} changed b");
+    }
+    Tensor::scale_each_(&[&a, &b], &coef).unwrap();
+    assert_eq!(a.to_vec_f64().unwrap(), vec![0.5; 4]);
+    assert_eq!(view.to_vec_f64().unwrap(), vec![0.5; 4], "a handle on the same storage");
+    assert_eq!(b.to_vec_f64().unwrap(), vec![0.5; 3]);
+}
+
 /// Bits of every element, widened to f64 (a NaN's too).
 fn bits(t: &Tensor) -> Vec<u64> {
     t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
