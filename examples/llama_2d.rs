@@ -586,16 +586,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // and not in the memory model's prediction (which counts the model's state and its
     // training step), so it is reported beside it.
     let mem_slot = run::memory_slot(rank, o.backend != "local");
-    let (mut data, data_bytes) = run::held_by(mem_slot, || {
-        run::TrainData::open(
-            &o.data.source(),
-            tokenizer.as_ref(),
-            seq,
-            (o.dp, dp_rank),
-            o.batch,
-            o.seed,
-        )
-    })?;
+    let (mut data, data_bytes) = run::TrainData::open_held(
+        mem_slot,
+        &o.data.source(),
+        tokenizer.as_ref(),
+        seq,
+        (o.dp, dp_rank),
+        o.batch,
+        o.seed,
+    )?;
     let pad = tokenizer.pad_id() as i64;
 
     let mut progress = run::Progress { step: 0, first_loss: f64::NAN };

@@ -342,16 +342,15 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // prediction (which counts the stage's state and its training step), so it is
     // reported beside it.
     let mem_slot = run::memory_slot(rank, o.backend == BackendArg::Tcp);
-    let (mut data, data_bytes) = run::held_by(mem_slot, || {
-        run::TrainData::open(
-            &o.data.source(),
-            tokenizer.as_ref(),
-            seq,
-            (o.dp, dp_rank),
-            o.batch,
-            o.seed,
-        )
-    })?;
+    let (mut data, data_bytes) = run::TrainData::open_held(
+        mem_slot,
+        &o.data.source(),
+        tokenizer.as_ref(),
+        seq,
+        (o.dp, dp_rank),
+        o.batch,
+        o.seed,
+    )?;
     let ignore = tokenizer.pad_id() as i64;
     let vocab = cfg.vocab_size as isize;
     let (cp, loss_cp) = (o.cp, cp_group.clone());

@@ -143,15 +143,15 @@ if [ "${QUICK:-0}" = 1 ]; then budget="${BUDGET:-540}"; else budget="${BUDGET:-0
 reserve="${SUMMARY_RESERVE:-20}"
 : >"$out/skipped.txt"
 
-# Seconds left of the budget (a large number without one).
-left() {
-    if [ "$budget" -gt 0 ]; then echo $((budget - SECONDS)); else echo 1000000; fi
+# Seconds left of the budget less the summary's reserve (a large number without one).
+room() {
+    if [ "$budget" -gt 0 ]; then echo $((budget - SECONDS - reserve)); else echo 1000000; fi
 }
 
 # fits NAME SECONDS: whether step NAME, which needs about SECONDS, fits in what is left.
 fits() {
     local l
-    l=$(($(left) - reserve))
+    l=$(room)
     if [ "$l" -ge "$2" ]; then return 0; fi
     echo
     echo "== $1: skipped, $l s left of BUDGET=$budget (less $reserve for the summary), it needs about $2" |
@@ -163,7 +163,7 @@ fits() {
 # that is less (at least 5).
 cap() {
     local l
-    l=$(($(left) - reserve))
+    l=$(room)
     if [ "$l" -lt "$1" ]; then echo $((l > 5 ? l : 5)); else echo "$1"; fi
 }
 

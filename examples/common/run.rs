@@ -184,6 +184,23 @@ pub struct DataSource<'a> {
 }
 
 impl<'t> TrainData<'t> {
+    /// [`TrainData::open`] and what it left allocated on memory slot `slot`, in bytes (0
+    /// when it freed more than it kept): what the measured host peak counts and the
+    /// memory model's prediction (the model's state and its training step) does not.
+    pub fn open_held(
+        slot: usize,
+        data: &DataSource,
+        tokenizer: &'t dyn Tokenizer,
+        seq: usize,
+        dp: (usize, usize),
+        batch: usize,
+        seed: u64,
+    ) -> tpar::Result<(TrainData<'t>, u64)> {
+        let before = tpar::tensor::memory::current(slot);
+        let t = TrainData::open(data, tokenizer, seq, dp, batch, seed)?;
+        Ok((t, (tpar::tensor::memory::current(slot) - before).max(0) as u64))
+    }
+
     /// The training data of `data` for dp rank `dp_rank` of `dp`, in batches of `batch`
     /// sequences of `seq` tokens.
     pub fn open(
@@ -319,16 +336,7 @@ pub fn memory_slot(rank: usize, own_process: bool) -> usize {
     }
 }
 
-/// `open()`'s result and what it left allocated on memory slot `slot`, in bytes (0 when it
-/// freed more than it kept): for the training data, what the measured host peak counts
-/// and the memory model's prediction (the model's state and its training step) does not.
-pub fn held_by<T>(slot: usize, open: impl FnOnce() -> tpar::Result<T>) -> tpar::Result<(T, u64)> {
-    let before = tpar::tensor::memory::current(slot);
-    let t = open()?;
-    Ok((t, (tpar::tensor::memory::current(slot) - before).max(0) as u64))
-}
-
-/// Prints what each rank's training data holds ([`held_by`]) and returns the largest, in
+/// Prints what each rank's training data holds ([`TrainData::open_held`]) and returns the largest, in
 /// MiB (the summary line's `data_mib_max`).
 pub fn report_data(bytes: &[u64]) -> f64 {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;

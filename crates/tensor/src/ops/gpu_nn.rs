@@ -1592,52 +1592,32 @@ impl Tensor {
         Ok(out.into_tensor())
     }
 
-    /// Each CUDA tensor times the f32 scalar `coef` (one element, on their
-    /// device), out of place: new tensors of the same shapes and dtypes, with
-    /// `coef` rounded to each tensor's dtype and the product rounded once (as
-    /// `t.mul(&coef.to_dtype(t.dtype()))`). One launch covers up to 32 tensors
-    /// of one dtype (PyTorch's `_foreach_mul`), for scaling every gradient by
-    /// a clipping coefficient that stays on the device. Not recorded by
-    /// autograd.
-    pub fn scale_each(tensors: &[&Tensor], coef: &Tensor) -> Result<Vec<Tensor>> {
-        const OP: &str = "scale_each";
-        if tensors.is_empty() {
-            return Ok(Vec::new());
-        }
-        let dev = scale_coef(OP, tensors, coef)?;
-        let mut outs = tensors
-            .iter()
-            .map(|t| Out::new(&dev, t.shape().clone(), t.dtype()))
-            .collect::<Result<Vec<_>>>()?;
-        for (s, e, cd) in dtype_runs(OP, tensors)? {
-            let mut reads: Vec<&Tensor> = tensors[s..e].to_vec();
-            reads.push(coef);
-            with_gpu(OP, &reads, |v| {
-                let xs: Vec<(DeviceSlice<'_>, usize)> = v[..e - s]
-                    .iter()
-                    .zip(&tensors[s..e])
-                    .map(|(g, t)| (g.view(), t.numel()))
-                    .collect();
-                let mut ys: Vec<DeviceSliceMut<'_>> =
-                    outs[s..e].iter_mut().map(|o| o.view_mut()).collect();
-                Ok(k_multi::scale_each(&*dev, cd, &xs, &mut ys, v[e - s].view())?)
-            })?;
-        }
-        Ok(outs.into_iter().map(Out::into_tensor).collect())
-    }
-
-    /// [`Tensor::scale_each`] in place (PyTorch's `_foreach_mul_`): each CUDA tensor's
-    /// data times the f32 scalar `coef`, rounded to its dtype, the product rounded once,
-    /// so the results are `scale_each`'s bits without a second set of buffers. Every
-    /// handle on a tensor's storage sees the new values. No two tensors may share a
-    /// storage (each would be scaled twice): an error before anything changes, as for
-    /// a bad `coef`. Not recorded by autograd.
+    /// Each CUDA tensor's data times the f32 scalar `coef` (one element, on their
+    /// device), in place (PyTorch's `_foreach_mul_`): `coef` rounded to each tensor's
+    /// dtype and the product rounded once (the bits of `t.mul(&coef.to_dtype(t.dtype()))`),
+    /// without a second set of buffers. One launch covers up to 32 tensors of one
+    /// dtype, for scaling every gradient by a clipping coefficient that stays on the
+    /// device. Every handle on a tensor's storage sees the new values. No two tensors
+    /// may share a storage (each would be scaled twice): an error before anything
+    /// changes, as for a bad `coef`. Not recorded by autograd.
     pub fn scale_each_(tensors: &[&Tensor], coef: &Tensor) -> Result<()> {
         const OP: &str = "scale_each_";
         if tensors.is_empty() {
             return Ok(());
         }
-        let dev = scale_coef(OP, tensors, coef)?;
+        let dev = multi_device(OP, tensors)?;
+        if coef.numel() != 1 || coef.dtype() != DType::F32 || coef.device() != tensors[0].device() {
+            return Err(invalid(
+                OP,
+                format!(
+                    "coef must be one f32 on {}; got {} {} on {}",
+                    tensors[0].device(),
+                    coef.shape(),
+                    coef.dtype(),
+                    coef.device()
+                ),
+            ));
+        }
         let runs = dtype_runs(OP, tensors)?;
         // Refused before the first launch: a storage listed twice, or `coef`'s.
         with_gpu_mut(OP, tensors, &[coef], |_, _| Ok(()))?;
@@ -1653,23 +1633,4 @@ impl Tensor {
         }
         Ok(())
     }
-}
-
-/// The device of `tensors` (one CUDA device) for [`Tensor::scale_each`] and
-/// [`Tensor::scale_each_`], whose `coef` must be one f32 there.
-fn scale_coef(op: &'static str, tensors: &[&Tensor], coef: &Tensor) -> Result<Arc<dyn GpuDevice>> {
-    let dev = multi_device(op, tensors)?;
-    if coef.numel() != 1 || coef.dtype() != DType::F32 || coef.device() != tensors[0].device() {
-        return Err(invalid(
-            op,
-            format!(
-                "coef must be one f32 on {}; got {} {} on {}",
-                tensors[0].device(),
-                coef.shape(),
-                coef.dtype(),
-                coef.device()
-            ),
-        ));
-    }
-    Ok(dev)
 }

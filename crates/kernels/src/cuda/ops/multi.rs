@@ -1,14 +1,12 @@
 //! Multi-tensor kernels (`cuda/multi.cu`) over device buffers: one launch per
 //! [`MULTI_MAX`](crate::cuda::raw::multi::MULTI_MAX) tensors of one dtype for
-//! the sums of squares of each, or each times one device scalar (into new
-//! buffers or in place);
+//! the sums of squares of each, or each times one device scalar in place;
 //! [`crate::cuda::raw::multi`] documents the kernels.
 
 use super::Check;
 use crate::cuda::raw::multi as raw;
 pub use crate::cuda::raw::multi::sum_squares_each_workspace_len;
 use crate::cuda::{CudaDType, DeviceSlice, DeviceSliceMut, GpuDevice};
-use crate::util::bad;
 use crate::Result;
 
 /// `out[t] = sum of xs[t][i]^2` (f32 `out` of `xs.len()`) for `xs` (a view and
@@ -36,34 +34,9 @@ pub fn sum_squares_each(
     unsafe { raw::sum_squares_each(dev, dtype, &ptrs, op_, wp, wl) }
 }
 
-/// `ys[t] = xs[t] * c` (`dtype`, `xs[t].1` elements each) with `c` the f32 in
-/// `coef` rounded to `dtype`.
-pub fn scale_each(
-    dev: &dyn GpuDevice,
-    dtype: CudaDType,
-    xs: &[(DeviceSlice<'_>, usize)],
-    ys: &mut [DeviceSliceMut<'_>],
-    coef: DeviceSlice<'_>,
-) -> Result<()> {
-    const OP: &str = "cuda_scale_each";
-    if xs.len() != ys.len() {
-        return Err(bad(OP, format!("{} inputs but {} outputs", xs.len(), ys.len())));
-    }
-    let c = Check::new(OP, dev);
-    let es = dtype.size();
-    let ptrs = xs
-        .iter()
-        .zip(ys.iter())
-        .map(|((x, n), y)| Ok((c.read("x", x, *n, es)?, c.write("y", y, *n, es)?, *n)))
-        .collect::<Result<Vec<_>>>()?;
-    let cp = c.read("coef", &coef, 1, 4)?;
-    // SAFETY: as in `sum_squares_each`.
-    unsafe { raw::scale_each(dev, dtype, &ptrs, cp) }
-}
-
 /// `ys[t] *= c` in place (`dtype`, `ys[t].1` elements each) with `c` the f32 in
-/// `coef` rounded to `dtype`: [`scale_each`]'s arithmetic, each buffer its own
-/// input. The views are exclusive borrows, so no two overlap.
+/// `coef` rounded to `dtype`, the product rounded once (the raw kernel with each
+/// output its own input). The views are exclusive borrows, so no two overlap.
 pub fn scale_each_in_place(
     dev: &dyn GpuDevice,
     dtype: CudaDType,

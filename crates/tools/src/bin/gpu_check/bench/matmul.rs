@@ -17,9 +17,8 @@
 //! configuration (at the default's rate where the Hopper kernel refuses it). The
 //! fused projections' products (q/k/v and gate/up each as one GEMM, `--fuse-proj`)
 //! are timed too, outside the step's sum, so that the table covers them. With
-//! `--quick` only the Llama-8B projections are left out (the products the issue's
-//! goals and the step need stay), and each timing trial is shorter. Not measured on
-//! a GPU yet.
+//! `--quick` only the Llama-8B projections are left out (the square products and the
+//! step's stay), and each timing trial is shorter. Not measured on a GPU yet.
 
 use tpar_kernels::cuda::cublaslt::CublasLt;
 use tpar_kernels::cuda::ops::gemm::ours_with;
@@ -54,7 +53,6 @@ struct Product {
 /// (`tokens x out x in`), its input gradient as NN (`tokens x in x out`) and
 /// its weight gradient as TN (`out x in x tokens`).
 fn step_products() -> Vec<Product> {
-    const TOKENS: usize = 8 * 1024;
     const LAYERS: usize = 8;
     // (label, out, in, linears of this shape per step)
     let linears: [(&'static str, usize, usize, usize); 5] = [
@@ -64,29 +62,32 @@ fn step_products() -> Vec<Product> {
         ("down", 1024, 2816, LAYERS),
         ("lm head", 259, 1024, 1),
     ];
-    let mut out = Vec::new();
-    for (label, o, i, count) in linears {
-        let row = |ta, tb, mnk| Product { label, ta, tb, mnk, per_step: count };
-        out.push(row(false, true, [TOKENS, o, i]));
-        out.push(row(false, false, [TOKENS, i, o]));
-        out.push(row(true, false, [o, i, TOKENS]));
-    }
-    out
+    linears
+        .into_iter()
+        .flat_map(|(label, o, i, count)| linear_products(label, o, i, count))
+        .collect()
+}
+
+/// The three products of a linear layer `[out, in]` over the step's 8192 tokens
+/// (forward NT, input gradient NN, weight gradient TN), `per_step` times a step each.
+fn linear_products(label: &'static str, o: usize, i: usize, per_step: usize) -> [Product; 3] {
+    const TOKENS: usize = 8 * 1024;
+    let row = |ta, tb, mnk| Product { label, ta, tb, mnk, per_step };
+    [
+        row(false, true, [TOKENS, o, i]),
+        row(false, false, [TOKENS, i, o]),
+        row(true, false, [o, i, TOKENS]),
+    ]
 }
 
 /// The products of the step's fused projections (`--fuse-proj`: q, k and v by one
 /// GEMM of 16 + 8 + 8 heads of 64 outputs, gate and up by one of 2 x 2816), in the
 /// three layouts; not in the step's sum (the unfused step is the one summed).
 fn fused_products() -> Vec<Product> {
-    const TOKENS: usize = 8 * 1024;
-    let mut out = Vec::new();
-    for (label, o, i) in [("fused q/k/v", 2048, 1024), ("fused gate/up", 2 * 2816, 1024)] {
-        let row = |ta, tb, mnk| Product { label, ta, tb, mnk, per_step: 0 };
-        out.push(row(false, true, [TOKENS, o, i]));
-        out.push(row(false, false, [TOKENS, i, o]));
-        out.push(row(true, false, [o, i, TOKENS]));
-    }
-    out
+    [("fused q/k/v", 2048, 1024), ("fused gate/up", 2 * 2816, 1024)]
+        .into_iter()
+        .flat_map(|(label, o, i)| linear_products(label, o, i, 0))
+        .collect()
 }
 
 /// The products `gpu_check --bench` times: 4096³ and 8192³ in the three layouts
