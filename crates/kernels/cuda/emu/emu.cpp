@@ -10,11 +10,17 @@
 // A barrier completes when every live thread of the block has reached it; a
 // warp operation when every live lane of the warp has. When nothing can run
 // and nothing can complete, the launch fails with a deadlock report.
+#include <cxxabi.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -79,11 +85,8 @@ tpar_emu_fiber_start:
 #endif
 
 #ifdef TPAR_EMU_RACECHECK
-#include <cxxabi.h>
-#include <dlfcn.h>
 #include <link.h>
 
-#include <cstdlib>
 #include <deque>
 #include <map>
 #endif
@@ -196,6 +199,10 @@ struct Warp {
 };
 
 constexpr size_t kStack = 256 * 1024;
+// Below each fiber's stack, addresses mapped with no access: a thread whose
+// stack outgrows kStack faults there (reported as a stack overflow) instead of
+// writing into the next fiber's stack.
+constexpr size_t kGuard = 64 * 1024;
 constexpr size_t kMaxDynSmem = 227 * 1024;
 
 // One block of the cluster running.
@@ -244,6 +251,12 @@ struct Launch {
     Fiber* current = nullptr;
     std::string error;
     unsigned long long rng = 0;
+    // a hardware fault of the running fiber (see on_fault): signal 0 if none
+    struct {
+        int signo = 0, code = 0;
+        const void* addr = nullptr;
+        const void* pc = nullptr;
+    } fault;
 };
 
 thread_local Launch* g_launch = nullptr;
@@ -292,6 +305,18 @@ std::string where(const Fiber* f) {
 
 // Dynamic shared memory of the running thread's block.
 unsigned char* cur_smem(Launch* L) { return L->ctas[L->current ? L->current->cta : 0].smem; }
+
+// " in <function>" for the code address `pc`, or "" if no symbol holds it.
+std::string function_of(const void* pc) {
+    if (!pc) return "";
+    Dl_info info;
+    if (!dladdr(pc, &info) || !info.dli_sname) return "";
+    int status = 0;
+    char* d = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+    std::string name = status == 0 && d ? d : info.dli_sname;
+    std::free(d);
+    return " in " + name;
+}
 
 #ifdef TPAR_EMU_RACECHECK
 // ---------------------------------------------------------------- racecheck
@@ -469,17 +494,6 @@ std::string who(const Launch* L, Epoch e, u32 run = g.run) {
                   e.id < g.n ? "" : "an asynchronous operation of ", x, y, z, j % L->block.x,
                   (j / L->block.x) % L->block.y, j / (L->block.x * L->block.y));
     return buf;
-}
-
-std::string function_of(const void* pc) {
-    if (!pc) return "";
-    Dl_info info;
-    if (!dladdr(pc, &info) || !info.dli_sname) return "";
-    int status = 0;
-    char* d = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
-    std::string name = status == 0 && d ? d : info.dli_sname;
-    std::free(d);
-    return " in " + name;
 }
 
 struct Access {
@@ -972,6 +986,105 @@ extern "C" void tpar_emu_fiber_main() {
 // Yields from the running fiber back to the scheduler.
 void yield_to_scheduler() { to_scheduler(g_launch); }
 
+// ---------------------------------------------------------------- faults
+//
+// A GPU reports a kernel's bad access as the launch's error (a misaligned or
+// an illegal address) and the host program goes on. Kernel code here runs on
+// the host, where the same access raises SIGSEGV or SIGBUS and would end the
+// process. While a launch runs, on_fault catches a fault of its running fiber:
+// it records the fault and switches to the scheduler, which fails the launch
+// naming the thread and where it was, and never resumes that fiber. Any other
+// fault goes to the handler installed before (the process ends as it would
+// have). The handler runs on the thread's alternate signal stack where it has
+// one (Rust's threads do), so a fiber's overflowed stack can be reported too.
+
+// The launch in progress and the thread running it (one at a time: g_mutex).
+std::atomic<Launch*> g_running{nullptr};
+pthread_t g_runner;
+struct sigaction g_prev_segv, g_prev_bus;
+
+const void* fault_pc(const void* uc) {
+    const ucontext_t* u = static_cast<const ucontext_t*>(uc);
+#if defined(__x86_64__)
+    return reinterpret_cast<const void*>(u->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+    return reinterpret_cast<const void*>(u->uc_mcontext.pc);
+#else
+    (void)u;
+    return nullptr;
+#endif
+}
+
+void on_fault(int sig, siginfo_t* info, void* uc) {
+    Launch* L = g_running.load(std::memory_order_acquire);
+    if (L && pthread_equal(pthread_self(), g_runner) && L->current && L->fault.signo == 0) {
+        L->fault.signo = sig;
+        L->fault.code = info->si_code;
+        L->fault.addr = info->si_addr;
+        L->fault.pc = fault_pc(uc);
+        to_scheduler(L);  // never resumed
+        __builtin_trap();
+    }
+    const struct sigaction& prev = sig == SIGBUS ? g_prev_bus : g_prev_segv;
+    if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
+        prev.sa_sigaction(sig, info, uc);
+    } else if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
+        prev.sa_handler(sig);
+    } else {
+        // returning re-runs the access, which faults again under the default
+        signal(sig, SIG_DFL);
+    }
+}
+
+// Installs on_fault once (called under g_mutex).
+void install_fault_handler() {
+    static bool installed = false;
+    if (installed) return;
+    installed = true;
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_fault;
+    sigemptyset(&sa.sa_mask);
+    // SA_NODEFER: the handler never returns to the faulting fiber, so the
+    // signal must not stay blocked on this thread afterwards
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigaction(SIGSEGV, &sa, &g_prev_segv);
+    sigaction(SIGBUS, &sa, &g_prev_bus);
+}
+
+// The launch error for the fault of fiber `f` that on_fault recorded.
+std::string fault_report(Launch* L, const Fiber& f) {
+    const auto& x = L->fault;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(x.addr);
+    const uintptr_t base = reinterpret_cast<uintptr_t>(g_stacks[&f - L->fibers.data()]);
+    char buf[320];
+    if (x.signo == SIGSEGV && at >= base - kGuard && at < base) {
+        std::snprintf(buf, sizeof buf,
+                      "the thread's stack overflowed (the emulator gives each thread %zu KiB: "
+                      "local arrays or recursion too deep)",
+                      kStack / 1024);
+    } else if (x.signo == SIGSEGV && x.code == SI_KERNEL) {
+        std::snprintf(buf, sizeof buf,
+                      "a general-protection fault (on x86-64: an aligned vector access, such as "
+                      "a 16-byte load or store, at an address that is not a multiple of its "
+                      "size, which a GPU reports as a misaligned address; or a non-canonical "
+                      "address)");
+    } else if (x.signo == SIGSEGV) {
+        std::snprintf(buf, sizeof buf,
+                      "an illegal address: an access at %#llx, where the host maps %s",
+                      (unsigned long long)at,
+                      x.code == SEGV_ACCERR ? "memory without that access" : "nothing");
+    } else {
+        std::snprintf(buf, sizeof buf, "a bus error at %#llx%s", (unsigned long long)at,
+                      x.code == BUS_ADRALN ? " (a misaligned address)" : "");
+    }
+    std::string report = std::string("fault: ") + buf + ", by " + where(&f) + function_of(x.pc);
+#ifndef TPAR_EMU_RACECHECK
+    report += " (the memcheck, TPAR_EMU_RACECHECK=1, names a bad access before it is made)";
+#endif
+    return report;
+}
+
 // Completes the warp operation all live lanes of `w` have arrived at.
 void complete_warp(Warp& w) {
     void* ins[32] = {};
@@ -1051,13 +1164,14 @@ void run_cluster(Launch* L) {
     }
     const unsigned regs0 = entry_registers(per_block);
     while (g_stacks.size() < nthreads) {
-        void* p = mmap(nullptr, kStack, PROT_READ | PROT_WRITE,
+        void* p = mmap(nullptr, kGuard + kStack, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) {
+        if (p == MAP_FAILED || mprotect(p, kGuard, PROT_NONE) != 0) {
+            if (p != MAP_FAILED) munmap(p, kGuard + kStack);
             fail(L, "could not map fiber stacks");
             return;
         }
-        g_stacks.push_back(static_cast<char*>(p));
+        g_stacks.push_back(static_cast<char*>(p) + kGuard);
     }
     for (unsigned i = 0; i < nthreads; ++i) {
         Fiber& f = L->fibers[i];
@@ -1135,6 +1249,10 @@ void run_cluster(Launch* L) {
                     L->current = &f;
                     to_fiber(L, f);
                     L->current = nullptr;
+                    if (L->fault.signo != 0) {
+                        fail(L, fault_report(L, f));
+                        break;
+                    }
                     if (f.state == DONE) {
                         --live;
                         L->ctas[f.cta].live--;
@@ -2206,6 +2324,9 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_
         c.smem = c.dyn_smem.data() + before + ((1024 - p % 1024) % 1024);
     }
     g_launch = &L;
+    install_fault_handler();
+    g_runner = pthread_self();
+    g_running.store(&L, std::memory_order_release);
     TPAR_RACE(race::begin_launch());
     for (unsigned z = 0; z < grid[2] && L.error.empty(); z += cluster[2])
         for (unsigned y = 0; y < grid[1] && L.error.empty(); y += cluster[1])
@@ -2221,6 +2342,7 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_
                 }
                 run_cluster(&L);
             }
+    g_running.store(nullptr, std::memory_order_release);
     g_launch = nullptr;
     if (!L.error.empty()) {
         if (errlen > 0) std::snprintf(err, errlen, "%s", L.error.c_str());

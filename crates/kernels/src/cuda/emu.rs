@@ -13,7 +13,10 @@
 //! kernel's launch bounds, an argument struct of the wrong size, more than
 //! 227 KiB of dynamic shared memory) and what a kernel gets wrong that the
 //! emulator can see (deadlocked barriers, misaligned `cp.async`/`ldmatrix`,
-//! shuffles from exited lanes). Threads of a block run in a shuffled order
+//! shuffles from exited lanes). A thread's access that the host faults on (an
+//! aligned vector access at a misaligned address, an unmapped address, an
+//! overflowed stack) fails its launch with the thread named, where a GPU reports
+//! a misaligned or an illegal address, instead of ending the process. Threads of a block run in a shuffled order
 //! between synchronization points (seeded, [`Emulator::set_seed`]).
 //! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
 //! shared and global memory for data races, as `compute-sanitizer --tool

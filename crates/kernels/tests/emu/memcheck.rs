@@ -96,8 +96,8 @@ fn on_host(mode: i32, check: bool) -> Result<Vec<f32>, String> {
 /// `mode` fails under the check with every one of `needles` in its report; on
 /// the plain emulator it runs (unless the plain emulator is itself the checking
 /// one, under `TPAR_EMU_RACECHECK=1`), except mode 4, whose misaligned 16-byte
-/// store the host compiler may emit as an aligned vector store that faults the
-/// process there.
+/// store the host compiler may emit as an aligned vector store: there it runs or
+/// fails the launch with the host's fault.
 fn reported(mode: i32, device: bool, needles: &[&str]) {
     let err = if device { on_device(mode, Setup::Written) } else { on_host(mode, true) }
         .expect_err(&format!("mode {mode}: nothing reported"));
@@ -105,8 +105,14 @@ fn reported(mode: i32, device: bool, needles: &[&str]) {
     for n in needles {
         assert!(err.contains(n), "mode {mode}: {n:?} not in: {err}");
     }
-    if mode != 4 && !emu(false).checks_races() {
-        on_host(mode, false).unwrap_or_else(|e| panic!("mode {mode} plain: {e}"));
+    if emu(false).checks_races() {
+        return;
+    }
+    match on_host(mode, false) {
+        Err(e) if mode == 4 => assert!(e.contains("fault: a general-protection fault"), "{e}"),
+        r => {
+            r.unwrap_or_else(|e| panic!("mode {mode} plain: {e}"));
+        }
     }
 }
 
@@ -205,4 +211,53 @@ fn a_real_kernels_vector_stores_count_as_written() {
         .unwrap_or_else(|e| panic!("the second product reads the first one's output: {e}"));
     let bits: Vec<u16> = bytemuck::cast_slice(&z.to_host().unwrap()).to_vec();
     assert!(bits.iter().all(|&b| b == 0x3f80), "{bits:?}");
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct FaultArgs {
+    out: DevPtr,
+    mode: i32,
+    pad: i32,
+}
+
+/// Runs `mem_fault`'s `mode` (thread 5 of block 1 faults) on the plain or the
+/// checking emulator: `out[0]` afterwards, or the launch's error. `out` starts
+/// 16-byte aligned, so that 8 bytes into it is not.
+fn fault(mode: i32, check: bool) -> Result<f32, String> {
+    let mut buf = vec![0f32; 16];
+    let skip = buf.as_ptr().align_offset(16);
+    let out = &mut buf[skip..skip + 8];
+    let args = FaultArgs { out: out.as_mut_ptr() as DevPtr, mode, pad: 0 };
+    // SAFETY: mode 0 writes out[0]; the others fault, which the emulator turns
+    // into the launch's error before anything is written.
+    let r = unsafe { launch(emu(check), "mem_fault", LaunchConfig::linear(2, 32), &args) };
+    r.map(|()| out[0]).map_err(|e| e.to_string())
+}
+
+/// A fault of kernel code (what a GPU reports as a misaligned or an illegal
+/// address) fails its launch with the thread named, on the plain and the checking
+/// emulator alike, and the process and the emulator go on: the next launch runs.
+#[test]
+fn host_faults_of_kernel_code_fail_the_launch_not_the_process() {
+    let mut modes: Vec<(i32, Vec<&str>)> = vec![
+        (1, vec!["fault: an illegal address: an access at 0x10, where the host maps nothing"]),
+        (3, vec!["fault: the thread's stack overflowed", "256 KiB"]),
+    ];
+    if cfg!(target_arch = "x86_64") {
+        modes.push((2, vec!["fault: a general-protection fault", "misaligned address"]));
+    }
+    for check in [false, true] {
+        for (mode, needles) in &modes {
+            let err = fault(*mode, check)
+                .expect_err(&format!("mode {mode} (check {check}): nothing reported"));
+            for n in needles.iter().chain(&["by block (1,0,0) thread (5,0,0)"]) {
+                assert!(err.contains(n), "mode {mode} (check {check}): {n:?} not in: {err}");
+            }
+            // the plain emulator points to the check that names the access
+            let hint = "(the memcheck, TPAR_EMU_RACECHECK=1, names a bad access";
+            assert_eq!(err.contains(hint), !emu(check).checks_races(), "{err}");
+            assert_eq!(fault(0, check), Ok(1.0), "the launch after mode {mode} (check {check})");
+        }
+    }
 }

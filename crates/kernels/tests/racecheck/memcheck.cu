@@ -47,3 +47,38 @@ TPAR_KERNEL(mem_copy, MemArgs, 256) {
         args.out[t] = sh[m == 6 && t == 0 ? -1 : t];
     }
 }
+
+// Faults the host raises where a GPU fails the launch (tests/emu/memcheck.rs):
+// thread 5 of block 1 of `mem_fault`, by `mode`:
+// 0 stores 1 into out[0], no fault;
+// 1 loads from address 16, which nothing maps;
+// 2 (x86-64) stores 16 bytes with an aligned vector store 8 bytes into out,
+//   as the host compiler emits for a Raw16 store;
+// 3 recurses through 4 KiB frames until its stack overflows.
+struct FaultArgs {
+    float* out;
+    i32 mode;
+};
+
+static int fault_deep(volatile unsigned char* up, int n) {
+    volatile unsigned char frame[4096];
+    frame[0] = up ? (unsigned char)(up[0] + 1) : 1;
+    frame[4095] = frame[0];
+    return n == 0 ? frame[4095] : fault_deep(frame, n - 1) + frame[0];
+}
+
+TPAR_KERNEL(mem_fault, FaultArgs, 256) {
+    if (blockIdx.x != 1 || threadIdx.x != 5) return;
+    if (args.mode == 0) {
+        args.out[0] = 1.0f;
+    } else if (args.mode == 1) {
+        args.out[0] = *reinterpret_cast<volatile const float*>((u64)16);
+    } else if (args.mode == 2) {
+#if defined(__x86_64__)
+        unsigned char* p = reinterpret_cast<unsigned char*>(args.out) + 8;
+        __asm__ volatile("xorps %%xmm0, %%xmm0\n\tmovaps %%xmm0, (%0)" : : "r"(p) : "xmm0", "memory");
+#endif
+    } else if (args.mode == 3) {
+        args.out[0] = (float)fault_deep(nullptr, 1 << 20);
+    }
+}
