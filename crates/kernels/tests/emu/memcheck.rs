@@ -225,7 +225,7 @@ struct FaultArgs {
 /// checking emulator: `out[0]` afterwards, or the launch's error. `out` starts
 /// 16-byte aligned, so that 8 bytes into it is not.
 fn fault(mode: i32, check: bool) -> Result<f32, String> {
-    let mut buf = vec![0f32; 16];
+    let mut buf = [0f32; 16];
     let skip = buf.as_ptr().align_offset(16);
     let out = &mut buf[skip..skip + 8];
     let args = FaultArgs { out: out.as_mut_ptr() as DevPtr, mode, pad: 0 };
