@@ -22,7 +22,7 @@ struct RmsnormFwdArgs {
     i32 dim;
     float eps;
     i32 tpr;  // threads per row slot
-    i32 vec;  // 1: 16-byte chunks (the vector kernel; 0: the _elem_ one)
+    i32 vec;  // 1: 16-byte chunks (the vector kernels; 0: the _elem_ ones)
 };
 
 struct RmsnormBwdArgs {
@@ -201,15 +201,16 @@ TPAR_DEVICE void backward(const RmsnormBwdArgs& a) {
 
 }  // namespace rmsnorm
 
-// The forward has a kernel per path, so that its 16-byte vector path (every
-// row and pointer aligned: the common case) is not held to the registers of
-// the element path: the vector forward fits two 512-thread blocks per SM (64
-// registers, no spill with NVRTC 13), where one kernel for both paths took
-// 102 and fit one. The host picks the kernel by alignment (`vec` in the
-// arguments says the same). The backward keeps one kernel for both: its
-// vector path alone takes 77-81 registers, one block per SM either way, and
-// its element path alone is compiled to 64 registers and spills more (1.5 KB
-// a thread) than the joint kernel's 128 (about 0.7 KB).
+// Each pass has a kernel per path, so that its 16-byte vector path (every row
+// and pointer aligned: the common case) is not held to the registers of the
+// element path: bounded to two 512-thread blocks per SM, the vector kernels
+// take 64 registers without spilling (NVRTC 13), where one kernel for both
+// paths took 102 (forward) and 128 (backward) and fit one block. The host picks
+// the kernel by alignment (`vec` in the arguments says the same). The element
+// kernels fit one block: the forward's takes 102 registers, the backward's,
+// bounded to one block so that ptxas may use 128 (left to itself it takes 64
+// and spills 1.5 KB a thread), spills about 0.9 KB a thread (the joint kernel
+// 0.7 KB).
 TPAR_KERNEL(tpar_rmsnorm_fwd_f32, RmsnormFwdArgs, TPAR_BOUNDS(512, 2)) {
     rmsnorm::forward<float, 4>(args);
 }
@@ -222,14 +223,23 @@ TPAR_KERNEL(tpar_rmsnorm_fwd_f16, RmsnormFwdArgs, TPAR_BOUNDS(512, 2)) {
 TPAR_KERNEL(tpar_rmsnorm_fwd_elem_f32, RmsnormFwdArgs, 512) { rmsnorm::forward<float, 1>(args); }
 TPAR_KERNEL(tpar_rmsnorm_fwd_elem_bf16, RmsnormFwdArgs, 512) { rmsnorm::forward<bf16, 1>(args); }
 TPAR_KERNEL(tpar_rmsnorm_fwd_elem_f16, RmsnormFwdArgs, 512) { rmsnorm::forward<f16, 1>(args); }
-TPAR_KERNEL(tpar_rmsnorm_bwd_f32, RmsnormBwdArgs, 512) {
-    if (args.vec) rmsnorm::backward<float, 4>(args); else rmsnorm::backward<float, 1>(args);
+TPAR_KERNEL(tpar_rmsnorm_bwd_f32, RmsnormBwdArgs, TPAR_BOUNDS(512, 2)) {
+    rmsnorm::backward<float, 4>(args);
 }
-TPAR_KERNEL(tpar_rmsnorm_bwd_bf16, RmsnormBwdArgs, 512) {
-    if (args.vec) rmsnorm::backward<bf16, 8>(args); else rmsnorm::backward<bf16, 1>(args);
+TPAR_KERNEL(tpar_rmsnorm_bwd_bf16, RmsnormBwdArgs, TPAR_BOUNDS(512, 2)) {
+    rmsnorm::backward<bf16, 8>(args);
 }
-TPAR_KERNEL(tpar_rmsnorm_bwd_f16, RmsnormBwdArgs, 512) {
-    if (args.vec) rmsnorm::backward<f16, 8>(args); else rmsnorm::backward<f16, 1>(args);
+TPAR_KERNEL(tpar_rmsnorm_bwd_f16, RmsnormBwdArgs, TPAR_BOUNDS(512, 2)) {
+    rmsnorm::backward<f16, 8>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_bwd_elem_f32, RmsnormBwdArgs, TPAR_BOUNDS(512, 1)) {
+    rmsnorm::backward<float, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_bwd_elem_bf16, RmsnormBwdArgs, TPAR_BOUNDS(512, 1)) {
+    rmsnorm::backward<bf16, 1>(args);
+}
+TPAR_KERNEL(tpar_rmsnorm_bwd_elem_f16, RmsnormBwdArgs, TPAR_BOUNDS(512, 1)) {
+    rmsnorm::backward<f16, 1>(args);
 }
 
 // dw[c] = sum over blocks b of partial[b, c], in block order.

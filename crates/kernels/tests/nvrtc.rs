@@ -358,10 +358,13 @@ fn ptxas_reports_registers_and_spills() {
     report.push_str(&format!("\n  {} kernel(s), {spilling} with spills", rows.len()));
     say(&report);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-    // The RMSNorm forward's vector kernels are bounded to two 512-thread blocks per SM
-    // (`TPAR_BOUNDS(512, 2)`): 64 registers, which they must reach without spilling.
-    for dt in ["f32", "bf16", "f16"] {
-        let name = format!("tpar_rmsnorm_fwd_{dt}");
+    // The RMSNorm forward's and backward's vector kernels are bounded to two 512-thread
+    // blocks per SM (`TPAR_BOUNDS(512, 2)`): 64 registers, which they must reach without
+    // spilling.
+    for name in ["fwd", "bwd"]
+        .iter()
+        .flat_map(|pass| ["f32", "bf16", "f16"].map(|dt| format!("tpar_rmsnorm_{pass}_{dt}")))
+    {
         let u = rows.iter().map(|(_, u)| u).find(|u| u.kernel == name);
         let u = u.unwrap_or_else(|| panic!("ptxas reported no {name}"));
         assert!(

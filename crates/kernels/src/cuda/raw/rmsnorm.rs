@@ -130,12 +130,12 @@ pub fn backward_blocks(rows: usize) -> usize {
     rows.clamp(1, MAX_BACKWARD_BLOCKS)
 }
 
-/// The forward kernel for the layout's path: the 16-byte vector kernel, or the
-/// element-by-element one (`_elem_`) for rows or pointers that are not 16-byte
-/// aligned (the backward's one kernel takes both paths).
-fn forward_kernel(vec: bool, dtype: CudaDType) -> String {
+/// The kernel of `pass` (`fwd` or `bwd`) for the layout's path: the 16-byte vector
+/// kernel, or the element-by-element one (`_elem_`) for rows or pointers that are not
+/// 16-byte aligned.
+fn kernel(pass: &str, vec: bool, dtype: CudaDType) -> String {
     let path = if vec { "" } else { "elem_" };
-    format!("tpar_rmsnorm_fwd_{path}{}", dtype.suffix())
+    format!("tpar_rmsnorm_{pass}_{path}{}", dtype.suffix())
 }
 
 /// Bytes of f32 workspace [`rmsnorm_backward`] needs.
@@ -166,7 +166,7 @@ pub unsafe fn rmsnorm_forward(
     let lay = RowLayout::new(dtype, dim, &[x, w, y]);
     let (tpr, vec) = (lay.threads_per_row as i32, i32::from(lay.vec));
     let args = RmsnormFwdArgs { x, w, y, rstd, rows: r, dim: d, eps, tpr, vec, pad: 0 };
-    let name = forward_kernel(lay.vec, dtype);
+    let name = kernel("fwd", lay.vec, dtype);
     let blocks = rows.div_ceil(lay.rows_per_block as usize) as u32;
     // SAFETY: the caller guarantees the buffers (see above).
     unsafe { launch(l, &name, LaunchConfig::linear(blocks, lay.threads()), &args) }
@@ -200,7 +200,7 @@ pub unsafe fn rmsnorm_backward(
         let (tpr, vec) = (lay.threads_per_row as i32, i32::from(lay.vec));
         let args =
             RmsnormBwdArgs { x, w, rstd, dy, dx, partial: workspace, rows: r, dim: d, tpr, vec };
-        let name = format!("tpar_rmsnorm_bwd_{}", dtype.suffix());
+        let name = kernel("bwd", lay.vec, dtype);
         // SAFETY: the caller guarantees the buffers (see above).
         unsafe { launch(l, &name, LaunchConfig::linear(nblk as u32, lay.threads()), &args)? };
     }
