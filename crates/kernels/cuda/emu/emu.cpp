@@ -991,7 +991,8 @@ void yield_to_scheduler() { to_scheduler(g_launch); }
 // A GPU reports a kernel's bad access as the launch's error (a misaligned or
 // an illegal address) and the host program goes on. Kernel code here runs on
 // the host, where the same access raises SIGSEGV or SIGBUS and would end the
-// process. While a launch runs, on_fault catches a fault of its running fiber:
+// process (and an integer division by zero, which a GPU answers with an
+// unspecified value, raises SIGFPE). While a launch runs, on_fault catches a fault of its running fiber:
 // it records the fault and switches to the scheduler, which fails the launch
 // naming the thread and where it was, and never resumes that fiber. Any other
 // fault goes to the handler installed before (the process ends as it would
@@ -1001,7 +1002,7 @@ void yield_to_scheduler() { to_scheduler(g_launch); }
 // The launch in progress and the thread running it (one at a time: g_mutex).
 std::atomic<Launch*> g_running{nullptr};
 pthread_t g_runner;
-struct sigaction g_prev_segv, g_prev_bus;
+struct sigaction g_prev_segv, g_prev_bus, g_prev_fpe;
 
 const void* fault_pc(const void* uc) {
     const ucontext_t* u = static_cast<const ucontext_t*>(uc);
@@ -1025,7 +1026,8 @@ void on_fault(int sig, siginfo_t* info, void* uc) {
         to_scheduler(L);  // never resumed
         __builtin_trap();
     }
-    const struct sigaction& prev = sig == SIGBUS ? g_prev_bus : g_prev_segv;
+    const struct sigaction& prev =
+        sig == SIGBUS ? g_prev_bus : (sig == SIGFPE ? g_prev_fpe : g_prev_segv);
     if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) {
         prev.sa_sigaction(sig, info, uc);
     } else if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
@@ -1050,6 +1052,7 @@ void install_fault_handler() {
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
     sigaction(SIGSEGV, &sa, &g_prev_segv);
     sigaction(SIGBUS, &sa, &g_prev_bus);
+    sigaction(SIGFPE, &sa, &g_prev_fpe);
 }
 
 // The launch error for the fault of fiber `f` that on_fault recorded.
@@ -1074,6 +1077,11 @@ std::string fault_report(Launch* L, const Fiber& f) {
                       "an illegal address: an access at %#llx, where the host maps %s",
                       (unsigned long long)at,
                       x.code == SEGV_ACCERR ? "memory without that access" : "nothing");
+    } else if (x.signo == SIGFPE) {
+        std::snprintf(buf, sizeof buf,
+                      "an arithmetic fault (%s; a GPU gives an unspecified value instead)",
+                      x.code == FPE_INTDIV ? "an integer division by zero"
+                                           : "an integer division that overflows");
     } else {
         std::snprintf(buf, sizeof buf, "a bus error at %#llx%s", (unsigned long long)at,
                       x.code == BUS_ADRALN ? " (a misaligned address)" : "");

@@ -16,7 +16,8 @@
 //! shuffles from exited lanes). A thread's access that the host faults on (an
 //! aligned vector access at a misaligned address, an unmapped address, an
 //! overflowed stack) fails its launch with the thread named, where a GPU reports
-//! a misaligned or an illegal address, instead of ending the process. Threads of a block run in a shuffled order
+//! a misaligned or an illegal address, instead of ending the process; so does an
+//! integer division by zero, which a GPU answers with an unspecified value. Threads of a block run in a shuffled order
 //! between synchronization points (seeded, [`Emulator::set_seed`]).
 //! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
 //! shared and global memory for data races, as `compute-sanitizer --tool

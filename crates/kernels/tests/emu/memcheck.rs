@@ -218,7 +218,7 @@ fn a_real_kernels_vector_stores_count_as_written() {
 struct FaultArgs {
     out: DevPtr,
     mode: i32,
-    pad: i32,
+    zero: i32,
 }
 
 /// Runs `mem_fault`'s `mode` (thread 5 of block 1 faults) on the plain or the
@@ -228,7 +228,7 @@ fn fault(mode: i32, check: bool) -> Result<f32, String> {
     let mut buf = [0f32; 16];
     let skip = buf.as_ptr().align_offset(16);
     let out = &mut buf[skip..skip + 8];
-    let args = FaultArgs { out: out.as_mut_ptr() as DevPtr, mode, pad: 0 };
+    let args = FaultArgs { out: out.as_mut_ptr() as DevPtr, mode, zero: 0 };
     // SAFETY: mode 0 writes out[0]; the others fault, which the emulator turns
     // into the launch's error before anything is written.
     let r = unsafe { launch(emu(check), "mem_fault", LaunchConfig::linear(2, 32), &args) };
@@ -236,16 +236,19 @@ fn fault(mode: i32, check: bool) -> Result<f32, String> {
 }
 
 /// A fault of kernel code (what a GPU reports as a misaligned or an illegal
-/// address) fails its launch with the thread named, on the plain and the checking
-/// emulator alike, and the process and the emulator go on: the next launch runs.
+/// address; an integer division by zero, where a GPU gives an unspecified value)
+/// fails its launch with the thread named, on the plain and the checking emulator
+/// alike, and the process and the emulator go on: the next launch runs.
 #[test]
 fn host_faults_of_kernel_code_fail_the_launch_not_the_process() {
     let mut modes: Vec<(i32, Vec<&str>)> = vec![
         (1, vec!["fault: an illegal address: an access at 0x10, where the host maps nothing"]),
         (3, vec!["fault: the thread's stack overflowed", "256 KiB"]),
     ];
+    // (an aligned vector instruction, and a division that traps: x86-64's)
     if cfg!(target_arch = "x86_64") {
         modes.push((2, vec!["fault: a general-protection fault", "misaligned address"]));
+        modes.push((4, vec!["fault: an arithmetic fault (an integer division by zero"]));
     }
     for check in [false, true] {
         for (mode, needles) in &modes {

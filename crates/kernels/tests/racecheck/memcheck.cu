@@ -54,10 +54,12 @@ TPAR_KERNEL(mem_copy, MemArgs, 256) {
 // 1 loads from address 16, which nothing maps;
 // 2 (x86-64) stores 16 bytes with an aligned vector store 8 bytes into out,
 //   as the host compiler emits for a Raw16 store;
-// 3 recurses through 4 KiB frames until its stack overflows.
+// 3 recurses through 4 KiB frames until its stack overflows;
+// 4 divides by `zero` (0), an integer division by zero.
 struct FaultArgs {
     float* out;
     i32 mode;
+    i32 zero;
 };
 
 static int fault_deep(volatile unsigned char* up, int n) {
@@ -80,5 +82,7 @@ TPAR_KERNEL(mem_fault, FaultArgs, 256) {
 #endif
     } else if (args.mode == 3) {
         args.out[0] = (float)fault_deep(nullptr, 1 << 20);
+    } else if (args.mode == 4) {
+        args.out[0] = (float)(blockIdx.x / *(volatile const i32*)&args.zero);
     }
 }
