@@ -991,13 +991,14 @@ void yield_to_scheduler() { to_scheduler(g_launch); }
 // A GPU reports a kernel's bad access as the launch's error (a misaligned or
 // an illegal address) and the host program goes on. Kernel code here runs on
 // the host, where the same access raises SIGSEGV or SIGBUS and would end the
-// process (and an integer division by zero, which a GPU answers with an
-// unspecified value, raises SIGFPE). While a launch runs, on_fault catches a fault of its running fiber:
-// it records the fault and switches to the scheduler, which fails the launch
-// naming the thread and where it was, and never resumes that fiber. Any other
-// fault goes to the handler installed before (the process ends as it would
-// have). The handler runs on the thread's alternate signal stack where it has
-// one (Rust's threads do), so a fiber's overflowed stack can be reported too.
+// process (and so would an integer division by zero, SIGFPE, which a GPU
+// answers with an unspecified value). While a launch runs, on_fault catches
+// such a fault of its running fiber: it records the fault and switches to the
+// scheduler, which fails the launch naming the thread and where it was, and
+// never resumes that fiber. Any other fault goes to the handler installed
+// before (the process ends as it would have). The handler runs on the
+// thread's alternate signal stack where it has one (Rust's threads do), so a
+// fiber's overflowed stack can be reported too.
 
 // The launch in progress and the thread running it (one at a time: g_mutex).
 std::atomic<Launch*> g_running{nullptr};

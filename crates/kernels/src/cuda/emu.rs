@@ -17,8 +17,9 @@
 //! aligned vector access at a misaligned address, an unmapped address, an
 //! overflowed stack) fails its launch with the thread named, where a GPU reports
 //! a misaligned or an illegal address, instead of ending the process; so does an
-//! integer division by zero, which a GPU answers with an unspecified value. Threads of a block run in a shuffled order
-//! between synchronization points (seeded, [`Emulator::set_seed`]).
+//! integer division by zero, which a GPU answers with an unspecified value.
+//! Threads of a block run in a shuffled order between synchronization points
+//! (seeded, [`Emulator::set_seed`]).
 //! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
 //! shared and global memory for data races, as `compute-sanitizer --tool
 //! racecheck` does on a GPU, for out-of-bounds and misaligned addresses, as its
