@@ -101,11 +101,16 @@
 //!   o_proj's and the second norm's at attention's): its unit reduce-scatters them once
 //!   all are made and releases its parameters. The gradient shards then are only those
 //!   already reduced (a reduce-scatter's output until the backward's end, then the
-//!   shards' `.grad()`): the head's and those of the layers whose backward ended. The
-//!   model takes the most of the last layer's backward (the first to run, with a
-//!   prefetch), the second one's (one layer's shards more, and the next prefetch) and
-//!   layer 0's (every other layer's shards, no prefetch), and counts as the transient
-//!   what that holds beyond every gradient shard, which `gradients` counts.
+//!   shards' `.grad()`): the head's and those of the layers whose backward ended. Over
+//!   more than one FSDP rank a reduce-scatter runs beside the next layer's backward and
+//!   holds its input (the layer's unsharded gradients, flat) until it completes, so
+//!   every layer's backward but the first to run holds one more layer's gradients (at
+//!   pp 2 x dp 2 and at 2x1 FSDP, the peaks measured about that much above a model
+//!   without it). The model takes the most of the last layer's backward (the first to
+//!   run, with a prefetch), the second one's (one layer's shards more, the previous
+//!   layer's reduce-scatter input, and the next prefetch) and layer 0's (every other
+//!   layer's shards, that input, no prefetch), and counts as the transient what that
+//!   holds beyond every gradient shard, which `gradients` counts.
 //! - **Pipelines**: stage `r` of `pp` holds its layers' activations for the
 //!   micro-batches in flight: all `m` under GPipe, `min(pp - r, m)` under 1F1B,
 //!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
@@ -122,10 +127,11 @@
 //!   not have yet: the larger of that and one more set of shards counts (GPipe, 1F1B and
 //!   zero-bubble). On 1F1B's last stage, whose micro-batches run one at a time, this is
 //!   the peak (at pp 2 x dp 2, 2 micro-batches, a model without it is 10 % under the
-//!   measured peak, with it 1 to 5 %). The interleaved walk below does not add it: at
-//!   pp 2 x dp 2, 2 stages of one layer per rank, 4 micro-batches, the walk is 2 to 7 %
-//!   under each rank's measured peak, and this term (as the whole rank's layer backward)
-//!   added to its later backwards would put it up to 7 % over.
+//!   measured peak, with it and the reduce-scatter input above 0 to 1 %). The
+//!   interleaved walk below does not add it: at pp 2 x dp 2, 2 stages of one layer per
+//!   rank, 4 micro-batches, the walk (with that input) is 1 to 3 % under each rank's
+//!   measured peak, and this term (as the whole rank's layer backward) added to its
+//!   later backwards would put it over.
 //! - **Interleaved 1F1B** (`stages_per_rank` stages per pp rank, stage `s` on rank
 //!   `s % pp`, the layers split over all `pp * stages_per_rank` stages): the rank's own
 //!   action list (`tpar_pipeline::Schedule`) is walked in order. Each (stage,
@@ -229,8 +235,9 @@
 //! masks (a `[b, 1, 1, s]` mask per micro-batch, and under context parallelism every
 //! rank's `[b, s / cp]` key mask gathered once per layer: small next to the
 //! activations), the communication buffers of collectives in flight (other than FSDP's
-//! gathered parameters and reduce-scatter outputs), FSDP's reduce dtype (the shards'
-//! gradients are counted in the parameters' dtype), and the timing of
+//! gathered parameters, reduce-scatter outputs and the one reduce-scatter input above),
+//! FSDP's reduce dtype (the shards' gradients and that input are counted in the
+//! parameters' dtype), and the timing of
 //! the rank threads (an interleaved rank's boundary copies follow the unit-cost
 //! simulation, not the measured order).
 //!
@@ -880,6 +887,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                 unit: layer_params * abytes,
                 shard_grads: layer_params / fsdp_ranks * pbytes,
                 prefetch: fsdp_ranks > 1.0,
+                reducing: if fsdp_ranks > 1.0 { layer_params * pbytes } else { 0.0 },
                 held: held * abytes,
                 reduced_first: reduced_first / fsdp_ranks * pbytes,
                 made: made * abytes,
@@ -1028,6 +1036,10 @@ struct FsdpBackward {
     /// Whether a layer's backward prefetches the next layer's parameters (over more than
     /// one FSDP rank; over one a gather is a local copy, made when needed).
     prefetch: bool,
+    /// The input of a layer's reduce-scatter (its unsharded gradients, flat), which the
+    /// collective holds until it completes, beside the next layer's backward (over more
+    /// than one FSDP rank; over one the reduction is a cast made at once): 0 when none.
+    reducing: f64,
     /// Parameters gathered through every layer's backward (the embedding's unit).
     held: f64,
     /// Gradient shards made before the layers' backward (the head's).
@@ -1042,11 +1054,13 @@ struct FsdpBackward {
 /// gradient shards and the next prefetch), or of the last (layer 0: every other layer's
 /// gradient shards, no prefetch); a layer's gradient shards are complete once its
 /// backward ends (its reduce-scatter's output until the backward's end, then the
-/// shards' `.grad()`).
+/// shards' `.grad()`). Every backward but the first to run may also hold the previous
+/// layer's reduce-scatter input, the collective running beside it.
 fn fsdp_layer_backward(f: &FsdpBackward) -> f64 {
     let at = |layer_done: usize, prefetching: bool| {
         let gathered = if prefetching { 2.0 } else { 1.0 } * f.unit;
-        f.reduced_first + layer_done as f64 * f.shard_grads + f.held + gathered + f.made
+        let reducing = if layer_done > 0 { f.reducing } else { 0.0 };
+        f.reduced_first + layer_done as f64 * f.shard_grads + f.held + gathered + f.made + reducing
     };
     let last = at(f.layers - 1, false);
     if f.layers > 1 {
