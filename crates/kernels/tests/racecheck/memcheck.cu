@@ -78,7 +78,10 @@ TPAR_KERNEL(mem_fault, FaultArgs, 256) {
     } else if (args.mode == 2) {
 #if defined(__x86_64__)
         unsigned char* p = reinterpret_cast<unsigned char*>(args.out) + 8;
-        __asm__ volatile("xorps %%xmm0, %%xmm0\n\tmovaps %%xmm0, (%0)" : : "r"(p) : "xmm0", "memory");
+        __asm__ volatile("xorps %%xmm0, %%xmm0\n\tmovaps %%xmm0, (%0)"
+                         :
+                         : "r"(p)
+                         : "xmm0", "memory");
 #endif
     } else if (args.mode == 3) {
         args.out[0] = (float)fault_deep(nullptr, 1 << 20);
