@@ -336,8 +336,8 @@ pub fn memory_slot(rank: usize, own_process: bool) -> usize {
     }
 }
 
-/// Prints what each rank's training data holds ([`TrainData::open_held`]) and returns the largest, in
-/// MiB (the summary line's `data_mib_max`).
+/// Prints what each rank's training data holds ([`TrainData::open_held`]) and returns the
+/// largest, in MiB (the summary line's `data_mib_max`).
 pub fn report_data(bytes: &[u64]) -> f64 {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let each: Vec<String> = bytes.iter().map(|&b| format!("{:.1}", mib(b))).collect();
