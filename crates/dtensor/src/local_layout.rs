@@ -10,17 +10,21 @@
 //! layout [`propagate`] it (a residual `x + h`), and the taking side asks
 //! [`known_shape`].
 //!
-//! The record is per thread (per rank) and bounded; whether a tensor is known depends
-//! only on the program's path and on global layouts, never on a rank's data, so every
-//! rank of a group makes the same choice and none waits on a shape exchange the others
-//! skip.
+//! The record is per thread (per rank) and holds only tensors some handle still holds:
+//! an entry is kept with a [`WeakTensor`], and whenever the record has doubled since it
+//! was last pruned, the entries of dropped tensors go (a dropped tensor's id can never be
+//! asked about again). A training step remembers a few shards per layer; the record stays
+//! at the size of what one step keeps alive, however many steps run. Whether a tensor is
+//! known depends only on the program's path and on global layouts, never on a rank's
+//! data, so every rank of a group makes the same choice and none waits on a shape
+//! exchange the others skip.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 use tpar_mesh::DeviceMesh;
 use tpar_placements::{normalize_placements, Placement};
-use tpar_tensor::Tensor;
+use tpar_tensor::{Tensor, WeakTensor};
 
 use crate::DTensor;
 
@@ -32,33 +36,47 @@ struct Known {
     shape: Vec<usize>,
 }
 
-/// Entries kept per thread; the record is cleared when it reaches this many (at the same
-/// point on every rank, since ranks record the same sequence).
-const LIMIT: usize = 4096;
+/// The smallest size at which the record is pruned.
+const PRUNE_MIN: usize = 64;
 
-thread_local! {
-    static KNOWN: RefCell<HashMap<u64, Known>> = RefCell::new(HashMap::new());
+/// Layouts by tensor id, each with a handle that tells whether its tensor is alive.
+struct Record {
+    known: HashMap<u64, (WeakTensor, Known)>,
+    /// The size at which the entries of dropped tensors are next removed.
+    prune_at: usize,
 }
 
-fn insert(id: u64, k: Known) {
-    KNOWN.with(|m| {
-        let mut m = m.borrow_mut();
-        if m.len() >= LIMIT {
-            m.clear();
+thread_local! {
+    static RECORD: RefCell<Record> =
+        RefCell::new(Record { known: HashMap::new(), prune_at: PRUNE_MIN });
+}
+
+fn insert(t: &Tensor, k: Known) {
+    RECORD.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.known.len() >= r.prune_at {
+            r.known.retain(|_, (w, _)| w.is_alive());
+            r.prune_at = (2 * r.known.len()).max(PRUNE_MIN);
         }
-        m.insert(id, k);
+        r.known.insert(t.id(), (t.downgrade(), k));
     });
 }
 
 fn get(id: u64) -> Option<Known> {
-    KNOWN.with(|m| m.borrow().get(&id).cloned())
+    RECORD.with(|r| r.borrow().known.get(&id).map(|(_, k)| k.clone()))
+}
+
+/// How many tensors this thread's record holds (for tests).
+#[doc(hidden)]
+pub fn recorded() -> usize {
+    RECORD.with(|r| r.borrow().known.len())
 }
 
 /// `d`'s local shard, remembered as the shard of `d`'s layout (mesh, placements, global
 /// shape).
 pub fn remember(d: &DTensor) -> Tensor {
     insert(
-        d.local().id(),
+        d.local(),
         Known {
             ranks: d.mesh().ranks().to_vec(),
             mesh_shape: d.mesh().shape().to_vec(),
@@ -85,6 +103,6 @@ pub fn propagate(out: &Tensor, operands: &[&Tensor]) {
     let Some((Some(first), _)) = known.next() else { return };
     let dims = out.dims();
     if operands[0].dims() == dims && known.all(|(k, d)| k.as_ref() == Some(&first) && d == dims) {
-        insert(out.id(), first);
+        insert(out, first);
     }
 }

@@ -406,3 +406,37 @@ fn strict_mode_rejects_implicit_redistribution_and_trace_records_it() {
         ("matmul", "S(0)", "R")
     );
 }
+
+/// The record of remembered local shards (`local_layout`) holds only tensors some
+/// handle still holds: a loop that remembers a shard and drops it, many thousands of
+/// times, leaves the record at a few dozen entries, and a shard kept alive all along is
+/// still known at the end, as is a residual sum of it.
+#[test]
+fn remembered_local_layouts_are_kept_while_their_tensors_live() {
+    use tpar_dtensor::local_layout;
+    let out = run(&[2], |mesh, _| {
+        let shard = |v: f32| Tensor::full([3, 2], v as f64, DType::F32, tpar_tensor::Device::Cpu);
+        let keep = DTensor::from_local(&shard(1.0)?, mesh, &[Shard(0)], Some(&[6, 2]))?;
+        let kept = local_layout::remember(&keep);
+        let mut most = 0;
+        for i in 0..10_000 {
+            let d = DTensor::from_local(&shard(i as f32)?, mesh, &[Shard(0)], Some(&[6, 2]))?;
+            let t = local_layout::remember(&d);
+            let sum = t.add(&t)?;
+            local_layout::propagate(&sum, &[&t, &t]);
+            most = most.max(local_layout::recorded());
+        }
+        let residual = kept.add(&kept)?;
+        local_layout::propagate(&residual, &[&kept, &kept]);
+        Ok((
+            most,
+            local_layout::known_shape(&kept, mesh, &[Shard(0)]),
+            local_layout::known_shape(&residual, mesh, &[Shard(0)]),
+        ))
+    });
+    for (rank, (most, kept, residual)) in out.into_iter().enumerate() {
+        assert!(most <= 128, "rank {rank}: the record grew to {most} entries for 3 live tensors");
+        assert_eq!(kept.as_deref(), Some(&[6usize, 2][..]), "rank {rank}: the kept shard");
+        assert_eq!(residual.as_deref(), Some(&[6usize, 2][..]), "rank {rank}: its residual sum");
+    }
+}

@@ -46,7 +46,7 @@ pub use shape::Shape;
 pub use storage::{
     check_alloc, human_bytes, storage_bytes, try_vec, CpuStorage, Element, PROBE_BYTES,
 };
-pub use tensor::{Attachment, Tensor};
+pub use tensor::{Attachment, Tensor, WeakTensor};
 /// Hyper-parameters of one AdamW step ([`Tensor::adamw_step_each_`]).
 pub use tpar_kernels::adamw::AdamWParams;
 

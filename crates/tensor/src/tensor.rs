@@ -77,6 +77,34 @@ impl Drop for Inner {
 #[derive(Clone)]
 pub struct Tensor(pub(crate) Arc<Inner>);
 
+/// A handle that does not keep its tensor alive, as Python's `weakref.ref(tensor)`
+/// ([`Tensor::downgrade`]): a record kept beside tensors, keyed by [`Tensor::id`], can
+/// drop the entries of tensors no handle holds any more (ids are never reused).
+///
+/// ```
+/// use tpar_tensor::{Tensor, DType, Device};
+/// let t = Tensor::zeros([2], DType::F32, Device::Cpu)?;
+/// let w = t.downgrade();
+/// assert_eq!(w.upgrade().map(|u| u.id()), Some(t.id()));
+/// drop(t);
+/// assert!(!w.is_alive() && w.upgrade().is_none());
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+#[derive(Clone)]
+pub struct WeakTensor(std::sync::Weak<Inner>);
+
+impl WeakTensor {
+    /// The tensor, while a [`Tensor`] handle of it is alive.
+    pub fn upgrade(&self) -> Option<Tensor> {
+        self.0.upgrade().map(Tensor)
+    }
+
+    /// Whether a [`Tensor`] handle of it is alive.
+    pub fn is_alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+}
+
 fn storage_err<T: Element>(op: &'static str, s: &CpuStorage) -> TensorError {
     TensorError::DTypeMismatch { op, expected: T::DTYPE.name().into(), got: s.dtype() }
 }
@@ -426,6 +454,11 @@ impl Tensor {
             post_grad_hooks: Mutex::new(Vec::new()),
             attachment: OnceLock::new(),
         }))
+    }
+
+    /// A handle that does not keep this tensor alive ([`WeakTensor`]).
+    pub fn downgrade(&self) -> WeakTensor {
+        WeakTensor(Arc::downgrade(&self.0))
     }
 
     /// A handle to the same data that is cut from the graph.
