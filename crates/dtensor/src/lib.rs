@@ -34,6 +34,7 @@ pub use dtensor::{distribute_tensor, distribute_tensor_from, DTensor};
 pub use error::{DTensorError, Result};
 pub use mode::{
     implicit_redistributions, strict, take_implicit_redistributions, ImplicitRedistribution,
+    IMPLICIT_TRACE_LIMIT,
 };
 pub use spec::DTensorSpec;
 pub use tpar_mesh::DeviceMesh;

@@ -2,6 +2,7 @@
 //! on its own, and a strict mode in which any such redistribution is an error.
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 
 /// One redistribution an op performed without being asked.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,9 +19,13 @@ pub struct ImplicitRedistribution {
     pub shape: Vec<usize>,
 }
 
+/// Records kept per thread: the trace holds the latest this many, so a training loop
+/// that redistributes on every step holds a bounded trace however long it runs.
+pub const IMPLICIT_TRACE_LIMIT: usize = 1024;
+
 thread_local! {
     static STRICT: Cell<bool> = const { Cell::new(false) };
-    static TRACE: RefCell<Vec<ImplicitRedistribution>> = const { RefCell::new(Vec::new()) };
+    static TRACE: RefCell<VecDeque<ImplicitRedistribution>> = const { RefCell::new(VecDeque::new()) };
 }
 
 /// Runs `f` with strict mode on for this thread (rank): an op that would redistribute an
@@ -37,17 +42,25 @@ pub fn is_strict() -> bool {
     STRICT.with(|s| s.get())
 }
 
-/// Records an implicit redistribution on this thread's trace.
+/// Records an implicit redistribution on this thread's trace, dropping the oldest record
+/// past [`IMPLICIT_TRACE_LIMIT`].
 pub(crate) fn record(r: ImplicitRedistribution) {
-    TRACE.with(|t| t.borrow_mut().push(r));
+    TRACE.with(|t| {
+        let mut t = t.borrow_mut();
+        if t.len() == IMPLICIT_TRACE_LIMIT {
+            t.pop_front();
+        }
+        t.push_back(r);
+    });
 }
 
-/// This thread's implicit redistributions so far.
+/// This thread's implicit redistributions so far, oldest first (the latest
+/// [`IMPLICIT_TRACE_LIMIT`] of them).
 pub fn implicit_redistributions() -> Vec<ImplicitRedistribution> {
-    TRACE.with(|t| t.borrow().clone())
+    TRACE.with(|t| t.borrow().iter().cloned().collect())
 }
 
-/// Clears this thread's trace, returning what it held.
+/// Clears this thread's trace, returning what it held (oldest first).
 pub fn take_implicit_redistributions() -> Vec<ImplicitRedistribution> {
-    TRACE.with(|t| std::mem::take(&mut *t.borrow_mut()))
+    TRACE.with(|t| Vec::from(std::mem::take(&mut *t.borrow_mut())))
 }

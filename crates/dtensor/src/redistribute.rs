@@ -12,15 +12,28 @@ use tpar_tensor::{no_grad, Tensor};
 
 use crate::{DTensorError, Result};
 
-/// The plan for `key`, computed once per process and cached (plans are pure values).
-pub fn cached_plan(key: PlanKey) -> Result<Plan> {
+/// Plans kept by [`cached_plan`]: past this many the cache starts again, so a program
+/// whose shapes keep changing (sequences of every length) holds a bounded cache.
+const PLAN_CACHE_LIMIT: usize = 4096;
+
+fn plan_cache() -> std::sync::MutexGuard<'static, HashMap<PlanKey, Plan>> {
     static CACHE: OnceLock<Mutex<HashMap<PlanKey, Plan>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(p) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+    cache.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The plan for `key`, computed once per process and cached (plans are pure values; the
+/// cache keeps at most 4096).
+pub fn cached_plan(key: PlanKey) -> Result<Plan> {
+    if let Some(p) = plan_cache().get(&key) {
         return Ok(p.clone());
     }
     let plan = key.plan()?;
-    cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, plan.clone());
+    let mut cache = plan_cache();
+    if cache.len() >= PLAN_CACHE_LIMIT {
+        cache.clear();
+    }
+    cache.insert(key, plan.clone());
     Ok(plan)
 }
 
@@ -194,4 +207,28 @@ pub fn slice_full(full: &Tensor, spec: &crate::DTensorSpec) -> Result<Tensor> {
             .any(|(p, &c)| *p == Placement::Partial(ReduceOp::Sum) && c != 0);
         Ok(if zeroed { t.zeros_like()? } else { t })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tpar_placements::Placement::{Replicate, Shard};
+
+    /// Plans of ever new shapes leave the cache at its limit, and a cached plan equals a
+    /// fresh one.
+    #[test]
+    fn the_plan_cache_is_bounded() {
+        let key = |n: usize| PlanKey {
+            mesh_shape: vec![2],
+            global_shape: vec![n, 3],
+            elem_bytes: 4,
+            src: vec![Shard(0)],
+            dst: vec![Replicate],
+        };
+        for n in 1..=PLAN_CACHE_LIMIT + 100 {
+            let plan = cached_plan(key(n)).unwrap();
+            assert_eq!(plan, key(n).plan().unwrap());
+            assert!(plan_cache().len() <= PLAN_CACHE_LIMIT);
+        }
+    }
 }

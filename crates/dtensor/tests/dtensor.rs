@@ -440,3 +440,28 @@ fn remembered_local_layouts_are_kept_while_their_tensors_live() {
         assert_eq!(residual.as_deref(), Some(&[6usize, 2][..]), "rank {rank}: its residual sum");
     }
 }
+
+/// The implicit-redistribution trace keeps the latest `IMPLICIT_TRACE_LIMIT` records, so
+/// a loop that redistributes on every step holds a bounded trace.
+#[test]
+fn the_implicit_redistribution_trace_keeps_the_latest_records() {
+    use tpar_dtensor::{implicit_redistributions, IMPLICIT_TRACE_LIMIT};
+    let n = IMPLICIT_TRACE_LIMIT + 300;
+    let out = run(&[2], |mesh, _| {
+        let x = Tensor::zeros([4, 2], DType::F32, tpar_tensor::Device::Cpu)?;
+        let d = distribute_tensor(&x, mesh, &[Shard(0)])?;
+        tpar_dtensor::take_implicit_redistributions();
+        for i in 0..n {
+            d.redistribute_implicit("matmul", &format!("lhs {i}"), &[Replicate])?;
+        }
+        let trace = implicit_redistributions();
+        let taken = tpar_dtensor::take_implicit_redistributions();
+        Ok((trace, taken.len(), implicit_redistributions().len()))
+    });
+    for (trace, taken, after) in out {
+        assert_eq!(trace.len(), IMPLICIT_TRACE_LIMIT);
+        assert_eq!(trace[0].operand, format!("lhs {}", n - IMPLICIT_TRACE_LIMIT));
+        assert_eq!(trace.last().unwrap().operand, format!("lhs {}", n - 1));
+        assert_eq!((taken, after), (IMPLICIT_TRACE_LIMIT, 0));
+    }
+}
