@@ -285,11 +285,11 @@ fn forward_left(p: &MemoryEstimate) -> u64 {
 }
 
 /// How far a rank's backward rises above what its forward left: the gradients and the
-/// largest transient, less the root's gathered parameters, which its unit releases before
-/// the layers' backward (and which the loss's backward, when it is the largest transient,
-/// holds from the forward on).
+/// largest transient, less what the backward freed or had not made by then and the root's
+/// gathered parameters, which its unit releases before the layers' backward (and which
+/// the loss's backward, when it is the largest transient, holds from the forward on).
 fn backward_rise(p: &MemoryEstimate) -> u64 {
-    p.gradients + p.transient - p.root_gathered
+    (p.gradients + p.transient).saturating_sub(p.released + p.root_gathered)
 }
 
 fn mib(b: f64) -> f64 {

@@ -9,7 +9,7 @@ use tpar_collectives::{ProcessGroup, ReduceOp, Work};
 use tpar_dtensor::{DTensor, DTensorSpec, Placement};
 use tpar_mesh::DeviceMesh;
 use tpar_placements::chunk_range;
-use tpar_tensor::autograd::{needs_input_grad, record, GradModeGuard};
+use tpar_tensor::autograd::{needs_input_grad, record_persistent, GradModeGuard};
 use tpar_tensor::{no_grad, DType, Device, Tensor, TensorError};
 
 use tpar_nn::{link_unsharder, ComputeParam, NnError, Result, Unshard};
@@ -178,7 +178,7 @@ impl FsdpParam {
         let me = self.me.clone();
         // The node is part of the parameter whatever the caller's grad mode.
         let _grad = GradModeGuard::new(true);
-        let unsharded = record("fsdp_all_gather", &[&sharded], placeholder, move |g| {
+        let unsharded = record_persistent("fsdp_all_gather", &[&sharded], placeholder, move |g| {
             if !needs_input_grad(0) {
                 return Ok(vec![None]);
             }

@@ -37,9 +37,10 @@
 //!   `a_q / head_dim` heads) are a few values per row. Residual sums and RoPE keep
 //!   nothing (an add's backward reads no operand; RoPE keeps only its tables). Then the
 //!   final norm's input `[h/t]`, the head's input `[h]` and the logits `[v/t]`,
-//!   which the loss keeps. The autograd graph frees a closure's saved tensors when the
-//!   graph is dropped, not during the backward: activations live until the loss is
-//!   dropped (a trainer holds it through the optimizer step).
+//!   which the loss keeps. A backward pass frees a node's saved tensors once it has run
+//!   the node (as PyTorch does): the head's and the final norm's inputs go before the
+//!   layers' backward, each layer's activations during its own (the logits stay: a
+//!   trainer holds them through the optimizer step).
 //!   Under mixed precision (FSDP's `param_dtype` other than the parameters' dtype) each
 //!   layer's attention casts the RoPE tables to the compute dtype and its backward keeps
 //!   the copy: `2 (s / cp) head_dim` elements per layer, whatever `b`.
@@ -75,13 +76,18 @@
 //!   Not counted: the concatenated weights and the wide output during a fused
 //!   projection's forward (a layer's parameters and one layer's q/k/v or gate/up, freed
 //!   before the next op, below the backward's peak).
-//! - **Largest transient**: the biggest of (a) a layer's backward workspace: the larger
-//!   of the MLP's input gradients `[3 i/t]` with the hidden-state gradient `[h]`, and
-//!   attention's backward (below; the two do not overlap, the MLP's input gradients are
-//!   freed before attention's backward starts), plus under checkpointing the recomputed
-//!   layer; (b) the loss's backward: the logits' gradient
-//!   `[v/t]` (the logits themselves are counted as activations), under FSDP with the
-//!   root's gathered parameters (next item); DDP adds its gradient buckets of one layer.
+//! - **Largest transient**: the biggest of (a) a layer's backward workspace at one of two
+//!   points, plus under checkpointing the recomputed layer: SwiGLU's backward, which
+//!   holds the gradients of gate and up beside its output's and the hidden-state
+//!   gradient, `[2 i/t + h]` beyond what the layer keeps once down_proj's node has freed
+//!   its input (down_proj's weight gradient made); and attention's backward (below; the
+//!   two do not overlap), by which the MLP's and o_proj's nodes have run and freed what
+//!   they saved, `[r + h + 3 i/t]` and o_proj's input (a recompute frees `[r + h + i/t]`
+//!   and that input of what it made; kept gate and up outputs stay with the checkpoint),
+//!   and made the MLP's, o_proj's and the second norm's weight gradients; (b) the head's
+//!   backward: the logits' gradient `[v/t]` and the head input's `[h]` (the logits
+//!   themselves are counted as activations), under FSDP with the root's gathered
+//!   parameters (next item); DDP adds its gradient buckets of one layer.
 //!   To these the host adds the GEMM kernels' packing buffers, kept per rank thread
 //!   ([`HOST_GEMM_WORKSPACE`]).
 //! - **FSDP** (`fully_shard` per decoder layer, the base model and the root, as the
@@ -109,16 +115,18 @@
 //!   without it). The model takes the most of the last layer's backward (the first to
 //!   run, with a prefetch), the second one's (one layer's shards more, the previous
 //!   layer's reduce-scatter input, and the next prefetch) and layer 0's (every other
-//!   layer's shards, that input, no prefetch), and counts as the transient what that
-//!   holds beyond every gradient shard, which `gradients` counts.
+//!   layer's shards, that input, no prefetch), within one stage's layers (FSDP
+//!   prefetches within a stage); the shards not made by then are released.
 //! - **Pipelines**: stage `r` of `pp` holds its layers' activations for the
 //!   micro-batches in flight: all `m` under GPipe, `min(pp - r, m)` under 1F1B,
 //!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
-//!   backward on, so the peak has every gradient and the in-flight activations. An
+//!   backward on, so a later micro-batch's backward holds every gradient beside the
+//!   in-flight activations. An
 //!   activation sent to the next stage is a copy counted on the sender until the receiver
 //!   drops it (one `[h]` of a micro-batch per micro-batch the next stage holds). A
 //!   later micro-batch's backward makes a whole set of the stage's gradients before they
-//!   are added into the accumulated ones: a transient of one more set of gradients,
+//!   are added into the accumulated ones (the pass hands them to the leaves at its end,
+//!   when its own activations are freed): a transient of one more set of gradients,
 //!   while the micro-batches still in flight are held. Under FSDP (`fully_shard` of each
 //!   layer, then of the stage, over dp) a later micro-batch's layer backward holds what
 //!   the first one's holds (the units' gathered parameters, the layer's unsharded
@@ -139,9 +147,11 @@
 //!   backward; every boundary copy the rank sent (an activation to the next stage, an
 //!   input gradient to the previous one) is held until its receiver's backward of that
 //!   micro-batch ends, at the times of the schedule simulated with unit costs (forward 1,
-//!   backward 2). A backward adds the largest of the transients above, or a whole set of
-//!   its stage's gradients once that stage has accumulated ones; the peak is the highest
-//!   point of the walk, with every gradient and the optimizer state beside it.
+//!   backward 2). A backward starts with the largest workspace above beside everything
+//!   held, and ends with its stage's activations of that micro-batch freed and its
+//!   gradients made (a new set beside the accumulated ones once the stage has them); the
+//!   walk holds the gradients of the stages whose first backward has ended, and the peak
+//!   is its highest point, with the optimizer state beside it.
 //!
 //! - **Attention's backward** holds the hidden-state gradient `[h]`, attention's output
 //!   gradient `[a_q]` (the transpose's copy), the gradients it makes, `dq` `[a_q]`, `dk`
@@ -206,10 +216,15 @@
 //!   GPU's are (what `max_memory_allocated` reports, without the driver's, cuBLASLt's
 //!   and a caching pool's memory); no GPU has run it.
 //!
-//! The peak is parameters + gradients + optimizer state + activations + the largest
-//! transient: at the end of the backward of the first layer, everything else is still
-//! held (the graph keeps the activations, gradients are complete, the optimizer's state
-//! was made by the previous step).
+//! The peak is the highest of the points a step passes: the forward's end, the head's
+//! backward, and each layer's SwiGLU and attention backward from the last layer down. At
+//! each the rank holds the parameters, the optimizer state (made by the previous step),
+//! the activations not freed yet, the gradients made so far and that point's workspace.
+//! [`MemoryEstimate`] reports the five terms whole, and what of the activations and
+//! gradients is not held at the highest point ([`MemoryEstimate::released`]); the peak is
+//! the five less that. With activations larger than a layer's gradients the highest
+//! point is early in the backward, where few gradients exist yet (on the single-rank row
+//! of `tests/memory_model.rs`, 10.6 MiB of its 12.1 MiB of gradients are not made yet).
 //!
 //! - **Context parallelism**: every activation holds `s / cp` positions of its rows
 //!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
@@ -293,7 +308,8 @@ pub enum MemoryError {
     #[error(
         "{config}: predicted peak {peak} per rank does not fit in {budget} (parameters \
          {params}, gradients {grads}, optimizer state {optim}, activations {acts}, largest \
-         transient {transient}: {transient_what})",
+         transient {transient}: {transient_what}; less {released} freed or not made yet by \
+         then)",
         peak = mib(estimate.peak),
         budget = mib(*budget),
         params = mib(estimate.parameters),
@@ -301,7 +317,8 @@ pub enum MemoryError {
         optim = mib(estimate.optimizer_state),
         acts = mib(estimate.activations),
         transient = mib(estimate.transient),
-        transient_what = estimate.transient_what
+        transient_what = estimate.transient_what,
+        released = mib(estimate.released)
     )]
     DoesNotFit {
         /// The configuration, in words.
@@ -500,13 +517,17 @@ pub struct MemoryEstimate {
     pub optimizer_state: u64,
     /// Activations the graph keeps at the peak (all micro-batches in flight).
     pub activations: u64,
-    /// The largest transient at the peak (with the host's kernel workspace). Under FSDP,
-    /// where a layer's backward is the largest, what that backward holds beyond the
-    /// other terms: the units gathered then and the layer's unsharded gradients, less
-    /// the gradient shards not made yet (module docs, "FSDP").
+    /// The workspace of the point where the step peaks (with the host's kernel
+    /// workspace). Under FSDP, where a layer's backward is the highest, what that
+    /// backward holds beyond the other terms: the units gathered then and the layer's
+    /// unsharded gradients (module docs, "FSDP").
     pub transient: u64,
     /// What the largest transient is.
     pub transient_what: String,
+    /// What of the activations and gradients is not held at the peak: the activations the
+    /// backward has freed by then (each node's saved tensors go once it has run) and the
+    /// gradients it has not made yet.
+    pub released: u64,
     /// Under FSDP, the root unit's own parameters, gathered in the compute dtype, which
     /// it keeps from its forward to its backward when a backward follows (FSDP2's root,
     /// `reshard_after_forward` off): the forward leaves them beside the activations.
@@ -516,7 +537,7 @@ pub struct MemoryEstimate {
     /// layer's backward runs after the root's unit released them.
     pub root_gathered: u64,
     /// The predicted peak: the sum of the parameters, gradients, optimizer state,
-    /// activations and transient.
+    /// activations and transient, less what is released then.
     pub peak: u64,
 }
 
@@ -550,7 +571,11 @@ impl fmt::Display for MemoryEstimate {
             m(self.activations),
             m(self.transient),
             self.transient_what
-        )
+        )?;
+        if self.released > 0 {
+            write!(f, ", less {:.1} freed or not made yet by then", m(self.released))?;
+        }
+        Ok(())
     }
 }
 
@@ -797,6 +822,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // What one micro-batch keeps on each of this rank's stages. The policy counts the
     // checkpointable layers of the module it is applied to: the stage's.
     let mut stage_mb = Vec::with_capacity(per_rank);
+    // What each layer of the rank's first stage keeps of one micro-batch, in forward order
+    // (the backward frees them from the last layer down).
+    let mut layer_kept: Vec<f64> = Vec::new();
     for &s in &mine {
         let mut kept_mb = 0.0;
         for l in 0..ranges[s].len() {
@@ -825,6 +853,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                 _ => (full_layer, 0.0),
             };
             kept_mb += kept;
+            if s == mine[0] {
+                layer_kept.push(kept);
+            }
             recompute = recompute.max(again);
         }
         if s + 1 == num_stages {
@@ -858,138 +889,245 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     };
     let root_gathered = if fsdp { root_own * abytes } else { 0.0 };
 
-    let mut options: Vec<(f64, String)> = Vec::new();
+    // Each candidate for the peak: what it holds beyond the parameters, the optimizer
+    // state, the activations and the gradients (`buffers`), and what of those it does not
+    // hold (`released`: activations the backward freed and gradients not made yet).
+    struct Candidate {
+        buffers: f64,
+        released: f64,
+        /// What of `released` a layer's own nodes freed (the interleaved walk's base).
+        own: f64,
+        what: String,
+    }
+    let mut options: Vec<Candidate> = Vec::new();
+    let interleaved = c.pp > 1 && c.schedule == ScheduleKind::Interleaved1F1B;
+    // Whether the gradients of earlier micro-batches exist during a backward (a pipeline's
+    // later micro-batches): then every gradient is held, and the backward's own are a
+    // new set beside them.
+    let accumulating = c.pp > 1 && mb > 1;
+    // The backward frees each node's saved tensors once it has run (as PyTorch does):
+    // the head's and the final norm's inputs first, then each layer's activations, from
+    // the last layer down. `freed(k)`: what one micro-batch no longer holds once `k` of the
+    // stage's layers are done. The interleaved walk below keeps its own account.
+    let tail = if last { tokens * (shape.resid + h) * abytes + tokens * stat } else { 0.0 };
+    let freed = |k: usize| -> f64 {
+        if interleaved {
+            return 0.0;
+        }
+        tail + layer_kept.iter().rev().take(k).sum::<f64>()
+    };
+    // Gradients made before the layers' backward (the head's and the final norm's).
+    let first_grads = if last { (v * h / t + h) * pbytes } else { 0.0 };
+    let layer_grads = layer_params * pbytes;
+    // Gradients not made yet when `k` layers are done and `made` elements of the next one
+    // are (without FSDP, whose shards `fsdp_layer_backward` counts).
+    let missing = |k: usize, made: f64| -> f64 {
+        if interleaved {
+            return 0.0;
+        }
+        (gradients - first_grads - k as f64 * layer_grads - made * pbytes).max(0.0)
+    };
     // Under FSDP, what a layer's backward holds beside the parameters, the optimizer state
-    // and the activations, gradient shards included (a pipeline's later micro-batch holds
-    // it beside the accumulated shards).
-    let mut fsdp_backward = None;
+    // and the activations, gradient shards included, at its most (a pipeline's later
+    // micro-batch holds it beside the accumulated shards).
+    let mut fsdp_backward: Vec<(usize, f64)> = Vec::new();
+    let mut first_missing = gradients - first_grads;
     if layers > 0 {
         // The MLP's backward and attention's do not overlap: the MLP's input gradients
         // are freed before attention's backward starts.
-        let mlp = tokens * (3.0 * shape.mlp + h) * abytes;
         let attn = attention_backward(c, &shape, c.batch / mb, compute)?;
-        let (ws, part, made) = if attn > mlp {
-            // By attention's backward the layer has its MLP's, o_proj's and the second
-            // norm's weight gradients.
-            let made = 3.0 * h * shape.mlp + h * shape.q + h;
-            (attn, "attention's output gradient, dq, dk, dv and the kernel's scratch", made)
+        // Each point of a layer's backward where it may hold the most: its workspace, the
+        // layer's weight gradients made by then, what the layer's own nodes freed by then
+        // (beyond the layers done), and what the workspace is.
+        //
+        // SwiGLU's backward: the gradients of gate and up beside that of its output,
+        // the hidden-state gradient; down_proj's node has run and freed its input (the
+        // SwiGLU output), and made its weight's gradient.
+        let mlp_point =
+            (tokens * (2.0 * shape.mlp + h) * abytes, h * shape.mlp, 0.0, "MLP input gradients");
+        // Attention's backward: by then the MLP's and o_proj's nodes have run and freed
+        // what they saved (the second norm's input, the gate/up input, gate, up and the
+        // SwiGLU output, o_proj's input), where the layer keeps them (not checkpointed),
+        // and made the MLP's, o_proj's and the second norm's weight gradients.
+        // A checkpointed layer's recompute frees the same of what it made again: the
+        // norm's input, the gate/up input, the SwiGLU output and o_proj's input (gate
+        // and up may be kept outputs handed back, which the checkpoint holds).
+        let o_in = if shape.device_node && !shape.gathered { 0.0 } else { shape.q };
+        let own_freed = if c.ac == AcPolicy::None {
+            tokens * (shape.resid + shape.full + 3.0 * shape.mlp + o_in) * abytes
         } else {
-            (mlp, "MLP input gradients", 3.0 * h * shape.mlp)
+            (tokens * (shape.resid + shape.full + shape.mlp + o_in) * abytes).min(recompute)
         };
-        let what = if recompute > 0.0 {
-            format!("a layer's backward ({part}) with its recomputed activations")
-        } else {
-            format!("a layer's backward ({part})")
-        };
-        if fsdp {
-            let held_then = fsdp_layer_backward(&FsdpBackward {
-                layers,
-                unit: layer_params * abytes,
-                shard_grads: layer_params / fsdp_ranks * pbytes,
-                prefetch: fsdp_ranks > 1.0,
-                reducing: if fsdp_ranks > 1.0 { layer_params * pbytes } else { 0.0 },
-                held: held * abytes,
-                reduced_first: reduced_first / fsdp_ranks * pbytes,
-                made: made * abytes,
-            }) + ws
-                + recompute;
-            fsdp_backward = Some(held_then);
-            options.push((
-                (held_then - gradients).max(0.0),
-                format!(
-                    "{what}, with FSDP's gathered units (the layer's, the next one's prefetched, \
-                     the embedding's) and the layer's unsharded gradients"
-                ),
-            ));
-        } else {
-            options.push((ws + recompute, what));
+        let attention_point = (
+            attn,
+            3.0 * h * shape.mlp + h * shape.q + h,
+            own_freed,
+            "attention's output gradient, dq, dk, dv and the kernel's scratch",
+        );
+        let points = [mlp_point, attention_point];
+        let recomputed = if recompute > 0.0 { " with its recomputed activations" } else { "" };
+        for &(ws, made, own_freed, part) in &points {
+            let what = format!("a layer's backward ({part}){recomputed}");
+            if fsdp {
+                let units = fsdp_layer_backward(&FsdpBackward {
+                    // The walk within one stage (FSDP prefetches within a stage's units).
+                    layers: ranges[mine[0]].len().max(1),
+                    unit: layer_params * abytes,
+                    shard_grads: layer_params / fsdp_ranks * pbytes,
+                    prefetch: fsdp_ranks > 1.0,
+                    reducing: if fsdp_ranks > 1.0 { layer_params * pbytes } else { 0.0 },
+                    held: held * abytes,
+                    reduced_first: reduced_first / fsdp_ranks * pbytes,
+                    made: made * abytes,
+                });
+                let what = format!(
+                    "{what}, with FSDP's gathered units (the layer's, the next one's \
+                     prefetched, the embedding's) and the layer's unsharded gradients"
+                );
+                first_missing = first_missing.min(gradients - units[0].1);
+                for &(k, shards, buffers) in &units {
+                    let held_then = shards + buffers + ws + recompute;
+                    fsdp_backward.push((k, held_then - own_freed));
+                    options.push(Candidate {
+                        buffers: buffers + ws + recompute,
+                        released: freed(k) + own_freed + (gradients - shards),
+                        own: own_freed,
+                        what: what.clone(),
+                    });
+                }
+            } else {
+                first_missing = first_missing.min(missing(0, made));
+                for k in 0..layers {
+                    options.push(Candidate {
+                        buffers: ws + recompute,
+                        released: freed(k) + own_freed + missing(k, made),
+                        own: own_freed,
+                        what: what.clone(),
+                    });
+                }
+            }
         }
     }
+    // Before any gradient of the step exists: the forward's end and the loss's backward
+    // (a pipeline's later micro-batch has the earlier ones' gradients).
+    let none_yet = if accumulating || interleaved { 0.0 } else { gradients };
+    options.push(Candidate { buffers: 0.0, released: none_yet, own: 0.0, what: "none".into() });
     if last {
-        let logits = tokens * v / t * abytes;
-        if fsdp {
-            options.push((
-                logits + root_gathered,
-                "the logits' gradient, with the root's gathered parameters".into(),
-            ));
+        // The head's backward: the logits' gradient and the head input's.
+        let logits = tokens * (v / t + h) * abytes;
+        let (buffers, what) = if fsdp {
+            (logits + root_gathered, "the logits' gradient, with the root's gathered parameters")
         } else {
-            options.push((logits, "the logits' gradient".into()));
-        }
+            (logits, "the logits' gradient")
+        };
+        options.push(Candidate { buffers, released: none_yet, own: 0.0, what: what.into() });
     }
+    // A transient of the layers' backward other than the layer's own, taken at the first
+    // layer's.
+    let at_first_layer = if accumulating || interleaved { 0.0 } else { freed(0) + first_missing };
     if c.cp > 1 && layers > 0 {
         // The ring: the key and value blocks received for the next hop while the current
         // ones are used, forward and backward (where dk and dv travel with them).
-        options
-            .push((4.0 * tokens * shape.attn_kv * abytes, "cp: key/value blocks in flight".into()));
+        options.push(Candidate {
+            buffers: 4.0 * tokens * shape.attn_kv * abytes,
+            released: at_first_layer,
+            own: 0.0,
+            what: "cp: key/value blocks in flight".into(),
+        });
     }
     if c.data_parallel == DataParallelMode::Ddp && layers > 0 {
-        options.push((layer_params * pbytes, "DDP: a layer's gradient bucket".into()));
+        options.push(Candidate {
+            buffers: layer_params * pbytes,
+            released: at_first_layer,
+            own: 0.0,
+            what: "DDP: a layer's gradient bucket".into(),
+        });
     }
 
     // An activation sent to the next stage is a copy counted on the sender until the
     // receiver drops it after its backward; an input gradient sent back likewise.
     let boundary = tokens * shape.resid * abytes;
-    let (activations, pipeline_transient) =
-        if c.pp > 1 && c.schedule == ScheduleKind::Interleaved1F1B {
-            let grads_of = |j: usize| {
-                let e = stage_elems(mine[j]);
-                (if fsdp { e / fsdp_ranks } else { e }) * pbytes
-            };
-            let grads: Vec<f64> = (0..per_rank).map(grads_of).collect();
-            let base = options.iter().map(|o| o.0).fold(0.0, f64::max);
-            let held = interleaved_peak(c, stage, &stage_mb, &grads, boundary, base)?;
-            if held.transient > base {
-                options.push((
-                    held.transient,
-                    "a later micro-batch's gradients, before their accumulation".into(),
-                ));
-            }
-            (held.activations, None)
-        } else {
-            let in_flight = match (c.pp, c.schedule) {
-                (1, _) => 1,
-                (_, ScheduleKind::GPipe) => mb,
-                (_, ScheduleKind::ZeroBubble) => c.pp.min(mb),
-                _ => (c.pp - stage).min(mb),
-            };
-            let mut activations = per_mb * in_flight as f64;
-            if !last {
-                // Outputs sent to the next stage: a copy each until it is dropped there.
-                let next_holds = match c.schedule {
-                    ScheduleKind::GPipe => mb,
-                    ScheduleKind::ZeroBubble => c.pp.min(mb),
-                    _ => (c.pp - stage - 1).min(mb),
-                };
-                activations += next_holds as f64 * boundary;
-            }
-            let later = (c.pp > 1 && mb > 1).then(|| {
-                // A later micro-batch's backward makes a whole set of the stage's gradients
-                // before adding them into the accumulated ones; it holds every micro-batch in
-                // flight when more follow, one fewer in the last backwards. Under FSDP its
-                // layers' backward holds the units' gathered parameters, unsharded
-                // gradients and reduce-scatter outputs beside the accumulated shards.
-                let k = if mb > in_flight { in_flight } else { in_flight - 1 };
-                let fewer = (in_flight - k) as f64 * per_mb;
-                match fsdp_backward.filter(|&f| f > gradients) {
-                    Some(f) => (
-                        f - fewer,
-                        "a later micro-batch's layer backward, with FSDP's gathered units, the \
-                         layer's unsharded gradients and the reduce-scatter outputs beside the \
-                         accumulated gradient shards",
-                    ),
-                    None => (
-                        gradients - fewer,
-                        "a later micro-batch's gradients, before their accumulation",
-                    ),
-                }
-            });
-            (activations, later)
+    let (activations, pipeline_transient) = if interleaved {
+        let grads_of = |j: usize| {
+            let e = stage_elems(mine[j]);
+            (if fsdp { e / fsdp_ranks } else { e }) * pbytes
         };
-    if let Some((extra, what)) = pipeline_transient {
-        options.push((extra, what.into()));
-    }
-    let (mut transient, mut transient_what) =
-        options.into_iter().max_by(|a, b| a.0.total_cmp(&b.0)).unwrap_or((0.0, "none".into()));
+        let grads: Vec<f64> = (0..per_rank).map(grads_of).collect();
+        // The walk counts the gradients the stages hold itself: each candidate's
+        // workspace alone (FSDP's gathered units and unsharded gradients included).
+        let top = options.iter().max_by(|a, b| (a.buffers - a.own).total_cmp(&(b.buffers - b.own)));
+        let (base, base_what) =
+            top.map_or((0.0, "none".to_string()), |o| (o.buffers - o.own, o.what.clone()));
+        let held = interleaved_peak(c, stage, &stage_mb, &grads, boundary, base)?;
+        let what = if held.transient == base {
+            base_what
+        } else {
+            "a later micro-batch's gradients, before their accumulation".into()
+        };
+        options = vec![Candidate {
+            buffers: held.transient,
+            released: (gradients - held.grads).max(0.0),
+            own: 0.0,
+            what,
+        }];
+        (held.activations, Vec::new())
+    } else {
+        let in_flight = match (c.pp, c.schedule) {
+            (1, _) => 1,
+            (_, ScheduleKind::GPipe) => mb,
+            (_, ScheduleKind::ZeroBubble) => c.pp.min(mb),
+            _ => (c.pp - stage).min(mb),
+        };
+        let mut activations = per_mb * in_flight as f64;
+        if !last {
+            // Outputs sent to the next stage: a copy each until it is dropped there.
+            let next_holds = match c.schedule {
+                ScheduleKind::GPipe => mb,
+                ScheduleKind::ZeroBubble => c.pp.min(mb),
+                _ => (c.pp - stage - 1).min(mb),
+            };
+            activations += next_holds as f64 * boundary;
+        }
+        let mut later = Vec::new();
+        if accumulating {
+            // A later micro-batch's backward makes a whole set of the stage's gradients
+            // before adding them into the accumulated ones (the pass hands them to the
+            // leaves at its end, when its own activations are freed); it holds every
+            // micro-batch in flight when more follow, one fewer in the last backwards.
+            // Under FSDP its layers' backward holds the units' gathered parameters,
+            // unsharded gradients and reduce-scatter outputs beside the accumulated
+            // gradient shards.
+            let k = if mb > in_flight { in_flight } else { in_flight - 1 };
+            let fewer = (in_flight - k) as f64 * per_mb;
+            if fsdp_backward.is_empty() || fsdp_backward.iter().all(|&(_, f)| f <= gradients) {
+                later.push(Candidate {
+                    buffers: gradients,
+                    released: freed(layers) + fewer,
+                    own: 0.0,
+                    what: "a later micro-batch's gradients, before their accumulation".into(),
+                });
+            } else {
+                for &(done, f) in &fsdp_backward {
+                    later.push(Candidate {
+                        buffers: f,
+                        released: freed(done) + fewer,
+                        own: 0.0,
+                        what: "a later micro-batch's layer backward, with FSDP's gathered \
+                               units, the layer's unsharded gradients and the reduce-scatter \
+                               outputs beside the accumulated gradient shards"
+                            .into(),
+                    });
+                }
+            }
+        }
+        (activations, later)
+    };
+    options.extend(pipeline_transient);
+    let best = options
+        .into_iter()
+        .max_by(|a, b| (a.buffers - a.released).total_cmp(&(b.buffers - b.released)))
+        .unwrap_or(Candidate { buffers: 0.0, released: 0.0, own: 0.0, what: "none".into() });
+    let (mut transient, released, mut transient_what) = (best.buffers, best.released, best.what);
     if c.host {
         transient += HOST_GEMM_WORKSPACE as f64;
         transient_what.push_str(", plus the host GEMM workspace");
@@ -1010,6 +1148,8 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         .and_then(|x| x.checked_add(activations))
         .and_then(|x| x.checked_add(transient))
         .ok_or_else(|| config_err(format!("{c}: the predicted bytes overflow 64 bits")))?;
+    let released = round(released).min(peak);
+    let peak = peak - released;
     Ok(MemoryEstimate {
         config: c.to_string(),
         stage,
@@ -1019,6 +1159,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         activations,
         transient,
         transient_what,
+        released,
         root_gathered,
         peak,
     })
@@ -1049,27 +1190,31 @@ struct FsdpBackward {
     made: f64,
 }
 
-/// The most [`FsdpBackward`] holds at once: in the backward of the first layer to run
-/// it (the last layer; with the next one's prefetch), of the second (with the first's
-/// gradient shards and the next prefetch), or of the last (layer 0: every other layer's
-/// gradient shards, no prefetch); a layer's gradient shards are complete once its
+/// What [`FsdpBackward`] holds where it may hold the most: in the backward of the first
+/// layer to run (the last layer; with the next one's prefetch), of the second (with the
+/// first's gradient shards and the next prefetch), or of the last (layer 0: every other
+/// layer's gradient shards, no prefetch); a layer's gradient shards are complete once its
 /// backward ends (its reduce-scatter's output until the backward's end, then the
 /// shards' `.grad()`). Every backward but the first to run may also hold the previous
-/// layer's reduce-scatter input, the collective running beside it.
-fn fsdp_layer_backward(f: &FsdpBackward) -> f64 {
+/// layer's reduce-scatter input, the collective running beside it. Each point is the
+/// layers done before it, the gradient shards then, and the rest it holds.
+fn fsdp_layer_backward(f: &FsdpBackward) -> Vec<(usize, f64, f64)> {
     let at = |layer_done: usize, prefetching: bool| {
         let gathered = if prefetching { 2.0 } else { 1.0 } * f.unit;
         let reducing = if layer_done > 0 { f.reducing } else { 0.0 };
-        f.reduced_first + layer_done as f64 * f.shard_grads + f.held + gathered + f.made + reducing
+        let shards = f.reduced_first + layer_done as f64 * f.shard_grads;
+        (layer_done, shards, f.held + gathered + f.made + reducing)
     };
-    let last = at(f.layers - 1, false);
-    if f.layers > 1 {
+    let mut points = vec![at(0, f.layers > 1 && f.prefetch)];
+    if f.layers > 2 {
         // The layers' backwards before the last: the latest of them holds the most
         // shards (`layers - 2`), with the next layer prefetched.
-        last.max(at(f.layers - 2, f.prefetch))
-    } else {
-        last
+        points.push(at(f.layers - 2, f.prefetch));
     }
+    if f.layers > 1 {
+        points.push(at(f.layers - 1, false));
+    }
+    points
 }
 
 /// One attention call, local to a rank, as the SDPA backward sees it (`q` `[batch,
@@ -1400,6 +1545,9 @@ struct Held {
     /// The backward's transient then: the layer's or the loss's workspace (`base`), or
     /// a whole set of the stage's gradients when it already has accumulated ones.
     transient: f64,
+    /// The gradients the rank's stages hold then (those whose first backward of the step
+    /// has ended).
+    grads: f64,
 }
 
 /// Walks pp rank `rank`'s actions of the interleaved 1F1B schedule and returns what it
@@ -1411,8 +1559,9 @@ struct Held {
 /// sent to another rank lives until the receiver's backward of that micro-batch ends
 /// (for an activation) or the previous stage's backward ends (for an input gradient):
 /// when that is, the schedule simulated with unit costs says (forward 1, backward 2).
-/// A backward runs with `base` or, once the stage has gradients from an earlier
-/// micro-batch of the step, a new set of them, whichever is larger.
+/// A backward starts with `base` beside everything held; a stage has its gradients once
+/// its first backward of the step has ended, and a later backward ends with a new set of
+/// them beside the accumulated ones, its own activations freed.
 fn interleaved_peak(
     c: &MemoryConfig,
     rank: usize,
@@ -1440,7 +1589,7 @@ fn interleaved_peak(
     let mut forward_end: HashMap<(usize, usize), f64> = HashMap::new();
     let mut held = 0.0;
     let mut has_grads = vec![false; stage_mb.len()];
-    let mut best = Held { activations: 0.0, transient: 0.0 };
+    let mut best = Held { activations: 0.0, transient: 0.0, grads: 0.0 };
     // Boundary copies this rank sent that are still alive at time `now`.
     let copies = |now: f64, forward_end: &HashMap<(usize, usize), f64>| -> f64 {
         let mut n = 0usize;
@@ -1455,24 +1604,32 @@ fn interleaved_peak(
         }
         n as f64 * boundary
     };
+    let total = |h: &Held| h.activations + h.transient + h.grads;
     for span in &spans {
         let (s, m) = (span.action.stage, span.action.microbatch);
         let j = j_of(s);
+        let grads_held: f64 = (0..grads.len()).filter(|&k| has_grads[k]).map(|k| grads[k]).sum();
+        let mut consider = |h: Held| {
+            if total(&h) > total(&best) {
+                best = h;
+            }
+        };
         match span.action.phase {
             Phase::F => {
                 held += stage_mb[j];
                 forward_end.insert((s, m), span.end);
                 let acts = held + copies(span.end, &forward_end);
-                if acts > best.activations + best.transient {
-                    best = Held { activations: acts, transient: 0.0 };
-                }
+                consider(Held { activations: acts, transient: 0.0, grads: grads_held });
             }
             _ => {
-                let transient = if has_grads[j] { base.max(grads[j]) } else { base };
                 let acts = held + copies(span.start, &forward_end);
-                if acts + transient > best.activations + best.transient {
-                    best = Held { activations: acts, transient };
-                }
+                consider(Held { activations: acts, transient: base, grads: grads_held });
+                // The end of the backward: its activations freed, its gradients made (a new
+                // set beside the accumulated ones, before they are added).
+                let acts_end = acts - stage_mb[j];
+                let transient = if has_grads[j] { grads[j] } else { 0.0 };
+                let grads_end = if has_grads[j] { grads_held } else { grads_held + grads[j] };
+                consider(Held { activations: acts_end, transient, grads: grads_end });
                 held -= stage_mb[j];
                 has_grads[j] = true;
             }

@@ -18,7 +18,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::{Result, Tensor, TensorError};
 
@@ -209,11 +209,60 @@ pub struct Node {
     /// a gradient itself; any other input without its data, so the graph keeps alive
     /// only what the backward closures saved).
     pub(crate) inputs: Vec<Tensor>,
-    pub(crate) backward: Box<BackwardFn>,
+    /// The backward closure and what it saved; `None` once a backward pass that does
+    /// not retain the graph has run it ([`Node::release`]).
+    backward: Mutex<Option<Arc<BackwardFn>>>,
     /// The group the output is replicated over in forward (see [`ReplicatedGrad`]).
     pub(crate) replicated: Option<u64>,
     /// Whether the closure reads and gives gradient tags itself.
     pub(crate) aware: bool,
+    /// Whether every backward pass may run it ([`record_persistent`]): it is never
+    /// released.
+    persistent: bool,
+}
+
+impl Node {
+    fn new(
+        name: &'static str,
+        inputs: &[&Tensor],
+        backward: Arc<BackwardFn>,
+        replicated: Option<u64>,
+        aware: bool,
+    ) -> Node {
+        Node {
+            name,
+            inputs: inputs.iter().map(|t| t.edge()).collect(),
+            backward: Mutex::new(Some(backward)),
+            replicated,
+            aware,
+            persistent: false,
+        }
+    }
+
+    /// Calls the backward closure on `g`, or fails when a backward pass freed it.
+    pub(crate) fn call(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let f = self.backward.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        match f {
+            Some(f) => f(g),
+            None => Err(TensorError::Autograd(format!(
+                "backward through {} a second time: its saved tensors were freed by the \
+                 backward pass that ran it (as PyTorch frees them); keep them with \
+                 backward_retain_graph (PyTorch's retain_graph=True) to run another \
+                 backward through the same graph",
+                self.name
+            ))),
+        }
+    }
+
+    /// Drops the backward closure and the tensors it saved (after the pass that ran it,
+    /// as PyTorch frees a node's saved tensors unless the graph is retained).
+    fn release(&self) {
+        if self.persistent {
+            return;
+        }
+        let f = self.backward.lock().unwrap_or_else(PoisonError::into_inner).take();
+        drop(f);
+    }
 }
 
 /// Whether ops on this thread record the graph.
@@ -307,13 +356,25 @@ pub fn record(
     let mut groups = inputs.iter().map(|t| t.replicated_group());
     let first = groups.next().flatten();
     let replicated = first.filter(|g| groups.all(|o| o == Some(*g)));
-    let node = Node {
-        name,
-        inputs: inputs.iter().map(|t| t.edge()).collect(),
-        backward: Box::new(backward),
-        replicated,
-        aware: false,
-    };
+    let node = Node::new(name, inputs, Arc::new(backward), replicated, false);
+    output.share(output.shape().clone(), Some(Arc::new(node)))
+}
+
+/// [`record`] for a node that outlives a step: the output is a long-lived tensor (FSDP's
+/// unsharded view of a parameter) that every step's graph uses, so every backward pass
+/// runs this node and none releases it. Its closure must save nothing of one pass.
+pub fn record_persistent(
+    name: &'static str,
+    inputs: &[&Tensor],
+    output: Tensor,
+    backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+) -> Tensor {
+    if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+        crate::checkpoint::note_inputs(inputs);
+        return output;
+    }
+    let node =
+        Node { persistent: true, ..Node::new(name, inputs, Arc::new(backward), None, false) };
     output.share(output.shape().clone(), Some(Arc::new(node)))
 }
 
@@ -333,13 +394,7 @@ pub fn record_replication_aware(
         crate::checkpoint::note_inputs(inputs);
         return output;
     }
-    let node = Node {
-        name,
-        inputs: inputs.iter().map(|t| t.edge()).collect(),
-        backward: Box::new(backward),
-        replicated,
-        aware: true,
-    };
+    let node = Node::new(name, inputs, Arc::new(backward), replicated, true);
     output.share(output.shape().clone(), Some(Arc::new(node)))
 }
 
@@ -514,13 +569,13 @@ fn call_backward_tagged(
         if node.aware {
             let prev_in = INCOMING.with(|c| c.replace(tag));
             let prev_out = OUTGOING.with(|o| o.replace(vec![None; n]));
-            let gs = (node.backward)(g);
+            let gs = node.call(g);
             INCOMING.with(|c| c.set(prev_in));
             let mut tags = OUTGOING.with(|o| o.replace(prev_out));
             tags.resize(n, None);
             (gs?, tags)
         } else {
-            ((node.backward)(g)?, vec![tag; n])
+            (node.call(g)?, vec![tag; n])
         }
     };
     if gs.len() != node.inputs.len() {
@@ -567,6 +622,9 @@ struct Split<'a> {
 /// the path" (and not called when no input is); the gradients of the other
 /// inputs that require one are handed to the weight pass, as seeds when the
 /// closure returned them anyway, else as a pending call of the node.
+///
+/// Unless `retain`, a node's closure (and what it saved) is freed once it has run for
+/// the last time: at once, or after the weight pass's call when one is pending.
 fn propagate(
     order: &[Tensor],
     map: &mut HashMap<u64, Tensor>,
@@ -574,6 +632,7 @@ fn propagate(
     keep: &HashSet<u64>,
     mut split: Option<Split<'_>>,
     mut ready: Option<&mut ReadyLeaves>,
+    retain: bool,
 ) -> Result<()> {
     for t in order {
         let Some(node) = t.node() else { continue };
@@ -628,12 +687,14 @@ fn propagate(
             }
         }
         if let (false, Some(s)) = (later.is_empty(), &mut split) {
-            // The weight pass calls the closure again, untagged.
+            // The weight pass calls the closure again, untagged (and frees it then).
             let grad = match tag {
                 Some(tg) => tg.demote(g)?,
                 None => g,
             };
             s.weight.pending.push(Pending { node: node.clone(), grad, slots: later });
+        } else if !retain {
+            node.release();
         }
     }
     Ok(())
@@ -661,27 +722,32 @@ fn run_tagged(
     let _m = MaskGuard::new(None);
     let mut map = seed(roots, grads)?;
     let (order, leaves) = topo(roots);
-    propagate(&order, &mut map, &mut tags, keep, None, None)?;
+    propagate(&order, &mut map, &mut tags, keep, None, None, true)?;
     demote_all(&mut map, tags)?;
     Ok((leaves, map))
 }
 
 /// Propagates `grads` (one per root) and adds the result into every leaf's `.grad()`.
-fn run_into_leaves(roots: &[Tensor], grads: Vec<Tensor>) -> Result<()> {
-    run_into_leaves_tagged(roots, grads, Tags::new())
+fn run_into_leaves(roots: &[Tensor], grads: Vec<Tensor>, retain: bool) -> Result<()> {
+    run_into_leaves_tagged(roots, grads, Tags::new(), retain)
 }
 
 /// [`run_into_leaves`] with some roots' gradients tagged. A leaf with a post-accumulate
 /// hook gets its gradient as soon as the last node that feeds it has run (its hooks run
 /// then, while the pass goes on); the others at the end. Either way a leaf receives the
 /// same sum, added once.
-fn run_into_leaves_tagged(roots: &[Tensor], grads: Vec<Tensor>, mut tags: Tags) -> Result<()> {
+fn run_into_leaves_tagged(
+    roots: &[Tensor],
+    grads: Vec<Tensor>,
+    mut tags: Tags,
+    retain: bool,
+) -> Result<()> {
     let _g = GradModeGuard::new(false);
     let _m = MaskGuard::new(None);
     let mut map = seed(roots, grads)?;
     let (order, leaves) = topo(roots);
     let mut ready = ReadyLeaves::new(&order, &leaves);
-    propagate(&order, &mut map, &mut tags, &HashSet::new(), None, Some(&mut ready))?;
+    propagate(&order, &mut map, &mut tags, &HashSet::new(), None, Some(&mut ready), retain)?;
     demote_all(&mut map, tags)?;
     for leaf in leaves {
         if let Some(g) = map.remove(&leaf.id()) {
@@ -754,26 +820,62 @@ fn with_callbacks<R>(carried: Vec<Queued>, f: impl FnOnce() -> Result<R>) -> Res
 
 impl Tensor {
     /// Backpropagates from this scalar, adding into every leaf's `.grad()`.
+    ///
+    /// As in PyTorch, each node's saved tensors are freed as soon as the pass has run
+    /// it, so activations go while the pass walks back and a second backward through
+    /// the same graph is an error naming the node;
+    /// [`backward_retain_graph`](Self::backward_retain_graph) keeps them.
+    ///
+    /// ```
+    /// use tpar_tensor::{Tensor, DType, Device};
+    /// let x = Tensor::full([3], 2.0, DType::F32, Device::Cpu)?.requires_grad_(true);
+    /// let y = x.mul(&x)?.sum_all()?; // saves x for its backward
+    /// y.backward_retain_graph(None)?;
+    /// y.backward()?; // the saved x is still there; freed after this pass
+    /// assert_eq!(x.grad().unwrap().to_vec::<f32>()?, vec![8.0; 3]);
+    /// assert!(y.backward().unwrap_err().to_string().contains("second time"));
+    /// # Ok::<(), tpar_tensor::TensorError>(())
+    /// ```
     pub fn backward(&self) -> Result<()> {
+        self.backward_with(&self.ones_for_backward()?)
+    }
+
+    /// Backpropagates a given output gradient, adding into every leaf's `.grad()`
+    /// (freeing saved tensors as [`backward`](Self::backward) does).
+    pub fn backward_with(&self, grad: &Tensor) -> Result<()> {
+        self.backward_impl(grad, false)
+    }
+
+    /// [`backward`](Self::backward) (`grad: None`, for a one-element output) or
+    /// [`backward_with`](Self::backward_with) (`Some`), keeping every node's saved tensors
+    /// for another backward through the same graph: PyTorch's
+    /// `backward(retain_graph=True)`.
+    pub fn backward_retain_graph(&self, grad: Option<&Tensor>) -> Result<()> {
+        match grad {
+            Some(g) => self.backward_impl(g, true),
+            None => self.backward_impl(&self.ones_for_backward()?, true),
+        }
+    }
+
+    /// The gradient `backward()` seeds: one, for a one-element output.
+    fn ones_for_backward(&self) -> Result<Tensor> {
         if self.numel() != 1 {
             return Err(TensorError::Autograd(format!(
                 "backward() needs a one-element output, got shape {}; use backward_with",
                 self.shape()
             )));
         }
-        let one = Tensor::full(self.shape().clone(), 1.0, self.dtype(), self.device())?;
-        self.backward_with(&one)
+        Tensor::full(self.shape().clone(), 1.0, self.dtype(), self.device())
     }
 
-    /// Backpropagates a given output gradient, adding into every leaf's `.grad()`.
-    pub fn backward_with(&self, grad: &Tensor) -> Result<()> {
+    fn backward_impl(&self, grad: &Tensor, retain: bool) -> Result<()> {
         if !self.requires_grad() {
             return Err(TensorError::Autograd(
                 "the tensor does not require grad and has no grad_fn".into(),
             ));
         }
         with_callbacks(Vec::new(), || {
-            run_into_leaves(std::slice::from_ref(self), vec![grad.detach()])
+            run_into_leaves(std::slice::from_ref(self), vec![grad.detach()], retain)
         })
     }
 
@@ -789,7 +891,7 @@ impl Tensor {
         }
         let tags = Tags::from([(self.id(), tag)]);
         with_callbacks(Vec::new(), || {
-            run_into_leaves_tagged(std::slice::from_ref(self), vec![grad.detach()], tags)
+            run_into_leaves_tagged(std::slice::from_ref(self), vec![grad.detach()], tags, false)
         })
     }
 
@@ -839,7 +941,7 @@ pub(crate) fn grad_within(
     let mut map = seed(outputs, grads)?;
     let mut tags = Tags::new();
     let (order, leaves) = topo_until(outputs, &stop);
-    propagate(&order, &mut map, &mut tags, &HashSet::new(), None, None)?;
+    propagate(&order, &mut map, &mut tags, &HashSet::new(), None, None, false)?;
     demote_all(&mut map, tags)?;
     let stray = leaves.into_iter().filter(|l| !stop.contains(&l.id()) && map.contains_key(&l.id()));
     let stray = stray.collect();
@@ -876,7 +978,7 @@ fn input_pass(
     let order: Vec<Tensor> = order.into_iter().filter(|t| on_path.contains(&t.id())).collect();
     let split = Split { on_path: &on_path, weight: &mut weight };
     let mut tags = Tags::new();
-    propagate(&order, map, &mut tags, targets, Some(split), None)?;
+    propagate(&order, map, &mut tags, targets, Some(split), None, false)?;
     demote_all(map, tags)?;
     Ok(weight)
 }
@@ -923,7 +1025,7 @@ impl DeferredWithin {
         let mut map = seed(&roots, grads)?;
         let mut tags = Tags::new();
         let (order, leaves) = topo_until(&roots, &stop);
-        propagate(&order, &mut map, &mut tags, &HashSet::new(), None, None)?;
+        propagate(&order, &mut map, &mut tags, &HashSet::new(), None, None, false)?;
         demote_all(&mut map, tags)?;
         let stray =
             leaves.into_iter().filter(|l| !stop.contains(&l.id()) && map.contains_key(&l.id()));
@@ -1097,7 +1199,7 @@ impl WeightGrad {
         if roots.is_empty() {
             return Ok(());
         }
-        run_into_leaves(&roots, grads)
+        run_into_leaves(&roots, grads, false)
     }
 
     /// Runs the pending node calls and sums the gradients per tensor: the roots the rest
@@ -1112,6 +1214,8 @@ impl WeightGrad {
                 mask[i] = true;
             }
             let mut gs = call_backward(&p.node, &p.grad, mask)?;
+            // Its last call: what it saved goes.
+            p.node.release();
             drop(p.grad);
             for (i, slot) in p.slots {
                 if let Some(gi) = gs[i].take() {
@@ -1202,7 +1306,7 @@ mod tests {
         assert_eq!(returned(&e, &[true]), [true]);
         // Called outside the engine (no mask), a closure computes every half.
         let g = Tensor::ones([3, 2], DType::F64, crate::Device::Cpu).unwrap();
-        let gs = (mm[0].node().unwrap().backward)(&g).unwrap();
+        let gs = mm[0].node().unwrap().call(&g).unwrap();
         assert!(gs.iter().all(Option::is_some));
     }
 

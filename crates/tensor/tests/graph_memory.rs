@@ -69,3 +69,63 @@ fn intermediates_no_backward_saved_are_freed() {
     .join()
     .unwrap();
 }
+
+/// A backward pass frees what each node saved once it has run the node (PyTorch's
+/// default): a chain of products that each save a 4 MiB intermediate holds them all after
+/// the forward, and none once the backward has passed, while the loss is still held; the
+/// pass's peak stays below the forward's activations plus the gradients it makes. A
+/// second backward through the freed graph is an error naming the node;
+/// `backward_retain_graph` keeps everything for one.
+#[test]
+fn backward_frees_saved_tensors_as_it_goes() {
+    std::thread::spawn(|| {
+        const LINKS: usize = 6;
+        let four_mib = (N * 4) as i64;
+        let x = Tensor::full([N], 0.5, DType::F32, Device::Cpu).unwrap().requires_grad_(true);
+        // y_{k+1} = y_k * y_k saves y_k (4 MiB each); only the graph holds them.
+        let chain = || -> Result<Vec<Tensor>, TensorError> {
+            let mut y = x.mul_scalar(1.0)?;
+            for _ in 0..LINKS {
+                y = y.mul(&y)?;
+            }
+            Ok(vec![y.sum_all()?])
+        };
+        let (held, kept) = held_after(43, chain);
+        assert!(held >= LINKS as i64 * four_mib, "the forward keeps every link: {held}");
+        let loss = kept.into_iter().next().unwrap();
+        let before = memory::current(43);
+        memory::reset_peak(43);
+        loss.backward().unwrap();
+        let after = memory::current(43) - before;
+        let peak = memory::peak(43) - before;
+        // Only x's gradient was added; the links' saved tensors are gone.
+        assert!(
+            after < -(LINKS as i64 - 1) * four_mib,
+            "the pass freed {} bytes of {} saved",
+            -after,
+            LINKS as i64 * four_mib
+        );
+        // A link's backward holds the incoming gradient, both operands' and their sum.
+        assert!(
+            peak <= 4 * four_mib + (64 << 10),
+            "the pass rose {peak} bytes above the forward's end"
+        );
+        let err = loss.backward().unwrap_err().to_string();
+        assert!(err.contains("through sum a second time"), "{err}");
+
+        // Retained: the saved tensors stay, and a second pass gives the same gradient
+        // again (added into .grad()).
+        x.zero_grad();
+        let (_, kept) = held_after(44, chain);
+        let loss = kept.into_iter().next().unwrap();
+        let before = memory::current(44);
+        loss.backward_retain_graph(None).unwrap();
+        let first = x.grad().unwrap().to_vec::<f32>().unwrap();
+        assert!(memory::current(44) - before > 0, "a retained graph keeps what it saved");
+        loss.backward().unwrap();
+        let twice = x.grad().unwrap().to_vec::<f32>().unwrap();
+        assert!(first.iter().zip(&twice).all(|(a, b)| *b == 2.0 * *a));
+    })
+    .join()
+    .unwrap();
+}
