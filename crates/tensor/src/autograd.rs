@@ -349,15 +349,22 @@ pub fn record(
     output: Tensor,
     backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 ) -> Tensor {
+    record_node(inputs, output, || {
+        let mut groups = inputs.iter().map(|t| t.replicated_group());
+        let first = groups.next().flatten();
+        let replicated = first.filter(|g| groups.all(|o| o == Some(*g)));
+        Node::new(name, inputs, Arc::new(backward), replicated, false)
+    })
+}
+
+/// `output` with the node `make` builds, when grad mode is on and an input requires a
+/// gradient; otherwise `output` unchanged (its inputs noted for a checkpointed region).
+fn record_node(inputs: &[&Tensor], output: Tensor, make: impl FnOnce() -> Node) -> Tensor {
     if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
         crate::checkpoint::note_inputs(inputs);
         return output;
     }
-    let mut groups = inputs.iter().map(|t| t.replicated_group());
-    let first = groups.next().flatten();
-    let replicated = first.filter(|g| groups.all(|o| o == Some(*g)));
-    let node = Node::new(name, inputs, Arc::new(backward), replicated, false);
-    output.share(output.shape().clone(), Some(Arc::new(node)))
+    output.share(output.shape().clone(), Some(Arc::new(make())))
 }
 
 /// [`record`] for a node that outlives a step: the output is a long-lived tensor (FSDP's
@@ -369,13 +376,10 @@ pub fn record_persistent(
     output: Tensor,
     backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 ) -> Tensor {
-    if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
-        crate::checkpoint::note_inputs(inputs);
-        return output;
-    }
-    let node =
-        Node { persistent: true, ..Node::new(name, inputs, Arc::new(backward), None, false) };
-    output.share(output.shape().clone(), Some(Arc::new(node)))
+    record_node(inputs, output, || Node {
+        persistent: true,
+        ..Node::new(name, inputs, Arc::new(backward), None, false)
+    })
 }
 
 /// [`record`] for a node that knows how its values are laid out over ranks (a
@@ -390,12 +394,7 @@ pub fn record_replication_aware(
     replicated: Option<u64>,
     backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 ) -> Tensor {
-    if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
-        crate::checkpoint::note_inputs(inputs);
-        return output;
-    }
-    let node = Node::new(name, inputs, Arc::new(backward), replicated, true);
-    output.share(output.shape().clone(), Some(Arc::new(node)))
+    record_node(inputs, output, || Node::new(name, inputs, Arc::new(backward), replicated, true))
 }
 
 /// A differentiable function written by the caller: forward and backward.
