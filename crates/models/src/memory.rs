@@ -224,7 +224,8 @@
 //! gradients is not held at the highest point ([`MemoryEstimate::released`]); the peak is
 //! the five less that. With activations larger than a layer's gradients the highest
 //! point is early in the backward, where few gradients exist yet (on the single-rank row
-//! of `tests/memory_model.rs`, 10.6 MiB of its 12.1 MiB of gradients are not made yet).
+//! of `tests/memory_model.rs`, 10.9 MiB of its 12.1 MiB of gradients are not made yet,
+//! and the head's inputs, 1.0 MiB, are freed).
 //!
 //! - **Context parallelism**: every activation holds `s / cp` positions of its rows
 //!   (attention under cp saves the same local q, k, v, output and log-sum-exps as plain
@@ -908,23 +909,16 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // The backward frees each node's saved tensors once it has run (as PyTorch does):
     // the head's and the final norm's inputs first, then each layer's activations, from
     // the last layer down. `freed(k)`: what one micro-batch no longer holds once `k` of the
-    // stage's layers are done. The interleaved walk below keeps its own account.
+    // stage's layers are done. (The interleaved walk below keeps its own account and
+    // reads only each candidate's `buffers` and `own`.)
     let tail = if last { tokens * (shape.resid + h) * abytes + tokens * stat } else { 0.0 };
-    let freed = |k: usize| -> f64 {
-        if interleaved {
-            return 0.0;
-        }
-        tail + layer_kept.iter().rev().take(k).sum::<f64>()
-    };
+    let freed = |k: usize| tail + layer_kept.iter().rev().take(k).sum::<f64>();
     // Gradients made before the layers' backward (the head's and the final norm's).
     let first_grads = if last { (v * h / t + h) * pbytes } else { 0.0 };
     let layer_grads = layer_params * pbytes;
     // Gradients not made yet when `k` layers are done and `made` elements of the next one
     // are (without FSDP, whose shards `fsdp_layer_backward` counts).
-    let missing = |k: usize, made: f64| -> f64 {
-        if interleaved {
-            return 0.0;
-        }
+    let missing = |k: usize, made: f64| {
         (gradients - first_grads - k as f64 * layer_grads - made * pbytes).max(0.0)
     };
     // Under FSDP, what a layer's backward holds beside the parameters, the optimizer state
@@ -1010,7 +1004,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     }
     // Before any gradient of the step exists: the forward's end and the loss's backward
     // (a pipeline's later micro-batch has the earlier ones' gradients).
-    let none_yet = if accumulating || interleaved { 0.0 } else { gradients };
+    let none_yet = if accumulating { 0.0 } else { gradients };
     options.push(Candidate { buffers: 0.0, released: none_yet, own: 0.0, what: "none".into() });
     if last {
         // The head's backward: the logits' gradient and the head input's.
@@ -1024,7 +1018,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     }
     // A transient of the layers' backward other than the layer's own, taken at the first
     // layer's.
-    let at_first_layer = if accumulating || interleaved { 0.0 } else { freed(0) + first_missing };
+    let at_first_layer = if accumulating { 0.0 } else { freed(0) + first_missing };
     if c.cp > 1 && layers > 0 {
         // The ring: the key and value blocks received for the next hop while the current
         // ones are used, forward and backward (where dk and dv travel with them).
