@@ -699,14 +699,15 @@ fn propagate(
     Ok(())
 }
 
-/// Propagates `grads` (one per root) back through the graph. Returns the
-/// gradients of the leaves and of the `keep` tensors.
+/// Propagates `grads` (one per root) back through the graph, freeing each node it
+/// runs unless `retain`. Returns the gradients of the leaves and of the `keep` tensors.
 fn run(
     roots: &[Tensor],
     grads: Vec<Tensor>,
     keep: &HashSet<u64>,
+    retain: bool,
 ) -> Result<(Vec<Tensor>, HashMap<u64, Tensor>)> {
-    run_tagged(roots, grads, Tags::new(), keep)
+    run_tagged(roots, grads, Tags::new(), keep, retain)
 }
 
 /// [`run`] with some roots' gradients tagged (`tags`, by root id). The gradients
@@ -716,12 +717,13 @@ fn run_tagged(
     grads: Vec<Tensor>,
     mut tags: Tags,
     keep: &HashSet<u64>,
+    retain: bool,
 ) -> Result<(Vec<Tensor>, HashMap<u64, Tensor>)> {
     let _g = GradModeGuard::new(false);
     let _m = MaskGuard::new(None);
     let mut map = seed(roots, grads)?;
     let (order, leaves) = topo(roots);
-    propagate(&order, &mut map, &mut tags, keep, None, None, true)?;
+    propagate(&order, &mut map, &mut tags, keep, None, None, retain)?;
     demote_all(&mut map, tags)?;
     Ok((leaves, map))
 }
@@ -905,10 +907,44 @@ impl Tensor {
 /// Gradients of `outputs` (weighted by `grad_outputs`) with respect to `inputs`,
 /// returned rather than accumulated (as `torch.autograd.grad`). An input that
 /// does not influence the outputs gets `None`.
+///
+/// As `torch.autograd.grad` by default (`retain_graph=False`), each node's saved
+/// tensors are freed once the pass has run it: a second pass through the same graph
+/// is an error naming the node. [`grad_retain_graph`] keeps them.
+///
+/// ```
+/// use tpar_tensor::{autograd, DType, Device, Tensor};
+/// let x = Tensor::full([2], 3.0, DType::F64, Device::Cpu)?.requires_grad_(true);
+/// let y = x.square()?.sum_all()?;
+/// let one = Tensor::full([], 1.0, DType::F64, Device::Cpu)?;
+/// let g = autograd::grad(&[y.clone()], &[one.clone()], &[x.clone()])?;
+/// assert_eq!(g[0].as_ref().unwrap().to_vec::<f64>()?, vec![6.0, 6.0]);
+/// assert!(autograd::grad(&[y], &[one], &[x]).is_err()); // the graph was freed
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
 pub fn grad(
     outputs: &[Tensor],
     grad_outputs: &[Tensor],
     inputs: &[Tensor],
+) -> Result<Vec<Option<Tensor>>> {
+    grad_impl(outputs, grad_outputs, inputs, false)
+}
+
+/// [`grad`], keeping every node's saved tensors for another pass through the same
+/// graph: `torch.autograd.grad(..., retain_graph=True)`.
+pub fn grad_retain_graph(
+    outputs: &[Tensor],
+    grad_outputs: &[Tensor],
+    inputs: &[Tensor],
+) -> Result<Vec<Option<Tensor>>> {
+    grad_impl(outputs, grad_outputs, inputs, true)
+}
+
+fn grad_impl(
+    outputs: &[Tensor],
+    grad_outputs: &[Tensor],
+    inputs: &[Tensor],
+    retain: bool,
 ) -> Result<Vec<Option<Tensor>>> {
     if outputs.len() != grad_outputs.len() {
         return Err(TensorError::Autograd(format!(
@@ -919,7 +955,7 @@ pub fn grad(
     }
     let keep: HashSet<u64> = inputs.iter().map(|t| t.id()).collect();
     let grads = grad_outputs.iter().map(|g| g.detach()).collect();
-    let (_, map) = with_callbacks(Vec::new(), || run(outputs, grads, &keep))?;
+    let (_, map) = with_callbacks(Vec::new(), || run(outputs, grads, &keep, retain))?;
     Ok(inputs.iter().map(|t| map.get(&t.id()).cloned()).collect())
 }
 

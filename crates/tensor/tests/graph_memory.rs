@@ -6,7 +6,7 @@
 #[global_allocator]
 static ALLOC: tpar_tensor::memory::TrackingAllocator = tpar_tensor::memory::TrackingAllocator;
 
-use tpar_tensor::{memory, DType, Device, Tensor, TensorError};
+use tpar_tensor::{autograd, memory, DType, Device, Tensor, TensorError};
 
 const N: usize = 1 << 20; // 4 MiB of f32
 
@@ -125,6 +125,51 @@ fn backward_frees_saved_tensors_as_it_goes() {
         loss.backward().unwrap();
         let twice = x.grad().unwrap().to_vec::<f32>().unwrap();
         assert!(first.iter().zip(&twice).all(|(a, b)| *b == 2.0 * *a));
+    })
+    .join()
+    .unwrap();
+}
+
+/// `autograd::grad` frees the graph as `torch.autograd.grad` does by default, and
+/// `grad_retain_graph` keeps it.
+#[test]
+fn autograd_grad_frees_the_graph_unless_retained() {
+    std::thread::spawn(|| {
+        const LINKS: usize = 4;
+        let four_mib = (N * 4) as i64;
+        let x = Tensor::full([N], 0.5, DType::F32, Device::Cpu).unwrap().requires_grad_(true);
+        let chain = || -> Result<Vec<Tensor>, TensorError> {
+            let mut y = x.mul_scalar(1.0)?;
+            for _ in 0..LINKS {
+                y = y.mul(&y)?;
+            }
+            Ok(vec![y.sum_all()?])
+        };
+        let one = Tensor::full([], 1.0, DType::F32, Device::Cpu).unwrap();
+        let ins = [x.clone()];
+
+        let (_, kept) = held_after(45, chain);
+        let loss = kept.into_iter().next().unwrap();
+        let before = memory::current(45);
+        let (outs, seeds) = (std::slice::from_ref(&loss), std::slice::from_ref(&one));
+        let kept_grad = autograd::grad_retain_graph(outs, seeds, &ins).unwrap().remove(0).unwrap();
+        let retained = memory::current(45) - before;
+        // The gradient returned (4 MiB) and every link's saved operands.
+        assert!(retained >= four_mib, "a retained graph keeps what it saved: {retained}");
+        let again = autograd::grad(outs, seeds, &ins).unwrap().remove(0).unwrap();
+        assert_eq!(kept_grad.to_vec::<f32>().unwrap(), again.to_vec::<f32>().unwrap());
+        assert!(x.grad().is_none(), "grad returns gradients, it does not accumulate them");
+        drop((kept_grad, again));
+        // The second pass freed the links: only the loss's own node is left.
+        let after = memory::current(45) - before;
+        assert!(
+            after < -(LINKS as i64 - 1) * four_mib,
+            "grad freed {} bytes of {} saved",
+            -after,
+            LINKS as i64 * four_mib
+        );
+        let err = autograd::grad(outs, seeds, &ins).unwrap_err().to_string();
+        assert!(err.contains("a second time"), "{err}");
     })
     .join()
     .unwrap();
