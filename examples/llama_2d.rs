@@ -154,7 +154,8 @@ struct Cli {
     metrics: args::MetricsArgs,
     /// Refuse to start (exit code 2, before the model is built) when the predicted peak
     /// memory per rank (tpar's memory model: parameters, gradients, optimizer state,
-    /// activations, the largest transient) exceeds this many GiB.
+    /// activations, the largest transient) exceeds this many GiB, naming the changes on
+    /// the same ranks with the same global batch that would fit.
     #[arg(long)]
     memory_budget: Option<f64>,
     /// End the run after step N, as an interruption would (the schedule still spans
@@ -339,8 +340,8 @@ fn cuda_graph_supported(c: &Cli, world: usize) -> Result<(), String> {
     }
 }
 
-/// The memory model's prediction for this run: the rank with the highest peak.
-fn predicted_memory(o: &Opts, cfg: &LlamaConfig, host: bool) -> tpar::Result<MemoryEstimate> {
+/// This run for the memory model.
+fn memory_config(o: &Opts, cfg: &LlamaConfig, host: bool) -> MemoryConfig {
     let data_parallel = match o.dp_mode {
         DpMode::Fsdp => {
             DataParallelMode::Fsdp { param_dtype: (o.dtype != DType::F32).then_some(o.dtype) }
@@ -348,7 +349,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, host: bool) -> tpar::Result<Mem
         DpMode::Ddp => DataParallelMode::Ddp,
         DpMode::Zero1 => DataParallelMode::Zero1,
     };
-    let run = MemoryConfig {
+    MemoryConfig {
         dp: o.dp,
         tp: o.tp,
         cp: o.cp,
@@ -359,8 +360,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, host: bool) -> tpar::Result<Mem
         host,
         fusion: o.fusion,
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
-    };
-    Ok(predict_memory(&run)?)
+    }
 }
 
 fn parse_cuda_ordinal(s: &str) -> Option<usize> {
@@ -501,12 +501,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     flags::model_fits(&cfg, here, o.world, &sizes).map_err(|what| NnError::Config { what })?;
     // The predicted peak per rank; over --memory-budget the run stops here, before the
     // model is built.
-    let predicted = predicted_memory(o, &cfg, compute_device(o) == Device::Cpu)?;
+    let run = memory_config(o, &cfg, compute_device(o) == Device::Cpu);
+    let predicted = predict_memory(&run)?;
     if rank == 0 {
         println!("memory: {predicted}");
     }
     if let Some(gib) = o.memory_budget {
-        predicted.fits((gib * (1u64 << 30) as f64) as u64)?;
+        // Refused with the configurations on the same ranks that would fit.
+        check_fits(&run, (gib * (1u64 << 30) as f64) as u64)?;
     }
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;

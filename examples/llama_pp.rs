@@ -135,7 +135,8 @@ struct Opts {
     /// memory of a rank (tpar's memory model: parameters, gradients, optimizer state,
     /// the activations of the micro-batches in flight, the largest transient) exceeds
     /// this many GiB (under the interleaved schedule, of the rank's stages in the
-    /// schedule's order).
+    /// schedule's order), naming the changes on the same ranks with the same global
+    /// batch that would fit.
     #[arg(long)]
     memory_budget: Option<f64>,
     /// End the run after step N, as an interruption would (the LR schedule still spans
@@ -278,15 +279,16 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     flags::model_fits(&cfg, here, world.size(), &sizes).map_err(|what| NnError::Config { what })?;
     // The predicted peak of this rank's stage; over --memory-budget the run stops here,
     // before the stages are built.
-    let predicted = match predicted_memory(o, &cfg, pp_rank) {
+    let run = memory_config(o, &cfg);
+    let predicted = match predict_memory_stage(&run, pp_rank) {
         Ok(p) => Some(p),
-        Err(tpar::Error::Memory(MemoryError::Config { what })) if o.memory_budget.is_none() => {
+        Err(MemoryError::Config { what }) if o.memory_budget.is_none() => {
             if rank == 0 {
                 println!("memory: not predicted ({what})");
             }
             None
         }
-        Err(e) => return Err(e),
+        Err(e) => return Err(e.into()),
     };
     if let Some(p) = &predicted {
         // One line per stage, from its first rank.
@@ -294,11 +296,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             println!("memory: {p}");
         }
         if let Some(gib) = o.memory_budget {
-            // Every rank checks the stage with the highest peak, so all stop alike.
-            let highest = (0..o.pp).map(|s| predicted_memory(o, &cfg, s));
-            let highest = highest.collect::<tpar::Result<Vec<_>>>()?.into_iter();
-            let highest = highest.max_by_key(|e| e.peak).unwrap_or_else(|| p.clone());
-            highest.fits((gib * (1u64 << 30) as f64) as u64)?;
+            // Every rank checks the stage with the highest peak, so all stop alike, with
+            // the configurations on the same ranks that would fit.
+            check_fits(&run, (gib * (1u64 << 30) as f64) as u64)?;
         }
     }
 
@@ -606,13 +606,14 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
 }
 
 /// The memory model's prediction for pipeline stage `stage` of this run.
-fn predicted_memory(o: &Opts, cfg: &LlamaConfig, stage: usize) -> tpar::Result<MemoryEstimate> {
+/// This run for the memory model.
+fn memory_config(o: &Opts, cfg: &LlamaConfig) -> MemoryConfig {
     let data_parallel = match (o.dp > 1, o.no_fsdp) {
         (false, _) => DataParallelMode::None,
         (true, false) => DataParallelMode::Fsdp { param_dtype: None },
         (true, true) => DataParallelMode::Ddp,
     };
-    let run = MemoryConfig {
+    MemoryConfig {
         dp: o.dp,
         cp: o.cp,
         tp: o.tp,
@@ -630,8 +631,7 @@ fn predicted_memory(o: &Opts, cfg: &LlamaConfig, stage: usize) -> tpar::Result<M
         ac: o.ac.ac.clone(),
         fusion: LlamaFusion { projections: o.fuse_proj, residual: o.fuse_residual },
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
-    };
-    Ok(predict_memory_stage(&run, stage)?)
+    }
 }
 
 fn main() {

@@ -131,6 +131,30 @@ fn impossible_sizes_are_typed_errors_not_aborts() {
     }
 }
 
+/// A run over `--memory-budget` stops before building anything, exit code 2, with the
+/// numbers and what on the same ranks would fit (the memory model's alternatives).
+#[test]
+fn a_run_over_its_memory_budget_is_refused_with_what_would_fit() {
+    // llama_2d's default (dp 2 x tp 2, FSDP) is predicted at 4.3 MiB a rank; selective
+    // checkpointing at 4.1.
+    if let Some((code, out, err)) = run_example("llama_2d", &["--memory-budget", "0.004"]) {
+        assert_eq!(code, 2, "{err}");
+        assert!(!out.contains("summary:"), "it trained: {out}");
+        for want in ["does not fit in 4.1 MiB", "would fit with ac selective: predicted peak"] {
+            assert!(err.contains(want), "{want:?} missing from: {err}");
+        }
+    }
+    // llama_pp's (pp 3, 1F1B, 4 micro-batches): 6.8 MiB; selective checkpointing or 8
+    // micro-batches under 6.1.
+    if let Some((code, out, err)) = run_example("llama_pp", &["--memory-budget", "0.006"]) {
+        assert_eq!(code, 2, "{err}");
+        assert!(!out.contains("summary:"), "it trained: {out}");
+        for want in ["would fit with ac selective", "or 8 micro-batches"] {
+            assert!(err.contains(want), "{want:?} missing from: {err}");
+        }
+    }
+}
+
 /// One rank's local shard for the from_local tests: `odd` holds `odd_shape`/`odd_dtype`.
 fn shard(rank: usize, odd: usize, shape: &[usize], odd_shape: &[usize], dtype: DType) -> Tensor {
     let (s, d) = if rank == odd { (odd_shape, dtype) } else { (shape, DType::F32) };

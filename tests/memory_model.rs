@@ -36,8 +36,9 @@ use std::time::Duration;
 use tpar::collectives::RankThreads;
 use tpar::dtensor::CpMethod;
 use tpar::models::memory::{
-    host_sdpa_backward_scratch, predict_memory, predict_memory_stage, AttentionCall,
-    DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate, TpPlan, HOST_GEMM_WORKSPACE,
+    alternatives, check_fits, host_sdpa_backward_scratch, lowest_peak, predict_memory,
+    predict_memory_stage, Alternative, AttentionCall, Change, DataParallelMode, MemoryConfig,
+    MemoryError, MemoryEstimate, TpPlan, HOST_GEMM_WORKSPACE,
 };
 use tpar::models::LlamaFusion;
 use tpar::prelude::*;
@@ -935,4 +936,173 @@ fn host_attention_backward_holds_its_gradients_and_scratch() {
             );
         }
     }
+}
+
+/// Whether alternative `a` changes no setting further than `b` does: every setting `a`
+/// changes, `b` changes too, at least as far (selective before full checkpointing, ZeRO-1
+/// before FSDP, fewer micro-batches before more; the same mesh).
+fn no_further(a: &Alternative, b: &Alternative) -> bool {
+    let strength = |ch: &Change| match ch {
+        Change::Ac(AcPolicy::Full { .. }) | Change::DataParallel(DataParallelMode::Fsdp { .. }) => {
+            2
+        }
+        Change::Ac(_) | Change::DataParallel(DataParallelMode::Zero1) => 1,
+        Change::Microbatches(m) => *m,
+        _ => 0,
+    };
+    let same_kind = |x: &Change, y: &Change| std::mem::discriminant(x) == std::mem::discriminant(y);
+    a != b
+        && a.changes.iter().all(|x| {
+            b.changes.iter().any(|y| {
+                same_kind(x, y)
+                    && match (x, y) {
+                        (Change::Mesh { .. }, _) => x == y,
+                        _ => strength(x) <= strength(y),
+                    }
+            })
+        })
+}
+
+/// What every alternative must be: on the same ranks, with the same global batch, a mesh
+/// the model's heads and the sequence divide, predicted within the budget, and not a
+/// further change than another alternative.
+fn check_alternatives(c: &MemoryConfig, budget: u64, alts: &[Alternative]) {
+    let ranks = |x: &MemoryConfig| x.dp * x.cp * x.tp * x.pp;
+    for a in alts {
+        let n = &a.config;
+        assert!(a.estimate.peak <= budget, "{a} exceeds {budget}");
+        assert_eq!(predict_memory(n).unwrap(), a.estimate, "{a}");
+        assert_eq!((ranks(n), n.pp), (ranks(c), c.pp), "{a}: the ranks");
+        assert_eq!(n.batch * n.dp, c.batch * c.dp, "{a}: the global batch");
+        assert!(n.model.num_key_value_heads.is_multiple_of(n.tp), "{a}: tp {}", n.tp);
+        assert!(n.seq.is_multiple_of(n.tp * n.cp), "{a}: the sequence over cp x tp");
+        assert!(!a.changes.is_empty(), "{a}");
+        for b in alts {
+            assert!(!no_further(b, a), "{a} is listed beside {b}, which changes less");
+        }
+    }
+    // Fewest changes first.
+    assert!(alts.windows(2).all(|w| w[0].changes.len() <= w[1].changes.len()), "{alts:?}");
+}
+
+/// A configuration over its budget is refused with the configurations on the same ranks
+/// that would fit (stronger checkpointing, a data-parallel mode that shards more, another
+/// mesh split, more micro-batches): each predicted within the budget, keeping the ranks
+/// and the global batch, none a further change than another; with none, the one with the
+/// lowest peak. Predictions only (the next test measures one).
+#[test]
+fn refused_configurations_name_what_would_fit() {
+    let single = Run::base().memory_config();
+    let peak = |c: &MemoryConfig| predict_memory(c).unwrap().peak;
+    let selective = peak(&MemoryConfig { ac: AcPolicy::selective(), ..single.clone() });
+    let full = peak(&MemoryConfig { ac: AcPolicy::full(), ..single.clone() });
+    assert!(full < selective && selective < peak(&single));
+
+    // Between selective and none: selective checkpointing, and not full (a further change
+    // of the same setting).
+    let budget = (selective + peak(&single)) / 2;
+    let alts = alternatives(&single, budget);
+    check_alternatives(&single, budget, &alts);
+    assert_eq!(alts[0].changes, vec![Change::Ac(AcPolicy::selective())], "{alts:?}");
+    assert!(!alts.iter().any(|a| a.changes.contains(&Change::Ac(AcPolicy::full()))));
+    let e = check_fits(&single, budget).unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("would fit with ac selective: predicted peak"), "{text}");
+    assert!(
+        matches!(&e, MemoryError::DoesNotFit { alternatives, lowest: None, .. } if *alternatives == alts)
+    );
+    // Between full and selective: only full.
+    let budget = (full + selective) / 2;
+    let alts = alternatives(&single, budget);
+    check_alternatives(&single, budget, &alts);
+    assert_eq!(alts[0].changes, vec![Change::Ac(AcPolicy::full())]);
+    // What fits is not refused, and has no alternatives.
+    assert_eq!(check_fits(&single, peak(&single)).unwrap().peak, peak(&single));
+    assert!(alternatives(&single, peak(&single)).is_empty());
+
+    // dp 4 with DDP: ZeRO-1 fits at its own peak, so FSDP (which shards further) is not
+    // listed, alone or with anything else.
+    let ddp = MemoryConfig {
+        dp: 4,
+        data_parallel: DataParallelMode::Ddp,
+        ..MemoryConfig::new(config(), BATCH, SEQ)
+    };
+    let zero1 = peak(&MemoryConfig { data_parallel: DataParallelMode::Zero1, ..ddp.clone() });
+    assert!(zero1 < peak(&ddp));
+    let alts = alternatives(&ddp, zero1);
+    check_alternatives(&ddp, zero1, &alts);
+    assert_eq!(alts[0].changes, vec![Change::DataParallel(DataParallelMode::Zero1)]);
+    let fsdp = Change::DataParallel(DataParallelMode::Fsdp { param_dtype: None });
+    assert!(!alts.iter().any(|a| a.changes.contains(&fsdp)), "{alts:?}");
+
+    // Budgets from 95 % down to 40 % of the peak at 2x2 FSDP x TP, at dp 4 with DDP (where
+    // the mesh may change too) and under a pipeline (where micro-batches may).
+    let fsdp_tp = MemoryConfig {
+        dp: 2,
+        tp: 2,
+        data_parallel: DataParallelMode::Fsdp { param_dtype: None },
+        ..MemoryConfig::new(config(), BATCH, SEQ)
+    };
+    let pp = MemoryConfig { pp: 2, microbatches: 2, batch: 4, ..single.clone() };
+    let mut kinds = std::collections::BTreeSet::new();
+    for c in [&fsdp_tp, &ddp, &pp] {
+        for pct in [95, 85, 75, 60, 40] {
+            let budget = peak(c) * pct / 100;
+            let alts = alternatives(c, budget);
+            check_alternatives(c, budget, &alts);
+            kinds.extend(alts.iter().flat_map(|a| &a.changes).map(|ch| match ch {
+                Change::DataParallel(_) => "data parallel",
+                Change::Ac(_) => "ac",
+                Change::Microbatches(_) => "micro-batches",
+                Change::Mesh { .. } => "mesh",
+            }));
+            match check_fits(c, budget) {
+                Err(MemoryError::DoesNotFit { alternatives: a, lowest, .. }) => {
+                    assert_eq!(a, alts);
+                    // With nothing that fits, the lowest peak the search found.
+                    match (alts.is_empty(), lowest) {
+                        (true, Some(l)) => {
+                            assert!(l.estimate.peak > budget && l.estimate.peak < peak(c));
+                            assert_eq!(Some(*l), lowest_peak(c));
+                        }
+                        (false, None) => {}
+                        (empty, l) => panic!("{c}: alternatives empty {empty}, lowest {l:?}"),
+                    }
+                }
+                other => panic!("{c} at {pct} %: {other:?}"),
+            }
+        }
+    }
+    // Every kind of change was offered somewhere.
+    assert_eq!(kinds.len(), 4, "{kinds:?}");
+
+    // Far below anything: no alternative, and the message says which is lowest.
+    let text = check_fits(&single, 1 << 20).unwrap_err().to_string();
+    assert!(text.contains("fits either, the lowest being ac full: predicted peak"), "{text}");
+}
+
+/// The measured side of [`refused_configurations_name_what_would_fit`]: at a budget
+/// between the predicted peaks of one rank with and without selective checkpointing, the
+/// run without is refused and really peaks above the budget, and the first alternative
+/// named (selective checkpointing) really runs within it.
+#[test]
+fn the_alternative_named_fits_when_measured() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let run = Run::base();
+    let c = run.memory_config();
+    let selective = Run { ac: AcPolicy::selective(), ..run.clone() };
+    let budget = (predict_memory(&c).unwrap().peak + selective.predict()[0].peak) / 2;
+    let alts = alternatives(&c, budget);
+    assert_eq!(alts[0].config, selective.memory_config(), "{alts:?}");
+    let refused = run.peaks()[0];
+    let suggested = selective.peaks()[0];
+    println!(
+        "budget {:.1} MiB: refused run measured {:.1} MiB, {} measured {:.1} MiB",
+        mib(budget as f64),
+        mib(refused as f64),
+        alts[0],
+        mib(suggested as f64)
+    );
+    assert!(refused > budget as i64, "the refused run fits after all: {refused} <= {budget}");
+    assert!(suggested <= budget as i64, "{} measured {suggested} B > {budget}", alts[0]);
 }

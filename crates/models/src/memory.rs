@@ -4,7 +4,10 @@
 //! the activation-checkpointing policy, and returns a [`MemoryEstimate`] per rank
 //! (parameters, gradients, optimizer state, activations, the largest transient and the
 //! peak). [`MemoryEstimate::fits`] answers "does it fit in N bytes" with a typed error
-//! that names the configuration and every number when it does not.
+//! that names the configuration and every number when it does not; [`check_fits`] also
+//! names what would fit on the same ranks with the same global batch ([`alternatives`]:
+//! stronger checkpointing, a data-parallel mode that shards more, another mesh split,
+//! more micro-batches).
 //!
 //! # What the model counts
 //!
@@ -290,6 +293,9 @@ use tpar_tensor::DType;
 
 use crate::{LlamaConfig, LlamaFusion};
 
+mod fit;
+pub use fit::{alternatives, check_fits, lowest_peak, Alternative, Change};
+
 /// The GEMM kernels' packing buffers a host rank thread keeps between calls (measured
 /// with the tracking allocator on the Llama steps of `tests/memory_model.rs`).
 pub const HOST_GEMM_WORKSPACE: u64 = 2 << 20;
@@ -310,7 +316,7 @@ pub enum MemoryError {
         "{config}: predicted peak {peak} per rank does not fit in {budget} (parameters \
          {params}, gradients {grads}, optimizer state {optim}, activations {acts}, largest \
          transient {transient}: {transient_what}; less {released} freed or not made yet by \
-         then)",
+         then){hint}",
         peak = mib(estimate.peak),
         budget = mib(*budget),
         params = mib(estimate.parameters),
@@ -319,7 +325,8 @@ pub enum MemoryError {
         acts = mib(estimate.activations),
         transient = mib(estimate.transient),
         transient_what = estimate.transient_what,
-        released = mib(estimate.released)
+        released = mib(estimate.released),
+        hint = fit::hint(alternatives, lowest.as_deref())
     )]
     DoesNotFit {
         /// The configuration, in words.
@@ -328,6 +335,13 @@ pub enum MemoryError {
         estimate: Box<MemoryEstimate>,
         /// The budget in bytes.
         budget: u64,
+        /// The configurations near it that would fit ([`alternatives`]; empty where the
+        /// error came from [`MemoryEstimate::fits`], which has no configuration to
+        /// search from).
+        alternatives: Vec<Alternative>,
+        /// When none would fit, the one of them with the lowest predicted peak
+        /// ([`lowest_peak`]).
+        lowest: Option<Box<Alternative>>,
     },
 }
 
@@ -553,6 +567,8 @@ impl MemoryEstimate {
             config: self.config.clone(),
             estimate: Box::new(self.clone()),
             budget: budget_bytes,
+            alternatives: Vec::new(),
+            lowest: None,
         })
     }
 }

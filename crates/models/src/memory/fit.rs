@@ -1,0 +1,349 @@
+//! What would fit: the configurations near one whose predicted peak exceeds a budget
+//! that keep its world size and its global batch and do fit ([`alternatives`]), and
+//! [`check_fits`], which refuses a configuration with them in the error.
+//!
+//! The search changes four settings, each over the values a trainer can choose without
+//! changing what it trains (the same tokens per step, on the same ranks):
+//!
+//! - **activation checkpointing**: a stronger policy than the configuration's
+//!   (selective, then full, on every decoder layer);
+//! - **the data-parallel mode**: one that shards more (DDP, then ZeRO-1, then FSDP
+//!   without mixed precision, so the parameters keep their dtype), where the
+//!   data-parallel group has more than one rank;
+//! - **the mesh**: another split of the same ranks into `dp x cp x tp` (`pp` kept), with
+//!   `tp` dividing the query heads, the key/value heads, the hidden size, the MLP width
+//!   and the sequence, `2 cp tp` dividing the sequence under context parallelism, and
+//!   the global batch (`batch * dp`) divided evenly between the new `dp` ranks;
+//! - **micro-batches** (under a pipeline): 2, 4 or 8 times as many, as long as they
+//!   divide the batch.
+//!
+//! Every combination is predicted ([`predict_memory`]); of those that fit, only the
+//! least ones are kept: a combination is left out when another that fits changes no
+//! setting further (checkpoints no more, shards no more, has no more micro-batches, and
+//! keeps the mesh or has the same one). They are listed with the fewest settings changed
+//! first, then in a fixed order of how much a change costs a step (the data-parallel
+//! mode, which keeps the arithmetic, first; then selective checkpointing, micro-batches,
+//! the mesh, and full checkpointing last), then by predicted peak. That order is a rule
+//! of thumb, not a prediction of step time.
+//!
+//! The predictions have the model's accuracy (`tests/memory_model.rs` holds each
+//! within 15 % of the measured peak): a configuration predicted just under the budget
+//! may not fit.
+
+use std::cmp::Ordering;
+use std::fmt;
+
+use tpar_nn::checkpoint::AcPolicy;
+
+use super::{mib, predict_memory, DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate};
+
+/// One setting an [`Alternative`] changes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// The data-parallel mode.
+    DataParallel(DataParallelMode),
+    /// The activation-checkpointing policy of the decoder layers.
+    Ac(AcPolicy),
+    /// Micro-batches per step (under a pipeline).
+    Microbatches(usize),
+    /// The split of the ranks into `dp x cp x tp` (`pp` kept), with the sequences per
+    /// dp rank that keep the global batch.
+    Mesh {
+        /// Data-parallel degree.
+        dp: usize,
+        /// Context-parallel degree.
+        cp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
+        /// Sequences per dp rank per step.
+        batch: usize,
+    },
+}
+
+impl Change {
+    /// The change's place in the order of [`alternatives`] (a change that costs a step
+    /// less comes first).
+    fn rank(&self) -> u8 {
+        match self {
+            Change::DataParallel(_) => 0,
+            Change::Ac(AcPolicy::Full { .. }) => 4,
+            Change::Ac(_) => 1,
+            Change::Microbatches(_) => 2,
+            Change::Mesh { .. } => 3,
+        }
+    }
+}
+
+impl fmt::Display for Change {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Change::DataParallel(DataParallelMode::None) => write!(f, "no data parallelism"),
+            Change::DataParallel(DataParallelMode::Ddp) => write!(f, "DDP"),
+            Change::DataParallel(DataParallelMode::Zero1) => write!(f, "ZeRO-1"),
+            Change::DataParallel(DataParallelMode::Fsdp { param_dtype: None }) => {
+                write!(f, "FSDP")
+            }
+            Change::DataParallel(DataParallelMode::Fsdp { param_dtype: Some(d) }) => {
+                write!(f, "FSDP ({d} compute)")
+            }
+            Change::Ac(p) => write!(f, "ac {p}"),
+            Change::Microbatches(m) => write!(f, "{m} micro-batches"),
+            Change::Mesh { dp, cp, tp, batch } => {
+                write!(f, "dp {dp} x cp {cp} x tp {tp} (batch {batch} per dp rank)")
+            }
+        }
+    }
+}
+
+/// A configuration near another, and its prediction.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Alternative {
+    /// What it changes, in the order of [`Change`]'s kinds.
+    pub changes: Vec<Change>,
+    /// The configuration.
+    pub config: MemoryConfig,
+    /// Its prediction (the stage with the highest peak under a pipeline).
+    pub estimate: MemoryEstimate,
+}
+
+impl fmt::Display for Alternative {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let words: Vec<String> = self.changes.iter().map(Change::to_string).collect();
+        write!(f, "{}: predicted peak {}", words.join(", "), mib(self.estimate.peak))
+    }
+}
+
+/// How far a candidate moves each setting from the configuration: 0 keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Steps {
+    ac: usize,
+    dp_mode: usize,
+    micro: usize,
+    /// 0: the configuration's mesh; otherwise 1 + the index of the split.
+    mesh: usize,
+}
+
+impl Steps {
+    /// Whether `self` changes no setting further than `other` (and is not `other`).
+    fn no_further_than(&self, other: &Steps) -> bool {
+        self != other
+            && self.ac <= other.ac
+            && self.dp_mode <= other.dp_mode
+            && self.micro <= other.micro
+            && (self.mesh == 0 || self.mesh == other.mesh)
+    }
+}
+
+/// The policies stronger than `ac`, in order (selective before full).
+fn stronger_ac(ac: &AcPolicy) -> Vec<AcPolicy> {
+    let mut out = Vec::new();
+    if matches!(ac, AcPolicy::None) || matches!(ac, AcPolicy::Selective { every, .. } if *every > 1)
+    {
+        out.push(AcPolicy::selective());
+    }
+    if !matches!(ac, AcPolicy::Full { every: 1 }) {
+        out.push(AcPolicy::full());
+    }
+    out
+}
+
+/// The data-parallel modes that shard more than `mode`, in order.
+fn stronger_dp(mode: DataParallelMode) -> Vec<DataParallelMode> {
+    let fsdp = DataParallelMode::Fsdp { param_dtype: None };
+    match mode {
+        DataParallelMode::None => vec![DataParallelMode::Ddp, DataParallelMode::Zero1, fsdp],
+        DataParallelMode::Ddp => vec![DataParallelMode::Zero1, fsdp],
+        DataParallelMode::Zero1 => vec![fsdp],
+        DataParallelMode::Fsdp { .. } => Vec::new(),
+    }
+}
+
+/// The other splits of `c`'s `dp * cp * tp` ranks that the model, the sequence and the
+/// global batch allow: `(dp, cp, tp, batch per dp rank)`.
+fn meshes(c: &MemoryConfig) -> Vec<(usize, usize, usize, usize)> {
+    let m = &c.model;
+    let ranks = c.dp * c.cp * c.tp;
+    let global = c.batch * c.dp;
+    let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let mut out = Vec::new();
+    for tp in divisors(ranks) {
+        let tp_ok = [m.num_attention_heads, m.num_key_value_heads, m.hidden_size]
+            .into_iter()
+            .chain([m.intermediate_size, c.seq])
+            .all(|n| n.is_multiple_of(tp));
+        if !tp_ok {
+            continue;
+        }
+        for cp in divisors(ranks / tp) {
+            let dp = ranks / tp / cp;
+            if (cp > 1 && !c.seq.is_multiple_of(2 * cp * tp)) || !global.is_multiple_of(dp) {
+                continue;
+            }
+            if (dp, cp, tp) != (c.dp, c.cp, c.tp) {
+                out.push((dp, cp, tp, global / dp));
+            }
+        }
+    }
+    out
+}
+
+/// Every configuration near `c` that keeps its world size and global batch and whose
+/// predicted peak fits in `budget` bytes, the least changes first (module docs). Empty
+/// when `c` fits already, or when no such change fits.
+pub fn alternatives(c: &MemoryConfig, budget: u64) -> Vec<Alternative> {
+    if predict_memory(c).is_ok_and(|e| e.peak <= budget) {
+        return Vec::new();
+    }
+    let fitting: Vec<(Steps, Alternative)> =
+        candidates(c).into_iter().filter(|(_, a)| a.estimate.peak <= budget).collect();
+    let mut kept: Vec<(Steps, Alternative)> = fitting
+        .iter()
+        .filter(|(s, _)| !fitting.iter().any(|(o, _)| o.no_further_than(s)))
+        .cloned()
+        .collect();
+    kept.sort_by(|(_, a), (_, b)| order(a, b));
+    kept.into_iter().map(|(_, a)| a).collect()
+}
+
+/// The candidate near `c` (as [`alternatives`] searches) with the lowest predicted peak,
+/// whether or not it fits; `None` when no setting can change.
+pub fn lowest_peak(c: &MemoryConfig) -> Option<Alternative> {
+    candidates(c)
+        .into_iter()
+        .map(|(_, a)| a)
+        .min_by(|a, b| a.estimate.peak.cmp(&b.estimate.peak).then_with(|| order(a, b)))
+}
+
+/// The order of [`alternatives`]: fewer changes, then the cheaper kinds, then the lower
+/// peak.
+fn order(a: &Alternative, b: &Alternative) -> Ordering {
+    let ranks = |x: &Alternative| {
+        let mut r: Vec<u8> = x.changes.iter().map(Change::rank).collect();
+        r.sort_unstable_by(|p, q| q.cmp(p));
+        r
+    };
+    a.changes
+        .len()
+        .cmp(&b.changes.len())
+        .then_with(|| ranks(a).cmp(&ranks(b)))
+        .then_with(|| a.estimate.peak.cmp(&b.estimate.peak))
+}
+
+/// Every combination of the four settings but `c` itself that the model predicts.
+fn candidates(c: &MemoryConfig) -> Vec<(Steps, Alternative)> {
+    let acs: Vec<Option<AcPolicy>> =
+        std::iter::once(None).chain(stronger_ac(&c.ac).into_iter().map(Some)).collect();
+    let dps: Vec<Option<DataParallelMode>> =
+        std::iter::once(None).chain(stronger_dp(c.data_parallel).into_iter().map(Some)).collect();
+    let mut splits = vec![None];
+    splits.extend(meshes(c).into_iter().map(Some));
+    let micros: Vec<usize> = if c.pp > 1 { vec![1, 2, 4, 8] } else { vec![1] };
+    let mut out = Vec::new();
+    for (ai, ac) in acs.iter().enumerate() {
+        for (di, mode) in dps.iter().enumerate() {
+            for (mi, split) in splits.iter().enumerate() {
+                for (ui, &times) in micros.iter().enumerate() {
+                    let steps = Steps { ac: ai, dp_mode: di, micro: ui, mesh: mi };
+                    if steps == (Steps { ac: 0, dp_mode: 0, micro: 0, mesh: 0 }) {
+                        continue;
+                    }
+                    let mut n = c.clone();
+                    let mut changes = Vec::new();
+                    if let Some(mode) = mode {
+                        n.data_parallel = *mode;
+                        changes.push(Change::DataParallel(*mode));
+                    }
+                    if let Some(ac) = ac {
+                        n.ac = ac.clone();
+                        changes.push(Change::Ac(ac.clone()));
+                    }
+                    if times > 1 {
+                        n.microbatches = c.microbatches * times;
+                        changes.push(Change::Microbatches(n.microbatches));
+                    }
+                    if let Some((dp, cp, tp, batch)) = *split {
+                        (n.dp, n.cp, n.tp, n.batch) = (dp, cp, tp, batch);
+                        changes.push(Change::Mesh { dp, cp, tp, batch });
+                    }
+                    // A mode change where the group that shards (dp x cp) has one rank
+                    // changes nothing; a mesh with dp > 1 needs a mode.
+                    let group = n.dp * n.cp;
+                    if (mode.is_some() && group == 1)
+                        || (n.dp > 1 && n.data_parallel == DataParallelMode::None)
+                    {
+                        continue;
+                    }
+                    if let Ok(estimate) = predict_memory(&n) {
+                        changes.sort_by_key(Change::rank);
+                        out.push((steps, Alternative { changes, config: n, estimate }));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Predicts `c` and returns the estimate when its peak fits in `budget` bytes; otherwise
+/// [`MemoryError::DoesNotFit`] with the estimate, the budget, the [`alternatives`] that
+/// would fit and, when none does, the [`lowest_peak`] among them.
+///
+/// ```
+/// use tpar_models::memory::{check_fits, predict_memory, MemoryConfig, MemoryError};
+/// use tpar_models::LlamaConfig;
+/// let model = LlamaConfig {
+///     vocab_size: 256, hidden_size: 128, intermediate_size: 344, num_hidden_layers: 4,
+///     num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 1024,
+///     ..Default::default()
+/// };
+/// let c = MemoryConfig::new(model, 8, 1024);
+/// let peak = predict_memory(&c)?.peak;
+/// match check_fits(&c, peak * 3 / 4) {
+///     Err(MemoryError::DoesNotFit { alternatives, .. }) => {
+///         // activation checkpointing brings it under three quarters
+///         assert!(alternatives[0].estimate.peak <= peak * 3 / 4);
+///         assert!(alternatives[0].to_string().starts_with("ac "));
+///     }
+///     other => panic!("{other:?}"),
+/// }
+/// # Ok::<(), MemoryError>(())
+/// ```
+pub fn check_fits(c: &MemoryConfig, budget: u64) -> Result<MemoryEstimate, MemoryError> {
+    let estimate = predict_memory(c)?;
+    if estimate.peak <= budget {
+        return Ok(estimate);
+    }
+    let alternatives = alternatives(c, budget);
+    let lowest = if alternatives.is_empty() { lowest_peak(c).map(Box::new) } else { None };
+    Err(MemoryError::DoesNotFit {
+        config: estimate.config.clone(),
+        estimate: Box::new(estimate),
+        budget,
+        alternatives,
+        lowest,
+    })
+}
+
+/// The end of [`MemoryError::DoesNotFit`]'s message: the alternatives (at most three),
+/// or the lowest peak near it when none fits.
+pub(super) fn hint(alternatives: &[Alternative], lowest: Option<&Alternative>) -> String {
+    const SHOWN: usize = 3;
+    if !alternatives.is_empty() {
+        let shown: Vec<String> = alternatives.iter().take(SHOWN).map(|a| a.to_string()).collect();
+        let more = match alternatives.len().saturating_sub(SHOWN) {
+            0 => String::new(),
+            n => format!("; and {n} more"),
+        };
+        return format!(
+            "; on the same ranks with the same global batch it would fit with {}{more}",
+            shown.join("; or ")
+        );
+    }
+    match lowest {
+        Some(l) => format!(
+            "; no change of checkpointing, data-parallel mode, mesh or micro-batches on the \
+             same ranks fits either, the lowest being {l}"
+        ),
+        None => String::new(),
+    }
+}
