@@ -977,6 +977,16 @@ fn check_alternatives(c: &MemoryConfig, budget: u64, alts: &[Alternative]) {
         assert!(n.model.num_key_value_heads.is_multiple_of(n.tp), "{a}: tp {}", n.tp);
         assert!(n.seq.is_multiple_of(n.tp * n.cp), "{a}: the sequence over cp x tp");
         assert!(!a.changes.is_empty(), "{a}");
+        // Each change has an effect where it is made.
+        for ch in &a.changes {
+            let effect = match ch {
+                Change::DataParallel(_) => n.dp * n.cp > 1,
+                Change::Plan(_) => n.tp > 1,
+                Change::CpMethod(_) => n.cp > 1,
+                _ => true,
+            };
+            assert!(effect, "{a}: {ch} changes nothing there");
+        }
         for b in alts {
             assert!(!no_further(b, a), "{a} is listed beside {b}, which changes less");
         }
@@ -987,7 +997,8 @@ fn check_alternatives(c: &MemoryConfig, budget: u64, alts: &[Alternative]) {
 
 /// A configuration over its budget is refused with the configurations on the same ranks
 /// that would fit (stronger checkpointing, a data-parallel mode that shards more, another
-/// mesh split, more micro-batches): each predicted within the budget, keeping the ranks
+/// mesh split, more micro-batches, the Megatron plan, the ring): each predicted within the
+/// budget, keeping the ranks
 /// and the global batch, none a further change than another; with none, the one with the
 /// lowest peak. Predictions only (the next test measures one).
 #[test]
@@ -1035,8 +1046,9 @@ fn refused_configurations_name_what_would_fit() {
     let fsdp = Change::DataParallel(DataParallelMode::Fsdp { param_dtype: None });
     assert!(!alts.iter().any(|a| a.changes.contains(&fsdp)), "{alts:?}");
 
-    // Budgets from 95 % down to 40 % of the peak at 2x2 FSDP x TP, at dp 4 with DDP (where
-    // the mesh may change too) and under a pipeline (where micro-batches may).
+    // Budgets from 95 % down to 40 % of the peak at 2x2 FSDP x TP (where the plan may
+    // change too), at dp 4 with DDP (the mesh), under a pipeline (micro-batches) and at
+    // cp 2 with the all-gather (the method).
     let fsdp_tp = MemoryConfig {
         dp: 2,
         tp: 2,
@@ -1044,8 +1056,9 @@ fn refused_configurations_name_what_would_fit() {
         ..MemoryConfig::new(config(), BATCH, SEQ)
     };
     let pp = MemoryConfig { pp: 2, microbatches: 2, batch: 4, ..single.clone() };
+    let cp = MemoryConfig { cp: 2, cp_method: CpMethod::AllGather, ..single.clone() };
     let mut kinds = std::collections::BTreeSet::new();
-    for c in [&fsdp_tp, &ddp, &pp] {
+    for c in [&fsdp_tp, &ddp, &pp, &cp] {
         for pct in [95, 85, 75, 60, 40] {
             let budget = peak(c) * pct / 100;
             let alts = alternatives(c, budget);
@@ -1055,6 +1068,8 @@ fn refused_configurations_name_what_would_fit() {
                 Change::Ac(_) => "ac",
                 Change::Microbatches(_) => "micro-batches",
                 Change::Mesh { .. } => "mesh",
+                Change::Plan(_) => "plan",
+                Change::CpMethod(_) => "cp method",
             }));
             match check_fits(c, budget) {
                 Err(MemoryError::DoesNotFit { alternatives: a, lowest, .. }) => {
@@ -1074,7 +1089,7 @@ fn refused_configurations_name_what_would_fit() {
         }
     }
     // Every kind of change was offered somewhere.
-    assert_eq!(kinds.len(), 4, "{kinds:?}");
+    assert_eq!(kinds.len(), 6, "{kinds:?}");
 
     // Far below anything: no alternative, and the message says which is lowest.
     let text = check_fits(&single, 1 << 20).unwrap_err().to_string();

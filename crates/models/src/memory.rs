@@ -7,7 +7,7 @@
 //! that names the configuration and every number when it does not; [`check_fits`] also
 //! names what would fit on the same ranks with the same global batch ([`alternatives`]:
 //! stronger checkpointing, a data-parallel mode that shards more, another mesh split,
-//! more micro-batches).
+//! more micro-batches, the Megatron plan, the ring).
 //!
 //! # What the model counts
 //!

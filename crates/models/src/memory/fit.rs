@@ -2,7 +2,7 @@
 //! that keep its world size and its global batch and do fit ([`alternatives`]), and
 //! [`check_fits`], which refuses a configuration with them in the error.
 //!
-//! The search changes four settings, each over the values a trainer can choose without
+//! The search changes six settings, each over the values a trainer can choose without
 //! changing what it trains (the same tokens per step, on the same ranks):
 //!
 //! - **activation checkpointing**: a stronger policy than the configuration's
@@ -15,16 +15,22 @@
 //!   and the sequence, `2 cp tp` dividing the sequence under context parallelism, and
 //!   the global batch (`batch * dp`) divided evenly between the new `dp` ranks;
 //! - **micro-batches** (under a pipeline): 2, 4 or 8 times as many, as long as they
-//!   divide the batch.
+//!   divide the batch;
+//! - **the tensor-parallel plan**: Megatron's instead of the sequence-parallel one,
+//!   whose attention computes every head on each rank (where `tp > 1` and `tp` divides
+//!   the heads);
+//! - **the context-parallel method**: the ring instead of the all-gather, which holds
+//!   every rank's keys and values at once (where `cp > 1`).
 //!
 //! Every combination is predicted ([`predict_memory`]); of those that fit, only the
 //! least ones are kept: a combination is left out when another that fits changes no
-//! setting further (checkpoints no more, shards no more, has no more micro-batches, and
-//! keeps the mesh or has the same one). They are listed with the fewest settings changed
-//! first, then in a fixed order of how much a change costs a step (the data-parallel
-//! mode, which keeps the arithmetic, first; then selective checkpointing, micro-batches,
-//! the mesh, and full checkpointing last), then by predicted peak. That order is a rule
-//! of thumb, not a prediction of step time.
+//! setting further (checkpoints no more, shards no more, has no more micro-batches,
+//! changes the plan or the method only where it does too, and keeps the mesh or has the
+//! same one). They are listed with the fewest settings changed first, then in a fixed
+//! order of how much a change costs a step (the data-parallel mode, the plan and the
+//! method, which keep the arithmetic, first; then selective checkpointing,
+//! micro-batches, the mesh, and full checkpointing last), then by predicted peak. That
+//! order is a rule of thumb, not a prediction of step time.
 //!
 //! The predictions have the model's accuracy (`tests/memory_model.rs` holds each
 //! within 15 % of the measured peak): a configuration predicted just under the budget
@@ -33,9 +39,12 @@
 use std::cmp::Ordering;
 use std::fmt;
 
+use tpar_dtensor::CpMethod;
 use tpar_nn::checkpoint::AcPolicy;
 
-use super::{mib, predict_memory, DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate};
+use super::{
+    mib, predict_memory, DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate, TpPlan,
+};
 
 /// One setting an [`Alternative`] changes.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,6 +55,10 @@ pub enum Change {
     Ac(AcPolicy),
     /// Micro-batches per step (under a pipeline).
     Microbatches(usize),
+    /// The tensor-parallel plan.
+    Plan(TpPlan),
+    /// How context-parallel attention exchanges keys and values.
+    CpMethod(CpMethod),
     /// The split of the ranks into `dp x cp x tp` (`pp` kept), with the sequences per
     /// dp rank that keep the global batch.
     Mesh {
@@ -65,7 +78,7 @@ impl Change {
     /// less comes first).
     fn rank(&self) -> u8 {
         match self {
-            Change::DataParallel(_) => 0,
+            Change::DataParallel(_) | Change::Plan(_) | Change::CpMethod(_) => 0,
             Change::Ac(AcPolicy::Full { .. }) => 4,
             Change::Ac(_) => 1,
             Change::Microbatches(_) => 2,
@@ -88,6 +101,10 @@ impl fmt::Display for Change {
             }
             Change::Ac(p) => write!(f, "ac {p}"),
             Change::Microbatches(m) => write!(f, "{m} micro-batches"),
+            Change::Plan(TpPlan::Megatron) => write!(f, "plan megatron"),
+            Change::Plan(TpPlan::SequenceParallel) => write!(f, "plan sp"),
+            Change::CpMethod(CpMethod::Ring) => write!(f, "cp ring"),
+            Change::CpMethod(CpMethod::AllGather) => write!(f, "cp all-gather"),
             Change::Mesh { dp, cp, tp, batch } => {
                 write!(f, "dp {dp} x cp {cp} x tp {tp} (batch {batch} per dp rank)")
             }
@@ -113,25 +130,18 @@ impl fmt::Display for Alternative {
     }
 }
 
-/// How far a candidate moves each setting from the configuration: 0 keeps it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Steps {
-    ac: usize,
-    dp_mode: usize,
-    micro: usize,
-    /// 0: the configuration's mesh; otherwise 1 + the index of the split.
-    mesh: usize,
-}
+/// How far a candidate moves each setting from the configuration, one level per
+/// setting in the order of [`candidates`]' dimensions: 0 keeps it, a higher level goes
+/// further. The mesh (dimension [`MESH`]) has no order: its level is 1 + the index of
+/// the split.
+type Steps = [usize; 6];
 
-impl Steps {
-    /// Whether `self` changes no setting further than `other` (and is not `other`).
-    fn no_further_than(&self, other: &Steps) -> bool {
-        self != other
-            && self.ac <= other.ac
-            && self.dp_mode <= other.dp_mode
-            && self.micro <= other.micro
-            && (self.mesh == 0 || self.mesh == other.mesh)
-    }
+/// The dimension of [`Steps`] that is the mesh.
+const MESH: usize = 5;
+
+/// Whether `a` changes no setting further than `b` (and is not `b`).
+fn no_further_than(a: &Steps, b: &Steps) -> bool {
+    a != b && (0..a.len()).all(|d| if d == MESH { a[d] == 0 || a[d] == b[d] } else { a[d] <= b[d] })
 }
 
 /// The policies stronger than `ac`, in order (selective before full).
@@ -198,7 +208,7 @@ pub fn alternatives(c: &MemoryConfig, budget: u64) -> Vec<Alternative> {
         candidates(c).into_iter().filter(|(_, a)| a.estimate.peak <= budget).collect();
     let mut kept: Vec<(Steps, Alternative)> = fitting
         .iter()
-        .filter(|(s, _)| !fitting.iter().any(|(o, _)| o.no_further_than(s)))
+        .filter(|(s, _)| !fitting.iter().any(|(o, _)| no_further_than(o, s)))
         .cloned()
         .collect();
     kept.sort_by(|(_, a), (_, b)| order(a, b));
@@ -229,59 +239,80 @@ fn order(a: &Alternative, b: &Alternative) -> Ordering {
         .then_with(|| a.estimate.peak.cmp(&b.estimate.peak))
 }
 
-/// Every combination of the four settings but `c` itself that the model predicts.
+/// Every combination of the six settings but `c` itself that the model predicts.
 fn candidates(c: &MemoryConfig) -> Vec<(Steps, Alternative)> {
-    let acs: Vec<Option<AcPolicy>> =
-        std::iter::once(None).chain(stronger_ac(&c.ac).into_iter().map(Some)).collect();
-    let dps: Vec<Option<DataParallelMode>> =
-        std::iter::once(None).chain(stronger_dp(c.data_parallel).into_iter().map(Some)).collect();
-    let mut splits = vec![None];
-    splits.extend(meshes(c).into_iter().map(Some));
-    let micros: Vec<usize> = if c.pp > 1 { vec![1, 2, 4, 8] } else { vec![1] };
+    // Per setting, the changes in order (level 1, 2, ...); level 0 keeps `c`'s.
+    let mut dims: Vec<Vec<Change>> = vec![
+        stronger_dp(c.data_parallel).into_iter().map(Change::DataParallel).collect(),
+        stronger_ac(&c.ac).into_iter().map(Change::Ac).collect(),
+        if c.pp > 1 {
+            [2, 4, 8].map(|t| Change::Microbatches(c.microbatches * t)).to_vec()
+        } else {
+            Vec::new()
+        },
+        vec![Change::Plan(TpPlan::Megatron)],
+        vec![Change::CpMethod(CpMethod::Ring)],
+    ];
+    let meshes =
+        meshes(c).into_iter().map(|(dp, cp, tp, batch)| Change::Mesh { dp, cp, tp, batch });
+    dims.push(meshes.collect());
+    debug_assert_eq!(dims.len(), MESH + 1);
     let mut out = Vec::new();
-    for (ai, ac) in acs.iter().enumerate() {
-        for (di, mode) in dps.iter().enumerate() {
-            for (mi, split) in splits.iter().enumerate() {
-                for (ui, &times) in micros.iter().enumerate() {
-                    let steps = Steps { ac: ai, dp_mode: di, micro: ui, mesh: mi };
-                    if steps == (Steps { ac: 0, dp_mode: 0, micro: 0, mesh: 0 }) {
-                        continue;
-                    }
-                    let mut n = c.clone();
-                    let mut changes = Vec::new();
-                    if let Some(mode) = mode {
-                        n.data_parallel = *mode;
-                        changes.push(Change::DataParallel(*mode));
-                    }
-                    if let Some(ac) = ac {
-                        n.ac = ac.clone();
-                        changes.push(Change::Ac(ac.clone()));
-                    }
-                    if times > 1 {
-                        n.microbatches = c.microbatches * times;
-                        changes.push(Change::Microbatches(n.microbatches));
-                    }
-                    if let Some((dp, cp, tp, batch)) = *split {
-                        (n.dp, n.cp, n.tp, n.batch) = (dp, cp, tp, batch);
-                        changes.push(Change::Mesh { dp, cp, tp, batch });
-                    }
-                    // A mode change where the group that shards (dp x cp) has one rank
-                    // changes nothing; a mesh with dp > 1 needs a mode.
-                    let group = n.dp * n.cp;
-                    if (mode.is_some() && group == 1)
-                        || (n.dp > 1 && n.data_parallel == DataParallelMode::None)
-                    {
-                        continue;
-                    }
-                    if let Ok(estimate) = predict_memory(&n) {
-                        changes.sort_by_key(Change::rank);
-                        out.push((steps, Alternative { changes, config: n, estimate }));
-                    }
-                }
+    let mut steps: Steps = [0; 6];
+    loop {
+        if steps != [0; 6] {
+            if let Some(a) = candidate(c, &dims, &steps) {
+                out.push((steps, a));
             }
         }
+        // The next combination, the last dimension fastest.
+        let Some(d) = (0..dims.len()).rev().find(|&d| steps[d] < dims[d].len()) else {
+            return out;
+        };
+        steps[d] += 1;
+        steps[d + 1..].fill(0);
     }
-    out
+}
+
+/// `c` with the changes `steps` picks from `dims`, predicted; `None` where a change has
+/// no effect there (a data-parallel mode without a group to shard over, a plan without
+/// tp, a method without cp), the mesh needs a mode, or the model refuses it.
+fn candidate(c: &MemoryConfig, dims: &[Vec<Change>], steps: &Steps) -> Option<Alternative> {
+    let mut n = c.clone();
+    let mut changes: Vec<Change> = Vec::new();
+    for (d, &level) in steps.iter().enumerate() {
+        if level == 0 {
+            continue;
+        }
+        let ch = dims[d][level - 1].clone();
+        match &ch {
+            Change::DataParallel(mode) => n.data_parallel = *mode,
+            Change::Ac(ac) => n.ac = ac.clone(),
+            Change::Microbatches(m) => n.microbatches = *m,
+            Change::Plan(plan) => n.plan = *plan,
+            Change::CpMethod(method) => n.cp_method = *method,
+            Change::Mesh { dp, cp, tp, batch } => {
+                (n.dp, n.cp, n.tp, n.batch) = (*dp, *cp, *tp, *batch)
+            }
+        }
+        changes.push(ch);
+    }
+    let m = &n.model;
+    let divides = |t: usize| {
+        m.num_attention_heads.is_multiple_of(t) && m.num_key_value_heads.is_multiple_of(t)
+    };
+    let pointless = changes.iter().any(|ch| match ch {
+        Change::DataParallel(_) => n.dp * n.cp == 1,
+        Change::Plan(_) => n.tp == 1 || c.plan == TpPlan::Megatron || !divides(n.tp),
+        Change::CpMethod(_) => n.cp == 1 || c.cp_method == CpMethod::Ring,
+        _ => false,
+    });
+    if pointless || (n.dp > 1 && n.data_parallel == DataParallelMode::None) {
+        return None;
+    }
+    let estimate = predict_memory(&n).ok()?;
+    changes.sort_by_key(Change::rank);
+    Some(Alternative { changes, config: n, estimate })
 }
 
 /// Predicts `c` and returns the estimate when its peak fits in `budget` bytes; otherwise
@@ -341,8 +372,8 @@ pub(super) fn hint(alternatives: &[Alternative], lowest: Option<&Alternative>) -
     }
     match lowest {
         Some(l) => format!(
-            "; no change of checkpointing, data-parallel mode, mesh or micro-batches on the \
-             same ranks fits either, the lowest being {l}"
+            "; no change of checkpointing, data-parallel mode, mesh, micro-batches, plan or \
+             cp method on the same ranks fits either, the lowest being {l}"
         ),
         None => String::new(),
     }
