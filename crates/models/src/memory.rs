@@ -91,8 +91,8 @@
 //!   backward: the logits' gradient `[v/t]` and the head input's `[h]` (the logits
 //!   themselves are counted as activations), under FSDP with the root's gathered
 //!   parameters (next item); DDP adds its gradient buckets of one layer.
-//!   To these the host adds the GEMM kernels' packing buffers, kept per rank thread
-//!   ([`HOST_GEMM_WORKSPACE`]).
+//!   To these the host adds the GEMM kernels' packing buffers, kept by each thread of
+//!   the rank's kernel pool ([`HOST_GEMM_WORKSPACE`] each, [`MemoryConfig::host_threads`]).
 //! - **FSDP** (`fully_shard` per decoder layer, the base model and the root, as the
 //!   trainers apply it; `tpar_fsdp`'s unit docs): the root unit's own parameters, the
 //!   head `[v/t, h]` (under a pipeline the stage root's embedding, final norm and head),
@@ -296,8 +296,10 @@ use crate::{LlamaConfig, LlamaFusion};
 mod fit;
 pub use fit::{alternatives, check_fits, lowest_peak, Alternative, Change};
 
-/// The GEMM kernels' packing buffers a host rank thread keeps between calls (measured
-/// with the tracking allocator on the Llama steps of `tests/memory_model.rs`).
+/// The GEMM kernels' packing buffers each thread of a rank's host kernel pool keeps
+/// between calls (measured with the tracking allocator on the Llama steps of
+/// `tests/memory_model.rs`: 2.1 MiB more held after a step on a pool of one thread, 4.1
+/// on two).
 pub const HOST_GEMM_WORKSPACE: u64 = 2 << 20;
 
 /// What the predictor refuses, and a configuration that does not fit.
@@ -1139,8 +1141,13 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         .unwrap_or(Candidate { buffers: 0.0, released: 0.0, own: 0.0, what: "none".into() });
     let (mut transient, released, mut transient_what) = (best.buffers, best.released, best.what);
     if c.host {
-        transient += HOST_GEMM_WORKSPACE as f64;
-        transient_what.push_str(", plus the host GEMM workspace");
+        // Each thread of the rank's kernel pool keeps its own packing buffers.
+        let threads = kernel_threads(c);
+        transient += (HOST_GEMM_WORKSPACE as usize * threads) as f64;
+        transient_what.push_str(match threads {
+            1 => ", plus the host GEMM workspace",
+            _ => ", plus the host GEMM workspace of each kernel thread",
+        });
     }
 
     let round = |x: f64| x.round() as u64;
@@ -1380,6 +1387,16 @@ pub fn device_attention_backward_bytes(
     bytes.map_or(u64::MAX, |b| (b as u64).saturating_add(device_sdpa_backward_scratch(a)))
 }
 
+/// Threads of each rank's host kernel pool: [`MemoryConfig::host_threads`], or what the
+/// local backend gives ranks that are threads of one process.
+fn kernel_threads(c: &MemoryConfig) -> usize {
+    let world = c.dp.saturating_mul(c.tp).saturating_mul(c.cp).saturating_mul(c.pp);
+    c.host_threads.unwrap_or(match RankThreads::per_rank(world) {
+        RankThreads::PerRank(n) => n,
+        RankThreads::Shared => 1,
+    })
+}
+
 /// The largest transient of one decoder layer's attention backward, in bytes (the
 /// module docs, "Attention's backward"); `rows` the batch rows a rank computes at once.
 fn attention_backward(
@@ -1392,11 +1409,7 @@ fn attention_backward(
     let abytes = compute.size_in_bytes() as f64;
     let acc = stat_bytes(compute);
     let (q_heads, kv_heads) = (shape.heads, shape.kv_heads);
-    let world = c.dp.saturating_mul(c.tp).saturating_mul(c.cp).saturating_mul(c.pp);
-    let threads = c.host_threads.unwrap_or(match RankThreads::per_rank(world) {
-        RankThreads::PerRank(n) => n,
-        RankThreads::Shared => 1,
-    });
+    let threads = kernel_threads(c);
     let call = |q_len: usize, kv_len: usize, causal: bool| AttentionCall {
         batch: rows,
         q_heads,
