@@ -115,7 +115,7 @@ impl fmt::Display for Change {
 /// A configuration near another, and its prediction.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Alternative {
-    /// What it changes, in the order of [`Change`]'s kinds.
+    /// What it changes, the kinds that cost a step least first (module docs).
     pub changes: Vec<Change>,
     /// The configuration.
     pub config: MemoryConfig,
