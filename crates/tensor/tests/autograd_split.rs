@@ -5,8 +5,8 @@
 use std::sync::{Arc, Mutex};
 
 use tpar_tensor::autograd::{
-    apply, backward_input, grad, is_grad_enabled, needs_input_grad, Function, GradModeGuard,
-    WeightGrad,
+    apply, backward_input, grad, grad_retain_graph, is_grad_enabled, needs_input_grad, Function,
+    GradModeGuard, WeightGrad,
 };
 use tpar_tensor::{DType, Result, Rng, Tensor, TensorError};
 
@@ -57,7 +57,8 @@ fn check(
     let p_ref: Vec<Tensor> = p0.iter().map(leaf_like).collect();
     let roots_ref = build(&x_ref, &p_ref).unwrap();
     let grads: Vec<Tensor> = roots_ref.iter().map(|r| randn(r.dims(), &mut rng)).collect();
-    let gx_ref = grad(&roots_ref, &grads, &[x_ref.clone()]).unwrap();
+    // (the graph kept for the backward passes below, as PyTorch's retain_graph=True)
+    let gx_ref = grad_retain_graph(&roots_ref, &grads, &[x_ref.clone()]).unwrap();
     // Roots may share nodes: each pass keeps the graph for the next.
     for (r, g) in roots_ref.iter().zip(&grads) {
         r.backward_retain_graph(Some(g)).unwrap();
@@ -211,7 +212,7 @@ fn input_that_is_not_a_leaf() {
             weights.run().unwrap();
             gx[0].clone()
         } else {
-            let gx = grad(&[y.clone()], &[g.clone()], &[x.clone()]).unwrap();
+            let gx = grad_retain_graph(&[y.clone()], &[g.clone()], &[x.clone()]).unwrap();
             y.backward_with(&g).unwrap();
             gx[0].clone()
         };
