@@ -77,6 +77,11 @@ fn single_rank_ac_equals_no_ac_bit_for_bit() {
             // 4 layers: every 2nd is 2 of them; each recomputed once.
             let n = 4 / p.every().unwrap() as u64;
             assert_eq!((counts.regions, counts.recomputed), (n, n), "{p}: {counts:?}");
+            // Each recompute leaves down_proj's product uncomputed (only the residual add
+            // reads it before the layer's output), unless the policy keeps it.
+            let keeps_down = matches!(&p, AcPolicy::Selective { ops, .. }
+                if ops.contains(&SaveOp::Matmul) || ops.contains(&SaveOp::EveryOtherMatmul));
+            assert_eq!(counts.skipped, if keeps_down { 0 } else { n }, "{p}: {counts:?}");
             match &p {
                 AcPolicy::Full { .. } => assert_eq!((counts.saved, counts.reused), (0, 0)),
                 AcPolicy::Selective { ops, .. } => {
@@ -309,6 +314,53 @@ fn the_kept_outputs_are_what_the_recompute_uses() {
 /// per layer and at the root, the sequence-parallel plan, loss_parallel; `policy`
 /// applied after the plan and before FSDP (as torchtitan). Returns (loss bits, each
 /// rank's local gradient bits by FQN).
+/// A user's hook on each layer's MLP that scales its output by a learnable factor (whose
+/// gradient reads the output's values).
+struct Scale(Tensor);
+
+impl tpar::nn::ForwardHook for Scale {
+    fn post(&self, out: Value) -> tpar::nn::Result<Value> {
+        Ok(Value::Tensor(out.into_tensor("mlp output")?.mul(&self.0)?))
+    }
+    fn describe(&self) -> String {
+        "scale".into()
+    }
+}
+
+/// A recompute leaves a product uncomputed only where no backward reads its output: with
+/// a hook on the MLP that may read it (the default of `ForwardHook::reads_output`), full
+/// checkpointing computes down_proj again and every gradient, the hook's factor's
+/// included, is the one without checkpointing, bit for bit. A recompute that skipped it
+/// anyway would give the factor a gradient from zeros.
+#[test]
+fn a_hook_that_may_read_an_output_keeps_it_computed() {
+    let cfg = tpar_testing::tiny_llama_config(40, 16, 4, DType::F64);
+    let run = |policy: &AcPolicy| {
+        let mut model = LlamaForPretraining::new(&cfg, Device::Meta).unwrap();
+        reset_parameters(&mut model, Device::Cpu, 11).unwrap();
+        let factors: Vec<Tensor> = (0..cfg.num_hidden_layers)
+            .map(|i| Tensor::full([], 1.0 + 0.25 * i as f64, DType::F64, Device::Cpu).unwrap())
+            .map(|t| t.requires_grad_(true))
+            .collect();
+        for (layer, f) in model.base_model.layers.items.iter_mut().zip(&factors) {
+            layer.mlp.core_mut().add_hook(Arc::new(Scale(f.clone())));
+        }
+        apply_activation_checkpointing(&mut model, policy).unwrap();
+        let (ids, tgt) = batch(3, 12, cfg.vocab_size);
+        reset_recompute_counts();
+        let loss = loss_backward(&model, cfg.vocab_size, (&ids, &tgt), None).unwrap();
+        let factor_grads: Vec<u64> =
+            factors.iter().map(|f| f.grad().unwrap().item().unwrap().to_bits()).collect();
+        (loss.item().unwrap().to_bits(), grads_of(&model), factor_grads, recompute_counts())
+    };
+    let (loss, grads, factors, _) = run(&AcPolicy::None);
+    let (l, g, f, counts) = run(&AcPolicy::full());
+    assert_eq!((counts.recomputed, counts.skipped), (4, 0), "{counts:?}");
+    assert_eq!(l, loss);
+    assert_eq!(f, factors, "the hooks' factors' gradients differ");
+    assert!(g == grads, "a gradient differs");
+}
+
 fn fsdp_tp(policy: &AcPolicy) -> Vec<(u64, Grads, RecomputeCounts)> {
     let cfg = LlamaConfig { num_hidden_layers: 4, ..tpar_testing::tp_llama_config(DType::F64) };
     let policy = policy.clone();
@@ -358,6 +410,10 @@ fn fsdp_x_tp_ac_equals_no_ac_bit_for_bit() {
             // inside the region is not an op to keep and takes no place in the count)
             let kept = if matches!(p, AcPolicy::Selective { .. }) { n * 5 } else { 0 };
             assert_eq!((c.saved, c.reused), (kept, kept), "{p}: rank {r} {c:?}");
+            // FSDP's hooks and the styles' redistributions read no output values: the
+            // full recompute still skips down_proj's product (selective keeps it).
+            let skipped = if matches!(p, AcPolicy::Full { .. }) { n } else { 0 };
+            assert_eq!(c.skipped, skipped, "{p}: rank {r} {c:?}");
             assert_eq!(l, wl, "{p}: rank {r} loss differs");
             assert_eq!(g.len(), wg.len());
             for (k, v) in wg {

@@ -176,6 +176,11 @@ fn to_tensor_error(e: NnError) -> tpar_tensor::TensorError {
 }
 
 impl ForwardHook for FsdpHook {
+    /// Gathers and reshards parameters: it reads no values of the output.
+    fn reads_output(&self) -> bool {
+        false
+    }
+
     fn pre(&self, args: Args) -> tpar_nn::Result<Args> {
         let unit = &self.unit;
         let (root, is_root) = ACTIVE_ROOT.with(|a| {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tpar_tensor::{DType, Device, RopeLayout, Tensor};
+use tpar_tensor::{checkpoint, DType, Device, RopeLayout, Tensor};
 
 use tpar_nn::CheckpointWrapper;
 use tpar_nn::{
@@ -921,12 +921,18 @@ impl LlamaMLP {
     /// `residual + forward(args)` with the add in `down_proj`'s GEMM
     /// ([`Value::linear_add`]), where neither this module nor `down_proj` has hooks and
     /// `down_proj` has no bias; `None` otherwise (the caller adds).
-    fn forward_add(&self, args: Args, residual: &Value) -> Result<Option<Value>> {
+    /// With `unread` (the caller's output, which this sum becomes, goes unread: see
+    /// [`tpar_nn::output_unread`]) a recompute leaves the sum uncomputed.
+    fn forward_add(&self, args: Args, residual: &Value, unread: bool) -> Result<Option<Value>> {
         if !self.core().hooks().is_empty() || !linear_takes_residual(&self.down_proj) {
             return Ok(None);
         }
         let m = self.gated(args)?;
-        Ok(Some(m.linear_add(&self.down_proj.weight.compute()?, residual)?))
+        let w = self.down_proj.weight.compute()?;
+        if unread {
+            return Ok(Some(checkpoint::unread_output(|| m.linear_add(&w, residual))?));
+        }
+        Ok(Some(m.linear_add(&w, residual)?))
     }
 }
 
@@ -935,8 +941,16 @@ impl Module for LlamaMLP {
         "LlamaMLP"
     }
 
+    /// `down_proj(silu(gate_proj(x)) * up_proj(x))`. Where its own output goes unread
+    /// ([`tpar_nn::output_unread`], in an activation checkpoint's recompute), so does
+    /// `down_proj`'s: its backward reads only its input and weight.
     fn forward(&self, args: Args) -> Result<Value> {
-        call(&self.down_proj, Args::one(self.gated(args)?))
+        let unread = tpar_nn::output_unread();
+        let h = self.gated(args)?;
+        if unread {
+            checkpoint::request_output_unread();
+        }
+        call(&self.down_proj, Args::one(h))
     }
 
     fn children(&self) -> Vec<(String, &dyn Module)> {
@@ -1003,8 +1017,12 @@ impl Module for LlamaDecoderLayer {
         "LlamaDecoderLayer"
     }
 
-    /// Inputs: hidden states, RoPE tables, mask (as [`LlamaAttention`]).
+    /// Inputs: hidden states, RoPE tables, mask (as [`LlamaAttention`]). The output is
+    /// `x + mlp(...)`: where it goes unread ([`tpar_nn::output_unread`], in an activation
+    /// checkpoint's recompute of this layer) so does the MLP's, since the add's backward
+    /// reads no values.
     fn forward(&self, args: Args) -> Result<Value> {
+        let unread = tpar_nn::output_unread();
         let x = args.get(0);
         let h = call(&self.input_layernorm, Args::one(x.clone()))?;
         let attn_args = Args::new(vec![h, args.get(1), args.get(2)]);
@@ -1018,11 +1036,20 @@ impl Module for LlamaDecoderLayer {
             None => x.add(&call(&self.self_attn, attn_args)?)?,
         };
         let h = call(&self.post_attention_layernorm, Args::one(x.clone()))?;
-        let fused =
-            if self.fuse_residual { self.mlp.forward_add(Args::one(h.clone()), &x)? } else { None };
+        let fused = if self.fuse_residual {
+            self.mlp.forward_add(Args::one(h.clone()), &x, unread)?
+        } else {
+            None
+        };
         match fused {
             Some(x) => Ok(x),
-            None => x.add(&call(&self.mlp, Args::one(h))?),
+            None => {
+                if unread {
+                    checkpoint::request_output_unread();
+                }
+                let m = call(&self.mlp, Args::one(h))?;
+                x.add(&m)
+            }
         }
     }
 

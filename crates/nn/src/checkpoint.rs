@@ -188,6 +188,11 @@ impl AcSlot {
 }
 
 impl ForwardHook for AcSlot {
+    /// Holds the policy only.
+    fn reads_output(&self) -> bool {
+        false
+    }
+
     fn shown(&self) -> bool {
         self.get().is_some()
     }

@@ -21,8 +21,9 @@ pub use checkpoint::{
 pub use error::{NnError, Result};
 pub use layers::{Embedding, Linear, ModuleList, RmsNorm};
 pub use module::{
-    call, init_value, named_modules, named_parameters, parameters, reset_parameters, set_training,
-    visit_modules_mut, AttentionHeads, ForwardHook, Init, Module, ModuleCore, ParamSlot,
+    call, init_value, named_modules, named_parameters, output_unread, parameters, reset_parameters,
+    set_training, visit_modules_mut, AttentionHeads, ForwardHook, Init, Module, ModuleCore,
+    ParamSlot,
 };
 pub use param::{check_not_retired, link_unsharder, ComputeParam, GradLayout, Param, Unshard};
 pub use state::{

@@ -1,10 +1,11 @@
 //! The `Module` trait: named children, named parameters, forward hooks, train/eval mode.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 
-use tpar_tensor::{Device, Rng, Tensor};
+use tpar_tensor::{checkpoint, Device, Rng, Tensor};
 
 use crate::{Args, Param, Result, Value};
 
@@ -61,6 +62,14 @@ pub trait ForwardHook: Send + Sync {
     /// model (`None`, the default, for hooks that need not be found).
     fn as_any(&self) -> Option<&dyn Any> {
         None
+    }
+    /// Whether a backward may read the values of the module's output through this hook
+    /// (`true`, the default). A hook that only moves or reshards the output, or none of
+    /// whose backward reads it (a parallel style's redistribution, FSDP's resharding),
+    /// says `false`: a recompute may then leave that output uncomputed where nothing
+    /// else reads it ([`output_unread`]).
+    fn reads_output(&self) -> bool {
+        true
     }
 }
 
@@ -148,14 +157,54 @@ pub trait Module: Send + Sync + Any {
 
 /// Runs a module with its hooks: every hook's `pre`, the forward, every hook's `post`.
 pub fn call(m: &dyn Module, mut args: Args) -> Result<Value> {
+    // A recompute's request that this module's output go unread (tpar_tensor::checkpoint,
+    // "Outputs no backward reads"), honoured unless a hook may read it.
+    let unread = checkpoint::take_output_unread_request()
+        && m.core().hooks().iter().all(|h| !h.reads_output());
     for h in m.core().hooks() {
         args = h.pre(args)?;
     }
-    let mut out = m.forward(args)?;
+    let mut out = {
+        let _frame = UnreadFrame::enter(unread);
+        m.forward(args)?
+    };
     for h in m.core().hooks() {
         out = h.post(out)?;
     }
     Ok(out)
+}
+
+thread_local! {
+    /// Whether the output of the module whose forward runs on this thread goes unread.
+    static OUTPUT_UNREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Sets [`output_unread`] for one module's forward, restoring the caller's when dropped.
+struct UnreadFrame {
+    outer: bool,
+}
+
+impl UnreadFrame {
+    fn enter(unread: bool) -> UnreadFrame {
+        UnreadFrame { outer: OUTPUT_UNREAD.with(|u| u.replace(unread)) }
+    }
+}
+
+impl Drop for UnreadFrame {
+    fn drop(&mut self) {
+        let _ = OUTPUT_UNREAD.try_with(|u| u.set(self.outer));
+    }
+}
+
+/// Whether no backward reads the output of the module whose forward is running (called
+/// by that forward): `true` only while an activation checkpoint recomputes, for the module
+/// its region runs and for the children those modules pass the request on to
+/// ([`checkpoint::request_output_unread`]; `tpar_tensor::checkpoint`, "Outputs no backward
+/// reads"). Such a forward may run the ops that make its output inside
+/// [`checkpoint::unread_output`], or pass the request on to the child whose output becomes
+/// its own through ops whose backward reads no values (a residual add), and to no other.
+pub fn output_unread() -> bool {
+    OUTPUT_UNREAD.with(Cell::get)
 }
 
 pub(crate) fn join(prefix: &str, name: &str) -> String {

@@ -191,6 +191,11 @@ struct InputHook {
 }
 
 impl ForwardHook for InputHook {
+    /// Converts inputs only.
+    fn reads_output(&self) -> bool {
+        false
+    }
+
     fn pre(&self, mut args: Args) -> tpar_nn::Result<Args> {
         for (i, v) in args.pos.iter_mut().enumerate() {
             let given = self.given.get(i).copied().flatten();
@@ -259,6 +264,11 @@ struct OutputHook {
 }
 
 impl ForwardHook for OutputHook {
+    /// A redistribution: its backward reads no values of the output.
+    fn reads_output(&self) -> bool {
+        false
+    }
+
     fn post(&self, out: Value) -> tpar_nn::Result<Value> {
         let out = self.ctx.convert("output", out, self.given, self.desired, None)?;
         Ok(Ctx::local(out, self.use_local_output))

@@ -43,6 +43,21 @@
 //! gradient from a misaligned value. The device matmul and attention of CUDA tensors
 //! consult the frames the same way.
 //!
+//! **Outputs no backward reads.** As PyTorch's checkpoint stops its recompute once every
+//! tensor the backward needs is back, a recompute here skips the products whose values
+//! nothing reads: a region's output is only the root of the backward through the
+//! recomputed graph, so the last projection of a Llama decoder layer, whose output only
+//! the residual add reads before it becomes the region's output, need not be computed
+//! again (its backward reads its input and its weight). The module that knows it says
+//! so: a recompute calls the region's function with a request
+//! ([`take_output_unread_request`]) that `tpar_nn::call` hands to the module it runs
+//! first, which may pass it on to the child that computes its output
+//! ([`request_output_unread`]) or run the ops that make it inside [`unread_output`]. In
+//! that scope, and only during a recompute, a matrix product records its node as always
+//! but its output is zeros instead of the product. The gradients are those of the
+//! forward, bit for bit; what a recompute skips is counted in
+//! [`RecomputeCounts::skipped`].
+//!
 //! **Nesting.** A [`checkpoint`] called with grad recording off, or inside a selective
 //! region's forward or recompute, runs `f` directly (the enclosing region already
 //! decides what is kept). A full region inside a full region's recompute becomes a
@@ -148,6 +163,9 @@ pub struct RecomputeCounts {
     pub saved: u64,
     /// Kept-op outputs handed back to recomputes (not computed again).
     pub reused: u64,
+    /// Matrix products a recompute did not compute because no backward reads their
+    /// outputs ([`unread_output`]).
+    pub skipped: u64,
 }
 
 /// What checkpointing did on this thread since the last [`reset_recompute_counts`].
@@ -239,11 +257,121 @@ struct Capture {
 }
 
 thread_local! {
+    /// Region recomputes running on this thread.
+    static RECOMPUTING: Cell<usize> = const { Cell::new(0) };
+    /// Set by a recompute (or a module passing it on) for the next module `call` to take.
+    static UNREAD_REQUEST: Cell<bool> = const { Cell::new(false) };
+    /// [`unread_output`] scopes open on this thread (within the innermost recompute).
+    static UNREAD_DEPTH: Cell<usize> = const { Cell::new(0) };
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
     static CAPTURES: RefCell<Vec<Capture>> = const { RefCell::new(Vec::new()) };
     static COUNTS: Cell<RecomputeCounts> = const { Cell::new(RecomputeCounts {
-        regions: 0, recomputed: 0, saved: 0, reused: 0,
+        regions: 0, recomputed: 0, saved: 0, reused: 0, skipped: 0,
     }) };
+}
+
+/// Asks the next module run through `tpar_nn::call` on this thread to treat its output as
+/// one no backward reads (module docs, "Outputs no backward reads"): a module whose output
+/// is its own output's only source through ops that save nothing (a residual add) passes
+/// its own request on this way, just before calling that child. Outside a recompute
+/// nothing sets or asks for it.
+pub fn request_output_unread() {
+    if RECOMPUTING.with(Cell::get) > 0 {
+        UNREAD_REQUEST.with(|r| r.set(true));
+    }
+}
+
+/// Takes the request [`request_output_unread`] (or a recompute) left for the module about
+/// to run: `true` once, then `false` until the next request. `tpar_nn::call` takes it
+/// before the module's hooks run.
+pub fn take_output_unread_request() -> bool {
+    UNREAD_REQUEST.with(|r| r.replace(false))
+}
+
+/// Runs `f`, whose output no backward will read (module docs): during a recompute the
+/// matrix products `f` runs record their nodes but leave their outputs zero. Outside a
+/// recompute it is `f()`.
+///
+/// It is the caller's word that nothing reads the values: a region's function may wrap
+/// the ops that make its output when their backward reads only their inputs (a product,
+/// an add), never ops whose output another op of the region saves.
+///
+/// ```
+/// use tpar_tensor::checkpoint::{checkpoint, recompute_counts, reset_recompute_counts, unread_output};
+/// use tpar_tensor::Tensor;
+/// let x = Tensor::from_vec(vec![1.0f64, -2.0, 0.5, 3.0], [2, 2])?.requires_grad_(true);
+/// let w = Tensor::from_vec(vec![0.5f64, -1.0, 2.0, 0.25], [2, 2])?.requires_grad_(true);
+/// let w2 = w.clone();
+/// // The region's output is its last product, whose backward reads silu(x) and w only.
+/// let y = checkpoint(&[x.clone()], &[], move |i| {
+///     let h = i[0].silu()?;
+///     unread_output(|| h.matmul(&w2))
+/// })?;
+/// reset_recompute_counts();
+/// y.sum_all()?.backward()?;
+/// assert_eq!(recompute_counts().skipped, 1); // the recompute did not multiply again
+/// let (x2, w3) = (x.detach().requires_grad_(true), w.detach().requires_grad_(true));
+/// x2.silu()?.matmul(&w3)?.sum_all()?.backward()?;
+/// assert_eq!(x.grad().unwrap().to_vec::<f64>()?, x2.grad().unwrap().to_vec::<f64>()?);
+/// assert_eq!(w.grad().unwrap().to_vec::<f64>()?, w3.grad().unwrap().to_vec::<f64>()?);
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+pub fn unread_output<R>(f: impl FnOnce() -> R) -> R {
+    if RECOMPUTING.with(Cell::get) == 0 {
+        return f();
+    }
+    struct Scope;
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            let _ = UNREAD_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+        }
+    }
+    UNREAD_DEPTH.with(|d| d.set(d.get() + 1));
+    let _scope = Scope;
+    f()
+}
+
+/// A matrix product's output of `dims`: zeros where no backward reads it (inside
+/// [`unread_output`] during a recompute; counted in [`RecomputeCounts::skipped`]), else
+/// `compute()`.
+pub(crate) fn product_unless_unread(
+    dims: &[usize],
+    dtype: DType,
+    device: crate::Device,
+    compute: impl FnOnce() -> Result<Tensor>,
+) -> Result<Tensor> {
+    let skip = device != crate::Device::Meta
+        && RECOMPUTING.with(Cell::get) > 0
+        && UNREAD_DEPTH.with(Cell::get) > 0;
+    if !skip {
+        return compute();
+    }
+    count(|c| c.skipped += 1);
+    Tensor::zeros(dims.to_vec(), dtype, device)
+}
+
+/// The recompute state of this thread while a region recomputes: counted as one more
+/// recompute, no [`unread_output`] scope of an enclosing recompute open, and the request
+/// for the region's function set; restored when dropped.
+struct RecomputeScope {
+    depth: usize,
+}
+
+impl RecomputeScope {
+    fn enter() -> RecomputeScope {
+        RECOMPUTING.with(|r| r.set(r.get() + 1));
+        let depth = UNREAD_DEPTH.with(|d| d.replace(0));
+        UNREAD_REQUEST.with(|r| r.set(true));
+        RecomputeScope { depth }
+    }
+}
+
+impl Drop for RecomputeScope {
+    fn drop(&mut self) {
+        let _ = UNREAD_REQUEST.try_with(|r| r.set(false));
+        let _ = UNREAD_DEPTH.try_with(|d| d.set(self.depth));
+        let _ = RECOMPUTING.try_with(|r| r.set(r.get().saturating_sub(1)));
+    }
 }
 
 /// Called by [`record`] when it records nothing: inside a region's forward, the inputs
@@ -546,7 +674,10 @@ impl Region {
                     matmuls: 0,
                 })
             });
-            let out = (self.f)(&copies)?;
+            let out = {
+                let _scope = RecomputeScope::enter();
+                (self.f)(&copies)?
+            };
             if let Some(Frame::Replay { entries, next, .. }) = frame.and_then(FrameGuard::pop) {
                 if next != entries.len() {
                     return Err(TensorError::Recompute {

@@ -910,11 +910,14 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Optio
     };
     // A selective activation checkpoint may keep this output (crate::checkpoint).
     let out = crate::checkpoint::kept(crate::checkpoint::SaveOp::Matmul, &[a, b], || {
-        let mut out = Out::new(&dev, od, a.dtype())?;
-        with_gpu(OP, &[&oa.data, &ob.data], |v| {
-            gemm(&dev, cd, shape, v[0].view(), v[1].view(), out.view_mut())
-        })?;
-        Ok(out.into_tensor())
+        // Inside a recompute, a product whose output no backward reads is not computed.
+        crate::checkpoint::product_unless_unread(&od, a.dtype(), a.device(), || {
+            let mut out = Out::new(&dev, od.clone(), a.dtype())?;
+            with_gpu(OP, &[&oa.data, &ob.data], |v| {
+                gemm(&dev, cd, shape, v[0].view(), v[1].view(), out.view_mut())
+            })?;
+            Ok(out.into_tensor())
+        })
     })?;
     let (a_in, b_in) = (a.clone(), b.clone());
     let (a_red, b_red) = (oa.reduce && !fold, ob.reduce && !fold);

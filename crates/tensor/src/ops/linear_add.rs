@@ -76,24 +76,34 @@ fn on_device(x: &Tensor, w: &Tensor, r: &Tensor, out_dims: &[usize]) -> Result<O
     // A selective activation checkpoint keeps it as the matmul it contains.
     let keep = crate::checkpoint::SaveOp::Matmul;
     let out = crate::checkpoint::kept(keep, &[x, w, r], || {
-        let mut out = Out::new(&dev, out_dims.to_vec(), x.dtype())?;
-        with_gpu(OP, &[x, w, r], |v| {
-            // [rows, k] x [n, k]^T + C -> [rows, n], C = the residual: read in place by
-            // cuBLASLt (separate C and D), else copied into the output first.
-            let shape = GemmShape {
-                batch: 1,
-                m: rows,
-                n,
-                k,
-                trans_a: false,
-                trans_b: true,
-                a_batch_stride: 0,
-                b_batch_stride: 0,
-            };
-            let p = k_gemm::GemmProblem::new(shape, cd, cd).with_scale(1.0, 1.0);
-            Ok(k_gemm::gemm_to(&*dev, &p, v[0].view(), v[1].view(), v[2].view(), out.view_mut())?)
-        })?;
-        Ok(out.into_tensor())
+        // Inside a recompute, an output no backward reads is not computed.
+        crate::checkpoint::product_unless_unread(out_dims, x.dtype(), x.device(), || {
+            let mut out = Out::new(&dev, out_dims.to_vec(), x.dtype())?;
+            with_gpu(OP, &[x, w, r], |v| {
+                // [rows, k] x [n, k]^T + C -> [rows, n], C = the residual: read in place by
+                // cuBLASLt (separate C and D), else copied into the output first.
+                let shape = GemmShape {
+                    batch: 1,
+                    m: rows,
+                    n,
+                    k,
+                    trans_a: false,
+                    trans_b: true,
+                    a_batch_stride: 0,
+                    b_batch_stride: 0,
+                };
+                let p = k_gemm::GemmProblem::new(shape, cd, cd).with_scale(1.0, 1.0);
+                Ok(k_gemm::gemm_to(
+                    &*dev,
+                    &p,
+                    v[0].view(),
+                    v[1].view(),
+                    v[2].view(),
+                    out.view_mut(),
+                )?)
+            })?;
+            Ok(out.into_tensor())
+        })
     })?;
     let (xi, wi) = (x.clone(), w.clone());
     Ok(Some(record(OP, &[x, w, r], out, move |g| {

@@ -95,6 +95,27 @@ fn mm_raw(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     })
 }
 
+/// The dims of `op(a) x op(b)` for operands of rank 2 or more whose batch dims are equal
+/// or absent on one side (what `mm_raw` takes), `None` otherwise.
+fn product_dims(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Option<Vec<usize>> {
+    let (ra, rb) = (a.rank(), b.rank());
+    if ra < 2 || rb < 2 {
+        return None;
+    }
+    let (ba, bb) = (&a.dims()[..ra - 2], &b.dims()[..rb - 2]);
+    let batch = match (ba.is_empty(), bb.is_empty()) {
+        (_, true) => ba,
+        (true, false) => bb,
+        (false, false) if ba == bb => ba,
+        _ => return None,
+    };
+    let m = if ta { a.dims()[ra - 1] } else { a.dims()[ra - 2] };
+    let n = if tb { b.dims()[rb - 2] } else { b.dims()[rb - 1] };
+    let mut dims = batch.to_vec();
+    dims.extend([m, n]);
+    Some(dims)
+}
+
 impl Tensor {
     /// Matrix product with numpy batch broadcasting: `[..., m, k] x [..., k, n]`.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
@@ -124,7 +145,18 @@ impl Tensor {
         }
         // A selective activation checkpoint may keep this output (crate::checkpoint).
         let keep = crate::checkpoint::SaveOp::Matmul;
-        let out = crate::checkpoint::kept(keep, &[self, rhs], || mm_raw(self, rhs, ta, tb))?;
+        let out = crate::checkpoint::kept(keep, &[self, rhs], || {
+            match product_dims(self, rhs, ta, tb) {
+                // Inside a recompute, a product whose output no backward reads is not computed.
+                Some(dims) => crate::checkpoint::product_unless_unread(
+                    &dims,
+                    self.dtype(),
+                    self.device(),
+                    || mm_raw(self, rhs, ta, tb),
+                ),
+                None => mm_raw(self, rhs, ta, tb),
+            }
+        })?;
         let (a, b) = (self.clone(), rhs.clone());
         Ok(record("matmul", &[self, rhs], out, move |g| {
             // Each half is a GEMM of its own: compute only those asked for.
