@@ -76,20 +76,23 @@ fn intermediates_no_backward_saved_are_freed() {
 /// pass's peak stays below the forward's activations plus the gradients it makes. A
 /// second backward through the freed graph is an error naming the node;
 /// `backward_retain_graph` keeps everything for one.
+/// The sum of `x` squared `links` times: y_{k+1} = y_k * y_k saves y_k (as large as `x`
+/// each), and only the graph holds them.
+fn squares(x: &Tensor, links: usize) -> Result<Vec<Tensor>, TensorError> {
+    let mut y = x.mul_scalar(1.0)?;
+    for _ in 0..links {
+        y = y.mul(&y)?;
+    }
+    Ok(vec![y.sum_all()?])
+}
+
 #[test]
 fn backward_frees_saved_tensors_as_it_goes() {
     std::thread::spawn(|| {
         const LINKS: usize = 6;
         let four_mib = (N * 4) as i64;
         let x = Tensor::full([N], 0.5, DType::F32, Device::Cpu).unwrap().requires_grad_(true);
-        // y_{k+1} = y_k * y_k saves y_k (4 MiB each); only the graph holds them.
-        let chain = || -> Result<Vec<Tensor>, TensorError> {
-            let mut y = x.mul_scalar(1.0)?;
-            for _ in 0..LINKS {
-                y = y.mul(&y)?;
-            }
-            Ok(vec![y.sum_all()?])
-        };
+        let chain = || squares(&x, LINKS);
         let (held, kept) = held_after(43, chain);
         assert!(held >= LINKS as i64 * four_mib, "the forward keeps every link: {held}");
         let loss = kept.into_iter().next().unwrap();
@@ -138,13 +141,7 @@ fn autograd_grad_frees_the_graph_unless_retained() {
         const LINKS: usize = 4;
         let four_mib = (N * 4) as i64;
         let x = Tensor::full([N], 0.5, DType::F32, Device::Cpu).unwrap().requires_grad_(true);
-        let chain = || -> Result<Vec<Tensor>, TensorError> {
-            let mut y = x.mul_scalar(1.0)?;
-            for _ in 0..LINKS {
-                y = y.mul(&y)?;
-            }
-            Ok(vec![y.sum_all()?])
-        };
+        let chain = || squares(&x, LINKS);
         let one = Tensor::full([], 1.0, DType::F32, Device::Cpu).unwrap();
         let ins = [x.clone()];
 
