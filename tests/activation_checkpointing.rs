@@ -361,6 +361,45 @@ fn a_hook_that_may_read_an_output_keeps_it_computed() {
     assert!(g == grads, "a gradient differs");
 }
 
+/// A region of a plain function gets no request: here its function squares what a Llama
+/// MLP returns (the square's backward reads it), so the recompute computes `down_proj`
+/// again and the gradients are those without checkpointing, bit for bit. A recompute
+/// that asked the MLP anyway would square zeros.
+#[test]
+fn a_region_of_a_function_that_reads_its_modules_output_skips_nothing() {
+    let cfg = tpar_testing::tiny_llama_config(40, 16, 1, DType::F64);
+    let mut mlp = tpar::models::LlamaMLP::new(&cfg, Device::Meta).unwrap();
+    reset_parameters(&mut mlp, Device::Cpu, 5).unwrap();
+    let mlp = Arc::new(mlp);
+    let x0 = Tensor::randn([3, 4, cfg.hidden_size], DType::F64, &mut Rng::new(3)).unwrap();
+    let run = |checkpointed: bool| {
+        let x = x0.detach().requires_grad_(true);
+        let m = mlp.clone();
+        let f = move |i: &[Tensor]| -> tpar::tensor::Result<Tensor> {
+            let y = call(&*m, Args::one(i[0].clone()))
+                .and_then(|v| v.into_tensor("mlp output"))
+                .map_err(|e| tpar::tensor::TensorError::External(Arc::new(e)))?;
+            y.mul(&y)
+        };
+        reset_recompute_counts();
+        let y = if checkpointed {
+            checkpoint(std::slice::from_ref(&x), &[], f).unwrap()
+        } else {
+            f(std::slice::from_ref(&x)).unwrap()
+        };
+        y.sum_all().unwrap().backward().unwrap();
+        (bits(&x.grad().unwrap()), grads_of(&*mlp), recompute_counts())
+    };
+    let (gx, gw, _) = run(false);
+    for p in parameters(&*mlp) {
+        p.local().zero_grad();
+    }
+    let (cx, cw, counts) = run(true);
+    assert_eq!((counts.recomputed, counts.skipped), (1, 0), "{counts:?}");
+    assert!(cx == gx, "the input's gradient differs");
+    assert!(cw == gw, "a weight's gradient differs");
+}
+
 fn fsdp_tp(policy: &AcPolicy) -> Vec<(u64, Grads, RecomputeCounts)> {
     let cfg = LlamaConfig { num_hidden_layers: 4, ..tpar_testing::tp_llama_config(DType::F64) };
     let policy = policy.clone();

@@ -446,6 +446,9 @@ impl<M: Module> CheckpointWrapper<M> {
                     let v = rebuild(std::slice::from_ref(s), ins)?.remove(0);
                     a.named.insert(k.clone(), v);
                 }
+                // The module's output is the region's: a recompute need not compute what
+                // only makes it (tpar_tensor::checkpoint, "Outputs no backward reads").
+                tpar_tensor::checkpoint::request_output_unread();
                 let (kind, t) = match call(&*m, a)? {
                     Value::Tensor(t) => (OutKind::Tensor, t),
                     Value::DTensor(d) => {

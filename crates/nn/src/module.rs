@@ -198,7 +198,8 @@ impl Drop for UnreadFrame {
 
 /// Whether no backward reads the output of the module whose forward is running (called
 /// by that forward): `true` only while an activation checkpoint recomputes, for the module
-/// its region runs and for the children those modules pass the request on to
+/// a `CheckpointWrapper`'s region runs and for the children those modules pass the request
+/// on to
 /// ([`checkpoint::request_output_unread`]; `tpar_tensor::checkpoint`, "Outputs no backward
 /// reads"). Such a forward may run the ops that make its output inside
 /// [`checkpoint::unread_output`], or pass the request on to the child whose output becomes

@@ -48,11 +48,13 @@
 //! nothing reads: a region's output is only the root of the backward through the
 //! recomputed graph, so the last projection of a Llama decoder layer, whose output only
 //! the residual add reads before it becomes the region's output, need not be computed
-//! again (its backward reads its input and its weight). The module that knows it says
-//! so: a recompute calls the region's function with a request
-//! ([`take_output_unread_request`]) that `tpar_nn::call` hands to the module it runs
-//! first, which may pass it on to the child that computes its output
-//! ([`request_output_unread`]) or run the ops that make it inside [`unread_output`]. In
+//! again (its backward reads its input and its weight). The code that knows it says so:
+//! a region whose output is one module's (`tpar_nn::CheckpointWrapper`'s) leaves a
+//! request ([`request_output_unread`]) just before it runs that module in a recompute;
+//! `tpar_nn::call` hands it to the module ([`take_output_unread_request`]), which may pass
+//! it on to the child that computes its output or run the ops that make it inside
+//! [`unread_output`]. A region of any other function gets no request (its function may
+//! read what its modules return), and a module that does not know passes nothing on. In
 //! that scope, and only during a recompute, a matrix product records its node as always
 //! but its output is zeros instead of the product. The gradients are those of the
 //! forward, bit for bit; what a recompute skips is counted in
@@ -271,17 +273,18 @@ thread_local! {
 }
 
 /// Asks the next module run through `tpar_nn::call` on this thread to treat its output as
-/// one no backward reads (module docs, "Outputs no backward reads"): a module whose output
-/// is its own output's only source through ops that save nothing (a residual add) passes
-/// its own request on this way, just before calling that child. Outside a recompute
-/// nothing sets or asks for it.
+/// one no backward reads (module docs, "Outputs no backward reads"): a checkpointed
+/// module's region asks it for that module, and a module whose output is its own
+/// output's only source through ops that save nothing (a residual add) passes its own
+/// request on this way, just before calling that child. Outside a recompute it does
+/// nothing.
 pub fn request_output_unread() {
     if RECOMPUTING.with(Cell::get) > 0 {
         UNREAD_REQUEST.with(|r| r.set(true));
     }
 }
 
-/// Takes the request [`request_output_unread`] (or a recompute) left for the module about
+/// Takes the request [`request_output_unread`] left for the module about
 /// to run: `true` once, then `false` until the next request. `tpar_nn::call` takes it
 /// before the module's hooks run.
 pub fn take_output_unread_request() -> bool {
@@ -351,24 +354,25 @@ pub(crate) fn product_unless_unread(
 }
 
 /// The recompute state of this thread while a region recomputes: counted as one more
-/// recompute, no [`unread_output`] scope of an enclosing recompute open, and the request
-/// for the region's function set; restored when dropped.
+/// recompute, with no [`unread_output`] scope or request of an enclosing run in force;
+/// restored when dropped.
 struct RecomputeScope {
     depth: usize,
+    request: bool,
 }
 
 impl RecomputeScope {
     fn enter() -> RecomputeScope {
         RECOMPUTING.with(|r| r.set(r.get() + 1));
         let depth = UNREAD_DEPTH.with(|d| d.replace(0));
-        UNREAD_REQUEST.with(|r| r.set(true));
-        RecomputeScope { depth }
+        let request = UNREAD_REQUEST.with(|r| r.replace(false));
+        RecomputeScope { depth, request }
     }
 }
 
 impl Drop for RecomputeScope {
     fn drop(&mut self) {
-        let _ = UNREAD_REQUEST.try_with(|r| r.set(false));
+        let _ = UNREAD_REQUEST.try_with(|r| r.set(self.request));
         let _ = UNREAD_DEPTH.try_with(|d| d.set(self.depth));
         let _ = RECOMPUTING.try_with(|r| r.set(r.get().saturating_sub(1)));
     }
