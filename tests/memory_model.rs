@@ -765,7 +765,7 @@ fn compare_runs(what: &str, a: &Run, b: &Run, diff_tol: f64) {
 /// Fused projections under selective checkpointing (torchtitan's policy: attention and
 /// every second matmul): q, k and v, and gate and up, are one matmul each, so the layer
 /// has 4 matmuls where it had 7 and the checkpoint keeps the wide q/k/v and gate/up
-/// outputs instead of q, v, gate and down, and recomputes gate and up as copies. The
+/// outputs instead of q, v and gate, and recomputes gate and up as copies. The
 /// measured difference is within 15 % of the predicted one (one kernel thread per rank
 /// makes it repeatable); a model that ignores the fusion predicts none, one that forgets
 /// the recompute's gate and up copies about half of it.

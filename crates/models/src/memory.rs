@@ -50,15 +50,16 @@
 //! - **Full checkpointing** keeps a checkpointed layer's input `[h/t]` only; during its
 //!   backward the recomputed layer's activations exist once.
 //!   **Selective** keeps the layer input and the outputs of the kept ops (by default
-//!   attention and every second matmul: q, v, gate and down): of the matmuls
-//!   (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up, `[h]` for
-//!   down, gathered or partial outputs at their local size) and attention (`[a_q]`).
+//!   attention and every second matmul: q, v and gate; down's, the 7th, is never kept,
+//!   since only the residual add reads it and no recompute computes it again): of the
+//!   matmuls (`[q + 2 kv]/t` for q/k/v, `[h]` for o_proj, `[2 i/t]` for gate and up,
+//!   gathered or partial outputs at their local size) and attention (`[a_q]`).
 //!   Its recompute, during the layer's backward, holds once what the layer without
 //!   checkpointing keeps (its recomputed output standing for the input, which the
 //!   checkpoint shares) less what it is handed back from the kept outputs instead of
 //!   computing: attention's output `[a_q]` and, when their matmuls are kept, gate's and
-//!   up's `[i/t]` each. The kept q, v and down outputs are not what the backward saves
-//!   (RoPE and the transpose write new q and v, the residual add saves nothing), so the
+//!   up's `[i/t]` each. The kept q and v outputs are not what the backward saves
+//!   (RoPE and the transpose write new q and v), so the
 //!   recompute makes its own beside them: by default `[2 r + 2 h + a_q + q/t + 2 a_kv +
 //!   2 i/t]` with the row statistics, `r` the residual stream (`h/t` under tp, else `h`).
 //! - **Fused projections** (`MemoryConfig::fusion`, `LlamaFusion::projections`; at `tp
@@ -68,14 +69,13 @@
 //!   each piece's backward is its own projection's. Under selective checkpointing a
 //!   layer then has 4 matmuls (q/k/v, o, gate/up, down) instead of 7, so every second
 //!   one keeps the wide q/k/v output `[q + 2 kv]` and gate/up's `[2 i]` (where the
-//!   separate ones keep q, v, gate and down), and the recompute makes gate and up again
+//!   separate ones keep q, v and gate), and the recompute makes gate and up again
 //!   as the split's copies (`[i]` more); on a CUDA device gate and up are not split
 //!   (`Tensor::swiglu` keeps the wide output), so a kept gate/up output is handed back.
 //!   The fused residual (`LlamaFusion::residual`)
 //!   changes no term on the host (it is the product then the add); on a CUDA device a
-//!   selective checkpoint that keeps its GEMM keeps the residual sum the recompute then
-//!   reuses (`[h]` less each), and down_proj's kept output is the layer's output, which
-//!   the next layer's checkpoint keeps as its input anyway (`[h]` less kept per layer).
+//!   selective checkpoint that keeps o_proj's GEMM keeps the residual sum the recompute
+//!   then reuses (`[h]` less).
 //!   Not counted: the concatenated weights and the wide output during a fused
 //!   projection's forward (a layer's parameters and one layer's q/k/v or gate/up, freed
 //!   before the next op, below the backward's peak).
@@ -650,6 +650,9 @@ impl LayerShape {
     /// one's output width, in the order they run: q, k, v, o, gate, up and down, or with
     /// fused projections q/k/v (one output `q + 2 kv` wide), o, gate/up (`2 i`) and down.
     /// Every second matmul (`matmul/2`, torchtitan's policy) is the 1st, 3rd, 5th, ...
+    /// Down's output is never kept: only the residual add reads it before it becomes the
+    /// layer's output, which no recompute reads (`tpar_tensor::checkpoint`, "Outputs no
+    /// backward reads").
     fn matmuls(&self, ops: &[SaveOp], fused: bool) -> Vec<(bool, f64)> {
         let all = ops.contains(&SaveOp::Matmul);
         let every_other = !all && ops.contains(&SaveOp::EveryOtherMatmul);
@@ -658,18 +661,16 @@ impl LayerShape {
         } else {
             vec![self.q, self.kv, self.kv, self.full, self.mlp, self.mlp, self.full]
         };
-        outs.into_iter().enumerate().map(|(n, e)| (all || (every_other && n % 2 == 0), e)).collect()
+        let down = outs.len() - 1;
+        let kept = |n: usize| n != down && (all || (every_other && n.is_multiple_of(2)));
+        outs.into_iter().enumerate().map(|(n, e)| (kept(n), e)).collect()
     }
 
     /// What a selectively checkpointed layer keeps: its input and the kept ops' outputs
     /// (attention's, [`LayerShape::sdpa_kept`], when `ops` has [`SaveOp::Sdpa`]).
-    /// `output_kept`: the kept down GEMM's output is the layer's output (a fused residual
-    /// on the device), which the next layer's checkpoint keeps as its input (or the final
-    /// norm saves) anyway.
-    fn kept_selective(&self, ops: &[SaveOp], fused: bool, output_kept: bool) -> f64 {
+    fn kept_selective(&self, ops: &[SaveOp], fused: bool) -> f64 {
         let mm: f64 = self.matmuls(ops, fused).iter().filter(|m| m.0).map(|m| m.1).sum();
-        let shared = if output_kept { self.resid } else { 0.0 };
-        self.resid + mm + self.sdpa_kept(ops, fused) - shared
+        self.resid + mm + self.sdpa_kept(ops, fused)
     }
 
     /// What a selective checkpoint keeps of attention when `ops` has [`SaveOp::Sdpa`]: its
@@ -693,9 +694,9 @@ impl LayerShape {
     /// split's copies of the wide output). The composition's q, k, v, o and down outputs are not what the backward
     /// saves (RoPE and the transpose write new ones), so keeping them saves nothing here;
     /// the device node saves v (or the packed q/k/v output) as it is, so a kept v (or
-    /// q/k/v) GEMM output is handed back too. `residual_kept` is what kept fused residual
-    /// adds hand back (the residual sums `x + o_proj(a)` and `h + down_proj(m)` that the
-    /// post-attention norm and the next layer read).
+    /// q/k/v) GEMM output is handed back too. `residual_kept` is what a kept fused residual
+    /// add hands back (the residual sum `x + o_proj(a)` that the post-attention norm
+    /// reads).
     fn recomputed_selective(&self, ops: &[SaveOp], fused: bool, residual_kept: f64) -> f64 {
         let mm = self.matmuls(ops, fused);
         // Fused, the kept gate/up output is what SwiGLU saves on a device (on the host
@@ -853,19 +854,13 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                 }
                 AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
                     // On a CUDA device a fused residual add is one GEMM, kept as the matmul
-                    // it contains: its output is the residual sum the recompute reuses,
-                    // and down_proj's is the layer's output besides.
+                    // it contains: o_proj's output is the residual sum the recompute
+                    // reuses (down_proj's is never kept).
                     let mm = shape.matmuls(ops, fuse_projections);
-                    let down = fuse_residual && !c.host && mm[mm.len() - 1].0;
-                    let residual_kept = if fuse_residual && !c.host {
-                        // o_proj's and down_proj's matmuls.
-                        let o = if fuse_projections { 1 } else { 3 };
-                        let kept = [o, mm.len() - 1].iter().filter(|&&n| mm[n].0).count();
-                        shape.resid * kept as f64
-                    } else {
-                        0.0
-                    };
-                    let kept = shape.kept_selective(ops, fuse_projections, down);
+                    let o = if fuse_projections { 1 } else { 3 };
+                    let residual_kept =
+                        if fuse_residual && !c.host && mm[o].0 { shape.resid } else { 0.0 };
+                    let kept = shape.kept_selective(ops, fuse_projections);
                     let again = shape.recomputed_selective(ops, fuse_projections, residual_kept);
                     (tokens * kept * abytes, tokens * (again * abytes + stats))
                 }

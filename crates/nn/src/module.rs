@@ -197,9 +197,9 @@ impl Drop for UnreadFrame {
 }
 
 /// Whether no backward reads the output of the module whose forward is running (called
-/// by that forward): `true` only while an activation checkpoint recomputes, for the module
-/// a `CheckpointWrapper`'s region runs and for the children those modules pass the request
-/// on to
+/// by that forward): `true` only while an activation checkpoint recomputes (or, for what it
+/// keeps, a selective one runs its forward), for the module a `CheckpointWrapper`'s region
+/// runs and for the children those modules pass the request on to
 /// ([`checkpoint::request_output_unread`]; `tpar_tensor::checkpoint`, "Outputs no backward
 /// reads"). Such a forward may run the ops that make its output inside
 /// [`checkpoint::unread_output`], or pass the request on to the child whose output becomes

@@ -56,7 +56,10 @@
 //! [`unread_output`]. A region of any other function gets no request (its function may
 //! read what its modules return), and a module that does not know passes nothing on. In
 //! that scope, and only during a recompute, a matrix product records its node as always
-//! but its output is zeros instead of the product. The gradients are those of the
+//! but its output is zeros instead of the product; and since the recompute does not read
+//! it, a selective region's forward does not keep it either (the request also runs
+//! there), though the policy names its op: under torchtitan's every-second-matmul policy
+//! a Llama layer keeps q, v and gate, not down. The gradients are those of the
 //! forward, bit for bit; what a recompute skips is counted in
 //! [`RecomputeCounts::skipped`].
 //!
@@ -279,9 +282,21 @@ thread_local! {
 /// request on this way, just before calling that child. Outside a recompute it does
 /// nothing.
 pub fn request_output_unread() {
-    if RECOMPUTING.with(Cell::get) > 0 {
+    if unread_applies() {
         UNREAD_REQUEST.with(|r| r.set(true));
     }
+}
+
+/// Whether an unread output means anything here: in a recompute (it need not be
+/// computed), or in a selective region's forward (it need not be kept for the recompute).
+fn unread_applies() -> bool {
+    RECOMPUTING.with(Cell::get) > 0
+        || FRAMES.with(|s| matches!(s.borrow().last(), Some(Frame::Record { .. })))
+}
+
+/// Whether an [`unread_output`] scope is open on this thread.
+fn unread_now() -> bool {
+    UNREAD_DEPTH.with(Cell::get) > 0
 }
 
 /// Takes the request [`request_output_unread`] left for the module about
@@ -292,8 +307,9 @@ pub fn take_output_unread_request() -> bool {
 }
 
 /// Runs `f`, whose output no backward will read (module docs): during a recompute the
-/// matrix products `f` runs record their nodes but leave their outputs zero. Outside a
-/// recompute it is `f()`.
+/// matrix products `f` runs record their nodes but leave their outputs zero; in a
+/// selective region's forward they are computed but not kept for the recompute (which
+/// will not read them). Elsewhere it is `f()`.
 ///
 /// It is the caller's word that nothing reads the values: a region's function may wrap
 /// the ops that make its output when their backward reads only their inputs (a product,
@@ -320,7 +336,7 @@ pub fn take_output_unread_request() -> bool {
 /// # Ok::<(), tpar_tensor::TensorError>(())
 /// ```
 pub fn unread_output<R>(f: impl FnOnce() -> R) -> R {
-    if RECOMPUTING.with(Cell::get) == 0 {
+    if !unread_applies() {
         return f();
     }
     struct Scope;
@@ -463,12 +479,14 @@ pub(crate) fn kept<R: Clone + Send + Sync + 'static>(
         let mut s = s.borrow_mut();
         match s.last_mut() {
             None => Act::Compute,
+            // An output no recompute reads (inside `unread_output`) is not kept: it still
+            // takes its place in the count of matmuls, in the forward as in the recompute.
             Some(Frame::Record { keep, matmuls, .. }) => match op.kept_in(keep, matmuls) {
-                true => Act::Save,
-                false => Act::Compute,
+                true if !unread_now() => Act::Save,
+                _ => Act::Compute,
             },
             Some(Frame::Replay { keep, entries, next, matmuls }) => {
-                if !op.kept_in(keep, matmuls) {
+                if !op.kept_in(keep, matmuls) || unread_now() {
                     return Act::Compute;
                 }
                 let dims: Vec<Vec<usize>> = operands.iter().map(|t| t.dims().to_vec()).collect();
