@@ -279,8 +279,8 @@ thread_local! {
 /// one no backward reads (module docs, "Outputs no backward reads"): a checkpointed
 /// module's region asks it for that module, and a module whose output is its own
 /// output's only source through ops that save nothing (a residual add) passes its own
-/// request on this way, just before calling that child. Outside a recompute it does
-/// nothing.
+/// request on this way, just before calling that child. Outside a recompute and a
+/// selective region's forward it does nothing.
 pub fn request_output_unread() {
     if unread_applies() {
         UNREAD_REQUEST.with(|r| r.set(true));
@@ -369,27 +369,44 @@ pub(crate) fn product_unless_unread(
     Tensor::zeros(dims.to_vec(), dtype, device)
 }
 
-/// The recompute state of this thread while a region recomputes: counted as one more
-/// recompute, with no [`unread_output`] scope or request of an enclosing run in force;
-/// restored when dropped.
-struct RecomputeScope {
+/// A region's own run (its forward or its recompute) on this thread, with no
+/// [`unread_output`] scope or request of an enclosing run in force; restored when
+/// dropped.
+struct UnreadReset {
     depth: usize,
     request: bool,
+}
+
+impl UnreadReset {
+    fn enter() -> UnreadReset {
+        let depth = UNREAD_DEPTH.with(|d| d.replace(0));
+        let request = UNREAD_REQUEST.with(|r| r.replace(false));
+        UnreadReset { depth, request }
+    }
+}
+
+impl Drop for UnreadReset {
+    fn drop(&mut self) {
+        let _ = UNREAD_REQUEST.try_with(|r| r.set(self.request));
+        let _ = UNREAD_DEPTH.try_with(|d| d.set(self.depth));
+    }
+}
+
+/// The recompute state of this thread while a region recomputes: counted as one more
+/// recompute, in a reset [`UnreadReset`]; restored when dropped.
+struct RecomputeScope {
+    _reset: UnreadReset,
 }
 
 impl RecomputeScope {
     fn enter() -> RecomputeScope {
         RECOMPUTING.with(|r| r.set(r.get() + 1));
-        let depth = UNREAD_DEPTH.with(|d| d.replace(0));
-        let request = UNREAD_REQUEST.with(|r| r.replace(false));
-        RecomputeScope { depth, request }
+        RecomputeScope { _reset: UnreadReset::enter() }
     }
 }
 
 impl Drop for RecomputeScope {
     fn drop(&mut self) {
-        let _ = UNREAD_REQUEST.try_with(|r| r.set(self.request));
-        let _ = UNREAD_DEPTH.try_with(|d| d.set(self.depth));
         let _ = RECOMPUTING.try_with(|r| r.set(r.get().saturating_sub(1)));
     }
 }
@@ -591,6 +608,7 @@ where
     let (out, captured, kept) = {
         let _g = GradModeGuard::new(false);
         let capture = CaptureGuard::push();
+        let _reset = UnreadReset::enter();
         let frame = (!keep.is_empty()).then(|| {
             FrameGuard::push(Frame::Record { keep: keep.to_vec(), entries: Vec::new(), matmuls: 0 })
         });
