@@ -929,10 +929,8 @@ impl LlamaMLP {
         }
         let m = self.gated(args)?;
         let w = self.down_proj.weight.compute()?;
-        if unread {
-            return Ok(Some(checkpoint::unread_output(|| m.linear_add(&w, residual))?));
-        }
-        Ok(Some(m.linear_add(&w, residual)?))
+        let sum = || m.linear_add(&w, residual);
+        Ok(Some(if unread { checkpoint::unread_output(sum) } else { sum() }?))
     }
 }
 

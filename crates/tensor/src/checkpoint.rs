@@ -264,9 +264,10 @@ struct Capture {
 thread_local! {
     /// Region recomputes running on this thread.
     static RECOMPUTING: Cell<usize> = const { Cell::new(0) };
-    /// Set by a recompute (or a module passing it on) for the next module `call` to take.
+    /// Set by a `CheckpointWrapper`'s region (or a module passing it on) for the next
+    /// module `call` to take.
     static UNREAD_REQUEST: Cell<bool> = const { Cell::new(false) };
-    /// [`unread_output`] scopes open on this thread (within the innermost recompute).
+    /// [`unread_output`] scopes open on this thread (within the innermost region's run).
     static UNREAD_DEPTH: Cell<usize> = const { Cell::new(0) };
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
     static CAPTURES: RefCell<Vec<Capture>> = const { RefCell::new(Vec::new()) };
