@@ -33,6 +33,7 @@
 
 use std::time::Instant;
 
+use tpar::models::memory::recompute_share;
 use tpar::prelude::*;
 use tpar::tensor::checkpoint::{region_times, reset_region_times, set_region_timing};
 use tpar::tensor::memory;
@@ -319,14 +320,32 @@ fn main() -> Result<()> {
     }
     println!(
         "where the time goes (medians per step, s): | policy | forward (logits, loss) | \
-         regions' forward | recompute | backward through the recompute |"
+         regions' forward | recompute | backward through the recompute | recompute / `{}`'s \
+         forward | the memory model's recompute share | predicted peak MiB |",
+        o.policies[0]
     );
+    let first_forward = median(parts[0][0].clone());
     for i in 0..n {
         let [f, rf, rc, rb] = parts[i].clone().map(median);
-        println!("| {} | {f:.3} | {rf:.3} | {rc:.3} | {rb:.3} |", o.policies[i]);
+        // The memory model's cost of the policy and its peak (`+tail` it does not model).
+        let (share, predicted) = match policy_of(&o.policies[i])? {
+            (p, false) => {
+                let c = MemoryConfig { ac: p, ..MemoryConfig::new(cfg, 1, SEQ) };
+                let e = predict_memory(&c).map_err(|e| fail(e.to_string()))?;
+                let share = recompute_share(&c).map_err(|e| fail(e.to_string()))?;
+                (format!("{share:.3}"), format!("{:.1}", mib(e.peak as f64)))
+            }
+            (_, true) => ("-".to_string(), "-".to_string()),
+        };
+        let measured = rc / first_forward;
+        println!(
+            "| {} | {f:.3} | {rf:.3} | {rc:.3} | {rb:.3} | {measured:.3} | {share} | {predicted} |",
+            o.policies[i]
+        );
         println!(
             "summary_parts: policy={} forward_s={f:.4} region_forward_s={rf:.4} \
-             recompute_s={rc:.4} region_backward_s={rb:.4}",
+             recompute_s={rc:.4} region_backward_s={rb:.4} recompute_vs_forward={measured:.3} \
+             predicted_share={share} predicted_peak_mib={predicted}",
             o.policies[i]
         );
     }

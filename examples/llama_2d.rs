@@ -260,6 +260,7 @@ fn parse() -> Result<Opts, String> {
     if let Some(b) = c.memory_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
         return Err(format!("--memory-budget {b}: a positive number of GiB"));
     }
+    c.ac.check(c.memory_budget)?;
     if c.device != "cpu" && c.device != "cuda" && parse_cuda_ordinal(&c.device).is_none() {
         return Err(format!("--device: cpu, cuda or cuda:N, not {}", c.device));
     }
@@ -355,7 +356,7 @@ fn memory_config(o: &Opts, cfg: &LlamaConfig, host: bool) -> MemoryConfig {
         cp: o.cp,
         data_parallel,
         plan: if o.plan == "sp" { TpPlan::SequenceParallel } else { TpPlan::Megatron },
-        ac: o.ac.ac.clone(),
+        ac: o.ac.fixed(),
         cp_method: o.cp_method.cp_method,
         host,
         fusion: o.fusion,
@@ -416,6 +417,8 @@ fn with_items<R>(
 }
 
 struct RankReport {
+    /// The activation-checkpointing policy trained with (`--ac auto`'s pick).
+    ac: AcPolicy,
     /// The memory model's predicted peak for this rank.
     predicted_peak_bytes: u64,
     /// What opening the training data allocated on this rank (documents and token
@@ -501,14 +504,26 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     flags::model_fits(&cfg, here, o.world, &sizes).map_err(|what| NnError::Config { what })?;
     // The predicted peak per rank; over --memory-budget the run stops here, before the
     // model is built.
-    let run = memory_config(o, &cfg, compute_device(o) == Device::Cpu);
+    let mut run = memory_config(o, &cfg, compute_device(o) == Device::Cpu);
+    // `--ac auto`: the policy that fits the budget with the least recompute.
+    let (ac, choice) = o.ac.resolve(&run, o.memory_budget).inspect_err(|_| {
+        if rank == 0 {
+            eprintln!(
+                "llama_2d: --ac auto: no checkpointing policy fits --memory-budget on its own"
+            );
+        }
+    })?;
+    run.ac = ac.clone();
     let predicted = predict_memory(&run)?;
     if rank == 0 {
+        if let Some(choice) = &choice {
+            println!("memory: --ac auto picks {choice}");
+        }
         println!("memory: {predicted}");
     }
     if let Some(gib) = o.memory_budget {
         // Refused with the configurations on the same ranks that would fit.
-        check_fits(&run, (gib * (1u64 << 30) as f64) as u64)?;
+        check_fits(&run, args::gib_bytes(gib))?;
     }
     // Build on the meta device: no parameter memory until the shards are materialized.
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta)?;
@@ -519,7 +534,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         parallelize_llama(&mut model, &mesh["tp"], &plan)?;
     }
     // Activation checkpointing after the plan and before FSDP (as torchtitan).
-    o.ac.apply(&mut model)?;
+    apply_activation_checkpointing(&mut model, &ac)?;
     if o.dp_mode == DpMode::Fsdp {
         let fsdp = FsdpConfig {
             reshard_after_forward: true,
@@ -965,6 +980,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     o.hf.export(&tpar::nn::state_dict(&model)?, &cfg, hf.as_ref(), world)?;
     let state_bytes = opt.state_bytes();
     Ok(RankReport {
+        ac,
         predicted_peak_bytes: predicted.peak,
         data_bytes,
         state_bytes,
@@ -1144,7 +1160,7 @@ fn main() {
         r0.start_step + r0.steps_run,
         r0.final_loss.to_bits(),
         r0.steady_step_s(),
-        o.ac.ac,
+        r0.ac,
         o.cp,
         reports.iter().map(|r| r.predicted_peak_bytes).max().unwrap_or(0) as f64 / (1 << 20) as f64,
         device_peak_max,

@@ -186,6 +186,7 @@ impl Opts {
         if let Some(b) = self.memory_budget.filter(|b| !(b.is_finite() && *b > 0.0)) {
             return Err(format!("--memory-budget {b}: a positive number of GiB"));
         }
+        self.ac.check(self.memory_budget)?;
         if self.backend == BackendArg::Local {
             let (pp, dp, tp) = (self.pp, self.dp, self.tp);
             let what = if self.cp > 1 {
@@ -227,6 +228,8 @@ impl SchedArg {
 
 /// What one rank reports at the end.
 struct RankReport {
+    /// The activation-checkpointing policy trained with (`--ac auto`'s pick).
+    ac: AcPolicy,
     /// The memory model's predicted peak for this rank's stage (`None`: not modelled).
     predicted_peak_bytes: Option<u64>,
     /// Whether this rank printed the losses (last stage, dp 0, tp 0).
@@ -279,7 +282,19 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     flags::model_fits(&cfg, here, world.size(), &sizes).map_err(|what| NnError::Config { what })?;
     // The predicted peak of this rank's stage; over --memory-budget the run stops here,
     // before the stages are built.
-    let run = memory_config(o, &cfg);
+    let mut run = memory_config(o, &cfg);
+    // `--ac auto`: the policy that fits the budget with the least recompute.
+    let (ac, choice) = o.ac.resolve(&run, o.memory_budget).inspect_err(|_| {
+        if rank == 0 {
+            eprintln!(
+                "llama_pp: --ac auto: no checkpointing policy fits --memory-budget on its own"
+            );
+        }
+    })?;
+    run.ac = ac.clone();
+    if let Some(choice) = choice.as_ref().filter(|_| rank == 0) {
+        println!("memory: --ac auto picks {choice}");
+    }
     let predicted = match predict_memory_stage(&run, pp_rank) {
         Ok(p) => Some(p),
         Err(MemoryError::Config { what }) if o.memory_budget.is_none() => {
@@ -298,7 +313,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         if let Some(gib) = o.memory_budget {
             // Every rank checks the stage with the highest peak, so all stop alike, with
             // the configurations on the same ranks that would fit.
-            check_fits(&run, (gib * (1u64 << 30) as f64) as u64)?;
+            check_fits(&run, args::gib_bytes(gib))?;
         }
     }
 
@@ -318,7 +333,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             parallelize_llama_stage(&mut stage, &mesh["tp"], &plan, &top_level_plan())?;
         }
         // Activation checkpointing after the plan and before FSDP (as torchtitan).
-        o.ac.apply(&mut stage)?;
+        apply_activation_checkpointing(&mut stage, &ac)?;
         if !o.no_fsdp && o.dp * o.cp > 1 {
             for layer in &mut stage.base_model.layers.items {
                 fully_shard(layer, &dp_mesh, &FsdpConfig::default())?;
@@ -590,6 +605,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         println!("simulated timeline (F = I = W = 1):\n{}", sim.render());
     }
     Ok(RankReport {
+        ac,
         predicted_peak_bytes: predicted.map(|p| p.peak),
         reporter,
         first_loss: progress.first_loss,
@@ -628,7 +644,7 @@ fn memory_config(o: &Opts, cfg: &LlamaConfig) -> MemoryConfig {
             1
         },
         cp_method: o.cp_method.cp_method,
-        ac: o.ac.ac.clone(),
+        ac: o.ac.fixed(),
         fusion: LlamaFusion { projections: o.fuse_proj, residual: o.fuse_residual },
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     }
@@ -718,7 +734,7 @@ fn main() {
         r.start_step,
         r.start_step + r.steps_run,
         r.final_loss.to_bits(),
-        o.ac.ac,
+        r.ac,
         match reports.iter().map(|r| r.predicted_peak_bytes).collect::<Option<Vec<u64>>>() {
             Some(p) => format!("{:.1}", p.into_iter().max().unwrap_or(0) as f64 / (1 << 20) as f64),
             None => "none".into(),

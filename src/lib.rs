@@ -61,8 +61,8 @@ pub mod prelude {
         sequence_parallel_layer_plan, top_level_plan,
     };
     pub use tpar_models::memory::{
-        check_fits, predict_memory, predict_memory_stage, DataParallelMode, MemoryConfig,
-        MemoryError, MemoryEstimate, TpPlan,
+        check_fits, least_recompute, predict_memory, predict_memory_stage, DataParallelMode,
+        MemoryConfig, MemoryError, MemoryEstimate, TpPlan,
     };
     pub use tpar_models::{LlamaConfig, LlamaForPretraining, LlamaStage};
     pub use tpar_nn::{

@@ -155,6 +155,41 @@ fn a_run_over_its_memory_budget_is_refused_with_what_would_fit() {
     }
 }
 
+/// `--ac auto` picks the policy that fits `--memory-budget` with the least recompute,
+/// trains with it, and says which; without a budget, or under one no policy fits on its
+/// own, it is refused with exit code 2.
+#[test]
+fn ac_auto_trains_with_the_policy_that_fits_the_budget() {
+    if let Some((code, out, err)) = run_example("llama_2d", &["--ac", "auto", "--steps", "2"]) {
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("--ac auto needs --memory-budget"), "{err}");
+        assert!(!out.contains("summary:"), "it trained: {out}");
+    }
+    // llama_2d's default is predicted at 4.3 MiB a rank, selective checkpointing at 3.9.
+    let args = ["--ac", "auto", "--memory-budget", "0.004", "--steps", "2"];
+    if let Some((code, out, err)) = run_example("llama_2d", &args) {
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("memory: --ac auto picks ac selective: predicted peak 3.9"), "{out}");
+        assert!(out.contains(" ac=selective "), "{out}");
+    }
+    // llama_pp's: 6.8 MiB without checkpointing; keeping every matmul and attention on
+    // every second layer (the norms and elementwise ops recomputed), 6.4.
+    let args = ["--ac", "auto", "--memory-budget", "0.0065", "--steps", "2"];
+    if let Some((code, out, err)) = run_example("llama_pp", &args) {
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains(" ac=selective[matmul,sdpa]:2 "), "{out}");
+    }
+    // Under every policy's peak: refused, naming what would fit or come closest.
+    let args = ["--ac", "auto", "--memory-budget", "0.0035", "--steps", "2"];
+    if let Some((code, out, err)) = run_example("llama_2d", &args) {
+        assert_eq!(code, 2, "{err}");
+        assert!(!out.contains("summary:"), "it trained: {out}");
+        for want in ["no checkpointing policy fits --memory-budget", "the lowest being"] {
+            assert!(err.contains(want), "{want:?} missing from: {err}");
+        }
+    }
+}
+
 /// One rank's local shard for the from_local tests: `odd` holds `odd_shape`/`odd_dtype`.
 fn shard(rank: usize, odd: usize, shape: &[usize], odd_shape: &[usize], dtype: DType) -> Tensor {
     let (s, d) = if rank == odd { (odd_shape, dtype) } else { (shape, DType::F32) };

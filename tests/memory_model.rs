@@ -36,9 +36,10 @@ use std::time::Duration;
 use tpar::collectives::RankThreads;
 use tpar::dtensor::CpMethod;
 use tpar::models::memory::{
-    alternatives, check_fits, host_sdpa_backward_scratch, lowest_peak, predict_memory,
-    predict_memory_stage, Alternative, AttentionCall, Change, DataParallelMode, MemoryConfig,
-    MemoryError, MemoryEstimate, TpPlan, HOST_GEMM_WORKSPACE,
+    ac_candidates, alternatives, check_fits, host_sdpa_backward_scratch, least_recompute,
+    lowest_peak, predict_memory, predict_memory_stage, recompute_share, Alternative, AttentionCall,
+    Change, DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate, TpPlan,
+    HOST_GEMM_WORKSPACE,
 };
 use tpar::models::LlamaFusion;
 use tpar::prelude::*;
@@ -1136,4 +1137,42 @@ fn the_alternative_named_fits_when_measured() {
     );
     assert!(refused > budget as i64, "the refused run fits after all: {refused} <= {budget}");
     assert!(suggested <= budget as i64, "{} measured {suggested} B > {budget}", alts[0]);
+}
+
+/// `--ac auto`'s choice (`least_recompute`): under a budget the run without checkpointing
+/// exceeds when measured, the policy picked fits when measured, and every policy that
+/// costs less is predicted not to fit.
+#[test]
+fn the_policy_least_recompute_picks_fits_when_measured() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let run = Run::base();
+    let c = run.memory_config();
+    let none = predict_memory(&c).unwrap().peak;
+    // The first budget under none's peak whose pick is predicted at least 3 % under it
+    // (the model's error on this run is well under that), so the measurement can tell.
+    let (budget, choice) = [95u64, 90, 85, 80, 75, 70]
+        .into_iter()
+        .map(|pct| none * pct / 100)
+        .find_map(|b| {
+            let choice = least_recompute(&c, b).unwrap();
+            (choice.estimate.peak <= b * 97 / 100).then_some((b, choice))
+        })
+        .expect("a budget with room to measure");
+    assert_ne!(choice.policy, AcPolicy::None);
+    for p in ac_candidates(&c) {
+        let n = MemoryConfig { ac: p.clone(), ..c.clone() };
+        if recompute_share(&n).unwrap() < choice.recompute {
+            assert!(predict_memory(&n).unwrap().peak > budget, "{p} costs less and fits");
+        }
+    }
+    let refused = run.peaks()[0];
+    let picked = Run { ac: choice.policy.clone(), ..run.clone() }.peaks()[0];
+    println!(
+        "budget {:.1} MiB: none measured {:.1} MiB; picked {choice}, measured {:.1} MiB",
+        mib(budget as f64),
+        mib(refused as f64),
+        mib(picked as f64)
+    );
+    assert!(refused > budget as i64, "no checkpointing fits after all: {refused} <= {budget}");
+    assert!(picked <= budget as i64, "{} measured {picked} B > {budget}", choice.policy);
 }

@@ -11,6 +11,7 @@ use clap::Args;
 use tpar::data::{MetricsConfig, MetricsLogger};
 use tpar::dtensor::CpMethod;
 use tpar::models::hf::{export_hf, HfCheckpoint, HfConfig, DEFAULT_SHARD_BYTES, TOKENIZER_FILE};
+use tpar::models::memory::{least_recompute, AcChoice};
 use tpar::prelude::*;
 
 /// The sequence length and the model's widths.
@@ -167,20 +168,72 @@ pub struct AcArgs {
     /// attention output and every second matmul's, recompute the other matmuls, norms,
     /// elementwise ops and RoPE);
     /// selective:K; selective[OPS] keeps the listed ops' outputs (matmul, sdpa, matmul/2:
-    /// every second matmul, as torchtitan's selective AC).
+    /// every second matmul, as torchtitan's selective AC); auto (with --memory-budget):
+    /// of none, selective[matmul,sdpa]:K, selective:K and full:K, the policy the memory
+    /// model predicts to fit the budget with the least recompute.
     #[arg(long, default_value = "none", value_parser = parse_ac)]
-    pub ac: AcPolicy,
+    pub ac: AcFlag,
 }
 
-fn parse_ac(s: &str) -> Result<AcPolicy, String> {
-    s.parse().map_err(|e: NnError| e.to_string())
+/// What `--ac` asks for: a policy, or the one that fits `--memory-budget` best.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AcFlag {
+    /// This policy.
+    Policy(AcPolicy),
+    /// [`tpar::models::memory::least_recompute`] for the budget.
+    Auto,
+}
+
+fn parse_ac(s: &str) -> Result<AcFlag, String> {
+    if s.trim() == "auto" {
+        return Ok(AcFlag::Auto);
+    }
+    s.parse().map(AcFlag::Policy).map_err(|e: NnError| e.to_string())
+}
+
+/// `gib` GiB in bytes.
+pub fn gib_bytes(gib: f64) -> u64 {
+    (gib * (1u64 << 30) as f64) as u64
 }
 
 impl AcArgs {
-    /// Applies the policy to `model`'s checkpointable modules (its decoder layers).
-    pub fn apply(&self, model: &mut dyn Module) -> tpar::Result<()> {
-        apply_activation_checkpointing(model, &self.ac)?;
-        Ok(())
+    /// Refuses `--ac auto` without a `--memory-budget` to choose for.
+    pub fn check(&self, memory_budget: Option<f64>) -> Result<(), String> {
+        match (&self.ac, memory_budget) {
+            (AcFlag::Auto, None) => Err("--ac auto needs --memory-budget GIB to choose for".into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// The policy to train with: the flag's own, or under `auto` the one
+    /// [`least_recompute`] picks for `run` (the run's configuration, whose own `ac` is not
+    /// read) and `memory_budget` GiB, with the choice. When no policy fits on its own the
+    /// error names what would, as `--memory-budget` does.
+    pub fn resolve(
+        &self,
+        run: &MemoryConfig,
+        memory_budget: Option<f64>,
+    ) -> tpar::Result<(AcPolicy, Option<AcChoice>)> {
+        match (&self.ac, memory_budget) {
+            (AcFlag::Policy(p), _) => Ok((p.clone(), None)),
+            (AcFlag::Auto, Some(gib)) => {
+                let choice = least_recompute(run, gib_bytes(gib))?;
+                Ok((choice.policy.clone(), Some(choice)))
+            }
+            (AcFlag::Auto, None) => Err(NnError::Config {
+                what: "--ac auto needs --memory-budget GIB to choose for".into(),
+            }
+            .into()),
+        }
+    }
+
+    /// The policy written in the run's memory configuration before [`AcArgs::resolve`]
+    /// (`none` under `auto`).
+    pub fn fixed(&self) -> AcPolicy {
+        match &self.ac {
+            AcFlag::Policy(p) => p.clone(),
+            AcFlag::Auto => AcPolicy::None,
+        }
     }
 }
 

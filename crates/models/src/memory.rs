@@ -7,7 +7,8 @@
 //! that names the configuration and every number when it does not; [`check_fits`] also
 //! names what would fit on the same ranks with the same global batch ([`alternatives`]:
 //! stronger checkpointing, a data-parallel mode that shards more, another mesh split,
-//! more micro-batches, the Megatron plan, the ring).
+//! more micro-batches, the Megatron plan, the ring). [`least_recompute`] picks the
+//! activation-checkpointing policy that fits a budget with the least recompute.
 //!
 //! # What the model counts
 //!
@@ -293,7 +294,9 @@ use tpar_tensor::DType;
 
 use crate::{LlamaConfig, LlamaFusion};
 
+mod ac_auto;
 mod fit;
+pub use ac_auto::{ac_candidates, least_recompute, recompute_share, AcChoice};
 pub use fit::{alternatives, check_fits, lowest_peak, Alternative, Change};
 
 /// The GEMM kernels' packing buffers each thread of a rank's host kernel pool keeps
@@ -631,6 +634,40 @@ struct LayerShape {
 }
 
 impl LayerShape {
+    /// The layer of `c` computing in `compute`. The sequence-parallel plan gathers the
+    /// projections' q, k and v back to every head (`Replicate`): attention computes on
+    /// all of them on every rank.
+    fn of(c: &MemoryConfig, compute: DType) -> LayerShape {
+        let m = &c.model;
+        let (h, i) = (m.hidden_size as f64, m.intermediate_size as f64);
+        let hd = m.head_dim() as f64;
+        let q = m.num_attention_heads as f64 * hd;
+        let kvw = m.num_key_value_heads as f64 * hd;
+        let t = c.tp as f64;
+        let sp = c.tp > 1 && c.plan == TpPlan::SequenceParallel;
+        let (heads, kv_heads) = if sp {
+            (m.num_attention_heads, m.num_key_value_heads)
+        } else {
+            ((m.num_attention_heads / c.tp).max(1), (m.num_key_value_heads / c.tp).max(1))
+        };
+        let attn = if sp { 1.0 } else { t };
+        LayerShape {
+            // Both plans run the norms (and so the residual stream) on sequence shards.
+            resid: h / t,
+            full: h,
+            q: q / t,
+            kv: kvw / t,
+            mlp: i / t,
+            heads,
+            kv_heads,
+            gathered: sp,
+            attn_q: q / attn,
+            attn_kv: kvw / attn,
+            device_node: device_attention_node(c, compute),
+            device: !c.host,
+        }
+    }
+
     /// What a layer keeps without checkpointing.
     fn kept(&self) -> f64 {
         // x and x1 at the norms, h1 and h2 at the projections, the rotated q and k, v,
@@ -750,7 +787,6 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let q = m.num_attention_heads as f64 * hd;
     let kvw = m.num_key_value_heads as f64 * hd;
     let t = c.tp as f64;
-    let sp = c.tp > 1 && c.plan == TpPlan::SequenceParallel;
     let (fsdp, compute) = match c.data_parallel {
         DataParallelMode::Fsdp { param_dtype } => (true, param_dtype.unwrap_or(m.dtype)),
         _ => (false, m.dtype),
@@ -797,30 +833,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         _ => 2.0 * elems * obytes,
     };
 
-    // Activations per token of one decoder layer, and the rows in flight. The
-    // sequence-parallel plan gathers the projections' q, k and v back to every head
-    // (`Replicate`): attention computes on all of them on every rank.
-    let (heads, kv_heads) = if sp {
-        (m.num_attention_heads, m.num_key_value_heads)
-    } else {
-        ((m.num_attention_heads / c.tp).max(1), (m.num_key_value_heads / c.tp).max(1))
-    };
-    let attn = if sp { 1.0 } else { t };
-    let shape = LayerShape {
-        // Both plans run the norms (and so the residual stream) on sequence shards.
-        resid: h / t,
-        full: h,
-        q: q / t,
-        kv: kvw / t,
-        mlp: i / t,
-        heads,
-        kv_heads,
-        gathered: sp,
-        attn_q: q / attn,
-        attn_kv: kvw / attn,
-        device_node: device_attention_node(c, compute),
-        device: !c.host,
-    };
+    // Activations per token of one decoder layer, and the rows in flight.
+    let shape = LayerShape::of(c, compute);
+    let attn = if shape.gathered { 1.0 } else { t };
     let mb = if c.pp > 1 { c.microbatches } else { 1 };
     let rows = c.batch as f64 / mb as f64;
     // Each cp rank holds `seq / cp` positions of every row.
