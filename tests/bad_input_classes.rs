@@ -144,8 +144,8 @@ fn a_run_over_its_memory_budget_is_refused_with_what_would_fit() {
             assert!(err.contains(want), "{want:?} missing from: {err}");
         }
     }
-    // llama_pp's (pp 3, 1F1B, 4 micro-batches): 6.8 MiB; selective checkpointing or 8
-    // micro-batches under 6.1.
+    // llama_pp's (pp 3, 1F1B, 4 micro-batches): 6.8 MiB; selective checkpointing of every
+    // second layer (6.1) or 8 micro-batches (5.2) within 0.006 GiB (6.14 MiB).
     if let Some((code, out, err)) = run_example("llama_pp", &["--memory-budget", "0.006"]) {
         assert_eq!(code, 2, "{err}");
         assert!(!out.contains("summary:"), "it trained: {out}");

@@ -955,17 +955,17 @@ fn host_attention_backward_holds_its_gradients_and_scratch() {
     }
 }
 
-/// Whether alternative `a` changes no setting further than `b` does: every setting `a`
-/// changes, `b` changes too, at least as far (selective before full checkpointing, ZeRO-1
-/// before FSDP, fewer micro-batches before more; the same mesh).
-fn no_further(a: &Alternative, b: &Alternative) -> bool {
+/// Whether alternative `a` of `c` changes no setting further than `b` does: every setting
+/// `a` changes, `b` changes too, at least as far (a checkpointing policy that recomputes
+/// no more of `c`'s forward, ZeRO-1 before FSDP, fewer micro-batches before more; the
+/// same mesh).
+fn no_further(c: &MemoryConfig, a: &Alternative, b: &Alternative) -> bool {
     let strength = |ch: &Change| match ch {
-        Change::Ac(AcPolicy::Full { .. }) | Change::DataParallel(DataParallelMode::Fsdp { .. }) => {
-            2
-        }
-        Change::Ac(_) | Change::DataParallel(DataParallelMode::Zero1) => 1,
-        Change::Microbatches(m) => *m,
-        _ => 0,
+        Change::Ac(p) => recompute_share(&MemoryConfig { ac: p.clone(), ..c.clone() }).unwrap(),
+        Change::DataParallel(DataParallelMode::Fsdp { .. }) => 2.0,
+        Change::DataParallel(DataParallelMode::Zero1) => 1.0,
+        Change::Microbatches(m) => *m as f64,
+        _ => 0.0,
     };
     let same_kind = |x: &Change, y: &Change| std::mem::discriminant(x) == std::mem::discriminant(y);
     a != b
@@ -1005,7 +1005,7 @@ fn check_alternatives(c: &MemoryConfig, budget: u64, alts: &[Alternative]) {
             assert!(effect, "{a}: {ch} changes nothing there");
         }
         for b in alts {
-            assert!(!no_further(b, a), "{a} is listed beside {b}, which changes less");
+            assert!(!no_further(c, b, a), "{a} is listed beside {b}, which changes less");
         }
     }
     // Fewest changes first.

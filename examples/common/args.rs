@@ -191,6 +191,8 @@ fn parse_ac(s: &str) -> Result<AcFlag, String> {
     s.parse().map(AcFlag::Policy).map_err(|e: NnError| e.to_string())
 }
 
+const AUTO_NEEDS_BUDGET: &str = "--ac auto needs --memory-budget GIB to choose for";
+
 /// `gib` GiB in bytes.
 pub fn gib_bytes(gib: f64) -> u64 {
     (gib * (1u64 << 30) as f64) as u64
@@ -200,7 +202,7 @@ impl AcArgs {
     /// Refuses `--ac auto` without a `--memory-budget` to choose for.
     pub fn check(&self, memory_budget: Option<f64>) -> Result<(), String> {
         match (&self.ac, memory_budget) {
-            (AcFlag::Auto, None) => Err("--ac auto needs --memory-budget GIB to choose for".into()),
+            (AcFlag::Auto, None) => Err(AUTO_NEEDS_BUDGET.into()),
             _ => Ok(()),
         }
     }
@@ -220,10 +222,7 @@ impl AcArgs {
                 let choice = least_recompute(run, gib_bytes(gib))?;
                 Ok((choice.policy.clone(), Some(choice)))
             }
-            (AcFlag::Auto, None) => Err(NnError::Config {
-                what: "--ac auto needs --memory-budget GIB to choose for".into(),
-            }
-            .into()),
+            (AcFlag::Auto, None) => Err(NnError::Config { what: AUTO_NEEDS_BUDGET.into() }.into()),
         }
     }
 

@@ -52,7 +52,8 @@ impl fmt::Display for AcChoice {
 /// multiply-add rate of a core's vector units over its share of memory bandwidth (5 on
 /// the 2-core AVX-512 machines of docs/PERF.md, where an f32 layer's memory-bound ops took
 /// 0.10 of its forward); on a CUDA device the tensor cores' rate over HBM bandwidth (an
-/// H100's or H200's bf16 rate, about 100).
+/// H100's or H200's published dense bf16 rate over its memory bandwidth, about 100; not
+/// measured on a GPU).
 pub const MACS_PER_BYTE: [f64; 2] = [5.0, 100.0];
 
 /// The work of one decoder layer's forward per token of a rank's rows, in multiply-adds:

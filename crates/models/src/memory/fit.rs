@@ -5,8 +5,10 @@
 //! The search changes six settings, each over the values a trainer can choose without
 //! changing what it trains (the same tokens per step, on the same ranks):
 //!
-//! - **activation checkpointing**: a stronger policy than the configuration's
-//!   (selective, then full, on every decoder layer);
+//! - **activation checkpointing**: a policy predicted to hold less than the
+//!   configuration's, of those [`least_recompute`](super::least_recompute) weighs (none,
+//!   `selective[matmul,sdpa]:K`, `selective:K`, `full:K`), the least recompute first,
+//!   each holding less than every one that recomputes less;
 //! - **the data-parallel mode**: one that shards more (DDP, then ZeRO-1, then FSDP
 //!   without mixed precision, so the parameters keep their dtype), where the
 //!   data-parallel group has more than one rank;
@@ -24,12 +26,13 @@
 //!
 //! Every combination is predicted ([`predict_memory`]); of those that fit, only the
 //! least ones are kept: a combination is left out when another that fits changes no
-//! setting further (checkpoints no more, shards no more, has no more micro-batches,
+//! setting further (recomputes no more, shards no more, has no more micro-batches,
 //! changes the plan or the method only where it does too, and keeps the mesh or has the
 //! same one). They are listed with the fewest settings changed first, then in a fixed
 //! order of how much a change costs a step (the data-parallel mode, the plan and the
 //! method, which keep the arithmetic, first; then selective checkpointing,
-//! micro-batches, the mesh, and full checkpointing last), then by predicted peak. That
+//! micro-batches, the mesh, and full checkpointing last; two policies by their
+//! recompute), then by predicted peak. That
 //! order is a rule of thumb, not a prediction of step time.
 //!
 //! The predictions have the model's accuracy (`tests/memory_model.rs` holds each
@@ -43,7 +46,8 @@ use tpar_dtensor::CpMethod;
 use tpar_nn::checkpoint::AcPolicy;
 
 use super::{
-    mib, predict_memory, DataParallelMode, MemoryConfig, MemoryError, MemoryEstimate, TpPlan,
+    ac_candidates, mib, predict_memory, recompute_share, DataParallelMode, MemoryConfig,
+    MemoryError, MemoryEstimate, TpPlan,
 };
 
 /// One setting an [`Alternative`] changes.
@@ -144,15 +148,31 @@ fn no_further_than(a: &Steps, b: &Steps) -> bool {
     a != b && (0..a.len()).all(|d| if d == MESH { a[d] == 0 || a[d] == b[d] } else { a[d] <= b[d] })
 }
 
-/// The policies stronger than `ac`, in order (selective before full).
-fn stronger_ac(ac: &AcPolicy) -> Vec<AcPolicy> {
+/// The activation-checkpointing policies to try instead of `c`'s, the least recompute
+/// first: of [`ac_candidates`], those predicted (on `c`'s other settings) to hold less
+/// than `c`'s own policy, and of those only the ones no other candidate beats on both
+/// [`recompute_share`] and peak (the policies `least_recompute` can pick).
+fn stronger_ac(c: &MemoryConfig) -> Vec<AcPolicy> {
+    let Ok(own) = predict_memory(c) else { return Vec::new() };
+    let mut scored: Vec<(f64, u64, AcPolicy)> = ac_candidates(c)
+        .into_iter()
+        .filter(|p| *p != c.ac)
+        .filter_map(|p| {
+            let n = MemoryConfig { ac: p.clone(), ..c.clone() };
+            let peak = predict_memory(&n).ok()?.peak;
+            Some((recompute_share(&n).ok()?, peak, p))
+        })
+        .filter(|(_, peak, _)| *peak < own.peak)
+        .collect();
+    scored.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    // Walking up the cost, a policy is kept when it holds less than every cheaper one.
+    let mut lowest = u64::MAX;
     let mut out = Vec::new();
-    if matches!(ac, AcPolicy::None) || matches!(ac, AcPolicy::Selective { every, .. } if *every > 1)
-    {
-        out.push(AcPolicy::selective());
-    }
-    if !matches!(ac, AcPolicy::Full { every: 1 }) {
-        out.push(AcPolicy::full());
+    for (_, peak, p) in scored {
+        if peak < lowest {
+            lowest = peak;
+            out.push(p);
+        }
     }
     out
 }
@@ -224,8 +244,8 @@ pub fn lowest_peak(c: &MemoryConfig) -> Option<Alternative> {
         .min_by(|a, b| a.estimate.peak.cmp(&b.estimate.peak).then_with(|| order(a, b)))
 }
 
-/// The order of [`alternatives`]: fewer changes, then the cheaper kinds, then the lower
-/// peak.
+/// The order of [`alternatives`]: fewer changes, then the cheaper kinds, then the less
+/// recompute, then the lower peak.
 fn order(a: &Alternative, b: &Alternative) -> Ordering {
     let ranks = |x: &Alternative| {
         let mut r: Vec<u8> = x.changes.iter().map(Change::rank).collect();
@@ -236,6 +256,10 @@ fn order(a: &Alternative, b: &Alternative) -> Ordering {
         .len()
         .cmp(&b.changes.len())
         .then_with(|| ranks(a).cmp(&ranks(b)))
+        .then_with(|| {
+            let share = |x: &Alternative| recompute_share(&x.config).unwrap_or(0.0);
+            share(a).total_cmp(&share(b))
+        })
         .then_with(|| a.estimate.peak.cmp(&b.estimate.peak))
 }
 
@@ -244,7 +268,7 @@ fn candidates(c: &MemoryConfig) -> Vec<(Steps, Alternative)> {
     // Per setting, the changes in order (level 1, 2, ...); level 0 keeps `c`'s.
     let mut dims: Vec<Vec<Change>> = vec![
         stronger_dp(c.data_parallel).into_iter().map(Change::DataParallel).collect(),
-        stronger_ac(&c.ac).into_iter().map(Change::Ac).collect(),
+        stronger_ac(c).into_iter().map(Change::Ac).collect(),
         if c.pp > 1 {
             [2, 4, 8].map(|t| Change::Microbatches(c.microbatches * t)).to_vec()
         } else {
