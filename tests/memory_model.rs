@@ -451,6 +451,15 @@ fn predicted_peak_is_within_15_percent_of_the_measured_one() {
             &Run { fusion: fused, ..fsdp_tp.clone() },
         ),
     ];
+    // Checkpointing only the third of the four layers: its recompute holds its
+    // activations during its own backward, after the last layer's have gone, not at the
+    // backward's start. Held within 5 %: a model that adds the recompute at every layer's
+    // backward predicts 7 % over and fails.
+    for (name, ac) in [("full:3 (layer 3 of 4)", "full:3"), ("selective:3", "selective:3")] {
+        let mut every = case(name, &Run { ac: ac.parse().unwrap(), ..base.clone() });
+        every.tol = 0.05;
+        cases.push(every);
+    }
     // pp 2, 1F1B, 2 micro-batches; alone, and over 2 FSDP ranks per stage as llama_pp
     // shards it (ranks in ["pp", "dp"] order: rank `r` runs pp rank `r / dp`'s stages),
     // with 1F1B and with interleaved 1F1B (2 stages per rank, one layer each, 4
@@ -1026,16 +1035,19 @@ fn refused_configurations_name_what_would_fit() {
     let full = peak(&MemoryConfig { ac: AcPolicy::full(), ..single.clone() });
     assert!(full < selective && selective < peak(&single));
 
-    // Between selective and none: selective checkpointing, and not full (a further change
-    // of the same setting).
+    // Between selective and none: the checkpointing that fits with the least recompute
+    // (`least_recompute`'s pick; here full on every second layer), and not full on every
+    // layer (a further change of the same setting).
     let budget = (selective + peak(&single)) / 2;
     let alts = alternatives(&single, budget);
     check_alternatives(&single, budget, &alts);
-    assert_eq!(alts[0].changes, vec![Change::Ac(AcPolicy::selective())], "{alts:?}");
+    let pick = least_recompute(&single, budget).unwrap().policy;
+    assert_ne!(pick, AcPolicy::full());
+    assert_eq!(alts[0].changes, vec![Change::Ac(pick.clone())], "{alts:?}");
     assert!(!alts.iter().any(|a| a.changes.contains(&Change::Ac(AcPolicy::full()))));
     let e = check_fits(&single, budget).unwrap_err();
     let text = e.to_string();
-    assert!(text.contains("would fit with ac selective: predicted peak"), "{text}");
+    assert!(text.contains(&format!("would fit with ac {pick}: predicted peak")), "{text}");
     assert!(
         matches!(&e, MemoryError::DoesNotFit { alternatives, lowest: None, .. } if *alternatives == alts)
     );
@@ -1043,7 +1055,7 @@ fn refused_configurations_name_what_would_fit() {
     let budget = (full + selective) / 2;
     let alts = alternatives(&single, budget);
     check_alternatives(&single, budget, &alts);
-    assert_eq!(alts[0].changes, vec![Change::Ac(AcPolicy::full())]);
+    assert_eq!(alts[0].changes, vec![Change::Ac(AcPolicy::full())], "{alts:?}");
     // What fits is not refused, and has no alternatives.
     assert_eq!(check_fits(&single, peak(&single)).unwrap().peak, peak(&single));
     assert!(alternatives(&single, peak(&single)).is_empty());
@@ -1113,21 +1125,28 @@ fn refused_configurations_name_what_would_fit() {
     assert!(text.contains("fits either, the lowest being ac full: predicted peak"), "{text}");
 }
 
-/// The measured side of [`refused_configurations_name_what_would_fit`]: at a budget
-/// between the predicted peaks of one rank with and without selective checkpointing, the
-/// run without is refused and really peaks above the budget, and the first alternative
-/// named (selective checkpointing) really runs within it.
+/// The measured side of [`refused_configurations_name_what_would_fit`]: at a budget under
+/// one rank's predicted peak without checkpointing, the run without is refused and really
+/// peaks above the budget, and the first alternative named (a checkpointing policy) really
+/// runs within it. The budget is the first of 90, 85, ... % of the peak whose first
+/// alternative is predicted at least 3 % under it, so the measurement can tell.
 #[test]
 fn the_alternative_named_fits_when_measured() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let run = Run::base();
     let c = run.memory_config();
-    let selective = Run { ac: AcPolicy::selective(), ..run.clone() };
-    let budget = (predict_memory(&c).unwrap().peak + selective.predict()[0].peak) / 2;
-    let alts = alternatives(&c, budget);
-    assert_eq!(alts[0].config, selective.memory_config(), "{alts:?}");
+    let none = predict_memory(&c).unwrap().peak;
+    let (budget, alts) = [90u64, 85, 80, 75, 70]
+        .into_iter()
+        .map(|pct| none * pct / 100)
+        .map(|b| (b, alternatives(&c, b)))
+        .find(|(b, alts)| alts[0].estimate.peak <= b * 97 / 100)
+        .expect("a budget with room to measure");
+    let [Change::Ac(policy)] = alts[0].changes.as_slice() else { panic!("{alts:?}") };
+    let named = Run { ac: policy.clone(), ..run.clone() };
+    assert_eq!(alts[0].config, named.memory_config(), "{alts:?}");
     let refused = run.peaks()[0];
-    let suggested = selective.peaks()[0];
+    let suggested = named.peaks()[0];
     println!(
         "budget {:.1} MiB: refused run measured {:.1} MiB, {} measured {:.1} MiB",
         mib(budget as f64),

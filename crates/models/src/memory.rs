@@ -81,7 +81,9 @@
 //!   projection's forward (a layer's parameters and one layer's q/k/v or gate/up, freed
 //!   before the next op, below the backward's peak).
 //! - **Largest transient**: the biggest of (a) a layer's backward workspace at one of two
-//!   points, plus under checkpointing the recomputed layer: SwiGLU's backward, which
+//!   points, plus, where that layer is checkpointed, its recompute (the backward walks
+//!   the layers from the last down, so under `every` > 1 a recompute comes after the
+//!   later layers' activations are freed): SwiGLU's backward, which
 //!   holds the gradients of gate and up beside its output's and the hidden-state
 //!   gradient, `[2 i/t + h]` beyond what the layer keeps once down_proj's node has freed
 //!   its input (down_proj's weight gradient made); and attention's backward (below; the
@@ -853,13 +855,14 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // whose styles on the projections make the layers run unfused.
     let fuse_projections = c.fusion.projections && c.tp == 1;
     let fuse_residual = c.fusion.residual && c.tp == 1;
-    let mut recompute = 0.0f64;
     // What one micro-batch keeps on each of this rank's stages. The policy counts the
     // checkpointable layers of the module it is applied to: the stage's.
     let mut stage_mb = Vec::with_capacity(per_rank);
     // What each layer of the rank's first stage keeps of one micro-batch, in forward order
-    // (the backward frees them from the last layer down).
+    // (the backward frees them from the last layer down), and what its recompute holds
+    // during its backward (0 where it is not checkpointed).
     let mut layer_kept: Vec<f64> = Vec::new();
+    let mut layer_again: Vec<f64> = Vec::new();
     for &s in &mine {
         let mut kept_mb = 0.0;
         for l in 0..ranges[s].len() {
@@ -884,8 +887,8 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             kept_mb += kept;
             if s == mine[0] {
                 layer_kept.push(kept);
+                layer_again.push(again);
             }
-            recompute = recompute.max(again);
         }
         if s + 1 == num_stages {
             // The final norm's input, the head's input and the logits.
@@ -966,7 +969,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         // the hidden-state gradient; down_proj's node has run and freed its input (the
         // SwiGLU output), and made its weight's gradient.
         let mlp_point =
-            (tokens * (2.0 * shape.mlp + h) * abytes, h * shape.mlp, 0.0, "MLP input gradients");
+            (tokens * (2.0 * shape.mlp + h) * abytes, h * shape.mlp, false, "MLP input gradients");
         // Attention's backward: by then the MLP's and o_proj's nodes have run and freed
         // what they saved (the second norm's input, the gate/up input, gate, up and the
         // SwiGLU output, o_proj's input), where the layer keeps them (not checkpointed),
@@ -975,21 +978,31 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         // norm's input, the gate/up input, the SwiGLU output and o_proj's input (gate
         // and up may be kept outputs handed back, which the checkpoint holds).
         let o_in = if shape.device_node && !shape.gathered { 0.0 } else { shape.q };
-        let own_freed = if c.ac == AcPolicy::None {
-            tokens * (shape.resid + shape.full + 3.0 * shape.mlp + o_in) * abytes
-        } else {
-            (tokens * (shape.resid + shape.full + shape.mlp + o_in) * abytes).min(recompute)
-        };
+        let kept_freed = tokens * (shape.resid + shape.full + 3.0 * shape.mlp + o_in) * abytes;
+        let again_freed = tokens * (shape.resid + shape.full + shape.mlp + o_in) * abytes;
         let attention_point = (
             attn,
             3.0 * h * shape.mlp + h * shape.q + h,
-            own_freed,
+            true,
             "attention's output gradient, dq, dk, dv and the kernel's scratch",
         );
         let points = [mlp_point, attention_point];
-        let recomputed = if recompute > 0.0 { " with its recomputed activations" } else { "" };
-        for &(ws, made, own_freed, part) in &points {
-            let what = format!("a layer's backward ({part}){recomputed}");
+        // The layer in backward once `k` of the stage's layers are done: what its recompute
+        // holds (the most of any layer's past the first stage's), and what its own nodes
+        // freed by the point (`at_attention`).
+        let again_at = |k: usize| match layer_again.len().checked_sub(k + 1) {
+            Some(i) => layer_again[i],
+            None => layer_again.iter().copied().fold(0.0, f64::max),
+        };
+        let own_at = |again: f64, at_attention: bool| match (at_attention, again > 0.0) {
+            (false, _) => 0.0,
+            (true, false) => kept_freed,
+            (true, true) => again_freed.min(again),
+        };
+        let recomputed =
+            |again: f64| if again > 0.0 { " with its recomputed activations" } else { "" };
+        for &(ws, made, at_attention, part) in &points {
+            let what = |again: f64| format!("a layer's backward ({part}){}", recomputed(again));
             if fsdp {
                 let units = fsdp_layer_backward(&FsdpBackward {
                     // The walk within one stage (FSDP prefetches within a stage's units).
@@ -1002,29 +1015,36 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                     reduced_first: reduced_first / fsdp_ranks * pbytes,
                     made: made * abytes,
                 });
-                let what = format!(
-                    "{what}, with FSDP's gathered units (the layer's, the next one's \
-                     prefetched, the embedding's) and the layer's unsharded gradients"
-                );
+                let what = |again: f64| {
+                    format!(
+                        "{}, with FSDP's gathered units (the layer's, the next one's \
+                         prefetched, the embedding's) and the layer's unsharded gradients",
+                        what(again)
+                    )
+                };
                 first_missing = first_missing.min(gradients - units[0].1);
                 for &(k, shards, buffers) in &units {
-                    let held_then = shards + buffers + ws + recompute;
+                    let again = again_at(k);
+                    let own_freed = own_at(again, at_attention);
+                    let held_then = shards + buffers + ws + again;
                     fsdp_backward.push((k, held_then - own_freed));
                     options.push(Candidate {
-                        buffers: buffers + ws + recompute,
+                        buffers: buffers + ws + again,
                         released: freed(k) + own_freed + (gradients - shards),
                         own: own_freed,
-                        what: what.clone(),
+                        what: what(again),
                     });
                 }
             } else {
                 first_missing = first_missing.min(missing(0, made));
                 for k in 0..layers {
+                    let again = again_at(k);
+                    let own_freed = own_at(again, at_attention);
                     options.push(Candidate {
-                        buffers: ws + recompute,
+                        buffers: ws + again,
                         released: freed(k) + own_freed + missing(k, made),
                         own: own_freed,
-                        what: what.clone(),
+                        what: what(again),
                     });
                 }
             }
