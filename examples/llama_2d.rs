@@ -506,19 +506,9 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // model is built.
     let mut run = memory_config(o, &cfg, compute_device(o) == Device::Cpu);
     // `--ac auto`: the policy that fits the budget with the least recompute.
-    let (ac, choice) = o.ac.resolve(&run, o.memory_budget).inspect_err(|_| {
-        if rank == 0 {
-            eprintln!(
-                "llama_2d: --ac auto: no checkpointing policy fits --memory-budget on its own"
-            );
-        }
-    })?;
-    run.ac = ac.clone();
+    let ac = o.ac.resolve(&mut run, o.memory_budget, "llama_2d", rank == 0)?;
     let predicted = predict_memory(&run)?;
     if rank == 0 {
-        if let Some(choice) = &choice {
-            println!("memory: --ac auto picks {choice}");
-        }
         println!("memory: {predicted}");
     }
     if let Some(gib) = o.memory_budget {

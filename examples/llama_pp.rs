@@ -284,17 +284,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // before the stages are built.
     let mut run = memory_config(o, &cfg);
     // `--ac auto`: the policy that fits the budget with the least recompute.
-    let (ac, choice) = o.ac.resolve(&run, o.memory_budget).inspect_err(|_| {
-        if rank == 0 {
-            eprintln!(
-                "llama_pp: --ac auto: no checkpointing policy fits --memory-budget on its own"
-            );
-        }
-    })?;
-    run.ac = ac.clone();
-    if let Some(choice) = choice.as_ref().filter(|_| rank == 0) {
-        println!("memory: --ac auto picks {choice}");
-    }
+    let ac = o.ac.resolve(&mut run, o.memory_budget, "llama_pp", rank == 0)?;
     let predicted = match predict_memory_stage(&run, pp_rank) {
         Ok(p) => Some(p),
         Err(MemoryError::Config { what }) if o.memory_budget.is_none() => {

@@ -1125,37 +1125,51 @@ fn refused_configurations_name_what_would_fit() {
     assert!(text.contains("fits either, the lowest being ac full: predicted peak"), "{text}");
 }
 
+/// The first of 95, 90, ... 70 % of `c`'s predicted peak at which `pick` (a budget's
+/// choice: its predicted peak and itself) is predicted at least 3 % under the budget (the
+/// model's error on these runs is well under that), so a measurement can tell.
+fn budget_with_room<T>(c: &MemoryConfig, pick: impl Fn(u64) -> (u64, T)) -> (u64, T) {
+    let none = predict_memory(c).unwrap().peak;
+    [95u64, 90, 85, 80, 75, 70]
+        .into_iter()
+        .map(|pct| none * pct / 100)
+        .map(|b| (b, pick(b)))
+        .find(|(b, (peak, _))| *peak <= b * 97 / 100)
+        .map(|(b, (_, t))| (b, t))
+        .expect("a budget with room to measure")
+}
+
+/// Measures `run` as it is (without checkpointing) and under `policy`, the choice `what`
+/// made for `budget`: the first must exceed the budget, the second fit in it.
+fn measured_against(run: &Run, policy: &AcPolicy, budget: u64, what: &str) {
+    let refused = run.peaks()[0];
+    let picked = Run { ac: policy.clone(), ..run.clone() }.peaks()[0];
+    println!(
+        "budget {:.1} MiB: none measured {:.1} MiB; {what}, measured {:.1} MiB",
+        mib(budget as f64),
+        mib(refused as f64),
+        mib(picked as f64)
+    );
+    assert!(refused > budget as i64, "no checkpointing fits after all: {refused} <= {budget}");
+    assert!(picked <= budget as i64, "{what}: measured {picked} B > {budget}");
+}
+
 /// The measured side of [`refused_configurations_name_what_would_fit`]: at a budget under
 /// one rank's predicted peak without checkpointing, the run without is refused and really
 /// peaks above the budget, and the first alternative named (a checkpointing policy) really
-/// runs within it. The budget is the first of 90, 85, ... % of the peak whose first
-/// alternative is predicted at least 3 % under it, so the measurement can tell.
+/// runs within it.
 #[test]
 fn the_alternative_named_fits_when_measured() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let run = Run::base();
     let c = run.memory_config();
-    let none = predict_memory(&c).unwrap().peak;
-    let (budget, alts) = [90u64, 85, 80, 75, 70]
-        .into_iter()
-        .map(|pct| none * pct / 100)
-        .map(|b| (b, alternatives(&c, b)))
-        .find(|(b, alts)| alts[0].estimate.peak <= b * 97 / 100)
-        .expect("a budget with room to measure");
-    let [Change::Ac(policy)] = alts[0].changes.as_slice() else { panic!("{alts:?}") };
-    let named = Run { ac: policy.clone(), ..run.clone() };
-    assert_eq!(alts[0].config, named.memory_config(), "{alts:?}");
-    let refused = run.peaks()[0];
-    let suggested = named.peaks()[0];
-    println!(
-        "budget {:.1} MiB: refused run measured {:.1} MiB, {} measured {:.1} MiB",
-        mib(budget as f64),
-        mib(refused as f64),
-        alts[0],
-        mib(suggested as f64)
-    );
-    assert!(refused > budget as i64, "the refused run fits after all: {refused} <= {budget}");
-    assert!(suggested <= budget as i64, "{} measured {suggested} B > {budget}", alts[0]);
+    let (budget, first) = budget_with_room(&c, |b| {
+        let first = alternatives(&c, b).swap_remove(0);
+        (first.estimate.peak, first)
+    });
+    let [Change::Ac(policy)] = first.changes.as_slice() else { panic!("{first}") };
+    assert_eq!(first.config, Run { ac: policy.clone(), ..run.clone() }.memory_config());
+    measured_against(&run, policy, budget, &format!("first alternative {first}"));
 }
 
 /// `--ac auto`'s choice (`least_recompute`): under a budget the run without checkpointing
@@ -1166,17 +1180,10 @@ fn the_policy_least_recompute_picks_fits_when_measured() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let run = Run::base();
     let c = run.memory_config();
-    let none = predict_memory(&c).unwrap().peak;
-    // The first budget under none's peak whose pick is predicted at least 3 % under it
-    // (the model's error on this run is well under that), so the measurement can tell.
-    let (budget, choice) = [95u64, 90, 85, 80, 75, 70]
-        .into_iter()
-        .map(|pct| none * pct / 100)
-        .find_map(|b| {
-            let choice = least_recompute(&c, b).unwrap();
-            (choice.estimate.peak <= b * 97 / 100).then_some((b, choice))
-        })
-        .expect("a budget with room to measure");
+    let (budget, choice) = budget_with_room(&c, |b| {
+        let choice = least_recompute(&c, b).unwrap();
+        (choice.estimate.peak, choice)
+    });
     assert_ne!(choice.policy, AcPolicy::None);
     for p in ac_candidates(&c) {
         let n = MemoryConfig { ac: p.clone(), ..c.clone() };
@@ -1184,14 +1191,5 @@ fn the_policy_least_recompute_picks_fits_when_measured() {
             assert!(predict_memory(&n).unwrap().peak > budget, "{p} costs less and fits");
         }
     }
-    let refused = run.peaks()[0];
-    let picked = Run { ac: choice.policy.clone(), ..run.clone() }.peaks()[0];
-    println!(
-        "budget {:.1} MiB: none measured {:.1} MiB; picked {choice}, measured {:.1} MiB",
-        mib(budget as f64),
-        mib(refused as f64),
-        mib(picked as f64)
-    );
-    assert!(refused > budget as i64, "no checkpointing fits after all: {refused} <= {budget}");
-    assert!(picked <= budget as i64, "{} measured {picked} B > {budget}", choice.policy);
+    measured_against(&run, &choice.policy, budget, &format!("picked {choice}"));
 }

@@ -11,7 +11,7 @@ use clap::Args;
 use tpar::data::{MetricsConfig, MetricsLogger};
 use tpar::dtensor::CpMethod;
 use tpar::models::hf::{export_hf, HfCheckpoint, HfConfig, DEFAULT_SHARD_BYTES, TOKENIZER_FILE};
-use tpar::models::memory::{least_recompute, AcChoice};
+use tpar::models::memory::least_recompute;
 use tpar::prelude::*;
 
 /// The sequence length and the model's widths.
@@ -207,23 +207,43 @@ impl AcArgs {
         }
     }
 
-    /// The policy to train with: the flag's own, or under `auto` the one
-    /// [`least_recompute`] picks for `run` (the run's configuration, whose own `ac` is not
-    /// read) and `memory_budget` GiB, with the choice. When no policy fits on its own the
-    /// error names what would, as `--memory-budget` does.
+    /// Sets `run.ac` to the policy to train with, and returns it: the flag's own, or under
+    /// `auto` the one [`least_recompute`] picks for `run` (the run's configuration, whose
+    /// own `ac` is not read) and `memory_budget` GiB. Where `report`, `program` says the
+    /// pick on stdout, or on stderr that no policy fits on its own (the error then names
+    /// what would, as `--memory-budget` does).
     pub fn resolve(
         &self,
-        run: &MemoryConfig,
+        run: &mut MemoryConfig,
         memory_budget: Option<f64>,
-    ) -> tpar::Result<(AcPolicy, Option<AcChoice>)> {
-        match (&self.ac, memory_budget) {
-            (AcFlag::Policy(p), _) => Ok((p.clone(), None)),
-            (AcFlag::Auto, Some(gib)) => {
-                let choice = least_recompute(run, gib_bytes(gib))?;
-                Ok((choice.policy.clone(), Some(choice)))
+        program: &str,
+        report: bool,
+    ) -> tpar::Result<AcPolicy> {
+        let policy = match (&self.ac, memory_budget) {
+            (AcFlag::Policy(p), _) => p.clone(),
+            (AcFlag::Auto, Some(gib)) => match least_recompute(run, gib_bytes(gib)) {
+                Ok(choice) => {
+                    if report {
+                        println!("memory: --ac auto picks {choice}");
+                    }
+                    choice.policy
+                }
+                Err(e) => {
+                    if report {
+                        eprintln!(
+                            "{program}: --ac auto: no checkpointing policy fits --memory-budget \
+                             on its own"
+                        );
+                    }
+                    return Err(e.into());
+                }
+            },
+            (AcFlag::Auto, None) => {
+                return Err(NnError::Config { what: AUTO_NEEDS_BUDGET.into() }.into())
             }
-            (AcFlag::Auto, None) => Err(NnError::Config { what: AUTO_NEEDS_BUDGET.into() }.into()),
-        }
+        };
+        run.ac = policy.clone();
+        Ok(policy)
     }
 
     /// The policy written in the run's memory configuration before [`AcArgs::resolve`]
