@@ -32,7 +32,22 @@ fn policies() -> Vec<AcPolicy> {
         AcPolicy::Selective { every: 2, ops: vec![SaveOp::Sdpa] },
         AcPolicy::Selective { every: 1, ops: vec![SaveOp::Matmul] },
         AcPolicy::Selective { every: 1, ops: vec![SaveOp::EveryOtherMatmul, SaveOp::Sdpa] },
+        AcPolicy::Mixed { full_every: 2, ops: SaveOp::DEFAULT.to_vec() },
+        AcPolicy::Mixed { full_every: 3, ops: vec![SaveOp::Matmul, SaveOp::Sdpa] },
     ]
+}
+
+/// What a selectively checkpointed Llama layer keeps and reuses of `ops`: of 7 matmuls
+/// (q, k, v, o, gate, up, down; every second one is the 1st, 3rd, 5th and 7th) and 1
+/// attention, less down, whose output no recompute reads.
+fn kept_per_layer(ops: &[SaveOp]) -> u64 {
+    ops.iter()
+        .map(|o| match o {
+            SaveOp::Sdpa => 1,
+            SaveOp::Matmul => 6,
+            SaveOp::EveryOtherMatmul => 3,
+        })
+        .sum()
 }
 
 fn bits(t: &Tensor) -> Vec<u64> {
@@ -80,24 +95,17 @@ fn single_rank_ac_equals_no_ac_bit_for_bit() {
             // Each recompute leaves down_proj's product uncomputed (only the residual add
             // reads it before the layer's output), and no forward keeps it for that.
             assert_eq!(counts.skipped, n, "{p}: {counts:?}");
-            match &p {
-                AcPolicy::Full { .. } => assert_eq!((counts.saved, counts.reused), (0, 0)),
-                AcPolicy::Selective { ops, .. } => {
-                    // Per layer: 7 matmuls (q, k, v, o, gate, up, down; every second one
-                    // is the 1st, 3rd, 5th and 7th) and 1 attention, less down, whose
-                    // output no recompute reads.
-                    let per: u64 = ops
-                        .iter()
-                        .map(|o| match o {
-                            SaveOp::Sdpa => 1,
-                            SaveOp::Matmul => 6,
-                            SaveOp::EveryOtherMatmul => 3,
-                        })
-                        .sum();
-                    assert_eq!((counts.saved, counts.reused), (n * per, n * per), "{p}");
+            // The selectively checkpointed layers and what each keeps.
+            let (selective, per) = match &p {
+                AcPolicy::Full { .. } => (0, 0),
+                AcPolicy::Selective { ops, .. } => (n, kept_per_layer(ops)),
+                AcPolicy::Mixed { full_every, ops } => {
+                    (n - n / *full_every as u64, kept_per_layer(ops))
                 }
                 AcPolicy::None => unreachable!(),
-            }
+            };
+            let kept = selective * per;
+            assert_eq!((counts.saved, counts.reused), (kept, kept), "{p}: {counts:?}");
         }
     }
 }
@@ -112,11 +120,14 @@ fn policies_parse_print_and_apply_by_fqn() {
         "selective:3",
         "selective[sdpa]:2",
         "selective[matmul/2,sdpa]",
+        "selective+full:2",
+        "selective[matmul,sdpa]+full:3",
     ] {
         let p: AcPolicy = s.parse().unwrap();
         assert_eq!(p.to_string(), s);
     }
-    for bad in ["full:0", "half", "selective[conv]", "full:x", "none:2"] {
+    let bad_ones = ["full:0", "half", "selective[conv]", "full:x", "none:2", "selective+full:0"];
+    for bad in bad_ones.into_iter().chain(["selective+full", "full+full:2", "none+full:2"]) {
         let e = bad.parse::<AcPolicy>().unwrap_err().to_string();
         assert!(e.contains(bad) || e.contains("conv"), "{bad}: {e}");
     }
@@ -124,6 +135,12 @@ fn policies_parse_print_and_apply_by_fqn() {
     let mut model = LlamaForPretraining::new(&cfg, Device::Meta).unwrap();
     let names: Vec<String> = (0..4).map(|i| format!("base_model.layers.{i}")).collect();
     assert_eq!(checkpointable_modules(&model), names);
+    let mixed: AcPolicy = "selective+full:2".parse().unwrap();
+    assert_eq!(apply_activation_checkpointing(&mut model, &mixed).unwrap(), names);
+    let e = apply_activation_checkpointing_to(&mut model, &["base_model.layers.0"], &mixed)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("by position"), "{e}");
     let chosen = apply_activation_checkpointing(&mut model, &AcPolicy::Full { every: 2 }).unwrap();
     assert_eq!(chosen, ["base_model.layers.1", "base_model.layers.3"]);
     // The wrapper adds no name component: parameter FQNs are the plain model's.

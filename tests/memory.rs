@@ -21,11 +21,16 @@ fn allocations_are_credited_per_rank() {
         })
         .unwrap();
     assert!(memory::is_tracking());
+    // Within 64 KiB either way: the tests beside this one start rank threads 0 and 1 of
+    // their own before moving to slots of their own, and what those threads allocated
+    // first (a few bytes of thread and group state) may be freed, and credited back to
+    // slot 0 or 1, while this test measures (24 bytes under 2 MiB once).
+    let near = |x: i64, want: i64| (x - want).abs() < 64 << 10;
     for (r, (during, after, peak)) in out.into_iter().enumerate() {
         let want = ((r + 1) << 20) as i64;
-        assert!(during >= want && during < want + (64 << 10), "rank {r}: {during}");
-        assert!(after.abs() < 64 << 10, "rank {r}: {after} left after free");
-        assert!(peak >= want, "rank {r}: peak {peak}");
+        assert!(near(during, want), "rank {r}: {during}");
+        assert!(near(after, 0), "rank {r}: {after} left after free");
+        assert!(peak >= want - (64 << 10), "rank {r}: peak {peak}");
     }
     // A block allocated on one thread and freed on another is credited back to its owner.
     memory::set_rank(Some(7));

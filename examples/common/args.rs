@@ -168,9 +168,10 @@ pub struct AcArgs {
     /// attention output and every second matmul's, recompute the other matmuls, norms,
     /// elementwise ops and RoPE);
     /// selective:K; selective[OPS] keeps the listed ops' outputs (matmul, sdpa, matmul/2:
-    /// every second matmul, as torchtitan's selective AC); auto (with --memory-budget):
-    /// of none, selective[matmul,sdpa]:K, selective:K and full:K, the policy the memory
-    /// model predicts to fit the budget with the least recompute.
+    /// every second matmul, as torchtitan's selective AC); selective+full:K (every layer
+    /// selective, every K-th full); auto (with --memory-budget): of none,
+    /// selective[matmul,sdpa]:K, selective:K, full:K and selective+full:K, the policy the
+    /// memory model predicts to fit the budget with the least recompute.
     #[arg(long, default_value = "none", value_parser = parse_ac)]
     pub ac: AcFlag,
 }

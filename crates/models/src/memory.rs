@@ -866,11 +866,10 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     for &s in &mine {
         let mut kept_mb = 0.0;
         for l in 0..ranges[s].len() {
-            let (kept, again) = match &c.ac {
-                AcPolicy::Full { every } if (l + 1) % every == 0 => {
-                    (tokens * shape.resid * abytes, full_layer)
-                }
-                AcPolicy::Selective { every, ops } if (l + 1) % every == 0 => {
+            let (kept, again) = match c.ac.keeps(l) {
+                Some(ops) if ops.is_empty() => (tokens * shape.resid * abytes, full_layer),
+                Some(ops) => {
+                    let ops = ops.as_slice();
                     // On a CUDA device a fused residual add is one GEMM, kept as the matmul
                     // it contains: o_proj's output is the residual sum the recompute
                     // reuses (down_proj's is never kept).
@@ -882,7 +881,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                     let again = shape.recomputed_selective(ops, fuse_projections, residual_kept);
                     (tokens * kept * abytes, tokens * (again * abytes + stats))
                 }
-                _ => (full_layer, 0.0),
+                None => (full_layer, 0.0),
             };
             kept_mb += kept;
             if s == mine[0] {

@@ -60,6 +60,17 @@ pub enum AcPolicy {
         /// every second matmul, as torchtitan does: [`SaveOp::DEFAULT`]).
         ops: Vec<SaveOp>,
     },
+    /// Every checkpointable module checkpointed: every `full_every`-th fully, the others
+    /// selectively keeping `ops` (`selective+full:2`: half the layers keep nothing, half
+    /// keep attention and every second matmul). Between full and selective in memory and
+    /// in recompute. On one module ([`CheckpointWrapper::set_policy`]) it has no position
+    /// and sets the selective part; [`apply_activation_checkpointing_to`] refuses it.
+    Mixed {
+        /// Fully checkpoint the `full_every`-th, `2*full_every`-th, ... module (at least 1).
+        full_every: usize,
+        /// The ops the other modules keep.
+        ops: Vec<SaveOp>,
+    },
 }
 
 impl AcPolicy {
@@ -79,6 +90,7 @@ impl AcPolicy {
         match self {
             AcPolicy::None => None,
             AcPolicy::Full { every } | AcPolicy::Selective { every, .. } => Some(*every),
+            AcPolicy::Mixed { .. } => Some(1),
         }
     }
 
@@ -87,12 +99,36 @@ impl AcPolicy {
         match self {
             AcPolicy::None => None,
             AcPolicy::Full { .. } => Some(Vec::new()),
-            AcPolicy::Selective { ops, .. } => Some(ops.clone()),
+            AcPolicy::Selective { ops, .. } | AcPolicy::Mixed { ops, .. } => Some(ops.clone()),
+        }
+    }
+
+    /// What the `i`-th (from 0) of the modules the policy checkpoints keeps.
+    fn keep_at(&self, i: usize) -> Option<Vec<SaveOp>> {
+        match self {
+            AcPolicy::Mixed { full_every, .. } if (i + 1).is_multiple_of(*full_every) => {
+                Some(Vec::new())
+            }
+            _ => self.keep(),
+        }
+    }
+
+    /// What the `i`-th (from 0) of `n` checkpointable modules keeps under this policy
+    /// (`None`: not checkpointed): the walk [`apply_activation_checkpointing`] makes, for
+    /// a model of how much a policy keeps or recomputes per module.
+    pub fn keeps(&self, i: usize) -> Option<Vec<SaveOp>> {
+        match self.every() {
+            Some(every) if (i + 1).is_multiple_of(every.max(1)) => self.keep_at(i),
+            _ => None,
         }
     }
 
     fn check(&self) -> Result<()> {
-        match self.every() {
+        let every = match self {
+            AcPolicy::Mixed { full_every, .. } => Some(*full_every),
+            _ => self.every(),
+        };
+        match every {
             Some(0) => Err(NnError::Config {
                 what: format!("activation checkpointing policy {self}: every must be at least 1"),
             }),
@@ -110,14 +146,20 @@ impl fmt::Display for AcPolicy {
         let (name, every) = match self {
             AcPolicy::None => return f.write_str("none"),
             AcPolicy::Full { every } => ("full", *every),
-            AcPolicy::Selective { every, .. } => ("selective", *every),
+            AcPolicy::Selective { every, .. } | AcPolicy::Mixed { full_every: every, .. } => {
+                ("selective", *every)
+            }
         };
         f.write_str(name)?;
-        if let AcPolicy::Selective { ops, .. } = self {
+        if let AcPolicy::Selective { ops, .. } | AcPolicy::Mixed { ops, .. } = self {
             if ops.as_slice() != SaveOp::DEFAULT {
                 let names: Vec<&str> = ops.iter().map(|o| o.name()).collect();
                 write!(f, "[{}]", names.join(","))?;
             }
+        }
+        if let AcPolicy::Mixed { .. } = self {
+            // The full part's K is always written.
+            return write!(f, "+full:{every}");
         }
         if every != 1 {
             write!(f, ":{every}")?;
@@ -130,12 +172,13 @@ impl std::str::FromStr for AcPolicy {
     type Err = NnError;
 
     /// Parses what [`Display`](fmt::Display) writes: `none`, `full`, `full:K`,
-    /// `selective`, `selective:K`, `selective[matmul,sdpa]`, `selective[sdpa]:K`.
+    /// `selective`, `selective:K`, `selective[matmul,sdpa]`, `selective[sdpa]:K`,
+    /// `selective+full:K`, `selective[matmul,sdpa]+full:K`.
     fn from_str(s: &str) -> Result<AcPolicy> {
         let bad = |why: &str| NnError::Config {
             what: format!(
                 "activation checkpointing policy {s:?}: {why} (expected none, full, full:K, \
-                 selective, selective:K or selective[matmul,sdpa]:K)"
+                 selective, selective:K, selective[matmul,sdpa]:K or selective+full:K)"
             ),
         };
         let (head, every) = match s.rsplit_once(':') {
@@ -145,6 +188,13 @@ impl std::str::FromStr for AcPolicy {
             }
             None => (s.trim(), None),
         };
+        let (head, mixed) = match head.strip_suffix("+full") {
+            Some(h) => (h.trim(), true),
+            None => (head, false),
+        };
+        if mixed && every.is_none() {
+            return Err(bad("selective+full needs :K, the full layers' spacing"));
+        }
         let (name, ops) = match head.split_once('[') {
             Some((n, rest)) => {
                 let list = rest.strip_suffix(']').ok_or_else(|| bad("unclosed ["))?;
@@ -157,6 +207,11 @@ impl std::str::FromStr for AcPolicy {
             None => (head, None),
         };
         let policy = match (name, ops) {
+            ("selective", ops) if mixed => AcPolicy::Mixed {
+                full_every: every.unwrap_or(1),
+                ops: ops.unwrap_or_else(|| SaveOp::DEFAULT.to_vec()),
+            },
+            _ if mixed => return Err(bad("only selective combines with +full")),
             ("none", None) if every.is_none() => AcPolicy::None,
             ("full", None) => AcPolicy::Full { every: every.unwrap_or(1) },
             ("selective", ops) => AcPolicy::Selective {
@@ -556,7 +611,8 @@ pub fn checkpointable_modules(model: &dyn Module) -> Vec<String> {
 /// Applies `policy` to every checkpointable module of `model` (its
 /// [`CheckpointWrapper`]s, e.g. the Llama's decoder layers), in module order: with
 /// `every: k`, the `k`-th, `2k`-th, ... are checkpointed and the others are not;
-/// [`AcPolicy::None`] switches checkpointing off everywhere. Returns the FQNs now
+/// [`AcPolicy::Mixed`] checkpoints every one, the `full_every`-th fully and the others
+/// selectively; [`AcPolicy::None`] switches checkpointing off everywhere. Returns the FQNs now
 /// checkpointed. A model with no checkpointable module is an error (unless the policy is
 /// `None`), as is `every: 0`.
 pub fn apply_activation_checkpointing(
@@ -574,19 +630,18 @@ pub fn apply_activation_checkpointing(
             ),
         });
     }
-    let every = policy.every().unwrap_or(1);
     let chosen: Vec<String> = all
         .iter()
         .enumerate()
-        .filter(|(i, _)| (i + 1) % every == 0)
+        .filter(|(i, _)| policy.keeps(*i).is_some())
         .map(|(_, n)| n.clone())
         .collect();
     for (fqn, m) in named_modules(&*model) {
         if let Some(slot) = slot_of(m) {
-            slot.set(if chosen.contains(&fqn) { policy.keep() } else { None });
+            slot.set(all.iter().position(|n| *n == fqn).and_then(|i| policy.keeps(i)));
         }
     }
-    Ok(if *policy == AcPolicy::None { Vec::new() } else { chosen })
+    Ok(chosen)
 }
 
 /// Applies `policy` to the modules named by `fqns` (`base_model.layers.3`), each of which
@@ -600,6 +655,14 @@ pub fn apply_activation_checkpointing_to(
     policy: &AcPolicy,
 ) -> Result<()> {
     policy.check()?;
+    if let AcPolicy::Mixed { .. } = policy {
+        return Err(NnError::Config {
+            what: format!(
+                "activation checkpointing {policy}: a mixed policy picks modules by position; \
+                 name the full and the selective modules with a policy each"
+            ),
+        });
+    }
     let modules = named_modules(&*model);
     let mut slots = Vec::new();
     for fqn in fqns {

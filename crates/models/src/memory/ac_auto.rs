@@ -1,6 +1,7 @@
 //! Activation checkpointing chosen for a memory budget: [`least_recompute`] picks, among
 //! the policies a trainer can set (none; `selective[matmul,sdpa]`, `selective` and
-//! `full`, each on every K-th decoder layer), the one whose recomputes cost a step the
+//! `full`, each on every K-th decoder layer; and every layer selective but every K-th
+//! full, [`AcPolicy::Mixed`]), the one whose recomputes cost a step the
 //! least of those whose predicted peak fits, as PyTorch's compiler does under an
 //! activation memory budget (`torch._functorch.config.activation_memory_budget`), here
 //! for the eager policies.
@@ -115,22 +116,21 @@ pub fn recompute_share(c: &MemoryConfig) -> Result<f64, MemoryError> {
     let shape = LayerShape::of(c, compute);
     let fused = c.fusion.projections && c.tp == 1;
     let work = LayerWork::of(&shape, fused, c.seq, compute.size_in_bytes() as f64);
-    let (keep, every) = match &c.ac {
-        AcPolicy::None => return Ok(0.0),
-        AcPolicy::Full { every } => (Vec::new(), *every),
-        AcPolicy::Selective { every, ops } => (ops.clone(), *every),
-    };
     let layers = c.model.num_hidden_layers;
     let stages = c.pp.max(1) * if c.pp > 1 { c.stages_per_rank } else { 1 };
     let ranges = tpar_pipeline::split_blocks(layers, stages, None)
         .map_err(|e| super::config_err(e.to_string()))?;
-    let every = every.max(1);
-    let checkpointed: usize = ranges.iter().map(|r| r.len() / every).sum();
     let forward = layers as f64 * work.forward();
     if forward == 0.0 {
         return Ok(0.0);
     }
-    Ok(checkpointed as f64 * work.recompute(&shape, &keep, fused) / forward)
+    // The policy counts each stage's layers from its first, as the trainers apply it.
+    let recompute: f64 = ranges
+        .iter()
+        .flat_map(|r| (0..r.len()).filter_map(|l| c.ac.keeps(l)))
+        .map(|keep| work.recompute(&shape, &keep, fused))
+        .fold(0.0, |a, b| a + b);
+    Ok(recompute / forward)
 }
 
 fn compute_dtype(c: &MemoryConfig) -> tpar_tensor::DType {
@@ -141,15 +141,21 @@ fn compute_dtype(c: &MemoryConfig) -> tpar_tensor::DType {
 }
 
 /// The policies [`least_recompute`] weighs for `c`: none, then for each K from 1 to the
-/// most layers a stage has, `selective[matmul,sdpa]:K`, `selective:K` and `full:K`.
+/// most layers a stage has, `selective[matmul,sdpa]:K`, `selective:K` and `full:K`, and
+/// from 2 on `selective[matmul,sdpa]+full:K` and `selective+full:K`.
 pub fn ac_candidates(c: &MemoryConfig) -> Vec<AcPolicy> {
     let stages = c.pp.max(1) * if c.pp > 1 { c.stages_per_rank } else { 1 };
     let most = c.model.num_hidden_layers.div_ceil(stages.max(1));
     let mut out = vec![AcPolicy::None];
+    let kept_all = vec![SaveOp::Matmul, SaveOp::Sdpa];
     for every in 1..=most {
-        out.push(AcPolicy::Selective { every, ops: vec![SaveOp::Matmul, SaveOp::Sdpa] });
+        out.push(AcPolicy::Selective { every, ops: kept_all.clone() });
         out.push(AcPolicy::Selective { every, ops: SaveOp::DEFAULT.to_vec() });
         out.push(AcPolicy::Full { every });
+        if every > 1 {
+            out.push(AcPolicy::Mixed { full_every: every, ops: kept_all.clone() });
+            out.push(AcPolicy::Mixed { full_every: every, ops: SaveOp::DEFAULT.to_vec() });
+        }
     }
     out
 }
@@ -230,7 +236,7 @@ mod tests {
     #[test]
     fn the_shares_follow_what_each_policy_recomputes() {
         let c = config(8, 2048);
-        assert_eq!(share(&c, "none"), 0.0);
+        assert_eq!(share(&c, "none").to_bits(), 0.0f64.to_bits());
         let full = share(&c, "full");
         // Everything but down_proj: 176K of the layer's 1.25M multiply-adds per token at
         // hidden 256, MLP 688 and 2048 tokens, with 6928 f32 elements of memory-bound
