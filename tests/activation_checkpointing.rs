@@ -1,6 +1,6 @@
-//! Activation checkpointing: full, every-k-th and selective AC give the loss and every
-//! gradient of the model without AC, bit for bit (single rank, 2x2 FSDP x TP, pp 2 with
-//! 1F1B and zero-bubble); the recompute really runs and the activations are really not
+//! Activation checkpointing: full, every-k-th, selective and mixed (`selective+full:K`)
+//! AC give the loss and every gradient of the model without AC, bit for bit (single
+//! rank, 2x2 FSDP x TP, pp 2 with 1F1B and zero-bubble); the recompute really runs and the activations are really not
 //! kept (counted, and measured by the tracking allocator); a recompute that differs from
 //! its forward in the kept ops fails with an error instead of a wrong gradient.
 
@@ -454,7 +454,8 @@ fn fsdp_tp(policy: &AcPolicy) -> Vec<(u64, Grads, RecomputeCounts)> {
 #[test]
 fn fsdp_x_tp_ac_equals_no_ac_bit_for_bit() {
     let want = fsdp_tp(&AcPolicy::None);
-    for p in [AcPolicy::full(), AcPolicy::Full { every: 2 }, AcPolicy::selective()] {
+    let mixed = AcPolicy::Mixed { full_every: 2, ops: SaveOp::DEFAULT.to_vec() };
+    for p in [AcPolicy::full(), AcPolicy::Full { every: 2 }, AcPolicy::selective(), mixed] {
         let got = fsdp_tp(&p);
         for (r, ((l, g, c), (wl, wg, _))) in got.iter().zip(&want).enumerate() {
             // Each rank recomputes its checkpointed layers once in backward.
@@ -463,7 +464,12 @@ fn fsdp_x_tp_ac_equals_no_ac_bit_for_bit() {
             // selective: per layer attention and every second of the 7 local matmuls but
             // down, as at a single rank (the DTensor ops' shape inference on meta tensors
             // inside the region is not an op to keep and takes no place in the count)
-            let kept = if matches!(p, AcPolicy::Selective { .. }) { n * 4 } else { 0 };
+            let kept = match p {
+                AcPolicy::Selective { .. } => n * 4,
+                // layers 1 and 3 selective, 2 and 4 full
+                AcPolicy::Mixed { .. } => n / 2 * 4,
+                _ => 0,
+            };
             assert_eq!((c.saved, c.reused), (kept, kept), "{p}: rank {r} {c:?}");
             // FSDP's hooks and the styles' redistributions read no output values: the
             // recompute still skips down_proj's product.
@@ -512,7 +518,8 @@ fn pipeline_1f1b_and_zero_bubble_with_ac_equal_no_ac_bit_for_bit() {
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble] {
         let (loss, grads, none) = pipelined(kind, &AcPolicy::None);
         assert_eq!(none, 0);
-        for p in [AcPolicy::full(), AcPolicy::Full { every: 2 }, AcPolicy::selective()] {
+        let mixed = AcPolicy::Mixed { full_every: 2, ops: SaveOp::DEFAULT.to_vec() };
+        for p in [AcPolicy::full(), AcPolicy::Full { every: 2 }, AcPolicy::selective(), mixed] {
             let (l, g, recomputed) = pipelined(kind, &p);
             // 2 stages of 2 layers, 4 micro-batches: each checkpointed layer once per
             // micro-batch.
