@@ -1,8 +1,9 @@
 //! Activation checkpointing: full, every-k-th, selective and mixed (`selective+full:K`)
 //! AC give the loss and every gradient of the model without AC, bit for bit (single
-//! rank, 2x2 FSDP x TP, pp 2 with 1F1B and zero-bubble); the recompute really runs and the activations are really not
-//! kept (counted, and measured by the tracking allocator); a recompute that differs from
-//! its forward in the kept ops fails with an error instead of a wrong gradient.
+//! rank, 2x2 FSDP x TP, pp 2 with 1F1B and zero-bubble); the recompute really runs and
+//! the activations are really not kept (counted, and measured by the tracking
+//! allocator); a recompute that differs from its forward in the kept ops fails with an
+//! error instead of a wrong gradient.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
