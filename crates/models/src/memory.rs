@@ -63,6 +63,8 @@
 //!   (RoPE and the transpose write new q and v), so the
 //!   recompute makes its own beside them: by default `[2 r + 2 h + a_q + q/t + 2 a_kv +
 //!   2 i/t]` with the row statistics, `r` the residual stream (`h/t` under tp, else `h`).
+//!   **Mixed** (`selective+full:K`) counts each layer as the policy sets it
+//!   (`AcPolicy::keeps`): full on every K-th, selective on the others.
 //! - **Fused projections** (`MemoryConfig::fusion`, `LlamaFusion::projections`; at `tp
 //!   == 1`, where the plan lets them run) keep what the separate projections keep
 //!   without checkpointing: `Tensor::linear_many` writes q, k and v (and gate and up)

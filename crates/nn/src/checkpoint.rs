@@ -113,9 +113,9 @@ impl AcPolicy {
         }
     }
 
-    /// What the `i`-th (from 0) of `n` checkpointable modules keeps under this policy
-    /// (`None`: not checkpointed): the walk [`apply_activation_checkpointing`] makes, for
-    /// a model of how much a policy keeps or recomputes per module.
+    /// What the `i`-th (from 0) checkpointable module keeps under this policy (`None`: not
+    /// checkpointed; empty: nothing), as [`apply_activation_checkpointing`] sets it: for a
+    /// model of what a policy keeps or recomputes per module.
     pub fn keeps(&self, i: usize) -> Option<Vec<SaveOp>> {
         match self.every() {
             Some(every) if (i + 1).is_multiple_of(every.max(1)) => self.keep_at(i),
@@ -612,9 +612,9 @@ pub fn checkpointable_modules(model: &dyn Module) -> Vec<String> {
 /// [`CheckpointWrapper`]s, e.g. the Llama's decoder layers), in module order: with
 /// `every: k`, the `k`-th, `2k`-th, ... are checkpointed and the others are not;
 /// [`AcPolicy::Mixed`] checkpoints every one, the `full_every`-th fully and the others
-/// selectively; [`AcPolicy::None`] switches checkpointing off everywhere. Returns the FQNs now
-/// checkpointed. A model with no checkpointable module is an error (unless the policy is
-/// `None`), as is `every: 0`.
+/// selectively; [`AcPolicy::None`] switches checkpointing off everywhere. Returns the
+/// FQNs now checkpointed. A model with no checkpointable module is an error (unless the
+/// policy is `None`), as is `every: 0`.
 pub fn apply_activation_checkpointing(
     model: &mut dyn Module,
     policy: &AcPolicy,

@@ -7,8 +7,8 @@
 //!
 //! - **activation checkpointing**: a policy predicted to hold less than the
 //!   configuration's, of those [`least_recompute`](super::least_recompute) weighs (none,
-//!   `selective[matmul,sdpa]:K`, `selective:K`, `full:K`), the least recompute first,
-//!   each holding less than every one that recomputes less;
+//!   `selective[matmul,sdpa]:K`, `selective:K`, `full:K`, `selective+full:K`), the least
+//!   recompute first, each holding less than every one that recomputes less;
 //! - **the data-parallel mode**: one that shards more (DDP, then ZeRO-1, then FSDP
 //!   without mixed precision, so the parameters keep their dtype), where the
 //!   data-parallel group has more than one rank;
@@ -31,9 +31,9 @@
 //! same one). They are listed with the fewest settings changed first, then in a fixed
 //! order of how much a change costs a step (the data-parallel mode, the plan and the
 //! method, which keep the arithmetic, first; then selective checkpointing,
-//! micro-batches, the mesh, and full checkpointing last; two policies by their
-//! recompute), then by predicted peak. That
-//! order is a rule of thumb, not a prediction of step time.
+//! micro-batches, the mesh, and full or mixed checkpointing last; two policies by their
+//! recompute), then by predicted peak. That order is a rule of thumb, not a prediction
+//! of step time.
 //!
 //! The predictions have the model's accuracy (`tests/memory_model.rs` holds each
 //! within 15 % of the measured peak): a configuration predicted just under the budget
