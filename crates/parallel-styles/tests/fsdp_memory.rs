@@ -78,12 +78,31 @@ fn step_bytes(
     drop(loss);
     let after_bwd = memory::current(rank) - base;
     opt.step()?;
-    let held = memory::current(rank) - base;
+    let held = settled(rank) - base;
     if std::env::var("TPAR_MEM_DEBUG").is_ok() {
         eprintln!("rank {rank}: init {after_init} backward {after_bwd} step {held}");
     }
     drop(opt);
     Ok(held)
+}
+
+/// What `rank` holds once it has stopped changing for 20 ms (at most 2 s): a collective's
+/// helper thread may drop the buffers of a reduce-scatter the backward started (credited
+/// back to the rank that allocated them) a moment after the rank's own step returned.
+fn settled(rank: usize) -> i64 {
+    let start = std::time::Instant::now();
+    let mut last = memory::current(rank);
+    let mut since = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_secs(2) {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let now = memory::current(rank);
+        if now != last {
+            (last, since) = (now, std::time::Instant::now());
+        } else if since.elapsed() >= std::time::Duration::from_millis(20) {
+            break;
+        }
+    }
+    last
 }
 
 /// Rank ids are per-thread labels shared by every `spawn` in this process: the tests of
