@@ -14,7 +14,9 @@
 //! the median over rounds of its ratio to `none` of the same round (so a slow minute of
 //! a busy machine falls on every policy alike), the range of those ratios, and the
 //! step's peak (tracking allocator) with and without the parameters, gradients and
-//! AdamW state (the activations and the step's transients), and that against `none`;
+//! AdamW state (the activations and the step's transients), and that against `none`
+//! (the bench runs as rank 0 of a world of one, as the trainers do, so the peak includes
+//! what the rank's kernel threads hold: their GEMM packing buffers);
 //! and the step's CPU time (all threads, from `/proc/self/task/*/schedstat`) with the
 //! median over rounds of its ratio to `none`'s, which a busy machine moves less than
 //! the wall time. Where the time goes: the step's forward (logits and loss) and, with
@@ -162,7 +164,15 @@ fn main() -> Result<()> {
     for p in &o.policies {
         policy_of(p)?;
     }
-    memory::set_rank(Some(0));
+    // As rank 0 of a world of one, as the trainers run: the rank's kernel pool is its
+    // own, and the allocator credits what its threads hold (the GEMM kernels' packing
+    // buffers among them) to the rank, as the memory model counts them.
+    spawn(1, move |_| run(&o))?;
+    Ok(())
+}
+
+/// The bench on rank 0: the bit-for-bit check, then the rounds and the tables.
+fn run(o: &Opts) -> Result<()> {
     let cfg = LlamaConfig {
         vocab_size: VOCAB,
         max_position_embeddings: SEQ,
