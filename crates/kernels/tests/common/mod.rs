@@ -269,6 +269,24 @@ unsafe impl GpuDevice for Elsewhere {
     }
 }
 
+/// The bits of `v` rounded to `dt` (in the low 16 bits for bf16 and f16).
+pub fn bits_of_value(dt: CudaDType, v: f64) -> u32 {
+    match dt {
+        CudaDType::BF16 => half::bf16::from_f64(v).to_bits() as u32,
+        CudaDType::F16 => half::f16::from_f64(v).to_bits() as u32,
+        CudaDType::F32 => (v as f32).to_bits(),
+    }
+}
+
+/// The value of the bits `b` of `dt` ([`bits_of_value`]'s inverse on `dt`'s values).
+pub fn value_of_bits(dt: CudaDType, b: u32) -> f64 {
+    match dt {
+        CudaDType::BF16 => half::bf16::from_bits(b as u16).to_f64(),
+        CudaDType::F16 => half::f16::from_bits(b as u16).to_f64(),
+        CudaDType::F32 => f32::from_bits(b) as f64,
+    }
+}
+
 /// A device buffer in host memory of `len` elements of a [`CudaDType`], read and
 /// written as f64: 16-byte aligned, or `shift` bytes past that.
 pub struct RawBuf {
@@ -337,22 +355,12 @@ impl RawBuf {
     }
 
     pub fn get(&self, i: usize) -> f64 {
-        let b = self.bits(i);
-        match self.dt {
-            CudaDType::BF16 => half::bf16::from_bits(b as u16).to_f64(),
-            CudaDType::F16 => half::f16::from_bits(b as u16).to_f64(),
-            CudaDType::F32 => f32::from_bits(b) as f64,
-        }
+        value_of_bits(self.dt, self.bits(i))
     }
 
     /// Stores `v` rounded to the buffer's type.
     pub fn set(&mut self, i: usize, v: f64) {
-        let b = match self.dt {
-            CudaDType::BF16 => half::bf16::from_f64(v).to_bits() as u32,
-            CudaDType::F16 => half::f16::from_f64(v).to_bits() as u32,
-            CudaDType::F32 => (v as f32).to_bits(),
-        };
-        self.set_bits(i, b);
+        self.set_bits(i, bits_of_value(self.dt, v));
     }
 
     /// Values k/16 for k in -16..16 (exact in every type), from `seed`.

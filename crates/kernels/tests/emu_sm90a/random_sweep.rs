@@ -66,7 +66,7 @@ use crate::common;
 
 use bytemuck::Pod;
 use common::sdpa::{guards_touched, max_rel, Arrangement, Inputs, Placed, Placement};
-use common::{cvt, data, emu, f64s, Rng};
+use common::{bits_of_value as to_bits, cvt, data, emu, f64s, value_of_bits as of_bits, Rng};
 use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_kernels::cuda::raw::gemm::GemmProblem;
 use tpar_kernels::cuda::raw::gemm_hopper::{
@@ -470,24 +470,6 @@ fn gemm_refused(cs: &GemmCase) -> bool {
         })
 }
 
-/// The bits of `v` rounded to `dt`.
-fn to_bits(dt: CudaDType, v: f64) -> u32 {
-    match dt {
-        BF16 => bf16::from_f64(v).to_bits() as u32,
-        F16 => f16::from_f64(v).to_bits() as u32,
-        F32 => (v as f32).to_bits(),
-    }
-}
-
-/// The value of the bits `b` of `dt`.
-fn of_bits(dt: CudaDType, b: u32) -> f64 {
-    match dt {
-        BF16 => bf16::from_bits(b as u16).to_f64(),
-        F16 => f16::from_bits(b as u16).to_f64(),
-        F32 => f32::from_bits(b) as f64,
-    }
-}
-
 /// The emulated device: its buffers are registered with the checking
 /// emulator's memcheck and initcheck (`TPAR_EMU_RACECHECK=1`).
 fn device() -> Arc<dyn GpuDevice> {
@@ -826,15 +808,8 @@ fn draw_attn(r: &mut Rng) -> AttnCase {
         }
     };
     let shape = SdpaShape {
-        batch,
-        q_heads,
-        kv_heads,
-        q_len,
-        kv_len,
-        head_dim,
-        v_dim: head_dim,
         scale,
-        causal,
+        ..common::sdpa::same_dim_shape(batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal)
     };
     let mut cs = AttnCase { dtype, shape, layout, mask, order: r.next(), data: r.next() };
     // one in ten: something the launchers refuse

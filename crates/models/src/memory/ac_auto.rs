@@ -129,6 +129,7 @@ pub fn recompute_share(c: &MemoryConfig) -> Result<f64, MemoryError> {
         .iter()
         .flat_map(|r| (0..r.len()).filter_map(|l| c.ac.keeps(l)))
         .map(|keep| work.recompute(&shape, &keep, fused))
+        // from +0.0: `sum` of no f64 is -0.0, and none's share is printed
         .fold(0.0, |a, b| a + b);
     Ok(recompute / forward)
 }
