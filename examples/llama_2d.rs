@@ -1,5 +1,6 @@
 //! 2-D parallel Llama training: FSDP on the `dp` mesh dim, tensor + sequence
-//! parallelism on `tp`, on the embedded CPU backend (ranks as threads).
+//! parallelism on `tp`, on the embedded CPU backend (ranks as threads), or one process
+//! per rank over NCCL (GPUs) or TCP (CPU processes).
 //!
 //! Run: `cargo run --release --example llama_2d` (world 4 as dp=2 x tp=2, 200 steps);
 //! `-- --help` lists the flags. On a terminal, rank 0 shows a progress bar (loss, lr,
@@ -11,7 +12,8 @@
 //! overlapped, and the collectives the rank issued in that step per phase and group.
 //! `--cp N` adds a context-parallel mesh dim (`["dp", "cp", "tp"]`): each sequence is
 //! sharded over N ranks in the load-balanced layout and attention passes keys and
-//! values around the cp ring; the data-parallel mode runs over dp x cp.
+//! values around the cp ring (or gathers them: `--cp-method all-gather`); the
+//! data-parallel mode runs over dp x cp.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -87,7 +89,8 @@ struct Cli {
     dp: usize,
     /// Context-parallel degree (the cp mesh dim, between dp and tp): each sequence is
     /// sharded over cp ranks (head and mirror tail chunks), attention passes keys and
-    /// values around the cp ring, and FSDP (or DDP, ZeRO-1) runs over dp x cp.
+    /// values around the cp ring (or gathers them: --cp-method all-gather), and FSDP (or
+    /// DDP, ZeRO-1) runs over dp x cp.
     #[arg(long, default_value_t = 1)]
     cp: usize,
     /// Tensor-parallel degree (the tp mesh dim).

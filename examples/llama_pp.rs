@@ -1,7 +1,8 @@
 //! Pipeline-parallel Llama training: the model cut into stages over the `pp` mesh dim,
 //! each batch into micro-batches run by a schedule (GPipe, 1F1B, interleaved 1F1B or
-//! zero-bubble), composed with FSDP (or DDP) on `dp` and tensor + sequence parallelism
-//! on `tp`, on the embedded CPU backend (ranks as threads).
+//! zero-bubble), composed with FSDP (or DDP) on `dp`, context parallelism on `cp` and
+//! tensor + sequence parallelism on `tp`, on the embedded CPU backend (ranks as threads)
+//! or one CPU process per rank over TCP (`--backend tcp`).
 //!
 //! Run: `cargo run --release --example llama_pp` (3 stages, 4 micro-batches, 1F1B);
 //! `-- --schedule zb --pp 2 --dp 2 --tp 2` for a 3-D mesh of 8 ranks; `-- --help` lists
@@ -54,7 +55,8 @@ fn items<'a>(
 
 use run::MAX_GRAD_NORM;
 
-/// Pipeline-parallel Llama training (pp x dp x tp ranks as threads).
+/// Pipeline-parallel Llama training (pp x dp x cp x tp ranks, as threads or one CPU
+/// process per rank over TCP).
 #[derive(Parser, Debug, Clone)]
 #[command(name = "llama_pp", version)]
 struct Opts {
@@ -69,7 +71,8 @@ struct Opts {
     dp: usize,
     /// Context-parallel degree (the cp mesh dim, between dp and tp): each sequence is
     /// sharded over cp ranks (head and mirror tail chunks), every stage's attention passes
-    /// keys and values around the cp ring, and FSDP or DDP runs over dp x cp.
+    /// keys and values around the cp ring (or gathers them: --cp-method all-gather), and
+    /// FSDP or DDP runs over dp x cp.
     #[arg(long, default_value_t = 1)]
     cp: usize,
     /// Tensor-parallel degree (the sequence-parallel plan).

@@ -36,7 +36,7 @@ pub use tpar_tensor as tensor;
 mod error;
 pub use error::{Error, Result};
 
-/// The names a trainer uses, in one import: everything `examples/llama_2d.rs` needs
+/// The names a trainer uses, in one import: most of what `examples/llama_2d.rs` needs
 /// (mesh, tensors, DTensor and placements, the Llama and its plans, parallel styles,
 /// FSDP / DDP / ZeRO-1, loss_parallel, optimizers and schedules, the data pipeline) and
 /// the facade's [`Error`] / [`Result`].

@@ -1,8 +1,9 @@
 //! The command-line flags `llama_2d` and `llama_pp` share, with one default and one help
-//! text each, flattened into each trainer's own `Parser` (`#[command(flatten)]`). Flags
-//! whose default or text differs between the two (--steps, --batch, --layers, --lr,
-//! --seed, --checkpoint-dir, --save-every, --stop-after, --nonfinite, --backend) stay in
-//! each trainer.
+//! text each, flattened into each trainer's own `Parser` (`#[command(flatten)]`). The
+//! mesh degrees (--dp, --cp, --tp) and the flags whose default, text or meaning differs
+//! between the two (--steps, --batch, --layers, --lr, --seed, --checkpoint-dir,
+//! --save-every, --stop-after, --nonfinite, --backend, --no-fsdp, --log-every,
+//! --timeline, --memory-budget, --fuse-proj, --fuse-residual) stay in each trainer.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};

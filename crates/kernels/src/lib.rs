@@ -2,8 +2,9 @@
 //!
 //! Every CPU kernel works on contiguous row-major slices and is generic over the
 //! [`Float`] element types (f32, f64, bf16, f16); half-precision inputs
-//! accumulate in f32. Each op lives in its own folder with its fast CPU
-//! kernel and a slow reference implementation the tests compare against.
+//! accumulate in f32. GEMM, RMSNorm, RoPE, softmax, attention, cross-entropy
+//! and embedding each live in their own folder with their fast CPU kernel and a
+//! slow reference implementation the tests compare against.
 //! [`cuda`] holds the CUDA side: the kernels' `.cu` sources, compiled at run time by
 //! NVRTC (and checked on machines without a GPU by a CPU emulator of the CUDA
 //! execution model), their launchers, and cuBLASLt.

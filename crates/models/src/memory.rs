@@ -145,7 +145,7 @@
 //!   the peak (at pp 2 x dp 2, 2 micro-batches, a model without it is 10 % under the
 //!   measured peak, with it and the reduce-scatter input above 0 to 1 %). The
 //!   interleaved walk below does not add it: at pp 2 x dp 2, 2 stages of one layer per
-//!   rank, 4 micro-batches, the walk (with that input) is 1 to 3 % under each rank's
+//!   rank, 4 micro-batches, the walk (with that input) is within 4 % of each rank's
 //!   measured peak, and this term (as the whole rank's layer backward) added to its
 //!   later backwards would put it over.
 //! - **Interleaved 1F1B** (`stages_per_rank` stages per pp rank, stage `s` on rank

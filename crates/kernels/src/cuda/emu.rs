@@ -96,7 +96,8 @@ pub struct Emulator {
     /// Flags kernel sources are compiled with beyond [`CXX_FLAGS`] (see
     /// [`contraction_flags`]).
     kernel_flags: Vec<String>,
-    /// Whether launches check shared memory for data races ([`RACECHECK_ENV`]).
+    /// Whether launches run the checks of [`RACECHECK_ENV`] (races, bounds,
+    /// uninitialized reads).
     racecheck: bool,
     /// The checking runtime's allocation registry (memcheck), when checking.
     track: Option<(TrackFn, WrittenFn)>,
@@ -117,9 +118,11 @@ pub struct Emulator {
 static EMULATOR: OnceLock<std::result::Result<Emulator, crate::KernelError>> = OnceLock::new();
 static RACECHECK: OnceLock<std::result::Result<Emulator, crate::KernelError>> = OnceLock::new();
 
-/// The environment variable that makes [`Emulator::get`] check every launch for
-/// shared-memory data races, as [`Emulator::racecheck`] does: `TPAR_EMU_RACECHECK=1`
-/// (so a whole test suite can run under the check). Unset, empty or `0`: off.
+/// The environment variable that makes [`Emulator::get`] check every launch as
+/// [`Emulator::racecheck`] does (data races in shared and global memory, out-of-bounds
+/// and misaligned accesses, reads of device memory nothing wrote):
+/// `TPAR_EMU_RACECHECK=1` (so a whole test suite can run under the check). Unset, empty
+/// or `0`: off.
 pub const RACECHECK_ENV: &str = "TPAR_EMU_RACECHECK";
 
 /// Whether [`RACECHECK_ENV`] asks for the race check.
