@@ -151,8 +151,15 @@ fn autograd_grad_frees_the_graph_unless_retained() {
         let (outs, seeds) = (std::slice::from_ref(&loss), std::slice::from_ref(&one));
         let kept_grad = autograd::grad_retain_graph(outs, seeds, &ins).unwrap().remove(0).unwrap();
         let retained = memory::current(45) - before;
-        // The gradient returned (4 MiB) and every link's saved operands.
-        assert!(retained >= four_mib, "a retained graph keeps what it saved: {retained}");
+        // The gradient returned (4 MiB) and every link's saved operands: freed, they would
+        // take 4 MiB each off. Within 64 KiB, as the peak above: small blocks this thread
+        // allocated before the measurement (work handed to the rayon workers, which tests
+        // beside this one keep busy) can be freed while it measures (one loaded run
+        // measured 1208 bytes under).
+        assert!(
+            retained >= four_mib - (64 << 10),
+            "a retained graph keeps what it saved: {retained}"
+        );
         let again = autograd::grad(outs, seeds, &ins).unwrap().remove(0).unwrap();
         assert_eq!(kept_grad.to_vec::<f32>().unwrap(), again.to_vec::<f32>().unwrap());
         assert!(x.grad().is_none(), "grad returns gradients, it does not accumulate them");
