@@ -245,19 +245,27 @@ mod tests {
         let again = d.join("..").join(d.file_name().unwrap());
         assert!(DirLock::acquire(&again).unwrap_err().to_string().contains(&pid));
         drop(first);
+        let _ = std::fs::remove_dir_all(&d);
 
-        // Another process's lock: a file opened outside the registry, naming pid 1.
-        let mut other = OpenOptions::new().read(true).write(true).open(d.join(LOCK)).unwrap();
+        // Another process's lock: a file opened outside the registry, naming pid 1 (in a
+        // directory no lock of this process opened, so no process the test beside this
+        // one starts can share a copy of one).
+        let d = fresh_dir("other");
+        let mut other = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(d.join(LOCK))
+            .unwrap();
         other.try_lock().unwrap();
         let owner = Owner { host: host_name(), pid: 1, job: None, since: 0 };
-        other.set_len(0).unwrap();
         other.write_all(serde_json::to_string(&owner).unwrap().as_bytes()).unwrap();
         let t0 = Instant::now();
         let e = DirLock::acquire(&d).unwrap_err().to_string();
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
         assert!(e.contains("pid 1,") && e.contains("in use by another run"), "{e}");
         drop(other);
-        drop(DirLock::acquire(&d).unwrap());
         let _ = std::fs::remove_dir_all(&d);
     }
 
