@@ -243,6 +243,34 @@ fn export_then_import_is_bit_identical() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+#[test]
+fn a_failed_export_names_its_cause_on_every_rank() {
+    // The export directory lies under a regular file: rank 0's write fails, and every
+    // rank's error (whichever a caller reports) names the file and the cause.
+    let base = tmp("export-under-a-file");
+    std::fs::create_dir_all(&base).unwrap();
+    let blocker = base.join("a-file");
+    std::fs::write(&blocker, b"not a folder").unwrap();
+    let out = blocker.join("export");
+    let src = golden("hf_tiny");
+    let errors = spawn4(|w| {
+        let mesh = mesh_2x2(w)?;
+        let ckpt = HfCheckpoint::open(&src)?;
+        let mut model = build(&ckpt.config.llama, Some(&mesh))?;
+        ckpt.load_into(&mut model)?;
+        let r = export_hf(&tpar::nn::state_dict(&model)?, &ckpt.config, &out, w, 1 << 30);
+        Ok(r.expect_err("an export under a regular file"))
+    });
+    let cause = errors[0].to_string();
+    assert!(!matches!(errors[0], HfError::ExportFailed { .. }), "rank 0: {cause}");
+    assert!(cause.contains("a-file"), "rank 0's error names the path: {cause}");
+    for (rank, e) in errors.iter().enumerate().skip(1) {
+        assert!(matches!(e, HfError::ExportFailed { .. }), "rank {rank}: {e}");
+        assert!(e.to_string().ends_with(&cause), "rank {rank}: {e} (rank 0: {cause})");
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 /// A copy of `hf_tiny` in a fresh directory.
 fn copy_of_tiny(name: &str) -> PathBuf {
     let d = tmp(name);

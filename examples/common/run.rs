@@ -242,10 +242,9 @@ impl<'t> TrainData<'t> {
             .with_drop_last(true);
         let per_epoch = dataset.len() / dp / batch;
         if per_epoch == 0 {
-            return Err(config_err(format!(
-                "{} documents are too few for dp {dp} x batch {batch}",
-                dataset.len()
-            )));
+            let n = dataset.len();
+            let are = if n == 1 { "document is" } else { "documents are" };
+            return Err(config_err(format!("{n} {are} too few for dp {dp} x batch {batch}")));
         }
         let digest = digest(docs.iter().map(|d| d.as_bytes()));
         Ok(TrainData::Memory { dataset, sampler, per_epoch, digest, order: None })

@@ -10,7 +10,7 @@ use tpar_collectives::ProcessGroup;
 use tpar_tensor::state::{Chunk, ShardedTensor, StateDict, StateDictError, StateValue};
 use tpar_tensor::{DType, Tensor};
 
-use crate::exchange::{agree, agree_on, all_gather_bytes};
+use crate::exchange::{agree, agree_on};
 use crate::format::{
     crc32, data_offsets, dtype_of, read_at, st_dtype, tensor_bytes, tensor_from_bytes, ChunkMeta,
     Metadata, RawView, Scalar, TensorMeta, FORMAT, METADATA, VERSION,
@@ -308,7 +308,8 @@ pub fn async_save(
     };
     let bytes = serde_json::to_vec(&plan)
         .map_err(|e| CheckpointError::Format { path: String::new(), what: e.to_string() })?;
-    let plans: Vec<LocalPlan> = all_gather_bytes(group, &bytes)?
+    let plans: Vec<LocalPlan> = group
+        .all_gather_bytes(&bytes)?
         .iter()
         .map(|b| serde_json::from_slice(b))
         .collect::<std::result::Result<_, _>>()
@@ -447,7 +448,7 @@ impl AsyncSave {
             Ok(b) => [b"O".as_slice(), b].concat(),
             Err(e) => format!("E{e}").into_bytes(),
         };
-        let all = all_gather_bytes(&self.group, &msg)?;
+        let all = self.group.all_gather_bytes(&msg)?;
         let failed: Vec<(usize, String)> = all
             .iter()
             .enumerate()
@@ -638,7 +639,7 @@ pub(crate) fn load_scoped(
     };
     let bytes = serde_json::to_vec(&lacking)
         .map_err(|e| CheckpointError::Format { path: String::new(), what: e.to_string() })?;
-    let all = all_gather_bytes(group, &bytes)?;
+    let all = group.all_gather_bytes(&bytes)?;
     let mut unexpected: Option<Vec<String>> = None;
     for b in &all {
         let theirs: Option<Vec<String>> = serde_json::from_slice(b).map_err(|e| {

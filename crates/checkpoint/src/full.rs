@@ -13,7 +13,6 @@ use tpar_tensor::state::{Chunk, StateDict, StateValue, Stateful};
 use tpar_tensor::{DType, Device, Tensor};
 
 use crate::dcp::{copy_box, scalar_of, value_of};
-use crate::exchange::all_gather_bytes;
 use crate::format::{
     dtype_of, from_st_dtype, st_dtype, tensor_bytes, tensor_from_bytes, RawView, Scalar,
 };
@@ -96,7 +95,7 @@ pub fn full_state_dict(
         .collect();
     let mut union: BTreeMap<String, (usize, KeyMeta)> = BTreeMap::new();
     for (r, bytes) in
-        all_gather_bytes(group, &serde_json::to_vec(&mine).map_err(fmt_err)?)?.iter().enumerate()
+        group.all_gather_bytes(&serde_json::to_vec(&mine).map_err(fmt_err)?)?.iter().enumerate()
     {
         let theirs: Vec<(String, KeyMeta)> = serde_json::from_slice(bytes).map_err(fmt_err)?;
         for (k, m) in theirs {
@@ -173,7 +172,7 @@ fn gather_chunks(
     for c in chunks {
         msg.extend(tensor_bytes(&c.tensor)?);
     }
-    let all = all_gather_bytes(group, &msg)?;
+    let all = group.all_gather_bytes(&msg)?;
     if !keep {
         return Ok(None);
     }
@@ -330,7 +329,7 @@ fn broadcast_state(state: StateDict, group: &ProcessGroup) -> Result<StateDict> 
     } else {
         Vec::new()
     };
-    let all = all_gather_bytes(group, &mine)?;
+    let all = group.all_gather_bytes(&mine)?;
     let entries: std::result::Result<Vec<(String, Entry)>, String> =
         serde_json::from_slice(&all[0]).map_err(format_err)?;
     let entries = entries.map_err(|what| CheckpointError::Inconsistent { what })?;

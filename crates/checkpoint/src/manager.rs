@@ -8,7 +8,7 @@ use tpar_tensor::state::{split_prefix, with_prefix, StateDict, Stateful};
 use tpar_tensor::Tensor;
 
 use crate::dcp::{async_save, load_scoped, AsyncSave, LoadOptions, SaveOptions};
-use crate::exchange::{agree_on, all_gather_bytes};
+use crate::exchange::agree_on;
 use crate::lock::DirLock;
 use crate::{CheckpointError, Result};
 
@@ -129,7 +129,7 @@ impl CheckpointManager {
         } else {
             Vec::new()
         };
-        let all = all_gather_bytes(&self.group, &mine)?;
+        let all = self.group.all_gather_bytes(&mine)?;
         Ok(all[0].as_slice().try_into().ok().map(u64::from_le_bytes))
     }
 

@@ -463,6 +463,46 @@ impl ProcessGroup {
         expect_tensor("broadcast", self.execute(i))
     }
 
+    /// Every member's `bytes`, in group-rank order, on every member: PyTorch's
+    /// `all_gather_object` for byte strings (a serialized plan, an error's text). Members
+    /// may pass different lengths. Two all-gathers: the lengths, then the bytes packed
+    /// eight to an i64 and padded to the longest.
+    ///
+    /// ```
+    /// use tpar_collectives::{spawn, CollectiveError};
+    /// let all = spawn(2, |ctx| -> Result<Vec<Vec<u8>>, CollectiveError> {
+    ///     let mine = "x".repeat(ctx.rank() * 9);
+    ///     ctx.world_group().all_gather_bytes(mine.as_bytes())
+    /// })?;
+    /// assert_eq!(all[1], vec![Vec::new(), b"xxxxxxxxx".to_vec()]);
+    /// # Ok::<(), CollectiveError>(())
+    /// ```
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if self.size() == 1 {
+            return Ok(vec![bytes.to_vec()]);
+        }
+        let len = Tensor::from_vec(vec![bytes.len() as i64], [1])?;
+        let lens = self.all_gather(&len, 0)?.to_vec::<i64>()?;
+        let words = lens.iter().map(|&l| (l as usize).div_ceil(8)).max().unwrap_or(0).max(1);
+        let mut packed = vec![0i64; words];
+        for (i, c) in bytes.chunks(8).enumerate() {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            packed[i] = i64::from_le_bytes(w);
+        }
+        let all = self.all_gather(&Tensor::from_vec(packed, [1, words])?, 0)?.to_vec::<i64>()?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, &l)| {
+                let mut out: Vec<u8> =
+                    all[r * words..(r + 1) * words].iter().flat_map(|w| w.to_le_bytes()).collect();
+                out.truncate(l as usize);
+                out
+            })
+            .collect())
+    }
+
     /// Waits until every member has called `barrier`.
     pub fn barrier(&self) -> Result<()> {
         let i = self.issue(Call::Barrier, None, false);

@@ -218,7 +218,9 @@ impl MetricsLogger {
         let mut sinks = Vec::new();
         if let Some(path) = &config.jsonl {
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(parent).map_err(|e| create_err(parent, e))?;
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    create_err(path, format!("its folder {}: {e}", parent.display()))
+                })?;
             }
             let f = File::create(path).map_err(|e| create_err(path, e))?;
             sinks.push(Sink {

@@ -140,13 +140,13 @@ pub enum HfError {
         /// tpar's FQN.
         param: String,
     },
-    /// Another rank failed to write the export.
-    #[error(
-        "the Hugging Face export to {dir} failed on group rank 0 (its error is reported there)"
-    )]
+    /// Group rank 0, which writes the export, failed (what other ranks return).
+    #[error("the Hugging Face export to {dir} failed on group rank 0: {what}")]
     ExportFailed {
         /// The export directory.
         dir: String,
+        /// Rank 0's error.
+        what: String,
     },
     /// Reading or gathering the checkpoint failed.
     #[error(transparent)]
@@ -651,14 +651,18 @@ pub fn export_hf(
     let full = full_state_dict(state, group, true)?;
     let status =
         if group.rank() == 0 { write_export(full, config, dir, max_shard_bytes) } else { Ok(()) };
-    let failed = i64::from(status.is_err());
-    let flag = Tensor::from_vec(vec![failed], [1])?;
-    let flag = if group.size() > 1 { group.broadcast(&flag, 0)? } else { flag };
+    // Rank 0's error text to every rank, so that whichever rank's error a caller sees
+    // names the cause.
+    let mine = status.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+    let all = group.all_gather_bytes(mine.as_bytes())?;
     status?;
-    if flag.to_vec::<i64>()?[0] != 0 {
-        return Err(HfError::ExportFailed { dir: dir.display().to_string() });
+    match all.first().filter(|what| !what.is_empty()) {
+        Some(what) => Err(HfError::ExportFailed {
+            dir: dir.display().to_string(),
+            what: String::from_utf8_lossy(what).into_owned(),
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Rank 0's part of [`export_hf`]: names, checks, tie, files.
