@@ -77,12 +77,13 @@ impl ModelArgs {
 /// The training text and its tokenizer.
 #[derive(Args, Clone, Debug)]
 pub struct DataArgs {
-    /// Training text: documents separated by blank lines, JSON lines with "text", or
-    /// parquet (a .parquet file, or a directory of them read in sorted order, as Hugging
-    /// Face datasets saves them) whose --text-column holds the documents.
+    /// Training text: documents separated by blank lines, JSON lines (.jsonl), or parquet
+    /// (a .parquet file, or a directory of them read in sorted order, as Hugging Face
+    /// datasets saves them), whose --text-column holds the documents.
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// The string column of parquet --data that holds the documents.
+    /// The string column of parquet --data, or the string field of each JSON line, that
+    /// holds the documents.
     #[arg(long, default_value = "text", requires = "data")]
     pub text_column: String,
     /// Read the documents in their order instead of shuffling them every epoch (as

@@ -388,8 +388,9 @@ pub fn load_documents(path: &Path) -> Result<Vec<String>> {
 }
 
 /// [`load_documents`] reading the string column `column` of parquet data (read a row
-/// group at a time by [`ParquetDocuments`], every document kept); text and JSON lines
-/// are read as there (JSON lines always by their `"text"` field).
+/// group at a time by [`ParquetDocuments`], every document kept), or the string field
+/// `column` of each JSON line (as Hugging Face `datasets` reads a JSON lines file's
+/// columns); plain text is read as there.
 pub fn load_documents_with_column(path: &Path, column: &str) -> Result<Vec<String>> {
     if is_parquet(path) {
         return ParquetDocuments::read_all(path, column);
@@ -404,11 +405,11 @@ pub fn load_documents_with_column(path: &Path, column: &str) -> Result<Vec<Strin
             }
             let v: serde_json::Value = serde_json::from_str(line)
                 .map_err(|e| config_err(format!("{}:{}: not JSON: {e}", path.display(), i + 1)))?;
-            match v.get("text").and_then(|t| t.as_str()) {
+            match v.get(column).and_then(|t| t.as_str()) {
                 Some(t) => docs.push(t.to_string()),
                 None => {
                     return Err(config_err(format!(
-                        "{}:{}: no string field \"text\"",
+                        "{}:{}: no string field {column:?}",
                         path.display(),
                         i + 1
                     )))

@@ -5,8 +5,8 @@
 use std::collections::BTreeSet;
 
 use tpar_data::{
-    collate, default_corpus, default_documents, load_documents, split_documents, ByteTokenizer,
-    DistributedSampler, PretrainingDataset, Tokenizer,
+    collate, default_corpus, default_documents, load_documents, load_documents_with_column,
+    split_documents, ByteTokenizer, DistributedSampler, PretrainingDataset, Tokenizer,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -227,8 +227,15 @@ fn documents_load_from_text_and_jsonl_files() {
     let jsonl = dir.join("docs.jsonl");
     std::fs::write(&jsonl, "{\"text\": \"a b\"}\n\n{\"text\": \"c\\nd\"}\n").unwrap();
     assert_eq!(load_documents(&jsonl).unwrap(), vec!["a b", "c\nd"]);
+    // Another field by name, as parquet's --text-column; a line without it names it.
+    std::fs::write(&jsonl, "{\"content\": \"e\", \"text\": \"f\"}\n{\"content\": \"g\"}\n")
+        .unwrap();
+    assert_eq!(load_documents_with_column(&jsonl, "content").unwrap(), vec!["e", "g"]);
+    let e = load_documents(&jsonl).unwrap_err().to_string();
+    assert!(e.contains("docs.jsonl:2: no string field \"text\""), "{e}");
     std::fs::write(&jsonl, "{\"txt\": 1}\n").unwrap();
     assert!(load_documents(&jsonl).is_err());
+    assert!(load_documents_with_column(&jsonl, "txt").is_err(), "a number is not a document");
     assert!(load_documents(&dir.join("missing.txt")).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
