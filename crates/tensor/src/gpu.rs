@@ -51,18 +51,32 @@ pub fn device(ordinal: usize) -> Result<Arc<dyn GpuDevice>> {
     if let Some(d) = reg.get(&ordinal) {
         return Ok(d.clone());
     }
-    let emulate = std::env::var("TPAR_CUDA").is_ok_and(|v| v == "emulator");
+    let unavailable =
+        |why: String| TensorError::Unavailable { what: format!("cuda:{ordinal}"), why };
+    let emulate =
+        emulator_requested(std::env::var_os("TPAR_CUDA").as_deref()).map_err(unavailable)?;
     let dev = if emulate {
         tpar_kernels::cuda::emu::EmulatedGpu::open(ordinal)
     } else {
         tpar_kernels::cuda::open_gpu(ordinal)
     }
-    .map_err(|e| TensorError::Unavailable {
-        what: format!("cuda:{ordinal}"),
-        why: e.to_string(),
-    })?;
+    .map_err(|e| unavailable(e.to_string()))?;
     reg.insert(ordinal, dev.clone());
     Ok(dev)
+}
+
+/// Whether `TPAR_CUDA`'s value asks for the CPU emulator (`emulator`) or the GPU (unset
+/// or empty); any other value is an error naming it, not a silent choice of the GPU.
+fn emulator_requested(value: Option<&std::ffi::OsStr>) -> std::result::Result<bool, String> {
+    let Some(v) = value else { return Ok(false) };
+    match v.to_str() {
+        Some("") => Ok(false),
+        Some("emulator") => Ok(true),
+        _ => Err(format!(
+            "TPAR_CUDA={:?}: expected emulator (the CPU emulator), or unset for the GPU",
+            v.to_string_lossy()
+        )),
+    }
 }
 
 /// How many times data has crossed between a CUDA device and the host on
@@ -708,5 +722,22 @@ pub fn write_from_host(dst: &Tensor, src: &Tensor) -> Result<()> {
     match &mut *g {
         Storage::Gpu(d) => d.upload_into(&host),
         _ => Err(TensorError::DeviceMismatch { op: OP, lhs: Device::Cuda(0), rhs: dst.device() }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::emulator_requested;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn tpar_cuda_takes_emulator_or_nothing() {
+        assert_eq!(emulator_requested(None), Ok(false));
+        assert_eq!(emulator_requested(Some(OsStr::new(""))), Ok(false));
+        assert_eq!(emulator_requested(Some(OsStr::new("emulator"))), Ok(true));
+        for typo in ["emu", "1", "Emulator", "emulator "] {
+            let e = emulator_requested(Some(OsStr::new(typo))).unwrap_err();
+            assert!(e.contains(&format!("TPAR_CUDA={typo:?}")) && e.contains("expected"), "{e}");
+        }
     }
 }
