@@ -67,10 +67,19 @@ struct Cache {
 fn cache() -> MutexGuard<'static, Cache> {
     static C: OnceLock<Mutex<Cache>> = OnceLock::new();
     C.get_or_init(|| {
-        let limit = std::env::var("TPAR_HOST_CACHE_MIB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .map_or(DEFAULT_LIMIT, |mib| mib.saturating_mul(1 << 20));
+        let limit = match std::env::var("TPAR_HOST_CACHE_MIB") {
+            Err(_) => DEFAULT_LIMIT,
+            Ok(v) => v.trim().parse::<usize>().map_or_else(
+                |_| {
+                    eprintln!(
+                        "tpar: TPAR_HOST_CACHE_MIB={v:?} is not a number of MiB; using {}",
+                        DEFAULT_LIMIT >> 20
+                    );
+                    DEFAULT_LIMIT
+                },
+                |mib| mib.saturating_mul(1 << 20),
+            ),
+        };
         Mutex::new(Cache { limit, ..Cache::default() })
     })
     .lock()

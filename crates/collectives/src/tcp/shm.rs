@@ -104,15 +104,25 @@ impl Default for ShmConfig {
 
 impl ShmConfig {
     /// The defaults, with [`TCP_SHM_ENV`] (`0`, `off`, `false` or `no` turn shared memory
-    /// off) and [`TCP_SHM_MIN_ENV`] (a byte count; unparsable values are ignored) applied.
+    /// off; `1`, `on`, `true`, `yes` or empty leave it on) and [`TCP_SHM_MIN_ENV`] (a byte
+    /// count) applied. Another value is reported on stderr and the default kept.
     pub fn from_env() -> ShmConfig {
         let mut c = ShmConfig::default();
-        if let Ok(v) = std::env::var(TCP_SHM_ENV) {
-            let v = v.trim().to_ascii_lowercase();
-            c.enabled = !matches!(v.as_str(), "0" | "off" | "false" | "no");
+        if let Ok(raw) = std::env::var(TCP_SHM_ENV) {
+            match raw.trim().to_ascii_lowercase().as_str() {
+                "0" | "off" | "false" | "no" => c.enabled = false,
+                "" | "1" | "on" | "true" | "yes" => {}
+                _ => eprintln!("tpar: {TCP_SHM_ENV}={raw:?} is neither on nor off; leaving it on"),
+            }
         }
-        if let Some(m) = std::env::var(TCP_SHM_MIN_ENV).ok().and_then(|v| v.trim().parse().ok()) {
-            c.min_bytes = m;
+        if let Ok(raw) = std::env::var(TCP_SHM_MIN_ENV) {
+            match raw.trim().parse() {
+                Ok(m) => c.min_bytes = m,
+                Err(_) => eprintln!(
+                    "tpar: {TCP_SHM_MIN_ENV}={raw:?} is not a number of bytes; using {}",
+                    c.min_bytes
+                ),
+            }
         }
         c
     }

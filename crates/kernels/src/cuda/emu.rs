@@ -541,9 +541,21 @@ impl Emulator {
 }
 
 /// The architecture the emulator stands in for: [`EMU_ARCH_ENV`] when it
-/// names one (`sm_90a` runs the Hopper kernels), else none.
+/// names one (`sm_90a` runs the Hopper kernels), else none; a value that names
+/// none is reported once on stderr.
 fn emulated_arch() -> Option<Arch> {
-    Arch::parse(std::env::var(EMU_ARCH_ENV).ok()?.trim())
+    let v = std::env::var(EMU_ARCH_ENV).ok()?;
+    let arch = Arch::parse(v.trim());
+    if arch.is_none() && !v.trim().is_empty() {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            eprintln!(
+                "tpar: {EMU_ARCH_ENV}={v:?} names no architecture (such as sm_90a); the \
+                 emulator stands in for none"
+            );
+        });
+    }
+    arch
 }
 
 impl Launcher for Emulator {
