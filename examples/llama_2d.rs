@@ -486,13 +486,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     // The data-parallel mesh: dp, or dp x cp flattened under context parallelism (the
     // ranks that hold different tokens of a batch), as torchtitan shards FSDP.
     let dp_mesh = if o.cp > 1 { mesh.flatten(&["dp", "cp"], "dp_cp")? } else { mesh["dp"].clone() };
-    // A sequence length whose full [batch, 1, seq, seq] attention mask (the explicit
-    // form, in f64) no machine holds fails here, before anything is built. The model
-    // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
-    // than what a step needs.
     let seq = o.model.seq;
-    let mask = tpar::tensor::Shape::new(&[o.batch, 1, seq, seq]);
-    tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let hf = o.hf.open()?;
     let tokenizer = o.hf.tokenizer(o.data.tokenizer.as_deref(), hf.as_ref())?;
     // FSDP keeps f32 master shards and computes in `--dtype` (mixed precision);
@@ -513,6 +507,11 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let predicted = predict_memory(&run)?;
     if rank == 0 {
         println!("memory: {predicted}");
+    }
+    // On the host, the peaks of the ranks this process runs must fit the machine: a
+    // sequence or batch it cannot hold stops here, before anything is built.
+    if compute_device(o) == Device::Cpu {
+        flags::peaks_fit(&vec![predicted.peak; here]).map_err(|what| NnError::Config { what })?;
     }
     if let Some(gib) = o.memory_budget {
         // Refused with the configurations on the same ranks that would fit.

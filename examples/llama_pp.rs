@@ -267,13 +267,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     let kind = o.schedule.kind();
     let per_rank = if kind == ScheduleKind::Interleaved1F1B { o.stages_per_rank } else { 1 };
     let num_stages = o.pp * per_rank;
-    // A sequence length whose full [batch, 1, seq, seq] attention mask (the explicit
-    // form, in f64) no machine holds fails here, before anything is built. The model
-    // itself attends through a [batch, 1, 1, seq] key mask, so this bound is stricter
-    // than what a step needs.
     let seq = o.model.seq;
-    let mask = tpar::tensor::Shape::new(&[o.batch.div_ceil(o.microbatches), 1, seq, seq]);
-    tpar::tensor::check_alloc("attention mask", &mask, DType::F64)?;
     let hf = o.hf.open()?;
     let tokenizer = o.hf.tokenizer(o.data.tokenizer.as_deref(), hf.as_ref())?;
     let flags_cfg = o.model.llama_config(tokenizer.vocab_size(), o.layers, DType::F32);
@@ -308,6 +302,20 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // the configurations on the same ranks that would fit.
             check_fits(&run, args::gib_bytes(gib))?;
         }
+        // The peaks of the ranks this process runs (under the local backend every pp
+        // rank's, world / pp ranks each) must fit the machine: a sequence or batch it
+        // cannot hold stops here, on every rank alike, before anything is built.
+        let peaks = if here == 1 {
+            vec![p.peak]
+        } else {
+            let mut peaks = Vec::with_capacity(here);
+            for s in 0..o.pp {
+                let peak = predict_memory_stage(&run, s)?.peak;
+                peaks.extend(std::iter::repeat_n(peak, here / o.pp));
+            }
+            peaks
+        };
+        flags::peaks_fit(&peaks).map_err(|what| NnError::Config { what })?;
     }
 
     // This rank's stages (round-robin: r, r + pp, ...), each built on the meta device

@@ -127,7 +127,8 @@ fn impossible_sizes_are_typed_errors_not_aborts() {
     // The trainer reports it and exits 1, without an abort.
     if let Some((code, _, err)) = run_example("llama_2d", &["--seq", "100000000", "--steps", "1"]) {
         assert_eq!(code, 1, "{err}");
-        assert!(err.contains("attention mask") && err.contains("bytes"), "{err}");
+        assert!(err.contains("the memory model predicts a peak of"), "{err}");
+        assert!(err.contains("but this machine has") || err.contains("allocator"), "{err}");
     }
 }
 

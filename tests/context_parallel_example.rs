@@ -3,7 +3,8 @@
 //! (losses equal to f32 rounding at cp 2 and cp 3, FSDP over dp x cp; cp 2 x tp 2 with
 //! DDP and with FSDP over dp x cp; pp 2 x cp 2 under 1F1B and zero-bubble, and with tp 2
 //! under FSDP), and their summary lines gain `cp=N`; `--cp-method all-gather` trains as
-//! the ring does.
+//! the ring does; a context of 131072 tokens, whose dense attention mask (never built)
+//! would take 128 GiB, trains at cp 4.
 
 mod common;
 use common::examples::run_example;
@@ -91,4 +92,20 @@ fn the_cp_method_flag_picks_the_exchange() {
     let (code, _, err) = run_example("llama_2d", &["--cp", "2", "--cp-method", "gossip"]).unwrap();
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("gossip"), "{err}");
+}
+
+#[test]
+fn a_long_context_that_fits_the_memory_model_trains() {
+    // 131072 tokens at cp 4: a quarter of the sequence per rank, about 0.2 GiB each by
+    // the memory model. Its full [1, 1, s, s] f64 attention mask (128 GiB), which the
+    // model never builds, must not stand in for the check; a sequence that does not
+    // fit is refused with the model's numbers (tests/bad_input_classes.rs).
+    let args = ["--steps", "1", "--seq", "131072", "--batch", "1", "--layers", "1"];
+    let args = [&args[..], &["--dp", "1", "--tp", "1", "--cp", "4"]].concat();
+    let Some((code, out, err)) = run_example("llama_2d", &args) else { return };
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(key(&out, "cp"), "4");
+    let predicted: f64 = key(&out, "predicted_peak_mib").parse().unwrap();
+    let measured: f64 = key(&out, "peak_mib_max").parse().unwrap();
+    assert!(predicted < 512.0 && measured < 1.2 * predicted, "{predicted} / {measured}");
 }

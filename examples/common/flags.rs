@@ -120,17 +120,44 @@ pub fn model_fits(
             human(need)
         )
     };
+    match machine_refuses(need) {
+        Some(have) => Err(refuse(have)),
+        None => Ok(()),
+    }
+}
+
+/// Why this machine cannot give this process `need` bytes ("this machine has 23.4 GiB",
+/// "the allocator refuses that much"), or `None` when it may: over
+/// [`machine_memory`], else where that is unknown or fits, the allocator has the last
+/// word.
+fn machine_refuses(need: u128) -> Option<String> {
     if let Some(mem) = machine_memory() {
         if need > mem as u128 {
-            return Err(refuse(format!("this machine has {}", human(mem as u128))));
+            return Some(format!("this machine has {}", tpar::tensor::human_bytes(mem as u128)));
         }
     }
-    // Where the memory is unknown, or fits it: the allocator has the last word.
     let fits = usize::try_from(need).ok().is_some_and(|n| {
         n < tpar::tensor::PROBE_BYTES || Vec::<u8>::new().try_reserve_exact(n).is_ok()
     });
-    if !fits {
-        return Err(refuse("the allocator refuses that much".into()));
-    }
-    Ok(())
+    (!fits).then(|| "the allocator refuses that much".to_string())
+}
+
+/// `Err` when the host peaks the memory model predicts for the ranks of this process
+/// (`peaks`, one per rank run here, in bytes) together exceed what this machine can give
+/// it ([`machine_memory`], or the allocator): before anything is built, with the numbers
+/// and what would lower them. A sequence or batch too long for the machine stops here
+/// instead of at an allocation mid-step.
+pub fn peaks_fit(peaks: &[u64]) -> Result<(), String> {
+    let need: u128 = peaks.iter().map(|&p| u128::from(p)).sum();
+    let Some(have) = machine_refuses(need) else { return Ok(()) };
+    let human = tpar::tensor::human_bytes;
+    let most = peaks.iter().copied().max().unwrap_or(0);
+    Err(format!(
+        "the memory model predicts a peak of {} per rank ({} for the {} rank(s) of this \
+         process), but {have}; shorten --seq or --batch, raise --cp, or recompute \
+         activations (--ac full)",
+        human(u128::from(most)),
+        human(need),
+        peaks.len()
+    ))
 }
