@@ -127,7 +127,14 @@
 //!   prefetches within a stage); the shards not made by then are released.
 //! - **Pipelines**: stage `r` of `pp` holds its layers' activations for the
 //!   micro-batches in flight: all `m` under GPipe, `min(pp - r, m)` under 1F1B,
-//!   `min(pp, m)` under zero-bubble; gradients exist from the first micro-batch's
+//!   `min(pp, m)` under zero-bubble. Under zero-bubble with activation checkpointing the
+//!   split backward's input pass recomputes each checkpointed layer and keeps the
+//!   recomputed graph's weight half until the weight pass, so stage `r > 0` also holds
+//!   its layers' recomputes for the `min(r, m - 1)` micro-batches whose weight pass
+//!   waits, and for the layers the micro-batch in its input pass has passed (stage 0 has
+//!   no input to differentiate: its weight pass is the whole backward). Checkpointing
+//!   there saves less than under 1F1B (at pp 3, one layer per stage, none on the last
+//!   stage). Gradients exist from the first micro-batch's
 //!   backward on, so a later micro-batch's backward holds every gradient beside the
 //!   in-flight activations. An
 //!   activation sent to the next stage is a copy counted on the sender until the receiver
@@ -1122,6 +1129,19 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             _ => (c.pp - stage).min(mb),
         };
         let mut activations = per_mb * in_flight as f64;
+        if c.pp > 1 && c.schedule == ScheduleKind::ZeroBubble && stage > 0 {
+            // A split backward's input pass recomputes each checkpointed layer and keeps
+            // the recomputed graph's weight half until the weight pass: stage r's peak
+            // comes with r micro-batches waiting for theirs (ZB-H1 defers them by the
+            // stages after it), each holding its layers' recomputes beside what they
+            // kept, and the micro-batch in its input pass holds those of the layers it
+            // has passed beside the recompute of the one it is in. (Stage 0 has no
+            // input to differentiate: its weight pass is the whole backward.)
+            let again: f64 = layer_again.iter().sum();
+            let most = layer_again.iter().copied().fold(0.0, f64::max);
+            let waiting = stage.min(mb.saturating_sub(1));
+            activations += waiting as f64 * again + (again - most);
+        }
         if !last {
             // Outputs sent to the next stage: a copy each until it is dropped there.
             let next_holds = match c.schedule {
