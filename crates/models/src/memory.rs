@@ -98,6 +98,12 @@
 //!   parameters (next item); DDP adds its gradient buckets of one layer.
 //!   To these the host adds the GEMM kernels' packing buffers, kept by each thread of
 //!   the rank's kernel pool ([`HOST_GEMM_WORKSPACE`] each, [`MemoryConfig::host_threads`]).
+//!   In half precision a host product widens its second operand to f32 whole and its
+//!   first a block of rows at a time: the head's weight gradient widens the head input
+//!   (`[h]` in f32 beside the logits' gradient), and a third point of a layer's backward,
+//!   down_proj's weight gradient, holds the hidden-state gradient `[h]`, the SwiGLU
+//!   output's `[i/t]`, and f32 copies of the SwiGLU output and of the hidden-state
+//!   gradient (`[i/t + h]`; on the trainers' bf16 step the largest).
 //! - **FSDP** (`fully_shard` per decoder layer, the base model and the root, as the
 //!   trainers apply it; `tpar_fsdp`'s unit docs): the root unit's own parameters, the
 //!   head `[v/t, h]` (under a pipeline the stage root's embedding, final norm and head),
@@ -928,6 +934,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         (_, false) => (outer, 0.0, outer),
     };
     let root_gathered = if fsdp { root_own * abytes } else { 0.0 };
+    // Bytes per element of the f32 copy a host half-precision product makes of its second
+    // operand (below); 0 where no such copy is made.
+    let widen = if c.host && abytes < 4.0 { 4.0 } else { 0.0 };
 
     // Each candidate for the peak: what it holds beyond the parameters, the optimizer
     // state, the activations and the gradients (`buffers`), and what of those it does not
@@ -978,6 +987,17 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
         // SwiGLU output), and made its weight's gradient.
         let mlp_point =
             (tokens * (2.0 * shape.mlp + h) * abytes, h * shape.mlp, false, "MLP input gradients");
+        // On the host a half-precision product widens its second operand to f32 whole
+        // and its first a block of rows at a time (the kernels crate's `half_matmul`):
+        // down_proj's weight gradient, made beside the hidden-state gradient and the
+        // SwiGLU output's, widens that output and blocks of the hidden-state gradient
+        // (counted whole: one block at the trainers' widths).
+        let down_point = (
+            tokens * ((h + shape.mlp) * abytes + (shape.mlp + h) * widen),
+            h * shape.mlp,
+            false,
+            "down_proj's weight gradient, its input widened to f32",
+        );
         // Attention's backward: by then the MLP's and o_proj's nodes have run and freed
         // what they saved (the second norm's input, the gate/up input, gate, up and the
         // SwiGLU output, o_proj's input), where the layer keeps them (not checkpointed),
@@ -994,7 +1014,10 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             true,
             "attention's output gradient, dq, dk, dv and the kernel's scratch",
         );
-        let points = [mlp_point, attention_point];
+        let points: Vec<_> = [mlp_point, attention_point]
+            .into_iter()
+            .chain((widen > 0.0).then_some(down_point))
+            .collect();
         // The layer in backward once `k` of the stage's layers are done: what its recompute
         // holds (the most of any layer's past the first stage's), and what its own nodes
         // freed by the point (`at_attention`).
@@ -1063,8 +1086,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     let none_yet = if accumulating { 0.0 } else { gradients };
     options.push(Candidate { buffers: 0.0, released: none_yet, own: 0.0, what: "none".into() });
     if last {
-        // The head's backward: the logits' gradient and the head input's.
-        let logits = tokens * (v / t + h) * abytes;
+        // The head's backward: the logits' gradient and the head input's (on the host in
+        // half precision, with that input widened to f32 for the weight's gradient).
+        let logits = tokens * ((v / t + h) * abytes + h * widen);
         let (buffers, what) = if fsdp {
             (logits + root_gathered, "the logits' gradient, with the root's gathered parameters")
         } else {
