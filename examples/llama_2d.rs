@@ -508,10 +508,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     if rank == 0 {
         println!("memory: {predicted}");
     }
-    // On the host, the peaks of the ranks this process runs must fit the machine: a
-    // sequence or batch it cannot hold stops here, before anything is built.
+    // On the host, the peaks of the ranks on this machine (this process's rank threads,
+    // or the launcher's processes here) must fit it: a sequence or batch it cannot hold
+    // stops here, before anything is built.
     if compute_device(o) == Device::Cpu {
-        flags::peaks_fit(&vec![predicted.peak; here]).map_err(|what| NnError::Config { what })?;
+        let ranks = if here == 1 { flags::processes_on_this_machine() } else { here };
+        flags::peaks_fit(&vec![predicted.peak; ranks]).map_err(|what| NnError::Config { what })?;
     }
     if let Some(gib) = o.memory_budget {
         // Refused with the configurations on the same ranks that would fit.

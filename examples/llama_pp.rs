@@ -302,11 +302,12 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
             // the configurations on the same ranks that would fit.
             check_fits(&run, args::gib_bytes(gib))?;
         }
-        // The peaks of the ranks this process runs (under the local backend every pp
-        // rank's, world / pp ranks each) must fit the machine: a sequence or batch it
-        // cannot hold stops here, on every rank alike, before anything is built.
+        // The peaks of the ranks on this machine (under the local backend every pp
+        // rank's, world / pp ranks each; under a process backend this rank's, once per
+        // process the launcher started here) must fit it: a sequence or batch it cannot
+        // hold stops here, before anything is built.
         let peaks = if here == 1 {
-            vec![p.peak]
+            vec![p.peak; flags::processes_on_this_machine()]
         } else {
             let mut peaks = Vec::with_capacity(here);
             for s in 0..o.pp {

@@ -142,9 +142,17 @@ fn machine_refuses(need: u128) -> Option<String> {
     (!fits).then(|| "the allocator refuses that much".to_string())
 }
 
-/// `Err` when the host peaks the memory model predicts for the ranks of this process
-/// (`peaks`, one per rank run here, in bytes) together exceed what this machine can give
-/// it ([`machine_memory`], or the allocator): before anything is built, with the numbers
+/// The processes a launcher started on this machine, this one included
+/// (`LOCAL_WORLD_SIZE`; 1 where it is not set): under a process backend they share the
+/// machine's memory.
+pub fn processes_on_this_machine() -> usize {
+    tpar::launch::EnvInit::from_env().ok().and_then(|e| e.local_world_size).unwrap_or(1).max(1)
+}
+
+/// `Err` when the host peaks the memory model predicts for the ranks on this machine
+/// (`peaks`, one per rank: this process's rank threads, or under a process backend one
+/// per process on the machine, in bytes) together exceed what this machine can give
+/// ([`machine_memory`], or the allocator): before anything is built, with the numbers
 /// and what would lower them. A sequence or batch too long for the machine stops here
 /// instead of at an allocation mid-step.
 pub fn peaks_fit(peaks: &[u64]) -> Result<(), String> {
@@ -153,8 +161,8 @@ pub fn peaks_fit(peaks: &[u64]) -> Result<(), String> {
     let human = tpar::tensor::human_bytes;
     let most = peaks.iter().copied().max().unwrap_or(0);
     Err(format!(
-        "the memory model predicts a peak of {} per rank ({} for the {} rank(s) of this \
-         process), but {have}; shorten --seq or --batch, raise --cp, or recompute \
+        "the memory model predicts a peak of {} per rank ({} for the {} rank(s) on this \
+         machine), but {have}; shorten --seq or --batch, raise --cp, or recompute \
          activations (--ac full)",
         human(u128::from(most)),
         human(need),
