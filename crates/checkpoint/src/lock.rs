@@ -31,7 +31,7 @@ pub const LOCK: &str = ".lock";
 /// How long [`DirLock::acquire`] waits for a lock that this process released but a
 /// process it started still shares (from its fork to its exec: microseconds, longer on a
 /// loaded machine) before reporting it held.
-pub(crate) const INHERITED_WAIT: Duration = Duration::from_secs(5);
+const INHERITED_WAIT: Duration = Duration::from_secs(5);
 
 /// The checkpoint directories (canonical paths) this process's managers hold.
 static HELD: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
