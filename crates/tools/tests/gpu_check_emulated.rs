@@ -3,40 +3,11 @@
 //! perturbed reference makes every check fail (so a broken kernel cannot pass
 //! unnoticed).
 
-use std::path::PathBuf;
 use std::process::Command;
-use std::sync::OnceLock;
 
-/// The `gpu_check` binary, built by cargo for this test's profile and target
-/// directory. A binary of another workspace package has no
-/// `CARGO_BIN_EXE_<name>` here, and `cargo test` builds it only with
-/// `--workspace`, so the test asks cargo for it (a no-op when it is fresh)
-/// rather than running a stale copy.
-fn gpu_check() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().expect("test binary path");
-        // <target dir>/<profile>/deps/<this test>
-        let profile_dir = exe.parent().and_then(|d| d.parent()).expect("profile dir");
-        let target_dir = profile_dir.parent().expect("target dir");
-        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "dev",
-            Some(p) => p,
-        };
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "tpar-tools", "--bin", "gpu_check", "--profile"])
-            .arg(profile)
-            .arg("--target-dir")
-            .arg(target_dir)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for gpu_check");
-        assert!(status.success(), "cargo build -p tpar-tools --bin gpu_check failed");
-        let bin = profile_dir.join(format!("gpu_check{}", std::env::consts::EXE_SUFFIX));
-        assert!(bin.exists(), "gpu_check not built at {}", bin.display());
-        bin
-    })
-    .clone()
+/// The `gpu_check` binary, built by cargo beside this test.
+fn gpu_check() -> &'static str {
+    env!("CARGO_BIN_EXE_gpu_check")
 }
 
 /// `gpu_check --device emulator --quick --only <family>` (with `--sabotage` when asked),
@@ -44,7 +15,7 @@ fn gpu_check() -> PathBuf {
 /// architecture, whatever the environment says): its report, after asserting that it
 /// exited successfully.
 fn quick_family(family: &str, sm90a: bool, sabotage: bool) -> String {
-    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
+    let arch = tpar_kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
     let mut args = vec!["--device", "emulator", "--quick", "--only", family];
     if sabotage {
         args.push("--sabotage");
@@ -63,7 +34,7 @@ fn quick_family(family: &str, sm90a: bool, sabotage: bool) -> String {
 fn every_kernel_passes_on_the_emulator() {
     let out = Command::new(gpu_check())
         .args(["--device", "emulator", "--quick"])
-        .env_remove(tpar::kernels::cuda::emu::RACECHECK_ENV)
+        .env_remove(tpar_kernels::cuda::emu::RACECHECK_ENV)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -81,10 +52,10 @@ fn every_kernel_passes_on_the_emulator() {
 /// copies, mbarriers, clusters) at `sm_90a`: one test each, so that the two runs
 /// share the harness's threads.
 fn every_kernel_passes_the_race_check_at(sm90a: bool) {
-    let arch = tpar::kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
+    let arch = tpar_kernels::cuda::raw::gemm_hopper::EMU_ARCH_ENV;
     let mut cmd = Command::new(gpu_check());
     cmd.args(["--device", "emulator", "--quick"])
-        .env(tpar::kernels::cuda::emu::RACECHECK_ENV, "1")
+        .env(tpar_kernels::cuda::emu::RACECHECK_ENV, "1")
         .env_remove(arch);
     if sm90a {
         cmd.env(arch, "sm_90a");
@@ -180,7 +151,7 @@ fn adamw_bits_do_not_depend_on_contraction() {
     }
     let out = Command::new(gpu_check())
         .args(["--device", "emulator", "--quick", "--only", "adamw"])
-        .env(tpar::kernels::cuda::emu::FP_CONTRACT_ENV, "fast")
+        .env(tpar_kernels::cuda::emu::FP_CONTRACT_ENV, "fast")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
