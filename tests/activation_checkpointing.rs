@@ -602,6 +602,47 @@ fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
     }
 }
 
+/// After a split backward's input pass a selective region holds what a full one holds
+/// (the recomputed graph's weight half) until the weight pass: the outputs it kept from
+/// the forward, which only the input half read, are freed then, not with the weight pass.
+#[test]
+fn a_split_backward_frees_the_kept_outputs_after_the_input_pass() {
+    use tpar::tensor::autograd::backward_input;
+    // The tracking allocator's slot for this test (no rank thread of another test uses it).
+    const SLOT: usize = 60;
+    let (n, d, f) = (256, 64, 512);
+    let fill = |len: usize, s: f64| (0..len).map(|i| ((i % 97) as f64 - 48.0) * s).collect();
+    // Bytes live on this thread after the input pass, beyond those before the forward.
+    let held_after_input_pass = |keep: &[SaveOp]| {
+        let x = Tensor::from_vec(fill(n * d, 1e-2), [n, d]).unwrap().requires_grad_(true);
+        let w1 = Tensor::from_vec(fill(f * d, 1e-3), [f, d]).unwrap().requires_grad_(true);
+        let w2 = Tensor::from_vec(fill(d * f, 2e-3), [d, f]).unwrap().requires_grad_(true);
+        let dy = Tensor::from_vec(fill(n * d, 1e-1), [n, d]).unwrap();
+        memory::set_rank(Some(SLOT));
+        let before = memory::current(SLOT);
+        let (a, b) = (w1.clone(), w2.clone());
+        let g = move |i: &[Tensor]| i[0].linear(&a, None)?.silu()?.linear(&b, None);
+        let y = checkpoint(std::slice::from_ref(&x), keep, g).unwrap();
+        let (dx, weights) =
+            backward_input(&[y], std::slice::from_ref(&dy), std::slice::from_ref(&x)).unwrap();
+        drop(dx);
+        let held = memory::current(SLOT) - before;
+        weights.run().unwrap();
+        memory::set_rank(None);
+        assert!(w1.grad().is_some() && w2.grad().is_some(), "{keep:?}");
+        held
+    };
+    let full = held_after_input_pass(&[]);
+    let selective = held_after_input_pass(&[SaveOp::Matmul]);
+    // The first product's output alone is `n f` f64s (1 MiB), kept by the selective forward.
+    let kept = (n * f * 8) as i64;
+    assert!(full > kept, "the weight half holds {full} B");
+    assert!(
+        selective < full + kept / 8,
+        "after the input pass a selective region holds {selective} B, a full one {full} B"
+    );
+}
+
 /// The `key=value` of an example's summary line.
 fn summary_key(out: &str, k: &str) -> String {
     let line = out.lines().find(|l| l.starts_with("summary:")).expect("a summary line");

@@ -136,8 +136,10 @@
 //!   `min(pp, m)` under zero-bubble. Under zero-bubble with activation checkpointing the
 //!   split backward's input pass recomputes each checkpointed layer and keeps the
 //!   recomputed graph's weight half until the weight pass, so stage `r > 0` also holds
-//!   its layers' recomputes for the `min(r, m - 1)` micro-batches whose weight pass
-//!   waits, and for the layers the micro-batch in its input pass has passed (stage 0 has
+//!   its layers' weight halves (taken as a fully recomputed layer's activations, whatever
+//!   the policy kept) for the `min(r, m - 1)` micro-batches whose weight pass waits, and
+//!   for the layers the micro-batch in its input pass has passed; a selective layer's
+//!   kept outputs are freed once the input pass has recomputed it (stage 0 has
 //!   no input to differentiate: its weight pass is the whole backward). Checkpointing
 //!   there saves less than under 1F1B (at pp 3, one layer per stage, none on the last
 //!   stage). Gradients exist from the first micro-batch's
@@ -878,11 +880,21 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
     // during its backward (0 where it is not checkpointed).
     let mut layer_kept: Vec<f64> = Vec::new();
     let mut layer_again: Vec<f64> = Vec::new();
+    // What a selectively checkpointed layer kept beyond its input (the kept ops' outputs),
+    // which a split backward's input pass frees once it has recomputed the layer (0 for
+    // the other layers).
+    let mut layer_released: Vec<f64> = Vec::new();
+    // What a checkpointed layer holds from a split backward's input pass to its weight
+    // pass (0 for the other layers): its recomputed graph's weight half, the same graph
+    // whatever the policy kept (a kept output is not what a weight's node saves), taken
+    // as a fully recomputed layer's activations.
+    let mut layer_deferred: Vec<f64> = Vec::new();
     for &s in &mine {
         let mut kept_mb = 0.0;
         for l in 0..ranges[s].len() {
+            let input = tokens * shape.resid * abytes;
             let (kept, again) = match c.ac.keeps(l) {
-                Some(ops) if ops.is_empty() => (tokens * shape.resid * abytes, full_layer),
+                Some(ops) if ops.is_empty() => (input, full_layer),
                 Some(ops) => {
                     let ops = ops.as_slice();
                     // On a CUDA device a fused residual add is one GEMM, kept as the matmul
@@ -902,6 +914,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             if s == mine[0] {
                 layer_kept.push(kept);
                 layer_again.push(again);
+                let checkpointed = again > 0.0;
+                layer_released.push(if checkpointed { kept - input } else { 0.0 });
+                layer_deferred.push(if checkpointed { full_layer } else { 0.0 });
             }
         }
         if s + 1 == num_stages {
@@ -1157,14 +1172,26 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             // A split backward's input pass recomputes each checkpointed layer and keeps
             // the recomputed graph's weight half until the weight pass: stage r's peak
             // comes with r micro-batches waiting for theirs (ZB-H1 defers them by the
-            // stages after it), each holding its layers' recomputes beside what they
-            // kept, and the micro-batch in its input pass holds those of the layers it
-            // has passed beside the recompute of the one it is in. (Stage 0 has no
-            // input to differentiate: its weight pass is the whole backward.)
-            let again: f64 = layer_again.iter().sum();
-            let most = layer_again.iter().copied().fold(0.0, f64::max);
-            let waiting = stage.min(mb.saturating_sub(1));
-            activations += waiting as f64 * again + (again - most);
+            // stages after it), each holding its layers' weight halves beside their
+            // inputs (a selective layer's kept outputs are freed once the input pass has
+            // recomputed it), and the micro-batch in its input pass holds those of the
+            // layers it has passed beside the recompute of the one it is in. (Stage 0 has
+            // no input to differentiate: its weight pass is the whole backward.)
+            let deferred: f64 = layer_deferred.iter().sum();
+            let released: f64 = layer_released.iter().sum();
+            // The layer in its recompute: the one whose recompute holds the most.
+            let at = layer_again
+                .iter()
+                .enumerate()
+                .fold(None, |m: Option<(usize, f64)>, (l, &a)| match m {
+                    Some((_, b)) if b >= a => m,
+                    _ => Some((l, a)),
+                })
+                .map_or(0, |(l, _)| l);
+            let passed = |v: &[f64]| v.iter().sum::<f64>() - v.get(at).copied().unwrap_or(0.0);
+            let waiting = stage.min(mb.saturating_sub(1)) as f64;
+            activations +=
+                waiting * (deferred - released) + passed(&layer_deferred) - passed(&layer_released);
         }
         if !last {
             // Outputs sent to the next stage: a copy each until it is dropped there.

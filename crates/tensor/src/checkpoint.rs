@@ -19,7 +19,9 @@
 //! region's inputs: it recomputes the region, computes those, and keeps the recomputed
 //! graph's parameter half, which the weight pass asks for next (the region is recomputed
 //! once per backward, and its weight gradients wait for the weight pass as a plain
-//! layer's do).
+//! layer's do). A selective region's kept outputs are dropped then: the recompute has
+//! used them, and the parameter half saved none of them, so from the input pass to the
+//! weight pass a selective region holds what a full one holds.
 //!
 //! **Bit-identical recompute.** The recompute runs the same `f` on the same values, so
 //! it issues the same ops in the same order; tpar's ops draw no hidden random state (an
@@ -566,7 +568,10 @@ struct Region {
     /// How many of `inputs` are the region's own inputs.
     own: usize,
     keep: Vec<SaveOp>,
-    kept: Arc<Vec<Entry>>,
+    /// The kept ops' outputs (selective checkpointing), until a split backward's input
+    /// pass has recomputed the region: its weight half then holds what the weight pass
+    /// reads, and the outputs only the input half read are freed with the list.
+    kept: Mutex<Option<Arc<Vec<Entry>>>>,
     shape: Shape,
     dtype: DType,
     /// The parameters' half of a split backward's input pass, with the input indices it
@@ -636,7 +641,7 @@ where
         inputs: all.clone(),
         own: inputs.len(),
         keep: keep.to_vec(),
-        kept: Arc::new(kept),
+        kept: Mutex::new(Some(Arc::new(kept))),
         shape: out.shape().clone(),
         dtype: out.dtype(),
         deferred: Mutex::new(None),
@@ -689,6 +694,11 @@ impl Region {
         let (grads, d) =
             timed(&BACKWARD_NS, || grad_within_split(&[out], vec![g.clone()], &now, &later))?;
         *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = Some((owed, d));
+        // The weight pass finishes the recomputed graph instead of recomputing the region:
+        // the kept outputs are no longer read here (the recomputed graph's nodes hold what
+        // they saved of them), so a waiting micro-batch of a zero-bubble schedule does not
+        // hold them until its weight pass.
+        *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let mut res = vec![None; n];
         for (i, gi) in asked.into_iter().zip(grads) {
             res[i] = gi;
@@ -707,12 +717,16 @@ impl Region {
             .collect();
         let out = {
             let _g = GradModeGuard::new(true);
+            let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).clone();
             let frame = (!self.keep.is_empty()).then(|| {
-                FrameGuard::push(Frame::Replay {
-                    keep: self.keep.clone(),
-                    entries: self.kept.clone(),
-                    next: 0,
-                    matmuls: 0,
+                FrameGuard::push(match kept {
+                    Some(entries) => {
+                        Frame::Replay { keep: self.keep.clone(), entries, next: 0, matmuls: 0 }
+                    }
+                    // Released by a split backward's input pass, whose weight pass then
+                    // asked for other inputs than it owed: a selective region that keeps
+                    // nothing computes every op again, the same values as the kept ones.
+                    None => Frame::Record { keep: Vec::new(), entries: Vec::new(), matmuls: 0 },
                 })
             });
             let out = {
