@@ -133,12 +133,19 @@ fn assert_clean((usage, loose): &(Vec<Usage>, Vec<String>)) {
     }
 }
 
+/// The test kernels' PTX for `sm_90a` with the default options, compiled once for the
+/// tests that read it (NVRTC takes seconds over them).
+fn default_ptx() -> &'static str {
+    static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PTX.get_or_init(|| compile_ptx(&SOURCE, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}")))
+}
+
 #[test]
 fn hopper_kernels_compile_for_sm_90a() {
     if !nvrtc_or_skip("hopper_kernels_compile_for_sm_90a") {
         return;
     }
-    let ptx = compile_ptx(&SOURCE, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    let ptx = default_ptx();
     let names = kernel_names(SOURCE.text);
     assert!(names.contains(&"hopper_gemm_tile_nt") && names.contains(&"hopper_gemm_tile_nn"));
     for n in &names {
@@ -159,10 +166,10 @@ fn hopper_kernels_compile_for_sm_90a() {
     ] {
         assert!(ptx.contains(instr), "{instr} missing from the PTX");
     }
-    assert_watchdog("hopper_test", &ptx);
+    assert_watchdog("hopper_test", ptx);
     say(&format!("NVRTC: {} kernel(s), {} KiB of PTX for {ARCH}", names.len(), ptx.len() / 1024));
 
-    ptxas_report("hopper_test", &ptx);
+    ptxas_report("hopper_test", ptx);
 }
 
 /// `-DTPAR_MBAR_TIMEOUT_MS=...` (through `CompileOptions::define`) sets the
@@ -180,7 +187,7 @@ fn the_watchdog_limit_is_a_define() {
             &CompileOptions::default().define("TPAR_MBAR_TIMEOUT_MS", Some(ms)),
         )
     };
-    let default = compile_ptx(&SOURCE, ARCH).unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
+    let default = default_ptx();
     let short = with("2000").unwrap_or_else(|e| panic!("NVRTC rejected: {e}"));
     assert_watchdog("hopper_test -DTPAR_MBAR_TIMEOUT_MS=2000", &short);
     assert!(default != short, "-DTPAR_MBAR_TIMEOUT_MS=2000 left the PTX as it was");
