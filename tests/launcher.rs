@@ -577,6 +577,57 @@ fn a_rank_killed_mid_training_restarts_and_resumes_to_the_uninterrupted_paramete
     assert!(resumed == straight, "the final parameters differ from the uninterrupted run's");
 }
 
+/// The byte counts in parentheses of a line, in order (`16.7 GiB (17924040000 bytes)`).
+fn byte_counts(line: &str) -> Vec<u64> {
+    line.split(" bytes)").filter_map(|part| part.rsplit('(').next()?.trim().parse().ok()).collect()
+}
+
+/// Under a launcher each process checks the memory model's predicted peak times the
+/// processes on its machine (`LOCAL_WORLD_SIZE`) against the machine's memory: two
+/// processes whose peaks fit the machine one at a time but not together are refused
+/// before anything is built, naming both figures. A `--memory-budget` under the peak
+/// stops the run in any case, so nothing large is ever allocated.
+#[test]
+fn processes_on_one_machine_are_refused_their_peaks_together() {
+    let Some(llama) = example("llama_2d") else {
+        println!("skipped: llama_2d is not built (cargo build --release --example llama_2d)");
+        return;
+    };
+    let llama = llama.to_str().unwrap().to_string();
+    let run = |seq: u64, budget_gib: f64| {
+        let (seq, budget) = (seq.to_string(), format!("{budget_gib:.3}"));
+        #[rustfmt::skip]
+        let args = [
+            "--nproc-per-node", "2", "--", &llama, "--backend", "tcp", "--dp", "2", "--tp",
+            "1", "--layers", "1", "--batch", "1", "--seq", &seq, "--memory-budget", &budget,
+        ];
+        let o = launch(&args, Duration::from_secs(60));
+        assert!(!o.status.success(), "{}", o.stdout);
+        let all = format!("{}\n{}", o.stdout, o.stderr);
+        let refusal = all.lines().find(|l| l.contains("rank(s) on this machine")).map(|l| {
+            let n = byte_counts(l);
+            assert_eq!(n.len(), 3, "{l}");
+            (n[0], n[1], n[2], l.to_string())
+        });
+        (refusal, all)
+    };
+    // A sequence far past any machine: the per-rank peak per token and the machine's memory.
+    let huge = 1u64 << 32;
+    let (calibration, all) = run(huge, 1.0);
+    let Some((per_rank, _, machine, _)) = calibration else {
+        panic!("no refusal at seq {huge}:\n{all}")
+    };
+    // Per rank three quarters of the machine: one fits, two do not.
+    let seq = (0.75 * machine as f64 / (per_rank as f64 / huge as f64)) as u64;
+    let budget = 0.5 * machine as f64 / (1u64 << 30) as f64;
+    let (refusal, all) = run(seq, budget);
+    let Some((one, both, have, line)) = refusal else {
+        panic!("seq {seq}: two processes were not refused for the machine:\n{all}")
+    };
+    assert!(one < have && have < both && both == 2 * one, "{line}");
+    assert!(line.contains("for the 2 rank(s) on this machine"), "{line}");
+}
+
 #[test]
 fn llama_2d_refuses_a_launch_on_the_local_backend() {
     let Some(llama) = example("llama_2d") else {
