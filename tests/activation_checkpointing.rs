@@ -602,6 +602,47 @@ fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
     }
 }
 
+/// A selective region whose kept outputs a split backward's input pass dropped, asked
+/// again for every gradient (its weight half dropped unrun, then a whole backward of the
+/// same output), recomputes every op: the forward's gradients, bit for bit.
+#[test]
+fn a_region_asked_again_after_its_input_pass_recomputes_everything() {
+    use tpar::tensor::autograd::backward_input;
+    let leaf = |v: Vec<f64>, d: [usize; 2]| Tensor::from_vec(v, d).unwrap().requires_grad_(true);
+    let make = || {
+        (
+            leaf(vec![1.0, -2.0, 0.5, 3.0, 0.25, -1.5], [3, 2]),
+            leaf(vec![0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 0.1, 0.2], [4, 2]),
+            leaf(vec![1.0, 1.5, -0.5, 2.0, 0.3, -0.2, 0.7, 0.9], [2, 4]),
+        )
+    };
+    let dy = Tensor::from_vec(vec![1.0f64, -0.5, 0.25, 2.0, -1.0, 0.5], [3, 2]).unwrap();
+    let (x, w1, w2) = make();
+    x.linear(&w1, None)
+        .unwrap()
+        .silu()
+        .unwrap()
+        .linear(&w2, None)
+        .unwrap()
+        .backward_with(&dy)
+        .unwrap();
+    let want: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    let (x, w1, w2) = make();
+    let (a, b) = (w1.clone(), w2.clone());
+    let f = move |i: &[Tensor]| i[0].linear(&a, None)?.silu()?.linear(&b, None);
+    let y = checkpoint(std::slice::from_ref(&x), &[SaveOp::Matmul], f).unwrap();
+    let (_, weights) = backward_input(
+        std::slice::from_ref(&y),
+        std::slice::from_ref(&dy),
+        std::slice::from_ref(&x),
+    )
+    .unwrap();
+    drop(weights);
+    y.backward_with(&dy).unwrap();
+    let got: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    assert_eq!(got, want);
+}
+
 /// After a split backward's input pass a selective region holds what a full one holds
 /// (the recomputed graph's weight half) until the weight pass: the outputs it kept from
 /// the forward, which only the input half read, are freed then, not with the weight pass.

@@ -1180,14 +1180,9 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             let deferred: f64 = layer_deferred.iter().sum();
             let released: f64 = layer_released.iter().sum();
             // The layer in its recompute: the one whose recompute holds the most.
-            let at = layer_again
-                .iter()
-                .enumerate()
-                .fold(None, |m: Option<(usize, f64)>, (l, &a)| match m {
-                    Some((_, b)) if b >= a => m,
-                    _ => Some((l, a)),
-                })
-                .map_or(0, |(l, _)| l);
+            let at = (0..layer_again.len())
+                .max_by(|&a, &b| layer_again[a].total_cmp(&layer_again[b]))
+                .unwrap_or(0);
             let passed = |v: &[f64]| v.iter().sum::<f64>() - v.get(at).copied().unwrap_or(0.0);
             let waiting = stage.min(mb.saturating_sub(1)) as f64;
             activations +=

@@ -723,9 +723,10 @@ impl Region {
                     Some(entries) => {
                         Frame::Replay { keep: self.keep.clone(), entries, next: 0, matmuls: 0 }
                     }
-                    // Released by a split backward's input pass, whose weight pass then
-                    // asked for other inputs than it owed: a selective region that keeps
-                    // nothing computes every op again, the same values as the kept ones.
+                    // Released by a split backward's input pass, and a later pass asks for
+                    // other inputs than that pass owed (its weight half dropped unrun, a
+                    // whole backward after it): a selective region that keeps nothing
+                    // computes every op again, the same values as the kept ones.
                     None => Frame::Record { keep: Vec::new(), entries: Vec::new(), matmuls: 0 },
                 })
             });
