@@ -34,6 +34,8 @@ struct Known {
     mesh_shape: Vec<usize>,
     placements: Vec<Placement>,
     shape: Vec<usize>,
+    /// This rank's shard's offset in the global tensor.
+    offset: Option<Vec<usize>>,
 }
 
 /// The smallest size at which the record is pruned.
@@ -82,6 +84,7 @@ pub fn remember(d: &DTensor) -> Tensor {
             mesh_shape: d.mesh().shape().to_vec(),
             placements: d.placements().to_vec(),
             shape: d.shape().to_vec(),
+            offset: d.spec().local_shape_and_offset().ok().map(|(_, o)| o),
         },
     );
     d.to_local()
@@ -94,6 +97,15 @@ pub fn known_shape(t: &Tensor, mesh: &DeviceMesh, placements: &[Placement]) -> O
     let ps = normalize_placements(placements, t.rank()).ok()?;
     let same = k.ranks == mesh.ranks() && k.mesh_shape == mesh.shape() && k.placements == ps;
     same.then_some(k.shape)
+}
+
+/// Where `t` sits in its global tensor, when it was [`remember`]ed (or [`propagate`]d)
+/// as a DTensor's shard: the global shape and the shard's offset in it. A random op draws
+/// by these positions ([`tpar_tensor::Tensor::dropout_shard`]), so plain shards draw the
+/// global tensor's mask as its DTensor would.
+pub fn known_shard(t: &Tensor) -> Option<(Vec<usize>, Vec<usize>)> {
+    let k = get(t.id())?;
+    Some((k.shape, k.offset?))
 }
 
 /// Records `out`, the result of an elementwise op on `operands`, with their layout when

@@ -14,7 +14,7 @@ use tpar_dtensor::{
     ReduceOp,
 };
 use tpar_mesh::{DeviceMesh, DeviceType};
-use tpar_tensor::{tol::Tol, DType, Device, Rng, RopeLayout, Tensor};
+use tpar_tensor::{manual_seed, tol::Tol, DType, Device, Rng, RopeLayout, Tensor};
 
 use Placement::{Partial, Replicate, Shard};
 
@@ -233,25 +233,30 @@ proptest! {
         mesh_shape in meshes(),
         shape in prop::collection::vec(0usize..6, 0..=3),
         codes in codes(),
-        op in 0usize..14,
+        op in 0usize..15,
         seed in any::<u64>(),
     ) {
         let mut rng = Rng::new(seed);
         let x = uniform(&shape, 0.5, 2.0, &mut rng);
         let inputs = [input(x, placements(&codes, mesh_shape.len(), shape.len()))];
         let names = ["neg", "exp", "silu", "sigmoid", "square", "rsqrt", "tanh", "log",
-            "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar", "pow_scalar", "sub_scalar"];
+            "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar", "pow_scalar", "sub_scalar",
+            "dropout"];
+        // dropout: every rank and the reference draw from one state, and the shards'
+        // masks make up the full tensor's
+        let drop = |x: &Tensor| { manual_seed(seed); x.dropout(0.3, true) };
+        let drop_d = |x: &DTensor| { manual_seed(seed); x.dropout(0.3, true) };
         check(names[op], &mesh_shape, &inputs, seed,
             |x| { let x = &x[0]; match op {
                 0 => x.neg(), 1 => x.exp(), 2 => x.silu(), 3 => x.sigmoid(), 4 => x.square(),
                 5 => x.rsqrt(), 6 => x.tanh(), 7 => x.log(), 8 => x.add_scalar(1.5),
                 9 => x.mul_scalar(-2.5), 10 => x.div_scalar(4.0), 11 => x.rsub_scalar(3.0),
-                12 => x.pow_scalar(3.0), _ => x.add_scalar(-0.25) } },
+                12 => x.pow_scalar(3.0), 13 => x.add_scalar(-0.25), _ => drop(x) } },
             |x| { let x = &x[0]; match op {
                 0 => x.neg(), 1 => x.exp(), 2 => x.silu(), 3 => x.sigmoid(), 4 => x.square(),
                 5 => x.rsqrt(), 6 => x.tanh(), 7 => x.log(), 8 => x.add_scalar(1.5),
                 9 => x.mul_scalar(-2.5), 10 => x.div_scalar(4.0), 11 => x.rsub_scalar(3.0),
-                12 => x.pow_scalar(3.0), _ => x.sub_scalar(0.25) } })?;
+                12 => x.pow_scalar(3.0), 13 => x.sub_scalar(0.25), _ => drop_d(x) } })?;
     }
 
     #[test]

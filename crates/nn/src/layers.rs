@@ -182,6 +182,47 @@ impl Module for RmsNorm {
     module_boilerplate!();
 }
 
+/// Dropout as `torch.nn.Dropout(p)`: in training mode (the default;
+/// [`crate::set_training`]) each element of its input is zeroed with probability `p` and
+/// the others scaled by `1 / (1 - p)`; in eval mode its input passes unchanged. The mask
+/// comes from the rank thread's default generator ([`tpar_tensor::manual_seed`]); a
+/// DTensor input is masked as its full tensor would be ([`tpar_dtensor::DTensor::dropout`]),
+/// and a checkpointed region recomputes the same mask. A plain tensor is masked by its
+/// own positions, so plain shards (a data-parallel rank's batch, a context-parallel rank's
+/// chunks) draw alike on every rank that runs from the same state.
+pub struct Dropout {
+    core: ModuleCore,
+    /// The probability of zeroing an element.
+    pub p: f64,
+}
+
+impl Dropout {
+    /// A dropout of probability `p`.
+    ///
+    /// # Errors
+    /// [`crate::NnError::Config`] for `p` outside `[0, 1]`.
+    pub fn new(p: f64) -> Result<Dropout> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(crate::NnError::Config {
+                what: format!("dropout probability has to be between 0 and 1, but got {p}"),
+            });
+        }
+        Ok(Dropout { core: ModuleCore::default(), p })
+    }
+}
+
+impl Module for Dropout {
+    fn type_name(&self) -> &'static str {
+        "Dropout"
+    }
+
+    fn forward(&self, args: Args) -> Result<Value> {
+        args.get(0).dropout(self.p, self.core.training())
+    }
+
+    module_boilerplate!();
+}
+
 /// An ordered list of modules named `0`, `1`, ... (as `torch.nn.ModuleList`).
 pub struct ModuleList<M: Module> {
     core: ModuleCore,

@@ -19,7 +19,7 @@ pub use checkpoint::{
     checkpointable_modules, AcPolicy, CheckpointWrapper,
 };
 pub use error::{NnError, Result};
-pub use layers::{Embedding, Linear, ModuleList, RmsNorm};
+pub use layers::{Dropout, Embedding, Linear, ModuleList, RmsNorm};
 pub use module::{
     call, init_value, named_modules, named_parameters, output_unread, parameters, reset_parameters,
     set_training, visit_modules_mut, AttentionHeads, ForwardHook, Init, Module, ModuleCore,

@@ -100,13 +100,23 @@ macro_rules! both {
     };
 }
 
+/// A plain shard of a known layout gives, through an elementwise op of one activation, a
+/// shard of that layout ([`tpar_dtensor::local_layout::propagate`]).
+fn keep_layout(out: &Value, x: &Value) {
+    if let (Value::Tensor(o), Value::Tensor(a)) = (out, x) {
+        tpar_dtensor::local_layout::propagate(o, &[a]);
+    }
+}
+
 /// Elementwise ops of one activation, as the `Tensor` and `DTensor` methods.
 macro_rules! unary_ops {
     ($($(#[$doc:meta])* $name:ident;)*) => {
         $(
             $(#[$doc])*
             pub fn $name(&self) -> Result<Value> {
-                both!(Operands::of(stringify!($name), &[self])?, |x| x[0].$name())
+                let out = both!(Operands::of(stringify!($name), &[self])?, |x| x[0].$name())?;
+                keep_layout(&out, self);
+                Ok(out)
             }
         )*
     };
@@ -118,7 +128,9 @@ macro_rules! scalar_ops {
         $(
             $(#[$doc])*
             pub fn $name(&self, s: f64) -> Result<Value> {
-                both!(Operands::of(stringify!($name), &[self])?, |x| x[0].$name(s))
+                let out = both!(Operands::of(stringify!($name), &[self])?, |x| x[0].$name(s))?;
+                keep_layout(&out, self);
+                Ok(out)
             }
         )*
     };
@@ -210,6 +222,22 @@ impl Value {
         mul_scalar;
         /// `self ^ s`.
         pow_scalar;
+    }
+
+    /// Dropout, `F.dropout(self, p, training)` ([`Tensor::dropout`]). A DTensor draws the
+    /// full tensor's mask shard by shard ([`DTensor::dropout`]), and so does a plain
+    /// tensor known as a DTensor's shard (a style's local output, or an elementwise op of
+    /// such shards: [`tpar_dtensor::local_layout`]), whose output keeps that layout;
+    /// any other plain tensor draws by its own positions.
+    pub fn dropout(&self, p: f64, training: bool) -> Result<Value> {
+        if let Value::Tensor(t) = self {
+            if let Some((global, offset)) = tpar_dtensor::local_layout::known_shard(t) {
+                let out = Value::Tensor(t.dropout_shard(p, training, &global, &offset)?);
+                keep_layout(&out, self);
+                return Ok(out);
+            }
+        }
+        both!(Operands::of("dropout", &[self])?, |x| x[0].dropout(p, training))
     }
 
     /// Mean over `dim`.

@@ -24,9 +24,12 @@
 //! weight pass a selective region holds what a full one holds.
 //!
 //! **Bit-identical recompute.** The recompute runs the same `f` on the same values, so
-//! it issues the same ops in the same order; tpar's ops draw no hidden random state (an
-//! [`crate::Rng`] is always passed explicitly), so there is no generator state to
-//! restore. Its output's shape and dtype are checked against the forward's.
+//! it issues the same ops in the same order. The random ops draw from the thread's
+//! default generator ([`crate::RngState`]; [`crate::Tensor::dropout`]): the region saves
+//! its state when its forward starts and the recompute runs from that state, then puts
+//! back the state it found (PyTorch's `preserve_rng_state`), so a recomputed dropout
+//! drops what the forward dropped and the ops after the backward draw as if nothing had
+//! been recomputed. Its output's shape and dtype are checked against the forward's.
 //!
 //! **Selective checkpointing.** With a non-empty `keep` (e.g. [`SaveOp::Matmul`] and
 //! [`SaveOp::Sdpa`]; torchtitan keeps attention and every second matmul,
@@ -88,6 +91,7 @@ use crate::autograd::{
     grad_within, grad_within_split, is_grad_enabled, needs_input_grad, record, DeferredWithin,
     GradModeGuard,
 };
+use crate::rng::{get_rng_state, RngState, RngStateGuard};
 use crate::{DType, Result, Shape, Tensor, TensorError};
 
 /// An op whose output a selective checkpoint keeps from the forward instead of
@@ -574,6 +578,8 @@ struct Region {
     kept: Mutex<Option<Arc<Vec<Entry>>>>,
     shape: Shape,
     dtype: DType,
+    /// The default generator's state when the forward started.
+    rng: RngState,
     /// The parameters' half of a split backward's input pass, with the input indices it
     /// owes, until the weight pass asks for it.
     deferred: Mutex<Option<(Vec<usize>, DeferredWithin)>>,
@@ -611,6 +617,7 @@ where
     if !is_grad_enabled() || in_selective_region() {
         return f(inputs);
     }
+    let rng = get_rng_state();
     let (out, captured, kept) = {
         let _g = GradModeGuard::new(false);
         let capture = CaptureGuard::push();
@@ -644,6 +651,7 @@ where
         kept: Mutex::new(Some(Arc::new(kept))),
         shape: out.shape().clone(),
         dtype: out.dtype(),
+        rng,
         deferred: Mutex::new(None),
     };
     let refs: Vec<&Tensor> = all.iter().collect();
@@ -732,6 +740,7 @@ impl Region {
             });
             let out = {
                 let _scope = RecomputeScope::enter();
+                let _rng = RngStateGuard::set(self.rng);
                 (self.f)(&copies)?
             };
             if let Some(Frame::Replay { entries, next, .. }) = frame.and_then(FrameGuard::pop) {

@@ -41,7 +41,7 @@ pub use ops::{
     adamw_coefficients, block_attention_time, reset_block_attention_time, BlockAttentionTime,
     BlockMask, RopeLayout, SgdParams,
 };
-pub use rng::Rng;
+pub use rng::{get_rng_state, manual_seed, set_rng_state, Rng, RngState, DEFAULT_SEED};
 pub use shape::Shape;
 pub use storage::{
     check_alloc, human_bytes, storage_bytes, try_vec, CpuStorage, Element, PROBE_BYTES,

@@ -40,3 +40,94 @@ impl Rng {
         self.0.sample(StandardNormal)
     }
 }
+
+/// PyTorch's default seed (`default_rng_seed_val`), which this thread's generator starts
+/// from until [`manual_seed`].
+pub const DEFAULT_SEED: u64 = 67_280_421_310_721;
+
+/// The state of a thread's default generator, which random ops such as
+/// [`crate::Tensor::dropout`] draw from (PyTorch's `torch.get_rng_state`): a seed and an
+/// offset into the seed's stream, counted in 32-bit words.
+///
+/// A random op draws the words `offset..offset + n` of the ChaCha8 stream of `seed` (the
+/// generator of [`Rng`]), `n` the element count of the tensor it draws for rounded up to a
+/// multiple of 16 (one ChaCha block), and moves the offset past them. A shard of a
+/// distributed tensor reads the words of its own elements' global positions, and every
+/// rank moves the offset by the global tensor's count, so ranks that run the same ops
+/// from the same state stay in step and draw what one rank would draw for the whole
+/// tensor. Activation checkpointing saves the state at a region's start and sets it again
+/// for the recompute (PyTorch's `preserve_rng_state`), so a recomputed random op draws
+/// what the forward drew.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RngState {
+    /// The stream's seed.
+    pub seed: u64,
+    /// The next word of the stream a random op draws.
+    pub offset: u64,
+}
+
+impl Default for RngState {
+    fn default() -> Self {
+        RngState { seed: DEFAULT_SEED, offset: 0 }
+    }
+}
+
+impl RngState {
+    /// The ChaCha8 key of this state's stream (what [`Rng::new`] of the seed expands the
+    /// seed to).
+    pub(crate) fn key(&self) -> [u8; 32] {
+        ChaCha8Rng::seed_from_u64(self.seed).get_seed()
+    }
+}
+
+thread_local! {
+    static DEFAULT_STATE: std::cell::Cell<RngState> = std::cell::Cell::new(RngState::default());
+}
+
+/// Seeds this thread's default generator (PyTorch's `torch.manual_seed`) and resets its
+/// offset. Each rank thread has its own generator: call it on every rank, with the same
+/// seed where the ranks must draw alike (ranks of one tensor-parallel group).
+pub fn manual_seed(seed: u64) {
+    set_rng_state(RngState { seed, offset: 0 });
+}
+
+/// This thread's default generator's state (PyTorch's `torch.get_rng_state`).
+pub fn get_rng_state() -> RngState {
+    DEFAULT_STATE.with(|s| s.get())
+}
+
+/// Sets this thread's default generator's state (PyTorch's `torch.set_rng_state`).
+pub fn set_rng_state(state: RngState) {
+    DEFAULT_STATE.with(|s| s.set(state));
+}
+
+/// Takes `words` words of this thread's stream (rounded up to a whole ChaCha block):
+/// returns the state the caller draws from and moves the offset past them.
+pub(crate) fn take_words(words: u64) -> RngState {
+    DEFAULT_STATE.with(|s| {
+        let now = s.get();
+        let blocks = words.div_ceil(16);
+        s.set(RngState {
+            seed: now.seed,
+            offset: now.offset.wrapping_add(blocks.wrapping_mul(16)),
+        });
+        now
+    })
+}
+
+/// Sets this thread's generator to `state` until dropped, then back to what it was.
+pub(crate) struct RngStateGuard(RngState);
+
+impl RngStateGuard {
+    pub(crate) fn set(state: RngState) -> RngStateGuard {
+        let before = get_rng_state();
+        set_rng_state(state);
+        RngStateGuard(before)
+    }
+}
+
+impl Drop for RngStateGuard {
+    fn drop(&mut self) {
+        let _ = DEFAULT_STATE.try_with(|s| s.set(self.0));
+    }
+}

@@ -240,4 +240,22 @@ impl DTensor {
     pub fn to_dtype(&self, dtype: DType) -> Result<DTensor> {
         unary(self, "to_dtype", true, |x| Ok(x.to_dtype(dtype)?))
     }
+
+    /// Dropout (PyTorch's `F.dropout` on a DTensor): each rank applies to its shard the
+    /// part of the whole tensor's mask at the shard's positions
+    /// ([`Tensor::dropout_shard`]), so the result is the dropout of the full tensor that
+    /// one rank would draw from the same generator state, whatever the placements. Every
+    /// placement passes, `Partial` included (each term meets the same mask, and a mask
+    /// commutes with every reduction), and nothing is communicated. The ranks must call it
+    /// from one generator state ([`tpar_tensor::manual_seed`] with one seed, then the same
+    /// random ops), as PyTorch's DTensor random ops require; every rank's offset moves by
+    /// the full tensor's count.
+    ///
+    /// # Errors
+    /// As [`Tensor::dropout`].
+    pub fn dropout(&self, p: f64, training: bool) -> Result<DTensor> {
+        let (_, offset) = self.spec().local_shape_and_offset()?;
+        let local = self.local().dropout_shard(p, training, self.shape(), &offset)?;
+        finish(local, self.mesh(), self.placements(), self.shape())
+    }
 }

@@ -8,6 +8,7 @@ use crate::{DType, Device, Result, Shape, Tensor, TensorError};
 mod attention_block;
 mod attention_bshd;
 mod cross_entropy;
+mod dropout;
 mod elementwise;
 mod gpu;
 mod gpu_elem;
