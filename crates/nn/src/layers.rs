@@ -187,9 +187,11 @@ impl Module for RmsNorm {
 /// the others scaled by `1 / (1 - p)`; in eval mode its input passes unchanged. The mask
 /// comes from the rank thread's default generator ([`tpar_tensor::manual_seed`]); a
 /// DTensor input is masked as its full tensor would be ([`tpar_dtensor::DTensor::dropout`]),
-/// and a checkpointed region recomputes the same mask. A plain tensor is masked by its
-/// own positions, so plain shards (a data-parallel rank's batch, a context-parallel rank's
-/// chunks) draw alike on every rank that runs from the same state.
+/// and so is a plain tensor known as a DTensor's shard (a parallel style's local output:
+/// [`crate::Value::dropout`]); a checkpointed region recomputes the same mask. Any other
+/// plain tensor is masked by its own positions, so plain shards of other kinds (a
+/// data-parallel rank's batch, a context-parallel rank's chunks) draw alike on every rank
+/// that runs from the same state.
 pub struct Dropout {
     core: ModuleCore,
     /// The probability of zeroing an element.
