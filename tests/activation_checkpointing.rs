@@ -566,18 +566,26 @@ fn ddp_hooks_get_the_gradients_of_checkpointed_layers() {
     }
 }
 
+/// The input and two weights of the small region the split-backward tests run, as fresh
+/// leaves.
+fn split_leaves() -> (Tensor, Tensor, Tensor) {
+    let leaf = |v: Vec<f64>, d: [usize; 2]| Tensor::from_vec(v, d).unwrap().requires_grad_(true);
+    (
+        leaf(vec![1.0, -2.0, 0.5, 3.0, 0.25, -1.5], [3, 2]),
+        leaf(vec![0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 0.1, 0.2], [4, 2]),
+        leaf(vec![1.0, 1.5, -0.5, 2.0, 0.3, -0.2, 0.7, 0.9], [2, 4]),
+    )
+}
+
+/// The output gradient of that region.
+fn split_dy() -> Tensor {
+    Tensor::from_vec(vec![1.0f64, -0.5, 0.25, 2.0, -1.0, 0.5], [3, 2]).unwrap()
+}
+
 #[test]
 fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
     use tpar::tensor::autograd::backward_input;
-    let leaf = |v: Vec<f64>, d: [usize; 2]| Tensor::from_vec(v, d).unwrap().requires_grad_(true);
-    let make = || {
-        (
-            leaf(vec![1.0, -2.0, 0.5, 3.0, 0.25, -1.5], [3, 2]),
-            leaf(vec![0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 0.1, 0.2], [4, 2]),
-            leaf(vec![1.0, 1.5, -0.5, 2.0, 0.3, -0.2, 0.7, 0.9], [2, 4]),
-        )
-    };
-    let dy = Tensor::from_vec(vec![1.0f64, -0.5, 0.25, 2.0, -1.0, 0.5], [3, 2]).unwrap();
+    let (make, dy) = (split_leaves, split_dy());
     // Without checkpointing: the reference.
     let (x, w1, w2) = make();
     let y = x.linear(&w1, None).unwrap().silu().unwrap().linear(&w2, None).unwrap();
@@ -608,15 +616,7 @@ fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
 #[test]
 fn a_region_asked_again_after_its_input_pass_recomputes_everything() {
     use tpar::tensor::autograd::backward_input;
-    let leaf = |v: Vec<f64>, d: [usize; 2]| Tensor::from_vec(v, d).unwrap().requires_grad_(true);
-    let make = || {
-        (
-            leaf(vec![1.0, -2.0, 0.5, 3.0, 0.25, -1.5], [3, 2]),
-            leaf(vec![0.5, -1.0, 2.0, 0.25, 1.5, -0.75, 0.1, 0.2], [4, 2]),
-            leaf(vec![1.0, 1.5, -0.5, 2.0, 0.3, -0.2, 0.7, 0.9], [2, 4]),
-        )
-    };
-    let dy = Tensor::from_vec(vec![1.0f64, -0.5, 0.25, 2.0, -1.0, 0.5], [3, 2]).unwrap();
+    let (make, dy) = (split_leaves, split_dy());
     let (x, w1, w2) = make();
     x.linear(&w1, None)
         .unwrap()
