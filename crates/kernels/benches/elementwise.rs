@@ -2,7 +2,9 @@
 //! f32, 6 MiB per operand): binary ops on contiguous operands, with a broadcast row
 //! (`x * w` for `w: [768]`), with a scalar, SiLU, and the strided copies of attention's
 //! head permutes (`[8, 256, 24, 32]` to `[8, 24, 256, 32]` and back) and of a local slice
-//! (half of every row), and RoPE forward and backward on `[8, 24, 256, 32]`, each
+//! (half of every row), RoPE forward and backward on `[8, 24, 256, 32]`, and dropout
+//! (p 0.1) of the whole tensor and of a tensor-parallel shard (the right half of every
+//! row of a `[2048, 1536]` tensor), each
 //! against a `memcpy` of the same output measured in the same run (`copy`: the bytes
 //! one output costs at least).
 //! Run: `cargo bench -p tpar-kernels --bench elementwise`.
@@ -10,6 +12,7 @@
 mod common;
 
 use common::median_secs;
+use tpar_kernels::dropout::{dropout, DropoutMask, ShardRuns};
 use tpar_kernels::elementwise::{binary, scalar, strided_copy, unary, BinaryOp, UnaryOp};
 use tpar_kernels::rope::{rope_backward, rope_forward, RopeShape};
 
@@ -53,6 +56,11 @@ fn main() {
     let (cos, sin) = (&a[..sq * d], &a[sq * d..2 * sq * d]);
     row("rope forward [b, h, s, d]", &mut |o| rope_forward(&rs, &a, cos, sin, o).unwrap());
     row("rope backward [b, h, s, d]", &mut |o| rope_backward(&rs, &a, cos, sin, o).unwrap());
+    let mask = DropoutMask::new(0, 0, 0.1).unwrap();
+    let whole = ShardRuns::new(&shape, &shape, &[0, 0]).unwrap();
+    row("dropout p 0.1", &mut |o| dropout(&mask, &whole, &a, o).unwrap());
+    let shard = ShardRuns::new(&shape, &[rows, 2 * cols], &[0, cols]).unwrap();
+    row("dropout p 0.1, column shard", &mut |o| dropout(&mask, &shard, &a, o).unwrap());
     let half = &mut out[..n / 2];
     let t = median_secs(2, reps, || {
         strided_copy(&a, cols / 2, &[cols, 1], &[rows, cols / 2], half).unwrap()

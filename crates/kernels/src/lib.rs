@@ -24,6 +24,7 @@ pub mod reduce;
 pub mod adamw;
 pub mod cross_entropy;
 pub mod cuda;
+pub mod dropout;
 pub mod embedding;
 pub mod gemm;
 pub mod rmsnorm;

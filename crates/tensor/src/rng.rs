@@ -72,14 +72,6 @@ impl Default for RngState {
     }
 }
 
-impl RngState {
-    /// The ChaCha8 key of this state's stream (what [`Rng::new`] of the seed expands the
-    /// seed to).
-    pub(crate) fn key(&self) -> [u8; 32] {
-        ChaCha8Rng::seed_from_u64(self.seed).get_seed()
-    }
-}
-
 thread_local! {
     static DEFAULT_STATE: std::cell::Cell<RngState> = std::cell::Cell::new(RngState::default());
 }

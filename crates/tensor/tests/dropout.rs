@@ -1,10 +1,13 @@
 //! Dropout and the default generator: the mask's rate and values, a shard drawing the
 //! whole tensor's mask at its positions, the backward applying the forward's mask, an
-//! activation-checkpointed region recomputing the forward's mask, and typed errors.
+//! activation-checkpointed region recomputing the forward's mask, the CUDA kernel (on the
+//! emulator) drawing the host's mask without a host round trip, and typed errors.
 
+use tpar_kernels::cuda::emu::EmulatedGpu;
 use tpar_tensor::checkpoint::{checkpoint, SaveOp};
 use tpar_tensor::{
-    get_rng_state, manual_seed, set_rng_state, DType, Device, Rng, RngState, Tensor, TensorError,
+    get_rng_state, gpu, manual_seed, set_rng_state, DType, Device, Rng, RngState, Tensor,
+    TensorError,
 };
 
 fn uniform(dims: &[usize], seed: u64) -> Tensor {
@@ -112,6 +115,46 @@ fn the_backward_applies_the_forwards_mask() {
     for ((&yv, &wv), &g) in ys.iter().zip(&ws).zip(&gs) {
         let want = if yv == 0.0 { 0.0 } else { wv * (1.0 / 0.6) };
         assert_eq!(g, want);
+    }
+}
+
+#[test]
+fn the_device_draws_the_hosts_mask_without_a_round_trip() {
+    gpu::register_device(0, EmulatedGpu::open(0).expect("emulator"));
+    let dev = Device::Cuda(0);
+    // (global dims, shard offset, shard dims): whole, partial in the last, the first
+    // and every dim, and a single element
+    let cases: &[(&[usize], &[usize], &[usize])] = &[
+        (&[3, 50], &[0, 0], &[3, 50]),
+        (&[5, 9], &[0, 4], &[5, 5]),
+        (&[6, 33], &[2, 0], &[3, 33]),
+        (&[2, 3, 1, 6], &[1, 1, 0, 3], &[1, 2, 1, 3]),
+        (&[4, 6], &[3, 5], &[1, 1]),
+    ];
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for &(global, offset, dims) in cases {
+            let what = format!("{dtype:?} shard {dims:?} at {offset:?} of {global:?}");
+            let x = sub(&uniform(global, 7), offset, dims).to_dtype(dtype).unwrap();
+            let x = x.contiguous().unwrap().requires_grad_(true);
+            let gy = uniform(dims, 8).to_dtype(dtype).unwrap();
+            let start = RngState { seed: 11, offset: 21 };
+            set_rng_state(start);
+            let y = x.dropout_shard(0.4, true, global, offset).unwrap();
+            y.backward_with(&gy).unwrap();
+            let after = get_rng_state();
+
+            let (xd, gyd) = (x.detach().to_device(dev).unwrap(), gy.to_device(dev).unwrap());
+            let xd = xd.requires_grad_(true);
+            set_rng_state(start);
+            let before = gpu::host_round_trips();
+            let yd = xd.dropout_shard(0.4, true, global, offset).unwrap();
+            yd.backward_with(&gyd).unwrap();
+            assert_eq!(gpu::host_round_trips(), before, "{what}: stays on the device");
+            assert_eq!(get_rng_state(), after, "{what}: the generator moves alike");
+            assert_eq!(yd.device(), dev);
+            assert_eq!(bits(&yd), bits(&y), "{what}: output");
+            assert_eq!(bits(&xd.grad().unwrap()), bits(&x.grad().unwrap()), "{what}: gradient");
+        }
     }
 }
 

@@ -16,6 +16,7 @@ mod common;
 
 mod adamw;
 mod cross_entropy;
+mod dropout;
 mod elementwise;
 mod embedding;
 mod gemm;

@@ -13,9 +13,10 @@
 //! elements, i64 and f64 included).
 
 use tpar_kernels::cuda::ops::{
-    elementwise as k_ew, embedding as k_emb, layout as k_lay, reduce as k_red,
+    dropout as k_drop, elementwise as k_ew, embedding as k_emb, layout as k_lay, reduce as k_red,
 };
 use tpar_kernels::cuda::{CudaDType, DeviceBuffer};
+use tpar_kernels::dropout::{DropoutMask, ShardRuns};
 use tpar_kernels::elementwise::{BinaryOp, UnaryOp};
 use tpar_kernels::reduce::Reduction;
 
@@ -597,6 +598,23 @@ impl Tensor {
         }
         Ok(t.into_tensor())
     }
+}
+
+/// The dropout mask `mask` applied to `x`, the shard `runs` of the mask's tensor, into a
+/// new tensor (no autograd); `None` when the dtype has no kernel or the shard has more
+/// dims outside its runs than the kernel takes.
+pub(crate) fn dropout(x: &Tensor, mask: &DropoutMask, runs: &ShardRuns) -> Result<Option<Tensor>> {
+    const OP: &str = "dropout";
+    let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
+    if runs.outer.len() > k_drop::MAX_RANK {
+        return Ok(None);
+    }
+    let dev = device_of(x, OP)?;
+    let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
+    with_gpu(OP, &[x], |xs| {
+        Ok(k_drop::dropout(&*dev, cd, mask, runs, xs[0].view(), y.view_mut())?)
+    })?;
+    Ok(Some(y.into_tensor()))
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 pub mod adamw;
 pub mod collective;
 pub mod cross_entropy;
+pub mod dropout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;

@@ -1,8 +1,9 @@
-//! The memory-bound benchmarks: a device-to-device copy, then RMSNorm, RoPE
-//! and cross-entropy in GB/s.
+//! The memory-bound benchmarks: a device-to-device copy, then RMSNorm, RoPE,
+//! dropout and cross-entropy in GB/s.
 
-use tpar_kernels::cuda::raw::{cross_entropy as ce, layout, rmsnorm, rope};
+use tpar_kernels::cuda::raw::{cross_entropy as ce, dropout, layout, rmsnorm, rope};
 use tpar_kernels::cuda::{CudaDType, DevPtr};
+use tpar_kernels::dropout::{DropoutMask, ShardRuns};
 use tpar_kernels::rope::RopeShape;
 
 use CudaDType::{BF16, F32};
@@ -104,6 +105,20 @@ pub(crate) fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench>
         })
     })();
     out.push(gbs("rope.fwd", 2.0 * nr * 2.0, t, "[4, 32, 4096, 128] bf16"));
+
+    // Dropout (p 0.1) over the RMSNorm benchmark's 16k x 4096 bf16 (read + written).
+    let (rows, dim) = (16384usize, 4096usize);
+    let t = (|| -> Res<f64> {
+        let y = d.alloc(rows * dim * 2)?;
+        let mask = DropoutMask::new(0, 0, 0.1)?;
+        let runs = ShardRuns::new(&[rows, dim], &[rows, dim], &[0, 0])?;
+        time_per_call(d, || {
+            // SAFETY: x lies inside the source; y was allocated for its elements.
+            unsafe { dropout::dropout(l, BF16, &mask, &runs, s, y.ptr())? };
+            Ok(())
+        })
+    })();
+    out.push(gbs("dropout", 2.0 * (rows * dim) as f64 * 2.0, t, "16384x4096 bf16, p 0.1"));
 
     // Cross-entropy, 8192 tokens x 128256 classes (Llama 3 vocab), bf16.
     let (rows, vocab) = (8192usize, 128256usize);

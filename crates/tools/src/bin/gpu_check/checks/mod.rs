@@ -17,6 +17,7 @@ use crate::Res;
 
 pub(crate) mod adamw;
 pub(crate) mod cross_entropy;
+pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod gemm;
@@ -115,4 +116,5 @@ pub(crate) fn run_all(c: &mut Ctx) {
     c.family("reduce", reduce::check_reduce);
     c.family("elementwise", elementwise::check_elementwise);
     c.family("layout", layout::check_layout);
+    c.family("dropout", dropout::check_dropout);
 }
