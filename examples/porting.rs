@@ -72,6 +72,11 @@ fn train(ctx: RankCtx) -> tpar::Result<(f64, f64)> {
         );
     parallelize_module(&mut model, &mesh["tp"], &top_plan)?;
 
+    // for i, block in enumerate(model.layers): model.layers[i] = ptd_checkpoint_wrapper(
+    //     block, context_fn=selective_checkpointing_context_fn)  (torchtitan's apply_ac,
+    //     mode "selective": attention's and every second matmul's outputs kept)
+    apply_activation_checkpointing(&mut model, &AcPolicy::selective())?;
+
     // for block in model.layers: fully_shard(block, mesh=mesh["dp"]); fully_shard(model, ...)
     for layer in &mut model.base_model.layers.items {
         fully_shard(layer, &mesh["dp"], &FsdpConfig::default())?;
