@@ -176,6 +176,53 @@ impl CpLayout {
         Ok(no_grad(|| Tensor::cat(&parts, dim as isize))?)
     }
 
+    /// Dropout of rank `rank`'s rows `x` (its chunks end to end along `dim`, as
+    /// [`CpLayout::shard`] gives them): each element keeps or drops as the element at its
+    /// position in the full sequence would, and the generator moves by the full tensor's
+    /// count ([`Tensor::dropout_pieces`]). Called on every cp rank from the same generator
+    /// state, the ranks draw between them the unsharded tensor's mask and stay in step,
+    /// where a plain [`Tensor::dropout`] on each rank's rows would draw another mask than
+    /// the unsharded model's. No communication.
+    ///
+    /// # Errors
+    /// [`DTensorError::InvalidArgument`] for a rank outside the group or a tensor whose
+    /// dim `dim` is not the rank's row count, and dropout's own errors.
+    pub fn dropout(
+        &self,
+        x: &Tensor,
+        dim: usize,
+        rank: usize,
+        p: f64,
+        training: bool,
+    ) -> Result<Tensor> {
+        const OP: &str = "CpLayout::dropout";
+        if rank >= self.cp {
+            return Err(invalid(OP, format!("rank {rank} of a cp group of {}", self.cp)));
+        }
+        if dim >= x.rank() || x.dims()[dim] != self.local_len(rank) {
+            return Err(invalid(
+                OP,
+                format!(
+                    "rank {rank}'s tensor of shape {} has no dim {dim} of its {} rows",
+                    x.shape(),
+                    self.local_len(rank)
+                ),
+            ));
+        }
+        let mut global = x.dims().to_vec();
+        global[dim] = self.seq_len;
+        let pieces: Vec<(Vec<usize>, usize)> = self
+            .ranges(rank)
+            .into_iter()
+            .map(|(start, len)| {
+                let mut offset = vec![0; x.rank()];
+                offset[dim] = start;
+                (offset, len)
+            })
+            .collect();
+        Ok(x.dropout_pieces(p, training, &global, dim, &pieces)?)
+    }
+
     /// The rank holding chunk `c` and its slot in that rank's local order.
     fn owner(&self, c: usize) -> (usize, usize) {
         if !self.balanced || c < self.cp {
@@ -261,6 +308,14 @@ impl ContextParallel {
     /// The cp group.
     pub fn group(&self) -> &ProcessGroup {
         &self.group
+    }
+
+    /// [`CpLayout::dropout`] of this rank's rows `x` along `dim` (the sequence dim).
+    ///
+    /// # Errors
+    /// As [`CpLayout::dropout`].
+    pub fn dropout(&self, x: &Tensor, dim: usize, p: f64, training: bool) -> Result<Tensor> {
+        self.layout.dropout(x, dim, self.group.rank(), p, training)
     }
 }
 

@@ -2,7 +2,8 @@
 //! unsharded causal attention's rows (f64, 1e-10) at cp 2, 3 (uneven and empty chunks)
 //! and 4, for the all-gather and ring methods, with and without key-padding masks and
 //! grouped-query heads; the load-balanced layout against an independent reference and its
-//! balance; planted bugs (a swapped log-sum-exp merge, an unbalanced order) are caught.
+//! balance; planted bugs (a swapped log-sum-exp merge, an unbalanced order) are caught;
+//! dropout of each rank's rows equals the unsharded dropout, bit for bit.
 
 use std::time::Duration;
 
@@ -323,5 +324,73 @@ fn collectives_per_method() {
         assert_eq!(c[1], [2, 2, 0, 0]);
         assert_eq!(c[2], [0, 0, 2 * (cp - 1), 2 * (cp - 1)]);
         assert_eq!(c[3], [0, 0, 2 * (cp - 1) + 2 * cp, 2 * (cp - 1) + 2 * cp]);
+    }
+}
+
+/// Dropout of each cp rank's rows (`ContextParallel::dropout`) equals the unsharded
+/// tensor's dropout at those rows, forward and gradient, bit for bit, and leaves every
+/// rank's generator where the unsharded dropout leaves it: cp 2, 3 and 4 over a sequence
+/// of 13 (uneven and empty chunks), balanced and contiguous layouts. A plain dropout of
+/// each rank's rows draws another mask.
+#[test]
+fn cp_dropout_equals_unsharded() {
+    use tpar_tensor::{get_rng_state, manual_seed};
+    for cp in [2, 3, 4] {
+        let cfg = SpawnConfig::new(cp).timeout(Duration::from_secs(20));
+        spawn_scoped(cfg, move |ctx| -> TResult<()> {
+            let g = ctx.world_group();
+            let me = g.rank();
+            let dims = [2usize, 13, 5];
+            let x = Tensor::randn(dims, DType::F64, &mut Rng::new(3))?;
+            let gy = Tensor::randn(dims, DType::F64, &mut Rng::new(4))?;
+            // the unsharded reference
+            let xr = x.detach().requires_grad_(true);
+            manual_seed(9);
+            let yr = xr.dropout(0.3, true)?;
+            yr.backward_with(&gy)?;
+            let after = get_rng_state();
+            for l in [CpLayout::new(13, cp)?, CpLayout::contiguous(13, cp)?] {
+                let what = format!("cp {cp} balanced {} rank {me}", l.is_balanced());
+                let cpx = ContextParallel::new(&g, l, CpMethod::Ring)?;
+                let local = l.shard(&x, 1, me)?.requires_grad_(true);
+                manual_seed(9);
+                let y = cpx.dropout(&local, 1, 0.3, true)?;
+                assert_eq!(get_rng_state(), after, "{what}: the generator");
+                y.backward_with(&l.shard(&gy, 1, me)?)?;
+                let bits = |t: &Tensor| -> TResult<Vec<u64>> {
+                    Ok(t.to_vec::<f64>()?.iter().map(|v| v.to_bits()).collect())
+                };
+                assert_eq!(bits(&y)?, bits(&l.shard(&yr, 1, me)?)?, "{what}: output");
+                let (gl, gr) = (local.grad().unwrap(), l.shard(&xr.grad().unwrap(), 1, me)?);
+                assert_eq!(bits(&gl)?, bits(&gr)?, "{what}: gradient");
+                // every rank's rows together are the unsharded output
+                let whole = l.unshard(&y, 1, &g)?;
+                assert_eq!(bits(&whole)?, bits(&yr)?, "{what}: gathered");
+                // a plain dropout of the rank's rows draws by its own positions: another
+                // mask on every rank that does not start the sequence
+                manual_seed(9);
+                let plain = local.dropout(0.3, true)?;
+                if l.ranges(me)[0].0 != 0 {
+                    assert_ne!(bits(&plain)?, bits(&y)?, "{what}: plain dropout");
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn cp_dropout_refuses_rows_of_another_rank() {
+    let l = CpLayout::new(13, 3).unwrap();
+    let x = Tensor::zeros([2, 4, 5], DType::F64, Device::Cpu).unwrap();
+    // rank 0 holds chunks 0 and 5 of 6 (3 and 0 rows); rank 3 is outside the group
+    for (rank, dim) in [(0, 1), (3, 1), (1, 3)] {
+        match l.dropout(&x, dim, rank, 0.5, true) {
+            Err(DTensorError::InvalidArgument { what, .. }) => {
+                assert!(what.contains("rank"), "{what}")
+            }
+            other => panic!("rank {rank} dim {dim}: {other:?}"),
+        }
     }
 }

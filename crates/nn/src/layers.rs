@@ -191,7 +191,9 @@ impl Module for RmsNorm {
 /// [`crate::Value::dropout`]); a checkpointed region recomputes the same mask. Any other
 /// plain tensor is masked by its own positions, so plain shards of other kinds (a
 /// data-parallel rank's batch, a context-parallel rank's chunks) draw alike on every rank
-/// that runs from the same state.
+/// that runs from the same state. For a context-parallel rank's chunks to draw the
+/// unsharded sequence's mask, call [`tpar_dtensor::ContextParallel::dropout`] on them
+/// instead of this module.
 pub struct Dropout {
     core: ModuleCore,
     /// The probability of zeroing an element.

@@ -82,6 +82,8 @@ fn a_shard_draws_the_whole_tensors_mask_at_its_positions() {
         (&[4, 6], &[3, 5], &[1, 1]),
         (&[3, 40_000], &[1, 5_000], &[2, 30_000]),
         (&[6, 20_000], &[2, 0], &[3, 20_000]),
+        // an empty shard of a whole that is not: the generator still moves by the whole
+        (&[4, 6], &[4, 0], &[0, 6]),
     ];
     for &(global, offset, dims) in cases {
         let x = uniform(global, 7);
@@ -116,6 +118,47 @@ fn the_backward_applies_the_forwards_mask() {
         let want = if yv == 0.0 { 0.0 } else { wv * (1.0 / 0.6) };
         assert_eq!(g, want);
     }
+}
+
+#[test]
+fn pieces_end_to_end_draw_the_whole_tensors_mask_at_their_positions() {
+    // A sequence of 10 in 6 chunks of 2 (the last empty), as cp 3 balances it: rank r
+    // holds chunks r and 5 - r end to end along dim 1.
+    let global = [2usize, 10, 3];
+    let x = uniform(&global, 3);
+    let start = RngState { seed: 4, offset: 32 };
+    set_rng_state(start);
+    let whole = x.dropout(0.5, true).unwrap();
+    let after = get_rng_state();
+    for chunks in [[(0, 2), (10, 0)], [(2, 2), (8, 2)], [(4, 2), (6, 2)]] {
+        let local = Tensor::cat(&chunks.map(|(s, l)| x.narrow(1, s, l).unwrap()), 1).unwrap();
+        let local = local.requires_grad_(true);
+        let pieces: Vec<(Vec<usize>, usize)> =
+            chunks.iter().map(|&(s, l)| (vec![0, s, 0], l)).collect();
+        set_rng_state(start);
+        let got = local.dropout_pieces(0.5, true, &global, 1, &pieces).unwrap();
+        assert_eq!(get_rng_state(), after, "{chunks:?}: the offset moves once, by the whole");
+        let want = Tensor::cat(&chunks.map(|(s, l)| whole.narrow(1, s, l).unwrap()), 1).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{chunks:?}");
+        // the backward applies each piece's mask: the gradient of sum(y) is y / x
+        got.sum_all().unwrap().backward().unwrap();
+        let g = local.grad().unwrap().to_vec_f64().unwrap();
+        let (y, xs) = (got.to_vec_f64().unwrap(), local.to_vec_f64().unwrap());
+        for ((g, y), x) in g.iter().zip(&y).zip(&xs) {
+            assert_eq!(*g, if *y == 0.0 { 0.0 } else { 2.0 }, "x {x}");
+        }
+    }
+    let local = x.narrow(1, 0, 4).unwrap();
+    for (pieces, why) in [
+        (vec![(vec![0, 0, 0], 2), (vec![0, 8, 0], 1)], "rows"),
+        (vec![(vec![0, 0, 0], 2), (vec![0, 9, 0], 2)], "not inside"),
+    ] {
+        match local.dropout_pieces(0.5, true, &global, 1, &pieces) {
+            Err(TensorError::InvalidArgument { what, .. }) => assert!(what.contains(why), "{what}"),
+            other => panic!("{pieces:?}: {other:?}"),
+        }
+    }
+    assert!(local.dropout_pieces(0.5, true, &global, 3, &[]).is_err());
 }
 
 #[test]

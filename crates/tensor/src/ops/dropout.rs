@@ -80,9 +80,10 @@ impl Tensor {
 
     /// [`Tensor::dropout`] of the shard at `offset` of a tensor of dims `global`: each
     /// element keeps or drops as the element at its position in the whole tensor would,
-    /// and the generator's offset moves by the whole tensor's count. So ranks that hold
-    /// the shards of one tensor and call this from the same generator state draw, between
-    /// them, the whole tensor's mask (what a DTensor's dropout does).
+    /// and the generator's offset moves by the whole tensor's count (an empty shard's
+    /// too). So ranks that hold the shards of one tensor and call this from the same
+    /// generator state draw, between them, the whole tensor's mask (what a DTensor's
+    /// dropout does), and stay in step.
     ///
     /// # Errors
     /// As [`Tensor::dropout`], and [`crate::TensorError::InvalidArgument`] when `global`
@@ -95,31 +96,130 @@ impl Tensor {
         global: &[usize],
         offset: &[usize],
     ) -> Result<Tensor> {
-        const OP: &str = "dropout";
-        require_float(OP, self)?;
-        if !(0.0..=1.0).contains(&p) {
+        check_dropout(self, p)?;
+        let runs = shard_runs(self.dims(), global, offset)?;
+        if let Some(undrawn) = self.undrawn(p, training, global) {
+            return undrawn;
+        }
+        masked(self, Mask { mask: draw(p, global)?, runs })
+    }
+
+    /// [`Tensor::dropout_shard`] of a tensor made of shards of one tensor of dims
+    /// `global` laid end to end along `dim`: piece `k` of `pieces` is `(offset, len)`, the
+    /// next `len` of `self`'s rows along `dim`, at `offset` in the whole tensor (its
+    /// extent in the other dims is `self`'s). Each element keeps or drops as the whole
+    /// tensor's element at its position would, and the generator's offset moves once, by
+    /// the whole tensor's count. Context parallelism's head and mirror tail chunks of a
+    /// sequence are such pieces.
+    ///
+    /// # Errors
+    /// As [`Tensor::dropout_shard`] for each piece, and
+    /// [`crate::TensorError::InvalidArgument`] when `dim` is not a dim of `self` or the
+    /// pieces' lengths do not add up to its size.
+    ///
+    /// ```
+    /// use tpar_tensor::{manual_seed, DType, Device, Tensor};
+    /// let x = Tensor::ones([2, 8], DType::F32, Device::Cpu)?;
+    /// manual_seed(1);
+    /// let whole = x.dropout(0.5, true)?;
+    /// // columns 0..2 and 6..8 of the whole tensor, end to end
+    /// let ends = Tensor::cat(&[x.narrow(1, 0, 2)?, x.narrow(1, 6, 2)?], 1)?;
+    /// manual_seed(1);
+    /// let got = ends.dropout_pieces(0.5, true, &[2, 8], 1, &[(vec![0, 0], 2), (vec![0, 6], 2)])?;
+    /// let want = Tensor::cat(&[whole.narrow(1, 0, 2)?, whole.narrow(1, 6, 2)?], 1)?;
+    /// assert_eq!(got.to_vec::<f32>()?, want.to_vec::<f32>()?);
+    /// # Ok::<(), tpar_tensor::TensorError>(())
+    /// ```
+    pub fn dropout_pieces(
+        &self,
+        p: f64,
+        training: bool,
+        global: &[usize],
+        dim: usize,
+        pieces: &[(Vec<usize>, usize)],
+    ) -> Result<Tensor> {
+        check_dropout(self, p)?;
+        let Some(&size) = self.dims().get(dim) else {
+            return Err(invalid(OP, format!("dim {dim} of a tensor of shape {}", self.shape())));
+        };
+        let lens: Vec<usize> = pieces.iter().map(|(_, len)| *len).collect();
+        if lens.iter().try_fold(0usize, |a, &l| a.checked_add(l)) != Some(size) {
             return Err(invalid(
                 OP,
-                format!("dropout probability has to be between 0 and 1, but got {p}"),
+                format!(
+                    "pieces of {lens:?} rows along dim {dim} of a tensor of shape {}",
+                    self.shape()
+                ),
             ));
         }
-        let runs = ShardRuns::new(self.dims(), global, offset).map_err(|e| match e {
-            KernelError::BadArguments { what, .. } => invalid(OP, what),
-            other => other.into(),
-        })?;
-        if !training || p == 0.0 || self.numel() == 0 {
-            return Ok(self.clone());
+        let mut runs = Vec::with_capacity(pieces.len());
+        for (offset, len) in pieces {
+            let mut dims = self.dims().to_vec();
+            dims[dim] = *len;
+            runs.push(shard_runs(&dims, global, offset)?);
         }
-        if p == 1.0 {
-            return self.mul_scalar(0.0);
+        if let Some(undrawn) = self.undrawn(p, training, global) {
+            return undrawn;
         }
-        if self.device() == Device::Meta {
-            return self.mul_scalar(1.0);
+        let mask = draw(p, global)?;
+        if let [runs] = &runs[..] {
+            return masked(self, Mask { mask, runs: runs.clone() });
         }
-        let words: u64 = global.iter().map(|&g| g as u64).product();
-        let state = take_words(words);
-        let mask = Mask { mask: DropoutMask::new(state.seed, state.offset, p)?, runs };
-        let out = mask.run(OP, self)?;
-        Ok(record(OP, &[self], out, move |g| Ok(vec![Some(mask.run(OP, g)?)])))
+        let parts = self.split_sizes(&lens, dim as isize)?;
+        let outs = parts
+            .iter()
+            .zip(runs)
+            .map(|(x, runs)| masked(x, Mask { mask, runs }))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&outs, dim as isize)
     }
+
+    /// What dropout gives without drawing: `self` out of training, with `p` 0 or for an
+    /// empty whole tensor; `self * 0` for `p` 1; a meta tensor of `self`'s shape.
+    fn undrawn(&self, p: f64, training: bool, global: &[usize]) -> Option<Result<Tensor>> {
+        if !training || p == 0.0 || global.contains(&0) {
+            Some(Ok(self.clone()))
+        } else if p == 1.0 {
+            Some(self.mul_scalar(0.0))
+        } else if self.device() == Device::Meta {
+            Some(self.mul_scalar(1.0))
+        } else {
+            None
+        }
+    }
+}
+
+const OP: &str = "dropout";
+
+/// A float tensor and `p` in `[0, 1]`.
+fn check_dropout(x: &Tensor, p: f64) -> Result<()> {
+    require_float(OP, x)?;
+    if !(0.0..=1.0).contains(&p) {
+        return Err(invalid(
+            OP,
+            format!("dropout probability has to be between 0 and 1, but got {p}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The runs of the shard of dims `local` at `offset` in a tensor of dims `global`.
+fn shard_runs(local: &[usize], global: &[usize], offset: &[usize]) -> Result<ShardRuns> {
+    ShardRuns::new(local, global, offset).map_err(|e| match e {
+        KernelError::BadArguments { what, .. } => invalid(OP, what),
+        other => other.into(),
+    })
+}
+
+/// The mask of probability `p` (in `(0, 1)`) for a tensor of dims `global`, from the
+/// generator's words it takes.
+fn draw(p: f64, global: &[usize]) -> Result<DropoutMask> {
+    let state = take_words(global.iter().map(|&g| g as u64).product());
+    Ok(DropoutMask::new(state.seed, state.offset, p)?)
+}
+
+/// `x` times `mask`, recorded: the backward applies the same mask to the gradient.
+fn masked(x: &Tensor, mask: Mask) -> Result<Tensor> {
+    let out = mask.run(OP, x)?;
+    Ok(record(OP, &[x], out, move |g| Ok(vec![Some(mask.run(OP, g)?)])))
 }
