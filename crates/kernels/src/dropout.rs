@@ -159,6 +159,28 @@ impl ShardRuns {
         Ok(ShardRuns { run: if runs == 0 { 0 } else { run }, runs, base, outer })
     }
 
+    /// The shard's element count, after checking that the fields agree (what
+    /// [`ShardRuns::new`] builds always does): the extents multiply to `runs`, and every
+    /// position, one past the last run's end included, fits in an `i64`.
+    ///
+    /// # Errors
+    /// [`crate::KernelError::BadArguments`] naming the field that disagrees.
+    pub fn elements(&self) -> Result<usize> {
+        let wrong = |what: String| bad("dropout", format!("{self:?}: {what}"));
+        let runs = self.outer.iter().try_fold(1usize, |a, &(e, _)| a.checked_mul(e));
+        if self.runs > 0 && runs != Some(self.runs) {
+            return Err(wrong("the outer extents do not multiply to `runs`".into()));
+        }
+        let last = self.outer.iter().try_fold(self.base, |a, &(e, s)| {
+            (e as u64).checked_sub(1).and_then(|m| m.checked_mul(s)).and_then(|m| a.checked_add(m))
+        });
+        let end = last.and_then(|l| l.checked_add(self.run as u64));
+        if self.runs > 0 && end.is_none_or(|e| e > i64::MAX as u64) {
+            return Err(wrong("positions overflow".into()));
+        }
+        self.run.checked_mul(self.runs).ok_or_else(|| wrong("the element count overflows".into()))
+    }
+
     /// The whole tensor's position of run `j`'s first element.
     pub fn start(&self, mut j: usize) -> u64 {
         let mut g = self.base;
@@ -182,7 +204,7 @@ pub fn dropout<T: Float, O: Out<T>>(
     x: &[T],
     y: &mut [O],
 ) -> Result<()> {
-    let n = runs.run * runs.runs;
+    let n = runs.elements()?;
     if x.len() != n || y.len() != n {
         return Err(bad(
             "dropout",
@@ -271,6 +293,15 @@ mod tests {
         assert!(ShardRuns::new(&[3, 1], &[4], &[0]).is_err());
         assert!(ShardRuns::new(&[1], &[1], &[usize::MAX]).is_err());
         assert!(DropoutMask::new(0, 0, 1.0).is_err());
+        // fields that disagree are refused, not divided by
+        let good = ShardRuns::new(&[2, 3, 4], &[4, 3, 8], &[1, 0, 4]).unwrap();
+        assert_eq!(good.elements().unwrap(), 24);
+        let zero = ShardRuns { outer: vec![(0, 1)], ..good.clone() };
+        assert!(zero.elements().is_err());
+        let far = ShardRuns { base: u64::MAX - 3, ..good.clone() };
+        assert!(far.elements().is_err());
+        let (x, mut y) = (vec![1.0f32; 24], vec![0.0f32; 24]);
+        assert!(dropout(&DropoutMask::new(0, 0, 0.5).unwrap(), &zero, &x, &mut y).is_err());
         assert!(DropoutMask::new(0, 0, f64::NAN).is_err());
     }
 }

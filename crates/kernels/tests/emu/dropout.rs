@@ -92,4 +92,10 @@ fn shards_the_kernel_cannot_take_are_refused() {
     // SAFETY: refused before anything is launched; the buffers hold the shard anyway.
     let r = unsafe { gpu::dropout(l, dt, &mask, &runs, bx.ptr(), by.ptr()) };
     assert!(r.unwrap_err().to_string().contains("dims outside its runs"));
+    // Fields that disagree (an extent of 0 with runs left): refused, nothing divided by 0.
+    let runs = ShardRuns::new(&[2, 3, 4], &[4, 3, 8], &[1, 0, 4]).unwrap();
+    let broken = ShardRuns { outer: vec![(0, 8)], ..runs };
+    // SAFETY: refused before anything is launched.
+    let r = unsafe { gpu::dropout(l, dt, &mask, &broken, bx.ptr(), by.ptr()) };
+    assert!(r.unwrap_err().to_string().contains("do not multiply"));
 }

@@ -23,7 +23,7 @@ pub fn dropout(
     y: DeviceSliceMut<'_>,
 ) -> Result<()> {
     let c = Check::new("dropout", dev);
-    let n = runs.run.saturating_mul(runs.runs);
+    let n = runs.elements()?;
     let (xp, yp) = (c.read("x", &x, n, dtype.size())?, c.write("y", &y, n, dtype.size())?);
     // SAFETY: both views are live buffers of `dev` holding the shard's
     // elements (checked above); `y` is an exclusive borrow, disjoint from `x`.

@@ -69,7 +69,8 @@ pub unsafe fn dropout(
 ) -> Result<()> {
     const OP: &str = "dropout";
     let es = dtype.size();
-    let n = numel(OP, &[runs.run, runs.runs, es])? / es;
+    let n = runs.elements()?;
+    numel(OP, &[n, es])?;
     if n == 0 {
         return Ok(());
     }
