@@ -11,12 +11,18 @@
 // them, so a run of w0 = offset + start(j) takes the blocks w0 / 16 ..
 // (w0 + run - 1) / 16: `blocks_per_run` threads each (the first may start in
 // the middle of a block), threads past a run's last block doing nothing.
+//
+// With `state` set (a CUDA graph's replays), the stream is read when the kernel
+// runs: `state[0]` is added to `offset` and `state[1..5]` hold the key (two
+// words each, the lower first), so each replay draws the words its generator
+// state gives it.
 
 #define TPAR_DROPOUT_MAX_RANK 6
 
 struct DropoutArgs {
     const void* x;
     void* y;
+    const u64* state;  // null, or the device state read at run time (above)
     u32 key[8];
     u64 offset;     // stream word of the whole tensor's element 0
     u64 threshold;  // words below it drop their element
@@ -74,6 +80,18 @@ template <typename T>
 TPAR_DEVICE void apply(const DropoutArgs& a) {
     const T* x = static_cast<const T*>(a.x);
     T* y = static_cast<T*>(a.y);
+    u32 key[8];
+    u64 offset = a.offset;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) key[i] = a.key[i];
+    if (a.state) {
+        offset += a.state[0];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            key[2 * i] = (u32)a.state[1 + i];
+            key[2 * i + 1] = (u32)(a.state[1 + i] >> 32);
+        }
+    }
     const i64 items = a.runs * a.blocks_per_run;
     const i64 step = (i64)gridDim.x * blockDim.x;
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < items; q += step) {
@@ -86,14 +104,14 @@ TPAR_DEVICE void apply(const DropoutArgs& a) {
             rest /= a.extent[d];
         }
         // Word w0 of the run's first element, as 68 bits: block counter and word.
-        const u64 lo = a.offset + (u64)start;
-        const u64 carry = lo < a.offset ? 1u : 0u;
+        const u64 lo = offset + (u64)start;
+        const u64 carry = lo < offset ? 1u : 0u;
         const u64 block = ((carry << 60) | (lo >> 4)) + (u64)k;
         // The run's element that reads word 0 of this block (may be before the run).
         const i64 first = k * 16 - (i64)(lo & 15u);
         if (first >= a.run) continue;
         u32 words[16];
-        chacha8_block(a.key, block, words);
+        chacha8_block(key, block, words);
         const i64 at = j * a.run;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {

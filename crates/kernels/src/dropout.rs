@@ -58,13 +58,8 @@ impl DropoutMask {
         if !(0.0..1.0).contains(&p) {
             return Err(bad("dropout", format!("probability {p} is not in [0, 1)")));
         }
-        let bytes = ChaCha8Rng::seed_from_u64(seed).get_seed();
-        let mut key = [0u32; 8];
-        for (k, b) in key.iter_mut().zip(bytes.chunks_exact(4)) {
-            *k = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
         Ok(DropoutMask {
-            key,
+            key: key_of(seed),
             offset,
             threshold: (p * 4_294_967_296.0).round() as u64,
             scale: 1.0 / (1.0 - p),
@@ -79,6 +74,17 @@ impl DropoutMask {
         }
         s
     }
+}
+
+/// The ChaCha8 key (little-endian words of the 32-byte seed) that
+/// `ChaCha8Rng::seed_from_u64(seed)` expands `seed` to.
+pub fn key_of(seed: u64) -> [u32; 8] {
+    let bytes = ChaCha8Rng::seed_from_u64(seed).get_seed();
+    let mut key = [0u32; 8];
+    for (k, b) in key.iter_mut().zip(bytes.chunks_exact(4)) {
+        *k = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    key
 }
 
 /// Where a shard's elements lie in the whole tensor: `runs` runs of `run` elements,

@@ -1,7 +1,8 @@
 //! A whole training step (forward, loss, backward, clipping, capturable AdamW) captured
 //! once as a CUDA graph on the emulated device and replayed: the eager steps' bits,
 //! step for step, through a batch of another shape (run eagerly, then the replays go
-//! on), and close to the same training in f64 on the host.
+//! on), and close to the same training in f64 on the host; with dropout in the step,
+//! each replay draws the mask the eager step drew.
 
 use tpar_nn::Param;
 use tpar_optim::{clip_grad_norm_, AdamW, AdamWConfig, ClipOptions, Optimizer};
@@ -39,12 +40,12 @@ fn batch(i: u64, rows: usize, dtype: DType) -> [Tensor; 2] {
     [x.to_dtype(dtype).unwrap(), t.to_dtype(dtype).unwrap()]
 }
 
-/// The step: `loss = sum(((x W1) W2 - t)^2) / rows`, backward, clip to norm 1, AdamW.
-/// Returns the loss and the gradient norm (tensors, on the weights' device).
-fn step(opt: &mut AdamW, ws: &[Tensor], d: &[Tensor]) -> tpar_nn::Result<(Tensor, Tensor)> {
+/// The step: `loss = sum((dropout(x W1, p) W2 - t)^2) / rows`, backward, clip to norm
+/// 1, AdamW. Returns the loss and the gradient norm (tensors, on the weights' device).
+fn step(opt: &mut AdamW, ws: &[Tensor], d: &[Tensor], p: f64) -> tpar_nn::Result<(Tensor, Tensor)> {
     let rows = d[0].dims()[0] as f64;
     // [rows, 6] @ [6, 8] @ [8, 3] -> [rows, 3]
-    let y = d[0].matmul(&ws[0])?.matmul(&ws[1])?;
+    let y = d[0].matmul(&ws[0])?.dropout(p, true)?.matmul(&ws[1])?;
     let e = y.sub(&d[1])?;
     let loss = e.mul(&e)?.sum_all()?.mul_scalar(1.0 / rows)?;
     loss.backward()?;
@@ -68,8 +69,9 @@ fn lr(i: usize) -> f64 {
     2e-2 / (1.0 + i as f64)
 }
 
-/// Eager training on `device` in `dtype`: per-step (loss, norm) and the final weights.
-fn eager(device: Device, dtype: DType) -> (Vec<(f64, f64)>, Vec<Vec<f64>>) {
+/// Eager training on `device` in `dtype` with dropout `p`: per-step (loss, norm) and the
+/// final weights.
+fn eager(device: Device, dtype: DType, p: f64) -> (Vec<(f64, f64)>, Vec<Vec<f64>>) {
     let ws = weights(device, dtype);
     let mut opt = adamw(&ws);
     let mut out = Vec::new();
@@ -77,7 +79,7 @@ fn eager(device: Device, dtype: DType) -> (Vec<(f64, f64)>, Vec<Vec<f64>>) {
         opt.set_lr(lr(i));
         let b = batch(i as u64, rows, dtype);
         let d = [b[0].to_device(device).unwrap(), b[1].to_device(device).unwrap()];
-        let (l, n) = step(&mut opt, &ws, &d).unwrap();
+        let (l, n) = step(&mut opt, &ws, &d, p).unwrap();
         out.push((l.item().unwrap(), n.item().unwrap()));
     }
     (out, ws.iter().map(|w| w.to_vec_f64().unwrap()).collect())
@@ -86,7 +88,7 @@ fn eager(device: Device, dtype: DType) -> (Vec<(f64, f64)>, Vec<Vec<f64>>) {
 #[test]
 fn a_captured_step_replays_the_eager_steps_bits() {
     let _one = setup();
-    let (want, want_w) = eager(DEV, DType::F32);
+    let (want, want_w) = eager(DEV, DType::F32, 0.0);
     let ws = weights(DEV, DType::F32);
     let mut opt = adamw(&ws);
     opt.set_capturable(true);
@@ -97,7 +99,7 @@ fn a_captured_step_replays_the_eager_steps_bits() {
         opt.set_lr(lr(i));
         let b = batch(i as u64, rows, DType::F32);
         let ((l, n), mode) = graphed
-            .run(&mut opt, &b, |opt, d| step(opt, &ws, d), |opt| opt.prepare_replay())
+            .run(&mut opt, &b, |opt, d| step(opt, &ws, d, 0.0), |opt| opt.prepare_replay())
             .unwrap();
         got.push((l.item().unwrap(), n.item().unwrap()));
         modes.push(mode);
@@ -111,7 +113,7 @@ fn a_captured_step_replays_the_eager_steps_bits() {
     let got_w: Vec<Vec<f64>> = ws.iter().map(|w| w.to_vec_f64().unwrap()).collect();
     assert_eq!(got_w, want_w, "final weights");
     // The same training in f64 on the host: close (f32 rounding only).
-    let (host, host_w) = eager(Device::Cpu, DType::F64);
+    let (host, host_w) = eager(Device::Cpu, DType::F64, 0.0);
     for (i, (g, h)) in got.iter().zip(&host).enumerate() {
         assert!((g.0 - h.0).abs() <= 1e-4 * h.0.abs().max(1.0), "step {}: {g:?} vs {h:?}", i + 1);
     }
@@ -121,6 +123,44 @@ fn a_captured_step_replays_the_eager_steps_bits() {
     // The weights moved.
     let start: Vec<f64> = weights(Device::Cpu, DType::F64)[0].to_vec_f64().unwrap();
     assert_ne!(got_w[0], start);
+}
+
+/// Dropout in the captured step: every replay draws the mask the eager step in its place
+/// drew (the generator's state written to the device before the replay), so losses, norms
+/// and weights are the eager run's bits, and the generator ends where the eager run's
+/// does.
+#[test]
+fn a_captured_step_with_dropout_draws_the_eager_steps_masks() {
+    use tpar_tensor::{get_rng_state, manual_seed};
+    let _one = setup();
+    manual_seed(7);
+    let (want, want_w) = eager(DEV, DType::F32, 0.25);
+    let want_rng = get_rng_state();
+    manual_seed(7);
+    let ws = weights(DEV, DType::F32);
+    let mut opt = adamw(&ws);
+    opt.set_capturable(true);
+    let mut graphed = GraphedStep::<(Tensor, Tensor)>::new(0, 1);
+    let mut got = Vec::new();
+    for (i, &rows) in ROWS.iter().enumerate() {
+        opt.set_lr(lr(i));
+        let b = batch(i as u64, rows, DType::F32);
+        let ((l, n), _) = graphed
+            .run(&mut opt, &b, |opt, d| step(opt, &ws, d, 0.25), |opt| opt.prepare_replay())
+            .unwrap();
+        got.push((l.item().unwrap(), n.item().unwrap()));
+    }
+    assert_eq!(graphed.graph().unwrap().random_words(), 32, "one [4, 8] mask a step");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.0.to_bits(), w.0.to_bits(), "step {}: loss {} vs eager {}", i + 1, g.0, w.0);
+        assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: norm {} vs eager {}", i + 1, g.1, w.1);
+    }
+    let got_w: Vec<Vec<f64>> = ws.iter().map(|w| w.to_vec_f64().unwrap()).collect();
+    assert_eq!(got_w, want_w, "final weights");
+    assert_eq!(get_rng_state(), want_rng, "the generator");
+    // The masks differ from step to step: without dropout the same steps give other losses.
+    let (plain, _) = eager(DEV, DType::F32, 0.0);
+    assert!(got.iter().zip(&plain).filter(|(g, p)| g.0 != p.0).count() >= 5);
 }
 
 #[test]
@@ -158,7 +198,7 @@ fn a_host_read_inside_the_captured_step_is_an_error() {
             &mut opt,
             &b,
             |opt, d| {
-                let out = step(opt, &ws, d)?;
+                let out = step(opt, &ws, d, 0.0)?;
                 // Reading the loss inside the step: fine eagerly, refused under capture.
                 out.0.item()?;
                 Ok(out)

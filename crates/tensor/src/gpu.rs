@@ -543,24 +543,93 @@ pub fn synchronize(ordinal: usize) -> Result<()> {
 // ------------------------------------------------------------------ CUDA graphs
 
 pub use tpar_kernels::cuda::graph::{CudaGraph, GraphStats, WorkCounts};
+use tpar_kernels::cuda::ops::dropout::{state_words, STATE_WORDS};
+
+use crate::rng::{CaptureRng, CaptureRngGuard};
 
 /// Captures the CUDA work `f` issues on `cuda:ordinal` into a graph (see
 /// [`tpar_kernels::cuda::graph`]): tensor ops inside `f` are recorded, not run;
 /// tensors they create live in the graph's private memory pool, and a
-/// [`CudaGraph::replay`] rewrites them. Returns the graph and what `f` returned (the
+/// [`Graph::replay`] rewrites them. Returns the graph and what `f` returned (the
 /// static outputs to read after a replay). A host round trip inside `f` (reading a
 /// tensor back, an op without a device kernel) fails it, as does any fault the
 /// capture saw; the device is out of capture mode either way.
+///
+/// Random ops captured on the device (dropout) draw, on each replay, the words the
+/// thread's generator then gives (PyTorch's graph-safe generator): a replay moves the
+/// generator past them as the eager ops would have, and the capture itself moves it
+/// nothing. So replays draw new masks, and the same masks as running `f` eagerly in
+/// their place would, the backward of a captured forward included when it is captured
+/// with it.
 pub fn capture_graph<R, E: From<TensorError>>(
     ordinal: usize,
     f: impl FnOnce() -> std::result::Result<R, E>,
-) -> std::result::Result<(CudaGraph, R), E> {
+) -> std::result::Result<(Graph, R), E> {
     let dev = device(ordinal)?;
+    // Allocated before the capture, so that it lives outside the graph's pool.
+    let state = Tensor::zeros([STATE_WORDS], DType::I64, Device::Cuda(ordinal))?;
+    let start = crate::get_rng_state();
     dev.begin_capture().map_err(kerr)?;
-    let r = f();
+    let r = {
+        let _rng = CaptureRngGuard::set(CaptureRng { state: state.clone(), start });
+        f()
+    };
     let graph = CudaGraph::end(&dev);
+    let words = crate::get_rng_state().offset.wrapping_sub(start.offset);
+    // Nothing ran: the replays draw the words.
+    crate::set_rng_state(start);
     let r = r?;
-    Ok((graph.map_err(kerr)?, r))
+    let rng = (words > 0).then_some(GraphRng { state, words });
+    Ok((Graph { graph: graph.map_err(kerr)?, rng }, r))
+}
+
+/// What a graph's random ops draw on a replay: the device state they read and the words
+/// the capture took.
+#[derive(Debug)]
+struct GraphRng {
+    state: Tensor,
+    words: u64,
+}
+
+/// A captured CUDA graph ([`capture_graph`]): the recorded work and, when it holds
+/// random ops, the generator state their replays read.
+#[derive(Debug)]
+pub struct Graph {
+    graph: CudaGraph,
+    rng: Option<GraphRng>,
+}
+
+impl Graph {
+    /// Issues the recorded work once, in order, on the device's stream. When the graph
+    /// holds random ops, first writes the thread's generator state to the device (one
+    /// small host-to-device copy) and moves the generator past the words they draw.
+    pub fn replay(&self) -> Result<()> {
+        if let Some(rng) = &self.rng {
+            let now = crate::get_rng_state();
+            let words = state_words(now.seed, now.offset).map(|w| w as i64);
+            write_from_host(&rng.state, &Tensor::from_vec(words.to_vec(), [STATE_WORDS])?)?;
+            crate::set_rng_state(crate::RngState {
+                seed: now.seed,
+                offset: now.offset.wrapping_add(rng.words),
+            });
+        }
+        self.graph.replay().map_err(kerr)
+    }
+
+    /// What was recorded.
+    pub fn stats(&self) -> GraphStats {
+        self.graph.stats()
+    }
+
+    /// The generator words a replay draws (0 without random ops).
+    pub fn random_words(&self) -> u64 {
+        self.rng.as_ref().map_or(0, |r| r.words)
+    }
+
+    /// The kernels layer's graph.
+    pub fn cuda_graph(&self) -> &CudaGraph {
+        &self.graph
+    }
 }
 
 /// How [`GraphedStep::run`] ran a step.
@@ -591,7 +660,7 @@ pub enum StepMode {
 pub struct GraphedStep<O> {
     ordinal: usize,
     warmup_left: usize,
-    graph: Option<CudaGraph>,
+    graph: Option<Graph>,
     inputs: Vec<Tensor>,
     outputs: Option<O>,
 }
@@ -609,7 +678,7 @@ impl<O: Clone> GraphedStep<O> {
     }
 
     /// The captured graph, once there is one.
-    pub fn graph(&self) -> Option<&CudaGraph> {
+    pub fn graph(&self) -> Option<&Graph> {
         self.graph.as_ref()
     }
 
@@ -669,7 +738,7 @@ impl<O: Clone> GraphedStep<O> {
             }
             .into());
         };
-        graph.replay().map_err(kerr)?;
+        graph.replay()?;
         Ok((out.clone(), mode))
     }
 }

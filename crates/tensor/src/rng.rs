@@ -123,3 +123,39 @@ impl Drop for RngStateGuard {
         let _ = DEFAULT_STATE.try_with(|s| s.set(self.0));
     }
 }
+
+/// While a CUDA graph is captured on this thread ([`crate::gpu::capture_graph`]): the
+/// device state (`tpar_kernels::cuda::ops::dropout::STATE_WORDS` i64s) its random ops
+/// read when they run, and the generator's state when the capture began. A random op
+/// on that device draws at its offset past the capture's start, added on the device to
+/// the offset each replay writes there.
+#[derive(Clone, Debug)]
+pub(crate) struct CaptureRng {
+    pub(crate) state: crate::Tensor,
+    pub(crate) start: RngState,
+}
+
+thread_local! {
+    static CAPTURE_RNG: std::cell::RefCell<Option<CaptureRng>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The capture this thread is in, if any.
+pub(crate) fn capture_rng() -> Option<CaptureRng> {
+    CAPTURE_RNG.with(|c| c.borrow().clone())
+}
+
+/// Marks this thread as capturing with `rng` until dropped.
+pub(crate) struct CaptureRngGuard;
+
+impl CaptureRngGuard {
+    pub(crate) fn set(rng: CaptureRng) -> CaptureRngGuard {
+        CAPTURE_RNG.with(|c| *c.borrow_mut() = Some(rng));
+        CaptureRngGuard
+    }
+}
+
+impl Drop for CaptureRngGuard {
+    fn drop(&mut self) {
+        let _ = CAPTURE_RNG.try_with(|c| c.borrow_mut().take());
+    }
+}

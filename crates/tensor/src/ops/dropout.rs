@@ -13,7 +13,7 @@ use tpar_kernels::KernelError;
 
 use super::{compute, gpu_elem, invalid, require_float};
 use crate::autograd::record;
-use crate::rng::take_words;
+use crate::rng::{capture_rng, take_words};
 use crate::storage::{try_vec, Element};
 use crate::tensor::typed;
 use crate::{with_float_type, Device, Result, Tensor};
@@ -24,6 +24,9 @@ use crate::{with_float_type, Device, Result, Tensor};
 struct Mask {
     mask: DropoutMask,
     runs: ShardRuns,
+    /// Drawn inside a CUDA graph capture: the device state the replays write and the
+    /// mask's offset past the capture's start.
+    graph: Option<(Tensor, u64)>,
 }
 
 impl Mask {
@@ -31,7 +34,8 @@ impl Mask {
     /// a CUDA device (bit for bit the host's), on the host otherwise.
     fn run(&self, op: &'static str, x: &Tensor) -> Result<Tensor> {
         if matches!(x.device(), Device::Cuda(_)) {
-            if let Some(y) = gpu_elem::dropout(x, &self.mask, &self.runs)? {
+            let graph = self.graph.as_ref().filter(|(state, _)| state.device() == x.device());
+            if let Some(y) = gpu_elem::dropout(x, &self.mask, &self.runs, graph)? {
                 return Ok(y);
             }
         }
@@ -101,7 +105,8 @@ impl Tensor {
         if let Some(undrawn) = self.undrawn(p, training, global) {
             return undrawn;
         }
-        masked(self, Mask { mask: draw(p, global)?, runs })
+        let (mask, graph) = draw(p, global)?;
+        masked(self, Mask { mask, runs, graph })
     }
 
     /// [`Tensor::dropout_shard`] of a tensor made of shards of one tensor of dims
@@ -161,15 +166,15 @@ impl Tensor {
         if let Some(undrawn) = self.undrawn(p, training, global) {
             return undrawn;
         }
-        let mask = draw(p, global)?;
+        let (mask, graph) = draw(p, global)?;
         if let [runs] = &runs[..] {
-            return masked(self, Mask { mask, runs: runs.clone() });
+            return masked(self, Mask { mask, runs: runs.clone(), graph });
         }
         let parts = self.split_sizes(&lens, dim as isize)?;
         let outs = parts
             .iter()
             .zip(runs)
-            .map(|(x, runs)| masked(x, Mask { mask, runs }))
+            .map(|(x, runs)| masked(x, Mask { mask, runs, graph: graph.clone() }))
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&outs, dim as isize)
     }
@@ -212,10 +217,12 @@ fn shard_runs(local: &[usize], global: &[usize], offset: &[usize]) -> Result<Sha
 }
 
 /// The mask of probability `p` (in `(0, 1)`) for a tensor of dims `global`, from the
-/// generator's words it takes.
-fn draw(p: f64, global: &[usize]) -> Result<DropoutMask> {
+/// generator's words it takes; inside a CUDA graph capture also the device state its
+/// replays write and the offset past the capture's start.
+fn draw(p: f64, global: &[usize]) -> Result<(DropoutMask, Option<(Tensor, u64)>)> {
     let state = take_words(global.iter().map(|&g| g as u64).product());
-    Ok(DropoutMask::new(state.seed, state.offset, p)?)
+    let graph = capture_rng().map(|c| (c.state, state.offset.wrapping_sub(c.start.offset)));
+    Ok((DropoutMask::new(state.seed, state.offset, p)?, graph))
 }
 
 /// `x` times `mask`, recorded: the backward applies the same mask to the gradient.

@@ -602,8 +602,15 @@ impl Tensor {
 
 /// The dropout mask `mask` applied to `x`, the shard `runs` of the mask's tensor, into a
 /// new tensor (no autograd); `None` when the dtype has no kernel or the shard has more
-/// dims outside its runs than the kernel takes.
-pub(crate) fn dropout(x: &Tensor, mask: &DropoutMask, runs: &ShardRuns) -> Result<Option<Tensor>> {
+/// dims outside its runs than the kernel takes. With `graph` (drawn inside a CUDA graph
+/// capture: the device state and the mask's offset past the capture's start), the kernel
+/// reads the stream from the state when it runs.
+pub(crate) fn dropout(
+    x: &Tensor,
+    mask: &DropoutMask,
+    runs: &ShardRuns,
+    graph: Option<&(Tensor, u64)>,
+) -> Result<Option<Tensor>> {
     const OP: &str = "dropout";
     let Some(cd) = cuda_dtype(x.dtype()) else { return Ok(None) };
     if runs.outer.len() > k_drop::MAX_RANK {
@@ -611,9 +618,18 @@ pub(crate) fn dropout(x: &Tensor, mask: &DropoutMask, runs: &ShardRuns) -> Resul
     }
     let dev = device_of(x, OP)?;
     let mut y = Out::new(&dev, x.shape().clone(), x.dtype())?;
-    with_gpu(OP, &[x], |xs| {
-        Ok(k_drop::dropout(&*dev, cd, mask, runs, xs[0].view(), y.view_mut())?)
-    })?;
+    match graph {
+        None => with_gpu(OP, &[x], |v| {
+            Ok(k_drop::dropout(&*dev, cd, mask, runs, v[0].view(), y.view_mut(), None)?)
+        })?,
+        Some((state, rel)) => {
+            let mask = DropoutMask { offset: *rel, ..*mask };
+            with_gpu(OP, &[x, state], |v| {
+                let s = Some(v[1].view());
+                Ok(k_drop::dropout(&*dev, cd, &mask, runs, v[0].view(), y.view_mut(), s)?)
+            })?
+        }
+    }
     Ok(Some(y.into_tensor()))
 }
 

@@ -14,6 +14,16 @@ use crate::Result;
 const THREADS: u32 = 256;
 /// Most dims outside a shard's runs ([`ShardRuns::outer`]) the kernel takes.
 pub const MAX_RANK: usize = 6;
+/// The u64 words of a device state ([`dropout`]).
+pub const STATE_WORDS: usize = 5;
+
+/// The device state words that make the kernel draw the stream of `seed` from word
+/// `offset` on ([`dropout`]): the offset, then the key's eight words two at a time.
+pub fn state_words(seed: u64, offset: u64) -> [u64; STATE_WORDS] {
+    let key = crate::dropout::key_of(seed);
+    let pair = |i: usize| u64::from(key[2 * i]) | (u64::from(key[2 * i + 1]) << 32);
+    [offset, pair(0), pair(1), pair(2), pair(3)]
+}
 
 /// Arguments of `tpar_dropout_<dtype>`.
 #[repr(C)]
@@ -23,6 +33,9 @@ pub struct DropoutArgs {
     pub x: DevPtr,
     /// Output.
     pub y: DevPtr,
+    /// 0, or a device [`STATE_WORDS`]-word state read when the kernel runs
+    /// ([`dropout`]).
+    pub state: DevPtr,
     /// The ChaCha8 key.
     pub key: [u32; 8],
     /// The stream word of the whole tensor's element 0.
@@ -49,7 +62,11 @@ pub struct DropoutArgs {
 
 /// `y = x * mask` for the shard `runs` of the mask's tensor (the CPU
 /// [`crate::dropout::dropout`]): `x` and `y` hold the shard's `run * runs`
-/// elements of `dtype`.
+/// elements of `dtype`. With a `state` address (a device buffer of
+/// [`STATE_WORDS`] u64s, [`state_words`]), the kernel reads it when it runs:
+/// its offset is added to `mask.offset` and its key replaces `mask.key`, so a
+/// CUDA graph that captured the launch draws, on each replay, the words the
+/// state then names.
 ///
 /// # Errors
 /// [`crate::KernelError::BadArguments`] for a shard with more than
@@ -58,7 +75,8 @@ pub struct DropoutArgs {
 ///
 /// # Safety
 /// `x` and `y` must be device addresses valid for the shard's elements of
-/// `dtype`; `y` may equal `x` but not overlap it otherwise.
+/// `dtype`; `y` may equal `x` but not overlap it otherwise; a `state` must be
+/// valid for [`STATE_WORDS`] u64s when the kernel runs.
 pub unsafe fn dropout(
     l: &dyn Launcher,
     dtype: CudaDType,
@@ -66,6 +84,7 @@ pub unsafe fn dropout(
     runs: &ShardRuns,
     x: DevPtr,
     y: DevPtr,
+    state: Option<DevPtr>,
 ) -> Result<()> {
     const OP: &str = "dropout";
     let es = dtype.size();
@@ -83,6 +102,10 @@ pub unsafe fn dropout(
     let ptrs = [("x", x), ("y", y)];
     check_ptrs(OP, &ptrs)?;
     check_aligned(OP, es, &ptrs)?;
+    if let Some(s) = state {
+        check_ptrs(OP, &[("state", s)])?;
+        check_aligned(OP, 8, &[("state", s)])?;
+    }
     let blocks_per_run = runs.run.div_ceil(16) + 1;
     let items = numel(OP, &[runs.runs, blocks_per_run])?;
     let (mut extent, mut stride) = ([1i64; MAX_RANK], [0i64; MAX_RANK]);
@@ -94,6 +117,7 @@ pub unsafe fn dropout(
     let args = DropoutArgs {
         x,
         y,
+        state: state.unwrap_or(0),
         key: mask.key,
         offset: mask.offset,
         threshold: mask.threshold,

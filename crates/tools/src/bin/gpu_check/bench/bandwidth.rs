@@ -114,7 +114,7 @@ pub(crate) fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench>
         let runs = ShardRuns::new(&[rows, dim], &[rows, dim], &[0, 0])?;
         time_per_call(d, || {
             // SAFETY: x lies inside the source; y was allocated for its elements.
-            unsafe { dropout::dropout(l, BF16, &mask, &runs, s, y.ptr())? };
+            unsafe { dropout::dropout(l, BF16, &mask, &runs, s, y.ptr(), None)? };
             Ok(())
         })
     })();

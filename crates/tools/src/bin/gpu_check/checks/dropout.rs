@@ -56,7 +56,7 @@ pub(crate) fn check_dropout(c: &mut Ctx) {
                 };
                 let (bx, by) = (d.up(dt, &x)?, d.junk(n * dt.size())?);
                 // SAFETY: both buffers hold the shard's `n` elements of `dt`.
-                unsafe { gpu::dropout(d.l(), dt, &mask, &runs, bx.ptr(), by.ptr())? };
+                unsafe { gpu::dropout(d.l(), dt, &mask, &runs, bx.ptr(), by.ptr(), None)? };
                 let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<u64>>();
                 c.r.exact("dropout", dn(dt), &shape, &bits(&d.down(dt, &by)?), &bits(&want));
                 Ok(())
