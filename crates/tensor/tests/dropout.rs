@@ -159,6 +159,15 @@ fn pieces_end_to_end_draw_the_whole_tensors_mask_at_their_positions() {
         }
     }
     assert!(local.dropout_pieces(0.5, true, &global, 3, &[]).is_err());
+    // no rows at all (a rank whose chunks are empty): nothing drawn for it, and the
+    // generator moves by the whole tensor's count as its peers' do
+    for pieces in [vec![], vec![(vec![0, 10, 0], 0), (vec![0, 10, 0], 0)]] {
+        let empty = x.narrow(1, 0, 0).unwrap();
+        set_rng_state(start);
+        let got = empty.dropout_pieces(0.5, true, &global, 1, &pieces).unwrap();
+        assert_eq!(got.dims(), &[2, 0, 3]);
+        assert_eq!(get_rng_state(), after, "{pieces:?}");
+    }
 }
 
 #[test]

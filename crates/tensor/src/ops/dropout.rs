@@ -167,8 +167,11 @@ impl Tensor {
             return undrawn;
         }
         let (mask, graph) = draw(p, global)?;
-        if let [runs] = &runs[..] {
-            return masked(self, Mask { mask, runs: runs.clone(), graph });
+        match &runs[..] {
+            // no pieces: no rows either (their lengths add up to the dim's size)
+            [] => return Ok(self.clone()),
+            [runs] => return masked(self, Mask { mask, runs: runs.clone(), graph }),
+            _ => {}
         }
         let parts = self.split_sizes(&lens, dim as isize)?;
         let outs = parts
