@@ -153,16 +153,7 @@ impl CpLayout {
         const OP: &str = "CpLayout::unshard";
         self.check_group(OP, group)?;
         let me = group.rank();
-        if dim >= local.rank() || local.dims()[dim] != self.local_len(me) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "rank {me}'s tensor of shape {} has no dim {dim} of its {} rows",
-                    local.shape(),
-                    self.local_len(me)
-                ),
-            ));
-        }
+        self.check_rows(OP, local, dim, me)?;
         let all = group.all_gather(&local.detach(), dim)?;
         let offsets = self.rank_offsets();
         let n = self.num_chunks();
@@ -199,16 +190,7 @@ impl CpLayout {
         if rank >= self.cp {
             return Err(invalid(OP, format!("rank {rank} of a cp group of {}", self.cp)));
         }
-        if dim >= x.rank() || x.dims()[dim] != self.local_len(rank) {
-            return Err(invalid(
-                OP,
-                format!(
-                    "rank {rank}'s tensor of shape {} has no dim {dim} of its {} rows",
-                    x.shape(),
-                    self.local_len(rank)
-                ),
-            ));
-        }
+        self.check_rows(OP, x, dim, rank)?;
         let mut global = x.dims().to_vec();
         global[dim] = self.seq_len;
         let pieces: Vec<(Vec<usize>, usize)> = self
@@ -241,6 +223,21 @@ impl CpLayout {
             acc += self.local_len(r);
         }
         off
+    }
+
+    /// That `x` holds rank `rank`'s rows along `dim`.
+    fn check_rows(&self, op: &'static str, x: &Tensor, dim: usize, rank: usize) -> Result<()> {
+        if dim >= x.rank() || x.dims()[dim] != self.local_len(rank) {
+            return Err(invalid(
+                op,
+                format!(
+                    "rank {rank}'s tensor of shape {} has no dim {dim} of its {} rows",
+                    x.shape(),
+                    self.local_len(rank)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn check_group(&self, op: &'static str, group: &ProcessGroup) -> Result<()> {

@@ -85,33 +85,46 @@ fn eager(device: Device, dtype: DType, p: f64) -> (Vec<(f64, f64)>, Vec<Vec<f64>
     (out, ws.iter().map(|w| w.to_vec_f64().unwrap()).collect())
 }
 
-#[test]
-fn a_captured_step_replays_the_eager_steps_bits() {
-    let _one = setup();
-    let (want, want_w) = eager(DEV, DType::F32, 0.0);
+/// The training of [`eager`] on the emulated device in f32 through a `GraphedStep` (one
+/// warm-up step, capturable AdamW): per-step (loss, norm), how each step ran, the final
+/// weights and the generator words a replay draws.
+fn graphed(p: f64) -> (Vec<(f64, f64)>, Vec<StepMode>, Vec<Vec<f64>>, u64) {
     let ws = weights(DEV, DType::F32);
     let mut opt = adamw(&ws);
     opt.set_capturable(true);
     let mut graphed = GraphedStep::<(Tensor, Tensor)>::new(0, 1);
-    let mut got = Vec::new();
-    let mut modes = Vec::new();
+    let (mut got, mut modes) = (Vec::new(), Vec::new());
     for (i, &rows) in ROWS.iter().enumerate() {
         opt.set_lr(lr(i));
         let b = batch(i as u64, rows, DType::F32);
         let ((l, n), mode) = graphed
-            .run(&mut opt, &b, |opt, d| step(opt, &ws, d, 0.0), |opt| opt.prepare_replay())
+            .run(&mut opt, &b, |opt, d| step(opt, &ws, d, p), |opt| opt.prepare_replay())
             .unwrap();
         got.push((l.item().unwrap(), n.item().unwrap()));
         modes.push(mode);
     }
-    use StepMode::*;
-    assert_eq!(modes, [Warmup, Captured, Replayed, Fallback, Replayed, Replayed, Replayed]);
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+    let words = graphed.graph().unwrap().random_words();
+    (got, modes, ws.iter().map(|w| w.to_vec_f64().unwrap()).collect(), words)
+}
+
+/// Every step's loss and gradient norm the same bits as the eager run's.
+fn assert_eager_bits(got: &[(f64, f64)], want: &[(f64, f64)]) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert_eq!(g.0.to_bits(), w.0.to_bits(), "step {}: loss {} vs eager {}", i + 1, g.0, w.0);
         assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: norm {} vs eager {}", i + 1, g.1, w.1);
     }
-    let got_w: Vec<Vec<f64>> = ws.iter().map(|w| w.to_vec_f64().unwrap()).collect();
+}
+
+#[test]
+fn a_captured_step_replays_the_eager_steps_bits() {
+    let _one = setup();
+    let (want, want_w) = eager(DEV, DType::F32, 0.0);
+    let (got, modes, got_w, words) = graphed(0.0);
+    use StepMode::*;
+    assert_eq!(modes, [Warmup, Captured, Replayed, Fallback, Replayed, Replayed, Replayed]);
+    assert_eager_bits(&got, &want);
     assert_eq!(got_w, want_w, "final weights");
+    assert_eq!(words, 0, "nothing random");
     // The same training in f64 on the host: close (f32 rounding only).
     let (host, host_w) = eager(Device::Cpu, DType::F64, 0.0);
     for (i, (g, h)) in got.iter().zip(&host).enumerate() {
@@ -137,25 +150,9 @@ fn a_captured_step_with_dropout_draws_the_eager_steps_masks() {
     let (want, want_w) = eager(DEV, DType::F32, 0.25);
     let want_rng = get_rng_state();
     manual_seed(7);
-    let ws = weights(DEV, DType::F32);
-    let mut opt = adamw(&ws);
-    opt.set_capturable(true);
-    let mut graphed = GraphedStep::<(Tensor, Tensor)>::new(0, 1);
-    let mut got = Vec::new();
-    for (i, &rows) in ROWS.iter().enumerate() {
-        opt.set_lr(lr(i));
-        let b = batch(i as u64, rows, DType::F32);
-        let ((l, n), _) = graphed
-            .run(&mut opt, &b, |opt, d| step(opt, &ws, d, 0.25), |opt| opt.prepare_replay())
-            .unwrap();
-        got.push((l.item().unwrap(), n.item().unwrap()));
-    }
-    assert_eq!(graphed.graph().unwrap().random_words(), 32, "one [4, 8] mask a step");
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g.0.to_bits(), w.0.to_bits(), "step {}: loss {} vs eager {}", i + 1, g.0, w.0);
-        assert_eq!(g.1.to_bits(), w.1.to_bits(), "step {}: norm {} vs eager {}", i + 1, g.1, w.1);
-    }
-    let got_w: Vec<Vec<f64>> = ws.iter().map(|w| w.to_vec_f64().unwrap()).collect();
+    let (got, _, got_w, words) = graphed(0.25);
+    assert_eq!(words, 32, "one [4, 8] mask a step");
+    assert_eager_bits(&got, &want);
     assert_eq!(got_w, want_w, "final weights");
     assert_eq!(get_rng_state(), want_rng, "the generator");
     // The masks differ from step to step: without dropout the same steps give other losses.
