@@ -85,26 +85,34 @@ fn eager(device: Device, dtype: DType, p: f64) -> (Vec<(f64, f64)>, Vec<Vec<f64>
     (out, ws.iter().map(|w| w.to_vec_f64().unwrap()).collect())
 }
 
+/// What [`graphed`] trained: per-step (loss, norm), how each step ran, the final weights
+/// and the generator words a replay draws.
+struct Graphed {
+    steps: Vec<(f64, f64)>,
+    modes: Vec<StepMode>,
+    weights: Vec<Vec<f64>>,
+    words: u64,
+}
+
 /// The training of [`eager`] on the emulated device in f32 through a `GraphedStep` (one
-/// warm-up step, capturable AdamW): per-step (loss, norm), how each step ran, the final
-/// weights and the generator words a replay draws.
-fn graphed(p: f64) -> (Vec<(f64, f64)>, Vec<StepMode>, Vec<Vec<f64>>, u64) {
+/// warm-up step, capturable AdamW).
+fn graphed(p: f64) -> Graphed {
     let ws = weights(DEV, DType::F32);
     let mut opt = adamw(&ws);
     opt.set_capturable(true);
     let mut graphed = GraphedStep::<(Tensor, Tensor)>::new(0, 1);
-    let (mut got, mut modes) = (Vec::new(), Vec::new());
+    let (mut steps, mut modes) = (Vec::new(), Vec::new());
     for (i, &rows) in ROWS.iter().enumerate() {
         opt.set_lr(lr(i));
         let b = batch(i as u64, rows, DType::F32);
         let ((l, n), mode) = graphed
             .run(&mut opt, &b, |opt, d| step(opt, &ws, d, p), |opt| opt.prepare_replay())
             .unwrap();
-        got.push((l.item().unwrap(), n.item().unwrap()));
+        steps.push((l.item().unwrap(), n.item().unwrap()));
         modes.push(mode);
     }
     let words = graphed.graph().unwrap().random_words();
-    (got, modes, ws.iter().map(|w| w.to_vec_f64().unwrap()).collect(), words)
+    Graphed { steps, modes, weights: ws.iter().map(|w| w.to_vec_f64().unwrap()).collect(), words }
 }
 
 /// Every step's loss and gradient norm the same bits as the eager run's.
@@ -119,7 +127,7 @@ fn assert_eager_bits(got: &[(f64, f64)], want: &[(f64, f64)]) {
 fn a_captured_step_replays_the_eager_steps_bits() {
     let _one = setup();
     let (want, want_w) = eager(DEV, DType::F32, 0.0);
-    let (got, modes, got_w, words) = graphed(0.0);
+    let Graphed { steps: got, modes, weights: got_w, words } = graphed(0.0);
     use StepMode::*;
     assert_eq!(modes, [Warmup, Captured, Replayed, Fallback, Replayed, Replayed, Replayed]);
     assert_eager_bits(&got, &want);
@@ -150,7 +158,7 @@ fn a_captured_step_with_dropout_draws_the_eager_steps_masks() {
     let (want, want_w) = eager(DEV, DType::F32, 0.25);
     let want_rng = get_rng_state();
     manual_seed(7);
-    let (got, _, got_w, words) = graphed(0.25);
+    let Graphed { steps: got, weights: got_w, words, .. } = graphed(0.25);
     assert_eq!(words, 32, "one [4, 8] mask a step");
     assert_eager_bits(&got, &want);
     assert_eq!(got_w, want_w, "final weights");
