@@ -1043,3 +1043,20 @@ fn tensor_parallel_block_with_loss_parallel_on_a_2d_mesh() {
     )
     .unwrap();
 }
+
+/// A rank whose shard is empty (2 rows over 3 ranks) moves its generator by the full
+/// tensor's count as its peers do, so the next random op (a replicated tensor's dropout)
+/// draws the same mask on every rank.
+#[test]
+fn a_rank_with_an_empty_shard_stays_in_step() {
+    let full = Tensor::ones([2, 4], DType::F64, Device::Cpu).unwrap();
+    let next = Tensor::ones([40], DType::F64, Device::Cpu).unwrap();
+    let drawn = run(&[3], |mesh, _| {
+        manual_seed(1);
+        let x = distribute_tensor(&full, mesh, &[Shard(0)])?;
+        x.dropout(0.5, true)?;
+        let y = distribute_tensor(&next, mesh, &[Replicate])?;
+        Ok((tpar_tensor::get_rng_state(), y.dropout(0.5, true)?.local().to_vec::<f64>()?))
+    });
+    assert!(drawn.iter().all(|d| *d == drawn[0]), "{drawn:?}");
+}
