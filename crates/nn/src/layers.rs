@@ -1,5 +1,6 @@
 //! Layers: Linear, Embedding, RMSNorm, and an ordered list of modules.
 
+use tpar_dtensor::CpLayout;
 use tpar_tensor::{DType, Device};
 
 use crate::module::{call, Init, ModuleCore, ParamSlot};
@@ -191,13 +192,16 @@ impl Module for RmsNorm {
 /// [`crate::Value::dropout`]); a checkpointed region recomputes the same mask. Any other
 /// plain tensor is masked by its own positions, so plain shards of other kinds (a
 /// data-parallel rank's batch, a context-parallel rank's chunks) draw alike on every rank
-/// that runs from the same state. For a context-parallel rank's chunks to draw the
-/// unsharded sequence's mask, call [`tpar_dtensor::ContextParallel::dropout`] on them
-/// instead of this module.
+/// that runs from the same state. A context-parallel rank's chunks draw the unsharded
+/// sequence's mask through [`Dropout::context_parallel`] (or
+/// [`tpar_dtensor::ContextParallel::dropout`] on a plain tensor).
 pub struct Dropout {
     core: ModuleCore,
     /// The probability of zeroing an element.
     pub p: f64,
+    /// Under context parallelism: the layout, this rank and the sequence dim of the rows
+    /// it takes.
+    cp: Option<(CpLayout, usize, usize)>,
 }
 
 impl Dropout {
@@ -211,7 +215,17 @@ impl Dropout {
                 what: format!("dropout probability has to be between 0 and 1, but got {p}"),
             });
         }
-        Ok(Dropout { core: ModuleCore::default(), p })
+        Ok(Dropout { core: ModuleCore::default(), p, cp: None })
+    }
+
+    /// The same dropout on context-parallel rank `rank`'s rows of `layout` along
+    /// `seq_dim` ([`CpLayout::shard`]): each element keeps or drops as the unsharded
+    /// sequence's element at its position would ([`CpLayout::dropout`]), when every cp
+    /// rank runs from the same generator state. Its input must then be a plain tensor of
+    /// the rank's rows; anything else is an error naming it.
+    pub fn context_parallel(mut self, layout: CpLayout, rank: usize, seq_dim: usize) -> Dropout {
+        self.cp = Some((layout, rank, seq_dim));
+        self
     }
 }
 
@@ -221,7 +235,20 @@ impl Module for Dropout {
     }
 
     fn forward(&self, args: Args) -> Result<Value> {
-        args.get(0).dropout(self.p, self.core.training())
+        let (x, training) = (args.get(0), self.core.training());
+        match (&self.cp, &x) {
+            (None, x) => x.dropout(self.p, training),
+            (Some((layout, rank, dim)), Value::Tensor(t)) => {
+                Ok(Value::Tensor(layout.dropout(t, *dim, *rank, self.p, training)?))
+            }
+            (Some(_), other) => Err(crate::NnError::BadInput {
+                module: "Dropout".into(),
+                what: format!(
+                    "a context-parallel dropout takes a plain tensor of its rank's rows, not \
+                     {other:?}"
+                ),
+            }),
+        }
     }
 
     module_boilerplate!();

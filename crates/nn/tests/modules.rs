@@ -1,6 +1,7 @@
 //! The module layer: fully-qualified parameter names, deferred initialisation of a
-//! sharded model, PyTorch's initialisation statistics, train/eval mode, and typed errors
-//! for bad inputs to the Llama.
+//! sharded model, PyTorch's initialisation statistics, train/eval mode, typed errors
+//! for bad inputs to the Llama, and a context-parallel `Dropout` against the unsharded
+//! one.
 
 use std::time::Duration;
 
@@ -10,8 +11,8 @@ use tpar_mesh::{DeviceMesh, DeviceType};
 use tpar_models::llama_plans::{megatron_layer_plan, parallelize_llama};
 use tpar_models::{LlamaConfig, LlamaForPretraining};
 use tpar_nn::{
-    call, named_modules, named_parameters, reset_parameters, set_training, Args, Embedding, Linear,
-    NnError, Param, RmsNorm, Value,
+    call, named_modules, named_parameters, reset_parameters, set_training, Args, Dropout,
+    Embedding, Linear, NnError, Param, RmsNorm, Value,
 };
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -270,4 +271,40 @@ fn value_reshape_infers_one_dim_and_rejects_bad_shapes() {
     let one = tpar_nn::Value::Tensor(tpar_tensor::Tensor::from_vec(vec![2.5f64], [1]).unwrap());
     assert_eq!(one.item().unwrap(), 2.5);
     assert!(tpar_nn::Value::None.item().is_err());
+}
+
+/// `Dropout::context_parallel` on each cp rank's rows (cp 3, a sequence of 13: uneven and
+/// empty chunks) gives the unsharded `Dropout`'s rows, bit for bit; in eval mode its
+/// input; a DTensor input is a typed error.
+#[test]
+fn a_context_parallel_dropout_equals_the_unsharded_one() {
+    use tpar_dtensor::CpLayout;
+    use tpar_tensor::manual_seed;
+    let x = Tensor::randn([2, 13, 4], DType::F64, &mut tpar_tensor::Rng::new(8)).unwrap();
+    manual_seed(2);
+    let full = call(&Dropout::new(0.4).unwrap(), Args::one(x.clone())).unwrap();
+    let full = full.into_tensor("full").unwrap().to_vec::<f64>().unwrap();
+    let cfg = SpawnConfig::new(3).timeout(Duration::from_secs(20));
+    spawn_scoped(cfg, |ctx| -> Result<(), NnError> {
+        let g = ctx.world_group();
+        let layout = CpLayout::new(13, 3)?;
+        let local = layout.shard(&x, 1, g.rank())?;
+        let mut d = Dropout::new(0.4)?.context_parallel(layout, g.rank(), 1);
+        manual_seed(2);
+        let y = call(&d, Args::one(local.clone()))?.into_tensor("y")?;
+        let all = layout.unshard(&y, 1, &g)?.to_vec::<f64>()?;
+        assert_eq!(all, full, "rank {}", g.rank());
+        set_training(&mut d, false)?;
+        let same = call(&d, Args::one(local.clone()))?.into_tensor("eval")?;
+        assert_eq!(same.to_vec::<f64>()?, local.to_vec::<f64>()?);
+        set_training(&mut d, true)?;
+        let mesh = DeviceMesh::new(&g, DeviceType::Cpu, &[3], &["cp"])?;
+        let dt = distribute_tensor(&x, &mesh, &[tpar_dtensor::Placement::Replicate])?;
+        match call(&d, Args::new(vec![Value::DTensor(dt)])) {
+            Err(NnError::BadInput { what, .. }) => assert!(what.contains("plain tensor"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        Ok(())
+    })
+    .unwrap();
 }
