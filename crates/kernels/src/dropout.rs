@@ -28,6 +28,8 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use tpar_memory::cache::filled;
+
 use crate::util::bad;
 use crate::{Acc, Float, Out, Result};
 
@@ -241,6 +243,15 @@ pub fn dropout<T: Float, O: Out<T>>(
         }
     });
     Ok(())
+}
+
+/// [`dropout`] into a new vector (uninitialized before the kernel writes every element).
+///
+/// # Errors
+/// As [`dropout`].
+pub fn dropout_new<T: Float>(mask: &DropoutMask, runs: &ShardRuns, x: &[T]) -> Result<Vec<T>> {
+    // SAFETY: `dropout` writes every element of `y` when it returns Ok.
+    unsafe { filled(x.len(), |y| dropout(mask, runs, x, y)) }
 }
 
 #[cfg(test)]

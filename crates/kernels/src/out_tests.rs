@@ -7,6 +7,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 
 use crate::cross_entropy::cross_entropy_backward;
+use crate::dropout::{dropout, DropoutMask, ShardRuns};
 use crate::elementwise::{self as ew, BinaryOp, UnaryOp, PAR_THRESHOLD};
 use crate::embedding::embedding_forward;
 use crate::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
@@ -105,6 +106,12 @@ fn all_kernels<T: Float>(seed: u64) {
         (rng.vec(n, 1.0), rng.vec(40, 1.0), rng.vec(40, 1.0));
     check_writes!("rope_forward", T, n, |o| rope_forward(&s, &x, &cos, &sin, o));
     check_writes!("rope_backward", T, n, |o| rope_backward(&s, &x, &cos, &sin, o));
+
+    // Dropout of a column shard whose runs cross tasks, kept and dropped elements alike.
+    let runs = ShardRuns::new(&[40, 700], &[40, 1400], &[0, 700]).unwrap();
+    let mask = DropoutMask::new(3, 5, 0.5).unwrap();
+    let x: Vec<T> = rng.vec(40 * 700, 1.0);
+    check_writes!("dropout", T, 40 * 700, |o| dropout(&mask, &runs, &x, o));
 
     // Cross-entropy backward: an ignored row, a row with -inf lse, a target in this
     // shard and one outside it.

@@ -8,19 +8,18 @@
 //! its positions, and the backward draws the same mask again from the saved state instead
 //! of keeping it.
 
-use tpar_kernels::dropout::{dropout as k_dropout, DropoutMask, ShardRuns};
+use tpar_kernels::dropout::{dropout_new, DropoutMask, ShardRuns};
 use tpar_kernels::KernelError;
 
 use super::{compute, gpu_elem, invalid, require_float};
 use crate::autograd::record;
 use crate::rng::{capture_rng, take_words};
-use crate::storage::{try_vec, Element};
+use crate::storage::Element;
 use crate::tensor::typed;
 use crate::{with_float_type, Device, Result, Tensor};
 
 /// What a dropout's forward drew, which its backward draws again: the stream and
 /// threshold, and where the shard's elements lie in the tensor the mask is drawn for.
-#[derive(Clone, Debug)]
 struct Mask {
     mask: DropoutMask,
     runs: ShardRuns,
@@ -32,18 +31,16 @@ struct Mask {
 impl Mask {
     /// The mask applied to `x` as a new tensor (no autograd): by the dropout kernel on
     /// a CUDA device (bit for bit the host's), on the host otherwise.
-    fn run(&self, op: &'static str, x: &Tensor) -> Result<Tensor> {
+    fn run(&self, x: &Tensor) -> Result<Tensor> {
         if matches!(x.device(), Device::Cuda(_)) {
             let graph = self.graph.as_ref().filter(|(state, _)| state.device() == x.device());
             if let Some(y) = gpu_elem::dropout(x, &self.mask, &self.runs, graph)? {
                 return Ok(y);
             }
         }
-        compute(op, &[x], x.shape().clone(), x.dtype(), |st| {
-            with_float_type!(st[0].dtype(), op, |T| {
-                let mut out = try_vec(op, x.shape(), x.dtype(), T::default())?;
-                k_dropout(&self.mask, &self.runs, typed::<T>(op, st[0])?, &mut out)?;
-                Ok(T::wrap(out))
+        compute(OP, &[x], x.shape().clone(), x.dtype(), |st| {
+            with_float_type!(st[0].dtype(), OP, |T| {
+                Ok(T::wrap(dropout_new(&self.mask, &self.runs, typed::<T>(OP, st[0])?)?))
             })
         })
     }
@@ -230,6 +227,6 @@ fn draw(p: f64, global: &[usize]) -> Result<(DropoutMask, Option<(Tensor, u64)>)
 
 /// `x` times `mask`, recorded: the backward applies the same mask to the gradient.
 fn masked(x: &Tensor, mask: Mask) -> Result<Tensor> {
-    let out = mask.run(OP, x)?;
-    Ok(record(OP, &[x], out, move |g| Ok(vec![Some(mask.run(OP, g)?)])))
+    let out = mask.run(x)?;
+    Ok(record(OP, &[x], out, move |g| Ok(vec![Some(mask.run(g)?)])))
 }
