@@ -229,3 +229,44 @@ fn the_hopper_training_step_passes_the_race_check() {
     };
     assert_eq!(step(&[&hopper[..], &[RACE]].concat()), step(&hopper), "the Hopper kernels");
 }
+
+/// `TPAR_CUDA_PROFILE=1` on the emulator lists the step's kernels (calls per kernel,
+/// the emulator's time): at least the launches the steps' work counts saw, the
+/// embedding's gradient through the device-sorted CSR (deterministic: no f32 atomics),
+/// and a header that says the times are the emulator's.
+#[test]
+fn the_emulated_profile_lists_the_steps_kernels() {
+    let args = ["--world", "1", "--dp", "1", "--tp", "1", "--steps", "2", "--device", "cuda"];
+    let (stdout, stderr) = {
+        let model = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"];
+        let shape = ["--intermediate", "64", "--seq", "16", "--batch", "2"];
+        run_with(&[("TPAR_CUDA_PROFILE", "1")], &[&model[..], &shape, &args].concat())
+    };
+    let all = format!("{stdout}\n{stderr}");
+    let head = all
+        .lines()
+        .find(|l| l.starts_with("CPU emulator time by kernel (TPAR_CUDA_PROFILE): "))
+        .unwrap_or_else(|| panic!("no emulator profile:\n{all}"));
+    let launches: u64 =
+        head.split(": ").nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    let work = all.lines().find(|l| l.starts_with("work:")).unwrap_or_else(|| panic!("{all}"));
+    let kernels: u64 = work
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("kernels="))
+        .unwrap()
+        .split(',')
+        .map(|v| v.parse::<u64>().unwrap())
+        .sum();
+    assert!(launches >= kernels, "{launches} profiled launches, {kernels} in the steps:\n{all}");
+    let calls = |name: &str| -> u64 {
+        all.lines()
+            .find_map(|l| {
+                let mut w = l.split_whitespace();
+                (w.next() == Some(name)).then(|| w.next()?.parse().ok()).flatten()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(calls("tpar_embedding_bwd_csr_f32"), 2, "one sorted gradient a step:\n{all}");
+    assert!(calls("tpar_embedding_sort_scatter") >= 2, "{all}");
+    assert_eq!(calls("tpar_embedding_bwd_atomic_f32"), 0, "{all}");
+}

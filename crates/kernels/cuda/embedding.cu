@@ -14,6 +14,15 @@
 //   writes the row once (zeros for unused rows). Same order as the CPU
 //   kernel. A row used by very many positions is summed by one group, so
 //   heavily skewed ids serialize on that row.
+// - Gradient, deterministic from the ids alone (tpar_embedding_sort_*,
+//   tpar_embedding_csr_starts, then tpar_embedding_bwd_csr_*): the CSR is
+//   built on the device. The positions are sorted by local row with an LSD
+//   radix sort of 8-bit digits (a histogram per tile of 2048 positions, one
+//   exclusive scan, a stable scatter that ranks equal digits within a warp by
+//   ballots), so positions stay increasing within each row; ids outside the
+//   slice get the key `vocab` and sort after every row. The row offsets come
+//   from the sorted keys without atomics. The result is the CPU kernel's,
+//   every run, with no host round trip.
 // - Gradient, atomic (tpar_embedding_bwd_atomic_*): one group per position
 //   adds its gradient row into an f32 accumulator with atomicAdd (zeroed
 //   first by tpar_embedding_zero_f32, converted by tpar_embedding_cast_*).
@@ -66,6 +75,29 @@ struct EmbBwdCsrArgs {
 struct EmbZeroArgs {
     float* acc;
     i64 n;
+};
+
+// One pass of the radix sort (tpar_embedding_sort_hist / _scan / _scatter).
+struct EmbSortArgs {
+    const i64* ids;      // [n]: the first pass's keys (keys_in null)
+    const i32* keys_in;  // [n] or null
+    const i32* pos_in;   // [n] or null (the position is the index)
+    i32* keys_out;       // [n] (scatter)
+    i32* pos_out;        // [n] (scatter)
+    u32* hist;           // [256 * tiles], digit-major: counts, offsets after the scan
+    i64 vocab_start;
+    i32 vocab;
+    i32 n;
+    i32 shift;           // the pass's digit: key bits [shift, shift + 8)
+    i32 tiles;
+};
+
+// Row offsets [vocab + 1] from the sorted keys (tpar_embedding_csr_starts).
+struct EmbStartsArgs {
+    const i32* keys;  // [n], sorted, each in [0, vocab]
+    i32* row_start;   // [vocab + 1]
+    i32 n;
+    i32 vocab;
 };
 
 struct EmbCheckArgs {
@@ -170,16 +202,30 @@ TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
                 float acc[N];
 #pragma unroll
                 for (int k = 0; k < N; ++k) acc[k] = 0.0f;
-                for (i32 q = s; q < e; ++q) {
-                    const Raw16* src = reinterpret_cast<const Raw16*>(dout + (i64)a.positions[q] * a.dim);
-                    float x[N];
-                    Pack16<T>::unpack(src[j], x);
-                    if (q == s) {
+                // kLoads rows loaded before they are added (in position order),
+                // so a long row has that many loads in flight.
+                constexpr int kLoads = 4;
+                for (i32 q0 = s; q0 < e; q0 += kLoads) {
+                    Raw16 rows[kLoads];
 #pragma unroll
-                        for (int k = 0; k < N; ++k) acc[k] = x[k];
-                    } else {
+                    for (int u = 0; u < kLoads; ++u) {
+                        if (q0 + u < e) {
+                            const T* src = dout + (i64)a.positions[q0 + u] * a.dim;
+                            rows[u] = reinterpret_cast<const Raw16*>(src)[j];
+                        }
+                    }
 #pragma unroll
-                        for (int k = 0; k < N; ++k) acc[k] += x[k];
+                    for (int u = 0; u < kLoads; ++u) {
+                        if (q0 + u >= e) break;
+                        float x[N];
+                        Pack16<T>::unpack(rows[u], x);
+                        if (q0 + u == s) {
+#pragma unroll
+                            for (int k = 0; k < N; ++k) acc[k] = x[k];
+                        } else {
+#pragma unroll
+                            for (int k = 0; k < N; ++k) acc[k] += x[k];
+                        }
                     }
                 }
                 out[j] = Pack16<T>::pack(acc);
@@ -194,6 +240,115 @@ TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
                 dw[j] = from_f32<T>(acc);
             }
         }
+    }
+}
+
+// The radix sort's tiles: 256 threads, 8 rounds of one position each.
+constexpr int kSortThreads = 256;
+constexpr int kSortItems = 8;
+constexpr int kSortTile = kSortThreads * kSortItems;
+constexpr int kSortBins = 256;
+constexpr int kScanThreads = 1024;
+
+// Position p's sort key: its local row, or `vocab` for an id outside the slice.
+TPAR_DEVICE i32 sort_key(const EmbSortArgs& a, i64 p) {
+    if (a.keys_in) return a.keys_in[p];
+    const i64 r = a.ids[p] - a.vocab_start;
+    return r >= 0 && r < a.vocab ? (i32)r : a.vocab;
+}
+
+// hist[d * tiles + tile]: how many of the tile's positions have digit d.
+TPAR_DEVICE void sort_hist(const EmbSortArgs& a) {
+    __shared__ u32 h[kSortBins];
+    for (int i = threadIdx.x; i < kSortBins; i += blockDim.x) h[i] = 0;
+    __syncthreads();
+    const i64 first = (i64)blockIdx.x * kSortTile;
+    for (int k = 0; k < kSortItems; ++k) {
+        const i64 p = first + (i64)k * blockDim.x + threadIdx.x;
+        if (p < a.n) atomicAdd(&h[((u32)sort_key(a, p) >> a.shift) & 255u], 1u);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kSortBins; i += blockDim.x) a.hist[(i64)i * a.tiles + blockIdx.x] = h[i];
+}
+
+// The exclusive scan of hist in place (one block): each digit's tiles in tile
+// order, the digits in order, so tile t's first position of digit d goes after
+// every smaller digit and after digit d in the tiles before t.
+TPAR_DEVICE void sort_scan(const EmbSortArgs& a) {
+    __shared__ u32 sums[kScanThreads];
+    const i64 total = (i64)kSortBins * a.tiles;
+    const i64 per = (total + blockDim.x - 1) / blockDim.x;
+    const i64 lo = per * threadIdx.x < total ? per * threadIdx.x : total;
+    const i64 hi = lo + per < total ? lo + per : total;
+    u32 own = 0;
+    for (i64 i = lo; i < hi; ++i) own += a.hist[i];
+    sums[threadIdx.x] = own;
+    __syncthreads();
+    for (int off = 1; off < (int)blockDim.x; off <<= 1) {
+        const u32 v = (int)threadIdx.x >= off ? sums[threadIdx.x - off] : 0u;
+        __syncthreads();
+        sums[threadIdx.x] += v;
+        __syncthreads();
+    }
+    u32 run = sums[threadIdx.x] - own;
+    for (i64 i = lo; i < hi; ++i) {
+        const u32 v = a.hist[i];
+        a.hist[i] = run;
+        run += v;
+    }
+}
+
+// Writes each of the tile's positions (and its key) at its digit's offset plus
+// its rank among the tile's earlier positions of that digit: a stable pass.
+TPAR_DEVICE void sort_scatter(const EmbSortArgs& a) {
+    constexpr int kWarps = kSortThreads / 32;
+    __shared__ u32 base[kSortBins];
+    __shared__ u32 counts[kWarps * kSortBins];
+    for (int i = threadIdx.x; i < kSortBins; i += blockDim.x) base[i] = a.hist[(i64)i * a.tiles + blockIdx.x];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 below = (1u << lane) - 1u;
+    const i64 first = (i64)blockIdx.x * kSortTile;
+    for (int k = 0; k < kSortItems; ++k) {
+        for (int i = threadIdx.x; i < kWarps * kSortBins; i += blockDim.x) counts[i] = 0;
+        __syncthreads();
+        const i64 p = first + (i64)k * blockDim.x + threadIdx.x;
+        const bool in = p < a.n;
+        const i32 key = in ? sort_key(a, p) : 0;
+        const u32 d = ((u32)key >> a.shift) & 255u;
+        // The lanes holding the same digit (and a position).
+        u32 peers = __ballot_sync(0xffffffffu, in);
+        for (int b = 0; b < 8; ++b) {
+            const u32 bit = (d >> b) & 1u;
+            const u32 set = __ballot_sync(0xffffffffu, bit);
+            peers &= bit ? set : ~set;
+        }
+        const u32 rank = __popc(peers & below);
+        if (in && rank == 0) counts[warp * kSortBins + d] = __popc(peers);
+        __syncthreads();
+        if (in) {
+            u32 at = base[d] + rank;
+            for (int w = 0; w < warp; ++w) at += counts[w * kSortBins + d];
+            a.keys_out[at] = key;
+            a.pos_out[at] = a.pos_in ? a.pos_in[p] : (i32)p;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < kSortBins; i += blockDim.x) {
+            u32 s = 0;
+            for (int w = 0; w < kWarps; ++w) s += counts[w * kSortBins + i];
+            base[i] += s;
+        }
+        __syncthreads();
+    }
+}
+
+// row_start[r] = the first sorted index whose key is r or more: each index i
+// writes the rows after its predecessor's key up to its own (i = n: up to
+// vocab), so every row is written once.
+TPAR_DEVICE void csr_starts(const EmbStartsArgs& a) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= a.n; i += (i64)gridDim.x * blockDim.x) {
+        const i32 prev = i == 0 ? -1 : a.keys[i - 1];
+        const i32 cur = i == a.n ? a.vocab : a.keys[i];
+        for (i32 r = prev + 1; r <= cur; ++r) a.row_start[r] = (i32)i;
     }
 }
 
@@ -233,6 +388,11 @@ TPAR_KERNEL(tpar_embedding_bwd_atomic_f16, EmbBwdAtomicArgs, 256) { embedding::b
 TPAR_KERNEL(tpar_embedding_bwd_csr_f32, EmbBwdCsrArgs, 256) { embedding::backward_csr<float>(args); }
 TPAR_KERNEL(tpar_embedding_bwd_csr_bf16, EmbBwdCsrArgs, 256) { embedding::backward_csr<bf16>(args); }
 TPAR_KERNEL(tpar_embedding_bwd_csr_f16, EmbBwdCsrArgs, 256) { embedding::backward_csr<f16>(args); }
+
+TPAR_KERNEL(tpar_embedding_sort_hist, EmbSortArgs, 256) { embedding::sort_hist(args); }
+TPAR_KERNEL(tpar_embedding_sort_scan, EmbSortArgs, 1024) { embedding::sort_scan(args); }
+TPAR_KERNEL(tpar_embedding_sort_scatter, EmbSortArgs, 256) { embedding::sort_scatter(args); }
+TPAR_KERNEL(tpar_embedding_csr_starts, EmbStartsArgs, 256) { embedding::csr_starts(args); }
 
 TPAR_KERNEL(tpar_embedding_zero_f32, EmbZeroArgs, 256) { embedding::zero(args); }
 TPAR_KERNEL(tpar_embedding_check_ids, EmbCheckArgs, 256) { embedding::check_ids(args); }

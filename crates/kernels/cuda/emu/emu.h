@@ -328,6 +328,7 @@ inline unsigned __ballot_sync(unsigned, int pred) {
     return out;
 }
 inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __all_sync(unsigned m, int pred) { return __ballot_sync(m, !pred) == 0; }
 
 // Tensor-core and async-copy emulation (emu.cpp).

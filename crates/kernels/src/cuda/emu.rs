@@ -1000,8 +1000,11 @@ impl Launcher for EmulatedGpu {
         }
         // SAFETY: the caller's guarantee (the trait's contract) is the emulator's;
         // its addresses are this device's memory.
-        self.issue(true, || unsafe {
-            self.emu.launch_checked(kernel, cfg, cfg.cluster, args, true)
+        self.issue(true, || {
+            crate::cuda::profile::emulated(
+                || kernel.to_string(),
+                || unsafe { self.emu.launch_checked(kernel, cfg, cfg.cluster, args, true) },
+            )
         })
     }
 }

@@ -30,6 +30,8 @@ const BATCH: usize = 2048;
 struct Profile {
     pending: Vec<(String, CudaEvent, CudaEvent)>,
     totals: HashMap<String, (u64, f64)>,
+    /// Whether some totals are the emulator's host time ([`emulated`]), not GPU time.
+    emulated: bool,
 }
 
 impl Profile {
@@ -81,8 +83,28 @@ pub(crate) fn timed<T>(
     out
 }
 
-/// The GPU time per kernel name since the start, largest first, as a table; `None` without `TPAR_CUDA_PROFILE=1`. Waits for
-/// the profiled work still queued.
+/// Runs `f` (a launch the CPU emulator runs on the calling thread) and, when
+/// profiling, adds it to `name`'s calls with the host time it took: on the emulator
+/// the census of a step's kernels (which ones, how often) is what the table means;
+/// its times are the emulator's, not a GPU's, and [`report`] says so.
+pub(crate) fn emulated<T>(name: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+    let Some(p) = profile() else {
+        return f();
+    };
+    let t = std::time::Instant::now();
+    let out = f();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+    p.emulated = true;
+    let e = p.totals.entry(name()).or_insert((0, 0.0));
+    e.0 += 1;
+    e.1 += ms;
+    out
+}
+
+/// The GPU time per kernel name since the start, largest first, as a table (on the
+/// CPU emulator, the launches per kernel and the emulator's host time); `None`
+/// without `TPAR_CUDA_PROFILE=1`. Waits for the profiled work still queued.
 pub fn report() -> Option<String> {
     let mut p = profile()?.lock().unwrap_or_else(|e| e.into_inner());
     p.drain();
@@ -90,8 +112,9 @@ pub fn report() -> Option<String> {
     rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1).then(a.0.cmp(b.0)));
     let calls: u64 = rows.iter().map(|r| r.1 .0).sum();
     let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+    let what = if p.emulated { "CPU emulator time" } else { "GPU time" };
     let mut s = format!(
-        "GPU time by kernel (TPAR_CUDA_PROFILE): {calls} launches, {total:.1} ms in all\n  \
+        "{what} by kernel (TPAR_CUDA_PROFILE): {calls} launches, {total:.1} ms in all\n  \
          {:<44} {:>7} {:>10} {:>9} {:>6}\n",
         "kernel", "calls", "total ms", "mean us", "share"
     );

@@ -463,9 +463,9 @@ fn ce_rows(op: &'static str, ts: &[&Tensor]) -> Result<usize> {
 
 /// Embedding lookup on the device; `None` when the dtype has no kernel.
 ///
-/// The weight gradient is the atomic scatter-add (`embedding_backward_atomic`,
-/// accumulated in f32): the deterministic CSR variant needs the ids grouped
-/// by row on the host each call, which would read the ids back.
+/// The weight gradient sums each row's positions in position order in f32, as the CPU
+/// kernel does (the same bits, every run), from a CSR of the ids that kernels build on
+/// the device (`embedding_backward_sorted`: nothing is read back).
 pub(crate) fn embedding(
     ids: &Tensor,
     weight: &Tensor,
@@ -499,29 +499,19 @@ pub(crate) fn embedding(
         }
         let dev = device_of(g, OP)?;
         let mut dw = Out::new(&dev, [vocab, dim], wdt)?;
-        let mut acc = if cd == CudaDType::F32 {
-            None
-        } else {
-            Some(Out::new(&dev, [vocab, dim], DType::F32)?)
-        };
-        // Bad ids were reported by the forward; here they are skipped. f32
-        // gradients accumulate in `dw` itself.
+        // Bad ids were reported by the forward; here they are skipped.
         with_gpu(OP, &[&ids_c, g], |v| {
             let (iv, gv) = (v[0].view(), v[1].view());
-            let (dwv, accv) = (dw.view_mut(), acc.as_mut().map(Out::view_mut));
-            Ok(k_emb::embedding_backward_atomic(
+            Ok(k_emb::embedding_backward_sorted(
                 &*dev,
                 cd,
                 iv,
                 n,
                 vocab_start,
-                masked,
                 gv,
                 vocab,
                 dim,
-                dwv,
-                accv,
-                None,
+                dw.view_mut(),
             )?)
         })?;
         Ok(vec![Some(dw.into_tensor())])

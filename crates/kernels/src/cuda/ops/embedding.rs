@@ -99,6 +99,51 @@ pub fn embedding_backward_csr(
     }
 }
 
+/// Deterministic embedding gradient from the ids alone: `dweight`
+/// (`[vocab, dim]`, `dtype`, overwritten) from `dout` (`[n, dim]`) and the i64
+/// `ids`, the CPU kernel's sums in position order (the bits of
+/// [`embedding_backward_csr`]), with the CSR built on the device from scratch
+/// memory allocated for the call; nothing is read back. Ids outside the slice
+/// are skipped (the forward reports them).
+pub fn embedding_backward_sorted(
+    dev: &dyn GpuDevice,
+    dtype: CudaDType,
+    ids: DeviceSlice<'_>,
+    n: usize,
+    vocab_start: i64,
+    dout: DeviceSlice<'_>,
+    vocab: usize,
+    dim: usize,
+    dweight: DeviceSliceMut<'_>,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_backward_sorted";
+    let c = Check::new(OP, dev);
+    let es = dtype.size();
+    let ip = c.read("ids", &ids, n, 8)?;
+    let gp = c.read("dout", &dout, count(OP, &[n, dim])?, es)?;
+    let wp = c.write("dweight", &dweight, count(OP, &[vocab, dim])?, es)?;
+    // On `dweight`'s device, which shares `dev`'s memory (checked above); freed
+    // after the launches in stream order.
+    let scratch = DeviceBuffer::alloc(dweight.device(), raw::sorted_scratch_bytes(n, vocab))?;
+    // SAFETY: every view is a live buffer in `dev`'s memory holding what the
+    // kernels touch (checked above); `dweight` is exclusive and `scratch` is this
+    // call's own, of the size the kernels need.
+    unsafe {
+        raw::embedding_backward_sorted(
+            dev,
+            dtype,
+            ip,
+            n,
+            vocab_start,
+            gp,
+            vocab,
+            dim,
+            wp,
+            scratch.ptr(),
+        )
+    }
+}
+
 /// Embedding gradient from the ids alone, with f32 atomic adds: `dweight`
 /// (`[vocab, dim]`, `dtype`, overwritten) from `dout` (`[n, dim]`) and the
 /// i64 `ids`, accumulated in the f32 `acc` (`[vocab, dim]`; `None` for f32

@@ -7,6 +7,10 @@
 //!   [`EmbeddingCsr::build`] computes on the host from the ids (a counting
 //!   sort, `O(ids + vocab)`; token ids usually come from the host anyway) and
 //!   which the caller uploads.
+//! - [`embedding_backward_sorted`]: the same sums from the ids alone: the
+//!   CSR is built on the device (a stable radix sort of the positions by
+//!   row), so nothing goes through the host and every run gives the CPU
+//!   kernel's bits.
 //! - [`embedding_backward_atomic`]: from the ids alone, with f32 `atomicAdd`s
 //!   into an f32 accumulator; on a GPU the order of additions into a repeated
 //!   row varies between runs, so results can differ in the last bits.
@@ -102,6 +106,61 @@ pub struct EmbBwdCsrArgs {
     pub group: i32,
     /// Padding.
     pub pad: i32,
+}
+
+/// Arguments of `tpar_embedding_sort_hist`, `_scan` and `_scatter` (one pass
+/// of [`embedding_backward_sorted`]'s radix sort).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbSortArgs {
+    /// i64 ids `[n]`: the first pass's keys (`keys_in` 0).
+    pub ids: DevPtr,
+    /// i32 keys `[n]` of the previous pass, or 0.
+    pub keys_in: DevPtr,
+    /// i32 positions `[n]` of the previous pass, or 0 (the index).
+    pub pos_in: DevPtr,
+    /// i32 keys `[n]` written by the scatter.
+    pub keys_out: DevPtr,
+    /// i32 positions `[n]` written by the scatter.
+    pub pos_out: DevPtr,
+    /// u32 `[256 * tiles]`, digit-major.
+    pub hist: DevPtr,
+    /// Global id of the slice's first row.
+    pub vocab_start: i64,
+    /// Rows of the slice (the key of an id outside it).
+    pub vocab: i32,
+    /// Ids.
+    pub n: i32,
+    /// The pass's digit: key bits `shift..shift + 8`.
+    pub shift: i32,
+    /// Tiles of [`SORT_TILE`] positions.
+    pub tiles: i32,
+}
+
+/// Arguments of `tpar_embedding_csr_starts`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct EmbStartsArgs {
+    /// i32 sorted keys `[n]`, each in `0..=vocab`.
+    pub keys: DevPtr,
+    /// i32 `[vocab + 1]` written.
+    pub row_start: DevPtr,
+    /// Keys.
+    pub n: i32,
+    /// Rows of the slice.
+    pub vocab: i32,
+}
+
+/// Positions per tile of the radix sort (`kSortTile` in `cuda/embedding.cu`).
+pub const SORT_TILE: usize = 2048;
+/// Threads of the radix sort's scan block (`kScanThreads`).
+const SCAN_THREADS: u32 = 1024;
+
+/// Bytes of device scratch [`embedding_backward_sorted`] needs for `n` ids and
+/// a slice of `vocab` rows: two key and position arrays, the row offsets and
+/// the sort's histograms (4 bytes each).
+pub fn sorted_scratch_bytes(n: usize, vocab: usize) -> usize {
+    4 * (4 * n + vocab + 1 + 256 * n.div_ceil(SORT_TILE))
 }
 
 /// Arguments of `tpar_embedding_zero_f32`.
@@ -318,6 +377,100 @@ pub unsafe fn embedding_backward_csr(
     };
     // SAFETY: the caller vouches for the addresses and the CSR; sizes are checked above.
     unsafe { launch(launcher, &format!("tpar_embedding_bwd_csr_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// Deterministic embedding gradient from the ids alone, on the device:
+/// [`embedding_backward_csr`]'s result (the CPU kernel's sums, in position
+/// order, the same bits every run) with the CSR built by kernels instead of
+/// the host. The positions are sorted by local row `ids[p] - vocab_start`
+/// with a stable LSD radix sort of 8-bit digits (one pass per byte of
+/// `vocab`: a histogram per tile of [`SORT_TILE`] positions, one scan, one
+/// scatter), the row offsets are read off the sorted keys, and the CSR kernel
+/// sums. Ids outside the slice are skipped (the forward reports them).
+/// `scratch` holds [`sorted_scratch_bytes`]`(n, vocab)` bytes of device memory.
+///
+/// # Safety
+/// `ids` (i64 `[n]`), `dout` (`[n, dim]`), `dweight` (`[vocab, dim]`,
+/// overwritten) and `scratch` must be device buffers of those sizes, `dweight`
+/// and `scratch` overlapping nothing.
+pub unsafe fn embedding_backward_sorted(
+    launcher: &dyn Launcher,
+    dtype: CudaDType,
+    ids: DevPtr,
+    n: usize,
+    vocab_start: i64,
+    dout: DevPtr,
+    vocab: usize,
+    dim: usize,
+    dweight: DevPtr,
+    scratch: DevPtr,
+) -> Result<()> {
+    const OP: &str = "cuda_embedding_backward_sorted";
+    let dn = check_matrix(OP, "ids", n, dim)?;
+    let wn = check_matrix(OP, "vocab", vocab, dim)?;
+    // The key of an id outside the slice is `vocab`, and `row_start` has vocab + 1.
+    to_i32(OP, "vocab + 1", vocab + 1)?;
+    check_ptr(OP, "ids", ids, n, 8)?;
+    check_ptr(OP, "dout", dout, dn, dtype.size())?;
+    check_ptr(OP, "dweight", dweight, wn, dtype.size())?;
+    check_ptr(OP, "scratch", scratch, sorted_scratch_bytes(n, vocab) / 4, 4)?;
+    if wn == 0 {
+        return Ok(());
+    }
+    let at = |words: usize| scratch + 4 * words as DevPtr;
+    let (keys, pos) = ([at(0), at(2 * n)], [at(n), at(3 * n)]);
+    let row_start = at(4 * n);
+    let hist = at(4 * n + vocab + 1);
+    let tiles = n.div_ceil(SORT_TILE);
+    // Bits of the largest key (`vocab`), one pass per 8.
+    let bits = (usize::BITS - vocab.leading_zeros()) as usize;
+    let passes = bits.div_ceil(8).max(1);
+    let mut last = 0;
+    if n > 0 {
+        for pass in 0..passes {
+            let (src, dst) = (pass % 2, (pass + 1) % 2);
+            let args = EmbSortArgs {
+                ids,
+                keys_in: if pass == 0 { 0 } else { keys[src] },
+                pos_in: if pass == 0 { 0 } else { pos[src] },
+                keys_out: keys[dst],
+                pos_out: pos[dst],
+                hist,
+                vocab_start,
+                vocab: vocab as i32,
+                n: n as i32,
+                shift: 8 * pass as i32,
+                tiles: tiles as i32,
+            };
+            let grid = LaunchConfig::linear(tiles as u32, BLOCK);
+            // SAFETY: the sort reads `ids` (or the previous pass's arrays) and writes
+            // `n` keys and positions and `256 * tiles` counts inside `scratch`, whose
+            // size is checked above.
+            unsafe {
+                launch(launcher, "tpar_embedding_sort_hist", grid, &args)?;
+                launch(
+                    launcher,
+                    "tpar_embedding_sort_scan",
+                    LaunchConfig::linear(1, SCAN_THREADS),
+                    &args,
+                )?;
+                launch(launcher, "tpar_embedding_sort_scatter", grid, &args)?;
+            }
+            last = dst;
+        }
+    }
+    let starts = EmbStartsArgs { keys: keys[last], row_start, n: n as i32, vocab: vocab as i32 };
+    let cfg = LaunchConfig::for_items(n + 1, BLOCK, 4096);
+    // SAFETY: the keys are the sorted ones just written (each in 0..=vocab), and
+    // `row_start` holds vocab + 1 offsets inside `scratch`.
+    unsafe { launch(launcher, "tpar_embedding_csr_starts", cfg, &starts)? };
+    // SAFETY: the offsets and positions are a consistent CSR of `n` ids over
+    // `vocab` rows (sorted on the device above); the other buffers are checked.
+    unsafe {
+        embedding_backward_csr(
+            launcher, dtype, row_start, pos[last], n, dout, n, vocab, dim, dweight,
+        )
+    }
 }
 
 /// Embedding gradient from the ids alone: zeroes the f32 accumulator `acc`

@@ -1,7 +1,7 @@
 //! The memory-bound benchmarks: a device-to-device copy, then RMSNorm, RoPE,
-//! dropout and cross-entropy in GB/s.
+//! dropout, cross-entropy and the embedding gradient in GB/s.
 
-use tpar_kernels::cuda::raw::{cross_entropy as ce, dropout, layout, rmsnorm, rope};
+use tpar_kernels::cuda::raw::{cross_entropy as ce, dropout, embedding, layout, rmsnorm, rope};
 use tpar_kernels::cuda::{CudaDType, DevPtr};
 use tpar_kernels::dropout::{DropoutMask, ShardRuns};
 use tpar_kernels::rope::RopeShape;
@@ -187,6 +187,70 @@ pub(crate) fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench>
             out.push(gbs("cross_entropy.fwdbwd", 3.0 * nl * 2.0, Ok(tf + tb), note));
         }
         Err(e) => out.push(gbs("cross_entropy.fwd", 0.0, Err(e), note)),
+    }
+    // The embedding gradient of 8192 ids into bf16 rows: the training step's (259 rows of
+    // 1024, a third of the ids one row, as text's spaces) and a 32000-row vocabulary of
+    // 4096 (uniform ids); sorted on the device (deterministic, the default) and atomic.
+    // Bytes: the output gradient read and the table gradient written.
+    for (vocab, dim, skewed) in [(259usize, 1024usize, true), (32000, 4096, false)] {
+        let n = 8192usize;
+        let ids: Vec<i64> = (0..n)
+            .map(|i| if skewed && i.is_multiple_of(3) { 32 } else { rng.below(vocab) as i64 })
+            .collect();
+        let bytes = 2.0 * (n * dim + vocab * dim) as f64;
+        let note = format!("{n} ids, {vocab}x{dim} bf16{}", if skewed { ", skewed" } else { "" });
+        let t = (|| -> Res<(f64, f64)> {
+            let (bids, dw) = (d.up_raw(&ids)?, d.alloc(vocab * dim * 2)?);
+            let scratch = d.alloc(embedding::sorted_scratch_bytes(n, vocab))?;
+            let acc = d.alloc(vocab * dim * 4)?;
+            let sorted = time_per_call(d, || {
+                // SAFETY: the ids, the output gradient (inside the source), the table
+                // gradient and the scratch have the sizes the call needs.
+                unsafe {
+                    embedding::embedding_backward_sorted(
+                        l,
+                        BF16,
+                        bids.ptr(),
+                        n,
+                        0,
+                        s,
+                        vocab,
+                        dim,
+                        dw.ptr(),
+                        scratch.ptr(),
+                    )?
+                };
+                Ok(())
+            })?;
+            let atomic = time_per_call(d, || {
+                // SAFETY: as above, with an f32 accumulator of the table's size.
+                unsafe {
+                    embedding::embedding_backward_atomic(
+                        l,
+                        BF16,
+                        bids.ptr(),
+                        n,
+                        0,
+                        true,
+                        s,
+                        vocab,
+                        dim,
+                        dw.ptr(),
+                        acc.ptr(),
+                        0,
+                    )?
+                };
+                Ok(())
+            })?;
+            Ok((sorted, atomic))
+        })();
+        let (sorted, atomic) = match t {
+            Ok((a, b)) => (Ok(a), Ok(b)),
+            Err(e) => (Err(e.to_string().into()), Err(e)),
+        };
+        let key = format!("embedding.bwd.v{vocab}");
+        out.push(gbs(&format!("{key}.sorted"), bytes, sorted, &note));
+        out.push(gbs(&format!("{key}.atomic"), bytes, atomic, &note));
     }
     out
 }

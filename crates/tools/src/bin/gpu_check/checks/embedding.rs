@@ -7,11 +7,18 @@ use CudaDType::{BF16, F16, F32};
 
 use super::{bound, Ctx};
 use crate::data::dn;
+use crate::Res;
 
 pub(crate) fn check_embedding(c: &mut Ctx) {
     // (dtype, vocab, dim, ids, vocab_start, masked)
     let cases: &[(CudaDType, usize, usize, usize, i64, bool)] = if c.quick {
-        &[(F32, 50, 72, 40, 0, false), (BF16, 30, 64, 40, 10, true), (F16, 50, 13, 33, 0, false)]
+        &[
+            (F32, 50, 72, 40, 0, false),
+            (BF16, 30, 64, 40, 10, true),
+            (F16, 50, 13, 33, 0, false),
+            // The byte vocabulary over three sort tiles: two radix passes.
+            (BF16, 259, 64, 4100, 0, false),
+        ]
     } else {
         &[
             (BF16, 32000, 4096, 8192, 0, false),
@@ -66,6 +73,8 @@ pub(crate) fn embedding_case(
         let (bout, berr) = (d.junk(out.len() * es)?, d.up_raw(&[embedding::NO_ERROR])?);
         let (brs, bpos) = (d.up_raw(&csr.row_start)?, d.up_raw(&csr.positions)?);
         let (bdw_csr, bdw_atomic) = (d.junk(dw.len() * es)?, d.junk(dw.len() * es)?);
+        let bdw_sorted = d.junk(dw.len() * es)?;
+        let scratch = d.junk(embedding::sorted_scratch_bytes(n, vocab))?;
         let acc = if dt == F32 { None } else { Some(d.junk(dw.len() * 4)?) };
         let acc_ptr = acc.as_ref().map_or(bdw_atomic.ptr(), DeviceBuffer::ptr);
         // SAFETY: every buffer was allocated above with the size the op needs;
@@ -110,6 +119,18 @@ pub(crate) fn embedding_case(
                 acc_ptr,
                 0,
             )?;
+            embedding::embedding_backward_sorted(
+                l,
+                dt,
+                bids.ptr(),
+                n,
+                start,
+                bdout.ptr(),
+                vocab,
+                dim,
+                bdw_sorted.ptr(),
+                scratch.ptr(),
+            )?;
         }
         c.r.close("embedding.fwd", dn(dt), &shape, &d.down(dt, &bout)?, &out, b);
         let got_err = d.down_raw::<i32>(&berr)?[0];
@@ -122,6 +143,11 @@ pub(crate) fn embedding_case(
         );
         c.r.close("embedding.bwd_csr", dn(dt), &shape, &d.down(dt, &bdw_csr)?, &dw, b);
         c.r.close("embedding.bwd_atomic", dn(dt), &shape, &d.down(dt, &bdw_atomic)?, &dw, b);
+        // The CSR built on the device gives the host-built CSR's sums: the same bits.
+        let bits = |buf: &DeviceBuffer| -> Res<Vec<u64>> {
+            Ok(d.down(dt, buf)?.iter().map(|x| x.to_bits()).collect())
+        };
+        c.r.exact("embedding.bwd_sorted", dn(dt), &shape, &bits(&bdw_sorted)?, &bits(&bdw_csr)?);
         Ok(())
     });
 }
