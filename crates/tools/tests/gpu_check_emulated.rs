@@ -162,6 +162,25 @@ fn adamw_bits_do_not_depend_on_contraction() {
     assert!(!stdout.lines().any(|l| l.starts_with("FAIL")), "{stdout}");
 }
 
+/// With the emulator running each launch's blocks in an order drawn from its seed (as a
+/// GPU runs them in any order), every check still passes: a check that states exact bits
+/// states only bits no block order changes (the embedding's sorted gradient, AdamW,
+/// dropout, the reductions' fixed folds), and results summed by float atomics of
+/// several blocks (the attention backward's dq) are held to a bound.
+#[test]
+fn checks_do_not_depend_on_block_order() {
+    let out = Command::new(gpu_check())
+        .args(["--device", "emulator", "--quick"])
+        .env(tpar_kernels::cuda::emu::BLOCK_ORDER_ENV, "shuffled")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!stdout.lines().any(|l| l.starts_with("FAIL")), "{stdout}");
+    let passed = stdout.lines().filter(|l| l.starts_with("PASS")).count();
+    assert!(passed > 200, "{passed} checks passed:\n{stdout}");
+}
+
 /// The Hopper attention's checks run where the device runs `sm_90a` kernels (the
 /// emulator standing in for one): forward and backward on `SdpaPath::Hopper` pass for
 /// every case (the packed q/k/v layout included, as on the default path), and a

@@ -1,6 +1,7 @@
 // Fiber scheduler of the CPU emulator (see emu.h).
 //
-// A launch runs its blocks in order. Each thread of a block is a fiber
+// A launch runs its blocks (clusters) one at a time, in the grid's order or
+// in one drawn from the launch seed. Each thread of a block is a fiber
 // with its own stack (switched by tpar_emu_switch below, with no system
 // call; on other than x86-64, by ucontext). A fiber runs until it reaches a block
 // barrier or a warp operation; the scheduler then runs the other runnable
@@ -251,6 +252,13 @@ struct Launch {
     Fiber* current = nullptr;
     std::string error;
     unsigned long long rng = 0;
+    // The order the clusters run in: run c (from 0) is cluster (a c + b) mod
+    // count of the grid (x fastest, then y, then z); a = 1, b = 0 is the
+    // grid's own order.
+    unsigned long long order_a = 1, order_b = 0, order_count = 1;
+    unsigned long long cluster_of(unsigned long long run) const {
+        return (unsigned long long)(((unsigned __int128)order_a * run + order_b) % order_count);
+    }
     // a hardware fault of the running fiber (see on_fault): signal 0 if none
     struct {
         int signo = 0, code = 0;
@@ -483,9 +491,9 @@ std::string who(const Launch* L, Epoch e, u32 run = g.run) {
     const unsigned id = e.id < g.n ? e.id : e.id - g.n;
     const unsigned per_block = L->block.x * L->block.y * L->block.z;
     const unsigned r = id / per_block, j = id % per_block;
-    // clusters run x fastest, then y, then z (tpar_emu_launch_cluster)
+    // the cluster the run was (tpar_emu_launch_cluster), x fastest, then y, then z
     const unsigned cx = L->grid.x / L->cluster.x, cy = L->grid.y / L->cluster.y;
-    const unsigned c = run - 1;
+    const unsigned c = (unsigned)L->cluster_of(run - 1);
     const unsigned x = (c % cx) * L->cluster.x + r % L->cluster.x;
     const unsigned y = ((c / cx) % cy) * L->cluster.y + (r / L->cluster.x) % L->cluster.y;
     const unsigned z = (c / (cx * cy)) * L->cluster.z + r / (L->cluster.x * L->cluster.y);
@@ -2283,19 +2291,20 @@ void tpar_emu_bulk_wait(int n) {
 
 // Runs a whole launch (blocks `cluster` at a time, together) of a kernel
 // whose argument struct is the `args_len` bytes at `args`; returns 0, or 1
-// with a message in `err`. `strict`: the launch's global memory is device
-// memory registered with tpar_emu_track (memcheck checks every global access
-// against it).
+// with a message in `err`. `flags` bit 0 (strict): the launch's global
+// memory is device memory registered with tpar_emu_track (memcheck checks
+// every global access against it); bit 1: the clusters run in an order drawn
+// from `seed` instead of the grid's.
 int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_t args_len,
                             const unsigned grid[3], const unsigned block[3],
-                            const unsigned cluster[3], size_t dyn_smem, int strict,
+                            const unsigned cluster[3], size_t dyn_smem, int flags,
                             unsigned long long seed, char* err, size_t errlen) {
     std::lock_guard<std::mutex> lock(g_mutex);
     Launch L;
     L.kernel = kernel;
     L.args = args;
     L.args_len = args_len;
-    L.strict = strict != 0;
+    L.strict = (flags & 1) != 0;
     L.grid = dim3{grid[0], grid[1], grid[2]};
     L.block = dim3{block[0], block[1], block[2]};
     L.cluster = dim3{cluster[0], cluster[1], cluster[2]};
@@ -2337,20 +2346,47 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_
     g_runner = pthread_self();
     g_running.store(&L, std::memory_order_release);
     TPAR_RACE(race::begin_launch());
-    for (unsigned z = 0; z < grid[2] && L.error.empty(); z += cluster[2])
-        for (unsigned y = 0; y < grid[1] && L.error.empty(); y += cluster[1])
-            for (unsigned x = 0; x < grid[0] && L.error.empty(); x += cluster[0]) {
-                for (unsigned r = 0; r < L.csize; ++r) {
-                    Cta& c = L.ctas[r];
-                    // ranks in the cluster: x fastest, as %cluster_ctarank
-                    c.bidx = dim3{x + r % cluster[0], y + (r / cluster[0]) % cluster[1],
-                                  z + r / (cluster[0] * cluster[1])};
-                    // fill dynamic shared memory with a pattern: kernels must not
-                    // rely on it starting at zero
-                    std::memset(c.dyn_smem.data(), 0xA5, before + dyn_smem + 16 + 1024);
-                }
-                run_cluster(&L);
+    // The clusters run one at a time, in the grid's order or (flags bit 1) in
+    // an order drawn from the seed: a GPU runs blocks in any order (and at
+    // once), so a result that depends on their order (float atomics of
+    // several blocks into one value) changes between runs there, and here
+    // between seeds. The drawn order is the affine permutation
+    // i -> (a i + b) mod count, with a coprime to count.
+    const unsigned long long nx = grid[0] / cluster[0], ny = grid[1] / cluster[1];
+    const unsigned long long count = nx * ny * (grid[2] / cluster[2]);
+    unsigned long long a = 1, b = 0;
+    if (count > 1 && (flags & 2) != 0) {
+        b = next_rand(&L) % count;
+        auto gcd = [](unsigned long long u, unsigned long long v) {
+            while (v != 0) {
+                const unsigned long long t = u % v;
+                u = v;
+                v = t;
             }
+            return u;
+        };
+        do a = 1 + next_rand(&L) % (count - 1);
+        while (gcd(a, count) != 1);
+    }
+    L.order_a = a;
+    L.order_b = b;
+    L.order_count = count;
+    for (unsigned long long i = 0; i < count && L.error.empty(); ++i) {
+        const unsigned long long j = L.cluster_of(i);
+        const unsigned x = (unsigned)(j % nx) * cluster[0];
+        const unsigned y = (unsigned)((j / nx) % ny) * cluster[1];
+        const unsigned z = (unsigned)(j / (nx * ny)) * cluster[2];
+        for (unsigned r = 0; r < L.csize; ++r) {
+            Cta& c = L.ctas[r];
+            // ranks in the cluster: x fastest, as %cluster_ctarank
+            c.bidx = dim3{x + r % cluster[0], y + (r / cluster[0]) % cluster[1],
+                          z + r / (cluster[0] * cluster[1])};
+            // fill dynamic shared memory with a pattern: kernels must not
+            // rely on it starting at zero
+            std::memset(c.dyn_smem.data(), 0xA5, before + dyn_smem + 16 + 1024);
+        }
+        run_cluster(&L);
+    }
     g_running.store(nullptr, std::memory_order_release);
     g_launch = nullptr;
     if (!L.error.empty()) {
@@ -2362,10 +2398,10 @@ int tpar_emu_launch_cluster(void (*kernel)(const void*), const void* args, size_
 
 // Runs a whole launch without clusters.
 int tpar_emu_launch(void (*kernel)(const void*), const void* args, size_t args_len,
-                    const unsigned grid[3], const unsigned block[3], size_t dyn_smem, int strict,
+                    const unsigned grid[3], const unsigned block[3], size_t dyn_smem, int flags,
                     unsigned long long seed, char* err, size_t errlen) {
     const unsigned one[3] = {1, 1, 1};
-    return tpar_emu_launch_cluster(kernel, args, args_len, grid, block, one, dyn_smem, strict,
+    return tpar_emu_launch_cluster(kernel, args, args_len, grid, block, one, dyn_smem, flags,
                                    seed, err, errlen);
 }
 

@@ -19,7 +19,9 @@
 //! a misaligned or an illegal address, instead of ending the process; so does an
 //! integer division by zero, which a GPU answers with an unspecified value.
 //! Threads of a block run in a shuffled order between synchronization points
-//! (seeded, [`Emulator::set_seed`]).
+//! (seeded, [`Emulator::set_seed`]); blocks run one at a time, in the grid's
+//! order or, [`BlockOrder::Shuffled`] ([`BLOCK_ORDER_ENV`]), in one drawn from the
+//! seed, which shows results that depend on the order blocks run in.
 //! [`Emulator::racecheck`] (or [`RACECHECK_ENV`]) also checks every access to
 //! shared and global memory for data races, as `compute-sanitizer --tool
 //! racecheck` does on a GPU, for out-of-bounds and misaligned addresses, as its
@@ -112,6 +114,8 @@ pub struct Emulator {
     kernels: Mutex<HashMap<String, KernelInfo>>,
     extra: Mutex<Vec<&'static libloading::Library>>,
     seed: AtomicU64,
+    /// [`BlockOrder::Shuffled`].
+    shuffle_blocks: AtomicBool,
     _rt: libloading::Library,
 }
 
@@ -170,6 +174,36 @@ fn contraction_flags() -> Result<Vec<String>> {
         Some(other) => Err(cuda_error(
             "emulator",
             format!("{FP_CONTRACT_ENV}={other:?}: expected fast or off"),
+        )),
+    }
+}
+
+/// The environment variable that makes the emulator run a launch's blocks in an
+/// order drawn from its seed instead of the grid's: `TPAR_EMU_BLOCK_ORDER=shuffled`
+/// (`grid`, unset or empty: the grid's order). A GPU runs blocks in any order, so a
+/// result that depends on it (float atomics of several blocks into one value) differs
+/// between runs there; under this setting it differs between seeds here too, and a
+/// check that expects such a result's bits fails. [`Emulator::set_block_order`] sets
+/// it on one emulator.
+pub const BLOCK_ORDER_ENV: &str = "TPAR_EMU_BLOCK_ORDER";
+
+/// The order an [`Emulator`] runs a launch's blocks (clusters) in, one at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockOrder {
+    /// The grid's: x fastest, then y, then z.
+    Grid,
+    /// A permutation drawn from the launch seed ([`Emulator::set_seed`]).
+    Shuffled,
+}
+
+/// The order [`BLOCK_ORDER_ENV`] asks for.
+fn block_order_from_env() -> Result<BlockOrder> {
+    match std::env::var(BLOCK_ORDER_ENV).ok().as_deref() {
+        None | Some("") | Some("grid") => Ok(BlockOrder::Grid),
+        Some("shuffled") => Ok(BlockOrder::Shuffled),
+        Some(other) => Err(cuda_error(
+            "emulator",
+            format!("{BLOCK_ORDER_ENV}={other:?}: expected grid or shuffled"),
         )),
     }
 }
@@ -264,9 +298,25 @@ impl Emulator {
         }
     }
 
-    /// Sets the seed of the thread order used by later launches.
+    /// Sets the seed of the thread order (and, [`BlockOrder::Shuffled`], the block
+    /// order) used by later launches.
     pub fn set_seed(&self, seed: u64) {
         self.seed.store(seed, Ordering::Relaxed);
+    }
+
+    /// Sets the order later launches run their blocks in (see [`BLOCK_ORDER_ENV`],
+    /// which sets it for [`Emulator::get`] and [`Emulator::racecheck`]).
+    pub fn set_block_order(&self, order: BlockOrder) {
+        self.shuffle_blocks.store(order == BlockOrder::Shuffled, Ordering::Relaxed);
+    }
+
+    /// The order launches run their blocks in.
+    pub fn block_order(&self) -> BlockOrder {
+        if self.shuffle_blocks.load(Ordering::Relaxed) {
+            BlockOrder::Shuffled
+        } else {
+            BlockOrder::Grid
+        }
     }
 
     /// The emulator runtime library in use.
@@ -340,6 +390,7 @@ impl Emulator {
             kernels: Mutex::new(HashMap::new()),
             extra: Mutex::new(Vec::new()),
             seed: AtomicU64::new(0x7470_6172),
+            shuffle_blocks: AtomicBool::new(block_order_from_env()? == BlockOrder::Shuffled),
             _rt: rt,
         })
     }
@@ -523,7 +574,8 @@ impl Emulator {
                 cfg.block.as_ptr(),
                 cluster.as_ptr(),
                 cfg.shared_bytes as usize,
-                i32::from(device_memory),
+                i32::from(device_memory)
+                    | (i32::from(self.shuffle_blocks.load(Ordering::Relaxed)) << 1),
                 self.seed.load(Ordering::Relaxed),
                 err.as_mut_ptr() as *mut c_char,
                 err.len(),
