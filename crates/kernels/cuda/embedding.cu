@@ -204,7 +204,7 @@ TPAR_DEVICE void backward_csr(const EmbBwdCsrArgs& a) {
                 for (int k = 0; k < N; ++k) acc[k] = 0.0f;
                 // kLoads rows loaded before they are added (in position order),
                 // so a long row has that many loads in flight.
-                constexpr int kLoads = 4;
+                constexpr int kLoads = sizeof(T) == 4 ? 4 : 8;
                 for (i32 q0 = s; q0 < e; q0 += kLoads) {
                     Raw16 rows[kLoads];
 #pragma unroll
