@@ -73,6 +73,7 @@ struct Opts {
     timeline: bool,
     cuda_graph: bool,
     fusion: LlamaFusion,
+    deterministic: bool,
 }
 
 /// 2-D parallel Llama training: FSDP on the dp mesh dim, tensor + sequence parallelism on
@@ -199,6 +200,12 @@ struct Cli {
     /// where no parallel style sits on those modules.
     #[arg(long)]
     fuse_residual: bool,
+    /// Compute in a fixed order what a GPU would otherwise sum in the order its blocks
+    /// run (the attention backward's dQ; PyTorch's torch.use_deterministic_algorithms):
+    /// the same loss bits on every run, at some speed on a GPU. The host is
+    /// deterministic either way.
+    #[arg(long)]
+    deterministic: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -311,6 +318,7 @@ fn parse() -> Result<Opts, String> {
         timeline: c.timeline,
         cuda_graph: c.cuda_graph,
         fusion: LlamaFusion { projections: c.fuse_proj, residual: c.fuse_residual },
+        deterministic: c.deterministic,
     })
 }
 
@@ -1060,6 +1068,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    tpar::tensor::use_deterministic_algorithms(o.deterministic);
     println!(
         "llama_2d: world {} = dp {}{} x tp {}, {} layers, hidden {}, heads {}/{}, seq {}, batch {} per dp rank, {} steps, {}, plan {}{}",
         o.world, o.dp, if o.cp > 1 { format!(" x cp {}", o.cp) } else { String::new() }, o.tp, o.layers, o.model.hidden, o.model.heads, o.model.kv_heads, o.model.seq, o.batch, o.steps, o.dtype, o.plan,
@@ -1140,7 +1149,7 @@ fn main() {
         .find(|w| !w.logging && w.mode != "warmup" && w.mode != "captured")
         .map_or("none".to_string(), |w| w.work.host_calls.to_string());
     println!(
-        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={} fuse_proj={} fuse_residual={} data_mib_max={:.1}",
+        "summary: world={} dp={} tp={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} start_step={} end_step={} final_loss_bits={:016x} steady_step_s={:.4} ac={} cp={} predicted_peak_mib={:.1} device_peak_mib_max={} cp_method={} cuda_graph={} launches_per_step={} fuse_proj={} fuse_residual={} data_mib_max={:.1} deterministic={}",
         o.world,
         o.dp,
         o.tp,
@@ -1164,6 +1173,7 @@ fn main() {
         u8::from(o.fusion.projections),
         u8::from(o.fusion.residual),
         data_mib_max,
+        u8::from(o.deterministic),
     );
     if o.device != "cpu" {
         // Ops without a device kernel and host-staged collectives, rank 0, per step.

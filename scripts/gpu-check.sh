@@ -78,6 +78,8 @@
 #      configurations whose emulated round trips the tests pin (world 1 with
 #      and without FSDP, 2x2 with both plans, world 1 in bf16, world 1 over
 #      NCCL under torchrun): the logged losses compared, the round trips read;
+#      then one device step run twice by default and twice with --deterministic
+#      (repro.log): whether each mode's two runs end with the same loss bits;
 #   4. one table per benchmark key: ours, PyTorch, cuBLASLt, ours/PyTorch,
 #      ours/cuBLASLt (python3 merges the JSON files); then the training table:
 #      per model size, tpar (FSDP mixed precision, and --no-fsdp) against each
@@ -89,7 +91,7 @@
 # Output: $OUT if set, else ./gpu-results/ — gpu_check.{log,json},
 # torch_ref.{log,json}, torch_ref_l16.{log,json}, llama_2d.log,
 # llama_2d_nofsdp.log, llama_2d_graph.log, llama_2d_l16.log, llama_2d_l16_nofsdp.log, parity.log,
-# cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, llama_2d_fused.log,
+# repro.log, cp.log, gemm_table.txt, gemm_step.log, llama_2d_sdpa_hopper.log, llama_2d_fused.log,
 # skipped.txt (the steps the budget skipped),
 # summary.{txt,json} (its first line names the commit the binaries were built
 # from, when gpu-bundle.sh's built-from.txt is there; copied beside it); after a
@@ -578,6 +580,24 @@ if [ "${SKIP_PARITY:-0}" != 1 ] && [ -x "$bin/llama_2d" ] && fits "3b. parity" 6
         run_parity "$name" cpu "$bin/llama_2d" "${flags[@]}"
         run_parity "$name" cuda "$bin/llama_2d" "${flags[@]}"
     done
+    # Run-to-run reproducibility on the device: the same step twice, by default (the
+    # attention backward's dQ summed by f32 atomics in the order blocks run) and with
+    # --deterministic (summed in key-block order); 4 key blocks a sequence, so dQ sums
+    # several blocks. Each run's final_loss_bits goes to repro.log; the summary says
+    # whether the two runs of each mode agree.
+    : >"$out/repro.log"
+    repro=(--world 1 --dp 1 --tp 1 --no-fsdp --layers 2 --hidden 256 --heads 4 --kv-heads 2
+        --intermediate 512 --seq 256 --batch 8 --steps 3 --log-every 3 --device cuda)
+    for mode in default deterministic; do
+        for i in 1 2; do
+            fits "3b. reproducibility $mode $i" 8 || continue
+            flags=("${repro[@]}")
+            [ "$mode" = deterministic ] && flags+=(--deterministic)
+            bits=$(timeout "$(cap "${PARITY_TIMEOUT:-120}")" "$bin/llama_2d" "${flags[@]}" 2>&1 |
+                sed -n 's/.* final_loss_bits=\([0-9a-f]*\).*/\1/p')
+            echo "$mode $i ${bits:-none}" | tee -a "$out/repro.log" | sed 's/^/  reproducibility: /'
+        done
+    done
     # The nccl backend's device path at world size 1 (tpar-collectives' test binary, if
     # carried: `cargo test --release -p tpar-collectives --test nccl --no-run`, copied
     # to $bin/nccl_test).
@@ -789,6 +809,21 @@ for (name, dev), body in runs.items():
     tail = " | ".join([l for l in body if l.strip()][-2:]) if not ls else ""
     lines.append(f"  {name:<14} {'MATCH' if ok else 'DIFFER'} cuda {ls} cpu {lr} max|d| {diff} "
                  f"round trips logging {rt.get('logging', '?')} quiet {rt.get('quiet', '?')} {tail}")
+# Reproducibility (3b): each mode's two runs' final loss bits.
+repro = {}
+try:
+    with open(os.path.join(out, "repro.log")) as f:
+        for line in f:
+            w = line.split()
+            if len(w) == 3:
+                repro.setdefault(w[0], []).append(w[2])
+except OSError:
+    pass
+if repro:
+    lines.append("reproducibility (3b): the same device step twice, final loss bits")
+for mode, bits in repro.items():
+    same = len(bits) == 2 and bits[0] == bits[1] and bits[0] != "none"
+    lines.append(f"  {mode:<14} {'SAME' if same else 'DIFFER'} {' '.join(bits)}")
 # Context parallelism (3c): cp 2 on one device against cp 1, losses and step time.
 cp = {}
 cruns = sections("cp.log", r"=== (cp[0-9]+)$")
@@ -896,7 +931,7 @@ with open(os.path.join(out, "summary.json"), "w") as f:
                "built_from": built_from,
                "sanitize_exit": sanitize_rc, "skipped": skipped,
                "torch_ref_exit": torch_rc, "llama_2d": llama,
-               "parity": parity, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
+               "parity": parity, "reproducibility": repro, "context_parallel": cp, "checks_total": len(checks), "checks_failed": [c["name"] for c in failed],
                "rows": rows, "training": training}, f, indent=2)
 PY
 

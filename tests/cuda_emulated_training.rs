@@ -270,3 +270,29 @@ fn the_emulated_profile_lists_the_steps_kernels() {
     assert!(calls("tpar_embedding_sort_scatter") >= 2, "{all}");
     assert_eq!(calls("tpar_embedding_bwd_atomic_f32"), 0, "{all}");
 }
+
+/// `--deterministic` (`use_deterministic_algorithms`): the attention backward's dQ,
+/// which every key block adds with f32 atomics, is summed in key-block order whatever
+/// order the device runs blocks in. With the emulator running blocks in an order drawn
+/// from its seed (`TPAR_EMU_BLOCK_ORDER=shuffled`, as a GPU runs them in any order), a
+/// default step's loss bits change, and a deterministic step's are the grid order's.
+#[test]
+fn deterministic_steps_do_not_depend_on_the_block_order() {
+    let bits = |order: &str, deterministic: bool| {
+        let model = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2"];
+        // Four key blocks of 64: dQ sums the parts of several blocks.
+        let shape = ["--intermediate", "256", "--seq", "256", "--batch", "2"];
+        let mut args = vec!["--world", "1", "--dp", "1", "--tp", "1", "--steps", "2"];
+        args.extend(["--device", "cuda"]);
+        if deterministic {
+            args.push("--deterministic");
+        }
+        let env = [("TPAR_EMU_BLOCK_ORDER", order)];
+        let what = format!("{order} deterministic {deterministic}");
+        final_bits(&what, run_with(&env, &[&model[..], &shape, &args].concat()))
+    };
+    let grid = bits("grid", false);
+    assert_ne!(bits("shuffled", false), grid, "the default step depends on the block order");
+    assert_eq!(bits("shuffled", true), grid, "deterministic, shuffled blocks");
+    assert_eq!(bits("grid", true), grid, "deterministic, the grid's order");
+}

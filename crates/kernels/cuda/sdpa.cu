@@ -253,7 +253,7 @@ TPAR_DEVICE void fwd_simt(const SdpaFwdArgs& a) {
 // thread (ty, tx) owns keys ty + 16i of the block's 64 and queries tx + 16j
 // of each 32-query tile, and dK/dV columns c*32 + tx + 16e.
 template <typename T, int NC>
-TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
+TPAR_DEVICE void bwd_simt_block(const SdpaBwdArgs& a, const SdpaArgStrides& st, int kb) {
     constexpr int NT = 256, BQ = 32;
     float* sA = reinterpret_cast<float*>(tpar_dyn_smem);  // [64][33] k / v chunk
     float* sB = sA + kBlock * kLd;                         // [32][33] q / dout chunk
@@ -262,7 +262,7 @@ TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
     float* sL = sDS + kBlock * kLd;                        // [32] lse (exp2 domain)
     float* sD = sL + BQ;                                   // [32] delta
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    const int k0 = blockIdx.x * kBlock, kvh = blockIdx.y, b = blockIdx.z;
+    const int k0 = kb * kBlock, kvh = blockIdx.y, b = blockIdx.z;
     const int group = a.q_heads / a.kv_heads;
     const i64 qld = st.q.row, kld = st.k.row, vld = st.v.row, gld = st.out.row;
     const T* K = static_cast<const T*>(a.k) + st.k.at(b, kvh, k0);
@@ -792,7 +792,7 @@ TPAR_DEVICE void fwd_tc(const SdpaFwdArgs& a) {
 // and element masks are looked at only in tiles that need them (a partial
 // key or query tile, the warp's causal diagonal, an additive mask).
 template <typename T, int HD>
-TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
+TPAR_DEVICE void bwd_tc_block(const SdpaBwdArgs& a, const SdpaArgStrides& st, int kb) {
     constexpr int NT = 128;
     constexpr int TILE = kBlock * HD;
     T* sK = reinterpret_cast<T*>(tpar_dyn_smem);
@@ -804,7 +804,7 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
     float* sD = sL + kBlock;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int k0 = blockIdx.x * kBlock, kvh = blockIdx.y, b = blockIdx.z;
+    const int k0 = kb * kBlock, kvh = blockIdx.y, b = blockIdx.z;
     const int group = a.q_heads / a.kv_heads;
     const int nk = min(kBlock, a.kv_len - k0);
     const float sl2 = a.scale * kLog2e;
@@ -1045,6 +1045,30 @@ TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
     __syncthreads();
     tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dk) + koff, sQb, kld, nk, a.head_dim, tcp);
     tc_store<T, kBlock, HD, NT>(static_cast<T*>(a.dv) + voff, sGb, vld, nk, a.v_dim, tcp);
+}
+
+// The backward kernels' blocks each take key blocks blockIdx.x, blockIdx.x +
+// gridDim.x, ...: one each with a grid of every key block (the default), or,
+// with a grid of one along x (deterministic mode), every key block of its
+// (kv head, batch) in order, so the dQ atomics of the heads it owns run in
+// key-block order whatever order the blocks run in: the same sum, every run.
+template <typename T, int NC>
+TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
+    const int nkb = (a.kv_len + kBlock - 1) / kBlock;
+    for (int kb = blockIdx.x; kb < nkb; kb += gridDim.x) {
+        // the previous key block's last reads of shared memory are done
+        if (kb != (int)blockIdx.x) __syncthreads();
+        bwd_simt_block<T, NC>(a, st, kb);
+    }
+}
+
+template <typename T, int HD>
+TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
+    const int nkb = (a.kv_len + kBlock - 1) / kBlock;
+    for (int kb = blockIdx.x; kb < nkb; kb += gridDim.x) {
+        if (kb != (int)blockIdx.x) __syncthreads();
+        bwd_tc_block<T, HD>(a, st, kb);
+    }
 }
 
 // ------------------------------------------------------------------ backward helpers

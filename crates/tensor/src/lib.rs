@@ -52,3 +52,26 @@ pub use tpar_kernels::adamw::AdamWParams;
 
 /// Result type of tensor ops.
 pub type Result<T> = std::result::Result<T, TensorError>;
+
+/// Makes ops whose results on a GPU depend on the order its blocks run in compute in a
+/// fixed order instead, process-wide (PyTorch's `torch.use_deterministic_algorithms`):
+/// the attention backward's dQ, which every key block otherwise adds with f32 atomics,
+/// is then summed in key-block order, the same bits on every run, at some speed where
+/// kv heads times batch is below the GPU's multiprocessor count
+/// ([`tpar_kernels::cuda::set_deterministic`]). The CPU kernels and every other device
+/// kernel are deterministic either way (the embedding gradient sorts its positions on
+/// the device).
+///
+/// ```
+/// tpar_tensor::use_deterministic_algorithms(true);
+/// assert!(tpar_tensor::are_deterministic_algorithms_enabled());
+/// tpar_tensor::use_deterministic_algorithms(false);
+/// ```
+pub fn use_deterministic_algorithms(on: bool) {
+    tpar_kernels::cuda::set_deterministic(on);
+}
+
+/// Whether [`use_deterministic_algorithms`] is on.
+pub fn are_deterministic_algorithms_enabled() -> bool {
+    tpar_kernels::cuda::deterministic()
+}

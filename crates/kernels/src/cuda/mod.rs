@@ -334,6 +334,27 @@ pub unsafe fn launch<A: bytemuck::Pod>(
     unsafe { launcher.launch_raw(kernel, &cfg, bytemuck::bytes_of(args)) }
 }
 
+static DETERMINISTIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes the kernels whose results depend on the order a GPU runs their blocks in run
+/// in a fixed order instead, process-wide (PyTorch's
+/// `torch.use_deterministic_algorithms`). Today that is the attention backward: by
+/// default every key block adds its part of dQ with f32 atomics, so on a GPU dQ's
+/// last bits vary between runs; deterministic, one block per (kv head, batch) takes
+/// every key block in order ([`raw::sdpa::sdpa_backward`]): the same bits on every run,
+/// slower where kv heads times batch is below the GPU's multiprocessor count (and the
+/// `sm_90a` backward gives way to the tensor-core one).
+/// The embedding gradient is deterministic either way (its positions are sorted on
+/// the device, [`ops::embedding::embedding_backward_sorted`]).
+pub fn set_deterministic(on: bool) {
+    DETERMINISTIC.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_deterministic`] is on.
+pub fn deterministic() -> bool {
+    DETERMINISTIC.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Opens `cuda:ordinal` on a GPU as a [`GpuDevice`] (the driver and NVRTC are
 /// probed first: without them this is an error, never a panic).
 pub fn open_gpu(ordinal: usize) -> Result<std::sync::Arc<dyn GpuDevice>> {

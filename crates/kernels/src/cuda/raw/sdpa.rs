@@ -872,7 +872,11 @@ pub unsafe fn sdpa_backward(
     path: SdpaPath,
 ) -> Result<()> {
     const OP: &str = "cuda sdpa_backward";
-    if path == SdpaPath::Hopper && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none() {
+    let deterministic = crate::cuda::deterministic();
+    if path == SdpaPath::Hopper
+        && !deterministic
+        && super::sdpa_hopper_bwd::unsupported(l, dtype, s, b).is_none()
+    {
         // SAFETY: forwarded from the caller (the same buffer contract).
         return unsafe { super::sdpa_hopper_bwd::sdpa_backward(l, dtype, s, b) };
     }
@@ -893,7 +897,11 @@ pub unsafe fn sdpa_backward(
         unsafe { launch(l, &format!("tpar_sdpa_bwd_pre_strided_{sfx}"), per_row, &args)? };
     }
     if d.k.max(d.v) > 0 {
-        let grid = [s.kv_len.div_ceil(p.rows) as u32, d.kv_heads as u32, d.batch as u32];
+        // A block per key block; deterministic (`cuda::set_deterministic`), one per
+        // (kv head, batch) taking its key blocks in order, so its dQ atomics run in
+        // key-block order whatever order the blocks run in.
+        let key_blocks = if deterministic { 1 } else { s.kv_len.div_ceil(p.rows) as u32 };
+        let grid = [key_blocks, d.kv_heads as u32, d.batch as u32];
         let cfg = LaunchConfig::grid(grid, p.threads).with_shared(p.smem);
         // SAFETY: as above; `dq_acc` is the rest of the checked workspace.
         unsafe { launch(l, &p.name, cfg, &args)? };
