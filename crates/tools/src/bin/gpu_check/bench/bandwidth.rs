@@ -13,6 +13,14 @@ use crate::data::Rng;
 use crate::dev::Dev;
 use crate::Res;
 
+/// Two timings measured together, or the error that stopped them for both.
+fn pair(t: Res<(f64, f64)>) -> (Res<f64>, Res<f64>) {
+    match t {
+        Ok((a, b)) => (Ok(a), Ok(b)),
+        Err(e) => (Err(e.to_string().into()), Err(e)),
+    }
+}
+
 pub(crate) fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench> {
     let mut out = Vec::new();
     let gbs = |key: &str, bytes: f64, t: Res<f64>, note: &str| {
@@ -41,10 +49,7 @@ pub(crate) fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench>
         })?;
         Ok((t_dtod, t_kernel))
     })();
-    let (t_dtod, t_kernel) = match t {
-        Ok((a, b)) => (Ok(a), Ok(b)),
-        Err(e) => (Err(e.to_string().into()), Err(e)),
-    };
+    let (t_dtod, t_kernel) = pair(t);
     out.push(gbs("copy.dtod", 2.0 * n as f64, t_dtod, "1 GiB cuMemcpyDtoD"));
     out.push(gbs("copy.kernel", 2.0 * n as f64, t_kernel, "1 GiB layout::copy"));
 
@@ -244,10 +249,7 @@ pub(crate) fn bandwidth_benches(d: &Dev, s: DevPtr, rng: &mut Rng) -> Vec<Bench>
             })?;
             Ok((sorted, atomic))
         })();
-        let (sorted, atomic) = match t {
-            Ok((a, b)) => (Ok(a), Ok(b)),
-            Err(e) => (Err(e.to_string().into()), Err(e)),
-        };
+        let (sorted, atomic) = pair(t);
         let key = format!("embedding.bwd.v{vocab}");
         out.push(gbs(&format!("{key}.sorted"), bytes, sorted, &note));
         out.push(gbs(&format!("{key}.atomic"), bytes, atomic, &note));
