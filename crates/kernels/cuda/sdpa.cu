@@ -1052,23 +1052,24 @@ TPAR_DEVICE void bwd_tc_block(const SdpaBwdArgs& a, const SdpaArgStrides& st, in
 // with a grid of one along x (deterministic mode), every key block of its
 // (kv head, batch) in order, so the dQ atomics of the heads it owns run in
 // key-block order whatever order the blocks run in: the same sum, every run.
-template <typename T, int NC>
-TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
+template <typename Block>
+TPAR_DEVICE void over_key_blocks(const SdpaBwdArgs& a, Block&& block) {
     const int nkb = (a.kv_len + kBlock - 1) / kBlock;
     for (int kb = blockIdx.x; kb < nkb; kb += gridDim.x) {
         // the previous key block's last reads of shared memory are done
         if (kb != (int)blockIdx.x) __syncthreads();
-        bwd_simt_block<T, NC>(a, st, kb);
+        block(kb);
     }
+}
+
+template <typename T, int NC>
+TPAR_DEVICE void bwd_simt(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
+    over_key_blocks(a, [&](int kb) { bwd_simt_block<T, NC>(a, st, kb); });
 }
 
 template <typename T, int HD>
 TPAR_DEVICE void bwd_tc(const SdpaBwdArgs& a, const SdpaArgStrides& st) {
-    const int nkb = (a.kv_len + kBlock - 1) / kBlock;
-    for (int kb = blockIdx.x; kb < nkb; kb += gridDim.x) {
-        if (kb != (int)blockIdx.x) __syncthreads();
-        bwd_tc_block<T, HD>(a, st, kb);
-    }
+    over_key_blocks(a, [&](int kb) { bwd_tc_block<T, HD>(a, st, kb); });
 }
 
 // ------------------------------------------------------------------ backward helpers
