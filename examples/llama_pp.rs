@@ -20,6 +20,7 @@ use tpar::models::context_parallel::{apply_context_parallel_stage, cp_token_shar
 use tpar::models::LlamaFusion;
 use tpar::pipeline::{Costs, Timeline};
 use tpar::prelude::*;
+use tpar::tensor::checkpoint::WeightPass;
 use tpar::tensor::memory;
 
 #[path = "common/args.rs"]
@@ -130,6 +131,12 @@ struct Opts {
     hf: args::HfArgs,
     #[command(flatten)]
     ac: args::AcArgs,
+    /// What an activation-checkpointed layer holds between the zero-bubble schedule's
+    /// input pass and weight pass: keep (the recomputed graph's weight half, one recompute)
+    /// or recompute (nothing of it; the weight pass recomputes the layer again, as
+    /// PyTorch's checkpoint does under its pipelining). The same gradients either way.
+    #[arg(long, default_value = "keep", value_parser = parse_weight_pass)]
+    ac_weight_pass: WeightPass,
     #[command(flatten)]
     cp_method: args::CpMethodArgs,
     #[command(flatten)]
@@ -159,6 +166,10 @@ struct Opts {
     /// the host the same bits as without), where no parallel style sits on those modules.
     #[arg(long)]
     fuse_residual: bool,
+}
+
+fn parse_weight_pass(s: &str) -> Result<WeightPass, String> {
+    WeightPass::parse(s).ok_or_else(|| format!("{s:?}: keep or recompute"))
 }
 
 impl Opts {
@@ -382,6 +393,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         loss.mul_scalar(share * cp as f64)
     };
     let mut pipe = PipelineSchedule::new(kind, stages, o.microbatches, loss_fn)?;
+    pipe.set_ac_weight_pass(o.ac_weight_pass);
     if rank == 0 {
         println!(
             "schedule {} ({} stages on {} pp ranks):\n{}",
@@ -647,6 +659,7 @@ fn memory_config(o: &Opts, cfg: &LlamaConfig) -> MemoryConfig {
         },
         cp_method: o.cp_method.cp_method,
         ac: o.ac.fixed(),
+        ac_weight_pass: o.ac_weight_pass,
         fusion: LlamaFusion { projections: o.fuse_proj, residual: o.fuse_residual },
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     }
@@ -719,7 +732,7 @@ fn main() {
     let data_mib_max = run::report_data(&reports.iter().map(|r| r.data_bytes).collect::<Vec<_>>());
     // device_peak_mib_max (llama_2d's key): none, the stages run on the host.
     println!(
-        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={} fuse_proj={} fuse_residual={} data_mib_max={:.1}",
+        "summary: world={world} pp={} dp={} tp={} schedule={} microbatches={} steps={} first_loss={:.4} final_loss={:.4} tokens_per_s={:.0} seconds={:.2} peak_mib_max={:.1} bubble={:.3} bubble_theory={:.3} start_step={} end_step={} final_loss_bits={:016x} ac={} predicted_peak_mib={} cp={} device_peak_mib_max=none cp_method={} fuse_proj={} fuse_residual={} data_mib_max={:.1} ac_weight_pass={}",
         o.pp,
         o.dp,
         o.tp,
@@ -746,6 +759,7 @@ fn main() {
         u8::from(o.fuse_proj),
         u8::from(o.fuse_residual),
         data_mib_max,
+        o.ac_weight_pass,
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tpar::nn::checkpoint::{checkpointable_modules, SaveOp};
 use tpar::prelude::*;
 use tpar::tensor::checkpoint::{
-    checkpoint, recompute_counts, reset_recompute_counts, RecomputeCounts,
+    checkpoint, recompute_counts, reset_recompute_counts, RecomputeCounts, WeightPass,
 };
 use tpar::tensor::memory;
 
@@ -486,8 +486,9 @@ fn fsdp_x_tp_ac_equals_no_ac_bit_for_bit() {
 }
 
 /// One pipelined step (pp 2, 4 micro-batches) of a 4-layer f64 Llama with `policy` on
-/// every stage: the mean micro-batch loss bits and every gradient's bits by FQN.
-fn pipelined(kind: ScheduleKind, policy: &AcPolicy) -> (u64, Grads, u64) {
+/// every stage and `weight_pass` for its split backwards: the mean micro-batch loss bits,
+/// every gradient's bits by FQN and the regions recomputed.
+fn pipelined(kind: ScheduleKind, policy: &AcPolicy, weight_pass: WeightPass) -> (u64, Grads, u64) {
     let cfg = tpar_testing::tiny_llama_config(40, 8, 4, DType::F64);
     let (ids, tgt) = batch(4, 6, cfg.vocab_size);
     let policy = policy.clone();
@@ -500,6 +501,7 @@ fn pipelined(kind: ScheduleKind, policy: &AcPolicy) -> (u64, Grads, u64) {
         apply_activation_checkpointing(&mut m, &policy)?;
         let stage = PipelineStage::new(m, s, 2, &mesh, Device::Cpu)?;
         let mut sched = PipelineSchedule::new(kind, vec![stage], 4, loss_fn(cfg.vocab_size))?;
+        sched.set_ac_weight_pass(weight_pass);
         let losses = sched.step(Some(&ids), Some(&tgt))?;
         let mut grads = Grads::new();
         for st in sched.stages() {
@@ -517,18 +519,26 @@ fn pipelined(kind: ScheduleKind, policy: &AcPolicy) -> (u64, Grads, u64) {
 #[test]
 fn pipeline_1f1b_and_zero_bubble_with_ac_equal_no_ac_bit_for_bit() {
     for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubble] {
-        let (loss, grads, none) = pipelined(kind, &AcPolicy::None);
+        let (loss, grads, none) = pipelined(kind, &AcPolicy::None, WeightPass::Keep);
         assert_eq!(none, 0);
         let mixed = AcPolicy::Mixed { full_every: 2, ops: SaveOp::DEFAULT.to_vec() };
         for p in [AcPolicy::full(), AcPolicy::Full { every: 2 }, AcPolicy::selective(), mixed] {
-            let (l, g, recomputed) = pipelined(kind, &p);
-            // 2 stages of 2 layers, 4 micro-batches: each checkpointed layer once per
-            // micro-batch.
-            assert_eq!(recomputed, 4 * 4 / p.every().unwrap() as u64, "{kind} {p}");
-            assert_eq!(l, loss, "{kind} {p}: loss differs");
-            assert_eq!(g.len(), grads.len());
-            for (k, v) in &grads {
-                assert!(g[k] == *v, "{kind} {p}: gradient of {k} differs");
+            for wp in [WeightPass::Keep, WeightPass::Recompute] {
+                let (l, g, recomputed) = pipelined(kind, &p, wp);
+                // 2 stages of 2 layers, 4 micro-batches: each checkpointed layer once per
+                // micro-batch, and on zero-bubble's stage 1 (whose input passes split the
+                // backward) once more in the weight pass when it recomputes.
+                let once = 4 * 4 / p.every().unwrap() as u64;
+                let want = match (kind, wp) {
+                    (ScheduleKind::ZeroBubble, WeightPass::Recompute) => once * 3 / 2,
+                    _ => once,
+                };
+                assert_eq!(recomputed, want, "{kind} {p} {wp}");
+                assert_eq!(l, loss, "{kind} {p} {wp}: loss differs");
+                assert_eq!(g.len(), grads.len());
+                for (k, v) in &grads {
+                    assert!(g[k] == *v, "{kind} {p} {wp}: gradient of {k} differs");
+                }
             }
         }
     }
@@ -684,6 +694,80 @@ fn a_split_backward_frees_the_kept_outputs_after_the_input_pass() {
     );
 }
 
+/// Under [`WeightPass::Recompute`] a split backward's input pass drops the recomputed
+/// graph (a full region then holds nothing of it until the weight pass, a selective one
+/// only what its forward kept) and the weight pass recomputes the region: the gradients
+/// of the region without checkpointing, bit for bit, from two recomputes.
+#[test]
+fn the_weight_pass_can_recompute_a_region_instead_of_holding_its_weight_half() {
+    use tpar::tensor::autograd::backward_input;
+    use tpar::tensor::checkpoint::set_weight_pass;
+    // The tracking allocator's slot for this test (no rank thread of another test uses it).
+    const SLOT: usize = 61;
+    let (n, d, f) = (256, 64, 512);
+    let fill = |len: usize, s: f64| (0..len).map(|i| ((i % 97) as f64 - 48.0) * s).collect();
+    let leaves = || {
+        let leaf =
+            |v: Vec<f64>, dims: [usize; 2]| Tensor::from_vec(v, dims).unwrap().requires_grad_(true);
+        (
+            leaf(fill(n * d, 1e-2), [n, d]),
+            leaf(fill(f * d, 1e-3), [f, d]),
+            leaf(fill(d * f, 2e-3), [d, f]),
+        )
+    };
+    let dy = Tensor::from_vec(fill(n * d, 1e-1), [n, d]).unwrap();
+    let (x, w1, w2) = leaves();
+    x.linear(&w1, None)
+        .unwrap()
+        .silu()
+        .unwrap()
+        .linear(&w2, None)
+        .unwrap()
+        .backward_with(&dy)
+        .unwrap();
+    let want: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    // Bytes live on this thread after the input pass beyond those before the forward, the
+    // regions recomputed, and the gradients.
+    let split = |keep: &[SaveOp], mode: WeightPass| {
+        let (x, w1, w2) = leaves();
+        memory::set_rank(Some(SLOT));
+        let before = memory::current(SLOT);
+        let (a, b) = (w1.clone(), w2.clone());
+        let g = move |i: &[Tensor]| i[0].linear(&a, None)?.silu()?.linear(&b, None);
+        let y = checkpoint(std::slice::from_ref(&x), keep, g).unwrap();
+        reset_recompute_counts();
+        let was = set_weight_pass(mode);
+        let (dx, weights) =
+            backward_input(&[y], std::slice::from_ref(&dy), std::slice::from_ref(&x)).unwrap();
+        set_weight_pass(was);
+        let dx_bits = bits(dx[0].as_ref().unwrap());
+        drop(dx);
+        // Less the bits just taken.
+        let held = memory::current(SLOT) - before - (dx_bits.capacity() * 8) as i64;
+        assert!(w1.grad().is_none() && w2.grad().is_none(), "{keep:?} {mode}");
+        weights.run().unwrap();
+        memory::set_rank(None);
+        let got = vec![dx_bits, bits(&w1.grad().unwrap()), bits(&w2.grad().unwrap())];
+        assert_eq!(got, want, "{keep:?} {mode}");
+        assert!(x.grad().is_none(), "{keep:?} {mode}: the weight pass reached the input");
+        (held, recompute_counts().recomputed)
+    };
+    // The first product's output alone is `n f` f64s (1 MiB).
+    let big = (n * f * 8) as i64;
+    for keep in [vec![], vec![SaveOp::Matmul]] {
+        let (kept, once) = split(&keep, WeightPass::Keep);
+        let (dropped, twice) = split(&keep, WeightPass::Recompute);
+        assert_eq!((once, twice), (1, 2), "{keep:?}");
+        assert!(kept > big, "{keep:?}: the weight half holds {kept} B");
+        // What the forward kept: nothing (full), both products' outputs (selective).
+        let forward_kept = if keep.is_empty() { 0 } else { big + (n * d * 8) as i64 };
+        assert!(
+            dropped < forward_kept + big / 8,
+            "{keep:?}: after the input pass the region holds {dropped} B (kept {forward_kept} B)"
+        );
+    }
+}
+
 /// The `key=value` of an example's summary line.
 fn summary_key(out: &str, k: &str) -> String {
     let line = out.lines().find(|l| l.starts_with("summary:")).expect("a summary line");
@@ -717,4 +801,32 @@ fn the_trainers_ac_flag_keeps_the_losses_and_names_the_policy() {
         assert_eq!(code, 2, "{example}: {err}");
         assert!(err.contains("full:0") && err.contains("at least 1"), "{example}: {err}");
     }
+}
+
+/// `llama_pp --ac-weight-pass recompute` trains the zero-bubble pipeline over FSDP (pp 2 x
+/// dp 2) to the losses of `keep` and of no checkpointing, bit for bit, names the mode in
+/// its summary, and refuses a mode it does not know.
+#[test]
+fn the_pipeline_trainers_weight_pass_flag_keeps_the_losses() {
+    use common::examples::run_example;
+    let base = ["--steps", "2", "--seq", "16", "--log-every", "1", "--schedule", "zb"];
+    let base = [&base[..], &["--pp", "2", "--dp", "2"]].concat();
+    let mut want = None;
+    for (ac, wp) in
+        [("none", "keep"), ("full", "keep"), ("full", "recompute"), ("selective", "recompute")]
+    {
+        let args = [&base[..], &["--ac", ac, "--ac-weight-pass", wp]].concat();
+        let Some((code, out, err)) = run_example("llama_pp", &args) else { return };
+        assert_eq!(code, 0, "{args:?}\n{out}\n{err}");
+        assert_eq!(summary_key(&out, "ac_weight_pass"), wp);
+        let got = (summary_key(&out, "final_loss_bits"), summary_key(&out, "first_loss"));
+        match &want {
+            None => want = Some(got),
+            Some(w) => assert_eq!(&got, w, "--ac {ac} --ac-weight-pass {wp}"),
+        }
+    }
+    let args = [&base[..], &["--ac", "full", "--ac-weight-pass", "later"]].concat();
+    let (code, _, err) = run_example("llama_pp", &args).unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("later") && err.contains("keep or recompute"), "{err}");
 }

@@ -308,7 +308,7 @@ use tpar_collectives::RankThreads;
 use tpar_dtensor::{CpLayout, CpMethod};
 use tpar_nn::checkpoint::AcPolicy;
 use tpar_pipeline::{Costs, Phase, Schedule, ScheduleKind};
-use tpar_tensor::checkpoint::SaveOp;
+use tpar_tensor::checkpoint::{SaveOp, WeightPass};
 use tpar_tensor::DType;
 
 use crate::{LlamaConfig, LlamaFusion};
@@ -438,6 +438,9 @@ pub struct MemoryConfig {
     pub schedule: ScheduleKind,
     /// The activation-checkpointing policy on the decoder layers.
     pub ac: AcPolicy,
+    /// What a checkpointed layer holds between a zero-bubble schedule's input and weight
+    /// passes (`PipelineSchedule::set_ac_weight_pass`).
+    pub ac_weight_pass: WeightPass,
     /// Whether the ranks compute on the host (adds [`HOST_GEMM_WORKSPACE`]); `false`: on
     /// a CUDA device (module docs, "On a CUDA device").
     pub host: bool,
@@ -476,6 +479,7 @@ impl MemoryConfig {
             microbatches: 1,
             schedule: ScheduleKind::OneFOneB,
             ac: AcPolicy::None,
+            ac_weight_pass: WeightPass::Keep,
             host: true,
             host_threads: None,
             fusion: LlamaFusion::default(),
@@ -530,6 +534,10 @@ impl fmt::Display for MemoryConfig {
             }
         }
         write!(f, ", ac {}", self.ac)?;
+        let split = self.pp > 1 && self.schedule == ScheduleKind::ZeroBubble;
+        if split && self.ac != AcPolicy::None && self.ac_weight_pass == WeightPass::Recompute {
+            write!(f, " (recomputed again in the weight pass)")?;
+        }
         if self.fusion.projections {
             write!(f, ", fused projections")?;
         }
@@ -915,8 +923,16 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
                 layer_kept.push(kept);
                 layer_again.push(again);
                 let checkpointed = again > 0.0;
-                layer_released.push(if checkpointed { kept - input } else { 0.0 });
-                layer_deferred.push(if checkpointed { full_layer } else { 0.0 });
+                let (released, deferred) = match (checkpointed, c.ac_weight_pass) {
+                    (false, _) => (0.0, 0.0),
+                    (true, WeightPass::Keep) => (kept - input, full_layer),
+                    // Nothing of the recomputed graph: the weight pass recomputes the layer
+                    // from its input, and the engine holds the gradient of its output (the
+                    // input's shape) until then.
+                    (true, WeightPass::Recompute) => (0.0, input),
+                };
+                layer_released.push(released);
+                layer_deferred.push(deferred);
             }
         }
         if s + 1 == num_stages {

@@ -8,6 +8,7 @@ use std::time::Instant;
 use tpar_collectives::ProcessGroup;
 use tpar_nn::{call, Args, Param, Value};
 use tpar_tensor::autograd::{backward_input, WeightGrad};
+use tpar_tensor::checkpoint::{set_weight_pass, WeightPass};
 use tpar_tensor::state::{StateDict, StateDictError};
 use tpar_tensor::{DType, Device, Tensor};
 
@@ -46,6 +47,8 @@ pub struct PipelineSchedule {
     /// Activation shapes agreed with the sender, by receiving stage.
     recv_shapes: HashMap<usize, (Vec<usize>, DType)>,
     timeline: Vec<Span>,
+    /// What checkpointed regions hold between a split backward's two passes.
+    weight_pass: WeightPass,
 }
 
 impl std::fmt::Debug for PipelineSchedule {
@@ -142,7 +145,24 @@ impl PipelineSchedule {
             sent_shapes: HashMap::new(),
             recv_shapes: HashMap::new(),
             timeline: Vec::new(),
+            weight_pass: WeightPass::Keep,
         })
+    }
+
+    /// What an activation-checkpointed region of these stages holds between its split
+    /// backward's input pass and weight pass (zero-bubble's I and W; the other schedules
+    /// do not split): [`WeightPass::Keep`] (the default) keeps the recomputed graph's
+    /// weight half, one recompute per micro-batch; [`WeightPass::Recompute`] drops it and
+    /// recomputes the region again in the weight pass, as PyTorch's checkpoint does under
+    /// its pipelining, so a stage whose weight passes wait holds about what 1F1B holds.
+    /// The gradients are the same bits either way.
+    pub fn set_ac_weight_pass(&mut self, mode: WeightPass) {
+        self.weight_pass = mode;
+    }
+
+    /// What [`PipelineSchedule::set_ac_weight_pass`] set.
+    pub fn ac_weight_pass(&self) -> WeightPass {
+        self.weight_pass
     }
 
     /// The schedule (a value: print it, simulate it).
@@ -545,11 +565,14 @@ impl Run {
         };
         let inputs: Vec<Tensor> = saved.input.iter().cloned().collect();
         let input_grad = if split {
-            let (g, w) = backward_input(
+            let before = set_weight_pass(p.weight_pass);
+            let split = backward_input(
                 std::slice::from_ref(&saved.root),
                 std::slice::from_ref(&grad),
                 &inputs,
-            )?;
+            );
+            set_weight_pass(before);
+            let (g, w) = split?;
             saved.weight = Some(w);
             g.into_iter().next().flatten()
         } else {

@@ -189,6 +189,83 @@ pub fn reset_recompute_counts() {
     COUNTS.with(|c| c.set(RecomputeCounts::default()));
 }
 
+/// What a checkpointed region holds from a split backward's input pass
+/// ([`crate::autograd::backward_input`], a zero-bubble schedule's I) to its weight pass
+/// ([`crate::autograd::WeightGrad::run`], its W). Set per thread ([`set_weight_pass`]);
+/// the input pass decides. The gradients are the same bits either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum WeightPass {
+    /// The input pass recomputes the region once and keeps the recomputed graph's weight
+    /// half (each product's input and its output's gradient) until the weight pass, which
+    /// only finishes it: one recompute per backward, and about a plain layer's activations
+    /// held in between.
+    #[default]
+    Keep,
+    /// The input pass drops the recomputed graph once it has the region's input gradients;
+    /// the weight pass recomputes the region again and backpropagates to its parameters.
+    /// In between the region holds what it held before the input pass (its inputs and, for
+    /// a selective region, its kept outputs) and the engine the gradient of its output,
+    /// for a second recompute and the backward's products into the region's activations
+    /// again. This is what PyTorch's non-reentrant checkpoint does under its pipelining's
+    /// split backward, where the two passes are separate autograd calls.
+    Recompute,
+}
+
+impl WeightPass {
+    /// The mode's name (`keep`, `recompute`).
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightPass::Keep => "keep",
+            WeightPass::Recompute => "recompute",
+        }
+    }
+
+    /// The mode named `s` ([`WeightPass::name`]).
+    pub fn parse(s: &str) -> Option<WeightPass> {
+        match s.trim() {
+            "keep" => Some(WeightPass::Keep),
+            "recompute" => Some(WeightPass::Recompute),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for WeightPass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// This thread's [`WeightPass`]: what the split backwards' input passes run on it do
+/// with the regions they recompute ([`WeightPass::Keep`] unless set).
+pub fn weight_pass() -> WeightPass {
+    WEIGHT_PASS.with(Cell::get)
+}
+
+/// Sets this thread's [`WeightPass`]; returns the one it replaces.
+///
+/// ```
+/// use tpar_tensor::autograd::backward_input;
+/// use tpar_tensor::checkpoint::{checkpoint, recompute_counts, set_weight_pass, WeightPass};
+/// use tpar_tensor::Tensor;
+/// let x = Tensor::from_vec(vec![1.0f64, -2.0, 0.5, 3.0], [2, 2])?.requires_grad_(true);
+/// let w = Tensor::from_vec(vec![0.5f64, -1.0, 2.0, 0.25], [2, 2])?.requires_grad_(true);
+/// let w2 = w.clone();
+/// let y = checkpoint(&[x.clone()], &[], move |i| i[0].linear(&w2, None)?.silu()?.sum_all())?;
+/// let before = set_weight_pass(WeightPass::Recompute);
+/// let one = Tensor::from_vec(vec![1.0f64], [])?;
+/// let (dx, weights) = backward_input(&[y], &[one], &[x.clone()])?;
+/// set_weight_pass(before);
+/// let n = recompute_counts().recomputed;
+/// weights.run()?; // the region runs again here
+/// assert_eq!(recompute_counts().recomputed, n + 1);
+/// assert!(dx[0].is_some() && w.grad().is_some());
+/// # Ok::<(), tpar_tensor::TensorError>(())
+/// ```
+pub fn set_weight_pass(mode: WeightPass) -> WeightPass {
+    WEIGHT_PASS.with(|w| w.replace(mode))
+}
+
 /// Wall time spent in activation checkpointing's parts, summed over every thread of the
 /// process while [`set_region_timing`] is on (see [`region_times`]). A region nested in
 /// another one's forward or recompute counts inside the outer one's time too.
@@ -277,6 +354,9 @@ thread_local! {
     static UNREAD_DEPTH: Cell<usize> = const { Cell::new(0) };
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
     static CAPTURES: RefCell<Vec<Capture>> = const { RefCell::new(Vec::new()) };
+    /// What split backwards' input passes on this thread do with the regions they
+    /// recompute.
+    static WEIGHT_PASS: Cell<WeightPass> = const { Cell::new(WeightPass::Keep) };
     static COUNTS: Cell<RecomputeCounts> = const { Cell::new(RecomputeCounts {
         regions: 0, recomputed: 0, saved: 0, reused: 0, skipped: 0,
     }) };
@@ -583,6 +663,9 @@ struct Region {
     /// The parameters' half of a split backward's input pass, with the input indices it
     /// owes, until the weight pass asks for it.
     deferred: Mutex<Option<(Vec<usize>, DeferredWithin)>>,
+    /// The input indices a split backward's input pass under [`WeightPass::Recompute`]
+    /// owes, until the weight pass asks for them (and recomputes the region for them).
+    awaiting: Mutex<Option<Vec<usize>>>,
 }
 
 /// Runs `f(inputs)` as an activation-checkpointed region (see the module docs): its
@@ -653,6 +736,7 @@ where
         dtype: out.dtype(),
         rng,
         deferred: Mutex::new(None),
+        awaiting: Mutex::new(None),
     };
     let refs: Vec<&Tensor> = all.iter().collect();
     Ok(record("checkpoint", &refs, out, move |g| region.backward(g)))
@@ -663,9 +747,12 @@ impl Region {
     ///
     /// Called by a split backward's input pass with only some inputs asked for
     /// ([`needs_input_grad`]: the region's inputs, not the parameters), it computes those
-    /// now and keeps the rest of the recomputed graph's backward (the parameters' half)
-    /// for the weight pass, which calls it again asking for exactly those: the region is
-    /// recomputed once, and its weight gradients wait for the weight pass.
+    /// now; the weight pass calls it again asking for exactly the rest. Under
+    /// [`WeightPass::Keep`] it keeps the recomputed graph's backward for the parameters'
+    /// half for that call, which finishes it (the region is recomputed once, and its
+    /// weight gradients wait for the weight pass as a plain layer's do); under
+    /// [`WeightPass::Recompute`] it drops the recomputed graph, and that call recomputes
+    /// the region again.
     fn backward(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let n = self.inputs.len();
         let wants = |i: usize| self.inputs[i].requires_grad() && needs_input_grad(i);
@@ -684,10 +771,17 @@ impl Region {
                 return Ok(out);
             }
         }
-        let Some((out, targets)) = timed(&RECOMPUTE_NS, || self.recompute())? else {
+        let awaiting = self.awaiting.lock().unwrap_or_else(|p| p.into_inner()).take();
+        // The weight pass after an input pass that dropped the recomputed graph: the region
+        // runs again, its inputs' copies taking no gradient unless asked for (none is,
+        // normally), so the backward computes only what reaches the parameters.
+        let weights_again = awaiting.as_ref() == Some(&asked);
+        let copy_grad =
+            |i: usize| self.inputs[i].requires_grad() && (!weights_again || asked.contains(&i));
+        let Some((out, targets)) = timed(&RECOMPUTE_NS, || self.recompute(copy_grad))? else {
             return Ok(vec![None; n]);
         };
-        if owed.is_empty() || asked.is_empty() {
+        if weights_again || owed.is_empty() || asked.is_empty() {
             let (grads, stray) =
                 timed(&BACKWARD_NS, || grad_within(&[out], vec![g.clone()], &targets))?;
             stray_check(&stray)?;
@@ -701,12 +795,22 @@ impl Region {
         let later: Vec<Tensor> = owed.iter().map(|&i| targets[i].clone()).collect();
         let (grads, d) =
             timed(&BACKWARD_NS, || grad_within_split(&[out], vec![g.clone()], &now, &later))?;
-        *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = Some((owed, d));
-        // The weight pass finishes the recomputed graph instead of recomputing the region:
-        // the kept outputs are no longer read here (the recomputed graph's nodes hold what
-        // they saved of them), so a waiting micro-batch of a zero-bubble schedule does not
-        // hold them until its weight pass.
-        *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        match weight_pass() {
+            WeightPass::Keep => {
+                *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = Some((owed, d));
+                // The weight pass finishes the recomputed graph instead of recomputing the
+                // region: the kept outputs are no longer read here (the recomputed graph's
+                // nodes hold what they saved of them), so a waiting micro-batch of a
+                // zero-bubble schedule does not hold them until its weight pass.
+                *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+            WeightPass::Recompute => {
+                // The recomputed graph goes with `d`; the kept outputs stay for the weight
+                // pass's recompute.
+                drop(d);
+                *self.awaiting.lock().unwrap_or_else(|p| p.into_inner()) = Some(owed);
+            }
+        }
         let mut res = vec![None; n];
         for (i, gi) in asked.into_iter().zip(grads) {
             res[i] = gi;
@@ -715,13 +819,18 @@ impl Region {
     }
 
     /// Runs the region again with grad recording on: its output, and the tensors its
-    /// node's input gradients are taken at (the inputs' copies, then the outside
-    /// tensors); `None` when the output does not require a gradient.
-    fn recompute(&self) -> Result<Option<(Tensor, Vec<Tensor>)>> {
+    /// node's input gradients are taken at (the inputs' copies, requiring a gradient where
+    /// `copy_grad` says, then the outside tensors); `None` when the output does not
+    /// require a gradient.
+    fn recompute(
+        &self,
+        copy_grad: impl Fn(usize) -> bool,
+    ) -> Result<Option<(Tensor, Vec<Tensor>)>> {
         count(|c| c.recomputed += 1);
         let copies: Vec<Tensor> = self.inputs[..self.own]
             .iter()
-            .map(|t| t.detach().requires_grad_(t.requires_grad()))
+            .enumerate()
+            .map(|(i, t)| t.detach().requires_grad_(copy_grad(i)))
             .collect();
         let out = {
             let _g = GradModeGuard::new(true);
