@@ -1134,6 +1134,7 @@ fn check_alternatives(c: &MemoryConfig, budget: u64, alts: &[Alternative]) {
                 Change::DataParallel(_) => n.dp * n.cp > 1,
                 Change::Plan(_) => n.tp > 1,
                 Change::CpMethod(_) => n.cp > 1,
+                Change::WeightPass(_) => n.pp > 1 && n.ac != AcPolicy::None,
                 _ => true,
             };
             assert!(effect, "{a}: {ch} changes nothing there");
@@ -1148,7 +1149,8 @@ fn check_alternatives(c: &MemoryConfig, budget: u64, alts: &[Alternative]) {
 
 /// A configuration over its budget is refused with the configurations on the same ranks
 /// that would fit (stronger checkpointing, a data-parallel mode that shards more, another
-/// mesh split, more micro-batches, the Megatron plan, the ring): each predicted within the
+/// mesh split, more micro-batches, the Megatron plan, the ring, zero-bubble's weight pass
+/// recomputing): each predicted within the
 /// budget, keeping the ranks
 /// and the global batch, none a further change than another; with none, the one with the
 /// lowest peak. Predictions only (the next test measures one).
@@ -1215,8 +1217,20 @@ fn refused_configurations_name_what_would_fit() {
     };
     let pp = MemoryConfig { pp: 2, microbatches: 2, batch: 4, ..single.clone() };
     let cp = MemoryConfig { cp: 2, cp_method: CpMethod::AllGather, ..single.clone() };
+    // Zero-bubble with full checkpointing keeping the weight halves (the weight pass).
+    let zb =
+        MemoryConfig { schedule: ScheduleKind::ZeroBubble, ac: AcPolicy::full(), ..pp.clone() };
+    let again = MemoryConfig { ac_weight_pass: WeightPass::Recompute, ..zb.clone() };
+    assert!(peak(&again) < peak(&zb));
+    let budget = peak(&again);
+    let alts = alternatives(&zb, budget);
+    check_alternatives(&zb, budget, &alts);
+    let recompute = Change::WeightPass(WeightPass::Recompute);
+    assert!(alts.iter().any(|a| a.changes == [recompute.clone()]), "{alts:?}");
+    let text = check_fits(&zb, budget).unwrap_err().to_string();
+    assert!(text.contains("ac weight pass recompute: predicted peak"), "{text}");
     let mut kinds = std::collections::BTreeSet::new();
-    for c in [&fsdp_tp, &ddp, &pp, &cp] {
+    for c in [&fsdp_tp, &ddp, &pp, &cp, &zb] {
         for pct in [95, 85, 75, 60, 40] {
             let budget = peak(c) * pct / 100;
             let alts = alternatives(c, budget);
@@ -1224,6 +1238,7 @@ fn refused_configurations_name_what_would_fit() {
             kinds.extend(alts.iter().flat_map(|a| &a.changes).map(|ch| match ch {
                 Change::DataParallel(_) => "data parallel",
                 Change::Ac(_) => "ac",
+                Change::WeightPass(_) => "weight pass",
                 Change::Microbatches(_) => "micro-batches",
                 Change::Mesh { .. } => "mesh",
                 Change::Plan(_) => "plan",
@@ -1247,7 +1262,7 @@ fn refused_configurations_name_what_would_fit() {
         }
     }
     // Every kind of change was offered somewhere.
-    assert_eq!(kinds.len(), 6, "{kinds:?}");
+    assert_eq!(kinds.len(), 7, "{kinds:?}");
 
     // Far below anything: no alternative, and the message says which is lowest.
     let text = check_fits(&single, 1 << 20).unwrap_err().to_string();

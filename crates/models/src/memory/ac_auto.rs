@@ -13,14 +13,18 @@
 //! permutes), each byte weighed as [`MACS_PER_BYTE`] multiply-adds (a machine's compute
 //! rate over its memory bandwidth). A checkpointed layer recomputes its whole forward
 //! under `full` but for `down_proj` (whose output no backward reads), and under
-//! `selective` what its kept ops do not hand back (the memory-bound ops always). That
-//! count is a rule of thumb for the time, not a prediction of it: docs/PERF.md
+//! `selective` what its kept ops do not hand back (the memory-bound ops always). Under a
+//! zero-bubble schedule whose weight pass recomputes ([`WeightPass::Recompute`]) a
+//! checkpointed layer of a stage after the first counts twice, plus one more forward
+//! for its backward's products into its activations, which the weight pass runs again.
+//! That count is a rule of thumb for the time, not a prediction of it: docs/PERF.md
 //! ("Activation checkpointing") sets it against measured recompute times.
 
 use std::fmt;
 
 use tpar_nn::checkpoint::AcPolicy;
-use tpar_tensor::checkpoint::SaveOp;
+use tpar_pipeline::ScheduleKind;
+use tpar_tensor::checkpoint::{SaveOp, WeightPass};
 
 use super::{check_fits, mib, predict_memory, LayerShape, MemoryConfig, MemoryError};
 use super::{DataParallelMode, MemoryEstimate};
@@ -110,7 +114,8 @@ impl LayerWork {
 /// The work `c`'s activation checkpointing adds to a step, as a share of its decoder
 /// layers' forward (module docs): 0 for [`AcPolicy::None`], just under 1 for `full` on
 /// every layer (`down_proj` is not recomputed). Under a pipeline the policy applies to
-/// each stage's layers, as the trainers apply it.
+/// each stage's layers, as the trainers apply it; under zero-bubble with
+/// [`WeightPass::Recompute`] the stages after the first recompute twice (module docs).
 pub fn recompute_share(c: &MemoryConfig) -> Result<f64, MemoryError> {
     let compute = compute_dtype(c);
     let shape = LayerShape::of(c, compute);
@@ -124,11 +129,25 @@ pub fn recompute_share(c: &MemoryConfig) -> Result<f64, MemoryError> {
     if forward == 0.0 {
         return Ok(0.0);
     }
+    // Under zero-bubble with the weight pass recomputing, a stage after the first (whose
+    // backward splits) runs each checkpointed layer a second time and its backward's
+    // products into the layer's activations again, counted as one more forward.
+    let again = c.pp > 1
+        && c.schedule == ScheduleKind::ZeroBubble
+        && c.ac_weight_pass == WeightPass::Recompute;
     // The policy counts each stage's layers from its first, as the trainers apply it.
     let recompute: f64 = ranges
         .iter()
-        .flat_map(|r| (0..r.len()).filter_map(|l| c.ac.keeps(l)))
-        .map(|keep| work.recompute(&shape, &keep, fused))
+        .enumerate()
+        .flat_map(|(s, r)| (0..r.len()).filter_map(|l| c.ac.keeps(l)).map(move |k| (s, k)))
+        .map(|(s, keep)| {
+            let once = work.recompute(&shape, &keep, fused);
+            if again && s > 0 {
+                2.0 * once + work.forward()
+            } else {
+                once
+            }
+        })
         // from +0.0: `sum` of no f64 is -0.0, and none's share is printed
         .fold(0.0, |a, b| a + b);
     Ok(recompute / forward)
@@ -232,6 +251,30 @@ mod tests {
 
     fn share(c: &MemoryConfig, ac: &str) -> f64 {
         recompute_share(&MemoryConfig { ac: ac.parse().unwrap(), ..c.clone() }).unwrap()
+    }
+
+    /// Under zero-bubble with the weight pass recomputing, the second stage's layers count
+    /// twice plus a forward; the first stage's, and every stage of 1F1B, once.
+    #[test]
+    fn a_recomputing_weight_pass_counts_the_later_stages_twice_and_a_forward() {
+        let pp = |schedule, wp| MemoryConfig {
+            pp: 2,
+            microbatches: 2,
+            schedule,
+            ac_weight_pass: wp,
+            ..config(8, 2048)
+        };
+        let zb = ScheduleKind::ZeroBubble;
+        let keep = share(&pp(zb, WeightPass::Keep), "full");
+        let again = share(&pp(zb, WeightPass::Recompute), "full");
+        // Half the layers: (once + once + forward) instead of once, over all layers' forward.
+        assert!((again - (1.5 * keep + 0.5)).abs() < 1e-12, "{keep} {again}");
+        let f1b = ScheduleKind::OneFOneB;
+        assert_eq!(
+            share(&pp(f1b, WeightPass::Recompute), "full").to_bits(),
+            share(&pp(f1b, WeightPass::Keep), "full").to_bits()
+        );
+        assert_eq!(share(&pp(zb, WeightPass::Recompute), "none").to_bits(), 0.0f64.to_bits());
     }
 
     #[test]

@@ -2,13 +2,16 @@
 //! that keep its world size and its global batch and do fit ([`alternatives`]), and
 //! [`check_fits`], which refuses a configuration with them in the error.
 //!
-//! The search changes six settings, each over the values a trainer can choose without
+//! The search changes seven settings, each over the values a trainer can choose without
 //! changing what it trains (the same tokens per step, on the same ranks):
 //!
 //! - **activation checkpointing**: a policy predicted to hold less than the
 //!   configuration's, of those [`least_recompute`](super::least_recompute) weighs (none,
 //!   `selective[matmul,sdpa]:K`, `selective:K`, `full:K`, `selective+full:K`), the least
 //!   recompute first, each holding less than every one that recomputes less;
+//! - **the weight pass** (under a zero-bubble pipeline with checkpointing): recomputing
+//!   the checkpointed layers again in the weight pass instead of keeping their
+//!   recomputed graphs' weight halves ([`WeightPass::Recompute`]);
 //! - **the data-parallel mode**: one that shards more (DDP, then ZeRO-1, then FSDP
 //!   without mixed precision, so the parameters keep their dtype), where the
 //!   data-parallel group has more than one rank;
@@ -31,8 +34,8 @@
 //! same one). They are listed with the fewest settings changed first, then in a fixed
 //! order of how much a change costs a step (the data-parallel mode, the plan and the
 //! method, which keep the arithmetic, first; then selective checkpointing,
-//! micro-batches, the mesh, and full or mixed checkpointing last; two policies by their
-//! recompute), then by predicted peak. That order is a rule of thumb, not a prediction
+//! micro-batches, the mesh, and full or mixed checkpointing and a recomputing weight pass
+//! last; two policies by their recompute), then by predicted peak. That order is a rule of thumb, not a prediction
 //! of step time.
 //!
 //! The predictions have the model's accuracy (`tests/memory_model.rs` holds each
@@ -44,6 +47,8 @@ use std::fmt;
 
 use tpar_dtensor::CpMethod;
 use tpar_nn::checkpoint::AcPolicy;
+use tpar_pipeline::ScheduleKind;
+use tpar_tensor::checkpoint::WeightPass;
 
 use super::{
     ac_candidates, mib, predict_memory, recompute_share, DataParallelMode, MemoryConfig,
@@ -57,6 +62,9 @@ pub enum Change {
     DataParallel(DataParallelMode),
     /// The activation-checkpointing policy of the decoder layers.
     Ac(AcPolicy),
+    /// What checkpointed layers hold between a zero-bubble schedule's input and weight
+    /// passes.
+    WeightPass(WeightPass),
     /// Micro-batches per step (under a pipeline).
     Microbatches(usize),
     /// The tensor-parallel plan.
@@ -84,6 +92,7 @@ impl Change {
         match self {
             Change::DataParallel(_) | Change::Plan(_) | Change::CpMethod(_) => 0,
             Change::Ac(AcPolicy::Full { .. } | AcPolicy::Mixed { .. }) => 4,
+            Change::WeightPass(_) => 4,
             Change::Ac(_) => 1,
             Change::Microbatches(_) => 2,
             Change::Mesh { .. } => 3,
@@ -104,6 +113,7 @@ impl fmt::Display for Change {
                 write!(f, "FSDP ({d} compute)")
             }
             Change::Ac(p) => write!(f, "ac {p}"),
+            Change::WeightPass(w) => write!(f, "ac weight pass {w}"),
             Change::Microbatches(m) => write!(f, "{m} micro-batches"),
             Change::Plan(TpPlan::Megatron) => write!(f, "plan megatron"),
             Change::Plan(TpPlan::SequenceParallel) => write!(f, "plan sp"),
@@ -138,10 +148,10 @@ impl fmt::Display for Alternative {
 /// setting in the order of [`candidates`]' dimensions: 0 keeps it, a higher level goes
 /// further. The mesh (dimension [`MESH`]) has no order: its level is 1 + the index of
 /// the split.
-type Steps = [usize; 6];
+type Steps = [usize; 7];
 
 /// The dimension of [`Steps`] that is the mesh.
-const MESH: usize = 5;
+const MESH: usize = 6;
 
 /// Whether `a` changes no setting further than `b` (and is not `b`).
 fn no_further_than(a: &Steps, b: &Steps) -> bool {
@@ -263,12 +273,21 @@ fn order(a: &Alternative, b: &Alternative) -> Ordering {
         .then_with(|| a.estimate.peak.cmp(&b.estimate.peak))
 }
 
-/// Every combination of the six settings but `c` itself that the model predicts.
+/// Every combination of the seven settings but `c` itself that the model predicts.
 fn candidates(c: &MemoryConfig) -> Vec<(Steps, Alternative)> {
     // Per setting, the changes in order (level 1, 2, ...); level 0 keeps `c`'s.
     let mut dims: Vec<Vec<Change>> = vec![
         stronger_dp(c.data_parallel).into_iter().map(Change::DataParallel).collect(),
         stronger_ac(c).into_iter().map(Change::Ac).collect(),
+        // Only where the schedule splits the backward; pointless without checkpointing.
+        if c.pp > 1
+            && c.schedule == ScheduleKind::ZeroBubble
+            && c.ac_weight_pass == WeightPass::Keep
+        {
+            vec![Change::WeightPass(WeightPass::Recompute)]
+        } else {
+            Vec::new()
+        },
         if c.pp > 1 {
             [2, 4, 8].map(|t| Change::Microbatches(c.microbatches * t)).to_vec()
         } else {
@@ -282,9 +301,9 @@ fn candidates(c: &MemoryConfig) -> Vec<(Steps, Alternative)> {
     dims.push(meshes.collect());
     debug_assert_eq!(dims.len(), MESH + 1);
     let mut out = Vec::new();
-    let mut steps: Steps = [0; 6];
+    let mut steps: Steps = [0; 7];
     loop {
-        if steps != [0; 6] {
+        if steps != [0; 7] {
             if let Some(a) = candidate(c, &dims, &steps) {
                 out.push((steps, a));
             }
@@ -312,6 +331,7 @@ fn candidate(c: &MemoryConfig, dims: &[Vec<Change>], steps: &Steps) -> Option<Al
         match &ch {
             Change::DataParallel(mode) => n.data_parallel = *mode,
             Change::Ac(ac) => n.ac = ac.clone(),
+            Change::WeightPass(w) => n.ac_weight_pass = *w,
             Change::Microbatches(m) => n.microbatches = *m,
             Change::Plan(plan) => n.plan = *plan,
             Change::CpMethod(method) => n.cp_method = *method,
@@ -329,6 +349,7 @@ fn candidate(c: &MemoryConfig, dims: &[Vec<Change>], steps: &Steps) -> Option<Al
         Change::DataParallel(_) => n.dp * n.cp == 1,
         Change::Plan(_) => n.tp == 1 || c.plan == TpPlan::Megatron || !divides(n.tp),
         Change::CpMethod(_) => n.cp == 1 || c.cp_method == CpMethod::Ring,
+        Change::WeightPass(_) => n.ac == AcPolicy::None,
         _ => false,
     });
     if pointless || (n.dp > 1 && n.data_parallel == DataParallelMode::None) {
