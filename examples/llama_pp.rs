@@ -133,8 +133,8 @@ struct Opts {
     ac: args::AcArgs,
     /// What an activation-checkpointed layer holds between the zero-bubble schedule's
     /// input pass and weight pass: keep (the recomputed graph's weight half, one recompute)
-    /// or recompute (nothing of it; the weight pass recomputes the layer again, as
-    /// PyTorch's checkpoint does under its pipelining). The same gradients either way.
+    /// or recompute (nothing of it; the weight pass recomputes the layer again). The same
+    /// gradients either way.
     #[arg(long, default_value = "keep", value_parser = parse_weight_pass)]
     ac_weight_pass: WeightPass,
     #[command(flatten)]

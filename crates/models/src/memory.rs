@@ -142,7 +142,11 @@
 //!   kept outputs are freed once the input pass has recomputed it (stage 0 has
 //!   no input to differentiate: its weight pass is the whole backward). Checkpointing
 //!   there saves less than under 1F1B (at pp 3, one layer per stage, none on the last
-//!   stage). Gradients exist from the first micro-batch's
+//!   stage). When the weight pass recomputes instead ([`MemoryConfig::ac_weight_pass`],
+//!   `WeightPass::Recompute`), a checkpointed layer holds nothing of its recomputed graph
+//!   between the passes and keeps its kept outputs until the weight pass: the waiting
+//!   micro-batches hold the gradient of each such layer's output (its input's shape)
+//!   instead. Gradients exist from the first micro-batch's
 //!   backward on, so a later micro-batch's backward holds every gradient beside the
 //!   in-flight activations. An
 //!   activation sent to the next stage is a copy counted on the sender until the receiver

@@ -153,9 +153,9 @@ impl PipelineSchedule {
     /// backward's input pass and weight pass (zero-bubble's I and W; the other schedules
     /// do not split): [`WeightPass::Keep`] (the default) keeps the recomputed graph's
     /// weight half, one recompute per micro-batch; [`WeightPass::Recompute`] drops it and
-    /// recomputes the region again in the weight pass, as PyTorch's checkpoint does under
-    /// its pipelining, so a stage whose weight passes wait holds about what 1F1B holds.
-    /// The gradients are the same bits either way.
+    /// recomputes the region again in the weight pass, so a stage whose weight passes wait
+    /// holds much less of its checkpointed layers, for more time (docs/PERF.md). The
+    /// gradients are the same bits either way.
     pub fn set_ac_weight_pass(&mut self, mode: WeightPass) {
         self.weight_pass = mode;
     }

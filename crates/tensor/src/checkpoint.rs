@@ -206,8 +206,9 @@ pub enum WeightPass {
     /// In between the region holds what it held before the input pass (its inputs and, for
     /// a selective region, its kept outputs) and the engine the gradient of its output,
     /// for a second recompute and the backward's products into the region's activations
-    /// again. This is what PyTorch's non-reentrant checkpoint does under its pipelining's
-    /// split backward, where the two passes are separate autograd calls.
+    /// again. PyTorch's non-reentrant checkpoint recomputes once per backward call, so it
+    /// behaves this way over a split backward's two calls, and as [`WeightPass::Keep`]
+    /// when they run under one `torch.utils.checkpoint.GraphExecGroup`.
     Recompute,
 }
 
