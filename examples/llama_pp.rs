@@ -132,11 +132,11 @@ struct Opts {
     #[command(flatten)]
     ac: args::AcArgs,
     /// What an activation-checkpointed layer holds between the zero-bubble schedule's
-    /// input pass and weight pass: keep (the recomputed graph's weight half, one recompute)
-    /// or recompute (nothing of it; the weight pass recomputes the layer again). The same
-    /// gradients either way.
-    #[arg(long, default_value = "keep", value_parser = parse_weight_pass)]
-    ac_weight_pass: WeightPass,
+    /// input pass and weight pass: keep (the recomputed graph's weight half, one recompute;
+    /// the default) or recompute (nothing of it; the weight pass recomputes the layer
+    /// again). The same gradients either way. `--ac auto` chooses it with the policy.
+    #[arg(long, value_parser = parse_weight_pass)]
+    ac_weight_pass: Option<WeightPass>,
     #[command(flatten)]
     cp_method: args::CpMethodArgs,
     #[command(flatten)]
@@ -201,6 +201,12 @@ impl Opts {
             return Err(format!("--memory-budget {b}: a positive number of GiB"));
         }
         self.ac.check(self.memory_budget)?;
+        if let (args::AcFlag::Auto, Some(w)) = (&self.ac.ac, self.ac_weight_pass) {
+            return Err(format!(
+                "--ac auto chooses the weight pass with the policy: give --ac POLICY to set \
+                 --ac-weight-pass {w}"
+            ));
+        }
         if self.backend == BackendArg::Local {
             let (pp, dp, tp) = (self.pp, self.dp, self.tp);
             let what = if self.cp > 1 {
@@ -244,6 +250,8 @@ impl SchedArg {
 struct RankReport {
     /// The activation-checkpointing policy trained with (`--ac auto`'s pick).
     ac: AcPolicy,
+    /// What its checkpointed layers held between the split backward's passes.
+    ac_weight_pass: WeightPass,
     /// The memory model's predicted peak for this rank's stage (`None`: not modelled).
     predicted_peak_bytes: Option<u64>,
     /// Whether this rank printed the losses (last stage, dp 0, tp 0).
@@ -393,7 +401,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
         loss.mul_scalar(share * cp as f64)
     };
     let mut pipe = PipelineSchedule::new(kind, stages, o.microbatches, loss_fn)?;
-    pipe.set_ac_weight_pass(o.ac_weight_pass);
+    pipe.set_ac_weight_pass(run.ac_weight_pass);
     if rank == 0 {
         println!(
             "schedule {} ({} stages on {} pp ranks):\n{}",
@@ -620,6 +628,7 @@ fn train(world: &ProcessGroup, o: &Opts) -> tpar::Result<RankReport> {
     }
     Ok(RankReport {
         ac,
+        ac_weight_pass: run.ac_weight_pass,
         predicted_peak_bytes: predicted.map(|p| p.peak),
         reporter,
         first_loss: progress.first_loss,
@@ -659,7 +668,7 @@ fn memory_config(o: &Opts, cfg: &LlamaConfig) -> MemoryConfig {
         },
         cp_method: o.cp_method.cp_method,
         ac: o.ac.fixed(),
-        ac_weight_pass: o.ac_weight_pass,
+        ac_weight_pass: o.ac_weight_pass.unwrap_or_default(),
         fusion: LlamaFusion { projections: o.fuse_proj, residual: o.fuse_residual },
         ..MemoryConfig::new(*cfg, o.batch, o.model.seq)
     }
@@ -759,7 +768,7 @@ fn main() {
         u8::from(o.fuse_proj),
         u8::from(o.fuse_residual),
         data_mib_max,
-        o.ac_weight_pass,
+        r.ac_weight_pass,
     );
     let finished = r.start_step + r.steps_run == o.steps && r.steps_run > 0;
     let fell = r.final_loss.is_finite() && r.final_loss < r.first_loss;

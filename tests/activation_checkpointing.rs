@@ -829,4 +829,43 @@ fn the_pipeline_trainers_weight_pass_flag_keeps_the_losses() {
     let (code, _, err) = run_example("llama_pp", &args).unwrap();
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("later") && err.contains("keep or recompute"), "{err}");
+    let auto = [&base[..], &["--ac", "auto", "--memory-budget", "1", "--ac-weight-pass", "keep"]];
+    let (code, _, err) = run_example("llama_pp", &auto.concat()).unwrap();
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--ac auto chooses the weight pass"), "{err}");
+}
+
+/// `llama_pp --ac auto` under zero-bubble picks the weight pass with the policy and trains
+/// with it: at 92 MiB no policy fits a stage that keeps its recomputed graphs (full
+/// checkpointing is predicted 175 MiB on stage 1), one recomputing them does (full, 83
+/// MiB), and the summary names it.
+#[test]
+fn the_pipeline_trainers_auto_policy_picks_the_weight_pass() {
+    use common::examples::run_example;
+    let args = [
+        "--pp",
+        "2",
+        "--layers",
+        "4",
+        "--seq",
+        "4096",
+        "--microbatches",
+        "2",
+        "--batch",
+        "4",
+        "--schedule",
+        "zb",
+        "--steps",
+        "1",
+        "--ac",
+        "auto",
+        "--memory-budget",
+        "0.09",
+    ];
+    let Some((code, out, err)) = run_example("llama_pp", &args) else { return };
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("with the weight pass recomputing"), "{out}");
+    assert_eq!(summary_key(&out, "ac_weight_pass"), "recompute", "{out}");
+    let predicted: f64 = summary_key(&out, "predicted_peak_mib").parse().unwrap();
+    assert!(predicted <= 0.09 * 1024.0, "{out}");
 }

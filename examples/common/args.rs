@@ -212,7 +212,8 @@ impl AcArgs {
 
     /// Sets `run.ac` to the policy to train with, and returns it: the flag's own, or under
     /// `auto` the one [`least_recompute`] picks for `run` (the run's configuration, whose
-    /// own `ac` is not read) and `memory_budget` GiB. Where `report`, `program` says the
+    /// own `ac` is not read) and `memory_budget` GiB, with `run.ac_weight_pass` its pick
+    /// under a zero-bubble pipeline. Where `report`, `program` says the
     /// pick on stdout, or on stderr that no policy fits on its own (the error then names
     /// what would, as `--memory-budget` does).
     pub fn resolve(
@@ -229,6 +230,7 @@ impl AcArgs {
                     if report {
                         println!("memory: --ac auto picks {choice}");
                     }
+                    run.ac_weight_pass = choice.weight_pass;
                     choice.policy
                 }
                 Err(e) => {

@@ -34,6 +34,9 @@ use super::{DataParallelMode, MemoryEstimate};
 pub struct AcChoice {
     /// The policy.
     pub policy: AcPolicy,
+    /// What its checkpointed layers hold between a zero-bubble schedule's input and weight
+    /// passes (the configuration's own elsewhere).
+    pub weight_pass: WeightPass,
     /// The configuration's prediction under it (the stage with the highest peak under a
     /// pipeline).
     pub estimate: MemoryEstimate,
@@ -43,10 +46,13 @@ pub struct AcChoice {
 
 impl fmt::Display for AcChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ac {}", self.policy)?;
+        if self.weight_pass == WeightPass::Recompute {
+            write!(f, " with the weight pass recomputing")?;
+        }
         write!(
             f,
-            "ac {}: predicted peak {}, recomputing {:.1} % of the decoder layers' forward",
-            self.policy,
+            ": predicted peak {}, recomputing {:.1} % of the decoder layers' forward",
             mib(self.estimate.peak),
             self.recompute * 100.0
         )
@@ -182,7 +188,10 @@ pub fn ac_candidates(c: &MemoryConfig) -> Vec<AcPolicy> {
 
 /// The activation-checkpointing policy for `c` (its own `ac` is not read) with the least
 /// [`recompute_share`] among [`ac_candidates`] whose predicted peak fits in `budget`
-/// bytes; of equal cost, the lower peak, then the earlier candidate.
+/// bytes; of equal cost, the lower peak, then the earlier candidate. Under a zero-bubble
+/// pipeline each checkpointing policy is weighed with either weight pass (`c`'s own
+/// `ac_weight_pass` is not read either), keeping the recomputed graphs first at equal
+/// cost; elsewhere the choice keeps `c`'s.
 ///
 /// When none fits, [`MemoryError::DoesNotFit`] for `c` without checkpointing, whose
 /// alternatives combine checkpointing with the other settings ([`check_fits`]).
@@ -206,19 +215,28 @@ pub fn ac_candidates(c: &MemoryConfig) -> Vec<AcPolicy> {
 /// # Ok::<(), tpar_models::memory::MemoryError>(())
 /// ```
 pub fn least_recompute(c: &MemoryConfig, budget: u64) -> Result<AcChoice, MemoryError> {
+    let split = c.pp > 1 && c.schedule == ScheduleKind::ZeroBubble;
+    let modes =
+        if split { vec![WeightPass::Keep, WeightPass::Recompute] } else { vec![c.ac_weight_pass] };
     let mut best: Option<AcChoice> = None;
     for policy in ac_candidates(c) {
-        let n = MemoryConfig { ac: policy.clone(), ..c.clone() };
-        let estimate = predict_memory(&n)?;
-        if estimate.peak > budget {
-            continue;
-        }
-        let recompute = recompute_share(&n)?;
-        let better = best
-            .as_ref()
-            .is_none_or(|b| (recompute, estimate.peak) < (b.recompute, b.estimate.peak));
-        if better {
-            best = Some(AcChoice { policy, estimate, recompute });
+        for &weight_pass in &modes {
+            // Without checkpointing the weight pass has nothing to recompute.
+            if policy == AcPolicy::None && weight_pass != modes[0] {
+                continue;
+            }
+            let n = MemoryConfig { ac: policy.clone(), ac_weight_pass: weight_pass, ..c.clone() };
+            let estimate = predict_memory(&n)?;
+            if estimate.peak > budget {
+                continue;
+            }
+            let recompute = recompute_share(&n)?;
+            let better = best
+                .as_ref()
+                .is_none_or(|b| (recompute, estimate.peak) < (b.recompute, b.estimate.peak));
+            if better {
+                best = Some(AcChoice { policy: policy.clone(), weight_pass, estimate, recompute });
+            }
         }
     }
     if let Some(choice) = best {
@@ -328,6 +346,44 @@ mod tests {
         seen.dedup();
         assert!(seen.len() >= 3, "{seen:?}");
         assert_eq!(least_recompute(&c, full).unwrap().recompute, share(&c, "full"));
+    }
+
+    /// Under zero-bubble the pick weighs the recomputing weight pass: at a budget no policy
+    /// fits keeping the recomputed graphs, one fits recomputing them; with room, the
+    /// cheaper keep is picked.
+    #[test]
+    fn zero_bubble_picks_the_weight_pass_too() {
+        let c = MemoryConfig {
+            pp: 2,
+            microbatches: 2,
+            schedule: ScheduleKind::ZeroBubble,
+            batch: 2,
+            ..config(8, 2048)
+        };
+        let peak = |ac: AcPolicy, wp| {
+            predict_memory(&MemoryConfig { ac, ac_weight_pass: wp, ..c.clone() }).unwrap().peak
+        };
+        let keep_least =
+            ac_candidates(&c).into_iter().map(|p| peak(p, WeightPass::Keep)).min().unwrap();
+        let again = peak(AcPolicy::full(), WeightPass::Recompute);
+        assert!(again < keep_least, "{again} {keep_least}");
+        let choice = least_recompute(&c, again).unwrap();
+        assert_eq!(choice.weight_pass, WeightPass::Recompute, "{choice}");
+        assert!(choice.estimate.peak <= again && choice.to_string().contains("recomputing"));
+        // Its cost is the recomputing weight pass's.
+        let n = MemoryConfig {
+            ac: choice.policy.clone(),
+            ac_weight_pass: WeightPass::Recompute,
+            ..c.clone()
+        };
+        assert_eq!(choice.recompute.to_bits(), recompute_share(&n).unwrap().to_bits());
+        // Room for keeping: the same policy costs less kept.
+        let roomy = least_recompute(&c, keep_least).unwrap();
+        assert_eq!(roomy.weight_pass, WeightPass::Keep, "{roomy}");
+        // Without a split backward the configuration's own mode stays.
+        let f1b = MemoryConfig { schedule: ScheduleKind::OneFOneB, ..c.clone() };
+        let budget = predict_memory(&MemoryConfig { ac: AcPolicy::full(), ..f1b.clone() }).unwrap();
+        assert_eq!(least_recompute(&f1b, budget.peak).unwrap().weight_pass, WeightPass::Keep);
     }
 
     #[test]
