@@ -465,6 +465,13 @@ pub struct MemoryConfig {
 }
 
 impl MemoryConfig {
+    /// Whether the pipeline splits its backward into input and weight passes (a
+    /// zero-bubble schedule over more than one stage), where
+    /// [`MemoryConfig::ac_weight_pass`] applies.
+    pub(crate) fn splits_backward(&self) -> bool {
+        self.pp > 1 && self.schedule == ScheduleKind::ZeroBubble
+    }
+
     /// One rank, no parallelism, no checkpointing, on the host: `batch` sequences of
     /// `seq` tokens per step.
     pub fn new(model: LlamaConfig, batch: usize, seq: usize) -> MemoryConfig {
@@ -538,8 +545,8 @@ impl fmt::Display for MemoryConfig {
             }
         }
         write!(f, ", ac {}", self.ac)?;
-        let split = self.pp > 1 && self.schedule == ScheduleKind::ZeroBubble;
-        if split && self.ac != AcPolicy::None && self.ac_weight_pass == WeightPass::Recompute {
+        let recomputing = self.ac_weight_pass == WeightPass::Recompute;
+        if self.splits_backward() && self.ac != AcPolicy::None && recomputing {
             write!(f, " (recomputed again in the weight pass)")?;
         }
         if self.fusion.projections {
@@ -1188,7 +1195,7 @@ pub fn predict_memory_stage(c: &MemoryConfig, stage: usize) -> Result<MemoryEsti
             _ => (c.pp - stage).min(mb),
         };
         let mut activations = per_mb * in_flight as f64;
-        if c.pp > 1 && c.schedule == ScheduleKind::ZeroBubble && stage > 0 {
+        if c.splits_backward() && stage > 0 {
             // A split backward's input pass recomputes each checkpointed layer and keeps
             // the recomputed graph's weight half until the weight pass: stage r's peak
             // comes with r micro-batches waiting for theirs (ZB-H1 defers them by the

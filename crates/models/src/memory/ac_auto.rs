@@ -23,7 +23,6 @@
 use std::fmt;
 
 use tpar_nn::checkpoint::AcPolicy;
-use tpar_pipeline::ScheduleKind;
 use tpar_tensor::checkpoint::{SaveOp, WeightPass};
 
 use super::{check_fits, mib, predict_memory, LayerShape, MemoryConfig, MemoryError};
@@ -138,9 +137,7 @@ pub fn recompute_share(c: &MemoryConfig) -> Result<f64, MemoryError> {
     // Under zero-bubble with the weight pass recomputing, a stage after the first (whose
     // backward splits) runs each checkpointed layer a second time and its backward's
     // products into the layer's activations again, counted as one more forward.
-    let again = c.pp > 1
-        && c.schedule == ScheduleKind::ZeroBubble
-        && c.ac_weight_pass == WeightPass::Recompute;
+    let again = c.splits_backward() && c.ac_weight_pass == WeightPass::Recompute;
     // The policy counts each stage's layers from its first, as the trainers apply it.
     let recompute: f64 = ranges
         .iter()
@@ -190,8 +187,7 @@ pub fn ac_candidates(c: &MemoryConfig) -> Vec<AcPolicy> {
 /// [`recompute_share`] among [`ac_candidates`] whose predicted peak fits in `budget`
 /// bytes; of equal cost, the lower peak, then the earlier candidate. Under a zero-bubble
 /// pipeline each checkpointing policy is weighed with either weight pass (`c`'s own
-/// `ac_weight_pass` is not read either), keeping the recomputed graphs first at equal
-/// cost; elsewhere the choice keeps `c`'s.
+/// `ac_weight_pass` is not read either; `keep` first); elsewhere the choice keeps `c`'s.
 ///
 /// When none fits, [`MemoryError::DoesNotFit`] for `c` without checkpointing, whose
 /// alternatives combine checkpointing with the other settings ([`check_fits`]).
@@ -215,9 +211,11 @@ pub fn ac_candidates(c: &MemoryConfig) -> Vec<AcPolicy> {
 /// # Ok::<(), tpar_models::memory::MemoryError>(())
 /// ```
 pub fn least_recompute(c: &MemoryConfig, budget: u64) -> Result<AcChoice, MemoryError> {
-    let split = c.pp > 1 && c.schedule == ScheduleKind::ZeroBubble;
-    let modes =
-        if split { vec![WeightPass::Keep, WeightPass::Recompute] } else { vec![c.ac_weight_pass] };
+    let modes = if c.splits_backward() {
+        vec![WeightPass::Keep, WeightPass::Recompute]
+    } else {
+        vec![c.ac_weight_pass]
+    };
     let mut best: Option<AcChoice> = None;
     for policy in ac_candidates(c) {
         for &weight_pass in &modes {
@@ -252,6 +250,7 @@ pub fn least_recompute(c: &MemoryConfig, budget: u64) -> Result<AcChoice, Memory
 mod tests {
     use super::*;
     use crate::LlamaConfig;
+    use tpar_pipeline::ScheduleKind;
 
     fn config(layers: usize, seq: usize) -> MemoryConfig {
         let model = LlamaConfig {
@@ -381,9 +380,13 @@ mod tests {
         let roomy = least_recompute(&c, keep_least).unwrap();
         assert_eq!(roomy.weight_pass, WeightPass::Keep, "{roomy}");
         // Without a split backward the configuration's own mode stays.
-        let f1b = MemoryConfig { schedule: ScheduleKind::OneFOneB, ..c.clone() };
+        let f1b = MemoryConfig {
+            schedule: ScheduleKind::OneFOneB,
+            ac_weight_pass: WeightPass::Recompute,
+            ..c.clone()
+        };
         let budget = predict_memory(&MemoryConfig { ac: AcPolicy::full(), ..f1b.clone() }).unwrap();
-        assert_eq!(least_recompute(&f1b, budget.peak).unwrap().weight_pass, WeightPass::Keep);
+        assert_eq!(least_recompute(&f1b, budget.peak).unwrap().weight_pass, WeightPass::Recompute);
     }
 
     #[test]

@@ -47,7 +47,6 @@ use std::fmt;
 
 use tpar_dtensor::CpMethod;
 use tpar_nn::checkpoint::AcPolicy;
-use tpar_pipeline::ScheduleKind;
 use tpar_tensor::checkpoint::WeightPass;
 
 use super::{
@@ -280,10 +279,7 @@ fn candidates(c: &MemoryConfig) -> Vec<(Steps, Alternative)> {
         stronger_dp(c.data_parallel).into_iter().map(Change::DataParallel).collect(),
         stronger_ac(c).into_iter().map(Change::Ac).collect(),
         // Only where the schedule splits the backward; pointless without checkpointing.
-        if c.pp > 1
-            && c.schedule == ScheduleKind::ZeroBubble
-            && c.ac_weight_pass == WeightPass::Keep
-        {
+        if c.splits_backward() && c.ac_weight_pass == WeightPass::Keep {
             vec![Change::WeightPass(WeightPass::Recompute)]
         } else {
             Vec::new()
