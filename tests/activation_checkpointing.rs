@@ -592,15 +592,21 @@ fn split_dy() -> Tensor {
     Tensor::from_vec(vec![1.0f64, -0.5, 0.25, 2.0, -1.0, 0.5], [3, 2]).unwrap()
 }
 
+/// The bits of the gradients of `x`, `w1` and `w2` through `silu(x w1^T) w2^T` without
+/// checkpointing, for the output gradient `dy`: the reference of the split tests.
+fn unchecked_grads(x: &Tensor, w1: &Tensor, w2: &Tensor, dy: &Tensor) -> Vec<Vec<u64>> {
+    let y = x.linear(w1, None).unwrap().silu().unwrap().linear(w2, None).unwrap();
+    y.backward_with(dy).unwrap();
+    [x, w1, w2].iter().map(|t| bits(&t.grad().unwrap())).collect()
+}
+
 #[test]
 fn a_split_backward_defers_the_weight_half_of_a_checkpointed_region() {
     use tpar::tensor::autograd::backward_input;
     let (make, dy) = (split_leaves, split_dy());
     // Without checkpointing: the reference.
     let (x, w1, w2) = make();
-    let y = x.linear(&w1, None).unwrap().silu().unwrap().linear(&w2, None).unwrap();
-    y.backward_with(&dy).unwrap();
-    let want: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    let want = unchecked_grads(&x, &w1, &w2, &dy);
     for keep in [vec![], SaveOp::DEFAULT.to_vec()] {
         let (x, w1, w2) = make();
         let (a, b) = (w1.clone(), w2.clone());
@@ -628,15 +634,7 @@ fn a_region_asked_again_after_its_input_pass_recomputes_everything() {
     use tpar::tensor::autograd::backward_input;
     let (make, dy) = (split_leaves, split_dy());
     let (x, w1, w2) = make();
-    x.linear(&w1, None)
-        .unwrap()
-        .silu()
-        .unwrap()
-        .linear(&w2, None)
-        .unwrap()
-        .backward_with(&dy)
-        .unwrap();
-    let want: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    let want = unchecked_grads(&x, &w1, &w2, &dy);
     let (x, w1, w2) = make();
     let (a, b) = (w1.clone(), w2.clone());
     let f = move |i: &[Tensor]| i[0].linear(&a, None)?.silu()?.linear(&b, None);
@@ -717,15 +715,7 @@ fn the_weight_pass_can_recompute_a_region_instead_of_holding_its_weight_half() {
     };
     let dy = Tensor::from_vec(fill(n * d, 1e-1), [n, d]).unwrap();
     let (x, w1, w2) = leaves();
-    x.linear(&w1, None)
-        .unwrap()
-        .silu()
-        .unwrap()
-        .linear(&w2, None)
-        .unwrap()
-        .backward_with(&dy)
-        .unwrap();
-    let want: Vec<Vec<u64>> = [&x, &w1, &w2].iter().map(|t| bits(&t.grad().unwrap())).collect();
+    let want = unchecked_grads(&x, &w1, &w2, &dy);
     // Bytes live on this thread after the input pass beyond those before the forward, the
     // regions recomputed, and the gradients.
     let split = |keep: &[SaveOp], mode: WeightPass| {
