@@ -801,6 +801,47 @@ fn check_difference(
     }
 }
 
+/// A pipeline stage holds its output with its graph until its backward (the root the
+/// backward starts from), beside the copy it sent: with full checkpointing at a small
+/// width relative to the MLP and many tokens per micro-batch that is a large share of the
+/// first stage's peak, and the model counts it: rank 0 within 10 % (6.3 % under, one run,
+/// 2026-12-08); without the term it is predicted 17.5 % under and this fails.
+#[test]
+fn a_stage_holds_its_output_until_its_backward() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = LlamaConfig {
+        vocab_size: 259,
+        max_position_embeddings: SEQ,
+        hidden_size: 256,
+        intermediate_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        dtype: DType::F32,
+        ..Default::default()
+    };
+    // 32 sequences of 256 in 2 micro-batches: 4096 tokens a micro-batch.
+    let (rows, m, ac) = (32, 2, AcPolicy::full());
+    let c = MemoryConfig {
+        pp: 2,
+        microbatches: m,
+        schedule: ScheduleKind::OneFOneB,
+        ac: ac.clone(),
+        ..MemoryConfig::new(cfg, rows, SEQ)
+    };
+    let predicted = predict_memory_stage(&c, 0).unwrap().peak;
+    let kind = (ScheduleKind::OneFOneB, 1, m);
+    let measured = measure_pp_with(cfg, rows, 1, kind, (&ac, WeightPass::Keep))[0];
+    let e = predicted as f64 / measured as f64 - 1.0;
+    println!(
+        "rank 0: predicted {:.2} MiB, measured {:.2} MiB ({:+.1} %)",
+        mib(predicted as f64),
+        mib(measured as f64),
+        100.0 * e
+    );
+    assert!(e.abs() <= 0.10, "rank 0: predicted {predicted} B, measured {measured} B");
+}
+
 /// Interleaved 1F1B and all-gather context parallelism, each against the configuration
 /// it changes, on models where what it adds is a large share of the peak: the predicted
 /// peaks are within 15 % of the measured ones and the measured differences within 30 %
