@@ -363,14 +363,14 @@ fn device_prediction_is_within_15_percent_of_the_emulated_peak() {
             // Ranks sharing the device reach their backward peaks together only as closely
             // as FSDP's asynchronous collectives let them (below): of three runs, the one
             // whose backward rose most, the nearest to the peaks the model adds.
+            let rise = |m: &Measured| m.second_step.map_or(i64::MIN, |(_, r)| r);
             for _ in 0..2 {
                 let again = run.measure();
-                let rise = |m: &Measured| m.second_step.map_or(i64::MIN, |(_, r)| r);
+                let peak = measured.peak.max(again.peak);
                 if rise(&again) > rise(&measured) {
-                    measured = Measured { peak: measured.peak.max(again.peak), ..again };
-                } else {
-                    measured.peak = measured.peak.max(again.peak);
+                    measured = again;
                 }
+                measured.peak = peak;
             }
         }
         let row = Row { name, fsdp, predicted: run.predict(), measured };

@@ -16,12 +16,14 @@
 //! uses), callbacks the recomputed graph's closures queue ([`crate::autograd::queue_callback`],
 //! as FSDP's) join the running pass. In a split backward
 //! ([`crate::autograd::backward_input`]) the input pass asks the node only for the
-//! region's inputs: it recomputes the region, computes those, and keeps the recomputed
-//! graph's parameter half, which the weight pass asks for next (the region is recomputed
-//! once per backward, and its weight gradients wait for the weight pass as a plain
-//! layer's do). A selective region's kept outputs are dropped then: the recompute has
-//! used them, and the parameter half saved none of them, so from the input pass to the
-//! weight pass a selective region holds what a full one holds.
+//! region's inputs: it recomputes the region, computes those, and (under the default
+//! [`WeightPass::Keep`]) keeps the recomputed graph's parameter half, which the weight
+//! pass asks for next (the region is recomputed once per backward, and its weight
+//! gradients wait for the weight pass as a plain layer's do). A selective region's kept
+//! outputs are dropped then: the recompute has used them, and the parameter half saved
+//! none of them, so from the input pass to the weight pass a selective region holds what
+//! a full one holds. Under [`WeightPass::Recompute`] ([`set_weight_pass`]) the input pass
+//! drops the recomputed graph instead, and the weight pass recomputes the region again.
 //!
 //! **Bit-identical recompute.** The recompute runs the same `f` on the same values, so
 //! it issues the same ops in the same order. The random ops draw from the thread's
@@ -661,12 +663,16 @@ struct Region {
     dtype: DType,
     /// The default generator's state when the forward started.
     rng: RngState,
-    /// The parameters' half of a split backward's input pass, with the input indices it
-    /// owes, until the weight pass asks for it.
-    deferred: Mutex<Option<(Vec<usize>, DeferredWithin)>>,
-    /// The input indices a split backward's input pass under [`WeightPass::Recompute`]
-    /// owes, until the weight pass asks for them (and recomputes the region for them).
-    awaiting: Mutex<Option<Vec<usize>>>,
+    /// What a split backward's input pass left for the weight pass, until it asks.
+    owed: Mutex<Option<Owed>>,
+}
+
+/// What a split backward's input pass leaves a region's weight pass: the input indices
+/// that pass asks for, with the recomputed graph's parameter half ([`WeightPass::Keep`])
+/// or without it, to recompute the region for them ([`WeightPass::Recompute`]).
+enum Owed {
+    Kept(Vec<usize>, DeferredWithin),
+    Dropped(Vec<usize>),
 }
 
 /// Runs `f(inputs)` as an activation-checkpointed region (see the module docs): its
@@ -736,8 +742,7 @@ where
         shape: out.shape().clone(),
         dtype: out.dtype(),
         rng,
-        deferred: Mutex::new(None),
-        awaiting: Mutex::new(None),
+        owed: Mutex::new(None),
     };
     let refs: Vec<&Tensor> = all.iter().collect();
     Ok(record("checkpoint", &refs, out, move |g| region.backward(g)))
@@ -760,9 +765,11 @@ impl Region {
         let asked: Vec<usize> = (0..n).filter(|&i| wants(i)).collect();
         let owed: Vec<usize> =
             (0..n).filter(|&i| self.inputs[i].requires_grad() && !wants(i)).collect();
-        let deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some((later, d)) = deferred {
-            if later == asked {
+        // A call asking for other inputs than the input pass left (a whole backward after
+        // it) starts afresh.
+        let mut weights_again = false;
+        match self.owed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(Owed::Kept(later, d)) if later == asked => {
                 let (grads, stray) = timed(&BACKWARD_NS, || d.finish())?;
                 stray_check(&stray)?;
                 let mut out = vec![None; n];
@@ -771,12 +778,13 @@ impl Region {
                 }
                 return Ok(out);
             }
+            // The weight pass after an input pass that dropped the recomputed graph: the
+            // region runs again, its inputs' copies taking no gradient unless asked for
+            // (none is, normally), so the backward computes only what reaches the
+            // parameters.
+            Some(Owed::Dropped(later)) => weights_again = later == asked,
+            _ => {}
         }
-        let awaiting = self.awaiting.lock().unwrap_or_else(|p| p.into_inner()).take();
-        // The weight pass after an input pass that dropped the recomputed graph: the region
-        // runs again, its inputs' copies taking no gradient unless asked for (none is,
-        // normally), so the backward computes only what reaches the parameters.
-        let weights_again = awaiting.as_ref() == Some(&asked);
         let copy_grad =
             |i: usize| self.inputs[i].requires_grad() && (!weights_again || asked.contains(&i));
         let Some((out, targets)) = timed(&RECOMPUTE_NS, || self.recompute(copy_grad))? else {
@@ -796,22 +804,20 @@ impl Region {
         let later: Vec<Tensor> = owed.iter().map(|&i| targets[i].clone()).collect();
         let (grads, d) =
             timed(&BACKWARD_NS, || grad_within_split(&[out], vec![g.clone()], &now, &later))?;
-        match weight_pass() {
+        let left = match weight_pass() {
             WeightPass::Keep => {
-                *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = Some((owed, d));
                 // The weight pass finishes the recomputed graph instead of recomputing the
                 // region: the kept outputs are no longer read here (the recomputed graph's
                 // nodes hold what they saved of them), so a waiting micro-batch of a
                 // zero-bubble schedule does not hold them until its weight pass.
                 *self.kept.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                Owed::Kept(owed, d)
             }
-            WeightPass::Recompute => {
-                // The recomputed graph goes with `d`; the kept outputs stay for the weight
-                // pass's recompute.
-                drop(d);
-                *self.awaiting.lock().unwrap_or_else(|p| p.into_inner()) = Some(owed);
-            }
-        }
+            // The recomputed graph goes with `d`; the kept outputs stay for the weight
+            // pass's recompute.
+            WeightPass::Recompute => Owed::Dropped(owed),
+        };
+        *self.owed.lock().unwrap_or_else(|p| p.into_inner()) = Some(left);
         let mut res = vec![None; n];
         for (i, gi) in asked.into_iter().zip(grads) {
             res[i] = gi;

@@ -90,8 +90,7 @@ impl Change {
     fn rank(&self) -> u8 {
         match self {
             Change::DataParallel(_) | Change::Plan(_) | Change::CpMethod(_) => 0,
-            Change::Ac(AcPolicy::Full { .. } | AcPolicy::Mixed { .. }) => 4,
-            Change::WeightPass(_) => 4,
+            Change::Ac(AcPolicy::Full { .. } | AcPolicy::Mixed { .. }) | Change::WeightPass(_) => 4,
             Change::Ac(_) => 1,
             Change::Microbatches(_) => 2,
             Change::Mesh { .. } => 3,
