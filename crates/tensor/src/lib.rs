@@ -56,8 +56,9 @@ pub type Result<T> = std::result::Result<T, TensorError>;
 /// Makes ops whose results on a GPU depend on the order its blocks run in compute in a
 /// fixed order instead, process-wide (PyTorch's `torch.use_deterministic_algorithms`):
 /// the attention backward's dQ, which every key block otherwise adds with f32 atomics,
-/// is then summed in key-block order, the same bits on every run, at some speed where
-/// kv heads times batch is below the GPU's multiprocessor count
+/// is then summed in key-block order whatever order the blocks run in (shown on the CPU
+/// emulator with shuffled blocks; not yet run on a GPU), at a cost in speed where kv
+/// heads times batch is below the GPU's multiprocessor count
 /// ([`tpar_kernels::cuda::set_deterministic`]). The CPU kernels and every other device
 /// kernel are deterministic either way (the embedding gradient sorts its positions on
 /// the device).
